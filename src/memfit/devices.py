@@ -1,0 +1,96 @@
+"""Device specs: capacity, allocator behaviour, dtype support and peak throughput.
+
+``cpu`` is the machine at hand (capacity read from the OS). GPU presets describe a card as
+PyTorch sees it: ``total_bytes`` is ``torch.cuda.get_device_properties().total_memory`` on that
+card, the CUDA context and cuBLAS workspace are memory outside (context) or inside (workspace)
+PyTorch's allocator count, and allocations go through the CUDA caching allocator model in
+``memfit.memory.allocator``. Throughput figures are the vendor's dense peaks, used by the
+planner's roofline model; they are not measurements.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from memfit.errors import UserError
+
+GiB = 1024**3
+MiB = 1024**2
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    kind: str
+    """'cpu' or 'cuda': the torch device type the step is traced on."""
+    total_bytes: int
+    """Memory capacity as PyTorch reports it."""
+    bf16: bool
+    fp16: bool
+    allocator: str
+    """'cpu' (every tensor is its own malloc) or 'cuda-caching' (PyTorch's CUDA caching allocator)."""
+    context_bytes: int = 0
+    """CUDA context and kernels: outside PyTorch's allocator, inside the card's memory."""
+    workspace_bytes: int = 0
+    """cuBLAS workspace allocated through the caching allocator on the first matmul."""
+    peak_flops: dict = field(default_factory=dict)
+    """Dense peak FLOP/s per dtype name (float32 counts TF32 tensor cores where the card has them)."""
+    mem_bandwidth: float = 0.0
+    """Device memory bandwidth, bytes/s."""
+    host_link_bandwidth: float = 0.0
+    """Host <-> device bandwidth, bytes/s (PCIe), for offload."""
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.kind == "cuda"
+
+    def usable_bytes(self) -> int:
+        """Capacity left to PyTorch's allocator after the CUDA context."""
+        return self.total_bytes - self.context_bytes
+
+
+def _gpu(name, total, ctx_mib, ws_mib, bf16, fp16_tflops, bf16_tflops, fp32_tflops, bw_gbs, link_gbs):
+    flops = {"float16": fp16_tflops * 1e12, "float32": fp32_tflops * 1e12}
+    if bf16:
+        flops["bfloat16"] = bf16_tflops * 1e12
+    return Device(name=name, kind="cuda", total_bytes=total, bf16=bf16, fp16=True, allocator="cuda-caching",
+                  context_bytes=ctx_mib * MiB, workspace_bytes=int(ws_mib * MiB), peak_flops=flops,
+                  mem_bandwidth=bw_gbs * 1e9, host_link_bandwidth=link_gbs * 1e9)
+
+
+# total_memory as torch.cuda.get_device_properties reports it; context sizes are typical with
+# lazy module loading (CUDA >= 11.7); workspace: cuBLAS default (32 MiB on Hopper, 8.125 MiB before).
+GPU_PRESETS: dict[str, Device] = {d.name: d for d in (
+    _gpu("h100-80gb", 85_520_809_984, 520, 32, True, 989, 989, 494, 3350, 55),
+    _gpu("a100-80gb", 85_198_045_184, 420, 8.125, True, 312, 312, 156, 2039, 25),
+    _gpu("a100-40gb", 42_505_273_344, 420, 8.125, True, 312, 312, 156, 1555, 25),
+    _gpu("l4", 23_580_639_232, 380, 8.125, True, 121, 121, 60, 300, 25),
+    _gpu("rtx4090", 25_386_352_640, 400, 8.125, True, 165, 165, 82.6, 1008, 25),
+    _gpu("rtx3090", 25_447_170_048, 400, 8.125, True, 71, 71, 35.6, 936, 25),
+    _gpu("t4", 15_835_398_144, 310, 8.125, False, 65, 0, 8.1, 320, 12),
+    _gpu("v100-16gb", 16_945_512_448, 330, 8.125, False, 125, 0, 15.7, 900, 12),
+)}
+
+ALIASES = {"h100": "h100-80gb", "a100": "a100-80gb", "4090": "rtx4090", "3090": "rtx3090", "v100": "v100-16gb"}
+
+
+def cpu_device() -> Device:
+    """The machine at hand, as the CPU allocator sees it."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 16 * GiB
+    return Device(name="cpu", kind="cpu", total_bytes=total, bf16=True, fp16=True, allocator="cpu")
+
+
+def get_device(name: str | Device | None) -> Device:
+    """Look a device up by name: 'cpu' or a GPU preset (see ``memfit devices``)."""
+    if isinstance(name, Device):
+        return name
+    if name is None or name == "cpu":
+        return cpu_device()
+    key = ALIASES.get(name.lower(), name.lower())
+    if key not in GPU_PRESETS:
+        raise UserError(f"unknown device {name!r}; choose cpu or one of: {', '.join(GPU_PRESETS)}")
+    return GPU_PRESETS[key]

@@ -1,0 +1,1 @@
+"""Memory: the storage tracker, fake-tensor estimation, real measurement and allocator models."""

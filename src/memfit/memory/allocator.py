@@ -1,0 +1,147 @@
+"""A model of PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp), default settings.
+
+Why it matters: ``torch.cuda.memory_allocated`` counts blocks, not tensors, and
+``memory_reserved`` counts the segments obtained with cudaMalloc, which the allocator keeps and
+reuses but never returns unless asked (``empty_cache``). What decides an OOM is reserved memory
+plus the CUDA context, so a prediction must replay the allocation sequence through the same rules:
+
+- every request is rounded up to a multiple of 512 bytes;
+- requests <= 1 MiB come from the small pool, carved from 2 MiB segments; larger ones from the
+  large pool: a new segment is 20 MiB for requests < 10 MiB, else the request rounded up to 2 MiB;
+- a request takes the best-fitting (smallest sufficient) cached block of its pool, split when
+  the remainder is >= 512 B (small pool) or > 1 MiB (large pool); an unsplit block is counted
+  whole in ``memory_allocated``;
+- freed blocks merge with free neighbours of the same segment.
+
+Not modelled: multiple streams, ``expandable_segments``, ``max_split_size_mb``,
+``roundup_power2_divisions``, and the retry that frees cached blocks when cudaMalloc fails.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+MIN_BLOCK = 512
+SMALL_SIZE = 1 << 20
+SMALL_BUFFER = 2 << 20
+LARGE_BUFFER = 20 << 20
+MIN_LARGE_ALLOC = 10 << 20
+ROUND_LARGE = 2 << 20
+
+
+def round_size(size: int) -> int:
+    return MIN_BLOCK if size < MIN_BLOCK else MIN_BLOCK * ((size + MIN_BLOCK - 1) // MIN_BLOCK)
+
+
+def segment_size(size: int) -> int:
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return ROUND_LARGE * ((size + ROUND_LARGE - 1) // ROUND_LARGE)
+
+
+@dataclass
+class _Block:
+    segment: int
+    offset: int
+    size: int
+    free: bool
+    small: bool
+    prev: _Block | None = None
+    next: _Block | None = None
+
+
+class CachingAllocatorModel:
+    def __init__(self) -> None:
+        self.allocated = 0
+        self.reserved = 0
+        self.peak_allocated = 0
+        self.peak_reserved = 0
+        self._free: dict[bool, list[tuple[int, int, int, _Block]]] = {True: [], False: []}  # small? -> sorted
+        self._segments = 0
+
+    def malloc(self, size: int) -> _Block:
+        size = round_size(size)
+        small = size <= SMALL_SIZE
+        pool = self._free[small]
+        i = bisect.bisect_left(pool, (size, -1, -1))
+        if i < len(pool):
+            block = pool.pop(i)[3]
+        else:
+            seg = segment_size(size)
+            self.reserved += seg
+            self.peak_reserved = max(self.peak_reserved, self.reserved)
+            block = _Block(segment=self._segments, offset=0, size=seg, free=True, small=small)
+            self._segments += 1
+        remaining = block.size - size
+        if (small and remaining >= MIN_BLOCK) or (not small and remaining > SMALL_SIZE):
+            rest = _Block(segment=block.segment, offset=block.offset + size, size=remaining, free=True,
+                          small=small, prev=block, next=block.next)
+            if block.next:
+                block.next.prev = rest
+            block.next = rest
+            block.size = size
+            self._insert(rest, small)
+        block.free = False
+        self.allocated += block.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return block
+
+    def free(self, block: _Block) -> None:
+        small = block.small
+        self.allocated -= block.size
+        block.free = True
+        for nb in (block.prev, block.next):
+            if nb is not None and nb.free:
+                self._remove(nb, small)
+                if nb is block.prev:
+                    nb.size += block.size
+                    nb.next = block.next
+                    if block.next:
+                        block.next.prev = nb
+                    block = nb
+                else:
+                    block.size += nb.size
+                    block.next = nb.next
+                    if nb.next:
+                        nb.next.prev = block
+        self._insert(block, small)
+
+    def _insert(self, block: _Block, small: bool) -> None:
+        bisect.insort(self._free[small], (block.size, block.segment, block.offset, block))
+
+    def _remove(self, block: _Block, small: bool) -> None:
+        pool = self._free[small]
+        i = bisect.bisect_left(pool, (block.size, block.segment, block.offset))
+        while pool[i][3] is not block:
+            i += 1
+        pool.pop(i)
+
+
+def replay(tracker, device: str, window) -> tuple[int, int, int]:
+    """Replay a tracked timeline through the allocator model.
+
+    Returns (peak allocated bytes in the window, reserved bytes at the end of the window, event
+    index of the allocated peak). Reserved memory only grows (no ``empty_cache``), so its value at
+    the end of the window is its peak.
+    """
+    model = CachingAllocatorModel()
+    recs = tracker.state.records
+    blocks: dict[int, _Block] = {}
+    peak, peak_at = -1, window.start
+    for i, (serial, delta) in enumerate(tracker.state.events[:window.end]):
+        if recs[serial].device != device:
+            continue
+        if delta > 0:
+            if serial in blocks:  # resized in place: model as free + malloc of the new size
+                model.free(blocks.pop(serial))
+            blocks[serial] = model.malloc(recs[serial].nbytes if recs[serial].nbytes else delta)
+        elif serial in blocks:
+            model.free(blocks.pop(serial))
+        if i >= window.start and model.allocated > peak:
+            peak, peak_at = model.allocated, i
+    if peak < 0:
+        peak = model.allocated
+    return peak, model.reserved, peak_at

@@ -1,0 +1,13 @@
+"""The one vocabulary of memory categories used everywhere (reports, JSON, planner)."""
+
+CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "temporaries", "inputs", "other")
+
+DESCRIPTIONS = {
+    "parameters": "model weights",
+    "gradients": ".grad of the parameters",
+    "optimizer_states": "optimizer state (e.g. Adam moments)",
+    "activations": "forward results kept alive for backward",
+    "temporaries": "short-lived results (recomputation, backward and optimizer intermediates)",
+    "inputs": "the batch",
+    "other": "buffers, allocator and library overheads",
+}

@@ -1,0 +1,143 @@
+"""profile: run the same TrainStep for real and measure its memory independently of the tracker.
+
+NOTE [ Independent measurement ]
+The measured peak comes from the PyTorch profiler's allocator events (``profile_memory=True``):
+every allocation and free of PyTorch's CPU allocator, including kernel scratch memory that never
+reaches Python (oneDNN workspaces, sort buffers). The profiler runs from before the model is
+built, so the running sum of its events is the live bytes of everything memfit created; the
+peak is taken inside the steady-state step (a ``record_function`` range). The memory tracker runs
+too, on the real tensors, for the breakdown by category and module; the two are compared so a
+tracker blind spot shows up as a difference instead of hiding.
+
+Step time is the median over further steps with neither profiler nor tracker attached.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from memfit.devices import Device, get_device
+from memfit.errors import UserError
+from memfit.memory.estimate import estimate, report_for, resolve
+from memfit.memory.faketrace import STEADY_STEP, run_tracked
+from memfit.memory.report import MemoryReport
+from memfit.plan import Plan
+from memfit.step import make_batch
+from memfit.workload import Workload
+
+STEP_RANGE = "memfit::steady_step"
+
+
+@dataclass
+class ProfileResult:
+    measured: MemoryReport
+    """Breakdown from the tracker on real tensors; ``peak_bytes`` replaced by the profiler's peak."""
+    predicted: MemoryReport
+    """What ``estimate`` predicted for the same workload, plan and batch."""
+    tracker_peak_bytes: int
+    """The tracker's own peak on the real run (should equal the profiler's)."""
+    step_seconds: float
+    """Median wall time of a step (no profiler, no tracker)."""
+    step_seconds_all: list[float] = field(default_factory=list)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.measured.peak_bytes
+
+    @property
+    def error_percent(self) -> float:
+        return 100.0 * (self.predicted.peak_bytes - self.measured.peak_bytes) / max(self.measured.peak_bytes, 1)
+
+    def to_json(self) -> dict:
+        return {
+            "workload": self.measured.workload, "device": self.measured.device, "batch_size": self.measured.batch_size,
+            "plan": self.measured.plan,
+            "peak_bytes": self.measured.peak_bytes, "predicted_peak_bytes": self.predicted.peak_bytes,
+            "error_percent": round(self.error_percent, 3), "tracker_peak_bytes": self.tracker_peak_bytes,
+            "step_seconds": self.step_seconds, "breakdown": self.measured.breakdown,
+            "predicted_breakdown": self.predicted.breakdown, "prediction_method": self.predicted.method,
+            "approximations": self.predicted.approximations,
+        }
+
+
+def profiler_peak(prof, range_name: str = STEP_RANGE) -> int:
+    """Peak live CPU-allocator bytes inside ``range_name``, from the profiler's allocator events."""
+    events = prof.profiler.kineto_results.events()
+    ranges = [(e.start_ns(), e.end_ns()) for e in events if e.name() == range_name]
+    if not ranges:
+        raise RuntimeError(f"profiler: range {range_name!r} not found; the profiler API may have changed")
+    start, end = ranges[0]
+    mem = sorted((e.start_ns(), e.nbytes()) for e in events
+                 if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    if not mem:
+        raise RuntimeError("profiler: no allocator events recorded; the profiler API may have changed")
+    live, peak, at_start = 0, None, None
+    for t, nbytes in mem:
+        if t >= start and at_start is None:
+            at_start = live
+        if t > end:
+            break
+        live += nbytes
+        if t >= start:
+            peak = live if peak is None else max(peak, live)
+    return peak if peak is not None else (at_start if at_start is not None else live)
+
+
+def profile(workload: Workload | str, plan: Plan | str | None = None, *, batch_size: int | None = None,
+            device: str | Device = "cpu", seq_len: int | None = None, repeats: int = 5) -> ProfileResult:
+    """Run the step for real on this machine: measured peak and breakdown next to the prediction."""
+    wl, plan, bs = resolve(workload, plan, batch_size, seq_len)
+    dev = get_device(device)
+    if dev.is_gpu and not torch.cuda.is_available():
+        raise UserError(f"profile runs the step for real, and {dev.name} is a preset for prediction; this machine has no "
+                        "CUDA GPU. Use --device cpu here, or memfit estimate --device " + dev.name)
+    predicted = estimate(wl, plan, batch_size=bs, device=dev)
+    if predicted.peak_bytes > _available_bytes() * 0.8:
+        raise UserError(f"profile: the step needs about {predicted.peak_bytes / 2**30:.1f} GiB but this machine has "
+                        f"{_available_bytes() / 2**30:.1f} GiB free; use a smaller batch or model, or memfit estimate")
+    from torch.profiler import ProfilerActivity, record_function
+    from torch.profiler import profile as torch_profile
+
+    gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prof = torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        run = run_tracked(wl, plan, bs, dev, fake=False, outer=prof,
+                          around_step=lambda i: record_function(STEP_RANGE) if i == STEADY_STEP else _null())
+    measured = report_for(run.tracker, wl, plan, bs, dev, "real")
+    tracker_peak = measured.peak_bytes
+    measured.peak_bytes = profiler_peak(prof)
+    del prof
+    times = _time_steps(run, wl, bs, dev, repeats)
+    return ProfileResult(measured=measured, predicted=predicted, tracker_peak_bytes=tracker_peak,
+                         step_seconds=statistics.median(times), step_seconds_all=times)
+
+
+def _time_steps(run, wl: Workload, bs: int, dev: Device, repeats: int) -> list[float]:
+    step = run.step
+    batch = make_batch(wl, bs, dev)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step(batch)  # float(loss) synchronises
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _available_bytes() -> int:
+    from memfit.memory.estimate import _available_bytes as avail
+    return avail()

@@ -1,0 +1,266 @@
+"""MemoryTracker: every live storage, its bytes, category, module, device and time.
+
+A ``TorchDispatchMode`` sees every ATen op below autograd, forward and backward alike, on fake
+tensors (prediction) and real tensors (measurement). Each new storage an op returns is recorded
+with a weak reference, whose callback records the free, so the tracker holds no memory itself.
+
+NOTE [ Categories are decided late ]
+A storage's category is often known only after it was allocated: a backward result becomes a
+gradient when AccumulateGrad keeps it, a forward result is an activation only if it outlives the
+forward pass. Records keep the phase and module they were born in; explicit labels
+(``label(tensors, category)``: parameters, inputs, gradients, optimizer states) are applied when
+the step reaches the point where they are known; :meth:`category_of` resolves the rest by phase.
+
+NOTE [ What a storage tracker cannot see ]
+Kernels may allocate scratch memory inside one op (oneDNN/cuDNN workspaces, sort buffers); it
+never reaches Python. ``memfit.memory.workspaces`` adds a per-op rule for the known cases, as a
+transient record around the op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.module_tracker import ModuleTracker
+
+from memfit.memory.categories import CATEGORIES
+
+aten = torch.ops.aten
+
+
+@dataclass
+class StorageRecord:
+    serial: int
+    nbytes: int
+    device: str
+    phase: str
+    module: str
+    op: str
+    step: int
+    label: str | None = None
+    outlived_forward: bool = False
+
+
+@dataclass
+class Approximation:
+    """Something the trace could not know and assumed (shown in reports)."""
+
+    what: str
+    where: str
+    count: int = 1
+
+
+@dataclass
+class TrackerState:
+    records: list[StorageRecord] = field(default_factory=list)
+    events: list[tuple[int, int]] = field(default_factory=list)  # (serial, +bytes | -bytes), in order
+    marks: list[tuple[str, int, int]] = field(default_factory=list)  # (phase, step, event index at start)
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Track storages created by ATen ops. Use as a context manager around model build + steps.
+
+    ``assume_scalars``: on fake tensors, answer data-dependent scalar reads (``.item()``,
+    ``torch.equal``) with 0/False and record an :class:`Approximation` instead of failing.
+    """
+
+    def __init__(self, *, assume_scalars: bool = False, workspace_rules=None):
+        super().__init__()
+        self.state = TrackerState()
+        self.phase_name = "setup"
+        self.step_index = 0
+        self.assume_scalars = assume_scalars
+        self.approximations: dict[tuple[str, str], Approximation] = {}
+        self.workspace_rules = workspace_rules
+        self._live: dict[int, tuple[int, weakref.ref]] = {}  # storage cdata -> (serial, weakref)
+        self._forward_serial_start = 0
+        self._modules = ModuleTracker()
+        self._stack = contextlib.ExitStack()
+
+    # -- context -----------------------------------------------------------------------------
+    def __enter__(self):
+        self._stack.enter_context(self._modules)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        self._stack.close()
+        return out
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Mark a phase of the step (called by TrainStep through its observer)."""
+        prev = self.phase_name
+        self.phase_name = name
+        self.state.marks.append((name, self.step_index, len(self.state.events)))
+        if name == "forward":
+            self._forward_serial_start = len(self.state.records)
+        try:
+            yield
+        finally:
+            if name == "forward":
+                self._mark_outlived_forward()
+            self.phase_name = prev
+
+    def mark(self, name: str) -> None:
+        """A named point in the timeline (e.g. 'step' at the start of each step)."""
+        if name == "step":
+            self.step_index += 1
+        self.state.marks.append((name, self.step_index, len(self.state.events)))
+
+    # -- labels --------------------------------------------------------------------------------
+    def label(self, tensors, category: str) -> None:
+        assert category in CATEGORIES, category
+        for t in tree_leaves(tensors):
+            if isinstance(t, torch.Tensor):
+                entry = self._live.get(_key(t))
+                if entry is not None:
+                    self.state.records[entry[0]].label = category
+
+    def category_of(self, rec: StorageRecord) -> str:
+        """See NOTE [ Categories are decided late ]."""
+        if rec.label is not None:
+            return rec.label
+        if rec.phase == "forward":
+            return "activations" if rec.outlived_forward else "temporaries"
+        if rec.phase in ("backward", "optimizer", "zero_grad", "workspace"):
+            return "temporaries"
+        return "other"
+
+    def live_bytes(self, device: str | None = None) -> int:
+        recs = self.state.records
+        return sum(recs[s].nbytes for s, _ in self._live.values() if device is None or recs[s].device == device)
+
+    # -- dispatch --------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.assume_scalars and func in _SCALAR_READS and _any_fake(args):
+            from torch._subclasses.fake_tensor import DataDependentOutputException
+            try:  # fake mode knows the value of small constants (e.g. an optimizer's step counter)
+                return func(*args, **kwargs)
+            except DataDependentOutputException:
+                return self._assume(func, args)
+        rule = self.workspace_rules.get(func) if self.workspace_rules else None
+        workspace = rule(args, kwargs) if rule else 0
+        if workspace:
+            self._transient(workspace, func, args)
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._see(t, func)
+        if workspace:
+            self._transient_end()
+        return out
+
+    def _see(self, t: torch.Tensor, func) -> None:
+        st = t.untyped_storage()
+        key = st._cdata
+        entry = self._live.get(key)
+        nbytes = st.nbytes()
+        if entry is not None:
+            rec = self.state.records[entry[0]]
+            if nbytes != rec.nbytes:  # resized in place (out= ops, resize_)
+                self.state.events.append((rec.serial, nbytes - rec.nbytes))
+                rec.nbytes = nbytes
+            return
+        if nbytes == 0 and t.device.type != "meta":
+            pass
+        serial = len(self.state.records)
+        rec = StorageRecord(serial=serial, nbytes=nbytes, device=_device_name(t), phase=self.phase_name,
+                            module=self._module(), op=str(func.overloadpacket.__name__) if func else "?",
+                            step=self.step_index)
+        self.state.records.append(rec)
+        self.state.events.append((serial, nbytes))
+        ref = weakref.ref(st, self._freed_callback(serial, key))
+        self._live[key] = (serial, ref)
+
+    def _freed_callback(self, serial: int, key: int):
+        def freed(_ref) -> None:
+            entry = self._live.get(key)
+            if entry is not None and entry[0] == serial:
+                del self._live[key]
+            rec = self.state.records[serial]
+            self.state.events.append((serial, -rec.nbytes))
+        return freed
+
+    def adopt(self, tensors) -> None:
+        """Record storages created before the tracker started (e.g. a model built outside it)."""
+        prev = self.phase_name
+        self.phase_name = "setup"
+        try:
+            for t in tree_leaves(tensors):
+                if isinstance(t, torch.Tensor):
+                    self._see(t, None)
+        finally:
+            self.phase_name = prev
+
+    def _transient(self, nbytes: int, func, args) -> None:
+        serial = len(self.state.records)
+        device = next((_device_name(a) for a in tree_leaves(args) if isinstance(a, torch.Tensor)), "cpu")
+        self.state.records.append(StorageRecord(serial=serial, nbytes=nbytes, device=device, phase="workspace",
+                                                module=self._module(), op=f"{func.overloadpacket.__name__}:workspace",
+                                                step=self.step_index, label="temporaries"))
+        self.state.events.append((serial, nbytes))
+        self._transient_serial = serial
+
+    def _transient_end(self) -> None:
+        rec = self.state.records[self._transient_serial]
+        self.state.events.append((rec.serial, -rec.nbytes))
+
+    def _mark_outlived_forward(self) -> None:
+        start = self._forward_serial_start
+        for serial, _ in self._live.values():
+            if serial >= start:
+                self.state.records[serial].outlived_forward = True
+
+    def _module(self) -> str:
+        parents = self._modules.parents
+        if len(parents) <= 1:
+            return "Global"
+        return max(parents, key=lambda p: (p.count("."), p))
+
+    def _assume(self, func, args):
+        where = _user_frame()
+        key = (str(func), where)
+        if key in self.approximations:
+            self.approximations[key].count += 1
+        else:
+            what = ("torch.equal(...) assumed False" if func is aten.equal.default
+                    else "a data-dependent scalar read (.item()/bool()) assumed 0")
+            self.approximations[key] = Approximation(what=what, where=where)
+        if func is aten.equal.default:
+            return False
+        dtype = args[0].dtype
+        return False if dtype == torch.bool else 0.0 if dtype.is_floating_point else 0
+
+
+_SCALAR_READS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
+
+
+def _any_fake(args) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    return any(isinstance(a, FakeTensor) for a in tree_leaves(args))
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _device_name(t: torch.Tensor) -> str:
+    d = t.device
+    return "cpu" if d.type == "cpu" else f"{d.type}:{d.index or 0}"
+
+
+def _user_frame() -> str:
+    """The innermost stack frame outside torch and memfit: where a data-dependent read came from."""
+    for frame in reversed(traceback.extract_stack()[:-3]):
+        f = frame.filename
+        if "/torch/" not in f and "/memfit/memory/" not in f and "contextlib" not in f:
+            return f"{f.rsplit('/', 2)[-2]}/{f.rsplit('/', 1)[-1]}:{frame.lineno}"
+    return "?"

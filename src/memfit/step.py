@@ -1,0 +1,135 @@
+"""TrainStep: the one training-step path.
+
+``estimate`` runs it on fake tensors, ``profile`` on real tensors under measurement, ``train`` in
+a loop. A step is: zero_grad(set_to_none) -> for each micro-batch: forward + loss under the
+plan's precision, backward (scaled for fp16) -> optimizer step. Micro-batch losses are divided by
+the number of micro-batches, so accumulated gradients equal those of the whole batch.
+
+An *observer* (memfit's memory tracker) may watch the step: the step announces its phases
+(``zero_grad``, ``forward``, ``backward``, ``optimizer``) through ``observer.phase(name)``; the
+default observer does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from memfit.devices import Device, get_device
+from memfit.errors import UserError
+from memfit.plan import Plan
+from memfit.techniques.precision import build_precision
+from memfit.workload import Workload
+
+
+class NullObserver:
+    """Watches nothing."""
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+def split_batch(batch: Any, batch_size: int, n: int) -> list[Any]:
+    """Split every tensor whose first dimension is the batch into ``n`` equal micro-batches."""
+    leaves, spec = tree_flatten(batch)
+    if not any(isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch_size for x in leaves):
+        raise UserError(f"cannot split the batch into micro-batches: no tensor in it has a first dimension of "
+                        f"{batch_size} (the batch size); make batch(batch_size) return tensors shaped [batch, ...]")
+    parts = [x.chunk(n) if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch_size
+             else [x] * n for x in leaves]
+    return [tree_unflatten([p[i] for p in parts], spec) for i in range(n)]
+
+
+class TrainStep:
+    """One optimizer step of a workload under a plan. ``step(batch)`` returns the loss as a float;
+    ``step.run(batch)`` returns it as a detached tensor (what fake-tensor tracing uses)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn, plan: Plan,
+                 batch_size: int, device: Device, precision):
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.plan, self.batch_size, self.device, self.precision = plan, batch_size, device, precision
+        self.micro_batch_size, self.num_micro_batches = plan.micro_batches(batch_size)
+        self.scaler = precision.grad_scaler()
+        self.observer = NullObserver()
+
+    def run(self, batch: Any) -> torch.Tensor:
+        obs, n = self.observer, self.num_micro_batches
+        with obs.phase("zero_grad"):
+            self.optimizer.zero_grad(set_to_none=True)
+        micro = split_batch(batch, self.batch_size, n) if n > 1 else [batch]
+        total = None
+        for mb in micro:
+            with obs.phase("forward"), self.precision.autocast():
+                loss = self.loss_fn(self.model, mb)
+                _check_loss(loss)
+                if n > 1:
+                    loss = loss / n
+            with obs.phase("backward"):
+                self.scaler.scale(loss).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+            del loss
+        with obs.phase("optimizer"):
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        return total
+
+    def __call__(self, batch: Any) -> float:
+        return float(self.run(batch))
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor):
+        raise UserError(f"loss(model, batch) must return a scalar tensor, got {type(loss).__name__}")
+    if loss.numel() != 1:
+        raise UserError(f"loss(model, batch) must return a scalar tensor, got shape {tuple(loss.shape)}; "
+                        "reduce it (e.g. .mean())")
+    if not loss.requires_grad:
+        raise UserError("loss(model, batch) returned a tensor that does not require grad; "
+                        "compute it from the model's output without .detach() or torch.no_grad()")
+
+
+def build_step(workload: Workload, plan: Plan | None = None, batch_size: int | None = None,
+               device: Device | str | None = None) -> TrainStep:
+    """Build the model and optimizer of ``workload`` and apply ``plan``; returns the TrainStep.
+
+    The model is built under ``torch.device(device.kind)``, so calling this inside a
+    ``FakeTensorMode`` builds it on fake tensors.
+    """
+    plan = plan or Plan()
+    plan.check_implemented()
+    dev = get_device(device)
+    batch_size = batch_size or workload.default_batch_size
+    plan.micro_batches(batch_size)
+    precision = build_precision(plan.precision, dev)
+    with torch.device(dev.kind):
+        model = _call_workload("model()", workload.model)
+        if not isinstance(model, torch.nn.Module):
+            raise UserError(f"workload model() must return an nn.Module, got {type(model).__name__}")
+        model = precision.apply(model)
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise UserError("the workload's model has no trainable parameters")
+        optimizer = _call_workload("optimizer(params)", workload.build_optimizer, params)
+    return TrainStep(model, optimizer, workload.loss, plan, batch_size, dev, precision)
+
+
+def make_batch(workload: Workload, batch_size: int, device: Device) -> Any:
+    with torch.device(device.kind):
+        return _call_workload("batch(batch_size)", workload.batch, batch_size)
+
+
+def _call_workload(what: str, fn, *args):
+    from memfit.memory.faketrace import is_trace_error
+    try:
+        return fn(*args)
+    except UserError:
+        raise
+    except Exception as e:
+        if is_trace_error(e):
+            raise
+        raise UserError(f"the workload's {what} raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; "
+                        "fix the workload (run with --debug for the traceback)") from e

@@ -1,0 +1,61 @@
+"""Byte sizes: parsing ("20GiB", "1.5GB", "512MiB", "80%") and formatting."""
+
+from __future__ import annotations
+
+import re
+
+from memfit.errors import UserError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int, *, total_bytes: int | None = None, what: str = "size") -> int:
+    """Parse a byte size. ``"80%"`` is a fraction of ``total_bytes`` (e.g. a device's capacity)."""
+    if isinstance(text, int):
+        if text <= 0:
+            raise UserError(f"{what} must be positive, got {text}; write e.g. 20GiB")
+        return text
+    s = str(text).strip()
+    if s.endswith("%"):
+        if total_bytes is None:
+            raise UserError(f"{what} {s!r} is a percentage but no device capacity is known; give bytes, e.g. 20GiB")
+        try:
+            pct = float(s[:-1])
+        except ValueError:
+            raise UserError(f"malformed {what} {s!r}; write a percentage like 80%") from None
+        if not 0 < pct <= 100:
+            raise UserError(f"{what} {s!r} must be between 0% and 100%")
+        return int(total_bytes * pct / 100)
+    m = _SIZE_RE.match(s)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise UserError(f"malformed {what} {s!r}; write a number with a unit, e.g. 20GiB, 1.5GB or 512MiB")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value <= 0:
+        raise UserError(f"{what} must be positive, got {s!r}")
+    return int(value)
+
+
+def fmt_bytes(n: float) -> str:
+    """Human-readable binary size: 1536 -> '1.50 KiB'."""
+    sign = "-" if n < 0 else ""
+    n = abs(float(n))
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def parse_positive_int(text: str | int, what: str) -> int:
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise UserError(f"malformed {what} {text!r}; give a positive whole number, e.g. 8") from None
+    if value <= 0:
+        raise UserError(f"{what} must be a positive whole number, got {text!r}")
+    return value
