@@ -131,13 +131,11 @@ def replay(tracker, device: str, window) -> tuple[int, int, int]:
     recs = tracker.state.records
     blocks: dict[int, _Block] = {}
     peak, peak_at = -1, window.start
-    for i, (serial, delta) in enumerate(tracker.state.events[:window.end]):
+    for i, (serial, sign) in enumerate(tracker.state.events[:window.end]):
         if recs[serial].device != device:
             continue
-        if delta > 0:
-            if serial in blocks:  # resized in place: model as free + malloc of the new size
-                model.free(blocks.pop(serial))
-            blocks[serial] = model.malloc(recs[serial].nbytes if recs[serial].nbytes else delta)
+        if sign > 0:
+            blocks[serial] = model.malloc(recs[serial].nbytes)
         elif serial in blocks:
             model.free(blocks.pop(serial))
         if i >= window.start and model.allocated > peak:

@@ -17,7 +17,7 @@ import torch
 from memfit.devices import Device
 from memfit.errors import TraceError
 from memfit.memory.tracker import MemoryTracker
-from memfit.memory.workspaces import rules_for
+from memfit.memory.workspaces import probe_for
 from memfit.plan import Plan
 from memfit.step import NullObserver, TrainStep, build_step, make_batch
 from memfit.workload import Workload
@@ -72,7 +72,7 @@ def run_tracked(workload: Workload, plan: Plan, batch_size: int, device: Device,
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     gc.collect()
-    tracker = MemoryTracker(assume_scalars=fake, workspace_rules=rules_for(device))
+    tracker = MemoryTracker(assume_scalars=fake, probe=probe_for(device) if fake else None)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     hooks: list[Any] = []
     t0 = time.perf_counter()

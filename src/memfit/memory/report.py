@@ -78,13 +78,11 @@ def peak_of(tracker: MemoryTracker, device: str, window: Window, sizes=None) -> 
     recs, events = tracker.state.records, tracker.state.events
     live = 0
     peak, peak_at = -1, window.start - 1
-    for i, (serial, delta) in enumerate(events[:window.end]):
+    for i, (serial, sign) in enumerate(events[:window.end]):
         rec = recs[serial]
         if rec.device != device:
             continue
-        if sizes is not None:
-            delta = sizes(rec.nbytes) if delta > 0 else -sizes(rec.nbytes)
-        live += delta
+        live += sign * (sizes(rec.nbytes) if sizes is not None else rec.nbytes)
         if i >= window.start and live > peak:
             peak, peak_at = live, i
     if peak < 0:  # nothing happened in the window on this device
@@ -96,9 +94,9 @@ def live_at(tracker: MemoryTracker, device: str, index: int) -> dict[int, int]:
     """serial -> live bytes, just after event ``index``."""
     recs = tracker.state.records
     live: dict[int, int] = defaultdict(int)
-    for serial, delta in tracker.state.events[:index + 1]:
+    for serial, sign in tracker.state.events[:index + 1]:
         if recs[serial].device == device:
-            live[serial] += delta
+            live[serial] += sign * recs[serial].nbytes
             if live[serial] == 0:
                 del live[serial]
     return live
@@ -133,6 +131,10 @@ def build_report(tracker: MemoryTracker, *, workload: str, device_name: str, dev
             act_by_module[rec.module] += b
     assert sum(breakdown.values()) == peak, (sum(breakdown.values()), peak)
     approximations = [f"{a.what} at {a.where} (x{a.count})" for a in tracker.approximations.values()]
+    if tracker.unprobed:
+        calls = ", ".join(f"{k} x{v}" for k, v in sorted(tracker.unprobed.items(), key=lambda kv: -kv[1])[:6])
+        approximations.append(f"internal scratch of {sum(tracker.unprobed.values())} kernel calls too large to "
+                              f"probe is not counted ({calls})")
     return MemoryReport(
         workload=workload, device=device_name, batch_size=batch_size, plan=plan, method=method,
         peak_bytes=peak, breakdown=breakdown, peak_phase=phase_at(tracker, at),
@@ -149,12 +151,12 @@ def _timeline(tracker: MemoryTracker, device: str, window: Window, points: int) 
     marks = [(idx, name) for name, _, idx in tracker.state.marks if name not in ("step", "end")]
     stride = max(1, (window.end - window.start) // points)
     out, live, phase, m = [], 0, "setup", 0
-    for i, (serial, delta) in enumerate(events[:window.end]):
+    for i, (serial, sign) in enumerate(events[:window.end]):
         while m < len(marks) and marks[m][0] <= i:
             phase = marks[m][1]
             m += 1
         if recs[serial].device == device:
-            live += delta
+            live += sign * recs[serial].nbytes
         if i >= window.start and (i - window.start) % stride == 0:
             out.append((i - window.start, phase, live))
     return out

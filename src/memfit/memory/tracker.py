@@ -45,6 +45,7 @@ class StorageRecord:
     step: int
     label: str | None = None
     outlived_forward: bool = False
+    freed_by_resize: bool = False
 
 
 @dataclass
@@ -59,7 +60,9 @@ class Approximation:
 @dataclass
 class TrackerState:
     records: list[StorageRecord] = field(default_factory=list)
-    events: list[tuple[int, int]] = field(default_factory=list)  # (serial, +bytes | -bytes), in order
+    events: list[tuple[int, int]] = field(default_factory=list)
+    """(serial, +1 for allocation | -1 for free), in order; bytes come from the record so that a
+    probe can correct a record's size after the fact."""
     marks: list[tuple[str, int, int]] = field(default_factory=list)  # (phase, step, event index at start)
 
 
@@ -70,14 +73,15 @@ class MemoryTracker(TorchDispatchMode):
     ``torch.equal``) with 0/False and record an :class:`Approximation` instead of failing.
     """
 
-    def __init__(self, *, assume_scalars: bool = False, workspace_rules=None):
+    def __init__(self, *, assume_scalars: bool = False, probe=None):
         super().__init__()
         self.state = TrackerState()
         self.phase_name = "setup"
         self.step_index = 0
         self.assume_scalars = assume_scalars
         self.approximations: dict[tuple[str, str], Approximation] = {}
-        self.workspace_rules = workspace_rules
+        self.probe = probe
+        self.unprobed: dict[str, int] = {}
         self._live: dict[int, tuple[int, weakref.ref]] = {}  # storage cdata -> (serial, weakref)
         self._forward_serial_start = 0
         self._modules = ModuleTracker()
@@ -146,15 +150,22 @@ class MemoryTracker(TorchDispatchMode):
                 return func(*args, **kwargs)
             except DataDependentOutputException:
                 return self._assume(func, args)
-        rule = self.workspace_rules.get(func) if self.workspace_rules else None
-        workspace = rule(args, kwargs) if rule else 0
-        if workspace:
-            self._transient(workspace, func, args)
+        probed = None
+        if self.probe is not None and self.probe.wants(func):
+            probed = self.probe(func, args, kwargs)
+            if probed is None:
+                name = str(func.overloadpacket.__name__)
+                self.unprobed[name] = self.unprobed.get(name, 0) + 1
+        if probed is not None and probed.scratch_bytes:
+            self._transient(probed.scratch_bytes, func, args)
         out = func(*args, **kwargs)
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._see(t, func)
-        if workspace:
+        if probed is not None:
+            out = _resize_outputs(out, probed.output_nbytes)
+        if not _returns_alias(func):
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self._see(t, func)
+        if probed is not None and probed.scratch_bytes:
             self._transient_end()
         return out
 
@@ -165,18 +176,17 @@ class MemoryTracker(TorchDispatchMode):
         nbytes = st.nbytes()
         if entry is not None:
             rec = self.state.records[entry[0]]
-            if nbytes != rec.nbytes:  # resized in place (out= ops, resize_)
-                self.state.events.append((rec.serial, nbytes - rec.nbytes))
-                rec.nbytes = nbytes
-            return
-        if nbytes == 0 and t.device.type != "meta":
-            pass
+            if nbytes == rec.nbytes:
+                return
+            # resized in place (out= ops, resize_): the old size is freed, the new one recorded
+            self.state.events.append((rec.serial, -1))
+            rec.freed_by_resize = True
         serial = len(self.state.records)
         rec = StorageRecord(serial=serial, nbytes=nbytes, device=_device_name(t), phase=self.phase_name,
                             module=self._module(), op=str(func.overloadpacket.__name__) if func else "?",
                             step=self.step_index)
         self.state.records.append(rec)
-        self.state.events.append((serial, nbytes))
+        self.state.events.append((serial, 1))
         ref = weakref.ref(st, self._freed_callback(serial, key))
         self._live[key] = (serial, ref)
 
@@ -186,7 +196,8 @@ class MemoryTracker(TorchDispatchMode):
             if entry is not None and entry[0] == serial:
                 del self._live[key]
             rec = self.state.records[serial]
-            self.state.events.append((serial, -rec.nbytes))
+            if not rec.freed_by_resize:
+                self.state.events.append((serial, -1))
         return freed
 
     def adopt(self, tensors) -> None:
@@ -206,12 +217,11 @@ class MemoryTracker(TorchDispatchMode):
         self.state.records.append(StorageRecord(serial=serial, nbytes=nbytes, device=device, phase="workspace",
                                                 module=self._module(), op=f"{func.overloadpacket.__name__}:workspace",
                                                 step=self.step_index, label="temporaries"))
-        self.state.events.append((serial, nbytes))
+        self.state.events.append((serial, 1))
         self._transient_serial = serial
 
     def _transient_end(self) -> None:
-        rec = self.state.records[self._transient_serial]
-        self.state.events.append((rec.serial, -rec.nbytes))
+        self.state.events.append((self._transient_serial, -1))
 
     def _mark_outlived_forward(self) -> None:
         start = self._forward_serial_start
@@ -238,6 +248,34 @@ class MemoryTracker(TorchDispatchMode):
             return False
         dtype = args[0].dtype
         return False if dtype == torch.bool else 0.0 if dtype.is_floating_point else 0
+
+
+_ALIAS_CACHE: dict = {}
+
+
+def _returns_alias(func) -> bool:
+    """True if the op's outputs alias its inputs (views, in-place and out= ops): no new memory."""
+    hit = _ALIAS_CACHE.get(func)
+    if hit is None:
+        hit = _ALIAS_CACHE[func] = any(r.alias_info is not None for r in func._schema.returns)
+    return hit
+
+
+def _resize_outputs(out, real_nbytes: tuple[int, ...]):
+    """Give 1-D fake outputs the size the real kernel returns (see memfit.memory.workspaces)."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+    leaves, spec = tree_flatten(out)
+    tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    if len(tensors) != len(real_nbytes):
+        return out
+    changed = False
+    for i, nbytes in zip(tensors, real_nbytes):
+        t = leaves[i]
+        # only outputs the meta kernel leaves empty (e.g. mkldnn_rnn_layer's workspace)
+        if t.dim() == 1 and t.numel() == 0 and nbytes and nbytes % t.element_size() == 0:
+            leaves[i] = torch.empty(nbytes // t.element_size(), dtype=t.dtype, device=t.device)
+            changed = True
+    return tree_unflatten(leaves, spec) if changed else out
 
 
 _SCALAR_READS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
