@@ -1,1 +1,46 @@
-"""memfit."""
+"""memfit: make PyTorch training fit a memory budget.
+
+Predict the peak memory of a training step without the target GPU (``estimate``), measure it
+(``profile``), on the one TrainStep that training uses (``build_step``). Importing memfit is
+cheap: it does not import transformers and never initialises CUDA; submodules load on use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+__all__ = ["Plan", "Workload", "build_step", "estimate", "profile", "MemoryReport", "UserError", "__version__"]
+
+_LAZY = {
+    "Plan": "memfit.plan",
+    "Workload": "memfit.workload",
+    "load_workload": "memfit.workload",
+    "build_step": "memfit.step",
+    "TrainStep": "memfit.step",
+    "estimate": "memfit.memory.estimate",
+    "profile": "memfit.memory.measure",
+    "MemoryReport": "memfit.memory.report",
+    "UserError": "memfit.errors",
+    "get_device": "memfit.devices",
+}
+
+if TYPE_CHECKING:  # pragma: no cover
+    from memfit.devices import get_device
+    from memfit.errors import UserError
+    from memfit.memory.estimate import estimate
+    from memfit.memory.measure import profile
+    from memfit.memory.report import MemoryReport
+    from memfit.plan import Plan
+    from memfit.step import TrainStep, build_step
+    from memfit.workload import Workload, load_workload
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'memfit' has no attribute {name!r}")

@@ -91,20 +91,30 @@ def _check_loss(loss: Any) -> None:
                         "compute it from the model's output without .detach() or torch.no_grad()")
 
 
+def tensor_device(device: Device) -> str:
+    """Where the step's tensors live. NOTE [ GPU presets without a GPU ]: PyTorch's autograd
+    engine cannot run backward on fake CUDA tensors without a CUDA driver (pytorch#92627), so a
+    GPU preset is traced on fake CPU tensors here: CPU autocast op lists and CPU kernel choices
+    apply, and the caching-allocator model replays the result."""
+    if device.kind == "cuda" and not torch.cuda.is_available():
+        return "cpu"
+    return device.kind
+
+
 def build_step(workload: Workload, plan: Plan | None = None, batch_size: int | None = None,
                device: Device | str | None = None) -> TrainStep:
     """Build the model and optimizer of ``workload`` and apply ``plan``; returns the TrainStep.
 
-    The model is built under ``torch.device(device.kind)``, so calling this inside a
-    ``FakeTensorMode`` builds it on fake tensors.
+    The model is built under ``torch.device(...)`` (see :func:`tensor_device`), so calling this
+    inside a ``FakeTensorMode`` builds it on fake tensors.
     """
     plan = plan or Plan()
     plan.check_implemented()
     dev = get_device(device)
     batch_size = batch_size or workload.default_batch_size
     plan.micro_batches(batch_size)
-    precision = build_precision(plan.precision, dev)
-    with torch.device(dev.kind):
+    precision = build_precision(plan.precision, dev, tensor_device(dev))
+    with torch.device(tensor_device(dev)):
         model = _call_workload("model()", workload.model)
         if not isinstance(model, torch.nn.Module):
             raise UserError(f"workload model() must return an nn.Module, got {type(model).__name__}")
@@ -118,7 +128,7 @@ def build_step(workload: Workload, plan: Plan | None = None, batch_size: int | N
 
 
 def make_batch(workload: Workload, batch_size: int, device: Device) -> Any:
-    with torch.device(device.kind):
+    with torch.device(tensor_device(device)):
         return _call_workload("batch(batch_size)", workload.batch, batch_size)
 
 

@@ -63,7 +63,8 @@ def estimate(workload: Workload | str, plan: Plan | str | None = None, *, batch_
 
 
 def report_for(tracker, wl: Workload, plan: Plan, bs: int, dev: Device, method: str) -> MemoryReport:
-    traced_device = "cpu" if (not dev.is_gpu or method == "real-fallback") else "cuda:0"
+    from memfit.step import tensor_device
+    traced_device = "cuda:0" if (dev.is_gpu and method != "real-fallback" and tensor_device(dev) == "cuda") else "cpu"
     if not dev.is_gpu:
         return build_report(tracker, workload=wl.name, device_name=dev.name, device=traced_device,
                             batch_size=bs, plan=plan.to_dict(), method=method)
@@ -82,6 +83,9 @@ def report_for(tracker, wl: Workload, plan: Plan, bs: int, dev: Device, method: 
     report.device_total_bytes = dev.total_bytes
     report.cuda_context_bytes = dev.context_bytes
     report.cuda_workspace_bytes = ws
+    if traced_device == "cpu":
+        report.approximations.append("traced on fake CPU tensors (no GPU here): CPU autocast op lists and CPU "
+                                     "kernel choices stand in for CUDA's")
     report.approximations.append(
         f"CUDA context ({dev.context_bytes >> 20} MiB) and cuBLAS workspace ({ws / 2**20:g} MiB) are typical "
         "values for this card, not measured; kernel workspaces of cuDNN/flash attention are not modelled")

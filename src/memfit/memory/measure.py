@@ -26,6 +26,7 @@ from memfit.devices import Device, get_device
 from memfit.errors import UserError
 from memfit.memory.estimate import estimate, report_for, resolve
 from memfit.memory.faketrace import STEADY_STEP, run_tracked
+from memfit.memory.quiet import QuietProfiler
 from memfit.memory.report import MemoryReport
 from memfit.plan import Plan
 from memfit.step import make_batch
@@ -108,7 +109,7 @@ def profile(workload: Workload | str, plan: Plan | str | None = None, *, batch_s
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prof = torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        run = run_tracked(wl, plan, bs, dev, fake=False, outer=prof,
+        run = run_tracked(wl, plan, bs, dev, fake=False, outer=QuietProfiler(prof),
                           around_step=lambda i: record_function(STEP_RANGE) if i == STEADY_STEP else _null())
     measured = report_for(run.tracker, wl, plan, bs, dev, "real")
     tracker_peak = measured.peak_bytes

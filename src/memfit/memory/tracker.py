@@ -150,22 +150,23 @@ class MemoryTracker(TorchDispatchMode):
                 return func(*args, **kwargs)
             except DataDependentOutputException:
                 return self._assume(func, args)
+        out = func(*args, **kwargs)
         probed = None
         if self.probe is not None and self.probe.wants(func):
-            probed = self.probe(func, args, kwargs)
+            probed = self.probe(func, args, kwargs, out)
             if probed is None:
                 name = str(func.overloadpacket.__name__)
                 self.unprobed[name] = self.unprobed.get(name, 0) + 1
-        if probed is not None and probed.scratch_bytes:
-            self._transient(probed.scratch_bytes, func, args)
-        out = func(*args, **kwargs)
-        if probed is not None:
-            out = _resize_outputs(out, probed.output_nbytes)
+            else:
+                out = _resize_outputs(out, probed.output_nbytes)
         if not _returns_alias(func):
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     self._see(t, func)
         if probed is not None and probed.scratch_bytes:
+            # scratch = the op's peak minus what it returns, so booking it beside the outputs
+            # reproduces the op's peak (see memfit.memory.workspaces)
+            self._transient(probed.scratch_bytes, func, args)
             self._transient_end()
         return out
 

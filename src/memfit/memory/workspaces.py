@@ -44,6 +44,7 @@ CPU_PROBED_OPS = {
     aten.cumsum.default, aten.sort.default, aten.topk.default,
 }
 MAX_PROBE_BYTES = 64 << 20
+"""Largest inputs + outputs of a probed kernel call: keeps probing fast and its memory small."""
 RANGE = "memfit::probe"
 
 
@@ -66,14 +67,14 @@ class KernelProbe:
     def wants(self, func) -> bool:
         return func in self.ops
 
-    def __call__(self, func, args, kwargs) -> ProbeResult | None:
+    def __call__(self, func, args, kwargs, out) -> ProbeResult | None:
         key = _signature(func, args, kwargs)
         if key in self.cache:
             res = self.cache[key]
             if res is None:
                 self.skipped[str(func)] = self.skipped.get(str(func), 0) + 1
             return res
-        leaves = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        leaves = [x for x in tree_flatten((args, kwargs, out))[0] if isinstance(x, torch.Tensor)]
         if any(t.device.type != "cpu" for t in leaves) or \
                 sum(t.untyped_storage().nbytes() for t in leaves) > self.max_bytes:
             self.cache[key] = None
@@ -124,11 +125,13 @@ def _measure(func, args, kwargs) -> ProbeResult:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    from memfit.memory.quiet import QuietProfiler
+
     with unset_fake_temporarily(), torch.enable_grad():  # oneDNN RNN returns its workspace only with grad on
         real_args, real_kwargs = tree_map(_materialise, (args, kwargs))
         if func in _CONSISTENT_ARGS:
             real_args = _CONSISTENT_ARGS[func](list(real_args))
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with QuietProfiler(profile(activities=[ProfilerActivity.CPU], profile_memory=True)) as prof:
             with record_function(RANGE):
                 out = func(*real_args, **real_kwargs)
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]

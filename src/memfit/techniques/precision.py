@@ -122,12 +122,15 @@ class BF16Pure(FP32):
         return model.to(torch.bfloat16)
 
 
-def build_precision(mode: str, device: Device) -> FP32:
+def build_precision(mode: str, device: Device, device_type: str | None = None) -> FP32:
+    """The precision technique for ``mode`` on ``device`` (whose dtype support decides ``auto``);
+    ``device_type`` is where the tensors live (see memfit.step.tensor_device)."""
     mode = resolve_mode(mode, device)
+    device_type = device_type or device.kind
     if mode == "fp32":
-        return FP32(device.kind)
+        return FP32(device_type)
     if mode == "bf16":
-        return Autocast(device.kind, torch.bfloat16)
+        return Autocast(device_type, torch.bfloat16)
     if mode == "fp16":
-        return Autocast(device.kind, torch.float16)
-    return BF16Pure(device.kind)
+        return Autocast(device_type, torch.float16)
+    return BF16Pure(device_type)

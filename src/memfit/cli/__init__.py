@@ -1,0 +1,1 @@
+"""memfit command line: one module per subcommand."""

@@ -1,0 +1,29 @@
+"""memfit estimate: predict the peak memory of a training step on fake tensors."""
+
+from __future__ import annotations
+
+import argparse
+
+from memfit.cli.common import add_plan_args, add_workload_args, batch_and_seq, plan_from_args, print_json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("estimate", help="predict a training step's peak memory (fake tensors: no memory, no GPU)",
+                       description="Trace the steady-state training step (the second: optimizer states exist) on "
+                                   "fake tensors and report its peak memory with a breakdown by category.")
+    add_workload_args(p)
+    add_plan_args(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from memfit.memory.estimate import estimate
+    from memfit.report.tables import print_estimate
+
+    bs, seq = batch_and_seq(args)
+    report = estimate(args.workload, plan_from_args(args), batch_size=bs, device=args.device, seq_len=seq)
+    if args.json:
+        print_json(report.to_json())
+    else:
+        print_estimate(report)
+    return 0

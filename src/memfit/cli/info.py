@@ -1,0 +1,33 @@
+"""memfit workloads / memfit devices: what can be named on the command line."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("workloads", help="list built-in workloads")
+    p.set_defaults(run=run_workloads)
+    p = sub.add_parser("devices", help="list device presets")
+    p.set_defaults(run=run_devices)
+
+
+def run_workloads(args: argparse.Namespace) -> int:
+    from memfit.workloads import builtin_names
+    for name, doc in builtin_names().items():
+        print(f"{name:12s} {doc}")
+    print("\nOverride config fields as NAME:key=value,key=value (e.g. gpt2:n_layer=4,n_embd=256); "
+          "user workloads as path/to/file.py:NAME.")
+    return 0
+
+
+def run_devices(args: argparse.Namespace) -> int:
+    from memfit.devices import GPU_PRESETS, cpu_device
+    from memfit.units import fmt_bytes
+    cpu = cpu_device()
+    print(f"{'cpu':12s} {fmt_bytes(cpu.total_bytes):>11s}  this machine (CPU allocator)")
+    for d in GPU_PRESETS.values():
+        dtypes = "bf16+fp16" if d.bf16 else "fp16"
+        print(f"{d.name:12s} {fmt_bytes(d.total_bytes):>11s}  {dtypes:9s} context {d.context_bytes >> 20} MiB, "
+              f"{d.peak_flops['float16'] / 1e12:.0f} TFLOP/s fp16, {d.mem_bandwidth / 1e12:.2f} TB/s")
+    return 0

@@ -1,0 +1,63 @@
+"""memfit: predict, plan and prove the memory of PyTorch training.
+
+User errors print one line naming the problem and the fix and exit with status 2; ``--debug``
+shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from memfit import __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from memfit.cli import demo, estimate, info, profile
+    parser = argparse.ArgumentParser(prog="memfit", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"memfit {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in (estimate, profile, info, demo):
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's own logging is noise here
+    parser = build_parser()
+    for action in parser._subparsers._group_actions:  # --debug works after the subcommand too
+        for p in action.choices.values():
+            p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: usage errors exit 2 already
+        return int(e.code or 0)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    from memfit.errors import UserError
+    try:
+        return args.run(args)
+    except UserError as e:
+        if debug:
+            raise
+        print(f"memfit {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("memfit: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # an unexpected failure: one line unless --debug
+        if debug:
+            raise
+        msg = str(e).splitlines()[0] if str(e) else ""
+        print(f"memfit {args.command}: internal error: {type(e).__name__}: {msg} (run with --debug for the "
+              "traceback and report it)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""memfit profile: run the step for real here; measured peak next to the prediction."""
+
+from __future__ import annotations
+
+import argparse
+
+from memfit.cli.common import add_plan_args, add_workload_args, batch_and_seq, plan_from_args, print_json
+from memfit.units import parse_positive_int
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="run the step for real on this machine and compare with the prediction",
+                       description="Run the training step for real, measure its peak with the PyTorch profiler's "
+                                   "allocator events (independent of memfit's tracker), and show it beside the "
+                                   "prediction of `memfit estimate`.")
+    add_workload_args(p)
+    add_plan_args(p)
+    p.add_argument("--repeats", default="5", metavar="N", help="timed steps for step_seconds (median)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from memfit.memory.measure import profile
+    from memfit.report.tables import print_profile
+
+    bs, seq = batch_and_seq(args)
+    result = profile(args.workload, plan_from_args(args), batch_size=bs, device=args.device, seq_len=seq,
+                     repeats=parse_positive_int(args.repeats, "--repeats"))
+    if args.json:
+        print_json(result.to_json())
+    else:
+        print_profile(result)
+    return 0

@@ -1,0 +1,43 @@
+"""Silence the profiler's C++ start/stop chatter (kineto writes straight to file descriptor 2)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+
+@contextlib.contextmanager
+def quiet_fd2():
+    """Send file descriptor 2 to /dev/null for the duration (only around profiler start/stop)."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no real stderr (e.g. captured): nothing to silence
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+class QuietProfiler:
+    """A ``torch.profiler.profile`` whose start and stop print nothing."""
+
+    def __init__(self, prof):
+        self.prof = prof
+
+    def __enter__(self):
+        with quiet_fd2():
+            self.prof.start()
+        return self.prof
+
+    def __exit__(self, *exc):
+        with quiet_fd2():
+            self.prof.stop()
+        return False

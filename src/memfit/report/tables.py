@@ -1,0 +1,84 @@
+"""Terminal tables for estimate and profile."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from memfit.memory.categories import CATEGORIES, DESCRIPTIONS
+from memfit.memory.report import MemoryReport
+from memfit.units import fmt_bytes
+
+
+def _console() -> Console:
+    return Console(highlight=False, soft_wrap=True)
+
+
+def _plan_text(plan: dict) -> str:
+    from memfit.plan import Plan
+    return Plan.from_dict(plan).describe()
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{100 * part / whole:5.1f}%" if whole else "    -"
+
+
+def print_estimate(r: MemoryReport, console: Console | None = None) -> None:
+    c = console or _console()
+    how = {"fake": "traced on fake tensors", "real-fallback": "measured by a real run (fake tracing failed)",
+           "real": "measured"}[r.method]
+    c.print(f"[bold]memfit estimate[/] {r.workload} · batch {r.batch_size} · plan: {_plan_text(r.plan)} · "
+            f"device {r.device} · {how} in {r.trace_seconds:.1f} s")
+    t = Table(show_edge=False, pad_edge=False, box=None)
+    t.add_column("category")
+    t.add_column("bytes at peak", justify="right")
+    t.add_column("share", justify="right")
+    t.add_column("what", style="dim")
+    for cat in CATEGORIES:
+        t.add_row(cat, fmt_bytes(r.breakdown[cat]), _pct(r.breakdown[cat], r.peak_bytes), DESCRIPTIONS[cat])
+    label = "peak allocated" if r.reserved_bytes is not None else "peak"
+    t.add_row(f"[bold]{label}[/]", f"[bold]{fmt_bytes(r.peak_bytes)}[/]", "", f"during {r.peak_phase}")
+    if r.reserved_bytes is not None:
+        t.add_row("reserved", fmt_bytes(r.reserved_bytes), "", "held by the CUDA caching allocator")
+        t.add_row("CUDA context", fmt_bytes(r.cuda_context_bytes), "", "outside PyTorch's allocator")
+        total = r.reserved_bytes + r.cuda_context_bytes
+        verdict = "[green]fits[/]" if r.fits else "[red]does not fit[/]"
+        t.add_row("[bold]on the device[/]", f"[bold]{fmt_bytes(total)}[/]", "",
+                  f"of {fmt_bytes(r.device_total_bytes)}: {verdict}")
+    c.print(t)
+    _print_modules(c, r)
+    _print_approximations(c, r.approximations)
+
+
+def _print_modules(c: Console, r: MemoryReport, top: int = 5) -> None:
+    if r.activations_by_module:
+        items = list(r.activations_by_module.items())[:top]
+        c.print("largest activations at the peak: " + ", ".join(f"{m} {fmt_bytes(b)}" for m, b in items))
+
+
+def _print_approximations(c: Console, approximations: list[str]) -> None:
+    for a in approximations:
+        c.print(f"[yellow]approximation:[/] {a}")
+
+
+def print_profile(result, console: Console | None = None) -> None:
+    c = console or _console()
+    m, p = result.measured, result.predicted
+    c.print(f"[bold]memfit profile[/] {m.workload} · batch {m.batch_size} · plan: {_plan_text(m.plan)} · "
+            f"device {m.device}")
+    t = Table(show_edge=False, pad_edge=False, box=None)
+    t.add_column("category")
+    t.add_column("predicted", justify="right")
+    t.add_column("measured", justify="right")
+    for cat in CATEGORIES:
+        t.add_row(cat, fmt_bytes(p.breakdown[cat]), fmt_bytes(m.breakdown[cat]))
+    t.add_row("[bold]peak[/]", f"[bold]{fmt_bytes(p.peak_bytes)}[/]", f"[bold]{fmt_bytes(m.peak_bytes)}[/]")
+    c.print(t)
+    err = result.error_percent
+    style = "green" if abs(err) <= 1 else "yellow" if abs(err) <= 5 else "red"
+    c.print(f"prediction error: [{style}]{err:+.3f}%[/] of the measured peak "
+            f"({p.peak_bytes - m.peak_bytes:+,d} bytes) · step time {result.step_seconds * 1e3:.1f} ms (median of "
+            f"{len(result.step_seconds_all)})")
+    c.print("[dim]measured peak: PyTorch profiler allocator events; measured breakdown: memfit's tracker on the "
+            "real tensors (kernel scratch shows as the difference to the peak)[/]")
+    _print_approximations(c, p.approximations)
