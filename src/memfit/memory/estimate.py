@@ -22,6 +22,7 @@ from memfit.memory import allocator
 from memfit.memory.faketrace import run_tracked
 from memfit.memory.report import MemoryReport, build_report, step_window
 from memfit.plan import Plan
+from memfit.techniques.precision import resolve_mode
 from memfit.workload import Workload, load_workload
 
 
@@ -45,24 +46,30 @@ def estimate(workload: Workload | str, plan: Plan | str | None = None, *, batch_
     wl, plan, bs = resolve(workload, plan, batch_size, seq_len)
     dev = get_device(device)
     t0 = time.perf_counter()
+    failure: TraceError | None = None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             run = run_tracked(wl, plan, bs, dev, fake=True)
-        method = "fake"
     except TraceError as e:
         if not fallback:
             raise
+        failure = e
         run = _real_fallback(wl, plan, bs, dev, e)
-        method = "real-fallback"
-    report = report_for(run.tracker, wl, plan, bs, dev, method)
-    if method == "real-fallback":
-        report.approximations.insert(0, f"{e}; measured by a real run on this CPU with the same tracker")
+    report = report_for(run.tracker, wl, plan, bs, dev, "real-fallback" if failure else "fake")
+    if failure:
+        report.approximations.insert(0, f"{failure}; measured by a real run on this CPU with the same tracker")
     report.trace_seconds = time.perf_counter() - t0
     return report
 
 
 def report_for(tracker, wl: Workload, plan: Plan, bs: int, dev: Device, method: str) -> MemoryReport:
+    report = _report_for(tracker, wl, plan, bs, dev, method)
+    report.precision = resolve_mode(plan.precision, dev)
+    return report
+
+
+def _report_for(tracker, wl: Workload, plan: Plan, bs: int, dev: Device, method: str) -> MemoryReport:
     from memfit.step import tensor_device
     traced_device = "cuda:0" if (dev.is_gpu and method != "real-fallback" and tensor_device(dev) == "cuda") else "cpu"
     if not dev.is_gpu:

@@ -12,8 +12,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from memfit.devices import Device
 from memfit.errors import TraceError
 from memfit.memory.tracker import MemoryTracker

@@ -23,6 +23,8 @@ class MemoryReport:
     breakdown: dict[str, int]
     """Bytes per category at the peak; sums to peak_bytes."""
     peak_phase: str = ""
+    precision: str = ""
+    """The precision the step ran in (``auto`` resolved for the device)."""
     by_module: dict[str, int] = field(default_factory=dict)
     """Bytes at the peak by the module whose forward/backward created them (largest first)."""
     activations_by_module: dict[str, int] = field(default_factory=dict)

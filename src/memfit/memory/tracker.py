@@ -258,7 +258,10 @@ def _returns_alias(func) -> bool:
     """True if the op's outputs alias its inputs (views, in-place and out= ops): no new memory."""
     hit = _ALIAS_CACHE.get(func)
     if hit is None:
-        hit = _ALIAS_CACHE[func] = any(r.alias_info is not None for r in func._schema.returns)
+        # lift_fresh "returns its input", but that input is a tensor just made from Python data
+        # (torch.tensor(...)) that no op has shown us yet
+        hit = _ALIAS_CACHE[func] = (func not in (aten.lift_fresh.default, aten.lift_fresh_copy.default)
+                                    and any(r.alias_info is not None for r in func._schema.returns))
     return hit
 
 

@@ -27,7 +27,8 @@ def print_estimate(r: MemoryReport, console: Console | None = None) -> None:
     c = console or _console()
     how = {"fake": "traced on fake tensors", "real-fallback": "measured by a real run (fake tracing failed)",
            "real": "measured"}[r.method]
-    c.print(f"[bold]memfit estimate[/] {r.workload} · batch {r.batch_size} · plan: {_plan_text(r.plan)} · "
+    c.print(f"[bold]memfit estimate[/] {r.workload} · batch {r.batch_size} · plan: {_plan_text(r.plan)} "
+            f"({r.precision}) · "
             f"device {r.device} · {how} in {r.trace_seconds:.1f} s")
     t = Table(show_edge=False, pad_edge=False, box=None)
     t.add_column("category")

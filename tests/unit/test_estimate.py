@@ -1,0 +1,61 @@
+"""estimate: GPU presets, fallback for untraceable workloads, speed on a 7B model."""
+
+import pytest
+import torch
+from torch import nn
+
+from memfit.errors import TraceError, UserError
+from memfit.memory import estimate as estimate_module
+from memfit.memory.estimate import estimate
+from memfit.memory.measure import profile
+from memfit.plan import Plan
+from memfit.workload import Workload
+
+
+def test_gpu_preset_reports_reserved_context_and_fit():
+    r = estimate("gpt2:n_layer=2", Plan(precision="bf16"), batch_size=2, seq_len=128, device="a100-40gb")
+    assert r.reserved_bytes >= r.peak_bytes > 0
+    assert r.cuda_context_bytes > 0 and r.device_total_bytes == 42_505_273_344
+    assert r.fits is True
+    assert sum(r.breakdown.values()) == r.peak_bytes
+    big = estimate("gpt2", Plan(), batch_size=64, seq_len=1024, device="t4")
+    assert big.fits is False
+
+
+def test_auto_precision_follows_the_device():
+    t4 = estimate("mha", Plan(precision="auto"), batch_size=2, device="t4")
+    h100 = estimate("mha", Plan(precision="auto"), batch_size=2, device="h100-80gb")
+    assert (t4.precision, h100.precision) == ("fp16", "bf16")
+    with pytest.raises(UserError, match="no bf16"):
+        estimate("mha", Plan(precision="bf16"), batch_size=2, device="v100-16gb")
+
+
+def _masked_workload():
+    def loss(m, x):
+        y = m(x)
+        return y[y > 0].sum()  # boolean-mask indexing: output size depends on the data
+    return Workload(model=lambda: nn.Linear(64, 64), batch=lambda n: torch.randn(n, 64), loss=loss,
+                    default_batch_size=8, name="masked")
+
+
+def test_untraceable_workload_falls_back_to_a_real_run_and_says_so():
+    r = estimate(_masked_workload(), batch_size=8)
+    assert r.method == "real-fallback"
+    assert "nonzero" in r.approximations[0] or "dynamic" in r.approximations[0].lower()
+    measured = profile(_masked_workload(), batch_size=8, repeats=1)
+    assert abs(measured.error_percent) <= 1.0
+
+
+def test_untraceable_and_too_big_names_the_op(monkeypatch):
+    monkeypatch.setattr(estimate_module, "_available_bytes", lambda: 1 << 20)
+    with pytest.raises(TraceError, match="fake-tensor tracing failed at .*nonzero"):
+        estimate(_masked_workload(), batch_size=8)
+
+
+def test_llama_7b_traces_on_fake_tensors():
+    """Llama-2-7B sizes, batch 1, seq 2048: parameters are 6.74B fp32 values."""
+    r = estimate("llama", Plan(precision="bf16"), batch_size=1, seq_len=2048)
+    assert r.method == "fake"
+    assert r.breakdown["parameters"] == pytest.approx(6.738e9 * 4, rel=1e-3)
+    assert r.breakdown["optimizer_states"] == pytest.approx(2 * 6.738e9 * 4, rel=1e-3)
+    assert r.trace_seconds < 30  # the 10 s target is measured in bench/estimate_speed.py

@@ -1,0 +1,71 @@
+import json
+
+import pytest
+
+from memfit.errors import UserError
+from memfit.plan import EMAConfig, Plan
+
+
+def test_defaults_and_roundtrip(tmp_path):
+    plan = Plan(precision="bf16", micro_batch_size=2, offload=["activations"], ema={"decay": 0.99})
+    assert plan.offload == ("activations",)
+    assert plan.ema == EMAConfig(decay=0.99)
+    for name in ("p.yaml", "p.json"):
+        path = tmp_path / name
+        plan.save(path)
+        assert Plan.load(path) == plan
+
+
+def test_plan_is_frozen():
+    with pytest.raises(Exception):
+        Plan().precision = "bf16"
+
+
+@pytest.mark.parametrize("data,match", [
+    ({"precison": "bf16"}, "unknown key"),
+    ({"precision": "fp8"}, "precision 'fp8' is not valid"),
+    ({"checkpointing": "blocks:every=0"}, "N >= 1"),
+    ({"checkpointing": "some"}, "checkpointing 'some'"),
+    ({"checkpointing": "budget:1.5"}, "fraction"),
+    ({"grad_accum_steps": 0}, "grad_accum_steps"),
+    ({"micro_batch_size": -1}, "micro_batch_size"),
+    ({"offload": ["gradients"]}, "offload 'gradients'"),
+    ({"ema": {"decay": 2}}, "ema"),
+    ({"optimizer_in_backward": True, "grad_accum_steps": 4}, "cannot accumulate"),
+    ({"optimizer_in_backward": True, "precision": "fp16"}, "fp16"),
+])
+def test_bad_plans_name_the_problem(data, match):
+    with pytest.raises(UserError, match=match):
+        Plan.from_dict(data)
+
+
+def test_bad_plan_file(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("precision: [unclosed\n")
+    with pytest.raises(UserError, match="not valid YAML"):
+        Plan.load(p)
+    q = tmp_path / "x.json"
+    q.write_text(json.dumps({"precision": "bf16", "extra_key": 1}))
+    with pytest.raises(UserError, match="unknown key.*extra_key"):
+        Plan.load(q)
+    with pytest.raises(UserError, match="not found"):
+        Plan.load(tmp_path / "missing.yaml")
+
+
+def test_micro_batches():
+    assert Plan().micro_batches(8) == (8, 1)
+    assert Plan(micro_batch_size=2).micro_batches(8) == (2, 4)
+    assert Plan(grad_accum_steps=4).micro_batches(8) == (2, 4)
+    assert Plan(micro_batch_size=2, grad_accum_steps=4).micro_batches(8) == (2, 4)
+    with pytest.raises(UserError, match="not a multiple"):
+        Plan(micro_batch_size=3).micro_batches(8)
+    with pytest.raises(UserError, match="give only one"):
+        Plan(micro_batch_size=2, grad_accum_steps=2).micro_batches(8)
+    with pytest.raises(UserError, match="not divisible"):
+        Plan(grad_accum_steps=3).micro_batches(8)
+
+
+def test_unimplemented_fields_are_refused_clearly():
+    with pytest.raises(UserError, match="not implemented"):
+        Plan(checkpointing="blocks").check_implemented()
+    Plan(precision="bf16", micro_batch_size=2).check_implemented()
