@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = ["Plan", "Workload", "build_step", "estimate", "profile", "MemoryReport", "UserError", "__version__"]
+__all__ = ["Plan", "Workload", "load_workload", "build_step", "TrainStep", "estimate", "profile", "MemoryReport",
+           "UserError", "get_device", "__version__"]
 
 _LAZY = {
     "Plan": "memfit.plan",

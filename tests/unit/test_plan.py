@@ -17,7 +17,8 @@ def test_defaults_and_roundtrip(tmp_path):
 
 
 def test_plan_is_frozen():
-    with pytest.raises(Exception):
+    import dataclasses
+    with pytest.raises(dataclasses.FrozenInstanceError):
         Plan().precision = "bf16"
 
 

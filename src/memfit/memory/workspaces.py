@@ -139,7 +139,7 @@ def _measure(func, args, kwargs) -> ProbeResult:
         events = prof.profiler.kineto_results.events()
         rng = next(e for e in events if e.name() == RANGE)
         live = peak = 0
-        for t, n in sorted((e.start_ns(), e.nbytes()) for e in events
+        for _t, n in sorted((e.start_ns(), e.nbytes()) for e in events
                            if e.name() == "[memory]" and rng.start_ns() <= e.start_ns() <= rng.end_ns()):
             live += n
             peak = max(peak, live)
