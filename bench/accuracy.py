@@ -1,0 +1,45 @@
+"""Prediction vs measurement on the zoo (issue: foundation accuracy figure).
+
+For every workload, fp32 and bf16 autocast, AdamW: the fake-tensor prediction, the measured peak
+(PyTorch profiler allocator events, independent of memfit's tracker), the error, and what a
+naive storage tracker alone would have said (memfit's tracker on the real run without kernel
+probes: it misses oneDNN scratch and RNN workspaces).
+
+    .venv/bin/python bench/accuracy.py            # markdown table on stdout
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+warnings.simplefilter("ignore")
+
+from conftest import SEQ, SMALL_HF  # noqa: E402
+
+from memfit.memory.measure import profile  # noqa: E402
+from memfit.plan import Plan  # noqa: E402
+
+ZOO = ["cnn", "lstm", "transformer", "mha", "dit", *SMALL_HF]
+
+
+def main() -> None:
+    print("| workload | precision | predicted (B) | measured (B) | error | naive tracker error |")
+    print("|---|---|---:|---:|---:|---:|")
+    worst = 0.0
+    for name in ZOO:
+        for precision in ("fp32", "bf16"):
+            r = profile(SMALL_HF.get(name, name), Plan(precision=precision), batch_size=4, seq_len=SEQ.get(name),
+                        repeats=1)
+            naive = 100 * (r.tracker_peak_bytes - r.peak_bytes) / r.peak_bytes
+            worst = max(worst, abs(r.error_percent))
+            print(f"| {name} | {precision} | {r.predicted.peak_bytes:,} | {r.peak_bytes:,} | "
+                  f"{r.error_percent:+.3f}% | {naive:+.2f}% |", flush=True)
+    print(f"\nworst |error|: {worst:.3f}% (target <= 1%)")
+
+
+if __name__ == "__main__":
+    main()
