@@ -36,11 +36,13 @@ OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "sgd")
 OFFLOADS = ("optimizer_states", "activations")
 ATTENTIONS = ("auto", "sdpa", "math", "chunked")
 COMPILES = ("none", "blocks", "full")
+BF16_UPDATES = ("nearest", "stochastic", "kahan")
 _CKPT_RE = re.compile(r"^(none|blocks|blocks:every=(\d+)|selective|budget:([0-9]*\.?[0-9]+))$")
 
 # Plan fields that this version implements in the TrainStep. The others are part of the
 # schema (so plan files stay stable) and are refused with a clear message until implemented.
-IMPLEMENTED = {"precision", "micro_batch_size", "grad_accum_steps"}
+IMPLEMENTED = {"precision", "micro_batch_size", "grad_accum_steps", "checkpointing", "optimizer",
+               "optimizer_in_backward", "offload", "ema", "loss_chunks", "attention", "bf16_update"}
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,8 @@ class Plan:
     """auto | sdpa | math | chunked."""
     compile: str = "none"
     """none | blocks | full."""
+    bf16_update: str = "nearest"
+    """With bf16-pure: how the update is rounded into bf16 weights: nearest | stochastic | kahan."""
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -84,6 +88,7 @@ class Plan:
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         _check_choice("attention", self.attention, ATTENTIONS)
         _check_choice("compile", self.compile, COMPILES)
+        _check_choice("bf16_update", self.bf16_update, BF16_UPDATES)
         if not _CKPT_RE.match(str(self.checkpointing)):
             raise UserError(
                 f"plan: checkpointing {self.checkpointing!r} is not valid; "
@@ -125,6 +130,14 @@ class Plan:
                             "cannot accumulate micro-batches; set grad_accum_steps: 1 or optimizer_in_backward: false")
         if self.optimizer_in_backward and self.micro_batch_size is not None:
             raise UserError("plan: optimizer_in_backward cannot accumulate micro-batches; remove micro_batch_size")
+        if self.optimizer_in_backward and "optimizer_states" in self.offload:
+            raise UserError("plan: optimizer_in_backward and offload: [optimizer_states] cannot be combined in this "
+                            "version; choose one")
+        if self.bf16_update != "nearest" and self.precision != "bf16-pure":
+            raise UserError(f"plan: bf16_update: {self.bf16_update} applies to precision: bf16-pure only")
+        if self.bf16_update != "nearest" and self.optimizer not in ("adamw", "sgd"):
+            raise UserError(f"plan: bf16_update: {self.bf16_update} is implemented for adamw and sgd; "
+                            f"use bf16_update: nearest with {self.optimizer}")
         if self.optimizer_in_backward and self.precision == "fp16":
             raise UserError("plan: optimizer_in_backward cannot unscale fp16 gradients with a GradScaler "
                             "(inf checks need all gradients); use bf16 or set optimizer_in_backward: false")
@@ -149,6 +162,9 @@ class Plan:
         return m, n
 
     def check_implemented(self) -> None:
+        if self.checkpointing.startswith("budget:"):
+            raise UserError(f"plan: checkpointing={self.checkpointing} (torch.compile's activation memory budget) is "
+                            "not implemented in this memfit version yet; use blocks, blocks:every=N or selective")
         default = Plan()
         for f in dataclasses.fields(self):
             if f.name in IMPLEMENTED or f.name == "extra":

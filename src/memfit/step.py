@@ -5,9 +5,16 @@ a loop. A step is: zero_grad(set_to_none) -> for each micro-batch: forward + los
 plan's precision, backward (scaled for fp16) -> optimizer step. Micro-batch losses are divided by
 the number of micro-batches, so accumulated gradients equal those of the whole batch.
 
+Techniques (``memfit.techniques``) are applied once, in :func:`build_step`: converters change the
+model (precision, attention, checkpointing), the optimizer is chosen (variant, in backward,
+offloaded states), the loss may be chunked, and the step holds the contexts they need (attention
+around forward and backward, activation offload around forward) and runs ``after_step`` hooks
+(EMA). There is no other step: estimate, profile and train all run this one.
+
 An *observer* (memfit's memory tracker) may watch the step: the step announces its phases
-(``zero_grad``, ``forward``, ``backward``, ``optimizer``) through ``observer.phase(name)``; the
-default observer does nothing.
+(``zero_grad``, ``forward``, ``backward``, ``optimizer``) through ``observer.phase(name)`` and
+techniques report host-resident copies through ``observer.host(tensors)``; the default observer
+does nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +28,14 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from memfit.devices import Device, get_device
 from memfit.errors import UserError
 from memfit.plan import Plan
+from memfit.techniques.attention import Attention
+from memfit.techniques.bf16_pure import compensated
+from memfit.techniques.checkpointing import CheckpointConfig, Checkpointing
+from memfit.techniques.chunked_loss import ChunkedLoss
+from memfit.techniques.ema import EMA, NoEMA
+from memfit.techniques.offload import OffloadActivations, OffloadOptimizerStates
+from memfit.techniques.optimizers import OptimizerInBackward, variant_factory
+from memfit.techniques.placement import HostPlacement
 from memfit.techniques.precision import build_precision
 from memfit.workload import Workload
 
@@ -30,6 +45,9 @@ class NullObserver:
 
     def phase(self, name: str) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
+
+    def host(self, tensors) -> None:
+        pass
 
 
 def split_batch(batch: Any, batch_size: int, n: int) -> list[Any]:
@@ -48,12 +66,27 @@ class TrainStep:
     ``step.run(batch)`` returns it as a detached tensor (what fake-tensor tracing uses)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn, plan: Plan,
-                 batch_size: int, device: Device, precision):
+                 batch_size: int, device: Device, precision, *, placement: HostPlacement | None = None,
+                 contexts: tuple = (), forward_contexts: tuple = (), after_step: tuple = (), ema=None):
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.plan, self.batch_size, self.device, self.precision = plan, batch_size, device, precision
         self.micro_batch_size, self.num_micro_batches = plan.micro_batches(batch_size)
         self.scaler = precision.grad_scaler()
+        self.placement = placement or HostPlacement()
+        self.contexts = contexts                # around forward and backward (backward may recompute)
+        self.forward_contexts = forward_contexts  # around forward only (e.g. saved-tensor hooks)
+        self.after_step = after_step
+        self.ema = ema
         self.observer = NullObserver()
+
+    @property
+    def observer(self):
+        return self._observer
+
+    @observer.setter
+    def observer(self, obs) -> None:
+        self._observer = obs
+        self.placement.observer = obs
 
     def run(self, batch: Any) -> torch.Tensor:
         obs, n = self.observer, self.num_micro_batches
@@ -61,19 +94,26 @@ class TrainStep:
             self.optimizer.zero_grad(set_to_none=True)
         micro = split_batch(batch, self.batch_size, n) if n > 1 else [batch]
         total = None
-        for mb in micro:
-            with obs.phase("forward"), self.precision.autocast():
-                loss = self.loss_fn(self.model, mb)
-                _check_loss(loss)
-                if n > 1:
-                    loss = loss / n
-            with obs.phase("backward"):
-                self.scaler.scale(loss).backward()
-            total = loss.detach() if total is None else total + loss.detach()
-            del loss
+        with contextlib.ExitStack() as around:
+            for make in self.contexts:
+                around.enter_context(make())
+            for mb in micro:
+                with obs.phase("forward"), self.precision.autocast(), contextlib.ExitStack() as fwd:
+                    for make in self.forward_contexts:
+                        fwd.enter_context(make())
+                    loss = self.loss_fn(self.model, mb)
+                    _check_loss(loss)
+                    if n > 1:
+                        loss = loss / n
+                with obs.phase("backward"):
+                    self.scaler.scale(loss).backward()
+                total = loss.detach() if total is None else total + loss.detach()
+                del loss
         with obs.phase("optimizer"):
             self.scaler.step(self.optimizer)
             self.scaler.update()
+            for hook in self.after_step:
+                hook()
         return total
 
     def __call__(self, batch: Any) -> float:
@@ -114,17 +154,35 @@ def build_step(workload: Workload, plan: Plan | None = None, batch_size: int | N
     batch_size = batch_size or workload.default_batch_size
     plan.micro_batches(batch_size)
     precision = build_precision(plan.precision, dev, tensor_device(dev))
+    placement = HostPlacement()
     with torch.device(tensor_device(dev)):
         model = _call_workload("model()", workload.model)
         if not isinstance(model, torch.nn.Module):
             raise UserError(f"workload model() must return an nn.Module, got {type(model).__name__}")
         model = precision.apply(model)
         model.train()
+        attention = Attention(plan.attention)
+        attention.apply(model)
+        Checkpointing(CheckpointConfig.parse(plan.checkpointing)).apply(model)
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise UserError("the workload's model has no trainable parameters")
-        optimizer = _call_workload("optimizer(params)", workload.build_optimizer, params)
-    return TrainStep(model, optimizer, workload.loss, plan, batch_size, dev, precision)
+        factory = variant_factory(plan.optimizer, lambda ps: _call_workload("optimizer(params)",
+                                                                            workload.build_optimizer, ps), params)
+        if plan.precision == "bf16-pure":
+            factory = compensated(factory, plan.bf16_update)
+        if plan.optimizer_in_backward:
+            optimizer = OptimizerInBackward(params, factory)
+        elif "optimizer_states" in plan.offload:
+            optimizer = OffloadOptimizerStates(params, factory, placement)
+        else:
+            optimizer = factory(params)
+    loss_fn = ChunkedLoss(plan.loss_chunks).wrap(workload.loss, model)
+    ema = EMA(model, plan.ema, placement) if plan.ema else NoEMA()
+    forward_contexts = (OffloadActivations(model, placement),) if "activations" in plan.offload else ()
+    return TrainStep(model, optimizer, loss_fn, plan, batch_size, dev, precision, placement=placement,
+                     contexts=(attention.context,), forward_contexts=forward_contexts,
+                     after_step=(ema.update,), ema=ema)
 
 
 def make_batch(workload: Workload, batch_size: int, device: Device) -> Any:

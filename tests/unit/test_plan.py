@@ -67,6 +67,7 @@ def test_micro_batches():
 
 
 def test_unimplemented_fields_are_refused_clearly():
-    with pytest.raises(UserError, match="not implemented"):
-        Plan(checkpointing="blocks").check_implemented()
-    Plan(precision="bf16", micro_batch_size=2).check_implemented()
+    for plan in (Plan(checkpointing="budget:0.5"), Plan(compile="blocks")):
+        with pytest.raises(UserError, match="not implemented"):
+            plan.check_implemented()
+    Plan(precision="bf16", micro_batch_size=2, checkpointing="blocks", loss_chunks=4).check_implemented()

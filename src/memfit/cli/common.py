@@ -62,7 +62,13 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         if f.name == "offload":
             changes[f.name] = [v for v in value.split(",") if v]
         elif f.name == "ema":
-            changes[f.name] = None if value in ("null", "none", "") else yaml.safe_load(value)
+            if value in ("null", "none", ""):
+                changes[f.name] = None
+            elif "=" in value:  # --ema decay=0.999,device=cpu,every=1
+                from memfit.workloads import parse_overrides
+                changes[f.name] = parse_overrides(value, "--ema")
+            else:  # --ema '{decay: 0.999, device: cpu}'
+                changes[f.name] = yaml.safe_load(value)
         elif f.name in ("micro_batch_size", "grad_accum_steps", "loss_chunks"):
             if f.name == "micro_batch_size" and value in ("null", "none"):
                 changes[f.name] = None

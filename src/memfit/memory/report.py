@@ -28,6 +28,10 @@ class MemoryReport:
     by_module: dict[str, int] = field(default_factory=dict)
     """Bytes at the peak by the module whose forward/backward created them (largest first)."""
     activations_by_module: dict[str, int] = field(default_factory=dict)
+    host_peak_bytes: int = 0
+    """Peak bytes in host memory (offloaded optimizer states / activations, EMA on the host)."""
+    process_peak_bytes: int = 0
+    """On a CPU device: the peak of device + host bytes together (the same physical memory)."""
     reserved_bytes: int | None = None
     """GPU presets: the caching allocator's reserved (cudaMalloc'd) bytes at the peak."""
     device_total_bytes: int | None = None
@@ -71,18 +75,19 @@ def step_window(tracker: MemoryTracker, step: int) -> Window:
     return Window(start, end)
 
 
-def peak_of(tracker: MemoryTracker, device: str, window: Window, sizes=None) -> tuple[int, int]:
+def peak_of(tracker: MemoryTracker, device: str | tuple[str, ...], window: Window, sizes=None) -> tuple[int, int]:
     """(peak bytes, event index of the peak) on ``device`` within ``window``.
 
     ``sizes`` maps a serial to the bytes the allocator really hands out (e.g. CUDA's 512-byte
     rounding); default: the storage's own bytes.
     """
     recs, events = tracker.state.records, tracker.state.events
+    devices = (device,) if isinstance(device, str) else device
     live = 0
     peak, peak_at = -1, window.start - 1
     for i, (serial, sign) in enumerate(events[:window.end]):
         rec = recs[serial]
-        if rec.device != device:
+        if rec.device not in devices:
             continue
         live += sign * (sizes(rec.nbytes) if sizes is not None else rec.nbytes)
         if i >= window.start and live > peak:
@@ -137,9 +142,12 @@ def build_report(tracker: MemoryTracker, *, workload: str, device_name: str, dev
         calls = ", ".join(f"{k} x{v}" for k, v in sorted(tracker.unprobed.items(), key=lambda kv: -kv[1])[:6])
         approximations.append(f"internal scratch of {sum(tracker.unprobed.values())} kernel calls too large to "
                               f"probe is not counted ({calls})")
+    host_peak, _ = peak_of(tracker, "host", window)
+    process_peak = peak_of(tracker, (device, "host"), window)[0] if device == "cpu" else peak
     return MemoryReport(
         workload=workload, device=device_name, batch_size=batch_size, plan=plan, method=method,
         peak_bytes=peak, breakdown=breakdown, peak_phase=phase_at(tracker, at),
+        host_peak_bytes=host_peak, process_peak_bytes=process_peak,
         by_module=_sorted(by_module), activations_by_module=_sorted(act_by_module),
         timeline=_timeline(tracker, device, window, timeline_points), approximations=approximations)
 

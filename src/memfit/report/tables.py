@@ -39,6 +39,8 @@ def print_estimate(r: MemoryReport, console: Console | None = None) -> None:
         t.add_row(cat, fmt_bytes(r.breakdown[cat]), _pct(r.breakdown[cat], r.peak_bytes), DESCRIPTIONS[cat])
     label = "peak allocated" if r.reserved_bytes is not None else "peak"
     t.add_row(f"[bold]{label}[/]", f"[bold]{fmt_bytes(r.peak_bytes)}[/]", "", f"during {r.peak_phase}")
+    if r.host_peak_bytes:
+        t.add_row("host memory", fmt_bytes(r.host_peak_bytes), "", "peak of offloaded copies (not on the device)")
     if r.reserved_bytes is not None:
         t.add_row("reserved", fmt_bytes(r.reserved_bytes), "", "held by the CUDA caching allocator")
         t.add_row("CUDA context", fmt_bytes(r.cuda_context_bytes), "", "outside PyTorch's allocator")
@@ -73,12 +75,15 @@ def print_profile(result, console: Console | None = None) -> None:
     t.add_column("measured", justify="right")
     for cat in CATEGORIES:
         t.add_row(cat, fmt_bytes(p.breakdown[cat]), fmt_bytes(m.breakdown[cat]))
-    t.add_row("[bold]peak[/]", f"[bold]{fmt_bytes(p.peak_bytes)}[/]", f"[bold]{fmt_bytes(m.peak_bytes)}[/]")
+    t.add_row("[bold]peak[/]", f"[bold]{fmt_bytes(result.predicted_peak_bytes)}[/]", f"[bold]{fmt_bytes(m.peak_bytes)}[/]")
+    if p.host_peak_bytes:
+        t.add_row("  of which device", fmt_bytes(p.peak_bytes), "")
+        t.add_row("  host (offloaded)", fmt_bytes(p.host_peak_bytes), "")
     c.print(t)
     err = result.error_percent
     style = "green" if abs(err) <= 1 else "yellow" if abs(err) <= 5 else "red"
     c.print(f"prediction error: [{style}]{err:+.3f}%[/] of the measured peak "
-            f"({p.peak_bytes - m.peak_bytes:+,d} bytes) · step time {result.step_seconds * 1e3:.1f} ms (median of "
+            f"({result.predicted_peak_bytes - m.peak_bytes:+,d} bytes) · step time {result.step_seconds * 1e3:.1f} ms (median of "
             f"{len(result.step_seconds_all)})")
     c.print("[dim]measured peak: PyTorch profiler allocator events; measured breakdown: memfit's tracker on the "
             "real tensors (kernel scratch shows as the difference to the peak)[/]")

@@ -119,7 +119,20 @@ class BF16Pure(FP32):
     name = "bf16-pure"
 
     def apply(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model.to(torch.bfloat16)
+        # Replace parameters one by one (keeping tied weights tied) rather than model.to(): the
+        # latter swaps tensors in place, which fails for tied parameters on fake tensors.
+        converted: dict[int, torch.nn.Parameter] = {}
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is None or not p.is_floating_point():
+                    continue
+                if id(p) not in converted:
+                    converted[id(p)] = torch.nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=p.requires_grad)
+                module._parameters[name] = converted[id(p)]
+            for name, b in list(module._buffers.items()):
+                if b is not None and b.is_floating_point():
+                    module._buffers[name] = b.to(torch.bfloat16)
+        return model
 
 
 def build_precision(mode: str, device: Device, device_type: str | None = None) -> FP32:

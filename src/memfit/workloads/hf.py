@@ -21,6 +21,7 @@ def _transformers():
 def _config(cls_name: str, arch: str, overrides: dict, defaults: dict | None = None):
     tf = _transformers()
     config = getattr(tf, cls_name)(**(defaults or {}))
+    config.use_cache = False  # training: no KV cache
     for key, value in overrides.items():
         if not hasattr(config, key):
             raise UserError(f"{arch}: {cls_name} has no field {key!r}; see transformers' {cls_name} for valid names")

@@ -1,0 +1,117 @@
+"""bf16-pure updates that do not lose small steps.
+
+With weights in bf16 (8 bits of mantissa) an update smaller than about 1/256 of a weight rounds
+away: late in training most updates are that small, so the weights stop moving. Two remedies,
+both computing the update in fp32 and storing bf16:
+
+- ``stochastic``: round the new fp32 weight up or down at random, with probabilities that make
+  the rounding unbiased; small updates survive on average. No extra memory.
+- ``kahan``: keep a bf16 compensation buffer per weight holding what rounding lost, and add it
+  back at the next update (Kahan summation, as in AnyPrecisionAdamW). Costs N/2 bytes more.
+
+The math runs over flat chunks of ``CHUNK`` elements, so its fp32 temporaries stay small even for
+a large embedding. Optimizer states are bf16 (as the weights), like most bf16 fine-tuning recipes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memfit.errors import UserError
+
+CHUNK = 1 << 20
+
+
+def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Unbiased rounding of fp32 to bf16: round up with probability (dropped bits) / 2**16."""
+    bits = x.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, x.shape, device=x.device, dtype=torch.int32, generator=generator)
+    truncated = bits & -65536  # 0xFFFF0000: the bf16 towards zero
+    rounded = torch.where(noise < (bits & 0xFFFF), truncated + 65536, truncated)
+    return rounded.view(torch.float32).to(torch.bfloat16)
+
+
+class BF16Optimizer(torch.optim.Optimizer):
+    """AdamW or SGD (momentum) for bf16 weights, fp32 math, stochastic or Kahan write-back."""
+
+    def __init__(self, params, kind: str, rounding: str, lr: float, weight_decay: float = 0.0,
+                 betas=(0.9, 0.999), eps: float = 1e-8, momentum: float = 0.9):
+        if kind not in ("adamw", "sgd") or rounding not in ("stochastic", "kahan"):
+            raise UserError(f"BF16Optimizer: kind {kind!r} / rounding {rounding!r} not supported")
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps,
+                                      momentum=momentum))
+        self.kind, self.rounding = kind, rounding
+
+    def _init_state(self, p: torch.Tensor) -> dict:
+        st = self.state[p]
+        if not st:
+            st["step"] = 0
+            names = ("exp_avg", "exp_avg_sq") if self.kind == "adamw" else ("momentum_buffer",)
+            for n in names:
+                st[n] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            if self.rounding == "kahan":
+                st["compensation"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        return st
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, wd, (b1, b2), eps = group["lr"], group["weight_decay"], group["betas"], group["eps"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self._init_state(p)
+                st["step"] += 1
+                t = st["step"]
+                flat = {"p": p.view(-1), "g": p.grad.reshape(-1)}
+                flat.update({k: v.view(-1) for k, v in st.items() if torch.is_tensor(v)})
+                for start in range(0, p.numel(), CHUNK):
+                    c = {k: v[start:start + CHUNK] for k, v in flat.items()}
+                    g = c["g"].float()
+                    w = c["p"].float()
+                    if self.rounding == "kahan":
+                        w += c["compensation"].float()
+                    if self.kind == "adamw":
+                        m = c["exp_avg"].float().lerp_(g, 1 - b1)
+                        v = c["exp_avg_sq"].float().mul_(b2).addcmul_(g, g, value=1 - b2)
+                        c["exp_avg"].copy_(m)
+                        c["exp_avg_sq"].copy_(v)
+                        denom = (v / (1 - b2 ** t)).sqrt_().add_(eps)
+                        w.mul_(1 - lr * wd).addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
+                    else:
+                        g.add_(w, alpha=wd) if wd else None
+                        buf = c["momentum_buffer"].float()
+                        buf = g if t == 1 else buf.mul_(group["momentum"]).add_(g)
+                        c["momentum_buffer"].copy_(buf)
+                        w.add_(buf, alpha=-lr)
+                    if self.rounding == "kahan":
+                        new = w.to(torch.bfloat16)
+                        c["compensation"].copy_(w - new.float())
+                        c["p"].copy_(new)
+                    else:
+                        c["p"].copy_(stochastic_round_to_bf16(w))
+        return None
+
+
+def compensated(factory, rounding: str):
+    """Wrap an optimizer factory for bf16-pure weights: ``nearest`` keeps it as is."""
+    if rounding == "nearest":
+        return factory
+
+    def build(params):
+        probe = factory(params)
+        d = probe.defaults
+        if isinstance(probe, (torch.optim.AdamW, torch.optim.Adam)):
+            kind = "adamw"
+        elif isinstance(probe, torch.optim.SGD):
+            kind = "sgd"
+        else:
+            raise UserError(f"bf16_update: {rounding} is implemented for AdamW/Adam and SGD, not "
+                            f"{type(probe).__name__}; use bf16_update: nearest")
+        momentum = d.get("momentum", 0.9) or 0.9
+        return BF16Optimizer(params, kind, rounding, lr=d["lr"], weight_decay=d.get("weight_decay", 0.0),
+                             betas=d.get("betas", (0.9, 0.999)), eps=d.get("eps", 1e-8), momentum=momentum)
+    return build
+
+
+__all__ = ["BF16Optimizer", "compensated", "stochastic_round_to_bf16"]

@@ -1,0 +1,75 @@
+"""Chunked cross-entropy: the language-model loss without the full logits.
+
+A causal LM's logits are [batch, T, vocab] in fp32 for the loss: at GPT-2's vocabulary (50257)
+and 8 x 1024 tokens that is 1.6 GiB, plus as much again for their gradient, often the largest
+single tensor of the step. With ``loss_chunks: K`` memfit runs the model's body to the last
+hidden states, then applies the output head and cross-entropy to K slices of the tokens, each
+under a checkpoint: one slice's logits exist at a time, and backward recomputes them (one extra
+head matmul). The result equals the unchunked mean over the non-ignored tokens.
+
+Applies to Hugging Face causal LMs (``...ForCausalLM``, labels in the batch), as the built-in
+workloads are; the head's plain linear map is used (models with logit soft-capping or scaling
+are refused).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from memfit.errors import UserError
+
+IGNORE_INDEX = -100
+
+
+def _chunk_loss(hidden, labels, weight, bias):
+    logits = F.linear(hidden, weight, bias).float()
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunked_lm_loss(model, batch, chunks: int) -> torch.Tensor:
+    labels = batch["labels"]
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    hidden = model.base_model(**inputs).last_hidden_state
+    head = model.get_output_embeddings()
+    hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    labels = labels[:, 1:].reshape(-1)
+    total = None
+    for h, y in zip(hidden.chunk(chunks), labels.chunk(chunks)):
+        part = checkpoint(_chunk_loss, h, y, head.weight, head.bias, use_reentrant=False)
+        total = part if total is None else total + part
+    return total / (labels != IGNORE_INDEX).sum()
+
+
+def check_supported(model) -> None:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        PreTrainedModel = ()  # noqa: N806
+    config = getattr(model, "config", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(model, PreTrainedModel) or head is None or getattr(config, "is_encoder_decoder", False):
+        raise UserError("loss_chunks needs a Hugging Face causal language model (a ...ForCausalLM with labels in "
+                        "the batch); set loss_chunks: 0 for this workload")
+    for attr in ("final_logit_softcapping", "logit_scale"):
+        if getattr(config, attr, None):
+            raise UserError(f"loss_chunks: this model applies {attr} to its logits, which chunking does not "
+                            "reproduce; set loss_chunks: 0")
+
+
+class ChunkedLoss:
+    def __init__(self, chunks: int):
+        self.chunks = chunks
+
+    def wrap(self, loss_fn, model):
+        if self.chunks <= 0:
+            return loss_fn
+        check_supported(model)
+        chunks = self.chunks
+
+        def loss(m, batch):
+            if not isinstance(batch, dict) or "labels" not in batch:
+                raise UserError("loss_chunks needs a batch dict with 'labels' (as Hugging Face causal LMs take)")
+            return chunked_lm_loss(m, batch, chunks)
+        return loss

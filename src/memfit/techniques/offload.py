@@ -1,0 +1,102 @@
+"""Offload optimizer states and saved activations to host memory.
+
+Optimizer states (2N bytes for AdamW) are touched once per step, so they can live in host memory
+and visit the device one parameter at a time for the update: device memory holds the states of
+one parameter instead of all of them, at the cost of moving 2N bytes each way over the host link
+per step (on CUDA: pinned buffers, copies on a side stream, the next parameter's states fetched
+while the current one is updated).
+
+Saved activations are written once in forward and read once in backward; the saved-tensor hooks
+(``torch.autograd.graph.saved_tensors_hooks``) move each one larger than ``min_bytes`` to host
+memory when autograd saves it and bring it back when backward needs it. Parameters are never
+offloaded (they stay on the device anyway). The values round-trip exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+
+import torch
+
+from memfit.techniques.optimizers import Factory
+from memfit.techniques.placement import HostPlacement
+
+
+class OffloadOptimizerStates:
+    """One optimizer per parameter; its states live on the host between updates."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], factory: Factory, placement: HostPlacement):
+        self.params = [p for p in params]
+        self.optimizers = {p: factory([p]) for p in self.params}
+        self.param_groups = [g for opt in self.optimizers.values() for g in opt.param_groups]
+        self.defaults = next(iter(self.optimizers.values())).defaults
+        self.placement = placement
+        self._copy_stream = None
+
+    @property
+    def state(self) -> dict:
+        return {p: opt.state[p] for p, opt in self.optimizers.items() if p in opt.state}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def _fetch(self, p: torch.nn.Parameter) -> dict:
+        """The parameter's states, on the device."""
+        state = self.optimizers[p].state.get(p, {})
+        if p.device.type == "cuda" and self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=p.device)
+        ctx = torch.cuda.stream(self._copy_stream) if self._copy_stream is not None else contextlib.nullcontext()
+        with ctx:
+            return {k: self.placement.to_device(v, p.device) if torch.is_tensor(v) and v.dim() > 0 else v
+                    for k, v in state.items()}
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        todo = [p for p in self.params if p.grad is not None]
+        fetched = self._fetch(todo[0]) if todo else None
+        for i, p in enumerate(todo):
+            opt = self.optimizers[p]
+            if self._copy_stream is not None:
+                torch.cuda.current_stream(p.device).wait_stream(self._copy_stream)
+            if fetched:
+                opt.state[p] = fetched
+            nxt = self._fetch(todo[i + 1]) if i + 1 < len(todo) else None  # overlaps this update on CUDA
+            opt.step()
+            opt.state[p] = {k: self.placement.to_host(v) if torch.is_tensor(v) and v.dim() > 0 else v
+                            for k, v in opt.state[p].items()}
+            fetched = nxt
+        if self._copy_stream is not None:
+            torch.cuda.current_stream().synchronize()  # host copies complete before they are read
+
+    def state_dict(self) -> dict:
+        return {"per_param": [opt.state_dict() for opt in self.optimizers.values()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for opt, sd in zip(self.optimizers.values(), state["per_param"]):
+            opt.load_state_dict(sd)
+
+
+class OffloadActivations:
+    """Saved-tensor hooks that keep activations on the host between forward and backward."""
+
+    def __init__(self, model: torch.nn.Module, placement: HostPlacement, min_bytes: int = 1024):
+        self.placement = placement
+        self.min_bytes = min_bytes
+        self._params = {p.untyped_storage()._cdata for p in model.parameters()}
+
+    def _pack(self, t: torch.Tensor):
+        if t.untyped_storage().nbytes() < self.min_bytes or t.untyped_storage()._cdata in self._params \
+                or t.device.type == "meta":
+            return t
+        return (t.device, self.placement.to_host(t))
+
+    def _unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, host = packed
+        return self.placement.to_device(host, device)
+
+    def __call__(self) -> contextlib.AbstractContextManager:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
