@@ -59,3 +59,17 @@ def test_llama_7b_traces_on_fake_tensors():
     assert r.breakdown["parameters"] == pytest.approx(6.738e9 * 4, rel=1e-3)
     assert r.breakdown["optimizer_states"] == pytest.approx(2 * 6.738e9 * 4, rel=1e-3)
     assert r.trace_seconds < 30  # the 10 s target is measured in bench/estimate_speed.py
+
+
+def test_transformers_fake_tensor_adapter_still_applies():
+    """NOTE [ Libraries that branch on fake tensors ]: fails loudly if transformers moves the check."""
+    import transformers.utils.import_utils as iu
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memfit.memory.adapters import real_code_paths
+    with FakeTensorMode():
+        t = torch.ones(2)
+    assert iu.is_tracing(t) is True
+    with real_code_paths():
+        assert iu.is_tracing(t) is False
+    assert iu.is_tracing(t) is True

@@ -14,6 +14,7 @@ from typing import Any
 
 from memfit.devices import Device
 from memfit.errors import TraceError
+from memfit.memory.adapters import real_code_paths
 from memfit.memory.tracker import MemoryTracker
 from memfit.memory.workspaces import probe_for
 from memfit.plan import Plan
@@ -75,7 +76,8 @@ def run_tracked(workload: Workload, plan: Plan, batch_size: int, device: Device,
     hooks: list[Any] = []
     t0 = time.perf_counter()
     try:
-        with outer or contextlib.nullcontext(), fake_mode, tracker:
+        with outer or contextlib.nullcontext(), fake_mode, tracker, \
+                (real_code_paths() if fake else contextlib.nullcontext()):
             step = build_step(workload, plan, batch_size, device)
             params = [p for p in step.model.parameters()]
             tracker.label(params, "parameters")

@@ -82,6 +82,7 @@ class MemoryTracker(TorchDispatchMode):
         self.approximations: dict[tuple[str, str], Approximation] = {}
         self.probe = probe
         self.unprobed: dict[str, int] = {}
+        self._check_origin: dict[int, object] = {}  # storage -> the aten.all / aten.any that made it
         self._live: dict[int, tuple[int, weakref.ref]] = {}  # storage cdata -> (serial, weakref)
         self._forward_serial_start = 0
         self._modules = ModuleStack()
@@ -159,6 +160,8 @@ class MemoryTracker(TorchDispatchMode):
             except DataDependentOutputException:
                 return self._assume(func, args)
         out = func(*args, **kwargs)
+        if self.assume_scalars and func.overloadpacket in _CHECK_OPS and isinstance(out, torch.Tensor):
+            self._check_origin[_key(out)] = func.overloadpacket
         probed = None
         if self.probe is not None and self.probe.wants(func):
             probed = self.probe(func, args, kwargs, out)
@@ -242,18 +245,27 @@ class MemoryTracker(TorchDispatchMode):
         return self._modules.current()
 
     def _assume(self, func, args):
+        """NOTE [ Assumed scalars ]: a value fake mode cannot know is assumed to be the common
+        case of a check: ``.all()`` True, ``.any()`` False, ``torch.equal`` True, anything else 0
+        (e.g. GradScaler's found_inf: no overflow). Every assumption is listed in the report."""
+        origin = self._check_origin.get(_key(args[0])) if func is not aten.equal.default else None
+        if func is aten.equal.default:
+            what, value = "torch.equal(...) assumed True", True
+        elif origin is aten.all:
+            what, value = "a data-dependent .all() assumed True", True
+        elif origin is aten.any:
+            what, value = "a data-dependent .any() assumed False", False
+        else:
+            dtype = args[0].dtype
+            value = False if dtype == torch.bool else 0.0 if dtype.is_floating_point else 0
+            what = "a data-dependent scalar read (.item()/bool()) assumed 0"
         where = _user_frame()
-        key = (str(func), where)
+        key = (what, where)
         if key in self.approximations:
             self.approximations[key].count += 1
         else:
-            what = ("torch.equal(...) assumed False" if func is aten.equal.default
-                    else "a data-dependent scalar read (.item()/bool()) assumed 0")
             self.approximations[key] = Approximation(what=what, where=where)
-        if func is aten.equal.default:
-            return False
-        dtype = args[0].dtype
-        return False if dtype == torch.bool else 0.0 if dtype.is_floating_point else 0
+        return value
 
 
 class ModuleStack:
@@ -333,6 +345,7 @@ def _resize_outputs(out, real_nbytes: tuple[int, ...]):
     return tree_unflatten(leaves, spec) if changed else out
 
 
+_CHECK_OPS = {aten.all, aten.any}
 _SCALAR_READS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
 
 

@@ -49,13 +49,22 @@ def check_supported(model) -> None:
         PreTrainedModel = ()  # noqa: N806
     config = getattr(model, "config", None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not isinstance(model, PreTrainedModel) or head is None or getattr(config, "is_encoder_decoder", False):
+    if not isinstance(model, PreTrainedModel) or head is None or getattr(config, "is_encoder_decoder", False) \
+            or type(model).__name__ not in _causal_lm_classes():
         raise UserError("loss_chunks needs a Hugging Face causal language model (a ...ForCausalLM with labels in "
                         "the batch); set loss_chunks: 0 for this workload")
     for attr in ("final_logit_softcapping", "logit_scale"):
         if getattr(config, attr, None):
             raise UserError(f"loss_chunks: this model applies {attr} to its logits, which chunking does not "
                             "reproduce; set loss_chunks: 0")
+
+
+def _causal_lm_classes() -> set[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    names = set()
+    for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update(v if isinstance(v, (list, tuple)) else [v])
+    return names
 
 
 class ChunkedLoss:

@@ -1,0 +1,62 @@
+"""Twin runs: the same workload under two plans, step by step, from the same seed."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memfit.memory.measure import profile
+from memfit.plan import Plan
+from memfit.step import build_step
+from memfit.workload import load_workload
+
+# GPT-2 with dropout on (resid/embd/attn 0.1), small enough for CPU tests.
+GPT2_DROPOUT = "gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=500,n_positions=128"
+
+
+def run_steps(spec, plan: Plan, steps: int = 3, batch_size: int = 4, seq_len: int | None = 64):
+    """Losses and parameters after each step; dropout masks drawn from the same seeds."""
+    wl = load_workload(spec, seq_len=seq_len) if isinstance(spec, str) else spec
+    torch.manual_seed(0)
+    step = build_step(wl, plan, batch_size, "cpu")
+    torch.manual_seed(1)
+    batch = wl.batch(batch_size)
+    losses, params = [], []
+    for i in range(steps):
+        torch.manual_seed(100 + i)
+        losses.append(step(batch))
+        params.append({n: p.detach().float().clone() for n, p in step.model.named_parameters()})
+    return losses, params, step
+
+
+def assert_same_training(a, b, exact: bool = True, rtol: float = 1e-5, atol: float = 1e-6):
+    (la, pa, _), (lb, pb, _) = a, b
+    for i, (x, y) in enumerate(zip(pa, pb)):
+        for name in x:
+            if exact:
+                assert torch.equal(x[name], y[name]), f"step {i + 1}: {name} differs"
+            else:
+                torch.testing.assert_close(x[name], y[name], rtol=rtol, atol=atol, msg=f"step {i + 1}: {name}")
+    if exact:
+        assert la == lb
+    else:
+        torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), rtol=rtol, atol=atol)
+
+
+def measured(spec, plan: Plan, batch_size: int = 4, seq_len: int | None = 64):
+    """profile(): measured peak (profiler, independent) and the prediction for it."""
+    return profile(spec, plan, batch_size=batch_size, seq_len=seq_len, repeats=1)
+
+
+class OpShapes(TorchDispatchMode):
+    """Record (op name, output shape) of every op: an independent view of what ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[str, tuple]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            self.seen.append((func.overloadpacket.__name__, tuple(out.shape)))
+        return out

@@ -1,0 +1,57 @@
+"""Activation checkpointing: same training with dropout on, recompute proven, memory saved."""
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import GPT2_DROPOUT, assert_same_training, measured, run_steps
+from memfit.errors import UserError
+from memfit.plan import Plan
+from memfit.techniques.checkpointing import CheckpointConfig, Checkpointing, find_blocks
+
+
+@pytest.mark.parametrize("mode", ["blocks", "blocks:every=2", "selective"])
+def test_same_parameters_every_step_with_dropout(mode):
+    base = run_steps(GPT2_DROPOUT, Plan())
+    assert_same_training(base, run_steps(GPT2_DROPOUT, Plan(checkpointing=mode)), exact=True)
+
+
+def test_blocks_are_found_in_hf_and_plain_models():
+    from memfit.workload import load_workload
+    gpt2 = load_workload(GPT2_DROPOUT).model()
+    assert [(n, len(b)) for n, b in find_blocks(gpt2)] == [("transformer.h", 2)]
+    t5 = load_workload("t5:num_layers=2,d_model=64,d_ff=128,num_heads=2,d_kv=32,vocab_size=500").model()
+    assert {n for n, _ in find_blocks(t5)} == {"encoder.block", "decoder.block"}
+    with pytest.raises(UserError, match="no repeated blocks"):
+        Checkpointing(CheckpointConfig("blocks")).apply(nn.Linear(2, 2))
+
+
+def test_recomputed_forwards_are_counted():
+    """Each checkpointed block runs its forward twice per step (forward + recompute)."""
+    calls = {"n": 0}
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            calls["n"] += 1
+            return torch.relu(self.lin(x))
+
+    for every, expected in ((1, 8), (2, 6)):
+        model = nn.Sequential(*[Block() for _ in range(4)])
+        Checkpointing(CheckpointConfig("blocks", every)).apply(model)
+        calls["n"] = 0
+        model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+        assert calls["n"] == expected
+
+
+def test_memory_saved_and_predicted():
+    spec = "gpt2:n_layer=4,n_embd=128,n_head=4,vocab_size=1000,n_positions=512"
+    base = measured(spec, Plan(), seq_len=512)
+    for mode, max_ratio, act_ratio in (("blocks", 0.4, 0.25), ("selective", 0.65, 0.35)):
+        r = measured(spec, Plan(checkpointing=mode), seq_len=512)
+        assert r.peak_bytes < max_ratio * base.peak_bytes, (mode, r.peak_bytes, base.peak_bytes)
+        assert abs(r.error_percent) <= 1.0, (mode, r.error_percent)
+        assert r.predicted.breakdown["activations"] < act_ratio * base.predicted.breakdown["activations"]
