@@ -163,7 +163,8 @@ def build_step(workload: Workload, plan: Plan | None = None, batch_size: int | N
         model.train()
         attention = Attention(plan.attention)
         attention.apply(model)
-        Checkpointing(CheckpointConfig.parse(plan.checkpointing)).apply(model)
+        recompute = (attention.context,) if plan.attention == "chunked" else ()
+        Checkpointing(CheckpointConfig.parse(plan.checkpointing), recompute_contexts=recompute).apply(model)
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise UserError("the workload's model has no trainable parameters")

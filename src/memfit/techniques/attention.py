@@ -100,6 +100,9 @@ class Attention:
         return model
 
     def context(self) -> contextlib.AbstractContextManager:
+        """Held around forward and backward by the step. A function mode is off while it handles
+        ``backward``, so checkpointed blocks also enter it for their recomputation (see
+        memfit.techniques.checkpointing, ``recompute_contexts``)."""
         if self.mode == "math":
             from torch.nn.attention import SDPBackend, sdpa_kernel
             return sdpa_kernel([SDPBackend.MATH])

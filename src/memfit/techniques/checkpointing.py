@@ -19,6 +19,7 @@ the same result, and the model's code and module types stay unchanged (only the 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -90,11 +91,39 @@ def _checkpointed_forward(original, context_fn, *args, **kwargs):
     return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
 
-class Checkpointing:
-    """Apply a CheckpointConfig to a model in place; ``remove()`` restores it."""
+def _context_fn(selective: bool, recompute_contexts: tuple):
+    """checkpoint's context_fn: (forward context, recompute context). The recomputation runs under
+    the step's contexts too (e.g. chunked attention), so it repeats the forward exactly."""
+    def make():
+        if selective:
+            fwd, rec = create_selective_checkpoint_contexts(_policy)
+        else:
+            fwd, rec = contextlib.nullcontext(), contextlib.nullcontext()
+        stack = contextlib.ExitStack()
 
-    def __init__(self, config: CheckpointConfig):
+        class _Recompute:
+            def __enter__(self_inner):
+                stack.enter_context(rec)
+                for make_ctx in recompute_contexts:
+                    stack.enter_context(make_ctx())
+                return self_inner
+
+            def __exit__(self_inner, *exc):
+                return stack.__exit__(*exc)
+        return fwd, _Recompute()
+    return make
+
+
+class Checkpointing:
+    """Apply a CheckpointConfig to a model in place; ``remove()`` restores it.
+
+    ``recompute_contexts``: context factories the step holds around forward (e.g. chunked
+    attention's function mode), entered again around each recomputation.
+    """
+
+    def __init__(self, config: CheckpointConfig, recompute_contexts: tuple = ()):
         self.config = config
+        self.recompute_contexts = recompute_contexts
         self.wrapped: list[nn.Module] = []
 
     def apply(self, model: nn.Module) -> nn.Module:
@@ -109,8 +138,8 @@ class Checkpointing:
         if not blocks:
             raise UserError("checkpointing: found no repeated blocks (a ModuleList or Sequential of modules of one "
                             "class) in the model; use checkpointing: none, or structure the model in blocks")
-        context_fn = (functools.partial(create_selective_checkpoint_contexts, _policy)
-                      if self.config.mode == "selective" else None)
+        context_fn = (_context_fn(self.config.mode == "selective", self.recompute_contexts)
+                      if self.config.mode == "selective" or self.recompute_contexts else None)
         for _, children in blocks:
             for i, block in enumerate(children):
                 if i % self.config.every:

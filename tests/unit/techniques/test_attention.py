@@ -60,3 +60,10 @@ def test_chunked_attention_on_gpt2_same_training_less_memory():
     m_base, m_chunked = measured(spec, Plan(), seq_len=512), measured(spec, Plan(attention="chunked"), seq_len=512)
     assert m_chunked.peak_bytes < 0.7 * m_base.peak_bytes
     assert abs(m_chunked.error_percent) <= 1.0
+
+
+def test_chunked_attention_with_block_checkpointing():
+    spec = "gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=500,n_positions=512,attn_pdrop=0,resid_pdrop=0,embd_pdrop=0"
+    base = run_steps(spec, Plan(), seq_len=512, batch_size=2, steps=2)
+    both = run_steps(spec, Plan(attention="chunked", checkpointing="blocks"), seq_len=512, batch_size=2, steps=2)
+    assert_same_training(base, both, exact=False, rtol=1e-4, atol=1e-5)
