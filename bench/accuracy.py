@@ -19,7 +19,6 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 warnings.simplefilter("ignore")
 
 from conftest import SEQ, SMALL_HF  # noqa: E402
-
 from memfit.memory.measure import profile  # noqa: E402
 from memfit.plan import Plan  # noqa: E402
 

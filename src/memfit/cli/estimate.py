@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from memfit.cli.common import add_plan_args, add_workload_args, batch_and_seq, plan_from_args, print_json
+from memfit.units import parse_positive_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -13,17 +14,24 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "fake tensors and report its peak memory with a breakdown by category.")
     add_workload_args(p)
     add_plan_args(p)
+    p.add_argument("--timeline", metavar="FILE.png", help="write the step's memory timeline, stacked by category")
+    p.add_argument("--modules", metavar="N", help="also print the N modules holding most memory at the peak")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from memfit.memory.estimate import estimate
-    from memfit.report.tables import print_estimate
+    from memfit.report.tables import print_estimate, print_modules
 
     bs, seq = batch_and_seq(args)
-    report = estimate(args.workload, plan_from_args(args), batch_size=bs, device=args.device, seq_len=seq)
+    report = estimate(args.workload, plan_from_args(args), batch_size=bs, device=args.device, seq_len=seq,
+                      timeline=args.timeline)
     if args.json:
         print_json(report.to_json())
-    else:
-        print_estimate(report)
+        return 0
+    print_estimate(report)
+    if args.modules:
+        print_modules(report, parse_positive_int(args.modules, "--modules"))
+    if args.timeline:
+        print(f"timeline written to {args.timeline}")
     return 0

@@ -15,19 +15,25 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "prediction of `memfit estimate`.")
     add_workload_args(p)
     add_plan_args(p)
+    p.add_argument("--timeline", metavar="FILE.png", help="write the step's memory timeline, stacked by category")
+    p.add_argument("--modules", metavar="N", help="also print the N modules holding most memory at the peak")
     p.add_argument("--repeats", default="5", metavar="N", help="timed steps for step_seconds (median)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from memfit.memory.measure import profile
-    from memfit.report.tables import print_profile
+    from memfit.report.tables import print_modules, print_profile
 
     bs, seq = batch_and_seq(args)
     result = profile(args.workload, plan_from_args(args), batch_size=bs, device=args.device, seq_len=seq,
-                     repeats=parse_positive_int(args.repeats, "--repeats"))
+                     repeats=parse_positive_int(args.repeats, "--repeats"), timeline=args.timeline)
     if args.json:
         print_json(result.to_json())
-    else:
-        print_profile(result)
+        return 0
+    print_profile(result)
+    if args.modules:
+        print_modules(result.measured, parse_positive_int(args.modules, "--modules"))
+    if args.timeline:
+        print(f"timeline written to {args.timeline}")
     return 0

@@ -41,8 +41,12 @@ def resolve(workload: Workload | str, plan: Plan | str | None, batch_size: int |
 
 
 def estimate(workload: Workload | str, plan: Plan | str | None = None, *, batch_size: int | None = None,
-             device: str | Device = "cpu", seq_len: int | None = None, fallback: bool = True) -> MemoryReport:
-    """Predict the steady-state peak memory of one training step of ``workload`` under ``plan``."""
+             device: str | Device = "cpu", seq_len: int | None = None, fallback: bool = True,
+             timeline: str | None = None) -> MemoryReport:
+    """Predict the steady-state peak memory of one training step of ``workload`` under ``plan``.
+
+    ``timeline``: also write the step's memory timeline, stacked by category, to this PNG file.
+    """
     wl, plan, bs = resolve(workload, plan, batch_size, seq_len)
     dev = get_device(device)
     t0 = time.perf_counter()
@@ -60,7 +64,16 @@ def estimate(workload: Workload | str, plan: Plan | str | None = None, *, batch_
     if failure:
         report.approximations.insert(0, f"{failure}; measured by a real run on this CPU with the same tracker")
     report.trace_seconds = time.perf_counter() - t0
+    if timeline:
+        from memfit.report.timeline import save_timeline_png
+        save_timeline_png(run.tracker, timeline, device=_traced_device(dev, report.method),
+                          title=f"{wl.name} · batch {bs} · {plan.describe()} · predicted on {dev.name}")
     return report
+
+
+def _traced_device(dev: Device, method: str) -> str:
+    from memfit.step import tensor_device
+    return "cuda:0" if (dev.is_gpu and method != "real-fallback" and tensor_device(dev) == "cuda") else "cpu"
 
 
 def report_for(tracker, wl: Workload, plan: Plan, bs: int, dev: Device, method: str) -> MemoryReport:
@@ -70,8 +83,7 @@ def report_for(tracker, wl: Workload, plan: Plan, bs: int, dev: Device, method: 
 
 
 def _report_for(tracker, wl: Workload, plan: Plan, bs: int, dev: Device, method: str) -> MemoryReport:
-    from memfit.step import tensor_device
-    traced_device = "cuda:0" if (dev.is_gpu and method != "real-fallback" and tensor_device(dev) == "cuda") else "cpu"
+    traced_device = _traced_device(dev, method)
     if not dev.is_gpu:
         return build_report(tracker, workload=wl.name, device_name=dev.name, device=traced_device,
                             batch_size=bs, plan=plan.to_dict(), method=method)

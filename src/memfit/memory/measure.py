@@ -72,7 +72,8 @@ class ProfileResult:
             "error_percent": round(self.error_percent, 3), "tracker_peak_bytes": self.tracker_peak_bytes,
             "step_seconds": self.step_seconds, "breakdown": self.measured.breakdown,
             "predicted_breakdown": self.predicted.breakdown, "prediction_method": self.predicted.method,
-            "approximations": self.predicted.approximations,
+            "approximations": self.predicted.approximations, "leaks": self.measured.leaks,
+            "activations_by_module": dict(list(self.measured.activations_by_module.items())[:20]),
         }
 
 
@@ -100,8 +101,11 @@ def profiler_peak(prof, range_name: str = STEP_RANGE) -> int:
 
 
 def profile(workload: Workload | str, plan: Plan | str | None = None, *, batch_size: int | None = None,
-            device: str | Device = "cpu", seq_len: int | None = None, repeats: int = 5) -> ProfileResult:
-    """Run the step for real on this machine: measured peak and breakdown next to the prediction."""
+            device: str | Device = "cpu", seq_len: int | None = None, repeats: int = 5,
+            timeline: str | None = None) -> ProfileResult:
+    """Run the step for real on this machine: measured peak and breakdown next to the prediction.
+
+    ``timeline``: also write the measured step's memory timeline (PNG, stacked by category)."""
     wl, plan, bs = resolve(workload, plan, batch_size, seq_len)
     dev = get_device(device)
     if dev.is_gpu and not torch.cuda.is_available():
@@ -124,9 +128,12 @@ def profile(workload: Workload | str, plan: Plan | str | None = None, *, batch_s
     tracker_peak = measured.process_peak_bytes or measured.peak_bytes
     measured.peak_bytes = profiler_peak(prof)
     del prof
-    times = _time_steps(run, wl, bs, dev, repeats)
+    if timeline:
+        from memfit.report.timeline import save_timeline_png
+        save_timeline_png(run.tracker, timeline, title=f"{wl.name} · batch {bs} · {plan.describe()} · measured")
+    times = _time_steps(run, wl, bs, dev, repeats) if repeats else []
     return ProfileResult(measured=measured, predicted=predicted, tracker_peak_bytes=tracker_peak,
-                         step_seconds=statistics.median(times), step_seconds_all=times)
+                         step_seconds=statistics.median(times) if times else float("nan"), step_seconds_all=times)
 
 
 def _time_steps(run, wl: Workload, bs: int, dev: Device, repeats: int) -> list[float]:

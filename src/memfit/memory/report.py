@@ -40,6 +40,8 @@ class MemoryReport:
     timeline: list[tuple[int, str, int]] = field(default_factory=list)
     """(event index, phase, live bytes), down-sampled."""
     approximations: list[str] = field(default_factory=list)
+    leaks: list[dict] = field(default_factory=list)
+    """Memory created by the step and still held after it (see memfit.memory.leaks)."""
     trace_seconds: float = 0.0
 
     @property
@@ -144,8 +146,10 @@ def build_report(tracker: MemoryTracker, *, workload: str, device_name: str, dev
                               f"probe is not counted ({calls})")
     host_peak, _ = peak_of(tracker, "host", window)
     process_peak = peak_of(tracker, (device, "host"), window)[0] if device == "cpu" else peak
+    from memfit.memory.leaks import find_leaks
+    leaks = [vars(x) for x in find_leaks(tracker, step)]
     return MemoryReport(
-        workload=workload, device=device_name, batch_size=batch_size, plan=plan, method=method,
+        workload=workload, device=device_name, batch_size=batch_size, plan=plan, method=method, leaks=leaks,
         peak_bytes=peak, breakdown=breakdown, peak_phase=phase_at(tracker, at),
         host_peak_bytes=host_peak, process_peak_bytes=process_peak,
         by_module=_sorted(by_module), activations_by_module=_sorted(act_by_module),

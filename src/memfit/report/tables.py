@@ -59,6 +59,29 @@ def _print_modules(c: Console, r: MemoryReport, top: int = 5) -> None:
         c.print("largest activations at the peak: " + ", ".join(f"{m} {fmt_bytes(b)}" for m, b in items))
 
 
+def print_modules(r: MemoryReport, top: int, console: Console | None = None) -> None:
+    """Per-module table: activations and all bytes at the peak, by the module that created them."""
+    c = console or _console()
+    t = Table(title=f"memory at the peak by module (top {top})", show_edge=False, pad_edge=False, box=None)
+    t.add_column("module")
+    t.add_column("activations", justify="right")
+    t.add_column("all categories", justify="right")
+    for module, nbytes in list(r.by_module.items())[:top]:
+        t.add_row(module, fmt_bytes(r.activations_by_module.get(module, 0)), fmt_bytes(nbytes))
+    c.print(t)
+
+
+def _print_leaks(c: Console, leaks: list[dict]) -> None:
+    if not leaks:
+        c.print("[green]leak finder:[/] nothing created by the step outlives it (besides weights, gradients, "
+                "optimizer states)")
+        return
+    total = sum(x["nbytes"] for x in leaks)
+    c.print(f"[red]leak finder:[/] {fmt_bytes(total)} created by the step is still held after it:")
+    for x in leaks[:5]:
+        c.print(f"  {fmt_bytes(x['nbytes'])} in {x['count']} tensor(s) from {x['op']} in {x['module']} ({x['phase']})")
+
+
 def _print_approximations(c: Console, approximations: list[str]) -> None:
     for a in approximations:
         c.print(f"[yellow]approximation:[/] {a}")
@@ -87,4 +110,5 @@ def print_profile(result, console: Console | None = None) -> None:
             f"{len(result.step_seconds_all)})")
     c.print("[dim]measured peak: PyTorch profiler allocator events; measured breakdown: memfit's tracker on the "
             "real tensors (kernel scratch shows as the difference to the peak)[/]")
+    _print_leaks(c, m.leaks)
     _print_approximations(c, p.approximations)

@@ -1,0 +1,57 @@
+"""Profiler extras: leak finder, memory timeline PNG, per-module table."""
+
+import torch
+from torch import nn
+
+from memfit.cli.main import main
+from memfit.memory.estimate import estimate
+from memfit.memory.measure import profile
+from memfit.workload import Workload
+
+KEPT: list = []
+
+
+def _leaky_workload():
+    def loss(m, x):
+        out = m(x)
+        KEPT.append(out)  # keeps the output (and its graph) alive after the step
+        return out.pow(2).mean()
+    return Workload(model=lambda: nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)),
+                    batch=lambda n: torch.randn(n, 64), loss=loss, name="leaky", default_batch_size=16)
+
+
+def test_leak_finder_names_what_outlives_the_step():
+    KEPT.clear()
+    report = estimate(_leaky_workload(), batch_size=16)
+    assert report.leaks, "the kept output was not found"
+    top = report.leaks[0]
+    assert top["phase"] == "forward" and top["nbytes"] >= 16 * 64 * 4
+    clean = estimate("mha", batch_size=2)
+    assert clean.leaks == []
+    KEPT.clear()
+    measured = profile(_leaky_workload(), batch_size=16, repeats=1)
+    assert measured.measured.leaks
+    KEPT.clear()
+
+
+def test_timeline_png_and_module_table(tmp_path, capsys):
+    png = tmp_path / "timeline.png"
+    assert main(["estimate", "mha", "-b", "2", "--timeline", str(png), "--modules", "4"]) == 0
+    out = capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert "by module" in out and "MHAModel.blocks.0.attn" in out
+    assert main(["estimate", "mha", "-b", "2", "--timeline", str(tmp_path / "no" / "t.png")]) == 2
+
+
+def test_timeline_series_stack_to_the_peak():
+    from memfit.devices import get_device
+    from memfit.memory.faketrace import run_tracked
+    from memfit.memory.report import peak_of, step_window
+    from memfit.plan import Plan
+    from memfit.report.timeline import category_timeline
+    from memfit.workload import load_workload
+    run = run_tracked(load_workload("mha"), Plan(), 2, get_device("cpu"), fake=True)
+    window = step_window(run.tracker, 2)
+    xs, series, _ = category_timeline(run.tracker, "cpu", window, points=10**9)
+    totals = [sum(series[c][i] for c in series) for i in range(len(xs))]
+    assert max(totals) == peak_of(run.tracker, "cpu", window)[0]
