@@ -20,7 +20,7 @@ warnings.simplefilter("ignore")
 
 from conftest import SEQ, SMALL_HF  # noqa: E402
 from memfit.memory.measure import profile  # noqa: E402
-from memfit.plan import Plan  # noqa: E402
+from memfit.plans import Plan  # noqa: E402
 
 ZOO = ["cnn", "lstm", "transformer", "mha", "dit", *SMALL_HF]
 

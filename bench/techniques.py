@@ -22,7 +22,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 warnings.simplefilter("ignore")
 
 from memfit.memory.measure import profile  # noqa: E402
-from memfit.plan import Plan  # noqa: E402
+from memfit.plans import Plan  # noqa: E402
 from memfit.step import build_step  # noqa: E402
 from memfit.workload import load_workload  # noqa: E402
 

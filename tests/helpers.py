@@ -6,7 +6,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.memory.measure import profile
-from memfit.plan import Plan
+from memfit.plans import Plan
 from memfit.step import build_step
 from memfit.workload import load_workload
 

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = ["Plan", "Workload", "load_workload", "build_step", "TrainStep", "estimate", "profile", "MemoryReport",
+__all__ = ["Plan", "plan", "Workload", "load_workload", "build_step", "TrainStep", "estimate", "profile", "MemoryReport",
            "UserError", "get_device", "__version__"]
 
 _LAZY = {
-    "Plan": "memfit.plan",
+    "Plan": "memfit.plans",
     "Workload": "memfit.workload",
     "load_workload": "memfit.workload",
     "build_step": "memfit.step",
@@ -33,7 +33,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from memfit.memory.estimate import estimate
     from memfit.memory.measure import profile
     from memfit.memory.report import MemoryReport
-    from memfit.plan import Plan
+    from memfit.planner.search import plan
+    from memfit.plans import Plan
     from memfit.step import TrainStep, build_step
     from memfit.workload import Workload, load_workload
 

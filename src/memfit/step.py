@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from memfit.devices import Device, get_device
 from memfit.errors import UserError
-from memfit.plan import Plan
+from memfit.plans import Plan
 from memfit.techniques.attention import Attention
 from memfit.techniques.bf16_pure import compensated
 from memfit.techniques.checkpointing import CheckpointConfig, Checkpointing

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import SEQ, SMALL_HF
 from memfit.memory.measure import profile
-from memfit.plan import Plan
+from memfit.plans import Plan
 
 ZOO = ["cnn", "lstm", "transformer", "mha", "dit", *SMALL_HF]
 

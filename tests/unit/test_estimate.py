@@ -8,7 +8,7 @@ from memfit.errors import TraceError, UserError
 from memfit.memory import estimate as estimate_module
 from memfit.memory.estimate import estimate
 from memfit.memory.measure import profile
-from memfit.plan import Plan
+from memfit.plans import Plan
 from memfit.workload import Workload
 
 

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from memfit.errors import UserError
-from memfit.plan import EMAConfig, Plan
+from memfit.plans import EMAConfig, Plan
 
 
 def test_defaults_and_roundtrip(tmp_path):

@@ -47,7 +47,7 @@ def test_timeline_series_stack_to_the_peak():
     from memfit.devices import get_device
     from memfit.memory.faketrace import run_tracked
     from memfit.memory.report import peak_of, step_window
-    from memfit.plan import Plan
+    from memfit.plans import Plan
     from memfit.report.timeline import category_timeline
     from memfit.workload import load_workload
     run = run_tracked(load_workload("mha"), Plan(), 2, get_device("cpu"), fake=True)

@@ -8,7 +8,7 @@ from torch import nn
 
 from memfit.devices import get_device
 from memfit.errors import UserError
-from memfit.plan import Plan
+from memfit.plans import Plan
 from memfit.step import build_step, split_batch
 from memfit.workload import Workload
 

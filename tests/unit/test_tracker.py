@@ -7,7 +7,7 @@ from memfit.devices import get_device
 from memfit.memory.faketrace import run_tracked
 from memfit.memory.report import build_report
 from memfit.memory.tracker import MemoryTracker
-from memfit.plan import Plan
+from memfit.plans import Plan
 from memfit.workload import Workload
 
 F32 = 4

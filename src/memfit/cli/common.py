@@ -11,7 +11,7 @@ import sys
 from functools import cache
 
 from memfit.errors import UserError
-from memfit.plan import Plan
+from memfit.plans import Plan
 from memfit.units import parse_positive_int
 
 

@@ -18,7 +18,7 @@ def run(args: argparse.Namespace) -> int:
 
     from memfit.memory.estimate import estimate
     from memfit.memory.measure import profile
-    from memfit.plan import Plan
+    from memfit.plans import Plan
     from memfit.report.tables import print_estimate, print_profile
 
     c = Console(highlight=False, soft_wrap=True)

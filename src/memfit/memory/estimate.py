@@ -21,7 +21,7 @@ from memfit.errors import TraceError, UserError
 from memfit.memory import allocator
 from memfit.memory.faketrace import run_tracked
 from memfit.memory.report import MemoryReport, build_report, step_window
-from memfit.plan import Plan
+from memfit.plans import Plan
 from memfit.techniques.precision import resolve_mode
 from memfit.workload import Workload, load_workload
 

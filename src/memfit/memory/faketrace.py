@@ -17,7 +17,7 @@ from memfit.errors import TraceError
 from memfit.memory.adapters import real_code_paths
 from memfit.memory.tracker import MemoryTracker
 from memfit.memory.workspaces import probe_for
-from memfit.plan import Plan
+from memfit.plans import Plan
 from memfit.step import NullObserver, TrainStep, build_step, make_batch
 from memfit.workload import Workload
 

@@ -28,7 +28,7 @@ from memfit.memory.estimate import estimate, report_for, resolve
 from memfit.memory.faketrace import STEADY_STEP, run_tracked
 from memfit.memory.quiet import QuietProfiler
 from memfit.memory.report import MemoryReport
-from memfit.plan import Plan
+from memfit.plans import Plan
 from memfit.step import make_batch
 from memfit.workload import Workload
 

@@ -15,7 +15,7 @@ def _console() -> Console:
 
 
 def _plan_text(plan: dict) -> str:
-    from memfit.plan import Plan
+    from memfit.plans import Plan
     return Plan.from_dict(plan).describe()
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from memfit.plan import EMAConfig
+from memfit.plans import EMAConfig
 from memfit.techniques.placement import HostPlacement
 
 

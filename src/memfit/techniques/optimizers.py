@@ -57,6 +57,9 @@ def variant_factory(name: str, workload_factory: Factory, params: list[torch.nn.
 
 
 def _adamw8bit_factory(hp: dict) -> Factory:
+    import logging
+    # bitsandbytes warns at import about a 4-bit CPU matmul kernel memfit does not use
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     try:
         import bitsandbytes as bnb  # noqa: F401 - imported for its optimizers
         from bitsandbytes.optim import AdamW8bit

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import OpShapes, assert_same_training, measured, run_steps
-from memfit.plan import Plan
+from memfit.plans import Plan
 from memfit.step import build_step
 from memfit.techniques.attention import chunked_sdpa
 from memfit.workload import load_workload

@@ -6,7 +6,7 @@ from torch import nn
 
 from helpers import GPT2_DROPOUT, assert_same_training, measured, run_steps
 from memfit.errors import UserError
-from memfit.plan import Plan
+from memfit.plans import Plan
 from memfit.techniques.checkpointing import CheckpointConfig, Checkpointing, find_blocks
 
 

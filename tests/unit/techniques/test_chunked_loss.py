@@ -5,7 +5,7 @@ import torch
 
 from helpers import OpShapes, measured
 from memfit.errors import UserError
-from memfit.plan import Plan
+from memfit.plans import Plan
 from memfit.step import build_step
 from memfit.workload import load_workload
 

@@ -3,7 +3,7 @@
 import torch
 
 from helpers import GPT2_DROPOUT, assert_same_training, measured, run_steps
-from memfit.plan import Plan
+from memfit.plans import Plan
 from memfit.techniques.placement import HostPlacement
 
 SPEC = "gpt2:n_layer=2,n_embd=128,n_head=4,vocab_size=1000,n_positions=128"

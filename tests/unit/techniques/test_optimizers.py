@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import GPT2_DROPOUT, assert_same_training, measured, run_steps
-from memfit.plan import Plan
+from memfit.plans import Plan
 from memfit.step import build_step
 from memfit.techniques.optimizers import OptimizerInBackward, _adamw8bit_factory
 

@@ -223,6 +223,26 @@ class Plan:
         p = Path(path)
         p.write_text(json.dumps(self.to_dict(), indent=2) + "\n" if p.suffix == ".json" else self.to_yaml())
 
+    def short(self, batch_size: int | None = None) -> str:
+        """Compact label, e.g. 'bf16 mb2 ckpt=blocks adamw8bit inbw chunks=8'."""
+        parts = [self.precision]
+        if self.micro_batch_size or self.grad_accum_steps > 1:
+            parts.append(f"mb{self.micro_batches(batch_size)[0] if batch_size else self.micro_batch_size}")
+        if self.checkpointing != "none":
+            parts.append(f"ckpt={self.checkpointing.replace('blocks:every=', 'every')}")
+        if self.optimizer != "adamw":
+            parts.append(self.optimizer)
+        if self.optimizer_in_backward:
+            parts.append("inbw")
+        parts += [f"off={o.split('_')[0]}" for o in self.offload]
+        if self.loss_chunks:
+            parts.append(f"chunks={self.loss_chunks}")
+        if self.attention != "auto":
+            parts.append(f"attn={self.attention}")
+        if self.ema:
+            parts.append("ema")
+        return " ".join(parts)
+
     def describe(self) -> str:
         """Short text of the non-default fields, e.g. 'precision=bf16, micro_batch_size=2'."""
         default = Plan()

@@ -1,0 +1,64 @@
+"""memfit plan: the fastest plan that fits a memory budget."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from memfit.cli.common import add_workload_args, batch_and_seq, print_json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="find the fastest plan that fits a memory budget (no OOM trials)",
+                       description="Search precision, checkpointing, optimizer, offload, loss chunking, attention "
+                                   "and micro-batching on predictions: every candidate's memory comes from an exact "
+                                   "fake-tensor trace, its time from a cost model.")
+    add_workload_args(p)
+    p.add_argument("--budget", help="memory budget: 20GiB, 1.5GB, 80%% of the device; default: capacity minus 10%%")
+    p.add_argument("--out", metavar="FILE", help="write the chosen plan (YAML, or JSON for .json)")
+    p.add_argument("--format", choices=("yaml", "hf", "lightning"), default="yaml",
+                   help="also print the plan as Hugging Face TrainingArguments or Lightning Trainer arguments")
+    p.add_argument("--pareto", metavar="FILE.png", help="write a memory vs time plot of the evaluated plans")
+    p.add_argument("--optimizers", default="adamw,adamw8bit",
+                   help="optimizer variants to consider (adamw,adamw8bit,adafactor,sgd)")
+    p.add_argument("--max-traces", default="60", help="most candidate plans to trace")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from memfit.errors import UserError
+    from memfit.planner.export import to_hf, to_lightning
+    from memfit.planner.search import plan
+    from memfit.plans import OPTIMIZERS
+    from memfit.report.planner import print_plan_result, save_pareto_png
+    from memfit.units import parse_positive_int
+
+    bs, seq = batch_and_seq(args)
+    optimizers = tuple(o.strip() for o in args.optimizers.split(",") if o.strip())
+    for o in optimizers:
+        if o not in OPTIMIZERS:
+            raise UserError(f"--optimizers: unknown optimizer {o!r}; choose from {', '.join(OPTIMIZERS)}")
+    result = plan(args.workload, budget=args.budget, device=args.device, batch_size=bs, seq_len=seq,
+                  optimizers=optimizers, max_traces=parse_positive_int(args.max_traces, "--max-traces"))
+    if args.pareto:
+        save_pareto_png(result, args.pareto)
+    if result.chosen and args.out:
+        result.chosen.plan.save(args.out)
+    if args.json:
+        out = result.to_json()
+        if result.chosen:
+            out["hf_training_arguments"], out["hf_unmapped"] = to_hf(result.chosen.plan, result.batch_size)
+            out["lightning_trainer"], out["lightning_unmapped"] = to_lightning(result.chosen.plan, result.batch_size)
+        print_json(out)
+    else:
+        print_plan_result(result)
+        if result.chosen and args.format != "yaml":
+            kwargs, unmapped = (to_hf if args.format == "hf" else to_lightning)(result.chosen.plan, result.batch_size)
+            print(("TrainingArguments(**" if args.format == "hf" else "Trainer(**") + json.dumps(kwargs) + ")")
+            for u in unmapped:
+                print(f"  not mapped: {u}")
+        if result.chosen and args.out:
+            print(f"plan written to {args.out}")
+        if args.pareto:
+            print(f"Pareto plot written to {args.pareto}")
+    return 0 if result.chosen else 1

@@ -1,0 +1,167 @@
+"""plan(): the fastest plan that fits, found on predictions.
+
+1. Enumerate the valid plans of the search space (memfit.planner.space).
+2. Predict every plan's step time (memfit.planner.cost): cheap, no trace per plan.
+3. Walk the plans from fastest to slowest; predict the memory of each with ``estimate`` (an exact
+   fake-tensor trace of the real TrainStep). The first that fits is the answer.
+4. Prune without tracing: a plan that saves no more memory in any dimension than a plan that
+   already did not fit cannot fit either (techniques are assumed not to *add* memory).
+
+Budget: ``--budget 20GiB``, ``--budget 80%`` of the device, or when omitted the device's capacity
+minus headroom (10%). For a GPU preset the budget holds the caching allocator's *reserved* bytes
+plus the CUDA context; for the CPU, device and host bytes together (one memory).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+
+from memfit.devices import Device, get_device
+from memfit.errors import UserError
+from memfit.memory.estimate import estimate
+from memfit.planner import cost
+from memfit.planner.space import candidates, default_space, model_facts, saves_no_more_than
+from memfit.plans import Plan
+from memfit.units import fmt_bytes, parse_size
+from memfit.workload import Workload, load_workload
+
+HEADROOM = 0.10
+
+
+@dataclass
+class Candidate:
+    plan: Plan
+    seconds: float
+    """Predicted step time."""
+    status: str = "not evaluated"
+    """chosen | too big | pruned | slower | not evaluated"""
+    reason: str = ""
+    used_bytes: int | None = None
+    """What the budget holds: reserved + context (GPU) or device + host (CPU)."""
+    peak_bytes: int | None = None
+
+
+@dataclass
+class PlanResult:
+    workload: str
+    device: str
+    batch_size: int
+    budget_bytes: int
+    time_model: str
+    chosen: Candidate | None
+    candidates: list[Candidate] = field(default_factory=list)
+    traces: int = 0
+    seconds: float = 0.0
+    smallest: Candidate | None = None
+    """When nothing fits: the plan with the smallest footprint found, and its footprint."""
+
+    def to_json(self) -> dict:
+        def row(c: Candidate) -> dict:
+            return {"plan": c.plan.to_dict(), "predicted_step_seconds": c.seconds, "status": c.status,
+                    "reason": c.reason, "used_bytes": c.used_bytes, "peak_bytes": c.peak_bytes}
+        evaluated = [c for c in self.candidates if c.status != "not evaluated"]
+        return {"workload": self.workload, "device": self.device, "batch_size": self.batch_size,
+                "budget_bytes": self.budget_bytes, "time_model": self.time_model,
+                "chosen": row(self.chosen) if self.chosen else None, "traces": self.traces,
+                "planning_seconds": self.seconds, "candidates_total": len(self.candidates),
+                "smallest": row(self.smallest) if self.smallest else None,
+                "ranked": [row(c) for c in evaluated[:50]]}
+
+
+def resolve_budget(budget: str | int | None, device: Device) -> int:
+    if device.is_gpu:
+        capacity = device.total_bytes
+    else:
+        from memfit.memory.estimate import _available_bytes
+        capacity = _available_bytes()
+    if budget is None:
+        return int(capacity * (1 - HEADROOM))
+    return parse_size(budget, total_bytes=capacity, what="budget")
+
+
+def _used(report, device: Device) -> int:
+    if device.is_gpu:
+        return report.reserved_bytes + report.cuda_context_bytes
+    return report.process_peak_bytes or report.peak_bytes
+
+
+def plan(workload: Workload | str, *, budget: str | int | None = None, device: str | Device = "cpu",
+         batch_size: int | None = None, seq_len: int | None = None,
+         optimizers: tuple[str, ...] = ("adamw", "adamw8bit"), max_traces: int = 60,
+         time_model: cost.TimeModel | None = None) -> PlanResult:
+    """The fastest plan for ``workload`` whose predicted memory fits ``budget`` on ``device``."""
+    t0 = time.perf_counter()
+    wl = load_workload(workload, seq_len=seq_len)
+    dev = get_device(device)
+    bs = batch_size or wl.default_batch_size
+    budget_bytes = resolve_budget(budget, dev)
+    facts = model_facts(wl)
+    _check_budget_above_weights(budget_bytes, facts, dev)
+    space = default_space(facts, dev, bs, optimizers)
+    for m in space.micro_batches:
+        Plan(micro_batch_size=m if m != bs else None).micro_batches(bs)
+    plans = candidates(space, bs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = time_model or (cost.roofline(wl, space, bs, dev, facts) if dev.is_gpu
+                               else cost.calibrate(wl, space, bs, dev))
+    ranked = sorted((Candidate(p, model.predict(p)) for p in plans), key=lambda c: c.seconds)
+    failed: list[Candidate] = []
+    chosen, traces = None, 0
+    for c in ranked:
+        if chosen is not None:
+            c.status, c.reason = "slower", f"{c.seconds / chosen.seconds:.2f}x the chosen plan's time"
+            continue
+        blocker = next((f for f in failed if saves_no_more_than(c.plan, f.plan, bs)), None)
+        if blocker is not None:
+            c.status, c.reason = "pruned", "saves no more memory than a plan that did not fit"
+            continue
+        if traces >= max_traces:
+            c.status, c.reason = "not evaluated", f"trace limit ({max_traces}) reached"
+            continue
+        _evaluate(c, wl, bs, dev)
+        traces += 1
+        if c.used_bytes <= budget_bytes:
+            c.status, c.reason = "chosen", "fastest predicted plan that fits"
+            chosen = c
+        else:
+            c.status = "too big"
+            c.reason = f"needs {fmt_bytes(c.used_bytes)} > budget {fmt_bytes(budget_bytes)}"
+            failed.append(c)
+    result = PlanResult(workload=wl.name, device=dev.name, batch_size=bs, budget_bytes=budget_bytes,
+                        time_model=model.describe(), chosen=chosen, candidates=ranked, traces=traces)
+    if chosen is None:
+        result.smallest = _smallest(ranked, wl, bs, dev)
+        result.traces += 1
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _evaluate(c: Candidate, wl: Workload, bs: int, dev: Device) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = estimate(wl, c.plan, batch_size=bs, device=dev)
+    c.used_bytes, c.peak_bytes = _used(report, dev), report.peak_bytes
+
+
+def _smallest(ranked: list[Candidate], wl: Workload, bs: int, dev: Device) -> Candidate:
+    """The plan saving the most in every dimension (ties: fastest); trace it if not yet done."""
+    from memfit.planner.space import RANK
+
+    def savings(c: Candidate):
+        score = sum(RANK[n].get(getattr(c.plan, n), 0) for n in RANK)
+        return (score, -(c.plan.micro_batch_size or bs), -c.seconds)
+    best = max(ranked, key=savings)
+    if best.used_bytes is None:
+        _evaluate(best, wl, bs, dev)
+    return best
+
+
+def _check_budget_above_weights(budget: int, facts, dev: Device) -> None:
+    min_bytes = facts.n_params * (2 if dev.bf16 or dev.fp16 else 4)
+    if budget < min_bytes:
+        raise UserError(f"budget {fmt_bytes(budget)} is below the model's own parameters ({fmt_bytes(min_bytes)} "
+                        f"for {facts.n_params / 1e6:.1f}M parameters in 16 bits); give a budget above that, or "
+                        "shard the model across devices")

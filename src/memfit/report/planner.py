@@ -1,0 +1,70 @@
+"""Planner output: ranked table of alternatives and a memory vs time Pareto plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from memfit.errors import UserError
+from memfit.units import fmt_bytes
+
+
+def print_plan_result(result, console: Console | None = None, top: int = 12) -> None:
+    c = console or Console(highlight=False, soft_wrap=True)
+    c.print(f"[bold]memfit plan[/] {result.workload} · batch {result.batch_size} · device {result.device} · "
+            f"budget {fmt_bytes(result.budget_bytes)} · {len(result.candidates)} candidate plans, "
+            f"{result.traces} traced, {result.seconds:.1f} s")
+    c.print(f"[dim]time model: {result.time_model}[/]")
+    if result.chosen:
+        ch = result.chosen
+        c.print(f"[green]chosen:[/] {ch.plan.describe()} · predicted {fmt_bytes(ch.used_bytes)} · "
+                f"{ch.seconds * 1e3:.1f} ms/step")
+        c.print(ch.plan.to_yaml().rstrip())
+    else:
+        s = result.smallest
+        c.print(f"[red]nothing fits in {fmt_bytes(result.budget_bytes)}.[/] The smallest footprint found is "
+                f"{fmt_bytes(s.used_bytes)} with: {s.plan.describe()}; a budget of at least that would fit.")
+    t = Table(title="alternatives, fastest first", show_edge=False, pad_edge=False, box=None)
+    for col, just in (("plan", "left"), ("memory", "right"), ("ms/step", "right"), ("status", "left")):
+        t.add_column(col, justify=just)
+    shown = [x for x in result.candidates if x.status in ("chosen", "too big")][:top]
+    shown += [x for x in result.candidates if x.status == "slower"][:max(3, top - len(shown))]
+    for x in shown:
+        mem = fmt_bytes(x.used_bytes) if x.used_bytes is not None else "-"
+        style = {"chosen": "green", "too big": "red"}.get(x.status, "dim")
+        t.add_row(x.plan.short(result.batch_size), mem, f"{x.seconds * 1e3:.1f}", f"[{style}]{x.status}[/]: {x.reason}")
+    c.print(t)
+    pruned = sum(x.status == "pruned" for x in result.candidates)
+    if pruned:
+        c.print(f"[dim]{pruned} plans pruned without tracing: they save no more memory than a plan that did "
+                "not fit[/]")
+
+
+def save_pareto_png(result, path: str | Path) -> Path:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("--pareto needs matplotlib; pip install matplotlib") from None
+    path = Path(path)
+    if not path.parent.exists():
+        raise UserError(f"cannot write {str(path)!r}: folder {str(path.parent)!r} does not exist")
+    pts = [x for x in result.candidates if x.used_bytes is not None]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ax.scatter([x.seconds * 1e3 for x in pts], [x.used_bytes / 2**20 for x in pts], c="#8c8c8c", s=18,
+               label="evaluated plans")
+    if result.chosen:
+        ax.scatter([result.chosen.seconds * 1e3], [result.chosen.used_bytes / 2**20], c="#2ca02c", s=80,
+                   marker="*", label="chosen")
+    ax.axhline(result.budget_bytes / 2**20, color="#d62728", linestyle="--", label="budget")
+    ax.set_xlabel("predicted step time (ms)")
+    ax.set_ylabel("predicted memory (MiB)")
+    ax.set_title(f"{result.workload} · batch {result.batch_size} · {result.device}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,105 @@
+"""Planner: search space, pruning rule, budgets, exports, and plans that really fit."""
+
+import pytest
+import yaml
+
+from memfit.cli.main import main
+from memfit.devices import get_device
+from memfit.errors import UserError
+from memfit.memory.measure import profile
+from memfit.planner.cost import TimeModel
+from memfit.planner.export import to_hf, to_lightning
+from memfit.planner.search import plan, resolve_budget
+from memfit.planner.space import candidates, default_space, model_facts, saves_no_more_than
+from memfit.plans import Plan
+from memfit.workload import load_workload
+
+SPEC = "gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=500,n_positions=128"
+
+
+def _fixed_time_model(batch_size, space):
+    """A deterministic time model (the calibrated one is measured): penalties per technique."""
+    m = TimeModel("fixed", batch_size, base_seconds={mb: 1.0 + 0.1 * (batch_size // mb - 1)
+                                                     for mb in space.micro_batches})
+    m.factors = {("precision", "bf16"): 0.6, ("precision", "bf16-pure"): 0.55, ("checkpointing", "blocks"): 1.3,
+                 ("checkpointing", "blocks:every=2"): 1.15, ("checkpointing", "selective"): 1.1,
+                 ("optimizer", "adamw8bit"): 1.05, ("optimizer_in_backward", True): 1.02,
+                 ("loss_chunks", 8): 1.05, ("attention", "chunked"): 1.1}
+    return m
+
+
+def test_space_is_valid_plans_only_and_fits_the_model():
+    wl = load_workload(SPEC, seq_len=64)
+    facts = model_facts(wl)
+    assert facts.has_blocks and facts.causal_lm and facts.has_attention
+    space = default_space(facts, get_device("cpu"), 8)
+    plans = candidates(space, 8)
+    assert plans and all(not (p.optimizer_in_backward and p.micro_batch_size) for p in plans)
+    assert all(p.offload == () for p in plans)  # no offload on the CPU: the host is the device
+    gpu = default_space(facts, get_device("t4"), 8)
+    assert "bf16" not in gpu.values["precision"] and ("optimizer_states",) in gpu.values["offload"]
+    assert space.size() >= len(plans)
+
+
+def test_pruning_rule():
+    assert saves_no_more_than(Plan(precision="bf16"), Plan(precision="bf16-pure", checkpointing="blocks"), 8)
+    assert not saves_no_more_than(Plan(checkpointing="selective"), Plan(checkpointing="blocks:every=2"), 8)
+    assert not saves_no_more_than(Plan(micro_batch_size=2), Plan(), 8)
+    assert saves_no_more_than(Plan(), Plan(micro_batch_size=2), 8)
+
+
+def test_budget_forms_and_errors():
+    assert resolve_budget("80%", get_device("a100-40gb")) == int(0.8 * 42_505_273_344)
+    assert resolve_budget(None, get_device("a100-40gb")) == int(0.9 * 42_505_273_344)
+    with pytest.raises(UserError, match="malformed budget"):
+        resolve_budget("lots", get_device("cpu"))
+    with pytest.raises(UserError, match="below the model's own parameters"):
+        plan("llama", budget="1GiB", device="a100-40gb", batch_size=1)
+
+
+def test_chosen_plan_fits_when_measured_and_is_the_fastest_that_fits():
+    wl = load_workload(SPEC, seq_len=64)
+    space = default_space(model_facts(wl), get_device("cpu"), 8)
+    base = profile(wl, Plan(), batch_size=8, repeats=0).peak_bytes
+    budget = int(0.5 * base)
+    result = plan(wl, budget=budget, batch_size=8, time_model=_fixed_time_model(8, space))
+    assert result.chosen is not None
+    measured = profile(wl, result.chosen.plan, batch_size=8, repeats=0).peak_bytes
+    assert measured <= budget
+    # every plan predicted faster than the chosen one was traced and did not fit, or was pruned
+    faster = [c for c in result.candidates if c.seconds < result.chosen.seconds]
+    assert all(c.status in ("too big", "pruned") for c in faster)
+    assert all(c.used_bytes > budget for c in faster if c.status == "too big")
+
+
+def test_nothing_fits_names_the_smallest_budget(capsys):
+    assert main(["plan", "mha", "-b", "4", "--budget", "4MiB", "--max-traces", "5"]) == 1
+    out = capsys.readouterr().out
+    assert "nothing fits" in out and "a budget of at least that would fit" in out
+
+
+def test_cli_writes_a_plan_that_estimate_accepts(tmp_path, capsys):
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", "mha", "-b", "4", "--budget", "60MiB", "--out", str(out), "--format", "hf",
+                 "--pareto", str(tmp_path / "p.png")]) == 0
+    text = capsys.readouterr().out
+    assert "TrainingArguments(**" in text and (tmp_path / "p.png").stat().st_size > 5000
+    assert Plan.from_dict(yaml.safe_load(out.read_text()))
+    assert main(["estimate", "mha", "-b", "4", "--plan", str(out), "--json"]) == 0
+
+
+def test_gpu_preset_planning_uses_the_roofline_model():
+    r = plan(SPEC, budget="2GiB", device="a100-40gb", batch_size=8, seq_len=64, max_traces=5)
+    assert r.chosen is not None and "roofline" in r.time_model
+    assert r.chosen.plan.precision in ("bf16", "bf16-pure")  # tensor cores make 16 bits faster
+
+
+def test_exports():
+    p = Plan(precision="bf16", micro_batch_size=2, checkpointing="blocks", optimizer="adamw8bit", loss_chunks=8)
+    hf, unmapped = to_hf(p, 8)
+    assert hf == {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4, "optim": "adamw_bnb_8bit",
+                  "bf16": True, "gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False}}
+    assert any("loss_chunks" in u for u in unmapped)
+    lt, unmapped = to_lightning(p, 8)
+    assert lt == {"precision": "bf16-mixed", "accumulate_grad_batches": 4}
+    assert any("DataLoader" in u for u in unmapped) and any("checkpointing" in u for u in unmapped)
