@@ -90,7 +90,7 @@ def _used(report, device: Device) -> int:
 def plan(workload: Workload | str, *, budget: str | int | None = None, device: str | Device = "cpu",
          batch_size: int | None = None, seq_len: int | None = None,
          optimizers: tuple[str, ...] = ("adamw", "adamw8bit"), max_traces: int = 60,
-         time_model: cost.TimeModel | None = None) -> PlanResult:
+         time_model: cost.TimeModel | None = None, space=None) -> PlanResult:
     """The fastest plan for ``workload`` whose predicted memory fits ``budget`` on ``device``."""
     t0 = time.perf_counter()
     wl = load_workload(workload, seq_len=seq_len)
@@ -99,7 +99,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     budget_bytes = resolve_budget(budget, dev)
     facts = model_facts(wl)
     _check_budget_above_weights(budget_bytes, facts, dev)
-    space = default_space(facts, dev, bs, optimizers)
+    space = space or default_space(facts, dev, bs, optimizers)
     for m in space.micro_batches:
         Plan(micro_batch_size=m if m != bs else None).micro_batches(bs)
     plans = candidates(space, bs)
