@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.devices import Device
 from memfit.planner.space import SearchSpace
@@ -105,10 +106,10 @@ def roofline(workload: Workload, space: SearchSpace, batch_size: int, device: De
     with FakeTensorMode(allow_non_fake_inputs=True):
         step = build_step(workload, Plan(), batch_size, device)
         batch = make_batch(workload, batch_size, device)
-        counter = FlopCounterMode(display=False)
-        with counter:
+        counter, ops = FlopCounterMode(display=False), _OpCount()
+        with counter, ops:
             step.run(batch)
-        n_ops = _count_ops(step, batch)
+        n_ops = ops.n
     total = counter.get_total_flops()
     by_module = counter.get_flop_counts()
     fwd_total = total / 3  # backward ~ 2x forward for matmul-dominated models
@@ -145,18 +146,16 @@ def roofline(workload: Workload, space: SearchSpace, batch_size: int, device: De
     return model
 
 
-def _count_ops(step, batch) -> int:
-    from torch.utils._python_dispatch import TorchDispatchMode
+class _OpCount(TorchDispatchMode):
+    """Counts ATen ops (kernel launches, for the per-micro-batch launch overhead)."""
 
-    class Count(TorchDispatchMode):
-        n = 0
+    def __init__(self):
+        super().__init__()
+        self.n = 0
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
-            return func(*args, **(kwargs or {}))
-    with Count():
-        step.run(batch)
-    return Count.n
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _blocks_flops(model: torch.nn.Module, by_module: dict) -> float:

@@ -19,24 +19,17 @@ from collections.abc import Iterable
 
 import torch
 
-from memfit.techniques.optimizers import Factory
+from memfit.techniques.optimizers import Factory, PerParameterOptimizers
 from memfit.techniques.placement import HostPlacement
 
 
-class OffloadOptimizerStates:
+class OffloadOptimizerStates(PerParameterOptimizers):
     """One optimizer per parameter; its states live on the host between updates."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], factory: Factory, placement: HostPlacement):
-        self.params = [p for p in params]
-        self.optimizers = {p: factory([p]) for p in self.params}
-        self.param_groups = [g for opt in self.optimizers.values() for g in opt.param_groups]
-        self.defaults = next(iter(self.optimizers.values())).defaults
+        super().__init__(params, factory)
         self.placement = placement
         self._copy_stream = None
-
-    @property
-    def state(self) -> dict:
-        return {p: opt.state[p] for p, opt in self.optimizers.items() if p in opt.state}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -69,13 +62,6 @@ class OffloadOptimizerStates:
             fetched = nxt
         if self._copy_stream is not None:
             torch.cuda.current_stream().synchronize()  # host copies complete before they are read
-
-    def state_dict(self) -> dict:
-        return {"per_param": [opt.state_dict() for opt in self.optimizers.values()]}
-
-    def load_state_dict(self, state: dict) -> None:
-        for opt, sd in zip(self.optimizers.values(), state["per_param"]):
-            opt.load_state_dict(sd)
 
 
 class OffloadActivations:

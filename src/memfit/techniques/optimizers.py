@@ -73,38 +73,20 @@ def _adamw8bit_factory(hp: dict) -> Factory:
                                 weight_decay=hp["weight_decay"], min_8bit_size=4096)
 
 
-class OptimizerInBackward:
-    """One optimizer per parameter, stepped from its post-accumulate-grad hook.
-
-    Acts as the step's optimizer: ``step()`` and ``zero_grad()`` do nothing (the work happened in
-    backward); ``state`` and ``state_dict()`` gather the per-parameter optimizers.
-    """
+class PerParameterOptimizers:
+    """One optimizer per parameter, acting as one optimizer: ``state``, ``param_groups`` and
+    ``state_dict()`` gather the per-parameter optimizers (what in-backward stepping and
+    offloading one parameter's states at a time both need)."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], factory: Factory):
         self.params = list(params)
         self.optimizers = {p: factory([p]) for p in self.params}
         self.param_groups = [g for opt in self.optimizers.values() for g in opt.param_groups]
         self.defaults = next(iter(self.optimizers.values())).defaults
-        self._handles = [p.register_post_accumulate_grad_hook(self._step_param) for p in self.params]
-
-    @staticmethod
-    def _hook_for(opt):
-        return opt
-
-    def _step_param(self, p: torch.nn.Parameter) -> None:
-        opt = self.optimizers[p]
-        opt.step()
-        opt.zero_grad(set_to_none=True)
 
     @property
     def state(self) -> dict:
         return {p: opt.state[p] for p, opt in self.optimizers.items() if p in opt.state}
-
-    def step(self, closure=None) -> None:
-        return None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        return None
 
     def state_dict(self) -> dict:
         return {"per_param": [opt.state_dict() for opt in self.optimizers.values()]}
@@ -112,6 +94,28 @@ class OptimizerInBackward:
     def load_state_dict(self, state: dict) -> None:
         for opt, sd in zip(self.optimizers.values(), state["per_param"]):
             opt.load_state_dict(sd)
+
+
+class OptimizerInBackward(PerParameterOptimizers):
+    """Each parameter's optimizer is stepped from its post-accumulate-grad hook.
+
+    As the step's optimizer, ``step()`` and ``zero_grad()`` do nothing: the work happened in backward.
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], factory: Factory):
+        super().__init__(params, factory)
+        self._handles = [p.register_post_accumulate_grad_hook(self._step_param) for p in self.params]
+
+    def _step_param(self, p: torch.nn.Parameter) -> None:
+        opt = self.optimizers[p]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def step(self, closure=None) -> None:
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
 
     def remove_hooks(self) -> None:
         for h in self._handles:
