@@ -16,6 +16,7 @@ __all__ = ["Plan", "plan", "Workload", "load_workload", "build_step", "TrainStep
 
 _LAZY = {
     "Plan": "memfit.plans",
+    "plan": "memfit.planner.search",
     "Workload": "memfit.workload",
     "load_workload": "memfit.workload",
     "build_step": "memfit.step",

@@ -92,6 +92,7 @@ class TrainStep:
         obs, n = self.observer, self.num_micro_batches
         with obs.phase("zero_grad"):
             self.optimizer.zero_grad(set_to_none=True)
+        batch = self.precision.prepare_batch(batch)
         micro = split_batch(batch, self.batch_size, n) if n > 1 else [batch]
         total = None
         with contextlib.ExitStack() as around:

@@ -22,6 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.devices import Device
+from memfit.errors import UserError
 from memfit.planner.space import SearchSpace
 from memfit.plans import Plan
 from memfit.workload import Workload
@@ -40,6 +41,8 @@ class TimeModel:
     base_seconds: dict[int, float] = field(default_factory=dict)
     factors: dict[tuple[str, object], float] = field(default_factory=dict)
     seconds_spent: float = 0.0
+    excluded: list[str] = field(default_factory=list)
+    """Technique values left out of the space because they failed for this workload."""
 
     def predict(self, plan: Plan) -> float:
         micro = plan.micro_batch_size or self.batch_size
@@ -87,10 +90,15 @@ def calibrate(workload: Workload, space: SearchSpace, batch_size: int, device: D
     for micro in space.micro_batches:  # more, smaller micro-batches do not make a step faster
         model.base_seconds[micro] = max(model.base_seconds[micro], base)
     for name, values in space.values.items():
-        for value in values:
+        for value in list(values):
             if value == DEFAULTS[name]:
                 continue
-            factor = _time_plan(workload, Plan(**{name: value}), batch_size, device, steps) / base
+            try:
+                factor = _time_plan(workload, Plan(**{name: value}), batch_size, device, steps) / base
+            except UserError as e:  # the technique does not suit this workload: leave it out
+                values.remove(value)
+                model.excluded.append(f"{name}={value}: {e}")
+                continue
             model.factors[(name, value)] = max(factor, 1.0) if name in ADD_WORK else factor
     model.seconds_spent = time.perf_counter() - t0
     return model

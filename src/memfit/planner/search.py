@@ -107,6 +107,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
         warnings.simplefilter("ignore")
         model = time_model or (cost.roofline(wl, space, bs, dev, facts) if dev.is_gpu
                                else cost.calibrate(wl, space, bs, dev))
+    plans = [p for p in plans if all(getattr(p, n) in v for n, v in space.values.items())]  # after exclusions
     ranked = sorted((Candidate(p, model.predict(p)) for p in plans), key=lambda c: c.seconds)
     failed: list[Candidate] = []
     chosen, traces = None, 0
@@ -121,7 +122,11 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
         if traces >= max_traces:
             c.status, c.reason = "not evaluated", f"trace limit ({max_traces}) reached"
             continue
-        _evaluate(c, wl, bs, dev)
+        try:
+            _evaluate(c, wl, bs, dev)
+        except UserError as e:
+            c.status, c.reason = "invalid", str(e)
+            continue
         traces += 1
         if c.used_bytes <= budget_bytes:
             c.status, c.reason = "chosen", "fastest predicted plan that fits"

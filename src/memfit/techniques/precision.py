@@ -80,6 +80,10 @@ class FP32:
     def grad_scaler(self):
         return NoScaler()
 
+    def prepare_batch(self, batch):
+        """The batch as the model expects it (unchanged, except for bf16-pure)."""
+        return batch
+
 
 class Autocast(FP32):
     """fp32 weights, 16-bit compute under ``torch.autocast``."""
@@ -117,6 +121,12 @@ class BF16Pure(FP32):
     """Weights, gradients and optimizer states in bf16 (no fp32 master copy)."""
 
     name = "bf16-pure"
+
+    def prepare_batch(self, batch):
+        """Floating-point inputs follow the weights into bf16 (integer ids and labels stay)."""
+        from torch.utils._pytree import tree_map
+        return tree_map(lambda x: x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.is_floating_point()
+                        else x, batch)
 
     def apply(self, model: torch.nn.Module) -> torch.nn.Module:
         # Replace parameters one by one (keeping tied weights tied) rather than model.to(): the

@@ -47,3 +47,10 @@ def test_bf16_pure_halves_weights_and_states_and_tracks_fp32():
         losses, _, _ = run_steps(SPEC, Plan(precision="bf16-pure", bf16_update=rounding), steps=20)
         rel = max(abs(a - r) / r for a, r in zip(losses, ref))
         assert rel < 0.03, (rounding, rel)
+
+
+def test_float_inputs_follow_the_weights_into_bf16():
+    for spec in ("cnn", "dit"):
+        r = measured(spec, Plan(precision="bf16-pure"), seq_len=None)
+        assert abs(r.error_percent) <= 1.0
+        assert r.measured.breakdown["inputs"] > 0
