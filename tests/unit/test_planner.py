@@ -103,3 +103,13 @@ def test_exports():
     lt, unmapped = to_lightning(p, 8)
     assert lt == {"precision": "bf16-mixed", "accumulate_grad_batches": 4}
     assert any("DataLoader" in u for u in unmapped) and any("checkpointing" in u for u in unmapped)
+
+
+def test_plan_flags_fix_fields_and_bad_batches_are_refused(capsys):
+    assert main(["plan", "mha", "-b", "4", "--budget", "60MiB", "--precision", "bf16", "--checkpointing", "none",
+                 "--json", "--max-traces", "3"]) == 0
+    import json
+    out = json.loads(capsys.readouterr().out)
+    assert out["chosen"]["plan"]["precision"] == "bf16" and out["chosen"]["plan"]["checkpointing"] == "none"
+    assert main(["plan", "mha", "-b", "6", "--budget", "60MiB", "--micro-batch-size", "4"]) == 2
+    assert "not a multiple" in capsys.readouterr().err

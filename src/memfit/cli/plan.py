@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from memfit.cli.common import add_workload_args, batch_and_seq, print_json
+from memfit.cli.common import add_plan_args, add_workload_args, batch_and_seq, plan_from_args, print_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -14,6 +14,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "and micro-batching on predictions: every candidate's memory comes from an exact "
                                    "fake-tensor trace, its time from a cost model.")
     add_workload_args(p)
+    add_plan_args(p)
     p.add_argument("--budget", help="memory budget: 20GiB, 1.5GB, 80%% of the device; default: capacity minus 10%%")
     p.add_argument("--out", metavar="FILE", help="write the chosen plan (YAML, or JSON for .json)")
     p.add_argument("--format", choices=("yaml", "hf", "lightning"), default="yaml",
@@ -29,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from memfit.errors import UserError
     from memfit.planner.export import to_hf, to_lightning
     from memfit.planner.search import plan
-    from memfit.plans import OPTIMIZERS
+    from memfit.plans import OPTIMIZERS, Plan
     from memfit.report.planner import print_plan_result, save_pareto_png
     from memfit.units import parse_positive_int
 
@@ -38,8 +39,11 @@ def run(args: argparse.Namespace) -> int:
     for o in optimizers:
         if o not in OPTIMIZERS:
             raise UserError(f"--optimizers: unknown optimizer {o!r}; choose from {', '.join(OPTIMIZERS)}")
+    given = plan_from_args(args)
+    fixed = {k: v for k, v in given.to_dict().items() if v != Plan().to_dict()[k]}
     result = plan(args.workload, budget=args.budget, device=args.device, batch_size=bs, seq_len=seq,
-                  optimizers=optimizers, max_traces=parse_positive_int(args.max_traces, "--max-traces"))
+                  optimizers=optimizers, max_traces=parse_positive_int(args.max_traces, "--max-traces"),
+                  fixed=fixed)
     if args.pareto:
         save_pareto_png(result, args.pareto)
     if result.chosen and args.out:

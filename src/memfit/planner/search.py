@@ -90,8 +90,11 @@ def _used(report, device: Device) -> int:
 def plan(workload: Workload | str, *, budget: str | int | None = None, device: str | Device = "cpu",
          batch_size: int | None = None, seq_len: int | None = None,
          optimizers: tuple[str, ...] = ("adamw", "adamw8bit"), max_traces: int = 60,
-         time_model: cost.TimeModel | None = None, space=None) -> PlanResult:
-    """The fastest plan for ``workload`` whose predicted memory fits ``budget`` on ``device``."""
+         time_model: cost.TimeModel | None = None, space=None, fixed: dict | None = None) -> PlanResult:
+    """The fastest plan for ``workload`` whose predicted memory fits ``budget`` on ``device``.
+
+    ``fixed``: plan fields the user set (``--precision bf16``); the search covers the others.
+    """
     t0 = time.perf_counter()
     wl = load_workload(workload, seq_len=seq_len)
     dev = get_device(device)
@@ -100,9 +103,28 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     facts = model_facts(wl)
     _check_budget_above_weights(budget_bytes, facts, dev)
     space = space or default_space(facts, dev, bs, optimizers)
+    fixed = dict(fixed or {})
+    for name, value in list(fixed.items()):
+        if name in space.values:
+            space.values[name] = [tuple(value) if name == "offload" else value]
+            del fixed[name]
+        elif name in ("micro_batch_size", "grad_accum_steps"):
+            micro, _ = Plan(**{name: value}).micro_batches(bs)
+            space.micro_batches = [micro]
+            del fixed[name]
     for m in space.micro_batches:
         Plan(micro_batch_size=m if m != bs else None).micro_batches(bs)
     plans = candidates(space, bs)
+    if fixed:  # fields outside the search space (ema, bf16_update, ...) apply to every candidate
+        kept = []
+        for p in plans:
+            try:
+                kept.append(p.replace(**fixed))
+            except UserError:
+                continue
+        plans = kept
+    if not plans:
+        raise UserError("plan: no valid plan is left with the fields you fixed; remove some of the plan flags")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = time_model or (cost.roofline(wl, space, bs, dev, facts) if dev.is_gpu
