@@ -42,9 +42,12 @@ PLANS = {
     "loss_chunks 16": Plan(loss_chunks=16),
     "quick stack (bf16+blocks+8bit+chunked loss)": Plan(precision="bf16", checkpointing="blocks",
                                                          optimizer="adamw8bit", loss_chunks=8),
-    "best AdamW stack": Plan(precision="bf16-pure", checkpointing="blocks", optimizer="adamw8bit",
-                             loss_chunks=16, attention="chunked"),
-    "best stack (Adafactor)": Plan(precision="bf16-pure", checkpointing="blocks", optimizer="adafactor",
+    "8-bit AdamW stack (bf16-pure+blocks+8bit+chunked loss+chunked attention)": Plan(
+        precision="bf16-pure", checkpointing="blocks", optimizer="adamw8bit", loss_chunks=16, attention="chunked"),
+    "best AdamW stack (bf16-pure SR+blocks+in-backward+chunked loss+chunked attention)": Plan(
+        precision="bf16-pure", bf16_update="stochastic", checkpointing="blocks", optimizer_in_backward=True,
+        loss_chunks=16, attention="chunked"),
+    "best stack, Adafactor (bf16-pure+blocks+in-backward+chunked loss+chunked attention)": Plan(precision="bf16-pure", checkpointing="blocks", optimizer="adafactor",
                                    optimizer_in_backward=True, loss_chunks=16, attention="chunked"),
 }
 
@@ -74,7 +77,7 @@ def main() -> None:
     ap.add_argument("--only", default="")
     a = ap.parse_args()
     wl = load_workload(WORKLOAD, seq_len=SEQ)
-    names = [n for n in PLANS if not a.only or any(k in n for k in a.only.split(","))]
+    names = [n for n in PLANS if not a.only or n.startswith("fp32") or any(k in n for k in a.only.split(","))]
     print(f"{WORKLOAD} seq {SEQ} batch {BATCH}, CPU; ratios vs fp32 AdamW")
     print("| plan | predicted peak | measured peak | error | device-side peak (predicted) | memory vs fp32 | "
           "step time vs fp32 |")

@@ -44,7 +44,15 @@ CPU_PROBED_OPS = {
     aten.cumsum.default, aten.sort.default, aten.topk.default,
 }
 MAX_PROBE_BYTES = 64 << 20
-"""Largest inputs + outputs of a probed kernel call: keeps probing fast and its memory small."""
+"""Largest inputs + outputs of a probed ATen kernel call: keeps probing fast and its memory small."""
+MAX_CUSTOM_PROBE_BYTES = 1 << 30
+"""Custom ops (e.g. bitsandbytes' 8-bit optimizer update, plain torch code inside one op, holding
+fp32 copies of both states, the gradient and the weight) are probed up to this size: their
+scratch is several times their tensors, and an optimizer update on an embedding is large."""
+
+
+def is_custom_op(func) -> bool:
+    return getattr(func, "namespace", "aten") not in ("aten", "prims", "prim", "_c10d_functional", "c10d")
 RANGE = "memfit::probe"
 
 
@@ -65,7 +73,7 @@ class KernelProbe:
         self.skipped: dict[str, int] = {}
 
     def wants(self, func) -> bool:
-        return func in self.ops
+        return func in self.ops or is_custom_op(func)
 
     def __call__(self, func, args, kwargs, out) -> ProbeResult | None:
         key = _signature(func, args, kwargs)
@@ -75,8 +83,8 @@ class KernelProbe:
                 self.skipped[str(func)] = self.skipped.get(str(func), 0) + 1
             return res
         leaves = [x for x in tree_flatten((args, kwargs, out))[0] if isinstance(x, torch.Tensor)]
-        if any(t.device.type != "cpu" for t in leaves) or \
-                sum(t.untyped_storage().nbytes() for t in leaves) > self.max_bytes:
+        cap = MAX_CUSTOM_PROBE_BYTES if is_custom_op(func) else self.max_bytes
+        if any(t.device.type != "cpu" for t in leaves) or sum(t.untyped_storage().nbytes() for t in leaves) > cap:
             self.cache[key] = None
             self.skipped[str(func)] = self.skipped.get(str(func), 0) + 1
             return None

@@ -43,6 +43,8 @@ class TimeModel:
     seconds_spent: float = 0.0
     excluded: list[str] = field(default_factory=list)
     """Technique values left out of the space because they failed for this workload."""
+    reduced_batch: int | None = None
+    """Slow steps: the batch size the technique factors were measured at."""
 
     def predict(self, plan: Plan) -> float:
         micro = plan.micro_batch_size or self.batch_size
@@ -55,8 +57,9 @@ class TimeModel:
 
     def describe(self) -> str:
         if self.kind == "calibrated":
+            at = f" at batch {self.reduced_batch}" if self.reduced_batch else ""
             return (f"calibrated on this machine with short real steps ({self.seconds_spent:.1f} s); "
-                    "technique factors combined multiplicatively")
+                    f"technique factors{at} combined multiplicatively")
         return f"roofline from FLOP counts and the preset's peak numbers ({MFU:.0%} utilisation assumed)"
 
 
@@ -80,21 +83,37 @@ def _time_plan(workload: Workload, plan: Plan, batch_size: int, device: Device, 
     return statistics.median(times)
 
 
+SLOW_STEP_SECONDS = 2.0
+MICRO_BATCH_OVERHEAD = 0.03
+"""For slow steps: each extra micro-batch costs this fraction of the step (launches, small matmuls)."""
+
+
 def calibrate(workload: Workload, space: SearchSpace, batch_size: int, device: Device, steps: int = 2) -> TimeModel:
+    """Measure the base plan and each technique value alone. When a step is slow (> 2 s), the
+    technique factors are measured at the smallest micro-batch size instead (factors are ratios,
+    roughly independent of the batch) and micro-batching is modelled as a small overhead."""
     t0 = time.perf_counter()
     model = TimeModel("calibrated", batch_size)
+    base = _time_plan(workload, Plan(), batch_size, device, steps)
+    model.base_seconds[batch_size] = base
+    slow = base > SLOW_STEP_SECONDS
     for micro in space.micro_batches:
-        plan = Plan() if micro == batch_size else Plan(micro_batch_size=micro)
-        model.base_seconds[micro] = _time_plan(workload, plan, batch_size, device, steps)
-    base = model.base_seconds[batch_size]
-    for micro in space.micro_batches:  # more, smaller micro-batches do not make a step faster
-        model.base_seconds[micro] = max(model.base_seconds[micro], base)
+        if micro == batch_size:
+            continue
+        if slow:
+            model.base_seconds[micro] = base * (1 + MICRO_BATCH_OVERHEAD * (batch_size // micro - 1))
+        else:  # more, smaller micro-batches do not make a step faster
+            model.base_seconds[micro] = max(base, _time_plan(workload, Plan(micro_batch_size=micro), batch_size,
+                                                             device, steps))
+    cal_batch = min(space.micro_batches) if slow else batch_size
+    cal_base = _time_plan(workload, Plan(), cal_batch, device, steps) if slow else base
+    model.reduced_batch = cal_batch if slow else None
     for name, values in space.values.items():
         for value in list(values):
             if value == DEFAULTS[name]:
                 continue
             try:
-                factor = _time_plan(workload, Plan(**{name: value}), batch_size, device, steps) / base
+                factor = _time_plan(workload, Plan(**{name: value}), cal_batch, device, steps) / cal_base
             except UserError as e:  # the technique does not suit this workload: leave it out
                 values.remove(value)
                 model.excluded.append(f"{name}={value}: {e}")
