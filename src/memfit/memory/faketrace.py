@@ -77,7 +77,7 @@ def run_tracked(workload: Workload, plan: Plan, batch_size: int, device: Device,
     t0 = time.perf_counter()
     try:
         with outer or contextlib.nullcontext(), fake_mode, tracker, \
-                (real_code_paths() if fake else contextlib.nullcontext()):
+                (real_code_paths(bitsandbytes=plan.optimizer == "adamw8bit") if fake else contextlib.nullcontext()):
             step = build_step(workload, plan, batch_size, device)
             params = [p for p in step.model.parameters()]
             tracker.label(params, "parameters")

@@ -4,7 +4,7 @@ Dimensions and the values tried (each only where it applies to the model and dev
 precision (fp32, bf16 or fp16 per the device, bf16-pure), checkpointing (none, blocks:every=2,
 selective, blocks; needs repeated blocks), optimizer (the workload's AdamW, adamw8bit; more with
 ``optimizers=``), optimizer_in_backward, offload (GPU presets only: on the CPU the host *is* the
-device), loss_chunks (Hugging Face causal LMs), attention (auto, chunked; models with attention),
+device), loss_chunks (Hugging Face causal LMs), attention (auto, chunked; models with attention, CPU only),
 and micro-batch size x accumulation keeping the global batch fixed. Invalid combinations are
 dropped by the Plan's own validation.
 
@@ -83,7 +83,9 @@ def default_space(facts: ModelFacts, device: Device, batch_size: int,
         "optimizer_in_backward": [False, True],
         "offload": [(), ("optimizer_states",), ("activations",)] if device.is_gpu else [()],
         "loss_chunks": [0, 8] if facts.causal_lm else [0],
-        "attention": ["auto", "chunked"] if facts.has_attention else ["auto"],
+        # On CUDA, SDPA's fused kernels never hold the T x T matrix, so chunking only adds work;
+        # on the CPU the math path (e.g. with attention dropout) does, and chunking helps.
+        "attention": ["auto", "chunked"] if facts.has_attention and not device.is_gpu else ["auto"],
     }
     micro = [m for m in (batch_size, batch_size // 2, batch_size // 4, batch_size // 8)
              if m >= 1 and batch_size % m == 0]
