@@ -5,7 +5,9 @@
 3. Walk the plans from fastest to slowest; predict the memory of each with ``estimate`` (an exact
    fake-tensor trace of the real TrainStep). The first that fits is the answer.
 4. Prune without tracing: a plan that saves no more memory in any dimension than a plan that
-   already did not fit cannot fit either (techniques are assumed not to *add* memory).
+   already did not fit cannot fit either (techniques are assumed not to *add* memory). The plan
+   that saves the most everywhere is traced first: when even it does not fit, nothing does,
+   and its footprint is the smallest budget to ask for.
 
 Budget: ``--budget 20GiB``, ``--budget 80%`` of the device, or when omitted the device's capacity
 minus headroom (10%). For a GPU preset the budget holds the caching allocator's *reserved* bytes
@@ -133,6 +135,17 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     ranked = sorted((Candidate(p, model.predict(p)) for p in plans), key=lambda c: c.seconds)
     failed: list[Candidate] = []
     chosen, traces = None, 0
+    # The plan that saves the most everywhere goes first: if even it does not fit, nothing does.
+    frugal = _smallest(ranked, wl, bs, dev)
+    traces += 1
+    if frugal.used_bytes > budget_bytes:
+        frugal.status = "too big"
+        frugal.reason = f"the most memory-saving plan needs {fmt_bytes(frugal.used_bytes)}"
+        result = PlanResult(workload=wl.name, device=dev.name, batch_size=bs, budget_bytes=budget_bytes,
+                            time_model=model.describe(), chosen=None, candidates=ranked, traces=traces,
+                            smallest=frugal)
+        result.seconds = time.perf_counter() - t0
+        return result
     for c in ranked:
         if chosen is not None:
             c.status, c.reason = "slower", f"{c.seconds / chosen.seconds:.2f}x the chosen plan's time"
@@ -144,12 +157,13 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
         if traces >= max_traces:
             c.status, c.reason = "not evaluated", f"trace limit ({max_traces}) reached"
             continue
-        try:
-            _evaluate(c, wl, bs, dev)
-        except UserError as e:
-            c.status, c.reason = "invalid", str(e)
-            continue
-        traces += 1
+        if c.used_bytes is None:  # (the frugal plan was traced already)
+            try:
+                _evaluate(c, wl, bs, dev)
+            except UserError as e:
+                c.status, c.reason = "invalid", str(e)
+                continue
+            traces += 1
         if c.used_bytes <= budget_bytes:
             c.status, c.reason = "chosen", "fastest predicted plan that fits"
             chosen = c
@@ -159,9 +173,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
             failed.append(c)
     result = PlanResult(workload=wl.name, device=dev.name, batch_size=bs, budget_bytes=budget_bytes,
                         time_model=model.describe(), chosen=chosen, candidates=ranked, traces=traces)
-    if chosen is None:
-        result.smallest = _smallest(ranked, wl, bs, dev)
-        result.traces += 1
+    if chosen is None:  # the trace limit was reached before a fitting plan came up
+        result.smallest = frugal
     result.seconds = time.perf_counter() - t0
     return result
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from memfit.errors import UserError
@@ -19,13 +20,13 @@ def print_plan_result(result, console: Console | None = None, top: int = 12) -> 
     c.print(f"[dim]time model: {result.time_model}[/]")
     if result.chosen:
         ch = result.chosen
-        c.print(f"[green]chosen:[/] {ch.plan.describe()} · predicted {fmt_bytes(ch.used_bytes)} · "
+        c.print(f"[green]chosen:[/] {escape(ch.plan.describe())} · predicted {fmt_bytes(ch.used_bytes)} · "
                 f"{ch.seconds * 1e3:.1f} ms/step")
-        c.print(ch.plan.to_yaml().rstrip())
+        c.print(escape(ch.plan.to_yaml().rstrip()))
     else:
         s = result.smallest
         c.print(f"[red]nothing fits in {fmt_bytes(result.budget_bytes)}.[/] The smallest footprint found is "
-                f"{fmt_bytes(s.used_bytes)} with: {s.plan.describe()}; a budget of at least that would fit.")
+                f"{fmt_bytes(s.used_bytes)} with: {escape(s.plan.describe())}; a budget of at least that would fit.")
     t = Table(title="alternatives, fastest first", show_edge=False, pad_edge=False, box=None)
     for col, just in (("plan", "left"), ("memory", "right"), ("ms/step", "right"), ("status", "left")):
         t.add_column(col, justify=just)
@@ -34,7 +35,8 @@ def print_plan_result(result, console: Console | None = None, top: int = 12) -> 
     for x in shown:
         mem = fmt_bytes(x.used_bytes) if x.used_bytes is not None else "-"
         style = {"chosen": "green", "too big": "red"}.get(x.status, "dim")
-        t.add_row(x.plan.short(result.batch_size), mem, f"{x.seconds * 1e3:.1f}", f"[{style}]{x.status}[/]: {x.reason}")
+        t.add_row(escape(x.plan.short(result.batch_size)), mem, f"{x.seconds * 1e3:.1f}",
+                  f"[{style}]{x.status}[/]: {escape(x.reason)}")
     c.print(t)
     pruned = sum(x.status == "pruned" for x in result.candidates)
     if pruned:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from memfit.memory.categories import CATEGORIES, DESCRIPTIONS
@@ -16,7 +17,7 @@ def _console() -> Console:
 
 def _plan_text(plan: dict) -> str:
     from memfit.plans import Plan
-    return Plan.from_dict(plan).describe()
+    return escape(Plan.from_dict(plan).describe())
 
 
 def _pct(part: int, whole: int) -> str:
@@ -84,7 +85,7 @@ def _print_leaks(c: Console, leaks: list[dict]) -> None:
 
 def _print_approximations(c: Console, approximations: list[str]) -> None:
     for a in approximations:
-        c.print(f"[yellow]approximation:[/] {a}")
+        c.print(f"[yellow]approximation:[/] {escape(a)}")
 
 
 def print_profile(result, console: Console | None = None) -> None:
