@@ -5,9 +5,9 @@
 3. Walk the plans from fastest to slowest; predict the memory of each with ``estimate`` (an exact
    fake-tensor trace of the real TrainStep). The first that fits is the answer.
 4. Prune without tracing: a plan that saves no more memory in any dimension than a plan that
-   already did not fit cannot fit either (techniques are assumed not to *add* memory). The plan
-   that saves the most everywhere is traced first: when even it does not fit, nothing does,
-   and its footprint is the smallest budget to ask for.
+   already did not fit cannot fit either (techniques are assumed not to *add* memory). The
+   maximal plans (none saves less than another everywhere) are traced first: when none of them
+   fits, nothing does, and the smallest of their footprints is the budget to ask for.
 
 Budget: ``--budget 20GiB``, ``--budget 80%`` of the device, or when omitted the device's capacity
 minus headroom (10%). For a GPU preset the budget holds the caching allocator's *reserved* bytes
@@ -135,15 +135,26 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     ranked = sorted((Candidate(p, model.predict(p)) for p in plans), key=lambda c: c.seconds)
     failed: list[Candidate] = []
     chosen, traces = None, 0
-    # The plan that saves the most everywhere goes first: if even it does not fit, nothing does.
-    frugal = _smallest(ranked, wl, bs, dev)
-    traces += 1
-    if frugal.used_bytes > budget_bytes:
-        frugal.status = "too big"
-        frugal.reason = f"the most memory-saving plan needs {fmt_bytes(frugal.used_bytes)}"
+    # The maximal plans (no other plan saves at least as much everywhere) go first: every plan is
+    # dominated by one of them, so if none of them fits, nothing does.
+    maximal = _maximal(ranked, bs)
+    for c in maximal:
+        if traces >= max_traces:
+            break
+        try:
+            _evaluate(c, wl, bs, dev)
+        except UserError as e:
+            c.status, c.reason = "invalid", str(e)
+            continue
+        traces += 1
+        if c.used_bytes > budget_bytes:
+            c.status, c.reason = "too big", f"needs {fmt_bytes(c.used_bytes)} > budget {fmt_bytes(budget_bytes)}"
+            failed.append(c)
+    tops = [c for c in ranked if c.used_bytes is not None]
+    if tops and all(c.used_bytes > budget_bytes for c in tops) and len(tops) == len(maximal):
         result = PlanResult(workload=wl.name, device=dev.name, batch_size=bs, budget_bytes=budget_bytes,
                             time_model=model.describe(), chosen=None, candidates=ranked, traces=traces,
-                            smallest=frugal)
+                            smallest=min(tops, key=lambda c: c.used_bytes))
         result.seconds = time.perf_counter() - t0
         return result
     for c in ranked:
@@ -174,7 +185,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     result = PlanResult(workload=wl.name, device=dev.name, batch_size=bs, budget_bytes=budget_bytes,
                         time_model=model.describe(), chosen=chosen, candidates=ranked, traces=traces)
     if chosen is None:  # the trace limit was reached before a fitting plan came up
-        result.smallest = frugal
+        traced = [c for c in ranked if c.used_bytes is not None]
+        result.smallest = min(traced, key=lambda c: c.used_bytes) if traced else None
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -186,17 +198,14 @@ def _evaluate(c: Candidate, wl: Workload, bs: int, dev: Device) -> None:
     c.used_bytes, c.peak_bytes = _used(report, dev), report.peak_bytes
 
 
-def _smallest(ranked: list[Candidate], wl: Workload, bs: int, dev: Device) -> Candidate:
-    """The plan saving the most in every dimension (ties: fastest); trace it if not yet done."""
-    from memfit.planner.space import RANK
-
-    def savings(c: Candidate):
-        score = sum(RANK[n].get(getattr(c.plan, n), 0) for n in RANK)
-        return (score, -(c.plan.micro_batch_size or bs), -c.seconds)
-    best = max(ranked, key=savings)
-    if best.used_bytes is None:
-        _evaluate(best, wl, bs, dev)
-    return best
+def _maximal(ranked: list[Candidate], bs: int) -> list[Candidate]:
+    """Plans that no other plan dominates in memory saving (fastest first)."""
+    out = []
+    for c in ranked:
+        if not any(d is not c and saves_no_more_than(c.plan, d.plan, bs) and not saves_no_more_than(d.plan, c.plan, bs)
+                   for d in ranked):
+            out.append(c)
+    return out
 
 
 def _check_budget_above_weights(budget: int, facts, dev: Device) -> None:
