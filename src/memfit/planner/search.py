@@ -30,6 +30,8 @@ from memfit.units import fmt_bytes, parse_size
 from memfit.workload import Workload, load_workload
 
 HEADROOM = 0.10
+WALK_BEFORE_FEASIBILITY = 8
+"""Traces of the fastest plans before checking that any plan fits at all."""
 
 
 @dataclass
@@ -135,28 +137,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     ranked = sorted((Candidate(p, model.predict(p)) for p in plans), key=lambda c: c.seconds)
     failed: list[Candidate] = []
     chosen, traces = None, 0
-    # The maximal plans (no other plan saves at least as much everywhere) go first: every plan is
-    # dominated by one of them, so if none of them fits, nothing does.
-    maximal = _maximal(ranked, bs)
-    for c in maximal:
-        if traces >= max_traces:
-            break
-        try:
-            _evaluate(c, wl, bs, dev)
-        except UserError as e:
-            c.status, c.reason = "invalid", str(e)
-            continue
-        traces += 1
-        if c.used_bytes > budget_bytes:
-            c.status, c.reason = "too big", f"needs {fmt_bytes(c.used_bytes)} > budget {fmt_bytes(budget_bytes)}"
-            failed.append(c)
-    tops = [c for c in ranked if c.used_bytes is not None]
-    if tops and all(c.used_bytes > budget_bytes for c in tops) and len(tops) == len(maximal):
-        result = PlanResult(workload=wl.name, device=dev.name, batch_size=bs, budget_bytes=budget_bytes,
-                            time_model=model.describe(), chosen=None, candidates=ranked, traces=traces,
-                            smallest=min(tops, key=lambda c: c.used_bytes))
-        result.seconds = time.perf_counter() - t0
-        return result
+    maximal: list[Candidate] | None = None
     for c in ranked:
         if chosen is not None:
             c.status, c.reason = "slower", f"{c.seconds / chosen.seconds:.2f}x the chosen plan's time"
@@ -168,7 +149,19 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
         if traces >= max_traces:
             c.status, c.reason = "not evaluated", f"trace limit ({max_traces}) reached"
             continue
-        if c.used_bytes is None:  # (the frugal plan was traced already)
+        if maximal is None and traces >= WALK_BEFORE_FEASIBILITY:
+            # No fit among the fastest plans: check that anything fits at all. The maximal plans
+            # (none saves less than another everywhere) dominate every plan: if none of them
+            # fits, nothing does.
+            maximal = _maximal(ranked, bs)
+            traces += _trace_all(maximal, wl, bs, dev, budget_bytes, failed)
+            tops = [m for m in maximal if m.used_bytes is not None]
+            if tops and all(m.used_bytes > budget_bytes for m in tops):
+                break
+            if any(saves_no_more_than(c.plan, f.plan, bs) for f in failed):
+                c.status, c.reason = "pruned", "saves no more memory than a plan that did not fit"
+                continue
+        if c.used_bytes is None:  # (maximal plans were traced already)
             try:
                 _evaluate(c, wl, bs, dev)
             except UserError as e:
@@ -184,9 +177,12 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
             failed.append(c)
     result = PlanResult(workload=wl.name, device=dev.name, batch_size=bs, budget_bytes=budget_bytes,
                         time_model=model.describe(), chosen=chosen, candidates=ranked, traces=traces)
-    if chosen is None:  # the trace limit was reached before a fitting plan came up
+    if chosen is None:  # nothing fits (or the trace limit came first): the smallest footprint seen
         traced = [c for c in ranked if c.used_bytes is not None]
         result.smallest = min(traced, key=lambda c: c.used_bytes) if traced else None
+        for c in ranked:
+            if c.status == "not evaluated" and c.used_bytes is None:
+                c.reason = c.reason or "nothing fits: a plan saving at least as much did not fit"
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -196,6 +192,24 @@ def _evaluate(c: Candidate, wl: Workload, bs: int, dev: Device) -> None:
         warnings.simplefilter("ignore")
         report = estimate(wl, c.plan, batch_size=bs, device=dev)
     c.used_bytes, c.peak_bytes = _used(report, dev), report.peak_bytes
+
+
+def _trace_all(cands: list[Candidate], wl: Workload, bs: int, dev: Device, budget: int,
+               failed: list[Candidate]) -> int:
+    n = 0
+    for c in cands:
+        if c.used_bytes is not None:
+            continue
+        try:
+            _evaluate(c, wl, bs, dev)
+        except UserError as e:
+            c.status, c.reason = "invalid", str(e)
+            continue
+        n += 1
+        if c.used_bytes > budget:
+            c.status, c.reason = "too big", f"needs {fmt_bytes(c.used_bytes)} > budget {fmt_bytes(budget)}"
+            failed.append(c)
+    return n
 
 
 def _maximal(ranked: list[Candidate], bs: int) -> list[Candidate]:
