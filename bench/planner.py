@@ -30,7 +30,7 @@ from memfit.memory.measure import STEP_RANGE, profiler_peak  # noqa: E402
 from memfit.memory.quiet import QuietProfiler  # noqa: E402
 from memfit.planner.cost import _time_plan  # noqa: E402
 from memfit.planner.search import plan  # noqa: E402
-from memfit.planner.space import SearchSpace, candidates  # noqa: E402
+from memfit.planner.space import SearchSpace, candidates, model_facts  # noqa: E402
 from memfit.plans import Plan  # noqa: E402
 from memfit.units import fmt_bytes  # noqa: E402
 from memfit.workload import load_workload  # noqa: E402
@@ -44,8 +44,9 @@ BATCH = 8
 CPU = get_device("cpu")
 
 
-def space_for(causal_lm: bool) -> SearchSpace:
-    values = {"precision": ["fp32", "bf16", "bf16-pure"], "checkpointing": ["none", "blocks:every=2", "blocks"],
+def space_for(causal_lm: bool, has_blocks: bool = True) -> SearchSpace:
+    values = {"precision": ["fp32", "bf16", "bf16-pure"],
+              "checkpointing": ["none", "blocks:every=2", "blocks"] if has_blocks else ["none"],
               "optimizer": ["adamw"], "optimizer_in_backward": [False, True], "offload": [()],
               "loss_chunks": [0, 8] if causal_lm else [0], "attention": ["auto"]}
     return SearchSpace(values=values, micro_batches=[8, 4, 2])
@@ -87,7 +88,7 @@ def main() -> None:
     for name in a.workloads.split(","):
         spec, causal = WORKLOADS[name]
         wl = load_workload(spec)
-        space = space_for(causal)
+        space = space_for(causal, model_facts(wl).has_blocks)
         t0 = time.perf_counter()
         grid = {}
         for p in candidates(space, BATCH):
