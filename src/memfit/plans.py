@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +81,6 @@ class Plan:
     """none | blocks | full."""
     bf16_update: str = "nearest"
     """With bf16-pure: how the update is rounded into bf16 weights: nearest | stochastic | kahan."""
-    extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         _check_choice("precision", self.precision, PRECISIONS)
@@ -167,7 +166,7 @@ class Plan:
                             "not implemented in this memfit version yet; use blocks, blocks:every=N or selective")
         default = Plan()
         for f in dataclasses.fields(self):
-            if f.name in IMPLEMENTED or f.name == "extra":
+            if f.name in IMPLEMENTED:
                 continue
             if getattr(self, f.name) != getattr(default, f.name):
                 raise UserError(f"plan: {f.name}={_show(getattr(self, f.name))} is not implemented in this memfit "
@@ -175,7 +174,7 @@ class Plan:
 
     # -- (de)serialisation -----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["offload"] = list(self.offload)
         d["ema"] = dataclasses.asdict(self.ema) if self.ema else None
         return d
@@ -184,7 +183,7 @@ class Plan:
     def from_dict(cls, data: dict[str, Any], *, source: str = "plan") -> Plan:
         if not isinstance(data, dict):
             raise UserError(f"{source}: a plan must be a mapping of keys to values, got {type(data).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
             raise UserError(f"{source}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(names))}")
@@ -247,7 +246,7 @@ class Plan:
         """Short text of the non-default fields, e.g. 'precision=bf16, micro_batch_size=2'."""
         default = Plan()
         parts = [f"{f.name}={_show(getattr(self, f.name))}" for f in dataclasses.fields(self)
-                 if f.name != "extra" and getattr(self, f.name) != getattr(default, f.name)]
+                 if getattr(self, f.name) != getattr(default, f.name)]
         return ", ".join(parts) or "defaults (fp32, whole batch)"
 
 

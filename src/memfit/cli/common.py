@@ -41,8 +41,6 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--plan", metavar="FILE", help="plan file (.yaml or .json)")
     docs = field_docs(Plan)
     for f in dataclasses.fields(Plan):
-        if f.name == "extra":
-            continue
         flag = "--" + f.name.replace("_", "-")
         help_text = docs.get(f.name, "")
         if f.type in ("bool", bool):
