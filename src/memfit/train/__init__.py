@@ -1,0 +1,1 @@
+"""Training: a small loop around the one TrainStep, with data, metrics and checkpoints."""

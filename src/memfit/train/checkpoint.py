@@ -1,0 +1,74 @@
+"""Checkpoints: everything a run needs to continue exactly, written atomically.
+
+A checkpoint holds the model, the optimizer (8-bit and per-parameter optimizers through their
+``state_dict``), the grad scaler, the EMA, the RNG states, the data position, the step and the plan.
+It is written to a temporary file in the same folder, flushed and fsync'ed, then renamed over the
+old one: a process killed mid-save leaves the last good checkpoint in place. Loading checks that
+the checkpoint belongs to this model (parameter names and shapes) and this plan.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import torch
+
+from memfit.errors import UserError
+
+NAME = "checkpoint.pt"
+FORMAT = 1
+
+
+def save(out_dir: Path, step, *, step_index: int, data_position: int, workload: str) -> Path:
+    state = {
+        "format": FORMAT, "workload": workload, "step": step_index, "data_position": data_position,
+        "plan": step.plan.to_dict(), "batch_size": step.batch_size,
+        "shapes": {n: tuple(p.shape) for n, p in step.model.named_parameters()},
+        "model": step.model.state_dict(), "optimizer": step.optimizer.state_dict(),
+        "scaler": step.scaler.state_dict(), "ema": step.ema.state_dict() if step.ema else {},
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+    }
+    path = out_dir / NAME
+    tmp = out_dir / f".{NAME}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(out_dir, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return path
+
+
+def load(out_dir: Path, step, *, workload: str) -> tuple[int, int]:
+    """Restore ``step`` from ``out_dir``; returns (steps done, data position)."""
+    path = out_dir / NAME
+    if not path.is_file():
+        raise UserError(f"--resume: no checkpoint in {str(out_dir)!r}; run without --resume to start")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - any failure is a corrupt file
+        raise UserError(f"checkpoint {str(path)!r} is corrupt or unreadable ({type(e).__name__}); "
+                        "delete it or point --out to another folder") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise UserError(f"checkpoint {str(path)!r} is not a memfit checkpoint of this version")
+    shapes = {n: tuple(p.shape) for n, p in step.model.named_parameters()}
+    if state["workload"] != workload or state["shapes"] != shapes:
+        raise UserError(f"checkpoint {str(path)!r} is from another model ({state['workload']}); "
+                        "use a fresh --out folder for this workload")
+    if state["plan"] != step.plan.to_dict() or state["batch_size"] != step.batch_size:
+        raise UserError(f"checkpoint {str(path)!r} was written with another plan or batch size; resume with the "
+                        "same --plan/--batch-size, or start a new run in another --out folder")
+    step.model.load_state_dict(state["model"])
+    step.optimizer.load_state_dict(state["optimizer"])
+    step.scaler.load_state_dict(state["scaler"])
+    if step.ema:
+        step.ema.load_state_dict(state["ema"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    return state["step"], state["data_position"]

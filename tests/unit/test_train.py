@@ -1,0 +1,72 @@
+"""memfit train: exact resume, atomic checkpoints, refusals, measured vs predicted peak."""
+
+import json
+import os
+
+import pytest
+
+from memfit.cli.main import main
+from memfit.errors import UserError
+from memfit.plans import Plan
+from memfit.train import checkpoint
+from memfit.train.data import ByteCorpus
+from memfit.train.loop import train
+
+LM = "gpt2:n_layer=2,n_embd=64,n_head=4,n_positions=128"
+
+
+def _losses(path):
+    return [json.loads(line)["loss"] for line in open(path / "metrics.jsonl")]
+
+
+@pytest.mark.parametrize("plan", [Plan(), Plan(optimizer_in_backward=True, checkpointing="blocks")])
+def test_resume_gives_the_same_losses_as_a_straight_run(tmp_path, plan):
+    straight = train(LM, plan=plan, steps=8, out=tmp_path / "a", seq_len=64, batch_size=2, progress=False)
+    train(LM, plan=plan, steps=4, out=tmp_path / "b", seq_len=64, batch_size=2, progress=False)
+    resumed = train(LM, plan=plan, steps=8, out=tmp_path / "b", seq_len=64, batch_size=2, resume=True,
+                    progress=False)
+    assert resumed.losses == straight.losses[4:]
+    assert _losses(tmp_path / "b") == straight.losses
+
+
+def test_steady_state_peak_matches_the_prediction(tmp_path):
+    r = train(LM, steps=3, out=tmp_path, seq_len=64, batch_size=4, progress=False)
+    assert abs(r.predicted_peak_bytes - r.measured_peak_bytes) <= 0.01 * r.measured_peak_bytes
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [x["step"] for x in records] == [1, 2, 3] and all("peak_bytes" in x and "loss" in x for x in records)
+
+
+def test_checkpoint_is_atomic_and_refused_when_corrupt_or_foreign(tmp_path):
+    train(LM, steps=2, out=tmp_path, seq_len=64, batch_size=2, progress=False)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".checkpoint")] == []  # no temp left
+    other = "gpt2:n_layer=1,n_embd=64,n_head=4,n_positions=128"
+    with pytest.raises(UserError, match="another model"):
+        train(other, steps=3, out=tmp_path, seq_len=64, batch_size=2, resume=True, progress=False)
+    with pytest.raises(UserError, match="another plan"):
+        train(LM, plan=Plan(precision="bf16"), steps=3, out=tmp_path, seq_len=64, batch_size=2, resume=True,
+              progress=False)
+    (tmp_path / checkpoint.NAME).write_bytes(b"not a checkpoint")
+    with pytest.raises(UserError, match="corrupt"):
+        train(LM, steps=3, out=tmp_path, seq_len=64, batch_size=2, resume=True, progress=False)
+
+
+def test_data_from_files_and_bad_inputs(tmp_path, capsys):
+    text = tmp_path / "corpus"
+    text.mkdir()
+    (text / "a.txt").write_text("hello memfit " * 200)
+    assert ByteCorpus(str(text)).data.numel() == len("hello memfit ") * 200
+    r = train(LM, steps=2, out=tmp_path / "o", data=str(text), seq_len=64, batch_size=2, progress=False)
+    assert len(r.losses) == 2
+    (tmp_path / "empty.txt").write_text("")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    os.chmod(locked, 0o500)
+    for argv, message in [
+        (["train", LM, "--data", str(tmp_path / "missing")], "not found"),
+        (["train", LM, "--data", str(tmp_path / "empty.txt")], "holds no text"),
+        (["train", "mha", "--data", str(text)], "applies to the built-in language models"),
+        (["train", LM, "--resume", "--out", str(tmp_path / "fresh")], "no checkpoint"),
+        (["train", LM, "--steps", "0"], "--steps"),
+    ] + ([] if os.geteuid() == 0 else [(["train", LM, "--out", str(locked / "x")], "cannot write")]):
+        assert main(argv) == 2, argv
+        assert message in capsys.readouterr().err
