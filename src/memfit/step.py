@@ -77,6 +77,8 @@ class TrainStep:
         self.forward_contexts = forward_contexts  # around forward only (e.g. saved-tensor hooks)
         self.after_step = after_step
         self.ema = ema
+        self.phase = "idle"
+        """The phase running now (zero_grad, forward, backward, optimizer): an OOM handler needs it."""
         self.observer = NullObserver()
 
     @property
@@ -90,6 +92,7 @@ class TrainStep:
 
     def run(self, batch: Any) -> torch.Tensor:
         obs, n = self.observer, self.num_micro_batches
+        self.phase = "zero_grad"
         with obs.phase("zero_grad"):
             self.optimizer.zero_grad(set_to_none=True)
         batch = self.precision.prepare_batch(batch)
@@ -99,6 +102,7 @@ class TrainStep:
             for make in self.contexts:
                 around.enter_context(make())
             for mb in micro:
+                self.phase = "forward"
                 with obs.phase("forward"), self.precision.autocast(), contextlib.ExitStack() as fwd:
                     for make in self.forward_contexts:
                         fwd.enter_context(make())
@@ -106,15 +110,18 @@ class TrainStep:
                     _check_loss(loss)
                     if n > 1:
                         loss = loss / n
+                self.phase = "backward"
                 with obs.phase("backward"):
                     self.scaler.scale(loss).backward()
                 total = loss.detach() if total is None else total + loss.detach()
                 del loss
+        self.phase = "optimizer"
         with obs.phase("optimizer"):
             self.scaler.step(self.optimizer)
             self.scaler.update()
             for hook in self.after_step:
                 hook()
+        self.phase = "idle"
         return total
 
     def __call__(self, batch: Any) -> float:

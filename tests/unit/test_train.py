@@ -70,3 +70,37 @@ def test_data_from_files_and_bad_inputs(tmp_path, capsys):
     ] + ([] if os.geteuid() == 0 else [(["train", LM, "--out", str(locked / "x")], "cannot write")]):
         assert main(argv) == 2, argv
         assert message in capsys.readouterr().err
+
+
+NO_DROPOUT = "gpt2:n_layer=2,n_embd=64,n_head=4,n_positions=128,attn_pdrop=0,resid_pdrop=0,embd_pdrop=0"
+
+
+def _events(path):
+    return [json.loads(line) for line in open(path / "metrics.jsonl") if "event" in line]
+
+
+def test_injected_ooms_keep_the_training_the_same(tmp_path):
+    """OOMs at steps 2 and 5: the same samples are re-split into smaller micro-batches and retried."""
+    import torch
+    clean = train(NO_DROPOUT, steps=7, out=tmp_path / "clean", seq_len=64, batch_size=4, progress=False)
+    oom = train(NO_DROPOUT, steps=7, out=tmp_path / "oom", seq_len=64, batch_size=4, progress=False,
+                inject_oom={2, 5})
+    torch.testing.assert_close(torch.tensor(oom.losses), torch.tensor(clean.losses), rtol=1e-5, atol=1e-6)
+    events = _events(tmp_path / "oom")
+    assert [e["step"] for e in events] == [2, 5] and all(e["phase"] == "forward" for e in events)
+    assert [e["adaptation"].split(" x")[0] for e in events] == ["micro_batch_size 2", "micro_batch_size 1"]
+
+
+def test_escalation_when_micro_batches_cannot_shrink(tmp_path):
+    import torch
+    plan = Plan(optimizer_in_backward=True)  # cannot accumulate: escalates to checkpointing, then offload
+    clean = train(NO_DROPOUT, plan=plan, steps=4, out=tmp_path / "a", seq_len=64, batch_size=2, progress=False)
+    oom = train(NO_DROPOUT, plan=plan, steps=4, out=tmp_path / "b", seq_len=64, batch_size=2, progress=False,
+                inject_oom={2, 3})
+    torch.testing.assert_close(torch.tensor(oom.losses), torch.tensor(clean.losses), rtol=1e-5, atol=1e-6)
+    assert [e["adaptation"] for e in _events(tmp_path / "b")] == ["checkpointing: blocks", "offload: activations"]
+    # the adapted plan is in the checkpoint: resuming continues with it
+    resumed = train(NO_DROPOUT, plan=plan, steps=6, out=tmp_path / "b", seq_len=64, batch_size=2, resume=True,
+                    progress=False)
+    straight = train(NO_DROPOUT, plan=plan, steps=6, out=tmp_path / "c", seq_len=64, batch_size=2, progress=False)
+    torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(straight.losses[4:]), rtol=1e-5, atol=1e-6)

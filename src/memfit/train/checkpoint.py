@@ -21,10 +21,10 @@ NAME = "checkpoint.pt"
 FORMAT = 1
 
 
-def save(out_dir: Path, step, *, step_index: int, data_position: int, workload: str) -> Path:
+def save(out_dir: Path, step, *, step_index: int, data_position: int, workload: str, requested_plan) -> Path:
     state = {
         "format": FORMAT, "workload": workload, "step": step_index, "data_position": data_position,
-        "plan": step.plan.to_dict(), "batch_size": step.batch_size,
+        "plan": requested_plan.to_dict(), "adapted_plan": step.plan.to_dict(), "batch_size": step.batch_size,
         "shapes": {n: tuple(p.shape) for n, p in step.model.named_parameters()},
         "model": step.model.state_dict(), "optimizer": step.optimizer.state_dict(),
         "scaler": step.scaler.state_dict(), "ema": step.ema.state_dict() if step.ema else {},
@@ -45,8 +45,7 @@ def save(out_dir: Path, step, *, step_index: int, data_position: int, workload: 
     return path
 
 
-def load(out_dir: Path, step, *, workload: str) -> tuple[int, int]:
-    """Restore ``step`` from ``out_dir``; returns (steps done, data position)."""
+def read(out_dir: Path) -> dict:
     path = out_dir / NAME
     if not path.is_file():
         raise UserError(f"--resume: no checkpoint in {str(out_dir)!r}; run without --resume to start")
@@ -57,13 +56,24 @@ def load(out_dir: Path, step, *, workload: str) -> tuple[int, int]:
                         "delete it or point --out to another folder") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UserError(f"checkpoint {str(path)!r} is not a memfit checkpoint of this version")
-    shapes = {n: tuple(p.shape) for n, p in step.model.named_parameters()}
-    if state["workload"] != workload or state["shapes"] != shapes:
-        raise UserError(f"checkpoint {str(path)!r} is from another model ({state['workload']}); "
+    return state
+
+
+def check(state: dict, *, workload: str, requested_plan, batch_size: int) -> None:
+    if state["workload"] != workload:
+        raise UserError(f"the checkpoint in --out is from another model ({state['workload']}); "
                         "use a fresh --out folder for this workload")
-    if state["plan"] != step.plan.to_dict() or state["batch_size"] != step.batch_size:
-        raise UserError(f"checkpoint {str(path)!r} was written with another plan or batch size; resume with the "
+    if state["plan"] != requested_plan.to_dict() or state["batch_size"] != batch_size:
+        raise UserError("the checkpoint in --out was written with another plan or batch size; resume with the "
                         "same --plan/--batch-size, or start a new run in another --out folder")
+
+
+def restore(step, state: dict) -> tuple[int, int]:
+    """Load ``state`` into ``step`` (built with the checkpoint's adapted plan); (steps done, data position)."""
+    shapes = {n: tuple(p.shape) for n, p in step.model.named_parameters()}
+    if state["shapes"] != shapes:
+        raise UserError(f"the checkpoint in --out is from another model ({state['workload']}); "
+                        "use a fresh --out folder for this workload")
     step.model.load_state_dict(state["model"])
     step.optimizer.load_state_dict(state["optimizer"])
     step.scaler.load_state_dict(state["scaler"])

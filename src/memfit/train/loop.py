@@ -62,9 +62,12 @@ def _process_peak_bytes(device_kind: str) -> int:
 def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: str | None = None, steps: int = 20,
           out: str | Path = "memfit-out", data: str | None = None, resume: bool = False, seed: int = 0,
           batch_size: int | None = None, seq_len: int | None = None, checkpoint_every: int = 10,
-          progress: bool = True) -> TrainResult:
+          progress: bool = True, inject_oom: set[int] | None = None) -> TrainResult:
     """Train ``workload`` for ``steps`` optimizer steps under ``plan`` (or the planner's plan for
-    ``budget``), writing metrics.jsonl and checkpoints to ``out``."""
+    ``budget``), writing metrics.jsonl and checkpoints to ``out``.
+
+    ``inject_oom``: steps whose first attempt raises ``torch.OutOfMemoryError`` in forward (tests).
+    """
     wl = load_workload(workload, seq_len=seq_len)
     bs = batch_size or wl.default_batch_size
     if isinstance(plan, str):
@@ -99,8 +102,17 @@ def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: s
         from memfit.memory.quiet import QuietProfiler
         prof = QuietProfiler(torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True))
         prof.__enter__()
-    step = build_step(wl, plan, bs, device)
-    start, position = (checkpoint.load(out_dir, step, workload=wl.name) if resume else (0, 0))
+    requested = plan
+    if resume:
+        state = checkpoint.read(out_dir)
+        checkpoint.check(state, workload=wl.name, requested_plan=requested, batch_size=bs)
+        step = build_step(wl, Plan.from_dict(state["adapted_plan"]), bs, device)
+        start, position = checkpoint.restore(step, state)
+    else:
+        step = build_step(wl, plan, bs, device)
+        start, position = 0, 0
+    if inject_oom:
+        step.loss_fn = _oom_injector(step.loss_fn, inject_oom)
     metrics = open(out_dir / "metrics.jsonl", "a" if resume else "w")
     result = TrainResult(steps=steps, out_dir=str(out_dir), predicted_peak_bytes=predicted, plan=plan.to_dict())
     seq = wl.info.get("seq_len")
@@ -111,6 +123,8 @@ def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: s
                 batch = {"input_ids": ids, "labels": ids}
             else:
                 batch = wl.batch(bs)
+            if inject_oom:
+                step.loss_fn.current_step = i + 1
             measuring = prof is not None and i + 1 == STEADY_STEP
             t0 = time.perf_counter()
             if measuring:
@@ -118,9 +132,9 @@ def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: s
 
                 from memfit.memory.measure import STEP_RANGE
                 with record_function(STEP_RANGE):
-                    loss = step(batch)
+                    loss = _step_adapting(step, batch, i + 1, metrics, progress)
             else:
-                loss = step(batch)
+                loss = _step_adapting(step, batch, i + 1, metrics, progress)
             seconds = time.perf_counter() - t0
             if measuring:
                 from memfit.memory.measure import profiler_peak
@@ -140,9 +154,46 @@ def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: s
                 print(f"step {i + 1}/{steps}  loss {loss:.4f}  {speed:,.0f} {next(iter(rate))[:-11]}/s  "
                       f"peak {peak / 2**20:,.0f} MiB", file=sys.stderr, flush=True)
             if (checkpoint_every and (i + 1) % checkpoint_every == 0) or i + 1 == steps:
-                checkpoint.save(out_dir, step, step_index=i + 1, data_position=position, workload=wl.name)
+                checkpoint.save(out_dir, step, step_index=i + 1, data_position=position, workload=wl.name,
+                                requested_plan=requested)
     finally:
         metrics.close()
         if prof is not None:
             prof.__exit__(None, None, None)
     return result
+
+
+def _step_adapting(step, batch, index: int, metrics, progress: bool) -> float:
+    """One step; on an out-of-memory error in forward/backward, adapt and retry the same step."""
+    from memfit.train.adapt import adapt, free_failed_step
+    rng = torch.get_rng_state()
+    while True:
+        try:
+            return step(batch)
+        except torch.OutOfMemoryError as e:
+            if step.phase == "optimizer":
+                raise UserError("out of memory inside the optimizer step, which cannot be retried safely; use a "
+                                "plan with less optimizer memory (e.g. --optimizer adamw8bit)") from e
+            phase = step.phase
+            free_failed_step(step)
+            change = adapt(step)
+            torch.set_rng_state(rng)
+            event = {"event": "oom", "step": index, "phase": phase, "cause": str(e).splitlines()[0][:200],
+                     "adaptation": change}
+            metrics.write(json.dumps(event) + "\n")
+            if progress:
+                print(f"step {index}: out of memory in {phase}; retrying with {change}", file=sys.stderr, flush=True)
+
+
+def _oom_injector(loss_fn, steps: set[int]):
+    """Raise OutOfMemoryError in the forward of the first attempt of the given steps (for tests)."""
+    fired: set[int] = set()
+
+    def wrapped(model, batch):
+        step_no = wrapped.current_step
+        if step_no in steps and step_no not in fired:
+            fired.add(step_no)
+            raise torch.OutOfMemoryError(f"injected out-of-memory error at step {step_no}")
+        return loss_fn(model, batch)
+    wrapped.current_step = 0
+    return wrapped
