@@ -104,3 +104,45 @@ def test_escalation_when_micro_batches_cannot_shrink(tmp_path):
                     progress=False)
     straight = train(NO_DROPOUT, plan=plan, steps=6, out=tmp_path / "c", seq_len=64, batch_size=2, progress=False)
     torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(straight.losses[4:]), rtol=1e-5, atol=1e-6)
+
+
+def test_a_process_killed_while_saving_leaves_the_last_good_checkpoint(tmp_path):
+    """Save a large checkpoint over and over in a child process and SIGKILL it mid-write."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import torch
+
+    from memfit.step import build_step
+    from memfit.train.checkpoint import read, restore
+    from memfit.workload import load_workload
+
+    train(LM, steps=1, out=tmp_path, seq_len=64, batch_size=2, progress=False)
+    good = read(tmp_path)
+    code = f"""
+import torch, sys
+sys.argv = ["x"]
+from memfit.train import checkpoint
+from memfit.step import build_step
+from memfit.workload import load_workload
+from memfit.plans import Plan
+from pathlib import Path
+wl = load_workload({LM!r}, seq_len=64)
+step = build_step(wl, Plan(), 2, "cpu")
+step.model.register_buffer("ballast", torch.zeros(64 << 20))  # 256 MiB: a slow write
+print("ready", flush=True)
+while True:
+    checkpoint.save(Path({str(tmp_path)!r}), step, step_index=1, data_position=0, workload="gpt2", requested_plan=Plan())
+"""
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    time.sleep(1.5)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    state = read(tmp_path)  # whatever was on disk when the kill came: a complete checkpoint
+    step = build_step(load_workload(LM, seq_len=64), Plan(), 2, "cpu")
+    if "ballast" in state["model"]:
+        step.model.register_buffer("ballast", torch.zeros(64 << 20))
+    assert restore(step, state)[0] == good["step"]
