@@ -162,19 +162,14 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
                 c.status, c.reason = "pruned", "saves no more memory than a plan that did not fit"
                 continue
         if c.used_bytes is None:  # (maximal plans were traced already)
-            try:
-                _evaluate(c, wl, bs, dev)
-            except UserError as e:
-                c.status, c.reason = "invalid", str(e)
+            if not _evaluate(c, wl, bs, dev):
                 continue
             traces += 1
         if c.used_bytes <= budget_bytes:
             c.status, c.reason = "chosen", "fastest predicted plan that fits"
             chosen = c
         else:
-            c.status = "too big"
-            c.reason = f"needs {fmt_bytes(c.used_bytes)} > budget {fmt_bytes(budget_bytes)}"
-            failed.append(c)
+            _too_big(c, budget_bytes, failed)
     result = PlanResult(workload=wl.name, device=dev.name, batch_size=bs, budget_bytes=budget_bytes,
                         time_model=model.describe(), chosen=chosen, candidates=ranked, traces=traces)
     if chosen is None:  # nothing fits (or the trace limit came first): the smallest footprint seen
@@ -187,28 +182,32 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     return result
 
 
-def _evaluate(c: Candidate, wl: Workload, bs: int, dev: Device) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        report = estimate(wl, c.plan, batch_size=bs, device=dev)
+def _evaluate(c: Candidate, wl: Workload, bs: int, dev: Device) -> bool:
+    """Trace ``c``'s memory; False (and status "invalid") if the plan does not suit the workload."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = estimate(wl, c.plan, batch_size=bs, device=dev)
+    except UserError as e:
+        c.status, c.reason = "invalid", str(e)
+        return False
     c.used_bytes, c.peak_bytes = _used(report, dev), report.peak_bytes
+    return True
+
+
+def _too_big(c: Candidate, budget: int, failed: list[Candidate]) -> None:
+    c.status, c.reason = "too big", f"needs {fmt_bytes(c.used_bytes)} > budget {fmt_bytes(budget)}"
+    failed.append(c)
 
 
 def _trace_all(cands: list[Candidate], wl: Workload, bs: int, dev: Device, budget: int,
                failed: list[Candidate]) -> int:
     n = 0
     for c in cands:
-        if c.used_bytes is not None:
-            continue
-        try:
-            _evaluate(c, wl, bs, dev)
-        except UserError as e:
-            c.status, c.reason = "invalid", str(e)
-            continue
-        n += 1
-        if c.used_bytes > budget:
-            c.status, c.reason = "too big", f"needs {fmt_bytes(c.used_bytes)} > budget {fmt_bytes(budget)}"
-            failed.append(c)
+        if c.used_bytes is None and _evaluate(c, wl, bs, dev):
+            n += 1
+            if c.used_bytes > budget:
+                _too_big(c, budget, failed)
     return n
 
 
