@@ -71,7 +71,6 @@ class Window:
 def step_window(tracker: MemoryTracker, step: int) -> Window:
     marks = [(name, s, idx) for name, s, idx in tracker.state.marks if name in ("step", "end")]
     start = next(idx for name, s, idx in marks if name == "step" and s == step)
-    end = next((idx for name, s, idx in marks if idx > start or (name == "end")), len(tracker.state.events))
     later = [idx for name, s, idx in marks if idx >= start and (name == "end" or s > step)]
     end = later[0] if later else len(tracker.state.events)
     return Window(start, end)

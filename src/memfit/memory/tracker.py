@@ -212,17 +212,6 @@ class MemoryTracker(TorchDispatchMode):
                 self.state.events.append((serial, -1))
         return freed
 
-    def adopt(self, tensors) -> None:
-        """Record storages created before the tracker started (e.g. a model built outside it)."""
-        prev = self.phase_name
-        self.phase_name = "setup"
-        try:
-            for t in tree_leaves(tensors):
-                if isinstance(t, torch.Tensor):
-                    self._see(t, None)
-        finally:
-            self.phase_name = prev
-
     def _transient(self, nbytes: int, func, args) -> None:
         serial = len(self.state.records)
         device = next((_device_name(a) for a in tree_leaves(args) if isinstance(a, torch.Tensor)), "cpu")

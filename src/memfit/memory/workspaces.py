@@ -70,7 +70,6 @@ class KernelProbe:
         self.ops = ops
         self.max_bytes = max_bytes
         self.cache: dict[tuple, ProbeResult | None] = {}
-        self.skipped: dict[str, int] = {}
 
     def wants(self, func) -> bool:
         return func in self.ops or is_custom_op(func)
@@ -78,21 +77,16 @@ class KernelProbe:
     def __call__(self, func, args, kwargs, out) -> ProbeResult | None:
         key = _signature(func, args, kwargs)
         if key in self.cache:
-            res = self.cache[key]
-            if res is None:
-                self.skipped[str(func)] = self.skipped.get(str(func), 0) + 1
-            return res
+            return self.cache[key]
         leaves = [x for x in tree_flatten((args, kwargs, out))[0] if isinstance(x, torch.Tensor)]
         cap = MAX_CUSTOM_PROBE_BYTES if is_custom_op(func) else self.max_bytes
         if any(t.device.type != "cpu" for t in leaves) or sum(t.untyped_storage().nbytes() for t in leaves) > cap:
             self.cache[key] = None
-            self.skipped[str(func)] = self.skipped.get(str(func), 0) + 1
             return None
         try:
             res = _measure(func, args, kwargs)
         except Exception:  # noqa: BLE001 - e.g. meta and CPU kernels disagree on a dtype
             res = None
-            self.skipped[str(func)] = self.skipped.get(str(func), 0) + 1
         self.cache[key] = res
         return res
 
