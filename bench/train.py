@@ -1,6 +1,6 @@
 """memfit train vs a hand-written loop with the same model and techniques (issue: train benchmark).
 
-Per-step time of `memfit.train` (loop, metrics, data, OOM handling) against a plain PyTorch loop
+Per-step time of `memfit.training` (loop, metrics, data, OOM handling) against a plain PyTorch loop
 (zero_grad, forward + loss, backward, AdamW step) on the same model, batch and text data. Each
 side runs N and 2 steps; (time(N) - time(2)) / (N - 2) removes set-up (for memfit: the prediction
 and the profiled first steps). Repeats alternate memfit and hand-written; medians are reported.
@@ -23,8 +23,8 @@ warnings.simplefilter("ignore")
 
 import torch  # noqa: E402
 
-from memfit.train.data import ByteCorpus  # noqa: E402
-from memfit.train.loop import train  # noqa: E402
+from memfit.training.data import ByteCorpus  # noqa: E402
+from memfit.training.loop import train  # noqa: E402
 from memfit.workload import load_workload  # noqa: E402
 
 SPEC, SEQ, BATCH, N = "gpt2:n_layer=4,n_embd=256,n_head=4,n_positions=256", 128, 8, 14

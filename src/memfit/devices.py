@@ -10,6 +10,7 @@ planner's roofline model; they are not measurements.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -84,12 +85,30 @@ def cpu_device() -> Device:
     return Device(name="cpu", kind="cpu", total_bytes=total, bf16=True, fp16=True, allocator="cpu")
 
 
+def local_cuda_device() -> Device:
+    """The GPU this process would train on: its real capacity, with the speed figures of the preset
+    whose name it matches (an A100 40GB's when none does)."""
+    import torch
+    if not torch.cuda.is_available():
+        raise UserError("device cuda: no CUDA GPU is visible to PyTorch here; use --device cpu, or a GPU preset "
+                        "name to plan for a card you do not have")
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    card = props.name.lower()
+    hints = {"h100": "h100-80gb", "a100": "a100-80gb" if props.total_memory > 60 * GiB else "a100-40gb",
+             "l4": "l4", "4090": "rtx4090", "3090": "rtx3090", "t4": "t4", "v100": "v100-16gb"}
+    preset = next((GPU_PRESETS[v] for k, v in hints.items() if k in card), GPU_PRESETS["a100-40gb"])
+    return dataclasses.replace(preset, name=f"cuda ({props.name})", total_bytes=props.total_memory,
+                               bf16=torch.cuda.is_bf16_supported())
+
+
 def get_device(name: str | Device | None) -> Device:
-    """Look a device up by name: 'cpu' or a GPU preset (see ``memfit devices``)."""
+    """Look a device up by name: 'cpu', 'cuda' (the local GPU) or a GPU preset (see ``memfit devices``)."""
     if isinstance(name, Device):
         return name
     if name is None or name == "cpu":
         return cpu_device()
+    if name.lower() in ("cuda", "gpu"):
+        return local_cuda_device()
     key = ALIASES.get(name.lower(), name.lower())
     if key not in GPU_PRESETS:
         raise UserError(f"unknown device {name!r}; choose cpu or one of: {', '.join(GPU_PRESETS)}")

@@ -8,9 +8,9 @@ import pytest
 from memfit.cli.main import main
 from memfit.errors import UserError
 from memfit.plans import Plan
-from memfit.train import checkpoint
-from memfit.train.data import ByteCorpus
-from memfit.train.loop import train
+from memfit.training import checkpoint
+from memfit.training.data import ByteCorpus
+from memfit.training.loop import train
 
 LM = "gpt2:n_layer=2,n_embd=64,n_head=4,n_positions=128"
 
@@ -21,33 +21,33 @@ def _losses(path):
 
 @pytest.mark.parametrize("plan", [Plan(), Plan(optimizer_in_backward=True, checkpointing="blocks")])
 def test_resume_gives_the_same_losses_as_a_straight_run(tmp_path, plan):
-    straight = train(LM, plan=plan, steps=8, out=tmp_path / "a", seq_len=64, batch_size=2, progress=False)
-    train(LM, plan=plan, steps=4, out=tmp_path / "b", seq_len=64, batch_size=2, progress=False)
+    straight = train(LM, plan=plan, steps=8, out=tmp_path / "a", seq_len=64, batch_size=2, progress=False, report=False)
+    train(LM, plan=plan, steps=4, out=tmp_path / "b", seq_len=64, batch_size=2, progress=False, report=False)
     resumed = train(LM, plan=plan, steps=8, out=tmp_path / "b", seq_len=64, batch_size=2, resume=True,
-                    progress=False)
+                    progress=False, report=False)
     assert resumed.losses == straight.losses[4:]
     assert _losses(tmp_path / "b") == straight.losses
 
 
 def test_steady_state_peak_matches_the_prediction(tmp_path):
-    r = train(LM, steps=3, out=tmp_path, seq_len=64, batch_size=4, progress=False)
+    r = train(LM, steps=3, out=tmp_path, seq_len=64, batch_size=4, progress=False, report=False)
     assert abs(r.predicted_peak_bytes - r.measured_peak_bytes) <= 0.01 * r.measured_peak_bytes
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [x["step"] for x in records] == [1, 2, 3] and all("peak_bytes" in x and "loss" in x for x in records)
 
 
 def test_checkpoint_is_atomic_and_refused_when_corrupt_or_foreign(tmp_path):
-    train(LM, steps=2, out=tmp_path, seq_len=64, batch_size=2, progress=False)
+    train(LM, steps=2, out=tmp_path, seq_len=64, batch_size=2, progress=False, report=False)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".checkpoint")] == []  # no temp left
     other = "gpt2:n_layer=1,n_embd=64,n_head=4,n_positions=128"
     with pytest.raises(UserError, match="another model"):
-        train(other, steps=3, out=tmp_path, seq_len=64, batch_size=2, resume=True, progress=False)
+        train(other, steps=3, out=tmp_path, seq_len=64, batch_size=2, resume=True, progress=False, report=False)
     with pytest.raises(UserError, match="another plan"):
         train(LM, plan=Plan(precision="bf16"), steps=3, out=tmp_path, seq_len=64, batch_size=2, resume=True,
-              progress=False)
+              progress=False, report=False)
     (tmp_path / checkpoint.NAME).write_bytes(b"not a checkpoint")
     with pytest.raises(UserError, match="corrupt"):
-        train(LM, steps=3, out=tmp_path, seq_len=64, batch_size=2, resume=True, progress=False)
+        train(LM, steps=3, out=tmp_path, seq_len=64, batch_size=2, resume=True, progress=False, report=False)
 
 
 def test_data_from_files_and_bad_inputs(tmp_path, capsys):
@@ -55,7 +55,7 @@ def test_data_from_files_and_bad_inputs(tmp_path, capsys):
     text.mkdir()
     (text / "a.txt").write_text("hello memfit " * 200)
     assert ByteCorpus(str(text)).data.numel() == len("hello memfit ") * 200
-    r = train(LM, steps=2, out=tmp_path / "o", data=str(text), seq_len=64, batch_size=2, progress=False)
+    r = train(LM, steps=2, out=tmp_path / "o", data=str(text), seq_len=64, batch_size=2, progress=False, report=False)
     assert len(r.losses) == 2
     (tmp_path / "empty.txt").write_text("")
     locked = tmp_path / "locked"
@@ -82,8 +82,8 @@ def _events(path):
 def test_injected_ooms_keep_the_training_the_same(tmp_path):
     """OOMs at steps 2 and 5: the same samples are re-split into smaller micro-batches and retried."""
     import torch
-    clean = train(NO_DROPOUT, steps=7, out=tmp_path / "clean", seq_len=64, batch_size=4, progress=False)
-    oom = train(NO_DROPOUT, steps=7, out=tmp_path / "oom", seq_len=64, batch_size=4, progress=False,
+    clean = train(NO_DROPOUT, steps=7, out=tmp_path / "clean", seq_len=64, batch_size=4, progress=False, report=False)
+    oom = train(NO_DROPOUT, steps=7, out=tmp_path / "oom", seq_len=64, batch_size=4, progress=False, report=False,
                 inject_oom={2, 5})
     torch.testing.assert_close(torch.tensor(oom.losses), torch.tensor(clean.losses), rtol=1e-5, atol=1e-6)
     events = _events(tmp_path / "oom")
@@ -94,15 +94,15 @@ def test_injected_ooms_keep_the_training_the_same(tmp_path):
 def test_escalation_when_micro_batches_cannot_shrink(tmp_path):
     import torch
     plan = Plan(optimizer_in_backward=True)  # cannot accumulate: escalates to checkpointing, then offload
-    clean = train(NO_DROPOUT, plan=plan, steps=4, out=tmp_path / "a", seq_len=64, batch_size=2, progress=False)
-    oom = train(NO_DROPOUT, plan=plan, steps=4, out=tmp_path / "b", seq_len=64, batch_size=2, progress=False,
+    clean = train(NO_DROPOUT, plan=plan, steps=4, out=tmp_path / "a", seq_len=64, batch_size=2, progress=False, report=False)
+    oom = train(NO_DROPOUT, plan=plan, steps=4, out=tmp_path / "b", seq_len=64, batch_size=2, progress=False, report=False,
                 inject_oom={2, 3})
     torch.testing.assert_close(torch.tensor(oom.losses), torch.tensor(clean.losses), rtol=1e-5, atol=1e-6)
     assert [e["adaptation"] for e in _events(tmp_path / "b")] == ["checkpointing: blocks", "offload: activations"]
     # the adapted plan is in the checkpoint: resuming continues with it
     resumed = train(NO_DROPOUT, plan=plan, steps=6, out=tmp_path / "b", seq_len=64, batch_size=2, resume=True,
-                    progress=False)
-    straight = train(NO_DROPOUT, plan=plan, steps=6, out=tmp_path / "c", seq_len=64, batch_size=2, progress=False)
+                    progress=False, report=False)
+    straight = train(NO_DROPOUT, plan=plan, steps=6, out=tmp_path / "c", seq_len=64, batch_size=2, progress=False, report=False)
     torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(straight.losses[4:]), rtol=1e-5, atol=1e-6)
 
 
@@ -116,15 +116,15 @@ def test_a_process_killed_while_saving_leaves_the_last_good_checkpoint(tmp_path)
     import torch
 
     from memfit.step import build_step
-    from memfit.train.checkpoint import read, restore
+    from memfit.training.checkpoint import read, restore
     from memfit.workload import load_workload
 
-    train(LM, steps=1, out=tmp_path, seq_len=64, batch_size=2, progress=False)
+    train(LM, steps=1, out=tmp_path, seq_len=64, batch_size=2, progress=False, report=False)
     good = read(tmp_path)
     code = f"""
 import torch, sys
 sys.argv = ["x"]
-from memfit.train import checkpoint
+from memfit.training import checkpoint
 from memfit.step import build_step
 from memfit.workload import load_workload
 from memfit.plans import Plan
@@ -134,7 +134,7 @@ step = build_step(wl, Plan(), 2, "cpu")
 step.model.register_buffer("ballast", torch.zeros(64 << 20))  # 256 MiB: a slow write
 print("ready", flush=True)
 while True:
-    checkpoint.save(Path({str(tmp_path)!r}), step, step_index=1, data_position=0, workload="gpt2", requested_plan=Plan())
+    checkpoint.save(Path({str(tmp_path)!r}), step, step_index=1, samples_seen=0, workload="gpt2", requested_plan=Plan())
 """
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline().strip() == "ready"
@@ -146,3 +146,6 @@ while True:
     if "ballast" in state["model"]:
         step.model.register_buffer("ballast", torch.zeros(64 << 20))
     assert restore(step, state)[0] == good["step"]
+    # the killed save's temporary file is removed by the next run in that folder
+    train(LM, steps=2, out=tmp_path, seq_len=64, batch_size=2, progress=False, overwrite=True, report=False)
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []

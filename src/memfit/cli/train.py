@@ -9,25 +9,36 @@ from memfit.cli.common import add_plan_args, batch_and_seq, plan_from_args, prin
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train with a plan (given, or the planner's for --budget)",
-                       description="Train on the one TrainStep; metrics.jsonl and atomic checkpoints go to --out.")
+                       description="Train on the one TrainStep; metrics.jsonl, atomic checkpoints and an "
+                                   "end-of-run report (report.json, memory-timeline.png) go to --out. With a budget "
+                                   "on a CPU, a guard raises CUDA's out-of-memory error when device memory would "
+                                   "pass it, and the run adapts (smaller micro-batches, then checkpointing, then "
+                                   "offload) without changing the training.")
     p.add_argument("workload", help="built-in name or path/to/file.py:NAME")
     p.add_argument("--batch-size", "-b", metavar="N")
     p.add_argument("--seq-len", metavar="T")
-    p.add_argument("--budget", help="find the plan with the planner for this budget (when no --plan is given)")
+    p.add_argument("--budget", help="memory budget (e.g. 6GiB, 80%%): the planner chooses the plan when no --plan "
+                                    "or plan flag is given; with one, the plan is kept and the budget enforced")
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
     p.add_argument("--steps", default="20", help="optimizer steps to reach")
     p.add_argument("--data", help="text file or folder for built-in language models (default: Python's own sources)")
-    p.add_argument("--out", default="memfit-out", help="output folder: metrics.jsonl, checkpoint.pt")
+    p.add_argument("--workers", metavar="N", help="DataLoader worker processes (default: 2 on a GPU, 0 on a CPU)")
+    p.add_argument("--out", default="memfit-out", help="output folder: metrics.jsonl, checkpoint.pt, report.json")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    p.add_argument("--overwrite", action="store_true", help="start over in an --out folder that holds a checkpoint")
     p.add_argument("--seed", default="0")
     p.add_argument("--checkpoint-every", default="10", metavar="N")
+    p.add_argument("--no-report", action="store_true", help="skip the end-of-run report (a few fake traces)")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     add_plan_args(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from memfit.errors import UserError
     from memfit.plans import Plan
-    from memfit.train.loop import train
+    from memfit.training.loop import train
+    from memfit.training.report import render
     from memfit.units import parse_positive_int
 
     bs, seq = batch_and_seq(args)
@@ -35,21 +46,28 @@ def run(args: argparse.Namespace) -> int:
     plan = given if (args.plan or given != Plan() or args.budget is None) else None
     try:
         seed = int(args.seed)
+        every = int(args.checkpoint_every)
+        workers = None if args.workers is None else int(args.workers)
     except ValueError:
-        from memfit.errors import UserError
-        raise UserError(f"--seed {args.seed!r} is not a whole number") from None
+        raise UserError("--seed, --checkpoint-every and --workers take whole numbers") from None
+    if every < 0 or (workers is not None and workers < 0):
+        raise UserError("--checkpoint-every and --workers must be >= 0")
     result = train(args.workload, plan=plan, budget=args.budget, steps=parse_positive_int(args.steps, "--steps"),
-                   out=args.out, data=args.data, resume=args.resume, seed=seed, batch_size=bs, seq_len=seq,
-                   checkpoint_every=int(args.checkpoint_every), progress=not args.json)
-    summary = {"steps": result.steps, "final_loss": result.losses[-1] if result.losses else None,
-               "predicted_peak_bytes": result.predicted_peak_bytes, "measured_peak_bytes": result.measured_peak_bytes,
-               "out": result.out_dir, "plan": result.plan}
+                   out=args.out, data=args.data, resume=args.resume, overwrite=args.overwrite, seed=seed,
+                   batch_size=bs, seq_len=seq, device=args.device, workers=workers, checkpoint_every=every,
+                   progress=not args.json, report=not args.no_report)
+    summary = result.report or {
+        "steps": result.steps, "final_loss": result.losses[-1] if result.losses else None,
+        "predicted_peak_bytes": result.predicted_peak_bytes, "measured_peak_bytes": result.measured_peak_bytes,
+        "plan": result.plan, "adapted_plan": result.adapted_plan, "adaptations": result.adaptations,
+        "budget_bytes": result.budget_bytes, "guard_peak_bytes": result.guard_peak_bytes}
+    summary["out"] = result.out_dir
     if args.json:
         print_json(summary)
     else:
-        if result.measured_peak_bytes:
-            err = 100 * (result.predicted_peak_bytes - result.measured_peak_bytes) / result.measured_peak_bytes
-            print(f"steady-state peak: predicted {result.predicted_peak_bytes / 2**20:,.1f} MiB, measured "
-                  f"{result.measured_peak_bytes / 2**20:,.1f} MiB ({err:+.2f}%)")
-        print(f"metrics: {result.out_dir}/metrics.jsonl · checkpoint: {result.out_dir}/checkpoint.pt")
+        text = render(summary)
+        if text:
+            print(text)
+        extra = " · report.json" if result.report else ""
+        print(f"metrics: {result.out_dir}/metrics.jsonl · checkpoint: {result.out_dir}/checkpoint.pt{extra}")
     return 0

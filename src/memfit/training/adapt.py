@@ -8,11 +8,16 @@ checkpointing, then activation offload. Every adaptation is logged with its caus
 
 An OOM inside the optimizer step is not retried: some parameters may already be updated, and a
 retry would update them twice.
+
+NOTE [ Recover outside the except block ]: while Python handles an exception, its traceback holds
+the frames of the failed step and so every activation they reference; freeing memory there frees
+nothing. :func:`run_adapting` leaves the ``except`` block first, then frees and adapts.
 """
 
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 
 import torch
 
@@ -55,3 +60,36 @@ def free_failed_step(step: TrainStep) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def run_adapting(step: TrainStep, batch, on_adapt: Callable[[dict], None] | None = None) -> float:
+    """``step(batch)``; on an out-of-memory error in zero_grad, forward or backward, free the failed
+    step, :func:`adapt`, restore the step's RNG state and retry the same batch. ``on_adapt`` gets a
+    record ``{"phase", "cause", "adaptation"}`` for each adaptation."""
+    rng = _rng_state()
+    while True:
+        try:
+            return step(batch)
+        except torch.OutOfMemoryError as e:
+            phase, cause = step.phase, (str(e).splitlines() or ["out of memory"])[0][:300]
+        # (outside the except block: see NOTE [ Recover outside the except block ])
+        if phase == "optimizer":
+            raise UserError("out of memory inside the optimizer step, which cannot be retried safely; use a plan "
+                            "with less optimizer memory (e.g. --optimizer adamw8bit or --offload optimizer_states)")
+        step.phase = "idle"
+        free_failed_step(step)
+        change = adapt(step)
+        _set_rng_state(rng)
+        if on_adapt is not None:
+            on_adapt({"phase": phase, "cause": cause, "adaptation": change})
+
+
+def _rng_state():
+    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+
+def _set_rng_state(state) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)

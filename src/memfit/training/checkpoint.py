@@ -1,9 +1,10 @@
 """Checkpoints: everything a run needs to continue exactly, written atomically.
 
 A checkpoint holds the model, the optimizer (8-bit and per-parameter optimizers through their
-``state_dict``), the grad scaler, the EMA, the RNG states, the data position, the step and the plan.
-It is written to a temporary file in the same folder, flushed and fsync'ed, then renamed over the
-old one: a process killed mid-save leaves the last good checkpoint in place. Loading checks that
+``state_dict``), the grad scaler, the EMA, the RNG states (CPU, CUDA, Python), the number of
+samples seen, the step and the plan. It is written to a temporary file in the same folder, flushed
+and fsync'ed, then renamed over the old one: a process killed mid-save leaves the last good
+checkpoint in place (and a temporary file, which the next run removes). Loading checks that
 the checkpoint belongs to this model (parameter names and shapes) and this plan.
 """
 
@@ -18,17 +19,18 @@ import torch
 from memfit.errors import UserError
 
 NAME = "checkpoint.pt"
-FORMAT = 1
+FORMAT = 2
 
 
-def save(out_dir: Path, step, *, step_index: int, data_position: int, workload: str, requested_plan) -> Path:
+def save(out_dir: Path, step, *, step_index: int, samples_seen: int, workload: str, requested_plan) -> Path:
     state = {
-        "format": FORMAT, "workload": workload, "step": step_index, "data_position": data_position,
+        "format": FORMAT, "workload": workload, "step": step_index, "samples_seen": samples_seen,
         "plan": requested_plan.to_dict(), "adapted_plan": step.plan.to_dict(), "batch_size": step.batch_size,
         "shapes": {n: tuple(p.shape) for n, p in step.model.named_parameters()},
         "model": step.model.state_dict(), "optimizer": step.optimizer.state_dict(),
         "scaler": step.scaler.state_dict(), "ema": step.ema.state_dict() if step.ema else {},
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None},
     }
     path = out_dir / NAME
     tmp = out_dir / f".{NAME}.tmp-{os.getpid()}"
@@ -69,7 +71,7 @@ def check(state: dict, *, workload: str, requested_plan, batch_size: int) -> Non
 
 
 def restore(step, state: dict) -> tuple[int, int]:
-    """Load ``state`` into ``step`` (built with the checkpoint's adapted plan); (steps done, data position)."""
+    """Load ``state`` into ``step`` (built with the checkpoint's adapted plan); (steps done, samples seen)."""
     shapes = {n: tuple(p.shape) for n, p in step.model.named_parameters()}
     if state["shapes"] != shapes:
         raise UserError(f"the checkpoint in --out is from another model ({state['workload']}); "
@@ -81,4 +83,31 @@ def restore(step, state: dict) -> tuple[int, int]:
         step.ema.load_state_dict(state["ema"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
-    return state["step"], state["data_position"]
+    if state["rng"].get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    return state["step"], state["samples_seen"]
+
+
+def remove_stale_temporaries(out_dir: Path) -> list[Path]:
+    """Delete temporary files left by saves that were killed (their process is gone)."""
+    removed = []
+    for tmp in out_dir.glob(f".{NAME}.tmp-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def exists(out_dir: Path) -> bool:
+    return (out_dir / NAME).is_file()

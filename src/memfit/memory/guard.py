@@ -1,0 +1,103 @@
+"""BudgetGuard: a device-memory limit you choose, enforced with CUDA's own out-of-memory error.
+
+On a GPU, an allocation that does not fit raises ``torch.OutOfMemoryError`` and the training
+loop can recover (``memfit.training.adapt``). A CPU has no such limit: the OS swaps, or kills the
+process. So that training under ``--budget`` behaves the same everywhere, ``memfit train`` on a
+CPU runs the step under this guard: a ``TorchDispatchMode`` that sees every storage an ATen op
+creates (forward, backward, recomputation, optimizer), holds only weak references to them (their
+callbacks count the frees), and raises ``torch.OutOfMemoryError`` as soon as the live device
+bytes pass the budget. Tensors placed on the host (offloaded optimizer states and activations,
+EMA weights on the host) are not device memory and are not counted, as on a GPU.
+
+Cost: one Python call per ATen op (a few microseconds), so the guard is on only when a budget is
+given. What it cannot see: scratch memory inside a kernel (it never reaches Python; the
+estimate adds it from probes, so the planner's plans keep a margin for it) and tensors made
+outside ATen (``torch.load``; :meth:`watch` adds those).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from memfit.memory.tracker import _returns_alias
+from memfit.units import fmt_bytes
+
+
+class BudgetGuard(TorchDispatchMode):
+    """Raise ``torch.OutOfMemoryError`` when live device memory would pass ``budget_bytes``.
+
+    Enter it before the model is built so that every storage is seen; :meth:`watch` adds tensors
+    that were made outside ATen ops (e.g. loaded from a checkpoint). It is also a TrainStep
+    observer: techniques report host-placed tensors through :meth:`host`.
+    """
+
+    def __init__(self, budget_bytes: int):
+        super().__init__()
+        self.budget_bytes = int(budget_bytes)
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        """Peak of live device bytes since :meth:`reset_peak`."""
+        self.armed = True
+        self._storages: dict[int, tuple[int, weakref.ref]] = {}  # storage cdata -> (bytes counted, ref)
+
+    # -- observer protocol (memfit.step.NullObserver) ----------------------------------------------
+    def phase(self, name: str):
+        import contextlib
+        return contextlib.nullcontext()
+
+    def host(self, tensors) -> None:
+        """These tensors live in host memory: stop counting them."""
+        for t in tree_leaves(tensors):
+            if isinstance(t, torch.Tensor):
+                entry = self._storages.pop(t.untyped_storage()._cdata, None)
+                if entry is not None:
+                    self.live_bytes -= entry[0]
+
+    # -- counting -------------------------------------------------------------------------------
+    def watch(self, tensors) -> None:
+        """Count tensors made outside ATen ops (no error is raised here)."""
+        for t in tree_leaves(tensors):
+            if isinstance(t, torch.Tensor):
+                self._see(t)
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not _returns_alias(func):
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self._see(t)
+        if self.armed and self.live_bytes > self.budget_bytes:
+            live = self.live_bytes
+            del out  # freed as the error unwinds, like an allocation that failed
+            raise torch.OutOfMemoryError(
+                f"memfit budget guard: {func.overloadpacket.__name__} would raise live device memory to "
+                f"{fmt_bytes(live)}, over the budget of {fmt_bytes(self.budget_bytes)}")
+        return out
+
+    def _see(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key, nbytes = st._cdata, st.nbytes()
+        entry = self._storages.get(key)
+        if entry is not None:
+            if entry[0] == nbytes:
+                return
+            self.live_bytes -= entry[0]  # resized in place: count the new size
+        self._storages[key] = (nbytes, weakref.ref(st, self._freed(key, nbytes)))
+        self.live_bytes += nbytes
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+
+    def _freed(self, key: int, nbytes: int):
+        def freed(ref) -> None:
+            entry = self._storages.get(key)
+            if entry is not None and entry[1] is ref:
+                del self._storages[key]
+                self.live_bytes -= nbytes
+        return freed

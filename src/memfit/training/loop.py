@@ -1,0 +1,353 @@
+"""memfit.train: the training loop around the one TrainStep.
+
+The loop is small on purpose: the step (with every technique) is ``build_step``; data, OOM
+adaptation, checkpoints, progress and the end-of-run report are modules of their own. What the
+loop adds:
+
+- the plan: given, or the planner's fastest plan for the budget;
+- on a CPU with a budget, the :class:`~memfit.memory.guard.BudgetGuard`, which raises CUDA's
+  out-of-memory error when live device memory would pass the budget (a GPU raises it itself);
+- the steady-state peak measured the way ``profile`` measures it (profiler allocator events from
+  before the model is built through step 2 on a CPU; ``torch.cuda.max_memory_allocated`` over
+  step 2 on a GPU), next to the plan's prediction; later steps report the guard's peak (CPU with a
+  budget), the process's resident peak (CPU) or the CUDA allocator's peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import resource
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from memfit.devices import Device, get_device
+from memfit.errors import UserError
+from memfit.memory.faketrace import STEADY_STEP
+from memfit.plans import Plan
+from memfit.step import TrainStep, build_step, make_batch
+from memfit.training import checkpoint
+from memfit.training.adapt import run_adapting
+from memfit.training.data import ByteCorpus, text_batches
+from memfit.training.progress import Progress
+from memfit.units import fmt_bytes
+from memfit.workload import Workload, load_workload
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    losses: list[float] = field(default_factory=list)
+    out_dir: str = ""
+    predicted_peak_bytes: int | None = None
+    """The estimate's peak for the plan that ran step 2 (what ``measured_peak_bytes`` checks)."""
+    measured_peak_bytes: int | None = None
+    """Allocator peak of the steady-state step, measured (None when the run resumed past it)."""
+    plan: dict = field(default_factory=dict)
+    """The plan asked for."""
+    adapted_plan: dict = field(default_factory=dict)
+    """The plan at the end, after any out-of-memory adaptation."""
+    adaptations: list[dict] = field(default_factory=list)
+    budget_bytes: int | None = None
+    guard_peak_bytes: int | None = None
+    report: dict = field(default_factory=dict)
+
+
+def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: str | int | None = None,
+          steps: int = 20, out: str | Path = "memfit-out", data: str | None = None, resume: bool = False,
+          overwrite: bool = False, seed: int = 0, batch_size: int | None = None, seq_len: int | None = None,
+          device: str = "auto", workers: int | None = None, checkpoint_every: int = 10, progress: bool = True,
+          report: bool = True, inject_oom: set[int] | None = None) -> TrainResult:
+    """Train ``workload`` for ``steps`` optimizer steps under ``plan`` (or the planner's plan for
+    ``budget``), writing metrics.jsonl, checkpoints and (``report``) report.json with a memory
+    timeline to ``out``. With both a plan and a budget, the plan is kept and the budget enforced.
+
+    ``device``: auto (cuda when available), cpu or cuda. ``workers``: DataLoader worker processes
+    for text data (default: 2 on a GPU, 0 on a CPU). ``inject_oom``: steps whose first attempt
+    raises ``torch.OutOfMemoryError`` in forward (tests).
+    """
+    wl = load_workload(workload, seq_len=seq_len)
+    bs = batch_size or wl.default_batch_size
+    dev = _training_device(device)
+    if steps < 1:
+        raise UserError(f"--steps must be >= 1, got {steps}")
+    out_dir = _out_dir(out)
+    if checkpoint.exists(out_dir) and not resume and not overwrite:
+        raise UserError(f"--out {str(out_dir)!r} already holds a run's checkpoint; add --resume to continue it, "
+                        "--overwrite to start over, or choose another --out folder")
+    corpus = ByteCorpus(data) if wl.info.get("text_lm") else None
+    if data is not None and corpus is None:
+        raise UserError(f"--data applies to the built-in language models (gpt2, llama); {wl.name} makes its own "
+                        "batches")
+    plan, budget_bytes = _choose_plan(wl, plan, budget, bs, dev)
+    requested = plan
+    state = None
+    if resume:
+        state = checkpoint.read(out_dir)
+        checkpoint.check(state, workload=wl.name, requested_plan=requested, batch_size=bs)
+        plan = Plan.from_dict(state["adapted_plan"])
+    checkpoint.remove_stale_temporaries(out_dir)
+    predicted = _predicted_peak(wl, plan, bs, dev)
+    torch.manual_seed(seed)
+    random.seed(seed)
+
+    result = TrainResult(steps=steps, out_dir=str(out_dir), predicted_peak_bytes=predicted, plan=requested.to_dict(),
+                         budget_bytes=budget_bytes)
+    guard = _guard(budget_bytes, dev)
+    measured_plan = plan
+    window = _PeakWindow(dev) if not resume else None
+    with contextlib.ExitStack() as stack:
+        if window is not None:
+            stack.enter_context(window)
+        if guard is not None:
+            stack.enter_context(guard)
+            guard.armed = False  # the budget applies to steps; building is checked once, below
+        if resume:
+            step = build_step(wl, plan, bs, dev)
+            start, samples_seen = checkpoint.restore(step, state)
+        else:
+            step = build_step(wl, plan, bs, dev)
+            start, samples_seen = 0, 0
+        del state  # tensors the checkpoint held that the step did not take are freed here
+        if guard is not None:
+            _arm(guard, step)
+        if inject_oom:
+            step.loss_fn = _oom_injector(step.loss_fn, inject_oom)
+        metrics = stack.enter_context(open(out_dir / "metrics.jsonl", "a" if resume else "w"))
+        bar = stack.enter_context(Progress(steps, start=start, budget_bytes=budget_bytes, enabled=progress))
+        if budget_bytes and predicted > budget_bytes and guard is not None:
+            bar.note(f"note: the plan's predicted peak {fmt_bytes(predicted)} is over the budget "
+                     f"{fmt_bytes(budget_bytes)}; expect adaptations")
+        batches = _batches(wl, corpus, bs, dev, first_sample=samples_seen, count=steps - start, workers=workers)
+        for i in range(start, steps):
+            index = i + 1
+            batch = next(batches)
+            if guard is not None:
+                guard.watch(batch)  # (made in a worker process, the guard did not see it)
+                guard.reset_peak()
+            if inject_oom:
+                step.loss_fn.current_step = index
+            measuring = window is not None and index == STEADY_STEP
+
+            def adapted(event, index=index, metrics=metrics, bar=bar):
+                if guard is not None:
+                    guard.reset_peak()  # the failed attempt's memory is freed; count the retry
+                event = {"event": "oom", "step": index, **event}
+                result.adaptations.append(event)
+                metrics.write(json.dumps(event) + "\n")
+                bar.note(f"step {index}: out of memory in {event['phase']} ({event['cause']}); "
+                         f"retrying the same batch with {event['adaptation']}")
+
+            t0 = time.perf_counter()
+            with window.step() if measuring else contextlib.nullcontext():
+                loss = run_adapting(step, batch, adapted)
+            seconds = time.perf_counter() - t0
+            samples_seen += bs
+            if measuring:
+                result.measured_peak_bytes = window.finish()
+                window = None
+                measured_plan = step.plan
+            result.losses.append(loss)
+            if guard is not None:
+                result.guard_peak_bytes = max(result.guard_peak_bytes or 0, guard.peak_bytes)
+            peak, kind = _step_peak(result.measured_peak_bytes if measuring else None, guard, dev)
+            seq = wl.info.get("seq_len")
+            rate, unit = (bs * seq / seconds, "tokens") if corpus is not None else (bs / seconds, "samples")
+            metrics.write(json.dumps({"step": index, "loss": loss, "seconds": seconds, f"{unit}_per_second": rate,
+                                      "peak_bytes": peak, "peak_kind": kind}) + "\n")
+            metrics.flush()
+            bar.update(index, loss=loss, rate=rate, unit=unit, peak_bytes=peak)
+            if (checkpoint_every and index % checkpoint_every == 0) or index == steps:
+                checkpoint.save(out_dir, step, step_index=index, samples_seen=samples_seen, workload=wl.name,
+                                requested_plan=requested)
+    if measured_plan != plan:  # adapted before the measured step: compare with its own prediction
+        result.predicted_peak_bytes = _predicted_peak(wl, measured_plan, bs, dev)
+    result.adapted_plan = step.plan.to_dict()
+    if report:
+        result.report = _final_report(wl, step, bs, dev, out_dir, result)
+    return result
+
+
+# -- pieces of the loop -------------------------------------------------------------------------
+
+def _training_device(name: str) -> Device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name not in ("cpu", "cuda"):
+        raise UserError(f"--device {name!r}: training runs on this machine; choose auto, cpu or cuda "
+                        "(GPU presets are for estimate and plan)")
+    return get_device(name)
+
+
+def _choose_plan(wl: Workload, plan, budget, bs: int, dev: Device) -> tuple[Plan, int | None]:
+    from memfit.planner.search import resolve_budget
+    if isinstance(plan, str):
+        plan = Plan.load(plan)
+    budget_bytes = resolve_budget(budget, dev) if budget is not None else None
+    if plan is None and budget is not None:
+        from memfit.planner.search import plan as make_plan
+        found = make_plan(wl, budget=budget, batch_size=bs, device=dev)
+        if found.chosen is None:
+            smallest = found.smallest
+            hint = (f"; the smallest footprint found is {fmt_bytes(smallest.used_bytes)} with "
+                    f"{smallest.plan.describe()}: give a budget of at least that, or a smaller --batch-size"
+                    if smallest is not None else "; give a larger budget or a smaller --batch-size")
+            raise UserError(f"no plan fits the budget of {fmt_bytes(budget_bytes)}{hint}")
+        plan = found.chosen.plan
+    return plan or Plan(), budget_bytes
+
+
+def _predicted_peak(wl: Workload, plan: Plan, bs: int, dev: Device) -> int:
+    """What the run's measurement sees: on a CPU the whole process heap, on a GPU allocated bytes."""
+    from memfit.memory.estimate import estimate
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = estimate(wl, plan, batch_size=bs, device=dev)
+    return (r.process_peak_bytes or r.peak_bytes) if dev.kind == "cpu" else r.peak_bytes
+
+
+def _guard(budget_bytes: int | None, dev: Device):
+    if budget_bytes is None or dev.kind != "cpu":
+        return None  # a GPU enforces its own memory; without a budget there is nothing to enforce
+    from memfit.memory.guard import BudgetGuard
+    return BudgetGuard(budget_bytes)
+
+
+def _arm(guard, step: TrainStep) -> None:
+    """Count what the step holds (also what a checkpoint restored), refuse a budget it already
+    exceeds, and start enforcing."""
+    guard.watch([list(step.model.parameters()), list(step.model.buffers()), step.optimizer.state_dict()])
+    if guard.live_bytes > guard.budget_bytes:
+        raise UserError(f"the budget {fmt_bytes(guard.budget_bytes)} is below what the model and optimizer hold "
+                        f"before the first step ({fmt_bytes(guard.live_bytes)}); give a larger budget, or let "
+                        "memfit choose a plan (memfit plan WORKLOAD --budget ...)")
+    step.observer = guard
+    guard.reset_peak()
+    guard.armed = True
+
+
+def _batches(wl: Workload, corpus, bs: int, dev: Device, *, first_sample: int, count: int, workers: int | None):
+    if corpus is None:
+        while True:
+            yield make_batch(wl, bs, dev)
+    on_gpu = dev.kind == "cuda"
+    workers = (2 if on_gpu else 0) if workers is None else workers
+    for batch in text_batches(corpus, wl.info["seq_len"] - 1, bs, first_sample=first_sample, num_batches=count,
+                              workers=workers, pin_memory=on_gpu):
+        if on_gpu:
+            batch = {k: v.to("cuda", non_blocking=True) for k, v in batch.items()}
+        yield batch
+
+
+def _step_peak(measured: int | None, guard, dev: Device) -> tuple[int, str]:
+    if measured is not None:
+        return measured, "allocator (profiler)" if dev.kind == "cpu" else "allocator (cuda)"
+    if guard is not None:
+        return guard.peak_bytes, "device (budget guard)"
+    if dev.kind == "cuda":
+        return torch.cuda.max_memory_allocated(), "allocator (cuda, run peak)"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process RSS"
+
+
+class _PeakWindow:
+    """The steady-state peak, measured like ``profile`` does: on a CPU the profiler's allocator
+    events from before the model is built (so their running sum is every live byte) with the peak
+    taken inside step 2; on a GPU the CUDA allocator's own peak over step 2."""
+
+    def __init__(self, dev: Device):
+        self.cpu = dev.kind == "cpu"
+        self.prof = None
+
+    def __enter__(self):
+        if self.cpu:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            from memfit.memory.quiet import QuietProfiler
+            self.prof = QuietProfiler(torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True))
+            self.prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.prof is not None:
+            self.prof.__exit__(*exc)
+            self.prof = None
+        return False
+
+    @contextlib.contextmanager
+    def step(self):
+        if self.cpu:
+            from torch.profiler import record_function
+
+            from memfit.memory.measure import STEP_RANGE
+            with record_function(STEP_RANGE):
+                yield
+        else:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            yield
+            torch.cuda.synchronize()
+
+    def finish(self) -> int:
+        if not self.cpu:
+            return torch.cuda.max_memory_allocated()
+        from memfit.memory.measure import profiler_peak
+        prof = self.prof.prof
+        self.__exit__(None, None, None)
+        return profiler_peak(prof)
+
+
+def _final_report(wl: Workload, step: TrainStep, bs: int, dev: Device, out_dir: Path, result: TrainResult) -> dict:
+    from memfit.memory.estimate import estimate
+    from memfit.training.report import TIMELINE_PNG, technique_savings, write_report
+    timeline = out_dir / TIMELINE_PNG
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            timeline = None
+        base = estimate(wl, step.plan, batch_size=bs, device=dev, timeline=str(timeline) if timeline else None)
+    summary = {
+        "workload": wl.name, "device": dev.name, "batch_size": bs, "steps": result.steps,
+        "final_loss": result.losses[-1] if result.losses else None,
+        "plan": result.plan, "adapted_plan": result.adapted_plan, "adaptations": result.adaptations,
+        "predicted_peak_bytes": result.predicted_peak_bytes, "measured_peak_bytes": result.measured_peak_bytes,
+        "budget_bytes": result.budget_bytes, "guard_peak_bytes": result.guard_peak_bytes,
+        "plan_device_peak_bytes": base.peak_bytes,
+        "technique_savings": technique_savings(wl, step.plan, bs, dev, base.peak_bytes),
+        "timeline_png": str(timeline) if timeline else None,
+    }
+    write_report(out_dir, summary)
+    return summary
+
+
+def _out_dir(out: str | Path) -> Path:
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".memfit-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"cannot write to --out {str(path)!r} ({e.strerror}); choose a writable folder") from None
+    return path
+
+
+def _oom_injector(loss_fn, steps: set[int]):
+    """Raise OutOfMemoryError in the forward of the first attempt of the given steps (for tests)."""
+    fired: set[int] = set()
+
+    def wrapped(model, batch):
+        step_no = wrapped.current_step
+        if step_no in steps and step_no not in fired:
+            fired.add(step_no)
+            raise torch.OutOfMemoryError(f"injected out-of-memory error at step {step_no}")
+        return loss_fn(model, batch)
+    wrapped.current_step = 0
+    return wrapped

@@ -1,0 +1,98 @@
+"""The end-of-run report: predicted vs measured peak, a memory timeline, what each technique saved.
+
+What each technique saved is an ablation on the estimate: for every technique the plan uses, the
+same plan with that one technique taken out is traced on fake tensors (one trace each, seconds
+for most models), and its predicted device peak is compared with the plan's. The estimate is the
+one TrainStep the run trained with, and the run's measured peak checks the estimate, so the
+savings are as exact as the prediction (within 1% on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+from memfit.errors import UserError
+from memfit.plans import Plan
+from memfit.units import fmt_bytes
+
+TIMELINE_PNG = "memory-timeline.png"
+REPORT_JSON = "report.json"
+
+
+def without_each_technique(plan: Plan) -> list[tuple[str, Plan]]:
+    """(technique, the plan without it) for each memory technique ``plan`` uses."""
+    default = Plan()
+    out = []
+    if plan.precision != default.precision:
+        out.append((f"precision {plan.precision}", plan.replace(precision="fp32", bf16_update=default.bf16_update)))
+    if plan.micro_batch_size is not None or plan.grad_accum_steps > 1:
+        out.append(("micro-batches", plan.replace(micro_batch_size=None, grad_accum_steps=1)))
+    if plan.checkpointing != default.checkpointing:
+        out.append((f"checkpointing {plan.checkpointing}", plan.replace(checkpointing="none")))
+    if plan.optimizer != default.optimizer:
+        out.append((f"optimizer {plan.optimizer}", plan.replace(optimizer=default.optimizer)))
+    if plan.optimizer_in_backward:
+        out.append(("optimizer in backward", plan.replace(optimizer_in_backward=False)))
+    for item in plan.offload:
+        out.append((f"offload {item}", plan.replace(offload=[x for x in plan.offload if x != item])))
+    if plan.loss_chunks != default.loss_chunks:
+        out.append((f"chunked loss ({plan.loss_chunks})", plan.replace(loss_chunks=default.loss_chunks)))
+    if plan.attention != default.attention:
+        out.append((f"attention {plan.attention}", plan.replace(attention=default.attention)))
+    if plan.ema is not None and plan.ema.device != "device":
+        out.append((f"EMA on {plan.ema.device}", plan.replace(ema={**plan.to_dict()["ema"], "device": "device"})))
+    return out
+
+
+def technique_savings(workload, plan: Plan, batch_size: int, device, base_peak: int) -> list[dict]:
+    """For each technique of ``plan``: the predicted device peak without it and the bytes it saves."""
+    from memfit.memory.estimate import estimate
+    rows = []
+    for name, without in without_each_technique(plan):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                peak = estimate(workload, without, batch_size=batch_size, device=device).peak_bytes
+        except UserError as e:  # e.g. accumulation needs micro-batches, the 8-bit package is missing
+            rows.append({"technique": name, "peak_without_bytes": None, "saved_bytes": None, "note": str(e)})
+            continue
+        rows.append({"technique": name, "peak_without_bytes": peak, "saved_bytes": peak - base_peak})
+    return rows
+
+
+def write_report(out_dir: Path, summary: dict) -> Path:
+    path = out_dir / REPORT_JSON
+    path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return path
+
+
+def render(summary: dict) -> str:
+    """The report as text for the terminal."""
+    lines = []
+    pred, meas = summary.get("predicted_peak_bytes"), summary.get("measured_peak_bytes")
+    if pred and meas:
+        lines.append(f"steady-state peak: predicted {fmt_bytes(pred)}, measured {fmt_bytes(meas)} "
+                     f"({100 * (pred - meas) / meas:+.2f}%)")
+    if summary.get("budget_bytes"):
+        lines.append(f"budget {fmt_bytes(summary['budget_bytes'])}"
+                     + (f" (enforced by the CPU budget guard; its peak {fmt_bytes(summary['guard_peak_bytes'])})"
+                        if summary.get("guard_peak_bytes") else ""))
+    for a in summary.get("adaptations", []):
+        lines.append(f"adapted at step {a['step']} ({a['phase']}): {a['adaptation']}")
+    savings = summary.get("technique_savings") or []
+    if savings:
+        base = summary.get("plan_device_peak_bytes")
+        lines.append(f"what each technique saved (predicted device peak {fmt_bytes(base)} with all of them):")
+        for row in savings:
+            if row["saved_bytes"] is None:
+                lines.append(f"  {row['technique']:<28} n/a ({row['note']})")
+            else:
+                saved = row["saved_bytes"]
+                what = f"saved {fmt_bytes(saved)}" if saved >= 0 else f"costs {fmt_bytes(-saved)}"
+                lines.append(f"  {row['technique']:<28} {what:>18}   (peak without it: "
+                             f"{fmt_bytes(row['peak_without_bytes'])})")
+    if summary.get("timeline_png"):
+        lines.append(f"memory timeline: {summary['timeline_png']}")
+    return "\n".join(lines)
