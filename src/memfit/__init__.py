@@ -1,7 +1,8 @@
 """memfit: make PyTorch training fit a memory budget.
 
 Predict the peak memory of a training step without the target GPU (``estimate``), measure it
-(``profile``), on the one TrainStep that training uses (``build_step``). Importing memfit is
+(``profile``), on the one TrainStep that training uses (``build_step``); find the fastest plan for
+a budget (``plan``) and train with it, adapting when memory runs short (``train``). Importing memfit is
 cheap: it does not import transformers and never initialises CUDA; submodules load on use.
 """
 
@@ -11,12 +12,14 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = ["Plan", "plan", "Workload", "load_workload", "build_step", "TrainStep", "estimate", "profile", "MemoryReport",
+__all__ = ["Plan", "plan", "train", "TrainResult", "Workload", "load_workload", "build_step", "TrainStep", "estimate", "profile", "MemoryReport",
            "UserError", "get_device", "__version__"]
 
 _LAZY = {
     "Plan": "memfit.plans",
     "plan": "memfit.planner.search",
+    "train": "memfit.training.loop",
+    "TrainResult": "memfit.training.loop",
     "Workload": "memfit.workload",
     "load_workload": "memfit.workload",
     "build_step": "memfit.step",
@@ -37,6 +40,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from memfit.planner.search import plan
     from memfit.plans import Plan
     from memfit.step import TrainStep, build_step
+    from memfit.training.loop import TrainResult, train
     from memfit.workload import Workload, load_workload
 
 

@@ -1,0 +1,75 @@
+"""memfit train under a budget: OOMs at random steps and real budget-guard OOMs change nothing in
+the training; budgets that cannot work are refused with the smallest that would."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from memfit.cli.main import main
+from memfit.errors import UserError
+from memfit.memory.estimate import estimate
+from memfit.plans import Plan
+from memfit.training.loop import train
+
+NO_DROPOUT = "gpt2:n_layer=2,n_embd=64,n_head=4,n_positions=128,attn_pdrop=0,resid_pdrop=0,embd_pdrop=0"
+STEPS, BATCH = 8, 8
+
+
+def _run(out, **kw):
+    return train(NO_DROPOUT, steps=STEPS, out=out, seq_len=64, batch_size=BATCH, progress=False, report=False, **kw)
+
+
+def _lines(out):
+    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("clean"))
+
+
+@pytest.mark.parametrize("seed", [11, 23, 47])
+def test_ooms_at_random_steps_leave_the_loss_trajectory_unchanged(tmp_path, clean, seed):
+    rng = random.Random(seed)
+    oom_steps = set(rng.sample(range(1, STEPS + 1), 3))
+    oom = _run(tmp_path, inject_oom=oom_steps)
+    torch.testing.assert_close(torch.tensor(oom.losses), torch.tensor(clean.losses), rtol=1e-5, atol=1e-6)
+    events = [e for e in _lines(tmp_path) if "event" in e]
+    assert sorted(e["step"] for e in events) == sorted(oom_steps)
+    assert [e["adaptation"].split(" x")[0] for e in events] == [f"micro_batch_size {m}" for m in (4, 2, 1)]
+    assert all("injected" in e["cause"] for e in events)
+
+
+def test_the_budget_guard_raises_real_ooms_and_training_adapts_without_changing(tmp_path, clean):
+    """A plan that needs more than the budget: the CPU guard raises torch.OutOfMemoryError inside
+    the step, the loop re-splits the same batch, and every step then stays within the budget, as
+    the profiler (independent of the guard) measures."""
+    predicted = estimate(NO_DROPOUT, Plan(), batch_size=BATCH, seq_len=64).peak_bytes
+    budget = int(predicted * 0.75)
+    r = _run(tmp_path, plan=Plan(), budget=budget)
+    torch.testing.assert_close(torch.tensor(r.losses), torch.tensor(clean.losses), rtol=1e-5, atol=1e-6)
+    assert r.adaptations and all("budget guard" in a["cause"] for a in r.adaptations)
+    assert r.adapted_plan["micro_batch_size"] in (1, 2, 4)
+    steps = [x for x in _lines(tmp_path) if "event" not in x]
+    assert all(x["peak_bytes"] <= budget for x in steps)
+    assert r.measured_peak_bytes <= budget  # the profiler's measurement of step 2
+    assert abs(r.predicted_peak_bytes - r.measured_peak_bytes) <= 0.01 * r.measured_peak_bytes
+
+
+def test_budgets_that_cannot_work_are_refused_with_what_would(tmp_path, capsys):
+    with pytest.raises(UserError, match="below what the model and optimizer hold"):
+        _run(tmp_path / "a", plan=Plan(), budget="10MiB")
+    code = main(["train", NO_DROPOUT, "--seq-len", "64", "-b", "8", "--budget", "40MiB", "--out", str(tmp_path / "b")])
+    err = capsys.readouterr().err
+    assert code == 2 and "no plan fits the budget" in err and "smallest footprint found is" in err
+    assert not (tmp_path / "b" / "checkpoint.pt").exists()
+
+
+def test_an_existing_run_is_not_overwritten(tmp_path, capsys):
+    train(NO_DROPOUT, steps=1, out=tmp_path, seq_len=64, batch_size=2, progress=False, report=False)
+    before = (tmp_path / "checkpoint.pt").read_bytes()
+    assert main(["train", NO_DROPOUT, "--seq-len", "64", "-b", "2", "--steps", "1", "--out", str(tmp_path)]) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert (tmp_path / "checkpoint.pt").read_bytes() == before
