@@ -6,10 +6,12 @@ import argparse
 
 DEMO_PREDICT = ("gpt2", 8, "rtx4090")
 DEMO_PROFILE = ("gpt2:n_layer=4,n_embd=256,n_head=4,n_positions=256", 4)
+DEMO_PLAN = ("gpt2", 16, "rtx4090")
+DEMO_TRAIN = ("gpt2:n_layer=4,n_embd=256,n_head=4,n_positions=256", 8, 128, 0.6, "memfit-out/demo")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="estimate GPT-2 on a 24 GB GPU, then profile a small GPT-2 here")
+    p = sub.add_parser("demo", help="estimate and plan GPT-2 for a 24 GB GPU; profile and train a small GPT-2 here")
     p.set_defaults(run=run)
 
 
@@ -18,8 +20,12 @@ def run(args: argparse.Namespace) -> int:
 
     from memfit.memory.estimate import estimate
     from memfit.memory.measure import profile
+    from memfit.planner.search import plan
     from memfit.plans import Plan
+    from memfit.report.planner import print_plan_result
     from memfit.report.tables import print_estimate, print_profile
+    from memfit.training.loop import train
+    from memfit.training.report import render
 
     c = Console(highlight=False, soft_wrap=True)
     wl, bs, dev = DEMO_PREDICT
@@ -27,10 +33,23 @@ def run(args: argparse.Namespace) -> int:
     for precision in ("fp32", "bf16"):
         print_estimate(estimate(wl, Plan(precision=precision), batch_size=bs, device=dev), c)
         c.print()
+    wl, bs, dev = DEMO_PLAN
+    c.rule(f"2. The fastest plan for batch {bs} that fits the {dev}")
+    print_plan_result(plan(wl, device=dev, batch_size=bs), c, top=5)
+    c.print()
     wl, bs = DEMO_PROFILE
-    c.rule("2. Prediction vs measurement, here on this CPU")
+    c.rule("3. Prediction vs measurement, here on this CPU")
     for precision in ("fp32", "bf16"):
         print_profile(profile(wl, Plan(precision=precision), batch_size=bs, device="cpu", repeats=3), c)
         c.print()
-    c.print("Next: memfit estimate WORKLOAD --device DEVICE --precision bf16 (see memfit --help)")
+    wl, bs, seq, share, out = DEMO_TRAIN
+    need = estimate(wl, Plan(), batch_size=bs, seq_len=seq).peak_bytes
+    c.rule(f"4. Training with a budget of {share:.0%} of what the fp32 plan needs: the run adapts, the training "
+           "does not change")
+    result = train(wl, plan=Plan(), budget=int(need * share), steps=6, out=out, batch_size=bs, seq_len=seq,
+                   overwrite=True)
+    c.print(render(result.report))
+    c.print()
+    c.print("Next: memfit plan WORKLOAD --budget SIZE --device DEVICE, then memfit train WORKLOAD --plan plan.yaml "
+            "(see memfit --help)")
     return 0

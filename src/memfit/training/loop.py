@@ -132,7 +132,9 @@ def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: s
                 guard.reset_peak()
             if inject_oom:
                 step.loss_fn.current_step = index
-            measuring = window is not None and index == STEADY_STEP
+            # the steady state: step 2, or the first later step that needed no adaptation
+            measuring = window is not None and index >= STEADY_STEP
+            adaptations_before = len(result.adaptations)
 
             def adapted(event, index=index, metrics=metrics, bar=bar):
                 if guard is not None:
@@ -144,12 +146,13 @@ def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: s
                          f"retrying the same batch with {event['adaptation']}")
 
             t0 = time.perf_counter()
-            with window.step() if measuring else contextlib.nullcontext():
+            with window.step(index) if measuring else contextlib.nullcontext():
                 loss = run_adapting(step, batch, adapted)
             seconds = time.perf_counter() - t0
             samples_seen += bs
+            measuring = measuring and len(result.adaptations) == adaptations_before
             if measuring:
-                result.measured_peak_bytes = window.finish()
+                result.measured_peak_bytes = window.finish(index)
                 window = None
                 measured_plan = step.plan
             result.losses.append(loss)
@@ -158,7 +161,8 @@ def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: s
             peak, kind = _step_peak(result.measured_peak_bytes if measuring else None, guard, dev)
             seq = wl.info.get("seq_len")
             rate, unit = (bs * seq / seconds, "tokens") if corpus is not None else (bs / seconds, "samples")
-            metrics.write(json.dumps({"step": index, "loss": loss, "seconds": seconds, f"{unit}_per_second": rate,
+            metrics.write(json.dumps({"step": index, "loss": loss, "seconds": seconds, "time": time.time(),
+                                      f"{unit}_per_second": rate,
                                       "peak_bytes": peak, "peak_kind": kind}) + "\n")
             metrics.flush()
             bar.update(index, loss=loss, rate=rate, unit=unit, peak_bytes=peak)
@@ -280,12 +284,10 @@ class _PeakWindow:
         return False
 
     @contextlib.contextmanager
-    def step(self):
+    def step(self, index: int):
         if self.cpu:
             from torch.profiler import record_function
-
-            from memfit.memory.measure import STEP_RANGE
-            with record_function(STEP_RANGE):
+            with record_function(self._range(index)):
                 yield
         else:
             torch.cuda.synchronize()
@@ -293,13 +295,18 @@ class _PeakWindow:
             yield
             torch.cuda.synchronize()
 
-    def finish(self) -> int:
+    def finish(self, index: int) -> int:
         if not self.cpu:
             return torch.cuda.max_memory_allocated()
         from memfit.memory.measure import profiler_peak
         prof = self.prof.prof
         self.__exit__(None, None, None)
-        return profiler_peak(prof)
+        return profiler_peak(prof, self._range(index))
+
+    @staticmethod
+    def _range(index: int) -> str:
+        from memfit.memory.measure import STEP_RANGE
+        return f"{STEP_RANGE}:{index}"
 
 
 def _final_report(wl: Workload, step: TrainStep, bs: int, dev: Device, out_dir: Path, result: TrainResult) -> dict:
