@@ -4,6 +4,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from memfit.cli.main import main
 from memfit.errors import UserError
@@ -67,7 +68,11 @@ def test_data_from_files_and_bad_inputs(tmp_path, capsys):
         (["train", "mha", "--data", str(text)], "applies to the built-in language models"),
         (["train", LM, "--resume", "--out", str(tmp_path / "fresh")], "no checkpoint"),
         (["train", LM, "--steps", "0"], "--steps"),
-    ] + ([] if os.geteuid() == 0 else [(["train", LM, "--out", str(locked / "x")], "cannot write")]):
+        (["train", "mha", "--loss-chunks", "4", "--out", str(tmp_path / "m")], "loss_chunks needs"),
+        (["train", LM, "--device", "h100", "--out", str(tmp_path / "d")], "training runs on this machine"),
+        (["train", LM, "--device", "h100", "--out", str(tmp_path / "d")], "training runs on this machine"),
+    ] + ([] if os.geteuid() == 0 else [(["train", LM, "--out", str(locked / "x")], "cannot write")]) + (
+        [] if torch.cuda.is_available() else [(["train", LM, "--device", "cuda"], "no CUDA GPU")]):
         assert main(argv) == 2, argv
         assert message in capsys.readouterr().err
 

@@ -73,3 +73,13 @@ def test_an_existing_run_is_not_overwritten(tmp_path, capsys):
     assert main(["train", NO_DROPOUT, "--seq-len", "64", "-b", "2", "--steps", "1", "--out", str(tmp_path)]) == 2
     assert "--resume" in capsys.readouterr().err
     assert (tmp_path / "checkpoint.pt").read_bytes() == before
+
+
+def test_out_of_adaptations_says_what_the_most_frugal_plan_needs(tmp_path):
+    plan = Plan(optimizer_in_backward=True, checkpointing="blocks", offload=("activations",))  # nothing left to do
+    need = estimate(NO_DROPOUT, plan, batch_size=2, seq_len=64).peak_bytes
+    with pytest.raises(UserError, match="every adaptation applied") as info:
+        train(NO_DROPOUT, plan=plan, steps=2, out=tmp_path, seq_len=64, batch_size=2, progress=False,
+              report=False, inject_oom={1})
+    from memfit.units import fmt_bytes
+    assert f"needs {fmt_bytes(need)} (predicted)" in str(info.value)

@@ -49,8 +49,16 @@ def adapt(step: TrainStep) -> str:
         step.forward_contexts = (*step.forward_contexts, OffloadActivations(step.model, step.placement))
         step.plan = step.plan.replace(offload=[*step.plan.offload, "activations"])
         return "offload: activations"
-    raise UserError("out of memory, and no adaptation is left (micro-batch 1, checkpointing, activation offload); "
-                    "use a smaller model or batch, or a plan with less memory (memfit plan --budget ...)")
+    raise OutOfAdaptations(step.plan)
+
+
+class OutOfAdaptations(UserError):
+    """Out of memory with every adaptation applied; ``plan`` is the most frugal plan reached."""
+
+    def __init__(self, plan):
+        super().__init__("out of memory, and no adaptation is left (micro-batch 1, checkpointing, activation "
+                         "offload); use a smaller model or batch, or a plan with less memory (memfit plan --budget)")
+        self.plan = plan
 
 
 def free_failed_step(step: TrainStep) -> None:

@@ -32,7 +32,7 @@ from memfit.memory.faketrace import STEADY_STEP
 from memfit.plans import Plan
 from memfit.step import TrainStep, build_step, make_batch
 from memfit.training import checkpoint
-from memfit.training.adapt import run_adapting
+from memfit.training.adapt import OutOfAdaptations, run_adapting
 from memfit.training.data import ByteCorpus, text_batches
 from memfit.training.progress import Progress
 from memfit.units import fmt_bytes
@@ -101,74 +101,77 @@ def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: s
     guard = _guard(budget_bytes, dev)
     measured_plan = plan
     window = _PeakWindow(dev) if not resume else None
-    with contextlib.ExitStack() as stack:
-        if window is not None:
-            stack.enter_context(window)
-        if guard is not None:
-            stack.enter_context(guard)
-            guard.armed = False  # the budget applies to steps; building is checked once, below
-        if resume:
-            step = build_step(wl, plan, bs, dev)
-            start, samples_seen = checkpoint.restore(step, state)
-        else:
-            step = build_step(wl, plan, bs, dev)
-            start, samples_seen = 0, 0
-        del state  # tensors the checkpoint held that the step did not take are freed here
-        if guard is not None:
-            _arm(guard, step)
-        if inject_oom:
-            step.loss_fn = _oom_injector(step.loss_fn, inject_oom)
-        metrics = stack.enter_context(open(out_dir / "metrics.jsonl", "a" if resume else "w"))
-        bar = stack.enter_context(Progress(steps, start=start, budget_bytes=budget_bytes, enabled=progress))
-        if budget_bytes and predicted > budget_bytes and guard is not None:
-            bar.note(f"note: the plan's predicted peak {fmt_bytes(predicted)} is over the budget "
-                     f"{fmt_bytes(budget_bytes)}; expect adaptations")
-        batches = _batches(wl, corpus, bs, dev, first_sample=samples_seen, count=steps - start, workers=workers)
-        for i in range(start, steps):
-            index = i + 1
-            batch = next(batches)
+    try:
+        with contextlib.ExitStack() as stack:
+            if window is not None:
+                stack.enter_context(window)
             if guard is not None:
-                guard.watch(batch)  # (made in a worker process, the guard did not see it)
-                guard.reset_peak()
+                stack.enter_context(guard)
+                guard.armed = False  # the budget applies to steps; building is checked once, below
+            if resume:
+                step = build_step(wl, plan, bs, dev)
+                start, samples_seen = checkpoint.restore(step, state)
+            else:
+                step = build_step(wl, plan, bs, dev)
+                start, samples_seen = 0, 0
+            del state  # tensors the checkpoint held that the step did not take are freed here
+            if guard is not None:
+                _arm(guard, step)
             if inject_oom:
-                step.loss_fn.current_step = index
-            # the steady state: step 2, or the first later step that needed no adaptation
-            measuring = window is not None and index >= STEADY_STEP
-            adaptations_before = len(result.adaptations)
-
-            def adapted(event, index=index, metrics=metrics, bar=bar):
+                step.loss_fn = _oom_injector(step.loss_fn, inject_oom)
+            metrics = stack.enter_context(open(out_dir / "metrics.jsonl", "a" if resume else "w"))
+            bar = stack.enter_context(Progress(steps, start=start, budget_bytes=budget_bytes, enabled=progress))
+            if budget_bytes and predicted > budget_bytes and guard is not None:
+                bar.note(f"note: the plan's predicted peak {fmt_bytes(predicted)} is over the budget "
+                         f"{fmt_bytes(budget_bytes)}; expect adaptations")
+            batches = _batches(wl, corpus, bs, dev, first_sample=samples_seen, count=steps - start, workers=workers)
+            for i in range(start, steps):
+                index = i + 1
+                batch = next(batches)
                 if guard is not None:
-                    guard.reset_peak()  # the failed attempt's memory is freed; count the retry
-                event = {"event": "oom", "step": index, **event}
-                result.adaptations.append(event)
-                metrics.write(json.dumps(event) + "\n")
-                bar.note(f"step {index}: out of memory in {event['phase']} ({event['cause']}); "
-                         f"retrying the same batch with {event['adaptation']}")
+                    guard.watch(batch)  # (made in a worker process, the guard did not see it)
+                    guard.reset_peak()
+                if inject_oom:
+                    step.loss_fn.current_step = index
+                # the steady state: step 2, or the first later step that needed no adaptation
+                measuring = window is not None and index >= STEADY_STEP
+                adaptations_before = len(result.adaptations)
 
-            t0 = time.perf_counter()
-            with window.step(index) if measuring else contextlib.nullcontext():
-                loss = run_adapting(step, batch, adapted)
-            seconds = time.perf_counter() - t0
-            samples_seen += bs
-            measuring = measuring and len(result.adaptations) == adaptations_before
-            if measuring:
-                result.measured_peak_bytes = window.finish(index)
-                window = None
-                measured_plan = step.plan
-            result.losses.append(loss)
-            if guard is not None:
-                result.guard_peak_bytes = max(result.guard_peak_bytes or 0, guard.peak_bytes)
-            peak, kind = _step_peak(result.measured_peak_bytes if measuring else None, guard, dev)
-            seq = wl.info.get("seq_len")
-            rate, unit = (bs * seq / seconds, "tokens") if corpus is not None else (bs / seconds, "samples")
-            metrics.write(json.dumps({"step": index, "loss": loss, "seconds": seconds, "time": time.time(),
-                                      f"{unit}_per_second": rate,
-                                      "peak_bytes": peak, "peak_kind": kind}) + "\n")
-            metrics.flush()
-            bar.update(index, loss=loss, rate=rate, unit=unit, peak_bytes=peak)
-            if (checkpoint_every and index % checkpoint_every == 0) or index == steps:
-                checkpoint.save(out_dir, step, step_index=index, samples_seen=samples_seen, workload=wl.name,
-                                requested_plan=requested)
+                def adapted(event, index=index, metrics=metrics, bar=bar):
+                    if guard is not None:
+                        guard.reset_peak()  # the failed attempt's memory is freed; count the retry
+                    event = {"event": "oom", "step": index, **event}
+                    result.adaptations.append(event)
+                    metrics.write(json.dumps(event) + "\n")
+                    bar.note(f"step {index}: out of memory in {event['phase']} ({event['cause']}); "
+                             f"retrying the same batch with {event['adaptation']}")
+
+                t0 = time.perf_counter()
+                with window.step(index) if measuring else contextlib.nullcontext():
+                    loss = run_adapting(step, batch, adapted)
+                seconds = time.perf_counter() - t0
+                samples_seen += bs
+                measuring = measuring and len(result.adaptations) == adaptations_before
+                if measuring:
+                    result.measured_peak_bytes = window.finish(index)
+                    window = None
+                    measured_plan = step.plan
+                result.losses.append(loss)
+                if guard is not None:
+                    result.guard_peak_bytes = max(result.guard_peak_bytes or 0, guard.peak_bytes)
+                peak, kind = _step_peak(result.measured_peak_bytes if measuring else None, guard, dev)
+                seq = wl.info.get("seq_len")
+                rate, unit = (bs * seq / seconds, "tokens") if corpus is not None else (bs / seconds, "samples")
+                metrics.write(json.dumps({"step": index, "loss": loss, "seconds": seconds, "time": time.time(),
+                                          f"{unit}_per_second": rate,
+                                          "peak_bytes": peak, "peak_kind": kind}) + "\n")
+                metrics.flush()
+                bar.update(index, loss=loss, rate=rate, unit=unit, peak_bytes=peak)
+                if (checkpoint_every and index % checkpoint_every == 0) or index == steps:
+                    checkpoint.save(out_dir, step, step_index=index, samples_seen=samples_seen, workload=wl.name,
+                                    requested_plan=requested)
+    except OutOfAdaptations as e:
+        raise _out_of_adaptations(e, wl, bs, dev, budget_bytes) from None
     if measured_plan != plan:  # adapted before the measured step: compare with its own prediction
         result.predicted_peak_bytes = _predicted_peak(wl, measured_plan, bs, dev)
     result.adapted_plan = step.plan.to_dict()
@@ -213,6 +216,18 @@ def _predicted_peak(wl: Workload, plan: Plan, bs: int, dev: Device) -> int:
         warnings.simplefilter("ignore")
         r = estimate(wl, plan, batch_size=bs, device=dev)
     return (r.process_peak_bytes or r.peak_bytes) if dev.kind == "cpu" else r.peak_bytes
+
+
+def _out_of_adaptations(e: OutOfAdaptations, wl: Workload, bs: int, dev: Device, budget: int | None) -> UserError:
+    """The run cannot go on: say what the most frugal plan it reached needs, and what to do."""
+    from memfit.memory.estimate import estimate
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        need = estimate(wl, e.plan, batch_size=bs, device=dev).peak_bytes
+    limit = f"the budget of {fmt_bytes(budget)}" if budget else f"the {dev.name}'s memory"
+    return UserError(f"out of memory with every adaptation applied ({e.plan.describe()}): the step needs "
+                     f"{fmt_bytes(need)} (predicted) and {limit} is smaller; give at least that, a smaller "
+                     "--batch-size, or let the planner search every technique (memfit plan WORKLOAD --budget ...)")
 
 
 def _guard(budget_bytes: int | None, dev: Device):
