@@ -17,6 +17,7 @@ outside ATen (``torch.load``; :meth:`watch` adds those).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -42,11 +43,11 @@ class BudgetGuard(TorchDispatchMode):
         self.peak_bytes = 0
         """Peak of live device bytes since :meth:`reset_peak`."""
         self.armed = True
+        self._paused = False
         self._storages: dict[int, tuple[int, weakref.ref]] = {}  # storage cdata -> (bytes counted, ref)
 
     # -- observer protocol (memfit.step.NullObserver) ----------------------------------------------
     def phase(self, name: str):
-        import contextlib
         return contextlib.nullcontext()
 
     def host(self, tensors) -> None:
@@ -67,8 +68,19 @@ class BudgetGuard(TorchDispatchMode):
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
 
+    @contextlib.contextmanager
+    def paused(self):
+        """Neither count nor enforce (e.g. while memfit traces a plan on fake tensors)."""
+        was, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = was
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self._paused:
+            return out
         if not _returns_alias(func):
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):

@@ -26,21 +26,37 @@ from memfit.step import TrainStep
 from memfit.techniques.checkpointing import CheckpointConfig, Checkpointing, find_blocks
 from memfit.techniques.offload import OffloadActivations
 
+Fits = Callable[[object], bool]
 
-def _smaller_micro_batch(step: TrainStep) -> int | None:
+
+def _smaller_micro_batch(step: TrainStep, fits: Fits | None) -> tuple[int | None, bool]:
+    """The next micro-batch size: the largest smaller one predicted to fit (``fits``), else half.
+    Returns (size or None, whether it is predicted to fit)."""
     if step.plan.optimizer_in_backward:
-        return None  # in-backward steps cannot accumulate micro-batches
+        return None, False  # in-backward steps cannot accumulate micro-batches
     m = step.micro_batch_size
-    return next((d for d in range(m // 2, 0, -1) if step.batch_size % d == 0), None)
+    smaller = [d for d in range(m // 2, 0, -1) if step.batch_size % d == 0]
+    if not smaller:
+        return None, False
+    if fits is not None:
+        for d in smaller:
+            if fits(step.plan.replace(micro_batch_size=d, grad_accum_steps=1)):
+                return d, True
+        return smaller[-1], False
+    return smaller[0], False
 
 
-def adapt(step: TrainStep) -> str:
-    """Change ``step`` in place to use less memory; returns what changed. Raises when out of options."""
-    m = _smaller_micro_batch(step)
+def adapt(step: TrainStep, fits: Fits | None = None) -> str:
+    """Change ``step`` in place to use less memory; returns what changed. Raises when out of options.
+
+    ``fits(plan)``: whether the estimate predicts ``plan`` fits. With it, the micro-batch goes
+    straight to the largest size predicted to fit instead of halving one OOM at a time."""
+    m, predicted = _smaller_micro_batch(step, fits)
     if m is not None:
         step.plan = step.plan.replace(micro_batch_size=m, grad_accum_steps=1)
         step.micro_batch_size, step.num_micro_batches = step.plan.micro_batches(step.batch_size)
-        return f"micro_batch_size {m} x {step.num_micro_batches} accumulation steps (same effective batch)"
+        return (f"micro_batch_size {m} x {step.num_micro_batches} accumulation steps (same effective batch"
+                + ("; the largest predicted to fit)" if predicted else ")"))
     if step.plan.checkpointing == "none" and find_blocks(step.model):
         Checkpointing(CheckpointConfig("blocks")).apply(step.model)
         step.plan = step.plan.replace(checkpointing="blocks")
@@ -70,7 +86,48 @@ def free_failed_step(step: TrainStep) -> None:
         torch.cuda.empty_cache()
 
 
-def run_adapting(step: TrainStep, batch, on_adapt: Callable[[dict], None] | None = None) -> float:
+class FitPredictor:
+    """``fits(plan)``: does the estimate predict that ``plan`` fits the guard's budget (CPU) or the
+    GPU? Each plan is traced once on fake tensors (seconds). While ``blocked()`` (a profiler is
+    measuring) nothing new is traced and unknown plans count as fitting, which makes
+    :func:`adapt` halve the micro-batch as it would without predictions."""
+
+    def __init__(self, workload, batch_size: int, device, guard=None, blocked: Callable[[], bool] = lambda: False):
+        self.workload, self.batch_size, self.device, self.guard, self.blocked = workload, batch_size, device, guard, blocked
+        self.cache: dict = {}
+
+    def __call__(self, plan) -> bool:
+        if plan not in self.cache:
+            if self.blocked():
+                return True
+            self.cache[plan] = self._trace(plan)
+        return self.cache[plan]
+
+    def precompute(self, plan) -> None:
+        """Trace the micro-batch sizes below ``plan``'s, largest first, up to the first that fits."""
+        m, _ = plan.micro_batches(self.batch_size)
+        for d in range(m // 2, 0, -1):
+            if self.batch_size % d == 0 and self(plan.replace(micro_batch_size=d, grad_accum_steps=1)):
+                return
+
+    def _trace(self, plan) -> bool:
+        import contextlib
+        import warnings
+
+        from memfit.memory.estimate import estimate
+        with self.guard.paused() if self.guard is not None else contextlib.nullcontext(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                r = estimate(self.workload, plan, batch_size=self.batch_size, device=self.device)
+            except UserError:
+                return False
+        if self.guard is not None:
+            return r.peak_bytes <= self.guard.budget_bytes
+        return r.reserved_bytes + r.cuda_context_bytes <= self.device.total_bytes
+
+
+def run_adapting(step: TrainStep, batch, on_adapt: Callable[[dict], None] | None = None,
+                 fits: Fits | None = None) -> float:
     """``step(batch)``; on an out-of-memory error in zero_grad, forward or backward, free the failed
     step, :func:`adapt`, restore the step's RNG state and retry the same batch. ``on_adapt`` gets a
     record ``{"phase", "cause", "adaptation"}`` for each adaptation."""
@@ -86,7 +143,7 @@ def run_adapting(step: TrainStep, batch, on_adapt: Callable[[dict], None] | None
                             "with less optimizer memory (e.g. --optimizer adamw8bit or --offload optimizer_states)")
         step.phase = "idle"
         free_failed_step(step)
-        change = adapt(step)
+        change = adapt(step, fits)
         _set_rng_state(rng)
         if on_adapt is not None:
             on_adapt({"phase": phase, "cause": cause, "adaptation": change})

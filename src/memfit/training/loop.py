@@ -32,7 +32,7 @@ from memfit.memory.faketrace import STEADY_STEP
 from memfit.plans import Plan
 from memfit.step import TrainStep, build_step, make_batch
 from memfit.training import checkpoint
-from memfit.training.adapt import OutOfAdaptations, run_adapting
+from memfit.training.adapt import FitPredictor, OutOfAdaptations, run_adapting
 from memfit.training.data import ByteCorpus, text_batches
 from memfit.training.progress import Progress
 from memfit.units import fmt_bytes
@@ -101,6 +101,12 @@ def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: s
     guard = _guard(budget_bytes, dev)
     measured_plan = plan
     window = _PeakWindow(dev) if not resume else None
+    fits = None
+    if (guard is not None or dev.kind == "cuda") and not inject_oom:
+        # OOM remedies are traced on fake tensors; not while the measurement window's profiler runs
+        fits = FitPredictor(wl, bs, dev, guard, blocked=lambda: window is not None and window.prof is not None)
+        if budget_bytes and predicted > budget_bytes:
+            fits.precompute(plan)  # OOMs are expected: trace their remedy before the window opens
     try:
         with contextlib.ExitStack() as stack:
             if window is not None:
@@ -148,7 +154,7 @@ def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: s
 
                 t0 = time.perf_counter()
                 with window.step(index) if measuring else contextlib.nullcontext():
-                    loss = run_adapting(step, batch, adapted)
+                    loss = run_adapting(step, batch, adapted, fits)
                 seconds = time.perf_counter() - t0
                 samples_seen += bs
                 measuring = measuring and len(result.adaptations) == adaptations_before
