@@ -20,14 +20,26 @@ def _losses(path):
     return [json.loads(line)["loss"] for line in open(path / "metrics.jsonl")]
 
 
-@pytest.mark.parametrize("plan", [Plan(), Plan(optimizer_in_backward=True, checkpointing="blocks")])
-def test_resume_gives_the_same_losses_as_a_straight_run(tmp_path, plan):
-    straight = train(LM, plan=plan, steps=8, out=tmp_path / "a", seq_len=64, batch_size=2, progress=False, report=False)
-    train(LM, plan=plan, steps=4, out=tmp_path / "b", seq_len=64, batch_size=2, progress=False, report=False)
-    resumed = train(LM, plan=plan, steps=8, out=tmp_path / "b", seq_len=64, batch_size=2, resume=True,
-                    progress=False, report=False)
-    assert resumed.losses == straight.losses[4:]
+@pytest.mark.parametrize("plan,half", [
+    (Plan(), 10),  # 10 steps + resume + 10 steps == 20 straight
+    (Plan(optimizer_in_backward=True, checkpointing="blocks"), 4),
+    (Plan(optimizer="adamw8bit"), 4),  # 8-bit optimizer states
+    (Plan(precision="fp16", ema={"decay": 0.9, "device": "cpu"}), 4),  # grad scaler and EMA
+])
+def test_resume_gives_the_same_losses_as_a_straight_run(tmp_path, plan, half):
+    run = dict(plan=plan, seq_len=64, batch_size=2, progress=False, report=False)
+    straight = train(LM, steps=2 * half, out=tmp_path / "a", **run)
+    train(LM, steps=half, out=tmp_path / "b", **run)
+    resumed = train(LM, steps=2 * half, out=tmp_path / "b", resume=True, **run)
+    assert resumed.losses == straight.losses[half:]
     assert _losses(tmp_path / "b") == straight.losses
+    if plan.ema is not None:
+        import torch
+
+        from memfit.training.checkpoint import read
+        a, b = read(tmp_path / "a")["ema"], read(tmp_path / "b")["ema"]
+        assert a["updates"] == b["updates"] == 2 * half and a["shadow"].keys() == b["shadow"].keys()
+        assert all(torch.equal(a["shadow"][k], b["shadow"][k]) for k in a["shadow"])
 
 
 def test_steady_state_peak_matches_the_prediction(tmp_path):

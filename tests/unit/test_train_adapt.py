@@ -87,3 +87,16 @@ def test_out_of_adaptations_says_what_the_most_frugal_plan_needs(tmp_path):
               report=False, inject_oom={1})
     from memfit.units import fmt_bytes
     assert f"needs {fmt_bytes(need)} (predicted)" in str(info.value)
+
+
+def test_after_resume_the_guard_counts_what_it_counted_before(tmp_path):
+    """Offloaded optimizer states and a host EMA restored from a checkpoint stay host memory: the
+    guard's device peaks after a resume equal those of the straight run (and so do the losses)."""
+    plan = Plan(offload=("optimizer_states",), ema={"decay": 0.9, "device": "cpu"})
+    run = dict(plan=plan, budget="8GiB", seq_len=64, batch_size=2, progress=False, report=False)
+    straight = train(NO_DROPOUT, steps=4, out=tmp_path / "a", **run)
+    train(NO_DROPOUT, steps=2, out=tmp_path / "b", **run)
+    resumed = train(NO_DROPOUT, steps=4, out=tmp_path / "b", resume=True, **run)
+    assert resumed.losses == straight.losses[2:]
+    peaks = [[x["peak_bytes"] for x in _lines(out) if x.get("step", 0) > 2] for out in (tmp_path / "a", tmp_path / "b")]
+    assert peaks[0] == peaks[1]

@@ -45,18 +45,22 @@ class BudgetGuard(TorchDispatchMode):
         self.armed = True
         self._paused = False
         self._storages: dict[int, tuple[int, weakref.ref]] = {}  # storage cdata -> (bytes counted, ref)
+        self._host: dict[int, weakref.ref] = {}  # host-placed storages
 
     # -- observer protocol (memfit.step.NullObserver) ----------------------------------------------
     def phase(self, name: str):
         return contextlib.nullcontext()
 
     def host(self, tensors) -> None:
-        """These tensors live in host memory: stop counting them."""
+        """These tensors live in host memory: stop counting them (and never count them again)."""
         for t in tree_leaves(tensors):
             if isinstance(t, torch.Tensor):
-                entry = self._storages.pop(t.untyped_storage()._cdata, None)
+                st = t.untyped_storage()
+                key = st._cdata
+                entry = self._storages.pop(key, None)
                 if entry is not None:
                     self.live_bytes -= entry[0]
+                self._host[key] = weakref.ref(st, lambda ref, key=key: self._host.pop(key, None))
 
     # -- counting -------------------------------------------------------------------------------
     def watch(self, tensors) -> None:
@@ -96,6 +100,8 @@ class BudgetGuard(TorchDispatchMode):
     def _see(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
         key, nbytes = st._cdata, st.nbytes()
+        if key in self._host:
+            return
         entry = self._storages.get(key)
         if entry is not None:
             if entry[0] == nbytes:

@@ -56,6 +56,13 @@ class EMA(NoEMA):
     def state_dict(self) -> dict:
         return {"updates": self.updates, "shadow": self.shadow}
 
+    @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
+        """Copy a saved shadow into this EMA's own buffers, so it stays where the plan puts it
+        (checkpoints are loaded on the CPU)."""
         self.updates = state["updates"]
-        self.shadow = state["shadow"]
+        self.shadow = {}
+        if state["shadow"]:
+            self._init_shadow()
+            for name, saved in state["shadow"].items():
+                self.shadow[name].copy_(saved)

@@ -45,6 +45,14 @@ class OffloadOptimizerStates(PerParameterOptimizers):
             return {k: self.placement.to_device(v, p.device) if torch.is_tensor(v) and v.dim() > 0 else v
                     for k, v in state.items()}
 
+    def load_state_dict(self, state: dict) -> None:
+        """Load one parameter's states at a time and put them back on the host (torch's loader
+        casts them to the parameter's device; all at once, that is the memory offload avoids)."""
+        for (p, opt), sd in zip(self.optimizers.items(), state["per_param"]):
+            opt.load_state_dict(sd)
+            opt.state[p] = {k: self.placement.to_host(v) if torch.is_tensor(v) and v.dim() > 0 else v
+                            for k, v in opt.state[p].items()}
+
     @torch.no_grad()
     def step(self, closure=None) -> None:
         todo = [p for p in self.params if p.grad is not None]

@@ -114,12 +114,10 @@ def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: s
             if guard is not None:
                 stack.enter_context(guard)
                 guard.armed = False  # the budget applies to steps; building is checked once, below
-            if resume:
-                step = build_step(wl, plan, bs, dev)
-                start, samples_seen = checkpoint.restore(step, state)
-            else:
-                step = build_step(wl, plan, bs, dev)
-                start, samples_seen = 0, 0
+            step = build_step(wl, plan, bs, dev)
+            if guard is not None:
+                step.observer = guard  # (restored host copies, e.g. the EMA shadow, are reported to it)
+            start, samples_seen = checkpoint.restore(step, state) if resume else (0, 0)
             del state  # tensors the checkpoint held that the step did not take are freed here
             if guard is not None:
                 _arm(guard, step)
@@ -251,7 +249,6 @@ def _arm(guard, step: TrainStep) -> None:
         raise UserError(f"the budget {fmt_bytes(guard.budget_bytes)} is below what the model and optimizer hold "
                         f"before the first step ({fmt_bytes(guard.live_bytes)}); give a larger budget, or let "
                         "memfit choose a plan (memfit plan WORKLOAD --budget ...)")
-    step.observer = guard
     guard.reset_peak()
     guard.armed = True
 
