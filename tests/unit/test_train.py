@@ -166,3 +166,27 @@ while True:
     # the killed save's temporary file is removed by the next run in that folder
     train(LM, steps=2, out=tmp_path, seq_len=64, batch_size=2, progress=False, overwrite=True, report=False)
     assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_ctrl_c_saves_the_steps_done_and_resume_continues_exactly(tmp_path, capsys):
+    import dataclasses
+
+    from memfit.workload import load_workload
+    wl = load_workload(LM, seq_len=64)
+    real_calls = []
+
+    def interrupted_in_step_6(model, batch):
+        if type(batch["input_ids"]) is torch.Tensor:  # a real step, not the estimate's fake trace
+            real_calls.append(1)
+            if len(real_calls) == 6:
+                raise KeyboardInterrupt
+        return wl.loss(model, batch)
+
+    run = dict(batch_size=2, report=False, checkpoint_every=0)
+    straight = train(LM, steps=8, out=tmp_path / "a", progress=False, seq_len=64, **run)
+    with pytest.raises(KeyboardInterrupt):
+        train(dataclasses.replace(wl, loss=interrupted_in_step_6), steps=8, out=tmp_path / "b", **run)
+    assert "saved the checkpoint of step 5" in capsys.readouterr().err
+    resumed = train(LM, steps=8, out=tmp_path / "b", resume=True, progress=False, seq_len=64, **run)
+    assert resumed.losses == straight.losses[5:]
+    assert _losses(tmp_path / "b") == straight.losses

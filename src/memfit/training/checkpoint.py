@@ -22,15 +22,22 @@ NAME = "checkpoint.pt"
 FORMAT = 2
 
 
-def save(out_dir: Path, step, *, step_index: int, samples_seen: int, workload: str, requested_plan) -> Path:
+def rng_state() -> dict:
+    """The RNG states a checkpoint keeps (CPU, Python, CUDA when in use)."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
+
+
+def save(out_dir: Path, step, *, step_index: int, samples_seen: int, workload: str, requested_plan,
+         rng: dict | None = None) -> Path:
+    """Write the checkpoint atomically; ``rng``: the RNG states to save (default: the current ones)."""
     state = {
         "format": FORMAT, "workload": workload, "step": step_index, "samples_seen": samples_seen,
         "plan": requested_plan.to_dict(), "adapted_plan": step.plan.to_dict(), "batch_size": step.batch_size,
         "shapes": {n: tuple(p.shape) for n, p in step.model.named_parameters()},
         "model": step.model.state_dict(), "optimizer": step.optimizer.state_dict(),
         "scaler": step.scaler.state_dict(), "ema": step.ema.state_dict() if step.ema else {},
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None},
+        "rng": rng or rng_state(),
     }
     path = out_dir / NAME
     tmp = out_dir / f".{NAME}.tmp-{os.getpid()}"

@@ -128,6 +128,7 @@ def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: s
             if budget_bytes and predicted > budget_bytes and guard is not None:
                 bar.note(f"note: the plan's predicted peak {fmt_bytes(predicted)} is over the budget "
                          f"{fmt_bytes(budget_bytes)}; expect adaptations")
+            last_saved = start
             batches = _batches(wl, corpus, bs, dev, first_sample=samples_seen, count=steps - start, workers=workers)
             for i in range(start, steps):
                 index = i + 1
@@ -151,8 +152,14 @@ def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: s
                              f"retrying the same batch with {event['adaptation']}")
 
                 t0 = time.perf_counter()
-                with window.step(index) if measuring else contextlib.nullcontext():
-                    loss = run_adapting(step, batch, adapted, fits)
+                rng_at_start = checkpoint.rng_state()
+                try:
+                    with window.step(index) if measuring else contextlib.nullcontext():
+                        loss = run_adapting(step, batch, adapted, fits)
+                except KeyboardInterrupt:
+                    _save_on_interrupt(out_dir, step, i, last_saved, samples_seen, rng_at_start, wl.name, requested,
+                                       bar)
+                    raise
                 seconds = time.perf_counter() - t0
                 samples_seen += bs
                 measuring = measuring and len(result.adaptations) == adaptations_before
@@ -174,6 +181,7 @@ def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: s
                 if (checkpoint_every and index % checkpoint_every == 0) or index == steps:
                     checkpoint.save(out_dir, step, step_index=index, samples_seen=samples_seen, workload=wl.name,
                                     requested_plan=requested)
+                    last_saved = index
     except OutOfAdaptations as e:
         raise _out_of_adaptations(e, wl, bs, dev, budget_bytes) from None
     if measured_plan != plan:  # adapted before the measured step: compare with its own prediction
@@ -220,6 +228,25 @@ def _predicted_peak(wl: Workload, plan: Plan, bs: int, dev: Device) -> int:
         warnings.simplefilter("ignore")
         r = estimate(wl, plan, batch_size=bs, device=dev)
     return (r.process_peak_bytes or r.peak_bytes) if dev.kind == "cpu" else r.peak_bytes
+
+
+def _save_on_interrupt(out_dir: Path, step: TrainStep, done: int, last_saved: int, samples_seen: int, rng: dict,
+                       workload: str, requested: Plan, bar: Progress) -> None:
+    """Ctrl-C: keep the steps done. If nothing of the interrupted step was applied yet (no optimizer
+    update, no EMA or scaler update), save the checkpoint of the last completed step, with the RNG
+    as it was when the interrupted step began, so ``--resume`` continues exactly."""
+    untouched = step.phase in ("idle", "zero_grad", "forward") or (
+        step.phase == "backward" and not step.plan.optimizer_in_backward)
+    if done <= last_saved:
+        bar.note(f"interrupted in step {done + 1}; the checkpoint of step {last_saved} is current: --resume continues")
+    elif untouched:
+        checkpoint.save(out_dir, step, step_index=done, samples_seen=samples_seen, workload=workload,
+                        requested_plan=requested, rng=rng)
+        bar.note(f"interrupted in step {done + 1} ({step.phase}); saved the checkpoint of step {done}: --resume "
+                 "continues exactly")
+    else:
+        bar.note(f"interrupted inside step {done + 1}'s parameter update; the checkpoint of step {last_saved} stays: "
+                 "--resume continues from it")
 
 
 def _out_of_adaptations(e: OutOfAdaptations, wl: Workload, bs: int, dev: Device, budget: int | None) -> UserError:
