@@ -67,6 +67,18 @@ def hand_seconds(steps: int) -> list[float]:
     return _intervals(stamps)
 
 
+def guard_cost_small(repeats: int) -> tuple[float, float]:
+    """The guard on a model of many small ops (GPT-2 2x64, seq 64, batch 4): median step times."""
+    small, times = "gpt2:n_layer=2,n_embd=64,n_head=4,n_positions=128", {None: [], GUARD_BUDGET: []}
+    for _ in range(repeats):
+        for budget in times:
+            with tempfile.TemporaryDirectory() as out:
+                train(small, plan=Plan(), budget=budget, steps=30, out=out, seq_len=64, batch_size=4,
+                      progress=False, checkpoint_every=0, report=False)
+                times[budget] += _intervals([json.loads(line)["time"] for line in open(f"{out}/metrics.jsonl")])
+    return statistics.median(times[None]), statistics.median(times[GUARD_BUDGET])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
@@ -90,6 +102,9 @@ def main() -> None:
     gerr = 100 * (gresult.guard_peak_bytes - gresult.predicted_peak_bytes) / gresult.predicted_peak_bytes
     print(f"  guard's device peak {gresult.guard_peak_bytes:,} B vs predicted {gresult.predicted_peak_bytes:,} B "
           f"({gerr:+.3f}%)")
+    plain, guarded_small = guard_cost_small(a.repeats)
+    print(f"  guard on a model of small ops (GPT-2 2x64, seq 64, batch 4): {plain * 1e3:.1f} -> "
+          f"{guarded_small * 1e3:.1f} ms/step ({100 * (guarded_small / plain - 1):+.1f}%)")
     print(f"  steady-state peak: predicted {result.predicted_peak_bytes:,} B, measured {result.measured_peak_bytes:,} B "
           f"({err:+.3f}%; target within 1%)")
 
