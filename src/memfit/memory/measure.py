@@ -14,6 +14,7 @@ Step time is the median over further steps with neither profiler nor tracker att
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
@@ -98,6 +99,55 @@ def profiler_peak(prof, range_name: str = STEP_RANGE) -> int:
         if t >= start:
             peak = live if peak is None else max(peak, live)
     return peak if peak is not None else (at_start if at_start is not None else live)
+
+
+class PeakWindow:
+    """The peak of one chosen step of a longer run (``memfit train``), measured like ``profile``:
+    on a CPU the profiler's allocator events from before the model is built (so their running sum
+    is every live byte) with the peak taken inside the step's range; on a GPU the CUDA allocator's
+    own peak over the step. Enter it before the model is built; ``step(i)`` around the step,
+    then ``finish(i)``."""
+
+    def __init__(self, dev: Device):
+        self.cpu = dev.kind == "cpu"
+        self.prof = None
+
+    def __enter__(self):
+        if self.cpu:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+            self.prof = QuietProfiler(torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True))
+            self.prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.prof is not None:
+            self.prof.__exit__(*exc)
+            self.prof = None
+        return False
+
+    @contextlib.contextmanager
+    def step(self, index: int):
+        if self.cpu:
+            from torch.profiler import record_function
+            with record_function(self._range(index)):
+                yield
+        else:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            yield
+            torch.cuda.synchronize()
+
+    def finish(self, index: int) -> int:
+        if not self.cpu:
+            return torch.cuda.max_memory_allocated()
+        prof = self.prof.prof
+        self.__exit__(None, None, None)
+        return profiler_peak(prof, self._range(index))
+
+    @staticmethod
+    def _range(index: int) -> str:
+        return f"{STEP_RANGE}:{index}"
 
 
 def profile(workload: Workload | str, plan: Plan | str | None = None, *, batch_size: int | None = None,

@@ -29,12 +29,14 @@ import torch
 from memfit.devices import Device, get_device
 from memfit.errors import UserError
 from memfit.memory.faketrace import STEADY_STEP
+from memfit.memory.measure import PeakWindow
 from memfit.plans import Plan
 from memfit.step import TrainStep, build_step, make_batch
 from memfit.training import checkpoint
 from memfit.training.adapt import FitPredictor, OutOfAdaptations, run_adapting
 from memfit.training.data import ByteCorpus, text_batches
 from memfit.training.progress import Progress
+from memfit.training.report import final_report
 from memfit.units import fmt_bytes
 from memfit.workload import Workload, load_workload
 
@@ -100,7 +102,7 @@ def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: s
                          budget_bytes=budget_bytes)
     guard = _guard(budget_bytes, dev)
     measured_plan = plan
-    window = _PeakWindow(dev) if not resume else None
+    window = PeakWindow(dev) if not resume else None
     fits = None
     if (guard is not None or dev.kind == "cuda") and not inject_oom:
         # OOM remedies are traced on fake tensors; not while the measurement window's profiler runs
@@ -188,7 +190,7 @@ def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: s
         result.predicted_peak_bytes = _predicted_peak(wl, measured_plan, bs, dev)
     result.adapted_plan = step.plan.to_dict()
     if report:
-        result.report = _final_report(wl, step, bs, dev, out_dir, result)
+        result.report = final_report(wl, step, bs, dev, out_dir, result)
     return result
 
 
@@ -301,82 +303,6 @@ def _step_peak(measured: int | None, guard, dev: Device) -> tuple[int, str]:
     if dev.kind == "cuda":
         return torch.cuda.max_memory_allocated(), "allocator (cuda, run peak)"
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process RSS"
-
-
-class _PeakWindow:
-    """The steady-state peak, measured like ``profile`` does: on a CPU the profiler's allocator
-    events from before the model is built (so their running sum is every live byte) with the peak
-    taken inside step 2; on a GPU the CUDA allocator's own peak over step 2."""
-
-    def __init__(self, dev: Device):
-        self.cpu = dev.kind == "cpu"
-        self.prof = None
-
-    def __enter__(self):
-        if self.cpu:
-            from torch.profiler import ProfilerActivity
-            from torch.profiler import profile as torch_profile
-
-            from memfit.memory.quiet import QuietProfiler
-            self.prof = QuietProfiler(torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True))
-            self.prof.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.prof is not None:
-            self.prof.__exit__(*exc)
-            self.prof = None
-        return False
-
-    @contextlib.contextmanager
-    def step(self, index: int):
-        if self.cpu:
-            from torch.profiler import record_function
-            with record_function(self._range(index)):
-                yield
-        else:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            yield
-            torch.cuda.synchronize()
-
-    def finish(self, index: int) -> int:
-        if not self.cpu:
-            return torch.cuda.max_memory_allocated()
-        from memfit.memory.measure import profiler_peak
-        prof = self.prof.prof
-        self.__exit__(None, None, None)
-        return profiler_peak(prof, self._range(index))
-
-    @staticmethod
-    def _range(index: int) -> str:
-        from memfit.memory.measure import STEP_RANGE
-        return f"{STEP_RANGE}:{index}"
-
-
-def _final_report(wl: Workload, step: TrainStep, bs: int, dev: Device, out_dir: Path, result: TrainResult) -> dict:
-    from memfit.memory.estimate import estimate
-    from memfit.training.report import TIMELINE_PNG, technique_savings, write_report
-    timeline = out_dir / TIMELINE_PNG
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            timeline = None
-        base = estimate(wl, step.plan, batch_size=bs, device=dev, timeline=str(timeline) if timeline else None)
-    summary = {
-        "workload": wl.name, "device": dev.name, "batch_size": bs, "steps": result.steps,
-        "final_loss": result.losses[-1] if result.losses else None,
-        "plan": result.plan, "adapted_plan": result.adapted_plan, "adaptations": result.adaptations,
-        "predicted_peak_bytes": result.predicted_peak_bytes, "measured_peak_bytes": result.measured_peak_bytes,
-        "budget_bytes": result.budget_bytes, "guard_peak_bytes": result.guard_peak_bytes,
-        "plan_device_peak_bytes": base.peak_bytes,
-        "technique_savings": technique_savings(wl, step.plan, bs, dev, base.peak_bytes),
-        "timeline_png": str(timeline) if timeline else None,
-    }
-    write_report(out_dir, summary)
-    return summary
 
 
 def _out_dir(out: str | Path) -> Path:

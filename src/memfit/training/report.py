@@ -96,3 +96,28 @@ def render(summary: dict) -> str:
     if summary.get("timeline_png"):
         lines.append(f"memory timeline: {summary['timeline_png']}")
     return "\n".join(lines)
+
+
+def final_report(wl, step, bs: int, dev, out_dir: Path, result) -> dict:
+    """Write report.json (and the timeline PNG when matplotlib is installed); returns the summary."""
+    from memfit.memory.estimate import estimate
+    timeline = out_dir / TIMELINE_PNG
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            timeline = None
+        base = estimate(wl, step.plan, batch_size=bs, device=dev, timeline=str(timeline) if timeline else None)
+    summary = {
+        "workload": wl.name, "device": dev.name, "batch_size": bs, "steps": result.steps,
+        "final_loss": result.losses[-1] if result.losses else None,
+        "plan": result.plan, "adapted_plan": result.adapted_plan, "adaptations": result.adaptations,
+        "predicted_peak_bytes": result.predicted_peak_bytes, "measured_peak_bytes": result.measured_peak_bytes,
+        "budget_bytes": result.budget_bytes, "guard_peak_bytes": result.guard_peak_bytes,
+        "plan_device_peak_bytes": base.peak_bytes,
+        "technique_savings": technique_savings(wl, step.plan, bs, dev, base.peak_bytes),
+        "timeline_png": str(timeline) if timeline else None,
+    }
+    write_report(out_dir, summary)
+    return summary
