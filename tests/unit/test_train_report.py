@@ -64,3 +64,18 @@ def test_worker_processes_give_the_same_batches_in_the_same_order():
     n = corpus.data.numel()
     expected = corpus.data[(torch.arange(32) + 7 * 32) % n]
     assert torch.equal(plain[0]["input_ids"][2], expected)
+
+
+def test_progress_draws_a_bar_on_a_terminal():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Terminal()
+    with Progress(10, budget_bytes=1 << 30, stream=out) as bar:
+        for i in range(1, 11):
+            bar.update(i, loss=2.5, rate=1234.0, unit="tokens", peak_bytes=256 << 20)
+        bar.note("step 3: out of memory in backward; retrying")
+    text = out.getvalue()
+    assert "10/10" in text and "loss 2.5000" in text and "1,234 tokens/s" in text and "256.00 MiB / 1.00 GiB" in text
+    assert "step 3: out of memory" in text and "━" in text  # the bar itself
