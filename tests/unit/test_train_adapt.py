@@ -100,3 +100,27 @@ def test_after_resume_the_guard_counts_what_it_counted_before(tmp_path):
     assert resumed.losses == straight.losses[2:]
     peaks = [[x["peak_bytes"] for x in _lines(out) if x.get("step", 0) > 2] for out in (tmp_path / "a", tmp_path / "b")]
     assert peaks[0] == peaks[1]
+
+
+def test_on_a_gpu_the_budget_is_the_allocators_limit_and_predictions_use_reserved_bytes(monkeypatch):
+    """The GPU logic, on this CPU: a GPU preset's estimate decides what fits, and the allocator's
+    per-process fraction is set from the budget."""
+    from types import SimpleNamespace
+
+    from memfit.devices import get_device
+    from memfit.training.adapt import FitPredictor
+    from memfit.training.loop import limit_cuda_allocator
+    gpu = get_device("rtx4090")
+    plan = Plan(micro_batch_size=2)
+    reserved = estimate(NO_DROPOUT, plan, batch_size=BATCH, seq_len=64, device=gpu).reserved_bytes
+    from memfit.workload import load_workload
+    wl = load_workload(NO_DROPOUT, seq_len=64)
+    assert FitPredictor(wl, BATCH, gpu, budget_bytes=reserved)(plan)
+    assert not FitPredictor(wl, BATCH, gpu, budget_bytes=reserved - 1)(plan)
+    assert FitPredictor(wl, BATCH, gpu)(plan)  # no budget: the whole card
+    set_to = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 << 30))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f: set_to.append(f))
+    assert limit_cuda_allocator(20 << 30) == 0.25 and set_to == [0.25]
+    assert limit_cuda_allocator(100 << 30) == 1.0

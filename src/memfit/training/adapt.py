@@ -87,13 +87,16 @@ def free_failed_step(step: TrainStep) -> None:
 
 
 class FitPredictor:
-    """``fits(plan)``: does the estimate predict that ``plan`` fits the guard's budget (CPU) or the
-    GPU? Each plan is traced once on fake tensors (seconds). While ``blocked()`` (a profiler is
+    """``fits(plan)``: does the estimate predict that ``plan`` fits? On a CPU: its device peak within
+    the guard's budget; on a GPU: what the caching allocator reserves within the budget (the
+    allocator's limit), or with the CUDA context within the card's memory. Each plan is traced once on fake tensors (seconds). While ``blocked()`` (a profiler is
     measuring) nothing new is traced and unknown plans count as fitting, which makes
     :func:`adapt` halve the micro-batch as it would without predictions."""
 
-    def __init__(self, workload, batch_size: int, device, guard=None, blocked: Callable[[], bool] = lambda: False):
-        self.workload, self.batch_size, self.device, self.guard, self.blocked = workload, batch_size, device, guard, blocked
+    def __init__(self, workload, batch_size: int, device, guard=None, budget_bytes: int | None = None,
+                 blocked: Callable[[], bool] = lambda: False):
+        self.workload, self.batch_size, self.device, self.guard = workload, batch_size, device, guard
+        self.budget_bytes, self.blocked = budget_bytes, blocked
         self.cache: dict = {}
 
     def __call__(self, plan) -> bool:
@@ -123,6 +126,8 @@ class FitPredictor:
                 return False
         if self.guard is not None:
             return r.peak_bytes <= self.guard.budget_bytes
+        if self.budget_bytes is not None:
+            return r.reserved_bytes <= self.budget_bytes
         return r.reserved_bytes + r.cuda_context_bytes <= self.device.total_bytes
 
 

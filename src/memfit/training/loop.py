@@ -106,7 +106,7 @@ def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: s
     fits = None
     if (guard is not None or dev.kind == "cuda") and not inject_oom:
         # OOM remedies are traced on fake tensors; not while the measurement window's profiler runs
-        fits = FitPredictor(wl, bs, dev, guard, blocked=lambda: window is not None and window.prof is not None)
+        fits = FitPredictor(wl, bs, dev, guard, budget_bytes, blocked=lambda: window is not None and window.prof is not None)
         if budget_bytes and predicted > budget_bytes:
             fits.precompute(plan)  # OOMs are expected: trace their remedy before the window opens
     try:
@@ -264,10 +264,23 @@ def _out_of_adaptations(e: OutOfAdaptations, wl: Workload, bs: int, dev: Device,
 
 
 def _guard(budget_bytes: int | None, dev: Device):
-    if budget_bytes is None or dev.kind != "cpu":
-        return None  # a GPU enforces its own memory; without a budget there is nothing to enforce
+    """Enforce the budget: on a CPU with the BudgetGuard, on a GPU with the caching allocator's own
+    per-process limit (it raises torch.OutOfMemoryError past it)."""
+    if budget_bytes is None:
+        return None
+    if dev.kind == "cuda":
+        limit_cuda_allocator(budget_bytes)
+        return None
     from memfit.memory.guard import BudgetGuard
     return BudgetGuard(budget_bytes)
+
+
+def limit_cuda_allocator(budget_bytes: int) -> float:
+    """Cap what PyTorch's CUDA allocator may reserve at ``budget_bytes``; returns the fraction set."""
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    fraction = min(1.0, budget_bytes / total)
+    torch.cuda.set_per_process_memory_fraction(fraction)
+    return fraction
 
 
 def _arm(guard, step: TrainStep) -> None:
