@@ -36,7 +36,10 @@ def test_ooms_at_random_steps_leave_the_loss_trajectory_unchanged(tmp_path, clea
     oom_steps = set(rng.sample(range(1, STEPS + 1), 3))
     oom = _run(tmp_path, inject_oom=oom_steps)
     torch.testing.assert_close(torch.tensor(oom.losses), torch.tensor(clean.losses), rtol=1e-5, atol=1e-6)
-    events = [e for e in _lines(tmp_path) if "event" in e]
+    lines = _lines(tmp_path)
+    assert [x["step"] for x in lines] == list(range(1, STEPS + 1))  # one record a step, each with its loss
+    assert all("loss" in x and "peak_bytes" in x for x in lines)
+    events = [a for x in lines for a in x.get("adaptations", [])]
     assert sorted(e["step"] for e in events) == sorted(oom_steps)
     assert [e["adaptation"].split(" x")[0] for e in events] == [f"micro_batch_size {m}" for m in (4, 2, 1)]
     assert all("injected" in e["cause"] for e in events)
@@ -56,7 +59,7 @@ def test_the_budget_guard_raises_real_ooms_and_training_adapts_without_changing(
     fitting = [m for m in (4, 2, 1) if estimate(NO_DROPOUT, Plan(micro_batch_size=m), batch_size=BATCH,
                                                 seq_len=64).peak_bytes <= budget]
     assert r.adapted_plan["micro_batch_size"] == fitting[0]
-    steps = [x for x in _lines(tmp_path) if "event" not in x]
+    steps = _lines(tmp_path)
     assert all(x["peak_bytes"] <= budget for x in steps)
     assert r.measured_peak_bytes <= budget  # the profiler's measurement of step 2
     assert abs(r.predicted_peak_bytes - r.measured_peak_bytes) <= 0.01 * r.measured_peak_bytes
@@ -98,7 +101,7 @@ def test_after_resume_the_guard_counts_what_it_counted_before(tmp_path):
     train(NO_DROPOUT, steps=2, out=tmp_path / "b", **run)
     resumed = train(NO_DROPOUT, steps=4, out=tmp_path / "b", resume=True, **run)
     assert resumed.losses == straight.losses[2:]
-    peaks = [[x["peak_bytes"] for x in _lines(out) if x.get("step", 0) > 2] for out in (tmp_path / "a", tmp_path / "b")]
+    peaks = [[x["peak_bytes"] for x in _lines(out) if x["step"] > 2] for out in (tmp_path / "a", tmp_path / "b")]
     assert peaks[0] == peaks[1]
 
 

@@ -144,12 +144,11 @@ def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: s
                 measuring = window is not None and index >= STEADY_STEP
                 adaptations_before = len(result.adaptations)
 
-                def adapted(event, index=index, metrics=metrics, bar=bar):
+                def adapted(event, index=index, bar=bar):
                     if guard is not None:
                         guard.reset_peak()  # the failed attempt's memory is freed; count the retry
-                    event = {"event": "oom", "step": index, **event}
+                    event = {"step": index, **event}
                     result.adaptations.append(event)
-                    metrics.write(json.dumps(event) + "\n")
                     bar.note(f"step {index}: out of memory in {event['phase']} ({event['cause']}); "
                              f"retrying the same batch with {event['adaptation']}")
 
@@ -175,9 +174,11 @@ def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: s
                 peak, kind = _step_peak(result.measured_peak_bytes if measuring else None, guard, dev)
                 seq = wl.info.get("seq_len")
                 rate, unit = (bs * seq / seconds, "tokens") if corpus is not None else (bs / seconds, "samples")
-                metrics.write(json.dumps({"step": index, "loss": loss, "seconds": seconds, "time": time.time(),
-                                          f"{unit}_per_second": rate,
-                                          "peak_bytes": peak, "peak_kind": kind}) + "\n")
+                record = {"step": index, "loss": loss, "seconds": seconds, "time": time.time(),
+                          f"{unit}_per_second": rate, "peak_bytes": peak, "peak_kind": kind}
+                if len(result.adaptations) > adaptations_before:  # this step's, with their causes
+                    record["adaptations"] = result.adaptations[adaptations_before:]
+                metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
                 bar.update(index, loss=loss, rate=rate, unit=unit, peak_bytes=peak)
                 if (checkpoint_every and index % checkpoint_every == 0) or index == steps:
