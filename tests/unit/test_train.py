@@ -191,3 +191,17 @@ def test_ctrl_c_saves_the_steps_done_and_resume_continues_exactly(tmp_path, caps
     resumed = train(LM, steps=8, out=tmp_path / "b", resume=True, progress=False, seq_len=64, **run)
     assert resumed.losses == straight.losses[5:]
     assert _losses(tmp_path / "b") == straight.losses
+
+
+def test_resume_after_a_crash_keeps_one_record_per_step(tmp_path):
+    """The crashed run logged steps 5-6 (and half a line) after its checkpoint at step 4."""
+    run = dict(seq_len=64, batch_size=2, progress=False, report=False, checkpoint_every=4)
+    straight = train(LM, steps=8, out=tmp_path / "a", **run)
+    train(LM, steps=4, out=tmp_path / "b", **run)
+    with open(tmp_path / "b" / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 5, "loss": 1.0, "peak_bytes": 1}) + "\n")
+        f.write(json.dumps({"step": 6, "loss": 1.0, "peak_bytes": 1}) + "\n{\"step\": 7, \"lo")
+    train(LM, steps=8, out=tmp_path / "b", resume=True, **run)
+    records = [json.loads(line) for line in open(tmp_path / "b" / "metrics.jsonl")]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert [r["loss"] for r in records] == straight.losses

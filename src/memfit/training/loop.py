@@ -125,6 +125,8 @@ def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: s
                 _arm(guard, step)
             if inject_oom:
                 step.loss_fn = _oom_injector(step.loss_fn, inject_oom)
+            if resume:
+                _drop_records_after(out_dir / "metrics.jsonl", start)
             metrics = stack.enter_context(open(out_dir / "metrics.jsonl", "a" if resume else "w"))
             bar = stack.enter_context(Progress(steps, start=start, budget_bytes=budget_bytes, enabled=progress))
             if budget_bytes and predicted > budget_bytes and guard is not None:
@@ -231,6 +233,23 @@ def _predicted_peak(wl: Workload, plan: Plan, bs: int, dev: Device) -> int:
         warnings.simplefilter("ignore")
         r = estimate(wl, plan, batch_size=bs, device=dev)
     return (r.process_peak_bytes or r.peak_bytes) if dev.kind == "cpu" else r.peak_bytes
+
+
+def _drop_records_after(path: Path, step: int) -> None:
+    """A run that died after its last checkpoint logged steps that the resumed run does again:
+    keep the records up to the checkpoint's step, so each step has one record."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by the crash
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
 
 
 def _save_on_interrupt(out_dir: Path, step: TrainStep, done: int, last_saved: int, samples_seen: int, rng: dict,
