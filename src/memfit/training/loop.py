@@ -5,12 +5,16 @@ adaptation, checkpoints, progress and the end-of-run report are modules of their
 loop adds:
 
 - the plan: given, or the planner's fastest plan for the budget;
-- on a CPU with a budget, the :class:`~memfit.memory.guard.BudgetGuard`, which raises CUDA's
-  out-of-memory error when live device memory would pass the budget (a GPU raises it itself);
-- the steady-state peak measured the way ``profile`` measures it (profiler allocator events from
-  before the model is built through step 2 on a CPU; ``torch.cuda.max_memory_allocated`` over
-  step 2 on a GPU), next to the plan's prediction; later steps report the guard's peak (CPU with a
-  budget), the process's resident peak (CPU) or the CUDA allocator's peak.
+- the budget, enforced: on a CPU by the :class:`~memfit.memory.guard.BudgetGuard`, which raises
+  CUDA's out-of-memory error when live device memory would pass it; on a GPU by the caching
+  allocator's per-process limit;
+- the steady-state peak measured the way ``profile`` measures it (:class:`PeakWindow`: profiler
+  allocator events from before the model is built on a CPU, the CUDA allocator's peak on a GPU)
+  over step 2, or the first later step that needed no adaptation, next to the plan's prediction;
+  other steps report the guard's peak (CPU with a budget), the process's resident peak (CPU) or
+  the CUDA allocator's peak;
+- Ctrl-C that keeps the steps done, and a resume that drops what a crashed run logged after its
+  last checkpoint.
 """
 
 from __future__ import annotations
