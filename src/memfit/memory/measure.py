@@ -54,10 +54,8 @@ class ProfileResult:
 
     @property
     def predicted_peak_bytes(self) -> int:
-        """What the profiler can see: on a CPU device, device and host memory are one process heap,
-        so the prediction it is compared with is the peak of both together."""
-        p = self.predicted
-        return p.process_peak_bytes if p.device == "cpu" and p.process_peak_bytes else p.peak_bytes
+        """The prediction of what the profiler can see (see MemoryReport.measurable_peak_bytes)."""
+        return self.predicted.measurable_peak_bytes
 
     @property
     def error_percent(self) -> float:

@@ -45,6 +45,12 @@ class MemoryReport:
     trace_seconds: float = 0.0
 
     @property
+    def measurable_peak_bytes(self) -> int:
+        """The peak a measurement of the real run sees: on a CPU device, device and host memory are
+        one process heap, so both together; on a GPU, the device's allocated bytes."""
+        return self.process_peak_bytes if self.device == "cpu" and self.process_peak_bytes else self.peak_bytes
+
+    @property
     def fits(self) -> bool | None:
         if self.device_total_bytes is None:
             return None

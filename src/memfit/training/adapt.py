@@ -128,7 +128,7 @@ class FitPredictor:
             return r.peak_bytes <= self.guard.budget_bytes
         if self.budget_bytes is not None:
             return r.reserved_bytes <= self.budget_bytes
-        return r.reserved_bytes + r.cuda_context_bytes <= self.device.total_bytes
+        return bool(r.fits)
 
 
 def run_adapting(step: TrainStep, batch, on_adapt: Callable[[dict], None] | None = None,

@@ -235,8 +235,7 @@ def _predicted_peak(wl: Workload, plan: Plan, bs: int, dev: Device) -> int:
     from memfit.memory.estimate import estimate
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        r = estimate(wl, plan, batch_size=bs, device=dev)
-    return (r.process_peak_bytes or r.peak_bytes) if dev.kind == "cpu" else r.peak_bytes
+        return estimate(wl, plan, batch_size=bs, device=dev).measurable_peak_bytes
 
 
 def _drop_records_after(path: Path, step: int) -> None:
