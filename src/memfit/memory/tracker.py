@@ -168,8 +168,15 @@ class MemoryTracker(TorchDispatchMode):
             if probed is None:
                 name = str(func.overloadpacket.__name__)
                 self.unprobed[name] = self.unprobed.get(name, 0) + 1
+            elif probed.error:
+                self._approximate(f"no kernel on this CPU for this call ({probed.error[:160]}): its scratch is not "
+                                  "counted, and a real run of this step fails here", str(func.overloadpacket.__name__))
+                probed = None
             else:
                 out = _resize_outputs(out, probed.output_nbytes)
+                if probed.scaled:
+                    self._approximate("kernel scratch extrapolated from probes at smaller shapes",
+                                      str(func.overloadpacket.__name__))
         if not _returns_alias(func):
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
@@ -248,13 +255,15 @@ class MemoryTracker(TorchDispatchMode):
             dtype = args[0].dtype
             value = False if dtype == torch.bool else 0.0 if dtype.is_floating_point else 0
             what = "a data-dependent scalar read (.item()/bool()) assumed 0"
-        where = _user_frame()
+        self._approximate(what, _user_frame())
+        return value
+
+    def _approximate(self, what: str, where: str) -> None:
         key = (what, where)
         if key in self.approximations:
             self.approximations[key].count += 1
         else:
             self.approximations[key] = Approximation(what=what, where=where)
-        return value
 
 
 class ModuleStack:

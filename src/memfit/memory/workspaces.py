@@ -12,6 +12,18 @@ still held at its end (its outputs). Results are cached by signature, so a model
 layers probes each kernel shape once. Kernels whose tensors exceed ``max_bytes`` are not probed
 and are listed as an approximation.
 
+NOTE [ Probes never run full-size work ]
+A probe's cost is its kernel's work on this CPU, which varies by a factor of 100 between CPUs: a
+bf16 matmul is native with AVX-512 bf16 and emulated (0.1-4 GFLOP/s) with AVX2 only. Each probe
+is therefore priced before it runs: FLOPs (``torch.utils.flop_counter``'s formulas) divided by
+this CPU's measured throughput for the dtype (a 8 MFLOP matmul, timed once per process). A call
+over ``PROBE_SECONDS`` is probed at a smaller shape: matmuls shrink M, K, N (and the batch of
+``bmm``), convolutions their batch, and the scratch is extrapolated multi-linearly from two sizes
+per shrunk dimension. That is exact when scratch is a sum of packing/accumulation buffers, each
+proportional to a product of those dimensions (A: M*K, B: K*N, C: M*N), which is how oneDNN and
+MKL size them; such calls are listed in the report as scaled. A call that cannot be made cheap
+enough is not probed and is listed as not counted.
+
 GPU presets get no probes: their kernels (cuBLAS, cuDNN, flash attention) cannot run here.
 """
 
@@ -51,6 +63,11 @@ fp32 copies of both states, the gradient and the weight) are probed up to this s
 scratch is several times their tensors, and an optimizer update on an embedding is large."""
 
 
+PROBE_SECONDS = 0.05
+"""Most time one probe (or the set of smaller probes standing in for it) may take on this CPU,
+priced before it runs. See NOTE [ Probes never run full-size work ]."""
+
+
 def is_custom_op(func) -> bool:
     return getattr(func, "namespace", "aten") not in ("aten", "prims", "prim", "_c10d_functional", "c10d")
 RANGE = "memfit::probe"
@@ -61,6 +78,11 @@ class ProbeResult:
     scratch_bytes: int
     output_nbytes: tuple[int, ...]
     """Real storage bytes of each tensor output, in tree_flatten order."""
+    scaled: bool = False
+    """Extrapolated from probes at smaller shapes (see NOTE [ Probes never run full-size work ])."""
+    error: str = ""
+    """The kernel failed on this CPU (e.g. oneDNN has no bf16 LSTM without AVX-512): a real run
+    will fail too; its scratch is not counted."""
 
 
 class KernelProbe:
@@ -80,15 +102,22 @@ class KernelProbe:
             return self.cache[key]
         leaves = [x for x in tree_flatten((args, kwargs, out))[0] if isinstance(x, torch.Tensor)]
         cap = MAX_CUSTOM_PROBE_BYTES if is_custom_op(func) else self.max_bytes
-        if any(t.device.type != "cpu" for t in leaves) or sum(t.untyped_storage().nbytes() for t in leaves) > cap:
+        too_big = sum(t.untyped_storage().nbytes() for t in leaves) > cap
+        if any(t.device.type != "cpu" for t in leaves) or (too_big and _dim_names(func, args) is None):
             self.cache[key] = None
             return None
         try:
-            res = _measure(func, args, kwargs)
-        except Exception:  # noqa: BLE001 - e.g. meta and CPU kernels disagree on a dtype
-            res = None
+            effort = max(probe_seconds(func, args, kwargs, out) / PROBE_SECONDS,
+                         sum(t.untyped_storage().nbytes() for t in leaves) / cap)
+            res = _measure(func, args, kwargs) if effort <= 1 else _scaled_measure(func, args, kwargs, out, effort)
+        except Exception as e:  # noqa: BLE001 - e.g. no kernel for this dtype on this CPU (oneDNN bf16 LSTM)
+            res = ProbeResult(scratch_bytes=0, output_nbytes=(), error=_first_sentence(e))
         self.cache[key] = res
         return res
+
+
+def _first_sentence(e: Exception) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0].split(". ")[0]
 
 
 def _signature(func, args, kwargs) -> tuple:
@@ -154,3 +183,125 @@ def probe_for(device) -> KernelProbe | None:
 
 
 _CPU_PROBE = KernelProbe()  # process-wide cache: kernel scratch depends only on this machine
+
+
+# -- pricing and shrinking (NOTE [ Probes never run full-size work ]) ----------------------------
+
+_THROUGHPUT: dict[torch.dtype, float] = {}
+
+
+def flops_per_second(dtype: torch.dtype) -> float:
+    """This CPU's matmul throughput for ``dtype``, timed once per process on an 8 MFLOP product
+    in the slower (non-transposed) layout, so that the price of a probe is an upper bound."""
+    if dtype not in _THROUGHPUT:
+        import time
+
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        run_dtype = dtype if dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16) else torch.float32
+        with unset_fake_temporarily():
+            a, b = torch.zeros(64, 256, dtype=run_dtype), torch.zeros(256, 256, dtype=run_dtype)
+            best = float("inf")
+            for _ in range(2):
+                t0 = time.perf_counter()
+                torch.mm(a, b)
+                best = min(best, time.perf_counter() - t0)
+        _THROUGHPUT[dtype] = 2 * 64 * 256 * 256 / max(best, 1e-7)
+    return _THROUGHPUT[dtype]
+
+
+def probe_seconds(func, args, kwargs, out) -> float:
+    """What running ``func`` once for real would cost here: FLOPs / throughput for ops with a
+    FLOP formula (matmuls, convolutions, attention); 0 for the rest, which are memory-bound and
+    kept cheap by the byte cap."""
+    from torch.utils.flop_counter import flop_registry
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    formula = flop_registry.get(func.overloadpacket)
+    if formula is None or not tensors:
+        return 0.0
+    flops = formula(*args, **kwargs, out_val=out)
+    dtype = next((t.dtype for t in tensors if t.is_floating_point()), torch.float32)
+    return flops / flops_per_second(dtype)
+
+
+def _right_aligned(t: torch.Tensor, names: tuple[str, ...]) -> tuple[str | None, ...]:
+    """Dimension names of a broadcast operand (a bias): size-1 dims stay 1."""
+    tail = names[len(names) - t.dim():]
+    return tuple(n if s != 1 else None for n, s in zip(tail, t.shape))
+
+
+def _dim_names(func, args) -> dict[int, tuple[str | None, ...]] | None:
+    """Which positional tensor arguments carry which shrinkable dimensions (None: keep the size)."""
+    if func is aten.mm.default:
+        return {0: ("M", "K"), 1: ("K", "N")}
+    if func is aten.addmm.default:
+        return {0: _right_aligned(args[0], ("M", "N")), 1: ("M", "K"), 2: ("K", "N")}
+    if func is aten.bmm.default:
+        return {0: ("B", "M", "K"), 1: ("B", "K", "N")}
+    if func is aten.baddbmm.default:
+        return {0: _right_aligned(args[0], ("B", "M", "N")), 1: ("B", "M", "K"), 2: ("B", "K", "N")}
+    if func is aten.convolution.default and not args[6]:  # not transposed
+        return {0: ("N",) + (None,) * (args[0].dim() - 1)}
+    if func is aten.convolution_backward.default and not args[7]:
+        return {0: ("N",) + (None,) * (args[0].dim() - 1), 1: ("N",) + (None,) * (args[1].dim() - 1)}
+    return None
+
+
+def _like(t: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    """Zeros of ``shape`` laid out like ``t`` (same dimension order of strides: a transposed
+    operand stays transposed, which decides the kernel oneDNN picks)."""
+    order = sorted(range(t.dim()), key=lambda i: (-t.stride(i), i))
+    base = torch.zeros([shape[i] for i in order], dtype=t.dtype)
+    return base.permute([order.index(i) for i in range(t.dim())])
+
+
+def _scaled_measure(func, args, kwargs, out, effort: float) -> ProbeResult | None:
+    """Probe at smaller shapes and extrapolate; None if the op cannot be shrunk enough.
+    ``effort``: the full-size probe's price relative to what one probe may cost (> 1)."""
+    from itertools import product
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    names = _dim_names(func, args)
+    if names is None:
+        return None
+    full: dict[str, int] = {}
+    for i, dims in names.items():
+        for n, size in zip(dims, args[i].shape):
+            if n is not None:
+                full[n] = size
+    small: dict[str, int] = {}  # shrunk dimension -> the smaller of its two probe sizes
+
+    def price() -> float:  # all 2^k probes, at the larger probe size of each shrunk dimension
+        ratio = 1.0
+        for n, r in small.items():
+            ratio *= 2 * r / full[n]
+        return effort * ratio * 2 ** len(small)
+
+    while price() > 1:
+        # halve the largest dimension; one not shrunk yet doubles the number of probes, so it
+        # starts at an eighth (probes at 1/8 and 1/4 of its size)
+        current = {n: 2 * small[n] if n in small else full[n] for n in full}
+        n = max((n for n in current if (current[n] >= 4 if n in small else current[n] >= 8 and len(small) < 3)),
+                key=current.get, default=None)
+        if n is None:
+            return None
+        small[n] = small[n] // 2 if n in small else current[n] // 8
+
+    shrunk = sorted(small)
+    total = 0.0
+    with unset_fake_temporarily():
+        for corner in product((0, 1), repeat=len(shrunk)):
+            sizes = dict(full)
+            weight = 1.0
+            for n, hi in zip(shrunk, corner):
+                r = small[n]
+                sizes[n] = 2 * r if hi else r
+                # linear extrapolation from sizes r and 2r to the full size, one dimension at a time
+                weight *= (full[n] - r) / r if hi else (2 * r - full[n]) / r
+            new_args = list(args)
+            for i, dims in names.items():
+                shape = [sizes[n] if n is not None else s for n, s in zip(dims, args[i].shape)]
+                new_args[i] = _like(args[i], shape)
+            total += weight * _measure(func, tuple(new_args), kwargs).scratch_bytes
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    return ProbeResult(scratch_bytes=max(int(round(total)), 0),
+                       output_nbytes=tuple(t.untyped_storage().nbytes() for t in outs), scaled=True)
