@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from memfit.devices import Device, get_device
 from memfit.errors import UserError
+from memfit.kernel_errors import explain as explain_kernel_error
 from memfit.plans import Plan
 from memfit.techniques.attention import Attention
 from memfit.techniques.bf16_pure import compensated
@@ -91,6 +92,15 @@ class TrainStep:
         self.placement.observer = obs
 
     def run(self, batch: Any) -> torch.Tensor:
+        try:
+            return self._run(batch)
+        except RuntimeError as e:
+            missing = explain_kernel_error(e, self.plan.precision)
+            if missing is None:
+                raise
+            raise missing from e
+
+    def _run(self, batch: Any) -> torch.Tensor:
         obs, n = self.observer, self.num_micro_batches
         self.phase = "zero_grad"
         with obs.phase("zero_grad"):
