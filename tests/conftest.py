@@ -28,3 +28,11 @@ def tmp_workload_file(tmp_path):
         p.write_text(body)
         return p
     return write
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests under tests/integration/ (end-to-end CLI and training runs) are marked ``integration``."""
+    integration = str(config.rootpath / "tests" / "integration")
+    for item in items:
+        if str(item.path).startswith(integration):
+            item.add_marker(pytest.mark.integration)
