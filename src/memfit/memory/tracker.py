@@ -152,6 +152,8 @@ class MemoryTracker(TorchDispatchMode):
 
     # -- dispatch --------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _PRIM_DEVICE:  # tensor.device on a fake tensor: over half of all calls, never memory
+            return func(*args)
         kwargs = kwargs or {}
         if self.assume_scalars and func in _SCALAR_READS and _any_fake(args):
             from torch._subclasses.fake_tensor import DataDependentOutputException
@@ -344,6 +346,7 @@ def _resize_outputs(out, real_nbytes: tuple[int, ...]):
 
 
 _CHECK_OPS = {aten.all, aten.any}
+_PRIM_DEVICE = torch.ops.prim.device.default
 _SCALAR_READS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
 
 
@@ -366,5 +369,5 @@ def _user_frame() -> str:
     for frame in reversed(traceback.extract_stack()[:-3]):
         f = frame.filename
         if "/torch/" not in f and "/memfit/memory/" not in f and "contextlib" not in f:
-            return f"{f.rsplit('/', 2)[-2]}/{f.rsplit('/', 1)[-1]}:{frame.lineno}"
+            return f"{'/'.join(f.split('/')[-2:])}:{frame.lineno}"  # also '<stdin>', a notebook cell
     return "?"
