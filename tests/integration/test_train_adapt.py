@@ -65,6 +65,7 @@ def test_the_budget_guard_raises_real_ooms_and_training_adapts_without_changing(
     assert abs(r.predicted_peak_bytes - r.measured_peak_bytes) <= 0.01 * r.measured_peak_bytes
 
 
+@pytest.mark.slow  # plans (with real calibration steps) before refusing: 1.5-2 minutes on 2 cores
 def test_budgets_that_cannot_work_are_refused_with_what_would(tmp_path, capsys):
     with pytest.raises(UserError, match="below what the model and optimizer hold"):
         _run(tmp_path / "a", plan=Plan(), budget="10MiB")

@@ -1,5 +1,6 @@
 """bf16-pure: half the bytes; stochastic rounding and Kahan keep small updates."""
 
+import pytest
 import torch
 
 from helpers import measured, run_steps
@@ -35,13 +36,18 @@ def test_small_updates_survive_with_kahan_and_stochastic_rounding():
     assert abs(results["stochastic"] - (1.0 - 1e-2)) < 1e-3  # kept on average
 
 
-def test_bf16_pure_halves_weights_and_states_and_tracks_fp32():
+def test_bf16_pure_halves_weights_and_states():
     base = measured(SPEC, Plan())
     pure = measured(SPEC, Plan(precision="bf16-pure", bf16_update="kahan"))
     b, p = base.measured.breakdown, pure.measured.breakdown
     assert p["parameters"] * 2 == b["parameters"]
     assert p["optimizer_states"] <= 0.76 * b["optimizer_states"]  # bf16 moments + bf16 compensation
     assert abs(pure.error_percent) <= 1.0
+
+
+@pytest.mark.slow
+def test_bf16_pure_tracks_fp32():
+    """Lossy: over 20 steps the loss stays within 3% of fp32 with Kahan or stochastic rounding."""
     ref, _, _ = run_steps(SPEC, Plan(), steps=20)
     for rounding in ("kahan", "stochastic"):
         losses, _, _ = run_steps(SPEC, Plan(precision="bf16-pure", bf16_update=rounding), steps=20)

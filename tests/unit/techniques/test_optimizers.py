@@ -55,6 +55,7 @@ def test_variant_state_memory_and_training(name):
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.slow
 def test_adamw8bit_loss_curve_stays_close_to_fp32_adamw():
     """Lossy: over 25 steps the 8-bit AdamW loss stays within 2% of fp32 AdamW."""
     ref, _, _ = run_steps(SPEC, Plan(), steps=25)
