@@ -6,6 +6,7 @@ import torch
 
 from memfit.errors import UserError
 from memfit.workload import Workload
+from memfit.workloads.checks import check_value, guarded, simple_types
 
 
 def _transformers():
@@ -20,13 +21,40 @@ def _transformers():
 
 def _config(cls_name: str, arch: str, overrides: dict, defaults: dict | None = None):
     tf = _transformers()
-    config = getattr(tf, cls_name)(**(defaults or {}))
+    cls = getattr(tf, cls_name)
+    config = cls(**(defaults or {}))
     config.use_cache = False  # training: no KV cache
     for key, value in overrides.items():
         if not hasattr(config, key):
             raise UserError(f"{arch}: {cls_name} has no field {key!r}; see transformers' {cls_name} for valid names")
-        setattr(config, key, value)
+        default = getattr(config, key)
+        allowed = _field_types(cls, key, default)
+        if allowed is not None:
+            value = check_value(arch, key, value, allowed, example=default)
+        try:  # transformers 5.x validates fields itself (StrictDataclassFieldValidationError)
+            setattr(config, key, value)
+        except Exception as e:  # noqa: BLE001 - whatever the config class refuses is the override's fault
+            detail = " ".join(str(e).split())
+            detail = detail if len(detail) <= 160 else detail[:157] + "..."
+            example = f", e.g. {arch}:{key}={default}" if isinstance(default, (int, float, str)) else ""
+            raise UserError(f"{arch}: {cls_name} refuses {key}={value!r} ({detail}); "
+                            f"give a value of the field's type{example}") from None
     return config
+
+
+def _field_types(cls, key: str, default) -> tuple[type, ...] | None:
+    """The plain types config field ``key`` takes: its dataclass annotation (transformers 5.x), else
+    the type of its default value (4.x); None when unknown or not a plain type (then unchecked)."""
+    import dataclasses
+    if dataclasses.is_dataclass(cls):
+        field = next((f for f in dataclasses.fields(cls) if f.name == key), None)
+        if field is not None:
+            return simple_types(field.type)
+    if isinstance(default, bool):
+        return (bool,)
+    if isinstance(default, (int, float, str)):
+        return (type(default),)
+    return None
 
 
 def _lm_batch(vocab: int, seq_len: int, with_labels_key: str = "labels"):
@@ -34,6 +62,14 @@ def _lm_batch(vocab: int, seq_len: int, with_labels_key: str = "labels"):
         ids = torch.randint(0, vocab, (batch_size, seq_len))
         return {"input_ids": ids, with_labels_key: ids.clone()}
     return batch
+
+
+def _model(arch: str, overrides: dict, build):
+    return guarded(arch, overrides, "building the model", build)
+
+
+def _batch(arch: str, overrides: dict, batch):
+    return guarded(arch, overrides, "batch(batch_size)", batch)
 
 
 def _hf_loss(model, batch):
@@ -51,7 +87,8 @@ def gpt2(overrides: dict, seq_len: int | None) -> Workload:
     seq = seq_len or config.n_positions
     _check_seq("gpt2", seq, config.n_positions, "n_positions")
     tf = _transformers()
-    return Workload(model=lambda: tf.GPT2LMHeadModel(config), batch=_lm_batch(config.vocab_size, seq),
+    return Workload(model=_model("gpt2", overrides, lambda: tf.GPT2LMHeadModel(config)),
+                    batch=_batch("gpt2", overrides, _lm_batch(config.vocab_size, seq)),
                     loss=_hf_loss, name="gpt2", default_batch_size=8,
                     info={"arch": "gpt2", "text_lm": True, "seq_len": seq, "n_layer": config.n_layer, "n_embd": config.n_embd})
 
@@ -61,7 +98,8 @@ def llama(overrides: dict, seq_len: int | None) -> Workload:
     config = _config("LlamaConfig", "llama", overrides)
     seq = seq_len or config.max_position_embeddings
     tf = _transformers()
-    return Workload(model=lambda: tf.LlamaForCausalLM(config), batch=_lm_batch(config.vocab_size, seq),
+    return Workload(model=_model("llama", overrides, lambda: tf.LlamaForCausalLM(config)),
+                    batch=_batch("llama", overrides, _lm_batch(config.vocab_size, seq)),
                     loss=_hf_loss, name="llama", default_batch_size=1,
                     info={"arch": "llama", "text_lm": True, "seq_len": seq, "layers": config.num_hidden_layers,
                           "hidden": config.hidden_size})
@@ -72,7 +110,8 @@ def bert(overrides: dict, seq_len: int | None) -> Workload:
     seq = seq_len or config.max_position_embeddings
     _check_seq("bert", seq, config.max_position_embeddings, "max_position_embeddings")
     tf = _transformers()
-    return Workload(model=lambda: tf.BertForMaskedLM(config), batch=_lm_batch(config.vocab_size, seq),
+    return Workload(model=_model("bert", overrides, lambda: tf.BertForMaskedLM(config)),
+                    batch=_batch("bert", overrides, _lm_batch(config.vocab_size, seq)),
                     loss=_hf_loss, name="bert", default_batch_size=8,
                     info={"arch": "bert", "seq_len": seq, "layers": config.num_hidden_layers})
 
@@ -82,7 +121,8 @@ def t5(overrides: dict, seq_len: int | None) -> Workload:
                      defaults={"decoder_start_token_id": 0, "pad_token_id": 0, "eos_token_id": 1})
     seq = seq_len or 512
     tf = _transformers()
-    return Workload(model=lambda: tf.T5ForConditionalGeneration(config), batch=_lm_batch(config.vocab_size, seq),
+    return Workload(model=_model("t5", overrides, lambda: tf.T5ForConditionalGeneration(config)),
+                    batch=_batch("t5", overrides, _lm_batch(config.vocab_size, seq)),
                     loss=_hf_loss, name="t5", default_batch_size=8,
                     info={"arch": "t5", "seq_len": seq, "layers": config.num_layers, "d_model": config.d_model})
 
@@ -96,7 +136,8 @@ def vit(overrides: dict, seq_len: int | None) -> Workload:
     def batch(batch_size: int):
         return {"pixel_values": torch.randn(batch_size, config.num_channels, config.image_size, config.image_size),
                 "labels": torch.randint(0, config.num_labels, (batch_size,))}
-    return Workload(model=lambda: tf.ViTForImageClassification(config), batch=batch, loss=_hf_loss,
+    return Workload(model=_model("vit", overrides, lambda: tf.ViTForImageClassification(config)),
+                    batch=_batch("vit", overrides, batch), loss=_hf_loss,
                     name="vit", default_batch_size=8,
                     info={"arch": "vit", "image_size": config.image_size, "layers": config.num_hidden_layers})
 

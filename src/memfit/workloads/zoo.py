@@ -10,6 +10,7 @@ field (``cnn:width=64,depth=6``).
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 
 import torch
@@ -18,14 +19,33 @@ from torch import nn
 
 from memfit.errors import UserError
 from memfit.workload import Workload
+from memfit.workloads.checks import check_value, guarded
 
 
 def _apply_overrides(cfg, overrides: dict, arch: str):
+    hints = typing.get_type_hints(type(cfg))
     names = {f.name for f in dataclasses.fields(cfg)}
-    for key in overrides:
+    values = {}
+    for key, value in overrides.items():
         if key not in names:
             raise UserError(f"{arch}: unknown field {key!r}; valid fields: {', '.join(sorted(names))}")
-    return dataclasses.replace(cfg, **overrides)
+        default = getattr(cfg, key)
+        value = check_value(arch, key, value, (hints[key],), example=default)
+        if hints[key] is int and value < 1:
+            raise UserError(f"{arch}: {key} must be a whole number >= 1, got {value}; write e.g. {arch}:{key}={default}")
+        if hints[key] is float and not 0 <= value < 1:  # the zoo's only float fields are dropout rates
+            raise UserError(f"{arch}: {key} must be in [0, 1), got {value}; write e.g. {arch}:{key}={default}")
+        values[key] = value
+    cfg = dataclasses.replace(cfg, **values)
+    for a, b in getattr(cfg, "DIVISIBLE", ()):
+        if getattr(cfg, a) % getattr(cfg, b):
+            raise UserError(f"{arch}: {a}={getattr(cfg, a)} must be divisible by {b}={getattr(cfg, b)}; "
+                            f"change {a} or {b}")
+    return cfg
+
+
+def _model(arch: str, overrides: dict, build):
+    return guarded(arch, overrides, "building the model", build)
 
 
 def _ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -60,7 +80,7 @@ class ConvNet(nn.Module):
 def cnn(overrides: dict, seq_len: int | None) -> Workload:
     _no_seq("cnn", seq_len)
     c = _apply_overrides(CNNConfig(), overrides, "cnn")
-    return Workload(model=lambda: ConvNet(c),
+    return Workload(model=_model("cnn", overrides, lambda: ConvNet(c)),
                     batch=lambda b: (torch.randn(b, 3, c.image_size, c.image_size), torch.randint(0, c.classes, (b,))),
                     loss=lambda m, batch: F.cross_entropy(m(batch[0]), batch[1]),
                     name="cnn", default_batch_size=16, info=dataclasses.asdict(c))
@@ -92,7 +112,8 @@ def lstm(overrides: dict, seq_len: int | None) -> Workload:
     c = _apply_overrides(LSTMConfig(), overrides, "lstm")
     if seq_len:
         c = dataclasses.replace(c, seq_len=seq_len)
-    return Workload(model=lambda: LSTMLM(c), batch=lambda b: torch.randint(0, c.vocab, (b, c.seq_len + 1)),
+    return Workload(model=_model("lstm", overrides, lambda: LSTMLM(c)),
+                    batch=lambda b: torch.randint(0, c.vocab, (b, c.seq_len + 1)),
                     loss=lambda m, ids: _ce(m(ids[:, :-1]), ids[:, 1:]),
                     name="lstm", default_batch_size=8, info=dataclasses.asdict(c))
 
@@ -107,6 +128,7 @@ class TransformerConfig:
     ff: int = 256
     seq_len: int = 32
     dropout: float = 0.1
+    DIVISIBLE: typing.ClassVar = (("d_model", "nhead"),)
 
 
 class Seq2Seq(nn.Module):
@@ -138,8 +160,8 @@ def transformer(overrides: dict, seq_len: int | None) -> Workload:
     def loss(m, batch):
         src, tgt, pad = batch
         return _ce(m(src, tgt[:, :-1], pad), tgt[:, 1:])
-    return Workload(model=lambda: Seq2Seq(c), batch=batch, loss=loss, name="transformer",
-                    default_batch_size=8, info=dataclasses.asdict(c))
+    return Workload(model=_model("transformer", overrides, lambda: Seq2Seq(c)), batch=batch, loss=loss,
+                    name="transformer", default_batch_size=8, info=dataclasses.asdict(c))
 
 
 # -- nn.MultiheadAttention blocks -------------------------------------------------------------
@@ -150,6 +172,7 @@ class MHAConfig:
     heads: int = 4
     layers: int = 2
     seq_len: int = 64
+    DIVISIBLE: typing.ClassVar = (("dim", "heads"),)
 
 
 class MHABlock(nn.Module):
@@ -184,7 +207,8 @@ def mha(overrides: dict, seq_len: int | None) -> Workload:
     c = _apply_overrides(MHAConfig(), overrides, "mha")
     if seq_len:
         c = dataclasses.replace(c, seq_len=seq_len)
-    return Workload(model=lambda: MHAModel(c), batch=lambda b: torch.randint(0, c.vocab, (b, c.seq_len + 1)),
+    return Workload(model=_model("mha", overrides, lambda: MHAModel(c)),
+                    batch=lambda b: torch.randint(0, c.vocab, (b, c.seq_len + 1)),
                     loss=lambda m, ids: _ce(m(ids[:, :-1]), ids[:, 1:]),
                     name="mha", default_batch_size=8, info=dataclasses.asdict(c))
 
@@ -198,6 +222,7 @@ class DiTConfig:
     dim: int = 128
     heads: int = 4
     layers: int = 2
+    DIVISIBLE: typing.ClassVar = (("dim", "heads"), ("image_size", "patch"))
 
 
 class DiTBlock(nn.Module):
@@ -248,8 +273,8 @@ def dit(overrides: dict, seq_len: int | None) -> Workload:
     def loss(m, batch):
         x, t, target = batch
         return F.mse_loss(m(x, t), target)
-    return Workload(model=lambda: DiT(c), batch=batch, loss=loss, name="dit", default_batch_size=8,
-                    info=dataclasses.asdict(c))
+    return Workload(model=_model("dit", overrides, lambda: DiT(c)), batch=batch, loss=loss, name="dit",
+                    default_batch_size=8, info=dataclasses.asdict(c))
 
 
 def _no_seq(arch: str, seq_len: int | None) -> None:

@@ -1,0 +1,101 @@
+"""Checks on the overrides of built-in workloads (``gpt2:n_layer=4``): one line naming the field.
+
+An override's value is checked against the field's type (the dataclass annotation, or for older
+configs the type of the default value) before it is set, so ``gpt2:n_layer=abc`` says what
+``n_layer`` takes instead of surfacing whatever the config class raises (transformers 5.x
+validates fields itself; 4.x does not, and the model build fails later). Values of a valid type
+that still cannot build a model (``n_embd`` not divisible by ``n_head``) fail when memfit builds
+it; :func:`guarded` turns that failure into the same kind of message.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any, Union, get_args, get_origin
+
+from memfit.errors import UserError
+
+_NAMES = {"int": int, "float": float, "bool": bool, "str": str, "None": type(None), "NoneType": type(None)}
+_WORDS = {int: "an int (a whole number)", float: "a float (a number)", bool: "a bool (true or false)",
+          str: "a string", type(None): "null"}
+
+
+def simple_types(annotation: Any) -> tuple[type, ...] | None:
+    """The plain types an annotation allows (int, float, bool, str, None), or None when it allows
+    anything else too (a dict, a list, a torch.dtype, ...): then the value is not checked here."""
+    if annotation in _WORDS:
+        return (annotation,)
+    if isinstance(annotation, str):
+        parts = [p.strip() for p in annotation.split("|")]
+        if all(p in _NAMES for p in parts):
+            return tuple(_NAMES[p] for p in parts)
+        return None
+    if get_origin(annotation) in (Union, types.UnionType):
+        out: list[type] = []
+        for a in get_args(annotation):
+            sub = simple_types(a)
+            if sub is None:
+                return None
+            out += sub
+        return tuple(out)
+    return None
+
+
+def check_value(arch: str, key: str, value: Any, allowed: tuple[type, ...], example: Any = None) -> Any:
+    """``value`` if it is one of ``allowed`` (an int where a float is expected becomes a float, a
+    number written as text such as ``1e-5`` is parsed); otherwise a UserError naming the field."""
+    if isinstance(value, bool):
+        if bool in allowed:
+            return value
+    elif isinstance(value, int) and int in allowed:
+        return value
+    elif isinstance(value, (int, float)) and float in allowed:
+        return float(value)
+    elif isinstance(value, str) and str in allowed:
+        return value
+    elif value is None and type(None) in allowed:
+        return value
+    elif isinstance(value, str) and float in allowed:
+        try:  # YAML reads 1e-5 (no dot) as text
+            return float(value)
+        except ValueError:
+            pass
+    want = " or ".join(_WORDS[t] for t in allowed)
+    hint = f"; write e.g. {arch}:{key}={_show(example)}" if example is not None else ""
+    raise UserError(f"{arch}: {key} must be {want}, got {value!r}{hint}")
+
+
+def _show(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def describe(overrides: dict) -> str:
+    return ",".join(f"{k}={_show(v)}" for k, v in overrides.items())
+
+
+def guarded(arch: str, overrides: dict, what: str, fn: Callable) -> Callable:
+    """Wrap a built-in workload's ``model`` or ``batch`` so that a failure caused by the user's
+    overrides is one line naming them. Without overrides a failure is memfit's own bug and passes
+    through, as do user errors, out-of-memory errors and fake-tensor trace failures."""
+    if not overrides:
+        return fn
+
+    def call(*args):
+        try:
+            return fn(*args)
+        except UserError:
+            raise
+        except Exception as e:
+            from memfit.memory.faketrace import is_trace_error
+            if is_oom(e) or is_trace_error(e):
+                raise
+            msg = str(e).splitlines()[0].rstrip(".") if str(e) else ""
+            raise UserError(f"{arch}:{describe(overrides)}: {what} failed with {type(e).__name__}: {msg}; "
+                            "change the overrides") from e
+    return call
+
+
+def is_oom(exc: BaseException) -> bool:
+    import torch
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError))
