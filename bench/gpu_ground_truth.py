@@ -1,0 +1,292 @@
+"""Measure memfit's training steps on the local CUDA GPU: ground truth for GPU-preset predictions.
+
+Each case (workload, batch size, sequence length, plan) runs in a fresh Python process, so no
+case inherits another's caching-allocator state, cuBLAS handles or cuDNN plans. In that process:
+
+1. ``device_used_before_model``: ``total - free`` from ``torch.cuda.mem_get_info()`` before the model
+   is built (the CUDA context alone);
+2. the step is built with ``memfit.build_step`` (the same TrainStep estimate traces) and run twice:
+   the first step creates the optimizer states, the second reaches the steady state;
+3. ``torch.cuda.reset_peak_memory_stats()``, one step, then ``max_memory_allocated`` /
+   ``max_memory_reserved`` (the steady-state peak) and ``device_used_after_step`` (``total - free``:
+   the CUDA context and library handles included);
+4. ``step_seconds_median``: the median of 5 more steps, each synchronised.
+
+Rows are appended to ``--out`` as JSON lines in the schema of ``tests/data/h100.jsonl`` plus the
+machine and versions (GPU, driver, torch, CUDA, cuDNN, transformers, timm, bitsandbytes, memfit
+commit). A case that fails records ``error`` (and the end of its traceback) instead of aborting.
+
+    python bench/gpu_ground_truth.py --list                       # the built-in cases
+    python bench/gpu_ground_truth.py --out h100-new.jsonl         # all built-in cases
+    python bench/gpu_ground_truth.py --only 'resnet|unet' --out x.jsonl
+    python bench/gpu_ground_truth.py --cases my_cases.json --out x.jsonl
+    python bench/gpu_ground_truth.py --device cpu --cases tiny.json   # smoke test, no GPU (no memory figures)
+
+A case file is a JSON list of objects ``{"case": id, "workload": spec, "batch_size": n,
+"seq_len": t or null, "plan": {Plan fields}}``; ``workload`` is a built-in name or
+``path/to/file.py:NAME`` (memfit's user format); ``"kwargs": {...}`` calls NAME with them (tiny
+sizes for a smoke test). Set ``MEMFIT_COMMIT`` where the checkout has no ``.git``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GW = "bench/gpu_workloads.py"
+
+WARMUP_STEPS = 2
+TIMED_STEPS = 5
+
+
+def _case(case: str, workload: str, batch_size: int, seq_len: int | None = None, **plan) -> dict:
+    return {"case": case, "workload": workload, "batch_size": batch_size, "seq_len": seq_len, "plan": plan}
+
+
+L4 = "llama:num_hidden_layers=4"
+BUILTIN: list[dict] = [
+    # fp16 (GradScaler) variants of recorded bf16 cases
+    _case("gpt2-fp16-blocks", "gpt2", 8, 1024, precision="fp16", checkpointing="blocks"),
+    _case("t-llama4-fp16-b2", L4, 2, 2048, precision="fp16"),
+    _case("bert-fp16", "bert", 32, 512, precision="fp16"),
+    _case("vit-fp16", "vit", 64, None, precision="fp16"),
+    # 8-bit AdamW (bitsandbytes present)
+    _case("gpt2-fp32-8bit", "gpt2", 8, 1024, optimizer="adamw8bit"),
+    _case("gpt2-purebf16-8bit", "gpt2", 8, 1024, precision="bf16-pure", optimizer="adamw8bit"),
+    _case("bert-bf16-8bit", "bert", 32, 512, precision="bf16", optimizer="adamw8bit"),
+    # larger GPT-2 batches
+    _case("gpt2-b16-fp32-blocks", "gpt2", 16, 1024, checkpointing="blocks"),
+    _case("gpt2-b32-bf16-blocks", "gpt2", 32, 1024, precision="bf16", checkpointing="blocks"),
+    _case("gpt2-b32-bf16-blocks-chunks", "gpt2", 32, 1024, precision="bf16", checkpointing="blocks", loss_chunks=16),
+    _case("gpt2-b16-bf16", "gpt2", 16, 1024, precision="bf16"),
+    # user-style workloads (bench/gpu_workloads.py)
+    _case("timm-resnet50-fp32", f"{GW}:resnet50", 64),
+    _case("timm-resnet50-bf16", f"{GW}:resnet50", 64, precision="bf16"),
+    _case("timm-resnet50-bf16-blocks", f"{GW}:resnet50", 64, precision="bf16", checkpointing="blocks"),
+    _case("timm-vit_small-bf16", f"{GW}:vit_small", 128, precision="bf16"),
+    _case("timm-vit_small-bf16-blocks", f"{GW}:vit_small", 128, precision="bf16", checkpointing="blocks"),
+    _case("timm-convnext_tiny-bf16", f"{GW}:convnext_tiny", 64, precision="bf16"),
+    _case("timm-convnext_tiny-fp32", f"{GW}:convnext_tiny", 64),
+    _case("lstm_lm-fp32", f"{GW}:lstm_lm", 32),
+    _case("lstm_lm-bf16", f"{GW}:lstm_lm", 32, precision="bf16"),
+    _case("gru_lm-fp32", f"{GW}:gru_lm", 32),
+    _case("gru_lm-bf16", f"{GW}:gru_lm", 32, precision="bf16"),
+    _case("resmlp-fp32", f"{GW}:mlp", 4096),
+    _case("resmlp-bf16", f"{GW}:mlp", 4096, precision="bf16"),
+    _case("resmlp-bf16-blocks", f"{GW}:mlp", 4096, precision="bf16", checkpointing="blocks"),
+    _case("unet-fp32", f"{GW}:unet", 16),
+    _case("unet-bf16", f"{GW}:unet", 16, precision="bf16"),
+    _case("unet-bf16-blocks", f"{GW}:unet", 16, precision="bf16", checkpointing="blocks"),
+    _case("qwen2-4l-bf16", f"{GW}:qwen2_4l", 4, precision="bf16"),
+    _case("qwen2-4l-bf16-blocks", f"{GW}:qwen2_4l", 4, precision="bf16", checkpointing="blocks"),
+    _case("qwen2-4l-fp32", f"{GW}:qwen2_4l", 4),
+    _case("mistral-4l-bf16", f"{GW}:mistral_4l", 2, precision="bf16"),
+    _case("mistral-4l-bf16-blocks", f"{GW}:mistral_4l", 2, precision="bf16", checkpointing="blocks"),
+    _case("bert-large-8l-fp32", f"{GW}:bert_large_8l", 8),
+    _case("bert-large-8l-bf16", f"{GW}:bert_large_8l", 8, precision="bf16"),
+    _case("bert-large-8l-bf16-blocks", f"{GW}:bert_large_8l", 8, precision="bf16", checkpointing="blocks"),
+]
+
+
+# -- the child: one case in this process -----------------------------------------------------------
+
+def resolve_workload(case: dict):
+    """The case's Workload: a built-in or ``file.py:NAME`` (called with ``kwargs`` when given)."""
+    from memfit.workload import load_workload
+    spec, kwargs = case["workload"], case.get("kwargs")
+    if not kwargs:
+        return load_workload(spec, seq_len=case.get("seq_len"))
+    import importlib.util
+    path, _, name = spec.partition(":")
+    mod_spec = importlib.util.spec_from_file_location(f"memfit_gt_{Path(path).stem}", ROOT / path)
+    module = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(module)
+    return getattr(module, name)(**kwargs)
+
+
+def versions() -> dict:
+    """The machine and library versions a row was measured with (no package is imported for it)."""
+    import importlib.metadata as md
+
+    import torch
+    out: dict = {"torch": torch.__version__, "cuda": torch.version.cuda,
+                 "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None}
+    for pkg in ("transformers", "timm", "bitsandbytes"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name()
+        out["gpu_total_bytes"] = torch.cuda.get_device_properties(0).total_memory
+        try:
+            out["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=20).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            out["driver"] = None
+    out["memfit_commit"] = memfit_commit()
+    return out
+
+
+def memfit_commit() -> str | None:
+    if os.environ.get("MEMFIT_COMMIT"):
+        return os.environ["MEMFIT_COMMIT"]
+    try:
+        r = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                           timeout=10)
+        return r.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def measure_case(case: dict, device: str = "cuda") -> dict:
+    """Run one case here (see the module docstring); returns its row (``error`` on failure)."""
+    import statistics
+    import warnings
+
+    import torch
+
+    import memfit
+    from memfit.step import make_batch
+
+    row = {k: case.get(k) for k in ("case", "workload", "batch_size", "seq_len", "plan")}
+    cuda = device == "cuda"
+    try:
+        if cuda:
+            free0, total = torch.cuda.mem_get_info()  # creates the CUDA context
+        torch.manual_seed(0)
+        wl = resolve_workload(case)
+        dev = memfit.get_device(device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step = memfit.build_step(wl, memfit.Plan(**case["plan"]), case["batch_size"], device=dev)
+            batch = make_batch(wl, case["batch_size"], dev)
+            for _ in range(WARMUP_STEPS):
+                step(batch)
+        notes = sorted({str(w.message).splitlines()[0][:200] for w in caught
+                        if not issubclass(w.category, (DeprecationWarning, FutureWarning))})
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        loss = step(batch)  # float(): synchronises
+        if cuda:
+            torch.cuda.synchronize()
+            row["max_memory_allocated"] = torch.cuda.max_memory_allocated()
+            row["max_memory_reserved"] = torch.cuda.max_memory_reserved()
+            row["device_used_after_step"] = total - torch.cuda.mem_get_info()[0]
+            row["device_used_before_model"] = total - free0
+            row["allocated_after_step"] = torch.cuda.memory_allocated()
+            stats = torch.cuda.memory_stats()
+            row["alloc_retries"] = stats.get("num_alloc_retries", 0)
+        times = []
+        for _ in range(TIMED_STEPS):
+            t0 = time.perf_counter()
+            step(batch)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        row["step_seconds_median"] = round(statistics.median(times), 5)
+        row["loss"] = loss
+        if notes:
+            row["warnings"] = notes[:4]
+    except Exception as e:  # noqa: BLE001 - recorded per case; the driver carries on
+        import traceback
+        row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        row["traceback"] = traceback.format_exc()[-1500:]
+    row.update(versions())
+    return row
+
+
+# -- the driver: each case in a fresh process ------------------------------------------------------
+
+def run_case(case: dict, device: str, timeout: float) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("MEMFIT_COMMIT", memfit_commit() or "")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", json.dumps(case), "--device", device]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {**_ids(case), "error": f"timed out after {timeout:.0f} s"}
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    return {**_ids(case), "error": f"process exited {p.returncode} without a result",
+            "traceback": (p.stderr or p.stdout)[-1500:]}
+
+
+def _ids(case: dict) -> dict:
+    return {k: case.get(k) for k in ("case", "workload", "batch_size", "seq_len", "plan")}
+
+
+def load_cases(path: str | None) -> list[dict]:
+    if not path:
+        return list(BUILTIN)
+    cases = json.loads(Path(path).read_text())
+    if not isinstance(cases, list) or not all(isinstance(c, dict) and {"case", "workload", "batch_size"} <= c.keys()
+                                              for c in cases):
+        raise SystemExit(f"{path}: expected a JSON list of {{case, workload, batch_size, seq_len, plan}} objects")
+    for c in cases:
+        c.setdefault("seq_len", None)
+        c.setdefault("plan", {})
+    return cases
+
+
+def _gib(n) -> str:
+    return f"{n / 2**30:7.3f}" if isinstance(n, int) else "      -"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", metavar="FILE.json", help="cases to run instead of the built-in list")
+    ap.add_argument("--only", metavar="REGEX", help="only cases whose id matches")
+    ap.add_argument("--out", metavar="FILE.jsonl", help="append one JSON line per case here")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: smoke test, no memory figures")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per case")
+    ap.add_argument("--deadline", type=float, default=None, help="start no case after this many seconds")
+    ap.add_argument("--list", action="store_true", help="print the cases and exit")
+    ap.add_argument("--one", metavar="JSON", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.one:
+        sys.path.insert(0, str(ROOT / "src"))
+        print("RESULT " + json.dumps(measure_case(json.loads(args.one), args.device)), flush=True)
+        return 0
+    cases = load_cases(args.cases)
+    if args.only:
+        cases = [c for c in cases if re.search(args.only, c["case"])]
+    if args.list:
+        for c in cases:
+            print(json.dumps(c))
+        return 0
+    t_start, failed, skipped = time.perf_counter(), 0, []
+    for c in cases:
+        elapsed = time.perf_counter() - t_start
+        if args.deadline is not None and elapsed > args.deadline:
+            skipped.append(c["case"])
+            continue
+        t0 = time.perf_counter()
+        row = run_case(c, args.device, args.timeout)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        if "error" in row:
+            failed += 1
+            print(f"{c['case']:34s} FAILED {row['error'][:300]}", flush=True)
+        else:
+            print(f"{c['case']:34s} allocated {_gib(row.get('max_memory_allocated'))} GiB  reserved "
+                  f"{_gib(row.get('max_memory_reserved'))} GiB  step {row['step_seconds_median'] * 1e3:8.1f} ms  "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    if skipped:
+        print(f"skipped (deadline): {' '.join(skipped)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
