@@ -10,12 +10,16 @@ from memfit.units import parse_positive_int
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="run the step for real on this machine and compare with the prediction",
-                       description="Run the training step for real, measure its peak with the PyTorch profiler's "
-                                   "allocator events (independent of memfit's tracker), and show it beside the "
-                                   "prediction of `memfit estimate`.")
+                       description="Run the training step for real, measure its steady-state peak independently "
+                                   "of memfit's tracker (on a CPU: the PyTorch profiler's allocator events; with "
+                                   "--device cuda: the CUDA caching allocator's max_memory_allocated and "
+                                   "max_memory_reserved over the step), and show it beside the prediction of "
+                                   "`memfit estimate` for the same device.")
     add_workload_args(p)
     add_plan_args(p)
-    p.add_argument("--timeline", metavar="FILE.png", help="write the step's memory timeline, stacked by category")
+    p.add_argument("--timeline", metavar="FILE.png",
+                   help="write the step's memory timeline: stacked by category on a CPU; on a GPU from the caching "
+                        "allocator's history, stacked by the phase that allocated each block")
     p.add_argument("--modules", metavar="N", help="also print the N modules holding most memory at the peak")
     p.add_argument("--repeats", default="5", metavar="N", help="timed steps for step_seconds (median)")
     p.set_defaults(run=run)

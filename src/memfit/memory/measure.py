@@ -1,13 +1,17 @@
 """profile: run the same TrainStep for real and measure its memory independently of the tracker.
 
 NOTE [ Independent measurement ]
-The measured peak comes from the PyTorch profiler's allocator events (``profile_memory=True``):
-every allocation and free of PyTorch's CPU allocator, including kernel scratch memory that never
-reaches Python (oneDNN workspaces, sort buffers). The profiler runs from before the model is
-built, so the running sum of its events is the live bytes of everything memfit created; the
-peak is taken inside the steady-state step (a ``record_function`` range). The memory tracker runs
-too, on the real tensors, for the breakdown by category and module; the two are compared so a
-tracker blind spot shows up as a difference instead of hiding.
+On a CPU the measured peak comes from the PyTorch profiler's allocator events
+(``profile_memory=True``): every allocation and free of PyTorch's CPU allocator, including kernel
+scratch memory that never reaches Python (oneDNN workspaces, sort buffers). The profiler runs from
+before the model is built, so the running sum of its events is the live bytes of everything
+memfit created; the peak is taken inside the steady-state step (a ``record_function`` range).
+On a CUDA GPU the measurement is the caching allocator's own (NOTE [ CUDA measurement ] in
+``memfit.memory.cuda_history``): peak statistics reset just before the steady-state step,
+``max_memory_allocated`` and ``max_memory_reserved`` read just after it, and compared with the
+predicted allocated peak and reserved bytes. The memory tracker runs too, on the real tensors,
+for the breakdown by category and module; the two are compared so a tracker blind spot shows up
+as a difference instead of hiding.
 
 Step time is the median over further steps with neither profiler nor tracker attached.
 """
@@ -39,7 +43,8 @@ STEP_RANGE = "memfit::steady_step"
 @dataclass
 class ProfileResult:
     measured: MemoryReport
-    """Breakdown from the tracker on real tensors; ``peak_bytes`` replaced by the profiler's peak."""
+    """Breakdown from the tracker on real tensors; ``peak_bytes`` replaced by the measured peak (the profiler's
+    on a CPU, ``max_memory_allocated`` on a GPU; there ``reserved_bytes`` is ``max_memory_reserved``)."""
     predicted: MemoryReport
     """What ``estimate`` predicted for the same workload, plan and batch."""
     tracker_peak_bytes: int
@@ -47,10 +52,29 @@ class ProfileResult:
     step_seconds: float
     """Median wall time of a step (no profiler, no tracker)."""
     step_seconds_all: list[float] = field(default_factory=list)
+    measured_by: str = "profiler"
+    """'profiler' (PyTorch profiler allocator events, CPU) or 'cuda-allocator' (caching-allocator statistics)."""
+    device_used_bytes: int | None = None
+    """GPU: ``total - free`` after the steady-state step (CUDA context and library handles included)."""
 
     @property
     def peak_bytes(self) -> int:
         return self.measured.peak_bytes
+
+    @property
+    def reserved_bytes(self) -> int | None:
+        """GPU: measured ``max_memory_reserved`` over the steady-state step."""
+        return self.measured.reserved_bytes if self.measured_by == "cuda-allocator" else None
+
+    @property
+    def predicted_reserved_bytes(self) -> int | None:
+        return self.predicted.reserved_bytes
+
+    @property
+    def reserved_error_percent(self) -> float | None:
+        if self.reserved_bytes is None or self.predicted_reserved_bytes is None:
+            return None
+        return 100.0 * (self.predicted_reserved_bytes - self.reserved_bytes) / max(self.reserved_bytes, 1)
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -69,6 +93,12 @@ class ProfileResult:
             "predicted_device_peak_bytes": self.predicted.peak_bytes,
             "predicted_host_peak_bytes": self.predicted.host_peak_bytes,
             "error_percent": round(self.error_percent, 3), "tracker_peak_bytes": self.tracker_peak_bytes,
+            "measured_by": self.measured_by,
+            "reserved_bytes": self.reserved_bytes, "predicted_reserved_bytes": self.predicted_reserved_bytes,
+            "reserved_error_percent": None if self.reserved_error_percent is None
+            else round(self.reserved_error_percent, 3),
+            "device_used_bytes": self.device_used_bytes,
+            "predicted_cuda_context_bytes": self.predicted.cuda_context_bytes,
             "step_seconds": self.step_seconds, "breakdown": self.measured.breakdown,
             "predicted_breakdown": self.predicted.breakdown, "prediction_method": self.predicted.method,
             "approximations": self.predicted.approximations, "leaks": self.measured.leaks,
@@ -153,13 +183,16 @@ def profile(workload: Workload | str, plan: Plan | str | None = None, *, batch_s
             timeline: str | None = None) -> ProfileResult:
     """Run the step for real on this machine: measured peak and breakdown next to the prediction.
 
-    ``timeline``: also write the measured step's memory timeline (PNG, stacked by category)."""
+    ``timeline``: also write the measured step's memory timeline (PNG: stacked by category on a
+    CPU, by the phase that allocated each block on a GPU, from the caching allocator's history)."""
     wl, plan, bs = resolve(workload, plan, batch_size, seq_len)
     dev = get_device(device)
     if dev.is_gpu and not torch.cuda.is_available():
         raise UserError(f"profile runs the step for real, and {dev.name} is a preset for prediction; this machine has no "
                         "CUDA GPU. Use --device cpu here, or memfit estimate --device " + dev.name)
     predicted = estimate(wl, plan, batch_size=bs, device=dev)
+    if dev.is_gpu:
+        return _profile_cuda(wl, plan, bs, dev, predicted, repeats, timeline)
     if predicted.peak_bytes > _available_bytes() * 0.8:
         raise UserError(f"profile: the step needs about {predicted.peak_bytes / 2**30:.1f} GiB but this machine has "
                         f"{_available_bytes() / 2**30:.1f} GiB free; use a smaller batch or model, or memfit estimate")
@@ -182,6 +215,38 @@ def profile(workload: Workload | str, plan: Plan | str | None = None, *, batch_s
     times = _time_steps(run, wl, bs, dev, repeats) if repeats else []
     return ProfileResult(measured=measured, predicted=predicted, tracker_peak_bytes=tracker_peak,
                          step_seconds=statistics.median(times) if times else float("nan"), step_seconds_all=times)
+
+
+def _profile_cuda(wl: Workload, plan: Plan, bs: int, dev: Device, predicted: MemoryReport, repeats: int,
+                  timeline: str | None, cuda=None) -> ProfileResult:
+    """The GPU branch of :func:`profile`: the caching allocator measures the steady-state step.
+    ``cuda`` stands in for ``torch.cuda`` in tests."""
+    from memfit.memory.cuda_history import CudaStepMeter
+    meter = CudaStepMeter(cuda, history=bool(timeline))
+    gc.collect()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            run = run_tracked(wl, plan, bs, dev, fake=False,
+                              around_step=lambda i: meter.around() if i == STEADY_STEP else _null())
+    except torch.OutOfMemoryError as e:
+        raise UserError(f"profile: out of memory on {dev.name} (predicted: {predicted.peak_bytes / 2**30:.2f} GiB "
+                        f"allocated, {(predicted.reserved_bytes or 0) / 2**30:.2f} GiB reserved); use a smaller batch or "
+                        f"a plan that fits (memfit plan ... --device {dev.name})") from e
+    m = meter.result
+    assert m is not None, "the steady-state step did not run"
+    measured = report_for(run.tracker, wl, plan, bs, dev, "real")
+    tracker_peak = measured.peak_bytes  # the tracker's storages through the caching-allocator model
+    measured.peak_bytes = m.allocated_peak_bytes
+    measured.reserved_bytes = m.reserved_peak_bytes
+    if timeline:
+        from memfit.memory.cuda_history import save_cuda_timeline_png
+        save_cuda_timeline_png(m, timeline, title=f"{wl.name} · batch {bs} · {plan.describe()} · measured on {dev.name}")
+        m.snapshot = None
+    times = _time_steps(run, wl, bs, dev, repeats) if repeats else []
+    return ProfileResult(measured=measured, predicted=predicted, tracker_peak_bytes=tracker_peak,
+                         step_seconds=statistics.median(times) if times else float("nan"), step_seconds_all=times,
+                         measured_by="cuda-allocator", device_used_bytes=m.device_used_bytes)
 
 
 def _time_steps(run, wl: Workload, bs: int, dev: Device, repeats: int) -> list[float]:

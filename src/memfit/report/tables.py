@@ -91,6 +91,7 @@ def _print_approximations(c: Console, approximations: list[str]) -> None:
 def print_profile(result, console: Console | None = None) -> None:
     c = console or _console()
     m, p = result.measured, result.predicted
+    cuda = getattr(result, "measured_by", "profiler") == "cuda-allocator"
     c.print(f"[bold]memfit profile[/] {m.workload} · batch {m.batch_size} · plan: {_plan_text(m.plan)} · "
             f"device {m.device}")
     t = Table(show_edge=False, pad_edge=False, box=None)
@@ -99,17 +100,34 @@ def print_profile(result, console: Console | None = None) -> None:
     t.add_column("measured", justify="right")
     for cat in CATEGORIES:
         t.add_row(cat, fmt_bytes(p.breakdown[cat]), fmt_bytes(m.breakdown[cat]))
-    t.add_row("[bold]peak[/]", f"[bold]{fmt_bytes(result.predicted_peak_bytes)}[/]", f"[bold]{fmt_bytes(m.peak_bytes)}[/]")
+    label = "peak allocated" if cuda else "peak"
+    t.add_row(f"[bold]{label}[/]", f"[bold]{fmt_bytes(result.predicted_peak_bytes)}[/]", f"[bold]{fmt_bytes(m.peak_bytes)}[/]")
+    if cuda:
+        predicted_reserved = fmt_bytes(p.reserved_bytes) if p.reserved_bytes is not None else "-"
+        t.add_row("[bold]peak reserved[/]", f"[bold]{predicted_reserved}[/]", f"[bold]{fmt_bytes(m.reserved_bytes)}[/]")
+        if result.device_used_bytes is not None:
+            context = fmt_bytes(p.reserved_bytes + p.cuda_context_bytes) if p.reserved_bytes is not None else "-"
+            t.add_row("on the device", context, fmt_bytes(result.device_used_bytes))
     if p.host_peak_bytes:
         t.add_row("  of which device", fmt_bytes(p.peak_bytes), "")
         t.add_row("  host (offloaded)", fmt_bytes(p.host_peak_bytes), "")
     c.print(t)
     err = result.error_percent
     style = "green" if abs(err) <= 1 else "yellow" if abs(err) <= 5 else "red"
-    c.print(f"prediction error: [{style}]{err:+.3f}%[/] of the measured peak "
+    c.print(f"prediction error: [{style}]{err:+.3f}%[/] of the measured {'allocated ' if cuda else ''}peak "
             f"({result.predicted_peak_bytes - m.peak_bytes:+,d} bytes) · step time {result.step_seconds * 1e3:.1f} ms (median of "
             f"{len(result.step_seconds_all)})")
-    c.print("[dim]measured peak: PyTorch profiler allocator events; measured breakdown: memfit's tracker on the "
-            "real tensors (kernel scratch shows as the difference to the peak)[/]")
+    if cuda and result.reserved_error_percent is not None:
+        rerr = result.reserved_error_percent
+        rstyle = "green" if abs(rerr) <= 1 else "yellow" if abs(rerr) <= 5 else "red"
+        c.print(f"reserved error: [{rstyle}]{rerr:+.3f}%[/] of the measured reserved peak "
+                f"({p.reserved_bytes - m.reserved_bytes:+,d} bytes)")
+    if cuda:
+        c.print("[dim]measured: the CUDA caching allocator's max_memory_allocated / max_memory_reserved over the "
+                "steady-state step; on the device: total - free after it (CUDA context included); measured breakdown: "
+                "memfit's tracker on the real tensors (kernel workspaces show as the difference to the peak)[/]")
+    else:
+        c.print("[dim]measured peak: PyTorch profiler allocator events; measured breakdown: memfit's tracker on the "
+                "real tensors (kernel scratch shows as the difference to the peak)[/]")
     _print_leaks(c, m.leaks)
     _print_approximations(c, p.approximations)
