@@ -52,20 +52,6 @@ def _case(case: str, workload: str, batch_size: int, seq_len: int | None = None,
 
 L4 = "llama:num_hidden_layers=4"
 BUILTIN: list[dict] = [
-    # fp16 (GradScaler) variants of recorded bf16 cases
-    _case("gpt2-fp16-blocks", "gpt2", 8, 1024, precision="fp16", checkpointing="blocks"),
-    _case("t-llama4-fp16-b2", L4, 2, 2048, precision="fp16"),
-    _case("bert-fp16", "bert", 32, 512, precision="fp16"),
-    _case("vit-fp16", "vit", 64, None, precision="fp16"),
-    # 8-bit AdamW (bitsandbytes present)
-    _case("gpt2-fp32-8bit", "gpt2", 8, 1024, optimizer="adamw8bit"),
-    _case("gpt2-purebf16-8bit", "gpt2", 8, 1024, precision="bf16-pure", optimizer="adamw8bit"),
-    _case("bert-bf16-8bit", "bert", 32, 512, precision="bf16", optimizer="adamw8bit"),
-    # larger GPT-2 batches
-    _case("gpt2-b16-fp32-blocks", "gpt2", 16, 1024, checkpointing="blocks"),
-    _case("gpt2-b32-bf16-blocks", "gpt2", 32, 1024, precision="bf16", checkpointing="blocks"),
-    _case("gpt2-b32-bf16-blocks-chunks", "gpt2", 32, 1024, precision="bf16", checkpointing="blocks", loss_chunks=16),
-    _case("gpt2-b16-bf16", "gpt2", 16, 1024, precision="bf16"),
     # user-style workloads (bench/gpu_workloads.py)
     _case("timm-resnet50-fp32", f"{GW}:resnet50", 64),
     _case("timm-resnet50-bf16", f"{GW}:resnet50", 64, precision="bf16"),
@@ -92,6 +78,20 @@ BUILTIN: list[dict] = [
     _case("bert-large-8l-fp32", f"{GW}:bert_large_8l", 8),
     _case("bert-large-8l-bf16", f"{GW}:bert_large_8l", 8, precision="bf16"),
     _case("bert-large-8l-bf16-blocks", f"{GW}:bert_large_8l", 8, precision="bf16", checkpointing="blocks"),
+    # fp16 (GradScaler) variants of recorded bf16 cases
+    _case("gpt2-fp16-blocks", "gpt2", 8, 1024, precision="fp16", checkpointing="blocks"),
+    _case("t-llama4-fp16-b2", L4, 2, 2048, precision="fp16"),
+    _case("bert-fp16", "bert", 32, 512, precision="fp16"),
+    _case("vit-fp16", "vit", 64, None, precision="fp16"),
+    # 8-bit AdamW (bitsandbytes present)
+    _case("gpt2-fp32-8bit", "gpt2", 8, 1024, optimizer="adamw8bit"),
+    _case("gpt2-purebf16-8bit", "gpt2", 8, 1024, precision="bf16-pure", optimizer="adamw8bit"),
+    _case("bert-bf16-8bit", "bert", 32, 512, precision="bf16", optimizer="adamw8bit"),
+    # larger GPT-2 batches
+    _case("gpt2-b16-fp32-blocks", "gpt2", 16, 1024, checkpointing="blocks"),
+    _case("gpt2-b32-bf16-blocks", "gpt2", 32, 1024, precision="bf16", checkpointing="blocks"),
+    _case("gpt2-b32-bf16-blocks-chunks", "gpt2", 32, 1024, precision="bf16", checkpointing="blocks", loss_chunks=16),
+    _case("gpt2-b16-bf16", "gpt2", 16, 1024, precision="bf16"),
 ]
 
 

@@ -183,6 +183,8 @@ def digest(snapshot: dict, marks: list[dict] | None = None, steady: int = 2, met
         if allocated > peak:
             peak, peak_at = allocated, len(events) - 1
             peak_live = dict(live)
+    if before is None:  # nothing happened in the window
+        before = {"allocated": allocated, "reserved": reserved}
     groups: dict[tuple, list] = collections.defaultdict(lambda: [0, 0])
     for size, _, o, ph, _t in (peak_live or {}).values():
         g = groups[(ph if ph in ("setup", "trace") else f"step{steady}:{ph}", o.get("op"), o.get("cpp"), o.get("node"),
