@@ -153,16 +153,20 @@ def roofline(workload: Workload, space: SearchSpace, batch_size: int, device: De
     compute = total / fp32
     opt = opt_bytes["adamw"] / bw
     model = TimeModel("roofline", batch_size)
-    for micro in space.micro_batches:
+    for micro in {*space.micro_batches, batch_size}:  # the whole batch is the base of every factor
         model.base_seconds[micro] = compute + opt + (batch_size // micro) * n_ops * LAUNCH_SECONDS
     base = model.base_seconds[batch_size]
     f = model.factors
     f[("precision", "bf16")] = f[("precision", "fp16")] = f[("precision", "bf16-pure")] = \
         (total / half + opt) / base
     f[("checkpointing", "blocks")] = (base + blocks / fp32) / base
+    for value in space.values.get("checkpointing", ()):
+        if value.startswith("blocks:every="):  # every N-th block recomputed
+            f[("checkpointing", value)] = (base + blocks / int(value[13:]) / fp32) / base
     f[("checkpointing", "blocks:every=2")] = (base + blocks / 2 / fp32) / base
     f[("checkpointing", "selective")] = (base + 0.15 * blocks / fp32) / base
-    f[("loss_chunks", 8)] = (base + head / fp32) / base
+    for value in {8, *space.values.get("loss_chunks", ())} - {0}:  # any K recomputes the head once
+        f[("loss_chunks", value)] = (base + head / fp32) / base
     f[("attention", "chunked")] = (base + attention / fp32) / base
     for name, b in opt_bytes.items():
         f[("optimizer", name)] = (base - opt + b / bw) / base

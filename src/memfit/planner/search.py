@@ -26,6 +26,7 @@ from memfit.memory.estimate import estimate
 from memfit.planner import cost
 from memfit.planner.space import candidates, default_space, model_facts, saves_no_more_than
 from memfit.plans import Plan
+from memfit.techniques.precision import resolve_mode
 from memfit.units import fmt_bytes, parse_size
 from memfit.workload import Workload, load_workload
 
@@ -107,15 +108,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     facts = model_facts(wl)
     _check_budget_above_weights(budget_bytes, facts, dev)
     space = space or default_space(facts, dev, bs, optimizers)
-    fixed = dict(fixed or {})
-    for name, value in list(fixed.items()):
-        if name in space.values:
-            space.values[name] = [tuple(value) if name == "offload" else value]
-            del fixed[name]
-        elif name in ("micro_batch_size", "grad_accum_steps"):
-            micro, _ = Plan(**{name: value}).micro_batches(bs)
-            space.micro_batches = [micro]
-            del fixed[name]
+    fixed, constrained = _constrain(space, dict(fixed or {}), dev, bs)
     for m in space.micro_batches:
         Plan(micro_batch_size=m if m != bs else None).micro_batches(bs)
     plans = candidates(space, bs)
@@ -133,6 +126,12 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
         warnings.simplefilter("ignore")
         model = time_model or (cost.roofline(wl, space, bs, dev, facts) if dev.is_gpu
                                else cost.calibrate(wl, space, bs, dev))
+    for name, value in constrained.items():
+        if not space.values[name]:  # the time model's runs found that the value does not suit the workload
+            why = next((x.split(": ", 1)[-1] for x in model.excluded if x.startswith(f"{name}=")), "")
+            raise UserError(f"plan: the given {name}={_show_value(value)} does not suit {wl.name}: "
+                            f"{why.removeprefix('plan: ')}; remove --{name.replace('_', '-')} to let the planner "
+                            "choose")
     plans = [p for p in plans if all(getattr(p, n) in v for n, v in space.values.items())]  # after exclusions
     ranked = sorted((Candidate(p, model.predict(p)) for p in plans), key=lambda c: c.seconds)
     failed: list[Candidate] = []
@@ -170,6 +169,10 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
             chosen = c
         else:
             _too_big(c, budget_bytes, failed)
+    if chosen is None and not any(c.used_bytes is not None for c in ranked):
+        invalid = next((c for c in ranked if c.status == "invalid"), None)
+        reason = invalid.reason.removeprefix("plan: ") if invalid else "no candidate plan is left"
+        raise UserError(f"plan: no candidate plan can run {wl.name}: {reason}")
     result = PlanResult(workload=wl.name, device=dev.name, batch_size=bs, budget_bytes=budget_bytes,
                         time_model=model.describe(), chosen=chosen, candidates=ranked, traces=traces)
     if chosen is None:  # nothing fits (or the trace limit came first): the smallest footprint seen
@@ -180,6 +183,29 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
                 c.reason = c.reason or "nothing fits: a plan saving at least as much did not fit"
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _constrain(space, fixed: dict, dev: Device, bs: int) -> tuple[dict, dict]:
+    """Narrow ``space`` to the plan fields the user fixed. Returns the fields left to apply to every
+    candidate (outside the space: ema, bf16_update) and the space dimensions fixed (name -> value).
+    Values the planner cannot search with are refused here, before any trace."""
+    if "precision" in fixed:  # auto means this device's precision; an unsupported one is refused
+        fixed["precision"] = resolve_mode(fixed["precision"], dev)
+    Plan().replace(**fixed).check_implemented()
+    split = {k: fixed.pop(k) for k in ("micro_batch_size", "grad_accum_steps") if k in fixed}
+    if split:
+        micro, _ = Plan(**split).micro_batches(bs)
+        space.micro_batches = [micro]
+    constrained = {}
+    for name in [n for n in fixed if n in space.values]:
+        value = fixed.pop(name)
+        constrained[name] = tuple(value) if name == "offload" else value
+        space.values[name] = [constrained[name]]
+    return fixed, constrained
+
+
+def _show_value(value) -> str:
+    return "[" + ",".join(value) + "]" if isinstance(value, tuple) else str(value)
 
 
 def _evaluate(c: Candidate, wl: Workload, bs: int, dev: Device) -> bool:

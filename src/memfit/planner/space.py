@@ -58,10 +58,13 @@ class SearchSpace:
 
 def model_facts(workload: Workload) -> ModelFacts:
     """Look at the model's structure on the meta device (no memory, no fake tensors needed)."""
+    from memfit.step import _call_workload
     from memfit.techniques.checkpointing import find_blocks
     from memfit.techniques.chunked_loss import check_supported
     with torch.device("meta"):
-        model = workload.model()
+        model = _call_workload("model()", workload.model)
+    if not isinstance(model, torch.nn.Module):
+        raise UserError(f"workload model() must return an nn.Module, got {type(model).__name__}")
     try:
         check_supported(model)
         causal = True
