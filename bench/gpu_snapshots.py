@@ -109,11 +109,36 @@ def origin(frames: list[dict]) -> dict:
     return {"op": op, "cpp": cpp, "node": node, "thread": thread, "py": py, "user_py": user}
 
 
+def marks_from_annotations(snapshot: dict) -> list[dict]:
+    """Step phases of a snapshot recorded without a PhaseClock, from the optimizer's record_function
+    annotations (``Optimizer.zero_grad#...`` and ``Optimizer.step#...``, START and END): step i runs
+    from its zero_grad to the end of its optimizer step; between them lies "forward/backward", which
+    :func:`digest` splits by thread (autograd's device thread: backward; the main thread: forward)."""
+    ann = sorted(snapshot.get("external_annotations") or [], key=lambda a: a["time_us"])
+    spans: dict[str, list] = {"zero_grad": [], "optimizer": []}
+    opened: dict[str, int] = {}
+    for a in ann:
+        kind = "zero_grad" if a["name"].startswith("Optimizer.zero_grad") else \
+            "optimizer" if a["name"].startswith("Optimizer.step") else None
+        if kind is None:
+            continue
+        if a["stage"] == "START":
+            opened[kind] = a["time_us"]
+        elif kind in opened:
+            spans[kind].append((opened.pop(kind), a["time_us"]))
+    marks = []
+    for i, ((z0, z1), (o0, o1)) in enumerate(zip(spans["zero_grad"], spans["optimizer"]), start=1):
+        marks += [{"step": i, "phase": "zero_grad", "start_us": z0, "end_us": z1},
+                  {"step": i, "phase": "forward/backward", "start_us": z1, "end_us": o0},
+                  {"step": i, "phase": "optimizer", "start_us": o0, "end_us": o1}]
+    return marks
+
+
 def digest(snapshot: dict, marks: list[dict] | None = None, steady: int = 2, meta: dict | None = None) -> dict:
     """Every allocator event of the steady-state step, with its origin; live blocks at the peak.
 
-    ``marks``: [{"step", "phase", "start_us", "end_us"}] from the run; without them the whole trace
-    is the window (an old snapshot)."""
+    ``marks``: [{"step", "phase", "start_us", "end_us"}] from the run (see :class:`PhaseClock` and
+    :func:`marks_from_annotations`); without them the whole trace is the window."""
     trace = [e for e in snapshot["device_traces"][0] if e["action"] != "free_requested"]
     window = [m for m in (marks or []) if m["step"] == steady]
     t0 = min(m["start_us"] for m in window) if window else -1
@@ -150,7 +175,10 @@ def digest(snapshot: dict, marks: list[dict] | None = None, steady: int = 2, met
         if act == "alloc":
             o = origin(e["frames"])
             ids += 1
-            live[e["addr"]] = (size, ids, o, phase_of(t) if inside else "setup", t)
+            ph = phase_of(t) if inside else "setup"
+            if ph == "forward/backward":
+                ph = "backward" if o["thread"] == "autograd" else "forward"
+            live[e["addr"]] = (size, ids, o, ph, t)
             allocated += size
         elif act == "free_completed":
             rec = live.pop(e["addr"], None)
@@ -166,7 +194,7 @@ def digest(snapshot: dict, marks: list[dict] | None = None, steady: int = 2, met
             continue
         if not inside:
             continue
-        ph = phase_of(t)
+        ph = live[e["addr"]][3] if act == "alloc" else phase_of(t)
         block = live[e["addr"]][1] if act == "alloc" else (rec[1] if act == "free_completed" and rec else None)
         events.append([len(events), round((t - t0) / 1000, 3), act, size, block, ph, o.get("thread"),
                        s(o.get("op")), s(o.get("cpp")), s(o.get("node")), s(o.get("py")), s(o.get("user_py")),
@@ -213,7 +241,9 @@ def digest(snapshot: dict, marks: list[dict] | None = None, steady: int = 2, met
 def text_summary(d: dict, top: int = 40) -> str:
     """The digest in brief: peak, what is live at it, and the largest allocations by origin."""
     mib = 2**20
-    lines = [f"# {d.get('case', '?')}  {json.dumps(d.get('spec', {}))}",
+    lines = [f"# {d.get('case', '?')}  {json.dumps(d.get('spec') or d.get('source'))}",
+             "sizes are the bytes each allocation requested (the allocator rounds blocks up to 512 B); "
+             f"phases: {d.get('phases_from', 'time stamps of the TrainStep phases')}",
              f"window: {d['window']}; allocated before the step {d['before_step']['allocated'] / mib:.1f} MiB, "
              f"reserved {d['before_step']['reserved'] / mib:.1f} MiB; peak in the step "
              f"{d['peak_allocated_in_step'] / mib:.1f} MiB during {d['peak_phase']}"
@@ -228,6 +258,37 @@ def text_summary(d: dict, top: int = 40) -> str:
         lines.append(f"{g['bytes'] / mib:9.2f} | {g['count']} | {g['max_bytes'] / mib:.2f} | {g['freed_in_step']} | "
                      f"{g['phase']} | {g['thread']} | {g['op']} | {g['cpp']} | {g['node']}")
     return "\n".join(lines) + "\n"
+
+
+KERNEL_KEYS = {"cublas_workspace": "setWorkspaceForHandle", "cublaslt_workspace": "getCUDABlasLtWorkspace",
+               "conv_workspace": "run_conv_plan", "attention": "attention", "rnn": "rnn", "foreach": "_foreach_"}
+
+
+def kernel_facts(d: dict) -> dict:
+    """What a digest says about kernel-side allocations: per kind, each distinct (phase, thread, op,
+    C++ frame) with its count and sizes; and the foreach temporaries live at the peak."""
+    out: dict = {"case": d.get("case"), "peak_allocated_in_step": d["peak_allocated_in_step"],
+                 "peak_phase": d["peak_phase"]}
+    sizes: dict[tuple, list] = collections.defaultdict(list)
+    strings = d["strings"]
+    for ev in d["events"]:
+        _, _, action, size, _, phase, thread, op, cpp, node, *_ = ev
+        if action == "alloc":
+            sizes[(phase, thread, strings[op] if op is not None else None,
+                   strings[cpp] if cpp is not None else None, strings[node] if node is not None else None)].append(size)
+    for g in d["live_at_peak"]:
+        if g["phase"] == "setup":  # allocated before the step and still live at its peak (e.g. workspaces)
+            sizes[("before the step", None, g["op"], g["cpp"], g["node"])].append(g["bytes"])
+    for kind, key in KERNEL_KEYS.items():
+        rows = [{"phase": k[0], "thread": k[1], "op": k[2], "cpp": (k[3] or "")[:120], "node": k[4], "count": len(v),
+                 "sizes": sorted(set(v))[:8]}
+                for k, v in sizes.items() if key in f"{k[2]} {k[3]}"]
+        if rows:
+            out[kind] = rows
+    foreach = [g for g in d["live_at_peak"] if (g["op"] or "").startswith("_foreach_")]
+    if foreach:
+        out["foreach_live_at_peak_bytes"] = sum(g["bytes"] for g in foreach)
+    return out
 
 
 def write_digest(d: dict, out_dir: Path, case: str) -> None:
@@ -311,17 +372,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", default=".", help="where digests (and pickles) go")
     ap.add_argument("--only", metavar="REGEX", help="only cases whose id matches")
     ap.add_argument("--no-pickle", action="store_true", help="write the digest only")
-    ap.add_argument("--digest", metavar="SNAPSHOT.pickle", help="digest an existing snapshot (whole trace)")
+    ap.add_argument("--digest", metavar="SNAPSHOT.pickle", help="digest an existing snapshot (its steps found from the "
+                                                                "optimizer's annotations)")
+    ap.add_argument("--steady", type=int, default=None, help="with --digest: the step to digest (default: the last)")
+    ap.add_argument("--facts", metavar="FILE.json", help="summarise the kernel-side allocations of every digest in "
+                                                          "--out-dir into this file")
     ap.add_argument("--one", metavar="JSON", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if args.facts:
+        facts = [kernel_facts(json.load(gzip.open(p, "rt"))) for p in sorted(out.glob("*.json.gz"))]
+        Path(args.facts).write_text(json.dumps(facts, indent=1) + "\n")
+        print(json.dumps(facts, indent=1)[:4000])
+        return 0
     if args.digest:
         opener = gzip.open if args.digest.endswith(".gz") else open
         with opener(args.digest, "rb") as f:
             snap = pickle.load(f)
         name = Path(args.digest).name.split(".")[0]
-        write_digest(digest(snap, None, meta={"case": name}), out, name)
+        marks = marks_from_annotations(snap)
+        steady = args.steady or (max(m["step"] for m in marks) if marks else 2)
+        meta = {"case": name, "source": str(args.digest), "marks": marks,
+                "phases_from": "optimizer record_function annotations; forward/backward split by thread"}
+        write_digest(digest(snap, marks, steady, meta=meta), out, name)
         print((out / f"{name}.txt").read_text()[:3000])
         return 0
     if args.one:
