@@ -15,14 +15,14 @@ and are listed as an approximation.
 NOTE [ Probes never run full-size work ]
 A probe's cost is its kernel's work on this CPU, which varies by a factor of 100 between CPUs: a
 bf16 matmul is native with AVX-512 bf16 and emulated (0.1-4 GFLOP/s) with AVX2 only. Each probe
-is therefore priced before it runs: FLOPs (``torch.utils.flop_counter``'s formulas) divided by
-this CPU's measured throughput for the dtype (a 8 MFLOP matmul, timed once per process). A call
-over ``PROBE_SECONDS`` is probed at a smaller shape: matmuls shrink M, K, N (and the batch of
-``bmm``), convolutions their batch, and the scratch is extrapolated multi-linearly from two sizes
-per shrunk dimension. That is exact when scratch is a sum of packing/accumulation buffers, each
-proportional to a product of those dimensions (A: M*K, B: K*N, C: M*N), which is how oneDNN and
-MKL size them; such calls are listed in the report as scaled. A call that cannot be made cheap
-enough is not probed and is listed as not counted.
+is therefore priced before it runs: its FLOPs (``torch.utils.flop_counter``'s formulas) against a
+budget fixed by the CPU's features for the dtype (:func:`flop_budget`; never timed, so a busy
+machine cannot change a prediction). A call over budget is probed at smaller shapes: matmuls
+shrink M, K, N (and the batch of ``bmm``), convolutions their batch, and the scratch is
+extrapolated multi-linearly from two sizes per shrunk dimension. That is exact when scratch is a
+sum of packing/accumulation buffers, each proportional to a product of those dimensions (A: M*K,
+B: K*N, C: M*N), which is how oneDNN and MKL size them; such calls are listed in the report as
+scaled. A call that cannot be made cheap enough is not probed and is listed as not counted.
 
 GPU presets get no probes: their kernels (cuBLAS, cuDNN, flash attention) cannot run here.
 """
@@ -63,9 +63,9 @@ fp32 copies of both states, the gradient and the weight) are probed up to this s
 scratch is several times their tensors, and an optimizer update on an embedding is large."""
 
 
-PROBE_SECONDS = 0.05
-"""Most time one probe (or the set of smaller probes standing in for it) may take on this CPU,
-priced before it runs. See NOTE [ Probes never run full-size work ]."""
+FULL_PROBE_EFFORT = 4
+"""A call that cannot be shrunk (e.g. a convolution of batch 1) still runs at full size if it
+costs at most this many times its FLOP budget (see :func:`flop_budget`)."""
 
 
 def is_custom_op(func) -> bool:
@@ -107,9 +107,10 @@ class KernelProbe:
             self.cache[key] = None
             return None
         try:
-            effort = max(probe_seconds(func, args, kwargs, out) / PROBE_SECONDS,
-                         sum(t.untyped_storage().nbytes() for t in leaves) / cap)
+            effort = max(probe_effort(func, args, kwargs, out), sum(t.untyped_storage().nbytes() for t in leaves) / cap)
             res = _measure(func, args, kwargs) if effort <= 1 else _scaled_measure(func, args, kwargs, out, effort)
+            if res is None and effort <= FULL_PROBE_EFFORT and not too_big:
+                res = _measure(func, args, kwargs)  # too small to shrink, and still cheap enough
         except Exception as e:  # noqa: BLE001 - e.g. no kernel for this dtype on this CPU (oneDNN bf16 LSTM)
             res = ProbeResult(scratch_bytes=0, output_nbytes=(), error=_first_sentence(e))
         self.cache[key] = res
@@ -187,32 +188,32 @@ _CPU_PROBE = KernelProbe()  # process-wide cache: kernel scratch depends only on
 
 # -- pricing and shrinking (NOTE [ Probes never run full-size work ]) ----------------------------
 
-_THROUGHPUT: dict[torch.dtype, float] = {}
+_CONV_OPS = {aten.convolution.default, aten.convolution_backward.default}
 
 
-def flops_per_second(dtype: torch.dtype) -> float:
-    """This CPU's matmul throughput for ``dtype``, timed once per process on an 8 MFLOP product
-    in the slower (non-transposed) layout, so that the price of a probe is an upper bound."""
-    if dtype not in _THROUGHPUT:
-        import time
-
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-        run_dtype = dtype if dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16) else torch.float32
-        with unset_fake_temporarily():
-            a, b = torch.zeros(64, 256, dtype=run_dtype), torch.zeros(256, 256, dtype=run_dtype)
-            best = float("inf")
-            for _ in range(2):
-                t0 = time.perf_counter()
-                torch.mm(a, b)
-                best = min(best, time.perf_counter() - t0)
-        _THROUGHPUT[dtype] = 2 * 64 * 256 * 256 / max(best, 1e-7)
-    return _THROUGHPUT[dtype]
+def native_dtype(dtype: torch.dtype) -> bool:
+    """Does this CPU compute ``dtype`` natively (fp32; bf16/fp16 with AVX-512 bf16/fp16 or AMX)?"""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return True
 
 
-def probe_seconds(func, args, kwargs, out) -> float:
-    """What running ``func`` once for real would cost here: FLOPs / throughput for ops with a
-    FLOP formula (matmuls, convolutions, attention); 0 for the rest, which are memory-bound and
-    kept cheap by the byte cap."""
+def flop_budget(func, dtype: torch.dtype) -> float:
+    """FLOPs one probe may run. Native kernels run at tens of GFLOP/s here: 2 GFLOP. Emulated
+    16-bit matmuls run at 0.1-4 GFLOP/s (oneDNN's non-transposed path is the slow one): 20 MFLOP;
+    emulated 16-bit convolutions convert to fp32 internally and are fast enough for 1 GFLOP.
+    Fixed by the CPU's features, not timed, so a busy machine never changes a prediction."""
+    if native_dtype(dtype):
+        return 2e9
+    return 1e9 if func in _CONV_OPS else 2e7
+
+
+def probe_effort(func, args, kwargs, out) -> float:
+    """A full-size probe's FLOPs over its budget (``torch.utils.flop_counter``'s formulas: matmuls,
+    convolutions, attention); 0 for ops without a formula, which are memory-bound and kept cheap
+    by the byte cap."""
     from torch.utils.flop_counter import flop_registry
     tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     formula = flop_registry.get(func.overloadpacket)
@@ -220,7 +221,7 @@ def probe_seconds(func, args, kwargs, out) -> float:
         return 0.0
     flops = formula(*args, **kwargs, out_val=out)
     dtype = next((t.dtype for t in tensors if t.is_floating_point()), torch.float32)
-    return flops / flops_per_second(dtype)
+    return flops / flop_budget(func, dtype)
 
 
 def _right_aligned(t: torch.Tensor, names: tuple[str, ...]) -> tuple[str | None, ...]:
@@ -280,11 +281,11 @@ def _scaled_measure(func, args, kwargs, out, effort: float) -> ProbeResult | Non
         # halve the largest dimension; one not shrunk yet doubles the number of probes, so it
         # starts at an eighth (probes at 1/8 and 1/4 of its size)
         current = {n: 2 * small[n] if n in small else full[n] for n in full}
-        n = max((n for n in current if (current[n] >= 4 if n in small else current[n] >= 8 and len(small) < 3)),
+        n = max((n for n in current if (current[n] >= 4 if n in small else current[n] >= 2 and len(small) < 3)),
                 key=current.get, default=None)
         if n is None:
             return None
-        small[n] = small[n] // 2 if n in small else current[n] // 8
+        small[n] = small[n] // 2 if n in small else max(current[n] // 8, 1)
 
     shrunk = sorted(small)
     total = 0.0
