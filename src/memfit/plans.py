@@ -204,9 +204,17 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         p = Path(path)
+        if p.is_dir():
+            raise UserError(f"plan file {str(p)!r} is a folder; give the path to a .yaml or .json plan")
         if not p.is_file():
             raise UserError(f"plan file {str(p)!r} not found; give the path to a .yaml or .json plan")
-        text = p.read_text()
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"plan file {str(p)!r} is not text (byte {e.start} is not UTF-8); give a .yaml or "
+                            ".json plan") from None
+        except OSError as e:
+            raise UserError(f"cannot read plan file {str(p)!r} ({e.strerror}); check its permissions") from None
         try:
             if p.suffix == ".json":
                 data = json.loads(text)
@@ -220,7 +228,10 @@ class Plan:
 
     def save(self, path: str | Path) -> None:
         p = Path(path)
-        p.write_text(json.dumps(self.to_dict(), indent=2) + "\n" if p.suffix == ".json" else self.to_yaml())
+        try:
+            p.write_text(json.dumps(self.to_dict(), indent=2) + "\n" if p.suffix == ".json" else self.to_yaml())
+        except OSError as e:
+            raise UserError(f"cannot write the plan to {str(p)!r} ({e.strerror}); choose a writable path") from None
 
     def short(self, batch_size: int | None = None) -> str:
         """Compact label, e.g. 'bf16 mb2 ckpt=blocks adamw8bit inbw chunks=8'."""
@@ -261,9 +272,12 @@ def _ema_from_dict(d: dict) -> EMAConfig:
     if unknown:
         raise UserError(f"plan: ema has unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(allowed))}")
     cfg = EMAConfig(**d)
-    if not 0 < cfg.decay < 1 or cfg.every < 1 or cfg.device not in ("cpu", "device"):
-        raise UserError("plan: ema needs 0 < decay < 1, every >= 1 and device cpu or device")
-    return cfg
+    decay_ok = isinstance(cfg.decay, (int, float)) and not isinstance(cfg.decay, bool) and 0 < cfg.decay < 1
+    every_ok = isinstance(cfg.every, int) and not isinstance(cfg.every, bool) and cfg.every >= 1
+    if not decay_ok or not every_ok or cfg.device not in ("cpu", "device"):
+        raise UserError(f"plan: ema needs 0 < decay < 1, a whole number every >= 1 and device cpu or device; "
+                        f"got decay={cfg.decay!r}, every={cfg.every!r}, device={cfg.device!r}")
+    return dataclasses.replace(cfg, decay=float(cfg.decay))
 
 
 def _show(v: Any) -> str:

@@ -66,7 +66,12 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
                 from memfit.workloads import parse_overrides
                 changes[f.name] = parse_overrides(value, "--ema")
             else:  # --ema '{decay: 0.999, device: cpu}'
-                changes[f.name] = yaml.safe_load(value)
+                try:
+                    changes[f.name] = yaml.safe_load(value)
+                except yaml.YAMLError as e:
+                    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+                    raise UserError(f"--ema {value!r} is not a valid mapping ({problem}); write e.g. "
+                                    "--ema decay=0.999,device=cpu or --ema '{decay: 0.999, device: cpu}'") from None
         elif f.name in ("micro_batch_size", "grad_accum_steps", "loss_chunks"):
             if f.name == "micro_batch_size" and value in ("null", "none"):
                 changes[f.name] = None

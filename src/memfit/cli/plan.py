@@ -28,6 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from memfit.errors import UserError
+    from memfit.outputs import IMAGE_SUFFIXES, check_output_file
     from memfit.planner.export import to_hf, to_lightning
     from memfit.planner.search import plan
     from memfit.plans import OPTIMIZERS, Plan
@@ -35,6 +36,11 @@ def run(args: argparse.Namespace) -> int:
     from memfit.units import parse_positive_int
 
     bs, seq = batch_and_seq(args)
+    max_traces = parse_positive_int(args.max_traces, "--max-traces")
+    if args.out:
+        check_output_file(args.out, "--out", example="plan.yaml")
+    if args.pareto:
+        check_output_file(args.pareto, "--pareto", example="pareto.png", suffixes=IMAGE_SUFFIXES)
     optimizers = tuple(o.strip() for o in args.optimizers.split(",") if o.strip())
     for o in optimizers:
         if o not in OPTIMIZERS:
@@ -42,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     given = plan_from_args(args)
     fixed = {k: v for k, v in given.to_dict().items() if v != Plan().to_dict()[k]}
     result = plan(args.workload, budget=args.budget, device=args.device, batch_size=bs, seq_len=seq,
-                  optimizers=optimizers, max_traces=parse_positive_int(args.max_traces, "--max-traces"),
+                  optimizers=optimizers, max_traces=max_traces,
                   fixed=fixed)
     if args.pareto:
         save_pareto_png(result, args.pareto)

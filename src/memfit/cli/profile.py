@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from memfit.cli.common import add_plan_args, add_workload_args, batch_and_seq, plan_from_args, print_json
+from memfit.outputs import IMAGE_SUFFIXES, check_output_file
 from memfit.units import parse_positive_int
 
 
@@ -30,14 +31,17 @@ def run(args: argparse.Namespace) -> int:
     from memfit.report.tables import print_modules, print_profile
 
     bs, seq = batch_and_seq(args)
+    modules = parse_positive_int(args.modules, "--modules") if args.modules else None
+    if args.timeline:
+        check_output_file(args.timeline, "--timeline", example="timeline.png", suffixes=IMAGE_SUFFIXES)
     result = profile(args.workload, plan_from_args(args), batch_size=bs, device=args.device, seq_len=seq,
                      repeats=parse_positive_int(args.repeats, "--repeats"), timeline=args.timeline)
     if args.json:
         print_json(result.to_json())
         return 0
     print_profile(result)
-    if args.modules:
-        print_modules(result.measured, parse_positive_int(args.modules, "--modules"))
+    if modules:
+        print_modules(result.measured, modules)
     if args.timeline:
         print(f"timeline written to {args.timeline}")
     return 0

@@ -36,6 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from memfit.errors import UserError
+    from memfit.outputs import check_output_dir
     from memfit.plans import Plan
     from memfit.training.loop import train
     from memfit.training.report import render
@@ -52,7 +53,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--seed, --checkpoint-every and --workers take whole numbers") from None
     if every < 0 or (workers is not None and workers < 0):
         raise UserError("--checkpoint-every and --workers must be >= 0")
-    result = train(args.workload, plan=plan, budget=args.budget, steps=parse_positive_int(args.steps, "--steps"),
+    steps = parse_positive_int(args.steps, "--steps")
+    check_output_dir(args.out, "--out")
+    result = train(args.workload, plan=plan, budget=args.budget, steps=steps,
                    out=args.out, data=args.data, resume=args.resume, overwrite=args.overwrite, seed=seed,
                    batch_size=bs, seq_len=seq, device=args.device, workers=workers, checkpoint_every=every,
                    progress=not args.json, report=not args.no_report)

@@ -1,0 +1,84 @@
+"""Output paths checked before the work that fills them.
+
+``--out``, ``--timeline`` and ``--pareto`` are written after seconds to minutes of tracing,
+planning or training; a path that cannot be written should fail first, in one line that says
+why: the folder is missing, the path is a folder, or writing is not allowed there.
+"""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+from memfit.errors import UserError
+
+IMAGE_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
+def check_output_file(path: str | Path, flag: str, *, example: str = "out.yaml",
+                      suffixes: tuple[str, ...] | None = None) -> Path:
+    """Check that file ``path`` (given as ``flag``) can be written; returns it as a Path.
+
+    The check writes: the file is opened for appending (an existing file is left unchanged; a new
+    one is removed again), so permissions, read-only file systems and pseudo file systems such
+    as /proc are caught, for root too.
+    """
+    text = str(path)
+    if not text.strip():
+        raise UserError(f"{flag} is empty; give a file name, e.g. {flag} {example}")
+    p = Path(text)
+    if p.is_dir():
+        raise UserError(f"{flag} {text!r} is a folder; give a file name, e.g. {flag} {p / example}")
+    if suffixes and p.suffix and p.suffix.lower() not in suffixes:
+        raise UserError(f"{flag} {text!r}: cannot write a {p.suffix} file; give a name ending in "
+                        f"{', '.join(suffixes)}")
+    _check_parent(p, flag, text)
+    existed = p.exists()
+    try:
+        with open(p, "ab"):
+            pass
+    except OSError as e:
+        raise UserError(_cannot(flag, text, e)) from None
+    if not existed:
+        p.unlink(missing_ok=True)
+    return p
+
+
+def check_output_dir(path: str | Path, flag: str) -> Path:
+    """Check that folder ``path`` exists or can be created, and that files can be written in it.
+    Nothing is created here; the nearest existing ancestor is the one written to."""
+    text = str(path)
+    if not text.strip():
+        raise UserError(f"{flag} is empty; give a folder, e.g. {flag} memfit-out")
+    p = Path(text)
+    if p.exists() and not p.is_dir():
+        raise UserError(f"{flag} {text!r} is a file, not a folder; give a folder name, e.g. {flag} memfit-out")
+    base = p
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise UserError(f"{flag} {text!r}: {str(base)!r} is a file, not a folder; choose another path")
+    probe = base / ".memfit-write-test"
+    try:
+        with open(probe, "ab"):
+            pass
+        probe.unlink(missing_ok=True)
+    except OSError as e:
+        raise UserError(_cannot(flag, text, e)) from None
+    return p
+
+
+def _check_parent(p: Path, flag: str, text: str) -> None:
+    parent = p.parent
+    if not parent.exists():
+        raise UserError(f"{flag} {text!r}: folder {str(parent)!r} does not exist; create it first or choose "
+                        "another path")
+    if not parent.is_dir():
+        raise UserError(f"{flag} {text!r}: {str(parent)!r} is a file, not a folder; choose another path")
+
+
+def _cannot(flag: str, text: str, e: OSError) -> str:
+    if isinstance(e, PermissionError) or e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        why = "read-only file system" if e.errno == errno.EROFS else "permission denied"
+        return f"cannot write {flag} {text!r}: {why}; choose a folder you can write to"
+    return f"cannot write {flag} {text!r} ({e.strerror or type(e).__name__}); choose a writable path"
