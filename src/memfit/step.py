@@ -196,7 +196,7 @@ def build_step(workload: Workload, plan: Plan | None = None, batch_size: int | N
             optimizer = OffloadOptimizerStates(params, factory, placement)
         else:
             optimizer = factory(params)
-    loss_fn = ChunkedLoss(plan.loss_chunks).wrap(workload.loss, model)
+    loss_fn = ChunkedLoss(plan.loss_chunks).wrap(_workload_fn("loss(model, batch)", workload.loss), model)
     ema = EMA(model, plan.ema, placement) if plan.ema else NoEMA()
     forward_contexts = (OffloadActivations(model, placement),) if "activations" in plan.offload else ()
     return TrainStep(model, optimizer, loss_fn, plan, batch_size, dev, precision, placement=placement,
@@ -206,17 +206,54 @@ def build_step(workload: Workload, plan: Plan | None = None, batch_size: int | N
 
 def make_batch(workload: Workload, batch_size: int, device: Device) -> Any:
     with torch.device(tensor_device(device)):
-        return _call_workload("batch(batch_size)", workload.batch, batch_size)
+        batch = _call_workload("batch(batch_size)", workload.batch, batch_size)
+    if not any(isinstance(x, torch.Tensor) for x in tree_flatten(batch)[0]):
+        raise UserError(f"the workload's batch(batch_size) returned {_kind(batch)} with no tensor in it; return a "
+                        "tensor or a tuple/list/dict of tensors shaped [batch, ...]")
+    return batch
+
+
+def _kind(obj: Any) -> str:
+    text = repr(obj)
+    return f"a {type(obj).__name__} ({text if len(text) <= 40 else text[:37] + '...'})"
 
 
 def _call_workload(what: str, fn, *args):
-    from memfit.memory.faketrace import is_trace_error
+    """Call one of the workload's functions; a failure in the user's code becomes one line naming
+    the function and where in the user's file it failed. Out-of-memory errors, fake-tensor trace
+    failures and missing kernels pass through to their handlers (:func:`memfit.errors.passes_through`),
+    as does a failure raised by memfit's own code or a built-in workload's (a bug to report)."""
     try:
         return fn(*args)
-    except UserError:
-        raise
     except Exception as e:
-        if is_trace_error(e):
+        err = _workload_error(what, fn, e)
+        if err is e:
             raise
-        raise UserError(f"the workload's {what} raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; "
-                        "fix the workload (run with --debug for the traceback)") from e
+        raise err from e
+
+
+def _workload_fn(what: str, fn):
+    """``fn`` wrapped by :func:`_call_workload` (a user's loss, called every micro-batch)."""
+    if _builtin(fn):
+        return fn
+
+    def call(*args):
+        return _call_workload(what, fn, *args)
+    return call
+
+
+def _workload_error(what: str, fn, e: Exception) -> BaseException:
+    """The error to raise for exception ``e`` of the workload's ``what``: ``e`` itself, or a UserError."""
+    from memfit.errors import passes_through, raised_in_memfit, user_location
+    if passes_through(e) or raised_in_memfit(e) or _builtin(fn):
+        return e
+    at = user_location(e, fn)
+    msg = " ".join(str(e).split()).rstrip(".")
+    msg = msg if len(msg) <= 300 else msg[:297] + "..."
+    return UserError(f"the workload's {what} raised {type(e).__name__}{f' at {at}' if at else ''}: {msg}; "
+                     "fix the workload (run with --debug for the traceback)")
+
+
+def _builtin(fn) -> bool:
+    """A built-in workload's function (memfit.workloads): its failures are reported there (overrides)."""
+    return str(getattr(fn, "__module__", None) or "").startswith("memfit.workloads")

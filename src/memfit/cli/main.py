@@ -7,6 +7,7 @@ shows the traceback.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -24,10 +25,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _no_meta_kernel_failures(record: logging.LogRecord) -> bool:
+    """Drop torch's log (with traceback) of an op that failed on fake tensors; the error follows."""
+    return not str(record.msg).startswith("failed while attempting to run meta")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's own logging is noise here
+    if not debug:  # a workload's failing op is reported in one line below, not as torch's log of it
+        logging.getLogger("torch._subclasses.fake_tensor").addFilter(_no_meta_kernel_failures)
     parser = build_parser()
     for action in parser._subparsers._group_actions:  # --debug works after the subcommand too
         for p in action.choices.values():

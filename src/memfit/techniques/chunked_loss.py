@@ -80,5 +80,25 @@ class ChunkedLoss:
         def loss(m, batch):
             if not isinstance(batch, dict) or "labels" not in batch:
                 raise UserError("loss_chunks needs a batch dict with 'labels' (as Hugging Face causal LMs take)")
-            return chunked_lm_loss(m, batch, chunks)
+            try:
+                return chunked_lm_loss(m, batch, chunks)
+            except Exception as e:
+                err = _batch_error(e)
+                if err is e:
+                    raise
+                raise err from e
         return loss
+
+
+def _batch_error(e: Exception) -> BaseException:
+    """A failure of the model's forward on the workload's batch is the batch's; memfit's own
+    failures, out-of-memory errors and trace failures pass through unchanged."""
+    from memfit.errors import passes_through, raised_in_memfit, user_location
+    if passes_through(e) or raised_in_memfit(e):
+        return e
+    at = user_location(e)
+    msg = " ".join(str(e).split()).rstrip(".")
+    msg = msg if len(msg) <= 300 else msg[:297] + "..."
+    return UserError(f"loss_chunks: the model's forward on the workload's batch raised {type(e).__name__}"
+                     f"{f' at {at}' if at else ''}: {msg}; fix the batch (the keys the model takes, plus "
+                     "'labels') or set loss_chunks: 0")

@@ -9,12 +9,14 @@ fields of each model's config.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from memfit.errors import UserError
 from memfit.workload import Workload
 
 from . import hf, zoo
+from .checks import guarded
 
 _REGISTRY: dict[str, tuple[Callable[..., Workload], str]] = {
     **{name: (fn, doc) for name, (fn, doc) in hf.BUILDERS.items()},
@@ -55,4 +57,8 @@ def builtin_workload(spec: str, *, seq_len: int | None = None) -> Workload:
     if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
         raise UserError(f"--seq-len must be a positive whole number, got {seq_len!r}")
     builder, _ = _REGISTRY[arch]
-    return builder(parse_overrides(override_text, arch), seq_len)
+    overrides = parse_overrides(override_text, arch)
+    wl = builder(overrides, seq_len)
+    return dataclasses.replace(wl, model=guarded(arch, overrides, "building the model", wl.model),
+                               batch=guarded(arch, overrides, "batch(batch_size)", wl.batch),
+                               loss=guarded(arch, overrides, "loss(model, batch)", wl.loss))

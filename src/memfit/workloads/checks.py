@@ -75,27 +75,22 @@ def describe(overrides: dict) -> str:
 
 
 def guarded(arch: str, overrides: dict, what: str, fn: Callable) -> Callable:
-    """Wrap a built-in workload's ``model`` or ``batch`` so that a failure caused by the user's
-    overrides is one line naming them. Without overrides a failure is memfit's own bug and passes
-    through, as do user errors, out-of-memory errors and fake-tensor trace failures."""
+    """Wrap a built-in workload's function (``model``, ``batch``, ``loss``) so that a failure the
+    user's overrides cause is one line naming them. Without overrides a failure is memfit's own
+    bug and passes through, as do failures raised by memfit's code, out-of-memory errors,
+    fake-tensor trace failures and missing kernels (:func:`memfit.errors.passes_through`)."""
     if not overrides:
         return fn
 
     def call(*args):
         try:
             return fn(*args)
-        except UserError:
-            raise
         except Exception as e:
-            from memfit.memory.faketrace import is_trace_error
-            if is_oom(e) or is_trace_error(e):
+            from memfit.errors import passes_through, raised_in_memfit
+            if passes_through(e) or raised_in_memfit(e):
                 raise
-            msg = str(e).splitlines()[0].rstrip(".") if str(e) else ""
+            msg = " ".join(str(e).split()).rstrip(".")
+            msg = msg if len(msg) <= 300 else msg[:297] + "..."
             raise UserError(f"{arch}:{describe(overrides)}: {what} failed with {type(e).__name__}: {msg}; "
                             "change the overrides") from e
     return call
-
-
-def is_oom(exc: BaseException) -> bool:
-    import torch
-    return isinstance(exc, (torch.OutOfMemoryError, MemoryError))

@@ -6,7 +6,7 @@ import torch
 
 from memfit.errors import UserError
 from memfit.workload import Workload
-from memfit.workloads.checks import check_value, guarded, simple_types
+from memfit.workloads.checks import check_value, simple_types
 
 
 def _transformers():
@@ -64,14 +64,6 @@ def _lm_batch(vocab: int, seq_len: int, with_labels_key: str = "labels"):
     return batch
 
 
-def _model(arch: str, overrides: dict, build):
-    return guarded(arch, overrides, "building the model", build)
-
-
-def _batch(arch: str, overrides: dict, batch):
-    return guarded(arch, overrides, "batch(batch_size)", batch)
-
-
 def _hf_loss(model, batch):
     return model(**batch).loss
 
@@ -87,8 +79,7 @@ def gpt2(overrides: dict, seq_len: int | None) -> Workload:
     seq = seq_len or config.n_positions
     _check_seq("gpt2", seq, config.n_positions, "n_positions")
     tf = _transformers()
-    return Workload(model=_model("gpt2", overrides, lambda: tf.GPT2LMHeadModel(config)),
-                    batch=_batch("gpt2", overrides, _lm_batch(config.vocab_size, seq)),
+    return Workload(model=lambda: tf.GPT2LMHeadModel(config), batch=_lm_batch(config.vocab_size, seq),
                     loss=_hf_loss, name="gpt2", default_batch_size=8,
                     info={"arch": "gpt2", "text_lm": True, "seq_len": seq, "n_layer": config.n_layer, "n_embd": config.n_embd})
 
@@ -98,8 +89,7 @@ def llama(overrides: dict, seq_len: int | None) -> Workload:
     config = _config("LlamaConfig", "llama", overrides)
     seq = seq_len or config.max_position_embeddings
     tf = _transformers()
-    return Workload(model=_model("llama", overrides, lambda: tf.LlamaForCausalLM(config)),
-                    batch=_batch("llama", overrides, _lm_batch(config.vocab_size, seq)),
+    return Workload(model=lambda: tf.LlamaForCausalLM(config), batch=_lm_batch(config.vocab_size, seq),
                     loss=_hf_loss, name="llama", default_batch_size=1,
                     info={"arch": "llama", "text_lm": True, "seq_len": seq, "layers": config.num_hidden_layers,
                           "hidden": config.hidden_size})
@@ -110,8 +100,7 @@ def bert(overrides: dict, seq_len: int | None) -> Workload:
     seq = seq_len or config.max_position_embeddings
     _check_seq("bert", seq, config.max_position_embeddings, "max_position_embeddings")
     tf = _transformers()
-    return Workload(model=_model("bert", overrides, lambda: tf.BertForMaskedLM(config)),
-                    batch=_batch("bert", overrides, _lm_batch(config.vocab_size, seq)),
+    return Workload(model=lambda: tf.BertForMaskedLM(config), batch=_lm_batch(config.vocab_size, seq),
                     loss=_hf_loss, name="bert", default_batch_size=8,
                     info={"arch": "bert", "seq_len": seq, "layers": config.num_hidden_layers})
 
@@ -121,8 +110,7 @@ def t5(overrides: dict, seq_len: int | None) -> Workload:
                      defaults={"decoder_start_token_id": 0, "pad_token_id": 0, "eos_token_id": 1})
     seq = seq_len or 512
     tf = _transformers()
-    return Workload(model=_model("t5", overrides, lambda: tf.T5ForConditionalGeneration(config)),
-                    batch=_batch("t5", overrides, _lm_batch(config.vocab_size, seq)),
+    return Workload(model=lambda: tf.T5ForConditionalGeneration(config), batch=_lm_batch(config.vocab_size, seq),
                     loss=_hf_loss, name="t5", default_batch_size=8,
                     info={"arch": "t5", "seq_len": seq, "layers": config.num_layers, "d_model": config.d_model})
 
@@ -136,8 +124,7 @@ def vit(overrides: dict, seq_len: int | None) -> Workload:
     def batch(batch_size: int):
         return {"pixel_values": torch.randn(batch_size, config.num_channels, config.image_size, config.image_size),
                 "labels": torch.randint(0, config.num_labels, (batch_size,))}
-    return Workload(model=_model("vit", overrides, lambda: tf.ViTForImageClassification(config)),
-                    batch=_batch("vit", overrides, batch), loss=_hf_loss,
+    return Workload(model=lambda: tf.ViTForImageClassification(config), batch=batch, loss=_hf_loss,
                     name="vit", default_batch_size=8,
                     info={"arch": "vit", "image_size": config.image_size, "layers": config.num_hidden_layers})
 

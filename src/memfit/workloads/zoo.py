@@ -19,7 +19,7 @@ from torch import nn
 
 from memfit.errors import UserError
 from memfit.workload import Workload
-from memfit.workloads.checks import check_value, guarded
+from memfit.workloads.checks import check_value
 
 
 def _apply_overrides(cfg, overrides: dict, arch: str):
@@ -42,10 +42,6 @@ def _apply_overrides(cfg, overrides: dict, arch: str):
             raise UserError(f"{arch}: {a}={getattr(cfg, a)} must be divisible by {b}={getattr(cfg, b)}; "
                             f"change {a} or {b}")
     return cfg
-
-
-def _model(arch: str, overrides: dict, build):
-    return guarded(arch, overrides, "building the model", build)
 
 
 def _ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -80,7 +76,7 @@ class ConvNet(nn.Module):
 def cnn(overrides: dict, seq_len: int | None) -> Workload:
     _no_seq("cnn", seq_len)
     c = _apply_overrides(CNNConfig(), overrides, "cnn")
-    return Workload(model=_model("cnn", overrides, lambda: ConvNet(c)),
+    return Workload(model=lambda: ConvNet(c),
                     batch=lambda b: (torch.randn(b, 3, c.image_size, c.image_size), torch.randint(0, c.classes, (b,))),
                     loss=lambda m, batch: F.cross_entropy(m(batch[0]), batch[1]),
                     name="cnn", default_batch_size=16, info=dataclasses.asdict(c))
@@ -112,8 +108,7 @@ def lstm(overrides: dict, seq_len: int | None) -> Workload:
     c = _apply_overrides(LSTMConfig(), overrides, "lstm")
     if seq_len:
         c = dataclasses.replace(c, seq_len=seq_len)
-    return Workload(model=_model("lstm", overrides, lambda: LSTMLM(c)),
-                    batch=lambda b: torch.randint(0, c.vocab, (b, c.seq_len + 1)),
+    return Workload(model=lambda: LSTMLM(c), batch=lambda b: torch.randint(0, c.vocab, (b, c.seq_len + 1)),
                     loss=lambda m, ids: _ce(m(ids[:, :-1]), ids[:, 1:]),
                     name="lstm", default_batch_size=8, info=dataclasses.asdict(c))
 
@@ -160,8 +155,8 @@ def transformer(overrides: dict, seq_len: int | None) -> Workload:
     def loss(m, batch):
         src, tgt, pad = batch
         return _ce(m(src, tgt[:, :-1], pad), tgt[:, 1:])
-    return Workload(model=_model("transformer", overrides, lambda: Seq2Seq(c)), batch=batch, loss=loss,
-                    name="transformer", default_batch_size=8, info=dataclasses.asdict(c))
+    return Workload(model=lambda: Seq2Seq(c), batch=batch, loss=loss, name="transformer",
+                    default_batch_size=8, info=dataclasses.asdict(c))
 
 
 # -- nn.MultiheadAttention blocks -------------------------------------------------------------
@@ -207,8 +202,7 @@ def mha(overrides: dict, seq_len: int | None) -> Workload:
     c = _apply_overrides(MHAConfig(), overrides, "mha")
     if seq_len:
         c = dataclasses.replace(c, seq_len=seq_len)
-    return Workload(model=_model("mha", overrides, lambda: MHAModel(c)),
-                    batch=lambda b: torch.randint(0, c.vocab, (b, c.seq_len + 1)),
+    return Workload(model=lambda: MHAModel(c), batch=lambda b: torch.randint(0, c.vocab, (b, c.seq_len + 1)),
                     loss=lambda m, ids: _ce(m(ids[:, :-1]), ids[:, 1:]),
                     name="mha", default_batch_size=8, info=dataclasses.asdict(c))
 
@@ -273,8 +267,8 @@ def dit(overrides: dict, seq_len: int | None) -> Workload:
     def loss(m, batch):
         x, t, target = batch
         return F.mse_loss(m(x, t), target)
-    return Workload(model=_model("dit", overrides, lambda: DiT(c)), batch=batch, loss=loss, name="dit",
-                    default_batch_size=8, info=dataclasses.asdict(c))
+    return Workload(model=lambda: DiT(c), batch=batch, loss=loss, name="dit", default_batch_size=8,
+                    info=dataclasses.asdict(c))
 
 
 def _no_seq(arch: str, seq_len: int | None) -> None:
