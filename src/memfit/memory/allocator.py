@@ -31,6 +31,10 @@ ROUND_LARGE = 2 << 20
 
 
 def round_size(size: int) -> int:
+    """Bytes of the block a request of ``size`` gets; 0 for 0 (the allocator returns a null
+    pointer for an empty tensor and allocates nothing)."""
+    if size <= 0:
+        return 0
     return MIN_BLOCK if size < MIN_BLOCK else MIN_BLOCK * ((size + MIN_BLOCK - 1) // MIN_BLOCK)
 
 
@@ -132,7 +136,7 @@ def replay(tracker, device: str, window) -> tuple[int, int, int]:
     blocks: dict[int, _Block] = {}
     peak, peak_at = -1, window.start
     for i, (serial, sign) in enumerate(tracker.state.events[:window.end]):
-        if recs[serial].device != device:
+        if recs[serial].device != device or recs[serial].nbytes == 0:
             continue
         if sign > 0:
             blocks[serial] = model.malloc(recs[serial].nbytes)
