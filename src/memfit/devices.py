@@ -34,7 +34,20 @@ class Device:
     context_bytes: int = 0
     """CUDA context and kernels: outside PyTorch's allocator, inside the card's memory."""
     workspace_bytes: int = 0
-    """cuBLAS workspace allocated through the caching allocator on the first matmul."""
+    """cuBLAS workspace, allocated through the caching allocator by the first cuBLAS call of each
+    thread (and stream) that runs matmuls (see memfit.memory.cuda.blas)."""
+    lt_workspace_bytes: int = 0
+    """cuBLASLt workspace, allocated by the first cuBLASLt matmul (addmm with a fused bias) of each
+    thread."""
+    compute_capability: tuple[int, int] | None = None
+    """CUDA compute capability (major, minor): decides the kernels PyTorch picks (flash attention
+    needs sm80+, cuDNN attention is preferred on sm90/sm100, ...)."""
+    sm_count: int = 0
+    """Streaming multiprocessors: sizes the grid of CUDA reductions and their global buffers."""
+    cuda_version: tuple[int, int] | None = None
+    """CUDA runtime of the PyTorch build assumed for the card (the wheels' default)."""
+    cudnn_version: int = 0
+    """cuDNN runtime version as torch.backends.cudnn.version() reports it (e.g. 91900 for 9.19)."""
     peak_flops: dict = field(default_factory=dict)
     """Dense peak FLOP/s per dtype name (float32 counts TF32 tensor cores where the card has them)."""
     mem_bandwidth: float = 0.0
@@ -51,26 +64,37 @@ class Device:
         return self.total_bytes - self.context_bytes
 
 
-def _gpu(name, total, ctx_mib, ws_mib, bf16, fp16_tflops, bf16_tflops, fp32_tflops, bw_gbs, link_gbs):
+def cublas_workspace_bytes(capability: tuple[int, int]) -> int:
+    """PyTorch's default cuBLAS workspace per handle and stream (CublasHandlePool.cpp, no
+    CUBLAS_WORKSPACE_CONFIG): 32 MiB on Hopper and newer, 4096 KiB * 2 + 16 KiB * 8 before."""
+    return 32 * MiB if capability[0] >= 9 else 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+def _gpu(name, total, ctx_mib, capability, sms, bf16, fp16_tflops, bf16_tflops, fp32_tflops, bw_gbs, link_gbs,
+         cuda=(13, 0), cudnn=91900):
     flops = {"float16": fp16_tflops * 1e12, "float32": fp32_tflops * 1e12}
     if bf16:
         flops["bfloat16"] = bf16_tflops * 1e12
     return Device(name=name, kind="cuda", total_bytes=total, bf16=bf16, fp16=True, allocator="cuda-caching",
-                  context_bytes=ctx_mib * MiB, workspace_bytes=int(ws_mib * MiB), peak_flops=flops,
+                  context_bytes=ctx_mib * MiB, workspace_bytes=cublas_workspace_bytes(capability),
+                  lt_workspace_bytes=1 * MiB, compute_capability=capability, sm_count=sms,
+                  cuda_version=cuda, cudnn_version=cudnn, peak_flops=flops,
                   mem_bandwidth=bw_gbs * 1e9, host_link_bandwidth=link_gbs * 1e9)
 
 
 # total_memory as torch.cuda.get_device_properties reports it; context sizes are typical with
-# lazy module loading (CUDA >= 11.7); workspace: cuBLAS default (32 MiB on Hopper, 8.125 MiB before).
+# lazy module loading (CUDA >= 11.7). Software: the PyTorch wheels' CUDA 13.0 with cuDNN 9.19
+# (as measured on the H100 in tests/data/h100.jsonl); CUDA 13 dropped Volta, so the V100 gets the
+# CUDA 12.8 wheels' cuDNN 9.10.
 GPU_PRESETS: dict[str, Device] = {d.name: d for d in (
-    _gpu("h100-80gb", 85_520_809_984, 520, 32, True, 989, 989, 494, 3350, 55),
-    _gpu("a100-80gb", 85_198_045_184, 420, 8.125, True, 312, 312, 156, 2039, 25),
-    _gpu("a100-40gb", 42_505_273_344, 420, 8.125, True, 312, 312, 156, 1555, 25),
-    _gpu("l4", 23_580_639_232, 380, 8.125, True, 121, 121, 60, 300, 25),
-    _gpu("rtx4090", 25_386_352_640, 400, 8.125, True, 165, 165, 82.6, 1008, 25),
-    _gpu("rtx3090", 25_447_170_048, 400, 8.125, True, 71, 71, 35.6, 936, 25),
-    _gpu("t4", 15_835_398_144, 310, 8.125, False, 65, 0, 8.1, 320, 12),
-    _gpu("v100-16gb", 16_945_512_448, 330, 8.125, False, 125, 0, 15.7, 900, 12),
+    _gpu("h100-80gb", 85_520_809_984, 520, (9, 0), 132, True, 989, 989, 494, 3350, 55),
+    _gpu("a100-80gb", 85_198_045_184, 420, (8, 0), 108, True, 312, 312, 156, 2039, 25),
+    _gpu("a100-40gb", 42_505_273_344, 420, (8, 0), 108, True, 312, 312, 156, 1555, 25),
+    _gpu("l4", 23_580_639_232, 380, (8, 9), 58, True, 121, 121, 60, 300, 25),
+    _gpu("rtx4090", 25_386_352_640, 400, (8, 9), 128, True, 165, 165, 82.6, 1008, 25),
+    _gpu("rtx3090", 25_447_170_048, 400, (8, 6), 82, True, 71, 71, 35.6, 936, 25),
+    _gpu("t4", 15_835_398_144, 310, (7, 5), 40, False, 65, 0, 8.1, 320, 12),
+    _gpu("v100-16gb", 16_945_512_448, 330, (7, 0), 80, False, 125, 0, 15.7, 900, 12, cuda=(12, 8), cudnn=91002),
 )}
 
 ALIASES = {"h100": "h100-80gb", "a100": "a100-80gb", "4090": "rtx4090", "3090": "rtx3090", "v100": "v100-16gb"}
@@ -97,8 +121,12 @@ def local_cuda_device() -> Device:
     hints = {"h100": "h100-80gb", "a100": "a100-80gb" if props.total_memory > 60 * GiB else "a100-40gb",
              "l4": "l4", "4090": "rtx4090", "3090": "rtx3090", "t4": "t4", "v100": "v100-16gb"}
     preset = next((GPU_PRESETS[v] for k, v in hints.items() if k in card), GPU_PRESETS["a100-40gb"])
+    capability = (props.major, props.minor)
+    cuda = tuple(int(x) for x in (torch.version.cuda or "12.0").split(".")[:2])
     return dataclasses.replace(preset, name=f"cuda ({props.name})", total_bytes=props.total_memory,
-                               bf16=torch.cuda.is_bf16_supported())
+                               bf16=torch.cuda.is_bf16_supported(), compute_capability=capability,
+                               sm_count=props.multi_processor_count, workspace_bytes=cublas_workspace_bytes(capability),
+                               cuda_version=cuda, cudnn_version=torch.backends.cudnn.version() or 0)
 
 
 def get_device(name: str | Device | None) -> Device:
