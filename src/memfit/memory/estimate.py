@@ -95,19 +95,30 @@ def _report_for(tracker, wl: Workload, plan: Plan, bs: int, dev: Device, method:
     # remainders. Their difference is allocator overhead, booked under "other".
     report.breakdown["other"] += alloc_peak - report.peak_bytes
     report.peak_bytes = alloc_peak
-    ws = dev.workspace_bytes
-    report.breakdown["other"] += ws
-    report.peak_bytes += ws
-    report.reserved_bytes = reserved + allocator.segment_size(ws) if ws else reserved
+    report.reserved_bytes = reserved
     report.device_total_bytes = dev.total_bytes
     report.cuda_context_bytes = dev.context_bytes
-    report.cuda_workspace_bytes = ws
-    if traced_device == "cpu":
-        report.approximations.append("traced on fake CPU tensors (no GPU here): CPU autocast op lists and CPU "
-                                     "kernel choices stand in for CUDA's")
-    report.approximations.append(
-        f"CUDA context ({dev.context_bytes >> 20} MiB) and cuBLAS workspace ({ws / 2**20:g} MiB) are typical "
-        "values for this card, not measured; kernel workspaces of cuDNN/flash attention are not modelled")
+    if method == "fake":
+        # cuBLAS/cuBLASLt workspaces are in the trace (memfit.memory.cuda.blas), one per thread
+        report.cuda_workspace_bytes = sum(r.nbytes for r in tracker.state.records
+                                          if r.op.startswith(("cublas workspace", "cublaslt workspace")))
+        report.approximations.append(
+            f"CUDA kernels modelled for {dev.name} (sm{dev.compute_capability[0]}{dev.compute_capability[1]}, CUDA "
+            f"{dev.cuda_version[0]}.{dev.cuda_version[1]}, cuDNN {dev.cudnn_version}): attention backend, autocast "
+            "lists, foreach optimizers, cuBLAS/cuDNN workspaces, reduction buffers (memfit.memory.cuda); cuDNN "
+            "convolution and RNN workspaces are calibrated estimates")
+    else:
+        ws = dev.workspace_bytes
+        report.breakdown["other"] += ws
+        report.peak_bytes += ws
+        report.reserved_bytes = reserved + allocator.segment_size(ws) if ws else reserved
+        report.cuda_workspace_bytes = ws
+    if traced_device == "cpu" and method == "fake":
+        report.approximations.append("traced on fake CPU tensors (no GPU here), with CUDA's kernel choices modelled")
+    elif traced_device == "cpu":
+        report.approximations.append("measured on this CPU: CPU kernel choices stand in for CUDA's")
+    report.approximations.append(f"CUDA context ({dev.context_bytes >> 20} MiB) is a typical value for this card, "
+                                 "not measured")
     return report
 
 

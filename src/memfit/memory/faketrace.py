@@ -58,6 +58,8 @@ class TrackedRun:
     tracker: MemoryTracker
     step: TrainStep
     seconds: float
+    kernels: Any = None
+    """The CUDA kernel model that was active (GPU targets), with what it booked."""
 
 
 def run_tracked(workload: Workload, plan: Plan, batch_size: int, device: Device, *, fake: bool,
@@ -75,9 +77,11 @@ def run_tracked(workload: Workload, plan: Plan, batch_size: int, device: Device,
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     hooks: list[Any] = []
     t0 = time.perf_counter()
+    kernels = None
     try:
         with outer or contextlib.nullcontext(), fake_mode, tracker, \
-                (real_code_paths(bitsandbytes=plan.optimizer == "adamw8bit") if fake else contextlib.nullcontext()):
+                (real_code_paths(bitsandbytes=plan.optimizer == "adamw8bit") if fake else contextlib.nullcontext()), \
+                (_cuda_kernel_model(device, tracker) if fake and device.is_gpu else contextlib.nullcontext()) as kernels:
             step = build_step(workload, plan, batch_size, device)
             params = [p for p in step.model.parameters()]
             tracker.label(params, "parameters")
@@ -104,4 +108,10 @@ def run_tracked(workload: Workload, plan: Plan, batch_size: int, device: Device,
     finally:
         for h in hooks:
             h.remove()
-    return TrackedRun(tracker=tracker, step=step, seconds=time.perf_counter() - t0)
+    return TrackedRun(tracker=tracker, step=step, seconds=time.perf_counter() - t0, kernels=kernels)
+
+
+def _cuda_kernel_model(device: Device, tracker: MemoryTracker):
+    """See NOTE [ CUDA kernel model ] in memfit.memory.cuda."""
+    from memfit.memory.cuda import cuda_kernel_model
+    return cuda_kernel_model(device, tracker)

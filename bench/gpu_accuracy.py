@@ -1,0 +1,131 @@
+"""GPU-preset prediction vs a real GPU: every case of a ground-truth jsonl, predicted on this CPU.
+
+Each line of the jsonl (``tests/data/h100.jsonl``, recorded on one H100 80GB; see its README)
+holds a workload, batch size, sequence length and plan, and what the real steady-state step gave:
+``max_memory_allocated`` and ``max_memory_reserved``. This script predicts each case for the
+``h100-80gb`` preset (fake tensors, no GPU) and prints a markdown table: measured and predicted
+allocated peak, error, measured and predicted reserved bytes, error; then the median and worst.
+
+A row without a ``bitsandbytes`` field ran without bitsandbytes: a plan naming ``adamw8bit``
+there ran torch's fp32 AdamW, so that is what is predicted.
+
+    .venv/bin/python bench/gpu_accuracy.py                       # all cases
+    .venv/bin/python bench/gpu_accuracy.py --cases 'gpt2|mha'    # cases whose id matches a regex
+    .venv/bin/python bench/gpu_accuracy.py --jobs 2 --json out.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT = ROOT / "tests" / "data" / "h100.jsonl"
+SHARED = Path("/work/shared/gpu-ground-truth/h100.jsonl")
+
+
+def load_cases(path: str | os.PathLike | None = None) -> list[dict]:
+    """The cases of a ground-truth jsonl (default tests/data/h100.jsonl)."""
+    p = Path(path) if path else (DEFAULT if DEFAULT.exists() else SHARED)
+    cases = []
+    for line in p.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            if "max_memory_allocated" in row and not row.get("error"):
+                cases.append(row)
+    return cases
+
+
+def plan_of(case: dict) -> dict:
+    """The plan that ran: adamw8bit without bitsandbytes on the GPU machine fell back to AdamW."""
+    plan = dict(case.get("plan") or {})
+    if plan.get("optimizer") == "adamw8bit" and not case.get("bitsandbytes"):
+        plan["optimizer"] = "adamw"
+    return plan
+
+
+def predict(case: dict, device: str = "h100-80gb") -> dict:
+    """Predict one case; returns the case id with measured and predicted bytes and errors."""
+    warnings.simplefilter("ignore")
+    import memfit
+    t0 = time.perf_counter()
+    report = memfit.estimate(case["workload"], memfit.Plan(**plan_of(case)), batch_size=case["batch_size"],
+                             seq_len=case.get("seq_len"), device=device)
+    alloc, reserved = case["max_memory_allocated"], case["max_memory_reserved"]
+    return {"case": case.get("case") or case.get("id"), "measured": alloc, "predicted": report.peak_bytes,
+            "error": 100 * (report.peak_bytes - alloc) / alloc,
+            "reserved_measured": reserved, "reserved_predicted": report.reserved_bytes,
+            "reserved_error": 100 * (report.reserved_bytes - reserved) / reserved,
+            "seconds": time.perf_counter() - t0}
+
+
+def _predict_safe(case: dict) -> dict:
+    try:
+        return predict(case)
+    except Exception as e:  # noqa: BLE001 - report and carry on with the other cases
+        return {"case": case.get("case") or case.get("id"), "failed": f"{type(e).__name__}: {str(e)[:200]}"}
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("jsonl", nargs="?", default=None, help="ground-truth jsonl (default tests/data/h100.jsonl)")
+    ap.add_argument("--cases", default=None, help="only cases whose id matches this regular expression")
+    ap.add_argument("--jobs", type=int, default=1, help="predict this many cases in parallel processes")
+    ap.add_argument("--json", default=None, help="also write one JSON line per case to this file")
+    args = ap.parse_args(argv)
+    cases = load_cases(args.jsonl)
+    if args.cases:
+        cases = [c for c in cases if re.search(args.cases, c.get("case") or c.get("id", ""))]
+    print("| case | measured GiB | predicted GiB | error | reserved measured | reserved predicted | error | s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+    if args.jobs > 1:
+        import multiprocessing as mp
+        with mp.get_context("spawn").Pool(args.jobs, maxtasksperchild=4) as pool:
+            results = pool.imap(_predict_safe, cases)
+            rows = [_print(r) for r in results]
+    else:
+        rows = [_print(_predict_safe(c)) for c in cases]
+    ok = [r for r in rows if "failed" not in r]
+    if ok:
+        errs = [abs(r["error"]) for r in ok]
+        rerrs = [abs(r["reserved_error"]) for r in ok]
+        worst = max(ok, key=lambda r: abs(r["error"]))
+        rworst = max(ok, key=lambda r: abs(r["reserved_error"]))
+        print(f"\nallocated: median |error| {statistics.median(errs):.2f}%, worst {worst['error']:+.2f}% "
+              f"({worst['case']}); within 1%: {sum(e <= 1 for e in errs)}/{len(ok)}, within 3%: "
+              f"{sum(e <= 3 for e in errs)}/{len(ok)}")
+        print(f"reserved: median |error| {statistics.median(rerrs):.2f}%, worst {rworst['reserved_error']:+.2f}% "
+              f"({rworst['case']}); within 5%: {sum(e <= 5 for e in rerrs)}/{len(ok)}")
+    failed = [r for r in rows if "failed" in r]
+    if failed:
+        print(f"{len(failed)} case(s) failed")
+    if args.json:
+        with open(args.json, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return 1 if failed else 0
+
+
+def _print(r: dict) -> dict:
+    if "failed" in r:
+        print(f"| {r['case']} | | | failed: {r['failed']} | | | | |", flush=True)
+    else:
+        print(f"| {r['case']} | {_gib(r['measured'])} | {_gib(r['predicted'])} | {r['error']:+.2f}% | "
+              f"{_gib(r['reserved_measured'])} | {_gib(r['reserved_predicted'])} | {r['reserved_error']:+.2f}% | "
+              f"{r['seconds']:.1f} |", flush=True)
+    return r
+
+
+if __name__ == "__main__":
+    sys.exit(main())

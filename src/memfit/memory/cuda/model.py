@@ -1,0 +1,125 @@
+"""The CUDA kernel model: all rules, active together during a GPU-target fake trace.
+
+Three mechanisms, each scoped to the trace:
+
+1. dispatcher registrations that make composite ops and autocast take their CUDA paths on the
+   CPU tensors a GPU preset is traced on (memfit.memory.cuda.composites, .autocast);
+2. torch.optim's foreach default as for CUDA parameters (memfit.memory.cuda.optim);
+3. :class:`KernelMode`, a dispatch mode entered *inside* the memory tracker, which books the
+   memory kernels allocate internally as fake tensors through the tracker: per-thread cuBLAS /
+   cuBLASLt workspaces (persistent), and buffers held for the duration of one kernel (attention
+   backward accumulators, reduction staging buffers, cuDNN workspaces), plus the outputs the
+   meta kernels of cuDNN's RNN get wrong.
+
+Booked buffers are ordinary fake storages, so the tracker's timeline, categories (``other`` for
+workspaces that persist, ``temporaries`` for the rest), per-module attribution and the
+caching-allocator replay all see them like any tensor. Each record's ``op`` names the rule
+(e.g. ``cublas workspace (autograd thread)``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memfit.memory.cuda import blas, conv, reduce, rnn, sdpa
+from memfit.memory.cuda.autocast import cuda_autocast
+from memfit.memory.cuda.composites import cuda_composites
+from memfit.memory.cuda.optim import cuda_optimizer_defaults
+
+aten = torch.ops.aten
+
+
+class KernelMode(TorchDispatchMode):
+    """Books what CUDA kernels allocate that their meta kernels do not show."""
+
+    def __init__(self, device, tracker):
+        super().__init__()
+        self.device = device
+        self.tracker = tracker
+        self.workspaces: set[tuple[str, str]] = set()  # (library, thread) already holding one
+        self.booked: dict[str, int] = {}  # rule -> calls, for the report
+
+    # -- booking ----------------------------------------------------------------------------------
+    def _empty(self, nbytes: int, what: str, where: torch.device, category: str) -> torch.Tensor:
+        t = torch.empty(nbytes, dtype=torch.uint8, device=where)
+        rec = self.tracker.state.records[-1] if self.tracker is not None else None
+        if rec is not None and rec.nbytes == nbytes:
+            rec.op = what
+        if self.tracker is not None:
+            self.tracker.label(t, category)
+        self.booked[what] = self.booked.get(what, 0) + 1
+        return t
+
+    def persistent(self, nbytes: int, what: str, where: torch.device) -> None:
+        self._held.append(self._empty(nbytes, what, where, "other"))
+
+    def transient(self, buffers, where: torch.device) -> None:
+        """Allocate ``buffers`` [(what, bytes, held)] in order and free them all (a buffer not
+        ``held`` is freed before the next one is allocated)."""
+        live = []
+        for what, nbytes, held in buffers:
+            if nbytes <= 0:
+                continue
+            t = self._empty(nbytes, what, where, "temporaries")
+            if held:
+                live.append(t)
+            del t
+        live.clear()
+
+    # -- dispatch ---------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is aten._cudnn_rnn.default:
+            return rnn.forward(func, args, kwargs, lambda bufs: self.transient(
+                [(w, n, True) for w, n in bufs], args[0].device))
+        if func is aten._cudnn_rnn_backward.default:
+            return rnn.backward(func, args, kwargs, lambda bufs: self.transient(
+                [(w, n, True) for w, n in bufs], args[0].device))
+        out = func(*args, **kwargs)
+        if func in blas.CUBLAS_OPS:
+            if blas.uses_cublas(func, args, out):
+                where = out.device if isinstance(out, torch.Tensor) else args[0].device
+                thread = blas.thread()
+                self._workspace("cublas", thread, self.device.workspace_bytes, where)
+                if blas.uses_cublaslt(func, args, kwargs):
+                    self._workspace("cublaslt", thread, self.device.lt_workspace_bytes, where)
+        elif func in reduce.REDUCE_OPS:
+            self.transient(reduce.buffers(func, args, kwargs, self.device.sm_count), args[0].device)
+        elif func in (aten.convolution.default, aten.convolution_backward.default):
+            self.transient(conv.workspace(func, args, out), args[0].device)
+        elif func in _ATTENTION:
+            self.transient(sdpa.kernel_buffers(func, args, out), args[0].device)
+        return out
+
+    def _workspace(self, library: str, thread: str, nbytes: int, where) -> None:
+        if nbytes and (library, thread) not in self.workspaces:
+            self.workspaces.add((library, thread))
+            self.persistent(nbytes, f"{library} workspace ({thread} thread)", where)
+
+    def __enter__(self):
+        self._held: list[torch.Tensor] = []
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        self._held = []
+        return out
+
+
+_ATTENTION = {
+    aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_cudnn_attention_backward.default,
+    aten._scaled_dot_product_flash_attention_backward.default,
+    aten._scaled_dot_product_efficient_attention_backward.default,
+}
+
+
+@contextlib.contextmanager
+def cuda_kernel_model(device, tracker=None):
+    """Model CUDA's kernel choices and kernel memory for ``device`` (a GPU Device) in a fake
+    trace. Enter it inside the tracker (so that the booked buffers are tracked)."""
+    mode = KernelMode(device, tracker)
+    with cuda_composites(device), cuda_autocast(), cuda_optimizer_defaults(), mode:
+        yield mode
