@@ -13,8 +13,11 @@ plus the CUDA context, so a prediction must replay the allocation sequence throu
   whole in ``memory_allocated``;
 - freed blocks merge with free neighbours of the same segment.
 
-Not modelled: multiple streams, ``expandable_segments``, ``max_split_size_mb``,
-``roundup_power2_divisions``, and the retry that frees cached blocks when cudaMalloc fails.
+- each stream has its own pools: a block allocated on a side stream (e.g. the prefetch stream of
+  offloaded optimizer states) returns to that stream's pool and is reused only by that stream.
+
+Not modelled: ``expandable_segments``, ``max_split_size_mb``, ``roundup_power2_divisions``, and
+the retry that frees cached blocks when cudaMalloc fails.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class _Block:
     small: bool
     prev: _Block | None = None
     next: _Block | None = None
+    stream: int = 0
 
 
 class CachingAllocatorModel:
@@ -63,13 +67,14 @@ class CachingAllocatorModel:
         self.reserved = 0
         self.peak_allocated = 0
         self.peak_reserved = 0
-        self._free: dict[bool, list[tuple[int, int, int, _Block]]] = {True: [], False: []}  # small? -> sorted
+        # (stream, small?) -> free blocks sorted by (size, segment, offset)
+        self._free: dict[tuple[int, bool], list[tuple[int, int, int, _Block]]] = {}
         self._segments = 0
 
-    def malloc(self, size: int) -> _Block:
+    def malloc(self, size: int, stream: int = 0) -> _Block:
         size = round_size(size)
         small = size <= SMALL_SIZE
-        pool = self._free[small]
+        pool = self._free.setdefault((stream, small), [])
         i = bisect.bisect_left(pool, (size, -1, -1))
         if i < len(pool):
             block = pool.pop(i)[3]
@@ -77,29 +82,28 @@ class CachingAllocatorModel:
             seg = segment_size(size)
             self.reserved += seg
             self.peak_reserved = max(self.peak_reserved, self.reserved)
-            block = _Block(segment=self._segments, offset=0, size=seg, free=True, small=small)
+            block = _Block(segment=self._segments, offset=0, size=seg, free=True, small=small, stream=stream)
             self._segments += 1
         remaining = block.size - size
         if (small and remaining >= MIN_BLOCK) or (not small and remaining > SMALL_SIZE):
             rest = _Block(segment=block.segment, offset=block.offset + size, size=remaining, free=True,
-                          small=small, prev=block, next=block.next)
+                          small=small, prev=block, next=block.next, stream=block.stream)
             if block.next:
                 block.next.prev = rest
             block.next = rest
             block.size = size
-            self._insert(rest, small)
+            self._insert(rest)
         block.free = False
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
         return block
 
     def free(self, block: _Block) -> None:
-        small = block.small
         self.allocated -= block.size
         block.free = True
         for nb in (block.prev, block.next):
             if nb is not None and nb.free:
-                self._remove(nb, small)
+                self._remove(nb)
                 if nb is block.prev:
                     nb.size += block.size
                     nb.next = block.next
@@ -111,21 +115,23 @@ class CachingAllocatorModel:
                     block.next = nb.next
                     if nb.next:
                         nb.next.prev = block
-        self._insert(block, small)
+        self._insert(block)
 
-    def _insert(self, block: _Block, small: bool) -> None:
-        bisect.insort(self._free[small], (block.size, block.segment, block.offset, block))
+    def _insert(self, block: _Block) -> None:
+        bisect.insort(self._free.setdefault((block.stream, block.small), []),
+                      (block.size, block.segment, block.offset, block))
 
-    def _remove(self, block: _Block, small: bool) -> None:
-        pool = self._free[small]
+    def _remove(self, block: _Block) -> None:
+        pool = self._free[(block.stream, block.small)]
         i = bisect.bisect_left(pool, (block.size, block.segment, block.offset))
         while pool[i][3] is not block:
             i += 1
         pool.pop(i)
 
 
-def replay(tracker, device: str, window) -> tuple[int, int, int]:
-    """Replay a tracked timeline through the allocator model.
+def replay(tracker, device: str, window, streams: dict[int, int] | None = None) -> tuple[int, int, int]:
+    """Replay a tracked timeline through the allocator model; ``streams`` maps the serial of a
+    storage allocated on a side stream to that stream's number (default: stream 0).
 
     Returns (peak allocated bytes in the window, reserved bytes at the end of the window, event
     index of the allocated peak). Reserved memory only grows (no ``empty_cache``), so its value at
@@ -139,7 +145,7 @@ def replay(tracker, device: str, window) -> tuple[int, int, int]:
         if recs[serial].device != device or recs[serial].nbytes == 0:
             continue
         if sign > 0:
-            blocks[serial] = model.malloc(recs[serial].nbytes)
+            blocks[serial] = model.malloc(recs[serial].nbytes, streams.get(serial, 0) if streams else 0)
         elif serial in blocks:
             model.free(blocks.pop(serial))
         if i >= window.start and model.allocated > peak:

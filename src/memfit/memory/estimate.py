@@ -90,7 +90,7 @@ def _report_for(tracker, wl: Workload, plan: Plan, bs: int, dev: Device, method:
     report = build_report(tracker, workload=wl.name, device_name=dev.name, device=traced_device, batch_size=bs,
                           plan=plan.to_dict(), method=method, sizes=allocator.round_size)
     window = step_window(tracker, 2)
-    alloc_peak, reserved, _ = allocator.replay(tracker, traced_device, window)
+    alloc_peak, reserved, _ = allocator.replay(tracker, traced_device, window, getattr(tracker, "side_streams", None))
     # The report's breakdown uses 512-byte rounded storages; the replay also counts unsplit block
     # remainders. Their difference is allocator overhead, booked under "other".
     report.breakdown["other"] += alloc_peak - report.peak_bytes

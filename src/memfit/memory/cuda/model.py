@@ -41,6 +41,10 @@ class KernelMode(TorchDispatchMode):
         self.tracker = tracker
         self.workspaces: set[tuple[str, str]] = set()  # (library, thread) already holding one
         self.booked: dict[str, int] = {}  # rule -> calls, for the report
+        self.streams: dict[int, int] = {}
+        """Serial of a storage allocated on a side stream -> stream number (see memfit.memory.allocator)."""
+        if tracker is not None:
+            tracker.side_streams = self.streams
 
     # -- booking ----------------------------------------------------------------------------------
     def _empty(self, nbytes: int, what: str, where: torch.device, category: str) -> torch.Tensor:
@@ -92,7 +96,20 @@ class KernelMode(TorchDispatchMode):
             self.transient(conv.workspace(func, args, out), args[0].device)
         elif func in _ATTENTION:
             self.transient(sdpa.kernel_buffers(func, args, out), args[0].device)
+        elif func in _COPIES and self._is_prefetch(args[0], out):
+            self.streams[self.tracker.state.records[-1].serial] = PREFETCH_STREAM
         return out
+
+    def _is_prefetch(self, src, out) -> bool:
+        """A host-to-device copy during the optimizer step: offloaded optimizer states fetched on
+        their prefetch stream (memfit.techniques.offload, ``OffloadOptimizerStates._fetch``)."""
+        tracker = self.tracker
+        if tracker is None or tracker.phase_name != "optimizer" or not isinstance(out, torch.Tensor):
+            return False
+        entry = tracker._live.get(src.untyped_storage()._cdata)  # the tracker's storage -> record map
+        rec = tracker.state.records[-1]
+        return (entry is not None and tracker.state.records[entry[0]].device == "host" and rec.device != "host"
+                and rec.nbytes == out.untyped_storage().nbytes())
 
     def _workspace(self, library: str, thread: str, nbytes: int, where) -> None:
         if nbytes and (library, thread) not in self.workspaces:
@@ -109,6 +126,8 @@ class KernelMode(TorchDispatchMode):
         return out
 
 
+PREFETCH_STREAM = 1
+_COPIES = {aten.clone.default, aten._to_copy.default}
 _ATTENTION = {
     aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_cudnn_attention_backward.default,
     aten._scaled_dot_product_flash_attention_backward.default,
