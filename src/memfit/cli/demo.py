@@ -16,10 +16,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
     from rich.console import Console
 
     from memfit.memory.estimate import estimate
     from memfit.memory.measure import profile
+    from memfit.memory.workspaces import native_dtype
     from memfit.planner.search import plan
     from memfit.plans import Plan
     from memfit.report.planner import print_plan_result
@@ -39,8 +41,13 @@ def run(args: argparse.Namespace) -> int:
     c.print()
     wl, bs = DEMO_PROFILE
     c.rule("3. Prediction vs measurement, here on this CPU")
-    for precision in ("fp32", "bf16"):
+    precisions = ("fp32", "bf16") if native_dtype(torch.bfloat16) else ("fp32",)
+    for precision in precisions:
         print_profile(profile(wl, Plan(precision=precision), batch_size=bs, device="cpu", repeats=3), c)
+        c.print()
+    if len(precisions) == 1:
+        c.print(f"(bf16 is not profiled here: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native bf16, "
+                "so its matmuls are emulated and a step would take minutes)")
         c.print()
     wl, bs, seq, share, out = DEMO_TRAIN
     need = estimate(wl, Plan(), batch_size=bs, seq_len=seq).peak_bytes
