@@ -7,10 +7,11 @@ and the dropout RNG state:
 
 - **cuDNN** (``_scaled_dot_product_cudnn_attention``): fp16/bf16, sm80+, head dim <= 128 (256
   on sm90/sm100 with cuDNN > 9.22), masks of shape [B|1, H|1, Tq|1, Tk|1], dropout a multiple
-  of 1/16. PyTorch tries it *first* on sm90/sm100 with cuDNN > 9.15 (the CUDA 13 wheels ship
+  of 1/16 (torch >= 2.12). PyTorch tries it *first* on sm90/sm100 with cuDNN > 9.15 (the CUDA 13 wheels ship
   9.19), last otherwise.
 - **flash** (``_scaled_dot_product_flash_attention``): fp16/bf16, sm80-sm121, head dim <= 256,
   no mask, causal only for square attention.
+  The mask (and q, k, v) need stride 1 in the last dimension for any fused kernel.
 - **memory-efficient** (``_scaled_dot_product_efficient_attention``): fp32 too, sm50+, any
   additive mask (boolean masks become -inf/0 float masks; the mask is padded to a multiple of 16
   keys), head dim divisible by 4 (fp32) or 8 (fp16/bf16) on sm80+.
@@ -42,6 +43,15 @@ import math
 import torch
 
 aten = torch.ops.aten
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+TORCH_CHECKS_CUDNN_DROPOUT = _torch_version() >= (2, 12)
+"""torch >= 2.12 refuses cuDNN attention for a dropout that is not a multiple of 1/16 (GPT-2's
+0.1 then goes to flash); 2.11 took cuDNN for it (snap-gpt2-bf16-small, torch 2.11)."""
 
 # SDPBackend values (torch.nn.attention.SDPBackend)
 MATH, FLASH, EFFICIENT, CUDNN = 0, 1, 2, 3
@@ -101,8 +111,8 @@ def can_use_cudnn(cc, cudnn, q, k, v, mask, dropout_p, enable_gqa) -> bool:
         return False
     if dropout_p > 0 and 91100 < cudnn < 91400:
         return False
-    if dropout_p * 16 != math.floor(dropout_p * 16):  # check_cudnn_dropout: resolution 1/16
-        return False
+    if dropout_p * 16 != math.floor(dropout_p * 16) and TORCH_CHECKS_CUDNN_DROPOUT:
+        return False  # check_cudnn_dropout: cuDNN's dropout resolution is 1/16 (pytorch#174245)
     if mask is not None:  # check_attn_mask_shape
         if mask.requires_grad or mask.shape[-2] not in (q.shape[2], 1) or mask.shape[-1] not in (k.shape[2], 1):
             return False
