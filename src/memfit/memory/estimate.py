@@ -61,6 +61,10 @@ def estimate(workload: Workload | str, plan: Plan | str | None = None, *, batch_
         failure = e
         run = _real_fallback(wl, plan, bs, dev, e)
     report = report_for(run.tracker, wl, plan, bs, dev, "real-fallback" if failure else "fake")
+    if plan.optimizer == "adamw8bit":
+        from memfit.techniques.optimizers import ADAMW8BIT_FALLBACK, bitsandbytes_available
+        if not bitsandbytes_available():
+            report.approximations.insert(0, f"{ADAMW8BIT_FALLBACK}; this estimate is for that fallback")
     if failure:
         report.approximations.insert(0, f"{failure}; measured by a real run on this CPU with the same tracker")
     report.trace_seconds = time.perf_counter() - t0

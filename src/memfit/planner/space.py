@@ -15,6 +15,7 @@ that order to prune plans that save less than one that already did not fit.
 from __future__ import annotations
 
 import itertools
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +49,8 @@ class ModelFacts:
 class SearchSpace:
     values: dict[str, list] = field(default_factory=dict)
     micro_batches: list[int] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """Values left out because they cannot run here, and why."""
 
     def size(self) -> int:
         n = len(self.micro_batches)
@@ -78,6 +81,14 @@ def model_facts(workload: Workload) -> ModelFacts:
 
 def default_space(facts: ModelFacts, device: Device, batch_size: int,
                   optimizers: tuple[str, ...] = ("adamw", "adamw8bit")) -> SearchSpace:
+    notes = []
+    if "adamw8bit" in optimizers:
+        from memfit.techniques.optimizers import bitsandbytes_available
+        if not bitsandbytes_available():  # predicted = what runs: never plan a technique that falls back
+            optimizers = tuple(o for o in optimizers if o != "adamw8bit")
+            notes.append("adamw8bit left out: it needs bitsandbytes, which is not installed here "
+                         "(pip install bitsandbytes)")
+            warnings.warn(f"plan: {notes[-1]}", stacklevel=2)
     precisions = ["fp32", "bf16" if device.bf16 else "fp16"] + (["bf16-pure"] if device.bf16 else [])
     values = {
         "precision": precisions,
@@ -92,7 +103,7 @@ def default_space(facts: ModelFacts, device: Device, batch_size: int,
     }
     micro = [m for m in (batch_size, batch_size // 2, batch_size // 4, batch_size // 8)
              if m >= 1 and batch_size % m == 0]
-    return SearchSpace(values=values, micro_batches=sorted(set(micro), reverse=True))
+    return SearchSpace(values=values, micro_batches=sorted(set(micro), reverse=True), notes=notes)
 
 
 def candidates(space: SearchSpace, batch_size: int) -> list[Plan]:

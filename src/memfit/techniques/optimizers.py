@@ -3,7 +3,8 @@
 Memory/compute trade-off, per parameter of N bytes in fp32:
 - ``adamw`` keeps two fp32 moments (2N). The workload's own optimizer is used as is.
 - ``adamw8bit`` keeps both moments block-quantised to 8 bits (N/2 plus small per-block scales);
-  the update dequantises one block at a time. Lossy, well tested on LLM training.
+  the update dequantises one block at a time. Lossy, well tested on LLM training. Needs
+  bitsandbytes: without it the step runs fp32 AdamW, and memfit predicts (and labels) that.
 - ``adafactor`` keeps factored second moments (row and column statistics, ~0 for matrices) and
   no first moment: the smallest state, a slightly different optimizer.
 - ``sgd`` with momentum keeps one buffer (N).
@@ -56,18 +57,32 @@ def variant_factory(name: str, workload_factory: Factory, params: list[torch.nn.
     raise UserError(f"unknown optimizer {name!r}")
 
 
-def _adamw8bit_factory(hp: dict) -> Factory:
+ADAMW8BIT_FALLBACK = ("optimizer adamw8bit needs bitsandbytes (pip install bitsandbytes), which is not installed "
+                      "here: the step runs torch.optim.AdamW with fp32 states instead")
+
+
+def bitsandbytes_available() -> bool:
+    """Can ``adamw8bit`` run in this environment (bitsandbytes and its 8-bit AdamW import)?
+
+    A missing or broken install counts as unavailable: the planner then leaves adamw8bit out and
+    an explicit adamw8bit plan runs, and is estimated, as its fallback (fp32 AdamW)."""
     import logging
     # bitsandbytes warns at import about a 4-bit CPU matmul kernel memfit does not use
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     try:
-        import bitsandbytes as bnb  # noqa: F401 - imported for its optimizers
-        from bitsandbytes.optim import AdamW8bit
+        import bitsandbytes  # noqa: F401
+        from bitsandbytes.optim import AdamW8bit  # noqa: F401
     except Exception:  # noqa: BLE001 - missing or broken install
-        warnings.warn("optimizer adamw8bit needs bitsandbytes (pip install bitsandbytes); falling back to "
-                      "torch.optim.AdamW with fp32 states", stacklevel=2)
+        return False
+    return True
+
+
+def _adamw8bit_factory(hp: dict) -> Factory:
+    if not bitsandbytes_available():
+        warnings.warn(f"{ADAMW8BIT_FALLBACK}; memory predictions are for that fallback", stacklevel=2)
         return lambda ps: torch.optim.AdamW(ps, lr=hp["lr"], betas=hp["betas"], eps=hp["eps"],
                                             weight_decay=hp["weight_decay"])
+    from bitsandbytes.optim import AdamW8bit
     # min_8bit_size: tensors smaller than this keep fp32 states (bitsandbytes' default is 4096)
     return lambda ps: AdamW8bit(ps, lr=hp["lr"], betas=hp["betas"], eps=hp["eps"],
                                 weight_decay=hp["weight_decay"], min_8bit_size=4096)
