@@ -55,3 +55,22 @@ def test_fragmentation_grows_reserved():
     a.malloc(14 * MiB)  # 12 MiB free in each segment, none fits: a new segment
     assert a.reserved == 2 * LARGE_BUFFER + 14 * MiB  # >= 10 MiB: a segment of its own size
     assert a.peak_allocated == 32 * MiB
+
+
+def test_zero_byte_requests_take_no_block():
+    a = CachingAllocatorModel()
+    assert round_size(0) == 0
+    b = a.malloc(0)
+    assert a.allocated == 0 and b.size == 0
+
+
+def test_each_stream_reuses_only_its_own_blocks():
+    """A block freed by a side stream (e.g. prefetched optimizer states) stays in that stream's
+    pool: the default stream cannot reuse it and needs a segment of its own."""
+    a = CachingAllocatorModel()
+    side = a.malloc(12 * MiB, stream=1)
+    a.free(side)
+    a.malloc(12 * MiB, stream=0)
+    assert a.reserved == 24 * MiB
+    a.malloc(12 * MiB, stream=1)  # the side stream gets its cached block back
+    assert a.reserved == 24 * MiB

@@ -1,0 +1,285 @@
+"""The CUDA kernel model (memfit.memory.cuda): each rule on its own, on toy shapes, on this CPU."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memfit.devices import get_device
+from memfit.memory.cuda import cuda_kernel_model
+from memfit.memory.cuda import autocast as autocast_rule
+from memfit.memory.cuda import conv as conv_rule
+from memfit.memory.cuda import reduce as reduce_rule
+from memfit.memory.cuda import sdpa as sdpa_rule
+from memfit.memory.cuda.composites import cuda_composites
+from memfit.memory.cuda.optim import cuda_optimizer_defaults
+from memfit.memory.tracker import MemoryTracker
+
+aten = torch.ops.aten
+H100, A100, T4, V100 = (get_device(n) for n in ("h100-80gb", "a100-80gb", "t4", "v100-16gb"))
+
+
+class Ops(TorchDispatchMode):
+    """Records the ATen ops that run (and their output dtypes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops.append((func, out.dtype if isinstance(out, torch.Tensor) else None))
+        return out
+
+    def called(self, func) -> bool:
+        return any(f is func for f, _ in self.ops)
+
+
+def _qkv(b=2, h=4, t=64, d=32, dtype=torch.bfloat16, grad=True):
+    return [torch.randn(b, h, t, d, dtype=dtype, requires_grad=grad) for _ in range(3)]
+
+
+def _backend(dev, *args, **kw):
+    return sdpa_rule.NAMES[sdpa_rule.select_backend(dev.compute_capability, dev.cuda_version, dev.cudnn_version,
+                                                    *args, **kw)]
+
+
+# -- SDPA backend selection ----------------------------------------------------------------------
+
+def test_sdpa_backend_follows_card_dtype_dropout_and_mask():
+    q, k, v = _qkv()
+    assert _backend(H100, q, k, v) == "cudnn"                     # sm90 + cuDNN 9.19: cuDNN first
+    assert _backend(A100, q, k, v) == "flash"                     # sm80: flash first
+    q32, k32, v32 = _qkv(dtype=torch.float32)
+    assert _backend(H100, q32, k32, v32) == "efficient"           # fp32: neither cuDNN nor flash
+    q16, k16, v16 = _qkv(dtype=torch.float16)
+    assert _backend(V100, q16, k16, v16) == "efficient"           # flash and cuDNN need sm80+
+    assert _backend(T4, q16, k16, v16) == "efficient"
+    mask = torch.zeros(2, 4, 64, 64, dtype=torch.bfloat16)
+    assert _backend(A100, q, k, v, mask) == "efficient"           # flash takes no mask
+    assert _backend(H100, q, k, v, mask) == "cudnn"               # cuDNN takes [B, H, T, T] masks
+    permuted = torch.zeros(1, 64, 64, 4, dtype=torch.bfloat16).permute(0, 3, 1, 2)  # stride(-1) != 1
+    assert _backend(H100, q, k, v, permuted) == "math"            # no fused kernel takes it (T5's bias)
+    assert _backend(H100, q, k, v, None, 0.125) == "cudnn"        # dropout on cuDNN's 1/16 grid
+    expected = "flash" if sdpa_rule.TORCH_CHECKS_CUDNN_DROPOUT else "cudnn"
+    assert _backend(H100, q, k, v, None, 0.1) == expected         # GPT-2's 0.1 is not
+
+
+def test_sdpa_backend_respects_sdpa_kernel_flags():
+    q, k, v = _qkv()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel([SDPBackend.MATH]):
+        assert _backend(H100, q, k, v) == "math"
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        assert _backend(H100, q, k, v) == "efficient"
+
+
+def test_cuda_sdpa_keeps_no_scores_and_books_kernel_buffers():
+    """On fake tensors the CUDA path saves output + logsumexp only (no [B,H,T,T]) and the cuDNN
+    backward books its fp32 scratch: 4*B*H*T*D + 4*B*H*T + 256 bytes (snap-mha-bf16)."""
+    b, h, t, d = 2, 4, 256, 32
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        tracker = MemoryTracker()
+        with tracker, cuda_kernel_model(H100, tracker):
+            q, k, v = _qkv(b, h, t, d)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            assert type(out.grad_fn).__name__ == "ScaledDotProductCudnnAttentionBackward0"
+            out.sum().backward()
+            assert q.grad.shape == q.shape and q.grad.dtype == torch.bfloat16
+    sizes = [r.nbytes for r in tracker.state.records]
+    assert b * h * t * t * 2 not in sizes and b * h * t * t * 4 not in sizes
+    ws = [r.nbytes for r in tracker.state.records if r.op == "cudnn attention backward workspace"]
+    assert ws == [4 * b * h * t * d + 4 * b * h * t + 256]
+
+
+def test_cuda_sdpa_reaches_calls_inside_multihead_attention_and_is_removed_after():
+    mha = torch.nn.MultiheadAttention(64, 4, batch_first=True, dropout=0.1)
+    x = torch.randn(2, 16, 64)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        mha_f = torch.nn.MultiheadAttention(64, 4, batch_first=True, dropout=0.1)
+        xf = torch.randn(2, 16, 64)
+        with cuda_composites(A100), Ops() as ops:
+            mha_f(xf, xf, xf, need_weights=False)[0].sum().backward()
+    assert ops.called(aten._scaled_dot_product_efficient_attention.default)  # fp32 + dropout on an A100
+    with Ops() as ops:  # registrations removed: the CPU picks its own path again
+        mha(x, x, x, need_weights=False)[0].sum().backward()
+    assert not ops.called(aten._scaled_dot_product_efficient_attention.default)
+
+
+def test_math_fallback_gives_the_same_values_and_gradients_as_plain_sdpa():
+    """Real tensors through the CUDA composite, math backend (runs on CPU): identical results."""
+    torch.manual_seed(0)
+    q, k, v = _qkv(dtype=torch.float32)
+    mask = torch.randn(2, 4, 64, 64).permute(0, 1, 3, 2)  # non-contiguous: math on any card
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    ref.square().sum().backward()
+    ref_grads = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    with cuda_composites(H100):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    out.square().sum().backward()
+    torch.testing.assert_close(out, ref)
+    for x, g in zip((q, k, v), ref_grads):
+        torch.testing.assert_close(x.grad, g)
+
+
+# -- dropout, autocast, optimizers ---------------------------------------------------------------
+
+def test_dropout_uses_the_fused_kernel_with_a_boolean_mask():
+    x = torch.randn(64, 64, requires_grad=True)
+    with cuda_composites(H100):
+        y = F.dropout(x, 0.25, training=True)
+        assert type(y.grad_fn).__name__ == "NativeDropoutBackward0"
+        assert F.dropout(x, 0.25, training=False) is x
+    y.sum().backward()
+    kept = y != 0
+    torch.testing.assert_close(x.grad, kept.float() / 0.75)  # grad = mask * scale
+    torch.testing.assert_close(y[kept], x.detach()[kept] / 0.75)
+
+
+def test_autocast_follows_cudas_op_lists():
+    x = torch.randn(8, 16)
+    w = torch.randn(16, 16)
+    with cuda_autocast_cpu():
+        h = x @ w
+        assert h.dtype == torch.bfloat16                          # matmuls: 16 bits on both
+        assert torch.pow(h, 3.0).dtype == torch.float32           # CUDA: fp32 list
+        assert F.layer_norm(h, (16,)).dtype == torch.float32
+        assert F.softmax(h, -1).dtype == torch.float32            # fp32_set_opt_dtype
+        assert h.sum().dtype == torch.float32
+        assert torch.addcmul(h, x, x).dtype == torch.float32      # promote
+        with pytest.raises(RuntimeError, match="unsafe to autocast"):
+            F.binary_cross_entropy(torch.sigmoid(h), torch.zeros(8, 16, dtype=torch.bfloat16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # removed again: the CPU's own lists
+        assert torch.pow(x @ w, 3.0).dtype == torch.bfloat16
+
+
+def cuda_autocast_cpu():
+    import contextlib
+    stack = contextlib.ExitStack()
+    stack.enter_context(autocast_rule.cuda_autocast())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+    return stack
+
+
+def test_autocast_policy_table_covers_exactly_cudas_autocast_kernels():
+    """Every op the installed torch registers for AutocastCUDA has a policy here, and no other:
+    a new torch that changes the list fails this test instead of silently mispredicting."""
+    assert set(autocast_rule.CUDA_POLICY) == autocast_rule.registered("AutocastCUDA")
+
+
+def test_optimizers_default_to_foreach_as_on_cuda_parameters():
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        p = torch.nn.Parameter(torch.randn(32, 32))
+        p.grad = torch.randn(32, 32)
+        for ctx, expect in ((cuda_optimizer_defaults(), True), (None, False)):
+            opt = torch.optim.AdamW([p], lr=1e-3)
+            with (ctx or warnings.catch_warnings()), Ops() as ops:
+                opt.step()
+            assert ops.called(aten._foreach_sqrt.default) is expect
+        explicit = torch.optim.AdamW([p], lr=1e-3, foreach=False)
+        with cuda_optimizer_defaults(), Ops() as ops:
+            explicit.step()
+        assert not ops.called(aten._foreach_sqrt.default)  # an explicit choice is kept
+
+
+# -- kernel memory: cuBLAS, reductions, cuDNN ------------------------------------------------------
+
+def _traced(fn, dev=H100):
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        tracker = MemoryTracker()
+        with tracker, cuda_kernel_model(dev, tracker) as km:
+            fn()
+    return tracker, km
+
+
+def test_one_cublas_workspace_per_thread_that_runs_matmuls():
+    def step():
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+        for _ in range(2):  # a second step allocates no more workspaces
+            model(torch.randn(16, 64)).sum().backward()
+    tracker, _ = _traced(step)
+    ws = sorted((r.op, r.nbytes) for r in tracker.state.records if "workspace (" in r.op)
+    assert ws == [("cublas workspace (autograd thread)", 32 << 20), ("cublas workspace (main thread)", 32 << 20),
+                  ("cublaslt workspace (main thread)", 1 << 20)]  # biased Linear forward: cuBLASLt
+    assert all(tracker.category_of(r) == "other" for r in tracker.state.records if "workspace (" in r.op)
+    tracker, _ = _traced(step, A100)
+    assert {r.nbytes for r in tracker.state.records if r.op.startswith("cublas workspace")} == {8519680}
+
+
+def test_reduction_staging_buffer_matches_the_h100_snapshots():
+    # bias gradient of a [1024, 1000] bf16 gradient (snap-mha-bf16): 8,192,000 bytes + 32 of semaphores
+    assert reduce_rule.global_buffer_bytes([1024, 1000], [1000, 1], {0}, 2, 4, 132, input_vec_size=8) == (
+        8_192_000, 32)
+    # [3072, 1024] bf16 (snap-gpt2-bf16-small): 25,165,824 bytes
+    assert reduce_rule.global_buffer_bytes([3072, 1024], [1024, 1], {0}, 2, 4, 132, input_vec_size=8)[0] == 25_165_824
+    # a row-wise mean (many outputs, few inputs each) needs no staging buffer
+    assert reduce_rule.global_buffer_bytes([4096, 768], [768, 1], {1}, 4, 4, 132) == (0, 0)
+
+
+def test_cudnn_convolution_workspace_matches_the_cnn_snapshot():
+    """snap-cnn-fp32 (H100, fp32 NCHW): the 128->256 stride-2 conv on 16x16 inputs held 13,762,576
+    bytes forward and 17,302,111 in backward-weight; the 3-channel stem none."""
+    with FakeTensorMode():
+        x, w = torch.randn(64, 128, 16, 16), torch.randn(256, 128, 3, 3)
+        out = torch.ops.aten.convolution(x, w, None, [2, 2], [1, 1], [1, 1], False, [0, 0], 1)
+        fwd = conv_rule.workspace(aten.convolution.default, (x, w, None, [2, 2], [1, 1], [1, 1], False, [0, 0], 1),
+                                  out)[0][1]
+        bwd = conv_rule.workspace(aten.convolution_backward.default,
+                                  (out, x, w, None, [2, 2], [1, 1], [1, 1], False, [0, 0], 1, [True, True, False]),
+                                  None)[0][1]
+        stem_x, stem_w = torch.randn(64, 3, 32, 32), torch.randn(32, 3, 3, 3)
+        stem = torch.ops.aten.convolution(stem_x, stem_w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+        assert conv_rule.workspace(aten.convolution.default,
+                                   (stem_x, stem_w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1), stem) == []
+    assert abs(fwd - 13_762_576) / 13_762_576 < 0.001
+    assert abs(bwd - 17_302_111) / 17_302_111 < 0.04
+
+
+def test_lstm_runs_cudnn_rnn_with_a_weight_buffer_and_reserve():
+    """The meta kernel returns weight_buf=None, which broke backward on fake CUDA tensors; the rule
+    returns the flat buffer the CUDA kernel makes, books the reserve, and backward runs."""
+    def step():
+        lstm = torch.nn.LSTM(8, 16, 2, batch_first=True)
+        y, _ = lstm(torch.randn(4, 5, 8))
+        assert type(y.grad_fn).__name__ == "CudnnRnnBackward0"
+        n_weights = sum(p.numel() for p in lstm.parameters())
+        assert y.grad_fn._saved_result4.shape == (n_weights,)
+        y.sum().backward()
+        assert all(p.grad is not None and p.grad.shape == p.shape for p in lstm.parameters())
+    tracker, km = _traced(step)
+    reserve = 2 * 5 * 4 * 2 * 4 * 16 * 4  # layers x steps x batch x 2 x gates x hidden x fp32
+    assert reserve in [r.nbytes for r in tracker.state.records]
+    assert km.booked["cudnn rnn backward workspace"] == 2  # data and weight passes
+
+
+def test_lstm_on_fake_cuda_tensors_keeps_its_weight_buffer():
+    with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.device("cuda"):
+            lstm = torch.nn.GRU(8, 16, batch_first=True)
+            x = torch.randn(4, 5, 8)
+        with cuda_kernel_model(H100):
+            y, _ = lstm(x)
+    assert y.device.type == "cuda" and y.grad_fn._saved_result4 is not None
+
+
+def test_bitsandbytes_8bit_update_has_no_cpu_scratch_on_a_gpu_target():
+    """bitsandbytes' CPU 8-bit update holds fp32 copies of both states, the gradient and the weight
+    (~6x the parameter; probed on the CPU device); its CUDA kernel updates in place. A GPU target
+    books nothing in the optimizer phase."""
+    pytest.importorskip("bitsandbytes")
+    from memfit.memory.estimate import resolve
+    from memfit.memory.faketrace import run_tracked
+    from memfit.plans import Plan
+    wl, plan, bs = resolve("mha:layers=1", Plan(optimizer="adamw8bit"), 2)
+    gpu = run_tracked(wl, plan, bs, H100, fake=True).tracker
+    cpu = run_tracked(wl, plan, bs, get_device("cpu"), fake=True).tracker
+    assert not [r for r in gpu.state.records if r.phase == "optimizer" and r.step == 2]
+    assert any(r.op.endswith(":workspace") for r in cpu.state.records if r.step == 2 and r.nbytes > 1 << 20)
