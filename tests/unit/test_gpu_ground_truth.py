@@ -1,0 +1,80 @@
+"""GPU predictions against a real H100 (tests/data/h100.jsonl), on this CPU.
+
+Every recorded case is predicted for the ``h100-80gb`` preset and compared with what the real
+steady-state step gave: ``max_memory_allocated`` within 3%, ``max_memory_reserved`` within 5%
+(see the data's README for how they were measured). A representative subset (one case per CUDA
+kernel rule and technique) runs in the default suite; the rest are marked slow. The same table,
+with timings, is ``.venv/bin/python bench/gpu_accuracy.py``.
+
+Cases that still miss are listed in ``KNOWN_MISSES`` with the reason; they are expected to fail
+(strict: a case that starts passing must be taken off the list).
+"""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ALLOCATED_TOLERANCE = 0.03
+RESERVED_TOLERANCE = 0.05
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("gpu_accuracy", ROOT / "bench" / "gpu_accuracy.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BENCH = _bench()
+CASES = {c["case"]: c for c in BENCH.load_cases(ROOT / "tests" / "data" / "h100.jsonl")}
+
+# One per rule or technique: efficient attention in fp32 (gpt2-fp32, bert-fp32), cuDNN/flash
+# attention with CUDA autocast (gpt2-bf16, vit-bf16, dit-bf16), selective checkpointing, offloaded
+# states on a prefetch stream, bitsandbytes' CUDA 8-bit update, foreach AdamW at the peak
+# (llama4), cuDNN convolution (cnn) and RNN (lstm), nn.MultiheadAttention (mha), masks and
+# dropout (transformer), pure bf16 with 8-bit states and checkpointing.
+DEFAULT = {
+    "gpt2-fp32", "gpt2-bf16", "gpt2-bf16-selective", "gpt2-bf16-offopt", "gpt2-bf16-8bit", "bert-fp32",
+    "vit-bf16", "cnn-fp32", "lstm-fp32", "mha-bf16", "mha-chunked", "dit-bf16", "transformer-fp32",
+    "llama4-bf16", "t-llama4-offopt-b2", "t-llama4-pure-8bit-blocks-b2",
+}
+
+KNOWN_MISSES = {
+    "t5-bf16": "measured with transformers 5.17, whose T5 passed SDPA a non-contiguous position-bias mask "
+               "(math path, [B,H,T,T] kept); transformers 5.23 (installed) makes it contiguous, so "
+               "memory-efficient attention runs and the prediction is for that (-45%)",
+    "lstm-fp32": "reserved only (-11%): cuDNN's RNN reserve and workspace sizes are a model, checked against "
+                 "this one measurement's allocated peak (+0.1%); no allocator snapshot of an LSTM yet",
+    "t-llama4-selective-b2": "reserved only (-5.5%; allocated -1.5%): the real run (torch 2.11) kept ~350 MiB "
+                             "more than selective checkpointing does in torch 2.14's trace",
+}
+
+
+def _params(names):
+    return [pytest.param(n, marks=pytest.mark.xfail(reason=KNOWN_MISSES[n], strict=True)) if n in KNOWN_MISSES
+            else n for n in sorted(names)]
+
+
+def _check(name: str) -> None:
+    r = BENCH.predict(CASES[name])
+    alloc_err, res_err = r["error"] / 100, r["reserved_error"] / 100
+    assert abs(alloc_err) <= ALLOCATED_TOLERANCE and abs(res_err) <= RESERVED_TOLERANCE, (
+        f"{name}: allocated {r['predicted']:,} vs measured {r['measured']:,} ({alloc_err:+.2%}), "
+        f"reserved {r['reserved_predicted']:,} vs {r['reserved_measured']:,} ({res_err:+.2%})")
+
+
+def test_the_recorded_cases_are_there():
+    assert len(CASES) >= 39 and DEFAULT <= set(CASES) and set(KNOWN_MISSES) <= set(CASES)
+
+
+@pytest.mark.parametrize("name", _params(DEFAULT))
+def test_h100_prediction_matches_measurement(name):
+    _check(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _params(set(CASES) - DEFAULT))
+def test_h100_prediction_matches_measurement_all_cases(name):
+    _check(name)
