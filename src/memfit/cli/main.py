@@ -14,9 +14,16 @@ import sys
 from memfit import __version__
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line, like every other error (the usage itself is in --help)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from memfit.cli import demo, estimate, info, plan, profile, train
-    parser = argparse.ArgumentParser(prog="memfit", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="memfit", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"memfit {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -41,7 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         for p in action.choices.values():
             p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # said by the subcommand's parser, so the line names the subcommand
+            sub = parser._subparsers._group_actions[0].choices.get(getattr(args, "command", None), parser)
+            sub.error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as e:  # argparse: usage errors exit 2 already
         return int(e.code or 0)
     if not getattr(args, "command", None):
