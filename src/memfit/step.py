@@ -250,7 +250,7 @@ def _workload_error(what: str, fn, e: Exception) -> BaseException:
     at = user_location(e, fn)
     msg = " ".join(str(e).split()).rstrip(".")
     msg = msg if len(msg) <= 300 else msg[:297] + "..."
-    return UserError(f"the workload's {what} raised {type(e).__name__}{f' at {at}' if at else ''}: {msg}; "
+    return UserError(f"the workload's {what} raised {type(e).__name__}: {msg}{f' (at {at})' if at else ''}; "
                      "fix the workload (run with --debug for the traceback)")
 
 

@@ -99,6 +99,6 @@ def _batch_error(e: Exception) -> BaseException:
     at = user_location(e)
     msg = " ".join(str(e).split()).rstrip(".")
     msg = msg if len(msg) <= 300 else msg[:297] + "..."
-    return UserError(f"loss_chunks: the model's forward on the workload's batch raised {type(e).__name__}"
-                     f"{f' at {at}' if at else ''}: {msg}; fix the batch (the keys the model takes, plus "
-                     "'labels') or set loss_chunks: 0")
+    return UserError(f"loss_chunks: the model's forward on the workload's batch raised {type(e).__name__}: {msg}"
+                     f"{f' (at {at})' if at else ''}; fix the batch (the keys the model takes, plus 'labels') or "
+                     "set loss_chunks: 0")
