@@ -75,6 +75,8 @@ def _load_file_workload(spec: str) -> Workload:
         raise UserError(f"workload {spec!r} names no object; write {path_text}:NAME (a Workload or a function returning one)")
     mod_name = f"memfit_user_{abs(hash(str(path.resolve())))}"
     module_spec = importlib.util.spec_from_file_location(mod_name, path)
+    if module_spec is None:  # not a .py file: Python has no loader for it
+        raise UserError(f"workload file {path_text!r} is not a Python file; give path/to/file.py:NAME")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[mod_name] = module
     try:
