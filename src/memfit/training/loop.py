@@ -86,6 +86,9 @@ def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: s
     if checkpoint.exists(out_dir) and not resume and not overwrite:
         raise UserError(f"--out {str(out_dir)!r} already holds a run's checkpoint; add --resume to continue it, "
                         "--overwrite to start over, or choose another --out folder")
+    if wl.info.get("text_lm") and wl.info.get("vocab_size", 256) < 256:  # the corpus's token ids are bytes
+        raise UserError(f"{wl.name}: vocab_size={wl.info['vocab_size']} is below 256, and training text is "
+                        f"tokenized as bytes (ids 0-255); override {wl.name}:vocab_size=256 or more")
     corpus = ByteCorpus(data) if wl.info.get("text_lm") else None
     if data is not None and corpus is None:
         raise UserError(f"--data applies to the built-in language models (gpt2, llama); {wl.name} makes its own "

@@ -81,7 +81,8 @@ def gpt2(overrides: dict, seq_len: int | None) -> Workload:
     tf = _transformers()
     return Workload(model=lambda: tf.GPT2LMHeadModel(config), batch=_lm_batch(config.vocab_size, seq),
                     loss=_hf_loss, name="gpt2", default_batch_size=8,
-                    info={"arch": "gpt2", "text_lm": True, "seq_len": seq, "n_layer": config.n_layer, "n_embd": config.n_embd})
+                    info={"arch": "gpt2", "text_lm": True, "seq_len": seq, "vocab_size": config.vocab_size,
+                          "n_layer": config.n_layer, "n_embd": config.n_embd})
 
 
 def llama(overrides: dict, seq_len: int | None) -> Workload:
@@ -91,8 +92,8 @@ def llama(overrides: dict, seq_len: int | None) -> Workload:
     tf = _transformers()
     return Workload(model=lambda: tf.LlamaForCausalLM(config), batch=_lm_batch(config.vocab_size, seq),
                     loss=_hf_loss, name="llama", default_batch_size=1,
-                    info={"arch": "llama", "text_lm": True, "seq_len": seq, "layers": config.num_hidden_layers,
-                          "hidden": config.hidden_size})
+                    info={"arch": "llama", "text_lm": True, "seq_len": seq, "vocab_size": config.vocab_size,
+                          "layers": config.num_hidden_layers, "hidden": config.hidden_size})
 
 
 def bert(overrides: dict, seq_len: int | None) -> Workload:
