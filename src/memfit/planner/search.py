@@ -109,6 +109,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     _check_budget_above_weights(budget_bytes, facts, dev)
     space = space or default_space(facts, dev, bs, optimizers)
     fixed, constrained = _constrain(space, dict(fixed or {}), dev, bs)
+    _check_suits(wl, constrained, bs, dev)
     for m in space.micro_batches:
         Plan(micro_batch_size=m if m != bs else None).micro_batches(bs)
     plans = candidates(space, bs)
@@ -129,9 +130,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     for name, value in constrained.items():
         if not space.values[name]:  # the time model's runs found that the value does not suit the workload
             why = next((x.split(": ", 1)[-1] for x in model.excluded if x.startswith(f"{name}=")), "")
-            raise UserError(f"plan: the given {name}={_show_value(value)} does not suit {wl.name}: "
-                            f"{why.removeprefix('plan: ')}; remove --{name.replace('_', '-')} to let the planner "
-                            "choose")
+            raise _unsuited(wl, name, value, why)
     plans = [p for p in plans if all(getattr(p, n) in v for n, v in space.values.items())]  # after exclusions
     ranked = sorted((Candidate(p, model.predict(p)) for p in plans), key=lambda c: c.seconds)
     failed: list[Candidate] = []
@@ -202,6 +201,29 @@ def _constrain(space, fixed: dict, dev: Device, bs: int) -> tuple[dict, dict]:
         constrained[name] = tuple(value) if name == "offload" else value
         space.values[name] = [constrained[name]]
     return fixed, constrained
+
+
+def _check_suits(wl: Workload, constrained: dict, bs: int, dev: Device) -> None:
+    """Build the step (on fake tensors: no memory) with each value the user fixed, so that one that
+    does not suit the workload (loss_chunks on a model that is no causal LM, checkpointing without
+    repeated blocks) is refused before any candidate is timed or traced."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memfit.step import build_step
+    for name, value in constrained.items():
+        if value == Plan().to_dict()[name] or (name == "offload" and not value):
+            continue
+        try:
+            with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
+                warnings.simplefilter("ignore")
+                build_step(wl, Plan(**{name: value}), bs, dev)
+        except UserError as e:
+            raise _unsuited(wl, name, value, str(e)) from None
+
+
+def _unsuited(wl: Workload, name: str, value, why: str) -> UserError:
+    return UserError(f"plan: the given {name}={_show_value(value)} does not suit {wl.name}: "
+                     f"{why.removeprefix('plan: ')}; remove --{name.replace('_', '-')} to let the planner choose")
 
 
 def _show_value(value) -> str:

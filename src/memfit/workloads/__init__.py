@@ -39,8 +39,9 @@ def parse_overrides(text: str, what: str) -> dict:
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or not key:
+            example = "--ema decay=0.999,device=cpu" if what == "--ema" else f"{what}:key=value,key=value"
             raise UserError(f"malformed override {item!r} for {what}; write key=value pairs separated by commas, "
-                            f"e.g. {what}:n_layer=4,n_embd=256")
+                            f"e.g. {example}")
         try:
             out[key] = yaml.safe_load(value)
         except yaml.YAMLError:
