@@ -32,6 +32,8 @@ def test_plan_is_frozen():
     ({"micro_batch_size": -1}, "micro_batch_size"),
     ({"offload": ["gradients"]}, "offload 'gradients'"),
     ({"ema": {"decay": 2}}, "ema"),
+    ({"ema": {"decay": "x"}}, "decay='x'"),
+    ({"ema": {"every": 1.5}}, "every=1.5"),
     ({"optimizer_in_backward": True, "grad_accum_steps": 4}, "cannot accumulate"),
     ({"optimizer_in_backward": True, "precision": "fp16"}, "fp16"),
 ])
@@ -51,6 +53,17 @@ def test_bad_plan_file(tmp_path):
         Plan.load(q)
     with pytest.raises(UserError, match="not found"):
         Plan.load(tmp_path / "missing.yaml")
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"precision: \xff\xfe")
+    with pytest.raises(UserError, match="is not text"):
+        Plan.load(binary)
+    with pytest.raises(UserError, match="is a folder"):
+        Plan.load(tmp_path)
+
+
+def test_save_to_an_unwritable_path_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="cannot write the plan"):
+        Plan().save(tmp_path / "missing" / "plan.yaml")
 
 
 def test_micro_batches():

@@ -23,6 +23,16 @@ def test_overrides_and_seq_len():
     ("gpt2:nlayer=3", "no field 'nlayer'"),
     ("gpt2:n_layer", "key=value"),
     ("cnn:widht=3", "unknown field"),
+    ("gpt2:n_layer=abc", r"gpt2: n_layer must be an int \(a whole number\), got 'abc'; write e.g. gpt2:n_layer=12"),
+    ("gpt2:n_layer=true", "n_layer must be an int"),
+    ("gpt2:activation_function=1", "activation_function must be a string"),
+    ("llama:no_such_field=1", "LlamaConfig has no field 'no_such_field'"),
+    ("vit:image_size=abc", "ViTConfig refuses image_size='abc'"),
+    ("mha:dim=abc", "mha: dim must be an int"),
+    ("mha:heads=3", "dim=128 must be divisible by heads=3"),
+    ("dit:patch=3", "image_size=16 must be divisible by patch=3"),
+    ("cnn:depth=0", "depth must be a whole number >= 1"),
+    ("transformer:dropout=1", r"dropout must be in \[0, 1\)"),
 ])
 def test_bad_specs(spec, match):
     with pytest.raises(UserError, match=match):
@@ -68,3 +78,63 @@ def test_default_optimizer_is_adamw():
     wl = Workload(model=lambda: torch.nn.Linear(2, 2), batch=lambda n: torch.randn(n, 2), loss=lambda m, x: m(x).sum())
     opt = wl.build_optimizer(torch.nn.Linear(2, 2).parameters())
     assert isinstance(opt, torch.optim.AdamW) and opt.defaults["lr"] == 1e-4
+
+
+def test_override_values_are_converted_where_lossless():
+    from memfit.workloads.hf import _config
+    assert _config("GPT2Config", "gpt2", {"layer_norm_epsilon": 1}).layer_norm_epsilon == 1.0  # 5.x refuses int
+    assert _config("GPT2Config", "gpt2", {"layer_norm_epsilon": "1e-6"}).layer_norm_epsilon == 1e-6  # YAML text
+    assert load_workload("transformer:dropout=0").info["dropout"] == 0.0
+
+
+def test_override_types_without_dataclass_configs(monkeypatch):
+    """transformers 4.x configs are plain classes that accept any value: the default's type decides."""
+    from types import SimpleNamespace
+
+    from memfit.workloads import hf
+
+    class OldConfig:  # a 4.x-style config: attributes, no annotations, no validation
+        def __init__(self):
+            self.n_layer, self.layer_norm_epsilon, self.activation_function = 12, 1e-5, "gelu_new"
+            self.scale_attn_weights, self.n_inner = True, None
+
+    monkeypatch.setattr(hf, "_transformers", lambda: SimpleNamespace(GPT2Config=OldConfig))
+    with pytest.raises(UserError, match="gpt2: n_layer must be an int .* got 'abc'"):
+        hf._config("GPT2Config", "gpt2", {"n_layer": "abc"})
+    with pytest.raises(UserError, match="scale_attn_weights must be a bool"):
+        hf._config("GPT2Config", "gpt2", {"scale_attn_weights": 2})
+    config = hf._config("GPT2Config", "gpt2", {"layer_norm_epsilon": 1, "n_inner": 64})
+    assert config.layer_norm_epsilon == 1.0 and isinstance(config.layer_norm_epsilon, float) and config.n_inner == 64
+
+
+def test_what_the_config_class_refuses_names_the_field(monkeypatch):
+    from types import SimpleNamespace
+
+    from memfit.workloads import hf
+
+    class StrictConfig:  # refuses on setattr, as transformers 5.x's strict dataclasses do
+        def __init__(self):
+            object.__setattr__(self, "rope", {"theta": 1.0})
+
+        def __setattr__(self, key, value):
+            if key == "rope" and not isinstance(value, dict):
+                raise TypeError(f"Field 'rope' expected dict, got {type(value).__name__}")
+            object.__setattr__(self, key, value)
+
+    monkeypatch.setattr(hf, "_transformers", lambda: SimpleNamespace(StrictConfig=StrictConfig))
+    with pytest.raises(UserError, match="gpt2: StrictConfig refuses rope=3 .*expected dict"):
+        hf._config("StrictConfig", "gpt2", {"rope": 3})
+
+
+def test_builtin_failures_name_the_overrides():
+    import torch
+    wl = load_workload("gpt2:n_layer=1,n_embd=30,n_head=4")
+    with pytest.raises(UserError, match="gpt2:n_layer=1,n_embd=30,n_head=4: building the model failed with "
+                                        "ValueError"):
+        with torch.device("meta"):
+            wl.model()
+    wl = load_workload("gpt2:n_layer=1,n_embd=32,n_head=2,vocab_size=0", seq_len=8)
+    with pytest.raises(UserError, match="batch\\(batch_size\\) failed with RuntimeError"):
+        wl.batch(2)
+    plain = load_workload("mha")  # no overrides: a failure would be memfit's own bug, reported as such
+    assert plain.model.__module__ == "memfit.workloads.zoo"
