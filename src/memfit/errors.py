@@ -67,3 +67,11 @@ def user_location(exc: BaseException, fn=None) -> str | None:
         if not path.startswith(libs) and not fr.filename.startswith("<frozen"):
             return f"{os.path.basename(fr.filename)}:{fr.lineno}"
     return None
+
+
+def brief(exc: BaseException, limit: int = 300) -> str:
+    """An exception's message on one line for a user error: whitespace folded, PyTorch's C++
+    context ("Exception raised from ... frame #0 ...") dropped, cut at ``limit`` characters."""
+    text = " ".join(str(exc).split())
+    text = text.split(" Exception raised from ")[0].rstrip(" .")
+    return text if len(text) <= limit else text[:limit - 3] + "..."

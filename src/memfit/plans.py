@@ -37,6 +37,7 @@ OFFLOADS = ("optimizer_states", "activations")
 ATTENTIONS = ("auto", "sdpa", "math", "chunked")
 COMPILES = ("none", "blocks", "full")
 BF16_UPDATES = ("nearest", "stochastic", "kahan")
+MAX_CHUNKS = 2**31 - 1
 _CKPT_RE = re.compile(r"^(none|blocks|blocks:every=(\d+)|selective|budget:([0-9]*\.?[0-9]+))$")
 
 # Plan fields that this version implements in the TrainStep. The others are part of the
@@ -104,8 +105,9 @@ class Plan:
                 not isinstance(self.micro_batch_size, int) or isinstance(self.micro_batch_size, bool)
                 or self.micro_batch_size < 1):
             raise UserError(f"plan: micro_batch_size must be null or a whole number >= 1, got {self.micro_batch_size!r}")
-        if not isinstance(self.loss_chunks, int) or isinstance(self.loss_chunks, bool) or self.loss_chunks < 0:
-            raise UserError(f"plan: loss_chunks must be a whole number >= 0, got {self.loss_chunks!r}")
+        if not isinstance(self.loss_chunks, int) or isinstance(self.loss_chunks, bool) \
+                or not 0 <= self.loss_chunks <= MAX_CHUNKS:
+            raise UserError(f"plan: loss_chunks must be a whole number from 0 to {MAX_CHUNKS}, got {self.loss_chunks!r}")
         if not isinstance(self.optimizer_in_backward, bool):
             raise UserError(f"plan: optimizer_in_backward must be true or false, got {self.optimizer_in_backward!r}")
         offload = self.offload

@@ -244,12 +244,11 @@ def _workload_fn(what: str, fn):
 
 def _workload_error(what: str, fn, e: Exception) -> BaseException:
     """The error to raise for exception ``e`` of the workload's ``what``: ``e`` itself, or a UserError."""
-    from memfit.errors import passes_through, raised_in_memfit, user_location
+    from memfit.errors import brief, passes_through, raised_in_memfit, user_location
     if passes_through(e) or raised_in_memfit(e) or _builtin(fn):
         return e
     at = user_location(e, fn)
-    msg = " ".join(str(e).split()).rstrip(".")
-    msg = msg if len(msg) <= 300 else msg[:297] + "..."
+    msg = brief(e)
     return UserError(f"the workload's {what} raised {type(e).__name__}: {msg}{f' (at {at})' if at else ''}; "
                      "fix the workload (run with --debug for the traceback)")
 

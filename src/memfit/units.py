@@ -51,11 +51,17 @@ def fmt_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def parse_positive_int(text: str | int, what: str) -> int:
+MAX_SIZE = 2**32
+"""The largest batch size or sequence length taken (tensor sizes must stay far inside 64 bits)."""
+
+
+def parse_positive_int(text: str | int, what: str, maximum: int | None = None) -> int:
     try:
         value = int(text)
     except (TypeError, ValueError):
         raise UserError(f"malformed {what} {text!r}; give a positive whole number, e.g. 8") from None
     if value <= 0:
         raise UserError(f"{what} must be a positive whole number, got {text!r}")
+    if maximum is not None and value > maximum:
+        raise UserError(f"{what} {text} is too large; give at most {maximum}")
     return value

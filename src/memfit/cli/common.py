@@ -12,7 +12,7 @@ from functools import cache
 
 from memfit.errors import UserError
 from memfit.plans import Plan
-from memfit.units import parse_positive_int
+from memfit.units import MAX_SIZE, parse_positive_int
 
 
 @cache
@@ -90,8 +90,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
 
 
 def batch_and_seq(args: argparse.Namespace) -> tuple[int | None, int | None]:
-    bs = parse_positive_int(args.batch_size, "--batch-size") if args.batch_size is not None else None
-    seq = parse_positive_int(args.seq_len, "--seq-len") if args.seq_len is not None else None
+    bs = parse_positive_int(args.batch_size, "--batch-size", MAX_SIZE) if args.batch_size is not None else None
+    seq = parse_positive_int(args.seq_len, "--seq-len", MAX_SIZE) if args.seq_len is not None else None
     return bs, seq
 
 

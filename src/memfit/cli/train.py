@@ -53,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--seed, --checkpoint-every and --workers take whole numbers") from None
     if every < 0 or (workers is not None and workers < 0):
         raise UserError("--checkpoint-every and --workers must be >= 0")
+    if not -2**63 <= seed < 2**64:  # torch.manual_seed's range
+        raise UserError(f"--seed {seed} is out of range; give a whole number from {-2**63} to {2**64 - 1}")
     steps = parse_positive_int(args.steps, "--steps")
     check_output_dir(args.out, "--out")
     result = train(args.workload, plan=plan, budget=args.budget, steps=steps,

@@ -93,12 +93,11 @@ class ChunkedLoss:
 def _batch_error(e: Exception) -> BaseException:
     """A failure of the model's forward on the workload's batch is the batch's; memfit's own
     failures, out-of-memory errors and trace failures pass through unchanged."""
-    from memfit.errors import passes_through, raised_in_memfit, user_location
+    from memfit.errors import brief, passes_through, raised_in_memfit, user_location
     if passes_through(e) or raised_in_memfit(e):
         return e
     at = user_location(e)
-    msg = " ".join(str(e).split()).rstrip(".")
-    msg = msg if len(msg) <= 300 else msg[:297] + "..."
+    msg = brief(e)
     return UserError(f"loss_chunks: the model's forward on the workload's batch raised {type(e).__name__}: {msg}"
                      f"{f' (at {at})' if at else ''}; fix the batch (the keys the model takes, plus 'labels') or "
                      "set loss_chunks: 0")

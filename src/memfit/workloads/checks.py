@@ -86,11 +86,10 @@ def guarded(arch: str, overrides: dict, what: str, fn: Callable) -> Callable:
         try:
             return fn(*args)
         except Exception as e:
-            from memfit.errors import passes_through, raised_in_memfit
+            from memfit.errors import brief, passes_through, raised_in_memfit
             if passes_through(e) or raised_in_memfit(e):
                 raise
-            msg = " ".join(str(e).split()).rstrip(".")
-            msg = msg if len(msg) <= 300 else msg[:297] + "..."
+            msg = brief(e)
             raise UserError(f"{arch}:{describe(overrides)}: {what} failed with {type(e).__name__}: {msg}; "
                             "change the overrides") from e
     return call

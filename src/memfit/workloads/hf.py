@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from memfit.errors import UserError
+from memfit.errors import UserError, brief
 from memfit.workload import Workload
 from memfit.workloads.checks import check_value, simple_types
 
@@ -34,8 +34,7 @@ def _config(cls_name: str, arch: str, overrides: dict, defaults: dict | None = N
         try:  # transformers 5.x validates fields itself (StrictDataclassFieldValidationError)
             setattr(config, key, value)
         except Exception as e:  # noqa: BLE001 - whatever the config class refuses is the override's fault
-            detail = " ".join(str(e).split())
-            detail = detail if len(detail) <= 160 else detail[:157] + "..."
+            detail = brief(e, 160)
             example = f", e.g. {arch}:{key}={default}" if isinstance(default, (int, float, str)) else ""
             raise UserError(f"{arch}: {cls_name} refuses {key}={value!r} ({detail}); "
                             f"give a value of the field's type{example}") from None
