@@ -9,9 +9,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.devices import get_device
-from memfit.memory.cuda import cuda_kernel_model
 from memfit.memory.cuda import autocast as autocast_rule
 from memfit.memory.cuda import conv as conv_rule
+from memfit.memory.cuda import cuda_kernel_model
 from memfit.memory.cuda import reduce as reduce_rule
 from memfit.memory.cuda import sdpa as sdpa_rule
 from memfit.memory.cuda.composites import cuda_composites
