@@ -2,9 +2,14 @@
 
 The steady-state step (the second: optimizer states exist) of the one TrainStep is traced under
 ``FakeTensorMode`` with the storage tracker. For ``cpu`` the tracked bytes are what the CPU
-allocator sees. For a GPU preset the step is traced on fake CUDA tensors (so CUDA autocast op
-lists and CUDA kernel choices apply) and the timeline is replayed through the caching-allocator
-model, giving allocated and reserved bytes; the CUDA context is reported beside them.
+allocator sees (kernel scratch probed on this machine). For a GPU target (a preset, or the local
+card with ``--device cuda``) the trace runs inside the CUDA kernel model (memfit.memory.cuda, see
+NOTE [ CUDA kernel model ]): CUDA's attention backends, autocast lists, fused dropout, cuDNN RNNs
+and foreach optimizers, plus what CUDA kernels allocate inside (cuBLAS workspaces per thread,
+attention/reduction buffers, cuDNN workspaces). The timeline is then replayed through the
+caching-allocator model, giving allocated and reserved bytes; the CUDA context is reported beside
+them. Without a GPU a preset is traced on fake CPU tensors (memfit.step.tensor_device); with one,
+on fake CUDA tensors; the kernel model makes both take the same kernels.
 
 When fake tracing fails (a data-dependent op such as ``nonzero``), the error names the op; if
 the workload plausibly fits in this machine's memory, the same tracker measures a real run on
