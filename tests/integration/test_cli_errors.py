@@ -143,6 +143,11 @@ CASES = [
     # training text is bytes
     (["train", "gpt2:n_layer=1,n_embd=32,n_head=2,vocab_size=100", *SMALL, "--out", "{d}/run-vocab"],
      "vocab_size=100 is below 256"),
+    # numbers past what a tensor size or a seed can hold
+    (["estimate", MHA, "--seq-len", "16", "-b", str(10**30)], "--batch-size 1" + "0" * 30 + " is too large"),
+    (["estimate", GPT2, *SMALL, "--loss-chunks", str(10**24)], "loss_chunks must be a whole number from 0 to"),
+    (["train", MHA, *SMALL, "--seed", str(10**24), "--out", "{d}/run-seed"], "--seed 1" + "0" * 24 + " is out of range"),
+    (["estimate", "{d}/text.txt:X"], "is not a Python file"),
     # argparse's own errors are one line too
     (["estimate", MHA, "--batch-size"], "expected one argument"),
     (["estimate", MHA, "--bogus"], "unrecognized arguments: --bogus"),
@@ -212,6 +217,7 @@ def test_out_of_memory_in_loss_still_reaches_training():
 # and, for each, a bad value one time in four (sometimes free text), so that valid combinations
 # reach the step often enough to find the failures hidden behind the first check.
 FLAG = object()  # a flag given without a value
+HUGE = str(10**24)  # past int64
 EXPLORE = int(os.environ.get("MEMFIT_FUZZ_EXPLORE", "0"))
 
 
@@ -225,7 +231,7 @@ def _workloads(d: str) -> tuple[list[str], list[str]]:
     good = [MHA, GPT2, CNN, f"{d}/wl.py:OK"]
     bad = ["nosuch", "", "mha:", "mha:dim", "mha:=1", "mha:dim=abc", "mha:heads=3", "mha:layers=0",
            "gpt2:n_layer=abc", "gpt2:n_layer=1,n_embd=30,n_head=4", "llama:no_such_field=1", "vit:image_size=abc",
-           "t5:d_model=x", f"{d}/wl.py:BADLOSS", f"{d}/wl.py:SHAPE", f"{d}/wl.py:NOTENSOR", f"{d}/wl.py:NOPE",
+           "t5:d_model=x", f"mha:vocab={HUGE}", f"{d}/wl.py:BADLOSS", f"{d}/wl.py:SHAPE", f"{d}/wl.py:NOTENSOR", f"{d}/wl.py:NOPE",
            f"{d}/wl.py", "missing.py:X", f"{d}/text.txt:X"]
     return good, bad
 
@@ -235,16 +241,16 @@ def _plan_flags(d: str) -> dict[str, tuple[list, list]]:
         "--plan": ([f"{d}/plan.yaml"], [f"{d}/binary.yaml", f"{d}/list.yaml", f"{d}/bad.json", f"{d}/badkey.yaml",
                                         f"{d}/badema.yaml", f"{d}/folder", "missing.yaml", ""]),
         "--precision": (["fp32", "bf16", "fp16", "bf16-pure", "auto"], ["fp8", "", "BF16"]),
-        "--micro-batch-size": (["1", "2", "null"], ["0", "x", "-2", "1.5", "3"]),
+        "--micro-batch-size": (["1", "2", "null"], ["0", "x", "-2", "1.5", "3", HUGE]),
         "--grad-accum-steps": (["1", "2"], ["0", "x", "-1", "3"]),
         "--checkpointing": (["none", "blocks", "blocks:every=2", "selective"],
                             ["blocks:every=0", "budget:0.5", "budget:2", "bogus", ""]),
         "--optimizer": (["adamw", "sgd", "adafactor", "adamw8bit"], ["lion", ""]),
         "--optimizer-in-backward": ([FLAG, "true", "false"], ["maybe", ""]),
         "--offload": (["optimizer_states", "activations", "optimizer_states,activations", ""], [",gpu", "gpu"]),
-        "--ema": (["decay=0.9", "null", "{decay: 0.5, every: 2}", "device=device"],
+        "--ema": (["decay=0.9", "null", "{decay: 0.5, every: 2}", "device=device", f"every={HUGE}"],
                   ["{{{", "decay=abc", "{decay: 2}", "every=0", "5", "[1", "device=gpu", "bogus=1", "decay"]),
-        "--loss-chunks": (["0", "2"], ["-1", "x"]),
+        "--loss-chunks": (["0", "2"], ["-1", "x", HUGE]),
         "--attention": (["auto", "sdpa", "math", "chunked"], ["flash"]),
         "--compile": (["none"], ["full", "blocks", "x"]),
         "--bf16-update": (["nearest", "stochastic", "kahan"], ["x"]),
@@ -252,8 +258,8 @@ def _plan_flags(d: str) -> dict[str, tuple[list, list]]:
 
 
 def _common(d: str) -> dict[str, tuple[list, list]]:
-    return {"--batch-size": (["2", "4"], ["0", "-1", "abc", "1.5", "", "3"]),
-            "--seq-len": (["16", "8"], ["0", "-4", "x", "64"]),
+    return {"--batch-size": (["2", "4"], ["0", "-1", "abc", "1.5", "", "3", HUGE]),
+            "--seq-len": (["16", "8"], ["0", "-4", "x", "64", HUGE]),
             "--device": (["cpu", "h100-80gb", "t4", "rtx4090"], ["h300", "", "cuda", "auto"]),
             "--json": ([FLAG], [])}
 
@@ -336,7 +342,7 @@ def test_fuzz_train(files, data):
             "--device": (["cpu", "auto"], ["h100-80gb", "cuda", "x"]),
             "--steps": (["1"], ["0", "x"]), "--data": ([f"{d}/text.txt"], ["missing.txt", f"{d}/empty"]),
             "--workers": (["0"], ["-1", "x"]), "--out": ([f"{d}/run"], [f"{d}/text.txt", "/proc/memfit-fuzz", ""]),
-            "--resume": ([FLAG], []), "--overwrite": ([FLAG], []), "--seed": (["0", "7"], ["x"]),
+            "--resume": ([FLAG], []), "--overwrite": ([FLAG], []), "--seed": (["0", "-7"], ["x", HUGE]),
             "--checkpoint-every": (["1"], ["-1", "x"]), "--json": ([FLAG], [])}
     argv = data.draw(_argv("train", d, pool, {"--seq-len": "16", "--batch-size": "2", "--steps": "1",
                                               "--out": f"{d}/run", "--no-report": FLAG, "--overwrite": FLAG}))

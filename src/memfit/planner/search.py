@@ -31,6 +31,8 @@ from memfit.units import fmt_bytes, parse_size
 from memfit.workload import Workload, load_workload
 
 HEADROOM = 0.10
+MODEL_DEPENDENT = ("checkpointing", "loss_chunks", "attention")
+"""Plan fields whose values some models cannot take (no repeated blocks, no causal LM head)."""
 WALK_BEFORE_FEASIBILITY = 8
 """Traces of the fastest plans before checking that any plan fits at all."""
 
@@ -211,7 +213,7 @@ def _check_suits(wl: Workload, constrained: dict, bs: int, dev: Device) -> None:
 
     from memfit.step import build_step
     for name, value in constrained.items():
-        if value == Plan().to_dict()[name] or (name == "offload" and not value):
+        if name not in MODEL_DEPENDENT or value == Plan().to_dict()[name]:
             continue
         try:
             with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
