@@ -283,3 +283,15 @@ def test_bitsandbytes_8bit_update_has_no_cpu_scratch_on_a_gpu_target():
     cpu = run_tracked(wl, plan, bs, get_device("cpu"), fake=True).tracker
     assert not [r for r in gpu.state.records if r.phase == "optimizer" and r.step == 2]
     assert any(r.op.endswith(":workspace") for r in cpu.state.records if r.step == 2 and r.nbytes > 1 << 20)
+
+
+def test_autocast_reaches_ops_inside_a_composite_that_only_the_cpu_list_casts():
+    """CPU autocast casts cross_entropy's input to fp32 itself; CUDA has no policy for it, so its
+    log_softmax (dtype given: bf16 stays bf16) and nll_loss (fp32: casts) decide (T5's loss)."""
+    logits = torch.randn(8, 32, dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, 32, (8,))
+    with cuda_autocast_cpu(), Ops() as ops:
+        F.cross_entropy(logits, target)
+    dtypes = {f: d for f, d in ops.ops}
+    assert dtypes[aten._log_softmax.default] == torch.bfloat16
+    assert (aten._to_copy.default, torch.float32) in ops.ops  # nll_loss's fp32 cast of the log-probs

@@ -115,14 +115,21 @@ def _cast(x, dtype):
 
 
 def _kernel(op_name: str, policy: str):
+    """A Python kernel for the AutocastCPU key implementing CUDA's ``policy`` for ``op_name``.
+
+    As autocast_mode.cpp's ``WrapFunction_``, a casting policy runs the op with autocast excluded
+    (ops it calls internally are not cast again). ``PASS`` (an op only the CPU list has) hands the
+    call on below the autocast key with autocast still on, as an op without an autocast kernel is
+    dispatched: ops a composite calls inside are autocast (CUDA's ``cross_entropy_loss`` casts
+    nothing itself, but its ``log_softmax`` and ``nll_loss`` follow their own policies)."""
     op = _overload(op_name)
     exclude = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
     dtype_index = next((i for i, a in enumerate(op._schema.arguments) if a.name == "dtype"), None)
 
-    def kernel(*args, **kwargs):
+    def kernel(keyset, *args, **kwargs):
+        if policy == PASS:
+            return op.redispatch(keyset - exclude, *args, **kwargs)
         with torch._C._ExcludeDispatchKeyGuard(exclude):
-            if policy == PASS:
-                return op(*args, **kwargs)
             if policy == BANNED:
                 raise RuntimeError(
                     f"{op_name}: torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to "
@@ -191,7 +198,7 @@ def cuda_autocast():
             warnings.simplefilter("ignore")
             for op, policy in _OVERRIDES.items():
                 try:
-                    lib.impl(op, _kernel(op, policy), "AutocastCPU")
+                    lib.impl(op, _kernel(op, policy), "AutocastCPU", with_keyset=True)
                 except (RuntimeError, AttributeError):  # an op this torch build lacks
                     continue
         yield
