@@ -9,6 +9,13 @@ allocated peak, error, measured and predicted reserved bytes, error; then the me
 A row without a ``bitsandbytes`` field ran without bitsandbytes: a plan naming ``adamw8bit``
 there ran torch's fp32 AdamW, so that is what is predicted.
 
+Library versions: a row records the versions it ran with (rows 1-39: torch 2.11, transformers
+5.17; see tests/data/README.md). Where a library changed which kernels a model reaches between that
+version and the installed one, the prediction emulates the recorded behaviour and the table marks
+the case with ``*`` (its prediction for the installed version is printed below the table):
+transformers 5.23 made T5's SDPA position-bias mask contiguous; with 5.17's non-contiguous mask
+CUDA's SDPA takes the math path (memfit.memory.cuda.sdpa), with 5.23's the memory-efficient one.
+
     .venv/bin/python bench/gpu_accuracy.py                       # all cases
     .venv/bin/python bench/gpu_accuracy.py --cases 'gpt2|mha'    # cases whose id matches a regex
     .venv/bin/python bench/gpu_accuracy.py --jobs 2 --json out.jsonl
@@ -17,6 +24,8 @@ there ran torch's fp32 AdamW, so that is what is predicted.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import inspect
 import json
 import os
 import re
@@ -51,24 +60,64 @@ def plan_of(case: dict) -> dict:
     return plan
 
 
-def predict(case: dict, device: str = "h100-80gb") -> dict:
-    """Predict one case; returns the case id with measured and predicted bytes and errors."""
+RECORDED_TRANSFORMERS = "5.17.0"
+"""transformers of rows without a ``transformers`` field (rows 1-39)."""
+
+
+def _version(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in v.split("+")[0].split(".")[:2])
+
+
+@contextlib.contextmanager
+def _t5_mask_as_in_transformers_5_17():
+    """transformers <= 5.17 handed SDPA T5's position bias in its own (permuted) layout; 5.23
+    returns ``position_bias_mask.contiguous()``. Emulated by dropping that call."""
+    import transformers.integrations.sdpa_attention as sdpa
+    line = "return position_bias_mask.contiguous()"
+    original = sdpa.create_position_bias_mask
+    source = inspect.getsource(original)
+    if line not in source:
+        raise RuntimeError("transformers' create_position_bias_mask changed: update the 5.17 emulation")
+    namespace: dict = {}
+    exec(compile(source.replace(line, "return position_bias_mask"), sdpa.__file__, "exec"), sdpa.__dict__, namespace)
+    sdpa.create_position_bias_mask = namespace["create_position_bias_mask"]
+    try:
+        yield
+    finally:
+        sdpa.create_position_bias_mask = original
+
+
+def recorded_environment(case: dict) -> contextlib.AbstractContextManager | None:
+    """What to emulate so that the prediction reaches the kernels the recorded run reached (None:
+    nothing differs)."""
+    import transformers
+    recorded = case.get("transformers") or RECORDED_TRANSFORMERS
+    if case["workload"].split(":")[0] == "t5" and _version(recorded) < (5, 23) <= _version(transformers.__version__):
+        return _t5_mask_as_in_transformers_5_17()
+    return None
+
+
+def predict(case: dict, device: str = "h100-80gb", *, emulate: bool = True) -> dict:
+    """Predict one case; returns the case id with measured and predicted bytes and errors.
+    ``emulate``: emulate library behaviour of the recorded environment (see the module docstring)."""
     warnings.simplefilter("ignore")
     import memfit
     t0 = time.perf_counter()
-    report = memfit.estimate(case["workload"], memfit.Plan(**plan_of(case)), batch_size=case["batch_size"],
-                             seq_len=case.get("seq_len"), device=device)
+    env = recorded_environment(case) if emulate else None
+    with env or contextlib.nullcontext():
+        report = memfit.estimate(case["workload"], memfit.Plan(**plan_of(case)), batch_size=case["batch_size"],
+                                 seq_len=case.get("seq_len"), device=device)
     alloc, reserved = case["max_memory_allocated"], case["max_memory_reserved"]
     return {"case": case.get("case") or case.get("id"), "measured": alloc, "predicted": report.peak_bytes,
             "error": 100 * (report.peak_bytes - alloc) / alloc,
             "reserved_measured": reserved, "reserved_predicted": report.reserved_bytes,
             "reserved_error": 100 * (report.reserved_bytes - reserved) / reserved,
-            "seconds": time.perf_counter() - t0}
+            "seconds": time.perf_counter() - t0, "emulated": env is not None}
 
 
-def _predict_safe(case: dict) -> dict:
+def _predict_safe(case: dict, emulate: bool = True) -> dict:
     try:
-        return predict(case)
+        return predict(case, emulate=emulate)
     except Exception as e:  # noqa: BLE001 - report and carry on with the other cases
         return {"case": case.get("case") or case.get("id"), "failed": f"{type(e).__name__}: {str(e)[:200]}"}
 
@@ -107,6 +156,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{sum(e <= 3 for e in errs)}/{len(ok)}")
         print(f"reserved: median |error| {statistics.median(rerrs):.2f}%, worst {rworst['reserved_error']:+.2f}% "
               f"({rworst['case']}); within 5%: {sum(e <= 5 for e in rerrs)}/{len(ok)}")
+    emulated = [c for c, r in zip(cases, rows) if r.get("emulated")]
+    for c in emulated:
+        r = _predict_safe(c, emulate=False)
+        if "failed" not in r:
+            print(f"* {r['case']}: emulating the recorded library behaviour; for the installed versions memfit "
+                  f"predicts {_gib(r['predicted'])} GiB ({r['error']:+.2f}%), reserved "
+                  f"{_gib(r['reserved_predicted'])} GiB ({r['reserved_error']:+.2f}%)")
     failed = [r for r in rows if "failed" in r]
     if failed:
         print(f"{len(failed)} case(s) failed")
@@ -121,7 +177,7 @@ def _print(r: dict) -> dict:
     if "failed" in r:
         print(f"| {r['case']} | | | failed: {r['failed']} | | | | |", flush=True)
     else:
-        print(f"| {r['case']} | {_gib(r['measured'])} | {_gib(r['predicted'])} | {r['error']:+.2f}% | "
+        print(f"| {r['case']}{' *' if r.get('emulated') else ''} | {_gib(r['measured'])} | {_gib(r['predicted'])} | {r['error']:+.2f}% | "
               f"{_gib(r['reserved_measured'])} | {_gib(r['reserved_predicted'])} | {r['reserved_error']:+.2f}% | "
               f"{r['seconds']:.1f} |", flush=True)
     return r

@@ -6,8 +6,11 @@ steady-state step gave: ``max_memory_allocated`` within 3%, ``max_memory_reserve
 kernel rule and technique) runs in the default suite; the rest are marked slow. The same table,
 with timings, is ``.venv/bin/python bench/gpu_accuracy.py``.
 
-Cases that still miss are listed in ``KNOWN_MISSES`` with the reason; they are expected to fail
-(strict: a case that starts passing must be taken off the list).
+Rows record the library versions they ran with; where a library changed which kernels a model
+reaches since then, the prediction emulates the recorded behaviour (``bench/gpu_accuracy.py``,
+``recorded_environment``: T5's SDPA mask layout in transformers 5.17, which sends CUDA's SDPA to the
+math path). Cases that still miss are listed in ``KNOWN_MISSES`` with the reason; they are
+expected to fail (strict: a case that starts passing must be taken off the list).
 """
 
 import importlib.util
@@ -34,17 +37,15 @@ CASES = {c["case"]: c for c in BENCH.load_cases(ROOT / "tests" / "data" / "h100.
 # attention with CUDA autocast (gpt2-bf16, vit-bf16, dit-bf16), selective checkpointing, offloaded
 # states on a prefetch stream, bitsandbytes' CUDA 8-bit update, foreach AdamW at the peak
 # (llama4), cuDNN convolution (cnn) and RNN (lstm), nn.MultiheadAttention (mha), masks and
-# dropout (transformer), pure bf16 with 8-bit states and checkpointing.
+# dropout (transformer), SDPA's math path with CUDA autocast inside a loss (t5), pure bf16 with
+# 8-bit states and checkpointing.
 DEFAULT = {
     "gpt2-fp32", "gpt2-bf16", "gpt2-bf16-selective", "gpt2-bf16-offopt", "gpt2-bf16-8bit", "bert-fp32",
-    "vit-bf16", "cnn-fp32", "lstm-fp32", "mha-bf16", "mha-chunked", "dit-bf16", "transformer-fp32",
+    "vit-bf16", "cnn-fp32", "lstm-fp32", "mha-bf16", "mha-chunked", "dit-bf16", "transformer-fp32", "t5-bf16",
     "llama4-bf16", "t-llama4-offopt-b2", "t-llama4-pure-8bit-blocks-b2",
 }
 
 KNOWN_MISSES = {
-    "t5-bf16": "measured with transformers 5.17, whose T5 passed SDPA a non-contiguous position-bias mask "
-               "(math path, [B,H,T,T] kept); transformers 5.23 (installed) makes it contiguous, so "
-               "memory-efficient attention runs and the prediction is for that (-45%)",
     "lstm-fp32": "reserved only (-11%): cuDNN's RNN reserve and workspace sizes are a model, checked against "
                  "this one measurement's allocated peak (+0.1%); no allocator snapshot of an LSTM yet",
     "t-llama4-selective-b2": "reserved only (-5.5%; allocated -1.5%): the real run (torch 2.11) kept ~350 MiB "
