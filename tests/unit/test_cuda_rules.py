@@ -295,3 +295,26 @@ def test_autocast_reaches_ops_inside_a_composite_that_only_the_cpu_list_casts():
     dtypes = {f: d for f, d in ops.ops}
     assert dtypes[aten._log_softmax.default] == torch.bfloat16
     assert (aten._to_copy.default, torch.float32) in ops.ops  # nll_loss's fp32 cast of the log-probs
+
+
+def test_the_local_card_gets_the_facts_kernel_choices_depend_on(monkeypatch):
+    """--device cuda: compute capability, SMs, CUDA/cuDNN versions and the workspace size come from
+    the card and the installed torch, so it and its preset make the same kernel choices."""
+    from types import SimpleNamespace
+
+    from memfit.devices import local_cuda_device
+    props = SimpleNamespace(name="NVIDIA A100-SXM4-40GB", total_memory=42_505_273_344, major=8, minor=0,
+                            multi_processor_count=108)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91002)
+    dev = local_cuda_device()
+    preset = get_device("a100-40gb")
+    assert (dev.compute_capability, dev.sm_count, dev.workspace_bytes) == (
+        preset.compute_capability, preset.sm_count, preset.workspace_bytes)
+    assert dev.cuda_version == (12, 8) and dev.cudnn_version == 91002
+    q, k, v = _qkv()
+    assert _backend(dev, q, k, v) == _backend(preset, q, k, v) == "flash"
