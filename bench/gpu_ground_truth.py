@@ -21,6 +21,15 @@ commit). A case that fails records ``error`` (and the end of its traceback) inst
     python bench/gpu_ground_truth.py --only 'resnet|unet' --out x.jsonl
     python bench/gpu_ground_truth.py --cases my_cases.json --out x.jsonl
     python bench/gpu_ground_truth.py --device cpu --cases tiny.json   # smoke test, no GPU (no memory figures)
+    python bench/gpu_ground_truth.py --jobs 4 --predict --out x.jsonl   # 4 cases overlap; predictions too
+
+``--jobs N`` overlaps N cases' CPU work (imports, model building, predictions); their GPU phases
+(build_step through the timed steps) take turns under a file lock, so the peaks and step times are
+those of a case alone on the GPU. ``device_used_*`` (``total - free``) would count the other cases'
+CUDA contexts, so with ``--jobs`` above 1 they are left out and the row records ``overlapped_jobs``.
+``--predict`` adds what memfit predicts for the case in the same process, after the measurement,
+with the same library versions: ``predicted_cuda`` (``device="cuda"``, the local card) and
+``predicted_preset`` (the preset ``--preset`` names), each ``{"allocated", "reserved"}``.
 
 A case file is a JSON list of objects ``{"case": id, "workload": spec, "batch_size": n,
 "seq_len": t or null, "plan": {Plan fields}}``; ``workload`` is a built-in name or
@@ -31,12 +40,16 @@ sizes for a smoke test). Set ``MEMFIT_COMMIT`` where the checkout has no ``.git`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -146,7 +159,34 @@ def memfit_commit() -> str | None:
         return None
 
 
-def measure_case(case: dict, device: str = "cuda") -> dict:
+@contextlib.contextmanager
+def gpu_turn():
+    """Hold the GPU alone while inside (``MEMFIT_GT_LOCK`` names the lock file; unset: no lock)."""
+    path = os.environ.get("MEMFIT_GT_LOCK")
+    if not path:
+        yield
+        return
+    import fcntl
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def predict_here(case: dict, device: str) -> dict:
+    """memfit's prediction for the case on ``device`` (a preset name or ``cuda``), in this process
+    (a fresh workload: the measured one's model has been prepared by build_step)."""
+    import memfit
+    try:
+        report = memfit.estimate(resolve_workload(case), memfit.Plan(**case["plan"]), batch_size=case["batch_size"], device=device)
+        return {"allocated": report.peak_bytes, "reserved": report.reserved_bytes}
+    except Exception as e:  # noqa: BLE001 - recorded; the measurement stands
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
+def measure_case(case: dict, device: str = "cuda", predict: str | None = None) -> dict:
     """Run one case here (see the module docstring); returns its row (``error`` on failure)."""
     import statistics
     import warnings
@@ -158,11 +198,14 @@ def measure_case(case: dict, device: str = "cuda") -> dict:
 
     row = {k: case.get(k) for k in ("case", "workload", "batch_size", "seq_len", "plan")}
     cuda = device == "cuda"
+    overlapped = int(os.environ.get("MEMFIT_GT_JOBS", "1")) > 1
+    turn = contextlib.ExitStack()
     try:
-        if cuda:
-            free0, total = torch.cuda.mem_get_info()  # creates the CUDA context
         torch.manual_seed(0)
         wl = resolve_workload(case)
+        turn.enter_context(gpu_turn())
+        if cuda:
+            free0, total = torch.cuda.mem_get_info()  # creates the CUDA context
         dev = memfit.get_device(device)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -180,8 +223,11 @@ def measure_case(case: dict, device: str = "cuda") -> dict:
             torch.cuda.synchronize()
             row["max_memory_allocated"] = torch.cuda.max_memory_allocated()
             row["max_memory_reserved"] = torch.cuda.max_memory_reserved()
-            row["device_used_after_step"] = total - torch.cuda.mem_get_info()[0]
-            row["device_used_before_model"] = total - free0
+            if overlapped:
+                row["overlapped_jobs"] = int(os.environ["MEMFIT_GT_JOBS"])
+            else:
+                row["device_used_after_step"] = total - torch.cuda.mem_get_info()[0]
+                row["device_used_before_model"] = total - free0
             row["allocated_after_step"] = torch.cuda.memory_allocated()
             stats = torch.cuda.memory_stats()
             row["alloc_retries"] = stats.get("num_alloc_retries", 0)
@@ -200,17 +246,29 @@ def measure_case(case: dict, device: str = "cuda") -> dict:
         import traceback
         row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
         row["traceback"] = traceback.format_exc()[-1500:]
+    finally:
+        step = batch = wl = None  # noqa: F841 - frees the model before the next case's GPU turn
+        if cuda:
+            import gc
+            gc.collect()
+            torch.cuda.empty_cache()
+        turn.close()
+    if predict and "error" not in row:
+        row["predicted_cuda"] = predict_here(case, "cuda")
+        row["predicted_preset"] = {"preset": predict, **predict_here(case, predict)}
     row.update(versions())
     return row
 
 
 # -- the driver: each case in a fresh process ------------------------------------------------------
 
-def run_case(case: dict, device: str, timeout: float) -> dict:
+def run_case(case: dict, device: str, timeout: float, predict: str | None = None) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("MEMFIT_COMMIT", memfit_commit() or "")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", json.dumps(case), "--device", device]
+    if predict:
+        cmd += ["--predict", "--preset", predict]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     except subprocess.TimeoutExpired:
@@ -239,6 +297,17 @@ def load_cases(path: str | None) -> list[dict]:
     return cases
 
 
+def _predicted(row: dict) -> str:
+    out = ""
+    for key in ("predicted_cuda", "predicted_preset"):
+        p = row.get(key) or {}
+        if isinstance(p.get("allocated"), int) and isinstance(row.get("max_memory_allocated"), int):
+            out += f"  {key[10:]} {100 * (p['allocated'] / row['max_memory_allocated'] - 1):+.2f}%"
+        elif p.get("error"):
+            out += f"  {key[10:]} failed: {p['error'][:80]}"
+    return out
+
+
 def _gib(n) -> str:
     return f"{n / 2**30:7.3f}" if isinstance(n, int) else "      -"
 
@@ -252,11 +321,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=300, help="seconds per case")
     ap.add_argument("--deadline", type=float, default=None, help="start no case after this many seconds")
     ap.add_argument("--list", action="store_true", help="print the cases and exit")
+    ap.add_argument("--jobs", type=int, default=1, help="overlap this many cases (their GPU phases take turns)")
+    ap.add_argument("--predict", action="store_true", help="also record memfit's predictions (local card, preset)")
+    ap.add_argument("--preset", default="h100-80gb", help="the preset --predict predicts for")
     ap.add_argument("--one", metavar="JSON", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
         sys.path.insert(0, str(ROOT / "src"))
-        print("RESULT " + json.dumps(measure_case(json.loads(args.one), args.device)), flush=True)
+        result = measure_case(json.loads(args.one), args.device, args.preset if args.predict else None)
+        print("RESULT " + json.dumps(result), flush=True)
         return 0
     cases = load_cases(args.cases)
     if args.only:
@@ -266,23 +339,32 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(c))
         return 0
     t_start, failed, skipped = time.perf_counter(), 0, []
-    for c in cases:
-        elapsed = time.perf_counter() - t_start
-        if args.deadline is not None and elapsed > args.deadline:
+    if args.jobs > 1:
+        os.environ["MEMFIT_GT_JOBS"] = str(args.jobs)
+        os.environ["MEMFIT_GT_LOCK"] = str(Path(tempfile.gettempdir()) / f"memfit-gt-{os.getpid()}.lock")
+    lock = threading.Lock()
+
+    def one(c: dict) -> None:
+        nonlocal failed
+        if args.deadline is not None and time.perf_counter() - t_start > args.deadline:
             skipped.append(c["case"])
-            continue
+            return
         t0 = time.perf_counter()
-        row = run_case(c, args.device, args.timeout)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
-        if "error" in row:
-            failed += 1
-            print(f"{c['case']:34s} FAILED {row['error'][:300]}", flush=True)
-        else:
-            print(f"{c['case']:34s} allocated {_gib(row.get('max_memory_allocated'))} GiB  reserved "
-                  f"{_gib(row.get('max_memory_reserved'))} GiB  step {row['step_seconds_median'] * 1e3:8.1f} ms  "
-                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        row = run_case(c, args.device, args.timeout, args.preset if args.predict else None)
+        with lock:
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+            if "error" in row:
+                failed += 1
+                print(f"{c['case']:34s} FAILED {row['error'][:300]}", flush=True)
+            else:
+                print(f"{c['case']:34s} allocated {_gib(row.get('max_memory_allocated'))} GiB  reserved "
+                      f"{_gib(row.get('max_memory_reserved'))} GiB  step {row['step_seconds_median'] * 1e3:8.1f} ms  "
+                      f"({time.perf_counter() - t0:.0f} s){_predicted(row)}", flush=True)
+
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        list(pool.map(one, cases))
     if skipped:
         print(f"skipped (deadline): {' '.join(skipped)}")
     return 1 if failed else 0
