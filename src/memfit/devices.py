@@ -88,6 +88,7 @@ def _gpu(name, total, ctx_mib, capability, sms, bf16, fp16_tflops, bf16_tflops, 
 # CUDA 12.8 wheels' cuDNN 9.10.
 GPU_PRESETS: dict[str, Device] = {d.name: d for d in (
     _gpu("h100-80gb", 85_520_809_984, 520, (9, 0), 132, True, 989, 989, 494, 3350, 55),
+    _gpu("h200-141gb", 150_754_820_096, 520, (9, 0), 132, True, 989, 989, 494, 4800, 55),
     _gpu("a100-80gb", 85_198_045_184, 420, (8, 0), 108, True, 312, 312, 156, 2039, 25),
     _gpu("a100-40gb", 42_505_273_344, 420, (8, 0), 108, True, 312, 312, 156, 1555, 25),
     _gpu("l4", 23_580_639_232, 380, (8, 9), 58, True, 121, 121, 60, 300, 25),
@@ -97,7 +98,7 @@ GPU_PRESETS: dict[str, Device] = {d.name: d for d in (
     _gpu("v100-16gb", 16_945_512_448, 330, (7, 0), 80, False, 125, 0, 15.7, 900, 12, cuda=(12, 8), cudnn=91002),
 )}
 
-ALIASES = {"h100": "h100-80gb", "a100": "a100-80gb", "4090": "rtx4090", "3090": "rtx3090", "v100": "v100-16gb"}
+ALIASES = {"h100": "h100-80gb", "h200": "h200-141gb", "a100": "a100-80gb", "4090": "rtx4090", "3090": "rtx3090", "v100": "v100-16gb"}
 
 
 def cpu_device() -> Device:
@@ -118,7 +119,7 @@ def local_cuda_device() -> Device:
                         "name to plan for a card you do not have")
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     card = props.name.lower()
-    hints = {"h100": "h100-80gb", "a100": "a100-80gb" if props.total_memory > 60 * GiB else "a100-40gb",
+    hints = {"h100": "h100-80gb", "h200": "h200-141gb", "a100": "a100-80gb" if props.total_memory > 60 * GiB else "a100-40gb",
              "l4": "l4", "4090": "rtx4090", "3090": "rtx3090", "t4": "t4", "v100": "v100-16gb"}
     preset = next((GPU_PRESETS[v] for k, v in hints.items() if k in card), GPU_PRESETS["a100-40gb"])
     capability = (props.major, props.minor)

@@ -68,6 +68,22 @@ def test_sdpa_backend_follows_card_dtype_dropout_and_mask():
     assert _backend(H100, q, k, v, None, 0.1) == expected         # GPT-2's 0.1 is not
 
 
+def test_grouped_query_attention_needs_a_backend_built_for_it():
+    """Qwen2/Llama GQA (12 query heads, 2 key/value heads, enable_gqa=True as transformers calls it
+    on CUDA without a mask): flash and cuDNN take it; the memory-efficient kernel has no GQA, so
+    fp32 takes the math path (which materialises the scores: qwen2-4l-fp32 on the H100 measured
+    28.07 GiB, 3 GiB above the efficient-kernel prediction)."""
+    q = torch.randn(2, 12, 64, 32, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 64, 32, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    assert _backend(A100, q, k, v, None, 0.0, True, True) == "flash"
+    assert _backend(H100, q, k, v, None, 0.0, True, True) == "cudnn"
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    assert _backend(H100, q32, k32, v32, None, 0.0, True, True) == "math"
+    assert _backend(H100, q32, k32, v32, None, 0.0, True, False) == "math"  # heads differ, no enable_gqa
+    same = [torch.randn(2, 12, 64, 32, requires_grad=True) for _ in range(3)]
+    assert _backend(H100, *same, None, 0.0, True, True) == "efficient"    # enable_gqa with equal heads
+
+
 def test_sdpa_backend_respects_sdpa_kernel_flags():
     q, k, v = _qkv()
     from torch.nn.attention import SDPBackend, sdpa_kernel

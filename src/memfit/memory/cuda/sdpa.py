@@ -85,15 +85,18 @@ def _requires_grad(q, k, v) -> bool:
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
-def _common_ok(q, k, v, mask, enable_gqa: bool, same_heads: bool) -> bool:
-    """check_tensor_shapes, check_batch_size_and_num_heads_dense, check_nonzero_sequence_lengths."""
+def _common_ok(q, k, v, mask, enable_gqa: bool, supports_gqa: bool) -> bool:
+    """check_tensor_shapes, check_batch_size_and_num_heads_dense<supports_gqa>,
+    check_nonzero_sequence_lengths. Query heads that differ from the key/value heads pass only
+    with ``enable_gqa`` on a backend built with grouped-query support (flash, cuDNN; the
+    memory-efficient kernel has none, so GQA attention in fp32 takes the math path)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.is_nested:
         return False
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
         return False
     hq, hk, hv = q.shape[1], k.shape[1], v.shape[1]
     if not (hq == hk == hv):
-        if not (enable_gqa and hk == hv and hq % hk == 0) and same_heads:
+        if not (enable_gqa and supports_gqa and hk == hv and hq % hk == 0):
             return False
     return q.shape[2] > 0 and k.shape[2] > 0
 
@@ -121,7 +124,7 @@ def can_use_cudnn(cc, cudnn, q, k, v, mask, dropout_p, enable_gqa) -> bool:
                 return False
         elif mask.dim() != 2:
             return False
-    if not _common_ok(q, k, v, mask, enable_gqa, same_heads=False):
+    if not _common_ok(q, k, v, mask, enable_gqa, supports_gqa=True):
         return False
     if not _last_dim_contiguous(q, k, v, mask, ignore_singleton=True):
         return False
@@ -151,7 +154,7 @@ def can_use_flash(cc, q, k, v, mask, dropout_p, is_causal, enable_gqa) -> bool:
             return False
     if is_causal and q.shape[2] != k.shape[2]:
         return False
-    return _common_ok(q, k, v, mask, enable_gqa, same_heads=True) and _last_dim_contiguous(q, k, v, mask, ignore_singleton=True)
+    return _common_ok(q, k, v, mask, enable_gqa, supports_gqa=True) and _last_dim_contiguous(q, k, v, mask, ignore_singleton=True)
 
 
 def can_use_efficient(cc, q, k, v, mask, enable_gqa) -> bool:
@@ -169,7 +172,7 @@ def can_use_efficient(cc, q, k, v, mask, enable_gqa) -> bool:
     if cc >= (8, 0):  # check_data_ptr_alignment_mem_efficient (the allocator aligns bases to 512 bytes)
         if any((t.storage_offset() * t.element_size()) % (align * t.element_size()) for t in (q, k, v)):
             return False
-    return _common_ok(q, k, v, mask, enable_gqa, same_heads=True) and _last_dim_contiguous(q, k, v, mask, ignore_singleton=False)
+    return _common_ok(q, k, v, mask, enable_gqa, supports_gqa=False) and _last_dim_contiguous(q, k, v, mask, ignore_singleton=False)
 
 
 def select_backend(cc, cuda, cudnn, q, k, v, mask=None, dropout_p=0.0, is_causal=False, enable_gqa=False) -> int:
@@ -228,9 +231,6 @@ def sdpa(cc, cuda, cudnn, query, key, value, attn_mask=None, dropout_p=0.0, is_c
         mask = _float_mask(attn_mask, query.dtype)
         if mask is not None:
             mask = _efficient_mask(mask, query, key)
-        if enable_gqa and key.shape[1] != query.shape[1]:
-            rep = query.shape[1] // key.shape[1]
-            key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
         return aten._scaled_dot_product_efficient_attention(query, key, value, mask, lse, dropout_p, is_causal,
                                                             scale=scale)[0]
     return aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal, None,
