@@ -1,6 +1,8 @@
 """The CUDA kernel model (memfit.memory.cuda): each rule on its own, on toy shapes, on this CPU."""
 
+import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from memfit.memory.cuda import autocast as autocast_rule
 from memfit.memory.cuda import conv as conv_rule
 from memfit.memory.cuda import cuda_kernel_model
 from memfit.memory.cuda import reduce as reduce_rule
+from memfit.memory.cuda import rnn as rnn_rule
 from memfit.memory.cuda import sdpa as sdpa_rule
 from memfit.memory.cuda.composites import cuda_composites
 from memfit.memory.cuda.optim import cuda_optimizer_defaults
@@ -20,6 +23,7 @@ from memfit.memory.tracker import MemoryTracker
 
 aten = torch.ops.aten
 H100, A100, T4, V100 = (get_device(n) for n in ("h100-80gb", "a100-80gb", "t4", "v100-16gb"))
+DATA = Path(__file__).resolve().parent.parent / "data"
 
 
 class Ops(TorchDispatchMode):
@@ -270,9 +274,29 @@ def test_lstm_runs_cudnn_rnn_with_a_weight_buffer_and_reserve():
         y.sum().backward()
         assert all(p.grad is not None and p.grad.shape == p.shape for p in lstm.parameters())
     tracker, km = _traced(step)
-    reserve = 2 * 5 * 4 * 2 * 4 * 16 * 4  # layers x steps x batch x 2 x gates x hidden x fp32
+    reserve = (6 * 2 - 1) * 5 * 4 * 16 * 4 + 256  # (6 x layers - 1) x steps x batch x hidden x fp32 + 256
     assert reserve in [r.nbytes for r in tracker.state.records]
     assert km.booked["cudnn rnn backward workspace"] == 2  # data and weight passes
+
+
+def test_cudnn_rnn_reserve_matches_every_measured_shape():
+    """The reserve law against 120 LSTM/GRU shapes measured on an H200 (tests/data/cudnn_rnn_h200.json:
+    fp32, fp16 and autocast, 1-4 layers, bidirectional, dropout); cuDNN's dropout state is the
+    first dropout call's only lasting allocation."""
+    data = json.loads((DATA / "cudnn_rnn_h200.json").read_text())
+    checked = 0
+    for row in data["rows"]:
+        dtype = getattr(torch, row["rnn_dtype"])
+        t, b = row["steps"], row["batch"]
+        x = torch.empty((b, t, row["input"]) if row["batch_first"] else (t, b, row["input"]), dtype=dtype)
+        args = (x, [], 4, None, None, None, rnn_rule.MODES[row["cell"].lower()], row["hidden"], 0, row["layers"],
+                row["batch_first"], row["dropout"], True, row["bidirectional"], [])
+        assert rnn_rule.reserve_bytes(args) == row["reserve"], row
+        checked += 1
+    assert checked == 120
+    first = next(r for r in data["rows"] if r["dropout"] > 0)
+    assert first["persist_after_first_call"] == rnn_rule.dropout_state_bytes(
+        (None,) * 11 + (first["dropout"], True), data["sm_count"])
 
 
 def test_lstm_on_fake_cuda_tensors_keeps_its_weight_buffer():

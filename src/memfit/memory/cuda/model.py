@@ -77,6 +77,8 @@ class KernelMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is aten._cudnn_rnn.default:
+            self._workspace("cudnn dropout state", "device", rnn.dropout_state_bytes(args, self.device.sm_count),
+                            args[0].device)
             return rnn.forward(func, args, kwargs, lambda bufs: self.transient(
                 [(w, n, True) for w, n in bufs], args[0].device))
         if func is aten._cudnn_rnn_backward.default:

@@ -13,17 +13,21 @@ cuDNN's memory. What ``_cudnn_rnn`` holds on the GPU:
   None, which made backward fail on fake CUDA tensors ("Expected a proper Tensor but got None
   ... 'weight_buf'"); this rule returns the buffer the CUDA kernel returns.
 - ``reserve``: what cuDNN keeps from forward for backward (``cudnnGetRNNTempSpaceSizes``). The
-  meta kernel says 0 bytes. Modelled as ``2 * gates * hidden`` values of the input dtype per
-  (layer, direction, step, sample), gates = 4 (LSTM), 3 (GRU), 1 (RNN): the gates before and
-  after their nonlinearity (the cell and hidden states fit in the same budget).
+  meta kernel says 0 bytes. Measured on an H100 and an H200 (cuDNN 9.19, bench/gpu_rnn_facts.py,
+  120 shapes, exact in every one): ``(6 * layers - 1)`` (LSTM) or ``(7 * layers - 1)`` (GRU)
+  values of the input dtype per (direction, step, sample, hidden unit), plus 256 bytes, plus one
+  bit per value of each inner layer's output when dropout is on (its mask).
+- cuDNN's dropout state: the first training call with dropout allocates it (``sm_count * 48 KiB``,
+  6,488,064 bytes on a 132-SM card) and PyTorch keeps it for the process.
 - a workspace during forward and each backward call: the input projections of all time steps
   for one layer (``gates * hidden`` values per step and sample) plus the recurrent state of one
   step; and contiguous ``[T, B, *]`` copies of a batch-first input and gradient.
 - backward returns the weight gradient as one flat buffer (views of ``dw = zeros_like
   (weight_buf)``) after ``_cudnn_rnn_backward_input`` and ``_cudnn_rnn_backward_weight``.
 
-The reserve and workspace sizes are a model of cuDNN's internal layout, not its published API;
-checked against one measured LSTM (tests/data/h100.jsonl, lstm-fp32).
+The reserve follows the measured law above. The workspace depends on the algorithm cuDNN picks for
+the shape (measured: 5 to 1000 times one layer's output, largest for small shapes), so this model
+is an approximation, listed as one in the report.
 
 Inputs cuDNN refuses (bf16 without autocast) take PyTorch's generic layer-by-layer path, which
 this rule runs with the per-step cell ops (``lstm_cell`` ...). Packed sequences keep the CPU path.
@@ -37,6 +41,10 @@ aten = torch.ops.aten
 
 MODES = {"rnn_relu": 0, "rnn_tanh": 1, "lstm": 2, "gru": 3}
 GATES = {0: 1, 1: 1, 2: 4, 3: 3}
+RESERVE_PER_LAYER = {0: 2, 1: 2, 2: 6, 3: 7}
+"""Reserve values per layer and (direction, step, sample, hidden unit); one fewer overall.
+Measured for LSTM (mode 2) and GRU (3); plain RNNs (0, 1) scaled from them (an estimate)."""
+DROPOUT_STATE_PER_SM = 48 * 1024
 
 
 def cudnn_acceptable(input: torch.Tensor) -> bool:
@@ -116,7 +124,15 @@ def reserve_bytes(args) -> int:
     input, _w, mode, hidden, _proj, layers, _bf, train, dirs, t, b = _dims(args)
     if not train:
         return 0
-    return layers * dirs * t * b * 2 * GATES[mode] * hidden * input.element_size()
+    values = dirs * t * b * hidden
+    mask_bits = (layers - 1) * values if args[11] > 0 else 0
+    return (RESERVE_PER_LAYER[mode] * layers - 1) * values * input.element_size() + 256 + mask_bits // 8
+
+
+def dropout_state_bytes(args, sm_count: int) -> int:
+    """cuDNN's dropout state, allocated by the first training call with dropout (0: none)."""
+    dropout, train = args[11], args[12]
+    return sm_count * DROPOUT_STATE_PER_SM if (train and dropout > 0) else 0
 
 
 def workspace_bytes(args) -> int:
