@@ -17,13 +17,14 @@ import sys
 import time
 
 PROBE = r"""
-import json, resource, sys, time, runpy
+import json, resource, sys, time
 t = time.perf_counter()
 sys.argv = ["memfit"] + sys.argv[1:]
 from memfit.cli.main import main
-code = main(sys.argv[1:])
+code = main()  # as the memfit script calls it, so the process also exits as it does
 print(json.dumps({"seconds": time.perf_counter() - t,
                   "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}), file=sys.stderr)
+sys.exit(code)
 """
 BASELINE = r"""
 import json, resource, torch, transformers

@@ -15,6 +15,7 @@ from typing import Any
 from memfit.devices import Device
 from memfit.errors import TraceError
 from memfit.memory.adapters import real_code_paths
+from memfit.memory.heap import frozen_heap
 from memfit.memory.tracker import MemoryTracker
 from memfit.memory.workspaces import probe_for
 from memfit.plans import Plan
@@ -70,9 +71,15 @@ def run_tracked(workload: Workload, plan: Plan, batch_size: int, device: Device,
     ``outer`` wraps everything (e.g. a profiler); ``around_step(i)`` returns a context manager put
     around step ``i`` (e.g. a profiler range marking the steady-state step).
     """
+    with frozen_heap():  # NOTE [ Frozen heap ]
+        return _run_tracked(workload, plan, batch_size, device, fake=fake, steps=steps, outer=outer,
+                            around_step=around_step)
+
+
+def _run_tracked(workload: Workload, plan: Plan, batch_size: int, device: Device, *, fake: bool, steps: int,
+                 outer: contextlib.AbstractContextManager | None, around_step) -> TrackedRun:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    gc.collect()
     tracker = MemoryTracker(assume_scalars=fake, probe=probe_for(device) if fake else None)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     hooks: list[Any] = []
