@@ -3,7 +3,7 @@
 Each line of the jsonl (``tests/data/h100.jsonl``, recorded on one H100 80GB; see its README)
 holds a workload, batch size, sequence length and plan, and what the real steady-state step gave:
 ``max_memory_allocated`` and ``max_memory_reserved``. This script predicts each case for the
-``h100-80gb`` preset (fake tensors, no GPU) and prints a markdown table: measured and predicted
+preset of the card it ran on (``h100-80gb``, ``h200-141gb``; fake tensors, no GPU) and prints a markdown table: measured and predicted
 allocated peak, error, measured and predicted reserved bytes, error; then the median and worst.
 
 A row without a ``bitsandbytes`` field ran without bitsandbytes: a plan naming ``adamw8bit``
@@ -97,12 +97,22 @@ def recorded_environment(case: dict) -> contextlib.AbstractContextManager | None
     return None
 
 
-def predict(case: dict, device: str = "h100-80gb", *, emulate: bool = True) -> dict:
+PRESETS = {"H200": "h200-141gb", "H100": "h100-80gb"}
+"""The preset each recorded card is predicted for (rows without a ``gpu`` field ran on an H100)."""
+
+
+def preset_for(case: dict) -> str:
+    gpu = case.get("gpu") or "H100"
+    return next((preset for key, preset in PRESETS.items() if key in gpu), "h100-80gb")
+
+
+def predict(case: dict, device: str | None = None, *, emulate: bool = True) -> dict:
     """Predict one case; returns the case id with measured and predicted bytes and errors.
     ``emulate``: emulate library behaviour of the recorded environment (see the module docstring)."""
     warnings.simplefilter("ignore")
     import memfit
     t0 = time.perf_counter()
+    device = device or preset_for(case)
     env = recorded_environment(case) if emulate else None
     with env or contextlib.nullcontext():
         report = memfit.estimate(case["workload"], memfit.Plan(**plan_of(case)), batch_size=case["batch_size"],

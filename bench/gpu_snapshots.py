@@ -48,6 +48,17 @@ CASES = [
     {"case": "lstm_lm-fp32", "workload": "bench/gpu_workloads.py:lstm_lm", "batch_size": 8, "seq_len": None,
      "plan": {}},
     {"case": "lstm-fp32", "workload": "lstm", "batch_size": 32, "seq_len": None, "plan": {}},
+    # reserved-peak misses of 2026-11-23 (allocated within 0.2%, reserved off by 5-9%)
+    {"case": "rsv-vit_small-bf16-blocks", "workload": "bench/gpu_workloads.py:vit_small", "batch_size": 128,
+     "seq_len": None, "plan": {"precision": "bf16", "checkpointing": "blocks"}},
+    {"case": "rsv-unet-bf16-blocks", "workload": "bench/gpu_workloads.py:unet", "batch_size": 16, "seq_len": None,
+     "plan": {"precision": "bf16", "checkpointing": "blocks"}},
+    {"case": "rsv-unet-fp32", "workload": "bench/gpu_workloads.py:unet", "batch_size": 16, "seq_len": None,
+     "plan": {}},
+    {"case": "rsv-convnext_tiny-fp32", "workload": "bench/gpu_workloads.py:convnext_tiny", "batch_size": 64,
+     "seq_len": None, "plan": {}},
+    {"case": "rsv-resnet50-bf16-blocks", "workload": "bench/gpu_workloads.py:resnet50", "batch_size": 64,
+     "seq_len": None, "plan": {"precision": "bf16", "checkpointing": "blocks"}},
 ]
 
 # -- the digest (pure Python: runs on any machine) -------------------------------------------------

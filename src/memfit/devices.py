@@ -83,12 +83,13 @@ def _gpu(name, total, ctx_mib, capability, sms, bf16, fp16_tflops, bf16_tflops, 
 
 
 # total_memory as torch.cuda.get_device_properties reports it; context sizes are typical with
-# lazy module loading (CUDA >= 11.7). Software: the PyTorch wheels' CUDA 13.0 with cuDNN 9.19
-# (as measured on the H100 in tests/data/h100.jsonl); CUDA 13 dropped Volta, so the V100 gets the
-# CUDA 12.8 wheels' cuDNN 9.10.
+# lazy module loading (CUDA >= 11.7). The H100 and H200 figures (total, 527 MiB context) were read
+# on those cards (tests/data/h100.jsonl, h200.jsonl, driver 580). Software: the PyTorch wheels'
+# CUDA 13.0 with cuDNN 9.19 (as measured there); CUDA 13 dropped Volta, so the V100 gets the CUDA
+# 12.8 wheels' cuDNN 9.10.
 GPU_PRESETS: dict[str, Device] = {d.name: d for d in (
-    _gpu("h100-80gb", 85_520_809_984, 520, (9, 0), 132, True, 989, 989, 494, 3350, 55),
-    _gpu("h200-141gb", 150_754_820_096, 520, (9, 0), 132, True, 989, 989, 494, 4800, 55),
+    _gpu("h100-80gb", 85_017_493_504, 527, (9, 0), 132, True, 989, 989, 494, 3350, 55),
+    _gpu("h200-141gb", 150_109_880_320, 527, (9, 0), 132, True, 989, 989, 494, 4800, 55),
     _gpu("a100-80gb", 85_198_045_184, 420, (8, 0), 108, True, 312, 312, 156, 2039, 25),
     _gpu("a100-40gb", 42_505_273_344, 420, (8, 0), 108, True, 312, 312, 156, 1555, 25),
     _gpu("l4", 23_580_639_232, 380, (8, 9), 58, True, 121, 121, 60, 300, 25),
