@@ -15,6 +15,7 @@ and this records:
   is made once per device and kept).
 
     python bench/gpu_rnn_facts.py --out rnn.json          # on a machine with a CUDA GPU
+    python bench/gpu_rnn_facts.py --wide --out wide.json  # 216 unidirectional fp32 shapes
 """
 
 from __future__ import annotations
@@ -131,13 +132,21 @@ def grid():
                 yield cell, dtype, i, h, layers, t, b, bidir, dropout, bf
 
 
+def wide_grid():
+    """Unidirectional fp32 shapes around small and medium models (for fitting the workspace)."""
+    for cell, h, layers, t, b, i in itertools.product(("LSTM", "GRU"), (128, 256, 512), (1, 2, 3), (32, 64, 128),
+                                                       (8, 32), (128, 512)):
+        yield cell, "float32", i, h, layers, t, b, False, 0.0, True
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--wide", action="store_true", help="the wide fp32 grid instead of the default one")
     args = ap.parse_args(argv)
     rows = []
     from torch.backends import cudnn
-    for cfg in grid():
+    for cfg in (wide_grid() if args.wide else grid()):
         try:
             rows.append(measure(*cfg))
         except Exception as e:  # noqa: BLE001 - recorded; the grid goes on
