@@ -299,6 +299,34 @@ def test_cudnn_rnn_reserve_matches_every_measured_shape():
         (None,) * 11 + (first["dropout"], True), data["sm_count"])
 
 
+def _rnn_args(row):
+    dtype = getattr(torch, row["rnn_dtype"])
+    t, b = row["steps"], row["batch"]
+    x = torch.empty((b, t, row["input"]) if row["batch_first"] else (t, b, row["input"]), dtype=dtype)
+    return (x, [], 4, None, None, None, rnn_rule.MODES[row["cell"].lower()], row["hidden"], 0, row["layers"],
+            row["batch_first"], row["dropout"], True, row["bidirectional"], [])
+
+
+def test_cudnn_rnn_workspace_fit_holds_its_stated_bounds():
+    """The workspace is a fit (cuDNN picks its algorithm by shape): over the 276 measured fp32/fp16
+    shapes its median error is at most 12% and 90% of shapes are within 40%. The workspace is the
+    largest allocation forward frees (besides a batch-first input copy)."""
+    import statistics
+    rows = [r for name in ("cudnn_rnn_h200.json", "cudnn_rnn_h200_wide.json")
+            for r in json.loads((DATA / name).read_text())["rows"] if not r["dtype"].startswith("autocast")]
+    errors = []
+    for row in rows:
+        args = _rnn_args(row)
+        x = args[0]
+        copy = x.numel() * x.element_size() if row["batch_first"] else -1
+        measured = max(int(a[:-1]) for a in row["fwd_allocs"] if a.endswith("f") and int(a[:-1]) != copy)
+        errors.append(abs(rnn_rule.workspace_bytes(args) / measured - 1))
+    errors.sort()
+    assert len(errors) == 276
+    assert statistics.median(errors) <= 0.12 and errors[int(0.9 * len(errors))] <= 0.40, (
+        statistics.median(errors), errors[int(0.9 * len(errors))])
+
+
 def test_lstm_on_fake_cuda_tensors_keeps_its_weight_buffer():
     with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
         warnings.simplefilter("ignore")
