@@ -1,8 +1,10 @@
 """Speed and real memory of `memfit estimate llama --batch-size 1 --seq-len 2048 --precision bf16`.
 
-Each repeat runs the CLI in a fresh process (what a user runs) and reads its wall time and its
-peak resident memory (VmHWM); a second process that only imports torch and transformers (what
-any estimate must load) gives the baseline, so the memory the estimate itself adds is visible.
+Each repeat runs the CLI in a fresh process (what a user runs) and reads its wall time, its CPU
+time (user + system; about the wall time on an idle machine, so a wall time well above it says the
+machine was busy) and its peak resident memory (VmHWM); a second process that only imports torch
+and transformers (what any estimate must load) gives the baseline, so the memory the estimate
+itself adds is visible.
 
     .venv/bin/python bench/estimate_speed.py [--repeats 3] [--device cpu]
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -43,17 +46,19 @@ def main() -> None:
            a.device, "--json"]
     runs = []
     for _ in range(a.repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), os.times()
         p = subprocess.run([sys.executable, "-c", PROBE, *cmd], capture_output=True, text=True, check=True)
-        wall = time.perf_counter() - t0
+        wall, c1 = time.perf_counter() - t0, os.times()
+        cpu = (c1.children_user - c0.children_user) + (c1.children_system - c0.children_system)
         stats = json.loads(p.stderr.strip().splitlines()[-1])
         report = json.loads(p.stdout)
-        runs.append((wall, stats["seconds"], report["trace_seconds"], stats["maxrss_mib"], report["peak_bytes"]))
+        runs.append((wall, stats["seconds"], report["trace_seconds"], stats["maxrss_mib"], report["peak_bytes"], cpu))
     base = json.loads(subprocess.run([sys.executable, "-c", BASELINE], capture_output=True, text=True,
                                      check=True).stdout)["maxrss_mib"]
     med = lambda i: statistics.median(r[i] for r in runs)  # noqa: E731
     print(f"memfit {' '.join(cmd)}")
     print(f"  process wall time     : {med(0):.2f} s (median of {a.repeats}; target <= 10 s)")
+    print(f"  process CPU time      : {med(5):.2f} s (user + system; well below the wall time: the machine was busy)")
     print(f"  estimate() in-process : {med(1):.2f} s, of which trace {med(2):.2f} s")
     print(f"  peak RSS of process   : {med(3):.0f} MiB")
     print(f"  peak RSS of imports   : {base:.0f} MiB (torch + transformers + Llama class, no estimate)")

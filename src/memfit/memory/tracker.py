@@ -180,9 +180,12 @@ class MemoryTracker(TorchDispatchMode):
                     self._approximate("kernel scratch extrapolated from probes at smaller shapes",
                                       str(func.overloadpacket.__name__))
         if not _returns_alias(func):
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    self._see(t, func)
+            if isinstance(out, torch.Tensor):  # the common case, without flattening
+                self._see(out, func)
+            else:
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        self._see(t, func)
         if probed is not None and probed.scratch_bytes:
             # scratch = the op's peak minus what it returns, so booking it beside the outputs
             # reproduces the op's peak (see memfit.memory.workspaces)
@@ -204,8 +207,7 @@ class MemoryTracker(TorchDispatchMode):
             rec.freed_by_resize = True
         serial = len(self.state.records)
         rec = StorageRecord(serial=serial, nbytes=nbytes, device=_device_name(t), phase=self.phase_name,
-                            module=self._module(), op=str(func.overloadpacket.__name__) if func else "?",
-                            step=self.step_index)
+                            module=self._module(), op=_op_name(func) if func else "?", step=self.step_index)
         self.state.records.append(rec)
         self.state.events.append((serial, 1))
         ref = weakref.ref(st, self._freed_callback(serial, key))
@@ -315,6 +317,14 @@ class ModuleStack:
 
 
 _ALIAS_CACHE: dict = {}
+_OP_NAMES: dict = {}
+
+
+def _op_name(func) -> str:
+    name = _OP_NAMES.get(func)
+    if name is None:
+        name = _OP_NAMES[func] = str(func.overloadpacket.__name__)
+    return name
 
 
 def _returns_alias(func) -> bool:

@@ -92,9 +92,13 @@ class KernelProbe:
         self.ops = ops
         self.max_bytes = max_bytes
         self.cache: dict[tuple, ProbeResult | None] = {}
+        self._wanted: dict = {}  # op -> wants(op): asked on every op of a trace
 
     def wants(self, func) -> bool:
-        return func in self.ops or is_custom_op(func)
+        hit = self._wanted.get(func)
+        if hit is None:
+            hit = self._wanted[func] = func in self.ops or is_custom_op(func)
+        return hit
 
     def __call__(self, func, args, kwargs, out) -> ProbeResult | None:
         key = _signature(func, args, kwargs)
@@ -122,11 +126,15 @@ def _first_sentence(e: Exception) -> str:
 
 
 def _signature(func, args, kwargs) -> tuple:
-    def sig(x):
+    """The call's op, and each argument's layout (a tensor's shape, strides, dtype, offset and
+    storage size) or value: what decides a kernel's scratch. Built on every probed call, hit or not."""
+    key: list = [func]
+    for x in tree_flatten((args, kwargs))[0]:
         if isinstance(x, torch.Tensor):
-            return ("T", tuple(x.shape), tuple(x.stride()), x.dtype, x.storage_offset(), x.untyped_storage().nbytes())
-        return repr(x)
-    return (func, tuple(tree_flatten(tree_map(sig, (args, kwargs)))[0]))
+            key += ("T", *x.shape, *x.stride(), x.dtype, x.storage_offset(), x.untyped_storage().nbytes())
+        else:
+            key.append(repr(x))
+    return tuple(key)
 
 
 def _materialise(x):
