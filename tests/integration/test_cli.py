@@ -98,3 +98,26 @@ def test_subprocess_exit_status_and_debug_traceback():
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
     p = subprocess.run(cmd + ["--debug"], capture_output=True, text=True)
     assert p.returncode != 0 and "Traceback" in p.stderr
+
+
+WARNING_WORKLOAD = """
+import warnings
+import torch
+from memfit import Workload
+
+def W():
+    warnings.warn("something odd\\nmore detail")
+    return Workload(model=lambda: torch.nn.Linear(4, 4), batch=lambda n: torch.randn(n, 4),
+                    loss=lambda m, x: m(x).sum(), name="w")
+"""
+
+
+def test_warnings_are_one_line(capsys, tmp_path):
+    """A warning (memfit's, e.g. the planner leaving adamw8bit out, or a workload's) reaches the user
+    as one 'memfit: warning: ...' line, without Python's source line."""
+    path = tmp_path / "wl.py"
+    path.write_text(WARNING_WORKLOAD)
+    assert main(["estimate", f"{path}:W", "--batch-size", "2"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert "memfit: warning: something odd" in err
+    assert not any("warnings.warn" in line or "UserWarning" in line or "more detail" in line for line in err)

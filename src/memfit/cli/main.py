@@ -11,6 +11,7 @@ import gc
 import logging
 import os
 import sys
+import warnings
 
 from memfit import __version__
 
@@ -31,6 +32,16 @@ def build_parser() -> argparse.ArgumentParser:
     for module in (estimate, profile, plan, train, info, demo):
         module.register(sub)
     return parser
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one line ('memfit: warning: ...'), without Python's source line (``--debug``
+    keeps Python's format)."""
+    text = str(message).strip().splitlines()[0] if str(message).strip() else category.__name__
+    try:
+        (file or sys.stderr).write(f"memfit: warning: {text}\n")
+    except OSError:
+        pass
 
 
 def _no_meta_kernel_failures(record: logging.LogRecord) -> bool:
@@ -75,6 +86,9 @@ def _run(argv: list[str]) -> int:
         parser.print_help()
         return 2
     from memfit.errors import UserError
+    shown = warnings.showwarning
+    if not debug:
+        warnings.showwarning = _one_line_warning
     try:
         return args.run(args)
     except UserError as e:
@@ -92,6 +106,8 @@ def _run(argv: list[str]) -> int:
         print(f"memfit {args.command}: internal error: {type(e).__name__}: {msg} (run with --debug for the "
               "traceback and report it)", file=sys.stderr)
         return 1
+    finally:
+        warnings.showwarning = shown
 
 
 if __name__ == "__main__":
