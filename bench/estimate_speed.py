@@ -58,7 +58,7 @@ def main() -> None:
     med = lambda i: statistics.median(r[i] for r in runs)  # noqa: E731
     print(f"memfit {' '.join(cmd)}")
     print(f"  process wall time     : {med(0):.2f} s (median of {a.repeats}; target <= 10 s)")
-    print(f"  process CPU time      : {med(5):.2f} s (user + system; well below the wall time: the machine was busy)")
+    print(f"  process CPU time      : {med(5):.2f} s (user + system; a wall time well above it: the machine was busy)")
     print(f"  estimate() in-process : {med(1):.2f} s, of which trace {med(2):.2f} s")
     print(f"  peak RSS of process   : {med(3):.0f} MiB")
     print(f"  peak RSS of imports   : {base:.0f} MiB (torch + transformers + Llama class, no estimate)")

@@ -71,7 +71,7 @@ def run_tracked(workload: Workload, plan: Plan, batch_size: int, device: Device,
     ``outer`` wraps everything (e.g. a profiler); ``around_step(i)`` returns a context manager put
     around step ``i`` (e.g. a profiler range marking the steady-state step).
     """
-    with frozen_heap():  # NOTE [ Frozen heap ]
+    with frozen_heap(collect=not fake):  # NOTE [ Frozen heap ]
         return _run_tracked(workload, plan, batch_size, device, fake=fake, steps=steps, outer=outer,
                             around_step=around_step)
 
