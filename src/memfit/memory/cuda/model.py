@@ -84,6 +84,8 @@ class KernelMode(TorchDispatchMode):
         if func is aten._cudnn_rnn_backward.default:
             return rnn.backward(func, args, kwargs, lambda bufs: self.transient(
                 [(w, n, True) for w, n in bufs], args[0].device))
+        if func is aten.convolution_backward.default:
+            return self._convolution_backward(func, args, kwargs)
         out = func(*args, **kwargs)
         if func in blas.CUBLAS_OPS:
             if blas.uses_cublas(func, args, out):
@@ -94,13 +96,31 @@ class KernelMode(TorchDispatchMode):
                     self._workspace("cublaslt", thread, self.device.lt_workspace_bytes, where)
         elif func in reduce.REDUCE_OPS:
             self.transient(reduce.buffers(func, args, kwargs, self.device.sm_count), args[0].device)
-        elif func in (aten.convolution.default, aten.convolution_backward.default):
+        elif func is aten.convolution.default:
             self.transient(conv.workspace(func, args, out), args[0].device)
         elif func in _ATTENTION:
             self.transient(sdpa.kernel_buffers(func, args, out), args[0].device)
         elif func in _COPIES and self._is_prefetch(args[0], out):
             self.streams[self.tracker.state.records[-1].serial] = PREFETCH_STREAM
         return out
+
+    def _convolution_backward(self, func, args, kwargs):
+        """cuDNN's backward runs one pass per gradient (data, then weight; the bias gradient is a
+        reduction), each allocating its output and then its own workspace, freed before the next
+        pass (aten/src/ATen/native/cudnn/ConvShared.cpp ``cudnn_convolution_backward``). Run the
+        passes one by one so that the allocator replay sees that order."""
+        mask = list(args[10])
+        if sum(mask) <= 1:
+            out = func(*args, **kwargs)
+            which = mask.index(True) if any(mask) else -1
+            self.transient(conv.backward_workspace(which, args), args[0].device)
+            return out
+        grads = [None, None, None]
+        for i in range(3):
+            if mask[i]:
+                grads[i] = func(*args[:10], [j == i for j in range(3)], *args[11:], **kwargs)[i]
+                self.transient(conv.backward_workspace(i, args), args[0].device)
+        return tuple(grads)
 
     def _is_prefetch(self, src, out) -> bool:
         """A host-to-device copy during the optimizer step: offloaded optimizer states fetched on
