@@ -57,6 +57,10 @@ CASES = [
      "plan": {}},
     {"case": "rsv-convnext_tiny-fp32", "workload": "bench/gpu_workloads.py:convnext_tiny", "batch_size": 64,
      "seq_len": None, "plan": {}},
+    {"case": "rsv-lstm_lm-fp32", "workload": "bench/gpu_workloads.py:lstm_lm", "batch_size": 32, "seq_len": None,
+     "plan": {}},
+    {"case": "rsv-lstm_lm-bf16", "workload": "bench/gpu_workloads.py:lstm_lm", "batch_size": 32, "seq_len": None,
+     "plan": {"precision": "bf16"}},
     {"case": "rsv-resnet50-bf16-blocks", "workload": "bench/gpu_workloads.py:resnet50", "batch_size": 64,
      "seq_len": None, "plan": {"precision": "bf16", "checkpointing": "blocks"}},
 ]
