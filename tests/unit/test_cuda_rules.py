@@ -233,6 +233,34 @@ def test_one_cublas_workspace_per_thread_that_runs_matmuls():
     assert {r.nbytes for r in tracker.state.records if r.op.startswith("cublas workspace")} == {8519680}
 
 
+def test_linear_on_a_non_contiguous_input_adds_its_bias_in_place():
+    """Linear.cpp adds the bias in place after matmul for a non-contiguous input, except for tensor
+    subclasses such as fake tensors; the CUDA composite takes the real branch: one output-sized
+    allocation, not two. Values and gradients are those of F.linear."""
+    x = torch.randn(6, 4, 32).transpose(0, 1)  # [4, 6, 32], not contiguous
+    w, b = torch.randn(16, 32, requires_grad=True), torch.randn(16, requires_grad=True)
+    out_bytes = 4 * 6 * 16 * 4
+
+    def step():
+        F.linear(x, w, b).sum().backward()
+    tracker, _ = _traced(step)
+    assert sum(r.nbytes == out_bytes for r in tracker.state.records) == 1
+    w, b = w.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()  # real leaves again
+    with cuda_composites(H100):
+        got = F.linear(x, w, b)
+        got.square().sum().backward()
+    grads = (w.grad.clone(), b.grad.clone())
+    w.grad = b.grad = None
+    want = F.linear(x, w, b)
+    want.square().sum().backward()
+    assert torch.allclose(got, want) and torch.allclose(grads[0], w.grad) and torch.allclose(grads[1], b.grad)
+    for shape in ((5, 32), (2, 3, 32), (2, 3, 5, 32)):  # contiguous inputs: the fused addmm paths
+        xi = torch.randn(*shape)
+        with cuda_composites(H100):
+            got = F.linear(xi, w, b)
+        assert torch.allclose(got, F.linear(xi, w, b))
+
+
 def test_reduction_staging_buffer_matches_the_h100_snapshots():
     # bias gradient of a [1024, 1000] bf16 gradient (snap-mha-bf16): 8,192,000 bytes + 32 of semaphores
     assert reduce_rule.global_buffer_bytes([1024, 1000], [1000, 1], {0}, 2, 4, 132, input_vec_size=8) == (
@@ -251,9 +279,8 @@ def test_cudnn_convolution_workspace_matches_the_cnn_snapshot():
         out = torch.ops.aten.convolution(x, w, None, [2, 2], [1, 1], [1, 1], False, [0, 0], 1)
         fwd = conv_rule.workspace(aten.convolution.default, (x, w, None, [2, 2], [1, 1], [1, 1], False, [0, 0], 1),
                                   out)[0][1]
-        bwd = conv_rule.workspace(aten.convolution_backward.default,
-                                  (out, x, w, None, [2, 2], [1, 1], [1, 1], False, [0, 0], 1, [True, True, False]),
-                                  None)[0][1]
+        bwd = conv_rule.backward_workspace(
+            1, (out, x, w, None, [2, 2], [1, 1], [1, 1], False, [0, 0], 1, [True, True, False]))[0][1]
         stem_x, stem_w = torch.randn(64, 3, 32, 32), torch.randn(32, 3, 3, 3)
         stem = torch.ops.aten.convolution(stem_x, stem_w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
         assert conv_rule.workspace(aten.convolution.default,
@@ -271,6 +298,7 @@ def test_lstm_runs_cudnn_rnn_with_a_weight_buffer_and_reserve():
         assert type(y.grad_fn).__name__ == "CudnnRnnBackward0"
         n_weights = sum(p.numel() for p in lstm.parameters())
         assert y.grad_fn._saved_result4.shape == (n_weights,)
+        assert not y.is_contiguous()  # a transposed view of [T, B, H], as the kernel returns it
         y.sum().backward()
         assert all(p.grad is not None and p.grad.shape == p.shape for p in lstm.parameters())
     tracker, km = _traced(step)

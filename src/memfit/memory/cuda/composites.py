@@ -18,6 +18,11 @@ dispatcher falls back to the built-in kernels); while they exist they apply proc
   in fp32) with ``bernoulli_`` and multiplies (Dropout.cpp ``is_fused_kernel_acceptable``).
 - ``lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu``: cuDNN's ``_cudnn_rnn`` (RNN.cpp
   ``_cudnn_impl``) instead of oneDNN's per-layer kernels (memfit.memory.cuda.rnn).
+- ``linear``: Linear.cpp adds the bias *in place* after ``matmul`` (a non-contiguous input, e.g.
+  a batch-first cuDNN RNN output) unless the bias is a tensor subclass, which a fake tensor is:
+  the trace would allocate a second output-sized tensor (500 MiB for an LSTM LM's vocabulary
+  projection, an H200 snapshot showed none). This kernel takes the real tensors' branch. (The
+  CPU-device trace keeps the built-in kernel.)
 """
 
 from __future__ import annotations
@@ -49,6 +54,28 @@ def _dropout_(input, p, train):
     return input.mul_(0)
 
 
+def _flatten_nd_linear(input, weight, bias):
+    rows = 1
+    for size in input.shape[:-1]:
+        rows *= size
+    out = aten.addmm(bias, input.view(rows, input.shape[-1]), weight.t())
+    return out.view(*input.shape[:-1], out.shape[1])
+
+
+def _linear(input, weight, bias=None):
+    """Linear.cpp ``linear`` as it runs on real (non-subclass) tensors."""
+    dim = input.dim()
+    if dim == 2 and bias is not None:
+        return aten.addmm(bias, input, weight.t())
+    if bias is not None and input.is_contiguous():
+        if dim == 3 or (input.layout == torch.strided and weight.layout == torch.strided and bias.dim() == 1):
+            return _flatten_nd_linear(input, weight, bias)
+    output = aten.matmul(input, weight.t())
+    if bias is not None:
+        output.add_(bias)
+    return output
+
+
 @contextlib.contextmanager
 def cuda_composites(device):
     """Register the CUDA paths of the composite ops above for ``device`` (a GPU Device)."""
@@ -64,6 +91,7 @@ def cuda_composites(device):
             lib.impl("scaled_dot_product_attention", sdpa, "CompositeImplicitAutograd")
             lib.impl("dropout", _dropout, "CompositeImplicitAutograd")
             lib.impl("dropout_", _dropout_, "CompositeImplicitAutograd")
+            lib.impl("linear", _linear, "CompositeImplicitAutograd")
             for name, fn in rnn_rule.composites(device).items():
                 lib.impl(name, fn, "CompositeImplicitAutograd")
         yield

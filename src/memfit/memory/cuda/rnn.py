@@ -7,11 +7,12 @@ kernel instead, whose scratch memfit probes on the machine at hand; neither says
 cuDNN's memory. What ``_cudnn_rnn`` holds on the GPU:
 
 - ``weight_buf``: the weights as one flat buffer. ``nn.LSTM`` on CUDA flattens its parameters
-  into one buffer (``flatten_parameters``) and passes a view of it; when the parameters are not
-  flat (always so on fake tensors) the kernel allocates a fresh buffer and copies them in, and
-  autograd keeps it for backward. The meta kernel returns the ``weight_buf`` it was given, i.e.
-  None, which made backward fail on fake CUDA tensors ("Expected a proper Tensor but got None
-  ... 'weight_buf'"); this rule returns the buffer the CUDA kernel returns.
+  into one buffer (``flatten_parameters``) and the kernel uses it in place (an H200 snapshot of
+  an LSTM LM shows no copy); under autocast, ``_cudnn_rnn_cast_reflatten`` casts the weights into
+  one fresh buffer, which the trace's weight casts stand for. The meta kernel returns the
+  ``weight_buf`` it was given, i.e. None, which made backward fail on fake CUDA tensors ("Expected
+  a proper Tensor but got None ... 'weight_buf'"); this rule returns a view of the weights with
+  the flat size (no new memory).
 - ``reserve``: what cuDNN keeps from forward for backward (``cudnnGetRNNTempSpaceSizes``). The
   meta kernel says 0 bytes. Measured on an H100 and an H200 (cuDNN 9.19, bench/gpu_rnn_facts.py,
   120 shapes, exact in every one): ``(6 * layers - 1)`` (LSTM) or ``(7 * layers - 1)`` (GRU)
@@ -22,6 +23,8 @@ cuDNN's memory. What ``_cudnn_rnn`` holds on the GPU:
 - a workspace during forward and each backward call: the input projections of all time steps
   for one layer (``gates * hidden`` values per step and sample) plus the recurrent state of one
   step; and contiguous ``[T, B, *]`` copies of a batch-first input and gradient.
+- a batch-first output is a transposed view of the ``[T, B, D]`` result (not contiguous), as the
+  kernel returns it; what follows (a Linear's mm + add rather than addmm) depends on it.
 - backward returns the weight gradient as one flat buffer (views of ``dw = zeros_like
   (weight_buf)``) after ``_cudnn_rnn_backward_input`` and ``_cudnn_rnn_backward_weight``.
 
@@ -161,7 +164,12 @@ def forward(func, args, kwargs, book):
     batch_first = args[10]
     wbuf = out[4]
     if wbuf is None:
-        wbuf = torch.empty(sum(w.numel() for w in weight), dtype=input.dtype, device=input.device)
+        # On a GPU the weights are already one flat buffer that the kernel uses in place:
+        # nn.LSTM/GRU flatten their parameters when moved to CUDA, and under autocast
+        # _cudnn_rnn_cast_reflatten casts them into one fresh buffer (the casts memfit traces).
+        # Fake tensors cannot be flat (no data pointers), so the buffer autograd keeps is a view
+        # of the first weight, expanded to the flat size: no new memory.
+        wbuf = weight[0].reshape(-1)[:1].expand(sum(w.numel() for w in weight))
     reserve = out[3]
     nres = reserve_bytes(args)
     if nres:
@@ -170,7 +178,13 @@ def forward(func, args, kwargs, book):
     if batch_first and input.shape[0] > 1 and input.shape[1] > 1:
         scratch.insert(0, ("cudnn rnn input copy", input.numel() * input.element_size()))
     book(scratch)
-    return (out[0], out[1], out[2], reserve, wbuf)
+    output = out[0]
+    if batch_first and output.dim() == 3 and output.is_contiguous():
+        # RNN.cpp computes [T, B, D] and returns ``output.transpose_(0, 1)``: a batch-first output is
+        # not contiguous, so a Linear after it takes matmul's mm + add, not addmm (cuBLASLt)
+        b, t, d = output.shape
+        output = output.as_strided((b, t, d), (d, b * d, 1))
+    return (output, out[1], out[2], reserve, wbuf)
 
 
 def backward(func, args, kwargs, book):
