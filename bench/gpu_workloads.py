@@ -231,5 +231,45 @@ def bert_large_8l(layers: int = 8, seq_len: int = 1024, hidden: int = 1024, inte
                   max_position_embeddings=max(seq_len, 32))
 
 
+# -- a second set, added after the CUDA rules were fitted (a blind check of them) ---------------
+
+
+def efficientnet_b0(image_size: int = 224, classes: int = 1000) -> Workload:
+    """timm EfficientNet-B0 (5.3M): depthwise convolutions, squeeze-excitation, SiLU."""
+    return _timm("efficientnet_b0", image_size, classes, 128)
+
+
+def swin_tiny(image_size: int = 224, classes: int = 1000) -> Workload:
+    """timm Swin-T (28M): windowed attention with a relative position bias (an SDPA mask)."""
+    return _timm("swin_tiny_patch4_window7_224", image_size, classes, 64)
+
+
+def phi3_4l(layers: int = 4, seq_len: int = 2048, hidden: int = 3072, intermediate: int = 8192, heads: int = 32,
+            vocab: int = 32064) -> Workload:
+    """Phi-3-mini width (fused qkv and gate-up projections), 4 layers, seq 2048."""
+    return _hf_lm("Phi3Config", "Phi3ForCausalLM", "phi3-4l", seq_len, 4, num_hidden_layers=layers,
+                  hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads,
+                  num_key_value_heads=heads, vocab_size=vocab, max_position_embeddings=max(seq_len, 32),
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def gemma_4l(layers: int = 4, seq_len: int = 1024, hidden: int = 2048, intermediate: int = 16384, heads: int = 8,
+             kv_heads: int = 1, head_dim: int = 256, vocab: int = 256000) -> Workload:
+    """Gemma-2B width (multi-query attention, head_dim 256, 256k vocabulary), 4 layers, seq 1024."""
+    return _hf_lm("GemmaConfig", "GemmaForCausalLM", "gemma-4l", seq_len, 2, num_hidden_layers=layers,
+                  hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=vocab,
+                  max_position_embeddings=max(seq_len, 32))
+
+
+def neox_4l(layers: int = 4, seq_len: int = 2048, hidden: int = 2048, intermediate: int = 8192, heads: int = 16,
+            vocab: int = 50304) -> Workload:
+    """GPT-NeoX (Pythia-1.4B width: parallel attention and MLP, partial rotary), 4 layers, seq 2048."""
+    return _hf_lm("GPTNeoXConfig", "GPTNeoXForCausalLM", "neox-4l", seq_len, 4, num_hidden_layers=layers,
+                  hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads, vocab_size=vocab,
+                  max_position_embeddings=max(seq_len, 32))
+
+
 WORKLOADS = {f.__name__: f for f in (resnet50, vit_small, convnext_tiny, lstm_lm, gru_lm, mlp, unet, qwen2_4l,
-                                     mistral_4l, bert_large_8l)}
+                                     mistral_4l, bert_large_8l, efficientnet_b0, swin_tiny, phi3_4l, gemma_4l,
+                                     neox_4l)}
