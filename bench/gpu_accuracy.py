@@ -97,13 +97,10 @@ def recorded_environment(case: dict) -> contextlib.AbstractContextManager | None
     return None
 
 
-PRESETS = {"H200": "h200-141gb", "H100": "h100-80gb"}
-"""The preset each recorded card is predicted for (rows without a ``gpu`` field ran on an H100)."""
-
-
 def preset_for(case: dict) -> str:
-    gpu = case.get("gpu") or "H100"
-    return next((preset for key, preset in PRESETS.items() if key in gpu), "h100-80gb")
+    """The preset of the card a row ran on (rows without a ``gpu`` field ran on an H100)."""
+    from memfit.devices import preset_for_card
+    return preset_for_card(case.get("gpu") or "NVIDIA H100", case.get("gpu_total_bytes"))
 
 
 def predict(case: dict, device: str | None = None, *, emulate: bool = True) -> dict:

@@ -111,6 +111,15 @@ def cpu_device() -> Device:
     return Device(name="cpu", kind="cpu", total_bytes=total, bf16=True, fp16=True, allocator="cpu")
 
 
+def preset_for_card(card: str, total_memory: int | None = None) -> str:
+    """The preset whose name a CUDA card's name (``torch.cuda.get_device_name``) matches; an A100
+    40GB's when none does. ``total_memory`` tells the A100's two sizes apart (80GB when unknown)."""
+    a100 = "a100-40gb" if total_memory is not None and total_memory <= 60 * GiB else "a100-80gb"
+    hints = {"h100": "h100-80gb", "h200": "h200-141gb", "a100": a100, "l4": "l4", "4090": "rtx4090",
+             "3090": "rtx3090", "t4": "t4", "v100": "v100-16gb"}
+    return next((v for k, v in hints.items() if k in card.lower()), "a100-40gb")
+
+
 def local_cuda_device() -> Device:
     """The GPU this process would train on: its real capacity, with the speed figures of the preset
     whose name it matches (an A100 40GB's when none does)."""
@@ -119,10 +128,7 @@ def local_cuda_device() -> Device:
         raise UserError("device cuda: no CUDA GPU is visible to PyTorch here; use --device cpu, or a GPU preset "
                         "name to plan for a card you do not have")
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    card = props.name.lower()
-    hints = {"h100": "h100-80gb", "h200": "h200-141gb", "a100": "a100-80gb" if props.total_memory > 60 * GiB else "a100-40gb",
-             "l4": "l4", "4090": "rtx4090", "3090": "rtx3090", "t4": "t4", "v100": "v100-16gb"}
-    preset = next((GPU_PRESETS[v] for k, v in hints.items() if k in card), GPU_PRESETS["a100-40gb"])
+    preset = GPU_PRESETS[preset_for_card(props.name, props.total_memory)]
     capability = (props.major, props.minor)
     cuda = tuple(int(x) for x in (torch.version.cuda or "12.0").split(".")[:2])
     return dataclasses.replace(preset, name=f"cuda ({props.name})", total_bytes=props.total_memory,

@@ -307,6 +307,14 @@ def test_lstm_runs_cudnn_rnn_with_a_weight_buffer_and_reserve():
     assert km.booked["cudnn rnn backward workspace"] == 2  # data and weight passes
 
 
+def _rnn_args(row):
+    dtype = getattr(torch, row["rnn_dtype"])
+    t, b = row["steps"], row["batch"]
+    x = torch.empty((b, t, row["input"]) if row["batch_first"] else (t, b, row["input"]), dtype=dtype)
+    return (x, [], 4, None, None, None, rnn_rule.MODES[row["cell"].lower()], row["hidden"], 0, row["layers"],
+            row["batch_first"], row["dropout"], True, row["bidirectional"], [])
+
+
 def test_cudnn_rnn_reserve_matches_every_measured_shape():
     """The reserve law against 120 LSTM/GRU shapes measured on an H200 (tests/data/cudnn_rnn_h200.json:
     fp32, fp16 and autocast, 1-4 layers, bidirectional, dropout); cuDNN's dropout state is the
@@ -314,25 +322,12 @@ def test_cudnn_rnn_reserve_matches_every_measured_shape():
     data = json.loads((DATA / "cudnn_rnn_h200.json").read_text())
     checked = 0
     for row in data["rows"]:
-        dtype = getattr(torch, row["rnn_dtype"])
-        t, b = row["steps"], row["batch"]
-        x = torch.empty((b, t, row["input"]) if row["batch_first"] else (t, b, row["input"]), dtype=dtype)
-        args = (x, [], 4, None, None, None, rnn_rule.MODES[row["cell"].lower()], row["hidden"], 0, row["layers"],
-                row["batch_first"], row["dropout"], True, row["bidirectional"], [])
-        assert rnn_rule.reserve_bytes(args) == row["reserve"], row
+        assert rnn_rule.reserve_bytes(_rnn_args(row)) == row["reserve"], row
         checked += 1
     assert checked == 120
     first = next(r for r in data["rows"] if r["dropout"] > 0)
     assert first["persist_after_first_call"] == rnn_rule.dropout_state_bytes(
         (None,) * 11 + (first["dropout"], True), data["sm_count"])
-
-
-def _rnn_args(row):
-    dtype = getattr(torch, row["rnn_dtype"])
-    t, b = row["steps"], row["batch"]
-    x = torch.empty((b, t, row["input"]) if row["batch_first"] else (t, b, row["input"]), dtype=dtype)
-    return (x, [], 4, None, None, None, rnn_rule.MODES[row["cell"].lower()], row["hidden"], 0, row["layers"],
-            row["batch_first"], row["dropout"], True, row["bidirectional"], [])
 
 
 def test_cudnn_rnn_workspace_fit_holds_its_stated_bounds():
