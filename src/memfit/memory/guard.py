@@ -4,9 +4,9 @@ On a GPU, an allocation that does not fit raises ``torch.OutOfMemoryError`` and 
 loop can recover (``memfit.training.adapt``). A CPU has no such limit: the OS swaps, or kills the
 process. So that training under ``--budget`` behaves the same everywhere, ``memfit train`` on a
 CPU runs the step under this guard: a ``TorchDispatchMode`` that sees every storage an ATen op
-creates (forward, backward, recomputation, optimizer), holds only weak references to them (their
-callbacks count the frees), and raises ``torch.OutOfMemoryError`` as soon as the live device
-bytes pass the budget. Tensors placed on the host (offloaded optimizer states and activations,
+creates (forward, backward, recomputation, optimizer), holds only weak references to them
+(``memfit.memory.storages.LiveStorages``, which reports the frees), and raises
+``torch.OutOfMemoryError`` as soon as the live device bytes pass the budget. Tensors placed on the host (offloaded optimizer states and activations,
 EMA weights on the host) are not device memory and are not counted, as on a GPU.
 
 Cost: one Python call per ATen op (a few microseconds), so the guard is on only when a budget is
@@ -18,13 +18,12 @@ outside ATen (``torch.load``; :meth:`watch` adds those).
 from __future__ import annotations
 
 import contextlib
-import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from memfit.memory.tracker import _returns_alias
+from memfit.memory.storages import LiveStorages
 from memfit.units import fmt_bytes
 
 
@@ -44,30 +43,22 @@ class BudgetGuard(TorchDispatchMode):
         """Peak of live device bytes since :meth:`reset_peak`."""
         self.armed = True
         self._paused = False
-        self._storages: dict[int, tuple[int, weakref.ref]] = {}  # storage cdata -> (bytes counted, ref)
-        self._host: dict[int, weakref.ref] = {}  # host-placed storages
+        self._storages = LiveStorages(self._allocated, self._freed, self._hosted)  # tokens: bytes counted
 
-    # -- observer protocol (memfit.step.NullObserver) ----------------------------------------------
+    # -- observer protocol (memfit.observer.NullObserver) ----------------------------------------------
     def phase(self, name: str):
         return contextlib.nullcontext()
 
     def host(self, tensors) -> None:
         """These tensors live in host memory: stop counting them (and never count them again)."""
-        for t in tree_leaves(tensors):
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                key = st._cdata
-                entry = self._storages.pop(key, None)
-                if entry is not None:
-                    self.live_bytes -= entry[0]
-                self._host[key] = weakref.ref(st, lambda ref, key=key: self._host.pop(key, None))
+        self._storages.host(tensors)
 
     # -- counting -------------------------------------------------------------------------------
     def watch(self, tensors) -> None:
         """Count tensors made outside ATen ops (no error is raised here)."""
         for t in tree_leaves(tensors):
             if isinstance(t, torch.Tensor):
-                self._see(t)
+                self._storages.see(t)
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
@@ -85,10 +76,7 @@ class BudgetGuard(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self._paused:
             return out
-        if not _returns_alias(func):
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    self._see(t)
+        self._storages.see_outputs(out, func)
         if self.armed and self.live_bytes > self.budget_bytes:
             live = self.live_bytes
             del out  # freed as the error unwinds, like an allocation that failed
@@ -97,25 +85,18 @@ class BudgetGuard(TorchDispatchMode):
                 f"{fmt_bytes(live)}, over the budget of {fmt_bytes(self.budget_bytes)}")
         return out
 
-    def _see(self, t: torch.Tensor) -> None:
-        st = t.untyped_storage()
-        key, nbytes = st._cdata, st.nbytes()
-        if key in self._host:
-            return
-        entry = self._storages.get(key)
-        if entry is not None:
-            if entry[0] == nbytes:
-                return
-            self.live_bytes -= entry[0]  # resized in place: count the new size
-        self._storages[key] = (nbytes, weakref.ref(st, self._freed(key, nbytes)))
+    # -- LiveStorages hooks: a storage's token is the number of bytes it counts for ---------------
+    def _allocated(self, t: torch.Tensor, nbytes: int, func, on_host: bool) -> int:
+        if on_host:
+            return 0
         self.live_bytes += nbytes
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
+        return nbytes
 
-    def _freed(self, key: int, nbytes: int):
-        def freed(ref) -> None:
-            entry = self._storages.get(key)
-            if entry is not None and entry[1] is ref:
-                del self._storages[key]
-                self.live_bytes -= nbytes
-        return freed
+    def _freed(self, nbytes: int) -> None:
+        self.live_bytes -= nbytes
+
+    def _hosted(self, nbytes: int) -> int:
+        self.live_bytes -= nbytes
+        return 0

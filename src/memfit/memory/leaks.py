@@ -28,7 +28,7 @@ class Leak:
 
 def find_leaks(tracker: MemoryTracker, step: int) -> list[Leak]:
     """Storages created during ``step`` and alive at the end of the trace, not expected to persist."""
-    alive = {serial for serial, _ in tracker._live.values()}
+    alive = {serial for serial, _ in tracker.storages.live.values()}
     groups: dict[tuple, list[int]] = defaultdict(list)
     for serial in alive:
         rec = tracker.state.records[serial]

@@ -1,8 +1,9 @@
 """MemoryTracker: every live storage, its bytes, category, module, device and time.
 
 A ``TorchDispatchMode`` sees every ATen op below autograd, forward and backward alike, on fake
-tensors (prediction) and real tensors (measurement). Each new storage an op returns is recorded
-with a weak reference, whose callback records the free, so the tracker holds no memory itself.
+tensors (prediction) and real tensors (measurement). Each new storage an op returns is recorded;
+``memfit.memory.storages.LiveStorages`` follows it by weak reference and reports its free, so the
+tracker holds no memory itself.
 
 NOTE [ Categories are decided late ]
 A storage's category is often known only after it was allocated: a backward result becomes a
@@ -30,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from memfit.memory.categories import CATEGORIES
+from memfit.memory.storages import LiveStorages
 
 aten = torch.ops.aten
 
@@ -45,7 +47,6 @@ class StorageRecord:
     step: int
     label: str | None = None
     outlived_forward: bool = False
-    freed_by_resize: bool = False
 
 
 @dataclass
@@ -83,7 +84,7 @@ class MemoryTracker(TorchDispatchMode):
         self.probe = probe
         self.unprobed: dict[str, int] = {}
         self._check_origin: dict[int, object] = {}  # storage -> the aten.all / aten.any that made it
-        self._live: dict[int, tuple[int, weakref.ref]] = {}  # storage cdata -> (serial, weakref)
+        self.storages = LiveStorages(self._allocated, self._freed, self._hosted)  # tokens: record serials
         self._forward_serial_start = 0
         self._modules = ModuleStack()
         self._stack = contextlib.ExitStack()
@@ -124,17 +125,13 @@ class MemoryTracker(TorchDispatchMode):
         assert category in CATEGORIES, category
         for t in tree_leaves(tensors):
             if isinstance(t, torch.Tensor):
-                entry = self._live.get(_key(t))
-                if entry is not None:
-                    self.state.records[entry[0]].label = category
+                serial = self.storages.token(t)
+                if serial is not None:
+                    self.state.records[serial].label = category
 
     def host(self, tensors) -> None:
         """These tensors live in host memory (see memfit.techniques.placement)."""
-        for t in tree_leaves(tensors):
-            if isinstance(t, torch.Tensor):
-                entry = self._live.get(_key(t))
-                if entry is not None:
-                    self.state.records[entry[0]].device = "host"
+        self.storages.host(tensors)
 
     def category_of(self, rec: StorageRecord) -> str:
         """See NOTE [ Categories are decided late ]."""
@@ -148,7 +145,8 @@ class MemoryTracker(TorchDispatchMode):
 
     def live_bytes(self, device: str | None = None) -> int:
         recs = self.state.records
-        return sum(recs[s].nbytes for s, _ in self._live.values() if device is None or recs[s].device == device)
+        return sum(recs[s].nbytes for s, _ in self.storages.live.values()
+                   if device is None or recs[s].device == device)
 
     # -- dispatch --------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -179,13 +177,7 @@ class MemoryTracker(TorchDispatchMode):
                 if probed.scaled:
                     self._approximate("kernel scratch extrapolated from probes at smaller shapes",
                                       str(func.overloadpacket.__name__))
-        if not _returns_alias(func):
-            if isinstance(out, torch.Tensor):  # the common case, without flattening
-                self._see(out, func)
-            else:
-                for t in tree_leaves(out):
-                    if isinstance(t, torch.Tensor):
-                        self._see(t, func)
+        self.storages.see_outputs(out, func)
         if probed is not None and probed.scratch_bytes:
             # scratch = the op's peak minus what it returns, so booking it beside the outputs
             # reproduces the op's peak (see memfit.memory.workspaces)
@@ -193,35 +185,21 @@ class MemoryTracker(TorchDispatchMode):
             self._transient_end()
         return out
 
-    def _see(self, t: torch.Tensor, func) -> None:
-        st = t.untyped_storage()
-        key = st._cdata
-        entry = self._live.get(key)
-        nbytes = st.nbytes()
-        if entry is not None:
-            rec = self.state.records[entry[0]]
-            if nbytes == rec.nbytes:
-                return
-            # resized in place (out= ops, resize_): the old size is freed, the new one recorded
-            self.state.events.append((rec.serial, -1))
-            rec.freed_by_resize = True
+    # -- LiveStorages hooks: a storage's token is its record's serial ----------------------------
+    def _allocated(self, t: torch.Tensor, nbytes: int, func, on_host: bool) -> int:
         serial = len(self.state.records)
-        rec = StorageRecord(serial=serial, nbytes=nbytes, device=_device_name(t), phase=self.phase_name,
-                            module=self._module(), op=_op_name(func) if func else "?", step=self.step_index)
-        self.state.records.append(rec)
+        self.state.records.append(StorageRecord(
+            serial=serial, nbytes=nbytes, device="host" if on_host else _device_name(t), phase=self.phase_name,
+            module=self._modules.current(), op=_op_name(func) if func else "?", step=self.step_index))
         self.state.events.append((serial, 1))
-        ref = weakref.ref(st, self._freed_callback(serial, key))
-        self._live[key] = (serial, ref)
+        return serial
 
-    def _freed_callback(self, serial: int, key: int):
-        def freed(_ref) -> None:
-            entry = self._live.get(key)
-            if entry is not None and entry[0] == serial:
-                del self._live[key]
-            rec = self.state.records[serial]
-            if not rec.freed_by_resize:
-                self.state.events.append((serial, -1))
-        return freed
+    def _freed(self, serial: int) -> None:
+        self.state.events.append((serial, -1))
+
+    def _hosted(self, serial: int) -> int:
+        self.state.records[serial].device = "host"
+        return serial
 
     def _transient(self, nbytes: int, func, args) -> None:
         serial = len(self.state.records)
@@ -237,7 +215,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def _mark_outlived_forward(self) -> None:
         start = self._forward_serial_start
-        for serial, _ in self._live.values():
+        for serial, _ in self.storages.live.values():
             if serial >= start:
                 self.state.records[serial].outlived_forward = True
 
@@ -316,7 +294,6 @@ class ModuleStack:
         return False
 
 
-_ALIAS_CACHE: dict = {}
 _OP_NAMES: dict = {}
 
 
@@ -325,17 +302,6 @@ def _op_name(func) -> str:
     if name is None:
         name = _OP_NAMES[func] = str(func.overloadpacket.__name__)
     return name
-
-
-def _returns_alias(func) -> bool:
-    """True if the op's outputs alias its inputs (views, in-place and out= ops): no new memory."""
-    hit = _ALIAS_CACHE.get(func)
-    if hit is None:
-        # lift_fresh "returns its input", but that input is a tensor just made from Python data
-        # (torch.tensor(...)) that no op has shown us yet
-        hit = _ALIAS_CACHE[func] = (func not in (aten.lift_fresh.default, aten.lift_fresh_copy.default)
-                                    and any(r.alias_info is not None for r in func._schema.returns))
-    return hit
 
 
 def _resize_outputs(out, real_nbytes: tuple[int, ...]):

@@ -123,7 +123,7 @@ class KernelMode(TorchDispatchMode):
         tracker = self.tracker
         if tracker is None or tracker.phase_name != "optimizer" or not isinstance(out, torch.Tensor):
             return False
-        entry = tracker._live.get(src.untyped_storage()._cdata)  # the tracker's storage -> record map
+        entry = tracker.storages.live.get(src.untyped_storage()._cdata)  # the tracker's storage -> record map
         rec = tracker.state.records[-1]
         return (entry is not None and tracker.state.records[entry[0]].device == "host" and rec.device != "host"
                 and rec.nbytes == out.untyped_storage().nbytes())
