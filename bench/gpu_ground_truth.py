@@ -112,7 +112,7 @@ BUILTIN: list[dict] = [
 
 def resolve_workload(case: dict):
     """The case's Workload: a built-in or ``file.py:NAME`` (called with ``kwargs`` when given)."""
-    from memfit.workload import load_workload
+    from memfit.workloads import load_workload
     spec, kwargs = case["workload"], case.get("kwargs")
     if not kwargs:
         return load_workload(spec, seq_len=case.get("seq_len"))
@@ -210,7 +210,7 @@ def measure_case(case: dict, device: str = "cuda", predict: str | None = None) -
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             step = memfit.build_step(wl, memfit.Plan(**case["plan"]), case["batch_size"], device=dev)
-            batch = make_batch(wl, case["batch_size"], dev)
+            batch = make_batch(step.target)
             for _ in range(WARMUP_STEPS):
                 step(batch)
         notes = sorted({str(w.message).splitlines()[0][:200] for w in caught

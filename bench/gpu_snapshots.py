@@ -351,10 +351,9 @@ def capture(case: dict, out_dir: Path, keep_pickle: bool = True) -> dict:
     torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     wl = resolve_workload(case)
     dev = memfit.get_device("cuda")
-    step = memfit.build_step(wl, memfit.Plan(**case["plan"]), case["batch_size"], device=dev)
-    batch = make_batch(wl, case["batch_size"], dev)
     clock = PhaseClock()
-    step.observer = clock
+    step = memfit.build_step(wl, memfit.Plan(**case["plan"]), case["batch_size"], device=dev, observer=clock)
+    batch = make_batch(step.target)
     at_start = {}
     for i in (1, 2):
         clock.step = i

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memfit.workload import Workload
+from memfit.workload import Workload, WorkloadInfo
 
 # -- image classifiers from timm ------------------------------------------------------------------
 
@@ -35,7 +35,7 @@ def _timm(name: str, image_size: int, classes: int, default_batch: int, **kwargs
                     batch=lambda n: (torch.randn(n, 3, image_size, image_size), torch.randint(0, classes, (n,))),
                     loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
                     name=f"timm-{name}", default_batch_size=default_batch,
-                    info={"arch": name, "image_size": image_size, "classes": classes})
+                    info=WorkloadInfo(config={"arch": name, "image_size": image_size, "classes": classes}))
 
 
 def resnet50(image_size: int = 224, classes: int = 1000) -> Workload:
@@ -74,8 +74,8 @@ def _rnn(cell: str, vocab: int, dim: int, hidden: int, layers: int, seq_len: int
                     batch=lambda n: torch.randint(0, vocab, (n, seq_len + 1)),
                     loss=lambda m, ids: F.cross_entropy(m(ids[:, :-1]).flatten(0, 1).float(), ids[:, 1:].flatten()),
                     name=f"{cell.lower()}-lm", default_batch_size=32,
-                    info={"cell": cell, "vocab": vocab, "dim": dim, "hidden": hidden, "layers": layers,
-                          "seq_len": seq_len})
+                    info=WorkloadInfo(config={"cell": cell, "vocab": vocab, "dim": dim, "hidden": hidden,
+                                              "layers": layers, "seq_len": seq_len}))
 
 
 def lstm_lm(vocab: int = 32000, dim: int = 512, hidden: int = 1024, layers: int = 3, seq_len: int = 256,
@@ -124,7 +124,7 @@ def mlp(inputs: int = 1024, width: int = 2048, hidden: int = 8192, depth: int = 
                     batch=lambda n: (torch.randn(n, inputs), torch.randint(0, classes, (n,))),
                     loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
                     name="resmlp", default_batch_size=4096,
-                    info={"width": width, "hidden": hidden, "depth": depth})
+                    info=WorkloadInfo(config={"width": width, "hidden": hidden, "depth": depth}))
 
 
 # -- small UNet (diffusion-style denoiser) --------------------------------------------------------
@@ -184,7 +184,7 @@ def unet(image_size: int = 128, channels: int = 3, base: int = 64, levels: int =
                                      torch.randn(n, channels, image_size, image_size)),
                     loss=lambda m, b: F.mse_loss(m(b[0]).float(), b[1]),
                     name="unet", default_batch_size=16,
-                    info={"image_size": image_size, "base": base, "levels": levels, "blocks": blocks})
+                    info=WorkloadInfo(config={"image_size": image_size, "base": base, "levels": levels, "blocks": blocks}))
 
 
 # -- Hugging Face language models from configs (a few layers at real width) ----------------------
@@ -203,7 +203,7 @@ def _hf_lm(config_cls: str, model_cls: str, name: str, seq_len: int, default_bat
 
     return Workload(model=lambda: getattr(transformers, model_cls)(config), batch=batch,
                     loss=lambda m, b: m(**b).loss, name=name, default_batch_size=default_batch,
-                    info={"config": config_cls, "seq_len": seq_len, **fields})
+                    info=WorkloadInfo(config={"config": config_cls, "seq_len": seq_len, **fields}))
 
 
 def qwen2_4l(layers: int = 4, seq_len: int = 2048, hidden: int = 1536, intermediate: int = 8960, heads: int = 12,

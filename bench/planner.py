@@ -14,6 +14,7 @@ until a real step fits the budget, and its time is reported.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 import warnings
@@ -25,15 +26,18 @@ from torch.profiler import ProfilerActivity, record_function  # noqa: E402
 from torch.profiler import profile as torch_profile  # noqa: E402
 
 from memfit.devices import get_device  # noqa: E402
-from memfit.memory.faketrace import STEADY_STEP, run_tracked  # noqa: E402
+from memfit.memory.categories import STEADY_STEP  # noqa: E402
+from memfit.memory.faketrace import run_tracked  # noqa: E402
 from memfit.memory.measure import STEP_RANGE, profiler_peak  # noqa: E402
-from memfit.memory.quiet import QuietProfiler  # noqa: E402
-from memfit.planner.cost import _time_plan  # noqa: E402
+from memfit.planner.cost import time_plan  # noqa: E402
 from memfit.planner.search import plan  # noqa: E402
 from memfit.planner.space import SearchSpace, candidates, model_facts  # noqa: E402
 from memfit.plans import Plan  # noqa: E402
+from memfit.quiet import QuietProfiler  # noqa: E402
+from memfit.target import Target  # noqa: E402
+from memfit.techniques.checkpointing import find_blocks  # noqa: E402
 from memfit.units import fmt_bytes  # noqa: E402
-from memfit.workload import load_workload  # noqa: E402
+from memfit.workloads import load_workload  # noqa: E402
 
 WORKLOADS = {
     "mha": ("mha:layers=4,seq_len=128", False),
@@ -54,17 +58,9 @@ def space_for(causal_lm: bool, has_blocks: bool = True) -> SearchSpace:
 
 def measured_peak(wl, p: Plan, batch: int = BATCH) -> int:
     prof = torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    run_tracked(wl, p, batch, CPU, fake=False, outer=QuietProfiler(prof),
-                around_step=lambda i: record_function(STEP_RANGE) if i == STEADY_STEP else _Null())
+    run_tracked(Target.resolve(wl, p, batch, CPU), fake=False, outer=QuietProfiler(prof),
+                around_step=lambda i: record_function(STEP_RANGE) if i == STEADY_STEP else contextlib.nullcontext())
     return profiler_peak(prof)
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def oom_trial_search(wl, budget: int, start: int = 64) -> tuple[int, float, int]:
@@ -88,11 +84,11 @@ def main() -> None:
     for name in a.workloads.split(","):
         spec, causal = WORKLOADS[name]
         wl = load_workload(spec)
-        space = space_for(causal, model_facts(wl).has_blocks)
+        space = space_for(causal, bool(find_blocks(model_facts(wl).model)))
         t0 = time.perf_counter()
         grid = {}
         for p in candidates(space, BATCH):
-            grid[p] = (measured_peak(wl, p), _time_plan(wl, p, BATCH, CPU, 2))
+            grid[p] = (measured_peak(wl, p), time_plan(Target.resolve(wl, p, BATCH, CPU), 2))
         grid_seconds = time.perf_counter() - t0
         base_peak = grid[Plan()][0]
         for frac in (0.3, 0.5, 0.8):

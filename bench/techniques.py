@@ -24,7 +24,7 @@ warnings.simplefilter("ignore")
 from memfit.memory.measure import profile  # noqa: E402
 from memfit.plans import Plan  # noqa: E402
 from memfit.step import build_step  # noqa: E402
-from memfit.workload import load_workload  # noqa: E402
+from memfit.workloads import load_workload  # noqa: E402
 
 WORKLOAD, SEQ, BATCH = "gpt2:n_layer=6,n_embd=512,n_head=8", 512, 8
 PLANS = {

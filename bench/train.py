@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from memfit.plans import Plan  # noqa: E402
 from memfit.training.data import ByteCorpus  # noqa: E402
 from memfit.training.loop import train  # noqa: E402
-from memfit.workload import load_workload  # noqa: E402
+from memfit.workloads import load_workload  # noqa: E402
 
 SPEC, SEQ, BATCH, N = "gpt2:n_layer=4,n_embd=256,n_head=4,n_positions=256", 128, 8, 14
 FIRST = 4  # first timed step

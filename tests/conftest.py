@@ -36,3 +36,42 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if str(item.path).startswith(integration):
             item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture
+def inject_oom(monkeypatch):
+    """``with inject_oom({2, 5}): train(...)``: the first attempt of those training steps (counted
+    from 1 inside the block) raises torch.OutOfMemoryError in forward, as a real OOM would."""
+    import contextlib
+
+    import torch
+
+    from memfit.step import TrainStep
+    from memfit.training import loop
+
+    state = {"steps": set(), "step": 0, "armed": False}
+    real_run_adapting, real_run = loop.run_adapting, TrainStep.run
+
+    def counting(*args, **kwargs):  # one call per training step
+        state["step"] += 1
+        state["armed"] = state["step"] in state["steps"]
+        return real_run_adapting(*args, **kwargs)
+
+    def run(self, batch):
+        if state["armed"]:
+            state["armed"] = False
+            self.phase = "forward"
+            raise torch.OutOfMemoryError(f"injected out-of-memory error at step {state['step']}")
+        return real_run(self, batch)
+
+    monkeypatch.setattr(loop, "run_adapting", counting)
+    monkeypatch.setattr(TrainStep, "run", run)
+
+    @contextlib.contextmanager
+    def inject(steps):
+        state.update(steps=set(steps), step=0, armed=False)
+        try:
+            yield
+        finally:
+            state.update(steps=set(), armed=False)
+    return inject

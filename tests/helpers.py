@@ -8,7 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memfit.memory.measure import profile
 from memfit.plans import Plan
 from memfit.step import build_step
-from memfit.workload import load_workload
+from memfit.workloads import load_workload
 
 # GPT-2 with dropout on (resid/embd/attn 0.1), small enough for CPU tests.
 GPT2_DROPOUT = "gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=500,n_positions=128"

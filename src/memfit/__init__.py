@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = ["Plan", "plan", "train", "TrainResult", "Workload", "load_workload", "build_step", "TrainStep", "estimate", "profile", "MemoryReport",
-           "UserError", "get_device", "__version__"]
+__all__ = ["Plan", "plan", "train", "TrainResult", "Workload", "load_workload", "build_step", "TrainStep", "Target",
+           "estimate", "profile", "MemoryReport", "Budget", "UserError", "get_device", "__version__"]
 
 _LAZY = {
     "Plan": "memfit.plans",
@@ -21,7 +21,9 @@ _LAZY = {
     "train": "memfit.training.loop",
     "TrainResult": "memfit.training.loop",
     "Workload": "memfit.workload",
-    "load_workload": "memfit.workload",
+    "load_workload": "memfit.workloads",
+    "Target": "memfit.target",
+    "Budget": "memfit.memory.budget",
     "build_step": "memfit.step",
     "TrainStep": "memfit.step",
     "estimate": "memfit.memory.estimate",
@@ -34,14 +36,17 @@ _LAZY = {
 if TYPE_CHECKING:  # pragma: no cover
     from memfit.devices import get_device
     from memfit.errors import UserError
+    from memfit.memory.budget import Budget
     from memfit.memory.estimate import estimate
     from memfit.memory.measure import profile
     from memfit.memory.report import MemoryReport
     from memfit.planner.search import plan
     from memfit.plans import Plan
     from memfit.step import TrainStep, build_step
+    from memfit.target import Target
     from memfit.training.loop import TrainResult, train
-    from memfit.workload import Workload, load_workload
+    from memfit.workload import Workload
+    from memfit.workloads import load_workload
 
 
 def __getattr__(name: str):

@@ -111,6 +111,29 @@ def cpu_device() -> Device:
     return Device(name="cpu", kind="cpu", total_bytes=total, bf16=True, fp16=True, allocator="cpu")
 
 
+def available_host_bytes() -> int:
+    """Memory this machine can still give (``MemAvailable``; 4 GiB when unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 * GiB
+
+
+def tensor_device(device: Device) -> str:
+    """Where a step's tensors live. NOTE [ GPU presets without a GPU ]: PyTorch's autograd
+    engine cannot run backward on fake CUDA tensors without a CUDA driver (pytorch#92627), so a
+    GPU preset is traced on fake CPU tensors here: the CUDA kernel model (memfit.memory.cuda)
+    makes the trace take CUDA's kernel choices, and the caching-allocator model replays it."""
+    import torch
+    if device.kind == "cuda" and not torch.cuda.is_available():
+        return "cpu"
+    return device.kind
+
+
 def preset_for_card(card: str, total_memory: int | None = None) -> str:
     """The preset whose name a CUDA card's name (``torch.cuda.get_device_name``) matches; an A100
     40GB's when none does. ``total_memory`` tells the A100's two sizes apart (80GB when unknown)."""

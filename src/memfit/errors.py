@@ -1,11 +1,23 @@
-"""User-facing errors.
+"""User-facing errors, and how memfit tells a user's mistake from its own failures.
 
 A :class:`UserError` is a mistake the user can fix (a malformed size, an unknown device, a
 missing file). The CLI prints its message on one line and exits with status 2; ``--debug``
 shows the traceback. Internal invariants use ``assert``.
+
+Two kinds of failure raised inside a workload's code are not the workload's fault and must reach
+memfit's own handlers: a fake-tensor trace that cannot go on (:func:`is_trace_error`; estimate
+explains it or measures a real run instead) and a kernel this machine does not have
+(:func:`missing_kernel`; CPUs differ: without AVX-512 bf16, oneDNN has no bf16 LSTM/GRU kernel,
+and some ATen kernels exist for fp32 only). torch is imported inside functions: importing this
+module stays cheap.
 """
 
 from __future__ import annotations
+
+import os
+import re
+import sysconfig
+import traceback
 
 
 class UserError(ValueError):
@@ -20,22 +32,97 @@ class TraceError(UserError):
         self.op = op
 
 
+class KernelUnavailable(UserError):
+    """A kernel the step needs does not exist on this machine for the dtype it runs in."""
+
+
+def is_trace_error(exc: BaseException) -> bool:
+    """Did fake-tensor tracing fail (rather than the workload itself)?"""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        UnsupportedOperatorException,
+    )
+    if isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)):
+        return True
+    try:
+        from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+        if isinstance(exc, GuardOnDataDependentSymNode):
+            return True
+    except ImportError:  # pragma: no cover - older torch
+        pass
+    msg = str(exc)
+    return "FakeTensor" in msg or "fake tensor" in msg.lower() or "meta tensor" in msg.lower()
+
+
+def trace_error_op(exc: BaseException) -> str:
+    """The ATen op a fake-tensor failure names, if any."""
+    func = getattr(exc, "func", None)
+    if func is not None:
+        return str(func)
+    m = re.search(r"aten\.[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)?", str(exc))
+    return m.group(0) if m else type(exc).__name__
+
+
+_ONEDNN = re.compile(r"could not create a primitive descriptor for (?:the |an? )?(?P<what>.+?) primitive")
+_ATEN = re.compile(r"\"(?P<what>\w+)\" not implemented for '(?P<dtype>\w+)'")
+# oneDNN primitives and the ATen ops that reach them (for the message)
+_ONEDNN_OPS = {"LSTM": "aten.mkldnn_rnn_layer", "GRU": "aten.mkldnn_rnn_layer", "RNN": "aten.mkldnn_rnn_layer",
+               "convolution": "aten.convolution", "matmul": "aten.mm", "inner product": "aten.linear"}
+
+
+def missing_kernel(exc: BaseException, precision: str) -> KernelUnavailable | None:
+    """One line naming the kernel this machine lacks, the module and the fix; None if ``exc`` is
+    something else. A fake-tensor estimate still predicts such a step (meta kernels exist for
+    every dtype), but a real step (``profile``, ``train``) cannot run."""
+    import torch
+    if not isinstance(exc, RuntimeError) or isinstance(exc, torch.OutOfMemoryError):
+        return None
+    text = str(exc)
+    m = _ONEDNN.search(text)
+    if m:
+        what = m.group("what")
+        op = next((v for k, v in _ONEDNN_OPS.items() if what.lower().startswith(k.lower())), "a oneDNN op")
+        kernel = f"{op} ({what}, oneDNN)"
+    else:
+        m = _ATEN.search(text)
+        if not m:
+            return None
+        kernel = f"aten.{m.group('what')} for {m.group('dtype')}"
+    where = _module_of(exc)
+    place = f"in module {where}" if where else "in backward"
+    cpu = torch.backends.cpu.get_cpu_capability()
+    return KernelUnavailable(
+        f"this machine has no kernel for {kernel} {place} at precision {precision} (CPU capability {cpu}); "
+        f"keep that module in fp32 (run its forward under torch.autocast(device_type, enabled=False)) "
+        f"or use --precision fp32")
+
+
+def _module_of(exc: BaseException) -> str | None:
+    """The innermost nn.Module whose forward was running when ``exc`` was raised."""
+    import torch
+    tb, found = exc.__traceback__, None
+    while tb is not None:
+        frame = tb.tb_frame
+        owner = frame.f_locals.get("self")
+        if frame.f_code.co_name == "forward" and isinstance(owner, torch.nn.Module):
+            found = type(owner).__name__
+        tb = tb.tb_next
+    return found
+
+
 def passes_through(exc: BaseException) -> bool:
     """Exceptions from a workload's code that must reach memfit's own handlers unchanged rather
     than be reported as the workload's fault: out of memory (training adapts to it), fake-tensor
     trace failures (estimate explains them or falls back to a real run) and kernels this machine
     lacks (the step names them)."""
     import torch
-
-    from memfit.kernel_errors import explain
-    from memfit.memory.faketrace import is_trace_error
     return (isinstance(exc, (UserError, torch.OutOfMemoryError, MemoryError)) or is_trace_error(exc)
-            or explain(exc, "") is not None)
+            or missing_kernel(exc, "") is not None)
 
 
 def raised_in_memfit(exc: BaseException) -> bool:
     """Did memfit's own code (not a built-in workload) raise ``exc``? Then it is memfit's bug."""
-    import os
     root = os.path.dirname(os.path.abspath(__file__))
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None:
@@ -50,9 +137,6 @@ def user_location(exc: BaseException, fn=None) -> str | None:
     """``file.py:LINE`` of the innermost frame of ``exc`` in the user's code: the file that defines
     ``fn`` if it is on the stack, else the innermost frame outside Python's and the installed
     libraries' folders and memfit's own."""
-    import os
-    import sysconfig
-    import traceback
     frames = traceback.extract_tb(exc.__traceback__)
     code = getattr(getattr(fn, "__func__", fn), "__code__", None)
     home = os.path.abspath(code.co_filename) if code is not None else None

@@ -1,7 +1,9 @@
 """Plan: *how* to train a workload. Plain, frozen, serialisable data; never holds live objects.
 
-A plan file (YAML or JSON) holds any subset of these keys; unknown keys and bad values are
-errors naming the key and the allowed values::
+A plan is the composition of one config per technique (``memfit.techniques``): each key of a
+plan file is the YAML sugar of a technique's config, parsed once when the plan is made, and
+validated against the other techniques. A plan file (YAML or JSON) holds any subset of the keys;
+unknown keys and bad values are errors naming the key and the allowed values::
 
     precision: fp32          # fp32 | bf16 | fp16 | bf16-pure | auto
     micro_batch_size: null   # null = whole batch
@@ -10,10 +12,15 @@ errors naming the key and the allowed values::
     optimizer: adamw         # adamw | adamw8bit | adafactor | sgd
     optimizer_in_backward: false
     offload: []              # any of: optimizer_states, activations
-    ema: null                # e.g. {decay: 0.999, device: cpu, every: 1}
     loss_chunks: 0           # chunked cross-entropy when > 0
     attention: auto          # auto | sdpa | math | chunked
+    ema: null                # e.g. {decay: 0.999, device: cpu, every: 1}
     compile: none            # none | blocks | full
+    bf16_update: nearest     # nearest | stochastic | kahan (with bf16-pure)
+
+The keys are the techniques' own (``Technique.keys``): a new technique module adds its keys to
+:class:`Plan`, to plan files and to the command line (``--key``) by itself. A value may also be
+given as the technique's config object: ``Plan(checkpointing=BlocksAC(every=2))``.
 
 Micro-batching: with a global batch of B samples, ``micro_batch_size`` m splits it into B/m
 micro-batches whose gradients are accumulated before one optimizer step; ``grad_accum_steps`` k
@@ -24,162 +31,75 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from memfit.errors import UserError
-
-PRECISIONS = ("fp32", "bf16", "fp16", "bf16-pure", "auto")
-OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "sgd")
-OFFLOADS = ("optimizer_states", "activations")
-ATTENTIONS = ("auto", "sdpa", "math", "chunked")
-COMPILES = ("none", "blocks", "full")
-BF16_UPDATES = ("nearest", "stochastic", "kahan")
-MAX_CHUNKS = 2**31 - 1
-_CKPT_RE = re.compile(r"^(none|blocks|blocks:every=(\d+)|selective|budget:([0-9]*\.?[0-9]+))$")
-
-# Plan fields that this version implements in the TrainStep. The others are part of the
-# schema (so plan files stay stable) and are refused with a clear message until implemented.
-IMPLEMENTED = {"precision", "micro_batch_size", "grad_accum_steps", "checkpointing", "optimizer",
-               "optimizer_in_backward", "offload", "ema", "loss_chunks", "attention", "bf16_update"}
+from memfit.techniques import BY_NAME, TECHNIQUES
+from memfit.techniques.base import Config, Key, Technique
 
 
-@dataclass(frozen=True)
-class EMAConfig:
-    decay: float = 0.999
-    """Shadow weight decay per update."""
-    device: str = "cpu"
-    """Where the shadow weights live: cpu or the training device."""
-    every: int = 1
-    """Update the shadow weights every N optimizer steps."""
+class _PlanMethods:
+    """What every Plan does; the fields come from the techniques (see :data:`Plan`)."""
 
-
-@dataclass(frozen=True)
-class Plan:
-    precision: str = "fp32"
-    """fp32 | bf16 | fp16 | bf16-pure | auto (bf16 where supported, else fp16, else fp32)."""
-    micro_batch_size: int | None = None
-    """Samples per forward/backward; None means the whole batch at once."""
-    grad_accum_steps: int = 1
-    """Micro-batches accumulated per optimizer step."""
-    checkpointing: str = "none"
-    """Activation checkpointing: none | blocks | blocks:every=N | selective | budget:FRACTION."""
-    optimizer: str = "adamw"
-    """adamw | adamw8bit | adafactor | sgd."""
-    optimizer_in_backward: bool = False
-    """Step and free each parameter's gradient as soon as it is accumulated."""
-    offload: tuple[str, ...] = ()
-    """Move to host memory: optimizer_states, activations."""
-    ema: EMAConfig | None = None
-    """Exponential moving average of the weights."""
-    loss_chunks: int = 0
-    """Compute the language-model cross-entropy in this many chunks (0 = off)."""
-    attention: str = "auto"
-    """auto | sdpa | math | chunked."""
-    compile: str = "none"
-    """none | blocks | full."""
-    bf16_update: str = "nearest"
-    """With bf16-pure: how the update is rounded into bf16 weights: nearest | stochastic | kahan."""
-
+    # -- parsing, once ---------------------------------------------------------------------
     def __post_init__(self) -> None:
-        _check_choice("precision", self.precision, PRECISIONS)
-        _check_choice("optimizer", self.optimizer, OPTIMIZERS)
-        _check_choice("attention", self.attention, ATTENTIONS)
-        _check_choice("compile", self.compile, COMPILES)
-        _check_choice("bf16_update", self.bf16_update, BF16_UPDATES)
-        if not _CKPT_RE.match(str(self.checkpointing)):
-            raise UserError(
-                f"plan: checkpointing {self.checkpointing!r} is not valid; "
-                "use none, blocks, blocks:every=N, selective or budget:FRACTION (e.g. budget:0.5)")
-        if self.checkpointing.startswith("budget:") and not 0 <= float(self.checkpointing[7:]) <= 1:
-            raise UserError(f"plan: checkpointing {self.checkpointing!r}: the budget fraction must be in [0, 1]")
-        if self.checkpointing.startswith("blocks:every=") and int(self.checkpointing[13:]) < 1:
-            raise UserError("plan: checkpointing blocks:every=N needs N >= 1")
-        for name in ("grad_accum_steps",):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise UserError(f"plan: {name} must be a whole number >= 1, got {v!r}")
-        if self.micro_batch_size is not None and (
-                not isinstance(self.micro_batch_size, int) or isinstance(self.micro_batch_size, bool)
-                or self.micro_batch_size < 1):
-            raise UserError(f"plan: micro_batch_size must be null or a whole number >= 1, got {self.micro_batch_size!r}")
-        if not isinstance(self.loss_chunks, int) or isinstance(self.loss_chunks, bool) \
-                or not 0 <= self.loss_chunks <= MAX_CHUNKS:
-            raise UserError(f"plan: loss_chunks must be a whole number from 0 to {MAX_CHUNKS}, got {self.loss_chunks!r}")
-        if not isinstance(self.optimizer_in_backward, bool):
-            raise UserError(f"plan: optimizer_in_backward must be true or false, got {self.optimizer_in_backward!r}")
-        offload = self.offload
-        if isinstance(offload, str):
-            offload = (offload,) if offload else ()
-        if not isinstance(offload, (list, tuple)):
-            raise UserError(f"plan: offload must be a list of {', '.join(OFFLOADS)}; got {offload!r}")
-        for item in offload:
-            _check_choice("offload", item, OFFLOADS)
-        object.__setattr__(self, "offload", tuple(sorted(set(offload))))
-        if isinstance(self.ema, dict):
-            object.__setattr__(self, "ema", _ema_from_dict(self.ema))
-        elif self.ema is not None and not isinstance(self.ema, EMAConfig):
-            raise UserError(f"plan: ema must be null or a mapping like {{decay: 0.999, device: cpu, every: 1}}, got {self.ema!r}")
-        self._check_combinations()
+        configs = {t.name: t.config({k.name: getattr(self, k.name) for k in t.keys}) for t in TECHNIQUES}
+        for cfg in configs.values():
+            for key, value in cfg.values().items():  # the canonical value (e.g. offload as a sorted tuple)
+                object.__setattr__(self, key, value)
+        object.__setattr__(self, "_configs", configs)
+        for cfg in configs.values():
+            cfg.check(self)
 
-    # -- validation of combinations -------------------------------------------------------
-    def _check_combinations(self) -> None:
-        if self.optimizer_in_backward and self.grad_accum_steps > 1:
-            raise UserError("plan: optimizer_in_backward steps each gradient as soon as it is ready, so it "
-                            "cannot accumulate micro-batches; set grad_accum_steps: 1 or optimizer_in_backward: false")
-        if self.optimizer_in_backward and self.micro_batch_size is not None:
-            raise UserError("plan: optimizer_in_backward cannot accumulate micro-batches; remove micro_batch_size")
-        if self.optimizer_in_backward and "optimizer_states" in self.offload:
-            raise UserError("plan: optimizer_in_backward and offload: [optimizer_states] cannot be combined in this "
-                            "version; choose one")
-        if self.bf16_update != "nearest" and self.precision != "bf16-pure":
-            raise UserError(f"plan: bf16_update: {self.bf16_update} applies to precision: bf16-pure only")
-        if self.bf16_update != "nearest" and self.optimizer not in ("adamw", "sgd"):
-            raise UserError(f"plan: bf16_update: {self.bf16_update} is implemented for adamw and sgd; "
-                            f"use bf16_update: nearest with {self.optimizer}")
-        if self.optimizer_in_backward and self.precision == "fp16":
-            raise UserError("plan: optimizer_in_backward cannot unscale fp16 gradients with a GradScaler "
-                            "(inf checks need all gradients); use bf16 or set optimizer_in_backward: false")
+    def config(self, technique: str) -> Config:
+        """The config of one technique (by name: ``plan.config("checkpointing")``)."""
+        return self._configs[technique]
+
+    @property
+    def techniques(self) -> tuple[Config, ...]:
+        """One config per technique, in plan order (the order ``build_step`` applies them)."""
+        return tuple(self._configs.values())
+
+    def with_config(self, config: Config) -> Plan:
+        """This plan with ``config`` in place of its technique's current one."""
+        return Plan(**{**self._values(), **config.values()})
+
+    def without(self, config: Config) -> Plan:
+        """This plan with ``config`` in place of its technique's, and every other technique that
+        then no longer applies (e.g. ``bf16_update`` without bf16-pure) back at its default."""
+        values = {**self._values(), **config.values()}
+        configs = {t.name: t.config({k.name: values[k.name] for k in t.keys}) for t in TECHNIQUES}
+        probe = dataclasses.replace(self)  # a valid plan to read the other keys from while checking
+        object.__setattr__(probe, "_configs", configs)
+        for key, value in values.items():
+            object.__setattr__(probe, key, value)
+        for name, cfg in configs.items():
+            try:
+                cfg.check(probe)
+            except UserError:
+                if name == config.technique.name:
+                    raise
+                values.update(BY_NAME[name].default.values())
+        return Plan(**values)
+
+    def check_implemented(self) -> None:
+        """Refuse what this version cannot run yet (the schema has it so that plan files stay stable)."""
+        for cfg in self.techniques:
+            reason = cfg.unimplemented()
+            if reason:
+                raise UserError(reason)
 
     def micro_batches(self, batch_size: int) -> tuple[int, int]:
         """(micro_batch_size, number of micro-batches) for a global batch; raises if it does not divide."""
-        if batch_size < 1:
-            raise UserError(f"batch size must be >= 1, got {batch_size}")
-        k, m = self.grad_accum_steps, self.micro_batch_size
-        if m is None:
-            if batch_size % k:
-                raise UserError(f"batch size {batch_size} is not divisible into grad_accum_steps={k} micro-batches; "
-                                f"pick a batch size that is a multiple of {k}")
-            return batch_size // k, k
-        if batch_size % m:
-            raise UserError(f"batch size {batch_size} is not a multiple of micro_batch_size={m}; "
-                            f"use a batch size that is a multiple of {m} or another micro_batch_size")
-        n = batch_size // m
-        if k != 1 and k != n:
-            raise UserError(f"micro_batch_size={m} gives {n} micro-batches for batch size {batch_size} but "
-                            f"grad_accum_steps={k}; give only one of them")
-        return m, n
-
-    def check_implemented(self) -> None:
-        if self.checkpointing.startswith("budget:"):
-            raise UserError(f"plan: checkpointing={self.checkpointing} (torch.compile's activation memory budget) is "
-                            "not implemented in this memfit version yet; use blocks, blocks:every=N or selective")
-        default = Plan()
-        for f in dataclasses.fields(self):
-            if f.name in IMPLEMENTED:
-                continue
-            if getattr(self, f.name) != getattr(default, f.name):
-                raise UserError(f"plan: {f.name}={_show(getattr(self, f.name))} is not implemented in this memfit "
-                                f"version yet; remove it from the plan (implemented: {', '.join(sorted(IMPLEMENTED))})")
+        return self.config("accumulation").micro_batches(batch_size)
 
     # -- (de)serialisation -----------------------------------------------------------------
+    def _values(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
     def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["offload"] = list(self.offload)
-        d["ema"] = dataclasses.asdict(self.ema) if self.ema else None
-        return d
+        return {name: _plain(value) for name, value in self._values().items()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "plan") -> Plan:
@@ -197,7 +117,7 @@ class Plan:
             raise UserError(f"{source}: {e}") from None
 
     def replace(self, **changes: Any) -> Plan:
-        return Plan.from_dict({**self.to_dict(), **changes})
+        return Plan.from_dict({**self._values(), **changes})
 
     def to_yaml(self) -> str:
         import yaml
@@ -235,25 +155,10 @@ class Plan:
         except OSError as e:
             raise UserError(f"cannot write the plan to {str(p)!r} ({e.strerror}); choose a writable path") from None
 
+    # -- text ------------------------------------------------------------------------------
     def short(self, batch_size: int | None = None) -> str:
         """Compact label, e.g. 'bf16 mb2 ckpt=blocks adamw8bit inbw chunks=8'."""
-        parts = [self.precision]
-        if self.micro_batch_size or self.grad_accum_steps > 1:
-            parts.append(f"mb{self.micro_batches(batch_size)[0] if batch_size else self.micro_batch_size}")
-        if self.checkpointing != "none":
-            parts.append(f"ckpt={self.checkpointing.replace('blocks:every=', 'every')}")
-        if self.optimizer != "adamw":
-            parts.append(self.optimizer)
-        if self.optimizer_in_backward:
-            parts.append("inbw")
-        parts += [f"off={o.split('_')[0]}" for o in self.offload]
-        if self.loss_chunks:
-            parts.append(f"chunks={self.loss_chunks}")
-        if self.attention != "auto":
-            parts.append(f"attn={self.attention}")
-        if self.ema:
-            parts.append("ema")
-        return " ".join(parts)
+        return " ".join(label for cfg in self.techniques if (label := cfg.label(batch_size)))
 
     def describe(self) -> str:
         """Short text of the non-default fields, e.g. 'precision=bf16, micro_batch_size=2'."""
@@ -263,26 +168,34 @@ class Plan:
         return ", ".join(parts) or "defaults (fp32, whole batch)"
 
 
-def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise UserError(f"plan: {name} {value!r} is not valid; choose one of {', '.join(allowed)}")
-
-
-def _ema_from_dict(d: dict) -> EMAConfig:
-    allowed = {f.name for f in dataclasses.fields(EMAConfig)}
-    unknown = sorted(set(d) - allowed)
-    if unknown:
-        raise UserError(f"plan: ema has unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(allowed))}")
-    cfg = EMAConfig(**d)
-    decay_ok = isinstance(cfg.decay, (int, float)) and not isinstance(cfg.decay, bool) and 0 < cfg.decay < 1
-    every_ok = isinstance(cfg.every, int) and not isinstance(cfg.every, bool) and cfg.every >= 1
-    if not decay_ok or not every_ok or cfg.device not in ("cpu", "device"):
-        raise UserError(f"plan: ema needs 0 < decay < 1, a whole number every >= 1 and device cpu or device; "
-                        f"got decay={cfg.decay!r}, every={cfg.every!r}, device={cfg.device!r}")
-    return dataclasses.replace(cfg, decay=float(cfg.decay))
+def _plain(value: Any) -> Any:
+    """A plan value as YAML/JSON data."""
+    if isinstance(value, tuple):
+        return list(value)
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    return value
 
 
 def _show(v: Any) -> str:
     if isinstance(v, tuple):
         return "[" + ",".join(v) + "]"
     return str(v)
+
+
+def keys() -> tuple[Key, ...]:
+    """Every plan key, in plan order."""
+    return tuple(k for t in TECHNIQUES for k in t.keys)
+
+
+def technique_of(key: str) -> Technique:
+    """The technique that owns plan key ``key``."""
+    return next(t for t in TECHNIQUES if any(k.name == key for k in t.keys))
+
+
+Plan = dataclasses.make_dataclass(
+    "Plan", [(k.name, k.annotation, dataclasses.field(default=k.default, metadata={"key": k})) for k in keys()],
+    bases=(_PlanMethods,), frozen=True)
+Plan.__module__ = __name__
+Plan.__doc__ = ("How to train a workload: one config per technique, from plan keys "
+                f"({', '.join(k.name for k in keys())}). See memfit.plans.")

@@ -1,10 +1,26 @@
-"""Silence the profiler's C++ start/stop chatter (kineto writes straight to file descriptor 2)."""
+"""Quiet: warnings memfit expects, and the profiler's C++ chatter.
+
+memfit runs the user's step many times over (fake traces for predictions, the planner's
+candidates, a report's ablations); warnings those runs raise (a deprecated argument of the
+user's model, autocast on a CPU) were already shown, or belong to the real run, and are silenced
+there with :func:`silenced_warnings`. The profiler's kineto writes start/stop messages straight
+to file descriptor 2; :class:`QuietProfiler` sends them to /dev/null.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import sys
+import warnings
+
+
+@contextlib.contextmanager
+def silenced_warnings():
+    """No warning is shown inside the block (the filters are restored after it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
 
 
 @contextlib.contextmanager

@@ -1,20 +1,22 @@
 """TrainStep: the one training-step path.
 
 ``estimate`` runs it on fake tensors, ``profile`` on real tensors under measurement, ``train`` in
-a loop. A step is: zero_grad(set_to_none) -> for each micro-batch: forward + loss under the
-plan's precision, backward (scaled for fp16) -> optimizer step. Micro-batch losses are divided by
-the number of micro-batches, so accumulated gradients equal those of the whole batch.
+a loop, and OOM adaptation rebuilds it for the adapted plan. A step is: zero_grad(set_to_none) ->
+for each micro-batch: forward + loss under the plan's precision, backward (scaled for fp16) ->
+hooks before the update (e.g. gradient clipping) -> optimizer step -> hooks after it (EMA).
+Micro-batch losses are divided by the number of micro-batches, so accumulated gradients equal
+those of the whole batch.
 
-Techniques (``memfit.techniques``) are applied once, in :func:`build_step`: converters change the
-model (precision, attention, checkpointing), the optimizer is chosen (variant, in backward,
-offloaded states), the loss may be chunked, and the step holds the contexts they need (attention
-around forward and backward, activation offload around forward) and runs ``after_step`` hooks
-(EMA). There is no other step: estimate, profile and train all run this one.
+Techniques (``memfit.techniques``) are applied once, in :func:`build_step`, by one loop over the
+plan's configs: each ``apply``-s itself to the :class:`~memfit.techniques.base.StepParts` under
+construction (converting the model, wrapping how the optimizer is built or the loss, adding the
+contexts the step holds), in the plan's order. There is no other step and no other place that
+applies a technique: estimate, profile, train and adaptation all run this one.
 
-An *observer* (memfit's memory tracker) may watch the step: the step announces its phases
-(``zero_grad``, ``forward``, ``backward``, ``optimizer``) through ``observer.phase(name)`` and
-techniques report host-resident copies through ``observer.host(tensors)``; the default observer
-does nothing.
+An *observer* (memfit's memory tracker, the CPU budget guard) may watch the step: the step
+announces its phases (``zero_grad``, ``forward``, ``backward``, ``optimizer``) through
+``observer.phase(name)`` and techniques report host-resident copies through
+``observer.host(tensors)`` (see memfit.observer).
 """
 
 from __future__ import annotations
@@ -25,30 +27,14 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from memfit.devices import Device, get_device
-from memfit.errors import UserError
-from memfit.kernel_errors import explain as explain_kernel_error
+from memfit.devices import Device
+from memfit.errors import UserError, missing_kernel
+from memfit.observer import NullObserver
 from memfit.plans import Plan
-from memfit.techniques.attention import Attention
-from memfit.techniques.bf16_pure import compensated
-from memfit.techniques.checkpointing import CheckpointConfig, Checkpointing
-from memfit.techniques.chunked_loss import ChunkedLoss
-from memfit.techniques.ema import EMA, NoEMA
-from memfit.techniques.offload import OffloadActivations, OffloadOptimizerStates
-from memfit.techniques.optimizers import OptimizerInBackward, variant_factory
+from memfit.target import Target
+from memfit.techniques.base import StepParts
 from memfit.techniques.placement import HostPlacement
-from memfit.techniques.precision import build_precision
-from memfit.workload import Workload
-
-
-class NullObserver:
-    """Watches nothing."""
-
-    def phase(self, name: str) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    def host(self, tensors) -> None:
-        pass
+from memfit.workload import Workload, call_workload, checked
 
 
 def split_batch(batch: Any, batch_size: int, n: int) -> list[Any]:
@@ -63,45 +49,73 @@ def split_batch(batch: Any, batch_size: int, n: int) -> list[Any]:
 
 
 class TrainStep:
-    """One optimizer step of a workload under a plan. ``step(batch)`` returns the loss as a float;
-    ``step.run(batch)`` returns it as a detached tensor (what fake-tensor tracing uses)."""
+    """One optimizer step of a target (workload, plan, batch, device). ``step(batch)`` returns the
+    loss as a float; ``step.run(batch)`` returns it as a detached tensor (what fake-tensor tracing
+    uses). Built by :func:`build_step`; nothing outside changes it (an adapted plan is a new step)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn, plan: Plan,
-                 batch_size: int, device: Device, precision, *, placement: HostPlacement | None = None,
-                 contexts: tuple = (), forward_contexts: tuple = (), after_step: tuple = (), ema=None):
-        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
-        self.plan, self.batch_size, self.device, self.precision = plan, batch_size, device, precision
-        self.micro_batch_size, self.num_micro_batches = plan.micro_batches(batch_size)
-        self.scaler = precision.grad_scaler()
-        self.placement = placement or HostPlacement()
-        self.contexts = contexts                # around forward and backward (backward may recompute)
-        self.forward_contexts = forward_contexts  # around forward only (e.g. saved-tensor hooks)
-        self.after_step = after_step
-        self.ema = ema
+    def __init__(self, target: Target, parts: StepParts, optimizer: torch.optim.Optimizer,
+                 observer=None):
+        self.target = target
+        self.model, self.optimizer, self.loss_fn = parts.model, optimizer, parts.loss_fn
+        self.precision = parts.precision
+        self.scaler = parts.precision.grad_scaler(parts.device_type)
+        self.micro_batch_size, self.num_micro_batches = parts.micro_batch_size, parts.num_micro_batches
+        self.placement = parts.placement
+        self.ema = parts.ema
+        self.updates_in_backward = parts.updates_in_backward
+        """Parameters change during backward (an interrupted backward cannot be retried)."""
+        self._device_type = parts.device_type
+        self._contexts = tuple(parts.contexts)
+        self._forward_contexts = tuple(parts.forward_contexts)
+        self._before_update = tuple(parts.before_update)
+        self._after_update = tuple(parts.after_update)
         self.phase = "idle"
         """The phase running now (zero_grad, forward, backward, optimizer): an OOM handler needs it."""
-        self.observer = NullObserver()
+        self._observer = NullObserver()
+        if observer is not None:
+            self._set_observer(observer)
+
+    @property
+    def plan(self) -> Plan:
+        return self.target.plan
+
+    @property
+    def batch_size(self) -> int:
+        return self.target.batch_size
+
+    @property
+    def device(self) -> Device:
+        return self.target.device
 
     @property
     def observer(self):
         return self._observer
 
-    @observer.setter
-    def observer(self, obs) -> None:
-        self._observer = obs
-        self.placement.observer = obs
+    def _set_observer(self, observer) -> None:
+        self._observer = observer
+        self.placement.observer = observer
+
+    @contextlib.contextmanager
+    def observed_by(self, observer):
+        """Let ``observer`` watch the step inside the block (the previous one after it)."""
+        before = self._observer
+        self._set_observer(observer)
+        try:
+            yield self
+        finally:
+            self._set_observer(before)
 
     def run(self, batch: Any) -> torch.Tensor:
         try:
             return self._run(batch)
         except RuntimeError as e:
-            missing = explain_kernel_error(e, self.plan.precision)
+            missing = missing_kernel(e, self.target.precision)
             if missing is None:
                 raise
             raise missing from e
 
     def _run(self, batch: Any) -> torch.Tensor:
-        obs, n = self.observer, self.num_micro_batches
+        obs, n = self._observer, self.num_micro_batches
         self.phase = "zero_grad"
         with obs.phase("zero_grad"):
             self.optimizer.zero_grad(set_to_none=True)
@@ -109,12 +123,12 @@ class TrainStep:
         micro = split_batch(batch, self.batch_size, n) if n > 1 else [batch]
         total = None
         with contextlib.ExitStack() as around:
-            for make in self.contexts:
+            for make in self._contexts:
                 around.enter_context(make())
             for mb in micro:
                 self.phase = "forward"
-                with obs.phase("forward"), self.precision.autocast(), contextlib.ExitStack() as fwd:
-                    for make in self.forward_contexts:
+                with obs.phase("forward"), self.precision.autocast(self._device_type), contextlib.ExitStack() as fwd:
+                    for make in self._forward_contexts:
                         fwd.enter_context(make())
                     loss = self.loss_fn(self.model, mb)
                     _check_loss(loss)
@@ -127,15 +141,21 @@ class TrainStep:
                 del loss
         self.phase = "optimizer"
         with obs.phase("optimizer"):
+            for hook in self._before_update:
+                hook(self)
             self.scaler.step(self.optimizer)
             self.scaler.update()
-            for hook in self.after_step:
+            for hook in self._after_update:
                 hook()
         self.phase = "idle"
         return total
 
     def __call__(self, batch: Any) -> float:
         return float(self.run(batch))
+
+    def release(self) -> None:
+        """Drop the model, optimizer and EMA (their memory is freed once nothing else holds them)."""
+        self.model = self.optimizer = self.loss_fn = self.ema = None
 
 
 def _check_loss(loss: Any) -> None:
@@ -149,64 +169,39 @@ def _check_loss(loss: Any) -> None:
                         "compute it from the model's output without .detach() or torch.no_grad()")
 
 
-def tensor_device(device: Device) -> str:
-    """Where the step's tensors live. NOTE [ GPU presets without a GPU ]: PyTorch's autograd
-    engine cannot run backward on fake CUDA tensors without a CUDA driver (pytorch#92627), so a
-    GPU preset is traced on fake CPU tensors here: CPU autocast op lists and CPU kernel choices
-    apply, and the caching-allocator model replays the result."""
-    if device.kind == "cuda" and not torch.cuda.is_available():
-        return "cpu"
-    return device.kind
-
-
-def build_step(workload: Workload, plan: Plan | None = None, batch_size: int | None = None,
-               device: Device | str | None = None) -> TrainStep:
+def build_step(workload: Workload | str | Target, plan: Plan | None = None, batch_size: int | None = None,
+               device: Device | str | None = None, *, observer=None) -> TrainStep:
     """Build the model and optimizer of ``workload`` and apply ``plan``; returns the TrainStep.
 
-    The model is built under ``torch.device(...)`` (see :func:`tensor_device`), so calling this
-    inside a ``FakeTensorMode`` builds it on fake tensors.
+    ``workload`` may be a resolved :class:`~memfit.target.Target` (then the other arguments are
+    not given). The model is built under ``torch.device(...)`` (see memfit.devices.tensor_device),
+    so calling this inside a ``FakeTensorMode`` builds it on fake tensors. ``observer`` watches
+    the step from its first phase.
     """
-    plan = plan or Plan()
-    plan.check_implemented()
-    dev = get_device(device)
-    batch_size = batch_size or workload.default_batch_size
-    plan.micro_batches(batch_size)
-    precision = build_precision(plan.precision, dev, tensor_device(dev))
-    placement = HostPlacement()
-    with torch.device(tensor_device(dev)):
-        model = _call_workload("model()", workload.model)
+    target = workload if isinstance(workload, Target) else Target.resolve(workload, plan, batch_size, device)
+    wl = target.workload
+    with torch.device(target.tensor_device):
+        model = call_workload("model()", wl.model)
         if not isinstance(model, torch.nn.Module):
             raise UserError(f"workload model() must return an nn.Module, got {type(model).__name__}")
-        model = precision.apply(model)
         model.train()
-        attention = Attention(plan.attention)
-        attention.apply(model)
-        recompute = (attention.context,) if plan.attention == "chunked" else ()
-        Checkpointing(CheckpointConfig.parse(plan.checkpointing), recompute_contexts=recompute).apply(model)
-        params = [p for p in model.parameters() if p.requires_grad]
+        parts = StepParts(model=model, device=target.device, device_type=target.tensor_device,
+                          batch_size=target.batch_size, placement=HostPlacement(),
+                          loss_fn=checked("loss(model, batch)", wl.loss),
+                          optimizer_factory=lambda ps: call_workload("optimizer(params)", wl.build_optimizer, ps))
+        for config in target.plan.techniques:
+            config.apply(parts)
+        params = [p for p in parts.model.parameters() if p.requires_grad]
         if not params:
             raise UserError("the workload's model has no trainable parameters")
-        factory = variant_factory(plan.optimizer, lambda ps: _call_workload("optimizer(params)",
-                                                                            workload.build_optimizer, ps), params)
-        if plan.precision == "bf16-pure":
-            factory = compensated(factory, plan.bf16_update)
-        if plan.optimizer_in_backward:
-            optimizer = OptimizerInBackward(params, factory)
-        elif "optimizer_states" in plan.offload:
-            optimizer = OffloadOptimizerStates(params, factory, placement)
-        else:
-            optimizer = factory(params)
-    loss_fn = ChunkedLoss(plan.loss_chunks).wrap(_workload_fn("loss(model, batch)", workload.loss), model)
-    ema = EMA(model, plan.ema, placement) if plan.ema else NoEMA()
-    forward_contexts = (OffloadActivations(model, placement),) if "activations" in plan.offload else ()
-    return TrainStep(model, optimizer, loss_fn, plan, batch_size, dev, precision, placement=placement,
-                     contexts=(attention.context,), forward_contexts=forward_contexts,
-                     after_step=(ema.update,), ema=ema)
+        optimizer = parts.make_optimizer(params, parts.optimizer_factory)
+    return TrainStep(target, parts, optimizer, observer)
 
 
-def make_batch(workload: Workload, batch_size: int, device: Device) -> Any:
-    with torch.device(tensor_device(device)):
-        batch = _call_workload("batch(batch_size)", workload.batch, batch_size)
+def make_batch(target: Target) -> Any:
+    """One batch of the target's workload, on the step's device."""
+    with torch.device(target.tensor_device):
+        batch = call_workload("batch(batch_size)", target.workload.batch, target.batch_size)
     if not any(isinstance(x, torch.Tensor) for x in tree_flatten(batch)[0]):
         raise UserError(f"the workload's batch(batch_size) returned {_kind(batch)} with no tensor in it; return a "
                         "tensor or a tuple/list/dict of tensors shaped [batch, ...]")
@@ -216,43 +211,3 @@ def make_batch(workload: Workload, batch_size: int, device: Device) -> Any:
 def _kind(obj: Any) -> str:
     text = repr(obj)
     return f"a {type(obj).__name__} ({text if len(text) <= 40 else text[:37] + '...'})"
-
-
-def _call_workload(what: str, fn, *args):
-    """Call one of the workload's functions; a failure in the user's code becomes one line naming
-    the function and where in the user's file it failed. Out-of-memory errors, fake-tensor trace
-    failures and missing kernels pass through to their handlers (:func:`memfit.errors.passes_through`),
-    as does a failure raised by memfit's own code or a built-in workload's (a bug to report)."""
-    try:
-        return fn(*args)
-    except Exception as e:
-        err = _workload_error(what, fn, e)
-        if err is e:
-            raise
-        raise err from e
-
-
-def _workload_fn(what: str, fn):
-    """``fn`` wrapped by :func:`_call_workload` (a user's loss, called every micro-batch)."""
-    if _builtin(fn):
-        return fn
-
-    def call(*args):
-        return _call_workload(what, fn, *args)
-    return call
-
-
-def _workload_error(what: str, fn, e: Exception) -> BaseException:
-    """The error to raise for exception ``e`` of the workload's ``what``: ``e`` itself, or a UserError."""
-    from memfit.errors import brief, passes_through, raised_in_memfit, user_location
-    if passes_through(e) or raised_in_memfit(e) or _builtin(fn):
-        return e
-    at = user_location(e, fn)
-    msg = brief(e)
-    return UserError(f"the workload's {what} raised {type(e).__name__}: {msg}{f' (at {at})' if at else ''}; "
-                     "fix the workload (run with --debug for the traceback)")
-
-
-def _builtin(fn) -> bool:
-    """A built-in workload's function (memfit.workloads): its failures are reported there (overrides)."""
-    return str(getattr(fn, "__module__", None) or "").startswith("memfit.workloads")

@@ -1,4 +1,5 @@
-"""Byte sizes: parsing ("20GiB", "1.5GB", "512MiB", "80%") and formatting."""
+"""Parsing what users type: byte sizes ("20GiB", "1.5GB", "512MiB", "80%"), whole numbers and
+``key=value,key=value`` lists; and formatting byte sizes."""
 
 from __future__ import annotations
 
@@ -65,3 +66,23 @@ def parse_positive_int(text: str | int, what: str, maximum: int | None = None) -
     if maximum is not None and value > maximum:
         raise UserError(f"{what} {text} is too large; give at most {maximum}")
     return value
+
+
+def parse_key_values(text: str, what: str, example: str | None = None) -> dict:
+    """'a=1,b=0.5,c=true' -> {'a': 1, 'b': 0.5, 'c': True} (values parsed as YAML scalars).
+    ``what`` names the option in errors; ``example`` shows a well-formed one."""
+    import yaml
+    out: dict = {}
+    if not text:
+        return out
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise UserError(f"malformed override {item!r} for {what}; write key=value pairs separated by commas, "
+                            f"e.g. {example or what + ':key=value,key=value'}")
+        try:
+            out[key] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            out[key] = value
+    return out

@@ -16,20 +16,32 @@ or a function returning one.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from memfit.errors import UserError
+from memfit.errors import UserError, brief, passes_through, raised_in_memfit, user_location
 
 
 def default_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-4)
+
+
+@dataclass(frozen=True)
+class WorkloadInfo:
+    """Facts about a workload: shown in reports, and what ``memfit train`` needs to feed it text."""
+
+    arch: str | None = None
+    """The built-in architecture (gpt2, cnn, ...), or None for a user's workload."""
+    text_lm: bool = False
+    """A language model that ``memfit train`` can feed byte-level text (ids 0-255)."""
+    seq_len: int | None = None
+    """Tokens per sample (language models)."""
+    vocab_size: int | None = None
+    config: dict = field(default_factory=dict)
+    """The architecture's sizes (config fields), for reports."""
 
 
 @dataclass
@@ -41,64 +53,47 @@ class Workload:
     name: str = "workload"
     default_batch_size: int = 8
     """Batch size used when the user gives none."""
-    info: dict = field(default_factory=dict)
-    """Free-form facts shown in reports (architecture, config, sequence length)."""
+    info: WorkloadInfo = field(default_factory=WorkloadInfo)
+    """Facts shown in reports (architecture, sizes, sequence length)."""
 
     def build_optimizer(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
         return (self.optimizer or default_optimizer)(params)
 
 
-def load_workload(spec: str | Workload, *, seq_len: int | None = None) -> Workload:
-    """Resolve a workload spec: a Workload, ``file.py:NAME`` or a built-in name with overrides."""
-    if isinstance(spec, Workload):
-        if seq_len is not None:
-            raise UserError("--seq-len applies to built-in workloads only; set it inside your workload")
-        return spec
-    if not isinstance(spec, str) or not spec.strip():
-        raise UserError("no workload given; name a built-in (e.g. gpt2) or a file (path/to/file.py:NAME)")
-    spec = spec.strip()
-    head = spec.split(":", 1)[0]
-    if head.endswith(".py") or "/" in head or Path(head).suffix == ".py":
-        if seq_len is not None:
-            raise UserError("--seq-len applies to built-in workloads only; set it inside your workload file")
-        return _load_file_workload(spec)
-    from memfit.workloads import builtin_workload
-    return builtin_workload(spec, seq_len=seq_len)
-
-
-def _load_file_workload(spec: str) -> Workload:
-    path_text, _, name = spec.partition(":")
-    path = Path(path_text)
-    if not path.is_file():
-        raise UserError(f"workload file {path_text!r} not found; give path/to/file.py:NAME")
-    if not name:
-        raise UserError(f"workload {spec!r} names no object; write {path_text}:NAME (a Workload or a function returning one)")
-    mod_name = f"memfit_user_{abs(hash(str(path.resolve())))}"
-    module_spec = importlib.util.spec_from_file_location(mod_name, path)
-    if module_spec is None:  # not a .py file: Python has no loader for it
-        raise UserError(f"workload file {path_text!r} is not a Python file; give path/to/file.py:NAME")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[mod_name] = module
+def call_workload(what: str, fn, *args):
+    """Call one of the workload's functions; a failure in the user's code becomes one line naming
+    the function and where in the user's file it failed. Out-of-memory errors, fake-tensor trace
+    failures and missing kernels pass through to their handlers (:func:`memfit.errors.passes_through`),
+    as does a failure raised by memfit's own code or a built-in workload's (a bug to report)."""
     try:
-        module_spec.loader.exec_module(module)
+        return fn(*args)
     except Exception as e:
-        raise UserError(f"workload file {path_text!r} raised {type(e).__name__} while importing: {e}; "
-                        "fix the file (run with --debug for the traceback)") from e
-    if not hasattr(module, name):
-        found = [k for k, v in vars(module).items() if isinstance(v, Workload) or (callable(v) and not k.startswith("_"))]
-        raise UserError(f"{path_text} has no {name!r}; define a Workload or a function returning one"
-                        + (f" (found: {', '.join(found[:8])})" if found else ""))
-    obj = getattr(module, name)
-    if not isinstance(obj, Workload):
-        if not callable(obj):
-            raise UserError(f"{path_text}:{name} is a {type(obj).__name__}, not a Workload or a function returning one")
-        try:
-            obj = obj()
-        except Exception as e:
-            raise UserError(f"{path_text}:{name}() raised {type(e).__name__}: {e}; fix the workload "
-                            "(run with --debug for the traceback)") from e
-        if not isinstance(obj, Workload):
-            raise UserError(f"{path_text}:{name}() returned a {type(obj).__name__}, not a memfit.Workload")
-    if obj.name == "workload":
-        obj.name = f"{path.name}:{name}"
-    return obj
+        err = _workload_error(what, fn, e)
+        if err is e:
+            raise
+        raise err from e
+
+
+def checked(what: str, fn):
+    """``fn`` wrapped by :func:`call_workload` (e.g. a user's loss, called every micro-batch)."""
+    if _builtin(fn):
+        return fn
+
+    def call(*args):
+        return call_workload(what, fn, *args)
+    return call
+
+
+def _workload_error(what: str, fn, e: Exception) -> BaseException:
+    """The error to raise for exception ``e`` of the workload's ``what``: ``e`` itself, or a UserError."""
+    if passes_through(e) or raised_in_memfit(e) or _builtin(fn):
+        return e
+    at = user_location(e, fn)
+    msg = brief(e)
+    return UserError(f"the workload's {what} raised {type(e).__name__}: {msg}{f' (at {at})' if at else ''}; "
+                     "fix the workload (run with --debug for the traceback)")
+
+
+def _builtin(fn) -> bool:
+    """A built-in workload's function (memfit.workloads): its failures are reported there (overrides)."""
+    return str(getattr(fn, "__module__", None) or "").startswith("memfit.workloads")

@@ -98,24 +98,25 @@ def _events(path):
     return [a for line in open(path / "metrics.jsonl") for a in json.loads(line).get("adaptations", [])]
 
 
-def test_injected_ooms_keep_the_training_the_same(tmp_path):
+def test_injected_ooms_keep_the_training_the_same(tmp_path, inject_oom):
     """OOMs at steps 2 and 5: the same samples are re-split into smaller micro-batches and retried."""
     import torch
     clean = train(NO_DROPOUT, steps=7, out=tmp_path / "clean", seq_len=64, batch_size=4, progress=False, report=False)
-    oom = train(NO_DROPOUT, steps=7, out=tmp_path / "oom", seq_len=64, batch_size=4, progress=False, report=False,
-                inject_oom={2, 5})
+    with inject_oom({2, 5}):
+        oom = train(NO_DROPOUT, steps=7, out=tmp_path / "oom", seq_len=64, batch_size=4, progress=False, report=False)
     torch.testing.assert_close(torch.tensor(oom.losses), torch.tensor(clean.losses), rtol=1e-5, atol=1e-6)
     events = _events(tmp_path / "oom")
     assert [e["step"] for e in events] == [2, 5] and all(e["phase"] == "forward" for e in events)
     assert [e["adaptation"].split(" x")[0] for e in events] == ["micro_batch_size 2", "micro_batch_size 1"]
 
 
-def test_escalation_when_micro_batches_cannot_shrink(tmp_path):
+def test_escalation_when_micro_batches_cannot_shrink(tmp_path, inject_oom):
     import torch
     plan = Plan(optimizer_in_backward=True)  # cannot accumulate: escalates to checkpointing, then offload
     clean = train(NO_DROPOUT, plan=plan, steps=4, out=tmp_path / "a", seq_len=64, batch_size=2, progress=False, report=False)
-    oom = train(NO_DROPOUT, plan=plan, steps=4, out=tmp_path / "b", seq_len=64, batch_size=2, progress=False, report=False,
-                inject_oom={2, 3})
+    with inject_oom({2, 3}):
+        oom = train(NO_DROPOUT, plan=plan, steps=4, out=tmp_path / "b", seq_len=64, batch_size=2, progress=False,
+                    report=False)
     torch.testing.assert_close(torch.tensor(oom.losses), torch.tensor(clean.losses), rtol=1e-5, atol=1e-6)
     assert [e["adaptation"] for e in _events(tmp_path / "b")] == ["checkpointing: blocks", "offload: activations"]
     # the adapted plan is in the checkpoint: resuming continues with it
@@ -136,7 +137,7 @@ def test_a_process_killed_while_saving_leaves_the_last_good_checkpoint(tmp_path)
 
     from memfit.step import build_step
     from memfit.training.checkpoint import read, restore
-    from memfit.workload import load_workload
+    from memfit.workloads import load_workload
 
     train(LM, steps=1, out=tmp_path, seq_len=64, batch_size=2, progress=False, report=False)
     good = read(tmp_path)
@@ -145,7 +146,7 @@ import torch, sys
 sys.argv = ["x"]
 from memfit.training import checkpoint
 from memfit.step import build_step
-from memfit.workload import load_workload
+from memfit.workloads import load_workload
 from memfit.plans import Plan
 from pathlib import Path
 wl = load_workload({LM!r}, seq_len=64)
@@ -173,7 +174,7 @@ while True:
 def test_ctrl_c_saves_the_steps_done_and_resume_continues_exactly(tmp_path, capsys):
     import dataclasses
 
-    from memfit.workload import load_workload
+    from memfit.workloads import load_workload
     wl = load_workload(LM, seq_len=64)
     real_calls = []
 

@@ -31,10 +31,11 @@ def clean(tmp_path_factory):
 
 
 @pytest.mark.parametrize("seed", [11, 23, 47])
-def test_ooms_at_random_steps_leave_the_loss_trajectory_unchanged(tmp_path, clean, seed):
+def test_ooms_at_random_steps_leave_the_loss_trajectory_unchanged(tmp_path, clean, seed, inject_oom):
     rng = random.Random(seed)
     oom_steps = set(rng.sample(range(1, STEPS + 1), 3))
-    oom = _run(tmp_path, inject_oom=oom_steps)
+    with inject_oom(oom_steps):
+        oom = _run(tmp_path)
     torch.testing.assert_close(torch.tensor(oom.losses), torch.tensor(clean.losses), rtol=1e-5, atol=1e-6)
     lines = _lines(tmp_path)
     assert [x["step"] for x in lines] == list(range(1, STEPS + 1))  # one record a step, each with its loss
@@ -83,12 +84,12 @@ def test_an_existing_run_is_not_overwritten(tmp_path, capsys):
     assert (tmp_path / "checkpoint.pt").read_bytes() == before
 
 
-def test_out_of_adaptations_says_what_the_most_frugal_plan_needs(tmp_path):
+def test_out_of_adaptations_says_what_the_most_frugal_plan_needs(tmp_path, inject_oom):
     plan = Plan(optimizer_in_backward=True, checkpointing="blocks", offload=("activations",))  # nothing left to do
     need = estimate(NO_DROPOUT, plan, batch_size=2, seq_len=64).peak_bytes
-    with pytest.raises(UserError, match="every adaptation applied") as info:
+    with pytest.raises(UserError, match="every adaptation applied") as info, inject_oom({1}):
         train(NO_DROPOUT, plan=plan, steps=2, out=tmp_path, seq_len=64, batch_size=2, progress=False,
-              report=False, inject_oom={1})
+              report=False)
     from memfit.units import fmt_bytes
     assert f"needs {fmt_bytes(need)} (predicted)" in str(info.value)
 
@@ -112,16 +113,18 @@ def test_on_a_gpu_the_budget_is_the_allocators_limit_and_predictions_use_reserve
     from types import SimpleNamespace
 
     from memfit.devices import get_device
+    from memfit.memory.budget import Budget
+    from memfit.target import Target
     from memfit.training.adapt import FitPredictor
     from memfit.training.loop import limit_cuda_allocator
     gpu = get_device("rtx4090")
     plan = Plan(micro_batch_size=2)
     reserved = estimate(NO_DROPOUT, plan, batch_size=BATCH, seq_len=64, device=gpu).reserved_bytes
-    from memfit.workload import load_workload
-    wl = load_workload(NO_DROPOUT, seq_len=64)
-    assert FitPredictor(wl, BATCH, gpu, budget_bytes=reserved)(plan)
-    assert not FitPredictor(wl, BATCH, gpu, budget_bytes=reserved - 1)(plan)
-    assert FitPredictor(wl, BATCH, gpu)(plan)  # no budget: the whole card
+    from memfit.workloads import load_workload
+    target = Target.resolve(load_workload(NO_DROPOUT, seq_len=64), None, BATCH, gpu)
+    assert FitPredictor(target, Budget(reserved, gpu))(plan)
+    assert not FitPredictor(target, Budget(reserved - 1, gpu))(plan)
+    assert FitPredictor(target, Budget.of_device(gpu))(plan)  # no budget: the whole card
     set_to = []
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 << 30))

@@ -4,7 +4,7 @@ The measurement is independent of memfit's tracker: the PyTorch profiler's CPU a
 (see NOTE [ Independent measurement ] in memfit/memory/measure.py), which include kernel scratch
 that no storage tracker sees. Bound: 1% of the measured peak.
 
-CPUs differ (see memfit/kernel_errors.py): where this CPU has no kernel for an op at a precision
+CPUs differ (see memfit/errors.py): where this CPU has no kernel for an op at a precision
 (oneDNN's bf16 LSTM without AVX-512), the user gets an estimate that says so and a one-line error
 from ``profile``; that behaviour is what is checked there.
 """
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import SEQ, SMALL_HF
-from memfit.kernel_errors import KernelUnavailable
+from memfit.errors import KernelUnavailable
 from memfit.memory.estimate import estimate
 from memfit.memory.measure import profile
 from memfit.plans import Plan

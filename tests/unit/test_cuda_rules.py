@@ -366,12 +366,12 @@ def test_bitsandbytes_8bit_update_has_no_cpu_scratch_on_a_gpu_target():
     (~6x the parameter; probed on the CPU device); its CUDA kernel updates in place. A GPU target
     books nothing in the optimizer phase."""
     pytest.importorskip("bitsandbytes")
-    from memfit.memory.estimate import resolve
     from memfit.memory.faketrace import run_tracked
     from memfit.plans import Plan
-    wl, plan, bs = resolve("mha:layers=1", Plan(optimizer="adamw8bit"), 2)
-    gpu = run_tracked(wl, plan, bs, H100, fake=True).tracker
-    cpu = run_tracked(wl, plan, bs, get_device("cpu"), fake=True).tracker
+    from memfit.target import Target
+    target = Target.resolve("mha:layers=1", Plan(optimizer="adamw8bit"), 2, H100)
+    gpu = run_tracked(target, fake=True).tracker
+    cpu = run_tracked(target.on(get_device("cpu")), fake=True).tracker
     assert not [r for r in gpu.state.records if r.phase == "optimizer" and r.step == 2]
     assert any(r.op.endswith(":workspace") for r in cpu.state.records if r.step == 2 and r.nbytes > 1 << 20)
 

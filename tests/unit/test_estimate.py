@@ -47,7 +47,7 @@ def test_untraceable_workload_falls_back_to_a_real_run_and_says_so():
 
 
 def test_untraceable_and_too_big_names_the_op(monkeypatch):
-    monkeypatch.setattr(estimate_module, "_available_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(estimate_module, "available_host_bytes", lambda: 1 << 20)
     with pytest.raises(TraceError, match="fake-tensor tracing failed at .*nonzero"):
         estimate(_masked_workload(), batch_size=8)
 

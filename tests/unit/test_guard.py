@@ -11,11 +11,11 @@ from torch.profiler import profile as torch_profile
 from memfit.memory.estimate import estimate
 from memfit.memory.guard import BudgetGuard
 from memfit.memory.measure import STEP_RANGE, profiler_peak
-from memfit.memory.quiet import QuietProfiler
 from memfit.plans import Plan
+from memfit.quiet import QuietProfiler
 from memfit.step import build_step
 from memfit.training.adapt import free_failed_step
-from memfit.workload import load_workload
+from memfit.workloads import load_workload
 
 LM = "gpt2:n_layer=2,n_embd=64,n_head=4,n_positions=128"
 
@@ -24,8 +24,7 @@ def _guarded_step(plan: Plan, budget: int = 1 << 40, batch_size: int = 4):
     wl = load_workload(LM, seq_len=64)
     guard = BudgetGuard(budget)
     with guard:
-        step = build_step(wl, plan, batch_size, "cpu")
-    step.observer = guard
+        step = build_step(wl, plan, batch_size, "cpu", observer=guard)
     return guard, step, wl.batch(batch_size)
 
 
@@ -35,8 +34,7 @@ def test_guard_peak_equals_the_profilers_measured_peak():
     prof = torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     wl = load_workload(LM, seq_len=64)
     with QuietProfiler(prof), guard:
-        step = build_step(wl, Plan(), 4, "cpu")
-        step.observer = guard
+        step = build_step(wl, Plan(), 4, "cpu", observer=guard)
         batch = wl.batch(4)
         step(batch)
         guard.reset_peak()

@@ -3,13 +3,14 @@ import json
 import pytest
 
 from memfit.errors import UserError
-from memfit.plans import EMAConfig, Plan
+from memfit.plans import Plan
+from memfit.techniques.ema import EMA
 
 
 def test_defaults_and_roundtrip(tmp_path):
     plan = Plan(precision="bf16", micro_batch_size=2, offload=["activations"], ema={"decay": 0.99})
     assert plan.offload == ("activations",)
-    assert plan.ema == EMAConfig(decay=0.99)
+    assert plan.ema == EMA(decay=0.99)
     for name in ("p.yaml", "p.json"):
         path = tmp_path / name
         plan.save(path)

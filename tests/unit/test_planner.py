@@ -12,7 +12,7 @@ from memfit.planner.export import to_hf, to_lightning
 from memfit.planner.search import plan, resolve_budget
 from memfit.planner.space import candidates, default_space, model_facts, saves_no_more_than
 from memfit.plans import Plan
-from memfit.workload import load_workload
+from memfit.workloads import load_workload
 
 SPEC = "gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=500,n_positions=128"
 
@@ -31,8 +31,10 @@ def _fixed_time_model(batch_size, space):
 def test_space_is_valid_plans_only_and_fits_the_model():
     wl = load_workload(SPEC, seq_len=64)
     facts = model_facts(wl)
-    assert facts.has_blocks and facts.causal_lm and facts.has_attention
     space = default_space(facts, get_device("cpu"), 8)
+    # the model has repeated blocks, is a causal LM and has attention: each technique searches its values
+    assert "blocks" in space.values["checkpointing"] and 8 in space.values["loss_chunks"]
+    assert "chunked" in space.values["attention"]
     plans = candidates(space, 8)
     assert plans and all(not (p.optimizer_in_backward and p.micro_batch_size) for p in plans)
     assert all(p.offload == () for p in plans)  # no offload on the CPU: the host is the device

@@ -24,6 +24,7 @@ from memfit.memory.estimate import estimate
 from memfit.memory.measure import _profile_cuda
 from memfit.plans import Plan
 from memfit.report.tables import print_profile
+from memfit.target import Target
 from memfit.workload import Workload
 
 GiB = 2**30
@@ -81,7 +82,7 @@ def _profile(log, cuda, timeline=None, repeats=2):
     wl = _workload(log)
     predicted = estimate(wl, Plan(), batch_size=4, device="h100-80gb")
     log.clear()
-    return _profile_cuda(wl, Plan(), 4, cpu_device(), predicted, repeats, timeline, cuda=cuda)
+    return _profile_cuda(Target.resolve(wl, Plan(), 4, cpu_device()), predicted, repeats, timeline, cuda=cuda)
 
 
 def test_peak_statistics_are_reset_before_the_steady_step_and_read_after_it():

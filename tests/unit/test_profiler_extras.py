@@ -47,10 +47,11 @@ def test_timeline_series_stack_to_the_peak():
     from memfit.devices import get_device
     from memfit.memory.faketrace import run_tracked
     from memfit.memory.report import peak_of, step_window
+    from memfit.memory.timeline import category_timeline
     from memfit.plans import Plan
-    from memfit.report.timeline import category_timeline
-    from memfit.workload import load_workload
-    run = run_tracked(load_workload("mha"), Plan(), 2, get_device("cpu"), fake=True)
+    from memfit.target import Target
+    from memfit.workloads import load_workload
+    run = run_tracked(Target.resolve(load_workload("mha"), Plan(), 2, get_device("cpu")), fake=True)
     window = step_window(run.tracker, 2)
     xs, series, _ = category_timeline(run.tracker, "cpu", window, points=10**9)
     totals = [sum(series[c][i] for c in series) for i in range(len(xs))]

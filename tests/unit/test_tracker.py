@@ -5,9 +5,10 @@ from torch import nn
 
 from memfit.devices import get_device
 from memfit.memory.faketrace import run_tracked
-from memfit.memory.report import build_report
+from memfit.memory.report import report_for
 from memfit.memory.tracker import MemoryTracker
 from memfit.plans import Plan
+from memfit.target import Target
 from memfit.workload import Workload
 
 F32 = 4
@@ -39,9 +40,9 @@ def test_allocations_frees_and_views():
 def test_categories_of_a_training_step_match_hand_computed_sizes():
     d, h, b = 64, 256, 8
     wl = _mlp_workload(d, h, b)
-    run = run_tracked(wl, Plan(), b, get_device("cpu"), fake=False)
-    report = build_report(run.tracker, workload="mlp", device_name="cpu", device="cpu", batch_size=b,
-                          plan=Plan().to_dict(), method="real")
+    target = Target.resolve(wl, Plan(), b, get_device("cpu"))
+    run = run_tracked(target, fake=False)
+    report = report_for(run.tracker, target, "real")
     n_params = d * h + h + h * d + d
     bd = report.breakdown
     assert bd["parameters"] == n_params * F32
@@ -53,7 +54,7 @@ def test_categories_of_a_training_step_match_hand_computed_sizes():
 
 def test_fake_and_real_traces_record_the_same_storages():
     wl = _mlp_workload()
-    runs = [run_tracked(wl, Plan(), 8, get_device("cpu"), fake=fake) for fake in (True, False)]
+    runs = [run_tracked(Target.resolve(wl, Plan(), 8, get_device("cpu")), fake=fake) for fake in (True, False)]
     # kernel scratch is probed on fake runs only (real runs show it to the profiler instead)
     sizes = [[(r.phase, r.nbytes) for r in run.tracker.state.records if r.step == 2 and r.phase != "workspace"]
              for run in runs]
@@ -62,7 +63,7 @@ def test_fake_and_real_traces_record_the_same_storages():
 
 def test_module_attribution():
     wl = _mlp_workload()
-    run = run_tracked(wl, Plan(), 8, get_device("cpu"), fake=True)
+    run = run_tracked(Target.resolve(wl, Plan(), 8, get_device("cpu")), fake=True)
     modules = {r.module for r in run.tracker.state.records if r.phase == "forward"}
     assert "Sequential.0" in modules and "Sequential.2" in modules
 
@@ -70,8 +71,8 @@ def test_module_attribution():
 def test_fake_trace_allocates_no_real_memory():
     big = Workload(model=lambda: nn.Linear(32768, 32768),  # 4 GiB of fp32 weights
                    batch=lambda n: torch.randn(n, 32768), loss=lambda m, x: m(x).sum(), default_batch_size=2)
-    run = run_tracked(big, Plan(), 2, get_device("cpu"), fake=True)
+    target = Target.resolve(big, Plan(), 2, get_device("cpu"))
+    run = run_tracked(target, fake=True)
     assert run.tracker.live_bytes() == 0 or all(r.nbytes >= 0 for r in run.tracker.state.records)
-    report = build_report(run.tracker, workload="big", device_name="cpu", device="cpu", batch_size=2,
-                          plan=Plan().to_dict(), method="fake")
+    report = report_for(run.tracker, target, "fake")
     assert report.breakdown["parameters"] == (32768 * 32768 + 32768) * F32

@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from memfit.errors import UserError
-from memfit.workload import Workload, load_workload
-from memfit.workloads import builtin_names
+from memfit.workload import Workload
+from memfit.workloads import builtin_names, load_workload
 
 
 def test_builtins_listed():
@@ -12,10 +12,10 @@ def test_builtins_listed():
 
 def test_overrides_and_seq_len():
     wl = load_workload("gpt2:n_layer=3,n_embd=64,n_head=2", seq_len=32)
-    assert wl.info["n_layer"] == 3 and wl.info["seq_len"] == 32
+    assert wl.info.config["n_layer"] == 3 and wl.info.seq_len == 32
     assert wl.batch(2)["input_ids"].shape == (2, 32)
     llama = load_workload("llama")
-    assert llama.info["hidden"] == 4096 and llama.info["layers"] == 32  # Llama-2-7B sizes
+    assert llama.info.config["hidden"] == 4096 and llama.info.config["layers"] == 32  # Llama-2-7B sizes
 
 
 @pytest.mark.parametrize("spec,match", [
@@ -84,7 +84,7 @@ def test_override_values_are_converted_where_lossless():
     from memfit.workloads.hf import _config
     assert _config("GPT2Config", "gpt2", {"layer_norm_epsilon": 1}).layer_norm_epsilon == 1.0  # 5.x refuses int
     assert _config("GPT2Config", "gpt2", {"layer_norm_epsilon": "1e-6"}).layer_norm_epsilon == 1e-6  # YAML text
-    assert load_workload("transformer:dropout=0").info["dropout"] == 0.0
+    assert load_workload("transformer:dropout=0").info.config["dropout"] == 0.0
 
 
 def test_override_types_without_dataclass_configs(monkeypatch):

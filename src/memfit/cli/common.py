@@ -1,30 +1,19 @@
-"""Arguments shared by estimate, profile (and later plan, train): workload, batch, plan, device."""
+"""Arguments shared by estimate, profile, plan and train: workload, batch, plan, device, outputs.
+
+The plan flags are the plan's keys (``--checkpointing``, ``--loss-chunks``, ...): each technique
+declares its keys with their help text and how command-line text becomes a value
+(``memfit.techniques.base.Key``), so a new technique's flags appear here by themselves.
+"""
 
 from __future__ import annotations
 
 import argparse
-import ast
-import dataclasses
-import inspect
 import json
 import sys
-from functools import cache
 
-from memfit.errors import UserError
-from memfit.plans import Plan
+from memfit.outputs import IMAGE_SUFFIXES, check_output_file
+from memfit.plans import Plan, keys
 from memfit.units import MAX_SIZE, parse_positive_int
-
-
-@cache
-def field_docs(cls) -> dict[str, str]:
-    """Attribute docstrings (the string literal under each dataclass field), for CLI help."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())
-    return docs
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -39,54 +28,41 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 def add_plan_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("plan", "a plan file, and flags that override its fields")
     g.add_argument("--plan", metavar="FILE", help="plan file (.yaml or .json)")
-    docs = field_docs(Plan)
-    for f in dataclasses.fields(Plan):
-        flag = "--" + f.name.replace("_", "-")
-        help_text = docs.get(f.name, "")
-        if f.type in ("bool", bool):
-            g.add_argument(flag, dest=f"plan_{f.name}", nargs="?", const="true", metavar="BOOL", help=help_text)
+    for key in keys():
+        flag = "--" + key.name.replace("_", "-")
+        if key.annotation == "bool":
+            g.add_argument(flag, dest=f"plan_{key.name}", nargs="?", const="true", metavar=key.metavar, help=key.doc)
         else:
-            g.add_argument(flag, dest=f"plan_{f.name}", metavar=f.name.upper().split("_")[0], help=help_text)
+            g.add_argument(flag, dest=f"plan_{key.name}", metavar=key.metavar, help=key.doc)
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
-    import yaml
     plan = Plan.load(args.plan) if args.plan else Plan()
-    changes = {}
-    for f in dataclasses.fields(Plan):
-        value = getattr(args, f"plan_{f.name}", None)
-        if value is None:
-            continue
-        if f.name == "offload":
-            changes[f.name] = [v for v in value.split(",") if v]
-        elif f.name == "ema":
-            if value in ("null", "none", ""):
-                changes[f.name] = None
-            elif "=" in value:  # --ema decay=0.999,device=cpu,every=1
-                from memfit.workloads import parse_overrides
-                changes[f.name] = parse_overrides(value, "--ema")
-            else:  # --ema '{decay: 0.999, device: cpu}'
-                try:
-                    changes[f.name] = yaml.safe_load(value)
-                except yaml.YAMLError as e:
-                    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-                    raise UserError(f"--ema {value!r} is not a valid mapping ({problem}); write e.g. "
-                                    "--ema decay=0.999,device=cpu or --ema '{decay: 0.999, device: cpu}'") from None
-        elif f.name in ("micro_batch_size", "grad_accum_steps", "loss_chunks"):
-            if f.name == "micro_batch_size" and value in ("null", "none"):
-                changes[f.name] = None
-            else:
-                try:
-                    changes[f.name] = int(value)
-                except ValueError:
-                    raise UserError(f"--{f.name.replace('_', '-')} {value!r} is not a whole number") from None
-        elif f.name == "optimizer_in_backward":
-            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise UserError(f"--optimizer-in-backward {value!r}: give true or false")
-            changes[f.name] = value.lower() in ("true", "1", "yes")
-        else:
-            changes[f.name] = value
+    changes = {key.name: key.from_text(value) for key in keys()
+               if (value := getattr(args, f"plan_{key.name}", None)) is not None}
     return plan.replace(**changes) if changes else plan
+
+
+def add_report_args(p: argparse.ArgumentParser, timeline_help: str) -> None:
+    """``--timeline FILE.png`` and ``--modules N`` (estimate and profile)."""
+    p.add_argument("--timeline", metavar="FILE.png", help=timeline_help)
+    p.add_argument("--modules", metavar="N", help="also print the N modules holding most memory at the peak")
+
+
+def report_args(args: argparse.Namespace) -> int | None:
+    """Check ``--timeline`` and ``--modules`` before any work; returns the number of modules to print."""
+    if args.timeline:
+        check_output_file(args.timeline, "--timeline", example="timeline.png", suffixes=IMAGE_SUFFIXES)
+    return parse_positive_int(args.modules, "--modules") if args.modules else None
+
+
+def print_report_extras(report, args: argparse.Namespace, modules: int | None) -> None:
+    """After the tables: the top modules (``--modules``) and where the timeline went."""
+    from memfit.report.tables import print_modules
+    if modules:
+        print_modules(report, modules)
+    if args.timeline:
+        print(f"timeline written to {args.timeline}")
 
 
 def batch_and_seq(args: argparse.Namespace) -> tuple[int | None, int | None]:

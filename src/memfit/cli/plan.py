@@ -31,8 +31,9 @@ def run(args: argparse.Namespace) -> int:
     from memfit.outputs import IMAGE_SUFFIXES, check_output_file
     from memfit.planner.export import to_hf, to_lightning
     from memfit.planner.search import plan
-    from memfit.plans import OPTIMIZERS, Plan
+    from memfit.plans import Plan
     from memfit.report.planner import print_plan_result, save_pareto_png
+    from memfit.techniques.optimizers import NAMES as OPTIMIZERS
     from memfit.units import parse_positive_int
 
     bs, seq = batch_and_seq(args)

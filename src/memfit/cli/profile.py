@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import argparse
 
-from memfit.cli.common import add_plan_args, add_workload_args, batch_and_seq, plan_from_args, print_json
-from memfit.outputs import IMAGE_SUFFIXES, check_output_file
+from memfit.cli.common import (
+    add_plan_args,
+    add_report_args,
+    add_workload_args,
+    batch_and_seq,
+    plan_from_args,
+    print_json,
+    print_report_extras,
+    report_args,
+)
 from memfit.units import parse_positive_int
 
 
@@ -18,30 +26,23 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "`memfit estimate` for the same device.")
     add_workload_args(p)
     add_plan_args(p)
-    p.add_argument("--timeline", metavar="FILE.png",
-                   help="write the step's memory timeline: stacked by category on a CPU; on a GPU from the caching "
-                        "allocator's history, stacked by the phase that allocated each block")
-    p.add_argument("--modules", metavar="N", help="also print the N modules holding most memory at the peak")
+    add_report_args(p, "write the step's memory timeline: stacked by category on a CPU; on a GPU from the caching "
+                       "allocator's history, stacked by the phase that allocated each block")
     p.add_argument("--repeats", default="5", metavar="N", help="timed steps for step_seconds (median)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from memfit.memory.measure import profile
-    from memfit.report.tables import print_modules, print_profile
+    from memfit.report.tables import print_profile
 
     bs, seq = batch_and_seq(args)
-    modules = parse_positive_int(args.modules, "--modules") if args.modules else None
-    if args.timeline:
-        check_output_file(args.timeline, "--timeline", example="timeline.png", suffixes=IMAGE_SUFFIXES)
+    modules = report_args(args)
     result = profile(args.workload, plan_from_args(args), batch_size=bs, device=args.device, seq_len=seq,
                      repeats=parse_positive_int(args.repeats, "--repeats"), timeline=args.timeline)
     if args.json:
         print_json(result.to_json())
         return 0
     print_profile(result)
-    if modules:
-        print_modules(result.measured, modules)
-    if args.timeline:
-        print(f"timeline written to {args.timeline}")
+    print_report_extras(result.measured, args, modules)
     return 0

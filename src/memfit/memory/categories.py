@@ -1,4 +1,8 @@
-"""The one vocabulary of memory categories used everywhere (reports, JSON, planner)."""
+"""The one vocabulary of memory categories used everywhere (reports, JSON, planner), and the
+steady-state step whose peak every report gives."""
+
+STEADY_STEP = 2
+"""Reports give the peak of this step: optimizer states do not exist during the first."""
 
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "temporaries", "inputs", "other")
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from memfit.memory.timeline import pyplot_for
+
 HISTORY_ENTRIES = 2_000_000
 PHASES = ("before the step", "forward", "backward", "optimizer")
 
@@ -120,16 +122,7 @@ def timeline_series(m: CudaStepMeasurement) -> tuple[list[int], dict[str, list[i
 
 def save_cuda_timeline_png(m: CudaStepMeasurement, path: str | Path, title: str = "") -> Path:
     """The step's live bytes stacked by the phase that allocated them, with reserved bytes as a line."""
-    from memfit.errors import UserError
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UserError("--timeline needs matplotlib; pip install 'memfit[plots]' (or pip install matplotlib)") from None
-    path = Path(path)
-    if path.parent and not path.parent.exists():
-        raise UserError(f"cannot write {str(path)!r}: folder {str(path.parent)!r} does not exist")
+    plt, path = pyplot_for(path)
     xs, series, reserved = timeline_series(m)
     colors = {"before the step": "#4c72b0", "forward": "#c44e52", "backward": "#dd8452", "optimizer": "#55a868"}
     fig, ax = plt.subplots(figsize=(10, 4.5))

@@ -22,19 +22,23 @@ import contextlib
 import gc
 import statistics
 import time
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 
-from memfit.devices import Device, get_device
+from memfit.devices import Device, available_host_bytes
 from memfit.errors import UserError
-from memfit.memory.estimate import estimate, report_for, resolve
-from memfit.memory.faketrace import STEADY_STEP, run_tracked
-from memfit.memory.quiet import QuietProfiler
-from memfit.memory.report import MemoryReport
+from memfit.memory import allocator
+from memfit.memory.categories import STEADY_STEP
+from memfit.memory.cuda_history import CudaStepMeter, save_cuda_timeline_png
+from memfit.memory.estimate import estimate_target
+from memfit.memory.faketrace import run_tracked
+from memfit.memory.report import Measurement, MemoryReport, report_for, traced_device, tracker_view
+from memfit.memory.timeline import save_timeline_png
 from memfit.plans import Plan
+from memfit.quiet import QuietProfiler, silenced_warnings
 from memfit.step import make_batch
+from memfit.target import Target
 from memfit.workload import Workload
 
 STEP_RANGE = "memfit::steady_step"
@@ -185,89 +189,74 @@ def profile(workload: Workload | str, plan: Plan | str | None = None, *, batch_s
 
     ``timeline``: also write the measured step's memory timeline (PNG: stacked by category on a
     CPU, by the phase that allocated each block on a GPU, from the caching allocator's history)."""
-    wl, plan, bs = resolve(workload, plan, batch_size, seq_len)
-    dev = get_device(device)
+    target = Target.resolve(workload, plan, batch_size, device, seq_len=seq_len)
+    dev = target.device
     if dev.is_gpu and not torch.cuda.is_available():
         raise UserError(f"profile runs the step for real, and {dev.name} is a preset for prediction; this machine has no "
                         "CUDA GPU. Use --device cpu here, or memfit estimate --device " + dev.name)
-    predicted = estimate(wl, plan, batch_size=bs, device=dev)
+    predicted = estimate_target(target)
     if dev.is_gpu:
-        return _profile_cuda(wl, plan, bs, dev, predicted, repeats, timeline)
-    if predicted.peak_bytes > _available_bytes() * 0.8:
+        return _profile_cuda(target, predicted, repeats, timeline)
+    if predicted.peak_bytes > available_host_bytes() * 0.8:
         raise UserError(f"profile: the step needs about {predicted.peak_bytes / 2**30:.1f} GiB but this machine has "
-                        f"{_available_bytes() / 2**30:.1f} GiB free; use a smaller batch or model, or memfit estimate")
+                        f"{available_host_bytes() / 2**30:.1f} GiB free; use a smaller batch or model, or memfit estimate")
     from torch.profiler import ProfilerActivity, record_function
     from torch.profiler import profile as torch_profile
 
     gc.collect()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with silenced_warnings():
         prof = torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        run = run_tracked(wl, plan, bs, dev, fake=False, outer=QuietProfiler(prof),
-                          around_step=lambda i: record_function(STEP_RANGE) if i == STEADY_STEP else _null())
-    measured = report_for(run.tracker, wl, plan, bs, dev, "real")
-    tracker_peak = measured.process_peak_bytes or measured.peak_bytes
-    measured.peak_bytes = profiler_peak(prof)
+        run = run_tracked(target, fake=False, outer=QuietProfiler(prof),
+                          around_step=lambda i: record_function(STEP_RANGE) if i == STEADY_STEP
+                          else contextlib.nullcontext())
+    view = tracker_view(run.tracker, traced_device(dev, "real", target.tensor_device))
+    tracker_peak = view.process_peak_bytes or view.peak_bytes
+    measured = report_for(run.tracker, target, "real", measurement=Measurement(profiler_peak(prof)), view=view)
     del prof
     if timeline:
-        from memfit.report.timeline import save_timeline_png
-        save_timeline_png(run.tracker, timeline, title=f"{wl.name} · batch {bs} · {plan.describe()} · measured")
-    times = _time_steps(run, wl, bs, dev, repeats) if repeats else []
+        save_timeline_png(run.tracker, timeline, title=f"{target.describe()} · measured")
+    times = _time_steps(run, target, repeats) if repeats else []
     return ProfileResult(measured=measured, predicted=predicted, tracker_peak_bytes=tracker_peak,
                          step_seconds=statistics.median(times) if times else float("nan"), step_seconds_all=times)
 
 
-def _profile_cuda(wl: Workload, plan: Plan, bs: int, dev: Device, predicted: MemoryReport, repeats: int,
-                  timeline: str | None, cuda=None) -> ProfileResult:
+def _profile_cuda(target: Target, predicted: MemoryReport, repeats: int, timeline: str | None,
+                  cuda=None) -> ProfileResult:
     """The GPU branch of :func:`profile`: the caching allocator measures the steady-state step.
     ``cuda`` stands in for ``torch.cuda`` in tests."""
-    from memfit.memory.cuda_history import CudaStepMeter
+    dev = target.device
     meter = CudaStepMeter(cuda, history=bool(timeline))
     gc.collect()
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            run = run_tracked(wl, plan, bs, dev, fake=False,
-                              around_step=lambda i: meter.around() if i == STEADY_STEP else _null())
+        with silenced_warnings():
+            run = run_tracked(target, fake=False,
+                              around_step=lambda i: meter.around() if i == STEADY_STEP else contextlib.nullcontext())
     except torch.OutOfMemoryError as e:
         raise UserError(f"profile: out of memory on {dev.name} (predicted: {predicted.peak_bytes / 2**30:.2f} GiB "
                         f"allocated, {(predicted.reserved_bytes or 0) / 2**30:.2f} GiB reserved); use a smaller batch or "
                         f"a plan that fits (memfit plan ... --device {dev.name})") from e
     m = meter.result
     assert m is not None, "the steady-state step did not run"
-    measured = report_for(run.tracker, wl, plan, bs, dev, "real")
-    tracker_peak = measured.peak_bytes  # the tracker's storages through the caching-allocator model
-    measured.peak_bytes = m.allocated_peak_bytes
-    measured.reserved_bytes = m.reserved_peak_bytes
+    view = tracker_view(run.tracker, traced_device(dev, "real", target.tensor_device), sizes=allocator.round_size)
+    tracked = report_for(run.tracker, target, "real", view=view)
+    tracker_peak = tracked.peak_bytes  # the tracker's storages through the caching-allocator model
+    measured = report_for(run.tracker, target, "real", view=view,
+                          measurement=Measurement(m.allocated_peak_bytes, m.reserved_peak_bytes))
     if timeline:
-        from memfit.memory.cuda_history import save_cuda_timeline_png
-        save_cuda_timeline_png(m, timeline, title=f"{wl.name} · batch {bs} · {plan.describe()} · measured on {dev.name}")
+        save_cuda_timeline_png(m, timeline, title=f"{target.describe()} · measured on {dev.name}")
         m.snapshot = None
-    times = _time_steps(run, wl, bs, dev, repeats) if repeats else []
+    times = _time_steps(run, target, repeats) if repeats else []
     return ProfileResult(measured=measured, predicted=predicted, tracker_peak_bytes=tracker_peak,
                          step_seconds=statistics.median(times) if times else float("nan"), step_seconds_all=times,
                          measured_by="cuda-allocator", device_used_bytes=m.device_used_bytes)
 
 
-def _time_steps(run, wl: Workload, bs: int, dev: Device, repeats: int) -> list[float]:
+def _time_steps(run, target: Target, repeats: int) -> list[float]:
     step = run.step
-    batch = make_batch(wl, bs, dev)
+    batch = make_batch(target)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         step(batch)  # float(loss) synchronises
         times.append(time.perf_counter() - t0)
     return times
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _available_bytes() -> int:
-    from memfit.memory.estimate import _available_bytes as avail
-    return avail()

@@ -1,17 +1,29 @@
-"""MemoryReport: the peak of a step with its breakdown, built from a tracker's timeline."""
+"""MemoryReport: the peak of a step with its breakdown, built complete from a tracker's timeline.
+
+:func:`report_for` is the one way to make a report: from the tracker of a run of a target, the
+method (fake trace, real run, real-run fallback) and, for a measured run, the measurement. For a
+GPU target the tracked storages are replayed through the caching-allocator model (allocated and
+reserved bytes) and the CUDA context and workspaces are added; whether the step fits the device is
+decided by :class:`~memfit.memory.budget.Budget`. A report is frozen: nothing patches it later.
+"""
 
 from __future__ import annotations
 
 import warnings
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
-from memfit.memory.categories import CATEGORIES
+from memfit.devices import Device
+from memfit.memory import allocator
+from memfit.memory.budget import Budget
+from memfit.memory.categories import CATEGORIES, STEADY_STEP
+from memfit.memory.leaks import find_leaks
 from memfit.memory.tracker import MemoryTracker
 
 
-@dataclass
+@dataclass(frozen=True)
 class MemoryReport:
     workload: str
     device: str
@@ -20,9 +32,10 @@ class MemoryReport:
     method: str
     """'fake' (traced on fake tensors), 'real' (measured) or 'real-fallback' (fake tracing failed)."""
     peak_bytes: int
-    """Peak of allocated bytes during the steady-state step (the second)."""
+    """Peak of allocated bytes during the steady-state step (the second); for a measured report,
+    the measurement's."""
     breakdown: dict[str, int]
-    """Bytes per category at the peak; sums to peak_bytes."""
+    """Bytes per category at the tracked peak; sums to peak_bytes (for a prediction)."""
     peak_phase: str = ""
     precision: str = ""
     """The precision the step ran in (``auto`` resolved for the device)."""
@@ -34,10 +47,12 @@ class MemoryReport:
     process_peak_bytes: int = 0
     """On a CPU device: the peak of device + host bytes together (the same physical memory)."""
     reserved_bytes: int | None = None
-    """GPU presets: the caching allocator's reserved (cudaMalloc'd) bytes at the peak."""
+    """GPU: the caching allocator's reserved (cudaMalloc'd) bytes at the peak."""
     device_total_bytes: int | None = None
     cuda_context_bytes: int | None = None
     cuda_workspace_bytes: int | None = None
+    fits: bool | None = None
+    """GPU: whether reserved bytes plus the CUDA context fit the card (memfit.memory.budget)."""
     timeline: list[tuple[int, str, int]] = field(default_factory=list)
     """(event index, phase, live bytes), down-sampled."""
     approximations: list[str] = field(default_factory=list)
@@ -51,20 +66,20 @@ class MemoryReport:
         one process heap, so both together; on a GPU, the device's allocated bytes."""
         return self.process_peak_bytes if self.device == "cpu" and self.process_peak_bytes else self.peak_bytes
 
-    @property
-    def fits(self) -> bool | None:
-        if self.device_total_bytes is None:
-            return None
-        used = (self.reserved_bytes if self.reserved_bytes is not None else self.peak_bytes) + (self.cuda_context_bytes or 0)
-        return used <= self.device_total_bytes
-
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        d["fits"] = self.fits
         d.pop("timeline")
         d["by_module"] = dict(list(self.by_module.items())[:20])
         d["activations_by_module"] = dict(list(self.activations_by_module.items())[:20])
         return d
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What an independent measurement of the steady-state step gave (profiler or CUDA allocator)."""
+
+    peak_bytes: int
+    reserved_bytes: int | None = None
 
 
 @dataclass
@@ -127,8 +142,26 @@ def phase_at(tracker: MemoryTracker, index: int) -> str:
     return phase
 
 
-def build_report(tracker: MemoryTracker, *, workload: str, device_name: str, device: str, batch_size: int,
-                 plan: dict, method: str, step: int = 2, sizes=None, timeline_points: int = 1500) -> MemoryReport:
+@dataclass
+class TrackerView:
+    """What the tracker saw on one device in the steady-state step."""
+
+    peak_bytes: int
+    breakdown: dict[str, int]
+    peak_phase: str
+    by_module: dict[str, int]
+    activations_by_module: dict[str, int]
+    host_peak_bytes: int
+    process_peak_bytes: int
+    timeline: list
+    approximations: list[str]
+    leaks: list[dict]
+
+
+def tracker_view(tracker: MemoryTracker, device: str, *, step: int = STEADY_STEP, sizes=None,
+                 timeline_points: int = 1500) -> TrackerView:
+    """The peak of ``step`` on ``device`` with its breakdown by category and module. ``sizes`` maps
+    a storage's bytes to what the allocator hands out (CUDA's 512-byte rounding)."""
     window = step_window(tracker, step)
     peak, at = peak_of(tracker, device, window, sizes)
     live = live_at(tracker, device, at)
@@ -161,14 +194,72 @@ def build_report(tracker: MemoryTracker, *, workload: str, device_name: str, dev
                               f"probe is not counted ({calls})")
     host_peak, _ = peak_of(tracker, "host", window)
     process_peak = peak_of(tracker, (device, "host"), window)[0] if device == "cpu" else peak
-    from memfit.memory.leaks import find_leaks
-    leaks = [vars(x) for x in find_leaks(tracker, step)]
-    return MemoryReport(
-        workload=workload, device=device_name, batch_size=batch_size, plan=plan, method=method, leaks=leaks,
-        peak_bytes=peak, breakdown=breakdown, peak_phase=phase_at(tracker, at),
-        host_peak_bytes=host_peak, process_peak_bytes=process_peak,
-        by_module=_sorted(by_module), activations_by_module=_sorted(act_by_module),
-        timeline=_timeline(tracker, device, window, timeline_points), approximations=approximations)
+    return TrackerView(peak_bytes=peak, breakdown=breakdown, peak_phase=phase_at(tracker, at),
+                       by_module=_sorted(by_module), activations_by_module=_sorted(act_by_module),
+                       host_peak_bytes=host_peak, process_peak_bytes=process_peak,
+                       timeline=_timeline(tracker, device, window, timeline_points), approximations=approximations,
+                       leaks=[vars(x) for x in find_leaks(tracker, step)])
+
+
+def traced_device(device: Device, method: str, tensor_device: str) -> str:
+    """The tracker's name of the device a run's storages were on."""
+    return "cuda:0" if (device.is_gpu and method != "real-fallback" and tensor_device == "cuda") else "cpu"
+
+
+def report_for(tracker: MemoryTracker, target, method: str, *, measurement: Measurement | None = None,
+               notes: list[str] | tuple = (), trace_seconds: float = 0.0, view: TrackerView | None = None
+               ) -> MemoryReport:
+    """The report of a run of ``target`` (a memfit.target.Target) that ``tracker`` watched.
+
+    ``measurement``: the independent measurement of a real run (its peak and reserved bytes are
+    the report's); ``notes``: approximations to list first; ``view``: the tracker view, when the
+    caller has it already (see :func:`tracker_view`)."""
+    dev = target.device
+    where = traced_device(dev, method, target.tensor_device)
+    gpu = dev.is_gpu
+    view = view or tracker_view(tracker, where, sizes=allocator.round_size if gpu else None)
+    breakdown = dict(view.breakdown)
+    peak, reserved, workspace = view.peak_bytes, None, None
+    approximations = [*notes, *view.approximations]
+    if gpu:
+        window = step_window(tracker, STEADY_STEP)
+        peak, reserved, _ = allocator.replay(tracker, where, window, getattr(tracker, "side_streams", None))
+        # The breakdown uses 512-byte rounded storages; the replay also counts unsplit block
+        # remainders. Their difference is allocator overhead, booked under "other".
+        breakdown["other"] += peak - view.peak_bytes
+        if method == "fake":
+            # cuBLAS/cuBLASLt workspaces are in the trace (memfit.memory.cuda.blas), one per thread
+            workspace = sum(r.nbytes for r in tracker.state.records
+                            if r.op.startswith(("cublas workspace", "cublaslt workspace")))
+            approximations.append(
+                f"CUDA kernels modelled for {dev.name} (sm{dev.compute_capability[0]}{dev.compute_capability[1]}, "
+                f"CUDA {dev.cuda_version[0]}.{dev.cuda_version[1]}, cuDNN {dev.cudnn_version}): attention backend, "
+                "autocast lists, foreach optimizers, cuBLAS/cuDNN workspaces, reduction buffers (memfit.memory.cuda); "
+                "cuDNN convolution and RNN workspaces are calibrated estimates")
+        else:
+            workspace = dev.workspace_bytes
+            breakdown["other"] += workspace
+            peak += workspace
+            reserved = reserved + allocator.segment_size(workspace) if workspace else reserved
+        if where == "cpu" and method == "fake":
+            approximations.append("traced on fake CPU tensors (no GPU here), with CUDA's kernel choices modelled")
+        elif where == "cpu":
+            approximations.append("measured on this CPU: CPU kernel choices stand in for CUDA's")
+        approximations.append(f"CUDA context ({dev.context_bytes >> 20} MiB) is a typical value for this card, "
+                              "not measured")
+    if measurement is not None:
+        peak = measurement.peak_bytes
+        reserved = measurement.reserved_bytes if measurement.reserved_bytes is not None else reserved
+    report = dict(
+        workload=target.workload.name, device=dev.name, batch_size=target.batch_size, plan=target.plan.to_dict(),
+        method=method, peak_bytes=peak, breakdown=breakdown, peak_phase=view.peak_phase, precision=target.precision,
+        by_module=view.by_module, activations_by_module=view.activations_by_module,
+        host_peak_bytes=view.host_peak_bytes, process_peak_bytes=view.process_peak_bytes, reserved_bytes=reserved,
+        device_total_bytes=dev.total_bytes if gpu else None, cuda_context_bytes=dev.context_bytes if gpu else None,
+        cuda_workspace_bytes=workspace, timeline=view.timeline, approximations=approximations, leaks=view.leaks,
+        trace_seconds=trace_seconds)
+    fits = Budget.of_device(dev).fits(SimpleNamespace(**report)) if gpu else None
+    return MemoryReport(**report, fits=fits)
 
 
 def _sorted(d: dict[str, int]) -> dict[str, int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from memfit.errors import UserError
-from memfit.memory.categories import CATEGORIES
+from memfit.memory.categories import CATEGORIES, STEADY_STEP
 from memfit.memory.report import Window, step_window
 from memfit.memory.tracker import MemoryTracker
 
@@ -32,8 +32,8 @@ def category_timeline(tracker: MemoryTracker, device: str, window: Window, point
     return xs, series, marks
 
 
-def save_timeline_png(tracker: MemoryTracker, path: str | Path, *, device: str = "cpu", step: int = 2,
-                      title: str = "") -> Path:
+def pyplot_for(path: str | Path):
+    """(matplotlib.pyplot on the Agg backend, the PNG's path), or the user error saying what is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -43,6 +43,12 @@ def save_timeline_png(tracker: MemoryTracker, path: str | Path, *, device: str =
     path = Path(path)
     if path.parent and not path.parent.exists():
         raise UserError(f"cannot write {str(path)!r}: folder {str(path.parent)!r} does not exist")
+    return plt, path
+
+
+def save_timeline_png(tracker: MemoryTracker, path: str | Path, *, device: str = "cpu", step: int = STEADY_STEP,
+                      title: str = "") -> Path:
+    plt, path = pyplot_for(path)
     xs, series, marks = category_timeline(tracker, device, step_window(tracker, step))
     fig, ax = plt.subplots(figsize=(10, 4.5))
     ax.stackplot(xs, *[[b / 2**20 for b in series[c]] for c in CATEGORIES], labels=CATEGORIES,

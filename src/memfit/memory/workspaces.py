@@ -165,7 +165,7 @@ def _measure(func, args, kwargs) -> ProbeResult:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from memfit.memory.quiet import QuietProfiler
+    from memfit.quiet import QuietProfiler
 
     with unset_fake_temporarily(), torch.enable_grad():  # oneDNN RNN returns its workspace only with grad on
         real_args, real_kwargs = tree_map(_materialise, (args, kwargs))

@@ -10,29 +10,31 @@
    fits, nothing does, and the smallest of their footprints is the budget to ask for.
 
 Budget: ``--budget 20GiB``, ``--budget 80%`` of the device, or when omitted the device's capacity
-minus headroom (10%). For a GPU preset the budget holds the caching allocator's *reserved* bytes
-plus the CUDA context; for the CPU, device and host bytes together (one memory).
+minus headroom (10%); what counts against it is :class:`~memfit.memory.budget.Budget`'s: on a GPU
+preset the caching allocator's *reserved* bytes plus the CUDA context; for the CPU, device and
+host bytes together (one memory).
 """
 
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import dataclass, field
 
-from memfit.devices import Device, get_device
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from memfit.devices import Device
 from memfit.errors import UserError
-from memfit.memory.estimate import estimate
+from memfit.memory.budget import Budget
+from memfit.memory.estimate import estimate_target
 from memfit.planner import cost
 from memfit.planner.space import candidates, default_space, model_facts, saves_no_more_than
-from memfit.plans import Plan
-from memfit.techniques.precision import resolve_mode
-from memfit.units import fmt_bytes, parse_size
-from memfit.workload import Workload, load_workload
+from memfit.plans import Plan, technique_of
+from memfit.quiet import silenced_warnings
+from memfit.step import build_step
+from memfit.target import Target
+from memfit.units import fmt_bytes
+from memfit.workload import Workload
 
-HEADROOM = 0.10
-MODEL_DEPENDENT = ("checkpointing", "loss_chunks", "attention")
-"""Plan fields whose values some models cannot take (no repeated blocks, no causal LM head)."""
 WALK_BEFORE_FEASIBILITY = 8
 """Traces of the fastest plans before checking that any plan fits at all."""
 
@@ -78,20 +80,8 @@ class PlanResult:
 
 
 def resolve_budget(budget: str | int | None, device: Device) -> int:
-    if device.is_gpu:
-        capacity = device.total_bytes
-    else:
-        from memfit.memory.estimate import _available_bytes
-        capacity = _available_bytes()
-    if budget is None:
-        return int(capacity * (1 - HEADROOM))
-    return parse_size(budget, total_bytes=capacity, what="budget")
-
-
-def _used(report, device: Device) -> int:
-    if device.is_gpu:
-        return report.reserved_bytes + report.cuda_context_bytes
-    return report.process_peak_bytes or report.peak_bytes
+    """The budget in bytes (see :meth:`memfit.memory.budget.Budget.resolve`)."""
+    return Budget.resolve(budget, device).bytes
 
 
 def plan(workload: Workload | str, *, budget: str | int | None = None, device: str | Device = "cpu",
@@ -103,15 +93,15 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     ``fixed``: plan fields the user set (``--precision bf16``); the search covers the others.
     """
     t0 = time.perf_counter()
-    wl = load_workload(workload, seq_len=seq_len)
-    dev = get_device(device)
-    bs = batch_size or wl.default_batch_size
-    budget_bytes = resolve_budget(budget, dev)
+    target = Target.resolve(workload, None, batch_size, device, seq_len=seq_len)
+    wl, dev, bs = target.workload, target.device, target.batch_size
+    budget_obj = Budget.resolve(budget, dev)
+    budget_bytes = budget_obj.bytes
     facts = model_facts(wl)
     _check_budget_above_weights(budget_bytes, facts, dev)
     space = space or default_space(facts, dev, bs, optimizers)
     fixed, constrained = _constrain(space, dict(fixed or {}), dev, bs)
-    _check_suits(wl, constrained, bs, dev)
+    _check_suits(target, constrained)
     for m in space.micro_batches:
         Plan(micro_batch_size=m if m != bs else None).micro_batches(bs)
     plans = candidates(space, bs)
@@ -125,10 +115,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
         plans = kept
     if not plans:
         raise UserError("plan: no valid plan is left with the fields you fixed; remove some of the plan flags")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = time_model or (cost.roofline(wl, space, bs, dev, facts) if dev.is_gpu
-                               else cost.calibrate(wl, space, bs, dev))
+    with silenced_warnings():
+        model = time_model or (cost.roofline(target, space, facts) if dev.is_gpu else cost.calibrate(target, space))
     for name, value in constrained.items():
         if not space.values[name]:  # the time model's runs found that the value does not suit the workload
             why = next((x.split(": ", 1)[-1] for x in model.excluded if x.startswith(f"{name}=")), "")
@@ -154,7 +142,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
             # (none saves less than another everywhere) dominate every plan: if none of them
             # fits, nothing does.
             maximal = _maximal(ranked, bs)
-            traces += _trace_all(maximal, wl, bs, dev, budget_bytes, failed)
+            traces += _trace_all(maximal, target, budget_obj, failed)
             tops = [m for m in maximal if m.used_bytes is not None]
             if tops and all(m.used_bytes > budget_bytes for m in tops):
                 break
@@ -162,7 +150,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
                 c.status, c.reason = "pruned", "saves no more memory than a plan that did not fit"
                 continue
         if c.used_bytes is None:  # (maximal plans were traced already)
-            if not _evaluate(c, wl, bs, dev):
+            if not _evaluate(c, target, budget_obj):
                 continue
             traces += 1
         if c.used_bytes <= budget_bytes:
@@ -189,38 +177,37 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
 def _constrain(space, fixed: dict, dev: Device, bs: int) -> tuple[dict, dict]:
     """Narrow ``space`` to the plan fields the user fixed. Returns the fields left to apply to every
     candidate (outside the space: ema, bf16_update) and the space dimensions fixed (name -> value).
-    Values the planner cannot search with are refused here, before any trace."""
-    if "precision" in fixed:  # auto means this device's precision; an unsupported one is refused
-        fixed["precision"] = resolve_mode(fixed["precision"], dev)
-    Plan().replace(**fixed).check_implemented()
+    Values the planner cannot search with are refused here, before any trace; a value that means
+    something per device (``precision: auto``) is resolved for this one."""
+    given = Plan().replace(**fixed)
+    given.check_implemented()
+    for name in list(fixed):
+        technique = technique_of(name)
+        fixed.update(given.config(technique.name).resolve(dev).values())
     split = {k: fixed.pop(k) for k in ("micro_batch_size", "grad_accum_steps") if k in fixed}
     if split:
         micro, _ = Plan(**split).micro_batches(bs)
         space.micro_batches = [micro]
     constrained = {}
     for name in [n for n in fixed if n in space.values]:
-        value = fixed.pop(name)
-        constrained[name] = tuple(value) if name == "offload" else value
+        constrained[name] = fixed.pop(name)
         space.values[name] = [constrained[name]]
     return fixed, constrained
 
 
-def _check_suits(wl: Workload, constrained: dict, bs: int, dev: Device) -> None:
+def _check_suits(target: Target, constrained: dict) -> None:
     """Build the step (on fake tensors: no memory) with each value the user fixed, so that one that
     does not suit the workload (loss_chunks on a model that is no causal LM, checkpointing without
     repeated blocks) is refused before any candidate is timed or traced."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from memfit.step import build_step
     for name, value in constrained.items():
-        if name not in MODEL_DEPENDENT or value == Plan().to_dict()[name]:
+        config = Plan(**{name: value}).config(technique_of(name).name)
+        if not config.technique.depends_on_model or config.is_default:
             continue
         try:
-            with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
-                warnings.simplefilter("ignore")
-                build_step(wl, Plan(**{name: value}), bs, dev)
+            with silenced_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
+                build_step(target.with_plan(Plan(**{name: value})))
         except UserError as e:
-            raise _unsuited(wl, name, value, str(e)) from None
+            raise _unsuited(target.workload, name, value, str(e)) from None
 
 
 def _unsuited(wl: Workload, name: str, value, why: str) -> UserError:
@@ -232,16 +219,15 @@ def _show_value(value) -> str:
     return "[" + ",".join(value) + "]" if isinstance(value, tuple) else str(value)
 
 
-def _evaluate(c: Candidate, wl: Workload, bs: int, dev: Device) -> bool:
+def _evaluate(c: Candidate, target: Target, budget: Budget) -> bool:
     """Trace ``c``'s memory; False (and status "invalid") if the plan does not suit the workload."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            report = estimate(wl, c.plan, batch_size=bs, device=dev)
+        with silenced_warnings():
+            report = estimate_target(target.with_plan(c.plan))
     except UserError as e:
         c.status, c.reason = "invalid", str(e)
         return False
-    c.used_bytes, c.peak_bytes = _used(report, dev), report.peak_bytes
+    c.used_bytes, c.peak_bytes = budget.used_bytes(report), report.peak_bytes
     return True
 
 
@@ -250,14 +236,13 @@ def _too_big(c: Candidate, budget: int, failed: list[Candidate]) -> None:
     failed.append(c)
 
 
-def _trace_all(cands: list[Candidate], wl: Workload, bs: int, dev: Device, budget: int,
-               failed: list[Candidate]) -> int:
+def _trace_all(cands: list[Candidate], target: Target, budget: Budget, failed: list[Candidate]) -> int:
     n = 0
     for c in cands:
-        if c.used_bytes is None and _evaluate(c, wl, bs, dev):
+        if c.used_bytes is None and _evaluate(c, target, budget):
             n += 1
-            if c.used_bytes > budget:
-                _too_big(c, budget, failed)
+            if c.used_bytes > budget.bytes:
+                _too_big(c, budget.bytes, failed)
     return n
 
 

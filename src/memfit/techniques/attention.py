@@ -10,20 +10,30 @@ returns ``None`` for the weights, as PyTorch does) and the fused SDPA kernel run
 ``chunk_size`` rows, each under a checkpoint: only one chunk's T x T slice exists at a time and
 backward recomputes it (memory O(chunk x T) instead of O(T x T) for kernels without a fused
 path, at one extra attention forward). ``math`` forces the unfused kernel (the reference).
+
+Plan key ``attention``: ``auto`` (:class:`AutoAttention`), ``sdpa`` (:class:`SDPAttention`),
+``math`` (:class:`MathAttention`), ``chunked`` (:class:`ChunkedAttention`). On CUDA, SDPA's fused
+kernels never hold the T x T matrix, so the planner tries chunking on the CPU only, where the math
+path (e.g. with attention dropout) does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
+from memfit.techniques.base import Config, Export, Key, Roofline, SearchContext, Technique, choice, register
+
 CHUNK_SIZE = 256
+MODES = ("auto", "sdpa", "math", "chunked")
 
 
 def _forward_without_weights(original, *args, **kwargs):
@@ -81,31 +91,123 @@ class ChunkedSDPA(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class Attention:
-    """The plan's ``attention`` field: patches MultiheadAttention modules and gives the context
-    that the step holds around forward and backward (backward may recompute attention)."""
+def without_attention_weights(model: nn.Module) -> list[nn.Module]:
+    """Call every ``nn.MultiheadAttention`` of ``model`` with ``need_weights=False`` (in place);
+    returns the patched modules."""
+    patched = []
+    for m in model.modules():
+        if isinstance(m, nn.MultiheadAttention):
+            m.forward = functools.partial(_forward_without_weights, m.forward)
+            patched.append(m)
+    return patched
 
-    def __init__(self, mode: str = "auto", chunk_size: int = CHUNK_SIZE):
-        self.mode, self.chunk_size = mode, chunk_size
-        self.patched: list[nn.Module] = []
 
-    def apply(self, model: nn.Module) -> nn.Module:
-        if self.mode in ("auto", "sdpa", "chunked"):
-            for m in model.modules():
-                if isinstance(m, nn.MultiheadAttention):
-                    m.forward = functools.partial(_forward_without_weights, m.forward)
-                    self.patched.append(m)
-        if self.mode == "sdpa" and hasattr(model, "set_attn_implementation"):
-            model.set_attn_implementation("sdpa")  # Hugging Face models
-        return model
+class Attention(Config):
+    """The plan's ``attention``: patches MultiheadAttention modules and gives the context that the
+    step holds around forward and backward (backward may recompute attention)."""
+
+    mode = "auto"
+
+    def values(self) -> dict:
+        return {"attention": self.mode}
+
+    def apply(self, parts) -> None:
+        without_attention_weights(parts.model)
+        parts.contexts.append(self.context)
 
     def context(self) -> contextlib.AbstractContextManager:
-        """Held around forward and backward by the step. A function mode is off while it handles
-        ``backward``, so checkpointed blocks also enter it for their recomputation (see
-        memfit.techniques.checkpointing, ``recompute_contexts``)."""
-        if self.mode == "math":
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-            return sdpa_kernel([SDPBackend.MATH])
-        if self.mode == "chunked":
-            return ChunkedSDPA(self.chunk_size)
         return contextlib.nullcontext()
+
+    def label(self, batch_size):
+        return f"attn={self.mode}"
+
+    def ablations(self):
+        return [(f"attention {self.mode}", AutoAttention())]
+
+
+@dataclass(frozen=True)
+class AutoAttention(Attention):
+    """MultiheadAttention without its weights; each attention call picks its kernel as usual."""
+
+    rank = 0
+
+    def label(self, batch_size):
+        return None
+
+    def ablations(self):
+        return []
+
+
+@dataclass(frozen=True)
+class SDPAttention(Attention):
+    """As ``auto``, and Hugging Face models switched to their SDPA implementation."""
+
+    mode = "sdpa"
+    rank = None
+
+    def apply(self, parts) -> None:
+        super().apply(parts)
+        if hasattr(parts.model, "set_attn_implementation"):
+            parts.model.set_attn_implementation("sdpa")  # Hugging Face models
+
+    def export(self, into: Export) -> None:
+        into.hf_unmapped.append("attention: sdpa -> pass attn_implementation='sdpa' to from_pretrained")
+
+
+@dataclass(frozen=True)
+class MathAttention(Attention):
+    """The unfused kernel, weights included (the reference)."""
+
+    mode = "math"
+    rank = None
+
+    def apply(self, parts) -> None:
+        parts.contexts.append(self.context)
+
+    def context(self) -> contextlib.AbstractContextManager:
+        return sdpa_kernel([SDPBackend.MATH])
+
+
+@dataclass(frozen=True)
+class ChunkedAttention(Attention):
+    """Attention in query chunks of ``chunk_size`` rows, each recomputed in backward."""
+
+    chunk_size: int = CHUNK_SIZE
+    """Query rows per chunk."""
+    mode = "chunked"
+    rank = 1
+    adds_work = True
+
+    def apply(self, parts) -> None:
+        super().apply(parts)
+        # A function mode is off while it handles ``backward``: checkpointed blocks enter it
+        # again for their recomputation.
+        parts.recompute_contexts.append(self.context)
+
+    def context(self) -> contextlib.AbstractContextManager:
+        return ChunkedSDPA(self.chunk_size)
+
+    def time_factor(self, r: Roofline) -> float:
+        return (r.base_seconds + r.attention_fwd_flops / r.fp32_flops_per_s) / r.base_seconds
+
+    def export(self, into: Export) -> None:
+        into.hf_unmapped.append("attention: chunked")
+        into.in_lightning_module("attention: chunked")
+
+
+def parse(values: dict) -> Attention:
+    mode = choice("attention", values["attention"], MODES)
+    return {"auto": AutoAttention(), "sdpa": SDPAttention(), "math": MathAttention(),
+            "chunked": ChunkedAttention()}[mode]
+
+
+def search(ctx: SearchContext) -> list[str]:
+    has_attention = any(isinstance(m, nn.MultiheadAttention) or "attention" in type(m).__name__.lower()
+                        for m in ctx.model.modules())
+    return ["auto", "chunked"] if has_attention and not ctx.device.is_gpu else ["auto"]
+
+
+TECHNIQUE = register(
+    Technique("attention", (Key("attention", "auto", "auto | sdpa | math | chunked.", metavar="ATTENTION"),),
+              parse, order=90, search=search, depends_on_model=True),
+    Attention, AutoAttention, SDPAttention, MathAttention, ChunkedAttention)

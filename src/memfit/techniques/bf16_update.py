@@ -11,15 +11,25 @@ both computing the update in fp32 and storing bf16:
 
 The math runs over flat chunks of ``CHUNK`` elements, so its fp32 temporaries stay small even for
 a large embedding. Optimizer states are bf16 (as the weights), like most bf16 fine-tuning recipes.
+
+Plan key ``bf16_update``: ``nearest`` (:class:`NearestUpdate`: the optimizer's own rounding),
+``stochastic`` / ``kahan`` (:class:`CompensatedUpdate`); with ``precision: bf16-pure`` and the
+AdamW or SGD optimizer only.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from memfit.errors import UserError
+from memfit.techniques.base import Config, Export, Key, Technique, choice, register
+from memfit.techniques.optimizers import SGDMomentum, WorkloadOptimizer
+from memfit.techniques.precision import BF16Pure
 
 CHUNK = 1 << 20
+ROUNDINGS = ("nearest", "stochastic", "kahan")
 
 
 def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -114,4 +124,47 @@ def compensated(factory, rounding: str):
     return build
 
 
-__all__ = ["BF16Optimizer", "compensated", "stochastic_round_to_bf16"]
+class BF16Update(Config):
+    rounding = "nearest"
+
+    def values(self) -> dict:
+        return {"bf16_update": self.rounding}
+
+
+@dataclass(frozen=True)
+class NearestUpdate(BF16Update):
+    """The optimizer rounds its fp32 result to the nearest bf16 (small updates may be lost)."""
+
+
+@dataclass(frozen=True)
+class CompensatedUpdate(BF16Update):
+    """Updates computed in fp32 and written back with stochastic rounding or Kahan compensation."""
+
+    rounding: str = "stochastic"
+    """stochastic (no extra memory) | kahan (a bf16 compensation buffer per weight)."""
+
+    def check(self, plan) -> None:
+        if not isinstance(plan.config("precision"), BF16Pure):
+            raise UserError(f"plan: bf16_update: {self.rounding} applies to precision: bf16-pure only")
+        if not isinstance(plan.config("optimizer"), (WorkloadOptimizer, SGDMomentum)):
+            raise UserError(f"plan: bf16_update: {self.rounding} is implemented for adamw and sgd; "
+                            f"use bf16_update: nearest with {plan.optimizer}")
+
+    def apply(self, parts) -> None:
+        parts.optimizer_factory = compensated(parts.optimizer_factory, self.rounding)
+
+    def export(self, into: Export) -> None:
+        into.hf_unmapped.append(f"bf16_update: {self.rounding} (no TrainingArguments equivalent)")
+        into.in_lightning_module(f"bf16_update: {self.rounding}")
+
+
+def parse(values: dict) -> BF16Update:
+    rounding = choice("bf16_update", values["bf16_update"], ROUNDINGS)
+    return NearestUpdate() if rounding == "nearest" else CompensatedUpdate(rounding)
+
+
+TECHNIQUE = register(
+    Technique("bf16_update", (Key("bf16_update", "nearest", "With bf16-pure: how the update is rounded into bf16 "
+                                  "weights: nearest | stochastic | kahan.", metavar="BF16"),),
+              parse, order=110),
+    BF16Update, NearestUpdate, CompensatedUpdate)

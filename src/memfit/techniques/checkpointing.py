@@ -5,22 +5,27 @@ memory grows with layers x batch x sequence. A checkpointed block keeps only its
 its forward again during backward (about +33% compute for a transformer block: one more forward
 for two units of backward). Variants, as torchtitan's AC classes:
 
-- ``blocks``: every repeated block (detected automatically: the ModuleLists / Sequentials whose
-  children share one class, e.g. Hugging Face decoder layers) is checkpointed;
-- ``blocks:every=N``: one block in N, trading memory for less recompute;
-- ``selective``: op-level policy (``create_selective_checkpoint_contexts``): inside each block
-  the outputs of matmuls, convolutions and attention are saved, cheap pointwise ops recomputed:
-  most of the memory saving at a fraction of the recompute.
+- :class:`BlocksAC` (``blocks``, ``blocks:every=N``): every repeated block (detected
+  automatically: the ModuleLists / Sequentials whose children share one class, e.g. Hugging Face
+  decoder layers) is checkpointed, or one in N, trading memory for less recompute;
+- :class:`SelectiveAC` (``selective``): op-level policy (``create_selective_checkpoint_contexts``):
+  inside each block the outputs of matmuls, convolutions and attention are saved, cheap pointwise
+  ops recomputed: most of the memory saving at a fraction of the recompute;
+- :class:`MemoryBudgetAC` (``budget:F``): torch.compile's min-cut partitioner keeps a fraction F
+  of the activations (not implemented yet);
+- :class:`NoAC` (``none``).
 
 All use non-reentrant ``torch.utils.checkpoint`` with the RNG state restored, so dropout gives
 the same result, and the model's code and module types stay unchanged (only the blocks'
-``forward`` is wrapped).
+``forward`` is wrapped). The recomputation runs under the contexts the step holds around forward
+(``StepParts.recompute_contexts``, e.g. chunked attention), so it repeats the forward exactly.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +33,16 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from memfit.errors import UserError
+from memfit.techniques.base import (
+    AdaptContext,
+    Config,
+    Export,
+    Key,
+    Roofline,
+    SearchContext,
+    Technique,
+    register,
+)
 
 aten = torch.ops.aten
 
@@ -39,30 +54,8 @@ SAVE_OPS = {
     aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_cudnn_attention.default,
     aten.mkldnn_rnn_layer.default,
 }
-
-
-def _policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    mode: str = "none"
-    """none | blocks | selective."""
-    every: int = 1
-    """Checkpoint one block in ``every``."""
-
-    @classmethod
-    def parse(cls, text: str) -> CheckpointConfig:
-        if text == "none":
-            return cls()
-        if text == "blocks":
-            return cls("blocks")
-        if text.startswith("blocks:every="):
-            return cls("blocks", int(text.split("=", 1)[1]))
-        if text == "selective":
-            return cls("selective")
-        raise UserError(f"checkpointing {text!r} is not supported by this technique")
+SELECTIVE_RECOMPUTE_SHARE = 0.15
+"""Roofline: the share of a block's forward FLOPs that selective checkpointing runs again."""
 
 
 def find_blocks(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
@@ -84,16 +77,21 @@ def find_blocks(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
     return found
 
 
-def _checkpointed_forward(original, context_fn, *args, **kwargs):
+def _policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _checkpointed_forward(original, selective: bool, recompute_contexts: list, *args, **kwargs):
     if not torch.is_grad_enabled():
         return original(*args, **kwargs)
-    extra = {"context_fn": context_fn} if context_fn is not None else {}
+    # ``recompute_contexts`` is read when the block runs, so contexts that techniques applied
+    # after this one add to the step are included; without any, checkpoint's default applies.
+    extra = {"context_fn": _context_fn(selective, recompute_contexts)} if selective or recompute_contexts else {}
     return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
 
-def _context_fn(selective: bool, recompute_contexts: tuple):
-    """checkpoint's context_fn: (forward context, recompute context). The recomputation runs under
-    the step's contexts too (e.g. chunked attention), so it repeats the forward exactly."""
+def _context_fn(selective: bool, recompute_contexts: list):
+    """checkpoint's context_fn: (forward context, recompute context)."""
     def make():
         if selective:
             fwd, rec = create_selective_checkpoint_contexts(_policy)
@@ -114,41 +112,156 @@ def _context_fn(selective: bool, recompute_contexts: tuple):
     return make
 
 
-class Checkpointing:
-    """Apply a CheckpointConfig to a model in place; ``remove()`` restores it.
+def checkpoint_blocks(model: nn.Module, *, every: int = 1, selective: bool = False,
+                      recompute_contexts: list | None = None) -> list[nn.Module]:
+    """Wrap the forward of every ``every``-th repeated block of ``model`` in a checkpoint (in
+    place); returns the wrapped blocks. ``del block.forward`` restores one."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        # Hugging Face models update a KV cache in forward when use_cache is on, so a recomputed
+        # forward would differ from the first one; training needs no cache (HF does the same).
+        config.use_cache = False
+    blocks = find_blocks(model)
+    if not blocks:
+        raise UserError("checkpointing: found no repeated blocks (a ModuleList or Sequential of modules of one "
+                        "class) in the model; use checkpointing: none, or structure the model in blocks")
+    recompute_contexts = recompute_contexts if recompute_contexts is not None else []
+    wrapped = []
+    for _, children in blocks:
+        for i, block in enumerate(children):
+            if i % every:
+                continue
+            block.forward = functools.partial(_checkpointed_forward, block.forward, selective, recompute_contexts)
+            wrapped.append(block)
+    return wrapped
 
-    ``recompute_contexts``: context factories the step holds around forward (e.g. chunked
-    attention's function mode), entered again around each recomputation.
-    """
 
-    def __init__(self, config: CheckpointConfig, recompute_contexts: tuple = ()):
-        self.config = config
-        self.recompute_contexts = recompute_contexts
-        self.wrapped: list[nn.Module] = []
+class Checkpointing(Config):
+    adds_work = True
 
-    def apply(self, model: nn.Module) -> nn.Module:
-        if self.config.mode == "none":
-            return model
-        config = getattr(model, "config", None)
-        if getattr(config, "use_cache", False):
-            # Hugging Face models update a KV cache in forward when use_cache is on, so a recomputed
-            # forward would differ from the first one; training needs no cache (HF does the same).
-            config.use_cache = False
-        blocks = find_blocks(model)
-        if not blocks:
-            raise UserError("checkpointing: found no repeated blocks (a ModuleList or Sequential of modules of one "
-                            "class) in the model; use checkpointing: none, or structure the model in blocks")
-        context_fn = (_context_fn(self.config.mode == "selective", self.recompute_contexts)
-                      if self.config.mode == "selective" or self.recompute_contexts else None)
-        for _, children in blocks:
-            for i, block in enumerate(children):
-                if i % self.config.every:
-                    continue
-                block.forward = functools.partial(_checkpointed_forward, block.forward, context_fn)
-                self.wrapped.append(block)
-        return model
+    def label(self, batch_size):
+        return f"ckpt={self.text.replace('blocks:every=', 'every')}"
 
-    def remove(self) -> None:
-        for block in self.wrapped:
-            del block.forward  # the instance attribute shadowed the class's forward
-        self.wrapped.clear()
+    def ablations(self):
+        return [(f"checkpointing {self.text}", NoAC())]
+
+    def export(self, into: Export) -> None:
+        into.hf_unmapped.append(f"checkpointing: {self.text} (TrainingArguments checkpoints every layer only)")
+        into.in_lightning_module(f"checkpointing: {self.text}")
+
+
+@dataclass(frozen=True)
+class NoAC(Checkpointing):
+    """Keep every activation for backward."""
+
+    rank = 0
+    adds_work = False
+
+    def values(self) -> dict:
+        return {"checkpointing": "none"}
+
+    def label(self, batch_size):
+        return None
+
+    def ablations(self):
+        return []
+
+    def export(self, into: Export) -> None:
+        pass
+
+    def frugal(self, ctx: AdaptContext):
+        if not find_blocks(ctx.model):
+            return None
+        return BlocksAC(), "checkpointing: blocks"
+
+
+@dataclass(frozen=True)
+class BlocksAC(Checkpointing):
+    """Checkpoint whole repeated blocks: only each block's input is kept."""
+
+    every: int = 1
+    """Checkpoint one block in ``every`` (1: all of them)."""
+
+    @property
+    def rank(self) -> int:
+        return 2 if self.every == 1 else 1
+
+    def values(self) -> dict:
+        return {"checkpointing": "blocks" if self.every == 1 else f"blocks:every={self.every}"}
+
+    def apply(self, parts) -> None:
+        checkpoint_blocks(parts.model, every=self.every, recompute_contexts=parts.recompute_contexts)
+
+    def time_factor(self, r: Roofline) -> float:
+        return (r.base_seconds + r.block_fwd_flops / self.every / r.fp32_flops_per_s) / r.base_seconds
+
+    def export(self, into: Export) -> None:
+        if self.every != 1:
+            return super().export(into)
+        into.hf.update(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
+        into.in_lightning_module(f"checkpointing: {self.text}")
+
+
+@dataclass(frozen=True)
+class SelectiveAC(Checkpointing):
+    """Checkpoint blocks op by op: save matmul, convolution and attention outputs, recompute the rest."""
+
+    rank = 1
+
+    def values(self) -> dict:
+        return {"checkpointing": "selective"}
+
+    def apply(self, parts) -> None:
+        checkpoint_blocks(parts.model, selective=True, recompute_contexts=parts.recompute_contexts)
+
+    def time_factor(self, r: Roofline) -> float:
+        return (r.base_seconds + SELECTIVE_RECOMPUTE_SHARE * r.block_fwd_flops / r.fp32_flops_per_s) / r.base_seconds
+
+
+@dataclass(frozen=True)
+class MemoryBudgetAC(Checkpointing):
+    """torch.compile's activation memory budget: the partitioner keeps this fraction of activations."""
+
+    fraction: float = 0.5
+    """0 keeps nothing (recompute all it can), 1 keeps what compile would keep anyway."""
+    rank = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.fraction <= 1:
+            raise UserError(f"plan: checkpointing {self.text!r}: the budget fraction must be in [0, 1]")
+
+    def values(self) -> dict:
+        return {"checkpointing": f"budget:{self.fraction:g}"}
+
+    def unimplemented(self) -> str | None:
+        return (f"plan: checkpointing={self.text} (torch.compile's activation memory budget) is not implemented "
+                "in this memfit version yet; use blocks, blocks:every=N or selective")
+
+
+_GRAMMAR = re.compile(r"^(none|blocks|blocks:every=(\d+)|selective|budget:([0-9]*\.?[0-9]+))$")
+
+
+def parse(values: dict) -> Checkpointing:
+    text = values["checkpointing"]
+    m = _GRAMMAR.match(str(text))
+    if not m:
+        raise UserError(f"plan: checkpointing {text!r} is not valid; "
+                        "use none, blocks, blocks:every=N, selective or budget:FRACTION (e.g. budget:0.5)")
+    if m.group(2) is not None:
+        if int(m.group(2)) < 1:
+            raise UserError("plan: checkpointing blocks:every=N needs N >= 1")
+        return BlocksAC(int(m.group(2)))
+    if m.group(3) is not None:
+        return MemoryBudgetAC(float(m.group(3)))
+    return {"none": NoAC(), "blocks": BlocksAC(), "selective": SelectiveAC()}[text]
+
+
+def search(ctx: SearchContext) -> list[str]:
+    return ["none", "blocks:every=2", "selective", "blocks"] if find_blocks(ctx.model) else ["none"]
+
+
+TECHNIQUE = register(
+    Technique("checkpointing", (Key("checkpointing", "none", "Activation checkpointing: none | blocks | "
+                                    "blocks:every=N | selective | budget:FRACTION.", metavar="CHECKPOINTING"),),
+              parse, order=30, search=search, escalation=20, depends_on_model=True),
+    Checkpointing, NoAC, BlocksAC, SelectiveAC, MemoryBudgetAC)

@@ -10,17 +10,34 @@ head matmul). The result equals the unchunked mean over the non-ignored tokens.
 Applies to Hugging Face causal LMs (``...ForCausalLM``, labels in the batch), as the built-in
 workloads are; the head's plain linear map is used (models with logit soft-capping or scaling
 are refused).
+
+Plan key ``loss_chunks``: 0 (:class:`FullLoss`) or K > 0 (:class:`ChunkedLoss`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from memfit.errors import UserError
+from memfit.errors import UserError, brief, passes_through, raised_in_memfit, user_location
+from memfit.techniques.base import (
+    Config,
+    Export,
+    Key,
+    Roofline,
+    SearchContext,
+    Technique,
+    register,
+    whole_number,
+)
 
 IGNORE_INDEX = -100
+MAX_CHUNKS = 2**31 - 1
+SEARCHED = 8
+"""The number of chunks the planner tries (the memory saving flattens out well before)."""
 
 
 def _chunk_loss(hidden, labels, weight, bias):
@@ -67,33 +84,81 @@ def _causal_lm_classes() -> set[str]:
     return names
 
 
-class ChunkedLoss:
-    def __init__(self, chunks: int):
-        self.chunks = chunks
+def chunked_loss_fn(loss_fn, model, chunks: int):
+    """The step's loss for ``model`` with the LM cross-entropy computed in ``chunks`` slices
+    (``loss_fn`` itself is not called: the chunked loss replaces it)."""
+    check_supported(model)
 
-    def wrap(self, loss_fn, model):
-        if self.chunks <= 0:
-            return loss_fn
-        check_supported(model)
-        chunks = self.chunks
+    def loss(m, batch):
+        if not isinstance(batch, dict) or "labels" not in batch:
+            raise UserError("loss_chunks needs a batch dict with 'labels' (as Hugging Face causal LMs take)")
+        try:
+            return chunked_lm_loss(m, batch, chunks)
+        except Exception as e:
+            err = _batch_error(e)
+            if err is e:
+                raise
+            raise err from e
+    return loss
 
-        def loss(m, batch):
-            if not isinstance(batch, dict) or "labels" not in batch:
-                raise UserError("loss_chunks needs a batch dict with 'labels' (as Hugging Face causal LMs take)")
-            try:
-                return chunked_lm_loss(m, batch, chunks)
-            except Exception as e:
-                err = _batch_error(e)
-                if err is e:
-                    raise
-                raise err from e
-        return loss
+
+class LossChunking(Config):
+    def values(self) -> dict:
+        return {"loss_chunks": self.chunks}
+
+
+@dataclass(frozen=True)
+class FullLoss(LossChunking):
+    """The workload's own loss, on the full logits."""
+
+    chunks = 0
+    rank = 0
+
+
+@dataclass(frozen=True)
+class ChunkedLoss(LossChunking):
+    """Head and cross-entropy over ``chunks`` token slices, each recomputed in backward."""
+
+    chunks: int = SEARCHED
+    """Token slices (> 0)."""
+    rank = 1
+    adds_work = True
+
+    def apply(self, parts) -> None:
+        parts.loss_fn = chunked_loss_fn(parts.loss_fn, parts.model, self.chunks)
+
+    def time_factor(self, r: Roofline) -> float:  # any K recomputes the head once
+        return (r.base_seconds + r.head_fwd_flops / r.fp32_flops_per_s) / r.base_seconds
+
+    def label(self, batch_size):
+        return f"chunks={self.chunks}"
+
+    def ablations(self):
+        return [(f"chunked loss ({self.chunks})", FullLoss())]
+
+    def export(self, into: Export) -> None:
+        into.hf_unmapped.append(f"loss_chunks: {self.chunks}")
+        into.in_lightning_module(f"loss_chunks: {self.chunks}")
+
+
+def parse(values: dict) -> LossChunking:
+    n = values["loss_chunks"]
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_CHUNKS:
+        raise UserError(f"plan: loss_chunks must be a whole number from 0 to {MAX_CHUNKS}, got {n!r}")
+    return ChunkedLoss(n) if n else FullLoss()
+
+
+def search(ctx: SearchContext) -> list[int]:
+    try:
+        check_supported(ctx.model)
+    except UserError:
+        return [0]
+    return [0, SEARCHED]
 
 
 def _batch_error(e: Exception) -> BaseException:
     """A failure of the model's forward on the workload's batch is the batch's; memfit's own
     failures, out-of-memory errors and trace failures pass through unchanged."""
-    from memfit.errors import brief, passes_through, raised_in_memfit, user_location
     if passes_through(e) or raised_in_memfit(e):
         return e
     at = user_location(e)
@@ -101,3 +166,11 @@ def _batch_error(e: Exception) -> BaseException:
     return UserError(f"loss_chunks: the model's forward on the workload's batch raised {type(e).__name__}: {msg}"
                      f"{f' (at {at})' if at else ''}; fix the batch (the keys the model takes, plus 'labels') or "
                      "set loss_chunks: 0")
+
+
+TECHNIQUE = register(
+    Technique("loss_chunks", (Key("loss_chunks", 0, "Compute the language-model cross-entropy in this many chunks "
+                                  "(0 = off).", annotation="int", from_text=whole_number("--loss-chunks"),
+                                  metavar="LOSS"),),
+              parse, order=80, search=search, depends_on_model=True),
+    LossChunking, FullLoss, ChunkedLoss)

@@ -4,29 +4,80 @@ The shadow copy costs one fp32 copy of the parameters (N bytes). Kept on the dev
 with training memory; kept on the host (``device: cpu``) it costs device memory nothing and a
 device->host copy of the weights every ``every`` steps. The update is
 ``shadow = decay * shadow + (1 - decay) * weights``.
+
+Plan key ``ema``: null (:class:`NoEMA`) or a mapping (:class:`EMA`), e.g.
+``{decay: 0.999, device: cpu, every: 1}``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
+import yaml
 
-from memfit.plans import EMAConfig
+from memfit.errors import UserError
+from memfit.techniques.base import Config, Export, Key, Technique, register
 from memfit.techniques.placement import HostPlacement
+from memfit.units import parse_key_values
 
 
-class NoEMA:
-    def update(self) -> None:
-        pass
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
+class WeightAverage(Config):
+    """The plan key ``ema``: a moving average of the weights, or none."""
 
 
-class EMA(NoEMA):
-    def __init__(self, model: torch.nn.Module, config: EMAConfig, placement: HostPlacement):
+@dataclass(frozen=True)
+class NoEMA(WeightAverage):
+    """No moving average."""
+
+    def values(self) -> dict:
+        return {"ema": None}
+
+
+@dataclass(frozen=True)
+class EMA(WeightAverage):
+    """Shadow weights updated every ``every`` optimizer steps."""
+
+    decay: float = 0.999
+    """Shadow weight decay per update."""
+    device: str = "cpu"
+    """Where the shadow weights live: cpu or the training device."""
+    every: int = 1
+    """Update the shadow weights every N optimizer steps."""
+
+    def __post_init__(self) -> None:
+        decay_ok = isinstance(self.decay, (int, float)) and not isinstance(self.decay, bool) and 0 < self.decay < 1
+        every_ok = isinstance(self.every, int) and not isinstance(self.every, bool) and self.every >= 1
+        if not decay_ok or not every_ok or self.device not in ("cpu", "device"):
+            raise UserError(f"plan: ema needs 0 < decay < 1, a whole number every >= 1 and device cpu or device; "
+                            f"got decay={self.decay!r}, every={self.every!r}, device={self.device!r}")
+        object.__setattr__(self, "decay", float(self.decay))
+
+    def values(self) -> dict:
+        return {"ema": self}
+
+    def apply(self, parts) -> None:
+        parts.ema = ShadowWeights(parts.model, self, parts.placement)
+        parts.after_update.append(parts.ema.update)
+
+    def label(self, batch_size):
+        return "ema"
+
+    def ablations(self):
+        if self.device == "device":
+            return []
+        return [(f"EMA on {self.device}", dataclasses.replace(self, device="device"))]
+
+    def export(self, into: Export) -> None:
+        into.hf_unmapped.append("ema")
+        into.in_lightning_module(f"ema: {self}")
+
+
+class ShadowWeights:
+    """The EMA's shadow copy of the parameters and its update (a checkpointed state)."""
+
+    def __init__(self, model: torch.nn.Module, config: EMA, placement: HostPlacement):
         self.model, self.config, self.placement = model, config, placement
         self.updates = 0
         self.shadow: dict[str, torch.Tensor] = {}
@@ -66,3 +117,40 @@ class EMA(NoEMA):
             self._init_shadow()
             for name, saved in state["shadow"].items():
                 self.shadow[name].copy_(saved)
+
+
+def _text(value: str):
+    """--ema decay=0.999,device=cpu,every=1 | --ema '{decay: 0.999, device: cpu}' | --ema null."""
+    if value in ("null", "none", ""):
+        return None
+    if "=" in value:
+        return parse_key_values(value, "--ema", example="--ema decay=0.999,device=cpu")
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UserError(f"--ema {value!r} is not a valid mapping ({problem}); write e.g. "
+                        "--ema decay=0.999,device=cpu or --ema '{decay: 0.999, device: cpu}'") from None
+
+
+def parse(values: dict) -> WeightAverage:
+    value = values["ema"]
+    if value is None:
+        return NoEMA()
+    if isinstance(value, EMA):
+        return value
+    if not isinstance(value, dict):
+        raise UserError(f"plan: ema must be null or a mapping like {{decay: 0.999, device: cpu, every: 1}}, "
+                        f"got {value!r}")
+    allowed = {f.name for f in dataclasses.fields(EMA)}
+    unknown = sorted(set(value) - allowed)
+    if unknown:
+        raise UserError(f"plan: ema has unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(allowed))}")
+    return EMA(**value)
+
+
+TECHNIQUE = register(
+    Technique("ema", (Key("ema", None, "Exponential moving average of the weights.", annotation="EMA | None",
+                          from_text=_text, metavar="EMA"),),
+              parse, order=95),
+    WeightAverage, NoEMA, EMA)

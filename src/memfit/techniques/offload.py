@@ -10,17 +10,37 @@ Saved activations are written once in forward and read once in backward; the sav
 (``torch.autograd.graph.saved_tensors_hooks``) move each one larger than ``min_bytes`` to host
 memory when autograd saves it and bring it back when backward needs it. Parameters are never
 offloaded (they stay on the device anyway). The values round-trip exactly.
+
+Plan key ``offload``: a list of ``optimizer_states`` (:class:`OffloadOptimizerStates`) and
+``activations`` (:class:`OffloadActivations`); the config is :class:`Offload`.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
+from memfit.errors import UserError
+from memfit.techniques.base import (
+    AdaptContext,
+    Config,
+    Export,
+    Key,
+    Roofline,
+    SearchContext,
+    Technique,
+    choice,
+    register,
+)
 from memfit.techniques.optimizers import Factory, PerParameterOptimizers
 from memfit.techniques.placement import HostPlacement
+
+ITEMS = ("optimizer_states", "activations")
+ACTIVATION_BYTES_PER_FLOP = 1 / 50
+"""Roofline: ~1 byte saved per 50 forward FLOPs for transformer blocks (a rough ratio)."""
 
 
 class OffloadOptimizerStates(PerParameterOptimizers):
@@ -94,3 +114,84 @@ class OffloadActivations:
 
     def __call__(self) -> contextlib.AbstractContextManager:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+
+@dataclass(frozen=True)
+class Offload(Config):
+    """What lives in host memory between its uses."""
+
+    items: tuple[str, ...] = ()
+    """Any of optimizer_states, activations (sorted, no repeats)."""
+    adds_work = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "items", tuple(sorted(set(self.items))))
+
+    def values(self) -> dict:
+        return {"offload": self.items}
+
+    @property
+    def rank(self) -> int:
+        return len(self.items)
+
+    def saves_at_most(self, other: Config, batch_size: int) -> bool:
+        return set(self.items) <= set(other.items)
+
+    def apply(self, parts) -> None:
+        if "optimizer_states" in self.items:
+            placement = parts.placement
+            parts.make_optimizer = lambda params, factory: OffloadOptimizerStates(params, factory, placement)
+        if "activations" in self.items:
+            parts.forward_contexts.append(OffloadActivations(parts.model, parts.placement))
+
+    def time_factor(self, r: Roofline) -> float:
+        factor = 1.0
+        if "optimizer_states" in self.items:  # AdamW's 8N bytes of states out and back
+            factor *= (r.base_seconds + 2 * 8 * r.n_params / r.host_link_bandwidth) / r.base_seconds
+        if "activations" in self.items:
+            saved = r.fwd_flops * ACTIVATION_BYTES_PER_FLOP
+            factor *= (r.base_seconds + 2 * saved / r.host_link_bandwidth) / r.base_seconds
+        return factor
+
+    def frugal(self, ctx: AdaptContext):
+        if "activations" in self.items:
+            return None
+        return Offload((*self.items, "activations")), "offload: activations"
+
+    def label(self, batch_size):
+        return " ".join(f"off={o.split('_')[0]}" for o in self.items) or None
+
+    def ablations(self):
+        return [(f"offload {item}", Offload(tuple(x for x in self.items if x != item))) for item in self.items]
+
+    def export(self, into: Export) -> None:
+        if self.items:
+            into.hf_unmapped.append(f"offload: {list(self.items)} (needs a DeepSpeed or FSDP offload config)")
+            into.in_lightning_module(f"offload: {self.items}")
+
+
+def _items_text(text: str) -> list[str]:
+    return [v for v in text.split(",") if v]
+
+
+def parse(values: dict) -> Offload:
+    offload = values["offload"]
+    if isinstance(offload, str):
+        offload = (offload,) if offload else ()
+    if not isinstance(offload, (list, tuple)):
+        raise UserError(f"plan: offload must be a list of {', '.join(ITEMS)}; got {offload!r}")
+    for item in offload:
+        choice("offload", item, ITEMS)
+    return Offload(tuple(offload))
+
+
+def search(ctx: SearchContext) -> list[tuple[str, ...]]:
+    # on the CPU the host *is* the device: nothing to gain
+    return [(), ("optimizer_states",), ("activations",)] if ctx.device.is_gpu else [()]
+
+
+TECHNIQUE = register(
+    Technique("offload", (Key("offload", (), "Move to host memory: optimizer_states, activations.",
+                              annotation="list[str]", from_text=_items_text, metavar="OFFLOAD"),),
+              parse, order=60, search=search, escalation=30),
+    Offload)

@@ -1,40 +1,37 @@
-"""Optimizer variants and optimizer-in-backward.
+"""Optimizer variants: smaller optimizer states.
 
 Memory/compute trade-off, per parameter of N bytes in fp32:
-- ``adamw`` keeps two fp32 moments (2N). The workload's own optimizer is used as is.
-- ``adamw8bit`` keeps both moments block-quantised to 8 bits (N/2 plus small per-block scales);
-  the update dequantises one block at a time. Lossy, well tested on LLM training. Needs
-  bitsandbytes: without it the step runs fp32 AdamW, and memfit predicts (and labels) that.
-- ``adafactor`` keeps factored second moments (row and column statistics, ~0 for matrices) and
-  no first moment: the smallest state, a slightly different optimizer.
-- ``sgd`` with momentum keeps one buffer (N).
+- ``adamw`` (:class:`WorkloadOptimizer`) keeps two fp32 moments (2N). The workload's own
+  optimizer is used as is.
+- ``adamw8bit`` (:class:`AdamW8bit`) keeps both moments block-quantised to 8 bits (N/2 plus small
+  per-block scales); the update dequantises one block at a time. Lossy, well tested on LLM
+  training. Needs bitsandbytes: without it the step runs fp32 AdamW, and memfit predicts (and
+  labels) that.
+- ``adafactor`` (:class:`Adafactor`) keeps factored second moments (row and column statistics, ~0
+  for matrices) and no first moment: the smallest state, a slightly different optimizer.
+- ``sgd`` (:class:`SGDMomentum`) with momentum keeps one buffer (N).
 Hyperparameters (lr, weight decay, betas, eps) are taken from the workload's optimizer.
 
-``optimizer_in_backward`` steps each parameter as soon as its gradient has been accumulated and
-frees that gradient at once (``register_post_accumulate_grad_hook``, as in torchtune), so at most
-a few gradients exist at any time instead of all of them. It cannot accumulate gradients over
-micro-batches, unscale fp16 gradients, or clip by the global norm: the Plan refuses those.
+The update is memory-bound: the roofline model times it by the bytes of parameters, gradients
+and states it reads and writes (``update_bytes_per_param``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
-from memfit.errors import UserError
+from memfit.techniques.base import Config, Export, Key, Roofline, SearchContext, Technique, choice, register
 
 Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    name: str = "adamw"
-    """adamw | adamw8bit | adafactor | sgd."""
-    in_backward: bool = False
-    """Step and free each gradient as soon as it is accumulated."""
+NAMES = ("adamw", "adamw8bit", "adafactor", "sgd")
+ADAMW8BIT_FALLBACK = ("optimizer adamw8bit needs bitsandbytes (pip install bitsandbytes), which is not installed "
+                      "here: the step runs torch.optim.AdamW with fp32 states instead")
 
 
 def hyperparameters(opt: torch.optim.Optimizer) -> dict:
@@ -43,22 +40,102 @@ def hyperparameters(opt: torch.optim.Optimizer) -> dict:
             "betas": tuple(d.get("betas", (0.9, 0.999))), "eps": float(d.get("eps", 1e-8))}
 
 
-def variant_factory(name: str, workload_factory: Factory, params: list[torch.nn.Parameter]) -> Factory:
-    """A function building the ``name`` optimizer for a list of parameters."""
-    if name == "adamw":
+class OptimizerVariant(Config):
+    """The plan key ``optimizer``: which optimizer the step builds."""
+
+    name = "adamw"
+    update_bytes_per_param = 28
+    """Bytes read and written per parameter by one update (fp32 weight, gradient, states)."""
+
+    def values(self) -> dict:
+        return {"optimizer": self.name}
+
+    def factory(self, workload_factory: Factory, params: list[torch.nn.Parameter]) -> Factory:
+        """A function building this optimizer for a list of parameters."""
         return workload_factory
-    hp = hyperparameters(workload_factory(params[:1]))
-    if name == "sgd":
+
+    def apply(self, parts) -> None:
+        params = [p for p in parts.model.parameters() if p.requires_grad]
+        if params:  # (a model without trainable parameters is refused by build_step)
+            parts.optimizer_factory = self.factory(parts.optimizer_factory, params)
+
+    def time_factor(self, r: Roofline) -> float:
+        update = self.update_bytes_per_param * r.n_params / r.mem_bandwidth
+        return (r.base_seconds - r.optimizer_seconds + update) / r.base_seconds
+
+    def label(self, batch_size):
+        return self.name if self.name != "adamw" else None
+
+    def ablations(self):
+        return [(f"optimizer {self.name}", WorkloadOptimizer())] if self.name != "adamw" else []
+
+    def export(self, into: Export) -> None:
+        into.hf["optim"] = {"adamw": "adamw_torch", "adamw8bit": "adamw_bnb_8bit", "adafactor": "adafactor",
+                            "sgd": "sgd"}[self.name]
+        if self.name != "adamw":
+            into.in_lightning_module(f"optimizer: {self.name}")
+
+
+@dataclass(frozen=True)
+class WorkloadOptimizer(OptimizerVariant):
+    """The workload's own optimizer (default: AdamW)."""
+
+    rank = 0
+
+
+@dataclass(frozen=True)
+class SGDMomentum(OptimizerVariant):
+    """SGD with momentum 0.9: one state buffer."""
+
+    name = "sgd"
+    rank = 1
+    update_bytes_per_param = 16
+
+    def factory(self, workload_factory, params):
+        hp = hyperparameters(workload_factory(params[:1]))
         return lambda ps: torch.optim.SGD(ps, lr=hp["lr"], momentum=0.9, weight_decay=hp["weight_decay"])
-    if name == "adafactor":
+
+
+@dataclass(frozen=True)
+class Adafactor(OptimizerVariant):
+    """torch.optim.Adafactor: factored second moments, no first moment."""
+
+    name = "adafactor"
+    rank = 2
+    update_bytes_per_param = 16
+
+    def factory(self, workload_factory, params):
+        hp = hyperparameters(workload_factory(params[:1]))
         return lambda ps: torch.optim.Adafactor(ps, lr=hp["lr"], weight_decay=hp["weight_decay"])
-    if name == "adamw8bit":
-        return _adamw8bit_factory(hp)
-    raise UserError(f"unknown optimizer {name!r}")
 
 
-ADAMW8BIT_FALLBACK = ("optimizer adamw8bit needs bitsandbytes (pip install bitsandbytes), which is not installed "
-                      "here: the step runs torch.optim.AdamW with fp32 states instead")
+@dataclass(frozen=True)
+class AdamW8bit(OptimizerVariant):
+    """bitsandbytes' 8-bit AdamW (fp32 AdamW, with a warning, where bitsandbytes is missing)."""
+
+    name = "adamw8bit"
+    rank = 1
+    update_bytes_per_param = 14
+
+    def factory(self, workload_factory, params):
+        return adamw8bit_factory(hyperparameters(workload_factory(params[:1])))
+
+    def notes(self) -> list[str]:
+        return [] if bitsandbytes_available() else [f"{ADAMW8BIT_FALLBACK}; this estimate is for that fallback"]
+
+    def trace_context(self) -> contextlib.AbstractContextManager:
+        return _real_quantization_tables()
+
+
+def adamw8bit_factory(hp: dict) -> Factory:
+    if not bitsandbytes_available():
+        warnings.warn(f"{ADAMW8BIT_FALLBACK}; memory predictions are for that fallback", stacklevel=2)
+        return lambda ps: torch.optim.AdamW(ps, lr=hp["lr"], betas=hp["betas"], eps=hp["eps"],
+                                            weight_decay=hp["weight_decay"])
+    from bitsandbytes.optim import AdamW8bit as BnbAdamW8bit
+    # min_8bit_size: tensors smaller than this keep fp32 states (bitsandbytes' default is 4096)
+    return lambda ps: BnbAdamW8bit(ps, lr=hp["lr"], betas=hp["betas"], eps=hp["eps"],
+                                   weight_decay=hp["weight_decay"], min_8bit_size=4096)
 
 
 def bitsandbytes_available() -> bool:
@@ -66,26 +143,47 @@ def bitsandbytes_available() -> bool:
 
     A missing or broken install counts as unavailable: the planner then leaves adamw8bit out and
     an explicit adamw8bit plan runs, and is estimated, as its fallback (fp32 AdamW)."""
-    import logging
     # bitsandbytes warns at import about a 4-bit CPU matmul kernel memfit does not use
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     try:
         import bitsandbytes  # noqa: F401
-        from bitsandbytes.optim import AdamW8bit  # noqa: F401
+        from bitsandbytes.optim import AdamW8bit as _  # noqa: F401
     except Exception:  # noqa: BLE001 - missing or broken install
         return False
     return True
 
 
-def _adamw8bit_factory(hp: dict) -> Factory:
+_TABLES: dict = {}
+
+
+@contextlib.contextmanager
+def _real_quantization_tables():
+    """NOTE [ bitsandbytes tables on fake tensors ]: bitsandbytes builds each 8-bit optimizer's
+    quantization map (a constant 256-value table) with Python loops of ``.tolist()``; on fake
+    tensors every read is data-dependent, which made tracing optimizer-in-backward (one optimizer
+    per parameter) 30 s slower on a 7B model. The table is computed once for real, outside fake
+    mode, and reused: exact, since it depends on no input."""
     if not bitsandbytes_available():
-        warnings.warn(f"{ADAMW8BIT_FALLBACK}; memory predictions are for that fallback", stacklevel=2)
-        return lambda ps: torch.optim.AdamW(ps, lr=hp["lr"], betas=hp["betas"], eps=hp["eps"],
-                                            weight_decay=hp["weight_decay"])
-    from bitsandbytes.optim import AdamW8bit
-    # min_8bit_size: tensors smaller than this keep fp32 states (bitsandbytes' default is 4096)
-    return lambda ps: AdamW8bit(ps, lr=hp["lr"], betas=hp["betas"], eps=hp["eps"],
-                                weight_decay=hp["weight_decay"], min_8bit_size=4096)
+        yield
+        return
+    import bitsandbytes.functional as bnb_functional
+    original = getattr(bnb_functional, "create_dynamic_map", None)
+    if original is None:
+        yield
+        return
+
+    def real_table(*args, **kwargs):
+        key = (original, args, tuple(sorted(kwargs.items())))
+        if key not in _TABLES:
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+            with unset_fake_temporarily():
+                _TABLES[key] = original(*args, **kwargs)
+        return _TABLES[key]
+    bnb_functional.create_dynamic_map = real_table
+    try:
+        yield
+    finally:
+        bnb_functional.create_dynamic_map = original
 
 
 class PerParameterOptimizers:
@@ -111,27 +209,23 @@ class PerParameterOptimizers:
             opt.load_state_dict(sd)
 
 
-class OptimizerInBackward(PerParameterOptimizers):
-    """Each parameter's optimizer is stepped from its post-accumulate-grad hook.
+def parse(values: dict) -> OptimizerVariant:
+    name = choice("optimizer", values["optimizer"], NAMES)
+    return {"adamw": WorkloadOptimizer(), "adamw8bit": AdamW8bit(), "adafactor": Adafactor(),
+            "sgd": SGDMomentum()}[name]
 
-    As the step's optimizer, ``step()`` and ``zero_grad()`` do nothing: the work happened in backward.
-    """
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], factory: Factory):
-        super().__init__(params, factory)
-        self._handles = [p.register_post_accumulate_grad_hook(self._step_param) for p in self.params]
+def search(ctx: SearchContext) -> list[str]:
+    names = list(ctx.options.get("optimizers", ("adamw", "adamw8bit")))
+    if "adamw8bit" in names and not bitsandbytes_available():  # predicted = what runs: never plan a fallback
+        names.remove("adamw8bit")
+        ctx.notes.append("adamw8bit left out: it needs bitsandbytes, which is not installed here "
+                         "(pip install bitsandbytes)")
+        warnings.warn(f"plan: {ctx.notes[-1]}", stacklevel=2)
+    return names
 
-    def _step_param(self, p: torch.nn.Parameter) -> None:
-        opt = self.optimizers[p]
-        opt.step()
-        opt.zero_grad(set_to_none=True)
 
-    def step(self, closure=None) -> None:
-        return None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        return None
-
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
+TECHNIQUE = register(
+    Technique("optimizer", (Key("optimizer", "adamw", "adamw | adamw8bit | adafactor | sgd.", metavar="OPTIMIZER"),),
+              parse, order=40, search=search),
+    OptimizerVariant, WorkloadOptimizer, SGDMomentum, Adafactor, AdamW8bit)

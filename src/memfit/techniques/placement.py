@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import torch
 
+from memfit.observer import NullObserver
+
 
 class HostPlacement:
     """Copies to and from host memory, reported to the step's observer."""
 
     def __init__(self) -> None:
-        from memfit.step import NullObserver
         self.observer = NullObserver()
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:

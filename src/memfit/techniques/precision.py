@@ -7,38 +7,27 @@ the forward pass), so a model dominated by weights and optimizer states saves li
 cores make 16-bit matmuls several times faster on GPUs. fp16's narrow range needs a GradScaler
 to keep small gradients from flushing to zero; bf16 has fp32's range and needs none.
 ``bf16-pure`` casts the weights themselves: parameters, gradients and optimizer states all take
-half the bytes, at the cost of update precision (small updates can be lost to rounding).
+half the bytes, at the cost of update precision (small updates can be lost to rounding; see
+``bf16_update``).
 
-``auto`` picks bf16 where the device supports it, fp16 otherwise, fp32 on a device with neither.
+Plan key ``precision``: ``fp32`` (:class:`FP32`), ``bf16`` / ``fp16`` (:class:`Autocast`),
+``bf16-pure`` (:class:`BF16Pure`), ``auto`` (:class:`AutoPrecision`: bf16 where the device
+supports it, fp16 otherwise, fp32 on a device with neither).
 """
 
 from __future__ import annotations
 
 import contextlib
-import warnings
 from dataclasses import dataclass
 
 import torch
+from torch.utils._pytree import tree_map
 
-from memfit.devices import Device
 from memfit.errors import UserError
+from memfit.quiet import silenced_warnings
+from memfit.techniques.base import Config, Export, Key, Roofline, SearchContext, Technique, choice, register
 
-
-@dataclass(frozen=True)
-class PrecisionConfig:
-    mode: str = "fp32"
-    """fp32 | bf16 | fp16 | bf16-pure | auto."""
-
-
-def resolve_mode(mode: str, device: Device) -> str:
-    """Turn ``auto`` into a concrete mode and check the device supports the one asked for."""
-    if mode == "auto":
-        return "bf16" if device.bf16 else "fp16" if device.fp16 else "fp32"
-    if mode in ("bf16", "bf16-pure") and not device.bf16:
-        raise UserError(f"precision {mode}: {device.name} has no bf16 support; use fp16 or auto")
-    if mode == "fp16" and not device.fp16:
-        raise UserError(f"precision fp16: {device.name} has no fp16 support; use fp32 or auto")
-    return mode
+MODES = ("fp32", "bf16", "fp16", "bf16-pure", "auto")
 
 
 class NoScaler:
@@ -63,72 +52,122 @@ class NoScaler:
         pass
 
 
-class FP32:
-    """Full precision: the do-nothing precision."""
+class Precision(Config):
+    """What the step asks of its precision: the model conversion, the autocast context, the loss
+    scaler and the batch's dtype."""
 
     name = "fp32"
 
-    def __init__(self, device_type: str):
-        self.device_type = device_type
+    def values(self) -> dict:
+        return {"precision": self.name}
 
-    def apply(self, model: torch.nn.Module) -> torch.nn.Module:
+    def resolve(self, device) -> Precision:
+        return self
+
+    def convert(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
 
-    def autocast(self) -> contextlib.AbstractContextManager:
+    def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
-    def grad_scaler(self):
+    def grad_scaler(self, device_type: str):
         return NoScaler()
 
     def prepare_batch(self, batch):
         """The batch as the model expects it (unchanged, except for bf16-pure)."""
         return batch
 
+    def apply(self, parts) -> None:
+        parts.precision = self.resolve(parts.device)
+        parts.model = parts.precision.convert(parts.model)
 
-class Autocast(FP32):
+    def label(self, batch_size):
+        return self.name
+
+    def ablations(self):
+        return [(f"precision {self.name}", FP32())] if self.name != "fp32" else []
+
+    def export(self, into: Export) -> None:
+        into.lightning["precision"] = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed",
+                                       "bf16-pure": "bf16-true"}[self.name]
+
+
+@dataclass(frozen=True)
+class FP32(Precision):
+    """Full precision: the do-nothing precision."""
+
+    rank = 0
+
+
+@dataclass(frozen=True)
+class Autocast(Precision):
     """fp32 weights, 16-bit compute under ``torch.autocast``."""
 
-    def __init__(self, device_type: str, dtype: torch.dtype):
-        super().__init__(device_type)
-        self.dtype = dtype
-        self.name = "bf16" if dtype == torch.bfloat16 else "fp16"
+    dtype: str = "bf16"
+    """bf16 or fp16 (fp16 with a GradScaler)."""
+    rank = 1
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            ctx = torch.autocast(self.device_type, dtype=self.dtype)
-        if self.device_type == "cuda" and not torch.cuda.is_available():
+    @property
+    def name(self) -> str:
+        return self.dtype
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.dtype == "bf16" else torch.float16
+
+    def resolve(self, device) -> Precision:
+        if not (device.bf16 if self.dtype == "bf16" else device.fp16):
+            alternative = "fp16 or auto" if self.dtype == "bf16" else "fp32 or auto"
+            raise UserError(f"precision {self.dtype}: {device.name} has no {self.dtype} support; use {alternative}")
+        return self
+
+    def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
+        with silenced_warnings():
+            ctx = torch.autocast(device_type, dtype=self.torch_dtype)
+        if device_type == "cuda" and not torch.cuda.is_available():
             # NOTE [ Fake CUDA autocast ]: predicting for a GPU preset traces on fake CUDA tensors
             # on a machine without a GPU; torch.autocast then disables itself. The CUDA autocast
             # op lists (which ops run in 16 bits) are what the prediction needs, so keep it on.
             ctx._enabled = True
         return ctx
 
-    def grad_scaler(self):
-        if self.dtype == torch.float16:
-            if self.device_type == "cuda" and not torch.cuda.is_available():
-                # GradScaler("cuda") disables itself without a GPU; see NOTE [ Fake CUDA autocast ].
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    scaler = torch.amp.GradScaler("cuda")
-                scaler._enabled = True
-                return scaler
-            return torch.amp.GradScaler(self.device_type)
-        return NoScaler()
+    def grad_scaler(self, device_type: str):
+        if self.dtype != "fp16":
+            return NoScaler()
+        if device_type == "cuda" and not torch.cuda.is_available():
+            # GradScaler("cuda") disables itself without a GPU; see NOTE [ Fake CUDA autocast ].
+            with silenced_warnings():
+                scaler = torch.amp.GradScaler("cuda")
+            scaler._enabled = True
+            return scaler
+        return torch.amp.GradScaler(device_type)
+
+    def time_factor(self, r: Roofline) -> float:
+        return _half_factor(r)
+
+    def export(self, into: Export) -> None:
+        super().export(into)
+        into.hf[self.dtype] = True
 
 
-class BF16Pure(FP32):
+@dataclass(frozen=True)
+class BF16Pure(Precision):
     """Weights, gradients and optimizer states in bf16 (no fp32 master copy)."""
 
     name = "bf16-pure"
+    rank = 2
+
+    def resolve(self, device) -> Precision:
+        if not device.bf16:
+            raise UserError(f"precision bf16-pure: {device.name} has no bf16 support; use fp16 or auto")
+        return self
 
     def prepare_batch(self, batch):
         """Floating-point inputs follow the weights into bf16 (integer ids and labels stay)."""
-        from torch.utils._pytree import tree_map
         return tree_map(lambda x: x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.is_floating_point()
                         else x, batch)
 
-    def apply(self, model: torch.nn.Module) -> torch.nn.Module:
+    def convert(self, model: torch.nn.Module) -> torch.nn.Module:
         # Replace parameters one by one (keeping tied weights tied) rather than model.to(): the
         # latter swaps tensors in place, which fails for tied parameters on fake tensors.
         converted: dict[int, torch.nn.Parameter] = {}
@@ -144,16 +183,47 @@ class BF16Pure(FP32):
                     module._buffers[name] = b.to(torch.bfloat16)
         return model
 
+    def time_factor(self, r: Roofline) -> float:
+        return _half_factor(r)
 
-def build_precision(mode: str, device: Device, device_type: str | None = None) -> FP32:
-    """The precision technique for ``mode`` on ``device`` (whose dtype support decides ``auto``);
-    ``device_type`` is where the tensors live (see memfit.step.tensor_device)."""
-    mode = resolve_mode(mode, device)
-    device_type = device_type or device.kind
-    if mode == "fp32":
-        return FP32(device_type)
-    if mode == "bf16":
-        return Autocast(device_type, torch.bfloat16)
-    if mode == "fp16":
-        return Autocast(device_type, torch.float16)
-    return BF16Pure(device_type)
+    def export(self, into: Export) -> None:
+        super().export(into)
+        into.hf["bf16"] = True
+        into.hf_unmapped.append("precision: bf16-pure -> load the model with torch_dtype=torch.bfloat16")
+
+
+@dataclass(frozen=True)
+class AutoPrecision(Precision):
+    """bf16 where the device supports it, else fp16, else fp32."""
+
+    name = "auto"
+    rank = None
+
+    def resolve(self, device) -> Precision:
+        return Autocast("bf16") if device.bf16 else Autocast("fp16") if device.fp16 else FP32()
+
+    def export(self, into: Export) -> None:
+        into.hf_unmapped.append("precision: auto (resolve it for the device first)")
+
+
+def _half_factor(r: Roofline) -> float:
+    """16-bit matmuls at the half-precision peak; the optimizer's update is unchanged."""
+    return (r.total_flops / r.half_flops_per_s + r.optimizer_seconds) / r.base_seconds
+
+
+def parse(values: dict) -> Precision:
+    mode = choice("precision", values["precision"], MODES)
+    return {"fp32": FP32(), "bf16": Autocast("bf16"), "fp16": Autocast("fp16"), "bf16-pure": BF16Pure(),
+            "auto": AutoPrecision()}[mode]
+
+
+def search(ctx: SearchContext) -> list[str]:
+    device = ctx.device
+    return ["fp32", "bf16" if device.bf16 else "fp16"] + (["bf16-pure"] if device.bf16 else [])
+
+
+TECHNIQUE = register(
+    Technique("precision", (Key("precision", "fp32", "fp32 | bf16 | fp16 | bf16-pure | auto (bf16 where supported, "
+                                "else fp16, else fp32).", metavar="PRECISION"),),
+              parse, order=10, search=search),
+    Precision, FP32, Autocast, BF16Pure, AutoPrecision)

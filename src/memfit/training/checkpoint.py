@@ -28,6 +28,23 @@ def rng_state() -> dict:
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
 
 
+def step_state(step) -> dict:
+    """What a step holds that training must keep: the state dicts of the model, the optimizer (8-bit
+    and per-parameter optimizers too), the grad scaler and the EMA. They reference the step's own
+    tensors (no copies)."""
+    return {"model": step.model.state_dict(), "optimizer": step.optimizer.state_dict(),
+            "scaler": step.scaler.state_dict(), "ema": step.ema.state_dict()}
+
+
+def load_step_state(step, state: dict) -> None:
+    """Load :func:`step_state`'s dicts into ``step`` (built for the same model; its plan may differ
+    in how it runs, e.g. after an OOM adaptation)."""
+    step.model.load_state_dict(state["model"])
+    step.optimizer.load_state_dict(state["optimizer"])
+    step.scaler.load_state_dict(state["scaler"])
+    step.ema.load_state_dict(state["ema"])
+
+
 def save(out_dir: Path, step, *, step_index: int, samples_seen: int, workload: str, requested_plan,
          rng: dict | None = None) -> Path:
     """Write the checkpoint atomically; ``rng``: the RNG states to save (default: the current ones)."""
@@ -35,9 +52,7 @@ def save(out_dir: Path, step, *, step_index: int, samples_seen: int, workload: s
         "format": FORMAT, "workload": workload, "step": step_index, "samples_seen": samples_seen,
         "plan": requested_plan.to_dict(), "adapted_plan": step.plan.to_dict(), "batch_size": step.batch_size,
         "shapes": {n: tuple(p.shape) for n, p in step.model.named_parameters()},
-        "model": step.model.state_dict(), "optimizer": step.optimizer.state_dict(),
-        "scaler": step.scaler.state_dict(), "ema": step.ema.state_dict() if step.ema else {},
-        "rng": rng or rng_state(),
+        **step_state(step), "rng": rng or rng_state(),
     }
     path = out_dir / NAME
     tmp = out_dir / f".{NAME}.tmp-{os.getpid()}"
@@ -83,11 +98,7 @@ def restore(step, state: dict) -> tuple[int, int]:
     if state["shapes"] != shapes:
         raise UserError(f"the checkpoint in --out is from another model ({state['workload']}); "
                         "use a fresh --out folder for this workload")
-    step.model.load_state_dict(state["model"])
-    step.optimizer.load_state_dict(state["optimizer"])
-    step.scaler.load_state_dict(state["scaler"])
-    if step.ema:
-        step.ema.load_state_dict(state["ema"])
+    load_step_state(step, state)
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
     if state["rng"].get("cuda") is not None and torch.cuda.is_available():

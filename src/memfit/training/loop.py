@@ -8,6 +8,7 @@ loop adds:
 - the budget, enforced: on a CPU by the :class:`~memfit.memory.guard.BudgetGuard`, which raises
   CUDA's out-of-memory error when live device memory would pass it; on a GPU by the caching
   allocator's per-process limit;
+- out-of-memory adaptation: a new plan, and the step rebuilt for it (memfit.training.adapt);
 - the steady-state peak measured the way ``profile`` measures it (:class:`PeakWindow`: profiler
   allocator events from before the model is built on a CPU, the CUDA allocator's peak on a GPU)
   over step 2, or the first later step that needed no adaptation, next to the plan's prediction;
@@ -24,7 +25,6 @@ import json
 import random
 import resource
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,17 +32,25 @@ import torch
 
 from memfit.devices import Device, get_device
 from memfit.errors import UserError
-from memfit.memory.faketrace import STEADY_STEP
+from memfit.memory.budget import Budget
+from memfit.memory.categories import STEADY_STEP
+from memfit.memory.estimate import estimate_target
+from memfit.memory.guard import BudgetGuard
 from memfit.memory.measure import PeakWindow
+from memfit.planner.search import plan as make_plan
 from memfit.plans import Plan
+from memfit.quiet import silenced_warnings
 from memfit.step import TrainStep, build_step, make_batch
+from memfit.target import Target
 from memfit.training import checkpoint
 from memfit.training.adapt import FitPredictor, OutOfAdaptations, run_adapting
 from memfit.training.data import ByteCorpus, text_batches
 from memfit.training.progress import Progress
+from memfit.training.rebuild import rebuild
 from memfit.training.report import final_report
 from memfit.units import fmt_bytes
-from memfit.workload import Workload, load_workload
+from memfit.workload import Workload
+from memfit.workloads import load_workload
 
 
 @dataclass
@@ -64,21 +72,33 @@ class TrainResult:
     report: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RunOptions:
+    """How a run goes (everything but what it trains)."""
+
+    steps: int
+    out_dir: Path
+    resume: bool
+    seed: int
+    workers: int | None
+    checkpoint_every: int
+    progress: bool
+    report: bool
+
+
 def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: str | int | None = None,
           steps: int = 20, out: str | Path = "memfit-out", data: str | None = None, resume: bool = False,
           overwrite: bool = False, seed: int = 0, batch_size: int | None = None, seq_len: int | None = None,
           device: str = "auto", workers: int | None = None, checkpoint_every: int = 10, progress: bool = True,
-          report: bool = True, inject_oom: set[int] | None = None) -> TrainResult:
+          report: bool = True) -> TrainResult:
     """Train ``workload`` for ``steps`` optimizer steps under ``plan`` (or the planner's plan for
     ``budget``), writing metrics.jsonl, checkpoints and (``report``) report.json with a memory
     timeline to ``out``. With both a plan and a budget, the plan is kept and the budget enforced.
 
     ``device``: auto (cuda when available), cpu or cuda. ``workers``: DataLoader worker processes
-    for text data (default: 2 on a GPU, 0 on a CPU). ``inject_oom``: steps whose first attempt
-    raises ``torch.OutOfMemoryError`` in forward (tests).
+    for text data (default: 2 on a GPU, 0 on a CPU).
     """
     wl = load_workload(workload, seq_len=seq_len)
-    bs = batch_size or wl.default_batch_size
     dev = _training_device(device)
     if steps < 1:
         raise UserError(f"--steps must be >= 1, got {steps}")
@@ -86,122 +106,169 @@ def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: s
     if checkpoint.exists(out_dir) and not resume and not overwrite:
         raise UserError(f"--out {str(out_dir)!r} already holds a run's checkpoint; add --resume to continue it, "
                         "--overwrite to start over, or choose another --out folder")
-    if wl.info.get("text_lm") and wl.info.get("vocab_size", 256) < 256:  # the corpus's token ids are bytes
-        raise UserError(f"{wl.name}: vocab_size={wl.info['vocab_size']} is below 256, and training text is "
-                        f"tokenized as bytes (ids 0-255); override {wl.name}:vocab_size=256 or more")
-    corpus = ByteCorpus(data) if wl.info.get("text_lm") else None
-    if data is not None and corpus is None:
-        raise UserError(f"--data applies to the built-in language models (gpt2, llama); {wl.name} makes its own "
-                        "batches")
-    plan, budget_bytes = _choose_plan(wl, plan, budget, bs, dev)
-    requested = plan
-    state = None
-    if resume:
-        state = checkpoint.read(out_dir)
-        checkpoint.check(state, workload=wl.name, requested_plan=requested, batch_size=bs)
-        plan = Plan.from_dict(state["adapted_plan"])
-    checkpoint.remove_stale_temporaries(out_dir)
-    predicted = _predicted_peak(wl, plan, bs, dev)
-    torch.manual_seed(seed)
-    random.seed(seed)
+    corpus = _corpus(wl, data)
+    target = Target.resolve(wl, None, batch_size, dev)
+    target, budget_obj = _choose_plan(target, plan, budget)
+    options = RunOptions(steps=steps, out_dir=out_dir, resume=resume, seed=seed, workers=workers,
+                         checkpoint_every=checkpoint_every, progress=progress, report=report)
+    return _Run(target, budget_obj, corpus, options).go()
 
-    result = TrainResult(steps=steps, out_dir=str(out_dir), predicted_peak_bytes=predicted, plan=requested.to_dict(),
-                         budget_bytes=budget_bytes)
-    guard = _guard(budget_bytes, dev)
-    measured_plan = plan
-    window = PeakWindow(dev) if not resume else None
-    fits = None
-    if (guard is not None or dev.kind == "cuda") and not inject_oom:
-        # OOM remedies are traced on fake tensors; not while the measurement window's profiler runs
-        fits = FitPredictor(wl, bs, dev, guard, budget_bytes, blocked=lambda: window is not None and window.prof is not None)
-        if budget_bytes and predicted > budget_bytes:
-            fits.precompute(plan)  # OOMs are expected: trace their remedy before the window opens
-    try:
-        with contextlib.ExitStack() as stack:
-            if window is not None:
-                stack.enter_context(window)
-            if guard is not None:
-                stack.enter_context(guard)
-                guard.armed = False  # the budget applies to steps; building is checked once, below
-            step = build_step(wl, plan, bs, dev)
-            if guard is not None:
-                step.observer = guard  # (restored host copies, e.g. the EMA shadow, are reported to it)
-            start, samples_seen = checkpoint.restore(step, state) if resume else (0, 0)
-            del state  # tensors the checkpoint held that the step did not take are freed here
-            if guard is not None:
-                _arm(guard, step)
-            if inject_oom:
-                step.loss_fn = _oom_injector(step.loss_fn, inject_oom)
-            if resume:
-                _drop_records_after(out_dir / "metrics.jsonl", start)
-            metrics = stack.enter_context(open(out_dir / "metrics.jsonl", "a" if resume else "w"))
-            bar = stack.enter_context(Progress(steps, start=start, budget_bytes=budget_bytes, enabled=progress))
-            if budget_bytes and predicted > budget_bytes and guard is not None:
-                bar.note(f"note: the plan's predicted peak {fmt_bytes(predicted)} is over the budget "
-                         f"{fmt_bytes(budget_bytes)}; expect adaptations")
-            last_saved = start
-            batches = _batches(wl, corpus, bs, dev, first_sample=samples_seen, count=steps - start, workers=workers)
-            for i in range(start, steps):
-                index = i + 1
-                batch = next(batches)
-                if guard is not None:
-                    guard.watch(batch)  # (made in a worker process, the guard did not see it)
-                    guard.reset_peak()
-                if inject_oom:
-                    step.loss_fn.current_step = index
-                # the steady state: step 2, or the first later step that needed no adaptation
-                measuring = window is not None and index >= STEADY_STEP
-                adaptations_before = len(result.adaptations)
 
-                def adapted(event, index=index, bar=bar):
-                    if guard is not None:
-                        guard.reset_peak()  # the failed attempt's memory is freed; count the retry
-                    event = {"step": index, **event}
-                    result.adaptations.append(event)
-                    bar.note(f"step {index}: out of memory in {event['phase']} ({event['cause']}); "
-                             f"retrying the same batch with {event['adaptation']}")
+class _Run:
+    """One training run: the loop, its enforcement and its measurement."""
 
-                t0 = time.perf_counter()
-                rng_at_start = checkpoint.rng_state()
-                try:
-                    with window.step(index) if measuring else contextlib.nullcontext():
-                        loss = run_adapting(step, batch, adapted, fits)
-                except KeyboardInterrupt:
-                    _save_on_interrupt(out_dir, step, i, last_saved, samples_seen, rng_at_start, wl.name, requested,
-                                       bar)
-                    raise
-                seconds = time.perf_counter() - t0
-                samples_seen += bs
-                measuring = measuring and len(result.adaptations) == adaptations_before
-                if measuring:
-                    result.measured_peak_bytes = window.finish(index)
-                    window = None
-                    measured_plan = step.plan
-                result.losses.append(loss)
-                if guard is not None:
-                    result.guard_peak_bytes = max(result.guard_peak_bytes or 0, guard.peak_bytes)
-                peak, kind = _step_peak(result.measured_peak_bytes if measuring else None, guard, dev)
-                seq = wl.info.get("seq_len")
-                rate, unit = (bs * seq / seconds, "tokens") if corpus is not None else (bs / seconds, "samples")
-                record = {"step": index, "loss": loss, "seconds": seconds, "time": time.time(),
-                          f"{unit}_per_second": rate, "peak_bytes": peak, "peak_kind": kind}
-                if len(result.adaptations) > adaptations_before:  # this step's, with their causes
-                    record["adaptations"] = result.adaptations[adaptations_before:]
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
-                bar.update(index, loss=loss, rate=rate, unit=unit, peak_bytes=peak)
-                if (checkpoint_every and index % checkpoint_every == 0) or index == steps:
-                    checkpoint.save(out_dir, step, step_index=index, samples_seen=samples_seen, workload=wl.name,
-                                    requested_plan=requested)
-                    last_saved = index
-    except OutOfAdaptations as e:
-        raise _out_of_adaptations(e, wl, bs, dev, budget_bytes) from None
-    if measured_plan != plan:  # adapted before the measured step: compare with its own prediction
-        result.predicted_peak_bytes = _predicted_peak(wl, measured_plan, bs, dev)
-    result.adapted_plan = step.plan.to_dict()
-    if report:
-        result.report = final_report(wl, step, bs, dev, out_dir, result)
-    return result
+    def __init__(self, target: Target, budget: Budget | None, corpus, options: RunOptions):
+        self.requested = target.plan
+        self.state = None
+        if options.resume:
+            self.state = checkpoint.read(options.out_dir)
+            checkpoint.check(self.state, workload=target.workload.name, requested_plan=self.requested,
+                             batch_size=target.batch_size)
+            target = target.with_plan(Plan.from_dict(self.state["adapted_plan"]))
+        self.target, self.budget, self.corpus, self.options = target, budget, corpus, options
+        checkpoint.remove_stale_temporaries(options.out_dir)
+        self.result = TrainResult(steps=options.steps, out_dir=str(options.out_dir),
+                                  predicted_peak_bytes=_predicted_peak(target), plan=self.requested.to_dict(),
+                                  budget_bytes=budget.bytes if budget else None)
+        torch.manual_seed(options.seed)
+        random.seed(options.seed)
+        self.step: TrainStep | None = None
+        """The step running now (a new one after each adaptation)."""
+        self.guard = _guard(budget)
+        self.window = PeakWindow(target.device) if not options.resume else None
+        self.fits = None
+        if budget is not None or target.device.is_gpu:
+            # OOM remedies are traced on fake tensors; not while the measurement window's profiler runs
+            self.fits = FitPredictor(target, budget or Budget.of_device(target.device),
+                                     paused=self.guard.paused if self.guard is not None else None,
+                                     blocked=lambda: self.window is not None and self.window.prof is not None)
+            if self._expects_oom:
+                self.fits.precompute(target.plan)  # OOMs are expected: trace their remedy before the window opens
+
+    @property
+    def _expects_oom(self) -> bool:
+        return self.budget is not None and self.result.predicted_peak_bytes > self.budget.bytes
+
+    def go(self) -> TrainResult:
+        result, options = self.result, self.options
+        measured_plan = self.target.plan
+        try:
+            with contextlib.ExitStack() as stack:
+                if self.window is not None:
+                    stack.enter_context(self.window)
+                if self.guard is not None:
+                    stack.enter_context(self.guard)
+                    self.guard.armed = False  # the budget applies to steps; building is checked once, below
+                self.step = build_step(self.target, observer=self.guard)
+                start, samples_seen = checkpoint.restore(self.step, self.state) if options.resume else (0, 0)
+                self.state = None  # tensors the checkpoint held that the step did not take are freed here
+                if self.guard is not None:
+                    _arm(self.guard, self.step)
+                if options.resume:
+                    _drop_records_after(options.out_dir / "metrics.jsonl", start)
+                metrics = stack.enter_context(open(options.out_dir / "metrics.jsonl", "a" if options.resume else "w"))
+                bar = stack.enter_context(Progress(options.steps, start=start, budget_bytes=result.budget_bytes,
+                                                   enabled=options.progress))
+                if self._expects_oom and self.guard is not None:
+                    bar.note(f"note: the plan's predicted peak {fmt_bytes(result.predicted_peak_bytes)} is over the "
+                             f"budget {fmt_bytes(self.budget.bytes)}; expect adaptations")
+                last_saved = start
+                batches = self._batches(first_sample=samples_seen, count=options.steps - start)
+                for i in range(start, options.steps):
+                    index = i + 1
+                    batch = next(batches)
+                    rng_at_start = checkpoint.rng_state()
+                    try:
+                        loss, seconds, measured = self._step(batch, index, bar)
+                    except KeyboardInterrupt:
+                        _save_on_interrupt(options.out_dir, self.step, i, last_saved, samples_seen, rng_at_start,
+                                           self.target.workload.name, self.requested, bar)
+                        raise
+                    samples_seen += self.target.batch_size
+                    if measured:
+                        measured_plan = self.step.plan
+                    self._record(metrics, bar, index, loss, seconds, measured)
+                    if (options.checkpoint_every and index % options.checkpoint_every == 0) or index == options.steps:
+                        checkpoint.save(options.out_dir, self.step, step_index=index, samples_seen=samples_seen,
+                                        workload=self.target.workload.name, requested_plan=self.requested)
+                        last_saved = index
+        except OutOfAdaptations as e:
+            raise _out_of_adaptations(e, self.target, self.budget) from None
+        if measured_plan != self.target.plan:  # adapted before the measured step: compare with its own prediction
+            result.predicted_peak_bytes = _predicted_peak(self.target.with_plan(measured_plan))
+        result.adapted_plan = self.step.plan.to_dict()
+        if options.report:
+            result.report = final_report(self.step, options.out_dir, result)
+        return result
+
+    def _step(self, batch, index: int, bar: Progress) -> tuple[float, float, bool]:
+        """Run step ``index``, adapting on out-of-memory errors (``self.step`` is then the adapted
+        step): (loss, seconds, whether its peak was measured)."""
+        guard, result = self.guard, self.result
+        if guard is not None:
+            guard.watch(batch)  # (made in a worker process, the guard did not see it)
+            guard.reset_peak()
+        # the steady state: step 2, or the first later step that needed no adaptation
+        measuring = self.window is not None and index >= STEADY_STEP
+        adaptations_before = len(result.adaptations)
+
+        def adapted(event):
+            if guard is not None:
+                guard.reset_peak()  # the failed attempt's memory is freed; count the retry
+            event = {"step": index, **event}
+            result.adaptations.append(event)
+            bar.note(f"step {index}: out of memory in {event['phase']} ({event['cause']}); "
+                     f"retrying the same batch with {event['adaptation']}")
+
+        t0 = time.perf_counter()
+        with self.window.step(index) if measuring else contextlib.nullcontext():
+            loss, self.step = run_adapting(self.step, batch, adapted, self.fits, rebuild_step=self._rebuild)
+        seconds = time.perf_counter() - t0
+        measuring = measuring and len(result.adaptations) == adaptations_before
+        if measuring:
+            result.measured_peak_bytes = self.window.finish(index)
+            self.window = None
+        result.losses.append(loss)
+        if guard is not None:
+            result.guard_peak_bytes = max(result.guard_peak_bytes or 0, guard.peak_bytes)
+        return loss, seconds, measuring
+
+    def _rebuild(self, step: TrainStep, plan: Plan) -> TrainStep:
+        """The step for an adapted plan; under a guard, building is not a step (not enforced)."""
+        if self.guard is not None:
+            self.guard.armed = False
+        try:
+            self.step = rebuild(step, plan, observer=self.guard)
+        finally:
+            if self.guard is not None:
+                self.guard.armed = True
+        return self.step
+
+    def _record(self, metrics, bar: Progress, index: int, loss: float, seconds: float, measured: bool) -> None:
+        result, info, bs = self.result, self.target.workload.info, self.target.batch_size
+        peak, kind = _step_peak(result.measured_peak_bytes if measured else None, self.guard, self.target.device)
+        rate, unit = (bs * info.seq_len / seconds, "tokens") if self.corpus is not None else (bs / seconds, "samples")
+        record = {"step": index, "loss": loss, "seconds": seconds, "time": time.time(),
+                  f"{unit}_per_second": rate, "peak_bytes": peak, "peak_kind": kind}
+        mine = [a for a in result.adaptations if a["step"] == index]
+        if mine:  # this step's, with their causes
+            record["adaptations"] = mine
+        metrics.write(json.dumps(record) + "\n")
+        metrics.flush()
+        bar.update(index, loss=loss, rate=rate, unit=unit, peak_bytes=peak)
+
+    def _batches(self, *, first_sample: int, count: int):
+        target, workers = self.target, self.options.workers
+        if self.corpus is None:
+            while True:
+                yield make_batch(target)
+        on_gpu = target.device.is_gpu
+        workers = (2 if on_gpu else 0) if workers is None else workers
+        for batch in text_batches(self.corpus, target.workload.info.seq_len - 1, target.batch_size,
+                                  first_sample=first_sample, num_batches=count, workers=workers, pin_memory=on_gpu):
+            if on_gpu:
+                batch = {k: v.to("cuda", non_blocking=True) for k, v in batch.items()}
+            yield batch
 
 
 # -- pieces of the loop -------------------------------------------------------------------------
@@ -215,30 +282,38 @@ def _training_device(name: str) -> Device:
     return get_device(name)
 
 
-def _choose_plan(wl: Workload, plan, budget, bs: int, dev: Device) -> tuple[Plan, int | None]:
-    from memfit.planner.search import resolve_budget
+def _corpus(wl: Workload, data: str | None):
+    """The text a language model trains on (``--data``, or Python's own sources); None for others."""
+    info = wl.info
+    if info.text_lm and (info.vocab_size or 256) < 256:  # the corpus's token ids are bytes
+        raise UserError(f"{wl.name}: vocab_size={info.vocab_size} is below 256, and training text is "
+                        f"tokenized as bytes (ids 0-255); override {wl.name}:vocab_size=256 or more")
+    if data is not None and not info.text_lm:
+        raise UserError(f"--data applies to the built-in language models (gpt2, llama); {wl.name} makes its own "
+                        "batches")
+    return ByteCorpus(data) if info.text_lm else None
+
+
+def _choose_plan(target: Target, plan: Plan | str | None, budget: str | int | None) -> tuple[Target, Budget | None]:
     if isinstance(plan, str):
         plan = Plan.load(plan)
-    budget_bytes = resolve_budget(budget, dev) if budget is not None else None
+    budget_obj = Budget.resolve(budget, target.device) if budget is not None else None
     if plan is None and budget is not None:
-        from memfit.planner.search import plan as make_plan
-        found = make_plan(wl, budget=budget, batch_size=bs, device=dev)
+        found = make_plan(target.workload, budget=budget, batch_size=target.batch_size, device=target.device)
         if found.chosen is None:
             smallest = found.smallest
             hint = (f"; the smallest footprint found is {fmt_bytes(smallest.used_bytes)} with "
                     f"{smallest.plan.describe()}: give a budget of at least that, or a smaller --batch-size"
                     if smallest is not None else "; give a larger budget or a smaller --batch-size")
-            raise UserError(f"no plan fits the budget of {fmt_bytes(budget_bytes)}{hint}")
+            raise UserError(f"no plan fits the budget of {fmt_bytes(budget_obj.bytes)}{hint}")
         plan = found.chosen.plan
-    return plan or Plan(), budget_bytes
+    return target.with_plan(plan or Plan()), budget_obj
 
 
-def _predicted_peak(wl: Workload, plan: Plan, bs: int, dev: Device) -> int:
+def _predicted_peak(target: Target) -> int:
     """What the run's measurement sees: on a CPU the whole process heap, on a GPU allocated bytes."""
-    from memfit.memory.estimate import estimate
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return estimate(wl, plan, batch_size=bs, device=dev).measurable_peak_bytes
+    with silenced_warnings():
+        return estimate_target(target).measurable_peak_bytes
 
 
 def _drop_records_after(path: Path, step: int) -> None:
@@ -264,7 +339,7 @@ def _save_on_interrupt(out_dir: Path, step: TrainStep, done: int, last_saved: in
     update, no EMA or scaler update), save the checkpoint of the last completed step, with the RNG
     as it was when the interrupted step began, so ``--resume`` continues exactly."""
     untouched = step.phase in ("idle", "zero_grad", "forward") or (
-        step.phase == "backward" and not step.plan.optimizer_in_backward)
+        step.phase == "backward" and not step.updates_in_backward)
     if done <= last_saved:
         bar.note(f"interrupted in step {done + 1}; the checkpoint of step {last_saved} is current: --resume continues")
     elif untouched:
@@ -277,28 +352,25 @@ def _save_on_interrupt(out_dir: Path, step: TrainStep, done: int, last_saved: in
                  "--resume continues from it")
 
 
-def _out_of_adaptations(e: OutOfAdaptations, wl: Workload, bs: int, dev: Device, budget: int | None) -> UserError:
+def _out_of_adaptations(e: OutOfAdaptations, target: Target, budget: Budget | None) -> UserError:
     """The run cannot go on: say what the most frugal plan it reached needs, and what to do."""
-    from memfit.memory.estimate import estimate
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        need = estimate(wl, e.plan, batch_size=bs, device=dev).peak_bytes
-    limit = f"the budget of {fmt_bytes(budget)}" if budget else f"the {dev.name}'s memory"
+    with silenced_warnings():
+        need = estimate_target(target.with_plan(e.plan)).peak_bytes
+    limit = f"the budget of {fmt_bytes(budget.bytes)}" if budget else f"the {target.device.name}'s memory"
     return UserError(f"out of memory with every adaptation applied ({e.plan.describe()}): the step needs "
                      f"{fmt_bytes(need)} (predicted) and {limit} is smaller; give at least that, a smaller "
                      "--batch-size, or let the planner search every technique (memfit plan WORKLOAD --budget ...)")
 
 
-def _guard(budget_bytes: int | None, dev: Device):
+def _guard(budget: Budget | None) -> BudgetGuard | None:
     """Enforce the budget: on a CPU with the BudgetGuard, on a GPU with the caching allocator's own
     per-process limit (it raises torch.OutOfMemoryError past it)."""
-    if budget_bytes is None:
+    if budget is None:
         return None
-    if dev.kind == "cuda":
-        limit_cuda_allocator(budget_bytes)
+    if budget.device.is_gpu:
+        limit_cuda_allocator(budget.bytes)
         return None
-    from memfit.memory.guard import BudgetGuard
-    return BudgetGuard(budget_bytes)
+    return BudgetGuard(budget.bytes)
 
 
 def limit_cuda_allocator(budget_bytes: int) -> float:
@@ -309,7 +381,7 @@ def limit_cuda_allocator(budget_bytes: int) -> float:
     return fraction
 
 
-def _arm(guard, step: TrainStep) -> None:
+def _arm(guard: BudgetGuard, step: TrainStep) -> None:
     """Count what the step holds (also what a checkpoint restored), refuse a budget it already
     exceeds, and start enforcing."""
     guard.watch([list(step.model.parameters()), list(step.model.buffers()), step.optimizer.state_dict()])
@@ -321,20 +393,7 @@ def _arm(guard, step: TrainStep) -> None:
     guard.armed = True
 
 
-def _batches(wl: Workload, corpus, bs: int, dev: Device, *, first_sample: int, count: int, workers: int | None):
-    if corpus is None:
-        while True:
-            yield make_batch(wl, bs, dev)
-    on_gpu = dev.kind == "cuda"
-    workers = (2 if on_gpu else 0) if workers is None else workers
-    for batch in text_batches(corpus, wl.info["seq_len"] - 1, bs, first_sample=first_sample, num_batches=count,
-                              workers=workers, pin_memory=on_gpu):
-        if on_gpu:
-            batch = {k: v.to("cuda", non_blocking=True) for k, v in batch.items()}
-        yield batch
-
-
-def _step_peak(measured: int | None, guard, dev: Device) -> tuple[int, str]:
+def _step_peak(measured: int | None, guard: BudgetGuard | None, dev: Device) -> tuple[int, str]:
     if measured is not None:
         return measured, "allocator (profiler)" if dev.kind == "cpu" else "allocator (cuda)"
     if guard is not None:
@@ -354,17 +413,3 @@ def _out_dir(out: str | Path) -> Path:
     except OSError as e:
         raise UserError(f"cannot write to --out {str(path)!r} ({e.strerror}); choose a writable folder") from None
     return path
-
-
-def _oom_injector(loss_fn, steps: set[int]):
-    """Raise OutOfMemoryError in the forward of the first attempt of the given steps (for tests)."""
-    fired: set[int] = set()
-
-    def wrapped(model, batch):
-        step_no = wrapped.current_step
-        if step_no in steps and step_no not in fired:
-            fired.add(step_no)
-            raise torch.OutOfMemoryError(f"injected out-of-memory error at step {step_no}")
-        return loss_fn(model, batch)
-    wrapped.current_step = 0
-    return wrapped

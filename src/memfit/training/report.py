@@ -10,11 +10,13 @@ savings are as exact as the prediction (within 1% on CPU).
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 from memfit.errors import UserError
+from memfit.memory.estimate import estimate_target
 from memfit.plans import Plan
+from memfit.quiet import silenced_warnings
+from memfit.target import Target
 from memfit.units import fmt_bytes
 
 TIMELINE_PNG = "memory-timeline.png"
@@ -22,39 +24,18 @@ REPORT_JSON = "report.json"
 
 
 def without_each_technique(plan: Plan) -> list[tuple[str, Plan]]:
-    """(technique, the plan without it) for each memory technique ``plan`` uses."""
-    default = Plan()
-    out = []
-    if plan.precision != default.precision:
-        out.append((f"precision {plan.precision}", plan.replace(precision="fp32", bf16_update=default.bf16_update)))
-    if plan.micro_batch_size is not None or plan.grad_accum_steps > 1:
-        out.append(("micro-batches", plan.replace(micro_batch_size=None, grad_accum_steps=1)))
-    if plan.checkpointing != default.checkpointing:
-        out.append((f"checkpointing {plan.checkpointing}", plan.replace(checkpointing="none")))
-    if plan.optimizer != default.optimizer:
-        out.append((f"optimizer {plan.optimizer}", plan.replace(optimizer=default.optimizer)))
-    if plan.optimizer_in_backward:
-        out.append(("optimizer in backward", plan.replace(optimizer_in_backward=False)))
-    for item in plan.offload:
-        out.append((f"offload {item}", plan.replace(offload=[x for x in plan.offload if x != item])))
-    if plan.loss_chunks != default.loss_chunks:
-        out.append((f"chunked loss ({plan.loss_chunks})", plan.replace(loss_chunks=default.loss_chunks)))
-    if plan.attention != default.attention:
-        out.append((f"attention {plan.attention}", plan.replace(attention=default.attention)))
-    if plan.ema is not None and plan.ema.device != "device":
-        out.append((f"EMA on {plan.ema.device}", plan.replace(ema={**plan.to_dict()["ema"], "device": "device"})))
-    return out
+    """(technique, the plan without it) for each memory technique ``plan`` uses (each technique
+    names its own ablations: ``Config.ablations``)."""
+    return [(name, plan.without(config)) for technique in plan.techniques for name, config in technique.ablations()]
 
 
-def technique_savings(workload, plan: Plan, batch_size: int, device, base_peak: int) -> list[dict]:
-    """For each technique of ``plan``: the predicted device peak without it and the bytes it saves."""
-    from memfit.memory.estimate import estimate
+def technique_savings(target: Target, base_peak: int) -> list[dict]:
+    """For each technique of the target's plan: the predicted device peak without it and the bytes it saves."""
     rows = []
-    for name, without in without_each_technique(plan):
+    for name, without in without_each_technique(target.plan):
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                peak = estimate(workload, without, batch_size=batch_size, device=device).peak_bytes
+            with silenced_warnings():
+                peak = estimate_target(target.with_plan(without)).peak_bytes
         except UserError as e:  # e.g. accumulation needs micro-batches, the 8-bit package is missing
             rows.append({"technique": name, "peak_without_bytes": None, "saved_bytes": None, "note": str(e)})
             continue
@@ -98,25 +79,24 @@ def render(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def final_report(wl, step, bs: int, dev, out_dir: Path, result) -> dict:
+def final_report(step, out_dir: Path, result) -> dict:
     """Write report.json (and the timeline PNG when matplotlib is installed); returns the summary."""
-    from memfit.memory.estimate import estimate
+    target = step.target
     timeline = out_dir / TIMELINE_PNG
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with silenced_warnings():
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             timeline = None
-        base = estimate(wl, step.plan, batch_size=bs, device=dev, timeline=str(timeline) if timeline else None)
+        base = estimate_target(target, timeline=str(timeline) if timeline else None)
     summary = {
-        "workload": wl.name, "device": dev.name, "batch_size": bs, "steps": result.steps,
-        "final_loss": result.losses[-1] if result.losses else None,
+        "workload": target.workload.name, "device": target.device.name, "batch_size": target.batch_size,
+        "steps": result.steps, "final_loss": result.losses[-1] if result.losses else None,
         "plan": result.plan, "adapted_plan": result.adapted_plan, "adaptations": result.adaptations,
         "predicted_peak_bytes": result.predicted_peak_bytes, "measured_peak_bytes": result.measured_peak_bytes,
         "budget_bytes": result.budget_bytes, "guard_peak_bytes": result.guard_peak_bytes,
         "plan_device_peak_bytes": base.peak_bytes,
-        "technique_savings": technique_savings(wl, step.plan, bs, dev, base.peak_bytes),
+        "technique_savings": technique_savings(target, base.peak_bytes),
         "timeline_png": str(timeline) if timeline else None,
     }
     write_report(out_dir, summary)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from memfit.errors import UserError, brief
-from memfit.workload import Workload
+from memfit.workload import Workload, WorkloadInfo
 from memfit.workloads.checks import check_value, simple_types
 
 
@@ -80,8 +80,8 @@ def gpt2(overrides: dict, seq_len: int | None) -> Workload:
     tf = _transformers()
     return Workload(model=lambda: tf.GPT2LMHeadModel(config), batch=_lm_batch(config.vocab_size, seq),
                     loss=_hf_loss, name="gpt2", default_batch_size=8,
-                    info={"arch": "gpt2", "text_lm": True, "seq_len": seq, "vocab_size": config.vocab_size,
-                          "n_layer": config.n_layer, "n_embd": config.n_embd})
+                    info=WorkloadInfo(arch="gpt2", text_lm=True, seq_len=seq, vocab_size=config.vocab_size,
+                                      config={"n_layer": config.n_layer, "n_embd": config.n_embd}))
 
 
 def llama(overrides: dict, seq_len: int | None) -> Workload:
@@ -91,8 +91,8 @@ def llama(overrides: dict, seq_len: int | None) -> Workload:
     tf = _transformers()
     return Workload(model=lambda: tf.LlamaForCausalLM(config), batch=_lm_batch(config.vocab_size, seq),
                     loss=_hf_loss, name="llama", default_batch_size=1,
-                    info={"arch": "llama", "text_lm": True, "seq_len": seq, "vocab_size": config.vocab_size,
-                          "layers": config.num_hidden_layers, "hidden": config.hidden_size})
+                    info=WorkloadInfo(arch="llama", text_lm=True, seq_len=seq, vocab_size=config.vocab_size,
+                                      config={"layers": config.num_hidden_layers, "hidden": config.hidden_size}))
 
 
 def bert(overrides: dict, seq_len: int | None) -> Workload:
@@ -102,7 +102,7 @@ def bert(overrides: dict, seq_len: int | None) -> Workload:
     tf = _transformers()
     return Workload(model=lambda: tf.BertForMaskedLM(config), batch=_lm_batch(config.vocab_size, seq),
                     loss=_hf_loss, name="bert", default_batch_size=8,
-                    info={"arch": "bert", "seq_len": seq, "layers": config.num_hidden_layers})
+                    info=WorkloadInfo(arch="bert", seq_len=seq, config={"layers": config.num_hidden_layers}))
 
 
 def t5(overrides: dict, seq_len: int | None) -> Workload:
@@ -112,7 +112,8 @@ def t5(overrides: dict, seq_len: int | None) -> Workload:
     tf = _transformers()
     return Workload(model=lambda: tf.T5ForConditionalGeneration(config), batch=_lm_batch(config.vocab_size, seq),
                     loss=_hf_loss, name="t5", default_batch_size=8,
-                    info={"arch": "t5", "seq_len": seq, "layers": config.num_layers, "d_model": config.d_model})
+                    info=WorkloadInfo(arch="t5", seq_len=seq,
+                                      config={"layers": config.num_layers, "d_model": config.d_model}))
 
 
 def vit(overrides: dict, seq_len: int | None) -> Workload:
@@ -126,7 +127,8 @@ def vit(overrides: dict, seq_len: int | None) -> Workload:
                 "labels": torch.randint(0, config.num_labels, (batch_size,))}
     return Workload(model=lambda: tf.ViTForImageClassification(config), batch=batch, loss=_hf_loss,
                     name="vit", default_batch_size=8,
-                    info={"arch": "vit", "image_size": config.image_size, "layers": config.num_hidden_layers})
+                    info=WorkloadInfo(arch="vit", config={"image_size": config.image_size,
+                                                          "layers": config.num_hidden_layers}))
 
 
 BUILDERS = {

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit.errors import UserError
-from memfit.workload import Workload
+from memfit.workload import Workload, WorkloadInfo
 from memfit.workloads.checks import check_value
 
 
@@ -73,13 +73,12 @@ class ConvNet(nn.Module):
         return self.head(F.adaptive_avg_pool2d(self.features(x), 1).flatten(1))
 
 
-def cnn(overrides: dict, seq_len: int | None) -> Workload:
-    _no_seq("cnn", seq_len)
-    c = _apply_overrides(CNNConfig(), overrides, "cnn")
-    return Workload(model=lambda: ConvNet(c),
-                    batch=lambda b: (torch.randn(b, 3, c.image_size, c.image_size), torch.randint(0, c.classes, (b,))),
-                    loss=lambda m, batch: F.cross_entropy(m(batch[0]), batch[1]),
-                    name="cnn", default_batch_size=16, info=dataclasses.asdict(c))
+def _cnn_batch(c: CNNConfig, b: int):
+    return torch.randn(b, 3, c.image_size, c.image_size), torch.randint(0, c.classes, (b,))
+
+
+def _cnn_loss(m, batch):
+    return F.cross_entropy(m(batch[0]), batch[1])
 
 
 # -- LSTM language model ----------------------------------------------------------------------
@@ -104,13 +103,12 @@ class LSTMLM(nn.Module):
         return self.out(h)
 
 
-def lstm(overrides: dict, seq_len: int | None) -> Workload:
-    c = _apply_overrides(LSTMConfig(), overrides, "lstm")
-    if seq_len:
-        c = dataclasses.replace(c, seq_len=seq_len)
-    return Workload(model=lambda: LSTMLM(c), batch=lambda b: torch.randint(0, c.vocab, (b, c.seq_len + 1)),
-                    loss=lambda m, ids: _ce(m(ids[:, :-1]), ids[:, 1:]),
-                    name="lstm", default_batch_size=8, info=dataclasses.asdict(c))
+def _token_batch(c, b: int):
+    return torch.randint(0, c.vocab, (b, c.seq_len + 1))
+
+
+def _next_token_loss(m, ids):
+    return _ce(m(ids[:, :-1]), ids[:, 1:])
 
 
 # -- nn.Transformer with padding and causal masks ---------------------------------------------
@@ -141,22 +139,16 @@ class Seq2Seq(nn.Module):
         return self.out(h)
 
 
-def transformer(overrides: dict, seq_len: int | None) -> Workload:
-    c = _apply_overrides(TransformerConfig(), overrides, "transformer")
-    if seq_len:
-        c = dataclasses.replace(c, seq_len=seq_len)
+def _seq2seq_batch(c: TransformerConfig, b: int):
+    src = torch.randint(0, c.vocab, (b, c.seq_len))
+    pad = torch.zeros(b, c.seq_len, dtype=torch.bool)
+    pad[:, -(c.seq_len // 4):] = True  # the last quarter of every source is padding
+    return src, torch.randint(0, c.vocab, (b, c.seq_len + 1)), pad
 
-    def batch(b):
-        src = torch.randint(0, c.vocab, (b, c.seq_len))
-        pad = torch.zeros(b, c.seq_len, dtype=torch.bool)
-        pad[:, -(c.seq_len // 4):] = True  # the last quarter of every source is padding
-        return src, torch.randint(0, c.vocab, (b, c.seq_len + 1)), pad
 
-    def loss(m, batch):
-        src, tgt, pad = batch
-        return _ce(m(src, tgt[:, :-1], pad), tgt[:, 1:])
-    return Workload(model=lambda: Seq2Seq(c), batch=batch, loss=loss, name="transformer",
-                    default_batch_size=8, info=dataclasses.asdict(c))
+def _seq2seq_loss(m, batch):
+    src, tgt, pad = batch
+    return _ce(m(src, tgt[:, :-1], pad), tgt[:, 1:])
 
 
 # -- nn.MultiheadAttention blocks -------------------------------------------------------------
@@ -196,15 +188,6 @@ class MHAModel(nn.Module):
         for b in self.blocks:
             x = b(x)
         return self.out(x)
-
-
-def mha(overrides: dict, seq_len: int | None) -> Workload:
-    c = _apply_overrides(MHAConfig(), overrides, "mha")
-    if seq_len:
-        c = dataclasses.replace(c, seq_len=seq_len)
-    return Workload(model=lambda: MHAModel(c), batch=lambda b: torch.randint(0, c.vocab, (b, c.seq_len + 1)),
-                    loss=lambda m, ids: _ce(m(ids[:, :-1]), ids[:, 1:]),
-                    name="mha", default_batch_size=8, info=dataclasses.asdict(c))
 
 
 # -- Diffusion-style block with adaLN modulation ----------------------------------------------
@@ -256,30 +239,42 @@ class DiT(nn.Module):
         return self.out(h)
 
 
-def dit(overrides: dict, seq_len: int | None) -> Workload:
-    _no_seq("dit", seq_len)
-    c = _apply_overrides(DiTConfig(), overrides, "dit")
-
-    def batch(b):
-        x = torch.randn(b, c.channels, c.image_size, c.image_size)
-        return x, torch.rand(b), torch.randn(b, (c.image_size // c.patch) ** 2, c.patch * c.patch * c.channels)
-
-    def loss(m, batch):
-        x, t, target = batch
-        return F.mse_loss(m(x, t), target)
-    return Workload(model=lambda: DiT(c), batch=batch, loss=loss, name="dit", default_batch_size=8,
-                    info=dataclasses.asdict(c))
+def _dit_batch(c: DiTConfig, b: int):
+    x = torch.randn(b, c.channels, c.image_size, c.image_size)
+    return x, torch.rand(b), torch.randn(b, (c.image_size // c.patch) ** 2, c.patch * c.patch * c.channels)
 
 
-def _no_seq(arch: str, seq_len: int | None) -> None:
-    if seq_len is not None:
-        raise UserError(f"{arch}: --seq-len does not apply to this workload; override {arch}:image_size=N instead")
+def _dit_loss(m, batch):
+    x, t, target = batch
+    return F.mse_loss(m(x, t), target)
+
+
+def _builder(arch: str, config: type, model: type, batch, loss, *, batch_size: int = 8):
+    """The builder of a zoo workload: its config with the user's overrides (and ``--seq-len``, for
+    models with a ``seq_len`` field), the model class, batch(config, n) and loss(model, batch)."""
+    def build(overrides: dict, seq_len: int | None) -> Workload:
+        takes_seq = "seq_len" in {f.name for f in dataclasses.fields(config)}
+        if seq_len is not None and not takes_seq:
+            raise UserError(f"{arch}: --seq-len does not apply to this workload; override {arch}:image_size=N "
+                            "instead")
+        c = _apply_overrides(config(), overrides, arch)
+        if seq_len:
+            c = dataclasses.replace(c, seq_len=seq_len)
+        return Workload(model=lambda: model(c), batch=lambda b: batch(c, b), loss=loss, name=arch,
+                        default_batch_size=batch_size,
+                        info=WorkloadInfo(arch=arch, seq_len=getattr(c, "seq_len", None), config=dataclasses.asdict(c)))
+    return build
 
 
 BUILDERS = {
-    "cnn": (cnn, "CNN with BatchNorm and in-place ReLU (plain torch)"),
-    "lstm": (lstm, "LSTM language model (plain torch, oneDNN RNN on CPU)"),
-    "transformer": (transformer, "nn.Transformer encoder-decoder with padding and causal masks"),
-    "mha": (mha, "nn.MultiheadAttention blocks (attention weights returned)"),
-    "dit": (dit, "diffusion-style blocks with adaLN modulation and SDPA"),
+    "cnn": (_builder("cnn", CNNConfig, ConvNet, _cnn_batch, _cnn_loss, batch_size=16),
+            "CNN with BatchNorm and in-place ReLU (plain torch)"),
+    "lstm": (_builder("lstm", LSTMConfig, LSTMLM, _token_batch, _next_token_loss),
+             "LSTM language model (plain torch, oneDNN RNN on CPU)"),
+    "transformer": (_builder("transformer", TransformerConfig, Seq2Seq, _seq2seq_batch, _seq2seq_loss),
+                    "nn.Transformer encoder-decoder with padding and causal masks"),
+    "mha": (_builder("mha", MHAConfig, MHAModel, _token_batch, _next_token_loss),
+            "nn.MultiheadAttention blocks (attention weights returned)"),
+    "dit": (_builder("dit", DiTConfig, DiT, _dit_batch, _dit_loss),
+            "diffusion-style blocks with adaLN modulation and SDPA"),
 }

@@ -7,7 +7,7 @@ from helpers import OpShapes, assert_same_training, measured, run_steps
 from memfit.plans import Plan
 from memfit.step import build_step
 from memfit.techniques.attention import chunked_sdpa
-from memfit.workload import load_workload
+from memfit.workloads import load_workload
 
 MHA = "mha:layers=2,seq_len=80"
 

@@ -5,7 +5,7 @@ import torch
 
 from helpers import measured, run_steps
 from memfit.plans import Plan
-from memfit.techniques.bf16_pure import BF16Optimizer, stochastic_round_to_bf16
+from memfit.techniques.bf16_update import BF16Optimizer, stochastic_round_to_bf16
 
 SPEC = "gpt2:n_layer=2,n_embd=128,n_head=4,vocab_size=1000,n_positions=128"
 

@@ -7,7 +7,7 @@ from torch import nn
 from helpers import GPT2_DROPOUT, assert_same_training, measured, run_steps
 from memfit.errors import UserError
 from memfit.plans import Plan
-from memfit.techniques.checkpointing import CheckpointConfig, Checkpointing, find_blocks
+from memfit.techniques.checkpointing import checkpoint_blocks, find_blocks
 
 
 @pytest.mark.parametrize("mode", ["blocks", "blocks:every=2", "selective"])
@@ -17,13 +17,13 @@ def test_same_parameters_every_step_with_dropout(mode):
 
 
 def test_blocks_are_found_in_hf_and_plain_models():
-    from memfit.workload import load_workload
+    from memfit.workloads import load_workload
     gpt2 = load_workload(GPT2_DROPOUT).model()
     assert [(n, len(b)) for n, b in find_blocks(gpt2)] == [("transformer.h", 2)]
     t5 = load_workload("t5:num_layers=2,d_model=64,d_ff=128,num_heads=2,d_kv=32,vocab_size=500").model()
     assert {n for n, _ in find_blocks(t5)} == {"encoder.block", "decoder.block"}
     with pytest.raises(UserError, match="no repeated blocks"):
-        Checkpointing(CheckpointConfig("blocks")).apply(nn.Linear(2, 2))
+        checkpoint_blocks(nn.Linear(2, 2))
 
 
 def test_recomputed_forwards_are_counted():
@@ -41,7 +41,7 @@ def test_recomputed_forwards_are_counted():
 
     for every, expected in ((1, 8), (2, 6)):
         model = nn.Sequential(*[Block() for _ in range(4)])
-        Checkpointing(CheckpointConfig("blocks", every)).apply(model)
+        checkpoint_blocks(model, every=every)
         calls["n"] = 0
         model(torch.randn(2, 8, requires_grad=True)).sum().backward()
         assert calls["n"] == expected

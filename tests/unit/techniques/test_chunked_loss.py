@@ -7,7 +7,7 @@ from helpers import OpShapes, measured
 from memfit.errors import UserError
 from memfit.plans import Plan
 from memfit.step import build_step
-from memfit.workload import load_workload
+from memfit.workloads import load_workload
 
 SPEC = "gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=2000,n_positions=256,attn_pdrop=0,resid_pdrop=0,embd_pdrop=0"
 

@@ -9,7 +9,8 @@ import torch
 from helpers import GPT2_DROPOUT, assert_same_training, measured, run_steps
 from memfit.plans import Plan
 from memfit.step import build_step
-from memfit.techniques.optimizers import OptimizerInBackward, _adamw8bit_factory
+from memfit.techniques.in_backward import OptimizerInBackward
+from memfit.techniques.optimizers import adamw8bit_factory
 
 SPEC = "gpt2:n_layer=2,n_embd=128,n_head=4,vocab_size=1000,n_positions=128"
 
@@ -22,7 +23,7 @@ def test_in_backward_trains_exactly_like_the_optimizer_after_backward():
 
 
 def _grads_when_backward_ends(plan):
-    from memfit.workload import load_workload
+    from memfit.workloads import load_workload
     wl = load_workload(GPT2_DROPOUT, seq_len=64)
     step = build_step(wl, plan, 4, "cpu")
     seen = {}
@@ -74,6 +75,6 @@ def test_adamw8bit_falls_back_with_a_warning_without_bitsandbytes(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_bnb)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        factory = _adamw8bit_factory({"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0})
+        factory = adamw8bit_factory({"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0})
     assert any("bitsandbytes" in str(x.message) for x in w)
     assert isinstance(factory([torch.nn.Parameter(torch.ones(2))]), torch.optim.AdamW)

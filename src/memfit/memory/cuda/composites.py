@@ -3,7 +3,7 @@
 NOTE [ CUDA composites on CPU tensors ]
 Some ATen ops are *composite*: they are written in terms of other ops and branch on the
 device of their inputs. A GPU preset is traced on fake CPU tensors (autograd cannot run backward
-on fake CUDA tensors without a driver, see memfit.step.tensor_device), so these branches take
+on fake CUDA tensors without a driver, see memfit.devices.tensor_device), so these branches take
 their CPU side. While a GPU-target trace runs, memfit registers Python kernels for them under
 the ``CompositeImplicitAutograd`` key (``torch.library.Library("aten", "IMPL")``) that take the
 CUDA side instead, calling the very ops the CUDA build calls. Being registered at the dispatcher,

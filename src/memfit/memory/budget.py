@@ -1,0 +1,72 @@
+"""Budget: a memory budget on a device, and what counts against it.
+
+One definition, used by the planner (does a plan fit?), by every report (does the step fit the
+device?) and by training (which micro-batch will fit under the enforcement?):
+
+- **What a plan needs** (:meth:`Budget.used_bytes`): on a GPU, the caching allocator's *reserved*
+  bytes (its cudaMalloc'd segments, not only the allocated tensors) plus the CUDA context, which
+  lives outside PyTorch's allocator but inside the card; on a CPU device, device and host bytes
+  together: offloaded copies live in the same physical memory.
+- **What the run's enforcement limits** (:meth:`Budget.enforced_bytes`): a budget memfit sets on a
+  GPU is the caching allocator's per-process limit, which caps reserved bytes (the context is not
+  in it); on a CPU the budget guard counts device bytes (host-placed copies excluded, as on a GPU);
+  with no budget set, a GPU's own capacity limits reserved bytes plus the context.
+
+The planner plans by the first (conservative: it includes what enforcement does not see);
+adaptation predicts by the second (what decides whether the retried step raises).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfit.devices import Device, available_host_bytes
+from memfit.units import parse_size
+
+HEADROOM = 0.10
+"""Without a budget, the planner leaves this share of the device free."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    bytes: int
+    device: Device
+    whole_device: bool = False
+    """The device's own capacity (nothing set by memfit): the card itself is the limit."""
+
+    @classmethod
+    def of_device(cls, device: Device) -> Budget:
+        """All of the device: a GPU's memory, or the memory this machine can still give."""
+        capacity = device.total_bytes if device.is_gpu else available_host_bytes()
+        return cls(capacity, device, whole_device=True)
+
+    @classmethod
+    def resolve(cls, spec: str | int | None, device: Device) -> Budget:
+        """``20GiB``, ``80%`` of the device, a number of bytes, or None: the device's capacity
+        minus :data:`HEADROOM`."""
+        capacity = cls.of_device(device).bytes
+        if spec is None:
+            return cls(int(capacity * (1 - HEADROOM)), device)
+        return cls(parse_size(spec, total_bytes=capacity, what="budget"), device)
+
+    def used_bytes(self, report) -> int:
+        """What the step needs of the budget (see the module's docstring)."""
+        if self.device.is_gpu:
+            return _reserved(report) + (report.cuda_context_bytes or 0)
+        return report.process_peak_bytes or report.peak_bytes
+
+    def fits(self, report) -> bool:
+        return self.used_bytes(report) <= self.bytes
+
+    def enforced_bytes(self, report) -> int:
+        """What the run's enforcement counts (see the module's docstring)."""
+        if self.device.is_gpu:
+            return _reserved(report) + ((report.cuda_context_bytes or 0) if self.whole_device else 0)
+        return report.peak_bytes
+
+    def enforced_fits(self, report) -> bool:
+        return self.enforced_bytes(report) <= self.bytes
+
+
+def _reserved(report) -> int:
+    return report.reserved_bytes if report.reserved_bytes is not None else report.peak_bytes

@@ -1,0 +1,21 @@
+"""The step's observer: who watches a TrainStep run.
+
+A TrainStep announces its phases (``zero_grad``, ``forward``, ``backward``, ``optimizer``) through
+``observer.phase(name)``, and techniques that copy tensors to host memory report the copies
+through ``observer.host(tensors)``. memfit's memory tracker and the CPU budget guard are
+observers; by default nobody watches (:class:`NullObserver`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+
+class NullObserver:
+    """Watches nothing."""
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def host(self, tensors) -> None:
+        pass

@@ -1,0 +1,66 @@
+"""Target: what one step is, resolved once: a workload, a plan, a global batch size, a device.
+
+``estimate``, ``profile``, ``build_step``, the planner and training all start from what the user
+named (a workload spec or object, a plan file or object, a batch size or none, a device name);
+:meth:`Target.resolve` turns that into checked objects in one place, and everything below takes
+the Target: the same step is described once, not as four values passed along.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from memfit.devices import Device, get_device, tensor_device
+from memfit.errors import UserError
+from memfit.plans import Plan
+from memfit.workload import Workload
+from memfit.workloads import load_workload
+
+
+@dataclass(frozen=True, eq=False)
+class Target:
+    """A workload under a plan at a global batch size on a device (all checked)."""
+
+    workload: Workload
+    plan: Plan
+    batch_size: int
+    device: Device
+
+    @classmethod
+    def resolve(cls, workload: Workload | str, plan: Plan | str | None = None, batch_size: int | None = None,
+                device: Device | str | None = None, *, seq_len: int | None = None) -> Target:
+        """Load and check what the user named. ``plan`` may be a plan file's path; ``batch_size``
+        None is the workload's default; ``device`` None is this machine's CPU."""
+        wl = load_workload(workload, seq_len=seq_len)
+        if isinstance(plan, str):
+            plan = Plan.load(plan)
+        plan = plan or Plan()
+        bs = batch_size or wl.default_batch_size
+        if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
+            raise UserError(f"batch size must be a positive whole number, got {batch_size!r}")
+        plan.check_implemented()
+        plan.micro_batches(bs)
+        return cls(wl, plan, bs, get_device(device))
+
+    def with_plan(self, plan: Plan) -> Target:
+        """The same workload, batch and device under another plan (checked as :meth:`resolve` does)."""
+        plan.check_implemented()
+        plan.micro_batches(self.batch_size)
+        return dataclasses.replace(self, plan=plan)
+
+    def on(self, device: Device) -> Target:
+        return dataclasses.replace(self, device=device)
+
+    @property
+    def tensor_device(self) -> str:
+        """Where the step's tensors live (see memfit.devices.tensor_device)."""
+        return tensor_device(self.device)
+
+    @property
+    def precision(self) -> str:
+        """The precision the step runs in (``auto`` resolved for the device)."""
+        return self.plan.config("precision").resolve(self.device).name
+
+    def describe(self) -> str:
+        return f"{self.workload.name} · batch {self.batch_size} · {self.plan.describe()}"

@@ -1,0 +1,310 @@
+"""What a technique is, and everything memfit asks of one.
+
+A technique is one module of ``memfit.techniques``. It owns one or more plan keys (the YAML
+sugar, e.g. ``checkpointing: blocks:every=2``) and holds *sibling config classes*, one per
+variant, as torchtitan's ``FullAC`` / ``SelectiveAC`` / ``MemoryBudgetAC``: frozen dataclasses
+whose documented fields are the variant's options. A plan value is parsed once into one config;
+a :class:`~memfit.plans.Plan` is the composition of one config per technique.
+
+Everything the rest of memfit needs to know about a technique is asked of its config, so adding
+a technique means adding its module (and its test), nothing else:
+
+============================  =========================================================================
+``apply(parts)``              change the step being built (:class:`StepParts`): the model, how the
+                              optimizer is built, the loss, the contexts the step holds
+``check(plan)``               refuse combinations with other techniques (a ``UserError`` with the fix)
+``saves_at_most(other, b)``   memory order for the planner's pruning (by ``rank`` unless overridden)
+``time_factor(roofline)``     the roofline time model's factor; ``adds_work`` for the calibrated one
+``export(into)``              Hugging Face ``TrainingArguments`` / Lightning ``Trainer`` arguments, and
+                              what has no equivalent there
+``ablations()``               "without me": the configs the end-of-run report compares against
+``label(batch_size)``         the compact label in ``Plan.short()``
+``frugal(ctx)``               the next setting that uses less memory, for OOM adaptation
+``resolve(device)``           a concrete config for a device (``precision: auto``)
+``trace_context()``           what a fake-tensor trace of it needs (a library's real code path)
+``notes()``                   what an estimate of it approximates
+============================  =========================================================================
+
+The module registers a :class:`Technique` as ``TECHNIQUE``: its keys (name, default, doc, CLI
+parsing), how to parse their values into a config, where it comes in a plan and in
+``build_step`` (``order``), which values the planner tries (``search``) and when OOM adaptation
+turns to it (``escalation``). ``memfit.techniques`` collects every module's ``TECHNIQUE``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from memfit.errors import UserError
+
+
+@dataclass(frozen=True)
+class Key:
+    """One plan key: its name in YAML, JSON and on the command line (``--name`` with ``_`` as ``-``)."""
+
+    name: str
+    default: Any
+    doc: str
+    """One line; also the CLI help."""
+    annotation: str = "str"
+    """The type shown in a plan's schema."""
+    from_text: Callable[[str], Any] = str
+    """Command-line text -> plan value (raises UserError naming the flag)."""
+    metavar: str = ""
+
+
+@dataclass(frozen=True)
+class Technique:
+    """A technique module's registration (``TECHNIQUE`` at module level)."""
+
+    name: str
+    keys: tuple[Key, ...]
+    parse: Callable[[dict[str, Any]], Config]
+    """The plan values of ``keys`` -> the config (raises UserError naming the key and what is allowed)."""
+    order: int
+    """Position of the keys in a plan, and when ``build_step`` applies the config (lower first)."""
+    search: Callable[[SearchContext], list] | None = None
+    """The plan values the planner tries (single-key techniques); None: not searched."""
+    escalation: int | None = None
+    """OOM adaptation turns to this technique in this order (lower first); None: never."""
+    depends_on_model: bool = False
+    """Some models cannot take some values (e.g. no repeated blocks to checkpoint)."""
+
+    @property
+    def default(self) -> Config:
+        return self.config({k.name: k.default for k in self.keys})
+
+    def config(self, values: dict[str, Any]) -> Config:
+        """Parse this technique's plan values; a config object given as the value is taken as is."""
+        if len(self.keys) == 1:
+            value = values[self.keys[0].name]
+            if isinstance(value, Config) and value.technique is self:
+                return value
+        cfg = self.parse(values)
+        assert cfg.technique is self, (self.name, type(cfg))
+        return cfg
+
+
+class Config:
+    """Base of every technique's config classes (frozen dataclasses). Defaults: does nothing,
+    saves nothing, costs nothing, maps to nothing."""
+
+    technique: ClassVar[Technique]
+    """Set by :func:`register` for every config class of a technique module."""
+    rank: ClassVar[int | None] = 0
+    """Memory-saving rank within the technique (higher saves more); None: not comparable."""
+    adds_work: ClassVar[bool] = False
+    """Only adds work (recompute, copies): a calibrated factor below 1 is timing noise."""
+
+    # -- what the plan holds -----------------------------------------------------------------
+    def values(self) -> dict[str, Any]:
+        """The plan values of the technique's keys for this config."""
+        raise NotImplementedError
+
+    @property
+    def text(self) -> Any:
+        """The value of a single-key technique's key (what the planner and reports show)."""
+        (value,) = self.values().values()
+        return value
+
+    @property
+    def is_default(self) -> bool:
+        return self == self.technique.default
+
+    def unimplemented(self) -> str | None:
+        """Why this version cannot run this config yet (None: it can)."""
+        return None
+
+    # -- building the step -------------------------------------------------------------------
+    def resolve(self, device) -> Config:
+        """The concrete config for ``device`` (e.g. ``precision: auto``); raises if unsupported."""
+        return self
+
+    def check(self, plan) -> None:
+        """Refuse combinations with the plan's other techniques (UserError with the fix)."""
+
+    def apply(self, parts: StepParts) -> None:
+        """Change the step being built."""
+
+    def trace_context(self) -> contextlib.AbstractContextManager:
+        """Entered around a fake-tensor trace of a step with this config."""
+        return contextlib.nullcontext()
+
+    def notes(self) -> list[str]:
+        """What an estimate of this config approximates (shown in its report)."""
+        return []
+
+    # -- planning ----------------------------------------------------------------------------
+    def saves_at_most(self, other: Config, batch_size: int) -> bool:
+        """True if this config saves no more memory than ``other`` (values of equal rank but
+        different kind are not comparable)."""
+        if self == other:
+            return True
+        return self.rank is not None and other.rank is not None and self.rank < other.rank
+
+    def time_factor(self, roofline: Roofline) -> float:
+        """The roofline model's step-time factor of this config against the technique's default."""
+        return 1.0
+
+    def frugal(self, ctx: AdaptContext) -> tuple[Config, str] | None:
+        """A config that uses less memory and what to call the change, for OOM adaptation."""
+        return None
+
+    # -- reporting ---------------------------------------------------------------------------
+    def label(self, batch_size: int | None) -> str | None:
+        """Compact label in ``Plan.short()`` (None: not shown)."""
+        return None
+
+    def ablations(self) -> list[tuple[str, Config]]:
+        """(name, config without this technique) pairs for the report of what each saved."""
+        return []
+
+    def export(self, into: Export) -> None:
+        """Add this config's Hugging Face and Lightning arguments, or what does not map, to ``into``."""
+
+
+def register(technique: Technique, *classes: type[Config]) -> Technique:
+    """Attach ``technique`` to its config classes; returns it (``TECHNIQUE = register(...)``)."""
+    for cls in classes:
+        cls.technique = technique
+    return technique
+
+
+def choice(key: str, value: Any, allowed: tuple[str, ...] | list[str]) -> str:
+    """``value`` if it is one of ``allowed``, else the plan error naming the key and the choices."""
+    if value not in allowed:
+        raise UserError(f"plan: {key} {value!r} is not valid; choose one of {', '.join(allowed)}")
+    return value
+
+
+def whole_number(flag: str):
+    """CLI text -> int, or a UserError naming ``flag``."""
+    def parse(text: str) -> int:
+        try:
+            return int(text)
+        except ValueError:
+            raise UserError(f"{flag} {text!r} is not a whole number") from None
+    return parse
+
+
+# -- what techniques act on and are asked with ---------------------------------------------------
+
+class NoState:
+    """A step part with nothing to update or keep (e.g. the EMA of a plan without one)."""
+
+    def update(self) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+@dataclass
+class StepParts:
+    """The step under construction. ``build_step`` makes it from the workload, lets every config
+    of the plan ``apply`` to it in order, then builds the optimizer and the TrainStep from it."""
+
+    model: Any
+    """The nn.Module, built on the step's device (fake tensors when tracing)."""
+    device: Any
+    """The memfit Device the step is for."""
+    device_type: str
+    """Where the tensors live ('cpu' or 'cuda'; see memfit.devices.tensor_device)."""
+    batch_size: int
+    placement: Any
+    """HostPlacement: copies to host memory, reported to the step's observer."""
+    loss_fn: Callable
+    """loss(model, batch) -> scalar tensor."""
+    optimizer_factory: Callable
+    """params -> optimizer: the workload's, wrapped by optimizer techniques."""
+    precision: Any = None
+    """The precision config: autocast(device_type), grad_scaler(device_type), prepare_batch(batch)."""
+    micro_batch_size: int = 0
+    num_micro_batches: int = 1
+    make_optimizer: Callable = field(default=lambda params, factory: factory(params))
+    """(params, factory) -> the step's optimizer (plain, stepped in backward, offloaded states)."""
+    updates_in_backward: bool = False
+    """Parameters are updated during backward (an interrupted backward cannot be retried)."""
+    contexts: list = field(default_factory=list)
+    """Context factories held around forward and backward (backward may recompute)."""
+    forward_contexts: list = field(default_factory=list)
+    """Context factories held around forward only (e.g. saved-tensor hooks)."""
+    recompute_contexts: list = field(default_factory=list)
+    """Context factories entered again around each recomputation in backward."""
+    before_update: list = field(default_factory=list)
+    """Hooks ``hook(step)`` run after backward, before the optimizer step."""
+    after_update: list = field(default_factory=list)
+    """Hooks ``hook()`` run after the optimizer step."""
+    ema: Any = field(default_factory=NoState)
+    """An object with update(), state_dict() and load_state_dict() kept in checkpoints."""
+
+
+@dataclass(frozen=True)
+class SearchContext:
+    """What the planner knows when it asks a technique which values to try."""
+
+    model: Any
+    """The workload's model built on the meta device (structure only, no memory)."""
+    device: Any
+    batch_size: int
+    options: dict = field(default_factory=dict)
+    """Planner options, e.g. ``optimizers``: the optimizer variants to consider."""
+    notes: list = field(default_factory=list)
+    """Values left out because they cannot run here, and why (techniques append)."""
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """The inputs of the roofline time model (FLOPs from one fake trace; the preset's peaks)."""
+
+    base_seconds: float
+    """The whole-batch step of the default plan."""
+    total_flops: float
+    fwd_flops: float
+    block_fwd_flops: float
+    """Forward FLOPs of the repeated blocks (what block checkpointing recomputes)."""
+    head_fwd_flops: float
+    """Forward FLOPs of the output head (what chunked loss recomputes)."""
+    attention_fwd_flops: float
+    fp32_flops_per_s: float
+    half_flops_per_s: float
+    """At the assumed utilisation."""
+    n_params: int
+    mem_bandwidth: float
+    host_link_bandwidth: float
+    optimizer_seconds: float
+    """The default optimizer's (AdamW's) memory-bound update."""
+
+
+@dataclass
+class Export:
+    """Arguments for Hugging Face ``TrainingArguments`` and Lightning's ``Trainer``, and what has no
+    equivalent there (listed, so nothing is silently dropped)."""
+
+    batch_size: int
+    hf: dict = field(default_factory=dict)
+    hf_unmapped: list = field(default_factory=list)
+    lightning: dict = field(default_factory=dict)
+    lightning_unmapped: list = field(default_factory=list)
+
+    def in_lightning_module(self, what: str) -> None:
+        """``what`` has no Trainer argument: the user's LightningModule must do it."""
+        self.lightning_unmapped.append(f"{what} (configure it in the LightningModule)")
+
+
+@dataclass(frozen=True)
+class AdaptContext:
+    """What OOM adaptation knows when it asks a technique for a more frugal setting."""
+
+    plan: Any
+    batch_size: int
+    model: Any
+    """The running step's model (its structure decides, e.g., whether blocks exist)."""
+    fits: Callable | None = None
+    """fits(plan) -> bool: does the estimate predict the plan fits? None: unknown."""

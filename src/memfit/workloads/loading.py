@@ -1,0 +1,66 @@
+"""Loading a workload from what the user names: a Workload, ``path/to/file.py:NAME`` or a built-in."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from memfit.errors import UserError
+from memfit.workload import Workload
+from memfit.workloads.builtin import builtin_workload
+
+
+def load_workload(spec: str | Workload, *, seq_len: int | None = None) -> Workload:
+    """Resolve a workload spec: a Workload, ``file.py:NAME`` or a built-in name with overrides."""
+    if isinstance(spec, Workload):
+        if seq_len is not None:
+            raise UserError("--seq-len applies to built-in workloads only; set it inside your workload")
+        return spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise UserError("no workload given; name a built-in (e.g. gpt2) or a file (path/to/file.py:NAME)")
+    spec = spec.strip()
+    head = spec.split(":", 1)[0]
+    if head.endswith(".py") or "/" in head or Path(head).suffix == ".py":
+        if seq_len is not None:
+            raise UserError("--seq-len applies to built-in workloads only; set it inside your workload file")
+        return _load_file_workload(spec)
+    return builtin_workload(spec, seq_len=seq_len)
+
+
+def _load_file_workload(spec: str) -> Workload:
+    path_text, _, name = spec.partition(":")
+    path = Path(path_text)
+    if not path.is_file():
+        raise UserError(f"workload file {path_text!r} not found; give path/to/file.py:NAME")
+    if not name:
+        raise UserError(f"workload {spec!r} names no object; write {path_text}:NAME (a Workload or a function returning one)")
+    mod_name = f"memfit_user_{abs(hash(str(path.resolve())))}"
+    module_spec = importlib.util.spec_from_file_location(mod_name, path)
+    if module_spec is None:  # not a .py file: Python has no loader for it
+        raise UserError(f"workload file {path_text!r} is not a Python file; give path/to/file.py:NAME")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[mod_name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        raise UserError(f"workload file {path_text!r} raised {type(e).__name__} while importing: {e}; "
+                        "fix the file (run with --debug for the traceback)") from e
+    if not hasattr(module, name):
+        found = [k for k, v in vars(module).items() if isinstance(v, Workload) or (callable(v) and not k.startswith("_"))]
+        raise UserError(f"{path_text} has no {name!r}; define a Workload or a function returning one"
+                        + (f" (found: {', '.join(found[:8])})" if found else ""))
+    obj = getattr(module, name)
+    if not isinstance(obj, Workload):
+        if not callable(obj):
+            raise UserError(f"{path_text}:{name} is a {type(obj).__name__}, not a Workload or a function returning one")
+        try:
+            obj = obj()
+        except Exception as e:
+            raise UserError(f"{path_text}:{name}() raised {type(e).__name__}: {e}; fix the workload "
+                            "(run with --debug for the traceback)") from e
+        if not isinstance(obj, Workload):
+            raise UserError(f"{path_text}:{name}() returned a {type(obj).__name__}, not a memfit.Workload")
+    if obj.name == "workload":
+        obj.name = f"{path.name}:{name}"
+    return obj
