@@ -207,3 +207,14 @@ def test_resume_after_a_crash_keeps_one_record_per_step(tmp_path):
     records = [json.loads(line) for line in open(tmp_path / "b" / "metrics.jsonl")]
     assert [r["step"] for r in records] == list(range(1, 9))
     assert [r["loss"] for r in records] == straight.losses
+
+
+def test_a_checkpoint_written_before_a_plan_key_existed_still_resumes():
+    """Plans in checkpoints are compared as plans: a key added since the checkpoint was written
+    (a new technique's) takes its default, so a run resumes across versions; another plan, or a
+    key this version does not know, is still refused."""
+    state = {"workload": "gpt2", "plan": {"precision": "bf16"}, "batch_size": 2}
+    checkpoint.check(state, workload="gpt2", requested_plan=Plan(precision="bf16"), batch_size=2)
+    for plan, data in ((Plan(), state["plan"]), (Plan(precision="bf16"), {"precision": "bf16", "future_key": 1})):
+        with pytest.raises(UserError, match="another plan"):
+            checkpoint.check({**state, "plan": data}, workload="gpt2", requested_plan=plan, batch_size=2)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from memfit.errors import UserError
+from memfit.plans import Plan
 
 NAME = "checkpoint.pt"
 FORMAT = 2
@@ -87,9 +88,17 @@ def check(state: dict, *, workload: str, requested_plan, batch_size: int) -> Non
     if state["workload"] != workload:
         raise UserError(f"the checkpoint in --out is from another model ({state['workload']}); "
                         "use a fresh --out folder for this workload")
-    if state["plan"] != requested_plan.to_dict() or state["batch_size"] != batch_size:
+    # compared as plans: a key this version added since the checkpoint was written takes its default
+    if _plan(state["plan"]) != requested_plan or state["batch_size"] != batch_size:
         raise UserError("the checkpoint in --out was written with another plan or batch size; resume with the "
                         "same --plan/--batch-size, or start a new run in another --out folder")
+
+
+def _plan(data: dict):
+    try:
+        return Plan.from_dict(data, source="the checkpoint's plan")
+    except UserError:
+        return None  # a key this version does not know: not the same plan
 
 
 def restore(step, state: dict) -> tuple[int, int]:
