@@ -25,7 +25,7 @@ import torch
 
 from memfit.errors import UserError
 from memfit.techniques.base import Config, Export, Key, Technique, choice, register
-from memfit.techniques.optimizers import SGDMomentum, WorkloadOptimizer
+from memfit.techniques.optimizers import SGDMomentum, WorkloadOptimizer, hyperparameters, regroup
 from memfit.techniques.precision import BF16Pure
 
 CHUNK = 1 << 20
@@ -42,21 +42,22 @@ def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None 
 
 
 class BF16Optimizer(torch.optim.Optimizer):
-    """AdamW or SGD (momentum) for bf16 weights, fp32 math, stochastic or Kahan write-back."""
+    """AdamW, Adam (weight decay added to the gradient) or SGD (with or without momentum) for bf16
+    weights, fp32 math, stochastic or Kahan write-back. Param groups as torch's optimizers take them."""
 
     def __init__(self, params, kind: str, rounding: str, lr: float, weight_decay: float = 0.0,
-                 betas=(0.9, 0.999), eps: float = 1e-8, momentum: float = 0.9):
-        if kind not in ("adamw", "sgd") or rounding not in ("stochastic", "kahan"):
+                 betas=(0.9, 0.999), eps: float = 1e-8, momentum: float = 0.0):
+        if kind not in ("adamw", "adam", "sgd") or rounding not in ("stochastic", "kahan"):
             raise UserError(f"BF16Optimizer: kind {kind!r} / rounding {rounding!r} not supported")
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps,
                                       momentum=momentum))
         self.kind, self.rounding = kind, rounding
 
-    def _init_state(self, p: torch.Tensor) -> dict:
+    def _init_state(self, p: torch.Tensor, momentum: float) -> dict:
         st = self.state[p]
         if not st:
             st["step"] = 0
-            names = ("exp_avg", "exp_avg_sq") if self.kind == "adamw" else ("momentum_buffer",)
+            names = ("exp_avg", "exp_avg_sq") if self.kind != "sgd" else ("momentum_buffer",) if momentum else ()
             for n in names:
                 st[n] = torch.zeros_like(p, memory_format=torch.contiguous_format)
             if self.rounding == "kahan":
@@ -70,7 +71,7 @@ class BF16Optimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                st = self._init_state(p)
+                st = self._init_state(p, group["momentum"])
                 st["step"] += 1
                 t = st["step"]
                 flat = {"p": p.view(-1), "g": p.grad.reshape(-1)}
@@ -81,19 +82,25 @@ class BF16Optimizer(torch.optim.Optimizer):
                     w = c["p"].float()
                     if self.rounding == "kahan":
                         w += c["compensation"].float()
-                    if self.kind == "adamw":
+                    if self.kind != "sgd":
+                        if self.kind == "adam" and wd:  # Adam's L2 penalty goes into the gradient
+                            g.add_(w, alpha=wd)
                         m = c["exp_avg"].float().lerp_(g, 1 - b1)
                         v = c["exp_avg_sq"].float().mul_(b2).addcmul_(g, g, value=1 - b2)
                         c["exp_avg"].copy_(m)
                         c["exp_avg_sq"].copy_(v)
                         denom = (v / (1 - b2 ** t)).sqrt_().add_(eps)
-                        w.mul_(1 - lr * wd).addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
+                        if self.kind == "adamw":  # decoupled weight decay
+                            w.mul_(1 - lr * wd)
+                        w.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
                     else:
                         g.add_(w, alpha=wd) if wd else None
-                        buf = c["momentum_buffer"].float()
-                        buf = g if t == 1 else buf.mul_(group["momentum"]).add_(g)
-                        c["momentum_buffer"].copy_(buf)
-                        w.add_(buf, alpha=-lr)
+                        if group["momentum"]:
+                            buf = c["momentum_buffer"].float()
+                            buf = g if t == 1 else buf.mul_(group["momentum"]).add_(g)
+                            c["momentum_buffer"].copy_(buf)
+                            g = buf
+                        w.add_(g, alpha=-lr)
                     if self.rounding == "kahan":
                         new = w.to(torch.bfloat16)
                         c["compensation"].copy_(w - new.float())
@@ -109,18 +116,20 @@ def compensated(factory, rounding: str):
         return factory
 
     def build(params):
-        probe = factory(params)
-        d = probe.defaults
-        if isinstance(probe, (torch.optim.AdamW, torch.optim.Adam)):
+        like = factory(params)
+        d = like.defaults
+        if isinstance(like, torch.optim.AdamW) or (isinstance(like, torch.optim.Adam)
+                                                    and d.get("decoupled_weight_decay")):
             kind = "adamw"
-        elif isinstance(probe, torch.optim.SGD):
+        elif isinstance(like, torch.optim.Adam):
+            kind = "adam"
+        elif isinstance(like, torch.optim.SGD) and not d.get("nesterov") and not d.get("dampening"):
             kind = "sgd"
         else:
-            raise UserError(f"bf16_update: {rounding} is implemented for AdamW/Adam and SGD, not "
-                            f"{type(probe).__name__}; use bf16_update: nearest")
-        momentum = d.get("momentum", 0.9) or 0.9
-        return BF16Optimizer(params, kind, rounding, lr=d["lr"], weight_decay=d.get("weight_decay", 0.0),
-                             betas=d.get("betas", (0.9, 0.999)), eps=d.get("eps", 1e-8), momentum=momentum)
+            raise UserError(f"bf16_update: {rounding} is implemented for AdamW, Adam and SGD (without nesterov or "
+                            f"dampening), not this {type(like).__name__}; use bf16_update: nearest")
+        groups = regroup(params, like, lambda g: {**hyperparameters(g), "momentum": float(g.get("momentum", 0.0))})
+        return BF16Optimizer(groups, kind, rounding, lr=hyperparameters(d)["lr"])
     return build
 
 

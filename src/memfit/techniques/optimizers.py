@@ -10,7 +10,8 @@ Memory/compute trade-off, per parameter of N bytes in fp32:
 - ``adafactor`` (:class:`Adafactor`) keeps factored second moments (row and column statistics, ~0
   for matrices) and no first moment: the smallest state, a slightly different optimizer.
 - ``sgd`` (:class:`SGDMomentum`) with momentum keeps one buffer (N).
-Hyperparameters (lr, weight decay, betas, eps) are taken from the workload's optimizer.
+Hyperparameters (lr, weight decay, betas, eps) are taken from the workload's optimizer, group by
+group: a workload that gives its biases and norms no weight decay keeps that (:func:`regroup`).
 
 The update is memory-bound: the roofline model times it by the bytes of parameters, gradients
 and states it reads and writes (``update_bytes_per_param``).
@@ -34,10 +35,21 @@ ADAMW8BIT_FALLBACK = ("optimizer adamw8bit needs bitsandbytes (pip install bitsa
                       "here: the step runs torch.optim.AdamW with fp32 states instead")
 
 
-def hyperparameters(opt: torch.optim.Optimizer) -> dict:
-    d = opt.defaults
-    return {"lr": float(d.get("lr", 1e-4)), "weight_decay": float(d.get("weight_decay", 0.0)),
-            "betas": tuple(d.get("betas", (0.9, 0.999))), "eps": float(d.get("eps", 1e-8))}
+def hyperparameters(group: dict) -> dict:
+    """An optimizer param group's (or ``defaults``') lr, weight decay, betas and eps."""
+    return {"lr": float(group.get("lr", 1e-4)), "weight_decay": float(group.get("weight_decay", 0.0)),
+            "betas": tuple(group.get("betas", (0.9, 0.999))), "eps": float(group.get("eps", 1e-8))}
+
+
+def regroup(params: list, like: torch.optim.Optimizer, options) -> list[dict]:
+    """``params`` as param groups that follow ``like``'s (the workload's optimizer): each group's
+    parameters with ``options(group)`` of the group they belong to there. Works for any subset
+    (one parameter, as optimizer-in-backward and offloading build them)."""
+    where = {p: i for i, g in enumerate(like.param_groups) for p in g["params"]}
+    members: dict[int, list] = {}
+    for p in params:
+        members.setdefault(where.get(p, 0), []).append(p)
+    return [{"params": ps, **options(like.param_groups[i])} for i, ps in members.items()]
 
 
 class OptimizerVariant(Config):
@@ -92,8 +104,9 @@ class SGDMomentum(OptimizerVariant):
     update_bytes_per_param = 16
 
     def factory(self, workload_factory, params):
-        hp = hyperparameters(workload_factory(params[:1]))
-        return lambda ps: torch.optim.SGD(ps, lr=hp["lr"], momentum=0.9, weight_decay=hp["weight_decay"])
+        like = workload_factory(params)
+        return lambda ps: torch.optim.SGD(regroup(ps, like, _lr_and_decay), lr=hyperparameters(like.defaults)["lr"],
+                                          momentum=0.9)
 
 
 @dataclass(frozen=True)
@@ -105,8 +118,9 @@ class Adafactor(OptimizerVariant):
     update_bytes_per_param = 16
 
     def factory(self, workload_factory, params):
-        hp = hyperparameters(workload_factory(params[:1]))
-        return lambda ps: torch.optim.Adafactor(ps, lr=hp["lr"], weight_decay=hp["weight_decay"])
+        like = workload_factory(params)
+        return lambda ps: torch.optim.Adafactor(regroup(ps, like, _lr_and_decay),
+                                                lr=hyperparameters(like.defaults)["lr"])
 
 
 @dataclass(frozen=True)
@@ -118,13 +132,20 @@ class AdamW8bit(OptimizerVariant):
     update_bytes_per_param = 14
 
     def factory(self, workload_factory, params):
-        return adamw8bit_factory(hyperparameters(workload_factory(params[:1])))
+        like = workload_factory(params)
+        build = adamw8bit_factory(hyperparameters(like.defaults))
+        return lambda ps: build(regroup(ps, like, hyperparameters))
 
     def notes(self) -> list[str]:
         return [] if bitsandbytes_available() else [f"{ADAMW8BIT_FALLBACK}; this estimate is for that fallback"]
 
     def trace_context(self) -> contextlib.AbstractContextManager:
         return _real_quantization_tables()
+
+
+def _lr_and_decay(group: dict) -> dict:
+    hp = hyperparameters(group)
+    return {"lr": hp["lr"], "weight_decay": hp["weight_decay"]}
 
 
 def adamw8bit_factory(hp: dict) -> Factory:

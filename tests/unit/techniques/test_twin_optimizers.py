@@ -196,3 +196,57 @@ def test_bf16_update_keeps_the_small_updates_nearest_rounding_loses(rounding):
     for p in opt.param_groups[0]["params"]:
         buffers = [v for v in opt.state[p].values() if torch.is_tensor(v) and v.shape == p.shape]
         assert [b.dtype for b in buffers] == [torch.bfloat16] * (3 if rounding == "kahan" else 2)
+
+
+def _grouped(ps):
+    """A workload optimizer with two param groups, as fine-tuning recipes build them: weight decay
+    on the matrices, none on biases, and a smaller lr for the biases."""
+    ps = list(ps)
+    return [{"params": [p for p in ps if p.dim() > 1]},
+            {"params": [p for p in ps if p.dim() <= 1], "weight_decay": 0.0, "lr": HP["lr"] / 10}]
+
+
+def test_adamw8bit_keeps_the_workloads_param_groups():
+    """The 8-bit AdamW gets the workload's own groups (per-group weight decay and lr), bit-equal to
+    bitsandbytes' AdamW8bit built by hand over the same groups."""
+    bnb = pytest.importorskip("bitsandbytes")
+    init = _initial_model()
+    wl = Workload(model=lambda: copy.deepcopy(init), batch=lambda n: tuple(t[:n] for t in _batches(1)[0]),
+                  loss=_loss, optimizer=lambda ps: torch.optim.AdamW(_grouped(ps), **HP))
+    step = build_step(wl, Plan(optimizer="adamw8bit"), ACCUM * MICRO, "cpu")
+    assert [(g["weight_decay"], g["lr"]) for g in step.optimizer.param_groups] == [(0.1, 1e-3), (0.0, 1e-4)]
+    ref = copy.deepcopy(init)
+    opt = bnb.optim.AdamW8bit(_grouped(ref.parameters()), **HP, min_8bit_size=4096)
+    for batch in _batches(3):
+        step(batch)
+        opt.zero_grad(set_to_none=True)
+        _loss(ref, batch).backward()
+        opt.step()
+        for a, b in zip(step.model.parameters(), ref.parameters()):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.SGD(_grouped(ps), lr=1e-2, weight_decay=0.1),  # no momentum: none added
+    lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=0.1),           # coupled L2, not AdamW's decay
+], ids=["sgd-without-momentum", "adam-l2"])
+def test_compensated_bf16_updates_keep_the_workloads_optimizer(make):
+    """bf16_update stochastic/kahan computes the workload's own update in fp32: SGD without momentum
+    keeps no momentum buffer and matches plain SGD; Adam's weight decay is an L2 term in the
+    gradient. Against the same optimizer on an fp32 twin the bf16 weights stay within bf16's
+    rounding (Kahan carries what rounding lost), while a momentum or decoupled decay would not."""
+    init = _initial_model()
+    wl = Workload(model=lambda: copy.deepcopy(init), batch=lambda n: tuple(t[:n] for t in _batches(1)[0]),
+                  loss=_loss, optimizer=make)
+    step = build_step(wl, Plan(precision="bf16-pure", bf16_update="kahan"), ACCUM * MICRO, "cpu")
+    ref = copy.deepcopy(init)
+    opt = make(ref.parameters())
+    for batch in _batches(5):
+        step((batch[0].bfloat16(), batch[1].bfloat16()))
+        opt.zero_grad(set_to_none=True)
+        _loss(ref, (batch[0].bfloat16().float(), batch[1].bfloat16().float())).backward()
+        opt.step()
+    states = {k for s in step.optimizer.state.values() for k in s}
+    assert "momentum_buffer" not in states
+    for a, b in zip(step.model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.float(), b, rtol=2e-2, atol=2e-3)
