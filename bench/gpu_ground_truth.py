@@ -211,8 +211,11 @@ def measure_case(case: dict, device: str = "cuda", predict: str | None = None) -
             warnings.simplefilter("always")
             step = memfit.build_step(wl, memfit.Plan(**case["plan"]), case["batch_size"], device=dev)
             batch = make_batch(step.target)
-            for _ in range(WARMUP_STEPS):
+            for i in range(WARMUP_STEPS):
+                t0 = time.perf_counter()
                 step(batch)
+                if i == 0:  # the first step: optimizer states, cuDNN/cuBLAS plans, compilation
+                    row["first_step_seconds"] = round(time.perf_counter() - t0, 3)
         notes = sorted({str(w.message).splitlines()[0][:200] for w in caught
                         if not issubclass(w.category, (DeprecationWarning, FutureWarning))})
         if cuda:
@@ -255,7 +258,8 @@ def measure_case(case: dict, device: str = "cuda", predict: str | None = None) -
         turn.close()
     if predict and "error" not in row:
         row["predicted_cuda"] = predict_here(case, "cuda")
-        row["predicted_preset"] = {"preset": predict, **predict_here(case, predict)}
+        if predict != "none":
+            row["predicted_preset"] = {"preset": predict, **predict_here(case, predict)}
     row.update(versions())
     return row
 
@@ -324,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="overlap this many cases (their GPU phases take turns)")
     ap.add_argument("--predict", action="store_true", help="also record memfit's predictions (local card, preset)")
     ap.add_argument("--preset", default="h100-80gb", help="the preset --predict predicts for")
+    ap.add_argument("--no-lock", action="store_true",
+                    help="with --jobs: no GPU turns (a warm-up pass that fills torch.compile's caches in parallel)")
     ap.add_argument("--one", metavar="JSON", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
@@ -341,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     t_start, failed, skipped = time.perf_counter(), 0, []
     if args.jobs > 1:
         os.environ["MEMFIT_GT_JOBS"] = str(args.jobs)
-        os.environ["MEMFIT_GT_LOCK"] = str(Path(tempfile.gettempdir()) / f"memfit-gt-{os.getpid()}.lock")
+        if not args.no_lock:
+            os.environ["MEMFIT_GT_LOCK"] = str(Path(tempfile.gettempdir()) / f"memfit-gt-{os.getpid()}.lock")
     lock = threading.Lock()
 
     def one(c: dict) -> None:

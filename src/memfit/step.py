@@ -188,9 +188,12 @@ def build_step(workload: Workload | str | Target, plan: Plan | None = None, batc
         parts = StepParts(model=model, device=target.device, device_type=target.tensor_device,
                           batch_size=target.batch_size, placement=HostPlacement(),
                           loss_fn=checked("loss(model, batch)", wl.loss),
-                          optimizer_factory=lambda ps: call_workload("optimizer(params)", wl.build_optimizer, ps))
+                          optimizer_factory=lambda ps: call_workload("optimizer(params)", wl.build_optimizer, ps),
+                          plan=target.plan)
         for config in target.plan.techniques:
             config.apply(parts)
+        for finalize in parts.finalizers:
+            finalize(parts)
         params = [p for p in parts.model.parameters() if p.requires_grad]
         if not params:
             raise UserError("the workload's model has no trainable parameters")

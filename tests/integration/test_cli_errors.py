@@ -111,8 +111,9 @@ CASES = [
     (["estimate", "transformer:dropout=1.5"], "dropout must be in [0, 1)"),
     # plan flags constrain the search or are refused
     (["plan", GPT2, *SMALL, "--device", "h100-80gb", "--micro-batch-size", "3"], "not a multiple"),
-    (["plan", MHA, *SMALL, "--compile", "full"], "compile=full is not implemented"),
-    (["plan", MHA, *SMALL, "--checkpointing", "budget:0.5"], "checkpointing=budget:0.5"),
+    (["plan", MHA, *SMALL, "--compile", "full", "--attention", "chunked"], "cannot capture chunked attention"),
+    (["plan", MHA, *SMALL, "--checkpointing", "budget:0.5"], "budget:0.5 sets torch.compile's activation memory "
+                                                             "budget, so it needs compile: blocks or compile: full"),
     (["plan", MHA, *SMALL, "--precision", "bf16", "--device", "t4"], "t4 has no bf16 support"),
     (["plan", MHA, *SMALL, "--loss-chunks", "4", "--device", "h100-80gb", "--max-traces", "2"],
      "loss_chunks needs a Hugging Face causal language model"),
@@ -252,7 +253,7 @@ def _plan_flags(d: str) -> dict[str, tuple[list, list]]:
                   ["{{{", "decay=abc", "{decay: 2}", "every=0", "5", "[1", "device=gpu", "bogus=1", "decay"]),
         "--loss-chunks": (["0", "2"], ["-1", "x", HUGE]),
         "--attention": (["auto", "sdpa", "math", "chunked"], ["flash"]),
-        "--compile": (["none"], ["full", "blocks", "x"]),
+        "--compile": (["none"], ["x"]),  # (blocks and full compile: test_compile.py)
         "--bf16-update": (["nearest", "stochastic", "kahan"], ["x"]),
     }
 

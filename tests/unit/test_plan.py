@@ -80,8 +80,9 @@ def test_micro_batches():
         Plan(grad_accum_steps=3).micro_batches(8)
 
 
-def test_unimplemented_fields_are_refused_clearly():
-    for plan in (Plan(checkpointing="budget:0.5"), Plan(compile="blocks")):
-        with pytest.raises(UserError, match="not implemented"):
-            plan.check_implemented()
-    Plan(precision="bf16", micro_batch_size=2, checkpointing="blocks", loss_chunks=4).check_implemented()
+def test_every_schema_field_is_implemented_and_budget_needs_compile():
+    for plan in (Plan(compile="full", checkpointing="budget:0.5"), Plan(compile="blocks"),
+                 Plan(precision="bf16", micro_batch_size=2, checkpointing="blocks", loss_chunks=4)):
+        plan.check_implemented()
+    with pytest.raises(UserError, match="needs compile"):
+        Plan(checkpointing="budget:0.5")

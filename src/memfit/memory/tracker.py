@@ -169,13 +169,13 @@ class MemoryTracker(TorchDispatchMode):
                 name = str(func.overloadpacket.__name__)
                 self.unprobed[name] = self.unprobed.get(name, 0) + 1
             elif probed.error:
-                self._approximate(f"no kernel on this CPU for this call ({probed.error[:160]}): its scratch is not "
+                self.approximate(f"no kernel on this CPU for this call ({probed.error[:160]}): its scratch is not "
                                   "counted, and a real run of this step fails here", str(func.overloadpacket.__name__))
                 probed = None
             else:
                 out = _resize_outputs(out, probed.output_nbytes)
                 if probed.scaled:
-                    self._approximate("kernel scratch extrapolated from probes at smaller shapes",
+                    self.approximate("kernel scratch extrapolated from probes at smaller shapes",
                                       str(func.overloadpacket.__name__))
         self.storages.see_outputs(out, func)
         if probed is not None and probed.scratch_bytes:
@@ -237,10 +237,10 @@ class MemoryTracker(TorchDispatchMode):
             dtype = args[0].dtype
             value = False if dtype == torch.bool else 0.0 if dtype.is_floating_point else 0
             what = "a data-dependent scalar read (.item()/bool()) assumed 0"
-        self._approximate(what, _user_frame())
+        self.approximate(what, _user_frame())
         return value
 
-    def _approximate(self, what: str, where: str) -> None:
+    def approximate(self, what: str, where: str) -> None:
         key = (what, where)
         if key in self.approximations:
             self.approximations[key].count += 1

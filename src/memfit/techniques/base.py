@@ -243,6 +243,12 @@ class StepParts:
     """Hooks ``hook()`` run after the optimizer step."""
     ema: Any = field(default_factory=NoState)
     """An object with update(), state_dict() and load_state_dict() kept in checkpoints."""
+    plan: Any = None
+    """The plan being applied (a technique may read another's config, e.g. compile reads the
+    activation memory budget of ``checkpointing: budget:F``)."""
+    finalizers: list = field(default_factory=list)
+    """``finalize(parts)`` hooks run after every config has applied itself (e.g. compiling the
+    whole loss once chunking and checkpointing have wrapped it)."""
 
 
 @dataclass(frozen=True)

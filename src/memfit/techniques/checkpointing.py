@@ -86,7 +86,12 @@ def _checkpointed_forward(original, selective: bool, recompute_contexts: list, *
         return original(*args, **kwargs)
     # ``recompute_contexts`` is read when the block runs, so contexts that techniques applied
     # after this one add to the step are included; without any, checkpoint's default applies.
-    extra = {"context_fn": _context_fn(selective, recompute_contexts)} if selective or recompute_contexts else {}
+    if recompute_contexts:
+        extra = {"context_fn": _context_fn(selective, recompute_contexts)}
+    elif selective:  # the policy's own contexts (dispatch modes, as torch.compile requires of a context_fn)
+        extra = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _policy)}
+    else:
+        extra = {}
     return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
 
@@ -220,10 +225,12 @@ class SelectiveAC(Checkpointing):
 
 @dataclass(frozen=True)
 class MemoryBudgetAC(Checkpointing):
-    """torch.compile's activation memory budget: the partitioner keeps this fraction of activations."""
+    """torch.compile's activation memory budget (``torch._functorch.config.activation_memory_budget``):
+    in each compiled region the min-cut partitioner keeps this fraction of the activations it would
+    save, recomputing the cheapest rest in backward. The compile technique compiles with it."""
 
     fraction: float = 0.5
-    """0 keeps nothing (recompute all it can), 1 keeps what compile would keep anyway."""
+    """0 keeps as little as it can (recompute all it can), 1 keeps what compile keeps anyway."""
     rank = None
 
     def __post_init__(self) -> None:
@@ -233,9 +240,13 @@ class MemoryBudgetAC(Checkpointing):
     def values(self) -> dict:
         return {"checkpointing": f"budget:{self.fraction:g}"}
 
-    def unimplemented(self) -> str | None:
-        return (f"plan: checkpointing={self.text} (torch.compile's activation memory budget) is not implemented "
-                "in this memfit version yet; use blocks, blocks:every=N or selective")
+    def check(self, plan) -> None:
+        if not plan.config("compile").compiles:
+            raise UserError(f"plan: checkpointing {self.text} sets torch.compile's activation memory budget, so it "
+                            "needs compile: blocks or compile: full")
+
+    def label(self, batch_size):
+        return f"budget={self.fraction:g}"
 
 
 _GRAMMAR = re.compile(r"^(none|blocks|blocks:every=(\d+)|selective|budget:([0-9]*\.?[0-9]+))$")

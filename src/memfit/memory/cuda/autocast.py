@@ -34,6 +34,8 @@ import warnings
 
 import torch
 
+from memfit.techniques.compiled import CAPTURE_PAUSES
+
 aten = torch.ops.aten
 
 LOWER, FP32, SET_DTYPE, APPEND_DTYPE, PROMOTE, BANNED, PASS = (
@@ -187,20 +189,42 @@ _OVERRIDES: dict[str, str] | None = None
 
 
 @contextlib.contextmanager
-def cuda_autocast():
-    """CPU autocast acts with CUDA's op lists while this is active."""
+def cuda_autocast(tracker=None):
+    """CPU autocast acts with CUDA's op lists while this is active.
+
+    torch.compile cannot capture a graph through these Python kernels, so they step aside while a
+    compiled region is captured (memfit.techniques.compiled.CAPTURE_PAUSES): inside compiled
+    regions the CPU's lists decide, and the tracker lists that approximation."""
     global _OVERRIDES
     if _OVERRIDES is None:
         _OVERRIDES = overrides()
-    lib = torch.library.Library("aten", "IMPL")
+    libs = [_register()]
+
+    @contextlib.contextmanager
+    def paused():
+        libs.pop()._destroy()
+        if tracker is not None:
+            tracker.approximate("autocast inside compiled regions follows the CPU's op lists (a GPU preset traced "
+                                 "on CPU tensors)", "torch.compile")
+        try:
+            yield
+        finally:
+            libs.append(_register())
+    CAPTURE_PAUSES.append(paused)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for op, policy in _OVERRIDES.items():
-                try:
-                    lib.impl(op, _kernel(op, policy), "AutocastCPU", with_keyset=True)
-                except (RuntimeError, AttributeError):  # an op this torch build lacks
-                    continue
         yield
     finally:
-        lib._destroy()
+        CAPTURE_PAUSES.remove(paused)
+        libs.pop()._destroy()
+
+
+def _register():
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for op, policy in _OVERRIDES.items():
+            try:
+                lib.impl(op, _kernel(op, policy), "AutocastCPU", with_keyset=True)
+            except (RuntimeError, AttributeError):  # an op this torch build lacks
+                continue
+    return lib

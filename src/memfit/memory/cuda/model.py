@@ -157,5 +157,5 @@ def cuda_kernel_model(device, tracker=None):
     """Model CUDA's kernel choices and kernel memory for ``device`` (a GPU Device) in a fake
     trace. Enter it inside the tracker (so that the booked buffers are tracked)."""
     mode = KernelMode(device, tracker)
-    with cuda_composites(device), cuda_autocast(), cuda_optimizer_defaults(), mode:
+    with cuda_composites(device), cuda_autocast(tracker), cuda_optimizer_defaults(), mode:
         yield mode
