@@ -30,10 +30,10 @@ both lists share).
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
 
+from memfit.quiet import silenced_warnings
 from memfit.techniques.compiled import CAPTURE_PAUSES
 
 aten = torch.ops.aten
@@ -220,8 +220,7 @@ def cuda_autocast(tracker=None):
 
 def _register():
     lib = torch.library.Library("aten", "IMPL")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with silenced_warnings():
         for op, policy in _OVERRIDES.items():
             try:
                 lib.impl(op, _kernel(op, policy), "AutocastCPU", with_keyset=True)

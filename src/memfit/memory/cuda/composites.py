@@ -28,12 +28,12 @@ dispatcher falls back to the built-in kernels); while they exist they apply proc
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
 
 from memfit.memory.cuda import rnn as rnn_rule
 from memfit.memory.cuda import sdpa as sdpa_rule
+from memfit.quiet import silenced_warnings
 
 aten = torch.ops.aten
 
@@ -86,8 +86,7 @@ def cuda_composites(device):
 
     lib = torch.library.Library("aten", "IMPL")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with silenced_warnings():
             lib.impl("scaled_dot_product_attention", sdpa, "CompositeImplicitAutograd")
             lib.impl("dropout", _dropout, "CompositeImplicitAutograd")
             lib.impl("dropout_", _dropout_, "CompositeImplicitAutograd")
