@@ -32,8 +32,8 @@ def run(args: argparse.Namespace) -> int:
     c = Console(highlight=False, soft_wrap=True)
     wl, bs, dev = DEMO_PREDICT
     c.rule(f"1. Will GPT-2 (124M) train at batch {bs}, seq 1024 on an {dev} (24 GB)? fp32, bf16, bf16 + compiled blocks")
-    for plan in (Plan(precision="fp32"), Plan(precision="bf16"), Plan(precision="bf16", compile="blocks")):
-        print_estimate(estimate(wl, plan, batch_size=bs, device=dev), c)  # compile: Inductor's pipeline, traced
+    for p in (Plan(precision="fp32"), Plan(precision="bf16"), Plan(precision="bf16", compile="blocks")):
+        print_estimate(estimate(wl, p, batch_size=bs, device=dev), c)  # compile: Inductor's pipeline, traced
         c.print()
     wl, bs, dev = DEMO_PLAN
     c.rule(f"2. The fastest plan for batch {bs} that fits the {dev}")

@@ -136,9 +136,17 @@ def _real_backend(budget: float | None) -> Callable:
         def inductor(gm, example_inputs):
             from torch._inductor.compile_fx import compile_fx
             with _budget(budget):
-                return compile_fx(gm, example_inputs)
+                return compile_fx(gm, example_inputs, inner_compile=_inductor_inner)
         _REAL[budget] = inductor
     return _REAL[budget]
+
+
+def _inductor_inner(gm, example_inputs, **kwargs):
+    """Inductor's lowering, outside memfit's modes: the backward graph is compiled lazily, during
+    the first backward, where the tracker or the budget guard would count the compiler's tensors."""
+    from torch._inductor.compile_fx import compile_fx_inner
+    with _outside_modes():
+        return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
 def _predicting_backend(budget: float | None) -> Callable:
@@ -157,11 +165,12 @@ def _post_grad_then_run(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     from torch._guards import detect_fake_mode
     from torch._inductor.compile_fx import _recursive_post_grad_passes
     from torch._inductor.virtualized import V
-    try:
-        with V.set_fake_mode(detect_fake_mode(example_inputs)):
-            _recursive_post_grad_passes(gm, kwargs.get("is_inference", False))
-    except NotImplementedError:  # a pass that cannot rerun this graph on fake tensors: lower it as captured
-        pass
+    with _outside_modes():  # (the backward graph compiles lazily, inside the traced backward)
+        try:
+            with V.set_fake_mode(detect_fake_mode(example_inputs)):
+                _recursive_post_grad_passes(gm, kwargs.get("is_inference", False))
+        except NotImplementedError:  # a pass that cannot rerun this graph on fake tensors: lower it as captured
+            pass
     return _runner(gm, example_inputs)
 
 
@@ -194,7 +203,7 @@ def _outside_modes():
 def _runner(gm: torch.fx.GraphModule, example_inputs):
     """A 'compiler' for Inductor's pipeline that runs the graph on fake tensors under the modes of
     the call, allocating what Inductor's generated code allocates (NOTE [ Inductor fusions ])."""
-    fused = {n for n in gm.graph.nodes if not materialized(n)}
+    fused = fused_nodes(gm.graph)
     last_use = _last_uses(gm.graph)
 
     def run(args):
@@ -314,6 +323,11 @@ def _readers(node: torch.fx.Node):
             yield from _readers(user)
         else:
             yield user
+
+
+def fused_nodes(graph: torch.fx.Graph) -> set:
+    """The nodes Inductor computes inside their readers' kernels (NOTE [ Inductor fusions ])."""
+    return {n for n in graph.nodes if not materialized(n)}
 
 
 def materialized(node: torch.fx.Node) -> bool:
