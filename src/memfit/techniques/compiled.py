@@ -8,11 +8,11 @@ alike). Calling it:
 - with real tensors runs ``torch.compile(fn, backend=inductor, fullgraph=True)``: Inductor's
   kernels; AOTAutograd's min-cut partitioner decides what forward saves for backward under
   ``torch._functorch.config.activation_memory_budget``;
-- with fake tensors (``estimate``) runs the same capture, decompositions (Inductor's table) and
-  partitioner, with the same budget, but executes the partitioned forward and backward graphs
-  node by node on fake tensors under memfit's tracker (NOTE [ Compiled regions on fake tensors ]),
-  so the activations saved are the partitioner's own, exactly; what Inductor's fusions never
-  materialise is modelled (:func:`materialized`).
+- with fake tensors (``estimate``) runs the same capture and the same Inductor pipeline, with the
+  same budget: decompositions, the partitioner, post-grad passes, lowering, the scheduler's
+  fusions and order, buffer reuse, down to the generated Python wrapper, which then runs on fake
+  tensors with kernels that do nothing (NOTE [ Inductor's own wrapper on fake tensors ]). The
+  activations saved are the partitioner's and every buffer is Inductor's, exactly.
 
 NOTE [ Compiled regions on fake tensors ]
 torch.compile refuses to run under a user's dispatch mode (the tracker, the CUDA kernel model),
@@ -26,16 +26,19 @@ then runs outside memfit's (a profile's tracker, the CPU budget guard). The inde
 measurements still see it (the profiler's allocator events, the CUDA allocator's statistics);
 the tracker's breakdown of a measured step and the CPU budget guard do not see inside it.
 
-NOTE [ Inductor fusions ]
-Inductor fuses chains of pointwise ops into one kernel that reads the chain's inputs and writes its
-last result: the intermediate results never exist. The partitioned graphs are decomposed to
-Inductor's ops; a pointwise node whose result only pointwise ops or reductions read is computed
-inside its readers' kernel and takes no memory; every other result (graph outputs: saved
-activations and gradients; inputs of matmuls, convolutions, attention and other library kernels;
-reductions' results) is materialised as in eager mode. Inductor's buffer reuse gives memory back
-as eager frees do. Not modelled: Inductor's choice to materialise a pointwise result read by
-several kernels when recomputing it would be costly (it is assumed recomputed), and scheduler
-reordering; the report says the fusion model is one.
+NOTE [ Inductor's own wrapper on fake tensors ]
+What a compiled region allocates is decided by Inductor after the partition: which pointwise results
+its fusions materialise (a result read by several kernels is recomputed or stored depending on its
+cost), the order its scheduler picks (e.g. all of a low budget's recomputation first), which dying
+buffer a kernel writes into. Modelling those rules drifted from Inductor by up to a third of the
+peak at low budgets, so memfit does not model them: ``compile_fx_inner`` runs in full, and only
+the last step, loading the generated wrapper module, is replaced. The wrapper is executed in a
+private module (never Inductor's code cache, which the real compile reads) where kernels are
+no-ops and Inductor's direct allocators are replaced by ``torch.empty_strided``/``as_strided``,
+which fake mode and the tracker see. Library kernels the wrapper calls (matmuls with ``out=``,
+attention and other fallbacks) run on fake tensors as in eager mode. The kernels are generated
+but never compiled (Inductor's CPU code generator still probes the C++ compiler once, so a
+prediction needs one too).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import shutil
+import unittest.mock
 from collections.abc import Callable
 
 import torch
@@ -64,6 +68,7 @@ def compiled(fn: Callable, *, budget: float | None = None, name: str = "region",
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
+        _check_toolchain(args, kwargs)
         if _fake(args, kwargs):
             with _outside_modes() as modes, contextlib.ExitStack() as paused:
                 for pause in list(CAPTURE_PAUSES):
@@ -73,7 +78,6 @@ def compiled(fn: Callable, *, budget: float | None = None, name: str = "region",
                     return _explained(predicted, name, *args, **kwargs)
                 finally:
                     _RUNTIME_MODES.pop()
-        _check_toolchain(args, kwargs)
         with _outside_modes():  # NOTE [ Real compiled regions run outside memfit's modes ]
             return _explained(real, name, *args, **kwargs)
     return call
@@ -87,6 +91,12 @@ def _quiet_logging() -> None:
     ignored = getattr(torch._dynamo.config, "ignore_logging_functions", None)  # (torch >= 2.9)
     if once is not None and ignored is not None:
         ignored.add(once)
+    # Inductor's C++ code generator imports cpp_extension, which warns on a machine without CUDA
+    logging.getLogger("torch.utils.cpp_extension").addFilter(_no_cuda_runtime_warning)
+
+
+def _no_cuda_runtime_warning(record) -> bool:
+    return not str(record.msg).startswith("No CUDA runtime is found")
 
 
 def _explained(fn, name, *args, **kwargs):
@@ -156,22 +166,21 @@ def _predicting_backend(budget: float | None) -> Callable:
         def inductor_until_lowering(gm, example_inputs):
             from torch._inductor.compile_fx import compile_fx
             with _budget(budget):
-                return compile_fx(gm, example_inputs, inner_compile=_post_grad_then_run)
+                return compile_fx(gm, example_inputs, inner_compile=_lower_then_run)
         _PREDICTED[budget] = inductor_until_lowering
     return _PREDICTED[budget]
 
 
-def _post_grad_then_run(gm: torch.fx.GraphModule, example_inputs, **kwargs):
-    from torch._guards import detect_fake_mode
-    from torch._inductor.compile_fx import _recursive_post_grad_passes
-    from torch._inductor.virtualized import V
-    with _outside_modes():  # (the backward graph compiles lazily, inside the traced backward)
-        try:
-            with V.set_fake_mode(detect_fake_mode(example_inputs)):
-                _recursive_post_grad_passes(gm, kwargs.get("is_inference", False))
-        except NotImplementedError:  # a pass that cannot rerun this graph on fake tensors: lower it as captured
-            pass
-    return _runner(gm, example_inputs)
+def _lower_then_run(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+    """Inductor's whole ``compile_fx_inner`` (post-grad passes, lowering, scheduling and fusion,
+    buffer reuse, the generated Python wrapper) with the kernels' compilation left out: the wrapper
+    runs on fake tensors, allocating and freeing exactly what the real one does, under the modes of
+    the call (NOTE [ Inductor's own wrapper on fake tensors ])."""
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.graph import GraphLowering
+    with _outside_modes(), torch._inductor.config.patch(force_disable_caches=True), \
+            unittest.mock.patch.object(GraphLowering, "_compile_to_module_lines", _wrapper_without_kernels):
+        return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
 # -- running a partitioned graph on fake tensors ------------------------------------------------
@@ -200,141 +209,78 @@ def _outside_modes():
         _module._global_forward_hooks.update(post)
 
 
-def _runner(gm: torch.fx.GraphModule, example_inputs):
-    """A 'compiler' for Inductor's pipeline that runs the graph on fake tensors under the modes of
-    the call, allocating what Inductor's generated code allocates (NOTE [ Inductor fusions ])."""
-    fused = fused_nodes(gm.graph)
-    last_use = _last_uses(gm.graph)
+_NO_KERNELS = "async_compile = AsyncCompile()"
 
+
+def _wrapper_without_kernels(graph, wrapper_code):
+    """Stands in for ``GraphLowering._compile_to_module_lines``: the generated wrapper module, loaded
+    privately (never into Inductor's code cache, which the real compile reads) with kernels that do
+    nothing, and allocations that go through the dispatcher (so fake mode and the tracker see
+    them) rather than Inductor's direct C++ allocators."""
+    import hashlib
+    import types
+    source = wrapper_code.value
+    if _NO_KERNELS not in source:
+        raise RuntimeError("Inductor's wrapper code has changed shape: memfit cannot run it on fake tensors")
+    source = source.replace(_NO_KERNELS, "async_compile = _memfit_no_kernels", 1)
+    key = hashlib.sha256(source.encode()).hexdigest()[:16]
+    module = types.ModuleType(f"memfit_inductor_{key}")
+    module.__file__ = f"<memfit fake-tensor wrapper {key}>"
+    module.__dict__.update(graph.constants, _memfit_no_kernels=_NoKernels())
+    exec(compile(source, module.__file__, "exec"), module.__dict__)
+    module.__dict__.update(_FAKE_ALLOCATORS)
+    module.call = _under_call_modes(module.call)
+    graph.cache_key, graph.cache_path, graph.cache_linemap = key, None, []
+    return module
+
+
+class _NoKernels:
+    """``async_compile`` for a wrapper run on fake tensors: each kernel is a call that does nothing."""
+
+    def __getattr__(self, kind):
+        return lambda *args, **kwargs: _no_kernel
+
+    def wait(self, scope) -> None:
+        pass
+
+
+def _no_kernel(*args, **kwargs) -> None:
+    return None
+
+
+_no_kernel.run = _no_kernel
+
+
+def _empty_strided(size, stride, dtype, device="cpu"):
+    return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+
+def _empty_strided_cuda(size, stride, dtype):
+    return torch.empty_strided(size, stride, dtype=dtype, device="cuda")
+
+
+def _reinterpret(tensor, size, stride, offset):
+    return tensor.as_strided(size, stride, tensor.storage_offset() + offset)
+
+
+_FAKE_ALLOCATORS = {
+    "empty_strided_cpu": _empty_strided,
+    "empty_strided_cpu_pinned": _empty_strided,
+    "empty_strided_cuda": _empty_strided_cuda,
+    "reinterpret_tensor": _reinterpret,
+    "assert_size_stride": _no_kernel,
+    "assert_size_stride_grouped": _no_kernel,
+    "assert_alignment": _no_kernel,
+}
+
+
+def _under_call_modes(call: Callable) -> Callable:
+    """Forward runs inside the region's call, which stepped out of the modes: enter them again;
+    backward runs from autograd's engine, inside the step, where they are active already."""
     def run(args):
-        # forward runs inside the call, which stepped out of the modes: enter them again; backward
-        # runs from autograd's engine, inside the step, where they are active already
         modes = _RUNTIME_MODES[-1] if _RUNTIME_MODES else []
-        env: dict = {}
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        env.update(zip(placeholders, args))
-        args.clear()  # boxed convention: the inputs are freed as soon as their last reader ran
-        result = None
         with contextlib.ExitStack() as stack:
             for m in modes:
                 stack.enter_context(m)
-            for node in gm.graph.nodes:
-                if node.op == "placeholder":
-                    continue
-                if node.op == "output":
-                    result = torch.fx.node.map_arg(node.args[0], lambda a: env[a])
-                    break
-                a = torch.fx.node.map_arg(node.args, lambda a: env[a])
-                k = torch.fx.node.map_arg(node.kwargs, lambda a: env[a])
-                dying = [d for d in last_use.get(node, ()) if d.op != "get_attr"]
-                if node in fused:
-                    with _outside_modes():  # computed inside its readers' kernel: nothing allocated
-                        env[node] = _call(gm, node, a, k)
-                elif _writes_in_place(node, dying, env):
-                    with _outside_modes():
-                        out = _call(gm, node, a, k)
-                    del a, k
-                    for d in dying:  # the input whose buffer the kernel writes is given up first
-                        env.pop(d, None)
-                    env[node] = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device)
-                else:
-                    env[node] = _call(gm, node, a, k)
-                for done in dying:
-                    env.pop(done, None)
-        return result
-    run._boxed_call = True
+            return call(args)
     return run
-
-
-def _writes_in_place(node: torch.fx.Node, dying: list, env: dict) -> bool:
-    """Inductor writes a fused kernel's result into an input buffer that dies at that kernel when
-    the sizes match (its in-place buffer reuse), so the result takes no new memory."""
-    if not (_fusible(node) or (node.op == "call_function" and _reduction(node.target))):
-        return False
-    out = node.meta.get("val")
-    if not isinstance(out, torch.Tensor):
-        return False
-    nbytes = out.untyped_storage().nbytes() if out.numel() else 0
-    return any(isinstance(env.get(d), torch.Tensor) and env[d].untyped_storage().nbytes() == nbytes
-               and env[d]._base is None for d in dying)
-
-
-def _call(gm, node, args, kwargs):
-    if node.op == "call_function":
-        return node.target(*args, **kwargs)
-    if node.op == "call_method":
-        return getattr(args[0], node.target)(*args[1:], **kwargs)
-    if node.op == "get_attr":
-        return getattr(gm, node.target)
-    raise AssertionError(node.op)
-
-
-def _last_uses(graph) -> dict:
-    """node -> the nodes whose last reader it is (their values are dropped after it runs)."""
-    seen, out = set(), {}
-    for node in reversed(graph.nodes):
-        for used in node.all_input_nodes:
-            if used not in seen:
-                seen.add(used)
-                out.setdefault(node, []).append(used)
-    return out
-
-
-_REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mean", "std", "any", "all",
-               "argmax", "argmin", "logsumexp"}
-# Lowered by Inductor as (indirect) loads inside a fused kernel, like pointwise ops
-_LOADS = {"gather", "index", "embedding", "constant_pad_nd", "clone", "iota", "full", "arange", "scalar_tensor",
-          "where", "masked_fill", "slice_scatter", "select_scatter", "_to_copy", "convert_element_type",
-          "full_like", "zeros_like", "ones_like", "empty_like", "fill"}
-# Readers that write their fused inputs' values straight into their own output
-_GATHERING = {"cat"}
-
-
-def _name(target) -> str:
-    packet = getattr(target, "overloadpacket", None)
-    if packet is not None:
-        return packet.__name__
-    return getattr(target, "__name__", str(target))
-
-
-def _pointwise(target) -> bool:
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
-
-
-def _reduction(target) -> bool:
-    return isinstance(target, torch._ops.OpOverload) and _name(target) in _REDUCTIONS
-
-
-def _view(node: torch.fx.Node) -> bool:
-    target = node.target
-    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and any(
-        r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns)
-
-
-def _fusible(node: torch.fx.Node) -> bool:
-    """Computed inside whichever kernel reads it (a pointwise op, or a load)."""
-    return node.op == "call_function" and (_pointwise(node.target) or _name(node.target) in _LOADS)
-
-
-def _readers(node: torch.fx.Node):
-    """The nodes that read ``node``'s values, looking through views of it."""
-    for user in node.users:
-        if _view(user):
-            yield from _readers(user)
-        else:
-            yield user
-
-
-def fused_nodes(graph: torch.fx.Graph) -> set:
-    """The nodes Inductor computes inside their readers' kernels (NOTE [ Inductor fusions ])."""
-    return {n for n in graph.nodes if not materialized(n)}
-
-
-def materialized(node: torch.fx.Node) -> bool:
-    """Does Inductor write this node's result to memory? (NOTE [ Inductor fusions ])."""
-    if not _fusible(node):
-        return True
-    readers = list(_readers(node))
-    return not readers or any(
-        r.op != "call_function" or not (_fusible(r) or _reduction(r.target) or _name(r.target) in _GATHERING)
-        for r in readers)

@@ -95,11 +95,29 @@ def test_a_missing_cpu_compiler_is_named(monkeypatch):
         step(wl.batch(2))
 
 
-@pytest.mark.parametrize("plan", [Plan(compile="blocks"), Plan(compile="blocks", checkpointing="blocks"),
-                                  pytest.param(Plan(compile="full"), marks=pytest.mark.slow)],
-                         ids=["blocks", "blocks+ckpt", "full"])
+def test_peak_falls_with_the_budget_of_compiled_blocks():
+    """Each block is its own graph, so a lower budget recomputes within the block during its
+    backward: the predicted peak falls with F. (Not so for compile: full, see below.)"""
+    peaks = [estimate(SPEC, Plan(compile="blocks", checkpointing=f"budget:{f}"), batch_size=4, seq_len=64).peak_bytes
+             for f in (0, 0.5, 1)]
+    assert peaks == sorted(peaks) and peaks[0] < peaks[-1]
+
+
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("plan", [
+    Plan(compile="blocks"), Plan(compile="blocks", checkpointing="blocks"),
+    Plan(compile="blocks", checkpointing="budget:0"),
+    pytest.param(Plan(compile="full"), marks=SLOW),
+    pytest.param(Plan(compile="full", checkpointing="budget:0.5"), marks=SLOW),
+    pytest.param(Plan(compile="full", checkpointing="budget:0"), marks=SLOW)],
+    ids=["blocks", "blocks+ckpt", "blocks+budget0", "full", "full+budget0.5", "full+budget0"])
 def test_peak_predicted_against_the_profilers_measurement(plan):
     """Inductor's C++ kernels run for real; the profiler's allocator events (independent of memfit's
-    tracker) measure the steady-state peak; the estimate traced Inductor's pipeline on fake tensors."""
+    tracker) measure the steady-state peak; the estimate ran Inductor's own generated wrapper on fake
+    tensors. At budget 0 a whole-model graph recomputes the entire forward before its first backward
+    op and holds it (the partitioner recomputes each value once): its peak can exceed budget 1's,
+    and the prediction must say so too."""
     r = measured(PREDICT, plan, batch_size=4, seq_len=128)
-    assert abs(r.error_percent) <= 3.0, r.error_percent
+    assert abs(r.error_percent) <= 1.0, r.error_percent
