@@ -20,6 +20,7 @@ a technique means adding its module (and its test), nothing else:
 ``ablations()``               "without me": the configs the end-of-run report compares against
 ``label(batch_size)``         the compact label in ``Plan.short()``
 ``frugal(ctx)``               the next setting that uses less memory, for OOM adaptation
+``escalation(ctx)``           when adaptation asks for it (the technique's ``escalation`` unless moved)
 ``resolve(device)``           a concrete config for a device (``precision: auto``)
 ``trace_context()``           what a fake-tensor trace of it needs (a library's real code path)
 ``notes()``                   what an estimate of it approximates
@@ -69,7 +70,8 @@ class Technique:
     search: Callable[[SearchContext], list] | None = None
     """The plan values the planner tries (single-key techniques); None: not searched."""
     escalation: int | None = None
-    """OOM adaptation turns to this technique in this order (lower first); None: never."""
+    """OOM adaptation turns to this technique in this order (lower first); None: never. A config
+    may move itself in some plans (:meth:`Config.escalation`)."""
     depends_on_model: bool = False
     """Some models cannot take some values (e.g. no repeated blocks to checkpoint)."""
 
@@ -152,6 +154,12 @@ class Config:
     def frugal(self, ctx: AdaptContext) -> tuple[Config, str] | None:
         """A config that uses less memory and what to call the change, for OOM adaptation."""
         return None
+
+    def escalation(self, ctx: AdaptContext) -> int | None:
+        """When OOM adaptation asks this config for a more frugal one (lower first; None: never): the
+        technique's ``escalation``, unless the plan moves it (a compiled plan lowers its activation
+        memory budget before it splits the batch)."""
+        return self.technique.escalation
 
     # -- reporting ---------------------------------------------------------------------------
     def label(self, batch_size: int | None) -> str | None:

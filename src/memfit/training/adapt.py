@@ -4,8 +4,10 @@ Tools that halve the batch after an out-of-memory error change the effective bat
 training dynamics. memfit instead frees the failed step and *re-plans*: the same batch split into
 more, smaller micro-batches with gradient accumulation (the same samples in the same order, the
 same effective batch), and at micro-batch 1 more frugal techniques. Which technique to turn to,
-and in what order, the techniques say themselves (``Technique.escalation``, ``Config.frugal``):
-micro-batches first, then block checkpointing, then activation offload. The adapted plan is a new
+and in what order, the techniques say themselves (``Config.escalation``, ``Config.frugal``):
+micro-batches first, then block checkpointing, then activation offload; a compiled plan first
+lowers its activation memory budget (``checkpointing: budget:F``, see
+memfit.techniques.checkpointing), then splits the batch. The adapted plan is a new
 step built by ``build_step``, the one path that applies techniques, with the model, optimizer,
 scaler and EMA moved across through the state dicts checkpoints use (memfit.training.rebuild).
 The RNG state of the step is restored and the same batch retried. Every adaptation is logged
@@ -34,7 +36,6 @@ from memfit.plans import Plan
 from memfit.quiet import silenced_warnings
 from memfit.step import TrainStep
 from memfit.target import Target
-from memfit.techniques import TECHNIQUES
 from memfit.techniques.base import AdaptContext
 from memfit.training.rebuild import rebuild
 
@@ -44,11 +45,13 @@ Fits = Callable[[Plan], bool]
 def adapt(plan: Plan, batch_size: int, model: torch.nn.Module, fits: Fits | None = None) -> tuple[Plan, str]:
     """A plan that uses less memory than ``plan``, and what changed. Raises when out of options.
 
-    ``fits(plan)``: whether the estimate predicts ``plan`` fits. With it, the micro-batch goes
-    straight to the largest size predicted to fit instead of halving one OOM at a time."""
+    ``fits(plan)``: whether the estimate predicts ``plan`` fits. With it, the micro-batch (or a
+    compiled plan's activation budget) goes straight to the largest predicted to fit instead of
+    stepping down one OOM at a time."""
     ctx = AdaptContext(plan=plan, batch_size=batch_size, model=model, fits=fits)
-    for technique in sorted((t for t in TECHNIQUES if t.escalation is not None), key=lambda t: t.escalation):
-        step = plan.config(technique.name).frugal(ctx)
+    order = [(c.escalation(ctx), i, c) for i, c in enumerate(plan.techniques)]
+    for _, _, current in sorted(o for o in order if o[0] is not None):
+        step = current.frugal(ctx)
         if step is None:
             continue
         config, change = step
@@ -97,13 +100,11 @@ class FitPredictor:
             self.cache[plan] = self._trace(plan)
         return self.cache[plan]
 
-    def precompute(self, plan: Plan) -> None:
-        """Trace the micro-batch sizes below ``plan``'s, largest first, up to the first that fits."""
-        bs = self.target.batch_size
-        m, _ = plan.micro_batches(bs)
-        for d in range(m // 2, 0, -1):
-            if bs % d == 0 and self(plan.replace(micro_batch_size=d, grad_accum_steps=1)):
-                return
+    def precompute(self, plan: Plan, model: torch.nn.Module) -> None:
+        """Trace the remedy :func:`adapt` would turn to first for ``plan`` (e.g. the micro-batch sizes
+        below ``plan``'s, largest first, up to the first that fits); ``model``: its structure."""
+        with contextlib.suppress(OutOfAdaptations):
+            adapt(plan, self.target.batch_size, model, self)
 
     def _trace(self, plan: Plan) -> bool:
         with (self.paused() if self.paused is not None else contextlib.nullcontext()), silenced_warnings():

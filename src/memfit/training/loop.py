@@ -38,6 +38,7 @@ from memfit.memory.estimate import estimate_target
 from memfit.memory.guard import BudgetGuard
 from memfit.memory.measure import PeakWindow
 from memfit.planner.search import plan as make_plan
+from memfit.planner.space import model_facts
 from memfit.plans import Plan
 from memfit.quiet import silenced_warnings
 from memfit.step import TrainStep, build_step, make_batch
@@ -143,7 +144,8 @@ class _Run:
                                      paused=self.guard.paused if self.guard is not None else None,
                                      blocked=lambda: self.window is not None and self.window.prof is not None)
             if self._expects_oom:
-                self.fits.precompute(target.plan)  # OOMs are expected: trace their remedy before the window opens
+                # OOMs are expected: trace their remedy before the window opens
+                self.fits.precompute(target.plan, model_facts(target.workload).model)
 
     @property
     def _expects_oom(self) -> bool:
