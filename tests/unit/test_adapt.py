@@ -113,7 +113,7 @@ def test_adaptation_order_comes_from_the_techniques():
 
 def test_a_compiled_plan_lowers_its_activation_budget_before_micro_batches():
     """NOTE [ Activation budget ladder ]: compile without checkpointing (torch's budget 1) -> budget:0.5
-    -> budget:0, then micro-batches, then offload; a compiled plan that checkpoints blocks or selectively
+    -> budget:0.1, then micro-batches, then offload; a compiled plan that checkpoints blocks or selectively
     keeps its mode and goes straight to micro-batches. Eager plans are unchanged (the test above)."""
     model = load_workload(SPEC, seq_len=64).model()
     for mode in ("blocks", "full"):
@@ -121,12 +121,12 @@ def test_a_compiled_plan_lowers_its_activation_budget_before_micro_batches():
         assert plan == Plan(compile=mode, checkpointing="budget:0.5")
         assert change.startswith("checkpointing: budget:0.5 (the compiled regions' activation memory budget, was 1")
         plan, change = adapt(plan, 8, model)
-        assert plan == Plan(compile=mode, checkpointing="budget:0") and "was 0.5" in change
+        assert plan == Plan(compile=mode, checkpointing="budget:0.1") and "was 0.5" in change
         plan, change = adapt(plan, 8, model)
-        assert plan == Plan(compile=mode, checkpointing="budget:0", micro_batch_size=4)
+        assert plan == Plan(compile=mode, checkpointing="budget:0.1", micro_batch_size=4)
     # lowered first even when the plan already splits the batch
     assert adapt(Plan(compile="blocks", micro_batch_size=2), 8, model)[0].checkpointing == "budget:0.5"
-    plan, _ = adapt(Plan(compile="blocks", checkpointing="budget:0", micro_batch_size=1), 8, model)
+    plan, _ = adapt(Plan(compile="blocks", checkpointing="budget:0.1", micro_batch_size=1), 8, model)
     assert plan.offload == ("activations",)
     for mode in ("blocks", "selective"):
         assert adapt(Plan(compile="full", checkpointing=mode), 8, model)[0] == \
@@ -139,9 +139,9 @@ def test_predictions_pick_the_largest_budget_predicted_to_fit():
 
     def fits(p):
         asked.append(p.checkpointing)
-        return p.checkpointing == "budget:0"
+        return p.checkpointing == "budget:0.1"
     plan, change = adapt(Plan(compile="blocks"), 8, model, fits=fits)
-    assert plan.checkpointing == "budget:0" and "the largest predicted to fit" in change
-    assert asked[:2] == ["budget:0.5", "budget:0"]
+    assert plan.checkpointing == "budget:0.1" and "the largest predicted to fit" in change
+    assert asked[:2] == ["budget:0.5", "budget:0.1"]
     plan, change = adapt(Plan(compile="blocks"), 8, model, fits=lambda p: False)  # none fits: the lowest
-    assert plan.checkpointing == "budget:0" and "predicted" not in change
+    assert plan.checkpointing == "budget:0.1" and "predicted" not in change
