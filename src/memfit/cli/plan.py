@@ -10,9 +10,9 @@ from memfit.cli.common import add_plan_args, add_workload_args, batch_and_seq, p
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="find the fastest plan that fits a memory budget (no OOM trials)",
-                       description="Search precision, checkpointing, optimizer, offload, loss chunking, attention "
-                                   "and micro-batching on predictions: every candidate's memory comes from an exact "
-                                   "fake-tensor trace, its time from a cost model.")
+                       description="Search precision, checkpointing, optimizer, offload, loss chunking, attention, "
+                                   "compile and micro-batching on predictions: every candidate's memory comes from "
+                                   "an exact fake-tensor trace, its time from a cost model.")
     add_workload_args(p)
     add_plan_args(p)
     p.add_argument("--budget", help="memory budget: 20GiB, 1.5GB, 80%% of the device; default: capacity minus 10%%")
@@ -23,6 +23,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--optimizers", default="adamw,adamw8bit",
                    help="optimizer variants to consider (adamw,adamw8bit,adafactor,sgd)")
     p.add_argument("--max-traces", default="60", help="most candidate plans to trace")
+    p.add_argument("--compile-modes", metavar="MODES",
+                   help="compile modes to consider (none,blocks,full), the compiled ones also with activation "
+                        "budgets 0.5 and 0.1; default: none (on the CPU timing them compiles each for real; on "
+                        "GPU presets each candidate is traced through Inductor: slow for large models)")
+    p.add_argument("--steps", metavar="N", help="the run's length in steps: compile time then counts as compile "
+                                                "seconds / N per step (default: a long run, compile time not counted)")
     p.set_defaults(run=run)
 
 
@@ -33,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from memfit.planner.search import plan
     from memfit.plans import Plan
     from memfit.report.planner import print_plan_result, save_pareto_png
+    from memfit.techniques.compile import MODES as COMPILE_MODES
     from memfit.techniques.optimizers import NAMES as OPTIMIZERS
     from memfit.units import parse_positive_int
 
@@ -42,6 +49,14 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(args.out, "--out", example="plan.yaml")
     if args.pareto:
         check_output_file(args.pareto, "--pareto", example="pareto.png", suffixes=IMAGE_SUFFIXES)
+    steps = parse_positive_int(args.steps, "--steps") if args.steps is not None else None
+    compile_modes = None
+    if args.compile_modes is not None:
+        compile_modes = tuple(m.strip() for m in args.compile_modes.split(",") if m.strip())
+        bad = [m for m in compile_modes if m not in COMPILE_MODES] or ([] if compile_modes else [""])
+        if bad:
+            raise UserError(f"--compile-modes: unknown mode {bad[0]!r}; give some of {', '.join(COMPILE_MODES)}, "
+                            "separated by commas")
     optimizers = tuple(o.strip() for o in args.optimizers.split(",") if o.strip())
     for o in optimizers:
         if o not in OPTIMIZERS:
@@ -50,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     fixed = {k: v for k, v in given.to_dict().items() if v != Plan().to_dict()[k]}
     result = plan(args.workload, budget=args.budget, device=args.device, batch_size=bs, seq_len=seq,
                   optimizers=optimizers, max_traces=max_traces,
-                  fixed=fixed)
+                  fixed=fixed, compile_modes=compile_modes, steps=steps)
     if args.pareto:
         save_pareto_png(result, args.pareto)
     if result.chosen and args.out:

@@ -1,7 +1,9 @@
 """plan(): the fastest plan that fits, found on predictions.
 
 1. Enumerate the valid plans of the search space (memfit.planner.space).
-2. Predict every plan's step time (memfit.planner.cost): cheap, no trace per plan.
+2. Predict every plan's step time (memfit.planner.cost): cheap, no trace per plan. Compile time
+   is shown beside it, and counted per step when the run's length is given (``steps``: step +
+   compile / steps), so a short run can prefer an eager plan.
 3. Walk the plans from fastest to slowest; predict the memory of each with ``estimate`` (an exact
    fake-tensor trace of the real TrainStep). The first that fits is the answer.
 4. Prune without tracing: a plan that saves no more memory in any dimension than a plan that
@@ -27,7 +29,7 @@ from memfit.errors import UserError
 from memfit.memory.budget import Budget
 from memfit.memory.estimate import estimate_target
 from memfit.planner import cost
-from memfit.planner.space import candidates, default_space, model_facts, saves_no_more_than
+from memfit.planner.space import candidates, default_space, drop_unused, model_facts, saves_no_more_than
 from memfit.plans import Plan, technique_of
 from memfit.quiet import silenced_warnings
 from memfit.step import build_step
@@ -43,7 +45,12 @@ WALK_BEFORE_FEASIBILITY = 8
 class Candidate:
     plan: Plan
     seconds: float
-    """Predicted step time."""
+    """Predicted seconds per step, what plans are ranked by: the steady step, plus compile time
+    spread over the run when its length is given."""
+    step_seconds: float | None = None
+    """Predicted steady step time (None: ``seconds``)."""
+    compile_seconds: float = 0.0
+    """One-time compile seconds before the first step: measured (calibrated) or predicted (roofline)."""
     status: str = "not evaluated"
     """chosen | too big | pruned | slower | not evaluated"""
     reason: str = ""
@@ -65,14 +72,18 @@ class PlanResult:
     seconds: float = 0.0
     smallest: Candidate | None = None
     """When nothing fits: the plan with the smallest footprint found, and its footprint."""
+    run_steps: int | None = None
+    """The run's length compile time was spread over (None: not counted)."""
 
     def to_json(self) -> dict:
         def row(c: Candidate) -> dict:
-            return {"plan": c.plan.to_dict(), "predicted_step_seconds": c.seconds, "status": c.status,
+            return {"plan": c.plan.to_dict(), "predicted_step_seconds": c.seconds,
+                    "steady_step_seconds": c.step_seconds if c.step_seconds is not None else c.seconds,
+                    "compile_seconds": c.compile_seconds, "status": c.status,
                     "reason": c.reason, "used_bytes": c.used_bytes, "peak_bytes": c.peak_bytes}
         evaluated = [c for c in self.candidates if c.status != "not evaluated"]
         return {"workload": self.workload, "device": self.device, "batch_size": self.batch_size,
-                "budget_bytes": self.budget_bytes, "time_model": self.time_model,
+                "budget_bytes": self.budget_bytes, "time_model": self.time_model, "run_steps": self.run_steps,
                 "chosen": row(self.chosen) if self.chosen else None, "traces": self.traces,
                 "planning_seconds": self.seconds, "candidates_total": len(self.candidates),
                 "smallest": row(self.smallest) if self.smallest else None,
@@ -87,19 +98,25 @@ def resolve_budget(budget: str | int | None, device: Device) -> int:
 def plan(workload: Workload | str, *, budget: str | int | None = None, device: str | Device = "cpu",
          batch_size: int | None = None, seq_len: int | None = None,
          optimizers: tuple[str, ...] = ("adamw", "adamw8bit"), max_traces: int = 60,
-         time_model: cost.TimeModel | None = None, space=None, fixed: dict | None = None) -> PlanResult:
+         time_model: cost.TimeModel | None = None, space=None, fixed: dict | None = None,
+         compile_modes: tuple[str, ...] | None = None, steps: int | None = None) -> PlanResult:
     """The fastest plan for ``workload`` whose predicted memory fits ``budget`` on ``device``.
 
     ``fixed``: plan fields the user set (``--precision bf16``); the search covers the others.
+    ``compile_modes``: the compile modes to search (None: the device's default, ``none`` for now;
+    memfit.techniques.compile says why). ``steps``: the run's
+    length; compile time then counts as compile seconds / steps per step (None: a long run).
     """
     t0 = time.perf_counter()
+    if steps is not None and (not isinstance(steps, int) or steps < 1):
+        raise UserError(f"plan: steps must be a whole number >= 1 (the run's length), got {steps!r}")
     target = Target.resolve(workload, None, batch_size, device, seq_len=seq_len)
     wl, dev, bs = target.workload, target.device, target.batch_size
     budget_obj = Budget.resolve(budget, dev)
     budget_bytes = budget_obj.bytes
     facts = model_facts(wl)
     _check_budget_above_weights(budget_bytes, facts, dev)
-    space = space or default_space(facts, dev, bs, optimizers)
+    space = space or default_space(facts, dev, bs, optimizers, compile_modes)
     fixed, constrained = _constrain(space, dict(fixed or {}), dev, bs)
     _check_suits(target, constrained)
     for m in space.micro_batches:
@@ -115,6 +132,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
         plans = kept
     if not plans:
         raise UserError("plan: no valid plan is left with the fields you fixed; remove some of the plan flags")
+    drop_unused(space, plans)
     with silenced_warnings():
         model = time_model or (cost.roofline(target, space, facts) if dev.is_gpu else cost.calibrate(target, space))
     for name, value in constrained.items():
@@ -122,7 +140,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
             why = next((x.split(": ", 1)[-1] for x in model.excluded if x.startswith(f"{name}=")), "")
             raise _unsuited(wl, name, value, why)
     plans = [p for p in plans if all(getattr(p, n) in v for n, v in space.values.items())]  # after exclusions
-    ranked = sorted((Candidate(p, model.predict(p)) for p in plans), key=lambda c: c.seconds)
+    ranked = sorted((Candidate(p, model.per_step(p, steps), step_seconds=model.predict(p),
+                               compile_seconds=model.warmup(p)) for p in plans), key=lambda c: c.seconds)
     failed: list[Candidate] = []
     chosen, traces = None, 0
     maximal: list[Candidate] | None = None
@@ -163,7 +182,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
         reason = invalid.reason.removeprefix("plan: ") if invalid else "no candidate plan is left"
         raise UserError(f"plan: no candidate plan can run {wl.name}: {reason}")
     result = PlanResult(workload=wl.name, device=dev.name, batch_size=bs, budget_bytes=budget_bytes,
-                        time_model=model.describe(), chosen=chosen, candidates=ranked, traces=traces)
+                        time_model=model.describe(), chosen=chosen, candidates=ranked, traces=traces,
+                        run_steps=steps)
     if chosen is None:  # nothing fits (or the trace limit came first): the smallest footprint seen
         traced = [c for c in ranked if c.used_bytes is not None]
         result.smallest = min(traced, key=lambda c: c.used_bytes) if traced else None
@@ -247,13 +267,16 @@ def _trace_all(cands: list[Candidate], target: Target, budget: Budget, failed: l
 
 
 def _maximal(ranked: list[Candidate], bs: int) -> list[Candidate]:
-    """Plans that no other plan dominates in memory saving (fastest first)."""
-    out = []
+    """Plans that no other plan dominates in memory saving (fastest first). One pass that keeps the
+    maximal plans so far (dominance is transitive): O(plans x maximal plans), not O(plans^2)."""
+    def dominates(d: Candidate, c: Candidate) -> bool:
+        return saves_no_more_than(c.plan, d.plan, bs) and not saves_no_more_than(d.plan, c.plan, bs)
+    out: list[Candidate] = []
     for c in ranked:
-        if not any(d is not c and saves_no_more_than(c.plan, d.plan, bs) and not saves_no_more_than(d.plan, c.plan, bs)
-                   for d in ranked):
-            out.append(c)
-    return out
+        if not any(dominates(m, c) for m in out):
+            out = [m for m in out if not dominates(c, m)] + [c]
+    order = {id(c): i for i, c in enumerate(ranked)}
+    return sorted(out, key=lambda c: order[id(c)])
 
 
 def _check_budget_above_weights(budget: int, facts, dev: Device) -> None:

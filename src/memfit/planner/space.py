@@ -3,7 +3,7 @@
 Each technique says which values of its plan key the planner tries (``Technique.search``), given
 the model's structure (built on the meta device), the device and the planner's options: e.g.
 checkpointing only where the model has repeated blocks, offload on GPU presets only (on the CPU
-the host *is* the device), loss chunks for Hugging Face causal LMs. Micro-batch size x
+the host *is* the device), loss chunks for Hugging Face causal LMs, compile modes when asked (``compile_modes``). Micro-batch size x
 accumulation keeps the global batch fixed. Invalid combinations are dropped by the Plan's own
 validation.
 
@@ -58,13 +58,23 @@ def model_facts(workload: Workload) -> ModelFacts:
 
 
 def default_space(facts: ModelFacts, device: Device, batch_size: int,
-                  optimizers: tuple[str, ...] = ("adamw", "adamw8bit")) -> SearchSpace:
+                  optimizers: tuple[str, ...] = ("adamw", "adamw8bit"),
+                  compile_modes: tuple[str, ...] | None = None) -> SearchSpace:
+    """``compile_modes``: the compile modes to try; None: the device's default (memfit.techniques.compile)."""
     ctx = SearchContext(model=facts.model, device=device, batch_size=batch_size,
-                        options={"optimizers": optimizers})
+                        options={"optimizers": optimizers, "compile_modes": compile_modes})
     values = {t.keys[0].name: list(t.search(ctx)) for t in TECHNIQUES if t.search is not None}
     micro = [m for m in (batch_size, batch_size // 2, batch_size // 4, batch_size // 8)
              if m >= 1 and batch_size % m == 0]
     return SearchSpace(values=values, micro_batches=sorted(set(micro), reverse=True), notes=list(ctx.notes))
+
+
+def drop_unused(space: SearchSpace, plans: list[Plan]) -> None:
+    """Leave out the values no plan takes (``budget:F`` when no compile mode is searched), so the
+    time model does not time them."""
+    for name, values in space.values.items():
+        taken = {getattr(p, name) for p in plans}
+        values[:] = [v for v in values if v in taken]
 
 
 def candidates(space: SearchSpace, batch_size: int) -> list[Plan]:

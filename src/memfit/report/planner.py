@@ -18,30 +18,42 @@ def print_plan_result(result, console: Console | None = None, top: int = 12) -> 
             f"budget {fmt_bytes(result.budget_bytes)} · {len(result.candidates)} candidate plans, "
             f"{result.traces} traced, {result.seconds:.1f} s")
     c.print(f"[dim]time model: {result.time_model}[/]")
+    if result.run_steps:
+        c.print(f"[dim]ms/step: over a run of {result.run_steps} steps, compile time included[/]")
     if result.chosen:
         ch = result.chosen
+        compiling = f" · compile {_compile_time(ch)}" if ch.compile_seconds else ""
         c.print(f"[green]chosen:[/] {escape(ch.plan.describe())} · predicted {fmt_bytes(ch.used_bytes)} · "
-                f"{ch.seconds * 1e3:.1f} ms/step")
+                f"{ch.seconds * 1e3:.1f} ms/step{compiling}")
         c.print(escape(ch.plan.to_yaml().rstrip()))
     else:
         s = result.smallest
         c.print(f"[red]nothing fits in {fmt_bytes(result.budget_bytes)}.[/] The smallest footprint found is "
                 f"{fmt_bytes(s.used_bytes)} with: {escape(s.plan.describe())}; a budget of at least that would fit.")
     t = Table(title="alternatives, fastest first", show_edge=False, pad_edge=False, box=None)
-    for col, just in (("plan", "left"), ("memory", "right"), ("ms/step", "right"), ("status", "left")):
-        t.add_column(col, justify=just)
     shown = [x for x in result.candidates if x.status in ("chosen", "too big")][:top]
     shown += [x for x in result.candidates if x.status == "slower"][:max(3, top - len(shown))]
+    compiles = any(x.compile_seconds for x in shown)
+    for col, just in (("plan", "left"), ("memory", "right"), ("ms/step", "right")) + \
+            ((("compile", "right"),) if compiles else ()) + (("status", "left"),):
+        t.add_column(col, justify=just)
     for x in shown:
         mem = fmt_bytes(x.used_bytes) if x.used_bytes is not None else "-"
         style = {"chosen": "green", "too big": "red"}.get(x.status, "dim")
-        t.add_row(escape(x.plan.short(result.batch_size)), mem, f"{x.seconds * 1e3:.1f}",
+        compile_cell = (_compile_time(x) if x.compile_seconds else "-",) if compiles else ()
+        t.add_row(escape(x.plan.short(result.batch_size)), mem, f"{x.seconds * 1e3:.1f}", *compile_cell,
                   f"[{style}]{x.status}[/]: {escape(x.reason)}")
     c.print(t)
     pruned = sum(x.status == "pruned" for x in result.candidates)
     if pruned:
         c.print(f"[dim]{pruned} plans pruned without tracing: they save no more memory than a plan that did "
                 "not fit[/]")
+
+
+def _compile_time(candidate) -> str:
+    """One-time compile seconds (measured here or predicted by the roofline; see the time model)."""
+    s = candidate.compile_seconds
+    return f"{s:.0f} s" if s >= 10 else f"{s:.1f} s"
 
 
 def save_pareto_png(result, path: str | Path) -> Path:

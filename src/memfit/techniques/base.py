@@ -15,6 +15,7 @@ a technique means adding its module (and its test), nothing else:
 ``check(plan)``               refuse combinations with other techniques (a ``UserError`` with the fix)
 ``saves_at_most(other, b)``   memory order for the planner's pruning (by ``rank`` unless overridden)
 ``time_factor(roofline)``     the roofline time model's factor; ``adds_work`` for the calibrated one
+``warmup_seconds(r, plan)``   the roofline model's one-time seconds before the first step (compiling)
 ``export(into)``              Hugging Face ``TrainingArguments`` / Lightning ``Trainer`` arguments, and
                               what has no equivalent there
 ``ablations()``               "without me": the configs the end-of-run report compares against
@@ -100,6 +101,8 @@ class Config:
     """Memory-saving rank within the technique (higher saves more); None: not comparable."""
     adds_work: ClassVar[bool] = False
     """Only adds work (recompute, copies): a calibrated factor below 1 is timing noise."""
+    warms_up: ClassVar[bool] = False
+    """Costs time once before the first step (compiling): the calibrated model measures it."""
 
     # -- what the plan holds -----------------------------------------------------------------
     def values(self) -> dict[str, Any]:
@@ -150,6 +153,11 @@ class Config:
     def time_factor(self, roofline: Roofline) -> float:
         """The roofline model's step-time factor of this config against the technique's default."""
         return 1.0
+
+    def warmup_seconds(self, roofline: Roofline, plan) -> float:
+        """The roofline model's one-time seconds this config adds before the first step of ``plan``
+        runs (compiling), not counted in the step time."""
+        return 0.0
 
     def frugal(self, ctx: AdaptContext) -> tuple[Config, str] | None:
         """A config that uses less memory and what to call the change, for OOM adaptation."""
@@ -294,6 +302,10 @@ class Roofline:
     host_link_bandwidth: float
     optimizer_seconds: float
     """The default optimizer's (AdamW's) memory-bound update."""
+    forward_ops: int = 0
+    """ATen ops of the forward (the graph size ``compile: full`` compiles)."""
+    block_ops: int = 0
+    """ATen ops of one repeated block's forward (the graph ``compile: blocks`` compiles once)."""
 
 
 @dataclass

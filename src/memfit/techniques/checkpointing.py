@@ -19,14 +19,15 @@ NOTE [ Activation budget ladder ]: a compiled plan without checkpointing runs at
 budget (1: keep what the partitioner keeps anyway). Lowering F buys memory inside the compiled
 regions with the batch kept whole (H100, GPT-2: F 0.5 took 5.5 GiB at +19% step time where compile
 alone took 6.6 GiB), so OOM adaptation lowers it first, along ``BUDGET_LADDER`` (1 -> 0.5 -> 0.1),
-then splits the batch. The ladder stops at 0.1, not 0: at budget 0 a whole-model graph (``compile:
-full``) recomputes its entire forward before the first backward op and holds it, so its peak can
-exceed that of no budget (+12% predicted for the 2-layer GPT-2 at batch 4 x 128 whose compiled peaks
-tests/unit/techniques/test_compile.py checks against the profiler), while 0.1 came out below 0.5 for
-whole-model graphs and blocks alike (the H100 recording; predictions of that GPT-2). Peak memory is
-not monotone in F for whole-model graphs (0.25 above 0.5 on that GPT-2), so budgets stay out of the
-memory order the planner prunes by (``rank = None``). A compiled plan that checkpoints blocks or
-selectively keeps its mode (the budget is a checkpointing mode of its own).
+then splits the batch; the planner searches the same fractions. The ladder stops at 0.1, not 0: at
+budget 0 a whole-model graph (``compile: full``) recomputes its entire forward before the first
+backward op and holds it, so its peak can exceed that of no budget (+12% predicted for the 2-layer
+GPT-2 at batch 4 x 128 whose compiled peaks tests/unit/techniques/test_compile.py checks against the
+profiler), while 0.1 came out below 0.5 for whole-model graphs and blocks alike (the H100 recording;
+predictions of that GPT-2). Peak memory is not monotone in F for whole-model graphs (0.25 above 0.5
+on that GPT-2), so budgets stay out of the memory order the planner prunes by (``rank = None``). A
+compiled plan that checkpoints blocks or selectively keeps its mode (the budget is a checkpointing
+mode of its own).
 
 All use non-reentrant ``torch.utils.checkpoint`` with the RNG state restored, so dropout gives
 the same result, and the model's code and module types stay unchanged (only the blocks'
@@ -74,6 +75,12 @@ BUDGET_LADDER = (0.5, 0.1)
 budget ladder ])."""
 BUDGET_ESCALATION = 5
 """A compiled plan's budget is lowered before micro-batches (accumulation's escalation: 10)."""
+BUDGET_RECORDING = ((0.1, 43.8, 89.9), (0.5, 41.8, 129.5), (1.0, 35.2, 45.6))
+"""(budget fraction, ms/step, compile seconds) measured on one H100: a hand-written GPT-2 124M, batch
+8 x 1024, bf16 autocast, AdamW, ``torch.compile(model)``, no memfit
+(gpu-ground-truth/h100-handwritten-gpt2-compile.jsonl; compile seconds: the first step's warm-up less
+eager's 0.76 s); fraction 1 is compile without a budget. The roofline's budget factors are
+interpolated in this one recording (below 0.1: the 0.1 figures); nothing else calibrates them."""
 
 
 def find_blocks(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
@@ -255,6 +262,7 @@ class MemoryBudgetAC(Checkpointing):
     fraction: float = 0.5
     """0 keeps as little as it can (recompute all it can), 1 keeps what compile keeps anyway."""
     rank = None
+    warms_up = True  # the partitioner's search
 
     def __post_init__(self) -> None:
         if not 0 <= self.fraction <= 1:
@@ -277,6 +285,14 @@ class MemoryBudgetAC(Checkpointing):
     def frugal(self, ctx: AdaptContext):
         return _lower_budget(ctx, self.fraction)
 
+    def time_factor(self, r: Roofline) -> float:
+        """Against compile without a budget, from ``BUDGET_RECORDING``."""
+        return _recorded(self.fraction)[0]
+
+    def warmup_seconds(self, r: Roofline, plan) -> float:
+        """The partitioner's extra compile time, from ``BUDGET_RECORDING``."""
+        return plan.config("compile").warmup_seconds(r, plan) * (_recorded(self.fraction)[1] - 1)
+
 
 def _compiles(plan) -> bool:
     return plan.config("compile").compiles
@@ -294,6 +310,18 @@ def _lower_budget(ctx: AdaptContext, fraction: float):
         predicted = ctx.fits(ctx.plan.with_config(MemoryBudgetAC(chosen)))
     return (MemoryBudgetAC(chosen), f"checkpointing: budget:{chosen:g} (the compiled regions' activation memory "
             f"budget, was {fraction:g}" + ("; the largest predicted to fit)" if predicted else ")"))
+
+
+def _recorded(fraction: float) -> tuple[float, float]:
+    """(step time, compile time) at budget ``fraction``, relative to compile without a budget,
+    interpolated in ``BUDGET_RECORDING``."""
+    f = min(max(fraction, BUDGET_RECORDING[0][0]), 1.0)
+    for (f0, s0, c0), (f1, s1, c1) in zip(BUDGET_RECORDING, BUDGET_RECORDING[1:]):
+        if f <= f1:
+            w = (f - f0) / (f1 - f0)
+            _, step, compile_s = BUDGET_RECORDING[-1]
+            return (s0 + w * (s1 - s0)) / step, (c0 + w * (c1 - c0)) / compile_s
+    raise AssertionError(fraction)
 
 
 _GRAMMAR = re.compile(r"^(none|blocks|blocks:every=(\d+)|selective|budget:([0-9]*\.?[0-9]+))$")
@@ -315,7 +343,9 @@ def parse(values: dict) -> Checkpointing:
 
 
 def search(ctx: SearchContext) -> list[str]:
-    return ["none", "blocks:every=2", "selective", "blocks"] if find_blocks(ctx.model) else ["none"]
+    """Budgets too: plans that do not compile refuse them (the planner searches compile where asked)."""
+    budgets = [f"budget:{f:g}" for f in BUDGET_LADDER]
+    return (["none", "blocks:every=2", "selective", "blocks"] if find_blocks(ctx.model) else ["none"]) + budgets
 
 
 TECHNIQUE = register(

@@ -17,26 +17,59 @@ once per process: compiled regions are cached) and, on a CPU, a C++ compiler.
 
 ``checkpointing: budget:F`` sets the partitioner's activation memory budget for the compiled
 regions (it needs compile). ``estimate`` predicts a compiled step on fake tensors by running the
-same capture and partitioner and modelling Inductor's fusions (memfit.techniques.compiled).
+same capture and Inductor pipeline down to its generated wrapper, run with no-op kernels
+(memfit.techniques.compiled).
+
+Planning (:func:`search`, ``DEFAULT_SEARCH``): compile modes are searched when asked (``memfit plan
+--compile-modes none,blocks,full``), on every device for now. On the CPU the calibrated time model
+compiles each mode for real (10-30 s for a 2-layer GPT-2 on 2 cores, minutes for GPT-2 124M). On GPU
+presets plans are only traced, but each distinct candidate (precision, micro-batch, budget) is a new
+capture through Inductor's passes: seconds for a small block, about a minute for GPT-2 124M's whole
+graph, and planning Llama-2-7B with ``blocks`` searched took 7 minutes (30 s without) and then
+failed on Dynamo's recompile limit (8 graphs per code object: every traced variant of a block is
+one). In the planner's memory order a compiled plan saves at least what the same plan saves eager
+(so predicted for GPT-2 with each eager checkpointing mode, on the CPU and a GPU preset); ``blocks``
+and ``full`` are not ordered (with a budget, whole-model graphs can hold more than blocks). The
+roofline's compiled step time and compile time come from one H100 recording
+(``COMPILED_STEP_FACTOR``, ``COMPILE_SECONDS_PER_OP``).
 """
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 
 from memfit.errors import UserError
-from memfit.techniques.base import Config, Export, Key, Technique, choice, register
-from memfit.techniques.checkpointing import find_blocks
+from memfit.techniques.base import Config, Export, Key, Roofline, SearchContext, Technique, choice, register
+from memfit.techniques.checkpointing import BUDGET_RECORDING, find_blocks
 from memfit.techniques.compiled import compiled
 
 MODES = ("none", "blocks", "full")
+DEFAULT_SEARCH = {"gpu": ("none",), "cpu": ("none",)}
+"""The modes the planner searches when not told (see the module's docstring: on GPU presets ``none``
+until compiled predictions survive the planner's many variants in one process)."""
 FUSION_NOTE = ("compiled regions: AOTAutograd's partition (what forward saves) traced exactly on fake tensors; "
                "Inductor's fusions modelled (pointwise results read only by pointwise ops or reductions take no "
                "memory; NOTE [ Inductor fusions ])")
 
+# The roofline's compiled plans, from one recording (gpu-ground-truth/h100-handwritten-gpt2-compile.jsonl:
+# a hand-written GPT-2 124M, batch 8 x 1024, bf16 autocast, AdamW, torch.compile(model), no memfit).
+EAGER_MS = 75.7
+COMPILED_STEP_FACTOR = BUDGET_RECORDING[-1][1] / EAGER_MS
+"""Compiled step time over eager (35.2 / 75.7 ms on that H100) for ``compile: full``; ``blocks`` gets
+the same saving on the blocks' share of the forward FLOPs (not measured)."""
+GPT2_FORWARD_OPS = 2501
+"""ATen ops of memfit's GPT-2 124M forward (the ``gpt2`` workload, fp32, counted as the roofline
+counts them: ``Roofline.forward_ops``)."""
+COMPILE_SECONDS_PER_OP = BUDGET_RECORDING[-1][2] / GPT2_FORWARD_OPS
+"""Compile time per op of the compiled graph: that recording's 45.6 s over GPT-2's forward ops.
+Compile time is taken to grow with the graph; the host CPU's speed and Inductor's caches, which
+change it several-fold, are not modelled."""
+
 
 class Compile(Config):
     mode = "none"
+    warms_up = True
     compiles = True
     """Whether the step runs compiled regions (checkpointing: budget:F needs one)."""
 
@@ -57,6 +90,18 @@ class Compile(Config):
     def notes(self) -> list[str]:
         return [FUSION_NOTE]
 
+    def time_factor(self, r: Roofline) -> float:
+        return 1 - (1 - COMPILED_STEP_FACTOR) * self._compiled_share(r)
+
+    def warmup_seconds(self, r: Roofline, plan) -> float:
+        return COMPILE_SECONDS_PER_OP * self._graph_ops(r)
+
+    def _compiled_share(self, r: Roofline) -> float:
+        return 1.0
+
+    def _graph_ops(self, r: Roofline) -> int:
+        return r.forward_ops
+
     def export(self, into: Export) -> None:
         into.hf["torch_compile"] = True
         if self.mode == "blocks":
@@ -74,10 +119,14 @@ class NoCompile(Compile):
     """Eager PyTorch."""
 
     rank = 0
+    warms_up = False
     compiles = False
 
     def check(self, plan) -> None:
         pass
+
+    def saves_at_most(self, other, batch_size: int) -> bool:
+        return isinstance(other, Compile)
 
     def label(self, batch_size):
         return None
@@ -90,6 +139,12 @@ class NoCompile(Compile):
 
     def export(self, into: Export) -> None:
         pass
+
+    def time_factor(self, r: Roofline) -> float:
+        return 1.0
+
+    def warmup_seconds(self, r: Roofline, plan) -> float:
+        return 0.0
 
 
 @dataclass(frozen=True)
@@ -109,6 +164,12 @@ class CompileBlocks(Compile):
             for block in children:
                 block.forward = compiled(block.forward, budget=budget, name=f"block {type(block).__name__}")
 
+    def _compiled_share(self, r: Roofline) -> float:
+        return min(1.0, r.block_fwd_flops / r.fwd_flops) if r.fwd_flops else 0.0
+
+    def _graph_ops(self, r: Roofline) -> int:
+        return r.block_ops  # one graph serves every block
+
 
 @dataclass(frozen=True)
 class CompileFull(Compile):
@@ -125,6 +186,26 @@ class CompileFull(Compile):
         parts.loss_fn = compiled(parts.loss_fn, budget=_budget(parts), name="model and loss", fullgraph=False)
 
 
+def search(ctx: SearchContext) -> list[str]:
+    """``ctx.options["compile_modes"]`` if given, else ``DEFAULT_SEARCH`` for the device (see the
+    module's docstring); modes that cannot run here are left out with a note."""
+    modes = ctx.options.get("compile_modes")
+    if modes is None:
+        modes = DEFAULT_SEARCH["gpu" if ctx.device.is_gpu else "cpu"]
+    modes = [choice("compile", m, MODES) for m in modes]
+    if "blocks" in modes and not find_blocks(ctx.model):
+        modes.remove("blocks")
+        ctx.notes.append("compile: blocks left out: the model has no repeated blocks")
+    if not ctx.device.is_gpu and shutil.which("g++") is None and shutil.which("c++") is None and \
+            any(m != "none" for m in modes):
+        modes = [m for m in modes if m == "none"]
+        ctx.notes.append("compile left out: Inductor needs a C++ compiler (g++ or c++ on PATH) on the CPU")
+    if not modes:
+        raise UserError(f"plan: no compile mode asked for can run here ({ctx.notes[-1]}); add none to "
+                        "--compile-modes")
+    return modes
+
+
 def parse(values: dict) -> Compile:
     return {"none": NoCompile(), "blocks": CompileBlocks(), "full": CompileFull()}[
         choice("compile", values["compile"], MODES)]
@@ -133,5 +214,5 @@ def parse(values: dict) -> Compile:
 TECHNIQUE = register(
     Technique("compile", (Key("compile", "none", "torch.compile: none | blocks (each repeated block) | full "
                               "(the model and the loss).", metavar="COMPILE"),), parse, order=25,
-              depends_on_model=True),
+              search=search, depends_on_model=True),
     Compile, NoCompile, CompileBlocks, CompileFull)

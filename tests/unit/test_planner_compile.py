@@ -1,0 +1,155 @@
+"""The planner and compile: which compile modes and activation budgets it searches, their compile
+time shown and counted per step over a short run, the roofline's compiled factors, and the
+calibrated model's measured compile time (slow: it compiles for real)."""
+
+import json
+
+import pytest
+
+from memfit.cli.main import main
+from memfit.devices import get_device
+from memfit.planner import cost
+from memfit.planner.cost import TimeModel
+from memfit.planner.search import Candidate, _maximal, plan
+from memfit.planner.space import candidates, default_space, model_facts, saves_no_more_than
+from memfit.plans import Plan
+from memfit.target import Target
+from memfit.techniques.checkpointing import BlocksAC, SelectiveAC
+from memfit.techniques.compile import COMPILED_STEP_FACTOR
+from memfit.workloads import load_workload
+
+SPEC = "gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=500,n_positions=128"
+BUDGETS = ["budget:0.5", "budget:0.1"]
+
+
+def _space(device, **kw):
+    return default_space(model_facts(load_workload(SPEC, seq_len=64)), get_device(device), 8, **kw)
+
+
+def test_compile_modes_searched_by_device_and_on_request():
+    cpu, gpu = _space("cpu"), _space("a100-40gb", compile_modes=("none", "blocks"))
+    assert cpu.values["compile"] == _space("a100-40gb").values["compile"] == ["none"]  # asked for only
+    assert gpu.values["compile"] == ["none", "blocks"]
+    assert _space("cpu", compile_modes=("none", "blocks", "full")).values["compile"] == ["none", "blocks", "full"]
+    assert cpu.values["checkpointing"][-2:] == gpu.values["checkpointing"][-2:] == BUDGETS
+    plans = candidates(gpu, 8)
+    budgeted = [p for p in plans if p.checkpointing in BUDGETS]
+    assert budgeted and all(p.compile == "blocks" for p in budgeted)  # a budget needs compile
+    assert not [p for p in candidates(cpu, 8) if p.checkpointing in BUDGETS]
+
+
+def test_no_repeated_blocks_leaves_compile_blocks_out_with_a_note():
+    space = default_space(model_facts(load_workload("cnn")), get_device("a100-40gb"), 8,
+                          compile_modes=("none", "blocks", "full"))
+    assert space.values["compile"] == ["none", "full"]
+    assert any("compile: blocks left out" in n for n in space.notes)
+
+
+def test_memory_order_compiled_saves_at_least_eager_budgets_unordered():
+    assert saves_no_more_than(Plan(), Plan(compile="blocks"), 8)
+    assert saves_no_more_than(Plan(checkpointing="blocks"), Plan(compile="full", checkpointing="blocks"), 8)
+    assert not saves_no_more_than(Plan(compile="blocks"), Plan(), 8)
+    assert not saves_no_more_than(Plan(compile="blocks"), Plan(compile="full"), 8)
+    assert not saves_no_more_than(Plan(compile="full"), Plan(compile="blocks"), 8)
+    # peak is not monotone in F for whole-model graphs (NOTE [ Activation budget ladder ])
+    assert not saves_no_more_than(Plan(compile="full", checkpointing="budget:0.5"),
+                                  Plan(compile="full", checkpointing="budget:0.1"), 8)
+
+
+def test_maximal_plans_are_those_no_plan_dominates():
+    """The one-pass skyline (O(plans x maximal)) equals the definition (O(plans^2))."""
+    cands = [Candidate(p, 0) for p in candidates(_space("a100-40gb", compile_modes=("none", "blocks")), 8)]
+    by_definition = [c for c in cands if not any(
+        d is not c and saves_no_more_than(c.plan, d.plan, 8) and not saves_no_more_than(d.plan, c.plan, 8)
+        for d in cands)]
+    assert [c.plan for c in _maximal(cands, 8)] == [c.plan for c in by_definition]
+
+
+def test_roofline_factors_and_compile_time():
+    """Compiled plans: the H100 recording's factors; compile time from the graph's op count (the
+    whole forward for full, one block for blocks) and the budget's extra partitioner time; block
+    checkpointing recomputes the blocks' FLOPs (it recomputed nothing before the blocks' FLOPs were
+    found under each block's own name)."""
+    target = Target.resolve(SPEC, None, 8, "a100-40gb", seq_len=64)
+    space = _space("a100-40gb")
+    model = cost.roofline(target, space, model_facts(target.workload))
+    r = model.roofline
+    assert 0 < r.block_ops < r.forward_ops and 0 < r.block_fwd_flops < r.fwd_flops
+    assert model.factor(BlocksAC()) > model.factor(SelectiveAC()) > 1
+    full, blocks = Plan(compile="full"), Plan(compile="blocks")
+    assert model.predict(full) == pytest.approx(model.predict(Plan()) * COMPILED_STEP_FACTOR)
+    assert model.predict(full) < model.predict(blocks) < model.predict(Plan())
+    assert model.warmup(Plan()) == 0 < model.warmup(blocks) < model.warmup(full)
+    assert model.warmup(full) / model.warmup(blocks) == pytest.approx(r.forward_ops / r.block_ops)
+    half = Plan(compile="full", checkpointing="budget:0.5")
+    assert model.predict(half) / model.predict(full) == pytest.approx(41.8 / 35.2)
+    assert model.warmup(half) / model.warmup(full) == pytest.approx(129.5 / 45.6)
+    assert model.per_step(full, 100) == pytest.approx(model.predict(full) + model.warmup(full) / 100)
+    assert model.per_step(full, None) == model.predict(full)
+
+
+def _model(space, compile_seconds):
+    m = TimeModel("fixed", 8, base_seconds={mb: 1.0 for mb in space.micro_batches})
+    m.factors = {("compile", "blocks"): 0.5}
+    m.warmups = {("compile", "blocks"): compile_seconds}
+    return m
+
+
+def test_compile_time_counts_per_step_only_over_a_short_run():
+    """1 s eager, 0.5 s compiled after 30 s of compiling: compiled wins a long run, and a run of 100
+    steps (0.8 s a step); over 20 steps (2 s a step) eager wins."""
+    wl = load_workload(SPEC, seq_len=64)
+    space = default_space(model_facts(wl), get_device("cpu"), 8, compile_modes=("none", "blocks"))
+    for steps, compiled in ((None, True), (100, True), (20, False)):
+        r = plan(wl, budget="4GiB", batch_size=8, compile_modes=("none", "blocks"), steps=steps,
+                 time_model=_model(space, 30.0), max_traces=2)
+        assert (r.chosen.plan.compile == "blocks") is compiled, steps
+        row = r.to_json()["chosen"]
+        assert row["compile_seconds"] == (30.0 if compiled else 0.0) and r.to_json()["run_steps"] == steps
+        assert row["predicted_step_seconds"] == pytest.approx(0.5 + 30 / steps if compiled and steps else
+                                                               0.5 if compiled else 1.0)
+        assert row["steady_step_seconds"] == (0.5 if compiled else 1.0)
+
+
+def test_cli_flags_are_checked(capsys):
+    for flags, message in ((["--compile-modes", "blocks,fast"], "--compile-modes: unknown mode 'fast'"),
+                           (["--compile-modes", ","], "--compile-modes: unknown mode ''"),
+                           (["--steps", "0"], "--steps must be a positive whole number")):
+        assert main(["plan", SPEC, "-b", "2", "--seq-len", "16", *flags]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_gpu_preset_plan_shows_compile_time(capsys):
+    """A roomy budget on a GPU preset, compile blocks searched: the fastest plan is compiled,
+    traced through Inductor's pipeline on fake tensors, with its predicted compile time; over a short
+    run (this toy's roofline steps take microseconds) an eager plan is faster."""
+    argv = ["plan", SPEC, "-b", "8", "--seq-len", "64", "--device", "a100-40gb", "--budget", "4GiB",
+            "--max-traces", "2", "--compile-modes", "none,blocks"]
+    assert main([*argv, "--json"]) == 0
+    chosen = json.loads(capsys.readouterr().out)["chosen"]
+    assert chosen["plan"]["compile"] == "blocks" and chosen["compile_seconds"] > 0
+    assert main(argv) == 0
+    table = capsys.readouterr().out.split("alternatives, fastest first")[1].splitlines()
+    assert table[1].split()[:4] == ["plan", "memory", "ms/step", "compile"] and "compile=blocks" in table[2]
+    assert main([*argv, "--steps", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert "over a run of 1000 steps, compile time included" in out
+    assert "compile" not in out.split("chosen:")[1].splitlines()[0]
+
+
+@pytest.mark.slow
+def test_calibration_measures_compile_time_and_times_budgets_with_compile():
+    """On this CPU, compiled for real: compile blocks' first step pays its compile time (measured,
+    shown); budget:F cannot run alone, so it is timed with compile: blocks against compile: blocks."""
+    wl = load_workload(SPEC, seq_len=32)
+    target = Target.resolve(wl, None, 4, "cpu")
+    space = default_space(model_facts(wl), get_device("cpu"), 4, compile_modes=("none", "blocks"))
+    space.values = {"compile": ["none", "blocks"], "checkpointing": ["none", "budget:0.5"]}
+    space.micro_batches = [4]
+    model = cost.calibrate(target, space)
+    assert set(model.warmups) == {("compile", "blocks"), ("checkpointing", "budget:0.5")}
+    assert model.warmups[("compile", "blocks")] > 1.0  # Inductor's C++ compile: seconds
+    assert ("checkpointing", "budget:0.5") in model.factors and not model.excluded
+    assert model.warmup(Plan(compile="blocks", checkpointing="budget:0.5")) == pytest.approx(
+        sum(model.warmups.values()))
