@@ -48,9 +48,9 @@ MODES = ("none", "blocks", "full")
 DEFAULT_SEARCH = {"gpu": ("none",), "cpu": ("none",)}
 """The modes the planner searches when not told (see the module's docstring: on GPU presets ``none``
 until compiled predictions survive the planner's many variants in one process)."""
-FUSION_NOTE = ("compiled regions: AOTAutograd's partition (what forward saves) traced exactly on fake tensors; "
-               "Inductor's fusions modelled (pointwise results read only by pointwise ops or reductions take no "
-               "memory; NOTE [ Inductor fusions ])")
+FUSION_NOTE = ("compiled regions: Inductor's own generated code (partition, fusions, schedule, buffer reuse) run on "
+               "fake tensors with no-op kernels (NOTE [ Inductor's own wrapper on fake tensors ]); GPU presets use "
+               "Inductor's CPU code generator, whose fusion choices can differ from Triton's")
 
 # The roofline's compiled plans, from one recording (gpu-ground-truth/h100-handwritten-gpt2-compile.jsonl:
 # a hand-written GPT-2 124M, batch 8 x 1024, bf16 autocast, AdamW, torch.compile(model), no memfit).
