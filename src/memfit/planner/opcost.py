@@ -1,0 +1,334 @@
+"""OpRecorder: what a step's ATen ops cost, read from a fake trace of the step itself.
+
+The step-time model (memfit.planner.timing) needs, for every op the real step would run, what
+work it does: its FLOPs (``torch.utils.flop_counter``'s registry, the formulas FlopCounterMode
+uses), the bytes it reads and writes, the dtype its matmuls run in, how many tensors a
+``_foreach`` op walks, and whether it moves data over the host link. A ``TorchDispatchMode``
+entered around the steady-state step of a fake trace (``memfit.memory.faketrace.run_tracked``,
+the trace ``estimate`` runs, with the CUDA kernel model for GPU presets) records that, one small
+tuple per op, so techniques cost what they really run:
+
+- checkpointing's recomputed forward is ops dispatched again during backward, flagged
+  ``RECOMPUTE`` (the recomputation runs under checkpoint's ``_recomputation_hook``); selective
+  checkpointing's cached matmuls are not dispatched again, so they cost nothing;
+- micro-batches and loss chunks are more, smaller ops;
+- offload and EMA on the host are copies between host and device: the tracker is told which
+  storages live on the host (``observer.host``), so a copy from a host storage is host-to-device
+  and a copy the placement then marks as host is device-to-host; an op on host storages runs on
+  the host CPU (EMA's ``lerp_``), after a blocking copy of its device inputs;
+- a library op whose CUDA path synchronises (bitsandbytes' per-parameter update) is flagged
+  ``SYNC_AFTER``: the CPU waits for it before issuing the next parameter's;
+- an op that passed through another Python dispatch mode first (selective checkpointing's
+  caching modes) is flagged ``PY_MODE``: that mode is Python code run for every op on the CPU.
+
+Bytes are those of the tensors an op reads and writes, each at most its storage (an expanded
+bias is read once). Views, allocations and metadata ops launch no kernel; ops on zero-dim host
+scalars (AdamW's step counters stay on the CPU) launch none either. A scalar read
+(``.item()``) of a value computed on the device is a synchronisation.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any, NamedTuple
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils.flop_counter import flop_registry
+
+aten = torch.ops.aten
+
+# op kinds
+VIEW, MATMUL, ATTENTION, MEMORY, FOREACH, H2D, D2H, HOST, SYNC, RNN, SCALAR = range(11)
+KIND_NAMES = ("view", "matmul", "attention", "memory", "foreach", "h2d", "d2h", "host", "sync", "rnn", "scalar")
+# flags
+RECOMPUTE, PY_MODE, SIDE_STREAM, STEP_CALL, CUSTOM, SYNC_AFTER = 1, 2, 4, 8, 16, 32
+PHASES = ("setup", "zero_grad", "forward", "backward", "optimizer", "idle")
+
+_ATTENTION = {p for p in flop_registry if "attention" in str(p)}
+_CPU_ONLY = {aten._unsafe_view, aten.lift_fresh, aten.empty, aten.empty_strided, aten.new_empty,
+             aten.new_empty_strided, aten.empty_like, aten.set_, aten.resize_, aten._reshape_alias}
+_SKIP = {torch.ops.prim.device}
+"""``tensor.device`` is dispatched only for fake tensors: no op in a real run."""
+_SCALAR_READS = {aten._local_scalar_dense, aten.is_nonzero, aten.equal}
+_COPIES = {aten.clone, aten._to_copy, aten.copy_, aten.copy}
+_HALF = (torch.bfloat16, torch.float16)
+_RNN = {aten._cudnn_rnn, aten._cudnn_rnn_backward}
+_GATES = {0: 1, 1: 1, 2: 4, 3: 3}
+"""cuDNN RNN mode -> gate matrices (RNN_RELU, RNN_TANH, LSTM, GRU)."""
+
+
+class Op(NamedTuple):
+    kind: int
+    phase: int
+    flops: float
+    """FLOPs (matmuls and attention; 0 for the rest)."""
+    nbytes: int
+    """Bytes read and written (for host ops: the bytes of its device inputs first copied over)."""
+    dtype: str
+    """'half', 'fp32' (CUDA cores) or 'tf32' (fp32 convolutions take TF32 tensor cores by default)."""
+    tensors: int
+    """Tensors a ``_foreach`` op walks; an RNN's sequential steps (time steps x layers x directions)."""
+    flags: int
+    key: int = 0
+    """Side-stream copies: the storage they fill; other ops in the optimizer: a storage they read."""
+    host_bytes: int = 0
+    """Host ops: bytes read and written on the host."""
+    is_causal: bool = False
+    elements: int = 0
+    """Ops outside ATen: the elements of their largest tensor (their kernels are priced per element)."""
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records every ATen op of the block it is entered around (see the module docstring).
+
+    Enter it inside the memory tracker of a fake trace (``run_tracked(..., around_step=...)``): it
+    reads the step's phase and the host placement of storages from that tracker."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[Op] = []
+        self.tracker = None
+        self._device_scalars: dict[int, weakref.ref] = {}
+        """Zero-dim storages computed from device tensors (a read of one waits for the GPU)."""
+        self._last_copy: tuple[int, int] | None = None  # (index in ops, output storage key)
+        self._schema: dict[Any, tuple[bool, tuple[int, ...]]] = {}
+
+    # -- context: find the tracker, hear about host placements --------------------------------------
+    def __enter__(self):
+        from memfit.memory.tracker import MemoryTracker
+        self.tracker = next((m for m in reversed(_get_current_dispatch_mode_stack()) if isinstance(m, MemoryTracker)),
+                            None)
+        if self.tracker is not None:
+            host = self.tracker.host
+            self.tracker.host = lambda tensors: (self._placed_on_host(tensors), host(tensors))
+        self._step_hook = register_optimizer_step_pre_hook(self._optimizer_step)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self.tracker is not None:
+            del self.tracker.host  # the class's method again
+        self._step_hook.remove()
+        return super().__exit__(*exc)
+
+    def _optimizer_step(self, optimizer, args, kwargs) -> None:
+        """Each ``optimizer.step()`` call is Python work before its first op (per-parameter
+        optimizers: offloaded states, optimizer in backward, bitsandbytes' loop)."""
+        self.ops.append(Op(VIEW, self._phase(), 0.0, 0, "", 1, STEP_CALL))
+
+    def _placed_on_host(self, tensors) -> None:
+        """The placement put these tensors on the host: the copy that made them was device-to-host."""
+        if self._last_copy is None:
+            return
+        i, key = self._last_copy
+        for t in tensors if isinstance(tensors, (list, tuple)) else [tensors]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata == key:
+                self.ops[i] = self.ops[i]._replace(kind=D2H, flops=0.0, nbytes=_nbytes(t))
+                self._last_copy = None
+
+    def _device_scalar(self, t: torch.Tensor) -> bool:
+        st = t.untyped_storage()
+        ref = self._device_scalars.get(st._cdata)
+        return ref is not None and ref() is not None
+
+    def _mark_device_scalar(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = st._cdata
+        if key not in self._device_scalars:  # by weak reference: a freed storage's key is reused
+            self._device_scalars[key] = weakref.ref(st, lambda _r, key=key: self._device_scalars.pop(key, None))
+
+    def _is_host(self, t: torch.Tensor) -> bool:
+        tr = self.tracker
+        if tr is None:
+            return False
+        serial = tr.storages.token(t)
+        return serial is not None and tr.state.records[serial].device == "host"
+
+    def _phase(self) -> int:
+        name = self.tracker.phase_name if self.tracker is not None else "idle"
+        return PHASES.index(name) if name in PHASES else 0
+
+    # -- dispatch ---------------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func.overloadpacket
+        if packet in _SKIP:
+            return out
+        self._record(func, packet, args, kwargs, out)
+        return out
+
+    def _record(self, func, packet, args, kwargs, out) -> None:
+        flags = _flags() | (RECOMPUTE if _is_recompute() else 0)
+        if func.namespace not in _ATEN:
+            flags |= CUSTOM | (SYNC_AFTER if func.namespace in _SYNCING_LIBRARIES else 0)
+        phase = self._phase()
+        view, mutated = self._schema_of(func)
+        if view or packet in _CPU_ONLY or packet in _PROFILER:
+            self.ops.append(Op(VIEW, phase, 0.0, 0, "", 1, flags))
+            return
+        ins = _tensors(args, kwargs)
+        if packet in _SCALAR_READS:
+            self.ops.append(Op(SYNC if any(self._device_scalar(t) for t in ins) else SCALAR, phase, 0.0, 0, "", 1,
+                               flags))
+            return
+        outs = _tensors(out, None) if not mutated else [a for i, a in enumerate(_flat_args(args, kwargs))
+                                                        if i in mutated and isinstance(a, torch.Tensor)]
+        if not any(t.numel() > 1 or self._device_scalar(t) for t in ins):
+            # zero-dim host scalars (optimizer step counters): C++ on the CPU, no kernel
+            self.ops.append(Op(SCALAR, phase, 0.0, 0, "", 1, flags))
+            return
+        for t in (*ins, *outs):
+            if t.numel() <= 1:
+                self._mark_device_scalar(t)
+        read = sum(_nbytes(t) for t in ins)
+        written = sum(_nbytes(t) for t in outs)
+        hosted = [t for t in ins if self._is_host(t)]
+        if packet in _COPIES:
+            if hosted:  # host -> device (offloaded activations and optimizer states coming back)
+                side = phase == PHASES.index("optimizer")  # offloaded states are prefetched on a side stream
+                key = outs[0].untyped_storage()._cdata if side and outs else 0
+                self.ops.append(Op(H2D, phase, 0.0, written, "", 1, flags | (SIDE_STREAM if side else 0), key))
+                return
+            if outs:
+                self._last_copy = (len(self.ops), outs[0].untyped_storage()._cdata)
+        if hosted:  # an op on host storages runs on the host CPU, after copying its device inputs there
+            device_in = sum(_nbytes(t) for t in ins if not self._is_host(t))
+            self.ops.append(Op(HOST, phase, 0.0, device_in, "", 1, flags, host_bytes=read + written))
+            return
+        key = ins[0].untyped_storage()._cdata if phase == 4 and ins else 0
+        if packet in _ATTENTION:
+            flops = _flops(packet, args, kwargs, out)
+            dtype = "half" if args[0].dtype in _HALF else "fp32"
+            self.ops.append(Op(ATTENTION, phase, flops, read + written, dtype, 1, flags, key,
+                               is_causal=_is_causal(func, args, kwargs)))
+        elif packet in _RNN:
+            flops, steps = _rnn_work(func, args)
+            dtype = "half" if ins[0].dtype in _HALF else "fp32"
+            self.ops.append(Op(RNN, phase, flops, read + written, dtype, steps, flags, key))
+        elif packet in flop_registry:
+            flops = _flops(packet, args, kwargs, out)
+            dtype = _matmul_dtype(packet, ins)
+            self.ops.append(Op(MATMUL, phase, flops, read + written, dtype, 1, flags, key))
+        elif packet.__name__.startswith(("_foreach_", "_fused_", "_amp_foreach")):
+            n = max((len(a) for a in args if isinstance(a, (list, tuple))), default=1)
+            self.ops.append(Op(FOREACH, phase, 0.0, read + written, "", n, flags, key))
+        else:
+            elements = max((t.numel() for t in ins), default=0) if flags & CUSTOM else 0
+            self.ops.append(Op(MEMORY, phase, 0.0, read + written, "", 1, flags, key, elements=elements))
+
+    def _schema_of(self, func) -> tuple[bool, tuple[int, ...]]:
+        hit = self._schema.get(func)
+        if hit is None:
+            schema = func._schema
+            mutated = tuple(i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+            view = not mutated and any(r.alias_info is not None for r in schema.returns)
+            hit = self._schema[func] = (view, mutated)
+        return hit
+
+
+_ATEN = ("aten", "prims", "prim")
+_SYNCING_LIBRARIES = {"bitsandbytes"}
+"""Libraries whose CUDA path synchronises after each of their ops, which a trace on CPU tensors
+cannot see: bitsandbytes' optimizers call ``torch.cuda.synchronize()`` after every parameter's
+update (``bitsandbytes.optim.optimizer.Optimizer8bit.step``: ``sync_gpu(p)``; a no-op on CPU)."""
+_PROFILER = {torch.ops.profiler._record_function_enter_new, torch.ops.profiler._record_function_exit}
+_MEMFIT_MODES = ("/memfit/",)
+
+
+def _flags() -> int:
+    """PY_MODE when another Python dispatch mode handed this op down: the first frame above this
+    mode's dispatch, past torch's own wrappers, is another mode's ``__torch_dispatch__``. memfit's
+    own trace machinery does not count: it is not there in a real run."""
+    f = sys._getframe(3)
+    for _ in range(6):
+        if f is None:
+            return 0
+        name = f.f_code.co_name
+        if name == "__torch_dispatch__":
+            return 0 if any(m in f.f_code.co_filename for m in _MEMFIT_MODES) else PY_MODE
+        if name not in _WRAPPERS:
+            return 0
+        f = f.f_back
+    return 0
+
+
+_WRAPPERS = {"_fn", "inner", "__call__", "redispatch", "wrapper"}
+
+
+def _is_recompute() -> bool:
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return hooks is not None and hooks[0].__qualname__.startswith("_recomputation_hook")
+
+
+def _flat_args(args, kwargs) -> list:
+    flat = []
+    for a in args:
+        flat.append(a)
+    if kwargs:
+        flat.extend(kwargs.values())
+    return flat
+
+
+def _tensors(args, kwargs) -> list[torch.Tensor]:
+    found = []
+    items = args if isinstance(args, (list, tuple)) else (args,)
+    for a in (*items, *(kwargs.values() if kwargs else ())):
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found.extend(x for x in a if isinstance(x, torch.Tensor))
+    return found
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """Bytes an op touches in ``t``: its elements, at most its storage (expanded views)."""
+    return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+
+
+def _flops(packet, args, kwargs, out) -> float:
+    try:
+        return float(flop_registry[packet](*args, **kwargs, out_val=out))
+    except Exception:  # noqa: BLE001 - a formula that does not take this overload: count it as memory-bound
+        return 0.0
+
+
+def _rnn_work(func, args) -> tuple[float, int]:
+    """FLOPs and sequential steps of a cuDNN RNN call (its gate matmuls; backward twice the
+    forward's: data and weight gradients)."""
+    names = [a.name for a in func._schema.arguments]
+    x = args[0]
+    mode, hidden, layers, batch_first, bidirectional = (
+        args[names.index(n)] for n in ("mode", "hidden_size", "num_layers", "batch_first", "bidirectional"))
+    if x.dim() == 3:
+        b, t = (x.shape[0], x.shape[1]) if batch_first else (x.shape[1], x.shape[0])
+    else:  # packed: [sum of lengths, input]
+        b, t = 1, x.shape[0]
+    dirs = 2 if bidirectional else 1
+    inp = x.shape[-1]
+    flops = 0.0
+    for layer in range(layers):
+        width = inp if layer == 0 else hidden * dirs
+        flops += 2.0 * _GATES.get(mode, 4) * hidden * (width + hidden) * b * t * dirs
+    if func.overloadpacket is aten._cudnn_rnn_backward:
+        flops *= 2
+    return flops, t * layers * dirs
+
+
+def _matmul_dtype(packet, ins: list[torch.Tensor]) -> str:
+    dtype = ins[0].dtype if ins else torch.float32
+    if dtype in _HALF:
+        return "half"
+    if packet in (aten.convolution, aten.convolution_backward, aten._convolution, aten.cudnn_convolution):
+        return "tf32"  # torch.backends.cudnn.allow_tf32 is True by default
+    return "fp32"  # torch.backends.cuda.matmul.allow_tf32 is False by default
+
+
+def _is_causal(func, args, kwargs) -> bool:
+    if "is_causal" in kwargs:
+        return bool(kwargs["is_causal"])
+    names = [a.name for a in func._schema.arguments]
+    i = names.index("is_causal") if "is_causal" in names else -1
+    return 0 <= i < len(args) and bool(args[i])
