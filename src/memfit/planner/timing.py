@@ -52,8 +52,8 @@ on the host, Adafactor, 8-bit AdamW, and bf16-pure + blocks + in-backward + chun
 selective, chunks, offloaded optimizer states, bf16-pure + 8-bit + blocks. Residuals: fit rows
 within -7%..+7% (ratio), held-out rows (GPT-2 fp16, selective, blocks + chunks, offloaded optimizer
 states, blocks + 8-bit; Llama blocks, micro-batch 1, bf16-pure + in-backward, 8-bit; MHA chunked
-attention) within -10%..+6%; Spearman of the 22 ratios 0.994; absolute times of rows 1-39: median
-|error| 7%, Spearman 0.976, the small CPU-bound models worst (cnn -35%, transformer -19%). The
+attention) within -9%..+6%; Spearman of the 22 ratios 0.994; absolute times of rows 1-39: median
+|error| 7%, Spearman 0.976, worst on small CPU-bound models and T5 (cnn -33%, t5 -18%, transformer -16%). The
 ratios are what the planner ranks by.
 """
 
