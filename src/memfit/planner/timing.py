@@ -20,16 +20,17 @@ are :class:`Constants` fields)::
 
 fp32 matmuls run on CUDA cores (PyTorch leaves TF32 off for matmuls; ``FP32_SIMT``), fp32
 convolutions on TF32 tensor cores (cuDNN's default). Eager PyTorch is also a CPU program: each op
-costs CPU time to dispatch (``CPU_FORWARD``, ``CPU_BACKWARD``, ``CPU_OPTIMIZER`` by phase: Python modules in forward, the C++ autograd
-engine in backward, Python optimizer loops), plus ``CPU_PY_MODE`` for an op that passes through a
-Python dispatch mode (selective checkpointing), ``CPU_CUSTOM`` for a library op (bitsandbytes),
-``CPU_STEP_CALL`` per ``optimizer.step()`` call and ``CPU_PER_TENSOR`` per tensor of a foreach
-list. Two clocks run through the ops: the CPU issues an op at ``c += cpu``, the GPU runs it at
-``g = max(g, c) + gpu``; a scalar read of a device value (``.item()``), a host op or a library
-op that synchronises (bitsandbytes' update) makes the CPU wait for the GPU; offloaded optimizer
-states are prefetched on a side stream (a third clock) that the update reading them waits for
-(NOTE [ Prefetch overlap ]). The step ends when both are done. So a small model is CPU-bound
-(launches), a large one GPU-bound, and more micro-batches cost CPU time first.
+costs CPU time to dispatch (``CPU_FORWARD``, ``CPU_BACKWARD``, ``CPU_OPTIMIZER`` by phase: Python
+modules in forward, the C++ autograd engine in backward, Python optimizer loops), plus
+``CPU_PY_MODE`` for an op that passes through a Python dispatch mode (selective checkpointing),
+``CPU_CUSTOM`` for a library op (bitsandbytes), ``CPU_STEP_CALL`` per ``optimizer.step()`` call and
+``CPU_PER_TENSOR`` per tensor of a foreach list. Two clocks run through the ops: the CPU issues an
+op at ``c += cpu``, the GPU runs it at ``g = max(g, c) + gpu``; a scalar read of a device value
+(``.item()``), a host op or a library op that synchronises (bitsandbytes' update) makes the CPU
+wait for the GPU; offloaded optimizer states are prefetched on a side stream (a third clock) that
+the update reading them waits for (NOTE [ Prefetch overlap ]). The step ends when both are done. So
+a small model is CPU-bound (launches), a large one GPU-bound, and more micro-batches cost CPU time
+first.
 
 ``compile: blocks|full`` is not traced op by op here (Inductor's fused kernels are opaque to a
 dispatch mode): the eager step is traced and the memory-bound GPU time and CPU time of its forward
@@ -43,18 +44,18 @@ NOTE [ Step-time calibration ]
 The constants (:class:`Constants`) were fitted by ``python bench/planner_gpu.py --fit`` on the H100
 rows of ``tests/data/h100.jsonl`` that ran one case at a time (rows 1-39, memfit's own TrainStep;
 rows 40-75 ran four processes at once and are only reported). The fit minimises, by Nelder-Mead
-over the constants' logarithms, the squared log error of each fit row's time ratio to plain bf16
-of the same workload and batch, plus half the mean squared log error of every clean row's
-absolute time, plus a pull towards hardware-plausible values (``PRIOR`` there). Each technique is
-fitted on one workload and held out on the other (GPT-2 124M at batch 8 x 1024; 4 Llama layers at
-7B width, batch 2 x 2048): fitted on GPT-2 fp32, blocks, offloaded activations, micro-batch 2, EMA
-on the host, Adafactor, 8-bit AdamW, and bf16-pure + blocks + in-backward + chunks; on Llama
-selective, chunks, offloaded optimizer states, bf16-pure + 8-bit + blocks. Residuals: fit rows
-within -7%..+7% (ratio), held-out rows (GPT-2 fp16, selective, blocks + chunks, offloaded optimizer
-states, blocks + 8-bit; Llama blocks, micro-batch 1, bf16-pure + in-backward, 8-bit; MHA chunked
-attention) within -9%..+6%; Spearman of the 22 ratios 0.994; absolute times of rows 1-39: median
-|error| 7%, Spearman 0.976, worst on small CPU-bound models and T5 (cnn -33%, t5 -18%, transformer -16%). The
-ratios are what the planner ranks by.
+over the constants' logarithms, the squared log error of each fit row's time ratio to plain bf16 of
+the same workload and batch, plus half the mean squared log error of every clean row's absolute
+time, plus a pull towards hardware-plausible values (``PRIOR`` there). Each technique is fitted on
+one workload and held out on the other (GPT-2 124M at batch 8 x 1024; 4 Llama layers at 7B width,
+batch 2 x 2048): fitted on GPT-2 fp32, blocks, offloaded activations, micro-batch 2, EMA on the
+host, Adafactor, 8-bit AdamW, and bf16-pure + blocks + in-backward + chunks; on Llama selective,
+chunks, offloaded optimizer states, bf16-pure + 8-bit + blocks. Residuals: fit rows within -7%..+7%
+(ratio), held-out rows (GPT-2 fp16, selective, blocks + chunks, offloaded optimizer states, blocks
++ 8-bit; Llama blocks, micro-batch 1, bf16-pure + in-backward, 8-bit; MHA chunked attention) within
+-9%..+6%; Spearman of the 22 ratios 0.994; absolute times of rows 1-39: median |error| 7%, Spearman
+0.976, worst on small CPU-bound models and T5 (cnn -33%, t5 -18%, transformer -16%). The ratios are
+what the planner ranks by.
 """
 
 from __future__ import annotations
@@ -210,7 +211,8 @@ class Rates:
         half = fl.get("bfloat16", fl.get("float16", fl.get("float32", 1e12)))
         tf32 = fl.get("float32", 1e12)
         return cls(peak={"half": half, "tf32": tf32, "fp32": FP32_SIMT.get(name, tf32)},
-                   bw=(device.mem_bandwidth or 1e12) * k.mem_eff, link=(device.host_link_bandwidth or 25e9) * k.link_eff,
+                   bw=(device.mem_bandwidth or 1e12) * k.mem_eff,
+                   link=(device.host_link_bandwidth or 25e9) * k.link_eff,
                    k=k)
 
     def gpu(self, op: Op, fused: float = 1.0) -> float:
