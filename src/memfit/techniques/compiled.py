@@ -55,6 +55,11 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from memfit.errors import UserError
 
+RECOMPILE_LIMIT = 64
+"""Compilations of one region's code in a process. One process (the planner, a test session) compiles a
+block for many budgets, shapes, and fake and real tensors; Dynamo's default (8) would then fall back
+to eager silently, and the prediction would no longer be of the step that runs."""
+
 _REAL: dict[float | None, Callable] = {}
 _PREDICTED: dict[float | None, Callable] = {}
 
@@ -67,6 +72,7 @@ def compiled(fn: Callable, *, budget: float | None = None, name: str = "region",
     predicted = torch.compile(fn, backend=_predicting_backend(budget), fullgraph=fullgraph)
 
     @functools.wraps(fn)
+    @torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True)
     def call(*args, **kwargs):
         _check_toolchain(args, kwargs)
         if _fake(args, kwargs):
@@ -107,6 +113,9 @@ def _explained(fn, name, *args, **kwargs):
         reason = " ".join(str(e).split())[:300]
         raise UserError(f"compile: torch.compile cannot capture the {name} as one graph ({reason}); use "
                         "compile: none, or compile: blocks if only the whole model breaks") from None
+    except torch._dynamo.exc.FailOnRecompileLimitHit:
+        raise UserError(f"compile: the {name} was compiled {RECOMPILE_LIMIT} times in this process (new shapes, "
+                        "budgets or plans each compile anew); run fewer plans per process, or use compile: none") from None
     except torch._dynamo.exc.BackendCompilerFailed as e:
         cause = " ".join(str(getattr(e, "inner_exception", e)).split())[:300]
         raise UserError(f"compile: Inductor failed to compile the {name} ({cause}); use compile: none") from None
