@@ -26,8 +26,8 @@ compiles each mode for real (10-30 s for a 2-layer GPT-2 on 2 cores, minutes for
 presets plans are only traced, but each distinct candidate (precision, micro-batch, budget) is a new
 capture through Inductor's passes: seconds for a small block, about a minute for GPT-2 124M's whole
 graph, and planning Llama-2-7B with ``blocks`` searched took 7 minutes (30 s without) and then
-failed on Dynamo's recompile limit (8 graphs per code object: every traced variant of a block is
-one). In the planner's memory order a compiled plan saves at least what the same plan saves eager
+hit Dynamo's recompile limit (then 8 graphs per code object, every traced variant of a block being
+one; memfit now allows ``compiled.RECOMPILE_LIMIT`` and fails with one line past it). In the planner's memory order a compiled plan saves at least what the same plan saves eager
 (so predicted for GPT-2 with each eager checkpointing mode, on the CPU and a GPU preset); ``blocks``
 and ``full`` are not ordered (with a budget, whole-model graphs can hold more than blocks). The
 roofline's compiled step time and compile time come from one H100 recording
@@ -36,13 +36,12 @@ roofline's compiled step time and compile time come from one H100 recording
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 
 from memfit.errors import UserError
 from memfit.techniques.base import Config, Export, Key, Roofline, SearchContext, Technique, choice, register
 from memfit.techniques.checkpointing import BUDGET_RECORDING, find_blocks
-from memfit.techniques.compiled import compiled
+from memfit.techniques.compiled import compiled, has_cpu_compiler
 
 MODES = ("none", "blocks", "full")
 DEFAULT_SEARCH = {"gpu": ("none",), "cpu": ("none",)}
@@ -196,10 +195,9 @@ def search(ctx: SearchContext) -> list[str]:
     if "blocks" in modes and not find_blocks(ctx.model):
         modes.remove("blocks")
         ctx.notes.append("compile: blocks left out: the model has no repeated blocks")
-    if not ctx.device.is_gpu and shutil.which("g++") is None and shutil.which("c++") is None and \
-            any(m != "none" for m in modes):
+    if not has_cpu_compiler() and any(m != "none" for m in modes):  # (GPU presets are predicted with it too)
         modes = [m for m in modes if m == "none"]
-        ctx.notes.append("compile left out: Inductor needs a C++ compiler (g++ or c++ on PATH) on the CPU")
+        ctx.notes.append("compile left out: Inductor needs a C++ compiler (g++ or c++ on PATH)")
     if not modes:
         raise UserError(f"plan: no compile mode asked for can run here ({ctx.notes[-1]}); add none to "
                         "--compile-modes")

@@ -137,9 +137,15 @@ def _check_toolchain(args, kwargs) -> None:
         except ImportError:
             raise UserError("compile on a GPU needs Triton (pip install triton, which PyTorch's CUDA wheels "
                             "bring); install it or use compile: none") from None
-    elif shutil.which("g++") is None and shutil.which("c++") is None:
+    elif not has_cpu_compiler():
         raise UserError("compile on a CPU needs a C++ compiler (g++ or c++ on PATH) for Inductor's kernels; "
                         "install one (e.g. apt install g++) or use compile: none")
+
+
+def has_cpu_compiler() -> bool:
+    """Inductor's CPU code generator needs a C++ compiler: for real kernels, and for predictions too
+    (it probes the compiler while generating the code that a prediction runs)."""
+    return shutil.which("g++") is not None or shutil.which("c++") is not None
 
 
 # -- backends, one per budget ------------------------------------------------------------------
@@ -192,7 +198,7 @@ def _lower_then_run(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
-# -- running a partitioned graph on fake tensors ------------------------------------------------
+# -- running Inductor's wrapper on fake tensors ------------------------------------------------
 
 CAPTURE_PAUSES: list = []
 """Context factories entered while a region is captured and compiled on fake tensors: what a fake
