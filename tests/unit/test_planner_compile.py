@@ -95,6 +95,7 @@ def _model(space, compile_seconds):
     return m
 
 
+@pytest.mark.slow  # (a compiled trace: keeps the default suite under 10 minutes)
 def test_compile_time_counts_per_step_only_over_a_short_run():
     """1 s eager, 0.5 s compiled after 30 s of compiling: compiled wins a long run, and a run of 100
     steps (0.8 s a step); over 20 steps (2 s a step) eager wins."""
@@ -120,6 +121,7 @@ def test_cli_flags_are_checked(capsys):
         assert message in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow  # (a compiled trace: keeps the default suite under 10 minutes)
 def test_gpu_preset_plan_shows_compile_time(capsys):
     """A roomy budget on a GPU preset, compile blocks searched: the fastest plan is compiled,
     traced through Inductor's pipeline on fake tensors, with its predicted compile time; over a short

@@ -54,6 +54,7 @@ def test_blocks_compiles_the_blocks_and_nothing_else():
     assert "forward" not in vars(step.model) and "forward" not in vars(step.model.transformer)
 
 
+@pytest.mark.slow  # (six traces, three of a whole-model graph)
 def test_budget_bounds_and_order_of_what_the_partitioner_saves():
     """On fake tensors (the estimate): the activations a compiled step keeps for backward fall as
     the budget falls, from what compile alone saves (budget 1) to nearly what block checkpointing
@@ -108,7 +109,7 @@ SLOW = pytest.mark.slow
 
 @pytest.mark.parametrize("plan", [
     Plan(compile="blocks"), Plan(compile="blocks", checkpointing="blocks"),
-    Plan(compile="blocks", checkpointing="budget:0"),
+    pytest.param(Plan(compile="blocks", checkpointing="budget:0"), marks=SLOW),
     pytest.param(Plan(compile="full"), marks=SLOW),
     pytest.param(Plan(compile="full", checkpointing="budget:0.5"), marks=SLOW),
     pytest.param(Plan(compile="full", checkpointing="budget:0"), marks=SLOW)],
