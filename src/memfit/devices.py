@@ -4,8 +4,9 @@
 PyTorch sees it: ``total_bytes`` is ``torch.cuda.get_device_properties().total_memory`` on that
 card, the CUDA context and cuBLAS workspace are memory outside (context) or inside (workspace)
 PyTorch's allocator count, and allocations go through the CUDA caching allocator model in
-``memfit.memory.allocator``. Throughput figures are the vendor's dense peaks, used by the
-planner's roofline model; they are not measurements.
+``memfit.memory.allocator``. Throughput figures are the vendor's dense peaks, which the
+planner's op-level time model (memfit.planner.timing) scales by achieved fractions fitted on an H100;
+they are not measurements.
 """
 
 from __future__ import annotations

@@ -1,24 +1,18 @@
-"""Step-time models for the planner.
+"""The calibrated step-time model: the planner's on the device at hand (the CPU here).
 
-``calibrated`` (the device at hand, CPU here): a few short real steps of the same TrainStep keep
-the model honest. The base plan is timed at every micro-batch size of the space, and each
-technique value alone at the whole batch; a plan's time is the base time at its micro-batch size
-times the factor of each technique it uses (factors are assumed to combine multiplicatively).
+A few short real steps of the same TrainStep keep the model honest. The base plan is timed at every
+micro-batch size of the space, and each technique value alone at the whole batch; a plan's time is
+the base time at its micro-batch size times the factor of each technique it uses (factors are
+assumed to combine multiplicatively). A factor is keyed by (technique, plan value): only non-default
+values have one.
 
-``roofline`` (GPU presets, no GPU needed): FLOPs counted with ``torch.utils.flop_counter`` on a
-fake trace (:class:`~memfit.techniques.base.Roofline`); compute time = FLOPs / (peak FLOP/s of the
-dtype x an assumed 40% utilisation); each micro-batch adds a kernel-launch overhead per op; each
-technique's config gives its own factor (``Config.time_factor``): recompute adds the forward FLOPs
-of what is recomputed, the optimizer is memory-bound (bytes moved / bandwidth), offload adds bytes
-over the host link / link bandwidth (no overlap assumed).
-
-Both key a technique's factor by (technique, plan value): only non-default values have one.
-
-Compile time is one-time, not part of the step (:meth:`TimeModel.warmup`): measured by
-``calibrated`` as the extra time of the first step of each value that ``warms_up`` (compile modes,
-activation budgets: the partitioner's search), predicted by ``roofline`` from each config's
-``warmup_seconds``. The planner counts it per step only when told how long the run is
+Compile time is one-time, not part of the step (:meth:`TimeModel.warmup`): measured as the extra
+time of the first step of each value that ``warms_up`` (compile modes, activation budgets: the
+partitioner's search). The planner counts it per step only when told how long the run is
 (:meth:`TimeModel.per_step`): step + compile / steps.
+
+GPU presets have no device to time: their plans are timed by the ops their own steps run
+(memfit.planner.gpu_time).
 """
 
 from __future__ import annotations
@@ -27,37 +21,24 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
-
 from memfit.errors import UserError
-from memfit.planner.space import ModelFacts, SearchSpace
+from memfit.planner.space import SearchSpace
 from memfit.plans import Plan, technique_of
 from memfit.step import build_step, make_batch
 from memfit.target import Target
-from memfit.techniques.base import Config, Roofline
-from memfit.techniques.checkpointing import find_blocks
-
-MFU = 0.4
-LAUNCH_SECONDS = 5e-6
-OPTIMIZER_BYTES_PER_PARAM = 28
-"""The default optimizer's (AdamW's) update: fp32 weight, gradient and two states read and written."""
+from memfit.techniques.base import Config
 
 
 @dataclass
 class TimeModel:
     kind: str
-    """'calibrated' (measured here) or 'roofline' (FLOP counts and the preset's peak numbers)."""
+    """'calibrated' (measured here), or a name a test gives a fixed model."""
     batch_size: int
     base_seconds: dict[int, float] = field(default_factory=dict)
     factors: dict[tuple[str, object], float] = field(default_factory=dict)
     """(technique, plan value) -> measured factor (calibrated)."""
     warmups: dict[tuple[str, object], float] = field(default_factory=dict)
     """(technique, plan value) -> measured one-time seconds before the first step (calibrated)."""
-    roofline: Roofline | None = None
-    """The roofline's inputs: each technique's factor comes from its config (roofline)."""
     seconds_spent: float = 0.0
     excluded: list[str] = field(default_factory=list)
     """Technique values left out of the space because they failed for this workload."""
@@ -73,10 +54,7 @@ class TimeModel:
 
     def warmup(self, plan: Plan) -> float:
         """One-time seconds before ``plan``'s first step (compiling); the values' own, added."""
-        configs = [c for c in plan.techniques if not c.is_default]
-        if self.roofline is not None:
-            return sum(c.warmup_seconds(self.roofline, plan) for c in configs)
-        return sum(self.warmups.get(_key(c), 0.0) for c in configs)
+        return sum(self.warmups.get(_key(c), 0.0) for c in plan.techniques if not c.is_default)
 
     def per_step(self, plan: Plan, steps: int | None) -> float:
         """Seconds per step over a run of ``steps`` steps (compile time spread over them); None: a
@@ -84,16 +62,12 @@ class TimeModel:
         return self.predict(plan) + (self.warmup(plan) / steps if steps else 0.0)
 
     def factor(self, config: Config) -> float:
-        if self.roofline is not None:
-            return config.time_factor(self.roofline)
         return self.factors.get(_key(config), 1.0)
 
     def describe(self) -> str:
-        if self.kind == "calibrated":
-            at = f" at batch {self.reduced_batch}" if self.reduced_batch else ""
-            return (f"calibrated on this machine with short real steps ({self.seconds_spent:.1f} s); "
-                    f"technique factors{at} combined multiplicatively")
-        return f"roofline from FLOP counts and the preset's peak numbers ({MFU:.0%} utilisation assumed)"
+        at = f" at batch {self.reduced_batch}" if self.reduced_batch else ""
+        return (f"{self.kind} on this machine with short real steps ({self.seconds_spent:.1f} s); "
+                f"technique factors{at} combined multiplicatively")
 
 
 def _key(config: Config) -> tuple[str, object]:
@@ -200,85 +174,3 @@ def _alone(name: str, value, space: SearchSpace) -> tuple[Plan, Plan]:
             except UserError:
                 continue
     raise alone_error
-
-
-def roofline(target: Target, space: SearchSpace, facts: ModelFacts) -> TimeModel:
-    """Time model from one fake trace of the default plan with FLOP counting."""
-    t0 = time.perf_counter()
-    device, batch_size = target.device, target.batch_size
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        default = target.with_plan(Plan())
-        step = build_step(default)
-        batch = make_batch(default)
-        counter, ops = FlopCounterMode(display=False), _OpCount(step)
-        with counter, ops:
-            step.run(batch)
-        ops.remove_hooks()
-        n_ops = ops.n
-    total = counter.get_total_flops()
-    by_module = counter.get_flop_counts()
-    peak = device.peak_flops
-    fp32 = peak.get("float32", 1e12) * MFU
-    half = peak.get("bfloat16" if device.bf16 else "float16", peak.get("float32", 1e12)) * MFU
-    bw = device.mem_bandwidth or 1e12
-    compute = total / fp32
-    opt = OPTIMIZER_BYTES_PER_PARAM * facts.n_params / bw
-    model = TimeModel("roofline", batch_size)
-    for micro in {*space.micro_batches, batch_size}:  # the whole batch is the base of every factor
-        model.base_seconds[micro] = compute + opt + (batch_size // micro) * n_ops * LAUNCH_SECONDS
-    model.roofline = Roofline(  # backward ~ 2x forward for matmul-dominated models: forward = total / 3
-        base_seconds=model.base_seconds[batch_size], total_flops=total, fwd_flops=total / 3,
-        block_fwd_flops=_blocks_flops(step.model, by_module) / 3, head_fwd_flops=_head_flops(step.model, by_module) / 3,
-        attention_fwd_flops=sum(v for k, v in by_module.get("Global", {}).items()
-                                if "scaled_dot_product" in str(k)) / 3,
-        fp32_flops_per_s=fp32, half_flops_per_s=half, n_params=facts.n_params, mem_bandwidth=bw,
-        host_link_bandwidth=device.host_link_bandwidth or 25e9, optimizer_seconds=opt,
-        forward_ops=ops.forward, block_ops=ops.block)
-    model.seconds_spent = time.perf_counter() - t0
-    return model
-
-
-class _OpCount(TorchDispatchMode):
-    """Counts ATen ops: all of them (kernel launches, for the per-micro-batch launch overhead), the
-    forward's (the graph ``compile: full`` compiles) and one repeated block's forward (``blocks``')."""
-
-    def __init__(self, step):
-        super().__init__()
-        self.n = self.forward = self.block = 0
-        self.step, self.in_block, self.hooks = step, False, []
-        blocks = find_blocks(step.model)
-        if blocks:
-            first = blocks[0][1][0]
-            self.hooks = [first.register_forward_pre_hook(lambda *_: setattr(self, "in_block", True)),
-                          first.register_forward_hook(lambda *_: setattr(self, "in_block", False))]
-
-    def remove_hooks(self) -> None:
-        for h in self.hooks:
-            h.remove()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        if self.step.phase == "forward":
-            self.forward += 1
-            self.block += self.in_block
-        return func(*args, **(kwargs or {}))
-
-
-def _blocks_flops(model: torch.nn.Module, by_module: dict) -> float:
-    """FLOPs of the repeated blocks: FlopCounterMode counts each block under its own name (the
-    container is never called)."""
-    names = set()
-    for name, children in find_blocks(model):
-        prefix = ".".join(filter(None, (type(model).__name__, name)))
-        ids = {id(c) for c in children}
-        names |= {f"{prefix}.{n}" for n, c in model.get_submodule(name).named_children() if id(c) in ids}
-    return sum(sum(v.values()) for k, v in by_module.items() if k in names)
-
-
-def _head_flops(model: torch.nn.Module, by_module: dict) -> float:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None:
-        return 0.0
-    name = next((n for n, m in model.named_modules() if m is head), None)
-    key = f"{type(model).__name__}.{name}"
-    return sum(by_module.get(key, {}).values())

@@ -1,11 +1,15 @@
 """plan(): the fastest plan that fits, found on predictions.
 
 1. Enumerate the valid plans of the search space (memfit.planner.space).
-2. Predict every plan's step time (memfit.planner.cost): cheap, no trace per plan. Compile time
-   is shown beside it, and counted per step when the run's length is given (``steps``: step +
+2. Predict every plan's step time: on the CPU by short real steps (memfit.planner.cost, final);
+   on GPU presets by the ops of each plan's own step (memfit.planner.gpu_time: estimated from each
+   technique value alone, then measured by shallow traces for the plans the walk visits). Compile
+   time is shown beside it, and counted per step when the run's length is given (``steps``: step +
    compile / steps), so a short run can prefer an eager plan.
-3. Walk the plans from fastest to slowest; predict the memory of each with ``estimate`` (an exact
-   fake-tensor trace of the real TrainStep). The first that fits is the answer.
+3. Walk the plans fastest first (:class:`_Walk`); predict the memory of each with a fake-tensor
+   trace of the real TrainStep (on GPU presets: a shallow lower bound first, a full trace, as
+   ``estimate`` runs it, for the plan chosen). The first that fits is the answer, and its reason
+   names the faster plans it beat on memory and the next ones it beat on time.
 4. Prune without tracing: a plan that saves no more memory in any dimension than a plan that
    already did not fit cannot fit either (techniques are assumed not to *add* memory). The
    maximal plans (none saves less than another everywhere) are traced first: when none of them
@@ -19,6 +23,7 @@ host bytes together (one memory).
 
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass, field
 
@@ -29,6 +34,7 @@ from memfit.errors import UserError
 from memfit.memory.budget import Budget
 from memfit.memory.estimate import estimate_target
 from memfit.planner import cost
+from memfit.planner.gpu_time import GpuStepModel
 from memfit.planner.space import candidates, default_space, drop_unused, model_facts, saves_no_more_than
 from memfit.plans import Plan, technique_of
 from memfit.quiet import silenced_warnings
@@ -74,6 +80,8 @@ class PlanResult:
     """When nothing fits: the plan with the smallest footprint found, and its footprint."""
     run_steps: int | None = None
     """The run's length compile time was spread over (None: not counted)."""
+    notes: list[str] = field(default_factory=list)
+    """Techniques left out of the search here, and why."""
 
     def to_json(self) -> dict:
         def row(c: Candidate) -> dict:
@@ -86,7 +94,7 @@ class PlanResult:
                 "budget_bytes": self.budget_bytes, "time_model": self.time_model, "run_steps": self.run_steps,
                 "chosen": row(self.chosen) if self.chosen else None, "traces": self.traces,
                 "planning_seconds": self.seconds, "candidates_total": len(self.candidates),
-                "smallest": row(self.smallest) if self.smallest else None,
+                "smallest": row(self.smallest) if self.smallest else None, "notes": self.notes,
                 "ranked": [row(c) for c in evaluated[:50]]}
 
 
@@ -134,64 +142,198 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
         raise UserError("plan: no valid plan is left with the fields you fixed; remove some of the plan flags")
     drop_unused(space, plans)
     with silenced_warnings():
-        model = time_model or (cost.roofline(target, space, facts) if dev.is_gpu else cost.calibrate(target, space))
+        if time_model is not None:
+            model = time_model
+        elif dev.is_gpu:
+            model = GpuStepModel(target, space, facts, budget_obj, fixed=fixed)
+        else:
+            model = cost.calibrate(target, space)
+    try:
+        return _search(t0, target, budget_obj, space, plans, constrained, model, steps, max_traces)
+    finally:
+        if isinstance(model, GpuStepModel):
+            model.close()
+
+
+def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Plan], constrained: dict, model,
+            steps: int | None, max_traces: int) -> PlanResult:
+    wl, dev, bs, budget_bytes = target.workload, target.device, target.batch_size, budget_obj.bytes
+    if isinstance(model, GpuStepModel):
+        with silenced_warnings():
+            model.prepare()
     for name, value in constrained.items():
         if not space.values[name]:  # the time model's runs found that the value does not suit the workload
             why = next((x.split(": ", 1)[-1] for x in model.excluded if x.startswith(f"{name}=")), "")
             raise _unsuited(wl, name, value, why)
     plans = [p for p in plans if all(getattr(p, n) in v for n, v in space.values.items())]  # after exclusions
-    ranked = sorted((Candidate(p, model.per_step(p, steps), step_seconds=model.predict(p),
-                               compile_seconds=model.warmup(p)) for p in plans), key=lambda c: c.seconds)
-    failed: list[Candidate] = []
-    chosen, traces = None, 0
-    maximal: list[Candidate] | None = None
+    ranked = [Candidate(p, 0.0) for p in plans]
     for c in ranked:
-        if chosen is not None:
-            c.status, c.reason = "slower", f"{c.seconds / chosen.seconds:.2f}x the chosen plan's time"
-            continue
-        blocker = next((f for f in failed if saves_no_more_than(c.plan, f.plan, bs)), None)
-        if blocker is not None:
-            c.status, c.reason = "pruned", "saves no more memory than a plan that did not fit"
-            continue
-        if traces >= max_traces:
-            c.status, c.reason = "not evaluated", f"trace limit ({max_traces}) reached"
-            continue
-        if maximal is None and traces >= WALK_BEFORE_FEASIBILITY:
-            # No fit among the fastest plans: check that anything fits at all. The maximal plans
-            # (none saves less than another everywhere) dominate every plan: if none of them
-            # fits, nothing does.
-            maximal = _maximal(ranked, bs)
-            traces += _trace_all(maximal, target, budget_obj, failed)
-            tops = [m for m in maximal if m.used_bytes is not None]
-            if tops and all(m.used_bytes > budget_bytes for m in tops):
-                break
-            if any(saves_no_more_than(c.plan, f.plan, bs) for f in failed):
-                c.status, c.reason = "pruned", "saves no more memory than a plan that did not fit"
-                continue
-        if c.used_bytes is None:  # (maximal plans were traced already)
-            if not _evaluate(c, target, budget_obj):
-                continue
-            traces += 1
-        if c.used_bytes <= budget_bytes:
-            c.status, c.reason = "chosen", "fastest predicted plan that fits"
-            chosen = c
-        else:
-            _too_big(c, budget_bytes, failed)
+        _retime(c, model, steps)
+    walk = _Walk(target, budget_obj, model, steps, max_traces)
+    chosen = walk.run(ranked)
     if chosen is None and not any(c.used_bytes is not None for c in ranked):
         invalid = next((c for c in ranked if c.status == "invalid"), None)
         reason = invalid.reason.removeprefix("plan: ") if invalid else "no candidate plan is left"
         raise UserError(f"plan: no candidate plan can run {wl.name}: {reason}")
+    ranked.sort(key=lambda c: c.seconds)
+    if chosen is not None:
+        for c in ranked:
+            if c.status == "not evaluated" and c is not chosen:
+                c.status, c.reason = "slower", f"{c.seconds / chosen.seconds:.2f}x the chosen plan's time" + \
+                    ("" if walk.measured(c) else " (estimated)")
+        chosen.reason = _why_chosen(chosen, ranked, bs)
     result = PlanResult(workload=wl.name, device=dev.name, batch_size=bs, budget_bytes=budget_bytes,
-                        time_model=model.describe(), chosen=chosen, candidates=ranked, traces=traces,
-                        run_steps=steps)
+                        time_model=model.describe(), chosen=chosen, candidates=ranked, traces=walk.traces,
+                        run_steps=steps, notes=list(space.notes))
     if chosen is None:  # nothing fits (or the trace limit came first): the smallest footprint seen
-        traced = [c for c in ranked if c.used_bytes is not None]
-        result.smallest = min(traced, key=lambda c: c.used_bytes) if traced else None
+        result.smallest = walk.smallest(ranked)
         for c in ranked:
             if c.status == "not evaluated" and c.used_bytes is None:
                 c.reason = c.reason or "nothing fits: a plan saving at least as much did not fit"
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _retime(c: Candidate, model, steps: int | None) -> None:
+    c.seconds, c.step_seconds, c.compile_seconds = model.per_step(c.plan, steps), model.predict(c.plan), \
+        model.warmup(c.plan)
+
+
+class _Walk:
+    """Walk the candidates fastest first (a priority queue on predicted time) until one fits.
+
+    With the calibrated model (CPU) every time is final, and each visited plan is traced once for
+    its memory. With the GPU-preset model (memfit.planner.gpu_time) a visited plan is first
+    *measured* (shallow traces: its own step time and a lower bound of its memory): too big, it
+    is out; slower than its estimate, it goes back into the queue at its measured time. A plan that
+    comes out fastest with a fitting lower bound is *confirmed* by one full trace before it is
+    chosen. Pruning: a plan that saves no more memory than one that did not fit cannot fit."""
+
+    def __init__(self, target: Target, budget: Budget, model, steps: int | None, max_traces: int) -> None:
+        self.target, self.budget, self.model, self.steps, self.max_traces = target, budget, model, steps, max_traces
+        self.gpu = isinstance(model, GpuStepModel)
+        self.failed: list[Candidate] = []
+        self.evaluated = 0
+        self.maximal: list[Candidate] | None = None
+
+    @property
+    def traces(self) -> int:
+        return self.model.traces if self.gpu else self.evaluated
+
+    def measured(self, c: Candidate) -> bool:
+        return self.model.is_measured(c.plan) if self.gpu else c.used_bytes is not None
+
+    def run(self, ranked: list[Candidate]) -> Candidate | None:
+        bs = self.target.batch_size
+        heap = [(c.seconds, i, c) for i, c in enumerate(ranked)]
+        heapq.heapify(heap)
+        order = {id(c): i for i, c in enumerate(ranked)}
+        while heap:
+            key, _, c = heapq.heappop(heap)
+            if c.status != "not evaluated":
+                continue
+            if any(saves_no_more_than(c.plan, f.plan, bs) for f in self.failed):
+                c.status, c.reason = "pruned", "saves no more memory than a plan that did not fit"
+                continue
+            if self.evaluated >= self.max_traces and not self.measured(c):
+                c.reason = f"trace limit ({self.max_traces}) reached"
+                continue
+            if self.maximal is None and self.evaluated >= WALK_BEFORE_FEASIBILITY:
+                # No fit among the fastest plans: check that anything fits at all. The maximal plans
+                # (none saves less than another everywhere) dominate every plan: if none of them
+                # fits, nothing does.
+                self.maximal = _maximal(sorted(ranked, key=lambda x: x.seconds), bs)
+                for m in self.maximal:
+                    if m.used_bytes is None:
+                        self._measure(m)
+                tops = [m for m in self.maximal if m.used_bytes is not None]
+                if tops and all(m.status == "too big" for m in tops):
+                    return None
+                if c.status != "not evaluated" or any(saves_no_more_than(c.plan, f.plan, bs) for f in self.failed):
+                    if c.status == "not evaluated":
+                        c.status, c.reason = "pruned", "saves no more memory than a plan that did not fit"
+                    continue
+            if c.used_bytes is None and not self._measure(c):
+                continue
+            if c.status != "not evaluated":  # too big
+                continue
+            if self.gpu and not self.model.is_confirmed(c.plan):
+                if heap and c.seconds > heap[0][0]:  # slower than measured: back in the queue at its time
+                    heapq.heappush(heap, (c.seconds, order[id(c)], c))
+                    continue
+                self._confirm(c)
+                if c.status == "too big":
+                    continue
+                if heap and c.seconds > heap[0][0]:
+                    heapq.heappush(heap, (c.seconds, order[id(c)], c))
+                    continue
+            c.status = "chosen"
+            return c
+        return None
+
+    def _measure(self, c: Candidate) -> bool:
+        """Trace ``c`` (GPU presets: measure it, unless the time model did); False (status "invalid")
+        if it does not suit the workload."""
+        self.evaluated += not self.measured(c)
+        if not self.gpu:
+            if not _evaluate(c, self.target, self.budget):
+                return False
+            if c.used_bytes > self.budget.bytes:
+                self._too_big(c)
+            return True
+        try:
+            with silenced_warnings():
+                m = self.model.measure(c.plan)
+        except UserError as e:
+            c.status, c.reason = "invalid", str(e)
+            return False
+        _retime(c, self.model, self.steps)
+        c.peak_bytes = m.peak_bytes
+        c.used_bytes = m.used_bytes if m.used_bytes is not None else m.used_lower
+        if m.used_lower > self.budget.bytes:
+            self._too_big(c, at_least=m.used_bytes is None)
+        return True
+
+    def _confirm(self, c: Candidate) -> None:
+        with silenced_warnings():
+            m = self.model.confirm(c.plan)
+        _retime(c, self.model, self.steps)
+        c.used_bytes, c.peak_bytes = m.used_bytes, m.peak_bytes
+        if c.used_bytes > self.budget.bytes:
+            self._too_big(c)
+
+    def _too_big(self, c: Candidate, at_least: bool = False) -> None:
+        need = f"at least {fmt_bytes(c.used_bytes)} (allocated)" if at_least else fmt_bytes(c.used_bytes)
+        c.status, c.reason = "too big", f"needs {need} > budget {fmt_bytes(self.budget.bytes)}"
+        self.failed.append(c)
+
+    def smallest(self, ranked: list[Candidate]) -> Candidate | None:
+        """The traced plan with the smallest footprint (GPU presets: confirmed by a full trace)."""
+        traced = [c for c in ranked if c.used_bytes is not None and c.status != "invalid"]
+        if not traced:
+            return None
+        best = min(traced, key=lambda c: c.used_bytes)
+        if self.gpu and not self.model.is_confirmed(best.plan):
+            self._confirm(best)
+            if best.status != "too big":
+                best.status, best.reason = "not evaluated", ""
+        return best
+
+
+def _why_chosen(chosen: Candidate, ranked: list[Candidate], bs: int) -> str:
+    """The alternatives the chosen plan beat and by how much: the faster plans that did not fit, the
+    next fastest after it."""
+    faster = [c for c in ranked if c.status == "too big" and c.seconds < chosen.seconds]
+    slower = [c for c in ranked if c.status == "slower"][:2]
+    parts = ["fastest predicted plan that fits"]
+    if faster:
+        best = faster[0]
+        parts.append(f"{len(faster)} faster plan{'s' if len(faster) > 1 else ''} did not fit (fastest: "
+                     f"{best.plan.short(bs)}, {best.seconds / chosen.seconds:.2f}x its time, "
+                     f"{fmt_bytes(best.used_bytes)})")
+    if slower:
+        parts.append("next: " + ", ".join(f"{c.plan.short(bs)} {c.seconds / chosen.seconds:.2f}x" for c in slower))
+    return "; ".join(parts)
 
 
 def _constrain(space, fixed: dict, dev: Device, bs: int) -> tuple[dict, dict]:
@@ -249,21 +391,6 @@ def _evaluate(c: Candidate, target: Target, budget: Budget) -> bool:
         return False
     c.used_bytes, c.peak_bytes = budget.used_bytes(report), report.peak_bytes
     return True
-
-
-def _too_big(c: Candidate, budget: int, failed: list[Candidate]) -> None:
-    c.status, c.reason = "too big", f"needs {fmt_bytes(c.used_bytes)} > budget {fmt_bytes(budget)}"
-    failed.append(c)
-
-
-def _trace_all(cands: list[Candidate], target: Target, budget: Budget, failed: list[Candidate]) -> int:
-    n = 0
-    for c in cands:
-        if c.used_bytes is None and _evaluate(c, target, budget):
-            n += 1
-            if c.used_bytes > budget.bytes:
-                _too_big(c, budget.bytes, failed)
-    return n
 
 
 def _maximal(ranked: list[Candidate], bs: int) -> list[Candidate]:

@@ -38,7 +38,7 @@ and backward are scaled by ``COMPILE_FUSION`` (the optimizer stays eager), solve
 (124M, bf16, batch 8 x 1024) goes from the recorded eager 75.7 ms to the recorded compiled 35.2 ms
 on the H100 (``h100-handwritten-gpt2-compile.jsonl``);
 ``checkpointing: budget:F`` multiplies by the recorded slowdown at that budget (1.187 at 0.5,
-1.244 at 0.1, interpolated; 1 at F = 1).
+1.244 at 0.1, interpolated; 1 at F = 1: memfit.techniques.checkpointing.recorded_cost).
 
 NOTE [ Step-time calibration ]
 The constants (:class:`Constants`) were fitted by ``python bench/planner_gpu.py --fit`` on the H100
@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 
 from memfit.devices import Device
 from memfit.memory.categories import STEADY_STEP
+from memfit.memory.report import MemoryReport
 from memfit.planner.opcost import (
     ATTENTION,
     CUSTOM,
@@ -92,6 +93,7 @@ from memfit.planner.opcost import (
 )
 from memfit.plans import Plan
 from memfit.target import Target
+from memfit.techniques.checkpointing import recorded_cost
 
 FP32_SIMT = {"h100-80gb": 67e12, "h200-141gb": 67e12, "a100-80gb": 19.5e12, "a100-40gb": 19.5e12, "l4": 30.3e12}
 """fp32 FLOP/s without tensor cores where it differs from the preset's float32 (TF32) figure."""
@@ -154,8 +156,6 @@ class Constants:
 
 
 H100 = Constants()
-BUDGET_SLOWDOWN = ((0.0, 1.258), (0.1, 1.244), (0.5, 1.187), (1.0, 1.0))
-"""checkpointing: budget:F over compile without a budget (handwritten GPT-2 on the H100; F=0 extrapolated)."""
 
 
 @dataclass
@@ -336,7 +336,7 @@ def eager_plan(plan: Plan) -> tuple[Plan, float, list[str]]:
     slowdown = 1.0
     if budget is not None:
         changes["checkpointing"] = "none"
-        slowdown = _interpolate(BUDGET_SLOWDOWN, float(budget))
+        slowdown = recorded_cost(float(budget))[0]
     notes = [f"compile: {compiled.mode}: the eager step's memory-bound and CPU time in forward and backward "
              f"scaled by the fitted fusion factor" +
              (f"; budget {budget}: x{slowdown:.3f} (recorded on GPT-2)" if budget is not None else "")]
@@ -369,6 +369,31 @@ def record_ops(target: Target) -> list[Op]:
     return recorder.ops
 
 
+def trace_step(target: Target, k: Constants = H100) -> tuple[MemoryReport, StepTime, list[Op]]:
+    """One fake trace of ``target``'s step giving both what the planner needs: its memory report (as
+    ``estimate`` gives it) and its step time (and the ops behind it). A compiled plan takes two: its
+    compiled step for memory, its eager step for the ops (:func:`eager_plan`)."""
+    from memfit.memory.estimate import estimate_target
+    from memfit.memory.faketrace import run_tracked
+    from memfit.memory.report import report_for
+    from memfit.quiet import silenced_warnings
+
+    t0 = time.perf_counter()
+    if not target.plan.config("compile").is_default:
+        report = estimate_target(target, fallback=False)
+        ops = record_ops(target)
+    else:
+        recorder = OpRecorder()
+        with silenced_warnings():
+            run = run_tracked(target, fake=True, around_step=steady_step_recorder(recorder))
+        notes = [note for config in target.plan.techniques for note in config.notes()]
+        report = report_for(run.tracker, target, "fake", notes=notes, trace_seconds=time.perf_counter() - t0)
+        ops = recorder.ops
+    st = time_from_ops(ops, target, k)
+    st.trace_seconds = time.perf_counter() - t0
+    return report, st, ops
+
+
 def step_seconds(target: Target, k: Constants = H100) -> StepTime:
     """Predict one steady-state training step of ``target`` on its device (a GPU preset), from one
     fake trace of the plan's own step."""
@@ -380,10 +405,3 @@ def step_seconds(target: Target, k: Constants = H100) -> StepTime:
     st = time_from_ops(record_ops(target), target, k)
     st.trace_seconds = time.perf_counter() - t0
     return st
-
-
-def _interpolate(points, x: float) -> float:
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
-        if x0 <= x <= x1:
-            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    return points[-1][1] if x > points[-1][0] else points[0][1]

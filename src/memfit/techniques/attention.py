@@ -30,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
-from memfit.techniques.base import Config, Export, Key, Roofline, SearchContext, Technique, choice, register
+from memfit.techniques.base import Config, Export, Key, SearchContext, Technique, choice, register
 
 CHUNK_SIZE = 256
 MODES = ("auto", "sdpa", "math", "chunked")
@@ -186,9 +186,6 @@ class ChunkedAttention(Attention):
 
     def context(self) -> contextlib.AbstractContextManager:
         return ChunkedSDPA(self.chunk_size)
-
-    def time_factor(self, r: Roofline) -> float:
-        return (r.base_seconds + r.attention_fwd_flops / r.fp32_flops_per_s) / r.base_seconds
 
     def export(self, into: Export) -> None:
         into.hf_unmapped.append("attention: chunked")

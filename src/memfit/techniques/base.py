@@ -14,8 +14,8 @@ a technique means adding its module (and its test), nothing else:
                               optimizer is built, the loss, the contexts the step holds
 ``check(plan)``               refuse combinations with other techniques (a ``UserError`` with the fix)
 ``saves_at_most(other, b)``   memory order for the planner's pruning (by ``rank`` unless overridden)
-``time_factor(roofline)``     the roofline time model's factor; ``adds_work`` for the calibrated one
-``warmup_seconds(r, plan)``   the roofline model's one-time seconds before the first step (compiling)
+``adds_work``                 only adds work: a calibrated factor below 1 is timing noise
+``warmup_seconds(g, plan)``   one-time seconds before the first step on GPU presets (compiling)
 ``export(into)``              Hugging Face ``TrainingArguments`` / Lightning ``Trainer`` arguments, and
                               what has no equivalent there
 ``ablations()``               "without me": the configs the end-of-run report compares against
@@ -150,13 +150,9 @@ class Config:
             return True
         return self.rank is not None and other.rank is not None and self.rank < other.rank
 
-    def time_factor(self, roofline: Roofline) -> float:
-        """The roofline model's step-time factor of this config against the technique's default."""
-        return 1.0
-
-    def warmup_seconds(self, roofline: Roofline, plan) -> float:
-        """The roofline model's one-time seconds this config adds before the first step of ``plan``
-        runs (compiling), not counted in the step time."""
+    def warmup_seconds(self, graph: GraphSize, plan) -> float:
+        """One-time seconds this config adds before the first step of ``plan`` runs on a GPU preset
+        (compiling; ``graph``: the sizes of what is compiled), not counted in the step time."""
         return 0.0
 
     def frugal(self, ctx: AdaptContext) -> tuple[Config, str] | None:
@@ -282,30 +278,14 @@ class SearchContext:
 
 
 @dataclass(frozen=True)
-class Roofline:
-    """The inputs of the roofline time model (FLOPs from one fake trace; the preset's peaks)."""
+class GraphSize:
+    """The size of the graphs a compiled plan compiles, in ATen ops as the planner's op recorder
+    counts them (memfit.planner.opcost): what compile time is predicted from on GPU presets."""
 
-    base_seconds: float
-    """The whole-batch step of the default plan."""
-    total_flops: float
-    fwd_flops: float
-    block_fwd_flops: float
-    """Forward FLOPs of the repeated blocks (what block checkpointing recomputes)."""
-    head_fwd_flops: float
-    """Forward FLOPs of the output head (what chunked loss recomputes)."""
-    attention_fwd_flops: float
-    fp32_flops_per_s: float
-    half_flops_per_s: float
-    """At the assumed utilisation."""
-    n_params: int
-    mem_bandwidth: float
-    host_link_bandwidth: float
-    optimizer_seconds: float
-    """The default optimizer's (AdamW's) memory-bound update."""
     forward_ops: int = 0
-    """ATen ops of the forward (the graph size ``compile: full`` compiles)."""
+    """Ops of the whole forward (the graph ``compile: full`` compiles)."""
     block_ops: int = 0
-    """ATen ops of one repeated block's forward (the graph ``compile: blocks`` compiles once)."""
+    """Ops of one repeated block's forward (the graph ``compile: blocks`` compiles once)."""
 
 
 @dataclass

@@ -51,8 +51,8 @@ from memfit.techniques.base import (
     AdaptContext,
     Config,
     Export,
+    GraphSize,
     Key,
-    Roofline,
     SearchContext,
     Technique,
     register,
@@ -68,8 +68,6 @@ SAVE_OPS = {
     aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_cudnn_attention.default,
     aten.mkldnn_rnn_layer.default,
 }
-SELECTIVE_RECOMPUTE_SHARE = 0.15
-"""Roofline: the share of a block's forward FLOPs that selective checkpointing runs again."""
 BUDGET_LADDER = (0.5, 0.1)
 """Activation memory budgets the planner searches and OOM adaptation steps down (NOTE [ Activation
 budget ladder ])."""
@@ -79,8 +77,9 @@ BUDGET_RECORDING = ((0.1, 43.8, 89.9), (0.5, 41.8, 129.5), (1.0, 35.2, 45.6))
 """(budget fraction, ms/step, compile seconds) measured on one H100: a hand-written GPT-2 124M, batch
 8 x 1024, bf16 autocast, AdamW, ``torch.compile(model)``, no memfit
 (gpu-ground-truth/h100-handwritten-gpt2-compile.jsonl; compile seconds: the first step's warm-up less
-eager's 0.76 s); fraction 1 is compile without a budget. The roofline's budget factors are
-interpolated in this one recording (below 0.1: the 0.1 figures); nothing else calibrates them."""
+eager's 0.76 s); fraction 1 is compile without a budget. The GPU-preset time model's budget costs
+are interpolated in this one recording (:func:`recorded_cost`; below 0.1: the 0.1 figures); nothing
+else calibrates them."""
 
 
 def find_blocks(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
@@ -227,9 +226,6 @@ class BlocksAC(Checkpointing):
     def apply(self, parts) -> None:
         checkpoint_blocks(parts.model, every=self.every, recompute_contexts=parts.recompute_contexts)
 
-    def time_factor(self, r: Roofline) -> float:
-        return (r.base_seconds + r.block_fwd_flops / self.every / r.fp32_flops_per_s) / r.base_seconds
-
     def export(self, into: Export) -> None:
         if self.every != 1:
             return super().export(into)
@@ -248,9 +244,6 @@ class SelectiveAC(Checkpointing):
 
     def apply(self, parts) -> None:
         checkpoint_blocks(parts.model, selective=True, recompute_contexts=parts.recompute_contexts)
-
-    def time_factor(self, r: Roofline) -> float:
-        return (r.base_seconds + SELECTIVE_RECOMPUTE_SHARE * r.block_fwd_flops / r.fp32_flops_per_s) / r.base_seconds
 
 
 @dataclass(frozen=True)
@@ -285,13 +278,9 @@ class MemoryBudgetAC(Checkpointing):
     def frugal(self, ctx: AdaptContext):
         return _lower_budget(ctx, self.fraction)
 
-    def time_factor(self, r: Roofline) -> float:
-        """Against compile without a budget, from ``BUDGET_RECORDING``."""
-        return _recorded(self.fraction)[0]
-
-    def warmup_seconds(self, r: Roofline, plan) -> float:
+    def warmup_seconds(self, graph: GraphSize, plan) -> float:
         """The partitioner's extra compile time, from ``BUDGET_RECORDING``."""
-        return plan.config("compile").warmup_seconds(r, plan) * (_recorded(self.fraction)[1] - 1)
+        return plan.config("compile").warmup_seconds(graph, plan) * (recorded_cost(self.fraction)[1] - 1)
 
 
 def _compiles(plan) -> bool:
@@ -312,7 +301,7 @@ def _lower_budget(ctx: AdaptContext, fraction: float):
             f"budget, was {fraction:g}" + ("; the largest predicted to fit)" if predicted else ")"))
 
 
-def _recorded(fraction: float) -> tuple[float, float]:
+def recorded_cost(fraction: float) -> tuple[float, float]:
     """(step time, compile time) at budget ``fraction``, relative to compile without a budget,
     interpolated in ``BUDGET_RECORDING``."""
     f = min(max(fraction, BUDGET_RECORDING[0][0]), 1.0)

@@ -27,7 +27,6 @@ from memfit.techniques.base import (
     Config,
     Export,
     Key,
-    Roofline,
     SearchContext,
     Technique,
     register,
@@ -126,9 +125,6 @@ class ChunkedLoss(LossChunking):
 
     def apply(self, parts) -> None:
         parts.loss_fn = chunked_loss_fn(parts.loss_fn, parts.model, self.chunks)
-
-    def time_factor(self, r: Roofline) -> float:  # any K recomputes the head once
-        return (r.base_seconds + r.head_fwd_flops / r.fp32_flops_per_s) / r.base_seconds
 
     def label(self, batch_size):
         return f"chunks={self.chunks}"

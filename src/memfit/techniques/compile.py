@@ -29,9 +29,9 @@ graph, and planning Llama-2-7B with ``blocks`` searched took 7 minutes (30 s wit
 hit Dynamo's recompile limit (then 8 graphs per code object, every traced variant of a block being
 one; memfit now allows ``compiled.RECOMPILE_LIMIT`` and fails with one line past it). In the planner's memory order a compiled plan saves at least what the same plan saves eager
 (so predicted for GPT-2 with each eager checkpointing mode, on the CPU and a GPU preset); ``blocks``
-and ``full`` are not ordered (with a budget, whole-model graphs can hold more than blocks). The
-roofline's compiled step time and compile time come from one H100 recording
-(``COMPILED_STEP_FACTOR``, ``COMPILE_SECONDS_PER_OP``).
+and ``full`` are not ordered (with a budget, whole-model graphs can hold more than blocks). On GPU
+presets the compiled step's time (memfit.planner.timing) and compile time (``COMPILE_SECONDS_PER_OP``)
+come from one H100 recording.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.errors import UserError
-from memfit.techniques.base import Config, Export, Key, Roofline, SearchContext, Technique, choice, register
+from memfit.techniques.base import Config, Export, GraphSize, Key, SearchContext, Technique, choice, register
 from memfit.techniques.checkpointing import BUDGET_RECORDING, find_blocks
 from memfit.techniques.compiled import compiled, has_cpu_compiler
 
@@ -51,15 +51,12 @@ FUSION_NOTE = ("compiled regions: Inductor's own generated code (partition, fusi
                "fake tensors with no-op kernels (NOTE [ Inductor's own wrapper on fake tensors ]); GPU presets use "
                "Inductor's CPU code generator, whose fusion choices can differ from Triton's")
 
-# The roofline's compiled plans, from one recording (gpu-ground-truth/h100-handwritten-gpt2-compile.jsonl:
+# Compile time on GPU presets, from one recording (gpu-ground-truth/h100-handwritten-gpt2-compile.jsonl:
 # a hand-written GPT-2 124M, batch 8 x 1024, bf16 autocast, AdamW, torch.compile(model), no memfit).
-EAGER_MS = 75.7
-COMPILED_STEP_FACTOR = BUDGET_RECORDING[-1][1] / EAGER_MS
-"""Compiled step time over eager (35.2 / 75.7 ms on that H100) for ``compile: full``; ``blocks`` gets
-the same saving on the blocks' share of the forward FLOPs (not measured)."""
-GPT2_FORWARD_OPS = 2501
-"""ATen ops of memfit's GPT-2 124M forward (the ``gpt2`` workload, fp32, counted as the roofline
-counts them: ``Roofline.forward_ops``)."""
+# The compiled step's time is memfit.planner.timing's (``Constants.compile_fusion``).
+GPT2_FORWARD_OPS = 651
+"""ATen ops of memfit's GPT-2 124M forward in bf16 (the ``gpt2`` workload at batch 8 x 1024, as the
+op recorder of memfit.planner.opcost counts them: ``GraphSize.forward_ops``)."""
 COMPILE_SECONDS_PER_OP = BUDGET_RECORDING[-1][2] / GPT2_FORWARD_OPS
 """Compile time per op of the compiled graph: that recording's 45.6 s over GPT-2's forward ops.
 Compile time is taken to grow with the graph; the host CPU's speed and Inductor's caches, which
@@ -89,17 +86,11 @@ class Compile(Config):
     def notes(self) -> list[str]:
         return [FUSION_NOTE]
 
-    def time_factor(self, r: Roofline) -> float:
-        return 1 - (1 - COMPILED_STEP_FACTOR) * self._compiled_share(r)
+    def warmup_seconds(self, graph: GraphSize, plan) -> float:
+        return COMPILE_SECONDS_PER_OP * self._graph_ops(graph)
 
-    def warmup_seconds(self, r: Roofline, plan) -> float:
-        return COMPILE_SECONDS_PER_OP * self._graph_ops(r)
-
-    def _compiled_share(self, r: Roofline) -> float:
-        return 1.0
-
-    def _graph_ops(self, r: Roofline) -> int:
-        return r.forward_ops
+    def _graph_ops(self, graph: GraphSize) -> int:
+        return graph.forward_ops
 
     def export(self, into: Export) -> None:
         into.hf["torch_compile"] = True
@@ -139,10 +130,7 @@ class NoCompile(Compile):
     def export(self, into: Export) -> None:
         pass
 
-    def time_factor(self, r: Roofline) -> float:
-        return 1.0
-
-    def warmup_seconds(self, r: Roofline, plan) -> float:
+    def warmup_seconds(self, graph: GraphSize, plan) -> float:
         return 0.0
 
 
@@ -163,11 +151,8 @@ class CompileBlocks(Compile):
             for block in children:
                 block.forward = compiled(block.forward, budget=budget, name=f"block {type(block).__name__}")
 
-    def _compiled_share(self, r: Roofline) -> float:
-        return min(1.0, r.block_fwd_flops / r.fwd_flops) if r.fwd_flops else 0.0
-
-    def _graph_ops(self, r: Roofline) -> int:
-        return r.block_ops  # one graph serves every block
+    def _graph_ops(self, graph: GraphSize) -> int:
+        return graph.block_ops  # one graph serves every block
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from memfit.errors import UserError
-from memfit.techniques.base import Config, Export, Key, Roofline, Technique, register
+from memfit.techniques.base import Config, Export, Key, Technique, register
 from memfit.techniques.in_backward import StepInBackward
-
-READ_WRITE_BYTES_PER_PARAM = 12
-"""Roofline: a gradient read for the norm, read and written again to scale it (fp32)."""
 
 
 class GradClipping(Config):
@@ -66,10 +63,6 @@ class ClipGradNorm(GradClipping):
         step.scaler.unscale_(step.optimizer)  # fp16: clip the true gradients (a no-op otherwise)
         params = [p for p in step.model.parameters() if p.grad is not None]
         torch.nn.utils.clip_grad_norm_(params, self.max_norm)
-
-    def time_factor(self, r: Roofline) -> float:
-        clip = READ_WRITE_BYTES_PER_PARAM * r.n_params / r.mem_bandwidth
-        return (r.base_seconds + clip) / r.base_seconds
 
     def label(self, batch_size):
         return f"clip={self.max_norm:g}"

@@ -29,7 +29,6 @@ from memfit.techniques.base import (
     Config,
     Export,
     Key,
-    Roofline,
     SearchContext,
     Technique,
     choice,
@@ -39,8 +38,6 @@ from memfit.techniques.optimizers import Factory, PerParameterOptimizers
 from memfit.techniques.placement import HostPlacement
 
 ITEMS = ("optimizer_states", "activations")
-ACTIVATION_BYTES_PER_FLOP = 1 / 50
-"""Roofline: ~1 byte saved per 50 forward FLOPs for transformer blocks (a rough ratio)."""
 
 
 class OffloadOptimizerStates(PerParameterOptimizers):
@@ -143,15 +140,6 @@ class Offload(Config):
             parts.make_optimizer = lambda params, factory: OffloadOptimizerStates(params, factory, placement)
         if "activations" in self.items:
             parts.forward_contexts.append(OffloadActivations(parts.model, parts.placement))
-
-    def time_factor(self, r: Roofline) -> float:
-        factor = 1.0
-        if "optimizer_states" in self.items:  # AdamW's 8N bytes of states out and back
-            factor *= (r.base_seconds + 2 * 8 * r.n_params / r.host_link_bandwidth) / r.base_seconds
-        if "activations" in self.items:
-            saved = r.fwd_flops * ACTIVATION_BYTES_PER_FLOP
-            factor *= (r.base_seconds + 2 * saved / r.host_link_bandwidth) / r.base_seconds
-        return factor
 
     def frugal(self, ctx: AdaptContext):
         if "activations" in self.items:

@@ -12,9 +12,6 @@ Memory/compute trade-off, per parameter of N bytes in fp32:
 - ``sgd`` (:class:`SGDMomentum`) with momentum keeps one buffer (N).
 Hyperparameters (lr, weight decay, betas, eps) are taken from the workload's optimizer, group by
 group: a workload that gives its biases and norms no weight decay keeps that (:func:`regroup`).
-
-The update is memory-bound: the roofline model times it by the bytes of parameters, gradients
-and states it reads and writes (``update_bytes_per_param``).
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from memfit.techniques.base import Config, Export, Key, Roofline, SearchContext, Technique, choice, register
+from memfit.techniques.base import Config, Export, Key, SearchContext, Technique, choice, register
 
 Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 NAMES = ("adamw", "adamw8bit", "adafactor", "sgd")
@@ -56,7 +53,6 @@ class OptimizerVariant(Config):
     """The plan key ``optimizer``: which optimizer the step builds."""
 
     name = "adamw"
-    update_bytes_per_param = 28
     """Bytes read and written per parameter by one update (fp32 weight, gradient, states)."""
 
     def values(self) -> dict:
@@ -70,10 +66,6 @@ class OptimizerVariant(Config):
         params = [p for p in parts.model.parameters() if p.requires_grad]
         if params:  # (a model without trainable parameters is refused by build_step)
             parts.optimizer_factory = self.factory(parts.optimizer_factory, params)
-
-    def time_factor(self, r: Roofline) -> float:
-        update = self.update_bytes_per_param * r.n_params / r.mem_bandwidth
-        return (r.base_seconds - r.optimizer_seconds + update) / r.base_seconds
 
     def label(self, batch_size):
         return self.name if self.name != "adamw" else None
@@ -101,7 +93,6 @@ class SGDMomentum(OptimizerVariant):
 
     name = "sgd"
     rank = 1
-    update_bytes_per_param = 16
 
     def factory(self, workload_factory, params):
         like = workload_factory(params)
@@ -115,7 +106,6 @@ class Adafactor(OptimizerVariant):
 
     name = "adafactor"
     rank = 2
-    update_bytes_per_param = 16
 
     def factory(self, workload_factory, params):
         like = workload_factory(params)
@@ -129,7 +119,6 @@ class AdamW8bit(OptimizerVariant):
 
     name = "adamw8bit"
     rank = 1
-    update_bytes_per_param = 14
 
     def factory(self, workload_factory, params):
         like = workload_factory(params)

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_map
 
 from memfit.errors import UserError
 from memfit.quiet import silenced_warnings
-from memfit.techniques.base import Config, Export, Key, Roofline, SearchContext, Technique, choice, register
+from memfit.techniques.base import Config, Export, Key, SearchContext, Technique, choice, register
 
 MODES = ("fp32", "bf16", "fp16", "bf16-pure", "auto")
 
@@ -142,9 +142,6 @@ class Autocast(Precision):
             return scaler
         return torch.amp.GradScaler(device_type)
 
-    def time_factor(self, r: Roofline) -> float:
-        return _half_factor(r)
-
     def export(self, into: Export) -> None:
         super().export(into)
         into.hf[self.dtype] = True
@@ -183,9 +180,6 @@ class BF16Pure(Precision):
                     module._buffers[name] = b.to(torch.bfloat16)
         return model
 
-    def time_factor(self, r: Roofline) -> float:
-        return _half_factor(r)
-
     def export(self, into: Export) -> None:
         super().export(into)
         into.hf["bf16"] = True
@@ -204,11 +198,6 @@ class AutoPrecision(Precision):
 
     def export(self, into: Export) -> None:
         into.hf_unmapped.append("precision: auto (resolve it for the device first)")
-
-
-def _half_factor(r: Roofline) -> float:
-    """16-bit matmuls at the half-precision peak; the optimizer's update is unchanged."""
-    return (r.total_flops / r.half_flops_per_s + r.optimizer_seconds) / r.base_seconds
 
 
 def parse(values: dict) -> Precision:

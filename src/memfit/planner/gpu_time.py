@@ -1,0 +1,310 @@
+"""The planner's step-time model for GPU presets: each plan timed by the ops its own step runs.
+
+A plan's time is memfit.planner.timing's op-level model run on the ops of a fake trace of the plan's
+own TrainStep, so what a technique costs is what it runs (recomputed blocks, smaller micro-batch
+kernels, per-chunk loss kernels, 8-bit updates, copies over the host link). Tracing every candidate
+at full depth would take minutes (672 plans for GPT-2), so the model works in three tiers:
+
+1. **Estimate** (every candidate, no trace of its own): the default plan and each technique value
+   alone are measured (tier 2); a combination is estimated as the default's time times the ratio
+   of each of its values alone. This only orders the search.
+2. **Measure** (the candidates the search visits, fastest estimate first): a shallow trace pair
+   (memfit.planner.shallow: 2 and 4 blocks) gives the plan's full-depth ops (extrapolated op by
+   op), hence its own step time, and its allocated peak (extrapolated on a line). The time
+   replaces the estimate, and the plan goes back into the queue at it. The allocated peak plus the
+   CUDA context is a lower bound of what the budget counts (the caching allocator reserves at
+   least what is allocated): above the budget, the plan is too big.
+3. **Confirm** (a plan measured fastest whose lower bound fits): one full trace, the same as
+   ``memfit estimate``: reserved bytes and the time at full depth. Only a confirmed plan is chosen.
+
+So the chosen plan's figures are those of its own full trace, and every plan it beat on time was
+measured, not estimated. Independent traces (the values alone, a pair's two depths) run in forked
+worker processes, one per CPU core (memfit.planner.workers).
+
+Compile time (one-time, before the first step) comes from the compiled graph's size: the forward's
+ops for ``compile: full``, one block's for ``blocks`` (read from the shallow pair), at the rate of
+the one H100 recording (memfit.techniques.compile).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from memfit.errors import UserError
+from memfit.memory.budget import Budget
+from memfit.planner.shallow import depth_of, depths, extrapolate, extrapolate_ops, shallow_workload
+from memfit.planner.space import ModelFacts, SearchSpace
+from memfit.planner.timing import H100, Constants, StepTime, time_from_ops, trace_step
+from memfit.planner.workers import Workers
+from memfit.plans import Plan
+from memfit.target import Target
+from memfit.techniques.base import GraphSize
+
+FORWARD, BACKWARD = 2, 3  # memfit.planner.opcost.PHASES
+PEAK_MARGIN = 0.02
+"""How far an extrapolated allocated peak may be above the full trace's (caching-allocator rounding;
+1% seen with ``blocks:every=2`` on a small model): the lower bound that prunes is that much lower."""
+
+
+class Traced(NamedTuple):
+    """What the model keeps of one trace (small, so a worker process can send it back)."""
+
+    peak_bytes: int
+    context_bytes: int
+    used_bytes: int
+    """What the budget counts (reserved + context on a GPU preset)."""
+    ops: list
+    seconds: float
+
+
+@dataclass
+class Measured:
+    """A plan's figures from its own traces (shallow and extrapolated, or full)."""
+
+    seconds: float
+    step: StepTime
+    peak_bytes: int
+    """Allocated peak."""
+    used_lower: int
+    """A lower bound of what the budget counts (allocated peak, less ``PEAK_MARGIN`` when it is
+    extrapolated, + CUDA context)."""
+    used_bytes: int | None = None
+    """What the budget counts (reserved + context): full traces only."""
+    graph: GraphSize = field(default_factory=GraphSize)
+    full: bool = False
+
+
+class _Deep(Exception):
+    """A shallow trace failed for the model's sake: trace at full depth."""
+
+
+class GpuStepModel:
+    """Time model of the GPU-preset planner (see the module docstring)."""
+
+    kind = "op-level"
+
+    def __init__(self, target: Target, space: SearchSpace, facts: ModelFacts, budget: Budget, *,
+                 fixed: dict | None = None, k: Constants = H100) -> None:
+        """``fixed``: plan fields outside the search space that every candidate has (ema, ...)."""
+        self.target, self.space, self.budget, self.k = target, space, budget, k
+        self.fixed = dict(fixed or {})
+        self.depth = depth_of(facts.model)
+        self.measured: dict[Plan, Measured] = {}
+        self.ratios: dict[tuple[str, object], float] = {}
+        self.excluded: list[str] = []
+        self.traces = self.full_traces = 0
+        self.seconds_spent = 0.0
+        self.base: Plan | None = None
+        self.shallow_failed: str | None = None
+        self._workloads: dict[int, object] = {}
+        self._traced: dict[tuple, Traced | Exception] = {}
+        self.workers = Workers(self._trace)
+
+    def close(self) -> None:
+        self.workers.close()
+
+    # -- tier 1: estimates ---------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Measure the default plan and each searched value alone, for the estimates (values that
+        do not suit the workload leave the space, with the reason in ``excluded``)."""
+        t0 = time.perf_counter()
+        self.base = self._base_plan()
+        alone = {}
+        for name, values in self.space.values.items():
+            for value in values:
+                plan = self._alone(name, value)
+                if plan is not None and plan != self.base:
+                    alone[(name, value)] = plan
+        self._run([(p, d, None) for p in (self.base, *alone.values()) for d in self._depths(p) or (None,)],
+                  check=False)
+        base = self.measure(self.base).seconds
+        for (name, value), plan in alone.items():
+            try:
+                self.ratios[(name, value)] = self.measure(plan).seconds / base
+            except UserError as e:
+                self.space.values[name].remove(value)
+                self.excluded.append(f"{name}={value}: {e}")
+        for m in self.space.micro_batches:
+            if m != self.target.batch_size:
+                self.ratios[("micro_batch_size", m)] = self._micro_seconds(m) / base
+        self.prepare_seconds = time.perf_counter() - t0
+
+    def _micro_seconds(self, micro: int) -> float:
+        """The base split into micro-batches of ``micro``, estimated without a trace from the base's
+        ops: forward and backward once per micro-batch, each op doing ``micro / batch`` of its work
+        (optimistic: the weights are read by every micro-batch), the rest once."""
+        ops = self._ops_of(self.base)
+        n = self.target.batch_size // micro
+        first = next((i for i, op in enumerate(ops) if op.phase == FORWARD), 0)
+        last = max((i for i, op in enumerate(ops) if op.phase == BACKWARD), default=len(ops) - 1)
+        part = [op._replace(flops=op.flops / n, nbytes=op.nbytes // n) for op in ops[first:last + 1]]
+        return time_from_ops(ops[:first] + part * n + ops[last + 1:], self.target.with_plan(self.base),
+                             self.k).seconds
+
+    def _base_plan(self) -> Plan:
+        precisions = self.space.values.get("precision", [])
+        half = next((p for p in precisions if p in ("bf16", "fp16")), None)
+        first = {name: values[0] for name, values in self.space.values.items() if values}
+        return Plan(**{**first, **self.fixed, **({"precision": half} if half else {})})
+
+    def _alone(self, name: str, value) -> Plan | None:
+        """The base with ``value`` (or, when it cannot run alone, with the first other searched value
+        that lets it run: ``budget:F`` with a compile mode)."""
+        try:
+            return self.base.replace(**{name: value})
+        except UserError:
+            pass
+        for other, values in self.space.values.items():
+            for v in values if other != name else ():
+                try:
+                    return self.base.replace(**{name: value, other: v})
+                except UserError:
+                    continue
+        return None
+
+    def predict(self, plan: Plan) -> float:
+        """The plan's measured step time, else its estimate (tier 1)."""
+        m = self.measured.get(plan)
+        if m is not None:
+            return m.seconds
+        t = self.measured[self.base].seconds
+        for name in self.space.values:
+            value = getattr(plan, name)
+            if value != getattr(self.base, name):
+                t *= self.ratios.get((name, value), 1.0)
+        micro = plan.micro_batches(self.target.batch_size)[0]
+        return t * self.ratios.get(("micro_batch_size", micro), 1.0)
+
+    def is_measured(self, plan: Plan) -> bool:
+        return plan in self.measured
+
+    def is_confirmed(self, plan: Plan) -> bool:
+        m = self.measured.get(plan)
+        return m is not None and m.full
+
+    # -- tiers 2 and 3: traces -----------------------------------------------------------------
+    def measure(self, plan: Plan) -> Measured:
+        """The plan's time and allocated peak from a shallow trace pair (full depth when the model
+        is shallow, or a shallow trace failed once)."""
+        if plan in self.measured:
+            return self.measured[plan]
+        pair = self._depths(plan)
+        if not pair:
+            return self.confirm(plan)
+        try:
+            a, b = self._run([(plan, d, None) for d in pair])
+        except _Deep:
+            return self.confirm(plan)
+        d, full = pair[0], self.depth
+        ops = extrapolate_ops(a.ops, b.ops, d, full)
+        target = self.target.with_plan(plan)
+        if ops is not None:
+            step = time_from_ops(ops, target, self.k)
+        else:  # the runs do not line up: the time on the line through both depths
+            sa, sb = time_from_ops(a.ops, target, self.k), time_from_ops(b.ops, target, self.k)
+            step = dataclasses.replace(sb, seconds=extrapolate(sa.seconds, sb.seconds, d, full), notes=[
+                "the shallow steps' ops did not line up: time extrapolated on a line"])
+        peak = int(extrapolate(a.peak_bytes, b.peak_bytes, d, full))
+        fwd_a, fwd_b = (sum(op.phase == FORWARD for op in t.ops) for t in (a, b))
+        graph = GraphSize(forward_ops=int(extrapolate(fwd_a, fwd_b, d, full)), block_ops=max(1, (fwd_b - fwd_a) // d))
+        m = Measured(seconds=step.seconds, step=step, peak_bytes=peak,
+                     used_lower=int(peak * (1 - PEAK_MARGIN)) + b.context_bytes, graph=graph)
+        self.measured[plan] = m
+        return m
+
+    def confirm(self, plan: Plan) -> Measured:
+        """The plan's full trace: what ``memfit estimate`` reports, and its time at full depth."""
+        m = self.measured.get(plan)
+        if m is not None and m.full:
+            return m
+        (t,) = self._run([(plan, None, None)])
+        step = time_from_ops(t.ops, self.target.with_plan(plan), self.k)
+        forward = sum(op.phase == FORWARD for op in t.ops)
+        graph = GraphSize(forward_ops=forward, block_ops=m.graph.block_ops if m else forward // max(1, self.depth or 1))
+        m = Measured(seconds=step.seconds, step=step, peak_bytes=t.peak_bytes, used_lower=t.peak_bytes + t.context_bytes,
+                     used_bytes=t.used_bytes, graph=graph, full=True)
+        self.measured[plan] = m
+        return m
+
+    def _depths(self, plan: Plan) -> tuple[int, ...]:
+        return () if not self.depth or self.shallow_failed else (depths(plan, self.depth) or ())
+
+    def _ops_of(self, plan: Plan) -> list:
+        """The full-depth ops of a measured plan."""
+        pair = self._depths(plan)
+        if pair and not self.is_confirmed(plan):
+            a, b = self._run([(plan, d, None) for d in pair])
+            ops = extrapolate_ops(a.ops, b.ops, pair[0], self.depth)
+            if ops is not None:
+                return ops
+        (t,) = self._run([(plan, None, None)])
+        return t.ops
+
+    # -- running traces --------------------------------------------------------------------------
+    def _run(self, jobs: list[tuple], check: bool = True) -> list[Traced]:
+        """The traces of ``jobs`` ((plan, depth or None for full, batch or None)), cached; those not
+        traced yet run on the worker processes. ``check``: raise the first job's error (a plan's
+        UserError, or _Deep when a shallow trace failed for another reason: then shallow traces
+        stop)."""
+        todo = list(dict.fromkeys(j for j in jobs if j not in self._traced))
+        t0 = time.perf_counter()
+        for job, result in zip(todo, self.workers.map(todo)):
+            self._traced[job] = result
+            if isinstance(result, Traced):
+                self.traces += 1
+                self.full_traces += job[1] is None
+            elif job[1] is not None and not isinstance(result, UserError):
+                self.shallow_failed = self.shallow_failed or f"{type(result).__name__}: {result}"
+        self.seconds_spent += time.perf_counter() - t0
+        out = [self._traced[j] for j in jobs]
+        for job, result in zip(jobs, out if check else ()):
+            if isinstance(result, UserError):
+                raise result
+            if isinstance(result, Exception):
+                if job[1] is None:
+                    raise result
+                raise _Deep(str(result))
+        return out
+
+    def _trace(self, job: tuple) -> Traced | Exception:
+        """One trace (run in a worker process): a plan's error comes back as a value."""
+        plan, depth, batch = job
+        target = self.target.with_plan(plan)
+        if batch is not None:
+            target = dataclasses.replace(target, batch_size=batch)
+        if depth is not None:
+            if depth not in self._workloads:  # (one per depth: its meta model is built once)
+                self._workloads[depth] = shallow_workload(self.target.workload, depth)
+            target = dataclasses.replace(target, workload=self._workloads[depth])
+        try:
+            report, st, ops = trace_step(target, self.k)
+        except UserError as e:
+            return e
+        except Exception as e:  # noqa: BLE001 - shallow: the model indexes its blocks by a count
+            if depth is None:
+                raise
+            return RuntimeError(f"{type(e).__name__}: {e}")
+        return Traced(report.peak_bytes, report.cuda_context_bytes or 0, self.budget.used_bytes(report), ops,
+                      st.trace_seconds)
+
+    # -- what the planner asks of every time model ---------------------------------------------
+    def warmup(self, plan: Plan) -> float:
+        """One-time compile seconds before the first step, from the compiled graph's size."""
+        configs = [c for c in plan.techniques if not c.is_default]
+        if not any(c.warms_up for c in configs):
+            return 0.0
+        m = self.measured.get(plan) or self.measured.get(self.base)
+        return sum(c.warmup_seconds(m.graph, plan) for c in configs) if m else 0.0
+
+    def per_step(self, plan: Plan, steps: int | None) -> float:
+        return self.predict(plan) + (self.warmup(plan) / steps if steps else 0.0)
+
+    def describe(self) -> str:
+        shallow = (f"; plans measured by shallow traces at 2 and 4 of {self.depth} blocks, their ops extrapolated, "
+                   "the chosen one confirmed by a full trace") if self._depths(self.base or Plan()) else ""
+        return (f"op-level: each plan's own ops on the {self.target.device.name} preset, constants fitted on H100 "
+                f"recordings{shallow}; {self.traces} traces ({self.full_traces} at full depth, "
+                f"{self.workers.count} processes) in {self.seconds_spent:.1f} s")

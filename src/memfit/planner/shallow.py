@@ -1,0 +1,167 @@
+"""Shallow traces: a plan's memory and step time from the same model with fewer repeated blocks.
+
+A fake trace costs time per op, not per byte: tracing GPT-2 at batch 1 is no faster than at batch 8,
+but tracing 2 of its 12 blocks is 5x faster. What the planner compares grows linearly with the
+number of repeated blocks ``L`` (a decoder's layers): the blocks' parameters, gradients and
+optimizer states, their saved activations, their kernels and the time they take. So each plan is
+traced twice at shallow depths ``d`` and ``2d`` (``d``: the plan's period, 2 for
+``checkpointing: blocks:every=2``), and every figure is extrapolated along the line through both::
+
+    f(L) = f(d) + (f(2d) - f(d)) * (L - d) / d
+
+The shallow model is the workload's own ``model()``, built on the meta device, with each repeated
+block container (memfit.techniques.checkpointing.find_blocks) cut to its first ``depth`` blocks, then
+given storage where ``build_step`` builds it (``to_empty``): the same classes, the same step, fewer
+layers, and nothing of the full model ever allocated (the caching-allocator model would keep its
+segments). Values are not initialised: fake tensors have none.
+
+What does not extrapolate: a peak that moves between phases with depth (the line through two
+shallow points is the line of the phase that peaks there), caching-allocator rounding (segments of
+2 MiB and 20 MiB), and models that index their blocks by a configured count. The planner therefore
+confirms the plan it chooses with one full trace (memfit.planner.search), and a workload whose
+shallow build or trace fails is traced at full depth.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+
+import torch
+
+from memfit.techniques.checkpointing import find_blocks
+from memfit.workload import Workload, call_workload
+
+MIN_DEPTH_FOR_SHALLOW = 6
+"""Models with fewer repeated blocks are traced at full depth (little to gain)."""
+
+
+def depth_of(model: torch.nn.Module) -> int | None:
+    """The number of repeated blocks when every repeated-block container of ``model`` holds the same
+    number (a decoder's layers; an encoder-decoder's two stacks of equal depth); None otherwise."""
+    lengths = {len(children) for _, children in find_blocks(model)}
+    return lengths.pop() if len(lengths) == 1 else None
+
+
+def shallow_workload(workload: Workload, depth: int) -> Workload:
+    """``workload`` whose model keeps the first ``depth`` blocks of each repeated-block container."""
+    built: list[torch.nn.Module] = []
+
+    def model() -> torch.nn.Module:
+        device = torch.get_default_device()
+        if not built:  # the meta model is built once, and copied for each trace
+            with torch.device("meta"):
+                m = call_workload("model()", workload.model)
+            for name, children in find_blocks(m):
+                container = m.get_submodule(name)
+                for child in [n for n, c in container.named_children() if any(c is x for x in children)][depth:]:
+                    delattr(container, child)
+            built.append(m)
+        return _materialize(built[0], device)
+    return dataclasses.replace(workload, model=model, name=f"{workload.name}[{depth} blocks]")
+
+
+def _materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """A copy of a meta model with uninitialised storage on ``device`` (``to_empty`` on a copy,
+    keeping tied parameters tied; the meta model itself is left as it is, for the next copy)."""
+    memo: dict[int, torch.Tensor] = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if id(t) not in memo:
+            empty = torch.empty_like(t, device=device)
+            memo[id(t)] = torch.nn.Parameter(empty, requires_grad=t.requires_grad) \
+                if isinstance(t, torch.nn.Parameter) else empty
+    return copy.deepcopy(model, memo)
+
+
+def period(plan) -> int:
+    """The depth unit of a plan: ``checkpointing: blocks:every=N`` repeats every N blocks."""
+    return max(1, int(getattr(plan.config("checkpointing"), "every", 1) or 1))
+
+
+def depths(plan, full: int) -> tuple[int, int] | None:
+    """The two shallow depths a plan is traced at, or None when it should be traced at full depth."""
+    d = period(plan)
+    d *= -(-2 // d)  # at least 2: one block is no repeated block (find_blocks)
+    if full < MIN_DEPTH_FOR_SHALLOW or 2 * d >= full:
+        return None
+    return d, 2 * d
+
+
+def extrapolate(at_d: float, at_2d: float, d: int, full: int) -> float:
+    """The figure at ``full`` blocks on the line through (d, at_d) and (2d, at_2d)."""
+    return at_d + (at_2d - at_d) * (full - d) / d
+
+
+# -- the ops of the full-depth step -----------------------------------------------------------------
+def extrapolate_ops(a: list, b: list, d: int, full: int) -> list | None:
+    """The op list of the full-depth step from those of the shallow steps at ``d`` and ``2d`` blocks
+    (memfit.planner.opcost.Op tuples), or None when they do not line up.
+
+    Step times are not linear in depth when the step changes regime (a shallow step waits on the
+    CPU issuing kernels, the full one on the GPU), so the ops are extrapolated, not the time. Both
+    lists are cut into runs of one phase (forward, backward, optimizer, per micro-batch); the runs
+    must pair up one to one. The deeper run is the shallow run with the extra blocks' ops inserted
+    at one place, and the other ops of the same kinds, some of them bigger (a ``_foreach`` op over
+    more tensors). The insertion point is the one where the most ops are equal before and after
+    it. The full run repeats the inserted stretch once per further ``d`` blocks, and puts each
+    other op on the line through its two sizes."""
+    runs_a, runs_b = _runs(a), _runs(b)
+    if len(runs_a) != len(runs_b) or (full - d) % d:
+        return None
+    copies = (full - d) // d  # inserted stretches at full depth (one of them already in ``b``)
+    out: list = []
+    for ra, rb in zip(runs_a, runs_b):
+        p = _insertion(ra, rb)
+        if p is None:
+            return None
+        extra = len(rb) - len(ra)
+        out += [_scaled(x, y, copies) for x, y in zip(ra[:p], rb[:p])] + rb[p:p + extra] * copies + \
+            [_scaled(x, y, copies) for x, y in zip(ra[p:], rb[p + extra:])]
+    return out
+
+
+def _insertion(ra: list, rb: list) -> int | None:
+    """Where in ``ra`` the ops ``rb`` has more were inserted: the ops before and after it pair up by
+    kind, with the fewest unequal pairs; None if there is no such place."""
+    n, extra = len(ra), len(rb) - len(ra)
+    if extra < 0:
+        return None
+    kind_before, unequal_before = [True] * (n + 1), [0] * (n + 1)
+    for i in range(n):
+        kind_before[i + 1] = kind_before[i] and _same_kind(ra[i], rb[i])
+        unequal_before[i + 1] = unequal_before[i] + (_key(ra[i]) != _key(rb[i]))
+    kind_after, unequal_after = [True] * (n + 1), [0] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        kind_after[i] = kind_after[i + 1] and _same_kind(ra[i], rb[i + extra])
+        unequal_after[i] = unequal_after[i + 1] + (_key(ra[i]) != _key(rb[i + extra]))
+    places = [p for p in range(n + 1) if kind_before[p] and kind_after[p]]
+    return min(places, key=lambda p: unequal_before[p] + unequal_after[p]) if places else None
+
+
+def _runs(ops: list) -> list[list]:
+    runs: list[list] = []
+    for op in ops:
+        if runs and runs[-1][0].phase == op.phase:
+            runs[-1].append(op)
+        else:
+            runs.append([op])
+    return runs
+
+
+def _key(op) -> tuple:
+    """An op without the storage it touches (that differs between traces)."""
+    return op._replace(key=0)
+
+
+def _same_kind(x, y) -> bool:
+    return x.kind == y.kind and x.phase == y.phase and x.dtype == y.dtype and x.flags == y.flags
+
+
+def _scaled(x, y, copies: int):
+    """The op on the line through ``x`` (depth d) and ``y`` (2d), at ``copies`` + 1 times d."""
+    def line(u, v):
+        return type(u)(u + (v - u) * copies)
+    return y._replace(flops=line(x.flops, y.flops), nbytes=line(x.nbytes, y.nbytes),
+                      tensors=line(x.tensors, y.tensors), host_bytes=line(x.host_bytes, y.host_bytes),
+                      elements=line(x.elements, y.elements))

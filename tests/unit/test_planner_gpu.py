@@ -1,0 +1,141 @@
+"""The GPU-preset planner: shallow traces that extrapolate to the full trace, a search whose choice
+is the brute-force optimum, reasons that name what the choice beat, and the worker processes."""
+
+import subprocess
+import sys
+
+import pytest
+
+from memfit.memory.budget import Budget
+from memfit.planner.gpu_time import GpuStepModel
+from memfit.planner.search import plan
+from memfit.planner.shallow import depths, extrapolate_ops, shallow_workload
+from memfit.planner.space import SearchSpace, model_facts
+from memfit.planner.timing import trace_step
+from memfit.plans import Plan
+from memfit.target import Target
+
+DEEP = "gpt2:n_layer=6,n_embd=256,n_head=4,vocab_size=2000,n_positions=128"
+DEVICE = "h100-80gb"
+
+
+def _target(plan=None, batch_size=8):
+    return Target.resolve(DEEP, plan or Plan(precision="bf16"), batch_size, DEVICE, seq_len=128)
+
+
+def _model(target, space=None):
+    space = space or SearchSpace(values={"precision": ["bf16"]}, micro_batches=[target.batch_size])
+    return GpuStepModel(target, space, model_facts(target.workload), Budget.resolve(None, target.device))
+
+
+SLOW = pytest.mark.slow  # (keeps the default suite under 10 minutes)
+
+
+@pytest.mark.parametrize("fields", [
+    pytest.param({"precision": "bf16"}, marks=SLOW), pytest.param({"precision": "bf16", "checkpointing": "blocks"},
+                                                                 marks=SLOW),
+    pytest.param({"precision": "bf16", "checkpointing": "blocks:every=2"}, marks=SLOW),
+    {"precision": "bf16", "micro_batch_size": 4},
+    pytest.param({"precision": "bf16", "offload": ("optimizer_states",)}, marks=SLOW),
+    {"precision": "bf16-pure", "checkpointing": "blocks", "optimizer_in_backward": True, "loss_chunks": 8}])
+def test_shallow_pair_extrapolates_to_the_full_trace(fields):
+    """Traced at 2 and 4 of 6 blocks (every=2: 2 and 4 too), the plan's full-depth ops are the full
+    trace's one for one (so the times are equal), and its allocated peak is on the line (within 2%: caching-allocator rounding; what prunes is a
+    lower bound with that margin)."""
+    target = _target(Plan(**fields))
+    assert depths(target.plan, 6) == (2, 4)
+    report, full, full_ops = trace_step(target)
+    model = _model(target)
+    try:
+        a, b = model._run([(target.plan, d, None) for d in (2, 4)])
+        measured = model.measure(target.plan)
+    finally:
+        model.close()
+    ops = extrapolate_ops(a.ops, b.ops, 2, 6)
+    assert ops is not None and len(ops) == len(full_ops)
+    assert measured.seconds == pytest.approx(full.seconds, rel=1e-3)
+    assert measured.peak_bytes == pytest.approx(report.peak_bytes, rel=0.02)
+    assert measured.used_lower <= Budget.resolve(None, target.device).used_bytes(report)
+
+
+def test_shallow_model_keeps_its_first_blocks_and_tied_weights():
+    wl = _target().workload
+    calls = []
+    built = wl.model
+
+    def counted():
+        calls.append(1)
+        return built()
+    shallow = shallow_workload(type(wl)(**{**wl.__dict__, "model": counted}), 3)
+    first, second = shallow.model(), shallow.model()
+    assert len(first.transformer.h) == 3 and first is not second and len(calls) == 1  # built once, copied
+    assert first.lm_head.weight is first.transformer.wte.weight  # tied stays tied
+    assert first.transformer.h[0].attn.c_attn.weight is not second.transformer.h[0].attn.c_attn.weight
+    assert first.lm_head.weight.device.type != "meta"
+
+
+def test_ops_that_do_not_line_up_are_refused():
+    target = _target()
+    model = _model(target)
+    try:
+        a, b = model._run([(target.plan, d, None) for d in (2, 4)])
+    finally:
+        model.close()
+    assert extrapolate_ops(a.ops, b.ops[: len(b.ops) // 2], 2, 6) is None  # a run is missing
+    assert extrapolate_ops(b.ops, a.ops, 2, 6) is None  # the deeper step has fewer ops
+
+
+def test_choice_is_the_brute_force_optimum_and_names_what_it_beat():
+    """A small space on an H100 preset with a budget the plain plan does not fit: every plan traced
+    in full (memory as ``estimate`` predicts it, time by the op-level model); the planner's choice is
+    the fastest that fits, with its full trace's figures, and its reason names a faster plan that
+    did not fit and the next ones."""
+    target = _target()
+    values = {"precision": ["bf16"], "checkpointing": ["none", "blocks"], "loss_chunks": [0, 8]}
+    budget = Budget.resolve(None, target.device)
+    truth = {}
+    for ckpt in values["checkpointing"]:
+        for chunks in values["loss_chunks"]:
+            for micro in (8, 4):
+                p = Plan(precision="bf16", checkpointing=ckpt, loss_chunks=chunks,
+                         micro_batch_size=micro if micro != 8 else None)
+                report, st, _ = trace_step(target.with_plan(p))
+                truth[p] = (budget.used_bytes(report), st.seconds)
+    plain = truth[Plan(precision="bf16")][0]
+    limit = (plain + min(used for used, _ in truth.values())) // 2
+    fitting = [p for p, (used, _) in truth.items() if used <= limit]
+    assert fitting and len(fitting) < len(truth)
+    best = min(fitting, key=lambda p: truth[p][1])
+    space = SearchSpace(values={k: list(v) for k, v in values.items()}, micro_batches=[8, 4])
+    r = plan(DEEP, budget=limit, device=DEVICE, batch_size=8, seq_len=128, space=space)
+    assert r.chosen.plan == best
+    assert r.chosen.used_bytes == truth[best][0]
+    assert r.chosen.seconds == pytest.approx(truth[best][1], rel=1e-6)
+    faster = [c for c in r.candidates if c.seconds < r.chosen.seconds]
+    assert faster and all(c.status in ("too big", "pruned") for c in faster)
+    top = min((c for c in faster if c.status == "too big"), key=lambda c: c.seconds)
+    assert f"fastest: {top.plan.short(8)}" in r.chosen.reason and "next: " in r.chosen.reason
+    assert r.time_model.startswith("op-level")
+
+
+WORKERS = """
+import os, torch
+from memfit.planner.workers import Workers
+w = Workers(lambda job: (job * 2, os.getpid()))
+out = w.map([1, 2, 3, 4])
+assert [x for x, _ in out] == [2, 4, 6, 8] and all(pid != os.getpid() for _, pid in out), out
+w.close()
+from memfit.planner.timing import trace_step
+from memfit.target import Target
+trace_step(Target.resolve("mha", None, 2, "h100-80gb"))  # its backward: autograd no longer survives a fork
+w = Workers(lambda job: (job * 2, os.getpid()))
+out = w.map([1, 2])
+assert [x for x, _ in out] == [2, 4] and all(pid == os.getpid() for _, pid in out) and w.count == 1, out
+print("ok")
+"""
+
+
+def test_workers_fork_and_fall_back_where_autograd_cannot_follow():
+    env = {"MEMFIT_PLAN_WORKERS": "2", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", WORKERS], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
