@@ -7,7 +7,8 @@ at full depth would take minutes (672 plans for GPT-2), so the model works in th
 
 1. **Estimate** (every candidate, no trace of its own): the default plan and each technique value
    alone are measured (tier 2); a combination is estimated as the default's time times the ratio
-   of each of its values alone. This only orders the search.
+   of each of its values alone, and its footprint as the default's plus each value's saving alone.
+   This orders the search, and spares it the traces of plans estimated well over the budget.
 2. **Measure** (the candidates the search visits, fastest estimate first): a shallow trace pair
    (memfit.planner.shallow: 2 and 4 blocks) gives the plan's full-depth ops (extrapolated op by
    op), hence its own step time, and its allocated peak (extrapolated on a line). The time
@@ -44,6 +45,8 @@ from memfit.target import Target
 from memfit.techniques.base import GraphSize
 
 FORWARD, BACKWARD = 2, 3  # memfit.planner.opcost.PHASES
+ESTIMATE_MARGIN = 0.1
+"""A plan estimated to need this much more than the budget is not traced (:meth:`GpuStepModel.likely_too_big`)."""
 PEAK_MARGIN = 0.02
 """How far an extrapolated allocated peak may be above the full trace's (caching-allocator rounding;
 1% seen with ``blocks:every=2`` on a small model): the lower bound that prunes is that much lower."""
@@ -94,6 +97,8 @@ class GpuStepModel:
         self.depth = depth_of(facts.model)
         self.measured: dict[Plan, Measured] = {}
         self.ratios: dict[tuple[str, object], float] = {}
+        self.savings: dict[tuple[str, object], int] = {}
+        """(technique, value) -> bytes of the budget saved alone (negative: saves), for the estimates."""
         self.excluded: list[str] = []
         self.traces = self.full_traces = 0
         self.seconds_spent = 0.0
@@ -118,19 +123,39 @@ class GpuStepModel:
                 plan = self._alone(name, value)
                 if plan is not None and plan != self.base:
                     alone[(name, value)] = plan
-        self._run([(p, d, None) for p in (self.base, *alone.values()) for d in self._depths(p) or (None,)],
-                  check=False)
-        base = self.measure(self.base).seconds
+        micro = [m for m in self.space.micro_batches if m != self.target.batch_size]
+        self._run([(p, d, None) for p in (self.base, *alone.values()) for d in self._depths(p) or (None,)] +
+                  [(self.base, d, m) for m in micro for d in self._depths(self.base) or (None,)], check=False)
+        base = self.measure(self.base)
         for (name, value), plan in alone.items():
             try:
-                self.ratios[(name, value)] = self.measure(plan).seconds / base
+                m = self.measure(plan)
             except UserError as e:
                 self.space.values[name].remove(value)
                 self.excluded.append(f"{name}={value}: {e}")
-        for m in self.space.micro_batches:
-            if m != self.target.batch_size:
-                self.ratios[("micro_batch_size", m)] = self._micro_seconds(m) / base
+                continue
+            self.ratios[(name, value)] = m.seconds / base.seconds
+            self.savings[(name, value)] = m.used_lower - base.used_lower
+        for m in micro:
+            self.ratios[("micro_batch_size", m)] = self._micro_seconds(m) / base.seconds
+            self.savings[("micro_batch_size", m)] = self._lower_bound(self.base, m) - base.used_lower
         self.prepare_seconds = time.perf_counter() - t0
+
+    def estimated_used(self, plan: Plan) -> int:
+        """What the plan is estimated to need of the budget without a trace of its own: the
+        default's lower bound plus each value's saving alone. Savings on different parts (optimizer
+        states, activations) add up; two on the same part (activations) save less together than
+        the sum: the estimate errs low (a product of the fractions each leaves errs high where the
+        parts differ, and hid the fastest plan at a tight budget). It only spares the search the
+        traces of plans well over the budget."""
+        keys = [(name, getattr(plan, name)) for name in self.space.values if getattr(plan, name) != getattr(self.base, name)]
+        keys.append(("micro_batch_size", plan.micro_batches(self.target.batch_size)[0]))
+        return self.measured[self.base].used_lower + sum(self.savings.get(key, 0) for key in keys)
+
+    def likely_too_big(self, plan: Plan) -> bool:
+        """Estimated (:meth:`estimated_used`) above the budget by more than ``ESTIMATE_MARGIN``: the
+        search does not trace it (it is shown as too big, estimated)."""
+        return plan not in self.measured and self.estimated_used(plan) > self.budget.bytes * (1 + ESTIMATE_MARGIN)
 
     def _micro_seconds(self, micro: int) -> float:
         """The base split into micro-batches of ``micro``, estimated without a trace from the base's
@@ -207,7 +232,7 @@ class GpuStepModel:
             sa, sb = time_from_ops(a.ops, target, self.k), time_from_ops(b.ops, target, self.k)
             step = dataclasses.replace(sb, seconds=extrapolate(sa.seconds, sb.seconds, d, full), notes=[
                 "the shallow steps' ops did not line up: time extrapolated on a line"])
-        peak = int(extrapolate(a.peak_bytes, b.peak_bytes, d, full))
+        peak = int(extrapolate(a.peak_bytes, b.peak_bytes, d, full))  # (PEAK_MARGIN below)
         fwd_a, fwd_b = (sum(op.phase == FORWARD for op in t.ops) for t in (a, b))
         graph = GraphSize(forward_ops=int(extrapolate(fwd_a, fwd_b, d, full)), block_ops=max(1, (fwd_b - fwd_a) // d))
         m = Measured(seconds=step.seconds, step=step, peak_bytes=peak,
@@ -231,6 +256,20 @@ class GpuStepModel:
 
     def _depths(self, plan: Plan) -> tuple[int, ...]:
         return () if not self.depth or self.shallow_failed else (depths(plan, self.depth) or ())
+
+    def _lower_bound(self, plan: Plan, batch: int) -> int:
+        """The lower bound of what ``plan`` at ``batch`` needs (a micro-batch's step: what the
+        plan split into micro-batches of ``batch`` holds at its peak, but the accumulated gradients)."""
+        pair = self._depths(plan)
+        if pair:
+            try:
+                a, b = self._run([(plan, d, batch) for d in pair])
+                peak = extrapolate(a.peak_bytes, b.peak_bytes, pair[0], self.depth)
+                return int(peak * (1 - PEAK_MARGIN)) + b.context_bytes
+            except _Deep:
+                pass
+        (t,) = self._run([(plan, None, batch)])
+        return t.peak_bytes + t.context_bytes
 
     def _ops_of(self, plan: Plan) -> list:
         """The full-depth ops of a measured plan."""

@@ -56,7 +56,7 @@ class Candidate:
     step_seconds: float | None = None
     """Predicted steady step time (None: ``seconds``)."""
     compile_seconds: float = 0.0
-    """One-time compile seconds before the first step: measured (calibrated) or predicted (roofline)."""
+    """One-time compile seconds before the first step: measured (calibrated) or predicted from the compiled graph size (GPU presets)."""
     status: str = "not evaluated"
     """chosen | too big | pruned | slower | not evaluated"""
     reason: str = ""
@@ -253,6 +253,10 @@ class _Walk:
                     if c.status == "not evaluated":
                         c.status, c.reason = "pruned", "saves no more memory than a plan that did not fit"
                     continue
+            if c.used_bytes is None and self.gpu and self.model.likely_too_big(c.plan):
+                c.status, c.reason = "too big", (f"estimated to need {fmt_bytes(self.model.estimated_used(c.plan))} "
+                                                 f"> budget {fmt_bytes(self.budget.bytes)} (not traced)")
+                continue
             if c.used_bytes is None and not self._measure(c):
                 continue
             if c.status != "not evaluated":  # too big

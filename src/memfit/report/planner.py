@@ -51,7 +51,7 @@ def print_plan_result(result, console: Console | None = None, top: int = 12) -> 
 
 
 def _compile_time(candidate) -> str:
-    """One-time compile seconds (measured here or predicted by the roofline; see the time model)."""
+    """One-time compile seconds (measured here, or predicted from the compiled graph size on GPU presets)."""
     s = candidate.compile_seconds
     return f"{s:.0f} s" if s >= 10 else f"{s:.1f} s"
 

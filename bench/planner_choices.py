@@ -1,0 +1,122 @@
+"""The planner's choices at several budgets, next to the fastest plan recorded on the H100 (issue 13).
+
+For GPT-2 124M (batch 8 x 1024) on the ``h100-80gb`` preset, at budgets of 16, 8, 4 and 2 GiB:
+
+- **fastest recorded**: of the plans measured one at a time on the H100 (``tests/data/h100.jsonl``
+  rows 1-39), the fastest whose measured footprint fits: ``max_memory_reserved`` plus the CUDA
+  context measured before the model was built (what memfit's budget counts on a GPU);
+- **memfit among the recorded**: the plan memfit ranks fastest among those same recorded plans,
+  on its own predictions (time: the op-level model; footprint: ``estimate``'s reserved bytes +
+  context), with what the H100 measured for it: is it within 10% of the fastest, and did it fit;
+- **memfit's own choice**: what ``memfit plan`` chooses from its whole search space, with its
+  predicted time and footprint, and the measurement when that plan was recorded (else: not
+  measured; no GPU was available to measure it).
+
+    .venv/bin/python bench/planner_choices.py              # the table (predictions cached)
+    .venv/bin/python bench/planner_choices.py --budgets 8  # one budget
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import sys
+import time
+import warnings
+from pathlib import Path
+
+warnings.simplefilter("ignore")
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from memfit.devices import get_device  # noqa: E402
+from memfit.memory.budget import Budget  # noqa: E402
+from memfit.planner.search import plan  # noqa: E402
+from memfit.planner.timing import trace_step  # noqa: E402
+from memfit.plans import Plan  # noqa: E402
+from memfit.units import fmt_bytes  # noqa: E402
+from planner_gpu import CLEAN_ROWS, load_rows, plan_text, target_of  # noqa: E402
+
+GIB = 2**30
+WORKLOAD, BATCH, SEQ = "gpt2", 8, 1024
+
+
+def recorded_rows() -> list[dict]:
+    return [r for r in load_rows()[:CLEAN_ROWS] if r["workload"] == WORKLOAD and r["batch_size"] == BATCH and
+            r["seq_len"] == SEQ]
+
+
+def measured_used(row: dict) -> int:
+    return row["max_memory_reserved"] + row["device_used_before_model"]
+
+
+def predicted(row: dict, cache: Path) -> tuple[int, float]:
+    """(footprint the budget counts, step seconds) predicted for a recorded row (cached)."""
+    path = cache / f"{row['case']}.pkl"
+    if path.exists():
+        return pickle.loads(path.read_bytes())
+    target = target_of(row)
+    report, st, _ = trace_step(target)
+    out = (Budget.resolve(None, target.device).used_bytes(report), st.seconds)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(pickle.dumps(out))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budgets", default="16,8,4,2", help="GiB, comma-separated")
+    ap.add_argument("--cache", default=str(ROOT / "memfit-out" / "planner_choices"))
+    args = ap.parse_args()
+    rows = recorded_rows()
+    pred = {r["case"]: predicted(r, Path(args.cache)) for r in rows}
+    by_plan = {Plan(**r["plan"]): r for r in rows}
+    out = ["| budget | fastest recorded that fits (measured) | memfit among the recorded: predicted → measured "
+           "| within 10%, fits | memfit's own choice (predicted) | measured | planning |",
+           "|---|---|---|---|---|---|---|"]
+    for gib in (float(b) for b in args.budgets.split(",")):
+        budget = int(gib * GIB)
+        fits = [r for r in rows if measured_used(r) <= budget]
+        best = min(fits, key=lambda r: r["step_seconds_median"]) if fits else None
+        ours = [r for r in rows if pred[r["case"]][0] <= budget]
+        pick = min(ours, key=lambda r: pred[r["case"]][1]) if ours else None
+        t0 = time.perf_counter()
+        result = plan(WORKLOAD, budget=budget, device=get_device("h100-80gb"), batch_size=BATCH, seq_len=SEQ)
+        seconds = time.perf_counter() - t0
+        out.append("| " + " | ".join([
+            f"{gib:g} GiB",
+            _row(best, measured=True) if best else "none fits",
+            (f"{plan_text(pick['plan'])}: {pred[pick['case']][1] * 1e3:.1f} ms, {fmt_bytes(pred[pick['case']][0])} → "
+             f"{_row(pick, measured=True, name=False)}") if pick else "none predicted to fit",
+            _verdict(pick, best, budget),
+            _choice(result),
+            _row(by_plan[result.chosen.plan], measured=True, name=False)
+            if result.chosen and result.chosen.plan in by_plan else "not recorded (no GPU to measure it)",
+            f"{seconds:.0f} s"]) + " |")
+    print("\n".join(out))
+
+
+def _row(r: dict, measured: bool, name: bool = True) -> str:
+    text = f"{r['step_seconds_median'] * 1e3:.1f} ms, {fmt_bytes(measured_used(r))}"
+    return f"{plan_text(r['plan'])}: {text}" if name else text
+
+
+def _verdict(pick: dict | None, best: dict | None, budget: int) -> str:
+    if pick is None or best is None:
+        return "-" if pick is best else "**miss**"
+    ratio = pick["step_seconds_median"] / best["step_seconds_median"]
+    fits = measured_used(pick) <= budget
+    ok = ratio <= 1.10 and fits
+    return f"{ratio:.2f}x, {'fits' if fits else 'does not fit'}" + ("" if ok else " **miss**")
+
+
+def _choice(result) -> str:
+    c = result.chosen
+    if c is None:
+        s = result.smallest
+        return f"nothing fits (smallest: {s.plan.short(BATCH)}, {fmt_bytes(s.used_bytes)})" if s else "nothing fits"
+    return f"{c.plan.short(BATCH)}: {c.seconds * 1e3:.1f} ms, {fmt_bytes(c.used_bytes)}"
+
+
+if __name__ == "__main__":
+    main()
