@@ -125,6 +125,9 @@ w = Workers(lambda job: (job * 2, os.getpid()))
 out = w.map([1, 2, 3, 4])
 assert [x for x, _ in out] == [2, 4, 6, 8] and all(pid != os.getpid() for _, pid in out), out
 w.close()
+parent = os.getpid()
+w = Workers(lambda job: os._exit(1) if os.getpid() != parent else job)   # a worker dies: go on here
+assert w.map([1, 2]) == [1, 2] and w.count == 1
 from memfit.planner.timing import trace_step
 from memfit.target import Target
 trace_step(Target.resolve("mha", None, 2, "h100-80gb"))  # its backward: autograd no longer survives a fork
@@ -135,7 +138,7 @@ print("ok")
 """
 
 
-def test_workers_fork_and_fall_back_where_autograd_cannot_follow():
+def test_workers_fork_and_fall_back_where_a_worker_dies_or_autograd_cannot_follow():
     env = {"MEMFIT_PLAN_WORKERS": "2", "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", WORKERS], capture_output=True, text=True, env=env, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr[-2000:]

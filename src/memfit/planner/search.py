@@ -184,7 +184,7 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
         chosen.reason = _why_chosen(chosen, ranked, bs)
     result = PlanResult(workload=wl.name, device=dev.name, batch_size=bs, budget_bytes=budget_bytes,
                         time_model=model.describe(), chosen=chosen, candidates=ranked, traces=walk.traces,
-                        run_steps=steps, notes=list(space.notes))
+                        run_steps=steps, notes=[*space.notes, *(f"{x} (left out)" for x in model.excluded)])
     if chosen is None:  # nothing fits (or the trace limit came first): the smallest footprint seen
         result.smallest = walk.smallest(ranked)
         for c in ranked:

@@ -19,6 +19,7 @@ import multiprocessing
 import os
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 MAX_WORKERS = 8
 
@@ -69,7 +70,12 @@ class Workers:
             self._start()
         if self._pool is None:
             return [self.fn(job) for job in jobs]
-        return list(self._pool.map(_call, jobs))
+        try:
+            return list(self._pool.map(_call, jobs))
+        except BrokenProcessPool:  # a worker died (killed for memory?): go on here, in turn
+            self.close()
+            self.count = 1
+            return [self.fn(job) for job in jobs]
 
     def _start(self) -> None:
         global _job_function
@@ -87,5 +93,5 @@ class Workers:
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(cancel_futures=True)
+            self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None

@@ -18,6 +18,8 @@ def print_plan_result(result, console: Console | None = None, top: int = 12) -> 
             f"budget {fmt_bytes(result.budget_bytes)} · {len(result.candidates)} candidate plans, "
             f"{result.traces} traced, {result.seconds:.1f} s")
     c.print(f"[dim]time model: {result.time_model}[/]")
+    for note in result.notes:
+        c.print(f"[dim]not searched: {escape(note)}[/]")
     if result.run_steps:
         c.print(f"[dim]ms/step: over a run of {result.run_steps} steps, compile time included[/]")
     if result.chosen:
