@@ -106,7 +106,8 @@ class GpuStepModel:
         self.shallow_failed: str | None = None
         self._workloads: dict[int, object] = {}
         self._traced: dict[tuple, Traced | Exception] = {}
-        self.workers = Workers(self._trace)
+        # forked children cannot use CUDA once the parent has: no workers where tensors are CUDA's
+        self.workers = Workers(self._trace, fork=target.tensor_device != "cuda")
 
     def close(self) -> None:
         self.workers.close()
@@ -221,7 +222,7 @@ class GpuStepModel:
             return self.confirm(plan)
         try:
             a, b = self._run([(plan, d, None) for d in pair])
-        except _Deep:
+        except (_Deep, UserError):  # the shallow model failed: the full one decides (and raises)
             return self.confirm(plan)
         d, full = pair[0], self.depth
         ops = extrapolate_ops(a.ops, b.ops, d, full)
@@ -233,7 +234,8 @@ class GpuStepModel:
             step = dataclasses.replace(sb, seconds=extrapolate(sa.seconds, sb.seconds, d, full), notes=[
                 "the shallow steps' ops did not line up: time extrapolated on a line"])
         peak = int(extrapolate(a.peak_bytes, b.peak_bytes, d, full))  # (PEAK_MARGIN below)
-        fwd_a, fwd_b = (sum(op.phase == FORWARD for op in t.ops) for t in (a, b))
+        n = plan.micro_batches(self.target.batch_size)[1]  # a graph is compiled once, run per micro-batch
+        fwd_a, fwd_b = (sum(op.phase == FORWARD for op in t.ops) // n for t in (a, b))
         graph = GraphSize(forward_ops=int(extrapolate(fwd_a, fwd_b, d, full)), block_ops=max(1, (fwd_b - fwd_a) // d))
         m = Measured(seconds=step.seconds, step=step, peak_bytes=peak,
                      used_lower=int(peak * (1 - PEAK_MARGIN)) + b.context_bytes, graph=graph)
@@ -247,7 +249,7 @@ class GpuStepModel:
             return m
         (t,) = self._run([(plan, None, None)])
         step = time_from_ops(t.ops, self.target.with_plan(plan), self.k)
-        forward = sum(op.phase == FORWARD for op in t.ops)
+        forward = sum(op.phase == FORWARD for op in t.ops) // plan.micro_batches(self.target.batch_size)[1]
         graph = GraphSize(forward_ops=forward, block_ops=m.graph.block_ops if m else forward // max(1, self.depth or 1))
         m = Measured(seconds=step.seconds, step=step, peak_bytes=t.peak_bytes, used_lower=t.peak_bytes + t.context_bytes,
                      used_bytes=t.used_bytes, graph=graph, full=True)

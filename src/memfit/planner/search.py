@@ -180,13 +180,16 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
         for c in ranked:
             if c.status == "not evaluated" and c is not chosen:
                 c.status, c.reason = "slower", f"{c.seconds / chosen.seconds:.2f}x the chosen plan's time" + \
-                    ("" if walk.measured(c) else " (estimated)")
+                    ("" if not walk.gpu or walk.measured(c) else " (estimated)")
         chosen.reason = _why_chosen(chosen, ranked, bs)
     result = PlanResult(workload=wl.name, device=dev.name, batch_size=bs, budget_bytes=budget_bytes,
                         time_model=model.describe(), chosen=chosen, candidates=ranked, traces=walk.traces,
                         run_steps=steps, notes=[*space.notes, *(f"{x} (left out)" for x in model.excluded)])
     if chosen is None:  # nothing fits (or the trace limit came first): the smallest footprint seen
         result.smallest = walk.smallest(ranked)
+        if result.smallest is not None and result.smallest.used_bytes <= budget_bytes:  # a lower bound erred high
+            chosen = result.chosen = result.smallest
+            chosen.status, chosen.reason = "chosen", "the smallest plan found, confirmed to fit by a full trace"
         for c in ranked:
             if c.status == "not evaluated" and c.used_bytes is None:
                 c.reason = c.reason or "nothing fits: a plan saving at least as much did not fit"
@@ -215,6 +218,8 @@ class _Walk:
         self.failed: list[Candidate] = []
         self.evaluated = 0
         self.maximal: list[Candidate] | None = None
+        self.limited = False
+        """The trace limit left a faster plan untraced."""
 
     @property
     def traces(self) -> int:
@@ -227,31 +232,41 @@ class _Walk:
         bs = self.target.batch_size
         heap = [(c.seconds, i, c) for i, c in enumerate(ranked)]
         heapq.heapify(heap)
-        order = {id(c): i for i, c in enumerate(ranked)}
+        self.order = {id(c): i for i, c in enumerate(ranked)}
+        while True:
+            chosen = self._walk(heap, ranked, bs)
+            if chosen is not None or self.limited or self.maximal is not None:
+                return chosen
+            # Nothing fitted and the maximal plans were never traced (the estimates spared their
+            # traces): trace them now, ignoring the estimates, and walk again if any may fit.
+            if not self._check_feasible(heap, ranked, bs):
+                return None
+
+    def _walk(self, heap: list, ranked: list[Candidate], bs: int) -> Candidate | None:
         while heap:
-            key, _, c = heapq.heappop(heap)
+            _, _, c = heapq.heappop(heap)
             if c.status != "not evaluated":
                 continue
             if any(saves_no_more_than(c.plan, f.plan, bs) for f in self.failed):
                 c.status, c.reason = "pruned", "saves no more memory than a plan that did not fit"
                 continue
             if self.evaluated >= self.max_traces and not self.measured(c):
-                c.reason = f"trace limit ({self.max_traces}) reached"
-                continue
+                # a faster plan left untraced: no choice can be called the fastest that fits
+                for _, _, x in [(None, None, c), *heap]:
+                    if x.status == "not evaluated":
+                        x.reason = f"trace limit ({self.max_traces}) reached"
+                heap.clear()
+                self.limited = True
+                return None
             if self.maximal is None and self.evaluated >= WALK_BEFORE_FEASIBILITY:
-                # No fit among the fastest plans: check that anything fits at all. The maximal plans
-                # (none saves less than another everywhere) dominate every plan: if none of them
-                # fits, nothing does.
-                self.maximal = _maximal(sorted(ranked, key=lambda x: x.seconds), bs)
-                for m in self.maximal:
-                    if m.used_bytes is None:
-                        self._measure(m)
-                tops = [m for m in self.maximal if m.used_bytes is not None]
-                if tops and all(m.status == "too big" for m in tops):
+                if not self._check_feasible(heap, ranked, bs):
                     return None
                 if c.status != "not evaluated" or any(saves_no_more_than(c.plan, f.plan, bs) for f in self.failed):
                     if c.status == "not evaluated":
                         c.status, c.reason = "pruned", "saves no more memory than a plan that did not fit"
+                    continue
+                if self.measured(c) and heap and c.seconds > heap[0][0]:
+                    heapq.heappush(heap, (c.seconds, self.order[id(c)], c))
                     continue
             if c.used_bytes is None and self.gpu and self.model.likely_too_big(c.plan):
                 c.status, c.reason = "too big", (f"estimated to need {fmt_bytes(self.model.estimated_used(c.plan))} "
@@ -263,28 +278,45 @@ class _Walk:
                 continue
             if self.gpu and not self.model.is_confirmed(c.plan):
                 if heap and c.seconds > heap[0][0]:  # slower than measured: back in the queue at its time
-                    heapq.heappush(heap, (c.seconds, order[id(c)], c))
+                    heapq.heappush(heap, (c.seconds, self.order[id(c)], c))
                     continue
-                self._confirm(c)
-                if c.status == "too big":
+                if not self._confirm(c) or c.status == "too big":
                     continue
                 if heap and c.seconds > heap[0][0]:
-                    heapq.heappush(heap, (c.seconds, order[id(c)], c))
+                    heapq.heappush(heap, (c.seconds, self.order[id(c)], c))
                     continue
             c.status = "chosen"
             return c
         return None
 
+    def _check_feasible(self, heap: list, ranked: list[Candidate], bs: int) -> bool:
+        """Trace the maximal plans (none saves less than another everywhere: they dominate every
+        plan). False if none of them fits (then nothing does); else they go back into the queue at
+        their measured times."""
+        self.maximal = _maximal(sorted(ranked, key=lambda x: x.seconds), bs)
+        for m in self.maximal:
+            if m.used_bytes is None:
+                m.status, m.reason = "not evaluated", ""  # (an estimate may have called it too big)
+                self._measure(m)
+        tops = [m for m in self.maximal if m.used_bytes is not None]
+        if tops and all(m.status == "too big" for m in tops):
+            return False
+        for m in self.maximal:
+            if m.status == "not evaluated":
+                heapq.heappush(heap, (m.seconds, self.order[id(m)], m))
+        return True
+
     def _measure(self, c: Candidate) -> bool:
         """Trace ``c`` (GPU presets: measure it, unless the time model did); False (status "invalid")
         if it does not suit the workload."""
-        self.evaluated += not self.measured(c)
         if not self.gpu:
+            self.evaluated += 1
             if not _evaluate(c, self.target, self.budget):
                 return False
             if c.used_bytes > self.budget.bytes:
                 self._too_big(c)
             return True
+        self.evaluated += not self.measured(c)
         try:
             with silenced_warnings():
                 m = self.model.measure(c.plan)
@@ -298,13 +330,20 @@ class _Walk:
             self._too_big(c, at_least=m.used_bytes is None)
         return True
 
-    def _confirm(self, c: Candidate) -> None:
-        with silenced_warnings():
-            m = self.model.confirm(c.plan)
+    def _confirm(self, c: Candidate) -> bool:
+        """The full trace of ``c``; False (status "invalid") if it fails there (a compile limit, the
+        workload's code at full depth)."""
+        try:
+            with silenced_warnings():
+                m = self.model.confirm(c.plan)
+        except UserError as e:
+            c.status, c.reason = "invalid", str(e)
+            return False
         _retime(c, self.model, self.steps)
         c.used_bytes, c.peak_bytes = m.used_bytes, m.peak_bytes
         if c.used_bytes > self.budget.bytes:
             self._too_big(c)
+        return True
 
     def _too_big(self, c: Candidate, at_least: bool = False) -> None:
         need = f"at least {fmt_bytes(c.used_bytes)} (allocated)" if at_least else fmt_bytes(c.used_bytes)
@@ -316,12 +355,12 @@ class _Walk:
         traced = [c for c in ranked if c.used_bytes is not None and c.status != "invalid"]
         if not traced:
             return None
-        best = min(traced, key=lambda c: c.used_bytes)
-        if self.gpu and not self.model.is_confirmed(best.plan):
-            self._confirm(best)
-            if best.status != "too big":
-                best.status, best.reason = "not evaluated", ""
-        return best
+        for best in sorted(traced, key=lambda c: c.used_bytes):
+            if not self.gpu or self.model.is_confirmed(best.plan):
+                return best
+            if self._confirm(best):
+                return best
+        return None
 
 
 def _why_chosen(chosen: Candidate, ranked: list[Candidate], bs: int) -> str:
@@ -330,8 +369,9 @@ def _why_chosen(chosen: Candidate, ranked: list[Candidate], bs: int) -> str:
     faster = [c for c in ranked if c.status == "too big" and c.seconds < chosen.seconds]
     slower = [c for c in ranked if c.status == "slower"][:2]
     parts = ["fastest predicted plan that fits"]
-    if faster:
-        best = faster[0]
+    traced = [c for c in faster if c.used_bytes is not None]
+    if traced:
+        best = traced[0]
         parts.append(f"{len(faster)} faster plan{'s' if len(faster) > 1 else ''} did not fit (fastest: "
                      f"{best.plan.short(bs)}, {best.seconds / chosen.seconds:.2f}x its time, "
                      f"{fmt_bytes(best.used_bytes)})")

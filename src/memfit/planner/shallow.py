@@ -161,7 +161,7 @@ def _same_kind(x, y) -> bool:
 def _scaled(x, y, copies: int):
     """The op on the line through ``x`` (depth d) and ``y`` (2d), at ``copies`` + 1 times d."""
     def line(u, v):
-        return type(u)(u + (v - u) * copies)
+        return type(u)(max(0, u + (v - u) * copies))
     return y._replace(flops=line(x.flops, y.flops), nbytes=line(x.nbytes, y.nbytes),
                       tensors=line(x.tensors, y.tensors), host_bytes=line(x.host_bytes, y.host_bytes),
                       elements=line(x.elements, y.elements))

@@ -9,8 +9,10 @@ Autograd does not survive a fork once the parent has run a backward pass ("Unabl
 autograd's threading in combination with fork-based multiprocessing"), so once the workers exist
 every trace runs in them, the parent runs none, and a new pool first checks, with a tiny backward
 in a worker, that autograd works there. Where it does not (the parent ran a backward before: a
-test session, a notebook), where ``fork`` is not available (macOS, Windows), with one core, or with
-``MEMFIT_PLAN_WORKERS=1``, the jobs run here in turn.
+test session, a notebook), where the traces use CUDA (``--device cuda``, or a preset traced on a
+GPU machine: a forked child cannot initialise CUDA), where ``fork`` is not available (macOS,
+Windows), with one core, or with ``MEMFIT_PLAN_WORKERS=1``, the jobs run here in turn, as they do
+after a worker died.
 """
 
 from __future__ import annotations
@@ -24,14 +26,16 @@ from concurrent.futures.process import BrokenProcessPool
 MAX_WORKERS = 8
 
 _job_function: Callable | None = None
-"""The function the forked workers run (set before they fork; a worker inherits it)."""
+"""The function a forked worker runs (set by its initializer; with fork nothing is pickled)."""
 
 
 def _call(job):
     return _job_function(job)
 
 
-def _init_worker() -> None:
+def _init_worker(fn: Callable) -> None:
+    global _job_function
+    _job_function = fn
     import torch
     torch.set_num_threads(1)
 
@@ -58,9 +62,10 @@ def _autograd_works() -> bool:
 class Workers:
     """Runs ``fn(job)`` for lists of jobs, in forked processes when there are several cores."""
 
-    def __init__(self, fn: Callable) -> None:
+    def __init__(self, fn: Callable, fork: bool = True) -> None:
+        """``fork``: False where the jobs use CUDA (a forked child cannot initialise it)."""
         self.fn = fn
-        self.count = worker_count()
+        self.count = worker_count() if fork else 1
         self._pool: ProcessPoolExecutor | None = None
 
     def map(self, jobs: list) -> list:
@@ -78,9 +83,12 @@ class Workers:
             return [self.fn(job) for job in jobs]
 
     def _start(self) -> None:
-        global _job_function
-        _job_function = self.fn
-        pool = ProcessPoolExecutor(self.count, mp_context=multiprocessing.get_context("fork"), initializer=_init_worker)
+        import torch
+        if torch.cuda.is_initialized():  # a forked child could not use CUDA
+            self.count = 1
+            return
+        pool = ProcessPoolExecutor(self.count, mp_context=multiprocessing.get_context("fork"), initializer=_init_worker,
+                                   initargs=(self.fn,))
         try:
             works = pool.submit(_autograd_works).result()
         except Exception:  # noqa: BLE001 - autograd after fork, or a worker that died

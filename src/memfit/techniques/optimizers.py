@@ -53,7 +53,6 @@ class OptimizerVariant(Config):
     """The plan key ``optimizer``: which optimizer the step builds."""
 
     name = "adamw"
-    """Bytes read and written per parameter by one update (fp32 weight, gradient, states)."""
 
     def values(self) -> dict:
         return {"optimizer": self.name}
