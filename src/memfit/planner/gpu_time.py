@@ -125,8 +125,8 @@ class GpuStepModel:
                 if plan is not None and plan != self.base:
                     alone[(name, value)] = plan
         micro = [m for m in self.space.micro_batches if m != self.target.batch_size]
-        self._run([(p, d, None) for p in (self.base, *alone.values()) for d in self._depths(p) or (None,)] +
-                  [(self.base, d, m) for m in micro for d in self._depths(self.base) or (None,)], check=False)
+        self._run([(p, d, None) for p in (self.base, *alone.values()) for d in self._depths(p) or (None,)],
+                  check=False)
         base = self.measure(self.base)
         for (name, value), plan in alone.items():
             try:
@@ -137,9 +137,8 @@ class GpuStepModel:
                 continue
             self.ratios[(name, value)] = m.seconds / base.seconds
             self.savings[(name, value)] = m.used_lower - base.used_lower
-        for m in micro:
+        for m in micro:  # (their savings are traced when first asked for: tight budgets only)
             self.ratios[("micro_batch_size", m)] = self._micro_seconds(m) / base.seconds
-            self.savings[("micro_batch_size", m)] = self._lower_bound(self.base, m) - base.used_lower
         self.prepare_seconds = time.perf_counter() - t0
 
     def estimated_used(self, plan: Plan) -> int:
@@ -150,7 +149,15 @@ class GpuStepModel:
         parts differ, and hid the fastest plan at a tight budget). It only spares the search the
         traces of plans well over the budget."""
         keys = [(name, getattr(plan, name)) for name in self.space.values if getattr(plan, name) != getattr(self.base, name)]
-        keys.append(("micro_batch_size", plan.micro_batches(self.target.batch_size)[0]))
+        micro = plan.micro_batches(self.target.batch_size)[0]
+        if micro != self.target.batch_size:
+            if ("micro_batch_size", micro) not in self.savings:  # the base's step at the micro-batch size
+                try:
+                    saved = self._lower_bound(self.base, micro) - self.measured[self.base].used_lower
+                except UserError:  # unknown: no estimate spares this plan's trace
+                    saved = -self.measured[self.base].used_lower
+                self.savings[("micro_batch_size", micro)] = saved
+            keys.append(("micro_batch_size", micro))
         return self.measured[self.base].used_lower + sum(self.savings.get(key, 0) for key in keys)
 
     def likely_too_big(self, plan: Plan) -> bool:
