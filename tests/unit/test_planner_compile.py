@@ -10,13 +10,12 @@ from memfit.cli.main import main
 from memfit.devices import get_device
 from memfit.memory.budget import Budget
 from memfit.planner import cost
-from memfit.planner.gpu_time import GpuStepModel
 from memfit.planner.cost import TimeModel
+from memfit.planner.gpu_time import GpuStepModel
 from memfit.planner.search import Candidate, _maximal, plan
 from memfit.planner.space import candidates, default_space, model_facts, saves_no_more_than
 from memfit.plans import Plan
 from memfit.target import Target
-from memfit.techniques.checkpointing import BlocksAC, SelectiveAC
 from memfit.techniques.compile import COMPILE_SECONDS_PER_OP
 from memfit.workloads import load_workload
 

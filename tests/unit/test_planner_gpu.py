@@ -35,7 +35,7 @@ SLOW = pytest.mark.slow  # (keeps the default suite under 10 minutes)
     pytest.param({"precision": "bf16"}, marks=SLOW), pytest.param({"precision": "bf16", "checkpointing": "blocks"},
                                                                  marks=SLOW),
     pytest.param({"precision": "bf16", "checkpointing": "blocks:every=2"}, marks=SLOW),
-    {"precision": "bf16", "micro_batch_size": 4},
+    pytest.param({"precision": "bf16", "micro_batch_size": 4}, marks=SLOW),
     pytest.param({"precision": "bf16", "offload": ("optimizer_states",)}, marks=SLOW),
     {"precision": "bf16-pure", "checkpointing": "blocks", "optimizer_in_backward": True, "loss_chunks": 8}])
 def test_shallow_pair_extrapolates_to_the_full_trace(fields):
