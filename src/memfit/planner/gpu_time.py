@@ -60,7 +60,6 @@ class Traced(NamedTuple):
     used_bytes: int
     """What the budget counts (reserved + context on a GPU preset)."""
     ops: list
-    seconds: float
 
 
 @dataclass
@@ -116,7 +115,6 @@ class GpuStepModel:
     def prepare(self) -> None:
         """Measure the default plan and each searched value alone, for the estimates (values that
         do not suit the workload leave the space, with the reason in ``excluded``)."""
-        t0 = time.perf_counter()
         self.base = self._base_plan()
         alone = {}
         for name, values in self.space.values.items():
@@ -139,7 +137,6 @@ class GpuStepModel:
             self.savings[(name, value)] = m.used_lower - base.used_lower
         for m in micro:  # (their savings are traced when first asked for: tight budgets only)
             self.ratios[("micro_batch_size", m)] = self._micro_seconds(m) / base.seconds
-        self.prepare_seconds = time.perf_counter() - t0
 
     def estimated_used(self, plan: Plan) -> int:
         """What the plan is estimated to need of the budget without a trace of its own: the
@@ -328,15 +325,14 @@ class GpuStepModel:
                 self._workloads[depth] = shallow_workload(self.target.workload, depth)
             target = dataclasses.replace(target, workload=self._workloads[depth])
         try:
-            report, st, ops = trace_step(target, self.k)
+            report, _, ops = trace_step(target, self.k)
         except UserError as e:
             return e
         except Exception as e:  # noqa: BLE001 - shallow: the model indexes its blocks by a count
             if depth is None:
                 raise
             return RuntimeError(f"{type(e).__name__}: {e}")
-        return Traced(report.peak_bytes, report.cuda_context_bytes or 0, self.budget.used_bytes(report), ops,
-                      st.trace_seconds)
+        return Traced(report.peak_bytes, report.cuda_context_bytes or 0, self.budget.used_bytes(report), ops)
 
     # -- what the planner asks of every time model ---------------------------------------------
     def warmup(self, plan: Plan) -> float:

@@ -317,32 +317,27 @@ class _Walk:
                 self._too_big(c)
             return True
         self.evaluated += not self.measured(c)
+        return self._take(c, self.model.measure)
+
+    def _confirm(self, c: Candidate) -> bool:
+        """The full trace of ``c``; False (status "invalid") if it fails there (a compile limit, the
+        workload's code at full depth)."""
+        return self._take(c, self.model.confirm)
+
+    def _take(self, c: Candidate, trace) -> bool:
+        """``c``'s figures from ``trace`` (the GPU model's measure or confirm): its time, and its
+        footprint (a lower bound until confirmed); False (status "invalid") if the plan fails."""
         try:
             with silenced_warnings():
-                m = self.model.measure(c.plan)
+                m = trace(c.plan)
         except UserError as e:
             c.status, c.reason = "invalid", str(e)
             return False
         _retime(c, self.model, self.steps)
         c.peak_bytes = m.peak_bytes
         c.used_bytes = m.used_bytes if m.used_bytes is not None else m.used_lower
-        if m.used_lower > self.budget.bytes:
-            self._too_big(c, at_least=m.used_bytes is None)
-        return True
-
-    def _confirm(self, c: Candidate) -> bool:
-        """The full trace of ``c``; False (status "invalid") if it fails there (a compile limit, the
-        workload's code at full depth)."""
-        try:
-            with silenced_warnings():
-                m = self.model.confirm(c.plan)
-        except UserError as e:
-            c.status, c.reason = "invalid", str(e)
-            return False
-        _retime(c, self.model, self.steps)
-        c.used_bytes, c.peak_bytes = m.used_bytes, m.peak_bytes
-        if c.used_bytes > self.budget.bytes:
-            self._too_big(c)
+        if c.used_bytes > self.budget.bytes if m.full else m.used_lower > self.budget.bytes:
+            self._too_big(c, at_least=not m.full)
         return True
 
     def _too_big(self, c: Candidate, at_least: bool = False) -> None:
