@@ -10,7 +10,7 @@ at full depth would take minutes (672 plans for GPT-2), so the model works in th
    of each of its values alone, and its footprint as the default's plus each value's saving alone.
    This orders the search, and spares it the traces of plans estimated well over the budget.
 2. **Measure** (the candidates the search visits, fastest estimate first): a shallow trace pair
-   (memfit.planner.shallow: 2 and 4 blocks) gives the plan's full-depth ops (extrapolated op by
+   (memfit.planner.shallow: 2 and 3 blocks) gives the plan's full-depth ops (extrapolated op by
    op), hence its own step time, and its allocated peak (extrapolated on a line). The time
    replaces the estimate, and the plan goes back into the queue at it. The allocated peak plus the
    CUDA context is a lower bound of what the budget counts (the caching allocator reserves at
@@ -228,19 +228,19 @@ class GpuStepModel:
             a, b = self._run([(plan, d, None) for d in pair])
         except (_Deep, UserError):  # the shallow model failed: the full one decides (and raises)
             return self.confirm(plan)
-        d, full = pair[0], self.depth
-        ops = extrapolate_ops(a.ops, b.ops, d, full)
+        (d, e), full = pair, self.depth
+        ops = extrapolate_ops(a.ops, b.ops, d, e, full)
         target = self.target.with_plan(plan)
         if ops is not None:
             step = time_from_ops(ops, target, self.k)
         else:  # the runs do not line up: the time on the line through both depths
             sa, sb = time_from_ops(a.ops, target, self.k), time_from_ops(b.ops, target, self.k)
-            step = dataclasses.replace(sb, seconds=extrapolate(sa.seconds, sb.seconds, d, full), notes=[
+            step = dataclasses.replace(sb, seconds=extrapolate(sa.seconds, sb.seconds, d, e, full), notes=[
                 "the shallow steps' ops did not line up: time extrapolated on a line"])
-        peak = int(extrapolate(a.peak_bytes, b.peak_bytes, d, full))  # (PEAK_MARGIN below)
+        peak = int(extrapolate(a.peak_bytes, b.peak_bytes, d, e, full))  # (PEAK_MARGIN below)
         n = plan.micro_batches(self.target.batch_size)[1]  # a graph is compiled once, run per micro-batch
         fwd_a, fwd_b = (sum(op.phase == FORWARD for op in t.ops) // n for t in (a, b))
-        graph = GraphSize(forward_ops=int(extrapolate(fwd_a, fwd_b, d, full)), block_ops=max(1, (fwd_b - fwd_a) // d))
+        graph = GraphSize(forward_ops=int(extrapolate(fwd_a, fwd_b, d, e, full)), block_ops=max(1, (fwd_b - fwd_a) // (e - d)))
         m = Measured(seconds=step.seconds, step=step, peak_bytes=peak,
                      used_lower=int(peak * (1 - PEAK_MARGIN)) + b.context_bytes, graph=graph)
         self.measured[plan] = m
@@ -260,6 +260,13 @@ class GpuStepModel:
         self.measured[plan] = m
         return m
 
+    def trace_full(self, plans: list[Plan]) -> None:
+        """Trace ``plans`` at full depth together (in parallel; :meth:`confirm` then reads them)."""
+        self._run([(p, None, None) for p in plans], check=False)
+
+    def has_full_trace(self, plan: Plan) -> bool:
+        return (plan, None, None) in self._traced
+
     def _depths(self, plan: Plan) -> tuple[int, ...]:
         return () if not self.depth or self.shallow_failed else (depths(plan, self.depth) or ())
 
@@ -270,7 +277,7 @@ class GpuStepModel:
         if pair:
             try:
                 a, b = self._run([(plan, d, batch) for d in pair])
-                peak = extrapolate(a.peak_bytes, b.peak_bytes, pair[0], self.depth)
+                peak = extrapolate(a.peak_bytes, b.peak_bytes, *pair, self.depth)
                 return int(peak * (1 - PEAK_MARGIN)) + b.context_bytes
             except _Deep:
                 pass
@@ -282,7 +289,7 @@ class GpuStepModel:
         pair = self._depths(plan)
         if pair and not self.is_confirmed(plan):
             a, b = self._run([(plan, d, None) for d in pair])
-            ops = extrapolate_ops(a.ops, b.ops, pair[0], self.depth)
+            ops = extrapolate_ops(a.ops, b.ops, *pair, self.depth)
             if ops is not None:
                 return ops
         (t,) = self._run([(plan, None, None)])
@@ -347,7 +354,7 @@ class GpuStepModel:
         return self.predict(plan) + (self.warmup(plan) / steps if steps else 0.0)
 
     def describe(self) -> str:
-        shallow = (f"; plans measured by shallow traces at 2 and 4 of {self.depth} blocks, their ops extrapolated, "
+        shallow = (f"; plans measured by shallow traces at 2 and 3 of {self.depth} blocks (2 and 4 with a period of 2), their ops extrapolated, "
                    "the chosen one confirmed by a full trace") if self._depths(self.base or Plan()) else ""
         return (f"op-level: each plan's own ops on the {self.target.device.name} preset, constants fitted on H100 "
                 f"recordings{shallow}; {self.traces} traces ({self.full_traces} at full depth, "

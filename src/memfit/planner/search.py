@@ -280,6 +280,7 @@ class _Walk:
                 if heap and c.seconds > heap[0][0]:  # slower than measured: back in the queue at its time
                     heapq.heappush(heap, (c.seconds, self.order[id(c)], c))
                     continue
+                self._confirm_ahead(c, heap)
                 if not self._confirm(c) or c.status == "too big":
                     continue
                 if heap and c.seconds > heap[0][0]:
@@ -323,6 +324,19 @@ class _Walk:
         """The full trace of ``c``; False (status "invalid") if it fails there (a compile limit, the
         workload's code at full depth)."""
         return self._take(c, self.model.confirm)
+
+    def _confirm_ahead(self, c: Candidate, heap: list) -> None:
+        """Run ``c``'s full trace alongside those of the next plans that may come up for confirming
+        (measured, their lower bound fits), on the workers that would otherwise wait: when ``c``'s
+        reserved bytes do not fit, the next one's are ready."""
+        spare = self.model.workers.count - 1
+        if spare <= 0 or self.model.has_full_trace(c.plan):  # (nothing to run alongside)
+            return
+        ahead = [x for _, _, x in heapq.nsmallest(len(heap), heap) if x is not c and x.status == "not evaluated"
+                 and self.model.is_measured(x.plan) and not self.model.is_confirmed(x.plan)
+                 and x.used_bytes is not None and x.used_bytes <= self.budget.bytes]
+        with silenced_warnings():
+            self.model.trace_full([c.plan, *dict.fromkeys(x.plan for x in ahead[:spare])])
 
     def _take(self, c: Candidate, trace) -> bool:
         """``c``'s figures from ``trace`` (the GPU model's measure or confirm): its time, and its

@@ -4,10 +4,11 @@ A fake trace costs time per op, not per byte: tracing GPT-2 at batch 1 is no fas
 but tracing 2 of its 12 blocks is 5x faster. What the planner compares grows linearly with the
 number of repeated blocks ``L`` (a decoder's layers): the blocks' parameters, gradients and
 optimizer states, their saved activations, their kernels and the time they take. So each plan is
-traced twice at shallow depths ``d`` and ``2d`` (``d``: the plan's period, 2 for
-``checkpointing: blocks:every=2``), and every figure is extrapolated along the line through both::
+traced twice at shallow depths ``d`` and ``e = d + p`` (``p``: the plan's period, 2 for
+``checkpointing: blocks:every=2``, else 1; ``d``: 2, or ``p`` when larger: 2 and 3 blocks, or 2 and
+4), and every figure is extrapolated along the line through both::
 
-    f(L) = f(d) + (f(2d) - f(d)) * (L - d) / d
+    f(L) = f(d) + (f(e) - f(d)) * (L - d) / p
 
 The shallow model is the workload's own ``model()``, built on the meta device, with each repeated
 block container (memfit.techniques.checkpointing.find_blocks) cut to its first ``depth`` blocks, then
@@ -80,22 +81,23 @@ def period(plan) -> int:
 
 
 def depths(plan, full: int) -> tuple[int, int] | None:
-    """The two shallow depths a plan is traced at, or None when it should be traced at full depth."""
-    d = period(plan)
-    d *= -(-2 // d)  # at least 2: one block is no repeated block (find_blocks)
-    if full < MIN_DEPTH_FOR_SHALLOW or 2 * d >= full:
+    """The two shallow depths ``(d, d + p)`` a plan is traced at (``p``: its period), or None when it
+    should be traced at full depth (a shallow model, or a depth the period does not divide)."""
+    p = period(plan)
+    d = p * -(-2 // p)  # at least 2: one block is no repeated block (find_blocks)
+    if full < MIN_DEPTH_FOR_SHALLOW or d + p >= full or (full - d) % p:
         return None
-    return d, 2 * d
+    return d, d + p
 
 
-def extrapolate(at_d: float, at_2d: float, d: int, full: int) -> float:
-    """The figure at ``full`` blocks on the line through (d, at_d) and (2d, at_2d)."""
-    return at_d + (at_2d - at_d) * (full - d) / d
+def extrapolate(at_d: float, at_e: float, d: int, e: int, full: int) -> float:
+    """The figure at ``full`` blocks on the line through (d, at_d) and (e, at_e)."""
+    return at_d + (at_e - at_d) * (full - d) / (e - d)
 
 
 # -- the ops of the full-depth step -----------------------------------------------------------------
-def extrapolate_ops(a: list, b: list, d: int, full: int) -> list | None:
-    """The op list of the full-depth step from those of the shallow steps at ``d`` and ``2d`` blocks
+def extrapolate_ops(a: list, b: list, d: int, e: int, full: int) -> list | None:
+    """The op list of the full-depth step from those of the shallow steps at ``d`` and ``e`` blocks
     (memfit.planner.opcost.Op tuples), or None when they do not line up.
 
     Step times are not linear in depth when the step changes regime (a shallow step waits on the
@@ -104,12 +106,12 @@ def extrapolate_ops(a: list, b: list, d: int, full: int) -> list | None:
     must pair up one to one. The deeper run is the shallow run with the extra blocks' ops inserted
     at one place, and the other ops of the same kinds, some of them bigger (a ``_foreach`` op over
     more tensors). The insertion point is the one where the most ops are equal before and after
-    it. The full run repeats the inserted stretch once per further ``d`` blocks, and puts each
+    it. The full run repeats the inserted stretch once per further ``e - d`` blocks, and puts each
     other op on the line through its two sizes."""
     runs_a, runs_b = _runs(a), _runs(b)
-    if len(runs_a) != len(runs_b) or (full - d) % d:
+    if len(runs_a) != len(runs_b) or e <= d or (full - d) % (e - d):
         return None
-    copies = (full - d) // d  # inserted stretches at full depth (one of them already in ``b``)
+    copies = (full - d) // (e - d)  # inserted stretches at full depth (one of them already in ``b``)
     out: list = []
     for ra, rb in zip(runs_a, runs_b):
         p = _insertion(ra, rb)
@@ -159,7 +161,7 @@ def _same_kind(x, y) -> bool:
 
 
 def _scaled(x, y, copies: int):
-    """The op on the line through ``x`` (depth d) and ``y`` (2d), at ``copies`` + 1 times d."""
+    """The op on the line through ``x`` (depth d) and ``y`` (d + p), at ``copies`` periods past d."""
     def line(u, v):
         return type(u)(max(0, u + (v - u) * copies))
     return y._replace(flops=line(x.flops, y.flops), nbytes=line(x.nbytes, y.nbytes),
