@@ -91,8 +91,9 @@ class _PlanMethods:
                 raise UserError(reason)
 
     def micro_batches(self, batch_size: int) -> tuple[int, int]:
-        """(micro_batch_size, number of micro-batches) for a global batch; raises if it does not divide."""
-        return self.config("accumulation").micro_batches(batch_size)
+        """(micro_batch_size, number of micro-batches) of one rank's share of a global batch (all of it
+        unless sharded); raises if it does not divide."""
+        return self.config("accumulation").micro_batches(self.config("shard").rank_batch(batch_size))
 
     # -- (de)serialisation -----------------------------------------------------------------
     def _values(self) -> dict[str, Any]:

@@ -84,6 +84,11 @@ class TrainStep:
         return self.target.batch_size
 
     @property
+    def rank_batch_size(self) -> int:
+        """The samples this rank's step runs (the global batch unless the plan is sharded)."""
+        return self.target.rank_batch_size
+
+    @property
     def device(self) -> Device:
         return self.target.device
 
@@ -120,7 +125,7 @@ class TrainStep:
         with obs.phase("zero_grad"):
             self.optimizer.zero_grad(set_to_none=True)
         batch = self.precision.prepare_batch(batch)
-        micro = split_batch(batch, self.batch_size, n) if n > 1 else [batch]
+        micro = split_batch(batch, self.rank_batch_size, n) if n > 1 else [batch]
         total = None
         with contextlib.ExitStack() as around:
             for make in self._contexts:
@@ -186,7 +191,7 @@ def build_step(workload: Workload | str | Target, plan: Plan | None = None, batc
             raise UserError(f"workload model() must return an nn.Module, got {type(model).__name__}")
         model.train()
         parts = StepParts(model=model, device=target.device, device_type=target.tensor_device,
-                          batch_size=target.batch_size, placement=HostPlacement(),
+                          batch_size=target.rank_batch_size, placement=HostPlacement(),
                           loss_fn=checked("loss(model, batch)", wl.loss),
                           optimizer_factory=lambda ps: call_workload("optimizer(params)", wl.build_optimizer, ps),
                           plan=target.plan)
@@ -202,9 +207,9 @@ def build_step(workload: Workload | str | Target, plan: Plan | None = None, batc
 
 
 def make_batch(target: Target) -> Any:
-    """One batch of the target's workload, on the step's device."""
+    """One batch of what the target's step runs (one rank's share when sharded), on the step's device."""
     with torch.device(target.tensor_device):
-        batch = call_workload("batch(batch_size)", target.workload.batch, target.batch_size)
+        batch = call_workload("batch(batch_size)", target.workload.batch, target.rank_batch_size)
     if not any(isinstance(x, torch.Tensor) for x in tree_flatten(batch)[0]):
         raise UserError(f"the workload's batch(batch_size) returned {_kind(batch)} with no tensor in it; return a "
                         "tensor or a tuple/list/dict of tensors shaped [batch, ...]")

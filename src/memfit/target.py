@@ -53,6 +53,11 @@ class Target:
         return dataclasses.replace(self, device=device)
 
     @property
+    def rank_batch_size(self) -> int:
+        """The samples one rank's step runs: the global batch over the plan's ``world_size``."""
+        return self.plan.config("shard").rank_batch(self.batch_size)
+
+    @property
     def tensor_device(self) -> str:
         """Where the step's tensors live (see memfit.devices.tensor_device)."""
         return tensor_device(self.device)

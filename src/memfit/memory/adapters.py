@@ -9,6 +9,15 @@ makes are answered by fake mode (constants) or listed as approximations. The pat
 exit and only touches transformers if it is already imported. A test fails loudly if the
 function moves.
 
+NOTE [ FSDP2's buffers ]
+FSDP2 gathers each block's parameters into unsharded buffers before its forward and backward, and
+reduce-scatters its gradients out of unsharded ones after its backward, inside its parameter
+groups' ``unshard`` / ``wait_for_unshard`` / ``post_backward``. What those allocate is booked as
+``communication`` (``fsdp_buffers``, on fake and real tensors alike); a sharded gradient that comes
+out of it is labelled a gradient after the step. The unsharded parameters are freed and allocated
+again by resizing their storages in place (``free_storage`` / ``alloc_storage``), which no
+dispatch mode sees: the tracker is shown each resize. A test fails loudly if these move.
+
 What a technique's own library needs on fake tensors is the technique's business
 (``Config.trace_context``, e.g. NOTE [ bitsandbytes tables on fake tensors ]).
 """
@@ -26,6 +35,43 @@ def real_code_paths():
         if module is not None and hasattr(module, "is_fake_tensor"):
             stack.enter_context(_patched(module, "is_fake_tensor", lambda x: False))
         yield
+
+
+FSDP_BUFFER_METHODS = ("unshard", "wait_for_unshard", "post_backward")
+
+
+@contextlib.contextmanager
+def fsdp_buffers(tracker, sharded: bool):
+    """See NOTE [ FSDP2's buffers ] (``sharded``: the step uses FSDP2; else nothing is touched)."""
+    if not sharded:
+        yield
+        return
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+    group = _fsdp_param_group.FSDPParamGroup
+    with contextlib.ExitStack() as stack:
+        for name in FSDP_BUFFER_METHODS:
+            stack.enter_context(_patched(group, name, _booked_as_communication(getattr(group, name), tracker)))
+        for module in (_fsdp_param, _fsdp_param_group):
+            for name in ("alloc_storage", "free_storage"):
+                if hasattr(module, name):
+                    stack.enter_context(_patched(module, name, _resize_seen(getattr(module, name), tracker)))
+        yield
+
+
+def _resize_seen(resize, tracker):
+    """FSDP2 frees and re-allocates unsharded parameters by resizing their storages in place
+    (``storage.resize_``, which no dispatch mode sees): the tracker is shown the new size."""
+    def wrapper(tensor):
+        resize(tensor)
+        tracker.storages.see(tensor)
+    return wrapper
+
+
+def _booked_as_communication(method, tracker):
+    def wrapper(*args, **kwargs):
+        with tracker.born_as("communication"):
+            return method(*args, **kwargs)
+    return wrapper
 
 
 @contextlib.contextmanager

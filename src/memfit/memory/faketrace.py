@@ -16,7 +16,7 @@ from typing import Any
 
 from memfit.devices import Device
 from memfit.errors import TraceError, is_trace_error, trace_error_op
-from memfit.memory.adapters import real_code_paths
+from memfit.memory.adapters import fsdp_buffers, real_code_paths
 from memfit.memory.categories import STEADY_STEP
 from memfit.memory.cuda import cuda_kernel_model
 from memfit.memory.heap import frozen_heap
@@ -61,6 +61,7 @@ def _run_tracked(target: Target, *, fake: bool, steps: int, outer: contextlib.Ab
             if fake:
                 stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
             stack.enter_context(tracker)
+            stack.enter_context(fsdp_buffers(tracker, target.plan.shard != "none"))
             if fake:
                 stack.enter_context(real_code_paths())
                 for config in target.plan.techniques:
@@ -83,6 +84,8 @@ def _run_tracked(target: Target, *, fake: bool, steps: int, outer: contextlib.Ab
                         loss = step.run(batch)
                         del loss
                     tracker.label([v for s in step.optimizer.state.values() for v in s.values()], "optimizer_states")
+                    # (FSDP2 sets its sharded gradients itself: no accumulate-grad hook sees them)
+                    tracker.label([p.grad for p in params if p.grad is not None], "gradients")
                 tracker.mark("end")
     except Exception as e:
         if fake and is_trace_error(e):

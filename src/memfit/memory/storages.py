@@ -86,8 +86,9 @@ class LiveStorages:
                     self.see(t, func)
 
     def see(self, t: torch.Tensor, func=None) -> None:
-        """Book ``t``'s storage if it is new, or was resized since it was seen."""
-        st = t.untyped_storage()
+        """Book ``t``'s storage (a DTensor's: its local shard's) if it is new, or was resized since it
+        was seen."""
+        st = local_tensor(t).untyped_storage()
         key = st._cdata
         entry = self.live.get(key)
         nbytes = st.nbytes()
@@ -95,21 +96,24 @@ class LiveStorages:
             if nbytes == entry[1].nbytes:
                 return
             self._freed(entry[0])  # see NOTE [ Resized storages ]
+            if nbytes == 0:  # resized away (FSDP2 frees unsharded parameters so): booked again when it grows
+                del self.live[key]
+                return
         ref = _StorageRef(st, self._died)
         ref.key = key
         ref.nbytes = nbytes
         self.live[key] = (self._allocated(t, nbytes, func, key in self._on_host), ref)
 
     def token(self, t: torch.Tensor):
-        """The token of ``t``'s storage, or None if it is not live here."""
-        entry = self.live.get(t.untyped_storage()._cdata)
+        """The token of ``t``'s storage (a DTensor's: its local shard's), or None if it is not live here."""
+        entry = self.live.get(local_tensor(t).untyped_storage()._cdata)
         return None if entry is None else entry[0]
 
     def host(self, tensors) -> None:
         """These tensors' storages live in host memory (see NOTE [ Host placement ])."""
         for t in tree_leaves(tensors):
             if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
+                st = local_tensor(t).untyped_storage()
                 key = st._cdata
                 if key in self._on_host:
                     continue
@@ -137,3 +141,10 @@ def returns_alias(func) -> bool:
         hit = _ALIAS_CACHE[func] = (func not in (aten.lift_fresh.default, aten.lift_fresh_copy.default)
                                     and any(r.alias_info is not None for r in func._schema.returns))
     return hit
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding ``t``'s bytes on this rank: a DTensor's local shard (FSDP2's parameters,
+    gradients and optimizer states), else ``t``."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t

@@ -87,6 +87,7 @@ class MemoryTracker(TorchDispatchMode):
         self.storages = LiveStorages(self._allocated, self._freed, self._hosted)  # tokens: record serials
         self._forward_serial_start = 0
         self._modules = ModuleStack()
+        self._born_as: str | None = None
         self._stack = contextlib.ExitStack()
 
     # -- context -----------------------------------------------------------------------------
@@ -128,6 +129,16 @@ class MemoryTracker(TorchDispatchMode):
                 serial = self.storages.token(t)
                 if serial is not None:
                     self.state.records[serial].label = category
+
+    @contextlib.contextmanager
+    def born_as(self, category: str):
+        """Storages allocated inside the block get ``category`` (until labelled otherwise)."""
+        assert category in CATEGORIES, category
+        before, self._born_as = self._born_as, category
+        try:
+            yield
+        finally:
+            self._born_as = before
 
     def host(self, tensors) -> None:
         """These tensors live in host memory (see memfit.techniques.placement)."""
@@ -190,7 +201,8 @@ class MemoryTracker(TorchDispatchMode):
         serial = len(self.state.records)
         self.state.records.append(StorageRecord(
             serial=serial, nbytes=nbytes, device="host" if on_host else _device_name(t), phase=self.phase_name,
-            module=self._modules.current(), op=_op_name(func) if func else "?", step=self.step_index))
+            module=self._modules.current(), op=_op_name(func) if func else "?", step=self.step_index,
+            label=self._born_as))
         self.state.events.append((serial, 1))
         return serial
 

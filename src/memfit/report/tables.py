@@ -20,6 +20,12 @@ def _plan_text(plan: dict) -> str:
     return escape(Plan.from_dict(plan).describe())
 
 
+def _batch_text(batch_size: int, plan: dict) -> str:
+    """The global batch, and one rank's share when the plan is sharded."""
+    world = int(plan.get("world_size") or 1)
+    return f"batch {batch_size}" + (f" ({batch_size // world} per rank, one of {world} ranks)" if world > 1 else "")
+
+
 def _pct(part: int, whole: int) -> str:
     return f"{100 * part / whole:5.1f}%" if whole else "    -"
 
@@ -28,7 +34,7 @@ def print_estimate(r: MemoryReport, console: Console | None = None) -> None:
     c = console or _console()
     how = {"fake": "traced on fake tensors", "real-fallback": "measured by a real run (fake tracing failed)",
            "real": "measured"}[r.method]
-    c.print(f"[bold]memfit estimate[/] {r.workload} · batch {r.batch_size} · plan: {_plan_text(r.plan)} "
+    c.print(f"[bold]memfit estimate[/] {r.workload} · {_batch_text(r.batch_size, r.plan)} · plan: {_plan_text(r.plan)} "
             f"({r.precision}) · "
             f"device {r.device} · {how} in {r.trace_seconds:.1f} s")
     t = Table(show_edge=False, pad_edge=False, box=None)
@@ -92,7 +98,7 @@ def print_profile(result, console: Console | None = None) -> None:
     c = console or _console()
     m, p = result.measured, result.predicted
     cuda = getattr(result, "measured_by", "profiler") == "cuda-allocator"
-    c.print(f"[bold]memfit profile[/] {m.workload} · batch {m.batch_size} · plan: {_plan_text(m.plan)} · "
+    c.print(f"[bold]memfit profile[/] {m.workload} · {_batch_text(m.batch_size, m.plan)} · plan: {_plan_text(m.plan)} · "
             f"device {m.device}")
     t = Table(show_edge=False, pad_edge=False, box=None)
     t.add_column("category")

@@ -1,0 +1,241 @@
+"""Sharding across ranks with FSDP2 (``torch.distributed.fsdp.fully_shard``), as torchtitan does it.
+
+With ``world_size`` N ranks, each rank keeps 1/N of every parameter, of its gradient and of its
+optimizer states (model states: 16 bytes per parameter with fp32 AdamW, so 16/N). Before a block's
+forward (and again before its backward, with ``reshard_after_forward``), FSDP2 all-gathers the
+block's full parameters into a buffer of the block's unsharded size, and frees it after; after the
+block's backward it reduce-scatters the full gradients into the sharded ones. So a rank's peak is
+the sharded model states, plus its own activations (its 1/N of the global batch), plus about two
+blocks' unsharded parameters and gradients in flight (the one computing and the one prefetched):
+those are the *communication* buffers of the report. The price is time: every step moves the
+parameters twice (three times with resharding) and the gradients once over the interconnect;
+FSDP2 overlaps it with compute on its own streams.
+
+- ``reshard_after_forward: false`` keeps each block's gathered parameters from forward to backward
+  (no second all-gather; a whole unsharded model of memory, like ZeRO-2).
+- ``shard_param_dtype`` / ``shard_reduce_dtype``: FSDP2's ``MixedPrecisionPolicy``: the dtype the
+  parameters are gathered and computed in (bf16 halves the buffers and the traffic; the sharded
+  fp32 master weights stay), and the dtype gradients are reduced in.
+- ``shard_offload: true``: ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer
+  states live in host memory, and the optimizer steps on the CPU (device memory: activations and
+  the buffers in flight; time: the host link and a CPU optimizer).
+
+Sharding is applied per repeated block (memfit.techniques.checkpointing.find_blocks), then to the
+root, after checkpointing has wrapped the blocks. The batch is the *global* batch: each rank runs
+``batch / world_size`` samples (split further by micro-batching), and FSDP2 averages the gradients,
+so N ranks train as one process on the whole batch does.
+
+A fake trace (``estimate``) runs one rank against PyTorch's fake process group (no other process:
+its collectives do nothing, their buffers are real allocations of the trace). A real step needs
+one process per rank with a process group initialised (``torchrun``).
+
+Plan keys: ``shard`` (auto: fsdp when ``world_size`` > 1 | none | fsdp), ``world_size``, ``reshard_after_forward``, ``shard_param_dtype``,
+``shard_reduce_dtype``, ``shard_offload``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from memfit.errors import UserError
+from memfit.techniques.base import Config, Export, Key, Technique, choice, register, whole_number
+
+DTYPES = ("none", "bf16", "fp16", "fp32")
+"""``shard_param_dtype`` / ``shard_reduce_dtype`` values (none: as the parameters are)."""
+
+
+class Sharding(Config):
+    world_size = 1
+
+    def rank_batch(self, batch_size: int) -> int:
+        """The samples one rank runs of a global batch."""
+        return batch_size
+
+
+@dataclass(frozen=True)
+class NoSharding(Sharding):
+    """One process holds the whole model."""
+
+    def values(self) -> dict:
+        return {"shard": "auto", "world_size": 1, "reshard_after_forward": True, "shard_param_dtype": "none",
+                "shard_reduce_dtype": "none", "shard_offload": False}
+
+
+@dataclass(frozen=True)
+class FSDP2(Sharding):
+    """FSDP2 ``fully_shard`` per repeated block, then the root, over ``world_size`` ranks."""
+
+    world_size: int = 1
+    """Ranks (processes, one per GPU) the model is sharded over."""
+    reshard_after_forward: bool = True
+    """Free each block's gathered parameters after its forward (gather again for backward)."""
+    param_dtype: str = "none"
+    """``MixedPrecisionPolicy.param_dtype``: the dtype parameters are gathered and computed in."""
+    reduce_dtype: str = "none"
+    """``MixedPrecisionPolicy.reduce_dtype``: the dtype gradients are reduce-scattered in."""
+    offload: bool = False
+    """``CPUOffloadPolicy``: sharded parameters, gradients and optimizer states in host memory."""
+    rank = 1
+
+    def values(self) -> dict:
+        return {"shard": "fsdp", "world_size": self.world_size, "reshard_after_forward": self.reshard_after_forward,
+                "shard_param_dtype": self.param_dtype, "shard_reduce_dtype": self.reduce_dtype,
+                "shard_offload": self.offload}
+
+    def rank_batch(self, batch_size: int) -> int:
+        n = self.world_size
+        if n > batch_size:
+            raise UserError(f"plan: world_size {n} is larger than the batch ({batch_size}): every rank needs at least "
+                            f"one sample; use a batch of at least {n}, or fewer ranks")
+        if batch_size % n:
+            raise UserError(f"plan: the batch ({batch_size}) does not split evenly over world_size {n}; use a batch "
+                            f"that is a multiple of {n}")
+        return batch_size // n
+
+    def check(self, plan) -> None:
+        def refuse(other: str, why: str) -> None:
+            raise UserError(f"plan: shard: fsdp with {other} is not supported yet ({why}); remove one of them")
+        if plan.config("optimizer_in_backward").is_default is False:
+            refuse("optimizer_in_backward", "its per-parameter updates would run before FSDP2 reduce-scatters the "
+                   "gradients")
+        if not plan.config("compile").is_default:
+            refuse(f"compile: {plan.compile}", "memfit compiles the blocks after building them, FSDP2 needs them "
+                   "compiled before they are sharded")
+        if "optimizer_states" in plan.offload:
+            refuse("offload: optimizer_states", "use shard_offload: true, FSDP2's own CPU offload")
+        if plan.config("ema").is_default is False:
+            refuse("ema", "the average would be of the sharded parameters")
+        if plan.optimizer == "adamw8bit":
+            refuse("optimizer: adamw8bit", "bitsandbytes' 8-bit states do not take DTensor parameters")
+        if self.param_dtype != "none" and plan.precision in ("bf16", "fp16"):
+            raise UserError(f"plan: shard_param_dtype {self.param_dtype} and precision {plan.precision} both cast the "
+                            "compute; with FSDP2 use precision fp32 and shard_param_dtype bf16 (torchtitan's mixed "
+                            "precision), or shard_param_dtype none")
+
+    def apply(self, parts) -> None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        from memfit.techniques.checkpointing import find_blocks
+
+        import torch
+        if not dist.is_available():
+            raise UserError("shard: fsdp needs torch.distributed, which this PyTorch build lacks")
+        if parts.device_type == "cuda" and not torch.cuda.is_available():
+            raise UserError(f"shard: fsdp on the {parts.device.name} preset is not predicted yet on a machine without a "
+                            "GPU (FSDP2 needs CUDA streams); predict it with --device cpu, or on a GPU machine")
+        if not dist.is_initialized():
+            raise UserError(f"shard: fsdp runs one process per rank; launch {self.world_size} of them with a process "
+                            "group (torchrun), or predict one rank with memfit estimate")
+        if dist.get_world_size() != self.world_size:
+            raise UserError(f"plan: world_size {self.world_size} but {dist.get_world_size()} processes were launched; "
+                            "launch as many processes as world_size")
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        with unset_fake_temporarily():  # (the mesh holds a real tensor of rank numbers)
+            mesh = init_device_mesh(parts.device_type, (self.world_size,))
+        policy = MixedPrecisionPolicy(param_dtype=_dtype(self.param_dtype), reduce_dtype=_dtype(self.reduce_dtype))
+        options = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy,
+                       offload_policy=CPUOffloadPolicy() if self.offload else OffloadPolicy())
+        for _, children in find_blocks(parts.model):
+            for child in children:
+                fully_shard(child, **options)
+        fully_shard(parts.model, **options)
+
+    def trace_context(self):
+        return fake_process_group(self.world_size)
+
+    def notes(self) -> list[str]:
+        return [f"one of {self.world_size} ranks, traced against a fake process group: collectives move no data, "
+                "their buffers are allocated as FSDP2 allocates them"]
+
+    def label(self, batch_size):
+        extra = "".join([":keep" if not self.reshard_after_forward else "",
+                         f":{self.param_dtype}" if self.param_dtype != "none" else "",
+                         ":offload" if self.offload else ""])
+        return f"fsdp{self.world_size}{extra}"
+
+    def export(self, into: Export) -> None:
+        into.hf["fsdp"] = "full_shard auto_wrap" + (" offload" if self.offload else "")
+        into.hf["fsdp_config"] = {"fsdp_version": 2, "reshard_after_forward": self.reshard_after_forward}
+        into.lightning.update(strategy="fsdp", devices=self.world_size)
+        if self.param_dtype != "none" or self.reduce_dtype != "none":
+            into.in_lightning_module(f"FSDP2 MixedPrecisionPolicy(param_dtype={self.param_dtype}, "
+                                     f"reduce_dtype={self.reduce_dtype})")
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int):
+    """Rank 0 of ``world_size`` on PyTorch's fake backend, for a fake trace (no other process; the
+    collectives return at once). An initialised fake group is reused; a real one is refused."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        if dist.get_backend() != "fake":
+            raise UserError("memfit estimate of a sharded plan runs one fake rank; run it outside torchrun's processes")
+        yield
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _dtype(name: str):
+    import torch
+    return {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def _flag(name: str):
+    def parse(text: str) -> bool:
+        if text.lower() in ("true", "1", "yes"):
+            return True
+        if text.lower() in ("false", "0", "no"):
+            return False
+        raise UserError(f"--{name.replace('_', '-')} {text!r}: give true or false")
+    return parse
+
+
+def parse(values: dict) -> Sharding:
+    kind = choice("shard", values["shard"], ("auto", "none", "fsdp"))
+    n = values["world_size"]
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise UserError(f"plan: world_size must be a whole number >= 1, got {n!r}")
+    if kind == "auto":  # several ranks are sharded ones
+        kind = "fsdp" if n > 1 else "none"
+    for key in ("reshard_after_forward", "shard_offload"):
+        if not isinstance(values[key], bool):
+            raise UserError(f"plan: {key} must be true or false, got {values[key]!r}")
+    param_dtype = choice("shard_param_dtype", values["shard_param_dtype"], DTYPES)
+    reduce_dtype = choice("shard_reduce_dtype", values["shard_reduce_dtype"], DTYPES)
+    if kind == "none":
+        if n > 1:
+            raise UserError(f"plan: world_size {n} needs shard: fsdp (memfit runs several ranks only sharded, with "
+                            "FSDP2); add shard: fsdp, or world_size: 1")
+        given = [k for k, default in (("reshard_after_forward", True), ("shard_param_dtype", "none"),
+                                      ("shard_reduce_dtype", "none"), ("shard_offload", False)) if values[k] != default]
+        if given:
+            raise UserError(f"plan: {', '.join(given)} are FSDP2 options; add shard: fsdp, or remove them")
+        return NoSharding()
+    return FSDP2(world_size=n, reshard_after_forward=values["reshard_after_forward"], param_dtype=param_dtype,
+                 reduce_dtype=reduce_dtype, offload=values["shard_offload"])
+
+
+TECHNIQUE = register(
+    Technique("shard", (
+        Key("shard", "auto", "Shard the model over ranks: auto (fsdp when world_size > 1) | none | fsdp (FSDP2 "
+            "fully_shard).", metavar="SHARD"),
+        Key("world_size", 1, "Ranks the global batch and the sharded model are spread over.", annotation="int",
+            from_text=whole_number("--world-size"), metavar="N"),
+        Key("reshard_after_forward", True, "FSDP2: free gathered parameters after each block's forward.",
+            annotation="bool", from_text=_flag("reshard_after_forward"), metavar="BOOL"),
+        Key("shard_param_dtype", "none", "FSDP2: dtype parameters are gathered and computed in (none|bf16|fp16|fp32).",
+            metavar="DTYPE"),
+        Key("shard_reduce_dtype", "none", "FSDP2: dtype gradients are reduced in (none|bf16|fp16|fp32).",
+            metavar="DTYPE"),
+        Key("shard_offload", False, "FSDP2: keep sharded parameters, gradients and optimizer states in host memory.",
+            annotation="bool", from_text=_flag("shard_offload"), metavar="BOOL"),
+    ), parse, order=50),
+    Sharding, NoSharding, FSDP2)

@@ -1,0 +1,46 @@
+"""Sharding plans (memfit.techniques.sharding): what a plan refuses, and one rank's prediction on a
+fake process group (the 2-process tests are tests/integration/test_sharding.py)."""
+
+import pytest
+
+from memfit.errors import UserError
+from memfit.memory.estimate import estimate
+from memfit.plans import Plan
+from memfit.target import Target
+
+SMALL = "gpt2:n_layer=2,n_embd=64,n_head=2,vocab_size=256,n_positions=32"
+
+
+@pytest.mark.parametrize("fields, batch, message", [
+    ({"world_size": 4}, 2, "world_size 4 is larger than the batch (2)"),
+    ({"world_size": 4}, 6, "does not split evenly over world_size 4"),
+    ({"shard": "none", "world_size": 2}, 8, "world_size 2 needs shard: fsdp"),
+    ({"shard_offload": True}, 8, "are FSDP2 options; add shard: fsdp"),
+    ({"world_size": 0}, 8, "world_size must be a whole number >= 1"),
+    ({"world_size": 2, "optimizer_in_backward": True}, 8, "shard: fsdp with optimizer_in_backward"),
+    ({"world_size": 2, "compile": "blocks"}, 8, "shard: fsdp with compile: blocks"),
+    ({"world_size": 2, "offload": ["optimizer_states"]}, 8, "use shard_offload: true"),
+    ({"world_size": 2, "precision": "bf16", "shard_param_dtype": "bf16"}, 8, "both cast the compute"),
+    ({"shard": "zero3"}, 8, "shard 'zero3' is not valid"),
+])
+def test_bad_sharded_plans_are_refused_with_the_fix(fields, batch, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        Target.resolve(SMALL, Plan(**fields), batch, "cpu", seq_len=32)
+
+
+def test_world_size_alone_shards_and_each_rank_runs_its_share():
+    target = Target.resolve(SMALL, Plan(world_size=4), 8, "cpu", seq_len=32)
+    assert target.plan.shard == "fsdp" and target.rank_batch_size == 2
+    assert Plan(world_size=4, micro_batch_size=1).micro_batches(8) == (1, 2)
+
+
+def test_a_rank_holds_its_share_of_the_model_states_and_the_buffers_in_flight():
+    """Against one process: parameters and optimizer states halve over 2 ranks (up to FSDP2's
+    padding), each rank's batch halves, and gathered parameters show as communication."""
+    one = estimate(SMALL, Plan(), batch_size=8, device="cpu", seq_len=32)
+    two = estimate(SMALL, Plan(world_size=2), batch_size=8, device="cpu", seq_len=32)
+    for category in ("parameters", "optimizer_states"):
+        assert one.breakdown[category] / 2 <= two.breakdown[category] <= one.breakdown[category] / 2 * 1.01
+    assert two.breakdown["inputs"] == one.breakdown["inputs"] / 2
+    assert two.breakdown["communication"] > 0 and one.breakdown["communication"] == 0
+    assert two.peak_bytes < one.peak_bytes
