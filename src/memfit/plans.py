@@ -17,6 +17,9 @@ unknown keys and bad values are errors naming the key and the allowed values::
     ema: null                # e.g. {decay: 0.999, device: cpu, every: 1}
     compile: none            # none | blocks | full
     bf16_update: nearest     # nearest | stochastic | kahan (with bf16-pure)
+    world_size: 1            # ranks; > 1 shards with FSDP2 (shard: auto | none | fsdp)
+    reshard_after_forward: true    # FSDP2 options: also shard_param_dtype, shard_reduce_dtype,
+    shard_offload: false           # (none | bf16 | fp16 | fp32)
 
 The keys are the techniques' own (``Technique.keys``): a new technique module adds its keys to
 :class:`Plan`, to plan files and to the command line (``--key``) by itself. A value may also be

@@ -30,7 +30,7 @@ def clean(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("clean"))
 
 
-@pytest.mark.parametrize("seed", [11, 23, 47])
+@pytest.mark.parametrize("seed", [11, pytest.param(23, marks=pytest.mark.slow), pytest.param(47, marks=pytest.mark.slow)])
 def test_ooms_at_random_steps_leave_the_loss_trajectory_unchanged(tmp_path, clean, seed, inject_oom):
     rng = random.Random(seed)
     oom_steps = set(rng.sample(range(1, STEPS + 1), 3))

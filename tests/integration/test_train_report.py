@@ -4,6 +4,7 @@ memory timeline, the progress display, and DataLoader batches (workers give the 
 import io
 import json
 
+import pytest
 import torch
 from tests.helpers import measured
 
@@ -16,6 +17,7 @@ from memfit.training.report import render, without_each_technique
 LM = "gpt2:n_layer=4,n_embd=64,n_head=4,n_positions=128"
 
 
+@pytest.mark.slow  # (keeps the default suite under 10 minutes)
 def test_report_says_what_each_technique_saved_and_measurement_agrees(tmp_path):
     plan = Plan(checkpointing="blocks", micro_batch_size=2)
     r = train(LM, plan=plan, steps=2, out=tmp_path, seq_len=128, batch_size=4, progress=False)

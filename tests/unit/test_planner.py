@@ -80,6 +80,7 @@ def test_nothing_fits_names_the_smallest_budget(capsys):
     assert "nothing fits" in out and "a budget of at least that would fit" in out
 
 
+@pytest.mark.slow  # (keeps the default suite under 10 minutes)
 def test_cli_writes_a_plan_that_estimate_accepts(tmp_path, capsys):
     out = tmp_path / "plan.yaml"
     assert main(["plan", "mha", "-b", "4", "--budget", "60MiB", "--out", str(out), "--format", "hf",
@@ -101,11 +102,15 @@ def test_exports():
     assert any("DataLoader" in u for u in unmapped) and any("checkpointing" in u for u in unmapped)
 
 
-def test_plan_flags_fix_fields_and_bad_batches_are_refused(capsys):
+@pytest.mark.slow  # (keeps the default suite under 10 minutes)
+def test_plan_flags_fix_fields(capsys):
     assert main(["plan", "mha", "-b", "4", "--budget", "60MiB", "--precision", "bf16", "--checkpointing", "none",
                  "--json", "--max-traces", "3"]) == 0
     import json
     out = json.loads(capsys.readouterr().out)
     assert out["chosen"]["plan"]["precision"] == "bf16" and out["chosen"]["plan"]["checkpointing"] == "none"
+
+
+def test_plan_refuses_a_batch_the_fixed_micro_batch_does_not_divide(capsys):
     assert main(["plan", "mha", "-b", "6", "--budget", "60MiB", "--micro-batch-size", "4"]) == 2
     assert "not a multiple" in capsys.readouterr().err

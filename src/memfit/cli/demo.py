@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 
 DEMO_PREDICT = ("gpt2", 8, "rtx4090")
+DEMO_SHARDED = ("llama", 8, "a100-80gb", dict(world_size=8, shard_param_dtype="bf16", shard_reduce_dtype="fp32",
+                                               checkpointing="blocks"))
 DEMO_PROFILE = ("gpt2:n_layer=4,n_embd=256,n_head=4,n_positions=256", 4)
 DEMO_PLAN = ("gpt2", 16, "rtx4090")
 DEMO_TRAIN = ("gpt2:n_layer=4,n_embd=256,n_head=4,n_positions=256", 8, 128, 0.6, "memfit-out/demo")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="estimate and plan GPT-2 for a 24 GB GPU; profile and train a small GPT-2 here")
+    p = sub.add_parser("demo", help="estimate and plan GPT-2 for a 24 GB GPU, Llama-2-7B over 8 GPUs; profile and "
+                                       "train a small GPT-2 here")
     p.set_defaults(run=run)
 
 
@@ -41,8 +44,15 @@ def run(args: argparse.Namespace) -> int:
     c.rule(f"2. The fastest plan for batch {bs} that fits the {dev}")
     print_plan_result(planned, c, top=5)
     c.print()
+    wl, bs, dev, fields = DEMO_SHARDED
+    c.rule(f"3. Beyond one GPU: Llama-2-7B sharded with FSDP2 over {fields['world_size']} x {dev}, batch {bs} x 2048: "
+           "one rank predicted here, with no GPU and no other process")
+    c.print("(fp32 AdamW needs ~101 GiB of model states: no single GPU holds it; torchtitan's mixed precision: bf16 "
+            "gathered parameters, fp32 reductions)")
+    print_estimate(estimate(wl, Plan(**fields), batch_size=bs, device=dev), c)
+    c.print()
     wl, bs = DEMO_PROFILE
-    c.rule("3. Prediction vs measurement, here on this CPU")
+    c.rule("4. Prediction vs measurement, here on this CPU")
     precisions = ("fp32", "bf16") if native_dtype(torch.bfloat16) else ("fp32",)
     for precision in precisions:
         print_profile(profile(wl, Plan(precision=precision), batch_size=bs, device="cpu", repeats=3), c)
@@ -53,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         c.print()
     wl, bs, seq, share, out = DEMO_TRAIN
     need = estimate(wl, Plan(), batch_size=bs, seq_len=seq).peak_bytes
-    c.rule(f"4. Training with a budget of {share:.0%} of what the fp32 plan needs: the run adapts, the training "
+    c.rule(f"5. Training with a budget of {share:.0%} of what the fp32 plan needs: the run adapts, the training "
            "does not change")
     result = train(wl, plan=Plan(), budget=int(need * share), steps=6, out=out, batch_size=bs, seq_len=seq,
                    overwrite=True)

@@ -120,12 +120,8 @@ class FSDP2(Sharding):
 
         from memfit.techniques.checkpointing import find_blocks
 
-        import torch
         if not dist.is_available():
             raise UserError("shard: fsdp needs torch.distributed, which this PyTorch build lacks")
-        if parts.device_type == "cuda" and not torch.cuda.is_available():
-            raise UserError(f"shard: fsdp on the {parts.device.name} preset is not predicted yet on a machine without a "
-                            "GPU (FSDP2 needs CUDA streams); predict it with --device cpu, or on a GPU machine")
         if not dist.is_initialized():
             raise UserError(f"shard: fsdp runs one process per rank; launch {self.world_size} of them with a process "
                             "group (torchrun), or predict one rank with memfit estimate")
@@ -143,12 +139,15 @@ class FSDP2(Sharding):
                 fully_shard(child, **options)
         fully_shard(parts.model, **options)
 
+    @contextlib.contextmanager
     def trace_context(self):
-        return fake_process_group(self.world_size)
+        with fake_process_group(self.world_size), streams_without_a_gpu():
+            yield
 
     def notes(self) -> list[str]:
         return [f"one of {self.world_size} ranks, traced against a fake process group: collectives move no data, "
-                "their buffers are allocated as FSDP2 allocates them"]
+                "their buffers are allocated as FSDP2 allocates them (on a GPU preset, on one stream: the caching "
+                "allocator's per-stream pools are not modelled)"]
 
     def label(self, batch_size):
         extra = "".join([":keep" if not self.reshard_after_forward else "",
@@ -181,6 +180,65 @@ def fake_process_group(world_size: int):
         yield
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def streams_without_a_gpu():
+    """On a machine without a GPU, FSDP2 on fake CUDA tensors (a GPU preset) gets the CPU's device
+    handle (its streams and events do nothing), with device index 0: FSDP2 asks CUDA for streams,
+    events and the current device, which need a GPU. Nothing changes where CUDA is available."""
+    import torch
+    if torch.cuda.is_available():
+        yield
+        return
+    import torch.distributed.device_mesh as device_mesh
+    from torch.distributed.fsdp._fully_shard import (
+        _fsdp_collectives,
+        _fsdp_init,
+        _fsdp_param_group,
+        _fsdp_state,
+    )
+    modules = (device_mesh, _fsdp_collectives, _fsdp_init, _fsdp_param_group, _fsdp_state)
+    original = device_mesh._get_device_handle
+
+    def handle(device_type: str = "cuda"):
+        return _CudaWithoutAGpu if device_type == "cuda" else original(device_type)
+    saved = [(m, m._get_device_handle) for m in modules if hasattr(m, "_get_device_handle")]
+    for m, _ in saved:
+        m._get_device_handle = handle
+    try:
+        yield
+    finally:
+        for m, fn in saved:
+            m._get_device_handle = fn
+
+
+class _CudaWithoutAGpu:
+    """The device handle FSDP2 gets for fake CUDA tensors without a GPU (see streams_without_a_gpu)."""
+
+    import torch as _torch
+    Stream, Event, stream, current_stream, synchronize = (_torch.cpu.Stream, _torch.cpu.Event, _torch.cpu.stream,
+                                                          _torch.cpu.current_stream, _torch.cpu.synchronize)
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def set_device(index) -> None:
+        pass
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return True
 
 
 def _dtype(name: str):

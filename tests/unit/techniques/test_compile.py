@@ -108,7 +108,7 @@ SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize("plan", [
-    Plan(compile="blocks"), Plan(compile="blocks", checkpointing="blocks"),
+    pytest.param(Plan(compile="blocks"), marks=SLOW), Plan(compile="blocks", checkpointing="blocks"),
     pytest.param(Plan(compile="blocks", checkpointing="budget:0"), marks=SLOW),
     pytest.param(Plan(compile="full"), marks=SLOW),
     pytest.param(Plan(compile="full", checkpointing="budget:0.5"), marks=SLOW),

@@ -45,7 +45,7 @@ def test_in_backward_frees_gradients_during_backward():
     assert abs(inbw.error_percent) <= 1.0
 
 
-@pytest.mark.parametrize("name", ["sgd", "adafactor", "adamw8bit"])
+@pytest.mark.parametrize("name", [pytest.param("sgd", marks=pytest.mark.slow), "adafactor", "adamw8bit"])
 def test_variant_state_memory_and_training(name):
     base = measured(SPEC, Plan())
     r = measured(SPEC, Plan(optimizer=name))

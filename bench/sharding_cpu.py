@@ -1,0 +1,88 @@
+"""One rank's peak under FSDP2 on this CPU: measured on real gloo ranks, next to the prediction.
+
+    .venv/bin/python bench/sharding_cpu.py [--world 2] [--repeats 3]
+
+For each model, ``world`` real processes (gloo on localhost) run memfit's sharded TrainStep; rank
+0's second step is measured by the profiler's allocator events (independent of memfit's tracker)
+and tracked by memfit's tracker on the real tensors; the prediction is one process against PyTorch's
+fake process group (``memfit estimate --world-size``). The measured peak also holds gloo's own
+temporaries, allocated on its worker thread, at times that vary from run to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import socket
+import tempfile
+
+import torch
+import torch.multiprocessing as mp
+
+MODELS = ("gpt2:n_layer=2,n_embd=64,n_head=2,vocab_size=256,n_positions=32",
+          "gpt2:n_layer=4,n_embd=256,n_head=4,vocab_size=2000,n_positions=64")
+BATCH, SEQ = 8, 32
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, world: int, port: int, spec: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, record_function
+    from torch.profiler import profile as torch_profile
+
+    from memfit.memory.faketrace import run_tracked
+    from memfit.memory.measure import STEP_RANGE, profiler_peak
+    from memfit.memory.report import report_for
+    from memfit.plans import Plan
+    from memfit.quiet import QuietProfiler, silenced_warnings
+    from memfit.target import Target
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        target = Target.resolve(spec, Plan(world_size=world), BATCH, "cpu", seq_len=SEQ)
+        with silenced_warnings():
+            prof = torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            run = run_tracked(target, fake=False, outer=QuietProfiler(prof),
+                              around_step=lambda i: record_function(STEP_RANGE) if i == 2 else contextlib.nullcontext())
+        if rank == 0:
+            with open(out, "w") as f:
+                f.write(f"{profiler_peak(prof)} {report_for(run.tracker, target, 'real').peak_bytes}")
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    from memfit.memory.estimate import estimate
+    from memfit.plans import Plan
+    print("| model | predicted (fake group) | tracked on the real rank | measured (profiler), each run | error |")
+    print("|---|---|---|---|---|")
+    for spec in MODELS:
+        predicted = estimate(spec, Plan(world_size=args.world), batch_size=BATCH, device="cpu", seq_len=SEQ).peak_bytes
+        measured, tracked = [], set()
+        for _ in range(args.repeats):
+            with tempfile.TemporaryDirectory() as d:
+                out = os.path.join(d, "rank0")
+                mp.start_processes(_rank, args=(args.world, _port(), spec, out), nprocs=args.world,
+                                   start_method="spawn")
+                peak, t = map(int, open(out).read().split())
+            measured.append(peak)
+            tracked.add(t)
+        errors = ", ".join(f"{100 * (predicted - m) / m:+.1f}%" for m in measured)
+        print(f"| {spec} | {predicted:,} | {', '.join(f'{t:,}' for t in sorted(tracked))} | "
+              f"{', '.join(f'{m:,}' for m in measured)} | {errors} |")
+
+
+if __name__ == "__main__":
+    main()
