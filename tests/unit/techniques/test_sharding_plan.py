@@ -44,3 +44,32 @@ def test_a_rank_holds_its_share_of_the_model_states_and_the_buffers_in_flight():
     assert two.breakdown["inputs"] == one.breakdown["inputs"] / 2
     assert two.breakdown["communication"] > 0 and one.breakdown["communication"] == 0
     assert two.peak_bytes < one.peak_bytes
+
+
+def test_a_gpu_preset_rank_is_predicted_without_a_gpu():
+    """FSDP2 on fake CUDA tensors with no GPU here: the same sharded states as on the CPU, the
+    gathered parameters as communication, and CUDA's own figures (reserved bytes, context)."""
+    cpu = estimate(SMALL, Plan(world_size=2), batch_size=8, device="cpu", seq_len=32)
+    gpu = estimate(SMALL, Plan(world_size=2), batch_size=8, device="h100-80gb", seq_len=32)
+    assert gpu.breakdown["optimizer_states"] >= cpu.breakdown["optimizer_states"] > 0
+    assert gpu.breakdown["communication"] > 0 and gpu.reserved_bytes >= gpu.peak_bytes
+
+
+def test_the_fsdp2_internals_memfit_hooks_into_are_there():
+    """NOTE [ FSDP2's buffers ] and the device handle without a GPU patch these by name: fail loudly
+    if a PyTorch release moves them."""
+    from torch.distributed.fsdp._fully_shard import (
+        _fsdp_collectives,
+        _fsdp_init,
+        _fsdp_param,
+        _fsdp_param_group,
+        _fsdp_state,
+    )
+
+    from memfit.memory.adapters import FSDP_BUFFER_METHODS
+    for name in FSDP_BUFFER_METHODS:
+        assert callable(getattr(_fsdp_param_group.FSDPParamGroup, name))
+    assert callable(_fsdp_param.alloc_storage) and callable(_fsdp_param.free_storage)
+    assert callable(_fsdp_param_group.alloc_storage)
+    for module in (_fsdp_collectives, _fsdp_init, _fsdp_param_group, _fsdp_state):
+        assert callable(module._get_device_handle)
