@@ -27,6 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="compile modes to consider (none,blocks,full), the compiled ones also with activation "
                         "budgets 0.5 and 0.1; default: none (on the CPU timing them compiles each for real; on "
                         "GPU presets each candidate is traced through Inductor: slow for large models)")
+    p.add_argument("--max-world-size", metavar="N",
+                   help="shard over ranks when one device is not enough: try world sizes 1, 2, 4, ... up to N (FSDP2; "
+                        "--budget is per rank) and choose the smallest whose fastest plan fits")
     p.add_argument("--steps", metavar="N", help="the run's length in steps: compile time then counts as compile "
                                                 "seconds / N per step (default: a long run, compile time not counted)")
     p.set_defaults(run=run)
@@ -63,9 +66,28 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--optimizers: unknown optimizer {o!r}; choose from {', '.join(OPTIMIZERS)}")
     given = plan_from_args(args)
     fixed = {k: v for k, v in given.to_dict().items() if v != Plan().to_dict()[k]}
-    result = plan(args.workload, budget=args.budget, device=args.device, batch_size=bs, seq_len=seq,
-                  optimizers=optimizers, max_traces=max_traces,
-                  fixed=fixed, compile_modes=compile_modes, steps=steps)
+    sizes = [given.world_size]
+    if args.max_world_size is not None:
+        most = parse_positive_int(args.max_world_size, "--max-world-size")
+        if given.world_size != 1:
+            raise UserError("give --world-size (plan for that many ranks) or --max-world-size (find the smallest), "
+                            "not both")
+        from memfit.target import Target
+        batch = Target.resolve(args.workload, None, bs, args.device, seq_len=seq).batch_size
+        sizes = [w for w in (2 ** i for i in range(most.bit_length())) if w <= batch and batch % w == 0]
+    tried = []
+    for world in sizes:
+        fields = {**fixed, "world_size": world} if world > 1 else fixed
+        result = plan(args.workload, budget=args.budget, device=args.device, batch_size=bs, seq_len=seq,
+                      optimizers=optimizers, max_traces=max_traces,
+                      fixed=fields, compile_modes=compile_modes, steps=steps)
+        tried.append(world)
+        if result.chosen:
+            break
+    if len(sizes) > 1:
+        result.notes.append(f"world sizes tried: {', '.join(map(str, tried))}; " + (
+            f"the smallest that fits is {tried[-1]}" if result.chosen else
+            f"none fits up to {tried[-1]} ranks per the budget per rank"))
     if args.pareto:
         save_pareto_png(result, args.pareto)
     if result.chosen and args.out:

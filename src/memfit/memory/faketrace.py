@@ -61,7 +61,7 @@ def _run_tracked(target: Target, *, fake: bool, steps: int, outer: contextlib.Ab
             if fake:
                 stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
             stack.enter_context(tracker)
-            stack.enter_context(fsdp_buffers(tracker, target.plan.shard != "none"))
+            stack.enter_context(fsdp_buffers(tracker, target.plan.config("shard").fsdp2))
             if fake:
                 stack.enter_context(real_code_paths())
                 for config in target.plan.techniques:

@@ -10,7 +10,7 @@ from memfit.memory.report import Window, step_window
 from memfit.memory.tracker import MemoryTracker
 
 COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_states": "#55a868", "activations": "#c44e52",
-          "temporaries": "#8172b3", "inputs": "#937860", "other": "#8c8c8c"}
+          "temporaries": "#8172b3", "inputs": "#937860", "communication": "#da8bc3", "other": "#8c8c8c"}
 
 
 def category_timeline(tracker: MemoryTracker, device: str, window: Window, points: int = 2000):

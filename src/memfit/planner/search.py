@@ -123,7 +123,11 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     budget_obj = Budget.resolve(budget, dev)
     budget_bytes = budget_obj.bytes
     facts = model_facts(wl)
-    _check_budget_above_weights(budget_bytes, facts, dev)
+    world = int((fixed or {}).get("world_size") or 1)
+    if world > 1 and not dev.is_gpu:
+        raise UserError(f"plan --world-size {world} times sharded plans on GPU presets (on the CPU the planner times "
+                        "real steps, which a sharded plan runs in several processes); give --device, e.g. h100-80gb")
+    _check_budget_above_weights(budget_bytes, facts, dev, world)
     space = space or default_space(facts, dev, bs, optimizers, compile_modes)
     fixed, constrained = _constrain(space, dict(fixed or {}), dev, bs)
     _check_suits(target, constrained)
@@ -459,9 +463,10 @@ def _maximal(ranked: list[Candidate], bs: int) -> list[Candidate]:
     return sorted(out, key=lambda c: order[id(c)])
 
 
-def _check_budget_above_weights(budget: int, facts, dev: Device) -> None:
-    min_bytes = facts.n_params * (2 if dev.bf16 or dev.fp16 else 4)
+def _check_budget_above_weights(budget: int, facts, dev: Device, world_size: int = 1) -> None:
+    min_bytes = facts.n_params * (2 if dev.bf16 or dev.fp16 else 4) // world_size
     if budget < min_bytes:
+        share = f", 1/{world_size} of them per rank" if world_size > 1 else ""
         raise UserError(f"budget {fmt_bytes(budget)} is below the model's own parameters ({fmt_bytes(min_bytes)} "
-                        f"for {facts.n_params / 1e6:.1f}M parameters in 16 bits); give a budget above that, or "
-                        "shard the model across devices")
+                        f"for {facts.n_params / 1e6:.1f}M parameters in 16 bits{share}); give a budget above that, or "
+                        "shard the model over more ranks (--world-size)")

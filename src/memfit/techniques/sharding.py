@@ -47,6 +47,8 @@ DTYPES = ("none", "bf16", "fp16", "fp32")
 
 class Sharding(Config):
     world_size = 1
+    fsdp2 = False
+    """The step is sharded with FSDP2 (its buffers are booked as communication)."""
 
     def rank_batch(self, batch_size: int) -> int:
         """The samples one rank runs of a global batch."""
@@ -77,6 +79,7 @@ class FSDP2(Sharding):
     offload: bool = False
     """``CPUOffloadPolicy``: sharded parameters, gradients and optimizer states in host memory."""
     rank = 1
+    fsdp2 = True
 
     def values(self) -> dict:
         return {"shard": "fsdp", "world_size": self.world_size, "reshard_after_forward": self.reshard_after_forward,

@@ -73,3 +73,28 @@ def test_the_fsdp2_internals_memfit_hooks_into_are_there():
     assert callable(_fsdp_param_group.alloc_storage)
     for module in (_fsdp_collectives, _fsdp_init, _fsdp_param_group, _fsdp_state):
         assert callable(module._get_device_handle)
+
+
+def test_the_planner_searches_the_other_techniques_at_a_fixed_world_size():
+    """``plan --world-size 2`` on a GPU preset: every candidate is sharded over 2 ranks, the chosen
+    plan's figures are one rank's (its full trace), below what one rank of the unsharded plan needs."""
+    from memfit.planner.search import plan
+    from memfit.planner.space import SearchSpace
+    deep = "gpt2:n_layer=6,n_embd=256,n_head=4,vocab_size=2000,n_positions=128"
+    space = SearchSpace(values={"precision": ["fp32", "bf16"], "checkpointing": ["none", "blocks"]}, micro_batches=[8])
+    r = plan(deep, device="h100-80gb", batch_size=8, seq_len=128, space=space, fixed={"world_size": 2})
+    assert r.chosen.plan.world_size == 2 and r.chosen.plan.shard == "fsdp"
+    assert all(c.plan.world_size == 2 for c in r.candidates)
+    one = estimate(deep, r.chosen.plan.replace(world_size=1, shard="none"), batch_size=8, device="h100-80gb",
+                   seq_len=128)
+    assert r.chosen.peak_bytes < one.peak_bytes
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--world-size", "2", "--max-world-size", "4"], "not both"),
+    (["--world-size", "2", "--device", "cpu"], "times sharded plans on GPU presets"),
+])
+def test_plan_world_size_flags_refused_with_the_fix(capsys, args, message):
+    from memfit.cli.main import main
+    assert main(["plan", SMALL, "-b", "8", "--seq-len", "32", *args]) == 2
+    assert message in capsys.readouterr().err
