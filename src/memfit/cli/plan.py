@@ -84,10 +84,11 @@ def run(args: argparse.Namespace) -> int:
         tried.append(world)
         if result.chosen:
             break
+    ranks = None
     if len(sizes) > 1:
-        result.notes.append(f"world sizes tried: {', '.join(map(str, tried))}; " + (
-            f"the smallest that fits is {tried[-1]}" if result.chosen else
-            f"none fits up to {tried[-1]} ranks per the budget per rank"))
+        ranks = f"world sizes tried: {', '.join(map(str, tried))}; " + (
+            f"the smallest that fits the budget per rank: {tried[-1]}" if result.chosen else
+            f"none fits the budget per rank up to {tried[-1]} ranks")
     if args.pareto:
         save_pareto_png(result, args.pareto)
     if result.chosen and args.out:
@@ -97,9 +98,14 @@ def run(args: argparse.Namespace) -> int:
         if result.chosen:
             out["hf_training_arguments"], out["hf_unmapped"] = to_hf(result.chosen.plan, result.batch_size)
             out["lightning_trainer"], out["lightning_unmapped"] = to_lightning(result.chosen.plan, result.batch_size)
+        if ranks:
+            out["world_sizes_tried"] = tried
+            out["smallest_world_size"] = tried[-1] if result.chosen else None
         print_json(out)
     else:
         print_plan_result(result)
+        if ranks:
+            print(ranks)
         if result.chosen and args.format != "yaml":
             kwargs, unmapped = (to_hf if args.format == "hf" else to_lightning)(result.chosen.plan, result.batch_size)
             print(("TrainingArguments(**" if args.format == "hf" else "Trainer(**") + json.dumps(kwargs) + ")")

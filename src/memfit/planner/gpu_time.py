@@ -93,6 +93,9 @@ class GpuStepModel:
         """``fixed``: plan fields outside the search space that every candidate has (ema, ...)."""
         self.target, self.space, self.budget, self.k = target, space, budget, k
         self.fixed = dict(fixed or {})
+        self.world = int(self.fixed.get("world_size") or 1)
+        self.rank_batch = target.batch_size // self.world
+        """The samples one rank's step runs (what micro-batch sizes split)."""
         self.depth = depth_of(facts.model)
         self.measured: dict[Plan, Measured] = {}
         self.ratios: dict[tuple[str, object], float] = {}
@@ -122,7 +125,7 @@ class GpuStepModel:
                 plan = self._alone(name, value)
                 if plan is not None and plan != self.base:
                     alone[(name, value)] = plan
-        micro = [m for m in self.space.micro_batches if m != self.target.batch_size]
+        micro = [m for m in self.space.micro_batches if m != self.rank_batch]
         self._run([(p, d, None) for p in (self.base, *alone.values()) for d in self._depths(p) or (None,)],
                   check=False)
         base = self.measure(self.base)
@@ -147,7 +150,7 @@ class GpuStepModel:
         traces of plans well over the budget."""
         keys = [(name, getattr(plan, name)) for name in self.space.values if getattr(plan, name) != getattr(self.base, name)]
         micro = plan.micro_batches(self.target.batch_size)[0]
-        if micro != self.target.batch_size:
+        if micro != self.rank_batch:
             if ("micro_batch_size", micro) not in self.savings:  # the base's step at the micro-batch size
                 try:
                     saved = self._lower_bound(self.base, micro) - self.measured[self.base].used_lower
@@ -167,7 +170,7 @@ class GpuStepModel:
         ops: forward and backward once per micro-batch, each op doing ``micro / batch`` of its work
         (optimistic: the weights are read by every micro-batch), the rest once."""
         ops = self._ops_of(self.base)
-        n = self.target.batch_size // micro
+        n = self.rank_batch // micro
         first = next((i for i, op in enumerate(ops) if op.phase == FORWARD), 0)
         last = max((i for i, op in enumerate(ops) if op.phase == BACKWARD), default=len(ops) - 1)
         part = [op._replace(flops=op.flops / n, nbytes=op.nbytes // n) for op in ops[first:last + 1]]
@@ -326,7 +329,7 @@ class GpuStepModel:
         plan, depth, batch = job
         target = self.target.with_plan(plan)
         if batch is not None:
-            target = dataclasses.replace(target, batch_size=batch)
+            target = dataclasses.replace(target, batch_size=batch * self.world)  # (``batch``: one rank's)
         if depth is not None:
             if depth not in self._workloads:  # (one per depth: its meta model is built once)
                 self._workloads[depth] = shallow_workload(self.target.workload, depth)

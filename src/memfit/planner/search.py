@@ -128,12 +128,13 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
         raise UserError(f"plan --world-size {world} times sharded plans on GPU presets (on the CPU the planner times "
                         "real steps, which a sharded plan runs in several processes); give --device, e.g. h100-80gb")
     _check_budget_above_weights(budget_bytes, facts, dev, world)
-    space = space or default_space(facts, dev, bs, optimizers, compile_modes)
-    fixed, constrained = _constrain(space, dict(fixed or {}), dev, bs)
+    rank_bs = Plan(world_size=world).config("shard").rank_batch(bs)  # (a sharded rank's micro-batches split this)
+    space = space or default_space(facts, dev, rank_bs, optimizers, compile_modes)
+    fixed, constrained = _constrain(space, dict(fixed or {}), dev, rank_bs)
     _check_suits(target, constrained)
     for m in space.micro_batches:
-        Plan(micro_batch_size=m if m != bs else None).micro_batches(bs)
-    plans = candidates(space, bs)
+        Plan(micro_batch_size=m if m != rank_bs else None).micro_batches(rank_bs)
+    plans = candidates(space, rank_bs)
     if fixed:  # fields outside the search space (ema, bf16_update, ...) apply to every candidate
         kept = []
         for p in plans:

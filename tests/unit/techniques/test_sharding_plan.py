@@ -81,7 +81,7 @@ def test_the_planner_searches_the_other_techniques_at_a_fixed_world_size():
     from memfit.planner.search import plan
     from memfit.planner.space import SearchSpace
     deep = "gpt2:n_layer=6,n_embd=256,n_head=4,vocab_size=2000,n_positions=128"
-    space = SearchSpace(values={"precision": ["fp32", "bf16"], "checkpointing": ["none", "blocks"]}, micro_batches=[8])
+    space = SearchSpace(values={"precision": ["fp32", "bf16"], "checkpointing": ["none", "blocks"]}, micro_batches=[4])
     r = plan(deep, device="h100-80gb", batch_size=8, seq_len=128, space=space, fixed={"world_size": 2})
     assert r.chosen.plan.world_size == 2 and r.chosen.plan.shard == "fsdp"
     assert all(c.plan.world_size == 2 for c in r.candidates)
