@@ -53,7 +53,7 @@ def estimate_target(target: Target, *, fallback: bool = True, timeline: str | No
         with silenced_warnings():
             run = run_tracked(target, fake=True)
     except TraceError as e:
-        if not fallback:
+        if not fallback or target.plan.config("shard").fsdp2:  # a sharded step runs in N processes: no real fallback
             raise
         run = _real_fallback(target, e)
         method = "real-fallback"

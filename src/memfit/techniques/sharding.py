@@ -36,11 +36,14 @@ Plan keys: ``shard`` (auto: fsdp when ``world_size`` > 1 | none | fsdp), ``world
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 
 from memfit.errors import UserError
 from memfit.techniques.base import Config, Export, Key, Technique, choice, register, whole_number
 
+FSDP_STREAMS = 10
+"""Numbers of FSDP2's streams in the caching-allocator model start here (0: the default stream)."""
 DTYPES = ("none", "bf16", "fp16", "fp32")
 """``shard_param_dtype`` / ``shard_reduce_dtype`` values (none: as the parameters are)."""
 
@@ -144,13 +147,13 @@ class FSDP2(Sharding):
 
     @contextlib.contextmanager
     def trace_context(self):
-        with fake_process_group(self.world_size), streams_without_a_gpu():
+        with fake_process_group(self.world_size), fsdp_streams():
             yield
 
     def notes(self) -> list[str]:
         return [f"one of {self.world_size} ranks, traced against a fake process group: collectives move no data, "
-                "their buffers are allocated as FSDP2 allocates them (on a GPU preset, on one stream: the caching "
-                "allocator's per-stream pools are not modelled)"]
+                "their buffers are allocated as FSDP2 allocates them, in its streams' own pools of the caching "
+                "allocator (unmeasured on GPUs)"]
 
     def label(self, batch_size):
         extra = "".join([":keep" if not self.reshard_after_forward else "",
@@ -186,14 +189,13 @@ def fake_process_group(world_size: int):
 
 
 @contextlib.contextmanager
-def streams_without_a_gpu():
-    """On a machine without a GPU, FSDP2 on fake CUDA tensors (a GPU preset) gets the CPU's device
-    handle (its streams and events do nothing), with device index 0: FSDP2 asks CUDA for streams,
-    events and the current device, which need a GPU. Nothing changes where CUDA is available."""
+def fsdp_streams():
+    """FSDP2's device handle during a fake trace: streams and events that run nothing, where what is
+    allocated while one of FSDP2's streams is current is booked to that stream's pool of the
+    caching-allocator model (GPU presets). The handle stands for CPU tensors (a GPU preset is traced
+    on fake CPU tensors here) and, without a GPU, for CUDA ones too (device index 0): FSDP2 asks CUDA
+    for streams, events and the current device, which need a GPU."""
     import torch
-    if torch.cuda.is_available():
-        yield
-        return
     import torch.distributed.device_mesh as device_mesh
     from torch.distributed.fsdp._fully_shard import (
         _fsdp_collectives,
@@ -204,8 +206,10 @@ def streams_without_a_gpu():
     modules = (device_mesh, _fsdp_collectives, _fsdp_init, _fsdp_param_group, _fsdp_state)
     original = device_mesh._get_device_handle
 
+    mine = ("cpu",) if torch.cuda.is_available() else ("cpu", "cuda")
+
     def handle(device_type: str = "cuda"):
-        return _CudaWithoutAGpu if device_type == "cuda" else original(device_type)
+        return _TracedDevice if device_type in mine else original(device_type)
     saved = [(m, m._get_device_handle) for m in modules if hasattr(m, "_get_device_handle")]
     for m, _ in saved:
         m._get_device_handle = handle
@@ -216,12 +220,67 @@ def streams_without_a_gpu():
             m._get_device_handle = fn
 
 
-class _CudaWithoutAGpu:
-    """The device handle FSDP2 gets for fake CUDA tensors without a GPU (see streams_without_a_gpu)."""
+class _Stream:
+    """A stream of the traced device's handle: it runs nothing, and has a number, so that what is
+    allocated while it is current goes to its own pool of the caching-allocator model (as on a GPU,
+    where FSDP2's all-gather and reduce-scatter buffers come from their streams' pools)."""
+
+    numbers = itertools.count(FSDP_STREAMS)
+
+    def __init__(self, priority: int = 0) -> None:
+        self.number = next(self.numbers)
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event
+
+
+class _Default(_Stream):
+    number = 0
+
+    def __init__(self) -> None:
+        pass
+
+
+_DEFAULT = _Default()
+
+
+@contextlib.contextmanager
+def _on_stream(stream):
+    """Storages the trace allocates inside the block are on ``stream`` (the tracker's
+    ``side_streams``, read by memfit.memory.allocator; only GPU presets' kernel model keeps them)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from memfit.memory.tracker import MemoryTracker
+    tracker = next((m for m in _get_current_dispatch_mode_stack() if isinstance(m, MemoryTracker)), None)
+    start = len(tracker.state.records) if tracker is not None else 0
+    try:
+        yield
+    finally:
+        streams = getattr(tracker, "side_streams", None)
+        if streams is not None and getattr(stream, "number", 0):
+            for rec in tracker.state.records[start:]:
+                streams.setdefault(rec.serial, stream.number)
+
+
+class _TracedDevice:
+    """The device handle FSDP2 gets in a fake trace (see fsdp_streams)."""
 
     import torch as _torch
-    Stream, Event, stream, current_stream, synchronize = (_torch.cpu.Stream, _torch.cpu.Event, _torch.cpu.stream,
-                                                          _torch.cpu.current_stream, _torch.cpu.synchronize)
+    Stream, Event, synchronize = _Stream, _torch.cpu.Event, _torch.cpu.synchronize
+
+    @staticmethod
+    def current_stream(device=None):
+        return _DEFAULT
+
+    @staticmethod
+    def stream(stream):
+        return _on_stream(stream)
 
     @staticmethod
     def current_device() -> int:

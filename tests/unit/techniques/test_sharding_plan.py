@@ -98,3 +98,14 @@ def test_plan_world_size_flags_refused_with_the_fix(capsys, args, message):
     from memfit.cli.main import main
     assert main(["plan", SMALL, "-b", "8", "--seq-len", "32", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_fsdp2_buffers_go_to_their_streams_pools_on_a_gpu_preset():
+    """What FSDP2 allocates on its all-gather and reduce-scatter streams is booked to those streams
+    in the caching-allocator model (memfit.memory.allocator), not to the compute stream's pool."""
+    from memfit.memory.faketrace import run_tracked
+    from memfit.techniques.sharding import FSDP_STREAMS
+    run = run_tracked(Target.resolve(SMALL, Plan(world_size=2), 8, "h100-80gb", seq_len=32), fake=True)
+    on_streams = {run.tracker.state.records[s].label for s, n in run.tracker.side_streams.items() if n >= FSDP_STREAMS}
+    assert "communication" in on_streams
+    assert len({n for n in run.tracker.side_streams.values() if n >= FSDP_STREAMS}) >= 2  # gather and reduce
