@@ -112,6 +112,9 @@ class FSDP2(Sharding):
             refuse("offload: optimizer_states", "use shard_offload: true, FSDP2's own CPU offload")
         if plan.config("ema").is_default is False:
             refuse("ema", "the average would be of the sharded parameters")
+        if not plan.config("loss_chunks").is_default:
+            refuse(f"loss_chunks: {plan.loss_chunks}", "its head and loss run outside the root module's forward, "
+                   "where FSDP2 gathers the root's parameters and hooks their gradients' reduction")
         if plan.optimizer == "adamw8bit":
             refuse("optimizer: adamw8bit", "bitsandbytes' 8-bit states do not take DTensor parameters")
         if self.param_dtype != "none" and plan.precision in ("bf16", "fp16"):
