@@ -74,3 +74,16 @@ def test_each_stream_reuses_only_its_own_blocks():
     assert a.reserved == 24 * MiB
     a.malloc(12 * MiB, stream=1)  # the side stream gets its cached block back
     assert a.reserved == 24 * MiB
+
+
+def test_empty_cache_releases_only_segments_with_nothing_allocated():
+    a = CachingAllocatorModel()
+    whole = a.malloc(100 * MiB)            # a segment of its own, freed whole
+    kept, neighbour = a.malloc(12 * MiB), a.malloc(20 * MiB)
+    a.free(whole)
+    a.free(neighbour)
+    assert a.reserved == 132 * MiB
+    a.empty_cache()
+    assert a.reserved == 12 * MiB and a.allocated == 12 * MiB  # the segment still in use stays
+    again = a.malloc(100 * MiB)
+    assert a.reserved == 112 * MiB and again.size == 100 * MiB

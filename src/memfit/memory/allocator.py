@@ -117,6 +117,14 @@ class CachingAllocatorModel:
                         nb.next.prev = block
         self._insert(block)
 
+    def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache()``: segments with nothing allocated in them are released."""
+        for key, pool in self._free.items():
+            whole = [entry for entry in pool if entry[3].prev is None and entry[3].next is None]
+            for entry in whole:
+                self.reserved -= entry[3].size
+            self._free[key] = [entry for entry in pool if not (entry[3].prev is None and entry[3].next is None)]
+
     def _insert(self, block: _Block) -> None:
         bisect.insort(self._free.setdefault((block.stream, block.small), []),
                       (block.size, block.segment, block.offset, block))
@@ -134,14 +142,18 @@ def replay(tracker, device: str, window, streams: dict[int, int] | None = None) 
     storage allocated on a side stream to that stream's number (default: stream 0).
 
     Returns (peak allocated bytes in the window, reserved bytes at the end of the window, event
-    index of the allocated peak). Reserved memory only grows (no ``empty_cache``), so its value at
-    the end of the window is its peak.
+    index of the allocated peak). Reserved memory only grows, but where the step empties the cache
+    (an ``empty_cache`` mark: after FSDP2 sharded a model built whole), so its value at the end of
+    the window is its peak.
     """
     model = CachingAllocatorModel()
     recs = tracker.state.records
     blocks: dict[int, _Block] = {}
     peak, peak_at = -1, window.start
+    emptied = {at for name, _, at in tracker.state.marks if name == "empty_cache"}
     for i, (serial, sign) in enumerate(tracker.state.events[:window.end]):
+        if i in emptied:
+            model.empty_cache()
         if recs[serial].device != device or recs[serial].nbytes == 0:
             continue
         if sign > 0:

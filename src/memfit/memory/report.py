@@ -137,7 +137,7 @@ def phase_at(tracker: MemoryTracker, index: int) -> str:
     for name, _, idx in tracker.state.marks:
         if idx > index:
             break
-        if name not in ("step", "end"):
+        if name not in ("step", "end", "empty_cache"):
             phase = name
     return phase
 
@@ -268,7 +268,7 @@ def _sorted(d: dict[str, int]) -> dict[str, int]:
 
 def _timeline(tracker: MemoryTracker, device: str, window: Window, points: int) -> list[tuple[int, str, int]]:
     recs, events = tracker.state.records, tracker.state.events
-    marks = [(idx, name) for name, _, idx in tracker.state.marks if name not in ("step", "end")]
+    marks = [(idx, name) for name, _, idx in tracker.state.marks if name not in ("step", "end", "empty_cache")]
     stride = max(1, (window.end - window.start) // points)
     out, live, phase, m = [], 0, "setup", 0
     for i, (serial, sign) in enumerate(events[:window.end]):

@@ -28,7 +28,7 @@ def category_timeline(tracker: MemoryTracker, device: str, window: Window, point
             for c in CATEGORIES:
                 series[c].append(live[c])
     marks = [(idx - window.start, name) for name, _, idx in tracker.state.marks
-             if window.start <= idx < window.end and name not in ("step", "end")]
+             if window.start <= idx < window.end and name not in ("step", "end", "empty_cache")]
     return xs, series, marks
 
 

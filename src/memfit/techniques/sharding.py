@@ -147,6 +147,9 @@ class FSDP2(Sharding):
             for child in children:
                 fully_shard(child, **options)
         fully_shard(parts.model, **options)
+        _release_the_whole_model(parts.device_type)
+
+
 
     @contextlib.contextmanager
     def trace_context(self):
@@ -171,6 +174,21 @@ class FSDP2(Sharding):
         if self.param_dtype != "none" or self.reduce_dtype != "none":
             into.in_lightning_module(f"FSDP2 MixedPrecisionPolicy(param_dtype={self.param_dtype}, "
                                      f"reduce_dtype={self.reduce_dtype})")
+
+
+def _release_the_whole_model(device_type: str) -> None:
+    """The model was built whole on each rank, then sharded: the caching allocator gives the freed
+    whole model's memory back (``torch.cuda.empty_cache``; in a trace, a mark the allocator model
+    replays), so a rank's reserved bytes are its share's, not the whole model's."""
+    import torch
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from memfit.memory.tracker import MemoryTracker
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(mode, MemoryTracker):
+            mode.mark("empty_cache")
+    if device_type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 @contextlib.contextmanager
