@@ -79,7 +79,7 @@ def test_each_stream_reuses_only_its_own_blocks():
 def test_empty_cache_releases_only_segments_with_nothing_allocated():
     a = CachingAllocatorModel()
     whole = a.malloc(100 * MiB)            # a segment of its own, freed whole
-    kept, neighbour = a.malloc(12 * MiB), a.malloc(20 * MiB)
+    _kept, neighbour = a.malloc(12 * MiB), a.malloc(20 * MiB)
     a.free(whole)
     a.free(neighbour)
     assert a.reserved == 132 * MiB

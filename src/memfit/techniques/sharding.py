@@ -181,14 +181,18 @@ def _release_the_whole_model(device_type: str) -> None:
     whole model's memory back (``torch.cuda.empty_cache``; in a trace, a mark the allocator model
     replays), so a rank's reserved bytes are its share's, not the whole model's."""
     import torch
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    from memfit.memory.tracker import MemoryTracker
-    for mode in _get_current_dispatch_mode_stack():
-        if isinstance(mode, MemoryTracker):
-            mode.mark("empty_cache")
+    tracker = _tracker()
+    if tracker is not None:
+        tracker.mark("empty_cache")
     if device_type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+def _tracker():
+    """The memory tracker watching this step, if any (memfit.memory.tracker.MemoryTracker, found as
+    the dispatch mode that marks the timeline; techniques sit below memfit.memory, so not by import)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    return next((m for m in _get_current_dispatch_mode_stack() if hasattr(m, "mark") and hasattr(m, "state")), None)
 
 
 @contextlib.contextmanager
@@ -275,10 +279,7 @@ _DEFAULT = _Default()
 def _on_stream(stream):
     """Storages the trace allocates inside the block are on ``stream`` (the tracker's
     ``side_streams``, read by memfit.memory.allocator; only GPU presets' kernel model keeps them)."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    from memfit.memory.tracker import MemoryTracker
-    tracker = next((m for m in _get_current_dispatch_mode_stack() if isinstance(m, MemoryTracker)), None)
+    tracker = _tracker()
     start = len(tracker.state.records) if tracker is not None else 0
     try:
         yield
