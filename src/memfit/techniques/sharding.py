@@ -132,8 +132,9 @@ class FSDP2(Sharding):
         if not dist.is_available():
             raise UserError("shard: fsdp needs torch.distributed, which this PyTorch build lacks")
         if not dist.is_initialized():
-            raise UserError(f"shard: fsdp runs one process per rank; launch {self.world_size} of them with a process "
-                            "group (torchrun), or predict one rank with memfit estimate")
+            raise UserError(f"shard: fsdp runs one process per rank, each with a process group; memfit estimate and "
+                            f"plan predict one rank here (memfit train --nproc is not built yet; from Python, call "
+                            f"build_step in each of {self.world_size} torchrun processes)")
         if dist.get_world_size() != self.world_size:
             raise UserError(f"plan: world_size {self.world_size} but {dist.get_world_size()} processes were launched; "
                             "launch as many processes as world_size")
