@@ -12,7 +12,6 @@ temporaries, allocated on its worker thread, at times that vary from run to run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import socket
 import tempfile
@@ -33,14 +32,10 @@ def _port() -> int:
 
 def _rank(rank: int, world: int, port: int, spec: str, out: str) -> None:
     import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, record_function
-    from torch.profiler import profile as torch_profile
 
-    from memfit.memory.faketrace import run_tracked
-    from memfit.memory.measure import STEP_RANGE, profiler_peak
+    from memfit.memory.measure import measured_cpu_run
     from memfit.memory.report import report_for
     from memfit.plans import Plan
-    from memfit.quiet import QuietProfiler, silenced_warnings
     from memfit.target import Target
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -48,13 +43,10 @@ def _rank(rank: int, world: int, port: int, spec: str, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         target = Target.resolve(spec, Plan(world_size=world), BATCH, "cpu", seq_len=SEQ)
-        with silenced_warnings():
-            prof = torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            run = run_tracked(target, fake=False, outer=QuietProfiler(prof),
-                              around_step=lambda i: record_function(STEP_RANGE) if i == 2 else contextlib.nullcontext())
+        run, peak = measured_cpu_run(target)
         if rank == 0:
             with open(out, "w") as f:
-                f.write(f"{profiler_peak(prof)} {report_for(run.tracker, target, 'real').peak_bytes}")
+                f.write(f"{peak} {report_for(run.tracker, target, 'real').peak_bytes}")
     finally:
         dist.destroy_process_group()
 

@@ -36,18 +36,13 @@ def _rank(rank: int, world: int, port: int, out: str, fields: dict) -> None:
     """One rank: measure the peak of its second step with the profiler's allocator events (and
     the tracker's, on the real tensors), then train STEPS steps of the sharded step on its share of
     the global batch; write what it saw."""
-    import contextlib
     import os
 
     import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, record_function
-    from torch.profiler import profile as torch_profile
     from torch.utils._pytree import tree_map
 
-    from memfit.memory.faketrace import run_tracked
-    from memfit.memory.measure import STEP_RANGE, profiler_peak
+    from memfit.memory.measure import measured_cpu_run
     from memfit.memory.report import report_for
-    from memfit.quiet import QuietProfiler, silenced_warnings
     from memfit.step import build_step
     from memfit.target import Target
 
@@ -56,12 +51,8 @@ def _rank(rank: int, world: int, port: int, out: str, fields: dict) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         target = Target.resolve(SMALL, Plan(**fields), BATCH, "cpu", seq_len=32)
-        with silenced_warnings():
-            prof = torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            torch.manual_seed(0)
-            run = run_tracked(target, fake=False, outer=QuietProfiler(prof),
-                              around_step=lambda i: record_function(STEP_RANGE) if i == 2 else contextlib.nullcontext())
-        peak = profiler_peak(prof)
+        torch.manual_seed(0)
+        run, peak = measured_cpu_run(target)
         tracked = report_for(run.tracker, target, "real").peak_bytes
         torch.manual_seed(0)
         step = build_step(target)  # the same initial weights, trained on this rank's share

@@ -200,24 +200,30 @@ def profile(workload: Workload | str, plan: Plan | str | None = None, *, batch_s
     if predicted.peak_bytes > available_host_bytes() * 0.8:
         raise UserError(f"profile: the step needs about {predicted.peak_bytes / 2**30:.1f} GiB but this machine has "
                         f"{available_host_bytes() / 2**30:.1f} GiB free; use a smaller batch or model, or memfit estimate")
-    from torch.profiler import ProfilerActivity, record_function
-    from torch.profiler import profile as torch_profile
-
     gc.collect()
-    with silenced_warnings():
-        prof = torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        run = run_tracked(target, fake=False, outer=QuietProfiler(prof),
-                          around_step=lambda i: record_function(STEP_RANGE) if i == STEADY_STEP
-                          else contextlib.nullcontext())
+    run, peak = measured_cpu_run(target)
     view = tracker_view(run.tracker, traced_device(dev, "real", target.tensor_device))
     tracker_peak = view.process_peak_bytes or view.peak_bytes
-    measured = report_for(run.tracker, target, "real", measurement=Measurement(profiler_peak(prof)), view=view)
-    del prof
+    measured = report_for(run.tracker, target, "real", measurement=Measurement(peak), view=view)
     if timeline:
         save_timeline_png(run.tracker, timeline, title=f"{target.describe()} · measured")
     times = _time_steps(run, target, repeats) if repeats else []
     return ProfileResult(measured=measured, predicted=predicted, tracker_peak_bytes=tracker_peak,
                          step_seconds=statistics.median(times) if times else float("nan"), step_seconds_all=times)
+
+
+def measured_cpu_run(target: Target):
+    """Run the target's step for real on this CPU under the tracker and the profiler (see NOTE
+    [ Independent measurement ]): the run, and the profiler's peak of the steady-state step."""
+    from torch.profiler import ProfilerActivity, record_function
+    from torch.profiler import profile as torch_profile
+
+    with silenced_warnings():
+        prof = torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        run = run_tracked(target, fake=False, outer=QuietProfiler(prof),
+                          around_step=lambda i: record_function(STEP_RANGE) if i == STEADY_STEP
+                          else contextlib.nullcontext())
+    return run, profiler_peak(prof)
 
 
 def _profile_cuda(target: Target, predicted: MemoryReport, repeats: int, timeline: str | None,
