@@ -18,6 +18,18 @@ def test_overrides_and_seq_len():
     assert llama.info.config["hidden"] == 4096 and llama.info.config["layers"] == 32  # Llama-2-7B sizes
 
 
+def test_fields_a_config_derives_follow_the_overrides():
+    """LlamaConfig derives head_dim = hidden_size // num_attention_heads in its constructor: an override
+    of hidden_size must not leave the default's 128 (q_proj would be 4096 -> 64 x 32 heads x 128 wide)."""
+    wl = load_workload("llama:num_hidden_layers=1,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
+                       "intermediate_size=128,vocab_size=100")
+    with torch.device("meta"):
+        model = wl.model()
+    assert model.config.head_dim == 16 and model.config.use_cache is False
+    attn = model.model.layers[0].self_attn
+    assert (attn.q_proj.out_features, attn.k_proj.out_features) == (64, 32)
+
+
 @pytest.mark.parametrize("spec,match", [
     ("nosuch", "unknown workload"),
     ("gpt2:nlayer=3", "no field 'nlayer'"),
@@ -94,9 +106,11 @@ def test_override_types_without_dataclass_configs(monkeypatch):
     from memfit.workloads import hf
 
     class OldConfig:  # a 4.x-style config: attributes, no annotations, no validation
-        def __init__(self):
+        def __init__(self, **kwargs):
             self.n_layer, self.layer_norm_epsilon, self.activation_function = 12, 1e-5, "gelu_new"
             self.scale_attn_weights, self.n_inner = True, None
+            for key, value in kwargs.items():
+                setattr(self, key, value)
 
     monkeypatch.setattr(hf, "_transformers", lambda: SimpleNamespace(GPT2Config=OldConfig))
     with pytest.raises(UserError, match="gpt2: n_layer must be an int .* got 'abc'"):

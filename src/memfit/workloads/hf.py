@@ -6,7 +6,7 @@ import torch
 
 from memfit.errors import UserError, brief
 from memfit.workload import Workload, WorkloadInfo
-from memfit.workloads.checks import check_value, simple_types
+from memfit.workloads.checks import check_value, describe, simple_types
 
 
 def _transformers():
@@ -20,10 +20,14 @@ def _transformers():
 
 
 def _config(cls_name: str, arch: str, overrides: dict, defaults: dict | None = None):
+    """The config class with the user's overrides. Each override is checked on its own (field and
+    type, named in the error), then the config is built with them all: fields a config derives in
+    its constructor (LlamaConfig's ``head_dim = hidden_size // num_attention_heads``) follow the
+    overrides, as they do for a config.json."""
     tf = _transformers()
     cls = getattr(tf, cls_name)
     config = cls(**(defaults or {}))
-    config.use_cache = False  # training: no KV cache
+    values = {}
     for key, value in overrides.items():
         if not hasattr(config, key):
             raise UserError(f"{arch}: {cls_name} has no field {key!r}; see transformers' {cls_name} for valid names")
@@ -38,6 +42,14 @@ def _config(cls_name: str, arch: str, overrides: dict, defaults: dict | None = N
             example = f", e.g. {arch}:{key}={default}" if isinstance(default, (int, float, str)) else ""
             raise UserError(f"{arch}: {cls_name} refuses {key}={value!r} ({detail}); "
                             f"give a value of the field's type{example}") from None
+        values[key] = value
+    if values:
+        try:
+            config = cls(**{**(defaults or {}), **values})
+        except Exception as e:  # noqa: BLE001 - values each valid, refused together: the overrides' fault
+            raise UserError(f"{arch}: {cls_name} refuses {describe(values)} ({brief(e, 160)}); "
+                            "change the overrides") from None
+    config.use_cache = False  # training: no KV cache
     return config
 
 
