@@ -17,10 +17,12 @@ from memfit.units import MAX_SIZE, parse_positive_int
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("workload", help="built-in name (gpt2, llama:num_hidden_layers=2, cnn, ...; see `memfit workloads`) "
-                                    "or path/to/file.py:NAME")
+    p.add_argument("workload", help="built-in name (gpt2, llama:num_hidden_layers=2, cnn, ...; see `memfit workloads`), "
+                                    "path/to/file.py:NAME, or a Hugging Face model folder (./dir or hf:./dir; its "
+                                    "config.json only: no weights read, no network)")
     p.add_argument("--batch-size", "-b", metavar="N", help="global batch size (default: the workload's)")
-    p.add_argument("--seq-len", metavar="T", help="sequence length for built-in language models")
+    p.add_argument("--seq-len", metavar="T", help="sequence length for built-in language models and model folders (default: the "
+                                             "config's, a folder's capped at 2048)")
     p.add_argument("--device", "-d", default="cpu", help="cpu (this machine) or a GPU preset (see `memfit devices`)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 

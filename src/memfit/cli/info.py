@@ -17,7 +17,8 @@ def run_workloads(args: argparse.Namespace) -> int:
     for name, doc in builtin_names().items():
         print(f"{name:12s} {doc}")
     print("\nOverride config fields as NAME:key=value,key=value (e.g. gpt2:n_layer=4,n_embd=256); "
-          "user workloads as path/to/file.py:NAME.")
+          "user workloads as path/to/file.py:NAME; a local Hugging Face model folder as ./dir or hf:./dir "
+          "(built from its config.json: no weights read, no network).")
     return 0
 
 

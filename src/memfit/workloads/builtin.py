@@ -9,7 +9,7 @@ from memfit.errors import UserError
 from memfit.units import parse_key_values
 from memfit.workload import Workload
 from memfit.workloads import hf, zoo
-from memfit.workloads.checks import guarded
+from memfit.workloads.checks import blamed, check_seq_len, guarded
 
 _REGISTRY: dict[str, tuple[Callable[..., Workload], str]] = {
     **{name: (fn, doc) for name, (fn, doc) in hf.BUILDERS.items()},
@@ -26,13 +26,23 @@ def builtin_workload(spec: str, *, seq_len: int | None = None) -> Workload:
     arch, _, override_text = spec.partition(":")
     arch = arch.strip().lower()
     if arch not in _REGISTRY:
-        raise UserError(f"unknown workload {arch!r}; choose a built-in ({', '.join(_REGISTRY)}) "
-                        "or a file (path/to/file.py:NAME)")
-    if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
-        raise UserError(f"--seq-len must be a positive whole number, got {seq_len!r}")
+        raise UserError(f"unknown workload {arch!r}; choose a built-in ({', '.join(_REGISTRY)}), "
+                        "a file (path/to/file.py:NAME) or a model folder (./dir holding config.json)")
+    check_seq_len(seq_len)
     builder, _ = _REGISTRY[arch]
     overrides = parse_key_values(override_text, arch)
     wl = builder(overrides, seq_len)
     return dataclasses.replace(wl, model=guarded(arch, overrides, "building the model", wl.model),
                                batch=guarded(arch, overrides, "batch(batch_size)", wl.batch),
                                loss=guarded(arch, overrides, "loss(model, batch)", wl.loss))
+
+
+def folder_workload(path: str, *, seq_len: int | None = None) -> Workload:
+    """A local Hugging Face model folder, built from its config.json (NOTE [ Model folders ] in
+    :mod:`memfit.workloads.hf`); a failure to build or run it is the config's, named as such."""
+    check_seq_len(seq_len)
+    wl = hf.folder(path, seq_len)
+    source, fix = f"model folder {path}", "fix its config.json"
+    return dataclasses.replace(wl, model=blamed(source, fix, "building the model", wl.model),
+                               batch=blamed(source, fix, "batch(batch_size)", wl.batch),
+                               loss=blamed(source, fix, "loss(model, batch)", wl.loss))

@@ -81,7 +81,12 @@ def guarded(arch: str, overrides: dict, what: str, fn: Callable) -> Callable:
     fake-tensor trace failures and missing kernels (:func:`memfit.errors.passes_through`)."""
     if not overrides:
         return fn
+    return blamed(f"{arch}:{describe(overrides)}", "change the overrides", what, fn)
 
+
+def blamed(source: str, fix: str, what: str, fn: Callable) -> Callable:
+    """``fn`` whose failures are the user's ``source`` (overrides, a model folder's config.json):
+    one line naming it, ``what`` failed and ``fix``; what :func:`guarded` lets pass, passes."""
     def call(*args):
         try:
             return fn(*args)
@@ -90,6 +95,10 @@ def guarded(arch: str, overrides: dict, what: str, fn: Callable) -> Callable:
             if passes_through(e) or raised_in_memfit(e):
                 raise
             msg = brief(e)
-            raise UserError(f"{arch}:{describe(overrides)}: {what} failed with {type(e).__name__}: {msg}; "
-                            "change the overrides") from e
+            raise UserError(f"{source}: {what} failed with {type(e).__name__}: {msg}; {fix}") from e
     return call
+
+
+def check_seq_len(seq_len: Any) -> None:
+    if seq_len is not None and (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1):
+        raise UserError(f"--seq-len must be a positive whole number, got {seq_len!r}")

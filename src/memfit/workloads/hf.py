@@ -1,6 +1,10 @@
-"""Hugging Face workloads built from config classes only (no weights, no tokenizer, no network)."""
+"""Hugging Face workloads built from config classes only (no weights, no tokenizer, no network):
+the built-in architectures by name, and a local model folder from its config.json."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 
@@ -150,3 +154,129 @@ BUILDERS = {
     "t5": (t5, "T5 encoder-decoder (T5Config; default t5-small, seq 512)"),
     "vit": (vit, "ViT image classifier (ViTConfig; default ViT-B/16, 224px)"),
 }
+
+
+# -- local model folders ------------------------------------------------------------------------
+# NOTE [ Model folders ]: ``memfit estimate ./Llama-3-8B`` builds the model that folder's
+# config.json describes, with transformers' own config and model classes, exactly as the built-ins
+# above are built (``ModelClass(config)``, default dtype, no KV cache): its weights are never read
+# and nothing is fetched (``local_files_only``), so a downloaded config.json alone is enough. The
+# head follows the config's ``architectures`` (else the model type's first of the tasks below) and
+# decides the synthetic batch, as the built-ins' do. The config's dtype is not used: the plan's
+# precision decides (bf16-pure for bf16 weights).
+
+# (task, the name of transformers' Auto mapping of model_type -> model class name)
+_TASKS = (("seq2seq-lm", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
+          ("masked-lm", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
+          ("causal-lm", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+          ("image-classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"))
+_POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx")
+FOLDER_SEQ_LEN = 2048
+"""A folder's default sequence length: its position limit, capped here (long-context configs
+would otherwise be estimated at 128k tokens); ``--seq-len`` sets another."""
+NO_POSITION_LIMIT_SEQ_LEN = 512  # configs without a position limit (relative positions, as T5's built-in)
+
+
+def folder(path_text: str, seq_len: int | None) -> Workload:
+    """The workload of a local Hugging Face model folder (or its config.json): see NOTE [ Model folders ]."""
+    path = Path(path_text).expanduser()
+    where = f"model folder {path_text}"
+    if path.is_file() and path.name == "config.json":
+        path = path.parent
+    elif not path.exists():
+        raise UserError(f"{where} not found; give a folder holding config.json (memfit reads no hub ids: "
+                        "download the model's config.json into a folder)")
+    elif not path.is_dir():
+        raise UserError(f"{where} is a file, not a folder; give the folder that holds config.json")
+    data = _read_config_json(path, where)
+    tf = _transformers()
+    config = _folder_config(tf, path, data, where)
+    task, cls = _folder_model_class(tf, config, data, where)
+    config.use_cache = False  # training: no KV cache
+    model_type = data["model_type"]
+    if task == "image-classification":
+        if seq_len is not None:
+            raise UserError(f"{where}: --seq-len does not apply to an image model; set image_size in its config.json")
+        size = getattr(config, "image_size", 224)
+        height, width = (size, size) if isinstance(size, int) else tuple(size)[:2]
+        channels, labels = getattr(config, "num_channels", 3), config.num_labels
+
+        def batch(batch_size: int):
+            return {"pixel_values": torch.randn(batch_size, channels, height, width),
+                    "labels": torch.randint(0, labels, (batch_size,))}
+        seq, vocab = None, None
+    else:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config  # multimodal: its LM
+        vocab = getattr(text, "vocab_size", None)
+        if not isinstance(vocab, int) or vocab < 1:
+            raise UserError(f"{where}: config.json has no vocab_size for the token batch; add \"vocab_size\": N")
+        named = sorted(_POSITION_FIELDS, key=lambda f: f not in data)  # the file's own name for it first
+        field, limit = next(((f, v) for f in named
+                             if isinstance(v := getattr(text, f, None), int) and v > 0), (None, None))
+        seq = seq_len or (min(limit, FOLDER_SEQ_LEN) if limit else NO_POSITION_LIMIT_SEQ_LEN)
+        if limit is not None and seq > limit:
+            raise UserError(f"{where}: --seq-len {seq} exceeds config.json's {field}={limit}; "
+                            f"use --seq-len <= {limit} or raise {field} in config.json")
+        batch = _lm_batch(vocab, seq)
+    sizes = {k: v for k in ("num_hidden_layers", "hidden_size") if isinstance(v := getattr(config, k, None), int)}
+    return Workload(model=lambda: cls(config), batch=batch, loss=_hf_loss, name=path_text,
+                    default_batch_size=1 if task == "causal-lm" else 8,
+                    info=WorkloadInfo(arch=model_type, text_lm=task == "causal-lm", seq_len=seq, vocab_size=vocab,
+                                      config={"model_class": cls.__name__, **sizes}))
+
+
+def _read_config_json(path: Path, where: str) -> dict:
+    file = path / "config.json"
+    if not file.is_file():
+        raise UserError(f"{where} has no config.json; give the folder a Hugging Face model was saved to "
+                        "(config.json is enough, no weights are read)")
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{where}: config.json is not valid JSON ({brief(e, 120)}); fix the file or download "
+                        "it again") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{where}: config.json holds a {type(data).__name__}, not a JSON object; download it again")
+    if not isinstance(data.get("model_type"), str) or not data["model_type"]:
+        raise UserError(f"{where}: config.json has no model_type; add the architecture's name, "
+                        "e.g. \"model_type\": \"llama\"")
+    return data
+
+
+def _folder_config(tf, path: Path, data: dict, where: str):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    model_type = data["model_type"]
+    if model_type not in CONFIG_MAPPING_NAMES:
+        custom = " (its auto_map names custom code, which memfit does not run)" if "auto_map" in data else ""
+        raise UserError(f"{where}: transformers {tf.__version__} does not know model_type {model_type!r}{custom}; "
+                        "upgrade transformers, or write a file workload (path/to/file.py:NAME) that builds it")
+    try:
+        return tf.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - whatever the config class refuses is the file's fault
+        raise UserError(f"{where}: transformers cannot read its config.json ({type(e).__name__}: {brief(e, 160)}); "
+                        "fix the file or download it again") from None
+
+
+def _folder_model_class(tf, config, data: dict, where: str):
+    """(task, model class): the config's ``architectures`` if it names one memfit can feed, else the
+    model type's class for the first task of :data:`_TASKS` that has one."""
+    from transformers.models.auto import modeling_auto
+    tasks = [(task, getattr(modeling_auto, names, {})) for task, names in _TASKS]
+    model_type = data["model_type"]
+    fallback = next(((task, m[model_type]) for task, m in tasks if isinstance(m.get(model_type), str)), None)
+    feeds = "causal LM, seq2seq LM, masked LM and image-classification heads"
+    for name in data.get("architectures") or ():
+        task = next((task for task, m in tasks if name in m.values()), None)
+        if task is not None and hasattr(tf, name):
+            return task, getattr(tf, name)
+        fix = (f"set \"architectures\": [\"{fallback[1]}\"]" if fallback else
+               "write a file workload (path/to/file.py:NAME) that builds it")
+        if not hasattr(tf, name):
+            raise UserError(f"{where}: transformers {tf.__version__} has no class {name} (config.json's "
+                            f"architectures); upgrade transformers or {fix}")
+        raise UserError(f"{where}: config.json's architectures names {name}, a head memfit cannot feed a synthetic "
+                        f"batch to (it builds {feeds}); {fix}")
+    if fallback is None:
+        raise UserError(f"{where}: transformers has no {feeds.replace(' and ', ' or ')} for model_type "
+                        f"{model_type!r}; write a file workload (path/to/file.py:NAME) that builds the model")
+    return fallback[0], getattr(tf, fallback[1])

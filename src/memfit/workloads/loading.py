@@ -1,4 +1,5 @@
-"""Loading a workload from what the user names: a Workload, ``path/to/file.py:NAME`` or a built-in."""
+"""Loading a workload from what the user names: a Workload, ``path/to/file.py:NAME``, a local
+Hugging Face model folder (``./dir`` or ``hf:./dir``, built from its config.json) or a built-in."""
 
 from __future__ import annotations
 
@@ -8,31 +9,57 @@ from pathlib import Path
 
 from memfit.errors import UserError
 from memfit.workload import Workload
-from memfit.workloads.builtin import builtin_workload
+from memfit.workloads.builtin import builtin_names, builtin_workload, folder_workload
 
 
 def load_workload(spec: str | Workload, *, seq_len: int | None = None) -> Workload:
-    """Resolve a workload spec: a Workload, ``file.py:NAME`` or a built-in name with overrides."""
+    """Resolve a workload spec: a Workload, ``file.py:NAME``, a model folder (``./dir``, ``hf:./dir``,
+    ``./dir/config.json``) or a built-in name with overrides."""
     if isinstance(spec, Workload):
         if seq_len is not None:
             raise UserError("--seq-len applies to built-in workloads only; set it inside your workload")
         return spec
     if not isinstance(spec, str) or not spec.strip():
-        raise UserError("no workload given; name a built-in (e.g. gpt2) or a file (path/to/file.py:NAME)")
+        raise UserError("no workload given; name a built-in (e.g. gpt2), a file (path/to/file.py:NAME) "
+                        "or a model folder (./dir holding config.json)")
     spec = spec.strip()
+    if spec[:3].lower() == "hf:":
+        return folder_workload(spec[3:].strip(), seq_len=seq_len)
     head = spec.split(":", 1)[0]
-    if head.endswith(".py") or "/" in head or Path(head).suffix == ".py":
+    if head.endswith(".py") or Path(head).suffix == ".py":
+        if seq_len is not None:
+            raise UserError("--seq-len applies to built-in workloads only; set it inside your workload file")
+        return _load_file_workload(spec)
+    if _names_a_folder(spec, head):
+        return folder_workload(spec, seq_len=seq_len)
+    if "/" in head or "\\" in head:
         if seq_len is not None:
             raise UserError("--seq-len applies to built-in workloads only; set it inside your workload file")
         return _load_file_workload(spec)
     return builtin_workload(spec, seq_len=seq_len)
 
 
+def _names_a_folder(spec: str, head: str) -> bool:
+    """A model folder: an existing folder or config.json; or a path (it has a slash) that does not
+    exist and is not a ``file:NAME`` spec (then "not found" says what a folder needs). A bare word
+    that is also a built-in's name stays the built-in."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return "/" in spec or head.lower() not in builtin_names()
+    if path.name == "config.json":
+        return True
+    return not path.exists() and ("/" in spec or spec.startswith("~")) and ":" not in spec
+
+
 def _load_file_workload(spec: str) -> Workload:
     path_text, _, name = spec.partition(":")
     path = Path(path_text)
+    if path.is_dir():
+        raise UserError(f"workload {spec!r}: {path_text} is a folder; give a model folder alone (no :NAME or "
+                        "overrides: edit its config.json) or a file as path/to/file.py:NAME")
     if not path.is_file():
-        raise UserError(f"workload file {path_text!r} not found; give path/to/file.py:NAME")
+        raise UserError(f"workload file {path_text!r} not found; give path/to/file.py:NAME (or a model folder "
+                        "holding config.json)")
     if not name:
         raise UserError(f"workload {spec!r} names no object; write {path_text}:NAME (a Workload or a function returning one)")
     mod_name = f"memfit_user_{abs(hash(str(path.resolve())))}"

@@ -1,0 +1,170 @@
+"""Local Hugging Face model folders: ``memfit estimate ./dir`` builds the model from config.json only.
+
+The configs are written here, in the shape transformers' own files have (a Llama-3-style file
+with ``torch_dtype``, ``rope_theta``, ``rope_scaling: null``), at toy sizes. The folder must give
+the same model, batch and prediction as the equivalent built-in, run for real within the usual
+1% of its prediction, and never read weights or reach the network.
+"""
+
+import json
+import re
+import socket
+
+import pytest
+import torch
+
+from memfit.cli.main import main
+from memfit.errors import UserError
+from memfit.memory.estimate import estimate
+from memfit.memory.measure import profile
+from memfit.plans import Plan
+from memfit.workloads import load_workload
+
+# Llama-3-8B's config.json at toy sizes (same keys, same legacy fields).
+LLAMA3 = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 64,
+    "initializer_range": 0.02, "intermediate_size": 128, "max_position_embeddings": 8192,
+    "model_type": "llama", "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 500000.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.40.0.dev0",
+    "use_cache": True, "vocab_size": 1000,
+}
+LLAMA3_BUILTIN = ("llama:num_hidden_layers=2,hidden_size=64,intermediate_size=128,num_attention_heads=4,"
+                  "num_key_value_heads=2,vocab_size=1000,max_position_embeddings=8192,rms_norm_eps=1e-05,"
+                  "tie_word_embeddings=false")
+GPT2 = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4,
+        "n_positions": 128, "vocab_size": 500}
+
+
+def folder(tmp_path, config, name="model", text=None):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(text if text is not None else json.dumps(config, indent=2))
+    return d
+
+
+def test_a_folder_predicts_what_the_same_builtin_predicts(tmp_path):
+    d = folder(tmp_path, LLAMA3)
+    plan = Plan(precision="bf16", checkpointing="blocks")
+    from_folder = estimate(str(d), plan, batch_size=2, seq_len=32)
+    builtin = estimate(LLAMA3_BUILTIN, plan, batch_size=2, seq_len=32)
+    assert from_folder.method == builtin.method == "fake"
+    assert from_folder.peak_bytes == builtin.peak_bytes
+    assert from_folder.breakdown == builtin.breakdown
+    from transformers import LlamaConfig, LlamaForCausalLM  # the parameters, counted independently
+    with torch.device("meta"):
+        cfg = {k: v for k, v in LLAMA3.items() if k not in ("architectures", "torch_dtype", "transformers_version")}
+        n = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**cfg)).parameters())
+    assert from_folder.breakdown["parameters"] == n * 4  # fp32 weights: the config's torch_dtype is not used
+
+
+def test_a_folder_runs_for_real_within_one_percent_of_its_prediction(tmp_path):
+    d = folder(tmp_path, GPT2)
+    measured = profile(f"hf:{d}", Plan(), batch_size=2, seq_len=64, repeats=1)
+    assert measured.predicted_peak_bytes > 0
+    assert abs(measured.error_percent) <= 1.0
+
+
+def test_the_cli_names_a_folder_and_its_config_json(tmp_path, monkeypatch, capsys):
+    d = folder(tmp_path, GPT2, name="gpt2-tiny")
+    monkeypatch.chdir(tmp_path)
+    for spec in ("./gpt2-tiny", "hf:./gpt2-tiny", "hf:gpt2-tiny", "gpt2-tiny", str(d / "config.json")):
+        assert main(["estimate", spec, "-b", "2", "--seq-len", "16", "--json"]) == 0, spec
+        out = json.loads(capsys.readouterr().out)
+        assert out["workload"] == spec.removeprefix("hf:") and out["method"] == "fake"
+    (tmp_path / "gpt2").mkdir()  # a folder named like a built-in does not hide the built-in
+    assert load_workload("gpt2").info.config == {"n_layer": 12, "n_embd": 768}
+    assert load_workload("./gpt2/../gpt2-tiny").info.config["model_class"] == "GPT2LMHeadModel"
+
+
+def test_the_head_follows_architectures_else_the_model_type(tmp_path):
+    bert = {"model_type": "bert", "num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2,
+            "intermediate_size": 64, "vocab_size": 100, "max_position_embeddings": 64}
+    t5 = {"architectures": ["T5ForConditionalGeneration"], "model_type": "t5", "num_layers": 1, "d_model": 32,
+          "d_ff": 64, "num_heads": 2, "d_kv": 16, "vocab_size": 100, "decoder_start_token_id": 0, "pad_token_id": 0}
+    vit = {"architectures": ["ViTForImageClassification"], "model_type": "vit", "num_hidden_layers": 1,
+           "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64, "image_size": 32, "patch_size": 8,
+           "id2label": {str(i): str(i) for i in range(5)}}
+    cases = [(bert, "BertForMaskedLM", "masked"), (t5, "T5ForConditionalGeneration", "t5"),
+             (vit, "ViTForImageClassification", "vit"), ({**GPT2, "architectures": None}, "GPT2LMHeadModel", "gpt")]
+    for config, cls, name in cases:
+        wl = load_workload(str(folder(tmp_path, config, name)))
+        model = wl.model()
+        assert type(model).__name__ == cls == wl.info.config["model_class"]
+        assert model.config.use_cache is False  # training: no KV cache, as the built-ins
+        batch = wl.batch(2)
+        loss = wl.loss(model, batch)
+        assert loss.ndim == 0 and torch.isfinite(loss)
+    assert set(batch) == {"input_ids", "labels"} and batch["input_ids"].shape == (2, 128)  # gpt2: n_positions
+    vit_batch = load_workload(str(tmp_path / "vit")).batch(3)
+    assert vit_batch["pixel_values"].shape == (3, 3, 32, 32) and int(vit_batch["labels"].max()) < 5
+    t5_wl = load_workload(str(tmp_path / "t5"))
+    assert t5_wl.info.seq_len == 512  # relative positions: no limit in the config, the t5 built-in's length
+
+
+def test_the_default_sequence_length_is_the_config_limit_capped(tmp_path):
+    long = load_workload(str(folder(tmp_path, LLAMA3)))
+    assert long.info.seq_len == 2048 and long.batch(1)["input_ids"].shape == (1, 2048)
+    assert long.info.text_lm and long.info.vocab_size == 1000 and long.default_batch_size == 1
+    short = load_workload(str(folder(tmp_path, GPT2, "gpt2")))
+    assert short.info.seq_len == 128
+    assert load_workload(str(tmp_path / "gpt2"), seq_len=100).info.seq_len == 100
+
+
+def test_no_weights_are_read_and_no_network_is_used(tmp_path, monkeypatch):
+    d = folder(tmp_path, LLAMA3)
+    for weights in ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json"):
+        (d / weights).write_bytes(b"not weights: reading this file fails")
+
+    def no_network(*args, **kwargs):
+        raise AssertionError(f"memfit reached for the network: {args}")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    r = estimate(str(d), Plan(), batch_size=1, seq_len=16)
+    assert r.method == "fake" and r.peak_bytes > 0
+
+
+BAD = [
+    ("missing", None, r"model folder \S*nowhere not found; give a folder holding config.json"),
+    ("hub-id", None, "memfit reads no hub ids: download the model's config.json into a folder"),
+    ("no config.json", None, r"has no config\.json; give the folder a Hugging Face model was saved to"),
+    ("not json", '{"model_type": "llama",', r"config\.json is not valid JSON \(.*\); fix the file"),
+    ("a list", "[1, 2]", "config.json holds a list, not a JSON object"),
+    ("no model_type", {"hidden_size": 8}, r"config\.json has no model_type; add .*\"model_type\": \"llama\""),
+    ("unknown model_type", {"model_type": "nosuchformer", "auto_map": {"AutoConfig": "x.Y"}},
+     r"does not know model_type 'nosuchformer' \(its auto_map names custom code.*\); upgrade transformers"),
+    ("unknown class", {**GPT2, "architectures": ["GPT9LMHeadModel"]},
+     r"has no class GPT9LMHeadModel .*; upgrade transformers or set \"architectures\": \[\"GPT2LMHeadModel\"\]"),
+    ("unfed head", {**LLAMA3, "architectures": ["LlamaForSequenceClassification"]},
+     r"names LlamaForSequenceClassification, a head memfit cannot feed .*set \"architectures\": \[\"LlamaForCausalLM\"\]"),
+    ("seq too long", GPT2, r"--seq-len 4096 exceeds config\.json's n_positions=128; use --seq-len <= 128"),
+    ("bad sizes", {**GPT2, "n_embd": 30}, r"building the model failed with .*; fix its config\.json"),
+]
+
+
+@pytest.mark.parametrize("case,content,message", BAD, ids=[b[0] for b in BAD])
+def test_bad_folders_are_one_line_naming_the_fix(tmp_path, capsys, case, content, message):
+    if case == "missing":
+        spec = str(tmp_path / "nowhere")
+    elif case == "hub-id":
+        spec = "hf:meta-llama/Meta-Llama-3-8B"
+    elif case == "no config.json":
+        (tmp_path / "empty").mkdir()
+        spec = str(tmp_path / "empty")
+    else:
+        spec = str(folder(tmp_path, content if isinstance(content, dict) else None,
+                          text=content if isinstance(content, str) else None))
+    seq = "4096" if case == "seq too long" else "16"
+    for command in (["estimate"], ["plan", "--budget", "1GiB", "--max-traces", "2"]):
+        code = main([*command, spec, "-b", "2", "--seq-len", seq])
+        err = capsys.readouterr().err
+        assert code == 2, (case, command, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"memfit {command[0]}: error: "), err
+        assert "Traceback" not in err
+        assert re.search(message, lines[0]), lines[0]
+    with pytest.raises(UserError):
+        load_workload(spec, seq_len=int(seq)).model()
