@@ -62,7 +62,12 @@ class _Block:
 
 
 class CachingAllocatorModel:
-    def __init__(self) -> None:
+    """``on_segment(action, head)``: told of each new segment (``"segment_alloc"``, before its first
+    block is split) and each segment ``empty_cache`` releases (``"segment_free"``); ``head`` is the
+    segment's first block, which lives as long as the segment (merges keep the lower block)."""
+
+    def __init__(self, on_segment=None) -> None:
+        self.on_segment = on_segment
         self.allocated = 0
         self.reserved = 0
         self.peak_allocated = 0
@@ -84,6 +89,8 @@ class CachingAllocatorModel:
             self.peak_reserved = max(self.peak_reserved, self.reserved)
             block = _Block(segment=self._segments, offset=0, size=seg, free=True, small=small, stream=stream)
             self._segments += 1
+            if self.on_segment is not None:
+                self.on_segment("segment_alloc", block)
         remaining = block.size - size
         if (small and remaining >= MIN_BLOCK) or (not small and remaining > SMALL_SIZE):
             rest = _Block(segment=block.segment, offset=block.offset + size, size=remaining, free=True,
@@ -123,6 +130,8 @@ class CachingAllocatorModel:
             whole = [entry for entry in pool if entry[3].prev is None and entry[3].next is None]
             for entry in whole:
                 self.reserved -= entry[3].size
+                if self.on_segment is not None:
+                    self.on_segment("segment_free", entry[3])
             self._free[key] = [entry for entry in pool if not (entry[3].prev is None and entry[3].next is None)]
 
     def _insert(self, block: _Block) -> None:
@@ -137,16 +146,21 @@ class CachingAllocatorModel:
         pool.pop(i)
 
 
-def replay(tracker, device: str, window, streams: dict[int, int] | None = None) -> tuple[int, int, int]:
+def replay(tracker, device: str, window, streams: dict[int, int] | None = None, *, model=None,
+           on_block=None) -> tuple[int, int, int]:
     """Replay a tracked timeline through the allocator model; ``streams`` maps the serial of a
     storage allocated on a side stream to that stream's number (default: stream 0).
+
+    ``model``: the :class:`CachingAllocatorModel` to replay into (default: a new one);
+    ``on_block(index, serial, sign, block)``: told of each block just after it is allocated
+    (``sign`` +1) and just before it is freed (-1), as memfit.memory.snapshot records them.
 
     Returns (peak allocated bytes in the window, reserved bytes at the end of the window, event
     index of the allocated peak). Reserved memory only grows, but where the step empties the cache
     (an ``empty_cache`` mark: after FSDP2 sharded a model built whole), so its value at the end of
     the window is its peak.
     """
-    model = CachingAllocatorModel()
+    model = CachingAllocatorModel() if model is None else model
     recs = tracker.state.records
     blocks: dict[int, _Block] = {}
     peak, peak_at = -1, window.start
@@ -158,7 +172,11 @@ def replay(tracker, device: str, window, streams: dict[int, int] | None = None) 
             continue
         if sign > 0:
             blocks[serial] = model.malloc(recs[serial].nbytes, streams.get(serial, 0) if streams else 0)
+            if on_block is not None:
+                on_block(i, serial, 1, blocks[serial])
         elif serial in blocks:
+            if on_block is not None:
+                on_block(i, serial, -1, blocks[serial])
             model.free(blocks.pop(serial))
         if i >= window.start and model.allocated > peak:
             peak, peak_at = model.allocated, i
