@@ -26,6 +26,7 @@ from memfit.devices import Device, available_host_bytes, cpu_device
 from memfit.errors import TraceError
 from memfit.memory.faketrace import run_tracked
 from memfit.memory.report import MemoryReport, report_for, traced_device
+from memfit.memory.snapshot import check_snapshot_path, save_snapshot
 from memfit.memory.timeline import save_timeline_png
 from memfit.plans import Plan
 from memfit.quiet import silenced_warnings
@@ -35,16 +36,21 @@ from memfit.workload import Workload
 
 def estimate(workload: Workload | str, plan: Plan | str | None = None, *, batch_size: int | None = None,
              device: str | Device = "cpu", seq_len: int | None = None, fallback: bool = True,
-             timeline: str | None = None) -> MemoryReport:
+             timeline: str | None = None, snapshot: str | None = None) -> MemoryReport:
     """Predict the steady-state peak memory of one training step of ``workload`` under ``plan``.
 
     ``timeline``: also write the step's memory timeline, stacked by category, to this PNG file.
+    ``snapshot``: also write the trace as a ``torch.cuda.memory._snapshot()`` pickle for PyTorch's
+    memory_viz (memfit.memory.snapshot).
     """
+    if snapshot:
+        check_snapshot_path(snapshot)
     target = Target.resolve(workload, plan, batch_size, device, seq_len=seq_len)
-    return estimate_target(target, fallback=fallback, timeline=timeline)
+    return estimate_target(target, fallback=fallback, timeline=timeline, snapshot=snapshot)
 
 
-def estimate_target(target: Target, *, fallback: bool = True, timeline: str | None = None) -> MemoryReport:
+def estimate_target(target: Target, *, fallback: bool = True, timeline: str | None = None,
+                    snapshot: str | None = None) -> MemoryReport:
     """:func:`estimate` of a resolved target."""
     t0 = time.perf_counter()
     notes = [note for config in target.plan.techniques for note in config.notes()]
@@ -62,6 +68,8 @@ def estimate_target(target: Target, *, fallback: bool = True, timeline: str | No
     if timeline:
         save_timeline_png(run.tracker, timeline, device=traced_device(target.device, method, target.tensor_device),
                           title=f"{target.describe()} · predicted on {target.device.name}")
+    if snapshot:
+        save_snapshot(run, snapshot, target=target, report=report)
     return report
 
 

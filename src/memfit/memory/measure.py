@@ -34,6 +34,7 @@ from memfit.memory.cuda_history import CudaStepMeter, save_cuda_timeline_png
 from memfit.memory.estimate import estimate_target
 from memfit.memory.faketrace import run_tracked
 from memfit.memory.report import Measurement, MemoryReport, report_for, traced_device, tracker_view
+from memfit.memory.snapshot import check_snapshot_path, save_allocator_snapshot, save_snapshot
 from memfit.memory.timeline import save_timeline_png
 from memfit.plans import Plan
 from memfit.quiet import QuietProfiler, silenced_warnings
@@ -184,11 +185,15 @@ class PeakWindow:
 
 def profile(workload: Workload | str, plan: Plan | str | None = None, *, batch_size: int | None = None,
             device: str | Device = "cpu", seq_len: int | None = None, repeats: int = 5,
-            timeline: str | None = None) -> ProfileResult:
+            timeline: str | None = None, snapshot: str | None = None) -> ProfileResult:
     """Run the step for real on this machine: measured peak and breakdown next to the prediction.
 
     ``timeline``: also write the measured step's memory timeline (PNG: stacked by category on a
-    CPU, by the phase that allocated each block on a GPU, from the caching allocator's history)."""
+    CPU, by the phase that allocated each block on a GPU, from the caching allocator's history).
+    ``snapshot``: also write the real run as a ``torch.cuda.memory._snapshot()`` pickle for
+    memory_viz (on a CPU from the tracker, on a GPU the allocator's own; memfit.memory.snapshot)."""
+    if snapshot:
+        check_snapshot_path(snapshot)
     target = Target.resolve(workload, plan, batch_size, device, seq_len=seq_len)
     dev = target.device
     if dev.is_gpu and not torch.cuda.is_available():
@@ -196,7 +201,7 @@ def profile(workload: Workload | str, plan: Plan | str | None = None, *, batch_s
                         "CUDA GPU. Use --device cpu here, or memfit estimate --device " + dev.name)
     predicted = estimate_target(target)
     if dev.is_gpu:
-        return _profile_cuda(target, predicted, repeats, timeline)
+        return _profile_cuda(target, predicted, repeats, timeline, snapshot=snapshot)
     if predicted.peak_bytes > available_host_bytes() * 0.8:
         raise UserError(f"profile: the step needs about {predicted.peak_bytes / 2**30:.1f} GiB but this machine has "
                         f"{available_host_bytes() / 2**30:.1f} GiB free; use a smaller batch or model, or memfit estimate")
@@ -207,6 +212,8 @@ def profile(workload: Workload | str, plan: Plan | str | None = None, *, batch_s
     measured = report_for(run.tracker, target, "real", measurement=Measurement(peak), view=view)
     if timeline:
         save_timeline_png(run.tracker, timeline, title=f"{target.describe()} · measured")
+    if snapshot:
+        save_snapshot(run, snapshot, target=target, report=measured, kind="measurement")
     times = _time_steps(run, target, repeats) if repeats else []
     return ProfileResult(measured=measured, predicted=predicted, tracker_peak_bytes=tracker_peak,
                          step_seconds=statistics.median(times) if times else float("nan"), step_seconds_all=times)
@@ -227,11 +234,11 @@ def measured_cpu_run(target: Target):
 
 
 def _profile_cuda(target: Target, predicted: MemoryReport, repeats: int, timeline: str | None,
-                  cuda=None) -> ProfileResult:
+                  cuda=None, snapshot: str | None = None) -> ProfileResult:
     """The GPU branch of :func:`profile`: the caching allocator measures the steady-state step.
     ``cuda`` stands in for ``torch.cuda`` in tests."""
     dev = target.device
-    meter = CudaStepMeter(cuda, history=bool(timeline))
+    meter = CudaStepMeter(cuda, history=bool(timeline or snapshot))
     gc.collect()
     try:
         with silenced_warnings():
@@ -248,9 +255,11 @@ def _profile_cuda(target: Target, predicted: MemoryReport, repeats: int, timelin
     tracker_peak = tracked.peak_bytes  # the tracker's storages through the caching-allocator model
     measured = report_for(run.tracker, target, "real", view=view,
                           measurement=Measurement(m.allocated_peak_bytes, m.reserved_peak_bytes))
+    if snapshot:
+        save_allocator_snapshot(m.snapshot, snapshot, target=target, report=measured)
     if timeline:
         save_cuda_timeline_png(m, timeline, title=f"{target.describe()} · measured on {dev.name}")
-        m.snapshot = None
+    m.snapshot = None
     times = _time_steps(run, target, repeats) if repeats else []
     return ProfileResult(measured=measured, predicted=predicted, tracker_peak_bytes=tracker_peak,
                          step_seconds=statistics.median(times) if times else float("nan"), step_seconds_all=times,
