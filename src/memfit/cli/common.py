@@ -45,26 +45,32 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     return plan.replace(**changes) if changes else plan
 
 
-def add_report_args(p: argparse.ArgumentParser, timeline_help: str) -> None:
-    """``--timeline FILE.png`` and ``--modules N`` (estimate and profile)."""
+def add_report_args(p: argparse.ArgumentParser, timeline_help: str, snapshot_help: str) -> None:
+    """``--timeline FILE.png``, ``--snapshot FILE.pickle`` and ``--modules N`` (estimate and profile)."""
     p.add_argument("--timeline", metavar="FILE.png", help=timeline_help)
+    p.add_argument("--snapshot", metavar="FILE.pickle", help=snapshot_help + "; open it at https://pytorch.org/memory_viz")
     p.add_argument("--modules", metavar="N", help="also print the N modules holding most memory at the peak")
 
 
 def report_args(args: argparse.Namespace) -> int | None:
-    """Check ``--timeline`` and ``--modules`` before any work; returns the number of modules to print."""
+    """Check ``--timeline``, ``--snapshot`` and ``--modules`` before any work; returns the number of modules to print."""
     if args.timeline:
         check_output_file(args.timeline, "--timeline", example="timeline.png", suffixes=IMAGE_SUFFIXES)
+    if args.snapshot:
+        from memfit.memory.snapshot import check_snapshot_path
+        check_snapshot_path(args.snapshot)
     return parse_positive_int(args.modules, "--modules") if args.modules else None
 
 
 def print_report_extras(report, args: argparse.Namespace, modules: int | None) -> None:
-    """After the tables: the top modules (``--modules``) and where the timeline went."""
+    """After the tables: the top modules (``--modules``) and where the timeline and snapshot went."""
     from memfit.report.tables import print_modules
     if modules:
         print_modules(report, modules)
     if args.timeline:
         print(f"timeline written to {args.timeline}")
+    if args.snapshot:
+        print(f"snapshot written to {args.snapshot} (open it at https://pytorch.org/memory_viz)")
 
 
 def batch_and_seq(args: argparse.Namespace) -> tuple[int | None, int | None]:

@@ -22,7 +22,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "fake tensors and report its peak memory with a breakdown by category.")
     add_workload_args(p)
     add_plan_args(p)
-    add_report_args(p, "write the step's memory timeline, stacked by category")
+    add_report_args(p, "write the step's memory timeline, stacked by category",
+                    "write the trace as a torch.cuda.memory._snapshot() pickle: segments and blocks (a GPU "
+                    "preset's from memfit's caching-allocator model), allocations with their module, category "
+                    "and phase as frames")
     p.set_defaults(run=run)
 
 
@@ -33,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     bs, seq = batch_and_seq(args)
     modules = report_args(args)
     report = estimate(args.workload, plan_from_args(args), batch_size=bs, device=args.device, seq_len=seq,
-                      timeline=args.timeline)
+                      timeline=args.timeline, snapshot=args.snapshot)
     if args.json:
         print_json(report.to_json())
         return 0

@@ -27,7 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_workload_args(p)
     add_plan_args(p)
     add_report_args(p, "write the step's memory timeline: stacked by category on a CPU; on a GPU from the caching "
-                       "allocator's history, stacked by the phase that allocated each block")
+                       "allocator's history, stacked by the phase that allocated each block",
+                    "write the real run as a torch.cuda.memory._snapshot() pickle: on a CPU from memfit's tracker "
+                    "(module, category and phase as frames); on a GPU the caching allocator's own, over the step")
     p.add_argument("--repeats", default="5", metavar="N", help="timed steps for step_seconds (median)")
     p.set_defaults(run=run)
 
@@ -39,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     bs, seq = batch_and_seq(args)
     modules = report_args(args)
     result = profile(args.workload, plan_from_args(args), batch_size=bs, device=args.device, seq_len=seq,
-                     repeats=parse_positive_int(args.repeats, "--repeats"), timeline=args.timeline)
+                     repeats=parse_positive_int(args.repeats, "--repeats"), timeline=args.timeline,
+                     snapshot=args.snapshot)
     if args.json:
         print_json(result.to_json())
         return 0
