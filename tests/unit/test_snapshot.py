@@ -264,3 +264,35 @@ def test_library_refuses_an_unwritable_path_before_tracing(tmp_path, monkeypatch
     monkeypatch.setattr(estimate_module, "run_tracked", lambda *a, **k: pytest.fail("traced before the path check"))
     with pytest.raises(UserError, match="--snapshot .* is a folder"):
         estimate(MHA, batch_size=2, seq_len=16, snapshot=str(tmp_path))
+
+
+def test_segments_released_by_empty_cache_leave_the_snapshot():
+    """A segment empty_cache gives back (FSDP2 after sharding a model built whole) is freed in the
+    trace, and the segments at the end are the allocator model's reserved bytes."""
+    from memfit.memory import allocator
+    from memfit.memory.report import step_window
+    from memfit.memory.snapshot import tracker_snapshot
+    from memfit.memory.tracker import MemoryTracker
+
+    tracker = MemoryTracker()
+    with tracker:
+        tracker.mark("step")
+        whole = torch.empty(3 << 20, dtype=torch.uint8)  # its own 20 MiB segment
+        kept = torch.empty(1 << 10, dtype=torch.uint8)  # a 2 MiB small-pool segment
+        del whole
+        tracker.mark("empty_cache")
+        tracker.mark("step")
+        later = torch.empty(5 << 20, dtype=torch.uint8)  # a new 20 MiB segment
+        del later
+        tracker.mark("end")
+    snap = tracker_snapshot(tracker, "cpu", cached=True)
+    trace = snap["device_traces"][0]
+    made = [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_alloc"]
+    freed = [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_free"]
+    assert [size for _, size in made] == [20 << 20, 2 << 20, 20 << 20] and freed == [made[0]]
+    assert trace.index(next(e for e in trace if e["action"] == "segment_free")) < snap["memfit"]["steady_step_first_entry"]
+    _, reserved, _ = allocator.replay(tracker, "cpu", step_window(tracker, 2))
+    assert sorted((s["address"], s["total_size"]) for s in snap["segments"]) == sorted(made[1:])
+    assert sum(s["total_size"] for s in snap["segments"]) == reserved == (22 << 20)
+    _live_blocks_after(snap, 0)  # walking back to the start meets every segment again
+    assert memory_viz.segsum(snap) and kept.numel() == 1 << 10
