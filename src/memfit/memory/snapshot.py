@@ -133,8 +133,9 @@ def tracker_snapshot(tracker: MemoryTracker, device: str, *, cached: bool, strea
     ``cached``: replay through the caching-allocator model, as the report of a GPU target does
     (``streams`` as in :func:`memfit.memory.allocator.replay`); else each allocation is its own
     segment. ``names`` (serial -> name) stand in for the module of storages made outside any
-    module's forward (see :func:`tensor_names`). ``info`` goes in as the snapshot's ``memfit`` entry, which the viewer ignores, with
-    where the step starts in the trace (``steady_step_first_entry``) and the peak the trace shows."""
+    module's forward (see :func:`tensor_names`). ``info`` goes in as the snapshot's ``memfit``
+    entry, which the viewer ignores, with where the step starts in the trace
+    (``steady_step_first_entry``) and the peak the trace shows."""
     b = _Builder(tracker, step, names or {})
     segments = b.replay_cached(device, streams) if cached else b.replay_uncached(device)
     b.entry("snapshot", 0, 0, 0, [], "unknown")  # NOTE [ memory_viz's loader ]
