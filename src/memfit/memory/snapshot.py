@@ -71,8 +71,9 @@ def save_snapshot(run, path: str | Path, *, target, report, kind: str = "predict
     tracker = run.tracker
     device = traced_device(target.device, report.method, target.tensor_device)
     gpu = target.device.is_gpu
-    snap = tracker_snapshot(tracker, device, cached=gpu, streams=getattr(tracker, "side_streams", None) if gpu else None,
-                            names=tensor_names(run), info=_info(target, report, kind))
+    streams = getattr(tracker, "side_streams", None) if gpu else None
+    snap = tracker_snapshot(tracker, device, cached=gpu, streams=streams, names=tensor_names(run),
+                            info=_info(target, report, kind))
     return write_snapshot(snap, path)
 
 
@@ -163,7 +164,8 @@ class _Builder:
         self.trace: list[dict[str, Any]] = []
         self.first_in_step: int | None = None
         self.allocated, self._peak = 0, None
-        self._marks = [(idx, name) for name, _, idx in tracker.state.marks if name not in ("step", "end", "empty_cache")]
+        self._marks = [(idx, name) for name, _, idx in tracker.state.marks
+                       if name not in ("step", "end", "empty_cache")]
         self._m, self._phase = 0, "setup"
         self._live: dict[int, tuple[list, str]] = {}  # serial -> (frames, category)
         self._frames: dict[tuple, list] = {}
