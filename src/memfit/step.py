@@ -206,10 +206,12 @@ def build_step(workload: Workload | str | Target, plan: Plan | None = None, batc
     return TrainStep(target, parts, optimizer, observer)
 
 
-def make_batch(target: Target) -> Any:
-    """One batch of what the target's step runs (one rank's share when sharded), on the step's device."""
+def make_batch(target: Target, *, whole: bool = False) -> Any:
+    """One batch of what the target's step runs (one rank's share when sharded; ``whole``: the
+    global batch all ranks share), on the step's device."""
     with torch.device(target.tensor_device):
-        batch = call_workload("batch(batch_size)", target.workload.batch, target.rank_batch_size)
+        batch = call_workload("batch(batch_size)", target.workload.batch,
+                              target.batch_size if whole else target.rank_batch_size)
     if not any(isinstance(x, torch.Tensor) for x in tree_flatten(batch)[0]):
         raise UserError(f"the workload's batch(batch_size) returned {_kind(batch)} with no tensor in it; return a "
                         "tensor or a tuple/list/dict of tensors shaped [batch, ...]")

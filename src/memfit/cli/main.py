@@ -82,6 +82,7 @@ def _run(argv: list[str]) -> int:
             sub.error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as e:  # argparse: usage errors exit 2 already
         return int(e.code or 0)
+    args.argv = list(argv)  # (memfit train --nproc runs the same command in each rank)
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
@@ -94,7 +95,7 @@ def _run(argv: list[str]) -> int:
     except UserError as e:
         if debug:
             raise
-        print(f"memfit {args.command}: error: {e}", file=sys.stderr)
+        _say(f"memfit {args.command}: error: {e}", 2)
         return 2
     except KeyboardInterrupt:
         print("memfit: interrupted", file=sys.stderr)
@@ -103,11 +104,21 @@ def _run(argv: list[str]) -> int:
         if debug:
             raise
         msg = str(e).splitlines()[0] if str(e) else ""
-        print(f"memfit {args.command}: internal error: {type(e).__name__}: {msg} (run with --debug for the "
-              "traceback and report it)", file=sys.stderr)
+        _say(f"memfit {args.command}: internal error: {type(e).__name__}: {msg} (run with --debug for the "
+             "traceback and report it)", 1)
         return 1
     finally:
         warnings.showwarning = shown
+
+
+def _say(line: str, code: int) -> None:
+    """The one line of an error: on stderr, or, in a rank that ``memfit train --nproc`` launched,
+    to the launcher, which prints one line for all ranks."""
+    if os.environ.get("MEMFIT_RANK_ERRORS"):
+        from memfit.training.distributed import record_error
+        if record_error(line, code):
+            return
+    print(line, file=sys.stderr)
 
 
 if __name__ == "__main__":

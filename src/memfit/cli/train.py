@@ -28,6 +28,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true", help="start over in an --out folder that holds a checkpoint")
     p.add_argument("--seed", default="0")
     p.add_argument("--checkpoint-every", default="10", metavar="N")
+    p.add_argument("--nproc", metavar="N", help="train on N processes of this machine, one rank each (torchrun's "
+                                                "launcher, one node): FSDP2 over the N ranks, gloo on a CPU, NCCL on "
+                                                "GPUs; --batch-size is the global batch and --budget is per rank")
+    p.add_argument("--port", metavar="P", help="with --nproc: the ranks' rendezvous port on 127.0.0.1 (default: a free "
+                                               "one)")
     p.add_argument("--no-report", action="store_true", help="skip the end-of-run report (a few fake traces)")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     add_plan_args(p)
@@ -39,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from memfit.outputs import check_output_dir
     from memfit.plans import Plan
     from memfit.training.loop import train
+    from memfit.training.distributed import current
     from memfit.training.report import render
     from memfit.units import parse_positive_int
 
@@ -57,6 +63,14 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--seed {seed} is out of range; give a whole number from {-2**63} to {2**64 - 1}")
     steps = parse_positive_int(args.steps, "--steps")
     check_output_dir(args.out, "--out")
+    nproc = parse_positive_int(args.nproc, "--nproc") if args.nproc is not None else 1
+    ranks = current()
+    if ranks is None and nproc > 1:
+        return _launch(args, nproc, plan=plan, bs=bs, seq=seq, seed=seed, every=every, workers=workers, steps=steps)
+    if ranks is not None and args.nproc is not None and nproc != ranks.world_size:
+        raise UserError(f"--nproc {nproc}, and the launcher started {ranks.world_size} processes; make them the same")
+    if args.port is not None and ranks is None:
+        raise UserError("--port is the rendezvous port of --nproc ranks; add --nproc N, or remove --port")
     result = train(args.workload, plan=plan, budget=args.budget, steps=steps,
                    out=args.out, data=args.data, resume=args.resume, overwrite=args.overwrite, seed=seed,
                    batch_size=bs, seq_len=seq, device=args.device, workers=workers, checkpoint_every=every,
@@ -65,8 +79,11 @@ def run(args: argparse.Namespace) -> int:
         "steps": result.steps, "final_loss": result.losses[-1] if result.losses else None,
         "predicted_peak_bytes": result.predicted_peak_bytes, "measured_peak_bytes": result.measured_peak_bytes,
         "plan": result.plan, "adapted_plan": result.adapted_plan, "adaptations": result.adaptations,
-        "budget_bytes": result.budget_bytes, "guard_peak_bytes": result.guard_peak_bytes}
+        "budget_bytes": result.budget_bytes, "guard_peak_bytes": result.guard_peak_bytes,
+        "world_size": result.world_size, "measured_peak_bytes_per_rank": result.measured_peak_bytes_per_rank}
     summary["out"] = result.out_dir
+    if ranks is not None and not ranks.is_main:
+        return 0  # (rank 0 says it)
     if args.json:
         print_json(summary)
     else:
@@ -74,5 +91,42 @@ def run(args: argparse.Namespace) -> int:
         if text:
             print(text)
         extra = " · report.json" if result.report else ""
-        print(f"metrics: {result.out_dir}/metrics.jsonl · checkpoint: {result.out_dir}/checkpoint.pt{extra}")
+        saved = "checkpoint-dcp.json (DCP shards)" if result.world_size > 1 else "checkpoint.pt"
+        print(f"metrics: {result.out_dir}/metrics.jsonl · checkpoint: {result.out_dir}/{saved}{extra}")
     return 0
+
+
+def _launch(args: argparse.Namespace, nproc: int, *, plan, bs, seq, seed, every, workers, steps) -> int:
+    """Check and plan the run here, once, then start ``nproc`` ranks that run this same command (with
+    the plan found, when the planner chose it)."""
+    import tempfile
+    from pathlib import Path
+
+    from memfit.errors import UserError
+    from memfit.training.distributed import check_launch, launch
+    from memfit.training.loop import prepare
+
+    port = None
+    if args.port is not None:
+        try:
+            port = int(args.port)
+        except ValueError:
+            raise UserError(f"--port {args.port!r}: give a port number, or leave --port out") from None
+    target, *_ = prepare(args.workload, plan=plan, budget=args.budget, steps=steps, out=args.out, data=args.data,
+                         resume=args.resume, overwrite=args.overwrite, seed=seed, batch_size=bs, seq_len=seq,
+                         device=args.device, workers=workers, checkpoint_every=every, progress=False, report=False,
+                         world_size=nproc)
+    check_launch(nproc, target.device.kind, port)
+    argv = args.argv[args.argv.index("train") + 1:]
+    if args.debug and "--debug" not in argv:
+        argv.append("--debug")
+    with tempfile.TemporaryDirectory(prefix="memfit-launch-") as tmp:
+        if plan is None:  # the planner chose it: the ranks train that plan (and keep the budget)
+            chosen = Path(tmp) / "plan.yaml"
+            target.plan.save(chosen)
+            argv += ["--plan", str(chosen)]
+        if not args.json:
+            print(f"memfit train: {nproc} ranks on this machine (FSDP2, {target.rank_batch_size} of each batch of "
+                  f"{target.batch_size} per rank): {target.plan.describe()}", flush=True)
+        return launch(argv, nproc, port=port, debug=args.debug)
+

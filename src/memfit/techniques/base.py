@@ -17,7 +17,7 @@ a technique means adding its module (and its test), nothing else:
 ``adds_work``                 only adds work: a calibrated factor below 1 is timing noise
 ``warmup_seconds(g, plan)``   one-time seconds before the first step on GPU presets (compiling)
 ``export(into)``              Hugging Face ``TrainingArguments`` / Lightning ``Trainer`` arguments, and
-                              what has no equivalent there
+                              what they cannot carry (memfit's callback applies it)
 ``ablations()``               "without me": the configs the end-of-run report compares against
 ``label(batch_size)``         the compact label in ``Plan.short()``
 ``frugal(ctx)``               the next setting that uses less memory, for OOM adaptation
@@ -36,6 +36,7 @@ turns to it (``escalation``). ``memfit.techniques`` collects every module's ``TE
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -290,18 +291,48 @@ class GraphSize:
 
 @dataclass
 class Export:
-    """Arguments for Hugging Face ``TrainingArguments`` and Lightning's ``Trainer``, and what has no
-    equivalent there (listed, so nothing is silently dropped)."""
+    """Arguments for Hugging Face ``TrainingArguments`` and Lightning's ``Trainer`` that those
+    classes accept unchanged, and what they cannot carry, so nothing is silently dropped:
+    ``*_unmapped`` lists plan settings memfit's callback for that trainer applies (written as plan
+    keys, ``loss_chunks: 4``); ``*_notes`` lists what the user's own code sets (how the model is
+    loaded, the DataLoader's batch size)."""
 
     batch_size: int
+    """One device's batch: the plan's global batch over its ranks (all of it unless sharded)."""
     hf: dict = field(default_factory=dict)
     hf_unmapped: list = field(default_factory=list)
+    hf_notes: list = field(default_factory=list)
     lightning: dict = field(default_factory=dict)
     lightning_unmapped: list = field(default_factory=list)
+    lightning_notes: list = field(default_factory=list)
+
+    def not_carried(self, config: Config | str, *, hf: bool = True, lightning: bool = True) -> None:
+        """Neither trainer's arguments carry ``config`` (its plan keys are listed) or ``what``."""
+        what = config if isinstance(config, str) else "; ".join(
+            f"{key}: {_plain_text(value)}" for key, value in config.values().items())
+        if hf:
+            self.hf_unmapped.append(what)
+        if lightning:
+            self.lightning_unmapped.append(what)
 
     def in_lightning_module(self, what: str) -> None:
-        """``what`` has no Trainer argument: the user's LightningModule must do it."""
-        self.lightning_unmapped.append(f"{what} (configure it in the LightningModule)")
+        """``what`` has no Lightning ``Trainer`` argument."""
+        self.lightning_unmapped.append(what)
+
+
+def _plain_text(value: Any) -> str:
+    """A plan value as the plan file writes it: ``true``, ``[activations]``, ``{decay: 0.999}``."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_plain_text(v) for v in value) + "]"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_plain_text(v)}" for k, v in value.items()) + "}"
+    return str(value)
 
 
 @dataclass(frozen=True)
@@ -310,6 +341,7 @@ class AdaptContext:
 
     plan: Any
     batch_size: int
+    """The samples the step runs (one rank's share of the global batch when sharded)."""
     model: Any
     """The running step's model (its structure decides, e.g., whether blocks exist)."""
     fits: Callable | None = None

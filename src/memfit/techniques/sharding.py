@@ -115,6 +115,9 @@ class FSDP2(Sharding):
         if not plan.config("loss_chunks").is_default:
             refuse(f"loss_chunks: {plan.loss_chunks}", "its head and loss run outside the root module's forward, "
                    "where FSDP2 gathers the root's parameters and hooks their gradients' reduction")
+        if plan.precision == "fp16":
+            refuse("precision: fp16", "its loss scaler checks each rank's shard of the gradients for overflow "
+                   "alone, so the ranks could disagree on skipping a step; use bf16")
         if plan.optimizer == "adamw8bit":
             refuse("optimizer: adamw8bit", "bitsandbytes' 8-bit states do not take DTensor parameters")
         if self.param_dtype != "none" and plan.precision in ("bf16", "fp16"):
@@ -132,9 +135,9 @@ class FSDP2(Sharding):
         if not dist.is_available():
             raise UserError("shard: fsdp needs torch.distributed, which this PyTorch build lacks")
         if not dist.is_initialized():
-            raise UserError(f"shard: fsdp runs one process per rank, each with a process group; memfit estimate and "
-                            f"plan predict one rank here (memfit train --nproc is not built yet; from Python, call "
-                            f"build_step in each of {self.world_size} torchrun processes)")
+            raise UserError(f"shard: fsdp runs one process per rank, each with a process group; train it with memfit "
+                            f"train --nproc {self.world_size} (or, from Python, call build_step in each of "
+                            f"{self.world_size} torchrun processes); memfit estimate and plan predict one rank")
         if dist.get_world_size() != self.world_size:
             raise UserError(f"plan: world_size {self.world_size} but {dist.get_world_size()} processes were launched; "
                             "launch as many processes as world_size")
@@ -212,6 +215,16 @@ def fake_process_group(world_size: int):
         yield
     finally:
         dist.destroy_process_group()
+        _forget_fake_meshes()
+
+
+def _forget_fake_meshes() -> None:
+    """DTensor caches each op's output sharding by its inputs' specs (in Python and in C++), and a
+    mesh of the fake group equals (by hash) the real group's mesh of the same shape: a real rank
+    that traced first would get the fake rank 0's mesh back on its outputs. Clear those caches
+    after a fake trace."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    _clear_sharding_prop_cache()
 
 
 @contextlib.contextmanager
@@ -324,6 +337,26 @@ class _TracedDevice:
     @staticmethod
     def is_initialized() -> bool:
         return True
+
+
+def on_ranks(plan, world_size: int):
+    """``plan`` for a run of ``world_size`` processes (``memfit train --nproc``): a plan that does not
+    say how it is sharded is sharded over them; one that says otherwise is refused."""
+    config = plan.config("shard")
+    if world_size == 1:
+        if config.world_size > 1:
+            raise UserError(f"plan: world_size {config.world_size}, and this run is one process; train with --nproc "
+                            f"{config.world_size}, or use world_size: 1")
+        return plan
+    if config.world_size == world_size:
+        return plan
+    if config.world_size > 1:
+        raise UserError(f"plan: world_size {config.world_size}, and --nproc {world_size} processes run it; make them "
+                        "the same")
+    if plan.shard == "none":
+        raise UserError(f"plan: shard: none, and --nproc {world_size} runs it on several processes, which memfit "
+                        "shards with FSDP2; remove shard: none, or train without --nproc")
+    return plan.replace(world_size=world_size)
 
 
 def _dtype(name: str):

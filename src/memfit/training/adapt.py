@@ -48,7 +48,8 @@ def adapt(plan: Plan, batch_size: int, model: torch.nn.Module, fits: Fits | None
     ``fits(plan)``: whether the estimate predicts ``plan`` fits. With it, the micro-batch (or a
     compiled plan's activation budget) goes straight to the largest predicted to fit instead of
     stepping down one OOM at a time."""
-    ctx = AdaptContext(plan=plan, batch_size=batch_size, model=model, fits=fits)
+    # (the samples one step runs: a rank's share of the global batch when sharded)
+    ctx = AdaptContext(plan=plan, batch_size=plan.config("shard").rank_batch(batch_size), model=model, fits=fits)
     order = [(c.escalation(ctx), i, c) for i, c in enumerate(plan.techniques)]
     for _, _, current in sorted(o for o in order if o[0] is not None):
         step = current.frugal(ctx)
@@ -69,6 +70,9 @@ class OutOfAdaptations(UserError):
         super().__init__("out of memory, and no adaptation is left (micro-batch 1, checkpointing, activation "
                          "offload); use a smaller model or batch, or a plan with less memory (memfit plan --budget)")
         self.plan = plan
+
+    def __reduce__(self):  # (rank 0 sends it to the other ranks)
+        return OutOfAdaptations, (self.plan,)
 
 
 def free_failed_step(step: TrainStep) -> None:
@@ -116,13 +120,16 @@ class FitPredictor:
 
 
 def run_adapting(step: TrainStep, batch, on_adapt: Callable[[dict], None] | None = None,
-                 fits: Fits | None = None, rebuild_step: Callable[[TrainStep, Plan], TrainStep] = rebuild
-                 ) -> tuple[float, TrainStep]:
+                 fits: Fits | None = None, rebuild_step: Callable[[TrainStep, Plan], TrainStep] = rebuild,
+                 decide: Callable[[Callable], tuple[Plan, str]] | None = None) -> tuple[float, TrainStep]:
     """``step(batch)``; on an out-of-memory error in zero_grad, forward or backward, free the failed
     step, :func:`adapt` the plan, rebuild the step for it (``rebuild_step``, by default
     :func:`memfit.training.rebuild.rebuild`), restore the step's RNG state and retry the same
     batch. Returns the loss and the step that ran it (a new one after an adaptation).
-    ``on_adapt`` gets a record ``{"phase", "cause", "adaptation"}`` for each adaptation."""
+    ``on_adapt`` gets a record ``{"phase", "cause", "adaptation"}`` for each adaptation.
+    ``decide(choose)``: where the choice is made (several ranks: rank 0 runs ``choose``, every rank
+    gets its plan, so all rebuild the same step; an OOM on one rank only is not agreed on, and the
+    other ranks wait in their next collective until the process group's timeout)."""
     rng = _rng_state()
     while True:
         try:
@@ -135,7 +142,9 @@ def run_adapting(step: TrainStep, batch, on_adapt: Callable[[dict], None] | None
                             "with less optimizer memory (e.g. --optimizer adamw8bit or --offload optimizer_states)")
         step.phase = "idle"
         free_failed_step(step)
-        plan, change = adapt(step.plan, step.batch_size, step.model, fits)
+        def choose(step=step):
+            return adapt(step.plan, step.batch_size, step.model, fits)
+        plan, change = decide(choose) if decide is not None else choose()
         step = rebuild_step(step, plan)
         _set_rng_state(rng)
         if on_adapt is not None:

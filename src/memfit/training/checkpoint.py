@@ -6,6 +6,11 @@ samples seen, the step and the plan. It is written to a temporary file in the sa
 and fsync'ed, then renamed over the old one: a process killed mid-save leaves the last good
 checkpoint in place (and a temporary file, which the next run removes). Loading checks that
 the checkpoint belongs to this model (parameter names and shapes) and this plan.
+
+A sharded run (several ranks) writes PyTorch's Distributed Checkpoint instead
+(memfit.training.sharded_checkpoint). Either kind resumes at any world size: the plan must be the
+same but for how it is sharded (its ``shard`` keys), and the batch the same global batch. The
+folder's current checkpoint is the one of the later step.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import torch
 
 from memfit.errors import UserError
 from memfit.plans import Plan
+from memfit.techniques.sharding import TECHNIQUE as SHARDING
+from memfit.training import sharded_checkpoint
 
 NAME = "checkpoint.pt"
 FORMAT = 2
@@ -47,14 +54,21 @@ def load_step_state(step, state: dict) -> None:
 
 
 def save(out_dir: Path, step, *, step_index: int, samples_seen: int, workload: str, requested_plan,
-         rng: dict | None = None) -> Path:
-    """Write the checkpoint atomically; ``rng``: the RNG states to save (default: the current ones)."""
-    state = {
-        "format": FORMAT, "workload": workload, "step": step_index, "samples_seen": samples_seen,
+         rng: dict | None = None, ranks=None) -> Path:
+    """Write the checkpoint atomically; ``rng``: the RNG states to save (default: the current ones).
+    ``ranks`` (memfit.training.distributed.Ranks): a sharded run's, every rank calls this."""
+    meta = {
+        "workload": workload, "step": step_index, "samples_seen": samples_seen,
         "plan": requested_plan.to_dict(), "adapted_plan": step.plan.to_dict(), "batch_size": step.batch_size,
-        "shapes": {n: tuple(p.shape) for n, p in step.model.named_parameters()},
-        **step_state(step), "rng": rng or rng_state(),
+        "shapes": {n: tuple(p.shape) for n, p in step.model.named_parameters()},  # (a DTensor's are the whole's)
+        "rng": rng or rng_state(),
     }
+    if ranks is not None:
+        folder = sharded_checkpoint.save(out_dir, step, ranks, meta)
+        if ranks.is_main:
+            (out_dir / NAME).unlink(missing_ok=True)  # (older: the pointer moved past it)
+        return folder
+    state = {"format": FORMAT, **meta, **step_state(step)}
     path = out_dir / NAME
     tmp = out_dir / f".{NAME}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
@@ -67,10 +81,23 @@ def save(out_dir: Path, step, *, step_index: int, samples_seen: int, workload: s
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+    sharded_checkpoint.remove(out_dir)  # (older: this one replaced it)
     return path
 
 
 def read(out_dir: Path) -> dict:
+    """The folder's current checkpoint: a one-process one (its tensors loaded) or a sharded one
+    (its metadata; ``restore`` reads the shards)."""
+    if sharded_checkpoint.exists(out_dir):
+        sharded = {**sharded_checkpoint.read(out_dir), "kind": "dcp"}
+        if not (out_dir / NAME).is_file():
+            return sharded
+        whole = _read_whole(out_dir)
+        return sharded if sharded["step"] > whole["step"] else whole
+    return _read_whole(out_dir)
+
+
+def _read_whole(out_dir: Path) -> dict:
     path = out_dir / NAME
     if not path.is_file():
         raise UserError(f"--resume: no checkpoint in {str(out_dir)!r}; run without --resume to start")
@@ -81,7 +108,7 @@ def read(out_dir: Path) -> dict:
                         "delete it or point --out to another folder") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UserError(f"checkpoint {str(path)!r} is not a memfit checkpoint of this version")
-    return state
+    return {**state, "kind": "whole"}
 
 
 def check(state: dict, *, workload: str, requested_plan, batch_size: int) -> None:
@@ -89,9 +116,23 @@ def check(state: dict, *, workload: str, requested_plan, batch_size: int) -> Non
         raise UserError(f"the checkpoint in --out is from another model ({state['workload']}); "
                         "use a fresh --out folder for this workload")
     # compared as plans: a key this version added since the checkpoint was written takes its default
-    if _plan(state["plan"]) != requested_plan or state["batch_size"] != batch_size:
+    written = _plan(laid_out_as(state["plan"], requested_plan))
+    if written != requested_plan or state["batch_size"] != batch_size:
         raise UserError("the checkpoint in --out was written with another plan or batch size; resume with the "
-                        "same --plan/--batch-size, or start a new run in another --out folder")
+                        "same --plan/--batch-size (the world size may differ), or start a new run in another --out "
+                        "folder")
+
+
+def laid_out_as(values: dict, plan: Plan) -> dict:
+    """A checkpoint's plan ``values`` with the sharding of ``plan``: a run may resume at another
+    world size."""
+    mine = plan.to_dict()
+    return {**values, **{k.name: mine[k.name] for k in SHARDING.keys if k.name in mine}}
+
+
+def resumed_plan(state: dict, requested_plan: Plan) -> Plan:
+    """The plan a resumed run continues with: the checkpoint's adapted plan, sharded as this run is."""
+    return Plan.from_dict(laid_out_as(state["adapted_plan"], requested_plan), source="the checkpoint's plan")
 
 
 def _plan(data: dict):
@@ -107,7 +148,13 @@ def restore(step, state: dict) -> tuple[int, int]:
     if state["shapes"] != shapes:
         raise UserError(f"the checkpoint in --out is from another model ({state['workload']}); "
                         "use a fresh --out folder for this workload")
-    load_step_state(step, state)
+    sharded = step.plan.config("shard").fsdp2
+    if state["kind"] == "dcp":
+        sharded_checkpoint.load(step, state)
+    elif sharded:
+        sharded_checkpoint.load_whole(step, state)
+    else:
+        load_step_state(step, state)
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
     if state["rng"].get("cuda") is not None and torch.cuda.is_available():
@@ -137,4 +184,4 @@ def _alive(pid: int) -> bool:
 
 
 def exists(out_dir: Path) -> bool:
-    return (out_dir / NAME).is_file()
+    return (out_dir / NAME).is_file() or sharded_checkpoint.exists(out_dir)

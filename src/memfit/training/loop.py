@@ -15,7 +15,9 @@ loop adds:
   other steps report the guard's peak (CPU with a budget), the process's resident peak (CPU) or
   the CUDA allocator's peak;
 - Ctrl-C that keeps the steps done, and a resume that drops what a crashed run logged after its
-  last checkpoint.
+  last checkpoint;
+- several ranks (``memfit train --nproc N``, memfit.training.distributed): this process is one
+  of them when torchrun's environment says so; rank 0 writes what is written once.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ from memfit.plans import Plan
 from memfit.quiet import silenced_warnings
 from memfit.step import TrainStep, build_step, make_batch
 from memfit.target import Target
-from memfit.training import checkpoint
+from memfit.training import checkpoint, distributed
+from memfit.techniques.sharding import on_ranks
 from memfit.training.adapt import FitPredictor, OutOfAdaptations, run_adapting
 from memfit.training.data import ByteCorpus, text_batches
 from memfit.training.progress import Progress
@@ -62,7 +65,11 @@ class TrainResult:
     predicted_peak_bytes: int | None = None
     """The estimate's peak for the plan that ran step 2 (what ``measured_peak_bytes`` checks)."""
     measured_peak_bytes: int | None = None
-    """Allocator peak of the steady-state step, measured (None when the run resumed past it)."""
+    """Allocator peak of the steady-state step, measured (None when the run resumed past it); rank 0's
+    when sharded."""
+    measured_peak_bytes_per_rank: list[int] | None = None
+    """Each rank's measured peak, in rank order (a sharded run's; the prediction is per rank)."""
+    world_size: int = 1
     plan: dict = field(default_factory=dict)
     """The plan asked for."""
     adapted_plan: dict = field(default_factory=dict)
@@ -99,6 +106,20 @@ def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: s
     ``device``: auto (cuda when available), cpu or cuda. ``workers``: DataLoader worker processes
     for text data (default: 2 on a GPU, 0 on a CPU).
     """
+    ranks = distributed.current()
+    prepared = prepare(workload, plan=plan, budget=budget, steps=steps, out=out, data=data, resume=resume,
+                       overwrite=overwrite, seed=seed, batch_size=batch_size, seq_len=seq_len, device=device,
+                       workers=workers, checkpoint_every=checkpoint_every, progress=progress, report=report,
+                       world_size=ranks.world_size if ranks else 1)
+    return _Run(*prepared, ranks).go()
+
+
+def prepare(workload: Workload | str, *, plan, budget, steps, out, data, resume, overwrite, seed, batch_size, seq_len,
+            device, workers, checkpoint_every, progress, report, world_size: int = 1
+            ) -> tuple[Target, Budget | None, ByteCorpus | None, RunOptions]:
+    """Everything a run is checked and planned with before it starts (in each rank, and in the
+    command that launches them): its target (the plan sharded over ``world_size`` ranks), the
+    budget, the text and the options."""
     wl = load_workload(workload, seq_len=seq_len)
     dev = _training_device(device)
     if steps < 1:
@@ -109,28 +130,35 @@ def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: s
                         "--overwrite to start over, or choose another --out folder")
     corpus = _corpus(wl, data)
     target = Target.resolve(wl, None, batch_size, dev)
-    target, budget_obj = _choose_plan(target, plan, budget)
+    target, budget_obj = _choose_plan(target, plan, budget, world_size=world_size)
     options = RunOptions(steps=steps, out_dir=out_dir, resume=resume, seed=seed, workers=workers,
                          checkpoint_every=checkpoint_every, progress=progress, report=report)
-    return _Run(target, budget_obj, corpus, options).go()
+    return target, budget_obj, corpus, options
 
 
 class _Run:
     """One training run: the loop, its enforcement and its measurement."""
 
-    def __init__(self, target: Target, budget: Budget | None, corpus, options: RunOptions):
+    def __init__(self, target: Target, budget: Budget | None, corpus, options: RunOptions,
+                 ranks: distributed.Ranks | None = None):
         self.requested = target.plan
+        self.ranks = ranks
+        self.main = ranks is None or ranks.is_main
+        self.grouped = False
+        """Whether this rank is in its process group now (fake traces cannot run then)."""
         self.state = None
         if options.resume:
             self.state = checkpoint.read(options.out_dir)
             checkpoint.check(self.state, workload=target.workload.name, requested_plan=self.requested,
                              batch_size=target.batch_size)
-            target = target.with_plan(Plan.from_dict(self.state["adapted_plan"]))
+            target = target.with_plan(checkpoint.resumed_plan(self.state, self.requested))
         self.target, self.budget, self.corpus, self.options = target, budget, corpus, options
-        checkpoint.remove_stale_temporaries(options.out_dir)
+        if self.main:
+            checkpoint.remove_stale_temporaries(options.out_dir)
         self.result = TrainResult(steps=options.steps, out_dir=str(options.out_dir),
                                   predicted_peak_bytes=_predicted_peak(target), plan=self.requested.to_dict(),
-                                  budget_bytes=budget.bytes if budget else None)
+                                  budget_bytes=budget.bytes if budget else None,
+                                  world_size=ranks.world_size if ranks else 1)
         torch.manual_seed(options.seed)
         random.seed(options.seed)
         self.step: TrainStep | None = None
@@ -142,7 +170,8 @@ class _Run:
             # OOM remedies are traced on fake tensors; not while the measurement window's profiler runs
             self.fits = FitPredictor(target, budget or Budget.of_device(target.device),
                                      paused=self.guard.paused if self.guard is not None else None,
-                                     blocked=lambda: self.window is not None and self.window.prof is not None)
+                                     blocked=lambda: self.grouped or (self.window is not None
+                                                                      and self.window.prof is not None))
             if self._expects_oom:
                 # OOMs are expected: trace their remedy before the window opens
                 self.fits.precompute(target.plan, model_facts(target.workload).model)
@@ -153,55 +182,74 @@ class _Run:
 
     def go(self) -> TrainResult:
         result, options = self.result, self.options
-        measured_plan = self.target.plan
         try:
-            with contextlib.ExitStack() as stack:
-                if self.window is not None:
-                    stack.enter_context(self.window)
-                if self.guard is not None:
-                    stack.enter_context(self.guard)
-                    self.guard.armed = False  # the budget applies to steps; building is checked once, below
-                self.step = build_step(self.target, observer=self.guard)
-                start, samples_seen = checkpoint.restore(self.step, self.state) if options.resume else (0, 0)
-                self.state = None  # tensors the checkpoint held that the step did not take are freed here
-                if self.guard is not None:
-                    _arm(self.guard, self.step)
-                if options.resume:
-                    _drop_records_after(options.out_dir / "metrics.jsonl", start)
-                metrics = stack.enter_context(open(options.out_dir / "metrics.jsonl", "a" if options.resume else "w"))
-                bar = stack.enter_context(Progress(options.steps, start=start, budget_bytes=result.budget_bytes,
-                                                   enabled=options.progress))
-                if self._expects_oom and self.guard is not None:
-                    bar.note(f"note: the plan's predicted peak {fmt_bytes(result.predicted_peak_bytes)} is over the "
-                             f"budget {fmt_bytes(self.budget.bytes)}; expect adaptations")
-                last_saved = start
-                batches = self._batches(first_sample=samples_seen, count=options.steps - start)
-                for i in range(start, options.steps):
-                    index = i + 1
-                    batch = next(batches)
-                    rng_at_start = checkpoint.rng_state()
+            if self.ranks is None:
+                measured_plan = self._train()
+            else:
+                with distributed.process_group(self.ranks, self.target.device.kind):
+                    self.grouped = True
                     try:
-                        loss, seconds, measured = self._step(batch, index, bar)
-                    except KeyboardInterrupt:
-                        _save_on_interrupt(options.out_dir, self.step, i, last_saved, samples_seen, rng_at_start,
-                                           self.target.workload.name, self.requested, bar)
-                        raise
-                    samples_seen += self.target.batch_size
-                    if measured:
-                        measured_plan = self.step.plan
-                    self._record(metrics, bar, index, loss, seconds, measured)
-                    if (options.checkpoint_every and index % options.checkpoint_every == 0) or index == options.steps:
-                        checkpoint.save(options.out_dir, self.step, step_index=index, samples_seen=samples_seen,
-                                        workload=self.target.workload.name, requested_plan=self.requested)
-                        last_saved = index
+                        measured_plan = self._train()
+                    finally:
+                        self.grouped = False
         except OutOfAdaptations as e:
             raise _out_of_adaptations(e, self.target, self.budget) from None
         if measured_plan != self.target.plan:  # adapted before the measured step: compare with its own prediction
             result.predicted_peak_bytes = _predicted_peak(self.target.with_plan(measured_plan))
         result.adapted_plan = self.step.plan.to_dict()
-        if options.report:
+        if options.report and self.main:
             result.report = final_report(self.step, options.out_dir, result)
         return result
+
+    def _train(self) -> Plan:
+        """The loop; returns the plan of the step whose peak was measured."""
+        result, options, main = self.result, self.options, self.main
+        measured_plan = self.target.plan
+        with contextlib.ExitStack() as stack:
+            if self.window is not None:
+                stack.enter_context(self.window)
+            if self.guard is not None:
+                stack.enter_context(self.guard)
+                self.guard.armed = False  # the budget applies to steps; building is checked once, below
+            self.step = build_step(self.target, observer=self.guard)
+            start, samples_seen = checkpoint.restore(self.step, self.state) if options.resume else (0, 0)
+            self.state = None  # tensors the checkpoint held that the step did not take are freed here
+            if self.guard is not None:
+                _arm(self.guard, self.step)
+            if options.resume and main:
+                _drop_records_after(options.out_dir / "metrics.jsonl", start)
+            metrics = (stack.enter_context(open(options.out_dir / "metrics.jsonl", "a" if options.resume else "w"))
+                       if main else None)
+            bar = stack.enter_context(Progress(options.steps, start=start, budget_bytes=result.budget_bytes,
+                                               enabled=options.progress and main, quiet=not main))
+            if self._expects_oom and self.guard is not None:
+                bar.note(f"note: the plan's predicted peak {fmt_bytes(result.predicted_peak_bytes)} is over the "
+                         f"budget {fmt_bytes(self.budget.bytes)}; expect adaptations")
+            last_saved = start
+            batches = self._batches(first_sample=samples_seen, count=options.steps - start)
+            for i in range(start, options.steps):
+                index = i + 1
+                batch = next(batches)
+                rng_at_start = checkpoint.rng_state()
+                try:
+                    loss, seconds, measured = self._step(batch, index, bar)
+                except KeyboardInterrupt:
+                    if self.ranks is not None:  # (the other ranks may be inside a collective)
+                        bar.note(f"interrupted; the checkpoint of step {last_saved} is current: --resume continues")
+                        raise
+                    _save_on_interrupt(options.out_dir, self.step, i, last_saved, samples_seen, rng_at_start,
+                                       self.target.workload.name, self.requested, bar)
+                    raise
+                samples_seen += self.target.batch_size
+                if measured:
+                    measured_plan = self.step.plan
+                self._record(metrics, bar, index, loss, seconds, measured)
+                if (options.checkpoint_every and index % options.checkpoint_every == 0) or index == options.steps:
+                    checkpoint.save(options.out_dir, self.step, step_index=index, samples_seen=samples_seen,
+                                    workload=self.target.workload.name, requested_plan=self.requested,
+                                    ranks=self.ranks)
+                    last_saved = index
+        return measured_plan
 
     def _step(self, batch, index: int, bar: Progress) -> tuple[float, float, bool]:
         """Run step ``index``, adapting on out-of-memory errors (``self.step`` is then the adapted
@@ -224,12 +272,17 @@ class _Run:
 
         t0 = time.perf_counter()
         with self.window.step(index) if measuring else contextlib.nullcontext():
-            loss, self.step = run_adapting(self.step, batch, adapted, self.fits, rebuild_step=self._rebuild)
+            loss, self.step = run_adapting(self.step, batch, adapted, self.fits, rebuild_step=self._rebuild,
+                                           decide=self.ranks.decide if self.ranks else None)
+        if self.ranks is not None:
+            loss = self.ranks.mean(loss)  # (equal shares: the global batch's loss)
         seconds = time.perf_counter() - t0
         measuring = measuring and len(result.adaptations) == adaptations_before
         if measuring:
             result.measured_peak_bytes = self.window.finish(index)
             self.window = None
+            if self.ranks is not None:
+                result.measured_peak_bytes_per_rank = self.ranks.gather(result.measured_peak_bytes)
         result.losses.append(loss)
         if guard is not None:
             result.guard_peak_bytes = max(result.guard_peak_bytes or 0, guard.peak_bytes)
@@ -255,15 +308,24 @@ class _Run:
         mine = [a for a in result.adaptations if a["step"] == index]
         if mine:  # this step's, with their causes
             record["adaptations"] = mine
-        metrics.write(json.dumps(record) + "\n")
-        metrics.flush()
+        if measured and result.measured_peak_bytes_per_rank:
+            record["peak_bytes_per_rank"] = result.measured_peak_bytes_per_rank
+        if metrics is not None:
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
         bar.update(index, loss=loss, rate=rate, unit=unit, peak_bytes=peak)
 
     def _batches(self, *, first_sample: int, count: int):
+        """The step's batches: the whole batch, or a rank's share of each global batch."""
+        target, ranks = self.target, self.ranks
+        for batch in self._global_batches(first_sample=first_sample, count=count):
+            yield batch if ranks is None else distributed.rank_share(batch, ranks, target.rank_batch_size)
+
+    def _global_batches(self, *, first_sample: int, count: int):
         target, workers = self.target, self.options.workers
         if self.corpus is None:
             while True:
-                yield make_batch(target)
+                yield make_batch(target, whole=True)
         on_gpu = target.device.is_gpu
         workers = (2 if on_gpu else 0) if workers is None else workers
         for batch in text_batches(self.corpus, target.workload.info.seq_len - 1, target.batch_size,
@@ -296,12 +358,16 @@ def _corpus(wl: Workload, data: str | None):
     return ByteCorpus(data) if info.text_lm else None
 
 
-def _choose_plan(target: Target, plan: Plan | str | None, budget: str | int | None) -> tuple[Target, Budget | None]:
+def _choose_plan(target: Target, plan: Plan | str | None, budget: str | int | None,
+                 world_size: int = 1) -> tuple[Target, Budget | None]:
+    """The plan to train with (given, or the planner's for the budget, per rank at ``world_size``
+    ranks) and the budget enforced."""
     if isinstance(plan, str):
         plan = Plan.load(plan)
     budget_obj = Budget.resolve(budget, target.device) if budget is not None else None
     if plan is None and budget is not None:
-        found = make_plan(target.workload, budget=budget, batch_size=target.batch_size, device=target.device)
+        found = make_plan(target.workload, budget=budget, batch_size=target.batch_size, device=target.device,
+                          fixed={"world_size": world_size} if world_size > 1 else None)
         if found.chosen is None:
             smallest = found.smallest
             hint = (f"; the smallest footprint found is {fmt_bytes(smallest.used_bytes)} with "
@@ -309,7 +375,10 @@ def _choose_plan(target: Target, plan: Plan | str | None, budget: str | int | No
                     if smallest is not None else "; give a larger budget or a smaller --batch-size")
             raise UserError(f"no plan fits the budget of {fmt_bytes(budget_obj.bytes)}{hint}")
         plan = found.chosen.plan
-    return target.with_plan(plan or Plan()), budget_obj
+    plan = on_ranks(plan or Plan(), world_size)
+    target = target.with_plan(plan)
+    target.rank_batch_size  # (refuses a batch that does not split over the ranks)
+    return target, budget_obj
 
 
 def _predicted_peak(target: Target) -> int:

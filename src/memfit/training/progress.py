@@ -16,8 +16,10 @@ from memfit.units import fmt_bytes
 
 class Progress:
     def __init__(self, total: int, *, start: int = 0, budget_bytes: int | None = None, enabled: bool = True,
-                 every_seconds: float = 10.0, stream=None):
+                 every_seconds: float = 10.0, stream=None, quiet: bool = False):
         self.total, self.start, self.budget = total, start, budget_bytes
+        self.quiet = quiet
+        """No notes either (a rank other than 0: rank 0 says the same)."""
         self.enabled, self.every = enabled, every_seconds
         self.stream = stream or sys.stderr
         self._last_line = float("-inf")
@@ -59,6 +61,8 @@ class Progress:
 
     def note(self, message: str) -> None:
         """A line that stays (an adaptation, a warning), printed even when the bar is off."""
+        if self.quiet:
+            return
         if self._console is not None:
             self._console.print(message, markup=False, highlight=False)
         else:

@@ -53,7 +53,11 @@ def render(summary: dict) -> str:
     """The report as text for the terminal."""
     lines = []
     pred, meas = summary.get("predicted_peak_bytes"), summary.get("measured_peak_bytes")
-    if pred and meas:
+    per_rank = summary.get("measured_peak_bytes_per_rank")
+    if pred and per_rank:
+        lines.append(f"steady-state peak per rank: predicted {fmt_bytes(pred)}, measured "
+                     + ", ".join(f"rank {r} {fmt_bytes(m)} ({100 * (pred - m) / m:+.2f}%)" for r, m in enumerate(per_rank)))
+    elif pred and meas:
         lines.append(f"steady-state peak: predicted {fmt_bytes(pred)}, measured {fmt_bytes(meas)} "
                      f"({100 * (pred - meas) / meas:+.2f}%)")
     if summary.get("budget_bytes"):
@@ -94,6 +98,7 @@ def final_report(step, out_dir: Path, result) -> dict:
         "steps": result.steps, "final_loss": result.losses[-1] if result.losses else None,
         "plan": result.plan, "adapted_plan": result.adapted_plan, "adaptations": result.adaptations,
         "predicted_peak_bytes": result.predicted_peak_bytes, "measured_peak_bytes": result.measured_peak_bytes,
+        "world_size": result.world_size, "measured_peak_bytes_per_rank": result.measured_peak_bytes_per_rank,
         "budget_bytes": result.budget_bytes, "guard_peak_bytes": result.guard_peak_bytes,
         "plan_device_peak_bytes": base.peak_bytes,
         "technique_savings": technique_savings(target, base.peak_bytes),
