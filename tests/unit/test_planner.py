@@ -86,20 +86,23 @@ def test_cli_writes_a_plan_that_estimate_accepts(tmp_path, capsys):
     assert main(["plan", "mha", "-b", "4", "--budget", "60MiB", "--out", str(out), "--format", "hf",
                  "--pareto", str(tmp_path / "p.png")]) == 0
     text = capsys.readouterr().out
-    assert "TrainingArguments(**" in text and (tmp_path / "p.png").stat().st_size > 5000
+    assert "TrainingArguments(**{" in text and (tmp_path / "p.png").stat().st_size > 5000
     assert Plan.from_dict(yaml.safe_load(out.read_text()))
     assert main(["estimate", "mha", "-b", "4", "--plan", str(out), "--json"]) == 0
 
 
 def test_exports():
     p = Plan(precision="bf16", micro_batch_size=2, checkpointing="blocks", optimizer="adamw8bit", loss_chunks=8)
-    hf, unmapped = to_hf(p, 8)
-    assert hf == {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4, "optim": "adamw_bnb_8bit",
-                  "bf16": True, "gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False}}
-    assert any("loss_chunks" in u for u in unmapped)
-    lt, unmapped = to_lightning(p, 8)
-    assert lt == {"precision": "bf16-mixed", "accumulate_grad_batches": 4}
-    assert any("DataLoader" in u for u in unmapped) and any("checkpointing" in u for u in unmapped)
+    hf = to_hf(p, 8)
+    assert hf.kwargs == {"output_dir": "trainer_output", "per_device_train_batch_size": 2,
+                         "gradient_accumulation_steps": 4, "optim": "adamw_bnb_8bit", "bf16": True,
+                         "gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False},
+                         "max_grad_norm": 0.0}
+    assert hf.unmapped == ("loss_chunks: 8",)
+    lt = to_lightning(p, 8)
+    assert lt.kwargs == {"precision": "bf16-mixed", "accumulate_grad_batches": 4}
+    assert lt.notes == ("DataLoader(batch_size=2): 4 of them make the plan's batch of 8",)
+    assert lt.unmapped == ("checkpointing: blocks", "optimizer: adamw8bit", "loss_chunks: 8")
 
 
 @pytest.mark.slow  # (keeps the default suite under 10 minutes)

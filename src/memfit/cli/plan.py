@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from memfit.cli.common import add_plan_args, add_workload_args, batch_and_seq, plan_from_args, print_json
 
@@ -18,7 +17,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget", help="memory budget: 20GiB, 1.5GB, 80%% of the device; default: capacity minus 10%%")
     p.add_argument("--out", metavar="FILE", help="write the chosen plan (YAML, or JSON for .json)")
     p.add_argument("--format", choices=("yaml", "hf", "lightning"), default="yaml",
-                   help="also print the plan as Hugging Face TrainingArguments or Lightning Trainer arguments")
+                   help="also print the plan as Hugging Face TrainingArguments or Lightning Trainer keyword "
+                        "arguments (accepted unchanged), what they cannot carry and memfit's callback that applies it")
     p.add_argument("--pareto", metavar="FILE.png", help="write a memory vs time plot of the evaluated plans")
     p.add_argument("--optimizers", default="adamw,adamw8bit",
                    help="optimizer variants to consider (adamw,adamw8bit,adafactor,sgd)")
@@ -96,8 +96,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         out = result.to_json()
         if result.chosen:
-            out["hf_training_arguments"], out["hf_unmapped"] = to_hf(result.chosen.plan, result.batch_size)
-            out["lightning_trainer"], out["lightning_unmapped"] = to_lightning(result.chosen.plan, result.batch_size)
+            for name, key, to in (("hf", "hf_training_arguments", to_hf), ("lightning", "lightning_trainer", to_lightning)):
+                arguments = to(result.chosen.plan, result.batch_size, args.device)
+                out[key] = arguments.kwargs
+                out[f"{name}_unmapped"], out[f"{name}_notes"] = list(arguments.unmapped), list(arguments.notes)
+                out[f"{name}_callback"] = arguments.callback if arguments.unmapped else None
         if ranks:
             out["world_sizes_tried"] = tried
             out["smallest_world_size"] = tried[-1] if result.chosen else None
@@ -107,10 +110,15 @@ def run(args: argparse.Namespace) -> int:
         if ranks:
             print(ranks)
         if result.chosen and args.format != "yaml":
-            kwargs, unmapped = (to_hf if args.format == "hf" else to_lightning)(result.chosen.plan, result.batch_size)
-            print(("TrainingArguments(**" if args.format == "hf" else "Trainer(**") + json.dumps(kwargs) + ")")
-            for u in unmapped:
-                print(f"  not mapped: {u}")
+            arguments = (to_hf if args.format == "hf" else to_lightning)(result.chosen.plan, result.batch_size,
+                                                                         args.device)
+            print(arguments.python())
+            for note in arguments.notes:
+                print(f"  in your code: {note}")
+            for setting in arguments.unmapped:
+                print(f"  not carried by these arguments: {setting}")
+            if arguments.unmapped:
+                print(f"  -> {arguments.callback_line(args.out)}")
         if result.chosen and args.out:
             print(f"plan written to {args.out}")
         if args.pareto:

@@ -1,28 +1,93 @@
-"""Export a plan to Hugging Face TrainingArguments or Lightning Trainer arguments.
+"""Export a plan to Hugging Face ``TrainingArguments`` or Lightning ``Trainer`` arguments.
 
-Each technique maps itself (``Config.export``): what maps is returned as keyword arguments; what
-has no equivalent there is listed, so nothing is silently dropped (memfit's TrainStep applies all
-of it).
+The keyword arguments are ones ``TrainingArguments(**kwargs)`` / ``Trainer(**kwargs)`` accept
+unchanged (tested against the installed transformers, and lightning where it is installed), and
+they say what runs: where the trainer's default differs from the plan, the plan's value is written
+(``max_grad_norm=0.0``: the Trainer clips at 1.0 by default). Each technique maps itself
+(``Config.export``); what the arguments cannot carry is listed as plan keys, and the export names
+memfit's callback for that trainer, which applies them; what the user's own code sets (how the model
+is loaded, the DataLoader's batch size) is listed as notes. Nothing is silently dropped.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+
+from memfit.devices import Device, get_device
 from memfit.plans import Plan
 from memfit.techniques.base import Export
 
+HF_CALLBACK = "memfit.integrations.transformers.MemfitCallback"
+LIGHTNING_CALLBACK = "memfit.integrations.lightning.MemfitCallback"
+HF_OUTPUT_DIR = "trainer_output"
+"""transformers' own default output_dir (4.50 and later); earlier releases require the argument, so
+the export writes it: the user changes it to theirs."""
 
-def export(plan: Plan, batch_size: int) -> Export:
-    into = Export(batch_size)
+
+@dataclass(frozen=True)
+class TrainerArguments:
+    """One trainer's arguments for a plan: what its keyword arguments carry, and the rest."""
+
+    call: str
+    """What the arguments are for: ``TrainingArguments`` or ``Trainer``."""
+    kwargs: dict
+    """Keyword arguments the call accepts unchanged."""
+    unmapped: tuple[str, ...]
+    """Plan settings the arguments cannot carry (as plan keys): :attr:`callback` applies them."""
+    notes: tuple[str, ...]
+    """What the user's own code sets (how the model is loaded, the DataLoader's batch size)."""
+    callback: str
+    """memfit's callback for this trainer (the import path)."""
+
+    def python(self) -> str:
+        """The call as a line of Python: ``TrainingArguments(**{"output_dir": "trainer_output", "bf16": True})``
+        (strings in double quotes, so the dict reads as JSON too, except for True/False/None)."""
+        return f"{self.call}(**{_literal(self.kwargs)})"
+
+    def callback_line(self, plan_file: str | None = None) -> str | None:
+        """How to apply what the arguments cannot carry; None when they carry the whole plan."""
+        if not self.unmapped:
+            return None
+        where = "" if plan_file else " (write the plan with memfit plan ... --out plan.yaml)"
+        return f"{self.callback}(plan={plan_file or 'plan.yaml'!r}) in the Trainer's callbacks applies these{where}"
+
+
+def _literal(value) -> str:
+    """``value`` (plain data) as a Python literal with double-quoted strings."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_literal(k)}: {_literal(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_literal(v) for v in value) + "]"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)
+
+
+def export(plan: Plan, batch_size: int, device: Device | str | None = None) -> Export:
+    """Every technique's arguments for ``plan`` at ``batch_size`` (global), resolved for ``device``
+    (``precision: auto``) when one is given. Arguments of the device go first, so a technique's
+    (a sharded plan's ``devices``) take their place."""
+    dev = get_device(device) if device is not None else None
+    into = Export(plan.config("shard").rank_batch(batch_size))  # per device, as both trainers count it
+    into.hf["output_dir"] = HF_OUTPUT_DIR
+    if dev is not None:
+        if dev.is_gpu:
+            into.lightning.update(accelerator="gpu", devices=1)
+        else:  # a plan for this machine's CPU runs there
+            into.hf["use_cpu"] = True
+            into.lightning.update(accelerator="cpu", devices=1)
     for config in plan.techniques:
-        config.export(into)
+        (config.resolve(dev) if dev is not None else config).export(into)
     return into
 
 
-def to_hf(plan: Plan, batch_size: int) -> tuple[dict, list[str]]:
-    into = export(plan, batch_size)
-    return into.hf, into.hf_unmapped
+def to_hf(plan: Plan, batch_size: int, device: Device | str | None = None) -> TrainerArguments:
+    into = export(plan, batch_size, device)
+    return TrainerArguments("TrainingArguments", into.hf, tuple(into.hf_unmapped), tuple(into.hf_notes), HF_CALLBACK)
 
 
-def to_lightning(plan: Plan, batch_size: int) -> tuple[dict, list[str]]:
-    into = export(plan, batch_size)
-    return into.lightning, into.lightning_unmapped
+def to_lightning(plan: Plan, batch_size: int, device: Device | str | None = None) -> TrainerArguments:
+    into = export(plan, batch_size, device)
+    return TrainerArguments("Trainer", into.lightning, tuple(into.lightning_unmapped), tuple(into.lightning_notes),
+                            LIGHTNING_CALLBACK)

@@ -102,7 +102,8 @@ class Accumulation(Config):
         micro, n = self.micro_batches(into.batch_size)
         into.hf.update(per_device_train_batch_size=micro, gradient_accumulation_steps=n)
         into.lightning["accumulate_grad_batches"] = n
-        into.lightning_unmapped.insert(0, f"micro-batch size {micro}: set it as the DataLoader's batch_size")
+        into.lightning_notes.append(f"DataLoader(batch_size={micro})" + (
+            f": {n} of them make the plan's batch of {micro * n}" if n > 1 else ": the plan's batch"))
 
 
 def _micro_batch_text(text: str):

@@ -151,7 +151,7 @@ class SDPAttention(Attention):
             parts.model.set_attn_implementation("sdpa")  # Hugging Face models
 
     def export(self, into: Export) -> None:
-        into.hf_unmapped.append("attention: sdpa -> pass attn_implementation='sdpa' to from_pretrained")
+        into.hf_notes.append("attention: sdpa: load the model with from_pretrained(..., attn_implementation='sdpa')")
 
 
 @dataclass(frozen=True)
@@ -166,6 +166,9 @@ class MathAttention(Attention):
 
     def context(self) -> contextlib.AbstractContextManager:
         return sdpa_kernel([SDPBackend.MATH])
+
+    def export(self, into: Export) -> None:
+        into.not_carried(self)
 
 
 @dataclass(frozen=True)
@@ -188,8 +191,7 @@ class ChunkedAttention(Attention):
         return ChunkedSDPA(self.chunk_size)
 
     def export(self, into: Export) -> None:
-        into.hf_unmapped.append("attention: chunked")
-        into.in_lightning_module("attention: chunked")
+        into.not_carried(self)
 
 
 def parse(values: dict) -> Attention:

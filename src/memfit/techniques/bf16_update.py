@@ -163,8 +163,7 @@ class CompensatedUpdate(BF16Update):
         parts.optimizer_factory = compensated(parts.optimizer_factory, self.rounding)
 
     def export(self, into: Export) -> None:
-        into.hf_unmapped.append(f"bf16_update: {self.rounding} (no TrainingArguments equivalent)")
-        into.in_lightning_module(f"bf16_update: {self.rounding}")
+        into.not_carried(self)
 
 
 def parse(values: dict) -> BF16Update:

@@ -175,8 +175,7 @@ class Checkpointing(Config):
         return [(f"checkpointing {self.text}", NoAC())]
 
     def export(self, into: Export) -> None:
-        into.hf_unmapped.append(f"checkpointing: {self.text} (TrainingArguments checkpoints every layer only)")
-        into.in_lightning_module(f"checkpointing: {self.text}")
+        into.not_carried(self)  # TrainingArguments checkpoints every layer or none
 
 
 @dataclass(frozen=True)
@@ -230,7 +229,7 @@ class BlocksAC(Checkpointing):
         if self.every != 1:
             return super().export(into)
         into.hf.update(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
-        into.in_lightning_module(f"checkpointing: {self.text}")
+        into.not_carried(self, hf=False)
 
 
 @dataclass(frozen=True)

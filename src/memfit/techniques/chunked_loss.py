@@ -133,8 +133,7 @@ class ChunkedLoss(LossChunking):
         return [(f"chunked loss ({self.chunks})", FullLoss())]
 
     def export(self, into: Export) -> None:
-        into.hf_unmapped.append(f"loss_chunks: {self.chunks}")
-        into.in_lightning_module(f"loss_chunks: {self.chunks}")
+        into.not_carried(self)
 
 
 def parse(values: dict) -> LossChunking:

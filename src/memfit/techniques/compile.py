@@ -93,10 +93,9 @@ class Compile(Config):
         return graph.forward_ops
 
     def export(self, into: Export) -> None:
-        into.hf["torch_compile"] = True
-        if self.mode == "blocks":
-            into.hf_unmapped.append("compile: blocks (TrainingArguments compiles the whole model)")
-        into.in_lightning_module(f"compile: {self.mode} (torch.compile in configure_model)")
+        if self.mode == "full":  # TrainingArguments compiles the whole model, never block by block
+            into.hf["torch_compile"] = True
+        into.not_carried(self, hf=self.mode != "full")
 
 
 def _budget(parts) -> float | None:

@@ -70,8 +70,7 @@ class EMA(WeightAverage):
         return [(f"EMA on {self.device}", dataclasses.replace(self, device="device"))]
 
     def export(self, into: Export) -> None:
-        into.hf_unmapped.append("ema")
-        into.in_lightning_module(f"ema: {self}")
+        into.not_carried(self)
 
 
 class ShadowWeights:

@@ -36,6 +36,9 @@ class NoClipping(GradClipping):
 
     max_norm = None
 
+    def export(self, into: Export) -> None:
+        into.hf["max_grad_norm"] = 0.0  # the Trainer clips at 1.0 unless told not to; Lightning does not clip
+
 
 @dataclass(frozen=True)
 class ClipGradNorm(GradClipping):

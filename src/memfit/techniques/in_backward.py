@@ -92,8 +92,7 @@ class StepInBackward(UpdateTiming):
         return [("optimizer in backward", StepAfterBackward())]
 
     def export(self, into: Export) -> None:
-        into.hf_unmapped.append("optimizer_in_backward")
-        into.in_lightning_module("optimizer_in_backward: True")
+        into.not_carried(self)
 
 
 def _flag(text: str) -> bool:

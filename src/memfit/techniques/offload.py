@@ -154,8 +154,7 @@ class Offload(Config):
 
     def export(self, into: Export) -> None:
         if self.items:
-            into.hf_unmapped.append(f"offload: {list(self.items)} (needs a DeepSpeed or FSDP offload config)")
-            into.in_lightning_module(f"offload: {self.items}")
+            into.not_carried(self)
 
 
 def _items_text(text: str) -> list[str]:

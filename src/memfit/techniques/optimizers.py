@@ -75,8 +75,10 @@ class OptimizerVariant(Config):
     def export(self, into: Export) -> None:
         into.hf["optim"] = {"adamw": "adamw_torch", "adamw8bit": "adamw_bnb_8bit", "adafactor": "adafactor",
                             "sgd": "sgd"}[self.name]
-        if self.name != "adamw":
-            into.in_lightning_module(f"optimizer: {self.name}")
+        if self.name == "sgd":
+            into.hf["optim_args"] = "momentum=0.9"  # SGDMomentum's one state buffer (the Trainer's default is 0)
+        if self.name != "adamw":  # Lightning: the LightningModule's configure_optimizers builds the optimizer
+            into.not_carried(self, hf=False)
 
 
 @dataclass(frozen=True)

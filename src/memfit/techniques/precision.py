@@ -182,8 +182,9 @@ class BF16Pure(Precision):
 
     def export(self, into: Export) -> None:
         super().export(into)
-        into.hf["bf16"] = True
-        into.hf_unmapped.append("precision: bf16-pure -> load the model with torch_dtype=torch.bfloat16")
+        into.hf["bf16"] = True  # with the model loaded in bf16, autocast changes nothing: all of it is bf16
+        into.hf_notes.append("precision: bf16-pure: load the model in bf16 (from_pretrained(..., "
+                             "dtype=torch.bfloat16), or model.to(torch.bfloat16))")
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,7 @@ class AutoPrecision(Precision):
         return Autocast("bf16") if device.bf16 else Autocast("fp16") if device.fp16 else FP32()
 
     def export(self, into: Export) -> None:
-        into.hf_unmapped.append("precision: auto (resolve it for the device first)")
+        into.not_carried("precision: auto (export the plan for a device: --device resolves it)")
 
 
 def parse(values: dict) -> Precision:

@@ -81,10 +81,11 @@ def test_bad_values_and_combinations_are_plan_errors():
 
 
 def test_exports_and_the_command_line(capsys):
-    hf, _ = to_hf(Plan(max_grad_norm=1.0), 8)
-    assert hf["max_grad_norm"] == 1.0
-    lightning, _ = to_lightning(Plan(max_grad_norm=1.0), 8)
+    assert to_hf(Plan(max_grad_norm=1.0), 8).kwargs["max_grad_norm"] == 1.0
+    assert to_hf(Plan(), 8).kwargs["max_grad_norm"] == 0.0  # no clipping: the Trainer's default clips at 1.0
+    lightning = to_lightning(Plan(max_grad_norm=1.0), 8).kwargs
     assert lightning["gradient_clip_val"] == 1.0 and lightning["gradient_clip_algorithm"] == "norm"
+    assert "gradient_clip_val" not in to_lightning(Plan(), 8).kwargs
     assert Plan(max_grad_norm=1.0).short() == "fp32 clip=1"
     assert main(["estimate", "mha", "-b", "2", "--max-grad-norm", "1.0", "--json"]) == 0
     assert '"max_grad_norm": 1.0' in capsys.readouterr().out
