@@ -340,8 +340,8 @@ class _TracedDevice:
 
 
 def on_ranks(plan, world_size: int):
-    """``plan`` for a run of ``world_size`` processes (``memfit train --nproc``): a plan that does not
-    say how it is sharded is sharded over them; one that says otherwise is refused."""
+    """``plan`` for a run of ``world_size`` processes (``memfit train --nproc``): a plan of one process
+    (world_size 1) is sharded over them with FSDP2; a plan of another world size is refused."""
     config = plan.config("shard")
     if world_size == 1:
         if config.world_size > 1:
@@ -353,9 +353,6 @@ def on_ranks(plan, world_size: int):
     if config.world_size > 1:
         raise UserError(f"plan: world_size {config.world_size}, and --nproc {world_size} processes run it; make them "
                         "the same")
-    if plan.shard == "none":
-        raise UserError(f"plan: shard: none, and --nproc {world_size} runs it on several processes, which memfit "
-                        "shards with FSDP2; remove shard: none, or train without --nproc")
     return plan.replace(world_size=world_size)
 
 

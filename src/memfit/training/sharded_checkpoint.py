@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -81,7 +82,9 @@ def load(step, state: dict) -> None:
 
     _check_plain_optimizer(step)
     model, optim = get_state_dict(step.model, step.optimizer)  # (the layout to read into)
-    dcp.load({"model": model, "optim": optim}, checkpoint_id=state["folder"])
+    with warnings.catch_warnings():  # (that one process reads it is the point)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load({"model": model, "optim": optim}, checkpoint_id=state["folder"])
     set_state_dict(step.model, step.optimizer, model_state_dict=model, optim_state_dict=optim)
 
 
