@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = ["Plan", "plan", "train", "TrainResult", "Workload", "load_workload", "build_step", "TrainStep", "Target",
+__all__ = ["apply", "Plan", "plan", "train", "TrainResult", "Workload", "load_workload", "build_step", "TrainStep", "Target",
            "estimate", "profile", "MemoryReport", "Budget", "UserError", "get_device", "__version__"]
 
 _LAZY = {
+    "apply": "memfit.integrations.apply",
     "Plan": "memfit.plans",
     "plan": "memfit.planner.search",
     "train": "memfit.training.loop",
@@ -35,6 +36,7 @@ _LAZY = {
 
 if TYPE_CHECKING:  # pragma: no cover
     from memfit.devices import get_device
+    from memfit.integrations.apply import apply
     from memfit.errors import UserError
     from memfit.memory.budget import Budget
     from memfit.memory.estimate import estimate

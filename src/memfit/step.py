@@ -120,10 +120,27 @@ class TrainStep:
             raise missing from e
 
     def _run(self, batch: Any) -> torch.Tensor:
-        obs, n = self._observer, self.num_micro_batches
+        self.zero_grad()
+        total = self.forward_backward(batch)
+        self.update()
+        return total
+
+    # The step's three parts, for a loop of the user's own (memfit.apply): ``step.zero_grad()``,
+    # ``loss = step.forward_backward(batch)`` and ``step.update()`` in place of
+    # ``optimizer.zero_grad()``, ``loss = loss_fn(model, batch); loss.backward()`` and
+    # ``optimizer.step()``. ``run`` is the three in order.
+
+    def zero_grad(self) -> None:
+        """Drop the gradients (``set_to_none``: their memory is freed until backward makes them)."""
         self.phase = "zero_grad"
-        with obs.phase("zero_grad"):
+        with self._observer.phase("zero_grad"):
             self.optimizer.zero_grad(set_to_none=True)
+        self.phase = "idle"
+
+    def forward_backward(self, batch: Any) -> torch.Tensor:
+        """Forward and backward of ``batch`` (in the plan's micro-batches, under its precision and
+        contexts, the loss scaled for fp16); gradients accumulate. Returns the batch's loss, detached."""
+        obs, n = self._observer, self.num_micro_batches
         batch = self.precision.prepare_batch(batch)
         micro = split_batch(batch, self.rank_batch_size, n) if n > 1 else [batch]
         total = None
@@ -144,8 +161,14 @@ class TrainStep:
                     self.scaler.scale(loss).backward()
                 total = loss.detach() if total is None else total + loss.detach()
                 del loss
+        self.phase = "idle"
+        return total
+
+    def update(self) -> None:
+        """The optimizer step, with the hooks the plan runs before it (clipping) and after it (EMA,
+        the loss scaler's update)."""
         self.phase = "optimizer"
-        with obs.phase("optimizer"):
+        with self._observer.phase("optimizer"):
             for hook in self._before_update:
                 hook(self)
             self.scaler.step(self.optimizer)
@@ -153,7 +176,6 @@ class TrainStep:
             for hook in self._after_update:
                 hook()
         self.phase = "idle"
-        return total
 
     def __call__(self, batch: Any) -> float:
         return float(self.run(batch))

@@ -25,6 +25,7 @@ FLOORS = (
     ("memfit.memory",),    # estimate, measure, reports, budgets
     ("memfit.planner",),
     ("memfit.training",),
+    ("memfit.integrations",),  # memfit in the user's loop, Hugging Face's Trainer, Lightning
     ("memfit.report",),    # terminal tables
     ("memfit.cli",),
 )
