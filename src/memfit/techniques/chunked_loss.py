@@ -44,7 +44,33 @@ def _chunk_loss(hidden, labels, weight, bias):
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+FORWARD_METHOD = "memfit_chunked_loss"
+"""The model's method that runs the chunked loss when the model is sharded (see
+:func:`as_sharded_forward`)."""
+
+
 def chunked_lm_loss(model, batch, chunks: int) -> torch.Tensor:
+    method = getattr(model, FORWARD_METHOD, None)
+    if method is not None:
+        return method(batch, chunks)
+    return _chunked_lm_loss(model, batch, chunks)
+
+
+def as_sharded_forward(model) -> None:
+    """With FSDP2, the root module's parameters (embeddings, final norm, head) are gathered around
+    its ``forward``, and the chunked loss calls the body and the head instead. So the loss becomes
+    one of the root's forward methods (FSDP2's ``register_fsdp_forward_method``): the root's
+    parameters are gathered for it, and their gradients reduce-scattered after its backward."""
+    import types
+
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+    if not isinstance(model, FSDPModule):
+        return
+    setattr(model, FORWARD_METHOD, types.MethodType(_chunked_lm_loss, model))
+    register_fsdp_forward_method(model, FORWARD_METHOD)
+
+
+def _chunked_lm_loss(model, batch, chunks: int) -> torch.Tensor:
     labels = batch["labels"]
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     hidden = model.base_model(**inputs).last_hidden_state
@@ -65,8 +91,9 @@ def check_supported(model) -> None:
         PreTrainedModel = ()  # noqa: N806
     config = getattr(model, "config", None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    causal = _causal_lm_classes()  # (FSDP2 makes a subclass, FSDP<class>, of a sharded model's class)
     if not isinstance(model, PreTrainedModel) or head is None or getattr(config, "is_encoder_decoder", False) \
-            or type(model).__name__ not in _causal_lm_classes():
+            or not any(c.__name__ in causal for c in type(model).__mro__):
         raise UserError("loss_chunks needs a Hugging Face causal language model (a ...ForCausalLM with labels in "
                         "the batch); set loss_chunks: 0 for this workload")
     for attr in ("final_logit_softcapping", "logit_scale"):
@@ -87,6 +114,7 @@ def chunked_loss_fn(loss_fn, model, chunks: int):
     """The step's loss for ``model`` with the LM cross-entropy computed in ``chunks`` slices
     (``loss_fn`` itself is not called: the chunked loss replaces it)."""
     check_supported(model)
+    as_sharded_forward(model)
 
     def loss(m, batch):
         if not isinstance(batch, dict) or "labels" not in batch:

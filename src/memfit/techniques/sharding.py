@@ -112,9 +112,6 @@ class FSDP2(Sharding):
             refuse("offload: optimizer_states", "use shard_offload: true, FSDP2's own CPU offload")
         if plan.config("ema").is_default is False:
             refuse("ema", "the average would be of the sharded parameters")
-        if not plan.config("loss_chunks").is_default:
-            refuse(f"loss_chunks: {plan.loss_chunks}", "its head and loss run outside the root module's forward, "
-                   "where FSDP2 gathers the root's parameters and hooks their gradients' reduction")
         if plan.precision == "fp16":
             refuse("precision: fp16", "its loss scaler checks each rank's shard of the gradients for overflow "
                    "alone, so the ranks could disagree on skipping a step; use bf16")

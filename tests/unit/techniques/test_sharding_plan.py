@@ -20,9 +20,10 @@ SMALL = "gpt2:n_layer=2,n_embd=64,n_head=2,vocab_size=256,n_positions=32"
     ({"world_size": 2, "optimizer_in_backward": True}, 8, "shard: fsdp with optimizer_in_backward"),
     ({"world_size": 2, "compile": "blocks"}, 8, "shard: fsdp with compile: blocks"),
     ({"world_size": 2, "offload": ["optimizer_states"]}, 8, "use shard_offload: true"),
-    ({"world_size": 2, "loss_chunks": 8}, 8, "shard: fsdp with loss_chunks: 8"),
     ({"world_size": 2, "precision": "bf16", "shard_param_dtype": "bf16"}, 8, "both cast the compute"),
     ({"shard": "zero3"}, 8, "shard 'zero3' is not valid"),
+    ({"world_size": 2, "precision": "fp16"}, 8, "shard: fsdp with precision: fp16"),
+    ({"world_size": 2, "ema": {"decay": 0.9}}, 8, "shard: fsdp with ema"),
 ])
 def test_bad_sharded_plans_are_refused_with_the_fix(fields, batch, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
