@@ -1,0 +1,383 @@
+"""memfit in a Lightning ``Trainer``: memfit's one step is the LightningModule's training step.
+
+A plan's techniques are not all things Lightning's automatic optimization can express: it steps
+one optimizer after backward (no optimizer in backward), calls the user's loss on whole logits (no
+chunked loss), and accumulates over DataLoader batches rather than splitting one. So memfit does
+not rebuild them in Lightning: the plan is applied through ``memfit.apply`` (the same ``build_step``
+that estimate, profile and ``memfit train`` run) and the module trains with manual optimization::
+
+    class LitGPT(MemfitModule, lightning.LightningModule):   # MemfitModule first
+        def __init__(self):
+            super().__init__()
+            self.model = GPT2LMHeadModel(config)             # the network the plan applies to
+
+        def memfit_optimizer(self, params):                  # optional (default AdamW lr=1e-4)
+            return torch.optim.AdamW(params, lr=3e-4)
+
+        def memfit_loss(self, model, batch):                 # optional (default model(**batch).loss)
+            return model(**batch).loss
+
+    trainer = lightning.Trainer(max_steps=1000, callbacks=[MemfitCallback(plan="plan.yaml")])
+
+The contract: :class:`MemfitModule` supplies ``configure_model`` (the callback applies the plan
+there), ``configure_optimizers`` (:class:`StepOptimizer`: Lightning counts and checkpoints memfit's
+optimizer; its ``step()`` is memfit's update) and ``training_step`` (zero_grad, memfit's
+``forward_backward``, the update; logs ``train_loss``). A subclass that defines ``configure_model``
+or ``training_step`` calls ``super()``'s. The DataLoader gives the plan's whole batch: memfit
+splits it into the plan's micro-batches and runs its precision, clipping and EMA itself, so the
+Trainer must not do them too: ``accumulate_grad_batches`` stays 1, ``gradient_clip_val`` is unset
+or the plan's ``max_grad_norm``, and ``precision`` is the default or the plan's own (then
+Lightning's precision plugin is replaced by the plain one, as memfit's step autocasts and scales).
+Anything else is one line naming what to change, raised before the first step.
+
+``MemfitCallback(budget="8GiB")`` plans instead: on the module's network and one batch drawn from
+the train DataLoader (shapes only), with the Trainer's precision and clipping fixed in the plan.
+
+Memory: the callback logs ``memfit/predicted_peak_bytes`` (estimated on a fake copy of the network
+before the plan is applied) and ``memfit/measured_peak_bytes`` with ``pl_module.log``, so they reach
+the user's loggers, and warns when a measurement exceeds the prediction by more than ``tolerance``.
+NOTE [ What the window sees ]: on a CPU the measurement is ``profile``'s, the profiler's allocator
+events, whose running sum only counts what was allocated after the profiler started. It starts
+just before the plan is applied, so gradients, optimizer states and what the plan converts are
+counted; the network's own storages, alive before, are added as a baseline. Only the second step
+is measured there (the steady state; a profiler over a whole run costs too much); it sees one
+batch more than memfit's step holds, the one Lightning's fetcher prefetched. On a GPU it is
+``torch.cuda.max_memory_allocated`` over every step from the second on.
+
+Not covered: several devices (``Trainer(devices>1)``; memfit's sharded plans run with ``memfit
+train --nproc N``), LR schedulers from ``configure_optimizers`` (step one on ``step.optimizer``
+yourself), parameters of the LightningModule outside ``memfit_model()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import gc
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from memfit.devices import get_device
+from memfit.errors import UserError
+from memfit.integrations.apply import apply, estimate_applied, hf_loss, workload_of
+from memfit.memory.categories import STEADY_STEP
+from memfit.memory.measure import PeakWindow
+from memfit.plans import Plan
+from memfit.step import TrainStep
+from memfit.techniques.base import Export
+from memfit.units import fmt_bytes
+from memfit.workload import default_optimizer
+
+MISSING = "lightning is not installed; pip install lightning (or memfit[lightning])"
+LIGHTNING_DEFAULT_PRECISION = "32-true"
+
+
+def _lightning():
+    try:
+        import lightning.pytorch as pl
+    except ImportError:
+        raise UserError(MISSING) from None
+    return pl
+
+
+class MemfitModule:
+    """Mixin that makes memfit's step the training step: ``class M(MemfitModule, LightningModule)``."""
+
+    def memfit_model(self) -> torch.nn.Module:
+        """The network the plan applies to (default ``self.model``)."""
+        model = getattr(self, "model", None)
+        if not isinstance(model, torch.nn.Module):
+            raise UserError("MemfitModule: memfit applies the plan to the network in self.model; assign it in "
+                            "__init__ or configure_model (before super().configure_model()), or override memfit_model()")
+        return model
+
+    def memfit_loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        """The loss of one (micro-)batch; default the model's own, ``model(**batch).loss``."""
+        return hf_loss(model, batch)
+
+    def memfit_optimizer(self, params) -> torch.optim.Optimizer:
+        """The optimizer of the parameters the plan leaves trainable (default AdamW, lr 1e-4)."""
+        return default_optimizer(params)
+
+    @property
+    def memfit_step(self) -> TrainStep:
+        step = self.__dict__.get("_memfit_step")
+        if step is None:
+            raise UserError("MemfitModule: memfit's step is not built yet; it is built in configure_model by "
+                            "MemfitCallback (add it to Trainer(callbacks=[...]))")
+        return step
+
+    def configure_model(self) -> None:
+        callbacks = [c for c in self.trainer.callbacks if isinstance(c, MemfitCallback)]
+        if len(callbacks) != 1:
+            raise UserError(f"MemfitModule trains through memfit's step and needs one MemfitCallback in "
+                            f"Trainer(callbacks=[...]), found {len(callbacks)}")
+        callbacks[0].apply_to(self.trainer, self)
+
+    def configure_optimizers(self):
+        return StepOptimizer(self.memfit_step)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        step = self.memfit_step
+        step.zero_grad()
+        loss = step.forward_backward(batch)
+        self.optimizers().step()  # memfit's update (StepOptimizer); Lightning counts the step
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+
+class StepOptimizer:
+    """The optimizer Lightning sees: state, param groups and checkpoints are memfit's step's
+    optimizer's; ``step()`` is memfit's ``update()`` (clipping, loss scaler, EMA; for in-backward
+    updates only those hooks, the parameters stepped during backward)."""
+
+    def __init__(self, step: TrainStep):
+        self.train_step = step
+
+    param_groups = property(lambda self: self.train_step.optimizer.param_groups)
+    defaults = property(lambda self: self.train_step.optimizer.defaults)
+    state = property(lambda self: self.train_step.optimizer.state)
+
+    def step(self, closure=None):
+        result = closure() if closure is not None else None  # (Lightning's on_before_optimizer_step hooks)
+        self.train_step.update()
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.train_step.zero_grad()
+
+    def state_dict(self) -> dict:
+        return self.train_step.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.train_step.optimizer.load_state_dict(state)
+
+
+_CLASS: list[type] = []
+
+
+class MemfitCallback:
+    """``lightning.Trainer(callbacks=[MemfitCallback(plan=...)])`` (or ``budget=``): applies the plan
+    to a :class:`MemfitModule` through memfit's step and logs predicted vs measured peak memory.
+
+    ``plan``: a Plan, a plan file or a dict of plan keys. ``budget``: ``"8GiB"``, ``"80%"`` or bytes,
+    planned on the module's network and first batch. ``tolerance``: the fraction by which a
+    measured peak may exceed the prediction before the callback warns.
+    After fit: ``plan``, ``report`` (the predicted MemoryReport), ``predicted_peak_bytes``,
+    ``measured_peak_bytes`` (the last measurement)."""
+
+    def __new__(cls, *args, **kwargs):
+        if cls is MemfitCallback:  # a lightning Callback too, made when lightning is first used
+            if not _CLASS:
+                _CLASS.append(type("MemfitCallback", (MemfitCallback, _lightning().Callback), {}))
+            cls = _CLASS[0]
+        return super().__new__(cls)
+
+    def __init__(self, plan: Plan | str | Path | dict | None = None, *, budget: str | int | None = None,
+                 tolerance: float = 0.01):
+        if (plan is None) == (budget is None):
+            raise UserError("MemfitCallback: give plan=... (a plan file, Plan or dict of plan keys) or budget=... "
+                            "(e.g. '8GiB'), one of them")
+        self.plan = _as_plan(plan) if plan is not None else None
+        self.budget, self.tolerance = budget, tolerance
+        self.report = self.predicted_peak_bytes = self.measured_peak_bytes = None
+        self._window: PeakWindow | None = None
+        self._range = contextlib.ExitStack()
+        self._baseline, self._steps, self._warned = 0, 0, False
+
+    # -- before training: checks, the plan, the step ----------------------------------------------
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage != "fit":
+            return
+        pl = _lightning()
+        mro = type(pl_module).__mro__
+        if MemfitModule not in mro or mro.index(MemfitModule) > mro.index(pl.LightningModule):
+            raise UserError(f"MemfitCallback: {type(pl_module).__name__} must subclass MemfitModule before "
+                            "LightningModule (class M(MemfitModule, LightningModule)); memfit's step is its training_step")
+        if trainer.world_size > 1:
+            raise UserError(f"MemfitCallback runs one device's step; use Trainer(devices=1) (this Trainer has "
+                            f"{trainer.world_size}); memfit's sharded plans run with memfit train --nproc N")
+        if trainer.strategy.root_device.type not in ("cpu", "cuda"):
+            raise UserError(f"MemfitCallback: memfit's step runs on cpu or cuda, not "
+                            f"{trainer.strategy.root_device.type}; use Trainer(accelerator='cpu' or 'gpu')")
+        _check_trainer(trainer, self.plan)  # (budget: again once planned)
+        pl_module.automatic_optimization = False  # (after Lightning checked the Trainer for automatic optimization)
+
+    def apply_to(self, trainer, module: MemfitModule) -> None:
+        """Called from ``MemfitModule.configure_model``: plan (for a budget), predict, build the step."""
+        if module.__dict__.get("_memfit_step") is not None:  # (a second fit: the plan is applied)
+            return
+        network, device = module.memfit_model(), trainer.strategy.root_device.type
+        batch_size, example = _first_batch(trainer)
+        kw = dict(batch_size=batch_size, loss_fn=module.memfit_loss, optimizer_factory=module.memfit_optimizer,
+                  device=device)
+        if self.plan is None:
+            self.plan = _plan_for_budget(network, self.budget, trainer, example, **kw)
+        _check_trainer(trainer, self.plan)
+        self.report = estimate_applied(network, self.plan, example_batch=example, **kw)
+        self.predicted_peak_bytes = self.report.measurable_peak_bytes
+        gc.collect()
+        self._window = PeakWindow(get_device(device))
+        if device == "cpu" and _profiling(trainer):
+            warnings.warn("MemfitCallback: the Trainer's PyTorch profiler is on; memfit measures no peak on the CPU "
+                          "(one profiler at a time)", stacklevel=2)
+            self._window = None
+        elif device == "cpu":  # NOTE [ What the window sees ]
+            self._window.__enter__()
+            self._baseline = _storage_bytes(network)
+        module._memfit_step = apply(network, self.plan, **kw)
+        if trainer.precision != LIGHTNING_DEFAULT_PRECISION:  # memfit's step runs it; Lightning's would repeat it
+            from lightning.pytorch.plugins.precision import Precision
+            trainer.strategy.precision_plugin = Precision()
+
+    # -- during training: the measured peak ---------------------------------------------------------
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._steps += 1
+        if self._window is not None and self._steps >= STEADY_STEP:
+            if self._window.cpu:
+                gc.collect()
+            self._range.enter_context(self._window.step(self._steps))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._window is None or self._steps < STEADY_STEP:
+            return
+        self._range.close()
+        measured = self._baseline + self._window.finish(self._steps)
+        if self._window.cpu:
+            self._window = None  # (its profiler has stopped)
+        self.measured_peak_bytes = measured
+        pl_module.log("memfit/predicted_peak_bytes", float(self.predicted_peak_bytes), on_step=True, on_epoch=False)
+        pl_module.log("memfit/measured_peak_bytes", float(measured), on_step=True, on_epoch=False)
+        over = measured - self.predicted_peak_bytes
+        if over > self.tolerance * self.predicted_peak_bytes and not self._warned:
+            self._warned = True
+            warnings.warn(f"MemfitCallback: step {self._steps} peaked at {fmt_bytes(measured)}, "
+                          f"{100 * over / self.predicted_peak_bytes:.1f}% above memfit's prediction "
+                          f"({fmt_bytes(self.predicted_peak_bytes)}) for plan {self.plan.describe()}", stacklevel=2)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._close()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._close()
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        self._range.close()
+        if self._window is not None:
+            self._window.__exit__(None, None, None)
+            self._window = None
+
+
+def _check_trainer(trainer, plan: Plan | None) -> None:
+    """One line naming the Trainer argument to change when it would repeat, or contradict, what
+    memfit's step does for ``plan`` (None: the plan is not made yet)."""
+    if trainer.accumulate_grad_batches != 1:
+        why = ("the plan steps the optimizer in backward (optimizer_in_backward), which cannot accumulate gradients"
+               if plan is not None and plan.optimizer_in_backward else
+               "memfit's step splits each batch into the plan's micro-batches itself (micro_batch_size)")
+        raise UserError(f"MemfitCallback: {why}; remove Trainer(accumulate_grad_batches="
+                        f"{trainer.accumulate_grad_batches}) and give the DataLoader the plan's whole batch")
+    clip = trainer.gradient_clip_val
+    if clip and (trainer.gradient_clip_algorithm != "norm" or (plan is not None and plan.max_grad_norm != clip)):
+        raise UserError(f"MemfitCallback: memfit's step clips as the plan says (max_grad_norm: "
+                        f"{plan.max_grad_norm if plan else 'its value'}); remove Trainer(gradient_clip_val={clip}) "
+                        "or set the plan's max_grad_norm to it (by norm)")
+    theirs = trainer.precision
+    if theirs != LIGHTNING_DEFAULT_PRECISION and theirs not in _precisions():
+        raise UserError(f"MemfitCallback: memfit runs the precisions {', '.join(_precisions().values())} "
+                        f"(Trainer {', '.join(_precisions())}), not Trainer(precision={theirs!r}); remove it")
+    if plan is not None and theirs != LIGHTNING_DEFAULT_PRECISION:
+        ours = _export(plan.config("precision").resolve(get_device(trainer.strategy.root_device.type)))
+        if theirs != ours:
+            raise UserError(f"MemfitCallback: Trainer(precision={theirs!r}) but the plan runs {ours!r} "
+                            f"(precision: {plan.precision}); set Trainer(precision={ours!r}) or remove it")
+
+
+def _export(precision) -> str:
+    into = Export(1)
+    precision.export(into)
+    return into.lightning["precision"]
+
+
+def _precisions() -> dict[str, str]:
+    """Lightning's precision for each of memfit's (the plan export's own mapping)."""
+    return {_export(Plan(precision=name).config("precision")): name for name in ("fp32", "bf16", "fp16", "bf16-pure")}
+
+
+def _first_batch(trainer) -> tuple[int, Any]:
+    """The batch size of the train DataLoader, and a maker of batches shaped like its first (what
+    memfit traces; the data itself is not kept)."""
+    trainer.fit_loop.setup_data()  # (the loop's own call later finds it done)
+    loader = trainer.train_dataloader
+    if loader is None or isinstance(loader, (dict, list, tuple)):
+        raise UserError("MemfitCallback: memfit's step trains on one train DataLoader; give the Trainer exactly one")
+    leaves, spec = tree_flatten(next(iter(loader)))
+    sized = [x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0]
+    if not sized:
+        raise UserError("MemfitCallback: the train DataLoader's batch holds no tensor shaped [batch, ...]")
+    size = sized[0].shape[0]
+    specs = [(x.shape, x.dtype) if isinstance(x, torch.Tensor) else None for x in leaves]
+    others = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+    del leaves, sized
+
+    def example(n: int) -> Any:
+        assert n == size, (n, size)
+        return tree_unflatten([torch.zeros(s[0], dtype=s[1]) if s else o for s, o in zip(specs, others)], spec)
+    return size, example
+
+
+def _plan_for_budget(network, budget, trainer, example, *, batch_size, loss_fn, optimizer_factory, device) -> Plan:
+    """The planner's fastest plan for ``budget``, with the Trainer's precision and clipping fixed.
+    Real steps (the CPU planner times some) run on copies: the network itself is not trained."""
+    from torch._guards import detect_fake_mode
+
+    from memfit.planner.search import plan as make_plan
+    base = workload_of(network, batch_size=batch_size, loss_fn=loss_fn, optimizer_factory=optimizer_factory,
+                       example_batch=example)
+
+    def model() -> torch.nn.Module:
+        return base.model() if detect_fake_mode() is not None else copy.deepcopy(network).to(torch.get_default_device())
+    fixed: dict[str, Any] = {}
+    if trainer.precision != LIGHTNING_DEFAULT_PRECISION:
+        fixed["precision"] = _precisions()[trainer.precision]
+    if trainer.gradient_clip_val:
+        fixed["max_grad_norm"] = float(trainer.gradient_clip_val)
+    found = make_plan(dataclasses.replace(base, model=model), budget=budget, batch_size=batch_size, device=device,
+                      fixed=fixed or None)
+    if found.chosen is None:
+        smallest = found.smallest
+        raise UserError(f"MemfitCallback: no plan fits the budget of {budget}" + (
+            f"; the smallest found needs {fmt_bytes(smallest.used_bytes)} ({smallest.plan.describe()})"
+            if smallest is not None else "") + "; give a larger budget or a smaller DataLoader batch")
+    return found.chosen.plan
+
+
+def _storage_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the distinct storages under ``module``'s parameters and buffers."""
+    seen: dict[int, int] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def _profiling(trainer) -> bool:
+    return type(trainer.profiler).__name__ == "PyTorchProfiler" or torch.autograd.profiler._is_profiler_enabled
+
+
+def _as_plan(plan) -> Plan:
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, dict):
+        return Plan.from_dict(plan)
+    if isinstance(plan, (str, Path)):
+        return Plan.load(plan)
+    raise UserError(f"MemfitCallback: plan must be a Plan, a plan file or a dict of plan keys, got {type(plan).__name__}")
