@@ -56,7 +56,7 @@ class LitGPT(MemfitModule, L.LightningModule):
     def __init__(self):
         super().__init__()
         self.model = gpt2()
-        self.losses = []
+        self.losses, self.batches = [], []
 
     def memfit_optimizer(self, params):
         return adamw(params)
@@ -64,6 +64,7 @@ class LitGPT(MemfitModule, L.LightningModule):
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
         self.losses.append(float(loss))
+        self.batches.append(batch)
         return loss
 
 
@@ -73,17 +74,28 @@ def trainer(callbacks, **kw):
     return L.Trainer(callbacks=callbacks, **{**args, **kw})
 
 
+class Hooks(L.Callback):
+    """The user's own callbacks still see each optimizer step."""
+
+    def __init__(self):
+        self.before_optimizer_step = 0
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.before_optimizer_step += 1
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """One 3-step fit with the plan, logging to a CSV file as a user's logger would."""
     from lightning.pytorch.loggers import CSVLogger
     logger = CSVLogger(tmp_path_factory.mktemp("logs"), name="run")
     torch.manual_seed(1)
-    module, callback = LitGPT(), MemfitCallback(plan=PLAN)
-    fit = trainer([callback], logger=logger, log_every_n_steps=1)
+    module, callback, hooks = LitGPT(), MemfitCallback(plan=PLAN), Hooks()
+    fit = trainer([callback, hooks], logger=logger, log_every_n_steps=1)
     fit.fit(module, loader())
     with open(f"{logger.log_dir}/metrics.csv") as f:
         rows = list(csv.DictReader(f))
+    assert hooks.before_optimizer_step == STEPS
     return fit, module, callback, rows
 
 
@@ -115,6 +127,27 @@ def test_the_run_equals_memfit_apply_s_own_loop_bit_for_bit(run):
         assert torch.equal(a, b), name
 
 
+def test_a_checkpoint_resumes_memfit_s_optimizer(tmp_path):
+    """Lightning saves and restores the step's optimizer (here in-backward's per-parameter AdamWs)
+    through StepOptimizer: 3 steps, a checkpoint, 2 more equal memfit.apply's loop over the same 5
+    batches (Lightning restarts a DataLoader it cannot resume: the batches are the ones it gave)."""
+    torch.manual_seed(1)
+    first = trainer([MemfitCallback(plan=PLAN)], enable_checkpointing=True, default_root_dir=tmp_path)
+    before = LitGPT()
+    first.fit(before, loader())
+    (checkpoint,) = tmp_path.rglob("*.ckpt")
+    torch.manual_seed(2)  # (other weights: the checkpoint's must replace them)
+    module = LitGPT()
+    trainer([MemfitCallback(plan=PLAN)], max_steps=5, max_epochs=2).fit(module, loader(), ckpt_path=checkpoint)
+    torch.manual_seed(1)
+    step = memfit.apply(gpt2(), PLAN, batch_size=BATCH, optimizer_factory=adamw, device="cpu")
+    assert len(before.batches) == 3 and len(module.batches) == 2
+    for batch in before.batches + module.batches:
+        step(batch)
+    for (name, a), b in zip(module.model.named_parameters(), step.model.parameters()):
+        assert torch.equal(a, b), name
+
+
 def test_the_measurement_counts_the_model_and_optimizer_states(run):
     """The profiler starts after the network exists: without its bytes as a baseline the
     measurement would miss the parameters (NOTE [ What the window sees ])."""
@@ -126,7 +159,7 @@ def test_the_measurement_counts_the_model_and_optimizer_states(run):
 
 def test_a_matching_trainer_precision_is_run_once_by_memfit():
     """Trainer(precision='bf16-mixed') with a bf16 plan: memfit's step autocasts; Lightning's plugin is
-    replaced by the plain one (two autocasts would keep the cast weights alive through backward)."""
+    replaced by the plain one, and the peak is still the prediction."""
     torch.manual_seed(1)
     callback = MemfitCallback(plan={"precision": "bf16", "checkpointing": "blocks"})
     fit = trainer([callback], precision="bf16-mixed")

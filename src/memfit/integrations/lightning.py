@@ -27,7 +27,9 @@ or ``training_step`` calls ``super()``'s. The DataLoader gives the plan's whole 
 splits it into the plan's micro-batches and runs its precision, clipping and EMA itself, so the
 Trainer must not do them too: ``accumulate_grad_batches`` stays 1, ``gradient_clip_val`` is unset
 or the plan's ``max_grad_norm``, and ``precision`` is the default or the plan's own (then
-Lightning's precision plugin is replaced by the plain one, as memfit's step autocasts and scales).
+Lightning's precision plugin is replaced by the plain one: memfit's step autocasts, converts and
+scales, and the plugin would do it again; its fp16 GradScaler would unscale gradients it never
+scaled).
 Anything else is one line naming what to change, raised before the first step.
 
 ``MemfitCallback(budget="8GiB")`` plans instead: on the module's network and one batch drawn from
@@ -113,6 +115,8 @@ class MemfitModule:
         return step
 
     def configure_model(self) -> None:
+        if self.trainer.state.fn != "fit":  # (validate, test, predict: the network as it is)
+            return
         callbacks = [c for c in self.trainer.callbacks if isinstance(c, MemfitCallback)]
         if len(callbacks) != 1:
             raise UserError(f"MemfitModule trains through memfit's step and needs one MemfitCallback in "
@@ -231,7 +235,7 @@ class MemfitCallback:
             self._window.__enter__()
             self._baseline = _storage_bytes(network)
         module._memfit_step = apply(network, self.plan, **kw)
-        if trainer.precision != LIGHTNING_DEFAULT_PRECISION:  # memfit's step runs it; Lightning's would repeat it
+        if trainer.precision != LIGHTNING_DEFAULT_PRECISION:  # memfit's step runs it (see the docstring)
             from lightning.pytorch.plugins.precision import Precision
             trainer.strategy.precision_plugin = Precision()
 
@@ -317,7 +321,10 @@ def _first_batch(trainer) -> tuple[int, Any]:
     memfit traces; the data itself is not kept)."""
     trainer.fit_loop.setup_data()  # (the loop's own call later finds it done)
     loader = trainer.train_dataloader
-    if loader is None or isinstance(loader, (dict, list, tuple)):
+    if loader is None:
+        raise UserError("MemfitCallback: the Trainer has no train DataLoader (limit_train_batches=0?) to take the "
+                        "batch's shape from; give it one")
+    if isinstance(loader, (dict, list, tuple)):
         raise UserError("MemfitCallback: memfit's step trains on one train DataLoader; give the Trainer exactly one")
     leaves, spec = tree_flatten(next(iter(loader)))
     sized = [x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0]
