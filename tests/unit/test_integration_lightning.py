@@ -157,12 +157,17 @@ def test_the_measurement_counts_the_model_and_optimizer_states(run):
     assert callback.report.breakdown["optimizer_states"] >= 2 * params
 
 
-def test_a_matching_trainer_precision_is_run_once_by_memfit():
-    """Trainer(precision='bf16-mixed') with a bf16 plan: memfit's step autocasts; Lightning's plugin is
-    replaced by the plain one, and the peak is still the prediction."""
+def test_the_plan_export_s_trainer_arguments_run_with_the_callback():
+    """``memfit plan --format lightning`` writes Trainer kwargs and names the callback for the rest:
+    the two together train. Here Trainer(precision='bf16-mixed') with a bf16 plan: memfit's step
+    autocasts, Lightning's plugin is replaced by the plain one, and the peak is still the prediction."""
+    from memfit.planner.export import to_lightning
+    plan = memfit.Plan(precision="bf16", checkpointing="blocks")
+    exported = to_lightning(plan, BATCH, "cpu")
+    assert exported.kwargs["precision"] == "bf16-mixed" and exported.unmapped == ("checkpointing: blocks",)
     torch.manual_seed(1)
-    callback = MemfitCallback(plan={"precision": "bf16", "checkpointing": "blocks"})
-    fit = trainer([callback], precision="bf16-mixed")
+    callback = MemfitCallback(plan=plan)
+    fit = trainer([callback], **exported.kwargs)
     fit.fit(LitGPT(), loader())
     assert fit.global_step == STEPS and fit.precision == "32-true"
     assert abs(callback.measured_peak_bytes - callback.predicted_peak_bytes) <= 0.01 * callback.measured_peak_bytes
