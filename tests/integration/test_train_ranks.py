@@ -21,7 +21,8 @@ from memfit.training.loop import train
 pytestmark = pytest.mark.integration
 
 SMALL = "gpt2:n_layer=2,n_embd=64,n_head=2,vocab_size=256,n_positions=32,resid_pdrop=0,embd_pdrop=0,attn_pdrop=0"
-ARGS = [SMALL, "--seq-len", "32", "-b", "8", "--no-report", "--checkpoint-every", "2"]
+EMA = {"decay": 0.5, "device": "device"}
+ARGS = [SMALL, "--seq-len", "32", "-b", "8", "--no-report", "--checkpoint-every", "2", "--ema", "decay=0.5,device=device"]
 
 
 def _memfit(*args: str) -> subprocess.CompletedProcess:
@@ -35,26 +36,29 @@ def _losses(out) -> dict[int, float]:
 
 
 def _one_process(out, steps: int, resume: bool = False):
-    return train(SMALL, seq_len=32, batch_size=8, steps=steps, out=out, resume=resume, progress=False, report=False,
-                 checkpoint_every=2)
+    return train(SMALL, plan=Plan(ema=EMA), seq_len=32, batch_size=8, steps=steps, out=out, resume=resume,
+                 progress=False, report=False, checkpoint_every=2)
 
 
 def _params(out) -> dict[str, torch.Tensor]:
-    """The parameters of the checkpoint in ``out`` (whichever kind), loaded into one process's step."""
+    """The parameters and EMA shadows of the checkpoint in ``out`` (whichever kind), loaded into one
+    process's step."""
     from memfit.step import build_step
     from memfit.target import Target
     from memfit.training import checkpoint
-    step = build_step(Target.resolve(SMALL, Plan(), 8, "cpu", seq_len=32))
+    step = build_step(Target.resolve(SMALL, Plan(ema=EMA), 8, "cpu", seq_len=32))
     checkpoint.restore(step, checkpoint.read(out))
-    return {n: p.detach().clone() for n, p in step.model.named_parameters()}
+    return {**{n: p.detach().clone() for n, p in step.model.named_parameters()},
+            **{f"ema:{n}": t for n, t in step.ema.state_dict()["shadow"].items()}}
 
 
 def test_two_ranks_train_as_one_process_and_resume_at_the_other_world_size(tmp_path):
     """4 steps on 2 ranks == 4 steps in one process (the same text, the same global batches; up to
     the order of float sums, 1e-5). Then each continues at the other world size to step 6: the DCP
     checkpoint of 2 ranks in one process, one process's checkpoint.pt on 2 ranks. Both continue as
-    the one process that ran 6 steps straight does. rank 0 alone writes metrics.jsonl, with each
-    rank's measured peak beside the per-rank prediction."""
+    the one process that ran 6 steps straight does, EMA included (each rank's shards of it go
+    through DCP). rank 0 alone writes metrics.jsonl, with each rank's measured peak beside the
+    per-rank prediction."""
     ranks, whole, reference = tmp_path / "ranks", tmp_path / "whole", tmp_path / "reference"
     done = _memfit(*ARGS, "--steps", "4", "--out", str(ranks), "--nproc", "2", "--json")
     assert done.returncode == 0, done.stderr
@@ -66,7 +70,8 @@ def test_two_ranks_train_as_one_process_and_resume_at_the_other_world_size(tmp_p
     assert sorted(first) == [1, 2, 3, 4]  # one record per step: rank 0's
     assert [first[i] for i in range(1, 5)] == pytest.approx([expected[i] for i in range(1, 5)], rel=1e-5)
     assert (ranks / "checkpoint-dcp.json").is_file() and not (ranks / "checkpoint.pt").exists()
-    predicted = estimate(SMALL, Plan(world_size=2), batch_size=8, device="cpu", seq_len=32).measurable_peak_bytes
+    predicted = estimate(SMALL, Plan(world_size=2, ema=EMA), batch_size=8, device="cpu",
+                         seq_len=32).measurable_peak_bytes
     assert summary["world_size"] == 2 and summary["predicted_peak_bytes"] == predicted
     assert len(summary["measured_peak_bytes_per_rank"]) == 2 and min(summary["measured_peak_bytes_per_rank"]) > 0
 
@@ -79,6 +84,7 @@ def test_two_ranks_train_as_one_process_and_resume_at_the_other_world_size(tmp_p
         assert [losses[5], losses[6]] == pytest.approx([expected[5], expected[6]], rel=1e-5)
     assert (ranks / "checkpoint.pt").is_file() and not (ranks / "checkpoint-dcp.json").exists()
     reference_params = _params(reference)
+    assert any(name.startswith("ema:") for name in reference_params)
     for out in (ranks, whole):
         for name, p in _params(out).items():
             torch.testing.assert_close(p, reference_params[name], rtol=1e-4, atol=1e-6)
@@ -98,13 +104,13 @@ def test_out_of_memory_on_two_ranks_adapts_in_lockstep(tmp_path):
     (tmp_path / "plan.yaml").write_text("world_size: 2\n")
     out, reference = tmp_path / "ranks", tmp_path / "reference"
     done = _memfit(*ARGS, "--steps", "3", "--out", str(out), "--nproc", "2", "--budget", "2.6MiB",
-                   "--plan", str(tmp_path / "plan.yaml"))
+                   "--plan", str(tmp_path / "plan.yaml"), "--ema", "null")
     assert done.returncode == 0, done.stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     adaptations = [a for r in records for a in r.get("adaptations", [])]
     assert adaptations and all("micro_batch_size" in a["adaptation"] for a in adaptations)
     assert done.stderr.count("retrying the same batch") == len(adaptations)  # said once, by rank 0
-    _one_process(reference, 3)
+    train(SMALL, seq_len=32, batch_size=8, steps=3, out=reference, progress=False, report=False)
     assert [r["loss"] for r in records] == pytest.approx(list(_losses(reference).values()), rel=1e-5)
 
 

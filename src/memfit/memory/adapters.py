@@ -46,24 +46,34 @@ def fsdp_buffers(tracker, sharded: bool):
     if not sharded:
         yield
         return
-    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
     group = _fsdp_param_group.FSDPParamGroup
     with contextlib.ExitStack() as stack:
         for name in FSDP_BUFFER_METHODS:
             stack.enter_context(_patched(group, name, _booked_as_communication(getattr(group, name), tracker)))
-        for module in (_fsdp_param, _fsdp_param_group):
-            for name in ("alloc_storage", "free_storage"):
-                if hasattr(module, name):
-                    stack.enter_context(_patched(module, name, _resize_seen(getattr(module, name), tracker)))
+        stack.enter_context(fsdp_resizes(tracker.storages))
         yield
 
 
-def _resize_seen(resize, tracker):
+@contextlib.contextmanager
+def fsdp_resizes(storages):
+    """FSDP2's in-place storage resizes shown to ``storages`` (a LiveStorages: the CPU budget
+    guard's, in a sharded run), which would otherwise keep counting every freed gathered buffer."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+    with contextlib.ExitStack() as stack:
+        for module in (_fsdp_param, _fsdp_param_group):
+            for name in ("alloc_storage", "free_storage"):
+                if hasattr(module, name):
+                    stack.enter_context(_patched(module, name, _resize_seen(getattr(module, name), storages)))
+        yield
+
+
+def _resize_seen(resize, storages):
     """FSDP2 frees and re-allocates unsharded parameters by resizing their storages in place
-    (``storage.resize_``, which no dispatch mode sees): the tracker is shown the new size."""
+    (``storage.resize_``, which no dispatch mode sees): ``storages`` are shown the new size."""
     def wrapper(tensor):
         resize(tensor)
-        tracker.storages.see(tensor)
+        storages.see(tensor)
     return wrapper
 
 

@@ -53,6 +53,11 @@ class BudgetGuard(TorchDispatchMode):
         """These tensors live in host memory: stop counting them (and never count them again)."""
         self._storages.host(tensors)
 
+    @property
+    def storages(self) -> LiveStorages:
+        """The storages counted (memfit.memory.adapters.fsdp_resizes shows it FSDP2's resizes)."""
+        return self._storages
+
     # -- counting -------------------------------------------------------------------------------
     def watch(self, tensors) -> None:
         """Count tensors made outside ATen ops (no error is raised here)."""

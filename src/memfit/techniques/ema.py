@@ -5,6 +5,9 @@ with training memory; kept on the host (``device: cpu``) it costs device memory 
 device->host copy of the weights every ``every`` steps. The update is
 ``shadow = decay * shadow + (1 - decay) * weights``.
 
+With FSDP2 sharding each rank keeps the average of its own shards (1/N of the copy): the update
+is elementwise, so averaging the shards is averaging the weights.
+
 Plan key ``ema``: null (:class:`NoEMA`) or a mapping (:class:`EMA`), e.g.
 ``{decay: 0.999, device: cpu, every: 1}``.
 """
@@ -83,10 +86,11 @@ class ShadowWeights:
 
     def _init_shadow(self) -> None:
         for name, p in self.model.named_parameters():
+            local = _local(p)
             if self.config.device == "cpu":
-                self.shadow[name] = self.placement.to_host(p.detach().float())
+                self.shadow[name] = self.placement.to_host(local.float())
             else:
-                self.shadow[name] = p.detach().float().clone()
+                self.shadow[name] = local.float().clone()
 
     @torch.no_grad()
     def update(self) -> None:
@@ -98,13 +102,48 @@ class ShadowWeights:
             return
         for name, p in self.model.named_parameters():
             s = self.shadow[name]
-            src = p.detach()
+            src = _local(p)
             if src.device != s.device:
                 src = src.to(s.device, non_blocking=False)
             s.lerp_(src.to(s.dtype), 1.0 - self.config.decay)
 
     def state_dict(self) -> dict:
+        """The shadow (each rank's shards when sharded) and the number of updates."""
         return {"updates": self.updates, "shadow": self.shadow}
+
+    def sharded_state_dict(self) -> dict:
+        """:meth:`state_dict` with each shard as a DTensor of its parameter's layout (what
+        Distributed Checkpoint saves, and reshards when a run resumes at another world size);
+        before the first update, shadows of zeros to load into."""
+        from torch.distributed.tensor import DTensor
+        shadow = self.shadow or {name: torch.zeros_like(_local(p), dtype=torch.float32)
+                                 for name, p in self.model.named_parameters()}
+        params = dict(self.model.named_parameters())
+        return {"updates": self.updates, "shadow": {
+            name: DTensor.from_local(t, params[name].device_mesh, params[name].placements, run_check=False,
+                                     shape=params[name].shape, stride=params[name].stride())
+            if isinstance(params[name], DTensor) else t for name, t in shadow.items()}}
+
+    @torch.no_grad()
+    def load_sharded_state_dict(self, state: dict) -> None:
+        """Load what :meth:`sharded_state_dict` gave, filled by Distributed Checkpoint."""
+        from torch.distributed.tensor import DTensor
+        self.load_state_dict({"updates": state["updates"], "shadow": {
+            name: t.to_local() if isinstance(t, DTensor) else t for name, t in state["shadow"].items()}
+            if state["updates"] else {}})
+
+    @torch.no_grad()
+    def load_whole_state_dict(self, state: dict) -> None:
+        """Load a one-process EMA (whole tensors) into sharded parameters' shadows: each rank keeps
+        its shards (``distribute_tensor`` with the parameter's layout)."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+        params = dict(self.model.named_parameters())
+        shadow = {}
+        for name, t in state["shadow"].items():
+            p = params[name]
+            shadow[name] = distribute_tensor(t.to(p.device), p.device_mesh, p.placements).to_local() if isinstance(
+                p, DTensor) else t
+        self.load_state_dict({"updates": state["updates"], "shadow": shadow})
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -116,6 +155,12 @@ class ShadowWeights:
             self._init_shadow()
             for name, saved in state["shadow"].items():
                 self.shadow[name].copy_(saved)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """The parameter's own values on this rank: its shard when sharded (a DTensor)."""
+    from torch.distributed.tensor import DTensor
+    return p.to_local().detach() if isinstance(p, DTensor) else p.detach()
 
 
 def _text(value: str):

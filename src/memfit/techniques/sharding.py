@@ -110,8 +110,6 @@ class FSDP2(Sharding):
                    "compiled before they are sharded")
         if "optimizer_states" in plan.offload:
             refuse("offload: optimizer_states", "use shard_offload: true, FSDP2's own CPU offload")
-        if plan.config("ema").is_default is False:
-            refuse("ema", "the average would be of the sharded parameters")
         if plan.precision == "fp16":
             refuse("precision: fp16", "its loss scaler checks each rank's shard of the gradients for overflow "
                    "alone, so the ranks could disagree on skipping a step; use bf16")

@@ -34,6 +34,7 @@ import torch
 
 from memfit.devices import Device, get_device
 from memfit.errors import UserError
+from memfit.memory.adapters import fsdp_resizes
 from memfit.memory.budget import Budget
 from memfit.memory.categories import STEADY_STEP
 from memfit.memory.estimate import estimate_target
@@ -211,6 +212,8 @@ class _Run:
             if self.guard is not None:
                 stack.enter_context(self.guard)
                 self.guard.armed = False  # the budget applies to steps; building is checked once, below
+                if self.target.plan.config("shard").fsdp2:  # (FSDP2 frees its gathered buffers by resizing)
+                    stack.enter_context(fsdp_resizes(self.guard.storages))
             self.step = build_step(self.target, observer=self.guard)
             start, samples_seen = checkpoint.restore(self.step, self.state) if options.resume else (0, 0)
             self.state = None  # tensors the checkpoint held that the step did not take are freed here

@@ -47,7 +47,7 @@ def save(out_dir: Path, step, ranks, meta: dict) -> Path:
 
     folder = out_dir / f"{PREFIX}{meta['step']:08d}"
     model, optim = get_state_dict(step.model, step.optimizer)
-    dcp.save({"model": model, "optim": optim}, checkpoint_id=str(folder))
+    dcp.save({"model": model, "optim": optim, **_ema(step)}, checkpoint_id=str(folder))
     if ranks.is_main:
         _write_synced(folder / "meta.pt", lambda f: torch.save({"format": FORMAT, **meta}, f))
         _write_synced(out_dir / f".{POINTER}.tmp", lambda f: f.write(json.dumps(
@@ -82,10 +82,13 @@ def load(step, state: dict) -> None:
 
     _check_plain_optimizer(step)
     model, optim = get_state_dict(step.model, step.optimizer)  # (the layout to read into)
+    into = {"model": model, "optim": optim, **_ema(step)}
     with warnings.catch_warnings():  # (that one process reads it is the point)
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        dcp.load({"model": model, "optim": optim}, checkpoint_id=state["folder"])
+        dcp.load(into, checkpoint_id=state["folder"])
     set_state_dict(step.model, step.optimizer, model_state_dict=model, optim_state_dict=optim)
+    if "ema" in into:
+        step.ema.load_sharded_state_dict(into["ema"])
 
 
 def load_whole(step, state: dict) -> None:
@@ -97,6 +100,8 @@ def load_whole(step, state: dict) -> None:
     optim = by_name(step, state["optimizer"])
     set_state_dict(step.model, step.optimizer, model_state_dict=state["model"], optim_state_dict=optim,
                    options=StateDictOptions(full_state_dict=True))
+    if hasattr(step.ema, "load_whole_state_dict"):
+        step.ema.load_whole_state_dict(state["ema"])
 
 
 def by_name(step, optim_state: dict) -> dict:
@@ -109,10 +114,15 @@ def by_name(step, optim_state: dict) -> dict:
             "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in optim_state["param_groups"]]}
 
 
+def _ema(step) -> dict:
+    """The EMA's part of a DCP checkpoint (none without an EMA)."""
+    return {"ema": step.ema.sharded_state_dict()} if hasattr(step.ema, "sharded_state_dict") else {}
+
+
 def _check_plain_optimizer(step) -> None:
-    if not isinstance(step.optimizer, torch.optim.Optimizer) or step.ema.state_dict():
-        raise UserError(f"the plan {step.plan.describe()} keeps optimizer or EMA state that a checkpoint moved "
-                        "between world sizes cannot carry; resume with the world size that wrote it")
+    if not isinstance(step.optimizer, torch.optim.Optimizer):
+        raise UserError(f"the plan {step.plan.describe()} keeps optimizer state that a checkpoint moved between world "
+                        "sizes cannot carry; resume with the world size that wrote it")
 
 
 def _write_synced(path: Path, write) -> None:
