@@ -186,3 +186,17 @@ def test_plan_prints_the_arguments_what_they_cannot_carry_and_the_callback(tmp_p
     assert "  not carried by these arguments: optimizer_in_backward: true" in lines
     assert "  not carried by these arguments: loss_chunks: 2" in lines
     assert f"  -> {HF_CALLBACK}(plan={str(out)!r}) in the Trainer's callbacks applies these" in lines
+
+
+def test_a_lightning_export_that_names_the_callback_leaves_the_micro_batches_to_it():
+    """With the callback, memfit's step splits the whole batch (Lightning's manual optimization
+    does not accumulate, and the callback refuses accumulate_grad_batches > 1); without it,
+    Lightning accumulates micro-batches the DataLoader makes."""
+    from memfit.planner.export import to_lightning
+    with_callback = to_lightning(Plan(micro_batch_size=2, checkpointing="selective"), 8, "cpu")
+    assert "accumulate_grad_batches" not in with_callback.kwargs
+    assert "micro_batch_size: 2" in with_callback.unmapped
+    assert any(n.startswith("DataLoader(batch_size=8)") for n in with_callback.notes)
+    plain = to_lightning(Plan(micro_batch_size=2), 8, "cpu")
+    assert plain.kwargs["accumulate_grad_batches"] == 4 and not plain.unmapped
+    assert any(n.startswith("DataLoader(batch_size=2)") for n in plain.notes)

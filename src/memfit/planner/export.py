@@ -89,5 +89,14 @@ def to_hf(plan: Plan, batch_size: int, device: Device | str | None = None) -> Tr
 
 def to_lightning(plan: Plan, batch_size: int, device: Device | str | None = None) -> TrainerArguments:
     into = export(plan, batch_size, device)
-    return TrainerArguments("Trainer", into.lightning, tuple(into.lightning_unmapped), tuple(into.lightning_notes),
-                            LIGHTNING_CALLBACK)
+    kwargs, unmapped, notes = dict(into.lightning), list(into.lightning_unmapped), list(into.lightning_notes)
+    if unmapped and kwargs.get("accumulate_grad_batches", 1) != 1:
+        # the callback trains with memfit's step, which splits each whole batch into the plan's
+        # micro-batches itself (under manual optimization Lightning does not accumulate)
+        micro, n = plan.micro_batches(batch_size)
+        del kwargs["accumulate_grad_batches"]
+        unmapped.append(f"micro_batch_size: {micro}")
+        notes = [note for note in notes if not note.startswith("DataLoader(")]
+        notes.append(f"DataLoader(batch_size={micro * n}): the plan's whole batch (memfit's step splits it into "
+                     f"{n} micro-batches of {micro})")
+    return TrainerArguments("Trainer", kwargs, tuple(unmapped), tuple(notes), LIGHTNING_CALLBACK)
