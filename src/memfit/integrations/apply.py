@@ -19,6 +19,7 @@ that memfit's estimate, profile and ``memfit train`` run. A loop keeps its shape
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -44,20 +45,21 @@ def hf_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
 
 
 def workload_of(model: torch.nn.Module, *, batch_size: int, loss_fn=None, optimizer_factory=None,
-                example_batch: Callable[[int], Any] | None = None) -> Workload:
+                example_batch: Callable[[int], Any] | None = None, copies: bool = False) -> Workload:
     """A workload around a model that already exists: ``model()`` returns it (moved to the step's
-    device), or, inside a fake trace (memfit's estimate), a fake copy of it that holds no memory
-    (its parameters and buffers become fake tensors of the same shapes and dtypes)."""
+    device), or, inside a fake trace (memfit's estimate) or under the meta device (the planner's
+    look at the model's structure), a copy of it that holds no memory (its parameters and buffers
+    become fake or meta tensors of the same shapes and dtypes). ``copies``: real steps get a deep
+    copy too (what the planner times on a CPU, so that the user's model is left alone)."""
     if not isinstance(model, torch.nn.Module):
         raise UserError(f"memfit.apply: model must be a torch.nn.Module, got {type(model).__name__}")
 
     def the_model() -> torch.nn.Module:
         from torch._guards import detect_fake_mode
         device = torch.get_default_device()  # (build_step builds under the step's device)
-        fake = detect_fake_mode()
-        if fake is not None:
+        if detect_fake_mode() is not None or device.type == "meta":
             return _fake_copy(model, device)
-        return model.to(device)
+        return copy.deepcopy(model).to(device) if copies else model.to(device)
 
     def no_batch(n: int):
         raise UserError("memfit makes no batches of your data; pass example_batch=(batch_size -> batch) to estimate "
@@ -71,7 +73,6 @@ def _fake_copy(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """``model`` copied with new parameters and buffers made inside the trace (fake, and seen by
     memfit's tracker as the model's memory): copy.deepcopy with every tensor mapped to its new
     counterpart first, so no tensor data is copied."""
-    import copy
     memo: dict[int, Any] = {}
     for t in [*model.parameters(), *model.buffers()]:
         if id(t) in memo:  # (tied weights stay tied)
@@ -111,7 +112,7 @@ def target_of(model: torch.nn.Module, plan=None, *, batch_size: int, loss_fn=Non
 
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise UserError(f"memfit.apply: batch_size must be a whole number >= 1, got {batch_size!r}")
-    plan = _plan(plan)
+    plan = as_plan(plan)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda"):
@@ -131,7 +132,8 @@ def estimate_applied(model: torch.nn.Module, plan=None, *, batch_size: int, exam
                                      optimizer_factory=optimizer_factory, device=device, example_batch=example_batch))
 
 
-def _plan(plan) -> Plan:
+def as_plan(plan) -> Plan:
+    """A Plan from what :func:`apply` takes: a Plan, a plan file, a dict of plan keys or None."""
     if plan is None:
         return Plan()
     if isinstance(plan, Plan):
