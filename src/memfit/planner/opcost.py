@@ -187,6 +187,10 @@ class OpRecorder(TorchDispatchMode):
         written = sum(_nbytes(t) for t in outs)
         hosted = [t for t in ins if self._is_host(t)]
         if packet in _COPIES:
+            if outs and all(self._is_host(t) for t in outs) and any(not self._is_host(t) for t in ins):
+                # device -> host into a host buffer (the EMA's copies of the weights)
+                self.ops.append(Op(D2H, phase, 0.0, written, "", 1, flags))
+                return
             if hosted:  # host -> device (offloaded activations and optimizer states coming back)
                 side = phase == PHASES.index("optimizer")  # offloaded states are prefetched on a side stream
                 key = outs[0].untyped_storage()._cdata if side and outs else 0

@@ -5,6 +5,14 @@ with training memory; kept on the host (``device: cpu``) it costs device memory 
 device->host copy of the weights every ``every`` steps. The update is
 ``shadow = decay * shadow + (1 - decay) * weights``.
 
+Off the step's critical path (``device: cpu``): at each update the weights are copied into pinned
+host buffers (allocated once) on a side stream, and a worker thread waits for that copy and lerps
+them into the shadow while the next step runs. The step only enqueues the copies; it waits for
+the previous average only before overwriting the buffers it reads (the next update) and before
+the shadow is read (a checkpoint). The price: a second host copy of the weights (the buffers).
+On a CPU the copy is a plain one (there are no streams), and the thread and ordering are the same
+code, tested against the synchronous update bit for bit.
+
 With FSDP2 sharding each rank keeps the average of its own shards (1/N of the copy): the update
 is elementwise, so averaging the shards is averaging the weights.
 
@@ -14,6 +22,7 @@ Plan key ``ema``: null (:class:`NoEMA`) or a mapping (:class:`EMA`), e.g.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 
@@ -83,6 +92,8 @@ class ShadowWeights:
         self.model, self.config, self.placement = model, config, placement
         self.updates = 0
         self.shadow: dict[str, torch.Tensor] = {}
+        self.background = _Background(placement) if config.device == "cpu" else None
+        """The host copies and the averaging thread (``device: cpu``)."""
 
     def _init_shadow(self) -> None:
         for name, p in self.model.named_parameters():
@@ -100,15 +111,24 @@ class ShadowWeights:
             return
         if self.updates % self.config.every:
             return
-        for name, p in self.model.named_parameters():
+        weights = {name: _local(p) for name, p in self.model.named_parameters()}
+        if self.background is not None:  # (a fake trace allocates the same, and averages at once)
+            self.background.average(weights, self.shadow, 1.0 - self.config.decay, at_once=_fake(weights))
+            return
+        for name, src in weights.items():
             s = self.shadow[name]
-            src = _local(p)
             if src.device != s.device:
                 src = src.to(s.device, non_blocking=False)
             s.lerp_(src.to(s.dtype), 1.0 - self.config.decay)
 
+    def wait(self) -> None:
+        """Until the shadow holds every update made so far."""
+        if self.background is not None:
+            self.background.wait()
+
     def state_dict(self) -> dict:
         """The shadow (each rank's shards when sharded) and the number of updates."""
+        self.wait()
         return {"updates": self.updates, "shadow": self.shadow}
 
     def sharded_state_dict(self) -> dict:
@@ -116,6 +136,7 @@ class ShadowWeights:
         Distributed Checkpoint saves, and reshards when a run resumes at another world size);
         before the first update, shadows of zeros to load into."""
         from torch.distributed.tensor import DTensor
+        self.wait()
         shadow = self.shadow or {name: torch.zeros_like(_local(p), dtype=torch.float32)
                                  for name, p in self.model.named_parameters()}
         params = dict(self.model.named_parameters())
@@ -149,12 +170,76 @@ class ShadowWeights:
     def load_state_dict(self, state: dict) -> None:
         """Copy a saved shadow into this EMA's own buffers, so it stays where the plan puts it
         (checkpoints are loaded on the CPU)."""
+        self.wait()
         self.updates = state["updates"]
         self.shadow = {}
         if state["shadow"]:
             self._init_shadow()
             for name, saved in state["shadow"].items():
                 self.shadow[name].copy_(saved)
+
+
+class _Background:
+    """Weights copied to pinned host buffers on a side stream, averaged into the shadow by one
+    worker thread once the copy is done (see the module's docstring)."""
+
+    def __init__(self, placement: HostPlacement):
+        self.placement = placement
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.pending = None
+        self.stream = None
+        self.pool = None
+
+    def average(self, weights: dict[str, torch.Tensor], shadow: dict[str, torch.Tensor], weight: float,
+                at_once: bool = False) -> None:
+        self.wait()  # the previous average has read the buffers this copy overwrites
+        copied = self._copy(weights)
+        if at_once:
+            self._lerp(copied, shadow, weight)
+            return
+        if self.pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memfit-ema")
+        self.pending = self.pool.submit(self._lerp, copied, shadow, weight)
+
+    def _copy(self, weights: dict[str, torch.Tensor]):
+        """Enqueue the copies; returns what the thread waits on before reading the buffers (an
+        event on CUDA, None where the copy is done when this returns)."""
+        cuda = next(iter(weights.values())).is_cuda
+        if cuda and self.stream is None:
+            self.stream = torch.cuda.Stream()
+        if cuda:
+            self.stream.wait_stream(torch.cuda.current_stream())  # the optimizer step wrote the weights
+        with torch.cuda.stream(self.stream) if cuda else contextlib.nullcontext():
+            for name, w in weights.items():
+                if name not in self.buffers:
+                    self.buffers[name] = self.placement.to_host(w)  # (pinned, once)
+                else:
+                    self.buffers[name].copy_(w, non_blocking=True)
+            if not cuda:
+                return None
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        for w in weights.values():  # the weights may change only after the copy has read them
+            w.record_stream(self.stream)
+        return done
+
+    @torch.no_grad()
+    def _lerp(self, copied, shadow, weight) -> None:
+        if copied is not None:
+            copied.synchronize()
+        for name, s in shadow.items():
+            s.lerp_(self.buffers[name].to(s.dtype), weight)
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()  # (an error in the thread is raised here)
+
+
+def _fake(weights: dict[str, torch.Tensor]) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+    return any(is_fake(w) for w in weights.values())
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
