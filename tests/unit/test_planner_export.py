@@ -21,7 +21,7 @@ import torch
 
 from memfit.cli.main import main
 from memfit.devices import get_device
-from memfit.planner.export import HF_CALLBACK, LIGHTNING_CALLBACK, to_hf, to_lightning
+from memfit.planner.export import HF_CALLBACK, HF_TRAINER, LIGHTNING_CALLBACK, to_hf, to_lightning
 from memfit.plans import Plan
 
 HF_OPTIM = {"adamw": "adamw_torch", "adamw8bit": "adamw_bnb_8bit", "adafactor": "adafactor", "sgd": "sgd"}
@@ -91,6 +91,15 @@ def test_training_arguments_take_the_export_unchanged_and_run_the_plan(target_ma
     args = target_machine(device, **copy.deepcopy(export.kwargs))
     micro, n = plan.micro_batches(batch)
     precision = _precision(plan, device)
+    # what changes the step itself runs in MemfitTrainer, whose own step does accumulation, precision,
+    # checkpointing and compile: the arguments leave those off
+    in_trainer = bool(hf_unmapped - {"checkpointing", "attention"})
+    assert export.callback == (HF_TRAINER if in_trainer else HF_CALLBACK)
+    if in_trainer:
+        assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (micro * n, 1)
+        assert not (args.bf16 or args.fp16 or args.gradient_checkpointing or args.torch_compile)
+        assert _keys(export.unmapped) >= hf_unmapped and all(": " in line for line in export.unmapped)
+        return
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (micro, n)
     assert args.bf16 == (precision in ("bf16", "bf16-pure")) and args.fp16 == (precision == "fp16")
     assert args.gradient_checkpointing == (plan.checkpointing == "blocks")
@@ -112,7 +121,7 @@ def test_training_arguments_take_the_export_unchanged_and_run_the_plan(target_ma
 
 
 def test_the_printed_line_is_python_that_builds_the_arguments(target_machine):
-    plan = Plan(precision="bf16", micro_batch_size=2, checkpointing="blocks", optimizer="sgd", loss_chunks=4)
+    plan = Plan(precision="bf16", micro_batch_size=2, checkpointing="blocks", optimizer="sgd", attention="chunked")
     export = to_hf(plan, 8, "h100-80gb")
     line = export.python()
     assert line.startswith("TrainingArguments(**{") and '"gradient_checkpointing": True' in line
@@ -200,3 +209,18 @@ def test_a_lightning_export_that_names_the_callback_leaves_the_micro_batches_to_
     plain = to_lightning(Plan(micro_batch_size=2), 8, "cpu")
     assert plain.kwargs["accumulate_grad_batches"] == 4 and not plain.unmapped
     assert any(n.startswith("DataLoader(batch_size=2)") for n in plain.notes)
+
+
+def test_an_hf_export_of_a_plan_that_changes_the_step_is_for_memfit_trainer():
+    """In-backward or a chunked loss change the Trainer's step: the export names MemfitTrainer, and
+    leaves off what memfit's own step does (accumulation, precision, checkpointing): the arguments
+    are ones MemfitTrainer accepts. Checkpointing alone stays with the callback."""
+    step_side = to_hf(Plan(precision="bf16", micro_batch_size=2, checkpointing="blocks", loss_chunks=4), 8,
+                      "h100-80gb")
+    assert step_side.callback == HF_TRAINER
+    assert not {"gradient_accumulation_steps", "bf16", "gradient_checkpointing"} & set(step_side.kwargs)
+    assert step_side.kwargs["per_device_train_batch_size"] == 8
+    assert {"loss_chunks: 4", "micro_batch_size: 2", "precision: bf16", "checkpointing: blocks"} <= set(
+        step_side.unmapped)
+    model_side = to_hf(Plan(precision="bf16", checkpointing="selective"), 8, "h100-80gb")
+    assert model_side.callback == HF_CALLBACK and model_side.kwargs["bf16"] is True

@@ -53,14 +53,14 @@ from memfit.devices import get_device
 from memfit.errors import UserError
 from memfit.integrations.apply import as_plan, estimate_applied, hf_loss, workload_of
 from memfit.memory.measure import PeakWindow
-from memfit.planner.export import to_hf
+from memfit.planner.export import HF_CALLBACK_APPLIES, to_hf
 from memfit.plans import Plan
 from memfit.techniques.base import Export, StepParts
 from memfit.techniques.checkpointing import BlocksAC
 from memfit.techniques.placement import HostPlacement
 
 PREDICTED, MEASURED, ERROR = "memfit/predicted_peak_bytes", "memfit/measured_peak_bytes", "memfit/error_percent"
-CALLBACK_APPLIES = ("checkpointing", "attention")
+CALLBACK_APPLIES = HF_CALLBACK_APPLIES
 """Techniques that act on the model alone (and the step's contexts): a callback applies them. What
 else a plan holds, TrainingArguments carry (the technique's own ``export`` says) or MemfitTrainer runs."""
 ADAMW = ("adamw_torch", "adamw_torch_fused")

@@ -19,6 +19,13 @@ from memfit.plans import Plan
 from memfit.techniques.base import Export
 
 HF_CALLBACK = "memfit.integrations.transformers.MemfitCallback"
+HF_TRAINER = "memfit.integrations.transformers.MemfitTrainer"
+HF_CALLBACK_APPLIES = ("checkpointing", "attention")
+"""Techniques that act on the model alone: the Trainer's callback applies them. A plan with anything
+else that TrainingArguments cannot carry changes the step itself, and runs in :data:`HF_TRAINER`."""
+HF_STEP_KEYS = ("gradient_accumulation_steps", "bf16", "fp16", "gradient_checkpointing",
+                "gradient_checkpointing_kwargs", "torch_compile")
+"""What memfit's own step does itself under HF_TRAINER (the arguments must leave them off)."""
 LIGHTNING_CALLBACK = "memfit.integrations.lightning.MemfitCallback"
 HF_OUTPUT_DIR = "trainer_output"
 """transformers' own default output_dir (4.50 and later); earlier releases require the argument, so
@@ -50,6 +57,9 @@ class TrainerArguments:
         if not self.unmapped:
             return None
         where = "" if plan_file else " (write the plan with memfit plan ... --out plan.yaml)"
+        if self.callback == HF_TRAINER:
+            return (f"{self.callback}(..., plan={plan_file or 'plan.yaml'!r}) in place of Trainer runs these in memfit's "
+                    f"own step{where}")
         return f"{self.callback}(plan={plan_file or 'plan.yaml'!r}) in the Trainer's callbacks applies these{where}"
 
 
@@ -83,8 +93,34 @@ def export(plan: Plan, batch_size: int, device: Device | str | None = None) -> E
 
 
 def to_hf(plan: Plan, batch_size: int, device: Device | str | None = None) -> TrainerArguments:
+    """The plan as TrainingArguments for a Trainer with :data:`HF_CALLBACK`; or, when the plan
+    changes the step itself (what the arguments cannot carry and acts on more than the model), for
+    :data:`HF_TRAINER`, whose own step does micro-batching, precision, checkpointing and compile:
+    those arguments are left off, the batch per device is the whole batch, and the plan keys for
+    them are listed with the rest."""
     into = export(plan, batch_size, device)
-    return TrainerArguments("TrainingArguments", into.hf, tuple(into.hf_unmapped), tuple(into.hf_notes), HF_CALLBACK)
+    kwargs, unmapped = dict(into.hf), list(into.hf_unmapped)
+    dev = get_device(device) if device is not None else None
+    configs = [c.resolve(dev) if dev is not None else c for c in plan.techniques if not c.is_default]
+    step_side = [c for c in configs if c.technique.name not in HF_CALLBACK_APPLIES and _hf_unmapped(c, into.batch_size)]
+    if not step_side:
+        return TrainerArguments("TrainingArguments", kwargs, tuple(unmapped), tuple(into.hf_notes), HF_CALLBACK)
+    carried = [k for k in HF_STEP_KEYS if kwargs.pop(k, None) not in (None, False, 1)]
+    if "gradient_accumulation_steps" in carried:
+        kwargs["per_device_train_batch_size"] = into.batch_size
+    values = {k: v for c in configs for k, v in c.values().items()}
+    for key in ("micro_batch_size", "precision", "checkpointing", "compile"):
+        if key in values and (key != "micro_batch_size" or "gradient_accumulation_steps" in carried) \
+                and not any(u.startswith(f"{key}:") for u in unmapped):
+            unmapped.append(f"{key}: {values[key]}")
+    return TrainerArguments("TrainingArguments", kwargs, tuple(unmapped), tuple(into.hf_notes), HF_TRAINER)
+
+
+def _hf_unmapped(config, batch_size: int) -> list:
+    """What TrainingArguments cannot carry of this one technique."""
+    into = Export(batch_size)
+    config.export(into)
+    return into.hf_unmapped
 
 
 def to_lightning(plan: Plan, batch_size: int, device: Device | str | None = None) -> TrainerArguments:
