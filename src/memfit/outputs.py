@@ -8,6 +8,7 @@ why: the folder is missing, the path is a folder, or writing is not allowed ther
 from __future__ import annotations
 
 import errno
+import os
 from pathlib import Path
 
 from memfit.errors import UserError
@@ -58,7 +59,7 @@ def check_output_dir(path: str | Path, flag: str) -> Path:
         base = base.parent
     if not base.is_dir():
         raise UserError(f"{flag} {text!r}: {str(base)!r} is a file, not a folder; choose another path")
-    probe = base / ".memfit-write-test"
+    probe = base / f".memfit-write-test-{os.getpid()}"  # (several processes may check one folder at once)
     try:
         with open(probe, "ab"):
             pass

@@ -86,6 +86,7 @@ def test_ops_that_do_not_line_up_are_refused():
     assert extrapolate_ops(b.ops, a.ops, 2, 3, 6) is None  # the deeper step has fewer ops
 
 
+@pytest.mark.slow  # (keeps the default suite under 10 minutes)
 def test_choice_is_the_brute_force_optimum_and_names_what_it_beat():
     """A small space on an H100 preset with a budget the plain plan does not fit: every plan traced
     in full (memory as ``estimate`` predicts it, time by the op-level model); the planner's choice is

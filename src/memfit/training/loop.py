@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import resource
 import time
@@ -481,9 +482,9 @@ def _out_dir(out: str | Path) -> Path:
     path = Path(out)
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".memfit-write-test"
+        probe = path / f".memfit-write-test-{os.getpid()}"  # (the ranks of a run check the same folder at once)
         probe.write_text("")
-        probe.unlink()
+        probe.unlink(missing_ok=True)
     except OSError as e:
         raise UserError(f"cannot write to --out {str(path)!r} ({e.strerror}); choose a writable folder") from None
     return path

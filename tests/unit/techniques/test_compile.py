@@ -96,6 +96,7 @@ def test_a_missing_cpu_compiler_is_named(monkeypatch):
         step(wl.batch(2))
 
 
+@pytest.mark.slow  # (keeps the default suite under 10 minutes)
 def test_peak_falls_with_the_budget_of_compiled_blocks():
     """Each block is its own graph, so a lower budget recomputes within the block during its
     backward: the predicted peak falls with F. (Not so for compile: full, see below.)"""

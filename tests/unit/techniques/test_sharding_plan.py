@@ -23,7 +23,6 @@ SMALL = "gpt2:n_layer=2,n_embd=64,n_head=2,vocab_size=256,n_positions=32"
     ({"world_size": 2, "precision": "bf16", "shard_param_dtype": "bf16"}, 8, "both cast the compute"),
     ({"shard": "zero3"}, 8, "shard 'zero3' is not valid"),
     ({"world_size": 2, "precision": "fp16"}, 8, "shard: fsdp with precision: fp16"),
-    ({"world_size": 2, "ema": {"decay": 0.9}}, 8, "shard: fsdp with ema"),
 ])
 def test_bad_sharded_plans_are_refused_with_the_fix(fields, batch, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -77,6 +76,7 @@ def test_the_fsdp2_internals_memfit_hooks_into_are_there():
         assert callable(module._get_device_handle)
 
 
+@pytest.mark.slow  # (keeps the default suite under 10 minutes)
 def test_the_planner_searches_the_other_techniques_at_a_fixed_world_size():
     """``plan --world-size 2`` on a GPU preset: every candidate is sharded over 2 ranks, the chosen
     plan's figures are one rank's (its full trace), below what one rank of the unsharded plan needs."""
