@@ -89,28 +89,106 @@ class OffloadOptimizerStates(PerParameterOptimizers):
             torch.cuda.current_stream().synchronize()  # host copies complete before they are read
 
 
-class OffloadActivations:
-    """Saved-tensor hooks that keep activations on the host between forward and backward."""
+PREFETCH = 2
+"""Saved activations fetched ahead of backward's need (each one's device memory, for that long)."""
 
-    def __init__(self, model: torch.nn.Module, placement: HostPlacement, min_bytes: int = 1024):
+
+class OffloadActivations:
+    """Saved-tensor hooks that keep activations on the host between forward and backward.
+
+    Forward numbers each offloaded tensor as autograd saves it. Backward needs them roughly in
+    reverse order, so when it unpacks tensor ``k`` the next ``PREFETCH`` below it start their
+    copies back to the device on a side stream; an unpack waits for its own copy's event (or
+    copies at once when it was not prefetched). Small tensors (under ``min_bytes``) and parameters
+    stay on the device. On a CPU the copies are plain ones: the numbering, the prefetch and the
+    ordering are the same code.
+    """
+
+    def __init__(self, model: torch.nn.Module, placement: HostPlacement, min_bytes: int = 1024,
+                 prefetch: int = PREFETCH):
         self.placement = placement
-        self.min_bytes = min_bytes
+        self.min_bytes, self.prefetch = min_bytes, prefetch
         self._params = {p.untyped_storage()._cdata for p in model.parameters()}
+        self.saved: dict[int, tuple[torch.device, torch.Tensor]] = {}
+        """Offloaded tensors by number: where they came from, their host copy."""
+        self.fetched: dict[int, tuple[torch.Tensor, object]] = {}
+        """Tensors on their way back: the device tensor, and the event its copy records (None: done)."""
+        self.unpacked: set[int] = set()
+        """Numbers backward has had (not fetched ahead again)."""
+        self._next = 0
+        self._stream = None
 
     def _pack(self, t: torch.Tensor):
         if t.untyped_storage().nbytes() < self.min_bytes or t.untyped_storage()._cdata in self._params \
                 or t.device.type == "meta":
             return t
-        return (t.device, self.placement.to_host(t))
+        k = self._next
+        self._next += 1
+        self.saved[k] = (t.device, self.placement.to_host(t))
+        return _Offloaded(k, self)
 
     def _unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        device, host = packed
-        return self.placement.to_device(host, device)
+        k = packed.number
+        t, copied = self.fetched.pop(k, None) or self._fetch(k, ahead=False)
+        if copied is not None:
+            copied.wait()  # (the compute stream waits for the copy; nothing waits on the host)
+        self.unpacked.add(k)
+        for j in range(k - 1, k - 1 - self.prefetch, -1):  # what backward needs next
+            if j in self.saved and j not in self.fetched and j not in self.unpacked:
+                self.fetched[j] = self._fetch(j, ahead=True)
+        return t
+
+    def _fetch(self, k: int, *, ahead: bool):
+        """Start tensor ``k``'s copy back to its device: (the device tensor, what to ``wait()`` on
+        before using it; None when the copy is done)."""
+        device, host = self.saved[k]
+        if device.type != "cuda" or not ahead:
+            return self.placement.to_device(host, device), None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=device)
+        # allocated on the compute stream (its pool, as the estimate books it), filled on the side one
+        t = torch.empty(host.shape, dtype=host.dtype, device=device)
+        self._stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self._stream):
+            t.copy_(host, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        t.record_stream(self._stream)  # (its memory is not reused before the copy is done)
+        return t, _Copied(event, device)
+
+    def forget(self, k: int) -> None:
+        """Tensor ``k`` will not be unpacked again (its graph is gone): drop its copies."""
+        self.saved.pop(k, None)
+        self.fetched.pop(k, None)
+        self.unpacked.discard(k)
 
     def __call__(self) -> contextlib.AbstractContextManager:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+
+class _Copied:
+    """A copy on the side stream: ``wait()`` makes the compute stream wait for it."""
+
+    def __init__(self, event, device):
+        self.event, self.device = event, device
+
+    def wait(self) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self.event)
+
+
+class _Offloaded:
+    """What autograd keeps for an offloaded tensor: its number. When autograd drops it (its graph
+    is freed after backward), the host copy and any prefetched copy go too."""
+
+    __slots__ = ("number", "owner", "__weakref__")
+
+    def __init__(self, number: int, owner: OffloadActivations):
+        self.number, self.owner = number, owner
+
+    def __del__(self):
+        self.owner.forget(self.number)
 
 
 @dataclass(frozen=True)
