@@ -93,3 +93,10 @@ def test_another_world_size_is_the_same_plan_for_resuming(tmp_path):
     assert checkpoint.resumed_plan(state, Plan(world_size=4)) == Plan(world_size=4)
     with pytest.raises(UserError, match="another plan or batch size"):
         checkpoint.check(state, workload=SMALL, requested_plan=Plan(micro_batch_size=2), batch_size=4)
+
+
+def test_a_failed_collective_is_one_line_that_keeps_the_checkpoint(tmp_path):
+    from memfit.training.distributed import out_of_step
+    error = torch.distributed.DistBackendError("[gloo] Timed out waiting 600000ms for recv\nmore detail")
+    message = str(out_of_step(error, tmp_path))
+    assert "\n" not in message and "Timed out waiting 600000ms" in message and "--resume continues" in message

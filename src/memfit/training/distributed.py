@@ -119,6 +119,15 @@ def process_group(ranks: Ranks, device_kind: str):
         dist.destroy_process_group()
 
 
+def out_of_step(error: Exception, out_dir) -> UserError:
+    """A collective failed (a rank died, or waited past the timeout for one that went elsewhere:
+    out of memory on some ranks only): the run stops, its last checkpoint is kept."""
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    return UserError(f"the ranks fell out of step ({first}); a rank died, or ran out of memory alone. The last "
+                     f"checkpoint in {str(out_dir)!r} is kept: --resume continues from it (with --budget or a plan "
+                     "that needs less memory, if memory ran short)")
+
+
 def _collective_device() -> str:
     import torch.distributed as dist
     return "cuda" if dist.get_backend() == "nccl" else "cpu"

@@ -192,6 +192,8 @@ class _Run:
                     self.grouped = True
                     try:
                         measured_plan = self._train()
+                    except torch.distributed.DistError as e:
+                        raise distributed.out_of_step(e, self.options.out_dir) from e
                     finally:
                         self.grouped = False
         except OutOfAdaptations as e:
