@@ -147,3 +147,13 @@ def test_a_port_in_use_and_a_missing_backend_are_one_line(tmp_path, capsys, monk
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["memfit train: error: --nproc on a CPU needs the gloo backend, which this PyTorch build lacks; "
                    "install a PyTorch with gloo, or train without --nproc"]
+
+
+def test_a_rank_of_the_users_own_torchrun_does_not_plan_alone(tmp_path, monkeypatch, capsys):
+    """Planned in each rank, a budget could give each rank another plan (the CPU planner times real
+    steps): a rank that torchrun started refuses a budget without a plan, in one line."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert main(["train", SMALL, "--seq-len", "32", "-b", "8", "--out", str(tmp_path / "o"), "--budget", "1GiB"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "would plan alone" in err[0]

@@ -109,6 +109,10 @@ def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: s
     for text data (default: 2 on a GPU, 0 on a CPU).
     """
     ranks = distributed.current()
+    if ranks is not None and plan is None and budget is not None:
+        raise UserError("a rank started by torchrun would plan alone (the ranks must train one plan): give the plan "
+                        "(memfit plan ... --out plan.yaml, then --plan plan.yaml), or launch with memfit train --nproc "
+                        "N, which plans once for all ranks")
     prepared = prepare(workload, plan=plan, budget=budget, steps=steps, out=out, data=data, resume=resume,
                        overwrite=overwrite, seed=seed, batch_size=batch_size, seq_len=seq_len, device=device,
                        workers=workers, checkpoint_every=checkpoint_every, progress=progress, report=report,
