@@ -207,16 +207,21 @@ def test_a_run_above_its_prediction_is_warned_about(tmp_path):
 
 
 def test_trainer_checkpoints_carry_memfits_optimizer(tmp_path):
-    """Saved at step 2 and resumed (the per-parameter optimizers' states included): the run ends
-    where an uninterrupted one does."""
+    """Saved at step 2 and resumed (the per-parameter optimizers' states and the EMA included): the
+    run ends where an uninterrupted one does."""
+    plan = {**PLAN, "ema": {"decay": 0.5, "device": "cpu"}}
     whole = MemfitTrainer(model=_model(), args=_args(tmp_path, save_strategy="steps", save_steps=2),
-                          train_dataset=Tokens(), plan=PLAN)
+                          train_dataset=Tokens(), plan=plan)
     whole.train()
     resumed = MemfitTrainer(model=_model(), args=_args(tmp_path, save_strategy="steps", save_steps=2),
-                            train_dataset=Tokens(), plan=PLAN)
+                            train_dataset=Tokens(), plan=plan)
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     for (name, p), q in zip(whole.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(p, q), name
+    a, b = (t.memfit_step.ema.state_dict() for t in (whole, resumed))
+    assert a["updates"] == b["updates"] > 2 and a["shadow"].keys() == b["shadow"].keys()
+    for name in a["shadow"]:
+        assert torch.equal(a["shadow"][name], b["shadow"][name]), name
 
 
 def test_the_planners_look_at_the_model_is_a_meta_copy():

@@ -229,8 +229,22 @@ class _StepOptimizer(torch.optim.Optimizer):
     param_groups = property(lambda self: self.memfit_step.optimizer.param_groups)
     defaults = property(lambda self: self.memfit_step.optimizer.defaults)
     state = property(lambda self: self.memfit_step.optimizer.state)
-    state_dict = property(lambda self: self.memfit_step.optimizer.state_dict)
-    load_state_dict = property(lambda self: self.memfit_step.optimizer.load_state_dict)
+
+    def state_dict(self) -> dict:
+        """The optimizer's state dict, with the rest of memfit's step state the Trainer's checkpoint
+        must keep (the EMA, the loss scaler) under ``memfit``."""
+        step = self.memfit_step
+        return {**step.optimizer.state_dict(), "memfit": {"ema": step.ema.state_dict(),
+                                                          "scaler": step.scaler.state_dict()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        extra = state.pop("memfit", None)
+        step = self.memfit_step
+        step.optimizer.load_state_dict(state)
+        if extra is not None:
+            step.ema.load_state_dict(extra["ema"])
+            step.scaler.load_state_dict(extra["scaler"])
 
     def step(self, closure=None):
         self.memfit_step.update()
