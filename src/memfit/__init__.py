@@ -36,8 +36,8 @@ _LAZY = {
 
 if TYPE_CHECKING:  # pragma: no cover
     from memfit.devices import get_device
-    from memfit.integrations.apply import apply
     from memfit.errors import UserError
+    from memfit.integrations.apply import apply
     from memfit.memory.budget import Budget
     from memfit.memory.estimate import estimate
     from memfit.memory.measure import profile

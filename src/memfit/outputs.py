@@ -83,3 +83,21 @@ def _cannot(flag: str, text: str, e: OSError) -> str:
         why = "read-only file system" if e.errno == errno.EROFS else "permission denied"
         return f"cannot write {flag} {text!r}: {why}; choose a folder you can write to"
     return f"cannot write {flag} {text!r} ({e.strerror or type(e).__name__}); choose a writable path"
+
+
+def write_synced(path: Path, write) -> None:
+    """``write(f)`` into file ``path``, flushed and fsync'ed before it returns (an atomic save
+    writes a temporary file so, renames it over the old one, then :func:`sync_dir`)."""
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def sync_dir(path: Path) -> None:
+    """fsync folder ``path``, so a rename inside it survives a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -43,8 +43,8 @@ def run(args: argparse.Namespace) -> int:
     from memfit.errors import UserError
     from memfit.outputs import check_output_dir
     from memfit.plans import Plan
-    from memfit.training.loop import train
     from memfit.training.distributed import current
+    from memfit.training.loop import train
     from memfit.training.report import render
     from memfit.units import parse_positive_int
 

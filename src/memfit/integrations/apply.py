@@ -132,8 +132,9 @@ def estimate_applied(model: torch.nn.Module, plan=None, *, batch_size: int, exam
                                      optimizer_factory=optimizer_factory, device=device, example_batch=example_batch))
 
 
-def as_plan(plan) -> Plan:
-    """A Plan from what :func:`apply` takes: a Plan, a plan file, a dict of plan keys or None."""
+def as_plan(plan, who: str = "memfit.apply") -> Plan:
+    """A Plan from what :func:`apply` takes: a Plan, a plan file, a dict of plan keys or None
+    (``who``: the caller an error names)."""
     if plan is None:
         return Plan()
     if isinstance(plan, Plan):
@@ -142,4 +143,4 @@ def as_plan(plan) -> Plan:
         return Plan.from_dict(plan)
     if isinstance(plan, (str, Path)):
         return Plan.load(plan)
-    raise UserError(f"memfit.apply: plan must be a Plan, a plan file or a dict of plan keys, got {type(plan).__name__}")
+    raise UserError(f"{who}: plan must be a Plan, a plan file or a dict of plan keys, got {type(plan).__name__}")

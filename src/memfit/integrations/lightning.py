@@ -55,8 +55,6 @@ yourself), parameters of the LightningModule outside ``memfit_model()``.
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 import gc
 import warnings
 from pathlib import Path
@@ -67,7 +65,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from memfit.devices import get_device
 from memfit.errors import UserError
-from memfit.integrations.apply import apply, estimate_applied, hf_loss, workload_of
+from memfit.integrations.apply import apply, as_plan, estimate_applied, hf_loss, workload_of
 from memfit.memory.categories import STEADY_STEP
 from memfit.memory.measure import PeakWindow
 from memfit.plans import Plan
@@ -188,7 +186,7 @@ class MemfitCallback:
         if (plan is None) == (budget is None):
             raise UserError("MemfitCallback: give plan=... (a plan file, Plan or dict of plan keys) or budget=... "
                             "(e.g. '8GiB'), one of them")
-        self.plan = _as_plan(plan) if plan is not None else None
+        self.plan = as_plan(plan, "MemfitCallback") if plan is not None else None
         self.budget, self.tolerance = budget, tolerance
         self.report = self.predicted_peak_bytes = self.measured_peak_bytes = None
         self._window: PeakWindow | None = None
@@ -345,20 +343,15 @@ def _first_batch(trainer) -> tuple[int, Any]:
 def _plan_for_budget(network, budget, trainer, example, *, batch_size, loss_fn, optimizer_factory, device) -> Plan:
     """The planner's fastest plan for ``budget``, with the Trainer's precision and clipping fixed.
     Real steps (the CPU planner times some) run on copies: the network itself is not trained."""
-    from torch._guards import detect_fake_mode
-
     from memfit.planner.search import plan as make_plan
     base = workload_of(network, batch_size=batch_size, loss_fn=loss_fn, optimizer_factory=optimizer_factory,
-                       example_batch=example)
-
-    def model() -> torch.nn.Module:
-        return base.model() if detect_fake_mode() is not None else copy.deepcopy(network).to(torch.get_default_device())
+                       example_batch=example, copies=True)
     fixed: dict[str, Any] = {}
     if trainer.precision != LIGHTNING_DEFAULT_PRECISION:
         fixed["precision"] = _precisions()[trainer.precision]
     if trainer.gradient_clip_val:
         fixed["max_grad_norm"] = float(trainer.gradient_clip_val)
-    found = make_plan(dataclasses.replace(base, model=model), budget=budget, batch_size=batch_size, device=device,
+    found = make_plan(base, budget=budget, batch_size=batch_size, device=device,
                       fixed=fixed or None)
     if found.chosen is None:
         smallest = found.smallest
@@ -379,13 +372,3 @@ def _storage_bytes(module: torch.nn.Module) -> int:
 
 def _profiling(trainer) -> bool:
     return type(trainer.profiler).__name__ == "PyTorchProfiler" or torch.autograd.profiler._is_profiler_enabled
-
-
-def _as_plan(plan) -> Plan:
-    if isinstance(plan, Plan):
-        return plan
-    if isinstance(plan, dict):
-        return Plan.from_dict(plan)
-    if isinstance(plan, (str, Path)):
-        return Plan.load(plan)
-    raise UserError(f"MemfitCallback: plan must be a Plan, a plan file or a dict of plan keys, got {type(plan).__name__}")

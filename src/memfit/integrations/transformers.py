@@ -53,9 +53,9 @@ from memfit.devices import get_device
 from memfit.errors import UserError
 from memfit.integrations.apply import as_plan, estimate_applied, hf_loss, workload_of
 from memfit.memory.measure import PeakWindow
-from memfit.planner.export import HF_CALLBACK_APPLIES, to_hf
+from memfit.planner.export import HF_CALLBACK_APPLIES, hf_unmapped_of, to_hf
 from memfit.plans import Plan
-from memfit.techniques.base import Export, StepParts
+from memfit.techniques.base import StepParts
 from memfit.techniques.checkpointing import BlocksAC
 from memfit.techniques.placement import HostPlacement
 
@@ -274,7 +274,7 @@ def _check_args_run(plan: Plan, args, model, batch_size: int) -> None:
     """A plain Trainer runs ``plan`` only if its arguments carry what they can and the rest acts on
     the model alone; else one line naming the arguments or MemfitTrainer."""
     step_side = [c for c in plan.techniques if not c.is_default and c.technique.name not in CALLBACK_APPLIES
-                 and (c.technique.name == "shard" or _unmapped(c, batch_size))]
+                 and (c.technique.name == "shard" or hf_unmapped_of(c, batch_size))]
     if step_side:
         keys = "; ".join(f"{k}: {v}" for c in step_side for k, v in c.values().items())
         raise UserError(f"MemfitCallback: a callback cannot apply {keys} (they change the Trainer's step); use "
@@ -294,12 +294,6 @@ def _check_args_run(plan: Plan, args, model, batch_size: int) -> None:
     if wrong:
         raise UserError(f"MemfitCallback: the Trainer's arguments run {', '.join(wrong)}; use "
                         f"{exported.python()} (what memfit plan --format hf writes)")
-
-
-def _unmapped(config, batch_size: int) -> list:
-    into = Export(batch_size)
-    config.export(into)
-    return into.hf_unmapped
 
 
 def _check_trainer_args(args, plan: Plan | None, *, user_optimizer: bool) -> None:

@@ -102,7 +102,7 @@ def to_hf(plan: Plan, batch_size: int, device: Device | str | None = None) -> Tr
     kwargs, unmapped = dict(into.hf), list(into.hf_unmapped)
     dev = get_device(device) if device is not None else None
     configs = [c.resolve(dev) if dev is not None else c for c in plan.techniques if not c.is_default]
-    step_side = [c for c in configs if c.technique.name not in HF_CALLBACK_APPLIES and _hf_unmapped(c, into.batch_size)]
+    step_side = [c for c in configs if c.technique.name not in HF_CALLBACK_APPLIES and hf_unmapped_of(c, into.batch_size)]
     if not step_side:
         return TrainerArguments("TrainingArguments", kwargs, tuple(unmapped), tuple(into.hf_notes), HF_CALLBACK)
     carried = [k for k in HF_STEP_KEYS if kwargs.pop(k, None) not in (None, False, 1)]
@@ -116,7 +116,7 @@ def to_hf(plan: Plan, batch_size: int, device: Device | str | None = None) -> Tr
     return TrainerArguments("TrainingArguments", kwargs, tuple(unmapped), tuple(into.hf_notes), HF_TRAINER)
 
 
-def _hf_unmapped(config, batch_size: int) -> list:
+def hf_unmapped_of(config, batch_size: int) -> list:
     """What TrainingArguments cannot carry of this one technique."""
     into = Export(batch_size)
     config.export(into)

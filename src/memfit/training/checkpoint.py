@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from memfit.errors import UserError
+from memfit.outputs import sync_dir, write_synced
 from memfit.plans import Plan
 from memfit.techniques.sharding import TECHNIQUE as SHARDING
 from memfit.training import sharded_checkpoint
@@ -71,16 +72,9 @@ def save(out_dir: Path, step, *, step_index: int, samples_seen: int, workload: s
     state = {"format": FORMAT, **meta, **step_state(step)}
     path = out_dir / NAME
     tmp = out_dir / f".{NAME}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+    write_synced(tmp, lambda f: torch.save(state, f))
     os.replace(tmp, path)
-    dir_fd = os.open(out_dir, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    sync_dir(out_dir)
     sharded_checkpoint.remove(out_dir)  # (older: this one replaced it)
     return path
 

@@ -47,8 +47,8 @@ from memfit.plans import Plan
 from memfit.quiet import silenced_warnings
 from memfit.step import TrainStep, build_step, make_batch
 from memfit.target import Target
-from memfit.training import checkpoint, distributed
 from memfit.techniques.sharding import on_ranks
+from memfit.training import checkpoint, distributed
 from memfit.training.adapt import FitPredictor, OutOfAdaptations, run_adapting
 from memfit.training.data import ByteCorpus, text_batches
 from memfit.training.progress import Progress
@@ -386,9 +386,7 @@ def _choose_plan(target: Target, plan: Plan | str | None, budget: str | int | No
             raise UserError(f"no plan fits the budget of {fmt_bytes(budget_obj.bytes)}{hint}")
         plan = found.chosen.plan
     plan = on_ranks(plan or Plan(), world_size)
-    target = target.with_plan(plan)
-    target.rank_batch_size  # (refuses a batch that does not split over the ranks)
-    return target, budget_obj
+    return target.with_plan(plan), budget_obj  # (with_plan refuses a batch the ranks cannot split)
 
 
 def _predicted_peak(target: Target) -> int:

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from memfit.errors import UserError
+from memfit.outputs import sync_dir, write_synced
 
 POINTER = "checkpoint-dcp.json"
 PREFIX = "checkpoint-dcp-"
@@ -51,11 +52,11 @@ def save(out_dir: Path, step, ranks, meta: dict) -> Path:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         dcp.save({"model": model, "optim": optim, **_ema(step)}, checkpoint_id=str(folder))
     if ranks.is_main:
-        _write_synced(folder / "meta.pt", lambda f: torch.save({"format": FORMAT, **meta}, f))
-        _write_synced(out_dir / f".{POINTER}.tmp", lambda f: f.write(json.dumps(
+        write_synced(folder / "meta.pt", lambda f: torch.save({"format": FORMAT, **meta}, f))
+        write_synced(out_dir / f".{POINTER}.tmp", lambda f: f.write(json.dumps(
             {"format": FORMAT, "folder": folder.name, "step": meta["step"]}).encode()))
         os.replace(out_dir / f".{POINTER}.tmp", out_dir / POINTER)
-        _sync_dir(out_dir)
+        sync_dir(out_dir)
         for old in out_dir.glob(f"{PREFIX}*"):
             if old.is_dir() and old.name != folder.name:
                 shutil.rmtree(old, ignore_errors=True)
@@ -125,21 +126,6 @@ def _check_plain_optimizer(step) -> None:
     if not isinstance(step.optimizer, torch.optim.Optimizer):
         raise UserError(f"the plan {step.plan.describe()} keeps optimizer state that a checkpoint moved between world "
                         "sizes cannot carry; resume with the world size that wrote it")
-
-
-def _write_synced(path: Path, write) -> None:
-    with open(path, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _sync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def remove(out_dir: Path) -> None:
