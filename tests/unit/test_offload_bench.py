@@ -1,0 +1,90 @@
+"""bench/offload_gpu.py (issue 15) on a tiny CPU case: the table's figures are the measured ones.
+
+The GPU run cannot happen here; this checks the script's own arithmetic and plumbing on the smoke
+path: the ratio is median(B) / median(A) of the interleaved steps, both memory columns come from
+measurements and predictions, the "before" column is the recorded H100 pair, and (slow) a job run
+in a fresh process returns its result.
+"""
+
+import importlib.util
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("offload_gpu_bench", ROOT / "bench" / "offload_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+BENCH = _bench()
+MIB = r"([\d.]+) MiB"
+
+
+def test_recorded_before_figures_are_the_h100_pairs():
+    rows = {r.id: r for r in BENCH.ROWS}
+    llama = BENCH.recorded(rows["llama4-offopt"])
+    assert llama["cases"] == ["t-llama4-bf16-b2", "t-llama4-offopt-b2"]  # the rows that ran alone
+    assert llama["ratio"] == pytest.approx(0.36221 / 0.09476)
+    ema = BENCH.recorded(rows["gpt2-ema-cpu"])
+    assert ema["cases"] == ["gpt2-bf16", "gpt2-bf16-ema"]
+    assert BENCH.recorded(BENCH.smoke_rows()[0]) == {}  # tiny configs were never recorded
+
+
+def test_smoke_row_table_shows_the_measured_ratio_and_memory():
+    row = next(r for r in BENCH.smoke_rows() if r.id == "gpt2-ema-cpu")
+    before = BENCH.recorded(next(r for r in BENCH.ROWS if r.id == row.id))
+    jobs = []
+
+    def runner(job):
+        jobs.append(job)
+        return BENCH.measure(job)
+
+    result = BENCH.run_row(row, "cpu", "cpu", repeats=1, runner=runner, before=before)
+    assert "error" not in result, result.get("error")
+    assert [j["first"] for j in jobs] == [row.plan_a, row.plan_b]  # A first, then B first
+    assert len(result["times_a"]) == len(result["times_b"]) == 2 * (BENCH.STEPS_PER_TURN - 1)
+    a, b = statistics.median(result["times_a"]), statistics.median(result["times_b"])
+    assert (result["step_seconds_a"], result["step_seconds_b"]) == (a, b)
+    assert result["ratio"] == b / a
+    assert result["met"] is None  # a CPU time says nothing about the GPU target
+    # The CPU EMA's shadow weights are extra live bytes, measured and predicted.
+    assert result["peak_b"] > result["peak_a"] > 0 and result["predicted_b"] > result["predicted_a"] > 0
+
+    line = BENCH.table([result]).splitlines()[2]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[0] == "gpt2-ema-cpu"
+    assert cells[1] == f"{before['ratio']:.2f}x" == "3.39x"
+    assert cells[2].startswith(f"{b / a:.2f}x (")
+    assert cells[3] == "<= 1.1x" and cells[4] == "n/a (CPU)"
+    measured = [float(x) for x in re.findall(MIB, cells[5])]
+    predicted = [float(x) for x in re.findall(MIB, cells[6])]
+    assert measured == [round(result["peak_a"] / 2**20, 1), round(result["peak_b"] / 2**20, 1)]
+    assert predicted == [round(result["predicted_a"] / 2**20, 1), round(result["predicted_b"] / 2**20, 1)]
+
+
+def test_a_failed_row_is_reported_in_the_table():
+    row = BENCH.smoke_rows()[1]
+    result = BENCH.run_row(row, "cpu", "cpu", repeats=1, runner=lambda job: {"error": "OutOfMemoryError: x"})
+    assert "OutOfMemoryError: x" in result["error"]
+    assert "failed: OutOfMemoryError: x" in BENCH.table([result])
+
+
+@pytest.mark.slow  # a fresh process imports torch and transformers (~10 s); the smoke run covers it too
+def test_a_job_runs_in_a_fresh_process():
+    """The path the GPU run takes: the script re-runs itself with --child and prints its RESULT line."""
+    row = next(r for r in BENCH.smoke_rows() if r.id == "gpt2-offact")
+    job = {"workload": row.workload, "batch_size": row.batch_size, "seq_len": row.seq_len, "device": "cpu",
+           "preset": "cpu", "repeats": 1, "first": row.plan_b, "second": row.plan_a}
+    result = BENCH.run_child(job, timeout=120)
+    assert "error" not in result, result.get("error")
+    assert result["peak"] > 0 and result["predicted"] > 0
+    assert len(result["times_first"]) == len(result["times_second"]) == BENCH.STEPS_PER_TURN - 1
