@@ -14,6 +14,10 @@ import contextlib
 class NullObserver:
     """Watches nothing."""
 
+    thread_local = False
+    """Whether it sees only the thread that runs the step (a dispatch mode, as memfit's tracker and
+    budget guard are): then a technique runs on that thread what it would hand to a worker."""
+
     def phase(self, name: str) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 

@@ -67,6 +67,7 @@ class TrainStep:
         self._device_type = parts.device_type
         self._contexts = tuple(parts.contexts)
         self._forward_contexts = tuple(parts.forward_contexts)
+        self._before_backward = tuple(parts.before_backward)
         self._before_update = tuple(parts.before_update)
         self._after_update = tuple(parts.after_update)
         self.phase = "idle"
@@ -147,7 +148,7 @@ class TrainStep:
         with contextlib.ExitStack() as around:
             for make in self._contexts:
                 around.enter_context(make())
-            for mb in micro:
+            for index, mb in enumerate(micro):
                 self.phase = "forward"
                 with obs.phase("forward"), self.precision.autocast(self._device_type), contextlib.ExitStack() as fwd:
                     for make in self._forward_contexts:
@@ -157,6 +158,8 @@ class TrainStep:
                     if n > 1:
                         loss = loss / n
                 self.phase = "backward"
+                for hook in self._before_backward:
+                    hook(index, n)
                 with obs.phase("backward"):
                     self.scaler.scale(loss).backward()
                 total = loss.detach() if total is None else total + loss.detach()

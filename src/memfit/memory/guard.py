@@ -35,6 +35,8 @@ class BudgetGuard(TorchDispatchMode):
     observer: techniques report host-placed tensors through :meth:`host`.
     """
 
+    thread_local = True  # (a dispatch mode sees only its own thread: memfit.observer)
+
     def __init__(self, budget_bytes: int):
         super().__init__()
         self.budget_bytes = int(budget_bytes)

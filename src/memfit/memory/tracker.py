@@ -74,6 +74,8 @@ class MemoryTracker(TorchDispatchMode):
     ``torch.equal``) with 0/False and record an :class:`Approximation` instead of failing.
     """
 
+    thread_local = True  # (a dispatch mode sees only its own thread: memfit.observer)
+
     def __init__(self, *, assume_scalars: bool = False, probe=None):
         super().__init__()
         self.state = TrackerState()

@@ -250,6 +250,8 @@ class StepParts:
     """Context factories held around forward only (e.g. saved-tensor hooks)."""
     recompute_contexts: list = field(default_factory=list)
     """Context factories entered again around each recomputation in backward."""
+    before_backward: list = field(default_factory=list)
+    """Hooks ``hook(index, count)`` run before micro-batch ``index`` of ``count`` starts its backward."""
     before_update: list = field(default_factory=list)
     """Hooks ``hook(step)`` run after backward, before the optimizer step."""
     after_update: list = field(default_factory=list)

@@ -64,7 +64,8 @@ class ClipGradNorm(GradClipping):
 
     def _clip(self, step) -> None:
         step.scaler.unscale_(step.optimizer)  # fp16: clip the true gradients (a no-op otherwise)
-        params = [p for p in step.model.parameters() if p.grad is not None]
+        # the gradients the optimizer steps with (host copies when its states are offloaded)
+        params = [p for group in step.optimizer.param_groups for p in group["params"] if p.grad is not None]
         torch.nn.utils.clip_grad_norm_(params, self.max_norm)
 
     def label(self, batch_size):
