@@ -31,7 +31,7 @@ import yaml
 
 from memfit.errors import UserError
 from memfit.techniques.base import Config, Export, Key, Technique, register
-from memfit.techniques.placement import HostPlacement
+from memfit.techniques.placement import HostPlacement, doing
 from memfit.units import parse_key_values
 
 
@@ -193,10 +193,11 @@ class _Background:
     def average(self, weights: dict[str, torch.Tensor], shadow: dict[str, torch.Tensor], weight: float,
                 at_once: bool = False) -> None:
         self.wait()  # the previous average has read the buffers this copy overwrites
-        copied = self._copy(weights)
-        if at_once:
-            self._lerp(copied, shadow, weight)
-            return
+        with doing("background"):
+            copied = self._copy(weights)
+            if at_once:
+                self._lerp(copied, shadow, weight)
+                return
         if self.pool is None:
             from concurrent.futures import ThreadPoolExecutor
             self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memfit-ema")

@@ -1,10 +1,10 @@
 """Offload optimizer states and saved activations to host memory.
 
-Optimizer states (2N bytes for AdamW) are touched once per step, so they can live in host memory
-and visit the device one parameter at a time for the update: device memory holds the states of
-one parameter instead of all of them, at the cost of moving 2N bytes each way over the host link
-per step (on CUDA: pinned buffers, copies on a side stream, the next parameter's states fetched
-while the current one is updated).
+Optimizer states (2N bytes for AdamW) are touched once per step, so the optimizer can live in host
+memory and step there, overlapped with backward: gradients go out as backward makes them, a worker
+thread updates each parameter's host copy, and the parameter comes back on a side stream
+(memfit.techniques.offload_optimizer). The device keeps neither the states nor all the gradients,
+at the cost of 2N bytes over the host link per step and the host CPU's update.
 
 Saved activations are written once in forward and read once in backward; the saved-tensor hooks
 (``torch.autograd.graph.saved_tensors_hooks``) move each one larger than ``min_bytes`` to host
@@ -18,7 +18,6 @@ Plan key ``offload``: a list of ``optimizer_states`` (:class:`OffloadOptimizerSt
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -34,59 +33,10 @@ from memfit.techniques.base import (
     choice,
     register,
 )
-from memfit.techniques.optimizers import Factory, PerParameterOptimizers
+from memfit.techniques.offload_optimizer import OffloadOptimizerStates
 from memfit.techniques.placement import HostPlacement
 
 ITEMS = ("optimizer_states", "activations")
-
-
-class OffloadOptimizerStates(PerParameterOptimizers):
-    """One optimizer per parameter; its states live on the host between updates."""
-
-    def __init__(self, params: Iterable[torch.nn.Parameter], factory: Factory, placement: HostPlacement):
-        super().__init__(params, factory)
-        self.placement = placement
-        self._copy_stream = None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
-
-    def _fetch(self, p: torch.nn.Parameter) -> dict:
-        """The parameter's states, on the device."""
-        state = self.optimizers[p].state.get(p, {})
-        if p.device.type == "cuda" and self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(device=p.device)
-        ctx = torch.cuda.stream(self._copy_stream) if self._copy_stream is not None else contextlib.nullcontext()
-        with ctx:
-            return {k: self.placement.to_device(v, p.device) if torch.is_tensor(v) and v.dim() > 0 else v
-                    for k, v in state.items()}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Load one parameter's states at a time and put them back on the host (torch's loader
-        casts them to the parameter's device; all at once, that is the memory offload avoids)."""
-        for (p, opt), sd in zip(self.optimizers.items(), state["per_param"]):
-            opt.load_state_dict(sd)
-            opt.state[p] = {k: self.placement.to_host(v) if torch.is_tensor(v) and v.dim() > 0 else v
-                            for k, v in opt.state[p].items()}
-
-    @torch.no_grad()
-    def step(self, closure=None) -> None:
-        todo = [p for p in self.params if p.grad is not None]
-        fetched = self._fetch(todo[0]) if todo else None
-        for i, p in enumerate(todo):
-            opt = self.optimizers[p]
-            if self._copy_stream is not None:
-                torch.cuda.current_stream(p.device).wait_stream(self._copy_stream)
-            if fetched:
-                opt.state[p] = fetched
-            nxt = self._fetch(todo[i + 1]) if i + 1 < len(todo) else None  # overlaps this update on CUDA
-            opt.step()
-            opt.state[p] = {k: self.placement.to_host(v) if torch.is_tensor(v) and v.dim() > 0 else v
-                            for k, v in opt.state[p].items()}
-            fetched = nxt
-        if self._copy_stream is not None:
-            torch.cuda.current_stream().synchronize()  # host copies complete before they are read
 
 
 PREFETCH = 2
@@ -214,8 +164,7 @@ class Offload(Config):
 
     def apply(self, parts) -> None:
         if "optimizer_states" in self.items:
-            placement = parts.placement
-            parts.make_optimizer = lambda params, factory: OffloadOptimizerStates(params, factory, placement)
+            _offload_optimizer(parts)
         if "activations" in self.items:
             parts.forward_contexts.append(OffloadActivations(parts.model, parts.placement))
 
@@ -233,6 +182,22 @@ class Offload(Config):
     def export(self, into: Export) -> None:
         if self.items:
             into.not_carried(self)
+
+
+def _offload_optimizer(parts) -> None:
+    """The step's optimizer steps on the host (memfit.techniques.offload_optimizer): from each
+    gradient's hook, unless clipping or fp16 loss scaling need every gradient first."""
+    placement, built = parts.placement, []
+    eager = parts.plan.max_grad_norm is None and parts.plan.precision != "fp16"
+
+    def make(params, factory):
+        built.append(OffloadOptimizerStates(params, factory, placement, eager=eager))
+        return built[-1]
+    parts.make_optimizer = make
+    parts.before_backward.append(lambda index, count: built[-1].backward_starts(index, count))
+    parts.before_update.append(lambda step: built[-1].wait_for_gradients())
+    if eager:
+        parts.updates_in_backward = True
 
 
 def _items_text(text: str) -> list[str]:

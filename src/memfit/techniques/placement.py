@@ -10,6 +10,9 @@ can be tested anywhere.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 
 from memfit.observer import NullObserver
@@ -39,3 +42,25 @@ class HostPlacement:
         """``t`` was made on the host (e.g. a CPU shadow copy); account it there."""
         self.observer.host(t)
         return t
+
+
+_WHERE = threading.local()
+
+
+def running() -> str | None:
+    """What a host-memory technique is doing on this thread, for the planner's op recorder (its
+    time model): ``"out"`` while gradients are copied out on a stream of their own, ``"host"`` while
+    the offloaded optimizer updates on the host and copies parameters back (a worker thread),
+    ``"background"`` while the EMA copies and averages beside the next step; None otherwise."""
+    return getattr(_WHERE, "now", None)
+
+
+@contextlib.contextmanager
+def doing(what: str):
+    """Mark the work inside as :func:`running` ``what``."""
+    before = running()
+    _WHERE.now = what
+    try:
+        yield
+    finally:
+        _WHERE.now = before

@@ -23,10 +23,6 @@ def test_placement_round_trips_exactly_and_reports_host_copies():
     assert len(seen) == 4
 
 
-def test_offloaded_optimizer_states_train_exactly_the_same():
-    assert_same_training(run_steps(GPT2_DROPOUT, Plan()), run_steps(GPT2_DROPOUT, Plan(offload=["optimizer_states"])))
-
-
 def test_offloaded_activations_train_exactly_the_same_with_dropout():
     assert_same_training(run_steps(GPT2_DROPOUT, Plan()), run_steps(GPT2_DROPOUT, Plan(offload=["activations"])))
 
@@ -37,10 +33,9 @@ def test_device_side_savings():
     acts = measured(SPEC, Plan(offload=["activations"]))
     for r in (states, acts):
         assert abs(r.error_percent) <= 1.0  # device + host together vs the profiler
-    # optimizer states: on the device only one parameter's states exist at a time
-    base_states = base.predicted.breakdown["optimizer_states"]
-    assert states.predicted.host_peak_bytes >= base_states - 1024  # scalar step counters stay on the device
-    assert states.predicted.peak_bytes <= base.predicted.peak_bytes
+    # optimizer states: on the host (memfit.techniques.offload_optimizer; more in test_offload_optimizer.py)
+    assert states.predicted.host_peak_bytes >= base.predicted.breakdown["optimizer_states"]
+    assert states.predicted.peak_bytes < base.predicted.peak_bytes
     # activations: the device keeps only what is too small to offload
     assert acts.predicted.breakdown["activations"] < 0.3 * base.predicted.breakdown["activations"]
     assert acts.predicted.peak_bytes < base.predicted.peak_bytes

@@ -1,0 +1,226 @@
+"""Optimizer-state offload: the optimizer steps on the host, overlapped with backward.
+
+AdamW keeps 2N bytes of moments for N bytes of fp32 parameters, and the gradients add N more
+until the update. Here the optimizer lives in host memory (as DeepSpeed's ZeRO-Offload and
+torchao's ``CPUOffloadOptimizer`` do): a pinned host copy of each parameter (its master), its
+moments and a pinned gradient buffer. The device keeps the parameters only:
+
+- as backward accumulates each parameter's gradient (``register_post_accumulate_grad_hook``), the
+  gradient is copied to its pinned host buffer on a side stream and freed on the device, so at
+  most a few gradients exist there at a time (as with the optimizer step in backward);
+- a worker thread waits for that copy and steps the parameter's optimizer on the host (torch's
+  fused CPU AdamW/Adam where the workload uses plain AdamW/Adam) while backward goes on;
+- the updated master goes back into the device parameter on another side stream; the step ends
+  by making the compute stream wait for those copies, so the next forward sees the new weights.
+
+The price is 2N bytes over the host link per step (gradients out, parameters in; half of what
+fetching the states to the device and back moves), overlapped with backward, and the host CPU's
+update (memory-bound on host DRAM). It saves the states (2N) and the gradients (N) on the device.
+
+Clipping by the global norm and fp16 loss scaling need every gradient before any update: then
+the gradients still go out as they are made, clipping and unscaling act on the host copies (the
+optimizer's ``param_groups`` hold the host masters), and the updates start after backward.
+With micro-batches, gradients accumulate on the device and go out in the last micro-batch's
+backward (the step says which one it is: :meth:`OffloadOptimizerStates.backward_starts`).
+
+The worker thread is used on real CUDA tensors only when nobody watches the step with a dispatch
+mode (memfit's tracker and budget guard see only their own thread); otherwise the same calls run
+at once, in order, on the calling thread. That synchronous path is what fake traces and CPU runs
+take; the threaded one is tested on the CPU against it bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+
+import torch
+
+from memfit.techniques.optimizers import Factory
+from memfit.techniques.placement import HostPlacement, doing
+
+
+class OffloadOptimizerStates:
+    """One host optimizer per parameter, stepped as that parameter's gradient reaches the host.
+
+    ``eager``: step each parameter from its gradient hook (no clipping or loss scaling needs all
+    gradients first); otherwise :meth:`step` starts the updates. ``threaded``: None decides per
+    step (see the module docstring); True/False force the worker thread or the calling thread.
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], factory: Factory, placement: HostPlacement,
+                 *, eager: bool, threaded: bool | None = None):
+        self.params = list(params)
+        self.placement, self.eager, self.threaded = placement, eager, threaded
+        self.optimizers = {p: factory([p]) for p in self.params}
+        """Built for the device parameters (so param groups follow the workload's); each moves to
+        its parameter's host master when that is made (:meth:`_host`)."""
+        self.param_groups = [g for opt in self.optimizers.values() for g in opt.param_groups]
+        self.defaults = next(iter(self.optimizers.values())).defaults
+        self.masters: dict[torch.nn.Parameter, torch.Tensor] = {}
+        """Device parameter -> its pinned host copy, whose ``.grad`` is the pinned gradient buffer."""
+        self._last_backward = True
+        self._sent: dict[torch.nn.Parameter, object] = {}
+        """Parameters whose gradient went out this step -> the copy's event (None: done)."""
+        self._jobs: list = []
+        self._pool = None
+        self._out = self._in = None  # CUDA side streams: gradients out, parameters in
+        self._handles = [p.register_post_accumulate_grad_hook(self._gradient_ready) for p in self.params]
+
+    # -- the optimizer interface -----------------------------------------------------------------------
+    @property
+    def state(self) -> dict:
+        return {h: opt.state[h] for p, opt in self.optimizers.items()
+                if (h := self.masters.get(p)) is not None and h in opt.state}
+
+    def backward_starts(self, index: int, count: int) -> None:
+        """The step's micro-batch ``index`` of ``count`` starts its backward: gradients go out in
+        the last one's."""
+        self._last_backward = index == count - 1
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        for p in self.params:  # a gradient the hook did not send (a parameter unused in the last micro-batch)
+            if p.grad is not None and p not in self._sent:
+                self._send(p)
+        if not self.eager:
+            self.wait_for_gradients()
+            for p, copied in self._sent.items():
+                self._submit(p, copied)
+        self._sent = {}
+        self.join()
+
+    def wait_for_gradients(self) -> None:
+        """Until every gradient sent this step is in its host buffer (before clipping or unscaling
+        reads them there; the ``param_groups`` hold the host copies)."""
+        for copied in self._sent.values():
+            if copied is not None:
+                copied.synchronize()
+
+    def join(self) -> None:
+        """Until every update submitted is done and its copy back is ordered before what the
+        compute stream runs next."""
+        jobs, self._jobs = self._jobs, []
+        for job in jobs:
+            job.result()  # (an error in the worker is raised here)
+        if self._in is not None:
+            torch.cuda.current_stream(self._in.device).wait_stream(self._in)
+
+    def state_dict(self) -> dict:
+        self.join()
+        return {"per_param": [opt.state_dict() for opt in self.optimizers.values()]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Load each parameter's states into its host optimizer (torch's loader casts them to the
+        parameter's device: the host copy's). The masters are refreshed from the device
+        parameters, which a resume has just loaded."""
+        self.join()
+        for p, sd in zip(self.params, state["per_param"]):
+            h = self._host(p)
+            h.copy_(p.detach())
+            opt = self.optimizers[p]
+            opt.load_state_dict(sd)
+            self.placement.mark_host([v for v in opt.state[h].values() if torch.is_tensor(v)])
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    # -- the pipeline ------------------------------------------------------------------------------------
+    def _gradient_ready(self, p: torch.nn.Parameter) -> None:
+        if not self._last_backward:
+            return  # (micro-batches: the gradient keeps accumulating on the device)
+        with torch.no_grad():
+            copied = self._send(p)
+            if self.eager:
+                self._submit(p, copied)
+
+    def _send(self, p: torch.nn.Parameter):
+        """Copy ``p``'s gradient into its host buffer (on the out-stream on CUDA) and free it on the
+        device; returns the copy's event (None where the copy is done)."""
+        h = self._host(p)
+        cuda = p.grad.is_cuda
+        if cuda and self._out is None:
+            self._out = torch.cuda.Stream(device=p.device)
+            self._in = torch.cuda.Stream(device=p.device)
+        copied = None
+        with doing("out"):
+            if cuda:
+                self._out.wait_stream(torch.cuda.current_stream(p.device))  # backward has made the gradient
+            with torch.cuda.stream(self._out) if cuda else contextlib.nullcontext():
+                if h.grad is None:
+                    h.grad = self.placement.to_host(p.grad)  # (the pinned buffer, made once)
+                else:
+                    h.grad.copy_(p.grad, non_blocking=True)
+                if cuda:
+                    copied = torch.cuda.Event()
+                    copied.record(self._out)
+        if cuda:
+            p.grad.record_stream(self._out)  # (not reused before the copy has read it)
+        p.grad = None
+        self._sent[p] = copied
+        return copied
+
+    def _submit(self, p: torch.nn.Parameter, copied) -> None:
+        if self._threaded(p):
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memfit-offload")
+            self._jobs.append(self._pool.submit(self._update, p, copied))
+        else:
+            self._update(p, copied)
+
+    @torch.no_grad()
+    def _update(self, p: torch.nn.Parameter, copied) -> None:
+        """Step ``p``'s host optimizer once its gradient is on the host, then copy the master back."""
+        h = self.masters[p]
+        with doing("host"):
+            if copied is not None:
+                copied.synchronize()
+            opt = self.optimizers[p]
+            new = not opt.state.get(h)
+            opt.step()
+            if new:
+                self.placement.mark_host([v for v in opt.state[h].values() if torch.is_tensor(v)])
+            if self._in is not None:
+                self._in.wait_event(copied)  # (the compute stream had finished with p when the gradient went out)
+            with torch.cuda.stream(self._in) if self._in is not None else contextlib.nullcontext():
+                p.copy_(h, non_blocking=True)
+
+    def _threaded(self, p: torch.nn.Parameter) -> bool:
+        if self.threaded is not None:
+            return self.threaded
+        # (on a CPU the host is the device: a thread overlaps nothing there, and CPU memory
+        # profilers miss what it allocates)
+        from torch._subclasses.fake_tensor import is_fake
+        return p.is_cuda and not is_fake(p) and not getattr(self.placement.observer, "thread_local", False)
+
+    def _host(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """``p``'s host master, made (pinned) on first use, with its optimizer moved onto it."""
+        h = self.masters.get(p)
+        if h is None:
+            h = self.masters[p] = self.placement.to_host(p.detach())
+            self.optimizers[p] = _on_host(self.optimizers[p], p, h)
+            self.param_groups = [g for opt in self.optimizers.values() for g in opt.param_groups]
+        return h
+
+
+FUSED_ON_HOST = (torch.optim.AdamW, torch.optim.Adam)
+"""torch's optimizers with a fused CPU kernel (one pass over memory instead of one per op: about 10x
+faster on the host). Used where the workload's optimizer is one of them with foreach/fused unset."""
+
+
+def _on_host(opt: torch.optim.Optimizer, p: torch.Tensor, h: torch.Tensor) -> torch.optim.Optimizer:
+    """``opt`` (built for the device parameter ``p``, no state yet) stepping the host copy ``h``."""
+    for group in opt.param_groups:
+        group["params"] = [h if q is p else q for q in group["params"]]
+    plain = type(opt) in FUSED_ON_HOST and opt.defaults.get("fused") is None and \
+        opt.defaults.get("foreach") is None and not opt.defaults.get("differentiable")
+    if plain and h.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        return type(opt)([{**g, "fused": True} for g in opt.param_groups], fused=True)
+    return opt
