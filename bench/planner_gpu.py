@@ -59,6 +59,18 @@ of 2 away (4 for the CPU overheads, which vary more between machines) costs as m
 error. Efficiencies are capped at 1 and ``duplex`` at 2 (copies both ways no slower than in turn)."""
 FITTED = tuple(PRIOR)
 BASELINE = {"precision": "bf16"}
+CACHE_VERSION = 2
+"""Bumped when a technique's step changes (cached ops of the old step are not reused)."""
+
+
+def replaced(row: dict) -> bool:
+    """Rows recorded with a technique implementation that has since been replaced (2026-11-24:
+    optimizer-state offload now steps on the host beside backward; the host EMA averages in a
+    thread beside the next step). Their times say nothing about today's step: shown, not counted,
+    until re-measured on a GPU (bench/offload_gpu.py)."""
+    plan = row["plan"]
+    ema = plan.get("ema") or {}
+    return "optimizer_states" in plan.get("offload", ()) or (bool(ema) and ema.get("device", "cpu") == "cpu")
 
 
 def load_rows() -> list[dict]:
@@ -72,7 +84,7 @@ def target_of(row: dict) -> Target:
 
 def trace(row: dict, cache: Path | None) -> tuple[list[Op], float]:
     """The steady-state ops of the row's step (cached by row), and the seconds the trace took."""
-    path = cache / f"{row['case']}.pkl" if cache else None
+    path = cache / f"{row['case']}.v{CACHE_VERSION}.pkl" if cache else None
     if path is not None and path.exists():
         ops, seconds = pickle.loads(path.read_bytes())
         return [Op(*o) for o in ops], seconds
@@ -154,7 +166,10 @@ def tables(rows, pred, base) -> str:
             out += ["", "Rows 40-75 ran four processes at once (noisy; not counted):", "", out[0], out[1]]
         m, p = r["step_seconds_median"], pred[i]
         ratio = ["", "", "", ""]
-        if i in base and not math.isnan(p):
+        if i in base and not math.isnan(p) and replaced(r):
+            ratio = [f"{m / rows[base[i]]['step_seconds_median']:.2f}", f"{p / pred[base[i]]:.2f}",
+                     "replaced: re-measure", ""]
+        elif i in base and not math.isnan(p):
             mr, pr = m / rows[base[i]]["step_seconds_median"], p / pred[base[i]]
             ratio = [f"{mr:.2f}", f"{pr:.2f}", f"{pr / mr - 1:+.0%}" + (" **miss**" if abs(pr / mr - 1) > 0.15 else ""),
                      "" if i >= CLEAN_ROWS else "fit" if r["case"] in FIT_CASES else "held out"]
@@ -168,7 +183,7 @@ def ratio_pairs(rows, pred, base, only=None):
     """(measured, predicted) ratios of the clean rows with a baseline (``only``: a row filter)."""
     pairs = []
     for i, j in base.items():
-        if i < CLEAN_ROWS and not math.isnan(pred[i]) and (only is None or only(rows[i])):
+        if i < CLEAN_ROWS and not math.isnan(pred[i]) and not replaced(rows[i]) and (only is None or only(rows[i])):
             pairs.append((rows[i]["step_seconds_median"] / rows[j]["step_seconds_median"], pred[i] / pred[j]))
     return pairs
 
@@ -177,7 +192,7 @@ def objective(rows, ops, base, k: Constants) -> float:
     pred = predict_all(rows, ops, k)
     loss = sum(math.log(p / m) ** 2 for m, p in ratio_pairs(rows, pred, base, lambda r: r["case"] in FIT_CASES))
     absolute = [math.log(pred[i] / rows[i]["step_seconds_median"]) ** 2 for i in range(CLEAN_ROWS)
-                if not math.isnan(pred[i])]
+                if not math.isnan(pred[i]) and not replaced(rows[i])]
     prior = sum((math.log(getattr(k, n) / v) / math.log(4 if n.startswith("cpu_") else 2)) ** 2
                 for n, v in PRIOR.items())
     return loss + 0.5 * sum(absolute) / max(1, len(absolute)) + 0.01 * prior
@@ -285,7 +300,7 @@ def main() -> None:
     pairs = ratio_pairs(rows, pred, base)
     rho = spearman([m for m, _ in pairs], [p for _, p in pairs])
     within = sum(abs(p / m - 1) <= 0.15 for m, p in pairs)
-    clean = [i for i in range(min(CLEAN_ROWS, len(rows))) if not math.isnan(pred[i])]
+    clean = [i for i in range(min(CLEAN_ROWS, len(rows))) if not math.isnan(pred[i]) and not replaced(rows[i])]
     rho_abs = spearman([rows[i]["step_seconds_median"] for i in clean], [pred[i] for i in clean])
     print(tables(rows, pred, base))
     held = ratio_pairs(rows, pred, base, lambda r: r["case"] not in FIT_CASES)

@@ -38,6 +38,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils.flop_counter import flop_registry
 
+from memfit.techniques.placement import running
+
 aten = torch.ops.aten
 
 # op kinds
@@ -45,6 +47,11 @@ VIEW, MATMUL, ATTENTION, MEMORY, FOREACH, H2D, D2H, HOST, SYNC, RNN, SCALAR = ra
 KIND_NAMES = ("view", "matmul", "attention", "memory", "foreach", "h2d", "d2h", "host", "sync", "rnn", "scalar")
 # flags
 RECOMPUTE, PY_MODE, SIDE_STREAM, STEP_CALL, CUSTOM, SYNC_AFTER = 1, 2, 4, 8, 16, 32
+OUT_STREAM, WORKER, BACKGROUND = 64, 128, 256
+"""OUT_STREAM: a copy to the host on its own stream (gradients going out as backward makes them);
+WORKER: the host update of offloaded optimizer states and its copy back, on a worker thread and
+another stream (memfit.techniques.offload_optimizer); BACKGROUND: the EMA's copies and average,
+beside the next step (memfit.techniques.ema). See memfit.techniques.placement.running."""
 PHASES = ("setup", "zero_grad", "forward", "backward", "optimizer", "idle")
 
 _ATTENTION = {p for p in flop_registry if "attention" in str(p)}
@@ -116,7 +123,7 @@ class OpRecorder(TorchDispatchMode):
     def _optimizer_step(self, optimizer, args, kwargs) -> None:
         """Each ``optimizer.step()`` call is Python work before its first op (per-parameter
         optimizers: offloaded states, optimizer in backward, bitsandbytes' loop)."""
-        self.ops.append(Op(VIEW, self._phase(), 0.0, 0, "", 1, STEP_CALL))
+        self.ops.append(Op(VIEW, self._phase(), 0.0, 0, "", 1, STEP_CALL | _offload_flags()))
 
     def _placed_on_host(self, tensors) -> None:
         """The placement put these tensors on the host: the copy that made them was device-to-host."""
@@ -161,7 +168,7 @@ class OpRecorder(TorchDispatchMode):
         return out
 
     def _record(self, func, packet, args, kwargs, out) -> None:
-        flags = _flags() | (RECOMPUTE if _is_recompute() else 0)
+        flags = _flags() | (RECOMPUTE if _is_recompute() else 0) | _offload_flags()
         if func.namespace not in _ATEN:
             flags |= CUSTOM | (SYNC_AFTER if func.namespace in _SYNCING_LIBRARIES else 0)
         phase = self._phase()
@@ -192,7 +199,7 @@ class OpRecorder(TorchDispatchMode):
                 self.ops.append(Op(D2H, phase, 0.0, written, "", 1, flags))
                 return
             if hosted:  # host -> device (offloaded activations and optimizer states coming back)
-                side = phase == PHASES.index("optimizer")  # offloaded states are prefetched on a side stream
+                side = phase == PHASES.index("optimizer") and not flags & WORKER  # offloaded states are prefetched on a side stream
                 key = outs[0].untyped_storage()._cdata if side and outs else 0
                 self.ops.append(Op(H2D, phase, 0.0, written, "", 1, flags | (SIDE_STREAM if side else 0), key))
                 return
@@ -240,6 +247,14 @@ cannot see: bitsandbytes' optimizers call ``torch.cuda.synchronize()`` after eve
 update (``bitsandbytes.optim.optimizer.Optimizer8bit.step``: ``sync_gpu(p)``; a no-op on CPU)."""
 _PROFILER = {torch.ops.profiler._record_function_enter_new, torch.ops.profiler._record_function_exit}
 _MEMFIT_MODES = ("/memfit/",)
+
+
+def _offload_flags() -> int:
+    """OUT_STREAM / WORKER / BACKGROUND: what a host-memory technique is doing (placement.running)."""
+    return _WHERE_FLAGS.get(running(), 0)
+
+
+_WHERE_FLAGS = {"out": OUT_STREAM, "host": WORKER, "background": BACKGROUND}
 
 
 def _flags() -> int:

@@ -78,6 +78,8 @@ from memfit.planner.opcost import (
     HOST,
     MATMUL,
     MEMORY,
+    BACKGROUND,
+    OUT_STREAM,
     PHASES,
     PY_MODE,
     RECOMPUTE,
@@ -88,6 +90,7 @@ from memfit.planner.opcost import (
     SYNC,
     SYNC_AFTER,
     VIEW,
+    WORKER,
     Op,
     OpRecorder,
 )
@@ -260,23 +263,47 @@ def simulate(ops: list[Op], device: Device, k: Constants = H100, *, fused: float
     busy = dict.fromkeys(("forward", "backward", "recompute", "optimizer", "transfers"), 0.0)
     host = 0.0
     kernels = 0
+    w = w_in = out = 0.0  # NOTE [ Host optimizer ]: the worker thread, the stream in, the stream out
+    joined = True
+    beside = 0.0  # NOTE [ Beside the next step ]
     for op in ops:
+        kind = op.kind
+        if op.flags & BACKGROUND:
+            if kind == D2H:
+                c += rates.cpu(op)
+                beside += rates.gpu(op)
+                busy["transfers"] += rates.gpu(op)
+            elif kind == HOST:
+                beside += op.host_bytes / k.host_bw
+                host += op.host_bytes / k.host_bw
+            continue
+        if op.flags & WORKER:
+            joined = False
+            w, w_in, dt = _on_worker(op, rates, w, w_in, max(c, out))
+            host += dt if kind == HOST else 0.0
+            busy["transfers"] += dt if kind == H2D else 0.0
+            continue
+        if not joined and op.phase >= PHASES.index("optimizer"):  # the step waits for the updates
+            c, g, joined = max(c, w), max(g, w_in), True
         in_graph = fused if op.phase in (2, 3) else 1.0
         c += rates.cpu(op) * in_graph
-        kind = op.kind
         if kind == VIEW or kind == SCALAR:
             continue
         if kind == SYNC:
             c = max(c, g)
             continue
         if kind == HOST:  # blocking pageable copy of its device inputs, then the op on the host CPU
-            c = max(c, g)
+            c = max(c, g, out)
             dt = op.nbytes / (rates.link * 0.5) + op.host_bytes / k.host_bw
             c += dt
             host += dt
             continue
         dt = rates.gpu(op, in_graph)
         kernels += 1
+        if op.flags & OUT_STREAM:  # after what the compute stream has queued, beside what follows
+            out = max(out, g, c) + dt
+            busy["transfers"] += dt
+            continue
         if op.flags & SIDE_STREAM:  # a host-to-device prefetch, sharing the link with copies out
             start = max(side, c, g)  # NOTE [ Prefetch overlap ]
             side = start + _duplex(dt, out_end - start, k.duplex)
@@ -297,7 +324,7 @@ def simulate(ops: list[Op], device: Device, k: Constants = H100, *, fused: float
         phase = "transfers" if kind in (H2D, D2H) else "recompute" if op.flags & RECOMPUTE else \
             PHASES[op.phase] if PHASES[op.phase] in busy else "optimizer"
         busy[phase] += dt
-    total = max(c, g)
+    total = max(c, g, w, w_in, out, beside)
     cpu_bound = max(0.0, total - sum(busy.values()) - host)
     cpu_seconds = sum(rates.cpu(op) * (fused if op.phase in (2, 3) else 1.0) for op in ops)
     return StepTime(seconds=total, **busy, host=host, cpu_bound=cpu_bound, cpu_seconds=cpu_seconds,
@@ -311,6 +338,35 @@ def simulate(ops: list[Op], device: Device, k: Constants = H100, *, fused: float
 # copies cost one after the other (+55 ms for 2 x 1 GB). The model therefore starts a prefetch no
 # earlier than the compute stream's position when it is issued; it overlaps the update of the
 # previous parameter and its copy out (at ``duplex`` slowdown), not the backward.
+
+
+# NOTE [ Host optimizer ]
+# With offloaded optimizer states (memfit.techniques.offload_optimizer) gradients go out on a stream
+# of their own as backward makes them (OUT_STREAM: after what the compute stream has queued, not
+# delaying it), a worker thread runs each parameter's update on the host once its gradient is out
+# (WORKER host ops: host bytes at HOST_BW, on the worker's clock, not the step's CPU) and copies the
+# parameter back on another stream (WORKER H2D). The step waits for the worker and that stream before
+# its next optimizer-phase op, and ends when every clock has.
+
+
+# NOTE [ Beside the next step ]
+# The EMA on the host (memfit.techniques.ema) enqueues its copies of the weights on a side stream at
+# the end of the step and averages them in a worker thread while the next step runs; the next
+# update waits for the previous one. In the steady state a step therefore lasts at least that chain
+# (the copies, then the averaging), and otherwise costs only issuing the copies.
+
+
+def _on_worker(op: Op, rates: Rates, w: float, w_in: float, ready: float) -> tuple[float, float, float]:
+    """A worker-thread op of the host optimizer: (worker clock, stream-in clock, its seconds)."""
+    k = rates.k
+    if op.kind == HOST:
+        dt = op.host_bytes / k.host_bw
+        return max(w, ready) + dt, w_in, dt
+    if op.kind == H2D:
+        dt = rates.gpu(op)
+        return w, max(w_in, w) + dt, dt
+    dt = rates.cpu(op)  # (Python work: the optimizer.step() call, step counters)
+    return w + dt, w_in, dt
 
 
 def _duplex(seconds: float, overlap: float, slowdown: float) -> float:
