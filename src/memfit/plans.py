@@ -14,7 +14,7 @@ unknown keys and bad values are errors naming the key and the allowed values::
     offload: []              # any of: optimizer_states, activations
     loss_chunks: 0           # chunked cross-entropy when > 0
     attention: auto          # auto | sdpa | math | chunked
-    ema: null                # e.g. {decay: 0.999, device: cpu, every: 1}
+    ema: null                # e.g. {decay: 0.999, device: auto, every: 1}
     compile: none            # none | blocks | full
     bf16_update: nearest     # nearest | stochastic | kahan (with bf16-pure)
     world_size: 1            # ranks; > 1 shards with FSDP2 (shard: auto | none | fsdp)

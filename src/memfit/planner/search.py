@@ -397,13 +397,20 @@ def _why_chosen(chosen: Candidate, ranked: list[Candidate], bs: int) -> str:
 def _constrain(space, fixed: dict, dev: Device, bs: int) -> tuple[dict, dict]:
     """Narrow ``space`` to the plan fields the user fixed. Returns the fields left to apply to every
     candidate (outside the space: ema, bf16_update) and the space dimensions fixed (name -> value).
+    A value that leaves a choice to the planner (``Config.choices``) becomes a space dimension.
     Values the planner cannot search with are refused here, before any trace; a value that means
     something per device (``precision: auto``) is resolved for this one."""
     given = Plan().replace(**fixed)
     given.check_implemented()
     for name in list(fixed):
         technique = technique_of(name)
-        fixed.update(given.config(technique.name).resolve(dev).values())
+        config = given.config(technique.name).resolve(dev)
+        choices = config.choices(dev)
+        if len(choices) > 1:  # the user left this choice to the planner (ema: {device: auto})
+            del fixed[name]
+            space.values[name] = [c.values()[name] for c in choices]
+            continue
+        fixed.update(choices[0].values())
     split = {k: fixed.pop(k) for k in ("micro_batch_size", "grad_accum_steps") if k in fixed}
     if split:
         micro, _ = Plan(**split).micro_batches(bs)

@@ -129,6 +129,11 @@ class Config:
         """The concrete config for ``device`` (e.g. ``precision: auto``); raises if unsupported."""
         return self
 
+    def choices(self, device) -> list[Config]:
+        """The concrete configs the planner chooses from for this value on ``device`` (a value that
+        leaves the choice to the planner, e.g. ``ema: {device: auto}``, gives several)."""
+        return [self]
+
     def check(self, plan) -> None:
         """Refuse combinations with the plan's other techniques (UserError with the fix)."""
 

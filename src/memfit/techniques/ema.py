@@ -5,6 +5,11 @@ with training memory; kept on the host (``device: cpu``) it costs device memory 
 device->host copy of the weights every ``every`` steps. The update is
 ``shadow = decay * shadow + (1 - decay) * weights``.
 
+``device: auto`` (the default) is the fastest place that meets the memory the plan asks for: the
+planner tries both and keeps the device unless that does not fit the budget; without a planner (no
+budget) it is the device. The shadow stays fp32: with a decay near 1 each update moves it by about
+(1 - decay) of the difference, below bf16's resolution (1/256), so a bf16 shadow would stop moving.
+
 Off the step's critical path (``device: cpu``): at each update the weights are copied into pinned
 host buffers (allocated once) on a side stream, and a worker thread waits for that copy and lerps
 them into the shadow while the next step runs. The step only enqueues the copies; it waits for
@@ -17,7 +22,7 @@ With FSDP2 sharding each rank keeps the average of its own shards (1/N of the co
 is elementwise, so averaging the shards is averaging the weights.
 
 Plan key ``ema``: null (:class:`NoEMA`) or a mapping (:class:`EMA`), e.g.
-``{decay: 0.999, device: cpu, every: 1}``.
+``{decay: 0.999, device: auto, every: 1}``.
 """
 
 from __future__ import annotations
@@ -53,21 +58,36 @@ class EMA(WeightAverage):
 
     decay: float = 0.999
     """Shadow weight decay per update."""
-    device: str = "cpu"
-    """Where the shadow weights live: cpu or the training device."""
+    device: str = "auto"
+    """Where the shadow weights live: cpu, the training device, or auto (the planner's choice;
+    the device without one)."""
     every: int = 1
     """Update the shadow weights every N optimizer steps."""
 
     def __post_init__(self) -> None:
         decay_ok = isinstance(self.decay, (int, float)) and not isinstance(self.decay, bool) and 0 < self.decay < 1
         every_ok = isinstance(self.every, int) and not isinstance(self.every, bool) and self.every >= 1
-        if not decay_ok or not every_ok or self.device not in ("cpu", "device"):
-            raise UserError(f"plan: ema needs 0 < decay < 1, a whole number every >= 1 and device cpu or device; "
+        if not decay_ok or not every_ok or self.device not in ("auto", "cpu", "device"):
+            raise UserError(f"plan: ema needs 0 < decay < 1, a whole number every >= 1 and device auto, cpu or device; "
                             f"got decay={self.decay!r}, every={self.every!r}, device={self.device!r}")
         object.__setattr__(self, "decay", float(self.decay))
 
     def values(self) -> dict:
         return {"ema": self}
+
+    @property
+    def placed(self) -> str:
+        """Where the shadow lives: cpu or device (auto without a planner: the device, the fastest)."""
+        return "device" if self.device == "auto" else self.device
+
+    def choices(self, device) -> list[EMA]:
+        if self.device != "auto":
+            return [self]
+        on_device = dataclasses.replace(self, device="device")
+        return [on_device, dataclasses.replace(self, device="cpu")] if device.is_gpu else [on_device]
+
+    def saves_at_most(self, other, batch_size: int) -> bool:
+        return isinstance(other, EMA) and (self.placed == "device" or other.placed == "cpu")
 
     def apply(self, parts) -> None:
         parts.ema = ShadowWeights(parts.model, self, parts.placement)
@@ -77,9 +97,9 @@ class EMA(WeightAverage):
         return "ema"
 
     def ablations(self):
-        if self.device == "device":
+        if self.placed == "device":
             return []
-        return [(f"EMA on {self.device}", dataclasses.replace(self, device="device"))]
+        return [("EMA on cpu", dataclasses.replace(self, device="device"))]
 
     def export(self, into: Export) -> None:
         into.not_carried(self)
@@ -92,13 +112,13 @@ class ShadowWeights:
         self.model, self.config, self.placement = model, config, placement
         self.updates = 0
         self.shadow: dict[str, torch.Tensor] = {}
-        self.background = _Background(placement) if config.device == "cpu" else None
+        self.background = _Background(placement) if config.placed == "cpu" else None
         """The host copies and the averaging thread (``device: cpu``)."""
 
     def _init_shadow(self) -> None:
         for name, p in self.model.named_parameters():
             local = _local(p)
-            if self.config.device == "cpu":
+            if self.config.placed == "cpu":
                 self.shadow[name] = self.placement.to_host(local.float())
             else:
                 self.shadow[name] = local.float().clone()
