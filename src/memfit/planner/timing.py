@@ -71,6 +71,7 @@ from memfit.memory.categories import STEADY_STEP
 from memfit.memory.report import MemoryReport
 from memfit.planner.opcost import (
     ATTENTION,
+    BACKGROUND,
     CUSTOM,
     D2H,
     FOREACH,
@@ -78,7 +79,6 @@ from memfit.planner.opcost import (
     HOST,
     MATMUL,
     MEMORY,
-    BACKGROUND,
     OUT_STREAM,
     PHASES,
     PY_MODE,
