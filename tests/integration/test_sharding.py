@@ -94,8 +94,9 @@ def _one_process(steps: int, fields: dict):
 
 
 @pytest.mark.parametrize("fields", [{"shard": "fsdp", "world_size": 2},
-                                    {"world_size": 2, "loss_chunks": 4, "ema": {"decay": 0.5, "device": "device"}}],
-                         ids=["fsdp", "fsdp+loss_chunks+ema"])
+                                    {"world_size": 2, "loss_chunks": 4, "ema": {"decay": 0.5, "device": "device"}},
+                                    {"world_size": 2, "optimizer_in_backward": True}],
+                         ids=["fsdp", "fsdp+loss_chunks+ema", "fsdp+in_backward"])
 def test_two_ranks_train_as_one_process_and_the_rank_peak_is_predicted(tmp_path, fields):
     """Same global batch, same initial weights: the 2-rank FSDP2 losses and parameters equal one
     process's (up to the reduction order of float sums: 1e-5 relative). Rank 0's step, tracked on

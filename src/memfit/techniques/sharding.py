@@ -25,6 +25,10 @@ root, after checkpointing has wrapped the blocks. The batch is the *global* batc
 ``batch / world_size`` samples (split further by micro-batching), and FSDP2 averages the gradients,
 so N ranks train as one process on the whole batch does.
 
+``optimizer_in_backward`` composes: FSDP2 runs a sharded parameter's post-accumulate-grad hooks
+once it has reduce-scattered that parameter's gradient, so each rank steps its shards as they
+arrive and frees them (what torchtune's optimizer-in-backward recipes rely on).
+
 A fake trace (``estimate``) runs one rank against PyTorch's fake process group (no other process:
 its collectives do nothing, their buffers are real allocations of the trace). A real step needs
 one process per rank with a process group initialised (``torchrun``).
@@ -102,9 +106,6 @@ class FSDP2(Sharding):
     def check(self, plan) -> None:
         def refuse(other: str, why: str) -> None:
             raise UserError(f"plan: shard: fsdp with {other} is not supported yet ({why}); remove one of them")
-        if plan.config("optimizer_in_backward").is_default is False:
-            refuse("optimizer_in_backward", "its per-parameter updates would run before FSDP2 reduce-scatters the "
-                   "gradients")
         if not plan.config("compile").is_default:
             refuse(f"compile: {plan.compile}", "memfit compiles the blocks after building them, FSDP2 needs them "
                    "compiled before they are sharded")
