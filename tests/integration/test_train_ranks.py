@@ -98,6 +98,24 @@ def test_two_ranks_train_as_one_process_and_resume_at_the_other_world_size(tmp_p
         "same --plan/--batch-size (the world size may differ), or start a new run in another --out folder"]
 
 
+def test_optimizer_in_backward_on_two_ranks_resumes_in_one_process(tmp_path):
+    """Sharded optimizer-in-backward: each rank steps its shards from FSDP2's post-reduce-scatter
+    hooks; the DCP checkpoint holds the per-parameter optimizers' states by parameter name, so one
+    process continues the 2-rank run as if it had run all 6 steps (1e-5)."""
+    ranks, reference = tmp_path / "ranks", tmp_path / "reference"
+    args = [SMALL, "--seq-len", "32", "-b", "8", "--no-report", "--checkpoint-every", "2",
+            "--optimizer-in-backward", "true"]
+    done = _memfit(*args, "--steps", "4", "--out", str(ranks), "--nproc", "2")
+    assert done.returncode == 0, done.stderr
+    plan = Plan(optimizer_in_backward=True)
+    train(SMALL, plan=plan, seq_len=32, batch_size=8, steps=6, out=ranks, resume=True, progress=False, report=False,
+          checkpoint_every=2)
+    train(SMALL, plan=plan, seq_len=32, batch_size=8, steps=6, out=reference, progress=False, report=False)
+    losses, expected = _losses(ranks), _losses(reference)
+    assert sorted(losses) == list(range(1, 7))
+    assert [losses[i] for i in range(1, 7)] == pytest.approx([expected[i] for i in range(1, 7)], rel=1e-5)
+
+
 def test_out_of_memory_on_two_ranks_adapts_in_lockstep(tmp_path):
     """A per-rank budget under the plan's need: the CPU guard raises out-of-memory on both ranks,
     rank 0 picks the smaller micro-batch and both rebuild; the losses stay one process's."""

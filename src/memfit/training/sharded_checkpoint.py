@@ -47,7 +47,7 @@ def save(out_dir: Path, step, ranks, meta: dict) -> Path:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     folder = out_dir / f"{PREFIX}{meta['step']:08d}"
-    model, optim = get_state_dict(step.model, step.optimizer)
+    model, optim = get_state_dict(step.model, _optimizers(step))
     with warnings.catch_warnings():  # (one process without a group: memfit's own tests)
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         dcp.save({"model": model, "optim": optim, **_ema(step)}, checkpoint_id=str(folder))
@@ -83,13 +83,12 @@ def load(step, state: dict) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    _check_plain_optimizer(step)
-    model, optim = get_state_dict(step.model, step.optimizer)  # (the layout to read into)
+    model, optim = get_state_dict(step.model, _optimizers(step))  # (the layout to read into)
     into = {"model": model, "optim": optim, **_ema(step)}
     with warnings.catch_warnings():  # (that one process reads it is the point)
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         dcp.load(into, checkpoint_id=state["folder"])
-    set_state_dict(step.model, step.optimizer, model_state_dict=model, optim_state_dict=optim)
+    set_state_dict(step.model, _optimizers(step), model_state_dict=model, optim_state_dict=optim)
     if "ema" in into:
         step.ema.load_sharded_state_dict(into["ema"])
 
@@ -120,6 +119,13 @@ def by_name(step, optim_state: dict) -> dict:
 def _ema(step) -> dict:
     """The EMA's part of a DCP checkpoint (none without an EMA)."""
     return {"ema": step.ema.sharded_state_dict()} if hasattr(step.ema, "sharded_state_dict") else {}
+
+
+def _optimizers(step):
+    """What DCP's state-dict functions take for ``step``'s optimizer: the optimizer, or the
+    per-parameter optimizers of optimizer-in-backward (one state dict keyed by parameter name)."""
+    per_param = getattr(step.optimizer, "optimizers", None)
+    return list(per_param.values()) if per_param is not None else step.optimizer
 
 
 def _check_plain_optimizer(step) -> None:
