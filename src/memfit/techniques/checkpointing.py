@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import re
 from dataclasses import dataclass
 
@@ -101,6 +102,18 @@ def find_blocks(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
     return found
 
 
+# NOTE [ Checkpoints under saved-tensor hooks ]: hooks held around forward (offload: activations)
+# see what a checkpoint keeps for backward and nothing else. Non-reentrant checkpoint saves the
+# block's positional inputs through them before it enters its own hooks; the tensors saved inside
+# the block go to those innermost hooks (and are dropped); where checkpoint takes
+# ``respect_saved_tensors_hooks`` (torch 2.14 does) what a selective policy keeps goes through the
+# outer hooks too (older torch keeps it on the device, out of them). The recomputation in backward
+# runs under checkpoint's hooks, outside forward's: nothing it saves passes through them
+# (tests/unit/techniques/test_offload_blocks.py counts it).
+HOOKS_KWARGS = {"respect_saved_tensors_hooks": True} \
+    if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters else {}
+
+
 def _policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -116,7 +129,8 @@ def _checkpointed_forward(original, selective: bool, recompute_contexts: list, *
         extra = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _policy)}
     else:
         extra = {}
-    return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+    return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **HOOKS_KWARGS, **extra,
+                      **kwargs)
 
 
 def _context_fn(selective: bool, recompute_contexts: list):
