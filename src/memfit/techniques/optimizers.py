@@ -17,7 +17,9 @@ group: a workload that gives its biases and norms no weight decay keeps that (:f
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import sys
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -157,11 +159,45 @@ def bitsandbytes_available() -> bool:
     # bitsandbytes warns at import about a 4-bit CPU matmul kernel memfit does not use
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     try:
-        import bitsandbytes  # noqa: F401
-        from bitsandbytes.optim import AdamW8bit as _  # noqa: F401
+        with _compile_deferred():
+            import bitsandbytes  # noqa: F401
+            from bitsandbytes.optim import AdamW8bit as _  # noqa: F401
     except Exception:  # noqa: BLE001 - missing or broken install
         return False
     return True
+
+
+@contextlib.contextmanager
+def _compile_deferred():
+    """NOTE [ bitsandbytes without Inductor ]: bitsandbytes' default (CPU) backend wraps some
+    kernels in ``torch.compile`` when it is imported, and ``torch.compile`` imports Inductor at
+    once: 1.7 s of the planner's 2.2 s import of bitsandbytes, for kernels a fake trace never runs.
+    ``torch.compile`` compiles nothing before the first call anyway, so while bitsandbytes is
+    imported it is replaced by a wrapper that calls it at the first call: the same kernels, the
+    same fallback on a compile error (bitsandbytes' wrapper catches the error at the call), and
+    Inductor imported only if one of them runs."""
+    real = torch.compile
+    if "bitsandbytes" in sys.modules:
+        yield
+        return
+
+    def deferred(model=None, **kwargs):
+        if model is None:  # used as @torch.compile(...)
+            return lambda fn: deferred(fn, **kwargs)
+        compiled = []
+
+        @functools.wraps(model)
+        def call(*args, **kw):
+            if not compiled:
+                compiled.append(real(model, **kwargs))
+            return compiled[0](*args, **kw)
+        return call
+
+    torch.compile = deferred
+    try:
+        yield
+    finally:
+        torch.compile = real
 
 
 _TABLES: dict = {}
