@@ -75,6 +75,20 @@ def test_shallow_model_keeps_its_first_blocks_and_tied_weights():
     assert first.lm_head.weight.device.type != "meta"
 
 
+def test_shallow_model_cut_from_the_planners_meta_model_is_the_one_built():
+    """The planner's meta model (model_facts) is copied and cut, not built again, and left whole."""
+    wl = _target().workload
+    meta = model_facts(wl).model
+
+    def refused():
+        raise AssertionError("built again")
+    cut = shallow_workload(type(wl)(**{**wl.__dict__, "model": refused}), 3, meta=meta).model()
+    built = shallow_workload(wl, 3).model()
+    assert [(n, p.shape, p.dtype) for n, p in cut.named_parameters()] == \
+        [(n, p.shape, p.dtype) for n, p in built.named_parameters()]
+    assert cut.lm_head.weight is cut.transformer.wte.weight and len(meta.transformer.h) == 6
+
+
 def test_ops_that_do_not_line_up_are_refused():
     target = _target()
     model = _model(target)

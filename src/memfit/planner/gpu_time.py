@@ -97,6 +97,7 @@ class GpuStepModel:
         self.rank_batch = target.batch_size // self.world
         """The samples one rank's step runs (what micro-batch sizes split)."""
         self.depth = depth_of(facts.model)
+        self._meta = facts.model
         self.measured: dict[Plan, Measured] = {}
         self.ratios: dict[tuple[str, object], float] = {}
         self.savings: dict[tuple[str, object], int] = {}
@@ -126,8 +127,10 @@ class GpuStepModel:
                 if plan is not None and plan != self.base:
                     alone[(name, value)] = plan
         micro = [m for m in self.space.micro_batches if m != self.rank_batch]
-        self._run([(p, d, None) for p in (self.base, *alone.values()) for d in self._depths(p) or (None,)],
-                  check=False)
+        jobs = [(p, d, None) for p in (self.base, *alone.values()) for d in self._depths(p) or (None,)]
+        for d in dict.fromkeys(d for _, d, _ in jobs if d is not None):  # (here: the forked workers share them)
+            self._shallow(d)
+        self._run(jobs, check=False)
         base = self.measure(self.base)
         for (name, value), plan in alone.items():
             try:
@@ -324,6 +327,12 @@ class GpuStepModel:
                 raise _Deep(str(result))
         return out
 
+    def _shallow(self, depth: int):
+        """The workload cut to ``depth`` blocks (one per depth: its meta model is cut once)."""
+        if depth not in self._workloads:
+            self._workloads[depth] = shallow_workload(self.target.workload, depth, meta=self._meta)
+        return self._workloads[depth]
+
     def _trace(self, job: tuple) -> Traced | Exception:
         """One trace (run in a worker process): a plan's error comes back as a value."""
         plan, depth, batch = job
@@ -331,9 +340,7 @@ class GpuStepModel:
         if batch is not None:
             target = dataclasses.replace(target, batch_size=batch * self.world)  # (``batch``: one rank's)
         if depth is not None:
-            if depth not in self._workloads:  # (one per depth: its meta model is built once)
-                self._workloads[depth] = shallow_workload(self.target.workload, depth)
-            target = dataclasses.replace(target, workload=self._workloads[depth])
+            target = dataclasses.replace(target, workload=self._shallow(depth))
         try:
             report, _, ops = trace_step(target, self.k)
         except UserError as e:
