@@ -52,12 +52,26 @@ def load_cases(path: str | os.PathLike | None = None) -> list[dict]:
     return cases
 
 
+DEVICE_STEP_ROWS = {"gpt2-bf16-offopt", "t-llama4-offopt-b2"}
+"""Rows recorded when ``offload: [optimizer_states]`` stepped on the device (before 2026-11-24); that
+implementation is ``optimizer_states:step=device`` now."""
+
+
 def plan_of(case: dict) -> dict:
-    """The plan that ran: adamw8bit without bitsandbytes on the GPU machine fell back to AdamW."""
+    """The plan that ran, in today's plan fields: adamw8bit without bitsandbytes on the GPU machine
+    fell back to AdamW; optimizer-state offload stepped on the device (``DEVICE_STEP_ROWS``)."""
     plan = dict(case.get("plan") or {})
     if plan.get("optimizer") == "adamw8bit" and not case.get("bitsandbytes"):
         plan["optimizer"] = "adamw"
-    return plan
+    return in_todays_fields(case, plan)
+
+
+def in_todays_fields(case: dict, plan: dict) -> dict:
+    """``plan`` of ``case`` with the recorded optimizer-state offload named as it is now."""
+    if case.get("case") not in DEVICE_STEP_ROWS:
+        return plan
+    return {**plan, "offload": ["optimizer_states:step=device" if o == "optimizer_states" else o
+                                for o in plan["offload"]]}
 
 
 RECORDED_TRANSFORMERS = "5.17.0"

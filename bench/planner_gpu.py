@@ -64,13 +64,18 @@ CACHE_VERSION = 2
 
 
 def replaced(row: dict) -> bool:
-    """Rows recorded with a technique implementation that has since been replaced (2026-11-24:
-    optimizer-state offload now steps on the host beside backward; the host EMA averages in a
-    thread beside the next step). Their times say nothing about today's step: shown, not counted,
-    until re-measured on a GPU (bench/offload_gpu.py)."""
-    plan = row["plan"]
-    ema = plan.get("ema") or {}
-    return "optimizer_states" in plan.get("offload", ()) or (bool(ema) and ema.get("device", "cpu") == "cpu")
+    """Rows recorded with a technique implementation that has since been replaced (2026-11-24: the
+    host EMA now averages in a thread beside the next step). Their times say nothing about today's
+    step: shown, not counted, until re-measured on a GPU (bench/offload_gpu.py)."""
+    ema = row["plan"].get("ema") or {}
+    return bool(ema) and ema.get("device", "cpu") == "cpu"
+
+
+def plan_fields(row: dict) -> dict:
+    """The row's plan in today's fields (the recorded optimizer-state offload stepped on the device:
+    bench/gpu_accuracy.py's DEVICE_STEP_ROWS)."""
+    from bench.gpu_accuracy import in_todays_fields
+    return in_todays_fields(row, row["plan"])
 
 
 def load_rows() -> list[dict]:
@@ -78,7 +83,7 @@ def load_rows() -> list[dict]:
 
 
 def target_of(row: dict) -> Target:
-    return Target.resolve(row["workload"], Plan(**row["plan"]), row["batch_size"], get_device("h100-80gb"),
+    return Target.resolve(row["workload"], Plan(**plan_fields(row)), row["batch_size"], get_device("h100-80gb"),
                           seq_len=row["seq_len"])
 
 
@@ -125,7 +130,7 @@ class _Stub:
 
 
 def target_stub(row: dict):
-    return _Stub(Plan(**row["plan"]), get_device("h100-80gb"))
+    return _Stub(Plan(**plan_fields(row)), get_device("h100-80gb"))
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:

@@ -11,7 +11,7 @@ unknown keys and bad values are errors naming the key and the allowed values::
     checkpointing: none      # none | blocks | blocks:every=N | selective | budget:FRACTION
     optimizer: adamw         # adamw | adamw8bit | adafactor | sgd
     optimizer_in_backward: false
-    offload: []              # any of: optimizer_states, activations
+    offload: []              # any of: optimizer_states (or optimizer_states:step=device), activations
     loss_chunks: 0           # chunked cross-entropy when > 0
     attention: auto          # auto | sdpa | math | chunked
     ema: null                # e.g. {decay: 0.999, device: auto, every: 1}

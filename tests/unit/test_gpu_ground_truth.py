@@ -10,9 +10,7 @@ Rows record the library versions they ran with; where a library changed which ke
 reaches since then, the prediction emulates the recorded behaviour (``bench/gpu_accuracy.py``,
 ``recorded_environment``: T5's SDPA mask layout in transformers 5.17, which sends CUDA's SDPA to the
 math path). Cases that still miss are listed in ``KNOWN_MISSES`` with the reason; they are
-expected to fail (strict: a case that starts passing must be taken off the list). Cases recorded
-with a technique implementation memfit has since replaced are listed in ``REPLACED``: what they
-measured no longer runs, so they are not compared until re-measured.
+expected to fail (strict: a case that starts passing must be taken off the list).
 """
 
 import importlib.util
@@ -38,7 +36,7 @@ CASES.update({f"h200:{c['case']}": c for c in BENCH.load_cases(ROOT / "tests" / 
 
 # One per rule or technique (~45 s here): memory-efficient attention in fp32 (gpt2-fp32), cuDNN
 # attention with CUDA autocast (gpt2-bf16, vit-bf16, dit-bf16), selective checkpointing, offloaded
-# states (REPLACED: to re-measure), foreach AdamW at the peak (llama4), cuDNN convolution (cnn) and RNN
+# states on a prefetch stream, foreach AdamW at the peak (llama4), cuDNN convolution (cnn) and RNN
 # (lstm), nn.MultiheadAttention (mha, chunked), masks and dropout (transformer), SDPA's math path
 # with CUDA autocast inside a loss (t5), bitsandbytes' CUDA 8-bit update with pure bf16 and
 # checkpointing; cases nobody had measured when the rules were written: grouped-query attention in
@@ -46,18 +44,10 @@ CASES.update({f"h200:{c['case']}": c for c in BENCH.load_cases(ROOT / "tests" / 
 # Linear's in-place bias after a transposed output), a timm ConvNeXt, a
 # residual MLP with block checkpointing; and the H200.
 DEFAULT = {
-    "gpt2-fp32", "gpt2-bf16", "gpt2-bf16-selective", "vit-bf16", "cnn-fp32", "lstm-fp32",
-    "mha-bf16", "mha-chunked", "dit-bf16", "transformer-fp32", "t5-bf16", "llama4-bf16",
+    "gpt2-fp32", "gpt2-bf16", "gpt2-bf16-selective", "gpt2-bf16-offopt", "vit-bf16", "cnn-fp32", "lstm-fp32",
+    "mha-bf16", "mha-chunked", "dit-bf16", "transformer-fp32", "t5-bf16", "llama4-bf16", "t-llama4-offopt-b2",
     "t-llama4-pure-8bit-blocks-b2", "qwen2-4l-fp32", "lstm_lm-fp32", "timm-convnext_tiny-bf16",
     "resmlp-bf16-blocks", "h200:gpt2-bf16", "h200:unet-bf16", "h200:t5-bf16-tf523", "h200:b2-swin_tiny-bf16",
-}
-
-REPLACED = {
-    "gpt2-bf16-offopt": "offload: [optimizer_states] fetched each parameter's states to the device for its "
-                        "update then; it now steps on the host beside backward (memfit.techniques."
-                        "offload_optimizer): no states, fewer gradients on the device. Re-measure: "
-                        "bench/offload_gpu.py",
-    "t-llama4-offopt-b2": "as gpt2-bf16-offopt",
 }
 
 KNOWN_MISSES = {
@@ -91,8 +81,7 @@ def _check(name: str) -> None:
 
 
 def test_the_recorded_cases_are_there():
-    assert len(CASES) >= 75 + 59 and DEFAULT <= set(CASES) and set(KNOWN_MISSES) | set(REPLACED) <= set(CASES)
-    assert not DEFAULT & set(REPLACED)
+    assert len(CASES) >= 75 + 59 and DEFAULT <= set(CASES) and set(KNOWN_MISSES) <= set(CASES)
 
 
 @pytest.mark.parametrize("name", _params(DEFAULT))
@@ -101,6 +90,6 @@ def test_gpu_prediction_matches_measurement(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", _params(set(CASES) - DEFAULT - set(REPLACED)))
+@pytest.mark.parametrize("name", _params(set(CASES) - DEFAULT))
 def test_gpu_prediction_matches_measurement_all_cases(name):
     _check(name)

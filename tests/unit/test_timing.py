@@ -23,6 +23,7 @@ from memfit.planner.opcost import (
     OUT_STREAM,
     PY_MODE,
     RECOMPUTE,
+    SIDE_STREAM,
     WORKER,
     Op,
 )
@@ -120,6 +121,21 @@ def test_offloaded_optimizer_states_step_on_the_host_beside_backward():
     in_turn = simulate([o._replace(flags=o.flags & ~(OUT_STREAM | WORKER)) for o in ops], DEVICE, slow).seconds
     # at least one way of copies after the step's own work, and well under both ways in turn
     assert without + one_way <= overlapped < in_turn - 0.75 * one_way
+
+
+def test_the_device_step_variant_prefetches_states_on_a_side_stream():
+    t, ops = ops_of({"precision": "bf16", "offload": ["optimizer_states:step=device"]})
+    states = 2 * 4 * n_params(t)  # AdamW's two fp32 moments
+    assert sum(o.nbytes for o in ops if o.kind == H2D and o.flags & SIDE_STREAM) == states
+    assert sum(o.nbytes for o in ops if o.kind == D2H) == states
+    slow = Constants(link_eff=H100.link_eff / 100)  # the copies set the time
+    one_way = states / Rates.of(DEVICE, slow).link
+    before = simulate([o for o in ops if o.phase != 4], DEVICE, slow).seconds
+    prefetched = simulate(ops, DEVICE, slow).seconds
+    in_turn = simulate([o._replace(flags=o.flags & ~SIDE_STREAM) for o in ops], DEVICE, slow).seconds
+    # every state goes out on the compute stream (one way at least); the next parameter's states come
+    # back meanwhile on the side stream, which beats copying them back on the compute stream
+    assert one_way < prefetched - before < in_turn - before < 2.5 * one_way
 
 
 def test_ema_on_the_host_copies_the_weights_and_updates_there():

@@ -5,6 +5,9 @@ memory and step there, overlapped with backward: gradients go out as backward ma
 thread updates each parameter's host copy, and the parameter comes back on a side stream
 (memfit.techniques.offload_optimizer). The device keeps neither the states nor all the gradients,
 at the cost of 2N bytes over the host link per step and the host CPU's update.
+``optimizer_states:step=device`` keeps the update on the device instead: each parameter's states
+visit it for the update, after backward (twice the link traffic, no host CPU time, every gradient
+kept until the update). The planner tries both on GPU presets.
 
 Saved activations are written once in forward and read once in backward; the saved-tensor hooks
 (``torch.autograd.graph.saved_tensors_hooks``) move each one larger than ``min_bytes`` to host
@@ -22,8 +25,9 @@ activations on the device at the peak, ``blocks`` with offload 516, the host hol
 one input per block (65,536) and what is saved outside the blocks
 (tests/unit/techniques/test_offload_blocks.py).
 
-Plan key ``offload``: a list of ``optimizer_states`` (:class:`OffloadOptimizerStates`) and
-``activations`` (:class:`OffloadActivations`); the config is :class:`Offload`.
+Plan key ``offload``: a list of ``optimizer_states`` (:class:`OffloadOptimizerStates`) or
+``optimizer_states:step=device`` (:class:`DeviceStepOffload`), and ``activations``
+(:class:`OffloadActivations`); the config is :class:`Offload`.
 """
 
 from __future__ import annotations
@@ -44,10 +48,13 @@ from memfit.techniques.base import (
     choice,
     register,
 )
-from memfit.techniques.offload_optimizer import OffloadOptimizerStates
+from memfit.techniques.offload_optimizer import DeviceStepOffload, OffloadOptimizerStates
 from memfit.techniques.placement import HostPlacement
 
-ITEMS = ("optimizer_states", "activations")
+ITEMS = ("optimizer_states", "optimizer_states:step=device", "activations")
+STATES = ("optimizer_states", "optimizer_states:step=device")
+LABELS = {"optimizer_states": "off=optimizer", "optimizer_states:step=device": "off=optimizer(device step)",
+          "activations": "off=activations"}
 
 
 PREFETCH = 2
@@ -162,9 +169,22 @@ class Offload(Config):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "items", tuple(sorted(set(self.items))))
+        if all(s in self.items for s in STATES):
+            raise UserError("plan: offload lists optimizer_states twice (stepped on the host and on the device); "
+                            "keep one of optimizer_states, optimizer_states:step=device")
 
     def values(self) -> dict:
         return {"offload": self.items}
+
+    @property
+    def states(self) -> str | None:
+        """Which optimizer-state offload (an item of STATES), if any."""
+        return next((s for s in STATES if s in self.items), None)
+
+    def check(self, plan) -> None:
+        if self.states == "optimizer_states:step=device" and plan.optimizer_in_backward:
+            raise UserError("plan: offload: [optimizer_states:step=device] updates after backward, optimizer_in_backward "
+                            "during it; use offload: [optimizer_states] (it steps on the host from the same hooks)")
 
     @property
     def rank(self) -> int:
@@ -174,8 +194,11 @@ class Offload(Config):
         return set(self.items) <= set(other.items)
 
     def apply(self, parts) -> None:
-        if "optimizer_states" in self.items:
+        if self.states == "optimizer_states":
             _offload_optimizer(parts)
+        elif self.states is not None:
+            placement = parts.placement
+            parts.make_optimizer = lambda params, factory: DeviceStepOffload(params, factory, placement)
         if "activations" in self.items:
             parts.forward_contexts.append(OffloadActivations(parts.model, parts.placement))
 
@@ -185,7 +208,7 @@ class Offload(Config):
         return Offload((*self.items, "activations")), "offload: activations"
 
     def label(self, batch_size):
-        return " ".join(f"off={o.split('_')[0]}" for o in self.items) or None
+        return " ".join(LABELS[o] for o in self.items) or None
 
     def ablations(self):
         return [(f"offload {item}", Offload(tuple(x for x in self.items if x != item))) for item in self.items]
@@ -228,11 +251,12 @@ def parse(values: dict) -> Offload:
 
 def search(ctx: SearchContext) -> list[tuple[str, ...]]:
     # on the CPU the host *is* the device: nothing to gain
-    return [(), ("optimizer_states",), ("activations",)] if ctx.device.is_gpu else [()]
+    return [(), ("optimizer_states",), ("optimizer_states:step=device",), ("activations",)] if ctx.device.is_gpu else [()]
 
 
 TECHNIQUE = register(
-    Technique("offload", (Key("offload", (), "Move to host memory: optimizer_states, activations.",
+    Technique("offload", (Key("offload", (), "Move to host memory: optimizer_states (stepped on the host), "
+                              "optimizer_states:step=device, activations.",
                               annotation="list[str]", from_text=_items_text, metavar="OFFLOAD"),),
               parse, order=60, search=search, escalation=30),
     Offload)

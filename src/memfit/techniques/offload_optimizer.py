@@ -23,6 +23,13 @@ optimizer's ``param_groups`` hold the host masters), and the updates start after
 With micro-batches, gradients accumulate on the device and go out in the last micro-batch's
 backward (the step says which one it is: :meth:`OffloadOptimizerStates.backward_starts`).
 
+The alternative, ``offload: [optimizer_states:step=device]`` (:class:`DeviceStepOffload`), keeps
+the update on the device: after backward each parameter's states visit the device for its update
+(fetched one parameter ahead on a side stream) and go back. It moves 2x the states over the link
+(4N each way for AdamW, twice the host step's traffic) and keeps every gradient until the update,
+but needs no host CPU time: on a host with little memory bandwidth per GPU it is the faster one.
+The H100 recorded it at 1.78x a bf16 GPT-2 step and 3.82x on 4 Llama layers at 7B width.
+
 The worker thread is used on real CUDA tensors only when nobody watches the step with a dispatch
 mode (memfit's tracker and budget guard see only their own thread); otherwise the same calls run
 at once, in order, on the calling thread. That synchronous path is what fake traces and CPU runs
@@ -36,7 +43,7 @@ from collections.abc import Iterable
 
 import torch
 
-from memfit.techniques.optimizers import Factory
+from memfit.techniques.optimizers import Factory, PerParameterOptimizers
 from memfit.techniques.placement import HostPlacement, doing
 
 
@@ -224,3 +231,53 @@ def _on_host(opt: torch.optim.Optimizer, p: torch.Tensor, h: torch.Tensor) -> to
     if plain and h.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         return type(opt)([{**g, "fused": True} for g in opt.param_groups], fused=True)
     return opt
+
+
+class DeviceStepOffload(PerParameterOptimizers):
+    """One optimizer per parameter, stepped on the device after backward; its states live on the
+    host between updates and visit the device one parameter (and the next, prefetched) at a time."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], factory: Factory, placement: HostPlacement):
+        super().__init__(params, factory)
+        self.placement = placement
+        self._copy_stream = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def _fetch(self, p: torch.nn.Parameter) -> dict:
+        """The parameter's states, on the device."""
+        state = self.optimizers[p].state.get(p, {})
+        if p.device.type == "cuda" and self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=p.device)
+        ctx = torch.cuda.stream(self._copy_stream) if self._copy_stream is not None else contextlib.nullcontext()
+        with ctx:
+            return {k: self.placement.to_device(v, p.device) if torch.is_tensor(v) and v.dim() > 0 else v
+                    for k, v in state.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load one parameter's states at a time and put them back on the host (torch's loader
+        casts them to the parameter's device; all at once, that is the memory offload avoids)."""
+        for (p, opt), sd in zip(self.optimizers.items(), state["per_param"]):
+            opt.load_state_dict(sd)
+            opt.state[p] = {k: self.placement.to_host(v) if torch.is_tensor(v) and v.dim() > 0 else v
+                            for k, v in opt.state[p].items()}
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        todo = [p for p in self.params if p.grad is not None]
+        fetched = self._fetch(todo[0]) if todo else None
+        for i, p in enumerate(todo):
+            opt = self.optimizers[p]
+            if self._copy_stream is not None:
+                torch.cuda.current_stream(p.device).wait_stream(self._copy_stream)
+            if fetched:
+                opt.state[p] = fetched
+            nxt = self._fetch(todo[i + 1]) if i + 1 < len(todo) else None  # overlaps this update on CUDA
+            opt.step()
+            opt.state[p] = {k: self.placement.to_host(v) if torch.is_tensor(v) and v.dim() > 0 else v
+                            for k, v in opt.state[p].items()}
+            fetched = nxt
+        if self._copy_stream is not None:
+            torch.cuda.current_stream().synchronize()  # host copies complete before they are read

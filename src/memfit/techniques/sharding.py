@@ -109,7 +109,7 @@ class FSDP2(Sharding):
         if not plan.config("compile").is_default:
             refuse(f"compile: {plan.compile}", "memfit compiles the blocks after building them, FSDP2 needs them "
                    "compiled before they are sharded")
-        if "optimizer_states" in plan.offload:
+        if plan.config("offload").states is not None:
             refuse("offload: optimizer_states", "use shard_offload: true, FSDP2's own CPU offload")
         if plan.precision == "fp16":
             refuse("precision: fp16", "its loss scaler checks each rank's shard of the gradients for overflow "

@@ -123,3 +123,30 @@ def test_the_device_keeps_neither_states_nor_all_gradients():
     # the host holds the masters, their gradient buffers and the states
     assert off.predicted.host_peak_bytes >= states + 2 * grads - 1024
     assert off.predicted.peak_bytes <= base.predicted.peak_bytes - states
+
+
+DEVICE_STEP = Plan(offload=["optimizer_states:step=device"])
+
+
+def test_the_device_step_variant_trains_exactly_as_the_baseline():
+    assert_same_training(run_steps(GPT2_DROPOUT, Plan()), run_steps(GPT2_DROPOUT, DEVICE_STEP))
+
+
+def test_the_device_step_variant_keeps_one_parameter_s_states_on_the_device():
+    spec = "gpt2:n_layer=2,n_embd=128,n_head=4,vocab_size=1000,n_positions=128"
+    base, off = measured(spec, Plan()), measured(spec, DEVICE_STEP)
+    assert abs(off.error_percent) <= 1.0
+    states = base.predicted.breakdown["optimizer_states"]
+    assert off.predicted.host_peak_bytes >= states - 1024  # (scalar step counters stay on the device)
+    assert off.predicted.peak_bytes <= base.predicted.peak_bytes
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"offload": ["optimizer_states", "optimizer_states:step=device"]}, "keep one of optimizer_states"),
+    ({"offload": ["optimizer_states:step=device"], "optimizer_in_backward": True}, "updates after backward"),
+])
+def test_contradictory_offloads_are_refused_with_the_fix(fields, message):
+    from memfit.errors import UserError
+    from memfit.target import Target
+    with pytest.raises(UserError, match=message):
+        Target.resolve(GPT2_DROPOUT, Plan(**fields), 4, "cpu", seq_len=64)
