@@ -65,10 +65,11 @@ CACHE_VERSION = 2
 
 def replaced(row: dict) -> bool:
     """Rows recorded with a technique implementation that has since been replaced (2026-11-24: the
-    host EMA now averages in a thread beside the next step). Their times say nothing about today's
-    step: shown, not counted, until re-measured on a GPU (bench/offload_gpu.py)."""
+    host EMA now averages in a thread beside the next step; offloaded activations go out on a side
+    stream). Their times say nothing about today's step: shown, not counted, until re-measured on a
+    GPU (bench/offload_gpu.py)."""
     ema = row["plan"].get("ema") or {}
-    return bool(ema) and ema.get("device", "cpu") == "cpu"
+    return (bool(ema) and ema.get("device", "cpu") == "cpu") or "activations" in row["plan"].get("offload", ())
 
 
 def plan_fields(row: dict) -> dict:

@@ -10,7 +10,9 @@ Rows record the library versions they ran with; where a library changed which ke
 reaches since then, the prediction emulates the recorded behaviour (``bench/gpu_accuracy.py``,
 ``recorded_environment``: T5's SDPA mask layout in transformers 5.17, which sends CUDA's SDPA to the
 math path). Cases that still miss are listed in ``KNOWN_MISSES`` with the reason; they are
-expected to fail (strict: a case that starts passing must be taken off the list).
+expected to fail (strict: a case that starts passing must be taken off the list). Cases recorded
+with a technique implementation memfit has since replaced are listed in ``REPLACED``: what they
+measured no longer runs, so they are not compared until re-measured.
 """
 
 import importlib.util
@@ -50,6 +52,12 @@ DEFAULT = {
     "resmlp-bf16-blocks", "h200:gpt2-bf16", "h200:unet-bf16", "h200:t5-bf16-tf523", "h200:b2-swin_tiny-bf16",
 }
 
+REPLACED = {
+    "gpt2-bf16-offact": "offload: [activations] copied each saved tensor out on the compute stream then; it now "
+                        "copies on a side stream and keeps up to STASH tensors on the device while their copies "
+                        "are in flight (predicted +1.4% allocated). Re-measure: bench/offload_gpu.py",
+}
+
 KNOWN_MISSES = {
     "t-llama4-selective-b2": "reserved only (-5.5%; allocated -1.5%): the real run (torch 2.11) kept ~350 MiB "
                              "more than selective checkpointing does in torch 2.14's trace",
@@ -81,7 +89,8 @@ def _check(name: str) -> None:
 
 
 def test_the_recorded_cases_are_there():
-    assert len(CASES) >= 75 + 59 and DEFAULT <= set(CASES) and set(KNOWN_MISSES) <= set(CASES)
+    assert len(CASES) >= 75 + 59 and DEFAULT <= set(CASES) and set(KNOWN_MISSES) | set(REPLACED) <= set(CASES)
+    assert not DEFAULT & set(REPLACED)
 
 
 @pytest.mark.parametrize("name", _params(DEFAULT))
@@ -90,6 +99,6 @@ def test_gpu_prediction_matches_measurement(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", _params(set(CASES) - DEFAULT))
+@pytest.mark.parametrize("name", _params(set(CASES) - DEFAULT - set(REPLACED)))
 def test_gpu_prediction_matches_measurement_all_cases(name):
     _check(name)

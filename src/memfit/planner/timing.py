@@ -60,6 +60,7 @@ what the planner ranks by.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
@@ -97,6 +98,9 @@ from memfit.planner.opcost import (
 from memfit.plans import Plan
 from memfit.target import Target
 from memfit.techniques.checkpointing import recorded_cost
+from memfit.techniques.offload import STASH
+
+FORWARD_PHASE = PHASES.index("forward")
 
 FP32_SIMT = {"h100-80gb": 67e12, "h200-141gb": 67e12, "a100-80gb": 19.5e12, "a100-40gb": 19.5e12, "l4": 30.3e12}
 """fp32 FLOP/s without tensor cores where it differs from the preset's float32 (TF32) figure."""
@@ -266,6 +270,7 @@ def simulate(ops: list[Op], device: Device, k: Constants = H100, *, fused: float
     w = w_in = out = 0.0  # NOTE [ Host optimizer ]: the worker thread, the stream in, the stream out
     joined = True
     beside = 0.0  # NOTE [ Beside the next step ]
+    stash: collections.deque = collections.deque()  # when offloaded activations' copies out end
     for op in ops:
         kind = op.kind
         if op.flags & BACKGROUND:
@@ -285,6 +290,9 @@ def simulate(ops: list[Op], device: Device, k: Constants = H100, *, fused: float
             continue
         if not joined and op.phase >= PHASES.index("optimizer"):  # the step waits for the updates
             c, g, joined = max(c, w), max(g, w_in), True
+        if stash and op.phase != FORWARD_PHASE:  # backward waits for every copy out still in flight
+            g = max(g, stash[-1])
+            stash.clear()
         in_graph = fused if op.phase in (2, 3) else 1.0
         c += rates.cpu(op) * in_graph
         if kind == VIEW or kind == SCALAR:
@@ -303,6 +311,10 @@ def simulate(ops: list[Op], device: Device, k: Constants = H100, *, fused: float
         if op.flags & OUT_STREAM:  # after what the compute stream has queued, beside what follows
             out = max(out, g, c) + dt
             busy["transfers"] += dt
+            if op.phase == FORWARD_PHASE:  # offloaded activations: forward waits beyond STASH in flight
+                stash.append(out)
+                if len(stash) > STASH:
+                    g = max(g, stash.popleft())
             continue
         if op.flags & SIDE_STREAM:  # a host-to-device prefetch, sharing the link with copies out
             start = max(side, c, g)  # NOTE [ Prefetch overlap ]
@@ -341,7 +353,9 @@ def simulate(ops: list[Op], device: Device, k: Constants = H100, *, fused: float
 
 
 # NOTE [ Host optimizer ]
-# With offloaded optimizer states (memfit.techniques.offload_optimizer) gradients go out on a stream
+# Offloaded activations go out on a stream of their own too (OUT_STREAM in forward), the compute
+# stream waiting for the oldest copy when more than STASH are in flight, and for all of them before
+# backward. With offloaded optimizer states (memfit.techniques.offload_optimizer) gradients go out on a stream
 # of their own as backward makes them (OUT_STREAM: after what the compute stream has queued, not
 # delaying it), a worker thread runs each parameter's update on the host once its gradient is out
 # (WORKER host ops: host bytes at HOST_BW, on the worker's clock, not the step's CPU) and copies the

@@ -32,6 +32,7 @@ Plan key ``offload``: a list of ``optimizer_states`` (:class:`OffloadOptimizerSt
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from dataclasses import dataclass
 
@@ -49,7 +50,7 @@ from memfit.techniques.base import (
     register,
 )
 from memfit.techniques.offload_optimizer import DeviceStepOffload, OffloadOptimizerStates
-from memfit.techniques.placement import HostPlacement
+from memfit.techniques.placement import HostPlacement, doing
 
 ITEMS = ("optimizer_states", "optimizer_states:step=device", "activations")
 STATES = ("optimizer_states", "optimizer_states:step=device")
@@ -59,13 +60,19 @@ LABELS = {"optimizer_states": "off=optimizer", "optimizer_states:step=device": "
 
 PREFETCH = 2
 """Saved activations fetched ahead of backward's need (each one's device memory, for that long)."""
+STASH = 2
+"""Offloaded activations kept on the device while their copies to the host are in flight: forward
+waits for the oldest copy when more would be (as torchtune's ``max_fwd_stash_size``), so the device
+holds at most this many beyond what stays, however slow the link (and the estimate holds the same)."""
 
 
 class OffloadActivations:
     """Saved-tensor hooks that keep activations on the host between forward and backward.
 
-    Forward numbers each offloaded tensor as autograd saves it. Backward needs them roughly in
-    reverse order, so when it unpacks tensor ``k`` the next ``PREFETCH`` below it start their
+    Forward numbers each offloaded tensor as autograd saves it and copies it to the host on a side
+    stream of its own, after what the compute stream has queued, so forward goes on; the device
+    tensor is kept until ``STASH`` later ones are in flight, then the compute stream waits for its
+    copy and lets it go. Backward needs them roughly in reverse order, so when it unpacks tensor ``k`` the next ``PREFETCH`` below it start their
     copies back to the device on a side stream; an unpack waits for its own copy's event (or
     copies at once when it was not prefetched). Small tensors (under ``min_bytes``) and parameters
     stay on the device. On a CPU the copies are plain ones: the numbering, the prefetch and the
@@ -77,14 +84,18 @@ class OffloadActivations:
         self.placement = placement
         self.min_bytes, self.prefetch = min_bytes, prefetch
         self._params = {p.untyped_storage()._cdata for p in model.parameters()}
-        self.saved: dict[int, tuple[torch.device, torch.Tensor]] = {}
-        """Offloaded tensors by number: where they came from, their host copy."""
+        self.saved: dict[int, tuple[torch.device, torch.Tensor, object]] = {}
+        """Offloaded tensors by number: where they came from, their host copy, what a copy back
+        waits for (the copy out: None once done)."""
+        self.sending: collections.deque = collections.deque()
+        """Device tensors whose copies out may be in flight, with what to ``wait()`` on (oldest first)."""
+        self.stash = STASH
         self.fetched: dict[int, tuple[torch.Tensor, object]] = {}
         """Tensors on their way back: the device tensor, and the event its copy records (None: done)."""
         self.unpacked: set[int] = set()
         """Numbers backward has had (not fetched ahead again)."""
         self._next = 0
-        self._stream = None
+        self._stream = self._out = None
 
     def _pack(self, t: torch.Tensor):
         if t.untyped_storage().nbytes() < self.min_bytes or t.untyped_storage()._cdata in self._params \
@@ -92,12 +103,43 @@ class OffloadActivations:
             return t
         k = self._next
         self._next += 1
-        self.saved[k] = (t.device, self.placement.to_host(t))
+        self.saved[k] = (t.device, *self._send(t))
         return _Offloaded(k, self)
+
+    def _send(self, t: torch.Tensor):
+        """Copy ``t`` to the host (on CUDA on the out-stream, after what the compute stream has
+        queued); keep ``t`` until ``stash`` later copies are in flight. Returns (the host copy, what
+        a copy back waits for: None where the copy is done)."""
+        cuda = t.device.type == "cuda"
+        if cuda and self._out is None:
+            self._out = torch.cuda.Stream(device=t.device)
+        with doing("out"):
+            if cuda:
+                self._out.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(self._out) if cuda else contextlib.nullcontext():
+                host = self.placement.to_host(t)
+                sent = None
+                if cuda:
+                    event = torch.cuda.Event()
+                    event.record(self._out)
+                    sent = _Copied(event, t.device)
+        self.sending.append((t, sent))
+        while len(self.sending) > self.stash:
+            self._release()
+        return host, sent
+
+    def _release(self) -> None:
+        """Let the oldest device tensor in flight go, once the compute stream has waited for its copy
+        (its memory is then reused only after the copy has read it)."""
+        _, sent = self.sending.popleft()
+        if sent is not None:
+            sent.wait()
 
     def _unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
+        while self.sending:  # backward has begun: no copy out is waited for later
+            self._release()
         k = packed.number
         t, copied = self.fetched.pop(k, None) or self._fetch(k, ahead=False)
         if copied is not None:
@@ -111,14 +153,18 @@ class OffloadActivations:
     def _fetch(self, k: int, *, ahead: bool):
         """Start tensor ``k``'s copy back to its device: (the device tensor, what to ``wait()`` on
         before using it; None when the copy is done)."""
-        device, host = self.saved[k]
+        device, host, sent = self.saved[k]
         if device.type != "cuda" or not ahead:
+            if sent is not None:
+                sent.wait()  # (the copy out has written the host copy)
             return self.placement.to_device(host, device), None
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=device)
         # allocated on the compute stream (its pool, as the estimate books it), filled on the side one
         t = torch.empty(host.shape, dtype=host.dtype, device=device)
         self._stream.wait_stream(torch.cuda.current_stream(device))
+        if sent is not None:
+            sent.wait(self._stream)
         with torch.cuda.stream(self._stream):
             t.copy_(host, non_blocking=True)
             event = torch.cuda.Event()
@@ -137,13 +183,13 @@ class OffloadActivations:
 
 
 class _Copied:
-    """A copy on the side stream: ``wait()`` makes the compute stream wait for it."""
+    """A copy on a side stream: ``wait()`` makes the compute stream (or ``stream``) wait for it."""
 
     def __init__(self, event, device):
         self.event, self.device = event, device
 
-    def wait(self) -> None:
-        torch.cuda.current_stream(self.device).wait_event(self.event)
+    def wait(self, stream=None) -> None:
+        (stream or torch.cuda.current_stream(self.device)).wait_event(self.event)
 
 
 class _Offloaded:

@@ -1,6 +1,7 @@
-"""Activation offload with prefetch (memfit.techniques.offload.OffloadActivations): backward
-fetches the next saved tensors ahead of its need, uses each only once its copy is done, and
-drops every copy once the graph is gone."""
+"""Activation offload with prefetch (memfit.techniques.offload.OffloadActivations): forward copies
+each saved tensor out on a side stream and keeps at most STASH in flight; backward fetches the next
+saved tensors ahead of its need, copies none back before its copy out is done, uses each only once
+its copy back is done, and drops every copy once the graph is gone."""
 
 import torch
 
@@ -29,7 +30,7 @@ def test_prefetched_tensors_are_used_only_after_their_copy(monkeypatch):
     def slow_fetch(self, k, *, ahead):
         if not ahead:
             return real_fetch(self, k, ahead=ahead)
-        device, host = self.saved[k]
+        device, host, _ = self.saved[k]
         t = torch.full_like(host, float("nan")) if host.is_floating_point() else torch.zeros_like(host)
         copies.append(_SlowCopy(t, host))
         return t, copies[-1]
@@ -61,3 +62,36 @@ def test_backward_prefetches_and_nothing_stays_behind(monkeypatch):
     (hooks,) = made
     assert hooks._next > 0 and kinds.count(True) > kinds.count(False)  # most were fetched ahead
     assert hooks.saved == {} and hooks.fetched == {} and not hooks.unpacked  # all freed with the graph
+
+
+class _SlowCopyOut:
+    """A copy to the host as on a GPU: the host copy holds garbage until ``wait()``."""
+
+    def __init__(self, host):
+        self.host, self.values, self.waited = host, host.clone(), False
+        host.fill_(float("nan")) if host.is_floating_point() else host.zero_()
+
+    def wait(self, stream=None):
+        if not self.waited:  # (as an event: waiting again changes nothing)
+            self.host.copy_(self.values)
+        self.waited = True
+
+
+def test_nothing_is_copied_back_before_its_copy_out_is_done_and_few_are_in_flight(monkeypatch):
+    """A copy back reading the host copy before the copy out finished would see NaN: the training
+    would differ. Forward keeps at most STASH device tensors waiting for their copies."""
+    outs, in_flight, real_send = [], [], offload.OffloadActivations._send
+
+    def slow_send(self, t):
+        host, _ = real_send(self, t)
+        outs.append(_SlowCopyOut(host))
+        t_, _ = self.sending.pop()
+        self.sending.append((t_, outs[-1]))
+        in_flight.append(len(self.sending))
+        return host, outs[-1]
+
+    reference = run_steps(GPT2_DROPOUT, Plan(), steps=2)
+    monkeypatch.setattr(offload.OffloadActivations, "_send", slow_send)
+    assert_same_training(reference, run_steps(GPT2_DROPOUT, PLAN, steps=2))
+    assert outs and all(o.waited for o in outs)
+    assert max(in_flight) == offload.STASH
