@@ -38,6 +38,7 @@ PLANS = {
     "adafactor": Plan(optimizer="adafactor"),
     "optimizer in backward": Plan(optimizer_in_backward=True),
     "offload optimizer_states": Plan(offload=["optimizer_states"]),
+    "offload optimizer_states:step=device": Plan(offload=["optimizer_states:step=device"]),
     "offload activations": Plan(offload=["activations"]),
     "loss_chunks 16": Plan(loss_chunks=16),
     "quick stack (bf16+blocks+8bit+chunked loss)": Plan(precision="bf16", checkpointing="blocks",
