@@ -66,11 +66,17 @@ class Row:
     target: float | None
     """The issue's bound on B's step time over A's (None: the issue sets none for this row)."""
     plan_a: dict = field(default_factory=lambda: dict(BF16))
+    before_b: dict | None = None
+    """The plan whose H100 recording is this row's "before" (default ``plan_b``): the host-step
+    optimizer offload's "before" is the device-step one the H100 recorded."""
 
 
+DEVICE_STEP = {**BF16, "offload": ["optimizer_states:step=device"]}
 ROWS = [
-    Row("gpt2-offopt", "gpt2", 8, 1024, {**BF16, "offload": ["optimizer_states"]}, None),
-    Row("llama4-offopt", L4, 2, 2048, {**BF16, "offload": ["optimizer_states"]}, 1.3),
+    Row("gpt2-offopt", "gpt2", 8, 1024, {**BF16, "offload": ["optimizer_states"]}, None, before_b=DEVICE_STEP),
+    Row("llama4-offopt", L4, 2, 2048, {**BF16, "offload": ["optimizer_states"]}, 1.3, before_b=DEVICE_STEP),
+    Row("gpt2-offopt-device-step", "gpt2", 8, 1024, DEVICE_STEP, None),
+    Row("llama4-offopt-device-step", L4, 2, 2048, DEVICE_STEP, 1.3),
     Row("gpt2-offact", "gpt2", 8, 1024, {**BF16, "offload": ["activations"]}, 1.5),
     Row("gpt2-ema-cpu", "gpt2", 8, 1024, {**BF16, "ema": {"decay": 0.999, "device": "cpu", "every": 1}}, 1.1),
 ]
@@ -171,14 +177,18 @@ def run_child(job: dict, timeout: float = 900) -> dict:
 # -- one row: two processes, A first and B first ------------------------------------------------------
 
 def recorded(row: Row, path: Path = DATA) -> dict:
-    """The H100 "before" figures of the row's pair (rows that ran alone on the GPU), or {}."""
+    """The H100 "before" figures of the row's pair (rows that ran alone on the GPU), or {}. Recorded
+    plans are read in today's fields (bench/gpu_accuracy.py's ``in_todays_fields``)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu_accuracy import in_todays_fields
+
     found, shape = {}, (row.workload, row.batch_size, row.seq_len)
     for line in path.read_text().splitlines():
         r = json.loads(line) if line.strip() else {}
         alone = "overlapped_jobs" not in r and "error" not in r
         if alone and (r.get("workload"), r.get("batch_size"), r.get("seq_len")) == shape:
-            for which, plan in (("a", row.plan_a), ("b", row.plan_b)):
-                if r["plan"] == plan and which not in found:
+            for which, plan in (("a", row.plan_a), ("b", row.before_b or row.plan_b)):
+                if in_todays_fields(r, r["plan"]) == plan and which not in found:
                     found[which] = r
     if len(found) < 2:
         return {}

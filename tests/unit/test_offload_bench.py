@@ -34,6 +34,8 @@ def test_recorded_before_figures_are_the_h100_pairs():
     llama = BENCH.recorded(rows["llama4-offopt"])
     assert llama["cases"] == ["t-llama4-bf16-b2", "t-llama4-offopt-b2"]  # the rows that ran alone
     assert llama["ratio"] == pytest.approx(0.36221 / 0.09476)
+    # the host-step offload's "before" is the device-step offload the H100 recorded, also its own row's
+    assert BENCH.recorded(rows["llama4-offopt-device-step"]) == llama
     ema = BENCH.recorded(rows["gpt2-ema-cpu"])
     assert ema["cases"] == ["gpt2-bf16", "gpt2-bf16-ema"]
     assert BENCH.recorded(BENCH.smoke_rows()[0]) == {}  # tiny configs were never recorded
