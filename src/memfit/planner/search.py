@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memfit.devices import Device
+from memfit.devices import Device, available_host_bytes
 from memfit.errors import UserError
 from memfit.memory.budget import Budget
 from memfit.memory.estimate import estimate_target
@@ -128,6 +128,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
         raise UserError(f"plan --world-size {world} times sharded plans on GPU presets (on the CPU the planner times "
                         "real steps, which a sharded plan runs in several processes); give --device, e.g. h100-80gb")
     _check_budget_above_weights(budget_bytes, facts, dev, world)
+    if not dev.is_gpu and time_model is None:
+        _check_real_steps_fit(wl, facts)
     rank_bs = Plan(world_size=world).config("shard").rank_batch(bs)  # (a sharded rank's micro-batches split this)
     space = space or default_space(facts, dev, rank_bs, optimizers, compile_modes)
     fixed, constrained = _constrain(space, dict(fixed or {}), dev, rank_bs)
@@ -469,6 +471,23 @@ def _maximal(ranked: list[Candidate], bs: int) -> list[Candidate]:
             out = [m for m in out if not dominates(c, m)] + [c]
     order = {id(c): i for i, c in enumerate(ranked)}
     return sorted(out, key=lambda c: order[id(c)])
+
+
+CPU_STATE_BYTES = 16
+"""Bytes per parameter of the plain fp32 AdamW step the CPU planner times for real first (weights,
+gradients and two moments), before any activation."""
+
+
+def _check_real_steps_fit(workload, facts) -> None:
+    """The CPU planner times real steps, the plain plan's first: refuse, in one line, a model whose
+    plain step cannot fit this machine's memory (the OS would kill the process)."""
+    need, free = facts.n_params * CPU_STATE_BYTES, available_host_bytes()
+    if need > 0.8 * free:
+        raise UserError(f"memfit plan on the cpu device times real steps of each technique, the plain fp32 AdamW "
+                        f"step first: {workload.name} needs {fmt_bytes(need)} for its weights, gradients and AdamW "
+                        f"states alone ({facts.n_params / 1e9:.2f}B parameters), and this machine has "
+                        f"{fmt_bytes(free)} free; plan for a GPU preset (e.g. --device h100-80gb; see memfit "
+                        "devices), which traces on fake tensors without that memory")
 
 
 def _check_budget_above_weights(budget: int, facts, dev: Device, world_size: int = 1) -> None:
