@@ -120,6 +120,8 @@ class ShadowWeights:
             local = _local(p)
             if self.config.placed == "cpu":
                 self.shadow[name] = self.placement.to_host(local.float())
+                if self.background is not None:  # its pinned buffers, made with the shadow: the steady state
+                    self.background.buffers[name] = self.placement.to_host(local)
             else:
                 self.shadow[name] = local.float().clone()
 
