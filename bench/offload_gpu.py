@@ -23,6 +23,7 @@ state (each waiting for its own predecessor's work, as in training).
 
     PYTHONPATH=src python bench/offload_gpu.py                 # on a CUDA GPU, from the repo root
     PYTHONPATH=src python bench/offload_gpu.py --only llama4 --repeats 20 --out x.jsonl   # one row
+    .venv/bin/python bench/offload_gpu.py --predicted             # the time model's ratios (no GPU)
     .venv/bin/python bench/offload_gpu.py --cpu-smoke          # no GPU: tiny models on this CPU
 
 Without CUDA (or with ``--cpu-smoke``) the same code runs tiny GPT-2 and Llama configs on the CPU:
@@ -174,6 +175,31 @@ def run_child(job: dict, timeout: float = 900) -> dict:
     return {"error": f"process exited {p.returncode} without a result: {(p.stderr or p.stdout)[-1500:]}"}
 
 
+def predicted_table(rows: list[Row], preset: str) -> str:
+    """The time model's step times of each row's two plans on ``preset`` (fake traces, no GPU), beside
+    the recorded ratio and the issue's target: a prediction, never a measurement."""
+    from memfit.planner.timing import step_seconds
+    from memfit.plans import Plan
+    from memfit.target import Target
+
+    lines = [f"predicted by memfit's time model for {preset} (not measured)",
+             "| row | recorded (H100) | predicted ratio (B / A) | A ms | B ms | target |", "|---|---:|---:|---:|---:|---:|"]
+    seconds: dict = {}
+    for r in rows:
+        for plan in (r.plan_a, r.plan_b):
+            key = (r.workload, r.batch_size, r.seq_len, json.dumps(plan, sort_keys=True))
+            if key not in seconds:
+                target = Target.resolve(r.workload, Plan(**plan), r.batch_size, preset, seq_len=r.seq_len)
+                seconds[key] = step_seconds(target).seconds
+        a, b = (seconds[(r.workload, r.batch_size, r.seq_len, json.dumps(p, sort_keys=True))]
+                for p in (r.plan_a, r.plan_b))
+        before = recorded(r)
+        was = f"{before['ratio']:.2f}x" if before else "-"
+        bound = f"<= {r.target}x" if r.target else "-"
+        lines.append(f"| {r.id} | {was} | {b / a:.2f}x | {a * 1e3:.1f} | {b * 1e3:.1f} | {bound} |")
+    return "\n".join(lines)
+
+
 # -- one row: two processes, A first and B first ------------------------------------------------------
 
 def recorded(row: Row, path: Path = DATA) -> dict:
@@ -255,8 +281,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=None, help="turns per plan per process (GPU 10, CPU 3)")
     ap.add_argument("--preset", default=None, help="device preset memfit predicts for (default: the card's)")
     ap.add_argument("--out", default=None, help="JSON lines of the raw results (overwritten)")
+    ap.add_argument("--predicted", action="store_true",
+                    help="print memfit's time model's ratios for the full rows on --preset (default h100-80gb); no GPU")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.predicted:
+        print(predicted_table([r for r in ROWS if not a.only or any(k in r.id for k in a.only.split(","))],
+                              a.preset or "h100-80gb"))
+        return 0
     if a.child:
         try:
             result = measure(json.loads(a.child))
