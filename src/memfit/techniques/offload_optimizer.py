@@ -93,7 +93,9 @@ class OffloadOptimizerStates:
     def step(self, closure=None) -> None:
         for p in self.params:  # a gradient the hook did not send (a parameter unused in the last micro-batch)
             if p.grad is not None and p not in self._sent:
-                self._send(p)
+                copied = self._send(p)
+                if self.eager:
+                    self._submit(p, copied)
         if not self.eager:
             self.wait_for_gradients()
             for p, copied in self._sent.items():

@@ -105,6 +105,19 @@ def test_gradients_go_out_once_per_step_in_the_last_micro_batch(monkeypatch):
     assert len(sent) == 2 * trainable and all(sent)
 
 
+def test_a_gradient_no_hook_sent_is_stepped_by_the_step(monkeypatch):
+    """A parameter whose hook did not send its gradient (unused in the last micro-batch) still gets
+    its update, from the optimizer's step."""
+    real = offload_optimizer.OffloadOptimizerStates._gradient_ready
+
+    def skip_first(self, p):
+        if p is not self.params[0]:
+            real(self, p)
+    reference = run_steps(GPT2_DROPOUT, Plan())
+    monkeypatch.setattr(offload_optimizer.OffloadOptimizerStates, "_gradient_ready", skip_first)
+    assert_same_training(reference, run_steps(GPT2_DROPOUT, OFFLOAD), **CLOSE)
+
+
 def test_checkpointed_states_resume_the_same_training():
     wl = load_workload(GPT2_DROPOUT, seq_len=64)
     torch.manual_seed(0)
