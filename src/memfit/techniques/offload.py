@@ -21,9 +21,10 @@ and is dropped; its recomputation in backward saves under the checkpoint's hooks
 tensors stay on the device, where backward uses them at once (NOTE [ Checkpoints under
 saved-tensor hooks ] in memfit.techniques.checkpointing), while the next blocks' inputs are
 fetched. On the tests' 2-layer GPT-2 (batch 4 x 64, fp32) ``blocks`` keeps 131,588 bytes of
-activations on the device at the peak, ``blocks`` with offload 516, the host holding 1,357,824:
+activations on the device at the peak, ``blocks`` with offload 516, the host holding 845,824:
 one input per block (65,536) and what is saved outside the blocks
-(tests/unit/techniques/test_offload_blocks.py).
+(tests/unit/techniques/test_offload_blocks.py). A tensor saved twice unchanged (log_softmax's
+output, saved again by nll_loss: the logits) goes to the host once; that halved the host bytes.
 
 Plan key ``offload``: a list of ``optimizer_states`` (:class:`OffloadOptimizerStates`) or
 ``optimizer_states:step=device`` (:class:`DeviceStepOffload`), and ``activations``
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -96,14 +98,28 @@ class OffloadActivations:
         """Numbers backward has had (not fetched ahead again)."""
         self._next = 0
         self._stream = self._out = None
+        self._seen: dict[tuple, tuple[weakref.ref, int]] = {}
+        """(storage, offset, shape, strides, dtype, version) -> (the tensor, its number): the same
+        values saved twice (log_softmax's output saved again by nll_loss) go to the host once."""
+        self._uses: dict[int, int] = {}
+        """Number -> how many saves share it (its copies go with the last)."""
+        self._back: dict[int, torch.Tensor] = {}
+        """Number -> its device tensor, unpacked for one use, kept for another."""
 
     def _pack(self, t: torch.Tensor):
         if t.untyped_storage().nbytes() < self.min_bytes or t.untyped_storage()._cdata in self._params \
                 or t.device.type == "meta":
             return t
-        k = self._next
-        self._next += 1
-        self.saved[k] = (t.device, *self._send(t))
+        key = (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
+        seen = self._seen.get(key)
+        if seen is not None and seen[0]() is not None and seen[1] in self.saved:  # saved again, unchanged
+            k = seen[1]
+        else:
+            k = self._next
+            self._next += 1
+            self.saved[k] = (t.device, *self._send(t))
+            self._seen[key] = (weakref.ref(t), k)
+        self._uses[k] = self._uses.get(k, 0) + 1
         return _Offloaded(k, self)
 
     def _send(self, t: torch.Tensor):
@@ -140,10 +156,15 @@ class OffloadActivations:
             return packed
         while self.sending:  # backward has begun: no copy out is waited for later
             self._release()
+        self._seen.clear()  # (and a save in the next forward is a new tensor)
         k = packed.number
+        if k in self._back:  # saved twice: the copy back of its first use serves this one
+            return self._back.pop(k)
         t, copied = self.fetched.pop(k, None) or self._fetch(k, ahead=False)
         if copied is not None:
             copied.wait()  # (the compute stream waits for the copy; nothing waits on the host)
+        if self._uses.get(k, 1) > 1:
+            self._back[k] = t  # (held on the device until its other use, as it would be without offload)
         self.unpacked.add(k)
         for j in range(k - 1, k - 1 - self.prefetch, -1):  # what backward needs next
             if j in self.saved and j not in self.fetched and j not in self.unpacked:
@@ -173,7 +194,12 @@ class OffloadActivations:
         return t, _Copied(event, device)
 
     def forget(self, k: int) -> None:
-        """Tensor ``k`` will not be unpacked again (its graph is gone): drop its copies."""
+        """One use of tensor ``k`` is gone with its graph: after the last, drop its copies."""
+        self._uses[k] = self._uses.get(k, 1) - 1
+        if self._uses[k] > 0:
+            return
+        del self._uses[k]
+        self._back.pop(k, None)
         self.saved.pop(k, None)
         self.fetched.pop(k, None)
         self.unpacked.discard(k)

@@ -95,3 +95,23 @@ def test_nothing_is_copied_back_before_its_copy_out_is_done_and_few_are_in_fligh
     assert_same_training(reference, run_steps(GPT2_DROPOUT, PLAN, steps=2))
     assert outs and all(o.waited for o in outs)
     assert max(in_flight) == offload.STASH
+
+
+def test_a_tensor_saved_twice_goes_to_the_host_once():
+    """log_softmax saves its output and nll_loss saves it again: one host copy serves both, both
+    unpack it, and it goes when the graph does (the logits of an LM: half the host bytes of the
+    tests' GPT-2 with block checkpointing)."""
+    from memfit.techniques.placement import HostPlacement
+    model = torch.nn.Linear(1, 1)  # (alive: its parameters' storages are told apart by address)
+    hooks = offload.OffloadActivations(model, HostPlacement(), min_bytes=64)
+    x = torch.randn(8, 16, requires_grad=True)
+    labels = torch.arange(8)
+    with hooks():
+        y = torch.log_softmax(x * 2, dim=-1)
+        loss = torch.nn.functional.nll_loss(y, labels)
+    assert len(hooks.saved) == 2 and sorted(hooks._uses.values()) == [1, 2]  # y (saved twice, copied once), labels
+    loss.backward()
+    expected = torch.autograd.grad(torch.nn.functional.nll_loss(torch.log_softmax(x * 2, dim=-1), labels), x)[0]
+    assert torch.equal(x.grad, expected)
+    del y, loss
+    assert hooks.saved == {} and hooks._uses == {}
