@@ -52,7 +52,7 @@ from memfit.techniques.base import (
     register,
 )
 from memfit.techniques.offload_optimizer import DeviceStepOffload, OffloadOptimizerStates
-from memfit.techniques.placement import HostPlacement, doing
+from memfit.techniques.placement import HostPlacement
 
 ITEMS = ("optimizer_states", "optimizer_states:step=device", "activations")
 STATES = ("optimizer_states", "optimizer_states:step=device")
@@ -97,7 +97,7 @@ class OffloadActivations:
         self.unpacked: set[int] = set()
         """Numbers backward has had (not fetched ahead again)."""
         self._next = 0
-        self._stream = self._out = None
+        self._stream = None
         self._seen: dict[tuple, tuple[weakref.ref, int]] = {}
         """(storage, offset, shape, strides, dtype, version) -> (the tensor, its number): the same
         values saved twice (log_softmax's output saved again by nll_loss) go to the host once."""
@@ -126,19 +126,8 @@ class OffloadActivations:
         """Copy ``t`` to the host (on CUDA on the out-stream, after what the compute stream has
         queued); keep ``t`` until ``stash`` later copies are in flight. Returns (the host copy, what
         a copy back waits for: None where the copy is done)."""
-        cuda = t.device.type == "cuda"
-        if cuda and self._out is None:
-            self._out = torch.cuda.Stream(device=t.device)
-        with doing("out"):
-            if cuda:
-                self._out.wait_stream(torch.cuda.current_stream(t.device))
-            with torch.cuda.stream(self._out) if cuda else contextlib.nullcontext():
-                host = self.placement.to_host(t)
-                sent = None
-                if cuda:
-                    event = torch.cuda.Event()
-                    event.record(self._out)
-                    sent = _Copied(event, t.device)
+        host, event = self.placement.copy_out(t)
+        sent = _Copied(event, t.device) if event is not None else None
         self.sending.append((t, sent))
         while len(self.sending) > self.stash:
             self._release()

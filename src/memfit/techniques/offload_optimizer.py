@@ -47,7 +47,7 @@ from memfit.techniques.optimizers import Factory, PerParameterOptimizers
 from memfit.techniques.placement import HostPlacement, doing
 
 
-class OffloadOptimizerStates:
+class OffloadOptimizerStates(PerParameterOptimizers):
     """One host optimizer per parameter, stepped as that parameter's gradient reaches the host.
 
     ``eager``: step each parameter from its gradient hook (no clipping or loss scaling needs all
@@ -57,13 +57,9 @@ class OffloadOptimizerStates:
 
     def __init__(self, params: Iterable[torch.nn.Parameter], factory: Factory, placement: HostPlacement,
                  *, eager: bool, threaded: bool | None = None):
-        self.params = list(params)
+        super().__init__(params, factory)  # (built for the device parameters, so param groups follow the
+        # workload's; each optimizer moves to its parameter's host master when that is made: _host)
         self.placement, self.eager, self.threaded = placement, eager, threaded
-        self.optimizers = {p: factory([p]) for p in self.params}
-        """Built for the device parameters (so param groups follow the workload's); each moves to
-        its parameter's host master when that is made (:meth:`_host`)."""
-        self.param_groups = [g for opt in self.optimizers.values() for g in opt.param_groups]
-        self.defaults = next(iter(self.optimizers.values())).defaults
         self.masters: dict[torch.nn.Parameter, torch.Tensor] = {}
         """Device parameter -> its pinned host copy, whose ``.grad`` is the pinned gradient buffer."""
         self._last_backward = True
@@ -71,7 +67,7 @@ class OffloadOptimizerStates:
         """Parameters whose gradient went out this step -> the copy's event (None: done)."""
         self._jobs: list = []
         self._pool = None
-        self._out = self._in = None  # CUDA side streams: gradients out, parameters in
+        self._in = None  # CUDA: the side stream parameters come back on (they go out on the placement's)
         self._handles = [p.register_post_accumulate_grad_hook(self._gradient_ready) for p in self.params]
 
     # -- the optimizer interface -----------------------------------------------------------------------
@@ -84,10 +80,6 @@ class OffloadOptimizerStates:
         """The step's micro-batch ``index`` of ``count`` starts its backward: gradients go out in
         the last one's."""
         self._last_backward = index == count - 1
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
@@ -121,7 +113,7 @@ class OffloadOptimizerStates:
 
     def state_dict(self) -> dict:
         self.join()
-        return {"per_param": [opt.state_dict() for opt in self.optimizers.values()]}
+        return super().state_dict()
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -132,9 +124,8 @@ class OffloadOptimizerStates:
         for p, sd in zip(self.params, state["per_param"]):
             h = self._host(p)
             h.copy_(p.detach())
-            opt = self.optimizers[p]
-            opt.load_state_dict(sd)
-            self.placement.mark_host([v for v in opt.state[h].values() if torch.is_tensor(v)])
+            self.optimizers[p].load_state_dict(sd)
+            self._mark_states(p)
 
     def remove_hooks(self) -> None:
         for h in self._handles:
@@ -153,24 +144,11 @@ class OffloadOptimizerStates:
         """Copy ``p``'s gradient into its host buffer (on the out-stream on CUDA) and free it on the
         device; returns the copy's event (None where the copy is done)."""
         h = self._host(p)
-        cuda = p.grad.is_cuda
-        if cuda and self._out is None:
-            self._out = torch.cuda.Stream(device=p.device)
-            self._in = torch.cuda.Stream(device=p.device)
-        copied = None
-        with doing("out"):
-            if cuda:
-                self._out.wait_stream(torch.cuda.current_stream(p.device))  # backward has made the gradient
-            with torch.cuda.stream(self._out) if cuda else contextlib.nullcontext():
-                if h.grad is None:
-                    h.grad = self.placement.to_host(p.grad)  # (the pinned buffer, made once)
-                else:
-                    h.grad.copy_(p.grad, non_blocking=True)
-                if cuda:
-                    copied = torch.cuda.Event()
-                    copied.record(self._out)
-        if cuda:
-            p.grad.record_stream(self._out)  # (not reused before the copy has read it)
+        h.grad, copied = self.placement.copy_out(p.grad, into=h.grad)  # (the pinned buffer: made once)
+        if copied is not None:
+            if self._in is None:
+                self._in = torch.cuda.Stream(device=p.device)
+            p.grad.record_stream(self.placement.out_stream)  # (not reused before the copy has read it)
         p.grad = None
         self._sent[p] = copied
         return copied
@@ -191,15 +169,18 @@ class OffloadOptimizerStates:
         with doing("host"):
             if copied is not None:
                 copied.synchronize()
-            opt = self.optimizers[p]
-            new = not opt.state.get(h)
-            opt.step()
+            new = not self.optimizers[p].state.get(h)
+            self.optimizers[p].step()
             if new:
-                self.placement.mark_host([v for v in opt.state[h].values() if torch.is_tensor(v)])
+                self._mark_states(p)
             if self._in is not None:
                 self._in.wait_event(copied)  # (the compute stream had finished with p when the gradient went out)
             with torch.cuda.stream(self._in) if self._in is not None else contextlib.nullcontext():
                 p.copy_(h, non_blocking=True)
+
+    def _mark_states(self, p: torch.nn.Parameter) -> None:
+        """``p``'s optimizer states are host memory (the observer counts them there)."""
+        self.placement.mark_host([v for v in self.optimizers[p].state[self.masters[p]].values() if torch.is_tensor(v)])
 
     def _threaded(self, p: torch.nn.Parameter) -> bool:
         if self.threaded is not None:
@@ -243,10 +224,6 @@ class DeviceStepOffload(PerParameterOptimizers):
         super().__init__(params, factory)
         self.placement = placement
         self._copy_stream = None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
 
     def _fetch(self, p: torch.nn.Parameter) -> dict:
         """The parameter's states, on the device."""

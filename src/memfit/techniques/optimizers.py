@@ -248,6 +248,10 @@ class PerParameterOptimizers:
     def state(self) -> dict:
         return {p: opt.state[p] for p, opt in self.optimizers.items() if p in opt.state}
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
     def state_dict(self) -> dict:
         return {"per_param": [opt.state_dict() for opt in self.optimizers.values()]}
 

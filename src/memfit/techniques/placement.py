@@ -23,6 +23,8 @@ class HostPlacement:
 
     def __init__(self) -> None:
         self.observer = NullObserver()
+        self.out_stream = None
+        """CUDA: the side stream copies to the host run on (:meth:`copy_out`)."""
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type == "cpu":
@@ -37,6 +39,27 @@ class HostPlacement:
         if device.type == "cpu":
             return host.clone()
         return host.to(device, non_blocking=True)
+
+    def copy_out(self, t: torch.Tensor, into: torch.Tensor | None = None):
+        """Copy ``t`` to the host without holding up the compute stream: on CUDA on
+        :attr:`out_stream`, after what the compute stream has queued. Into ``into``, or a pinned
+        buffer made now (:meth:`to_host`). Returns (the host copy, the copy's CUDA event; None where
+        the copy is done when this returns). The planner's op recorder sees it as ``"out"``
+        (:func:`running`). ``t``'s memory must not be reused before the event: the caller keeps
+        ``t``, or records it on :attr:`out_stream`."""
+        cuda = t.device.type == "cuda"
+        with doing("out"):
+            if cuda:
+                if self.out_stream is None:
+                    self.out_stream = torch.cuda.Stream(device=t.device)
+                self.out_stream.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(self.out_stream) if cuda else contextlib.nullcontext():
+                host = self.to_host(t) if into is None else into.copy_(t.detach(), non_blocking=True)
+                if not cuda:
+                    return host, None
+                event = torch.cuda.Event()
+                event.record(self.out_stream)
+        return host, event
 
     def mark_host(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` was made on the host (e.g. a CPU shadow copy); account it there."""
