@@ -28,7 +28,8 @@ from torch.profiler import profile as torch_profile  # noqa: E402
 from memfit.devices import get_device  # noqa: E402
 from memfit.memory.categories import STEADY_STEP  # noqa: E402
 from memfit.memory.faketrace import run_tracked  # noqa: E402
-from memfit.memory.measure import STEP_RANGE, profiler_peak  # noqa: E402
+from memfit.memory.measure import STEP_RANGE  # noqa: E402
+from memfit.memory.profiler_events import profiler_peak  # noqa: E402
 from memfit.planner.cost import time_plan  # noqa: E402
 from memfit.planner.search import plan  # noqa: E402
 from memfit.planner.space import SearchSpace, candidates, model_facts  # noqa: E402
@@ -60,7 +61,7 @@ def measured_peak(wl, p: Plan, batch: int = BATCH) -> int:
     prof = torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     run_tracked(Target.resolve(wl, p, batch, CPU), fake=False, outer=QuietProfiler(prof),
                 around_step=lambda i: record_function(STEP_RANGE) if i == STEADY_STEP else contextlib.nullcontext())
-    return profiler_peak(prof)
+    return profiler_peak(prof, STEP_RANGE)
 
 
 def oom_trial_search(wl, budget: int, start: int = 64) -> tuple[int, float, int]:

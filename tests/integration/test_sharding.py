@@ -95,18 +95,20 @@ def _one_process(steps: int, fields: dict):
 
 @pytest.mark.parametrize("fields", [{"shard": "fsdp", "world_size": 2},
                                     {"world_size": 2, "loss_chunks": 4, "ema": {"decay": 0.5, "device": "device"}},
-                                    {"world_size": 2, "optimizer_in_backward": True}],
-                         ids=["fsdp", "fsdp+loss_chunks+ema", "fsdp+in_backward"])
+                                    {"world_size": 2, "optimizer_in_backward": True},
+                                    {"world_size": 2, "compile": "blocks"}],
+                         ids=["fsdp", "fsdp+loss_chunks+ema", "fsdp+in_backward", "fsdp+compile"])
 def test_two_ranks_train_as_one_process_and_the_rank_peak_is_predicted(tmp_path, fields):
     """Same global batch, same initial weights: the 2-rank FSDP2 losses and parameters equal one
     process's (up to the reduction order of float sums: 1e-5 relative). Rank 0's step, tracked on
-    its real tensors, is exactly the fake-process-group prediction (FSDP2's buffers, their resizes,
-    the sharded states). The profiler's allocator events (independent of the tracker) add gloo's
-    own temporaries, made on its worker thread at times that vary run to run (0-10% here: the
-    issue's 2% is not met on gloo): at most another copy of the buffers in flight, the predicted
-    communication bytes. The chunked loss runs as a forward method of the sharded root (its head
+    its real tensors, is the fake-process-group prediction (FSDP2's buffers, their resizes, the
+    sharded states) less gloo's scratch, which the tracker cannot see and the prediction books by
+    rule (NOTE [ gloo's collective scratch ]). The profiler's allocator events (independent of the
+    tracker, with the frees gloo's worker threads make put back: NOTE [ Frees the profiler does not
+    see ]) are within 2% of the prediction, the issue's bound. The chunked loss runs as a forward method of the sharded root (its head
     and embeddings gathered for it, their gradients reduce-scattered after it); the EMA of the
-    shards is the EMA of the weights."""
+    shards is the EMA of the weights. Compiled blocks are sharded after they are compiled, as
+    torchtitan does: FSDP2's hooks gather around the compiled forward."""
     ranks = _launch(tmp_path, fields)
     losses, params, ema = _one_process(STEPS, fields)
     assert ranks["losses"] == pytest.approx(losses, rel=1e-5)
@@ -117,6 +119,47 @@ def test_two_ranks_train_as_one_process_and_the_rank_peak_is_predicted(tmp_path,
         torch.testing.assert_close(torch.tensor(ranks["ema"][name]), shadow, rtol=1e-4, atol=1e-6)
     predicted = estimate(SMALL, Plan(**fields), batch_size=BATCH, device="cpu", seq_len=32)
     assert predicted.breakdown["communication"] > 0
-    assert ranks["tracked"] == predicted.peak_bytes
-    extra = ranks["peak"] - predicted.peak_bytes
-    assert 0 <= extra <= predicted.breakdown["communication"], (ranks["peak"], predicted.peak_bytes)
+    if "compile" not in fields:  # (a real compiled block runs outside the tracker: NOTE [ Real compiled regions
+        # run outside memfit's modes ]; the profiler sees it)
+        assert predicted.peak_bytes - predicted.breakdown["communication"] <= ranks["tracked"] <= predicted.peak_bytes
+    assert ranks["peak"] == pytest.approx(predicted.peak_bytes, rel=0.02), (ranks["peak"], predicted.peak_bytes)
+
+
+WIDER = "gpt2:n_layer=4,n_embd=256,n_head=4,vocab_size=2000,n_positions=64"
+
+
+def _measure_rank(rank: int, world: int, port: int, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from memfit.memory.measure import measured_cpu_run
+    from memfit.memory.report import report_for
+    from memfit.target import Target
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        target = Target.resolve(WIDER, Plan(world_size=world), BATCH, "cpu", seq_len=32)
+        run, peak = measured_cpu_run(target)
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump({"peak": peak, "tracked": report_for(run.tracker, target, "real").peak_bytes}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gloos_scratch_sets_the_wider_models_rank_peak(tmp_path):
+    """On a wider GPT-2 the rank's peak is in a backward all-gather, where gloo gathers into a flat
+    buffer of the output's size (NOTE [ gloo's collective scratch ]): predicted by rule, measured by
+    the profiler within 2% (without the rule the prediction was 2.2% low)."""
+    out = str(tmp_path / "rank0.json")
+    mp.start_processes(_measure_rank, args=(2, _free_port(), out), nprocs=2, start_method="spawn")
+    with open(out) as f:
+        rank0 = json.load(f)
+    measured = rank0["peak"]
+    predicted = estimate(WIDER, Plan(world_size=2), batch_size=BATCH, device="cpu", seq_len=32)
+    # the tracker on the real tensors sees no scratch: the prediction without the rule, too low
+    assert measured > 1.02 * rank0["tracked"], (measured, rank0["tracked"])
+    assert measured == pytest.approx(predicted.peak_bytes, rel=0.02), (measured, predicted.peak_bytes)

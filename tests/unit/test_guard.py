@@ -10,7 +10,8 @@ from torch.profiler import profile as torch_profile
 
 from memfit.memory.estimate import estimate
 from memfit.memory.guard import BudgetGuard
-from memfit.memory.measure import STEP_RANGE, profiler_peak
+from memfit.memory.measure import STEP_RANGE
+from memfit.memory.profiler_events import profiler_peak
 from memfit.plans import Plan
 from memfit.quiet import QuietProfiler
 from memfit.step import build_step
@@ -40,7 +41,7 @@ def test_guard_peak_equals_the_profilers_measured_peak():
         guard.reset_peak()
         with record_function(STEP_RANGE):
             step(batch)
-    measured = profiler_peak(prof)
+    measured = profiler_peak(prof, STEP_RANGE)
     assert abs(guard.peak_bytes - measured) <= 0.01 * measured, (guard.peak_bytes, measured)
 
 

@@ -33,6 +33,7 @@ from memfit.memory.categories import STEADY_STEP
 from memfit.memory.cuda_history import CudaStepMeter, save_cuda_timeline_png
 from memfit.memory.estimate import estimate_target
 from memfit.memory.faketrace import run_tracked
+from memfit.memory.profiler_events import memory_profiler, profiler_peak
 from memfit.memory.report import Measurement, MemoryReport, report_for, traced_device, tracker_view
 from memfit.memory.snapshot import check_snapshot_path, save_allocator_snapshot, save_snapshot
 from memfit.memory.timeline import save_timeline_png
@@ -111,29 +112,6 @@ class ProfileResult:
         }
 
 
-def profiler_peak(prof, range_name: str = STEP_RANGE) -> int:
-    """Peak live CPU-allocator bytes inside ``range_name``, from the profiler's allocator events."""
-    events = prof.profiler.kineto_results.events()
-    ranges = [(e.start_ns(), e.end_ns()) for e in events if e.name() == range_name]
-    if not ranges:
-        raise RuntimeError(f"profiler: range {range_name!r} not found; the profiler API may have changed")
-    start, end = ranges[0]
-    mem = sorted((e.start_ns(), e.nbytes()) for e in events
-                 if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
-    if not mem:
-        raise RuntimeError("profiler: no allocator events recorded; the profiler API may have changed")
-    live, peak, at_start = 0, None, None
-    for t, nbytes in mem:
-        if t >= start and at_start is None:
-            at_start = live
-        if t > end:
-            break
-        live += nbytes
-        if t >= start:
-            peak = live if peak is None else max(peak, live)
-    return peak if peak is not None else (at_start if at_start is not None else live)
-
-
 class PeakWindow:
     """The peak of one chosen step of a longer run (``memfit train``), measured like ``profile``:
     on a CPU the profiler's allocator events from before the model is built (so their running sum
@@ -147,9 +125,7 @@ class PeakWindow:
 
     def __enter__(self):
         if self.cpu:
-            from torch.profiler import ProfilerActivity
-            from torch.profiler import profile as torch_profile
-            self.prof = QuietProfiler(torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True))
+            self.prof = QuietProfiler(memory_profiler())
             self.prof.__enter__()
         return self
 
@@ -222,15 +198,14 @@ def profile(workload: Workload | str, plan: Plan | str | None = None, *, batch_s
 def measured_cpu_run(target: Target):
     """Run the target's step for real on this CPU under the tracker and the profiler (see NOTE
     [ Independent measurement ]): the run, and the profiler's peak of the steady-state step."""
-    from torch.profiler import ProfilerActivity, record_function
-    from torch.profiler import profile as torch_profile
+    from torch.profiler import record_function
 
     with silenced_warnings():
-        prof = torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        prof = memory_profiler()
         run = run_tracked(target, fake=False, outer=QuietProfiler(prof),
                           around_step=lambda i: record_function(STEP_RANGE) if i == STEADY_STEP
                           else contextlib.nullcontext())
-    return run, profiler_peak(prof)
+    return run, profiler_peak(prof, STEP_RANGE)
 
 
 def _profile_cuda(target: Target, predicted: MemoryReport, repeats: int, timeline: str | None,

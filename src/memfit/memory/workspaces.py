@@ -25,6 +25,16 @@ B: K*N, C: M*N), which is how oneDNN and MKL size them; such calls are listed in
 scaled. A call that cannot be made cheap enough is not probed and is listed as not counted.
 
 GPU presets get no probes: their kernels (cuBLAS, cuDNN, flash attention) cannot run here.
+
+NOTE [ gloo's collective scratch ]
+A sharded rank on a CPU talks through gloo, whose collectives cannot be probed (they need the
+other ranks), so their scratch is booked by rule, measured on 2-rank FSDP2 runs here (profiler
+allocator events, ``bench/sharding_cpu.py``): ``_allgather_base_`` gathers into a flat buffer the
+size of its output and copies that out, and ``_reduce_scatter_base_`` all-reduces a clone of its
+whole input before copying the caller's shard out. Each is booked as scratch of the call; the
+reduce-scatter's clone really lives until gloo's worker thread finishes the all-reduce, a
+millisecond or two after the call returns, while the caller goes on. NCCL's buffers are its own
+(outside PyTorch's allocator), and GPU presets get no probes, so they book none.
 """
 
 from __future__ import annotations
@@ -68,6 +78,17 @@ FULL_PROBE_EFFORT = 4
 costs at most this many times its FLOP budget (see :func:`flop_budget`)."""
 
 
+def _gloo_scratch():
+    c10d = torch.ops.c10d
+    return {c10d._allgather_base_.default: 0,  # the output: a flat copy of it
+            c10d._reduce_scatter_base_.default: 1}  # the input: a clone of it
+
+
+GLOO_SCRATCH = _gloo_scratch()
+"""Collectives with scratch on gloo (NOTE [ gloo's collective scratch ]): the argument whose bytes
+it is."""
+
+
 def is_custom_op(func) -> bool:
     return getattr(func, "namespace", "aten") not in ("aten", "prims", "prim", "_c10d_functional", "c10d")
 RANGE = "memfit::probe"
@@ -97,10 +118,13 @@ class KernelProbe:
     def wants(self, func) -> bool:
         hit = self._wanted.get(func)
         if hit is None:
-            hit = self._wanted[func] = func in self.ops or is_custom_op(func)
+            hit = self._wanted[func] = func in self.ops or func in GLOO_SCRATCH or is_custom_op(func)
         return hit
 
     def __call__(self, func, args, kwargs, out) -> ProbeResult | None:
+        if func in GLOO_SCRATCH:
+            t = args[GLOO_SCRATCH[func]]
+            return ProbeResult(scratch_bytes=t.numel() * t.element_size(), output_nbytes=())
         key = _signature(func, args, kwargs)
         if key in self.cache:
             return self.cache[key]

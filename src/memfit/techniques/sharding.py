@@ -29,6 +29,11 @@ so N ranks train as one process on the whole batch does.
 once it has reduce-scattered that parameter's gradient, so each rank steps its shards as they
 arrive and frees them (what torchtune's optimizer-in-backward recipes rely on).
 
+``compile`` composes: blocks are compiled (technique order 25) before they are sharded (order 50),
+as torchtitan compiles each block and then calls ``fully_shard`` on it, so FSDP2's pre- and
+post-forward hooks gather and free the parameters around the compiled forward; the compiled graph
+sees the unsharded parameters as inputs.
+
 A fake trace (``estimate``) runs one rank against PyTorch's fake process group (no other process:
 its collectives do nothing, their buffers are real allocations of the trace). A real step needs
 one process per rank with a process group initialised (``torchrun``).
@@ -106,9 +111,6 @@ class FSDP2(Sharding):
     def check(self, plan) -> None:
         def refuse(other: str, why: str) -> None:
             raise UserError(f"plan: shard: fsdp with {other} is not supported yet ({why}); remove one of them")
-        if not plan.config("compile").is_default:
-            refuse(f"compile: {plan.compile}", "memfit compiles the blocks after building them, FSDP2 needs them "
-                   "compiled before they are sharded")
         if plan.config("offload").states is not None:
             refuse("offload: optimizer_states", "use shard_offload: true, FSDP2's own CPU offload")
         if plan.precision == "fp16":
