@@ -55,6 +55,11 @@ class Device:
     """Device memory bandwidth, bytes/s."""
     host_link_bandwidth: float = 0.0
     """Host <-> device bandwidth, bytes/s (PCIe), for offload."""
+    interconnect_bandwidth: float = 0.0
+    """Bandwidth to the other GPUs of the node, per GPU and direction, bytes/s: NVLink on the SXM
+    cards (the specification sheets' figure: H100/H200 450 GB/s, A100 300, V100 150), otherwise the
+    PCIe link (peer traffic through the host). Prices sharding's collectives; no multi-GPU run was
+    measured, so it is the nominal figure."""
 
     @property
     def is_gpu(self) -> bool:
@@ -72,7 +77,7 @@ def cublas_workspace_bytes(capability: tuple[int, int]) -> int:
 
 
 def _gpu(name, total, ctx_mib, capability, sms, bf16, fp16_tflops, bf16_tflops, fp32_tflops, bw_gbs, link_gbs,
-         cuda=(13, 0), cudnn=91900):
+         nvlink_gbs=0, cuda=(13, 0), cudnn=91900):
     flops = {"float16": fp16_tflops * 1e12, "float32": fp32_tflops * 1e12}
     if bf16:
         flops["bfloat16"] = bf16_tflops * 1e12
@@ -80,7 +85,8 @@ def _gpu(name, total, ctx_mib, capability, sms, bf16, fp16_tflops, bf16_tflops, 
                   context_bytes=ctx_mib * MiB, workspace_bytes=cublas_workspace_bytes(capability),
                   lt_workspace_bytes=1 * MiB, compute_capability=capability, sm_count=sms,
                   cuda_version=cuda, cudnn_version=cudnn, peak_flops=flops,
-                  mem_bandwidth=bw_gbs * 1e9, host_link_bandwidth=link_gbs * 1e9)
+                  mem_bandwidth=bw_gbs * 1e9, host_link_bandwidth=link_gbs * 1e9,
+                  interconnect_bandwidth=(nvlink_gbs or link_gbs) * 1e9)
 
 
 # total_memory as torch.cuda.get_device_properties reports it; context sizes are typical with
@@ -89,15 +95,15 @@ def _gpu(name, total, ctx_mib, capability, sms, bf16, fp16_tflops, bf16_tflops, 
 # CUDA 13.0 with cuDNN 9.19 (as measured there); CUDA 13 dropped Volta, so the V100 gets the CUDA
 # 12.8 wheels' cuDNN 9.10.
 GPU_PRESETS: dict[str, Device] = {d.name: d for d in (
-    _gpu("h100-80gb", 85_017_493_504, 527, (9, 0), 132, True, 989, 989, 494, 3350, 55),
-    _gpu("h200-141gb", 150_109_880_320, 527, (9, 0), 132, True, 989, 989, 494, 4800, 55),
-    _gpu("a100-80gb", 85_198_045_184, 420, (8, 0), 108, True, 312, 312, 156, 2039, 25),
-    _gpu("a100-40gb", 42_505_273_344, 420, (8, 0), 108, True, 312, 312, 156, 1555, 25),
+    _gpu("h100-80gb", 85_017_493_504, 527, (9, 0), 132, True, 989, 989, 494, 3350, 55, 450),
+    _gpu("h200-141gb", 150_109_880_320, 527, (9, 0), 132, True, 989, 989, 494, 4800, 55, 450),
+    _gpu("a100-80gb", 85_198_045_184, 420, (8, 0), 108, True, 312, 312, 156, 2039, 25, 300),
+    _gpu("a100-40gb", 42_505_273_344, 420, (8, 0), 108, True, 312, 312, 156, 1555, 25, 300),
     _gpu("l4", 23_580_639_232, 380, (8, 9), 58, True, 121, 121, 60, 300, 25),
     _gpu("rtx4090", 25_386_352_640, 400, (8, 9), 128, True, 165, 165, 82.6, 1008, 25),
     _gpu("rtx3090", 25_447_170_048, 400, (8, 6), 82, True, 71, 71, 35.6, 936, 25),
     _gpu("t4", 15_835_398_144, 310, (7, 5), 40, False, 65, 0, 8.1, 320, 12),
-    _gpu("v100-16gb", 16_945_512_448, 330, (7, 0), 80, False, 125, 0, 15.7, 900, 12, cuda=(12, 8), cudnn=91002),
+    _gpu("v100-16gb", 16_945_512_448, 330, (7, 0), 80, False, 125, 0, 15.7, 900, 12, 150, cuda=(12, 8), cudnn=91002),
 )}
 
 ALIASES = {"h100": "h100-80gb", "h200": "h200-141gb", "a100": "a100-80gb", "4090": "rtx4090", "3090": "rtx3090", "v100": "v100-16gb"}

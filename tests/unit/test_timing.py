@@ -14,7 +14,9 @@ import pytest
 
 from memfit.devices import get_device
 from memfit.planner.opcost import (
+    AFTER_COMPUTE,
     ATTENTION,
+    COMM,
     D2H,
     FOREACH,
     H2D,
@@ -24,6 +26,7 @@ from memfit.planner.opcost import (
     PY_MODE,
     RECOMPUTE,
     SIDE_STREAM,
+    WAIT,
     WORKER,
     Op,
 )
@@ -174,6 +177,51 @@ def test_two_clocks_small_ops_are_cpu_bound_a_large_matmul_gpu_bound():
     assert simulate(big, DEVICE).seconds == pytest.approx(expected, rel=1e-9)
     fp32 = simulate([big[0]._replace(dtype="fp32")], DEVICE).seconds
     assert fp32 > 10 * simulate(big, DEVICE).seconds  # fp32 matmuls on CUDA cores, not TF32
+
+
+# -- collectives (NOTE [ Collectives ]) ------------------------------------------------------------
+def test_a_collective_overlaps_the_compute_issued_before_its_wait():
+    link = DEVICE.interconnect_bandwidth * H100.comm_eff
+    comm = Op(COMM, 2, 0.0, int(link * 0.010), "", 1, 0, 0)  # 10 ms on the link
+    work = [Op(MATMUL, 2, 1e13, 1 << 20, "half", 1, 0) for _ in range(4)]  # ~13 ms of matmuls
+    wait = Op(WAIT, 2, 0.0, 0, "", 1, 0, 0)
+    compute = simulate(work, DEVICE).seconds
+    hidden = simulate([comm, *work, wait], DEVICE)
+    assert hidden.seconds == pytest.approx(compute + H100.cpu_forward, rel=0.01)
+    assert hidden.communication == 0.0
+    exposed = simulate([comm, wait, *work], DEVICE)  # waited for at once: nothing to hide it behind
+    assert exposed.seconds == pytest.approx(compute + 0.010 + H100.comm_latency, rel=0.01)
+    assert exposed.communication == pytest.approx(0.010 + H100.comm_latency, rel=0.01)
+    reduce = simulate([*work, comm._replace(flags=AFTER_COMPUTE), wait], DEVICE)  # after the gradients
+    assert reduce.seconds == pytest.approx(compute + 0.010 + H100.comm_latency, rel=0.01)
+
+
+def test_a_sharded_rank_sends_its_share_of_the_parameters_and_gradients():
+    """Against the model's own parameter count: FSDP2's all-gathers send (N-1)/N of the parameters
+    in forward and again in backward (resharded after forward), in the gathered dtype, and its
+    reduce-scatters (N-1)/N of the gradients; keeping the gathered parameters (reshard_after_forward
+    false) leaves out the backward's all-gathers. A slow enough link shows in the step time (this
+    small model's step is otherwise bound by the CPU issuing it)."""
+    n, spec = 4, GPT2
+    target, ops = ops_of({"world_size": n, "shard_param_dtype": "bf16", "shard_reduce_dtype": "fp32"}, batch=8,
+                         spec=spec)
+    params = n_params(target)
+    sent = lambda phase: sum(o.nbytes for o in ops if o.kind == COMM and o.phase == phase)  # noqa: E731
+    share = (n - 1) / n
+    # (FSDP2 pads each parameter's shard to a multiple of the world size: within 1%)
+    assert sent(2) == pytest.approx(share * 2 * params, rel=0.01)  # forward: bf16 parameters
+    assert sent(3) == pytest.approx(share * (2 * params + 4 * params), rel=0.01)  # backward: again, + fp32 grads
+    _, kept = ops_of({"world_size": n, "reshard_after_forward": False, "shard_param_dtype": "bf16",
+                      "shard_reduce_dtype": "fp32"}, batch=8, spec=spec)
+    assert sum(o.nbytes for o in kept if o.kind == COMM and o.phase == 3) == pytest.approx(share * 4 * params,
+                                                                                           rel=0.01)
+    assert any(o.kind == WAIT for o in ops)
+    pcie = Target.resolve(spec, target.plan, 8, get_device("rtx4090"), seq_len=64)
+    fast = time_from_ops(ops, pcie, Constants(comm_eff=1e9, comm_latency=0.0))
+    slow = time_from_ops(ops, pcie, Constants(comm_eff=1e-3))
+    assert slow.communication > fast.communication
+    link = pcie.device.interconnect_bandwidth * 1e-3
+    assert slow.seconds > fast.seconds + 0.5 * sum(o.nbytes for o in ops if o.kind == COMM) / link
 
 
 def test_compiled_plans_scale_the_eager_step():

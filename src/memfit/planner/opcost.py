@@ -39,15 +39,24 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils.flop_counter import flop_registry
 
 from memfit.techniques.placement import running
+from memfit.techniques.sharding import on_fsdp_stream
 
 aten = torch.ops.aten
 
 # op kinds
-VIEW, MATMUL, ATTENTION, MEMORY, FOREACH, H2D, D2H, HOST, SYNC, RNN, SCALAR = range(11)
-KIND_NAMES = ("view", "matmul", "attention", "memory", "foreach", "h2d", "d2h", "host", "sync", "rnn", "scalar")
+VIEW, MATMUL, ATTENTION, MEMORY, FOREACH, H2D, D2H, HOST, SYNC, RNN, SCALAR, COMM, WAIT = range(13)
+KIND_NAMES = ("view", "matmul", "attention", "memory", "foreach", "h2d", "d2h", "host", "sync", "rnn", "scalar",
+              "comm", "wait")
+"""COMM: a collective (``nbytes``: what one rank sends over the interconnect); WAIT: the compute
+stream waits for the collective, or the op on FSDP2's streams, at index ``key`` (it reads what that
+one wrote). See NOTE [ Collectives ] in memfit.planner.timing."""
 # flags
 RECOMPUTE, PY_MODE, SIDE_STREAM, STEP_CALL, CUSTOM, SYNC_AFTER = 1, 2, 4, 8, 16, 32
 OUT_STREAM, WORKER, BACKGROUND = 64, 128, 256
+COMM_STREAM, AFTER_COMPUTE = 512, 1024
+"""COMM_STREAM: an op FSDP2 runs on one of its own streams (the copy into the all-gather buffer,
+the division of reduced gradients); AFTER_COMPUTE: a collective whose stream first waits for the
+compute stream (a reduce-scatter of the gradients backward just made)."""
 """OUT_STREAM: a copy to the host on its own stream (gradients going out as backward makes them);
 WORKER: the host update of offloaded optimizer states and its copy back, on a worker thread and
 another stream (memfit.techniques.offload_optimizer); BACKGROUND: the EMA's copies and average,
@@ -101,6 +110,8 @@ class OpRecorder(TorchDispatchMode):
         self._device_scalars: dict[int, weakref.ref] = {}
         """Zero-dim storages computed from device tensors (a read of one waits for the GPU)."""
         self._last_copy: tuple[int, int] | None = None  # (index in ops, output storage key)
+        self._pending: dict[int, int] = {}
+        """Storages written by a collective or on FSDP2's streams -> that op's index (WAIT ops)."""
         self._schema: dict[Any, tuple[bool, tuple[int, ...]]] = {}
 
     # -- context: find the tracker, hear about host placements --------------------------------------
@@ -168,7 +179,11 @@ class OpRecorder(TorchDispatchMode):
         return out
 
     def _record(self, func, packet, args, kwargs, out) -> None:
-        flags = _flags() | (RECOMPUTE if _is_recompute() else 0) | _offload_flags()
+        flags = _flags() | (RECOMPUTE if _is_recompute() else 0) | _offload_flags() | \
+            (COMM_STREAM if on_fsdp_stream() else 0)
+        if func.namespace in _COLLECTIVES:
+            self._record_collective(packet, args, kwargs, flags)
+            return
         if func.namespace not in _ATEN:
             flags |= CUSTOM | (SYNC_AFTER if func.namespace in _SYNCING_LIBRARIES else 0)
         phase = self._phase()
@@ -190,6 +205,12 @@ class OpRecorder(TorchDispatchMode):
         for t in (*ins, *outs):
             if t.numel() <= 1:
                 self._mark_device_scalar(t)
+        if self._pending:
+            if flags & COMM_STREAM:
+                for t in outs:
+                    self._pending[t.untyped_storage()._cdata] = len(self.ops)
+            else:
+                self._wait_for_collectives(ins, phase, flags)
         read = sum(_nbytes(t) for t in ins)
         written = sum(_nbytes(t) for t in outs)
         hosted = [t for t in ins if self._is_host(t)]
@@ -230,6 +251,30 @@ class OpRecorder(TorchDispatchMode):
             elements = max((t.numel() for t in ins), default=0) if flags & CUSTOM else 0
             self.ops.append(Op(MEMORY, phase, 0.0, read + written, "", 1, flags, key, elements=elements))
 
+    def _record_collective(self, packet, args, kwargs, flags: int) -> None:
+        """A collective: the bytes one rank sends (ring algorithms: (N - 1) / N of the gathered
+        output, of the reduce-scattered input, twice the all-reduced tensor); what it writes is
+        waited for by the compute stream's first op that reads it."""
+        import torch.distributed as dist
+        name = packet.__name__
+        tensors = _tensors(args, kwargs)
+        n = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        largest = max((_nbytes(t) for t in tensors), default=0)
+        moved = 2 * largest if "allreduce" in name or "all_reduce" in name else largest
+        reduce = "reduce" in name
+        index = len(self.ops)
+        self.ops.append(Op(COMM, self._phase(), 0.0, int(moved * (n - 1) / max(n, 1)), "", 1,
+                           flags | (AFTER_COMPUTE if reduce else 0), index))
+        written = tensors[:1] if name.startswith(("_allgather_base", "_reduce_scatter_base")) else tensors
+        for t in written:
+            self._pending[t.untyped_storage()._cdata] = index
+
+    def _wait_for_collectives(self, ins, phase: int, flags: int) -> None:
+        for t in ins:
+            index = self._pending.pop(t.untyped_storage()._cdata, None)
+            if index is not None:
+                self.ops.append(Op(WAIT, phase, 0.0, 0, "", 1, flags, index))
+
     def _schema_of(self, func) -> tuple[bool, tuple[int, ...]]:
         hit = self._schema.get(func)
         if hit is None:
@@ -241,6 +286,7 @@ class OpRecorder(TorchDispatchMode):
 
 
 _ATEN = ("aten", "prims", "prim")
+_COLLECTIVES = ("c10d", "_c10d_functional")
 _SYNCING_LIBRARIES = {"bitsandbytes"}
 """Libraries whose CUDA path synchronises after each of their ops, which a trace on CPU tensors
 cannot see: bitsandbytes' optimizers call ``torch.cuda.synchronize()`` after every parameter's

@@ -71,8 +71,11 @@ from memfit.devices import Device
 from memfit.memory.categories import STEADY_STEP
 from memfit.memory.report import MemoryReport
 from memfit.planner.opcost import (
+    AFTER_COMPUTE,
     ATTENTION,
     BACKGROUND,
+    COMM,
+    COMM_STREAM,
     CUSTOM,
     D2H,
     FOREACH,
@@ -91,6 +94,7 @@ from memfit.planner.opcost import (
     SYNC,
     SYNC_AFTER,
     VIEW,
+    WAIT,
     WORKER,
     Op,
     OpRecorder,
@@ -148,6 +152,11 @@ class Constants:
     """CPU seconds per tensor of a ``_foreach`` list (fixed)."""
     cpu_py_mode: float = 1.646e-5
     """Extra CPU seconds per op that passes through a Python dispatch mode."""
+    comm_eff: float = 0.8
+    """Achieved fraction of the interconnect's bandwidth in a ring collective (fixed: NCCL's
+    published bus bandwidths reach 75-85% of NVLink's; no multi-GPU run was recorded)."""
+    comm_latency: float = 20e-6
+    """Seconds per collective beyond its bytes (fixed, unmeasured)."""
     cpu_custom: float = 3.925e-5
     """Extra CPU seconds per op of a library outside ATen (reached through its Python wrappers:
     bitsandbytes' per-parameter 8-bit update)."""
@@ -179,6 +188,8 @@ class StepTime:
     optimizer: float = 0.0
     transfers: float = 0.0
     """Host-device copies on the compute stream, and side-stream waits."""
+    communication: float = 0.0
+    """The compute stream waiting for collectives (sharding): what compute did not hide."""
     host: float = 0.0
     cpu_bound: float = 0.0
     cpu_seconds: float = 0.0
@@ -191,8 +202,8 @@ class StepTime:
     notes: list[str] = field(default_factory=list)
 
     def parts(self) -> dict[str, float]:
-        return {k: getattr(self, k) for k in ("forward", "backward", "recompute", "optimizer", "transfers", "host",
-                                               "cpu_bound")}
+        return {k: getattr(self, k) for k in ("forward", "backward", "recompute", "optimizer", "transfers",
+                                               "communication", "host", "cpu_bound")}
 
     def describe(self) -> str:
         parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in self.parts().items() if v >= 5e-5)
@@ -207,6 +218,8 @@ class Rates:
     peak: dict
     bw: float
     link: float
+    p2p: float
+    """Interconnect bytes/s a collective achieves (NOTE [ Collectives ])."""
     k: Constants
 
     @classmethod
@@ -220,6 +233,7 @@ class Rates:
         return cls(peak={"half": half, "tf32": tf32, "fp32": FP32_SIMT.get(name, tf32)},
                    bw=(device.mem_bandwidth or 1e12) * k.mem_eff,
                    link=(device.host_link_bandwidth or 25e9) * k.link_eff,
+                   p2p=(device.interconnect_bandwidth or device.host_link_bandwidth or 25e9) * k.comm_eff,
                    k=k)
 
     def gpu(self, op: Op, fused: float = 1.0) -> float:
@@ -264,15 +278,23 @@ def simulate(ops: list[Op], device: Device, k: Constants = H100, *, fused: float
     rates = Rates.of(device, k)
     c = g = side = out_end = 0.0  # out_end: when the last device-to-host copy ends
     ready: dict[int, float] = {}
-    busy = dict.fromkeys(("forward", "backward", "recompute", "optimizer", "transfers"), 0.0)
+    busy = dict.fromkeys(("forward", "backward", "recompute", "optimizer", "transfers", "communication"), 0.0)
     host = 0.0
     kernels = 0
     w = w_in = out = 0.0  # NOTE [ Host optimizer ]: the worker thread, the stream in, the stream out
     joined = True
     beside = 0.0  # NOTE [ Beside the next step ]
     stash: collections.deque = collections.deque()  # when offloaded activations' copies out end
-    for op in ops:
+    comm = 0.0  # NOTE [ Collectives ]: FSDP2's streams
+    done: dict[int, float] = {}  # op index -> when a collective (or an op on FSDP2's streams) ends
+    for index, op in enumerate(ops):
         kind = op.kind
+        if kind == WAIT:
+            end = done.get(op.key, 0.0)
+            if end > g:
+                busy["communication"] += end - g
+                g = end
+            continue
         if op.flags & BACKGROUND:
             if kind == D2H:
                 c += rates.cpu(op)
@@ -295,6 +317,11 @@ def simulate(ops: list[Op], device: Device, k: Constants = H100, *, fused: float
             stash.clear()
         in_graph = fused if op.phase in (2, 3) else 1.0
         c += rates.cpu(op) * in_graph
+        if kind == COMM or (op.flags & COMM_STREAM and kind not in (VIEW, SCALAR)):
+            dt = op.nbytes / rates.p2p + k.comm_latency if kind == COMM else rates.gpu(op)
+            comm = max(comm, c, g if op.flags & AFTER_COMPUTE else 0.0) + dt
+            done[index] = comm
+            continue
         if kind == VIEW or kind == SCALAR:
             continue
         if kind == SYNC:
@@ -317,7 +344,23 @@ def simulate(ops: list[Op], device: Device, k: Constants = H100, *, fused: float
                     g = max(g, stash.popleft())
             continue
         if op.flags & SIDE_STREAM:  # a host-to-device prefetch, sharing the link with copies out
-            start = max(side, c, g)  # NOTE [ Prefetch overlap ]
+            start = max(side, c, g)  # NOTE [ Collectives ]
+# With sharding (FSDP2) a rank's step has collectives: an all-gather of each block's parameters
+# before its forward (and its backward), a reduce-scatter of its gradients after its backward. The
+# fake trace runs FSDP2's own code against a fake process group, so the recorder sees each
+# collective where FSDP2 issues it (COMM ops, priced at what one rank sends over the interconnect:
+# ring algorithms, (N - 1) / N of the gathered or reduced bytes, at ``comm_eff`` of the card's
+# NVLink or PCIe bandwidth, plus ``comm_latency``), the ops FSDP2 runs on its own streams (copies
+# into and out of the flat buffers, the division of the reduced gradients: COMM_STREAM), and the
+# first compute-stream op that reads what a collective wrote (WAIT). The collectives and FSDP2's
+# stream ops run in order on one clock of their own, from when the CPU issues them (a prefetched
+# all-gather overlaps the block computing before it); a reduce-scatter first waits for the compute
+# stream (FSDP2's ``wait_stream``: it reduces the gradients just made). A WAIT holds the compute
+# stream until that clock has passed the op it reads: the exposed communication, its own part of the
+# step. Nothing here was measured on several GPUs; the bandwidths are the specification sheets'.
+
+
+# NOTE [ Prefetch overlap ]
             side = start + _duplex(dt, out_end - start, k.duplex)
             ready[op.key] = side
             continue
@@ -336,7 +379,7 @@ def simulate(ops: list[Op], device: Device, k: Constants = H100, *, fused: float
         phase = "transfers" if kind in (H2D, D2H) else "recompute" if op.flags & RECOMPUTE else \
             PHASES[op.phase] if PHASES[op.phase] in busy else "optimizer"
         busy[phase] += dt
-    total = max(c, g, w, w_in, out, beside)
+    total = max(c, g, w, w_in, out, beside, comm)
     cpu_bound = max(0.0, total - sum(busy.values()) - host)
     cpu_seconds = sum(rates.cpu(op) * (fused if op.phase in (2, 3) else 1.0) for op in ops)
     return StepTime(seconds=total, **busy, host=host, cpu_bound=cpu_bound, cpu_seconds=cpu_seconds,

@@ -287,15 +287,30 @@ class _Default(_Stream):
 _DEFAULT = _Default()
 
 
+_SIDE: list[int] = []
+"""FSDP2 streams made current in a fake trace, innermost last."""
+
+
+def on_fsdp_stream() -> bool:
+    """Is one of FSDP2's own streams current (a fake trace's op runs there, not on the compute
+    stream)? Read by the planner's op recorder."""
+    return bool(_SIDE)
+
+
 @contextlib.contextmanager
 def _on_stream(stream):
     """Storages the trace allocates inside the block are on ``stream`` (the tracker's
     ``side_streams``, read by memfit.memory.allocator; only GPU presets' kernel model keeps them)."""
     tracker = _tracker()
     start = len(tracker.state.records) if tracker is not None else 0
+    side = bool(getattr(stream, "number", 0))
+    if side:
+        _SIDE.append(stream.number)
     try:
         yield
     finally:
+        if side:
+            _SIDE.pop()
         streams = getattr(tracker, "side_streams", None)
         if streams is not None and getattr(stream, "number", 0):
             for rec in tracker.state.records[start:]:
