@@ -38,15 +38,22 @@ def _rounds_of_async_reduce_scatter(x):
         time.sleep(0.05)  # it has finished before the next round
 
 
-def test_frees_made_on_gloos_worker_thread_are_put_back(one_rank_gloo):
-    x = torch.ones(NUMEL)
+def _profiled_rounds(x):
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with record_function("round"):
             _rounds_of_async_reduce_scatter(x)
-    nbytes = NUMEL * 4
     raw = [e.nbytes() for e in prof.profiler.kineto_results.events()
            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
-    lost = sum(raw) // nbytes
+    return prof, sum(raw) // (NUMEL * 4)
+
+
+def test_frees_made_on_gloos_worker_thread_are_put_back(one_rank_gloo):
+    x = torch.ones(NUMEL)
+    nbytes = NUMEL * 4
+    for _ in range(3):  # (which thread drops the last reference is up to the scheduler: almost always gloo's)
+        prof, lost = _profiled_rounds(x)
+        if lost:
+            break
     assert lost > 0, "every free was recorded: the case this corrects no longer happens (check the note)"
     # Each round holds at most the output and gloo's clone of the input: 2 blocks, whatever was lost.
     assert sum(n for _, n in allocator_events(prof)) == 0

@@ -224,6 +224,21 @@ def test_a_sharded_rank_sends_its_share_of_the_parameters_and_gradients():
     assert slow.seconds > fast.seconds + 0.5 * sum(o.nbytes for o in ops if o.kind == COMM) / link
 
 
+def test_a_sharded_plans_shallow_traces_extrapolate_to_its_full_trace():
+    """The planner measures plans at two shallow depths and extrapolates their ops: with sharding
+    the collectives and their waits must line up block by block and give the full trace's time."""
+    from memfit.planner.shallow import extrapolate_ops
+    plan = {"world_size": 4, "shard_param_dtype": "bf16", "shard_reduce_dtype": "fp32"}
+    spec = "gpt2:n_layer={},n_embd=128,n_head=4,vocab_size=1000,n_positions=64"
+    (_, two), (_, three), (full, four) = (ops_of(plan, batch=8, spec=spec.format(n)) for n in (2, 3, 4))
+    ops = extrapolate_ops(two, three, 2, 3, 4)
+    assert ops is not None
+    slow_link = Constants(comm_eff=0.002)  # the collectives matter
+    expected = time_from_ops(four, full, slow_link)
+    assert expected.communication > 0.2 * expected.seconds
+    assert time_from_ops(ops, full, slow_link).seconds == pytest.approx(expected.seconds, rel=1e-6)
+
+
 def test_compiled_plans_scale_the_eager_step():
     target = Target.resolve(GPT2, Plan(precision="bf16", compile="blocks"), 4, DEVICE, seq_len=64)
     _, eager_ops = ops_of({"precision": "bf16"})

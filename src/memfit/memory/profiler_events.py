@@ -61,19 +61,41 @@ class _Profile:
     work: list = field(default_factory=list)  # (start, end) of a backend worker's collectives
     copy_outs: list = field(default_factory=list)  # (start, end)
 
+    def pair(self) -> None:
+        """Sort what was read, and pair each collective call with its work on the worker thread
+        and each all-gather with FSDP2's copy out of its result. gloo runs its queue first in,
+        first out, so the k-th call's work is the k-th work, when every call's work was recorded;
+        otherwise each call takes the first work that starts after it."""
+        self.allocs.sort(key=lambda a: (a[0], a[2]))  # (a free before an allocation at the same time)
+        self.calls.sort(key=lambda c: c[0])
+        self.work.sort()
+        self.copy_outs.sort()
+        in_order = len(self.work) == len(self.calls)
+        gathers = {c[0]: k for k, c in enumerate(c for c in self.calls if "allgather" in c[1])}
+        copies_in_order = len(self.copy_outs) == len(gathers)
+        self._done: dict[int, int] = {}
+        for k, (start, name, _) in enumerate(self.calls):
+            if in_order:
+                work = self.work[k]
+            else:
+                i = bisect_left(self.work, (start,))
+                if i == len(self.work):
+                    continue
+                work = self.work[i]
+            done = work[1]
+            if "allgather" in name:
+                if copies_in_order:
+                    done = max(done, self.copy_outs[gathers[start]][1])
+                else:
+                    j = bisect_left(self.copy_outs, (done,))
+                    if j < len(self.copy_outs):
+                        done = max(done, self.copy_outs[j][1])
+            self._done[start] = done
+
     def held_until(self, call_start: int, name: str) -> int | None:
-        """When the collective called at ``call_start`` is done with its buffers: the end of its work
-        (the first worker collective starting after the call), and for an all-gather the end of the
-        copy out of its result that follows."""
-        i = bisect_left(self.work, (call_start,))
-        if i == len(self.work):
-            return None
-        done = self.work[i][1]
-        if "allgather" in name:
-            j = bisect_left(self.copy_outs, (done,))
-            if j < len(self.copy_outs):
-                done = max(done, self.copy_outs[j][1])
-        return done
+        """When the collective called at ``call_start`` was done with its buffers: the end of its
+        work, and for an all-gather the end of the copy out of its result (:meth:`pair`)."""
+        return self._done.get(call_start)
 
 
 def _walk(node, call: tuple | None, into: _Profile) -> None:
@@ -106,10 +128,7 @@ def allocator_events(prof) -> list[tuple[int, int]]:
     run = _Profile()
     for root in prof.profiler.kineto_results.experimental_event_tree():
         _walk(root, None, run)
-    run.allocs.sort(key=lambda a: a[0])
-    run.calls.sort(key=lambda c: c[0])
-    run.work.sort()
-    run.copy_outs.sort()
+    run.pair()
     events: list[tuple[int, int]] = []
     live: dict[int, _Block] = {}
     passed: dict[int, list] = {}  # storage pointer -> the calls it was passed to, in order
@@ -130,7 +149,7 @@ def allocator_events(prof) -> list[tuple[int, int]]:
         freed = _lost_free_time(block, run, passed.get(ptr, ()), None)
         if freed is not None:
             events.append((freed, -block.nbytes))
-    events.sort(key=lambda e: e[0])
+    events.sort(key=lambda e: (e[0], e[1]))  # (at the same time, frees first)
     return events
 
 

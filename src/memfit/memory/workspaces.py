@@ -79,6 +79,8 @@ costs at most this many times its FLOP budget (see :func:`flop_budget`)."""
 
 
 def _gloo_scratch():
+    if not torch.distributed.is_available():  # (a PyTorch build without distributed: no collectives)
+        return {}
     c10d = torch.ops.c10d
     return {c10d._allgather_base_.default: 0,  # the output: a flat copy of it
             c10d._reduce_scatter_base_.default: 1}  # the input: a clone of it

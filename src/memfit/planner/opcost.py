@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils.flop_counter import flop_registry
 
 from memfit.techniques.placement import running
-from memfit.techniques.sharding import on_fsdp_stream
+from memfit.techniques.sharding import compute_waits, on_fsdp_stream
 
 aten = torch.ops.aten
 
@@ -47,16 +47,19 @@ aten = torch.ops.aten
 VIEW, MATMUL, ATTENTION, MEMORY, FOREACH, H2D, D2H, HOST, SYNC, RNN, SCALAR, COMM, WAIT = range(13)
 KIND_NAMES = ("view", "matmul", "attention", "memory", "foreach", "h2d", "d2h", "host", "sync", "rnn", "scalar",
               "comm", "wait")
-"""COMM: a collective (``nbytes``: what one rank sends over the interconnect); WAIT: the compute
-stream waits for the collective, or the op on FSDP2's streams, at index ``key`` (it reads what that
-one wrote). See NOTE [ Collectives ] in memfit.planner.timing."""
+"""COMM: a collective (``nbytes``: what one rank sends over the interconnect; ``key``: its serial
+number, shared with the ops FSDP2 then runs on its streams); WAIT: the compute stream waits for
+the collective or stream op of serial ``key`` (it reads what that one wrote). Serial numbers, not
+positions: the planner copies and reorders recorded ops (micro-batches, shallow extrapolation). See
+NOTE [ Collectives ] in memfit.planner.timing."""
 # flags
 RECOMPUTE, PY_MODE, SIDE_STREAM, STEP_CALL, CUSTOM, SYNC_AFTER = 1, 2, 4, 8, 16, 32
-OUT_STREAM, WORKER, BACKGROUND = 64, 128, 256
 COMM_STREAM, AFTER_COMPUTE = 512, 1024
 """COMM_STREAM: an op FSDP2 runs on one of its own streams (the copy into the all-gather buffer,
-the division of reduced gradients); AFTER_COMPUTE: a collective whose stream first waits for the
-compute stream (a reduce-scatter of the gradients backward just made)."""
+the division of reduced gradients); AFTER_COMPUTE: a collective, or an op on FSDP2's streams, that
+first waits for the compute stream (FSDP2's ``wait_stream``: before reducing the gradients backward
+just made, before the first all-gather of a step)."""
+OUT_STREAM, WORKER, BACKGROUND = 64, 128, 256
 """OUT_STREAM: a copy to the host on its own stream (gradients going out as backward makes them);
 WORKER: the host update of offloaded optimizer states and its copy back, on a worker thread and
 another stream (memfit.techniques.offload_optimizer); BACKGROUND: the EMA's copies and average,
@@ -110,8 +113,11 @@ class OpRecorder(TorchDispatchMode):
         self._device_scalars: dict[int, weakref.ref] = {}
         """Zero-dim storages computed from device tensors (a read of one waits for the GPU)."""
         self._last_copy: tuple[int, int] | None = None  # (index in ops, output storage key)
-        self._pending: dict[int, int] = {}
-        """Storages written by a collective or on FSDP2's streams -> that op's index (WAIT ops)."""
+        self._pending: dict[int, tuple[int, weakref.ref]] = {}
+        """Storages written by a collective or on FSDP2's streams -> (that op's serial, the storage,
+        by weak reference: a freed storage's key is reused)."""
+        self._serials = 0
+        self._compute_waits = 0
         self._schema: dict[Any, tuple[bool, tuple[int, ...]]] = {}
 
     # -- context: find the tracker, hear about host placements --------------------------------------
@@ -182,7 +188,7 @@ class OpRecorder(TorchDispatchMode):
         flags = _flags() | (RECOMPUTE if _is_recompute() else 0) | _offload_flags() | \
             (COMM_STREAM if on_fsdp_stream() else 0)
         if func.namespace in _COLLECTIVES:
-            self._record_collective(packet, args, kwargs, flags)
+            self._record_collective(func, packet, args, kwargs, out, flags)
             return
         if func.namespace not in _ATEN:
             flags |= CUSTOM | (SYNC_AFTER if func.namespace in _SYNCING_LIBRARIES else 0)
@@ -205,12 +211,14 @@ class OpRecorder(TorchDispatchMode):
         for t in (*ins, *outs):
             if t.numel() <= 1:
                 self._mark_device_scalar(t)
-        if self._pending:
-            if flags & COMM_STREAM:
-                for t in outs:
-                    self._pending[t.untyped_storage()._cdata] = len(self.ops)
-            else:
-                self._wait_for_collectives(ins, phase, flags)
+        key_of_stream_op = None
+        if flags & COMM_STREAM:  # on FSDP2's streams: ordered after its collectives, waited for like them
+            key_of_stream_op = self._serial()
+            flags |= self._after_compute()
+            for t in outs:
+                self._will_wait(t, key_of_stream_op)
+        elif self._pending and phase < PHASES.index("optimizer"):  # (the optimizer: NOTE [ Collectives ])
+            self._wait_for_collectives(ins, phase, flags)
         read = sum(_nbytes(t) for t in ins)
         written = sum(_nbytes(t) for t in outs)
         hosted = [t for t in ins if self._is_host(t)]
@@ -230,7 +238,8 @@ class OpRecorder(TorchDispatchMode):
             device_in = sum(_nbytes(t) for t in ins if not self._is_host(t))
             self.ops.append(Op(HOST, phase, 0.0, device_in, "", 1, flags, host_bytes=read + written))
             return
-        key = ins[0].untyped_storage()._cdata if phase == 4 and ins else 0
+        key = key_of_stream_op if key_of_stream_op is not None else \
+            ins[0].untyped_storage()._cdata if phase == 4 and ins else 0
         if packet in _ATTENTION:
             flops = _flops(packet, args, kwargs, out)
             dtype = "half" if args[0].dtype in _HALF else "fp32"
@@ -251,29 +260,63 @@ class OpRecorder(TorchDispatchMode):
             elements = max((t.numel() for t in ins), default=0) if flags & CUSTOM else 0
             self.ops.append(Op(MEMORY, phase, 0.0, read + written, "", 1, flags, key, elements=elements))
 
-    def _record_collective(self, packet, args, kwargs, flags: int) -> None:
+    def _record_collective(self, func, packet, args, kwargs, out, flags: int) -> None:
         """A collective: the bytes one rank sends (ring algorithms: (N - 1) / N of the gathered
         output, of the reduce-scattered input, twice the all-reduced tensor); what it writes is
-        waited for by the compute stream's first op that reads it."""
+        waited for by the compute stream's first op that reads it. Functional collectives return
+        their output (``wait_tensor`` is the compute stream's wait for it)."""
         import torch.distributed as dist
         name = packet.__name__
-        tensors = _tensors(args, kwargs)
+        phase = self._phase()
+        if name == "wait_tensor":
+            self._wait_for_collectives(_tensors(args, kwargs), phase, flags)
+            return
+        functional = func.namespace == "_c10d_functional"
+        ins = _tensors(args, kwargs)
+        outs = _tensors(out, None) if functional else ins[:1]
         n = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        largest = max((_nbytes(t) for t in tensors), default=0)
-        moved = 2 * largest if "allreduce" in name or "all_reduce" in name else largest
-        reduce = "reduce" in name
-        index = len(self.ops)
-        self.ops.append(Op(COMM, self._phase(), 0.0, int(moved * (n - 1) / max(n, 1)), "", 1,
-                           flags | (AFTER_COMPUTE if reduce else 0), index))
-        written = tensors[:1] if name.startswith(("_allgather_base", "_reduce_scatter_base")) else tensors
-        for t in written:
-            self._pending[t.untyped_storage()._cdata] = index
+        size = lambda ts: max((_nbytes(t) for t in ts), default=0)  # noqa: E731
+        if "gather" in name:
+            moved = size(outs)
+        elif "reduce_scatter" in name:
+            moved = size(ins[1:] if not functional else ins)
+        elif "reduce" in name:
+            moved = 2 * size(ins)
+        else:
+            moved = size(ins)
+        serial = self._serial()
+        after = self._after_compute() | (AFTER_COMPUTE if "reduce" in name else 0)
+        self.ops.append(Op(COMM, phase, 0.0, int(moved * (n - 1) / max(n, 1)), "", 1, flags | after, serial))
+        for t in outs:
+            self._will_wait(t, serial)
+
+    def _serial(self) -> int:
+        self._serials += 1
+        return self._serials
+
+    def _after_compute(self) -> int:
+        """AFTER_COMPUTE once after each time one of FSDP2's streams was told to wait for the
+        compute stream."""
+        waits = compute_waits()
+        if waits == self._compute_waits:
+            return 0
+        self._compute_waits = waits
+        return AFTER_COMPUTE
+
+    def _will_wait(self, t: torch.Tensor, serial: int) -> None:
+        st = t.untyped_storage()
+        key = st._cdata
+
+        def freed(ref, key=key):
+            if self._pending.get(key, (0, None))[1] is ref:
+                del self._pending[key]
+        self._pending[key] = (serial, weakref.ref(st, freed))
 
     def _wait_for_collectives(self, ins, phase: int, flags: int) -> None:
         for t in ins:
-            index = self._pending.pop(t.untyped_storage()._cdata, None)
-            if index is not None:
-                self.ops.append(Op(WAIT, phase, 0.0, 0, "", 1, flags, index))
+            hit = self._pending.pop(t.untyped_storage()._cdata, None)
+            if hit is not None:
+                self.ops.append(Op(WAIT, phase, 0.0, 0, "", 1, flags, hit[0]))
 
     def _schema_of(self, func) -> tuple[bool, tuple[int, ...]]:
         hit = self._schema.get(func)

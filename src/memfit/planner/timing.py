@@ -105,6 +105,7 @@ from memfit.techniques.checkpointing import recorded_cost
 from memfit.techniques.offload import STASH
 
 FORWARD_PHASE = PHASES.index("forward")
+OPTIMIZER_PHASE = PHASES.index("optimizer")
 
 FP32_SIMT = {"h100-80gb": 67e12, "h200-141gb": 67e12, "a100-80gb": 19.5e12, "a100-40gb": 19.5e12, "l4": 30.3e12}
 """fp32 FLOP/s without tensor cores where it differs from the preset's float32 (TF32) figure."""
@@ -286,15 +287,18 @@ def simulate(ops: list[Op], device: Device, k: Constants = H100, *, fused: float
     beside = 0.0  # NOTE [ Beside the next step ]
     stash: collections.deque = collections.deque()  # when offloaded activations' copies out end
     comm = 0.0  # NOTE [ Collectives ]: FSDP2's streams
-    done: dict[int, float] = {}  # op index -> when a collective (or an op on FSDP2's streams) ends
-    for index, op in enumerate(ops):
+    done: dict[int, float] = {}  # serial -> when a collective (or an op on FSDP2's streams) last ended
+    reduced = False  # the compute stream waited for the collectives before the optimizer
+    for op in ops:
         kind = op.kind
-        if kind == WAIT:
-            end = done.get(op.key, 0.0)
+        if kind == WAIT or (comm and not reduced and op.phase >= OPTIMIZER_PHASE):
+            end = done.get(op.key, 0.0) if kind == WAIT else comm
+            reduced = reduced or op.phase >= OPTIMIZER_PHASE
             if end > g:
                 busy["communication"] += end - g
                 g = end
-            continue
+            if kind == WAIT:
+                continue
         if op.flags & BACKGROUND:
             if kind == D2H:
                 c += rates.cpu(op)
@@ -320,7 +324,7 @@ def simulate(ops: list[Op], device: Device, k: Constants = H100, *, fused: float
         if kind == COMM or (op.flags & COMM_STREAM and kind not in (VIEW, SCALAR)):
             dt = op.nbytes / rates.p2p + k.comm_latency if kind == COMM else rates.gpu(op)
             comm = max(comm, c, g if op.flags & AFTER_COMPUTE else 0.0) + dt
-            done[index] = comm
+            done[op.key] = comm
             continue
         if kind == VIEW or kind == SCALAR:
             continue
@@ -344,23 +348,7 @@ def simulate(ops: list[Op], device: Device, k: Constants = H100, *, fused: float
                     g = max(g, stash.popleft())
             continue
         if op.flags & SIDE_STREAM:  # a host-to-device prefetch, sharing the link with copies out
-            start = max(side, c, g)  # NOTE [ Collectives ]
-# With sharding (FSDP2) a rank's step has collectives: an all-gather of each block's parameters
-# before its forward (and its backward), a reduce-scatter of its gradients after its backward. The
-# fake trace runs FSDP2's own code against a fake process group, so the recorder sees each
-# collective where FSDP2 issues it (COMM ops, priced at what one rank sends over the interconnect:
-# ring algorithms, (N - 1) / N of the gathered or reduced bytes, at ``comm_eff`` of the card's
-# NVLink or PCIe bandwidth, plus ``comm_latency``), the ops FSDP2 runs on its own streams (copies
-# into and out of the flat buffers, the division of the reduced gradients: COMM_STREAM), and the
-# first compute-stream op that reads what a collective wrote (WAIT). The collectives and FSDP2's
-# stream ops run in order on one clock of their own, from when the CPU issues them (a prefetched
-# all-gather overlaps the block computing before it); a reduce-scatter first waits for the compute
-# stream (FSDP2's ``wait_stream``: it reduces the gradients just made). A WAIT holds the compute
-# stream until that clock has passed the op it reads: the exposed communication, its own part of the
-# step. Nothing here was measured on several GPUs; the bandwidths are the specification sheets'.
-
-
-# NOTE [ Prefetch overlap ]
+            start = max(side, c, g)  # NOTE [ Prefetch overlap ]
             side = start + _duplex(dt, out_end - start, k.duplex)
             ready[op.key] = side
             continue
@@ -384,6 +372,25 @@ def simulate(ops: list[Op], device: Device, k: Constants = H100, *, fused: float
     cpu_seconds = sum(rates.cpu(op) * (fused if op.phase in (2, 3) else 1.0) for op in ops)
     return StepTime(seconds=total, **busy, host=host, cpu_bound=cpu_bound, cpu_seconds=cpu_seconds,
                     kernels=kernels, ops=len(ops))
+
+
+# NOTE [ Collectives ]
+# With sharding (FSDP2) a rank's step has collectives: an all-gather of each block's parameters
+# before its forward (and its backward), a reduce-scatter of its gradients after its backward. The
+# fake trace runs FSDP2's own code against a fake process group, so the recorder sees each
+# collective where FSDP2 issues it (COMM ops, priced at what one rank sends over the interconnect:
+# ring algorithms, (N - 1) / N of the gathered or reduced bytes, at ``comm_eff`` of the card's
+# NVLink or PCIe bandwidth, plus ``comm_latency``), the ops FSDP2 runs on its own streams (copies
+# into and out of the flat buffers, the division of the reduced gradients: COMM_STREAM), and the
+# first compute-stream op that reads what a collective wrote (WAIT). The collectives and FSDP2's
+# stream ops run in order on one clock of their own, from when the CPU issues them (a prefetched
+# all-gather overlaps the block computing before it); a reduce-scatter first waits for the compute
+# stream, as does whatever FSDP2 runs on its streams after telling them to (``wait_stream``: the
+# gradients just made; the first all-gather of a step, after the optimizer). A WAIT holds the compute
+# stream until that clock has passed the op it reads; before the optimizer the compute stream waits
+# for all of it (FSDP2's final backward callback waits for the last reduce-scatter). Those waits are
+# the exposed communication, the step's own part. Nothing here was measured on several GPUs;
+# the bandwidths are the specification sheets'.
 
 
 # NOTE [ Prefetch overlap ]

@@ -29,7 +29,7 @@ so N ranks train as one process on the whole batch does.
 once it has reduce-scattered that parameter's gradient, so each rank steps its shards as they
 arrive and frees them (what torchtune's optimizer-in-backward recipes rely on).
 
-``compile`` composes: blocks are compiled (technique order 25) before they are sharded (order 50),
+``compile: blocks`` composes: blocks are compiled (technique order 25) before they are sharded (order 50),
 as torchtitan compiles each block and then calls ``fully_shard`` on it, so FSDP2's pre- and
 post-forward hooks gather and free the parameters around the compiled forward; the compiled graph
 sees the unsharded parameters as inputs.
@@ -111,6 +111,9 @@ class FSDP2(Sharding):
     def check(self, plan) -> None:
         def refuse(other: str, why: str) -> None:
             raise UserError(f"plan: shard: fsdp with {other} is not supported yet ({why}); remove one of them")
+        if plan.config("compile").mode == "full":
+            refuse("compile: full", "it compiles the loss after the blocks are sharded, a composition not tested "
+                   "yet; use compile: blocks, which compiles each block before it is sharded")
         if plan.config("offload").states is not None:
             refuse("offload: optimizer_states", "use shard_offload: true, FSDP2's own CPU offload")
         if plan.precision == "fp16":
@@ -268,7 +271,8 @@ class _Stream:
         self.number = next(self.numbers)
 
     def wait_stream(self, stream) -> None:
-        pass
+        if getattr(stream, "number", None) == 0:  # FSDP2 orders this stream after the compute stream
+            _COMPUTE_WAITS[0] += 1
 
     def wait_event(self, event) -> None:
         pass
@@ -289,6 +293,14 @@ _DEFAULT = _Default()
 
 _SIDE: list[int] = []
 """FSDP2 streams made current in a fake trace, innermost last."""
+_COMPUTE_WAITS = [0]
+"""How many times a fake trace's FSDP2 stream was told to wait for the compute stream."""
+
+
+def compute_waits() -> int:
+    """A count that grows each time one of FSDP2's streams waits for the compute stream (read by
+    the planner's op recorder: the next op on those streams starts after the compute stream)."""
+    return _COMPUTE_WAITS[0]
 
 
 def on_fsdp_stream() -> bool:

@@ -18,6 +18,7 @@ SMALL = "gpt2:n_layer=2,n_embd=64,n_head=2,vocab_size=256,n_positions=32"
     ({"shard_offload": True}, 8, "are FSDP2 options; add shard: fsdp"),
     ({"world_size": 0}, 8, "world_size must be a whole number >= 1"),
     ({"world_size": 2, "optimizer": "adamw8bit"}, 8, "shard: fsdp with optimizer: adamw8bit"),
+    ({"world_size": 2, "compile": "full"}, 8, "shard: fsdp with compile: full"),
     ({"world_size": 2, "offload": ["optimizer_states"]}, 8, "use shard_offload: true"),
     ({"world_size": 2, "precision": "bf16", "shard_param_dtype": "bf16"}, 8, "both cast the compute"),
     ({"shard": "zero3"}, 8, "shard 'zero3' is not valid"),
