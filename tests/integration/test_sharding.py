@@ -2,8 +2,8 @@
 the whole batch does, and one rank's measured peak is what the fake-process-group trace predicts.
 
 The ranks are real processes (``torch.multiprocessing`` with spawn, gloo on localhost); the
-prediction is one process against PyTorch's fake process group. Kept few and small: each test
-starts two Python processes."""
+prediction is one process against PyTorch's fake process group. Kept few and small: one launch of
+two Python processes runs every case (each start costs seconds)."""
 
 import json
 import socket
@@ -32,10 +32,18 @@ def _global_batch(target):
     return target.workload.batch(target.batch_size)
 
 
-def _rank(rank: int, world: int, port: int, out: str, fields: dict) -> None:
-    """One rank: measure the peak of its second step with the profiler's allocator events (and
-    the tracker's, on the real tensors), then train STEPS steps of the sharded step on its share of
-    the global batch; write what it saw."""
+CASES = {"fsdp": {"shard": "fsdp", "world_size": 2},
+         "fsdp+loss_chunks+ema": {"world_size": 2, "loss_chunks": 4, "ema": {"decay": 0.5, "device": "device"}},
+         "fsdp+in_backward": {"world_size": 2, "optimizer_in_backward": True},
+         "fsdp+compile": {"world_size": 2, "compile": "blocks"}}
+WIDER = "gpt2:n_layer=4,n_embd=256,n_head=4,vocab_size=2000,n_positions=64"
+
+
+def _rank(rank: int, world: int, port: int, out: str) -> None:
+    """One rank, every case in turn (one pair of processes for them all: each start costs seconds).
+    A case: measure the peak of its second step with the profiler's allocator events (and the
+    tracker's, on the real tensors), then train STEPS steps of the sharded step on its share of the
+    global batch; rank 0 writes what it saw. Last, the wider model's step is measured alone."""
     import os
 
     import torch.distributed as dist
@@ -49,34 +57,44 @@ def _rank(rank: int, world: int, port: int, out: str, fields: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    seen = {}
     try:
-        target = Target.resolve(SMALL, Plan(**fields), BATCH, "cpu", seq_len=32)
-        torch.manual_seed(0)
+        for case, fields in CASES.items():
+            target = Target.resolve(SMALL, Plan(**fields), BATCH, "cpu", seq_len=32)
+            torch.manual_seed(0)
+            run, peak = measured_cpu_run(target)
+            tracked = report_for(run.tracker, target, "real").peak_bytes
+            del run
+            torch.manual_seed(0)
+            step = build_step(target)  # the same initial weights, trained on this rank's share
+            b = target.rank_batch_size
+            share = tree_map(lambda x, b=b: x[rank * b:(rank + 1) * b] if isinstance(x, torch.Tensor) else x,
+                             _global_batch(target))
+            losses = []
+            for _ in range(STEPS):
+                loss = step.run(share)
+                dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+                losses.append(float(loss))
+            params = {n: p.full_tensor().tolist() for n, p in step.model.named_parameters()}
+            ema = {n: t.full_tensor().tolist() for n, t in step.ema.sharded_state_dict()["shadow"].items()} \
+                if hasattr(step.ema, "sharded_state_dict") else {}
+            seen[case] = {"peak": peak, "tracked": tracked, "losses": losses, "params": params, "ema": ema}
+            del step
+        target = Target.resolve(WIDER, Plan(world_size=world), BATCH, "cpu", seq_len=32)
         run, peak = measured_cpu_run(target)
-        tracked = report_for(run.tracker, target, "real").peak_bytes
-        torch.manual_seed(0)
-        step = build_step(target)  # the same initial weights, trained on this rank's share
-        b = target.rank_batch_size
-        share = tree_map(lambda x: x[rank * b:(rank + 1) * b] if isinstance(x, torch.Tensor) else x,
-                         _global_batch(target))
-        losses = []
-        for _ in range(STEPS):
-            loss = step.run(share)
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-            losses.append(float(loss))
-        params = {n: p.full_tensor().tolist() for n, p in step.model.named_parameters()}
-        ema = {n: t.full_tensor().tolist() for n, t in step.ema.sharded_state_dict()["shadow"].items()} \
-            if hasattr(step.ema, "sharded_state_dict") else {}
+        seen["wider"] = {"peak": peak, "tracked": report_for(run.tracker, target, "real").peak_bytes}
         if rank == 0:
             with open(out, "w") as f:
-                json.dump({"peak": peak, "tracked": tracked, "losses": losses, "params": params, "ema": ema}, f)
+                json.dump(seen, f)
     finally:
         dist.destroy_process_group()
 
 
-def _launch(tmp_path, fields: dict, world: int = 2) -> dict:
-    out = str(tmp_path / "rank0.json")
-    mp.start_processes(_rank, args=(world, _free_port(), out, fields), nprocs=world, start_method="spawn")
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    """What rank 0 of 2 real gloo ranks saw, by case (one launch for the module)."""
+    out = str(tmp_path_factory.mktemp("ranks") / "rank0.json")
+    mp.start_processes(_rank, args=(2, _free_port(), out), nprocs=2, start_method="spawn")
     with open(out) as f:
         return json.load(f)
 
@@ -93,12 +111,8 @@ def _one_process(steps: int, fields: dict):
     return losses, {n: p.detach() for n, p in step.model.named_parameters()}, step.ema.state_dict().get("shadow", {})
 
 
-@pytest.mark.parametrize("fields", [{"shard": "fsdp", "world_size": 2},
-                                    {"world_size": 2, "loss_chunks": 4, "ema": {"decay": 0.5, "device": "device"}},
-                                    {"world_size": 2, "optimizer_in_backward": True},
-                                    {"world_size": 2, "compile": "blocks"}],
-                         ids=["fsdp", "fsdp+loss_chunks+ema", "fsdp+in_backward", "fsdp+compile"])
-def test_two_ranks_train_as_one_process_and_the_rank_peak_is_predicted(tmp_path, fields):
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_train_as_one_process_and_the_rank_peak_is_predicted(two_ranks, case):
     """Same global batch, same initial weights: the 2-rank FSDP2 losses and parameters equal one
     process's (up to the reduction order of float sums: 1e-5 relative). Rank 0's step, tracked on
     its real tensors, is the fake-process-group prediction (FSDP2's buffers, their resizes, the
@@ -109,7 +123,7 @@ def test_two_ranks_train_as_one_process_and_the_rank_peak_is_predicted(tmp_path,
     and embeddings gathered for it, their gradients reduce-scattered after it); the EMA of the
     shards is the EMA of the weights. Compiled blocks are sharded after they are compiled, as
     torchtitan does: FSDP2's hooks gather around the compiled forward."""
-    ranks = _launch(tmp_path, fields)
+    fields, ranks = CASES[case], two_ranks[case]
     losses, params, ema = _one_process(STEPS, fields)
     assert ranks["losses"] == pytest.approx(losses, rel=1e-5)
     for name, p in params.items():
@@ -125,39 +139,11 @@ def test_two_ranks_train_as_one_process_and_the_rank_peak_is_predicted(tmp_path,
     assert ranks["peak"] == pytest.approx(predicted.peak_bytes, rel=0.02), (ranks["peak"], predicted.peak_bytes)
 
 
-WIDER = "gpt2:n_layer=4,n_embd=256,n_head=4,vocab_size=2000,n_positions=64"
-
-
-def _measure_rank(rank: int, world: int, port: int, out: str) -> None:
-    import os
-
-    import torch.distributed as dist
-
-    from memfit.memory.measure import measured_cpu_run
-    from memfit.memory.report import report_for
-    from memfit.target import Target
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        target = Target.resolve(WIDER, Plan(world_size=world), BATCH, "cpu", seq_len=32)
-        run, peak = measured_cpu_run(target)
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump({"peak": peak, "tracked": report_for(run.tracker, target, "real").peak_bytes}, f)
-    finally:
-        dist.destroy_process_group()
-
-
-def test_gloos_scratch_sets_the_wider_models_rank_peak(tmp_path):
+def test_gloos_scratch_sets_the_wider_models_rank_peak(two_ranks):
     """On a wider GPT-2 the rank's peak is in a backward all-gather, where gloo gathers into a flat
     buffer of the output's size (NOTE [ gloo's collective scratch ]): predicted by rule, measured by
     the profiler within 2% (without the rule the prediction was 2.2% low)."""
-    out = str(tmp_path / "rank0.json")
-    mp.start_processes(_measure_rank, args=(2, _free_port(), out), nprocs=2, start_method="spawn")
-    with open(out) as f:
-        rank0 = json.load(f)
+    rank0 = two_ranks["wider"]
     measured = rank0["peak"]
     predicted = estimate(WIDER, Plan(world_size=2), batch_size=BATCH, device="cpu", seq_len=32)
     # the tracker on the real tensors sees no scratch: the prediction without the rule, too low
