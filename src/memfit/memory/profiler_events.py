@@ -60,6 +60,7 @@ class _Profile:
     calls: list = field(default_factory=list)  # (start, name, storage pointers of its tensor arguments)
     work: list = field(default_factory=list)  # (start, end) of a backend worker's collectives
     copy_outs: list = field(default_factory=list)  # (start, end)
+    done: dict = field(default_factory=dict)  # a call's start -> when it was done with its buffers (pair)
 
     def pair(self) -> None:
         """Sort what was read, and pair each collective call with its work on the worker thread
@@ -73,7 +74,6 @@ class _Profile:
         in_order = len(self.work) == len(self.calls)
         gathers = {c[0]: k for k, c in enumerate(c for c in self.calls if "allgather" in c[1])}
         copies_in_order = len(self.copy_outs) == len(gathers)
-        self._done: dict[int, int] = {}
         for k, (start, name, _) in enumerate(self.calls):
             if in_order:
                 work = self.work[k]
@@ -90,12 +90,7 @@ class _Profile:
                     j = bisect_left(self.copy_outs, (done,))
                     if j < len(self.copy_outs):
                         done = max(done, self.copy_outs[j][1])
-            self._done[start] = done
-
-    def held_until(self, call_start: int, name: str) -> int | None:
-        """When the collective called at ``call_start`` was done with its buffers: the end of its
-        work, and for an all-gather the end of the copy out of its result (:meth:`pair`)."""
-        return self._done.get(call_start)
+            self.done[start] = done
 
 
 def _walk(node, call: tuple | None, into: _Profile) -> None:
@@ -131,16 +126,16 @@ def allocator_events(prof) -> list[tuple[int, int]]:
     run.pair()
     events: list[tuple[int, int]] = []
     live: dict[int, _Block] = {}
-    passed: dict[int, list] = {}  # storage pointer -> the calls it was passed to, in order
-    for start, name, ptrs in run.calls:
+    passed: dict[int, list] = {}  # storage pointer -> the starts of the calls it was passed to, in order
+    for start, _, ptrs in run.calls:
         for ptr in ptrs:
-            passed.setdefault(ptr, []).append((start, name))
+            passed.setdefault(ptr, []).append(start)
     for t, ptr, nbytes, call in run.allocs:
         if nbytes > 0:
             lost = live.pop(ptr, None)
             if lost is not None:  # allocated again: its free was not recorded
                 events.append((_lost_free_time(lost, run, passed.get(ptr, ()), t), -lost.nbytes))
-            held = run.held_until(*call) if call is not None else None
+            held = run.done.get(call[0]) if call is not None else None
             live[ptr] = _Block(t, nbytes, held)
         else:
             live.pop(ptr, None)
@@ -159,9 +154,9 @@ def _lost_free_time(block: _Block, run: _Profile, calls, reallocated_at: int | N
     with it. Otherwise: just before its address came back, or, never allocated again, not at all (it
     may simply still be live)."""
     held = block.held_until
-    for start, name in calls:
+    for start in calls:
         if start >= block.time and (reallocated_at is None or start < reallocated_at):
-            held = run.held_until(start, name)
+            held = run.done.get(start)
     if held is not None and (reallocated_at is None or held < reallocated_at):
         return held
     return None if reallocated_at is None else reallocated_at - 1

@@ -57,14 +57,16 @@ RECOMPUTE, PY_MODE, SIDE_STREAM, STEP_CALL, CUSTOM, SYNC_AFTER = 1, 2, 4, 8, 16,
 COMM_STREAM, AFTER_COMPUTE = 512, 1024
 """COMM_STREAM: an op FSDP2 runs on one of its own streams (the copy into the all-gather buffer,
 the division of reduced gradients); AFTER_COMPUTE: a collective, or an op on FSDP2's streams, that
-first waits for the compute stream (FSDP2's ``wait_stream``: before reducing the gradients backward
-just made, before the first all-gather of a step)."""
+first waits for the compute stream (a collective issued on the compute stream itself; FSDP2's
+``wait_stream``: before reducing the gradients backward just made, before the first all-gather of
+a step)."""
 OUT_STREAM, WORKER, BACKGROUND = 64, 128, 256
 """OUT_STREAM: a copy to the host on its own stream (gradients going out as backward makes them);
 WORKER: the host update of offloaded optimizer states and its copy back, on a worker thread and
 another stream (memfit.techniques.offload_optimizer); BACKGROUND: the EMA's copies and average,
 beside the next step (memfit.techniques.ema). See memfit.techniques.placement.running."""
 PHASES = ("setup", "zero_grad", "forward", "backward", "optimizer", "idle")
+_OPTIMIZER = PHASES.index("optimizer")
 
 _ATTENTION = {p for p in flop_registry if "attention" in str(p)}
 _CPU_ONLY = {aten._unsafe_view, aten.lift_fresh, aten.empty, aten.empty_strided, aten.new_empty,
@@ -217,7 +219,7 @@ class OpRecorder(TorchDispatchMode):
             flags |= self._after_compute()
             for t in outs:
                 self._will_wait(t, key_of_stream_op)
-        elif self._pending and phase < PHASES.index("optimizer"):  # (the optimizer: NOTE [ Collectives ])
+        elif self._pending and phase < _OPTIMIZER:  # (the optimizer: NOTE [ Collectives ])
             self._wait_for_collectives(ins, phase, flags)
         read = sum(_nbytes(t) for t in ins)
         written = sum(_nbytes(t) for t in outs)
@@ -285,7 +287,8 @@ class OpRecorder(TorchDispatchMode):
         else:
             moved = size(ins)
         serial = self._serial()
-        after = self._after_compute() | (AFTER_COMPUTE if "reduce" in name else 0)
+        # issued on the compute stream (not inside one of FSDP2's): in that stream's order
+        after = self._after_compute() | (0 if flags & COMM_STREAM else AFTER_COMPUTE)
         self.ops.append(Op(COMM, phase, 0.0, int(moved * (n - 1) / max(n, 1)), "", 1, flags | after, serial))
         for t in outs:
             self._will_wait(t, serial)

@@ -341,7 +341,8 @@ class _Walk:
             return
         ahead = [x for _, _, x in heapq.nsmallest(len(heap), heap) if x is not c and x.status == "not evaluated"
                  and self.model.is_measured(x.plan) and not self.model.is_confirmed(x.plan)
-                 and not self.model.has_full_trace(x.plan) and x.used_bytes is not None and x.used_bytes <= self.budget.bytes]
+                 and not self.model.has_full_trace(x.plan)
+                 and x.used_bytes is not None and x.used_bytes <= self.budget.bytes]
         with silenced_warnings():
             self.model.trace_full([c.plan, *dict.fromkeys(x.plan for x in ahead[:spare])])
 

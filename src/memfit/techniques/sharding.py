@@ -29,10 +29,10 @@ so N ranks train as one process on the whole batch does.
 once it has reduce-scattered that parameter's gradient, so each rank steps its shards as they
 arrive and frees them (what torchtune's optimizer-in-backward recipes rely on).
 
-``compile: blocks`` composes: blocks are compiled (technique order 25) before they are sharded (order 50),
-as torchtitan compiles each block and then calls ``fully_shard`` on it, so FSDP2's pre- and
-post-forward hooks gather and free the parameters around the compiled forward; the compiled graph
-sees the unsharded parameters as inputs.
+``compile: blocks`` composes: blocks are compiled (technique order 25) before they are sharded
+(order 50), as torchtitan compiles each block and then calls ``fully_shard`` on it, so FSDP2's pre-
+and post-forward hooks gather and free the parameters around the compiled forward; the compiled
+graph sees the unsharded parameters as inputs.
 
 A fake trace (``estimate``) runs one rank against PyTorch's fake process group (no other process:
 its collectives do nothing, their buffers are real allocations of the trace). A real step needs
@@ -324,7 +324,7 @@ def _on_stream(stream):
         if side:
             _SIDE.pop()
         streams = getattr(tracker, "side_streams", None)
-        if streams is not None and getattr(stream, "number", 0):
+        if streams is not None and side:
             for rec in tracker.state.records[start:]:
                 streams.setdefault(rec.serial, stream.number)
 
