@@ -29,6 +29,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,8 @@ from memfit.errors import UserError
 
 ERRORS_ENV = "MEMFIT_RANK_ERRORS"
 """Set by the launcher: the folder where each rank writes the error that stopped it."""
+RANK0_GRACE = 5.0
+"""Seconds a failed rank other than 0 waits for rank 0 to report an error too before it exits."""
 TIMEOUT = datetime.timedelta(minutes=10)
 """How long a rank waits in a collective for the others (a rank that died is found sooner by the
 launcher, which stops the rest)."""
@@ -210,7 +213,14 @@ def record_error(line: str, code: int) -> bool:
     ranks = current()
     if not folder or ranks is None:
         return False
-    (Path(folder) / f"{ranks.rank}").write_text(f"{code}\n{line}")
+    written = Path(folder) / f"{ranks.rank}"
+    written.with_suffix(".part").write_text(f"{code}\n{line}")
+    written.with_suffix(".part").replace(written)  # (whole or not at all: ranks are stopped at any moment)
+    if ranks.rank != 0:  # an error every rank hits (a plan, a checkpoint) is reported as rank 0's, not
+        # as that of whichever rank got there first: the launcher stops every rank once one exits
+        deadline = time.monotonic() + RANK0_GRACE
+        while time.monotonic() < deadline and not (Path(folder) / "0").exists():
+            time.sleep(0.05)
     return True
 
 
