@@ -34,7 +34,7 @@ from memfit.errors import UserError
 from memfit.memory.budget import Budget
 from memfit.memory.estimate import estimate_target
 from memfit.planner import cost
-from memfit.planner.gpu_time import GpuStepModel
+from memfit.planner.gpu_time import DEEP_MARGIN, GpuStepModel
 from memfit.planner.space import candidates, default_space, drop_unused, model_facts, saves_no_more_than
 from memfit.plans import Plan, technique_of
 from memfit.quiet import silenced_warnings
@@ -287,6 +287,8 @@ class _Walk:
                 if heap and c.seconds > heap[0][0]:  # slower than measured: back in the queue at its time
                     heapq.heappush(heap, (c.seconds, self.order[id(c)], c))
                     continue
+                if self._too_big_deep(c):
+                    continue
                 self._confirm_ahead(c, heap)
                 if not self._confirm(c) or c.status == "too big":
                     continue
@@ -339,12 +341,27 @@ class _Walk:
         spare = self.model.workers.count - 1
         if spare <= 0 or self.model.has_full_trace(c.plan):  # (nothing to run alongside)
             return
-        ahead = [x for _, _, x in heapq.nsmallest(len(heap), heap) if x is not c and x.status == "not evaluated"
-                 and self.model.is_measured(x.plan) and not self.model.is_confirmed(x.plan)
-                 and not self.model.has_full_trace(x.plan)
-                 and x.used_bytes is not None and x.used_bytes <= self.budget.bytes]
+        ahead: dict[Plan, None] = {}
+        for _, _, x in heapq.nsmallest(len(heap), heap):
+            if len(ahead) == spare:
+                break
+            if x is not c and x.status == "not evaluated" and self.model.is_measured(x.plan) \
+                    and not self.model.is_confirmed(x.plan) and not self.model.has_full_trace(x.plan) \
+                    and x.used_bytes is not None and x.used_bytes <= self.budget.bytes and not self._too_big_deep(x):
+                ahead[x.plan] = None
         with silenced_warnings():
-            self.model.trace_full([c.plan, *dict.fromkeys(x.plan for x in ahead[:spare])])
+            self.model.trace_full([c.plan, *ahead])
+
+    def _too_big_deep(self, c: Candidate) -> bool:
+        """A measured plan whose lower bound fits, ruled out without its full trace: its reserved
+        bytes from the shallow traces' allocations at full depth are over the budget (by more than
+        ``DEEP_MARGIN``)."""
+        used = self.model.deep_used(c.plan)
+        if used is None or used <= self.budget.bytes * (1 + DEEP_MARGIN):
+            return False
+        c.used_bytes = used
+        self._too_big(c, how="reserved, from its shallow traces' allocations replayed at full depth")
+        return True
 
     def _take(self, c: Candidate, trace) -> bool:
         """``c``'s figures from ``trace`` (the GPU model's measure or confirm): its time, and its
@@ -362,9 +379,9 @@ class _Walk:
             self._too_big(c, at_least=not m.full)
         return True
 
-    def _too_big(self, c: Candidate, at_least: bool = False) -> None:
+    def _too_big(self, c: Candidate, at_least: bool = False, how: str = "") -> None:
         need = f"at least {fmt_bytes(c.used_bytes)} (allocated)" if at_least else fmt_bytes(c.used_bytes)
-        c.status, c.reason = "too big", f"needs {need} > budget {fmt_bytes(self.budget.bytes)}"
+        c.status, c.reason = "too big", f"needs {need}{f' ({how})' if how else ''} > budget {fmt_bytes(self.budget.bytes)}"
         self.failed.append(c)
 
     def smallest(self, ranked: list[Candidate]) -> Candidate | None:

@@ -489,10 +489,12 @@ def record_ops(target: Target) -> list[Op]:
     return recorder.ops
 
 
-def trace_step(target: Target, k: Constants = H100) -> tuple[MemoryReport, StepTime, list[Op]]:
+def trace_step(target: Target, k: Constants = H100, on_tracker=None) -> tuple[MemoryReport, StepTime, list[Op]]:
     """One fake trace of ``target``'s step giving both what the planner needs: its memory report (as
     ``estimate`` gives it) and its step time (and the ops behind it). A compiled plan takes two: its
-    compiled step for memory, its eager step for the ops (:func:`eager_plan`)."""
+    compiled step for memory, its eager step for the ops (:func:`eager_plan`).
+
+    ``on_tracker(tracker)``: told of the memory tracker of an eager plan's trace (compiled: not)."""
     from memfit.memory.estimate import estimate_target
     from memfit.memory.faketrace import run_tracked
     from memfit.memory.report import report_for
@@ -509,6 +511,8 @@ def trace_step(target: Target, k: Constants = H100) -> tuple[MemoryReport, StepT
         notes = [note for config in target.plan.techniques for note in config.notes()]
         report = report_for(run.tracker, target, "fake", notes=notes, trace_seconds=time.perf_counter() - t0)
         ops = recorder.ops
+        if on_tracker is not None:
+            on_tracker(run.tracker)
     st = time_from_ops(ops, target, k)
     st.trace_seconds = time.perf_counter() - t0
     return report, st, ops

@@ -1,0 +1,94 @@
+"""memfit.planner.deep_stream: a plan's allocations at full depth from its two shallow traces, and
+the reserved bytes they give, against the full trace's."""
+
+import dataclasses
+import random
+
+import pytest
+
+from memfit.memory.allocator import replay as replay_trace
+from memfit.memory.categories import STEADY_STEP
+from memfit.memory.faketrace import run_tracked
+from memfit.memory.report import step_window, traced_device
+from memfit.planner.deep_stream import Stream, deepen, from_tracker, replay
+from memfit.planner.gpu_time import DEEP_MARGIN
+from memfit.planner.shallow import depths, shallow_workload
+from memfit.plans import Plan
+from memfit.quiet import silenced_warnings
+from memfit.target import Target
+
+DEEP = "gpt2:n_layer=6,n_embd=128,n_head=4,vocab_size=1000,n_positions=64"
+
+
+def _trace(target, depth=None):
+    """The stream of a trace at ``depth`` blocks (None: full), and what the trace's own replay gives."""
+    if depth is not None:
+        target = dataclasses.replace(target, workload=shallow_workload(target.workload, depth))
+    with silenced_warnings():
+        tracker = run_tracked(target, fake=True).tracker
+    where, streams = traced_device(target.device, "fake", target.tensor_device), getattr(tracker, "side_streams", None)
+    peak, reserved, _ = replay_trace(tracker, where, step_window(tracker, STEADY_STEP), streams)
+    return from_tracker(tracker, where, streams), (peak, reserved)
+
+
+@pytest.mark.parametrize("fields", [
+    {"precision": "bf16"},  # autocast drops its cast weights in a hash map's order
+    {"precision": "bf16-pure", "optimizer": "adamw8bit"},
+    pytest.param({"precision": "bf16", "checkpointing": "blocks:every=2", "loss_chunks": 8}, marks=pytest.mark.slow),
+    pytest.param({"precision": "bf16-pure", "checkpointing": "selective", "optimizer_in_backward": True},
+                 marks=pytest.mark.slow),
+    {"precision": "bf16", "offload": ("optimizer_states",)},  # a side stream
+])
+def test_shallow_allocations_replayed_at_full_depth_give_the_full_traces_reserved_bytes(fields):
+    target = Target.resolve(DEEP, Plan(**fields), 8, "h100-80gb", seq_len=64)
+    d, e = depths(target.plan, 6)
+    (a, _), (b, _), (full, truth) = _trace(target, d), _trace(target, e), _trace(target)
+    deep = deepen(a, b, d, e, 6)
+    assert deep is not None
+    peak, reserved = replay(deep, STEADY_STEP)
+    assert peak == truth[0]
+    assert abs(reserved - truth[1]) <= DEEP_MARGIN * truth[1], (reserved, truth[1])
+    step = [t for t in deep.tokens if t[0] != "mark" and t[3] != "setup"]  # (the model's build differs)
+    assert step == [t for t in full.tokens if t[0] != "mark" and t[3] != "setup"]
+
+
+def _stream(events):
+    """A stream from ("+", nbytes) / ("-", index of the allocation) / ("mark", name, step) events."""
+    tokens, frees, phases, phase = [], [], [], "setup"
+    for ev in events:
+        if ev[0] == "mark":
+            tokens.append(ev)
+            frees.append(-1)
+            phase = ev[1] if ev[1] not in ("step", "end") else phase
+        elif ev[0] == "+":
+            tokens.append(("+", ev[1], 0, phase, 2, "op"))
+            frees.append(-1)
+        else:
+            tokens.append(("-",) + tokens[ev[1]][1:])
+            frees.append(ev[1])
+        phases.append(phase)
+    return Stream(tokens, frees, phases)
+
+
+def test_the_order_of_a_run_of_frees_does_not_change_what_the_allocator_holds():
+    """deep_stream sorts each run of frees (some runs, like autocast's cache, come in a hash map's
+    order): the caching-allocator model ends a run in the same state whatever its order."""
+    rng = random.Random(0)
+    sizes = [rng.choice([512, 4096, 1 << 20, 3 << 20, 12 << 20, 25 << 20]) for _ in range(60)]
+    for trial in range(20):
+        head = [("mark", "step", 2), *(("+", n) for n in sizes)]
+        run = [("-", 1 + i) for i in rng.sample(range(60), 40)]
+        tail = [("+", n) for n in sizes[:30]] + [("mark", "end", 2)]
+        shuffled = run[:]
+        rng.shuffle(shuffled)
+        assert replay(_stream(head + run + tail), 2) == replay(_stream(head + shuffled + tail), 2)
+
+
+def test_streams_that_differ_in_the_step_by_more_than_insertions_have_no_deep_stream():
+    a = _stream([("mark", "step", 2), ("mark", "forward", 2), ("+", 4096), ("+", 8192), ("-", 2), ("-", 3)])
+    b = _stream([("mark", "step", 2), ("mark", "forward", 2), ("+", 4096), ("+", 8192), ("+", 8192), ("-", 2),
+                 ("-", 3), ("-", 4)])
+    deep = deepen(a, b, 2, 3, 5)  # one more 8192 block per depth: three more at 5
+    assert deep is not None and [t[1] for t in deep.tokens if t[0] == "+"] == [4096] + [8192] * 4
+    changed = _stream([("mark", "step", 2), ("mark", "forward", 2), ("+", 4096), ("+", 16384), ("-", 2), ("-", 3)])
+    assert deepen(a, changed, 2, 3, 5) is None
