@@ -75,7 +75,7 @@ def test_the_order_of_a_run_of_frees_does_not_change_what_the_allocator_holds():
     order): the caching-allocator model ends a run in the same state whatever its order."""
     rng = random.Random(0)
     sizes = [rng.choice([512, 4096, 1 << 20, 3 << 20, 12 << 20, 25 << 20]) for _ in range(60)]
-    for trial in range(20):
+    for _ in range(20):
         head = [("mark", "step", 2), *(("+", n) for n in sizes)]
         run = [("-", 1 + i) for i in rng.sample(range(60), 40)]
         tail = [("+", n) for n in sizes[:30]] + [("mark", "end", 2)]
@@ -92,3 +92,22 @@ def test_streams_that_differ_in_the_step_by_more_than_insertions_have_no_deep_st
     assert deep is not None and [t[1] for t in deep.tokens if t[0] == "+"] == [4096] + [8192] * 4
     changed = _stream([("mark", "step", 2), ("mark", "forward", 2), ("+", 4096), ("+", 16384), ("-", 2), ("-", 3)])
     assert deepen(a, changed, 2, 3, 5) is None
+
+
+def test_the_planner_traces_what_a_wrong_deep_stream_ruled_out(monkeypatch):
+    """A plan ruled out by its reserved bytes at full depth is checked against the chosen plan's
+    full trace: here the deep streams are made to claim twice the budget for every plan, the walk
+    finds nothing, traces the plans they ruled out, and chooses what it chooses without them."""
+    from memfit.planner.gpu_time import GpuStepModel
+    from memfit.planner.search import plan
+    from memfit.planner.space import SearchSpace
+
+    space = SearchSpace(values={"precision": ["bf16"], "checkpointing": ["none", "blocks"]}, micro_batches=[8])
+    kwargs = dict(device="h100-80gb", batch_size=8, seq_len=64, budget="20GiB")
+    truth = plan(DEEP, space=space, **kwargs)
+    assert truth.chosen is not None and not any("full depth" in n for n in truth.notes)
+    monkeypatch.setattr(GpuStepModel, "deep_used", lambda self, p: 2 * self.budget.bytes)
+    lied = plan(DEEP, space=SearchSpace(values={k: list(v) for k, v in space.values.items()}, micro_batches=[8]),
+                **kwargs)
+    assert lied.chosen.plan == truth.chosen.plan and lied.chosen.used_bytes == truth.chosen.used_bytes
+    assert any("ruled out by their reserved bytes at full depth" in n for n in lied.notes)

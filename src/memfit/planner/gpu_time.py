@@ -52,7 +52,7 @@ ESTIMATE_MARGIN = 0.1
 """A plan estimated to need this much more than the budget is not traced (:meth:`GpuStepModel.likely_too_big`)."""
 DEEP_MARGIN = 0.005
 """How far a plan's reserved bytes from its shallow traces' allocations at full depth
-(:attr:`Measured.deep_used`) must be above the budget to rule it out without a full trace: the
+(:meth:`GpuStepModel.deep_used`) must be above the budget to rule it out without a full trace: the
 model's build differs between a shallow and the full trace (88 MiB more of 43.7 GB reserved, seen
 on Llama-2-7B bf16-pure + adamw8bit; exact on the others measured)."""
 PEAK_MARGIN = 0.02
@@ -368,7 +368,7 @@ class GpuStepModel:
             target = dataclasses.replace(target, workload=self._shallow(depth))
         trackers = []
         try:
-            report, _, ops = trace_step(target, self.k, on_tracker=trackers.append if depth is not None else None)
+            report, _, ops = trace_step(target, self.k, on_tracker=trackers.append if depth and not batch else None)
         except UserError as e:
             return e
         except Exception as e:  # noqa: BLE001 - shallow: the model indexes its blocks by a count

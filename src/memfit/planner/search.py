@@ -191,7 +191,7 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
         chosen.reason = _why_chosen(chosen, ranked, bs)
     result = PlanResult(workload=wl.name, device=dev.name, batch_size=bs, budget_bytes=budget_bytes,
                         time_model=model.describe(), chosen=chosen, candidates=ranked, traces=walk.traces,
-                        run_steps=steps, notes=[*space.notes, *(f"{x} (left out)" for x in model.excluded)])
+                        run_steps=steps, notes=[*space.notes, *(f"{x} (left out)" for x in model.excluded), *walk.notes])
     if chosen is None:  # nothing fits (or the trace limit came first): the smallest footprint seen
         result.smallest = walk.smallest(ranked)
         if result.smallest is not None and result.smallest.used_bytes <= budget_bytes:  # a lower bound erred high
@@ -227,6 +227,10 @@ class _Walk:
         self.maximal: list[Candidate] | None = None
         self.limited = False
         """The trace limit left a faster plan untraced."""
+        self.trust_deep = True
+        self.deep_rejected: list[Candidate] = []
+        """Plans ruled out by :meth:`_too_big_deep` (checked against the chosen plan's full trace)."""
+        self.notes: list[str] = []
 
     @property
     def traces(self) -> int:
@@ -242,6 +246,11 @@ class _Walk:
         self.order = {id(c): i for i, c in enumerate(ranked)}
         while True:
             chosen = self._walk(heap, ranked, bs)
+            if chosen is None and self.deep_rejected and self.trust_deep:  # (see _deep_agrees)
+                self.notes.append(f"nothing fitted after {len(self.deep_rejected)} plans were ruled out by their "
+                                  "reserved bytes at full depth from shallow traces: they were traced instead")
+                self._distrust_deep(heap, ranked, None)
+                continue
             if chosen is not None or self.limited or self.maximal is not None:
                 return chosen
             # Nothing fitted and the maximal plans were never traced (the estimates spared their
@@ -295,9 +304,38 @@ class _Walk:
                 if heap and c.seconds > heap[0][0]:
                     heapq.heappush(heap, (c.seconds, self.order[id(c)], c))
                     continue
+            if not self._deep_agrees(c):  # then the plans it ruled out are traced
+                self._distrust_deep(heap, ranked, c)
+                continue
             c.status = "chosen"
             return c
         return None
+
+    def _deep_agrees(self, c: Candidate) -> bool:
+        """The check of the reserved bytes at full depth from shallow traces (:meth:`_too_big_deep`)
+        against the chosen plan's own full trace, when they ruled out a plan: within ``DEEP_MARGIN``."""
+        if not self.gpu or not self.deep_rejected or not self.trust_deep:
+            return True
+        deep = self.model.deep_used(c.plan)
+        if deep is None or abs(deep - c.used_bytes) <= DEEP_MARGIN * c.used_bytes:
+            return True
+        self.notes.append(f"reserved bytes at full depth from the shallow traces' allocations ({fmt_bytes(deep)}) "
+                          f"missed the chosen plan's full trace ({fmt_bytes(c.used_bytes)}) by more than "
+                          f"{DEEP_MARGIN:.1%}: the {len(self.deep_rejected)} plans they ruled out were traced instead")
+        return False
+
+    def _distrust_deep(self, heap: list, ranked: list[Candidate], c: Candidate | None) -> None:
+        """Put the plans ruled out by :meth:`_too_big_deep` back into the queue (and those pruned,
+        which may have been pruned for them), with ``c``, and walk on without it."""
+        self.trust_deep = False
+        for x in [*self.deep_rejected, *(x for x in ranked if x.status == "pruned"), *([c] if c else [])]:
+            if x in self.failed:
+                self.failed.remove(x)
+            if x is not c:
+                x.status, x.reason = "not evaluated", ""
+                x.used_bytes = self.model.measured[x.plan].used_lower if self.model.is_measured(x.plan) else None
+            heapq.heappush(heap, (x.seconds, self.order[id(x)], x))
+        self.deep_rejected.clear()
 
     def _check_feasible(self, heap: list, ranked: list[Candidate], bs: int) -> bool:
         """Trace the maximal plans (none saves less than another everywhere: they dominate every
@@ -356,11 +394,14 @@ class _Walk:
         """A measured plan whose lower bound fits, ruled out without its full trace: its reserved
         bytes from the shallow traces' allocations at full depth are over the budget (by more than
         ``DEEP_MARGIN``)."""
+        if not self.trust_deep or self.model.has_full_trace(c.plan):  # (the full trace decides)
+            return False
         used = self.model.deep_used(c.plan)
         if used is None or used <= self.budget.bytes * (1 + DEEP_MARGIN):
             return False
         c.used_bytes = used
         self._too_big(c, how="reserved, from its shallow traces' allocations replayed at full depth")
+        self.deep_rejected.append(c)
         return True
 
     def _take(self, c: Candidate, trace) -> bool:
