@@ -5,17 +5,18 @@ import dataclasses
 import random
 
 import pytest
+import torch
 
 from memfit.memory.allocator import replay as replay_trace
 from memfit.memory.categories import STEADY_STEP
 from memfit.memory.faketrace import run_tracked
 from memfit.memory.report import step_window, traced_device
 from memfit.planner.deep_stream import Stream, deepen, from_tracker, replay
-from memfit.planner.gpu_time import DEEP_MARGIN
 from memfit.planner.shallow import depths, shallow_workload
 from memfit.plans import Plan
 from memfit.quiet import silenced_warnings
 from memfit.target import Target
+from memfit.techniques.checkpointing import find_blocks
 
 DEEP = "gpt2:n_layer=6,n_embd=128,n_head=4,vocab_size=1000,n_positions=64"
 
@@ -28,28 +29,61 @@ def _trace(target, depth=None):
         tracker = run_tracked(target, fake=True).tracker
     where, streams = traced_device(target.device, "fake", target.tensor_device), getattr(tracker, "side_streams", None)
     peak, reserved, _ = replay_trace(tracker, where, step_window(tracker, STEADY_STEP), streams)
-    return from_tracker(tracker, where, streams), (peak, reserved)
+    with torch.device("meta"):
+        containers = tuple(name for name, _ in find_blocks(target.workload.model()))
+    return from_tracker(tracker, where, streams, containers), (peak, reserved)
 
 
-@pytest.mark.parametrize("fields", [
-    {"precision": "bf16"},  # autocast drops its cast weights in a hash map's order
-    {"precision": "bf16-pure", "optimizer": "adamw8bit"},
-    pytest.param({"precision": "bf16", "checkpointing": "blocks:every=2", "loss_chunks": 8}, marks=pytest.mark.slow),
-    pytest.param({"precision": "bf16-pure", "checkpointing": "selective", "optimizer_in_backward": True},
+@pytest.mark.parametrize("fields,same_events", [
+    ({"precision": "bf16"}, True),  # autocast drops its cast weights in a hash map's order
+    ({"precision": "bf16-pure", "optimizer": "adamw8bit"}, True),
+    ({"precision": "bf16", "offload": ("optimizer_states",)}, True),  # a side stream
+    pytest.param({"precision": "bf16-pure", "checkpointing": "selective", "optimizer_in_backward": True}, True,
                  marks=pytest.mark.slow),
-    {"precision": "bf16", "offload": ("optimizer_states",)},  # a side stream
+    # the optimizer's foreach steps order a few frees differently at full depth (the bytes do not move)
+    pytest.param({"precision": "bf16-pure", "checkpointing": "blocks", "loss_chunks": 8}, False, marks=pytest.mark.slow),
 ])
-def test_shallow_allocations_replayed_at_full_depth_give_the_full_traces_reserved_bytes(fields):
+def test_shallow_allocations_replayed_at_full_depth_give_the_full_traces_reserved_bytes(fields, same_events):
+    """The deep stream's allocated peak and reserved bytes are the full trace's, to the byte; and
+    so (but where marked) are the step's allocations and frees, in order, and who frees what."""
     target = Target.resolve(DEEP, Plan(**fields), 8, "h100-80gb", seq_len=64)
     d, e = depths(target.plan, 6)
     (a, _), (b, _), (full, truth) = _trace(target, d), _trace(target, e), _trace(target)
     deep = deepen(a, b, d, e, 6)
     assert deep is not None
-    peak, reserved = replay(deep, STEADY_STEP)
-    assert peak == truth[0]
-    assert abs(reserved - truth[1]) <= DEEP_MARGIN * truth[1], (reserved, truth[1])
-    step = [t for t in deep.tokens if t[0] != "mark" and t[3] != "setup"]  # (the model's build differs)
-    assert step == [t for t in full.tokens if t[0] != "mark" and t[3] != "setup"]
+    assert replay(deep, STEADY_STEP) == truth  # allocated peak, reserved bytes
+    if same_events:
+        step = [t for t in deep.tokens if t[0] != "mark" and t[3] != "setup"]  # (the model's build differs)
+        assert step == [t for t in full.tokens if t[0] != "mark" and t[3] != "setup"]
+        assert _who_frees_what(deep) == _who_frees_what(full)
+
+
+def test_a_free_that_moves_with_depth_leaves_no_stream():
+    """With a chunked loss and fp32 master weights, a small cast gradient is freed where the
+    autograd engine gets to it, later in the backward the deeper the model: no insertion gives
+    that, so there is no deep stream (the planner traces the full depth)."""
+    target = Target.resolve(DEEP, Plan(precision="bf16", checkpointing="blocks", loss_chunks=8), 8, "h100-80gb",
+                            seq_len=64)
+    (a, _), (b, _) = _trace(target, 2), _trace(target, 3)
+    assert deepen(a, b, 2, 3, 6) is None
+
+
+def _who_frees_what(stream):
+    """Each run of frees in the step (after the model's build) as the allocations it frees (their
+    order in a run does not matter): one of the step by its place among them, one of the build by
+    its token."""
+    place, out, run = {}, [], []
+    for i, tok in enumerate(stream.tokens):
+        if tok[0] == "+" and tok[3] != "setup":
+            place[i] = len(place)
+        if tok[0] == "-" and stream.phases[i] != "setup":
+            ja = stream.frees[i]
+            run.append(place.get(ja, ("build", stream.tokens[ja][1])))  # (its op differs: meta or init)
+            continue
+        if run:
+            out.append(sorted(run, key=str))
+            run = []
+    return out + ([sorted(run, key=str)] if run else [])
 
 
 def _stream(events):

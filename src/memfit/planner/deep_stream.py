@@ -9,39 +9,48 @@ shallow points misses them by 1-2.5 GiB on Llama-2-7B. Tracing the full depth to
 NOTE [ Allocations at full depth ]
 The allocation stream of the step at depth ``e = d + p`` is the stream at depth ``d`` with one
 period's events inserted in a few stretches (a block's forward, its backward, its parameters,
-its optimizer states): a diff of the two streams finds them. The stream at full depth ``L`` has
-each stretch ``n = (L - d) / p`` times in a row. Who frees what is carried over from the
-shallow stream ``e``, copy by copy:
+its optimizer states): a diff of the two streams finds them. An allocation's token is its size,
+stream, phase, step, op and, in the forward, its module with the block's index replaced by
+``#`` (so that a stretch cannot slide onto a module outside the blocks, the final norm). The
+stream at full depth ``L`` has each stretch ``n = (L - d) / p`` times in a row. Who frees what
+is carried over from the shallow stream ``e``:
 
-- a free and its allocation in the same stretch: the same copy;
-- in two different stretches: the same copy, or the mirror copy (``n - 1 - c``) when exactly
-  one of the two happens in the backward pass (blocks run backward in the reverse order:
-  the activations the last block's forward saved are freed first);
-- a chain through the blocks (a gradient made by a block's backward and freed by the next
-  one's): the matched allocation outside the stretch is freed by its first copy, copy ``c``'s
-  allocation by copy ``c + 1``, and the last copy's by the matched free outside the stretch.
+- an allocation made in a block's forward (its module's index gives the block) and freed in the
+  forward or backward: by the free of the same block. The copies of a stretch run up the blocks
+  (down in the backward); an event made once is beyond the copies by all but one of them when it
+  is past the stretch in its run. The allocation freed is the one of the same kind, at the same
+  place among those of its block, in the block the free belongs to at full depth. This holds
+  however the diff placed the stretches (the forward of one block and the backward of another;
+  a stretch that starts mid-block);
+- otherwise, a free and its allocation in the same stretch: the same copy; in two different
+  stretches: the same copy, or the mirror copy (``n - 1 - c``) when exactly one of the two
+  happens in the backward pass; a chain through the copies (a gradient made by a block's
+  backward and freed by the next one's): the allocation made once is freed by the first copy,
+  copy ``c``'s allocation by copy ``c + 1``, the last copy's by the free made once.
 
 Replayed through memfit.memory.allocator's caching-allocator model, the stream gives the full
 step's allocated peak and reserved bytes without a full trace. Where the two streams do not
 differ by insertions alone (outside the model's build, where the trace's own history may add or
 drop an allocation), or a free cannot be carried over, there is no stream (None), and the planner
-traces the full depth. ``tests/unit/test_deep_stream.py`` holds it against the real deeper traces.
+traces the full depth: a free whose place moves with depth (the autograd engine reaches a small
+cast gradient later in a deeper model, with a chunked loss and fp32 master weights), a cuBLAS
+workspace first made in a different block.
 
-What is exact and what is not: the step's allocations, in order and size, are the full trace's,
-and so is the allocated peak. Who frees what is not always: the diff may call the forward of one
-block and the backward of another the inserted ones, and then some copies free a neighbouring
-block's activations of the same size (found by review: 98 of a 6-block GPT-2's frees). That moves
-blocks between free lists, not bytes; the reserved bytes came out within 0.5% of the full trace
-on every plan measured (equal on most). The model's build also differs (a shallow model is
-materialised from meta, the full one initialised). So the planner only *rules out* plans on it,
-over the budget by more than ``DEEP_MARGIN``, confirms its choice by a full trace, and checks the
-two against each other (memfit.planner.search: a miss sends the plans it ruled out to full
-traces).
+``tests/unit/test_deep_stream.py`` holds it against full traces: the allocated peak and reserved
+bytes equal to the byte, and the step's events and who frees what equal, but in one plan where the
+optimizer's foreach steps order a few frees differently (the bytes equal). On Llama-2-7B the
+reserved bytes of six plans were the full traces' to the byte. The model's build differs (a
+shallow model is materialised from meta, the full one initialised), and no proof covers every
+model, so the planner only *rules out* plans on it, over the budget by more than ``DEEP_MARGIN``,
+confirms its choice by a full trace, and checks the two against each other (memfit.planner.search:
+a miss sends the plans it ruled out to full traces).
 """
 
 from __future__ import annotations
 
 import difflib
+import itertools
+import re
 from typing import NamedTuple
 
 from memfit.memory.allocator import CachingAllocatorModel
@@ -61,12 +70,22 @@ class Stream(NamedTuple):
     tokens: list
     frees: list
     phases: list
+    blocks: list | None = None
+    """``blocks[i]``: the repeated block an allocation was made in (the index of its module in
+    the block container: forward and recomputed activations), else -1."""
 
 
-def from_tracker(tracker, device: str, side_streams: dict | None = None) -> Stream:
+def from_tracker(tracker, device: str, side_streams: dict | None = None, containers: tuple[str, ...] = ()) -> Stream:
     """The stream of ``device`` in a :class:`~memfit.memory.tracker.MemoryTracker`'s timeline
-    (as memfit.memory.allocator.replay sees it: storages of 0 bytes allocate nothing)."""
+    (as memfit.memory.allocator.replay sees it: storages of 0 bytes allocate nothing).
+    ``containers``: the model's repeated-block containers (memfit.techniques.checkpointing.find_blocks)."""
     recs = tracker.state.records
+    # (each container by its path and by its path's tails: the tracker names modules from the
+    # first one whose forward ran, the inner model when a chunked loss calls it directly)
+    tails = {".".join(c.split(".")[k:]) for c in containers for k in range(len(c.split(".")))}
+    names = "|".join(map(re.escape, sorted(tails, key=len, reverse=True)))
+    pattern = re.compile(r"\.(?:" + names + r")\.(\d+)(?:\.|$)") if containers else None
+    blocks: list[int] = []
     marks = sorted(((idx, k, name, step) for k, (name, step, idx) in enumerate(tracker.state.marks)))
     tokens, frees, phases, at = [], [], [], {}
     m, phase = 0, SETUP
@@ -80,6 +99,7 @@ def from_tracker(tracker, device: str, side_streams: dict | None = None) -> Stre
             tokens.append((MARK, name, step))
             frees.append(-1)
             phases.append(phase)
+            blocks.append(-1)
             m += 1
 
     for i, (serial, sign) in enumerate(tracker.state.events):
@@ -90,24 +110,33 @@ def from_tracker(tracker, device: str, side_streams: dict | None = None) -> Stre
         stream = side_streams.get(serial, 0) if side_streams else 0
         if sign > 0:
             at[serial] = len(tokens)
-            tokens.append(("+", rec.nbytes, stream, rec.phase, rec.step, rec.op))
+            # (the forward's module only: after a recomputation that stopped early, the tracker's
+            # module stack can hold a module of another block into the backward)
+            found = pattern.search(rec.module) if pattern and rec.phase == "forward" else None
+            module = "" if rec.phase != "forward" else rec.module if found is None else \
+                rec.module[:found.start(1)] + "#" + rec.module[found.end(1):]
+            tokens.append(("+", rec.nbytes, stream, rec.phase, rec.step, rec.op, module))
             frees.append(-1)
+            blocks.append(int(found.group(1)) if found else -1)
         elif serial in at:
-            tokens.append(("-", rec.nbytes, stream, rec.phase, rec.step, rec.op))
+            tokens.append(("-",) + tokens[at[serial]][1:])
             frees.append(at.pop(serial))
+            blocks.append(-1)
         else:
             continue
         phases.append(phase)
     take_marks(len(tracker.state.events))
-    return _sorted_free_runs(Stream(tokens, frees, phases))
+    return _sorted_free_runs(Stream(tokens, frees, phases, blocks))
 
 
 def _sorted_free_runs(stream: Stream) -> Stream:
-    """Each run of frees with no allocation between them, sorted by what they free. The
-    allocator's state after a run does not depend on its order (freed blocks merge with their
-    free neighbours either way), and some runs have none the trace can repeat: autocast drops
-    its cache of cast weights at the end of the forward in the order of a hash map."""
+    """Each run of frees in the forward with no allocation between them, sorted by the block
+    and the kind of what they free. The allocator's state after a run does not depend on its
+    order (freed blocks merge with their free neighbours either way), and autocast drops its
+    cache of cast weights at the end of the forward in the order of a hash map, which no depth
+    repeats (elsewhere the trace's order is the same at every depth)."""
     tokens, frees, phases = list(stream.tokens), list(stream.frees), list(stream.phases)
+    blocks = list(stream.blocks) if stream.blocks is not None else [-1] * len(tokens)
     i = 0
     while i < len(tokens):
         if tokens[i][0] != "-":
@@ -116,10 +145,13 @@ def _sorted_free_runs(stream: Stream) -> Stream:
         k = i
         while k < len(tokens) and tokens[k][0] == "-":
             k += 1
-        run = sorted(range(i, k), key=lambda j: tokens[j])
+        if phases[i] != "forward":  # (elsewhere the trace's order is already the same at every depth)
+            i = k
+            continue
+        run = sorted(range(i, k), key=lambda j: (blocks[frees[j]], tokens[j]))
         tokens[i:k], frees[i:k], phases[i:k] = [tokens[j] for j in run], [frees[j] for j in run], [phases[j] for j in run]
         i = k
-    return Stream(tokens, frees, phases)
+    return Stream(tokens, frees, phases, blocks)
 
 
 def deepen(a: Stream, b: Stream, d: int, e: int, full: int) -> Stream | None:
@@ -163,16 +195,49 @@ def deepen(a: Stream, b: Stream, d: int, e: int, full: int) -> Stream | None:
     tokens: list = [None] * out_len
     phases: list = [None] * out_len
     frees = [-1] * out_len
+    origin: list = [None] * out_len  # (event of ``b``, copy) at each place
     for j, tok in enumerate(b.tokens):
         for c in range(n if stretch[j] >= 0 else 1):
-            tokens[pos(j, c)], phases[pos(j, c)] = tok, b.phases[j]
+            tokens[pos(j, c)], phases[pos(j, c)], origin[pos(j, c)] = tok, b.phases[j], (j, c)
+    shifted, period = _far_side(b, spans, stretch), e - d
+
+    def block_shift(j: int, c: int) -> int:
+        """How many blocks further event j of ``b`` in copy c is at full depth: the copies of a
+        stretch run up the blocks (down in the backward), and an event made once lies beyond
+        all copies but one when it is past the stretch in its run."""
+        if stretch[j] < 0:
+            return period * (n - 1) * shifted[j]
+        return period * (n - 1 - c if b.phases[j] == "backward" else c)
+
+    # a block's allocations at full depth by (token, run of one phase, block), in order; and the
+    # place of each of ``b``'s among those of its block
+    run = list(itertools.accumulate(int(t[0] == MARK) for t in b.tokens))
+    made: dict[tuple, list[int]] = {}
+    rank: dict[int, int] = {}
+    if b.blocks is not None:
+        seen: dict[tuple, int] = {}
+        for j, tok in enumerate(b.tokens):
+            if tok[0] == "+" and b.blocks[j] >= 0:
+                key = (tok, run[j], b.blocks[j])
+                rank[j] = seen[key] = seen.get(key, -1) + 1
+        for i, (j, c) in enumerate(origin):
+            if b.tokens[j][0] == "+" and b.blocks[j] >= 0:
+                made.setdefault((b.tokens[j], run[j], b.blocks[j] + block_shift(j, c)), []).append(i)
+
     chain_in: dict[tuple, list[tuple[int, int]]] = {}   # token -> (allocation made once, its free in a stretch)
     chain_out: dict[tuple, list[tuple[int, int]]] = {}  # token -> (allocation in a stretch, its free made once)
     for jf, ja in enumerate(b.frees):
         if ja < 0:
             continue
         sf, sa = stretch[jf], stretch[ja]
-        if sf < 0 and sa < 0:
+        if ja in rank and b.phases[jf] in ("forward", "backward"):
+            # a block's allocation freed in the forward or backward: by the same block's free
+            for c in range(n if sf >= 0 else 1):
+                found = made.get((b.tokens[ja], run[ja], b.blocks[ja] + block_shift(jf, c)), ())
+                if rank[ja] >= len(found):
+                    return None
+                frees[pos(jf, c)] = found[rank[ja]]
+        elif sf < 0 and sa < 0:
             frees[pos(jf)] = pos(ja)
         elif sf == sa:
             for c in range(n):
@@ -203,7 +268,25 @@ def deepen(a: Stream, b: Stream, d: int, e: int, full: int) -> Stream | None:
             frees[pos(jf_once)] = pos(ja, left[0])
     if chain_out or not _consistent(tokens, frees):
         return None
-    return _sorted_free_runs(Stream(tokens, frees, phases))
+    blocks = [b.blocks[j] + block_shift(j, c) if b.blocks is not None and b.blocks[j] >= 0 else -1
+              for j, c in origin]
+    return _sorted_free_runs(Stream(tokens, frees, phases, blocks))
+
+
+def _far_side(b: Stream, spans: list[tuple[int, int]], stretch: list[int]) -> list[int]:
+    """1 for an event of ``b`` made once that lies past an inserted stretch of its run of one
+    phase (after it; before it in the backward, which runs down the blocks), else 0."""
+    out = [0] * len(b.tokens)
+    start = 0
+    for j in range(len(b.tokens) + 1):
+        if j == len(b.tokens) or b.tokens[j][0] == MARK:
+            inside = [(j1, j2) for j1, j2 in spans if start <= j1 < j]
+            for i in range(start, j):
+                if stretch[i] < 0 and inside:
+                    down = b.phases[i] == "backward"
+                    out[i] = int(any(j1 > i if down else j2 <= i for j1, j2 in inside))
+            start = j + 1
+    return out
 
 
 def _consistent(tokens: list, frees: list) -> bool:
@@ -228,6 +311,9 @@ def _inserted(a: Stream, b: Stream) -> list[tuple[int, int]] | None:
             if any(b.tokens[j][0] == MARK for j in range(j1, j2)):
                 return None  # a step or phase mark in a stretch: not a repeated block
             spans.append((j1, j2))
+        elif tag == "replace" and i2 - i1 == j2 - j1 and all(
+                x[0] == y[0] == "-" and x[1:3] == y[1:3] for x, y in zip(a.tokens[i1:i2], b.tokens[j1:j2])):
+            continue  # frees of as many bytes, of something made elsewhere: where a chain enters the copies
         elif tag != "equal" and (any(a.phases[i] != SETUP for i in range(i1, i2))
                                  or any(b.phases[j] != SETUP for j in range(j1, j2))):
             return None

@@ -46,15 +46,17 @@ from memfit.planner.workers import Workers
 from memfit.plans import Plan
 from memfit.target import Target
 from memfit.techniques.base import GraphSize
+from memfit.techniques.checkpointing import find_blocks
 
 FORWARD, BACKWARD = 2, 3  # memfit.planner.opcost.PHASES
 ESTIMATE_MARGIN = 0.1
 """A plan estimated to need this much more than the budget is not traced (:meth:`GpuStepModel.likely_too_big`)."""
 DEEP_MARGIN = 0.005
 """How far a plan's reserved bytes from its shallow traces' allocations at full depth
-(:meth:`GpuStepModel.deep_used`) must be above the budget to rule it out without a full trace: the
-model's build differs between a shallow and the full trace (88 MiB more of 43.7 GB reserved, seen
-on Llama-2-7B bf16-pure + adamw8bit; exact on the others measured)."""
+(:meth:`GpuStepModel.deep_used`) must be above the budget to rule it out without a full trace:
+they equalled the full traces' on every plan measured, but the model's build differs between a
+shallow and a full trace (an earlier version that paired frees by stretch alone was 88 MiB over
+on 43.7 GB, Llama-2-7B bf16-pure + adamw8bit)."""
 PEAK_MARGIN = 0.02
 """How far an extrapolated allocated peak may be above the full trace's (caching-allocator rounding;
 1% seen with ``blocks:every=2`` on a small model): the lower bound that prunes is that much lower."""
@@ -120,6 +122,8 @@ class GpuStepModel:
         self._workloads: dict[int, object] = {}
         self._traced: dict[tuple, Traced | Exception] = {}
         self._deep: dict[Plan, int | None] = {}
+        self._containers = tuple(name for name, _ in find_blocks(facts.model))
+        """The repeated-block containers (their module names give an allocation's block)."""
         # forked children cannot use CUDA once the parent has: no workers where tensors are CUDA's
         self.workers = Workers(self._trace, fork=target.tensor_device != "cuda")
 
@@ -379,7 +383,7 @@ class GpuStepModel:
         if trackers and self.target.device.is_gpu:
             tracker = trackers[0]
             stream = from_tracker(tracker, traced_device(target.device, "fake", target.tensor_device),
-                                  getattr(tracker, "side_streams", None))
+                                  getattr(tracker, "side_streams", None), self._containers)
         return Traced(report.peak_bytes, report.cuda_context_bytes or 0, self.budget.used_bytes(report), ops, stream)
 
     # -- what the planner asks of every time model ---------------------------------------------
