@@ -11,7 +11,7 @@ from memfit.memory.allocator import replay as replay_trace
 from memfit.memory.categories import STEADY_STEP
 from memfit.memory.faketrace import run_tracked
 from memfit.memory.report import step_window, traced_device
-from memfit.planner.deep_stream import Stream, deepen, from_tracker, replay
+from memfit.planner.deep_stream import Stream, _sorted_free_runs, deepen, from_tracker, replay
 from memfit.planner.shallow import depths, shallow_workload
 from memfit.plans import Plan
 from memfit.quiet import silenced_warnings
@@ -145,3 +145,57 @@ def test_the_planner_traces_what_a_wrong_deep_stream_ruled_out(monkeypatch):
                 **kwargs)
     assert lied.chosen.plan == truth.chosen.plan and lied.chosen.used_bytes == truth.chosen.used_bytes
     assert any("ruled out by their reserved bytes at full depth" in n for n in lied.notes)
+
+
+def _blocks_stream(depth, losses):
+    """A forward and backward of ``depth`` blocks, each making a cast weight, an activation, a
+    temporary freed by the next block and an output; autocast's cast weights all freed at the end
+    of the forward (a sorted run), the activations by each block's backward, a gradient per block."""
+    tokens, frees, phases, blocks, live = [], [], [], [], {}
+
+    def mark(name, phase):
+        tokens.append(("mark", name, 2)), frees.append(-1), phases.append(phase), blocks.append(-1)
+
+    def alloc(key, size, phase, module, block):
+        live[key] = len(tokens)
+        tokens.append(("+", size, 0, phase, 2, "op", module)), frees.append(-1), phases.append(phase)
+        blocks.append(block)
+
+    def free(key, phase):
+        ja = live.pop(key)
+        tokens.append(("-",) + tokens[ja][1:]), frees.append(ja), phases.append(phase), blocks.append(-1)
+
+    mark("step", "setup")
+    mark("forward", "forward")
+    for k in range(depth):
+        alloc(("w", k), 12 << 20, "forward", "layers.#.w", k)
+        alloc(("a", k), 5 << 20, "forward", "layers.#.mlp", k)
+        if k:
+            free(("t", k - 1), "forward")
+        alloc(("t", k), 1 << 20, "forward", "layers.#.tmp", k)
+        alloc(("h", k), 3 << 20, "forward", "layers.#.out", k)
+    free(("t", depth - 1), "forward")
+    alloc("norm", 7 << 20, "forward", "norm", -1)  # (the final norm and the loss: not blocks)
+    for x in range(losses):
+        alloc(("loss", x), (9 + x) << 20, "forward", "lm_head", -1)
+    for k in range(depth):
+        free(("w", k), "forward")
+    mark("backward", "backward")
+    free("norm", "backward")
+    for k in reversed(range(depth)):
+        alloc(("g", k), 6 << 20, "backward", "", -1)
+        free(("a", k), "backward")
+        free(("h", k), "backward")
+        free(("g", k), "backward")
+    mark("end", "backward")
+    return _sorted_free_runs(Stream(tokens, frees, phases, blocks))
+
+
+@pytest.mark.parametrize("d,e,full", [(1, 2, 5), (2, 3, 5), (3, 4, 6), (2, 4, 8)])
+@pytest.mark.parametrize("losses", [0, 3, 12])  # (they move where the diff puts the inserted free)
+def test_a_sorted_run_of_frees_is_deepened_block_by_block(d, e, full, losses):
+    """The cast weights freed together at the end of the forward: whichever of them the diff calls
+    inserted, each block's is freed once, and the deep stream is the deeper stream itself."""
+    deep = deepen(_blocks_stream(d, losses), _blocks_stream(e, losses), d, e, full)
+    truth = _blocks_stream(full, losses)
+    assert deep is not None and deep.tokens == truth.tokens and deep.frees == truth.frees

@@ -71,8 +71,8 @@ class Stream(NamedTuple):
     frees: list
     phases: list
     blocks: list | None = None
-    """``blocks[i]``: the repeated block an allocation was made in (the index of its module in
-    the block container: forward and recomputed activations), else -1."""
+    """``blocks[i]``: the repeated block an allocation was made in the forward (the index of its
+    module in the block container), else -1."""
 
 
 def from_tracker(tracker, device: str, side_streams: dict | None = None, containers: tuple[str, ...] = ()) -> Stream:
@@ -275,7 +275,9 @@ def deepen(a: Stream, b: Stream, d: int, e: int, full: int) -> Stream | None:
 
 def _far_side(b: Stream, spans: list[tuple[int, int]], stretch: list[int]) -> list[int]:
     """1 for an event of ``b`` made once that lies past an inserted stretch of its run of one
-    phase (after it; before it in the backward, which runs down the blocks), else 0."""
+    phase (after it; before it in the backward, which runs down the blocks), else 0. A free in a
+    sorted run of frees (:func:`_sorted_free_runs`) is past the stretches inside that run only:
+    the run is in block order of its own, whatever stretch came before it."""
     out = [0] * len(b.tokens)
     start = 0
     for j in range(len(b.tokens) + 1):
@@ -286,6 +288,17 @@ def _far_side(b: Stream, spans: list[tuple[int, int]], stretch: list[int]) -> li
                     down = b.phases[i] == "backward"
                     out[i] = int(any(j1 > i if down else j2 <= i for j1, j2 in inside))
             start = j + 1
+    i = 0
+    while i < len(b.tokens):  # the sorted runs of frees in the forward
+        k = i
+        while k < len(b.tokens) and b.tokens[k][0] == "-" and b.phases[k] == "forward":
+            k += 1
+        inside = [(j1, j2) for j1, j2 in spans if i <= j1 < k]
+        if k - i > 1 and inside:  # (a run with no stretch of its own is where its neighbours put it)
+            for x in range(i, k):
+                if stretch[x] < 0:
+                    out[x] = int(any(j2 <= x for j1, j2 in inside))
+        i = max(k, i + 1)
     return out
 
 

@@ -246,7 +246,7 @@ class _Walk:
         self.order = {id(c): i for i, c in enumerate(ranked)}
         while True:
             chosen = self._walk(heap, ranked, bs)
-            if chosen is None and self.deep_rejected and self.trust_deep:  # (see _deep_agrees)
+            if chosen is None and self.deep_rejected and self.trust_deep and not self.limited:  # (_deep_agrees)
                 self.notes.append(f"nothing fitted after {len(self.deep_rejected)} plans were ruled out by their "
                                   "reserved bytes at full depth from shallow traces: they were traced instead")
                 self._distrust_deep(heap, ranked, None)
@@ -312,16 +312,21 @@ class _Walk:
         return None
 
     def _deep_agrees(self, c: Candidate) -> bool:
-        """The check of the reserved bytes at full depth from shallow traces (:meth:`_too_big_deep`)
-        against the chosen plan's own full trace, when they ruled out a plan: within ``DEEP_MARGIN``."""
+        """The check of the reserved bytes at full depth from shallow traces (:meth:`_too_big_deep`),
+        when they ruled out a plan, against the full traces at hand (the chosen plan's, and those
+        run alongside it): each within ``DEEP_MARGIN``, and at least one to check (else the plans
+        they ruled out are traced)."""
         if not self.gpu or not self.deep_rejected or not self.trust_deep:
             return True
-        deep = self.model.deep_used(c.plan)
-        if deep is None or abs(deep - c.used_bytes) <= DEEP_MARGIN * c.used_bytes:
+        checked = [(p, m.used_bytes, self.model.deep_used(p)) for p, m in list(self.model.measured.items()) if m.full]
+        checked = [(p, full, deep) for p, full, deep in checked if deep is not None]
+        missed = [(full, deep) for _, full, deep in checked if abs(deep - full) > DEEP_MARGIN * full]
+        if checked and not missed:
             return True
-        self.notes.append(f"reserved bytes at full depth from the shallow traces' allocations ({fmt_bytes(deep)}) "
-                          f"missed the chosen plan's full trace ({fmt_bytes(c.used_bytes)}) by more than "
-                          f"{DEEP_MARGIN:.1%}: the {len(self.deep_rejected)} plans they ruled out were traced instead")
+        why = (f"missed a full trace ({fmt_bytes(missed[0][0])}) by more than {DEEP_MARGIN:.1%} "
+               f"({fmt_bytes(missed[0][1])})") if missed else "had no full trace to be checked against"
+        self.notes.append(f"reserved bytes at full depth from the shallow traces' allocations {why}: the "
+                          f"{len(self.deep_rejected)} plans they ruled out were traced instead")
         return False
 
     def _distrust_deep(self, heap: list, ranked: list[Candidate], c: Candidate | None) -> None:
@@ -333,7 +338,8 @@ class _Walk:
                 self.failed.remove(x)
             if x is not c:
                 x.status, x.reason = "not evaluated", ""
-                x.used_bytes = self.model.measured[x.plan].used_lower if self.model.is_measured(x.plan) else None
+                m = self.model.measured.get(x.plan)
+                x.used_bytes = None if m is None else m.used_bytes if m.full else m.used_lower
             heapq.heappush(heap, (x.seconds, self.order[id(x)], x))
         self.deep_rejected.clear()
 
