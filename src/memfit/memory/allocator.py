@@ -160,25 +160,41 @@ def replay(tracker, device: str, window, streams: dict[int, int] | None = None, 
     (an ``empty_cache`` mark: after FSDP2 sharded a model built whole), so its value at the end of
     the window is its peak.
     """
-    model = CachingAllocatorModel() if model is None else model
     recs = tracker.state.records
-    blocks: dict[int, _Block] = {}
-    peak, peak_at = -1, window.start
     emptied = {at for name, _, at in tracker.state.marks if name == "empty_cache"}
-    for i, (serial, sign) in enumerate(tracker.state.events[:window.end]):
-        if i in emptied:
+
+    def events():
+        for i, (serial, sign) in enumerate(tracker.state.events[:window.end]):
+            if i in emptied:
+                yield i, None, 0, 0, 0
+            rec = recs[serial]
+            if rec.device == device and rec.nbytes != 0:
+                yield i, serial, sign, rec.nbytes, streams.get(serial, 0) if streams and sign > 0 else 0
+    return replay_events(events(), window.start, model=model, on_block=on_block)
+
+
+def replay_events(events, start: int, *, model=None, on_block=None) -> tuple[int, int, int]:
+    """The replay behind :func:`replay` (and memfit.planner.deep_stream's): ``events`` are
+    ``(index, key, sign, nbytes, stream)`` in order, up to the window's end (``sign`` +1 allocates
+    ``nbytes`` on ``stream`` for ``key``, -1 frees ``key``'s block, 0 empties the cache); the peak
+    counts from ``index`` ``start`` on. Returns (peak allocated bytes, reserved bytes at the end,
+    index of the peak)."""
+    model = CachingAllocatorModel() if model is None else model
+    blocks: dict = {}
+    peak, peak_at = -1, start
+    for i, key, sign, nbytes, stream in events:
+        if sign == 0:
             model.empty_cache()
-        if recs[serial].device != device or recs[serial].nbytes == 0:
             continue
         if sign > 0:
-            blocks[serial] = model.malloc(recs[serial].nbytes, streams.get(serial, 0) if streams else 0)
+            blocks[key] = model.malloc(nbytes, stream)
             if on_block is not None:
-                on_block(i, serial, 1, blocks[serial])
-        elif serial in blocks:
+                on_block(i, key, 1, blocks[key])
+        elif key in blocks:
             if on_block is not None:
-                on_block(i, serial, -1, blocks[serial])
-            model.free(blocks.pop(serial))
-        if i >= window.start and model.allocated > peak:
+                on_block(i, key, -1, blocks[key])
+            model.free(blocks.pop(key))
+        if i >= start and model.allocated > peak:
             peak, peak_at = model.allocated, i
     if peak < 0:
         peak = model.allocated

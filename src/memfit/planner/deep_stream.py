@@ -53,7 +53,7 @@ import itertools
 import re
 from typing import NamedTuple
 
-from memfit.memory.allocator import CachingAllocatorModel
+from memfit.memory.allocator import replay_events
 
 MARK = "mark"
 SETUP = "setup"
@@ -62,8 +62,9 @@ SETUP = "setup"
 class Stream(NamedTuple):
     """One device's allocations and frees, with the step's marks, in order.
 
-    ``tokens[i]``: ``("+", nbytes, stream, phase, step, op)`` for an allocation (``phase``:
-    the one it was made in), ``("-", ...)`` with its allocation's fields for a free, or
+    ``tokens[i]``: ``("+", nbytes, stream, phase, step, op, module)`` for an allocation
+    (``phase``: the one it was made in; ``module``: in the forward, the one it was made in with
+    its block's index as ``#``, else ""), ``("-", ...)`` with its allocation's fields for a free, or
     ``("mark", name, step)``. ``frees[i]``: the index of the allocation the free at ``i`` frees
     (-1 elsewhere). ``phases[i]``: the step phase the event happened in."""
 
@@ -167,7 +168,6 @@ def deepen(a: Stream, b: Stream, d: int, e: int, full: int) -> Stream | None:
     for s, (j1, j2) in enumerate(spans):
         for j in range(j1, j2):
             stretch[j] = s
-    starts = [j1 for j1, _ in spans]
 
     # positions in the deep stream: event j of ``b`` in copy c of its stretch
     first, length, pos_once = {}, {}, {}
@@ -186,11 +186,9 @@ def deepen(a: Stream, b: Stream, d: int, e: int, full: int) -> Stream | None:
         first[s], length[s] = out_len, k - j
         out_len += n * (k - j)
         j = k
-    start_of = {s: starts[s] for s in range(len(starts))}
-
     def pos(j: int, c: int = 0) -> int:
         s = stretch[j]
-        return pos_once[j] if s < 0 else first[s] + c * length[s] + (j - start_of[s])
+        return pos_once[j] if s < 0 else first[s] + c * length[s] + (j - spans[s][0])
 
     tokens: list = [None] * out_len
     phases: list = [None] * out_len
@@ -324,9 +322,6 @@ def _inserted(a: Stream, b: Stream) -> list[tuple[int, int]] | None:
             if any(b.tokens[j][0] == MARK for j in range(j1, j2)):
                 return None  # a step or phase mark in a stretch: not a repeated block
             spans.append((j1, j2))
-        elif tag == "replace" and i2 - i1 == j2 - j1 and all(
-                x[0] == y[0] == "-" and x[1:3] == y[1:3] for x, y in zip(a.tokens[i1:i2], b.tokens[j1:j2])):
-            continue  # frees of as many bytes, of something made elsewhere: where a chain enters the copies
         elif tag != "equal" and (any(a.phases[i] != SETUP for i in range(i1, i2))
                                  or any(b.phases[j] != SETUP for j in range(j1, j2))):
             return None
@@ -336,23 +331,17 @@ def _inserted(a: Stream, b: Stream) -> list[tuple[int, int]] | None:
 def replay(stream: Stream, step: int) -> tuple[int, int]:
     """(allocated peak within step ``step``, reserved bytes at its end) of the stream through the
     caching-allocator model, as memfit.memory.allocator.replay gives them for a trace."""
-    model = CachingAllocatorModel()
-    blocks: dict[int, object] = {}
-    peak, inside = -1, False
-    for i, tok in enumerate(stream.tokens):
-        if tok[0] == MARK:
-            name, s = tok[1], tok[2]
-            if name == "empty_cache":
-                model.empty_cache()
-            elif name == "step" and s == step:
-                inside = True
-            elif inside and (name == "end" or name == "step"):
-                break
-            continue
-        if tok[0] == "+":
-            blocks[i] = model.malloc(tok[1], tok[2])
-        else:
-            model.free(blocks.pop(stream.frees[i]))
-        if inside and model.allocated > peak:
-            peak = model.allocated
-    return max(peak, model.allocated if peak < 0 else peak), model.reserved
+    marks = [(i, tok[1], tok[2]) for i, tok in enumerate(stream.tokens) if tok[0] == MARK]
+    start = next(i for i, name, s in marks if name == "step" and s == step)
+    end = next((i for i, name, _ in marks if i > start and name in ("step", "end")), len(stream.tokens))
+
+    def events():
+        for i, tok in enumerate(stream.tokens[:end]):
+            if tok[0] == MARK:
+                if tok[1] == "empty_cache":
+                    yield i, None, 0, 0, 0
+            elif tok[0] == "+":
+                yield i, i, 1, tok[1], tok[2]
+            else:
+                yield i, stream.frees[i], -1, tok[1], tok[2]
+    return replay_events(events(), start)[:2]

@@ -269,7 +269,7 @@ class GpuStepModel:
 
     def deep_used(self, plan: Plan) -> int | None:
         """What the budget counts for a measured plan, from its shallow pair's allocations
-        replayed at full depth (NOTE [ Allocations at full depth ]; 0.05-0.2 s, so asked only of a
+        replayed at full depth (NOTE [ Allocations at full depth ]; 0.05-0.5 s, so asked only of a
         plan about to be confirmed); None where they do not line up, or the plan has no pair."""
         if plan not in self._deep:
             pair, traced = self._depths(plan), None
@@ -380,7 +380,7 @@ class GpuStepModel:
                 raise
             return RuntimeError(f"{type(e).__name__}: {e}")
         stream = None
-        if trackers and self.target.device.is_gpu:
+        if trackers:
             tracker = trackers[0]
             stream = from_tracker(tracker, traced_device(target.device, "fake", target.tensor_device),
                                   getattr(tracker, "side_streams", None), self._containers)

@@ -318,9 +318,9 @@ class _Walk:
         they ruled out are traced)."""
         if not self.gpu or not self.deep_rejected or not self.trust_deep:
             return True
-        checked = [(p, m.used_bytes, self.model.deep_used(p)) for p, m in list(self.model.measured.items()) if m.full]
-        checked = [(p, full, deep) for p, full, deep in checked if deep is not None]
-        missed = [(full, deep) for _, full, deep in checked if abs(deep - full) > DEEP_MARGIN * full]
+        checked = [(m.used_bytes, self.model.deep_used(p)) for p, m in list(self.model.measured.items()) if m.full]
+        checked = [(full, deep) for full, deep in checked if deep is not None]
+        missed = [(full, deep) for full, deep in checked if abs(deep - full) > DEEP_MARGIN * full]
         if checked and not missed:
             return True
         why = (f"missed a full trace ({fmt_bytes(missed[0][0])}) by more than {DEEP_MARGIN:.1%} "
