@@ -139,3 +139,20 @@ def test_planner_leaves_out_adamw8bit_without_bitsandbytes_and_says_why(monkeypa
         space = default_space(facts, get_device("h100-80gb"), 8)
     assert space.values["optimizer"] == ["adamw"]
     assert "pip install bitsandbytes" in space.notes[0]
+
+
+def test_module_conversions_on_fake_tensors():
+    """NOTE [ Module conversions on fake tensors ]: ``Linear.to`` fails under fake mode in torch
+    (pytorch#148977) and works inside memfit's trace; fails loudly if torch fixes it or moves the swap."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memfit.memory.adapters import real_code_paths
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        plain = torch.nn.Linear(4, 4)
+        with pytest.raises(RuntimeError, match="Couldn't swap"):
+            plain.to("cpu", dtype=torch.float32)
+        with real_code_paths():
+            layer = torch.nn.Linear(4, 4)
+            weight = layer.weight
+            layer.to("cpu", dtype=torch.bfloat16)
+    assert layer.weight is weight and weight.dtype == torch.bfloat16

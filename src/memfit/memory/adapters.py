@@ -18,6 +18,17 @@ out of it is labelled a gradient after the step. The unsharded parameters are fr
 again by resizing their storages in place (``free_storage`` / ``alloc_storage``), which no
 dispatch mode sees: the tracker is shown each resize. A test fails loudly if these move.
 
+NOTE [ Module conversions on fake tensors ]
+``Module.to`` / ``_apply`` on a module of fake parameters swaps each parameter with its converted
+copy (``torch.utils.swap_tensors``), and the swap refuses any tensor with a weak reference.
+FakeTensorMode's converter memo holds one on every fake tensor made by ``Parameter(...)`` (a
+``detach``), so a plain ``Linear(4, 4).to("cpu")`` fails under fake mode ("_apply(): Couldn't
+swap Linear.weight"; pytorch#148977, #184976). PEFT moves every new adapter to its base layer's
+device with ``.to``, so no PEFT model could be built on fake tensors. While a fake trace runs,
+a swap of fake tensors first drops them from the converter's memo (a cache of real -> fake
+conversions: dropping an entry only costs a conversion later); every other swap is untouched.
+A test fails loudly if torch stops using ``torch.utils.swap_tensors`` here or fixes it.
+
 What a technique's own library needs on fake tensors is the technique's business
 (``Config.trace_context``, e.g. NOTE [ bitsandbytes tables on fake tensors ]).
 """
@@ -26,6 +37,9 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
+
+import torch
 
 
 @contextlib.contextmanager
@@ -34,7 +48,22 @@ def real_code_paths():
         module = sys.modules.get("transformers.utils.import_utils")
         if module is not None and hasattr(module, "is_fake_tensor"):
             stack.enter_context(_patched(module, "is_fake_tensor", lambda x: False))
+        stack.enter_context(_patched(torch.utils, "swap_tensors", _fake_swappable(torch.utils.swap_tensors)))
         yield
+
+
+def _fake_swappable(swap):
+    """See NOTE [ Module conversions on fake tensors ]."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def swap_tensors(t1, t2):
+        for t in (t1, t2):
+            if isinstance(t, FakeTensor) and weakref.getweakrefcount(t):
+                memo = t.fake_mode.fake_tensor_converter.tensor_memo
+                for key in [k for k, ref in memo.data.items() if ref() is t]:
+                    del memo[key]
+        return swap(t1, t2)
+    return swap_tensors
 
 
 FSDP_BUFFER_METHODS = ("unshard", "wait_for_unshard", "post_backward")
