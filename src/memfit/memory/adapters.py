@@ -57,6 +57,8 @@ def _fake_swappable(swap):
     from torch._subclasses.fake_tensor import FakeTensor
 
     def swap_tensors(t1, t2):
+        if _same_tensor(t1, t2):
+            return None  # a conversion that changed nothing (``.to`` of what is already there): keep t1
         for t in (t1, t2):
             if isinstance(t, FakeTensor) and weakref.getweakrefcount(t):
                 memo = t.fake_mode.fake_tensor_converter.tensor_memo
@@ -64,6 +66,14 @@ def _fake_swappable(swap):
                     del memo[key]
         return swap(t1, t2)
     return swap_tensors
+
+
+def _same_tensor(t1, t2) -> bool:
+    """``t2`` is ``t1`` again: same storage, place, shape, strides and dtype."""
+    return (isinstance(t1, torch.Tensor) and isinstance(t2, torch.Tensor) and t1.device == t2.device
+            and t1.dtype == t2.dtype and t1.shape == t2.shape and t1.stride() == t2.stride()
+            and t1.storage_offset() == t2.storage_offset()
+            and t1.untyped_storage()._cdata == t2.untyped_storage()._cdata)
 
 
 FSDP_BUFFER_METHODS = ("unshard", "wait_for_unshard", "post_backward")

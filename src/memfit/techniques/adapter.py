@@ -1,0 +1,219 @@
+"""Adapters (LoRA, DoRA): a *method*, not a technique: train small low-rank matrices beside frozen
+base weights instead of the weights themselves.
+
+A LoRA adapter of rank r on a linear layer W [out, in] adds ``B @ A`` (A: [r, in], B: [out, r],
+B starts at zero) scaled by alpha / r; only A and B train. Memory: the base weights stay, but
+their gradients and optimizer states go (AdamW: 12 of 16 bytes per fp32 parameter), replaced by
+those of r * (in + out) adapter parameters per layer. Activations barely shrink: backward still
+needs each targeted layer's input (for A's gradient) and the frozen layers' inputs only where a
+trainable parameter lies before them; the adapter adds its own [tokens, r] intermediate (and a
+dropout mask when ``dropout`` > 0). DoRA also learns a magnitude per output feature and
+normalises ``W + BA`` by its column norm every forward: an extra [out, in] temporary per layer
+and more compute.
+
+It changes *what is trained* (a different model comes out), so the planner never picks it by
+itself: ``memfit plan --methods full,lora`` compares methods only when asked (NOTE [ Methods are
+the user's ]).
+
+Plan key ``adapter``: ``none`` (:class:`NoAdapter`), or ``lora:OPTIONS`` / ``dora:OPTIONS``
+(:class:`LoRA`) with comma-separated options ``r=16,alpha=32,targets=q_proj+v_proj,
+dropout=0.05,save=lm_head``. Targets are PEFT's names (module-name suffixes, ``+``-separated);
+without them PEFT's defaults for the model's type, else every linear layer but the output layer
+(``all-linear``). ``save`` lists modules trained in full beside the adapter (PEFT's
+``modules_to_save``, e.g. a classifier head). The adapter is injected with PEFT's own
+``inject_adapter_in_model``, so the model keeps its class and the workload's loss runs unchanged.
+A workload that builds a PEFT model itself (``get_peft_model``, ``inject_adapter_in_model``,
+diffusers' ``add_adapter``) needs no plan key: its frozen weights already get no gradients.
+
+NOTE [ Methods are the user's ]
+The empty plan trains the workload's own model. A method key (``adapter``, ``base_weights``)
+changes the parameters that train, so it is applied only when the plan names it, before every
+technique (``order``), and never searched by default.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from memfit.errors import UserError
+from memfit.techniques.base import Config, Export, Key, Technique, register
+
+ALL_LINEAR = "all-linear"
+
+
+class Adapter(Config):
+    rank = None  # a method: not in the techniques' memory order
+
+    def values(self) -> dict:
+        return {"adapter": self.text_value()}
+
+    def text_value(self) -> str:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class NoAdapter(Adapter):
+    """Train the workload's model as it is (every parameter that requires grad)."""
+
+    def text_value(self) -> str:
+        return "none"
+
+
+@dataclass(frozen=True)
+class LoRA(Adapter):
+    """A LoRA (or DoRA) adapter on the target linear layers; the rest of the model is frozen."""
+
+    r: int = 16
+    """Rank of the update (>= 1)."""
+    alpha: float | None = None
+    """Scale numerator (the update is scaled by alpha / r); None: 2 * r."""
+    targets: tuple[str, ...] = ()
+    """Module names to adapt (PEFT's ``target_modules``); empty: PEFT's default for the model
+    type, else all linear layers but the output layer."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (0 <= dropout < 1)."""
+    save: tuple[str, ...] = ()
+    """Modules trained in full beside the adapter (PEFT's ``modules_to_save``)."""
+    dora: bool = False
+    """Weight-decomposed LoRA (DoRA): also learn a magnitude per output feature."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r < 1:
+            raise UserError(f"plan: adapter rank r must be a whole number >= 1, got {self.r!r}; write e.g. lora:r=16")
+        if self.alpha is not None and not self.alpha > 0:
+            raise UserError(f"plan: adapter alpha must be > 0, got {self.alpha!r}; write e.g. lora:r=16,alpha=32")
+        if not 0 <= self.dropout < 1:
+            raise UserError(f"plan: adapter dropout must be in [0, 1), got {self.dropout!r}; write e.g. dropout=0.05")
+
+    @property
+    def kind(self) -> str:
+        return "dora" if self.dora else "lora"
+
+    @property
+    def scale_alpha(self) -> float:
+        return float(self.alpha) if self.alpha is not None else 2.0 * self.r
+
+    def text_value(self) -> str:
+        opts = [f"r={self.r}"]
+        if self.alpha is not None:
+            opts.append(f"alpha={self.alpha:g}")
+        if self.targets:
+            opts.append("targets=" + "+".join(self.targets))
+        if self.dropout:
+            opts.append(f"dropout={self.dropout:g}")
+        if self.save:
+            opts.append("save=" + "+".join(self.save))
+        return f"{self.kind}:" + ",".join(opts)
+
+    def peft_config(self, model):
+        """The PEFT ``LoraConfig`` for ``model`` (targets resolved: see the module docstring)."""
+        peft = _peft()
+        targets = list(self.targets) if self.targets else _default_targets(model, peft)
+        return peft.LoraConfig(r=self.r, lora_alpha=self.scale_alpha, lora_dropout=self.dropout,
+                               target_modules=targets, use_dora=self.dora,
+                               modules_to_save=list(self.save) or None)
+
+    def apply(self, parts) -> None:
+        peft = _peft()
+        config = self.peft_config(parts.model)
+        try:
+            parts.model = peft.inject_adapter_in_model(config, parts.model)
+        except ValueError as e:
+            if "not found in the base model" in str(e) or "Target modules" in str(e):
+                raise UserError(f"plan: adapter {self.text_value()}: the targets {', '.join(config.target_modules)} "
+                                f"match no module of the model; name its linear layers (e.g. targets=q_proj+v_proj; "
+                                f"`memfit estimate ... --modules 20` lists the modules)") from None
+            raise
+        if self.save:
+            _check_saved(parts.model, self.save, self.text_value())
+
+    def label(self, batch_size):
+        return f"{self.kind}{self.r}"
+
+    def export(self, into: Export) -> None:
+        into.not_carried(self)
+        note = f"build the PEFT model in your code: get_peft_model(model, {self._peft_text()})"
+        into.hf_notes.append(note)
+        into.lightning_notes.append(note)
+
+    def _peft_text(self) -> str:
+        args = [f"r={self.r}", f"lora_alpha={self.scale_alpha:g}"]
+        if self.targets:
+            args.append(f"target_modules={list(self.targets)}")
+        if self.dropout:
+            args.append(f"lora_dropout={self.dropout:g}")
+        if self.save:
+            args.append(f"modules_to_save={list(self.save)}")
+        if self.dora:
+            args.append("use_dora=True")
+        return f"LoraConfig({', '.join(args)})"
+
+
+def _default_targets(model, peft) -> list[str] | str:
+    """PEFT's default target modules for a transformers model type, else every linear layer but
+    the output layer (PEFT's ``all-linear``)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    mapping = getattr(peft.utils, "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING", {})
+    if model_type in mapping:
+        return list(mapping[model_type])
+    return ALL_LINEAR
+
+
+def _check_saved(model, names: tuple[str, ...], text: str) -> None:
+    wrapped = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m).__name__ == "ModulesToSaveWrapper"}
+    missing = [n for n in names if n.rsplit(".", 1)[-1] not in wrapped]
+    if missing:
+        raise UserError(f"plan: adapter {text}: save={'+'.join(missing)} matches no module of the model; name a "
+                        "module to train in full (e.g. save=lm_head)")
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError:
+        raise UserError("plan: adapter needs peft (pip install 'memfit[peft]' or pip install peft)") from None
+    return peft
+
+
+# -- parsing -------------------------------------------------------------------------------------
+
+_OPTION = re.compile(r"^([a-z_]+)=(.+)$")
+
+
+def parse(values: dict) -> Adapter:
+    text = values["adapter"]
+    if text in (None, "none", False):
+        return NoAdapter()
+    if not isinstance(text, str):
+        raise UserError(f"plan: adapter {text!r} is not valid; write none, lora:r=16,... or dora:r=16,...")
+    kind, _, rest = text.partition(":")
+    if kind not in ("lora", "dora"):
+        raise UserError(f"plan: adapter {text!r} is not valid; write none, lora:r=16,alpha=32,targets=q_proj+v_proj "
+                        "or dora:r=16")
+    options: dict = {}
+    for part in filter(None, rest.split(",")):
+        m = _OPTION.match(part.strip())
+        if not m or m.group(1) not in ("r", "alpha", "targets", "dropout", "save"):
+            raise UserError(f"plan: adapter option {part!r} is not valid; use r=, alpha=, targets=a+b, dropout=, "
+                            "save=a+b (e.g. lora:r=16,alpha=32,targets=q_proj+v_proj,dropout=0.05)")
+        name, value = m.groups()
+        options[name] = _option(name, value, text)
+    return LoRA(**options, dora=kind == "dora")
+
+
+def _option(name: str, value: str, text: str):
+    if name in ("targets", "save"):
+        return tuple(v for v in value.split("+") if v)
+    try:
+        return int(value) if name == "r" else float(value)
+    except ValueError:
+        raise UserError(f"plan: adapter {text!r}: {name}={value} is not a number") from None
+
+
+TECHNIQUE = register(
+    Technique("adapter", (Key("adapter", "none", "Train an adapter instead of the model (a method: changes what is "
+                              "trained): none | lora:r=16,alpha=32,targets=q_proj+v_proj,dropout=0.05,save=lm_head | "
+                              "dora:... .", metavar="ADAPTER"),),
+              parse, order=4),
+    Adapter, NoAdapter, LoRA)

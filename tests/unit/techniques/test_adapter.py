@@ -1,0 +1,119 @@
+"""Adapters (memfit.techniques.adapter) and PEFT models built by the workload itself.
+
+The memory claims are checked against the profiler's allocator events (``profile``), the training
+claims against a plain PyTorch loop over the same PEFT model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memfit.errors import UserError
+from memfit.memory.estimate import estimate
+from memfit.plans import Plan
+from memfit.step import build_step
+from memfit.workloads import load_workload
+from tests.helpers import measured, run_steps
+
+pytest.importorskip("peft")
+
+LLAMA = ("llama:num_hidden_layers=2,hidden_size=128,intermediate_size=256,num_attention_heads=4,"
+         "num_key_value_heads=4,vocab_size=1000")
+GPT2 = "gpt2:n_layer=2,n_embd=128,n_head=4,vocab_size=1000,n_positions=128"
+CASES = {
+    "lora-llama": (LLAMA, "lora:r=8,alpha=16,dropout=0.05"),
+    "lora-gpt2-save": (GPT2, "lora:r=8,targets=c_attn,save=lm_head"),
+    "dora-llama": (LLAMA, "dora:r=8,targets=q_proj+v_proj"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("precision,checkpointing", [("fp32", "none"), ("bf16", "none"), ("fp32", "blocks"),
+                                                      ("bf16", "blocks")])
+def test_adapter_prediction_within_1pct_of_the_profiler(case, precision, checkpointing):
+    spec, adapter = CASES[case]
+    r = measured(spec, Plan(adapter=adapter, precision=precision, checkpointing=checkpointing), batch_size=2)
+    assert abs(r.error_percent) <= 1.0, (case, precision, checkpointing, r.error_percent)
+
+
+def _trainable(model):
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_frozen_base_weights_get_no_gradients_and_no_optimizer_states():
+    step = build_step(load_workload(LLAMA, seq_len=32), Plan(adapter="lora:r=4"), 2, "cpu")
+    trainable = _trainable(step.model)
+    assert trainable and all("lora_" in n for n in trainable)
+    n_trainable = sum(p.numel() for p in trainable.values())
+    assert n_trainable == 2 * 2 * 4 * (128 + 128)  # 2 layers x (q_proj, v_proj) x r=4 x (in + out)
+    step(step.target.workload.batch(2))
+    assert sum(p.numel() for g in step.optimizer.param_groups for p in g["params"]) == n_trainable
+    assert all(p.grad is None for n, p in step.model.named_parameters() if n not in trainable)
+    report = estimate(LLAMA, Plan(adapter="lora:r=4"), batch_size=2, seq_len=32)
+    states = report.breakdown["optimizer_states"]
+    assert 8 * n_trainable <= states <= 8 * n_trainable + 64 * len(trainable)  # exp_avg, exp_avg_sq (+ step scalars)
+
+
+def test_adapter_saves_the_full_models_gradients_and_states():
+    full = measured(LLAMA, Plan(), batch_size=2)
+    lora = measured(LLAMA, Plan(adapter="lora:r=8"), batch_size=2)
+    assert lora.measured.peak_bytes < 0.75 * full.measured.peak_bytes
+    assert lora.predicted.breakdown["optimizer_states"] < 0.05 * full.predicted.breakdown["optimizer_states"]
+
+
+def _plain_loop(spec, lora_kwargs, steps=3, batch_size=2):
+    """The PEFT user's own loop: inject the adapter, AdamW on what requires grad, plain steps."""
+    from peft import LoraConfig, inject_adapter_in_model
+    wl = load_workload(spec, seq_len=64)
+    torch.manual_seed(0)
+    model = inject_adapter_in_model(LoraConfig(**lora_kwargs), wl.model())
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    torch.manual_seed(1)
+    batch = wl.batch(batch_size)
+    losses, params = [], []
+    for i in range(steps):
+        torch.manual_seed(100 + i)
+        opt.zero_grad(set_to_none=True)
+        loss = wl.loss(model, batch)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+        params.append({n: p.detach().float().clone() for n, p in model.named_parameters()})
+    return losses, params
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "blocks"])
+def test_adapter_trains_as_the_users_peft_loop(checkpointing):
+    """Same adapter weights as a plain loop over PEFT's model: equal with no technique; block
+    checkpointing replays the same ops (dropout from the restored RNG), so equal too."""
+    kwargs = dict(r=8, lora_alpha=16, lora_dropout=0.1, target_modules=["q_proj", "v_proj"])
+    plain_losses, plain_params = _plain_loop(LLAMA, kwargs)
+    losses, params, _ = run_steps(LLAMA, Plan(adapter="lora:r=8,alpha=16,dropout=0.1,targets=q_proj+v_proj",
+                                              checkpointing=checkpointing), batch_size=2)
+    assert losses == plain_losses
+    for i, (a, b) in enumerate(zip(params, plain_params)):
+        for name in b:
+            assert torch.equal(a[name], b[name]), f"step {i + 1}: {name}"
+    assert any(not torch.equal(params[-1][n], params[0][n]) for n in params[0] if "lora_B" in n)
+
+
+@pytest.mark.parametrize("text,problem", [
+    ("lora:r=0", "r must be a whole number >= 1"),
+    ("lora:r=8,targets=nope", "match no module"),
+    ("lora:r=8,save=nope", "save=nope matches no module"),
+    ("lora:rank=8", "option 'rank=8' is not valid"),
+    ("lorax", "is not valid"),
+])
+def test_bad_adapters_get_one_line(text, problem):
+    with pytest.raises(UserError, match=problem) as e:
+        estimate(LLAMA, Plan(adapter=text), batch_size=2, seq_len=32)
+    assert "\n" not in str(e.value)
+
+
+def test_adapter_text_round_trips():
+    plan = Plan(adapter="dora:r=16,alpha=32,targets=q_proj+v_proj,dropout=0.05,save=lm_head")
+    assert plan.adapter == "dora:r=16,alpha=32,targets=q_proj+v_proj,dropout=0.05,save=lm_head"
+    assert Plan.from_dict(plan.to_dict()) == plan
+    assert Plan().adapter == "none"
