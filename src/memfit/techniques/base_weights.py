@@ -195,8 +195,8 @@ def _bnb_on_fake_tensors(tables: bool):
     tables computed for real (NOTE [ bitsandbytes tables on fake tensors ]) for double
     quantization's 8-bit absmax. ``as-is`` asks for the tables only when the workload has already
     imported bitsandbytes: importing it costs every trace half a second."""
-    from memfit.techniques.optimizers import _real_quantization_tables
-    with fake_parameter_subclasses(), (_real_quantization_tables() if tables else contextlib.nullcontext()):
+    from memfit.techniques.optimizers import real_quantization_tables
+    with fake_parameter_subclasses(), (real_quantization_tables() if tables else contextlib.nullcontext()):
         yield
 
 
