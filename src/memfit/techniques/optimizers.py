@@ -132,7 +132,7 @@ class AdamW8bit(OptimizerVariant):
         return [] if bitsandbytes_available() else [f"{ADAMW8BIT_FALLBACK}; this estimate is for that fallback"]
 
     def trace_context(self) -> contextlib.AbstractContextManager:
-        return _real_quantization_tables()
+        return real_quantization_tables()
 
 
 def _lr_and_decay(group: dict) -> dict:
@@ -204,7 +204,7 @@ _TABLES: dict = {}
 
 
 @contextlib.contextmanager
-def _real_quantization_tables():
+def real_quantization_tables():
     """NOTE [ bitsandbytes tables on fake tensors ]: bitsandbytes builds each 8-bit optimizer's
     quantization map (a constant 256-value table) with Python loops of ``.tolist()``; on fake
     tensors every read is data-dependent, which made tracing optimizer-in-backward (one optimizer

@@ -1,0 +1,222 @@
+"""Quantized base weights (QLoRA's base): the frozen model's linear layers stored in 4 or 8 bits.
+
+Memory/compute trade-off, per frozen linear weight of N elements:
+- ``as-is`` (:class:`AsIsWeights`): the workload's weights, 4N bytes in fp32 (2N in bf16).
+- ``nf4`` / ``fp4`` (:class:`Quantized4bit`): bitsandbytes' ``Linear4bit``: N/2 bytes of packed
+  4-bit codes plus one fp32 absmax per 64-weight block (N/16 bytes); ``:double_quant=true``
+  (QLoRA's double quantization) stores the absmax in 8 bits (N/64) with one fp32 scale per 256
+  blocks. Each matmul dequantizes the weight ([out, in] in the compute dtype) in forward (unless
+  CUDA's fused kernel takes a small batch) and again in backward: one weight-sized temporary at a
+  time, and the dequantization work every step. Lossy (NF4: about 9% relative error on a random
+  layer's output, see the tests).
+- ``int8`` (:class:`Int8Weights`): bitsandbytes' ``Linear8bitLt`` (LLM.int8, outlier threshold 6):
+  N bytes plus one fp32 scale per row.
+The LM head (the model's output embedding, or a layer named ``lm_head``) stays as it is, as
+transformers' ``BitsAndBytesConfig`` leaves it. Then, as peft's ``prepare_model_for_kbit_training``:
+every other parameter is frozen (a quantized weight takes no gradient), fp16/bf16 parameters that
+were not quantized (norms, embeddings) go to fp32, and the input embeddings' output requires grad.
+The LM head keeps the workload's ``requires_grad`` (peft's ``get_peft_model`` freezes it when an
+adapter is added), so a plan without an adapter trains the head on a quantized body. Gradient
+checkpointing is the ``checkpointing`` key's business. Runs in plan order 2, before ``precision``
+and before an ``adapter`` wraps the quantized layers.
+Needs bitsandbytes (``pip install bitsandbytes``); 4-bit and 8-bit layers run forward and
+backward on CPU and CUDA. Paged optimizers (``bnb.optim.PagedAdamW``) in a workload are not
+modelled: their states live in CUDA unified memory that the driver pages out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from memfit.errors import UserError
+from memfit.techniques.base import Config, Export, Key, Technique, register
+from memfit.techniques.bnb_kernels import Gemm4bitKernels, fake_parameter_subclasses, has_4bit_layers
+
+FORMATS = ("as-is", "nf4", "fp4", "int8")
+BLOCKSIZE = 64
+"""Weights per 4-bit absmax block (bitsandbytes' and transformers' default)."""
+
+
+class BaseWeights(Config):
+    """The plan key ``base_weights``: how the base model's linear weights are stored."""
+
+    rank = None  # a method (what is trained changes), not compared with the other values
+
+    def trace_context(self) -> contextlib.AbstractContextManager:
+        return _bnb_on_fake_tensors(tables="bitsandbytes" in sys.modules)
+
+    def apply(self, parts) -> None:
+        """Quantize (variants), and model the 4-bit matmuls of any bitsandbytes layer, the
+        workload's own included (see NOTE [ 4-bit matmul kernels on fake tensors ])."""
+        self.quantize(parts)
+        if _is_fake(parts.model) and has_4bit_layers(parts.model):
+            parts.contexts.append(lambda: Gemm4bitKernels(parts.device))
+
+    def quantize(self, parts) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class AsIsWeights(BaseWeights):
+    """The workload's weights, as they are."""
+
+    def values(self) -> dict:
+        return {"base_weights": "as-is"}
+
+
+@dataclass(frozen=True)
+class Quantized4bit(BaseWeights):
+    """bitsandbytes ``Linear4bit`` with NF4 or FP4 codes, 64-weight blocks."""
+
+    quant_type: str = "nf4"
+    """``nf4`` (normal-float, QLoRA's) or ``fp4``."""
+    double_quant: bool = False
+    """Quantize the block scales too (8-bit absmax, one fp32 scale per 256 blocks)."""
+
+    def trace_context(self) -> contextlib.AbstractContextManager:
+        return _bnb_on_fake_tensors(tables=True)
+
+    def values(self) -> dict:
+        return {"base_weights": self.quant_type + (":double_quant=true" if self.double_quant else "")}
+
+    def label(self, batch_size):
+        return self.quant_type + ("-dq" if self.double_quant else "")
+
+    def quantize(self, parts) -> None:
+        import bitsandbytes as bnb
+
+        def convert(linear: torch.nn.Linear):
+            layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                      compute_dtype=linear.weight.dtype, compress_statistics=self.double_quant,
+                                      quant_type=self.quant_type, device="meta")
+            layer.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, blocksize=BLOCKSIZE,
+                                             compress_statistics=self.double_quant, quant_type=self.quant_type,
+                                             module=layer)
+            layer.weight = layer.weight.to(linear.weight.device)  # quantizes (bitsandbytes' Params4bit.to)
+            return layer
+        _replace_linears(parts.model, convert, self.text)
+        prepare_for_kbit_training(parts.model)
+
+    def export(self, into: Export) -> None:
+        into.not_carried(self)
+        into.hf_notes.append(f"load the model with BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="
+                             f"'{self.quant_type}', bnb_4bit_use_double_quant={self.double_quant})")
+
+
+@dataclass(frozen=True)
+class Int8Weights(BaseWeights):
+    """bitsandbytes ``Linear8bitLt`` (LLM.int8 with outlier threshold 6.0)."""
+
+    def values(self) -> dict:
+        return {"base_weights": "int8"}
+
+    def label(self, batch_size):
+        return "int8"
+
+    def quantize(self, parts) -> None:
+        import bitsandbytes as bnb
+
+        def convert(linear: torch.nn.Linear):
+            layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                        has_fp16_weights=False, threshold=6.0, device="meta")
+            layer.weight = bnb.nn.Int8Params(linear.weight.data, requires_grad=False, has_fp16_weights=False)
+            layer.weight = layer.weight._quantize(linear.weight.device)  # bitsandbytes' own quantization
+            return layer
+        _replace_linears(parts.model, convert, self.text)
+        prepare_for_kbit_training(parts.model)
+
+    def export(self, into: Export) -> None:
+        into.not_carried(self)
+        into.hf_notes.append("load the model with BitsAndBytesConfig(load_in_8bit=True)")
+
+
+def _replace_linears(model: torch.nn.Module, convert, text: str) -> None:
+    """Every ``nn.Linear`` but the output layer, replaced by ``convert(linear)`` (bias kept)."""
+    _require_bitsandbytes(text)
+    head = _output_layer(model)
+    targets = [(name, m) for name, m in model.named_modules()
+               if type(m) is torch.nn.Linear and m is not head]
+    if not targets:
+        raise UserError(f"plan: base_weights {text} found no nn.Linear layer to quantize in the model "
+                        "(besides its output layer); use base_weights: as-is for this model")
+    for name, linear in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        layer = convert(linear)
+        if linear.bias is not None:
+            layer.bias = linear.bias
+        layer.train(linear.training)
+        setattr(parent, child, layer)
+
+
+def _output_layer(model: torch.nn.Module):
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if head is None:
+        head = getattr(model, "lm_head", None)
+    return head
+
+
+def prepare_for_kbit_training(model: torch.nn.Module) -> None:
+    """peft's ``prepare_model_for_kbit_training`` without its gradient checkpointing: freeze the
+    base (the output layer keeps its ``requires_grad``), fp16/bf16 parameters that are not 4-bit
+    to fp32, the input embeddings' output requiring grad."""
+    head = _output_layer(model)
+    keep = {id(p): p.requires_grad for p in head.parameters()} if head is not None else {}
+    for p in model.parameters():
+        p.requires_grad_(keep.get(id(p), False))
+    for p in model.parameters():
+        if p.dtype in (torch.float16, torch.bfloat16) and p.__class__.__name__ != "Params4bit":
+            p.data = p.data.to(torch.float32)
+    if hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()
+
+
+def _require_bitsandbytes(text: str) -> None:
+    from memfit.techniques.optimizers import bitsandbytes_available
+    if not bitsandbytes_available():
+        raise UserError(f"plan: base_weights {text} needs bitsandbytes, which is not installed here "
+                        "(pip install bitsandbytes), or use base_weights: as-is")
+
+
+def _is_fake(model: torch.nn.Module) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    return any(isinstance(p, FakeTensor) for p in model.parameters())
+
+
+@contextlib.contextmanager
+def _bnb_on_fake_tensors(tables: bool):
+    """NOTE [ bitsandbytes parameters on fake tensors ], and (``tables``) bitsandbytes' constant
+    tables computed for real (NOTE [ bitsandbytes tables on fake tensors ]) for double
+    quantization's 8-bit absmax. ``as-is`` asks for the tables only when the workload has already
+    imported bitsandbytes: importing it costs every trace half a second."""
+    from memfit.techniques.optimizers import real_quantization_tables
+    with fake_parameter_subclasses(), (real_quantization_tables() if tables else contextlib.nullcontext()):
+        yield
+
+
+_GRAMMAR = re.compile(r"^(as-is|int8|(nf4|fp4)(:double_quant=(true|false))?)$")
+
+
+def parse(values: dict) -> BaseWeights:
+    text = str(values["base_weights"])
+    m = _GRAMMAR.match(text)
+    if not m:
+        raise UserError(f"plan: base_weights {text!r} is not valid; choose one of as-is, nf4, fp4, int8 "
+                        "(nf4 and fp4 take :double_quant=true, e.g. nf4:double_quant=true)")
+    if m.group(2):
+        return Quantized4bit(m.group(2), m.group(4) == "true")
+    return {"as-is": AsIsWeights(), "int8": Int8Weights()}[text]
+
+
+TECHNIQUE = register(
+    Technique("base_weights", (Key("base_weights", "as-is", "Base model's linear weights: as-is | nf4 | fp4 | int8; "
+                                   "nf4/fp4 take :double_quant=true (QLoRA's nf4:double_quant=true).",
+                                   metavar="FORMAT"),),
+              parse, order=2),
+    BaseWeights, AsIsWeights, Quantized4bit, Int8Weights)

@@ -1,0 +1,138 @@
+"""bitsandbytes' quantized weights and 4-bit matmuls on fake tensors, as a real run allocates them.
+
+Used by :mod:`memfit.techniques.base_weights` (``base_weights: nf4``) and by any workload that
+builds bitsandbytes modules itself (``Linear4bit``, ``Linear8bitLt``, ``BitsAndBytesConfig``).
+
+NOTE [ bitsandbytes parameters on fake tensors ]
+``Params4bit`` and ``Int8Params`` are ``nn.Parameter`` subclasses made with
+``torch.Tensor._make_subclass(cls, data)``, which needs a plain tensor: a fake tensor's storage is
+already owned by its ``FakeTensor`` object, so no bitsandbytes module could be built on fake
+tensors ("Creating a new Tensor subclass Params4bit but the raw Tensor object is already
+associated to a python object of type FakeTensor"). While a fake trace runs, ``_make_subclass``
+of fake data returns the fake tensor re-classed as a subclass of both ``FakeTensor`` (fake mode
+dispatches it) and the requested class (bitsandbytes' methods and attributes: ``quant_state``,
+``.to`` that quantizes, ``CB``/``SCB``), keeping the class's name (peft checks
+``param.__class__.__name__ != "Params4bit"``). Its ``detach`` keeps that class, as
+``nn.Parameter(...)`` in ``Module._apply`` requires. Quantization then runs bitsandbytes' own
+code on fake tensors: its custom ops' fake kernels give the packed uint8 weights, absmax and the
+nested statistics exact shapes and dtypes. Every other ``_make_subclass`` call is untouched.
+
+NOTE [ 4-bit matmul kernels on fake tensors ]
+``bitsandbytes::gemm_4bit`` is one custom op whose fake kernel returns only the output. The
+real kernels allocate more, inside the op:
+- CPU (bitsandbytes' default kernel, backends/default/ops.py ``_gemm_4bit_default_impl``): with
+  double quantization the fp32 block scales (``dequantize_blockwise`` + offset), then the weight
+  dequantized to the input's dtype, [out, in], then ``F.linear``;
+- CUDA (backends/cuda/ops.py): the fused kernel (no temporary) when bitsandbytes' own per-arch
+  heuristic ``_gemm_4bit_use_custom_cuda`` picks it (few rows: M <= 1536 tokens, K a multiple of
+  the block size), else ``_dequant_linear_fallback``: fp32 scales and scales + offset (both held),
+  the [out, in] weight in the input's dtype, ``F.linear``.
+:class:`Gemm4bitKernels` runs those ops instead of the fake kernel, so the tracker (and the CUDA
+kernel model below it) sees each temporary. The backward needs nothing: ``MatMul4Bit.backward``
+is Python (``F.dequantize_4bit`` -> an [out, in] weight in the quantization dtype, cast to the
+gradient's dtype, ``matmul``) and traces as it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_FAKE_CLASSES: dict[type, type] = {}
+
+
+def _fake_class(cls: type) -> type:
+    from torch._subclasses.fake_tensor import FakeTensor
+    if cls not in _FAKE_CLASSES:
+        def detach(self):
+            t = FakeTensor.detach(self)
+            t.__class__ = type(self)
+            for key, value in self.__dict__.items():
+                t.__dict__.setdefault(key, value)
+            return t
+        _FAKE_CLASSES[cls] = type(cls.__name__, (FakeTensor, cls), {"detach": detach, "__module__": cls.__module__})
+    return _FAKE_CLASSES[cls]
+
+
+@contextlib.contextmanager
+def fake_parameter_subclasses():
+    """See NOTE [ bitsandbytes parameters on fake tensors ]."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    real = torch.Tensor._make_subclass
+
+    def make_subclass(cls, data, require_grad=False, *args, **kwargs):
+        if isinstance(data, FakeTensor) and not issubclass(cls, FakeTensor) and not args and not kwargs:
+            t = data.detach().requires_grad_(require_grad)
+            t.__class__ = _fake_class(cls)
+            return t
+        return real(cls, data, require_grad, *args, **kwargs)
+
+    torch.Tensor._make_subclass = make_subclass
+    try:
+        yield
+    finally:
+        torch.Tensor._make_subclass = real
+
+
+def has_4bit_layers(model: torch.nn.Module) -> bool:
+    import sys
+    if "bitsandbytes" not in sys.modules:
+        return False
+    from bitsandbytes.nn import Linear4bit
+    return any(isinstance(m, Linear4bit) for m in model.modules())
+
+
+class Gemm4bitKernels(TorchDispatchMode):
+    """See NOTE [ 4-bit matmul kernels on fake tensors ]. ``device``: the memfit Device whose
+    kernels are modelled (a GPU preset: CUDA's; else the CPU's). Real tensors pass through."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.device = device
+        self.dequantized: list[tuple[int, int]] = []
+        """(rows, bytes of the dequantized weight) of each 4-bit matmul that dequantized."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "namespace", None) == "bitsandbytes" and func.__name__ == "gemm_4bit.default":
+            from torch._subclasses.fake_tensor import FakeTensor
+            if isinstance(args[0], FakeTensor):
+                return self._gemm_4bit(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _gemm_4bit(self, A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None,
+                   absmax_code=None, absmax_offset=None):
+        ops = torch.ops.bitsandbytes
+        K = A.shape[-1]
+        M = A.numel() // K
+        if self.device.is_gpu and cuda_fused_4bit(self.device, A.dtype, M, shapeB[0], K, blocksize):
+            return ops.gemm_4bit.default(A, B, shapeB, absmax, blocksize, quant_type, bias)  # output only
+        if absmax_8bit is not None:
+            scales = ops.dequantize_blockwise.default(absmax_8bit, absmax, absmax_code, 256, torch.float32)
+            absmax = scales + absmax_offset
+        weight = ops.dequantize_4bit.default(B, absmax, blocksize, quant_type, shapeB, A.dtype)
+        self.dequantized.append((M, weight.numel() * weight.element_size()))
+        return torch.nn.functional.linear(A, weight, bias)
+
+
+def cuda_fused_4bit(device, dtype, M: int, N: int, K: int, blocksize: int) -> bool:
+    """Does bitsandbytes' CUDA ``gemm_4bit`` take its fused kernel (no dequantized weight) for this
+    shape on ``device``? bitsandbytes' own heuristic, asked with the preset's SM count and
+    compute capability; False (dequantize + F.linear) when it cannot be asked."""
+    try:
+        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+        from bitsandbytes.backends.cuda import ops as cuda_ops
+    except Exception:  # noqa: BLE001 - an install without the CUDA backend: the fallback path
+        return False
+    if M > cuda_ops._gemm_4bit_custom_max_m or K % blocksize != 0:
+        return False
+    major, minor = device.compute_capability or (9, 0)
+    props = cuda_ops._gpu_dispatch_props
+    cuda_ops._gpu_dispatch_props = lambda index: (device.sm_count, major, minor)
+    try:
+        return bool(cuda_ops._gemm_4bit_use_custom_cuda.__wrapped__(0, dtype, M, N, K))
+    finally:
+        cuda_ops._gpu_dispatch_props = props
