@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.helpers import measured, run_steps
 
 from memfit.errors import UserError
 from memfit.memory.estimate import estimate
 from memfit.plans import Plan
 from memfit.step import build_step
 from memfit.workloads import load_workload
-from tests.helpers import measured, run_steps
 
 pytest.importorskip("peft")
 
