@@ -172,9 +172,9 @@ _COMPILED: dict = {}
 def routed(class_name: str) -> type:
     """torchao's optimizer class ``class_name``, with its step's compile routed (NOTE [ torchao's
     step through memfit's compiled regions ]). Made once per class."""
+    _real_code_maps()  # (each time: a cleared cache would be refilled in the trace)
     if class_name not in _COMPILED:
         import torchao.optim as ao_optim
-        _real_code_maps()
         base = getattr(ao_optim, class_name)
         _COMPILED[class_name] = type(class_name, (base,), {"step": _routed_step(base.step),
                                                            "__module__": __name__})
