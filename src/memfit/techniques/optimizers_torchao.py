@@ -189,7 +189,6 @@ def _real_code_maps() -> None:
     same process to garbage. They are filled here, for real, outside every mode; exact, since
     they depend on no input."""
     from torch.utils._python_dispatch import _disable_current_modes
-
     from torchao.optim import subclass_4bit, subclass_8bit
     with _disable_current_modes():
         for module in (subclass_8bit, subclass_4bit):

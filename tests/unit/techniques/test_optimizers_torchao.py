@@ -98,8 +98,9 @@ def test_equal_to_torchaos_optimizer_built_by_hand(variant):
 def test_code_maps_built_in_a_fake_trace_are_real():
     """NOTE [ torchao's code maps are computed for real ]: after an estimate in the same process, a real
     optimizer's 8-bit code map is torchao's table, not the fake trace's assumed zeros."""
-    from memfit.memory.estimate import estimate
     from torchao.optim import quant_utils, subclass_8bit
+
+    from memfit.memory.estimate import estimate
     subclass_8bit.get_qmap_signed.cache_clear()
     estimate(_workload(_model()), Plan(optimizer="adamw8bit-ao"), batch_size=16, device="cpu")
     assert list(subclass_8bit.get_qmap_signed()) == quant_utils.create_dynamic_map(signed=True)
