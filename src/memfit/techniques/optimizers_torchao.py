@@ -152,8 +152,8 @@ VARIANTS = {cls.name: cls for cls in (AoAdamW8bit, AoAdamW4bit, AoAdamWFp8)}
 def _refused_with(plan) -> str | None:
     """The technique in ``plan`` a torchao optimizer cannot run with, and why (None: none)."""
     if plan.config("shard").fsdp2:
-        return ("shard (FSDP2): torchao's states are DTensor-aware, but memfit has not measured the pair "
-                "yet; use optimizer adamw8bit or shard: none")
+        return ("shard (FSDP2): torchao's states are DTensor-aware, but memfit has not traced or measured "
+                "the pair yet; use shard: none, or optimizer adamw with shard")
     if "optimizer_states:step=device" in plan.offload:
         return ("offload: [optimizer_states:step=device]: its per-parameter fetch copies plain state "
                 "tensors; use offload: [optimizer_states] (the host steps torchao's update)")

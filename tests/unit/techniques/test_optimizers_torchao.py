@@ -109,6 +109,7 @@ def test_code_maps_built_in_a_fake_trace_are_real():
 @pytest.mark.parametrize("plan, both", [
     (dict(precision="bf16-pure", bf16_update="kahan"), "kahan"),
     (dict(offload=["optimizer_states:step=device"]), "optimizer_states:step=device"),
+    (dict(shard="fsdp", world_size=2), "FSDP2"),
 ])
 def test_refused_combinations_name_both(plan, both):
     with pytest.raises(UserError, match=f"adamw4bit-ao.*{both}|{both}.*adamw4bit-ao") as e:
