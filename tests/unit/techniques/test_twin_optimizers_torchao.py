@@ -122,7 +122,7 @@ def test_low_bit_adamw_loss_stays_close_to_fp32_adamw_long(variant):
 def test_bf16_pure_stochastic_rounding_is_torchaos():
     """precision: bf16-pure with bf16_update: stochastic turns on torchao's own bf16_stochastic_round
     (no second rounding implementation), and training stays within 10% of fp32 AdamW's late loss
-    (measured +0.0005 at 40 steps)."""
+    (measured +0.0013 at 20 steps)."""
     steps = 20
     plan = Plan(optimizer="adamw8bit-ao", precision="bf16-pure", bf16_update="stochastic", micro_batch_size=MICRO)
     init, batches = _student(), _batches(1)
