@@ -10,6 +10,8 @@ Memory/compute trade-off, per parameter of N bytes in fp32:
 - ``adafactor`` (:class:`Adafactor`) keeps factored second moments (row and column statistics, ~0
   for matrices) and no first moment: the smallest state, a slightly different optimizer.
 - ``sgd`` (:class:`SGDMomentum`) with momentum keeps one buffer (N).
+- ``adamw8bit-ao`` / ``adamw4bit-ao`` / ``adamwfp8-ao``: torchao's low-bit AdamW (8-bit, 4-bit and fp8
+  moments: N/2, N/4, N/2), in :mod:`memfit.techniques.optimizers_torchao`. Need torchao (``memfit[ao]``).
 Hyperparameters (lr, weight decay, betas, eps) are taken from the workload's optimizer, group by
 group: a workload that gives its biases and norms no weight decay keeps that (:func:`regroup`).
 """
@@ -29,7 +31,7 @@ import torch
 from memfit.techniques.base import Config, Export, Key, SearchContext, Technique, choice, register
 
 Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
-NAMES = ("adamw", "adamw8bit", "adafactor", "sgd")
+NAMES = ("adamw", "adamw8bit", "adafactor", "sgd", "adamw8bit-ao", "adamw4bit-ao", "adamwfp8-ao")
 ADAMW8BIT_FALLBACK = ("optimizer adamw8bit needs bitsandbytes (pip install bitsandbytes), which is not installed "
                       "here: the step runs torch.optim.AdamW with fp32 states instead")
 
@@ -262,6 +264,8 @@ class PerParameterOptimizers:
 
 def parse(values: dict) -> OptimizerVariant:
     name = choice("optimizer", values["optimizer"], NAMES)
+    if name in TORCHAO_VARIANTS:
+        return TORCHAO_VARIANTS[name]()
     return {"adamw": WorkloadOptimizer(), "adamw8bit": AdamW8bit(), "adafactor": Adafactor(),
             "sgd": SGDMomentum()}[name]
 
@@ -276,7 +280,12 @@ def search(ctx: SearchContext) -> list[str]:
     return names
 
 
+# (torchao's variants subclass OptimizerVariant, so their module is imported once it is defined)
+from memfit.techniques.optimizers_torchao import VARIANTS as TORCHAO_VARIANTS  # noqa: E402
+
 TECHNIQUE = register(
-    Technique("optimizer", (Key("optimizer", "adamw", "adamw | adamw8bit | adafactor | sgd.", metavar="OPTIMIZER"),),
+    Technique("optimizer", (Key("optimizer", "adamw", "adamw | adamw8bit (bitsandbytes) | adafactor | sgd | "
+                                "adamw8bit-ao | adamw4bit-ao | adamwfp8-ao (torchao's 8-bit, 4-bit, fp8 states).",
+                                metavar="OPTIMIZER"),),
               parse, order=40, search=search),
-    OptimizerVariant, WorkloadOptimizer, SGDMomentum, Adafactor, AdamW8bit)
+    OptimizerVariant, WorkloadOptimizer, SGDMomentum, Adafactor, AdamW8bit, *TORCHAO_VARIANTS.values())
