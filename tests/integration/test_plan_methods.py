@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from tests.integration.test_cli_errors import run
+from test_cli_errors import run
 
 from memfit.errors import UserError
 from memfit.planner.methods import parse_methods
