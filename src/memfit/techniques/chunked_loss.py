@@ -8,10 +8,11 @@ recomputes them (one extra head matmul per slice). The result equals the unchunk
 
 The chunking lives in the model, as Liger-Kernel's fused linear cross-entropy does
 (:func:`chunk_lm_loss`): the causal LM's ``forward`` is patched so that a call *with labels*
-runs the model's own forward up to the head, then the chunked loss, and returns ``.loss`` with
-``.logits`` None. So every caller gets it: ``model(**batch).loss``, a lambda such as
-``m(input_ids=b, labels=b).loss``, the Hugging Face Trainer (``num_items_in_batch`` with
-gradient accumulation) and Lightning. A call without labels is the model's forward unchanged.
+(in training mode) runs the model's own forward up to the head, then the chunked loss, and
+returns ``.loss`` with ``.logits`` None. So every caller gets it: ``model(**batch).loss``, a
+lambda such as ``m(input_ids=b, labels=b).loss``, the Hugging Face Trainer (``num_items_in_batch`` with
+gradient accumulation) and Lightning. A call without labels, or in eval mode, is the model's
+forward unchanged.
 
 Applies to Hugging Face causal LMs (``...ForCausalLM`` whose output layer is a plain
 ``nn.Linear`` and whose loss is ``ForCausalLMLoss``); models with logit soft-capping or scaling
@@ -119,8 +120,10 @@ class ChunkedHead(nn.Module):
 
 def chunk_lm_loss(model: nn.Module, chunks: int) -> nn.Module:
     """Patch ``model`` (a Hugging Face causal LM, or a PEFT model around one) so that a forward with
-    ``labels`` computes its loss in ``chunks`` slices and returns ``.logits`` None; a forward
-    without labels is unchanged. Patching again replaces the chunk count. Returns ``model``.
+    ``labels`` in training mode computes its loss in ``chunks`` slices and returns ``.logits`` None;
+    a forward without labels, or in eval mode (as Liger-Kernel: evaluation metrics read the
+    logits, and no graph is kept), is unchanged. Patching again replaces the chunk count. Returns
+    ``model``.
 
     NOTE [ The patched forward ]: the instance's ``forward`` is replaced (hooks, FSDP2's among
     them, run around it as around the original). It runs the model's own forward with
@@ -142,14 +145,14 @@ def chunk_lm_loss(model: nn.Module, chunks: int) -> nn.Module:
     def forward(*args, **kwargs):
         m = ref()
         run = original if original is not None else type(m).forward.__get__(m)
-        if "labels" in kwargs:
-            labels = kwargs.pop("labels")
-        elif labels_at is not None and len(args) > labels_at:
-            labels, args = args[labels_at], (*args[:labels_at], None, *args[labels_at + 1:])
-        else:
-            labels = None
-        if labels is None:
+        positional = "labels" not in kwargs and labels_at is not None and len(args) > labels_at
+        labels = args[labels_at] if positional else kwargs.get("labels")
+        if labels is None or not m.training:
             return run(*args, **kwargs)
+        if positional:
+            args = (*args[:labels_at], None, *args[labels_at + 1:])
+        else:
+            del kwargs["labels"]
         loss_kwargs = {k: kwargs.pop(k) for k in LOSS_KWARGS if k in kwargs}
         stand_in = ChunkedHead(m.get_output_embeddings(), labels, chunks, **loss_kwargs)
         with _standing_in(m, head_name, stand_in):

@@ -107,10 +107,24 @@ def test_pre_shifted_labels_and_tuple_outputs():
                                                                   isinstance(x, torch.Tensor))
 
 
-def test_without_labels_the_forward_is_unchanged():
+def test_without_labels_or_in_eval_mode_the_forward_is_unchanged():
+    """(Eval mode as Liger-Kernel: evaluation metrics read the logits.)"""
     plain, chunked = _twins(_gpt2)
-    ids, _ = _batch()
+    ids, labels = _batch()
     assert torch.equal(chunked(input_ids=ids).logits, plain(input_ids=ids).logits)
+    plain.eval(), chunked.eval()
+    with torch.no_grad():
+        ref, got = plain(input_ids=ids, labels=labels), chunked(input_ids=ids, labels=labels)
+    assert torch.equal(got.logits, ref.logits) and torch.equal(got.loss, ref.loss)
+
+
+def test_labels_passed_by_position():
+    plain, chunked = _twins(_llama)
+    ids, labels = _batch()
+    ref = plain(ids, None, None, None, None, labels).loss
+    got = chunked(ids, None, None, None, None, labels)
+    assert got.logits is None
+    torch.testing.assert_close(got.loss, ref, rtol=1e-5, atol=0)
 
 
 def test_patching_again_replaces_the_chunk_count_and_holds_no_cycle():
