@@ -26,7 +26,8 @@ import torch
 
 from memfit.errors import UserError
 from memfit.techniques.base import Config, Export, Key, Technique, choice, register
-from memfit.techniques.optimizers import SGDMomentum, WorkloadOptimizer, hyperparameters, regroup
+from memfit.techniques.optimizer_variant import WorkloadOptimizer, hyperparameters, regroup
+from memfit.techniques.optimizers import SGDMomentum
 from memfit.techniques.precision import BF16Pure
 
 CHUNK = 1 << 20

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from memfit.errors import UserError
-from memfit.techniques.optimizers import OptimizerVariant, hyperparameters, regroup
+from memfit.techniques.optimizer_variant import OptimizerVariant, hyperparameters, regroup
 
 MIN_VERSION = "0.18.0"
 INSTALL = f"pip install 'memfit[ao]' (torchao>={MIN_VERSION})"

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import measured, run_steps
 
+from helpers import measured, run_steps
 from memfit.errors import UserError
 from memfit.memory.estimate import estimate
 from memfit.plans import Plan
