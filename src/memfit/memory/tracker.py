@@ -85,7 +85,8 @@ class MemoryTracker(TorchDispatchMode):
         self.approximations: dict[tuple[str, str], Approximation] = {}
         self.probe = probe
         self.unprobed: dict[str, int] = {}
-        self._check_origin: dict[int, object] = {}  # storage -> the aten.all / aten.any that made it
+        self._check_origin: dict[int, object] = {}  # storage -> the aten.all / aten.any / aten.sum that made it
+        self._mask_counts: dict[int, int | None] = {}  # storage -> elements counted per value (a bool mask's sum)
         self.storages = LiveStorages(self._allocated, self._freed, self._hosted)  # tokens: record serials
         self._forward_serial_start = 0
         self._modules = ModuleStack()
@@ -175,6 +176,8 @@ class MemoryTracker(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self.assume_scalars and func.overloadpacket in _CHECK_OPS and isinstance(out, torch.Tensor):
             self._check_origin[_key(out)] = func.overloadpacket
+            if func.overloadpacket in _COUNT_OPS:
+                self._mask_counts[_key(out)] = _mask_count(args, out)
         probed = None
         if self.probe is not None and self.probe.wants(func):
             probed = self.probe(func, args, kwargs, out)
@@ -239,10 +242,16 @@ class MemoryTracker(TorchDispatchMode):
     def _assume(self, func, args):
         """NOTE [ Assumed scalars ]: a value fake mode cannot know is assumed to be the common
         case of a check: ``.all()`` True, ``.any()`` False, ``torch.equal`` True, anything else 0
-        (e.g. GradScaler's found_inf: no overflow). Every assumption is listed in the report."""
+        (e.g. GradScaler's found_inf: no overflow), and a count of a boolean mask (``mask.sum()``,
+        ``count_nonzero``) a full mask, as ``.all()`` is: every element counted (e.g. the caption
+        lengths of a text-conditioned DiT from its attention mask; a synthetic batch's masks are
+        full). Every assumption is listed in the report."""
         origin = self._check_origin.get(_key(args[0])) if func is not aten.equal.default else None
+        count = self._mask_counts.get(_key(args[0])) if origin in _COUNT_OPS else None
         if func is aten.equal.default:
             what, value = "torch.equal(...) assumed True", True
+        elif count is not None:
+            what, value = "a data-dependent count of a boolean mask assumed full (all True)", count
         elif origin is aten.all:
             what, value = "a data-dependent .all() assumed True", True
         elif origin is aten.any:
@@ -335,7 +344,16 @@ def _resize_outputs(out, real_nbytes: tuple[int, ...]):
     return tree_unflatten(leaves, spec) if changed else out
 
 
-_CHECK_OPS = {aten.all, aten.any}
+_COUNT_OPS = {aten.sum, aten.count_nonzero}
+_CHECK_OPS = {aten.all, aten.any, *_COUNT_OPS}
+
+
+def _mask_count(args, out: torch.Tensor) -> int | None:
+    """Elements each value of ``out`` counts, when ``out`` sums a boolean mask; else None."""
+    mask = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if mask is None or mask.dtype != torch.bool or out.numel() == 0:
+        return None
+    return mask.numel() // out.numel()
 _PRIM_DEVICE = torch.ops.prim.device.default
 _SCALAR_READS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
 
