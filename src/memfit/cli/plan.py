@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from memfit.cli.common import add_plan_args, add_workload_args, batch_and_seq, plan_from_args, print_json
+from memfit.cli.common import add_plan_args, add_workload_args, plan_from_args, print_json, sized_workload
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from memfit.techniques.optimizers import NAMES as OPTIMIZERS
     from memfit.units import parse_positive_int
 
-    bs, seq = batch_and_seq(args)
+    workload, bs, seq = sized_workload(args)
     max_traces = parse_positive_int(args.max_traces, "--max-traces")
     if args.out:
         check_output_file(args.out, "--out", example="plan.yaml")
@@ -73,12 +73,12 @@ def run(args: argparse.Namespace) -> int:
             raise UserError("give --world-size (plan for that many ranks) or --max-world-size (find the smallest), "
                             "not both")
         from memfit.target import Target
-        batch = Target.resolve(args.workload, None, bs, args.device, seq_len=seq).batch_size
+        batch = Target.resolve(workload, None, bs, args.device, seq_len=seq).batch_size
         sizes = [w for w in (2 ** i for i in range(most.bit_length())) if w <= batch and batch % w == 0]
     tried = []
     for world in sizes:
         fields = {**fixed, "world_size": world} if world > 1 else fixed
-        result = plan(args.workload, budget=args.budget, device=args.device, batch_size=bs, seq_len=seq,
+        result = plan(workload, budget=args.budget, device=args.device, batch_size=bs, seq_len=seq,
                       optimizers=optimizers, max_traces=max_traces,
                       fixed=fields, compile_modes=compile_modes, steps=steps)
         tried.append(world)
