@@ -328,7 +328,10 @@ def _op_name(func) -> str:
 
 
 def _resize_outputs(out, real_nbytes: tuple[int, ...]):
-    """Give 1-D fake outputs the size the real kernel returns (see memfit.memory.workspaces)."""
+    """Give fake outputs the storage size the real kernel returns (see memfit.memory.workspaces):
+    an output the meta kernel leaves empty (``mkldnn_rnn_layer``'s workspace), and a 0-dim result
+    that really is a view of a larger buffer (CPU ``mse_loss`` reduces its elementwise losses in
+    place and returns element 0, holding them all while autograd keeps the loss)."""
     from torch.utils._pytree import tree_flatten, tree_unflatten
     leaves, spec = tree_flatten(out)
     tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
@@ -340,6 +343,9 @@ def _resize_outputs(out, real_nbytes: tuple[int, ...]):
         # only outputs the meta kernel leaves empty (e.g. mkldnn_rnn_layer's workspace)
         if t.dim() == 1 and t.numel() == 0 and nbytes and nbytes % t.element_size() == 0:
             leaves[i] = torch.empty(nbytes // t.element_size(), dtype=t.dtype, device=t.device)
+            changed = True
+        elif t.dim() == 0 and nbytes > t.untyped_storage().nbytes() and nbytes % t.element_size() == 0:
+            leaves[i] = torch.empty(nbytes // t.element_size(), dtype=t.dtype, device=t.device)[0]
             changed = True
     return tree_unflatten(leaves, spec) if changed else out
 
