@@ -22,7 +22,7 @@ CASES = [
     (["estimate", "dit-lumina2", "--resolution", "1000"],
      "dit-lumina2: --resolution 1000 is not a multiple of 16 (the VAE's factor 8 x patch size 2); use --resolution "
      "992 or 1008"),
-    (["profile", "dit-lumina2", "--resolution", "8"], "use --resolution 16 or 32"),
+    (["profile", "dit-lumina2", "--resolution", "8"], "use --resolution 16\n"),
     (["estimate", "unet-sdxl", "--resolution", "1000"],
      "unet-sdxl: --resolution 1000 is not a multiple of 32 (the VAE's factor 8 x the UNet's downsampling 4)"),
     (["plan", "unet-sd15", "--resolution", "480", "--budget", "8GiB"], "is not a multiple of 64"),
@@ -40,7 +40,8 @@ CASES = [
     (["estimate", "dit-lumina2:num_layers=abc"], "dit-lumina2: num_layers must be an int"),
     (["estimate", "unet-sdxl:block_out_channels=a/b"],
      "unet-sdxl: block_out_channels takes values separated by '/', like its default"),
-    (["estimate", "dit-lumina2:hidden_size=100,num_layers=1"], "Lumina2Transformer2DModel cannot be built"),
+    (["estimate", "dit-lumina2:hidden_size=100,num_layers=1"],
+     "dit-lumina2:hidden_size=100,num_layers=1: loss(model, batch) failed with RuntimeError"),
 ]
 
 
@@ -60,14 +61,14 @@ def test_bad_resolution_is_one_line(folder, argv, message):
 
 
 def test_resolution_sizes_the_estimate():
-    """Twice the resolution, four times the latent tokens: the activations grow, and the report
-    names the resolution."""
+    """Twice the resolution, four times the image tokens (64 -> 256, beside 256 caption tokens):
+    the activations grow with the joint sequence (320 -> 512), and the report names the resolution."""
     peaks = {}
-    for res in ("64", "128"):
+    for res in ("128", "256"):
         argv = ["estimate", LUMINA, "--resolution", res, "-b", "1", "--json"]
         rc, out, err = run(argv)
         check(argv, rc, err)
         report = json.loads(out)
         assert report["workload"] == f"dit-lumina2 {res}px"
         peaks[res] = report["breakdown"]["activations"]
-    assert peaks["128"] > 2 * peaks["64"]
+    assert peaks["256"] > 1.4 * peaks["128"]

@@ -78,13 +78,24 @@ SD15 = ImageModel(
 MODELS = {m.arch: m for m in (LUMINA2, SD3, SDXL, SD15)}
 
 
-def _diffusers():
+def _model_class(name: str) -> type:
+    """diffusers' model class ``name``, imported without the log lines its optional backends write
+    on first import (torch's pytree deprecations, bitsandbytes' and torchao's kernel notices): they
+    are not the user's, and a command's output (or its one error line) stays clean."""
+    import logging
+
+    from memfit.quiet import silenced_warnings
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
     try:
-        import diffusers
+        with silenced_warnings():
+            import diffusers
+            diffusers.utils.logging.set_verbosity_error()
+            return getattr(diffusers, name)  # diffusers imports its modules lazily, here
     except ImportError:
         raise UserError("built-in diffusion workloads need diffusers; install it with pip install diffusers") from None
-    diffusers.utils.logging.set_verbosity_error()
-    return diffusers
+    finally:
+        logging.disable(previous)
 
 
 # -- config with overrides -------------------------------------------------------------------------
@@ -93,7 +104,7 @@ def _config(m: ImageModel, overrides: dict) -> tuple[type, dict]:
     size's, then the user's overrides (checked one by one against the constructor's signature).
     A tuple field takes ``/``-separated values (``unet-sdxl:block_out_channels=32/64/64``): commas
     separate the overrides themselves."""
-    cls = getattr(_diffusers(), m.class_name)
+    cls = _model_class(m.class_name)
     params = {n: p for n, p in inspect.signature(cls.__init__).parameters.items() if n != "self"}
     kwargs = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
     kwargs.update(m.defaults)
@@ -148,9 +159,10 @@ def latent_size(m: ImageModel, resolution: int | None, multiple: int, why: str) 
         raise UserError(f"--resolution must be a positive whole number of pixels, got {resolution!r}")
     step = VAE_FACTOR * multiple
     if res % step:
-        lower, upper = max(step, res // step * step), (res // step + 1) * step
+        lower, upper = res // step * step, (res // step + 1) * step
+        use = f"{lower} or {upper}" if lower else str(upper)
         raise UserError(f"{m.arch}: --resolution {res} is not a multiple of {step} (the VAE's factor {VAE_FACTOR} x "
-                        f"{why} {multiple}); use --resolution {lower} or {upper}")
+                        f"{why} {multiple}); use --resolution {use}")
     return res // VAE_FACTOR
 
 
