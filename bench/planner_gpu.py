@@ -13,7 +13,7 @@ against measured ratios. Rows 1-39 ran one case at a time; rows 40-75 ran four p
 
 ``--fit`` minimises the squared log error of the fit rows' ratios (plus a small weight on every
 clean row's absolute time) by Nelder-Mead over the constants' logarithms, and prints the
-constants to paste into ``memfit.planner.timing.Constants``. Each technique is fitted on one
+constants to paste into ``memfit.planner.roofline.Constants``. Each technique is fitted on one
 workload's row and held out on the other's (``FIT_CASES``).
 """
 

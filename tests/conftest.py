@@ -4,6 +4,9 @@ import warnings
 import pytest
 
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+# Hub ids are read from the Hugging Face cache only: no test may reach the network (set before
+# huggingface_hub is imported, which reads it once).
+os.environ["HF_HUB_OFFLINE"] = "1"
 warnings.filterwarnings("ignore", category=UserWarning)
 
 # Small configs of the built-in Hugging Face workloads: every code path of the full models,
@@ -75,3 +78,39 @@ def inject_oom(monkeypatch):
         finally:
             state.update(steps=set(), armed=False)
     return inject
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """A Hugging Face hub cache in a temporary HF_HOME, offline, laid out as huggingface_hub lays
+    it out: ``hub/models--org--name/{blobs/<sha>, snapshots/<commit>/config.json, refs/<branch>}``.
+    ``add(repo_id, config, commit=..., refs=("main",))`` writes one snapshot; returns the HF_HOME."""
+    import hashlib
+    import json
+
+    from huggingface_hub import constants
+
+    home = tmp_path / "hf-home"
+    cache = home / "hub"
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HOME", str(home))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+    def add(repo_id: str, config: dict, commit: str = "a" * 40, refs: tuple = ("main",)):
+        repo = cache / ("models--" + repo_id.replace("/", "--"))
+        text = json.dumps(config)
+        blob = repo / "blobs" / hashlib.sha1(text.encode()).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_text(text)
+        snapshot = repo / "snapshots" / commit
+        snapshot.mkdir(parents=True, exist_ok=True)
+        (snapshot / "config.json").symlink_to(os.path.relpath(blob, snapshot))
+        for ref in refs:
+            (repo / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
+            (repo / "refs" / ref).write_text(commit)
+        return home
+
+    add.home = home
+    return add

@@ -14,6 +14,18 @@ import os
 import sys
 import warnings
 
+LIBRARY_IMPORT_CHATTER = ("bitsandbytes.backends.cpu.ops", "torch.utils._pytree")
+"""Loggers that warn at import about what memfit's users cannot act on: bitsandbytes' optional CPU
+inference kernel (``kernels`` not installed; training never uses it) and torchao's pytree
+registrations (a deprecation inside torchao), both shown when peft imports them."""
+
+
+def quiet_library_loggers() -> None:
+    """The memfit command shows only errors from :data:`LIBRARY_IMPORT_CHATTER` (``--debug`` shows all)."""
+    import logging
+    for name in LIBRARY_IMPORT_CHATTER:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
 
 @contextlib.contextmanager
 def silenced_warnings():

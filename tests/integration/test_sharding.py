@@ -119,7 +119,7 @@ def test_two_ranks_train_as_one_process_and_the_rank_peak_is_predicted(two_ranks
     sharded states) less gloo's scratch, which the tracker cannot see and the prediction books by
     rule (NOTE [ gloo's collective scratch ]). The profiler's allocator events (independent of the
     tracker, with the frees gloo's worker threads make put back: NOTE [ Frees the profiler does not
-    see ]) are within 2% of the prediction, the issue's bound. The chunked loss runs as a forward method of the sharded root (its head
+    see ]) are within 2% of the prediction, the issue's bound. The chunked loss runs inside the sharded root's patched forward (its head
     and embeddings gathered for it, their gradients reduce-scattered after it); the EMA of the
     shards is the EMA of the weights. Compiled blocks are sharded after they are compiled, as
     torchtitan does: FSDP2's hooks gather around the compiled forward."""

@@ -17,7 +17,8 @@ PACKAGE = SRC / "memfit"
 
 # Floors, lowest first: a module may import its own floor or lower ones, never higher.
 FLOORS = (
-    ("memfit.errors", "memfit.units", "memfit.quiet", "memfit.observer", "memfit.outputs", "memfit.devices"),
+    ("memfit.errors", "memfit.units", "memfit.quiet", "memfit.observer", "memfit.outputs", "memfit.devices",
+     "memfit.sdpa_backends"),  # what a device is, and which attention kernel it runs
     ("memfit.workload", "memfit.workloads", "memfit.techniques"),  # what to train; how (one module a technique)
     ("memfit.plans",),     # a composition of technique configs
     ("memfit.target",),    # workload x plan x batch x device, resolved once
@@ -170,6 +171,41 @@ def test_outside_techniques_no_plan_field_is_compared_with_a_mode():
     assert offenders == []
 
 
+def _status_strings(tree: ast.Module) -> list[ast.AST]:
+    """Comparisons of a ``status`` with a string, and strings assigned to a ``status``."""
+    def is_status(node) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "status") or (
+            isinstance(node, ast.Name) and node.id == "status")
+
+    def is_text(node) -> bool:
+        if isinstance(node, ast.Constant):
+            return isinstance(node.value, str)
+        return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(is_text(e) for e in node.elts)
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            if any(is_status(o) for o in operands) and any(is_text(o) for o in operands):
+                found.append(node)
+        elif isinstance(node, ast.Assign):
+            targets = [t for x in node.targets for t in (x.elts if isinstance(x, ast.Tuple) else [x])]
+            values = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
+            pairs = zip(targets, values) if len(targets) == len(values) else ((t, node.value) for t in targets)
+            found += [node for t, v in pairs if is_status(t) and is_text(v)]
+    return found
+
+
+def test_the_planner_keeps_no_status_strings():
+    """A candidate's status is ``memfit.planner.candidate.Status`` and changes through its methods
+    (NOTE [ Candidate status ]): no ``c.status == "too big"`` nor ``c.status = "pruned"`` in the planner."""
+    offenders = []
+    for path in sorted((PACKAGE / "planner").rglob("*.py")):
+        offenders += [f"{path.relative_to(SRC)}:{n.lineno}: {ast.unparse(n)}" for n in _status_strings(
+            ast.parse(path.read_text()))]
+    assert offenders == []
+
+
 def test_the_checks_see_what_they_check():
     """The checks above can fail: a cycle, an upward import and a mode comparison are found."""
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
@@ -177,3 +213,6 @@ def test_the_checks_see_what_they_check():
     tree = ast.parse("import memfit.training.loop\nfrom memfit.step import _private\n")
     found = _imports("memfit.errors", tree, set(_modules()))
     assert ("memfit.training.loop", []) in found and ("memfit.step", ["_private"]) in found
+    strings = ast.parse('c.status == "too big"\nc.status, c.reason = "pruned", ""\nif x.status in ("a",): pass\n'
+                        'c.status = Status.PRUNED\nc.status is Status.TOO_BIG\n')
+    assert sorted(n.lineno for n in _status_strings(strings)) == [1, 2, 3]

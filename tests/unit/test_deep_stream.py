@@ -1,4 +1,4 @@
-"""memfit.planner.deep_stream: a plan's allocations at full depth from its two shallow traces, and
+"""memfit.memory.deep_stream: a plan's allocations at full depth from its two shallow traces, and
 the reserved bytes they give, against the full trace's."""
 
 import dataclasses
@@ -9,9 +9,9 @@ import torch
 
 from memfit.memory.allocator import replay as replay_trace
 from memfit.memory.categories import STEADY_STEP
+from memfit.memory.deep_stream import Stream, _sorted_free_runs, deepen, from_tracker, replay
 from memfit.memory.faketrace import run_tracked
 from memfit.memory.report import step_window, traced_device
-from memfit.planner.deep_stream import Stream, _sorted_free_runs, deepen, from_tracker, replay
 from memfit.planner.shallow import depths, shallow_workload
 from memfit.plans import Plan
 from memfit.quiet import silenced_warnings

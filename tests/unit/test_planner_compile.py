@@ -10,10 +10,12 @@ from memfit.cli.main import main
 from memfit.devices import get_device
 from memfit.memory.budget import Budget
 from memfit.planner import cost
+from memfit.planner.candidate import Candidate
 from memfit.planner.cost import TimeModel
 from memfit.planner.gpu_time import GpuStepModel
-from memfit.planner.search import Candidate, _maximal, plan
+from memfit.planner.search import plan
 from memfit.planner.space import candidates, default_space, model_facts, saves_no_more_than
+from memfit.planner.walk import maximal
 from memfit.plans import Plan
 from memfit.target import Target
 from memfit.techniques.compile import COMPILE_SECONDS_PER_OP
@@ -63,7 +65,7 @@ def test_maximal_plans_are_those_no_plan_dominates():
     by_definition = [c for c in cands if not any(
         d is not c and saves_no_more_than(c.plan, d.plan, 8) and not saves_no_more_than(d.plan, c.plan, 8)
         for d in cands)]
-    assert [c.plan for c in _maximal(cands, 8)] == [c.plan for c in by_definition]
+    assert [c.plan for c in maximal(cands, 8)] == [c.plan for c in by_definition]
 
 
 def test_gpu_preset_compile_time_from_the_graph_size():

@@ -129,7 +129,6 @@ def test_no_weights_are_read_and_no_network_is_used(tmp_path, monkeypatch):
 
 BAD = [
     ("missing", None, r"model folder \S*nowhere not found; give a folder holding config.json"),
-    ("hub-id", None, "memfit reads no hub ids: download the model's config.json into a folder"),
     ("no config.json", None, r"has no config\.json; give the folder a Hugging Face model was saved to"),
     ("not json", '{"model_type": "llama",', r"config\.json is not valid JSON \(.*\); fix the file"),
     ("a list", "[1, 2]", "config.json holds a list, not a JSON object"),
@@ -149,8 +148,6 @@ BAD = [
 def test_bad_folders_are_one_line_naming_the_fix(tmp_path, capsys, case, content, message):
     if case == "missing":
         spec = str(tmp_path / "nowhere")
-    elif case == "hub-id":
-        spec = "hf:meta-llama/Meta-Llama-3-8B"
     elif case == "no config.json":
         (tmp_path / "empty").mkdir()
         spec = str(tmp_path / "empty")

@@ -18,8 +18,9 @@ from memfit.units import MAX_SIZE, parse_positive_int
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("workload", help="built-in name (gpt2, llama:num_hidden_layers=2, cnn, ...; see `memfit workloads`), "
-                                    "path/to/file.py:NAME, or a Hugging Face model folder (./dir or hf:./dir; its "
-                                    "config.json only: no weights read, no network)")
+                                    "path/to/file.py:NAME, a Hugging Face model folder (./dir or hf:./dir), or a "
+                                    "hub id (org/name, org/name@revision; through the Hugging Face cache): its "
+                                    "config.json only, no weights read")
     p.add_argument("--batch-size", "-b", metavar="N", help="global batch size (default: the workload's)")
     p.add_argument("--seq-len", metavar="T", help="sequence length for built-in language models and model folders (default: the "
                                              "config's, a folder's capped at 2048)")

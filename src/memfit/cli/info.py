@@ -17,8 +17,9 @@ def run_workloads(args: argparse.Namespace) -> int:
     for name, doc in builtin_names().items():
         print(f"{name:12s} {doc}")
     print("\nOverride config fields as NAME:key=value,key=value (e.g. gpt2:n_layer=4,n_embd=256); "
-          "user workloads as path/to/file.py:NAME; a local Hugging Face model folder as ./dir or hf:./dir "
-          "(built from its config.json: no weights read, no network).")
+          "user workloads as path/to/file.py:NAME; a local Hugging Face model folder as ./dir or hf:./dir, "
+          "or a hub id as org/name[@revision] (built from its config.json alone, read through the Hugging "
+          "Face cache: no weights read).")
     return 0
 
 

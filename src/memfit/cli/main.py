@@ -14,6 +14,7 @@ import sys
 import warnings
 
 from memfit import __version__
+from memfit.quiet import quiet_library_loggers
 
 
 class _Parser(argparse.ArgumentParser):
@@ -68,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(argv: list[str]) -> int:
     debug = "--debug" in argv
+    if not debug:
+        quiet_library_loggers()
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's own logging is noise here
     if not debug:  # a workload's failing op is reported in one line below, not as torch's log of it
         logging.getLogger("torch._subclasses.fake_tensor").addFilter(_no_meta_kernel_failures)

@@ -22,6 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pareto", metavar="FILE.png", help="write a memory vs time plot of the evaluated plans")
     p.add_argument("--optimizers", default="adamw,adamw8bit",
                    help="optimizer variants to consider (adamw,adamw8bit,adafactor,sgd)")
+    p.add_argument("--methods", metavar="METHODS",
+                   help="compare fine-tuning methods side by side (full,lora,dora,qlora; they train different "
+                        "things): each gets its fastest plan that fits. Default: the workload's own method only")
     p.add_argument("--max-traces", default="60", help="most candidate plans to trace")
     p.add_argument("--compile-modes", metavar="MODES",
                    help="compile modes to consider (none,blocks,full), the compiled ones also with activation "
@@ -66,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--optimizers: unknown optimizer {o!r}; choose from {', '.join(OPTIMIZERS)}")
     given = plan_from_args(args)
     fixed = {k: v for k, v in given.to_dict().items() if v != Plan().to_dict()[k]}
+    if args.methods is not None:
+        return _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_traces, compile_modes, steps)
     sizes = [given.world_size]
     if args.max_world_size is not None:
         most = parse_positive_int(args.max_world_size, "--max-world-size")
@@ -124,3 +129,41 @@ def run(args: argparse.Namespace) -> int:
         if args.pareto:
             print(f"Pareto plot written to {args.pareto}")
     return 0 if result.chosen else 1
+
+
+def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_traces, compile_modes, steps) -> int:
+    """``--methods``: plan each method on its own (NOTE [ Methods are the user's ])."""
+    from memfit.errors import UserError
+    from memfit.planner.methods import DIFFERENT_THINGS, parse_methods
+    from memfit.planner.search import plan
+    from memfit.report.planner import print_methods
+
+    if args.max_world_size is not None or given.world_size != 1:
+        raise UserError("--methods compares methods on one device; leave out --world-size and --max-world-size")
+    if args.out or args.pareto:
+        raise UserError("--methods compares several plans; plan the method you pick without --methods to write "
+                        "--out or --pareto")
+    rows = []
+    for method in parse_methods(args.methods, given.adapter):
+        result = plan(workload, budget=args.budget, device=args.device, batch_size=bs, seq_len=seq,
+                      optimizers=optimizers, max_traces=max_traces, fixed={**fixed, **method.keys},
+                      compile_modes=compile_modes, steps=steps)
+        rows.append((method, result, _trainable(workload, result)))
+    if args.json:
+        print_json({"note": DIFFERENT_THINGS, "methods": [
+            {"method": m.name, "trains": m.trains, "trainable_parameters": n, **r.to_json()} for m, r, n in rows]})
+    else:
+        print_methods(rows)
+    return 0 if any(r.chosen for _, r, _ in rows) else 1
+
+
+def _trainable(workload, result) -> int | None:
+    """Parameters the chosen (or smallest) plan trains."""
+    from memfit.memory.faketrace import trainable_parameters
+    from memfit.quiet import silenced_warnings
+    from memfit.target import Target
+    c = result.chosen or result.smallest
+    if c is None:
+        return None
+    with silenced_warnings():
+        return trainable_parameters(Target.resolve(workload, c.plan, result.batch_size, "cpu"))

@@ -174,7 +174,7 @@ def replay(tracker, device: str, window, streams: dict[int, int] | None = None, 
 
 
 def replay_events(events, start: int, *, model=None, on_block=None) -> tuple[int, int, int]:
-    """The replay behind :func:`replay` (and memfit.planner.deep_stream's): ``events`` are
+    """The replay behind :func:`replay` (and memfit.memory.deep_stream's): ``events`` are
     ``(index, key, sign, nbytes, stream)`` in order, up to the window's end (``sign`` +1 allocates
     ``nbytes`` on ``stream`` for ``key``, -1 frees ``key``'s block, 0 empties the cache); the peak
     counts from ``index`` ``start`` on. Returns (peak allocated bytes, reserved bytes at the end,

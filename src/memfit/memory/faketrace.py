@@ -63,9 +63,7 @@ def _run_tracked(target: Target, *, fake: bool, steps: int, outer: contextlib.Ab
             stack.enter_context(tracker)
             stack.enter_context(fsdp_buffers(tracker, target.plan.config("shard").fsdp2))
             if fake:
-                stack.enter_context(real_code_paths())
-                for config in target.plan.techniques:
-                    stack.enter_context(config.trace_context())
+                _enter_trace_contexts(stack, target)
                 if device.is_gpu:
                     kernels = stack.enter_context(_cuda_kernel_model(device, tracker))
             step = build_step(target)
@@ -96,6 +94,24 @@ def _run_tracked(target: Target, *, fake: bool, steps: int, outer: contextlib.Ab
         for h in hooks:
             h.remove()
     return TrackedRun(tracker=tracker, step=step, seconds=time.perf_counter() - t0, kernels=kernels)
+
+
+def _enter_trace_contexts(stack: contextlib.ExitStack, target: Target) -> None:
+    """What a fake trace of the target's step needs to take a real run's code paths."""
+    stack.enter_context(real_code_paths())
+    for config in target.plan.techniques:
+        stack.enter_context(config.trace_context())
+
+
+def trainable_parameters(target: Target) -> int:
+    """How many parameters the target's step trains, from its step built on fake tensors (no memory)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        _enter_trace_contexts(stack, target)
+        step = build_step(target)
+        return sum(p.numel() for p in step.model.parameters() if p.requires_grad)
 
 
 def _cuda_kernel_model(device: Device, tracker: MemoryTracker):

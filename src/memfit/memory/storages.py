@@ -88,7 +88,12 @@ class LiveStorages:
     def see(self, t: torch.Tensor, func=None) -> None:
         """Book ``t``'s storage (a DTensor's: its local shard's) if it is new, or was resized since it
         was seen."""
-        st = local_tensor(t).untyped_storage()
+        t = local_tensor(t)
+        if hasattr(t, "__tensor_flatten__"):  # a wrapper subclass holds no bytes itself
+            for held in byte_holders(t):
+                self.see(held, func)
+            return
+        st = t.untyped_storage()
         key = st._cdata
         entry = self.live.get(key)
         nbytes = st.nbytes()
@@ -109,11 +114,15 @@ class LiveStorages:
         entry = self.live.get(local_tensor(t).untyped_storage()._cdata)
         return None if entry is None else entry[0]
 
+    def tokens(self, t: torch.Tensor) -> list:
+        """The tokens of the storages holding ``t``'s bytes that are live here (see :func:`byte_holders`)."""
+        return [tok for held in byte_holders(t) if (tok := self.token(held)) is not None]
+
     def host(self, tensors) -> None:
         """These tensors' storages live in host memory (see NOTE [ Host placement ])."""
-        for t in tree_leaves(tensors):
+        for t in (held for x in tree_leaves(tensors) if isinstance(x, torch.Tensor) for held in byte_holders(x)):
             if isinstance(t, torch.Tensor):
-                st = local_tensor(t).untyped_storage()
+                st = t.untyped_storage()
                 key = st._cdata
                 if key in self._on_host:
                     continue
@@ -141,6 +150,17 @@ def returns_alias(func) -> bool:
         hit = _ALIAS_CACHE[func] = (func not in (aten.lift_fresh.default, aten.lift_fresh_copy.default)
                                     and any(r.alias_info is not None for r in func._schema.returns))
     return hit
+
+
+def byte_holders(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``t``'s bytes on this rank: a DTensor's local shard, the inner
+    tensors of a wrapper subclass (torchao's quantized optimizer states: codes, scales, code map),
+    recursively, else ``t`` itself."""
+    t = local_tensor(t)
+    if not hasattr(t, "__tensor_flatten__"):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [held for name in names for held in byte_holders(getattr(t, name))]
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

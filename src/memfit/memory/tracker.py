@@ -129,8 +129,7 @@ class MemoryTracker(TorchDispatchMode):
         assert category in CATEGORIES, category
         for t in tree_leaves(tensors):
             if isinstance(t, torch.Tensor):
-                serial = self.storages.token(t)
-                if serial is not None:
+                for serial in self.storages.tokens(t):  # (a tensor subclass: each tensor inside it)
                     self.state.records[serial].label = category
 
     @contextlib.contextmanager

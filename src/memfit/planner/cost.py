@@ -11,6 +11,7 @@ time of the first step of each value that ``warms_up`` (compile modes, activatio
 partitioner's search). The planner counts it per step only when told how long the run is
 (:meth:`TimeModel.per_step`): step + compile / steps.
 
+The estimate itself is memfit.planner.time_model's ``factor_estimate``, shared with the GPU model.
 GPU presets have no device to time: their plans are timed by the ops their own steps run
 (memfit.planner.gpu_time).
 """
@@ -22,7 +23,11 @@ import time
 from dataclasses import dataclass, field
 
 from memfit.errors import UserError
+from memfit.memory.budget import Budget
+from memfit.planner.candidate import Evidence, Fidelity
+from memfit.planner.ladder import FakeTrace, Ladder
 from memfit.planner.space import SearchSpace
+from memfit.planner.time_model import StepTimeModel, factor_estimate
 from memfit.plans import Plan, technique_of
 from memfit.step import build_step, make_batch
 from memfit.target import Target
@@ -30,7 +35,7 @@ from memfit.techniques.base import Config
 
 
 @dataclass
-class TimeModel:
+class TimeModel(StepTimeModel):
     kind: str
     """'calibrated' (measured here), or a name a test gives a fixed model."""
     batch_size: int
@@ -46,23 +51,18 @@ class TimeModel:
     """Slow steps: the batch size the technique factors were measured at."""
 
     def predict(self, plan: Plan) -> float:
-        t = self.base_seconds[plan.micro_batches(self.batch_size)[0]]
-        for config in plan.techniques:
-            if not config.is_default:
-                t *= self.factor(config)
-        return t
+        keys = (_key(c) for c in plan.techniques if not c.is_default)
+        return factor_estimate(self.base_seconds[plan.micro_batches(self.batch_size)[0]], keys, self.factors)
+
+    def is_estimate(self, plan: Plan) -> bool:
+        return False  # (final: each factor was measured here)
+
+    def ladder(self, target: Target, budget: Budget) -> Ladder:
+        return Ladder(FakeTrace(target, budget))
 
     def warmup(self, plan: Plan) -> float:
         """One-time seconds before ``plan``'s first step (compiling); the values' own, added."""
         return sum(self.warmups.get(_key(c), 0.0) for c in plan.techniques if not c.is_default)
-
-    def per_step(self, plan: Plan, steps: int | None) -> float:
-        """Seconds per step over a run of ``steps`` steps (compile time spread over them); None: a
-        run long enough for compile time not to count."""
-        return self.predict(plan) + (self.warmup(plan) / steps if steps else 0.0)
-
-    def factor(self, config: Config) -> float:
-        return self.factors.get(_key(config), 1.0)
 
     def describe(self) -> str:
         at = f" at batch {self.reduced_batch}" if self.reduced_batch else ""
@@ -83,6 +83,20 @@ MIN_TIMED_SECONDS = 0.3
 def time_plan(target: Target, steps: int) -> float:
     """Median step time after a warm-up step; short steps are repeated for at least 0.3 s."""
     return _time_steps(target, steps)[0]
+
+
+class MeasuredRun:
+    """The evaluator of real runs here (memfit.planner.ladder's protocol): a plan's median step
+    time, and its warm-up (the first step's extra time over the median: compiling)."""
+
+    fidelity = Fidelity.MEASURED
+
+    def __init__(self, target: Target, steps: int) -> None:
+        self.target, self.steps = target, steps
+
+    def evaluate(self, plan: Plan) -> Evidence:
+        median, warmup = _time_steps(self.target.with_plan(plan), self.steps)
+        return Evidence(Fidelity.MEASURED, seconds=median, compile_seconds=warmup)
 
 
 def _time_steps(target: Target, steps: int) -> tuple[float, float]:
@@ -120,7 +134,9 @@ def calibrate(target: Target, space: SearchSpace, steps: int = 2) -> TimeModel:
     t0 = time.perf_counter()
     batch_size = target.batch_size
     model = TimeModel("calibrated", batch_size)
-    base, base_warmup = _time_steps(target.with_plan(Plan()), steps)
+    here = MeasuredRun(target, steps)
+    base_run = here.evaluate(Plan())
+    base = base_run.seconds
     model.base_seconds[batch_size] = base
     slow = base > SLOW_STEP_SECONDS
     for micro in space.micro_batches:
@@ -129,16 +145,17 @@ def calibrate(target: Target, space: SearchSpace, steps: int = 2) -> TimeModel:
         if slow:
             model.base_seconds[micro] = base * (1 + MICRO_BATCH_OVERHEAD * (batch_size // micro - 1))
         else:  # more, smaller micro-batches do not make a step faster
-            model.base_seconds[micro] = max(base, time_plan(target.with_plan(Plan(micro_batch_size=micro)), steps))
+            model.base_seconds[micro] = max(base, here.evaluate(Plan(micro_batch_size=micro)).seconds)
     cal_batch = min(space.micro_batches) if slow else batch_size
     at_cal = Target(target.workload, Plan(), cal_batch, target.device)
-    timed = {Plan(): _time_steps(at_cal, steps) if slow else (base, base_warmup)}
+    at_cal_run = MeasuredRun(at_cal, steps)
+    timed = {Plan(): at_cal_run.evaluate(Plan()) if slow else base_run}
     model.reduced_batch = cal_batch if slow else None
 
     def timing(p: Plan) -> tuple[float, float]:
         if p not in timed:
-            timed[p] = _time_steps(at_cal.with_plan(p), steps)
-        return timed[p]
+            timed[p] = at_cal_run.evaluate(p)
+        return timed[p].seconds, timed[p].compile_seconds
     for name, values in space.values.items():
         for value in list(values):
             try:

@@ -7,7 +7,7 @@ at full depth would take minutes (672 plans for GPT-2), so the model works in th
 
 1. **Estimate** (every candidate, no trace of its own): the default plan and each technique value
    alone are measured (tier 2); a combination is estimated as the default's time times the ratio
-   of each of its values alone, and its footprint as the default's plus each value's saving alone.
+   of each of its values alone (memfit.planner.time_model.factor_estimate, the CPU model's too), and its footprint as the default's plus each value's saving alone.
    This orders the search, and spares it the traces of plans estimated well over the budget.
 2. **Measure** (the candidates the search visits, fastest estimate first): a shallow trace pair
    (memfit.planner.shallow: 2 and 3 blocks) gives the plan's full-depth ops (extrapolated op by
@@ -37,10 +37,12 @@ from typing import NamedTuple
 from memfit.errors import UserError
 from memfit.memory.budget import Budget
 from memfit.memory.categories import STEADY_STEP
+from memfit.memory.deep_stream import Stream, deepen, from_tracker, replay
 from memfit.memory.report import traced_device
-from memfit.planner.deep_stream import Stream, deepen, from_tracker, replay
+from memfit.planner.ladder import GpuLadder
 from memfit.planner.shallow import depth_of, depths, extrapolate, extrapolate_ops, shallow_workload
 from memfit.planner.space import ModelFacts, SearchSpace
+from memfit.planner.time_model import StepTimeModel, factor_estimate
 from memfit.planner.timing import H100, Constants, StepTime, time_from_ops, trace_step
 from memfit.planner.workers import Workers
 from memfit.plans import Plan
@@ -49,14 +51,6 @@ from memfit.techniques.base import GraphSize
 from memfit.techniques.checkpointing import find_blocks
 
 FORWARD, BACKWARD = 2, 3  # memfit.planner.opcost.PHASES
-ESTIMATE_MARGIN = 0.1
-"""A plan estimated to need this much more than the budget is not traced (:meth:`GpuStepModel.likely_too_big`)."""
-DEEP_MARGIN = 0.005
-"""How far a plan's reserved bytes from its shallow traces' allocations at full depth
-(:meth:`GpuStepModel.deep_used`) must be above the budget to rule it out without a full trace:
-they equalled the full traces' on every plan measured, but the model's build differs between a
-shallow and a full trace (an earlier version that paired frees by stretch alone was 88 MiB over
-on 43.7 GB, Llama-2-7B bf16-pure + adamw8bit)."""
 PEAK_MARGIN = 0.02
 """How far an extrapolated allocated peak may be above the full trace's (caching-allocator rounding;
 1% seen with ``blocks:every=2`` on a small model): the lower bound that prunes is that much lower."""
@@ -71,7 +65,7 @@ class Traced(NamedTuple):
     """What the budget counts (reserved + context on a GPU preset)."""
     ops: list
     stream: Stream | None = None
-    """Its allocations (shallow traces of eager plans: memfit.planner.deep_stream)."""
+    """Its allocations (shallow traces of eager plans: memfit.memory.deep_stream)."""
 
 
 @dataclass
@@ -95,7 +89,7 @@ class _Deep(Exception):
     """A shallow trace failed for the model's sake: trace at full depth."""
 
 
-class GpuStepModel:
+class GpuStepModel(StepTimeModel):
     """Time model of the GPU-preset planner (see the module docstring)."""
 
     kind = "op-level"
@@ -178,11 +172,6 @@ class GpuStepModel:
             keys.append(("micro_batch_size", micro))
         return self.measured[self.base].used_lower + sum(self.savings.get(key, 0) for key in keys)
 
-    def likely_too_big(self, plan: Plan) -> bool:
-        """Estimated (:meth:`estimated_used`) above the budget by more than ``ESTIMATE_MARGIN``: the
-        search does not trace it (it is shown as too big, estimated)."""
-        return plan not in self.measured and self.estimated_used(plan) > self.budget.bytes * (1 + ESTIMATE_MARGIN)
-
     def _micro_seconds(self, micro: int) -> float:
         """The base split into micro-batches of ``micro``, estimated without a trace from the base's
         ops: forward and backward once per micro-batch, each op doing ``micro / batch`` of its work
@@ -221,13 +210,15 @@ class GpuStepModel:
         m = self.measured.get(plan)
         if m is not None:
             return m.seconds
-        t = self.measured[self.base].seconds
-        for name in self.space.values:
-            value = getattr(plan, name)
-            if value != getattr(self.base, name):
-                t *= self.ratios.get((name, value), 1.0)
-        micro = plan.micro_batches(self.target.batch_size)[0]
-        return t * self.ratios.get(("micro_batch_size", micro), 1.0)
+        keys = [(name, getattr(plan, name)) for name in self.space.values if getattr(plan, name) != getattr(self.base, name)]
+        keys.append(("micro_batch_size", plan.micro_batches(self.target.batch_size)[0]))
+        return factor_estimate(self.measured[self.base].seconds, keys, self.ratios)
+
+    def is_estimate(self, plan: Plan) -> bool:
+        return plan not in self.measured
+
+    def ladder(self, target: Target, budget: Budget) -> GpuLadder:
+        return GpuLadder(self)
 
     def is_measured(self, plan: Plan) -> bool:
         return plan in self.measured
@@ -394,9 +385,6 @@ class GpuStepModel:
             return 0.0
         m = self.measured.get(plan) or self.measured.get(self.base)
         return sum(c.warmup_seconds(m.graph, plan) for c in configs) if m else 0.0
-
-    def per_step(self, plan: Plan, steps: int | None) -> float:
-        return self.predict(plan) + (self.warmup(plan) / steps if steps else 0.0)
 
     def describe(self) -> str:
         shallow = (f"; plans measured by shallow traces at 2 and 3 of {self.depth} blocks (2 and 4 with a period of 2), their ops extrapolated, "

@@ -6,7 +6,7 @@
    technique value alone, then measured by shallow traces for the plans the walk visits). Compile
    time is shown beside it, and counted per step when the run's length is given (``steps``: step +
    compile / steps), so a short run can prefer an eager plan.
-3. Walk the plans fastest first (:class:`_Walk`); predict the memory of each with a fake-tensor
+3. Walk the plans fastest first (memfit.planner.walk, over memfit.planner.ladder's evidence); predict the memory of each with a fake-tensor
    trace of the real TrainStep (on GPU presets: a shallow lower bound first, a full trace, as
    ``estimate`` runs it, for the plan chosen). The first that fits is the answer, and its reason
    names the faster plans it beat on memory and the next ones it beat on time.
@@ -23,7 +23,6 @@ host bytes together (one memory).
 
 from __future__ import annotations
 
-import heapq
 import time
 from dataclasses import dataclass, field
 
@@ -32,37 +31,18 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from memfit.devices import Device, available_host_bytes
 from memfit.errors import UserError
 from memfit.memory.budget import Budget
-from memfit.memory.estimate import estimate_target
 from memfit.planner import cost
-from memfit.planner.gpu_time import DEEP_MARGIN, GpuStepModel
-from memfit.planner.space import candidates, default_space, drop_unused, model_facts, saves_no_more_than
+from memfit.planner.candidate import Candidate, Status
+from memfit.planner.gpu_time import GpuStepModel
+from memfit.planner.space import candidates, default_space, drop_unused, model_facts
+from memfit.planner.time_model import StepTimeModel
+from memfit.planner.walk import Walk
 from memfit.plans import Plan, technique_of
 from memfit.quiet import silenced_warnings
 from memfit.step import build_step
 from memfit.target import Target
 from memfit.units import fmt_bytes
 from memfit.workload import Workload
-
-WALK_BEFORE_FEASIBILITY = 8
-"""Traces of the fastest plans before checking that any plan fits at all."""
-
-
-@dataclass
-class Candidate:
-    plan: Plan
-    seconds: float
-    """Predicted seconds per step, what plans are ranked by: the steady step, plus compile time
-    spread over the run when its length is given."""
-    step_seconds: float | None = None
-    """Predicted steady step time (None: ``seconds``)."""
-    compile_seconds: float = 0.0
-    """One-time compile seconds before the first step: measured (calibrated) or predicted from the compiled graph size (GPU presets)."""
-    status: str = "not evaluated"
-    """chosen | too big | pruned | slower | not evaluated"""
-    reason: str = ""
-    used_bytes: int | None = None
-    """What the budget holds: reserved + context (GPU) or device + host (CPU)."""
-    peak_bytes: int | None = None
 
 
 @dataclass
@@ -87,9 +67,9 @@ class PlanResult:
         def row(c: Candidate) -> dict:
             return {"plan": c.plan.to_dict(), "predicted_step_seconds": c.seconds,
                     "steady_step_seconds": c.step_seconds if c.step_seconds is not None else c.seconds,
-                    "compile_seconds": c.compile_seconds, "status": c.status,
+                    "compile_seconds": c.compile_seconds, "status": c.status.value,
                     "reason": c.reason, "used_bytes": c.used_bytes, "peak_bytes": c.peak_bytes}
-        evaluated = [c for c in self.candidates if c.status != "not evaluated"]
+        evaluated = [c for c in self.candidates if not c.open]
         return {"workload": self.workload, "device": self.device, "batch_size": self.batch_size,
                 "budget_bytes": self.budget_bytes, "time_model": self.time_model, "run_steps": self.run_steps,
                 "chosen": row(self.chosen) if self.chosen else None, "traces": self.traces,
@@ -106,7 +86,7 @@ def resolve_budget(budget: str | int | None, device: Device) -> int:
 def plan(workload: Workload | str, *, budget: str | int | None = None, device: str | Device = "cpu",
          batch_size: int | None = None, seq_len: int | None = None,
          optimizers: tuple[str, ...] = ("adamw", "adamw8bit"), max_traces: int = 60,
-         time_model: cost.TimeModel | None = None, space=None, fixed: dict | None = None,
+         time_model: StepTimeModel | None = None, space=None, fixed: dict | None = None,
          compile_modes: tuple[str, ...] | None = None, steps: int | None = None) -> PlanResult:
     """The fastest plan for ``workload`` whose predicted memory fits ``budget`` on ``device``.
 
@@ -158,16 +138,14 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     try:
         return _search(t0, target, budget_obj, space, plans, constrained, model, steps, max_traces)
     finally:
-        if isinstance(model, GpuStepModel):
-            model.close()
+        model.close()
 
 
-def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Plan], constrained: dict, model,
-            steps: int | None, max_traces: int) -> PlanResult:
+def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Plan], constrained: dict,
+            model: StepTimeModel, steps: int | None, max_traces: int) -> PlanResult:
     wl, dev, bs, budget_bytes = target.workload, target.device, target.batch_size, budget_obj.bytes
-    if isinstance(model, GpuStepModel):
-        with silenced_warnings():
-            model.prepare()
+    with silenced_warnings():
+        model.prepare()
     for name, value in constrained.items():
         if not space.values[name]:  # the time model's runs found that the value does not suit the workload
             why = next((x.split(": ", 1)[-1] for x in model.excluded if x.startswith(f"{name}=")), "")
@@ -175,20 +153,20 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
     plans = [p for p in plans if all(getattr(p, n) in v for n, v in space.values.items())]  # after exclusions
     ranked = [Candidate(p, 0.0) for p in plans]
     for c in ranked:
-        _retime(c, model, steps)
-    walk = _Walk(target, budget_obj, model, steps, max_traces)
+        c.retime(model, steps)
+    walk = Walk(bs, budget_obj, model, model.ladder(target, budget_obj), steps, max_traces)
     chosen = walk.run(ranked)
     if chosen is None and not any(c.used_bytes is not None for c in ranked):
-        invalid = next((c for c in ranked if c.status == "invalid"), None)
+        invalid = next((c for c in ranked if c.status is Status.INVALID), None)
         reason = invalid.reason.removeprefix("plan: ") if invalid else "no candidate plan is left"
         raise UserError(f"plan: no candidate plan can run {wl.name}: {reason}")
     ranked.sort(key=lambda c: c.seconds)
     if chosen is not None:
         for c in ranked:
-            if c.status == "not evaluated" and c is not chosen:
-                c.status, c.reason = "slower", f"{c.seconds / chosen.seconds:.2f}x the chosen plan's time" + \
-                    ("" if not walk.gpu or walk.measured(c) else " (estimated)")
-        chosen.reason = _why_chosen(chosen, ranked, bs)
+            if c.open and c is not chosen:
+                c.outrun(f"{c.seconds / chosen.seconds:.2f}x the chosen plan's time"
+                         + (" (estimated)" if model.is_estimate(c.plan) else ""))
+        chosen.choose(_why_chosen(chosen, ranked, bs))
     result = PlanResult(workload=wl.name, device=dev.name, batch_size=bs, budget_bytes=budget_bytes,
                         time_model=model.describe(), chosen=chosen, candidates=ranked, traces=walk.traces,
                         run_steps=steps, notes=[*space.notes, *(f"{x} (left out)" for x in model.excluded), *walk.notes])
@@ -196,259 +174,19 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
         result.smallest = walk.smallest(ranked)
         if result.smallest is not None and result.smallest.used_bytes <= budget_bytes:  # a lower bound erred high
             chosen = result.chosen = result.smallest
-            chosen.status, chosen.reason = "chosen", "the smallest plan found, confirmed to fit by a full trace"
+            chosen.choose("the smallest plan found, confirmed to fit by a full trace")
         for c in ranked:
-            if c.status == "not evaluated" and c.used_bytes is None:
-                c.reason = c.reason or "nothing fits: a plan saving at least as much did not fit"
+            if c.open and c.used_bytes is None:
+                c.note(c.reason or "nothing fits: a plan saving at least as much did not fit")
     result.seconds = time.perf_counter() - t0
     return result
-
-
-def _retime(c: Candidate, model, steps: int | None) -> None:
-    c.seconds, c.step_seconds, c.compile_seconds = model.per_step(c.plan, steps), model.predict(c.plan), \
-        model.warmup(c.plan)
-
-
-class _Walk:
-    """Walk the candidates fastest first (a priority queue on predicted time) until one fits.
-
-    With the calibrated model (CPU) every time is final, and each visited plan is traced once for
-    its memory. With the GPU-preset model (memfit.planner.gpu_time) a visited plan is first
-    *measured* (shallow traces: its own step time and a lower bound of its memory): too big, it
-    is out; slower than its estimate, it goes back into the queue at its measured time. A plan that
-    comes out fastest with a fitting lower bound is *confirmed* by one full trace before it is
-    chosen. Pruning: a plan that saves no more memory than one that did not fit cannot fit."""
-
-    def __init__(self, target: Target, budget: Budget, model, steps: int | None, max_traces: int) -> None:
-        self.target, self.budget, self.model, self.steps, self.max_traces = target, budget, model, steps, max_traces
-        self.gpu = isinstance(model, GpuStepModel)
-        self.failed: list[Candidate] = []
-        self.evaluated = 0
-        self.maximal: list[Candidate] | None = None
-        self.limited = False
-        """The trace limit left a faster plan untraced."""
-        self.trust_deep = True
-        self.deep_rejected: list[Candidate] = []
-        """Plans ruled out by :meth:`_too_big_deep` (checked against the chosen plan's full trace)."""
-        self.notes: list[str] = []
-
-    @property
-    def traces(self) -> int:
-        return self.model.traces if self.gpu else self.evaluated
-
-    def measured(self, c: Candidate) -> bool:
-        return self.model.is_measured(c.plan) if self.gpu else c.used_bytes is not None
-
-    def run(self, ranked: list[Candidate]) -> Candidate | None:
-        bs = self.target.batch_size
-        heap = [(c.seconds, i, c) for i, c in enumerate(ranked)]
-        heapq.heapify(heap)
-        self.order = {id(c): i for i, c in enumerate(ranked)}
-        while True:
-            chosen = self._walk(heap, ranked, bs)
-            if chosen is None and self.deep_rejected and self.trust_deep and not self.limited:  # (_deep_agrees)
-                self.notes.append(f"nothing fitted after {len(self.deep_rejected)} plans were ruled out by their "
-                                  "reserved bytes at full depth from shallow traces: they were traced instead")
-                self._distrust_deep(heap, ranked, None)
-                continue
-            if chosen is not None or self.limited or self.maximal is not None:
-                return chosen
-            # Nothing fitted and the maximal plans were never traced (the estimates spared their
-            # traces): trace them now, ignoring the estimates, and walk again if any may fit.
-            if not self._check_feasible(heap, ranked, bs):
-                return None
-
-    def _walk(self, heap: list, ranked: list[Candidate], bs: int) -> Candidate | None:
-        while heap:
-            _, _, c = heapq.heappop(heap)
-            if c.status != "not evaluated":
-                continue
-            if any(saves_no_more_than(c.plan, f.plan, bs) for f in self.failed):
-                c.status, c.reason = "pruned", "saves no more memory than a plan that did not fit"
-                continue
-            if self.evaluated >= self.max_traces and not self.measured(c):
-                # a faster plan left untraced: no choice can be called the fastest that fits
-                for _, _, x in [(None, None, c), *heap]:
-                    if x.status == "not evaluated":
-                        x.reason = f"trace limit ({self.max_traces}) reached"
-                heap.clear()
-                self.limited = True
-                return None
-            if self.maximal is None and self.evaluated >= WALK_BEFORE_FEASIBILITY:
-                if not self._check_feasible(heap, ranked, bs):
-                    return None
-                if c.status != "not evaluated" or any(saves_no_more_than(c.plan, f.plan, bs) for f in self.failed):
-                    if c.status == "not evaluated":
-                        c.status, c.reason = "pruned", "saves no more memory than a plan that did not fit"
-                    continue
-                if self.measured(c) and heap and c.seconds > heap[0][0]:
-                    heapq.heappush(heap, (c.seconds, self.order[id(c)], c))
-                    continue
-            if c.used_bytes is None and self.gpu and self.model.likely_too_big(c.plan):
-                c.status, c.reason = "too big", (f"estimated to need {fmt_bytes(self.model.estimated_used(c.plan))} "
-                                                 f"> budget {fmt_bytes(self.budget.bytes)} (not traced)")
-                continue
-            if c.used_bytes is None and not self._measure(c):
-                continue
-            if c.status != "not evaluated":  # too big
-                continue
-            if self.gpu and not self.model.is_confirmed(c.plan):
-                if heap and c.seconds > heap[0][0]:  # slower than measured: back in the queue at its time
-                    heapq.heappush(heap, (c.seconds, self.order[id(c)], c))
-                    continue
-                if self._too_big_deep(c):
-                    continue
-                self._confirm_ahead(c, heap)
-                if not self._confirm(c) or c.status == "too big":
-                    continue
-                if heap and c.seconds > heap[0][0]:
-                    heapq.heappush(heap, (c.seconds, self.order[id(c)], c))
-                    continue
-            if not self._deep_agrees(c):  # then the plans it ruled out are traced
-                self._distrust_deep(heap, ranked, c)
-                continue
-            c.status = "chosen"
-            return c
-        return None
-
-    def _deep_agrees(self, c: Candidate) -> bool:
-        """The check of the reserved bytes at full depth from shallow traces (:meth:`_too_big_deep`),
-        when they ruled out a plan, against the full traces at hand (the chosen plan's, and those
-        run alongside it): each within ``DEEP_MARGIN``, and at least one to check (else the plans
-        they ruled out are traced)."""
-        if not self.gpu or not self.deep_rejected or not self.trust_deep:
-            return True
-        checked = [(m.used_bytes, self.model.deep_used(p)) for p, m in list(self.model.measured.items()) if m.full]
-        checked = [(full, deep) for full, deep in checked if deep is not None]
-        missed = [(full, deep) for full, deep in checked if abs(deep - full) > DEEP_MARGIN * full]
-        if checked and not missed:
-            return True
-        why = (f"missed a full trace ({fmt_bytes(missed[0][0])}) by more than {DEEP_MARGIN:.1%} "
-               f"({fmt_bytes(missed[0][1])})") if missed else "had no full trace to be checked against"
-        self.notes.append(f"reserved bytes at full depth from the shallow traces' allocations {why}: the "
-                          f"{len(self.deep_rejected)} plans they ruled out were traced instead")
-        return False
-
-    def _distrust_deep(self, heap: list, ranked: list[Candidate], c: Candidate | None) -> None:
-        """Put the plans ruled out by :meth:`_too_big_deep` back into the queue (and those pruned,
-        which may have been pruned for them), with ``c``, and walk on without it."""
-        self.trust_deep = False
-        for x in [*self.deep_rejected, *(x for x in ranked if x.status == "pruned"), *([c] if c else [])]:
-            if x in self.failed:
-                self.failed.remove(x)
-            if x is not c:
-                x.status, x.reason = "not evaluated", ""
-                m = self.model.measured.get(x.plan)
-                x.used_bytes = None if m is None else m.used_bytes if m.full else m.used_lower
-            heapq.heappush(heap, (x.seconds, self.order[id(x)], x))
-        self.deep_rejected.clear()
-
-    def _check_feasible(self, heap: list, ranked: list[Candidate], bs: int) -> bool:
-        """Trace the maximal plans (none saves less than another everywhere: they dominate every
-        plan). False if none of them fits (then nothing does); else they go back into the queue at
-        their measured times."""
-        self.maximal = _maximal(sorted(ranked, key=lambda x: x.seconds), bs)
-        for m in self.maximal:
-            if m.used_bytes is None:
-                m.status, m.reason = "not evaluated", ""  # (an estimate may have called it too big)
-                self._measure(m)
-        tops = [m for m in self.maximal if m.used_bytes is not None]
-        if tops and all(m.status == "too big" for m in tops):
-            return False
-        for m in self.maximal:
-            if m.status == "not evaluated":
-                heapq.heappush(heap, (m.seconds, self.order[id(m)], m))
-        return True
-
-    def _measure(self, c: Candidate) -> bool:
-        """Trace ``c`` (GPU presets: measure it, unless the time model did); False (status "invalid")
-        if it does not suit the workload."""
-        if not self.gpu:
-            self.evaluated += 1
-            if not _evaluate(c, self.target, self.budget):
-                return False
-            if c.used_bytes > self.budget.bytes:
-                self._too_big(c)
-            return True
-        self.evaluated += not self.measured(c)
-        return self._take(c, self.model.measure)
-
-    def _confirm(self, c: Candidate) -> bool:
-        """The full trace of ``c``; False (status "invalid") if it fails there (a compile limit, the
-        workload's code at full depth)."""
-        return self._take(c, self.model.confirm)
-
-    def _confirm_ahead(self, c: Candidate, heap: list) -> None:
-        """Run ``c``'s full trace alongside those of the next plans that may come up for confirming
-        (measured, their lower bound fits), on the workers that would otherwise wait: when ``c``'s
-        reserved bytes do not fit, the next one's are ready."""
-        spare = self.model.workers.count - 1
-        if spare <= 0 or self.model.has_full_trace(c.plan):  # (nothing to run alongside)
-            return
-        ahead: dict[Plan, None] = {}
-        for _, _, x in heapq.nsmallest(len(heap), heap):
-            if len(ahead) == spare:
-                break
-            if x is not c and x.status == "not evaluated" and self.model.is_measured(x.plan) \
-                    and not self.model.is_confirmed(x.plan) and not self.model.has_full_trace(x.plan) \
-                    and x.used_bytes is not None and x.used_bytes <= self.budget.bytes and not self._too_big_deep(x):
-                ahead[x.plan] = None
-        with silenced_warnings():
-            self.model.trace_full([c.plan, *ahead])
-
-    def _too_big_deep(self, c: Candidate) -> bool:
-        """A measured plan whose lower bound fits, ruled out without its full trace: its reserved
-        bytes from the shallow traces' allocations at full depth are over the budget (by more than
-        ``DEEP_MARGIN``)."""
-        if not self.trust_deep or self.model.has_full_trace(c.plan):  # (the full trace decides)
-            return False
-        used = self.model.deep_used(c.plan)
-        if used is None or used <= self.budget.bytes * (1 + DEEP_MARGIN):
-            return False
-        c.used_bytes = used
-        self._too_big(c, how="reserved, from its shallow traces' allocations replayed at full depth")
-        self.deep_rejected.append(c)
-        return True
-
-    def _take(self, c: Candidate, trace) -> bool:
-        """``c``'s figures from ``trace`` (the GPU model's measure or confirm): its time, and its
-        footprint (a lower bound until confirmed); False (status "invalid") if the plan fails."""
-        try:
-            with silenced_warnings():
-                m = trace(c.plan)
-        except UserError as e:
-            c.status, c.reason = "invalid", str(e)
-            return False
-        _retime(c, self.model, self.steps)
-        c.peak_bytes = m.peak_bytes
-        c.used_bytes = m.used_bytes if m.used_bytes is not None else m.used_lower
-        if c.used_bytes > self.budget.bytes if m.full else m.used_lower > self.budget.bytes:
-            self._too_big(c, at_least=not m.full)
-        return True
-
-    def _too_big(self, c: Candidate, at_least: bool = False, how: str = "") -> None:
-        need = f"at least {fmt_bytes(c.used_bytes)} (allocated)" if at_least else fmt_bytes(c.used_bytes)
-        c.status, c.reason = "too big", f"needs {need}{f' ({how})' if how else ''} > budget {fmt_bytes(self.budget.bytes)}"
-        self.failed.append(c)
-
-    def smallest(self, ranked: list[Candidate]) -> Candidate | None:
-        """The traced plan with the smallest footprint (GPU presets: confirmed by a full trace)."""
-        traced = [c for c in ranked if c.used_bytes is not None and c.status != "invalid"]
-        if not traced:
-            return None
-        for best in sorted(traced, key=lambda c: c.used_bytes):
-            if not self.gpu or self.model.is_confirmed(best.plan):
-                return best
-            if self._confirm(best):
-                return best
-        return None
 
 
 def _why_chosen(chosen: Candidate, ranked: list[Candidate], bs: int) -> str:
     """The alternatives the chosen plan beat and by how much: the faster plans that did not fit, the
     next fastest after it."""
-    faster = [c for c in ranked if c.status == "too big" and c.seconds < chosen.seconds]
-    slower = [c for c in ranked if c.status == "slower"][:2]
+    faster = [c for c in ranked if c.status is Status.TOO_BIG and c.seconds < chosen.seconds]
+    slower = [c for c in ranked if c.status is Status.SLOWER][:2]
     parts = ["fastest predicted plan that fits"]
     traced = [c for c in faster if c.used_bytes is not None]
     if traced:
@@ -511,31 +249,6 @@ def _unsuited(wl: Workload, name: str, value, why: str) -> UserError:
 
 def _show_value(value) -> str:
     return "[" + ",".join(value) + "]" if isinstance(value, tuple) else str(value)
-
-
-def _evaluate(c: Candidate, target: Target, budget: Budget) -> bool:
-    """Trace ``c``'s memory; False (and status "invalid") if the plan does not suit the workload."""
-    try:
-        with silenced_warnings():
-            report = estimate_target(target.with_plan(c.plan))
-    except UserError as e:
-        c.status, c.reason = "invalid", str(e)
-        return False
-    c.used_bytes, c.peak_bytes = budget.used_bytes(report), report.peak_bytes
-    return True
-
-
-def _maximal(ranked: list[Candidate], bs: int) -> list[Candidate]:
-    """Plans that no other plan dominates in memory saving (fastest first). One pass that keeps the
-    maximal plans so far (dominance is transitive): O(plans x maximal plans), not O(plans^2)."""
-    def dominates(d: Candidate, c: Candidate) -> bool:
-        return saves_no_more_than(c.plan, d.plan, bs) and not saves_no_more_than(d.plan, c.plan, bs)
-    out: list[Candidate] = []
-    for c in ranked:
-        if not any(dominates(m, c) for m in out):
-            out = [m for m in out if not dominates(c, m)] + [c]
-    order = {id(c): i for i, c in enumerate(ranked)}
-    return sorted(out, key=lambda c: order[id(c)])
 
 
 CPU_STATE_BYTES = 16

@@ -52,6 +52,39 @@ def print_plan_result(result, console: Console | None = None, top: int = 12) -> 
                 "not fit[/]")
 
 
+def print_methods(rows, console: Console | None = None) -> None:
+    """``memfit plan --methods``: each method's fastest fitting plan, side by side (rows of
+    (Method, PlanResult, trainable parameters))."""
+    from memfit.planner.methods import DIFFERENT_THINGS
+    c = console or Console(highlight=False, soft_wrap=True)
+    first = rows[0][1]
+    c.print(f"[bold]memfit plan --methods[/] {first.workload} · batch {first.batch_size} · device {first.device} · "
+            f"budget {fmt_bytes(first.budget_bytes)}")
+    c.print(f"[yellow]note:[/] {DIFFERENT_THINGS}")
+    t = Table(title="each method's fastest plan that fits", show_edge=False, pad_edge=False, box=None)
+    for col, just in (("method", "left"), ("trains", "right"), ("plan", "left"), ("memory", "right"),
+                      ("ms/step", "right"), ("what it trains", "left")):
+        t.add_column(col, justify=just)
+    for method, result, trainable in rows:
+        ch = result.chosen
+        if ch:
+            cells = (escape(ch.plan.short(result.batch_size)), fmt_bytes(ch.used_bytes), f"{ch.seconds * 1e3:.1f}")
+        else:
+            smallest = fmt_bytes(result.smallest.used_bytes) if result.smallest else "-"
+            cells = ("[red]nothing fits[/]", f"needs {smallest}", "-")
+        t.add_row(method.name, _count(trainable), *cells, method.trains)
+    c.print(t)
+
+
+def _count(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
 def _compile_time(candidate) -> str:
     """One-time compile seconds (measured here, or predicted from the compiled graph size on GPU presets)."""
     s = candidate.compile_seconds

@@ -14,7 +14,8 @@ a large embedding. Optimizer states are bf16 (as the weights), like most bf16 fi
 
 Plan key ``bf16_update``: ``nearest`` (:class:`NearestUpdate`: the optimizer's own rounding),
 ``stochastic`` / ``kahan`` (:class:`CompensatedUpdate`); with ``precision: bf16-pure`` and the
-AdamW or SGD optimizer only.
+AdamW or SGD optimizer only, or ``stochastic`` with torchao's low-bit AdamW (its own
+``bf16_stochastic_round``, inside its compiled update).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import torch
 
 from memfit.errors import UserError
 from memfit.techniques.base import Config, Export, Key, Technique, choice, register
-from memfit.techniques.optimizers import SGDMomentum, WorkloadOptimizer, hyperparameters, regroup
+from memfit.techniques.optimizer_variant import WorkloadOptimizer, hyperparameters, regroup
+from memfit.techniques.optimizers import SGDMomentum
 from memfit.techniques.precision import BF16Pure
 
 CHUNK = 1 << 20
@@ -117,6 +119,9 @@ def compensated(factory, rounding: str):
 
     def build(params):
         like = factory(params)
+        if getattr(like, "bf16_stochastic_round", None) is not None:  # torchao's low-bit AdamW: its own
+            like.bf16_stochastic_round = True  # rounding in its compiled update (CompensatedUpdate.check: not kahan)
+            return like
         d = like.defaults
         if isinstance(like, torch.optim.AdamW) or (isinstance(like, torch.optim.Adam)
                                                     and d.get("decoupled_weight_decay")):
@@ -155,6 +160,9 @@ class CompensatedUpdate(BF16Update):
     def check(self, plan) -> None:
         if not isinstance(plan.config("precision"), BF16Pure):
             raise UserError(f"plan: bf16_update: {self.rounding} applies to precision: bf16-pure only")
+        from memfit.techniques.optimizers_torchao import TorchaoAdamW
+        if self.rounding == "stochastic" and isinstance(plan.config("optimizer"), TorchaoAdamW):
+            return  # (torchao's bf16_stochastic_round)
         if not isinstance(plan.config("optimizer"), (WorkloadOptimizer, SGDMomentum)):
             raise UserError(f"plan: bf16_update: {self.rounding} is implemented for adamw and sgd; "
                             f"use bf16_update: nearest with {plan.optimizer}")

@@ -2,27 +2,38 @@
 
 A causal LM's logits are [batch, T, vocab] in fp32 for the loss: at GPT-2's vocabulary (50257)
 and 8 x 1024 tokens that is 1.6 GiB, plus as much again for their gradient, often the largest
-single tensor of the step. With ``loss_chunks: K`` memfit runs the model's body to the last
-hidden states, then applies the output head and cross-entropy to K slices of the tokens, each
-under a checkpoint: one slice's logits exist at a time, and backward recomputes them (one extra
-head matmul). The result equals the unchunked mean over the non-ignored tokens.
+single tensor of the step. With ``loss_chunks: K`` the output head and the cross-entropy run on
+K slices of the tokens, each under a checkpoint: one slice's logits exist at a time, and backward
+recomputes them (one extra head matmul per slice). The result equals the unchunked loss.
 
-Applies to Hugging Face causal LMs (``...ForCausalLM``, labels in the batch), as the built-in
-workloads are; the head's plain linear map is used (models with logit soft-capping or scaling
-are refused).
+The chunking lives in the model, as Liger-Kernel's fused linear cross-entropy does
+(:func:`chunk_lm_loss`): the causal LM's ``forward`` is patched so that a call *with labels*
+(in training mode) runs the model's own forward up to the head, then the chunked loss, and
+returns ``.loss`` with ``.logits`` None. So every caller gets it: ``model(**batch).loss``, a
+lambda such as ``m(input_ids=b, labels=b).loss``, the Hugging Face Trainer (``num_items_in_batch`` with
+gradient accumulation) and Lightning. A call without labels, or in eval mode, is the model's
+forward unchanged.
+
+Applies to Hugging Face causal LMs (``...ForCausalLM`` whose output layer is a plain
+``nn.Linear`` and whose loss is ``ForCausalLMLoss``); models with logit soft-capping or scaling
+are refused. A loss that computes its own cross-entropy from ``.logits`` is not chunked.
 
 Plan key ``loss_chunks``: 0 (:class:`FullLoss`) or K > 0 (:class:`ChunkedLoss`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from memfit.errors import UserError, brief, passes_through, raised_in_memfit, user_location
+from memfit.errors import UserError
 from memfit.techniques.base import (
     Config,
     Export,
@@ -37,69 +48,182 @@ IGNORE_INDEX = -100
 MAX_CHUNKS = 2**31 - 1
 SEARCHED = 8
 """The number of chunks the planner tries (the memory saving flattens out well before)."""
+LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
+"""The keyword arguments of transformers' ``ForCausalLMLoss`` a causal LM's forward passes on."""
+CHUNKS_ATTR = "memfit_loss_chunks"
+"""Set on a patched ``forward``: its number of chunks."""
+_ORIGINAL_ATTR = "_memfit_original_forward"
 
 
-def _chunk_loss(hidden, labels, weight, bias):
+# -- the one chunked cross-entropy ----------------------------------------------------------------
+
+def _chunk_loss(hidden, labels, weight, bias, ignore_index):
     logits = F.linear(hidden, weight, bias).float()
-    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
 
 
-FORWARD_METHOD = "memfit_chunked_loss"
-"""The model's method that runs the chunked loss when the model is sharded (see
-:func:`as_sharded_forward`)."""
+def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Linear, chunks: int, *,
+                          ignore_index: int = IGNORE_INDEX, num_items_in_batch=None) -> torch.Tensor:
+    """Cross-entropy of ``head(hidden)`` against ``labels`` (aligned: already shifted), the tokens
+    in ``chunks`` slices, each slice's logits recomputed in backward. Divided by
+    ``num_items_in_batch`` when given (as transformers' ``fixed_cross_entropy``: the Trainer counts
+    the tokens of all accumulated micro-batches), else by the tokens not ``ignore_index`` (the mean).
 
-
-def chunked_lm_loss(model, batch, chunks: int) -> torch.Tensor:
-    method = getattr(model, FORWARD_METHOD, None)
-    if method is not None:
-        return method(batch, chunks)
-    return _chunked_lm_loss(model, batch, chunks)
-
-
-def as_sharded_forward(model) -> None:
-    """With FSDP2, the root module's parameters (embeddings, final norm, head) are gathered around
-    its ``forward``, and the chunked loss calls the body and the head instead. So the loss becomes
-    one of the root's forward methods (FSDP2's ``register_fsdp_forward_method``): the root's
-    parameters are gathered for it, and their gradients reduce-scattered after its backward."""
-    import types
-
-    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
-    if not isinstance(model, FSDPModule):
-        return
-    setattr(model, FORWARD_METHOD, types.MethodType(_chunked_lm_loss, model))
-    register_fsdp_forward_method(model, FORWARD_METHOD)
-
-
-def _chunked_lm_loss(model, batch, chunks: int) -> torch.Tensor:
-    labels = batch["labels"]
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    hidden = model.base_model(**inputs).last_hidden_state
-    head = model.get_output_embeddings()
-    hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-    labels = labels[:, 1:].reshape(-1)
+    NOTE [ One slice of logits at a time ]: each slice runs under a non-reentrant checkpoint, so
+    forward keeps only the slice's scalar; backward recomputes one slice's [tokens/K, vocab]
+    logits, takes their gradient and frees them before the next slice.
+    """
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    labels = labels.reshape(-1).to(hidden.device)
     total = None
     for h, y in zip(hidden.chunk(chunks), labels.chunk(chunks)):
-        part = checkpoint(_chunk_loss, h, y, head.weight, head.bias, use_reentrant=False)
+        part = checkpoint(_chunk_loss, h, y, head.weight, head.bias, ignore_index, use_reentrant=False)
         total = part if total is None else total + part
-    return total / (labels != IGNORE_INDEX).sum()
+    if num_items_in_batch is None:
+        return total / (labels != ignore_index).sum()
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
 
 
-def check_supported(model) -> None:
+def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Token t predicts token t + 1; the last position predicts nothing (as ``ForCausalLMLoss``)."""
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+# -- the patched forward ----------------------------------------------------------------------------
+
+class ChunkedHead(nn.Module):
+    """Stands in for the model's output layer during one forward with labels: it takes the last
+    hidden states, computes the chunked loss into ``self.loss`` and returns ``placeholder``, an
+    expanded fp32 zero with the logits' shape that holds 4 bytes (the forward's ``logits.float()``,
+    if any, is a no-op on it). The real head's forward and its hooks do not run."""
+
+    def __init__(self, head: nn.Linear, labels, chunks: int, ignore_index: int = IGNORE_INDEX,
+                 num_items_in_batch=None, shift_labels=None):
+        super().__init__()
+        self.parts = (head, labels, shift_labels, num_items_in_batch)  # (a tuple: not a submodule)
+        self.chunks, self.ignore_index = chunks, ignore_index
+        self.loss = self.placeholder = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.loss is not None:
+            raise UserError("loss_chunks: the model's forward calls its output layer twice, which chunking does not "
+                            "reproduce; set loss_chunks: 0")
+        head, labels, shifted, num_items = self.parts
+        targets = shift_labels(labels, self.ignore_index) if shifted is None else shifted
+        self.loss = chunked_cross_entropy(hidden, targets, head, self.chunks, ignore_index=self.ignore_index,
+                                          num_items_in_batch=num_items)
+        self.placeholder = hidden.new_zeros((), dtype=torch.float32).expand(*hidden.shape[:-1], head.out_features)
+        return self.placeholder
+
+
+def chunk_lm_loss(model: nn.Module, chunks: int) -> nn.Module:
+    """Patch ``model`` (a Hugging Face causal LM, or a PEFT model around one) so that a forward with
+    ``labels`` in training mode computes its loss in ``chunks`` slices and returns ``.logits`` None;
+    a forward without labels, or in eval mode (as Liger-Kernel: evaluation metrics read the
+    logits, and no graph is kept), is unchanged. Patching again replaces the chunk count. Returns
+    ``model``.
+
+    NOTE [ The patched forward ]: the instance's ``forward`` is replaced (hooks, FSDP2's among
+    them, run around it as around the original). It runs the model's own forward with
+    ``labels=None`` and the loss keywords removed, while :class:`ChunkedHead` stands in for the
+    output layer, so everything up to the head (masks, positions, caches, ``hidden_states``) is
+    the model's own code. The patch holds the model only weakly (no reference cycle keeps a
+    dropped model's memory alive).
+    """
+    lm = check_supported(model)
+    head = lm.get_output_embeddings()
+    head_name = next(name for name, child in lm.named_children() if child is head)
+    own = lm.__dict__.get("forward")
+    original = getattr(own, _ORIGINAL_ATTR, own)  # None: the class's forward
+    signature = inspect.signature(lm.forward)
+    names = [p.name for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    labels_at = names.index("labels") if "labels" in names else None
+    ref = weakref.ref(lm)
+
+    def forward(*args, **kwargs):
+        m = ref()
+        run = original if original is not None else type(m).forward.__get__(m)
+        positional = "labels" not in kwargs and labels_at is not None and len(args) > labels_at
+        labels = args[labels_at] if positional else kwargs.get("labels")
+        if labels is None or not m.training:
+            return run(*args, **kwargs)
+        if positional:
+            args = (*args[:labels_at], None, *args[labels_at + 1:])
+        else:
+            del kwargs["labels"]
+        loss_kwargs = {k: kwargs.pop(k) for k in LOSS_KWARGS if k in kwargs}
+        stand_in = ChunkedHead(m.get_output_embeddings(), labels, chunks, **loss_kwargs)
+        with _standing_in(m, head_name, stand_in):
+            out = run(*args, **kwargs)
+        if stand_in.loss is None:
+            raise UserError(f"loss_chunks: {type(m).__name__}.forward did not call its output layer {head_name!r}, "
+                            "so there is no loss to chunk; set loss_chunks: 0")
+        return _with_loss(out, stand_in.loss, stand_in.placeholder)
+
+    forward.__signature__ = signature  # (the Trainer reads it: dataset columns, loss keywords)
+    forward.__name__ = forward.__qualname__ = "forward"
+    forward.__doc__ = (original or type(lm).forward).__doc__
+    setattr(forward, _ORIGINAL_ATTR, original)
+    setattr(forward, CHUNKS_ATTR, chunks)
+    lm.forward = forward
+    return model
+
+
+@contextlib.contextmanager
+def _standing_in(model: nn.Module, name: str, stand_in: nn.Module):
+    head = model._modules[name]
+    model._modules[name] = stand_in
+    try:
+        yield
+    finally:
+        model._modules[name] = head
+
+
+def _with_loss(out, loss, placeholder):
+    """The model's output with ``loss`` set and the placeholder logits removed (None)."""
+    if isinstance(out, tuple):  # return_dict=False: HF tuples skip None fields, and start with the loss
+        return (loss, *(x for x in out if x is not placeholder))
+    fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
+    return type(out)(loss=loss, **fields)
+
+
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The module whose forward is chunked: ``model``, or a PEFT model's base model."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def check_supported(model) -> nn.Module:
+    """The causal LM in ``model`` whose forward can be chunked, or a UserError naming why not."""
     try:
         from transformers import PreTrainedModel
+        from transformers.loss.loss_utils import ForCausalLMLoss
     except ImportError:
-        PreTrainedModel = ()  # noqa: N806
-    config = getattr(model, "config", None)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    causal = _causal_lm_classes()  # (FSDP2 makes a subclass, FSDP<class>, of a sharded model's class)
-    if not isinstance(model, PreTrainedModel) or head is None or getattr(config, "is_encoder_decoder", False) \
-            or not any(c.__name__ in causal for c in type(model).__mro__):
-        raise UserError("loss_chunks needs a Hugging Face causal language model (a ...ForCausalLM with labels in "
-                        "the batch); set loss_chunks: 0 for this workload")
+        PreTrainedModel, ForCausalLMLoss = (), None  # noqa: N806
+    lm = causal_lm(model)
+    config = getattr(lm, "config", None)
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    causal = _causal_lm_classes() if ForCausalLMLoss else set()  # (FSDP2 subclasses a sharded model's class)
+    if not isinstance(lm, PreTrainedModel) or head is None or getattr(config, "is_encoder_decoder", False) \
+            or not any(c.__name__ in causal for c in type(lm).__mro__):
+        raise UserError("loss_chunks needs a Hugging Face causal language model (a ...ForCausalLM called with labels); "
+                        "set loss_chunks: 0 for this workload")
+    cls = type(lm).__name__
+    if not (isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward) \
+            or not any(child is head for child in lm.children()):
+        raise UserError(f"loss_chunks: {cls}'s output layer is a {type(head).__name__}, not a plain nn.Linear child "
+                        "of the model (lm_head) that chunking can apply slice by slice; set loss_chunks: 0")
     for attr in ("final_logit_softcapping", "logit_scale"):
         if getattr(config, attr, None):
             raise UserError(f"loss_chunks: this model applies {attr} to its logits, which chunking does not "
                             "reproduce; set loss_chunks: 0")
+    loss_function = getattr(lm, "loss_function", None)
+    if loss_function is not ForCausalLMLoss:
+        raise UserError(f"loss_chunks: {cls} computes its loss with {getattr(loss_function, '__name__', loss_function)}, "
+                        "not transformers' ForCausalLMLoss that chunking reproduces; set loss_chunks: 0")
+    return lm
 
 
 def _causal_lm_classes() -> set[str]:
@@ -110,24 +234,7 @@ def _causal_lm_classes() -> set[str]:
     return names
 
 
-def chunked_loss_fn(loss_fn, model, chunks: int):
-    """The step's loss for ``model`` with the LM cross-entropy computed in ``chunks`` slices
-    (``loss_fn`` itself is not called: the chunked loss replaces it)."""
-    check_supported(model)
-    as_sharded_forward(model)
-
-    def loss(m, batch):
-        if not isinstance(batch, dict) or "labels" not in batch:
-            raise UserError("loss_chunks needs a batch dict with 'labels' (as Hugging Face causal LMs take)")
-        try:
-            return chunked_lm_loss(m, batch, chunks)
-        except Exception as e:
-            err = _batch_error(e)
-            if err is e:
-                raise
-            raise err from e
-    return loss
-
+# -- the technique --------------------------------------------------------------------------------
 
 class LossChunking(Config):
     def values(self) -> dict:
@@ -136,7 +243,7 @@ class LossChunking(Config):
 
 @dataclass(frozen=True)
 class FullLoss(LossChunking):
-    """The workload's own loss, on the full logits."""
+    """The model's own loss, on the full logits."""
 
     chunks = 0
     rank = 0
@@ -152,7 +259,7 @@ class ChunkedLoss(LossChunking):
     adds_work = True
 
     def apply(self, parts) -> None:
-        parts.loss_fn = chunked_loss_fn(parts.loss_fn, parts.model, self.chunks)
+        chunk_lm_loss(parts.model, self.chunks)  # (the workload's loss runs: it calls the patched forward)
 
     def label(self, batch_size):
         return f"chunks={self.chunks}"
@@ -177,18 +284,6 @@ def search(ctx: SearchContext) -> list[int]:
     except UserError:
         return [0]
     return [0, SEARCHED]
-
-
-def _batch_error(e: Exception) -> BaseException:
-    """A failure of the model's forward on the workload's batch is the batch's; memfit's own
-    failures, out-of-memory errors and trace failures pass through unchanged."""
-    if passes_through(e) or raised_in_memfit(e):
-        return e
-    at = user_location(e)
-    msg = brief(e)
-    return UserError(f"loss_chunks: the model's forward on the workload's batch raised {type(e).__name__}: {msg}"
-                     f"{f' (at {at})' if at else ''}; fix the batch (the keys the model takes, plus 'labels') or "
-                     "set loss_chunks: 0")
 
 
 TECHNIQUE = register(

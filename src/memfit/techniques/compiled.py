@@ -64,15 +64,18 @@ _REAL: dict[float | None, Callable] = {}
 _PREDICTED: dict[float | None, Callable] = {}
 
 
-def compiled(fn: Callable, *, budget: float | None = None, name: str = "region", fullgraph: bool = True) -> Callable:
+def compiled(fn: Callable, *, budget: float | None = None, name: str = "region", fullgraph: bool = True,
+             dynamic: bool | None = None, recompile_limit: int = RECOMPILE_LIMIT) -> Callable:
     """``fn`` compiled; ``budget``: the activation memory budget (None: torch's default);
-    ``fullgraph``: as one graph, or a failure naming why not (else split at graph breaks)."""
+    ``fullgraph``: as one graph, or a failure naming why not (else split at graph breaks);
+    ``dynamic``: torch.compile's (False: one graph per shape, as a library that compiles per
+    parameter asks); ``recompile_limit``: compilations of ``fn`` allowed in this process."""
     _quiet_logging()
-    real = torch.compile(fn, backend=_real_backend(budget), fullgraph=fullgraph)
-    predicted = torch.compile(fn, backend=_predicting_backend(budget), fullgraph=fullgraph)
+    real = torch.compile(fn, backend=_real_backend(budget), fullgraph=fullgraph, dynamic=dynamic)
+    predicted = torch.compile(fn, backend=_predicting_backend(budget), fullgraph=fullgraph, dynamic=dynamic)
 
     @functools.wraps(fn)
-    @torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True)
+    @torch._dynamo.config.patch(recompile_limit=recompile_limit, fail_on_recompile_limit_hit=True)
     def call(*args, **kwargs):
         _check_toolchain(args, kwargs)
         if _fake(args, kwargs):

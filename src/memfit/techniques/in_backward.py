@@ -20,7 +20,8 @@ import torch
 
 from memfit.errors import UserError
 from memfit.techniques.base import Config, Export, Key, Technique, register
-from memfit.techniques.optimizers import Factory, PerParameterOptimizers
+from memfit.techniques.optimizer_variant import Factory
+from memfit.techniques.optimizers import PerParameterOptimizers
 
 
 class OptimizerInBackward(PerParameterOptimizers):

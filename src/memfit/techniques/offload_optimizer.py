@@ -43,7 +43,8 @@ from collections.abc import Iterable
 
 import torch
 
-from memfit.techniques.optimizers import Factory, PerParameterOptimizers
+from memfit.techniques.optimizer_variant import Factory
+from memfit.techniques.optimizers import PerParameterOptimizers
 from memfit.techniques.placement import HostPlacement, doing
 
 

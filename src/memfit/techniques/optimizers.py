@@ -10,6 +10,8 @@ Memory/compute trade-off, per parameter of N bytes in fp32:
 - ``adafactor`` (:class:`Adafactor`) keeps factored second moments (row and column statistics, ~0
   for matrices) and no first moment: the smallest state, a slightly different optimizer.
 - ``sgd`` (:class:`SGDMomentum`) with momentum keeps one buffer (N).
+- ``adamw8bit-ao`` / ``adamw4bit-ao`` / ``adamwfp8-ao``: torchao's low-bit AdamW (8-bit, 4-bit and fp8
+  moments: N/2, N/4, N/2), in :mod:`memfit.techniques.optimizers_torchao`. Need torchao (``memfit[ao]``).
 Hyperparameters (lr, weight decay, betas, eps) are taken from the workload's optimizer, group by
 group: a workload that gives its biases and norms no weight decay keeps that (:func:`regroup`).
 """
@@ -21,73 +23,24 @@ import functools
 import logging
 import sys
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
-from memfit.techniques.base import Config, Export, Key, SearchContext, Technique, choice, register
+from memfit.techniques.base import Key, SearchContext, Technique, choice, register
+from memfit.techniques.optimizer_variant import (
+    Factory,
+    OptimizerVariant,
+    WorkloadOptimizer,
+    hyperparameters,
+    regroup,
+)
+from memfit.techniques.optimizers_torchao import VARIANTS as TORCHAO_VARIANTS
 
-Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
-NAMES = ("adamw", "adamw8bit", "adafactor", "sgd")
+NAMES = ("adamw", "adamw8bit", "adafactor", "sgd", "adamw8bit-ao", "adamw4bit-ao", "adamwfp8-ao")
 ADAMW8BIT_FALLBACK = ("optimizer adamw8bit needs bitsandbytes (pip install bitsandbytes), which is not installed "
                       "here: the step runs torch.optim.AdamW with fp32 states instead")
-
-
-def hyperparameters(group: dict) -> dict:
-    """An optimizer param group's (or ``defaults``') lr, weight decay, betas and eps."""
-    return {"lr": float(group.get("lr", 1e-4)), "weight_decay": float(group.get("weight_decay", 0.0)),
-            "betas": tuple(group.get("betas", (0.9, 0.999))), "eps": float(group.get("eps", 1e-8))}
-
-
-def regroup(params: list, like: torch.optim.Optimizer, options) -> list[dict]:
-    """``params`` as param groups that follow ``like``'s (the workload's optimizer): each group's
-    parameters with ``options(group)`` of the group they belong to there. Works for any subset
-    (one parameter, as optimizer-in-backward and offloading build them)."""
-    where = {p: i for i, g in enumerate(like.param_groups) for p in g["params"]}
-    members: dict[int, list] = {}
-    for p in params:
-        members.setdefault(where.get(p, 0), []).append(p)
-    return [{"params": ps, **options(like.param_groups[i])} for i, ps in members.items()]
-
-
-class OptimizerVariant(Config):
-    """The plan key ``optimizer``: which optimizer the step builds."""
-
-    name = "adamw"
-
-    def values(self) -> dict:
-        return {"optimizer": self.name}
-
-    def factory(self, workload_factory: Factory, params: list[torch.nn.Parameter]) -> Factory:
-        """A function building this optimizer for a list of parameters."""
-        return workload_factory
-
-    def apply(self, parts) -> None:
-        params = [p for p in parts.model.parameters() if p.requires_grad]
-        if params:  # (a model without trainable parameters is refused by build_step)
-            parts.optimizer_factory = self.factory(parts.optimizer_factory, params)
-
-    def label(self, batch_size):
-        return self.name if self.name != "adamw" else None
-
-    def ablations(self):
-        return [(f"optimizer {self.name}", WorkloadOptimizer())] if self.name != "adamw" else []
-
-    def export(self, into: Export) -> None:
-        into.hf["optim"] = {"adamw": "adamw_torch", "adamw8bit": "adamw_bnb_8bit", "adafactor": "adafactor",
-                            "sgd": "sgd"}[self.name]
-        if self.name == "sgd":
-            into.hf["optim_args"] = "momentum=0.9"  # SGDMomentum's one state buffer (the Trainer's default is 0)
-        if self.name != "adamw":  # Lightning: the LightningModule's configure_optimizers builds the optimizer
-            into.not_carried(self, hf=False)
-
-
-@dataclass(frozen=True)
-class WorkloadOptimizer(OptimizerVariant):
-    """The workload's own optimizer (default: AdamW)."""
-
-    rank = 0
 
 
 @dataclass(frozen=True)
@@ -262,6 +215,8 @@ class PerParameterOptimizers:
 
 def parse(values: dict) -> OptimizerVariant:
     name = choice("optimizer", values["optimizer"], NAMES)
+    if name in TORCHAO_VARIANTS:
+        return TORCHAO_VARIANTS[name]()
     return {"adamw": WorkloadOptimizer(), "adamw8bit": AdamW8bit(), "adafactor": Adafactor(),
             "sgd": SGDMomentum()}[name]
 
@@ -276,7 +231,10 @@ def search(ctx: SearchContext) -> list[str]:
     return names
 
 
+
 TECHNIQUE = register(
-    Technique("optimizer", (Key("optimizer", "adamw", "adamw | adamw8bit | adafactor | sgd.", metavar="OPTIMIZER"),),
+    Technique("optimizer", (Key("optimizer", "adamw", "adamw | adamw8bit (bitsandbytes) | adafactor | sgd | "
+                                "adamw8bit-ao | adamw4bit-ao | adamwfp8-ao (torchao's 8-bit, 4-bit, fp8 states).",
+                                metavar="OPTIMIZER"),),
               parse, order=40, search=search),
-    OptimizerVariant, WorkloadOptimizer, SGDMomentum, Adafactor, AdamW8bit)
+    OptimizerVariant, WorkloadOptimizer, SGDMomentum, Adafactor, AdamW8bit, *TORCHAO_VARIANTS.values())

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from memfit.errors import UserError
 from memfit.units import parse_key_values
 from memfit.workload import Workload
-from memfit.workloads import diffusion, hf, zoo
+from memfit.workloads import diffusion, hf, hub, zoo
 from memfit.workloads.checks import blamed, check_resolution, check_seq_len, guarded
 
 _REGISTRY: dict[str, tuple[Callable[..., Workload], str]] = {
@@ -50,8 +50,20 @@ def folder_workload(path: str, *, seq_len: int | None = None) -> Workload:
     """A local Hugging Face model folder, built from its config.json (NOTE [ Model folders ] in
     :mod:`memfit.workloads.hf`); a failure to build or run it is the config's, named as such."""
     check_seq_len(seq_len)
-    wl = hf.folder(path, seq_len)
-    source, fix = f"model folder {path}", "fix its config.json"
+    return _blamed_on_config(hf.folder(path, seq_len), f"model folder {path}", "fix its config.json")
+
+
+def hub_workload(hub_id: str, *, seq_len: int | None = None) -> Workload:
+    """A Hugging Face hub id (``org/name[@revision]``): its config.json alone, from the hub's cache or
+    fetched into it, built as a model folder (NOTE [ Hub ids ] in :mod:`memfit.workloads.hub`)."""
+    check_seq_len(seq_len)
+    source = f"hub model {hub_id}"
+    snapshot = hub.hub_config_folder(hub_id)
+    wl = hf.folder(str(snapshot), seq_len, name=hub_id, where=source)
+    return _blamed_on_config(wl, source, "write a file workload (path/to/file.py:NAME) that builds it")
+
+
+def _blamed_on_config(wl: Workload, source: str, fix: str) -> Workload:
     return dataclasses.replace(wl, model=blamed(source, fix, "building the model", wl.model),
                                batch=blamed(source, fix, "batch(batch_size)", wl.batch),
                                loss=blamed(source, fix, "loss(model, batch)", wl.loss))

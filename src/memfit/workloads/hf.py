@@ -177,15 +177,15 @@ would otherwise be estimated at 128k tokens); ``--seq-len`` sets another."""
 NO_POSITION_LIMIT_SEQ_LEN = 512  # configs without a position limit (relative positions, as T5's built-in)
 
 
-def folder(path_text: str, seq_len: int | None) -> Workload:
-    """The workload of a local Hugging Face model folder (or its config.json): see NOTE [ Model folders ]."""
+def folder(path_text: str, seq_len: int | None, *, name: str | None = None, where: str | None = None) -> Workload:
+    """The workload of a local Hugging Face model folder (or its config.json): see NOTE [ Model folders ].
+    ``name`` and ``where`` name it in reports and errors (a hub id's snapshot: the id, not the cache path)."""
     path = Path(path_text).expanduser()
-    where = f"model folder {path_text}"
+    where = where or f"model folder {path_text}"
     if path.is_file() and path.name == "config.json":
         path = path.parent
     elif not path.exists():
-        raise UserError(f"{where} not found; give a folder holding config.json (memfit reads no hub ids: "
-                        "download the model's config.json into a folder)")
+        raise UserError(f"{where} not found; give a folder holding config.json, or a hub id as org/name")
     elif not path.is_dir():
         raise UserError(f"{where} is a file, not a folder; give the folder that holds config.json")
     data = _read_config_json(path, where)
@@ -219,7 +219,7 @@ def folder(path_text: str, seq_len: int | None) -> Workload:
                             f"use --seq-len <= {limit} or raise {field} in config.json")
         batch = _lm_batch(vocab, seq)
     sizes = {k: v for k in ("num_hidden_layers", "hidden_size") if isinstance(v := getattr(config, k, None), int)}
-    return Workload(model=lambda: cls(config), batch=batch, loss=_hf_loss, name=path_text,
+    return Workload(model=lambda: cls(config), batch=batch, loss=_hf_loss, name=name or path_text,
                     default_batch_size=1 if task == "causal-lm" else 8,
                     info=WorkloadInfo(arch=model_type, text_lm=task == "causal-lm", seq_len=seq, vocab_size=vocab,
                                       config={"model_class": cls.__name__, **sizes}))

@@ -1,5 +1,7 @@
 """Loading a workload from what the user names: a Workload, ``path/to/file.py:NAME``, a local
-Hugging Face model folder (``./dir`` or ``hf:./dir``, built from its config.json) or a built-in."""
+Hugging Face model folder (``./dir`` or ``hf:./dir``, built from its config.json), a hub id
+(``org/name[@revision]``, its config.json alone: NOTE [ Hub ids ] in :mod:`memfit.workloads.hub`)
+or a built-in. An existing folder always wins over a hub id of the same name."""
 
 from __future__ import annotations
 
@@ -9,30 +11,38 @@ from pathlib import Path
 
 from memfit.errors import UserError
 from memfit.workload import Workload
-from memfit.workloads.builtin import builtin_names, builtin_workload, folder_workload
+from memfit.workloads.builtin import builtin_names, builtin_workload, folder_workload, hub_workload
+from memfit.workloads.hub import is_hub_id
 
 
 def load_workload(spec: str | Workload, *, seq_len: int | None = None, resolution: int | None = None) -> Workload:
     """Resolve a workload spec: a Workload, ``file.py:NAME``, a model folder (``./dir``, ``hf:./dir``,
-    ``./dir/config.json``) or a built-in name with overrides. ``seq_len`` and ``resolution`` size
-    built-ins (``resolution``: the image-generation ones); a model folder takes ``seq_len``."""
+    ``./dir/config.json``), a hub id (``org/name``, ``org/name@rev``, ``hf:name``) or a built-in name
+    with overrides. ``seq_len`` sizes built-ins, folders and hub models; ``resolution`` the
+    image-generation built-ins."""
     if isinstance(spec, Workload):
         _builtin_sizes_only(seq_len, resolution, "set it inside your workload")
         return spec
     if not isinstance(spec, str) or not spec.strip():
-        raise UserError("no workload given; name a built-in (e.g. gpt2), a file (path/to/file.py:NAME) "
-                        "or a model folder (./dir holding config.json)")
+        raise UserError("no workload given; name a built-in (e.g. gpt2), a file (path/to/file.py:NAME), "
+                        "a model folder (./dir holding config.json) or a hub id (org/name)")
     spec = spec.strip()
     if spec[:3].lower() == "hf:":
-        _builtin_sizes_only(None, resolution, "a model folder takes --seq-len")
-        return folder_workload(spec[3:].strip(), seq_len=seq_len)
+        _builtin_sizes_only(None, resolution, "a Hugging Face model takes --seq-len")
+        name = spec[3:].strip()
+        if not Path(name).expanduser().exists() and is_hub_id(name, bare_names=True):
+            return hub_workload(name, seq_len=seq_len)
+        return folder_workload(name, seq_len=seq_len)
     head = spec.split(":", 1)[0]
     if head.endswith(".py") or Path(head).suffix == ".py":
         _builtin_sizes_only(seq_len, resolution, "set it inside your workload file")
         return _load_file_workload(spec)
     if _names_a_folder(spec, head):
-        _builtin_sizes_only(None, resolution, "a model folder takes --seq-len")
+        _builtin_sizes_only(None, resolution, "a Hugging Face model takes --seq-len")
         return folder_workload(spec, seq_len=seq_len)
+    if is_hub_id(spec):
+        _builtin_sizes_only(None, resolution, "a Hugging Face model takes --seq-len")
+        return hub_workload(spec, seq_len=seq_len)
     if "/" in head or "\\" in head:
         _builtin_sizes_only(seq_len, resolution, "set it inside your workload file")
         return _load_file_workload(spec)
@@ -47,14 +57,15 @@ def _builtin_sizes_only(seq_len: int | None, resolution: int | None, fix: str) -
 
 def _names_a_folder(spec: str, head: str) -> bool:
     """A model folder: an existing folder or config.json; or a path (it has a slash) that does not
-    exist and is not a ``file:NAME`` spec (then "not found" says what a folder needs). A bare word
-    that is also a built-in's name stays the built-in."""
+    exist and is neither a ``file:NAME`` spec nor a hub id by form (then "not found" says what a
+    folder needs). A bare word that is also a built-in's name stays the built-in."""
     path = Path(spec).expanduser()
     if path.is_dir():
         return "/" in spec or head.lower() not in builtin_names()
     if path.name == "config.json":
         return True
-    return not path.exists() and ("/" in spec or spec.startswith("~")) and ":" not in spec
+    return (not path.exists() and ("/" in spec or spec.startswith("~")) and ":" not in spec
+            and not is_hub_id(spec))
 
 
 def _load_file_workload(spec: str) -> Workload:

@@ -159,14 +159,16 @@ class MHAConfig:
     heads: int = 4
     layers: int = 2
     seq_len: int = 64
+    dropout: float = 0.0
+    """Attention dropout (nn.MultiheadAttention's): with it the CPU's SDPA takes its math path."""
     DIVISIBLE: typing.ClassVar = (("dim", "heads"),)
 
 
 class MHABlock(nn.Module):
-    def __init__(self, dim, heads):
+    def __init__(self, dim, heads, dropout=0.0):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.attn = nn.MultiheadAttention(dim, heads, dropout=dropout, batch_first=True)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
     def forward(self, x):
@@ -180,7 +182,7 @@ class MHAModel(nn.Module):
     def __init__(self, c: MHAConfig):
         super().__init__()
         self.embed = nn.Embedding(c.vocab, c.dim)
-        self.blocks = nn.ModuleList(MHABlock(c.dim, c.heads) for _ in range(c.layers))
+        self.blocks = nn.ModuleList(MHABlock(c.dim, c.heads, c.dropout) for _ in range(c.layers))
         self.out = nn.Linear(c.dim, c.vocab)
 
     def forward(self, ids):

@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import measured, run_steps
 from memfit.errors import UserError
 from memfit.memory.estimate import estimate
 from memfit.plans import Plan
 from memfit.step import build_step
 from memfit.workloads import load_workload
-from tests.helpers import measured, run_steps
 
 pytest.importorskip("peft")
 
@@ -29,8 +29,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("precision,checkpointing", [("fp32", "none"), ("bf16", "none"), ("fp32", "blocks"),
-                                                      ("bf16", "blocks")])
+@pytest.mark.parametrize("precision,checkpointing", [
+    ("fp32", "none"), ("bf16", "blocks"),
+    pytest.param("bf16", "none", marks=pytest.mark.slow), pytest.param("fp32", "blocks", marks=pytest.mark.slow)])
 def test_adapter_prediction_within_1pct_of_the_profiler(case, precision, checkpointing):
     spec, adapter = CASES[case]
     r = measured(spec, Plan(adapter=adapter, precision=precision, checkpointing=checkpointing), batch_size=2)

@@ -38,8 +38,23 @@ def _with_thread(threaded: bool, plan: Plan = OFFLOAD, steps: int = 3):
 def test_trains_as_the_baseline_and_the_thread_changes_nothing(plan):
     baseline = dataclasses.replace(plan, offload=())
     threaded = _with_thread(True, plan)
-    assert_same_training(run_steps(GPT2_DROPOUT, baseline), threaded, **CLOSE)
+    base = run_steps(GPT2_DROPOUT, baseline)
+    if plan.precision == "fp16":
+        _assert_same_update(base, threaded)
+    else:
+        assert_same_training(base, threaded, **CLOSE)
     assert_same_training(_with_thread(False, plan), threaded)  # bit for bit
+
+
+def _assert_same_update(base, other, bound: float = 0.01):
+    """fp16: the host's fused AdamW and the baseline's loop round differently in the last fp32 bit,
+    and Adam turns that into a visible change where a gradient is near zero (1.9e-5 on one bias
+    element after 3 steps on an AVX-512 CPU; exact on an AVX2 one). The bound is on the whole update
+    since the first step: within 1% (a lost or doubled update is 100%)."""
+    (_, pa, _), (_, pb, _) = base, other
+    moved = torch.cat([(pa[-1][n] - pa[0][n]).flatten() for n in pa[0]])
+    differs = torch.cat([(pb[-1][n] - pa[-1][n]).flatten() for n in pa[0]])
+    assert moved.norm() > 0 and differs.norm() < bound * moved.norm(), (differs.norm(), moved.norm())
 
 
 def test_bf16_pure_weights_step_on_bf16_host_masters():

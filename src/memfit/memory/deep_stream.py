@@ -41,8 +41,8 @@ bytes equal to the byte, and the step's events and who frees what equal, but in 
 optimizer's foreach steps order a few frees differently (the bytes equal). On Llama-2-7B the
 reserved bytes of six plans were the full traces' to the byte. The model's build differs (a
 shallow model is materialised from meta, the full one initialised), and no proof covers every
-model, so the planner only *rules out* plans on it, over the budget by more than ``DEEP_MARGIN``,
-confirms its choice by a full trace, and checks the two against each other (memfit.planner.search:
+model, so the planner only *rules out* plans on it, over the budget by more than the deep rung's
+margin (memfit.planner.candidate.Fidelity.DEEP), confirms its choice by a full trace, and checks the two against each other (memfit.planner.walk:
 a miss sends the plans it ruled out to full traces).
 """
 

@@ -1,0 +1,60 @@
+"""Comparing fine-tuning methods for one budget: full fine-tuning, LoRA, DoRA, QLoRA side by side.
+
+NOTE [ Methods are the user's ] (memfit.techniques.adapter): the planner changes techniques freely
+(the same model is trained, exactly or within a stated bound) but never the method, which decides
+what is trained. ``memfit plan --methods full,lora,qlora`` asks for the comparison: each method is
+planned on its own (its keys fixed, every technique searched as usual), and the table puts the
+fastest fitting plan of each beside the others, with what each one trains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfit.errors import UserError
+
+DEFAULT_ADAPTER = "lora:r=16"
+
+METHODS = {
+    "full": "every parameter of the model trains (the workload as written)",
+    "lora": "a low-rank adapter trains; the base weights are frozen",
+    "dora": "a weight-decomposed low-rank adapter (DoRA) trains; the base weights are frozen",
+    "qlora": "a low-rank adapter trains over base weights quantized to 4 bits (NF4) and frozen",
+}
+"""Method -> what it trains (shown beside its plan)."""
+
+DIFFERENT_THINGS = ("these methods train different things: full fine-tuning updates every weight, an adapter "
+                    "only its low-rank matrices (quality and what you ship differ); compare them on your "
+                    "evaluation, not on memory and time alone")
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    keys: dict
+    """The plan keys the method fixes (adapter, base_weights)."""
+
+    @property
+    def trains(self) -> str:
+        return METHODS[self.name]
+
+
+def parse_methods(text: str, adapter: str = "none") -> list[Method]:
+    """``--methods full,lora,qlora`` -> the methods, each with its fixed keys. ``adapter``: the
+    adapter the user gave (``--adapter``), used for the adapter methods' rank and targets."""
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    if not names:
+        raise UserError(f"--methods: give some of {', '.join(METHODS)}, separated by commas")
+    for name in names:
+        if name not in METHODS:
+            raise UserError(f"--methods: unknown method {name!r}; choose from {', '.join(METHODS)}")
+    if len(set(names)) != len(names):
+        raise UserError("--methods: a method is named twice; name each once (e.g. full,lora,qlora)")
+    lora = adapter.replace("dora:", "lora:", 1) if adapter != "none" else DEFAULT_ADAPTER
+    keys = {
+        "full": {"adapter": "none", "base_weights": "as-is"},
+        "lora": {"adapter": lora, "base_weights": "as-is"},
+        "dora": {"adapter": lora.replace("lora:", "dora:", 1), "base_weights": "as-is"},
+        "qlora": {"adapter": lora, "base_weights": "nf4"},
+    }
+    return [Method(name, keys[name]) for name in names]

@@ -1,0 +1,258 @@
+"""The walk: candidates fastest first, each climbing the evidence ladder until one fits.
+
+A priority queue on predicted time. A visited plan climbs the ladder (memfit.planner.ladder): an
+estimate well over the budget rules it out untraced; its first rung's evidence (the CPU: a full
+trace; GPU presets: a shallow pair, which also gives its own time) either rules it out or lets it
+on; slower than its estimate, it goes back into the queue at its new time; the deep stream may
+rule it out; its full trace confirms it. The first plan that comes out fastest with final figures
+that fit is chosen.
+
+Pruning: a plan that saves no more memory than one that did not fit cannot fit (techniques are
+assumed not to *add* memory). The maximal plans (none saves less than another everywhere) are
+traced after ``WALK_BEFORE_FEASIBILITY`` traces: when none of them fits, nothing does.
+
+NOTE [ Deep stream checked ]
+Plans ruled out by the deep stream (reserved bytes from shallow allocations, not a full trace)
+are held against every full trace at hand when a plan is about to be chosen: a miss by more than
+``Fidelity.DEEP``'s margin, or nothing to check against, puts them back into the queue (with the
+plans pruned for them) and the walk goes on without trusting that rung.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from memfit.errors import UserError
+from memfit.memory.budget import Budget
+from memfit.planner.candidate import Candidate, Fidelity, Status
+from memfit.planner.ladder import Evaluator, Ladder
+from memfit.planner.space import saves_no_more_than
+from memfit.planner.time_model import StepTimeModel
+from memfit.quiet import silenced_warnings
+from memfit.units import fmt_bytes
+
+WALK_BEFORE_FEASIBILITY = 8
+"""Traces of the fastest plans before checking that any plan fits at all."""
+
+
+class Walk:
+    def __init__(self, batch_size: int, budget: Budget, model: StepTimeModel, ladder: Ladder, steps: int | None,
+                 max_traces: int) -> None:
+        self.bs, self.budget, self.model, self.ladder = batch_size, budget, model, ladder
+        self.steps, self.max_traces = steps, max_traces
+        self.failed: list[Candidate] = []
+        self.evaluated = 0
+        self.maximal: list[Candidate] | None = None
+        self.limited = False
+        """The trace limit left a faster plan untraced."""
+        self.trust_deep = True
+        self.deep_rejected: list[Candidate] = []
+        """Plans ruled out by the deep rung (NOTE [ Deep stream checked ])."""
+        self.notes: list[str] = []
+        self.heap: list = []
+        self.order: dict[int, int] = {}
+
+    @property
+    def traces(self) -> int:
+        return self.ladder.traces
+
+    def run(self, ranked: list[Candidate]) -> Candidate | None:
+        self.heap = [(c.seconds, i, c) for i, c in enumerate(ranked)]
+        heapq.heapify(self.heap)
+        self.order = {id(c): i for i, c in enumerate(ranked)}
+        while True:
+            chosen = self._walk(ranked)
+            if chosen is None and self.deep_rejected and self.trust_deep and not self.limited:
+                self.notes.append(f"nothing fitted after {len(self.deep_rejected)} plans were ruled out by their "
+                                  "reserved bytes at full depth from shallow traces: they were traced instead")
+                self._distrust_deep(ranked, None)
+                continue
+            if chosen is not None or self.limited or self.maximal is not None:
+                return chosen
+            # Nothing fitted and the maximal plans were never traced (the estimates spared their
+            # traces): trace them now, ignoring the estimates, and walk again if any may fit.
+            if not self._check_feasible(ranked):
+                return None
+
+    def _walk(self, ranked: list[Candidate]) -> Candidate | None:
+        heap = self.heap
+        while heap:
+            _, _, c = heapq.heappop(heap)
+            if not c.open:
+                continue
+            if self._dominated(c):
+                c.prune()
+                continue
+            if self.evaluated >= self.max_traces and not self.ladder.has_evidence(c.plan):
+                self._stop_at_limit(c)
+                return None
+            if self.maximal is None and self.evaluated >= WALK_BEFORE_FEASIBILITY:
+                if not self._check_feasible(ranked):
+                    return None
+                if not c.open or self._dominated(c):
+                    if c.open:
+                        c.prune()
+                    continue
+                if self.ladder.has_evidence(c.plan) and self._requeued(c):
+                    continue
+            if c.used_bytes is None and (self._estimated_too_big(c) or not self._measure(c)):
+                continue
+            if not c.open:  # too big
+                continue
+            if not self.ladder.is_final(c.plan):
+                if self._requeued(c) or self._too_big_deep(c):
+                    continue
+                self._confirm_ahead(c)
+                if not self._take(c, self.ladder.full) or not c.open or self._requeued(c):
+                    continue
+            if not self._deep_agrees():  # then the plans it ruled out are traced
+                self._distrust_deep(ranked, c)
+                continue
+            c.choose()
+            return c
+        return None
+
+    def _dominated(self, c: Candidate) -> bool:
+        return any(saves_no_more_than(c.plan, f.plan, self.bs) for f in self.failed)
+
+    def _requeued(self, c: Candidate) -> bool:
+        """Slower than the fastest plan left (its time was measured): back in the queue at its time."""
+        if self.heap and c.seconds > self.heap[0][0]:
+            heapq.heappush(self.heap, (c.seconds, self.order[id(c)], c))
+            return True
+        return False
+
+    def _stop_at_limit(self, c: Candidate) -> None:
+        """A faster plan left untraced: no choice can be called the fastest that fits."""
+        for _, _, x in [(None, None, c), *self.heap]:
+            if x.open:
+                x.note(f"trace limit ({self.max_traces}) reached")
+        self.heap.clear()
+        self.limited = True
+
+    def _estimated_too_big(self, c: Candidate) -> bool:
+        estimate = self.ladder.estimate.evaluate(c.plan) if self.ladder.estimate is not None else None
+        if estimate is None or not estimate.over(self.budget.bytes):
+            return False
+        c.reject(f"estimated to need {fmt_bytes(estimate.used_bytes)} > budget {fmt_bytes(self.budget.bytes)} "
+                 "(not traced)")
+        return True
+
+    def _measure(self, c: Candidate) -> bool:
+        """``c`` on the ladder's first rung (counted against the trace limit unless it was there)."""
+        self.evaluated += not self.ladder.has_evidence(c.plan)
+        return self._take(c, self.ladder.first)
+
+    def _take(self, c: Candidate, rung: Evaluator) -> bool:
+        """``c``'s evidence from ``rung``: its time (the model's, which the rung may have measured)
+        and its footprint; False (status invalid) if the plan does not suit the workload."""
+        try:
+            with silenced_warnings():
+                evidence = rung.evaluate(c.plan)
+        except UserError as e:
+            c.invalidate(e)
+            return False
+        c.retime(self.model, self.steps)
+        c.take(evidence)
+        if evidence.over(self.budget.bytes):
+            self._too_big(c, at_least=evidence.fidelity is Fidelity.LOWER_BOUND)
+        return True
+
+    def _too_big(self, c: Candidate, at_least: bool = False, how: str = "") -> None:
+        need = f"at least {fmt_bytes(c.used_bytes)} (allocated)" if at_least else fmt_bytes(c.used_bytes)
+        c.reject(f"needs {need}{f' ({how})' if how else ''} > budget {fmt_bytes(self.budget.bytes)}")
+        self.failed.append(c)
+
+    def _too_big_deep(self, c: Candidate) -> bool:
+        """A plan whose lower bound fits, ruled out without its full trace by the deep rung."""
+        if self.ladder.deep is None or not self.trust_deep or self.ladder.has_full_trace(c.plan):
+            return False  # (the full trace decides)
+        deep = self.ladder.deep.evaluate(c.plan)
+        if deep is None or not deep.over(self.budget.bytes):
+            return False
+        c.used_bytes = deep.used_bytes
+        self._too_big(c, how="reserved, from its shallow traces' allocations replayed at full depth")
+        self.deep_rejected.append(c)
+        return True
+
+    def _confirm_ahead(self, c: Candidate) -> None:
+        """Run ``c``'s full trace alongside those of the next plans that may come up for confirming
+        (measured, their lower bound fits), on the workers that would otherwise wait: when ``c``'s
+        reserved bytes do not fit, the next one's are ready."""
+        spare, ladder = self.ladder.spare_workers, self.ladder
+        if spare <= 0 or ladder.has_full_trace(c.plan):  # (nothing to run alongside)
+            return
+        ahead: dict = {}
+        for _, _, x in heapq.nsmallest(len(self.heap), self.heap):
+            if len(ahead) == spare:
+                break
+            if x is not c and x.open and ladder.has_evidence(x.plan) and not ladder.is_final(x.plan) \
+                    and not ladder.has_full_trace(x.plan) and x.used_bytes is not None \
+                    and x.used_bytes <= self.budget.bytes and not self._too_big_deep(x):
+                ahead[x.plan] = None
+        ladder.prefetch([c.plan, *ahead])
+
+    def _deep_agrees(self) -> bool:
+        """NOTE [ Deep stream checked ]: every full trace at hand within the deep rung's margin."""
+        if not self.deep_rejected or not self.trust_deep:
+            return True
+        margin = Fidelity.DEEP.margin
+        checked = self.ladder.full_and_deep()
+        missed = [(full, deep) for full, deep in checked if abs(deep - full) > margin * full]
+        if checked and not missed:
+            return True
+        why = (f"missed a full trace ({fmt_bytes(missed[0][0])}) by more than {margin:.1%} "
+               f"({fmt_bytes(missed[0][1])})") if missed else "had no full trace to be checked against"
+        self.notes.append(f"reserved bytes at full depth from the shallow traces' allocations {why}: the "
+                          f"{len(self.deep_rejected)} plans they ruled out were traced instead")
+        return False
+
+    def _distrust_deep(self, ranked: list[Candidate], c: Candidate | None) -> None:
+        """Put the plans the deep rung ruled out back into the queue (and those pruned, which may
+        have been pruned for them), with ``c``, and walk on without it."""
+        self.trust_deep = False
+        for x in [*self.deep_rejected, *(x for x in ranked if x.status is Status.PRUNED), *([c] if c else [])]:
+            if x in self.failed:
+                self.failed.remove(x)
+            if x is not c:
+                x.reopen()
+                x.recall(self.ladder.evidence(x.plan))
+            heapq.heappush(self.heap, (x.seconds, self.order[id(x)], x))
+        self.deep_rejected.clear()
+
+    def _check_feasible(self, ranked: list[Candidate]) -> bool:
+        """Trace the maximal plans (they dominate every plan). False if none of them fits (then
+        nothing does); else they go back into the queue at their measured times."""
+        self.maximal = maximal(sorted(ranked, key=lambda x: x.seconds), self.bs)
+        for m in self.maximal:
+            if m.used_bytes is None:
+                m.reopen()  # (an estimate may have called it too big)
+                self._measure(m)
+        tops = [m for m in self.maximal if m.used_bytes is not None]
+        if tops and all(m.status is Status.TOO_BIG for m in tops):
+            return False
+        for m in self.maximal:
+            if m.open:
+                heapq.heappush(self.heap, (m.seconds, self.order[id(m)], m))
+        return True
+
+    def smallest(self, ranked: list[Candidate]) -> Candidate | None:
+        """The traced plan with the smallest footprint, confirmed by the top rung."""
+        traced = [c for c in ranked if c.used_bytes is not None and c.status is not Status.INVALID]
+        for best in sorted(traced, key=lambda c: c.used_bytes):
+            if self.ladder.is_final(best.plan) or self._take(best, self.ladder.full):
+                return best
+        return None
+
+
+def maximal(ranked: list[Candidate], bs: int) -> list[Candidate]:
+    """Plans that no other plan dominates in memory saving (fastest first). One pass that keeps the
+    maximal plans so far (dominance is transitive): O(plans x maximal plans), not O(plans^2)."""
+    def dominates(d: Candidate, c: Candidate) -> bool:
+        return saves_no_more_than(c.plan, d.plan, bs) and not saves_no_more_than(d.plan, c.plan, bs)
+    out: list[Candidate] = []
+    for c in ranked:
+        if not any(dominates(m, c) for m in out):
+            out = [m for m in out if not dominates(c, m)] + [c]
+    order = {id(c): i for i, c in enumerate(ranked)}
+    return sorted(out, key=lambda c: order[id(c)])

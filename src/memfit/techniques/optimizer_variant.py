@@ -1,0 +1,71 @@
+"""What every optimizer variant of the plan key ``optimizer`` is (memfit.techniques.optimizers
+lists the variants and their memory): how it takes the workload's hyperparameters and builds itself."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from memfit.techniques.base import Config, Export
+
+Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+def hyperparameters(group: dict) -> dict:
+    """An optimizer param group's (or ``defaults``') lr, weight decay, betas and eps."""
+    return {"lr": float(group.get("lr", 1e-4)), "weight_decay": float(group.get("weight_decay", 0.0)),
+            "betas": tuple(group.get("betas", (0.9, 0.999))), "eps": float(group.get("eps", 1e-8))}
+
+
+def regroup(params: list, like: torch.optim.Optimizer, options) -> list[dict]:
+    """``params`` as param groups that follow ``like``'s (the workload's optimizer): each group's
+    parameters with ``options(group)`` of the group they belong to there. Works for any subset
+    (one parameter, as optimizer-in-backward and offloading build them)."""
+    where = {p: i for i, g in enumerate(like.param_groups) for p in g["params"]}
+    members: dict[int, list] = {}
+    for p in params:
+        members.setdefault(where.get(p, 0), []).append(p)
+    return [{"params": ps, **options(like.param_groups[i])} for i, ps in members.items()]
+
+
+class OptimizerVariant(Config):
+    """The plan key ``optimizer``: which optimizer the step builds."""
+
+    name = "adamw"
+
+    def values(self) -> dict:
+        return {"optimizer": self.name}
+
+    def factory(self, workload_factory: Factory, params: list[torch.nn.Parameter]) -> Factory:
+        """A function building this optimizer for a list of parameters."""
+        return workload_factory
+
+    def apply(self, parts) -> None:
+        params = [p for p in parts.model.parameters() if p.requires_grad]
+        if params:  # (a model without trainable parameters is refused by build_step)
+            parts.optimizer_factory = self.factory(parts.optimizer_factory, params)
+
+    def label(self, batch_size):
+        return self.name if self.name != "adamw" else None
+
+    def ablations(self):
+        return [(f"optimizer {self.name}", WorkloadOptimizer())] if self.name != "adamw" else []
+
+    def export(self, into: Export) -> None:
+        into.hf["optim"] = {"adamw": "adamw_torch", "adamw8bit": "adamw_bnb_8bit", "adafactor": "adafactor",
+                            "sgd": "sgd"}[self.name]
+        if self.name == "sgd":
+            into.hf["optim_args"] = "momentum=0.9"  # SGDMomentum's one state buffer (the Trainer's default is 0)
+        if self.name != "adamw":  # Lightning: the LightningModule's configure_optimizers builds the optimizer
+            into.not_carried(self, hf=False)
+
+
+@dataclass(frozen=True)
+class WorkloadOptimizer(OptimizerVariant):
+    """The workload's own optimizer (default: AdamW)."""
+
+    rank = 0
+
+

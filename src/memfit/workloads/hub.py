@@ -1,0 +1,94 @@
+"""Hugging Face hub ids as workloads: ``meta-llama/Llama-3.1-8B`` or ``org/name@revision``.
+
+NOTE [ Hub ids ]: memfit needs a model's architecture, never its weights, so a hub id costs one
+small file: ``config.json``, fetched with ``huggingface_hub.hf_hub_download`` into the hub's own
+cache (``HF_HOME`` / ``HF_HUB_CACHE``), where every Hugging Face tool finds it again. The hub
+library does the rest as it does for ``transformers``: a cached file is used without the network
+(always with ``HF_HUB_OFFLINE=1``), and gated or private repositories read the token of
+``HF_TOKEN`` or ``hf auth login``. The snapshot folder holding that config.json is then a model
+folder like any other (NOTE [ Model folders ] in :mod:`memfit.workloads.hf`): one path builds
+the model.
+
+Naming: an existing folder always wins (``./org/name`` on disk is that folder); ``hf:X`` reads
+``X`` as a folder when it exists, else as a hub id (``hf:gpt2`` is the hub's ``gpt2``, not the
+built-in). A revision (a branch, tag or commit) follows an ``@``: ``org/name@main``,
+``org/name@0e9e39f``; repository names cannot hold an ``@``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from pathlib import Path
+
+from memfit.errors import UserError, brief
+
+_HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}(?:@[\w./-]+)?$")
+
+
+def is_hub_id(text: str, *, bare_names: bool = False) -> bool:
+    """``org/name`` (or ``name`` with ``bare_names``), optionally ``@revision``: a hub id by form.
+    Paths written as paths (``./x``, ``../x``, ``/x``, ``~/x``) and Python files are not."""
+    if not _HUB_ID.match(text) or text.endswith((".py", ".json")) or ".." in text:
+        return False
+    return bare_names or "/" in text.split("@", 1)[0]
+
+
+def split_hub_id(text: str) -> tuple[str, str | None]:
+    """``org/name@rev`` -> (``org/name``, ``rev``); no ``@``: (text, None)."""
+    repo_id, _, revision = text.partition("@")
+    return repo_id, revision or None
+
+
+def hub_config_folder(text: str) -> Path:
+    """The folder of the hub cache's snapshot holding ``config.json`` of hub id ``text``, fetched
+    if it is not cached (nothing else is downloaded). One-line UserErrors name the fix."""
+    try:
+        from huggingface_hub import constants, hf_hub_download
+        from huggingface_hub import errors as hub_errors
+    except ImportError:
+        raise UserError(f"hub model {text}: reading a hub id needs huggingface_hub; install it with "
+                        "pip install 'memfit[hf]' (or pip install huggingface_hub)") from None
+    repo_id, revision = split_hub_id(text)
+    where = f"hub model {text}"
+    local = f" (and no folder {repo_id} here)" if "/" in repo_id else ""
+    login = "log in with `hf auth login` or set HF_TOKEN"
+    try:
+        with _hub_quiet():  # its retries log a line each; the error below is the one line the user reads
+            return Path(hf_hub_download(repo_id, "config.json", revision=revision)).parent
+    except hub_errors.GatedRepoError:
+        raise UserError(f"{where} is gated; accept its terms at https://huggingface.co/{repo_id} and {login}") from None
+    except hub_errors.RepositoryNotFoundError:
+        raise UserError(f"{where} not found on the Hugging Face hub{local}; check the id, or {login} if it "
+                        "is private") from None
+    except hub_errors.RevisionNotFoundError:
+        raise UserError(f"{where}: revision {revision!r} not found; give a branch, tag or commit of "
+                        f"{repo_id} after the @") from None
+    except hub_errors.LocalEntryNotFoundError:
+        cache = constants.HF_HUB_CACHE
+        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub cannot be reached"
+        raise UserError(f"{where}: config.json is not in the Hugging Face cache ({cache}) and {why}{local}; "
+                        f"run `hf download {repo_id} config.json` where the hub can be reached (into the same "
+                        "HF_HOME), or give a folder holding config.json") from None
+    except hub_errors.EntryNotFoundError:
+        raise UserError(f"{where} has no config.json (not a transformers model); give a model repository, "
+                        "or write a file workload (path/to/file.py:NAME) that builds it") from None
+    except hub_errors.HFValidationError as e:
+        raise UserError(f"{where} is not a valid hub id ({brief(e, 120)}); write org/name or "
+                        "org/name@revision") from None
+    except hub_errors.HfHubHTTPError as e:
+        raise UserError(f"{where}: the hub refused config.json ({brief(e, 120)}); {login}, or try "
+                        "again later") from None
+
+
+@contextlib.contextmanager
+def _hub_quiet():
+    """huggingface_hub's warnings off (``Retrying in 1s`` for each retry without a network)."""
+    logger = logging.getLogger("huggingface_hub")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
