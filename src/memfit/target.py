@@ -29,10 +29,12 @@ class Target:
 
     @classmethod
     def resolve(cls, workload: Workload | str, plan: Plan | str | None = None, batch_size: int | None = None,
-                device: Device | str | None = None, *, seq_len: int | None = None) -> Target:
+                device: Device | str | None = None, *, seq_len: int | None = None,
+                resolution: int | None = None) -> Target:
         """Load and check what the user named. ``plan`` may be a plan file's path; ``batch_size``
-        None is the workload's default; ``device`` None is this machine's CPU."""
-        wl = load_workload(workload, seq_len=seq_len)
+        None is the workload's default; ``device`` None is this machine's CPU; ``seq_len`` and
+        ``resolution`` size a built-in (tokens; pixels for image-generation models)."""
+        wl = load_workload(workload, seq_len=seq_len, resolution=resolution)
         if isinstance(plan, str):
             plan = Plan.load(plan)
         plan = plan or Plan()

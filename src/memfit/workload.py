@@ -39,6 +39,8 @@ class WorkloadInfo:
     """A language model that ``memfit train`` can feed byte-level text (ids 0-255)."""
     seq_len: int | None = None
     """Tokens per sample (language models)."""
+    resolution: int | None = None
+    """Pixels on a side of each generated image (image-generation models)."""
     vocab_size: int | None = None
     config: dict = field(default_factory=dict)
     """The architecture's sizes (config fields), for reports."""

@@ -24,8 +24,15 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", "-b", metavar="N", help="global batch size (default: the workload's)")
     p.add_argument("--seq-len", metavar="T", help="sequence length for built-in language models and model folders (default: the "
                                              "config's, a folder's capped at 2048)")
+    add_resolution_arg(p)
     p.add_argument("--device", "-d", default="cpu", help="cpu (this machine) or a GPU preset (see `memfit devices`)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def add_resolution_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--resolution", metavar="PX", help="image size in pixels for the built-in image-generation models "
+                                                      "(dit-lumina2, unet-sdxl, ...; default: the model's native, e.g. "
+                                                      "1024); their latents are PX/8 on a side")
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
@@ -78,6 +85,18 @@ def batch_and_seq(args: argparse.Namespace) -> tuple[int | None, int | None]:
     bs = parse_positive_int(args.batch_size, "--batch-size", MAX_SIZE) if args.batch_size is not None else None
     seq = parse_positive_int(args.seq_len, "--seq-len", MAX_SIZE) if args.seq_len is not None else None
     return bs, seq
+
+
+def sized_workload(args: argparse.Namespace) -> tuple[object, int | None, int | None]:
+    """(workload, batch size, sequence length) from the arguments. With ``--resolution`` the workload
+    is built here at that resolution (a Workload, sized: the sequence length is then in it), so that
+    estimate, profile, plan and train all take it the same way; otherwise it is the name as given."""
+    bs, seq = batch_and_seq(args)
+    if getattr(args, "resolution", None) is None:
+        return args.workload, bs, seq
+    from memfit.workloads import load_workload
+    res = parse_positive_int(args.resolution, "--resolution", MAX_SIZE)
+    return load_workload(args.workload, seq_len=seq, resolution=res), bs, None
 
 
 def print_json(obj) -> None:

@@ -8,11 +8,11 @@ from memfit.cli.common import (
     add_plan_args,
     add_report_args,
     add_workload_args,
-    batch_and_seq,
     plan_from_args,
     print_json,
     print_report_extras,
     report_args,
+    sized_workload,
 )
 
 
@@ -33,9 +33,9 @@ def run(args: argparse.Namespace) -> int:
     from memfit.memory.estimate import estimate
     from memfit.report.tables import print_estimate
 
-    bs, seq = batch_and_seq(args)
+    workload, bs, seq = sized_workload(args)
     modules = report_args(args)
-    report = estimate(args.workload, plan_from_args(args), batch_size=bs, device=args.device, seq_len=seq,
+    report = estimate(workload, plan_from_args(args), batch_size=bs, device=args.device, seq_len=seq,
                       timeline=args.timeline, snapshot=args.snapshot)
     if args.json:
         print_json(report.to_json())

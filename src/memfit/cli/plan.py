@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from memfit.cli.common import add_plan_args, add_workload_args, batch_and_seq, plan_from_args, print_json
+from memfit.cli.common import add_plan_args, add_workload_args, plan_from_args, print_json, sized_workload
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from memfit.techniques.optimizers import NAMES as OPTIMIZERS
     from memfit.units import parse_positive_int
 
-    bs, seq = batch_and_seq(args)
+    workload, bs, seq = sized_workload(args)
     max_traces = parse_positive_int(args.max_traces, "--max-traces")
     if args.out:
         check_output_file(args.out, "--out", example="plan.yaml")
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     given = plan_from_args(args)
     fixed = {k: v for k, v in given.to_dict().items() if v != Plan().to_dict()[k]}
     if args.methods is not None:
-        return _compare_methods(args, given, fixed, bs, seq, optimizers, max_traces, compile_modes, steps)
+        return _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_traces, compile_modes, steps)
     sizes = [given.world_size]
     if args.max_world_size is not None:
         most = parse_positive_int(args.max_world_size, "--max-world-size")
@@ -78,12 +78,12 @@ def run(args: argparse.Namespace) -> int:
             raise UserError("give --world-size (plan for that many ranks) or --max-world-size (find the smallest), "
                             "not both")
         from memfit.target import Target
-        batch = Target.resolve(args.workload, None, bs, args.device, seq_len=seq).batch_size
+        batch = Target.resolve(workload, None, bs, args.device, seq_len=seq).batch_size
         sizes = [w for w in (2 ** i for i in range(most.bit_length())) if w <= batch and batch % w == 0]
     tried = []
     for world in sizes:
         fields = {**fixed, "world_size": world} if world > 1 else fixed
-        result = plan(args.workload, budget=args.budget, device=args.device, batch_size=bs, seq_len=seq,
+        result = plan(workload, budget=args.budget, device=args.device, batch_size=bs, seq_len=seq,
                       optimizers=optimizers, max_traces=max_traces,
                       fixed=fields, compile_modes=compile_modes, steps=steps)
         tried.append(world)
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result.chosen else 1
 
 
-def _compare_methods(args, given, fixed, bs, seq, optimizers, max_traces, compile_modes, steps) -> int:
+def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_traces, compile_modes, steps) -> int:
     """``--methods``: plan each method on its own (NOTE [ Methods are the user's ])."""
     from memfit.errors import UserError
     from memfit.planner.methods import DIFFERENT_THINGS, parse_methods
@@ -145,10 +145,10 @@ def _compare_methods(args, given, fixed, bs, seq, optimizers, max_traces, compil
                         "--out or --pareto")
     rows = []
     for method in parse_methods(args.methods, given.adapter):
-        result = plan(args.workload, budget=args.budget, device=args.device, batch_size=bs, seq_len=seq,
+        result = plan(workload, budget=args.budget, device=args.device, batch_size=bs, seq_len=seq,
                       optimizers=optimizers, max_traces=max_traces, fixed={**fixed, **method.keys},
                       compile_modes=compile_modes, steps=steps)
-        rows.append((method, result, _trainable(args.workload, result)))
+        rows.append((method, result, _trainable(workload, result)))
     if args.json:
         print_json({"note": DIFFERENT_THINGS, "methods": [
             {"method": m.name, "trains": m.trains, "trainable_parameters": n, **r.to_json()} for m, r, n in rows]})

@@ -8,11 +8,11 @@ from memfit.cli.common import (
     add_plan_args,
     add_report_args,
     add_workload_args,
-    batch_and_seq,
     plan_from_args,
     print_json,
     print_report_extras,
     report_args,
+    sized_workload,
 )
 from memfit.units import parse_positive_int
 
@@ -38,9 +38,9 @@ def run(args: argparse.Namespace) -> int:
     from memfit.memory.measure import profile
     from memfit.report.tables import print_profile
 
-    bs, seq = batch_and_seq(args)
+    workload, bs, seq = sized_workload(args)
     modules = report_args(args)
-    result = profile(args.workload, plan_from_args(args), batch_size=bs, device=args.device, seq_len=seq,
+    result = profile(workload, plan_from_args(args), batch_size=bs, device=args.device, seq_len=seq,
                      repeats=parse_positive_int(args.repeats, "--repeats"), timeline=args.timeline,
                      snapshot=args.snapshot)
     if args.json:

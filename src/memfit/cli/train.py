@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from memfit.cli.common import add_plan_args, batch_and_seq, plan_from_args, print_json
+from memfit.cli.common import add_plan_args, add_resolution_arg, plan_from_args, print_json, sized_workload
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -17,6 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("workload", help="built-in name or path/to/file.py:NAME")
     p.add_argument("--batch-size", "-b", metavar="N")
     p.add_argument("--seq-len", metavar="T")
+    add_resolution_arg(p)
     p.add_argument("--budget", help="memory budget (e.g. 6GiB, 80%%): the planner chooses the plan when no --plan "
                                     "or plan flag is given; with one, the plan is kept and the budget enforced")
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from memfit.training.report import render
     from memfit.units import parse_positive_int
 
-    bs, seq = batch_and_seq(args)
+    workload, bs, seq = sized_workload(args)
     given = plan_from_args(args)
     plan = given if (args.plan or given != Plan() or args.budget is None) else None
     try:
@@ -66,12 +67,12 @@ def run(args: argparse.Namespace) -> int:
     nproc = parse_positive_int(args.nproc, "--nproc") if args.nproc is not None else 1
     ranks = current()
     if ranks is None and nproc > 1:
-        return _launch(args, nproc, plan=plan, bs=bs, seq=seq, seed=seed, every=every, workers=workers, steps=steps)
+        return _launch(args, workload, nproc, plan=plan, bs=bs, seq=seq, seed=seed, every=every, workers=workers, steps=steps)
     if ranks is not None and args.nproc is not None and nproc != ranks.world_size:
         raise UserError(f"--nproc {nproc}, and the launcher started {ranks.world_size} processes; make them the same")
     if args.port is not None and ranks is None:
         raise UserError("--port is the rendezvous port of --nproc ranks; add --nproc N, or remove --port")
-    result = train(args.workload, plan=plan, budget=args.budget, steps=steps,
+    result = train(workload, plan=plan, budget=args.budget, steps=steps,
                    out=args.out, data=args.data, resume=args.resume, overwrite=args.overwrite, seed=seed,
                    batch_size=bs, seq_len=seq, device=args.device, workers=workers, checkpoint_every=every,
                    progress=not args.json, report=not args.no_report)
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch(args: argparse.Namespace, nproc: int, *, plan, bs, seq, seed, every, workers, steps) -> int:
+def _launch(args: argparse.Namespace, workload, nproc: int, *, plan, bs, seq, seed, every, workers, steps) -> int:
     """Check and plan the run here, once, then start ``nproc`` ranks that run this same command (with
     the plan found, when the planner chose it)."""
     import tempfile
@@ -112,7 +113,7 @@ def _launch(args: argparse.Namespace, nproc: int, *, plan, bs, seq, seed, every,
             port = int(args.port)
         except ValueError:
             raise UserError(f"--port {args.port!r}: give a port number, or leave --port out") from None
-    target, *_ = prepare(args.workload, plan=plan, budget=args.budget, steps=steps, out=args.out, data=args.data,
+    target, *_ = prepare(workload, plan=plan, budget=args.budget, steps=steps, out=args.out, data=args.data,
                          resume=args.resume, overwrite=args.overwrite, seed=seed, batch_size=bs, seq_len=seq,
                          device=args.device, workers=workers, checkpoint_every=every, progress=False, report=False,
                          world_size=nproc)

@@ -35,7 +35,8 @@ from memfit.workload import Workload
 
 
 def estimate(workload: Workload | str, plan: Plan | str | None = None, *, batch_size: int | None = None,
-             device: str | Device = "cpu", seq_len: int | None = None, fallback: bool = True,
+             device: str | Device = "cpu", seq_len: int | None = None, resolution: int | None = None,
+             fallback: bool = True,
              timeline: str | None = None, snapshot: str | None = None) -> MemoryReport:
     """Predict the steady-state peak memory of one training step of ``workload`` under ``plan``.
 
@@ -45,7 +46,7 @@ def estimate(workload: Workload | str, plan: Plan | str | None = None, *, batch_
     """
     if snapshot:
         check_snapshot_path(snapshot)
-    target = Target.resolve(workload, plan, batch_size, device, seq_len=seq_len)
+    target = Target.resolve(workload, plan, batch_size, device, seq_len=seq_len, resolution=resolution)
     return estimate_target(target, fallback=fallback, timeline=timeline, snapshot=snapshot)
 
 

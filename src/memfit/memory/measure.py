@@ -160,7 +160,8 @@ class PeakWindow:
 
 
 def profile(workload: Workload | str, plan: Plan | str | None = None, *, batch_size: int | None = None,
-            device: str | Device = "cpu", seq_len: int | None = None, repeats: int = 5,
+            device: str | Device = "cpu", seq_len: int | None = None, resolution: int | None = None,
+            repeats: int = 5,
             timeline: str | None = None, snapshot: str | None = None) -> ProfileResult:
     """Run the step for real on this machine: measured peak and breakdown next to the prediction.
 
@@ -170,7 +171,7 @@ def profile(workload: Workload | str, plan: Plan | str | None = None, *, batch_s
     memory_viz (on a CPU from the tracker, on a GPU the allocator's own; memfit.memory.snapshot)."""
     if snapshot:
         check_snapshot_path(snapshot)
-    target = Target.resolve(workload, plan, batch_size, device, seq_len=seq_len)
+    target = Target.resolve(workload, plan, batch_size, device, seq_len=seq_len, resolution=resolution)
     dev = target.device
     if dev.is_gpu and not torch.cuda.is_available():
         raise UserError(f"profile runs the step for real, and {dev.name} is a preset for prediction; this machine has no "

@@ -85,7 +85,8 @@ class MemoryTracker(TorchDispatchMode):
         self.approximations: dict[tuple[str, str], Approximation] = {}
         self.probe = probe
         self.unprobed: dict[str, int] = {}
-        self._check_origin: dict[int, object] = {}  # storage -> the aten.all / aten.any that made it
+        self._check_origin: dict[int, object] = {}  # storage -> the aten.all / aten.any / aten.sum that made it
+        self._mask_counts: dict[int, int | None] = {}  # storage -> elements counted per value (a bool mask's sum)
         self.storages = LiveStorages(self._allocated, self._freed, self._hosted)  # tokens: record serials
         self._forward_serial_start = 0
         self._modules = ModuleStack()
@@ -174,6 +175,8 @@ class MemoryTracker(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self.assume_scalars and func.overloadpacket in _CHECK_OPS and isinstance(out, torch.Tensor):
             self._check_origin[_key(out)] = func.overloadpacket
+            if func.overloadpacket in _COUNT_OPS:
+                self._mask_counts[_key(out)] = _mask_count(args, out)
         probed = None
         if self.probe is not None and self.probe.wants(func):
             probed = self.probe(func, args, kwargs, out)
@@ -238,10 +241,16 @@ class MemoryTracker(TorchDispatchMode):
     def _assume(self, func, args):
         """NOTE [ Assumed scalars ]: a value fake mode cannot know is assumed to be the common
         case of a check: ``.all()`` True, ``.any()`` False, ``torch.equal`` True, anything else 0
-        (e.g. GradScaler's found_inf: no overflow). Every assumption is listed in the report."""
+        (e.g. GradScaler's found_inf: no overflow), and a count of a boolean mask (``mask.sum()``,
+        ``count_nonzero``) a full mask, as ``.all()`` is: every element counted (e.g. the caption
+        lengths of a text-conditioned DiT from its attention mask; a synthetic batch's masks are
+        full). Every assumption is listed in the report."""
         origin = self._check_origin.get(_key(args[0])) if func is not aten.equal.default else None
+        count = self._mask_counts.get(_key(args[0])) if origin in _COUNT_OPS else None
         if func is aten.equal.default:
             what, value = "torch.equal(...) assumed True", True
+        elif count is not None:
+            what, value = "a data-dependent count of a boolean mask assumed full (all True)", count
         elif origin is aten.all:
             what, value = "a data-dependent .all() assumed True", True
         elif origin is aten.any:
@@ -318,7 +327,10 @@ def _op_name(func) -> str:
 
 
 def _resize_outputs(out, real_nbytes: tuple[int, ...]):
-    """Give 1-D fake outputs the size the real kernel returns (see memfit.memory.workspaces)."""
+    """Give fake outputs the storage size the real kernel returns (see memfit.memory.workspaces):
+    an output the meta kernel leaves empty (``mkldnn_rnn_layer``'s workspace), and a 0-dim result
+    that really is a view of a larger buffer (CPU ``mse_loss`` reduces its elementwise losses in
+    place and returns element 0, holding them all while autograd keeps the loss)."""
     from torch.utils._pytree import tree_flatten, tree_unflatten
     leaves, spec = tree_flatten(out)
     tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
@@ -331,10 +343,22 @@ def _resize_outputs(out, real_nbytes: tuple[int, ...]):
         if t.dim() == 1 and t.numel() == 0 and nbytes and nbytes % t.element_size() == 0:
             leaves[i] = torch.empty(nbytes // t.element_size(), dtype=t.dtype, device=t.device)
             changed = True
+        elif t.dim() == 0 and nbytes > t.untyped_storage().nbytes() and nbytes % t.element_size() == 0:
+            leaves[i] = torch.empty(nbytes // t.element_size(), dtype=t.dtype, device=t.device)[0]
+            changed = True
     return tree_unflatten(leaves, spec) if changed else out
 
 
-_CHECK_OPS = {aten.all, aten.any}
+_COUNT_OPS = {aten.sum, aten.count_nonzero}
+_CHECK_OPS = {aten.all, aten.any, *_COUNT_OPS}
+
+
+def _mask_count(args, out: torch.Tensor) -> int | None:
+    """Elements each value of ``out`` counts, when ``out`` sums a boolean mask; else None."""
+    mask = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if mask is None or mask.dtype != torch.bool or out.numel() == 0:
+        return None
+    return mask.numel() // out.numel()
 _PRIM_DEVICE = torch.ops.prim.device.default
 _SCALAR_READS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
 

@@ -64,6 +64,8 @@ CPU_PROBED_OPS = {
     aten.max_pool2d_with_indices.default, aten.max_pool2d_with_indices_backward.default,
     aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool2d_backward.default,
     aten.cumsum.default, aten.sort.default, aten.topk.default,
+    # a mean/sum MSE returns a 0-dim view of its elementwise buffer, kept alive for backward
+    aten.mse_loss.default,
 }
 MAX_PROBE_BYTES = 64 << 20
 """Largest inputs + outputs of a probed ATen kernel call: keeps probing fast and its memory small."""

@@ -4,7 +4,9 @@ Hugging Face architectures (``gpt2``, ``llama``, ``bert``, ``t5``, ``vit``) are 
 config class only: no weights, no tokenizer, no network. Overrides set config attributes
 (``gpt2:n_layer=4,n_embd=256``). The plain-torch zoo (``cnn``, ``lstm``, ``transformer``, ``mha``,
 ``dit``) covers kernels with hidden workspaces and data-dependent code paths; overrides set the
-fields of each model's config. A local Hugging Face model folder (``./dir``, ``hf:./dir``) is built
+fields of each model's config. The diffusers denoisers (``dit-lumina2``, ``dit-sd3``, ``unet-sdxl``,
+``unet-sd15``) are built from their classes' constructors at released sizes and take ``resolution``
+(:mod:`memfit.workloads.diffusion`). A local Hugging Face model folder (``./dir``, ``hf:./dir``) is built
 the same way from its config.json alone (NOTE [ Model folders ] in :mod:`memfit.workloads.hf`).
 """
 

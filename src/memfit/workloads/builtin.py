@@ -1,4 +1,5 @@
-"""The built-in workloads' registry: the Hugging Face architectures and the plain-torch zoo."""
+"""The built-in workloads' registry: the Hugging Face architectures, the plain-torch zoo and the
+diffusers image models (the only ones that take ``--resolution``)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ from collections.abc import Callable
 from memfit.errors import UserError
 from memfit.units import parse_key_values
 from memfit.workload import Workload
-from memfit.workloads import hf, hub, zoo
-from memfit.workloads.checks import blamed, check_seq_len, guarded
+from memfit.workloads import diffusion, hf, hub, zoo
+from memfit.workloads.checks import blamed, check_resolution, check_seq_len, guarded
 
 _REGISTRY: dict[str, tuple[Callable[..., Workload], str]] = {
     **{name: (fn, doc) for name, (fn, doc) in hf.BUILDERS.items()},
     **{name: (fn, doc) for name, (fn, doc) in zoo.BUILDERS.items()},
+    **{name: (fn, doc) for name, (fn, doc) in diffusion.BUILDERS.items()},
 }
 
 
@@ -22,16 +24,23 @@ def builtin_names() -> dict[str, str]:
     return {name: doc for name, (_, doc) in _REGISTRY.items()}
 
 
-def builtin_workload(spec: str, *, seq_len: int | None = None) -> Workload:
+def builtin_workload(spec: str, *, seq_len: int | None = None, resolution: int | None = None) -> Workload:
     arch, _, override_text = spec.partition(":")
     arch = arch.strip().lower()
     if arch not in _REGISTRY:
         raise UserError(f"unknown workload {arch!r}; choose a built-in ({', '.join(_REGISTRY)}), "
                         "a file (path/to/file.py:NAME) or a model folder (./dir holding config.json)")
     check_seq_len(seq_len)
+    check_resolution(resolution)
     builder, _ = _REGISTRY[arch]
     overrides = parse_key_values(override_text, arch)
-    wl = builder(overrides, seq_len)
+    if arch in diffusion.BUILDERS:
+        wl = builder(overrides, seq_len, resolution)
+    else:
+        if resolution is not None:
+            raise UserError(f"{arch}: --resolution applies to the image-generation built-ins "
+                            f"({', '.join(diffusion.BUILDERS)}); drop it (image sizes of other models are overrides)")
+        wl = builder(overrides, seq_len)
     return dataclasses.replace(wl, model=guarded(arch, overrides, "building the model", wl.model),
                                batch=guarded(arch, overrides, "batch(batch_size)", wl.batch),
                                loss=guarded(arch, overrides, "loss(model, batch)", wl.loss))

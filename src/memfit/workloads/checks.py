@@ -102,3 +102,8 @@ def blamed(source: str, fix: str, what: str, fn: Callable) -> Callable:
 def check_seq_len(seq_len: Any) -> None:
     if seq_len is not None and (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1):
         raise UserError(f"--seq-len must be a positive whole number, got {seq_len!r}")
+
+
+def check_resolution(resolution: Any) -> None:
+    if resolution is not None and (not isinstance(resolution, int) or isinstance(resolution, bool) or resolution < 1):
+        raise UserError(f"--resolution must be a positive whole number of pixels, got {resolution!r}")

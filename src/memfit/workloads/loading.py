@@ -15,37 +15,44 @@ from memfit.workloads.builtin import builtin_names, builtin_workload, folder_wor
 from memfit.workloads.hub import is_hub_id
 
 
-def load_workload(spec: str | Workload, *, seq_len: int | None = None) -> Workload:
+def load_workload(spec: str | Workload, *, seq_len: int | None = None, resolution: int | None = None) -> Workload:
     """Resolve a workload spec: a Workload, ``file.py:NAME``, a model folder (``./dir``, ``hf:./dir``,
     ``./dir/config.json``), a hub id (``org/name``, ``org/name@rev``, ``hf:name``) or a built-in name
-    with overrides."""
+    with overrides. ``seq_len`` sizes built-ins, folders and hub models; ``resolution`` the
+    image-generation built-ins."""
     if isinstance(spec, Workload):
-        if seq_len is not None:
-            raise UserError("--seq-len applies to built-in workloads only; set it inside your workload")
+        _builtin_sizes_only(seq_len, resolution, "set it inside your workload")
         return spec
     if not isinstance(spec, str) or not spec.strip():
         raise UserError("no workload given; name a built-in (e.g. gpt2), a file (path/to/file.py:NAME), "
                         "a model folder (./dir holding config.json) or a hub id (org/name)")
     spec = spec.strip()
     if spec[:3].lower() == "hf:":
+        _builtin_sizes_only(None, resolution, "a Hugging Face model takes --seq-len")
         name = spec[3:].strip()
         if not Path(name).expanduser().exists() and is_hub_id(name, bare_names=True):
             return hub_workload(name, seq_len=seq_len)
         return folder_workload(name, seq_len=seq_len)
     head = spec.split(":", 1)[0]
     if head.endswith(".py") or Path(head).suffix == ".py":
-        if seq_len is not None:
-            raise UserError("--seq-len applies to built-in workloads only; set it inside your workload file")
+        _builtin_sizes_only(seq_len, resolution, "set it inside your workload file")
         return _load_file_workload(spec)
     if _names_a_folder(spec, head):
+        _builtin_sizes_only(None, resolution, "a Hugging Face model takes --seq-len")
         return folder_workload(spec, seq_len=seq_len)
     if is_hub_id(spec):
+        _builtin_sizes_only(None, resolution, "a Hugging Face model takes --seq-len")
         return hub_workload(spec, seq_len=seq_len)
     if "/" in head or "\\" in head:
-        if seq_len is not None:
-            raise UserError("--seq-len applies to built-in workloads only; set it inside your workload file")
+        _builtin_sizes_only(seq_len, resolution, "set it inside your workload file")
         return _load_file_workload(spec)
-    return builtin_workload(spec, seq_len=seq_len)
+    return builtin_workload(spec, seq_len=seq_len, resolution=resolution)
+
+
+def _builtin_sizes_only(seq_len: int | None, resolution: int | None, fix: str) -> None:
+    for flag, value in (("--seq-len", seq_len), ("--resolution", resolution)):
+        if value is not None:
+            raise UserError(f"{flag} applies to built-in workloads only; {fix}")
 
 
 def _names_a_folder(spec: str, head: str) -> bool:

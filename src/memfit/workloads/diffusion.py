@@ -1,0 +1,288 @@
+"""Latent-diffusion workloads: diffusers' DiTs and UNets built from their configs (no weights).
+
+What is trained, and what is not. Fine-tuning an image model (full or LoRA) trains only the
+denoiser: the VAE encodes each image to latents once (cached, or under ``no_grad``) and the text
+encoders turn each caption into hidden states the same way. Their outputs are *inputs* here,
+synthetic tensors of the right shapes, as in LoRA training with cached latents; their weights take
+no memory in the step. One step of diffusers' ``train_text_to_image`` (UNet: epsilon prediction)
+or its rectified-flow scripts (DiT: velocity prediction):
+
+    noisy = mix(latents, noise, t)     t: one timestep per sample
+    loss  = mse(model(noisy, t, text hidden states[, pooled text, mask]), target)
+
+Where memory goes. Latents are ``resolution / 8`` on a side (the VAE's factor); a DiT cuts them
+into ``patch x patch`` tokens, so its sequence is ``(resolution / 16) ** 2`` tokens: 4096 at
+1024 px, plus the caption's. Activations grow with that sequence (attention itself is
+flash/efficient on a GPU, linear in it) and dominate once the weights are LoRA-frozen; halving
+the resolution quarters them. A UNet's activations are largest at its first, full-resolution
+level. ``--resolution`` sets the pixels; the default is the model's native resolution.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from memfit.errors import UserError, brief
+from memfit.workload import Workload, WorkloadInfo
+from memfit.workloads.checks import check_value, simple_types
+
+VAE_FACTOR = 8
+"""Pixels per latent on each side (the SD/SDXL/Flux/Lumina VAEs all downsample by 8)."""
+
+
+@dataclass(frozen=True)
+class ImageModel:
+    """A diffusers denoiser at a published size, and how one training batch for it looks."""
+
+    arch: str
+    class_name: str
+    defaults: dict
+    """Config values that differ from the class's own defaults (the released checkpoint's)."""
+    resolution: int
+    """Native resolution in pixels (the default of ``--resolution``)."""
+    caption_tokens: int
+    """Tokens of text hidden states per sample (the pipeline's max_sequence_length)."""
+    doc: str
+
+
+LUMINA2 = ImageModel(
+    "dit-lumina2", "Lumina2Transformer2DModel",
+    # Lumina-Image-2.0: the class defaults (2304 wide, 26 layers, 24 heads, 8 KV heads) and Gemma-2-2B captions.
+    {"cap_feat_dim": 2304}, 1024, 256,
+    "Lumina-Image-2.0 DiT, 2.6B (diffusers Lumina2Transformer2DModel; flow matching, 1024px)")
+SD3 = ImageModel(
+    "dit-sd3", "SD3Transformer2DModel",
+    # Stable Diffusion 3 medium: 24 joint blocks of 24 heads x 64; CLIP-L/G (77) + T5 (256) tokens.
+    {"num_layers": 24, "num_attention_heads": 24, "caption_projection_dim": 1536, "pos_embed_max_size": 192},
+    1024, 77 + 256,
+    "Stable Diffusion 3 medium MMDiT, 2B (diffusers SD3Transformer2DModel; flow matching, 1024px)")
+SDXL = ImageModel(
+    "unet-sdxl", "UNet2DConditionModel",
+    {"sample_size": 128, "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+     "up_block_types": ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+     "block_out_channels": (320, 640, 1280), "transformer_layers_per_block": (1, 2, 10),
+     "attention_head_dim": (5, 10, 20), "cross_attention_dim": 2048, "use_linear_projection": True,
+     "addition_embed_type": "text_time", "addition_time_embed_dim": 256,
+     "projection_class_embeddings_input_dim": 2816},
+    1024, 77,
+    "Stable Diffusion XL UNet, 2.6B (diffusers UNet2DConditionModel; epsilon prediction, 1024px)")
+SD15 = ImageModel(
+    "unet-sd15", "UNet2DConditionModel", {"sample_size": 64, "cross_attention_dim": 768}, 512, 77,
+    "Stable Diffusion 1.5 UNet, 860M (diffusers UNet2DConditionModel; epsilon prediction, 512px)")
+
+MODELS = {m.arch: m for m in (LUMINA2, SD3, SDXL, SD15)}
+
+
+def _model_class(name: str) -> type:
+    """diffusers' model class ``name``, imported without the log lines its optional backends write
+    on first import (torch's pytree deprecations, bitsandbytes' and torchao's kernel notices): they
+    are not the user's, and a command's output (or its one error line) stays clean."""
+    import logging
+
+    from memfit.quiet import silenced_warnings
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with silenced_warnings():
+            import diffusers
+            diffusers.utils.logging.set_verbosity_error()
+            return getattr(diffusers, name)  # diffusers imports its modules lazily, here
+    except ImportError:
+        raise UserError("built-in diffusion workloads need diffusers; install it with pip install diffusers") from None
+    finally:
+        logging.disable(previous)
+
+
+# -- config with overrides -------------------------------------------------------------------------
+def _config(m: ImageModel, overrides: dict) -> tuple[type, dict]:
+    """The model class and its constructor's keyword arguments: the class's defaults, the published
+    size's, then the user's overrides (checked one by one against the constructor's signature).
+    A tuple field takes ``/``-separated values (``unet-sdxl:block_out_channels=32/64/64``): commas
+    separate the overrides themselves."""
+    cls = _model_class(m.class_name)
+    params = {n: p for n, p in inspect.signature(cls.__init__).parameters.items() if n != "self"}
+    kwargs = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
+    kwargs.update(m.defaults)
+    for key, value in overrides.items():
+        if key not in params:
+            raise UserError(f"{m.arch}: {m.class_name} has no field {key!r}; see diffusers' {m.class_name} for valid "
+                            "names")
+        default = kwargs.get(key)
+        if isinstance(default, (tuple, list)) and isinstance(value, (str, int)):
+            kwargs[key] = _tuple_value(m.arch, key, value, default)
+            continue
+        allowed = simple_types(params[key].annotation)
+        if allowed is not None:
+            value = check_value(m.arch, key, value, allowed, example=default)
+        kwargs[key] = value
+    return cls, kwargs
+
+
+def _tuple_value(arch: str, key: str, value: Any, default: tuple) -> Any:
+    """``32/64/64`` -> (32, 64, 64); a single number stays a number (diffusers repeats it per level)."""
+    import yaml
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    parts = [yaml.safe_load(p) for p in str(value).split("/")]
+    kinds = {type(d) for d in default}
+    if any(type(p) not in kinds for p in parts):
+        example = "/".join(str(d) for d in default)
+        raise UserError(f"{arch}: {key} takes values separated by '/', like its default, got {value!r}; "
+                        f"write e.g. {arch}:{key}={example}")
+    return tuple(parts)
+
+
+def _build(m: ImageModel, cls: type, kwargs: dict, overrides: dict):
+    def model():
+        try:
+            return cls(**kwargs)
+        except Exception as e:  # noqa: BLE001 - the defaults build; a failure is the overrides'
+            if not overrides:
+                raise
+            shown = ",".join(f"{k}={v}" for k, v in overrides.items())
+            raise UserError(f"{m.arch}:{shown}: {m.class_name} cannot be built ({type(e).__name__}: "
+                            f"{brief(e, 160)}); change the overrides") from None
+    return model
+
+
+# -- resolution ------------------------------------------------------------------------------------
+def latent_size(m: ImageModel, resolution: int | None, multiple: int, why: str) -> int:
+    """Latent pixels on a side for ``resolution`` (default: the model's native one); the image must
+    divide into whole latents and then into ``multiple`` of them (patches, or the UNet's halvings)."""
+    res = m.resolution if resolution is None else resolution
+    if not isinstance(res, int) or isinstance(res, bool) or res < 1:
+        raise UserError(f"--resolution must be a positive whole number of pixels, got {resolution!r}")
+    step = VAE_FACTOR * multiple
+    if res % step:
+        lower, upper = res // step * step, (res // step + 1) * step
+        use = f"{lower} or {upper}" if lower else str(upper)
+        raise UserError(f"{m.arch}: --resolution {res} is not a multiple of {step} (the VAE's factor {VAE_FACTOR} x "
+                        f"{why} {multiple}); use --resolution {use}")
+    return res // VAE_FACTOR
+
+
+def _info(m: ImageModel, res: int, kwargs: dict, sizes: tuple[str, ...]) -> WorkloadInfo:
+    return WorkloadInfo(arch=m.arch, resolution=res,
+                        config={"model_class": m.class_name, "latent": res // VAE_FACTOR,
+                                **{k: kwargs[k] for k in sizes if k in kwargs}})
+
+
+def _workload(m: ImageModel, model, batch, loss, res: int, info: WorkloadInfo) -> Workload:
+    name = m.arch if res == m.resolution else f"{m.arch} {res}px"
+    return Workload(model=model, batch=batch, loss=loss, name=name, default_batch_size=1, info=info)
+
+
+def _no_seq_len(arch: str, seq_len: int | None) -> None:
+    if seq_len is not None:
+        raise UserError(f"{arch}: --seq-len does not apply to an image model; give --resolution PIXELS instead")
+
+
+def _flow_matching(latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, data_at_one: bool):
+    """Rectified flow: a straight line between noise and data; the target is its velocity."""
+    s = t.view(-1, 1, 1, 1)
+    if data_at_one:  # Lumina-Image-2.0: t = 1 is the image
+        return s * latents + (1 - s) * noise, latents - noise
+    return (1 - s) * latents + s * noise, noise - latents  # SD3: t = 1 is pure noise
+
+
+def _mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(pred.float(), target.float())
+
+
+# -- the workloads ---------------------------------------------------------------------------------
+def lumina2(overrides: dict, seq_len: int | None, resolution: int | None) -> Workload:
+    _no_seq_len(LUMINA2.arch, seq_len)
+    cls, kw = _config(LUMINA2, overrides)
+    side = latent_size(LUMINA2, resolution, kw["patch_size"], "patch size")
+    channels, caption, width = kw["in_channels"], LUMINA2.caption_tokens, kw["cap_feat_dim"]
+
+    def batch(b: int) -> dict:
+        latents, noise, t = torch.randn(b, channels, side, side), torch.randn(b, channels, side, side), torch.rand(b)
+        noisy, target = _flow_matching(latents, noise, t, data_at_one=True)
+        return {"hidden_states": noisy, "timestep": t, "encoder_hidden_states": torch.randn(b, caption, width),
+                "encoder_attention_mask": torch.ones(b, caption, dtype=torch.bool), "target": target}
+
+    def loss(model, batch: dict) -> torch.Tensor:
+        inputs = {k: v for k, v in batch.items() if k != "target"}
+        return _mse(model(**inputs, return_dict=False)[0], batch["target"])
+
+    res = side * VAE_FACTOR
+    info = _info(LUMINA2, res, kw, ("hidden_size", "num_layers", "num_attention_heads", "cap_feat_dim"))
+    return _workload(LUMINA2, _build(LUMINA2, cls, kw, overrides), batch, loss, res, info)
+
+
+def sd3(overrides: dict, seq_len: int | None, resolution: int | None) -> Workload:
+    _no_seq_len(SD3.arch, seq_len)
+    cls, kw = _config(SD3, overrides)
+    side = latent_size(SD3, resolution, kw["patch_size"], "patch size")
+    most = (kw["pos_embed_max_size"] or 0) * kw["patch_size"] * VAE_FACTOR
+    if most and side * VAE_FACTOR > most:
+        raise UserError(f"{SD3.arch}: --resolution {side * VAE_FACTOR} exceeds the position table "
+                        f"(pos_embed_max_size={kw['pos_embed_max_size']}, {most}px); use --resolution <= {most}")
+    channels = kw["in_channels"]
+
+    def batch(b: int) -> dict:
+        latents, noise, t = torch.randn(b, channels, side, side), torch.randn(b, channels, side, side), torch.rand(b)
+        noisy, target = _flow_matching(latents, noise, t, data_at_one=False)
+        return {"hidden_states": noisy, "timestep": t * 1000,
+                "encoder_hidden_states": torch.randn(b, SD3.caption_tokens, kw["joint_attention_dim"]),
+                "pooled_projections": torch.randn(b, kw["pooled_projection_dim"]), "target": target}
+
+    def loss(model, batch: dict) -> torch.Tensor:
+        inputs = {k: v for k, v in batch.items() if k != "target"}
+        return _mse(model(**inputs, return_dict=False)[0], batch["target"])
+
+    res = side * VAE_FACTOR
+    info = _info(SD3, res, kw, ("num_layers", "num_attention_heads", "attention_head_dim", "joint_attention_dim"))
+    return _workload(SD3, _build(SD3, cls, kw, overrides), batch, loss, res, info)
+
+
+def _unet(m: ImageModel):
+    def build(overrides: dict, seq_len: int | None, resolution: int | None) -> Workload:
+        _no_seq_len(m.arch, seq_len)
+        cls, kw = _config(m, overrides)
+        levels = len(kw["block_out_channels"]) if isinstance(kw["block_out_channels"], (tuple, list)) else 1
+        side = latent_size(m, resolution, 2 ** (levels - 1), "the UNet's downsampling")
+        channels, cross = kw["in_channels"], kw["cross_attention_dim"]
+        text_time = kw.get("addition_embed_type") == "text_time"
+        time_ids = 6  # SDXL: original size, crop offset, target size (2 numbers each)
+        pooled = (kw["projection_class_embeddings_input_dim"] - time_ids * kw["addition_time_embed_dim"]
+                  if text_time else 0)
+        if text_time and pooled < 1:
+            raise UserError(f"{m.arch}: projection_class_embeddings_input_dim must exceed 6 x addition_time_embed_dim "
+                            "(the pooled text embedding is the rest); change the overrides")
+
+        def batch(b: int) -> dict:
+            latents, noise = torch.randn(b, channels, side, side), torch.randn(b, channels, side, side)
+            t = torch.randint(0, 1000, (b,))
+            alpha = torch.linspace(0.9991, 0.0047, 1000)[t].view(-1, 1, 1, 1)  # SD's scaled-linear alphas_cumprod
+            out = {"sample": alpha.sqrt() * latents + (1 - alpha).sqrt() * noise, "timestep": t,
+                   "encoder_hidden_states": torch.randn(b, m.caption_tokens, cross), "target": noise}
+            if text_time:
+                out["text_embeds"], out["time_ids"] = torch.randn(b, pooled), torch.rand(b, time_ids) * 1024
+            return out
+
+        def loss(model, batch: dict) -> torch.Tensor:
+            added = {k: batch[k] for k in ("text_embeds", "time_ids") if k in batch}
+            pred = model(batch["sample"], batch["timestep"], batch["encoder_hidden_states"],
+                         added_cond_kwargs=added or None, return_dict=False)[0]
+            return _mse(pred, batch["target"])
+
+        res = side * VAE_FACTOR
+        info = _info(m, res, kw, ("block_out_channels", "layers_per_block", "cross_attention_dim"))
+        return _workload(m, _build(m, cls, kw, overrides), batch, loss, res, info)
+    return build
+
+
+BUILDERS = {
+    "dit-lumina2": (lumina2, LUMINA2.doc),
+    "dit-sd3": (sd3, SD3.doc),
+    "unet-sdxl": (_unet(SDXL), SDXL.doc),
+    "unet-sd15": (_unet(SD15), SD15.doc),
+}
+"""Built-ins that take ``--resolution``: ``builder(overrides, seq_len, resolution)``."""

@@ -1,0 +1,99 @@
+"""The diffusers image workloads (memfit.workloads.diffusion): predicted peak vs the profiler's.
+
+Tiny configs of the released architectures (every code path, a fraction of the size): the
+prediction on fake tensors is compared with the peak the profiler's allocator events measure on
+the same step (``profile``), in fp32 and bf16, with and without ``checkpointing: blocks``.
+Lumina2 reads its caption lengths from the attention mask (``mask.sum().tolist()``): on fake
+tensors the tracker assumes the mask full (NOTE [ Assumed scalars ]), as the synthetic batch is.
+"""
+
+import pytest
+import torch
+from tests.helpers import assert_same_training, run_steps
+
+from memfit.memory.measure import profile
+from memfit.plans import Plan
+from memfit.techniques.checkpointing import find_blocks
+from memfit.workloads import load_workload
+
+pytest.importorskip("diffusers")
+
+TINY = {
+    "dit-lumina2": "dit-lumina2:num_layers=2,num_refiner_layers=1,hidden_size=64,num_attention_heads=4,num_kv_heads=2,"
+                   "cap_feat_dim=32,axes_dim_rope=8/4/4,multiple_of=16",
+    "dit-sd3": "dit-sd3:num_layers=2,num_attention_heads=2,attention_head_dim=16,joint_attention_dim=32,"
+               "caption_projection_dim=32,pooled_projection_dim=16,pos_embed_max_size=16",
+    "unet-sdxl": "unet-sdxl:block_out_channels=32/64/64,attention_head_dim=2,transformer_layers_per_block=1,"
+                 "cross_attention_dim=32,addition_time_embed_dim=8,projection_class_embeddings_input_dim=80",
+    "unet-sd15": "unet-sd15:block_out_channels=32/32/64/64,attention_head_dim=2,cross_attention_dim=32,"
+                 "layers_per_block=1",
+}
+RESOLUTION = {"dit-lumina2": 128, "dit-sd3": 128, "unet-sdxl": 128, "unet-sd15": 64}
+
+CASES = [(arch, precision, ckpt) for arch in ("dit-lumina2", "unet-sdxl") for precision in ("fp32", "bf16")
+         for ckpt in ("none", "blocks")] + [("dit-sd3", "fp32", "none"), ("dit-sd3", "bf16", "blocks"),
+                                            ("unet-sd15", "fp32", "none")]
+
+
+def _profile(arch: str, precision: str, ckpt: str):
+    return profile(TINY[arch], Plan(precision=precision, checkpointing=ckpt), batch_size=2,
+                   resolution=RESOLUTION[arch], repeats=0)
+
+
+@pytest.mark.parametrize("arch,precision,ckpt", CASES, ids=["-".join(c) for c in CASES])
+def test_prediction_within_1pct_of_the_profiler(arch, precision, ckpt):
+    r = _profile(arch, precision, ckpt)
+    assert r.predicted.method == "fake"  # traced, not a real-run fallback
+    assert abs(r.error_percent) <= 1.0, (arch, precision, ckpt, r.predicted.peak_bytes, r.peak_bytes)
+
+
+@pytest.mark.parametrize("arch", ["dit-lumina2", "unet-sdxl"])
+def test_block_checkpointing_keeps_fewer_activations(arch):
+    """Blocks are found (Lumina2's transformer blocks; the UNet's resnets and attentions inside its
+    down/up blocks) and checkpointing them lowers the measured activations, as predicted."""
+    plain, ckpt = _profile(arch, "fp32", "none"), _profile(arch, "fp32", "blocks")
+    for r in (plain, ckpt):
+        assert abs(r.error_percent) <= 1.0
+    assert ckpt.measured.breakdown["activations"] < 0.8 * plain.measured.breakdown["activations"]
+    assert ckpt.predicted.breakdown["activations"] < 0.8 * plain.predicted.breakdown["activations"]
+
+
+def test_blocks_found_at_full_size():
+    """Detection on the released sizes (built on the meta device: no memory)."""
+    def blocks(spec):
+        with torch.device("meta"):
+            model = load_workload(spec).model()
+        return {name: (len(children), type(children[0]).__name__) for name, children in find_blocks(model)}
+    lumina = blocks("dit-lumina2")
+    assert lumina["layers"] == (26, "Lumina2TransformerBlock")
+    assert lumina["noise_refiner"] == lumina["context_refiner"] == (2, "Lumina2TransformerBlock")
+    unet = blocks("unet-sdxl")
+    for level in ("down_blocks.1", "down_blocks.2", "up_blocks.0", "up_blocks.1"):
+        assert unet[f"{level}.attentions"][1] == "Transformer2DModel"
+        assert unet[f"{level}.resnets"][1] == "ResnetBlock2D"
+    assert unet["mid_block.attentions.0.transformer_blocks"] == (10, "BasicTransformerBlock")
+
+
+def test_checkpointed_training_equals_plain():
+    """Checkpointing the Lumina2 blocks recomputes the same ops: every parameter equal after 2 steps."""
+    wl = load_workload(TINY["dit-lumina2"], resolution=64)
+    plain = run_steps(wl, Plan(), steps=2, batch_size=2, seq_len=None)
+    ckpt = run_steps(wl, Plan(checkpointing="blocks"), steps=2, batch_size=2, seq_len=None)
+    assert_same_training(plain, ckpt)
+
+
+def test_released_sizes_and_resolution_shape_the_batch():
+    """Parameter counts of the released models, and the latent/caption shapes of one sample."""
+    sizes = {"dit-lumina2": 2.61e9, "dit-sd3": 2.03e9, "unet-sdxl": 2.57e9, "unet-sd15": 0.86e9}
+    for spec, want in sizes.items():
+        with torch.device("meta"):
+            n = sum(p.numel() for p in load_workload(spec).model().parameters())
+        assert abs(n - want) / want < 0.01, (spec, n)
+    wl = load_workload("dit-lumina2", resolution=512)
+    batch = wl.batch(3)
+    assert batch["hidden_states"].shape == (3, 16, 64, 64) and batch["target"].shape == (3, 16, 64, 64)
+    assert batch["encoder_hidden_states"].shape == (3, 256, 2304) and batch["timestep"].shape == (3,)
+    assert wl.info.resolution == 512 and wl.name == "dit-lumina2 512px"
+    assert load_workload("unet-sd15").info.resolution == 512
+    sdxl = load_workload("unet-sdxl").batch(1)
+    assert sdxl["sample"].shape == (1, 4, 128, 128) and sdxl["text_embeds"].shape == (1, 1280)
