@@ -27,13 +27,12 @@ CASES = {
 VARIANTS = (("fp32", "none"), ("bf16", "none"), ("fp32", "blocks"), ("bf16", "blocks"))
 
 
-def add_diffusion_cases() -> None:
-    """The built-in diffusion workloads at toy sizes, when this memfit has them."""
-    from memfit.workloads.builtin import builtin_names
-    names = builtin_names()
-    for name, label in (("dit-lumina2", "LoRA, diffusers DiT (Lumina2)"), ("unet-sd15", "LoRA, diffusers UNet")):
-        if name in names:
-            CASES[label] = (name, ["--tiny", "--resolution", "64", "--adapter", "lora:r=8"])
+DIT = ("dit-lumina2:num_layers=2,num_refiner_layers=1,hidden_size=64,num_attention_heads=4,num_kv_heads=2,"
+       "cap_feat_dim=32,axes_dim_rope=8/4/4,multiple_of=16")
+UNET = ("unet-sdxl:block_out_channels=32/64/64,attention_head_dim=2,transformer_layers_per_block=1,"
+        "cross_attention_dim=32,addition_time_embed_dim=8,projection_class_embeddings_input_dim=80")
+CASES["LoRA, diffusers DiT (Lumina2, 128 px)"] = (DIT, ["--resolution", "128", "--adapter", "lora:r=8"])
+CASES["LoRA, diffusers UNet (SDXL, 128 px)"] = (UNET, ["--resolution", "128", "--adapter", "lora:r=8"])
 
 
 def row(spec: str, args: list[str], precision: str, checkpointing: str) -> dict:
@@ -47,7 +46,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="comma-separated case names (substrings)")
     opts = ap.parse_args()
-    add_diffusion_cases()
     print("| case | precision | checkpointing | predicted | measured | error |")
     print("|---|---|---|---|---|---|")
     for name, (spec, args) in CASES.items():

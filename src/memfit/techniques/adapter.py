@@ -18,7 +18,8 @@ the user's ]).
 Plan key ``adapter``: ``none`` (:class:`NoAdapter`), or ``lora:OPTIONS`` / ``dora:OPTIONS``
 (:class:`LoRA`) with comma-separated options ``r=16,alpha=32,targets=q_proj+v_proj,
 dropout=0.05,save=lm_head``. Targets are PEFT's names (module-name suffixes, ``+``-separated);
-without them PEFT's defaults for the model's type, else every linear layer but the output layer
+without them PEFT's defaults for the model's type, diffusers' attention projections
+(``to_q+to_k+to_v+to_out.0``) for a diffusers model, else every linear layer but the output layer
 (``all-linear``). ``save`` lists modules trained in full beside the adapter (PEFT's
 ``modules_to_save``, e.g. a classifier head). The adapter is injected with PEFT's own
 ``inject_adapter_in_model``, so the model keeps its class and the workload's loss runs unchanged.
@@ -150,13 +151,22 @@ class LoRA(Adapter):
         return f"LoraConfig({', '.join(args)})"
 
 
+DIFFUSERS_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
+"""The attention projections diffusers' LoRA training scripts adapt (train_text_to_image_lora,
+train_dreambooth_lora_*)."""
+
+
 def _default_targets(model, peft) -> list[str] | str:
-    """PEFT's default target modules for a transformers model type, else every linear layer but
-    the output layer (PEFT's ``all-linear``)."""
+    """PEFT's default target modules for a transformers model type; for a diffusers model the
+    attention projections its LoRA scripts adapt; else every linear layer but the output layer
+    (PEFT's ``all-linear``)."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     mapping = getattr(peft.utils, "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING", {})
-    if model_type in mapping:
+    if isinstance(model_type, str) and model_type in mapping:
         return list(mapping[model_type])
+    if type(model).__module__.startswith("diffusers.") and \
+            any(name.endswith(".to_q") for name, _ in model.named_modules()):
+        return DIFFUSERS_TARGETS
     return ALL_LINEAR
 
 

@@ -118,3 +118,51 @@ def test_adapter_text_round_trips():
     assert plan.adapter == "dora:r=16,alpha=32,targets=q_proj+v_proj,dropout=0.05,save=lm_head"
     assert Plan.from_dict(plan.to_dict()) == plan
     assert Plan().adapter == "none"
+
+
+DIT = ("dit-lumina2:num_layers=2,num_refiner_layers=1,hidden_size=64,num_attention_heads=4,num_kv_heads=2,"
+       "cap_feat_dim=32,axes_dim_rope=8/4/4,multiple_of=16")
+UNET = ("unet-sdxl:block_out_channels=32/64/64,attention_head_dim=2,transformer_layers_per_block=1,"
+        "cross_attention_dim=32,addition_time_embed_dim=8,projection_class_embeddings_input_dim=80")
+
+
+@pytest.mark.parametrize("spec", [DIT, UNET], ids=["dit-lumina2", "unet-sdxl"])
+@pytest.mark.parametrize("precision,checkpointing", [("fp32", "none"), ("bf16", "blocks")])
+def test_diffusion_lora_predicted_within_1pct(spec, precision, checkpointing):
+    """LoRA of a diffusers DiT and UNet (diffusers' attention projections by default)."""
+    pytest.importorskip("diffusers")
+    from memfit.memory.measure import profile
+    r = profile(spec, Plan(adapter="lora:r=8", precision=precision, checkpointing=checkpointing), batch_size=2,
+                resolution=128, repeats=1)
+    assert abs(r.error_percent) <= 1.0, (spec, precision, checkpointing, r.error_percent)
+    step = build_step(load_workload(spec, resolution=128), Plan(adapter="lora:r=8"), 2, "cpu")
+    trainable = _trainable(step.model)
+    assert trainable and all("lora_" in n and any(f".{t}." in n for t in ("to_q", "to_k", "to_v", "to_out.0"))
+                             for n in trainable)
+
+
+def test_diffusers_add_adapter_in_the_workload(tmp_workload_file):
+    """The path diffusers' and kohya-style LoRA scripts take: freeze the model, ``add_adapter``."""
+    pytest.importorskip("diffusers")
+    from memfit.memory.measure import profile
+    body = f'''
+from peft import LoraConfig
+from memfit.workload import Workload
+from memfit.workloads import load_workload
+
+base = load_workload({DIT!r}, resolution=128)
+
+def model():
+    m = base.model()
+    m.requires_grad_(False)
+    m.add_adapter(LoraConfig(r=8, lora_alpha=8, init_lora_weights="gaussian",
+                             target_modules=["to_k", "to_q", "to_v", "to_out.0"]))
+    return m
+
+wl = Workload(model=model, batch=base.batch, loss=lambda m, b: base.loss(m, b))
+'''
+    spec = f"{tmp_workload_file(body)}:wl"
+    r = profile(spec, Plan(), batch_size=2, repeats=1)
+    assert abs(r.error_percent) <= 1.0, r.error_percent
+    plan_key = estimate(DIT, Plan(adapter="lora:r=8,alpha=8"), batch_size=2, resolution=128)
+    assert r.predicted.breakdown["optimizer_states"] == plan_key.breakdown["optimizer_states"]
