@@ -34,8 +34,28 @@ CASES = {
     pytest.param("bf16", "none", marks=pytest.mark.slow), pytest.param("fp32", "blocks", marks=pytest.mark.slow)])
 def test_adapter_prediction_within_1pct_of_the_profiler(case, precision, checkpointing):
     spec, adapter = CASES[case]
-    r = measured(spec, Plan(adapter=adapter, precision=precision, checkpointing=checkpointing), batch_size=2)
-    assert abs(r.error_percent) <= 1.0, (case, precision, checkpointing, r.error_percent)
+    if "save" in adapter:  # NOTE [ A profiler crash after modules_to_save ]: its own process, as a user runs it
+        error = _profiled_in_a_process(spec, adapter, precision, checkpointing)
+    else:
+        error = measured(spec, Plan(adapter=adapter, precision=precision, checkpointing=checkpointing),
+                         batch_size=2).error_percent
+    assert abs(error) <= 1.0, (case, precision, checkpointing, error)
+
+
+# NOTE [ A profiler crash after modules_to_save ]
+# After a fake trace of a PEFT model with modules_to_save (ModulesToSaveWrapper deep-copies the
+# saved module), a later CPU profiler session in the same process dies freeing kineto's activity
+# buffers (heap corruption: "corrupted double-linked list"). One estimate and one profile per
+# process (the CLI) never meet it; the cause is not found yet. Until it is, these cases run as
+# `memfit profile` runs them.
+def _profiled_in_a_process(spec, adapter, precision, checkpointing) -> float:
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "memfit.cli.main", "profile", spec, "-b", "2", "--seq-len", "64",
+                          "--repeats", "1", "--json", "--adapter", adapter, "--precision", precision,
+                          "--checkpointing", checkpointing], capture_output=True, text=True, check=True).stdout
+    return json.loads(out)["error_percent"]
 
 
 def _trainable(model):
