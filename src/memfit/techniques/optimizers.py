@@ -74,6 +74,16 @@ class OptimizerVariant(Config):
     def ablations(self):
         return [(f"optimizer {self.name}", WorkloadOptimizer())] if self.name != "adamw" else []
 
+    @classmethod
+    def from_arguments(cls, given: Export) -> OptimizerVariant | None:
+        """``TrainingArguments(optim=...)``: memfit's variants by the name their export writes; any
+        other optimizer is the workload's own (the Trainer builds it, memfit's step too)."""
+        optim = str(getattr(given.hf.get("optim"), "value", given.hf.get("optim")))
+        variants = {"adamw_bnb_8bit": AdamW8bit(), "adafactor": Adafactor()}
+        if optim == "sgd" and "momentum" in str(given.hf.get("optim_args") or ""):
+            return SGDMomentum()
+        return variants.get(optim)
+
     def export(self, into: Export) -> None:
         into.hf["optim"] = {"adamw": "adamw_torch", "adamw8bit": "adamw_bnb_8bit", "adafactor": "adafactor",
                             "sgd": "sgd"}[self.name]

@@ -288,6 +288,24 @@ def test_importing_the_integration_does_not_import_lightning():
         subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_the_trainers_own_clipping_and_precision_are_taken_into_the_plan():
+    """Issue 32: Trainer(gradient_clip_val=1.0, precision='bf16-mixed') with a plan that leaves clipping
+    and precision open: the plan takes them, the prediction includes them (measured within 1%), and
+    the run equals memfit.apply's loop with that plan bit for bit."""
+    torch.manual_seed(1)
+    callback, module = MemfitCallback(plan={"loss_chunks": 4}), LitGPT()
+    trainer([callback], gradient_clip_val=1.0, precision="bf16-mixed").fit(module, loader())
+    taken = memfit.Plan(loss_chunks=4, max_grad_norm=1.0, precision="bf16")
+    assert callback.plan == taken and module.memfit_step.plan == taken
+    assert abs(callback.measured_peak_bytes - callback.predicted_peak_bytes) <= 0.01 * callback.measured_peak_bytes
+    torch.manual_seed(1)
+    step = memfit.apply(gpt2(), taken, batch_size=BATCH, optimizer_factory=adamw, device="cpu")
+    for _, batch in zip(range(STEPS), loader()):
+        step(batch)
+    for (name, a), b in zip(module.model.named_parameters(), step.model.parameters()):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.slow
 def test_the_cpu_planner_times_copies_and_leaves_the_network_untrained():
     """The CPU planner times real steps: on copies of the network, so the fit that follows starts from
