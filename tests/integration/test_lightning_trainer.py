@@ -20,6 +20,7 @@ L = pytest.importorskip("lightning.pytorch")
 
 import memfit  # noqa: E402
 from memfit.errors import UserError  # noqa: E402
+from memfit.integrations import core  # noqa: E402
 from memfit.integrations import lightning as integration  # noqa: E402
 from memfit.integrations.lightning import MemfitCallback, MemfitModule  # noqa: E402
 
@@ -152,7 +153,7 @@ def test_the_measurement_counts_the_model_and_optimizer_states(run):
     """The profiler starts after the network exists: without its bytes as a baseline the
     measurement would miss the parameters (NOTE [ What the window sees ])."""
     _, module, callback, _ = run
-    params = integration._storage_bytes(module.model)
+    params = core.storage_bytes(module.model)
     assert callback.measured_peak_bytes > 4 * params  # parameters, two Adam moments, activations
     assert callback.report.breakdown["optimizer_states"] >= 2 * params
 
@@ -178,9 +179,9 @@ def test_a_run_above_the_prediction_warns(monkeypatch):
         report = estimate(*args, **kw)
         half = report.measurable_peak_bytes // 2
         return dataclasses.replace(report, peak_bytes=half, process_peak_bytes=half)
-    estimate = integration.estimate_applied
-    monkeypatch.setattr(integration, "estimate_applied", low)
-    with pytest.warns(UserWarning, match=r"above memfit's prediction"):
+    estimate = core.estimate_applied
+    monkeypatch.setattr(core, "estimate_applied", low)
+    with pytest.warns(UserWarning, match=r"measured peak of step 2, .* exceeds the predicted"):
         trainer([MemfitCallback(plan=PLAN)], max_steps=2).fit(LitGPT(), loader())
 
 
@@ -234,13 +235,15 @@ def test_in_backward_with_gradient_accumulation_is_one_line():
     assert "cannot accumulate" in text
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(precision="bf16-mixed"), r"Trainer\(precision='bf16-mixed'\) but the plan runs '32-true'.*remove it"),
-    (dict(precision="64-true"), r"not Trainer\(precision='64-true'\)"),
-    (dict(gradient_clip_val=0.5), r"clips as the plan says.*remove Trainer\(gradient_clip_val=0.5\)"),
+@pytest.mark.parametrize("kw, plan, message", [
+    (dict(precision="bf16-mixed"), {**PLAN, "precision": "bf16-pure"},
+     r"Trainer\(precision='bf16-mixed'\) but the plan runs precision: bf16-pure; set Trainer\(precision='bf16-true'\)"),
+    (dict(precision="64-true"), PLAN, r"not Trainer\(precision='64-true'\)"),
+    (dict(gradient_clip_val=0.5), PLAN,
+     r"gradient_clip_val=0.5.*optimizer_in_backward frees each.*remove Trainer\(gradient_clip_val=0.5"),
 ])
-def test_trainer_arguments_the_plan_contradicts_are_one_line(kw, message):
-    _fit_fails(message, **kw)
+def test_trainer_arguments_the_plan_contradicts_are_one_line(kw, plan, message):
+    _fit_fails(message, MemfitCallback(plan=plan), **kw)
 
 
 def test_a_module_without_the_mixin_or_callback_is_one_line():

@@ -56,19 +56,9 @@ from transformers.trainer_callback import DefaultFlowCallback
 import memfit
 from memfit.devices import get_device
 from memfit.errors import UserError
+from memfit.integrations import core
 from memfit.integrations.apply import as_plan, hf_loss
-from memfit.integrations.core import (
-    ERROR,
-    MEASURED,
-    PREDICTED,
-    PeakLog,
-    StepOptimizer,
-    plan_for_budget,
-    storage_bytes,
-    take_arguments,
-    taken_values,
-    trainer_configs,
-)
+from memfit.integrations.core import ERROR, MEASURED, PREDICTED
 from memfit.memory.measure import PeakWindow
 from memfit.planner.export import HF_CALLBACK_APPLIES, hf_unmapped_of, to_hf
 from memfit.plans import Plan
@@ -96,7 +86,7 @@ class MemfitCallback(TrainerCallback):
                             "(e.g. '6GiB'), one of the two")
         self.plan: Plan | None = as_plan(plan) if plan is not None else None
         self.budget = budget
-        self.peaks = PeakLog("MemfitCallback", tolerance)
+        self.peaks = core.PeakLog("MemfitCallback", tolerance)
         self.trainer: MemfitTrainer | None = None
         """The MemfitTrainer that runs the plan's step; None: the Trainer runs its own."""
         self._fresh, self._logs, self._contexts, self._stack, self._window, self._range = False, {}, (), None, None, None
@@ -126,14 +116,14 @@ class MemfitCallback(TrainerCallback):
                     optimizer_factory=_optimizer_factory(trainer, args, model), device=device)
         given = trainer.memfit_given if trainer is not None else _given(args)
         if self.plan is None:
-            fixed = taken_values(given) if trainer is not None else _trainer_runs(given, model)
-            self.plan = plan_for_budget(model, self.budget, example=example, fixed=fixed, who="MemfitCallback",
+            fixed = core.taken_values(given) if trainer is not None else _trainer_runs(given, model)
+            self.plan = core.plan_for_budget(model, self.budget, example=example, fixed=fixed, who="MemfitCallback",
                                         hint="a smaller per_device_train_batch_size" + (
                                             "" if trainer else ", or use MemfitTrainer(budget=...)"), **step)
         if trainer is None:
             _check_args_run(self.plan, given, Plan(**_trainer_runs(given, model)), args, batch_size)
         self.peaks.predict(model, self.plan, example_batch=example, **step)
-        self._inputs_bytes = storage_bytes(example(batch_size))
+        self._inputs_bytes = core.storage_bytes(example(batch_size))
         if trainer is not None:
             return memfit.apply(model, self.plan, **step)
         model_side = {k: v for c in self.plan.techniques if c.technique.name in CALLBACK_APPLIES and not (
@@ -158,7 +148,7 @@ class MemfitCallback(TrainerCallback):
         self._window = PeakWindow(get_device(_device(args)))
         if self._window.cpu:  # NOTE [ Measuring inside a Trainer ]
             opt = step.optimizer if step is not None else optimizer
-            self._baseline = self._inputs_bytes + storage_bytes(
+            self._baseline = self._inputs_bytes + core.storage_bytes(
                 model, getattr(opt, "state", {}), step.ema.state_dict() if step is not None else {})
         self._window.__enter__()
         self._range = self._window.step(nxt)
@@ -219,13 +209,13 @@ class MemfitTrainer(Trainer):
         """memfit's TrainStep that runs the Trainer's batches (built when training starts)."""
         _check_trainer_args(self.args, self.memfit.plan, user_optimizer=self.optimizer is not None)
         if self.memfit.plan is not None:
-            self.memfit.plan = take_arguments(self.memfit.plan, self.memfit_given, "hf", who="MemfitTrainer",
+            self.memfit.plan = core.take_arguments(self.memfit.plan, self.memfit_given, "hf", who="MemfitTrainer",
                                               device=get_device(_device(self.args)))
 
     def create_optimizer(self, model=None):
         if self.memfit_step is None:
             self.memfit_step = self.memfit.setup(self.model, self.args, self.get_train_dataloader(), trainer=self)
-            self.optimizer = StepOptimizer(self.memfit_step)
+            self.optimizer = core.StepOptimizer(self.memfit_step)
         return self.optimizer
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -258,7 +248,7 @@ def _trainer_runs(given: Export, model) -> dict:
     """The plan values the Trainer's own step runs with these arguments: every technique the
     arguments set, the rest at its default, but for the model-side ones a callback applies (bf16
     with a model loaded in bf16 runs bf16-pure)."""
-    configs = trainer_configs(given)
+    configs = core.trainer_configs(given)
     if configs.get("precision") == Autocast("bf16") and next(model.parameters()).dtype == torch.bfloat16:
         configs["precision"] = BF16Pure()
     return {k: v for t in TECHNIQUES if t.name not in CALLBACK_APPLIES or t.name in configs
@@ -275,7 +265,7 @@ def _check_args_run(plan: Plan, given: Export, runs: Plan, args, batch_size: int
         raise UserError(f"MemfitCallback: a callback cannot apply {keys} (they change the Trainer's step); use "
                         "memfit.integrations.transformers.MemfitTrainer(..., plan=...) to run memfit's step")
     device = get_device(_device(args))
-    wrong, set_here = [], trainer_configs(given)
+    wrong, set_here = [], core.trainer_configs(given)
     for name in (t.name for t in TECHNIQUES):
         if name in CALLBACK_APPLIES and name not in set_here:
             continue  # (the callback applies the plan's)
