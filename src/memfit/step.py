@@ -77,6 +77,12 @@ class TrainStep:
             self._set_observer(observer)
 
     @property
+    def contexts(self) -> tuple:
+        """The context factories the step holds around forward and backward: what a trainer that
+        runs its own forward and backward of ``model`` holds for this step's plan."""
+        return self._contexts
+
+    @property
     def plan(self) -> Plan:
         return self.target.plan
 

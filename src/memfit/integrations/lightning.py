@@ -25,12 +25,12 @@ optimizer; its ``step()`` is memfit's update) and ``training_step`` (zero_grad, 
 ``forward_backward``, the update; logs ``train_loss``). A subclass that defines ``configure_model``
 or ``training_step`` calls ``super()``'s. The DataLoader gives the plan's whole batch: memfit
 splits it into the plan's micro-batches and runs its precision, clipping and EMA itself, so the
-Trainer must not do them too: ``accumulate_grad_batches`` stays 1, ``gradient_clip_val`` is unset
-or the plan's ``max_grad_norm``, and ``precision`` is the default or the plan's own (then
-Lightning's precision plugin is replaced by the plain one: memfit's step autocasts, converts and
-scales, and the plugin would do it again; its fp16 GradScaler would unscale gradients it never
-scaled).
-Anything else is one line naming what to change, raised before the first step.
+Trainer must not do them too: ``accumulate_grad_batches`` stays 1. The Trainer's ``gradient_clip_val``
+and ``precision`` are training hyperparameters: the plan takes them where it leaves them open
+(``memfit.integrations.core``), and Lightning's precision plugin is replaced by the plain one
+(memfit's step autocasts, converts and scales, and the plugin would do it again; its fp16 GradScaler
+would unscale gradients it never scaled). A true conflict (another value in the plan, clipping with
+the optimizer stepped in backward) is one line naming what to change, before the first step.
 
 ``MemfitCallback(budget="8GiB")`` plans instead: on the module's network and one batch drawn from
 the train DataLoader (shapes only), with the Trainer's precision and clipping fixed in the plan.
@@ -65,13 +65,13 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from memfit.devices import get_device
 from memfit.errors import UserError
-from memfit.integrations.apply import apply, as_plan, estimate_applied, hf_loss, workload_of
+from memfit.integrations import core
+from memfit.integrations.apply import apply, as_plan, hf_loss
 from memfit.memory.categories import STEADY_STEP
 from memfit.memory.measure import PeakWindow
 from memfit.plans import Plan
 from memfit.step import TrainStep
 from memfit.techniques.base import Export
-from memfit.units import fmt_bytes
 from memfit.workload import default_optimizer
 
 MISSING = "lightning is not installed; pip install lightning (or memfit[lightning])"
@@ -123,42 +123,15 @@ class MemfitModule:
         callbacks[0].apply_to(self.trainer, self)
 
     def configure_optimizers(self):
-        return StepOptimizer(self.memfit_step)
+        return core.StepOptimizer(self.memfit_step)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         step = self.memfit_step
         step.zero_grad()
         loss = step.forward_backward(batch)
-        self.optimizers().step()  # memfit's update (StepOptimizer); Lightning counts the step
+        self.optimizers().step()  # memfit's update (core.StepOptimizer); Lightning counts the step
         self.log("train_loss", loss, prog_bar=True)
         return loss
-
-
-class StepOptimizer:
-    """The optimizer Lightning sees: state, param groups and checkpoints are memfit's step's
-    optimizer's; ``step()`` is memfit's ``update()`` (clipping, loss scaler, EMA; for in-backward
-    updates only those hooks, the parameters stepped during backward)."""
-
-    def __init__(self, step: TrainStep):
-        self.train_step = step
-
-    param_groups = property(lambda self: self.train_step.optimizer.param_groups)
-    defaults = property(lambda self: self.train_step.optimizer.defaults)
-    state = property(lambda self: self.train_step.optimizer.state)
-
-    def step(self, closure=None):
-        result = closure() if closure is not None else None  # (Lightning's on_before_optimizer_step hooks)
-        self.train_step.update()
-        return result
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.train_step.zero_grad()
-
-    def state_dict(self) -> dict:
-        return self.train_step.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.train_step.optimizer.load_state_dict(state)
 
 
 _CLASS: list[type] = []
@@ -187,11 +160,15 @@ class MemfitCallback:
             raise UserError("MemfitCallback: give plan=... (a plan file, Plan or dict of plan keys) or budget=... "
                             "(e.g. '8GiB'), one of them")
         self.plan = as_plan(plan, "MemfitCallback") if plan is not None else None
-        self.budget, self.tolerance = budget, tolerance
-        self.report = self.predicted_peak_bytes = self.measured_peak_bytes = None
+        self.budget = budget
+        self.peaks = core.PeakLog("MemfitCallback", tolerance)
         self._window: PeakWindow | None = None
         self._range = contextlib.ExitStack()
-        self._baseline, self._steps, self._warned = 0, 0, False
+        self._baseline, self._steps = 0, 0
+
+    report = property(lambda self: self.peaks.report)
+    predicted_peak_bytes = property(lambda self: self.peaks.predicted_peak_bytes)
+    measured_peak_bytes = property(lambda self: self.peaks.measured_peak_bytes)
 
     # -- before training: checks, the plan, the step ----------------------------------------------
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -208,7 +185,7 @@ class MemfitCallback:
         if trainer.strategy.root_device.type not in ("cpu", "cuda"):
             raise UserError(f"MemfitCallback: memfit's step runs on cpu or cuda, not "
                             f"{trainer.strategy.root_device.type}; use Trainer(accelerator='cpu' or 'gpu')")
-        _check_trainer(trainer, self.plan)  # (budget: again once planned)
+        _check_trainer(trainer, self.plan)
         pl_module.automatic_optimization = False  # (after Lightning checked the Trainer for automatic optimization)
 
     def apply_to(self, trainer, module: MemfitModule) -> None:
@@ -219,11 +196,13 @@ class MemfitCallback:
         batch_size, example = _first_batch(trainer)
         kw = dict(batch_size=batch_size, loss_fn=module.memfit_loss, optimizer_factory=module.memfit_optimizer,
                   device=device)
+        given = _given(trainer)
         if self.plan is None:
-            self.plan = _plan_for_budget(network, self.budget, trainer, example, **kw)
+            self.plan = core.plan_for_budget(network, self.budget, example=example, fixed=core.taken_values(given),
+                                        who="MemfitCallback", hint="a smaller DataLoader batch", **kw)
+        self.plan = core.take_arguments(self.plan, given, "lightning", who="MemfitCallback", device=get_device(device))
         _check_trainer(trainer, self.plan)
-        self.report = estimate_applied(network, self.plan, example_batch=example, **kw)
-        self.predicted_peak_bytes = self.report.measurable_peak_bytes
+        self.peaks.predict(network, self.plan, example_batch=example, **kw)
         gc.collect()
         self._window = PeakWindow(get_device(device))
         if device == "cpu" and _profiling(trainer):
@@ -232,7 +211,7 @@ class MemfitCallback:
             self._window = None
         elif device == "cpu":  # NOTE [ What the window sees ]
             self._window.__enter__()
-            self._baseline = _storage_bytes(network)
+            self._baseline = core.storage_bytes(network)
         module._memfit_step = apply(network, self.plan, **kw)
         if trainer.precision != LIGHTNING_DEFAULT_PRECISION:  # memfit's step runs it (see the docstring)
             from lightning.pytorch.plugins.precision import Precision
@@ -253,15 +232,8 @@ class MemfitCallback:
         measured = self._baseline + self._window.finish(self._steps)
         if self._window.cpu:
             self._window = None  # (its profiler has stopped)
-        self.measured_peak_bytes = measured
-        pl_module.log("memfit/predicted_peak_bytes", float(self.predicted_peak_bytes), on_step=True, on_epoch=False)
-        pl_module.log("memfit/measured_peak_bytes", float(measured), on_step=True, on_epoch=False)
-        over = measured - self.predicted_peak_bytes
-        if over > self.tolerance * self.predicted_peak_bytes and not self._warned:
-            self._warned = True
-            warnings.warn(f"MemfitCallback: step {self._steps} peaked at {fmt_bytes(measured)}, "
-                          f"{100 * over / self.predicted_peak_bytes:.1f}% above memfit's prediction "
-                          f"({fmt_bytes(self.predicted_peak_bytes)}) for plan {self.plan.describe()}", stacklevel=2)
+        for key, value in self.peaks.record(self._steps, measured, self.plan).items():
+            pl_module.log(key, float(value), on_step=True, on_epoch=False)
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._close()
@@ -280,39 +252,27 @@ class MemfitCallback:
 
 
 def _check_trainer(trainer, plan: Plan | None) -> None:
-    """One line naming the Trainer argument to change when it would repeat, or contradict, what
-    memfit's step does for ``plan`` (None: the plan is not made yet)."""
+    """One line naming the Trainer argument to change when it would repeat what memfit's step does
+    for ``plan`` (None: the plan is not made yet). Clipping and precision: ``core.take_arguments``."""
     if trainer.accumulate_grad_batches != 1:
         why = ("the plan steps the optimizer in backward (optimizer_in_backward), which cannot accumulate gradients"
                if plan is not None and plan.optimizer_in_backward else
                "memfit's step splits each batch into the plan's micro-batches itself (micro_batch_size)")
         raise UserError(f"MemfitCallback: {why}; remove Trainer(accumulate_grad_batches="
                         f"{trainer.accumulate_grad_batches}) and give the DataLoader the plan's whole batch")
-    clip = trainer.gradient_clip_val
-    if clip and (trainer.gradient_clip_algorithm != "norm" or (plan is not None and plan.max_grad_norm != clip)):
-        raise UserError(f"MemfitCallback: memfit's step clips as the plan says (max_grad_norm: "
-                        f"{plan.max_grad_norm if plan else 'its value'}); remove Trainer(gradient_clip_val={clip}) "
-                        "or set the plan's max_grad_norm to it (by norm)")
-    theirs = trainer.precision
-    if theirs != LIGHTNING_DEFAULT_PRECISION and theirs not in _precisions():
-        raise UserError(f"MemfitCallback: memfit runs the precisions {', '.join(_precisions().values())} "
-                        f"(Trainer {', '.join(_precisions())}), not Trainer(precision={theirs!r}); remove it")
-    if plan is not None and theirs != LIGHTNING_DEFAULT_PRECISION:
-        ours = _export(plan.config("precision").resolve(get_device(trainer.strategy.root_device.type)))
-        if theirs != ours:
-            raise UserError(f"MemfitCallback: Trainer(precision={theirs!r}) but the plan runs {ours!r} "
-                            f"(precision: {plan.precision}); set Trainer(precision={ours!r}) or remove it")
+    _given(trainer)  # (a precision or a clipping memfit cannot run: one line before the first step)
 
 
-def _export(precision) -> str:
-    into = Export(1)
-    precision.export(into)
-    return into.lightning["precision"]
-
-
-def _precisions() -> dict[str, str]:
-    """Lightning's precision for each of memfit's (the plan export's own mapping)."""
-    return {_export(Plan(precision=name).config("precision")): name for name in ("fp32", "bf16", "fp16", "bf16-pure")}
+def _given(trainer) -> Export:
+    """The Lightning Trainer's settings, as the techniques' ``from_arguments`` read them."""
+    algorithm = trainer.gradient_clip_algorithm  # (None: Lightning's default, by norm)
+    given = Export(1, lightning={"precision": trainer.precision, "gradient_clip_val": trainer.gradient_clip_val,
+                                 "gradient_clip_algorithm": getattr(algorithm, "value", algorithm) or "norm"})
+    try:
+        core.trainer_configs(given)
+    except UserError as e:
+        raise UserError(f"MemfitCallback: {e}") from None
+    return given
 
 
 def _first_batch(trainer) -> tuple[int, Any]:
@@ -338,36 +298,6 @@ def _first_batch(trainer) -> tuple[int, Any]:
         assert n == size, (n, size)
         return tree_unflatten([torch.zeros(s[0], dtype=s[1]) if s else o for s, o in zip(specs, others)], spec)
     return size, example
-
-
-def _plan_for_budget(network, budget, trainer, example, *, batch_size, loss_fn, optimizer_factory, device) -> Plan:
-    """The planner's fastest plan for ``budget``, with the Trainer's precision and clipping fixed.
-    Real steps (the CPU planner times some) run on copies: the network itself is not trained."""
-    from memfit.planner.search import plan as make_plan
-    base = workload_of(network, batch_size=batch_size, loss_fn=loss_fn, optimizer_factory=optimizer_factory,
-                       example_batch=example, copies=True)
-    fixed: dict[str, Any] = {}
-    if trainer.precision != LIGHTNING_DEFAULT_PRECISION:
-        fixed["precision"] = _precisions()[trainer.precision]
-    if trainer.gradient_clip_val:
-        fixed["max_grad_norm"] = float(trainer.gradient_clip_val)
-    found = make_plan(base, budget=budget, batch_size=batch_size, device=device,
-                      fixed=fixed or None)
-    if found.chosen is None:
-        smallest = found.smallest
-        raise UserError(f"MemfitCallback: no plan fits the budget of {budget}" + (
-            f"; the smallest found needs {fmt_bytes(smallest.used_bytes)} ({smallest.plan.describe()})"
-            if smallest is not None else "") + "; give a larger budget or a smaller DataLoader batch")
-    return found.chosen.plan
-
-
-def _storage_bytes(module: torch.nn.Module) -> int:
-    """Bytes of the distinct storages under ``module``'s parameters and buffers."""
-    seen: dict[int, int] = {}
-    for t in [*module.parameters(), *module.buffers()]:
-        s = t.untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
 
 
 def _profiling(trainer) -> bool:

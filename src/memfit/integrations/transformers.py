@@ -17,14 +17,20 @@ Two ways in, by how much of the plan the Trainer's own step can run::
   forward and backward, the Trainer's ``optimizer.step()`` the step's update (clipping, the
   optimizer or nothing when it ran in backward, EMA); the lr scheduler moves the step's own param
   groups. The plan owns precision, accumulation, clipping and checkpointing, so the matching
-  arguments stay off (``gradient_accumulation_steps=1``, no ``bf16``/``fp16``/``gradient_checkpointing``)
-  and ``max_grad_norm`` is the plan's (0.0: none), or it refuses before training.
+  arguments stay off (``gradient_accumulation_steps=1``, no ``gradient_checkpointing``/``torch_compile``).
+  The Trainer's hyperparameters go into the plan where it leaves them open (``max_grad_norm``, 1.0
+  by default, and ``bf16``/``fp16``; the Trainer's own autocast is then turned off: the step runs
+  it), and a true conflict (clipping with the optimizer stepped in backward) is one line before
+  training (``memfit.integrations.core``).
 
 Both predict the step's peak before the first step (memfit's estimate on a fake copy of the model
 and the first batch of ``train_dataloader``; a ``budget`` is planned the same way) and measure the
 steady-state peak of each step that logs, adding ``memfit/predicted_peak_bytes`` and
-``memfit/measured_peak_bytes`` to the Trainer's logs (TensorBoard, W&B, ... get them through the
-user's ``report_to``) and warning when the run exceeds the prediction.
+``memfit/measured_peak_bytes`` to the Trainer's logs and warning when the run exceeds the
+prediction. The reporters of ``report_to`` (TensorBoard, W&B, ...) come first in a Trainer's
+callbacks: they get memfit's values from MemfitTrainer, or from a callback added with
+``MemfitCallback(...).attach(trainer)``, which places it ahead of them (one given in
+``callbacks=[...]`` adds them to the log history and to the callbacks after it).
 
 NOTE [ Measuring inside a Trainer ]
 On a GPU: ``torch.cuda.max_memory_allocated`` over the step. On a CPU: what ``memfit profile``
@@ -39,31 +45,34 @@ measured: the optimizer's states appear during it.
 from __future__ import annotations
 
 import contextlib
-import sys
-import warnings
+import dataclasses
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import tree_map
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
+from transformers.trainer_callback import DefaultFlowCallback
 
 import memfit
 from memfit.devices import get_device
 from memfit.errors import UserError
-from memfit.integrations.apply import as_plan, estimate_applied, hf_loss, workload_of
+from memfit.integrations import core
+from memfit.integrations.apply import as_plan, hf_loss
+from memfit.integrations.core import ERROR, MEASURED, PREDICTED
 from memfit.memory.measure import PeakWindow
 from memfit.planner.export import HF_CALLBACK_APPLIES, hf_unmapped_of, to_hf
 from memfit.plans import Plan
-from memfit.techniques.base import StepParts
-from memfit.techniques.checkpointing import BlocksAC
-from memfit.techniques.placement import HostPlacement
+from memfit.techniques import TECHNIQUES
+from memfit.techniques.base import Export
+from memfit.techniques.precision import Autocast, BF16Pure
 
-PREDICTED, MEASURED, ERROR = "memfit/predicted_peak_bytes", "memfit/measured_peak_bytes", "memfit/error_percent"
+__all__ = ["ERROR", "MEASURED", "PREDICTED", "MemfitCallback", "MemfitTrainer"]
 CALLBACK_APPLIES = HF_CALLBACK_APPLIES
-"""Techniques that act on the model alone (and the step's contexts): a callback applies them. What
-else a plan holds, TrainingArguments carry (the technique's own ``export`` says) or MemfitTrainer runs."""
-ADAMW = ("adamw_torch", "adamw_torch_fused")
+"""Techniques that act on the model alone (and the step's contexts): a callback applies them (through
+``memfit.apply``). What else a plan holds, TrainingArguments carry (the technique's own ``export``
+says) or MemfitTrainer runs."""
+STEP_OWNS = ("gradient_checkpointing", "torch_compile")
+"""Trainer settings that would apply a technique a second time on top of MemfitTrainer's step."""
 
 
 class MemfitCallback(TrainerCallback):
@@ -76,44 +85,51 @@ class MemfitCallback(TrainerCallback):
             raise UserError("MemfitCallback: give plan= (a plan file, a dict of plan keys or a Plan) or budget= "
                             "(e.g. '6GiB'), one of the two")
         self.plan: Plan | None = as_plan(plan) if plan is not None else None
-        self.budget, self.tolerance = budget, tolerance
+        self.budget = budget
+        self.peaks = core.PeakLog("MemfitCallback", tolerance)
         self.trainer: MemfitTrainer | None = None
         """The MemfitTrainer that runs the plan's step; None: the Trainer runs its own."""
-        self.predicted_peak_bytes: int | None = None
-        self.measured_peak_bytes: int | None = None
-        """The last step measured (None before the second step)."""
-        self._fresh, self._contexts, self._stack, self._window, self._range = False, [], None, None, None
+        self._fresh, self._logs, self._contexts, self._stack, self._window, self._range = False, {}, (), None, None, None
         self._inputs_bytes = self._baseline = 0
 
+    predicted_peak_bytes = property(lambda self: self.peaks.predicted_peak_bytes)
+    measured_peak_bytes = property(lambda self: self.peaks.measured_peak_bytes)
+    """The last step measured (None before the second step)."""
+
+    def attach(self, trainer: Trainer) -> MemfitCallback:
+        """Add this callback to a plain ``trainer`` right after its DefaultFlowCallback, ahead of the
+        reporting integrations (``report_to``), so the values it adds to the logs reach them."""
+        callbacks = trainer.callback_handler.callbacks
+        flow = next((i for i, c in enumerate(callbacks) if isinstance(c, DefaultFlowCallback)), -1)
+        callbacks.insert(flow + 1, self)
+        return self
+
     def setup(self, model, args, dataloader, *, trainer: MemfitTrainer | None = None):
-        """Plan (for a budget) and predict on ``model`` and the first batch; with ``trainer`` also
-        build memfit's step on ``model`` and return it."""
+        """Plan (for a budget) and predict on ``model`` and the first batch; with ``trainer`` build
+        memfit's step on ``model`` and return it, else apply the plan's model-side techniques."""
         if getattr(args, "world_size", 1) > 1 or getattr(args, "n_gpu", 1) > 1:
             raise UserError("MemfitCallback: this integration runs one process on one device; for several ranks use "
                             "memfit train --nproc N")
         device, batch_size = _device(args), args.per_device_train_batch_size * args.gradient_accumulation_steps
         example = _example_batches(dataloader, torch.device(args.device))
-        loss_fn = (lambda m, b: trainer.compute_loss(m, b)) if trainer else hf_loss
-        factory = _optimizer_factory(trainer, args, model)
+        step = dict(batch_size=batch_size, loss_fn=(lambda m, b: trainer.compute_loss(m, b)) if trainer else hf_loss,
+                    optimizer_factory=_optimizer_factory(trainer, args, model), device=device)
+        given = trainer.memfit_given if trainer is not None else _given(args)
         if self.plan is None:
-            self.plan = _plan_for_budget(model, self.budget, batch_size=batch_size, example=example, loss_fn=loss_fn,
-                                         factory=factory, device=device, trainer=trainer is not None,
-                                         fixed={"max_grad_norm": args.max_grad_norm or None} if trainer
-                                         else _args_values(args, model))
+            fixed = core.taken_values(given) if trainer is not None else _trainer_runs(given, model)
+            self.plan = core.plan_for_budget(model, self.budget, example=example, fixed=fixed, who="MemfitCallback",
+                                        hint="a smaller per_device_train_batch_size" + (
+                                            "" if trainer else ", or use MemfitTrainer(budget=...)"), **step)
         if trainer is None:
-            _check_args_run(self.plan, args, model, batch_size)
-        report = estimate_applied(model, self.plan, batch_size=batch_size, example_batch=example, loss_fn=loss_fn,
-                                  optimizer_factory=factory, device=device)
-        self.predicted_peak_bytes = report.measurable_peak_bytes
-        self._inputs_bytes = _storage_bytes(example(batch_size))
+            _check_args_run(self.plan, given, Plan(**_trainer_runs(given, model)), args, batch_size)
+        self.peaks.predict(model, self.plan, example_batch=example, **step)
+        self._inputs_bytes = core.storage_bytes(example(batch_size))
         if trainer is not None:
-            return memfit.apply(model, self.plan, batch_size=batch_size, loss_fn=loss_fn, optimizer_factory=factory,
-                                device=device)
-        self._contexts = _apply_to_model(self.plan, model, args, device, batch_size)
+            return memfit.apply(model, self.plan, **step)
+        model_side = {k: v for c in self.plan.techniques if c.technique.name in CALLBACK_APPLIES and not (
+            c.technique.name == "checkpointing" and args.gradient_checkpointing) for k, v in c.values().items()}
+        self._contexts = memfit.apply(model, model_side, batch_size=batch_size, device=device).contexts
         return None
-
-    def on_init_end(self, args, state, control, **kwargs):
-        _go_before_reporters(self)
 
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         if self.trainer is None and self.predicted_peak_bytes is None:
@@ -132,7 +148,7 @@ class MemfitCallback(TrainerCallback):
         self._window = PeakWindow(get_device(_device(args)))
         if self._window.cpu:  # NOTE [ Measuring inside a Trainer ]
             opt = step.optimizer if step is not None else optimizer
-            self._baseline = self._inputs_bytes + _storage_bytes(
+            self._baseline = self._inputs_bytes + core.storage_bytes(
                 model, getattr(opt, "state", {}), step.ema.state_dict() if step is not None else {})
         self._window.__enter__()
         self._range = self._window.step(nxt)
@@ -149,8 +165,8 @@ class MemfitCallback(TrainerCallback):
         if window is not None:
             self._range.__exit__(None, None, None)
             if measured:
-                self.measured_peak_bytes = window.finish(state.global_step) + (self._baseline if window.cpu else 0)
-                self._fresh = True
+                peak = window.finish(state.global_step) + (self._baseline if window.cpu else 0)
+                self._logs, self._fresh = self.peaks.record(state.global_step, peak, self.plan), True
             else:
                 window.__exit__(None, None, None)
         if stack is not None:
@@ -164,26 +180,24 @@ class MemfitCallback(TrainerCallback):
 
     def add_to(self, logs: dict) -> None:
         """Put the prediction, and the measurement not logged yet, into a Trainer's ``logs``."""
-        if self.predicted_peak_bytes is None:
-            return
-        logs[PREDICTED] = self.predicted_peak_bytes
-        if not self._fresh:
-            return
-        self._fresh = False
-        measured, predicted = self.measured_peak_bytes, self.predicted_peak_bytes
-        logs[MEASURED] = measured
-        logs[ERROR] = round(100.0 * (predicted - measured) / max(measured, 1), 3)
-        if measured > predicted * (1 + self.tolerance):
-            warnings.warn(f"memfit: the step's measured peak {measured / 2**20:.1f} MiB exceeds the predicted "
-                          f"{predicted / 2**20:.1f} MiB by {100 * (measured / predicted - 1):.1f}%", stacklevel=2)
+        if self.predicted_peak_bytes is not None:
+            logs[PREDICTED] = self.predicted_peak_bytes
+        if self._fresh:
+            logs.update(self._logs)
+            self._fresh = False
 
 
 class MemfitTrainer(Trainer):
     """A Trainer whose step is memfit's TrainStep for ``plan`` or ``budget`` (see the module's
     docstring); a :class:`MemfitCallback` in ``callbacks`` may give them instead."""
 
-    def __init__(self, *args, plan=None, budget: str | int | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, model=None, args=None, *rest, plan=None, budget: str | int | None = None, **kwargs):
+        if args is not None:  # the Trainer's hyperparameters go into the plan; its own autocast stays off
+            self.memfit_given = _given(args)
+            args = dataclasses.replace(args, bf16=False, fp16=False) if args.bf16 or args.fp16 else args
+        super().__init__(model, args, *rest, **kwargs)
+        if args is None:
+            self.memfit_given = _given(self.args)
         given = [c for c in self.callback_handler.callbacks if isinstance(c, MemfitCallback)]
         if len(given) > 1 or (given and (plan is not None or budget is not None)):
             raise UserError("MemfitTrainer: give the plan once, as plan=/budget= or as one MemfitCallback in callbacks")
@@ -194,11 +208,14 @@ class MemfitTrainer(Trainer):
         self.memfit_step = None
         """memfit's TrainStep that runs the Trainer's batches (built when training starts)."""
         _check_trainer_args(self.args, self.memfit.plan, user_optimizer=self.optimizer is not None)
+        if self.memfit.plan is not None:
+            self.memfit.plan = core.take_arguments(self.memfit.plan, self.memfit_given, "hf", who="MemfitTrainer",
+                                              device=get_device(_device(self.args)))
 
     def create_optimizer(self, model=None):
         if self.memfit_step is None:
             self.memfit_step = self.memfit.setup(self.model, self.args, self.get_train_dataloader(), trainer=self)
-            self.optimizer = _StepOptimizer(self.memfit_step)
+            self.optimizer = core.StepOptimizer(self.memfit_step)
         return self.optimizer
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -218,59 +235,27 @@ class MemfitTrainer(Trainer):
         super().log(logs, *args, **kwargs)
 
 
-class _StepOptimizer(torch.optim.Optimizer):
-    """What the Trainer, accelerate and the lr scheduler see as the optimizer: ``step()`` is the
-    memfit step's update, ``zero_grad()`` its zero_grad; param groups and state are its optimizer's
-    (per-parameter optimizers' groups when the plan steps in backward: the scheduler moves them all)."""
-
-    def __init__(self, step):  # (no Optimizer.__init__: the param groups are the step's own)
-        self.memfit_step = step
-
-    param_groups = property(lambda self: self.memfit_step.optimizer.param_groups)
-    defaults = property(lambda self: self.memfit_step.optimizer.defaults)
-    state = property(lambda self: self.memfit_step.optimizer.state)
-
-    def state_dict(self) -> dict:
-        """The optimizer's state dict, with the rest of memfit's step state the Trainer's checkpoint
-        must keep (the EMA, the loss scaler) under ``memfit``."""
-        step = self.memfit_step
-        return {**step.optimizer.state_dict(), "memfit": {"ema": step.ema.state_dict(),
-                                                          "scaler": step.scaler.state_dict()}}
-
-    def load_state_dict(self, state: dict) -> None:
-        state = dict(state)
-        extra = state.pop("memfit", None)
-        step = self.memfit_step
-        step.optimizer.load_state_dict(state)
-        if extra is not None:
-            step.ema.load_state_dict(extra["ema"])
-            step.scaler.load_state_dict(extra["scaler"])
-
-    def step(self, closure=None):
-        self.memfit_step.update()
-
-    def zero_grad(self, set_to_none: bool = True):
-        self.memfit_step.zero_grad()
-
-
 def _device(args) -> str:
     return "cuda" if args.device.type == "cuda" else "cpu"
 
 
-def _args_values(args, model) -> dict:
-    """The plan the Trainer's own step runs with these arguments: every key at its default except
-    what the arguments set (the planner searches checkpointing and attention, which a callback applies)."""
-    bf16 = "bf16-pure" if next(model.parameters()).dtype == torch.bfloat16 else "bf16"  # (a model loaded in bf16)
-    values = {k: v for k, v in Plan().to_dict().items() if k not in ("checkpointing", "attention")}
-    values.update(precision="fp16" if args.fp16 else bf16 if args.bf16 else "fp32", max_grad_norm=args.max_grad_norm or None,
-                  compile="full" if args.torch_compile else "none",
-                  micro_batch_size=args.per_device_train_batch_size if args.gradient_accumulation_steps > 1 else None)
-    if args.gradient_checkpointing:
-        values["checkpointing"] = "blocks"
-    return values
+def _given(args) -> Export:
+    """The TrainingArguments' values, as the techniques' ``from_arguments`` read them."""
+    return Export(args.per_device_train_batch_size, hf={f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
 
 
-def _check_args_run(plan: Plan, args, model, batch_size: int) -> None:
+def _trainer_runs(given: Export, model) -> dict:
+    """The plan values the Trainer's own step runs with these arguments: every technique the
+    arguments set, the rest at its default, but for the model-side ones a callback applies (bf16
+    with a model loaded in bf16 runs bf16-pure)."""
+    configs = core.trainer_configs(given)
+    if configs.get("precision") == Autocast("bf16") and next(model.parameters()).dtype == torch.bfloat16:
+        configs["precision"] = BF16Pure()
+    return {k: v for t in TECHNIQUES if t.name not in CALLBACK_APPLIES or t.name in configs
+            for k, v in configs.get(t.name, t.default).values().items()}
+
+
+def _check_args_run(plan: Plan, given: Export, runs: Plan, args, batch_size: int) -> None:
     """A plain Trainer runs ``plan`` only if its arguments carry what they can and the rest acts on
     the model alone; else one line naming the arguments or MemfitTrainer."""
     step_side = [c for c in plan.techniques if not c.is_default and c.technique.name not in CALLBACK_APPLIES
@@ -280,20 +265,17 @@ def _check_args_run(plan: Plan, args, model, batch_size: int) -> None:
         raise UserError(f"MemfitCallback: a callback cannot apply {keys} (they change the Trainer's step); use "
                         "memfit.integrations.transformers.MemfitTrainer(..., plan=...) to run memfit's step")
     device = get_device(_device(args))
-    ours = _args_values(args, model)
-    here_micro = Plan(micro_batch_size=ours["micro_batch_size"]).micro_batches(batch_size)
-    optim = str(getattr(args.optim, "value", args.optim))
-    exported = to_hf(plan, batch_size, device)
-    pairs = [("precision", ours["precision"], plan.config("precision").resolve(device).values()["precision"]),
-             ("micro-batches", "{1} of {0}".format(*here_micro), "{1} of {0}".format(*plan.micro_batches(batch_size))),
-             ("max_grad_norm", ours["max_grad_norm"], plan.max_grad_norm), ("compile", ours["compile"], plan.compile),
-             ("optim", optim, optim if optim in ADAMW and exported.kwargs["optim"] in ADAMW else exported.kwargs["optim"]),
-             ("gradient_checkpointing", args.gradient_checkpointing,
-              args.gradient_checkpointing and plan.config("checkpointing") == BlocksAC())]
-    wrong = [f"{key} {here} (the plan: {planned})" for key, here, planned in pairs if here != planned]
+    wrong, set_here = [], core.trainer_configs(given)
+    for name in (t.name for t in TECHNIQUES):
+        if name in CALLBACK_APPLIES and name not in set_here:
+            continue  # (the callback applies the plan's)
+        theirs, ours = runs.config(name).resolve(device), plan.config(name).resolve(device)
+        if theirs != ours and not (name == "accumulation" and runs.micro_batches(batch_size) ==
+                                   plan.micro_batches(batch_size)):
+            wrong.append(f"{theirs.values()} (the plan: {ours.values()})")
     if wrong:
-        raise UserError(f"MemfitCallback: the Trainer's arguments run {', '.join(wrong)}; use "
-                        f"{exported.python()} (what memfit plan --format hf writes)")
+        raise UserError(f"MemfitCallback: the Trainer's arguments run {', '.join(sorted(wrong))}; use "
+                        f"{to_hf(plan, batch_size, device).python()} (what memfit plan --format hf writes)")
 
 
 def _check_trainer_args(args, plan: Plan | None, *, user_optimizer: bool) -> None:
@@ -310,29 +292,10 @@ def _check_trainer_args(args, plan: Plan | None, *, user_optimizer: bool) -> Non
         raise UserError(f"{name}: gradient_accumulation_steps={args.gradient_accumulation_steps} in TrainingArguments, "
                         f"but {why}; set gradient_accumulation_steps=1 and per_device_train_batch_size to the whole "
                         "batch (the plan's micro_batch_size splits it)")
-    for flag, what in (("bf16", "precision"), ("fp16", "precision"), ("gradient_checkpointing", "checkpointing"),
-                       ("torch_compile", "compile")):
+    for flag in STEP_OWNS:
         if getattr(args, flag):
-            raise UserError(f"{name}: {flag}=True in TrainingArguments would apply a second {what} on top of memfit's "
-                            f"step; set {flag}=False (the plan's {what} key decides)")
-    if plan is not None and (args.max_grad_norm or None) != plan.max_grad_norm:
-        raise UserError(f"{name}: max_grad_norm={args.max_grad_norm} in TrainingArguments but the plan's max_grad_norm "
-                        f"is {plan.max_grad_norm}; set max_grad_norm={plan.max_grad_norm or 0.0} (0.0: no clipping) "
-                        "or change the plan")
-
-
-def _apply_to_model(plan: Plan, model, args, device: str, batch_size: int) -> list:
-    """Apply the plan's model-side techniques (checkpointing, attention) to the Trainer's model in
-    place, as build_step does; returns the contexts to hold around each step."""
-    parts = StepParts(model=model, device=get_device(device), device_type=device, batch_size=batch_size,
-                      placement=HostPlacement(), loss_fn=hf_loss, optimizer_factory=None, plan=plan)
-    for config in plan.techniques:
-        if config.technique.name not in CALLBACK_APPLIES or config.is_default:
-            continue
-        if config.technique.name == "checkpointing" and args.gradient_checkpointing:
-            continue  # the Trainer checkpoints every block itself (checked: the plan's blocks)
-        config.apply(parts)
-    return list(parts.contexts)
+            raise UserError(f"{name}: {flag}=True in TrainingArguments would apply a technique a second time on top "
+                            f"of memfit's step; set {flag}=False (the plan decides)")
 
 
 def _optimizer_factory(trainer, args, model):
@@ -350,19 +313,6 @@ def _optimizer_factory(trainer, args, model):
         return cls([g for g in groups if g["params"]], **kwargs)
     return build
 
-
-def _plan_for_budget(model, budget, *, batch_size, example, loss_fn, factory, device, fixed, trainer) -> Plan:
-    from memfit.planner.search import plan as make_plan
-    workload = workload_of(model, batch_size=batch_size, loss_fn=loss_fn, optimizer_factory=factory,
-                           example_batch=example, copies=True)  # (the planner times and traces copies)
-    found = make_plan(workload, budget=budget, batch_size=batch_size, device=device, fixed=fixed)
-    if found.chosen is None:
-        smallest = found.smallest
-        hint = f"; the smallest found needs {smallest.used_bytes / 2**30:.2f} GiB" if smallest is not None else ""
-        raise UserError(f"MemfitCallback: no plan the Trainer can run fits the budget {budget}{hint}: give a larger "
-                        "budget or a smaller per_device_train_batch_size" + ("" if trainer else
-                                                                             ", or use MemfitTrainer(budget=...)"))
-    return found.chosen.plan
 
 
 def _example_batches(dataloader, device: torch.device):
@@ -384,36 +334,3 @@ def _example_batches(dataloader, device: torch.device):
                                     collate([ds[i] for i in range(n)]))
         return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, cache[n])
     return batch
-
-
-def _storage_bytes(*roots) -> int:
-    """Bytes of the distinct storages of every tensor in ``roots`` (modules: parameters, their
-    gradients and buffers; dicts, lists and tuples: their values)."""
-    seen: dict[int, int] = {}
-
-    def visit(x) -> None:
-        if isinstance(x, torch.Tensor) and x.untyped_storage().nbytes():
-            seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
-        elif isinstance(x, torch.nn.Module):
-            for t in (*x.parameters(), *(p.grad for p in x.parameters()), *x.buffers()):
-                visit(t)
-        elif isinstance(x, (dict, list, tuple)):
-            for v in x.values() if isinstance(x, dict) else x:
-                visit(v)
-    visit(roots)
-    return sum(seen.values())
-
-
-def _go_before_reporters(callback: MemfitCallback) -> None:
-    """Move ``callback`` right after the Trainer's DefaultFlowCallback, ahead of the reporting
-    integrations (TensorBoard, W&B, ...), so the values it adds to ``logs`` reach them. The handler
-    is the caller of ``on_init_end`` (a callback is given no reference to it)."""
-    frame = sys._getframe(1)
-    while frame is not None and not isinstance(frame.f_locals.get("self"), CallbackHandler):
-        frame = frame.f_back
-    if frame is None:  # (then the callbacks listed after it and the log history get memfit's values)
-        return
-    callbacks = frame.f_locals["self"].callbacks
-    callbacks.remove(callback)
-    flow = next((i for i, c in enumerate(callbacks) if isinstance(c, DefaultFlowCallback)), -1)
-    callbacks.insert(flow + 1, callback)

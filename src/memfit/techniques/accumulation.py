@@ -90,6 +90,14 @@ class Accumulation(Config):
                 f"micro_batch_size {d} x {ctx.batch_size // d} accumulation steps (same effective batch"
                 + ("; the largest predicted to fit)" if predicted else ")"))
 
+    @classmethod
+    def from_arguments(cls, given: Export) -> Accumulation | None:
+        """``TrainingArguments(gradient_accumulation_steps=n)``: micro-batches of the batch per device;
+        Lightning's ``accumulate_grad_batches`` accumulates whole DataLoader batches (no plan of one)."""
+        if given.hf.get("gradient_accumulation_steps", 1) > 1:
+            return Accumulation(micro_batch_size=given.hf["per_device_train_batch_size"])
+        return None
+
     def label(self, batch_size):
         if not self.accumulates:
             return None

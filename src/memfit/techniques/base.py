@@ -18,6 +18,7 @@ a technique means adding its module (and its test), nothing else:
 ``warmup_seconds(g, plan)``   one-time seconds before the first step on GPU presets (compiling)
 ``export(into)``              Hugging Face ``TrainingArguments`` / Lightning ``Trainer`` arguments, and
                               what they cannot carry (memfit's callback applies it)
+``from_arguments(given)``     the reverse: the config a trainer's own arguments run (the integrations)
 ``ablations()``               "without me": the configs the end-of-run report compares against
 ``label(batch_size)``         the compact label in ``Plan.short()``
 ``frugal(ctx)``               the next setting that uses less memory, for OOM adaptation
@@ -182,6 +183,13 @@ class Config:
 
     def export(self, into: Export) -> None:
         """Add this config's Hugging Face and Lightning arguments, or what does not map, to ``into``."""
+
+    @classmethod
+    def from_arguments(cls, given: Export) -> Config | None:
+        """The reverse of :meth:`export`: the config that a trainer's own arguments run (``given.hf``:
+        the ``TrainingArguments``' values, ``given.lightning``: the Lightning ``Trainer``'s), or None
+        where they say nothing about this technique (the trainer's default: the plan decides)."""
+        return None
 
 
 def register(technique: Technique, *classes: type[Config]) -> Technique:

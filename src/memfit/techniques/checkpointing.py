@@ -191,6 +191,11 @@ class Checkpointing(Config):
     def export(self, into: Export) -> None:
         into.not_carried(self)  # TrainingArguments checkpoints every layer or none
 
+    @classmethod
+    def from_arguments(cls, given: Export) -> Checkpointing | None:
+        """``TrainingArguments(gradient_checkpointing=True)`` checkpoints every block."""
+        return BlocksAC() if given.hf.get("gradient_checkpointing") else None
+
 
 @dataclass(frozen=True)
 class NoAC(Checkpointing):

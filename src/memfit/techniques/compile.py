@@ -92,6 +92,11 @@ class Compile(Config):
     def _graph_ops(self, graph: GraphSize) -> int:
         return graph.forward_ops
 
+    @classmethod
+    def from_arguments(cls, given: Export) -> Compile | None:
+        """``TrainingArguments(torch_compile=True)`` compiles the whole model."""
+        return CompileFull() if given.hf.get("torch_compile") else None
+
     def export(self, into: Export) -> None:
         if self.mode == "full":  # TrainingArguments compiles the whole model, never block by block
             into.hf["torch_compile"] = True

@@ -29,6 +29,20 @@ class GradClipping(Config):
     def values(self) -> dict:
         return {"max_grad_norm": self.max_norm}
 
+    @classmethod
+    def from_arguments(cls, given: Export) -> GradClipping | None:
+        """``TrainingArguments(max_grad_norm=...)`` (0.0: none; the Trainer's default is 1.0),
+        Lightning's ``Trainer(gradient_clip_val=...)`` by norm (unset: the plan decides)."""
+        if "max_grad_norm" in given.hf:
+            return parse({"max_grad_norm": given.hf["max_grad_norm"] or None})
+        value = given.lightning.get("gradient_clip_val")
+        if not value:
+            return None
+        if given.lightning.get("gradient_clip_algorithm", "norm") != "norm":
+            raise UserError(f"Trainer(gradient_clip_algorithm={given.lightning['gradient_clip_algorithm']!r}): memfit "
+                            "clips by the global norm only; use gradient_clip_algorithm='norm' or remove gradient_clip_val")
+        return ClipGradNorm(float(value))
+
 
 @dataclass(frozen=True)
 class NoClipping(GradClipping):

@@ -10,6 +10,10 @@ import torch
 
 from memfit.techniques.base import Config, Export
 
+HF_OPTIM_NAMES = {"adamw_bnb_8bit": "adamw8bit", "adafactor": "adafactor", "adamw_torch_8bit": "adamw8bit-ao",
+                  "adamw_torch_4bit": "adamw4bit-ao"}
+"""TrainingArguments' ``optim`` names of memfit's variants (what their exports write)."""
+
 Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
@@ -52,6 +56,16 @@ class OptimizerVariant(Config):
 
     def ablations(self):
         return [(f"optimizer {self.name}", WorkloadOptimizer())] if self.name != "adamw" else []
+
+    @classmethod
+    def from_arguments(cls, given: Export) -> OptimizerVariant | None:
+        """``TrainingArguments(optim=...)``: memfit's variants by the name their export writes; any
+        other optimizer is the workload's own (the Trainer builds it, memfit's step too)."""
+        optim = str(getattr(given.hf.get("optim"), "value", given.hf.get("optim")))
+        if optim == "sgd" and "momentum" in str(given.hf.get("optim_args") or ""):
+            return cls.technique.parse({"optimizer": "sgd"})
+        name = HF_OPTIM_NAMES.get(optim)
+        return cls.technique.parse({"optimizer": name}) if name else None
 
     def export(self, into: Export) -> None:
         into.hf["optim"] = {"adamw": "adamw_torch", "adamw8bit": "adamw_bnb_8bit", "adafactor": "adafactor",

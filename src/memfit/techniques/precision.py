@@ -88,8 +88,24 @@ class Precision(Config):
         return [(f"precision {self.name}", FP32())] if self.name != "fp32" else []
 
     def export(self, into: Export) -> None:
-        into.lightning["precision"] = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed",
-                                       "bf16-pure": "bf16-true"}[self.name]
+        into.lightning["precision"] = LIGHTNING[self.name]
+
+    @classmethod
+    def from_arguments(cls, given: Export) -> Precision | None:
+        """``TrainingArguments(bf16=True)`` / ``fp16=True``, Lightning's ``Trainer(precision=...)``;
+        None for fp32, both trainers' default (a model loaded in bf16 is the Hugging Face adapter's
+        to see: bf16-pure)."""
+        if given.hf.get("bf16") or given.hf.get("fp16"):
+            return Autocast("bf16" if given.hf.get("bf16") else "fp16")
+        theirs = given.lightning.get("precision")
+        if theirs is None or theirs == LIGHTNING["fp32"]:
+            return None
+        ours = {v: k for k, v in LIGHTNING.items()}.get(theirs)
+        if ours is None:
+            raise UserError(f"Trainer(precision={theirs!r}): memfit runs the precisions "
+                            f"{', '.join(f'{v} ({k})' for k, v in LIGHTNING.items())}, not Trainer(precision="
+                            f"{theirs!r}); remove it or choose one of them")
+        return parse({"precision": ours})
 
 
 @dataclass(frozen=True)
@@ -199,6 +215,10 @@ class AutoPrecision(Precision):
 
     def export(self, into: Export) -> None:
         into.not_carried("precision: auto (export the plan for a device: --device resolves it)")
+
+
+LIGHTNING = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed", "bf16-pure": "bf16-true"}
+"""Lightning's ``Trainer(precision=...)`` for each of memfit's precisions."""
 
 
 def parse(values: dict) -> Precision:

@@ -153,13 +153,13 @@ def test_the_callback_alone_measures_a_plain_trainers_step_and_applies_checkpoin
     peaks = {}
     for plan in ({}, {"checkpointing": "blocks"}):
         model, recorder = _model(), Recorder()
-        trainer = Trainer(model=model, args=_args(tmp_path), train_dataset=Tokens(),
-                          callbacks=[recorder, MemfitCallback(plan=plan)])
+        trainer = Trainer(model=model, args=_args(tmp_path), train_dataset=Tokens(), callbacks=[recorder])
+        MemfitCallback(plan=plan).attach(trainer)
         trainer.train()
         peaks[plan.get("checkpointing", "none")] = _assert_measured_as_predicted(trainer)
         checkpointed = ["forward" in vars(block) for block in model.transformer.h]
         assert checkpointed == [bool(plan)] * CONFIG["n_layer"]  # memfit's checkpointing, applied in place
-        # the reporters (report_to's callbacks) see memfit's values: it went ahead of them
+        # the reporters (report_to's callbacks) see memfit's values: attach put it ahead of them
         assert [MEASURED in logs for logs in recorder.logs[:STEPS]] == [False, True, True]
     assert peaks["blocks"] < peaks["none"]
 
@@ -200,7 +200,7 @@ class Hog(TrainerCallback):
 def test_a_run_above_its_prediction_is_warned_about(tmp_path):
     trainer = Trainer(model=_model(), args=_args(tmp_path), train_dataset=Tokens(),
                       callbacks=[MemfitCallback(plan={}), Hog()])
-    with pytest.warns(UserWarning, match="measured peak .* exceeds the predicted"):
+    with pytest.warns(UserWarning, match="measured peak of step 2, .* exceeds the predicted"):
         trainer.train()
     predicted, measured = _peaks(trainer)[3]
     assert measured > 4 * 2**20 > predicted
@@ -244,7 +244,8 @@ def _refused(call, *needles):
 @pytest.mark.parametrize("changes, plan, needles", [
     ({"gradient_accumulation_steps": 2}, PLAN, ("gradient_accumulation_steps=2", "in backward")),
     ({"max_grad_norm": 1.0}, PLAN, ("max_grad_norm=1.0", "set max_grad_norm=0.0")),
-    ({"bf16": True}, {}, ("bf16=True",)),
+    ({"bf16": True}, {"precision": "fp16"}, ("bf16=True", "precision: fp16")),
+    ({"torch_compile": True}, {}, ("torch_compile=True",)),
     ({"gradient_checkpointing": True}, {}, ("gradient_checkpointing=True",)),
 ])
 def test_memfit_trainer_refuses_trainer_settings_that_double_up_when_made(tmp_path, changes, plan, needles):
@@ -281,3 +282,30 @@ def test_a_plan_the_trainer_cannot_run_is_one_line_before_the_first_step(tmp_pat
     assert "\n" not in str(info.value)
     assert trainer.state.global_step == 0
     assert all(torch.equal(p, b) for p, b in zip(trainer.model.parameters(), before))  # nothing of the run lost
+
+
+@pytest.mark.parametrize("changes, plan, taken", [
+    ({}, dict(checkpointing="blocks", loss_chunks=4), dict(max_grad_norm=1.0)),  # the issue's own example
+    ({"bf16": True}, dict(checkpointing="blocks"), dict(max_grad_norm=1.0, precision="bf16")),
+], ids=["default-clipping", "bf16"])
+def test_the_trainers_own_clipping_and_precision_are_taken_into_the_plan(tmp_path, changes, plan, taken):
+    """Issue 32: TrainingArguments' default max_grad_norm=1.0 (and bf16=True) with a plan that leaves
+    clipping and precision open train with them: the plan takes them, the prediction includes them
+    (measured within 1%), and the run equals memfit.apply's loop with that plan exactly."""
+    args = dict(output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=BATCH, logging_steps=1,
+                report_to=[], use_cpu=True, save_strategy="no", train_sampling_strategy="sequential",
+                learning_rate=LR, lr_scheduler_type="constant", disable_tqdm=True, **changes)  # max_grad_norm: 1.0
+    trainer = MemfitTrainer(model=_model(), args=TrainingArguments(**args), train_dataset=Tokens(),
+                            plan=memfit.Plan(**plan))
+    trainer.train()
+    taken = memfit.Plan(**plan, **taken)
+    assert trainer.memfit.plan == taken
+    _assert_measured_as_predicted(trainer)
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(trainer.args)
+    step = memfit.apply(_model(), taken, batch_size=BATCH, device="cpu",
+                        optimizer_factory=lambda ps: cls(ps, weight_decay=0.0, **kwargs))
+    ds = Tokens()
+    for s in range(STEPS):
+        step(default_data_collator([ds[i] for i in range(s * BATCH, (s + 1) * BATCH)]))
+    for (name, p), q in zip(trainer.model.named_parameters(), step.model.parameters()):
+        assert torch.equal(p, q), name

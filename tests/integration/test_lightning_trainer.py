@@ -20,6 +20,7 @@ L = pytest.importorskip("lightning.pytorch")
 
 import memfit  # noqa: E402
 from memfit.errors import UserError  # noqa: E402
+from memfit.integrations import core  # noqa: E402
 from memfit.integrations import lightning as integration  # noqa: E402
 from memfit.integrations.lightning import MemfitCallback, MemfitModule  # noqa: E402
 
@@ -152,7 +153,7 @@ def test_the_measurement_counts_the_model_and_optimizer_states(run):
     """The profiler starts after the network exists: without its bytes as a baseline the
     measurement would miss the parameters (NOTE [ What the window sees ])."""
     _, module, callback, _ = run
-    params = integration._storage_bytes(module.model)
+    params = core.storage_bytes(module.model)
     assert callback.measured_peak_bytes > 4 * params  # parameters, two Adam moments, activations
     assert callback.report.breakdown["optimizer_states"] >= 2 * params
 
@@ -178,9 +179,9 @@ def test_a_run_above_the_prediction_warns(monkeypatch):
         report = estimate(*args, **kw)
         half = report.measurable_peak_bytes // 2
         return dataclasses.replace(report, peak_bytes=half, process_peak_bytes=half)
-    estimate = integration.estimate_applied
-    monkeypatch.setattr(integration, "estimate_applied", low)
-    with pytest.warns(UserWarning, match=r"above memfit's prediction"):
+    estimate = core.estimate_applied
+    monkeypatch.setattr(core, "estimate_applied", low)
+    with pytest.warns(UserWarning, match=r"measured peak of step 2, .* exceeds the predicted"):
         trainer([MemfitCallback(plan=PLAN)], max_steps=2).fit(LitGPT(), loader())
 
 
@@ -234,13 +235,15 @@ def test_in_backward_with_gradient_accumulation_is_one_line():
     assert "cannot accumulate" in text
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(precision="bf16-mixed"), r"Trainer\(precision='bf16-mixed'\) but the plan runs '32-true'.*remove it"),
-    (dict(precision="64-true"), r"not Trainer\(precision='64-true'\)"),
-    (dict(gradient_clip_val=0.5), r"clips as the plan says.*remove Trainer\(gradient_clip_val=0.5\)"),
+@pytest.mark.parametrize("kw, plan, message", [
+    (dict(precision="bf16-mixed"), {**PLAN, "precision": "bf16-pure"},
+     r"Trainer\(precision='bf16-mixed'\) but the plan runs precision: bf16-pure; set Trainer\(precision='bf16-true'\)"),
+    (dict(precision="64-true"), PLAN, r"not Trainer\(precision='64-true'\)"),
+    (dict(gradient_clip_val=0.5), PLAN,
+     r"gradient_clip_val=0.5.*optimizer_in_backward frees each.*remove Trainer\(gradient_clip_val=0.5"),
 ])
-def test_trainer_arguments_the_plan_contradicts_are_one_line(kw, message):
-    _fit_fails(message, **kw)
+def test_trainer_arguments_the_plan_contradicts_are_one_line(kw, plan, message):
+    _fit_fails(message, MemfitCallback(plan=plan), **kw)
 
 
 def test_a_module_without_the_mixin_or_callback_is_one_line():
@@ -286,6 +289,24 @@ def test_importing_the_integration_does_not_import_lightning():
     code = "import sys, memfit.integrations.lightning; assert 'lightning' not in sys.modules, 'imported'"
     with warnings.catch_warnings():
         subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_trainers_own_clipping_and_precision_are_taken_into_the_plan():
+    """Issue 32: Trainer(gradient_clip_val=1.0, precision='bf16-mixed') with a plan that leaves clipping
+    and precision open: the plan takes them, the prediction includes them (measured within 1%), and
+    the run equals memfit.apply's loop with that plan bit for bit."""
+    torch.manual_seed(1)
+    callback, module = MemfitCallback(plan={"loss_chunks": 4}), LitGPT()
+    trainer([callback], gradient_clip_val=1.0, precision="bf16-mixed").fit(module, loader())
+    taken = memfit.Plan(loss_chunks=4, max_grad_norm=1.0, precision="bf16")
+    assert callback.plan == taken and module.memfit_step.plan == taken
+    assert abs(callback.measured_peak_bytes - callback.predicted_peak_bytes) <= 0.01 * callback.measured_peak_bytes
+    torch.manual_seed(1)
+    step = memfit.apply(gpt2(), taken, batch_size=BATCH, optimizer_factory=adamw, device="cpu")
+    for _, batch in zip(range(STEPS), loader()):
+        step(batch)
+    for (name, a), b in zip(module.model.named_parameters(), step.model.parameters()):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.slow
