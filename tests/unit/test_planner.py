@@ -128,3 +128,16 @@ def test_the_cpu_planner_refuses_a_model_whose_plain_step_cannot_fit_this_machin
     with pytest.raises(UserError, match=r"this machine has 1.00 MiB free; plan for a GPU preset"):
         plan_for("gpt2:n_layer=1,n_embd=64,n_head=2,vocab_size=256,n_positions=32", budget="1GiB", device="cpu",
                  batch_size=2, seq_len=32)
+
+
+def test_offloaded_states_take_the_optimizer_out_of_the_memory_order():
+    """Issue 29: a low-bit optimizer whose states are offloaded saves no device memory over AdamW
+    offloaded (its own temporaries can cost more), so a too-big low-bit offloaded plan must not rule
+    out the AdamW one (Llama-2-7B on a 24 GB card: adamw4bit-ao offloaded 28.4 GiB, adamw 13.9 GiB)."""
+    from memfit.planner.space import saves_no_more_than
+    on_device = saves_no_more_than(Plan(optimizer="adamw"), Plan(optimizer="adamw8bit"), 1)
+    offloaded = saves_no_more_than(Plan(optimizer="adamw", offload=["optimizer_states"]),
+                                   Plan(optimizer="adamw8bit", offload=["optimizer_states"]), 1)
+    assert on_device and not offloaded
+    assert saves_no_more_than(Plan(optimizer="adamw8bit", offload=["optimizer_states"]),
+                              Plan(optimizer="adamw8bit", offload=["optimizer_states"], checkpointing="blocks"), 1)

@@ -94,5 +94,7 @@ def candidates(space: SearchSpace, batch_size: int) -> list[Plan]:
 
 def saves_no_more_than(a: Plan, b: Plan, batch_size: int) -> bool:
     """True if plan ``a`` saves no more memory than ``b`` in every technique (so if ``b`` does not
-    fit, neither does ``a``). Values of equal rank but different kind are not comparable."""
-    return all(x.saves_at_most(y, batch_size) for x, y in zip(a.techniques, b.techniques))
+    fit, neither does ``a``). Values of equal rank but different kind are not comparable, nor are
+values whose order does not hold in their plan (``Config.ordered_in``)."""
+    return all(x.saves_at_most(y, batch_size) if x.ordered_in(a) and y.ordered_in(b) else x == y
+               for x, y in zip(a.techniques, b.techniques))

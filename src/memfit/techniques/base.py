@@ -14,6 +14,7 @@ a technique means adding its module (and its test), nothing else:
                               optimizer is built, the loss, the contexts the step holds
 ``check(plan)``               refuse combinations with other techniques (a ``UserError`` with the fix)
 ``saves_at_most(other, b)``   memory order for the planner's pruning (by ``rank`` unless overridden)
+``ordered_in(plan)``          whether that order holds in a plan (e.g. not for offloaded states)
 ``adds_work``                 only adds work: a calibrated factor below 1 is timing noise
 ``warmup_seconds(g, plan)``   one-time seconds before the first step on GPU presets (compiling)
 ``export(into)``              Hugging Face ``TrainingArguments`` / Lightning ``Trainer`` arguments, and
@@ -156,6 +157,12 @@ class Config:
         if self == other:
             return True
         return self.rank is not None and other.rank is not None and self.rank < other.rank
+
+    def ordered_in(self, plan) -> bool:
+        """Whether :meth:`saves_at_most` orders this config's device memory inside ``plan`` (the
+        optimizer's state precision does not once the states live on the host). Where it does not,
+        the planner compares the config by equality only."""
+        return True
 
     def warmup_seconds(self, graph: GraphSize, plan) -> float:
         """One-time seconds this config adds before the first step of ``plan`` runs on a GPU preset

@@ -57,6 +57,11 @@ class OptimizerVariant(Config):
     def ablations(self):
         return [(f"optimizer {self.name}", WorkloadOptimizer())] if self.name != "adamw" else []
 
+    def ordered_in(self, plan) -> bool:
+        """Offloaded states live on the host: their precision orders host memory, not the device's
+        (a low-bit variant offloaded can even hold more on the device: its own temporaries)."""
+        return plan.config("offload").states is None
+
     @classmethod
     def from_arguments(cls, given: Export) -> OptimizerVariant | None:
         """``TrainingArguments(optim=...)``: memfit's variants by the name their export writes; any
