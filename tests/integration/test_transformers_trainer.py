@@ -309,3 +309,30 @@ def test_the_trainers_own_clipping_and_precision_are_taken_into_the_plan(tmp_pat
         step(default_data_collator([ds[i] for i in range(s * BATCH, (s + 1) * BATCH)]))
     for (name, p), q in zip(trainer.model.named_parameters(), step.model.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_memfit_trainer_trains_a_peft_model(tmp_path):
+    """Issue 28: a LoRA built by the user with get_peft_model, in MemfitTrainer with checkpointing and
+    the Trainer's default clipping: measured as predicted, the adapter moves, the base does not."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_model(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"],
+                                                          fan_in_fan_out=True))
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = MemfitTrainer(model=model, args=_args(tmp_path, max_grad_norm=1.0), train_dataset=Tokens(),
+                            plan={"checkpointing": "blocks"})
+    trainer.train()
+    _assert_measured_as_predicted(trainer)
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), base[n])}
+    assert moved and all("lora_" in n for n in moved)
+    assert any("lora_B" in n for n in moved)
+
+
+def test_memfit_apply_runs_a_peft_model_in_the_users_loop():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_model(), peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
+    step = memfit.apply(model, {"checkpointing": "blocks"}, batch_size=BATCH)
+    batch = default_data_collator([Tokens()[i] for i in range(BATCH)])
+    for _ in range(2):
+        step(batch)
+    trained = sum(p.numel() for g in step.optimizer.param_groups for p in g["params"])
+    assert trained == sum(p.numel() for p in model.parameters() if p.requires_grad) == 2 * 4 * (64 + 192)
