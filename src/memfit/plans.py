@@ -1,29 +1,15 @@
 """Plan: *how* to train a workload. Plain, frozen, serialisable data; never holds live objects.
 
-A plan is the composition of one config per technique (``memfit.techniques``): each key of a
-plan file is the YAML sugar of a technique's config, parsed once when the plan is made, and
-validated against the other techniques. A plan file (YAML or JSON) holds any subset of the keys;
-unknown keys and bad values are errors naming the key and the allowed values::
+A :class:`Plan` is the composition of one config per technique (``memfit.techniques``): each of
+its fields is a plan key, the YAML sugar of a technique's config, parsed once when the plan is
+made and validated against the other techniques. A plan file (YAML or JSON) holds any subset of
+the keys; unknown keys and bad values are errors naming the key and the allowed values. Each key's
+values are documented once, by its technique's :class:`~memfit.techniques.base.Key` (shown by
+``memfit plan --help`` and in docs/plans.md). A value may also be given as the technique's config
+object: ``Plan(checkpointing=BlocksAC(every=2))``.
 
-    precision: fp32          # fp32 | bf16 | fp16 | bf16-pure | auto
-    micro_batch_size: null   # null = whole batch
-    grad_accum_steps: 1
-    checkpointing: none      # none | blocks | blocks:every=N | selective | budget:FRACTION
-    optimizer: adamw         # adamw | adamw8bit | adafactor | sgd
-    optimizer_in_backward: false
-    offload: []              # any of: optimizer_states (or optimizer_states:step=device), activations
-    loss_chunks: 0           # chunked cross-entropy when > 0
-    attention: auto          # auto | sdpa | math | chunked
-    ema: null                # e.g. {decay: 0.999, device: auto, every: 1}
-    compile: none            # none | blocks | full
-    bf16_update: nearest     # nearest | stochastic | kahan (with bf16-pure)
-    world_size: 1            # ranks; > 1 shards with FSDP2 (shard: auto | none | fsdp)
-    reshard_after_forward: true    # FSDP2 options: also shard_param_dtype, shard_reduce_dtype,
-    shard_offload: false           # (none | bf16 | fp16 | fp32)
-
-The keys are the techniques' own (``Technique.keys``): a new technique module adds its keys to
-:class:`Plan`, to plan files and to the command line (``--key``) by itself. A value may also be
-given as the technique's config object: ``Plan(checkpointing=BlocksAC(every=2))``.
+The order of Plan's fields is the build order: ``build_step`` applies the techniques' configs in
+it, the planner and the reports list them in it.
 
 Micro-batching: with a global batch of B samples, ``micro_batch_size`` m splits it into B/m
 micro-batches whose gradients are accumulated before one optimizer step; ``grad_accum_steps`` k
@@ -34,24 +20,58 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from memfit.errors import UserError
-from memfit.techniques import BY_NAME, TECHNIQUES
+from memfit.techniques import FOUND, KEYS
 from memfit.techniques.base import Config, Key, Technique
+from memfit.techniques.ema import EMA
 
 
-class _PlanMethods:
-    """What every Plan does; the fields come from the techniques (see :data:`Plan`)."""
+def _key(name: str) -> Any:
+    """A Plan field for plan key ``name``: its technique's default, and the Key in the metadata."""
+    _, key = KEYS[name]
+    return dataclasses.field(default=key.default, metadata={"key": key})
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How to train a workload: one config per technique, in build order (see :mod:`memfit.plans`)."""
+
+    base_weights: str = _key("base_weights")            # techniques/base_weights.py: as-is | nf4 | fp4 | int8
+    adapter: str = _key("adapter")                      # techniques/adapter.py: none | lora:... | dora:...
+    precision: str = _key("precision")                  # techniques/precision.py
+    micro_batch_size: int | None = _key("micro_batch_size")  # techniques/accumulation.py
+    grad_accum_steps: int = _key("grad_accum_steps")
+    compile: str = _key("compile")                      # techniques/compile.py
+    checkpointing: str = _key("checkpointing")          # techniques/checkpointing.py
+    optimizer: str = _key("optimizer")                  # techniques/optimizers.py (+ its variants)
+    optimizer_in_backward: bool = _key("optimizer_in_backward")  # techniques/in_backward.py
+    shard: str = _key("shard")                          # techniques/sharding.py (FSDP2)
+    world_size: int = _key("world_size")
+    reshard_after_forward: bool = _key("reshard_after_forward")
+    shard_param_dtype: str = _key("shard_param_dtype")
+    shard_reduce_dtype: str = _key("shard_reduce_dtype")
+    shard_offload: bool = _key("shard_offload")
+    offload: tuple[str, ...] = _key("offload")          # techniques/offload.py
+    loss_chunks: int = _key("loss_chunks")              # techniques/chunked_loss.py
+    attention: str = _key("attention")                  # techniques/attention.py
+    ema: EMA | None = _key("ema")                       # techniques/ema.py
+    max_grad_norm: float | None = _key("max_grad_norm")  # techniques/grad_clip.py
+    bf16_update: str = _key("bf16_update")              # techniques/bf16_update.py
+    _configs: dict[str, Config] = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     # -- parsing, once ---------------------------------------------------------------------
     def __post_init__(self) -> None:
         configs = {t.name: t.config({k.name: getattr(self, k.name) for k in t.keys}) for t in TECHNIQUES}
         for cfg in configs.values():
-            for key, value in cfg.values().items():  # the canonical value (e.g. offload as a sorted tuple)
+            # the canonical value (e.g. offload as a sorted tuple): the frozen-dataclass idiom for
+            # normalising fields at construction; nothing changes a Plan after it is made
+            for key, value in cfg.values().items():
                 object.__setattr__(self, key, value)
-        object.__setattr__(self, "_configs", configs)
+        self._configs.update(configs)
         for cfg in configs.values():
             cfg.check(self)
 
@@ -73,10 +93,7 @@ class _PlanMethods:
         then no longer applies (e.g. ``bf16_update`` without bf16-pure) back at its default."""
         values = {**self._values(), **config.values()}
         configs = {t.name: t.config({k.name: values[k.name] for k in t.keys}) for t in TECHNIQUES}
-        probe = dataclasses.replace(self)  # a valid plan to read the other keys from while checking
-        object.__setattr__(probe, "_configs", configs)
-        for key, value in values.items():
-            object.__setattr__(probe, key, value)
+        probe = _Unchecked(values, configs)  # the plan's values to read while checking each config
         for name, cfg in configs.items():
             try:
                 cfg.check(probe)
@@ -100,7 +117,7 @@ class _PlanMethods:
 
     # -- (de)serialisation -----------------------------------------------------------------
     def _values(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
 
     def to_dict(self) -> dict[str, Any]:
         return {name: _plain(value) for name, value in self._values().items()}
@@ -109,7 +126,7 @@ class _PlanMethods:
     def from_dict(cls, data: dict[str, Any], *, source: str = "plan") -> Plan:
         if not isinstance(data, dict):
             raise UserError(f"{source}: a plan must be a mapping of keys to values, got {type(data).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(data) - names)
         if unknown:
             raise UserError(f"{source}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(names))}")
@@ -167,8 +184,8 @@ class _PlanMethods:
     def describe(self) -> str:
         """Short text of the non-default fields, e.g. 'precision=bf16, micro_batch_size=2'."""
         default = Plan()
-        parts = [f"{f.name}={_show(getattr(self, f.name))}" for f in dataclasses.fields(self)
-                 if getattr(self, f.name) != getattr(default, f.name)]
+        parts = [f"{name}={_show(value)}" for name, value in self._values().items()
+                 if value != getattr(default, name)]
         return ", ".join(parts) or "defaults (fp32, whole batch)"
 
 
@@ -187,6 +204,43 @@ def _show(v: Any) -> str:
     return str(v)
 
 
+class _Unchecked:
+    """Plan values and configs not yet checked against each other: what ``Config.check`` reads."""
+
+    def __init__(self, values: dict[str, Any], configs: dict[str, Config]) -> None:
+        self.__dict__.update(values)
+        self._configs = configs
+
+    def config(self, technique: str) -> Config:
+        return self._configs[technique]
+
+    @property
+    def techniques(self) -> tuple[Config, ...]:
+        return tuple(self._configs.values())
+
+
+def _in_plan_order() -> tuple[Technique, ...]:
+    """The techniques in the order of Plan's fields; every technique's keys are fields, together."""
+    fields = [f.name for f in dataclasses.fields(Plan) if f.init]
+    missing = sorted(set(KEYS) - set(fields))
+    assert not missing, f"plan keys {missing} are not fields of Plan: add them in memfit/plans.py"
+    ordered: list[Technique] = []
+    for name in fields:
+        technique, _ = KEYS[name]
+        if technique not in ordered:
+            ordered.append(technique)
+    for t in ordered:
+        at = fields.index(t.keys[0].name)
+        assert fields[at:at + len(t.keys)] == [k.name for k in t.keys], f"{t.name}'s keys must be adjacent fields"
+    return tuple(ordered)
+
+
+TECHNIQUES: tuple[Technique, ...] = _in_plan_order()
+"""Every technique, in plan (build) order."""
+BY_NAME: dict[str, Technique] = dict(FOUND)
+"""Technique name -> technique."""
+
+
 def keys() -> tuple[Key, ...]:
     """Every plan key, in plan order."""
     return tuple(k for t in TECHNIQUES for k in t.keys)
@@ -194,12 +248,4 @@ def keys() -> tuple[Key, ...]:
 
 def technique_of(key: str) -> Technique:
     """The technique that owns plan key ``key``."""
-    return next(t for t in TECHNIQUES if any(k.name == key for k in t.keys))
-
-
-Plan = dataclasses.make_dataclass(
-    "Plan", [(k.name, k.annotation, dataclasses.field(default=k.default, metadata={"key": k})) for k in keys()],
-    bases=(_PlanMethods,), frozen=True)
-Plan.__module__ = __name__
-Plan.__doc__ = ("How to train a workload: one config per technique, from plan keys "
-                f"({', '.join(k.name for k in keys())}). See memfit.plans.")
+    return KEYS[key][0]

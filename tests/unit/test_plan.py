@@ -86,3 +86,30 @@ def test_every_schema_field_is_implemented_and_budget_needs_compile():
         plan.check_implemented()
     with pytest.raises(UserError, match="needs compile"):
         Plan(checkpointing="budget:0.5")
+
+
+def test_plan_is_written_and_its_field_order_is_the_build_order():
+    """Plan's fields are written in memfit/plans.py (readable, typed); every technique's keys are
+    fields, and the order of the fields is the order build_step applies the configs in."""
+    import ast
+    import dataclasses
+    import inspect
+    import typing
+
+    import memfit.plans as plans
+    from memfit.techniques import KEYS
+
+    written = [node.target.id for node in ast.parse(inspect.getsource(plans.Plan)).body[0].body
+               if isinstance(node, ast.AnnAssign)]
+    fields = [f.name for f in dataclasses.fields(Plan) if f.init]
+    assert written[:len(fields)] == fields and sorted(fields) == sorted(KEYS)
+    hints = typing.get_type_hints(Plan, vars(plans))
+    assert hints["micro_batch_size"] == int | None and hints["offload"] == tuple[str, ...]
+    built = [cfg.technique.name for cfg in Plan(checkpointing="blocks", loss_chunks=2).techniques]
+    firsts = []
+    for name in fields:
+        technique = KEYS[name][0].name
+        if technique not in firsts:
+            firsts.append(technique)
+    assert built == firsts
+    assert built.index("adapter") < built.index("precision") < built.index("checkpointing")

@@ -62,7 +62,7 @@ from memfit.integrations.core import ERROR, MEASURED, PREDICTED
 from memfit.memory.measure import PeakWindow
 from memfit.planner.export import HF_CALLBACK_APPLIES, hf_unmapped_of, to_hf
 from memfit.plans import Plan
-from memfit.techniques import TECHNIQUES
+from memfit.plans import TECHNIQUES
 from memfit.techniques.base import Export
 from memfit.techniques.precision import Autocast, BF16Pure
 

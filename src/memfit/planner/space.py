@@ -21,7 +21,7 @@ import torch
 from memfit.devices import Device
 from memfit.errors import UserError
 from memfit.plans import Plan
-from memfit.techniques import TECHNIQUES
+from memfit.plans import TECHNIQUES
 from memfit.techniques.base import SearchContext
 from memfit.workload import Workload, call_workload
 

@@ -128,5 +128,5 @@ TECHNIQUE = register(
             annotation="int | None", from_text=_micro_batch_text, metavar="MICRO"),
         Key("grad_accum_steps", 1, "Micro-batches accumulated per optimizer step.", annotation="int",
             from_text=whole_number("--grad-accum-steps"), metavar="GRAD"),
-    ), parse, order=20, escalation=10),
+    ), parse, escalation=10),
     Accumulation)

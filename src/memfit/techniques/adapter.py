@@ -225,5 +225,5 @@ TECHNIQUE = register(
     Technique("adapter", (Key("adapter", "none", "Train an adapter instead of the model (a method: changes what is "
                               "trained): none | lora:r=16,alpha=32,targets=q_proj+v_proj,dropout=0.05,save=lm_head | "
                               "dora:... .", metavar="ADAPTER"),),
-              parse, order=4),
+              parse),
     Adapter, NoAdapter, LoRA)

@@ -296,5 +296,5 @@ def search(ctx: SearchContext) -> list[str]:
 
 TECHNIQUE = register(
     Technique("attention", (Key("attention", "auto", "auto | sdpa | math | chunked.", metavar="ATTENTION"),),
-              parse, order=90, search=search, depends_on_model=True),
+              parse, search=search, depends_on_model=True),
     Attention, AutoAttention, SDPAttention, MathAttention, ChunkedAttention)

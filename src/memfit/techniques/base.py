@@ -30,9 +30,10 @@ a technique means adding its module (and its test), nothing else:
 ============================  =========================================================================
 
 The module registers a :class:`Technique` as ``TECHNIQUE``: its keys (name, default, doc, CLI
-parsing), how to parse their values into a config, where it comes in a plan and in
-``build_step`` (``order``), which values the planner tries (``search``) and when OOM adaptation
-turns to it (``escalation``). ``memfit.techniques`` collects every module's ``TECHNIQUE``.
+parsing), how to parse their values into a config, which values the planner tries (``search``)
+and when OOM adaptation turns to it (``escalation``). ``memfit.techniques`` collects every
+module's ``TECHNIQUE``; :class:`~memfit.plans.Plan` names its keys as fields, and the fields'
+order is the order ``build_step`` applies the configs in.
 """
 
 from __future__ import annotations
@@ -69,8 +70,6 @@ class Technique:
     keys: tuple[Key, ...]
     parse: Callable[[dict[str, Any]], Config]
     """The plan values of ``keys`` -> the config (raises UserError naming the key and what is allowed)."""
-    order: int
-    """Position of the keys in a plan, and when ``build_step`` applies the config (lower first)."""
     search: Callable[[SearchContext], list] | None = None
     """The plan values the planner tries (single-key techniques); None: not searched."""
     escalation: int | None = None

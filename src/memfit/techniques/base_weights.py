@@ -218,5 +218,5 @@ TECHNIQUE = register(
     Technique("base_weights", (Key("base_weights", "as-is", "Base model's linear weights: as-is | nf4 | fp4 | int8; "
                                    "nf4/fp4 take :double_quant=true (QLoRA's nf4:double_quant=true).",
                                    metavar="FORMAT"),),
-              parse, order=2),
+              parse),
     BaseWeights, AsIsWeights, Quantized4bit, Int8Weights)

@@ -182,5 +182,5 @@ def parse(values: dict) -> BF16Update:
 TECHNIQUE = register(
     Technique("bf16_update", (Key("bf16_update", "nearest", "With bf16-pure: how the update is rounded into bf16 "
                                   "weights: nearest | stochastic | kahan.", metavar="BF16"),),
-              parse, order=110),
+              parse),
     BF16Update, NearestUpdate, CompensatedUpdate)

@@ -358,5 +358,5 @@ def search(ctx: SearchContext) -> list[str]:
 TECHNIQUE = register(
     Technique("checkpointing", (Key("checkpointing", "none", "Activation checkpointing: none | blocks | "
                                     "blocks:every=N | selective | budget:FRACTION.", metavar="CHECKPOINTING"),),
-              parse, order=30, search=search, escalation=20, depends_on_model=True),
+              parse, search=search, escalation=20, depends_on_model=True),
     Checkpointing, NoAC, BlocksAC, SelectiveAC, MemoryBudgetAC)

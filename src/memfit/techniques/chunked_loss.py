@@ -290,5 +290,5 @@ TECHNIQUE = register(
     Technique("loss_chunks", (Key("loss_chunks", 0, "Compute the language-model cross-entropy in this many chunks "
                                   "(0 = off).", annotation="int", from_text=whole_number("--loss-chunks"),
                                   metavar="LOSS"),),
-              parse, order=80, search=search, depends_on_model=True),
+              parse, search=search, depends_on_model=True),
     LossChunking, FullLoss, ChunkedLoss)

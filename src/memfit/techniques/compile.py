@@ -200,6 +200,6 @@ def parse(values: dict) -> Compile:
 
 TECHNIQUE = register(
     Technique("compile", (Key("compile", "none", "torch.compile: none | blocks (each repeated block) | full "
-                              "(the model and the loss).", metavar="COMPILE"),), parse, order=25,
+                              "(the model and the loss).", metavar="COMPILE"),), parse,
               search=search, depends_on_model=True),
     Compile, NoCompile, CompileBlocks, CompileFull)

@@ -304,5 +304,5 @@ def parse(values: dict) -> WeightAverage:
 TECHNIQUE = register(
     Technique("ema", (Key("ema", None, "Exponential moving average of the weights.", annotation="EMA | None",
                           from_text=_text, metavar="EMA"),),
-              parse, order=95),
+              parse),
     WeightAverage, NoEMA, EMA)

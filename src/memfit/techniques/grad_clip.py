@@ -108,5 +108,5 @@ TECHNIQUE = register(
     Technique("max_grad_norm", (Key("max_grad_norm", None, "Clip gradients to this global 2-norm before the "
                                     "optimizer step (null = no clipping).", annotation="float | None",
                                     from_text=_text, metavar="NORM"),),
-              parse, order=105),
+              parse),
     GradClipping, NoClipping, ClipGradNorm)

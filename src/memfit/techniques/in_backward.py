@@ -110,5 +110,5 @@ TECHNIQUE = register(
     Technique("optimizer_in_backward", (Key("optimizer_in_backward", False, "Step and free each parameter's "
                                             "gradient as soon as it is accumulated.", annotation="bool",
                                             from_text=_flag, metavar="BOOL"),),
-              parse, order=50, search=lambda ctx: [False, True]),
+              parse, search=lambda ctx: [False, True]),
     UpdateTiming, StepAfterBackward, StepInBackward)

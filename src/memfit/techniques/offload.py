@@ -319,5 +319,5 @@ TECHNIQUE = register(
     Technique("offload", (Key("offload", (), "Move to host memory: optimizer_states (stepped on the host), "
                               "optimizer_states:step=device, activations.",
                               annotation="list[str]", from_text=_items_text, metavar="OFFLOAD"),),
-              parse, order=60, search=search, escalation=30),
+              parse, search=search, escalation=30),
     Offload)

@@ -236,5 +236,5 @@ TECHNIQUE = register(
     Technique("optimizer", (Key("optimizer", "adamw", "adamw | adamw8bit (bitsandbytes) | adafactor | sgd | "
                                 "adamw8bit-ao | adamw4bit-ao | adamwfp8-ao (torchao's 8-bit, 4-bit, fp8 states).",
                                 metavar="OPTIMIZER"),),
-              parse, order=40, search=search),
+              parse, search=search),
     OptimizerVariant, WorkloadOptimizer, SGDMomentum, Adafactor, AdamW8bit, *TORCHAO_VARIANTS.values())

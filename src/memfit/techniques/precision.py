@@ -235,5 +235,5 @@ def search(ctx: SearchContext) -> list[str]:
 TECHNIQUE = register(
     Technique("precision", (Key("precision", "fp32", "fp32 | bf16 | fp16 | bf16-pure | auto (bf16 where supported, "
                                 "else fp16, else fp32).", metavar="PRECISION"),),
-              parse, order=10, search=search),
+              parse, search=search),
     Precision, FP32, Autocast, BF16Pure, AutoPrecision)

@@ -435,5 +435,5 @@ TECHNIQUE = register(
             metavar="DTYPE"),
         Key("shard_offload", False, "FSDP2: keep sharded parameters, gradients and optimizer states in host memory.",
             annotation="bool", from_text=_flag("shard_offload"), metavar="BOOL"),
-    ), parse, order=50),
+    ), parse),
     Sharding, NoSharding, FSDP2)
