@@ -30,8 +30,7 @@ import torch
 
 from memfit.errors import UserError
 from memfit.integrations.apply import estimate_applied, workload_of
-from memfit.plans import Plan
-from memfit.plans import BY_NAME, TECHNIQUES
+from memfit.plans import BY_NAME, TECHNIQUES, Plan
 from memfit.techniques.base import Config, Export
 from memfit.units import fmt_bytes
 

@@ -61,8 +61,7 @@ from memfit.integrations.apply import as_plan, hf_loss
 from memfit.integrations.core import ERROR, MEASURED, PREDICTED
 from memfit.memory.measure import PeakWindow
 from memfit.planner.export import HF_CALLBACK_APPLIES, hf_unmapped_of, to_hf
-from memfit.plans import Plan
-from memfit.plans import TECHNIQUES
+from memfit.plans import TECHNIQUES, Plan
 from memfit.techniques.base import Export
 from memfit.techniques.precision import Autocast, BF16Pure
 

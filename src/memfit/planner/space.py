@@ -20,8 +20,7 @@ import torch
 
 from memfit.devices import Device
 from memfit.errors import UserError
-from memfit.plans import Plan
-from memfit.plans import TECHNIQUES
+from memfit.plans import TECHNIQUES, Plan
 from memfit.techniques.base import SearchContext
 from memfit.workload import Workload, call_workload
 
