@@ -40,6 +40,7 @@ def _key(name: str) -> Any:
 class Plan:
     """How to train a workload: one config per technique, in build order (see :mod:`memfit.plans`)."""
 
+    allocator: str = _key("allocator")                  # techniques/allocator.py: default | expandable
     base_weights: str = _key("base_weights")            # techniques/base_weights.py: as-is | nf4 | fp4 | int8
     adapter: str = _key("adapter")                      # techniques/adapter.py: none | lora:... | dora:...
     precision: str = _key("precision")                  # techniques/precision.py

@@ -216,8 +216,11 @@ def build_step(workload: Workload | str | Target, plan: Plan | None = None, batc
     """
     target = workload if isinstance(workload, Target) else Target.resolve(workload, plan, batch_size, device)
     wl = target.workload
-    with torch.device(target.tensor_device):
+    with torch.device(target.tensor_device), contextlib.ExitStack() as building:
+        for config in target.plan.techniques:
+            building.enter_context(config.build_context())
         model = call_workload("model()", wl.model)
+    with torch.device(target.tensor_device):
         if not isinstance(model, torch.nn.Module):
             raise UserError(f"workload model() must return an nn.Module, got {type(model).__name__}")
         model.train()

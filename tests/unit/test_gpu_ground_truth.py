@@ -12,7 +12,10 @@ reaches since then, the prediction emulates the recorded behaviour (``bench/gpu_
 math path). Cases that still miss are listed in ``KNOWN_MISSES`` with the reason; they are
 expected to fail (strict: a case that starts passing must be taken off the list). Cases recorded
 with a technique implementation memfit has since replaced are listed in ``REPLACED``: what they
-measured no longer runs, so they are not compared until re-measured.
+measured no longer runs, so they are not compared until re-measured. Cases in ``BUILT_IN_FP32``
+were recorded when bf16-pure built the model in fp32 and cast it (the reserved peak held the fp32
+model); bf16-pure now builds it in bf16, so their allocated bytes are compared, and their
+reserved bytes must come out below the recorded ones.
 """
 
 import importlib.util
@@ -58,6 +61,11 @@ REPLACED = {
                         "are in flight (predicted +1.4% allocated). Re-measure: bench/offload_gpu.py",
 }
 
+BUILT_IN_FP32 = {
+    "gpt2-best": "recorded reserved 1.71 GiB held the fp32 model built before the cast",
+    "llama7b-purebf16-adafactor-blocks-inbw-b4": "recorded reserved 25.6 GiB held the fp32 model (25.1 GiB)",
+}
+
 KNOWN_MISSES = {
     "t-llama4-selective-b2": "reserved only (-5.5%; allocated -1.5%): the real run (torch 2.11) kept ~350 MiB "
                              "more than selective checkpointing does in torch 2.14's trace",
@@ -83,13 +91,16 @@ def _params(names):
 def _check(name: str) -> None:
     r = BENCH.predict(CASES[name])
     alloc_err, res_err = r["error"] / 100, r["reserved_error"] / 100
+    if name in BUILT_IN_FP32:  # see the module's docstring
+        res_err = max(res_err, 0.0)
     assert abs(alloc_err) <= ALLOCATED_TOLERANCE and abs(res_err) <= RESERVED_TOLERANCE, (
         f"{name}: allocated {r['predicted']:,} vs measured {r['measured']:,} ({alloc_err:+.2%}), "
         f"reserved {r['reserved_predicted']:,} vs {r['reserved_measured']:,} ({res_err:+.2%})")
 
 
 def test_the_recorded_cases_are_there():
-    assert len(CASES) >= 75 + 59 and DEFAULT <= set(CASES) and set(KNOWN_MISSES) | set(REPLACED) <= set(CASES)
+    assert len(CASES) >= 75 + 59 and DEFAULT <= set(CASES)
+    assert set(KNOWN_MISSES) | set(REPLACED) | set(BUILT_IN_FP32) <= set(CASES)
     assert not DEFAULT & set(REPLACED)
 
 

@@ -102,3 +102,19 @@ def test_split_batch():
     assert all(p["scale"] == 2.0 and p["c"].shape == (3,) for p in parts)
     with pytest.raises(UserError, match="first dimension"):
         split_batch(torch.ones(3, 2), 8, 4)
+
+
+def test_bf16_pure_builds_the_model_in_bf16():
+    """An fp32 copy of the model never exists: model() itself sees bf16 as the default dtype, so a
+    7B model does not take 26 GiB before its cast (the default dtype is restored afterwards)."""
+    seen = []
+
+    def model():
+        m = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+        seen.append({p.dtype for p in m.parameters()})
+        return m
+
+    wl = Workload(model=model, batch=lambda n: torch.randn(n, 16), loss=lambda m, b: m(b).float().pow(2).mean())
+    build_step(wl, Plan(precision="bf16-pure"), 2, "cpu")
+    build_step(wl, Plan(precision="bf16"), 2, "cpu")
+    assert seen == [{torch.bfloat16}, {torch.float32}] and torch.get_default_dtype() == torch.float32

@@ -16,7 +16,8 @@ plus the CUDA context, so a prediction must replay the allocation sequence throu
 - each stream has its own pools: a block allocated on a side stream (e.g. the prefetch stream of
   offloaded optimizer states) returns to that stream's pool and is reused only by that stream.
 
-Not modelled: ``expandable_segments``, ``max_split_size_mb``, ``roundup_power2_divisions``, and
+``expandable_segments:True`` is modelled by memfit.memory.expandable (the ``allocator`` plan key).
+Not modelled: ``max_split_size_mb``, ``roundup_power2_divisions``, and
 the retry that frees cached blocks when cudaMalloc fails.
 """
 

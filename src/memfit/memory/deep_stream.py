@@ -54,6 +54,7 @@ import re
 from typing import NamedTuple
 
 from memfit.memory.allocator import replay_events
+from memfit.memory.expandable import new_model
 
 MARK = "mark"
 SETUP = "setup"
@@ -328,9 +329,10 @@ def _inserted(a: Stream, b: Stream) -> list[tuple[int, int]] | None:
     return spans
 
 
-def replay(stream: Stream, step: int) -> tuple[int, int]:
+def replay(stream: Stream, step: int, *, expandable: bool = False) -> tuple[int, int]:
     """(allocated peak within step ``step``, reserved bytes at its end) of the stream through the
-    caching-allocator model, as memfit.memory.allocator.replay gives them for a trace."""
+    caching-allocator model (with ``expandable`` segments or not), as
+    memfit.memory.allocator.replay gives them for a trace."""
     marks = [(i, tok[1], tok[2]) for i, tok in enumerate(stream.tokens) if tok[0] == MARK]
     start = next(i for i, name, s in marks if name == "step" and s == step)
     end = next((i for i, name, _ in marks if i > start and name in ("step", "end")), len(stream.tokens))
@@ -344,4 +346,4 @@ def replay(stream: Stream, step: int) -> tuple[int, int]:
                 yield i, i, 1, tok[1], tok[2]
             else:
                 yield i, stream.frees[i], -1, tok[1], tok[2]
-    return replay_events(events(), start)[:2]
+    return replay_events(events(), start, model=new_model(expandable))[:2]

@@ -19,6 +19,7 @@ from memfit.devices import Device
 from memfit.memory import allocator
 from memfit.memory.budget import Budget
 from memfit.memory.categories import CATEGORIES, STEADY_STEP
+from memfit.memory.expandable import new_model
 from memfit.memory.leaks import find_leaks
 from memfit.memory.tracker import MemoryTracker
 
@@ -223,7 +224,9 @@ def report_for(tracker: MemoryTracker, target, method: str, *, measurement: Meas
     approximations = [*notes, *view.approximations]
     if gpu:
         window = step_window(tracker, STEADY_STEP)
-        peak, reserved, _ = allocator.replay(tracker, where, window, getattr(tracker, "side_streams", None))
+        model = new_model(expandable=target.plan.config("allocator").expands)
+        peak, reserved, _ = allocator.replay(tracker, where, window, getattr(tracker, "side_streams", None),
+                                             model=model)
         # The breakdown uses 512-byte rounded storages; the replay also counts unsplit block
         # remainders. Their difference is allocator overhead, booked under "other".
         breakdown["other"] += peak - view.peak_bytes

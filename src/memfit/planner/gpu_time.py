@@ -269,7 +269,7 @@ class GpuStepModel(StepTimeModel):
             deep = None
             if traced and traced[0].stream is not None and traced[1].stream is not None:
                 deep = deepen(traced[0].stream, traced[1].stream, *pair, self.depth)
-            self._deep[plan] = None if deep is None else replay(deep, STEADY_STEP)[1] + traced[1].context_bytes
+            self._deep[plan] = None if deep is None else replay(deep, STEADY_STEP, expandable=plan.config("allocator").expands)[1] + traced[1].context_bytes
         return self._deep[plan]
 
     def confirm(self, plan: Plan) -> Measured:

@@ -138,6 +138,11 @@ class Config:
     def check(self, plan) -> None:
         """Refuse combinations with the plan's other techniques (UserError with the fix)."""
 
+    def build_context(self) -> contextlib.AbstractContextManager:
+        """Entered around the workload's ``model()`` call (e.g. bf16-pure builds the weights in bf16,
+        so that an fp32 copy of the model never takes device memory)."""
+        return contextlib.nullcontext()
+
     def apply(self, parts: StepParts) -> None:
         """Change the step being built."""
 

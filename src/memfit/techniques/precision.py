@@ -175,6 +175,18 @@ class BF16Pure(Precision):
             raise UserError(f"precision bf16-pure: {device.name} has no bf16 support; use fp16 or auto")
         return self
 
+    @contextlib.contextmanager
+    def build_context(self):
+        """The model is built in bf16 (floating-point tensors it creates without a dtype): a 7B model
+        built in fp32 first would take 26 GiB of device memory, and the allocator would keep it
+        reserved after the cast (what from_pretrained(dtype=torch.bfloat16) avoids too)."""
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(before)
+
     def prepare_batch(self, batch):
         """Floating-point inputs follow the weights into bf16 (integer ids and labels stay)."""
         return tree_map(lambda x: x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.is_floating_point()
