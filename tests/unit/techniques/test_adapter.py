@@ -146,8 +146,12 @@ UNET = ("unet-sdxl:block_out_channels=32/64/64,attention_head_dim=2,transformer_
         "cross_attention_dim=32,addition_time_embed_dim=8,projection_class_embeddings_input_dim=80")
 
 
-@pytest.mark.parametrize("spec", [DIT, UNET], ids=["dit-lumina2", "unet-sdxl"])
-@pytest.mark.parametrize("precision,checkpointing", [("fp32", "none"), ("bf16", "blocks")])
+@pytest.mark.parametrize("spec,precision,checkpointing", [
+    pytest.param(DIT, "fp32", "none", id="fp32-none-dit-lumina2"),
+    pytest.param(DIT, "bf16", "blocks", id="bf16-blocks-dit-lumina2"),
+    pytest.param(UNET, "fp32", "none", id="fp32-none-unet-sdxl", marks=pytest.mark.slow),
+    pytest.param(UNET, "bf16", "blocks", id="bf16-blocks-unet-sdxl"),
+])
 def test_diffusion_lora_predicted_within_1pct(spec, precision, checkpointing):
     """LoRA of a diffusers DiT and UNet (diffusers' attention projections by default)."""
     pytest.importorskip("diffusers")
