@@ -80,6 +80,45 @@ def test_nothing_fits_names_the_smallest_budget(capsys):
     assert "nothing fits" in out and "a budget of at least that would fit" in out
 
 
+def test_the_walk_reports_its_traces_to_a_progress_bar():
+    """Each plan the walk measures is reported (traced so far, the trace limit, candidates open); on
+    a terminal the bar draws it, elsewhere nothing is written."""
+    import io
+
+    from memfit.planner.progress import PlanProgress
+    from memfit.planner.search import plan
+
+    class Recorder(PlanProgress):
+        def __init__(self, stream):
+            super().__init__(stream)
+            self.calls, self.stages = [], []
+
+        def stage(self, text):
+            self.stages.append(text)
+            super().stage(text)
+
+        def walk(self, traced, limit, open_plans):
+            self.calls.append((traced, limit, open_plans))
+            super().walk(traced, limit, open_plans)
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    with Recorder(terminal) as progress:
+        result = plan("mha", budget="4MiB", batch_size=4, max_traces=7, progress=progress)
+    assert progress.stages == ["timing techniques"] and progress.calls
+    traced = [c[0] for c in progress.calls]
+    assert traced == sorted(traced) and all(c[1] == 7 for c in progress.calls)
+    assert progress.calls[0][2] == len(result.candidates) and "traces" in terminal.getvalue()
+    log = io.StringIO()
+    with PlanProgress(log) as quiet:
+        quiet.stage("timing techniques")
+        quiet.walk(1, 7, 10)
+    assert log.getvalue() == ""
+
+
 @pytest.mark.slow  # (keeps the default suite under 10 minutes)
 def test_cli_writes_a_plan_that_estimate_accepts(tmp_path, capsys):
     out = tmp_path / "plan.yaml"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 from memfit.cli.common import add_plan_args, add_workload_args, plan_from_args, print_json, sized_workload
 
@@ -42,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from memfit.errors import UserError
     from memfit.outputs import IMAGE_SUFFIXES, check_output_file
     from memfit.planner.export import to_hf, to_lightning
+    from memfit.planner.progress import PlanProgress
     from memfit.planner.search import plan
     from memfit.plans import Plan
     from memfit.report.planner import print_plan_result, save_pareto_png
@@ -81,14 +83,15 @@ def run(args: argparse.Namespace) -> int:
         batch = Target.resolve(workload, None, bs, args.device, seq_len=seq).batch_size
         sizes = [w for w in (2 ** i for i in range(most.bit_length())) if w <= batch and batch % w == 0]
     tried = []
-    for world in sizes:
-        fields = {**fixed, "world_size": world} if world > 1 else fixed
-        result = plan(workload, budget=args.budget, device=args.device, batch_size=bs, seq_len=seq,
-                      optimizers=optimizers, max_traces=max_traces,
-                      fixed=fields, compile_modes=compile_modes, steps=steps)
-        tried.append(world)
-        if result.chosen:
-            break
+    with PlanProgress() if not args.json else contextlib.nullcontext() as progress:
+        for world in sizes:
+            fields = {**fixed, "world_size": world} if world > 1 else fixed
+            result = plan(workload, budget=args.budget, device=args.device, batch_size=bs, seq_len=seq,
+                          optimizers=optimizers, max_traces=max_traces,
+                          fixed=fields, compile_modes=compile_modes, steps=steps, progress=progress)
+            tried.append(world)
+            if result.chosen:
+                break
     ranks = None
     if len(sizes) > 1:
         ranks = f"world sizes tried: {', '.join(map(str, tried))}; " + (

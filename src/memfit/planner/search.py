@@ -34,6 +34,7 @@ from memfit.memory.budget import Budget
 from memfit.planner import cost
 from memfit.planner.candidate import Candidate, Status
 from memfit.planner.gpu_time import GpuStepModel
+from memfit.planner.progress import NoProgress
 from memfit.planner.space import candidates, default_space, drop_unused, model_facts
 from memfit.planner.time_model import StepTimeModel
 from memfit.planner.walk import Walk
@@ -87,14 +88,16 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
          batch_size: int | None = None, seq_len: int | None = None,
          optimizers: tuple[str, ...] = ("adamw", "adamw8bit"), max_traces: int = 60,
          time_model: StepTimeModel | None = None, space=None, fixed: dict | None = None,
-         compile_modes: tuple[str, ...] | None = None, steps: int | None = None) -> PlanResult:
+         compile_modes: tuple[str, ...] | None = None, steps: int | None = None, progress=None) -> PlanResult:
     """The fastest plan for ``workload`` whose predicted memory fits ``budget`` on ``device``.
 
     ``fixed``: plan fields the user set (``--precision bf16``); the search covers the others.
     ``compile_modes``: the compile modes to search (None: the device's default, ``none`` for now;
     memfit.techniques.compile says why). ``steps``: the run's
     length; compile time then counts as compile seconds / steps per step (None: a long run).
+    ``progress``: a memfit.planner.progress.PlanProgress to report to (None: nothing shown).
     """
+    progress = progress or NoProgress()
     t0 = time.perf_counter()
     if steps is not None and (not isinstance(steps, int) or steps < 1):
         raise UserError(f"plan: steps must be a whole number >= 1 (the run's length), got {steps!r}")
@@ -128,6 +131,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     if not plans:
         raise UserError("plan: no valid plan is left with the fields you fixed; remove some of the plan flags")
     drop_unused(space, plans)
+    progress.stage("timing techniques")
     with silenced_warnings():
         if time_model is not None:
             model = time_model
@@ -136,13 +140,13 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
         else:
             model = cost.calibrate(target, space)
     try:
-        return _search(t0, target, budget_obj, space, plans, constrained, model, steps, max_traces)
+        return _search(t0, target, budget_obj, space, plans, constrained, model, steps, max_traces, progress)
     finally:
         model.close()
 
 
 def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Plan], constrained: dict,
-            model: StepTimeModel, steps: int | None, max_traces: int) -> PlanResult:
+            model: StepTimeModel, steps: int | None, max_traces: int, progress) -> PlanResult:
     wl, dev, bs, budget_bytes = target.workload, target.device, target.batch_size, budget_obj.bytes
     with silenced_warnings():
         model.prepare()
@@ -154,7 +158,7 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
     ranked = [Candidate(p, 0.0) for p in plans]
     for c in ranked:
         c.retime(model, steps)
-    walk = Walk(bs, budget_obj, model, model.ladder(target, budget_obj), steps, max_traces)
+    walk = Walk(bs, budget_obj, model, model.ladder(target, budget_obj), steps, max_traces, progress)
     chosen = walk.run(ranked)
     if chosen is None and not any(c.used_bytes is not None for c in ranked):
         invalid = next((c for c in ranked if c.status is Status.INVALID), None)

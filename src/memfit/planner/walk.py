@@ -26,6 +26,7 @@ from memfit.errors import UserError
 from memfit.memory.budget import Budget
 from memfit.planner.candidate import Candidate, Fidelity, Status
 from memfit.planner.ladder import Evaluator, Ladder
+from memfit.planner.progress import NoProgress
 from memfit.planner.space import saves_no_more_than
 from memfit.planner.time_model import StepTimeModel
 from memfit.quiet import silenced_warnings
@@ -37,8 +38,9 @@ WALK_BEFORE_FEASIBILITY = 8
 
 class Walk:
     def __init__(self, batch_size: int, budget: Budget, model: StepTimeModel, ladder: Ladder, steps: int | None,
-                 max_traces: int) -> None:
+                 max_traces: int, progress=None) -> None:
         self.bs, self.budget, self.model, self.ladder = batch_size, budget, model, ladder
+        self.progress = progress or NoProgress()
         self.steps, self.max_traces = steps, max_traces
         self.failed: list[Candidate] = []
         self.evaluated = 0
@@ -80,6 +82,7 @@ class Walk:
             _, _, c = heapq.heappop(heap)
             if not c.open:
                 continue
+            self.progress.walk(self.evaluated, self.max_traces, len(heap) + 1)
             if self._dominated(c):
                 c.prune()
                 continue

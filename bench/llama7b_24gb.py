@@ -1,0 +1,62 @@
+"""A full fine-tune of a 7-8B model with AdamW-class updates on a 24 GB card, found by the planner
+(issue: 7B full fine-tune on 24 GB).
+
+Runs ``memfit plan`` for Llama-2-7B and Llama-3-8B (batch 1 x 2048 tokens, ``rtx4090``; no
+weights: the models are built from config on fake tensors), once with the default optimizer search
+(AdamW and bitsandbytes' 8-bit AdamW) and once adding torchao's 4-bit AdamW, each in a fresh
+process as a user runs it. Prints the chosen plan, its predicted device memory and step time, and
+the planning time (wall seconds of the whole command, Python start included)::
+
+    .venv/bin/python bench/llama7b_24gb.py            # add --only llama2 to run one model
+
+Planning times depend on this machine's load: run it on an idle machine. The memory figures are
+predictions for the preset, not measurements; a GPU run is what proves them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MEMFIT = [sys.executable, "-m", "memfit.cli.main"]
+MODELS = {
+    "llama2": "llama",
+    "llama3": "llama:vocab_size=128256,intermediate_size=14336,num_key_value_heads=8,rope_theta=500000",
+}
+SEARCHES = {"default": [], "+adamw4bit-ao": ["--optimizers", "adamw,adamw8bit,adamw4bit-ao"]}
+
+
+def run(spec: str, extra: list[str]) -> dict:
+    argv = [*MEMFIT, "plan", spec, "-b", "1", "--seq-len", "2048", "--device", "rtx4090", *extra]
+    start = time.perf_counter()
+    out = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
+    seconds = time.perf_counter() - start
+    text = out.stdout + out.stderr
+    chosen = re.search(r"^chosen: (.*) · predicted ([\d.]+ GiB) · ([\d.]+) ms/step", text, re.M)
+    header = re.search(r"(\d+) candidate plans, (\d+) traced", text)
+    return {"seconds": seconds, "rc": out.returncode, "plan": chosen.group(1) if chosen else text.strip()[-300:],
+            "memory": chosen.group(2) if chosen else "-", "ms": chosen.group(3) if chosen else "-",
+            "traced": header.group(2) if header else "-", "command": " ".join(argv[3:])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=sorted(MODELS))
+    args = ap.parse_args()
+    for name, spec in MODELS.items():
+        if args.only and name != args.only:
+            continue
+        for search, extra in SEARCHES.items():
+            r = run(spec, extra)
+            print(f"{name:7} {search:14} {r['memory']:>10} {r['ms']:>8} ms/step  {r['traced']:>4} traced  "
+                  f"{r['seconds']:6.1f} s  {r['plan']}")
+            print(f"        memfit {r['command']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""Progress of a plan search on stderr: a live line on a terminal, nothing in logs.
+
+A search first times the techniques (real steps on the CPU; one trace per technique value on GPU
+presets), then walks the candidates fastest first, tracing until one fits. Its length is not
+known in advance: the bar counts the plans traced against the trace limit (``--max-traces``), and
+shows the candidates still open and the seconds so far. Piped to a file or a CI log it writes
+nothing: the result's header has the counts.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+class PlanProgress:
+    """``stage(text)`` names what runs now; ``walk(traced, limit, open_plans)`` after each plan the
+    walk measures. A no-op unless ``stream`` is a terminal."""
+
+    def __init__(self, stream=None) -> None:
+        self.stream = stream or sys.stderr
+        self._bar = self._task = None
+        self._t0 = time.perf_counter()
+
+    def __enter__(self) -> PlanProgress:
+        if self.stream.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as RichProgress
+            self._bar = RichProgress(TextColumn("plan {task.description}"), BarColumn(), MofNCompleteColumn(),
+                                     TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                                     console=Console(file=self.stream), transient=True)
+            self._bar.__enter__()
+            self._task = self._bar.add_task("timing techniques", total=None, info="")
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+        return False
+
+    def stage(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, description=text)
+
+    def walk(self, traced: int, limit: int, open_plans: int) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, description="traces", completed=traced, total=limit,
+                             info=f"{open_plans} candidates open")
+
+
+class NoProgress:
+    def stage(self, text: str) -> None:
+        pass
+
+    def walk(self, traced: int, limit: int, open_plans: int) -> None:
+        pass
