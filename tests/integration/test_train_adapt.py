@@ -116,7 +116,7 @@ def test_on_a_gpu_the_budget_is_the_allocators_limit_and_predictions_use_reserve
     from memfit.memory.budget import Budget
     from memfit.target import Target
     from memfit.training.adapt import FitPredictor
-    from memfit.training.loop import limit_cuda_allocator
+    from memfit.training.enforce import limit_cuda_allocator
     gpu = get_device("rtx4090")
     plan = Plan(micro_batch_size=2)
     reserved = estimate(NO_DROPOUT, plan, batch_size=BATCH, seq_len=64, device=gpu).reserved_bytes

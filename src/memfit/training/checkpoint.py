@@ -15,6 +15,7 @@ folder's current checkpoint is the one of the later step.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from pathlib import Path
@@ -179,3 +180,20 @@ def _alive(pid: int) -> bool:
 
 def exists(out_dir: Path) -> bool:
     return (out_dir / NAME).is_file() or sharded_checkpoint.exists(out_dir)
+
+
+def drop_records_after(path: Path, step: int) -> None:
+    """A run that died after its last checkpoint logged steps that the resumed run does again:
+    keep the records up to the checkpoint's step, so each step has one record."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by the crash
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)

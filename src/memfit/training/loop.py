@@ -26,7 +26,6 @@ import contextlib
 import json
 import os
 import random
-import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +38,6 @@ from memfit.memory.adapters import fsdp_resizes
 from memfit.memory.budget import Budget
 from memfit.memory.categories import STEADY_STEP
 from memfit.memory.estimate import estimate_target
-from memfit.memory.guard import BudgetGuard
 from memfit.memory.measure import PeakWindow
 from memfit.planner.search import plan as make_plan
 from memfit.planner.space import model_facts
@@ -51,6 +49,7 @@ from memfit.techniques.sharding import on_ranks
 from memfit.training import checkpoint, distributed
 from memfit.training.adapt import FitPredictor, OutOfAdaptations, run_adapting
 from memfit.training.data import ByteCorpus, text_batches
+from memfit.training.enforce import arm, enforce, step_peak
 from memfit.training.progress import Progress
 from memfit.training.rebuild import rebuild
 from memfit.training.report import final_report
@@ -169,7 +168,7 @@ class _Run:
         random.seed(options.seed)
         self.step: TrainStep | None = None
         """The step running now (a new one after each adaptation)."""
-        self.guard = _guard(budget)
+        self.guard = enforce(budget)
         self.window = PeakWindow(target.device) if not options.resume else None
         self.fits = None
         if budget is not None or target.device.is_gpu:
@@ -225,9 +224,9 @@ class _Run:
             start, samples_seen = checkpoint.restore(self.step, self.state) if options.resume else (0, 0)
             self.state = None  # tensors the checkpoint held that the step did not take are freed here
             if self.guard is not None:
-                _arm(self.guard, self.step)
+                arm(self.guard, self.step)
             if options.resume and main:
-                _drop_records_after(options.out_dir / "metrics.jsonl", start)
+                checkpoint.drop_records_after(options.out_dir / "metrics.jsonl", start)
             metrics = (stack.enter_context(open(options.out_dir / "metrics.jsonl", "a" if options.resume else "w"))
                        if main else None)
             bar = stack.enter_context(Progress(options.steps, start=start, budget_bytes=result.budget_bytes,
@@ -311,7 +310,7 @@ class _Run:
 
     def _record(self, metrics, bar: Progress, index: int, loss: float, seconds: float, measured: bool) -> None:
         result, info, bs = self.result, self.target.workload.info, self.target.batch_size
-        peak, kind = _step_peak(result.measured_peak_bytes if measured else None, self.guard, self.target.device)
+        peak, kind = step_peak(result.measured_peak_bytes if measured else None, self.guard, self.target.device)
         rate, unit = (bs * info.seq_len / seconds, "tokens") if self.corpus is not None else (bs / seconds, "samples")
         record = {"step": index, "loss": loss, "seconds": seconds, "time": time.time(),
                   f"{unit}_per_second": rate, "peak_bytes": peak, "peak_kind": kind}
@@ -395,23 +394,6 @@ def _predicted_peak(target: Target) -> int:
         return estimate_target(target).measurable_peak_bytes
 
 
-def _drop_records_after(path: Path, step: int) -> None:
-    """A run that died after its last checkpoint logged steps that the resumed run does again:
-    keep the records up to the checkpoint's step, so each step has one record."""
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line)["step"] <= step:
-                kept.append(line)
-        except (ValueError, KeyError, TypeError):
-            continue  # a line cut short by the crash
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    tmp.replace(path)
-
-
 def _save_on_interrupt(out_dir: Path, step: TrainStep, done: int, last_saved: int, samples_seen: int, rng: dict,
                        workload: str, requested: Plan, bar: Progress) -> None:
     """Ctrl-C: keep the steps done. If nothing of the interrupted step was applied yet (no optimizer
@@ -439,47 +421,6 @@ def _out_of_adaptations(e: OutOfAdaptations, target: Target, budget: Budget | No
     return UserError(f"out of memory with every adaptation applied ({e.plan.describe()}): the step needs "
                      f"{fmt_bytes(need)} (predicted) and {limit} is smaller; give at least that, a smaller "
                      "--batch-size, or let the planner search every technique (memfit plan WORKLOAD --budget ...)")
-
-
-def _guard(budget: Budget | None) -> BudgetGuard | None:
-    """Enforce the budget: on a CPU with the BudgetGuard, on a GPU with the caching allocator's own
-    per-process limit (it raises torch.OutOfMemoryError past it)."""
-    if budget is None:
-        return None
-    if budget.device.is_gpu:
-        limit_cuda_allocator(budget.bytes)
-        return None
-    return BudgetGuard(budget.bytes)
-
-
-def limit_cuda_allocator(budget_bytes: int) -> float:
-    """Cap what PyTorch's CUDA allocator may reserve at ``budget_bytes``; returns the fraction set."""
-    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    fraction = min(1.0, budget_bytes / total)
-    torch.cuda.set_per_process_memory_fraction(fraction)
-    return fraction
-
-
-def _arm(guard: BudgetGuard, step: TrainStep) -> None:
-    """Count what the step holds (also what a checkpoint restored), refuse a budget it already
-    exceeds, and start enforcing."""
-    guard.watch([list(step.model.parameters()), list(step.model.buffers()), step.optimizer.state_dict()])
-    if guard.live_bytes > guard.budget_bytes:
-        raise UserError(f"the budget {fmt_bytes(guard.budget_bytes)} is below what the model and optimizer hold "
-                        f"before the first step ({fmt_bytes(guard.live_bytes)}); give a larger budget, or let "
-                        "memfit choose a plan (memfit plan WORKLOAD --budget ...)")
-    guard.reset_peak()
-    guard.armed = True
-
-
-def _step_peak(measured: int | None, guard: BudgetGuard | None, dev: Device) -> tuple[int, str]:
-    if measured is not None:
-        return measured, "allocator (profiler)" if dev.kind == "cpu" else "allocator (cuda)"
-    if guard is not None:
-        return guard.peak_bytes, "device (budget guard)"
-    if dev.kind == "cuda":
-        return torch.cuda.max_memory_allocated(), "allocator (cuda, run peak)"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process RSS"
 
 
 def _out_dir(out: str | Path) -> Path:
