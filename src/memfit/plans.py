@@ -104,6 +104,12 @@ class Plan:
                 values.update(BY_NAME[name].default.values())
         return Plan(**values)
 
+    @property
+    def numerics(self) -> tuple[str, ...]:
+        """How this plan's updates differ from the workload's own step (bf16 weights, low-bit optimizer
+        states, stochastic rounding, quantized base weights), one phrase per technique; empty: none."""
+        return tuple(cfg.numerics for cfg in self.techniques if cfg.numerics)
+
     def check_implemented(self) -> None:
         """Refuse what this version cannot run yet (the schema has it so that plan files stay stable)."""
         for cfg in self.techniques:

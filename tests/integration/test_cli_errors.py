@@ -182,7 +182,8 @@ def test_permission_denied_is_one_line(files, monkeypatch):
 
 def test_plan_precision_auto_resolves_for_the_device(files):
     """--precision auto used to end in KeyError: 'auto' when exporting the chosen plan."""
-    argv = ["plan", GPT2, *SMALL, "--device", "h100-80gb", "--max-traces", "2", "--precision", "auto",
+    argv = ["plan", GPT2, *SMALL, "--device", "h100-80gb", "--max-traces", "2", "--optimizers", "adamw",
+            "--precision", "auto",
             "--format", "lightning"]
     rc, out, err = run(argv)
     check(argv, rc, err)

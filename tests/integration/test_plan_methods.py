@@ -18,7 +18,7 @@ TINY = ("llama:num_hidden_layers=1,hidden_size=64,intermediate_size=128,num_atte
 
 def test_methods_are_ranked_side_by_side_and_said_to_train_different_things():
     code, out, _ = run(["plan", TINY, "--seq-len", "32", "-b", "2", "--methods", "full,lora", "--device",
-                        "h100-80gb", "--max-traces", "4", "--json"])
+                        "h100-80gb", "--max-traces", "4", "--optimizers", "adamw", "--json"])
     assert code == 0
     data = json.loads(out)
     assert "train different things" in data["note"]
@@ -32,7 +32,7 @@ def test_methods_are_ranked_side_by_side_and_said_to_train_different_things():
 
 def test_the_planner_never_changes_the_method_by_itself():
     code, out, _ = run(["plan", TINY, "--seq-len", "32", "-b", "2", "--device", "h100-80gb", "--max-traces", "4",
-                        "--json"])
+                        "--optimizers", "adamw", "--json"])
     assert code == 0
     ranked = json.loads(out)["ranked"]
     assert ranked and all(r["plan"]["adapter"] == "none" and r["plan"]["base_weights"] == "as-is" for r in ranked)

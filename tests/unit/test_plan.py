@@ -113,3 +113,11 @@ def test_plan_is_written_and_its_field_order_is_the_build_order():
             firsts.append(technique)
     assert built == firsts
     assert built.index("adapter") < built.index("precision") < built.index("checkpointing")
+
+
+def test_a_plan_says_how_it_changes_numerics():
+    assert Plan().numerics == () and Plan(precision="bf16", checkpointing="blocks", loss_chunks=4).numerics == ()
+    lossy = Plan(precision="bf16-pure", optimizer="adamw4bit-ao", bf16_update="stochastic")
+    assert lossy.numerics == ("bf16 weights (no fp32 master copy)", "4-bit AdamW states",
+                              "stochastic rounding of bf16 updates")
+    assert Plan(optimizer="adamw8bit").numerics == ("8-bit AdamW states",)

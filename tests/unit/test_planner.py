@@ -180,3 +180,21 @@ def test_offloaded_states_take_the_optimizer_out_of_the_memory_order():
     assert on_device and not offloaded
     assert saves_no_more_than(Plan(optimizer="adamw8bit", offload=["optimizer_states"]),
                               Plan(optimizer="adamw8bit", offload=["optimizer_states"], checkpointing="blocks"), 1)
+
+
+def test_the_default_optimizer_search_is_the_adamw_class_on_gpus(monkeypatch):
+    """GPU presets: AdamW at every state precision (8-bit bitsandbytes, torchao 8/4-bit and fp8); the
+    CPU (real steps, torchao compiles its update first): adamw and adamw8bit. A torchao that cannot
+    run here is left out with a note, never planned."""
+    from memfit.devices import get_device
+    from memfit.techniques import optimizers
+    from memfit.techniques.base import SearchContext
+
+    gpu, cpu = get_device("rtx4090"), get_device("cpu")
+    assert optimizers.search(SearchContext(model=None, device=gpu, batch_size=1)) == list(optimizers.ADAMW_CLASS)
+    assert optimizers.search(SearchContext(model=None, device=cpu, batch_size=1)) == ["adamw", "adamw8bit"]
+    monkeypatch.setattr(optimizers, "torchao_problem", lambda name: f"optimizer {name} needs torchao")
+    ctx = SearchContext(model=None, device=gpu, batch_size=1)
+    assert optimizers.search(ctx) == ["adamw", "adamw8bit"]
+    assert ctx.notes == [f"{n} left out: optimizer {n} needs torchao" for n in ("adamw8bit-ao", "adamw4bit-ao",
+                                                                               "adamwfp8-ao")]

@@ -21,8 +21,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also print the plan as Hugging Face TrainingArguments or Lightning Trainer keyword "
                         "arguments (accepted unchanged), what they cannot carry and memfit's callback that applies it")
     p.add_argument("--pareto", metavar="FILE.png", help="write a memory vs time plot of the evaluated plans")
-    p.add_argument("--optimizers", default="adamw,adamw8bit",
-                   help="optimizer variants to consider (adamw,adamw8bit,adafactor,sgd)")
+    p.add_argument("--optimizers", default=None,
+                   help="optimizer variants to consider, from adamw, adamw8bit, adamw8bit-ao, adamw4bit-ao, "
+                        "adamwfp8-ao, adafactor, sgd, or adamw-class (all the AdamW ones: the default for GPU "
+                        "presets; adamw,adamw8bit on the CPU)")
     p.add_argument("--methods", metavar="METHODS",
                    help="compare fine-tuning methods side by side (full,lora,dora,qlora; they train different "
                         "things): each gets its fastest plan that fits. Default: the workload's own method only")
@@ -65,8 +67,10 @@ def run(args: argparse.Namespace) -> int:
         if bad:
             raise UserError(f"--compile-modes: unknown mode {bad[0]!r}; give some of {', '.join(COMPILE_MODES)}, "
                             "separated by commas")
-    optimizers = tuple(o.strip() for o in args.optimizers.split(",") if o.strip())
-    for o in optimizers:
+    from memfit.techniques.optimizers import ADAMW_CLASS
+    optimizers = tuple(x for o in (args.optimizers or "").split(",") if o.strip()
+                       for x in (ADAMW_CLASS if o.strip() == "adamw-class" else (o.strip(),))) or None
+    for o in optimizers or ():
         if o not in OPTIMIZERS:
             raise UserError(f"--optimizers: unknown optimizer {o!r}; choose from {', '.join(OPTIMIZERS)}")
     given = plan_from_args(args)

@@ -69,7 +69,8 @@ class PlanResult:
             return {"plan": c.plan.to_dict(), "predicted_step_seconds": c.seconds,
                     "steady_step_seconds": c.step_seconds if c.step_seconds is not None else c.seconds,
                     "compile_seconds": c.compile_seconds, "status": c.status.value,
-                    "reason": c.reason, "used_bytes": c.used_bytes, "peak_bytes": c.peak_bytes}
+                    "reason": c.reason, "used_bytes": c.used_bytes, "peak_bytes": c.peak_bytes,
+                    "changes_numerics": list(c.plan.numerics)}
         evaluated = [c for c in self.candidates if not c.open]
         return {"workload": self.workload, "device": self.device, "batch_size": self.batch_size,
                 "budget_bytes": self.budget_bytes, "time_model": self.time_model, "run_steps": self.run_steps,
@@ -86,7 +87,7 @@ def resolve_budget(budget: str | int | None, device: Device) -> int:
 
 def plan(workload: Workload | str, *, budget: str | int | None = None, device: str | Device = "cpu",
          batch_size: int | None = None, seq_len: int | None = None,
-         optimizers: tuple[str, ...] = ("adamw", "adamw8bit"), max_traces: int = 60,
+         optimizers: tuple[str, ...] | None = None, max_traces: int = 60,
          time_model: StepTimeModel | None = None, space=None, fixed: dict | None = None,
          compile_modes: tuple[str, ...] | None = None, steps: int | None = None, progress=None) -> PlanResult:
     """The fastest plan for ``workload`` whose predicted memory fits ``budget`` on ``device``.

@@ -57,7 +57,7 @@ def model_facts(workload: Workload) -> ModelFacts:
 
 
 def default_space(facts: ModelFacts, device: Device, batch_size: int,
-                  optimizers: tuple[str, ...] = ("adamw", "adamw8bit"),
+                  optimizers: tuple[str, ...] | None = None,
                   compile_modes: tuple[str, ...] | None = None) -> SearchSpace:
     """``compile_modes``: the compile modes to try; None: the device's default (memfit.techniques.compile)."""
     ctx = SearchContext(model=facts.model, device=device, batch_size=batch_size,

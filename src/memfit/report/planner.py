@@ -27,6 +27,9 @@ def print_plan_result(result, console: Console | None = None, top: int = 12) -> 
         compiling = f" · compile {_compile_time(ch)}" if ch.compile_seconds else ""
         c.print(f"[green]chosen:[/] {escape(ch.plan.describe())} · predicted {fmt_bytes(ch.used_bytes)} · "
                 f"{ch.seconds * 1e3:.1f} ms/step{compiling}")
+        if ch.plan.numerics:
+            c.print(f"[yellow]changes numerics:[/] {escape(', '.join(ch.plan.numerics))} (the updates differ from "
+                    "the workload's own fp32 step; see docs/numerics.md)")
         c.print(escape(ch.plan.to_yaml().rstrip()))
     else:
         s = result.smallest
@@ -43,9 +46,12 @@ def print_plan_result(result, console: Console | None = None, top: int = 12) -> 
         mem = fmt_bytes(x.used_bytes) if x.used_bytes is not None else "-"
         style = {"chosen": "green", "too big": "red"}.get(x.status, "dim")
         compile_cell = (_compile_time(x) if x.compile_seconds else "-",) if compiles else ()
-        t.add_row(escape(x.plan.short(result.batch_size)), mem, f"{x.seconds * 1e3:.1f}", *compile_cell,
+        t.add_row(escape(x.plan.short(result.batch_size)) + (" *" if x.plan.numerics else ""), mem, f"{x.seconds * 1e3:.1f}", *compile_cell,
                   f"[{style}]{x.status}[/]: {escape(x.reason)}")
     c.print(t)
+    if any(x.plan.numerics for x in shown):
+        c.print("[dim]* changes numerics (bf16 weights, low-bit optimizer states, stochastic rounding, quantized "
+                "base weights): its updates differ from the workload's own step[/]")
     pruned = sum(x.status == "pruned" for x in result.candidates)
     if pruned:
         c.print(f"[dim]{pruned} plans pruned without tracing: they save no more memory than a plan that did "

@@ -105,6 +105,9 @@ class Config:
     """Only adds work (recompute, copies): a calibrated factor below 1 is timing noise."""
     warms_up: ClassVar[bool] = False
     """Costs time once before the first step (compiling): the calibrated model measures it."""
+    numerics: ClassVar[str | None] = None
+    """How this config changes the numbers the update computes, in a few words (e.g. "4-bit AdamW
+    states"); None: it computes what the workload's own step computes (up to kernel rounding)."""
 
     # -- what the plan holds -----------------------------------------------------------------
     def values(self) -> dict[str, Any]:

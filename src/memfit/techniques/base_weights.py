@@ -78,6 +78,10 @@ class Quantized4bit(BaseWeights):
     double_quant: bool = False
     """Quantize the block scales too (8-bit absmax, one fp32 scale per 256 blocks)."""
 
+    @property
+    def numerics(self) -> str:
+        return f"{self.quant_type.upper()} base weights"
+
     def trace_context(self) -> contextlib.AbstractContextManager:
         return _bnb_on_fake_tensors(tables=True)
 
@@ -111,6 +115,8 @@ class Quantized4bit(BaseWeights):
 @dataclass(frozen=True)
 class Int8Weights(BaseWeights):
     """bitsandbytes ``Linear8bitLt`` (LLM.int8 with outlier threshold 6.0)."""
+
+    numerics = "int8 base weights"
 
     def values(self) -> dict:
         return {"base_weights": "int8"}

@@ -157,6 +157,10 @@ class CompensatedUpdate(BF16Update):
     rounding: str = "stochastic"
     """stochastic (no extra memory) | kahan (a bf16 compensation buffer per weight)."""
 
+    @property
+    def numerics(self) -> str:
+        return "stochastic rounding of bf16 updates" if self.rounding == "stochastic" else "Kahan-compensated bf16 updates"
+
     def check(self, plan) -> None:
         if not isinstance(plan.config("precision"), BF16Pure):
             raise UserError(f"plan: bf16_update: {self.rounding} applies to precision: bf16-pure only")

@@ -37,8 +37,19 @@ from memfit.techniques.optimizer_variant import (
     regroup,
 )
 from memfit.techniques.optimizers_torchao import VARIANTS as TORCHAO_VARIANTS
+from memfit.techniques.optimizers_torchao import torchao_problem
 
 NAMES = ("adamw", "adamw8bit", "adafactor", "sgd", "adamw8bit-ao", "adamw4bit-ao", "adamwfp8-ao")
+ADAMW_CLASS = ("adamw", "adamw8bit", "adamw8bit-ao", "adamw4bit-ao", "adamwfp8-ao")
+"""What the planner searches by default for GPU presets: AdamW at any state precision (offloaded
+or not). On the CPU, where the planner times real steps and torchao's updates compile with
+inductor first, the default is adamw and adamw8bit."""
+CPU_DEFAULT = ("adamw", "adamw8bit")
+
+
+def default_optimizers(device) -> tuple[str, ...]:
+    """The optimizer variants the planner searches unless told (``--optimizers``)."""
+    return ADAMW_CLASS if device.is_gpu else CPU_DEFAULT
 ADAMW8BIT_FALLBACK = ("optimizer adamw8bit needs bitsandbytes (pip install bitsandbytes), which is not installed "
                       "here: the step runs torch.optim.AdamW with fp32 states instead")
 
@@ -49,6 +60,7 @@ class SGDMomentum(OptimizerVariant):
 
     name = "sgd"
     rank = 1
+    numerics = "SGD (not AdamW)"
 
     def factory(self, workload_factory, params):
         like = workload_factory(params)
@@ -62,6 +74,7 @@ class Adafactor(OptimizerVariant):
 
     name = "adafactor"
     rank = 2
+    numerics = "Adafactor (not AdamW)"
 
     def factory(self, workload_factory, params):
         like = workload_factory(params)
@@ -75,6 +88,7 @@ class AdamW8bit(OptimizerVariant):
 
     name = "adamw8bit"
     rank = 1
+    numerics = "8-bit AdamW states"
 
     def factory(self, workload_factory, params):
         like = workload_factory(params)
@@ -222,12 +236,17 @@ def parse(values: dict) -> OptimizerVariant:
 
 
 def search(ctx: SearchContext) -> list[str]:
-    names = list(ctx.options.get("optimizers", ("adamw", "adamw8bit")))
+    names = list(ctx.options.get("optimizers") or default_optimizers(ctx.device))
     if "adamw8bit" in names and not bitsandbytes_available():  # predicted = what runs: never plan a fallback
         names.remove("adamw8bit")
         ctx.notes.append("adamw8bit left out: it needs bitsandbytes, which is not installed here "
                          "(pip install bitsandbytes)")
         warnings.warn(f"plan: {ctx.notes[-1]}", stacklevel=2)
+    for name in [n for n in names if n in TORCHAO_VARIANTS]:
+        missing = torchao_problem(name)
+        if missing:
+            names.remove(name)
+            ctx.notes.append(f"{name} left out: {missing}")
     return names
 
 

@@ -126,6 +126,7 @@ class AoAdamW8bit(TorchaoAdamW):
 
     name = "adamw8bit-ao"
     rank = 1
+    numerics = "8-bit AdamW states"
     hf_name = "adamw_torch_8bit"
 
 
@@ -135,6 +136,7 @@ class AoAdamW4bit(TorchaoAdamW):
 
     name = "adamw4bit-ao"
     rank = 2
+    numerics = "4-bit AdamW states"
     hf_name = "adamw_torch_4bit"
 
 
@@ -144,6 +146,7 @@ class AoAdamWFp8(TorchaoAdamW):
 
     name = "adamwfp8-ao"
     rank = 1
+    numerics = "fp8 AdamW states"
 
 
 VARIANTS = {cls.name: cls for cls in (AoAdamW8bit, AoAdamW4bit, AoAdamWFp8)}

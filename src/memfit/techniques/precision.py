@@ -169,6 +169,7 @@ class BF16Pure(Precision):
 
     name = "bf16-pure"
     rank = 2
+    numerics = "bf16 weights (no fp32 master copy)"
 
     def resolve(self, device) -> Precision:
         if not device.bf16:
