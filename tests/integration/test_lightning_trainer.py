@@ -162,7 +162,7 @@ def test_the_plan_export_s_trainer_arguments_run_with_the_callback():
     """``memfit plan --format lightning`` writes Trainer kwargs and names the callback for the rest:
     the two together train. Here Trainer(precision='bf16-mixed') with a bf16 plan: memfit's step
     autocasts, Lightning's plugin is replaced by the plain one, and the peak is still the prediction."""
-    from memfit.planner.export import to_lightning
+    from memfit.integrations.export import to_lightning
     plan = memfit.Plan(precision="bf16", checkpointing="blocks")
     exported = to_lightning(plan, BATCH, "cpu")
     assert exported.kwargs["precision"] == "bf16-mixed" and exported.unmapped == ("checkpointing: blocks",)

@@ -7,7 +7,7 @@ import pytest
 from memfit.devices import get_device
 from memfit.errors import UserError
 from memfit.integrations.core import take_arguments, trainer_configs
-from memfit.planner.export import export
+from memfit.integrations.export import export
 from memfit.plans import Plan
 from memfit.techniques.base import Export
 

@@ -6,9 +6,9 @@ import yaml
 from memfit.cli.main import main
 from memfit.devices import get_device
 from memfit.errors import UserError
+from memfit.integrations.export import to_hf, to_lightning
 from memfit.memory.measure import profile
 from memfit.planner.cost import TimeModel
-from memfit.planner.export import to_hf, to_lightning
 from memfit.planner.search import plan, resolve_budget
 from memfit.planner.space import candidates, default_space, model_facts, saves_no_more_than
 from memfit.plans import Plan

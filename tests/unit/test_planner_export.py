@@ -21,7 +21,7 @@ import torch
 
 from memfit.cli.main import main
 from memfit.devices import get_device
-from memfit.planner.export import HF_CALLBACK, HF_TRAINER, LIGHTNING_CALLBACK, to_hf, to_lightning
+from memfit.integrations.export import HF_CALLBACK, HF_TRAINER, LIGHTNING_CALLBACK, to_hf, to_lightning
 from memfit.plans import Plan
 
 HF_OPTIM = {"adamw": "adamw_torch", "adamw8bit": "adamw_bnb_8bit", "adafactor": "adafactor", "sgd": "sgd"}
@@ -201,7 +201,7 @@ def test_a_lightning_export_that_names_the_callback_leaves_the_micro_batches_to_
     """With the callback, memfit's step splits the whole batch (Lightning's manual optimization
     does not accumulate, and the callback refuses accumulate_grad_batches > 1); without it,
     Lightning accumulates micro-batches the DataLoader makes."""
-    from memfit.planner.export import to_lightning
+    from memfit.integrations.export import to_lightning
     with_callback = to_lightning(Plan(micro_batch_size=2, checkpointing="selective"), 8, "cpu")
     assert "accumulate_grad_batches" not in with_callback.kwargs
     assert "micro_batch_size: 2" in with_callback.unmapped

@@ -43,8 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from memfit.errors import UserError
+    from memfit.integrations.export import to_hf, to_lightning
     from memfit.outputs import IMAGE_SUFFIXES, check_output_file
-    from memfit.planner.export import to_hf, to_lightning
     from memfit.planner.progress import PlanProgress
     from memfit.planner.search import plan
     from memfit.plans import Plan

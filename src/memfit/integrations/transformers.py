@@ -59,8 +59,8 @@ from memfit.errors import UserError
 from memfit.integrations import core
 from memfit.integrations.apply import as_plan, hf_loss
 from memfit.integrations.core import ERROR, MEASURED, PREDICTED
+from memfit.integrations.export import HF_CALLBACK_APPLIES, hf_unmapped_of, to_hf
 from memfit.memory.measure import PeakWindow
-from memfit.planner.export import HF_CALLBACK_APPLIES, hf_unmapped_of, to_hf
 from memfit.plans import TECHNIQUES, Plan
 from memfit.techniques.base import Export
 from memfit.techniques.precision import Autocast, BF16Pure

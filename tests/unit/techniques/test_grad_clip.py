@@ -10,7 +10,7 @@ from torch import nn
 from helpers import measured
 from memfit.cli.main import main
 from memfit.errors import UserError
-from memfit.planner.export import to_hf, to_lightning
+from memfit.integrations.export import to_hf, to_lightning
 from memfit.plans import Plan
 from memfit.step import build_step
 from memfit.workload import Workload
