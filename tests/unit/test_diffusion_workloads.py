@@ -34,7 +34,7 @@ RESOLUTION = {"dit-lumina2": 128, "dit-sd3": 128, "unet-sdxl": 128, "unet-sd15":
 CASES = [(arch, precision, ckpt) for arch in ("dit-lumina2", "unet-sdxl") for precision in ("fp32", "bf16")
          for ckpt in ("none", "blocks") if (arch, precision) != ("unet-sdxl", "fp32")] + [
     ("dit-sd3", "fp32", "none"), ("dit-sd3", "bf16", "blocks"), ("unet-sd15", "fp32", "none")]
-SLOW = {("unet-sdxl", "bf16", "none")}
+SLOW = {("unet-sdxl", "bf16", "none"), ("unet-sdxl", "bf16", "blocks")}
 
 
 def _profile(arch: str, precision: str, ckpt: str):

@@ -114,8 +114,11 @@ def test_readme_is_one_page_and_its_links_resolve():
             assert (ROOT / target).exists(), f"README.md links to {target}, which does not exist"
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if any(b.not_run is None and b.lang in RUNNABLE
-                                                          for b in blocks(p))], ids=lambda p: p.name)
+# README's blocks plan for a GPU preset over the AdamW class and train twice (about 2 minutes here):
+# they run in the slow suite (make test-slow), the other pages' blocks in the default one.
+@pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.slow) if p.name == "README.md" else p
+                                  for p in PAGES if any(b.not_run is None and b.lang in RUNNABLE for b in blocks(p))],
+                         ids=lambda p: p.name)
 def test_code_blocks_run(page, tmp_path, monkeypatch):
     """Each runnable block of the page, in order, in one folder (NOTE [ Code blocks in the docs ])."""
     import torch
