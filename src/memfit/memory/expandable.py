@@ -133,9 +133,6 @@ class ExpandableSegmentsModel:
         hole.state = "free"
         self.reserved += mapped
         self.peak_reserved = max(self.peak_reserved, self.reserved)
-        for nb in (hole.prev, hole.next):
-            if nb is not None and nb.state == "free":
-                self._remove_free(nb)
         block = self._merge(hole)
         self._insert_free(block)
         return block
@@ -150,12 +147,12 @@ class ExpandableSegmentsModel:
         return rest
 
     def _merge(self, block: _Block) -> _Block:
-        """Merge ``block`` with neighbours of its state (already out of their lists)."""
+        """Merge ``block`` (in no list) with its neighbours of the same state (taken out of theirs)."""
         for nb in (block.prev, block.next):
             if nb is None or nb.state != block.state:
                 continue
-            if nb.state == "free" and nb is not block:
-                self._remove_free(nb, missing_ok=True)
+            if nb.state == "free":
+                self._remove_free(nb)
             elif nb.state == "unmapped":
                 self._remove_unmapped(nb)
             first, second = (nb, block) if nb is block.prev else (block, nb)
@@ -169,13 +166,11 @@ class ExpandableSegmentsModel:
     def _insert_free(self, block: _Block) -> None:
         bisect.insort(self._free.setdefault(block.key, []), (block.size, block.offset, block))
 
-    def _remove_free(self, block: _Block, missing_ok: bool = False) -> None:
-        pool = self._free.get(block.key, [])
+    def _remove_free(self, block: _Block) -> None:
+        pool = self._free[block.key]
         i = bisect.bisect_left(pool, (block.size, block.offset))
-        if i < len(pool) and pool[i][2] is block:
-            pool.pop(i)
-        elif not missing_ok:
-            raise AssertionError("block not in its free list")
+        assert pool[i][2] is block, "block not in its free list"
+        pool.pop(i)
 
     def _add_unmapped(self, block: _Block) -> None:
         bisect.insort(self._unmapped.setdefault(block.key, []), (block.offset, block))

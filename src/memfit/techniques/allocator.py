@@ -42,16 +42,19 @@ def environment_expands() -> bool:
 
 
 class Segments(Config):
+    value: str
     expands: bool
 
     def values(self) -> dict:
-        return {"allocator": "expandable" if isinstance(self, ExpandableSegments) else "default"}
+        return {"allocator": self.value}
 
 
 @dataclass(frozen=True)
 class DefaultSegments(Segments):
     """The allocator as the process has it: PyTorch's default segments, unless
     ``PYTORCH_CUDA_ALLOC_CONF`` turns expandable segments on (then they are predicted)."""
+
+    value = "default"
 
     @property
     def expands(self) -> bool:
@@ -62,6 +65,7 @@ class DefaultSegments(Segments):
 class ExpandableSegments(Segments):
     """Expandable segments, turned on before the step's first CUDA allocation."""
 
+    value = "expandable"
     expands = True
 
     def apply(self, parts) -> None:

@@ -194,6 +194,12 @@ def _mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(pred.float(), target.float())
 
 
+def _transformer_loss(model, batch: dict) -> torch.Tensor:
+    """A DiT's denoising loss: every batch entry but the target is a keyword of its forward."""
+    inputs = {k: v for k, v in batch.items() if k != "target"}
+    return _mse(model(**inputs, return_dict=False)[0], batch["target"])
+
+
 # -- the workloads ---------------------------------------------------------------------------------
 def lumina2(overrides: dict, seq_len: int | None, resolution: int | None) -> Workload:
     _no_seq_len(LUMINA2.arch, seq_len)
@@ -207,13 +213,9 @@ def lumina2(overrides: dict, seq_len: int | None, resolution: int | None) -> Wor
         return {"hidden_states": noisy, "timestep": t, "encoder_hidden_states": torch.randn(b, caption, width),
                 "encoder_attention_mask": torch.ones(b, caption, dtype=torch.bool), "target": target}
 
-    def loss(model, batch: dict) -> torch.Tensor:
-        inputs = {k: v for k, v in batch.items() if k != "target"}
-        return _mse(model(**inputs, return_dict=False)[0], batch["target"])
-
     res = side * VAE_FACTOR
     info = _info(LUMINA2, res, kw, ("hidden_size", "num_layers", "num_attention_heads", "cap_feat_dim"))
-    return _workload(LUMINA2, _build(LUMINA2, cls, kw, overrides), batch, loss, res, info)
+    return _workload(LUMINA2, _build(LUMINA2, cls, kw, overrides), batch, _transformer_loss, res, info)
 
 
 def sd3(overrides: dict, seq_len: int | None, resolution: int | None) -> Workload:
@@ -233,13 +235,9 @@ def sd3(overrides: dict, seq_len: int | None, resolution: int | None) -> Workloa
                 "encoder_hidden_states": torch.randn(b, SD3.caption_tokens, kw["joint_attention_dim"]),
                 "pooled_projections": torch.randn(b, kw["pooled_projection_dim"]), "target": target}
 
-    def loss(model, batch: dict) -> torch.Tensor:
-        inputs = {k: v for k, v in batch.items() if k != "target"}
-        return _mse(model(**inputs, return_dict=False)[0], batch["target"])
-
     res = side * VAE_FACTOR
     info = _info(SD3, res, kw, ("num_layers", "num_attention_heads", "attention_head_dim", "joint_attention_dim"))
-    return _workload(SD3, _build(SD3, cls, kw, overrides), batch, loss, res, info)
+    return _workload(SD3, _build(SD3, cls, kw, overrides), batch, _transformer_loss, res, info)
 
 
 def _unet(m: ImageModel):
