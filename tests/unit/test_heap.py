@@ -34,15 +34,16 @@ def test_frozen_heap_freezes_only_inside_and_collects_what_the_block_made():
     assert old_ref() is None
 
 
-def test_frozen_heap_leaves_a_callers_freeze_alone():
-    gc.freeze()
-    try:
-        count = gc.get_freeze_count()
-        with frozen_heap():
-            pass
-        assert gc.get_freeze_count() >= count > 0
-    finally:
-        gc.unfreeze()
+def test_frozen_heap_leaves_a_callers_freeze_alone(monkeypatch):
+    # The freeze count is no witness: frozen objects freed by reference counting leave the
+    # permanent generation and lower it. What matters is that the block neither freezes nor thaws.
+    calls = []
+    monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze"))
+    monkeypatch.setattr(gc, "unfreeze", lambda: calls.append("unfreeze"))
+    monkeypatch.setattr(gc, "get_freeze_count", lambda: 1000)  # the caller froze its heap
+    with frozen_heap():
+        pass
+    assert calls == []
 
 
 def test_main_freezes_the_heap_only_when_run_as_the_program(monkeypatch, capsys):
