@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(BIN)/memfit demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
@@ -45,8 +45,8 @@ lock:
 	mv constraints.txt.new constraints.txt
 
 bench: $(STAMP)
-	$(BIN)/python bench/accuracy.py
-	$(BIN)/python bench/estimate_speed.py
+	$(BIN)/python -m bench.accuracy
+	$(BIN)/python -m bench.estimate_speed
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench

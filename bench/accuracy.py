@@ -5,22 +5,21 @@ For every workload, fp32 and bf16 autocast, AdamW: the fake-tensor prediction, t
 naive storage tracker alone would have said (memfit's tracker on the real run without kernel
 probes: it misses oneDNN scratch and RNN workspaces).
 
-    .venv/bin/python bench/accuracy.py            # markdown table on stdout
+    .venv/bin/python -m bench.accuracy            # markdown table on stdout
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 warnings.simplefilter("ignore")
 
-from conftest import SEQ, SMALL_HF  # noqa: E402
 from memfit.memory.measure import profile  # noqa: E402
 from memfit.plans import Plan  # noqa: E402
+from memfit.workloads.small import SMALL_HF  # noqa: E402
+from memfit.workloads.small import SMALL_SEQ as SEQ  # noqa: E402
 
 ZOO = ["cnn", "lstm", "transformer", "mha", "dit", *SMALL_HF]
 

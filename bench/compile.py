@@ -7,8 +7,8 @@ the steady-state peak with the profiler's allocator events and times further ste
 step's wall time, minus the eager first step's, is the compile (warm-up) time. The prediction is
 ``estimate``'s, made in the same process before the real run.
 
-    .venv/bin/python bench/compile.py                      # GPT-2 124M, batch 2, seq 256, fp32
-    .venv/bin/python bench/compile.py --workload gpt2:n_layer=4 --batch-size 4 --seq-len 128
+    .venv/bin/python -m bench.compile                      # GPT-2 124M, batch 2, seq 256, fp32
+    .venv/bin/python -m bench.compile --workload gpt2:n_layer=4 --batch-size 4 --seq-len 128
 """
 
 from __future__ import annotations

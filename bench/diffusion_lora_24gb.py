@@ -6,7 +6,7 @@ rank 16 on the attention projections (diffusers' scripts' targets), base weights
 predicted peak on the rtx4090 preset (allocated and reserved, CUDA context beside), and whether
 it fits the card (reserved + context <= capacity). Predictions only: no GPU ran these.
 
-    .venv/bin/python bench/diffusion_lora_24gb.py [--batches 1,2,4] [--compile]
+    .venv/bin/python -m bench.diffusion_lora_24gb [--batches 1,2,4] [--compile]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ machine was busy) and its peak resident memory (VmHWM); a second process that on
 and transformers (what any estimate must load) gives the baseline, so the memory the estimate
 itself adds is visible.
 
-    .venv/bin/python bench/estimate_speed.py [--repeats 3] [--device cpu]
+    .venv/bin/python -m bench.estimate_speed [--repeats 3] [--device cpu]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ For each model and adapter, fp32 and bf16 autocast, with and without block check
 predicted peak (fake tensors) beside the peak the PyTorch profiler's allocator events measure on a
 real step. Each row runs in its own ``memfit profile --json`` process, as a user runs it.
 
-    .venv/bin/python bench/finetune_cpu.py [--only NAME,NAME]
+    .venv/bin/python -m bench.finetune_cpu [--only NAME,NAME]
 """
 
 from __future__ import annotations

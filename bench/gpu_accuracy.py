@@ -6,141 +6,24 @@ holds a workload, batch size, sequence length and plan, and what the real steady
 preset of the card it ran on (``h100-80gb``, ``h200-141gb``; fake tensors, no GPU) and prints a markdown table: measured and predicted
 allocated peak, error, measured and predicted reserved bytes, error; then the median and worst.
 
-A row without a ``bitsandbytes`` field ran without bitsandbytes: a plan naming ``adamw8bit``
-there ran torch's fp32 AdamW, so that is what is predicted.
+How a row is read and predicted (its plan in today's fields, the library behaviour it recorded) is
+``tools/gpu/rows.py``. Where the prediction emulates a recorded library behaviour, the table marks the
+case with ``*`` and prints its prediction for the installed versions below the table.
 
-Library versions: a row records the versions it ran with (rows 1-39: torch 2.11, transformers
-5.17; see tests/data/README.md). Where a library changed which kernels a model reaches between that
-version and the installed one, the prediction emulates the recorded behaviour and the table marks
-the case with ``*`` (its prediction for the installed version is printed below the table):
-transformers 5.23 made T5's SDPA position-bias mask contiguous; with 5.17's non-contiguous mask
-CUDA's SDPA takes the math path (memfit.memory.cuda.sdpa), with 5.23's the memory-efficient one.
-
-    .venv/bin/python bench/gpu_accuracy.py                       # all cases
-    .venv/bin/python bench/gpu_accuracy.py --cases 'gpt2|mha'    # cases whose id matches a regex
-    .venv/bin/python bench/gpu_accuracy.py --jobs 2 --json out.jsonl
+    .venv/bin/python -m bench.gpu_accuracy                       # all cases
+    .venv/bin/python -m bench.gpu_accuracy --cases 'gpt2|mha'    # cases whose id matches a regex
+    .venv/bin/python -m bench.gpu_accuracy --jobs 2 --json out.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import inspect
 import json
-import os
 import re
 import statistics
 import sys
-import time
-import warnings
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT = ROOT / "tests" / "data" / "h100.jsonl"
-SHARED = Path("/work/shared/gpu-ground-truth/h100.jsonl")
-
-
-def load_cases(path: str | os.PathLike | None = None) -> list[dict]:
-    """The cases of a ground-truth jsonl (default tests/data/h100.jsonl)."""
-    p = Path(path) if path else (DEFAULT if DEFAULT.exists() else SHARED)
-    cases = []
-    for line in p.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            if "max_memory_allocated" in row and not row.get("error"):
-                cases.append(row)
-    return cases
-
-
-DEVICE_STEP_ROWS = {"gpt2-bf16-offopt", "t-llama4-offopt-b2"}
-"""Rows recorded when ``offload: [optimizer_states]`` stepped on the device (before 2026-11-24); that
-implementation is ``optimizer_states:step=device`` now."""
-
-
-def plan_of(case: dict) -> dict:
-    """The plan that ran, in today's plan fields: adamw8bit without bitsandbytes on the GPU machine
-    fell back to AdamW; optimizer-state offload stepped on the device (``DEVICE_STEP_ROWS``)."""
-    plan = dict(case.get("plan") or {})
-    if plan.get("optimizer") == "adamw8bit" and not case.get("bitsandbytes"):
-        plan["optimizer"] = "adamw"
-    return in_todays_fields(case, plan)
-
-
-def in_todays_fields(case: dict, plan: dict) -> dict:
-    """``plan`` of ``case`` with the recorded optimizer-state offload named as it is now."""
-    if case.get("case") not in DEVICE_STEP_ROWS:
-        return plan
-    return {**plan, "offload": ["optimizer_states:step=device" if o == "optimizer_states" else o
-                                for o in plan["offload"]]}
-
-
-RECORDED_TRANSFORMERS = "5.17.0"
-"""transformers of rows without a ``transformers`` field (rows 1-39)."""
-
-
-def _version(v: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in v.split("+")[0].split(".")[:2])
-
-
-@contextlib.contextmanager
-def _t5_mask_as_in_transformers_5_17():
-    """transformers <= 5.17 handed SDPA T5's position bias in its own (permuted) layout; 5.23
-    returns ``position_bias_mask.contiguous()``. Emulated by dropping that call."""
-    import transformers.integrations.sdpa_attention as sdpa
-    line = "return position_bias_mask.contiguous()"
-    original = sdpa.create_position_bias_mask
-    source = inspect.getsource(original)
-    if line not in source:
-        raise RuntimeError("transformers' create_position_bias_mask changed: update the 5.17 emulation")
-    namespace: dict = {}
-    exec(compile(source.replace(line, "return position_bias_mask"), sdpa.__file__, "exec"), sdpa.__dict__, namespace)
-    sdpa.create_position_bias_mask = namespace["create_position_bias_mask"]
-    try:
-        yield
-    finally:
-        sdpa.create_position_bias_mask = original
-
-
-def recorded_environment(case: dict) -> contextlib.AbstractContextManager | None:
-    """What to emulate so that the prediction reaches the kernels the recorded run reached (None:
-    nothing differs)."""
-    import transformers
-    recorded = case.get("transformers") or RECORDED_TRANSFORMERS
-    if case["workload"].split(":")[0] == "t5" and _version(recorded) < (5, 23) <= _version(transformers.__version__):
-        return _t5_mask_as_in_transformers_5_17()
-    return None
-
-
-def preset_for(case: dict) -> str:
-    """The preset of the card a row ran on (rows without a ``gpu`` field ran on an H100)."""
-    from memfit.devices import preset_for_card
-    return preset_for_card(case.get("gpu") or "NVIDIA H100", case.get("gpu_total_bytes"))
-
-
-def predict(case: dict, device: str | None = None, *, emulate: bool = True) -> dict:
-    """Predict one case; returns the case id with measured and predicted bytes and errors.
-    ``emulate``: emulate library behaviour of the recorded environment (see the module docstring)."""
-    warnings.simplefilter("ignore")
-    import memfit
-    t0 = time.perf_counter()
-    device = device or preset_for(case)
-    env = recorded_environment(case) if emulate else None
-    with env or contextlib.nullcontext():
-        report = memfit.estimate(case["workload"], memfit.Plan(**plan_of(case)), batch_size=case["batch_size"],
-                                 seq_len=case.get("seq_len"), device=device)
-    alloc, reserved = case["max_memory_allocated"], case["max_memory_reserved"]
-    return {"case": case.get("case") or case.get("id"), "measured": alloc, "predicted": report.peak_bytes,
-            "error": 100 * (report.peak_bytes - alloc) / alloc,
-            "reserved_measured": reserved, "reserved_predicted": report.reserved_bytes,
-            "reserved_error": 100 * (report.reserved_bytes - reserved) / reserved,
-            "seconds": time.perf_counter() - t0, "emulated": env is not None}
-
-
-def _predict_safe(case: dict, emulate: bool = True) -> dict:
-    try:
-        return predict(case, emulate=emulate)
-    except Exception as e:  # noqa: BLE001 - report and carry on with the other cases
-        return {"case": case.get("case") or case.get("id"), "failed": f"{type(e).__name__}: {str(e)[:200]}"}
+from tools.gpu.rows import load_cases, predict_safe
 
 
 def _gib(n: int) -> str:
@@ -162,10 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs > 1:
         import multiprocessing as mp
         with mp.get_context("spawn").Pool(args.jobs, maxtasksperchild=4) as pool:
-            results = pool.imap(_predict_safe, cases)
+            results = pool.imap(predict_safe, cases)
             rows = [_print(r) for r in results]
     else:
-        rows = [_print(_predict_safe(c)) for c in cases]
+        rows = [_print(predict_safe(c)) for c in cases]
     ok = [r for r in rows if "failed" not in r]
     if ok:
         errs = [abs(r["error"]) for r in ok]
@@ -179,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({rworst['case']}); within 5%: {sum(e <= 5 for e in rerrs)}/{len(ok)}")
     emulated = [c for c, r in zip(cases, rows) if r.get("emulated")]
     for c in emulated:
-        r = _predict_safe(c, emulate=False)
+        r = predict_safe(c, emulate=False)
         if "failed" not in r:
             print(f"* {r['case']}: emulating the recorded library behaviour; for the installed versions memfit "
                   f"predicts {_gib(r['predicted'])} GiB ({r['error']:+.2f}%), reserved "

@@ -3,7 +3,7 @@ x 64, vocabulary 256, 32 tokens) trains a few steps with a plan that steps the o
 backward and chunks the loss; each integration logs memfit's predicted peak and the measured one.
 Prints both, and the error, for every logged step.
 
-    .venv/bin/python bench/integrations_cpu.py [--steps 4] [--batch-size 8]
+    .venv/bin/python -m bench.integrations_cpu [--steps 4] [--batch-size 8]
 """
 
 from __future__ import annotations

@@ -4,10 +4,11 @@
 Runs ``memfit plan`` for Llama-2-7B and Llama-3-8B (batch 1 x 2048 tokens, ``rtx4090``; no
 weights: the models are built from config on fake tensors), once with the default optimizer search
 (AdamW and bitsandbytes' 8-bit AdamW) and once adding torchao's 4-bit AdamW, each in a fresh
-process as a user runs it. Prints the chosen plan, its predicted device memory and step time, and
-the planning time (wall seconds of the whole command, Python start included)::
+process as a user runs it. Prints the chosen plan, its predicted device memory and step time, the
+planning time (wall seconds of the whole command, Python start included), and the chosen plan's
+memory by category (``memfit estimate --plan`` of the plan the planner wrote)::
 
-    .venv/bin/python bench/llama7b_24gb.py            # add --only llama2 to run one model
+    .venv/bin/python -m bench.llama7b_24gb            # add --only llama2 to run one model
 
 Planning times depend on this machine's load: run it on an idle machine. The memory figures are
 predictions for the preset, not measurements; a GPU run is what proves them.
@@ -16,9 +17,11 @@ predictions for the preset, not measurements; a GPU run is what proves them.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,8 +34,12 @@ MODELS = {
 SEARCHES = {"default": [], "+adamw4bit-ao": ["--optimizers", "adamw,adamw8bit,adamw4bit-ao"]}
 
 
-def run(spec: str, extra: list[str]) -> dict:
-    argv = [*MEMFIT, "plan", spec, "-b", "1", "--seq-len", "2048", "--device", "rtx4090", *extra]
+SIZE = ["-b", "1", "--seq-len", "2048", "--device", "rtx4090"]
+GiB = 2**30
+
+
+def run(spec: str, extra: list[str], plan_file: Path) -> dict:
+    argv = [*MEMFIT, "plan", spec, *SIZE, *extra, "--out", str(plan_file)]
     start = time.perf_counter()
     out = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
     seconds = time.perf_counter() - start
@@ -41,7 +48,17 @@ def run(spec: str, extra: list[str]) -> dict:
     header = re.search(r"(\d+) candidate plans, (\d+) traced", text)
     return {"seconds": seconds, "rc": out.returncode, "plan": chosen.group(1) if chosen else text.strip()[-300:],
             "memory": chosen.group(2) if chosen else "-", "ms": chosen.group(3) if chosen else "-",
-            "traced": header.group(2) if header else "-", "command": " ".join(argv[3:])}
+            "traced": header.group(2) if header else "-", "command": " ".join(argv[3:-2])}
+
+
+def by_category(spec: str, plan_file: Path) -> str:
+    """The chosen plan's predicted memory by category, one line."""
+    out = subprocess.run([*MEMFIT, "estimate", spec, *SIZE, "--plan", str(plan_file), "--json"],
+                         capture_output=True, text=True, cwd=ROOT, check=True)
+    r = json.loads(out.stdout)
+    parts = [f"{k} {v / GiB:.2f}" for k, v in r["breakdown"].items() if v >= GiB / 100]
+    return (", ".join(parts) + f"; peak allocated {r['peak_bytes'] / GiB:.2f}, reserved "
+            f"{r['reserved_bytes'] / GiB:.2f}, host {r['host_peak_bytes'] / GiB:.2f} GiB")
 
 
 def main() -> None:
@@ -52,10 +69,14 @@ def main() -> None:
         if args.only and name != args.only:
             continue
         for search, extra in SEARCHES.items():
-            r = run(spec, extra)
-            print(f"{name:7} {search:14} {r['memory']:>10} {r['ms']:>8} ms/step  {r['traced']:>4} traced  "
-                  f"{r['seconds']:6.1f} s  {r['plan']}")
-            print(f"        memfit {r['command']}", flush=True)
+            with tempfile.TemporaryDirectory() as tmp:
+                plan_file = Path(tmp) / "plan.yaml"
+                r = run(spec, extra, plan_file)
+                print(f"{name:7} {search:14} {r['memory']:>10} {r['ms']:>8} ms/step  {r['traced']:>4} traced  "
+                      f"{r['seconds']:6.1f} s  {r['plan']}")
+                print(f"        memfit {r['command']}")
+                if plan_file.is_file():
+                    print(f"        by category (GiB): {by_category(spec, plan_file)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -21,10 +21,10 @@ to A's step (B looks free, A looks slow). So each turn is STEPS_PER_TURN steps o
 first untimed: it absorbs what the other plan left running, and the timed ones see B's steady
 state (each waiting for its own predecessor's work, as in training).
 
-    PYTHONPATH=src python bench/offload_gpu.py                 # on a CUDA GPU, from the repo root
-    PYTHONPATH=src python bench/offload_gpu.py --only llama4 --repeats 20 --out x.jsonl   # one row
-    .venv/bin/python bench/offload_gpu.py --predicted             # the time model's ratios (no GPU)
-    .venv/bin/python bench/offload_gpu.py --cpu-smoke          # no GPU: tiny models on this CPU
+    PYTHONPATH=src python -m bench.offload_gpu                 # on a CUDA GPU, from the repo root
+    PYTHONPATH=src python -m bench.offload_gpu --only llama4 --repeats 20 --out x.jsonl   # one row
+    .venv/bin/python -m bench.offload_gpu --predicted             # the time model's ratios (no GPU)
+    .venv/bin/python -m bench.offload_gpu --cpu-smoke          # no GPU: tiny models on this CPU
 
 Without CUDA (or with ``--cpu-smoke``) the same code runs tiny GPT-2 and Llama configs on the CPU:
 it proves the script end to end; its times say nothing about a GPU. Each row costs two processes
@@ -164,7 +164,7 @@ def run_child(job: dict, timeout: float = 900) -> dict:
     """:func:`measure` in a fresh Python process (no caching-allocator state, handles or peak shared)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(job)]
+    cmd = [sys.executable, "-m", "bench.offload_gpu", "--child", json.dumps(job)]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     except subprocess.TimeoutExpired:
@@ -204,9 +204,8 @@ def predicted_table(rows: list[Row], preset: str) -> str:
 
 def recorded(row: Row, path: Path = DATA) -> dict:
     """The H100 "before" figures of the row's pair (rows that ran alone on the GPU), or {}. Recorded
-    plans are read in today's fields (bench/gpu_accuracy.py's ``in_todays_fields``)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    from gpu_accuracy import in_todays_fields
+    plans are read in today's fields (tools/gpu/rows.py's ``in_todays_fields``)."""
+    from tools.gpu.rows import in_todays_fields
 
     found, shape = {}, (row.workload, row.batch_size, row.seq_len)
     for line in path.read_text().splitlines():
@@ -306,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         device, preset, rows = "cpu", "cpu", smoke_rows()
         print("CPU SMOKE RUN: tiny models on this CPU. These figures prove the script runs end to end;\n"
               "they say nothing about GPU speed or memory. On a CUDA GPU, from the repo root:\n"
-              "    PYTHONPATH=src python bench/offload_gpu.py")
+              "    PYTHONPATH=src python -m bench.offload_gpu")
     rows = [r for r in rows if not a.only or any(k in r.id for k in a.only.split(","))]
     repeats = a.repeats or (10 if cuda else 3)
     default = "bench/results/offload_gpu.jsonl" if cuda else "memfit-out/offload_cpu_smoke.jsonl"

@@ -8,7 +8,7 @@ compare with the fastest grid plan that fits? how long did planning take compare
 Last, an Accelerate/Lightning-style search halves the batch from 64 after each (simulated) OOM
 until a real step fits the budget, and its time is reported.
 
-    .venv/bin/python bench/planner.py [--workloads mha,gpt2,cnn]
+    .venv/bin/python -m bench.planner [--workloads mha,gpt2,cnn]
 """
 
 from __future__ import annotations

@@ -12,30 +12,27 @@ For GPT-2 124M (batch 8 x 1024) on the ``h100-80gb`` preset, at budgets of 16, 8
   predicted time and footprint, and the measurement when that plan was recorded (else: not
   measured; no GPU was available to measure it).
 
-    .venv/bin/python bench/planner_choices.py              # the table (predictions cached)
-    .venv/bin/python bench/planner_choices.py --budgets 8  # one budget
+    .venv/bin/python -m bench.planner_choices              # the table (predictions cached)
+    .venv/bin/python -m bench.planner_choices --budgets 8  # one budget
 """
 
 from __future__ import annotations
 
 import argparse
 import pickle
-import sys
 import time
 import warnings
 from pathlib import Path
 
-warnings.simplefilter("ignore")
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
+from memfit.devices import get_device
+from memfit.memory.budget import Budget
+from memfit.planner.search import plan
+from memfit.planner.timing import trace_step
+from memfit.plans import Plan
+from memfit.units import fmt_bytes
+from tools.gpu.rows import CLEAN_ROWS, ROOT, load_rows, plan_text, target_of
 
-from memfit.devices import get_device  # noqa: E402
-from memfit.memory.budget import Budget  # noqa: E402
-from memfit.planner.search import plan  # noqa: E402
-from memfit.planner.timing import trace_step  # noqa: E402
-from memfit.plans import Plan  # noqa: E402
-from memfit.units import fmt_bytes  # noqa: E402
-from planner_gpu import CLEAN_ROWS, load_rows, plan_text, target_of  # noqa: E402
+warnings.simplefilter("ignore")
 
 GIB = 2**30
 WORKLOAD, BATCH, SEQ = "gpt2", 8, 1024

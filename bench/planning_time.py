@@ -5,7 +5,7 @@ seconds the result reports (the ``memfit plan`` header's figure: Python and torc
 in it), the traces (and how many at full depth), and the chosen plan. Targets, cold, on a 2-core
 machine: GPT-2 <= 20 s, Llama-2-7B <= 60 s.
 
-    .venv/bin/python bench/planning_time.py [--cases llama-40,gpt2-8,llama]
+    .venv/bin/python -m bench.planning_time [--cases llama-40,gpt2-8,llama]
 """
 
 from __future__ import annotations

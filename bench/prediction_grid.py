@@ -2,8 +2,8 @@
 after a change that must not change predictions, and compare the files (diff; approximation texts
 carry source line numbers, so compare without them).
 
-    .venv/bin/python bench/prediction_grid.py > before.jsonl   # (on the old commit)
-    .venv/bin/python bench/prediction_grid.py > after.jsonl
+    .venv/bin/python -m bench.prediction_grid > before.jsonl   # (on the old commit)
+    .venv/bin/python -m bench.prediction_grid > after.jsonl
 """
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import warnings
 
 from memfit.memory.estimate import estimate
 from memfit.plans import Plan
+from memfit.workloads.small import SMALL_HF
 
-SMALL = "gpt2:n_layer=2,n_embd=128,n_head=4,vocab_size=1000,n_positions=256"
-LLAMA = "llama:num_hidden_layers=2,hidden_size=128,intermediate_size=256,num_attention_heads=4,num_key_value_heads=2,vocab_size=1000,max_position_embeddings=256"
+SMALL, LLAMA = SMALL_HF["gpt2"], SMALL_HF["llama"]
 plans = [
     {}, {"precision": "bf16"}, {"precision": "fp16"}, {"precision": "bf16-pure", "bf16_update": "kahan"},
     {"checkpointing": "blocks"}, {"checkpointing": "selective"}, {"checkpointing": "blocks:every=2"},

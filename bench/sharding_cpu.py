@@ -1,6 +1,6 @@
 """One rank's peak under FSDP2 on this CPU: measured on real gloo ranks, next to the prediction.
 
-    .venv/bin/python bench/sharding_cpu.py [--world 2] [--repeats 3]
+    .venv/bin/python -m bench.sharding_cpu [--world 2] [--repeats 3]
 
 For each model and plan, ``world`` real processes (gloo on localhost) run memfit's sharded TrainStep; rank
 0's second step is measured by the profiler's allocator events (independent of memfit's tracker)

@@ -6,7 +6,7 @@ host together, this being one machine), the predicted device-side peak (what a G
 offloaded bytes excluded), and step time relative to fp32 AdamW, measured interleaved with it
 (warm-up step each, then REPEATS alternating pairs; median of the ratios).
 
-    .venv/bin/python bench/techniques.py [--repeats 2] [--only NAME,NAME]
+    .venv/bin/python -m bench.techniques [--repeats 2] [--only NAME,NAME]
 """
 
 from __future__ import annotations

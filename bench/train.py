@@ -10,7 +10,7 @@ progress display count), over steps 4..N (after memfit's profiled steps). Repeat
 guard on every op) and hand-written; medians are reported. Also: the steady-state peak measured
 during training vs the plan's prediction, and the guard's device peak vs the same prediction.
 
-    .venv/bin/python bench/train.py [--repeats 3]
+    .venv/bin/python -m bench.train [--repeats 3]
 """
 
 from __future__ import annotations

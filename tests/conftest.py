@@ -9,19 +9,6 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 os.environ["HF_HUB_OFFLINE"] = "1"
 warnings.filterwarnings("ignore", category=UserWarning)
 
-# Small configs of the built-in Hugging Face workloads: every code path of the full models,
-# a fraction of the size, so a real step takes about a second on 2 CPU cores.
-SMALL_HF = {
-    "gpt2": "gpt2:n_layer=2,n_embd=128,n_head=4,vocab_size=1000,n_positions=256",
-    "llama": "llama:num_hidden_layers=2,hidden_size=128,intermediate_size=256,num_attention_heads=4,"
-             "num_key_value_heads=2,vocab_size=1000,max_position_embeddings=256",
-    "bert": "bert:num_hidden_layers=2,hidden_size=128,num_attention_heads=4,intermediate_size=256,"
-            "vocab_size=1000,max_position_embeddings=128",
-    "t5": "t5:num_layers=2,d_model=128,d_ff=256,num_heads=4,d_kv=32,vocab_size=1000",
-    "vit": "vit:num_hidden_layers=2,hidden_size=128,num_attention_heads=4,intermediate_size=256,image_size=64",
-}
-SEQ = {"llama": 128, "t5": 128}
-
 
 @pytest.fixture
 def tmp_workload_file(tmp_path):

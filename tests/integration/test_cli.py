@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from conftest import SMALL_HF
 from memfit.cli.main import main
 from memfit.memory.categories import CATEGORIES
+from memfit.workloads.small import SMALL_HF
 
 pytestmark = pytest.mark.integration
 GPT2 = SMALL_HF["gpt2"]

@@ -8,6 +8,7 @@ line); these cases need no trace, except the last two, which trace a tiny Lumina
 import json
 
 import pytest
+
 from tests.integration.test_cli_errors import check, run
 
 pytest.importorskip("diffusers")

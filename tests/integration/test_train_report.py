@@ -6,13 +6,13 @@ import json
 
 import pytest
 import torch
-from tests.helpers import measured
 
 from memfit.plans import Plan
 from memfit.training.data import ByteCorpus, text_batches
 from memfit.training.loop import train
 from memfit.training.progress import Progress
 from memfit.training.report import render, without_each_technique
+from tests.helpers import measured
 
 LM = "gpt2:n_layer=4,n_embd=64,n_head=4,n_positions=128"
 

@@ -12,11 +12,12 @@ from ``profile``; that behaviour is what is checked there.
 import pytest
 import torch
 
-from conftest import SEQ, SMALL_HF
 from memfit.errors import KernelUnavailable
 from memfit.memory.estimate import estimate
 from memfit.memory.measure import profile
 from memfit.plans import Plan
+from memfit.workloads.small import SMALL_HF
+from memfit.workloads.small import SMALL_SEQ as SEQ
 
 ZOO = ["cnn", "lstm", "transformer", "mha", "dit", *SMALL_HF]
 

@@ -206,6 +206,37 @@ def test_the_planner_keeps_no_status_strings():
     assert offenders == []
 
 
+def _sys_path_edits(tree: ast.Module) -> list[ast.AST]:
+    """``sys.path.insert/append/extend/...(...)``, ``sys.path = ...``, ``sys.path += ...`` and
+    ``sys.path[...] = ...``: a script that edits the import path runs only from where it was written."""
+    def is_sys_path(node) -> bool:
+        node = node.value if isinstance(node, ast.Subscript) else node
+        return (isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
+                and node.value.id == "sys")
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and is_sys_path(node.func.value):
+            if node.func.attr in {"insert", "append", "extend", "remove", "pop", "clear"}:
+                found.append(node)
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found += [node for t in targets if is_sys_path(t)]
+    return found
+
+
+def test_no_code_edits_the_import_path():
+    """The package, bench/ and tools/ import by module name (``python -m bench.X``, pytest's
+    ``pythonpath``): none edits ``sys.path``."""
+    root = SRC.parent
+    offenders = []
+    for folder in (PACKAGE, root / "bench", root / "tools"):
+        for path in sorted(folder.rglob("*.py")):
+            offenders += [f"{path.relative_to(root)}:{n.lineno}: {ast.unparse(n)}"
+                          for n in _sys_path_edits(ast.parse(path.read_text()))]
+    assert offenders == []
+
+
 def test_the_checks_see_what_they_check():
     """The checks above can fail: a cycle, an upward import and a mode comparison are found."""
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
@@ -216,3 +247,6 @@ def test_the_checks_see_what_they_check():
     strings = ast.parse('c.status == "too big"\nc.status, c.reason = "pruned", ""\nif x.status in ("a",): pass\n'
                         'c.status = Status.PRUNED\nc.status is Status.TOO_BIG\n')
     assert sorted(n.lineno for n in _status_strings(strings)) == [1, 2, 3]
+    edits = ast.parse('import sys\nsys.path.insert(0, "x")\nsys.path += ["y"]\nsys.path = []\n'
+                      'sys.path[0] = "z"\nprint(sys.path)\nsys.path.index("x")\n')
+    assert sorted(n.lineno for n in _sys_path_edits(edits)) == [2, 3, 4, 5]

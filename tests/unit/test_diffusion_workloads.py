@@ -9,12 +9,12 @@ tensors the tracker assumes the mask full (NOTE [ Assumed scalars ]), as the syn
 
 import pytest
 import torch
-from tests.helpers import assert_same_training, run_steps
 
 from memfit.memory.measure import profile
 from memfit.plans import Plan
 from memfit.techniques.checkpointing import find_blocks
 from memfit.workloads import load_workload
+from tests.helpers import assert_same_training, run_steps
 
 pytest.importorskip("diffusers")
 

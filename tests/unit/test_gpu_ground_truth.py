@@ -4,10 +4,10 @@ Every recorded case is predicted for its card's preset (``h100-80gb``, ``h200-14
 with what the real steady-state step gave: ``max_memory_allocated`` within 3%, ``max_memory_reserved`` within 5%
 (see the data's README for how they were measured). A representative subset (one case per CUDA
 kernel rule and technique) runs in the default suite; the rest are marked slow. The same table,
-with timings, is ``.venv/bin/python bench/gpu_accuracy.py``.
+with timings, is ``.venv/bin/python -m bench.gpu_accuracy``.
 
 Rows record the library versions they ran with; where a library changed which kernels a model
-reaches since then, the prediction emulates the recorded behaviour (``bench/gpu_accuracy.py``,
+reaches since then, the prediction emulates the recorded behaviour (``tools/gpu/rows.py``,
 ``recorded_environment``: T5's SDPA mask layout in transformers 5.17, which sends CUDA's SDPA to the
 math path). Cases that still miss are listed in ``KNOWN_MISSES`` with the reason; they are
 expected to fail (strict: a case that starts passing must be taken off the list). Cases recorded
@@ -18,26 +18,19 @@ model); bf16-pure now builds it in bf16, so their allocated bytes are compared, 
 reserved bytes must come out below the recorded ones.
 """
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+
+from tools.gpu import rows as ROWS
 
 ROOT = Path(__file__).resolve().parents[2]
 ALLOCATED_TOLERANCE = 0.03
 RESERVED_TOLERANCE = 0.05
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("gpu_accuracy", ROOT / "bench" / "gpu_accuracy.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-BENCH = _bench()
-CASES = {c["case"]: c for c in BENCH.load_cases(ROOT / "tests" / "data" / "h100.jsonl")}
-CASES.update({f"h200:{c['case']}": c for c in BENCH.load_cases(ROOT / "tests" / "data" / "h200.jsonl")})
+CASES = {c["case"]: c for c in ROWS.load_cases(ROOT / "tests" / "data" / "h100.jsonl")}
+CASES.update({f"h200:{c['case']}": c for c in ROWS.load_cases(ROOT / "tests" / "data" / "h200.jsonl")})
 
 # One per rule or technique (~45 s here): memory-efficient attention in fp32 (gpt2-fp32), cuDNN
 # attention with CUDA autocast (gpt2-bf16, vit-bf16, dit-bf16), selective checkpointing, offloaded
@@ -89,7 +82,7 @@ def _params(names):
 
 
 def _check(name: str) -> None:
-    r = BENCH.predict(CASES[name])
+    r = ROWS.predict(CASES[name])
     alloc_err, res_err = r["error"] / 100, r["reserved_error"] / 100
     if name in BUILT_IN_FP32:  # see the module's docstring
         res_err = max(res_err, 0.0)

@@ -6,10 +6,8 @@ measurements and predictions, the "before" column is the recorded H100 pair, and
 in a fresh process returns its result.
 """
 
-import importlib.util
 import re
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,15 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("offload_gpu_bench", ROOT / "bench" / "offload_gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+from bench import offload_gpu as BENCH  # noqa: E402
 
-
-BENCH = _bench()
 MIB = r"([\d.]+) MiB"
 
 

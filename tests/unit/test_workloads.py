@@ -86,6 +86,32 @@ def raises():
         load_workload(f"{bad}:X")
 
 
+def test_module_workloads(tmp_path, monkeypatch):
+    """``package.module:NAME`` imports an installed module, as ``python -m`` names one; a missing
+    module, a missing ``:NAME`` and a failing import each get one line."""
+    pkg = tmp_path / "wlpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "cases.py").write_text(
+        "import torch\nfrom memfit import Workload\n"
+        "def tiny():\n    return Workload(model=lambda: torch.nn.Linear(4, 4), "
+        "batch=lambda n: torch.randn(n, 4), loss=lambda m, x: m(x).sum())\n")
+    (pkg / "broken.py").write_text("raise ImportError('nope')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    wl = load_workload("wlpkg.cases:tiny")
+    assert isinstance(wl, Workload) and wl.name == "wlpkg.cases:tiny"
+    assert isinstance(load_workload("memfit.workloads.gpu_cases:mlp"), Workload)  # the GPU rows' cases
+    for spec, match in [("wlpkg.nothere:tiny", "no module 'wlpkg.nothere'"),
+                        ("nopkg_at_all.cases:tiny", "no module"),
+                        ("wlpkg.cases", "names no object"),
+                        ("wlpkg.cases:MISSING", "has no 'MISSING'"),
+                        ("wlpkg.broken:X", "while importing")]:
+        with pytest.raises(UserError, match=match):
+            load_workload(spec)
+    # built-ins with overrides are not module names
+    assert load_workload("gpt2:n_layer=1").name.startswith("gpt2")
+
+
 def test_default_optimizer_is_adamw():
     wl = Workload(model=lambda: torch.nn.Linear(2, 2), batch=lambda n: torch.randn(n, 2), loss=lambda m, x: m(x).sum())
     opt = wl.build_optimizer(torch.nn.Linear(2, 2).parameters())

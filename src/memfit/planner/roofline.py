@@ -24,7 +24,7 @@ modules in forward, the C++ autograd engine in backward, Python optimizer loops)
 ``CPU_PER_TENSOR`` per tensor of a foreach list.
 
 NOTE [ Step-time calibration ]
-The constants (:class:`Constants`) were fitted by ``python bench/planner_gpu.py --fit`` on the H100
+The constants (:class:`Constants`) were fitted by ``python -m tools.fit.time_constants --fit`` on the H100
 rows of ``tests/data/h100.jsonl`` that ran one case at a time (rows 1-39, memfit's own TrainStep;
 rows 40-75 ran four processes at once and are only reported). The fit minimises, by Nelder-Mead
 over the constants' logarithms, the squared log error of each fit row's time ratio to plain bf16 of
@@ -70,7 +70,7 @@ FP32_SIMT = {"h100-80gb": 67e12, "h200-141gb": 67e12, "a100-80gb": 19.5e12, "a10
 @dataclass(frozen=True)
 class Constants:
     """The time model's constants: fitted on the H100 (NOTE [ Step-time calibration ]) unless marked
-    fixed; the fit's starting point and pull (its prior) is ``bench/planner_gpu.py``'s ``PRIOR``."""
+    fixed; the fit's starting point and pull (its prior) is ``tools/fit/time_constants.py``'s ``PRIOR``."""
 
     mm_eff_half: float = 0.7787
     """Achieved fraction of the bf16/fp16 tensor-core peak in large matmuls."""

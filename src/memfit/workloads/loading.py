@@ -1,10 +1,12 @@
-"""Loading a workload from what the user names: a Workload, ``path/to/file.py:NAME``, a local
+"""Loading a workload from what the user names: a Workload, ``path/to/file.py:NAME``, an importable
+module's ``package.module:NAME``, a local
 Hugging Face model folder (``./dir`` or ``hf:./dir``, built from its config.json), a hub id
 (``org/name[@revision]``, its config.json alone: NOTE [ Hub ids ] in :mod:`memfit.workloads.hub`)
 or a built-in. An existing folder always wins over a hub id of the same name."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
 from pathlib import Path
@@ -16,7 +18,7 @@ from memfit.workloads.hub import is_hub_id
 
 
 def load_workload(spec: str | Workload, *, seq_len: int | None = None, resolution: int | None = None) -> Workload:
-    """Resolve a workload spec: a Workload, ``file.py:NAME``, a model folder (``./dir``, ``hf:./dir``,
+    """Resolve a workload spec: a Workload, ``file.py:NAME``, ``package.module:NAME``, a model folder (``./dir``, ``hf:./dir``,
     ``./dir/config.json``), a hub id (``org/name``, ``org/name@rev``, ``hf:name``) or a built-in name
     with overrides. ``seq_len`` sizes built-ins, folders and hub models; ``resolution`` the
     image-generation built-ins."""
@@ -37,6 +39,9 @@ def load_workload(spec: str | Workload, *, seq_len: int | None = None, resolutio
     if head.endswith(".py") or Path(head).suffix == ".py":
         _builtin_sizes_only(seq_len, resolution, "set it inside your workload file")
         return _load_file_workload(spec)
+    if _names_a_module(spec, head):
+        _builtin_sizes_only(seq_len, resolution, "set it inside your workload module")
+        return _load_module_workload(spec)
     if _names_a_folder(spec, head):
         _builtin_sizes_only(None, resolution, "a Hugging Face model takes --seq-len")
         return folder_workload(spec, seq_len=seq_len)
@@ -53,6 +58,34 @@ def _builtin_sizes_only(seq_len: int | None, resolution: int | None, fix: str) -
     for flag, value in (("--seq-len", seq_len), ("--resolution", resolution)):
         if value is not None:
             raise UserError(f"{flag} applies to built-in workloads only; {fix}")
+
+
+def _names_a_module(spec: str, head: str) -> bool:
+    """``package.module:NAME``, as ``python -m``, uvicorn and setuptools' entry points name an object:
+    a dotted name of identifiers (one dot at least, so no built-in's name) that is no existing path."""
+    _, _, name = spec.partition(":")
+    return ("." in head and all(part.isidentifier() for part in head.split("."))
+            and (not name or name.isidentifier()) and not Path(head).exists())
+
+
+def _load_module_workload(spec: str) -> Workload:
+    module_name, _, name = spec.partition(":")
+    if not name:
+        raise UserError(f"workload {spec!r} names no object; write {module_name}:NAME (a Workload or a function "
+                        "returning one)")
+    try:
+        found = importlib.util.find_spec(module_name)
+    except ImportError:  # a parent package is missing
+        found = None
+    if found is None:
+        raise UserError(f"no module {module_name!r} to import; install its package, or name a file as "
+                        "path/to/file.py:NAME")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:
+        raise UserError(f"workload module {module_name!r} raised {type(e).__name__} while importing: {e}; "
+                        "fix the module (run with --debug for the traceback)") from e
+    return _workload_from(module, name, module_name, f"{module_name}:{name}")
 
 
 def _names_a_folder(spec: str, head: str) -> bool:
@@ -90,21 +123,26 @@ def _load_file_workload(spec: str) -> Workload:
     except Exception as e:
         raise UserError(f"workload file {path_text!r} raised {type(e).__name__} while importing: {e}; "
                         "fix the file (run with --debug for the traceback)") from e
+    return _workload_from(module, name, path_text, f"{path.name}:{name}")
+
+
+def _workload_from(module, name: str, where: str, default_name: str) -> Workload:
+    """``module.name``: a Workload, or a function returning one (called with no arguments)."""
     if not hasattr(module, name):
         found = [k for k, v in vars(module).items() if isinstance(v, Workload) or (callable(v) and not k.startswith("_"))]
-        raise UserError(f"{path_text} has no {name!r}; define a Workload or a function returning one"
+        raise UserError(f"{where} has no {name!r}; define a Workload or a function returning one"
                         + (f" (found: {', '.join(found[:8])})" if found else ""))
     obj = getattr(module, name)
     if not isinstance(obj, Workload):
         if not callable(obj):
-            raise UserError(f"{path_text}:{name} is a {type(obj).__name__}, not a Workload or a function returning one")
+            raise UserError(f"{where}:{name} is a {type(obj).__name__}, not a Workload or a function returning one")
         try:
             obj = obj()
         except Exception as e:
-            raise UserError(f"{path_text}:{name}() raised {type(e).__name__}: {e}; fix the workload "
+            raise UserError(f"{where}:{name}() raised {type(e).__name__}: {e}; fix the workload "
                             "(run with --debug for the traceback)") from e
         if not isinstance(obj, Workload):
-            raise UserError(f"{path_text}:{name}() returned a {type(obj).__name__}, not a memfit.Workload")
+            raise UserError(f"{where}:{name}() returned a {type(obj).__name__}, not a memfit.Workload")
     if obj.name == "workload":
-        obj.name = f"{path.name}:{name}"
+        obj.name = default_name
     return obj

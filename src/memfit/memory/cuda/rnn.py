@@ -14,7 +14,7 @@ cuDNN's memory. What ``_cudnn_rnn`` holds on the GPU:
   a proper Tensor but got None ... 'weight_buf'"); this rule returns a view of the weights with
   the flat size (no new memory).
 - ``reserve``: what cuDNN keeps from forward for backward (``cudnnGetRNNTempSpaceSizes``). The
-  meta kernel says 0 bytes. Measured on an H100 and an H200 (cuDNN 9.19, bench/gpu_rnn_facts.py,
+  meta kernel says 0 bytes. Measured on an H100 and an H200 (cuDNN 9.19, tools/gpu/rnn_facts.py,
   120 shapes, exact in every one): ``(6 * layers - 1)`` (LSTM) or ``(7 * layers - 1)`` (GRU)
   values of the input dtype per (direction, step, sample, hidden unit), plus 256 bytes, plus one
   bit per value of each inner layer's output when dropout is on (its mask).
@@ -143,7 +143,7 @@ def dropout_state_bytes(args, sm_count: int) -> int:
 def workspace_bytes(args) -> int:
     """cuDNN's RNN workspace (forward, and each of backward's data and weight passes), fitted to
     276 fp32/fp16 shapes measured on an H200 (tests/data/cudnn_rnn_h200.json and the wide grid of
-    bench/gpu_rnn_facts.py): the input projections of every step (``gates`` values per direction,
+    tools/gpu/rnn_facts.py): the input projections of every step (``gates`` values per direction,
     step, sample and hidden unit) plus 2.5 more such values, one more when dropout runs between
     layers, and per layer and direction 9 MiB plus four copies' worth of an ``H x H`` matrix.
     cuDNN picks its algorithm by shape, so this is a fit: median error 10%, 90% of shapes within

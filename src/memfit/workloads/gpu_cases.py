@@ -3,7 +3,8 @@
 Each public function returns a ``memfit.Workload`` built the way a user would write one (see the
 README's "From Python"): plain torch modules, Hugging Face models from config classes (no weights,
 no download) and timm models (``pretrained=False``). Name them on the command line as
-``bench/gpu_workloads.py:NAME``; ``bench/gpu_ground_truth.py`` measures them on a real GPU.
+``memfit.workloads.gpu_cases:NAME``; ``tools/gpu/ground_truth.py`` measures them on a real GPU, and
+the rows of tests/data/ it recorded name them so.
 
 Sizes default to real widths (a few layers of the big language models) so that the GPU kernels
 that matter run at the shapes they run at in practice; every size is a keyword argument, so a

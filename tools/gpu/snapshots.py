@@ -16,9 +16,9 @@ allocator's own history shows them. For each case this script, in a fresh proces
   the autograd node, and the innermost Python frame; the blocks live at the step's peak; and a
   table of allocations by origin (op, C++ frame, phase). ``CASE.txt`` is the same in brief.
 
-    python bench/gpu_snapshots.py --out-dir snaps               # the built-in cases, on a GPU
-    python bench/gpu_snapshots.py --only lstm --out-dir snaps
-    python bench/gpu_snapshots.py --digest snap-x.pickle        # digest an existing snapshot (CPU is fine)
+    python -m tools.gpu.snapshots --out-dir snaps               # the built-in cases, on a GPU
+    python -m tools.gpu.snapshots --only lstm --out-dir snaps
+    python -m tools.gpu.snapshots --digest snap-x.pickle        # digest an existing snapshot (CPU is fine)
 """
 
 from __future__ import annotations
@@ -36,32 +36,31 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
+ROOT = Path(__file__).resolve().parents[2]
 
 CASES = [
     {"case": "gpt2-bf16-flash-dropout", "workload": "gpt2:n_layer=2", "batch_size": 2, "seq_len": 1024,
      "plan": {"precision": "bf16"}},
     {"case": "gpt2-fp32-memeff", "workload": "gpt2:n_layer=2", "batch_size": 2, "seq_len": 1024, "plan": {}},
-    {"case": "timm-resnet50-bf16", "workload": "bench/gpu_workloads.py:resnet50", "batch_size": 16, "seq_len": None,
+    {"case": "timm-resnet50-bf16", "workload": "memfit.workloads.gpu_cases:resnet50", "batch_size": 16, "seq_len": None,
      "plan": {"precision": "bf16"}},
-    {"case": "lstm_lm-fp32", "workload": "bench/gpu_workloads.py:lstm_lm", "batch_size": 8, "seq_len": None,
+    {"case": "lstm_lm-fp32", "workload": "memfit.workloads.gpu_cases:lstm_lm", "batch_size": 8, "seq_len": None,
      "plan": {}},
     {"case": "lstm-fp32", "workload": "lstm", "batch_size": 32, "seq_len": None, "plan": {}},
     # reserved-peak misses of 2026-11-23 (allocated within 0.2%, reserved off by 5-9%)
-    {"case": "rsv-vit_small-bf16-blocks", "workload": "bench/gpu_workloads.py:vit_small", "batch_size": 128,
+    {"case": "rsv-vit_small-bf16-blocks", "workload": "memfit.workloads.gpu_cases:vit_small", "batch_size": 128,
      "seq_len": None, "plan": {"precision": "bf16", "checkpointing": "blocks"}},
-    {"case": "rsv-unet-bf16-blocks", "workload": "bench/gpu_workloads.py:unet", "batch_size": 16, "seq_len": None,
+    {"case": "rsv-unet-bf16-blocks", "workload": "memfit.workloads.gpu_cases:unet", "batch_size": 16, "seq_len": None,
      "plan": {"precision": "bf16", "checkpointing": "blocks"}},
-    {"case": "rsv-unet-fp32", "workload": "bench/gpu_workloads.py:unet", "batch_size": 16, "seq_len": None,
+    {"case": "rsv-unet-fp32", "workload": "memfit.workloads.gpu_cases:unet", "batch_size": 16, "seq_len": None,
      "plan": {}},
-    {"case": "rsv-convnext_tiny-fp32", "workload": "bench/gpu_workloads.py:convnext_tiny", "batch_size": 64,
+    {"case": "rsv-convnext_tiny-fp32", "workload": "memfit.workloads.gpu_cases:convnext_tiny", "batch_size": 64,
      "seq_len": None, "plan": {}},
-    {"case": "rsv-lstm_lm-fp32", "workload": "bench/gpu_workloads.py:lstm_lm", "batch_size": 32, "seq_len": None,
+    {"case": "rsv-lstm_lm-fp32", "workload": "memfit.workloads.gpu_cases:lstm_lm", "batch_size": 32, "seq_len": None,
      "plan": {}},
-    {"case": "rsv-lstm_lm-bf16", "workload": "bench/gpu_workloads.py:lstm_lm", "batch_size": 32, "seq_len": None,
+    {"case": "rsv-lstm_lm-bf16", "workload": "memfit.workloads.gpu_cases:lstm_lm", "batch_size": 32, "seq_len": None,
      "plan": {"precision": "bf16"}},
-    {"case": "rsv-resnet50-bf16-blocks", "workload": "bench/gpu_workloads.py:resnet50", "batch_size": 64,
+    {"case": "rsv-resnet50-bf16-blocks", "workload": "memfit.workloads.gpu_cases:resnet50", "batch_size": 64,
      "seq_len": None, "plan": {"precision": "bf16", "checkpointing": "blocks"}},
 ]
 
@@ -91,9 +90,9 @@ def _is_py(f: dict) -> bool:
 
 
 def _short_path(path: str) -> str:
-    for marker in ("site-packages/", "/src/", "/bench/"):
+    for marker in ("site-packages/", "/src/", "/bench/", "/tools/"):
         if marker in path:
-            return ("bench/" if marker == "/bench/" else "") + path.split(marker, 1)[1]
+            return (marker[1:] if marker in ("/bench/", "/tools/") else "") + path.split(marker, 1)[1]
     return path
 
 
@@ -343,8 +342,8 @@ def capture(case: dict, out_dir: Path, keep_pickle: bool = True) -> dict:
     import torch
 
     import memfit
-    from gpu_ground_truth import resolve_workload, versions
     from memfit.step import make_batch
+    from tools.gpu.ground_truth import resolve_workload, versions
 
     torch.cuda.mem_get_info()
     torch.manual_seed(0)
@@ -413,7 +412,6 @@ def main(argv: list[str] | None = None) -> int:
         print((out / f"{name}.txt").read_text()[:3000])
         return 0
     if args.one:
-        sys.path.insert(0, str(ROOT / "src"))
         print("RESULT " + json.dumps(capture(json.loads(args.one), out, not args.no_pickle)), flush=True)
         return 0
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -423,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and not re.search(args.only, case["case"]):
             continue
         t0 = time.perf_counter()
-        cmd = [sys.executable, __file__, "--one", json.dumps(case), "--out-dir", str(out)]
+        cmd = [sys.executable, "-m", "tools.gpu.snapshots", "--one", json.dumps(case), "--out-dir", str(out)]
         if args.no_pickle:
             cmd.append("--no-pickle")
         try:

@@ -8,8 +8,8 @@ printed for every row that has such a baseline, with the Spearman rank correlati
 against measured ratios. Rows 1-39 ran one case at a time; rows 40-75 ran four processes at once
 (their CPU-bound times are inflated and noisy), so they are listed apart and not counted.
 
-    .venv/bin/python bench/planner_gpu.py            # trace every row (cached), print the tables
-    .venv/bin/python bench/planner_gpu.py --fit      # refit the constants on the fit rows
+    .venv/bin/python -m tools.fit.time_constants            # trace every row (cached), print the tables
+    .venv/bin/python -m tools.fit.time_constants --fit      # refit the constants on the fit rows
 
 ``--fit`` minimises the squared log error of the fit rows' ratios (plus a small weight on every
 clean row's absolute time) by Nelder-Mead over the constants' logarithms, and prints the
@@ -30,21 +30,15 @@ import time
 import warnings
 from pathlib import Path
 
+from memfit.devices import get_device
+from memfit.planner.opcost import Op
+from memfit.planner.timing import H100, Constants, record_ops, time_from_ops
+from memfit.plans import Plan
+from tools.gpu.rows import CLEAN_ROWS, ROOT, load_rows, plan_fields, plan_text, replaced, target_of
+
 warnings.simplefilter("ignore")
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # bench/gpu_workloads.py:NAME workloads
-
-from memfit.devices import get_device  # noqa: E402
-from memfit.planner.opcost import Op  # noqa: E402
-from memfit.planner.timing import H100, Constants, record_ops, time_from_ops  # noqa: E402
-from memfit.plans import Plan  # noqa: E402
-from memfit.target import Target  # noqa: E402
-
-DATA = ROOT / "tests" / "data" / "h100.jsonl"
 COMPILE_DATA = ROOT / "tests" / "data" / "h100-handwritten-gpt2-compile.jsonl"
 """A hand-written GPT-2 bf16 step (batch 8 x 1024), eager and under torch.compile, on the same H100."""
-CLEAN_ROWS = 39
-"""Rows 1-39 ran one case at a time; the rest overlapped four processes."""
 FIT_CASES = {"gpt2-fp32", "gpt2-bf16-blocks", "gpt2-bf16-offact", "gpt2-bf16-mb2", "gpt2-bf16-ema", "gpt2-adafactor",
              "gpt2-bf16-8bit", "gpt2-best", "t-llama4-selective-b2", "t-llama4-offopt-b2", "t-llama4-chunks-b2",
              "t-llama4-pure-8bit-blocks-b2"}
@@ -61,31 +55,6 @@ FITTED = tuple(PRIOR)
 BASELINE = {"precision": "bf16"}
 CACHE_VERSION = 2
 """Bumped when a technique's step changes (cached ops of the old step are not reused)."""
-
-
-def replaced(row: dict) -> bool:
-    """Rows recorded with a technique implementation that has since been replaced (2026-11-24: the
-    host EMA now averages in a thread beside the next step; offloaded activations go out on a side
-    stream). Their times say nothing about today's step: shown, not counted, until re-measured on a
-    GPU (bench/offload_gpu.py)."""
-    ema = row["plan"].get("ema") or {}
-    return (bool(ema) and ema.get("device", "cpu") == "cpu") or "activations" in row["plan"].get("offload", ())
-
-
-def plan_fields(row: dict) -> dict:
-    """The row's plan in today's fields (the recorded optimizer-state offload stepped on the device:
-    bench/gpu_accuracy.py's DEVICE_STEP_ROWS)."""
-    from bench.gpu_accuracy import in_todays_fields
-    return in_todays_fields(row, row["plan"])
-
-
-def load_rows() -> list[dict]:
-    return [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
-
-
-def target_of(row: dict) -> Target:
-    return Target.resolve(row["workload"], Plan(**plan_fields(row)), row["batch_size"], get_device("h100-80gb"),
-                          seq_len=row["seq_len"])
 
 
 def trace(row: dict, cache: Path | None) -> tuple[list[Op], float]:
@@ -151,17 +120,6 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
     cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
     return cov / math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
-
-
-def plan_text(plan: dict) -> str:
-    parts = []
-    for k, v in plan.items():
-        if isinstance(v, dict):
-            v = ",".join(f"{a}={b}" for a, b in v.items())
-        elif isinstance(v, list):
-            v = ",".join(v)
-        parts.append(f"{k}={v}")
-    return " ".join(parts) or "fp32 (defaults)"
 
 
 def tables(rows, pred, base) -> str:

@@ -16,12 +16,12 @@ Rows are appended to ``--out`` as JSON lines in the schema of ``tests/data/h100.
 machine and versions (GPU, driver, torch, CUDA, cuDNN, transformers, timm, bitsandbytes, memfit
 commit). A case that fails records ``error`` (and the end of its traceback) instead of aborting.
 
-    python bench/gpu_ground_truth.py --list                       # the built-in cases
-    python bench/gpu_ground_truth.py --out h100-new.jsonl         # all built-in cases
-    python bench/gpu_ground_truth.py --only 'resnet|unet' --out x.jsonl
-    python bench/gpu_ground_truth.py --cases my_cases.json --out x.jsonl
-    python bench/gpu_ground_truth.py --device cpu --cases tiny.json   # smoke test, no GPU (no memory figures)
-    python bench/gpu_ground_truth.py --jobs 4 --predict --out x.jsonl   # 4 cases overlap; predictions too
+    python -m tools.gpu.ground_truth --list                       # the built-in cases
+    python -m tools.gpu.ground_truth --out h100-new.jsonl         # all built-in cases
+    python -m tools.gpu.ground_truth --only 'resnet|unet' --out x.jsonl
+    python -m tools.gpu.ground_truth --cases my_cases.json --out x.jsonl
+    python -m tools.gpu.ground_truth --device cpu --cases tiny.json   # smoke test, no GPU (no memory figures)
+    python -m tools.gpu.ground_truth --jobs 4 --predict --out x.jsonl   # 4 cases overlap; predictions too
 
 ``--jobs N`` overlaps N cases' CPU work (imports, model building, predictions); their GPU phases
 (build_step through the timed steps) take turns under a file lock, so the peaks and step times are
@@ -32,8 +32,8 @@ with the same library versions: ``predicted_cuda`` (``device="cuda"``, the local
 ``predicted_preset`` (the preset ``--preset`` names), each ``{"allocated", "reserved"}``.
 
 A case file is a JSON list of objects ``{"case": id, "workload": spec, "batch_size": n,
-"seq_len": t or null, "plan": {Plan fields}}``; ``workload`` is a built-in name or
-``path/to/file.py:NAME`` (memfit's user format); ``"kwargs": {...}`` calls NAME with them (tiny
+"seq_len": t or null, "plan": {Plan fields}}``; ``workload`` is a built-in name,
+``package.module:NAME`` or ``path/to/file.py:NAME`` (memfit's user formats); ``"kwargs": {...}`` calls NAME with them (tiny
 sizes for a smoke test). Set ``MEMFIT_COMMIT`` where the checkout has no ``.git``.
 """
 
@@ -52,8 +52,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-GW = "bench/gpu_workloads.py"
+ROOT = Path(__file__).resolve().parents[2]
+GW = "memfit.workloads.gpu_cases"
 
 WARMUP_STEPS = 2
 TIMED_STEPS = 5
@@ -65,7 +65,7 @@ def _case(case: str, workload: str, batch_size: int, seq_len: int | None = None,
 
 L4 = "llama:num_hidden_layers=4"
 BUILTIN: list[dict] = [
-    # user-style workloads (bench/gpu_workloads.py)
+    # user-style workloads (memfit.workloads.gpu_cases)
     _case("timm-resnet50-fp32", f"{GW}:resnet50", 64),
     _case("timm-resnet50-bf16", f"{GW}:resnet50", 64, precision="bf16"),
     _case("timm-resnet50-bf16-blocks", f"{GW}:resnet50", 64, precision="bf16", checkpointing="blocks"),
@@ -111,16 +111,21 @@ BUILTIN: list[dict] = [
 # -- the child: one case in this process -----------------------------------------------------------
 
 def resolve_workload(case: dict):
-    """The case's Workload: a built-in or ``file.py:NAME`` (called with ``kwargs`` when given)."""
+    """The case's Workload: a built-in, ``package.module:NAME`` or ``file.py:NAME`` (NAME called with
+    ``kwargs`` when given)."""
     from memfit.workloads import load_workload
     spec, kwargs = case["workload"], case.get("kwargs")
     if not kwargs:
         return load_workload(spec, seq_len=case.get("seq_len"))
+    import importlib
     import importlib.util
-    path, _, name = spec.partition(":")
-    mod_spec = importlib.util.spec_from_file_location(f"memfit_gt_{Path(path).stem}", ROOT / path)
-    module = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(module)
+    where, _, name = spec.partition(":")
+    if where.endswith(".py"):
+        mod_spec = importlib.util.spec_from_file_location(f"memfit_gt_{Path(where).stem}", ROOT / where)
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
     return getattr(module, name)(**kwargs)
 
 
@@ -270,7 +275,7 @@ def run_case(case: dict, device: str, timeout: float, predict: str | None = None
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("MEMFIT_COMMIT", memfit_commit() or "")
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", json.dumps(case), "--device", device]
+    cmd = [sys.executable, "-m", "tools.gpu.ground_truth", "--one", json.dumps(case), "--device", device]
     if predict:
         cmd += ["--predict", "--preset", predict]
     try:
@@ -333,7 +338,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--one", metavar="JSON", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
-        sys.path.insert(0, str(ROOT / "src"))
         result = measure_case(json.loads(args.one), args.device, args.preset if args.predict else None)
         print("RESULT " + json.dumps(result), flush=True)
         return 0

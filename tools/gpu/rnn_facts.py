@@ -14,8 +14,8 @@ and this records:
 - ``persist_after_first_call``: bytes the first call leaves allocated (cuDNN's dropout state
   is made once per device and kept).
 
-    python bench/gpu_rnn_facts.py --out rnn.json          # on a machine with a CUDA GPU
-    python bench/gpu_rnn_facts.py --wide --out wide.json  # 216 unidirectional fp32 shapes
+    python -m tools.gpu.rnn_facts --out rnn.json          # on a machine with a CUDA GPU
+    python -m tools.gpu.rnn_facts --wide --out wide.json  # 216 unidirectional fp32 shapes
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Prints one JSON object (and writes it with ``--out``):
   matmul of each dtype on the main thread, on a new thread, and in autograd's backward thread;
 - whether ``torch.optim.AdamW`` picks foreach (or fused) for CUDA parameters, and for fake ones.
 
-    python bench/gpu_facts.py --out facts.json
+    python -m tools.gpu.facts --out facts.json
 """
 
 from __future__ import annotations
