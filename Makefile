@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(BIN)/memfit demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --durations=15
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

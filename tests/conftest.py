@@ -10,6 +10,14 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 warnings.filterwarnings("ignore", category=UserWarning)
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (``make test`` runs one worker per core) each worker computes on one
+    thread: two workers with a thread per core each would oversubscribe the cores."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+        torch.set_num_threads(1)
+
+
 @pytest.fixture
 def tmp_workload_file(tmp_path):
     """Write a user workload file and return its path."""

@@ -193,7 +193,7 @@ def test_plan_precision_auto_resolves_for_the_device(files):
 def test_plan_fixed_micro_batch_on_a_gpu_preset(files):
     """A fixed micro-batch size on a GPU preset used to end in KeyError: 8 (the roofline's base)."""
     argv = ["plan", GPT2, "--seq-len", "16", "-b", "8", "--device", "h100-80gb", "--max-traces", "2",
-            "--micro-batch-size", "4", "--json"]
+            "--micro-batch-size", "4", "--optimizers", "adamw", "--json"]
     rc, out, err = run(argv)
     check(argv, rc, err)
     assert rc == 0 and '"micro_batch_size": 4' in out
@@ -366,3 +366,16 @@ def test_fuzz_other_commands(cmd, extra):
 def _status(argv: list[str]) -> tuple[int, str]:
     rc, _, err = run(argv)
     return rc, err
+
+
+def test_a_reader_that_leaves_the_pipe_ends_memfit_quietly():
+    """``memfit estimate ... | head -1``: the reader closes the pipe; memfit stops with the shell's
+    SIGPIPE status (141) and says nothing, where it used to report an internal BrokenPipeError."""
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "memfit.cli.main", "estimate", GPT2, "--seq-len", "16", "-b", "2",
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader left before memfit wrote
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141, err
+    assert "internal error" not in err and "Traceback" not in err and "BrokenPipe" not in err, err

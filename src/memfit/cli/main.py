@@ -62,7 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv is not None:
         return _run(argv)
     try:
-        return _run(sys.argv[1:])
+        code = _run(sys.argv[1:])
+        sys.stdout.flush()  # (here, not at exit: a reader that left is one more quiet exit)
+        return code
+    except BrokenPipeError:
+        _quiet_stdout()
+        return 141
     finally:
         gc.freeze()
 
@@ -103,6 +108,9 @@ def _run(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("memfit: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left (memfit plan ... | head): stop quietly, as cat does
+        _quiet_stdout()
+        return 141
     except Exception as e:  # an unexpected failure: one line unless --debug
         if debug:
             raise
@@ -112,6 +120,16 @@ def _run(argv: list[str]) -> int:
         return 1
     finally:
         warnings.showwarning = shown
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's flush at exit does not fail again on
+    the closed pipe (Python's documented recipe for SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # (no real stdout: a test's capture)
+        pass
 
 
 def _say(line: str, code: int) -> None:
