@@ -62,12 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv is not None:
         return _run(argv)
     try:
-        code = _run(sys.argv[1:])
-        sys.stdout.flush()  # (here, not at exit: a reader that left is one more quiet exit)
-        return code
-    except BrokenPipeError:
-        _quiet_stdout()
-        return 141
+        return _run(sys.argv[1:])
     finally:
         gc.freeze()
 
@@ -99,7 +94,9 @@ def _run(argv: list[str]) -> int:
     if not debug:
         warnings.showwarning = _one_line_warning
     try:
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # (here, not at exit: a reader that left the pipe gets the quiet exit below)
+        return code
     except UserError as e:
         if debug:
             raise
