@@ -33,4 +33,5 @@ def test_the_planner_finds_an_adamw_plan_for_7b_on_24_gb():
     result = plan("llama", device="rtx4090", batch_size=1, seq_len=2048)
     assert result.chosen is not None
     chosen = result.chosen.plan
-    assert chosen.optimizer in ("adamw", "adamw8bit") and chosen.precision == "bf16-pure"
+    assert chosen.optimizer in ("adamw", "adamw8bit", "adamw8bit-ao", "adamw4bit-ao", "adamwfp8-ao") \
+        and chosen.precision == "bf16-pure"

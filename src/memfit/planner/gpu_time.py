@@ -136,7 +136,11 @@ class GpuStepModel(StepTimeModel):
                 if plan is not None and plan != self.base:
                     alone[(name, value)] = plan
         micro = [m for m in self.space.micro_batches if m != self.rank_batch]
-        jobs = [(p, d, None) for p in (self.base, *alone.values()) for d in self._depths(p) or (None,)]
+        plans = [self.base, *alone.values(), *self._warming(alone.values())]
+        pairs = [self._depths(p) or (None,) for p in plans]
+        # the shallower depth of every plan first: the deeper trace of a plan that compiles comes
+        # later, and finds its graphs in Inductor's cache (NOTE [ Predicted wrappers in Inductor's caches ])
+        jobs = [(p, pair[i], None) for i in range(max(map(len, pairs))) for p, pair in zip(plans, pairs) if i < len(pair)]
         for d in dict.fromkeys(d for _, d, _ in jobs if d is not None):  # (here: the forked workers share them)
             self._shallow(d)
         self._run(jobs, check=False)
@@ -152,6 +156,27 @@ class GpuStepModel(StepTimeModel):
             self.savings[(name, value)] = m.used_lower - base.used_lower
         for m in micro:  # (their savings are traced when first asked for: tight budgets only)
             self.ratios[("micro_batch_size", m)] = self._micro_seconds(m) / base.seconds
+
+    def _warming(self, alone) -> list[Plan]:
+        """The plans alone whose values compile per weight dtype (torchao's update), at each other
+        weight dtype searched: traced with the others, in parallel, so that the walk, which visits
+        plans one at a time, finds their graphs compiled (NOTE [ Predicted wrappers in Inductor's
+        caches ]). Their evidence is kept, as any plan's."""
+        precisions = {}
+        for value in self.space.values.get("precision", []):
+            precisions.setdefault(Plan(precision=value).config("precision").weights, value)
+        warm = []
+        for plan in alone:
+            if not any(c.compiles_per_weight_dtype for c in plan.techniques):
+                continue
+            held = plan.config("precision").weights
+            for weights, value in precisions.items():
+                if weights != held:
+                    try:
+                        warm.append(plan.replace(precision=value))
+                    except UserError:
+                        continue
+        return list(dict.fromkeys(warm))
 
     def estimated_used(self, plan: Plan) -> int:
         """What the plan is estimated to need of the budget without a trace of its own: the

@@ -105,6 +105,10 @@ class Config:
     """Only adds work (recompute, copies): a calibrated factor below 1 is timing noise."""
     warms_up: ClassVar[bool] = False
     """Costs time once before the first step (compiling): the calibrated model measures it."""
+    compiles_per_weight_dtype: ClassVar[bool] = False
+    """Compiles a graph per dtype of the weights (torchao's update: per parameter shape and
+    dtype): the GPU-preset planner measures it at each weight dtype it searches while its workers
+    run in parallel, so those compilations never hold up the walk."""
     numerics: ClassVar[str | None] = None
     """How this config changes the numbers the update computes, in a few words (e.g. "4-bit AdamW
     states"); None: it computes what the workload's own step computes (up to kernel rounding)."""

@@ -32,10 +32,10 @@ its fusions materialise (a result read by several kernels is recomputed or store
 cost), the order its scheduler picks (e.g. all of a low budget's recomputation first), which dying
 buffer a kernel writes into. Modelling those rules drifted from Inductor by up to a third of the
 peak at low budgets, so memfit does not model them: ``compile_fx_inner`` runs in full, and only
-the last step, loading the generated wrapper module, is replaced. The wrapper is executed in a
-private module (never Inductor's code cache, which the real compile reads) where kernels are
-no-ops and Inductor's direct allocators are replaced by ``torch.empty_strided``/``as_strided``,
-which fake mode and the tracker see. Library kernels the wrapper calls (matmuls with ``out=``,
+the last step, loading the generated wrapper module, is replaced (memfit.techniques.fake_wrapper):
+kernels are no-ops and Inductor's direct allocators are replaced by ``torch.empty_strided``/
+``as_strided``, which fake mode and the tracker see; the wrapper is kept in Inductor's caches under
+keys of its own (NOTE [ Predicted wrappers in Inductor's caches ]). Library kernels the wrapper calls (matmuls with ``out=``,
 attention and other fallbacks) run on fake tensors as in eager mode. The kernels are generated
 but never compiled (Inductor's CPU code generator still probes the C++ compiler once, so a
 prediction needs one too).
@@ -54,6 +54,7 @@ import torch.nn.modules.module as _module
 from torch.utils._python_dispatch import _disable_current_modes
 
 from memfit.errors import UserError
+from memfit.techniques import fake_wrapper
 
 RECOMPILE_LIMIT = 64
 """Compilations of one region's code in a process. One process (the planner, a test session) compiles a
@@ -79,7 +80,7 @@ def compiled(fn: Callable, *, budget: float | None = None, name: str = "region",
     def call(*args, **kwargs):
         _check_toolchain(args, kwargs)
         if _fake(args, kwargs):
-            with _outside_modes() as modes, contextlib.ExitStack() as paused:
+            with _outside_modes() as modes, contextlib.ExitStack() as paused, fake_wrapper.prediction_caches():
                 for pause in list(CAPTURE_PAUSES):
                     paused.enter_context(pause())
                 _RUNTIME_MODES.append(modes)
@@ -193,11 +194,15 @@ def _lower_then_run(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     """Inductor's whole ``compile_fx_inner`` (post-grad passes, lowering, scheduling and fusion,
     buffer reuse, the generated Python wrapper) with the kernels' compilation left out: the wrapper
     runs on fake tensors, allocating and freeing exactly what the real one does, under the modes of
-    the call (NOTE [ Inductor's own wrapper on fake tensors ])."""
+    the call (NOTE [ Inductor's own wrapper on fake tensors ]). Inductor's FX graph cache serves a
+    graph predicted before, here or in another process (NOTE [ Predicted wrappers in Inductor's
+    caches ])."""
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.graph import GraphLowering
-    with _outside_modes(), torch._inductor.config.patch(force_disable_caches=True), \
-            unittest.mock.patch.object(GraphLowering, "_compile_to_module_lines", _wrapper_without_kernels):
+    caches = contextlib.nullcontext() if fake_wrapper.caches_on() else \
+        torch._inductor.config.patch(force_disable_caches=True)
+    with _outside_modes(), caches, \
+            unittest.mock.patch.object(GraphLowering, "_compile_to_module_lines", fake_wrapper.load_wrapper):
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
@@ -207,9 +212,7 @@ CAPTURE_PAUSES: list = []
 """Context factories entered while a region is captured and compiled on fake tensors: what a fake
 trace installs that torch.compile cannot capture through (the CUDA kernel model's autocast lists)."""
 
-_RUNTIME_MODES: list = []
-"""The dispatch modes active where the region was called (the tracker, fake mode, the kernel
-model): its graphs run under them (see NOTE [ Compiled regions on fake tensors ])."""
+_RUNTIME_MODES = fake_wrapper.RUNTIME_MODES
 
 
 @contextlib.contextmanager
@@ -225,80 +228,3 @@ def _outside_modes():
     finally:
         _module._global_forward_pre_hooks.update(pre)
         _module._global_forward_hooks.update(post)
-
-
-_NO_KERNELS = "async_compile = AsyncCompile()"
-
-
-def _wrapper_without_kernels(graph, wrapper_code):
-    """Stands in for ``GraphLowering._compile_to_module_lines``: the generated wrapper module, loaded
-    privately (never into Inductor's code cache, which the real compile reads) with kernels that do
-    nothing, and allocations that go through the dispatcher (so fake mode and the tracker see
-    them) rather than Inductor's direct C++ allocators."""
-    import hashlib
-    import types
-    source = wrapper_code.value
-    if _NO_KERNELS not in source:
-        raise RuntimeError("Inductor's wrapper code has changed shape: memfit cannot run it on fake tensors")
-    source = source.replace(_NO_KERNELS, "async_compile = _memfit_no_kernels", 1)
-    key = hashlib.sha256(source.encode()).hexdigest()[:16]
-    module = types.ModuleType(f"memfit_inductor_{key}")
-    module.__file__ = f"<memfit fake-tensor wrapper {key}>"
-    module.__dict__.update(graph.constants, _memfit_no_kernels=_NoKernels())
-    exec(compile(source, module.__file__, "exec"), module.__dict__)
-    module.__dict__.update(_FAKE_ALLOCATORS)
-    module.call = _under_call_modes(module.call)
-    graph.cache_key, graph.cache_path, graph.cache_linemap = key, None, []
-    return module
-
-
-class _NoKernels:
-    """``async_compile`` for a wrapper run on fake tensors: each kernel is a call that does nothing."""
-
-    def __getattr__(self, kind):
-        return lambda *args, **kwargs: _no_kernel
-
-    def wait(self, scope) -> None:
-        pass
-
-
-def _no_kernel(*args, **kwargs) -> None:
-    return None
-
-
-_no_kernel.run = _no_kernel
-
-
-def _empty_strided(size, stride, dtype, device="cpu"):
-    return torch.empty_strided(size, stride, dtype=dtype, device=device)
-
-
-def _empty_strided_cuda(size, stride, dtype):
-    return torch.empty_strided(size, stride, dtype=dtype, device="cuda")
-
-
-def _reinterpret(tensor, size, stride, offset):
-    return tensor.as_strided(size, stride, tensor.storage_offset() + offset)
-
-
-_FAKE_ALLOCATORS = {
-    "empty_strided_cpu": _empty_strided,
-    "empty_strided_cpu_pinned": _empty_strided,
-    "empty_strided_cuda": _empty_strided_cuda,
-    "reinterpret_tensor": _reinterpret,
-    "assert_size_stride": _no_kernel,
-    "assert_size_stride_grouped": _no_kernel,
-    "assert_alignment": _no_kernel,
-}
-
-
-def _under_call_modes(call: Callable) -> Callable:
-    """Forward runs inside the region's call, which stepped out of the modes: enter them again;
-    backward runs from autograd's engine, inside the step, where they are active already."""
-    def run(args):
-        modes = _RUNTIME_MODES[-1] if _RUNTIME_MODES else []
-        with contextlib.ExitStack() as stack:
-            for m in modes:
-                stack.enter_context(m)
-            return call(args)
-    return run

@@ -93,6 +93,7 @@ class TorchaoAdamW(OptimizerVariant):
 
     hf_name = None
     """Hugging Face ``TrainingArguments.optim`` for the same optimizer (None: it has none)."""
+    compiles_per_weight_dtype = True
 
     def check(self, plan) -> None:
         problem = torchao_problem(self.name)

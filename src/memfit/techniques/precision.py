@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch.utils._pytree import tree_map
@@ -57,6 +58,8 @@ class Precision(Config):
     scaler and the batch's dtype."""
 
     name = "fp32"
+    weights: ClassVar[str] = "fp32"
+    """The dtype the weights (and so the optimizer's parameters) are held in."""
 
     def values(self) -> dict:
         return {"precision": self.name}
@@ -168,6 +171,7 @@ class BF16Pure(Precision):
     """Weights, gradients and optimizer states in bf16 (no fp32 master copy)."""
 
     name = "bf16-pure"
+    weights = "bf16"
     rank = 2
     numerics = "bf16 weights (no fp32 master copy)"
 

@@ -1,0 +1,154 @@
+"""Inductor's generated wrapper, run on fake tensors, and kept in Inductor's own caches.
+
+A compiled region's prediction (memfit.techniques.compiled) runs Inductor in full, down to the
+Python wrapper it generates, and replaces only the loading of that wrapper: its kernels do nothing,
+and its allocations go through the dispatcher, so fake mode and memfit's tracker see them.
+
+NOTE [ Predicted wrappers in Inductor's caches ]
+Lowering and code generation are most of a compile (seconds per graph on a CPU; torchao's 8-bit
+update, one graph per parameter shape, takes about 3.5 s). The planner's worker processes, and
+every later ``estimate`` or ``plan``, meet the same graphs again. So the predicting compile keeps
+Inductor's caches on (its FX graph cache and AOTAutograd's cache, in Inductor's cache folder,
+``TORCHINDUCTOR_CACHE_DIR``), with two guards:
+
+- **Apart from real compiles.** While a region is predicted, ``post_grad_custom_post_pass`` is a
+  pass that does nothing and whose ``uuid`` names memfit's wrapper (a hash of this file). Both
+  caches hash that uuid into their keys, so a real compile never loads a predicted wrapper (its
+  kernels do nothing) and a prediction never loads real kernels. Where a user has set that pass
+  already, predictions leave the caches off (``force_disable_caches``), as before.
+- **Self-contained.** The wrapper written to Inductor's code cache imports this module and calls
+  :func:`install` at its end, so the source a cache hit loads in another process runs exactly as
+  the one just generated.
+
+``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`` turns the caches off for predictions too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+NO_KERNELS_LINE = "async_compile = AsyncCompile()"
+"""The line of Inductor's wrapper that makes its kernels' compiler: replaced by :data:`NO_KERNELS`."""
+
+RUNTIME_MODES: list = []
+"""The dispatch modes active where the region was called (the tracker, fake mode, the kernel
+model): its graphs run under them (see NOTE [ Compiled regions on fake tensors ])."""
+
+
+class PredictionPass(CustomGraphPass):
+    """Inductor's post-grad custom pass while a region is predicted: it changes nothing, and its uuid
+    keeps predicted wrappers apart from real ones in Inductor's caches."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        return "memfit-fake-wrapper-" + get_hash_for_files((__file__,)).hex()
+
+
+PREDICTION_PASS = PredictionPass()
+
+
+@contextlib.contextmanager
+def prediction_caches():
+    """Around a predicting compile: Inductor's caches keyed apart from real compiles, or off where a
+    user's own post-grad pass is set (NOTE [ Predicted wrappers in Inductor's caches ])."""
+    config = torch._inductor.config
+    if config.post_grad_custom_post_pass is None:
+        with config.patch(post_grad_custom_post_pass=PREDICTION_PASS):
+            yield
+    elif isinstance(config.post_grad_custom_post_pass, PredictionPass):  # (nested)
+        yield
+    else:
+        with config.patch(force_disable_caches=True):
+            yield
+
+
+def caches_on() -> bool:
+    """Whether this predicting compile may use Inductor's caches (inside :func:`prediction_caches`)."""
+    return isinstance(torch._inductor.config.post_grad_custom_post_pass, PredictionPass)
+
+
+def load_wrapper(graph, wrapper_code):
+    """Stands in for ``GraphLowering._compile_to_module_lines``: the generated wrapper with kernels
+    that do nothing, written to Inductor's code cache (its source differs from the real wrapper's,
+    so it has a key of its own) and loaded from there, as a cache hit loads it."""
+    from torch._inductor.codecache import PyCodeCache
+    source = wrapper_code.value
+    if NO_KERNELS_LINE not in source:
+        raise RuntimeError("Inductor's wrapper code has changed shape: memfit cannot run it on fake tensors")
+    # (on one line: the line map of the wrapper stays valid)
+    source = source.replace(NO_KERNELS_LINE, "from memfit.techniques import fake_wrapper as _memfit_fake_wrapper; "
+                            "async_compile = _memfit_fake_wrapper.NO_KERNELS", 1)
+    source += "\n_memfit_fake_wrapper.install(globals())\n"
+    linemap = [(line, node.stack_trace) for line, node in wrapper_code.line_map]
+    key, path = PyCodeCache.write(source)
+    module = PyCodeCache.load_by_key_path(key, path, linemap, graph.constants)
+    graph.cache_key, graph.cache_path, graph.cache_linemap = key, path, linemap
+    return module
+
+
+def install(scope: dict) -> None:
+    """Called by a predicted wrapper's last line: its allocations through the dispatcher, its
+    ``call`` under the modes of the region's call."""
+    scope.update(FAKE_ALLOCATORS)
+    scope["call"] = _under_call_modes(scope["call"])
+
+
+class _NoKernels:
+    """``async_compile`` for a wrapper run on fake tensors: each kernel is a call that does nothing."""
+
+    def __getattr__(self, kind):
+        return lambda *args, **kwargs: _no_kernel
+
+    def wait(self, scope) -> None:
+        pass
+
+
+NO_KERNELS = _NoKernels()
+
+
+def _no_kernel(*args, **kwargs) -> None:
+    return None
+
+
+_no_kernel.run = _no_kernel
+
+
+def _empty_strided(size, stride, dtype, device="cpu"):
+    return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+
+def _empty_strided_cuda(size, stride, dtype):
+    return torch.empty_strided(size, stride, dtype=dtype, device="cuda")
+
+
+def _reinterpret(tensor, size, stride, offset):
+    return tensor.as_strided(size, stride, tensor.storage_offset() + offset)
+
+
+FAKE_ALLOCATORS = {
+    "empty_strided_cpu": _empty_strided,
+    "empty_strided_cpu_pinned": _empty_strided,
+    "empty_strided_cuda": _empty_strided_cuda,
+    "reinterpret_tensor": _reinterpret,
+    "assert_size_stride": _no_kernel,
+    "assert_size_stride_grouped": _no_kernel,
+    "assert_alignment": _no_kernel,
+}
+
+
+def _under_call_modes(call: Callable) -> Callable:
+    """Forward runs inside the region's call, which stepped out of the modes: enter them again;
+    backward runs from autograd's engine, inside the step, where they are active already."""
+    def run(args):
+        modes = RUNTIME_MODES[-1] if RUNTIME_MODES else []
+        with contextlib.ExitStack() as stack:
+            for m in modes:
+                stack.enter_context(m)
+            return call(args)
+    return run
