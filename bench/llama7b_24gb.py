@@ -13,6 +13,11 @@ seconds of the whole command, Python start included), and the chosen plan's memo
 
     .venv/bin/python -m bench.llama7b_24gb            # add --only llama2 / --cards 24GB to run fewer
 
+Each command runs twice: **cold**, with an empty Inductor cache folder (``TORCHINDUCTOR_CACHE_DIR``,
+as on a machine that never ran memfit or torch.compile: torchao's compiled update is generated
+anew, and Inductor probes the C++ compiler), then **warm**, the same command again with that folder
+(NOTE [ Predicted wrappers in Inductor's caches ] in memfit.techniques.fake_wrapper).
+
 Planning times depend on this machine's load: run it on an idle machine. The memory figures are
 predictions for the preset, not measurements; a GPU run is what proves them.
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -41,10 +47,11 @@ SIZE = ["-b", "1", "--seq-len", "2048", "--device", "rtx4090"]
 GiB = 2**30
 
 
-def run(spec: str, extra: list[str], plan_file: Path) -> dict:
+def run(spec: str, extra: list[str], plan_file: Path, cache: Path) -> dict:
     argv = [*MEMFIT, "plan", spec, *SIZE, *extra, "--out", str(plan_file)]
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
     start = time.perf_counter()
-    out = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=env)
     seconds = time.perf_counter() - start
     text = out.stdout + out.stderr
     chosen = re.search(r"^chosen: (.*) · predicted ([\d.]+ GiB) · ([\d.]+) ms/step", text, re.M)
@@ -77,10 +84,12 @@ def main() -> None:
             if card not in args.cards.split(","):
                 continue
             with tempfile.TemporaryDirectory() as tmp:
-                plan_file = Path(tmp) / "plan.yaml"
-                r = run(spec, extra, plan_file)
+                plan_file, cache = Path(tmp) / "plan.yaml", Path(tmp) / "inductor"
+                r = run(spec, extra, plan_file, cache)
+                warm = run(spec, extra, plan_file, cache)
+                same = "" if (warm["plan"], warm["memory"]) == (r["plan"], r["memory"]) else "  (warm: another answer!)"
                 print(f"{name:7} {card:5} {r['memory']:>10} {r['ms']:>8} ms/step  {r['traced']:>4} traced  "
-                      f"{r['seconds']:6.1f} s  {r['plan']}")
+                      f"{r['seconds']:6.1f} s cold, {warm['seconds']:6.1f} s warm  {r['plan']}{same}")
                 print(f"        memfit {r['command']}")
                 if plan_file.is_file():
                     print(f"        by category (GiB): {by_category(spec, plan_file)}", flush=True)

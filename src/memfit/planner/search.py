@@ -35,7 +35,7 @@ from memfit.planner import cost
 from memfit.planner.candidate import Candidate, Status
 from memfit.planner.gpu_time import GpuStepModel
 from memfit.planner.progress import NoProgress
-from memfit.planner.space import candidates, default_space, drop_unused, model_facts, within_weights
+from memfit.planner.space import candidates, default_space, drop_unused, model_facts
 from memfit.planner.time_model import StepTimeModel
 from memfit.planner.walk import Walk
 from memfit.plans import Plan, technique_of
@@ -131,7 +131,6 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
         plans = kept
     if not plans:
         raise UserError("plan: no valid plan is left with the fields you fixed; remove some of the plan flags")
-    plans = within_weights(plans, facts.n_params, budget_bytes, space) or plans  # (none left: the walk says why)
     drop_unused(space, plans)
     progress.stage("timing techniques")
     with silenced_warnings():

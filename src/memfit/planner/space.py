@@ -22,7 +22,6 @@ from memfit.devices import Device
 from memfit.errors import UserError
 from memfit.plans import TECHNIQUES, Plan
 from memfit.techniques.base import SearchContext
-from memfit.units import fmt_bytes
 from memfit.workload import Workload, call_workload
 
 
@@ -75,34 +74,6 @@ def drop_unused(space: SearchSpace, plans: list[Plan]) -> None:
     for name, values in space.values.items():
         taken = {getattr(p, name) for p in plans}
         values[:] = [v for v in values if v in taken]
-
-
-WEIGHT_BYTES = {"fp32": 4, "bf16": 2}
-
-
-def weights_on_device(plan: Plan, n_params: int) -> int | None:
-    """A lower bound, without a trace, of what ``plan`` holds on the device: every parameter in the
-    dtype its precision keeps the weights in (fp32 under ``bf16`` autocast). None where a technique
-    keeps weights elsewhere or smaller: sharded over ranks, offloaded by FSDP2, a quantized base."""
-    if plan.world_size > 1 or plan.shard_offload or plan.base_weights != "as-is":
-        return None
-    return n_params * WEIGHT_BYTES[plan.config("precision").weights]
-
-
-def within_weights(plans: list[Plan], n_params: int, budget: int, space: SearchSpace) -> list[Plan]:
-    """The plans whose weights alone (:func:`weights_on_device`) fit ``budget``; the others leave the
-    search untraced, with a note (e.g. fp32 weights of a 7B model on a 24 GB card)."""
-    kept, over = [], {}
-    for plan in plans:
-        need = weights_on_device(plan, n_params)
-        if need is not None and need > budget:
-            over.setdefault(plan.precision, (need, plan.config("precision").weights))
-        else:
-            kept.append(plan)
-    for precision, (need, weights) in over.items():
-        space.notes.append(f"precision={precision}: its {weights} weights alone need {fmt_bytes(need)} > budget "
-                           f"{fmt_bytes(budget)} (not traced)")
-    return kept
 
 
 def candidates(space: SearchSpace, batch_size: int) -> list[Plan]:
