@@ -83,11 +83,11 @@ def compiled(fn: Callable, *, budget: float | None = None, name: str = "region",
             with _outside_modes() as modes, contextlib.ExitStack() as paused, fake_wrapper.prediction_caches():
                 for pause in list(CAPTURE_PAUSES):
                     paused.enter_context(pause())
-                _RUNTIME_MODES.append(modes)
+                fake_wrapper.RUNTIME_MODES.append(modes)
                 try:
                     return _explained(predicted, name, *args, **kwargs)
                 finally:
-                    _RUNTIME_MODES.pop()
+                    fake_wrapper.RUNTIME_MODES.pop()
         with _outside_modes():  # NOTE [ Real compiled regions run outside memfit's modes ]
             return _explained(real, name, *args, **kwargs)
     return call
@@ -199,6 +199,8 @@ def _lower_then_run(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     caches ])."""
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.graph import GraphLowering
+    # (a backward graph compiles lazily, in autograd's backward, outside the call's prediction_caches:
+    # without the prediction's key it must not touch the caches)
     caches = contextlib.nullcontext() if fake_wrapper.caches_on() else \
         torch._inductor.config.patch(force_disable_caches=True)
     with _outside_modes(), caches, \
@@ -211,8 +213,6 @@ def _lower_then_run(gm: torch.fx.GraphModule, example_inputs, **kwargs):
 CAPTURE_PAUSES: list = []
 """Context factories entered while a region is captured and compiled on fake tensors: what a fake
 trace installs that torch.compile cannot capture through (the CUDA kernel model's autocast lists)."""
-
-_RUNTIME_MODES = fake_wrapper.RUNTIME_MODES
 
 
 @contextlib.contextmanager
