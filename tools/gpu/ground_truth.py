@@ -32,7 +32,9 @@ with the same library versions: ``predicted_cuda`` (``device="cuda"``, the local
 ``predicted_preset`` (the preset ``--preset`` names), each ``{"allocated", "reserved"}``.
 
 A case file is a JSON list of objects ``{"case": id, "workload": spec, "batch_size": n,
-"seq_len": t or null, "plan": {Plan fields}}``; ``workload`` is a built-in name,
+"seq_len": t or null, "plan": {Plan fields}}`` and optionally ``"memory_limit_bytes": n`` (the caching
+allocator is capped there with ``torch.cuda.set_per_process_memory_fraction``: a smaller card, as
+``memfit train --budget`` enforces it; the row records the fraction); ``workload`` is a built-in name,
 ``package.module:NAME`` or ``path/to/file.py:NAME`` (memfit's user formats); ``"kwargs": {...}`` calls NAME with them (tiny
 sizes for a smoke test). Set ``MEMFIT_COMMIT`` where the checkout has no ``.git``.
 """
@@ -211,6 +213,10 @@ def measure_case(case: dict, device: str = "cuda", predict: str | None = None) -
         turn.enter_context(gpu_turn())
         if cuda:
             free0, total = torch.cuda.mem_get_info()  # creates the CUDA context
+            if case.get("memory_limit_bytes"):  # a smaller card: the allocator's own per-process cap
+                from memfit.training.enforce import limit_cuda_allocator
+                row["memory_limit_bytes"] = case["memory_limit_bytes"]
+                row["memory_fraction"] = limit_cuda_allocator(case["memory_limit_bytes"])
         dev = memfit.get_device(device)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -247,6 +253,8 @@ def measure_case(case: dict, device: str = "cuda", predict: str | None = None) -
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         row["step_seconds_median"] = round(statistics.median(times), 5)
+        if case.get("seq_len"):
+            row["tokens_per_second"] = round(case["batch_size"] * case["seq_len"] / statistics.median(times), 1)
         row["loss"] = loss
         if notes:
             row["warnings"] = notes[:4]

@@ -1,0 +1,32 @@
+#!/bin/bash
+# One device call for the fine-tuning issues' GPU rows (tools/gpu/finetune_cases.json), in priority order:
+#   1. the planner's Llama-2-7B plan for a 24 GB card, trained under a 24 GiB per-process memory fraction of the
+#      card, and the unconstrained AdamW plan beside it (tokens/s), each alone on the GPU;
+#   2. LoRA/QLoRA Llama and diffusers LoRA rows, 3 overlapping their CPU work (GPU phases take turns);
+#   3. if time is left: bench.offload_gpu's Llama row (optimizer-state offload vs plain bf16).
+# Predictions are made on a CPU afterwards (fake tensors, the h100-80gb preset), not here.
+# Before the call, here: wheels the image lacks or has at another version, in .whl (git-ignored):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
+#     torchao==0.18.0 bitsandbytes==0.50.2 diffusers==0.42.1 importlib_metadata==10.2.0 peft==0.21.2
+#   run(command="bash tools/gpu/finetune_session.sh $(git rev-parse --short HEAD) 2>&1 | tee $OUT/log.txt", carry=[".whl"])
+export PYTHONUNBUFFERED=1 MEMFIT_COMMIT="$1"
+OUT=${OUT:-out}; mkdir -p "$OUT"
+T0=$(date +%s); END=${END_SECONDS:-540}
+el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+left() { echo $(( END - $(date +%s) + T0 )); }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || echo "wheels did not install"
+export PYTHONPATH=/tmp/site:$PWD/src
+nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
+python3 -c "import torch, transformers, peft, diffusers, bitsandbytes, torchao; print(torch.__version__, torch.version.cuda, \
+transformers.__version__, peft.__version__, diffusers.__version__, bitsandbytes.__version__, torchao.__version__)"
+CASES=tools/gpu/finetune_cases.json
+el 7b; python3 -m tools.gpu.ground_truth --cases $CASES --only '^llama7b-(24gib-chosen|h100)' --out $OUT/gt.jsonl \
+  --timeout $(( $(left) / 2 - 10 ))
+el adapters; python3 -m tools.gpu.ground_truth --cases $CASES --only 'lora|fp8' --jobs 3 --out $OUT/gt.jsonl \
+  --timeout 200 --deadline $(( $(left) - 200 ))
+if [ $(left) -gt 130 ]; then
+  el offload; timeout $(( $(left) - 10 )) python3 -m bench.offload_gpu --only llama4-offopt --repeats 6 --out $OUT/offload.jsonl
+fi
+el done
