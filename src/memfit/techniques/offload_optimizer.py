@@ -207,9 +207,16 @@ faster on the host). Used where the workload's optimizer is one of them with for
 
 
 def _on_host(opt: torch.optim.Optimizer, p: torch.Tensor, h: torch.Tensor) -> torch.optim.Optimizer:
-    """``opt`` (built for the device parameter ``p``, no state yet) stepping the host copy ``h``."""
+    """``opt`` (built for the device parameter ``p``, no state yet) stepping the host copy ``h``.
+
+    Tensor hyperparameters follow the copy: torchao's optimizers make ``lr`` a tensor on the
+    default device when a group is added, a CUDA scalar that a host update cannot multiply by a
+    host tensor (seen on an H100; on fake tensors and on a CPU the two devices are the same)."""
     for group in opt.param_groups:
         group["params"] = [h if q is p else q for q in group["params"]]
+        for key, value in group.items():
+            if isinstance(value, torch.Tensor) and value.device != h.device:
+                group[key] = value.to(h.device)
     plain = type(opt) in FUSED_ON_HOST and opt.defaults.get("fused") is None and \
         opt.defaults.get("foreach") is None and not opt.defaults.get("differentiable")
     if plain and h.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):

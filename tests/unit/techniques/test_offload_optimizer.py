@@ -194,3 +194,17 @@ def test_contradictory_offloads_are_refused_with_the_fix(fields, message):
     from memfit.target import Target
     with pytest.raises(UserError, match=message):
         Target.resolve(GPT2_DROPOUT, Plan(**fields), 4, "cpu", seq_len=64)
+
+
+def test_tensor_hyperparameters_move_with_the_host_copy():
+    """torchao makes ``lr`` a tensor on the default device (CUDA inside build_step on a GPU): the
+    host optimizer's must live where its parameter's host copy lives. (Here the copy is put on the
+    meta device to stand for "another device than the one lr was made on".)"""
+    ao_optim = pytest.importorskip("torchao.optim")
+    p = torch.nn.Parameter(torch.zeros(64, 64))
+    opt = ao_optim.AdamW8bit([p], lr=1e-3, block_size=256)
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor) and opt.param_groups[0]["lr"].device.type == "cpu"
+    host = torch.empty(64, 64, device="meta")
+    moved = offload_optimizer._on_host(opt, p, host)
+    assert moved.param_groups[0]["params"] == [host]
+    assert moved.param_groups[0]["lr"].device.type == "meta"
