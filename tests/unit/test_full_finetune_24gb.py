@@ -35,3 +35,5 @@ def test_the_planner_finds_an_adamw_plan_for_7b_on_24_gb():
     chosen = result.chosen.plan
     assert chosen.optimizer in ("adamw", "adamw8bit", "adamw8bit-ao", "adamw4bit-ao", "adamwfp8-ao") \
         and chosen.precision == "bf16-pure"
+    # NOTE [ Low-bit states on the host ]: never a compiled low-bit update on the host
+    assert not (chosen.config("optimizer").slow_host_update and chosen.config("offload").states == "optimizer_states")

@@ -198,3 +198,20 @@ def test_the_default_optimizer_search_is_the_adamw_class_on_gpus(monkeypatch):
     assert optimizers.search(ctx) == ["adamw", "adamw8bit"]
     assert ctx.notes == [f"{n} left out: optimizer {n} needs torchao" for n in ("adamw8bit-ao", "adamw4bit-ao",
                                                                                "adamwfp8-ao")]
+
+
+def test_low_bit_states_are_not_searched_on_the_host_but_a_plan_may_fix_them():
+    """NOTE [ Low-bit states on the host ]: torchao's update on host tensors is a slow compiled CPU
+    kernel and its states save no device memory there, so the search leaves that combination out
+    (low-bit states on the device stay); flags that fix exactly that combination still get it."""
+    facts = model_facts(load_workload(SPEC, seq_len=64))
+    space = default_space(facts, get_device("rtx4090"), 2, optimizers=("adamw", "adamw8bit-ao"))
+    plans = candidates(space, 2)
+    host = [p for p in plans if p.config("offload").states == "optimizer_states"]
+    assert host and {p.optimizer for p in host} == {"adamw"}
+    assert any(p.optimizer == "adamw8bit-ao" and p.config("offload").states is None for p in plans)
+    assert any("adamw8bit-ao with offload: [optimizer_states] left out" in n for n in space.notes)
+    space.values["optimizer"] = ["adamw8bit-ao"]
+    space.values["offload"] = [("optimizer_states",)]
+    fixed = candidates(space, 2)
+    assert fixed and all(p.optimizer == "adamw8bit-ao" for p in fixed)

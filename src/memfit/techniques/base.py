@@ -109,6 +109,12 @@ class Config:
     """Compiles a graph per dtype of the weights (torchao's update: per parameter shape and
     dtype): the GPU-preset planner measures it at each weight dtype it searches while its workers
     run in parallel, so those compilations never hold up the walk."""
+    slow_host_update: ClassVar[bool] = False
+    """An optimizer whose update on host tensors (``offload: [optimizer_states]``, stepped on the
+    host) is far slower than torch's fused host AdamW: torchao's low-bit update is a compiled,
+    compute-bound CPU kernel (18.6 ns per element on 2 cores of an AMD EPYC, 47x torch's fused
+    AdamW there: 125 s a step for 7B parameters). On the host its small states save no device
+    memory, so the planner leaves that combination out (NOTE [ Low-bit states on the host ])."""
     numerics: ClassVar[str | None] = None
     """How this config changes the numbers the update computes, in a few words (e.g. "4-bit AdamW
     states"); None: it computes what the workload's own step computes (up to kernel rounding)."""

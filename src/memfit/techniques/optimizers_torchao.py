@@ -94,6 +94,7 @@ class TorchaoAdamW(OptimizerVariant):
     hf_name = None
     """Hugging Face ``TrainingArguments.optim`` for the same optimizer (None: it has none)."""
     compiles_per_weight_dtype = True
+    slow_host_update = True
 
     def check(self, plan) -> None:
         problem = torchao_problem(self.name)
@@ -160,7 +161,8 @@ def _refused_with(plan) -> str | None:
                 "the pair yet; use shard: none, or optimizer adamw with shard")
     if "optimizer_states:step=device" in plan.offload:
         return ("offload: [optimizer_states:step=device]: its per-parameter fetch copies plain state "
-                "tensors; use offload: [optimizer_states] (the host steps torchao's update)")
+                "tensors; use offload: [optimizer_states] (the host steps torchao's update, slowly: a compiled CPU "
+                "kernel), or optimizer adamw with offload: [optimizer_states:step=device]")
     if plan.bf16_update == "kahan":
         return ("bf16_update: kahan: torchao's update has no compensation buffer; use bf16_update: "
                 "stochastic (torchao's bf16_stochastic_round)")
