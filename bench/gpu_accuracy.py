@@ -13,6 +13,7 @@ case with ``*`` and prints its prediction for the installed versions below the t
     .venv/bin/python -m bench.gpu_accuracy                       # all cases
     .venv/bin/python -m bench.gpu_accuracy --cases 'gpt2|mha'    # cases whose id matches a regex
     .venv/bin/python -m bench.gpu_accuracy --jobs 2 --json out.jsonl
+    .venv/bin/python -m bench.gpu_accuracy --cases lora --times   # and the time model's step times (H100)
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default=None, help="only cases whose id matches this regular expression")
     ap.add_argument("--jobs", type=int, default=1, help="predict this many cases in parallel processes")
     ap.add_argument("--json", default=None, help="also write one JSON line per case to this file")
+    ap.add_argument("--times", action="store_true",
+                    help="also the op-level time model's step time (h100-80gb preset) against the measured median")
     args = ap.parse_args(argv)
     cases = load_cases(args.jsonl)
     if args.cases:
@@ -67,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"* {r['case']}: emulating the recorded library behaviour; for the installed versions memfit "
                   f"predicts {_gib(r['predicted'])} GiB ({r['error']:+.2f}%), reserved "
                   f"{_gib(r['reserved_predicted'])} GiB ({r['reserved_error']:+.2f}%)")
+    if args.times:
+        _print_times(cases)
     failed = [r for r in rows if "failed" in r]
     if failed:
         print(f"{len(failed)} case(s) failed")
@@ -75,6 +80,26 @@ def main(argv: list[str] | None = None) -> int:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
     return 1 if failed else 0
+
+
+def _print_times(cases: list[dict]) -> None:
+    """The planner's step-time model (memfit.planner.timing) for each case, against its measured
+    median step (rows that overlapped other cases' CPU work say so: their CPU-bound times are inflated)."""
+    from memfit.planner.timing import step_seconds
+    from tools.gpu.rows import target_of
+    print("\n| case | measured ms | predicted ms | error |\n|---|---:|---:|---:|")
+    for c in cases:
+        measured = c.get("step_seconds_median")
+        if not measured:
+            continue
+        try:
+            predicted = step_seconds(target_of(c)).seconds
+        except Exception as e:  # noqa: BLE001 - report and carry on
+            print(f"| {c['case']} | {measured * 1e3:.1f} | failed: {type(e).__name__} | |", flush=True)
+            continue
+        jobs = f" ({c['overlapped_jobs']} overlapped)" if c.get("overlapped_jobs") else ""
+        print(f"| {c['case']}{jobs} | {measured * 1e3:.1f} | {predicted * 1e3:.1f} | "
+              f"{100 * (predicted / measured - 1):+.1f}% |", flush=True)
 
 
 def _print(r: dict) -> dict:

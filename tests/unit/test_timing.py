@@ -19,6 +19,7 @@ from memfit.planner.opcost import (
     COMM,
     D2H,
     FOREACH,
+    FUSED_HOST,
     H2D,
     HOST,
     MATMUL,
@@ -124,6 +125,21 @@ def test_offloaded_optimizer_states_step_on_the_host_beside_backward():
     in_turn = simulate([o._replace(flags=o.flags & ~(OUT_STREAM | WORKER)) for o in ops], DEVICE, slow).seconds
     # at least one way of copies after the step's own work, and well under both ways in turn
     assert without + one_way <= overlapped < in_turn - 0.75 * one_way
+
+
+def test_the_host_update_is_timed_at_torch_s_fused_host_rate():
+    """The host optimizer's update is torch's fused CPU AdamW (FUSED_HOST), timed at ``host_fused_bw``
+    (fitted to an H100 machine's host: bench/results/offload_gpu_h100.jsonl), not at the EMA's ``host_bw``."""
+    import dataclasses
+    t, ops = ops_of({"precision": "bf16", "offload": ["optimizer_states"]})
+    fused = [o for o in ops if o.kind == HOST and o.flags & FUSED_HOST]
+    assert fused and all(o.flags & WORKER for o in fused)
+    assert sum(o.host_bytes for o in fused) >= 4 * 4 * n_params(t)  # p, g, m, v in fp32
+    slow_fused = dataclasses.replace(H100, host_fused_bw=H100.host_fused_bw / 1000)
+    slow_other = dataclasses.replace(H100, host_bw=H100.host_bw / 1000)
+    base = simulate(ops, DEVICE).seconds
+    assert simulate(ops, DEVICE, slow_fused).seconds > 10 * base
+    assert simulate(ops, DEVICE, slow_other).seconds == pytest.approx(base)
 
 
 def test_the_device_step_variant_prefetches_states_on_a_side_stream():

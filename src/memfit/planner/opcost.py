@@ -61,6 +61,10 @@ first waits for the compute stream (a collective issued on the compute stream it
 ``wait_stream``: before reducing the gradients backward just made, before the first all-gather of
 a step)."""
 OUT_STREAM, WORKER, BACKGROUND = 64, 128, 256
+FUSED_HOST = 2048
+"""A host op that is torch's fused CPU AdamW/Adam (one multi-threaded pass over the host copies:
+the host optimizer's update, timed at ``host_fused_bw``, not ``host_bw``)."""
+_FUSED_OPTIMIZERS = {aten._fused_adamw_, aten._fused_adam_}
 """OUT_STREAM: a copy to the host on its own stream (gradients going out as backward makes them);
 WORKER: the host update of offloaded optimizer states and its copy back, on a worker thread and
 another stream (memfit.techniques.offload_optimizer); BACKGROUND: the EMA's copies and average,
@@ -238,6 +242,7 @@ class OpRecorder(TorchDispatchMode):
                 self._last_copy = (len(self.ops), outs[0].untyped_storage()._cdata)
         if hosted:  # an op on host storages runs on the host CPU, after copying its device inputs there
             device_in = sum(_nbytes(t) for t in ins if not self._is_host(t))
+            flags |= FUSED_HOST if packet in _FUSED_OPTIMIZERS else 0
             self.ops.append(Op(HOST, phase, 0.0, device_in, "", 1, flags, host_bytes=read + written))
             return
         key = key_of_stream_op if key_of_stream_op is not None else \

@@ -99,6 +99,11 @@ class Constants:
     at that bound)."""
     host_bw: float = 1.099e10
     """Host-memory bytes/s of an op run on the host CPU (EMA's update on host weights)."""
+    host_fused_bw: float = 6.336e10
+    """Host-memory bytes/s of torch's fused CPU AdamW/Adam, the host optimizer's update (fixed:
+    solved so that the one measured row, 4 Llama layers at 7B width with ``offload:
+    [optimizer_states]`` on an H100 machine with 16 host cores, takes its measured 327.0 ms;
+    bench/results/offload_gpu_h100.jsonl. ``host_bw`` gave 1616.6 ms there)."""
     cpu_forward: float = 1.75e-5
     """CPU seconds to dispatch one ATen op in forward (Python modules, autocast)."""
     cpu_backward: float = 1.187e-5

@@ -40,6 +40,7 @@ from memfit.planner.opcost import (
     COMM,
     COMM_STREAM,
     D2H,
+    FUSED_HOST,
     H2D,
     HOST,
     OUT_STREAM,
@@ -215,7 +216,7 @@ def _on_worker(op: Op, rates: Rates, w: float, w_in: float, ready: float) -> tup
     """A worker-thread op of the host optimizer: (worker clock, stream-in clock, its seconds)."""
     k = rates.k
     if op.kind == HOST:
-        dt = op.host_bytes / k.host_bw
+        dt = op.host_bytes / (k.host_fused_bw if op.flags & FUSED_HOST else k.host_bw)
         return max(w, ready) + dt, w_in, dt
     if op.kind == H2D:
         dt = rates.gpu(op)
