@@ -1,9 +1,11 @@
 #!/bin/bash
 # One device call for the fine-tuning issues' GPU rows (tools/gpu/finetune_cases.json), in priority order:
-#   1. the planner's Llama-2-7B plan for a 24 GB card, trained under a 24 GiB per-process memory fraction of the
-#      card, and the unconstrained AdamW plan beside it (tokens/s), each alone on the GPU;
-#   2. LoRA/QLoRA Llama and diffusers LoRA rows, 3 overlapping their CPU work (GPU phases take turns);
-#   3. if time is left: bench.offload_gpu's Llama row (optimizer-state offload vs plain bf16).
+#   1. the planner's Llama-2-7B plan for a 24 GB card (AdamW, states on the host), trained under a 24 GiB
+#      per-process memory fraction of the card, and the unconstrained AdamW plan beside it (tokens/s), each
+#      alone on the GPU (the torchao-on-the-host case, llama7b-24gib-8bit-ao-host, only with ONLY7B=all);
+#   2. the rest of the cases (LoRA/QLoRA Llama, diffusers LoRA; measured 2026-11-26: rows 77-82 of
+#      tests/data/h100.jsonl), 3 overlapping their CPU work, with ADAPTERS=1;
+#   3. if time is left: bench.offload_gpu's rows not yet measured on a GPU (activation offload, CPU EMA).
 # Predictions are made on a CPU afterwards (fake tensors, the h100-80gb preset), not here.
 # Before the call, here: wheels the image lacks or has at another version, in .whl (git-ignored):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -22,11 +24,14 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
 python3 -c "import torch, transformers, peft, diffusers, bitsandbytes, torchao; print(torch.__version__, torch.version.cuda, \
 transformers.__version__, peft.__version__, diffusers.__version__, bitsandbytes.__version__, torchao.__version__)"
 CASES=tools/gpu/finetune_cases.json
-el 7b; python3 -m tools.gpu.ground_truth --cases $CASES --only '^llama7b-(24gib-chosen|h100)' --out $OUT/gt.jsonl \
-  --timeout $(( $(left) / 2 - 10 ))
-el adapters; python3 -m tools.gpu.ground_truth --cases $CASES --only 'lora|fp8' --jobs 3 --out $OUT/gt.jsonl \
-  --timeout 200 --deadline $(( $(left) - 200 ))
+el 7b; python3 -m tools.gpu.ground_truth --cases $CASES --only "$( [ "$ONLY7B" = all ] && echo ^llama7b || echo "^llama7b-(24gib-chosen|h100)")" \
+  --out $OUT/gt.jsonl --timeout $(( $(left) / 2 - 10 ))
+if [ -n "$ADAPTERS" ]; then
+  el adapters; python3 -m tools.gpu.ground_truth --cases $CASES --only 'lora' --jobs 3 --out $OUT/gt.jsonl \
+    --timeout 200 --deadline $(( $(left) - 200 ))
+fi
 if [ $(left) -gt 130 ]; then
-  el offload; timeout $(( $(left) - 10 )) python3 -m bench.offload_gpu --only llama4-offopt --repeats 6 --out $OUT/offload.jsonl
+  el offload; timeout $(( $(left) - 10 )) python3 -m bench.offload_gpu --only gpt2-offact,gpt2-ema-cpu --repeats 6 \
+    --out $OUT/offload.jsonl
 fi
 el done

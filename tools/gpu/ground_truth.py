@@ -204,6 +204,7 @@ def measure_case(case: dict, device: str = "cuda", predict: str | None = None) -
     from memfit.step import make_batch
 
     row = {k: case.get(k) for k in ("case", "workload", "batch_size", "seq_len", "plan")}
+    started = time.perf_counter()
     cuda = device == "cuda"
     overlapped = int(os.environ.get("MEMFIT_GT_JOBS", "1")) > 1
     turn = contextlib.ExitStack()
@@ -222,11 +223,13 @@ def measure_case(case: dict, device: str = "cuda", predict: str | None = None) -
             warnings.simplefilter("always")
             step = memfit.build_step(wl, memfit.Plan(**case["plan"]), case["batch_size"], device=dev)
             batch = make_batch(step.target)
+            _progress(f"built the step in {time.perf_counter() - started:.1f} s")
             for i in range(WARMUP_STEPS):
                 t0 = time.perf_counter()
                 step(batch)
                 if i == 0:  # the first step: optimizer states, cuDNN/cuBLAS plans, compilation
                     row["first_step_seconds"] = round(time.perf_counter() - t0, 3)
+                _progress(f"warm-up step {i + 1}: {time.perf_counter() - t0:.1f} s")
         notes = sorted({str(w.message).splitlines()[0][:200] for w in caught
                         if not issubclass(w.category, (DeprecationWarning, FutureWarning))})
         if cuda:
@@ -252,6 +255,7 @@ def measure_case(case: dict, device: str = "cuda", predict: str | None = None) -
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
+            _progress(f"timed step {len(times)}: {times[-1]:.2f} s")
         row["step_seconds_median"] = round(statistics.median(times), 5)
         if case.get("seq_len"):
             row["tokens_per_second"] = round(case["batch_size"] * case["seq_len"] / statistics.median(times), 1)
@@ -277,6 +281,11 @@ def measure_case(case: dict, device: str = "cuda", predict: str | None = None) -
     return row
 
 
+def _progress(text: str) -> None:
+    """A line on stderr: what a case that runs past its timeout had done (the driver keeps it)."""
+    print(f"progress: {text}", file=sys.stderr, flush=True)
+
+
 # -- the driver: each case in a fresh process ------------------------------------------------------
 
 def run_case(case: dict, device: str, timeout: float, predict: str | None = None) -> dict:
@@ -288,8 +297,10 @@ def run_case(case: dict, device: str, timeout: float, predict: str | None = None
         cmd += ["--predict", "--preset", predict]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return {**_ids(case), "error": f"timed out after {timeout:.0f} s"}
+    except subprocess.TimeoutExpired as e:
+        done = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        done = "\n".join(line for line in done.splitlines() if line.startswith("progress: "))
+        return {**_ids(case), "error": f"timed out after {timeout:.0f} s", "traceback": done[-1500:] or "no progress"}
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -376,7 +387,9 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(json.dumps(row) + "\n")
             if "error" in row:
                 failed += 1
-                print(f"{c['case']:34s} FAILED {row['error'][:300]}", flush=True)
+                done = row.get("traceback", "").splitlines()[-1:] if "timed out" in row["error"] else []
+                print(f"{c['case']:34s} FAILED {row['error'][:300]}{' (last: ' + done[0] + ')' if done else ''}",
+                      flush=True)
             else:
                 print(f"{c['case']:34s} allocated {_gib(row.get('max_memory_allocated'))} GiB  reserved "
                       f"{_gib(row.get('max_memory_reserved'))} GiB  step {row['step_seconds_median'] * 1e3:8.1f} ms  "
