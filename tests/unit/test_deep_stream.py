@@ -199,3 +199,28 @@ def test_a_sorted_run_of_frees_is_deepened_block_by_block(d, e, full, losses):
     deep = deepen(_blocks_stream(d, losses), _blocks_stream(e, losses), d, e, full)
     truth = _blocks_stream(full, losses)
     assert deep is not None and deep.tokens == truth.tokens and deep.frees == truth.frees
+
+
+def test_shallow_models_cut_from_the_planner_s_meta_model_are_built_as_the_plan_builds():
+    """The planner cuts its shallow models from the model it built on the meta device in fp32;
+    bf16-pure builds in bf16. A shallow model copied from the fp32 one put an fp32 build in the
+    trace, and the build's stretch, repeated at full depth, counted the fp32 model among the
+    reserved bytes (Llama-2-7B: 25.99 GiB against the full trace's 14.55)."""
+    from memfit.planner.space import model_facts
+    wide = "llama:num_hidden_layers=6,hidden_size=1024,intermediate_size=2816,num_attention_heads=8," \
+           "num_key_value_heads=8,vocab_size=1000"
+    target = Target.resolve(wide, Plan(precision="bf16-pure", checkpointing="blocks", optimizer_in_backward=True,
+                                       offload=("optimizer_states",)), 1, "rtx4090", seq_len=64)
+    meta = model_facts(target.workload).model
+    d, e = depths(target.plan, 6)
+    with torch.device("meta"):
+        containers = tuple(name for name, _ in find_blocks(target.workload.model()))
+    streams = []
+    for depth in (d, e):
+        shallow = dataclasses.replace(target, workload=shallow_workload(target.workload, depth, meta=meta))
+        with silenced_warnings():
+            tracker = run_tracked(shallow, fake=True).tracker
+        where = traced_device(shallow.device, "fake", shallow.tensor_device)
+        streams.append(from_tracker(tracker, where, getattr(tracker, "side_streams", None), containers))
+    _, truth = _trace(target)
+    assert replay(deepen(*streams, d, e, 6), STEADY_STEP) == truth

@@ -49,21 +49,24 @@ def shallow_workload(workload: Workload, depth: int, meta: torch.nn.Module | Non
     """``workload`` whose model keeps the first ``depth`` blocks of each repeated-block container.
 
     ``meta``: the workload's model already built on the meta device (the planner's look at its
-    structure): the shallow model is cut from a copy of it at once (a copy costs a few ms, a build
-    tens of ms in every worker process), else built on the first call."""
-    built: list[torch.nn.Module] = []
+    structure, under the default dtype of now): the shallow model is cut from a copy of it at once
+    (a copy costs a few ms, a build tens of ms in every worker process), else built on the first
+    call. The meta model is kept per default dtype: a plan's build context may change it
+    (``precision: bf16-pure`` builds in bf16), and a model copied from the fp32 one would put an
+    fp32 build into the trace (the reserved bytes at full depth counted a 25 GiB fp32 Llama-2-7B)."""
+    built: dict[torch.dtype, torch.nn.Module] = {}
     if meta is not None:
         try:
-            built.append(_cut(copy.deepcopy(meta), depth))
+            built[torch.get_default_dtype()] = _cut(copy.deepcopy(meta), depth)
         except Exception:  # noqa: BLE001 - built again at the trace, whose failure sends it to full depth
             pass
 
     def model() -> torch.nn.Module:
-        device = torch.get_default_device()
-        if not built:  # the meta model is built once, and copied for each trace
+        device, dtype = torch.get_default_device(), torch.get_default_dtype()
+        if dtype not in built:  # the meta model is built once per default dtype, and copied for each trace
             with torch.device("meta"):
-                built.append(_cut(call_workload("model()", workload.model), depth))
-        return _materialize(built[0], device)
+                built[dtype] = _cut(call_workload("model()", workload.model), depth)
+        return _materialize(built[dtype], device)
     return dataclasses.replace(workload, model=model, name=f"{workload.name}[{depth} blocks]")
 
 
