@@ -5,6 +5,8 @@ technique. Moving bytes to the host only pays if the copies hide behind compute;
 rows (tests/data/h100.jsonl) show they did not (optimizer-state offload 3.8x on 4 Llama-7B layers,
 activation offload 6.4x and a CPU EMA 3.4x on GPT-2). The issue's targets: optimizer-state offload
 <= 1.3x on the Llama row, activation offload <= 1.5x and CPU EMA <= 1.1x on GPT-2.
+Measured 2026-11-26 on one H100 (16 host cores; ``--only llama4-offopt --repeats 6``,
+bench/results/offload_gpu_h100.jsonl): the host step 3.45x, the device step 2.76x (missed).
 
 Each row runs in two fresh processes, one building A first and one B first. A process measures
 the peak of the plan it built first as gpu_ground_truth.py does (two warm-up steps,
