@@ -104,6 +104,7 @@ class GpuStepModel(StepTimeModel):
         """The samples one rank's step runs (what micro-batch sizes split)."""
         self.depth = depth_of(facts.model)
         self._meta = facts.model
+        self._n_params = facts.n_params
         self.measured: dict[Plan, Measured] = {}
         self.ratios: dict[tuple[str, object], float] = {}
         self.savings: dict[tuple[str, object], int] = {}
@@ -136,7 +137,8 @@ class GpuStepModel(StepTimeModel):
                 if plan is not None and plan != self.base:
                     alone[(name, value)] = plan
         micro = [m for m in self.space.micro_batches if m != self.rank_batch]
-        plans = [self.base, *alone.values(), *self._warming(alone.values())]
+        elsewhere = self._measured_elsewhere(alone)
+        plans = [self.base, *(p for k, p in alone.items() if k not in elsewhere), *self._warming(alone.values())]
         pairs = [self._depths(p) or (None,) for p in plans]
         # the shallower depth of every plan first: the deeper trace of a plan that compiles comes
         # later, and finds its graphs in Inductor's cache (NOTE [ Predicted wrappers in Inductor's caches ])
@@ -146,16 +148,48 @@ class GpuStepModel(StepTimeModel):
         self._run(jobs, check=False)
         base = self.measure(self.base)
         for (name, value), plan in alone.items():
+            with_value, without = elsewhere.get((name, value), (plan, self.base))
             try:
-                m = self.measure(plan)
+                m, ref = self.measure(with_value), self.measure(without)
             except UserError as e:
                 self.space.values[name].remove(value)
                 self.excluded.append(f"{name}={value}: {e}")
                 continue
-            self.ratios[(name, value)] = m.seconds / base.seconds
-            self.savings[(name, value)] = m.used_lower - base.used_lower
+            self.ratios[(name, value)] = m.seconds / ref.seconds
+            self.savings[(name, value)] = m.used_lower - ref.used_lower
         for m in micro:  # (their savings are traced when first asked for: tight budgets only)
             self.ratios[("micro_batch_size", m)] = self._micro_seconds(m) / base.seconds
+
+    def _measured_elsewhere(self, alone: dict) -> dict:
+        """(name, value) -> (plan with it, plan without it) for the values alone that compile per
+        weight dtype (torchao's update) where the base's weights alone exceed the budget: what
+        they save and cost is measured at a weight dtype that may fit, against that precision
+        alone (both traced anyway: the precision alone, and the value there by ``_warming``), so
+        that the search never compiles them for weights no plan of it can hold (Llama-2-7B on a
+        24 GB card: torchao's 8- and 4-bit update for fp32 weights, about 40 s each here)."""
+        if self._weights_fit(self.base):
+            return {}
+        fitting = [(key, plan) for key, plan in alone.items()
+                   if key[0] == "precision" and self._weights_fit(plan)]
+        if not fitting:
+            return {}
+        (_, precision), reference = fitting[0]
+        out = {}
+        for key, plan in alone.items():
+            if key[0] != "precision" and any(c.compiles_per_weight_dtype for c in plan.techniques):
+                try:
+                    out[key] = (plan.replace(precision=precision), reference)
+                except UserError:
+                    continue
+        return out
+
+    def _weights_fit(self, plan: Plan) -> bool:
+        """Whether the plan's weights alone (each parameter in its weight dtype) are within the budget
+        (sharded ranks hold a part: always, there)."""
+        if self.world > 1:
+            return True
+        size = 2 if plan.config("precision").weights in ("bf16", "fp16") else 4
+        return self._n_params * size <= self.budget.bytes
 
     def _warming(self, alone) -> list[Plan]:
         """The plans alone whose values compile per weight dtype (torchao's update), at each other
