@@ -188,7 +188,7 @@ class GpuStepModel(StepTimeModel):
         (sharded ranks hold a part: always, there)."""
         if self.world > 1:
             return True
-        size = 2 if plan.config("precision").weights in ("bf16", "fp16") else 4
+        size = 2 if plan.config("precision").weights == "bf16" else 4  # (Precision.weights: fp32 or bf16)
         return self._n_params * size <= self.budget.bytes
 
     def _warming(self, alone) -> list[Plan]:

@@ -61,14 +61,14 @@ first waits for the compute stream (a collective issued on the compute stream it
 ``wait_stream``: before reducing the gradients backward just made, before the first all-gather of
 a step)."""
 OUT_STREAM, WORKER, BACKGROUND = 64, 128, 256
-FUSED_HOST = 2048
-"""A host op that is torch's fused CPU AdamW/Adam (one multi-threaded pass over the host copies:
-the host optimizer's update, timed at ``host_fused_bw``, not ``host_bw``)."""
-_FUSED_OPTIMIZERS = {aten._fused_adamw_, aten._fused_adam_}
 """OUT_STREAM: a copy to the host on its own stream (gradients going out as backward makes them);
 WORKER: the host update of offloaded optimizer states and its copy back, on a worker thread and
 another stream (memfit.techniques.offload_optimizer); BACKGROUND: the EMA's copies and average,
 beside the next step (memfit.techniques.ema). See memfit.techniques.placement.running."""
+FUSED_HOST = 2048
+"""A host op that is torch's fused CPU AdamW/Adam (one multi-threaded pass over the host copies:
+the host optimizer's update, timed at ``host_fused_bw``, not ``host_bw``)."""
+_FUSED_OPTIMIZERS = {aten._fused_adamw_, aten._fused_adam_}
 PHASES = ("setup", "zero_grad", "forward", "backward", "optimizer", "idle")
 _OPTIMIZER = PHASES.index("optimizer")
 
