@@ -5,6 +5,7 @@
 #      alone on the GPU (the torchao-on-the-host case, llama7b-24gib-8bit-ao-host, only with ONLY7B=all);
 #   2. the rest of the cases (LoRA/QLoRA Llama, diffusers LoRA; measured 2026-11-26: rows 77-82 of
 #      tests/data/h100.jsonl), 3 overlapping their CPU work, with ADAPTERS=1;
+#      or the cases matching MORE (a regex: MORE=^llama1b-full runs torchao's low-bit AdamW on a 1B Llama);
 #   3. if time is left: bench.offload_gpu's rows not yet measured on a GPU (activation offload, CPU EMA).
 # Predictions are made on a CPU afterwards (fake tensors, the h100-80gb preset), not here.
 # Before the call, here: wheels the image lacks or has at another version, in .whl (git-ignored):
@@ -26,8 +27,9 @@ transformers.__version__, peft.__version__, diffusers.__version__, bitsandbytes.
 CASES=tools/gpu/finetune_cases.json
 el 7b; python3 -m tools.gpu.ground_truth --cases $CASES --only "$( [ "$ONLY7B" = all ] && echo ^llama7b || echo "^llama7b-(24gib-chosen|h100)")" \
   --out $OUT/gt.jsonl --timeout $(( $(left) / 2 - 10 ))
-if [ -n "$ADAPTERS" ]; then
-  el adapters; python3 -m tools.gpu.ground_truth --cases $CASES --only 'lora' --jobs 3 --out $OUT/gt.jsonl \
+MORE=${MORE:-$( [ -n "$ADAPTERS" ] && echo lora )}
+if [ -n "$MORE" ]; then
+  el "more: $MORE"; python3 -m tools.gpu.ground_truth --cases $CASES --only "$MORE" --jobs 3 --out $OUT/gt.jsonl \
     --timeout 200 --deadline $(( $(left) - 200 ))
 fi
 if [ $(left) -gt 130 ]; then
