@@ -18,6 +18,7 @@ allocator's own history shows them. For each case this script, in a fresh proces
 
     python -m tools.gpu.snapshots --out-dir snaps               # the built-in cases, on a GPU
     python -m tools.gpu.snapshots --only lstm --out-dir snaps
+    python -m tools.gpu.snapshots --cases tools/gpu/finetune_cases.json --only 4bit --no-pickle --out-dir snaps
     python -m tools.gpu.snapshots --digest snap-x.pickle        # digest an existing snapshot (CPU is fine)
 """
 
@@ -346,6 +347,9 @@ def capture(case: dict, out_dir: Path, keep_pickle: bool = True) -> dict:
     from tools.gpu.ground_truth import resolve_workload, versions
 
     torch.cuda.mem_get_info()
+    if case.get("memory_limit_bytes"):  # a smaller card, as tools/gpu/ground_truth.py caps it
+        from memfit.training.enforce import limit_cuda_allocator
+        limit_cuda_allocator(case["memory_limit_bytes"])
     torch.manual_seed(0)
     torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     wl = resolve_workload(case)
@@ -384,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", default=".", help="where digests (and pickles) go")
     ap.add_argument("--only", metavar="REGEX", help="only cases whose id matches")
+    ap.add_argument("--cases", metavar="FILE.json", help="cases of tools/gpu/ground_truth.py's format instead of the "
+                                                         "built-in ones (memory_limit_bytes honoured)")
     ap.add_argument("--no-pickle", action="store_true", help="write the digest only")
     ap.add_argument("--digest", metavar="SNAPSHOT.pickle", help="digest an existing snapshot (its steps found from the "
                                                                 "optimizer's annotations)")
@@ -417,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     failed = 0
-    for case in CASES:
+    for case in (json.loads(Path(args.cases).read_text()) if args.cases else CASES):
         if args.only and not re.search(args.only, case["case"]):
             continue
         t0 = time.perf_counter()
