@@ -41,13 +41,14 @@ CASES.update({f"h200:{c['case']}": c for c in ROWS.load_cases(ROOT / "tests" / "
 # fp32 (qwen2, SDPA's math path), a plain-torch LSTM LM (cuDNN RNN reserve, weights used in place,
 # Linear's in-place bias after a transposed output), a timm ConvNeXt, a
 # residual MLP with block checkpointing; and the H200. Adapters measured blind (no rule was changed
-# after their measurement): PEFT LoRA on a Llama at 1B width and QLoRA (bitsandbytes nf4) at 3B.
+# after their measurement): PEFT LoRA on a Llama at 1B width and QLoRA (bitsandbytes nf4) at 3B; torchao's
+# 4-bit AdamW stepped in backward (its compiled update lowered as on CUDA, memfit.techniques.cuda_lowering).
 DEFAULT = {
     "gpt2-fp32", "gpt2-bf16", "gpt2-bf16-selective", "gpt2-bf16-offopt", "vit-bf16", "cnn-fp32", "lstm-fp32",
     "mha-bf16", "mha-chunked", "dit-bf16", "transformer-fp32", "t5-bf16", "llama4-bf16", "t-llama4-offopt-b2",
     "t-llama4-pure-8bit-blocks-b2", "qwen2-4l-fp32", "lstm_lm-fp32", "timm-convnext_tiny-bf16",
     "resmlp-bf16-blocks", "h200:gpt2-bf16", "h200:unet-bf16", "h200:t5-bf16-tf523", "h200:b2-swin_tiny-bf16",
-    "llama1b-lora-bf16", "llama3b-qlora-nf4-bf16-blocks",
+    "llama1b-lora-bf16", "llama3b-qlora-nf4-bf16-blocks", "llama1b-full-purebf16-blocks-4bit-ao-inbw",
 }
 
 REPLACED = {
@@ -75,6 +76,11 @@ KNOWN_MISSES = {
                                  "154 MB cuDNN forward workspace that memfit's 'fewer than 8 input channels: no "
                                  "workspace' rule leaves out; snapshot rsv-resnet50-bf16-blocks",
     "h200:timm-resnet50-bf16-blocks": "as on the H100",
+    "llama3-8b-24gib-chosen": "reserved only (-9.9%; allocated +0.05%): offloaded gradients are freed while "
+                              "their copies to the host are in flight (record_stream), and the caching allocator "
+                              "reuses a block only once its copy is done; backward makes gradients faster than "
+                              "the link drains them, so the real step reserves more than the replay, which frees "
+                              "them at once (the 7B row: -4.4%)",
 }
 
 
@@ -94,7 +100,7 @@ def _check(name: str) -> None:
 
 
 def test_the_recorded_cases_are_there():
-    assert len(CASES) >= 82 + 59 and DEFAULT <= set(CASES)
+    assert len(CASES) >= 87 + 59 and DEFAULT <= set(CASES)
     assert set(KNOWN_MISSES) | set(REPLACED) | set(BUILT_IN_FP32) <= set(CASES)
     assert not DEFAULT & set(REPLACED)
 

@@ -54,7 +54,7 @@ import torch.nn.modules.module as _module
 from torch.utils._python_dispatch import _disable_current_modes
 
 from memfit.errors import UserError
-from memfit.techniques import fake_wrapper
+from memfit.techniques import cuda_lowering, fake_wrapper
 
 RECOMPILE_LIMIT = 64
 """Compilations of one region's code in a process. One process (the planner, a test session) compiles a
@@ -203,7 +203,7 @@ def _lower_then_run(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     # without the prediction's key it must not touch the caches)
     caches = contextlib.nullcontext() if fake_wrapper.caches_on() else \
         torch._inductor.config.patch(force_disable_caches=True)
-    with _outside_modes(), caches, \
+    with _outside_modes(), caches, cuda_lowering.lowered_as_on_cuda(), \
             unittest.mock.patch.object(GraphLowering, "_compile_to_module_lines", fake_wrapper.load_wrapper):
         return compile_fx_inner(gm, example_inputs, **kwargs)
 

@@ -47,7 +47,9 @@ class PredictionPass(CustomGraphPass):
         return None
 
     def uuid(self) -> str:
-        return "memfit-fake-wrapper-" + get_hash_for_files((__file__,)).hex()
+        from memfit.techniques import cuda_lowering  # lowered as on CUDA: other wrappers (its NOTE)
+        files = (__file__, cuda_lowering.__file__)
+        return "memfit-fake-wrapper-" + ("cuda-" if cuda_lowering.active() else "") + get_hash_for_files(files).hex()
 
 
 PREDICTION_PASS = PredictionPass()

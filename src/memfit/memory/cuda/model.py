@@ -28,6 +28,7 @@ from memfit.memory.cuda import blas, conv, reduce, rnn, sdpa
 from memfit.memory.cuda.autocast import cuda_autocast
 from memfit.memory.cuda.composites import cuda_composites
 from memfit.memory.cuda.optim import cuda_optimizer_defaults
+from memfit.techniques.cuda_lowering import lowering_for_cuda
 
 aten = torch.ops.aten
 
@@ -134,12 +135,18 @@ class KernelMode(TorchDispatchMode):
             self.persistent(nbytes, f"{library} workspace ({thread} thread)", where)
 
     def __enter__(self):
-        self._held: list[torch.Tensor] = []
+        # (entered again while inside, by a compiled region's wrapper that runs under the modes of its
+        # call: the persistent buffers booked so far stay held until the outermost exit)
+        self._depth = getattr(self, "_depth", 0) + 1
+        if self._depth == 1:
+            self._held: list[torch.Tensor] = []
         return super().__enter__()
 
     def __exit__(self, *exc):
         out = super().__exit__(*exc)
-        self._held = []
+        self._depth -= 1
+        if self._depth == 0:
+            self._held = []
         return out
 
 
@@ -157,5 +164,5 @@ def cuda_kernel_model(device, tracker=None):
     """Model CUDA's kernel choices and kernel memory for ``device`` (a GPU Device) in a fake
     trace. Enter it inside the tracker (so that the booked buffers are tracked)."""
     mode = KernelMode(device, tracker)
-    with cuda_composites(device), cuda_autocast(tracker), cuda_optimizer_defaults(), mode:
+    with cuda_composites(device), cuda_autocast(tracker), cuda_optimizer_defaults(), lowering_for_cuda(), mode:
         yield mode

@@ -1,0 +1,83 @@
+"""Inductor's lowering as it runs for CUDA, while a GPU preset's compiled region is predicted on CPU.
+
+A GPU preset is traced on fake CPU tensors, so Inductor lowers its compiled regions for the CPU.
+Where Inductor's lowering takes a CPU-only branch that changes what the wrapper allocates, the
+prediction of a CUDA step would hold buffers the real one never allocates. While the CUDA kernel
+model is active (:func:`lowering_for_cuda`, entered by ``memfit.memory.cuda.model``) the predicting
+compile takes CUDA's branch instead (:func:`lowered_as_on_cuda`, entered by
+``memfit.techniques.compiled``), and its wrappers are cached under a key of their own
+(``fake_wrapper.PredictionPass``).
+
+NOTE [ cat lowered as on CUDA ]
+Inductor lowers ``aten.cat`` on the CPU to a materialised concatenation always (pointwise
+concatenation is off there for speed; a uint8 ``cat`` even falls back to ATen's kernel), while on
+CUDA it may lower to a pointwise cat that its consumers fuse, allocating nothing. torchao's 4-bit
+AdamW unpacks its codes with ``torch.stack([codes >> 4, codes & 15], -1)``: on the H100, the
+compiled update of a 1B Llama's tied embedding allocated no unpacked codes, and the CPU lowering
+predicted two of 250.5 MiB each at the step's peak (+4.3% allocated; measured 2026-11-26,
+tests/data/h100.jsonl ``llama1b-full-purebf16-blocks-4bit-ao-inbw``). The lowering's first test is
+``inputs[0].get_device().type == "cpu"``; here that one call answers "cuda", and every later call
+(the device the pointwise cat is built on) the real CPU device, so the kernels still generate for
+the CPU that runs the prediction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_ACTIVE = [0]
+
+
+@contextlib.contextmanager
+def lowering_for_cuda():
+    """While this is active, predicting compiles lower as Inductor does for CUDA (where it differs)."""
+    _ACTIVE[0] += 1
+    try:
+        yield
+    finally:
+        _ACTIVE[0] -= 1
+
+
+def active() -> bool:
+    return _ACTIVE[0] > 0
+
+
+@contextlib.contextmanager
+def lowered_as_on_cuda():
+    """Inductor's ``aten.cat`` lowering takes its CUDA branch (NOTE [ cat lowered as on CUDA ]); a
+    no-op unless :func:`lowering_for_cuda` is active."""
+    if not active():
+        yield
+        return
+    from torch._inductor import lowering
+
+    cat = lowering.cat.__wrapped__  # the lowering itself, inside register_lowering's argument handling
+
+    def cat_as_on_cuda(inputs, dim=0):
+        first = inputs[0]
+
+        def device_once():
+            object.__delattr__(first, "get_device")
+            real = first.get_device()
+            return torch.device("cuda") if real is not None and real.type == "cpu" else real
+
+        object.__setattr__(first, "get_device", device_once)
+        try:
+            return cat(inputs, dim)
+        finally:
+            if "get_device" in vars(first):
+                object.__delattr__(first, "get_device")
+
+    as_on_cuda = lowering._register_lowering(
+        torch.ops.aten.cat, cat_as_on_cuda, broadcast=False, convert_input_to_bool=False, lowering_dict={},
+        type_promotion_kind=lowering.ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)  # as lowering.py registers cat
+    keys = [op for op, fn in lowering.lowerings.items() if fn is lowering.cat]
+    for op in keys:
+        lowering.lowerings[op] = as_on_cuda
+    try:
+        yield
+    finally:
+        for op in keys:
+            lowering.lowerings[op] = lowering.cat
