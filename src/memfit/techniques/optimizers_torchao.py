@@ -35,6 +35,9 @@ torchao's ``CPUOffloadOptimizer`` is not used: it runs on CUDA/XPU only, steps e
 after backward (memfit's ``offload: [optimizer_states]`` steps each one on the host as its
 gradient arrives, during backward) and frees gradients only without accumulation. memfit's
 offload takes these optimizers as its host optimizer instead (one implementation of offload).
+Measured on an H100 (``bench/ao_cpu_offload_gpu.py``, 4 Llama layers at 7B width, fp32 master):
+torchao's 333.2 ms a step against memfit's 350.6 (0.95x; 0.94x and 1.02x in the two processes), the
+same 10.90 GiB peak: no clear win to keep a second implementation for.
 """
 
 from __future__ import annotations
