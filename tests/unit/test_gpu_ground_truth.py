@@ -76,11 +76,11 @@ KNOWN_MISSES = {
                                  "154 MB cuDNN forward workspace that memfit's 'fewer than 8 input channels: no "
                                  "workspace' rule leaves out; snapshot rsv-resnet50-bf16-blocks",
     "h200:timm-resnet50-bf16-blocks": "as on the H100",
-    "llama3-8b-24gib-chosen": "reserved only (-9.9%; allocated +0.05%): offloaded gradients are freed while "
-                              "their copies to the host are in flight (record_stream), and the caching allocator "
-                              "reuses a block only once its copy is done; backward makes gradients faster than "
-                              "the link drains them, so the real step reserves more than the replay, which frees "
-                              "them at once (the 7B row: -4.4%)",
+    "llama3-8b-24gib-chosen": "reserved only (-9.9%; allocated +0.05%): recorded when offloaded gradients were "
+                              "freed with their copies to the host in flight (record_stream), which the caching "
+                              "allocator holds until done while the replay reuses the blocks at once (the 7B "
+                              "row: -4.4%). The step now frees each one after its copy, at most IN_FLIGHT "
+                              "pending (NOTE [ Gradients in flight ]): re-measure (tools/gpu/finetune_session.sh)",
 }
 
 

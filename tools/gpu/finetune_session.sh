@@ -6,7 +6,8 @@
 #   2. the rest of the cases (LoRA/QLoRA Llama, diffusers LoRA; measured 2026-11-26: rows 77-82 of
 #      tests/data/h100.jsonl), 3 overlapping their CPU work, with ADAPTERS=1;
 #      or the cases matching MORE (a regex: MORE=^llama1b-full runs torchao's low-bit AdamW on a 1B Llama);
-#   3. if time is left: bench.offload_gpu's rows not yet measured on a GPU (activation offload, CPU EMA).
+#   3. if time is left: bench.offload_gpu's optimizer-state and activation offload rows (their reserved bytes
+#      since NOTE [ Gradients in flight ]).
 # Predictions are made on a CPU afterwards (fake tensors, the h100-80gb preset), not here.
 # Before the call, here: wheels the image lacks or has at another version, in .whl (git-ignored):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -25,7 +26,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
 python3 -c "import torch, transformers, peft, diffusers, bitsandbytes, torchao; print(torch.__version__, torch.version.cuda, \
 transformers.__version__, peft.__version__, diffusers.__version__, bitsandbytes.__version__, torchao.__version__)"
 CASES=tools/gpu/finetune_cases.json
-el 7b; python3 -m tools.gpu.ground_truth --cases $CASES --only "$( [ "$ONLY7B" = all ] && echo ^llama7b || echo "^llama7b-(24gib-chosen|h100)")" \
+el 7b; python3 -m tools.gpu.ground_truth --cases $CASES --only "$( [ "$ONLY7B" = all ] && echo ^llama7b || echo "^(llama7b-(24gib-chosen|h100)|llama3-8b-24gib)")" \
   --out $OUT/gt.jsonl --timeout $(( $(left) / 2 - 10 ))
 MORE=${MORE:-$( [ -n "$ADAPTERS" ] && echo lora )}
 if [ -n "$MORE" ]; then
@@ -33,7 +34,7 @@ if [ -n "$MORE" ]; then
     --timeout 200 --deadline $(( $(left) - 200 ))
 fi
 if [ $(left) -gt 130 ]; then
-  el offload; timeout $(( $(left) - 10 )) python3 -m bench.offload_gpu --only gpt2-offact,gpt2-ema-cpu --repeats 6 \
+  el offload; timeout $(( $(left) - 10 )) python3 -m bench.offload_gpu --only llama4-offopt,gpt2-offact --repeats 6 \
     --out $OUT/offload.jsonl
 fi
 el done

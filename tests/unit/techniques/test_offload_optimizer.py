@@ -108,6 +108,40 @@ def test_no_update_reads_a_gradient_before_its_copy_is_done(monkeypatch, plan):
     assert copies and all(c.done for c in copies)
 
 
+@pytest.mark.parametrize("plan", [OFFLOAD, Plan(offload=["optimizer_states"], max_grad_norm=0.5),
+                                  Plan(offload=["optimizer_states"], optimizer_in_backward=True)],
+                         ids=["from-hooks", "clipped-after-backward", "in-backward"])
+def test_each_gradient_lives_until_its_copy_is_done_and_few_copies_are_pending(monkeypatch, plan):
+    """NOTE [ Gradients in flight ]: a device gradient is freed only after its copy's event is waited
+    for (so the caching allocator never holds a block the trace has reused), and at most IN_FLIGHT
+    copies are pending when another starts; by the step's end every gradient is freed."""
+    import weakref
+
+    from memfit.techniques.placement import HostPlacement
+    events, real_copy_out = [], HostPlacement.copy_out
+
+    class Event:
+        def __init__(self, grad):
+            self.grad, self.done, self.alive_when_done = weakref.ref(grad), False, None
+
+        def synchronize(self):
+            if not self.done:
+                self.alive_when_done = self.grad() is not None
+            self.done = True
+
+    def copy_out(self, t, into=None):
+        pending = sum(not e.done for e in events)
+        assert pending <= offload_optimizer.IN_FLIGHT, f"{pending} copies pending when another starts"
+        host, _ = real_copy_out(self, t, into)
+        events.append(Event(t))
+        return host, events[-1]
+    monkeypatch.setattr(HostPlacement, "copy_out", copy_out)
+    run_steps(GPT2_DROPOUT, plan, steps=2)
+    assert len(events) > 2 * offload_optimizer.IN_FLIGHT
+    assert all(e.done and e.alive_when_done for e in events)
+    assert all(e.grad() is None for e in events)
+
+
 def test_gradients_go_out_once_per_step_in_the_last_micro_batch(monkeypatch):
     sent, real_send = [], offload_optimizer.OffloadOptimizerStates._send
 

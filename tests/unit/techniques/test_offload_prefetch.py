@@ -115,3 +115,18 @@ def test_a_tensor_saved_twice_goes_to_the_host_once():
     assert torch.equal(x.grad, expected)
     del y, loss
     assert hooks.saved == {} and hooks._uses == {}
+
+
+def test_a_tensor_fetched_ahead_and_never_used_is_waited_for_before_it_is_dropped():
+    """The copy back writes into a block of the compute stream's pool with no record_stream (the
+    trace's replay reuses a freed block at once, and so must the caching allocator): a prefetched
+    tensor dropped unused must first make the compute stream wait for its copy."""
+    model = torch.nn.Linear(4, 4)  # (alive: its parameters' storages are never offloaded)
+    hooks = offload.OffloadActivations(model, offload.HostPlacement(), min_bytes=0)
+    packed = hooks._pack(torch.randn(16, 16))  # (what autograd keeps; dropping it forgets the tensor)
+    k = packed.number
+    host = hooks.saved[k][1]
+    copy = _SlowCopy(torch.empty_like(host), host)
+    hooks.fetched[k] = (copy.t, copy)
+    del packed
+    assert copy.waited and k not in hooks.fetched
