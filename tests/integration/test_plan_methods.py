@@ -52,3 +52,52 @@ def test_bad_methods_get_one_line(text, problem):
         parse_methods(text)
     code, _, err = run(["plan", TINY, "--methods", text])
     assert code == 2 and problem.split("'")[0] in err and err.count("\n") <= 1
+
+
+def test_an_adapter_s_few_trained_parameters_leave_the_optimizer_as_the_workload_s():
+    """NOTE [ Optimizer choices that cannot matter ]: a LoRA's gradients and states are a sliver of
+    the budget, so no low-bit states, in-backward step or state offload is searched (they would
+    change numerics or add work to save next to nothing); full fine-tuning still searches them."""
+    code, out, _ = run(["plan", TINY, "--seq-len", "32", "-b", "2", "--methods", "full,lora", "--device",
+                        "h100-80gb", "--max-traces", "4", "--json"])
+    assert code == 0
+    rows = {m["method"]: m for m in json.loads(out)["methods"]}
+    lora = rows["lora"]
+    assert any("not searched" in n and "under 1% of the budget" in n for n in lora["notes"])
+    assert all(r["plan"]["optimizer"] == "adamw" and not r["plan"]["optimizer_in_backward"]
+               and not any(o.startswith("optimizer_states") for o in r["plan"]["offload"]) for r in lora["ranked"])
+    assert lora["candidates_total"] * 4 < rows["full"]["candidates_total"]
+    assert {r["plan"]["optimizer"] for r in rows["full"]["ranked"]} > {"adamw"}
+
+
+def test_the_optimizer_keys_are_fixed_only_when_small_and_not_the_users():
+    from memfit.planner.space import SearchSpace, leave_out_optimizer_choices
+    def space():
+        return SearchSpace(values={"optimizer": ["adamw", "adamw8bit-ao"], "optimizer_in_backward": [False, True],
+                                   "offload": [(), ("optimizer_states",), ("activations",)]}, micro_batches=[1])
+    small = space()
+    assert leave_out_optimizer_choices(small, 1_000_000, 20 << 30, keep=set())
+    assert small.values == {"optimizer": ["adamw"], "optimizer_in_backward": [False],
+                            "offload": [(), ("activations",)]}
+    big = space()
+    assert not leave_out_optimizer_choices(big, 1_000_000_000, 20 << 30, keep=set())
+    assert big.values == space().values
+    users = space()
+    leave_out_optimizer_choices(users, 1_000_000, 20 << 30, keep={"optimizer"})
+    assert users.values["optimizer"] == ["adamw", "adamw8bit-ao"]
+
+
+def test_when_nothing_fits_with_the_optimizer_fixed_the_plan_searches_it_again(monkeypatch):
+    """No answer is lost: the narrowed search found nothing, so the whole space is searched."""
+    from memfit.planner import search
+    calls = []
+    real = search.plan
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("narrow_optimizer", True))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(search, "plan", spy)
+    result = spy(TINY, budget="528MiB", device="h100-80gb", batch_size=2, seq_len=32, max_traces=4,
+                 fixed={"adapter": "lora:r=16"})
+    assert result.chosen is None and calls == [True, False]
+    assert not any("not searched" in n for n in result.notes)

@@ -89,7 +89,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
          batch_size: int | None = None, seq_len: int | None = None,
          optimizers: tuple[str, ...] | None = None, max_traces: int = 60,
          time_model: StepTimeModel | None = None, space=None, fixed: dict | None = None,
-         compile_modes: tuple[str, ...] | None = None, steps: int | None = None, progress=None) -> PlanResult:
+         compile_modes: tuple[str, ...] | None = None, steps: int | None = None, progress=None,
+         narrow_optimizer: bool = True) -> PlanResult:
     """The fastest plan for ``workload`` whose predicted memory fits ``budget`` on ``device``.
 
     ``fixed``: plan fields the user set (``--precision bf16``); the search covers the others.
@@ -97,6 +98,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     memfit.techniques.compile says why). ``steps``: the run's
     length; compile time then counts as compile seconds / steps per step (None: a long run).
     ``progress``: a memfit.planner.progress.PlanProgress to report to (None: nothing shown).
+    ``narrow_optimizer``: fix the optimizer's keys where the trained parameters are few (NOTE [ Optimizer
+    choices that cannot matter ] in memfit.planner.space); when nothing fits so, plan again without.
     """
     progress = progress or NoProgress()
     t0 = time.perf_counter()
@@ -115,9 +118,13 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     if not dev.is_gpu and time_model is None:
         _check_real_steps_fit(wl, facts)
     rank_bs = Plan(world_size=world).config("shard").rank_batch(bs)  # (a sharded rank's micro-batches split this)
+    custom_space = space is not None
     space = space or default_space(facts, dev, rank_bs, optimizers, compile_modes)
-    fixed, constrained = _constrain(space, dict(fixed or {}), dev, rank_bs)
+    given_fields = dict(fixed or {})
+    fixed, constrained = _constrain(space, dict(given_fields), dev, rank_bs)
     _check_suits(target, constrained)
+    narrowed = narrow_optimizer and not custom_space and _narrow_optimizer(
+        target, space, given_fields, budget_bytes, set(given_fields) | ({"optimizer"} if optimizers else set()))
     for m in space.micro_batches:
         Plan(micro_batch_size=m if m != rank_bs else None).micro_batches(rank_bs)
     plans = candidates(space, rank_bs)
@@ -141,9 +148,30 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
         else:
             model = cost.calibrate(target, space)
     try:
-        return _search(t0, target, budget_obj, space, plans, constrained, model, steps, max_traces, progress)
+        result = _search(t0, target, budget_obj, space, plans, constrained, model, steps, max_traces, progress)
     finally:
         model.close()
+    if narrowed and result.chosen is None:  # NOTE [ Optimizer choices that cannot matter ]: no answer is lost
+        again = plan(workload, budget=budget, device=device, batch_size=batch_size, seq_len=seq_len,
+                     optimizers=optimizers, max_traces=max_traces, time_model=time_model, fixed=given_fields,
+                     compile_modes=compile_modes, steps=steps, progress=progress, narrow_optimizer=False)
+        again.traces += result.traces
+        again.seconds = time.perf_counter() - t0
+        return again
+    return result
+
+
+def _narrow_optimizer(target: Target, space, given: dict, budget_bytes: int, keep: set[str]) -> bool:
+    """NOTE [ Optimizer choices that cannot matter ] (memfit.planner.space), for an adapter's plans
+    (``given``: the fields the user fixed)."""
+    from memfit.memory.faketrace import trainable_parameters
+    from memfit.planner.space import leave_out_optimizer_choices
+    keys = {k: v for k, v in given.items() if k in ("adapter", "base_weights")}
+    if keys.get("adapter", "none") == "none":
+        return False
+    with silenced_warnings():
+        trainable = trainable_parameters(target.with_plan(Plan(**keys)))
+    return leave_out_optimizer_choices(space, trainable, budget_bytes, keep)
 
 
 def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Plan], constrained: dict,

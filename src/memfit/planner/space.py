@@ -89,6 +89,45 @@ def drop_unused(space: SearchSpace, plans: list[Plan]) -> None:
 # still searched, and a plan (or plan flags) that names the combination runs it.
 
 
+# NOTE [ Optimizer choices that cannot matter ]
+# With an adapter a few million parameters train (LoRA r=16 of Llama-2-7B: 8.4M): their gradients and
+# AdamW's states are at most ~16 bytes each (134 MiB), under 1% of a 24 GB card. Low-bit states,
+# the step in backward and state offload can then save no more than that, and change numerics or
+# add work for it: the search once chose torchao's 8-bit AdamW for a LoRA (a tie within the time
+# model's noise) and traced 86 plans where 20-odd differ in anything that matters. Where that bound
+# is under SMALL_STATES of the budget and the user named none of them, the optimizer is the
+# workload's own, stepped after backward, its states on the device; the search notes it. When no
+# plan fits that way, memfit.planner.search plans again with them, so no answer is lost.
+SMALL_STATES = 0.01
+STATE_BYTES_AT_MOST = 16
+"""Per trained parameter: an fp32 gradient (4), AdamW's two fp32 moments (8), and 4 to spare."""
+
+
+def leave_out_optimizer_choices(space: SearchSpace, trainable: int, budget_bytes: int, keep: set[str]) -> bool:
+    """Fix the optimizer's plan keys to the workload's own where they cannot matter (NOTE [ Optimizer
+    choices that cannot matter ]); ``keep``: the keys the user set. Returns whether any was fixed."""
+    from memfit.units import fmt_bytes
+    most = trainable * STATE_BYTES_AT_MOST
+    if most > SMALL_STATES * budget_bytes:
+        return False
+    left_out = []
+    for name in ("optimizer", "optimizer_in_backward"):
+        values = space.values.get(name, [])
+        if name not in keep and len(values) > 1:
+            space.values[name] = [getattr(Plan(), name)]
+            left_out.append(name)
+    values = space.values.get("offload", [])
+    kept = [v for v in values if not any(str(item).startswith("optimizer_states") for item in v)]
+    if "offload" not in keep and kept and len(kept) < len(values):
+        space.values["offload"] = kept
+        left_out.append("offload: [optimizer_states]")
+    if left_out:
+        space.notes.append(f"{', '.join(left_out)} not searched: the {trainable:,} trained parameters' gradients and "
+                           f"optimizer states need at most {fmt_bytes(most)}, under 1% of the budget "
+                           "(the workload's own optimizer, stepped after backward)")
+    return bool(left_out)
+
+
 def candidates(space: SearchSpace, batch_size: int) -> list[Plan]:
     names = list(space.values)
     out, slow_on_host = [], []
