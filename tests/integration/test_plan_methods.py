@@ -101,3 +101,30 @@ def test_when_nothing_fits_with_the_optimizer_fixed_the_plan_searches_it_again(m
                  fixed={"adapter": "lora:r=16"})
     assert result.chosen is None and calls == [True, False]
     assert not any("not searched" in n for n in result.notes)
+
+
+def test_each_method_s_search_shows_its_progress_under_its_name(monkeypatch):
+    """Issue 32: a progress bar with the traces done and left, for --methods too (one bar, named by
+    the method being planned)."""
+    import io
+
+    from memfit.planner import search
+    from memfit.planner.progress import PlanProgress
+    seen, real = [], search.plan
+
+    def spy(*args, progress=None, **kwargs):
+        seen.append(progress.label if progress is not None else None)
+        return real(*args, progress=progress, **kwargs)
+    monkeypatch.setattr(search, "plan", spy)
+    code, _, _ = run(["plan", TINY, "--seq-len", "32", "-b", "2", "--methods", "full,lora", "--device",
+                      "h100-80gb", "--max-traces", "4", "--optimizers", "adamw"])
+    assert code == 0 and seen == ["full", "lora"]
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    terminal = Terminal()
+    with PlanProgress(terminal) as bar:
+        bar.label = "qlora"
+        bar.walk(3, 60, 12)
+    assert "qlora: traces" in terminal.getvalue()

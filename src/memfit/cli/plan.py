@@ -142,6 +142,7 @@ def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_trac
     """``--methods``: plan each method on its own (NOTE [ Methods are the user's ])."""
     from memfit.errors import UserError
     from memfit.planner.methods import DIFFERENT_THINGS, parse_methods
+    from memfit.planner.progress import PlanProgress
     from memfit.planner.search import plan
     from memfit.report.planner import print_methods
 
@@ -151,11 +152,14 @@ def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_trac
         raise UserError("--methods compares several plans; plan the method you pick without --methods to write "
                         "--out or --pareto")
     rows = []
-    for method in parse_methods(args.methods, given.adapter):
-        result = plan(workload, budget=args.budget, device=args.device, batch_size=bs, seq_len=seq,
-                      optimizers=optimizers, max_traces=max_traces, fixed={**fixed, **method.keys},
-                      compile_modes=compile_modes, steps=steps)
-        rows.append((method, result, _trainable(workload, result)))
+    with PlanProgress() if not args.json else contextlib.nullcontext() as progress:
+        for method in parse_methods(args.methods, given.adapter):
+            if progress is not None:
+                progress.label = method.name
+            result = plan(workload, budget=args.budget, device=args.device, batch_size=bs, seq_len=seq,
+                          optimizers=optimizers, max_traces=max_traces, fixed={**fixed, **method.keys},
+                          compile_modes=compile_modes, steps=steps, progress=progress)
+            rows.append((method, result, _trainable(workload, result)))
     if args.json:
         print_json({"note": DIFFERENT_THINGS, "methods": [
             {"method": m.name, "trains": m.trains, "trainable_parameters": n, **r.to_json()} for m, r, n in rows]})

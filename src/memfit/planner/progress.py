@@ -15,10 +15,12 @@ import time
 
 class PlanProgress:
     """``stage(text)`` names what runs now; ``walk(traced, limit, open_plans)`` after each plan the
-    walk measures. A no-op unless ``stream`` is a terminal."""
+    walk measures; ``label`` names the search where several run in turn (``--methods``: the method).
+    A no-op unless ``stream`` is a terminal."""
 
     def __init__(self, stream=None) -> None:
         self.stream = stream or sys.stderr
+        self.label = ""
         self._bar = self._task = None
         self._t0 = time.perf_counter()
 
@@ -41,12 +43,15 @@ class PlanProgress:
 
     def stage(self, text: str) -> None:
         if self._bar is not None:
-            self._bar.update(self._task, description=text)
+            self._bar.update(self._task, description=self._named(text), completed=0, total=None, info="")
 
     def walk(self, traced: int, limit: int, open_plans: int) -> None:
         if self._bar is not None:
-            self._bar.update(self._task, description="traces", completed=traced, total=limit,
+            self._bar.update(self._task, description=self._named("traces"), completed=traced, total=limit,
                              info=f"{open_plans} candidates open")
+
+    def _named(self, text: str) -> str:
+        return f"{self.label}: {text}" if self.label else text
 
 
 class NoProgress:
