@@ -36,7 +36,8 @@ A case file is a JSON list of objects ``{"case": id, "workload": spec, "batch_si
 allocator is capped there with ``torch.cuda.set_per_process_memory_fraction``: a smaller card, as
 ``memfit train --budget`` enforces it; the row records the fraction); ``workload`` is a built-in name,
 ``package.module:NAME`` or ``path/to/file.py:NAME`` (memfit's user formats); ``"kwargs": {...}`` calls NAME with them (tiny
-sizes for a smoke test). Set ``MEMFIT_COMMIT`` where the checkout has no ``.git``.
+sizes for a smoke test); ``"profile": true`` adds the step's top CUDA kernels by time (``kernels``). Set
+``MEMFIT_COMMIT`` where the checkout has no ``.git``.
 """
 
 from __future__ import annotations
@@ -257,6 +258,8 @@ def measure_case(case: dict, device: str = "cuda", predict: str | None = None) -
             times.append(time.perf_counter() - t0)
             _progress(f"timed step {len(times)}: {times[-1]:.2f} s")
         row["step_seconds_median"] = round(statistics.median(times), 5)
+        if case.get("profile") and cuda:  # one more step under the profiler: where the GPU time goes
+            row["kernels"] = profile_kernels(step, batch)
         if case.get("seq_len"):
             row["tokens_per_second"] = round(case["batch_size"] * case["seq_len"] / statistics.median(times), 1)
         row["loss"] = loss
@@ -279,6 +282,22 @@ def measure_case(case: dict, device: str = "cuda", predict: str | None = None) -
             row["predicted_preset"] = {"preset": predict, **predict_here(case, predict)}
     row.update(versions())
     return row
+
+
+def profile_kernels(step, batch, top: int = 25) -> list[dict]:
+    """One step under torch.profiler: the ``top`` CUDA kernels by total time ({name, calls, ms}) and
+    the GPU time of all, for a case whose step time the time model misses (``"profile": true``)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(batch)
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    time_of = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))  # noqa: E731
+    rows.sort(key=time_of, reverse=True)
+    total = sum(time_of(e) for e in rows)
+    return [{"name": "(all kernels)", "calls": sum(e.count for e in rows), "ms": round(total / 1e3, 2)}] + \
+        [{"name": e.key[:160], "calls": e.count, "ms": round(time_of(e) / 1e3, 2)} for e in rows[:top]]
 
 
 def _progress(text: str) -> None:

@@ -197,7 +197,7 @@ class OpRecorder(TorchDispatchMode):
             self._record_collective(func, packet, args, kwargs, out, flags)
             return
         if func.namespace not in _ATEN:
-            flags |= CUSTOM | (SYNC_AFTER if func.namespace in _SYNCING_LIBRARIES else 0)
+            flags |= CUSTOM | (SYNC_AFTER if func._schema.name in _SYNCING_OPS else 0)
         phase = self._phase()
         view, mutated = self._schema_of(func)
         if view or packet in _CPU_ONLY or packet in _PROFILER:
@@ -338,10 +338,15 @@ class OpRecorder(TorchDispatchMode):
 
 _ATEN = ("aten", "prims", "prim")
 _COLLECTIVES = ("c10d", "_c10d_functional")
-_SYNCING_LIBRARIES = {"bitsandbytes"}
-"""Libraries whose CUDA path synchronises after each of their ops, which a trace on CPU tensors
-cannot see: bitsandbytes' optimizers call ``torch.cuda.synchronize()`` after every parameter's
-update (``bitsandbytes.optim.optimizer.Optimizer8bit.step``: ``sync_gpu(p)``; a no-op on CPU)."""
+_SYNCING_OPS = {"bitsandbytes::optimizer_update_8bit_blockwise", "bitsandbytes::optimizer_update_32bit"}
+"""Library ops whose CUDA path synchronises after each call, which a trace on CPU tensors cannot
+see: bitsandbytes' optimizers call ``torch.cuda.synchronize()`` after every parameter's update
+(``bitsandbytes.optim.optimizer.Optimizer8bit.step``: ``sync_gpu(p)``; a no-op on CPU). Its other
+ops (QLoRA's ``dequantize_4bit`` and ``dequantize_blockwise`` in every forward and backward) are
+plain memory-bound kernels: priced as such, the H100's QLoRA row went from +137% to +118%. The rest
+is open: the trace's backward GEMMs of the 4-bit layers run in fp32 (``MatMul4Bit.backward`` casts
+to the gradient's dtype), at CUDA-core rates, where the measured step implies tensor cores;
+``tools/gpu/finetune_cases.json``'s ``llama3b-qlora-nf4-bf16-blocks-profiled`` records its kernels."""
 _PROFILER = {torch.ops.profiler._record_function_enter_new, torch.ops.profiler._record_function_exit}
 _MEMFIT_MODES = ("/memfit/",)
 

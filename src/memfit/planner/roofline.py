@@ -60,6 +60,7 @@ from memfit.planner.opcost import (
     RNN,
     SCALAR,
     STEP_CALL,
+    SYNC_AFTER,
     Op,
 )
 
@@ -210,8 +211,10 @@ class Rates:
             flops = op.flops * (0.5 if op.is_causal else 1.0)
             return max(flops / (self.peak[op.dtype] * eff), op.nbytes / self.bw) + k.kernel
         if kind == MEMORY:
-            if op.flags & CUSTOM:
+            if op.flags & CUSTOM and op.flags & SYNC_AFTER:  # bitsandbytes' blockwise optimizer update
                 return max(op.nbytes / self.bw, op.elements / k.custom_elements) + k.kernel
+            if op.flags & CUSTOM:  # a library's memory-bound kernel (QLoRA's dequantize_4bit)
+                return op.nbytes / self.bw + k.kernel
             return fused * op.nbytes / self.bw + k.kernel
         if kind == RNN:
             eff = k.mm_eff_half if op.dtype == "half" else k.mm_eff_fp32
