@@ -37,3 +37,21 @@ def test_the_planner_finds_an_adamw_plan_for_7b_on_24_gb():
         and chosen.precision == "bf16-pure"
     # NOTE [ Low-bit states on the host ]: never a compiled low-bit update on the host
     assert not (chosen.config("optimizer").slow_host_update and chosen.config("offload").states == "optimizer_states")
+
+
+def test_low_bit_states_that_cannot_fit_beside_the_weights_are_not_timed():
+    """NOTE [ States that cannot fit ]: Llama-2-7B's bf16 weights (12.55 GiB) and 8-bit or fp8 states
+    (12.55 GiB at least) exceed a 24 GB card's budget in every plan, so neither is timed (their
+    compiles cost tens of seconds cold); 4-bit states (6.28 GiB) may fit and stay; at 16 GB none."""
+    from memfit.devices import get_device
+    from memfit.planner.space import default_space, leave_out_states_that_cannot_fit, model_facts
+    from memfit.workloads import load_workload
+    facts, device = model_facts(load_workload("llama", seq_len=2048)), get_device("rtx4090")
+    for budget, left in ((Budget.resolve(None, device).bytes, {"adamw8bit-ao", "adamwfp8-ao"}),
+                         (14 * GiB, {"adamw8bit-ao", "adamwfp8-ao", "adamw4bit-ao"})):
+        space = default_space(facts, device, 1)
+        before = set(space.values["optimizer"])
+        leave_out_states_that_cannot_fit(space, facts, budget, device)
+        assert before - set(space.values["optimizer"]) == left
+        assert {"adamw", "adamw8bit"} <= set(space.values["optimizer"])
+        assert sum("exceed the budget" in n for n in space.notes) == len(left)

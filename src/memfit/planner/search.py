@@ -35,7 +35,7 @@ from memfit.planner import cost
 from memfit.planner.candidate import Candidate, Status
 from memfit.planner.gpu_time import GpuStepModel
 from memfit.planner.progress import NoProgress
-from memfit.planner.space import candidates, default_space, drop_unused, model_facts
+from memfit.planner.space import candidates, default_space, drop_unused, leave_out_states_that_cannot_fit, model_facts
 from memfit.planner.time_model import StepTimeModel
 from memfit.planner.walk import Walk
 from memfit.plans import Plan, technique_of
@@ -125,6 +125,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     _check_suits(target, constrained)
     narrowed = narrow_optimizer and not custom_space and _narrow_optimizer(
         target, space, given_fields, budget_bytes, set(given_fields) | ({"optimizer"} if optimizers else set()))
+    if not custom_space and world == 1 and given_fields.get("adapter", "none") == "none":
+        leave_out_states_that_cannot_fit(space, facts, budget_bytes, dev)
     for m in space.micro_batches:
         Plan(micro_batch_size=m if m != rank_bs else None).micro_batches(rank_bs)
     plans = candidates(space, rank_bs)

@@ -128,6 +128,31 @@ def leave_out_optimizer_choices(space: SearchSpace, trainable: int, budget_bytes
     return bool(left_out)
 
 
+# NOTE [ States that cannot fit ]
+# A torchao low-bit AdamW keeps its states on the device in every plan the search tries (its host
+# update is left out: NOTE [ Low-bit states on the host ]; its device-step offload and FSDP2 are
+# refused). So where the weights at 16 bits and its states at their least (``state_bytes_at_least``
+# per trained parameter) exceed the budget, no plan with it can fit, and timing it would only cost
+# its compiles (tens of seconds on a cold cache): Llama-2-7B on a 24 GB card holds 12.55 GiB of
+# bf16 weights and 12.55 GiB of 8-bit or fp8 states at least. Such a variant is left out, with a note.
+
+
+def leave_out_states_that_cannot_fit(space: SearchSpace, facts: ModelFacts, budget_bytes: int,
+                                     device: Device) -> None:
+    """NOTE [ States that cannot fit ] (one rank: unsharded states)."""
+    from memfit.units import fmt_bytes
+    values = space.values.get("optimizer", [])
+    trained = sum(p.numel() for p in facts.model.parameters() if p.requires_grad)
+    weights = facts.n_params * (2 if device.bf16 or device.fp16 else 4)
+    for name in list(values):
+        variant = Plan(optimizer=name).config("optimizer")
+        least = variant.state_bytes_at_least
+        if len(values) > 1 and least and variant.slow_host_update and weights + trained * least > budget_bytes:
+            values.remove(name)
+            space.notes.append(f"{name} left out: the weights in 16 bits ({fmt_bytes(weights)}) and its states on the "
+                               f"device ({fmt_bytes(int(trained * least))} at least) exceed the budget")
+
+
 def candidates(space: SearchSpace, batch_size: int) -> list[Plan]:
     names = list(space.values)
     out, slow_on_host = [], []

@@ -115,6 +115,11 @@ class Config:
     compute-bound CPU kernel (18.6 ns per element on 2 cores of an AMD EPYC, 47x torch's fused
     AdamW there: 125 s a step for 7B parameters). On the host its small states save no device
     memory, so the planner leaves that combination out (NOTE [ Low-bit states on the host ])."""
+    state_bytes_at_least: ClassVar[float | None] = None
+    """An optimizer's state bytes per trained parameter, at the least (None: not stated). With
+    ``slow_host_update`` its states stay on the device in every searched plan, so the planner leaves
+    it out where the weights in 16 bits and these states alone exceed the budget (NOTE [ States that
+    cannot fit ])."""
     numerics: ClassVar[str | None] = None
     """How this config changes the numbers the update computes, in a few words (e.g. "4-bit AdamW
     states"); None: it computes what the workload's own step computes (up to kernel rounding)."""

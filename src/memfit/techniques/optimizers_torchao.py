@@ -131,6 +131,7 @@ class AoAdamW8bit(TorchaoAdamW):
 
     name = "adamw8bit-ao"
     rank = 1
+    state_bytes_at_least = 2.0  # two 8-bit moments (and a scale per 256)
     numerics = "8-bit AdamW states"
     hf_name = "adamw_torch_8bit"
 
@@ -141,6 +142,7 @@ class AoAdamW4bit(TorchaoAdamW):
 
     name = "adamw4bit-ao"
     rank = 2
+    state_bytes_at_least = 1.0  # two 4-bit moments (and a scale per 128)
     numerics = "4-bit AdamW states"
     hf_name = "adamw_torch_4bit"
 
@@ -151,6 +153,7 @@ class AoAdamWFp8(TorchaoAdamW):
 
     name = "adamwfp8-ao"
     rank = 1
+    state_bytes_at_least = 2.0  # two fp8 moments (and a scale per 256)
     numerics = "fp8 AdamW states"
 
 
