@@ -55,3 +55,15 @@ def test_low_bit_states_that_cannot_fit_beside_the_weights_are_not_timed():
         assert before - set(space.values["optimizer"]) == left
         assert {"adamw", "adamw8bit"} <= set(space.values["optimizer"])
         assert sum("exceed the budget" in n for n in space.notes) == len(left)
+
+
+@pytest.mark.slow  # (about 40 s: keeps the default suite under 10 minutes)
+def test_the_negative_answer_for_16_gb_is_decided_by_the_maximal_plans_full_traces():
+    """NOTE [ A borderline answer decided by the maximal plans' full traces ]: at 14 GiB the lower
+    bound of the smallest plan fits (13.88 GiB allocated) and its full trace does not (14.55 GiB):
+    the walk used to trace 93 plans to say so."""
+    from memfit.planner.search import plan
+    result = plan("llama", device="rtx4090", batch_size=1, seq_len=2048, budget="14GiB")
+    assert result.chosen is None and result.smallest is not None
+    assert 14.5 * GiB < result.smallest.used_bytes < 14.6 * GiB
+    assert result.traces <= 60, result.traces
