@@ -53,7 +53,11 @@ def lowered_as_on_cuda():
         return
     from torch._inductor import lowering
 
-    cat = lowering.cat.__wrapped__  # the lowering itself, inside register_lowering's argument handling
+    cat = getattr(lowering.cat, "__wrapped__", None)  # the lowering itself, inside register_lowering's handling
+    register = getattr(lowering, "_register_lowering", None)
+    if cat is None or register is None:  # (another Inductor: its CPU lowering, as before this module)
+        yield
+        return
 
     def cat_as_on_cuda(inputs, dim=0):
         first = inputs[0]
@@ -63,14 +67,17 @@ def lowered_as_on_cuda():
             real = first.get_device()
             return torch.device("cuda") if real is not None and real.type == "cpu" else real
 
-        object.__setattr__(first, "get_device", device_once)
+        try:
+            object.__setattr__(first, "get_device", device_once)
+        except (AttributeError, TypeError):  # (an input that takes no attribute: the CPU's branch)
+            return cat(inputs, dim)
         try:
             return cat(inputs, dim)
         finally:
             if "get_device" in vars(first):
                 object.__delattr__(first, "get_device")
 
-    as_on_cuda = lowering._register_lowering(
+    as_on_cuda = register(
         torch.ops.aten.cat, cat_as_on_cuda, broadcast=False, convert_input_to_bool=False, lowering_dict={},
         type_promotion_kind=lowering.ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)  # as lowering.py registers cat
     keys = [op for op, fn in lowering.lowerings.items() if fn is lowering.cat]
