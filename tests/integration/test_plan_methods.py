@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -128,3 +129,20 @@ def test_each_method_s_search_shows_its_progress_under_its_name(monkeypatch):
         bar.label = "qlora"
         bar.walk(3, 60, 12)
     assert "qlora: traces" in terminal.getvalue()
+
+
+def test_a_model_the_user_froze_leaves_the_optimizer_as_the_workload_s_too():
+    """The same rule for a model that arrives mostly frozen (a PEFT model of the user's own): its
+    meta model's requires_grad says how few parameters train."""
+    from memfit.planner.search import plan
+    from memfit.workloads import load_workload
+    base = load_workload(TINY, seq_len=32)
+
+    def frozen():
+        model = base.model()
+        for name, p in model.named_parameters():
+            p.requires_grad_("norm" in name)
+        return model
+    result = plan(dataclasses.replace(base, model=frozen), device="h100-80gb", batch_size=2, max_traces=4)
+    assert any("not searched" in n for n in result.notes)
+    assert {c.plan.optimizer for c in result.candidates} == {"adamw"}

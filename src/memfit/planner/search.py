@@ -124,7 +124,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     fixed, constrained = _constrain(space, dict(given_fields), dev, rank_bs)
     _check_suits(target, constrained)
     narrowed = narrow_optimizer and not custom_space and _narrow_optimizer(
-        target, space, given_fields, budget_bytes, set(given_fields) | ({"optimizer"} if optimizers else set()))
+        target, facts, space, given_fields, budget_bytes, set(given_fields) | ({"optimizer"} if optimizers else set()))
     if not custom_space and world == 1 and given_fields.get("adapter", "none") == "none":
         leave_out_states_that_cannot_fit(space, facts, budget_bytes, dev)
     for m in space.micro_batches:
@@ -163,16 +163,18 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     return result
 
 
-def _narrow_optimizer(target: Target, space, given: dict, budget_bytes: int, keep: set[str]) -> bool:
-    """NOTE [ Optimizer choices that cannot matter ] (memfit.planner.space), for an adapter's plans
-    (``given``: the fields the user fixed)."""
+def _narrow_optimizer(target: Target, facts, space, given: dict, budget_bytes: int, keep: set[str]) -> bool:
+    """NOTE [ Optimizer choices that cannot matter ] (memfit.planner.space): for an adapter's plans
+    (``given``: the fields the user fixed), or a model the user froze most of (a PEFT model of their
+    own: its meta model's ``requires_grad``)."""
     from memfit.memory.faketrace import trainable_parameters
     from memfit.planner.space import leave_out_optimizer_choices
     keys = {k: v for k, v in given.items() if k in ("adapter", "base_weights")}
     if keys.get("adapter", "none") == "none":
-        return False
-    with silenced_warnings():
-        trainable = trainable_parameters(target.with_plan(Plan(**keys)))
+        trainable = sum(p.numel() for p in facts.model.parameters() if p.requires_grad)
+    else:
+        with silenced_warnings():
+            trainable = trainable_parameters(target.with_plan(Plan(**keys)))
     return leave_out_optimizer_choices(space, trainable, budget_bytes, keep)
 
 
