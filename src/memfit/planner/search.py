@@ -35,7 +35,13 @@ from memfit.planner import cost
 from memfit.planner.candidate import Candidate, Status
 from memfit.planner.gpu_time import GpuStepModel
 from memfit.planner.progress import NoProgress
-from memfit.planner.space import candidates, default_space, drop_unused, leave_out_states_that_cannot_fit, model_facts
+from memfit.planner.space import (
+    candidates,
+    default_space,
+    drop_unused,
+    leave_out_states_that_cannot_fit,
+    model_facts,
+)
 from memfit.planner.time_model import StepTimeModel
 from memfit.planner.walk import Walk
 from memfit.plans import Plan, technique_of

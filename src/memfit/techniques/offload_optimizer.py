@@ -60,7 +60,6 @@ from memfit.techniques.optimizer_variant import Factory
 from memfit.techniques.optimizers import PerParameterOptimizers
 from memfit.techniques.placement import HostPlacement, doing
 
-
 IN_FLIGHT = 4
 """Gradient copies to the host that may be pending at once (NOTE [ Gradients in flight ])."""
 
