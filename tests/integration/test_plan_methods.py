@@ -58,17 +58,17 @@ def test_bad_methods_get_one_line(text, problem):
 def test_an_adapter_s_few_trained_parameters_leave_the_optimizer_as_the_workload_s():
     """NOTE [ Optimizer choices that cannot matter ]: a LoRA's gradients and states are a sliver of
     the budget, so no low-bit states, in-backward step or state offload is searched (they would
-    change numerics or add work to save next to nothing); full fine-tuning still searches them."""
+    change numerics or add work to save next to nothing)."""
     code, out, _ = run(["plan", TINY, "--seq-len", "32", "-b", "2", "--methods", "full,lora", "--device",
-                        "h100-80gb", "--max-traces", "4", "--json"])
+                        "h100-80gb", "--max-traces", "4", "--json"])  # (torchao's compiles: cached after one run)
     assert code == 0
     rows = {m["method"]: m for m in json.loads(out)["methods"]}
     lora = rows["lora"]
     assert any("not searched" in n and "under 1% of the budget" in n for n in lora["notes"])
     assert all(r["plan"]["optimizer"] == "adamw" and not r["plan"]["optimizer_in_backward"]
                and not any(o.startswith("optimizer_states") for o in r["plan"]["offload"]) for r in lora["ranked"])
-    assert lora["candidates_total"] * 4 < rows["full"]["candidates_total"]
-    assert {r["plan"]["optimizer"] for r in rows["full"]["ranked"]} > {"adamw"}
+    # (the full fine-tune of this tiny model is narrowed too: its states are a sliver of an H100;
+    # a model whose states are not keeps its optimizer choices: test_the_optimizer_keys_are_fixed_only_...)
 
 
 def test_the_optimizer_keys_are_fixed_only_when_small_and_not_the_users():
@@ -99,7 +99,7 @@ def test_when_nothing_fits_with_the_optimizer_fixed_the_plan_searches_it_again(m
         return real(*args, **kwargs)
     monkeypatch.setattr(search, "plan", spy)
     result = spy(TINY, budget="528MiB", device="h100-80gb", batch_size=2, seq_len=32, max_traces=4,
-                 fixed={"adapter": "lora:r=16"})
+                 fixed={"adapter": "lora:r=16"}, optimizers=("adamw", "adamw8bit"))
     assert result.chosen is None and calls == [True, False]
     assert not any("not searched" in n for n in result.notes)
 
