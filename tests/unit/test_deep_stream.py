@@ -61,11 +61,18 @@ def test_shallow_allocations_replayed_at_full_depth_give_the_full_traces_reserve
 def test_a_free_that_moves_with_depth_leaves_no_stream():
     """With a chunked loss and fp32 master weights, a small cast gradient is freed where the
     autograd engine gets to it, later in the backward the deeper the model: no insertion gives
-    that, so there is no deep stream (the planner traces the full depth)."""
+    that, so there is no deep stream (the planner traces the full depth), or, where the two shallow
+    traces happen to agree, one that gives the full trace's bytes."""
     target = Target.resolve(DEEP, Plan(precision="bf16", checkpointing="blocks", loss_chunks=8), 8, "h100-80gb",
                             seq_len=64)
     (a, _), (b, _) = _trace(target, 2), _trace(target, 3)
-    assert deepen(a, b, 2, 3, 6) is None
+    deep = deepen(a, b, 2, 3, 6)
+    if deep is not None:
+        # (autocast drops its cast weights in a hash map's order, which differs between processes: in
+        # one CI run of ten the free did not move between these two depths and a stream was found.
+        # A stream found must then be the full trace's, to the byte.)
+        _, truth = _trace(target)
+        assert replay(deep, STEADY_STEP) == truth
 
 
 def _who_frees_what(stream):

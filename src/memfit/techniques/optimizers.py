@@ -176,7 +176,10 @@ def real_quantization_tables():
     quantization map (a constant 256-value table) with Python loops of ``.tolist()``; on fake
     tensors every read is data-dependent, which made tracing optimizer-in-backward (one optimizer
     per parameter) 30 s slower on a 7B model. The table is computed once for real, outside fake
-    mode, and reused: exact, since it depends on no input."""
+    mode and every dispatch mode (the tracker too: the table is host data in a real run, and a trace
+    that counted it would differ from the next one in the process, which finds it made: the planner's
+    two shallow traces then differ by more than the inserted blocks), and reused: exact, since it
+    depends on no input."""
     if not bitsandbytes_available():
         yield
         return
@@ -189,8 +192,8 @@ def real_quantization_tables():
     def real_table(*args, **kwargs):
         key = (original, args, tuple(sorted(kwargs.items())))
         if key not in _TABLES:
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-            with unset_fake_temporarily():
+            from torch.utils._python_dispatch import _disable_current_modes
+            with _disable_current_modes():
                 _TABLES[key] = original(*args, **kwargs)
         return _TABLES[key]
     bnb_functional.create_dynamic_map = real_table
