@@ -40,6 +40,7 @@ from memfit.planner.space import (
     default_space,
     drop_unused,
     leave_out_states_that_cannot_fit,
+    leave_out_weights_that_cannot_fit,
     model_facts,
 )
 from memfit.planner.time_model import StepTimeModel
@@ -131,6 +132,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     _check_suits(target, constrained)
     narrowed = narrow_optimizer and not custom_space and _narrow_optimizer(
         target, facts, space, given_fields, budget_bytes, set(given_fields) | ({"optimizer"} if optimizers else set()))
+    if not custom_space and world == 1 and given_fields.get("base_weights", "as-is") == "as-is":
+        leave_out_weights_that_cannot_fit(space, facts, budget_bytes)
     if not custom_space and world == 1 and given_fields.get("adapter", "none") == "none":
         leave_out_states_that_cannot_fit(space, facts, budget_bytes, dev)
     for m in space.micro_batches:

@@ -153,6 +153,44 @@ def leave_out_states_that_cannot_fit(space: SearchSpace, facts: ModelFacts, budg
                                f"device ({fmt_bytes(int(trained * least))} at least) exceed the budget")
 
 
+# NOTE [ Weights that cannot fit ]
+# On one rank every plan the search tries holds the whole model's weights on the device: no technique
+# in the space offloads or shards parameters. A precision whose weights alone exceed the budget
+# (Llama-2-7B's fp32 weights, 25.1 GiB, with autocast or without, on a 24 GB card) can then fit in no
+# plan. Left in, it cost the search more than its own traces: it was the default plan that every
+# other value's saving was measured against, where the peak is the fp32 optimizer step, so
+# checkpointing and chunked loss "saved" nothing there and the estimates of the plans that matter
+# erred by 10-20 GiB (the walk traced eight 4-bit plans estimated at 11.9 GiB that needed 22-34).
+# Such a precision is left out with a note, as with every base weight kept as-is (an adapter's base
+# is the model's weights at the plan's precision); quantized base weights are not counted here.
+
+
+def weight_bytes(model: torch.nn.Module, precision: str) -> int:
+    """The bytes of ``model``'s parameters (meta) held at ``precision``: floating-point ones in bf16
+    where its weights are bf16, else as the model builds them (autocast keeps them)."""
+    bf16 = Plan(precision=precision).config("precision").weights == "bf16"
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel() * (2 if bf16 and p.is_floating_point() else p.element_size())
+    return total
+
+
+def leave_out_weights_that_cannot_fit(space: SearchSpace, facts: ModelFacts, budget_bytes: int) -> None:
+    """NOTE [ Weights that cannot fit ] (one rank, base weights as the model holds them)."""
+    from memfit.units import fmt_bytes
+    values = space.values.get("precision", [])
+    sizes = {v: weight_bytes(facts.model, v) for v in values}
+    fitting = [v for v in values if sizes[v] <= budget_bytes]
+    if not fitting or len(fitting) == len(values):  # (none fits: the search says so, with the smallest plan)
+        return
+    for v in [v for v in values if v not in fitting]:
+        values.remove(v)
+        space.notes.append(f"precision {v} left out: its weights alone ({fmt_bytes(sizes[v])}) exceed the budget")
+
+
 def candidates(space: SearchSpace, batch_size: int) -> list[Plan]:
     names = list(space.values)
     out, slow_on_host = [], []

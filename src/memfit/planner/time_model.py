@@ -64,6 +64,15 @@ class StepTimeModel:
         run long enough for compile time not to count."""
         return self.predict(plan) + (self.warmup(plan) / steps if steps else 0.0)
 
+    def newly_measured(self) -> list[Plan]:
+        """Plans measured since the last call, whose figures may change other plans' estimates
+        (none where estimates are final)."""
+        return []
+
+    def estimate_depends_on(self, plan: Plan, measured: list[Plan]) -> bool:
+        """Whether ``plan``'s estimate may have changed now that ``measured`` are."""
+        return False
+
     def prepare(self) -> None:
         """Measure what the estimates need (before the first ``predict``)."""
 

@@ -19,6 +19,18 @@ tests/data/h100.jsonl ``llama1b-full-purebf16-blocks-4bit-ao-inbw``). The loweri
 ``inputs[0].get_device().type == "cpu"``; here that one call answers "cuda", and every later call
 (the device the pointwise cat is built on) the real CPU device, so the kernels still generate for
 the CPU that runs the prediction.
+
+NOTE [ Kernels generated without vectorization for a GPU preset ]
+A predicted region's kernels are generated and never compiled (NOTE [ Inductor's own wrapper on
+fake tensors ]), and on a GPU the real ones are Triton's: the CPU's vector instructions shape only
+the text of kernels nobody runs. Finding them is not free: Inductor's first vectorized kernel in a
+process probes the C++ compiler for each instruction set (builds a test program for each on a cold
+cache), and every vectorized kernel is generated twice (a vector and a scalar tail). While a GPU
+preset is predicted, Inductor picks no vector instruction set: torchao's 4-bit AdamW for two Llama
+blocks at 7B width (5 graphs) then predicts in 12.5 s instead of 22.6 s on a cold cache, with the
+same allocations. Scheduling and fusion, hence the wrapper's buffers, do not depend on the
+instruction set; the H100 rows with compiled regions (tests/data/h100.jsonl) hold it. A CPU
+prediction keeps the CPU's own set: there the kernels it generates are the ones that run.
 """
 
 from __future__ import annotations
@@ -46,11 +58,30 @@ def active() -> bool:
 
 @contextlib.contextmanager
 def lowered_as_on_cuda():
-    """Inductor's ``aten.cat`` lowering takes its CUDA branch (NOTE [ cat lowered as on CUDA ]); a
-    no-op unless :func:`lowering_for_cuda` is active."""
+    """Inductor's ``aten.cat`` lowering takes its CUDA branch (NOTE [ cat lowered as on CUDA ]) and
+    its kernels are generated without vector instructions (NOTE [ Kernels generated without
+    vectorization for a GPU preset ]); a no-op unless :func:`lowering_for_cuda` is active."""
     if not active():
         yield
         return
+    with _cat_as_on_cuda(), _no_vector_isa():
+        yield
+
+
+@contextlib.contextmanager
+def _no_vector_isa():
+    from torch._inductor import cpu_vec_isa
+
+    pick = cpu_vec_isa.pick_vec_isa
+    cpu_vec_isa.pick_vec_isa = lambda: cpu_vec_isa.invalid_vec_isa  # (Inductor's code generator asks the module)
+    try:
+        yield
+    finally:
+        cpu_vec_isa.pick_vec_isa = pick
+
+
+@contextlib.contextmanager
+def _cat_as_on_cuda():
     from torch._inductor import lowering
 
     cat = getattr(lowering.cat, "__wrapped__", None)  # the lowering itself, inside register_lowering's handling

@@ -1,0 +1,153 @@
+"""What the GPU-preset planner knows before tracing a plan: precisions whose weights cannot fit are
+left out, estimates come from the nearest measured plan and change as the walk measures, the
+maximal plans come first when nothing measured fits, and predicted compiles skip vector code."""
+
+import pytest
+
+from memfit.devices import get_device
+from memfit.memory.budget import Budget
+from memfit.planner.candidate import Candidate, Evidence, Fidelity, Status
+from memfit.planner.gpu_time import GpuStepModel, Measured
+from memfit.planner.ladder import Ladder
+from memfit.planner.space import SearchSpace, leave_out_weights_that_cannot_fit, model_facts, weight_bytes
+from memfit.planner.time_model import StepTimeModel
+from memfit.planner.walk import Walk
+from memfit.plans import Plan
+from memfit.target import Target
+from memfit.workloads import load_workload
+
+GiB = 1 << 30
+
+
+def test_a_precision_whose_weights_alone_exceed_the_budget_is_left_out():
+    """NOTE [ Weights that cannot fit ]: Llama-2-7B's fp32 weights (25.1 GiB, with autocast too)
+    exceed a 24 GB card's budget in every plan; its bf16 weights (12.55 GiB) may fit."""
+    facts = model_facts(load_workload("llama", seq_len=2048))
+    assert weight_bytes(facts.model, "bf16") == weight_bytes(facts.model, "fp32") == 2 * weight_bytes(facts.model, "bf16-pure")
+    assert 12.5 * GiB < weight_bytes(facts.model, "bf16-pure") < 12.6 * GiB
+    budget = Budget.resolve(None, get_device("rtx4090")).bytes
+    space = SearchSpace(values={"precision": ["fp32", "bf16", "bf16-pure"]})
+    leave_out_weights_that_cannot_fit(space, facts, budget)
+    assert space.values["precision"] == ["bf16-pure"]
+    assert sum("weights alone" in n and "exceed the budget" in n for n in space.notes) == 2
+    for budget, left in ((80 * GiB, ["fp32", "bf16", "bf16-pure"]), (10 * GiB, ["fp32", "bf16", "bf16-pure"])):
+        space = SearchSpace(values={"precision": ["fp32", "bf16", "bf16-pure"]})
+        leave_out_weights_that_cannot_fit(space, facts, budget)  # all fit, or none (then the search says so)
+        assert space.values["precision"] == left and not space.notes
+
+
+def _model_with(measured: dict, ratios: dict) -> GpuStepModel:
+    target = Target.resolve("gpt2:n_layer=2,n_embd=64,n_head=2,vocab_size=256", None, 4, "h100-80gb", seq_len=32)
+    space = SearchSpace(values={"checkpointing": ["none", "blocks"], "loss_chunks": [0, 8],
+                                "optimizer_in_backward": [False, True]}, micro_batches=[4])
+    model = GpuStepModel(target, space, model_facts(target.workload), Budget.resolve(None, target.device))
+    model.base = Plan()
+    model.ratios = ratios
+    for plan, seconds in measured.items():
+        model.measured[plan] = Measured(seconds=seconds, step=None, peak_bytes=0, used_lower=0)
+    return model
+
+
+def test_a_plan_is_estimated_from_the_measured_plans_it_contains():
+    """NOTE [ Estimates from the nearest measured plan ]: a measured pair that combined 5x slower than
+    its factors carries that to every plan containing it; of two largest parts the slower stands."""
+    ckpt, chunks, inbw = ("checkpointing", "blocks"), ("loss_chunks", 8), ("optimizer_in_backward", True)
+    ratios = {ckpt: 1.2, chunks: 1.1, inbw: 0.9}
+    both = Plan(checkpointing="blocks", loss_chunks=8)
+    model = _model_with({Plan(): 1.0, both: 1.2 * 1.1 * 5}, ratios)
+    three = Plan(checkpointing="blocks", loss_chunks=8, optimizer_in_backward=True)
+    assert model.predict(three) == pytest.approx(1.2 * 1.1 * 5 * 0.9)
+    assert model.predict(Plan(checkpointing="blocks", optimizer_in_backward=True)) == pytest.approx(1.2 * 0.9)
+    model.measured[Plan(loss_chunks=8, optimizer_in_backward=True)] = Measured(1.0, None, 0, 0)
+    assert model.predict(three) == pytest.approx(1.2 * 1.1 * 5 * 0.9)  # (the slower of the two parts)
+    assert model.estimate_depends_on(three, [both]) and not model.estimate_depends_on(Plan(loss_chunks=8), [both])
+
+
+class _Model(StepTimeModel):
+    """Estimates from a table the test changes as plans are measured."""
+
+    excluded: list = []
+
+    def __init__(self, seconds: dict, after: dict) -> None:
+        self.seconds, self.after, self.new = dict(seconds), after, []
+
+    def predict(self, plan):
+        return self.seconds[plan]
+
+    def warmup(self, plan):
+        return 0.0
+
+    def is_estimate(self, plan):
+        return True
+
+    def newly_measured(self):
+        new, self.new = self.new, []
+        return new
+
+    def estimate_depends_on(self, plan, measured):
+        return True
+
+
+class _Trace:
+    """The one rung: each plan's bytes from a table; measuring ``trigger`` changes the estimates."""
+
+    fidelity = Fidelity.FULL
+
+    def __init__(self, used: dict, model: _Model, found: dict | None = None) -> None:
+        self.used, self.model, self.found, self.order = used, model, dict(found or {}), []
+
+    @property
+    def traces(self):
+        return len(self.order)
+
+    def evaluate(self, plan):
+        self.order.append(plan)
+        self.found[plan] = Evidence(Fidelity.FULL, used_bytes=self.used[plan])
+        self.model.new.append(plan)
+        self.model.seconds.update(self.model.after.get(plan, {}))
+        return self.found[plan]
+
+
+def _walk(seconds, used, budget, after=None, found=None):
+    model = _Model(seconds, after or {})
+    trace = _Trace(used, model, found)
+    ranked = [Candidate(p, s) for p, s in sorted(seconds.items(), key=lambda x: x[1])]
+    walk = Walk(4, Budget(budget, get_device("h100-80gb")), model, Ladder(trace), None, 60)
+    return walk.run(ranked), trace, ranked
+
+
+def test_the_walk_requeues_a_plan_whose_estimate_a_measurement_changed():
+    """Measuring the fastest plan shows the next one 5x slower than estimated: the walk takes the
+    third, which fits, and never traces the second."""
+    a, b, c = Plan(), Plan(loss_chunks=8), Plan(checkpointing="blocks")
+    chosen, trace, ranked = _walk({a: 1.0, b: 2.0, c: 3.0}, {a: 20 * GiB, b: 5 * GiB, c: 5 * GiB}, 10 * GiB,
+                                  after={a: {b: 10.0}})
+    assert chosen.plan == c and trace.order == [a, c]
+    assert next(x for x in ranked if x.plan == b).status is Status.NOT_EVALUATED
+
+
+def test_the_maximal_plans_come_first_when_no_plan_measured_before_the_walk_fits():
+    """NOTE [ Maximal plans first when nothing measured fits ]: the default plan, measured before the
+    walk, is over the budget; the maximal plan is traced first and, too big, rules out the rest."""
+    a, b, m = Plan(), Plan(loss_chunks=8), Plan(checkpointing="blocks", loss_chunks=8)
+    used = {a: 30 * GiB, b: 25 * GiB, m: 20 * GiB}
+    found = {a: Evidence(Fidelity.FULL, used_bytes=used[a])}
+    chosen, trace, _ = _walk({a: 1.0, b: 2.0, m: 3.0}, used, 10 * GiB, found=found)
+    assert chosen is None and trace.order == [m]
+    # a plan measured before the walk that fits: the fastest plans first, as before
+    used[a] = 5 * GiB
+    chosen, trace, _ = _walk({a: 1.0, b: 2.0, m: 3.0}, used, 10 * GiB, found={a: Evidence(Fidelity.FULL, used_bytes=used[a])})
+    assert chosen.plan == a and m not in trace.order
+
+
+def test_a_gpu_presets_compiled_region_is_generated_without_vector_code():
+    """NOTE [ Kernels generated without vectorization for a GPU preset ]: no vector instruction set
+    while a GPU preset's region is predicted; the CPU's own otherwise."""
+    from torch._inductor import cpu_vec_isa
+
+    from memfit.techniques.cuda_lowering import lowered_as_on_cuda, lowering_for_cuda
+    with lowering_for_cuda(), lowered_as_on_cuda():
+        assert cpu_vec_isa.pick_vec_isa() is cpu_vec_isa.invalid_vec_isa
+    with lowered_as_on_cuda():  # a CPU prediction: the kernels it generates are the ones that run
+        assert cpu_vec_isa.pick_vec_isa.__module__ == "torch._inductor.cpu_vec_isa"
+    assert cpu_vec_isa.pick_vec_isa.__module__ == "torch._inductor.cpu_vec_isa"
