@@ -9,6 +9,7 @@ from memfit.memory.budget import Budget
 from memfit.planner.candidate import Candidate, Evidence, Fidelity, Status
 from memfit.planner.gpu_time import GpuStepModel, Measured
 from memfit.planner.ladder import Ladder
+from memfit.planner.search import plan
 from memfit.planner.space import SearchSpace, leave_out_weights_that_cannot_fit, model_facts, weight_bytes
 from memfit.planner.time_model import StepTimeModel
 from memfit.planner.walk import Walk
@@ -43,8 +44,8 @@ def _model_with(measured: dict, ratios: dict) -> GpuStepModel:
     model = GpuStepModel(target, space, model_facts(target.workload), Budget.resolve(None, target.device))
     model.base = Plan()
     model.ratios = ratios
-    for plan, seconds in measured.items():
-        model.measured[plan] = Measured(seconds=seconds, step=None, peak_bytes=0, used_lower=0)
+    for measured_plan, seconds in measured.items():
+        model.measured[measured_plan] = Measured(seconds=seconds, step=None, peak_bytes=0, used_lower=0)
     return model
 
 
@@ -151,3 +152,20 @@ def test_a_gpu_presets_compiled_region_is_generated_without_vector_code():
     with lowered_as_on_cuda():  # a CPU prediction: the kernels it generates are the ones that run
         assert cpu_vec_isa.pick_vec_isa.__module__ == "torch._inductor.cpu_vec_isa"
     assert cpu_vec_isa.pick_vec_isa.__module__ == "torch._inductor.cpu_vec_isa"
+
+
+DEEP = "gpt2:n_layer=6,n_embd=256,n_head=4,vocab_size=2000,n_positions=128"
+
+
+def test_work_adding_values_are_not_measured_when_the_fastest_simple_plan_fits(monkeypatch):
+    """NOTE [ Work-adding values when the default plan fits ]: on an 80 GB card a small GPT-2's
+    default plan fits; checkpointing, offload and a chunked loss can only make it slower, so they
+    are not measured, and the choice is the one the whole search makes."""
+    quick = plan(DEEP, device="h100-80gb", batch_size=8, seq_len=128, optimizers=("adamw",))
+    assert any("only add work" in n and "checkpointing" in n for n in quick.notes), quick.notes
+    assert quick.chosen is not None and quick.chosen.plan.checkpointing == "none"
+    monkeypatch.setattr(GpuStepModel, "_may_fit_alone", lambda self: False)
+    whole = plan(DEEP, device="h100-80gb", batch_size=8, seq_len=128, optimizers=("adamw",))
+    assert not any("only add work" in n for n in whole.notes)
+    assert whole.chosen.plan == quick.chosen.plan and whole.chosen.used_bytes == quick.chosen.used_bytes
+    assert quick.traces < whole.traces

@@ -143,7 +143,7 @@ def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_trac
     from memfit.errors import UserError
     from memfit.planner.methods import DIFFERENT_THINGS, parse_methods
     from memfit.planner.progress import PlanProgress
-    from memfit.planner.search import plan
+    from memfit.planner.side_by_side import plan_side_by_side
     from memfit.report.planner import print_methods
 
     if args.max_world_size is not None or given.world_size != 1:
@@ -151,15 +151,14 @@ def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_trac
     if args.out or args.pareto:
         raise UserError("--methods compares several plans; plan the method you pick without --methods to write "
                         "--out or --pareto")
-    rows = []
+    methods = parse_methods(args.methods, given.adapter)
+    searches = [(m.name, dict(workload=workload, budget=args.budget, device=args.device, batch_size=bs, seq_len=seq,
+                              optimizers=optimizers, max_traces=max_traces, fixed={**fixed, **m.keys},
+                              compile_modes=compile_modes, steps=steps)) for m in methods]
     with PlanProgress() if not args.json else contextlib.nullcontext() as progress:
-        for method in parse_methods(args.methods, given.adapter):
-            if progress is not None:
-                progress.label = method.name
-            result = plan(workload, budget=args.budget, device=args.device, batch_size=bs, seq_len=seq,
-                          optimizers=optimizers, max_traces=max_traces, fixed={**fixed, **method.keys},
-                          compile_modes=compile_modes, steps=steps, progress=progress)
-            rows.append((method, result, _trainable(workload, result)))
+        longest = next((i for i, m in enumerate(methods) if m.name == "full"), 0)
+        results = plan_side_by_side(searches, progress, longest=longest)  # NOTE [ Methods planned side by side ]
+    rows = [(m, r, r.trainable if r.trainable is not None else _trainable(workload, r)) for m, (r, _) in zip(methods, results)]
     if args.json:
         print_json({"note": DIFFERENT_THINGS, "methods": [
             {"method": m.name, "trains": m.trains, "trainable_parameters": n, **r.to_json()} for m, r, n in rows]})

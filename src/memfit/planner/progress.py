@@ -53,6 +53,37 @@ class PlanProgress:
     def _named(self, text: str) -> str:
         return f"{self.label}: {text}" if self.label else text
 
+    def line(self, label: str) -> ProgressLine:
+        """A line of its own, for one of several searches that run at once (``--methods``)."""
+        return ProgressLine(self, label)
+
+
+class ProgressLine:
+    """One search's line of a :class:`PlanProgress` (the first takes the bar's own line)."""
+
+    def __init__(self, parent: PlanProgress, label: str) -> None:
+        self.parent, self.label, self._task = parent, label, None
+        bar = parent._bar
+        if bar is not None:
+            if parent._task is not None and not getattr(parent, "_lines", 0):
+                self._task = parent._task
+            else:
+                self._task = bar.add_task(label, total=None, info="")
+            parent._lines = getattr(parent, "_lines", 0) + 1
+
+    def stage(self, text: str) -> None:
+        if self._task is not None:
+            self.parent._bar.update(self._task, description=f"{self.label}: {text}", completed=0, total=None, info="")
+
+    def walk(self, traced: int, limit: int, open_plans: int) -> None:
+        if self._task is not None:
+            self.parent._bar.update(self._task, description=f"{self.label}: traces", completed=traced, total=limit,
+                                    info=f"{open_plans} candidates open")
+
+    def done(self, text: str) -> None:
+        if self._task is not None:
+            self.parent._bar.update(self._task, description=f"{self.label}: {text}", info="")
+
 
 class NoProgress:
     def stage(self, text: str) -> None:

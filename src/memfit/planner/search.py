@@ -70,6 +70,8 @@ class PlanResult:
     """The run's length compile time was spread over (None: not counted)."""
     notes: list[str] = field(default_factory=list)
     """Techniques left out of the search here, and why."""
+    trainable: int | None = None
+    """The parameters the plans train (None: not counted, with a search space of the caller's)."""
 
     def to_json(self) -> dict:
         def row(c: Candidate) -> dict:
@@ -97,7 +99,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
          optimizers: tuple[str, ...] | None = None, max_traces: int = 60,
          time_model: StepTimeModel | None = None, space=None, fixed: dict | None = None,
          compile_modes: tuple[str, ...] | None = None, steps: int | None = None, progress=None,
-         narrow_optimizer: bool = True) -> PlanResult:
+         narrow_optimizer: bool = True, alongside: bool = True) -> PlanResult:
     """The fastest plan for ``workload`` whose predicted memory fits ``budget`` on ``device``.
 
     ``fixed``: plan fields the user set (``--precision bf16``); the search covers the others.
@@ -107,6 +109,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     ``progress``: a memfit.planner.progress.PlanProgress to report to (None: nothing shown).
     ``narrow_optimizer``: fix the optimizer's keys where the trained parameters are few (NOTE [ Optimizer
     choices that cannot matter ] in memfit.planner.space); when nothing fits so, plan again without.
+    ``alongside``: idle workers trace the next plans' full traces while one is confirmed (False where
+    other searches use the cores: memfit.planner.side_by_side).
     """
     progress = progress or NoProgress()
     t0 = time.perf_counter()
@@ -130,8 +134,9 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     given_fields = dict(fixed or {})
     fixed, constrained = _constrain(space, dict(given_fields), dev, rank_bs)
     _check_suits(target, constrained)
+    trainable = None if custom_space else _trainable(target, facts, given_fields)
     narrowed = narrow_optimizer and not custom_space and _narrow_optimizer(
-        target, facts, space, given_fields, budget_bytes, set(given_fields) | ({"optimizer"} if optimizers else set()))
+        space, trainable, budget_bytes, set(given_fields) | ({"optimizer"} if optimizers else set()))
     if not custom_space and world == 1 and given_fields.get("base_weights", "as-is") == "as-is":
         leave_out_weights_that_cannot_fit(space, facts, budget_bytes)
     if not custom_space and world == 1 and given_fields.get("adapter", "none") == "none":
@@ -159,36 +164,42 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
         else:
             model = cost.calibrate(target, space)
     try:
-        result = _search(t0, target, budget_obj, space, plans, constrained, model, steps, max_traces, progress)
+        result = _search(t0, target, budget_obj, space, plans, constrained, model, steps, max_traces, progress,
+                         alongside)
     finally:
         model.close()
+    result.trainable = trainable
     if narrowed and result.chosen is None:  # NOTE [ Optimizer choices that cannot matter ]: no answer is lost
         again = plan(workload, budget=budget, device=device, batch_size=batch_size, seq_len=seq_len,
                      optimizers=optimizers, max_traces=max_traces, time_model=time_model, fixed=given_fields,
-                     compile_modes=compile_modes, steps=steps, progress=progress, narrow_optimizer=False)
+                     compile_modes=compile_modes, steps=steps, progress=progress, narrow_optimizer=False,
+                     alongside=alongside)
         again.traces += result.traces
         again.seconds = time.perf_counter() - t0
         return again
     return result
 
 
-def _narrow_optimizer(target: Target, facts, space, given: dict, budget_bytes: int, keep: set[str]) -> bool:
-    """NOTE [ Optimizer choices that cannot matter ] (memfit.planner.space): for an adapter's plans
-    (``given``: the fields the user fixed), or a model the user froze most of (a PEFT model of their
-    own: its meta model's ``requires_grad``)."""
+def _trainable(target: Target, facts, given: dict) -> int:
+    """The parameters the plans train: the adapter's (``given``: the fields the user fixed), or the
+    model's that require gradients (a model the user froze most of: a PEFT model of their own)."""
     from memfit.memory.faketrace import trainable_parameters
-    from memfit.planner.space import leave_out_optimizer_choices
     keys = {k: v for k, v in given.items() if k in ("adapter", "base_weights")}
     if keys.get("adapter", "none") == "none":
-        trainable = sum(p.numel() for p in facts.model.parameters() if p.requires_grad)
-    else:
-        with silenced_warnings():
-            trainable = trainable_parameters(target.with_plan(Plan(**keys)))
+        return sum(p.numel() for p in facts.model.parameters() if p.requires_grad)
+    with silenced_warnings():
+        return trainable_parameters(target.with_plan(Plan(**keys)))
+
+
+def _narrow_optimizer(space, trainable: int, budget_bytes: int, keep: set[str]) -> bool:
+    """NOTE [ Optimizer choices that cannot matter ] (memfit.planner.space), for ``trainable``
+    parameters; ``keep``: the keys the user set."""
+    from memfit.planner.space import leave_out_optimizer_choices
     return leave_out_optimizer_choices(space, trainable, budget_bytes, keep)
 
 
 def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Plan], constrained: dict,
-            model: StepTimeModel, steps: int | None, max_traces: int, progress) -> PlanResult:
+            model: StepTimeModel, steps: int | None, max_traces: int, progress, alongside: bool = True) -> PlanResult:
     wl, dev, bs, budget_bytes = target.workload, target.device, target.batch_size, budget_obj.bytes
     with silenced_warnings():
         model.prepare()
@@ -200,7 +211,7 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
     ranked = [Candidate(p, 0.0) for p in plans]
     for c in ranked:
         c.retime(model, steps)
-    walk = Walk(bs, budget_obj, model, model.ladder(target, budget_obj), steps, max_traces, progress)
+    walk = Walk(bs, budget_obj, model, model.ladder(target, budget_obj), steps, max_traces, progress, alongside)
     chosen = walk.run(ranked)
     if chosen is None and not any(c.used_bytes is not None for c in ranked):
         invalid = next((c for c in ranked if c.status is Status.INVALID), None)

@@ -54,8 +54,10 @@ through, 93 traces, to say that nothing fits."""
 
 class Walk:
     def __init__(self, batch_size: int, budget: Budget, model: StepTimeModel, ladder: Ladder, steps: int | None,
-                 max_traces: int, progress=None) -> None:
+                 max_traces: int, progress=None, alongside: bool = True) -> None:
         self.bs, self.budget, self.model, self.ladder = batch_size, budget, model, ladder
+        self.alongside = alongside
+        """Idle workers trace the next plans' full traces while one is confirmed."""
         self.progress = progress or NoProgress()
         self.steps, self.max_traces = steps, max_traces
         self.failed: list[Candidate] = []
@@ -223,7 +225,7 @@ class Walk:
         """Run ``c``'s full trace alongside those of the next plans that may come up for confirming
         (measured, their lower bound fits), on the workers that would otherwise wait: when ``c``'s
         reserved bytes do not fit, the next one's are ready."""
-        spare, ladder = self.ladder.spare_workers, self.ladder
+        spare, ladder = self.ladder.spare_workers if self.alongside else 0, self.ladder
         if spare <= 0 or ladder.has_full_trace(c.plan):  # (nothing to run alongside)
             return
         ahead: dict = {}
