@@ -169,3 +169,16 @@ def test_work_adding_values_are_not_measured_when_the_fastest_simple_plan_fits(m
     assert not any("only add work" in n for n in whole.notes)
     assert whole.chosen.plan == quick.chosen.plan and whole.chosen.used_bytes == quick.chosen.used_bytes
     assert quick.traces < whole.traces
+
+
+def test_maximal_plans_that_split_the_batch_are_traced_only_when_no_other_may_fit():
+    """NOTE [ Split maximal plans last ]: a maximal plan that does not split the batch fits, so the
+    one that does (its trace runs every micro-batch) is not traced to prove that something fits."""
+    a, whole, split = Plan(), Plan(checkpointing="blocks", loss_chunks=8), Plan(checkpointing="blocks", micro_batch_size=2)
+    used = {a: 30 * GiB, whole: 8 * GiB, split: 6 * GiB}
+    found = {a: Evidence(Fidelity.FULL, used_bytes=used[a])}
+    chosen, trace, _ = _walk({a: 1.0, whole: 3.0, split: 5.0}, used, 10 * GiB, found=found)
+    assert chosen.plan == whole and split not in trace.order
+    used[whole] = 12 * GiB  # it does not fit: then the split one is traced, and is the answer
+    chosen, trace, _ = _walk({a: 1.0, whole: 3.0, split: 5.0}, used, 10 * GiB, found=found)
+    assert chosen.plan == split and trace.order.index(whole) < trace.order.index(split)

@@ -462,6 +462,10 @@ class GpuStepModel(StepTimeModel):
         self._new.append(plan)
         return m
 
+    def trace_shallow(self, plans: list[Plan]) -> None:
+        """Run the shallow pairs of ``plans`` together (in parallel; :meth:`measure` then reads them)."""
+        self._run(self._jobs(plans), check=False)
+
     def trace_full(self, plans: list[Plan]) -> None:
         """Trace ``plans`` at full depth together (in parallel; :meth:`confirm` then reads them)."""
         self._run([(p, None, None) for p in plans], check=False)

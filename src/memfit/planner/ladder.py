@@ -98,6 +98,9 @@ class Ladder:
     def prefetch(self, plans: list[Plan]) -> None:
         """Run the top rung of ``plans`` together (spare workers)."""
 
+    def measure_together(self, plans: list[Plan]) -> None:
+        """Run the first rung of ``plans`` together (on the workers at once; evaluate then reads it)."""
+
     def full_and_deep(self) -> list[tuple[int, int]]:
         """(full trace's, deep stream's) bytes of every plan that has both: the check of the deep
         rung against the top one."""
@@ -189,3 +192,7 @@ class GpuLadder(Ladder):
     def prefetch(self, plans: list[Plan]) -> None:
         with silenced_warnings():
             self.model.trace_full(plans)
+
+    def measure_together(self, plans: list[Plan]) -> None:
+        if plans:
+            self.model.trace_shallow(plans)

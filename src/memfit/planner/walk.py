@@ -21,6 +21,14 @@ failures prune every plan they dominate. Llama-2-7B for the rtx4090 preset (its 
 the maximal 4-bit plan (22.35 GiB) ruled out all of them. Where a value alone fits, the fastest
 plans are tried first as before: the maximal plans may cost more traces than they save.
 
+NOTE [ Split maximal plans last ]
+A plan that splits the batch into n micro-batches runs forward and backward n times: its trace
+takes n times the ops. GPT-2 at batch 8 x 1024 for a 4 GiB budget had eight maximal plans, four of
+them at micro-batch 1, 3.4 s a pair each against 0.8 s for the others, and the others fitted: the
+split ones proved nothing the others had not. So the maximal plans that do not split the batch are
+traced first (together, on the workers), and the split ones only when none of those may fit; until
+then they wait in the queue at their estimates like any plan.
+
 NOTE [ Deep stream checked ]
 Plans ruled out by the deep stream (reserved bytes from shallow allocations, not a full trace)
 are held against every full trace at hand when a plan is about to be chosen: a miss by more than
@@ -285,26 +293,42 @@ class Walk:
 
     def _check_feasible(self, ranked: list[Candidate]) -> bool:
         """Trace the maximal plans (they dominate every plan). False if none of them fits (then
-        nothing does); else they go back into the queue at their measured times."""
+        nothing does); else they go back into the queue at their measured times. Those that split
+        the batch are traced only when none of the others may fit (NOTE [ Split maximal plans
+        last ])."""
         self.maximal = maximal(sorted(ranked, key=lambda x: x.seconds), self.bs)
-        for m in self.maximal:
-            if m.used_bytes is None:
+        whole = [m for m in self.maximal if m.plan.micro_batches(self.bs)[1] == 1]
+        split = [m for m in self.maximal if m.plan.micro_batches(self.bs)[1] > 1]
+        for group in (whole, split):
+            todo = [m for m in group if m.used_bytes is None]
+            for m in todo:
                 m.reopen()  # (an estimate may have called it too big)
+            with silenced_warnings():
+                self.ladder.measure_together([m.plan for m in todo])  # (on the workers at once)
+            for m in todo:
                 self._measure(m)
+            if any(m.used_bytes is not None for m in group) and self._some_maximal_may_fit():
+                break
+        else:
+            if any(m.used_bytes is not None for m in self.maximal):
+                return False
+        for m in self.maximal:
+            if m.open:
+                heapq.heappush(self.heap, (m.seconds, self.order[id(m)], m))
+        return True
+
+    def _some_maximal_may_fit(self) -> bool:
         tops = [m for m in self.maximal if m.used_bytes is not None]
-        if tops and all(m.status is Status.TOO_BIG for m in tops):
+        if all(m.status is Status.TOO_BIG for m in tops):
             return False
         near = [m for m in tops if m.status is not Status.TOO_BIG and not self.ladder.is_final(m.plan)]
-        if tops and near and all(m.used_bytes >= NEAR_BUDGET * self.budget.bytes for m in near):
+        if near and all(m.used_bytes >= NEAR_BUDGET * self.budget.bytes for m in near):
             # NOTE [ A borderline answer decided by the maximal plans' full traces ]
             self.ladder.prefetch([m.plan for m in near])
             for m in near:
                 self._take(m, self.ladder.full)
             if all(m.status is Status.TOO_BIG for m in tops):
                 return False
-        for m in self.maximal:
-            if m.open:
-                heapq.heappush(self.heap, (m.seconds, self.order[id(m)], m))
         return True
 
     def smallest(self, ranked: list[Candidate]) -> Candidate | None:
