@@ -32,7 +32,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 from memfit.errors import UserError
 from memfit.planner.progress import NoProgress
-from memfit.planner.workers import _autograd_works, worker_count
+from memfit.planner.workers import autograd_works, worker_count
 
 LOWER = 10
 """Niceness of the searches other than the longest (NOTE [ Methods planned side by side ])."""
@@ -67,7 +67,7 @@ def can_fork_searches() -> bool:
         return False
     try:
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
-            return bool(pool.submit(_autograd_works).result(timeout=120))
+            return bool(pool.submit(autograd_works).result(timeout=120))
     except Exception:  # noqa: BLE001 - autograd after fork, or a process that died
         return False
 

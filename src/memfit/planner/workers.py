@@ -52,7 +52,8 @@ def worker_count() -> int:
     return max(1, min(cores, MAX_WORKERS))
 
 
-def _autograd_works() -> bool:
+def autograd_works() -> bool:
+    """A tiny backward pass (run in a forked process: whether autograd survived the fork)."""
     import torch
     x = torch.ones(2, requires_grad=True)
     (x * 2).sum().backward()
@@ -90,7 +91,7 @@ class Workers:
         pool = ProcessPoolExecutor(self.count, mp_context=multiprocessing.get_context("fork"), initializer=_init_worker,
                                    initargs=(self.fn,))
         try:
-            works = pool.submit(_autograd_works).result()
+            works = pool.submit(autograd_works).result()
         except Exception:  # noqa: BLE001 - autograd after fork, or a worker that died
             works = False
         if works:
