@@ -182,3 +182,11 @@ def test_maximal_plans_that_split_the_batch_are_traced_only_when_no_other_may_fi
     used[whole] = 12 * GiB  # it does not fit: then the split one is traced, and is the answer
     chosen, trace, _ = _walk({a: 1.0, whole: 3.0, split: 5.0}, used, 10 * GiB, found=found)
     assert chosen.plan == split and trace.order.index(whole) < trace.order.index(split)
+
+
+def test_a_value_that_needs_another_technique_is_judged_alone():
+    """checkpointing budget:F needs a compile mode in a Plan: whether it only adds work is a question
+    about the value alone (the slow compile test's plan was refused before this)."""
+    from memfit.planner.gpu_time import _adds_work
+    assert _adds_work(("checkpointing", "budget:0.5")) and _adds_work(("loss_chunks", 8))
+    assert not _adds_work(("precision", "bf16")) and not _adds_work(("compile", "blocks"))

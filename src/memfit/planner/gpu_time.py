@@ -84,7 +84,7 @@ def _adds_work(key: tuple[str, object]) -> bool:
     if name == "micro_batch_size":
         return False
     from memfit.plans import technique_of
-    return Plan(**{name: value}).config(technique_of(name).name).adds_work
+    return technique_of(name).config({name: value}).adds_work  # (the value alone: budget:F needs a compile mode in a Plan)
 
 
 FORWARD, BACKWARD = 2, 3  # memfit.planner.opcost.PHASES
