@@ -34,6 +34,9 @@ class _Line:
     def walk(self, *args):
         self.seen.append(("walk", args))
 
+    def done(self, text):
+        self.seen.append(("done", text))
+
 
 def _forked(searches, longest=0):
     lines = [_Line() for _ in searches]

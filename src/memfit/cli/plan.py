@@ -158,7 +158,7 @@ def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_trac
     with PlanProgress() if not args.json else contextlib.nullcontext() as progress:
         longest = next((i for i, m in enumerate(methods) if m.name == "full"), 0)
         results = plan_side_by_side(searches, progress, longest=longest)  # NOTE [ Methods planned side by side ]
-    rows = [(m, r, r.trainable if r.trainable is not None else _trainable(workload, r)) for m, (r, _) in zip(methods, results)]
+    rows = [(m, r, r.trainable) for m, (r, _) in zip(methods, results)]
     if args.json:
         print_json({"note": DIFFERENT_THINGS, "methods": [
             {"method": m.name, "trains": m.trains, "trainable_parameters": n, **r.to_json()} for m, r, n in rows]})
@@ -166,14 +166,3 @@ def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_trac
         print_methods(rows)
     return 0 if any(r.chosen for _, r, _ in rows) else 1
 
-
-def _trainable(workload, result) -> int | None:
-    """Parameters the chosen (or smallest) plan trains."""
-    from memfit.memory.faketrace import trainable_parameters
-    from memfit.quiet import silenced_warnings
-    from memfit.target import Target
-    c = result.chosen or result.smallest
-    if c is None:
-        return None
-    with silenced_warnings():
-        return trainable_parameters(Target.resolve(workload, c.plan, result.batch_size, "cpu"))

@@ -87,6 +87,11 @@ def _adds_work(key: tuple[str, object]) -> bool:
     return technique_of(name).config({name: value}).adds_work  # (the value alone: budget:F needs a compile mode in a Plan)
 
 
+def _weight_bytes(n_params: int, plan: Plan) -> int:
+    """Every parameter in the plan's weight dtype (Precision.weights: fp32 or bf16)."""
+    return n_params * (2 if plan.config("precision").weights == "bf16" else 4)
+
+
 FORWARD, BACKWARD = 2, 3  # memfit.planner.opcost.PHASES
 PEAK_MARGIN = 0.02
 """How far an extrapolated allocated peak may be above the full trace's (caching-allocator rounding;
@@ -180,7 +185,7 @@ class GpuStepModel(StepTimeModel):
         elsewhere = self._measured_elsewhere(alone)
         if not elsewhere and self._may_fit_alone():  # NOTE [ Work-adding values when the default plan fits ]
             others = {k: p for k, p in alone.items() if not _adds_work(k)}
-            self._run(self._jobs([self.base, *others.values()]), check=False)
+            self.trace_shallow([self.base, *others.values()])
             if self._fastest_fits(others):
                 left = [k for k in alone if _adds_work(k)]
                 for name, value in left:
@@ -190,8 +195,7 @@ class GpuStepModel(StepTimeModel):
                     self.space.notes.append(
                         f"{', '.join(sorted({n for n, _ in left}))} not searched: these values only add work, and the "
                         "fastest of the default plan and each other value alone fits (by its full trace)")
-        plans = [self.base, *(p for k, p in alone.items() if k not in elsewhere), *self._warming(alone.values())]
-        self._run(self._jobs(plans), check=False)
+        self.trace_shallow([self.base, *(p for k, p in alone.items() if k not in elsewhere), *self._warming(alone.values())])
         base = self.measure(self.base)
         for (name, value), plan in alone.items():
             with_value, without = elsewhere.get((name, value), (plan, self.base))
@@ -224,8 +228,7 @@ class GpuStepModel(StepTimeModel):
             return False
         if self.base.base_weights != "as-is":  # (quantized: most weights take a byte or less)
             return True
-        size = 2 if self.base.config("precision").weights == "bf16" else 4
-        return self._n_params * size * (1 if self.base.adapter != "none" else 2) <= self.budget.bytes
+        return _weight_bytes(self._n_params, self.base) * (1 if self.base.adapter != "none" else 2) <= self.budget.bytes
 
     def _fastest_fits(self, others: dict) -> bool:
         """NOTE [ Work-adding values when the default plan fits ]: the fastest of the default plan and
@@ -276,10 +279,7 @@ class GpuStepModel(StepTimeModel):
     def _weights_fit(self, plan: Plan) -> bool:
         """Whether the plan's weights alone (each parameter in its weight dtype) are within the budget
         (sharded ranks hold a part: always, there)."""
-        if self.world > 1:
-            return True
-        size = 2 if plan.config("precision").weights == "bf16" else 4  # (Precision.weights: fp32 or bf16)
-        return self._n_params * size <= self.budget.bytes
+        return self.world > 1 or _weight_bytes(self._n_params, plan) <= self.budget.bytes
 
     def _warming(self, alone) -> list[Plan]:
         """The plans alone whose values compile per weight dtype (torchao's update), at each other
@@ -309,17 +309,14 @@ class GpuStepModel(StepTimeModel):
         the sum: the estimate errs low (a product of the fractions each leaves errs high where the
         parts differ, and hid the fastest plan at a tight budget). It only spares the search the
         traces of plans well over the budget."""
-        keys = [(name, getattr(plan, name)) for name in self.space.values if getattr(plan, name) != getattr(self.base, name)]
         micro = plan.micro_batches(self.target.batch_size)[0]
-        if micro != self.rank_batch:
-            if ("micro_batch_size", micro) not in self.savings:  # the base's step at the micro-batch size
-                try:
-                    saved = self._lower_bound(self.base, micro) - self.measured[self.base].used_lower
-                except UserError:  # unknown: no estimate spares this plan's trace
-                    saved = -self.measured[self.base].used_lower
-                self.savings[("micro_batch_size", micro)] = saved
-            keys.append(("micro_batch_size", micro))
-        return self.measured[self.base].used_lower + sum(self.savings.get(key, 0) for key in keys)
+        if micro != self.rank_batch and ("micro_batch_size", micro) not in self.savings:  # the base's step at it
+            try:
+                saved = self._lower_bound(self.base, micro) - self.measured[self.base].used_lower
+            except UserError:  # unknown: no estimate spares this plan's trace
+                saved = -self.measured[self.base].used_lower
+            self.savings[("micro_batch_size", micro)] = saved
+        return self.measured[self.base].used_lower + sum(self.savings.get(key, 0) for key in self.technique_keys(plan))
 
     def _micro_seconds(self, micro: int) -> float:
         """The base split into micro-batches of ``micro``, estimated without a trace from the base's

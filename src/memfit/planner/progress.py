@@ -15,13 +15,15 @@ import time
 
 class PlanProgress:
     """``stage(text)`` names what runs now; ``walk(traced, limit, open_plans)`` after each plan the
-    walk measures; ``label`` names the search where several run in turn (``--methods``: the method).
-    A no-op unless ``stream`` is a terminal."""
+    walk measures; ``label`` names the search where several run in turn, and :meth:`line` gives each
+    of several searches run at once a line of its own (``--methods``: a method each). A no-op unless
+    ``stream`` is a terminal."""
 
     def __init__(self, stream=None) -> None:
         self.stream = stream or sys.stderr
         self.label = ""
         self._bar = self._task = None
+        self._lines = 0
         self._t0 = time.perf_counter()
 
     def __enter__(self) -> PlanProgress:
@@ -65,11 +67,11 @@ class ProgressLine:
         self.parent, self.label, self._task = parent, label, None
         bar = parent._bar
         if bar is not None:
-            if parent._task is not None and not getattr(parent, "_lines", 0):
+            if parent._task is not None and not parent._lines:
                 self._task = parent._task
             else:
                 self._task = bar.add_task(label, total=None, info="")
-            parent._lines = getattr(parent, "_lines", 0) + 1
+            parent._lines += 1
 
     def stage(self, text: str) -> None:
         if self._task is not None:
@@ -87,6 +89,9 @@ class ProgressLine:
 
 class NoProgress:
     def stage(self, text: str) -> None:
+        pass
+
+    def done(self, text: str) -> None:
         pass
 
     def walk(self, traced: int, limit: int, open_plans: int) -> None:

@@ -39,6 +39,7 @@ from memfit.planner.space import (
     candidates,
     default_space,
     drop_unused,
+    leave_out_optimizer_choices,
     leave_out_states_that_cannot_fit,
     leave_out_weights_that_cannot_fit,
     model_facts,
@@ -135,7 +136,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     fixed, constrained = _constrain(space, dict(given_fields), dev, rank_bs)
     _check_suits(target, constrained)
     trainable = None if custom_space else _trainable(target, facts, given_fields)
-    narrowed = narrow_optimizer and not custom_space and _narrow_optimizer(
+    narrowed = narrow_optimizer and not custom_space and leave_out_optimizer_choices(  # NOTE [ Optimizer choices that cannot matter ]
         space, trainable, budget_bytes, set(given_fields) | ({"optimizer"} if optimizers else set()))
     if not custom_space and world == 1 and given_fields.get("base_weights", "as-is") == "as-is":
         leave_out_weights_that_cannot_fit(space, facts, budget_bytes)
@@ -189,13 +190,6 @@ def _trainable(target: Target, facts, given: dict) -> int:
         return sum(p.numel() for p in facts.model.parameters() if p.requires_grad)
     with silenced_warnings():
         return trainable_parameters(target.with_plan(Plan(**keys)))
-
-
-def _narrow_optimizer(space, trainable: int, budget_bytes: int, keep: set[str]) -> bool:
-    """NOTE [ Optimizer choices that cannot matter ] (memfit.planner.space), for ``trainable``
-    parameters; ``keep``: the keys the user set."""
-    from memfit.planner.space import leave_out_optimizer_choices
-    return leave_out_optimizer_choices(space, trainable, budget_bytes, keep)
 
 
 def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Plan], constrained: dict,

@@ -53,7 +53,7 @@ def plan_side_by_side(searches: list[tuple[str, dict]], progress=None, then: Cal
         for line, (_, kwargs) in zip(lines, searches):
             result = plan(**kwargs, progress=line)
             results.append((result, then(result) if then else None))
-            _done(line)
+            line.done("done")
         return results
     return _forked(searches, lines, plan, then, longest)
 
@@ -121,8 +121,10 @@ def _forked(searches: list[tuple[str, dict]], lines: list, plan: Callable, then:
                 kind, i, value = queue.get(timeout=0.5)
             except queues.Empty:
                 for i, p in enumerate(procs):
-                    if i not in outcome and not p.is_alive() and _drained(queue, outcome, lines) and i not in outcome:
-                        outcome[i] = ("died", i, p.exitcode)
+                    if i not in outcome and not p.is_alive():
+                        _drain(queue, outcome, lines)  # (a process that ended may have sent its result last)
+                        if i not in outcome:
+                            outcome[i] = ("died", i, p.exitcode)
                 continue
             _take(kind, i, value, outcome, lines)
     finally:
@@ -141,7 +143,7 @@ def _forked(searches: list[tuple[str, dict]], lines: list, plan: Callable, then:
             result = plan(**kwargs, progress=lines[i])
             value = (result, then(result) if then else None)
         results.append(value)
-        _done(lines[i])
+        lines[i].done("done")
     return results
 
 
@@ -152,19 +154,14 @@ def _take(kind: str, i: int, value, outcome: dict, lines: list) -> None:
         lines[i].walk(*value)
     else:
         outcome[i] = (kind, i, value)
-        _done(lines[i])
+        lines[i].done("done")
 
 
-def _drained(queue, outcome: dict, lines: list) -> bool:
-    """Take every message still queued (a process that ended may have sent its result last)."""
+def _drain(queue, outcome: dict, lines: list) -> None:
+    """Take every message still queued."""
     while True:
         try:
             kind, i, value = queue.get(timeout=0.2)
         except queues.Empty:
-            return True
+            return
         _take(kind, i, value, outcome, lines)
-
-
-def _done(line) -> None:
-    if hasattr(line, "done"):
-        line.done("done")
