@@ -95,6 +95,10 @@ class Ladder:
         """A full trace of ``plan`` ran (or failed), so the top rung is at hand."""
         return plan in self.full.found
 
+    def traced(self, plan: Plan) -> bool:
+        """The first rung's traces of ``plan`` ran (or failed): measuring it costs no trace."""
+        return self.has_evidence(plan)
+
     def prefetch(self, plans: list[Plan]) -> None:
         """Run the top rung of ``plans`` together (spare workers)."""
 
@@ -131,6 +135,10 @@ class Estimate:
         if self.model.is_measured(plan):
             return None
         return Evidence(Fidelity.ESTIMATE, used_bytes=self.model.estimated_used(plan))
+
+    def free(self, plan: Plan) -> bool:
+        """The estimate needs no trace (a micro-batch size's saving is traced when first asked for)."""
+        return self.model.can_estimate_used(plan)
 
 
 class ShallowTrace:
@@ -188,6 +196,9 @@ class GpuLadder(Ladder):
 
     def has_full_trace(self, plan: Plan) -> bool:
         return self.model.has_full_trace(plan)
+
+    def traced(self, plan: Plan) -> bool:
+        return self.model.is_measured(plan) or self.model.has_shallow_traces(plan)
 
     def prefetch(self, plans: list[Plan]) -> None:
         with silenced_warnings():

@@ -29,6 +29,15 @@ split ones proved nothing the others had not. So the maximal plans that do not s
 traced first (together, on the workers), and the split ones only when none of those may fit; until
 then they wait in the queue at their estimates like any plan.
 
+NOTE [ The next plan measured alongside ]
+A shallow pair is two traces of unequal length (2 and 3 blocks: 0.6 and 1.0 s for GPT-2 at batch
+8 x 1024), so with one pair at a time one of two workers waits a third of the walk. Where workers
+are spare, the walk measures the plan it visits together with the one it would measure next were
+this one too big (queued next, untraced, not pruned by the plans that failed nor by this one, not
+estimated too big): four traces share the workers. The second one's traces are wasted only when
+the first is chosen, or its measured time sends it behind plans that fit. The searches of
+``--methods`` share the cores, and measure one plan at a time (``alongside=False``).
+
 NOTE [ Deep stream checked ]
 Plans ruled out by the deep stream (reserved bytes from shallow allocations, not a full trace)
 are held against every full trace at hand when a plan is about to be chosen: a miss by more than
@@ -52,6 +61,8 @@ from memfit.units import fmt_bytes
 
 WALK_BEFORE_FEASIBILITY = 8
 """Traces of the fastest plans before checking that any plan fits at all."""
+LOOK_AHEAD = 16
+"""Queued plans looked at for the one measured alongside (NOTE [ The next plan measured alongside ])."""
 NEAR_BUDGET = 0.85
 """NOTE [ A borderline answer decided by the maximal plans' full traces ]: when every maximal plan
 whose lower bound fits is within this fraction of the budget, their full traces decide at once
@@ -176,9 +187,33 @@ class Walk:
         return True
 
     def _measure(self, c: Candidate) -> bool:
-        """``c`` on the ladder's first rung (counted against the trace limit unless it was there)."""
-        self.evaluated += not self.ladder.has_evidence(c.plan)
+        """``c`` on the ladder's first rung (counted against the trace limit unless it was there),
+        with the next plan the walk would measure (NOTE [ The next plan measured alongside ])."""
+        if not self.ladder.has_evidence(c.plan):
+            self.evaluated += 1
+            ahead = None if self.ladder.traced(c.plan) else self._next_to_measure(c)
+            if ahead is not None:
+                self.evaluated += 1
+                with silenced_warnings():
+                    self.ladder.measure_together([c.plan, ahead.plan])
         return self._take(c, self.ladder.first)
+
+    def _next_to_measure(self, c: Candidate) -> Candidate | None:
+        """The plan queued next that the walk would measure if ``c`` did not fit: open, untraced,
+        not pruned by a plan that failed or by ``c`` (were it to fail), and not estimated too big
+        (an estimate that would need a trace of its own is not asked for)."""
+        if not self.alongside or self.ladder.spare_workers < 1 or self.evaluated + 1 >= self.max_traces:
+            return None
+        estimate = self.ladder.estimate
+        for _, _, x in heapq.nsmallest(LOOK_AHEAD, self.heap):
+            if x is c or not x.open or x.used_bytes is not None or self.ladder.traced(x.plan):
+                continue
+            if self._dominated(x) or saves_no_more_than(x.plan, c.plan, self.bs):
+                continue
+            if estimate is not None and (not estimate.free(x.plan) or estimate.evaluate(x.plan).over(self.budget.bytes)):
+                continue
+            return x
+        return None
 
     def _take(self, c: Candidate, rung: Evaluator) -> bool:
         """``c``'s evidence from ``rung``: its time (the model's, which the rung may have measured)

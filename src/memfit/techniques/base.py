@@ -107,8 +107,8 @@ class Config:
     """Costs time once before the first step (compiling): the calibrated model measures it."""
     compiles_per_weight_dtype: ClassVar[bool] = False
     """Compiles a graph per dtype of the weights (torchao's update: per parameter shape and
-    dtype): the GPU-preset planner measures it at each weight dtype it searches while its workers
-    run in parallel, so those compilations never hold up the walk."""
+    dtype): the GPU-preset planner measures it once, at the smallest weights it searches (NOTE
+    [ Compiled updates measured at the smallest weights ] in memfit.planner.gpu_time)."""
     slow_host_update: ClassVar[bool] = False
     """An optimizer whose update on host tensors (``offload: [optimizer_states]``, stepped on the
     host) is far slower than torch's fused host AdamW: torchao's low-bit update is a compiled,
