@@ -5,7 +5,6 @@ smallest weights ])."""
 from types import SimpleNamespace
 
 from memfit.planner.gpu_time import GpuStepModel
-from memfit.planner.space import SearchSpace
 from memfit.plans import Plan
 
 
