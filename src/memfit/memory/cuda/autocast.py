@@ -34,7 +34,7 @@ import contextlib
 import torch
 
 from memfit.quiet import silenced_warnings
-from memfit.techniques.compiled import CAPTURE_PAUSES
+from memfit.techniques.compiled import CAPTURE_PAUSES, while_capturing
 
 aten = torch.ops.aten
 
@@ -201,15 +201,20 @@ def cuda_autocast(tracker=None):
     libs = [_register()]
 
     @contextlib.contextmanager
-    def paused():
+    def unregistered():
         libs.pop()._destroy()
-        if tracker is not None:
-            tracker.approximate("autocast inside compiled regions follows the CPU's op lists (a GPU preset traced "
-                                 "on CPU tensors)", "torch.compile")
         try:
             yield
         finally:
             libs.append(_register())
+
+    @contextlib.contextmanager
+    def paused():
+        if tracker is not None:
+            tracker.approximate("autocast inside compiled regions follows the CPU's op lists (a GPU preset traced "
+                                 "on CPU tensors)", "torch.compile")
+        with while_capturing(unregistered):  # NOTE [ Paused only while a region is captured ]
+            yield
     CAPTURE_PAUSES.append(paused)
     try:
         yield
@@ -218,12 +223,19 @@ def cuda_autocast(tracker=None):
         libs.pop()._destroy()
 
 
+_KERNELS: dict[str, object] = {}
+"""op -> its Python kernel (made once: a fake trace registers them again after each capture)."""
+
+
 def _register():
     lib = torch.library.Library("aten", "IMPL")
     with silenced_warnings():
         for op, policy in _OVERRIDES.items():
             try:
-                lib.impl(op, _kernel(op, policy), "AutocastCPU", with_keyset=True)
+                kernel = _KERNELS.get(op)
+                if kernel is None:
+                    kernel = _KERNELS[op] = _kernel(op, policy)
+                lib.impl(op, kernel, "AutocastCPU", with_keyset=True)
             except (RuntimeError, AttributeError):  # an op this torch build lacks
                 continue
     return lib
