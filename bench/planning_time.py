@@ -59,7 +59,10 @@ def run_case(args: str, src: Path, cache: str | None) -> dict:
     out = proc.stdout
     traces = [int(m.group(1)) for m in HEADER.finditer(out)]
     planning = [float(m.group(2)) for m in HEADER.finditer(out)]
-    chosen = [line.split(" · ")[0].removeprefix("chosen: ") for line in out.splitlines() if line.startswith("chosen:")]
+    lines = out.splitlines()
+    chosen = [line.split(" · ")[0].removeprefix("chosen: ") for line in lines if line.startswith("chosen:")]
+    chosen += [" ".join(line.split()) for line in lines if line.split()[:1] in (["full"], ["lora"], ["dora"], ["qlora"])]
+    chosen = chosen or [line.strip() for line in lines if "nothing fits" in line.lower()][:1]
     return {"rc": proc.returncode, "wall_s": round(wall, 1), "planning_s": planning, "traces": traces,
             "chosen": chosen, "error": proc.stderr.strip().splitlines()[-1:] if proc.returncode else []}
 
