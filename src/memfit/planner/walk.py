@@ -44,10 +44,10 @@ AdamW: 2-3% apart, measured; a chunked loss). Where the budget is tight, the fas
 often too big, and so is the one that saves more; measured fastest first, both are traced. So
 while the last plan measured was too big, of plans estimated within ``NEAR_TIE`` of the one the
 walk visits, one that saves more memory than it (dominates it) is measured first: too big, it
-prunes the other (which saves no more). Where it fits, the other is measured next as before. The
-order of measuring changes only which plans are traced, never the choice: a plan is chosen only
-once it is the fastest measured plan that fits with no faster estimate queued. GPT-2 at batch 8 x
-1024 for 2 GiB: TODO.
+prunes the other (which saves no more). Where it fits, the other is still measured before any plan
+is chosen: an estimate can err high, and the plan passed over may be the faster one (GPT-2 for 4
+GiB: the 4-bit plan fitted first, and was chosen over the faster 8-bit plan until the plans passed
+over were measured before a choice). So the order changes which plans are traced, not the choice.
 
 NOTE [ Deep stream checked ]
 Plans ruled out by the deep stream (reserved bytes from shallow allocations, not a full trace)
@@ -105,6 +105,8 @@ class Walk:
         self.notes: list[str] = []
         self.heap: list = []
         self.order: dict[int, int] = {}
+        self.passed_over: list[Candidate] = []
+        """Plans a plan that saves more was measured before (measured before any plan is chosen)."""
         self.last_too_big = False
         """The last evidence taken was over the budget (NOTE [ Of near-equal estimates, the plan that
         saves more first ])."""
@@ -177,6 +179,8 @@ class Walk:
             if not self._deep_agrees():  # then the plans it ruled out are traced
                 self._distrust_deep(ranked, c)
                 continue
+            if self._passed_over_faster(c):
+                continue
             c.choose()
             return c
         return None
@@ -191,8 +195,25 @@ class Walk:
             self.heap.remove(better)
             heapq.heapify(self.heap)
             heapq.heappush(self.heap, (c.seconds, self.order[id(c)], c))
+            self.passed_over.append(c)
             c = better[2]
         return c
+
+    def _passed_over_faster(self, c: Candidate) -> bool:
+        """Before ``c`` is chosen, the plans passed over for one that saves more are measured (those
+        its failures did not prune): True if one came out faster than ``c`` (``c`` is queued again)."""
+        pending = [p for p in {id(p): p for p in self.passed_over}.values() if p is not c and p.open
+                   and p.used_bytes is None and not self._dominated(p)]
+        self.passed_over.clear()
+        for p in pending:
+            self._measure(p)
+            entry = next((e for e in self.heap if e[2] is p), None)
+            if entry is not None:  # (queued again at its measured time)
+                self.heap.remove(entry)
+                heapq.heapify(self.heap)
+            if p.open:
+                heapq.heappush(self.heap, (p.seconds, self.order[id(p)], p))
+        return bool(pending) and self._requeued(c)
 
     def _saving_more(self, c: Candidate, but: Candidate | None = None):
         """The queue's entry of an untraced plan estimated within ``NEAR_TIE`` of ``c`` that saves more
