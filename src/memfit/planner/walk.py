@@ -201,7 +201,8 @@ class Walk:
 
     def _passed_over_faster(self, c: Candidate) -> bool:
         """Before ``c`` is chosen, the plans passed over for one that saves more are measured (those
-        its failures did not prune): True if one came out faster than ``c`` (``c`` is queued again)."""
+        its failures did not prune): True if one came out faster than ``c``, or as fast and ranked
+        before it (``c`` is queued again)."""
         pending = [p for p in {id(p): p for p in self.passed_over}.values() if p is not c and p.open
                    and p.used_bytes is None and not self._dominated(p)]
         self.passed_over.clear()
@@ -213,7 +214,11 @@ class Walk:
                 heapq.heapify(self.heap)
             if p.open:
                 heapq.heappush(self.heap, (p.seconds, self.order[id(p)], p))
-        return bool(pending) and self._requeued(c)
+        mine = (c.seconds, self.order[id(c)])
+        if pending and self.heap and self.heap[0][:2] < mine:  # (a tie goes to the plan ranked first, as fastest first)
+            heapq.heappush(self.heap, (*mine, c))
+            return True
+        return False
 
     def _saving_more(self, c: Candidate, but: Candidate | None = None):
         """The queue's entry of an untraced plan estimated within ``NEAR_TIE`` of ``c`` that saves more
