@@ -34,20 +34,12 @@ A shallow pair is two traces of unequal length (2 and 3 blocks: 0.6 and 1.0 s fo
 8 x 1024), so with one pair at a time one of two workers waits a third of the walk. Where workers
 are spare, the walk measures the plan it visits together with the one it would measure next were
 this one too big (queued next, untraced, not pruned by the plans that failed nor by this one, not
-estimated too big): four traces share the workers. The second one's traces are wasted only when
-the first is chosen, or its measured time sends it behind plans that fit. The searches of
+estimated too big): four traces share the workers. The second one's evidence is taken at once:
+too big, it prunes the plans it saves no more than before the walk reaches them; slower than
+estimated, it waits in the queue behind the faster estimates even where its evidence is final (a
+model with no repeated blocks is measured by full traces). Its traces are wasted only when the
+first plan is chosen, or its measured time sends it behind plans that fit. The searches of
 ``--methods`` share the cores, and measure one plan at a time (``alongside=False``).
-
-NOTE [ Of near-equal estimates, the plan that saves more first ]
-Estimates of plans that differ by one value often lie within a few percent (torchao's 8- and 4-bit
-AdamW: 2-3% apart, measured; a chunked loss). Where the budget is tight, the fastest of them is
-often too big, and so is the one that saves more; measured fastest first, both are traced. So
-while the last plan measured was too big, of plans estimated within ``NEAR_TIE`` of the one the
-walk visits, one that saves more memory than it (dominates it) is measured first: too big, it
-prunes the other (which saves no more). Where it fits, the other is still measured before any plan
-is chosen: an estimate can err high, and the plan passed over may be the faster one (GPT-2 for 4
-GiB: the 4-bit plan fitted first, and was chosen over the faster 8-bit plan until the plans passed
-over were measured before a choice). So the order changes which plans are traced, not the choice.
 
 NOTE [ Deep stream checked ]
 Plans ruled out by the deep stream (reserved bytes from shallow allocations, not a full trace)
@@ -74,8 +66,6 @@ WALK_BEFORE_FEASIBILITY = 8
 """Traces of the fastest plans before checking that any plan fits at all."""
 LOOK_AHEAD = 16
 """Queued plans looked at for the one measured alongside (NOTE [ The next plan measured alongside ])."""
-NEAR_TIE = 0.05
-"""NOTE [ Of near-equal estimates, the plan that saves more first ]: how near."""
 NEAR_BUDGET = 0.85
 """NOTE [ A borderline answer decided by the maximal plans' full traces ]: when every maximal plan
 whose lower bound fits is within this fraction of the budget, their full traces decide at once
@@ -105,11 +95,6 @@ class Walk:
         self.notes: list[str] = []
         self.heap: list = []
         self.order: dict[int, int] = {}
-        self.passed_over: list[Candidate] = []
-        """Plans a plan that saves more was measured before (measured before any plan is chosen)."""
-        self.last_too_big = False
-        """The last evidence taken was over the budget (NOTE [ Of near-equal estimates, the plan that
-        saves more first ])."""
 
     @property
     def traces(self) -> int:
@@ -119,7 +104,6 @@ class Walk:
         measured = [e for e in (self.ladder.evidence(c.plan) for c in ranked) if e is not None]
         if measured and all(e.over(self.budget.bytes) for e in measured):  # NOTE [ Maximal plans first when nothing measured fits ]
             self.before_feasibility = 0
-            self.last_too_big = True
         self.heap = [(c.seconds, i, c) for i, c in enumerate(ranked)]
         heapq.heapify(self.heap)
         self.order = {id(c): i for i, c in enumerate(ranked)}
@@ -162,13 +146,11 @@ class Walk:
                     continue
                 if self.ladder.has_evidence(c.plan) and self._requeued(c):
                     continue
-            if c.used_bytes is None:
-                c = self._saves_more_first(c)
             if c.used_bytes is None and (self._estimated_too_big(c) or not self._measure(c)):
                 continue
             if not c.open:  # too big
                 continue
-            if self._requeued(c):  # (measured before a faster plan: NOTE [ Of near-equal estimates, ... ])
+            if self._requeued(c):  # (NOTE [ The next plan measured alongside ])
                 continue
             if not self.ladder.is_final(c.plan):
                 if self._too_big_deep(c):
@@ -179,60 +161,8 @@ class Walk:
             if not self._deep_agrees():  # then the plans it ruled out are traced
                 self._distrust_deep(ranked, c)
                 continue
-            if self._passed_over_faster(c):
-                continue
             c.choose()
             return c
-        return None
-
-    def _saves_more_first(self, c: Candidate) -> Candidate:
-        """NOTE [ Of near-equal estimates, the plan that saves more first ]: while the last plan
-        measured was too big, a queued plan estimated within ``NEAR_TIE`` of ``c`` that saves more
-        memory than ``c`` is measured before it (``c`` goes back into the queue)."""
-        if not self.last_too_big or self.ladder.traced(c.plan):
-            return c
-        while (better := self._saving_more(c)) is not None:
-            self.heap.remove(better)
-            heapq.heapify(self.heap)
-            heapq.heappush(self.heap, (c.seconds, self.order[id(c)], c))
-            self.passed_over.append(c)
-            c = better[2]
-        return c
-
-    def _passed_over_faster(self, c: Candidate) -> bool:
-        """Before ``c`` is chosen, the plans passed over for one that saves more are measured (those
-        its failures did not prune): True if one came out faster than ``c``, or as fast and ranked
-        before it (``c`` is queued again)."""
-        pending = [p for p in {id(p): p for p in self.passed_over}.values() if p is not c and p.open
-                   and p.used_bytes is None and not self._dominated(p)]
-        self.passed_over.clear()
-        for p in pending:
-            self._measure(p)
-            entry = next((e for e in self.heap if e[2] is p), None)
-            if entry is not None:  # (queued again at its measured time)
-                self.heap.remove(entry)
-                heapq.heapify(self.heap)
-            if p.open:
-                heapq.heappush(self.heap, (p.seconds, self.order[id(p)], p))
-        mine = (c.seconds, self.order[id(c)])
-        if pending and self.heap and self.heap[0][:2] < mine:  # (a tie goes to the plan ranked first, as fastest first)
-            heapq.heappush(self.heap, (*mine, c))
-            return True
-        return False
-
-    def _saving_more(self, c: Candidate, but: Candidate | None = None):
-        """The queue's entry of an untraced plan estimated within ``NEAR_TIE`` of ``c`` that saves more
-        memory than ``c`` (and than ``but`` does not save more: ``but`` failing would prune it)."""
-        limit = c.seconds * (1 + NEAR_TIE)
-        for entry in heapq.nsmallest(LOOK_AHEAD, self.heap):
-            x = entry[2]
-            if x.seconds > limit:
-                return None
-            if x is not c and x is not but and x.open and x.used_bytes is None and not self.ladder.traced(x.plan) \
-                    and not self._dominated(x) and saves_no_more_than(c.plan, x.plan, self.bs) \
-                    and not saves_no_more_than(x.plan, c.plan, self.bs) \
-                    and (but is None or not saves_no_more_than(x.plan, but.plan, self.bs)):
-                return entry
         return None
 
     def _dominated(self, c: Candidate) -> bool:
@@ -288,8 +218,6 @@ class Walk:
                 continue
             if estimate is not None and (not estimate.free(x.plan) or estimate.evaluate(x.plan).over(self.budget.bytes)):
                 continue
-            while (better := self._saving_more(x, but=c)) is not None:  # (as it would be, were c too big)
-                x = better[2]
             return x
         return None
 
@@ -304,8 +232,7 @@ class Walk:
             return False
         c.retime(self.model, self.steps)
         c.take(evidence)
-        self.last_too_big = evidence.over(self.budget.bytes)
-        if self.last_too_big:
+        if evidence.over(self.budget.bytes):
             self._too_big(c, at_least=evidence.fidelity is Fidelity.LOWER_BOUND)
         self._rekey()
         return True
