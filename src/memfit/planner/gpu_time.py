@@ -308,8 +308,8 @@ class GpuStepModel(StepTimeModel):
         the sum: the estimate errs low (a product of the fractions each leaves errs high where the
         parts differ, and hid the fastest plan at a tight budget). It only spares the search the
         traces of plans well over the budget."""
-        micro = plan.micro_batches(self.target.batch_size)[0]
-        if micro != self.rank_batch and ("micro_batch_size", micro) not in self.savings:  # the base's step at it
+        if not self.can_estimate_used(plan):  # the base's step at the plan's micro-batch size, traced
+            micro = plan.micro_batches(self.target.batch_size)[0]
             try:
                 saved = self._lower_bound(self.base, micro) - self.measured[self.base].used_lower
             except UserError:  # unknown: no estimate spares this plan's trace

@@ -79,7 +79,8 @@ class Walk:
                  max_traces: int, progress=None, alongside: bool = True) -> None:
         self.bs, self.budget, self.model, self.ladder = batch_size, budget, model, ladder
         self.alongside = alongside
-        """Idle workers trace the next plans' full traces while one is confirmed."""
+        """Idle workers trace the next plan's shallow pair while one is measured, and the next plans'
+        full traces while one is confirmed (False: the searches of ``--methods`` share the cores)."""
         self.progress = progress or NoProgress()
         self.steps, self.max_traces = steps, max_traces
         self.failed: list[Candidate] = []
