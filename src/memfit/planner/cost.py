@@ -22,16 +22,20 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from memfit.devices import available_host_bytes
 from memfit.errors import UserError
 from memfit.memory.budget import Budget
+from memfit.memory.estimate import estimate_target
 from memfit.planner.candidate import Evidence, Fidelity
 from memfit.planner.ladder import FakeTrace, Ladder
 from memfit.planner.space import SearchSpace
 from memfit.planner.time_model import StepTimeModel, factor_estimate
 from memfit.plans import Plan, technique_of
+from memfit.quiet import silenced_warnings
 from memfit.step import build_step, make_batch
 from memfit.target import Target
 from memfit.techniques.base import Config
+from memfit.units import fmt_bytes
 
 
 @dataclass
@@ -49,6 +53,9 @@ class TimeModel(StepTimeModel):
     """Technique values left out of the space because they failed for this workload."""
     reduced_batch: int | None = None
     """Slow steps: the batch size the technique factors were measured at."""
+    extrapolated_from: int | None = None
+    """The batch the plain step was timed at, where the whole batch does not fit this machine
+    (NOTE [ Real steps that fit this machine ] in :func:`calibrate`)."""
 
     def predict(self, plan: Plan) -> float:
         keys = (_key(c) for c in plan.techniques if not c.is_default)
@@ -66,6 +73,8 @@ class TimeModel(StepTimeModel):
 
     def describe(self) -> str:
         at = f" at batch {self.reduced_batch}" if self.reduced_batch else ""
+        if self.extrapolated_from:
+            at += f" (the plain step timed at batch {self.extrapolated_from}, scaled to {self.batch_size})"
         return (f"{self.kind} on this machine with short real steps ({self.seconds_spent:.1f} s); "
                 f"technique factors{at} combined multiplicatively")
 
@@ -130,15 +139,28 @@ def calibrate(target: Target, space: SearchSpace, steps: int = 2) -> TimeModel:
     with the first other value of the space that lets it run, against that value alone
     (:func:`_alone`). A value that ``warms_up`` (compiles) has its warm-up measured: the first
     step's extra time beyond its reference's (in this process: a region compiled before is served
-    from torch.compile's caches)."""
+    from torch.compile's caches).
+
+    NOTE [ Real steps that fit this machine ]: a step is timed here only where its predicted peak
+    fits this machine's free memory (a fake trace of the plain step; GPT-2 at batch 8 x 1024 needs
+    28 GiB in fp32, and the OS killed the planner). Where the whole batch does not, the plain step
+    is timed at the largest micro-batch size of the space that fits, its time scaled to the whole
+    batch (a CPU step's time grows with the tokens it computes), and the factors are measured as
+    for slow steps."""
     t0 = time.perf_counter()
     batch_size = target.batch_size
     model = TimeModel("calibrated", batch_size)
     here = MeasuredRun(target, steps)
-    base_run = here.evaluate(Plan())
-    base = base_run.seconds
+    fitting = _largest_fitting_batch(target, space)
+    if fitting == batch_size:
+        base_run = here.evaluate(Plan())
+        base = base_run.seconds
+    else:
+        base_run = MeasuredRun(Target(target.workload, Plan(), fitting, target.device), steps).evaluate(Plan())
+        base = base_run.seconds * batch_size / fitting
+        model.extrapolated_from = fitting
     model.base_seconds[batch_size] = base
-    slow = base > SLOW_STEP_SECONDS
+    slow = base > SLOW_STEP_SECONDS or fitting < batch_size
     for micro in space.micro_batches:
         if micro == batch_size:
             continue
@@ -149,7 +171,7 @@ def calibrate(target: Target, space: SearchSpace, steps: int = 2) -> TimeModel:
     cal_batch = min(space.micro_batches) if slow else batch_size
     at_cal = Target(target.workload, Plan(), cal_batch, target.device)
     at_cal_run = MeasuredRun(at_cal, steps)
-    timed = {Plan(): at_cal_run.evaluate(Plan()) if slow else base_run}
+    timed = {Plan(): base_run if cal_batch == fitting else at_cal_run.evaluate(Plan())}
     model.reduced_batch = cal_batch if slow else None
 
     def timing(p: Plan) -> tuple[float, float]:
@@ -174,6 +196,29 @@ def calibrate(target: Target, space: SearchSpace, steps: int = 2) -> TimeModel:
                 model.warmups[(name, value)] = max(warmup - ref_warmup, 0.0)
     model.seconds_spent = time.perf_counter() - t0
     return model
+
+
+HOST_SHARE = 0.6
+"""A step timed here may need this share of the memory the machine has free: the rest is this
+process's own (torch, the traces), and what a technique timed alone adds to the plain step."""
+
+
+def _largest_fitting_batch(target: Target, space: SearchSpace) -> int:
+    """The whole batch where the plain step's predicted peak fits ``HOST_SHARE`` of this machine's
+    free memory, else the largest micro-batch size of the space that does (NOTE [ Real steps that
+    fit this machine ]); a UserError where none does."""
+    free = available_host_bytes()
+    sizes = sorted({target.batch_size, *space.micro_batches}, reverse=True)
+    need = 0
+    for size in sizes:
+        with silenced_warnings():
+            need = estimate_target(Target(target.workload, Plan(), size, target.device)).peak_bytes
+        if need <= HOST_SHARE * free:
+            return size
+    raise UserError(f"memfit plan on the cpu device times real steps of each technique: {target.workload.name}'s "
+                    f"plain step needs {fmt_bytes(need)} at batch {sizes[-1]} (predicted), and this machine has "
+                    f"{fmt_bytes(free)} free; plan for a GPU preset (e.g. --device h100-80gb; see memfit devices), "
+                    "which traces on fake tensors without that memory")
 
 
 def _alone(name: str, value, space: SearchSpace) -> tuple[Plan, Plan]:

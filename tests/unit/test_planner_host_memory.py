@@ -1,0 +1,78 @@
+"""The CPU planner times real steps only where they fit this machine's free memory (NOTE [ Real
+steps that fit this machine ] in memfit.planner.cost): `memfit plan gpt2 --budget 2GiB` on the cpu
+device needed 28 GiB for its plain fp32 step at batch 8 x 1024, and the OS killed it."""
+
+from __future__ import annotations
+
+import pytest
+
+from memfit.cli.main import main
+from memfit.devices import get_device
+from memfit.memory.estimate import estimate_target
+from memfit.planner import cost
+from memfit.planner.space import default_space, model_facts
+from memfit.plans import Plan
+from memfit.target import Target
+from memfit.workloads import load_workload
+
+SPEC = "gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=500,n_positions=128"
+BATCH = 8
+
+
+def _peak(wl, batch: int) -> int:
+    return estimate_target(Target(wl, Plan(), batch, get_device("cpu"))).peak_bytes
+
+
+def _space(wl):
+    space = default_space(model_facts(wl), get_device("cpu"), BATCH)
+    space.values = {"checkpointing": ["none", "blocks"]}
+    return space
+
+
+def test_calibration_times_no_step_over_the_free_memory_and_scales_the_plain_step(monkeypatch):
+    """Free memory set between the plain step's peaks at batch 2 and 4: every step timed for real
+    runs at most 2 samples at once (its peak, traced independently here, fits), and the whole
+    batch's time is the batch-2 step's scaled by 8 / 2."""
+    wl = load_workload(SPEC, seq_len=64)
+    peaks = {b: _peak(wl, b) for b in (1, 2, 4, 8)}
+    assert peaks[1] < peaks[2] < peaks[4] < peaks[8]
+    free = int((peaks[2] + peaks[4]) / 2 / cost.HOST_SHARE)
+    monkeypatch.setattr(cost, "available_host_bytes", lambda: free)
+    timed: list[int] = []
+    times = {1: 0.05, 2: 0.1}
+
+    def fake_time_steps(target, steps):
+        micro = target.plan.micro_batches(target.batch_size)[0]
+        timed.append(micro)
+        return times[micro] * (target.batch_size // micro), 0.0
+    monkeypatch.setattr(cost, "_time_steps", fake_time_steps)
+    model = cost.calibrate(Target.resolve(wl, None, BATCH, "cpu"), _space(wl))
+    assert timed and max(timed) == 2
+    assert all(peaks[m] <= cost.HOST_SHARE * free for m in timed)
+    assert model.base_seconds[BATCH] == pytest.approx(0.1 * BATCH / 2)
+    assert model.extrapolated_from == 2 and model.reduced_batch == 1
+    assert "timed at batch 2, scaled to 8" in model.describe()
+
+
+def test_calibration_at_the_whole_batch_where_it_fits(monkeypatch):
+    wl = load_workload(SPEC, seq_len=64)
+    monkeypatch.setattr(cost, "available_host_bytes", lambda: int(2 * _peak(wl, BATCH) / cost.HOST_SHARE))
+    timed: list[int] = []
+
+    def fake_time_steps(target, steps):
+        timed.append(target.plan.micro_batches(target.batch_size)[0])
+        return 0.01, 0.0
+    monkeypatch.setattr(cost, "_time_steps", fake_time_steps)
+    model = cost.calibrate(Target.resolve(wl, None, BATCH, "cpu"), _space(wl))
+    assert timed[0] == BATCH and model.extrapolated_from is None
+
+
+def test_plan_refuses_in_one_line_when_no_batch_fits_the_free_memory(monkeypatch, capsys):
+    wl = load_workload(SPEC, seq_len=64)
+    monkeypatch.setattr(cost, "available_host_bytes", lambda: int(0.5 * _peak(wl, 1) / cost.HOST_SHARE))
+    ran = []
+    monkeypatch.setattr(cost, "_time_steps", lambda *a: ran.append(a) or (0.01, 0.0))
+    assert main(["plan", SPEC, "--seq-len", "64", "-b", str(BATCH), "--budget", "1GiB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "times real steps" in err and "at batch 1 (predicted)" in err
+    assert "--device h100-80gb" in err and not ran
