@@ -204,7 +204,7 @@ def test_a_budget_is_planned_on_the_module_and_first_batch(monkeypatch):
     budget, keeps the Trainer's precision, and the step runs it."""
     from memfit.planner import cost
 
-    def fixed(target, space, steps=2):
+    def fixed(target, space, steps=2, progress=None):
         return cost.TimeModel("fixed", target.batch_size, base_seconds={m: 1.0 for m in space.micro_batches})
     monkeypatch.setattr(cost, "calibrate", fixed)
     generator = torch.Generator().manual_seed(0)

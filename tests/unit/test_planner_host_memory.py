@@ -46,7 +46,11 @@ def test_calibration_times_no_step_over_the_free_memory_and_scales_the_plain_ste
         timed.append(micro)
         return times[micro] * (target.batch_size // micro), 0.0
     monkeypatch.setattr(cost, "_time_steps", fake_time_steps)
-    model = cost.calibrate(Target.resolve(wl, None, BATCH, "cpu"), _space(wl))
+    stages: list[str] = []
+    progress = type("Recorded", (), {"stage": lambda self, text: stages.append(text)})()
+    model = cost.calibrate(Target.resolve(wl, None, BATCH, "cpu"), _space(wl), progress=progress)
+    assert stages == ["timing the plain step at batch 2", "timing checkpointing=none (1 of 2, at batch 1)",
+                      "timing checkpointing=blocks (2 of 2, at batch 1)"]
     assert timed and max(timed) == 2
     assert all(peaks[m] <= cost.HOST_SHARE * free for m in timed)
     assert model.base_seconds[BATCH] == pytest.approx(0.1 * BATCH / 2)

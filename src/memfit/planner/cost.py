@@ -28,6 +28,7 @@ from memfit.memory.budget import Budget
 from memfit.memory.estimate import estimate_target
 from memfit.planner.candidate import Evidence, Fidelity
 from memfit.planner.ladder import FakeTrace, Ladder
+from memfit.planner.progress import NoProgress
 from memfit.planner.space import SearchSpace
 from memfit.planner.time_model import StepTimeModel, factor_estimate
 from memfit.plans import Plan, technique_of
@@ -129,7 +130,7 @@ MICRO_BATCH_OVERHEAD = 0.03
 """For slow steps: each extra micro-batch costs this fraction of the step (launches, small matmuls)."""
 
 
-def calibrate(target: Target, space: SearchSpace, steps: int = 2) -> TimeModel:
+def calibrate(target: Target, space: SearchSpace, steps: int = 2, progress=None) -> TimeModel:
     """Measure the base plan and each technique value alone (``target``'s workload, batch and
     device). When a step is slow (> 2 s), the technique factors are measured at the smallest
     micro-batch size instead (factors are ratios, roughly independent of the batch) and
@@ -148,10 +149,12 @@ def calibrate(target: Target, space: SearchSpace, steps: int = 2) -> TimeModel:
     batch (a CPU step's time grows with the tokens it computes), and the factors are measured as
     for slow steps."""
     t0 = time.perf_counter()
+    progress = progress or NoProgress()
     batch_size = target.batch_size
     model = TimeModel("calibrated", batch_size)
     here = MeasuredRun(target, steps)
     fitting = _largest_fitting_batch(target, space)
+    progress.stage(f"timing the plain step at batch {fitting}")
     if fitting == batch_size:
         base_run = here.evaluate(Plan())
         base = base_run.seconds
@@ -178,8 +181,12 @@ def calibrate(target: Target, space: SearchSpace, steps: int = 2) -> TimeModel:
         if p not in timed:
             timed[p] = at_cal_run.evaluate(p)
         return timed[p].seconds, timed[p].compile_seconds
+    todo = sum(len(values) for values in space.values.values())
+    done = 0
     for name, values in space.values.items():
         for value in list(values):
+            done += 1
+            progress.stage(f"timing {name}={value} ({done} of {todo}, at batch {cal_batch})")
             try:
                 plan, reference = _alone(name, value, space)
                 config = plan.config(technique_of(name).name)

@@ -163,7 +163,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
         elif dev.is_gpu:
             model = GpuStepModel(target, space, facts, budget_obj, fixed=fixed)
         else:
-            model = cost.calibrate(target, space)
+            model = cost.calibrate(target, space, progress=progress)
     try:
         result = _search(t0, target, budget_obj, space, plans, constrained, model, steps, max_traces, progress,
                          alongside)
