@@ -41,6 +41,7 @@ from memfit.memory.budget import Budget
 from memfit.memory.categories import STEADY_STEP
 from memfit.memory.deep_stream import Stream, deepen, from_tracker, replay
 from memfit.memory.report import traced_device
+from memfit.planner.cpu_floor import cpu_floor
 from memfit.planner.ladder import GpuLadder
 from memfit.planner.shallow import depth_of, depths, extrapolate, extrapolate_ops, shallow_workload
 from memfit.planner.space import ModelFacts, SearchSpace
@@ -112,6 +113,15 @@ def _plans_of(first: list[Plan], pairs) -> list[Plan]:
 
 
 FORWARD, BACKWARD = 2, 3  # memfit.planner.opcost.PHASES
+
+
+def _forward_backward_span(ops: list) -> tuple[int, int]:
+    """The indices of the first forward op and the last backward op (what runs per micro-batch)."""
+    first = next((i for i, op in enumerate(ops) if op.phase == FORWARD), 0)
+    last = max((i for i, op in enumerate(ops) if op.phase == BACKWARD), default=len(ops) - 1)
+    return first, last
+
+
 PEAK_MARGIN = 0.02
 """How far an extrapolated allocated peak may be above the full trace's (caching-allocator rounding;
 1% seen with ``blocks:every=2`` on a small model): the lower bound that prunes is that much lower."""
@@ -173,6 +183,11 @@ class GpuStepModel(StepTimeModel):
         self.ratios: dict[tuple[str, object], float] = {}
         self.savings: dict[tuple[str, object], int] = {}
         """(technique, value) -> bytes of the budget saved alone (negative: saves), for the estimates."""
+        self.cpu_extra: dict[tuple[str, object], tuple[float, float]] = {}
+        """(technique, value) -> (extra CPU seconds alone, CPU seconds of the step measured against),
+        for the CPU's floor (NOTE [ The CPU's floor under an estimate ] in memfit.planner.cpu_floor)."""
+        self._precision_alone: dict[object, Plan] = {}
+        self._forward_backward_cpu: dict[Plan, float] = {}
         self.excluded: list[str] = []
         self.traces = self.full_traces = 0
         self.seconds_spent = 0.0
@@ -226,6 +241,9 @@ class GpuStepModel(StepTimeModel):
                 continue
             self.ratios[(name, value)] = m.seconds / ref.seconds
             self.savings[(name, value)] = m.used_lower - ref.used_lower
+            self.cpu_extra[(name, value)] = (m.step.cpu_seconds - ref.step.cpu_seconds, ref.step.cpu_seconds)
+            if name == "precision":
+                self._precision_alone[value] = with_value
         for m in micro:  # (their savings are traced when first asked for: tight budgets only)
             self.ratios[("micro_batch_size", m)] = self._micro_seconds(m) / base.seconds
 
@@ -328,8 +346,7 @@ class GpuStepModel(StepTimeModel):
         (optimistic: the weights are read by every micro-batch), the rest once."""
         ops = self._ops_of(self.base)
         n = self.rank_batch // micro
-        first = next((i for i, op in enumerate(ops) if op.phase == FORWARD), 0)
-        last = max((i for i, op in enumerate(ops) if op.phase == BACKWARD), default=len(ops) - 1)
+        first, last = _forward_backward_span(ops)
         part = [op._replace(flops=op.flops / n, nbytes=op.nbytes // n) for op in ops[first:last + 1]]
         return time_from_ops(ops[:first] + part * n + ops[last + 1:], self.target.with_plan(self.base),
                              self.k).seconds
@@ -366,8 +383,35 @@ class GpuStepModel(StepTimeModel):
                  if (part := self.technique_keys(other)) and part <= keys]
         largest = [(part, seconds) for part, seconds in parts if not any(part < bigger for bigger, _ in parts)]
         if not largest:
-            return factor_estimate(self.measured[self.base].seconds, keys, self.ratios)
-        return max(factor_estimate(seconds, keys - part, self.ratios) for part, seconds in largest)
+            estimate = factor_estimate(self.measured[self.base].seconds, keys, self.ratios)
+        else:
+            estimate = max(factor_estimate(seconds, keys - part, self.ratios) for part, seconds in largest)
+        return max(estimate, self.cpu_floor(plan))
+
+    def cpu_floor(self, plan: Plan) -> float:
+        """What the CPU at least spends issuing ``plan``'s step, from its precision's step and each
+        other value's extra alone (NOTE [ The CPU's floor under an estimate ]); 0 where there is no
+        floor (compiled, sharded, the update on the host) or its parts are not measured."""
+        if self.world > 1 or not plan.config("compile").is_default or plan.config("offload").states == "optimizer_states":
+            return 0.0
+        keys = self.technique_keys(plan)
+        precision = plan.precision
+        ref = self.base if precision == self.base.precision else self._precision_alone.get(precision)  # (None: unmeasured)
+        n = plan.micro_batches(self.target.batch_size)[1]
+        extras = [(key, *self.cpu_extra[key]) for key in keys if key[0] != "precision" and key in self.cpu_extra]
+        measured = self.measured.get(ref)
+        if measured is None or measured.step is None or (n == 1 and not extras):
+            return 0.0
+        return cpu_floor(measured.step.cpu_seconds, self._forward_backward(ref) if n > 1 else 0.0, n, extras)
+
+    def _forward_backward(self, plan: Plan) -> float:
+        """CPU seconds issuing a measured plan's forward and backward (once per micro-batch)."""
+        if plan not in self._forward_backward_cpu:
+            ops = self._ops_of(plan)
+            first, last = _forward_backward_span(ops)
+            self._forward_backward_cpu[plan] = time_from_ops(ops[first:last + 1], self.target.with_plan(plan),
+                                                              self.k).cpu_seconds
+        return self._forward_backward_cpu[plan]
 
     def technique_keys(self, plan: Plan) -> frozenset:
         """The plan's (technique, value) pairs that differ from the base, with its micro-batch size

@@ -1,0 +1,69 @@
+"""The CPU's floor under a GPU-preset plan's estimated time (NOTE [ The CPU's floor under an
+estimate ] in memfit.planner.cpu_floor)."""
+
+from __future__ import annotations
+
+import pytest
+
+from memfit.devices import get_device
+from memfit.memory.budget import Budget
+from memfit.planner.cpu_floor import FLOOR_SHARE, cpu_floor, overlap_group
+from memfit.planner.gpu_time import GpuStepModel
+from memfit.planner.space import default_space, model_facts
+from memfit.planner.time_model import factor_estimate
+from memfit.plans import Plan
+from memfit.quiet import silenced_warnings
+from memfit.target import Target
+
+MS = 1e-3
+
+
+def test_floor_counts_per_micro_batch_work_per_micro_batch_and_shared_work_once():
+    extras = [(("checkpointing", "selective"), 40 * MS, 20 * MS),   # scaled to the 10 ms step: 20 ms
+              (("loss_chunks", 8), 2 * MS, 10 * MS),
+              (("optimizer", "adamw8bit-ao"), 3 * MS, 10 * MS),
+              (("optimizer_in_backward", True), 30 * MS, 20 * MS),   # scaled: 15 ms, the larger update
+              (("offload", ("activations",)), 8 * MS, 10 * MS)]      # with checkpointing: the larger counts
+    work = 10 * MS + 3 * 8 * MS + 4 * (20 + 2) * MS + 15 * MS
+    assert cpu_floor(10 * MS, 8 * MS, 4, extras) == pytest.approx(FLOOR_SHARE * work)
+    assert overlap_group(("offload", ("optimizer_states:step=device",))) == "update"
+    assert overlap_group(("offload", ("activations",))) == overlap_group(("checkpointing", "blocks"))
+
+
+def test_a_value_that_saves_cpu_time_lowers_the_floor_in_every_micro_batch():
+    with_saving = cpu_floor(10 * MS, 8 * MS, 2, [(("attention", "sdpa"), -1 * MS, 10 * MS)])
+    assert with_saving == pytest.approx(FLOOR_SHARE * (10 + 8 - 2) * MS)
+
+
+@pytest.fixture(scope="module")
+def gpt2_model():
+    """GPT-2's width at 2 blocks, batch 8 x 1024 on the h100-80gb preset: its step waits on the GPU,
+    its selective checkpointing split into 4 micro-batches waits on the CPU."""
+    target = Target.resolve("gpt2:n_layer=2", None, 8, "h100-80gb", seq_len=1024)
+    facts = model_facts(target.workload)
+    space = default_space(facts, get_device("h100-80gb"), 8)
+    space.values = {"precision": ["bf16-pure"], "checkpointing": ["none", "selective"]}
+    space.micro_batches = [8, 2]
+    model = GpuStepModel(target, space, facts, Budget.resolve("3GiB", target.device))
+    with silenced_warnings():
+        model.prepare()
+    yield model
+    model.close()
+
+
+def test_the_estimate_of_a_cpu_bound_combination_rests_on_the_floor_and_stays_under_its_measured_time(gpt2_model):
+    model = gpt2_model
+    plan = Plan(precision="bf16-pure", checkpointing="selective", micro_batch_size=2)
+    ratios_only = factor_estimate(model.measured[model.base].seconds, model.technique_keys(plan), model.ratios)
+    estimate, floor = model.predict(plan), model.cpu_floor(plan)
+    with silenced_warnings():
+        measured = model.measure(plan)
+    assert estimate == floor  # (the ratios' product errs low: the CPU sets the pace)
+    assert ratios_only < 0.75 * measured.seconds
+    assert 0.8 * measured.seconds < floor <= measured.step.cpu_seconds <= measured.seconds * 1.001
+
+
+def test_no_floor_for_compiled_plans_or_host_updates(gpt2_model):
+    model = gpt2_model
+    assert model.cpu_floor(Plan(precision="bf16-pure", compile="blocks")) == 0.0
+    assert model.cpu_floor(Plan(precision="bf16-pure", offload=["optimizer_states"])) == 0.0
