@@ -80,3 +80,20 @@ def test_plan_refuses_in_one_line_when_no_batch_fits_the_free_memory(monkeypatch
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "times real steps" in err and "at batch 1 (predicted)" in err
     assert "--device h100-80gb" in err and not ran
+
+
+@pytest.mark.parametrize(("seconds", "calls"), [(3.0, 2), (0.05, 1 + 6)])
+def test_a_slow_step_is_timed_once_after_its_warm_up(monkeypatch, seconds, calls):
+    """A step over 2 s: the warm-up and one timed step (GPT-2 at 1024 tokens: 12 s a step here); a
+    fast one: at least two, and at least 0.3 s of them."""
+    clock = [0.0]
+    ran = []
+
+    def step(batch):
+        ran.append(batch)
+        clock[0] += seconds
+    monkeypatch.setattr(cost, "build_step", lambda target: step)
+    monkeypatch.setattr(cost, "make_batch", lambda target: "batch")
+    monkeypatch.setattr(cost.time, "perf_counter", lambda: clock[0])
+    median, warmup = cost._time_steps(None, 2)
+    assert len(ran) == calls and median == pytest.approx(seconds) and warmup == pytest.approx(0.0, abs=1e-9)

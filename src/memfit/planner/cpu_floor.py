@@ -27,7 +27,9 @@ alone (the same per-op CPU costs as the time model's: memfit.planner.timing):
 
 The sum is an approximation of the combination's CPU work, so ``FLOOR_SHARE`` (95%) of it is the
 floor: on the 33 plans of that walk the sum came within 1-3% under the measured time, never over.
-GPT-2 at 2 GiB then measures 91 traces' worth of plans instead of 102, with the same choice.
+GPT-2 at 2 GiB then takes 93 traces instead of 100, with the same choice, and no less time: most
+plans the floor spares were measured alongside another, on a worker that would have waited
+(NOTE [ The next plan measured alongside ] in memfit.planner.walk).
 
 A value that saves CPU time alone (fewer ops) lowers the floor by its saving in every
 micro-batch: a floor must not err high. Compiled plans have no floor (a compiled region issues fused kernels),
