@@ -67,3 +67,9 @@ def test_no_floor_for_compiled_plans_or_host_updates(gpt2_model):
     model = gpt2_model
     assert model.cpu_floor(Plan(precision="bf16-pure", compile="blocks")) == 0.0
     assert model.cpu_floor(Plan(precision="bf16-pure", offload=["optimizer_states"])) == 0.0
+
+
+def test_no_floor_at_a_precision_never_measured_alone(gpt2_model):
+    """(fp32 is outside this space: nothing measured its step, so nothing bounds its plans.)"""
+    assert gpt2_model.cpu_floor(Plan(precision="fp32", checkpointing="selective", micro_batch_size=2)) == 0.0
+    assert gpt2_model.cpu_floor(Plan(precision="bf16-pure", checkpointing="selective", micro_batch_size=2)) > 0.0

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from memfit.devices import available_host_bytes
-from memfit.errors import UserError
+from memfit.errors import TraceError, UserError
 from memfit.memory.budget import Budget
 from memfit.memory.estimate import estimate_target
 from memfit.planner.candidate import Evidence, Fidelity
@@ -111,18 +111,18 @@ class MeasuredRun:
 
 
 def _time_steps(target: Target, steps: int) -> tuple[float, float]:
-    """(median step time, warm-up: the first step's extra time over it). After a warm-up step over
-    ``SLOW_STEP_SECONDS``, one step is timed: GPT-2 at 1024 tokens takes 12 s a step here, and
-    the CPU planner times a dozen values."""
+    """(median step time, warm-up: the first step's extra time over it). A timed step over
+    ``SLOW_STEP_SECONDS`` is the only one: GPT-2 at 1024 tokens takes 12 s a step here, and the CPU
+    planner times a dozen values (the warm-up step, which may compile, does not decide)."""
     step = build_step(target)
     batch = make_batch(target)
     t0 = time.perf_counter()
     step(batch)  # warm-up: optimizer states, allocator, oneDNN primitives, compiling
     first = time.perf_counter() - t0
-    if first > SLOW_STEP_SECONDS:
-        steps = 1
     times: list[float] = []
     while len(times) < steps or (sum(times) < MIN_TIMED_SECONDS and len(times) < 50):
+        if times and times[0] > SLOW_STEP_SECONDS:
+            break
         t0 = time.perf_counter()
         step(batch)
         times.append(time.perf_counter() - t0)
@@ -146,12 +146,12 @@ def calibrate(target: Target, space: SearchSpace, steps: int = 2, progress=None)
     step's extra time beyond its reference's (in this process: a region compiled before is served
     from torch.compile's caches).
 
-    NOTE [ Real steps that fit this machine ]: a step is timed here only where its predicted peak
-    fits this machine's free memory (a fake trace of the plain step; GPT-2 at batch 8 x 1024 needs
-    28 GiB in fp32, and the OS killed the planner). Where the whole batch does not, the plain step
-    is timed at the largest micro-batch size of the space that fits, its time scaled to the whole
-    batch (a CPU step's time grows with the tokens it computes), and the factors are measured as
-    for slow steps."""
+    NOTE [ Real steps that fit this machine ]: the plain step is timed here only at a batch whose
+    predicted peak (a fake trace) fits ``HOST_SHARE`` of this machine's free memory: GPT-2 at
+    batch 8 x 1024 needs 28 GiB in fp32, and the OS killed the planner. Where the whole batch does
+    not fit, the plain step is timed at the largest micro-batch size of the space that does, its
+    time scaled to the whole batch (a CPU step's time grows with the tokens it computes), and the
+    factors are measured as for slow steps, at the smallest micro-batch size."""
     t0 = time.perf_counter()
     progress = progress or NoProgress()
     batch_size = target.batch_size
@@ -178,24 +178,24 @@ def calibrate(target: Target, space: SearchSpace, steps: int = 2, progress=None)
     cal_batch = min(space.micro_batches) if slow else batch_size
     at_cal = Target(target.workload, Plan(), cal_batch, target.device)
     at_cal_run = MeasuredRun(at_cal, steps)
-    timed = {Plan(): base_run if cal_batch == fitting else at_cal_run.evaluate(Plan())}
+    timed = {Plan(): base_run if not slow or cal_batch == fitting < batch_size else at_cal_run.evaluate(Plan())}
     model.reduced_batch = cal_batch if slow else None
 
     def timing(p: Plan) -> tuple[float, float]:
         if p not in timed:
             timed[p] = at_cal_run.evaluate(p)
         return timed[p].seconds, timed[p].compile_seconds
-    todo = sum(len(values) for values in space.values.values())
+    todo = sum(value != getattr(Plan(), name) for name, values in space.values.items() for value in values)
     done = 0
     for name, values in space.values.items():
         for value in list(values):
-            done += 1
-            progress.stage(f"timing {name}={value} ({done} of {todo}, at batch {cal_batch})")
             try:
                 plan, reference = _alone(name, value, space)
                 config = plan.config(technique_of(name).name)
                 if config.is_default:
                     continue
+                done += 1
+                progress.stage(f"timing {name}={value} ({done} of {todo}, at batch {cal_batch})")
                 (seconds, warmup), (ref_seconds, ref_warmup) = timing(plan), timing(reference)
             except UserError as e:  # the technique does not suit this workload: leave it out
                 values.remove(value)
@@ -222,14 +222,17 @@ def _largest_fitting_batch(target: Target, space: SearchSpace) -> int:
     sizes = sorted({target.batch_size, *space.micro_batches}, reverse=True)
     need = 0
     for size in sizes:
-        with silenced_warnings():
-            need = estimate_target(Target(target.workload, Plan(), size, target.device)).peak_bytes
+        try:
+            with silenced_warnings():  # (no real step in its place: that is what this check keeps from running)
+                need = estimate_target(Target(target.workload, Plan(), size, target.device), fallback=False).peak_bytes
+        except TraceError:  # a model fake tensors cannot trace: unknown, timed as before
+            return target.batch_size
         if need <= HOST_SHARE * free:
             return size
     raise UserError(f"memfit plan on the cpu device times real steps of each technique: {target.workload.name}'s "
-                    f"plain step needs {fmt_bytes(need)} at batch {sizes[-1]} (predicted), and this machine has "
-                    f"{fmt_bytes(free)} free; plan for a GPU preset (e.g. --device h100-80gb; see memfit devices), "
-                    "which traces on fake tensors without that memory")
+                    f"plain step needs {fmt_bytes(need)} at batch {sizes[-1]} (predicted), more than "
+                    f"{HOST_SHARE:.0%} of the {fmt_bytes(free)} this machine has free; plan for a GPU preset (e.g. "
+                    "--device h100-80gb; see memfit devices), which traces on fake tensors without that memory")
 
 
 def _alone(name: str, value, space: SearchSpace) -> tuple[Plan, Plan]:

@@ -242,10 +242,14 @@ class GpuStepModel(StepTimeModel):
             self.ratios[(name, value)] = m.seconds / ref.seconds
             self.savings[(name, value)] = m.used_lower - ref.used_lower
             self.cpu_extra[(name, value)] = (m.step.cpu_seconds - ref.step.cpu_seconds, ref.step.cpu_seconds)
-            if name == "precision":
+            if name == "precision" and with_value == self.base.replace(precision=value):
                 self._precision_alone[value] = with_value
         for m in micro:  # (their savings are traced when first asked for: tight budgets only)
             self.ratios[("micro_batch_size", m)] = self._micro_seconds(m) / base.seconds
+        if micro:  # (the CPU's floor splits their steps: NOTE [ The CPU's floor under an estimate ])
+            for ref in {self.base, *self._precision_alone.values()}:
+                if ref in self.measured:
+                    self._forward_backward_cpu[ref] = self._forward_backward(ref)
 
     def _jobs(self, plans: list[Plan]) -> list[tuple]:
         """The shallow pairs (or full traces) of ``plans``, the shallower depth of every plan first: the
@@ -402,16 +406,15 @@ class GpuStepModel(StepTimeModel):
         measured = self.measured.get(ref)
         if measured is None or measured.step is None or (n == 1 and not extras):
             return 0.0
-        return cpu_floor(measured.step.cpu_seconds, self._forward_backward(ref) if n > 1 else 0.0, n, extras)
+        if n > 1 and ref not in self._forward_backward_cpu:  # (measured before the walk, or no floor: no trace here)
+            return 0.0
+        return cpu_floor(measured.step.cpu_seconds, self._forward_backward_cpu.get(ref, 0.0), n, extras)
 
     def _forward_backward(self, plan: Plan) -> float:
         """CPU seconds issuing a measured plan's forward and backward (once per micro-batch)."""
-        if plan not in self._forward_backward_cpu:
-            ops = self._ops_of(plan)
-            first, last = _forward_backward_span(ops)
-            self._forward_backward_cpu[plan] = time_from_ops(ops[first:last + 1], self.target.with_plan(plan),
-                                                              self.k).cpu_seconds
-        return self._forward_backward_cpu[plan]
+        ops = self._ops_of(plan)
+        first, last = _forward_backward_span(ops)
+        return time_from_ops(ops[first:last + 1], self.target.with_plan(plan), self.k).cpu_seconds
 
     def technique_keys(self, plan: Plan) -> frozenset:
         """The plan's (technique, value) pairs that differ from the base, with its micro-batch size
@@ -466,7 +469,8 @@ class GpuStepModel(StepTimeModel):
             step = time_from_ops(ops, target, self.k)
         else:  # the runs do not line up: the time on the line through both depths
             sa, sb = time_from_ops(a.ops, target, self.k), time_from_ops(b.ops, target, self.k)
-            step = dataclasses.replace(sb, seconds=extrapolate(sa.seconds, sb.seconds, d, e, full), notes=[
+            step = dataclasses.replace(sb, seconds=extrapolate(sa.seconds, sb.seconds, d, e, full),
+                                       cpu_seconds=extrapolate(sa.cpu_seconds, sb.cpu_seconds, d, e, full), notes=[
                 "the shallow steps' ops did not line up: time extrapolated on a line"])
         peak = int(extrapolate(a.peak_bytes, b.peak_bytes, d, e, full))  # (PEAK_MARGIN below)
         n = plan.micro_batches(self.target.batch_size)[1]  # a graph is compiled once, run per micro-batch
