@@ -98,3 +98,40 @@ def test_a_slow_step_is_timed_once_after_its_warm_up(monkeypatch, seconds, calls
     monkeypatch.setattr(cost, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))  # (this module's clock only)
     median, warmup = cost._time_steps(None, 2)
     assert len(ran) == calls and median == pytest.approx(seconds) and warmup == pytest.approx(30.0)
+
+
+@pytest.mark.parametrize(("step_seconds", "said"), [(40.0, True), (0.5, False)])
+def test_the_user_is_told_up_front_when_timing_takes_minutes(monkeypatch, step_seconds, said):
+    """A slow step (GPT-2 at 1024 tokens: 12 s here) times each value for minutes: one line says how
+    long, and names --device; a fast one says nothing."""
+    wl = load_workload(SPEC, seq_len=64)
+    monkeypatch.setattr(cost, "available_host_bytes", lambda: int(2 * _peak(wl, BATCH) / cost.HOST_SHARE))
+    monkeypatch.setattr(cost, "_time_steps",  # (seconds per sample)
+                        lambda target, steps: (step_seconds * target.plan.micro_batches(target.batch_size)[0], 0.0))
+    notes: list[str] = []
+    progress = type("Recorded", (), {"stage": lambda self, text: None, "note": lambda self, text: notes.append(text)})()
+    space = _space(wl)
+    space.values["loss_chunks"] = [0, 8]
+    cost.calibrate(Target.resolve(wl, None, BATCH, "cpu"), space, progress=progress)
+    if said:
+        assert notes == ["memfit plan: timing 2 technique values by real steps on this machine's CPU takes about 3 min "
+                         "(40.0 s a step at batch 1); to plan for a GPU instead, give --device (see memfit devices)"]
+    else:
+        assert notes == []
+
+
+def test_a_note_is_written_to_a_log_and_above_the_bar_on_a_terminal():
+    import io
+
+    from memfit.planner.progress import PlanProgress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    log, terminal = io.StringIO(), Terminal()
+    with PlanProgress(log) as quiet:
+        quiet.stage("timing techniques")
+        quiet.note("takes about 3 min")
+    with PlanProgress(terminal) as bar:
+        bar.note("takes about 3 min")
+    assert log.getvalue() == "takes about 3 min\n" and "takes about 3 min" in terminal.getvalue()

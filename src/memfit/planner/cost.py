@@ -168,6 +168,9 @@ def calibrate(target: Target, space: SearchSpace, steps: int = 2, progress=None)
         model.extrapolated_from = fitting
     model.base_seconds[batch_size] = base
     slow = base > SLOW_STEP_SECONDS or fitting < batch_size
+    cal_batch = min(space.micro_batches) if slow else batch_size
+    todo = sum(value != getattr(Plan(), name) for name, values in space.values.items() for value in values)
+    _say_how_long(progress, todo, base_run.seconds * cal_batch / fitting, cal_batch)  # (as soon as it is known)
     for micro in space.micro_batches:
         if micro == batch_size:
             continue
@@ -175,7 +178,6 @@ def calibrate(target: Target, space: SearchSpace, steps: int = 2, progress=None)
             model.base_seconds[micro] = base * (1 + MICRO_BATCH_OVERHEAD * (batch_size // micro - 1))
         else:  # more, smaller micro-batches do not make a step faster
             model.base_seconds[micro] = max(base, here.evaluate(Plan(micro_batch_size=micro)).seconds)
-    cal_batch = min(space.micro_batches) if slow else batch_size
     at_cal = Target(target.workload, Plan(), cal_batch, target.device)
     at_cal_run = MeasuredRun(at_cal, steps)
     timed = {Plan(): base_run if not slow or cal_batch == fitting < batch_size else at_cal_run.evaluate(Plan())}
@@ -185,7 +187,6 @@ def calibrate(target: Target, space: SearchSpace, steps: int = 2, progress=None)
         if p not in timed:
             timed[p] = at_cal_run.evaluate(p)
         return timed[p].seconds, timed[p].compile_seconds
-    todo = sum(value != getattr(Plan(), name) for name, values in space.values.items() for value in values)
     done = 0
     for name, values in space.values.items():
         for value in list(values):
@@ -207,6 +208,21 @@ def calibrate(target: Target, space: SearchSpace, steps: int = 2, progress=None)
                 model.warmups[(name, value)] = max(warmup - ref_warmup, 0.0)
     model.seconds_spent = time.perf_counter() - t0
     return model
+
+
+SAY_HOW_LONG_SECONDS = 60.0
+"""Timing the values for longer than this gets a line saying so, and how to plan for a GPU instead."""
+
+
+def _say_how_long(progress, values: int, step_seconds: float, batch: int) -> None:
+    """Tell the user, up front, when timing ``values`` values alone by real steps of about
+    ``step_seconds`` (the plain step's, scaled to ``batch``) will take minutes (a warm-up step and
+    one or two timed ones each)."""
+    seconds = values * step_seconds * (2 if step_seconds > SLOW_STEP_SECONDS else 3)
+    if seconds > SAY_HOW_LONG_SECONDS:
+        progress.note(f"memfit plan: timing {values} technique values by real steps on this machine's CPU takes "
+                      f"about {seconds / 60:.0f} min ({step_seconds:.1f} s a step at batch {batch}); to plan for a "
+                      "GPU instead, give --device (see memfit devices)")
 
 
 HOST_SHARE = 0.6

@@ -52,6 +52,14 @@ class PlanProgress:
             self._bar.update(self._task, description=self._named("traces"), completed=traced, total=limit,
                              info=f"{open_plans} candidates open")
 
+    def note(self, text: str) -> None:
+        """A line that stays (above the bar on a terminal; in a log too): what the user should know
+        while the search runs, such as how long it will take."""
+        if self._bar is not None:
+            self._bar.console.print(text, highlight=False, markup=False)
+        else:
+            print(text, file=self.stream, flush=True)
+
     def _named(self, text: str) -> str:
         return f"{self.label}: {text}" if self.label else text
 
@@ -86,9 +94,15 @@ class ProgressLine:
         if self._task is not None:
             self.parent._bar.update(self._task, description=f"{self.label}: {text}", info="")
 
+    def note(self, text: str) -> None:
+        self.parent.note(f"{self.label}: {text}")
+
 
 class NoProgress:
     def stage(self, text: str) -> None:
+        pass
+
+    def note(self, text: str) -> None:
         pass
 
     def done(self, text: str) -> None:
