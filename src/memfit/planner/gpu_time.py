@@ -186,7 +186,6 @@ class GpuStepModel(StepTimeModel):
         self.cpu_extra: dict[tuple[str, object], tuple[float, float]] = {}
         """(technique, value) -> (extra CPU seconds alone, CPU seconds of the step measured against),
         for the CPU's floor (NOTE [ The CPU's floor under an estimate ] in memfit.planner.cpu_floor)."""
-        self._precision_alone: dict[object, Plan] = {}
         self._forward_backward_cpu: dict[Plan, float] = {}
         self.excluded: list[str] = []
         self.traces = self.full_traces = 0
@@ -242,13 +241,12 @@ class GpuStepModel(StepTimeModel):
             self.ratios[(name, value)] = m.seconds / ref.seconds
             self.savings[(name, value)] = m.used_lower - ref.used_lower
             self.cpu_extra[(name, value)] = (m.step.cpu_seconds - ref.step.cpu_seconds, ref.step.cpu_seconds)
-            if name == "precision" and with_value == self.base.replace(precision=value):
-                self._precision_alone[value] = with_value
         for m in micro:  # (their savings are traced when first asked for: tight budgets only)
             self.ratios[("micro_batch_size", m)] = self._micro_seconds(m) / base.seconds
         if micro:  # (the CPU's floor splits their steps: NOTE [ The CPU's floor under an estimate ])
-            for ref in {self.base, *self._precision_alone.values()}:
-                if ref in self.measured:
+            for value in {self.base.precision, *self.space.values.get("precision", [])}:
+                ref = self._precision_alone(value)
+                if ref is not None:
                     self._forward_backward_cpu[ref] = self._forward_backward(ref)
 
     def _jobs(self, plans: list[Plan]) -> list[tuple]:
@@ -399,16 +397,23 @@ class GpuStepModel(StepTimeModel):
         if self.world > 1 or not plan.config("compile").is_default or plan.config("offload").states == "optimizer_states":
             return 0.0
         keys = self.technique_keys(plan)
-        precision = plan.precision
-        ref = self.base if precision == self.base.precision else self._precision_alone.get(precision)  # (None: unmeasured)
+        ref = self._precision_alone(plan.precision)
         n = plan.micro_batches(self.target.batch_size)[1]
         extras = [(key, *self.cpu_extra[key]) for key in keys if key[0] != "precision" and key in self.cpu_extra]
-        measured = self.measured.get(ref)
+        measured = self.measured.get(ref) if ref is not None else None
         if measured is None or measured.step is None or (n == 1 and not extras):
             return 0.0
         if n > 1 and ref not in self._forward_backward_cpu:  # (measured before the walk, or no floor: no trace here)
             return 0.0
         return cpu_floor(measured.step.cpu_seconds, self._forward_backward_cpu.get(ref, 0.0), n, extras)
+
+    def _precision_alone(self, precision) -> Plan | None:
+        """The base at ``precision``, where it was measured (the CPU floor's reference)."""
+        try:
+            plan = self.base.replace(precision=precision)
+        except UserError:
+            return None
+        return plan if plan in self.measured else None
 
     def _forward_backward(self, plan: Plan) -> float:
         """CPU seconds issuing a measured plan's forward and backward (once per micro-batch)."""
