@@ -22,9 +22,9 @@ el choices; python3 -m tools.gpu.ground_truth --cases tools/gpu/choices_cases.js
   --timeout 150 --deadline $(( $(left) - 330 ))
 if [ $(left) -gt 200 ]; then
   el compile-warm; timeout $(( $(left) / 2 )) python3 -m tools.gpu.ground_truth --cases tools/gpu/compile_cases.json \
-    --only "${ONLY:-eager|blocks$|full$|full-budget0.5|full-chunks}" --jobs 4 --no-lock --timeout 240 > $OUT/warm.txt 2>&1; tail -8 $OUT/warm.txt
+    --only "${ONLY:-bf16-(eager|blocks|full|full-budget0.5|full-chunks)$}" --jobs 4 --no-lock --timeout 240 > $OUT/warm.txt 2>&1; tail -8 $OUT/warm.txt
   el compile-measure; python3 -m tools.gpu.ground_truth --cases tools/gpu/compile_cases.json \
-    --only "${ONLY:-eager|blocks$|full$|full-budget0.5|full-chunks}" --jobs 3 --predict --preset none \
+    --only "${ONLY:-bf16-(eager|blocks|full|full-budget0.5|full-chunks)$}" --jobs 3 --predict --preset none \
     --out $OUT/compile.jsonl --timeout 150 --deadline $(( $(left) - 100 ))
 fi
 if [ $(left) -gt 90 ]; then
