@@ -63,6 +63,14 @@ BUILT_IN_FP32 = {
 }
 
 KNOWN_MISSES = {
+    "choice4-chosen-purebf16-blocks-8bit-ao-chunks8": "reserved only (+9.6%; allocated +0.1%), on the safe side: "
+                                                      "1.609 GiB measured, 1.764 predicted (blocks + 8 loss chunks "
+                                                      "at 1.4 GiB allocated; not yet looked into)",
+    "c-gpt2-bf16-full": "allocated -13.0%: the compiled GPT-2 predicted on this CPU for the h100-80gb preset; the "
+                        "same prediction made on the H100 machine for its card was -1.0% (tools/gpu/choices_session.sh "
+                        "log): Inductor's CUDA lowering emulated on the CPU saves other tensors for backward",
+    "c-gpt2-bf16-full-chunks": "allocated -17.0%: as c-gpt2-bf16-full (-1.0% predicted on the H100 machine)",
+    "c-gpt2-bf16-full-budget0.5": "allocated -12.2%: as c-gpt2-bf16-full (-1.4% predicted on the H100 machine)",
     "t-llama4-selective-b2": "reserved only (-5.5%; allocated -1.5%): the real run (torch 2.11) kept ~350 MiB "
                              "more than selective checkpointing does in torch 2.14's trace",
     "timm-vit_small-bf16-blocks": "reserved only (+8.7%; allocated -0.04%): autograd accumulates a second "

@@ -38,6 +38,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils.flop_counter import flop_registry
 
+from memfit.techniques import fake_wrapper
 from memfit.techniques.placement import running
 from memfit.techniques.sharding import compute_waits, on_fsdp_stream
 
@@ -68,6 +69,20 @@ beside the next step (memfit.techniques.ema). See memfit.techniques.placement.ru
 FUSED_HOST = 2048
 """A host op that is torch's fused CPU AdamW/Adam (one multi-threaded pass over the host copies:
 the host optimizer's update, timed at ``host_fused_bw``, not ``host_bw``)."""
+COMPILED = 4096
+"""Inductor's code (NOTE [ Compiled kernels in the step time ]): on a VIEW, one call of a compiled
+region (its guards and wrapper, priced ``cpu_compiled_call``); on a MEMORY op, one of its kernels."""
+
+# NOTE [ Compiled kernels in the step time ]
+# A compiled region predicted on fake tensors runs Inductor's own wrapper with kernels that do
+# nothing (memfit.techniques.fake_wrapper), so its kernels never reach the dispatcher and this
+# recorder used to see none of them: torchao's low-bit AdamW, one compiled call per parameter,
+# cost nothing in the model. GPT-2 (124M, bf16-pure, batch 8 x 1024) on an H100: torchao's 8-bit
+# AdamW 88.0-104.7 ms a step, torch's AdamW 52.2-54.6 ms, the same GPU kernel time (49.0 and 48.4
+# ms: the step is CPU-bound, 148 compiled calls); predicted 40.5 and 42.4 ms, so the planner chose
+# it at every budget (tests/data/h100.jsonl, choice* rows). Now the wrapper tells the recorder of
+# each call (a CPU cost: dynamo's guards, the wrapper, torchao's per-parameter Python) and each
+# kernel launch (a memory-bound kernel over the tensors it is given, each counted once).
 _FUSED_OPTIMIZERS = {aten._fused_adamw_, aten._fused_adam_}
 PHASES = ("setup", "zero_grad", "forward", "backward", "optimizer", "idle")
 _OPTIMIZER = PHASES.index("optimizer")
@@ -125,9 +140,15 @@ class OpRecorder(TorchDispatchMode):
         self._serials = 0
         self._compute_waits = 0
         self._schema: dict[Any, tuple[bool, tuple[int, ...]]] = {}
+        self._depth = 0
 
     # -- context: find the tracker, hear about host placements --------------------------------------
     def __enter__(self):
+        # entered again around a compiled region's wrapper (fake_wrapper.RUNTIME_MODES): only the
+        # outermost entry sets up, so the phase and host placements stay those of the step
+        self._depth += 1
+        if self._depth > 1:
+            return super().__enter__()
         from memfit.memory.tracker import MemoryTracker
         self.tracker = next((m for m in reversed(_get_current_dispatch_mode_stack()) if isinstance(m, MemoryTracker)),
                             None)
@@ -135,13 +156,36 @@ class OpRecorder(TorchDispatchMode):
             host = self.tracker.host
             self.tracker.host = lambda tensors: (self._placed_on_host(tensors), host(tensors))
         self._step_hook = register_optimizer_step_pre_hook(self._optimizer_step)
+        fake_wrapper.LISTENERS.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
+        self._depth -= 1
+        if self._depth:
+            return super().__exit__(*exc)
         if self.tracker is not None:
             del self.tracker.host  # the class's method again
         self._step_hook.remove()
+        fake_wrapper.LISTENERS.remove(self)
         return super().__exit__(*exc)
+
+    def compiled_call(self) -> None:
+        """A compiled region was called (NOTE [ Compiled kernels in the step time ])."""
+        self.ops.append(Op(VIEW, self._phase(), 0.0, 0, "", 1, _flags() | _offload_flags() | COMPILED))
+
+    def compiled_kernel(self, tensors: list) -> None:
+        """One of a compiled region's kernels was launched on ``tensors`` (each storage counted
+        once). Kernels on host storages (an update stepped on the host) are left to the host's time."""
+        flags = _flags() | _offload_flags() | COMPILED
+        seen, nbytes = set(), 0
+        for t in tensors:
+            if self._is_host(t):
+                return
+            key = t.untyped_storage()._cdata
+            if key not in seen:
+                seen.add(key)
+                nbytes += t.untyped_storage().nbytes()
+        self.ops.append(Op(MEMORY, self._phase(), 0.0, nbytes, "", 1, flags))
 
     def _optimizer_step(self, optimizer, args, kwargs) -> None:
         """Each ``optimizer.step()`` call is Python work before its first op (per-parameter

@@ -38,6 +38,12 @@ RUNTIME_MODES: list = []
 """The dispatch modes active where the region was called (the tracker, fake mode, the kernel
 model): its graphs run under them (see NOTE [ Compiled regions on fake tensors ])."""
 
+LISTENERS: list = []
+"""Who is told of each call of a predicted wrapper (``compiled_call()``) and of each of its kernel
+launches (``compiled_kernel(tensors)``, the tensors the kernel was given): their kernels do not
+dispatch, so the planner's op recorder (memfit.planner.opcost) hears of them here (NOTE [ Compiled
+kernels in the step time ] there)."""
+
 
 class PredictionPass(CustomGraphPass):
     """Inductor's post-grad custom pass while a region is predicted: it changes nothing, and its uuid
@@ -102,10 +108,11 @@ def install(scope: dict) -> None:
 
 
 class _NoKernels:
-    """``async_compile`` for a wrapper run on fake tensors: each kernel is a call that does nothing."""
+    """``async_compile`` for a wrapper run on fake tensors: each kernel is a call that does nothing
+    but tell :data:`LISTENERS`."""
 
     def __getattr__(self, kind):
-        return lambda *args, **kwargs: _no_kernel
+        return lambda *args, **kwargs: _KERNEL
 
     def wait(self, scope) -> None:
         pass
@@ -118,7 +125,19 @@ def _no_kernel(*args, **kwargs) -> None:
     return None
 
 
-_no_kernel.run = _no_kernel
+class _Kernel:
+    """A kernel of a wrapper run on fake tensors (called, or ``.run(...)`` as Triton's are)."""
+
+    def __call__(self, *args, **kwargs) -> None:
+        if LISTENERS:
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            for listener in LISTENERS:
+                listener.compiled_kernel(tensors)
+
+    run = __call__
+
+
+_KERNEL = _Kernel()
 
 
 def _empty_strided(size, stride, dtype, device="cpu"):
@@ -148,6 +167,8 @@ def _under_call_modes(call: Callable) -> Callable:
     """Forward runs inside the region's call, which stepped out of the modes: enter them again;
     backward runs from autograd's engine, inside the step, where they are active already."""
     def run(args):
+        for listener in LISTENERS:
+            listener.compiled_call()
         modes = RUNTIME_MODES[-1] if RUNTIME_MODES else []
         with contextlib.ExitStack() as stack:
             for m in modes:
