@@ -15,7 +15,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from memfit.memory.profiler_events import allocator_events, profiler_peak
 
-NUMEL = 1 << 20  # 4 MiB of fp32
+NUMEL = 1 << 24  # 64 MiB of fp32: gloo's worker copies it for long enough that the caller has let go first
+# (at 4 MiB a loaded CI run once lost that race in all 40 rounds)
 ROUNDS = 4
 
 
@@ -35,7 +36,7 @@ def _rounds_of_async_reduce_scatter(x):
         out = torch.empty(NUMEL)
         work = dist.reduce_scatter_tensor(out, x, async_op=True)
         del out, work  # the worker thread now holds the last references
-        time.sleep(0.05)  # it has finished before the next round
+        time.sleep(0.2)  # it has finished before the next round
 
 
 def _profiled_rounds(x):
