@@ -3,6 +3,8 @@
 #   1. GPT-2 124M at batch 8 x 1024: what `memfit plan gpt2 -b 8 --seq-len 1024 --device h100-80gb --budget B`
 #      chooses at B = 16, 8, 4, 2 GiB, beside the runners-up it ranked next (and one it ruled out as too big),
 #      each alone on the GPU (3 overlapping their CPU work): does the choice fit, and is it the fastest that fits?
+#      (Overlapping inflates CPU-bound steps, and most of all an update on the host, which shares the host's cores
+#      with the other cases' model building: run such plans with --jobs 1.)
 #   2. if time is left: memfit's compiled GPT-2 steps (tools/gpu/compile_cases.json; never measured on a GPU),
 #      a parallel pass filling the compile caches first, then each case alone with memfit's predictions made there;
 #   3. if time is left: bench.offload_gpu's reserved bytes.
