@@ -45,7 +45,7 @@ def recorded_rows(rows: str = "clean") -> list[dict]:
     times, compared among themselves only)."""
     picked = load_rows()[:CLEAN_ROWS] if rows == "clean" else \
         [r for r in load_rows() if r["case"].startswith(("choice", "p-choice"))]
-    if rows != "clean":  # the isolated repeat (p-) stands for its overlapped row
+    if rows != "clean":  # the repeat with two cases overlapped (p-), not three, stands for its row
         repeated = {r["case"][2:] for r in picked if r["case"].startswith("p-")}
         picked = [r for r in picked if r["case"] not in repeated]
     return [r for r in picked if r["workload"] == WORKLOAD and r["batch_size"] == BATCH and r["seq_len"] == SEQ]

@@ -300,6 +300,16 @@ def test_torchaos_update_costs_a_compiled_call_and_its_kernels_per_parameter():
         len(params) * H100.cpu_compiled_call)
 
 
+def test_a_compiled_update_in_backward_is_not_scaled_as_the_models_graph():
+    """torchao's update stepped in backward runs Inductor's code already: ``compile: blocks|full``
+    scales the model's own forward and backward ops, not the update's calls."""
+    call = Op(VIEW, PHASES.index("backward"), 0.0, 0, "", 1, COMPILED)
+    for fused in (1.0, H100.compile_fusion):
+        st = simulate([call] * 10, DEVICE, fused=fused)
+        assert st.cpu_seconds == pytest.approx(10 * H100.cpu_compiled_call)
+        assert st.seconds == pytest.approx(10 * H100.cpu_compiled_call)
+
+
 def test_compiled_plans_scale_the_eager_step():
     target = Target.resolve(GPT2, Plan(precision="bf16", compile="blocks"), 4, DEVICE, seq_len=64)
     _, eager_ops = ops_of({"precision": "bf16"})

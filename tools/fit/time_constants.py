@@ -53,7 +53,7 @@ of 2 away (4 for the CPU overheads, which vary more between machines) costs as m
 error. Efficiencies are capped at 1 and ``duplex`` at 2 (copies both ways no slower than in turn)."""
 FITTED = tuple(PRIOR)
 BASELINE = {"precision": "bf16"}
-CACHE_VERSION = 2
+CACHE_VERSION = 3  # 3: compiled regions' calls and kernels recorded (torchao's update)
 """Bumped when a technique's step changes (cached ops of the old step are not reused)."""
 
 

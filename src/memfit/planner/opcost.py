@@ -146,8 +146,8 @@ class OpRecorder(TorchDispatchMode):
     def __enter__(self):
         # entered again around a compiled region's wrapper (fake_wrapper.RUNTIME_MODES): only the
         # outermost entry sets up, so the phase and host placements stay those of the step
-        self._depth += 1
-        if self._depth > 1:
+        if self._depth:
+            self._depth += 1
             return super().__enter__()
         from memfit.memory.tracker import MemoryTracker
         self.tracker = next((m for m in reversed(_get_current_dispatch_mode_stack()) if isinstance(m, MemoryTracker)),
@@ -157,16 +157,20 @@ class OpRecorder(TorchDispatchMode):
             self.tracker.host = lambda tensors: (self._placed_on_host(tensors), host(tensors))
         self._step_hook = register_optimizer_step_pre_hook(self._optimizer_step)
         fake_wrapper.LISTENERS.append(self)
+        self._depth = 1
         return super().__enter__()
 
     def __exit__(self, *exc):
         self._depth -= 1
         if self._depth:
             return super().__exit__(*exc)
-        if self.tracker is not None:
-            del self.tracker.host  # the class's method again
-        self._step_hook.remove()
-        fake_wrapper.LISTENERS.remove(self)
+        try:
+            if self.tracker is not None:
+                del self.tracker.host  # the class's method again
+            self._step_hook.remove()
+        finally:  # (a worker process is reused: no recorder may stay told of later traces' kernels)
+            if self in fake_wrapper.LISTENERS:
+                fake_wrapper.LISTENERS.remove(self)
         return super().__exit__(*exc)
 
     def compiled_call(self) -> None:
@@ -174,17 +178,22 @@ class OpRecorder(TorchDispatchMode):
         self.ops.append(Op(VIEW, self._phase(), 0.0, 0, "", 1, _flags() | _offload_flags() | COMPILED))
 
     def compiled_kernel(self, tensors: list) -> None:
-        """One of a compiled region's kernels was launched on ``tensors`` (each storage counted
-        once). Kernels on host storages (an update stepped on the host) are left to the host's time."""
+        """One of a compiled region's kernels was launched on ``tensors`` (each view counted once:
+        a lower bound of its traffic, an argument written in place being read too). On host
+        storages (torchao's update stepped on the host) it is a host op, timed at the host's
+        unfused rate: that compiled CPU update is compute-bound, and slower still (left out of the
+        search for it: memfit.planner.space)."""
         flags = _flags() | _offload_flags() | COMPILED
-        seen, nbytes = set(), 0
+        seen, nbytes, hosted = set(), 0, False
         for t in tensors:
-            if self._is_host(t):
-                return
-            key = t.untyped_storage()._cdata
+            hosted = hosted or self._is_host(t)
+            key = (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape))
             if key not in seen:
                 seen.add(key)
-                nbytes += t.untyped_storage().nbytes()
+                nbytes += _nbytes(t)
+        if hosted:
+            self.ops.append(Op(HOST, self._phase(), 0.0, 0, "", 1, flags, host_bytes=nbytes))
+            return
         self.ops.append(Op(MEMORY, self._phase(), 0.0, nbytes, "", 1, flags))
 
     def _optimizer_step(self, optimizer, args, kwargs) -> None:

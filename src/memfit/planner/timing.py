@@ -42,6 +42,7 @@ from memfit.planner.opcost import (
     BACKGROUND,
     COMM,
     COMM_STREAM,
+    COMPILED,
     D2H,
     FUSED_HOST,
     H2D,
@@ -114,7 +115,8 @@ def simulate(ops: list[Op], device: Device, k: Constants = H100, *, fused: float
         if stash and op.phase != FORWARD_PHASE:  # backward waits for every copy out still in flight
             g = max(g, stash[-1])
             stash.clear()
-        in_graph = fused if op.phase in (2, 3) else 1.0
+        # (a compiled update stepped in backward is Inductor's already: not the model's fused graph)
+        in_graph = fused if op.phase in (2, 3) and not op.flags & COMPILED else 1.0
         c += rates.cpu(op) * in_graph
         if kind == COMM or (op.flags & COMM_STREAM and kind not in (VIEW, SCALAR)):
             dt = op.nbytes / rates.p2p + k.comm_latency if kind == COMM else rates.gpu(op)
@@ -164,7 +166,8 @@ def simulate(ops: list[Op], device: Device, k: Constants = H100, *, fused: float
         busy[phase] += dt
     total = max(c, g, w, w_in, out, beside, comm)
     cpu_bound = max(0.0, total - sum(busy.values()) - host)
-    cpu_seconds = sum(rates.cpu(op) * (fused if op.phase in (2, 3) else 1.0) for op in ops)
+    cpu_seconds = sum(rates.cpu(op) * (fused if op.phase in (2, 3) and not op.flags & COMPILED else 1.0)
+                      for op in ops)
     return StepTime(seconds=total, **busy, host=host, cpu_bound=cpu_bound, cpu_seconds=cpu_seconds,
                     kernels=kernels, ops=len(ops))
 
