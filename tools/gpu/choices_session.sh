@@ -9,15 +9,7 @@
 #      a parallel pass filling the compile caches first, then each case alone with memfit's predictions made there;
 #   3. if time is left: bench.offload_gpu's reserved bytes.
 #   run(command="bash tools/gpu/choices_session.sh $(git rev-parse --short HEAD) 2>&1 | tee $OUT/log.txt", carry=[".whl"])
-export PYTHONUNBUFFERED=1 MEMFIT_COMMIT="$1"
-OUT=${OUT:-out}; mkdir -p "$OUT"
-T0=$(date +%s); END=${END_SECONDS:-555}
-el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-left() { echo $(( END - $(date +%s) + T0 )); }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || echo "wheels did not install"
-export PYTHONPATH=/tmp/site:$PWD/src
-nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
+END_SECONDS=${END_SECONDS:-555}; source tools/gpu/session_env.sh "$1"
 python3 -c "import torch, transformers, torchao; print(torch.__version__, torch.version.cuda, transformers.__version__, torchao.__version__)"
 python3 -c "import torch; torch.ones(1, device='cuda'); f, t = torch.cuda.mem_get_info(); print('context bytes', t - f)"
 el choices; python3 -m tools.gpu.ground_truth --cases tools/gpu/choices_cases.json --jobs 3 --out $OUT/choices.jsonl \

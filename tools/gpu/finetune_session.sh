@@ -15,15 +15,7 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
 #     torchao==0.18.0 bitsandbytes==0.50.2 diffusers==0.42.1 importlib_metadata==10.2.0 peft==0.21.2
 #   run(command="bash tools/gpu/finetune_session.sh $(git rev-parse --short HEAD) 2>&1 | tee $OUT/log.txt", carry=[".whl"])
-export PYTHONUNBUFFERED=1 MEMFIT_COMMIT="$1"
-OUT=${OUT:-out}; mkdir -p "$OUT"
-T0=$(date +%s); END=${END_SECONDS:-540}
-el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-left() { echo $(( END - $(date +%s) + T0 )); }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || echo "wheels did not install"
-export PYTHONPATH=/tmp/site:$PWD/src
-nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
+END_SECONDS=${END_SECONDS:-540}; source tools/gpu/session_env.sh "$1"
 python3 -c "import torch, transformers, peft, diffusers, bitsandbytes, torchao; print(torch.__version__, torch.version.cuda, \
 transformers.__version__, peft.__version__, diffusers.__version__, bitsandbytes.__version__, torchao.__version__)"
 CASES=tools/gpu/finetune_cases.json

@@ -70,6 +70,12 @@ FORWARD_PHASE = PHASES.index("forward")
 OPTIMIZER_PHASE = PHASES.index("optimizer")
 
 
+def _in_graph(op: Op, fused: float) -> float:
+    """The compile fusion factor an op's time is scaled by: forward and backward ops of the model's
+    graph; not the optimizer, nor a compiled update stepped in backward (Inductor's code already)."""
+    return fused if op.phase in (2, 3) and not op.flags & COMPILED else 1.0
+
+
 def simulate(ops: list[Op], device: Device, k: Constants = H100, *, fused: float = 1.0) -> StepTime:
     """Run the ops through the CPU and GPU clocks (see the module docstring)."""
     rates = Rates.of(device, k)
@@ -115,8 +121,7 @@ def simulate(ops: list[Op], device: Device, k: Constants = H100, *, fused: float
         if stash and op.phase != FORWARD_PHASE:  # backward waits for every copy out still in flight
             g = max(g, stash[-1])
             stash.clear()
-        # (a compiled update stepped in backward is Inductor's already: not the model's fused graph)
-        in_graph = fused if op.phase in (2, 3) and not op.flags & COMPILED else 1.0
+        in_graph = _in_graph(op, fused)
         c += rates.cpu(op) * in_graph
         if kind == COMM or (op.flags & COMM_STREAM and kind not in (VIEW, SCALAR)):
             dt = op.nbytes / rates.p2p + k.comm_latency if kind == COMM else rates.gpu(op)
@@ -166,8 +171,7 @@ def simulate(ops: list[Op], device: Device, k: Constants = H100, *, fused: float
         busy[phase] += dt
     total = max(c, g, w, w_in, out, beside, comm)
     cpu_bound = max(0.0, total - sum(busy.values()) - host)
-    cpu_seconds = sum(rates.cpu(op) * (fused if op.phase in (2, 3) and not op.flags & COMPILED else 1.0)
-                      for op in ops)
+    cpu_seconds = sum(rates.cpu(op) * _in_graph(op, fused) for op in ops)
     return StepTime(seconds=total, **busy, host=host, cpu_bound=cpu_bound, cpu_seconds=cpu_seconds,
                     kernels=kernels, ops=len(ops))
 

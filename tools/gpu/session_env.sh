@@ -1,0 +1,13 @@
+# Sourced by the device-call scripts (choices_session.sh, finetune_session.sh): the commit to record, $OUT,
+# the clock (el: a timestamped line; left: seconds to END, the script's own END_SECONDS default), the wheels
+# carried in .whl installed to /tmp/site, and the GPU named.
+#   END_SECONDS=${END_SECONDS:-540}; source tools/gpu/session_env.sh "$1"
+export PYTHONUNBUFFERED=1 MEMFIT_COMMIT="$1"
+OUT=${OUT:-out}; mkdir -p "$OUT"
+T0=$(date +%s); END=${END_SECONDS:-540}
+el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+left() { echo $(( END - $(date +%s) + T0 )); }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || echo "wheels did not install"
+export PYTHONPATH=/tmp/site:$PWD/src
+nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
