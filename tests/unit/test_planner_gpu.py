@@ -154,7 +154,48 @@ print("ok")
 """
 
 
+BACKGROUND = """
+import os, sys, time
+from memfit.planner.workers import Workers
+log = sys.argv[1]
+def job(name):
+    start = time.time()
+    time.sleep({"compile": 1.0, "queued": 0.3}.get(name.split("-")[0], 0.2))
+    with open(log, "a") as f:
+        f.write(name + "\\n")
+    return name, start, time.time(), os.getpid()
+w = Workers(job)
+assert w.count == 2
+(_, _, compiled, _), (_, start, _, _), _ = w.map(["compile-2", "compile-3", "other"], after={"compile-3": "compile-2"})
+assert start >= compiled, (start, compiled)   # the deeper trace waited for the compile
+w.map(["first"], behind=["queued-a", "queued-b", "queued-c", "queued-d", "queued-e", "queued-f"])
+w.cancel()                                    # those not handed to a worker are dropped
+time.sleep(1.0)
+ran = [n for n in open(log).read().split() if n.startswith("queued")]
+assert "queued-a" in ran and len(ran) <= 3 and "queued-f" not in ran, ran   # (the idle worker took the first)
+out = w.map(["queued-a", "fresh"])            # a background job's result is taken, not run again
+assert [n for n, *_ in out] == ["queued-a", "fresh"] and open(log).read().split().count("queued-a") == 1
+w.close()
+here = Workers(job, fork=False)               # one process: background jobs run only when asked for
+here.map([], behind=["lazy"])
+here.cancel()
+assert "lazy" not in open(log).read().split() and here.map(["lazy"])[0][0] == "lazy"
+print("ok")
+"""
+
+
+def test_workers_run_a_shared_compile_first_and_queue_jobs_in_the_background(tmp_path):
+    """NOTE [ Jobs in the background, and after the compile they share ]: ``after`` starts a job only
+    once the one it names has ended; ``behind`` queues jobs without waiting, ``cancel`` drops those
+    not started, and a later ``map`` takes a background job's result instead of running it again."""
+    env = {"MEMFIT_PLAN_WORKERS": "2", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", BACKGROUND, str(tmp_path / "log")], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 def test_workers_fork_and_fall_back_where_a_worker_dies_or_autograd_cannot_follow():
     env = {"MEMFIT_PLAN_WORKERS": "2", "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", WORKERS], capture_output=True, text=True, env=env, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
+

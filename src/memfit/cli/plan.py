@@ -23,8 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pareto", metavar="FILE.png", help="write a memory vs time plot of the evaluated plans")
     p.add_argument("--optimizers", default=None,
                    help="optimizer variants to consider, from adamw, adamw8bit, adamw8bit-ao, adamw4bit-ao, "
-                        "adamwfp8-ao, adafactor, sgd, or adamw-class (all the AdamW ones: the default for GPU "
-                        "presets; adamw,adamw8bit on the CPU)")
+                        "adamwfp8-ao, adafactor, sgd, or adamw-class (all the AdamW ones). Default for GPU "
+                        "presets: the AdamW ones but the torchao variants whose states are no smaller than "
+                        "adamw8bit's; adamw,adamw8bit on the CPU")
     p.add_argument("--methods", metavar="METHODS",
                    help="compare fine-tuning methods side by side (full,lora,dora,qlora; they train different "
                         "things): each gets its fastest plan that fits. Default: the workload's own method only")

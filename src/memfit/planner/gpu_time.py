@@ -102,6 +102,23 @@ def _adds_work(key: tuple[str, object]) -> bool:
     return technique_of(name).config({name: value}).adds_work  # (the value alone: budget:F needs a compile mode in a Plan)
 
 
+def _after_shared_compiles(jobs: list[tuple]) -> dict:
+    """Job -> the job it waits for: each deeper trace of a plan whose graphs are the same at every
+    depth (torchao's update, one per parameter shape; ``compile: blocks``, one per block) starts
+    after its shallowest, and finds them in Inductor's cache (NOTE [ Jobs in the background, and
+    after the compile they share ] in memfit.planner.workers)."""
+    first, after = {}, {}
+    for job in sorted(jobs, key=lambda j: (j[1] is None, j[1] or 0)):
+        plan, _, batch = job
+        if not (plan.config("compile").mode == "blocks" or any(c.compiles_per_weight_dtype for c in plan.techniques)):
+            continue
+        if (plan, batch) in first:
+            after[job] = first[plan, batch]
+        else:
+            first[plan, batch] = job
+    return after
+
+
 def _weight_bytes(n_params: int, plan: Plan) -> int:
     """Every parameter in the plan's weight dtype (Precision.weights: fp32 or bf16)."""
     return n_params * (2 if plan.config("precision").weights == "bf16" else 4)
@@ -219,7 +236,7 @@ class GpuStepModel(StepTimeModel):
         pairs = {key: elsewhere.get(key, (plan, self.base)) for key, plan in alone.items()}
         if self._may_fit_alone():  # NOTE [ Work-adding values when the default plan fits ]
             others = {k: pair for k, pair in pairs.items() if not _adds_work(k)}
-            self.trace_shallow(_plans_of([self.base], others.values()))
+            self.trace_shallow(_plans_of([self.base], others.values()), behind=_plans_of([], pairs.values()))
             if self._fastest_fits(others):
                 left = [k for k in alone if _adds_work(k)]
                 for name, value in left:
@@ -292,6 +309,7 @@ class GpuStepModel(StepTimeModel):
             best = min(faster, key=lambda x: x[0])[2] if faster else self.base
             if self.measure(best).used_lower > self.budget.bytes:
                 return False
+            self.workers.cancel()  # (the work-adding values queued behind: likely not needed now)
             return self.confirm(best).used_bytes <= self.budget.bytes
         except UserError:
             return False
@@ -516,9 +534,12 @@ class GpuStepModel(StepTimeModel):
         self._new.append(plan)
         return m
 
-    def trace_shallow(self, plans: list[Plan]) -> None:
-        """Run the shallow pairs of ``plans`` together (in parallel; :meth:`measure` then reads them)."""
-        self._run(self._jobs(plans), check=False)
+    def trace_shallow(self, plans: list[Plan], behind: list[Plan] = ()) -> None:
+        """Run the shallow pairs of ``plans`` together (in parallel; :meth:`measure` then reads them);
+        those of ``behind`` are queued after them, in the background (memfit.planner.workers)."""
+        jobs = self._jobs(plans)
+        rest = [j for j in (self._jobs(list(behind)) if behind else []) if j not in jobs and j not in self._traced]
+        self._run(jobs, check=False, behind=rest)
 
     def trace_full(self, plans: list[Plan]) -> None:
         """Trace ``plans`` at full depth together (in parallel; :meth:`confirm` then reads them)."""
@@ -561,14 +582,16 @@ class GpuStepModel(StepTimeModel):
         return t.ops
 
     # -- running traces --------------------------------------------------------------------------
-    def _run(self, jobs: list[tuple], check: bool = True) -> list[Traced]:
+    def _run(self, jobs: list[tuple], check: bool = True, behind: list[tuple] = ()) -> list[Traced]:
         """The traces of ``jobs`` ((plan, depth or None for full, batch or None)), cached; those not
         traced yet run on the worker processes. ``check``: raise the first job's error (a plan's
         UserError, or _Deep when a shallow trace failed for another reason: then shallow traces
-        stop)."""
+        stop); ``behind``: jobs queued after them, in the background, for a later call to take."""
         todo = list(dict.fromkeys(j for j in jobs if j not in self._traced))
+        after = _after_shared_compiles(todo)
+        todo.sort(key=lambda job: job not in after.values())  # (the compiles first: the longest jobs)
         t0 = time.perf_counter()
-        for job, result in zip(todo, self.workers.map(todo)):
+        for job, result in zip(todo, self.workers.map(todo, after=after, behind=list(behind))):
             self._traced[job] = result
             if isinstance(result, Traced):
                 self.traces += 1

@@ -13,6 +13,19 @@ test session, a notebook), where the traces use CUDA (``--device cuda``, or a pr
 GPU machine: a forked child cannot initialise CUDA), where ``fork`` is not available (macOS,
 Windows), with one core, or with ``MEMFIT_PLAN_WORKERS=1``, the jobs run here in turn, as they do
 after a worker died.
+
+NOTE [ Jobs in the background, and after the compile they share ]
+Two things kept a core idle or busy for nothing while the planner measured before its walk (GPT-2
+at 8 x 1024 for 2 GiB on the h100-80gb preset, 2 cores):
+- **A compile done twice.** torchao's 4-bit update compiles a graph per parameter shape, 14.6 s of
+  a worker on a cold cache. Both traces of its shallow pair compiled it at once, one per worker,
+  where the deeper one, run after the shallower, finds every graph in Inductor's cache (0.5 s).
+  :meth:`Workers.map` takes ``after``: a job starts only once the job it names has ended.
+- **A wait between two batches.** The values that only add work are measured after the others,
+  and only where the others leave the question open (NOTE [ Work-adding values when the default
+  plan fits ] in memfit.planner.gpu_time). :meth:`Workers.start` queues them behind the others
+  at once, so the worker the compile leaves free traces them; :meth:`Workers.cancel` drops those
+  not started where they are not needed. Here (one process) they run only when asked for.
 """
 
 from __future__ import annotations
@@ -20,7 +33,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 
 MAX_WORKERS = 8
@@ -68,8 +81,16 @@ class Workers:
         self.fn = fn
         self.count = worker_count() if fork else 1
         self._pool: ProcessPoolExecutor | None = None
+        self._queued: list = []
+        """Background jobs (:meth:`start`) not handed to a worker yet, in order."""
+        self._background: dict = {}
+        """Background job -> its future, once handed to a worker, until a :meth:`map` takes it."""
 
-    def map(self, jobs: list) -> list:
+    def map(self, jobs: list, after: dict | None = None, behind: list = ()) -> list:
+        """The results of ``jobs``, in order. ``after``: job -> a job that must end before it starts;
+        ``behind``: jobs queued after these, in the background (:meth:`start`); background jobs are
+        waited for, not run again (NOTE [ Jobs in the background, and after the compile they share ])."""
+        self.start(behind)
         if not jobs:
             return []
         if self.count > 1 and self._pool is None:
@@ -77,11 +98,45 @@ class Workers:
         if self._pool is None:
             return [self.fn(job) for job in jobs]
         try:
-            return list(self._pool.map(_call, jobs))
+            return self._map_on_pool(list(dict.fromkeys(jobs)), jobs, after or {})
         except BrokenProcessPool:  # a worker died (killed for memory?): go on here, in turn
             self.close()
             self.count = 1
             return [self.fn(job) for job in jobs]
+
+    def start(self, jobs: list) -> None:
+        """Queue ``jobs`` behind those queued before: the workers a :meth:`map` leaves idle run them
+        while it waits, and a later :meth:`map` takes their results. Here (one process) they run
+        only when a :meth:`map` asks for them."""
+        if self.count > 1:
+            self._queued += [job for job in dict.fromkeys(jobs) if job not in self._background and job not in self._queued]
+
+    def cancel(self) -> None:
+        """Drop the background jobs not handed to a worker yet (those running finish; no one waits)."""
+        self._queued.clear()
+
+    def _map_on_pool(self, own: list, jobs: list, after: dict) -> list:
+        futures = {job: self._background.pop(job) for job in own if job in self._background}
+        self._queued = [job for job in self._queued if job not in own]
+        todo = [job for job in own if job not in futures]
+        while True:
+            running = [f for f in (*futures.values(), *self._background.values()) if not f.done()]
+            free = self.count - len(running)
+            for job in [j for j in todo if after.get(j) not in own or (after[j] in futures and futures[after[j]].done())]:
+                if free <= 0:
+                    break
+                todo.remove(job)
+                futures[job] = self._pool.submit(_call, job)
+                running.append(futures[job])
+                free -= 1
+            while free > 0 and self._queued:  # (a worker the jobs leave idle: the background's next)
+                job = self._queued.pop(0)
+                self._background[job] = self._pool.submit(_call, job)
+                running.append(self._background[job])
+                free -= 1
+            if not todo and all(f.done() for f in futures.values()):
+                return [futures[job].result() for job in jobs]
+            wait(running, return_when=FIRST_COMPLETED)
 
     def _start(self) -> None:
         import torch
@@ -101,6 +156,9 @@ class Workers:
             self.count = 1
 
     def close(self) -> None:
+        self._queued.clear()
+        self._background.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+
