@@ -8,6 +8,7 @@ import pytest
 
 from memfit.memory.budget import Budget
 from memfit.planner.gpu_time import GpuStepModel
+from memfit.planner.workers import SKIPPED
 from memfit.planner.search import plan
 from memfit.planner.shallow import depths, extrapolate_ops, shallow_workload
 from memfit.planner.space import SearchSpace, model_facts
@@ -156,7 +157,7 @@ print("ok")
 
 BACKGROUND = """
 import os, sys, time
-from memfit.planner.workers import Workers
+from memfit.planner.workers import SKIPPED, Workers
 log = sys.argv[1]
 def job(name):
     start = time.time()
@@ -175,8 +176,14 @@ ran = [n for n in open(log).read().split() if n.startswith("queued")]
 assert "queued-a" in ran and len(ran) <= 3 and "queued-f" not in ran, ran   # (the idle worker took the first)
 out = w.map(["queued-a", "fresh"])            # a background job's result is taken, not run again
 assert [n for n, *_ in out] == ["queued-a", "fresh"] and open(log).read().split().count("queued-a") == 1
+big = lambda job, shallower: shallower[0].startswith("big")   # noqa: E731 - its deeper job is needless
+out = w.map(["big-2", "ok-2", "big-3", "ok-3"], after={"big-3": "big-2", "ok-3": "ok-2"}, skip=big)
+assert [o if o == SKIPPED else o[0] for o in out] == ["big-2", "ok-2", SKIPPED, "ok-3"]
+assert "big-3" not in open(log).read().split()
 w.close()
 here = Workers(job, fork=False)               # one process: background jobs run only when asked for
+assert [o if o == SKIPPED else o[0] for o in here.map(["big-2", "big-3"], after={"big-3": "big-2"}, skip=big)] == \
+    ["big-2", SKIPPED]
 here.map([], behind=["lazy"])
 here.cancel()
 assert "lazy" not in open(log).read().split() and here.map(["lazy"])[0][0] == "lazy"
@@ -186,8 +193,9 @@ print("ok")
 
 def test_workers_run_a_shared_compile_first_and_queue_jobs_in_the_background(tmp_path):
     """NOTE [ Jobs in the background, and after the compile they share ]: ``after`` starts a job only
-    once the one it names has ended; ``behind`` queues jobs without waiting, ``cancel`` drops those
-    not started, and a later ``map`` takes a background job's result instead of running it again."""
+    once the one it names has ended, and ``skip`` drops it where that one's result makes it
+    needless; ``behind`` queues jobs without waiting, ``cancel`` drops those not started, and a
+    later ``map`` takes a background job's result instead of running it again."""
     env = {"MEMFIT_PLAN_WORKERS": "2", "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", BACKGROUND, str(tmp_path / "log")], capture_output=True, text=True,
                          env=env, timeout=120)
@@ -199,3 +207,30 @@ def test_workers_fork_and_fall_back_where_a_worker_dies_or_autograd_cannot_follo
     out = subprocess.run([sys.executable, "-c", WORKERS], capture_output=True, text=True, env=env, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
 
+
+
+def test_a_plan_over_the_budget_at_the_shallower_depth_is_not_traced_deeper():
+    """NOTE [ The deeper trace of a plan over the budget at the shallower depth ]: measured with
+    another plan, a plan whose shallower trace alone is over the budget keeps that trace's lower
+    bound (no more than the pair's, and over the budget) and its estimated time; its deeper trace
+    does not run. Alone, or before the walk, a plan keeps both traces."""
+    plans = [Plan(precision="bf16"), Plan(precision="bf16", loss_chunks=8)]
+    space = SearchSpace(values={"precision": ["bf16"], "loss_chunks": [0, 8]}, micro_batches=[8])
+    pair_model, model = _model(_target(), space), _model(_target(), space)
+    try:
+        pair_model.prepare()
+        pairs = {p: pair_model.measure(p) for p in plans}
+        model.prepare()
+        for p in plans[1:]:  # (as the walk meets it: not measured yet)
+            model.measured.pop(p, None)
+            for d in model._depths(p):
+                model._traced.pop((p, d, None), None)
+        model.budget = Budget.resolve(str(min(m.used_lower for m in pairs.values()) // 2), model.target.device)
+        model.trace_shallow(plans, skip_over=True)
+        m = model.measure(plans[1])
+    finally:
+        pair_model.close()
+        model.close()
+    assert model._traced[(plans[1], model._depths(plans[1])[1], None)] == SKIPPED and m.shallower_only
+    assert model.budget.bytes < m.used_lower <= pairs[plans[1]].used_lower
+    assert m.seconds == model.predict(plans[1]) and plans[1] not in model.newly_measured()

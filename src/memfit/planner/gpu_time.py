@@ -47,7 +47,7 @@ from memfit.planner.shallow import depth_of, depths, extrapolate, extrapolate_op
 from memfit.planner.space import ModelFacts, SearchSpace
 from memfit.planner.time_model import StepTimeModel, factor_estimate
 from memfit.planner.timing import H100, Constants, StepTime, time_from_ops, trace_step
-from memfit.planner.workers import Workers
+from memfit.planner.workers import SKIPPED, Workers
 from memfit.plans import Plan
 from memfit.target import Target
 from memfit.techniques.base import GraphSize
@@ -67,6 +67,17 @@ from memfit.techniques.checkpointing import find_blocks
 # would let a measured slow combination back in (an estimate that errs high can hide the fastest
 # plan and one that errs low costs a trace; a slow path measured is the better evidence). The walk
 # re-queues the plans whose estimate a measurement changed (memfit.planner.walk).
+
+# NOTE [ The deeper trace of a plan over the budget at the shallower depth ]
+# A model with more blocks holds no less at its peak (more weights, gradients, states and
+# activations), so a plan whose shallower trace alone (2 blocks, less the extrapolation's margin)
+# is over the budget is over it at full depth: its deeper trace cannot change the verdict. The walk
+# measures plans two at a time (NOTE [ The next plan measured alongside ] in memfit.planner.walk):
+# both shallower traces run first, side by side, and each deeper one runs only if its plan is still
+# in the running. A plan ruled out so keeps the shallower trace's peak as its lower bound ("needs at
+# least") and its estimated time. GPT-2 at 8 x 1024 for 2 GiB (h100-80gb): 8 of the 22 plans the
+# walk measured needed more than 2 GiB at 2 blocks (2.21-3.48 GiB). The values measured alone before
+# the walk keep both traces: their savings and ratios are taken from the pair.
 
 # NOTE [ Work-adding values when the default plan fits ]
 # A value that only adds work (``Config.adds_work``: checkpointing's recompute, offload's copies, a
@@ -170,6 +181,10 @@ class Measured:
     used_bytes: int | None = None
     """What the budget counts (reserved + context): full traces only."""
     graph: GraphSize = field(default_factory=GraphSize)
+    shallower_only: bool = False
+    """Over the budget at the shallower depth, its deeper trace skipped: ``seconds`` is the
+    estimate, the peak and lower bound the shallower trace's (NOTE [ The deeper trace of a plan
+    over the budget at the shallower depth ])."""
     full: bool = False
 
 
@@ -396,11 +411,11 @@ class GpuStepModel(StepTimeModel):
         """The plan's measured step time, else its estimate (tier 1) from its nearest measured part
         (NOTE [ Estimates from the nearest measured plan ])."""
         m = self.measured.get(plan)
-        if m is not None:
+        if m is not None and not m.shallower_only:
             return m.seconds
         keys = self.technique_keys(plan)
         parts = [(part, m.seconds) for other, m in self.measured.items()
-                 if (part := self.technique_keys(other)) and part <= keys]
+                 if not m.shallower_only and (part := self.technique_keys(other)) and part <= keys]
         largest = [(part, seconds) for part, seconds in parts if not any(part < bigger for bigger, _ in parts)]
         if not largest:
             estimate = factor_estimate(self.measured[self.base].seconds, keys, self.ratios)
@@ -485,6 +500,10 @@ class GpuStepModel(StepTimeModel):
             a, b = self._run([(plan, d, None) for d in pair])
         except (_Deep, UserError):  # the shallow model failed: the full one decides (and raises)
             return self.confirm(plan)
+        if b is SKIPPED:  # NOTE [ The deeper trace of a plan over the budget at the shallower depth ]
+            m = self.measured[plan] = Measured(seconds=self.predict(plan), step=None, peak_bytes=a.peak_bytes,
+                                               used_lower=self._shallow_lower(a), shallower_only=True)
+            return m
         (d, e), full = pair, self.depth
         ops = extrapolate_ops(a.ops, b.ops, d, e, full)
         target = self.target.with_plan(plan)
@@ -534,12 +553,21 @@ class GpuStepModel(StepTimeModel):
         self._new.append(plan)
         return m
 
-    def trace_shallow(self, plans: list[Plan], behind: list[Plan] = ()) -> None:
+    def trace_shallow(self, plans: list[Plan], behind: list[Plan] = (), skip_over: bool = False) -> None:
         """Run the shallow pairs of ``plans`` together (in parallel; :meth:`measure` then reads them);
-        those of ``behind`` are queued after them, in the background (memfit.planner.workers)."""
+        those of ``behind`` are queued after them, in the background (memfit.planner.workers).
+        ``skip_over``: a plan over the budget at its shallower depth is not traced deeper (NOTE [ The
+        deeper trace of a plan over the budget at the shallower depth ])."""
         jobs = self._jobs(plans)
         rest = [j for j in (self._jobs(list(behind)) if behind else []) if j not in jobs and j not in self._traced]
-        self._run(jobs, check=False, behind=rest)
+        self._run(jobs, check=False, behind=rest, skip_over=skip_over and len(plans) > 1)
+
+    def _shallow_lower(self, t: Traced) -> int:
+        """A lower bound of the full plan's need from one shallow trace (more blocks hold no less)."""
+        return int(t.peak_bytes * (1 - PEAK_MARGIN)) + t.context_bytes
+
+    def _skip_deeper(self, job: tuple, shallower) -> bool:
+        return isinstance(shallower, Traced) and self._shallow_lower(shallower) > self.budget.bytes
 
     def trace_full(self, plans: list[Plan]) -> None:
         """Trace ``plans`` at full depth together (in parallel; :meth:`confirm` then reads them)."""
@@ -582,7 +610,8 @@ class GpuStepModel(StepTimeModel):
         return t.ops
 
     # -- running traces --------------------------------------------------------------------------
-    def _run(self, jobs: list[tuple], check: bool = True, behind: list[tuple] = ()) -> list[Traced]:
+    def _run(self, jobs: list[tuple], check: bool = True, behind: list[tuple] = (),
+             skip_over: bool = False) -> list[Traced]:
         """The traces of ``jobs`` ((plan, depth or None for full, batch or None)), cached; those not
         traced yet run on the worker processes. ``check``: raise the first job's error (a plan's
         UserError, or _Deep when a shallow trace failed for another reason: then shallow traces
@@ -590,9 +619,19 @@ class GpuStepModel(StepTimeModel):
         todo = list(dict.fromkeys(j for j in jobs if j not in self._traced))
         after = _after_shared_compiles(todo)
         todo.sort(key=lambda job: job not in after.values())  # (the compiles first: the longest jobs)
+        if skip_over:  # each deeper trace after its plan's shallower one, which may make it needless
+            first: dict = {}
+            for job in sorted((j for j in todo if j[1] is not None), key=lambda j: j[1]):
+                if (job[0], job[2]) in first:
+                    after.setdefault(job, first[job[0], job[2]])
+                else:
+                    first[job[0], job[2]] = job
         t0 = time.perf_counter()
-        for job, result in zip(todo, self.workers.map(todo, after=after, behind=list(behind))):
+        for job, result in zip(todo, self.workers.map(todo, after=after, behind=list(behind),
+                                                      skip=self._skip_deeper if skip_over else None)):
             self._traced[job] = result
+            if result is SKIPPED:
+                continue
             if isinstance(result, Traced):
                 self.traces += 1
                 self.full_traces += job[1] is None

@@ -102,8 +102,10 @@ class Ladder:
     def prefetch(self, plans: list[Plan]) -> None:
         """Run the top rung of ``plans`` together (spare workers)."""
 
-    def measure_together(self, plans: list[Plan]) -> None:
-        """Run the first rung of ``plans`` together (on the workers at once; evaluate then reads it)."""
+    def measure_together(self, plans: list[Plan], skip_over: bool = False) -> None:
+        """Run the first rung of ``plans`` together (on the workers at once; evaluate then reads it);
+        ``skip_over``: a plan that its first trace shows over the budget is not traced further (its
+        evidence: that trace's lower bound)."""
 
     def full_and_deep(self) -> list[tuple[int, int]]:
         """(full trace's, deep stream's) bytes of every plan that has both: the check of the deep
@@ -204,6 +206,6 @@ class GpuLadder(Ladder):
         with silenced_warnings():
             self.model.trace_full(plans)
 
-    def measure_together(self, plans: list[Plan]) -> None:
+    def measure_together(self, plans: list[Plan], skip_over: bool = False) -> None:
         if plans:
-            self.model.trace_shallow(plans)
+            self.model.trace_shallow(plans, skip_over=skip_over)

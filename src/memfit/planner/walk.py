@@ -201,7 +201,7 @@ class Walk:
             if ahead is not None:
                 self.evaluated += 1
                 with silenced_warnings():
-                    self.ladder.measure_together([c.plan, ahead.plan])
+                    self.ladder.measure_together([c.plan, ahead.plan], skip_over=True)
                 self._take(ahead, self.ladder.first)  # (at once: too big, it prunes the plans it dominates)
         return self._take(c, self.ladder.first)
 

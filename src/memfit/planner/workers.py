@@ -33,7 +33,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 
 MAX_WORKERS = 8
@@ -73,6 +73,16 @@ def autograd_works() -> bool:
     return bool(x.grad is not None)
 
 
+SKIPPED = "skipped"
+"""The result of a job that ``skip`` found needless (memfit.planner.workers.Workers.map)."""
+
+
+def _done(result) -> Future:
+    future: Future = Future()
+    future.set_result(result)
+    return future
+
+
 class Workers:
     """Runs ``fn(job)`` for lists of jobs, in forked processes when there are several cores."""
 
@@ -86,19 +96,27 @@ class Workers:
         self._background: dict = {}
         """Background job -> its future, once handed to a worker, until a :meth:`map` takes it."""
 
-    def map(self, jobs: list, after: dict | None = None, behind: list = ()) -> list:
+    def map(self, jobs: list, after: dict | None = None, behind: list = (), skip: Callable | None = None) -> list:
         """The results of ``jobs``, in order. ``after``: job -> a job that must end before it starts;
-        ``behind``: jobs queued after these, in the background (:meth:`start`); background jobs are
-        waited for, not run again (NOTE [ Jobs in the background, and after the compile they share ])."""
+        ``skip(job, result)``: True where the result of the job it waited for makes it needless
+        (its result is then :data:`SKIPPED`); ``behind``: jobs queued after these, in the background
+        (:meth:`start`); background jobs are waited for, not run again (NOTE [ Jobs in the
+        background, and after the compile they share ])."""
         self.start(behind)
         if not jobs:
             return []
         if self.count > 1 and self._pool is None:
             self._start()
+        after = after or {}
         if self._pool is None:
-            return [self.fn(job) for job in jobs]
+            out: dict = {}
+            for job in jobs:
+                if job not in out:
+                    first = after.get(job)
+                    out[job] = SKIPPED if skip and first in out and skip(job, out[first]) else self.fn(job)
+            return [out[job] for job in jobs]
         try:
-            return self._map_on_pool(list(dict.fromkeys(jobs)), jobs, after or {})
+            return self._map_on_pool(list(dict.fromkeys(jobs)), jobs, after, skip)
         except BrokenProcessPool:  # a worker died (killed for memory?): go on here, in turn
             self.close()
             self.count = 1
@@ -115,7 +133,7 @@ class Workers:
         """Drop the background jobs not handed to a worker yet (those running finish; no one waits)."""
         self._queued.clear()
 
-    def _map_on_pool(self, own: list, jobs: list, after: dict) -> list:
+    def _map_on_pool(self, own: list, jobs: list, after: dict, skip: Callable | None) -> list:
         futures = {job: self._background.pop(job) for job in own if job in self._background}
         self._queued = [job for job in self._queued if job not in own]
         todo = [job for job in own if job not in futures]
@@ -123,6 +141,10 @@ class Workers:
             running = [f for f in (*futures.values(), *self._background.values()) if not f.done()]
             free = self.count - len(running)
             for job in [j for j in todo if after.get(j) not in own or (after[j] in futures and futures[after[j]].done())]:
+                if skip and after.get(job) in futures and skip(job, futures[after[job]].result()):
+                    todo.remove(job)
+                    futures[job] = _done(SKIPPED)
+                    continue
                 if free <= 0:
                     break
                 todo.remove(job)
