@@ -8,11 +8,11 @@ import pytest
 
 from memfit.memory.budget import Budget
 from memfit.planner.gpu_time import GpuStepModel
-from memfit.planner.workers import SKIPPED
 from memfit.planner.search import plan
 from memfit.planner.shallow import depths, extrapolate_ops, shallow_workload
 from memfit.planner.space import SearchSpace, model_facts
 from memfit.planner.timing import trace_step
+from memfit.planner.workers import SKIPPED
 from memfit.plans import Plan
 from memfit.target import Target
 

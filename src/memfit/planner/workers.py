@@ -19,8 +19,9 @@ Two things kept a core idle or busy for nothing while the planner measured befor
 at 8 x 1024 for 2 GiB on the h100-80gb preset, 2 cores):
 - **A compile done twice.** torchao's 4-bit update compiles a graph per parameter shape, 14.6 s of
   a worker on a cold cache. Both traces of its shallow pair compiled it at once, one per worker,
-  where the deeper one, run after the shallower, finds every graph in Inductor's cache (0.5 s).
-  :meth:`Workers.map` takes ``after``: a job starts only once the job it names has ended.
+  where the deeper one, run after the shallower, loads all 9 graphs from Inductor's cache (3.4 s).
+  :meth:`Workers.map` takes ``after``: a job starts only once the job it names has ended (and
+  ``skip``: a job the result of that one makes needless does not run).
 - **A wait between two batches.** The values that only add work are measured after the others,
   and only where the others leave the question open (NOTE [ Work-adding values when the default
   plan fits ] in memfit.planner.gpu_time). :meth:`Workers.start` queues them behind the others
@@ -127,7 +128,8 @@ class Workers:
         while it waits, and a later :meth:`map` takes their results. Here (one process) they run
         only when a :meth:`map` asks for them."""
         if self.count > 1:
-            self._queued += [job for job in dict.fromkeys(jobs) if job not in self._background and job not in self._queued]
+            new = [job for job in dict.fromkeys(jobs) if job not in self._background and job not in self._queued]
+            self._queued += new
 
     def cancel(self) -> None:
         """Drop the background jobs not handed to a worker yet (those running finish; no one waits)."""
