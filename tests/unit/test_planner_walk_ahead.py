@@ -67,7 +67,7 @@ class _Ladder(Ladder):
     def traced(self, plan):
         return plan in self.full.found
 
-    def measure_together(self, plans):
+    def measure_together(self, plans, skip_over=False):
         self.together.append(list(plans))
         for p in plans:
             self.full.evaluate(p)
