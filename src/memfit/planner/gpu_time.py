@@ -113,21 +113,26 @@ def _adds_work(key: tuple[str, object]) -> bool:
     return technique_of(name).config({name: value}).adds_work  # (the value alone: budget:F needs a compile mode in a Plan)
 
 
-def _after_shared_compiles(jobs: list[tuple]) -> dict:
-    """Job -> the job it waits for: each deeper trace of a plan whose graphs are the same at every
-    depth (torchao's update, one per parameter shape; ``compile: blocks``, one per block) starts
-    after its shallowest, and finds them in Inductor's cache (NOTE [ Jobs in the background, and
-    after the compile they share ] in memfit.planner.workers)."""
+def _after_shallowest(jobs: list[tuple], which) -> dict:
+    """Job -> the job it waits for: among the ``jobs`` of the plans ``which(plan)`` names, each
+    deeper trace (full depth last) of a plan and batch starts after its shallowest one."""
     first, after = {}, {}
-    for job in sorted(jobs, key=lambda j: (j[1] is None, j[1] or 0)):
-        plan, _, batch = job
-        if not (plan.config("compile").mode == "blocks" or any(c.compiles_per_weight_dtype for c in plan.techniques)):
-            continue
-        if (plan, batch) in first:
-            after[job] = first[plan, batch]
+    for job in sorted((j for j in jobs if which(j[0])), key=lambda j: (j[1] is None, j[1] or 0)):
+        key = (job[0], job[2])
+        if key in first:
+            after[job] = first[key]
         else:
-            first[plan, batch] = job
+            first[key] = job
     return after
+
+
+def _shares_compiles(plan: Plan) -> bool:
+    """The plan's compiled graphs are the same at every depth (torchao's update, one per parameter
+    shape; ``compile: blocks``, one per block): a deeper trace after the shallowest finds them in
+    Inductor's cache (NOTE [ Jobs in the background, and after the compile they share ] in
+    memfit.planner.workers)."""
+    return (plan.config("compile").mode == "blocks"
+            or any(c.compiles_per_weight_dtype for c in plan.techniques))
 
 
 def _weight_bytes(n_params: int, plan: Plan) -> int:
@@ -251,7 +256,8 @@ class GpuStepModel(StepTimeModel):
         pairs = {key: elsewhere.get(key, (plan, self.base)) for key, plan in alone.items()}
         if self._may_fit_alone():  # NOTE [ Work-adding values when the default plan fits ]
             others = {k: pair for k, pair in pairs.items() if not _adds_work(k)}
-            self.trace_shallow(_plans_of([self.base], others.values()), behind=_plans_of([], pairs.values()))
+            self.trace_shallow(_plans_of([self.base], others.values()),
+                               behind=_plans_of([], pairs.values()))
             if self._fastest_fits(others):
                 left = [k for k in alone if _adds_work(k)]
                 for name, value in left:
@@ -617,15 +623,10 @@ class GpuStepModel(StepTimeModel):
         UserError, or _Deep when a shallow trace failed for another reason: then shallow traces
         stop); ``behind``: jobs queued after them, in the background, for a later call to take."""
         todo = list(dict.fromkeys(j for j in jobs if j not in self._traced))
-        after = _after_shared_compiles(todo)
+        after = _after_shallowest(todo, _shares_compiles)
         todo.sort(key=lambda job: job not in after.values())  # (the compiles first: the longest jobs)
-        if skip_over:  # each deeper trace after its plan's shallower one, which may make it needless
-            first: dict = {}
-            for job in sorted((j for j in todo if j[1] is not None), key=lambda j: j[1]):
-                if (job[0], job[2]) in first:
-                    after.setdefault(job, first[job[0], job[2]])
-                else:
-                    first[job[0], job[2]] = job
+        if skip_over:  # each deeper shallow trace after its plan's shallower one (which may make it needless)
+            after = {**_after_shallowest([j for j in todo if j[1] is not None], lambda plan: True), **after}
         t0 = time.perf_counter()
         for job, result in zip(todo, self.workers.map(todo, after=after, behind=list(behind),
                                                       skip=self._skip_deeper if skip_over else None)):

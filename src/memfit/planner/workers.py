@@ -117,7 +117,7 @@ class Workers:
                     out[job] = SKIPPED if skip and first in out and skip(job, out[first]) else self.fn(job)
             return [out[job] for job in jobs]
         try:
-            return self._map_on_pool(list(dict.fromkeys(jobs)), jobs, after, skip)
+            return self._map_on_pool(jobs, after, skip)
         except BrokenProcessPool:  # a worker died (killed for memory?): go on here, in turn
             self.close()
             self.count = 1
@@ -135,7 +135,8 @@ class Workers:
         """Drop the background jobs not handed to a worker yet (those running finish; no one waits)."""
         self._queued.clear()
 
-    def _map_on_pool(self, own: list, jobs: list, after: dict, skip: Callable | None) -> list:
+    def _map_on_pool(self, jobs: list, after: dict, skip: Callable | None) -> list:
+        own = list(dict.fromkeys(jobs))
         futures = {job: self._background.pop(job) for job in own if job in self._background}
         self._queued = [job for job in self._queued if job not in own]
         todo = [job for job in own if job not in futures]
