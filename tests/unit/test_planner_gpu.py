@@ -202,6 +202,33 @@ def test_workers_run_a_shared_compile_first_and_queue_jobs_in_the_background(tmp
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
+AFFINITY = """
+import os, time
+from memfit.planner.workers import Workers
+def job(name):
+    start = time.time()
+    time.sleep({"slow": 1.5, "compile": 0.5}.get(name.split("-")[0], 0.1))
+    return name, start, time.time(), os.getpid()
+w = Workers(job, affinity=lambda name: name.split("-")[0] if name.startswith("compile") else None)
+assert w.count == 2
+out = {o[0]: o for o in w.map(["slow-0", "compile-a", "compile-b", "other-1"])}
+(_, _, a_end, a_pid), (_, b_start, _, b_pid) = out["compile-a"], out["compile-b"]
+assert a_pid != out["slow-0"][3] and b_pid == a_pid and b_start >= a_end, out
+again = w.map(["compile-c", "other-2"])
+assert again[0][3] == a_pid and again[1][3] != a_pid, (again, a_pid)   # its key's process, both idle
+w.close()
+print("ok")
+"""
+
+
+def test_a_compiling_job_runs_in_the_process_that_compiled_its_key():
+    """NOTE [ A compile's traces in the process that compiled it ]: jobs of one affinity key run in
+    one process, in turn (the other process runs the rest), also when both are idle."""
+    env = {"MEMFIT_PLAN_WORKERS": "2", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", AFFINITY], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 def test_workers_fork_and_fall_back_where_a_worker_dies_or_autograd_cannot_follow():
     env = {"MEMFIT_PLAN_WORKERS": "2", "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", WORKERS], capture_output=True, text=True, env=env, timeout=120)

@@ -131,8 +131,17 @@ def _shares_compiles(plan: Plan) -> bool:
     shape; ``compile: blocks``, one per block): a deeper trace after the shallowest finds them in
     Inductor's cache (NOTE [ Jobs in the background, and after the compile they share ] in
     memfit.planner.workers)."""
-    return (plan.config("compile").mode == "blocks"
-            or any(c.compiles_per_weight_dtype for c in plan.techniques))
+    return _compiles((plan, None, None)) is not None
+
+
+def _compiles(job: tuple) -> tuple | None:
+    """What a trace job compiles, as a key (None: nothing): the job runs in a worker that compiled
+    it before (NOTE [ A compile's traces in the process that compiled it ] in memfit.planner.workers)."""
+    plan = job[0]
+    if plan.config("compile").mode == "blocks":
+        return ("blocks", plan)
+    per_weight = tuple((c.name, *map(str, c.values().values())) for c in plan.techniques if c.compiles_per_weight_dtype)
+    return (per_weight, plan.config("precision").weights) if per_weight else None
 
 
 def _weight_bytes(n_params: int, plan: Plan) -> int:
@@ -235,7 +244,7 @@ class GpuStepModel(StepTimeModel):
         self._containers = tuple(name for name, _ in find_blocks(facts.model))
         """The repeated-block containers (their module names give an allocation's block)."""
         # forked children cannot use CUDA once the parent has: no workers where tensors are CUDA's
-        self.workers = Workers(self._trace, fork=target.tensor_device != "cuda")
+        self.workers = Workers(self._trace, fork=target.tensor_device != "cuda", affinity=_compiles)
 
     def close(self) -> None:
         self.workers.close()

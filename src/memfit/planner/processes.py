@@ -1,0 +1,121 @@
+"""Forked worker processes that the planner hands jobs to one by one, each to a process it picks.
+
+``concurrent.futures.ProcessPoolExecutor`` hands a job to whichever worker takes it first. A fake
+trace of torchao's update compiles a graph per parameter shape: 15 s of the process that compiles
+them on a cold cache, 0.5 s for that process to trace the same update again (the graphs are in its
+memory), and 3 s for another process (it loads the 9 graphs of GPT-2 from Inductor's disk cache).
+So memfit.planner.workers picks the process: these are plain forked processes, one pipe each, and
+a job goes to the process it names (NOTE [ A compile's traces in the process that compiled it ] in
+memfit.planner.workers).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures.process import BrokenProcessPool
+from multiprocessing.connection import wait
+
+
+def _serve(conn, fn: Callable, first: Callable) -> None:
+    """A worker's loop: answer ``first()`` once, then ``fn(job)`` for each job until told to stop."""
+    import torch
+    torch.set_num_threads(1)
+    try:
+        conn.send((True, first()))
+    except Exception as e:  # noqa: BLE001 - told to the parent, which runs the jobs itself
+        conn.send((False, RuntimeError(repr(e))))
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        if job is None:
+            return
+        try:
+            answer = (True, fn(job))
+        except BaseException as e:  # noqa: BLE001 - raised in the parent, as the executor does
+            answer = (False, e)
+        try:
+            conn.send(answer)
+        except Exception as e:  # noqa: BLE001 - an answer that does not pickle
+            conn.send((False, RuntimeError(f"{type(e).__name__}: {e}")))
+
+
+class ForkedProcesses:
+    """``count`` processes forked from this one, each running ``fn`` on the jobs sent to it.
+
+    ``first()`` runs in each process before any job; :attr:`firsts` holds what each answered (None
+    where it raised)."""
+
+    def __init__(self, count: int, fn: Callable, first: Callable) -> None:
+        context = multiprocessing.get_context("fork")
+        self._conns, self._procs = [], []
+        for _ in range(count):
+            parent, child = context.Pipe()
+            proc = context.Process(target=_serve, args=(child, fn, first), daemon=True)
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self._busy: dict[int, Future] = {}
+        self.firsts = []
+        for conn in self._conns:
+            try:
+                ok, answer = conn.recv()
+            except EOFError:
+                ok, answer = False, None
+            self.firsts.append(answer if ok else None)
+
+    @property
+    def count(self) -> int:
+        return len(self._procs)
+
+    def idle(self) -> list[int]:
+        return [i for i in range(self.count) if i not in self._busy]
+
+    def submit(self, i: int, job) -> Future:
+        """Send ``job`` to process ``i`` (idle); its future is set by :meth:`wait_any`."""
+        assert i not in self._busy, i
+        future: Future = Future()
+        try:
+            self._conns[i].send(job)
+        except (BrokenPipeError, OSError) as e:
+            raise BrokenProcessPool(f"worker {i} is gone: {e}") from e
+        self._busy[i] = future
+        return future
+
+    def wait_any(self) -> None:
+        """Block until a busy process answers; set the future of each that has."""
+        if not self._busy:
+            return
+        ready = wait([self._conns[i] for i in self._busy])
+        for i in [i for i in list(self._busy) if self._conns[i] in ready]:
+            future = self._busy.pop(i)
+            try:
+                ok, answer = self._conns[i].recv()
+            except (EOFError, OSError) as e:  # the process died (killed for memory?)
+                raise BrokenProcessPool(f"worker {i} died") from e
+            if ok:
+                future.set_result(answer)
+            else:
+                future.set_exception(answer)
+
+    def close(self) -> None:
+        """Stop the processes: those idle when told, those running a job at once (no one waits)."""
+        for i, (conn, proc) in enumerate(zip(self._conns, self._procs)):
+            if i in self._busy:
+                proc.terminate()
+            else:
+                try:
+                    conn.send(None)
+                except OSError:
+                    proc.terminate()
+        for conn, proc in zip(self._conns, self._procs):
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+            conn.close()
+        self._busy.clear()
