@@ -120,3 +120,84 @@ def test_a_plan_measured_alongside_that_came_out_slower_waits_for_the_faster_est
     ranked = [Candidate(p, s) for p, s in seconds.items()]
     chosen = Walk(4, Budget(10 * GiB, get_device("h100-80gb")), model, ladder, None, 60).run(ranked)
     assert ladder.together[0] == [fast, slow] and chosen.plan == next_
+
+
+class _Rung:
+    def __init__(self, fidelity: Fidelity, used: dict, ladder) -> None:
+        self.fidelity, self.used, self.ladder = fidelity, used, ladder
+
+    def evaluate(self, plan):
+        if self.fidelity is Fidelity.DEEP:
+            return None if self.used.get(plan) is None else Evidence(Fidelity.DEEP, used_bytes=self.used[plan])
+        evidence = Evidence(self.fidelity, used_bytes=self.used[plan])
+        if self.fidelity is Fidelity.FULL:
+            assert plan in self.ladder.full_traced, plan  # (a full trace is run by prefetch, or here)
+        self.ladder.found[plan] = evidence
+        return evidence
+
+
+class _DeepLadder(Ladder):
+    """A shallow rung (lower bounds), the deep rung and full traces, with one spare worker; the
+    full traces run together (``prefetch``) are recorded."""
+
+    spare_workers = 1
+    estimate = None
+
+    def __init__(self, lower: dict, deep: dict, full: dict) -> None:
+        self.first, self.deep = _Rung(Fidelity.LOWER_BOUND, lower, self), _Rung(Fidelity.DEEP, deep, self)
+        self.full = _FullRung(full, self)
+        self.found, self.full_traced, self.prefetched = {}, set(), []
+
+    @property
+    def traces(self):
+        return len(self.found) + len(self.full_traced)
+
+    def evidence(self, plan):
+        return self.found.get(plan)
+
+    def full_evidence(self):
+        return [(p, e) for p, e in self.found.items() if e.fidelity is Fidelity.FULL]
+
+    def has_full_trace(self, plan):
+        return plan in self.full_traced
+
+    def traced(self, plan):
+        return plan in self.found
+
+    def prefetch(self, plans):
+        self.prefetched.append(list(plans))
+        self.full_traced.update(plans)
+
+
+class _FullRung(_Rung):
+    def __init__(self, used: dict, ladder) -> None:
+        super().__init__(Fidelity.FULL, used, ladder)
+
+    def evaluate(self, plan):
+        self.ladder.full_traced.add(plan)
+        return super().evaluate(plan)
+
+
+def _deep_walk(full_of_ruled_out: int):
+    """The fastest plan fits by its lower bound but its deep figure (12 GiB) rules it out; the next
+    is too big; the third has no deep figure and fits by its full trace."""
+    ruled, big, chosen = Plan(loss_chunks=8), Plan(), Plan(checkpointing="blocks")
+    seconds = {ruled: 1.0, big: 2.0, chosen: 3.0}
+    ladder = _DeepLadder(lower={ruled: 8 * GiB, big: 15 * GiB, chosen: 9 * GiB}, deep={ruled: 12 * GiB},
+                         full={ruled: full_of_ruled_out, chosen: int(9.5 * GiB)})
+    ranked = [Candidate(p, s) for p, s in seconds.items()]
+    walk = Walk(4, Budget(10 * GiB, get_device("h100-80gb")), _Model(seconds), ladder, None, 60)
+    return walk.run(ranked), walk, ladder, (ruled, big, chosen)
+
+
+def test_a_plan_the_deep_rung_ruled_out_is_traced_in_full_alongside_the_confirmation_to_check_it():
+    """NOTE [ A full trace for the deep rung's check, alongside ]: the plan about to be chosen has no
+    deep figure, so nothing would check the deep rung; the idle worker traces the plan it ruled out
+    in full, alongside the confirmation. It agrees: the rung stands, with no trace after the choice.
+    Where that full trace fits, the rung missed: the plan it ruled out is chosen (it is faster)."""
+    chosen, walk, ladder, (ruled, big, plan) = _deep_walk(full_of_ruled_out=12 * GiB)
+    assert chosen.plan == plan and ladder.prefetched == [[plan, ruled]]
+    assert not walk.notes and ladder.full_traced == {plan, ruled}
+    chosen, walk, ladder, (ruled, big, plan) = _deep_walk(full_of_ruled_out=int(9.8 * GiB))
+    assert chosen.plan == ruled and ladder.prefetched[0] == [plan, ruled]
+    assert walk.notes and "missed a full trace" in walk.notes[0]
