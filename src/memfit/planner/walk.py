@@ -321,20 +321,19 @@ class Walk:
         """NOTE [ Deep stream checked ]: every full trace at hand within the deep rung's margin."""
         if not self.deep_rejected or not self.trust_deep:
             return True
+        fitting = []  # (ruled out, and fits by its full trace)
         for c in self.deep_rejected:  # (traced alongside: NOTE [ A full trace for the deep rung's check, alongside ])
-            if self.ladder.has_full_trace(c.plan) and not self.ladder.is_final(c.plan):
+            if self.ladder.has_full_trace(c.plan):
                 try:
                     with silenced_warnings():
-                        self.ladder.full.evaluate(c.plan)  # (no new trace)
+                        full = self.ladder.full.evaluate(c.plan)  # (no new trace)
                 except UserError:
-                    pass
+                    continue
+                if full.used_bytes <= self.budget.bytes:
+                    fitting.append((full.used_bytes, c.used_bytes))
         margin = Fidelity.DEEP.margin
         checked = self.ladder.full_and_deep()
-        missed = [(full, deep) for full, deep in checked if abs(deep - full) > margin * full]
-        for c in self.deep_rejected:  # (ruled out, and fits by its full trace)
-            full = self.ladder.evidence(c.plan) if self.ladder.is_final(c.plan) else None
-            if full is not None and full.used_bytes <= self.budget.bytes:
-                missed.append((full.used_bytes, c.used_bytes))
+        missed = [(full, deep) for full, deep in checked if abs(deep - full) > margin * full] + fitting
         if checked and not missed:
             return True
         why = (f"missed a full trace ({fmt_bytes(missed[0][0])}) by more than {margin:.1%} "

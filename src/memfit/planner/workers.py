@@ -52,6 +52,7 @@ from memfit.planner.processes import ForkedProcesses
 
 MAX_WORKERS = 8
 
+
 def worker_count() -> int:
     """Processes for traces: ``MEMFIT_PLAN_WORKERS`` if set, else one per usable CPU core (at most
     ``MAX_WORKERS``); 1 where processes cannot be forked."""
@@ -165,7 +166,7 @@ class Workers:
             self._pool.wait_any()
 
     def _worker_for(self, job) -> int | None:
-        """An idle process for ``job``: one that ran its affinity key, else any that did not (None:
+        """An idle process for ``job``: one that ran its affinity key, else, where none did, any (None:
         none is idle, or those that ran its key are busy)."""
         idle = self._pool.idle()
         key = self.affinity(job) if self.affinity else None
