@@ -216,6 +216,9 @@ out = {o[0]: o for o in w.map(["slow-0", "compile-a", "compile-b", "other-1"])}
 assert a_pid != out["slow-0"][3] and b_pid == a_pid and b_start >= a_end, out
 again = w.map(["compile-c", "other-2"])
 assert again[0][3] == a_pid and again[1][3] != a_pid, (again, a_pid)   # its key's process, both idle
+(_, _, _, x_pid), = w.map(["compile2-x"])   # (both idle: the first process)
+other, compiled = w.map(["slow-3", "compile2-y"])   # a job with no key, given first, leaves it the warm process
+assert compiled[3] == x_pid and other[3] != x_pid and compiled[1] < other[2], (other, compiled, x_pid)
 w.close()
 print("ok")
 """
@@ -223,7 +226,8 @@ print("ok")
 
 def test_a_compiling_job_runs_in_the_process_that_compiled_its_key():
     """NOTE [ A compile's traces in the process that compiled it ]: jobs of one affinity key run in
-    one process, in turn (the other process runs the rest), also when both are idle."""
+    one process, in turn (the other process runs the rest), also when both are idle, and a job
+    without a key given first leaves that process to them."""
     env = {"MEMFIT_PLAN_WORKERS": "2", "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", AFFINITY], capture_output=True, text=True, env=env, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr[-2000:]

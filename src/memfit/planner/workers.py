@@ -147,7 +147,8 @@ class Workers:
         self._queued = [job for job in self._queued if job not in own]
         todo = [job for job in own if job not in futures]
         while True:
-            for job in [j for j in todo if after.get(j) not in own or (after[j] in futures and futures[after[j]].done())]:
+            ready = [j for j in todo if after.get(j) not in own or (after[j] in futures and futures[after[j]].done())]
+            for job in sorted(ready, key=lambda j: not self._is_warm(j)):  # (a warm process to its key's job first)
                 if skip and after.get(job) in futures and skip(job, futures[after[job]].result()):
                     todo.remove(job)
                     futures[job] = _done(SKIPPED)
@@ -164,6 +165,13 @@ class Workers:
             if not todo and all(f.done() for f in futures.values()):
                 return [futures[job].result() for job in jobs]
             self._pool.wait_any()
+
+    def _is_warm(self, job) -> bool:
+        """Some process ran a job of ``job``'s affinity key: it waits for that one, which the jobs
+        without a key leave to it (two jobs given at once, a full trace and a 4-bit plan's whose
+        process compiled the update, ran in turn in that process while the other idled)."""
+        key = self.affinity(job) if self.affinity else None
+        return key is not None and any(key in keys for keys in self._warm)
 
     def _worker_for(self, job) -> int | None:
         """An idle process for ``job``: one that ran its affinity key, else, where none did, any (None:
