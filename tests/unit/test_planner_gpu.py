@@ -265,3 +265,48 @@ def test_a_plan_over_the_budget_at_the_shallower_depth_is_not_traced_deeper():
     assert model._traced[(plans[1], model._depths(plans[1])[1], None)] == SKIPPED and m.shallower_only
     assert model.budget.bytes < m.used_lower <= pairs[plans[1]].used_lower
     assert m.seconds == model.predict(plans[1]) and plans[1] not in model.newly_measured()
+
+
+class _Recorded:
+    """The model's workers, with what it queues in the background and drops recorded."""
+
+    def __init__(self, workers) -> None:
+        self.workers, self.started, self.cancels = workers, [], 0
+
+    def __getattr__(self, name):
+        return getattr(self.workers, name)
+
+    def start(self, jobs):
+        self.started += list(jobs)
+        self.workers.start(jobs)
+
+    def map(self, jobs, after=None, behind=(), skip=None):
+        self.started += list(behind)
+        return self.workers.map(jobs, after=after, behind=behind, skip=skip)
+
+    def cancel(self):
+        self.cancels += 1
+        self.workers.cancel()
+
+
+def test_the_walks_first_traces_are_queued_behind_the_measuring_and_each_round_replaces_the_queue():
+    """NOTE [ The walk's first traces behind the measuring ]: the plans the search hands to
+    ``prepare`` (the maximal ones) and the base at each other micro-batch size are queued behind its
+    traces, shallower first; NOTE [ The next round's traces in the background ]: the walk's queue
+    drops what was queued and queues each plan's shallower trace, not one traced already."""
+    space = SearchSpace(values={"precision": ["bf16"], "loss_chunks": [0, 8]}, micro_batches=[8, 4])
+    model = _model(_target(), space)
+    model.workers = recorded = _Recorded(model.workers)
+    ahead = Plan(precision="bf16", loss_chunks=8, checkpointing="blocks")
+    try:
+        model.prepare(ahead=[ahead])
+        base = model.base
+        (d, e) = model._depths(base)
+        assert [j for j in dict.fromkeys(recorded.started) if j[0] == ahead or j[2] == 4] == [
+            (ahead, d, None), (ahead, e, None), (base, d, 4), (base, e, 4)]
+        new, old = Plan(precision="bf16", checkpointing="selective"), Plan(precision="bf16")
+        cancels, recorded.started = recorded.cancels, []
+        model.queue_shallowest([new, old])
+        assert recorded.cancels == cancels + 1 and recorded.started == [(new, d, None)]
+    finally:
+        model.close()

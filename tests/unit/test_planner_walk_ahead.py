@@ -62,10 +62,13 @@ class _Ladder(Ladder):
 
     def __init__(self, trace: _Trace, estimated: dict) -> None:
         super().__init__(trace)
-        self.estimate, self.together = _Estimate(estimated), []
+        self.estimate, self.together, self.queued = _Estimate(estimated), [], []
 
     def traced(self, plan):
         return plan in self.full.found
+
+    def queue(self, plans):
+        self.queued.append(list(plans))
 
     def measure_together(self, plans, skip_over=False):
         self.together.append(list(plans))
@@ -95,6 +98,23 @@ def test_the_next_plan_the_walk_would_measure_is_measured_with_the_one_it_visits
     assert by_plan[plain].status is Status.PRUNED and by_plan[ckpt].status is Status.TOO_BIG
     chosen, ladder, _, _ = _walk(alongside=False)  # (--methods: the searches share the cores)
     assert ladder.together == [] and chosen.plan == both and ladder.full.order == [fast, both]
+
+
+def test_each_round_queues_the_next_rounds_plans_in_the_background():
+    """NOTE [ The next round's traces in the background ]: with the two plans it measures, a round
+    queues the two the walk would measure next were both to fail: not the default plan (it saves no
+    more than the fastest), and not plans measured already."""
+    fast, ckpt, plain, bf16, mb2, both = Plan(loss_chunks=8), Plan(checkpointing="blocks"), Plan(), \
+        Plan(precision="bf16"), Plan(micro_batch_size=2), Plan(checkpointing="blocks", loss_chunks=8)
+    seconds = {fast: 1.0, ckpt: 2.0, plain: 2.5, bf16: 3.0, mb2: 4.0, both: 5.0}
+    used = {fast: 20 * GiB, ckpt: 25 * GiB, plain: 30 * GiB, bf16: 12 * GiB, mb2: 8 * GiB, both: 8 * GiB}
+    for alongside, together, queued in ((True, [[fast, ckpt], [bf16, mb2]], [[bf16, mb2], [both]]), (False, [], [])):
+        ladder = _Ladder(_Trace(used), {p: 5 * GiB for p in seconds})
+        ranked = [Candidate(p, s) for p, s in seconds.items()]
+        walk = Walk(4, Budget(10 * GiB, get_device("h100-80gb")), _Model(seconds), ladder, None, 60,
+                    alongside=alongside)
+        assert walk.run(ranked).plan == mb2
+        assert ladder.together == together and ladder.queued == queued
 
 
 class _Measuring(_Trace):

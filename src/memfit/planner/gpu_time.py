@@ -79,6 +79,18 @@ from memfit.techniques.checkpointing import find_blocks
 # walk measured needed more than 2 GiB at 2 blocks (2.21-3.48 GiB). The values measured alone before
 # the walk keep both traces: their savings and ratios are taken from the pair.
 
+# NOTE [ The walk's first traces behind the measuring ]
+# While one worker compiled torchao's 4-bit update for GPT-2 at 8 x 1024 (2 GiB, h100-80gb; 15 s
+# cold), the other ended every other trace before the walk and idled 5.6 s. The walk then began
+# with what nothing measured before it decides: the maximal plans that do not split the batch
+# (NOTE [ Maximal plans first when nothing measured fits ] in memfit.planner.walk; 2.4 s of traces)
+# and the base's step at each micro-batch size (a split plan's estimated saving, asked for in the
+# walk's second round). The search hands those plans to :meth:`GpuStepModel.prepare`, which queues
+# their pairs behind its own (memfit.planner.workers): the idle worker traces them, and the walk
+# takes the results. Where the fastest of the default plan and each value alone fits, they are
+# dropped with the work-adding values (:meth:`Workers.cancel`); a trace already running finishes.
+# The searches of ``--methods`` share the cores and queue none.
+
 # NOTE [ Work-adding values when the default plan fits ]
 # A value that only adds work (``Config.adds_work``: checkpointing's recompute, offload's copies, a
 # chunked loss's loop) cannot make a plan faster. So where the default plan may fit (its weights,
@@ -250,9 +262,11 @@ class GpuStepModel(StepTimeModel):
         self.workers.close()
 
     # -- tier 1: estimates ---------------------------------------------------------------------
-    def prepare(self) -> None:
+    def prepare(self, ahead: list[Plan] = ()) -> None:
         """Measure the default plan and each searched value alone, for the estimates (values that
-        do not suit the workload leave the space, with the reason in ``excluded``)."""
+        do not suit the workload leave the space, with the reason in ``excluded``); ``ahead``: plans
+        the walk may measure first, queued behind (NOTE [ The walk's first traces behind the
+        measuring ])."""
         self.base = self._base_plan()
         alone = {}
         for name, values in self.space.values.items():
@@ -263,10 +277,11 @@ class GpuStepModel(StepTimeModel):
         micro = [m for m in self.space.micro_batches if m != self.rank_batch]
         elsewhere = self._measured_elsewhere(alone)  # NOTE [ Compiled updates measured at the smallest weights ]
         pairs = {key: elsewhere.get(key, (plan, self.base)) for key, plan in alone.items()}
+        then = self._walk_first_jobs(ahead, micro)
         if self._may_fit_alone():  # NOTE [ Work-adding values when the default plan fits ]
             others = {k: pair for k, pair in pairs.items() if not _adds_work(k)}
             self.trace_shallow(_plans_of([self.base], others.values()),
-                               behind=_plans_of([], pairs.values()))
+                               behind=_plans_of([], pairs.values()), then=then)
             if self._fastest_fits(others):
                 left = [k for k in alone if _adds_work(k)]
                 for name, value in left:
@@ -276,7 +291,7 @@ class GpuStepModel(StepTimeModel):
                     self.space.notes.append(
                         f"{', '.join(sorted({n for n, _ in left}))} not searched: these values only add work, and the "
                         "fastest of the default plan and each other value alone fits (by its full trace)")
-        self.trace_shallow(_plans_of([self.base], pairs.values()))
+        self.trace_shallow(_plans_of([self.base], pairs.values()), then=then)
         base = self.measure(self.base)
         for (name, value), (with_value, without) in pairs.items():
             try:
@@ -295,6 +310,14 @@ class GpuStepModel(StepTimeModel):
                 ref = self._precision_alone(value)
                 if ref is not None:
                     self._forward_backward_cpu[ref] = self._forward_backward(ref)
+
+    def _walk_first_jobs(self, ahead: list[Plan], micro: list[int]) -> list[tuple]:
+        """NOTE [ The walk's first traces behind the measuring ]: the shallow pairs of ``ahead`` and
+        the base's at each micro-batch size in ``micro`` (what a split plan's estimate asks for)."""
+        pair = self._depths(self.base)
+        if not pair:
+            return []
+        return [*(self._jobs(list(ahead)) if ahead else []), *((self.base, d, m) for m in micro for d in pair)]
 
     def _jobs(self, plans: list[Plan]) -> list[tuple]:
         """The shallow pairs (or full traces) of ``plans``, the shallower depth of every plan first: the
@@ -568,14 +591,24 @@ class GpuStepModel(StepTimeModel):
         self._new.append(plan)
         return m
 
-    def trace_shallow(self, plans: list[Plan], behind: list[Plan] = (), skip_over: bool = False) -> None:
+    def trace_shallow(self, plans: list[Plan], behind: list[Plan] = (), skip_over: bool = False,
+                      then: list[tuple] = ()) -> None:
         """Run the shallow pairs of ``plans`` together (in parallel; :meth:`measure` then reads them);
-        those of ``behind`` are queued after them, in the background (memfit.planner.workers).
-        ``skip_over``: a plan over the budget at its shallower depth is not traced deeper (NOTE [ The
-        deeper trace of a plan over the budget at the shallower depth ])."""
+        those of ``behind``, then the jobs ``then``, are queued after them, in the background
+        (memfit.planner.workers). ``skip_over``: a plan over the budget at its shallower depth is not
+        traced deeper (NOTE [ The deeper trace of a plan over the budget at the shallower depth ])."""
         jobs = self._jobs(plans)
-        rest = [j for j in (self._jobs(list(behind)) if behind else []) if j not in jobs and j not in self._traced]
+        rest = [*(self._jobs(list(behind)) if behind else []), *then]
+        rest = [j for j in dict.fromkeys(rest) if j not in jobs and j not in self._traced]
         self._run(jobs, check=False, behind=rest, skip_over=skip_over and len(plans) > 1)
+
+    def queue_shallowest(self, plans: list[Plan]) -> None:
+        """The shallowest trace of each of ``plans`` (those with a pair) queued in the background, in
+        place of what was queued before (NOTE [ The next round's traces in the background ] in
+        memfit.planner.walk)."""
+        self.workers.cancel()
+        jobs = [(p, pair[0], None) for p in plans for pair in [self._depths(p)] if pair]
+        self.workers.start([j for j in jobs if j not in self._traced])
 
     def _shallow_lower(self, t: Traced) -> int:
         """A lower bound of the full plan's need from one shallow trace (more blocks hold no less)."""

@@ -102,6 +102,11 @@ class Ladder:
     def prefetch(self, plans: list[Plan]) -> None:
         """Run the top rung of ``plans`` together (spare workers)."""
 
+    def queue(self, plans: list[Plan]) -> None:
+        """Queue the first trace of ``plans``' first rung in the background, in place of what was
+        queued before: idle workers run it, a later measure takes it (NOTE [ The next round's traces
+        in the background ] in memfit.planner.walk)."""
+
     def measure_together(self, plans: list[Plan], skip_over: bool = False) -> None:
         """Run the first rung of ``plans`` together (on the workers at once; evaluate then reads it);
         ``skip_over``: a plan that its first trace shows over the budget is not traced further (its
@@ -205,6 +210,9 @@ class GpuLadder(Ladder):
     def prefetch(self, plans: list[Plan]) -> None:
         with silenced_warnings():
             self.model.trace_full(plans)
+
+    def queue(self, plans: list[Plan]) -> None:
+        self.model.queue_shallowest(plans)
 
     def measure_together(self, plans: list[Plan], skip_over: bool = False) -> None:
         if plans:

@@ -45,7 +45,7 @@ from memfit.planner.space import (
     model_facts,
 )
 from memfit.planner.time_model import StepTimeModel
-from memfit.planner.walk import Walk
+from memfit.planner.walk import Walk, maximal
 from memfit.plans import Plan, technique_of
 from memfit.quiet import silenced_warnings
 from memfit.step import build_step
@@ -195,8 +195,9 @@ def _trainable(target: Target, facts, given: dict) -> int:
 def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Plan], constrained: dict,
             model: StepTimeModel, steps: int | None, max_traces: int, progress, alongside: bool = True) -> PlanResult:
     wl, dev, bs, budget_bytes = target.workload, target.device, target.batch_size, budget_obj.bytes
+    whole = [c.plan for c in maximal([Candidate(p, 0.0) for p in plans], bs) if c.plan.micro_batches(bs)[1] == 1]
     with silenced_warnings():
-        model.prepare()
+        model.prepare(ahead=whole if alongside else [])  # NOTE [ The walk's first traces behind the measuring ]
     for name, value in constrained.items():
         if not space.values[name]:  # the time model's runs found that the value does not suit the workload
             why = next((x.split(": ", 1)[-1] for x in model.excluded if x.startswith(f"{name}=")), "")

@@ -73,8 +73,9 @@ class StepTimeModel:
         """Whether ``plan``'s estimate may have changed now that ``measured`` are."""
         return False
 
-    def prepare(self) -> None:
-        """Measure what the estimates need (before the first ``predict``)."""
+    def prepare(self, ahead: list[Plan] = ()) -> None:
+        """Measure what the estimates need (before the first ``predict``). ``ahead``: plans the walk
+        may measure first, which idle workers may trace meanwhile."""
 
     def close(self) -> None:
         """Release what the model holds (worker processes)."""

@@ -41,6 +41,16 @@ model with no repeated blocks is measured by full traces). Its traces are wasted
 first plan is chosen, or its measured time sends it behind plans that fit. The searches of
 ``--methods`` share the cores, and measure one plan at a time (``alongside=False``).
 
+NOTE [ The next round's traces in the background ]
+Most plans the walk measures are over the budget at the shallower depth (GPT-2 at 8 x 1024 for
+2 GiB: 19 of 23), so their deeper traces are skipped, and a round of two plans ended with a worker
+idle while the other traced a deeper trace, or with both idle while the walk chose the next pair:
+21 of 66 worker-seconds of the walk idle. So each round queues the shallower traces of the plans
+that would come next, were the two plans of the round to fail (the next round's pair), in the
+background (memfit.planner.workers): a worker the round leaves idle starts them, and the next round
+takes their results. Each round replaces the queue; a trace that started for a plan the round then
+pruned is wasted, on a worker that would have idled.
+
 NOTE [ Deep stream checked ]
 Plans ruled out by the deep stream (reserved bytes from shallow allocations, not a full trace)
 are held against every full trace at hand when a plan is about to be chosen: a miss by more than
@@ -206,30 +216,35 @@ class Walk:
         with the next plan the walk would measure (NOTE [ The next plan measured alongside ])."""
         if not self.ladder.has_evidence(c.plan):
             self.evaluated += 1
-            ahead = None if self.ladder.traced(c.plan) else self._next_to_measure(c)
-            if ahead is not None:
+            upcoming = [] if self.ladder.traced(c.plan) else self._next_to_measure(c, 2 + self.ladder.spare_workers)
+            if upcoming:
+                ahead = upcoming[0]
                 self.evaluated += 1
                 with silenced_warnings():
+                    self.ladder.queue([x.plan for x in upcoming[1:]])  # NOTE [ The next round's traces in the background ]
                     self.ladder.measure_together([c.plan, ahead.plan], skip_over=True)
                 self._take(ahead, self.ladder.first)  # (at once: too big, it prunes the plans it dominates)
         return self._take(c, self.ladder.first)
 
-    def _next_to_measure(self, c: Candidate) -> Candidate | None:
-        """The plan queued next that the walk would measure if ``c`` did not fit: open, untraced,
-        not pruned by a plan that failed or by ``c`` (were it to fail), and not estimated too big
-        (an estimate that would need a trace of its own is not asked for)."""
+    def _next_to_measure(self, c: Candidate, n: int = 1) -> list[Candidate]:
+        """The ``n`` plans queued next that the walk would measure if ``c`` (and each before it) did
+        not fit: open, untraced, not pruned by a plan that failed or by ``c`` or those before it (were
+        they to fail), and not estimated too big (an estimate that would need a trace of its own is
+        not asked for)."""
         if not self.alongside or self.ladder.spare_workers < 1 or self.evaluated + 1 >= self.max_traces:
-            return None
-        estimate = self.ladder.estimate
+            return []
+        estimate, out = self.ladder.estimate, []
         for _, _, x in heapq.nsmallest(LOOK_AHEAD, self.heap):
             if x is c or not x.open or x.used_bytes is not None or self.ladder.traced(x.plan):
                 continue
-            if self._dominated(x) or saves_no_more_than(x.plan, c.plan, self.bs):
+            if self._dominated(x) or any(saves_no_more_than(x.plan, y.plan, self.bs) for y in (c, *out)):
                 continue
             if estimate is not None and (not estimate.free(x.plan) or estimate.evaluate(x.plan).over(self.budget.bytes)):
                 continue
-            return x
-        return None
+            out.append(x)
+            if len(out) == n:
+                break
+        return out
 
     def _take(self, c: Candidate, rung: Evaluator) -> bool:
         """``c``'s evidence from ``rung``: its time (the model's, which the rung may have measured)
