@@ -262,11 +262,11 @@ class GpuStepModel(StepTimeModel):
         self.workers.close()
 
     # -- tier 1: estimates ---------------------------------------------------------------------
-    def prepare(self, ahead: list[Plan] = ()) -> None:
+    def prepare(self, ahead: list[Plan] | None = ()) -> None:
         """Measure the default plan and each searched value alone, for the estimates (values that
         do not suit the workload leave the space, with the reason in ``excluded``); ``ahead``: plans
         the walk may measure first, queued behind (NOTE [ The walk's first traces behind the
-        measuring ])."""
+        measuring ]; None: nothing is queued for the walk)."""
         self.base = self._base_plan()
         alone = {}
         for name, values in self.space.values.items():
@@ -277,7 +277,7 @@ class GpuStepModel(StepTimeModel):
         micro = [m for m in self.space.micro_batches if m != self.rank_batch]
         elsewhere = self._measured_elsewhere(alone)  # NOTE [ Compiled updates measured at the smallest weights ]
         pairs = {key: elsewhere.get(key, (plan, self.base)) for key, plan in alone.items()}
-        then = self._walk_first_jobs(ahead, micro)
+        then = self._walk_first_jobs(ahead, micro) if ahead is not None else []
         if self._may_fit_alone():  # NOTE [ Work-adding values when the default plan fits ]
             others = {k: pair for k, pair in pairs.items() if not _adds_work(k)}
             self.trace_shallow(_plans_of([self.base], others.values()),

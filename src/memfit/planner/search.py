@@ -195,9 +195,10 @@ def _trainable(target: Target, facts, given: dict) -> int:
 def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Plan], constrained: dict,
             model: StepTimeModel, steps: int | None, max_traces: int, progress, alongside: bool = True) -> PlanResult:
     wl, dev, bs, budget_bytes = target.workload, target.device, target.batch_size, budget_obj.bytes
-    whole = [c.plan for c in maximal([Candidate(p, 0.0) for p in plans], bs) if c.plan.micro_batches(bs)[1] == 1]
+    whole = [c.plan for c in maximal([Candidate(p, 0.0) for p in plans], bs)
+             if c.plan.micro_batches(bs)[1] == 1] if alongside else None  # (--methods: the searches share the cores)
     with silenced_warnings():
-        model.prepare(ahead=whole if alongside else [])  # NOTE [ The walk's first traces behind the measuring ]
+        model.prepare(ahead=whole)  # NOTE [ The walk's first traces behind the measuring ]
     for name, value in constrained.items():
         if not space.values[name]:  # the time model's runs found that the value does not suit the workload
             why = next((x.split(": ", 1)[-1] for x in model.excluded if x.startswith(f"{name}=")), "")

@@ -73,9 +73,10 @@ class StepTimeModel:
         """Whether ``plan``'s estimate may have changed now that ``measured`` are."""
         return False
 
-    def prepare(self, ahead: list[Plan] = ()) -> None:
+    def prepare(self, ahead: list[Plan] | None = ()) -> None:
         """Measure what the estimates need (before the first ``predict``). ``ahead``: plans the walk
-        may measure first, which idle workers may trace meanwhile."""
+        may measure first, which idle workers may trace meanwhile (None: nothing is traced for the
+        walk before it starts)."""
 
     def close(self) -> None:
         """Release what the model holds (worker processes)."""
