@@ -21,8 +21,7 @@ def _search(label, die=False, error=None, progress=None, alongside=True):
         os._exit(1)
     if error:
         raise UserError(error)
-    return {"label": label, "pid": os.getpid(), "alongside": alongside, "nice": os.nice(0),
-            "warm": os.environ.get("MEMFIT_TEST_WARMED")}
+    return {"label": label, "pid": os.getpid(), "alongside": alongside, "nice": os.nice(0)}
 
 
 class _Line:
@@ -66,38 +65,3 @@ def test_the_searches_run_in_turn_where_processes_cannot_be_forked(monkeypatch):
     monkeypatch.setattr(side_by_side, "can_fork_searches", lambda: False)
     results = plan_side_by_side([("a", {"label": "a"}), ("b", {"label": "b"})], plan=_search)
     assert [r["label"] for r, _ in results] == ["a", "b"] and all(r["pid"] == PARENT for r, _ in results)
-
-
-def test_the_others_are_forked_after_the_warm_up_and_the_longest_before_it(monkeypatch):
-    """NOTE [ Imports before the fork ]: ``warm`` runs here once, after the longest search is forked
-    (which does not wait for it) and before the others are (which find it done)."""
-    monkeypatch.delenv("MEMFIT_TEST_WARMED", raising=False)
-    lines = [_Line() for _ in range(3)]
-    results = side_by_side._forked([(x, {"label": x}) for x in "abc"], lines, _search, None, 1,
-                                   lambda: os.environ.__setitem__("MEMFIT_TEST_WARMED", "yes"))
-    assert [r["warm"] for r, _ in results] == ["yes", None, "yes"]
-
-
-PRELOAD = """
-import sys
-from memfit.plans import Plan
-assert "peft" not in sys.modules and "bitsandbytes" not in sys.modules
-for config in Plan(adapter="lora:r=8").techniques:
-    config.preload()
-assert "peft" in sys.modules, "adapter"
-for config in Plan(base_weights="int8").techniques:
-    config.preload()
-assert "bitsandbytes" in sys.modules, "base weights"
-print("ok")
-"""
-
-
-def test_an_adapter_and_quantized_weights_preload_their_libraries():
-    """NOTE [ Imports before the fork ]: what ``warm`` imports (in a fresh process: the suite's
-    other tests import peft)."""
-    import subprocess
-    import sys
-    pytest.importorskip("peft")
-    pytest.importorskip("bitsandbytes")
-    out = subprocess.run([sys.executable, "-c", PRELOAD], capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -139,24 +139,6 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result.chosen else 1
 
 
-def _warm_for(workload, methods) -> None:
-    """What each method's search would import first, imported once (NOTE [ Imports before the fork ]
-    in memfit.planner.side_by_side): the model's structure, and the adapters' and quantizers' libraries."""
-    from memfit.planner.space import model_facts
-    from memfit.plans import Plan
-    from memfit.quiet import silenced_warnings
-    from memfit.target import Target
-
-    with silenced_warnings():
-        try:
-            model_facts(Target.resolve(workload, None, 1, "cpu").workload)
-        except Exception:  # noqa: BLE001 - each search reports its own errors
-            pass
-        for m in methods:
-            for config in Plan(**m.keys).techniques:
-                config.preload()
-
-
 def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_traces, compile_modes, steps) -> int:
     """``--methods``: plan each method on its own (NOTE [ Methods are the user's ])."""
     from memfit.errors import UserError
@@ -176,8 +158,7 @@ def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_trac
                               compile_modes=compile_modes, steps=steps)) for m in methods]
     with PlanProgress() if not args.json else contextlib.nullcontext() as progress:
         longest = next((i for i, m in enumerate(methods) if m.name == "full"), 0)
-        results = plan_side_by_side(searches, progress, longest=longest,  # NOTE [ Methods planned side by side ]
-                                    warm=lambda: _warm_for(workload, methods))
+        results = plan_side_by_side(searches, progress, longest=longest)  # NOTE [ Methods planned side by side ]
     rows = [(m, r, r.trainable) for m, (r, _) in zip(methods, results)]
     if args.json:
         print_json({"note": DIFFERENT_THINGS, "methods": [

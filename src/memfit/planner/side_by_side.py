@@ -15,13 +15,6 @@ priority and the others run at a lower one, so they take the cores it leaves idl
 slow it down: the three took 60.0 s at one priority, the longest 56.3 s of it. Each search's
 progress reaches the bar through a queue, a line per search.
 
-NOTE [ Imports before the fork ]
-The LoRA and QLoRA searches each imported peft (4 s on this 2-core machine) and built the model's
-structure (transformers' Llama modules) before their first trace, each in its own process. The
-caller's ``warm`` does that once here, after the longest search is forked (which needs neither)
-and before the others are, which then find it done: the cores this process takes meanwhile are
-those the longest search's first seconds leave idle, and the others would have run below it.
-
 The searches run in turn here, as before, where fork is not available, with one core, where CUDA
 is initialised in this process, or where autograd would not survive a fork (this process ran a
 backward pass: a test session, a notebook). A search whose process dies (killed for memory) runs
@@ -46,13 +39,12 @@ LOWER = 10
 
 
 def plan_side_by_side(searches: list[tuple[str, dict]], progress=None, then: Callable | None = None,
-                      plan: Callable | None = None, longest: int = 0, warm: Callable | None = None) -> list[tuple]:
+                      plan: Callable | None = None, longest: int = 0) -> list[tuple]:
     """``(result, then(result))`` of ``plan(**kwargs)`` for each ``(label, kwargs)`` of ``searches``, in
     order (``then``: what to work out from each result in its own process too; None: nothing).
     ``progress``: a memfit.planner.progress.PlanProgress (a line per search) or None. ``longest``:
     the index of the search expected to take longest: it keeps this process's priority, the others
-    run below it and take the cores it leaves idle. ``warm()``: what the others would each do first
-    (imports), done here once, after the longest is forked and before they are."""
+    run below it and take the cores it leaves idle."""
     if plan is None:
         from memfit.planner.search import plan
     lines = [progress.line(label) if progress is not None else NoProgress() for label, _ in searches]
@@ -63,7 +55,7 @@ def plan_side_by_side(searches: list[tuple[str, dict]], progress=None, then: Cal
             results.append((result, then(result) if then else None))
             line.done("done")
         return results
-    return _forked(searches, lines, plan, then, longest, warm)
+    return _forked(searches, lines, plan, then, longest)
 
 
 def can_fork_searches() -> bool:
@@ -115,17 +107,13 @@ def _search_in_child(plan: Callable, then: Callable | None, index: int, kwargs: 
 
 
 def _forked(searches: list[tuple[str, dict]], lines: list, plan: Callable, then: Callable | None,
-            longest: int, warm: Callable | None = None) -> list:
+            longest: int) -> list:
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_search_in_child, args=(plan, then, i, kwargs, queue, 0 if i == longest else LOWER), name=f"memfit-plan-{label}")
              for i, (label, kwargs) in enumerate(searches)]
-    procs[longest].start()
-    if warm is not None:  # NOTE [ Imports before the fork ]
-        warm()
-    for i, p in enumerate(procs):
-        if i != longest:
-            p.start()
+    for p in procs:
+        p.start()
     outcome: dict[int, tuple] = {}
     try:
         while len(outcome) < len(procs):

@@ -107,12 +107,6 @@ class LoRA(Adapter):
             opts.append("save=" + "+".join(self.save))
         return f"{self.kind}:" + ",".join(opts)
 
-    def preload(self) -> None:
-        try:
-            _peft()
-        except UserError:  # (the build says so)
-            pass
-
     def peft_config(self, model):
         """The PEFT ``LoraConfig`` for ``model`` (targets resolved: see the module docstring)."""
         peft = _peft()

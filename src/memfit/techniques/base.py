@@ -156,12 +156,6 @@ class Config:
     def check(self, plan) -> None:
         """Refuse combinations with the plan's other techniques (UserError with the fix)."""
 
-    def preload(self) -> None:
-        """Import now what building this config's step imports on first use (a library that takes
-        seconds to import, such as peft): a process about to fork several that will each build
-        such a step imports it once (NOTE [ Methods planned side by side ] in
-        memfit.planner.side_by_side). A missing library is left for the build to report."""
-
     def build_context(self) -> contextlib.AbstractContextManager:
         """Entered around the workload's ``model()`` call (e.g. bf16-pure builds the weights in bf16,
         so that an fp32 copy of the model never takes device memory)."""

@@ -61,13 +61,6 @@ class BaseWeights(Config):
         pass
 
 
-def _preload_bitsandbytes() -> None:
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError:  # (the build says so)
-        pass
-
-
 @dataclass(frozen=True)
 class AsIsWeights(BaseWeights):
     """The workload's weights, as they are."""
@@ -91,9 +84,6 @@ class Quantized4bit(BaseWeights):
 
     def trace_context(self) -> contextlib.AbstractContextManager:
         return _bnb_on_fake_tensors(tables=True)
-
-    def preload(self) -> None:
-        _preload_bitsandbytes()
 
     def values(self) -> dict:
         return {"base_weights": self.quant_type + (":double_quant=true" if self.double_quant else "")}
@@ -127,9 +117,6 @@ class Int8Weights(BaseWeights):
     """bitsandbytes ``Linear8bitLt`` (LLM.int8 with outlier threshold 6.0)."""
 
     numerics = "int8 base weights"
-
-    def preload(self) -> None:
-        _preload_bitsandbytes()
 
     def values(self) -> dict:
         return {"base_weights": "int8"}
