@@ -81,7 +81,7 @@ from memfit.techniques.checkpointing import find_blocks
 
 # NOTE [ The walk's first traces behind the measuring ]
 # While one worker compiled torchao's 4-bit update for GPT-2 at 8 x 1024 (2 GiB, h100-80gb; 15 s
-# cold), the other ended every other trace before the walk and idled 5.6 s. The walk then began
+# cold), the other ended every other trace before the walk and idled 4.8-5.6 s. The walk then began
 # with what nothing measured before it decides: the maximal plans that do not split the batch
 # (NOTE [ Maximal plans first when nothing measured fits ] in memfit.planner.walk; 2.4 s of traces)
 # and the base's step at each micro-batch size (a split plan's estimated saving, asked for in the
