@@ -12,7 +12,7 @@ from memfit.planner.search import plan
 from memfit.planner.shallow import depths, extrapolate_ops, shallow_workload
 from memfit.planner.space import SearchSpace, model_facts
 from memfit.planner.timing import trace_step
-from memfit.planner.workers import SKIPPED
+from memfit.planner.workers import SKIPPED, Workers
 from memfit.plans import Plan
 from memfit.target import Target
 
@@ -268,32 +268,24 @@ def test_a_plan_over_the_budget_at_the_shallower_depth_is_not_traced_deeper():
 
 
 class _Recorded:
-    """The model's workers, with what it queues in the background and drops recorded."""
+    """The model's workers, with what it queues in the background (per call) recorded."""
 
     def __init__(self, workers) -> None:
-        self.workers, self.started, self.cancels = workers, [], 0
+        self.workers, self.behinds = workers, []
 
     def __getattr__(self, name):
         return getattr(self.workers, name)
 
-    def start(self, jobs):
-        self.started += list(jobs)
-        self.workers.start(jobs)
-
     def map(self, jobs, after=None, behind=(), skip=None):
-        self.started += list(behind)
+        self.behinds.append(list(behind))
         return self.workers.map(jobs, after=after, behind=behind, skip=skip)
 
-    def cancel(self):
-        self.cancels += 1
-        self.workers.cancel()
 
-
-def test_the_walks_first_traces_are_queued_behind_the_measuring_and_each_round_replaces_the_queue():
+def test_the_walks_first_traces_are_queued_behind_the_measuring_and_dropped_where_the_fastest_fits():
     """NOTE [ The walk's first traces behind the measuring ]: the plans the search hands to
-    ``prepare`` (the maximal ones) and the base at each other micro-batch size are queued behind its
-    traces, shallower first; NOTE [ The next round's traces in the background ]: the walk's queue
-    drops what was queued and queues each plan's shallower trace, not one traced already."""
+    ``prepare`` (the maximal ones, those with a shallow pair) and the base at each other micro-batch
+    size are queued behind its traces, shallower first; where the fastest simple plan fits (here:
+    the whole device), they are not queued again."""
     space = SearchSpace(values={"precision": ["bf16"], "loss_chunks": [0, 8]}, micro_batches=[8, 4])
     model = _model(_target(), space)
     model.workers = recorded = _Recorded(model.workers)
@@ -302,11 +294,30 @@ def test_the_walks_first_traces_are_queued_behind_the_measuring_and_each_round_r
         model.prepare(ahead=[ahead])
         base = model.base
         (d, e) = model._depths(base)
-        assert [j for j in dict.fromkeys(recorded.started) if j[0] == ahead or j[2] == 4] == [
-            (ahead, d, None), (ahead, e, None), (base, d, 4), (base, e, 4)]
-        new, old = Plan(precision="bf16", checkpointing="selective"), Plan(precision="bf16")
-        cancels, recorded.started = recorded.cancels, []
+    finally:
+        model.close()
+    first, *later = recorded.behinds
+    assert [j for j in first if j[0] == ahead or j[2] == 4] == [(ahead, d, None), (ahead, e, None), (base, d, 4),
+                                                                (base, e, 4)]
+    assert any("only add work" in note for note in model.space.notes)  # (the fastest fits)
+    assert later and not any(j[0] == ahead or j[2] == 4 for behind in later for j in behind)
+
+
+def test_a_walk_round_replaces_the_queued_plans_and_keeps_the_base_at_other_micro_batch_sizes():
+    """NOTE [ The next round's traces in the background ]: the round's plans' shallower traces (not
+    one traced already) go first; a plan queued before is dropped; the base's traces at another
+    micro-batch size (an estimate asks for them) stay queued, behind."""
+    model = _model(_target())
+    workers = Workers(lambda job: None, fork=False)
+    workers.count = 2  # (queues without forking: no job is run here)
+    try:
+        model.workers = workers
+        base, (d, e) = Plan(precision="bf16"), model._depths(Plan(precision="bf16"))
+        new, old, stale = Plan(precision="bf16", checkpointing="selective"), Plan(precision="bf16"), \
+            Plan(precision="bf16", loss_chunks=8)
+        model._traced[(old, d, None)] = RuntimeError("traced before")
+        workers.start([(stale, d, None), (base, d, 4), (base, e, 4)])
         model.queue_shallowest([new, old])
-        assert recorded.cancels == cancels + 1 and recorded.started == [(new, d, None)]
+        assert workers._queued == [(new, d, None), (base, d, 4), (base, e, 4)]
     finally:
         model.close()

@@ -89,7 +89,9 @@ from memfit.techniques.checkpointing import find_blocks
 # their pairs behind its own (memfit.planner.workers): the idle worker traces them, and the walk
 # takes the results. Where the fastest of the default plan and each value alone fits, they are
 # dropped with the work-adding values (:meth:`Workers.cancel`); a trace already running finishes.
-# The searches of ``--methods`` share the cores and queue none.
+# Only shallow pairs are queued (a full trace left running would hold a worker the walk needs for
+# seconds), and the walk's rounds, which replace the queue, keep the base's traces queued. The
+# searches of ``--methods`` share the cores and queue none.
 
 # NOTE [ Work-adding values when the default plan fits ]
 # A value that only adds work (``Config.adds_work``: checkpointing's recompute, offload's copies, a
@@ -283,6 +285,7 @@ class GpuStepModel(StepTimeModel):
             self.trace_shallow(_plans_of([self.base], others.values()),
                                behind=_plans_of([], pairs.values()), then=then)
             if self._fastest_fits(others):
+                then = []  # (dropped with the work-adding values: the walk takes the plan that fits)
                 left = [k for k in alone if _adds_work(k)]
                 for name, value in left:
                     self.space.values[name].remove(value)
@@ -315,9 +318,10 @@ class GpuStepModel(StepTimeModel):
         """NOTE [ The walk's first traces behind the measuring ]: the shallow pairs of ``ahead`` and
         the base's at each micro-batch size in ``micro`` (what a split plan's estimate asks for)."""
         pair = self._depths(self.base)
+        paired = [p for p in ahead if self._depths(p)]
         if not pair:
             return []
-        return [*(self._jobs(list(ahead)) if ahead else []), *((self.base, d, m) for m in micro for d in pair)]
+        return [*(self._jobs(paired) if paired else []), *((self.base, d, m) for m in micro for d in pair)]
 
     def _jobs(self, plans: list[Plan]) -> list[tuple]:
         """The shallow pairs (or full traces) of ``plans``, the shallower depth of every plan first: the
@@ -604,11 +608,11 @@ class GpuStepModel(StepTimeModel):
 
     def queue_shallowest(self, plans: list[Plan]) -> None:
         """The shallowest trace of each of ``plans`` (those with a pair) queued in the background, in
-        place of what was queued before (NOTE [ The next round's traces in the background ] in
-        memfit.planner.walk)."""
-        self.workers.cancel()
+        place of the plans queued before (NOTE [ The next round's traces in the background ] in
+        memfit.planner.walk); the base's traces at other micro-batch sizes stay queued, behind them."""
+        micro = [j for j in self.workers.cancel() if j[2] is not None]  # (the base at a micro-batch size: kept)
         jobs = [(p, pair[0], None) for p in plans for pair in [self._depths(p)] if pair]
-        self.workers.start([j for j in jobs if j not in self._traced])
+        self.workers.start([j for j in [*jobs, *micro] if j not in self._traced])
 
     def _shallow_lower(self, t: Traced) -> int:
         """A lower bound of the full plan's need from one shallow trace (more blocks hold no less)."""

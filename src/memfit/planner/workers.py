@@ -137,9 +137,11 @@ class Workers:
             new = [job for job in dict.fromkeys(jobs) if job not in self._background and job not in self._queued]
             self._queued += new
 
-    def cancel(self) -> None:
-        """Drop the background jobs not handed to a worker yet (those running finish; no one waits)."""
-        self._queued.clear()
+    def cancel(self) -> list:
+        """Drop the background jobs not handed to a worker yet (those running finish; no one waits);
+        returns them, in order."""
+        dropped, self._queued = self._queued, []
+        return dropped
 
     def _map_on_pool(self, jobs: list, after: dict, skip: Callable | None) -> list:
         own = list(dict.fromkeys(jobs))
