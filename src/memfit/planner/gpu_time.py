@@ -279,13 +279,13 @@ class GpuStepModel(StepTimeModel):
         micro = [m for m in self.space.micro_batches if m != self.rank_batch]
         elsewhere = self._measured_elsewhere(alone)  # NOTE [ Compiled updates measured at the smallest weights ]
         pairs = {key: elsewhere.get(key, (plan, self.base)) for key, plan in alone.items()}
-        then = self._walk_first_jobs(ahead, micro) if ahead is not None else []
+        walk_first = self._walk_first_jobs(ahead, micro) if ahead is not None else []
         if self._may_fit_alone():  # NOTE [ Work-adding values when the default plan fits ]
             others = {k: pair for k, pair in pairs.items() if not _adds_work(k)}
             self.trace_shallow(_plans_of([self.base], others.values()),
-                               behind=_plans_of([], pairs.values()), then=then)
+                               behind=[*self._jobs(_plans_of([], pairs.values())), *walk_first])
             if self._fastest_fits(others):
-                then = []  # (dropped with the work-adding values: the walk takes the plan that fits)
+                walk_first = []  # (dropped with the work-adding values: the walk takes the plan that fits)
                 left = [k for k in alone if _adds_work(k)]
                 for name, value in left:
                     self.space.values[name].remove(value)
@@ -294,7 +294,7 @@ class GpuStepModel(StepTimeModel):
                     self.space.notes.append(
                         f"{', '.join(sorted({n for n, _ in left}))} not searched: these values only add work, and the "
                         "fastest of the default plan and each other value alone fits (by its full trace)")
-        self.trace_shallow(_plans_of([self.base], pairs.values()), then=then)
+        self.trace_shallow(_plans_of([self.base], pairs.values()), behind=walk_first)
         base = self.measure(self.base)
         for (name, value), (with_value, without) in pairs.items():
             try:
@@ -318,17 +318,18 @@ class GpuStepModel(StepTimeModel):
         """NOTE [ The walk's first traces behind the measuring ]: the shallow pairs of ``ahead`` and
         the base's at each micro-batch size in ``micro`` (what a split plan's estimate asks for)."""
         pair = self._depths(self.base)
-        paired = [p for p in ahead if self._depths(p)]
         if not pair:
             return []
-        return [*(self._jobs(paired) if paired else []), *((self.base, d, m) for m in micro for d in pair)]
+        paired = [p for p in ahead if self._depths(p)]
+        return [*self._jobs(paired), *((self.base, d, m) for m in micro for d in pair)]
 
     def _jobs(self, plans: list[Plan]) -> list[tuple]:
         """The shallow pairs (or full traces) of ``plans``, the shallower depth of every plan first: the
         deeper trace of a plan that compiles comes later, and finds its graphs in Inductor's cache
         (NOTE [ Predicted wrappers in Inductor's caches ])."""
         pairs = [self._depths(p) or (None,) for p in plans]
-        jobs = [(p, pair[i], None) for i in range(max(map(len, pairs))) for p, pair in zip(plans, pairs) if i < len(pair)]
+        jobs = [(p, pair[i], None) for i in range(max(map(len, pairs), default=0)) for p, pair in zip(plans, pairs)
+                if i < len(pair)]
         for d in dict.fromkeys(d for _, d, _ in jobs if d is not None):  # (here: the forked workers share them)
             self._shallow(d)
         return jobs
@@ -595,15 +596,13 @@ class GpuStepModel(StepTimeModel):
         self._new.append(plan)
         return m
 
-    def trace_shallow(self, plans: list[Plan], behind: list[Plan] = (), skip_over: bool = False,
-                      then: list[tuple] = ()) -> None:
+    def trace_shallow(self, plans: list[Plan], behind: list[tuple] = (), skip_over: bool = False) -> None:
         """Run the shallow pairs of ``plans`` together (in parallel; :meth:`measure` then reads them);
-        those of ``behind``, then the jobs ``then``, are queued after them, in the background
-        (memfit.planner.workers). ``skip_over``: a plan over the budget at its shallower depth is not
-        traced deeper (NOTE [ The deeper trace of a plan over the budget at the shallower depth ])."""
+        the jobs ``behind`` are queued after them, in the background (memfit.planner.workers).
+        ``skip_over``: a plan over the budget at its shallower depth is not traced deeper (NOTE [ The
+        deeper trace of a plan over the budget at the shallower depth ])."""
         jobs = self._jobs(plans)
-        rest = [*(self._jobs(list(behind)) if behind else []), *then]
-        rest = [j for j in dict.fromkeys(rest) if j not in jobs and j not in self._traced]
+        rest = [j for j in dict.fromkeys(behind) if j not in jobs and j not in self._traced]
         self._run(jobs, check=False, behind=rest, skip_over=skip_over and len(plans) > 1)
 
     def queue_shallowest(self, plans: list[Plan]) -> None:

@@ -45,7 +45,7 @@ from memfit.planner.space import (
     model_facts,
 )
 from memfit.planner.time_model import StepTimeModel
-from memfit.planner.walk import Walk, maximal
+from memfit.planner.walk import Walk, maximal, splits
 from memfit.plans import Plan, technique_of
 from memfit.quiet import silenced_warnings
 from memfit.step import build_step
@@ -196,7 +196,7 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
             model: StepTimeModel, steps: int | None, max_traces: int, progress, alongside: bool = True) -> PlanResult:
     wl, dev, bs, budget_bytes = target.workload, target.device, target.batch_size, budget_obj.bytes
     whole = [c.plan for c in maximal([Candidate(p, 0.0) for p in plans], bs)
-             if c.plan.micro_batches(bs)[1] == 1] if alongside else None  # (--methods: the searches share the cores)
+             if not splits(c.plan, bs)] if alongside else None  # (--methods: the searches share the cores)
     with silenced_warnings():
         model.prepare(ahead=whole)  # NOTE [ The walk's first traces behind the measuring ]
     for name, value in constrained.items():

@@ -78,6 +78,7 @@ from memfit.planner.ladder import Evaluator, Ladder
 from memfit.planner.progress import NoProgress
 from memfit.planner.space import saves_no_more_than
 from memfit.planner.time_model import StepTimeModel
+from memfit.plans import Plan
 from memfit.quiet import silenced_warnings
 from memfit.units import fmt_bytes
 
@@ -376,8 +377,8 @@ class Walk:
         the batch are traced only when none of the others may fit (NOTE [ Split maximal plans
         last ])."""
         self.maximal = maximal(sorted(ranked, key=lambda x: x.seconds), self.bs)
-        whole = [m for m in self.maximal if m.plan.micro_batches(self.bs)[1] == 1]
-        split = [m for m in self.maximal if m.plan.micro_batches(self.bs)[1] > 1]
+        whole = [m for m in self.maximal if not splits(m.plan, self.bs)]
+        split = [m for m in self.maximal if splits(m.plan, self.bs)]
         for group in (whole, split):
             todo = [m for m in group if m.used_bytes is None]
             for m in todo:
@@ -417,6 +418,11 @@ class Walk:
             if self.ladder.is_final(best.plan) or self._take(best, self.ladder.full):
                 return best
         return None
+
+
+def splits(plan: Plan, bs: int) -> bool:
+    """The plan splits the batch into micro-batches (NOTE [ Split maximal plans last ])."""
+    return plan.micro_batches(bs)[1] > 1
 
 
 def maximal(ranked: list[Candidate], bs: int) -> list[Candidate]:
