@@ -6,7 +6,7 @@
 #   2. the rest of the cases (LoRA/QLoRA Llama, diffusers LoRA; measured 2026-11-26: rows 77-82 of
 #      tests/data/h100.jsonl), 3 overlapping their CPU work, with ADAPTERS=1;
 #      or the cases matching MORE (a regex: MORE=^llama1b-full runs torchao's low-bit AdamW on a 1B Llama);
-#      MORE=profiled: the QLoRA case with its top CUDA kernels (the time model predicts it +118%);
+#      MORE=profiled: the QLoRA case with its top CUDA kernels (measured on an H200 2026-11-27);
 #   3. if time is left: bench.offload_gpu's optimizer-state and activation offload rows (their reserved bytes
 #      since NOTE [ Gradients in flight ]).
 # Predictions are made on a CPU afterwards (fake tensors, the h100-80gb preset), not here.

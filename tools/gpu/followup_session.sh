@@ -5,7 +5,7 @@
 #      `adamw8bit-ao`/`adamwfp8-ao` left the default search, the runners-up and the fastest plan it ruled out;
 #      then GPT-2 124M's runners-up at 8 and 4 GiB (their choices are rows 108-109 of tests/data/h100.jsonl);
 #      3 cases overlapping their CPU work, each alone on the GPU (tools/gpu/choices_cases.json);
-#   2. the QLoRA 3B case with its CUDA kernels (the time model overpredicts its step +118%), alone;
+#   2. the QLoRA 3B case with its CUDA kernels (the time model overpredicted its step +118%), alone;
 #   3. if time is left: bench.offload_gpu's optimizer-state and activation offload rows (reserved bytes).
 # Predictions are made on a CPU afterwards (fake tensors), not here.
 #   run(command="bash tools/gpu/followup_session.sh $(git rev-parse --short HEAD) 2>&1 | tee $OUT/log.txt",

@@ -50,7 +50,7 @@ aten = torch.ops.aten
 CPU_PROBED_OPS = {
     aten.convolution.default, aten.convolution_backward.default,
     aten.mkldnn_rnn_layer.default, aten.mkldnn_rnn_layer_backward.default,
-    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.linear.default,
     aten.mean.dim, aten.mean.default, aten.sum.dim_IntList, aten.sum.default,
     aten.native_batch_norm.default, aten.native_batch_norm_backward.default,
     aten._native_batch_norm_legit.default, aten._native_batch_norm_legit_functional.default,

@@ -35,7 +35,7 @@ import torch
 
 from memfit.errors import UserError
 from memfit.techniques.base import Config, Export, Key, Technique, register
-from memfit.techniques.bnb_kernels import Gemm4bitKernels, fake_parameter_subclasses, has_4bit_layers
+from memfit.techniques.bnb_kernels import fake_parameter_subclasses, gemm_4bit_kernels, has_4bit_layers
 
 FORMATS = ("as-is", "nf4", "fp4", "int8")
 BLOCKSIZE = 64
@@ -54,8 +54,8 @@ class BaseWeights(Config):
         """Quantize (variants), and model the 4-bit matmuls of any bitsandbytes layer, the
         workload's own included (see NOTE [ 4-bit matmul kernels on fake tensors ])."""
         self.quantize(parts)
-        if _is_fake(parts.model) and has_4bit_layers(parts.model):
-            parts.contexts.append(lambda: Gemm4bitKernels(parts.device))
+        if has_4bit_layers(parts.model):
+            parts.contexts.append(lambda: gemm_4bit_kernels(parts.device))
 
     def quantize(self, parts) -> None:
         pass

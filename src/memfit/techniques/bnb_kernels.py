@@ -31,6 +31,29 @@ real kernels allocate more, inside the op:
 kernel model below it) sees each temporary. The backward needs nothing: ``MatMul4Bit.backward``
 is Python (``F.dequantize_4bit`` -> an [out, in] weight in the quantization dtype, cast to the
 gradient's dtype, ``matmul``) and traces as it runs.
+
+NOTE [ The 4-bit matmul under autocast ]
+``gemm_4bit`` has no autocast kernel: the dispatcher passes autocast through, and its CUDA (and
+CPU) implementation runs with autocast on. Its ``F.linear`` is therefore autocast: under bf16
+autocast a layer whose input is fp32 (``compute_dtype`` is the weight's dtype, fp32 beside fp32
+master weights) dequantizes to fp32, casts input and weight to bf16, runs a bf16 GEMM on tensor
+cores and returns bf16, although bitsandbytes' fake kernel says ``A.dtype``. The gradient is then
+bf16 and ``MatMul4Bit.backward``'s GEMM is bf16 too. An H200 profile of QLoRA on a 3B Llama shows
+exactly that: every GEMM a bf16 tensor-core kernel, 1,712 bf16 casts a step. A dispatch mode,
+though, is called below the autocast keys with autocast excluded, so :class:`Gemm4bitKernels`
+would run the ``F.linear`` in fp32, and the trace had fp32 outputs and 196 fp32 backward GEMMs
+(46 TFLOP at CUDA-core rates: the time model's +118% on the H100's QLoRA row). While the mode is
+entered, an AutocastCPU kernel for ``gemm_4bit`` (fake traces run on CPU tensors, a GPU preset
+under CPU autocast with CUDA's lists) notes that autocast is on and hands the call on below the
+autocast key, and the mode runs its kernels with autocast on again, as the real implementation.
+Its ``F.linear`` reaches the modes below whole (``aten.linear``, called below autograd), so the
+time model counts it as the GEMM it is (``memfit.planner.opcost``) and the CPU's kernel probes
+measure its scratch (``memfit.memory.workspaces``); it had been priced as a memory-bound op, which
+made QLoRA look faster than LoRA. The real step measured under memfit's tracker (``memfit
+profile``) had the same blind spot: a mode hides autocast from bitsandbytes' kernel there too, so
+the mode calls that kernel at its backend key with autocast on. With no mode active (a plain
+training run) :func:`gemm_4bit_kernels` enters nothing. The 3B Llama's QLoRA step is now predicted
++17% on the H100 row and +6% on the H200's (``tests/unit/test_timing.py``).
 """
 
 from __future__ import annotations
@@ -77,6 +100,15 @@ def fake_parameter_subclasses():
         torch.Tensor._make_subclass = real
 
 
+def gemm_4bit_kernels(device) -> contextlib.AbstractContextManager:
+    """The context a step with 4-bit layers enters: :class:`Gemm4bitKernels` where a dispatch mode is
+    active (a fake trace, or a real step measured under memfit's tracker, whose mode would otherwise
+    hide autocast from bitsandbytes' kernel), else nothing: a plain training run has no mode to undo,
+    and a mode of its own would cost every op a Python call."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    return Gemm4bitKernels(device) if _get_current_dispatch_mode_stack() else contextlib.nullcontext()
+
+
 def has_4bit_layers(model: torch.nn.Module) -> bool:
     import sys
     if "bitsandbytes" not in sys.modules:
@@ -94,13 +126,34 @@ class Gemm4bitKernels(TorchDispatchMode):
         self.device = device
         self.dequantized: list[tuple[int, int]] = []
         """(rows, bytes of the dequantized weight) of each 4-bit matmul that dequantized."""
+        self._autocast: list[bool] = []
+        """Was autocast on where each ``gemm_4bit`` call in flight was made (NOTE [ The 4-bit matmul under
+        autocast ])."""
+        self._library = None
+
+    def __enter__(self):
+        self._library = _autocast_kernel(self._autocast)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if self._library is not None:
+                self._library._destroy()
+                self._library = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if getattr(func, "namespace", None) == "bitsandbytes" and func.__name__ == "gemm_4bit.default":
             from torch._subclasses.fake_tensor import FakeTensor
-            if isinstance(args[0], FakeTensor):
-                return self._gemm_4bit(*args, **kwargs)
+            with _autocast_again() if self._autocast and self._autocast[-1] else contextlib.nullcontext():
+                if isinstance(args[0], FakeTensor):
+                    return self._gemm_4bit(*args, **kwargs)
+                # bitsandbytes' own kernel, called as with no mode: its ops autocast, and the modes below
+                # (memfit's tracker) see them
+                backend = getattr(torch._C.DispatchKey, args[0].device.type.upper())
+                return func.redispatch(torch._C.DispatchKeySet(backend), *args, **kwargs)
         return func(*args, **kwargs)
 
     def _gemm_4bit(self, A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None,
@@ -116,6 +169,39 @@ class Gemm4bitKernels(TorchDispatchMode):
         weight = ops.dequantize_4bit.default(B, absmax, blocksize, quant_type, shapeB, A.dtype)
         self.dequantized.append((M, weight.numel() * weight.element_size()))
         return torch.nn.functional.linear(A, weight, bias)
+
+
+_AUTOCAST = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+
+
+def _autocast_kernel(calls: list[bool]):
+    """Register, on a library the caller destroys, an AutocastCPU kernel for ``gemm_4bit`` that
+    pushes True on ``calls`` while the call runs on below the autocast key (NOTE [ The 4-bit matmul
+    under autocast ]). None where bitsandbytes has no ``gemm_4bit``."""
+    op = getattr(getattr(torch.ops, "bitsandbytes", None), "gemm_4bit", None)
+    if op is None:
+        return None
+    overload = op.default
+
+    def kernel(keyset, *args, **kwargs):
+        calls.append(True)
+        try:
+            return overload.redispatch(keyset - _AUTOCAST, *args, **kwargs)
+        finally:
+            calls.pop()
+
+    import warnings
+    library = torch.library.Library("bitsandbytes", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "overriding a previously registered kernel": a nested trace's
+        library.impl("gemm_4bit", kernel, "AutocastCPU", with_keyset=True)
+    return library
+
+
+def _autocast_again():
+    """Autocast on again inside a dispatch mode, where the dispatcher excluded it."""
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
+                                           torch._C._dispatch_tls_local_exclude_set() - _AUTOCAST)
 
 
 def cuda_fused_4bit(device, dtype, M: int, N: int, K: int, blocksize: int) -> bool:

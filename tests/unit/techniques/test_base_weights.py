@@ -124,6 +124,57 @@ def test_each_4bit_matmul_dequantizes_its_weight_in_forward_and_backward(device,
     assert seen == expected
 
 
+@pytest.mark.parametrize("device", ["h100-80gb", "cpu"])
+def test_a_4bit_matmul_under_autocast_returns_what_bitsandbytes_returns(device):
+    """NOTE [ The 4-bit matmul under autocast ]: bitsandbytes' own kernel, run with no dispatch mode,
+    returns bf16 under bf16 autocast from an fp32 input (its F.linear is autocast); the fake trace's
+    kernel returns the same, where it returned fp32."""
+    from memfit.devices import get_device
+    from memfit.techniques.bnb_kernels import Gemm4bitKernels
+    layer = bnb.nn.Linear4bit(HIDDEN, FFN, bias=False, compute_dtype=torch.float32, quant_type="nf4").to("cpu")
+    x = torch.randn(64, SEQ, HIDDEN, requires_grad=True)  # 2048 rows: CUDA's fallback, not its fused kernel
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        real = bnb.matmul_4bit(x, layer.weight, quant_state=layer.weight.quant_state)
+    fake_layer = quantized_layers(run_tracked(Target.resolve(workload(), Plan(base_weights="nf4"), 1), fake=True,
+                                              steps=0).step.model)[4]  # gate_proj: 128 -> 256
+    fx = fake_layer.weight.fake_mode.from_tensor(x)
+    for autocast, expected in ((True, real.dtype), (False, torch.float32)):
+        with Gemm4bitKernels(get_device(device)), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = bnb.matmul_4bit(fx, fake_layer.weight, quant_state=fake_layer.weight.quant_state)
+        assert (out.shape, out.dtype) == (real.shape, expected)
+    assert real.dtype == torch.bfloat16
+
+
+def test_a_real_4bit_matmul_measured_under_a_dispatch_mode_autocasts_as_without_one():
+    """A dispatch mode (memfit's tracker in ``memfit profile``) hides autocast from bitsandbytes' own
+    kernel: it ran its F.linear in fp32. The step's context restores it; with no mode active (a
+    plain training run) it enters nothing."""
+    import contextlib
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from memfit.devices import get_device
+    from memfit.techniques.bnb_kernels import gemm_4bit_kernels
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    layer = bnb.nn.Linear4bit(HIDDEN, FFN, bias=False, compute_dtype=torch.float32, quant_type="nf4").to("cpu")
+    x = torch.randn(4, SEQ, HIDDEN, requires_grad=True)
+    cpu = get_device("cpu")
+    assert isinstance(gemm_4bit_kernels(cpu), contextlib.nullcontext)
+    with PassThrough():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hidden = bnb.matmul_4bit(x, layer.weight, quant_state=layer.weight.quant_state)
+        with gemm_4bit_kernels(cpu), torch.autocast("cpu", dtype=torch.bfloat16):
+            restored = bnb.matmul_4bit(x, layer.weight, quant_state=layer.weight.quant_state)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = bnb.matmul_4bit(x, layer.weight, quant_state=layer.weight.quant_state)
+    assert (hidden.dtype, restored.dtype, plain.dtype) == (torch.float32, torch.bfloat16, torch.bfloat16)
+    torch.testing.assert_close(restored, plain)
+
+
 def test_cuda_takes_bitsandbytes_fused_kernel_for_few_rows_only():
     from memfit.devices import get_device
     from memfit.techniques.bnb_kernels import cuda_fused_4bit
