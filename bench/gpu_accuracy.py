@@ -13,7 +13,7 @@ case with ``*`` and prints its prediction for the installed versions below the t
     .venv/bin/python -m bench.gpu_accuracy                       # all cases
     .venv/bin/python -m bench.gpu_accuracy --cases 'gpt2|mha'    # cases whose id matches a regex
     .venv/bin/python -m bench.gpu_accuracy --jobs 2 --json out.jsonl
-    .venv/bin/python -m bench.gpu_accuracy --cases lora --times   # and the time model's step times (H100)
+    .venv/bin/python -m bench.gpu_accuracy --cases lora --times   # and the time model's step times (the card's preset)
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="predict this many cases in parallel processes")
     ap.add_argument("--json", default=None, help="also write one JSON line per case to this file")
     ap.add_argument("--times", action="store_true",
-                    help="also the op-level time model's step time (h100-80gb preset) against the measured median")
+                    help="also the op-level time model's step time (the card's preset) against the measured median")
     args = ap.parse_args(argv)
     cases = load_cases(args.jsonl)
     if args.cases:

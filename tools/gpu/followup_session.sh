@@ -15,7 +15,7 @@ python3 -c "import torch, transformers, peft, bitsandbytes, torchao; print(torch
 transformers.__version__, peft.__version__, bitsandbytes.__version__, torchao.__version__)"
 python3 -c "import torch; torch.ones(1, device='cuda'); f, t = torch.cuda.mem_get_info(); print('context bytes', t - f)"
 el choices; python3 -m tools.gpu.ground_truth --cases tools/gpu/choices_cases.json --only "${ONLY:-^(readme2l|choice[84]-next)}" \
-  --jobs 3 --out $OUT/choices.jsonl --timeout 120 --deadline $(( $(left) - 250 ))
+  --jobs ${JOBS:-3} --out $OUT/choices.jsonl --timeout 120 --deadline $(( $(left) - 250 ))
 el qlora; python3 -m tools.gpu.ground_truth --cases tools/gpu/finetune_cases.json --only "${QLORA:-profiled}" \
   --out $OUT/qlora.jsonl --timeout $(( $(left) - 60 ))
 if [ $(left) -gt 100 ]; then

@@ -164,12 +164,13 @@ def load_rows() -> list[dict]:
 
 
 def target_of(row: dict) -> Target:
-    """The row resolved for the H100 preset: workload, plan in today's fields, batch, sequence."""
+    """The row resolved for the preset of the card it ran on (:func:`preset_for`): workload, plan in
+    today's fields, batch, sequence."""
     from memfit.devices import get_device
     from memfit.plans import Plan
     from memfit.target import Target
 
-    return Target.resolve(row["workload"], Plan(**plan_fields(row)), row["batch_size"], get_device("h100-80gb"),
+    return Target.resolve(row["workload"], Plan(**plan_fields(row)), row["batch_size"], get_device(preset_for(row)),
                           seq_len=row["seq_len"])
 
 
