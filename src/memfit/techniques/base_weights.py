@@ -103,8 +103,9 @@ class Quantized4bit(BaseWeights):
                                              module=layer)
             layer.weight = layer.weight.to(linear.weight.device)  # quantizes (bitsandbytes' Params4bit.to)
             return layer
+        adapted = has_peft_adapter(parts.model)
         _replace_linears(parts.model, convert, self.text)
-        prepare_for_kbit_training(parts.model)
+        prepare_for_kbit_training(parts.model, freeze=not adapted)
 
     def export(self, into: Export) -> None:
         into.not_carried(self)
@@ -133,8 +134,9 @@ class Int8Weights(BaseWeights):
             layer.weight = bnb.nn.Int8Params(linear.weight.data, requires_grad=False, has_fp16_weights=False)
             layer.weight = layer.weight._quantize(linear.weight.device)  # bitsandbytes' own quantization
             return layer
+        adapted = has_peft_adapter(parts.model)
         _replace_linears(parts.model, convert, self.text)
-        prepare_for_kbit_training(parts.model)
+        prepare_for_kbit_training(parts.model, freeze=not adapted)
 
     def export(self, into: Export) -> None:
         into.not_carried(self)
@@ -142,11 +144,15 @@ class Int8Weights(BaseWeights):
 
 
 def _replace_linears(model: torch.nn.Module, convert, text: str) -> None:
-    """Every ``nn.Linear`` but the output layer, replaced by ``convert(linear)`` (bias kept)."""
+    """Every ``nn.Linear`` but the output layer, replaced by ``convert(linear)`` (bias kept). In a
+    workload that already trains a peft adapter, only its frozen linears (the base layers under the
+    adapter's): the adapter's own matrices and ``modules_to_save`` copies train, in full precision,
+    as in QLoRA."""
     _require_bitsandbytes(text)
     head = _output_layer(model)
+    adapted = has_peft_adapter(model)
     targets = [(name, m) for name, m in model.named_modules()
-               if type(m) is torch.nn.Linear and m is not head]
+               if type(m) is torch.nn.Linear and m is not head and not (adapted and m.weight.requires_grad)]
     if not targets:
         raise UserError(f"plan: base_weights {text} found no nn.Linear layer to quantize in the model "
                         "(besides its output layer); use base_weights: as-is for this model")
@@ -168,13 +174,22 @@ def _output_layer(model: torch.nn.Module):
     return head
 
 
-def prepare_for_kbit_training(model: torch.nn.Module) -> None:
+def has_peft_adapter(model: torch.nn.Module) -> bool:
+    """Does the workload's model already hold a peft adapter (a layer of one of peft's tuners)?"""
+    if "peft" not in sys.modules:
+        return False
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    return any(isinstance(m, BaseTunerLayer) for m in model.modules())
+
+
+def prepare_for_kbit_training(model: torch.nn.Module, freeze: bool = True) -> None:
     """peft's ``prepare_model_for_kbit_training`` without its gradient checkpointing: freeze the
-    base (the output layer keeps its ``requires_grad``), fp16/bf16 parameters that are not 4-bit
-    to fp32, the input embeddings' output requiring grad."""
+    base (the output layer keeps its ``requires_grad``; ``freeze=False``, a model that already
+    trains an adapter: what the workload trains keeps training), fp16/bf16 parameters that are not
+    4-bit to fp32, the input embeddings' output requiring grad."""
     head = _output_layer(model)
     keep = {id(p): p.requires_grad for p in head.parameters()} if head is not None else {}
-    for p in model.parameters():
+    for p in model.parameters() if freeze else ():
         p.requires_grad_(keep.get(id(p), False))
     for p in model.parameters():
         if p.dtype in (torch.float16, torch.bfloat16) and p.__class__.__name__ != "Params4bit":

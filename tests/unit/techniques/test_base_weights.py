@@ -91,6 +91,30 @@ def test_users_own_qlora_workload_is_predicted_within_1_percent():
     assert r.measured.breakdown["optimizer_states"] > 0  # the LoRA weights train
 
 
+def users_lora():
+    """A user's own PEFT LoRA, with no quantization: memfit's base_weights makes it a QLoRA."""
+    from peft import LoraConfig, get_peft_model
+    return get_peft_model(tiny_llama(), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                   lora_dropout=0.0))
+
+
+def test_base_weights_quantize_the_base_under_a_users_peft_adapter_and_train_the_adapter():
+    """The adapter's own matrices stay full-precision linears and keep training; every base linear
+    under them and beside them is 4-bit and frozen (it was: every linear quantized, everything
+    frozen, "the workload's model has no trainable parameters")."""
+    trainable = {n for n, p in users_lora().named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in n for n in trainable)
+    step = run_tracked(Target.resolve(workload(users_lora), Plan(base_weights="nf4"), 1), fake=False, steps=1).step
+    model = step.model
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == trainable
+    assert all(type(m) is torch.nn.Linear for n, m in model.named_modules() if n.endswith(("lora_A.default",
+                                                                                             "lora_B.default")))
+    assert [(m.out_features, m.in_features) for m in quantized_layers(model)] == LINEAR_SHAPES * LAYERS
+    assert all(p.grad is not None for n, p in model.named_parameters() if n in trainable)
+    r = profile(workload(users_lora), Plan(base_weights="nf4"), batch_size=2, repeats=0)
+    assert abs(r.error_percent) < 1.0, (r.predicted_peak_bytes, r.peak_bytes)
+
+
 @pytest.mark.parametrize(("quant_type", "bound"), [("nf4", 0.12), ("fp4", 0.15)])
 def test_4bit_output_and_input_gradient_stay_close_to_fp32(quant_type, bound):
     """Relative L2 error of a 128 -> 256 layer's output and input gradient (measured: nf4 0.091,
