@@ -103,9 +103,7 @@ class Quantized4bit(BaseWeights):
                                              module=layer)
             layer.weight = layer.weight.to(linear.weight.device)  # quantizes (bitsandbytes' Params4bit.to)
             return layer
-        adapted = has_peft_adapter(parts.model)
-        _replace_linears(parts.model, convert, self.text)
-        prepare_for_kbit_training(parts.model, freeze=not adapted)
+        _quantize_linears(parts.model, convert, self.text)
 
     def export(self, into: Export) -> None:
         into.not_carried(self)
@@ -134,23 +132,21 @@ class Int8Weights(BaseWeights):
             layer.weight = bnb.nn.Int8Params(linear.weight.data, requires_grad=False, has_fp16_weights=False)
             layer.weight = layer.weight._quantize(linear.weight.device)  # bitsandbytes' own quantization
             return layer
-        adapted = has_peft_adapter(parts.model)
-        _replace_linears(parts.model, convert, self.text)
-        prepare_for_kbit_training(parts.model, freeze=not adapted)
+        _quantize_linears(parts.model, convert, self.text)
 
     def export(self, into: Export) -> None:
         into.not_carried(self)
         into.hf_notes.append("load the model with BitsAndBytesConfig(load_in_8bit=True)")
 
 
-def _replace_linears(model: torch.nn.Module, convert, text: str) -> None:
-    """Every ``nn.Linear`` but the output layer, replaced by ``convert(linear)`` (bias kept). In a
-    workload that already trains a peft adapter, only its frozen linears (the base layers under the
-    adapter's): the adapter's own matrices and ``modules_to_save`` copies train, in full precision,
-    as in QLoRA."""
+def _quantize_linears(model: torch.nn.Module, convert, text: str) -> None:
+    """Every ``nn.Linear`` but the output layer, replaced by ``convert(linear)`` (bias kept), then
+    the model prepared for k-bit training. In a workload that already trains a peft adapter, only
+    its frozen linears (the base layers under the adapter's): the adapter's own matrices and
+    ``modules_to_save`` copies train, in full precision, as in QLoRA."""
     _require_bitsandbytes(text)
     head = _output_layer(model)
-    adapted = has_peft_adapter(model)
+    adapted = _has_peft_adapter(model)
     targets = [(name, m) for name, m in model.named_modules()
                if type(m) is torch.nn.Linear and m is not head and not (adapted and m.weight.requires_grad)]
     if not targets:
@@ -164,6 +160,7 @@ def _replace_linears(model: torch.nn.Module, convert, text: str) -> None:
             layer.bias = linear.bias
         layer.train(linear.training)
         setattr(parent, child, layer)
+    _prepare_for_kbit_training(model, freeze=not adapted)
 
 
 def _output_layer(model: torch.nn.Module):
@@ -174,7 +171,7 @@ def _output_layer(model: torch.nn.Module):
     return head
 
 
-def has_peft_adapter(model: torch.nn.Module) -> bool:
+def _has_peft_adapter(model: torch.nn.Module) -> bool:
     """Does the workload's model already hold a peft adapter (a layer of one of peft's tuners)?"""
     if "peft" not in sys.modules:
         return False
@@ -182,7 +179,7 @@ def has_peft_adapter(model: torch.nn.Module) -> bool:
     return any(isinstance(m, BaseTunerLayer) for m in model.modules())
 
 
-def prepare_for_kbit_training(model: torch.nn.Module, freeze: bool = True) -> None:
+def _prepare_for_kbit_training(model: torch.nn.Module, freeze: bool = True) -> None:
     """peft's ``prepare_model_for_kbit_training`` without its gradient checkpointing: freeze the
     base (the output layer keeps its ``requires_grad``; ``freeze=False``, a model that already
     trains an adapter: what the workload trains keeps training), fp16/bf16 parameters that are not

@@ -127,8 +127,8 @@ class Gemm4bitKernels(TorchDispatchMode):
         self.dequantized: list[tuple[int, int]] = []
         """(rows, bytes of the dequantized weight) of each 4-bit matmul that dequantized."""
         self._autocast: list[bool] = []
-        """Was autocast on where each ``gemm_4bit`` call in flight was made (NOTE [ The 4-bit matmul under
-        autocast ])."""
+        """One entry per ``gemm_4bit`` call in flight that was made with autocast on (NOTE [ The 4-bit
+        matmul under autocast ])."""
         self._library = None
 
     def __enter__(self):
@@ -147,7 +147,7 @@ class Gemm4bitKernels(TorchDispatchMode):
         kwargs = kwargs or {}
         if getattr(func, "namespace", None) == "bitsandbytes" and func.__name__ == "gemm_4bit.default":
             from torch._subclasses.fake_tensor import FakeTensor
-            with _autocast_again() if self._autocast and self._autocast[-1] else contextlib.nullcontext():
+            with _autocast_again() if self._autocast else contextlib.nullcontext():
                 if isinstance(args[0], FakeTensor):
                     return self._gemm_4bit(*args, **kwargs)
                 # bitsandbytes' own kernel, called as with no mode: its ops autocast, and the modes below
