@@ -152,8 +152,10 @@ def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_trac
     if args.out or args.pareto:
         raise UserError("--methods compares several plans; plan the method you pick without --methods to write "
                         "--out or --pareto")
+    from memfit.workloads import load_workload
     methods = parse_methods(args.methods, given.adapter)
-    searches = [(m.name, dict(workload=workload, budget=args.budget, device=args.device, batch_size=bs, seq_len=seq,
+    workload = load_workload(workload, seq_len=seq)  # once, here: the searches' processes share it (forked)
+    searches = [(m.name, dict(workload=workload, budget=args.budget, device=args.device, batch_size=bs,
                               optimizers=optimizers, max_traces=max_traces, fixed={**fixed, **m.keys},
                               compile_modes=compile_modes, steps=steps)) for m in methods]
     with PlanProgress() if not args.json else contextlib.nullcontext() as progress:
