@@ -3,6 +3,11 @@ progress relayed to a line per search, a user error raised here, a search whose 
 again here, and the searches in turn where processes cannot be forked."""
 
 import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 
 import pytest
 
@@ -65,3 +70,95 @@ def test_the_searches_run_in_turn_where_processes_cannot_be_forked(monkeypatch):
     monkeypatch.setattr(side_by_side, "can_fork_searches", lambda: False)
     results = plan_side_by_side([("a", {"label": "a"}), ("b", {"label": "b"})], plan=_search)
     assert [r["label"] for r, _ in results] == ["a", "b"] and all(r["pid"] == PARENT for r, _ in results)
+
+
+def test_a_search_killed_while_it_reports_leaves_the_others_to_come_back():
+    """NOTE [ A pipe per search ]: a search killed while it writes its progress (the kernel's OOM
+    killer) must not stop the others: with one queue for all, it held the queue's lock forever and
+    the other search, then the command, waited without end (100 rounds here hung within seconds).
+    Run in a process of its own, so that a hang fails the test instead of stopping the suite."""
+    script = textwrap.dedent("""
+        import os
+        from memfit.planner import side_by_side
+        PARENT = os.getpid()
+
+        def search(label, die=False, progress=None, alongside=True):
+            for i in range(300):
+                progress.walk(i, 60, 3)
+            if die and os.getpid() != PARENT:
+                os._exit(1)
+            return label, os.getpid() == PARENT
+
+        class Line:
+            stage = walk = done = lambda self, *a: None
+
+        for _ in range(100):
+            got = side_by_side._forked([("a", {"label": "a"}), ("b", {"label": "b", "die": True})],
+                                       [Line(), Line()], search, None, 0)
+            assert [r for r, _ in got] == [("a", False), ("b", True)], got
+        print("all back")
+    """)
+    assert "all back" in _run_alone(script)
+
+
+def test_a_search_killed_with_trace_workers_of_its_own_leaves_no_one_waiting():
+    """NOTE [ A worker outlives no one ] (memfit.planner.processes): a search killed while its own
+    trace workers idle. Those workers held the pipes and the process sentinel of the killed search
+    and waited for jobs for ever; the command waited for them (a ``memfit plan --methods`` whose
+    LoRA search was killed never ended). Now the killed search runs again here and its workers end."""
+    script = textwrap.dedent("""
+        import os, time
+        from memfit.planner import side_by_side
+        from memfit.planner.processes import ForkedProcesses
+        PARENT = os.getpid()
+
+        def search(label, die=False, progress=None, alongside=True):
+            progress.walk(1, 60, 3)
+            if die and os.getpid() != PARENT:
+                workers = ForkedProcesses(2, abs, os.getpid)
+                with open(os.environ["PIDS"], "w") as f:
+                    f.write(" ".join(str(w) for w in workers.firsts))
+                os._exit(1)
+            return label, os.getpid() == PARENT
+
+        class Line:
+            stage = walk = done = lambda self, *a: None
+
+        got = side_by_side._forked([("a", {"label": "a"}), ("b", {"label": "b", "die": True})],
+                                   [Line(), Line()], search, None, 0)
+        assert [r for r, _ in got] == [("a", False), ("b", True)], got
+        print("all back")
+    """)
+    import tempfile
+    with tempfile.NamedTemporaryFile("r") as pids:
+        assert "all back" in _run_alone(script, PIDS=pids.name)
+        workers = [int(p) for p in pids.read().split()]
+    assert len(workers) == 2
+    for _ in range(100):  # (they end as soon as they see their parent gone; a zombie has ended too)
+        if not any(_running(pid) for pid in workers):
+            break
+        time.sleep(0.1)
+    assert not any(_running(pid) for pid in workers), "the killed search's workers are still waiting"
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _run_alone(script: str, **env) -> str:
+    """Run ``script`` in a Python process (and session) of its own: its stdout. A hang fails the test
+    (after 60 s, with every process it started killed) instead of stopping the suite."""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env={**os.environ, **env})
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # (its searches too)
+        proc.communicate()
+        pytest.fail("the searches did not come back in 60 s: one waits for a search that was killed")
+    assert proc.returncode == 0, err[-2000:]
+    return out

@@ -13,7 +13,7 @@ use those cores. The search expected to take longest (the caller says which: for
 fine-tuning, whose optimizer choices the adapters' searches leave out) keeps this process's
 priority and the others run at a lower one, so they take the cores it leaves idle rather than
 slow it down: the three took 60.0 s at one priority, the longest 56.3 s of it. Each search's
-progress reaches the bar through a queue, a line per search.
+progress reaches the bar through a pipe of its own (NOTE [ A pipe per search ]), a line per search.
 
 The searches run in turn here, as before, where fork is not available, with one core, where CUDA
 is initialised in this process, or where autograd would not survive a fork (this process ran a
@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import queue as queues
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from multiprocessing.connection import wait
 
 from memfit.errors import UserError
 from memfit.planner.progress import NoProgress
@@ -75,32 +75,32 @@ def can_fork_searches() -> bool:
 class _Relay:
     """A search's progress, sent to the parent's bar."""
 
-    def __init__(self, queue, index: int) -> None:
-        self.queue, self.index = queue, index
+    def __init__(self, conn) -> None:
+        self.conn = conn
 
     def stage(self, text: str) -> None:
-        self.queue.put(("stage", self.index, text))
+        self.conn.send(("stage", text))
 
     def walk(self, traced: int, limit: int, open_plans: int) -> None:
-        self.queue.put(("walk", self.index, (traced, limit, open_plans)))
+        self.conn.send(("walk", (traced, limit, open_plans)))
 
 
-def _search_in_child(plan: Callable, then: Callable | None, index: int, kwargs: dict, queue, nice: int) -> None:
-    """One search, in its forked process: its result (or error) goes to ``queue``; then the process
-    ends at once, its own workers with it (they may still be winding down, and waiting for them at
-    exit left them orphaned, holding the terminal's pipes)."""
+def _search_in_child(plan: Callable, then: Callable | None, kwargs: dict, conn, nice: int) -> None:
+    """One search, in its forked process: its progress, then its result (or error), go down ``conn``,
+    its own pipe (NOTE [ A pipe per search ]); then the process ends at once, its own
+    workers with it (they may still be winding down, and waiting for them at exit left them
+    orphaned, holding the terminal's pipes)."""
     try:
         if nice:
             os.nice(nice)
-        result = plan(**kwargs, progress=_Relay(queue, index), alongside=False)
-        queue.put(("result", index, (result, then(result) if then else None)))
+        result = plan(**kwargs, progress=_Relay(conn), alongside=False)
+        conn.send(("result", (result, then(result) if then else None)))
     except UserError as e:
-        queue.put(("user error", index, str(e)))
+        conn.send(("user error", str(e)))
     except BaseException as e:  # noqa: BLE001 - sent to the parent, which raises it
-        queue.put(("error", index, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
-        queue.close()
-        queue.join_thread()  # (the result is in the pipe)
+        conn.close()
         for child in multiprocessing.active_children():
             child.kill()
         os._exit(0)
@@ -108,33 +108,49 @@ def _search_in_child(plan: Callable, then: Callable | None, index: int, kwargs: 
 
 def _forked(searches: list[tuple[str, dict]], lines: list, plan: Callable, then: Callable | None,
             longest: int) -> list:
+    """NOTE [ A pipe per search ]
+    Each search writes to a pipe of its own. A queue shared by the searches has one lock for its
+    writers: a search killed while it wrote (by the kernel, for memory) held that lock forever, and
+    every other search then waited for it, and this process for them, without end. A search's own
+    pipe breaks with it alone. Its end of file does not say that it ended (the search's own trace
+    workers, forked from it, hold the pipe's writing end too), so this process also waits on each
+    search's process (its exit status, not its sentinel, which those workers hold too): once it has
+    ended, what it wrote before is read, and a search that sent no result runs again here."""
     ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_search_in_child, args=(plan, then, i, kwargs, queue, 0 if i == longest else LOWER), name=f"memfit-plan-{label}")
-             for i, (label, kwargs) in enumerate(searches)]
-    for p in procs:
+    procs, conns = [], []
+    for i, (label, kwargs) in enumerate(searches):
+        recv, send = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_search_in_child, args=(plan, then, kwargs, send, 0 if i == longest else LOWER),
+                        name=f"memfit-plan-{label}")
         p.start()
+        send.close()  # (the searches forked after this one do not inherit its writing end)
+        procs.append(p)
+        conns.append(recv)
     outcome: dict[int, tuple] = {}
+    open_conns = set(range(len(procs)))
     try:
         while len(outcome) < len(procs):
-            try:
-                kind, i, value = queue.get(timeout=0.5)
-            except queues.Empty:
-                for i, p in enumerate(procs):
-                    if i not in outcome and not p.is_alive():
-                        _drain(queue, outcome, lines)  # (a process that ended may have sent its result last)
-                        if i not in outcome:
-                            outcome[i] = ("died", i, p.exitcode)
-                continue
-            _take(kind, i, value, outcome, lines)
+            waiting = [i for i in range(len(procs)) if i not in outcome]
+            ready = wait([conns[i] for i in waiting if i in open_conns], timeout=0.5)
+            for i in waiting:
+                if conns[i] in ready and i in open_conns and not _read(conns[i], i, outcome, lines):
+                    open_conns.discard(i)
+                if not procs[i].is_alive():  # it ended: what it sent is all in the pipe
+                    os.set_blocking(conns[i].fileno(), False)  # (a message cut short ends the reading)
+                    while i in open_conns and conns[i].poll(0) and _read(conns[i], i, outcome, lines):
+                        pass
+                    open_conns.discard(i)
+                    outcome.setdefault(i, ("died", procs[i].exitcode))
     finally:
+        for conn in conns:
+            conn.close()
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
     results = []
     for i, (_, kwargs) in enumerate(searches):
-        kind, _, value = outcome[i]
+        kind, value = outcome[i]
         if kind == "user error":
             raise UserError(value)
         if kind == "error":
@@ -147,21 +163,21 @@ def _forked(searches: list[tuple[str, dict]], lines: list, plan: Callable, then:
     return results
 
 
+def _read(conn, i: int, outcome: dict, lines: list) -> bool:
+    """Take one message of search ``i``; False where its pipe is at its end or cut short."""
+    try:
+        kind, value = conn.recv()
+    except Exception:  # noqa: BLE001 - end of file, a message cut short, or nothing more to read
+        return False
+    _take(kind, i, value, outcome, lines)
+    return True
+
+
 def _take(kind: str, i: int, value, outcome: dict, lines: list) -> None:
     if kind == "stage":
         lines[i].stage(value)
     elif kind == "walk":
         lines[i].walk(*value)
     else:
-        outcome[i] = (kind, i, value)
+        outcome[i] = (kind, value)
         lines[i].done("done")
-
-
-def _drain(queue, outcome: dict, lines: list) -> None:
-    """Take every message still queued."""
-    while True:
-        try:
-            kind, i, value = queue.get(timeout=0.2)
-        except queues.Empty:
-            return
-        _take(kind, i, value, outcome, lines)
