@@ -302,8 +302,15 @@ def test_the_trainers_own_clipping_and_precision_are_taken_into_the_plan(tmp_pat
     assert trainer.memfit.plan == taken
     _assert_measured_as_predicted(trainer)
     cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(trainer.args)
-    step = memfit.apply(_model(), taken, batch_size=BATCH, device="cpu",
-                        optimizer_factory=lambda ps: cls(ps, weight_decay=0.0, **kwargs))
+    model = _model()
+    decay = set(trainer.get_decay_parameter_names(model))
+
+    def as_the_trainer_groups(params):  # (clipping sums the gradients' norms in the optimizer's order)
+        params = list(params)
+        named = {id(p): n for n, p in model.named_parameters()}
+        return cls([{"params": [p for p in params if named[id(p)] in decay], "weight_decay": 0.0},
+                    {"params": [p for p in params if named[id(p)] not in decay], "weight_decay": 0.0}], **kwargs)
+    step = memfit.apply(model, taken, batch_size=BATCH, device="cpu", optimizer_factory=as_the_trainer_groups)
     ds = Tokens()
     for s in range(STEPS):
         step(default_data_collator([ds[i] for i in range(s * BATCH, (s + 1) * BATCH)]))
