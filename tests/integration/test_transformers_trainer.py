@@ -114,7 +114,8 @@ def test_memfit_trainer_trains_as_memfit_apply_and_a_plain_loop(tmp_path, plan):
     def optimizer(params):  # the Trainer's: its optim (fused AdamW), lr and betas, no weight decay (the default)
         return cls(params, weight_decay=0.0, **kwargs)
 
-    step = memfit.apply(_model(), plan, batch_size=BATCH, optimizer_factory=optimizer, device="cpu")
+    model = _model()
+    step = memfit.apply(model, plan, batch_size=BATCH, optimizer_factory=_as_the_trainer(trainer, model), device="cpu")
     applied = []
     for b in batches:
         step.zero_grad()
@@ -137,6 +138,21 @@ def test_memfit_trainer_trains_as_memfit_apply_and_a_plain_loop(tmp_path, plan):
     for (name, p), q, r in zip(trainer.model.named_parameters(), step.model.parameters(), plain.parameters()):
         assert torch.equal(p, q), name
         torch.testing.assert_close(p, r, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def _as_the_trainer(trainer, model):
+    """The Trainer's optimizer (its optim, lr and betas, no weight decay: the default) over ``model``'s
+    parameters, in the Trainer's groups: decayed, then not. Clipping sums the gradients' norms in the
+    optimizer's order, so one group of the same parameters clips by a norm an ulp apart."""
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(trainer.args)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decay = set(trainer.get_decay_parameter_names(model))
+
+    def build(params):
+        params = list(params)
+        return cls([{"params": [p for p in params if names[id(p)] in decay], "weight_decay": 0.0},
+                    {"params": [p for p in params if names[id(p)] not in decay], "weight_decay": 0.0}], **kwargs)
+    return build
 
 
 class Recorder(TrainerCallback):
@@ -301,16 +317,8 @@ def test_the_trainers_own_clipping_and_precision_are_taken_into_the_plan(tmp_pat
     taken = memfit.Plan(**plan, **taken)
     assert trainer.memfit.plan == taken
     _assert_measured_as_predicted(trainer)
-    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(trainer.args)
     model = _model()
-    decay = set(trainer.get_decay_parameter_names(model))
-
-    def as_the_trainer_groups(params):  # (clipping sums the gradients' norms in the optimizer's order)
-        params = list(params)
-        named = {id(p): n for n, p in model.named_parameters()}
-        return cls([{"params": [p for p in params if named[id(p)] in decay], "weight_decay": 0.0},
-                    {"params": [p for p in params if named[id(p)] not in decay], "weight_decay": 0.0}], **kwargs)
-    step = memfit.apply(model, taken, batch_size=BATCH, device="cpu", optimizer_factory=as_the_trainer_groups)
+    step = memfit.apply(model, taken, batch_size=BATCH, device="cpu", optimizer_factory=_as_the_trainer(trainer, model))
     ds = Tokens()
     for s in range(STEPS):
         step(default_data_collator([ds[i] for i in range(s * BATCH, (s + 1) * BATCH)]))
