@@ -101,13 +101,16 @@ def test_a_search_killed_while_it_reports_leaves_the_others_to_come_back():
     assert "all back" in _run_alone(script)
 
 
-def test_a_search_killed_with_trace_workers_of_its_own_leaves_no_one_waiting():
+@pytest.mark.parametrize("cut", [False, True], ids=["idle", "in-the-middle-of-a-message"])
+def test_a_search_killed_with_trace_workers_of_its_own_leaves_no_one_waiting(cut):
     """NOTE [ A worker outlives no one ] (memfit.planner.processes): a search killed while its own
     trace workers idle. Those workers held the pipes and the process sentinel of the killed search
     and waited for jobs for ever; the command waited for them (a ``memfit plan --methods`` whose
-    LoRA search was killed never ended). Now the killed search runs again here and its workers end."""
+    LoRA search was killed never ended). Now the killed search runs again here and its workers end.
+    ``cut``: killed in the middle of a message (its result, the longest): this process reads the rest
+    until the workers, which hold the pipe too, have ended, and then takes the message as cut."""
     script = textwrap.dedent("""
-        import os, time
+        import os, struct
         from memfit.planner import side_by_side
         from memfit.planner.processes import ForkedProcesses
         PARENT = os.getpid()
@@ -118,6 +121,8 @@ def test_a_search_killed_with_trace_workers_of_its_own_leaves_no_one_waiting():
                 workers = ForkedProcesses(2, abs, os.getpid)
                 with open(os.environ["PIDS"], "w") as f:
                     f.write(" ".join(str(w) for w in workers.firsts))
+                if os.environ["CUT"]:  # a message's length, and only the start of it
+                    progress.conn._send(struct.pack("!i", 10_000_000) + b"the start")
                 os._exit(1)
             return label, os.getpid() == PARENT
 
@@ -131,7 +136,7 @@ def test_a_search_killed_with_trace_workers_of_its_own_leaves_no_one_waiting():
     """)
     import tempfile
     with tempfile.NamedTemporaryFile("r") as pids:
-        assert "all back" in _run_alone(script, PIDS=pids.name)
+        assert "all back" in _run_alone(script, PIDS=pids.name, CUT="1" if cut else "")
         workers = [int(p) for p in pids.read().split()]
     assert len(workers) == 2
     for _ in range(100):  # (they end as soon as they see their parent gone; a zombie has ended too)

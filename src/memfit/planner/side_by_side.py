@@ -115,7 +115,9 @@ def _forked(searches: list[tuple[str, dict]], lines: list, plan: Callable, then:
     pipe breaks with it alone. Its end of file does not say that it ended (the search's own trace
     workers, forked from it, hold the pipe's writing end too), so this process also waits on each
     search's process (its exit status, not its sentinel, which those workers hold too): once it has
-    ended, what it wrote before is read, and a search that sent no result runs again here."""
+    ended, what it wrote before is read, and a search that sent no result runs again here. A message
+    the kill cut short is read to the pipe's end, which comes once the search's workers have ended
+    too (NOTE [ A worker outlives no one ] in memfit.planner.processes)."""
     ctx = multiprocessing.get_context("fork")
     procs, conns = [], []
     for i, (label, kwargs) in enumerate(searches):
