@@ -77,27 +77,14 @@ def test_a_search_killed_while_it_reports_leaves_the_others_to_come_back():
     killer) must not stop the others: with one queue for all, it held the queue's lock forever and
     the other search, then the command, waited without end (100 rounds here hung within seconds).
     Run in a process of its own, so that a hang fails the test instead of stopping the suite."""
-    script = textwrap.dedent("""
-        import os
-        from memfit.planner import side_by_side
-        PARENT = os.getpid()
-
+    script = _two_searches("""
         def search(label, die=False, progress=None, alongside=True):
             for i in range(300):
                 progress.walk(i, 60, 3)
             if die and os.getpid() != PARENT:
                 os._exit(1)
             return label, os.getpid() == PARENT
-
-        class Line:
-            stage = walk = done = lambda self, *a: None
-
-        for _ in range(100):
-            got = side_by_side._forked([("a", {"label": "a"}), ("b", {"label": "b", "die": True})],
-                                       [Line(), Line()], search, None, 0)
-            assert [r for r, _ in got] == [("a", False), ("b", True)], got
-        print("all back")
-    """)
+    """, rounds=100)
     assert "all back" in _run_alone(script)
 
 
@@ -109,12 +96,7 @@ def test_a_search_killed_with_trace_workers_of_its_own_leaves_no_one_waiting(cut
     LoRA search was killed never ended). Now the killed search runs again here and its workers end.
     ``cut``: killed in the middle of a message (its result, the longest): this process reads the rest
     until the workers, which hold the pipe too, have ended, and then takes the message as cut."""
-    script = textwrap.dedent("""
-        import os, struct
-        from memfit.planner import side_by_side
-        from memfit.planner.processes import ForkedProcesses
-        PARENT = os.getpid()
-
+    script = _two_searches("""
         def search(label, die=False, progress=None, alongside=True):
             progress.walk(1, 60, 3)
             if die and os.getpid() != PARENT:
@@ -125,15 +107,7 @@ def test_a_search_killed_with_trace_workers_of_its_own_leaves_no_one_waiting(cut
                     progress.conn._send(struct.pack("!i", 10_000_000) + b"the start")
                 os._exit(1)
             return label, os.getpid() == PARENT
-
-        class Line:
-            stage = walk = done = lambda self, *a: None
-
-        got = side_by_side._forked([("a", {"label": "a"}), ("b", {"label": "b", "die": True})],
-                                   [Line(), Line()], search, None, 0)
-        assert [r for r, _ in got] == [("a", False), ("b", True)], got
-        print("all back")
-    """)
+    """, rounds=1)
     import tempfile
     with tempfile.NamedTemporaryFile("r") as pids:
         assert "all back" in _run_alone(script, PIDS=pids.name, CUT="1" if cut else "")
@@ -144,6 +118,26 @@ def test_a_search_killed_with_trace_workers_of_its_own_leaves_no_one_waiting(cut
             break
         time.sleep(0.1)
     assert not any(_running(pid) for pid in workers), "the killed search's workers are still waiting"
+
+
+def _two_searches(search: str, rounds: int) -> str:
+    """A script: ``rounds`` times, searches a and b side by side with ``search`` (b dies in its
+    process and runs again here); each round's results checked, then "all back" printed."""
+    return textwrap.dedent("""
+        import os, struct
+        from memfit.planner import side_by_side
+        from memfit.planner.processes import ForkedProcesses
+        PARENT = os.getpid()
+
+        class Line:
+            stage = walk = done = lambda self, *a: None
+    """) + textwrap.dedent(search) + textwrap.dedent(f"""
+        for _ in range({rounds}):
+            got = side_by_side._forked([("a", {{"label": "a"}}), ("b", {{"label": "b", "die": True}})],
+                                       [Line(), Line()], search, None, 0)
+            assert [r for r, _ in got] == [("a", False), ("b", True)], got
+        print("all back")
+    """)
 
 
 def _running(pid: int) -> bool:

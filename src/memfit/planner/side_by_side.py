@@ -135,7 +135,7 @@ def _forked(searches: list[tuple[str, dict]], lines: list, plan: Callable, then:
             waiting = [i for i in range(len(procs)) if i not in outcome]
             ready = wait([conns[i] for i in waiting if i in open_conns], timeout=0.5)
             for i in waiting:
-                if conns[i] in ready and i in open_conns and not _read(conns[i], i, outcome, lines):
+                if conns[i] in ready and not _read(conns[i], i, outcome, lines):
                     open_conns.discard(i)
                 if not procs[i].is_alive():  # it ended: what it sent is all in the pipe
                     os.set_blocking(conns[i].fileno(), False)  # (a message cut short ends the reading)

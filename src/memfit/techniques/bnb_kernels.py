@@ -193,7 +193,8 @@ def _autocast_kernel(calls: list[bool]):
     import warnings
     library = torch.library.Library("bitsandbytes", "IMPL")
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "overriding a previously registered kernel": a nested trace's
+        # "overriding a previously registered kernel": a nested trace's mode registers it again
+        warnings.simplefilter("ignore")
         library.impl("gemm_4bit", kernel, "AutocastCPU", with_keyset=True)
     return library
 
