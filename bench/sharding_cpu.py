@@ -49,7 +49,7 @@ def _rank(rank: int, world: int, port: int, spec: str, fields: dict, out: str) -
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         target = Target.resolve(spec, Plan(world_size=world, **fields), BATCH, "cpu", seq_len=SEQ)
-        run, peak = measured_cpu_run(target)
+        run, peak, _ = measured_cpu_run(target)
         if rank == 0:
             with open(out, "w") as f:
                 f.write(f"{peak} {report_for(run.tracker, target, 'real').peak_bytes}")

@@ -33,6 +33,7 @@ from memfit.observer import NullObserver
 from memfit.plans import Plan
 from memfit.target import Target
 from memfit.techniques.base import StepParts
+from memfit.techniques.loading import Load, materialise, on_meta
 from memfit.techniques.placement import HostPlacement
 from memfit.workload import Workload, call_workload, checked
 
@@ -219,16 +220,20 @@ def build_step(workload: Workload | str | Target, plan: Plan | None = None, batc
     with torch.device(target.tensor_device), contextlib.ExitStack() as building:
         for config in target.plan.techniques:
             building.enter_context(config.build_context())
+        if wl.from_checkpoint:
+            building.enter_context(on_meta())
         model = call_workload("model()", wl.model)
+    if not isinstance(model, torch.nn.Module):
+        raise UserError(f"workload model() must return an nn.Module, got {type(model).__name__}")
+    if wl.from_checkpoint:
+        _load(model, target)
     with torch.device(target.tensor_device):
-        if not isinstance(model, torch.nn.Module):
-            raise UserError(f"workload model() must return an nn.Module, got {type(model).__name__}")
         model.train()
         parts = StepParts(model=model, device=target.device, device_type=target.tensor_device,
                           batch_size=target.rank_batch_size, placement=HostPlacement(),
                           loss_fn=checked("loss(model, batch)", wl.loss),
                           optimizer_factory=lambda ps: call_workload("optimizer(params)", wl.build_optimizer, ps),
-                          plan=target.plan)
+                          plan=target.plan, loaded=wl.from_checkpoint)
         for config in target.plan.techniques:
             config.apply(parts)
         for finalize in parts.finalizers:
@@ -238,6 +243,16 @@ def build_step(workload: Workload | str | Target, plan: Plan | None = None, batc
             raise UserError("the workload's model has no trainable parameters")
         optimizer = parts.make_optimizer(params, parts.optimizer_factory)
     return TrainStep(target, parts, optimizer, observer)
+
+
+def _load(model: torch.nn.Module, target: Target) -> None:
+    """The model built on the meta device, loaded as a checkpoint: the plan's conversions done while
+    loading (quantizers), then each weight materialised on the step's device (NOTE in
+    memfit.techniques.loading: Load as users load)."""
+    load = Load()
+    for config in target.plan.techniques:
+        config.on_load(model, load)
+    materialise(model, target.tensor_device, load)
 
 
 def make_batch(target: Target, *, whole: bool = False) -> Any:

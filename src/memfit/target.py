@@ -37,7 +37,7 @@ class Target:
         wl = load_workload(workload, seq_len=seq_len, resolution=resolution)
         if isinstance(plan, str):
             plan = Plan.load(plan)
-        plan = plan or Plan()
+        plan = _with_checkpoint_format(plan or Plan(), wl)
         bs = batch_size or wl.default_batch_size
         if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
             raise UserError(f"batch size must be a positive whole number, got {batch_size!r}")
@@ -71,3 +71,19 @@ class Target:
 
     def describe(self) -> str:
         return f"{self.workload.name} · batch {self.batch_size} · {self.plan.describe()}"
+
+
+def _with_checkpoint_format(plan: Plan, wl: Workload) -> Plan:
+    """A pre-quantized checkpoint's base weights are quantized whatever the plan says: ``as-is``
+    means its own format; another format cannot be loaded from it."""
+    fmt = wl.info.quantized
+    if fmt is None:
+        return plan
+    ours = plan.replace(base_weights=fmt)
+    if plan.config("base_weights").is_default:
+        return ours
+    if plan.config("base_weights") != ours.config("base_weights"):
+        raise UserError(f"{wl.name} is a pre-quantized checkpoint ({fmt}, its config.json's quantization_config): "
+                        f"its base weights load as {fmt}, not {plan.base_weights}; drop --base-weights "
+                        "(or plan the full-precision checkpoint)")
+    return plan

@@ -44,6 +44,9 @@ class WorkloadInfo:
     vocab_size: int | None = None
     config: dict = field(default_factory=dict)
     """The architecture's sizes (config fields), for reports."""
+    quantized: str | None = None
+    """A pre-quantized checkpoint's base-weight format, as a ``base_weights`` plan value (its
+    config.json's ``quantization_config``: bitsandbytes' ``nf4``, ``fp4``, ``int8``); None: full precision."""
 
 
 @dataclass
@@ -57,6 +60,12 @@ class Workload:
     """Batch size used when the user gives none."""
     info: WorkloadInfo = field(default_factory=WorkloadInfo)
     """Facts shown in reports (architecture, sizes, sequence length)."""
+    from_checkpoint: bool = False
+    """``model()`` describes a checkpoint's model, and the step loads it as its library loads one
+    (``from_pretrained``): built on the meta device, each weight then materialised on the step's
+    device in its final form, cast or quantized while loading (memfit.techniques.loading). The
+    built-in, hub and folder workloads. False: ``model()`` runs as written, on the step's device
+    (a model built there in full precision and converted afterwards leaves its segments reserved)."""
 
     def build_optimizer(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
         return (self.optimizer or default_optimizer)(params)

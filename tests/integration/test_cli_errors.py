@@ -379,3 +379,13 @@ def test_a_reader_that_leaves_the_pipe_ends_memfit_quietly():
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=300) == 141, err
     assert "internal error" not in err and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_a_pre_quantized_checkpoint_planned_for_full_fine_tuning_is_one_line(tmp_path):
+    import json
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320, "max_position_embeddings": 64,
+        "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}}))
+    code, out, err = run(["plan", str(tmp_path), "--seq-len", "16", "-b", "2", "--methods", "full,qlora"])
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "only qlora trains it" in err

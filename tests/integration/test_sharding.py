@@ -62,7 +62,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         for case, fields in CASES.items():
             target = Target.resolve(SMALL, Plan(**fields), BATCH, "cpu", seq_len=32)
             torch.manual_seed(0)
-            run, peak = measured_cpu_run(target)
+            run, peak, _ = measured_cpu_run(target)
             tracked = report_for(run.tracker, target, "real").peak_bytes
             del run
             torch.manual_seed(0)
@@ -81,7 +81,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
             seen[case] = {"peak": peak, "tracked": tracked, "losses": losses, "params": params, "ema": ema}
             del step
         target = Target.resolve(WIDER, Plan(world_size=world), BATCH, "cpu", seq_len=32)
-        run, peak = measured_cpu_run(target)
+        run, peak, _ = measured_cpu_run(target)
         seen["wider"] = {"peak": peak, "tracked": report_for(run.tracker, target, "real").peak_bytes}
         if rank == 0:
             with open(out, "w") as f:

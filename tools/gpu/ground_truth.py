@@ -212,6 +212,7 @@ def measure_case(case: dict, device: str = "cuda", predict: str | None = None) -
     try:
         torch.manual_seed(0)
         wl = resolve_workload(case)
+        row["load"] = "checkpoint" if wl.from_checkpoint else "built"  # tools/gpu/rows.py: workload_of
         turn.enter_context(gpu_turn())
         if cuda:
             free0, total = torch.cuda.mem_get_info()  # creates the CUDA context

@@ -126,14 +126,25 @@ def predict(case: dict, device: str | None = None, *, emulate: bool = True) -> d
     device = device or preset_for(case)
     env = recorded_environment(case) if emulate else None
     with env or contextlib.nullcontext():
-        report = memfit.estimate(case["workload"], memfit.Plan(**plan_of(case)), batch_size=case["batch_size"],
-                                 seq_len=case.get("seq_len"), device=device)
+        report = memfit.estimate(workload_of(case), memfit.Plan(**plan_of(case)), batch_size=case["batch_size"],
+                                 device=device)
     alloc, reserved = case["max_memory_allocated"], case["max_memory_reserved"]
     return {"case": case.get("case") or case.get("id"), "measured": alloc, "predicted": report.peak_bytes,
             "error": 100 * (report.peak_bytes - alloc) / alloc,
             "reserved_measured": reserved, "reserved_predicted": report.reserved_bytes,
             "reserved_error": 100 * (report.reserved_bytes - reserved) / reserved,
             "seconds": time.perf_counter() - t0, "emulated": env is not None}
+
+
+def workload_of(case: dict):
+    """The row's workload, built as its run built it: rows without ``"load": "checkpoint"`` ran
+    before built-in models were loaded as checkpoints (memfit.techniques.loading): their model was
+    built on the device (in the plan's build dtype) and converted there."""
+    import dataclasses
+
+    from memfit.workloads import load_workload
+    wl = load_workload(case["workload"], seq_len=case.get("seq_len"))
+    return wl if case.get("load") == "checkpoint" else dataclasses.replace(wl, from_checkpoint=False)
 
 
 def predict_safe(case: dict, emulate: bool = True) -> dict:
@@ -170,8 +181,7 @@ def target_of(row: dict) -> Target:
     from memfit.plans import Plan
     from memfit.target import Target
 
-    return Target.resolve(row["workload"], Plan(**plan_fields(row)), row["batch_size"], get_device(preset_for(row)),
-                          seq_len=row["seq_len"])
+    return Target.resolve(workload_of(row), Plan(**plan_fields(row)), row["batch_size"], get_device(preset_for(row)))
 
 
 def plan_text(plan: dict) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 
 from memfit.cli.common import add_plan_args, add_workload_args, plan_from_args, print_json, sized_workload
 
@@ -155,6 +156,13 @@ def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_trac
     from memfit.workloads import load_workload
     methods = parse_methods(args.methods, given.adapter)
     workload = load_workload(workload, seq_len=seq)  # once, here: the searches' processes share it (forked)
+    fmt = workload.info.quantized
+    if fmt is not None:
+        if [m.name for m in methods] != ["qlora"]:
+            raise UserError(f"--methods: {workload.name} is a pre-quantized checkpoint ({fmt}); only qlora trains it "
+                            "(an adapter over its quantized weights): use --methods qlora, or plan the full-precision "
+                            "checkpoint")
+        methods = [dataclasses.replace(m, keys={**m.keys, "base_weights": fmt}) for m in methods]
     searches = [(m.name, dict(workload=workload, budget=args.budget, device=args.device, batch_size=bs,
                               optimizers=optimizers, max_traces=max_traces, fixed={**fixed, **m.keys},
                               compile_modes=compile_modes, steps=steps)) for m in methods]

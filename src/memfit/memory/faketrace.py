@@ -36,18 +36,21 @@ class TrackedRun:
 
 
 def run_tracked(target: Target, *, fake: bool, steps: int = STEADY_STEP,
-                outer: contextlib.AbstractContextManager | None = None, around_step=None) -> TrackedRun:
+                outer: contextlib.AbstractContextManager | None = None, around_step=None,
+                around_build=None) -> TrackedRun:
     """Build the target's step and run ``steps`` steps under a :class:`MemoryTracker`.
 
     ``outer`` wraps everything (e.g. a profiler); ``around_step(i)`` returns a context manager put
-    around step ``i`` (e.g. a profiler range marking the steady-state step).
+    around step ``i`` (e.g. a profiler range marking the steady-state step); ``around_build()`` one
+    put around building the step (loading the model: its own peak).
     """
     with frozen_heap(collect=not fake):  # NOTE [ Frozen heap ]
-        return _run_tracked(target, fake=fake, steps=steps, outer=outer, around_step=around_step)
+        return _run_tracked(target, fake=fake, steps=steps, outer=outer, around_step=around_step,
+                            around_build=around_build)
 
 
 def _run_tracked(target: Target, *, fake: bool, steps: int, outer: contextlib.AbstractContextManager | None,
-                 around_step) -> TrackedRun:
+                 around_step, around_build=None) -> TrackedRun:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     device = target.device
@@ -66,7 +69,8 @@ def _run_tracked(target: Target, *, fake: bool, steps: int, outer: contextlib.Ab
                 _enter_trace_contexts(stack, target)
                 if device.is_gpu:
                     kernels = stack.enter_context(_cuda_kernel_model(device, tracker))
-            step = build_step(target)
+            with (around_build() if around_build else contextlib.nullcontext()):
+                step = build_step(target)
             params = [p for p in step.model.parameters()]
             tracker.label(params, "parameters")
             for p in params:

@@ -44,6 +44,7 @@ from memfit.target import Target
 from memfit.workload import Workload
 
 STEP_RANGE = "memfit::steady_step"
+LOAD_RANGE = "memfit::load"
 
 
 @dataclass
@@ -62,6 +63,10 @@ class ProfileResult:
     """'profiler' (PyTorch profiler allocator events, CPU) or 'cuda-allocator' (caching-allocator statistics)."""
     device_used_bytes: int | None = None
     """GPU: ``total - free`` after the steady-state step (CUDA context and library handles included)."""
+    load_peak_bytes: int | None = None
+    """The measured peak while the model was built or loaded (the profiler's, or ``max_memory_allocated``)."""
+    load_reserved_bytes: int | None = None
+    """GPU: ``max_memory_reserved`` when the load ended."""
 
     @property
     def peak_bytes(self) -> int:
@@ -104,6 +109,9 @@ class ProfileResult:
             "reserved_error_percent": None if self.reserved_error_percent is None
             else round(self.reserved_error_percent, 3),
             "device_used_bytes": self.device_used_bytes,
+            "load_peak_bytes": self.load_peak_bytes, "predicted_load_peak_bytes": self.predicted.load_peak_bytes,
+            "load_reserved_bytes": self.load_reserved_bytes,
+            "predicted_load_reserved_bytes": self.predicted.load_reserved_bytes,
             "predicted_cuda_context_bytes": self.predicted.cuda_context_bytes,
             "step_seconds": self.step_seconds, "breakdown": self.measured.breakdown,
             "predicted_breakdown": self.predicted.breakdown, "prediction_method": self.predicted.method,
@@ -183,7 +191,7 @@ def profile(workload: Workload | str, plan: Plan | str | None = None, *, batch_s
         raise UserError(f"profile: the step needs about {predicted.peak_bytes / 2**30:.1f} GiB but this machine has "
                         f"{available_host_bytes() / 2**30:.1f} GiB free; use a smaller batch or model, or memfit estimate")
     gc.collect()
-    run, peak = measured_cpu_run(target)
+    run, peak, load_peak = measured_cpu_run(target)
     view = tracker_view(run.tracker, traced_device(dev, "real", target.tensor_device))
     tracker_peak = view.process_peak_bytes or view.peak_bytes
     measured = report_for(run.tracker, target, "real", measurement=Measurement(peak), view=view)
@@ -193,20 +201,22 @@ def profile(workload: Workload | str, plan: Plan | str | None = None, *, batch_s
         save_snapshot(run, snapshot, target=target, report=measured, kind="measurement")
     times = _time_steps(run, target, repeats) if repeats else []
     return ProfileResult(measured=measured, predicted=predicted, tracker_peak_bytes=tracker_peak,
-                         step_seconds=statistics.median(times) if times else float("nan"), step_seconds_all=times)
+                         step_seconds=statistics.median(times) if times else float("nan"), step_seconds_all=times,
+                         load_peak_bytes=load_peak)
 
 
 def measured_cpu_run(target: Target):
     """Run the target's step for real on this CPU under the tracker and the profiler (see NOTE
-    [ Independent measurement ]): the run, and the profiler's peak of the steady-state step."""
+    [ Independent measurement ]): the run, the profiler's peak of the steady-state step, and its
+    peak while the model was built or loaded."""
     from torch.profiler import record_function
 
     with silenced_warnings():
         prof = memory_profiler()
         run = run_tracked(target, fake=False, outer=QuietProfiler(prof),
                           around_step=lambda i: record_function(STEP_RANGE) if i == STEADY_STEP
-                          else contextlib.nullcontext())
-    return run, profiler_peak(prof, STEP_RANGE)
+                          else contextlib.nullcontext(), around_build=lambda: record_function(LOAD_RANGE))
+    return run, profiler_peak(prof, STEP_RANGE), profiler_peak(prof, LOAD_RANGE)
 
 
 def _profile_cuda(target: Target, predicted: MemoryReport, repeats: int, timeline: str | None,
@@ -215,10 +225,11 @@ def _profile_cuda(target: Target, predicted: MemoryReport, repeats: int, timelin
     ``cuda`` stands in for ``torch.cuda`` in tests."""
     dev = target.device
     meter = CudaStepMeter(cuda, history=bool(timeline or snapshot))
+    load = CudaStepMeter(cuda)
     gc.collect()
     try:
         with silenced_warnings():
-            run = run_tracked(target, fake=False,
+            run = run_tracked(target, fake=False, around_build=load.around,
                               around_step=lambda i: meter.around() if i == STEADY_STEP else contextlib.nullcontext())
     except torch.OutOfMemoryError as e:
         raise UserError(f"profile: out of memory on {dev.name} (predicted: {predicted.peak_bytes / 2**30:.2f} GiB "
@@ -239,7 +250,9 @@ def _profile_cuda(target: Target, predicted: MemoryReport, repeats: int, timelin
     times = _time_steps(run, target, repeats) if repeats else []
     return ProfileResult(measured=measured, predicted=predicted, tracker_peak_bytes=tracker_peak,
                          step_seconds=statistics.median(times) if times else float("nan"), step_seconds_all=times,
-                         measured_by="cuda-allocator", device_used_bytes=m.device_used_bytes)
+                         measured_by="cuda-allocator", device_used_bytes=m.device_used_bytes,
+                         load_peak_bytes=load.result.allocated_peak_bytes,
+                         load_reserved_bytes=load.result.reserved_peak_bytes)
 
 
 def _time_steps(run, target: Target, repeats: int) -> list[float]:

@@ -60,6 +60,11 @@ class MemoryReport:
     leaks: list[dict] = field(default_factory=list)
     """Memory created by the step and still held after it (see memfit.memory.leaks)."""
     trace_seconds: float = 0.0
+    load_peak_bytes: int = 0
+    """Peak of allocated bytes while the model was built or loaded, before the first step (a model
+    loaded as a checkpoint holds, beyond itself, one weight in full precision at a time)."""
+    load_reserved_bytes: int | None = None
+    """GPU: the caching allocator's reserved bytes when the load ended."""
 
     @property
     def measurable_peak_bytes(self) -> int:
@@ -207,6 +212,35 @@ def traced_device(device: Device, method: str, tensor_device: str) -> str:
     return "cuda:0" if (device.is_gpu and method != "real-fallback" and tensor_device == "cuda") else "cpu"
 
 
+def load_window(tracker: MemoryTracker) -> Window:
+    """From the first event to the first step: building (or loading) the model."""
+    first = next((idx for name, _, idx in tracker.state.marks if name == "step"), len(tracker.state.events))
+    return Window(0, first)
+
+
+def _load_figures(tracker: MemoryTracker, target, where: str, gpu: bool) -> tuple[int, int | None, list[str]]:
+    """(load peak, reserved when it ended, a note): the note, on a GPU, where a model built on the
+    device in full precision and converted afterwards left segments reserved that a load in the
+    final form would not (NOTE in memfit.techniques.loading: Load as users load)."""
+    window = load_window(tracker)
+    if not gpu:
+        return peak_of(tracker, where, window)[0], None, []
+    model = new_model(expandable=target.plan.config("allocator").expands)
+    peak, reserved, _ = allocator.replay(tracker, where, window, model=model)
+    left = reserved - model.allocated
+    notes = []
+    if not target.workload.from_checkpoint and left >= LEFT_BY_BUILD_BYTES and left > model.allocated // 4:
+        notes.append(f"building the model on the device left {left / 2**30:.2f} GiB reserved beyond the "
+                     f"{model.allocated / 2**30:.2f} GiB it kept (a full-precision model converted afterwards); "
+                     "build it on the meta device and load each weight in its final form (from_pretrained(..., "
+                     "dtype=torch.bfloat16, quantization_config=...)) to leave none")
+    return peak, reserved, notes
+
+
+LEFT_BY_BUILD_BYTES = 512 << 20
+"""Reserved bytes a build may leave unused before the report says how to avoid them."""
+
+
 def report_for(tracker: MemoryTracker, target, method: str, *, measurement: Measurement | None = None,
                notes: list[str] | tuple = (), trace_seconds: float = 0.0, view: TrackerView | None = None
                ) -> MemoryReport:
@@ -221,7 +255,8 @@ def report_for(tracker: MemoryTracker, target, method: str, *, measurement: Meas
     view = view or tracker_view(tracker, where, sizes=allocator.round_size if gpu else None)
     breakdown = dict(view.breakdown)
     peak, reserved, workspace = view.peak_bytes, None, None
-    approximations = [*notes, *view.approximations]
+    load_peak, load_reserved, load_notes = _load_figures(tracker, target, where, gpu)
+    approximations = [*notes, *view.approximations, *load_notes]
     if gpu:
         window = step_window(tracker, STEADY_STEP)
         model = new_model(expandable=target.plan.config("allocator").expands)
@@ -260,7 +295,7 @@ def report_for(tracker: MemoryTracker, target, method: str, *, measurement: Meas
         host_peak_bytes=view.host_peak_bytes, process_peak_bytes=view.process_peak_bytes, reserved_bytes=reserved,
         device_total_bytes=dev.total_bytes if gpu else None, cuda_context_bytes=dev.context_bytes if gpu else None,
         cuda_workspace_bytes=workspace, timeline=view.timeline, approximations=approximations, leaks=view.leaks,
-        trace_seconds=trace_seconds)
+        trace_seconds=trace_seconds, load_peak_bytes=load_peak, load_reserved_bytes=load_reserved)
     fits = Budget.of_device(dev).fits(SimpleNamespace(**report)) if gpu else None
     return MemoryReport(**report, fits=fits)
 

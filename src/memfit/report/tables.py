@@ -48,6 +48,9 @@ def print_estimate(r: MemoryReport, console: Console | None = None) -> None:
     t.add_row(f"[bold]{label}[/]", f"[bold]{fmt_bytes(r.peak_bytes)}[/]", "", f"during {r.peak_phase}")
     if r.host_peak_bytes:
         t.add_row("host memory", fmt_bytes(r.host_peak_bytes), "", "peak of offloaded copies (not on the device)")
+    if r.load_peak_bytes:
+        reserved = f", {fmt_bytes(r.load_reserved_bytes)} reserved" if r.load_reserved_bytes is not None else ""
+        t.add_row("loading the model", fmt_bytes(r.load_peak_bytes), "", f"peak before the first step{reserved}")
     if r.reserved_bytes is not None:
         t.add_row("reserved", fmt_bytes(r.reserved_bytes), "", "held by the CUDA caching allocator")
         t.add_row("CUDA context", fmt_bytes(r.cuda_context_bytes), "", "outside PyTorch's allocator")
@@ -114,6 +117,10 @@ def print_profile(result, console: Console | None = None) -> None:
         if result.device_used_bytes is not None:
             context = fmt_bytes(p.reserved_bytes + p.cuda_context_bytes) if p.reserved_bytes is not None else "-"
             t.add_row("on the device", context, fmt_bytes(result.device_used_bytes))
+    if result.load_peak_bytes is not None and p.load_peak_bytes:
+        t.add_row("loading the model", fmt_bytes(p.load_peak_bytes), fmt_bytes(result.load_peak_bytes))
+        if cuda and p.load_reserved_bytes is not None and result.load_reserved_bytes is not None:
+            t.add_row("  reserved when loaded", fmt_bytes(p.load_reserved_bytes), fmt_bytes(result.load_reserved_bytes))
     if p.host_peak_bytes:
         t.add_row("  of which device", fmt_bytes(p.peak_bytes), "")
         t.add_row("  host (offloaded)", fmt_bytes(p.host_peak_bytes), "")

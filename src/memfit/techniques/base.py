@@ -12,6 +12,8 @@ a technique means adding its module (and its test), nothing else:
 ============================  =========================================================================
 ``apply(parts)``              change the step being built (:class:`StepParts`): the model, how the
                               optimizer is built, the loss, the contexts the step holds
+``on_load(model, load)``      what loading a checkpoint does for it before the weights arrive (a
+                              quantizer quantizes while loading: :mod:`memfit.techniques.loading`)
 ``check(plan)``               refuse combinations with other techniques (a ``UserError`` with the fix)
 ``saves_at_most(other, b)``   memory order for the planner's pruning (by ``rank`` unless overridden)
 ``ordered_in(plan)``          whether that order holds in a plan (e.g. not for offloaded states)
@@ -161,6 +163,11 @@ class Config:
         so that an fp32 copy of the model never takes device memory)."""
         return contextlib.nullcontext()
 
+    def on_load(self, model, load) -> None:
+        """What a checkpoint's load does for this config before the weights arrive, on the model
+        built on the meta device (a workload that loads as a checkpoint, :mod:`memfit.techniques.loading`):
+        a quantizer replaces the layers it quantizes while loading and registers how in ``load``."""
+
     def apply(self, parts: StepParts) -> None:
         """Change the step being built."""
 
@@ -303,6 +310,9 @@ class StepParts:
     plan: Any = None
     """The plan being applied (a technique may read another's config, e.g. compile reads the
     activation memory budget of ``checkpointing: budget:F``)."""
+    loaded: bool = False
+    """The model was loaded as a checkpoint (built on the meta device, each weight materialised in
+    its final form): the plan's ``on_load`` conversions are done (memfit.techniques.loading)."""
     finalizers: list = field(default_factory=list)
     """``finalize(parts)`` hooks run after every config has applied itself (e.g. compiling the
     whole loss once chunking and checkpointing have wrapped it)."""

@@ -51,14 +51,33 @@ class BaseWeights(Config):
         return _bnb_on_fake_tensors(tables="bitsandbytes" in sys.modules)
 
     def apply(self, parts) -> None:
-        """Quantize (variants), and model the 4-bit matmuls of any bitsandbytes layer, the
-        workload's own included (see NOTE [ 4-bit matmul kernels on fake tensors ])."""
-        self.quantize(parts)
+        """Quantize (variants; a model loaded as a checkpoint was quantized while loading), prepare
+        it for k-bit training, and model the 4-bit matmuls of any bitsandbytes layer, the workload's
+        own included (see NOTE [ 4-bit matmul kernels on fake tensors ])."""
+        if self.layer is not None:
+            if not parts.loaded:
+                _quantize_linears(parts.model, self, self.text)
+            _prepare_for_kbit_training(parts.model, freeze=not _has_peft_adapter(parts.model),
+                                       upcast=parts.plan.config("precision").resolve(parts.device).weights != "bf16")
         if has_4bit_layers(parts.model):
             parts.contexts.append(lambda: gemm_4bit_kernels(parts.device))
 
-    def quantize(self, parts) -> None:
-        pass
+    def on_load(self, model, load) -> None:
+        """bitsandbytes quantizes while transformers loads (``BitsAndBytesConfig``): its layers
+        replace the linears on the meta device, and each weight arrives in full precision and is
+        quantized on the device before the next (memfit.techniques.loading)."""
+        if self.layer is None:
+            return
+        for layer in _replace_linears(model, self, self.text):
+            load.quantizers[id(layer.weight)] = lambda full, layer=layer: self.quantized(layer, full)
+
+    layer = None
+    """``layer(linear)``: the bitsandbytes layer that replaces ``linear``, its weight not yet
+    quantized (a method of the variants that quantize; None: nothing is)."""
+
+    def quantized(self, layer, full: torch.Tensor) -> torch.nn.Parameter:
+        """``layer``'s weight quantized from ``full`` (the weight in full precision, on the device)."""
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -91,19 +110,21 @@ class Quantized4bit(BaseWeights):
     def label(self, batch_size):
         return self.quant_type + ("-dq" if self.double_quant else "")
 
-    def quantize(self, parts) -> None:
+    def layer(self, linear: torch.nn.Linear):
         import bitsandbytes as bnb
+        layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                  compute_dtype=linear.weight.dtype, compress_statistics=self.double_quant,
+                                  quant_type=self.quant_type, device="meta")
+        layer.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, blocksize=BLOCKSIZE,
+                                         compress_statistics=self.double_quant, quant_type=self.quant_type,
+                                         module=layer)
+        return layer
 
-        def convert(linear: torch.nn.Linear):
-            layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                      compute_dtype=linear.weight.dtype, compress_statistics=self.double_quant,
-                                      quant_type=self.quant_type, device="meta")
-            layer.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, blocksize=BLOCKSIZE,
-                                             compress_statistics=self.double_quant, quant_type=self.quant_type,
-                                             module=layer)
-            layer.weight = layer.weight.to(linear.weight.device)  # quantizes (bitsandbytes' Params4bit.to)
-            return layer
-        _quantize_linears(parts.model, convert, self.text)
+    def quantized(self, layer, full: torch.Tensor) -> torch.nn.Parameter:
+        import bitsandbytes as bnb
+        weight = bnb.nn.Params4bit(full, requires_grad=False, blocksize=BLOCKSIZE, compress_statistics=self.double_quant,
+                                   quant_type=self.quant_type, module=layer)
+        return weight.to(full.device)  # quantizes (bitsandbytes' Params4bit.to, as transformers' Bnb4bitQuantize)
 
     def export(self, into: Export) -> None:
         into.not_carried(self)
@@ -123,27 +144,34 @@ class Int8Weights(BaseWeights):
     def label(self, batch_size):
         return "int8"
 
-    def quantize(self, parts) -> None:
+    def layer(self, linear: torch.nn.Linear):
         import bitsandbytes as bnb
+        layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                    has_fp16_weights=False, threshold=6.0, device="meta")
+        layer.weight = bnb.nn.Int8Params(linear.weight.data, requires_grad=False, has_fp16_weights=False)
+        return layer
 
-        def convert(linear: torch.nn.Linear):
-            layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                        has_fp16_weights=False, threshold=6.0, device="meta")
-            layer.weight = bnb.nn.Int8Params(linear.weight.data, requires_grad=False, has_fp16_weights=False)
-            layer.weight = layer.weight._quantize(linear.weight.device)  # bitsandbytes' own quantization
-            return layer
-        _quantize_linears(parts.model, convert, self.text)
+    def quantized(self, layer, full: torch.Tensor) -> torch.nn.Parameter:
+        import bitsandbytes as bnb
+        weight = bnb.nn.Int8Params(full, requires_grad=False, has_fp16_weights=False)
+        return weight._quantize(full.device)  # bitsandbytes' own quantization (fp16 rows, then int8)
 
     def export(self, into: Export) -> None:
         into.not_carried(self)
         into.hf_notes.append("load the model with BitsAndBytesConfig(load_in_8bit=True)")
 
 
-def _quantize_linears(model: torch.nn.Module, convert, text: str) -> None:
-    """Every ``nn.Linear`` but the output layer, replaced by ``convert(linear)`` (bias kept), then
-    the model prepared for k-bit training. In a workload that already trains a peft adapter, only
-    its frozen linears (the base layers under the adapter's): the adapter's own matrices and
-    ``modules_to_save`` copies train, in full precision, as in QLoRA."""
+def _quantize_linears(model: torch.nn.Module, config: BaseWeights, text: str) -> None:
+    """The linears replaced (:func:`_replace_linears`) and their weights quantized where they are."""
+    for layer in _replace_linears(model, config, text):
+        layer.weight = config.quantized(layer, layer.weight.data)
+
+
+def _replace_linears(model: torch.nn.Module, config: BaseWeights, text: str) -> list[torch.nn.Module]:
+    """Every ``nn.Linear`` but the output layer, replaced by ``config.layer(linear)`` (bias kept);
+    returns the new layers, their weights not yet quantized. In a workload that already trains a
+    peft adapter, only its frozen linears (the base layers under the adapter's): the adapter's own
+    matrices and ``modules_to_save`` copies train, in full precision, as in QLoRA."""
     _require_bitsandbytes(text)
     head = _output_layer(model)
     adapted = _has_peft_adapter(model)
@@ -152,15 +180,17 @@ def _quantize_linears(model: torch.nn.Module, convert, text: str) -> None:
     if not targets:
         raise UserError(f"plan: base_weights {text} found no nn.Linear layer to quantize in the model "
                         "(besides its output layer); use base_weights: as-is for this model")
+    layers = []
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        layer = convert(linear)
+        layer = config.layer(linear)
         if linear.bias is not None:
             layer.bias = linear.bias
         layer.train(linear.training)
         setattr(parent, child, layer)
-    _prepare_for_kbit_training(model, freeze=not adapted)
+        layers.append(layer)
+    return layers
 
 
 def _output_layer(model: torch.nn.Module):
@@ -179,16 +209,17 @@ def _has_peft_adapter(model: torch.nn.Module) -> bool:
     return any(isinstance(m, BaseTunerLayer) for m in model.modules())
 
 
-def _prepare_for_kbit_training(model: torch.nn.Module, freeze: bool = True) -> None:
+def _prepare_for_kbit_training(model: torch.nn.Module, freeze: bool = True, upcast: bool = True) -> None:
     """peft's ``prepare_model_for_kbit_training`` without its gradient checkpointing: freeze the
     base (the output layer keeps its ``requires_grad``; ``freeze=False``, a model that already
     trains an adapter: what the workload trains keeps training), fp16/bf16 parameters that are not
-    4-bit to fp32, the input embeddings' output requiring grad."""
+    4-bit to fp32 (``upcast``: where the plan keeps fp32 weights; under ``bf16-pure`` they stay in
+    bf16, as torchtune's and Unsloth's QLoRA keep them), the input embeddings' output requiring grad."""
     head = _output_layer(model)
     keep = {id(p): p.requires_grad for p in head.parameters()} if head is not None else {}
     for p in model.parameters() if freeze else ():
         p.requires_grad_(keep.get(id(p), False))
-    for p in model.parameters():
+    for p in model.parameters() if upcast else ():
         if p.dtype in (torch.float16, torch.bfloat16) and p.__class__.__name__ != "Params4bit":
             p.data = p.data.to(torch.float32)
     if hasattr(model, "enable_input_require_grads"):

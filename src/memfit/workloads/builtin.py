@@ -1,5 +1,8 @@
 """The built-in workloads' registry: the Hugging Face architectures, the plain-torch zoo and the
-diffusers image models (the only ones that take ``--resolution``)."""
+diffusers image models (the only ones that take ``--resolution``). The Hugging Face models, hub ids
+and model folders load as transformers loads a checkpoint (``Workload.from_checkpoint``); the zoo's
+plain-torch models and the diffusers models are built as written (diffusers loads with accelerate's
+``init_empty_weights``, parameters alone on the meta device: not modelled yet)."""
 
 from __future__ import annotations
 
@@ -43,7 +46,8 @@ def builtin_workload(spec: str, *, seq_len: int | None = None, resolution: int |
         wl = builder(overrides, seq_len)
     return dataclasses.replace(wl, model=guarded(arch, overrides, "building the model", wl.model),
                                batch=guarded(arch, overrides, "batch(batch_size)", wl.batch),
-                               loss=guarded(arch, overrides, "loss(model, batch)", wl.loss))
+                               loss=guarded(arch, overrides, "loss(model, batch)", wl.loss),
+                               from_checkpoint=arch in hf.BUILDERS)
 
 
 def folder_workload(path: str, *, seq_len: int | None = None) -> Workload:
@@ -66,4 +70,4 @@ def hub_workload(hub_id: str, *, seq_len: int | None = None) -> Workload:
 def _blamed_on_config(wl: Workload, source: str, fix: str) -> Workload:
     return dataclasses.replace(wl, model=blamed(source, fix, "building the model", wl.model),
                                batch=blamed(source, fix, "batch(batch_size)", wl.batch),
-                               loss=blamed(source, fix, "loss(model, batch)", wl.loss))
+                               loss=blamed(source, fix, "loss(model, batch)", wl.loss), from_checkpoint=True)

@@ -219,10 +219,31 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
                             f"use --seq-len <= {limit} or raise {field} in config.json")
         batch = _lm_batch(vocab, seq)
     sizes = {k: v for k in ("num_hidden_layers", "hidden_size") if isinstance(v := getattr(config, k, None), int)}
+    quantized = _checkpoint_format(data, where)
+    if quantized is not None:
+        config.quantization_config = None  # memfit's base_weights quantizes (transformers' own would at from_pretrained)
     return Workload(model=lambda: cls(config), batch=batch, loss=_hf_loss, name=name or path_text,
                     default_batch_size=1 if task == "causal-lm" else 8,
                     info=WorkloadInfo(arch=model_type, text_lm=task == "causal-lm", seq_len=seq, vocab_size=vocab,
-                                      config={"model_class": cls.__name__, **sizes}))
+                                      config={"model_class": cls.__name__, **sizes}, quantized=quantized))
+
+
+def _checkpoint_format(data: dict, where: str) -> str | None:
+    """The ``base_weights`` value of a pre-quantized checkpoint (config.json's ``quantization_config``),
+    None for a full-precision one; a format memfit does not model is refused in one line."""
+    q = data.get("quantization_config")
+    if not q:
+        return None
+    method = str(q.get("quant_method") or ("bitsandbytes" if q.get("load_in_4bit") or q.get("load_in_8bit") else "?"))
+    if method == "bitsandbytes" and q.get("load_in_4bit"):
+        kind = str(q.get("bnb_4bit_quant_type") or "fp4")
+        if kind in ("nf4", "fp4"):
+            return kind + (":double_quant=true" if q.get("bnb_4bit_use_double_quant") else "")
+    elif method == "bitsandbytes" and q.get("load_in_8bit"):
+        return "int8"
+    raise UserError(f"{where}: config.json's quantization_config is a pre-quantized {method} checkpoint, a format "
+                    "memfit does not model (it models bitsandbytes' nf4, fp4 and int8); plan the full-precision "
+                    "checkpoint with --base-weights nf4 instead")
 
 
 def _read_config_json(path: Path, where: str) -> dict:

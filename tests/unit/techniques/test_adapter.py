@@ -84,11 +84,17 @@ def test_adapter_saves_the_full_models_gradients_and_states():
 
 
 def _plain_loop(spec, lora_kwargs, steps=3, batch_size=2):
-    """The PEFT user's own loop: inject the adapter, AdamW on what requires grad, plain steps."""
+    """The PEFT user's own loop: the model loaded (as from_pretrained loads it: built on the meta device,
+    its weights materialised), the adapter injected, AdamW on what requires grad, plain steps."""
     from peft import LoraConfig, inject_adapter_in_model
+
+    from memfit.techniques.loading import materialise
     wl = load_workload(spec, seq_len=64)
     torch.manual_seed(0)
-    model = inject_adapter_in_model(LoraConfig(**lora_kwargs), wl.model())
+    with torch.device("meta"):
+        base = wl.model()
+    materialise(base, "cpu")
+    model = inject_adapter_in_model(LoraConfig(**lora_kwargs), base)
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     torch.manual_seed(1)

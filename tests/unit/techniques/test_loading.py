@@ -1,0 +1,168 @@
+"""Loading as users load (memfit.techniques.loading): built-in, hub and folder models are built on
+the meta device and each weight materialised on the device in its final form, cast or quantized
+while loading, as transformers' ``from_pretrained`` does; the full-precision model never exists.
+
+Checked: a QLoRA step no longer reserves the full-precision model (it did, 3x its allocated bytes),
+the load's own peak is predicted against the profiler (memfit's real run and transformers'
+``from_pretrained`` of a saved folder), and a loaded model has the values its library gives it
+(initialised before quantizing, rotary tables computed, tied weights tied)."""
+
+import gc
+import json
+
+import pytest
+import torch
+
+import memfit
+from memfit.memory.estimate import estimate
+from memfit.memory.measure import profile
+from memfit.memory.profiler_events import allocator_events, memory_profiler
+from memfit.quiet import QuietProfiler
+from memfit.step import build_step
+from memfit.target import Target
+from memfit.workloads import load_workload
+
+LLAMA = "llama:num_hidden_layers=2,hidden_size=64,intermediate_size=160,num_attention_heads=4," \
+        "num_key_value_heads=2,vocab_size=320"
+LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+                "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "vocab_size": 320, "max_position_embeddings": 64}
+
+
+def test_a_qlora_step_no_longer_reserves_the_full_precision_model():
+    """Four layers of Llama-2-7B: QLoRA reserved 3.0x its allocated bytes when the fp32 model was built
+    on the device and quantized there; loaded as from_pretrained loads it, under 1.1x."""
+    for precision in ("bf16-pure", "bf16"):
+        plan = memfit.Plan(base_weights="nf4", adapter="lora:r=16", checkpointing="blocks", precision=precision)
+        r = estimate("llama:num_hidden_layers=4", plan, batch_size=1, seq_len=512, device="rtx4090")
+        assert r.reserved_bytes <= 1.10 * r.peak_bytes, (precision, r.reserved_bytes, r.peak_bytes)
+        assert r.load_reserved_bytes <= 1.10 * r.load_peak_bytes  # bf16: peft casts the bf16 embeddings to fp32
+
+
+def test_the_load_holds_one_weight_in_full_precision_at_a_time():
+    """The load's peak: the quantized model plus, at most, the largest linear in full precision and
+    its quantized copy (the moment bitsandbytes quantizes it)."""
+    spec = "llama:num_hidden_layers=4"
+    target = Target.resolve(spec, memfit.Plan(base_weights="nf4", precision="bf16-pure"), 1, "rtx4090", seq_len=256)
+    r = estimate(target.workload, target.plan, batch_size=1, device="rtx4090")
+    with torch.device("meta"):
+        model = load_workload(spec, seq_len=256).model()
+    widest = max(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.lm_head)
+    full_bf16 = sum(p.numel() for p in model.parameters()) * 2
+    quantized = r.breakdown["parameters"]  # the steady step's parameters: the model as loaded
+    assert r.load_peak_bytes <= quantized + widest * 2 * 1.2 + (8 << 20)
+    assert r.load_peak_bytes < full_bf16 / 2
+
+
+def _peak_of(prof) -> int:
+    live = peak = 0
+    for _, nbytes in allocator_events(prof):
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_load_peak_matches_from_pretrained_of_a_saved_folder(tmp_path, dtype):
+    """transformers' from_pretrained of a saved folder, measured by the profiler, against memfit's
+    prediction of the same folder's load (the checkpoint's dtype is the load dtype, so what is read
+    is what the model keeps)."""
+    import transformers
+    torch_dtype = getattr(torch, dtype)
+    config = transformers.LlamaConfig(**{k: v for k, v in LLAMA_CONFIG.items() if k not in ("architectures",)})
+    transformers.LlamaForCausalLM(config).to(torch_dtype).save_pretrained(tmp_path)
+    gc.collect()
+    with QuietProfiler(memory_profiler()) as q:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch_dtype)
+    measured = _peak_of(q)
+    assert next(model.parameters()).dtype == torch_dtype
+    del model
+    plan = memfit.Plan(precision="bf16-pure" if dtype == "bfloat16" else "fp32")
+    predicted = estimate(str(tmp_path), plan, batch_size=1, seq_len=16).load_peak_bytes
+    assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+
+
+def test_memfit_s_real_load_is_measured_as_predicted():
+    """The same load for real on this CPU, its peak from the profiler's allocator events."""
+    for plan in (memfit.Plan(precision="bf16-pure"), memfit.Plan(base_weights="nf4", adapter="lora:r=4")):
+        result = profile(LLAMA, plan, batch_size=2, seq_len=16, repeats=0)
+        assert result.predicted.load_peak_bytes > 0
+        assert abs(result.predicted.load_peak_bytes - result.load_peak_bytes) <= 0.01 * result.load_peak_bytes, plan
+
+
+def test_a_loaded_model_has_its_library_s_values():
+    """Initialised as transformers initialises the keys a checkpoint lacks: finite weights with the
+    config's std, rotary tables computed, tied weights tied; a 4-bit weight quantized from
+    initialised values."""
+    import transformers
+    torch.manual_seed(0)
+    step = build_step(Target.resolve(LLAMA, memfit.Plan(), 2, "cpu", seq_len=16))
+    model = step.model
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert abs(model.model.layers[0].mlp.up_proj.weight.std().item() - 0.02) < 0.003
+    reference = transformers.LlamaForCausalLM(model.config)
+    assert torch.equal(model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
+    assert torch.equal(model.model.norm.weight, torch.ones_like(model.model.norm.weight))
+    loss = step(memfit.step.make_batch(step.target))
+    assert loss == loss and loss > 0
+
+    tied = build_step(Target.resolve("gpt2:n_layer=1,n_embd=32,n_head=2,vocab_size=100", memfit.Plan(), 2, "cpu",
+                                     seq_len=8)).model
+    assert tied.lm_head.weight is tied.transformer.wte.weight
+
+    import bitsandbytes.functional as F
+    q = build_step(Target.resolve(LLAMA, memfit.Plan(base_weights="nf4", adapter="lora:r=4"), 2, "cpu", seq_len=16))
+    layer = q.model.model.layers[0].mlp.up_proj  # (LoRA targets q_proj and v_proj)
+    weight = F.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+    assert abs(weight.float().std().item() - 0.02) < 0.004
+
+
+def test_a_workload_that_builds_on_the_device_is_told_what_its_build_left_reserved(tmp_path):
+    """A user's model built in full precision on the device and quantized there keeps that behaviour;
+    the estimate says what the build left reserved and how to avoid it."""
+    (tmp_path / "wl.py").write_text(
+        "import torch, transformers, memfit\n"
+        "cfg = transformers.LlamaConfig(num_hidden_layers=2)\n"
+        "def wl():\n"
+        "    return memfit.Workload(model=lambda: transformers.LlamaForCausalLM(cfg),\n"
+        "        batch=lambda n: {'input_ids': torch.zeros(n, 64, dtype=torch.long), 'labels': torch.zeros(n, 64, dtype=torch.long)},\n"
+        "        loss=lambda m, b: m(**b).loss)\n")
+    built = estimate(f"{tmp_path / 'wl.py'}:wl", memfit.Plan(base_weights="nf4", adapter="lora:r=8"), batch_size=1,
+                     device="rtx4090")
+    assert any("building the model on the device left" in a for a in built.approximations)
+    loaded = estimate("llama:num_hidden_layers=2", memfit.Plan(base_weights="nf4", adapter="lora:r=8"), batch_size=1,
+                      seq_len=64, device="rtx4090")
+    assert not any("building the model" in a for a in loaded.approximations)
+    assert loaded.reserved_bytes < 0.6 * built.reserved_bytes
+    json.dumps(loaded.to_json())
+
+
+def _folder(path, quantization_config):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({**LLAMA_CONFIG, "quantization_config": quantization_config}))
+    return str(path)
+
+
+def test_a_pre_quantized_checkpoint_loads_in_its_own_format(tmp_path):
+    """config.json's quantization_config (bitsandbytes) is the base weights' format; another format
+    in the plan, a method that would train the full-precision weights, or a format memfit does not
+    model (GPTQ) is refused in one line."""
+    from memfit.errors import UserError
+    bnb = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+           "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "bfloat16"}
+    folder = _folder(tmp_path / "qlora", bnb)
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "config.json").write_text(json.dumps(LLAMA_CONFIG))
+    assert load_workload(folder, seq_len=16).info.quantized == "nf4:double_quant=true"
+    pre = estimate(folder, memfit.Plan(adapter="lora:r=4"), batch_size=2, seq_len=16)
+    same = estimate(str(full), memfit.Plan(adapter="lora:r=4", base_weights="nf4:double_quant=true"), batch_size=2,
+                    seq_len=16)
+    assert pre.plan["base_weights"] == "nf4:double_quant=true"
+    assert abs(pre.peak_bytes - same.peak_bytes) <= 0.001 * same.peak_bytes
+    with pytest.raises(UserError, match="pre-quantized checkpoint .*not int8; drop --base-weights"):
+        Target.resolve(folder, memfit.Plan(base_weights="int8"), 2, "cpu", seq_len=16)
+    with pytest.raises(UserError, match="pre-quantized gptq checkpoint, a format memfit does not model"):
+        load_workload(_folder(tmp_path / "gptq", {"quant_method": "gptq", "bits": 4, "group_size": 128}), seq_len=16)
+    assert load_workload(_folder(tmp_path / "int8", {"quant_method": "bitsandbytes", "load_in_8bit": True}),
+                         seq_len=16).info.quantized == "int8"
