@@ -12,10 +12,9 @@ from memfit.memory.budget import Budget
 from memfit.planner import cost
 from memfit.planner.candidate import Candidate
 from memfit.planner.cost import TimeModel
-from memfit.planner.gpu_time import GpuStepModel
-from memfit.planner.search import plan
+from memfit.planner.feasibility import maximal
+from memfit.planner.search import gpu_search, plan
 from memfit.planner.space import candidates, default_space, model_facts, saves_no_more_than
-from memfit.planner.walk import maximal
 from memfit.plans import Plan
 from memfit.target import Target
 from memfit.techniques.compile import COMPILE_SECONDS_PER_OP
@@ -75,12 +74,12 @@ def test_gpu_preset_compile_time_from_the_graph_size():
     recording's rate (the step time of compiled plans: tests/unit/test_timing.py)."""
     target = Target.resolve(SPEC, None, 8, "a100-40gb", seq_len=64)
     space = _space("a100-40gb", compile_modes=("none", "blocks", "full"))
-    model = GpuStepModel(target, space, model_facts(target.workload), Budget.resolve(None, target.device))
+    book, model, _ = gpu_search(target, space, model_facts(target.workload), Budget.resolve(None, target.device))
     try:
-        model.base = Plan(precision="bf16")
-        graph = model.measure(model.base).graph
+        model.baseline.base = Plan(precision="bf16")
+        graph = book.measure(model.base).graph
     finally:
-        model.close()
+        book.close()
     assert 0 < graph.block_ops < graph.forward_ops
     full, blocks = Plan(compile="full"), Plan(compile="blocks")
     assert model.warmup(Plan()) == 0 < model.warmup(blocks) < model.warmup(full)

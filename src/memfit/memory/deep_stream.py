@@ -42,8 +42,8 @@ optimizer's foreach steps order a few frees differently (the bytes equal). On Ll
 reserved bytes of six plans were the full traces' to the byte. The model's build differs (a
 shallow model is materialised from meta, the full one initialised), and no proof covers every
 model, so the planner only *rules out* plans on it, over the budget by more than the deep rung's
-margin (memfit.planner.candidate.Fidelity.DEEP), confirms its choice by a full trace, and checks the two against each other (memfit.planner.walk:
-a miss sends the plans it ruled out to full traces).
+margin (memfit.planner.candidate.Fidelity.DEEP), confirms its choice by a full trace, and checks the two against each other (memfit.planner.ladder's
+``DeepRung``: a miss sends the plans it ruled out to full traces).
 """
 
 from __future__ import annotations

@@ -24,10 +24,8 @@ from dataclasses import dataclass, field
 
 from memfit.devices import available_host_bytes
 from memfit.errors import TraceError, UserError
-from memfit.memory.budget import Budget
 from memfit.memory.estimate import estimate_target
 from memfit.planner.candidate import Evidence, Fidelity
-from memfit.planner.ladder import FakeTrace, Ladder
 from memfit.planner.progress import NoProgress
 from memfit.planner.space import SearchSpace
 from memfit.planner.time_model import StepTimeModel, factor_estimate
@@ -64,9 +62,6 @@ class TimeModel(StepTimeModel):
 
     def is_estimate(self, plan: Plan) -> bool:
         return False  # (final: each factor was measured here)
-
-    def ladder(self, target: Target, budget: Budget) -> Ladder:
-        return Ladder(FakeTrace(target, budget))
 
     def warmup(self, plan: Plan) -> float:
         """One-time seconds before ``plan``'s first step (compiling); the values' own, added."""

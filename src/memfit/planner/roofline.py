@@ -47,7 +47,7 @@ import math
 from dataclasses import dataclass, field
 
 from memfit.devices import Device
-from memfit.planner.opcost import (
+from memfit.planner.ops import (
     ATTENTION,
     COMPILED,
     CUSTOM,

@@ -37,7 +37,8 @@ import time
 from memfit.devices import Device
 from memfit.memory.categories import STEADY_STEP
 from memfit.memory.report import MemoryReport
-from memfit.planner.opcost import (
+from memfit.planner.opcost import OpRecorder
+from memfit.planner.ops import (
     AFTER_COMPUTE,
     BACKGROUND,
     COMM,
@@ -58,7 +59,6 @@ from memfit.planner.opcost import (
     WAIT,
     WORKER,
     Op,
-    OpRecorder,
 )
 from memfit.planner.roofline import H100, Constants, Rates, StepTime
 from memfit.plans import Plan
@@ -293,9 +293,9 @@ def record_ops(target: Target) -> list[Op]:
     return recorder.ops
 
 
-def trace_step(target: Target, k: Constants = H100, on_tracker=None) -> tuple[MemoryReport, StepTime, list[Op]]:
+def record_step(target: Target, on_tracker=None) -> tuple[MemoryReport, list[Op]]:
     """One fake trace of ``target``'s step giving both what the planner needs: its memory report (as
-    ``estimate`` gives it) and its step time (and the ops behind it). A compiled plan takes two: its
+    ``estimate`` gives it) and the ops of its steady-state step. A compiled plan takes two: its
     compiled step for memory, its eager step for the ops (:func:`eager_plan`).
 
     ``on_tracker(tracker)``: told of the memory tracker of an eager plan's trace (compiled: not)."""
@@ -306,17 +306,21 @@ def trace_step(target: Target, k: Constants = H100, on_tracker=None) -> tuple[Me
 
     t0 = time.perf_counter()
     if not target.plan.config("compile").is_default:
-        report = estimate_target(target, fallback=False)
-        ops = record_ops(target)
-    else:
-        recorder = OpRecorder()
-        with silenced_warnings():
-            run = run_tracked(target, fake=True, around_step=steady_step_recorder(recorder))
-        notes = [note for config in target.plan.techniques for note in config.notes()]
-        report = report_for(run.tracker, target, "fake", notes=notes, trace_seconds=time.perf_counter() - t0)
-        ops = recorder.ops
-        if on_tracker is not None:
-            on_tracker(run.tracker)
+        return estimate_target(target, fallback=False), record_ops(target)
+    recorder = OpRecorder()
+    with silenced_warnings():
+        run = run_tracked(target, fake=True, around_step=steady_step_recorder(recorder))
+    notes = [note for config in target.plan.techniques for note in config.notes()]
+    report = report_for(run.tracker, target, "fake", notes=notes, trace_seconds=time.perf_counter() - t0)
+    if on_tracker is not None:
+        on_tracker(run.tracker)
+    return report, recorder.ops
+
+
+def trace_step(target: Target, k: Constants = H100, on_tracker=None) -> tuple[MemoryReport, StepTime, list[Op]]:
+    """:func:`record_step`, and the step time of its ops."""
+    t0 = time.perf_counter()
+    report, ops = record_step(target, on_tracker)
     st = time_from_ops(ops, target, k)
     st.trace_seconds = time.perf_counter() - t0
     return report, st, ops

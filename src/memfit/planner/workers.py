@@ -24,7 +24,7 @@ at 8 x 1024 for 2 GiB on the h100-80gb preset, 2 cores):
   ``skip``: a job the result of that one makes needless does not run).
 - **A wait between two batches.** The values that only add work are measured after the others,
   and only where the others leave the question open (NOTE [ Work-adding values when the default
-  plan fits ] in memfit.planner.gpu_time). :meth:`Workers.start` queues them behind the others
+  plan fits ] in memfit.planner.baseline). :meth:`Workers.start` queues them behind the others
   at once, so the worker the compile leaves free traces them; :meth:`Workers.cancel` drops those
   not started where they are not needed. Here (one process) they run only when asked for.
 
@@ -35,7 +35,7 @@ disk cache, and ``ProcessPoolExecutor`` handed a job to whichever process took i
 deeper trace of the pair went to the other one, on the critical path before the walk, and the
 walk's 4-bit plans went to either. So the workers are plain forked processes that memfit hands
 each job to (memfit.planner.processes), and a job with an affinity key (what it compiles:
-``memfit.planner.gpu_time._compiles``) runs in a process that was given a job of its key, waiting
+``memfit.planner.traces.compiles``) runs in a process that was given a job of its key, waiting
 for it where it is busy; a key no process has had goes to any. Two plans of one key then run in
 turn in one process (0.6 s each) where the other would have loaded the graphs (3.2 s).
 """
