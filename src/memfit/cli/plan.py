@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     sizes = [given.world_size]
     if args.max_world_size is not None:
         most = parse_positive_int(args.max_world_size, "--max-world-size")
-        if given.world_size != 1:
+        if given.world_size > 1:
             raise UserError("give --world-size (plan for that many ranks) or --max-world-size (find the smallest), "
                             "not both")
         from memfit.target import Target
@@ -147,7 +147,7 @@ def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_trac
     from memfit.planner.side_by_side import plan_side_by_side
     from memfit.report.planner import print_methods
 
-    if args.max_world_size is not None or given.world_size != 1:
+    if args.max_world_size is not None or given.world_size > 1:
         raise UserError("--methods compares methods on one device; leave out --world-size and --max-world-size")
     if args.out or args.pareto:
         raise UserError("--methods compares several plans; plan the method you pick without --methods to write "

@@ -53,11 +53,10 @@ from torch.utils._pytree import tree_map
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import DefaultFlowCallback
 
-import memfit
 from memfit.devices import get_device
 from memfit.errors import UserError
 from memfit.integrations import core
-from memfit.integrations.apply import as_plan, hf_loss
+from memfit.integrations.apply import apply, as_plan, hf_loss
 from memfit.integrations.core import ERROR, MEASURED, PREDICTED
 from memfit.integrations.export import HF_CALLBACK_APPLIES, hf_unmapped_of, to_hf
 from memfit.memory.measure import PeakWindow
@@ -124,10 +123,10 @@ class MemfitCallback(TrainerCallback):
         self.peaks.predict(model, self.plan, example_batch=example, **step)
         self._inputs_bytes = core.storage_bytes(example(batch_size))
         if trainer is not None:
-            return memfit.apply(model, self.plan, **step)
+            return apply(model, self.plan, **step)
         model_side = {k: v for c in self.plan.techniques if c.technique.name in CALLBACK_APPLIES and not (
             c.technique.name == "checkpointing" and args.gradient_checkpointing) for k, v in c.values().items()}
-        self._contexts = memfit.apply(model, model_side, batch_size=batch_size, device=device).contexts
+        self._contexts = apply(model, model_side, batch_size=batch_size, device=device).contexts
         return None
 
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
