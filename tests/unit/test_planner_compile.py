@@ -2,11 +2,9 @@
 time shown and counted per step over a short run, the GPU-preset model's compile time, and the
 calibrated model's measured compile time (slow: it compiles for real)."""
 
-import json
 
 import pytest
 
-from memfit.cli.main import main
 from memfit.devices import get_device
 from memfit.memory.budget import Budget
 from memfit.planner import cost
@@ -113,34 +111,6 @@ def test_compile_time_counts_per_step_only_over_a_short_run():
         assert row["predicted_step_seconds"] == pytest.approx(0.5 + 30 / steps if compiled and steps else
                                                                0.5 if compiled else 1.0)
         assert row["steady_step_seconds"] == (0.5 if compiled else 1.0)
-
-
-def test_cli_flags_are_checked(capsys):
-    for flags, message in ((["--compile-modes", "blocks,fast"], "--compile-modes: unknown mode 'fast'"),
-                           (["--compile-modes", ","], "--compile-modes: unknown mode ''"),
-                           (["--steps", "0"], "--steps must be a positive whole number")):
-        assert main(["plan", SPEC, "-b", "2", "--seq-len", "16", *flags]) == 2
-        err = capsys.readouterr().err
-        assert message in err and len(err.strip().splitlines()) == 1, err
-
-
-@pytest.mark.slow  # (a compiled trace: keeps the default suite under 10 minutes)
-def test_gpu_preset_plan_shows_compile_time(capsys):
-    """A roomy budget on a GPU preset, compile blocks searched: the fastest plan is compiled,
-    traced through Inductor's pipeline on fake tensors, with its predicted compile time; over a short
-    run (this toy's steps take microseconds on the preset) an eager plan is faster."""
-    argv = ["plan", SPEC, "-b", "8", "--seq-len", "64", "--device", "a100-40gb", "--budget", "4GiB",
-            "--max-traces", "2", "--optimizers", "adamw", "--compile-modes", "none,blocks"]
-    assert main([*argv, "--json"]) == 0
-    chosen = json.loads(capsys.readouterr().out)["chosen"]
-    assert chosen["plan"]["compile"] == "blocks" and chosen["compile_seconds"] > 0
-    assert main(argv) == 0
-    table = capsys.readouterr().out.split("alternatives, fastest first")[1].splitlines()
-    assert table[1].split()[:4] == ["plan", "memory", "ms/step", "compile"] and "compile=blocks" in table[2]
-    assert main([*argv, "--steps", "1000"]) == 0
-    out = capsys.readouterr().out
-    assert "over a run of 1000 steps, compile time included" in out
-    assert "compile" not in out.split("chosen:")[1].splitlines()[0]
 
 
 @pytest.mark.slow

@@ -75,9 +75,6 @@ def _run(argv: list[str]) -> int:
     if not debug:  # a workload's failing op is reported in one line below, not as torch's log of it
         logging.getLogger("torch._subclasses.fake_tensor").addFilter(_no_meta_kernel_failures)
     parser = build_parser()
-    for action in parser._subparsers._group_actions:  # --debug works after the subcommand too
-        for p in action.choices.values():
-            p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:  # said by the subcommand's parser, so the line names the subcommand

@@ -5,14 +5,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 
-from memfit.cli.common import add_plan_args, add_workload_args, plan_from_args, print_json, sized_workload
+from memfit.cli.common import (
+    add_command,
+    add_plan_args,
+    add_workload_args,
+    plan_from_args,
+    print_json,
+    sized_workload,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="find the fastest plan that fits a memory budget (no OOM trials)",
-                       description="Search precision, checkpointing, optimizer, offload, loss chunking, attention, "
-                                   "compile and micro-batching on predictions: every candidate's memory comes from "
-                                   "an exact fake-tensor trace, its time from a cost model.")
+    p = add_command(sub, "plan", run,
+                    help="find the fastest plan that fits a memory budget (no OOM trials)",
+                    description="Search precision, checkpointing, optimizer, offload, loss chunking, attention, "
+                                "compile and micro-batching on predictions: every candidate's memory comes from "
+                                "an exact fake-tensor trace, its time from a cost model.")
     add_workload_args(p)
     add_plan_args(p)
     p.add_argument("--budget", help="memory budget: 20GiB, 1.5GB, 80%% of the device; default: capacity minus 10%%")
@@ -39,7 +47,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "--budget is per rank) and choose the smallest whose fastest plan fits")
     p.add_argument("--steps", metavar="N", help="the run's length in steps: compile time then counts as compile "
                                                 "seconds / N per step (default: a long run, compile time not counted)")
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
