@@ -50,15 +50,16 @@ def _no_meta_kernel_failures(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("failed while attempting to run meta")
 
 
+# NOTE [ Exit without the final collections ]
+# Called as the program (``argv`` None: the ``memfit`` script, ``python -m memfit.cli.main``), the
+# process ends right after; the interpreter's shutdown would run several full garbage collections over
+# the million objects torch and transformers made (0.5-0.8 s here). The heap is frozen instead
+# (``gc.freeze``), so shutdown frees objects by reference count only; files are closed and streams
+# flushed as usual.
 def main(argv: list[str] | None = None) -> int:
-    """Run memfit with ``argv`` (default: the command line) and return the exit status.
-
-    NOTE [ Exit without the final collections ]: called as the program (``argv`` None: the
-    ``memfit`` script, ``python -m memfit.cli.main``), the process ends right after; the interpreter's
-    shutdown would run several full garbage collections over the million objects torch and
-    transformers made (0.5-0.8 s here). The heap is frozen instead (``gc.freeze``), so shutdown frees
-    objects by reference count only; files are closed and streams flushed as usual.
-    """
+    """Run memfit with ``argv`` (default: the command line) and return the exit status; run as the
+    program, it exits without the interpreter's final collections (NOTE [ Exit without the final
+    collections ])."""
     if argv is not None:
         return _run(argv)
     try:

@@ -31,15 +31,6 @@ prediction. The reporters of ``report_to`` (TensorBoard, W&B, ...) come first in
 callbacks: they get memfit's values from MemfitTrainer, or from a callback added with
 ``MemfitCallback(...).attach(trainer)``, which places it ahead of them (one given in
 ``callbacks=[...]`` adds them to the log history and to the callbacks after it).
-
-NOTE [ Measuring inside a Trainer ]
-On a GPU: ``torch.cuda.max_memory_allocated`` over the step. On a CPU: what ``memfit profile``
-measures, every live byte at the step's peak from the profiler's allocator events. ``profile``
-starts its profiler before the model exists; a Trainer's model exists long before a step, so the
-storages live when the step begins (parameters, buffers, gradients, optimizer states, EMA, the
-batch, counted from the tensors) are added to the profiler's running peak over the step. The rest
-of the process (the dataset, a batch prefetched) is in neither number. The first step is never
-measured: the optimizer's states appear during it.
 """
 
 from __future__ import annotations
@@ -133,6 +124,14 @@ class MemfitCallback(TrainerCallback):
         if self.trainer is None and self.predicted_peak_bytes is None:
             self.setup(model, args, train_dataloader)
 
+    # NOTE [ Measuring inside a Trainer ]
+    # On a GPU: ``torch.cuda.max_memory_allocated`` over the step. On a CPU: what ``memfit profile``
+    # measures, every live byte at the step's peak from the profiler's allocator events. ``profile``
+    # starts its profiler before the model exists; a Trainer's model exists long before a step, so the
+    # storages live when the step begins (parameters, buffers, gradients, optimizer states, EMA, the
+    # batch, counted from the tensors) are added to the profiler's running peak over the step. The rest
+    # of the process (the dataset, a batch prefetched) is in neither number. The first step is never
+    # measured: the optimizer's states appear during it.
     def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._close(state, measured=False)  # (what a step that raised left open)
         self._stack = contextlib.ExitStack()

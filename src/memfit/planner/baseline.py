@@ -142,18 +142,16 @@ class Baseline:
         return None
 
     # NOTE [ The walk's first traces behind the measuring ]
-    # While one worker compiled torchao's 4-bit update for GPT-2 at 8 x 1024 (2 GiB, h100-80gb; 15 s
-    # cold), the other ended every other trace before the walk and idled 4.8-5.6 s. The walk then began
-    # with what nothing measured before it decides: the maximal plans that do not split the batch
-    # (NOTE [ Maximal plans first when nothing measured fits ] in memfit.planner.feasibility; 2.4 s of
-    # traces) and the base's step at each micro-batch size (a split plan's estimated saving, asked for
-    # in the walk's second round). The search hands those plans to :meth:`Baseline.measure`, which
-    # queues their pairs behind its own (memfit.planner.workers): the idle worker traces them, and the
-    # walk takes the results. Where the fastest of the default plan and each value alone fits, they are
-    # dropped with the work-adding values (``Workers.cancel``); a trace already running finishes.
-    # Only shallow pairs are queued (a full trace left running would hold a worker the walk needs for
-    # seconds), and the walk's rounds, which replace the queue, keep the base's traces queued. The
-    # searches of ``--methods`` share the cores and queue none.
+    # The search hands :meth:`Baseline.measure` the plans the walk takes first whatever is measured
+    # before it: the maximal plans that do not split the batch (NOTE [ Maximal plans first when nothing
+    # measured fits ] in memfit.planner.walk) and the base's step at each micro-batch size (a split plan's
+    # estimated saving). Their shallow pairs are queued behind the values alone (memfit.planner.workers),
+    # so a worker the measuring leaves idle (another one compiling, say) traces them, and the walk takes
+    # the results. Where the fastest of the default plan and each value alone fits, they are dropped with
+    # the work-adding values (``Workers.cancel``); a trace already running finishes. Only shallow pairs
+    # are queued (a full trace left running would hold a worker the walk needs for seconds), the walk's
+    # rounds, which replace the queue, keep the base's traces queued, and the searches of ``--methods``
+    # (which share the cores) queue none. Measured: docs/planner-notes.md.
     def _walk_first_jobs(self, ahead: list[Plan], micro: list[int]) -> list[tuple]:
         """The shallow pairs of ``ahead`` and the base's at each micro-batch size in ``micro`` (what
         a split plan's estimate asks for)."""
@@ -170,9 +168,8 @@ class Baseline:
     # that do not only add work are measured first. When the fastest of those (the default, or one
     # value alone where the values faster than the default are all of one technique, so that no two
     # combine) fits by its own full trace, no plan can beat it: every other combination is estimated
-    # slower, and the work-adding values are not measured at all (left out, with a note). QLoRA of
-    # Llama-2-7B for the rtx4090 preset (bf16-pure alone is the fastest, and fits): 7 traces instead of
-    # 17. Where it does not fit, the rest are measured as before (one more wait for the workers).
+    # slower, and the work-adding values are not measured at all (left out, with a note). Where it does
+    # not fit, the rest are measured as before. Measured: docs/planner-notes.md.
     def _may_fit_alone(self) -> bool:
         """Whether the default plan's weights (and, where every weight trains, their gradients) are
         within the budget (quantized base weights: assumed): else it cannot fit, and nothing is gained
@@ -214,18 +211,15 @@ class Baseline:
             return False
 
     # NOTE [ Compiled updates measured at the smallest weights ]
-    # torchao's update compiles a graph per parameter shape and weight dtype, about 4-13 s of a worker
-    # each on a cold cache here (GPT-2: six shapes), where any other value alone traces in half a
-    # second. Where the searched precisions hold weights of two dtypes (bf16 autocast keeps fp32
-    # weights, bf16-pure bf16 ones), such a value is measured once, at the precision alone with the
-    # smallest weights that may fit, against that precision alone: its ratio and saving carry to the
-    # other precisions' estimates. The plans the walk measures first are those smallest-weight ones
-    # (the fastest and the smallest): a plan with the update at the other weight dtype compiles only if
-    # the walk reaches it. GPT-2 at batch 8 x 1024 for 2 GiB (h100-80gb): the three updates for fp32
-    # weights (10.8, 12.1 and 4.1 s of a worker) are no longer compiled, 98 traces instead of 108, and
-    # the measuring before the walk takes 22 s instead of 33; the choice is the same. Where the base's
-    # weights exceed the budget (Llama-2-7B's fp32 weights on a 24 GB card), this also keeps the update
-    # from being compiled for weights no plan can hold (about 40 s each here).
+    # An optimizer that compiles a graph per parameter shape and weight dtype (torchao's update,
+    # ``OptimizerVariant.compiles_per_weight_dtype``) costs seconds of a worker per graph on a cold cache,
+    # where any other value alone traces in half a second. Where the searched precisions hold weights of
+    # two dtypes (bf16 autocast keeps fp32 weights, bf16-pure bf16 ones), such a value is measured once,
+    # at the precision alone with the smallest weights that may fit, against that precision alone: its
+    # ratio and saving carry to the other precisions' estimates, and a plan with the update at the other
+    # weight dtype compiles only if the walk reaches it. Where the base's weights exceed the budget, this
+    # also keeps the update from being compiled for weights no plan can hold. Measured:
+    # docs/planner-notes.md.
     def _measured_elsewhere(self, alone: dict) -> dict:
         """(name, value) -> (plan with it, plan without it) for the values alone that compile per
         weight dtype (torchao's update), measured at the searched precision with the smallest

@@ -25,11 +25,9 @@ at once (NOTE [ A borderline answer decided by the maximal plans' full traces ])
 
 # NOTE [ Split maximal plans last ]
 # A plan that splits the batch into n micro-batches runs forward and backward n times: its trace
-# takes n times the ops. GPT-2 at batch 8 x 1024 for a 4 GiB budget had eight maximal plans, four of
-# them at micro-batch 1, 3.4 s a pair each against 0.8 s for the others, and the others fitted: the
-# split ones proved nothing the others had not. So the maximal plans that do not split the batch are
-# traced first (together, on the workers), and the split ones only when none of those may fit; until
-# then they wait in the queue at their estimates like any plan.
+# takes n times the ops, and proves nothing the maximal plans that do not split it have not. So those
+# are traced first (together, on the workers), and the split ones only when none of them may fit;
+# until then they wait in the queue at their estimates like any plan. Measured: docs/planner-notes.md.
 def splits(plan: Plan, bs: int) -> bool:
     """The plan splits the batch into micro-batches (NOTE [ Split maximal plans last ])."""
     return plan.micro_batches(bs)[1] > 1
@@ -79,9 +77,8 @@ class MaximalPlans:
 
     # NOTE [ A borderline answer decided by the maximal plans' full traces ]
     # When every maximal plan whose lower bound fits is within ``NEAR_BUDGET`` of the budget, their
-    # full traces decide at once whether anything fits. Without it, a budget just under the smallest
-    # plan (Llama-2-7B at 14 GiB: the lower bound 13.88 GiB fits, the full trace needs 14.55) walked
-    # every plan the lower bounds let through, 93 traces, to say that nothing fits.
+    # full traces decide at once whether anything fits: else a budget just under the smallest plan walks
+    # every plan the lower bounds let through to say that nothing fits. Measured: docs/planner-notes.md.
     def _some_may_fit(self, confirm: Callable[[Candidate], bool]) -> bool:
         tops = [m for m in self.plans if m.used_bytes is not None]
         if all(m.status is Status.TOO_BIG for m in tops):

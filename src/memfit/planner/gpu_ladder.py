@@ -79,9 +79,8 @@ class Estimate:
 # measures plans two at a time (NOTE [ The next plan measured alongside ] in memfit.planner.walk):
 # both shallower traces run first, side by side, and each deeper one runs only if its plan is still
 # in the running. A plan ruled out so keeps the shallower trace's peak as its lower bound ("needs at
-# least") and its estimated time. GPT-2 at 8 x 1024 for 2 GiB (h100-80gb): 8 of the 22 plans the
-# walk measured needed more than 2 GiB at 2 blocks (2.21-3.48 GiB). The values measured alone before
-# the walk keep both traces: their savings and ratios are taken from the pair.
+# least") and its estimated time. The values measured alone before the walk keep both traces: their
+# savings and ratios are taken from the pair. Measured: docs/planner-notes.md.
 class ShallowTrace:
     """A shallow trace pair (full depth when the model is shallow, or a shallow trace failed)."""
 

@@ -101,20 +101,18 @@ class GpuStepModel(StepTimeModel):
             "the shallow steps' ops did not line up: time extrapolated on a line"])
 
     # -- estimates -----------------------------------------------------------------------------
+    #
     # NOTE [ Estimates from the nearest measured plan ]
-    # Values do not always combine multiplicatively: bitsandbytes' 8-bit AdamW is fast alone (on the
-    # device) and so is state offload alone (torch's fused AdamW on the host), but together the 8-bit
-    # update runs on the host, 6.8x the estimate (Llama-2-7B for the rtx4090 preset: 7,802 ms measured,
-    # 1,148 ms estimated). The walk then measured twelve plans with both, each estimated faster than the
-    # plan it chose and each 6x slower. So once plans are measured, a plan's time is estimated from each
-    # measured plan whose values are part of its own and in no larger such part: that plan's time
-    # times the factors of the values the plan adds (the base's time times all of them where there is
-    # none). What a measured plan showed of how its values combine carries to the plans containing it.
-    # Where several parts apply (8-bit with offload, and the step in backward with offload, for a plan
-    # with all three) the slowest estimate stands: each shows a path the plan runs, and the fastest
-    # would let a measured slow combination back in (an estimate that errs high can hide the fastest
-    # plan and one that errs low costs a trace; a slow path measured is the better evidence). The walk
-    # re-queues the plans whose estimate a measurement changed (memfit.planner.walk).
+    # Values do not always combine multiplicatively (bitsandbytes' 8-bit AdamW is fast alone and so is
+    # state offload alone, but together the 8-bit update runs on the host, several times the estimate).
+    # So once plans are measured, a plan's time is estimated from each measured plan whose values are part
+    # of its own and in no larger such part: that plan's time times the factors of the values the plan
+    # adds (the base's time times all of them where there is none). What a measured plan showed of how its
+    # values combine carries to the plans containing it. Where several parts apply the slowest estimate
+    # stands: each shows a path the plan runs, and the fastest would let a measured slow combination back
+    # in (an estimate that errs high can hide the fastest plan and one that errs low costs a trace; a slow
+    # path measured is the better evidence). The walk re-queues the plans whose estimate a measurement
+    # changed (memfit.planner.walk). Measured: docs/planner-notes.md.
     def predict(self, plan: Plan) -> float:
         """The plan's measured step time, else its estimate from its nearest measured part."""
         m = self.book.measured.get(plan)

@@ -146,12 +146,11 @@ class DeepRung:
 
     # NOTE [ A full trace for the deep rung's check, alongside ]
     # A plan the deep rung ruled out whose full trace fits is a miss too. And "nothing to check against"
-    # was the common case: the deep stream has no figure for some plans (GPT-2's micro-batches of 4 with
-    # checkpointing: a free it cannot carry over), so when such a plan came to be chosen, the three
-    # plans the rung had ruled out were traced in full after it, 3.1 s of the 2 GiB GPT-2 plan with one
-    # worker idle while the chosen one's full trace ran. So where nothing is at hand to check the rung
-    # against, a worker the confirmation leaves idle traces a plan it ruled out, in full: when that one
-    # agrees, the rung stands, and it was checked on a plan it ruled out.
+    # is common: the deep stream has no figure for some plans (a free it cannot carry over), so when such
+    # a plan comes to be chosen, the plans the rung ruled out would be traced in full after it. So where
+    # nothing is at hand to check the rung against, a worker the confirmation leaves idle traces a plan it
+    # ruled out, in full: when that one agrees, the rung stands, and it was checked on a plan it ruled
+    # out. Measured: docs/planner-notes.md.
     def to_check_alongside(self, ladder: Ladder) -> Plan | None:
         """A plan this rung ruled out, to trace in full beside a confirmation, where nothing is at hand
         to check the rung against (None: something is, or nothing to check)."""

@@ -76,6 +76,47 @@ def _in_graph(op: Op, fused: float) -> float:
     return fused if op.phase in (2, 3) and not op.flags & COMPILED else 1.0
 
 
+# NOTE [ Collectives ]
+# With sharding (FSDP2) a rank's step has collectives: an all-gather of each block's parameters
+# before its forward (and its backward), a reduce-scatter of its gradients after its backward. The
+# fake trace runs FSDP2's own code against a fake process group, so the recorder sees each
+# collective where FSDP2 issues it (COMM ops, priced at what one rank sends over the interconnect:
+# ring algorithms, (N - 1) / N of the gathered or reduced bytes, at ``comm_eff`` of the card's
+# NVLink or PCIe bandwidth, plus ``comm_latency``), the ops FSDP2 runs on its own streams (copies
+# into and out of the flat buffers, the division of the reduced gradients: COMM_STREAM), and the
+# first compute-stream op that reads what a collective wrote (WAIT). The collectives and FSDP2's
+# stream ops run in order on one clock of their own, from when the CPU issues them (a prefetched
+# all-gather overlaps the block computing before it); a reduce-scatter first waits for the compute
+# stream, as does whatever FSDP2 runs on its streams after telling them to (``wait_stream``: the
+# gradients just made; the first all-gather of a step, after the optimizer). A WAIT holds the compute
+# stream until that clock has passed the op it reads; before the optimizer the compute stream waits
+# for all of it (FSDP2's final backward callback waits for the last reduce-scatter). Those waits are
+# the exposed communication, the step's own part. Nothing here was measured on several GPUs;
+# the bandwidths are the specification sheets'.
+#
+# NOTE [ Prefetch overlap ]
+# Offloaded optimizer states are fetched on a side stream one parameter ahead of the update, so a
+# fetch could in principle run while the GPU still works through the backward the CPU issued
+# earlier. The H100 recordings say it does not help that much: GPT-2's offload costs what its
+# copies cost one after the other (+55 ms for 2 x 1 GB). The model therefore starts a prefetch no
+# earlier than the compute stream's position when it is issued; it overlaps the update of the
+# previous parameter and its copy out (at ``duplex`` slowdown), not the backward.
+#
+# NOTE [ Host optimizer ]
+# Offloaded activations go out on a stream of their own too (OUT_STREAM in forward), the compute
+# stream waiting for the oldest copy when more than STASH are in flight, and for all of them before
+# backward. With offloaded optimizer states (memfit.techniques.offload_optimizer) gradients go out on a stream
+# of their own as backward makes them (OUT_STREAM: after what the compute stream has queued, not
+# delaying it), a worker thread runs each parameter's update on the host once its gradient is out
+# (WORKER host ops: host bytes at HOST_BW, on the worker's clock, not the step's CPU) and copies the
+# parameter back on another stream (WORKER H2D). The step waits for the worker and that stream before
+# its next optimizer-phase op, and ends when every clock has.
+#
+# NOTE [ Beside the next step ]
+# The EMA on the host (memfit.techniques.ema) enqueues its copies of the weights on a side stream at
+# the end of the step and averages them in a worker thread while the next step runs; the next
+# update waits for the previous one. In the steady state a step therefore lasts at least that chain
+# (the copies, then the averaging), and otherwise costs only issuing the copies.
 def simulate(ops: list[Op], device: Device, k: Constants = H100, *, fused: float = 1.0) -> StepTime:
     """Run the ops through the CPU and GPU clocks (see the module docstring)."""
     rates = Rates.of(device, k)
@@ -174,52 +215,6 @@ def simulate(ops: list[Op], device: Device, k: Constants = H100, *, fused: float
     cpu_seconds = sum(rates.cpu(op) * _in_graph(op, fused) for op in ops)
     return StepTime(seconds=total, **busy, host=host, cpu_bound=cpu_bound, cpu_seconds=cpu_seconds,
                     kernels=kernels, ops=len(ops))
-
-
-# NOTE [ Collectives ]
-# With sharding (FSDP2) a rank's step has collectives: an all-gather of each block's parameters
-# before its forward (and its backward), a reduce-scatter of its gradients after its backward. The
-# fake trace runs FSDP2's own code against a fake process group, so the recorder sees each
-# collective where FSDP2 issues it (COMM ops, priced at what one rank sends over the interconnect:
-# ring algorithms, (N - 1) / N of the gathered or reduced bytes, at ``comm_eff`` of the card's
-# NVLink or PCIe bandwidth, plus ``comm_latency``), the ops FSDP2 runs on its own streams (copies
-# into and out of the flat buffers, the division of the reduced gradients: COMM_STREAM), and the
-# first compute-stream op that reads what a collective wrote (WAIT). The collectives and FSDP2's
-# stream ops run in order on one clock of their own, from when the CPU issues them (a prefetched
-# all-gather overlaps the block computing before it); a reduce-scatter first waits for the compute
-# stream, as does whatever FSDP2 runs on its streams after telling them to (``wait_stream``: the
-# gradients just made; the first all-gather of a step, after the optimizer). A WAIT holds the compute
-# stream until that clock has passed the op it reads; before the optimizer the compute stream waits
-# for all of it (FSDP2's final backward callback waits for the last reduce-scatter). Those waits are
-# the exposed communication, the step's own part. Nothing here was measured on several GPUs;
-# the bandwidths are the specification sheets'.
-
-
-# NOTE [ Prefetch overlap ]
-# Offloaded optimizer states are fetched on a side stream one parameter ahead of the update, so a
-# fetch could in principle run while the GPU still works through the backward the CPU issued
-# earlier. The H100 recordings say it does not help that much: GPT-2's offload costs what its
-# copies cost one after the other (+55 ms for 2 x 1 GB). The model therefore starts a prefetch no
-# earlier than the compute stream's position when it is issued; it overlaps the update of the
-# previous parameter and its copy out (at ``duplex`` slowdown), not the backward.
-
-
-# NOTE [ Host optimizer ]
-# Offloaded activations go out on a stream of their own too (OUT_STREAM in forward), the compute
-# stream waiting for the oldest copy when more than STASH are in flight, and for all of them before
-# backward. With offloaded optimizer states (memfit.techniques.offload_optimizer) gradients go out on a stream
-# of their own as backward makes them (OUT_STREAM: after what the compute stream has queued, not
-# delaying it), a worker thread runs each parameter's update on the host once its gradient is out
-# (WORKER host ops: host bytes at HOST_BW, on the worker's clock, not the step's CPU) and copies the
-# parameter back on another stream (WORKER H2D). The step waits for the worker and that stream before
-# its next optimizer-phase op, and ends when every clock has.
-
-
-# NOTE [ Beside the next step ]
-# The EMA on the host (memfit.techniques.ema) enqueues its copies of the weights on a side stream at
-# the end of the step and averages them in a worker thread while the next step runs; the next
-# update waits for the previous one. In the steady state a step therefore lasts at least that chain
-# (the copies, then the averaging), and otherwise costs only issuing the copies.
 
 
 def _on_worker(op: Op, rates: Rates, w: float, w_in: float, ready: float) -> tuple[float, float, float]:

@@ -63,10 +63,8 @@ class Walk:
     # The time model measures the default plan and each value alone before the walk (GPU presets). When
     # none of them fits, the answer needs several techniques together, and the fastest plans (few
     # techniques) are the least likely to fit: the walk then traces the maximal plans first, whose
-    # failures prune every plan they dominate. Llama-2-7B for the rtx4090 preset (its default plan needs
-    # 61.9 GiB, every value alone at least 24.8, of 21.3) traced nine 4-bit plans, fastest first, before
-    # the maximal 4-bit plan (22.35 GiB) ruled out all of them. Where a value alone fits, the fastest
-    # plans are tried first as before: the maximal plans may cost more traces than they save.
+    # failures prune every plan they dominate. Where a value alone fits, the fastest plans are tried
+    # first: the maximal plans may cost more traces than they save. Measured: docs/planner-notes.md.
     def run(self, ranked: list[Candidate]) -> Candidate | None:
         measured = [e for e in (self.ladder.evidence(c.plan) for c in ranked) if e is not None]
         if measured and all(e.over(self.budget.bytes) for e in measured):  # NOTE [ Maximal plans first when nothing measured fits ]
@@ -162,26 +160,24 @@ class Walk:
         return True
 
     # NOTE [ The next plan measured alongside ]
-    # A shallow pair is two traces of unequal length (2 and 3 blocks: 0.6 and 1.0 s for GPT-2 at batch
-    # 8 x 1024), so with one pair at a time one of two workers waits a third of the walk. Where workers
-    # are spare, the walk measures the plan it visits together with the one it would measure next were
-    # this one too big (queued next, untraced, not pruned by the plans that failed nor by this one, not
-    # estimated too big): four traces share the workers. The second one's evidence is taken at once:
-    # too big, it prunes the plans it saves no more than before the walk reaches them; slower than
-    # estimated, it waits in the queue behind the faster estimates even where its evidence is final (a
-    # model with no repeated blocks is measured by full traces). Its traces are wasted only when the
-    # first plan is chosen, or its measured time sends it behind plans that fit. The searches of
+    # A shallow pair is two traces of unequal length, so with one pair at a time one of two workers
+    # waits. Where workers are spare, the walk measures the plan it visits together with the one it would
+    # measure next were this one too big (queued next, untraced, not pruned by the plans that failed nor
+    # by this one, not estimated too big). The second one's evidence is taken at once: too big, it prunes
+    # the plans it saves no more than before the walk reaches them; slower than estimated, it waits in the
+    # queue behind the faster estimates even where its evidence is final. Its traces are wasted only when
+    # the first plan is chosen, or its measured time sends it behind plans that fit. The searches of
     # ``--methods`` share the cores, and measure one plan at a time (``alongside=False``).
+    # Measured: docs/planner-notes.md.
     #
     # NOTE [ The next round's traces in the background ]
-    # Most plans the walk measures are over the budget at the shallower depth (GPT-2 at 8 x 1024 for
-    # 2 GiB: 19 of 23), so their deeper traces are skipped, and a round of two plans ended with a worker
-    # idle while the other traced a deeper trace, or with both idle while the walk chose the next pair:
-    # 21 of 66 worker-seconds of the walk idle. So each round queues the shallower traces of the plans
-    # that would come next, were the two plans of the round to fail (the next round's pair), in the
-    # background (memfit.planner.workers): a worker the round leaves idle starts them, and the next round
-    # takes their results. Each round replaces the queue; a trace that started for a plan the round then
-    # pruned is wasted, on a worker that would have idled.
+    # Most plans the walk measures are over the budget at the shallower depth, so their deeper traces
+    # are skipped, and a round of two plans would end with a worker idle. So each round queues the
+    # shallower traces of the plans that would come next, were the two plans of the round to fail (the
+    # next round's pair), in the background (memfit.planner.workers): a worker the round leaves idle
+    # starts them, and the next round takes their results. Each round replaces the queue; a trace that
+    # started for a plan the round then pruned is wasted, on a worker that would have idled.
+    # Measured: docs/planner-notes.md.
     def _measure(self, c: Candidate) -> bool:
         """``c`` on the ladder's first rung (counted against the trace limit unless it was there),
         with the next plan the walk would measure (NOTE [ The next plan measured alongside ])."""
