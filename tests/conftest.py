@@ -1,4 +1,6 @@
+import importlib.util
 import os
+import socket
 import warnings
 
 import pytest
@@ -109,3 +111,33 @@ def hub_cache(tmp_path, monkeypatch):
 
     add.home = home
     return add
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any connection memfit tries fails the test."""
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"memfit reached for the network: {args}")
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+
+
+@pytest.fixture
+def target_machine(monkeypatch):
+    """Build TrainingArguments as on the plan's device: the two checks that look at this machine
+    (accelerate's device setup, where accelerate is missing; bf16 support of the local GPU) answer
+    for the target. Every argument is still parsed and validated by transformers."""
+    import torch
+    import transformers.training_args as training_args
+
+    from memfit.devices import get_device
+
+    def build(device, **kwargs):
+        if importlib.util.find_spec("accelerate") is None:
+            monkeypatch.setattr(training_args.TrainingArguments, "_setup_devices",
+                                property(lambda self: torch.device("cpu")))
+        dev = get_device(device) if device else None
+        monkeypatch.setattr(training_args, "is_torch_bf16_gpu_available", lambda *a, **k: bool(dev and dev.bf16))
+        return training_args.TrainingArguments(**kwargs)
+    return build

@@ -130,11 +130,14 @@ def available_host_bytes() -> int:
     return 4 * GiB
 
 
+# NOTE [ GPU presets without a GPU ]
+# PyTorch's autograd engine cannot run backward on fake CUDA tensors without a CUDA driver
+# (pytorch#92627), so a GPU preset is traced on fake CPU tensors here: the CUDA kernel model
+# (memfit.memory.cuda) makes the trace take CUDA's kernel choices, and the caching-allocator model
+# replays it.
 def tensor_device(device: Device) -> str:
-    """Where a step's tensors live. NOTE [ GPU presets without a GPU ]: PyTorch's autograd
-    engine cannot run backward on fake CUDA tensors without a CUDA driver (pytorch#92627), so a
-    GPU preset is traced on fake CPU tensors here: the CUDA kernel model (memfit.memory.cuda)
-    makes the trace take CUDA's kernel choices, and the caching-allocator model replays it."""
+    """Where a step's tensors live: ``cpu`` for a GPU preset without a GPU here (NOTE [ GPU presets
+    without a GPU ])."""
     import torch
     if device.kind == "cuda" and not torch.cuda.is_available():
         return "cpu"

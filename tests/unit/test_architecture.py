@@ -1,8 +1,11 @@
 """The package's shape, checked: no import circles, no upward imports, no private names across
-modules, and no plan field compared with a technique's mode string outside ``techniques/``.
+modules, no plan field compared with a technique's mode outside ``techniques/``, no status string in
+the planner, no edit of the import path, and no file over 450 lines nor class over 300.
 
-The import graph is read from the source (every ``import``, inside functions too, except under
-``if TYPE_CHECKING:``), so a cycle dodged by a function-level import still counts.
+The import graph is read from the source: every ``import``, inside functions and under ``if
+TYPE_CHECKING:`` too, so a cycle dodged by a function-level or a type-only import still counts.
+Each check is a function of the sources; ``test_each_check_fails_on_a_widened_case`` runs it on the
+package with one offence added (a mutation of the real tree) and shows that it is found.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from memfit.plans import keys
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGE = SRC / "memfit"
+MAX_FILE_LINES, MAX_CLASS_LINES = 450, 300
 
-# Floors, lowest first: a module may import its own floor or lower ones, never higher.
+# Floors, lowest first: a module may import its own floor or lower ones, never higher. A module is on
+# the floor of the longest name here that it is or lies under.
 FLOORS = (
     ("memfit.errors", "memfit.units", "memfit.quiet", "memfit.observer", "memfit.outputs", "memfit.devices",
      "memfit.sdpa_backends"),  # what a device is, and which attention kernel it runs
@@ -28,7 +33,7 @@ FLOORS = (
     ("memfit.training",),
     ("memfit.integrations",),  # memfit in the user's loop, Hugging Face's Trainer, Lightning
     ("memfit.report",),    # terminal tables
-    ("memfit.cli",),
+    ("memfit", "memfit.cli"),  # the faces: the package's public names (lazy) and the command line
 )
 
 
@@ -39,48 +44,39 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _modules() -> dict[str, ast.Module]:
-    return {_module_name(p): ast.parse(p.read_text(), str(p)) for p in sorted(PACKAGE.rglob("*.py"))}
-
-
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+def _sources() -> dict[str, str]:
+    """Module name -> its source, for every module of the package."""
+    return {_module_name(p): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))}
 
 
 def _imports(name: str, tree: ast.Module, known: set[str]) -> list[tuple[str, list[str]]]:
-    """(imported memfit module, names taken from it) for every runtime import of module ``name``."""
-    package = name if (PACKAGE / Path(*name.split(".")[1:]) / "__init__.py").exists() else name.rpartition(".")[0]
+    """(imported memfit module, names taken from it) for every import of module ``name`` (inside
+    functions and under ``if TYPE_CHECKING:`` too)."""
+    package = name if f"{name}.__init__" in known or any(k.startswith(name + ".") for k in known) else \
+        name.rpartition(".")[0]
     found = []
-
-    def visit(node):
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.extend((a.name, []) for a in node.names if a.name.split(".")[0] == "memfit")
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            if base.split(".")[0] != "memfit":
                 continue
-            if isinstance(child, ast.Import):
-                found.extend((a.name, []) for a in child.names if a.name.startswith("memfit"))
-            elif isinstance(child, ast.ImportFrom):
-                base = child.module or ""
-                if child.level:
-                    base = ".".join(package.split(".")[:len(package.split(".")) - child.level + 1] + ([base] if base else []))
-                if not base.startswith("memfit"):
-                    continue
-                for alias in child.names:  # ``from memfit.x import y``: y may be a submodule
-                    sub = f"{base}.{alias.name}"
-                    found.append((sub, []) if sub in known else (base, [alias.name]))
-            visit(child)
-    visit(tree)
+            for alias in node.names:  # ``from memfit.x import y``: y may be a submodule
+                sub = f"{base}.{alias.name}"
+                found.append((sub, []) if sub in known else (base, [alias.name]))
     return found
 
 
-def _graph() -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
-    modules = _modules()
-    known = set(modules)
-    graph: dict[str, set[str]] = {m: set() for m in modules}
+def _graph(sources: dict[str, str]) -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
+    """The import graph (module -> modules it imports) and the private names taken across modules."""
+    known = set(sources)
+    graph: dict[str, set[str]] = {m: set() for m in sources}
     private = []
-    for name, tree in modules.items():
-        for target, names in _imports(name, tree, known):
+    for name, source in sources.items():
+        for target, names in _imports(name, ast.parse(source), known):
             while target not in known:  # e.g. memfit.memory.cuda.model -> its package exists as a module
                 target = target.rpartition(".")[0]
             if target != name:
@@ -90,10 +86,11 @@ def _graph() -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
 
 
 def _floor(module: str) -> int:
-    for i, prefixes in enumerate(FLOORS):
-        if any(module == p or module.startswith(p + ".") for p in prefixes):
-            return i
-    raise AssertionError(f"{module} is on no floor: add it to FLOORS in {__file__}")
+    matches = [(len(p), i) for i, prefixes in enumerate(FLOORS) for p in prefixes
+               if module == p or (p != "memfit" and module.startswith(p + "."))]
+    if not matches:
+        raise AssertionError(f"{module} is on no floor: add it to FLOORS in {__file__}")
+    return max(matches)[1]
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -126,49 +123,65 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def _upward(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted((m, t) for m, targets in graph.items() for t in targets if _floor(t) > _floor(m))
+
+
 def test_the_import_graph_has_no_cycles():
-    graph, _ = _graph()
-    graph.pop("memfit")  # the package root only names its public API (lazy attributes)
-    for edges in graph.values():
-        edges.discard("memfit")
-    assert _cycles(graph) == []
+    assert _cycles(_graph(_sources())[0]) == []
 
 
 def test_no_module_imports_from_a_higher_floor():
-    graph, _ = _graph()
-    upward = [(m, t) for m, targets in graph.items() if m != "memfit" for t in targets
-              if t != "memfit" and _floor(t) > _floor(m)]
-    assert upward == []
+    assert _upward(_graph(_sources())[0]) == []
 
 
 def test_no_private_name_is_imported_across_modules():
-    _, private = _graph()
-    assert private == []
+    assert _graph(_sources())[1] == []
 
 
-def test_outside_techniques_no_plan_field_is_compared_with_a_mode():
-    """``plan.precision == "bf16-pure"`` or ``"activations" in plan.offload`` belong in the
-    technique's own module: everywhere else, a technique is asked through its config."""
-    fields = {k.name for k in keys()}
+PLAN_KEYS = frozenset(k.name for k in keys())
 
+
+def _mode_comparisons(tree: ast.Module) -> list[ast.Compare]:
+    """Comparisons of a plan key's value with a constant: ``x.<key>``, ``x.get("<key>", ...)`` or
+    ``x["<key>"]`` on any receiver, ``==``, ``!=``, ``in`` or ``is`` a constant (``< 1`` with a number
+    compares a quantity, not a mode)."""
     def constant(node) -> bool:
         if isinstance(node, ast.Constant):
             return isinstance(node.value, (str, bool, int)) and node.value is not None
         return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and all(constant(e) for e in node.elts)
 
-    def plan_field(node) -> bool:
-        return isinstance(node, ast.Attribute) and node.attr in fields and "plan" in ast.unparse(node.value)
+    def plan_key(node) -> bool:
+        if isinstance(node, ast.Attribute):
+            return node.attr in PLAN_KEYS
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            return bool(node.args) and isinstance(node.args[0], ast.Constant) and node.args[0].value in PLAN_KEYS
+        if isinstance(node, ast.Subscript):
+            return isinstance(node.slice, ast.Constant) and node.slice.value in PLAN_KEYS
+        return False
 
-    offenders = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if "techniques" in path.relative_to(PACKAGE).parts:
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Compare):
-                operands = [node.left, *node.comparators]
-                if any(plan_field(o) for o in operands) and any(constant(o) for o in operands):
-                    offenders.append(f"{path.relative_to(SRC)}:{node.lineno}: {ast.unparse(node)}")
-    assert offenders == []
+    def mode_test(node: ast.Compare) -> bool:
+        operands = [node.left, *node.comparators]
+        if not any(plan_key(o) for o in operands):
+            return False
+        modes = (ast.Eq, ast.NotEq, ast.In, ast.NotIn, ast.Is, ast.IsNot)
+        texts = [o for o in operands if constant(o) and not (isinstance(o, ast.Constant) and type(o.value) is int)]
+        return bool(texts) or (any(isinstance(op, modes) for op in node.ops) and any(constant(o) for o in operands))
+
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Compare) and mode_test(n)]
+
+
+def _mode_offenders(sources: dict[str, str]) -> list[str]:
+    return [f"{name}:{n.lineno}: {ast.unparse(n)}" for name, source in sources.items()
+            if not (name == "memfit.techniques" or name.startswith("memfit.techniques."))
+            for n in _mode_comparisons(ast.parse(source))]
+
+
+def test_outside_techniques_no_plan_field_is_compared_with_a_mode():
+    """``plan.precision == "bf16-pure"``, ``"activations" in plan.offload`` or ``fixed.get("adapter",
+    "none") == "none"`` belong in the technique's own module: everywhere else, a technique is asked
+    through its config (``plan.config("adapter").is_default``)."""
+    assert _mode_offenders(_sources()) == []
 
 
 def _status_strings(tree: ast.Module) -> list[ast.AST]:
@@ -237,13 +250,60 @@ def test_no_code_edits_the_import_path():
     assert offenders == []
 
 
+def _oversized(sources: dict[str, str]) -> list[str]:
+    """Files over ``MAX_FILE_LINES`` lines and classes over ``MAX_CLASS_LINES``."""
+    out = []
+    for name, source in sources.items():
+        lines = source.count("\n") + (not source.endswith("\n") and bool(source))
+        if lines > MAX_FILE_LINES:
+            out.append(f"{name}: {lines} lines")
+        out += [f"{name}.{n.name}: {n.end_lineno - n.lineno + 1} lines" for n in ast.walk(ast.parse(source))
+                if isinstance(n, ast.ClassDef) and n.end_lineno - n.lineno + 1 > MAX_CLASS_LINES]
+    return out
+
+
+def test_no_file_is_over_450_lines_and_no_class_over_300():
+    """Files stay readable (most between 100 and 400 lines): past the limits, split by concern."""
+    assert _oversized(_sources()) == []
+
+
+def _with(sources: dict[str, str], module: str, code: str) -> dict[str, str]:
+    """The package's sources with ``code`` appended to ``module``'s (one offence)."""
+    return {**sources, module: sources[module] + "\n" + code}
+
+
+def test_each_check_fails_on_a_widened_case():
+    """Each check, run on the package with one offence added, finds it (and the package alone passes,
+    above): an import cycle through a type-only import, an upward import of the package's face, a
+    private name, a mode compared on any receiver or through ``.get``/``[...]``, an oversized file and
+    an oversized class."""
+    sources = _sources()
+    type_only = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from memfit.cli.main import main\n"
+    graph = _graph(_with(sources, "memfit.quiet", type_only))[0]
+    assert any({"memfit.cli.main", "memfit.quiet"} <= set(cycle) for cycle in _cycles(graph))
+    assert ("memfit.quiet", "memfit.cli.main") in _upward(graph)
+    graph = _graph(_with(sources, "memfit.integrations.transformers", "import memfit\n"))[0]
+    assert _upward(graph) == [("memfit.integrations.transformers", "memfit")]
+    graph = _graph(_with(sources, "memfit.planner.walk", "def f():\n    import memfit.cli.main\n"))[0]
+    assert ("memfit.planner.walk", "memfit.cli.main") in _upward(graph)
+    assert _graph(_with(sources, "memfit.planner.walk", "from memfit.step import _private\n"))[1] == [
+        ("memfit.planner.walk", "memfit.step", "_private")]
+    for offence in ('self.base.adapter != "none"', 'x = given.get("base_weights", "as-is") == "as-is"',
+                    'fixed["precision"] in ("bf16", "fp16")', 'plan.loss_chunks == 0', 'config.offload is True',
+                    'ok = report.precision < "bf16"'):
+        found = _mode_offenders(_with(sources, "memfit.planner.search", offence))
+        assert len(found) == 1 and found[0].startswith("memfit.planner.search:"), (offence, found)
+    for quantity in ("n = result.world_size > 1", "n = plan.micro_batch_size >= 2", 'n = x.get("lr", 0) == 1'):
+        assert _mode_offenders(_with(sources, "memfit.planner.search", quantity)) == [], quantity
+    assert _mode_offenders(_with(sources, "memfit.techniques.adapter", 'plan.adapter == "none"')) == []
+    padded = _with(sources, "memfit.errors", "\n" * (MAX_FILE_LINES - sources["memfit.errors"].count("\n")))
+    assert _oversized(padded) == ["memfit.errors: 451 lines"]
+    big_class = "class Big:\n" + "    x = 1\n" * MAX_CLASS_LINES
+    assert _oversized(_with(sources, "memfit.planner", big_class)) == [f"memfit.planner.Big: {MAX_CLASS_LINES + 1} lines"]
+
+
 def test_the_checks_see_what_they_check():
-    """The checks above can fail: a cycle, an upward import and a mode comparison are found."""
-    assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
-    assert _floor("memfit.cli.main") > _floor("memfit.step") > _floor("memfit.errors")
-    tree = ast.parse("import memfit.training.loop\nfrom memfit.step import _private\n")
-    found = _imports("memfit.errors", tree, set(_modules()))
-    assert ("memfit.training.loop", []) in found and ("memfit.step", ["_private"]) in found
+    """The status and import-path checks can fail: each offence below is found."""
     strings = ast.parse('c.status == "too big"\nc.status, c.reason = "pruned", ""\nif x.status in ("a",): pass\n'
                         'c.status = Status.PRUNED\nc.status is Status.TOO_BIG\n')
     assert sorted(n.lineno for n in _status_strings(strings)) == [1, 2, 3]

@@ -139,18 +139,19 @@ def test_the_planner_traces_what_a_wrong_deep_stream_ruled_out(monkeypatch):
     """A plan ruled out by its reserved bytes at full depth is checked against the chosen plan's
     full trace: here the deep streams are made to claim twice the budget for every plan, the walk
     finds nothing, traces the plans they ruled out, and chooses what it chooses without them."""
-    from memfit.planner.gpu_time import GpuStepModel
+    from memfit.planner.baseline import Baseline
     from memfit.planner.search import plan
     from memfit.planner.space import SearchSpace
+    from memfit.planner.traces import TraceBook
 
     space = SearchSpace(values={"precision": ["bf16"], "checkpointing": ["none", "blocks"]}, micro_batches=[8])
     kwargs = dict(device="h100-80gb", batch_size=8, seq_len=64, budget="20GiB")
     # (the walk decides here: the default plan is not confirmed before it, NOTE [ Work-adding values
     # when the default plan fits ])
-    monkeypatch.setattr(GpuStepModel, "_may_fit_alone", lambda self: False)
+    monkeypatch.setattr(Baseline, "_may_fit_alone", lambda self: False)
     truth = plan(DEEP, space=space, **kwargs)
     assert truth.chosen is not None and not any("full depth" in n for n in truth.notes)
-    monkeypatch.setattr(GpuStepModel, "deep_used", lambda self, p: 2 * self.budget.bytes)
+    monkeypatch.setattr(TraceBook, "deep_used", lambda self, p: 2 * self.budget.bytes)
     lied = plan(DEEP, space=SearchSpace(values={k: list(v) for k, v in space.values.items()}, micro_batches=[8]),
                 **kwargs)
     assert lied.chosen.plan == truth.chosen.plan and lied.chosen.used_bytes == truth.chosen.used_bytes

@@ -1,9 +1,7 @@
 """Planner: search space, pruning rule, budgets, exports, and plans that really fit."""
 
 import pytest
-import yaml
 
-from memfit.cli.main import main
 from memfit.devices import get_device
 from memfit.errors import UserError
 from memfit.integrations.export import to_hf, to_lightning
@@ -74,12 +72,6 @@ def test_chosen_plan_fits_when_measured_and_is_the_fastest_that_fits():
     assert all(c.used_bytes > budget for c in faster if c.status == "too big")
 
 
-def test_nothing_fits_names_the_smallest_budget(capsys):
-    assert main(["plan", "mha", "-b", "4", "--budget", "4MiB", "--max-traces", "5"]) == 1
-    out = capsys.readouterr().out
-    assert "nothing fits" in out and "a budget of at least that would fit" in out
-
-
 def test_the_walk_reports_its_traces_to_a_progress_bar():
     """Each plan the walk measures is reported (traced so far, the trace limit, candidates open); on
     a terminal the bar draws it, elsewhere nothing is written."""
@@ -121,17 +113,6 @@ def test_the_walk_reports_its_traces_to_a_progress_bar():
     assert log.getvalue() == ""
 
 
-@pytest.mark.slow  # (keeps the default suite under 10 minutes)
-def test_cli_writes_a_plan_that_estimate_accepts(tmp_path, capsys):
-    out = tmp_path / "plan.yaml"
-    assert main(["plan", "mha", "-b", "4", "--budget", "60MiB", "--out", str(out), "--format", "hf",
-                 "--pareto", str(tmp_path / "p.png")]) == 0
-    text = capsys.readouterr().out
-    assert "TrainingArguments(**{" in text and (tmp_path / "p.png").stat().st_size > 5000
-    assert Plan.from_dict(yaml.safe_load(out.read_text()))
-    assert main(["estimate", "mha", "-b", "4", "--plan", str(out), "--json"]) == 0
-
-
 def test_exports():
     p = Plan(precision="bf16", micro_batch_size=2, checkpointing="blocks", optimizer="adamw8bit", loss_chunks=8)
     hf = to_hf(p, 8)  # (the chunked loss changes the step: MemfitTrainer runs it, and the rest of memfit's step)
@@ -143,20 +124,6 @@ def test_exports():
     assert lt.notes == ("DataLoader(batch_size=8): the plan's whole batch (memfit's step splits it into 4 "
                         "micro-batches of 2)",)
     assert lt.unmapped == ("checkpointing: blocks", "optimizer: adamw8bit", "loss_chunks: 8", "micro_batch_size: 2")
-
-
-@pytest.mark.slow  # (keeps the default suite under 10 minutes)
-def test_plan_flags_fix_fields(capsys):
-    assert main(["plan", "mha", "-b", "4", "--budget", "60MiB", "--precision", "bf16", "--checkpointing", "none",
-                 "--json", "--max-traces", "3"]) == 0
-    import json
-    out = json.loads(capsys.readouterr().out)
-    assert out["chosen"]["plan"]["precision"] == "bf16" and out["chosen"]["plan"]["checkpointing"] == "none"
-
-
-def test_plan_refuses_a_batch_the_fixed_micro_batch_does_not_divide(capsys):
-    assert main(["plan", "mha", "-b", "6", "--budget", "60MiB", "--micro-batch-size", "4"]) == 2
-    assert "not a multiple" in capsys.readouterr().err
 
 
 def test_the_cpu_planner_refuses_a_model_whose_plain_step_cannot_fit_this_machine(monkeypatch):

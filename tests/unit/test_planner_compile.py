@@ -2,20 +2,17 @@
 time shown and counted per step over a short run, the GPU-preset model's compile time, and the
 calibrated model's measured compile time (slow: it compiles for real)."""
 
-import json
 
 import pytest
 
-from memfit.cli.main import main
 from memfit.devices import get_device
 from memfit.memory.budget import Budget
 from memfit.planner import cost
 from memfit.planner.candidate import Candidate
 from memfit.planner.cost import TimeModel
-from memfit.planner.gpu_time import GpuStepModel
-from memfit.planner.search import plan
+from memfit.planner.feasibility import maximal
+from memfit.planner.search import gpu_search, plan
 from memfit.planner.space import candidates, default_space, model_facts, saves_no_more_than
-from memfit.planner.walk import maximal
 from memfit.plans import Plan
 from memfit.target import Target
 from memfit.techniques.compile import COMPILE_SECONDS_PER_OP
@@ -75,12 +72,12 @@ def test_gpu_preset_compile_time_from_the_graph_size():
     recording's rate (the step time of compiled plans: tests/unit/test_timing.py)."""
     target = Target.resolve(SPEC, None, 8, "a100-40gb", seq_len=64)
     space = _space("a100-40gb", compile_modes=("none", "blocks", "full"))
-    model = GpuStepModel(target, space, model_facts(target.workload), Budget.resolve(None, target.device))
+    book, model, _ = gpu_search(target, space, model_facts(target.workload), Budget.resolve(None, target.device))
     try:
-        model.base = Plan(precision="bf16")
-        graph = model.measure(model.base).graph
+        model.baseline.base = Plan(precision="bf16")
+        graph = book.measure(model.base).graph
     finally:
-        model.close()
+        book.close()
     assert 0 < graph.block_ops < graph.forward_ops
     full, blocks = Plan(compile="full"), Plan(compile="blocks")
     assert model.warmup(Plan()) == 0 < model.warmup(blocks) < model.warmup(full)
@@ -114,34 +111,6 @@ def test_compile_time_counts_per_step_only_over_a_short_run():
         assert row["predicted_step_seconds"] == pytest.approx(0.5 + 30 / steps if compiled and steps else
                                                                0.5 if compiled else 1.0)
         assert row["steady_step_seconds"] == (0.5 if compiled else 1.0)
-
-
-def test_cli_flags_are_checked(capsys):
-    for flags, message in ((["--compile-modes", "blocks,fast"], "--compile-modes: unknown mode 'fast'"),
-                           (["--compile-modes", ","], "--compile-modes: unknown mode ''"),
-                           (["--steps", "0"], "--steps must be a positive whole number")):
-        assert main(["plan", SPEC, "-b", "2", "--seq-len", "16", *flags]) == 2
-        err = capsys.readouterr().err
-        assert message in err and len(err.strip().splitlines()) == 1, err
-
-
-@pytest.mark.slow  # (a compiled trace: keeps the default suite under 10 minutes)
-def test_gpu_preset_plan_shows_compile_time(capsys):
-    """A roomy budget on a GPU preset, compile blocks searched: the fastest plan is compiled,
-    traced through Inductor's pipeline on fake tensors, with its predicted compile time; over a short
-    run (this toy's steps take microseconds on the preset) an eager plan is faster."""
-    argv = ["plan", SPEC, "-b", "8", "--seq-len", "64", "--device", "a100-40gb", "--budget", "4GiB",
-            "--max-traces", "2", "--optimizers", "adamw", "--compile-modes", "none,blocks"]
-    assert main([*argv, "--json"]) == 0
-    chosen = json.loads(capsys.readouterr().out)["chosen"]
-    assert chosen["plan"]["compile"] == "blocks" and chosen["compile_seconds"] > 0
-    assert main(argv) == 0
-    table = capsys.readouterr().out.split("alternatives, fastest first")[1].splitlines()
-    assert table[1].split()[:4] == ["plan", "memory", "ms/step", "compile"] and "compile=blocks" in table[2]
-    assert main([*argv, "--steps", "1000"]) == 0
-    out = capsys.readouterr().out
-    assert "over a run of 1000 steps, compile time included" in out
-    assert "compile" not in out.split("chosen:")[1].splitlines()[0]
 
 
 @pytest.mark.slow

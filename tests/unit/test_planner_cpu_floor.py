@@ -8,7 +8,7 @@ import pytest
 from memfit.devices import get_device
 from memfit.memory.budget import Budget
 from memfit.planner.cpu_floor import FLOOR_SHARE, cpu_floor, overlap_group
-from memfit.planner.gpu_time import GpuStepModel
+from memfit.planner.search import gpu_search
 from memfit.planner.space import default_space, model_facts
 from memfit.planner.time_model import factor_estimate
 from memfit.plans import Plan
@@ -44,23 +44,24 @@ def gpt2_model():
     space = default_space(facts, get_device("h100-80gb"), 8)
     space.values = {"precision": ["bf16-pure"], "checkpointing": ["none", "selective"]}
     space.micro_batches = [8, 2]
-    model = GpuStepModel(target, space, facts, Budget.resolve("3GiB", target.device))
+    book, model, _ = gpu_search(target, space, facts, Budget.resolve("3GiB", target.device))
     with silenced_warnings():
         model.prepare()
     yield model
-    model.close()
+    book.close()
 
 
 def test_the_estimate_of_a_cpu_bound_combination_rests_on_the_floor_and_stays_under_its_measured_time(gpt2_model):
     model = gpt2_model
     plan = Plan(precision="bf16-pure", checkpointing="selective", micro_batch_size=2)
-    ratios_only = factor_estimate(model.measured[model.base].seconds, model.technique_keys(plan), model.ratios)
+    ratios_only = factor_estimate(model.seconds(model.base), model.technique_keys(plan), model.ratios)
     estimate, floor = model.predict(plan), model.cpu_floor(plan)
     with silenced_warnings():
-        measured = model.measure(plan)
+        model.book.measure(plan)
+    measured = model.step(plan)
     assert estimate == floor  # (the ratios' product errs low: the CPU sets the pace)
     assert ratios_only < 0.75 * measured.seconds
-    assert 0.8 * measured.seconds < floor <= measured.step.cpu_seconds <= measured.seconds * 1.001
+    assert 0.8 * measured.seconds < floor <= measured.cpu_seconds <= measured.seconds * 1.001
 
 
 def test_no_floor_for_compiled_plans_or_host_updates(gpt2_model):

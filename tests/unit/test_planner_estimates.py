@@ -2,16 +2,20 @@
 left out, estimates come from the nearest measured plan and change as the walk measures, the
 maximal plans come first when nothing measured fits, and predicted compiles skip vector code."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from memfit.devices import get_device
 from memfit.memory.budget import Budget
+from memfit.planner.baseline import Baseline, adds_work
 from memfit.planner.candidate import Candidate, Evidence, Fidelity, Status
-from memfit.planner.gpu_time import GpuStepModel, Measured
+from memfit.planner.gpu_time import GpuStepModel
 from memfit.planner.ladder import Ladder
-from memfit.planner.search import plan
+from memfit.planner.search import gpu_search, plan
 from memfit.planner.space import SearchSpace, leave_out_weights_that_cannot_fit, model_facts, weight_bytes
 from memfit.planner.time_model import StepTimeModel
+from memfit.planner.traces import Measured
 from memfit.planner.walk import Walk
 from memfit.plans import Plan
 from memfit.target import Target
@@ -38,14 +42,22 @@ def test_a_precision_whose_weights_alone_exceed_the_budget_is_left_out():
 
 
 def _model_with(measured: dict, ratios: dict) -> GpuStepModel:
+    """The time model with ``measured`` plans in its book, each priced at the seconds given."""
     target = Target.resolve("gpt2:n_layer=2,n_embd=64,n_head=2,vocab_size=256", None, 4, "h100-80gb", seq_len=32)
     space = SearchSpace(values={"checkpointing": ["none", "blocks"], "loss_chunks": [0, 8],
                                 "optimizer_in_backward": [False, True]}, micro_batches=[4])
-    model = GpuStepModel(target, space, model_facts(target.workload), Budget.resolve(None, target.device))
-    model.base = Plan()
+    book, model, _ = gpu_search(target, space, model_facts(target.workload), Budget.resolve(None, target.device))
+    book.close()
+    model.baseline.base = Plan()
     model.ratios = ratios
-    for measured_plan, seconds in measured.items():
-        model.measured[measured_plan] = Measured(seconds=seconds, step=None, peak_bytes=0, used_lower=0)
+    seconds = {}
+    model.step = lambda p: SimpleNamespace(seconds=seconds[p], cpu_seconds=0.0) if p in book.measured else None
+
+    def measure(p, s):
+        book.measured[p], seconds[p] = Measured(peak_bytes=0, used_lower=0), s
+    model.measure = measure
+    for measured_plan, s in measured.items():
+        measure(measured_plan, s)
     return model
 
 
@@ -59,7 +71,7 @@ def test_a_plan_is_estimated_from_the_measured_plans_it_contains():
     three = Plan(checkpointing="blocks", loss_chunks=8, optimizer_in_backward=True)
     assert model.predict(three) == pytest.approx(1.2 * 1.1 * 5 * 0.9)
     assert model.predict(Plan(checkpointing="blocks", optimizer_in_backward=True)) == pytest.approx(1.2 * 0.9)
-    model.measured[Plan(loss_chunks=8, optimizer_in_backward=True)] = Measured(1.0, None, 0, 0)
+    model.measure(Plan(loss_chunks=8, optimizer_in_backward=True), 1.0)
     assert model.predict(three) == pytest.approx(1.2 * 1.1 * 5 * 0.9)  # (the slower of the two parts)
     assert model.estimate_depends_on(three, [both]) and not model.estimate_depends_on(Plan(loss_chunks=8), [both])
 
@@ -164,7 +176,7 @@ def test_work_adding_values_are_not_measured_when_the_fastest_simple_plan_fits(m
     quick = plan(DEEP, device="h100-80gb", batch_size=8, seq_len=128, optimizers=("adamw",))
     assert any("only add work" in n and "checkpointing" in n for n in quick.notes), quick.notes
     assert quick.chosen is not None and quick.chosen.plan.checkpointing == "none"
-    monkeypatch.setattr(GpuStepModel, "_may_fit_alone", lambda self: False)
+    monkeypatch.setattr(Baseline, "_may_fit_alone", lambda self: False)
     whole = plan(DEEP, device="h100-80gb", batch_size=8, seq_len=128, optimizers=("adamw",))
     assert not any("only add work" in n for n in whole.notes)
     assert whole.chosen.plan == quick.chosen.plan and whole.chosen.used_bytes == quick.chosen.used_bytes
@@ -187,6 +199,5 @@ def test_maximal_plans_that_split_the_batch_are_traced_only_when_no_other_may_fi
 def test_a_value_that_needs_another_technique_is_judged_alone():
     """checkpointing budget:F needs a compile mode in a Plan: whether it only adds work is a question
     about the value alone (the slow compile test's plan was refused before this)."""
-    from memfit.planner.gpu_time import _adds_work
-    assert _adds_work(("checkpointing", "budget:0.5")) and _adds_work(("loss_chunks", 8))
-    assert not _adds_work(("precision", "bf16")) and not _adds_work(("compile", "blocks"))
+    assert adds_work(("checkpointing", "budget:0.5")) and adds_work(("loss_chunks", 8))
+    assert not adds_work(("precision", "bf16")) and not adds_work(("compile", "blocks"))

@@ -17,9 +17,7 @@ import importlib.util
 import inspect
 
 import pytest
-import torch
 
-from memfit.cli.main import main
 from memfit.devices import get_device
 from memfit.integrations.export import HF_CALLBACK, HF_TRAINER, LIGHTNING_CALLBACK, to_hf, to_lightning
 from memfit.plans import Plan
@@ -57,23 +55,6 @@ PLANS = [
     ("sdpa", Plan(attention="sdpa"), 8, "cpu", set(), set()),
 ]
 IDS = [p[0] for p in PLANS]
-
-
-@pytest.fixture
-def target_machine(monkeypatch):
-    """Build TrainingArguments as on the plan's device: the two checks that look at this machine
-    (accelerate's device setup, where accelerate is missing; bf16 support of the local GPU) answer
-    for the target. Every argument is still parsed and validated by transformers."""
-    import transformers.training_args as training_args
-
-    def build(device, **kwargs):
-        if importlib.util.find_spec("accelerate") is None:
-            monkeypatch.setattr(training_args.TrainingArguments, "_setup_devices",
-                                property(lambda self: torch.device("cpu")))
-        dev = get_device(device) if device else None
-        monkeypatch.setattr(training_args, "is_torch_bf16_gpu_available", lambda *a, **k: bool(dev and dev.bf16))
-        return training_args.TrainingArguments(**kwargs)
-    return build
 
 
 def _keys(unmapped) -> set[str]:
@@ -179,24 +160,6 @@ def _check_with_lightning_if_installed(kwargs: dict, device) -> None:
         assert trainer.accumulate_grad_batches == kwargs["accumulate_grad_batches"]
     else:
         inspect.signature(lightning.Trainer).bind(**kwargs)
-
-
-@pytest.mark.slow  # a planner run (~20 s here); the default tier prints an export in tests/integration
-def test_plan_prints_the_arguments_what_they_cannot_carry_and_the_callback(tmp_path, capsys, target_machine):
-    out = tmp_path / "plan.yaml"
-    argv = ["plan", "gpt2:n_layer=2,n_embd=32,n_head=2,vocab_size=256,n_positions=32", "--seq-len", "16", "-b", "4",
-            "--budget", "1GiB", "--max-traces", "2", "--precision", "bf16", "--checkpointing", "blocks",
-            "--optimizer-in-backward", "true", "--loss-chunks", "2", "--format", "hf", "--out", str(out)]
-    assert main(argv) == 0
-    lines = capsys.readouterr().out.splitlines()
-    call = next(line for line in lines if line.startswith("TrainingArguments("))
-    args = eval(call, {"TrainingArguments": lambda **kw: target_machine("cpu", **kw)})  # noqa: S307
-    # the step in backward and the chunked loss change the step: MemfitTrainer's own step runs the
-    # plan, precision and checkpointing included, so the arguments leave those to it
-    assert args.use_cpu and args.per_device_train_batch_size == 4 and not args.bf16 and not args.gradient_checkpointing
-    for key in ("optimizer_in_backward: true", "loss_chunks: 2", "precision: bf16", "checkpointing: blocks"):
-        assert f"  not carried by these arguments: {key}" in lines
-    assert any(line.startswith(f"  -> {HF_TRAINER}(..., plan=") for line in lines), lines
 
 
 def test_a_lightning_export_that_names_the_callback_leaves_the_micro_batches_to_it():

@@ -7,8 +7,7 @@ import sys
 import pytest
 
 from memfit.memory.budget import Budget
-from memfit.planner.gpu_time import GpuStepModel
-from memfit.planner.search import plan
+from memfit.planner.search import gpu_search, plan
 from memfit.planner.shallow import depths, extrapolate_ops, shallow_workload
 from memfit.planner.space import SearchSpace, model_facts
 from memfit.planner.timing import trace_step
@@ -25,8 +24,10 @@ def _target(plan=None, batch_size=8):
 
 
 def _model(target, space=None):
+    """The trace book and the time model of a search (the book's workers are closed by the caller)."""
     space = space or SearchSpace(values={"precision": ["bf16"]}, micro_batches=[target.batch_size])
-    return GpuStepModel(target, space, model_facts(target.workload), Budget.resolve(None, target.device))
+    book, model, _ = gpu_search(target, space, model_facts(target.workload), Budget.resolve(None, target.device))
+    return book, model
 
 
 SLOW = pytest.mark.slow  # (keeps the default suite under 10 minutes)
@@ -47,15 +48,15 @@ def test_shallow_pair_extrapolates_to_the_full_trace(fields):
     pair = depths(target.plan, 6)
     assert pair == ((2, 4) if "every=2" in str(fields.get("checkpointing")) else (2, 3))
     report, full, full_ops = trace_step(target)
-    model = _model(target)
+    book, model = _model(target)
     try:
-        a, b = model._run([(target.plan, d, None) for d in pair])
-        measured = model.measure(target.plan)
+        a, b = book._run([(target.plan, d, None) for d in pair])
+        measured = book.measure(target.plan)
     finally:
-        model.close()
+        book.close()
     ops = extrapolate_ops(a.ops, b.ops, *pair, 6)
-    assert ops is not None and len(ops) == len(full_ops)
-    assert measured.seconds == pytest.approx(full.seconds, rel=1e-3)
+    assert ops is not None and len(ops) == len(full_ops) and measured.ops == ops
+    assert model.seconds(target.plan) == pytest.approx(full.seconds, rel=1e-3)
     assert measured.peak_bytes == pytest.approx(report.peak_bytes, rel=0.02)
     assert measured.used_lower <= Budget.resolve(None, target.device).used_bytes(report)
 
@@ -92,11 +93,11 @@ def test_shallow_model_cut_from_the_planners_meta_model_is_the_one_built():
 
 def test_ops_that_do_not_line_up_are_refused():
     target = _target()
-    model = _model(target)
+    book, _ = _model(target)
     try:
-        a, b = model._run([(target.plan, d, None) for d in (2, 3)])
+        a, b = book._run([(target.plan, d, None) for d in (2, 3)])
     finally:
-        model.close()
+        book.close()
     assert extrapolate_ops(a.ops, b.ops[: len(b.ops) // 2], 2, 3, 6) is None  # a run is missing
     assert extrapolate_ops(b.ops, a.ops, 2, 3, 6) is None  # the deeper step has fewer ops
 
@@ -247,24 +248,24 @@ def test_a_plan_over_the_budget_at_the_shallower_depth_is_not_traced_deeper():
     does not run. Alone, or before the walk, a plan keeps both traces."""
     plans = [Plan(precision="bf16"), Plan(precision="bf16", loss_chunks=8)]
     space = SearchSpace(values={"precision": ["bf16"], "loss_chunks": [0, 8]}, micro_batches=[8])
-    pair_model, model = _model(_target(), space), _model(_target(), space)
+    (pair_book, pair_model), (book, model) = _model(_target(), space), _model(_target(), space)
     try:
         pair_model.prepare()
-        pairs = {p: pair_model.measure(p) for p in plans}
+        pairs = {p: pair_book.measure(p) for p in plans}
         model.prepare()
         for p in plans[1:]:  # (as the walk meets it: not measured yet)
-            model.measured.pop(p, None)
-            for d in model._depths(p):
-                model._traced.pop((p, d, None), None)
-        model.budget = Budget.resolve(str(min(m.used_lower for m in pairs.values()) // 2), model.target.device)
-        model.trace_shallow(plans, skip_over=True)
-        m = model.measure(plans[1])
+            book.measured.pop(p, None)
+            for d in book.depths(p):
+                book._traced.pop((p, d, None), None)
+        book.budget = Budget.resolve(str(min(m.used_lower for m in pairs.values()) // 2), book.target.device)
+        book.trace_shallow(plans, skip_over=True)
+        m = book.measure(plans[1])
     finally:
-        pair_model.close()
-        model.close()
-    assert model._traced[(plans[1], model._depths(plans[1])[1], None)] == SKIPPED and m.shallower_only
-    assert model.budget.bytes < m.used_lower <= pairs[plans[1]].used_lower
-    assert m.seconds == model.predict(plans[1]) and plans[1] not in model.newly_measured()
+        pair_book.close()
+        book.close()
+    assert book._traced[(plans[1], book.depths(plans[1])[1], None)] == SKIPPED and m.shallower_only
+    assert book.budget.bytes < m.used_lower <= pairs[plans[1]].used_lower
+    assert model.step(plans[1]) is None and plans[1] not in model.newly_measured()  # (its time: the estimate)
 
 
 class _Recorded:
@@ -287,19 +288,19 @@ def test_the_walks_first_traces_are_queued_behind_the_measuring_and_dropped_wher
     size are queued behind its traces, shallower first; where the fastest simple plan fits (here:
     the whole device), they are not queued again."""
     space = SearchSpace(values={"precision": ["bf16"], "loss_chunks": [0, 8]}, micro_batches=[8, 4])
-    model = _model(_target(), space)
-    model.workers = recorded = _Recorded(model.workers)
+    book, model = _model(_target(), space)
+    book.workers = recorded = _Recorded(book.workers)
     ahead = Plan(precision="bf16", loss_chunks=8, checkpointing="blocks")
     try:
         model.prepare(ahead=[ahead])
         base = model.base
-        (d, e) = model._depths(base)
+        (d, e) = book.depths(base)
     finally:
-        model.close()
+        book.close()
     first, *later = recorded.behinds
     assert [j for j in first if j[0] == ahead or j[2] == 4] == [(ahead, d, None), (ahead, e, None), (base, d, 4),
                                                                 (base, e, 4)]
-    assert any("only add work" in note for note in model.space.notes)  # (the fastest fits)
+    assert any("only add work" in note for note in model.baseline.space.notes)  # (the fastest fits)
     assert later and not any(j[0] == ahead or j[2] == 4 for behind in later for j in behind)
 
 
@@ -307,17 +308,17 @@ def test_a_walk_round_replaces_the_queued_plans_and_keeps_the_base_at_other_micr
     """NOTE [ The next round's traces in the background ]: the round's plans' shallower traces (not
     one traced already) go first; a plan queued before is dropped; the base's traces at another
     micro-batch size (an estimate asks for them) stay queued, behind."""
-    model = _model(_target())
+    book, _ = _model(_target())
     workers = Workers(lambda job: None, fork=False)
     workers.count = 2  # (queues without forking: no job is run here)
     try:
-        model.workers = workers
-        base, (d, e) = Plan(precision="bf16"), model._depths(Plan(precision="bf16"))
+        book.workers = workers
+        base, (d, e) = Plan(precision="bf16"), book.depths(Plan(precision="bf16"))
         new, old, stale = Plan(precision="bf16", checkpointing="selective"), Plan(precision="bf16"), \
             Plan(precision="bf16", loss_chunks=8)
-        model._traced[(old, d, None)] = RuntimeError("traced before")
+        book._traced[(old, d, None)] = RuntimeError("traced before")
         workers.start([(stale, d, None), (base, d, 4), (base, e, 4)])
-        model.queue_shallowest([new, old])
+        book.queue_shallowest([new, old])
         assert workers._queued == [(new, d, None), (base, d, 4), (base, e, 4)]
     finally:
-        model.close()
+        book.close()

@@ -8,7 +8,6 @@ import types
 
 import pytest
 
-from memfit.cli.main import main
 from memfit.devices import get_device
 from memfit.memory.estimate import estimate_target
 from memfit.planner import cost
@@ -70,17 +69,6 @@ def test_calibration_at_the_whole_batch_where_it_fits(monkeypatch):
     monkeypatch.setattr(cost, "_time_steps", fake_time_steps)
     model = cost.calibrate(Target.resolve(wl, None, BATCH, "cpu"), _space(wl))
     assert timed == [BATCH, 4, 2, 1, BATCH] and model.extrapolated_from is None and model.reduced_batch is None
-
-
-def test_plan_refuses_in_one_line_when_no_batch_fits_the_free_memory(monkeypatch, capsys):
-    wl = load_workload(SPEC, seq_len=64)
-    monkeypatch.setattr(cost, "available_host_bytes", lambda: int(0.5 * _peak(wl, 1) / cost.HOST_SHARE))
-    ran = []
-    monkeypatch.setattr(cost, "_time_steps", lambda *a: ran.append(a) or (0.01, 0.0))
-    assert main(["plan", SPEC, "--seq-len", "64", "-b", str(BATCH), "--budget", "1GiB"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "times real steps" in err and "at batch 1 (predicted)" in err
-    assert "--device h100-80gb" in err and not ran
 
 
 @pytest.mark.parametrize(("seconds", "calls"), [(3.0, 2), (0.25, 3), (0.125, 4)])

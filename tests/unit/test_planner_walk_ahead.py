@@ -4,7 +4,7 @@ visits together with the one it would measure next were this one too big."""
 from memfit.devices import get_device
 from memfit.memory.budget import Budget
 from memfit.planner.candidate import Candidate, Evidence, Fidelity, Status
-from memfit.planner.ladder import Ladder
+from memfit.planner.ladder import DeepRung, Ladder
 from memfit.planner.time_model import StepTimeModel
 from memfit.planner.walk import Walk
 from memfit.plans import Plan
@@ -147,13 +147,20 @@ class _Rung:
         self.fidelity, self.used, self.ladder = fidelity, used, ladder
 
     def evaluate(self, plan):
-        if self.fidelity is Fidelity.DEEP:
-            return None if self.used.get(plan) is None else Evidence(Fidelity.DEEP, used_bytes=self.used[plan])
         evidence = Evidence(self.fidelity, used_bytes=self.used[plan])
         if self.fidelity is Fidelity.FULL:
             assert plan in self.ladder.full_traced, plan  # (a full trace is run by prefetch, or here)
         self.ladder.found[plan] = evidence
         return evidence
+
+
+class _Deep(DeepRung):
+    def __init__(self, used: dict) -> None:
+        super().__init__()
+        self.used = used
+
+    def evaluate(self, plan):
+        return None if self.used.get(plan) is None else Evidence(Fidelity.DEEP, used_bytes=self.used[plan])
 
 
 class _DeepLadder(Ladder):
@@ -164,7 +171,7 @@ class _DeepLadder(Ladder):
     estimate = None
 
     def __init__(self, lower: dict, deep: dict, full: dict) -> None:
-        self.first, self.deep = _Rung(Fidelity.LOWER_BOUND, lower, self), _Rung(Fidelity.DEEP, deep, self)
+        self.first, self.deep = _Rung(Fidelity.LOWER_BOUND, lower, self), _Deep(deep)
         self.full = _FullRung(full, self)
         self.found, self.full_traced, self.prefetched = {}, set(), []
 

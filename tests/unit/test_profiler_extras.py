@@ -3,7 +3,6 @@
 import torch
 from torch import nn
 
-from memfit.cli.main import main
 from memfit.memory.estimate import estimate
 from memfit.memory.measure import profile
 from memfit.workload import Workload
@@ -32,15 +31,6 @@ def test_leak_finder_names_what_outlives_the_step():
     measured = profile(_leaky_workload(), batch_size=16, repeats=1)
     assert measured.measured.leaks
     KEPT.clear()
-
-
-def test_timeline_png_and_module_table(tmp_path, capsys):
-    png = tmp_path / "timeline.png"
-    assert main(["estimate", "mha", "-b", "2", "--timeline", str(png), "--modules", "4"]) == 0
-    out = capsys.readouterr().out
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    assert "by module" in out and "MHAModel.blocks.0.attn" in out
-    assert main(["estimate", "mha", "-b", "2", "--timeline", str(tmp_path / "no" / "t.png")]) == 2
 
 
 def test_timeline_series_stack_to_the_peak():

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from memfit.devices import get_device
-from memfit.planner.opcost import (
+from memfit.planner.ops import (
     AFTER_COMPUTE,
     ATTENTION,
     COMM,

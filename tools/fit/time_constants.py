@@ -31,7 +31,9 @@ import warnings
 from pathlib import Path
 
 from memfit.devices import get_device
-from memfit.planner.opcost import Op
+from memfit.planner.ops import (
+    Op,
+)
 from memfit.planner.timing import H100, Constants, record_ops, time_from_ops
 from memfit.plans import Plan
 from tools.gpu.rows import CLEAN_ROWS, ROOT, load_rows, plan_fields, plan_text, replaced, target_of

@@ -1,4 +1,5 @@
-"""Arguments shared by estimate, profile, plan and train: workload, batch, plan, device, outputs.
+"""What the subcommands share: their registration (:func:`add_command`) and the arguments of estimate,
+profile, plan and train (workload, batch, plan, device, outputs).
 
 The plan flags are the plan's keys (``--checkpointing``, ``--loss-chunks``, ...): each technique
 declares its keys with their help text and how command-line text becomes a value
@@ -14,6 +15,16 @@ import sys
 from memfit.outputs import IMAGE_SUFFIXES, check_output_file
 from memfit.plans import Plan, keys
 from memfit.units import MAX_SIZE, parse_positive_int
+
+
+def add_command(sub: argparse._SubParsersAction, name: str, run, help: str,
+                description: str | None = None) -> argparse.ArgumentParser:
+    """Register the subcommand ``name``, which ``run(args)`` runs (its exit status), and return its
+    parser for its own arguments; ``--debug`` (show tracebacks) works after the subcommand too."""
+    p = sub.add_parser(name, help=help, description=description)
+    p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    p.set_defaults(run=run)
+    return p
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:

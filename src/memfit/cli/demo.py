@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from memfit.cli.common import add_command
+
 DEMO_PREDICT = ("gpt2", 8, "rtx4090")
 DEMO_SHARDED = ("llama", 8, "a100-80gb", dict(world_size=8, shard_param_dtype="bf16", shard_reduce_dtype="fp32",
                                                checkpointing="blocks"))
@@ -13,9 +15,8 @@ DEMO_TRAIN = ("gpt2:n_layer=4,n_embd=256,n_head=4,n_positions=256", 8, 128, 0.6,
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="estimate and plan GPT-2 for a 24 GB GPU, Llama-2-7B over 8 GPUs; profile and "
-                                       "train a small GPT-2 here")
-    p.set_defaults(run=run)
+    add_command(sub, "demo", run, help="estimate and plan GPT-2 for a 24 GB GPU, Llama-2-7B over 8 GPUs; profile "
+                                       "and train a small GPT-2 here")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from memfit.cli.common import (
+    add_command,
     add_plan_args,
     add_report_args,
     add_workload_args,
@@ -17,16 +18,16 @@ from memfit.cli.common import (
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("estimate", help="predict a training step's peak memory (fake tensors: no memory, no GPU)",
-                       description="Trace the steady-state training step (the second: optimizer states exist) on "
-                                   "fake tensors and report its peak memory with a breakdown by category.")
+    p = add_command(sub, "estimate", run,
+                    help="predict a training step's peak memory (fake tensors: no memory, no GPU)",
+                    description="Trace the steady-state training step (the second: optimizer states exist) on "
+                                "fake tensors and report its peak memory with a breakdown by category.")
     add_workload_args(p)
     add_plan_args(p)
     add_report_args(p, "write the step's memory timeline, stacked by category",
                     "write the trace as a torch.cuda.memory._snapshot() pickle: segments and blocks (a GPU "
                     "preset's from memfit's caching-allocator model), allocations with their module, category "
                     "and phase as frames")
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

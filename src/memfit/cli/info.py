@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 
+from memfit.cli.common import add_command
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("workloads", help="list built-in workloads")
-    p.set_defaults(run=run_workloads)
-    p = sub.add_parser("devices", help="list device presets")
-    p.set_defaults(run=run_devices)
+    add_command(sub, "workloads", run_workloads, help="list built-in workloads")
+    add_command(sub, "devices", run_devices, help="list device presets")
 
 
 def run_workloads(args: argparse.Namespace) -> int:

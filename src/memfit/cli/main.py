@@ -50,15 +50,16 @@ def _no_meta_kernel_failures(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("failed while attempting to run meta")
 
 
+# NOTE [ Exit without the final collections ]
+# Called as the program (``argv`` None: the ``memfit`` script, ``python -m memfit.cli.main``), the
+# process ends right after; the interpreter's shutdown would run several full garbage collections over
+# the million objects torch and transformers made (0.5-0.8 s here). The heap is frozen instead
+# (``gc.freeze``), so shutdown frees objects by reference count only; files are closed and streams
+# flushed as usual.
 def main(argv: list[str] | None = None) -> int:
-    """Run memfit with ``argv`` (default: the command line) and return the exit status.
-
-    NOTE [ Exit without the final collections ]: called as the program (``argv`` None: the
-    ``memfit`` script, ``python -m memfit.cli.main``), the process ends right after; the interpreter's
-    shutdown would run several full garbage collections over the million objects torch and
-    transformers made (0.5-0.8 s here). The heap is frozen instead (``gc.freeze``), so shutdown frees
-    objects by reference count only; files are closed and streams flushed as usual.
-    """
+    """Run memfit with ``argv`` (default: the command line) and return the exit status; run as the
+    program, it exits without the interpreter's final collections (NOTE [ Exit without the final
+    collections ])."""
     if argv is not None:
         return _run(argv)
     try:
@@ -75,9 +76,6 @@ def _run(argv: list[str]) -> int:
     if not debug:  # a workload's failing op is reported in one line below, not as torch's log of it
         logging.getLogger("torch._subclasses.fake_tensor").addFilter(_no_meta_kernel_failures)
     parser = build_parser()
-    for action in parser._subparsers._group_actions:  # --debug works after the subcommand too
-        for p in action.choices.values():
-            p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:  # said by the subcommand's parser, so the line names the subcommand

@@ -6,14 +6,22 @@ import argparse
 import contextlib
 import dataclasses
 
-from memfit.cli.common import add_plan_args, add_workload_args, plan_from_args, print_json, sized_workload
+from memfit.cli.common import (
+    add_command,
+    add_plan_args,
+    add_workload_args,
+    plan_from_args,
+    print_json,
+    sized_workload,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="find the fastest plan that fits a memory budget (no OOM trials)",
-                       description="Search precision, checkpointing, optimizer, offload, loss chunking, attention, "
-                                   "compile and micro-batching on predictions: every candidate's memory comes from "
-                                   "an exact fake-tensor trace, its time from a cost model.")
+    p = add_command(sub, "plan", run,
+                    help="find the fastest plan that fits a memory budget (no OOM trials)",
+                    description="Search precision, checkpointing, optimizer, offload, loss chunking, attention, "
+                                "compile and micro-batching on predictions: every candidate's memory comes from "
+                                "an exact fake-tensor trace, its time from a cost model.")
     add_workload_args(p)
     add_plan_args(p)
     p.add_argument("--budget", help="memory budget: 20GiB, 1.5GB, 80%% of the device; default: capacity minus 10%%")
@@ -40,7 +48,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "--budget is per rank) and choose the smallest whose fastest plan fits")
     p.add_argument("--steps", metavar="N", help="the run's length in steps: compile time then counts as compile "
                                                 "seconds / N per step (default: a long run, compile time not counted)")
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     sizes = [given.world_size]
     if args.max_world_size is not None:
         most = parse_positive_int(args.max_world_size, "--max-world-size")
-        if given.world_size != 1:
+        if given.world_size > 1:
             raise UserError("give --world-size (plan for that many ranks) or --max-world-size (find the smallest), "
                             "not both")
         from memfit.target import Target
@@ -148,7 +155,7 @@ def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_trac
     from memfit.planner.side_by_side import plan_side_by_side
     from memfit.report.planner import print_methods
 
-    if args.max_world_size is not None or given.world_size != 1:
+    if args.max_world_size is not None or given.world_size > 1:
         raise UserError("--methods compares methods on one device; leave out --world-size and --max-world-size")
     if args.out or args.pareto:
         raise UserError("--methods compares several plans; plan the method you pick without --methods to write "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from memfit.cli.common import (
+    add_command,
     add_plan_args,
     add_report_args,
     add_workload_args,
@@ -18,12 +19,13 @@ from memfit.units import parse_positive_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("profile", help="run the step for real on this machine and compare with the prediction",
-                       description="Run the training step for real, measure its steady-state peak independently "
-                                   "of memfit's tracker (on a CPU: the PyTorch profiler's allocator events; with "
-                                   "--device cuda: the CUDA caching allocator's max_memory_allocated and "
-                                   "max_memory_reserved over the step), and show it beside the prediction of "
-                                   "`memfit estimate` for the same device.")
+    p = add_command(sub, "profile", run,
+                    help="run the step for real on this machine and compare with the prediction",
+                    description="Run the training step for real, measure its steady-state peak independently "
+                                "of memfit's tracker (on a CPU: the PyTorch profiler's allocator events; with "
+                                "--device cuda: the CUDA caching allocator's max_memory_allocated and "
+                                "max_memory_reserved over the step), and show it beside the prediction of "
+                                "`memfit estimate` for the same device.")
     add_workload_args(p)
     add_plan_args(p)
     add_report_args(p, "write the step's memory timeline: stacked by category on a CPU; on a GPU from the caching "
@@ -31,7 +33,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "write the real run as a torch.cuda.memory._snapshot() pickle: on a CPU from memfit's tracker "
                     "(module, category and phase as frames); on a GPU the caching allocator's own, over the step")
     p.add_argument("--repeats", default="5", metavar="N", help="timed steps for step_seconds (median)")
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

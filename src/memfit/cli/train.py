@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import argparse
 
-from memfit.cli.common import add_plan_args, add_resolution_arg, plan_from_args, print_json, sized_workload
+from memfit.cli.common import (
+    add_command,
+    add_plan_args,
+    add_resolution_arg,
+    plan_from_args,
+    print_json,
+    sized_workload,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train with a plan (given, or the planner's for --budget)",
-                       description="Train on the one TrainStep; metrics.jsonl, atomic checkpoints and an "
-                                   "end-of-run report (report.json, memory-timeline.png) go to --out. With a budget "
-                                   "on a CPU, a guard raises CUDA's out-of-memory error when device memory would "
-                                   "pass it, and the run adapts (smaller micro-batches, then checkpointing, then "
-                                   "offload) without changing the training.")
+    p = add_command(sub, "train", run,
+                    help="train with a plan (given, or the planner's for --budget)",
+                    description="Train on the one TrainStep; metrics.jsonl, atomic checkpoints and an "
+                                "end-of-run report (report.json, memory-timeline.png) go to --out. With a budget "
+                                "on a CPU, a guard raises CUDA's out-of-memory error when device memory would "
+                                "pass it, and the run adapts (smaller micro-batches, then checkpointing, then "
+                                "offload) without changing the training.")
     p.add_argument("workload", help="built-in name or path/to/file.py:NAME")
     p.add_argument("--batch-size", "-b", metavar="N")
     p.add_argument("--seq-len", metavar="T")
@@ -37,7 +45,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-report", action="store_true", help="skip the end-of-run report (a few fake traces)")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     add_plan_args(p)
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

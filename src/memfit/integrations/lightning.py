@@ -38,14 +38,7 @@ the train DataLoader (shapes only), with the Trainer's precision and clipping fi
 Memory: the callback logs ``memfit/predicted_peak_bytes`` (estimated on a fake copy of the network
 before the plan is applied) and ``memfit/measured_peak_bytes`` with ``pl_module.log``, so they reach
 the user's loggers, and warns when a measurement exceeds the prediction by more than ``tolerance``.
-NOTE [ What the window sees ]: on a CPU the measurement is ``profile``'s, the profiler's allocator
-events, whose running sum only counts what was allocated after the profiler started. It starts
-just before the plan is applied, so gradients, optimizer states and what the plan converts are
-counted; the network's own storages, alive before, are added as a baseline. Only the second step
-is measured there (the steady state; a profiler over a whole run costs too much); what Lightning
-itself holds in that window (logged values, its data fetcher's state) counts too: 72 bytes over
-the prediction of 5.7 MiB for the tests' tiny GPT-2. On a GPU it is ``torch.cuda.max_memory_allocated``
-over every step from the second on.
+What the measurement's window holds: NOTE [ What the window sees ].
 
 Not covered: several devices (``Trainer(devices>1)``; memfit's sharded plans run with ``memfit
 train --nproc N``), LR schedulers from ``configure_optimizers`` (step one on ``step.optimizer``
@@ -188,6 +181,15 @@ class MemfitCallback:
         _check_trainer(trainer, self.plan)
         pl_module.automatic_optimization = False  # (after Lightning checked the Trainer for automatic optimization)
 
+    # NOTE [ What the window sees ]
+    # On a CPU the measurement is ``profile``'s, the profiler's allocator events, whose running sum
+    # only counts what was allocated after the profiler started. It starts just before the plan is
+    # applied, so gradients, optimizer states and what the plan converts are counted; the network's
+    # own storages, alive before, are added as a baseline. Only the second step is measured there (the
+    # steady state; a profiler over a whole run costs too much); what Lightning itself holds in that
+    # window (logged values, its data fetcher's state) counts too: 72 bytes over the prediction of 5.7
+    # MiB for the tests' tiny GPT-2. On a GPU it is ``torch.cuda.max_memory_allocated`` over every
+    # step from the second on.
     def apply_to(self, trainer, module: MemfitModule) -> None:
         """Called from ``MemfitModule.configure_model``: plan (for a budget), predict, build the step."""
         if module.__dict__.get("_memfit_step") is not None:  # (a second fit: the plan is applied)

@@ -31,15 +31,6 @@ prediction. The reporters of ``report_to`` (TensorBoard, W&B, ...) come first in
 callbacks: they get memfit's values from MemfitTrainer, or from a callback added with
 ``MemfitCallback(...).attach(trainer)``, which places it ahead of them (one given in
 ``callbacks=[...]`` adds them to the log history and to the callbacks after it).
-
-NOTE [ Measuring inside a Trainer ]
-On a GPU: ``torch.cuda.max_memory_allocated`` over the step. On a CPU: what ``memfit profile``
-measures, every live byte at the step's peak from the profiler's allocator events. ``profile``
-starts its profiler before the model exists; a Trainer's model exists long before a step, so the
-storages live when the step begins (parameters, buffers, gradients, optimizer states, EMA, the
-batch, counted from the tensors) are added to the profiler's running peak over the step. The rest
-of the process (the dataset, a batch prefetched) is in neither number. The first step is never
-measured: the optimizer's states appear during it.
 """
 
 from __future__ import annotations
@@ -53,11 +44,10 @@ from torch.utils._pytree import tree_map
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import DefaultFlowCallback
 
-import memfit
 from memfit.devices import get_device
 from memfit.errors import UserError
 from memfit.integrations import core
-from memfit.integrations.apply import as_plan, hf_loss
+from memfit.integrations.apply import apply, as_plan, hf_loss
 from memfit.integrations.core import ERROR, MEASURED, PREDICTED
 from memfit.integrations.export import HF_CALLBACK_APPLIES, hf_unmapped_of, to_hf
 from memfit.memory.measure import PeakWindow
@@ -124,16 +114,24 @@ class MemfitCallback(TrainerCallback):
         self.peaks.predict(model, self.plan, example_batch=example, **step)
         self._inputs_bytes = core.storage_bytes(example(batch_size))
         if trainer is not None:
-            return memfit.apply(model, self.plan, **step)
+            return apply(model, self.plan, **step)
         model_side = {k: v for c in self.plan.techniques if c.technique.name in CALLBACK_APPLIES and not (
             c.technique.name == "checkpointing" and args.gradient_checkpointing) for k, v in c.values().items()}
-        self._contexts = memfit.apply(model, model_side, batch_size=batch_size, device=device).contexts
+        self._contexts = apply(model, model_side, batch_size=batch_size, device=device).contexts
         return None
 
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         if self.trainer is None and self.predicted_peak_bytes is None:
             self.setup(model, args, train_dataloader)
 
+    # NOTE [ Measuring inside a Trainer ]
+    # On a GPU: ``torch.cuda.max_memory_allocated`` over the step. On a CPU: what ``memfit profile``
+    # measures, every live byte at the step's peak from the profiler's allocator events. ``profile``
+    # starts its profiler before the model exists; a Trainer's model exists long before a step, so the
+    # storages live when the step begins (parameters, buffers, gradients, optimizer states, EMA, the
+    # batch, counted from the tensors) are added to the profiler's running peak over the step. The rest
+    # of the process (the dataset, a batch prefetched) is in neither number. The first step is never
+    # measured: the optimizer's states appear during it.
     def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._close(state, measured=False)  # (what a step that raised left open)
         self._stack = contextlib.ExitStack()

@@ -1,37 +1,4 @@
-"""Adapters that make a fake-tensor trace take the code path a real run takes.
-
-NOTE [ Libraries that branch on fake tensors ]
-Hugging Face transformers treats a ``FakeTensor`` as "tracing" (``is_tracing`` ->
-``is_fake_tensor``) and then takes the export-safe path, e.g. it materialises a [B, 1, T, T]
-attention mask that a real run skips. memfit's fake trace exists to predict the real run, so
-while it runs, transformers' fake-tensor detection answers False; data-dependent reads it then
-makes are answered by fake mode (constants) or listed as approximations. The patch is undone on
-exit and only touches transformers if it is already imported. A test fails loudly if the
-function moves.
-
-NOTE [ FSDP2's buffers ]
-FSDP2 gathers each block's parameters into unsharded buffers before its forward and backward, and
-reduce-scatters its gradients out of unsharded ones after its backward, inside its parameter
-groups' ``unshard`` / ``wait_for_unshard`` / ``post_backward``. What those allocate is booked as
-``communication`` (``fsdp_buffers``, on fake and real tensors alike); a sharded gradient that comes
-out of it is labelled a gradient after the step. The unsharded parameters are freed and allocated
-again by resizing their storages in place (``free_storage`` / ``alloc_storage``), which no
-dispatch mode sees: the tracker is shown each resize. A test fails loudly if these move.
-
-NOTE [ Module conversions on fake tensors ]
-``Module.to`` / ``_apply`` on a module of fake parameters swaps each parameter with its converted
-copy (``torch.utils.swap_tensors``), and the swap refuses any tensor with a weak reference.
-FakeTensorMode's converter memo holds one on every fake tensor made by ``Parameter(...)`` (a
-``detach``), so a plain ``Linear(4, 4).to("cpu")`` fails under fake mode ("_apply(): Couldn't
-swap Linear.weight"; pytorch#148977, #184976). PEFT moves every new adapter to its base layer's
-device with ``.to``, so no PEFT model could be built on fake tensors. While a fake trace runs,
-a swap of fake tensors first drops them from the converter's memo (a cache of real -> fake
-conversions: dropping an entry only costs a conversion later); every other swap is untouched.
-A test fails loudly if torch stops using ``torch.utils.swap_tensors`` here or fixes it.
-
-What a technique's own library needs on fake tensors is the technique's business
-(``Config.trace_context``, e.g. NOTE [ bitsandbytes tables on fake tensors ]).
-"""
+"""Adapters that make a fake-tensor trace take the code path a real run takes."""
 
 from __future__ import annotations
 
@@ -42,6 +9,14 @@ import weakref
 import torch
 
 
+# NOTE [ Libraries that branch on fake tensors ]
+# Hugging Face transformers treats a ``FakeTensor`` as "tracing" (``is_tracing`` ->
+# ``is_fake_tensor``) and then takes the export-safe path, e.g. it materialises a [B, 1, T, T]
+# attention mask that a real run skips. memfit's fake trace exists to predict the real run, so
+# while it runs, transformers' fake-tensor detection answers False; data-dependent reads it then
+# makes are answered by fake mode (constants) or listed as approximations. The patch is undone on
+# exit and only touches transformers if it is already imported. A test fails loudly if the
+# function moves.
 @contextlib.contextmanager
 def real_code_paths():
     with contextlib.ExitStack() as stack:
@@ -52,6 +27,19 @@ def real_code_paths():
         yield
 
 
+# NOTE [ Module conversions on fake tensors ]
+# ``Module.to`` / ``_apply`` on a module of fake parameters swaps each parameter with its converted
+# copy (``torch.utils.swap_tensors``), and the swap refuses any tensor with a weak reference.
+# FakeTensorMode's converter memo holds one on every fake tensor made by ``Parameter(...)`` (a
+# ``detach``), so a plain ``Linear(4, 4).to("cpu")`` fails under fake mode ("_apply(): Couldn't
+# swap Linear.weight"; pytorch#148977, #184976). PEFT moves every new adapter to its base layer's
+# device with ``.to``, so no PEFT model could be built on fake tensors. While a fake trace runs,
+# a swap of fake tensors first drops them from the converter's memo (a cache of real -> fake
+# conversions: dropping an entry only costs a conversion later); every other swap is untouched.
+# A test fails loudly if torch stops using ``torch.utils.swap_tensors`` here or fixes it.
+#
+# What a technique's own library needs on fake tensors is the technique's business
+# (``Config.trace_context``, e.g. NOTE [ bitsandbytes tables on fake tensors ]).
 def _fake_swappable(swap):
     """See NOTE [ Module conversions on fake tensors ]."""
     from torch._subclasses.fake_tensor import FakeTensor
@@ -79,6 +67,14 @@ def _same_tensor(t1, t2) -> bool:
 FSDP_BUFFER_METHODS = ("unshard", "wait_for_unshard", "post_backward")
 
 
+# NOTE [ FSDP2's buffers ]
+# FSDP2 gathers each block's parameters into unsharded buffers before its forward and backward, and
+# reduce-scatters its gradients out of unsharded ones after its backward, inside its parameter
+# groups' ``unshard`` / ``wait_for_unshard`` / ``post_backward``. What those allocate is booked as
+# ``communication`` (``fsdp_buffers``, on fake and real tensors alike); a sharded gradient that comes
+# out of it is labelled a gradient after the step. The unsharded parameters are freed and allocated
+# again by resizing their storages in place (``free_storage`` / ``alloc_storage``), which no
+# dispatch mode sees: the tracker is shown each resize. A test fails loudly if these move.
 @contextlib.contextmanager
 def fsdp_buffers(tracker, sharded: bool):
     """See NOTE [ FSDP2's buffers ] (``sharded``: the step uses FSDP2; else nothing is touched)."""

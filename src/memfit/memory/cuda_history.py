@@ -1,18 +1,4 @@
-"""Measuring one step on a CUDA GPU with the caching allocator's own counters and history.
-
-NOTE [ CUDA measurement ]
-On a GPU every tensor and every kernel workspace (cuBLAS, cuDNN, flash attention's scratch) is a
-block of PyTorch's caching allocator, so the allocator's statistics are the measurement: reset the
-peak statistics just before the steady-state step, and read ``max_memory_allocated`` (bytes in
-live blocks, what ``MemoryReport.peak_bytes`` predicts) and ``max_memory_reserved`` (bytes
-cudaMalloc'd into segments, what ``reserved_bytes`` predicts) just after it. The CUDA context and
-library handles live outside the allocator; ``total - free`` from ``mem_get_info`` shows them.
-
-The timeline comes from the allocator's history (``torch.cuda.memory._record_memory_history``),
-recorded over the same step: every alloc and free with its stack. Bytes are stacked by what held
-them: blocks from before the step (weights, states, gradients, the batch) and blocks allocated in
-forward, backward (autograd's device thread) or the optimizer, as the allocation's stack says.
-"""
+"""Measuring one step on a CUDA GPU with the caching allocator's own counters and history."""
 
 from __future__ import annotations
 
@@ -27,6 +13,18 @@ HISTORY_ENTRIES = 2_000_000
 PHASES = ("before the step", "forward", "backward", "optimizer")
 
 
+# NOTE [ CUDA measurement ]
+# On a GPU every tensor and every kernel workspace (cuBLAS, cuDNN, flash attention's scratch) is a
+# block of PyTorch's caching allocator, so the allocator's statistics are the measurement: reset the
+# peak statistics just before the steady-state step, and read ``max_memory_allocated`` (bytes in
+# live blocks, what ``MemoryReport.peak_bytes`` predicts) and ``max_memory_reserved`` (bytes
+# cudaMalloc'd into segments, what ``reserved_bytes`` predicts) just after it. The CUDA context and
+# library handles live outside the allocator; ``total - free`` from ``mem_get_info`` shows them.
+#
+# The timeline comes from the allocator's history (``torch.cuda.memory._record_memory_history``),
+# recorded over the same step: every alloc and free with its stack. Bytes are stacked by what held
+# them: blocks from before the step (weights, states, gradients, the batch) and blocks allocated in
+# forward, backward (autograd's device thread) or the optimizer, as the allocation's stack says.
 @dataclass
 class CudaStepMeasurement:
     allocated_peak_bytes: int = 0

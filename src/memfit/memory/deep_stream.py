@@ -5,45 +5,6 @@ exact, but not what the budget counts on a GPU: the caching allocator's *reserve
 on the order and sizes of every allocation and free (fragmentation), and a line through two
 shallow points misses them by 1-2.5 GiB on Llama-2-7B. Tracing the full depth to learn them costs
 6-12 s per plan there.
-
-NOTE [ Allocations at full depth ]
-The allocation stream of the step at depth ``e = d + p`` is the stream at depth ``d`` with one
-period's events inserted in a few stretches (a block's forward, its backward, its parameters,
-its optimizer states): a diff of the two streams finds them. An allocation's token is its size,
-stream, phase, step, op and, in the forward, its module with the block's index replaced by
-``#`` (so that a stretch cannot slide onto a module outside the blocks, the final norm). The
-stream at full depth ``L`` has each stretch ``n = (L - d) / p`` times in a row. Who frees what
-is carried over from the shallow stream ``e``:
-
-- an allocation made in a block's forward (its module's index gives the block) and freed in the
-  forward or backward: by the free of the same block. The copies of a stretch run up the blocks
-  (down in the backward); an event made once is beyond the copies by all but one of them when it
-  is past the stretch in its run. The allocation freed is the one of the same kind, at the same
-  place among those of its block, in the block the free belongs to at full depth. This holds
-  however the diff placed the stretches (the forward of one block and the backward of another;
-  a stretch that starts mid-block);
-- otherwise, a free and its allocation in the same stretch: the same copy; in two different
-  stretches: the same copy, or the mirror copy (``n - 1 - c``) when exactly one of the two
-  happens in the backward pass; a chain through the copies (a gradient made by a block's
-  backward and freed by the next one's): the allocation made once is freed by the first copy,
-  copy ``c``'s allocation by copy ``c + 1``, the last copy's by the free made once.
-
-Replayed through memfit.memory.allocator's caching-allocator model, the stream gives the full
-step's allocated peak and reserved bytes without a full trace. Where the two streams do not
-differ by insertions alone (outside the model's build, where the trace's own history may add or
-drop an allocation), or a free cannot be carried over, there is no stream (None), and the planner
-traces the full depth: a free whose place moves with depth (the autograd engine reaches a small
-cast gradient later in a deeper model, with a chunked loss and fp32 master weights), a cuBLAS
-workspace first made in a different block.
-
-``tests/unit/test_deep_stream.py`` holds it against full traces: the allocated peak and reserved
-bytes equal to the byte, and the step's events and who frees what equal, but in one plan where the
-optimizer's foreach steps order a few frees differently (the bytes equal). On Llama-2-7B the
-reserved bytes of six plans were the full traces' to the byte. The model's build differs (a
-shallow model is materialised from meta, the full one initialised), and no proof covers every
-model, so the planner only *rules out* plans on it, over the budget by more than the deep rung's
-margin (memfit.planner.candidate.Fidelity.DEEP), confirms its choice by a full trace, and checks the two against each other (memfit.planner.walk:
-a miss sends the plans it ruled out to full traces).
 """
 
 from __future__ import annotations
@@ -156,6 +117,44 @@ def _sorted_free_runs(stream: Stream) -> Stream:
     return Stream(tokens, frees, phases, blocks)
 
 
+# NOTE [ Allocations at full depth ]
+# The allocation stream of the step at depth ``e = d + p`` is the stream at depth ``d`` with one
+# period's events inserted in a few stretches (a block's forward, its backward, its parameters,
+# its optimizer states): a diff of the two streams finds them. An allocation's token is its size,
+# stream, phase, step, op and, in the forward, its module with the block's index replaced by
+# ``#`` (so that a stretch cannot slide onto a module outside the blocks, the final norm). The
+# stream at full depth ``L`` has each stretch ``n = (L - d) / p`` times in a row. Who frees what
+# is carried over from the shallow stream ``e``:
+#
+# - an allocation made in a block's forward (its module's index gives the block) and freed in the
+#   forward or backward: by the free of the same block. The copies of a stretch run up the blocks
+#   (down in the backward); an event made once is beyond the copies by all but one of them when it
+#   is past the stretch in its run. The allocation freed is the one of the same kind, at the same
+#   place among those of its block, in the block the free belongs to at full depth. This holds
+#   however the diff placed the stretches (the forward of one block and the backward of another;
+#   a stretch that starts mid-block);
+# - otherwise, a free and its allocation in the same stretch: the same copy; in two different
+#   stretches: the same copy, or the mirror copy (``n - 1 - c``) when exactly one of the two
+#   happens in the backward pass; a chain through the copies (a gradient made by a block's
+#   backward and freed by the next one's): the allocation made once is freed by the first copy,
+#   copy ``c``'s allocation by copy ``c + 1``, the last copy's by the free made once.
+#
+# Replayed through memfit.memory.allocator's caching-allocator model, the stream gives the full
+# step's allocated peak and reserved bytes without a full trace. Where the two streams do not
+# differ by insertions alone (outside the model's build, where the trace's own history may add or
+# drop an allocation), or a free cannot be carried over, there is no stream (None), and the planner
+# traces the full depth: a free whose place moves with depth (the autograd engine reaches a small
+# cast gradient later in a deeper model, with a chunked loss and fp32 master weights), a cuBLAS
+# workspace first made in a different block.
+#
+# ``tests/unit/test_deep_stream.py`` holds it against full traces: the allocated peak and reserved
+# bytes equal to the byte, and the step's events and who frees what equal, but in one plan where the
+# optimizer's foreach steps order a few frees differently (the bytes equal). On Llama-2-7B the
+# reserved bytes of six plans were the full traces' to the byte. The model's build differs (a
+# shallow model is materialised from meta, the full one initialised), and no proof covers every
+# model, so the planner only *rules out* plans on it, over the budget by more than the deep rung's
+# margin (memfit.planner.candidate.Fidelity.DEEP), confirms its choice by a full trace, and checks the two against each other (memfit.planner.ladder's
+# ``DeepRung``: a miss sends the plans it ruled out to full traces).
 def deepen(a: Stream, b: Stream, d: int, e: int, full: int) -> Stream | None:
     """The stream at ``full`` blocks from those at ``d`` and ``e`` blocks (see NOTE [ Allocations
     at full depth ]); None where they do not differ by inserted stretches."""

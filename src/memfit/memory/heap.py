@@ -1,22 +1,4 @@
-"""Garbage collection around a trace: collect only what the trace made.
-
-NOTE [ Frozen heap ]
-A step is traced with ``gc.collect()`` before each step, so that cycles left by the last step
-free their storages at a known point. With torch and transformers imported the heap holds about
-a million objects, and every full collection walks all of them (~0.15 s here); the automatic
-collections that the trace's own allocations trigger walk them too. None of those objects can be
-garbage the trace needs freed: the trace's storages are made after the trace starts. So the heap
-is frozen (``gc.freeze``: moved to a generation collections skip) once, after one full collection,
-and unfrozen when the trace ends; collections inside the trace then walk only the objects the
-trace made. What a collection frees is unchanged, except a cycle through an object that existed
-before the trace and became garbage inside it, which waits for the next collection after the
-trace (it holds no tracked storage). If the caller froze the heap already, it is left as it is.
-
-A measured (real) run collects once before freezing: garbage from before may hold real memory
-that the allocator and the process's resident size would still count. A fake trace skips that
-collection (another ~0.15 s): it tracks only storages made inside it, and the garbage it freezes
-is collected after the trace.
-"""
+"""Garbage collection around a trace: collect only what the trace made."""
 
 from __future__ import annotations
 
@@ -24,6 +6,22 @@ import contextlib
 import gc
 
 
+# NOTE [ Frozen heap ]
+# A step is traced with ``gc.collect()`` before each step, so that cycles left by the last step
+# free their storages at a known point. With torch and transformers imported the heap holds about
+# a million objects, and every full collection walks all of them (~0.15 s here); the automatic
+# collections that the trace's own allocations trigger walk them too. None of those objects can be
+# garbage the trace needs freed: the trace's storages are made after the trace starts. So the heap
+# is frozen (``gc.freeze``: moved to a generation collections skip) once, after one full collection,
+# and unfrozen when the trace ends; collections inside the trace then walk only the objects the
+# trace made. What a collection frees is unchanged, except a cycle through an object that existed
+# before the trace and became garbage inside it, which waits for the next collection after the
+# trace (it holds no tracked storage). If the caller froze the heap already, it is left as it is.
+#
+# A measured (real) run collects once before freezing: garbage from before may hold real memory
+# that the allocator and the process's resident size would still count. A fake trace skips that
+# collection (another ~0.15 s): it tracks only storages made inside it, and the garbage it freezes
+# is collected after the trace.
 @contextlib.contextmanager
 def frozen_heap(*, collect: bool = True):
     """Collect once (if ``collect``), then freeze the heap until the block ends (NOTE [ Frozen heap ])."""

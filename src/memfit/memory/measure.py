@@ -1,20 +1,4 @@
-"""profile: run the same TrainStep for real and measure its memory independently of the tracker.
-
-NOTE [ Independent measurement ]
-On a CPU the measured peak comes from the PyTorch profiler's allocator events
-(``profile_memory=True``): every allocation and free of PyTorch's CPU allocator, including kernel
-scratch memory that never reaches Python (oneDNN workspaces, sort buffers). The profiler runs from
-before the model is built, so the running sum of its events is the live bytes of everything
-memfit created; the peak is taken inside the steady-state step (a ``record_function`` range).
-On a CUDA GPU the measurement is the caching allocator's own (NOTE [ CUDA measurement ] in
-``memfit.memory.cuda_history``): peak statistics reset just before the steady-state step,
-``max_memory_allocated`` and ``max_memory_reserved`` read just after it, and compared with the
-predicted allocated peak and reserved bytes. The memory tracker runs too, on the real tensors,
-for the breakdown by category and module; the two are compared so a tracker blind spot shows up
-as a difference instead of hiding.
-
-Step time is the median over further steps with neither profiler nor tracker attached.
-"""
+"""profile: run the same TrainStep for real and measure its memory independently of the tracker."""
 
 from __future__ import annotations
 
@@ -205,6 +189,20 @@ def profile(workload: Workload | str, plan: Plan | str | None = None, *, batch_s
                          load_peak_bytes=load_peak)
 
 
+# NOTE [ Independent measurement ]
+# On a CPU the measured peak comes from the PyTorch profiler's allocator events
+# (``profile_memory=True``): every allocation and free of PyTorch's CPU allocator, including kernel
+# scratch memory that never reaches Python (oneDNN workspaces, sort buffers). The profiler runs from
+# before the model is built, so the running sum of its events is the live bytes of everything
+# memfit created; the peak is taken inside the steady-state step (a ``record_function`` range).
+# On a CUDA GPU the measurement is the caching allocator's own (NOTE [ CUDA measurement ] in
+# ``memfit.memory.cuda_history``): peak statistics reset just before the steady-state step,
+# ``max_memory_allocated`` and ``max_memory_reserved`` read just after it, and compared with the
+# predicted allocated peak and reserved bytes. The memory tracker runs too, on the real tensors,
+# for the breakdown by category and module; the two are compared so a tracker blind spot shows up
+# as a difference instead of hiding.
+#
+# Step time is the median over further steps with neither profiler nor tracker attached.
 def measured_cpu_run(target: Target):
     """Run the target's step for real on this CPU under the tracker and the profiler (see NOTE
     [ Independent measurement ]): the run, the profiler's peak of the steady-state step, and its

@@ -5,28 +5,6 @@ allocator made on a thread that carries the profiler's thread-local state: the P
 autograd's threads, and a collective backend's worker thread *while it runs a collective* (gloo
 hands the caller's thread-local state to the work it runs). The running sum of those events, from
 before the model was built, is the live bytes of everything memfit created.
-
-NOTE [ Frees the profiler does not see ]
-One kind of free escapes it: a block whose last reference a backend worker thread drops, after
-the collective's profiled range has closed. gloo's ``_reduce_scatter_base_`` clones its input on the
-calling thread and all-reduces the clone on its worker thread, which drops the clone when it
-releases the work object; a buffer the caller passed in (FSDP2's flat all-gather buffer) goes the
-same way whenever the caller has let go of it first, which depends on how the threads are
-scheduled. No free event is recorded, and the block's address is simply allocated again later. A
-running sum counts such a block until the end of the profile, so the measured peak of a 2-rank
-FSDP2 step on gloo came out 2-19% above the bytes that were live, varying from run to run.
-
-The measurement therefore pairs allocations with frees by address, and puts back the free of a
-block a collective held: one allocated inside a collective's call, or made for one and passed to it
-(``_BUFFER_ARGUMENT``: the profile records the collectives' arguments in a process group of several
-ranks). Such a block whose free
-was not recorded (its address came back, or it was never freed) is taken as freed when the
-collective was done with it: when its work on the worker thread ended (the first that started after
-the call), and for an all-gather when FSDP2's copy out of the gathered buffer that follows ended,
-which is when the calling thread lets go of it when the threads run in the other order. Any other
-block whose address came back without a free is taken as freed just before; any other block never
-freed may still be live and counts as live. One process's steps, with no collective, are measured
-exactly as by the running sum (test).
 """
 
 from __future__ import annotations
@@ -115,6 +93,27 @@ def _walk(node, call: tuple | None, into: _Profile) -> None:
         _walk(child, call, into)
 
 
+# NOTE [ Frees the profiler does not see ]
+# One kind of free escapes it: a block whose last reference a backend worker thread drops, after
+# the collective's profiled range has closed. gloo's ``_reduce_scatter_base_`` clones its input on the
+# calling thread and all-reduces the clone on its worker thread, which drops the clone when it
+# releases the work object; a buffer the caller passed in (FSDP2's flat all-gather buffer) goes the
+# same way whenever the caller has let go of it first, which depends on how the threads are
+# scheduled. No free event is recorded, and the block's address is simply allocated again later. A
+# running sum counts such a block until the end of the profile, so the measured peak of a 2-rank
+# FSDP2 step on gloo came out 2-19% above the bytes that were live, varying from run to run.
+#
+# The measurement therefore pairs allocations with frees by address, and puts back the free of a
+# block a collective held: one allocated inside a collective's call, or made for one and passed to it
+# (``_BUFFER_ARGUMENT``: the profile records the collectives' arguments in a process group of several
+# ranks). Such a block whose free
+# was not recorded (its address came back, or it was never freed) is taken as freed when the
+# collective was done with it: when its work on the worker thread ended (the first that started after
+# the call), and for an all-gather when FSDP2's copy out of the gathered buffer that follows ended,
+# which is when the calling thread lets go of it when the threads run in the other order. Any other
+# block whose address came back without a free is taken as freed just before; any other block never
+# freed may still be live and counts as live. One process's steps, with no collective, are measured
+# exactly as by the running sum (test).
 def allocator_events(prof) -> list[tuple[int, int]]:
     """(time in ns, +bytes | -bytes) of every CPU allocation and free, sorted by time, with the frees
     the profiler missed put back (NOTE [ Frees the profiler does not see ]). Needs a profile taken

@@ -19,21 +19,6 @@ A trace has no Python stacks: each allocation gets three frames, innermost first
 (``step:2:backward``). Parameters, their gradients and optimizer states are made outside any
 module's forward: they are named by the parameter (``GPT2LMHeadModel.lm_head.weight.exp_avg``).
 Trace entries carry the category too: the timeline is coloured by category.
-
-NOTE [ Snapshot sizes are block sizes ]
-A CUDA trace's ``alloc`` entry carries the requested bytes; memfit's carry the block's bytes (the
-request rounded up, plus an unsplit remainder): what ``memory_allocated`` counts and
-``MemoryReport.peak_bytes`` predicts, so the timeline's top is the predicted peak. The requested
-bytes are each live block's ``requested_size``. Only the device's memory is in the snapshot, as in
-``peak_bytes``: offloaded (host) tensors are not.
-
-NOTE [ memory_viz's loader ]
-The viewer (torch/utils/viz/MemoryViz.js) unpickles with its own reader, which knows protocols 2-4
-and the opcodes of dicts, lists, tuples, str, int, float, bool and None: the snapshot holds nothing
-else and is written with protocol 4. It puts a block at its segment's address plus the sizes of the
-blocks before it, so a segment's blocks tile it in address order, free ones included. A trace with
-categories must also name the category ``unknown`` (else the viewer fails on a misspelt name); the
-closing ``snapshot`` entry does.
 """
 
 from __future__ import annotations
@@ -60,6 +45,12 @@ SEGMENT_ALIGNMENT = 2 << 20
 CPU_ALIGNMENT = 64
 
 
+# NOTE [ Snapshot sizes are block sizes ]
+# A CUDA trace's ``alloc`` entry carries the requested bytes; memfit's carry the block's bytes (the
+# request rounded up, plus an unsplit remainder): what ``memory_allocated`` counts and
+# ``MemoryReport.peak_bytes`` predicts, so the timeline's top is the predicted peak. The requested
+# bytes are each live block's ``requested_size``. Only the device's memory is in the snapshot, as in
+# ``peak_bytes``: offloaded (host) tensors are not.
 def check_snapshot_path(path: str | Path) -> Path:
     """Fail before the work if ``path`` cannot be written (the one-line error names the fix)."""
     return check_output_file(path, "--snapshot", example="snapshot.pickle", suffixes=SUFFIXES)
@@ -114,6 +105,13 @@ def tensor_names(run) -> dict[int, str]:
     return names
 
 
+# NOTE [ memory_viz's loader ]
+# The viewer (torch/utils/viz/MemoryViz.js) unpickles with its own reader, which knows protocols 2-4
+# and the opcodes of dicts, lists, tuples, str, int, float, bool and None: the snapshot holds nothing
+# else and is written with protocol 4. It puts a block at its segment's address plus the sizes of the
+# blocks before it, so a segment's blocks tile it in address order, free ones included. A trace with
+# categories must also name the category ``unknown`` (else the viewer fails on a misspelt name); the
+# closing ``snapshot`` entry does.
 def write_snapshot(snapshot: dict[str, Any], path: str | Path) -> Path:
     """Pickle ``snapshot`` to ``path`` the way memory_viz reads it (see NOTE [ memory_viz's loader ])."""
     path = Path(path)

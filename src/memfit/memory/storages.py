@@ -14,18 +14,6 @@ reference would keep every tensor of the step alive, changing the very memory be
 ``weakref.ref`` holds nothing, and its callback runs the moment the storage is deallocated,
 which is exactly the free. Views, ``.detach()`` and ``.data`` keep the storage alive, so the
 free is booked when the last tensor on the storage goes, as the allocator sees it.
-
-NOTE [ Resized storages ]
-A storage seen again may have changed size in place (``resize_``, an ``out=`` op that grew its
-output): same key, new ``nbytes``. It is booked as a free of the old size followed by an
-allocation of the new one; the weak reference of the old size is dropped, so only the latest one
-reports the free.
-
-NOTE [ Host placement ]
-Techniques that copy tensors to host memory (offload, EMA on the host) report them through
-:meth:`LiveStorages.host`. A live storage's owner is told through ``hosted``; a storage placed on
-the host before it was seen, or resized there, is handed to ``allocated`` with ``on_host=True``.
-The placement is remembered (weakly) for as long as the storage lives.
 """
 
 from __future__ import annotations
@@ -50,6 +38,17 @@ class _StorageRef(weakref.ref):
     __slots__ = ("key", "nbytes")
 
 
+# NOTE [ Resized storages ]
+# A storage seen again may have changed size in place (``resize_``, an ``out=`` op that grew its
+# output): same key, new ``nbytes``. It is booked as a free of the old size followed by an
+# allocation of the new one; the weak reference of the old size is dropped, so only the latest one
+# reports the free.
+#
+# NOTE [ Host placement ]
+# Techniques that copy tensors to host memory (offload, EMA on the host) report them through
+# :meth:`LiveStorages.host`. A live storage's owner is told through ``hosted``; a storage placed on
+# the host before it was seen, or resized there, is handed to ``allocated`` with ``on_host=True``.
+# The placement is remembered (weakly) for as long as the storage lives.
 class LiveStorages:
     """The live storages a dispatch mode has seen, by weak reference, each with its owner's token.
 

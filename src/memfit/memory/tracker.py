@@ -4,18 +4,6 @@ A ``TorchDispatchMode`` sees every ATen op below autograd, forward and backward 
 tensors (prediction) and real tensors (measurement). Each new storage an op returns is recorded;
 ``memfit.memory.storages.LiveStorages`` follows it by weak reference and reports its free, so the
 tracker holds no memory itself.
-
-NOTE [ Categories are decided late ]
-A storage's category is often known only after it was allocated: a backward result becomes a
-gradient when AccumulateGrad keeps it, a forward result is an activation only if it outlives the
-forward pass. Records keep the phase and module they were born in; explicit labels
-(``label(tensors, category)``: parameters, inputs, gradients, optimizer states) are applied when
-the step reaches the point where they are known; :meth:`category_of` resolves the rest by phase.
-
-NOTE [ What a storage tracker cannot see ]
-Kernels may allocate scratch memory inside one op (oneDNN/cuDNN workspaces, sort buffers); it
-never reaches Python. ``memfit.memory.workspaces`` adds a per-op rule for the known cases, as a
-transient record around the op.
 """
 
 from __future__ import annotations
@@ -36,6 +24,10 @@ from memfit.memory.storages import LiveStorages
 aten = torch.ops.aten
 
 
+# NOTE [ What a storage tracker cannot see ]
+# Kernels may allocate scratch memory inside one op (oneDNN/cuDNN workspaces, sort buffers); it
+# never reaches Python. ``memfit.memory.workspaces`` adds a per-op rule for the known cases, as a
+# transient record around the op.
 @dataclass
 class StorageRecord:
     serial: int
@@ -146,6 +138,12 @@ class MemoryTracker(TorchDispatchMode):
         """These tensors live in host memory (see memfit.techniques.placement)."""
         self.storages.host(tensors)
 
+    # NOTE [ Categories are decided late ]
+    # A storage's category is often known only after it was allocated: a backward result becomes a
+    # gradient when AccumulateGrad keeps it, a forward result is an activation only if it outlives the
+    # forward pass. Records keep the phase and module they were born in; explicit labels
+    # (``label(tensors, category)``: parameters, inputs, gradients, optimizer states) are applied when
+    # the step reaches the point where they are known; :meth:`category_of` resolves the rest by phase.
     def category_of(self, rec: StorageRecord) -> str:
         """See NOTE [ Categories are decided late ]."""
         if rec.label is not None:
@@ -238,13 +236,16 @@ class MemoryTracker(TorchDispatchMode):
     def _module(self) -> str:
         return self._modules.current()
 
+    # NOTE [ Assumed scalars ]
+    # A value fake mode cannot know is assumed to be the common case of a check: ``.all()`` True,
+    # ``.any()`` False, ``torch.equal`` True, anything else 0 (e.g. GradScaler's found_inf: no
+    # overflow), and a count of a boolean mask (``mask.sum()``, ``count_nonzero``) a full mask, as
+    # ``.all()`` is: every element counted (e.g. the caption lengths of a text-conditioned DiT from
+    # its attention mask; a synthetic batch's masks are full). Every assumption is listed in the
+    # report.
     def _assume(self, func, args):
-        """NOTE [ Assumed scalars ]: a value fake mode cannot know is assumed to be the common
-        case of a check: ``.all()`` True, ``.any()`` False, ``torch.equal`` True, anything else 0
-        (e.g. GradScaler's found_inf: no overflow), and a count of a boolean mask (``mask.sum()``,
-        ``count_nonzero``) a full mask, as ``.all()`` is: every element counted (e.g. the caption
-        lengths of a text-conditioned DiT from its attention mask; a synthetic batch's masks are
-        full). Every assumption is listed in the report."""
+        """The value assumed for a scalar fake mode cannot know, listed in the report (NOTE [ Assumed
+        scalars ])."""
         origin = self._check_origin.get(_key(args[0])) if func is not aten.equal.default else None
         count = self._mask_counts.get(_key(args[0])) if origin in _COUNT_OPS else None
         if func is aten.equal.default:
@@ -270,15 +271,15 @@ class MemoryTracker(TorchDispatchMode):
             self.approximations[key] = Approximation(what=what, where=where)
 
 
+# NOTE [ Instrumentation must not keep tensors alive ]
+# Torch.utils.module_tracker.ModuleTracker also follows backward by registering hooks on tensors;
+# under activation checkpointing those hooks are registered again on recomputed tensors and keep them
+# alive until backward ends, which changes the very peak being measured (+30% on a checkpointed MLP).
+# Forward hooks hold no tensors. Backward allocations are attributed to the module that was last
+# running forward when recomputing, else to "backward".
 class ModuleStack:
-    """The module whose forward is running (its qualified name), from global forward hooks.
-
-    NOTE [ Instrumentation must not keep tensors alive ]: torch.utils.module_tracker.ModuleTracker
-    also follows backward by registering hooks on tensors; under activation checkpointing those
-    hooks are registered again on recomputed tensors and keep them alive until backward ends,
-    which changes the very peak being measured (+30% on a checkpointed MLP). Forward hooks hold
-    no tensors. Backward allocations are attributed to the module that was last running forward
-    when recomputing, else to "backward".
+    """The module whose forward is running (its qualified name), from global forward hooks only
+    (NOTE [ Instrumentation must not keep tensors alive ]).
     """
 
     def __init__(self) -> None:

@@ -11,30 +11,6 @@ session that records the CPU allocator. Scratch = peak live bytes inside the op 
 still held at its end (its outputs). Results are cached by signature, so a model with 32 identical
 layers probes each kernel shape once. Kernels whose tensors exceed ``max_bytes`` are not probed
 and are listed as an approximation.
-
-NOTE [ Probes never run full-size work ]
-A probe's cost is its kernel's work on this CPU, which varies by a factor of 100 between CPUs: a
-bf16 matmul is native with AVX-512 bf16 and emulated (0.1-4 GFLOP/s) with AVX2 only. Each probe
-is therefore priced before it runs: its FLOPs (``torch.utils.flop_counter``'s formulas) against a
-budget fixed by the CPU's features for the dtype (:func:`flop_budget`; never timed, so a busy
-machine cannot change a prediction). A call over budget is probed at smaller shapes: matmuls
-shrink M, K, N (and the batch of ``bmm``), convolutions their batch, and the scratch is
-extrapolated multi-linearly from two sizes per shrunk dimension. That is exact when scratch is a
-sum of packing/accumulation buffers, each proportional to a product of those dimensions (A: M*K,
-B: K*N, C: M*N), which is how oneDNN and MKL size them; such calls are listed in the report as
-scaled. A call that cannot be made cheap enough is not probed and is listed as not counted.
-
-GPU presets get no probes: their kernels (cuBLAS, cuDNN, flash attention) cannot run here.
-
-NOTE [ gloo's collective scratch ]
-A sharded rank on a CPU talks through gloo, whose collectives cannot be probed (they need the
-other ranks), so their scratch is booked by rule, measured on 2-rank FSDP2 runs here (profiler
-allocator events, ``bench/sharding_cpu.py``): ``_allgather_base_`` gathers into a flat buffer the
-size of its output and copies that out, and ``_reduce_scatter_base_`` all-reduces a clone of its
-whole input before copying the caller's shard out. Each is booked as scratch of the call; the
-reduce-scatter's clone really lives until gloo's worker thread finishes the all-reduce, a
-millisecond or two after the call returns, while the caller goes on. NCCL's buffers are its own
-(outside PyTorch's allocator), and GPU presets get no probes, so they book none.
 """
 
 from __future__ import annotations
@@ -88,6 +64,15 @@ def _gloo_scratch():
             c10d._reduce_scatter_base_.default: 1}  # the input: a clone of it
 
 
+# NOTE [ gloo's collective scratch ]
+# A sharded rank on a CPU talks through gloo, whose collectives cannot be probed (they need the
+# other ranks), so their scratch is booked by rule, measured on 2-rank FSDP2 runs here (profiler
+# allocator events, ``bench/sharding_cpu.py``): ``_allgather_base_`` gathers into a flat buffer the
+# size of its output and copies that out, and ``_reduce_scatter_base_`` all-reduces a clone of its
+# whole input before copying the caller's shard out. Each is booked as scratch of the call; the
+# reduce-scatter's clone really lives until gloo's worker thread finishes the all-reduce, a
+# millisecond or two after the call returns, while the caller goes on. NCCL's buffers are its own
+# (outside PyTorch's allocator), and GPU presets get no probes, so they book none.
 GLOO_SCRATCH = _gloo_scratch()
 """Collectives with scratch on gloo (NOTE [ gloo's collective scratch ]): the argument whose bytes
 it is."""
@@ -98,6 +83,19 @@ def is_custom_op(func) -> bool:
 RANGE = "memfit::probe"
 
 
+# NOTE [ Probes never run full-size work ]
+# A probe's cost is its kernel's work on this CPU, which varies by a factor of 100 between CPUs: a
+# bf16 matmul is native with AVX-512 bf16 and emulated (0.1-4 GFLOP/s) with AVX2 only. Each probe
+# is therefore priced before it runs: its FLOPs (``torch.utils.flop_counter``'s formulas) against a
+# budget fixed by the CPU's features for the dtype (:func:`flop_budget`; never timed, so a busy
+# machine cannot change a prediction). A call over budget is probed at smaller shapes: matmuls
+# shrink M, K, N (and the batch of ``bmm``), convolutions their batch, and the scratch is
+# extrapolated multi-linearly from two sizes per shrunk dimension. That is exact when scratch is a
+# sum of packing/accumulation buffers, each proportional to a product of those dimensions (A: M*K,
+# B: K*N, C: M*N), which is how oneDNN and MKL size them; such calls are listed in the report as
+# scaled. A call that cannot be made cheap enough is not probed and is listed as not counted.
+#
+# GPU presets get no probes: their kernels (cuBLAS, cuDNN, flash attention) cannot run here.
 @dataclass(frozen=True)
 class ProbeResult:
     scratch_bytes: int

@@ -7,11 +7,6 @@ depth (the reserved bytes, tenths of a second more), a full fake trace (the rese
 ``memfit estimate`` reports them, seconds to minutes on a large model). A cheap rung rules a plan
 out only when its figure is over the budget by more than the rung's own error (its
 :attr:`Fidelity.margin`); only the top rung lets a plan be chosen.
-
-NOTE [ Candidate status ]
-A candidate's :class:`Status` changes only through :class:`Candidate`'s methods, so every
-change sets its reason too; the planner never compares a status with a string (the architecture
-test checks it). ``Status`` is a ``str`` enum: the JSON and the report see the same words.
 """
 
 from __future__ import annotations
@@ -22,6 +17,10 @@ from dataclasses import dataclass
 from memfit.plans import Plan
 
 
+# NOTE [ Candidate status ]
+# A candidate's :class:`Status` changes only through :class:`Candidate`'s methods, so every
+# change sets its reason too; the planner never compares a status with a string (the architecture
+# test checks it). ``Status`` is a ``str`` enum: the JSON and the report see the same words.
 class Status(enum.StrEnum):
     NOT_EVALUATED = "not evaluated"
     CHOSEN = "chosen"

@@ -24,10 +24,8 @@ from dataclasses import dataclass, field
 
 from memfit.devices import available_host_bytes
 from memfit.errors import TraceError, UserError
-from memfit.memory.budget import Budget
 from memfit.memory.estimate import estimate_target
 from memfit.planner.candidate import Evidence, Fidelity
-from memfit.planner.ladder import FakeTrace, Ladder
 from memfit.planner.progress import NoProgress
 from memfit.planner.space import SearchSpace
 from memfit.planner.time_model import StepTimeModel, factor_estimate
@@ -64,9 +62,6 @@ class TimeModel(StepTimeModel):
 
     def is_estimate(self, plan: Plan) -> bool:
         return False  # (final: each factor was measured here)
-
-    def ladder(self, target: Target, budget: Budget) -> Ladder:
-        return Ladder(FakeTrace(target, budget))
 
     def warmup(self, plan: Plan) -> float:
         """One-time seconds before ``plan``'s first step (compiling); the values' own, added."""
@@ -134,6 +129,12 @@ MICRO_BATCH_OVERHEAD = 0.03
 """For slow steps: each extra micro-batch costs this fraction of the step (launches, small matmuls)."""
 
 
+# NOTE [ Real steps that fit this machine ]
+# The plain step is timed here only at a batch whose predicted peak (a fake trace) fits ``HOST_SHARE``
+# of this machine's free memory: GPT-2 at batch 8 x 1024 needs 28 GiB in fp32, and the OS killed the
+# planner. Where the whole batch does not fit, the plain step is timed at the largest micro-batch size
+# of the space that does, its time scaled to the whole batch (a CPU step's time grows with the tokens
+# it computes), and the factors are measured as for slow steps, at the smallest micro-batch size.
 def calibrate(target: Target, space: SearchSpace, steps: int = 2, progress=None) -> TimeModel:
     """Measure the base plan and each technique value alone (``target``'s workload, batch and
     device). When a step is slow (> 2 s), the technique factors are measured at the smallest
@@ -144,14 +145,7 @@ def calibrate(target: Target, space: SearchSpace, steps: int = 2, progress=None)
     with the first other value of the space that lets it run, against that value alone
     (:func:`_alone`). A value that ``warms_up`` (compiles) has its warm-up measured: the first
     step's extra time beyond its reference's (in this process: a region compiled before is served
-    from torch.compile's caches).
-
-    NOTE [ Real steps that fit this machine ]: the plain step is timed here only at a batch whose
-    predicted peak (a fake trace) fits ``HOST_SHARE`` of this machine's free memory: GPT-2 at
-    batch 8 x 1024 needs 28 GiB in fp32, and the OS killed the planner. Where the whole batch does
-    not fit, the plain step is timed at the largest micro-batch size of the space that does, its
-    time scaled to the whole batch (a CPU step's time grows with the tokens it computes), and the
-    factors are measured as for slow steps, at the smallest micro-batch size."""
+    from torch.compile's caches)."""
     t0 = time.perf_counter()
     progress = progress or NoProgress()
     batch_size = target.batch_size

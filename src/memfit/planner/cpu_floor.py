@@ -1,41 +1,4 @@
-"""A floor under a GPU-preset plan's estimated step time: the CPU's time to issue its ops.
-
-NOTE [ The CPU's floor under an estimate ]
-An unmeasured plan's time is estimated as a measured part's time times the ratio each added value
-had alone (memfit.planner.time_model). A ratio is of the whole step, which a small model's base
-spends mostly waiting on the GPU: GPT-2 (124M, bf16-pure, batch 8 x 1024) on the h100-80gb preset
-takes 42.4 ms, of which the CPU issues its ops in 21.1 ms. A value that adds launches (selective
-checkpointing: +40.5 ms of CPU alone, x1.29 on the step) is cheap alone, and a plan that also splits
-the batch issues its forward and backward once per micro-batch: the CPU then sets the pace, and the
-ratios' product errs low by up to 2x (``mb4 ckpt=selective adamwfp8-ao chunks=8``: 62.9 ms
-estimated, 116.9 ms measured). At a 2 GiB budget the walk measured 14 such plans (28 traces) only
-to find them slower than the plan it chose.
-
-So an estimate is at least the CPU's floor, what the plan's ops cost the CPU, from parts measured
-alone (the same per-op CPU costs as the time model's: memfit.planner.timing):
-
-- the step of the plan's precision alone, its forward and backward once more per extra micro-batch;
-- each added value's extra CPU seconds alone, once per micro-batch (recomputed blocks, loss chunks
-  and offloaded activations run in every micro-batch's forward and backward), scaled to the
-  precision's step where it was measured against another (fewer cast ops in a bf16-pure forward
-  leave fewer to recompute);
-- of values that may share their work, only the largest extra: on the optimizer's side (the
-  optimizer, its step in backward, offloaded states; counted once: the update runs once), where a
-  per-parameter update in backward runs the per-parameter updates a low-bit optimizer runs anyway;
-  and of checkpointing and offloaded activations (checkpointed blocks leave fewer tensors to
-  offload: ``ckpt=blocks adamw4bit-ao inbw off=activations chunks=8`` came out 2% under the sum).
-
-The sum is an approximation of the combination's CPU work, so ``FLOOR_SHARE`` (95%) of it is the
-floor: on the 33 plans of that walk the sum came within 1-3% under the measured time, never over.
-GPT-2 at 2 GiB then takes 93 traces instead of 100, with the same choice, and no less time: most
-plans the floor spares were measured alongside another, on a worker that would have waited
-(NOTE [ The next plan measured alongside ] in memfit.planner.walk).
-
-A value that saves CPU time alone (fewer ops) lowers the floor by its saving in every
-micro-batch: a floor must not err high. Compiled plans have no floor (a compiled region issues fused kernels),
-nor do plans that step the optimizer on the host (its worker thread's clock is not the issuing
-CPU's), nor sharded ones.
-"""
+"""A floor under a GPU-preset plan's estimated step time: the CPU's time to issue its ops."""
 
 from __future__ import annotations
 
@@ -63,6 +26,30 @@ def overlap_group(key: tuple[str, object]) -> str:
     return "saved" if name in SAVED else name
 
 
+# NOTE [ The CPU's floor under an estimate ]
+# An unmeasured plan's time is estimated as a measured part's time times the ratio each added value
+# had alone (memfit.planner.time_model). A ratio is of the whole step, which a small model's base
+# spends mostly waiting on the GPU, so a value that adds launches is cheap alone; a plan that also
+# splits the batch issues its forward and backward once per micro-batch, the CPU then sets the pace,
+# and the ratios' product errs low. So an estimate is at least the CPU's floor, what the plan's ops
+# cost the CPU, from parts measured alone (the same per-op CPU costs as the time model's:
+# memfit.planner.timing):
+#
+# - the step of the plan's precision alone, its forward and backward once more per extra micro-batch;
+# - each added value's extra CPU seconds alone, once per micro-batch (recomputed blocks, loss chunks
+#   and offloaded activations run in every micro-batch's forward and backward), scaled to the
+#   precision's step where it was measured against another (fewer cast ops in a bf16-pure forward
+#   leave fewer to recompute);
+# - of values that may share their work, only the largest extra: on the optimizer's side (the
+#   optimizer, its step in backward, offloaded states; counted once: the update runs once), where a
+#   per-parameter update in backward runs the per-parameter updates a low-bit optimizer runs anyway;
+#   and of checkpointing and offloaded activations (checkpointed blocks leave fewer tensors to offload).
+#
+# The sum approximates the combination's CPU work, so ``FLOOR_SHARE`` of it is the floor. A value
+# that saves CPU time alone (fewer ops) lowers the floor by its saving in every micro-batch: a floor
+# must not err high. Compiled plans have no floor (a compiled region issues fused kernels), nor do
+# plans that step the optimizer on the host (its worker thread's clock is not the issuing CPU's), nor
+# sharded ones. Measured: docs/planner-notes.md.
 def cpu_floor(ref_cpu: float, ref_forward_backward: float, micro_batches: int,
               extras: Iterable[tuple[tuple[str, object], float, float]]) -> float:
     """Seconds the CPU at least spends issuing a plan's step (NOTE [ The CPU's floor under an

@@ -1,36 +1,35 @@
 """The evidence ladder: the evaluators the search climbs to learn what a plan needs.
 
 Each rung is an :class:`Evaluator`: a plan in, frozen :class:`~memfit.planner.candidate.Evidence`
-out (bytes, time, fidelity), or None where the rung has nothing to say about that plan. Cheap
-rungs rule plans out; only the top rung (a full fake trace of the plan's own step, what
-``memfit estimate`` reports) lets one be chosen. The search (memfit.planner.walk) is the same
-for every ladder; which rungs exist is the time model's business:
+out (bytes and fidelity), or None where the rung has nothing to say about that plan. Cheap rungs
+rule plans out; only the top rung (a full fake trace of the plan's own step, what ``memfit
+estimate`` reports) lets one be chosen. The search (memfit.planner.walk) is the same for every
+ladder; which rungs exist is the device's business (memfit.planner.search builds the ladder beside
+the time model):
 
 - **CPU** (:class:`Ladder`): one rung, :class:`FakeTrace`. Times come from real runs of each
   technique value (memfit.planner.cost's ``MeasuredRun``), final before the walk starts.
-- **GPU presets** (:class:`GpuLadder`, over memfit.planner.gpu_time's model): ``Estimate`` (the
-  default's footprint plus each value's saving alone; no trace), ``ShallowTrace`` (a 2- and
-  3-block trace pair extrapolated: an allocated lower bound, and the plan's own time),
-  ``DeepStream`` (the pair's allocations replayed at full depth: the reserved bytes,
-  memfit.memory.deep_stream), ``FullTrace`` (confirms the plan chosen).
+- **GPU presets** (memfit.planner.gpu_ladder's ``GpuLadder``, over memfit.planner.traces' book):
+  an estimate (no trace), a shallow trace pair (an allocated lower bound), the deep stream (the
+  pair's allocations replayed at full depth: the reserved bytes) and the full trace.
 
 A rung rules a plan out when its figure is over the budget by more than its fidelity's margin
-(:meth:`~memfit.planner.candidate.Fidelity.over`).
+(:meth:`~memfit.planner.candidate.Fidelity.over`). A :class:`DeepRung` rules plans out short of the
+top rung, so it is checked against the top rung before a plan is chosen, and distrusted when it missed.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
+from memfit.errors import UserError
 from memfit.memory.budget import Budget
 from memfit.memory.estimate import estimate_target
-from memfit.planner.candidate import Evidence, Fidelity
+from memfit.planner.candidate import Candidate, Evidence, Fidelity
 from memfit.plans import Plan
 from memfit.quiet import silenced_warnings
 from memfit.target import Target
-
-if TYPE_CHECKING:
-    from memfit.planner.gpu_time import GpuStepModel, Measured
+from memfit.units import fmt_bytes
 
 
 class Evaluator(Protocol):
@@ -65,7 +64,7 @@ class Ladder:
     is the first rung and the last, with no estimate and no deep stream."""
 
     estimate: Evaluator | None = None
-    deep: Evaluator | None = None
+    deep: DeepRung | None = None
     spare_workers = 0
     """Workers idle while the top rung runs (they run the next plans' top rungs alongside)."""
 
@@ -112,108 +111,103 @@ class Ladder:
         ``skip_over``: a plan that its first trace shows over the budget is not traced further (its
         evidence: that trace's lower bound)."""
 
-    def full_and_deep(self) -> list[tuple[int, int]]:
-        """(full trace's, deep stream's) bytes of every plan that has both: the check of the deep
-        rung against the top one."""
-        if self.deep is None:
-            return []
+
+class DeepRung:
+    """A rung between the first and the top one that rules plans out without their full trace (the
+    GPU presets' deep stream), and what it ruled out: it is trusted until a full trace shows it
+    missed (NOTE [ Deep stream checked ])."""
+
+    fidelity = Fidelity.DEEP
+
+    def __init__(self) -> None:
+        self.trusted = True
+        self.rejected: list[Candidate] = []
+        """Plans this rung ruled out, not yet confirmed by their full traces."""
+
+    def evaluate(self, plan: Plan) -> Evidence | None:
+        raise NotImplementedError
+
+    def rules_out(self, plan: Plan, ladder: Ladder, budget_bytes: int) -> Evidence | None:
+        """This rung's evidence that ``plan`` is over the budget (None: it says nothing, is not
+        trusted, or the plan's full trace is at hand and decides)."""
+        if not self.trusted or ladder.has_full_trace(plan):
+            return None
+        evidence = self.evaluate(plan)
+        return evidence if evidence is not None and evidence.over(budget_bytes) else None
+
+    def checked(self, ladder: Ladder) -> list[tuple[int, int]]:
+        """(full trace's, this rung's) bytes of every plan that has both: its check against the top rung."""
         pairs = []
-        for plan, evidence in self.full_evidence():
-            deep = self.deep.evaluate(plan)
+        for plan, evidence in ladder.full_evidence():
+            deep = self.evaluate(plan)
             if deep is not None:
                 pairs.append((evidence.used_bytes, deep.used_bytes))
         return pairs
 
+    # NOTE [ A full trace for the deep rung's check, alongside ]
+    # A plan the deep rung ruled out whose full trace fits is a miss too. And "nothing to check against"
+    # is common: the deep stream has no figure for some plans (a free it cannot carry over), so when such
+    # a plan comes to be chosen, the plans the rung ruled out would be traced in full after it. So where
+    # nothing is at hand to check the rung against, a worker the confirmation leaves idle traces a plan it
+    # ruled out, in full: when that one agrees, the rung stands, and it was checked on a plan it ruled
+    # out. Measured: docs/planner-notes.md.
+    def to_check_alongside(self, ladder: Ladder) -> Plan | None:
+        """A plan this rung ruled out, to trace in full beside a confirmation, where nothing is at hand
+        to check the rung against (None: something is, or nothing to check)."""
+        if self.rejected and self.trusted and not self.checked(ladder) \
+                and not any(ladder.has_full_trace(x.plan) for x in self.rejected):
+            return self.rejected[0].plan
+        return None
 
-# -- the GPU presets' rungs, over memfit.planner.gpu_time.GpuStepModel ------------------------------
-def _of(m: Measured) -> Evidence:
-    if m.full:
-        return Evidence(Fidelity.FULL, used_bytes=m.used_bytes, peak_bytes=m.peak_bytes, seconds=m.seconds)
-    return Evidence(Fidelity.LOWER_BOUND, used_bytes=m.used_lower, peak_bytes=m.peak_bytes, seconds=m.seconds)
-
-
-class Estimate:
-    fidelity = Fidelity.ESTIMATE
-
-    def __init__(self, model: GpuStepModel) -> None:
-        self.model = model
-
-    def evaluate(self, plan: Plan) -> Evidence | None:
-        if self.model.is_measured(plan):
+    # NOTE [ Deep stream checked ]
+    # Plans ruled out by the deep stream (reserved bytes from shallow allocations, not a full trace)
+    # are held against every full trace at hand when a plan is about to be chosen: a miss by more than
+    # ``Fidelity.DEEP``'s margin, or nothing to check against, puts them back into the queue (with the
+    # plans pruned for them) and the walk goes on without trusting that rung.
+    def disagreement(self, ladder: Ladder, budget_bytes: int) -> str | None:
+        """Why the plans this rung ruled out are to be traced instead (it missed a full trace at hand
+        by more than its margin, or had none to be checked against); None: it agrees."""
+        if not self.rejected or not self.trusted:
             return None
-        return Evidence(Fidelity.ESTIMATE, used_bytes=self.model.estimated_used(plan))
+        fitting = []  # (ruled out, and fits by its full trace)
+        for c in self.rejected:  # (traced alongside: NOTE [ A full trace for the deep rung's check, alongside ])
+            if ladder.has_full_trace(c.plan):
+                try:
+                    with silenced_warnings():
+                        full = ladder.full.evaluate(c.plan)  # (no new trace)
+                except UserError:
+                    continue
+                if full.used_bytes <= budget_bytes:
+                    fitting.append((full.used_bytes, c.used_bytes))
+        margin = Fidelity.DEEP.margin
+        checked = self.checked(ladder)
+        missed = [(full, deep) for full, deep in checked if abs(deep - full) > margin * full] + fitting
+        if checked and not missed:
+            return None
+        why = (f"missed a full trace ({fmt_bytes(missed[0][0])}) by more than {margin:.1%} "
+               f"({fmt_bytes(missed[0][1])})") if missed else "had no full trace to be checked against"
+        return (f"reserved bytes at full depth from the shallow traces' allocations {why}: the "
+                f"{len(self.rejected)} plans they ruled out were traced instead")
 
-    def free(self, plan: Plan) -> bool:
-        """The estimate needs no trace (a micro-batch size's saving is traced when first asked for)."""
-        return self.model.can_estimate_used(plan)
+    def rejections_hold(self, ladder: Ladder, budget_bytes: int) -> bool:
+        """Nothing fitted: the full traces of the plans this rung ruled out (run together on the
+        workers). True if each is over the budget by its full trace too; then what the walk pruned
+        for them stays pruned, and no plan is traced again (the 7B answer for 14 GiB: 93 traces were
+        99 and more when every pruned plan was reopened)."""
+        ladder.prefetch([c.plan for c in self.rejected])
+        for c in self.rejected:
+            try:
+                with silenced_warnings():
+                    evidence = ladder.full.evaluate(c.plan)
+            except UserError:
+                return False
+            if not evidence.over(budget_bytes):
+                return False
+            c.used_bytes = evidence.used_bytes
+        return True
 
-
-class ShallowTrace:
-    """A shallow trace pair (full depth when the model is shallow, or a shallow trace failed)."""
-
-    fidelity = Fidelity.LOWER_BOUND
-
-    def __init__(self, model: GpuStepModel) -> None:
-        self.model = model
-
-    def evaluate(self, plan: Plan) -> Evidence:
-        return _of(self.model.measure(plan))
-
-
-class DeepStream:
-    fidelity = Fidelity.DEEP
-
-    def __init__(self, model: GpuStepModel) -> None:
-        self.model = model
-
-    def evaluate(self, plan: Plan) -> Evidence | None:
-        used = self.model.deep_used(plan)
-        return None if used is None else Evidence(Fidelity.DEEP, used_bytes=used)
-
-
-class FullTrace:
-    fidelity = Fidelity.FULL
-
-    def __init__(self, model: GpuStepModel) -> None:
-        self.model = model
-
-    def evaluate(self, plan: Plan) -> Evidence:
-        return _of(self.model.confirm(plan))
-
-
-class GpuLadder(Ladder):
-    """Estimate, shallow trace, deep stream, full trace (the module docstring)."""
-
-    def __init__(self, model: GpuStepModel) -> None:
-        self.model = model
-        self.estimate, self.first, self.deep, self.full = Estimate(model), ShallowTrace(model), DeepStream(model), \
-            FullTrace(model)
-        self.spare_workers = model.workers.count - 1
-
-    @property
-    def traces(self) -> int:
-        return self.model.traces
-
-    def evidence(self, plan: Plan) -> Evidence | None:
-        m = self.model.measured.get(plan)
-        return None if m is None else _of(m)
-
-    def full_evidence(self) -> list[tuple[Plan, Evidence]]:
-        return [(p, _of(m)) for p, m in list(self.model.measured.items()) if m.full]
-
-    def has_full_trace(self, plan: Plan) -> bool:
-        return self.model.has_full_trace(plan)
-
-    def traced(self, plan: Plan) -> bool:
-        return self.model.is_measured(plan) or self.model.has_shallow_traces(plan)
-
-    def prefetch(self, plans: list[Plan]) -> None:
-        with silenced_warnings():
-            self.model.trace_full(plans)
-
-    def queue(self, plans: list[Plan]) -> None:
-        self.model.queue_shallowest(plans)
-
-    def measure_together(self, plans: list[Plan], skip_over: bool = False) -> None:
-        if plans:
-            self.model.trace_shallow(plans, skip_over=skip_over)
+    def withdraw(self) -> list[Candidate]:
+        """Stop trusting this rung: the plans it ruled out (to be walked again)."""
+        self.trusted = False
+        rejected, self.rejected = self.rejected, []
+        return rejected

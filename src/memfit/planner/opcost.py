@@ -31,94 +31,69 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils.flop_counter import flop_registry
 
+from memfit.planner.op_work import (
+    ATTENTION_OPS,
+    HALF,
+    RNN_OPS,
+    flat_args,
+    flops_of,
+    is_causal,
+    matmul_dtype,
+    nbytes_of,
+    rnn_work,
+    tensors_of,
+)
+from memfit.planner.ops import (
+    AFTER_COMPUTE,
+    ATTENTION,
+    BACKGROUND,
+    COMM,
+    COMM_STREAM,
+    COMPILED,
+    CUSTOM,
+    D2H,
+    FOREACH,
+    FUSED_HOST,
+    H2D,
+    HOST,
+    MATMUL,
+    MEMORY,
+    OPTIMIZER,
+    OUT_STREAM,
+    PHASES,
+    PY_MODE,
+    RECOMPUTE,
+    RNN,
+    SCALAR,
+    SIDE_STREAM,
+    STEP_CALL,
+    SYNC,
+    SYNC_AFTER,
+    VIEW,
+    WAIT,
+    WORKER,
+    Op,
+)
 from memfit.techniques import fake_wrapper
 from memfit.techniques.placement import running
 from memfit.techniques.sharding import compute_waits, on_fsdp_stream
 
 aten = torch.ops.aten
 
-# op kinds
-VIEW, MATMUL, ATTENTION, MEMORY, FOREACH, H2D, D2H, HOST, SYNC, RNN, SCALAR, COMM, WAIT = range(13)
-KIND_NAMES = ("view", "matmul", "attention", "memory", "foreach", "h2d", "d2h", "host", "sync", "rnn", "scalar",
-              "comm", "wait")
-"""COMM: a collective (``nbytes``: what one rank sends over the interconnect; ``key``: its serial
-number, shared with the ops FSDP2 then runs on its streams); WAIT: the compute stream waits for
-the collective or stream op of serial ``key`` (it reads what that one wrote). Serial numbers, not
-positions: the planner copies and reorders recorded ops (micro-batches, shallow extrapolation). See
-NOTE [ Collectives ] in memfit.planner.timing."""
-# flags
-RECOMPUTE, PY_MODE, SIDE_STREAM, STEP_CALL, CUSTOM, SYNC_AFTER = 1, 2, 4, 8, 16, 32
-COMM_STREAM, AFTER_COMPUTE = 512, 1024
-"""COMM_STREAM: an op FSDP2 runs on one of its own streams (the copy into the all-gather buffer,
-the division of reduced gradients); AFTER_COMPUTE: a collective, or an op on FSDP2's streams, that
-first waits for the compute stream (a collective issued on the compute stream itself; FSDP2's
-``wait_stream``: before reducing the gradients backward just made, before the first all-gather of
-a step)."""
-OUT_STREAM, WORKER, BACKGROUND = 64, 128, 256
-"""OUT_STREAM: a copy to the host on its own stream (gradients going out as backward makes them);
-WORKER: the host update of offloaded optimizer states and its copy back, on a worker thread and
-another stream (memfit.techniques.offload_optimizer); BACKGROUND: the EMA's copies and average,
-beside the next step (memfit.techniques.ema). See memfit.techniques.placement.running."""
-FUSED_HOST = 2048
-"""A host op that is torch's fused CPU AdamW/Adam (one multi-threaded pass over the host copies:
-the host optimizer's update, timed at ``host_fused_bw``, not ``host_bw``)."""
-COMPILED = 4096
-"""Inductor's code (NOTE [ Compiled kernels in the step time ]): on a VIEW, one call of a compiled
-region (its guards and wrapper, priced ``cpu_compiled_call``); on a MEMORY op, one of its kernels."""
-
-# NOTE [ Compiled kernels in the step time ]
-# A compiled region predicted on fake tensors runs Inductor's own wrapper with kernels that do
-# nothing (memfit.techniques.fake_wrapper), so its kernels never reach the dispatcher and this
-# recorder used to see none of them: torchao's low-bit AdamW, one compiled call per parameter,
-# cost nothing in the model. GPT-2 (124M, bf16-pure, batch 8 x 1024) on an H100: torchao's 8-bit
-# AdamW 88.0-104.7 ms a step, torch's AdamW 52.2-54.6 ms, the same GPU kernel time (49.0 and 48.4
-# ms: the step is CPU-bound, 148 compiled calls); predicted 40.5 and 42.4 ms, so the planner chose
-# it at every budget (tests/data/h100.jsonl, choice* rows). Now the wrapper tells the recorder of
-# each call (a CPU cost: dynamo's guards, the wrapper, torchao's per-parameter Python) and each
-# kernel launch (a memory-bound kernel over the tensors it is given, each counted once).
 _FUSED_OPTIMIZERS = {aten._fused_adamw_, aten._fused_adam_}
-PHASES = ("setup", "zero_grad", "forward", "backward", "optimizer", "idle")
-_OPTIMIZER = PHASES.index("optimizer")
-
-_ATTENTION = {p for p in flop_registry if "attention" in str(p)}
 _CPU_ONLY = {aten._unsafe_view, aten.lift_fresh, aten.empty, aten.empty_strided, aten.new_empty,
              aten.new_empty_strided, aten.empty_like, aten.set_, aten.resize_, aten._reshape_alias}
 _SKIP = {torch.ops.prim.device}
 """``tensor.device`` is dispatched only for fake tensors: no op in a real run."""
 _SCALAR_READS = {aten._local_scalar_dense, aten.is_nonzero, aten.equal}
 _COPIES = {aten.clone, aten._to_copy, aten.copy_, aten.copy}
-_HALF = (torch.bfloat16, torch.float16)
-_RNN = {aten._cudnn_rnn, aten._cudnn_rnn_backward}
-_GATES = {0: 1, 1: 1, 2: 4, 3: 3}
-"""cuDNN RNN mode -> gate matrices (RNN_RELU, RNN_TANH, LSTM, GRU)."""
-
-
-class Op(NamedTuple):
-    kind: int
-    phase: int
-    flops: float
-    """FLOPs (matmuls and attention; 0 for the rest)."""
-    nbytes: int
-    """Bytes read and written (for host ops: the bytes of its device inputs first copied over)."""
-    dtype: str
-    """'half', 'fp32' (CUDA cores) or 'tf32' (fp32 convolutions take TF32 tensor cores by default)."""
-    tensors: int
-    """Tensors a ``_foreach`` op walks; an RNN's sequential steps (time steps x layers x directions)."""
-    flags: int
-    key: int = 0
-    """Side-stream copies: the storage they fill; other ops in the optimizer: a storage they read."""
-    host_bytes: int = 0
-    """Host ops: bytes read and written on the host."""
-    is_causal: bool = False
-    elements: int = 0
-    """Ops outside ATen: the elements of their largest tensor (their kernels are priced per element)."""
 
 
 class OpRecorder(TorchDispatchMode):
@@ -173,6 +148,16 @@ class OpRecorder(TorchDispatchMode):
                 fake_wrapper.LISTENERS.remove(self)
         return super().__exit__(*exc)
 
+    # NOTE [ Compiled kernels in the step time ]
+    # A compiled region predicted on fake tensors runs Inductor's own wrapper with kernels that do
+    # nothing (memfit.techniques.fake_wrapper), so its kernels never reach the dispatcher and this
+    # recorder used to see none of them: torchao's low-bit AdamW, one compiled call per parameter,
+    # cost nothing in the model. GPT-2 (124M, bf16-pure, batch 8 x 1024) on an H100: torchao's 8-bit
+    # AdamW 88.0-104.7 ms a step, torch's AdamW 52.2-54.6 ms, the same GPU kernel time (49.0 and 48.4
+    # ms: the step is CPU-bound, 148 compiled calls); predicted 40.5 and 42.4 ms, so the planner chose
+    # it at every budget (tests/data/h100.jsonl, choice* rows). Now the wrapper tells the recorder of
+    # each call (a CPU cost: dynamo's guards, the wrapper, torchao's per-parameter Python) and each
+    # kernel launch (a memory-bound kernel over the tensors it is given, each counted once).
     def compiled_call(self) -> None:
         """A compiled region was called (NOTE [ Compiled kernels in the step time ])."""
         self.ops.append(Op(VIEW, self._phase(), 0.0, 0, "", 1, _flags() | _offload_flags() | COMPILED))
@@ -190,7 +175,7 @@ class OpRecorder(TorchDispatchMode):
             key = (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape))
             if key not in seen:
                 seen.add(key)
-                nbytes += _nbytes(t)
+                nbytes += nbytes_of(t)
         if hosted:
             self.ops.append(Op(HOST, self._phase(), 0.0, 0, "", 1, flags, host_bytes=nbytes))
             return
@@ -208,7 +193,7 @@ class OpRecorder(TorchDispatchMode):
         i, key = self._last_copy
         for t in tensors if isinstance(tensors, (list, tuple)) else [tensors]:
             if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata == key:
-                self.ops[i] = self.ops[i]._replace(kind=D2H, flops=0.0, nbytes=_nbytes(t))
+                self.ops[i] = self.ops[i]._replace(kind=D2H, flops=0.0, nbytes=nbytes_of(t))
                 self._last_copy = None
 
     def _device_scalar(self, t: torch.Tensor) -> bool:
@@ -256,12 +241,12 @@ class OpRecorder(TorchDispatchMode):
         if view or packet in _CPU_ONLY or packet in _PROFILER:
             self.ops.append(Op(VIEW, phase, 0.0, 0, "", 1, flags))
             return
-        ins = _tensors(args, kwargs)
+        ins = tensors_of(args, kwargs)
         if packet in _SCALAR_READS:
             self.ops.append(Op(SYNC if any(self._device_scalar(t) for t in ins) else SCALAR, phase, 0.0, 0, "", 1,
                                flags))
             return
-        outs = _tensors(out, None) if not mutated else [a for i, a in enumerate(_flat_args(args, kwargs))
+        outs = tensors_of(out, None) if not mutated else [a for i, a in enumerate(flat_args(args, kwargs))
                                                         if i in mutated and isinstance(a, torch.Tensor)]
         if not any(t.numel() > 1 or self._device_scalar(t) for t in ins):
             # zero-dim host scalars (optimizer step counters): C++ on the CPU, no kernel
@@ -276,10 +261,10 @@ class OpRecorder(TorchDispatchMode):
             flags |= self._after_compute()
             for t in outs:
                 self._will_wait(t, key_of_stream_op)
-        elif self._pending and phase < _OPTIMIZER:  # (the optimizer: NOTE [ Collectives ])
+        elif self._pending and phase < OPTIMIZER:  # (the optimizer: NOTE [ Collectives ])
             self._wait_for_collectives(ins, phase, flags)
-        read = sum(_nbytes(t) for t in ins)
-        written = sum(_nbytes(t) for t in outs)
+        read = sum(nbytes_of(t) for t in ins)
+        written = sum(nbytes_of(t) for t in outs)
         hosted = [t for t in ins if self._is_host(t)]
         if packet in _COPIES:
             if outs and all(self._is_host(t) for t in outs) and any(not self._is_host(t) for t in ins):
@@ -294,24 +279,24 @@ class OpRecorder(TorchDispatchMode):
             if outs:
                 self._last_copy = (len(self.ops), outs[0].untyped_storage()._cdata)
         if hosted:  # an op on host storages runs on the host CPU, after copying its device inputs there
-            device_in = sum(_nbytes(t) for t in ins if not self._is_host(t))
+            device_in = sum(nbytes_of(t) for t in ins if not self._is_host(t))
             flags |= FUSED_HOST if packet in _FUSED_OPTIMIZERS else 0
             self.ops.append(Op(HOST, phase, 0.0, device_in, "", 1, flags, host_bytes=read + written))
             return
         key = key_of_stream_op if key_of_stream_op is not None else \
             ins[0].untyped_storage()._cdata if phase == 4 and ins else 0
-        if packet in _ATTENTION:
-            flops = _flops(packet, args, kwargs, out)
-            dtype = "half" if args[0].dtype in _HALF else "fp32"
+        if packet in ATTENTION_OPS:
+            flops = flops_of(packet, args, kwargs, out)
+            dtype = "half" if args[0].dtype in HALF else "fp32"
             self.ops.append(Op(ATTENTION, phase, flops, read + written, dtype, 1, flags, key,
-                               is_causal=_is_causal(func, args, kwargs)))
-        elif packet in _RNN:
-            flops, steps = _rnn_work(func, args)
-            dtype = "half" if ins[0].dtype in _HALF else "fp32"
+                               is_causal=is_causal(func, args, kwargs)))
+        elif packet in RNN_OPS:
+            flops, steps = rnn_work(func, args)
+            dtype = "half" if ins[0].dtype in HALF else "fp32"
             self.ops.append(Op(RNN, phase, flops, read + written, dtype, steps, flags, key))
         elif packet in flop_registry or packet is aten.linear:
-            flops = _flops(packet, args, kwargs, out)
-            dtype = _matmul_dtype(packet, ins)
+            flops = flops_of(packet, args, kwargs, out)
+            dtype = matmul_dtype(packet, ins)
             self.ops.append(Op(MATMUL, phase, flops, read + written, dtype, 1, flags, key))
         elif packet.__name__.startswith(("_foreach_", "_fused_", "_amp_foreach")):
             n = max((len(a) for a in args if isinstance(a, (list, tuple))), default=1)
@@ -329,13 +314,13 @@ class OpRecorder(TorchDispatchMode):
         name = packet.__name__
         phase = self._phase()
         if name == "wait_tensor":
-            self._wait_for_collectives(_tensors(args, kwargs), phase, flags)
+            self._wait_for_collectives(tensors_of(args, kwargs), phase, flags)
             return
         functional = func.namespace == "_c10d_functional"
-        ins = _tensors(args, kwargs)
-        outs = _tensors(out, None) if functional else ins[:1]
+        ins = tensors_of(args, kwargs)
+        outs = tensors_of(out, None) if functional else ins[:1]
         n = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        size = lambda ts: max((_nbytes(t) for t in ts), default=0)  # noqa: E731
+        size = lambda ts: max((nbytes_of(t) for t in ts), default=0)  # noqa: E731
         if "gather" in name:
             moved = size(outs)
         elif "reduce_scatter" in name:
@@ -434,78 +419,3 @@ _WRAPPERS = {"_fn", "inner", "__call__", "redispatch", "wrapper"}
 def _is_recompute() -> bool:
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
     return hooks is not None and hooks[0].__qualname__.startswith("_recomputation_hook")
-
-
-def _flat_args(args, kwargs) -> list:
-    flat = []
-    for a in args:
-        flat.append(a)
-    if kwargs:
-        flat.extend(kwargs.values())
-    return flat
-
-
-def _tensors(args, kwargs) -> list[torch.Tensor]:
-    found = []
-    items = args if isinstance(args, (list, tuple)) else (args,)
-    for a in (*items, *(kwargs.values() if kwargs else ())):
-        if isinstance(a, torch.Tensor):
-            found.append(a)
-        elif isinstance(a, (list, tuple)):
-            found.extend(x for x in a if isinstance(x, torch.Tensor))
-    return found
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    """Bytes an op touches in ``t``: its elements, at most its storage (expanded views)."""
-    return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
-
-
-def _flops(packet, args, kwargs, out) -> float:
-    if packet is aten.linear:
-        # composite, so it reaches a dispatch mode whole only where one calls it below autograd
-        # (a library kernel's F.linear: NOTE [ The 4-bit matmul under autocast ])
-        return 2.0 * args[0].numel() * args[1].shape[0]
-    try:
-        return float(flop_registry[packet](*args, **kwargs, out_val=out))
-    except Exception:  # noqa: BLE001 - a formula that does not take this overload: count it as memory-bound
-        return 0.0
-
-
-def _rnn_work(func, args) -> tuple[float, int]:
-    """FLOPs and sequential steps of a cuDNN RNN call (its gate matmuls; backward twice the
-    forward's: data and weight gradients)."""
-    names = [a.name for a in func._schema.arguments]
-    x = args[0]
-    mode, hidden, layers, batch_first, bidirectional = (
-        args[names.index(n)] for n in ("mode", "hidden_size", "num_layers", "batch_first", "bidirectional"))
-    if x.dim() == 3:
-        b, t = (x.shape[0], x.shape[1]) if batch_first else (x.shape[1], x.shape[0])
-    else:  # packed: [sum of lengths, input]
-        b, t = 1, x.shape[0]
-    dirs = 2 if bidirectional else 1
-    inp = x.shape[-1]
-    flops = 0.0
-    for layer in range(layers):
-        width = inp if layer == 0 else hidden * dirs
-        flops += 2.0 * _GATES.get(mode, 4) * hidden * (width + hidden) * b * t * dirs
-    if func.overloadpacket is aten._cudnn_rnn_backward:
-        flops *= 2
-    return flops, t * layers * dirs
-
-
-def _matmul_dtype(packet, ins: list[torch.Tensor]) -> str:
-    dtype = ins[0].dtype if ins else torch.float32
-    if dtype in _HALF:
-        return "half"
-    if packet in (aten.convolution, aten.convolution_backward, aten._convolution, aten.cudnn_convolution):
-        return "tf32"  # torch.backends.cudnn.allow_tf32 is True by default
-    return "fp32"  # torch.backends.cuda.matmul.allow_tf32 is False by default
-
-
-def _is_causal(func, args, kwargs) -> bool:
-    if "is_causal" in kwargs:
-        return bool(kwargs["is_causal"])
-    names = [a.name for a in func._schema.arguments]
-    i = names.index("is_causal") if "is_causal" in names else -1
-    return 0 <= i < len(args) and bool(args[i])

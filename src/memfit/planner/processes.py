@@ -7,14 +7,6 @@ memory), and 3 s for another process (it loads the 9 graphs of GPT-2 from Induct
 So memfit.planner.workers picks the process: these are plain forked processes, one pipe each, and
 a job goes to the process it names (NOTE [ A compile's traces in the process that compiled it ] in
 memfit.planner.workers).
-
-NOTE [ A worker outlives no one ]
-A worker waits for its next job on its pipe, and stops at the pipe's end of file. Forked, it held
-its own copy of the pipe's other end (the one its parent sends on), so that end of file never came:
-when the planner's process was killed (an OOM kill of one search of ``memfit plan --methods``), its
-idle workers waited for ever, holding the pipes and process sentinels of their parent's parent, which
-then waited for them too. So a worker closes its copy first; a worker whose parent is gone while it
-traces stops when it tries to answer.
 """
 
 from __future__ import annotations
@@ -26,6 +18,13 @@ from concurrent.futures.process import BrokenProcessPool
 from multiprocessing.connection import wait
 
 
+# NOTE [ A worker outlives no one ]
+# A worker waits for its next job on its pipe, and stops at the pipe's end of file. Forked, it held
+# its own copy of the pipe's other end (the one its parent sends on), so that end of file never came:
+# when the planner's process was killed (an OOM kill of one search of ``memfit plan --methods``), its
+# idle workers waited for ever, holding the pipes and process sentinels of their parent's parent, which
+# then waited for them too. So a worker closes its copy first; a worker whose parent is gone while it
+# traces stops when it tries to answer.
 def _serve(conn, ours, fn: Callable, first: Callable) -> None:
     """A worker's loop: answer ``first()`` once, then ``fn(job)`` for each job until told to stop, or
     until the process that forked it is gone (NOTE [ A worker outlives no one ])."""

@@ -22,23 +22,6 @@ modules in forward, the C++ autograd engine in backward, Python optimizer loops)
 ``CPU_PY_MODE`` for an op that passes through a Python dispatch mode (selective checkpointing),
 ``CPU_CUSTOM`` for a library op (bitsandbytes), ``CPU_STEP_CALL`` per ``optimizer.step()`` call and
 ``CPU_PER_TENSOR`` per tensor of a foreach list.
-
-NOTE [ Step-time calibration ]
-The constants (:class:`Constants`) were fitted by ``python -m tools.fit.time_constants --fit`` on the H100
-rows of ``tests/data/h100.jsonl`` that ran one case at a time (rows 1-39, memfit's own TrainStep;
-rows 40-75 ran four processes at once and are only reported). The fit minimises, by Nelder-Mead
-over the constants' logarithms, the squared log error of each fit row's time ratio to plain bf16 of
-the same workload and batch, plus half the mean squared log error of every clean row's absolute
-time, plus a pull towards hardware-plausible values (``PRIOR`` there). Each technique is fitted on
-one workload and held out on the other (GPT-2 124M at batch 8 x 1024; 4 Llama layers at 7B width,
-batch 2 x 2048): fitted on GPT-2 fp32, blocks, offloaded activations, micro-batch 2, EMA on the
-host, Adafactor, 8-bit AdamW, and bf16-pure + blocks + in-backward + chunks; on Llama selective,
-chunks, offloaded optimizer states, bf16-pure + 8-bit + blocks. Residuals: fit rows within -7%..+7%
-(ratio), held-out rows (GPT-2 fp16, selective, blocks + chunks, offloaded optimizer states, blocks
-+ 8-bit; Llama blocks, micro-batch 1, bf16-pure + in-backward, 8-bit; MHA chunked attention) within
--9%..+6%; Spearman of the 22 ratios 0.994; absolute times of rows 1-39: median |error| 7%, Spearman
-0.976, worst on small CPU-bound models and T5 (cnn -33%, t5 -18%, transformer -16%). The ratios are
-what the planner ranks by.
 """
 
 from __future__ import annotations
@@ -47,7 +30,7 @@ import math
 from dataclasses import dataclass, field
 
 from memfit.devices import Device
-from memfit.planner.opcost import (
+from memfit.planner.ops import (
     ATTENTION,
     COMPILED,
     CUSTOM,
@@ -70,6 +53,14 @@ FP32_SIMT = {"h100-80gb": 67e12, "h200-141gb": 67e12, "a100-80gb": 19.5e12, "a10
 """fp32 FLOP/s without tensor cores where it differs from the preset's float32 (TF32) figure."""
 
 
+# NOTE [ Step-time calibration ]
+# The constants (:class:`Constants`) are fitted by ``python -m tools.fit.time_constants --fit`` on
+# the H100 rows of ``tests/data/h100.jsonl``: by Nelder-Mead over the constants' logarithms, the
+# squared log error of each fit row's time ratio to plain bf16 of the same workload and batch, plus
+# half the mean squared log error of every clean row's absolute time, plus a pull towards
+# hardware-plausible values (``PRIOR`` there); each technique is fitted on one workload and held out
+# on the other. The ratios are what the planner ranks by. The fit's rows and residuals:
+# docs/planner-notes.md.
 @dataclass(frozen=True)
 class Constants:
     """The time model's constants: fitted on the H100 (NOTE [ Step-time calibration ]) unless marked

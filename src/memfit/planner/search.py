@@ -3,7 +3,9 @@
 1. Enumerate the valid plans of the search space (memfit.planner.space).
 2. Predict every plan's step time: on the CPU by short real steps (memfit.planner.cost, final);
    on GPU presets by the ops of each plan's own step (memfit.planner.gpu_time: estimated from each
-   technique value alone, then measured by shallow traces for the plans the walk visits). Compile
+   technique value alone, memfit.planner.baseline, then the plan's own ops, from the shallow traces
+   of the plans the walk visits). The time model and the evidence ladder are built side by side:
+   on GPU presets over one book of traces (memfit.planner.traces), which both read. Compile
    time is shown beside it, and counted per step when the run's length is given (``steps``: step +
    compile / steps), so a short run can prefer an eager plan.
 3. Walk the plans fastest first (memfit.planner.walk, over memfit.planner.ladder's evidence); predict the memory of each with a fake-tensor
@@ -32,8 +34,12 @@ from memfit.devices import Device, available_host_bytes
 from memfit.errors import UserError
 from memfit.memory.budget import Budget
 from memfit.planner import cost
+from memfit.planner.baseline import Baseline
 from memfit.planner.candidate import Candidate, Status
+from memfit.planner.feasibility import maximal, splits
+from memfit.planner.gpu_ladder import GpuLadder
 from memfit.planner.gpu_time import GpuStepModel
+from memfit.planner.ladder import FakeTrace, Ladder
 from memfit.planner.progress import NoProgress
 from memfit.planner.space import (
     candidates,
@@ -45,7 +51,8 @@ from memfit.planner.space import (
     model_facts,
 )
 from memfit.planner.time_model import StepTimeModel
-from memfit.planner.walk import Walk, maximal, splits
+from memfit.planner.traces import TraceBook
+from memfit.planner.walk import Walk
 from memfit.plans import Plan, technique_of
 from memfit.quiet import silenced_warnings
 from memfit.step import build_step
@@ -138,9 +145,10 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     trainable = None if custom_space else _trainable(target, facts, given_fields)
     narrowed = narrow_optimizer and not custom_space and leave_out_optimizer_choices(  # NOTE [ Optimizer choices that cannot matter ]
         space, trainable, budget_bytes, set(given_fields) | ({"optimizer"} if optimizers else set()))
-    if not custom_space and world == 1 and given_fields.get("base_weights", "as-is") == "as-is":
+    given = Plan().replace(**given_fields)
+    if not custom_space and world == 1 and given.config("base_weights").is_default:
         leave_out_weights_that_cannot_fit(space, facts, budget_bytes)
-    if not custom_space and world == 1 and given_fields.get("adapter", "none") == "none":
+    if not custom_space and world == 1 and given.config("adapter").is_default:
         leave_out_states_that_cannot_fit(space, facts, budget_bytes, dev)
     for m in space.micro_batches:
         Plan(micro_batch_size=m if m != rank_bs else None).micro_batches(rank_bs)
@@ -157,18 +165,21 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
         raise UserError("plan: no valid plan is left with the fields you fixed; remove some of the plan flags")
     drop_unused(space, plans)
     progress.stage("timing techniques")
+    book = None
     with silenced_warnings():
         if time_model is not None:
-            model = time_model
+            model, ladder = time_model, Ladder(FakeTrace(target, budget_obj))
         elif dev.is_gpu:
-            model = GpuStepModel(target, space, facts, budget_obj, fixed=fixed)
+            book, model, ladder = gpu_search(target, space, facts, budget_obj, fixed)
         else:
-            model = cost.calibrate(target, space, progress=progress)
+            model, ladder = cost.calibrate(target, space, progress=progress), Ladder(FakeTrace(target, budget_obj))
     try:
-        result = _search(t0, target, budget_obj, space, plans, constrained, model, steps, max_traces, progress,
-                         alongside)
+        result = _search(t0, target, budget_obj, space, plans, constrained, model, ladder, steps, max_traces,
+                         progress, alongside)
     finally:
         model.close()
+        if book is not None:
+            book.close()
     result.trainable = trainable
     if narrowed and result.chosen is None:  # NOTE [ Optimizer choices that cannot matter ]: no answer is lost
         again = plan(workload, budget=budget, device=device, batch_size=batch_size, seq_len=seq_len,
@@ -181,19 +192,30 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     return result
 
 
+def gpu_search(target: Target, space, facts, budget: Budget, fixed: dict | None = None
+               ) -> tuple[TraceBook, GpuStepModel, GpuLadder]:
+    """A GPU preset's search: one book of traces, and the time model and the evidence ladder that
+    read it, side by side (``fixed``: plan fields outside the search space that every candidate
+    has). The caller closes the book (its worker processes)."""
+    book = TraceBook(target, facts, budget, world=int((fixed or {}).get("world_size") or 1))
+    baseline = Baseline(book, space, fixed)
+    return book, GpuStepModel(book, baseline), GpuLadder(book, baseline)
+
+
 def _trainable(target: Target, facts, given: dict) -> int:
     """The parameters the plans train: the adapter's (``given``: the fields the user fixed), or the
     model's that require gradients (a model the user froze most of: a PEFT model of their own)."""
     from memfit.memory.faketrace import trainable_parameters
     keys = {k: v for k, v in given.items() if k in ("adapter", "base_weights")}
-    if keys.get("adapter", "none") == "none":
+    if Plan(**keys).config("adapter").is_default:
         return sum(p.numel() for p in facts.model.parameters() if p.requires_grad)
     with silenced_warnings():
         return trainable_parameters(target.with_plan(Plan(**keys)))
 
 
 def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Plan], constrained: dict,
-            model: StepTimeModel, steps: int | None, max_traces: int, progress, alongside: bool = True) -> PlanResult:
+            model: StepTimeModel, ladder: Ladder, steps: int | None, max_traces: int, progress,
+            alongside: bool = True) -> PlanResult:
     wl, dev, bs, budget_bytes = target.workload, target.device, target.batch_size, budget_obj.bytes
     whole = [c.plan for c in maximal([Candidate(p, 0.0) for p in plans], bs)
              if not splits(c.plan, bs)] if alongside else None  # (--methods: the searches share the cores)
@@ -207,7 +229,7 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
     ranked = [Candidate(p, 0.0) for p in plans]
     for c in ranked:
         c.retime(model, steps)
-    walk = Walk(bs, budget_obj, model, model.ladder(target, budget_obj), steps, max_traces, progress, alongside)
+    walk = Walk(bs, budget_obj, model, ladder, steps, max_traces, progress, alongside)
     chosen = walk.run(ranked)
     if chosen is None and not any(c.used_bytes is not None for c in ranked):
         invalid = next((c for c in ranked if c.status is Status.INVALID), None)

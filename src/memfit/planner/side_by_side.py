@@ -1,25 +1,4 @@
-"""Several plan searches at once, each in a forked process of its own (``memfit plan --methods``).
-
-NOTE [ Methods planned side by side ]
-The searches of ``--methods`` are independent: each method is planned on its own (NOTE [ Methods
-are the user's ]). Run in turn, each leaves cores idle: a full trace confirming its plan on one
-worker while the other waits, its prepare stage's one long compile (torchao's 4-bit AdamW) while
-the other worker has finished. Llama-2-7B's full, LoRA and QLoRA plans for the rtx4090 preset
-took 40 + 18 + 16 s in turn on this 2-core machine, cold. So each search runs in a process forked
-from this one (the arguments are not pickled; the results come back pickled), with its own
-workers, and the searches fill each other's idle time. A search run so does not trace the next
-plans' full traces alongside the one it confirms (``plan(alongside=False)``): the other searches
-use those cores. The search expected to take longest (the caller says which: for ``--methods``, full
-fine-tuning, whose optimizer choices the adapters' searches leave out) keeps this process's
-priority and the others run at a lower one, so they take the cores it leaves idle rather than
-slow it down: the three took 60.0 s at one priority, the longest 56.3 s of it. Each search's
-progress reaches the bar through a pipe of its own (NOTE [ A pipe per search ]), a line per search.
-
-The searches run in turn here, as before, where fork is not available, with one core, where CUDA
-is initialised in this process, or where autograd would not survive a fork (this process ran a
-backward pass: a test session, a notebook). A search whose process dies (killed for memory) runs
-again here; a user error in one is raised here.
-"""
+"""Several plan searches at once, each in a forked process of its own (``memfit plan --methods``)."""
 
 from __future__ import annotations
 
@@ -34,6 +13,23 @@ from memfit.errors import UserError
 from memfit.planner.progress import NoProgress
 from memfit.planner.workers import autograd_works, worker_count
 
+# NOTE [ Methods planned side by side ]
+# The searches of ``--methods`` are independent: each method is planned on its own (NOTE [ Methods
+# are the user's ]). Run in turn, each leaves cores idle (a full trace confirming its plan on one
+# worker while the other waits, a long compile while the other worker has finished). So each search
+# runs in a process forked from this one (the arguments are not pickled; the results come back
+# pickled), with its own workers, and the searches fill each other's idle time. A search run so does
+# not trace the next plans' full traces alongside the one it confirms (``plan(alongside=False)``):
+# the other searches use those cores. The search expected to take longest (the caller says which: for
+# ``--methods``, full fine-tuning, whose optimizer choices the adapters' searches leave out) keeps
+# this process's priority and the others run at a lower one, so they take the cores it leaves idle
+# rather than slow it down. Each search's progress reaches the bar through a pipe of its own (NOTE [ A
+# pipe per search ]), a line per search.
+#
+# The searches run in turn here where fork is not available, with one core, where CUDA is initialised
+# in this process, or where autograd would not survive a fork (this process ran a backward pass: a
+# test session, a notebook). A search whose process dies (killed for memory) runs again here; a user
+# error in one is raised here. Measured: docs/planner-notes.md.
 LOWER = 10
 """Niceness of the searches other than the longest (NOTE [ Methods planned side by side ])."""
 
@@ -106,18 +102,20 @@ def _search_in_child(plan: Callable, then: Callable | None, kwargs: dict, conn, 
         os._exit(0)
 
 
+# NOTE [ A pipe per search ]
+# Each search writes to a pipe of its own. A queue shared by the searches has one lock for its
+# writers: a search killed while it wrote (by the kernel, for memory) held that lock forever, and
+# every other search then waited for it, and this process for them, without end. A search's own pipe
+# breaks with it alone. Its end of file does not say that it ended (the search's own trace workers,
+# forked from it, hold the pipe's writing end too), so this process also waits on each search's
+# process (its exit status, not its sentinel, which those workers hold too): once it has ended, what
+# it wrote before is read, and a search that sent no result runs again here. A message the kill cut
+# short is read to the pipe's end, which comes once the search's workers have ended too (NOTE [ A
+# worker outlives no one ] in memfit.planner.processes).
 def _forked(searches: list[tuple[str, dict]], lines: list, plan: Callable, then: Callable | None,
             longest: int) -> list:
-    """NOTE [ A pipe per search ]
-    Each search writes to a pipe of its own. A queue shared by the searches has one lock for its
-    writers: a search killed while it wrote (by the kernel, for memory) held that lock forever, and
-    every other search then waited for it, and this process for them, without end. A search's own
-    pipe breaks with it alone. Its end of file does not say that it ended (the search's own trace
-    workers, forked from it, hold the pipe's writing end too), so this process also waits on each
-    search's process (its exit status, not its sentinel, which those workers hold too): once it has
-    ended, what it wrote before is read, and a search that sent no result runs again here. A message
-    the kill cut short is read to the pipe's end, which comes once the search's workers have ended
-    too (NOTE [ A worker outlives no one ] in memfit.planner.processes)."""
+    """Run ``searches`` in forked processes, each writing to a pipe of its own (NOTE [ A pipe per
+    search ])."""
     ctx = multiprocessing.get_context("fork")
     procs, conns = [], []
     for i, (label, kwargs) in enumerate(searches):

@@ -76,28 +76,13 @@ def drop_unused(space: SearchSpace, plans: list[Plan]) -> None:
         values[:] = [v for v in values if v in taken]
 
 
-# NOTE [ Low-bit states on the host ]
-# With ``offload: [optimizer_states]`` the states live in host memory and the update runs on the
-# host CPU: a low-bit variant's smaller states then save host memory only, not device memory, and
-# its update is a compiled, compute-bound CPU kernel (``Config.slow_host_update``). On an H100
-# machine the planner's Llama-2-7B plan for a 24 GB card (torchao's 8-bit AdamW, states on the
-# host) did not finish 8 steps in 330 s; on this EPYC torchao's 8-bit update took 839 ms for 45M
-# bf16 parameters where torch's fused host AdamW took 18 ms. The op-level time model sees neither
-# (a predicted compiled region runs no kernel op), so the search leaves the combination out:
-# the same plan with the workload's own AdamW on the host needs no more device memory (7B on the
-# rtx4090 preset: 14.55 GiB against the 8-bit plan's 15.52). Low-bit states on the device are
-# still searched, and a plan (or plan flags) that names the combination runs it.
-
-
 # NOTE [ Optimizer choices that cannot matter ]
-# With an adapter a few million parameters train (LoRA r=16 of Llama-2-7B: 8.4M): their gradients and
-# AdamW's states are at most ~16 bytes each (134 MiB), under 1% of a 24 GB card. Low-bit states,
-# the step in backward and state offload can then save no more than that, and change numerics or
-# add work for it: the search once chose torchao's 8-bit AdamW for a LoRA (a tie within the time
-# model's noise) and traced 86 plans where 20-odd differ in anything that matters. Where that bound
-# is under SMALL_STATES of the budget and the user named none of them, the optimizer is the
-# workload's own, stepped after backward, its states on the device; the search notes it. When no
-# plan fits that way, memfit.planner.search plans again with them, so no answer is lost.
+# With an adapter few parameters train: their gradients and AdamW's states are at most
+# ``STATE_BYTES_AT_MOST`` bytes each. Low-bit states, the step in backward and state offload can then
+# save no more than that, and change numerics or add work for it. Where that bound is under
+# ``SMALL_STATES`` of the budget and the user named none of them, the optimizer is the workload's own,
+# stepped after backward, its states on the device; the search notes it. When no plan fits that way,
+# memfit.planner.search plans again with them, so no answer is lost. Measured: docs/planner-notes.md.
 SMALL_STATES = 0.01
 STATE_BYTES_AT_MOST = 16
 """Per trained parameter: an fp32 gradient (4), AdamW's two fp32 moments (8), and 4 to spare."""
@@ -133,10 +118,8 @@ def leave_out_optimizer_choices(space: SearchSpace, trainable: int, budget_bytes
 # update is left out: NOTE [ Low-bit states on the host ]; its device-step offload and FSDP2 are
 # refused). So where the weights at 16 bits and its states at their least (``state_bytes_at_least``
 # per trained parameter) exceed the budget, no plan with it can fit, and timing it would only cost
-# its compiles (tens of seconds on a cold cache): Llama-2-7B on a 24 GB card holds 12.55 GiB of
-# bf16 weights and 12.55 GiB of 8-bit or fp8 states at least. Such a variant is left out, with a note.
-
-
+# its compiles (tens of seconds on a cold cache). Such a variant is left out, with a note. Measured:
+# docs/planner-notes.md.
 def leave_out_states_that_cannot_fit(space: SearchSpace, facts: ModelFacts, budget_bytes: int,
                                      device: Device) -> None:
     """NOTE [ States that cannot fit ] (one rank: unsharded states)."""
@@ -153,18 +136,6 @@ def leave_out_states_that_cannot_fit(space: SearchSpace, facts: ModelFacts, budg
                                f"device ({fmt_bytes(int(trained * least))} at least) exceed the budget")
 
 
-# NOTE [ Weights that cannot fit ]
-# On one rank every plan the search tries holds the whole model's weights on the device: no technique
-# in the space offloads or shards parameters. A precision whose weights alone exceed the budget
-# (Llama-2-7B's fp32 weights, 25.1 GiB, with autocast or without, on a 24 GB card) can then fit in no
-# plan. Left in, it cost the search more than its own traces: it was the default plan that every
-# other value's saving was measured against, where the peak is the fp32 optimizer step, so
-# checkpointing and chunked loss "saved" nothing there and the estimates of the plans that matter
-# erred by 10-20 GiB (the walk traced eight 4-bit plans estimated at 11.9 GiB that needed 22-34).
-# Such a precision is left out with a note, as with every base weight kept as-is (an adapter's base
-# is the model's weights at the plan's precision); quantized base weights are not counted here.
-
-
 def weight_bytes(model: torch.nn.Module, precision: str) -> int:
     """The bytes of ``model``'s parameters (meta) held at ``precision``: floating-point ones in bf16
     where its weights are bf16, else as the model builds them (autocast keeps them)."""
@@ -178,6 +149,14 @@ def weight_bytes(model: torch.nn.Module, precision: str) -> int:
     return total
 
 
+# NOTE [ Weights that cannot fit ]
+# On one rank every plan the search tries holds the whole model's weights on the device: no technique
+# in the space offloads or shards parameters. A precision whose weights alone exceed the budget can
+# then fit in no plan, and left in it would be the default plan every other value's saving is
+# measured against, where its own peak hides what the others save, and the estimates of the plans
+# that matter err by gigabytes. Such a precision is left out with a note, as with every base weight
+# kept as-is (an adapter's base is the model's weights at the plan's precision); quantized base
+# weights are not counted here. Measured: docs/planner-notes.md.
 def leave_out_weights_that_cannot_fit(space: SearchSpace, facts: ModelFacts, budget_bytes: int) -> None:
     """NOTE [ Weights that cannot fit ] (one rank, base weights as the model holds them)."""
     from memfit.units import fmt_bytes
@@ -191,6 +170,15 @@ def leave_out_weights_that_cannot_fit(space: SearchSpace, facts: ModelFacts, bud
         space.notes.append(f"precision {v} left out: its weights alone ({fmt_bytes(sizes[v])}) exceed the budget")
 
 
+# NOTE [ Low-bit states on the host ]
+# With ``offload: [optimizer_states]`` the states live in host memory and the update runs on the
+# host CPU: a low-bit variant's smaller states then save host memory only, not device memory, and
+# its update is a compiled, compute-bound CPU kernel (``OptimizerVariant.slow_host_update``), far
+# slower than torch's fused host AdamW. The op-level time model sees neither (a predicted compiled
+# region runs no kernel op), so the search leaves the combination out: the same plan with the
+# workload's own AdamW on the host needs no more device memory. Low-bit states on the device are
+# still searched, and a plan (or plan flags) that names the combination runs it. Measured:
+# docs/planner-notes.md.
 def candidates(space: SearchSpace, batch_size: int) -> list[Plan]:
     names = list(space.values)
     out, slow_on_host = [], []

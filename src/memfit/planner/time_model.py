@@ -3,7 +3,8 @@
 A plan's step time comes from one of two models: on the CPU, short real steps of the plan's own
 TrainStep (memfit.planner.cost: the base plan and each technique value alone, timed here); on a
 GPU preset, the ops the plan's own step runs, priced by the op-level roofline (memfit.planner.
-gpu_time over memfit.planner.timing). Timing every candidate would take minutes, so both start
+gpu_time over memfit.planner.timing). A time model says nothing of memory: the search climbs an
+evidence ladder for that (memfit.planner.ladder), built beside the model. Timing every candidate would take minutes, so both start
 from the same *factor estimate*: the base plan's time times the ratio each of the plan's values
 had alone (:func:`factor_estimate`; values are assumed to combine multiplicatively). The CPU's
 estimate is final; the GPU model replaces it by the plan's own ops when the search visits it
@@ -16,14 +17,8 @@ it per step only when told how long the run is (:meth:`StepTimeModel.per_step`).
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping
-from typing import TYPE_CHECKING
 
 from memfit.plans import Plan
-
-if TYPE_CHECKING:
-    from memfit.memory.budget import Budget
-    from memfit.planner.ladder import Ladder
-    from memfit.target import Target
 
 
 def factor_estimate(base_seconds: float, keys: Iterable[Hashable], factors: Mapping[Hashable, float]) -> float:
@@ -55,10 +50,6 @@ class StepTimeModel:
     def describe(self) -> str:
         raise NotImplementedError
 
-    def ladder(self, target: Target, budget: Budget) -> Ladder:
-        """The evidence the search climbs for a plan's memory with this model (memfit.planner.ladder)."""
-        raise NotImplementedError
-
     def per_step(self, plan: Plan, steps: int | None) -> float:
         """Seconds per step over a run of ``steps`` steps (compile time spread over them); None: a
         run long enough for compile time not to count."""
@@ -79,4 +70,4 @@ class StepTimeModel:
         walk before it starts)."""
 
     def close(self) -> None:
-        """Release what the model holds (worker processes)."""
+        """Release what the model holds."""

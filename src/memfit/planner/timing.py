@@ -37,7 +37,8 @@ import time
 from memfit.devices import Device
 from memfit.memory.categories import STEADY_STEP
 from memfit.memory.report import MemoryReport
-from memfit.planner.opcost import (
+from memfit.planner.opcost import OpRecorder
+from memfit.planner.ops import (
     AFTER_COMPUTE,
     BACKGROUND,
     COMM,
@@ -58,7 +59,6 @@ from memfit.planner.opcost import (
     WAIT,
     WORKER,
     Op,
-    OpRecorder,
 )
 from memfit.planner.roofline import H100, Constants, Rates, StepTime
 from memfit.plans import Plan
@@ -76,6 +76,47 @@ def _in_graph(op: Op, fused: float) -> float:
     return fused if op.phase in (2, 3) and not op.flags & COMPILED else 1.0
 
 
+# NOTE [ Collectives ]
+# With sharding (FSDP2) a rank's step has collectives: an all-gather of each block's parameters
+# before its forward (and its backward), a reduce-scatter of its gradients after its backward. The
+# fake trace runs FSDP2's own code against a fake process group, so the recorder sees each
+# collective where FSDP2 issues it (COMM ops, priced at what one rank sends over the interconnect:
+# ring algorithms, (N - 1) / N of the gathered or reduced bytes, at ``comm_eff`` of the card's
+# NVLink or PCIe bandwidth, plus ``comm_latency``), the ops FSDP2 runs on its own streams (copies
+# into and out of the flat buffers, the division of the reduced gradients: COMM_STREAM), and the
+# first compute-stream op that reads what a collective wrote (WAIT). The collectives and FSDP2's
+# stream ops run in order on one clock of their own, from when the CPU issues them (a prefetched
+# all-gather overlaps the block computing before it); a reduce-scatter first waits for the compute
+# stream, as does whatever FSDP2 runs on its streams after telling them to (``wait_stream``: the
+# gradients just made; the first all-gather of a step, after the optimizer). A WAIT holds the compute
+# stream until that clock has passed the op it reads; before the optimizer the compute stream waits
+# for all of it (FSDP2's final backward callback waits for the last reduce-scatter). Those waits are
+# the exposed communication, the step's own part. Nothing here was measured on several GPUs;
+# the bandwidths are the specification sheets'.
+#
+# NOTE [ Prefetch overlap ]
+# Offloaded optimizer states are fetched on a side stream one parameter ahead of the update, so a
+# fetch could in principle run while the GPU still works through the backward the CPU issued
+# earlier. The H100 recordings say it does not help that much: GPT-2's offload costs what its
+# copies cost one after the other (+55 ms for 2 x 1 GB). The model therefore starts a prefetch no
+# earlier than the compute stream's position when it is issued; it overlaps the update of the
+# previous parameter and its copy out (at ``duplex`` slowdown), not the backward.
+#
+# NOTE [ Host optimizer ]
+# Offloaded activations go out on a stream of their own too (OUT_STREAM in forward), the compute
+# stream waiting for the oldest copy when more than STASH are in flight, and for all of them before
+# backward. With offloaded optimizer states (memfit.techniques.offload_optimizer) gradients go out on a stream
+# of their own as backward makes them (OUT_STREAM: after what the compute stream has queued, not
+# delaying it), a worker thread runs each parameter's update on the host once its gradient is out
+# (WORKER host ops: host bytes at HOST_BW, on the worker's clock, not the step's CPU) and copies the
+# parameter back on another stream (WORKER H2D). The step waits for the worker and that stream before
+# its next optimizer-phase op, and ends when every clock has.
+#
+# NOTE [ Beside the next step ]
+# The EMA on the host (memfit.techniques.ema) enqueues its copies of the weights on a side stream at
+# the end of the step and averages them in a worker thread while the next step runs; the next
+# update waits for the previous one. In the steady state a step therefore lasts at least that chain
+# (the copies, then the averaging), and otherwise costs only issuing the copies.
 def simulate(ops: list[Op], device: Device, k: Constants = H100, *, fused: float = 1.0) -> StepTime:
     """Run the ops through the CPU and GPU clocks (see the module docstring)."""
     rates = Rates.of(device, k)
@@ -176,52 +217,6 @@ def simulate(ops: list[Op], device: Device, k: Constants = H100, *, fused: float
                     kernels=kernels, ops=len(ops))
 
 
-# NOTE [ Collectives ]
-# With sharding (FSDP2) a rank's step has collectives: an all-gather of each block's parameters
-# before its forward (and its backward), a reduce-scatter of its gradients after its backward. The
-# fake trace runs FSDP2's own code against a fake process group, so the recorder sees each
-# collective where FSDP2 issues it (COMM ops, priced at what one rank sends over the interconnect:
-# ring algorithms, (N - 1) / N of the gathered or reduced bytes, at ``comm_eff`` of the card's
-# NVLink or PCIe bandwidth, plus ``comm_latency``), the ops FSDP2 runs on its own streams (copies
-# into and out of the flat buffers, the division of the reduced gradients: COMM_STREAM), and the
-# first compute-stream op that reads what a collective wrote (WAIT). The collectives and FSDP2's
-# stream ops run in order on one clock of their own, from when the CPU issues them (a prefetched
-# all-gather overlaps the block computing before it); a reduce-scatter first waits for the compute
-# stream, as does whatever FSDP2 runs on its streams after telling them to (``wait_stream``: the
-# gradients just made; the first all-gather of a step, after the optimizer). A WAIT holds the compute
-# stream until that clock has passed the op it reads; before the optimizer the compute stream waits
-# for all of it (FSDP2's final backward callback waits for the last reduce-scatter). Those waits are
-# the exposed communication, the step's own part. Nothing here was measured on several GPUs;
-# the bandwidths are the specification sheets'.
-
-
-# NOTE [ Prefetch overlap ]
-# Offloaded optimizer states are fetched on a side stream one parameter ahead of the update, so a
-# fetch could in principle run while the GPU still works through the backward the CPU issued
-# earlier. The H100 recordings say it does not help that much: GPT-2's offload costs what its
-# copies cost one after the other (+55 ms for 2 x 1 GB). The model therefore starts a prefetch no
-# earlier than the compute stream's position when it is issued; it overlaps the update of the
-# previous parameter and its copy out (at ``duplex`` slowdown), not the backward.
-
-
-# NOTE [ Host optimizer ]
-# Offloaded activations go out on a stream of their own too (OUT_STREAM in forward), the compute
-# stream waiting for the oldest copy when more than STASH are in flight, and for all of them before
-# backward. With offloaded optimizer states (memfit.techniques.offload_optimizer) gradients go out on a stream
-# of their own as backward makes them (OUT_STREAM: after what the compute stream has queued, not
-# delaying it), a worker thread runs each parameter's update on the host once its gradient is out
-# (WORKER host ops: host bytes at HOST_BW, on the worker's clock, not the step's CPU) and copies the
-# parameter back on another stream (WORKER H2D). The step waits for the worker and that stream before
-# its next optimizer-phase op, and ends when every clock has.
-
-
-# NOTE [ Beside the next step ]
-# The EMA on the host (memfit.techniques.ema) enqueues its copies of the weights on a side stream at
-# the end of the step and averages them in a worker thread while the next step runs; the next
-# update waits for the previous one. In the steady state a step therefore lasts at least that chain
-# (the copies, then the averaging), and otherwise costs only issuing the copies.
-
-
 def _on_worker(op: Op, rates: Rates, w: float, w_in: float, ready: float) -> tuple[float, float, float]:
     """A worker-thread op of the host optimizer: (worker clock, stream-in clock, its seconds)."""
     k = rates.k
@@ -293,9 +288,9 @@ def record_ops(target: Target) -> list[Op]:
     return recorder.ops
 
 
-def trace_step(target: Target, k: Constants = H100, on_tracker=None) -> tuple[MemoryReport, StepTime, list[Op]]:
+def record_step(target: Target, on_tracker=None) -> tuple[MemoryReport, list[Op]]:
     """One fake trace of ``target``'s step giving both what the planner needs: its memory report (as
-    ``estimate`` gives it) and its step time (and the ops behind it). A compiled plan takes two: its
+    ``estimate`` gives it) and the ops of its steady-state step. A compiled plan takes two: its
     compiled step for memory, its eager step for the ops (:func:`eager_plan`).
 
     ``on_tracker(tracker)``: told of the memory tracker of an eager plan's trace (compiled: not)."""
@@ -306,17 +301,21 @@ def trace_step(target: Target, k: Constants = H100, on_tracker=None) -> tuple[Me
 
     t0 = time.perf_counter()
     if not target.plan.config("compile").is_default:
-        report = estimate_target(target, fallback=False)
-        ops = record_ops(target)
-    else:
-        recorder = OpRecorder()
-        with silenced_warnings():
-            run = run_tracked(target, fake=True, around_step=steady_step_recorder(recorder))
-        notes = [note for config in target.plan.techniques for note in config.notes()]
-        report = report_for(run.tracker, target, "fake", notes=notes, trace_seconds=time.perf_counter() - t0)
-        ops = recorder.ops
-        if on_tracker is not None:
-            on_tracker(run.tracker)
+        return estimate_target(target, fallback=False), record_ops(target)
+    recorder = OpRecorder()
+    with silenced_warnings():
+        run = run_tracked(target, fake=True, around_step=steady_step_recorder(recorder))
+    notes = [note for config in target.plan.techniques for note in config.notes()]
+    report = report_for(run.tracker, target, "fake", notes=notes, trace_seconds=time.perf_counter() - t0)
+    if on_tracker is not None:
+        on_tracker(run.tracker)
+    return report, recorder.ops
+
+
+def trace_step(target: Target, k: Constants = H100, on_tracker=None) -> tuple[MemoryReport, StepTime, list[Op]]:
+    """:func:`record_step`, and the step time of its ops."""
+    t0 = time.perf_counter()
+    report, ops = record_step(target, on_tracker)
     st = time_from_ops(ops, target, k)
     st.trace_seconds = time.perf_counter() - t0
     return report, st, ops

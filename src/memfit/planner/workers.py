@@ -13,31 +13,6 @@ test session, a notebook), where the traces use CUDA (``--device cuda``, or a pr
 GPU machine: a forked child cannot initialise CUDA), where ``fork`` is not available (macOS,
 Windows), with one core, or with ``MEMFIT_PLAN_WORKERS=1``, the jobs run here in turn, as they do
 after a worker died.
-
-NOTE [ Jobs in the background, and after the compile they share ]
-Two things kept a core idle or busy for nothing while the planner measured before its walk (GPT-2
-at 8 x 1024 for 2 GiB on the h100-80gb preset, 2 cores):
-- **A compile done twice.** torchao's 4-bit update compiles a graph per parameter shape, 14.6 s of
-  a worker on a cold cache. Both traces of its shallow pair compiled it at once, one per worker,
-  where the deeper one, run after the shallower, loads all 9 graphs from Inductor's cache (3.4 s).
-  :meth:`Workers.map` takes ``after``: a job starts only once the job it names has ended (and
-  ``skip``: a job the result of that one makes needless does not run).
-- **A wait between two batches.** The values that only add work are measured after the others,
-  and only where the others leave the question open (NOTE [ Work-adding values when the default
-  plan fits ] in memfit.planner.gpu_time). :meth:`Workers.start` queues them behind the others
-  at once, so the worker the compile leaves free traces them; :meth:`Workers.cancel` drops those
-  not started where they are not needed. Here (one process) they run only when asked for.
-
-NOTE [ A compile's traces in the process that compiled it ]
-The process that compiled torchao's 4-bit update for GPT-2 (9 graphs, 16.7 s cold) traced it again
-in 0.6 s: the graphs are in its memory. The other process took 3.2 s, loading them from Inductor's
-disk cache, and ``ProcessPoolExecutor`` handed a job to whichever process took it first: the
-deeper trace of the pair went to the other one, on the critical path before the walk, and the
-walk's 4-bit plans went to either. So the workers are plain forked processes that memfit hands
-each job to (memfit.planner.processes), and a job with an affinity key (what it compiles:
-``memfit.planner.gpu_time._compiles``) runs in a process that was given a job of its key, waiting
-for it where it is busy; a key no process has had goes to any. Two plans of one key then run in
-turn in one process (0.6 s each) where the other would have loaded the graphs (3.2 s).
 """
 
 from __future__ import annotations
@@ -83,6 +58,13 @@ def _done(result) -> Future:
     return future
 
 
+# NOTE [ A compile's traces in the process that compiled it ]
+# A process that compiled a graph (torchao's update) traces it again fast: the graphs are in its
+# memory, where another process loads them from Inductor's disk cache, several times slower. So the
+# workers are plain forked processes that memfit hands each job to (memfit.planner.processes), and a
+# job with an affinity key (what it compiles: ``memfit.planner.traces.compiles``) runs in a process
+# that was given a job of its key, waiting for it where it is busy; a key no process has had goes to
+# any. Two plans of one key then run in turn in one process. Measured: docs/planner-notes.md.
 class Workers:
     """Runs ``fn(job)`` for lists of jobs, in forked processes when there are several cores.
 
@@ -103,6 +85,20 @@ class Workers:
         self._background: dict = {}
         """Background job -> its future, once handed to a worker, until a :meth:`map` takes it."""
 
+    # NOTE [ Jobs in the background, and after the compile they share ]
+    # Two things would keep a core idle or busy for nothing while the planner measures before its walk:
+    #
+    # - **A compile done twice.** Both traces of a shallow pair that compiles (torchao's update) would
+    #   compile it at once, one per worker, where the deeper one, run after the shallower, loads the
+    #   graphs from Inductor's cache. :meth:`Workers.map` takes ``after``: a job starts only once the job
+    #   it names has ended (and ``skip``: a job the result of that one makes needless does not run).
+    # - **A wait between two batches.** The values that only add work are measured after the others,
+    #   and only where the others leave the question open (NOTE [ Work-adding values when the default
+    #   plan fits ] in memfit.planner.baseline). :meth:`Workers.start` queues them behind the others
+    #   at once, so the worker the compile leaves free traces them; :meth:`Workers.cancel` drops those
+    #   not started where they are not needed. Here (one process) they run only when asked for.
+    #
+    # Measured: docs/planner-notes.md.
     def map(self, jobs: list, after: dict | None = None, behind: list = (), skip: Callable | None = None) -> list:
         """The results of ``jobs``, in order. ``after``: job -> a job that must end before it starts;
         ``skip(job, result)``: True where the result of the job it waited for makes it needless

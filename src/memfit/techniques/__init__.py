@@ -1,9 +1,8 @@
-"""Memory techniques: one module each (see memfit.techniques.base for what a technique is).
+"""Memory techniques: one module each. What a technique is, and how to add one:
+memfit.techniques.base.
 
-Every module that defines ``TECHNIQUE`` is found here. Adding a technique is adding its module and
-naming its keys as fields of :class:`memfit.plans.Plan` (where the build order is written): the
-plan's keys, ``build_step``, the planner's search space and time model, the exports, the report's
-ablations and OOM adaptation all come from ``memfit.plans.TECHNIQUES``.
+Every module that defines ``TECHNIQUE`` is found here; ``memfit.plans`` orders them by the fields of
+``Plan``.
 """
 
 from __future__ import annotations

@@ -25,11 +25,6 @@ without them PEFT's defaults for the model's type, diffusers' attention projecti
 ``inject_adapter_in_model``, so the model keeps its class and the workload's loss runs unchanged.
 A workload that builds a PEFT model itself (``get_peft_model``, ``inject_adapter_in_model``,
 diffusers' ``add_adapter``) needs no plan key: its frozen weights already get no gradients.
-
-NOTE [ Methods are the user's ]
-The empty plan trains the workload's own model. A method key (``adapter``, ``base_weights``)
-changes the parameters that train, so it is applied only when the plan names it, before every
-technique (``order``), and never searched by default.
 """
 
 from __future__ import annotations
@@ -43,6 +38,10 @@ from memfit.techniques.base import Config, Export, Key, Technique, register
 ALL_LINEAR = "all-linear"
 
 
+# NOTE [ Methods are the user's ]
+# The empty plan trains the workload's own model. A method key (``adapter``, ``base_weights``)
+# changes the parameters that train, so it is applied only when the plan names it, before every
+# technique (``order``), and never searched by default.
 class Adapter(Config):
     rank = None  # a method: not in the techniques' memory order
 

@@ -5,15 +5,11 @@ forces its own unfused path: a [batch x heads, T, T] softmax (and dropout) kept 
 the single largest activation of many models, even when the caller throws the weights away
 (``out, _ = attn(...)``). Called with ``need_weights=False`` it returns ``None`` for the weights
 and calls ``scaled_dot_product_attention`` instead, which saves memory *only if* SDPA takes a
-fused kernel for that call. NOTE [ Attention auto follows the kernel ]: SDPA's math path is
-no saving: on the CPU with dropout it keeps fp32 scores, softmax and dropout mask even for
-bf16 inputs (a post-norm MHA transformer, dim 128, 8 heads, 4 layers, dropout 0.1, batch 4,
-seq 128, on this CPU: peak +1.6% in fp32, +30% in bf16, +41% in bf16-pure). So ``auto``, the default, switches a call to SDPA only where the target
-device's kernel for *that call* is fused (:func:`fused_kernel_saves`): on the CPU, flash
-attention without dropout; on CUDA, the cuDNN, flash or memory-efficient kernel that memfit's
-CUDA kernel model (:mod:`memfit.sdpa_backends`) says PyTorch selects for those shapes, dtype,
-mask and dropout. Elsewhere the call runs as the user wrote it, so the empty plan never costs
-memory. ``sdpa`` switches every call (and Hugging Face models to their SDPA implementation).
+fused kernel for that call: its math path is no saving (NOTE [ Attention auto follows the
+kernel ]). So ``auto``, the default, switches a call to SDPA only where the target device's
+kernel for *that call* is fused (:func:`fused_kernel_saves`); elsewhere the call runs as the
+user wrote it, so the empty plan never costs memory. ``sdpa`` switches every call (and Hugging
+Face models to their SDPA implementation).
 
 ``chunked`` computes every ``scaled_dot_product_attention`` call in query chunks of
 ``chunk_size`` rows, each under a checkpoint: only one chunk's T x T slice exists at a time and
@@ -138,10 +134,18 @@ def _sdpa_inputs(module: nn.MultiheadAttention, call: dict):
     return q, k, v, mask, dropout, is_causal
 
 
+# NOTE [ Attention auto follows the kernel ]
+# SDPA's math path is no saving: on the CPU with dropout it keeps fp32 scores, softmax and dropout
+# mask even for bf16 inputs (a post-norm MHA transformer, dim 128, 8 heads, 4 layers, dropout 0.1,
+# batch 4, seq 128, on this CPU: peak +1.6% in fp32, +30% in bf16, +41% in bf16-pure). So ``auto``
+# switches a call to SDPA only where the target device's kernel for that call is fused: on the CPU,
+# flash attention without dropout; on CUDA, the cuDNN, flash or memory-efficient kernel that
+# memfit's CUDA kernel model (:mod:`memfit.sdpa_backends`) says PyTorch selects for those shapes,
+# dtype, mask and dropout.
 def fused_kernel_saves(device, module: nn.MultiheadAttention, call: dict) -> bool:
     """Whether SDPA, for this ``nn.MultiheadAttention`` call with ``need_weights=False``, takes a
     fused kernel on ``device`` (a memfit Device): then it keeps no [B, H, T, T] matrix and saves
-    memory over the call as written. See NOTE [ Attention auto follows the kernel ]."""
+    memory over the call as written (NOTE [ Attention auto follows the kernel ])."""
     q, k, v, mask, dropout, is_causal = _sdpa_inputs(module, call)
     if device.kind == "cuda":
         if device.compute_capability is None:

@@ -6,8 +6,7 @@ variant, as torchtitan's ``FullAC`` / ``SelectiveAC`` / ``MemoryBudgetAC``: froz
 whose documented fields are the variant's options. A plan value is parsed once into one config;
 a :class:`~memfit.plans.Plan` is the composition of one config per technique.
 
-Everything the rest of memfit needs to know about a technique is asked of its config, so adding
-a technique means adding its module (and its test), nothing else:
+Everything the rest of memfit needs to know about a technique is asked of its config:
 
 ============================  =========================================================================
 ``apply(parts)``              change the step being built (:class:`StepParts`): the model, how the
@@ -33,9 +32,23 @@ a technique means adding its module (and its test), nothing else:
 
 The module registers a :class:`Technique` as ``TECHNIQUE``: its keys (name, default, doc, CLI
 parsing), how to parse their values into a config, which values the planner tries (``search``)
-and when OOM adaptation turns to it (``escalation``). ``memfit.techniques`` collects every
-module's ``TECHNIQUE``; :class:`~memfit.plans.Plan` names its keys as fields, and the fields'
-order is the order ``build_step`` applies the configs in.
+and when OOM adaptation turns to it (``escalation``). The optimizer variants of the key
+``optimizer`` answer a few questions more, about an optimizer alone (memfit.techniques.
+optimizer_variant's ``OptimizerVariant``).
+
+Adding a technique (the one place that says how):
+
+1. Its module in ``memfit/techniques/``, opening with a docstring that teaches its memory and
+   compute trade-off; one frozen config dataclass per variant (a subclass of :class:`Config`,
+   documented fields), answering what the table above asks where the default does not fit; and
+   ``TECHNIQUE = register(Technique(name, keys, parse, ...), *config_classes)``. ``memfit.
+   techniques`` finds it by that name.
+2. Its keys as fields of :class:`~memfit.plans.Plan` (``memfit/plans.py``), each defaulting to its
+   ``Key``: where they stand among the fields is when ``build_step`` applies the config. The CLI's
+   plan flags, ``build_step``, the planner's search space, time model and pruning, the exports, the
+   report's ablations and OOM adaptation all come from ``memfit.plans.TECHNIQUES``.
+3. Its test under ``tests/unit/techniques/``: the memory it saves, measured independently of the
+   code under test, and gradients equal to the step without it (or within a stated bound).
 """
 
 from __future__ import annotations
@@ -107,21 +120,6 @@ class Config:
     """Only adds work (recompute, copies): a calibrated factor below 1 is timing noise."""
     warms_up: ClassVar[bool] = False
     """Costs time once before the first step (compiling): the calibrated model measures it."""
-    compiles_per_weight_dtype: ClassVar[bool] = False
-    """Compiles a graph per dtype of the weights (torchao's update: per parameter shape and
-    dtype): the GPU-preset planner measures it once, at the smallest weights it searches (NOTE
-    [ Compiled updates measured at the smallest weights ] in memfit.planner.gpu_time)."""
-    slow_host_update: ClassVar[bool] = False
-    """An optimizer whose update on host tensors (``offload: [optimizer_states]``, stepped on the
-    host) is far slower than torch's fused host AdamW: torchao's low-bit update is a compiled,
-    compute-bound CPU kernel (18.6 ns per element on 2 cores of an AMD EPYC, 47x torch's fused
-    AdamW there: 125 s a step for 7B parameters). On the host its small states save no device
-    memory, so the planner leaves that combination out (NOTE [ Low-bit states on the host ])."""
-    state_bytes_at_least: ClassVar[float | None] = None
-    """An optimizer's state bytes per trained parameter, at the least (None: not stated). With
-    ``slow_host_update`` its states stay on the device in every searched plan, so the planner leaves
-    it out where the weights in 16 bits and these states alone exceed the budget (NOTE [ States that
-    cannot fit ])."""
     numerics: ClassVar[str | None] = None
     """How this config changes the numbers the update computes, in a few words (e.g. "4-bit AdamW
     states"); None: it computes what the workload's own step computes (up to kernel rounding)."""

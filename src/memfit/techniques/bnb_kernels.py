@@ -2,58 +2,6 @@
 
 Used by :mod:`memfit.techniques.base_weights` (``base_weights: nf4``) and by any workload that
 builds bitsandbytes modules itself (``Linear4bit``, ``Linear8bitLt``, ``BitsAndBytesConfig``).
-
-NOTE [ bitsandbytes parameters on fake tensors ]
-``Params4bit`` and ``Int8Params`` are ``nn.Parameter`` subclasses made with
-``torch.Tensor._make_subclass(cls, data)``, which needs a plain tensor: a fake tensor's storage is
-already owned by its ``FakeTensor`` object, so no bitsandbytes module could be built on fake
-tensors ("Creating a new Tensor subclass Params4bit but the raw Tensor object is already
-associated to a python object of type FakeTensor"). While a fake trace runs, ``_make_subclass``
-of fake data returns the fake tensor re-classed as a subclass of both ``FakeTensor`` (fake mode
-dispatches it) and the requested class (bitsandbytes' methods and attributes: ``quant_state``,
-``.to`` that quantizes, ``CB``/``SCB``), keeping the class's name (peft checks
-``param.__class__.__name__ != "Params4bit"``). Its ``detach`` keeps that class, as
-``nn.Parameter(...)`` in ``Module._apply`` requires. Quantization then runs bitsandbytes' own
-code on fake tensors: its custom ops' fake kernels give the packed uint8 weights, absmax and the
-nested statistics exact shapes and dtypes. Every other ``_make_subclass`` call is untouched.
-
-NOTE [ 4-bit matmul kernels on fake tensors ]
-``bitsandbytes::gemm_4bit`` is one custom op whose fake kernel returns only the output. The
-real kernels allocate more, inside the op:
-- CPU (bitsandbytes' default kernel, backends/default/ops.py ``_gemm_4bit_default_impl``): with
-  double quantization the fp32 block scales (``dequantize_blockwise`` + offset), then the weight
-  dequantized to the input's dtype, [out, in], then ``F.linear``;
-- CUDA (backends/cuda/ops.py): the fused kernel (no temporary) when bitsandbytes' own per-arch
-  heuristic ``_gemm_4bit_use_custom_cuda`` picks it (few rows: M <= 1536 tokens, K a multiple of
-  the block size), else ``_dequant_linear_fallback``: fp32 scales and scales + offset (both held),
-  the [out, in] weight in the input's dtype, ``F.linear``.
-:class:`Gemm4bitKernels` runs those ops instead of the fake kernel, so the tracker (and the CUDA
-kernel model below it) sees each temporary. The backward needs nothing: ``MatMul4Bit.backward``
-is Python (``F.dequantize_4bit`` -> an [out, in] weight in the quantization dtype, cast to the
-gradient's dtype, ``matmul``) and traces as it runs.
-
-NOTE [ The 4-bit matmul under autocast ]
-``gemm_4bit`` has no autocast kernel: the dispatcher passes autocast through, and its CUDA (and
-CPU) implementation runs with autocast on. Its ``F.linear`` is therefore autocast: under bf16
-autocast a layer whose input is fp32 (``compute_dtype`` is the weight's dtype, fp32 beside fp32
-master weights) dequantizes to fp32, casts input and weight to bf16, runs a bf16 GEMM on tensor
-cores and returns bf16, although bitsandbytes' fake kernel says ``A.dtype``. The gradient is then
-bf16 and ``MatMul4Bit.backward``'s GEMM is bf16 too. An H200 profile of QLoRA on a 3B Llama shows
-exactly that: every GEMM a bf16 tensor-core kernel, 1,712 bf16 casts a step. A dispatch mode,
-though, is called below the autocast keys with autocast excluded, so :class:`Gemm4bitKernels`
-would run the ``F.linear`` in fp32, and the trace had fp32 outputs and 196 fp32 backward GEMMs
-(46 TFLOP at CUDA-core rates: the time model's +118% on the H100's QLoRA row). While the mode is
-entered, an AutocastCPU kernel for ``gemm_4bit`` (fake traces run on CPU tensors, a GPU preset
-under CPU autocast with CUDA's lists) notes that autocast is on and hands the call on below the
-autocast key, and the mode runs its kernels with autocast on again, as the real implementation.
-Its ``F.linear`` reaches the modes below whole (``aten.linear``, called below autograd), so the
-time model counts it as the GEMM it is (``memfit.planner.opcost``) and the CPU's kernel probes
-measure its scratch (``memfit.memory.workspaces``); it had been priced as a memory-bound op, which
-made QLoRA look faster than LoRA. The real step measured under memfit's tracker (``memfit
-profile``) had the same blind spot: a mode hides autocast from bitsandbytes' kernel there too, so
-the mode calls that kernel at its backend key with autocast on. With no mode active (a plain
-training run) :func:`gemm_4bit_kernels` enters nothing. The 3B Llama's QLoRA step is now predicted
-+17% on the H100 row and +6% on the H200's (``tests/unit/test_timing.py``).
 """
 
 from __future__ import annotations
@@ -80,6 +28,19 @@ def _fake_class(cls: type) -> type:
     return _FAKE_CLASSES[cls]
 
 
+# NOTE [ bitsandbytes parameters on fake tensors ]
+# ``Params4bit`` and ``Int8Params`` are ``nn.Parameter`` subclasses made with
+# ``torch.Tensor._make_subclass(cls, data)``, which needs a plain tensor: a fake tensor's storage is
+# already owned by its ``FakeTensor`` object, so no bitsandbytes module could be built on fake
+# tensors ("Creating a new Tensor subclass Params4bit but the raw Tensor object is already
+# associated to a python object of type FakeTensor"). While a fake trace runs, ``_make_subclass``
+# of fake data returns the fake tensor re-classed as a subclass of both ``FakeTensor`` (fake mode
+# dispatches it) and the requested class (bitsandbytes' methods and attributes: ``quant_state``,
+# ``.to`` that quantizes, ``CB``/``SCB``), keeping the class's name (peft checks
+# ``param.__class__.__name__ != "Params4bit"``). Its ``detach`` keeps that class, as
+# ``nn.Parameter(...)`` in ``Module._apply`` requires. Quantization then runs bitsandbytes' own
+# code on fake tensors: its custom ops' fake kernels give the packed uint8 weights, absmax and the
+# nested statistics exact shapes and dtypes. Every other ``_make_subclass`` call is untouched.
 @contextlib.contextmanager
 def fake_parameter_subclasses():
     """See NOTE [ bitsandbytes parameters on fake tensors ]."""
@@ -117,10 +78,46 @@ def has_4bit_layers(model: torch.nn.Module) -> bool:
     return any(isinstance(m, Linear4bit) for m in model.modules())
 
 
+# NOTE [ 4-bit matmul kernels on fake tensors ]
+# ``bitsandbytes::gemm_4bit`` is one custom op whose fake kernel returns only the output. The
+# real kernels allocate more, inside the op:
+# - CPU (bitsandbytes' default kernel, backends/default/ops.py ``_gemm_4bit_default_impl``): with
+#   double quantization the fp32 block scales (``dequantize_blockwise`` + offset), then the weight
+#   dequantized to the input's dtype, [out, in], then ``F.linear``;
+# - CUDA (backends/cuda/ops.py): the fused kernel (no temporary) when bitsandbytes' own per-arch
+#   heuristic ``_gemm_4bit_use_custom_cuda`` picks it (few rows: M <= 1536 tokens, K a multiple of
+#   the block size), else ``_dequant_linear_fallback``: fp32 scales and scales + offset (both held),
+#   the [out, in] weight in the input's dtype, ``F.linear``.
+# :class:`Gemm4bitKernels` runs those ops instead of the fake kernel, so the tracker (and the CUDA
+# kernel model below it) sees each temporary. The backward needs nothing: ``MatMul4Bit.backward``
+# is Python (``F.dequantize_4bit`` -> an [out, in] weight in the quantization dtype, cast to the
+# gradient's dtype, ``matmul``) and traces as it runs.
 class Gemm4bitKernels(TorchDispatchMode):
     """See NOTE [ 4-bit matmul kernels on fake tensors ]. ``device``: the memfit Device whose
     kernels are modelled (a GPU preset: CUDA's; else the CPU's). Real tensors pass through."""
 
+    # NOTE [ The 4-bit matmul under autocast ]
+    # ``gemm_4bit`` has no autocast kernel: the dispatcher passes autocast through, and its CUDA (and
+    # CPU) implementation runs with autocast on. Its ``F.linear`` is therefore autocast: under bf16
+    # autocast a layer whose input is fp32 (``compute_dtype`` is the weight's dtype, fp32 beside fp32
+    # master weights) dequantizes to fp32, casts input and weight to bf16, runs a bf16 GEMM on tensor
+    # cores and returns bf16, although bitsandbytes' fake kernel says ``A.dtype``. The gradient is then
+    # bf16 and ``MatMul4Bit.backward``'s GEMM is bf16 too. An H200 profile of QLoRA on a 3B Llama shows
+    # exactly that: every GEMM a bf16 tensor-core kernel, 1,712 bf16 casts a step. A dispatch mode,
+    # though, is called below the autocast keys with autocast excluded, so :class:`Gemm4bitKernels`
+    # would run the ``F.linear`` in fp32, and the trace had fp32 outputs and 196 fp32 backward GEMMs
+    # (46 TFLOP at CUDA-core rates: the time model's +118% on the H100's QLoRA row). While the mode is
+    # entered, an AutocastCPU kernel for ``gemm_4bit`` (fake traces run on CPU tensors, a GPU preset
+    # under CPU autocast with CUDA's lists) notes that autocast is on and hands the call on below the
+    # autocast key, and the mode runs its kernels with autocast on again, as the real implementation.
+    # Its ``F.linear`` reaches the modes below whole (``aten.linear``, called below autograd), so the
+    # time model counts it as the GEMM it is (``memfit.planner.opcost``) and the CPU's kernel probes
+    # measure its scratch (``memfit.memory.workspaces``); it had been priced as a memory-bound op, which
+    # made QLoRA look faster than LoRA. The real step measured under memfit's tracker (``memfit
+    # profile``) had the same blind spot: a mode hides autocast from bitsandbytes' kernel there too, so
+    # the mode calls that kernel at its backend key with autocast on. With no mode active (a plain
+    # training run) :func:`gemm_4bit_kernels` enters nothing. The 3B Llama's QLoRA step is now predicted
+    # +17% on the H100 row and +6% on the H200's (``tests/unit/test_timing.py``).
     def __init__(self, device):
         super().__init__()
         self.device = device

@@ -15,20 +15,6 @@ for two units of backward). Variants, as torchtitan's AC classes:
   keeps a fraction F of the activations of the compiled regions, recomputing the cheapest rest;
 - :class:`NoAC` (``none``).
 
-NOTE [ Activation budget ladder ]: a compiled plan without checkpointing runs at torch's default
-budget (1: keep what the partitioner keeps anyway). Lowering F buys memory inside the compiled
-regions with the batch kept whole (H100, GPT-2: F 0.5 took 5.5 GiB at +19% step time where compile
-alone took 6.6 GiB), so OOM adaptation lowers it first, along ``BUDGET_LADDER`` (1 -> 0.5 -> 0.1),
-then splits the batch; the planner searches the same fractions. The ladder stops at 0.1, not 0: at
-budget 0 a whole-model graph (``compile: full``) recomputes its entire forward before the first
-backward op and holds it, so its peak can exceed that of no budget (+12% predicted for the 2-layer
-GPT-2 at batch 4 x 128 whose compiled peaks tests/unit/techniques/test_compile.py checks against the
-profiler), while 0.1 came out below 0.5 for whole-model graphs and blocks alike (the H100 recording;
-predictions of that GPT-2). Peak memory is not monotone in F for whole-model graphs (0.25 above 0.5
-on that GPT-2), so budgets stay out of the memory order the planner prunes by (``rank = None``). A
-compiled plan that checkpoints blocks or selectively keeps its mode (the budget is a checkpointing
-mode of its own).
-
 All use non-reentrant ``torch.utils.checkpoint`` with the RNG state restored, so dropout gives
 the same result, and the model's code and module types stay unchanged (only the blocks'
 ``forward`` is wrapped). The recomputation runs under the contexts the step holds around forward
@@ -219,6 +205,20 @@ class NoAC(Checkpointing):
     def escalation(self, ctx: AdaptContext):
         return BUDGET_ESCALATION if _compiles(ctx.plan) else self.technique.escalation
 
+    # NOTE [ Activation budget ladder ]
+    # A compiled plan without checkpointing runs at torch's default budget (1: keep what the
+    # partitioner keeps anyway). Lowering F buys memory inside the compiled regions with the batch
+    # kept whole (H100, GPT-2: F 0.5 took 5.5 GiB at +19% step time where compile alone took 6.6 GiB),
+    # so OOM adaptation lowers it first, along ``BUDGET_LADDER`` (1 -> 0.5 -> 0.1), then splits the
+    # batch; the planner searches the same fractions. The ladder stops at 0.1, not 0: at budget 0 a
+    # whole-model graph (``compile: full``) recomputes its entire forward before the first backward op
+    # and holds it, so its peak can exceed that of no budget (+12% predicted for the 2-layer GPT-2 at
+    # batch 4 x 128 whose compiled peaks tests/unit/techniques/test_compile.py checks against the
+    # profiler), while 0.1 came out below 0.5 for whole-model graphs and blocks alike (the H100
+    # recording; predictions of that GPT-2). Peak memory is not monotone in F for whole-model graphs
+    # (0.25 above 0.5 on that GPT-2), so budgets stay out of the memory order the planner prunes by
+    # (``rank = None``). A compiled plan that checkpoints blocks or selectively keeps its mode (the
+    # budget is a checkpointing mode of its own).
     def frugal(self, ctx: AdaptContext):
         if _compiles(ctx.plan):  # NOTE [ Activation budget ladder ]
             return _lower_budget(ctx, 1.0)

@@ -62,17 +62,16 @@ def _chunk_loss(hidden, labels, weight, bias, ignore_index):
     return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
 
 
+# NOTE [ One slice of logits at a time ]
+# Each slice runs under a non-reentrant checkpoint, so forward keeps only the slice's scalar; backward
+# recomputes one slice's [tokens/K, vocab] logits, takes their gradient and frees them before the next
+# slice.
 def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Linear, chunks: int, *,
                           ignore_index: int = IGNORE_INDEX, num_items_in_batch=None) -> torch.Tensor:
     """Cross-entropy of ``head(hidden)`` against ``labels`` (aligned: already shifted), the tokens
     in ``chunks`` slices, each slice's logits recomputed in backward. Divided by
     ``num_items_in_batch`` when given (as transformers' ``fixed_cross_entropy``: the Trainer counts
-    the tokens of all accumulated micro-batches), else by the tokens not ``ignore_index`` (the mean).
-
-    NOTE [ One slice of logits at a time ]: each slice runs under a non-reentrant checkpoint, so
-    forward keeps only the slice's scalar; backward recomputes one slice's [tokens/K, vocab]
-    logits, takes their gradient and frees them before the next slice.
-    """
+    the tokens of all accumulated micro-batches), else by the tokens not ``ignore_index`` (the mean)."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1).to(hidden.device)
     total = None
@@ -118,20 +117,18 @@ class ChunkedHead(nn.Module):
         return self.placeholder
 
 
+# NOTE [ The patched forward ]
+# The instance's ``forward`` is replaced (hooks, FSDP2's among them, run around it as around the
+# original). It runs the model's own forward with ``labels=None`` and the loss keywords removed, while
+# :class:`ChunkedHead` stands in for the output layer, so everything up to the head (masks, positions,
+# caches, ``hidden_states``) is the model's own code. The patch holds the model only weakly (no
+# reference cycle keeps a dropped model's memory alive).
 def chunk_lm_loss(model: nn.Module, chunks: int) -> nn.Module:
     """Patch ``model`` (a Hugging Face causal LM, or a PEFT model around one) so that a forward with
     ``labels`` in training mode computes its loss in ``chunks`` slices and returns ``.logits`` None;
     a forward without labels, or in eval mode (as Liger-Kernel: evaluation metrics read the
     logits, and no graph is kept), is unchanged. Patching again replaces the chunk count. Returns
-    ``model``.
-
-    NOTE [ The patched forward ]: the instance's ``forward`` is replaced (hooks, FSDP2's among
-    them, run around it as around the original). It runs the model's own forward with
-    ``labels=None`` and the loss keywords removed, while :class:`ChunkedHead` stands in for the
-    output layer, so everything up to the head (masks, positions, caches, ``hidden_states``) is
-    the model's own code. The patch holds the model only weakly (no reference cycle keeps a
-    dropped model's memory alive).
-    """
+    ``model``."""
     lm = check_supported(model)
     head = lm.get_output_embeddings()
     head_name = next(name for name, child in lm.named_children() if child is head)

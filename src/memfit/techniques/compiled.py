@@ -13,32 +13,6 @@ alike). Calling it:
   fusions and order, buffer reuse, down to the generated Python wrapper, which then runs on fake
   tensors with kernels that do nothing (NOTE [ Inductor's own wrapper on fake tensors ]). The
   activations saved are the partitioner's and every buffer is Inductor's, exactly.
-
-NOTE [ Compiled regions on fake tensors ]
-torch.compile refuses to run under a user's dispatch mode (the tracker, the CUDA kernel model),
-so the call steps out of every active mode while Dynamo captures and AOTAutograd traces and
-partitions (the inputs are fake tensors: tracing needs no memory), and the graphs it produces
-re-enter those modes when they run: forward in the call, backward from autograd's engine.
-
-NOTE [ Real compiled regions run outside memfit's modes ]
-On real tensors too, torch.compile cannot run under a user's dispatch mode; a compiled region
-then runs outside memfit's (a profile's tracker, the CPU budget guard). The independent
-measurements still see it (the profiler's allocator events, the CUDA allocator's statistics);
-the tracker's breakdown of a measured step and the CPU budget guard do not see inside it.
-
-NOTE [ Inductor's own wrapper on fake tensors ]
-What a compiled region allocates is decided by Inductor after the partition: which pointwise results
-its fusions materialise (a result read by several kernels is recomputed or stored depending on its
-cost), the order its scheduler picks (e.g. all of a low budget's recomputation first), which dying
-buffer a kernel writes into. Modelling those rules drifted from Inductor by up to a third of the
-peak at low budgets, so memfit does not model them: ``compile_fx_inner`` runs in full, and only
-the last step, loading the generated wrapper module, is replaced (memfit.techniques.fake_wrapper):
-kernels are no-ops and Inductor's direct allocators are replaced by ``torch.empty_strided``/
-``as_strided``, which fake mode and the tracker see; the wrapper is kept in Inductor's caches under
-keys of its own (NOTE [ Predicted wrappers in Inductor's caches ]). Library kernels the wrapper calls (matmuls with ``out=``,
-attention and other fallbacks) run on fake tensors as in eager mode. The kernels are generated
-but never compiled (Inductor's CPU code generator still probes the C++ compiler once, so a
-prediction needs one too).
 """
 
 from __future__ import annotations
@@ -65,6 +39,11 @@ _REAL: dict[float | None, Callable] = {}
 _PREDICTED: dict[float | None, Callable] = {}
 
 
+# NOTE [ Compiled regions on fake tensors ]
+# torch.compile refuses to run under a user's dispatch mode (the tracker, the CUDA kernel model),
+# so the call steps out of every active mode while Dynamo captures and AOTAutograd traces and
+# partitions (the inputs are fake tensors: tracing needs no memory), and the graphs it produces
+# re-enter those modes when they run: forward in the call, backward from autograd's engine.
 def compiled(fn: Callable, *, budget: float | None = None, name: str = "region", fullgraph: bool = True,
              dynamic: bool | None = None, recompile_limit: int = RECOMPILE_LIMIT) -> Callable:
     """``fn`` compiled; ``budget``: the activation memory budget (None: torch's default);
@@ -75,6 +54,11 @@ def compiled(fn: Callable, *, budget: float | None = None, name: str = "region",
     real = torch.compile(fn, backend=_real_backend(budget), fullgraph=fullgraph, dynamic=dynamic)
     predicted = torch.compile(fn, backend=_predicting_backend(budget), fullgraph=fullgraph, dynamic=dynamic)
 
+    # NOTE [ Real compiled regions run outside memfit's modes ]
+    # On real tensors too, torch.compile cannot run under a user's dispatch mode; a compiled region
+    # then runs outside memfit's (a profile's tracker, the CPU budget guard). The independent
+    # measurements still see it (the profiler's allocator events, the CUDA allocator's statistics);
+    # the tracker's breakdown of a measured step and the CPU budget guard do not see inside it.
     @functools.wraps(fn)
     @torch._dynamo.config.patch(recompile_limit=recompile_limit, fail_on_recompile_limit_hit=True)
     def call(*args, **kwargs):
@@ -190,6 +174,19 @@ def _predicting_backend(budget: float | None) -> Callable:
     return _PREDICTED[budget]
 
 
+# NOTE [ Inductor's own wrapper on fake tensors ]
+# What a compiled region allocates is decided by Inductor after the partition: which pointwise results
+# its fusions materialise (a result read by several kernels is recomputed or stored depending on its
+# cost), the order its scheduler picks (e.g. all of a low budget's recomputation first), which dying
+# buffer a kernel writes into. Modelling those rules drifted from Inductor by up to a third of the
+# peak at low budgets, so memfit does not model them: ``compile_fx_inner`` runs in full, and only
+# the last step, loading the generated wrapper module, is replaced (memfit.techniques.fake_wrapper):
+# kernels are no-ops and Inductor's direct allocators are replaced by ``torch.empty_strided``/
+# ``as_strided``, which fake mode and the tracker see; the wrapper is kept in Inductor's caches under
+# keys of its own (NOTE [ Predicted wrappers in Inductor's caches ]). Library kernels the wrapper calls (matmuls with ``out=``,
+# attention and other fallbacks) run on fake tensors as in eager mode. The kernels are generated
+# but never compiled (Inductor's CPU code generator still probes the C++ compiler once, so a
+# prediction needs one too).
 def _lower_then_run(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     """Inductor's whole ``compile_fx_inner`` (post-grad passes, lowering, scheduling and fusion,
     buffer reuse, the generated Python wrapper) with the kernels' compilation left out: the wrapper
@@ -216,17 +213,16 @@ installs that torch.compile cannot capture through (the CUDA kernel model's auto
 aside there, while the region is captured (:func:`while_capturing`)."""
 
 
+# NOTE [ Paused only while a region is captured ]
+# A region already compiled runs its cached code (its wrapper) with no capture, and AOTAutograd runs
+# that code with autocast off: what a fake trace installs only for the capture's sake need not step
+# aside. torchao's update is a compiled call per parameter and step, 80 calls a trace for a 3-block
+# GPT-2: stepping the CUDA autocast lists aside and back for each (two registrations of 170 kernels)
+# took 14% of such a trace. Dynamo's compile callbacks (run once for the outermost frame compiled)
+# enter it instead; where this torch has none, it is entered for the whole block.
 @contextlib.contextmanager
 def while_capturing(factory: Callable):
-    """Enter ``factory()`` while Dynamo captures and compiles a frame inside this block, and only then.
-
-    NOTE [ Paused only while a region is captured ]
-    A region already compiled runs its cached code (its wrapper) with no capture, and AOTAutograd
-    runs that code with autocast off: what a fake trace installs only for the capture's sake need
-    not step aside. torchao's update is a compiled call per parameter and step, 80 calls a trace for
-    a 3-block GPT-2: stepping the CUDA autocast lists aside and back for each (two registrations of
-    170 kernels) took 14% of such a trace. Dynamo's compile callbacks (run once for the outermost
-    frame compiled) enter it instead; where this torch has none, it is entered for the whole block."""
+    """Enter ``factory()`` while Dynamo captures and compiles a frame inside this block, and only then."""
     handler = getattr(torch._dynamo, "callback_handler", None)
     if handler is None or not hasattr(handler, "register_start_callback"):
         with factory():

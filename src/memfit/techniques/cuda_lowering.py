@@ -7,30 +7,6 @@ model is active (:func:`lowering_for_cuda`, entered by ``memfit.memory.cuda.mode
 compile takes CUDA's branch instead (:func:`lowered_as_on_cuda`, entered by
 ``memfit.techniques.compiled``), and its wrappers are cached under a key of their own
 (``fake_wrapper.PredictionPass``).
-
-NOTE [ cat lowered as on CUDA ]
-Inductor lowers ``aten.cat`` on the CPU to a materialised concatenation always (pointwise
-concatenation is off there for speed; a uint8 ``cat`` even falls back to ATen's kernel), while on
-CUDA it may lower to a pointwise cat that its consumers fuse, allocating nothing. torchao's 4-bit
-AdamW unpacks its codes with ``torch.stack([codes >> 4, codes & 15], -1)``: on the H100, the
-compiled update of a 1B Llama's tied embedding allocated no unpacked codes, and the CPU lowering
-predicted two of 250.5 MiB each at the step's peak (+4.3% allocated; measured 2026-11-26,
-tests/data/h100.jsonl ``llama1b-full-purebf16-blocks-4bit-ao-inbw``). The lowering's first test is
-``inputs[0].get_device().type == "cpu"``; here that one call answers "cuda", and every later call
-(the device the pointwise cat is built on) the real CPU device, so the kernels still generate for
-the CPU that runs the prediction.
-
-NOTE [ Kernels generated without vectorization for a GPU preset ]
-A predicted region's kernels are generated and never compiled (NOTE [ Inductor's own wrapper on
-fake tensors ]), and on a GPU the real ones are Triton's: the CPU's vector instructions shape only
-the text of kernels nobody runs. Finding them is not free: Inductor's first vectorized kernel in a
-process probes the C++ compiler for each instruction set (builds a test program for each on a cold
-cache), and every vectorized kernel is generated twice (a vector and a scalar tail). While a GPU
-preset is predicted, Inductor picks no vector instruction set: torchao's 4-bit AdamW for two Llama
-blocks at 7B width (5 graphs) then predicts in 12.5 s instead of 22.6 s on a cold cache, with the
-same allocations. Scheduling and fusion, hence the wrapper's buffers, do not depend on the
-instruction set; the H100 rows with compiled regions (tests/data/h100.jsonl) hold it. A CPU
-prediction keeps the CPU's own set: there the kernels it generates are the ones that run.
 """
 
 from __future__ import annotations
@@ -56,6 +32,29 @@ def active() -> bool:
     return _ACTIVE[0] > 0
 
 
+# NOTE [ cat lowered as on CUDA ]
+# Inductor lowers ``aten.cat`` on the CPU to a materialised concatenation always (pointwise
+# concatenation is off there for speed; a uint8 ``cat`` even falls back to ATen's kernel), while on
+# CUDA it may lower to a pointwise cat that its consumers fuse, allocating nothing. torchao's 4-bit
+# AdamW unpacks its codes with ``torch.stack([codes >> 4, codes & 15], -1)``: on the H100, the
+# compiled update of a 1B Llama's tied embedding allocated no unpacked codes, and the CPU lowering
+# predicted two of 250.5 MiB each at the step's peak (+4.3% allocated; measured 2026-11-26,
+# tests/data/h100.jsonl ``llama1b-full-purebf16-blocks-4bit-ao-inbw``). The lowering's first test is
+# ``inputs[0].get_device().type == "cpu"``; here that one call answers "cuda", and every later call
+# (the device the pointwise cat is built on) the real CPU device, so the kernels still generate for
+# the CPU that runs the prediction.
+#
+# NOTE [ Kernels generated without vectorization for a GPU preset ]
+# A predicted region's kernels are generated and never compiled (NOTE [ Inductor's own wrapper on
+# fake tensors ]), and on a GPU the real ones are Triton's: the CPU's vector instructions shape only
+# the text of kernels nobody runs. Finding them is not free: Inductor's first vectorized kernel in a
+# process probes the C++ compiler for each instruction set (builds a test program for each on a cold
+# cache), and every vectorized kernel is generated twice (a vector and a scalar tail). While a GPU
+# preset is predicted, Inductor picks no vector instruction set: torchao's 4-bit AdamW for two Llama
+# blocks at 7B width (5 graphs) then predicts in 12.5 s instead of 22.6 s on a cold cache, with the
+# same allocations. Scheduling and fusion, hence the wrapper's buffers, do not depend on the
+# instruction set; the H100 rows with compiled regions (tests/data/h100.jsonl) hold it. A CPU
+# prediction keeps the CPU's own set: there the kernels it generates are the ones that run.
 @contextlib.contextmanager
 def lowered_as_on_cuda():
     """Inductor's ``aten.cat`` lowering takes its CUDA branch (NOTE [ cat lowered as on CUDA ]) and

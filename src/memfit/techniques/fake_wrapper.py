@@ -3,24 +3,6 @@
 A compiled region's prediction (memfit.techniques.compiled) runs Inductor in full, down to the
 Python wrapper it generates, and replaces only the loading of that wrapper: its kernels do nothing,
 and its allocations go through the dispatcher, so fake mode and memfit's tracker see them.
-
-NOTE [ Predicted wrappers in Inductor's caches ]
-Lowering and code generation are most of a compile (seconds per graph on a CPU; torchao's 8-bit
-update, one graph per parameter shape, takes about 3.5 s). The planner's worker processes, and
-every later ``estimate`` or ``plan``, meet the same graphs again. So the predicting compile keeps
-Inductor's caches on (its FX graph cache and AOTAutograd's cache, in Inductor's cache folder,
-``TORCHINDUCTOR_CACHE_DIR``), with two guards:
-
-- **Apart from real compiles.** While a region is predicted, ``post_grad_custom_post_pass`` is a
-  pass that does nothing and whose ``uuid`` names memfit's wrapper (a hash of this file). Both
-  caches hash that uuid into their keys, so a real compile never loads a predicted wrapper (its
-  kernels do nothing) and a prediction never loads real kernels. Where a user has set that pass
-  already, predictions leave the caches off (``force_disable_caches``), as before.
-- **Self-contained.** The wrapper written to Inductor's code cache imports this module and calls
-  :func:`install` at its end, so the source a cache hit loads in another process runs exactly as
-  the one just generated.
-
-``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`` turns the caches off for predictions too.
 """
 
 from __future__ import annotations
@@ -61,6 +43,23 @@ class PredictionPass(CustomGraphPass):
 PREDICTION_PASS = PredictionPass()
 
 
+# NOTE [ Predicted wrappers in Inductor's caches ]
+# Lowering and code generation are most of a compile (seconds per graph on a CPU; torchao's 8-bit
+# update, one graph per parameter shape, takes about 3.5 s). The planner's worker processes, and
+# every later ``estimate`` or ``plan``, meet the same graphs again. So the predicting compile keeps
+# Inductor's caches on (its FX graph cache and AOTAutograd's cache, in Inductor's cache folder,
+# ``TORCHINDUCTOR_CACHE_DIR``), with two guards:
+#
+# - **Apart from real compiles.** While a region is predicted, ``post_grad_custom_post_pass`` is a
+#   pass that does nothing and whose ``uuid`` names memfit's wrapper (a hash of this file). Both
+#   caches hash that uuid into their keys, so a real compile never loads a predicted wrapper (its
+#   kernels do nothing) and a prediction never loads real kernels. Where a user has set that pass
+#   already, predictions leave the caches off (``force_disable_caches``), as before.
+# - **Self-contained.** The wrapper written to Inductor's code cache imports this module and calls
+#   :func:`install` at its end, so the source a cache hit loads in another process runs exactly as
+#   the one just generated.
+#
+# ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`` turns the caches off for predictions too.
 @contextlib.contextmanager
 def prediction_caches():
     """Around a predicting compile: Inductor's caches keyed apart from real compiles, or off where a

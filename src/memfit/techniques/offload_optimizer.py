@@ -29,23 +29,6 @@ the update on the device: after backward each parameter's states visit the devic
 (4N each way for AdamW, twice the host step's traffic) and keeps every gradient until the update,
 but needs no host CPU time: on a host with little memory bandwidth per GPU it is the faster one.
 The H100 recorded it at 1.78x a bf16 GPT-2 step and 3.82x on 4 Llama layers at 7B width.
-
-NOTE [ Gradients in flight ]
-A gradient freed while its copy to the host is still queued (``record_stream``) goes back to the
-caching allocator only once the copy is done, and backward on a large model makes gradients faster
-than the link drains them: the real step then held blocks that the replay of its trace had reused.
-On the H100 reserved came out 13% (4 Llama layers at 7B width), 4.4% (Llama-2-7B) and 9.9%
-(Llama-3-8B, under a 24 GiB cap) above the prediction. So each device gradient is kept until its
-copy is done, and at most :data:`IN_FLIGHT` copies are pending: sending one more first waits, on
-the CPU, for the oldest, and frees that gradient. The trace's copies are done at once, but it holds
-the same gradients just as long, so the step and its prediction free them at the same points: at
-most ``IN_FLIGHT`` gradients more than an immediate free, and no hidden ones. The wait holds up
-backward only where the link is slower than backward, where the step cannot end sooner anyway.
-
-The worker thread is used on real CUDA tensors only when nobody watches the step with a dispatch
-mode (memfit's tracker and budget guard see only their own thread); otherwise the same calls run
-at once, in order, on the calling thread. That synchronous path is what fake traces and CPU runs
-take; the threaded one is tested on the CPU against it bit for bit.
 """
 
 from __future__ import annotations
@@ -60,6 +43,22 @@ from memfit.techniques.optimizer_variant import Factory
 from memfit.techniques.optimizers import PerParameterOptimizers
 from memfit.techniques.placement import HostPlacement, doing
 
+# NOTE [ Gradients in flight ]
+# A gradient freed while its copy to the host is still queued (``record_stream``) goes back to the
+# caching allocator only once the copy is done, and backward on a large model makes gradients faster
+# than the link drains them: the real step then held blocks that the replay of its trace had reused.
+# On the H100 reserved came out 13% (4 Llama layers at 7B width), 4.4% (Llama-2-7B) and 9.9%
+# (Llama-3-8B, under a 24 GiB cap) above the prediction. So each device gradient is kept until its
+# copy is done, and at most :data:`IN_FLIGHT` copies are pending: sending one more first waits, on
+# the CPU, for the oldest, and frees that gradient. The trace's copies are done at once, but it holds
+# the same gradients just as long, so the step and its prediction free them at the same points: at
+# most ``IN_FLIGHT`` gradients more than an immediate free, and no hidden ones. The wait holds up
+# backward only where the link is slower than backward, where the step cannot end sooner anyway.
+#
+# The worker thread is used on real CUDA tensors only when nobody watches the step with a dispatch
+# mode (memfit's tracker and budget guard see only their own thread); otherwise the same calls run
+# at once, in order, on the calling thread. That synchronous path is what fake traces and CPU runs
+# take; the threaded one is tested on the CPU against it bit for bit.
 IN_FLIGHT = 4
 """Gradient copies to the host that may be pending at once (NOTE [ Gradients in flight ])."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -35,9 +36,25 @@ def regroup(params: list, like: torch.optim.Optimizer, options) -> list[dict]:
 
 
 class OptimizerVariant(Config):
-    """The plan key ``optimizer``: which optimizer the step builds."""
+    """The plan key ``optimizer``: which optimizer the step builds, and what the planner asks of an
+    optimizer alone (how it compiles, how fast it updates on the host, how small its states get)."""
 
     name = "adamw"
+    compiles_per_weight_dtype: ClassVar[bool] = False
+    """Compiles a graph per dtype of the weights (torchao's update: per parameter shape and
+    dtype): the GPU-preset planner measures it once, at the smallest weights it searches (NOTE
+    [ Compiled updates measured at the smallest weights ] in memfit.planner.baseline)."""
+    slow_host_update: ClassVar[bool] = False
+    """An optimizer whose update on host tensors (``offload: [optimizer_states]``, stepped on the
+    host) is far slower than torch's fused host AdamW: torchao's low-bit update is a compiled,
+    compute-bound CPU kernel (18.6 ns per element on 2 cores of an AMD EPYC, 47x torch's fused
+    AdamW there: 125 s a step for 7B parameters). On the host its small states save no device
+    memory, so the planner leaves that combination out (NOTE [ Low-bit states on the host ])."""
+    state_bytes_at_least: ClassVar[float | None] = None
+    """An optimizer's state bytes per trained parameter, at the least (None: not stated). With
+    ``slow_host_update`` its states stay on the device in every searched plan, so the planner leaves
+    it out where the weights in 16 bits and these states alone exceed the budget (NOTE [ States that
+    cannot fit ])."""
 
     def values(self) -> dict:
         return {"optimizer": self.name}

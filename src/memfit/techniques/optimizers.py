@@ -136,15 +136,17 @@ def bitsandbytes_available() -> bool:
     return True
 
 
+# NOTE [ bitsandbytes without Inductor ]
+# Bitsandbytes' default (CPU) backend wraps some kernels in ``torch.compile`` when it is imported, and
+# ``torch.compile`` imports Inductor at once: 1.7 s of the planner's 2.2 s import of bitsandbytes, for
+# kernels a fake trace never runs. ``torch.compile`` compiles nothing before the first call anyway, so
+# while bitsandbytes is imported it is replaced by a wrapper that calls it at the first call: the same
+# kernels, the same fallback on a compile error (bitsandbytes' wrapper catches the error at the call),
+# and Inductor imported only if one of them runs.
 @contextlib.contextmanager
 def _compile_deferred():
-    """NOTE [ bitsandbytes without Inductor ]: bitsandbytes' default (CPU) backend wraps some
-    kernels in ``torch.compile`` when it is imported, and ``torch.compile`` imports Inductor at
-    once: 1.7 s of the planner's 2.2 s import of bitsandbytes, for kernels a fake trace never runs.
-    ``torch.compile`` compiles nothing before the first call anyway, so while bitsandbytes is
-    imported it is replaced by a wrapper that calls it at the first call: the same kernels, the
-    same fallback on a compile error (bitsandbytes' wrapper catches the error at the call), and
-    Inductor imported only if one of them runs."""
+    """``torch.compile`` deferred to the first call while bitsandbytes is imported (NOTE [ bitsandbytes
+    without Inductor ])."""
     real = torch.compile
     if "bitsandbytes" in sys.modules:
         yield
@@ -172,16 +174,18 @@ def _compile_deferred():
 _TABLES: dict = {}
 
 
+# NOTE [ bitsandbytes tables on fake tensors ]
+# Bitsandbytes builds each 8-bit optimizer's quantization map (a constant 256-value table) with Python
+# loops of ``.tolist()``; on fake tensors every read is data-dependent, which made tracing
+# optimizer-in-backward (one optimizer per parameter) 30 s slower on a 7B model. The table is computed
+# once for real, outside fake mode and every dispatch mode (the tracker too: the table is host data in
+# a real run, and a trace that counted it would differ from the next one in the process, which finds
+# it made: the planner's two shallow traces then differ by more than the inserted blocks), and reused:
+# exact, since it depends on no input.
 @contextlib.contextmanager
 def real_quantization_tables():
-    """NOTE [ bitsandbytes tables on fake tensors ]: bitsandbytes builds each 8-bit optimizer's
-    quantization map (a constant 256-value table) with Python loops of ``.tolist()``; on fake
-    tensors every read is data-dependent, which made tracing optimizer-in-backward (one optimizer
-    per parameter) 30 s slower on a 7B model. The table is computed once for real, outside fake
-    mode and every dispatch mode (the tracker too: the table is host data in a real run, and a trace
-    that counted it would differ from the next one in the process, which finds it made: the planner's
-    two shallow traces then differ by more than the inserted blocks), and reused: exact, since it
-    depends on no input."""
+    """bitsandbytes' 8-bit quantization maps computed once, for real, and reused (NOTE [ bitsandbytes
+    tables on fake tensors ])."""
     if not bitsandbytes_available():
         yield
         return
@@ -269,8 +273,6 @@ def search(ctx: SearchContext) -> list[str]:
 # of a worker on a cold cache, GPT-2's 2 GiB plan 84 s with them). So where adamw8bit is searched and
 # the user named no optimizers, the torchao variants with states no smaller are left out, with a
 # note; adamw4bit-ao (half the bytes) stays, and ``--optimizers`` (or a plan) names any of them.
-
-
 def _leave_out_same_states_slower(names: list[str], ctx: SearchContext) -> None:
     """NOTE [ Same states, a slower update ] (GPU presets, the default optimizer list)."""
     if not ctx.device.is_gpu or "adamw8bit" not in names:
@@ -283,7 +285,6 @@ def _leave_out_same_states_slower(names: list[str], ctx: SearchContext) -> None:
         ctx.notes.append(f"{', '.join(same)} left out: the same state bytes as adamw8bit (bitsandbytes) and a "
                          "slower update (a compiled call per parameter; measured on an H100); name them with "
                          "--optimizers to search them")
-
 
 
 TECHNIQUE = register(

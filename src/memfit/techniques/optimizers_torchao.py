@@ -18,26 +18,6 @@ fp32 temporaries are Inductor's, a parameter at a time, and the first step of ea
 pays a compilation (seconds on a CPU). With ``precision: bf16-pure`` and ``bf16_update:
 stochastic`` the compiled update rounds the fp32 result into the bf16 weights stochastically
 (torchao's ``bf16_stochastic_round``: no extra memory); Kahan compensation is not available.
-
-NOTE [ torchao's step through memfit's compiled regions ]
-torchao calls ``torch.compile(single_param_adam, fullgraph=True, dynamic=False)`` inside ``step``.
-torch.compile refuses to run under memfit's dispatch modes (the fake trace's tracker, a profile's
-tracker), and on fake tensors its kernels must not run at all. So while one of these optimizers
-steps, ``torch.compile`` of that one function is routed to :func:`memfit.techniques.compiled.compiled`
-with torchao's options: on real tensors Inductor's kernels, exactly as torchao compiles them; on
-fake tensors the same capture and Inductor pipeline down to its generated wrapper, so the
-prediction holds Inductor's own temporaries and buffer reuse. Every other ``torch.compile`` call
-goes through unchanged; the route is held under a lock, so threads stepping at once (offloaded
-states on CUDA) neither see it half installed nor leave it behind. The quantized states are
-tensor subclasses: the tracker counts the plain tensors inside them (``memory.storages.byte_holders``).
-
-torchao's ``CPUOffloadOptimizer`` is not used: it runs on CUDA/XPU only, steps every parameter
-after backward (memfit's ``offload: [optimizer_states]`` steps each one on the host as its
-gradient arrives, during backward) and frees gradients only without accumulation. memfit's
-offload takes these optimizers as its host optimizer instead (one implementation of offload).
-Measured on an H100 (``bench/ao_cpu_offload_gpu.py``, 4 Llama layers at 7B width, fp32 master):
-torchao's 333.2 ms a step against memfit's 350.6 (0.95x; 0.94x and 1.02x in the two processes), the
-same 10.90 GiB peak: no clear win to keep a second implementation for.
 """
 
 from __future__ import annotations
@@ -181,6 +161,25 @@ _ROUTE_LOCK = threading.RLock()
 _COMPILED: dict = {}
 
 
+# NOTE [ torchao's step through memfit's compiled regions ]
+# torchao calls ``torch.compile(single_param_adam, fullgraph=True, dynamic=False)`` inside ``step``.
+# torch.compile refuses to run under memfit's dispatch modes (the fake trace's tracker, a profile's
+# tracker), and on fake tensors its kernels must not run at all. So while one of these optimizers
+# steps, ``torch.compile`` of that one function is routed to :func:`memfit.techniques.compiled.compiled`
+# with torchao's options: on real tensors Inductor's kernels, exactly as torchao compiles them; on
+# fake tensors the same capture and Inductor pipeline down to its generated wrapper, so the
+# prediction holds Inductor's own temporaries and buffer reuse. Every other ``torch.compile`` call
+# goes through unchanged; the route is held under a lock, so threads stepping at once (offloaded
+# states on CUDA) neither see it half installed nor leave it behind. The quantized states are
+# tensor subclasses: the tracker counts the plain tensors inside them (``memory.storages.byte_holders``).
+#
+# torchao's ``CPUOffloadOptimizer`` is not used: it runs on CUDA/XPU only, steps every parameter
+# after backward (memfit's ``offload: [optimizer_states]`` steps each one on the host as its
+# gradient arrives, during backward) and frees gradients only without accumulation. memfit's
+# offload takes these optimizers as its host optimizer instead (one implementation of offload).
+# Measured on an H100 (``bench/ao_cpu_offload_gpu.py``, 4 Llama layers at 7B width, fp32 master):
+# torchao's 333.2 ms a step against memfit's 350.6 (0.95x; 0.94x and 1.02x in the two processes), the
+# same 10.90 GiB peak: no clear win to keep a second implementation for.
 def routed(class_name: str) -> type:
     """torchao's optimizer class ``class_name``, with its step's compile routed (NOTE [ torchao's
     step through memfit's compiled regions ]). Made once per class."""
@@ -193,13 +192,15 @@ def routed(class_name: str) -> type:
     return _COMPILED[class_name]
 
 
+# NOTE [ torchao's code maps are computed for real ]
+# Torchao builds the 8-bit and 4-bit code maps (constant tables of 256 and 16 values) with
+# ``.tolist()`` and caches them for the process (``functools.lru_cache``). Built first inside a fake
+# trace, every value read would be an assumed 0, and the cached table would then quantize a real run's
+# states after the estimate in the same process to garbage. They are filled here, for real, outside
+# every mode; exact, since they depend on no input.
 def _real_code_maps() -> None:
-    """NOTE [ torchao's code maps are computed for real ]: torchao builds the 8-bit and 4-bit code
-    maps (constant tables of 256 and 16 values) with ``.tolist()`` and caches them for the process
-    (``functools.lru_cache``). Built first inside a fake trace, every value read would be an assumed
-    0, and the cached table would then quantize a real run's states after the estimate in the
-    same process to garbage. They are filled here, for real, outside every mode; exact, since
-    they depend on no input."""
+    """Fill torchao's cached code maps for real, outside every mode (NOTE [ torchao's code maps are
+    computed for real ])."""
     from torch.utils._python_dispatch import _disable_current_modes
     from torchao.optim import subclass_4bit, subclass_8bit
     with _disable_current_modes():

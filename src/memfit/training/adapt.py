@@ -14,12 +14,7 @@ The RNG state of the step is restored and the same batch retried. Every adaptati
 with its cause.
 
 An OOM inside the optimizer step is not retried: some parameters may already be updated, and a
-retry would update them twice.
-
-NOTE [ Recover outside the except block ]: while Python handles an exception, its traceback holds
-the frames of the failed step and so every activation they reference; freeing memory there frees
-nothing. :func:`run_adapting` leaves the ``except`` block first, then frees and adapts.
-"""
+retry would update them twice."""
 
 from __future__ import annotations
 
@@ -119,6 +114,10 @@ class FitPredictor:
         return self.budget.enforced_fits(report)
 
 
+# NOTE [ Recover outside the except block ]
+# While Python handles an exception, its traceback holds the frames of the failed step and so every
+# activation they reference; freeing memory there frees nothing. :func:`run_adapting` leaves the
+# ``except`` block first, then frees and adapts.
 def run_adapting(step: TrainStep, batch, on_adapt: Callable[[dict], None] | None = None,
                  fits: Fits | None = None, rebuild_step: Callable[[TrainStep, Plan], TrainStep] = rebuild,
                  decide: Callable[[Callable], tuple[Plan, str]] | None = None) -> tuple[float, TrainStep]:

@@ -1,13 +1,6 @@
 """Hugging Face hub ids as workloads: ``meta-llama/Llama-3.1-8B`` or ``org/name@revision``.
 
-NOTE [ Hub ids ]: memfit needs a model's architecture, never its weights, so a hub id costs one
-small file: ``config.json``, fetched with ``huggingface_hub.hf_hub_download`` into the hub's own
-cache (``HF_HOME`` / ``HF_HUB_CACHE``), where every Hugging Face tool finds it again. The hub
-library does the rest as it does for ``transformers``: a cached file is used without the network
-(always with ``HF_HUB_OFFLINE=1``), and gated or private repositories read the token of
-``HF_TOKEN`` or ``hf auth login``. The snapshot folder holding that config.json is then a model
-folder like any other (NOTE [ Model folders ] in :mod:`memfit.workloads.hf`): one path builds
-the model.
+How a hub id is read: NOTE [ Hub ids ].
 
 Naming: an existing folder always wins (``./org/name`` on disk is that folder); ``hf:X`` reads
 ``X`` as a folder when it exists, else as a hub id (``hf:gpt2`` is the hub's ``gpt2``, not the
@@ -41,6 +34,14 @@ def split_hub_id(text: str) -> tuple[str, str | None]:
     return repo_id, revision or None
 
 
+# NOTE [ Hub ids ]
+# memfit needs a model's architecture, never its weights, so a hub id costs one small file:
+# ``config.json``, fetched with ``huggingface_hub.hf_hub_download`` into the hub's own cache
+# (``HF_HOME`` / ``HF_HUB_CACHE``), where every Hugging Face tool finds it again. The hub library does
+# the rest as it does for ``transformers``: a cached file is used without the network (always with
+# ``HF_HUB_OFFLINE=1``), and gated or private repositories read the token of ``HF_TOKEN`` or ``hf auth
+# login``. The snapshot folder holding that config.json is then a model folder like any other (NOTE [
+# Model folders ] in :mod:`memfit.workloads.hf`): one path builds the model.
 def hub_config_folder(text: str) -> Path:
     """The folder of the hub cache's snapshot holding ``config.json`` of hub id ``text``, fetched
     if it is not cached (nothing else is downloaded). One-line UserErrors name the fix."""

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from helpers import measured
-from memfit.cli.main import main
 from memfit.errors import UserError
 from memfit.integrations.export import to_hf, to_lightning
 from memfit.plans import Plan
@@ -80,17 +79,14 @@ def test_bad_values_and_combinations_are_plan_errors():
     assert Plan.from_dict({"max_grad_norm": 1}).max_grad_norm == 1.0
 
 
-def test_exports_and_the_command_line(capsys):
+def test_exports():
+    """(The command line's flag: tests/integration/test_cli_estimate.py.)"""
     assert to_hf(Plan(max_grad_norm=1.0), 8).kwargs["max_grad_norm"] == 1.0
     assert to_hf(Plan(), 8).kwargs["max_grad_norm"] == 0.0  # no clipping: the Trainer's default clips at 1.0
     lightning = to_lightning(Plan(max_grad_norm=1.0), 8).kwargs
     assert lightning["gradient_clip_val"] == 1.0 and lightning["gradient_clip_algorithm"] == "norm"
     assert "gradient_clip_val" not in to_lightning(Plan(), 8).kwargs
     assert Plan(max_grad_norm=1.0).short() == "fp32 clip=1"
-    assert main(["estimate", "mha", "-b", "2", "--max-grad-norm", "1.0", "--json"]) == 0
-    assert '"max_grad_norm": 1.0' in capsys.readouterr().out
-    assert main(["estimate", "mha", "-b", "2", "--max-grad-norm", "lots"]) == 2
-    assert "--max-grad-norm 'lots' is not a number" in capsys.readouterr().err
 
 
 def test_memory_predicted_and_measured():

@@ -92,16 +92,6 @@ def test_the_planner_searches_the_other_techniques_at_a_fixed_world_size():
     assert r.chosen.peak_bytes < one.peak_bytes
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--world-size", "2", "--max-world-size", "4"], "not both"),
-    (["--world-size", "2", "--device", "cpu"], "times sharded plans on GPU presets"),
-])
-def test_plan_world_size_flags_refused_with_the_fix(capsys, args, message):
-    from memfit.cli.main import main
-    assert main(["plan", SMALL, "-b", "8", "--seq-len", "32", *args]) == 2
-    assert message in capsys.readouterr().err
-
-
 def test_fsdp2_buffers_go_to_their_streams_pools_on_a_gpu_preset():
     """What FSDP2 allocates on its all-gather and reduce-scatter streams is booked to those streams
     in the caching-allocator model (memfit.memory.allocator), not to the compute stream's pool."""

@@ -1,29 +1,4 @@
-"""Composite ops that take a different path on CUDA, registered for the duration of a trace.
-
-NOTE [ CUDA composites on CPU tensors ]
-Some ATen ops are *composite*: they are written in terms of other ops and branch on the
-device of their inputs. A GPU preset is traced on fake CPU tensors (autograd cannot run backward
-on fake CUDA tensors without a driver, see memfit.devices.tensor_device), so these branches take
-their CPU side. While a GPU-target trace runs, memfit registers Python kernels for them under
-the ``CompositeImplicitAutograd`` key (``torch.library.Library("aten", "IMPL")``) that take the
-CUDA side instead, calling the very ops the CUDA build calls. Being registered at the dispatcher,
-they apply to every caller (``F.scaled_dot_product_attention``, ``nn.MultiheadAttention``'s
-internal call, C++ code); autograd records the inner ops and their own derivative formulas, so
-gradients are those of the CUDA run. The registrations are removed when the trace ends (the
-dispatcher falls back to the built-in kernels); while they exist they apply process-wide.
-
-- ``scaled_dot_product_attention``: the CUDA backend selection (memfit.memory.cuda.sdpa).
-- ``dropout`` / ``dropout_``: CUDA uses the fused ``native_dropout`` (a 1-byte boolean mask is
-  saved for backward); the CPU composite builds a mask of the input's dtype (4 bytes per element
-  in fp32) with ``bernoulli_`` and multiplies (Dropout.cpp ``is_fused_kernel_acceptable``).
-- ``lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu``: cuDNN's ``_cudnn_rnn`` (RNN.cpp
-  ``_cudnn_impl``) instead of oneDNN's per-layer kernels (memfit.memory.cuda.rnn).
-- ``linear``: Linear.cpp adds the bias *in place* after ``matmul`` (a non-contiguous input, e.g.
-  a batch-first cuDNN RNN output) unless the bias is a tensor subclass, which a fake tensor is:
-  the trace would allocate a second output-sized tensor (500 MiB for an LSTM LM's vocabulary
-  projection, an H200 snapshot showed none). This kernel takes the real tensors' branch. (The
-  CPU-device trace keeps the built-in kernel.)
-"""
+"""Composite ops that take a different path on CUDA, registered for the duration of a trace."""
 
 from __future__ import annotations
 
@@ -38,6 +13,29 @@ from memfit.quiet import silenced_warnings
 aten = torch.ops.aten
 
 
+# NOTE [ CUDA composites on CPU tensors ]
+# Some ATen ops are *composite*: they are written in terms of other ops and branch on the
+# device of their inputs. A GPU preset is traced on fake CPU tensors (autograd cannot run backward
+# on fake CUDA tensors without a driver, see memfit.devices.tensor_device), so these branches take
+# their CPU side. While a GPU-target trace runs, memfit registers Python kernels for them under
+# the ``CompositeImplicitAutograd`` key (``torch.library.Library("aten", "IMPL")``) that take the
+# CUDA side instead, calling the very ops the CUDA build calls. Being registered at the dispatcher,
+# they apply to every caller (``F.scaled_dot_product_attention``, ``nn.MultiheadAttention``'s
+# internal call, C++ code); autograd records the inner ops and their own derivative formulas, so
+# gradients are those of the CUDA run. The registrations are removed when the trace ends (the
+# dispatcher falls back to the built-in kernels); while they exist they apply process-wide.
+#
+# - ``scaled_dot_product_attention``: the CUDA backend selection (memfit.memory.cuda.sdpa).
+# - ``dropout`` / ``dropout_``: CUDA uses the fused ``native_dropout`` (a 1-byte boolean mask is
+#   saved for backward); the CPU composite builds a mask of the input's dtype (4 bytes per element
+#   in fp32) with ``bernoulli_`` and multiplies (Dropout.cpp ``is_fused_kernel_acceptable``).
+# - ``lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu``: cuDNN's ``_cudnn_rnn`` (RNN.cpp
+#   ``_cudnn_impl``) instead of oneDNN's per-layer kernels (memfit.memory.cuda.rnn).
+# - ``linear``: Linear.cpp adds the bias *in place* after ``matmul`` (a non-contiguous input, e.g.
+#   a batch-first cuDNN RNN output) unless the bias is a tensor subclass, which a fake tensor is:
+#   the trace would allocate a second output-sized tensor (500 MiB for an LSTM LM's vocabulary
+#   projection, an H200 snapshot showed none). This kernel takes the real tensors' branch. (The
+#   CPU-device trace keeps the built-in kernel.)
 def _dropout(input, p, train):
     if train and 0 < p < 1 and input.numel() > 0:
         return aten.native_dropout(input, p, train)[0]

@@ -1,0 +1,153 @@
+"""The GPU presets' evidence ladder: four rungs over one trace book (memfit.planner.traces).
+
+1. :class:`Estimate` (every candidate, no trace of its own): the base plan's lower bound plus each
+   value's saving alone (memfit.planner.baseline). It spares the search the traces of plans
+   estimated well over the budget.
+2. :class:`ShallowTrace` (the plans the walk visits, fastest first): a shallow trace pair (2 and 3
+   blocks, memfit.planner.shallow) extrapolated to full depth: its allocated peak plus the CUDA
+   context is a lower bound of what the budget counts (the caching allocator reserves at least what
+   is allocated): above the budget, the plan is too big.
+3. :class:`DeepStream` (a plan about to be confirmed): the pair's allocations replayed at full depth
+   through the allocator model (memfit.memory.deep_stream): the reserved bytes, without a full trace.
+4. :class:`FullTrace` (the plan chosen): one full trace, the same as ``memfit estimate``: reserved
+   bytes at full depth. Only a plan with this rung's evidence is chosen.
+
+So the chosen plan's figures are those of its own full trace. The rungs say nothing of time: the
+time model prices the same book's ops (memfit.planner.gpu_time).
+"""
+
+from __future__ import annotations
+
+from memfit.errors import UserError
+from memfit.planner.baseline import Baseline
+from memfit.planner.candidate import Evidence, Fidelity
+from memfit.planner.ladder import DeepRung, Ladder
+from memfit.planner.traces import Measured, TraceBook
+from memfit.plans import Plan
+from memfit.quiet import silenced_warnings
+
+
+def _of(m: Measured) -> Evidence:
+    if m.full:
+        return Evidence(Fidelity.FULL, used_bytes=m.used_bytes, peak_bytes=m.peak_bytes)
+    return Evidence(Fidelity.LOWER_BOUND, used_bytes=m.used_lower, peak_bytes=m.peak_bytes)
+
+
+class Estimate:
+    """The base's lower bound plus each of the plan's values' saving alone."""
+
+    fidelity = Fidelity.ESTIMATE
+
+    def __init__(self, book: TraceBook, baseline: Baseline) -> None:
+        self.book, self.baseline = book, baseline
+        self.savings: dict[tuple[str, int], int] = {}
+        """("micro_batch_size", size) -> bytes saved by the base split so (traced when first asked for)."""
+
+    def evaluate(self, plan: Plan) -> Evidence | None:
+        if self.book.is_measured(plan):
+            return None
+        return Evidence(Fidelity.ESTIMATE, used_bytes=self.used(plan))
+
+    def free(self, plan: Plan) -> bool:
+        """The estimate needs no trace (a micro-batch size's saving is traced when first asked for)."""
+        micro = plan.micro_batches(self.book.target.batch_size)[0]
+        return micro == self.book.rank_batch or ("micro_batch_size", micro) in self.savings
+
+    def used(self, plan: Plan) -> int:
+        """What the plan is estimated to need of the budget without a trace of its own: the
+        default's lower bound plus each value's saving alone. Savings on different parts (optimizer
+        states, activations) add up; two on the same part (activations) save less together than
+        the sum: the estimate errs low (a product of the fractions each leaves errs high where the
+        parts differ, and hid the fastest plan at a tight budget). It only spares the search the
+        traces of plans well over the budget."""
+        base = self.book.measured[self.baseline.base]
+        if not self.free(plan):  # the base's step at the plan's micro-batch size, traced
+            micro = plan.micro_batches(self.book.target.batch_size)[0]
+            try:
+                saved = self.book.lower_bound(self.baseline.base, micro) - base.used_lower
+            except UserError:  # unknown: no estimate spares this plan's trace
+                saved = -base.used_lower
+            self.savings[("micro_batch_size", micro)] = saved
+        alone = self.baseline.savings
+        return base.used_lower + sum(self.savings.get(key, alone.get(key, 0)) for key in self.baseline.technique_keys(plan))
+
+
+# NOTE [ The deeper trace of a plan over the budget at the shallower depth ]
+# A model with more blocks holds no less at its peak (more weights, gradients, states and
+# activations), so a plan whose shallower trace alone (2 blocks, less the extrapolation's margin)
+# is over the budget is over it at full depth: its deeper trace cannot change the verdict. The walk
+# measures plans two at a time (NOTE [ The next plan measured alongside ] in memfit.planner.walk):
+# both shallower traces run first, side by side, and each deeper one runs only if its plan is still
+# in the running. A plan ruled out so keeps the shallower trace's peak as its lower bound ("needs at
+# least") and its estimated time. The values measured alone before the walk keep both traces: their
+# savings and ratios are taken from the pair. Measured: docs/planner-notes.md.
+class ShallowTrace:
+    """A shallow trace pair (full depth when the model is shallow, or a shallow trace failed)."""
+
+    fidelity = Fidelity.LOWER_BOUND
+
+    def __init__(self, book: TraceBook) -> None:
+        self.book = book
+
+    def evaluate(self, plan: Plan) -> Evidence:
+        return _of(self.book.measure(plan))
+
+
+class DeepStream(DeepRung):
+    """The shallow pair's allocations replayed at full depth (NOTE [ Allocations at full depth ])."""
+
+    def __init__(self, book: TraceBook) -> None:
+        super().__init__()
+        self.book = book
+
+    def evaluate(self, plan: Plan) -> Evidence | None:
+        used = self.book.deep_used(plan)
+        return None if used is None else Evidence(Fidelity.DEEP, used_bytes=used)
+
+
+class FullTrace:
+    fidelity = Fidelity.FULL
+
+    def __init__(self, book: TraceBook) -> None:
+        self.book = book
+
+    def evaluate(self, plan: Plan) -> Evidence:
+        return _of(self.book.confirm(plan))
+
+
+class GpuLadder(Ladder):
+    """Estimate, shallow trace, deep stream, full trace (the module docstring)."""
+
+    def __init__(self, book: TraceBook, baseline: Baseline) -> None:
+        self.book = book
+        self.estimate, self.first, self.deep, self.full = Estimate(book, baseline), ShallowTrace(book), \
+            DeepStream(book), FullTrace(book)
+        self.spare_workers = book.workers.count - 1
+
+    @property
+    def traces(self) -> int:
+        return self.book.traces
+
+    def evidence(self, plan: Plan) -> Evidence | None:
+        m = self.book.measured.get(plan)
+        return None if m is None else _of(m)
+
+    def full_evidence(self) -> list[tuple[Plan, Evidence]]:
+        return [(p, _of(m)) for p, m in list(self.book.measured.items()) if m.full]
+
+    def has_full_trace(self, plan: Plan) -> bool:
+        return self.book.has_full_trace(plan)
+
+    def traced(self, plan: Plan) -> bool:
+        return self.book.is_measured(plan) or self.book.has_shallow_traces(plan)
+
+    def prefetch(self, plans: list[Plan]) -> None:
+        with silenced_warnings():
+            self.book.trace_full(plans)
+
+    def queue(self, plans: list[Plan]) -> None:
+        self.book.queue_shallowest(plans)
+
+    def measure_together(self, plans: list[Plan], skip_over: bool = False) -> None:
+        if plans:
+            self.book.trace_shallow(plans, skip_over=skip_over)

@@ -1,0 +1,353 @@
+"""The trace book: every fake trace a GPU-preset search runs, run once, on the worker processes.
+
+A plan's figures come from fake traces of its own TrainStep (memfit.planner.timing.record_step):
+a *shallow pair* (the model cut to 2 and 3 of its repeated blocks, memfit.planner.shallow), whose
+ops and allocated peak extrapolate to full depth, or a *full trace*, what ``memfit estimate`` runs.
+Independent traces (the values alone, a pair's two depths, the next plans of the walk) run in
+forked worker processes, one per CPU core (memfit.planner.workers); a trace job is ``(plan, depth
+or None for full, batch or None for the whole batch)``, and its result is kept, so no trace runs
+twice. What the book keeps of a plan (:class:`Measured`) is what its traces say of its memory and
+its ops at full depth; what the ops cost in time is the time model's business
+(memfit.planner.gpu_time), and which figure rules a plan out the ladder's (memfit.planner.gpu_ladder).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from memfit.errors import UserError
+from memfit.memory.budget import Budget
+from memfit.memory.categories import STEADY_STEP
+from memfit.memory.deep_stream import Stream, deepen, from_tracker, replay
+from memfit.memory.report import traced_device
+from memfit.planner.ops import FORWARD
+from memfit.planner.shallow import depth_of, depths, extrapolate, extrapolate_ops, shallow_workload
+from memfit.planner.space import ModelFacts
+from memfit.planner.timing import record_step
+from memfit.planner.workers import SKIPPED, Workers
+from memfit.plans import Plan
+from memfit.target import Target
+from memfit.techniques.base import GraphSize
+from memfit.techniques.checkpointing import find_blocks
+
+PEAK_MARGIN = 0.02
+"""How far an extrapolated allocated peak may be above the full trace's (caching-allocator rounding;
+1% seen with ``blocks:every=2`` on a small model): the lower bound that prunes is that much lower."""
+
+
+class Traced(NamedTuple):
+    """What the book keeps of one trace (small, so a worker process can send it back)."""
+
+    peak_bytes: int
+    context_bytes: int
+    used_bytes: int
+    """What the budget counts (reserved + context on a GPU preset)."""
+    ops: list
+    stream: Stream | None = None
+    """Its allocations (shallow traces of eager plans: memfit.memory.deep_stream)."""
+
+
+@dataclass
+class Measured:
+    """A plan's figures from its own traces (a shallow pair extrapolated, or a full trace)."""
+
+    peak_bytes: int
+    """Allocated peak."""
+    used_lower: int
+    """A lower bound of what the budget counts (allocated peak, less ``PEAK_MARGIN`` when it is
+    extrapolated, + CUDA context)."""
+    used_bytes: int | None = None
+    """What the budget counts (reserved + context): full traces only."""
+    graph: GraphSize = field(default_factory=GraphSize)
+    ops: list | None = None
+    """The step's ops at full depth (None: the pair's ops did not line up, see ``pair``)."""
+    pair: tuple | None = None
+    """Where the pair's ops did not line up: (ops at d, ops at e, d, e, full depth), for the time
+    on the line through both depths."""
+    shallower_only: bool = False
+    """Over the budget at the shallower depth, its deeper trace skipped: no ops, and the peak and
+    lower bound the shallower trace's (NOTE [ The deeper trace of a plan over the budget at the
+    shallower depth ])."""
+    full: bool = False
+
+
+class ShallowFailed(Exception):
+    """A shallow trace failed for the model's sake: trace at full depth."""
+
+
+def compiles(job: tuple) -> tuple | None:
+    """What a trace job compiles, as a key (None: nothing): the job runs in a worker that compiled
+    it before (NOTE [ A compile's traces in the process that compiled it ] in memfit.planner.workers)."""
+    plan = job[0]
+    if plan.config("compile").mode == "blocks":
+        return ("blocks", plan)
+    optimizer = plan.config("optimizer")
+    if not optimizer.compiles_per_weight_dtype:
+        return None
+    return ((optimizer.name, *map(str, optimizer.values().values())),), plan.config("precision").weights
+
+
+def _shares_compiles(plan: Plan) -> bool:
+    """The plan's compiled graphs are the same at every depth (torchao's update, one per parameter
+    shape; ``compile: blocks``, one per block): a deeper trace after the shallowest finds them in
+    Inductor's cache (NOTE [ Jobs in the background, and after the compile they share ] in
+    memfit.planner.workers)."""
+    return compiles((plan, None, None)) is not None
+
+
+def _after_shallowest(jobs: list[tuple], which) -> dict:
+    """Job -> the job it waits for: among the ``jobs`` of the plans ``which(plan)`` names, each
+    deeper trace (full depth last) of a plan and batch starts after its shallowest one."""
+    first, after = {}, {}
+    for job in sorted((j for j in jobs if which(j[0])), key=lambda j: (j[1] is None, j[1] or 0)):
+        key = (job[0], job[2])
+        if key in first:
+            after[job] = first[key]
+        else:
+            first[key] = job
+    return after
+
+
+class TraceBook:
+    """The traces of one search, run on the workers and kept (see the module docstring)."""
+
+    def __init__(self, target: Target, facts: ModelFacts, budget: Budget, world: int = 1) -> None:
+        self.target, self.budget = target, budget
+        self.world = world
+        self.rank_batch = target.batch_size // world
+        """The samples one rank's step runs (what micro-batch sizes split)."""
+        self.depth = depth_of(facts.model)
+        self.n_params = facts.n_params
+        self._meta = facts.model
+        self.measured: dict[Plan, Measured] = {}
+        self._new: list[Plan] = []
+        """Plans measured since the walk last asked (:meth:`newly_measured`)."""
+        self.traces = self.full_traces = 0
+        self.seconds_spent = 0.0
+        self.shallow_failed: str | None = None
+        self._workloads: dict[int, object] = {}
+        self._traced: dict[tuple, Traced | Exception] = {}
+        self._deep: dict[Plan, int | None] = {}
+        self._containers = tuple(name for name, _ in find_blocks(facts.model))
+        """The repeated-block containers (their module names give an allocation's block)."""
+        # forked children cannot use CUDA once the parent has: no workers where tensors are CUDA's
+        self.workers = Workers(self._trace, fork=target.tensor_device != "cuda", affinity=compiles)
+
+    def close(self) -> None:
+        self.workers.close()
+
+    # -- a plan's figures ----------------------------------------------------------------------
+    def measure(self, plan: Plan) -> Measured:
+        """The plan's ops and allocated peak from a shallow trace pair (full depth when the model
+        is shallow, or a shallow trace failed once)."""
+        if plan in self.measured:
+            return self.measured[plan]
+        pair = self.depths(plan)
+        if not pair:
+            return self.confirm(plan)
+        try:
+            a, b = self._run([(plan, d, None) for d in pair])
+        except (ShallowFailed, UserError):  # the shallow model failed: the full one decides (and raises)
+            return self.confirm(plan)
+        if b is SKIPPED:  # NOTE [ The deeper trace of a plan over the budget at the shallower depth ]
+            m = self.measured[plan] = Measured(peak_bytes=a.peak_bytes, used_lower=self._shallow_lower(a),
+                                               shallower_only=True)
+            return m
+        (d, e), full = pair, self.depth
+        ops = extrapolate_ops(a.ops, b.ops, d, e, full)
+        peak = int(extrapolate(a.peak_bytes, b.peak_bytes, d, e, full))  # (PEAK_MARGIN below)
+        n = plan.micro_batches(self.target.batch_size)[1]  # a graph is compiled once, run per micro-batch
+        fwd_a, fwd_b = (sum(op.phase == FORWARD for op in t.ops) // n for t in (a, b))
+        graph = GraphSize(forward_ops=int(extrapolate(fwd_a, fwd_b, d, e, full)), block_ops=max(1, (fwd_b - fwd_a) // (e - d)))
+        m = Measured(peak_bytes=peak, used_lower=int(peak * (1 - PEAK_MARGIN)) + b.context_bytes, graph=graph,
+                     ops=ops, pair=None if ops is not None else (a.ops, b.ops, d, e, full))
+        self.measured[plan] = m
+        self._new.append(plan)
+        return m
+
+    def confirm(self, plan: Plan) -> Measured:
+        """The plan's full trace: what ``memfit estimate`` reports, and its ops at full depth."""
+        m = self.measured.get(plan)
+        if m is not None and m.full:
+            return m
+        (t,) = self._run([(plan, None, None)])
+        forward = sum(op.phase == FORWARD for op in t.ops) // plan.micro_batches(self.target.batch_size)[1]
+        graph = GraphSize(forward_ops=forward, block_ops=m.graph.block_ops if m else forward // max(1, self.depth or 1))
+        m = Measured(peak_bytes=t.peak_bytes, used_lower=t.peak_bytes + t.context_bytes, used_bytes=t.used_bytes,
+                     graph=graph, ops=t.ops, full=True)
+        self.measured[plan] = m
+        self._new.append(plan)
+        return m
+
+    def deep_used(self, plan: Plan) -> int | None:
+        """What the budget counts for a measured plan, from its shallow pair's allocations
+        replayed at full depth (NOTE [ Allocations at full depth ]; 0.05-0.5 s, so asked only of a
+        plan about to be confirmed); None where they do not line up, or the plan has no pair."""
+        if plan not in self._deep:
+            pair, traced = self.depths(plan), None
+            if pair and all(isinstance(self._traced.get((plan, d, None)), Traced) for d in pair):
+                traced = [self._traced[(plan, d, None)] for d in pair]
+            deep = None
+            if traced and traced[0].stream is not None and traced[1].stream is not None:
+                deep = deepen(traced[0].stream, traced[1].stream, *pair, self.depth)
+            self._deep[plan] = None if deep is None else replay(deep, STEADY_STEP, expandable=plan.config("allocator").expands)[1] + traced[1].context_bytes
+        return self._deep[plan]
+
+    def lower_bound(self, plan: Plan, batch: int) -> int:
+        """The lower bound of what ``plan`` at ``batch`` needs (a micro-batch's step: what the
+        plan split into micro-batches of ``batch`` holds at its peak, but the accumulated gradients)."""
+        pair = self.depths(plan)
+        if pair:
+            try:
+                a, b = self._run([(plan, d, batch) for d in pair])
+                peak = extrapolate(a.peak_bytes, b.peak_bytes, *pair, self.depth)
+                return int(peak * (1 - PEAK_MARGIN)) + b.context_bytes
+            except ShallowFailed:
+                pass
+        (t,) = self._run([(plan, None, batch)])
+        return t.peak_bytes + t.context_bytes
+
+    def ops_of(self, plan: Plan) -> list:
+        """The full-depth ops of a measured plan."""
+        pair = self.depths(plan)
+        if pair and not self.is_confirmed(plan):
+            a, b = self._run([(plan, d, None) for d in pair])
+            ops = extrapolate_ops(a.ops, b.ops, *pair, self.depth)
+            if ops is not None:
+                return ops
+        (t,) = self._run([(plan, None, None)])
+        return t.ops
+
+    def newly_measured(self) -> list[Plan]:
+        """Plans measured since the last call."""
+        new, self._new = self._new, []
+        return new
+
+    def is_measured(self, plan: Plan) -> bool:
+        return plan in self.measured
+
+    def is_confirmed(self, plan: Plan) -> bool:
+        m = self.measured.get(plan)
+        return m is not None and m.full
+
+    def has_full_trace(self, plan: Plan) -> bool:
+        return (plan, None, None) in self._traced
+
+    def has_shallow_traces(self, plan: Plan) -> bool:
+        """Its shallow pair ran (or failed): :meth:`measure` costs no trace (a full trace where it has none)."""
+        pair = self.depths(plan)
+        return all((plan, d, None) in self._traced for d in pair) if pair else self.has_full_trace(plan)
+
+    def depths(self, plan: Plan) -> tuple[int, ...]:
+        """The depths of the plan's shallow pair (none: it is traced at full depth)."""
+        return () if not self.depth or self.shallow_failed else (depths(plan, self.depth) or ())
+
+    # -- running traces together -----------------------------------------------------------------
+    def trace_shallow(self, plans: list[Plan], behind: list[tuple] = (), skip_over: bool = False) -> None:
+        """Run the shallow pairs of ``plans`` together (in parallel; :meth:`measure` then reads them);
+        the jobs ``behind`` are queued after them, in the background (memfit.planner.workers).
+        ``skip_over``: a plan over the budget at its shallower depth is not traced deeper (NOTE [ The
+        deeper trace of a plan over the budget at the shallower depth ] in memfit.planner.gpu_ladder)."""
+        jobs = self.jobs(plans)
+        rest = [j for j in dict.fromkeys(behind) if j not in jobs and j not in self._traced]
+        self._run(jobs, check=False, behind=rest, skip_over=skip_over and len(plans) > 1)
+
+    def trace_full(self, plans: list[Plan]) -> None:
+        """Trace ``plans`` at full depth together (in parallel; :meth:`confirm` then reads them)."""
+        self._run([(p, None, None) for p in plans], check=False)
+
+    def queue_shallowest(self, plans: list[Plan]) -> None:
+        """The shallowest trace of each of ``plans`` (those with a pair) queued in the background, in
+        place of the plans queued before (NOTE [ The next round's traces in the background ] in
+        memfit.planner.walk); the base's traces at other micro-batch sizes stay queued, behind them."""
+        micro = [j for j in self.workers.cancel() if j[2] is not None]  # (the base at a micro-batch size: kept)
+        jobs = [(p, pair[0], None) for p in plans for pair in [self.depths(p)] if pair]
+        self.workers.start([j for j in [*jobs, *micro] if j not in self._traced])
+
+    def cancel_queued(self) -> None:
+        """Drop the jobs queued in the background and not started (those running finish)."""
+        self.workers.cancel()
+
+    def jobs(self, plans: list[Plan]) -> list[tuple]:
+        """The shallow pairs (or full traces) of ``plans``, the shallower depth of every plan first: the
+        deeper trace of a plan that compiles comes later, and finds its graphs in Inductor's cache
+        (NOTE [ Predicted wrappers in Inductor's caches ])."""
+        pairs = [self.depths(p) or (None,) for p in plans]
+        jobs = [(p, pair[i], None) for i in range(max(map(len, pairs), default=0)) for p, pair in zip(plans, pairs)
+                if i < len(pair)]
+        for d in dict.fromkeys(d for _, d, _ in jobs if d is not None):  # (here: the forked workers share them)
+            self._shallow(d)
+        return jobs
+
+    def _shallow_lower(self, t: Traced) -> int:
+        """A lower bound of the full plan's need from one shallow trace (more blocks hold no less)."""
+        return int(t.peak_bytes * (1 - PEAK_MARGIN)) + t.context_bytes
+
+    def _skip_deeper(self, job: tuple, shallower) -> bool:
+        return isinstance(shallower, Traced) and self._shallow_lower(shallower) > self.budget.bytes
+
+    def _run(self, jobs: list[tuple], check: bool = True, behind: list[tuple] = (),
+             skip_over: bool = False) -> list[Traced]:
+        """The traces of ``jobs``, kept; those not traced yet run on the worker processes. ``check``:
+        raise the first job's error (a plan's UserError, or ShallowFailed when a shallow trace failed
+        for another reason: then shallow traces stop); ``behind``: jobs queued after them, in the
+        background, for a later call to take."""
+        todo = list(dict.fromkeys(j for j in jobs if j not in self._traced))
+        after = _after_shallowest(todo, _shares_compiles)
+        todo.sort(key=lambda job: job not in after.values())  # (the compiles first: the longest jobs)
+        if skip_over:  # each deeper shallow trace after its plan's shallower one (which may make it needless)
+            after = {**_after_shallowest([j for j in todo if j[1] is not None], lambda plan: True), **after}
+        t0 = time.perf_counter()
+        for job, result in zip(todo, self.workers.map(todo, after=after, behind=list(behind),
+                                                      skip=self._skip_deeper if skip_over else None)):
+            self._traced[job] = result
+            if result is SKIPPED:
+                continue
+            if isinstance(result, Traced):
+                self.traces += 1
+                self.full_traces += job[1] is None
+            elif job[1] is not None and not isinstance(result, UserError):
+                self.shallow_failed = self.shallow_failed or f"{type(result).__name__}: {result}"
+        self.seconds_spent += time.perf_counter() - t0
+        out = [self._traced[j] for j in jobs]
+        for job, result in zip(jobs, out if check else ()):
+            if isinstance(result, UserError):
+                raise result
+            if isinstance(result, Exception):
+                if job[1] is None:
+                    raise result
+                raise ShallowFailed(str(result))
+        return out
+
+    def _shallow(self, depth: int):
+        """The workload cut to ``depth`` blocks (one per depth: its meta model is cut once)."""
+        if depth not in self._workloads:
+            self._workloads[depth] = shallow_workload(self.target.workload, depth, meta=self._meta)
+        return self._workloads[depth]
+
+    def _trace(self, job: tuple) -> Traced | Exception:
+        """One trace (run in a worker process): a plan's error comes back as a value."""
+        plan, depth, batch = job
+        target = self.target.with_plan(plan)
+        if batch is not None:
+            target = dataclasses.replace(target, batch_size=batch * self.world)  # (``batch``: one rank's)
+        if depth is not None:
+            target = dataclasses.replace(target, workload=self._shallow(depth))
+        trackers = []
+        try:
+            report, ops = record_step(target, on_tracker=trackers.append if depth and not batch else None)
+        except UserError as e:
+            return e
+        except Exception as e:  # noqa: BLE001 - shallow: the model indexes its blocks by a count
+            if depth is None:
+                raise
+            return RuntimeError(f"{type(e).__name__}: {e}")
+        stream = None
+        if trackers:
+            tracker = trackers[0]
+            stream = from_tracker(tracker, traced_device(target.device, "fake", target.tensor_device),
+                                  getattr(tracker, "side_streams", None), self._containers)
+        return Traced(report.peak_bytes, report.cuda_context_bytes or 0, self.budget.used_bytes(report), ops, stream)
