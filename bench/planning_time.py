@@ -9,6 +9,14 @@ every README example, negative answers included.
 
 ``--against DIR`` times another checkout's ``src`` too, in turns with this one (A, B, A, B...), so
 that a ratio is measured under the same load: this VM's speed drifts by 10-30% over minutes.
+``--breakdown`` runs each command with ``--json`` and prints, per method, where its search spent its
+traces: the phase (before the walk: the default plan and each value alone; the walk), the kind of
+trace (shallow, full-depth, at a micro-batch size, the deep stream's replay), how many and the
+CPU seconds in the processes that ran them.
+
+Hub ids (issue 49: ``Qwen/Qwen2.5-7B-Instruct``) are read from a Hugging Face cache this script lays
+out in a temporary HF_HOME from ``bench/hub_configs/`` (config.json alone, offline), as a user's cache
+holding only the config would be.
 
     .venv/bin/python -m bench.planning_time [--cases gpt2-2,readme-gpt2] [--repeat 3] [--against /tmp/old]
 """
@@ -41,21 +49,44 @@ CASES = {
     # the GPU-preset planner's first targets
     "llama-40": "llama --device h100-80gb --budget 40GiB",
     "gpt2-8": "gpt2 -b 8 --seq-len 1024 --device h100-80gb --budget 8GiB",
+    # issue 49: a hub model with a 152k vocabulary and 28 layers (<= 60 s one method, <= 90 s three)
+    "qwen-qlora": "Qwen/Qwen2.5-7B-Instruct --device rtx4090 -b 2 --seq-len 2048 --adapter lora:r=16 --base-weights nf4",
+    "qwen-methods": "Qwen/Qwen2.5-7B-Instruct --methods full,lora,qlora --device rtx4090 -b 2 --seq-len 2048",
 }
+HUB_CONFIGS = Path(__file__).resolve().parent / "hub_configs"
+"""``org--name/config.json`` per hub id the cases name."""
 DEFAULT = "readme-gpt2,readme-llama,readme-methods,llama-14,gpt2-2,gpt2-4"
 
 HEADER = re.compile(r"candidate plans, (\d+) traced, ([\d.]+) s")
 
 
-def run_case(args: str, src: Path, cache: str | None) -> dict:
-    """One ``memfit plan`` process: its wall seconds, the header's planning seconds and traces, the choice."""
-    env = {**os.environ, "PYTHONPATH": str(src), "PYTHONWARNINGS": "ignore"}
-    with tempfile.TemporaryDirectory() as cold:
+def hub_cache(home: Path) -> None:
+    """A Hugging Face cache under ``home`` holding each of ``HUB_CONFIGS``'s config.json files, laid out
+    as huggingface_hub lays it out."""
+    for folder in HUB_CONFIGS.iterdir():
+        repo = home / "hub" / f"models--{folder.name}"
+        snapshot = repo / "snapshots" / ("0" * 40)
+        snapshot.mkdir(parents=True, exist_ok=True)
+        (snapshot / "config.json").write_bytes((folder / "config.json").read_bytes())
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text("0" * 40)
+
+
+def run_case(args: str, src: Path, cache: str | None, breakdown: bool = False) -> dict:
+    """One ``memfit plan`` process: its wall seconds, the header's planning seconds and traces, the choice
+    (``breakdown``: run with --json and keep each search's trace seconds)."""
+    env = {**os.environ, "PYTHONPATH": str(src), "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}
+    with tempfile.TemporaryDirectory() as cold, tempfile.TemporaryDirectory() as hf_home:
+        hub_cache(Path(hf_home))
+        env["HF_HOME"] = hf_home
         env["TORCHINDUCTOR_CACHE_DIR"] = cache or cold
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "memfit.cli.main", "plan", *args.split()], env=env,
+        proc = subprocess.run([sys.executable, "-m", "memfit.cli.main", "plan", *args.split(),
+                               *(["--json"] if breakdown else [])], env=env,
                               capture_output=True, text=True, cwd=tempfile.gettempdir())
         wall = time.perf_counter() - t0
+    if breakdown:
+        return _from_json(proc, wall)
     out = proc.stdout
     traces = [int(m.group(1)) for m in HEADER.finditer(out)]
     planning = [float(m.group(2)) for m in HEADER.finditer(out)]
@@ -65,6 +96,25 @@ def run_case(args: str, src: Path, cache: str | None) -> dict:
     chosen = chosen or [line.strip() for line in lines if "nothing fits" in line.lower()][:1]
     return {"rc": proc.returncode, "wall_s": round(wall, 1), "planning_s": planning, "traces": traces,
             "chosen": chosen, "error": proc.stderr.strip().splitlines()[-1:] if proc.returncode else []}
+
+
+def _from_json(proc, wall: float) -> dict:
+    """``run_case``'s figures from a ``--json`` run, with each search's trace seconds."""
+    out = {"rc": proc.returncode, "wall_s": round(wall, 1), "error": proc.stderr.strip().splitlines()[-1:]
+           if proc.returncode else [], "searches": []}
+    try:
+        data = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        return {**out, "planning_s": [], "traces": [], "chosen": []}
+    results = [(m["method"], m) for m in data["methods"]] if "methods" in data else [("plan", data)]
+    for name, r in results:
+        out["searches"].append({"search": name, "planning_s": round(r["planning_seconds"], 1), "traces": r["traces"],
+                                "chosen": r["chosen"]["plan"] if r["chosen"] else None,
+                                "trace_seconds": r.get("trace_seconds", {})})
+    out["planning_s"] = [s["planning_s"] for s in out["searches"]]
+    out["traces"] = [s["traces"] for s in out["searches"]]
+    out["chosen"] = [f"{s['search']}: fits" if s["chosen"] else f"{s['search']}: nothing fits" for s in out["searches"]]
+    return out
 
 
 def _cpu_model() -> str:
@@ -84,6 +134,7 @@ def main() -> None:
     parser.add_argument("--warm", action="store_true", help="one Inductor cache per case, kept across repeats")
     parser.add_argument("--against", type=Path, help="another checkout, timed in turns with this one")
     parser.add_argument("--out", type=Path, help="append each run as a JSON line here")
+    parser.add_argument("--breakdown", action="store_true", help="per search: traces and seconds by phase and kind")
     args = parser.parse_args()
     unknown = [c for c in args.cases.split(",") if c not in CASES]
     if unknown:
@@ -96,10 +147,13 @@ def main() -> None:
         caches = {k: tempfile.mkdtemp() if args.warm else None for k in sources}
         for i in range(args.repeat):
             for which, src in sources.items():
-                r = run_case(CASES[name], src, caches[which])
+                r = run_case(CASES[name], src, caches[which], args.breakdown)
                 walls[which].append(r["wall_s"])
                 print(f"{name:14s} {which:7s} run {i + 1}: {r['wall_s']:6.1f} s wall  planning {r['planning_s']} s  "
                       f"traces {r['traces']}  rc {r['rc']}  chosen: {'; '.join(r['chosen']) or r['error']}", flush=True)
+                for search in r.get("searches", ()):
+                    for key, (n, sec) in sorted(search["trace_seconds"].items()):
+                        print(f"{'':14s}   {search['search']:6s} {key:42s} {n:3d} traces {sec:7.1f} s", flush=True)
                 if args.out:
                     with args.out.open("a") as f:
                         f.write(json.dumps({"case": name, "args": CASES[name], "source": which, "run": i + 1,

@@ -29,6 +29,9 @@ def test_methods_are_ranked_side_by_side_and_said_to_train_different_things():
     # 1 layer x (q_proj, v_proj) x r=16 x (64 in + 64 out)
     assert rows["lora"]["trainable_parameters"] == 2 * 16 * 128
     assert rows["full"]["trainable_parameters"] > 20 * rows["lora"]["trainable_parameters"]
+    for row in rows.values():  # each search's traces, by phase and kind (issue 49: where the time goes)
+        counts = {k: n for k, (n, _) in row["trace_seconds"].items() if not k.endswith("replay")}
+        assert sum(counts.values()) == row["traces"] and any(k.startswith("walk: full-depth") for k in counts)
 
 
 def test_the_planner_never_changes_the_method_by_itself():

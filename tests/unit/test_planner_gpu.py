@@ -125,8 +125,14 @@ def test_choice_is_the_brute_force_optimum_and_names_what_it_beat():
     assert fitting and len(fitting) < len(truth)
     best = min(fitting, key=lambda p: truth[p][1])
     space = SearchSpace(values={k: list(v) for k, v in values.items()}, micro_batches=[8, 4])
-    r = plan(DEEP, budget=limit, device=DEVICE, batch_size=8, seq_len=128, space=space)
+    rungs = _Rungs()
+    r = plan(DEEP, budget=limit, device=DEVICE, batch_size=8, seq_len=128, space=space, progress=rungs)
     assert r.chosen.plan == best
+    # where the time went (issue 49): every trace counted once, by phase and kind, and shown as it ran
+    kinds = {k: n for k, (n, _) in r.trace_seconds.items() if not k.endswith("replay")}
+    assert sum(kinds.values()) == r.traces and any(k.startswith("before the walk: ") for k in kinds)
+    assert any(k.startswith("walk: full-depth") for k in kinds) and all(sec >= 0 for _, sec in r.trace_seconds.values())
+    assert rungs.seen[0].startswith("before the walk: ") and any(t.startswith("walk: ") for t in rungs.seen)
     assert r.chosen.used_bytes == truth[best][0]
     assert r.chosen.seconds == pytest.approx(truth[best][1], rel=1e-6)
     faster = [c for c in r.candidates if c.seconds < r.chosen.seconds]
@@ -134,6 +140,28 @@ def test_choice_is_the_brute_force_optimum_and_names_what_it_beat():
     top = min((c for c in faster if c.status == "too big"), key=lambda c: c.seconds)
     assert f"fastest: {top.plan.short(8)}" in r.chosen.reason and "next: " in r.chosen.reason
     assert r.time_model.startswith("op-level")
+
+
+class _Rungs:
+    """A progress that records which rung each batch of traces was for."""
+
+    def __init__(self):
+        self.seen = []
+
+    def rung(self, text):
+        self.seen.append(text)
+
+    def stage(self, text):
+        pass
+
+    def walk(self, *args):
+        pass
+
+    def note(self, text):
+        pass
+
+    def done(self, text):
+        pass
 
 
 WORKERS = """

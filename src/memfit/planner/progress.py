@@ -52,6 +52,11 @@ class PlanProgress:
             self._bar.update(self._task, description=self._named("traces"), completed=traced, total=limit,
                              info=f"{open_plans} candidates open")
 
+    def rung(self, text: str) -> None:
+        """Which evidence is being gathered now (the rung: values alone, shallow traces, a full trace)."""
+        if self._bar is not None:
+            self._bar.update(self._task, info=text)
+
     def note(self, text: str) -> None:
         """A line that stays (above the bar on a terminal; in a log too): what the user should know
         while the search runs, such as how long it will take."""
@@ -90,6 +95,10 @@ class ProgressLine:
             self.parent._bar.update(self._task, description=f"{self.label}: traces", completed=traced, total=limit,
                                     info=f"{open_plans} candidates open")
 
+    def rung(self, text: str) -> None:
+        if self._task is not None:
+            self.parent._bar.update(self._task, info=text)
+
     def done(self, text: str) -> None:
         if self._task is not None:
             self.parent._bar.update(self._task, description=f"{self.label}: {text}", info="")
@@ -109,4 +118,7 @@ class NoProgress:
         pass
 
     def walk(self, traced: int, limit: int, open_plans: int) -> None:
+        pass
+
+    def rung(self, text: str) -> None:
         pass

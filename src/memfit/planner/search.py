@@ -78,6 +78,9 @@ class PlanResult:
     """The run's length compile time was spread over (None: not counted)."""
     notes: list[str] = field(default_factory=list)
     """Techniques left out of the search here, and why."""
+    trace_seconds: dict = field(default_factory=dict)
+    """GPU presets: ``"<phase>: <kind of trace>"`` -> [traces, CPU seconds in the processes that ran them]
+    (memfit.planner.traces.TraceBook.spent): where the planning time went."""
     trainable: int | None = None
     """The parameters the plans train (None: not counted, with a search space of the caller's)."""
 
@@ -94,6 +97,7 @@ class PlanResult:
                 "chosen": row(self.chosen) if self.chosen else None, "traces": self.traces,
                 "planning_seconds": self.seconds, "candidates_total": len(self.candidates),
                 "smallest": row(self.smallest) if self.smallest else None, "notes": self.notes,
+                "trace_seconds": {k: [n, round(sec, 2)] for k, (n, sec) in self.trace_seconds.items()},
                 "ranked": [row(c) for c in evaluated[:50]]}
 
 
@@ -171,11 +175,14 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
             model, ladder = time_model, Ladder(FakeTrace(target, budget_obj))
         elif dev.is_gpu:
             book, model, ladder = gpu_search(target, space, facts, budget_obj, fixed)
+            book.progress = progress
         else:
             model, ladder = cost.calibrate(target, space, progress=progress), Ladder(FakeTrace(target, budget_obj))
     try:
         result = _search(t0, target, budget_obj, space, plans, constrained, model, ladder, steps, max_traces,
-                         progress, alongside)
+                         progress, alongside, book)
+        if book is not None:
+            result.trace_seconds = book.spent
     finally:
         model.close()
         if book is not None:
@@ -215,7 +222,7 @@ def _trainable(target: Target, facts, given: dict) -> int:
 
 def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Plan], constrained: dict,
             model: StepTimeModel, ladder: Ladder, steps: int | None, max_traces: int, progress,
-            alongside: bool = True) -> PlanResult:
+            alongside: bool = True, book: TraceBook | None = None) -> PlanResult:
     wl, dev, bs, budget_bytes = target.workload, target.device, target.batch_size, budget_obj.bytes
     whole = [c.plan for c in maximal([Candidate(p, 0.0) for p in plans], bs)
              if not splits(c.plan, bs)] if alongside else None  # (--methods: the searches share the cores)
@@ -230,6 +237,8 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
     for c in ranked:
         c.retime(model, steps)
     walk = Walk(bs, budget_obj, model, ladder, steps, max_traces, progress, alongside)
+    if book is not None:
+        book.phase = "walk"
     chosen = walk.run(ranked)
     if chosen is None and not any(c.used_bytes is not None for c in ranked):
         invalid = next((c for c in ranked if c.status is Status.INVALID), None)

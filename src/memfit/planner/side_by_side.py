@@ -80,6 +80,9 @@ class _Relay:
     def walk(self, traced: int, limit: int, open_plans: int) -> None:
         self.conn.send(("walk", (traced, limit, open_plans)))
 
+    def rung(self, text: str) -> None:
+        self.conn.send(("rung", text))
+
 
 def _search_in_child(plan: Callable, then: Callable | None, kwargs: dict, conn, nice: int) -> None:
     """One search, in its forked process: its progress, then its result (or error), go down ``conn``,
@@ -178,6 +181,8 @@ def _take(kind: str, i: int, value, outcome: dict, lines: list) -> None:
         lines[i].stage(value)
     elif kind == "walk":
         lines[i].walk(*value)
+    elif kind == "rung":
+        lines[i].rung(value)
     else:
         outcome[i] = (kind, value)
         lines[i].done("done")

@@ -48,6 +48,8 @@ class Traced(NamedTuple):
     ops: list
     stream: Stream | None = None
     """Its allocations (shallow traces of eager plans: memfit.memory.deep_stream)."""
+    seconds: float = 0.0
+    """The trace's CPU seconds in the process that ran it (wall time depends on what else runs)."""
 
 
 @dataclass
@@ -127,6 +129,14 @@ class TraceBook:
         """Plans measured since the walk last asked (:meth:`newly_measured`)."""
         self.traces = self.full_traces = 0
         self.seconds_spent = 0.0
+        self.phase = "before the walk"
+        """What the searches' traces are for now (the search sets it: ``before the walk`` while the
+        default plan and each value alone are measured, then ``walk``): :attr:`spent` is kept by it."""
+        self.spent: dict[str, list] = {}
+        """``"<phase>: <kind>"`` -> [traces, CPU seconds in the processes that ran them] (kind: a shallow
+        trace, a full-depth trace, either at a micro-batch size, or the deep stream's replay)."""
+        self.progress = None
+        """Told which kind of trace runs now (memfit.planner.progress)."""
         self.shallow_failed: str | None = None
         self._workloads: dict[int, object] = {}
         self._traced: dict[tuple, Traced | Exception] = {}
@@ -193,7 +203,9 @@ class TraceBook:
             deep = None
             if traced and traced[0].stream is not None and traced[1].stream is not None:
                 deep = deepen(traced[0].stream, traced[1].stream, *pair, self.depth)
+            t0 = time.process_time()
             self._deep[plan] = None if deep is None else replay(deep, STEADY_STEP, expandable=plan.config("allocator").expands)[1] + traced[1].context_bytes
+            self._spend("deep stream replay", time.process_time() - t0)
         return self._deep[plan]
 
     def lower_bound(self, plan: Plan, batch: int) -> int:
@@ -301,6 +313,9 @@ class TraceBook:
         if skip_over:  # each deeper shallow trace after its plan's shallower one (which may make it needless)
             after = {**_after_shallowest([j for j in todo if j[1] is not None], lambda plan: True), **after}
         t0 = time.perf_counter()
+        if todo and self.progress is not None:
+            kinds = sorted({_kind(j) for j in todo})
+            self.progress.rung(f"{self.phase}: {len(todo)} {' and '.join(kinds)} trace{'s' if len(todo) > 1 else ''}")
         for job, result in zip(todo, self.workers.map(todo, after=after, behind=list(behind),
                                                       skip=self._skip_deeper if skip_over else None)):
             self._traced[job] = result
@@ -309,6 +324,7 @@ class TraceBook:
             if isinstance(result, Traced):
                 self.traces += 1
                 self.full_traces += job[1] is None
+                self._spend(_kind(job), result.seconds)
             elif job[1] is not None and not isinstance(result, UserError):
                 self.shallow_failed = self.shallow_failed or f"{type(result).__name__}: {result}"
         self.seconds_spent += time.perf_counter() - t0
@@ -321,6 +337,11 @@ class TraceBook:
                     raise result
                 raise ShallowFailed(str(result))
         return out
+
+    def _spend(self, kind: str, seconds: float) -> None:
+        entry = self.spent.setdefault(f"{self.phase}: {kind}", [0, 0.0])
+        entry[0] += 1
+        entry[1] += seconds
 
     def _shallow(self, depth: int):
         """The workload cut to ``depth`` blocks (one per depth: its meta model is cut once)."""
@@ -337,6 +358,7 @@ class TraceBook:
         if depth is not None:
             target = dataclasses.replace(target, workload=self._shallow(depth))
         trackers = []
+        t0 = time.process_time()
         try:
             report, ops = record_step(target, on_tracker=trackers.append if depth and not batch else None)
         except UserError as e:
@@ -350,4 +372,11 @@ class TraceBook:
             tracker = trackers[0]
             stream = from_tracker(tracker, traced_device(target.device, "fake", target.tensor_device),
                                   getattr(tracker, "side_streams", None), self._containers)
-        return Traced(report.peak_bytes, report.cuda_context_bytes or 0, self.budget.used_bytes(report), ops, stream)
+        return Traced(report.peak_bytes, report.cuda_context_bytes or 0, self.budget.used_bytes(report), ops, stream,
+                      time.process_time() - t0)
+
+
+def _kind(job: tuple) -> str:
+    """A trace job's kind, as :attr:`TraceBook.spent` counts it."""
+    kind = "full-depth" if job[1] is None else "shallow"
+    return kind + (" (micro-batch)" if job[2] is not None else "")
