@@ -35,6 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "adamwfp8-ao, adafactor, sgd, or adamw-class (all the AdamW ones). Default for GPU "
                         "presets: the AdamW ones but the torchao variants whose states are no smaller than "
                         "adamw8bit's; adamw,adamw8bit on the CPU")
+    p.add_argument("--host", metavar="HOST",
+                   help="the machine that trains, for the host part of GPU step times: h100-box (default), "
+                        "h200-box, a multiple of h100-box's dispatch costs (1.3), or measure (with --device cuda)")
     p.add_argument("--methods", metavar="METHODS",
                    help="compare fine-tuning methods side by side (full,lora,dora,qlora; they train different "
                         "things): each gets its fastest plan that fits. Default: the workload's own method only")
@@ -84,8 +87,11 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--optimizers: unknown optimizer {o!r}; choose from {', '.join(OPTIMIZERS)}")
     given = plan_from_args(args)
     fixed = {k: v for k, v in given.to_dict().items() if v != Plan().to_dict()[k]}
+    from memfit.hosts import get_host
+    host = get_host(args.host)
     if args.methods is not None:
-        return _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_traces, compile_modes, steps)
+        return _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_traces, compile_modes, steps,
+                                host)
     sizes = [given.world_size]
     if args.max_world_size is not None:
         most = parse_positive_int(args.max_world_size, "--max-world-size")
@@ -101,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
             fields = {**fixed, "world_size": world} if world > 1 else fixed
             result = plan(workload, budget=args.budget, device=args.device, batch_size=bs, seq_len=seq,
                           optimizers=optimizers, max_traces=max_traces,
-                          fixed=fields, compile_modes=compile_modes, steps=steps, progress=progress)
+                          fixed=fields, compile_modes=compile_modes, steps=steps, progress=progress, host=host)
             tried.append(world)
             if result.chosen:
                 break
@@ -147,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result.chosen else 1
 
 
-def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_traces, compile_modes, steps) -> int:
+def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_traces, compile_modes, steps,
+                     host=None) -> int:
     """``--methods``: plan each method on its own (NOTE [ Methods are the user's ])."""
     from memfit.errors import UserError
     from memfit.planner.methods import DIFFERENT_THINGS, parse_methods
@@ -172,7 +179,7 @@ def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_trac
         methods = [dataclasses.replace(m, keys={**m.keys, "base_weights": fmt}) for m in methods]
     searches = [(m.name, dict(workload=workload, budget=args.budget, device=args.device, batch_size=bs,
                               optimizers=optimizers, max_traces=max_traces, fixed={**fixed, **m.keys},
-                              compile_modes=compile_modes, steps=steps)) for m in methods]
+                              compile_modes=compile_modes, steps=steps, host=host)) for m in methods]
     with PlanProgress() if not args.json else contextlib.nullcontext() as progress:
         longest = next((i for i, m in enumerate(methods) if m.name == "full"), 0)
         results = plan_side_by_side(searches, progress, longest=longest)  # NOTE [ Methods planned side by side ]

@@ -37,8 +37,10 @@ class GpuStepModel(StepTimeModel):
 
     kind = "op-level"
 
-    def __init__(self, book: TraceBook, baseline: Baseline, *, k: Constants = H100) -> None:
+    def __init__(self, book: TraceBook, baseline: Baseline, *, k: Constants = H100, host=None) -> None:
         self.book, self.baseline, self.k = book, baseline, k
+        self.host = host
+        """The training machine whose host costs ``k`` carries (memfit.hosts.Host; None: the default)."""
         self.target = book.target
         self.ratios: dict[tuple[str, object], float] = {}
         """(technique, value) -> its step time over the step measured against, alone."""
@@ -188,6 +190,7 @@ class GpuStepModel(StepTimeModel):
         book = self.book
         shallow = (f"; plans measured by shallow traces at 2 and 3 of {book.depth} blocks (2 and 4 with a period of 2), their ops extrapolated, "
                    "the chosen one confirmed by a full trace") if book.depths(self.base or Plan()) else ""
-        return (f"op-level: each plan's own ops on the {self.target.device.name} preset, constants fitted on H100 "
+        host = f", host {self.host.name}" if self.host is not None else ""
+        return (f"op-level: each plan's own ops on the {self.target.device.name} preset{host}, constants fitted on H100 "
                 f"recordings{shallow}; {book.traces} traces ({book.full_traces} at full depth, "
                 f"{book.workers.count} processes) in {book.seconds_spent:.1f} s")

@@ -26,6 +26,7 @@ modules in forward, the C++ autograd engine in backward, Python optimizer loops)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -140,6 +141,19 @@ class Constants:
 
 
 H100 = Constants()
+
+DISPATCH_FIELDS = ("cpu_forward", "cpu_backward", "cpu_optimizer", "cpu_per_tensor", "cpu_py_mode", "cpu_custom",
+                   "cpu_scalar", "cpu_step_call", "cpu_compiled_call")
+"""The constants that are the host's dispatch costs (memfit.hosts)."""
+
+
+def for_host(host, base: Constants = H100) -> Constants:
+    """``base`` with its host constants scaled to ``host`` (a memfit.hosts.Host): dispatch costs by
+    ``host.dispatch``, host memory bandwidths by ``host.memory``."""
+    if host.dispatch == 1.0 and host.memory == 1.0:
+        return base
+    return dataclasses.replace(base, **{n: getattr(base, n) * host.dispatch for n in DISPATCH_FIELDS},
+                               host_bw=base.host_bw * host.memory, host_fused_bw=base.host_fused_bw * host.memory)
 
 
 @dataclass

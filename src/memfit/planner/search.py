@@ -32,6 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memfit.devices import Device, available_host_bytes
 from memfit.errors import UserError
+from memfit.hosts import get_host
 from memfit.memory.budget import Budget
 from memfit.planner import cost
 from memfit.planner.baseline import Baseline
@@ -41,6 +42,7 @@ from memfit.planner.gpu_ladder import GpuLadder
 from memfit.planner.gpu_time import GpuStepModel
 from memfit.planner.ladder import FakeTrace, Ladder
 from memfit.planner.progress import NoProgress
+from memfit.planner.roofline import for_host
 from memfit.planner.space import (
     candidates,
     default_space,
@@ -111,7 +113,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
          optimizers: tuple[str, ...] | None = None, max_traces: int = 60,
          time_model: StepTimeModel | None = None, space=None, fixed: dict | None = None,
          compile_modes: tuple[str, ...] | None = None, steps: int | None = None, progress=None,
-         narrow_optimizer: bool = True, alongside: bool = True) -> PlanResult:
+         narrow_optimizer: bool = True, alongside: bool = True, host=None) -> PlanResult:
     """The fastest plan for ``workload`` whose predicted memory fits ``budget`` on ``device``.
 
     ``fixed``: plan fields the user set (``--precision bf16``); the search covers the others.
@@ -123,6 +125,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     choices that cannot matter ] in memfit.planner.space); when nothing fits so, plan again without.
     ``alongside``: idle workers trace the next plans' full traces while one is confirmed (False where
     other searches use the cores: memfit.planner.side_by_side).
+    ``host``: the machine that trains, for the host part of GPU step times (memfit.hosts: a preset's
+    name, a multiple, or None for the default).
     """
     progress = progress or NoProgress()
     t0 = time.perf_counter()
@@ -174,7 +178,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
         if time_model is not None:
             model, ladder = time_model, Ladder(FakeTrace(target, budget_obj))
         elif dev.is_gpu:
-            book, model, ladder = gpu_search(target, space, facts, budget_obj, fixed)
+            book, model, ladder = gpu_search(target, space, facts, budget_obj, fixed, host=host)
             book.progress = progress
         else:
             model, ladder = cost.calibrate(target, space, progress=progress), Ladder(FakeTrace(target, budget_obj))
@@ -192,21 +196,22 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
         again = plan(workload, budget=budget, device=device, batch_size=batch_size, seq_len=seq_len,
                      optimizers=optimizers, max_traces=max_traces, time_model=time_model, fixed=given_fields,
                      compile_modes=compile_modes, steps=steps, progress=progress, narrow_optimizer=False,
-                     alongside=alongside)
+                     alongside=alongside, host=host)
         again.traces += result.traces
         again.seconds = time.perf_counter() - t0
         return again
     return result
 
 
-def gpu_search(target: Target, space, facts, budget: Budget, fixed: dict | None = None
+def gpu_search(target: Target, space, facts, budget: Budget, fixed: dict | None = None, host=None
                ) -> tuple[TraceBook, GpuStepModel, GpuLadder]:
     """A GPU preset's search: one book of traces, and the time model and the evidence ladder that
     read it, side by side (``fixed``: plan fields outside the search space that every candidate
-    has). The caller closes the book (its worker processes)."""
+    has; ``host``: the training machine, memfit.hosts). The caller closes the book (its worker processes)."""
     book = TraceBook(target, facts, budget, world=int((fixed or {}).get("world_size") or 1))
     baseline = Baseline(book, space, fixed)
-    return book, GpuStepModel(book, baseline), GpuLadder(book, baseline)
+    host = get_host(host)
+    return book, GpuStepModel(book, baseline, k=for_host(host), host=host), GpuLadder(book, baseline)
 
 
 def _trainable(target: Target, facts, given: dict) -> int:

@@ -1,0 +1,113 @@
+"""The training machine's host CPU: what the host part of a GPU step costs on it.
+
+An eager GPU step is also a CPU program: every op is dispatched from Python (modules, autocast),
+the autograd engine (backward) or an optimizer loop; compiled regions cost their guards and
+wrappers; an offloaded optimizer steps on the host, and an EMA on host weights averages there. When
+those costs outrun the kernels they issue, the card waits: the step is host-bound, and its time is
+the host's, whatever the card. So the host is a property of the machine that trains, not of the
+card: the same step ran 19-51% slower behind the H200 machine's CPU than the time model, fitted
+behind the H100 machine's, predicted.
+
+A :class:`Host` scales the time model's host constants (memfit.planner.roofline.Constants: the
+per-op dispatch costs ``cpu_*``, ``host_bw``, ``host_fused_bw``) relative to the machine they were
+fitted on. Presets, by ``--host``:
+
+- ``h100-box`` (the default): the machine the H100 rows ran on; the constants' reference (all 1.0).
+- ``h200-box``: the machine the H200 rows ran on, fitted on its rows that ran alone
+  (``python -m tools.fit.held_out --fit-host h200``).
+- ``measure`` (``--device cuda`` only): this machine, measured by issuing small CUDA ops from Python
+  (:func:`measured_host`), against the same measurement's value recorded on the reference machine.
+- a number: the host's dispatch costs as a multiple of the reference's (``--host 1.3``: 30% slower).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from memfit.errors import UserError
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    dispatch: float = 1.0
+    """The per-op CPU costs (dispatch, autograd engine, optimizer loops, compiled calls) as a multiple
+    of the reference machine's."""
+    memory: float = 1.0
+    """Host memory bandwidth (a host-side optimizer step, an EMA on the host) as a multiple of the
+    reference machine's."""
+    doc: str = ""
+
+
+HOSTS: dict[str, Host] = {h.name: h for h in (
+    Host("h100-box", doc="the machine the H100 rows ran on (an H100 80GB HBM3 cloud instance, 16 host cores): "
+                         "the time model's constants were fitted there"),
+    Host("h200-box", dispatch=1.971, memory=1.0,
+         doc="the machine the H200 rows ran on: dispatch 1.97x the H100 box's, fitted on its 15 GPT-2 and Llama rows that ran "
+             "alone (tools/fit/held_out.py --fit-host h200)"),
+)}
+DEFAULT = "h100-box"
+CARD_HOSTS = {"h100": "h100-box", "h200": "h200-box"}
+"""The host each recorded card's rows ran behind (tests/data/<card>.jsonl)."""
+
+REFERENCE_LAUNCH_SECONDS: float | None = None
+""":func:`measured_host`'s figure on the reference machine (the H100 box): not recorded yet (no GPU
+has been lent since the measurement was written), so ``--host measure`` refuses until it is."""
+
+
+def get_host(name: str | Host | None) -> Host:
+    """A host by preset name, a number (dispatch multiple of the reference), or None (the default)."""
+    if isinstance(name, Host):
+        return name
+    if name is None:
+        return HOSTS[DEFAULT]
+    text = str(name).strip().lower()
+    if text in HOSTS:
+        return HOSTS[text]
+    if text == "measure":
+        return measured_host()
+    try:
+        factor = float(text)
+    except ValueError:
+        raise UserError(f"--host {name!r}: give a host preset ({', '.join(HOSTS)}), measure (with --device cuda), "
+                        "or a number (its dispatch costs as a multiple of the h100-box's)") from None
+    if not 0.1 <= factor <= 20:
+        raise UserError(f"--host {name!r}: a multiple of the reference host's dispatch costs between 0.1 and 20")
+    return Host(f"{factor:g}x h100-box", dispatch=factor, memory=1.0 / factor)
+
+
+def host_for_card(card: str) -> Host:
+    """The host a recorded card's rows ran behind."""
+    return HOSTS[CARD_HOSTS.get(card, DEFAULT)]
+
+
+def launch_seconds(device: str = "cuda", ops: int = 2000) -> float:
+    """Seconds to issue one small op from Python on ``device`` (the median of 5 runs of ``ops`` adds of
+    a 1-element tensor, synchronised only at the end): the host's dispatch and launch cost, the
+    GPU's time for such an op being smaller."""
+    import torch
+    x = torch.zeros(1, device=device)
+    runs = []
+    for _ in range(5):
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(ops):
+            x = x + 1
+        sync()
+        runs.append((time.perf_counter() - t0) / ops)
+    return sorted(runs)[2]
+
+
+def measured_host() -> Host:
+    """This machine's host, measured against the reference machine's same measurement."""
+    import torch
+    if not torch.cuda.is_available():
+        raise UserError("--host measure times this machine's CUDA launches; it needs a GPU here (plan with "
+                        "--device cuda), or name a host preset")
+    if REFERENCE_LAUNCH_SECONDS is None:
+        raise UserError("--host measure: the reference machine's launch time is not recorded yet, so this "
+                        "machine's cannot be put beside it; name a host preset or a multiple (--host 1.2)")
+    factor = launch_seconds("cuda") / REFERENCE_LAUNCH_SECONDS
+    return Host(f"this machine ({factor:.2f}x h100-box)", dispatch=factor, memory=1.0)
