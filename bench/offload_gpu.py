@@ -28,6 +28,14 @@ state (each waiting for its own predecessor's work, as in training).
     .venv/bin/python -m bench.offload_gpu --predicted             # the time model's ratios (no GPU)
     .venv/bin/python -m bench.offload_gpu --cpu-smoke          # no GPU: tiny models on this CPU
 
+The physical bound (issue 51): an offloaded step can be no faster than the largest of three terms,
+recorded beside each row: the device's compute (plan A's measured step: the same step without the
+copies), the bytes the step moves over the host link at the link's measured bandwidth (pinned copies,
+each direction; memfit's recorded ops give the bytes), and the bytes the host update reads and
+writes at the host's measured bandwidth for that update (torch's fused CPU AdamW for offloaded
+optimizer states, an elementwise average for the EMA). ``B / bound`` is the row's distance from it
+(target: <= 1.2x); ``--predicted`` prints the byte terms here, without a GPU.
+
 Without CUDA (or with ``--cpu-smoke``) the same code runs tiny GPT-2 and Llama configs on the CPU:
 it proves the script end to end; its times say nothing about a GPU. Each row costs two processes
 (imports, two builds, a fake-tensor estimate each); where a session limits one command's time,
@@ -162,6 +170,71 @@ def measure(job: dict) -> dict:
     return out
 
 
+# -- the physical bound: compute, the host link, the host update -------------------------------------
+
+def traffic(workload: str, batch_size: int, seq_len: int, plan: dict, preset: str) -> dict:
+    """The bytes plan ``plan``'s step moves over the host link (each way) and reads and writes on the
+    host, from the ops memfit records of its steady-state step (fake tensors: no GPU needed)."""
+    from memfit.planner.ops import D2H, FUSED_HOST, H2D, HOST
+    from memfit.planner.timing import record_ops
+    from memfit.plans import Plan
+    from memfit.target import Target
+
+    ops = record_ops(Target.resolve(workload, Plan(**plan), batch_size, preset, seq_len=seq_len))
+    return {"h2d_bytes": sum(op.nbytes for op in ops if op.kind == H2D),
+            "d2h_bytes": sum(op.nbytes for op in ops if op.kind == D2H),
+            "host_bytes": sum(op.host_bytes for op in ops if op.kind == HOST),
+            "fused_host": any(op.kind == HOST and op.flags & FUSED_HOST for op in ops)}
+
+
+def link_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> dict:
+    """Pinned host <-> device copy bandwidth on this machine, bytes/s each way (median of ``repeats``)."""
+    import torch
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = {}
+    for name, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
+        runs = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            runs.append(nbytes / (time.perf_counter() - t0))
+        out[name] = statistics.median(runs)
+    return out
+
+
+def host_update_bandwidth(elements: int = 64 << 20, fused: bool = True) -> float:
+    """Bytes/s of the host update: torch's fused CPU AdamW over ``elements`` fp32 parameters (reads
+    the parameter, gradient and two moments, writes three: 28 bytes per element), or (``fused``
+    False) an elementwise lerp as the EMA's average (reads two, writes one: 12 bytes per element)."""
+    import torch
+    p = torch.zeros(elements, requires_grad=True)
+    p.grad = torch.full_like(p, 1e-3)
+    if fused:
+        opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+        opt.step()  # (states made)
+        run, per = opt.step, 28
+    else:
+        avg = torch.zeros_like(p)
+        run, per = (lambda: avg.lerp_(p.detach(), 0.001)), 12
+    runs = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        run()
+        runs.append(elements * per / (time.perf_counter() - t0))
+    return statistics.median(runs)
+
+
+def bound(row_traffic: dict, compute_seconds: float, link: dict, host_bw: float | None) -> dict:
+    """The three terms (seconds) and the bound, their largest."""
+    terms = {"compute_s": compute_seconds,
+             "link_s": max(row_traffic["h2d_bytes"] / link["h2d"], row_traffic["d2h_bytes"] / link["d2h"]),
+             "host_s": row_traffic["host_bytes"] / host_bw if host_bw else 0.0}
+    return {**terms, "bound_s": max(terms.values()), "link_bw": link, "host_bw": host_bw, **row_traffic}
+
+
 def run_child(job: dict, timeout: float = 900) -> dict:
     """:func:`measure` in a fresh Python process (no caching-allocator state, handles or peak shared)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -241,7 +314,14 @@ def run_row(row: Row, device: str, preset: str | None, repeats: int, runner=run_
     times_a, times_b = ab["times_first"] + ba["times_second"], ab["times_second"] + ba["times_first"]
     a, b = statistics.median(times_a), statistics.median(times_b)
     met = None if row.target is None or device != "cuda" else b / a <= row.target
+    terms = {}
+    if device == "cuda":  # the physical bound beside the row (issue 51)
+        moved = traffic(row.workload, row.batch_size, row.seq_len, row.plan_b, ab["predicted_on"])
+        terms = bound(moved, a, link_bandwidth(), host_update_bandwidth(fused=moved["fused_host"])
+                      if moved["host_bytes"] else None)
+        terms["b_over_bound"] = b / terms["bound_s"]
     return {**out, "machine": ab["machine"], "torch": ab["torch"], "predicted_on": ab["predicted_on"],
+            "bound": terms,
             "step_seconds_a": a, "step_seconds_b": b, "ratio": b / a, "met": met,
             "peak_a": ab["peak"], "peak_b": ba["peak"],
             "peak_reserved_a": ab.get("peak_reserved"), "peak_reserved_b": ba.get("peak_reserved"),
@@ -272,6 +352,16 @@ def table(results: list[dict]) -> str:
         lines.append(f"| {r['id']} | {before_text} | {r['ratio']:.2f}x ({r['step_seconds_b'] * 1e3:.1f} / "
                      f"{r['step_seconds_a'] * 1e3:.1f} ms) | {target} | {met} | {_mem(r['peak_a'])} / "
                      f"{_mem(r['peak_b'])} | {_mem(r['predicted_a'])} / {_mem(r['predicted_b'])} |")
+    bounded = [r for r in results if r.get("bound")]
+    if bounded:
+        lines += ["", "| row | B ms | compute ms | link ms (H2D / D2H bytes) | host update ms (bytes) | bound ms | "
+                  "B / bound (target <= 1.2x) |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for r in bounded:
+            t = r["bound"]
+            lines.append(f"| {r['id']} | {r['step_seconds_b'] * 1e3:.1f} | {t['compute_s'] * 1e3:.1f} | "
+                         f"{t['link_s'] * 1e3:.1f} ({_mem(t['h2d_bytes'])} / {_mem(t['d2h_bytes'])}) | "
+                         f"{t['host_s'] * 1e3:.1f} ({_mem(t['host_bytes'])}) | {t['bound_s'] * 1e3:.1f} | "
+                         f"{t['b_over_bound']:.2f}x |")
     return "\n".join(lines)
 
 
@@ -287,8 +377,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.predicted:
-        print(predicted_table([r for r in ROWS if not a.only or any(k in r.id for k in a.only.split(","))],
-                              a.preset or "h100-80gb"))
+        chosen = [r for r in ROWS if not a.only or any(k in r.id for k in a.only.split(","))]
+        print(predicted_table(chosen, a.preset or "h100-80gb"))
+        print("\nwhat each row's step moves (the bound's byte terms; the bandwidths are measured on the GPU machine):")
+        for r in chosen:
+            t = traffic(r.workload, r.batch_size, r.seq_len, r.plan_b, a.preset or "h100-80gb")
+            print(f"  {r.id}: host link {_mem(t['h2d_bytes'])} in, {_mem(t['d2h_bytes'])} out; host update "
+                  f"{_mem(t['host_bytes'])}{' (fused AdamW)' if t['fused_host'] else ''}")
         return 0
     if a.child:
         try:

@@ -81,3 +81,25 @@ def test_a_job_runs_in_a_fresh_process():
     assert "error" not in result, result.get("error")
     assert result["peak"] > 0 and result["predicted"] > 0
     assert len(result["times_first"]) == len(result["times_second"]) == BENCH.STEPS_PER_TURN - 1
+
+
+def test_the_physical_bound_is_the_largest_of_compute_the_link_and_the_host_update():
+    """What an offloaded step moves comes from memfit's recorded ops (no GPU): optimizer-state offload
+    sends the gradients out and the updated weights back and reads and writes the states on the host;
+    the bound is the largest of the three terms, each at its measured bandwidth."""
+    wl = ("llama:num_hidden_layers=1,hidden_size=64,intermediate_size=128,num_attention_heads=2,"
+          "num_key_value_heads=1,vocab_size=256,max_position_embeddings=64")
+    moved = BENCH.traffic(wl, 2, 64, {"precision": "bf16", "offload": ["optimizer_states"]}, "h100-80gb")
+    import memfit
+    with __import__("torch").device("meta"):
+        n = sum(p.numel() for p in memfit.load_workload(wl, seq_len=64).model().parameters())
+    assert moved["fused_host"] and moved["d2h_bytes"] >= 4 * n and moved["h2d_bytes"] >= 4 * n
+    assert moved["host_bytes"] >= 16 * n  # (the weight, its gradient and two moments, read and written)
+    terms = BENCH.bound(moved, 0.001, {"h2d": 1e9, "d2h": 1e9}, 1e9)
+    assert terms["bound_s"] == max(terms["compute_s"], terms["link_s"], terms["host_s"]) == terms["host_s"]
+    plain = BENCH.traffic(wl, 2, 64, {"precision": "bf16"}, "h100-80gb")
+    assert plain["h2d_bytes"] == plain["d2h_bytes"] == plain["host_bytes"] == 0
+
+
+def test_the_host_update_bandwidth_is_measured_here():
+    assert BENCH.host_update_bandwidth(1 << 20) > 1e8 and BENCH.host_update_bandwidth(1 << 20, fused=False) > 1e8
