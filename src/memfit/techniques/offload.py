@@ -26,15 +26,22 @@ one input per block (65,536) and what is saved outside the blocks
 (tests/unit/techniques/test_offload_blocks.py). A tensor saved twice unchanged (log_softmax's
 output, saved again by nll_loss: the logits) goes to the host once; that halved the host bytes.
 
+``activations:blocks=K`` offloads only what is saved inside the first K repeated blocks (in forward
+order). Their copies out overlap the later blocks' forward and their copies back the later blocks'
+backward; the last blocks' and the head's activations have no compute left to hide behind, and
+offloading them makes the step wait on the host link. So K is the memory the link can carry for
+free: the planner tries half the blocks beside all of them.
+
 Plan key ``offload``: a list of ``optimizer_states`` (:class:`OffloadOptimizerStates`) or
-``optimizer_states:step=device`` (:class:`DeviceStepOffload`), and ``activations``
-(:class:`OffloadActivations`); the config is :class:`Offload`.
+``optimizer_states:step=device`` (:class:`DeviceStepOffload`), and ``activations`` or
+``activations:blocks=K`` (:class:`OffloadActivations`); the config is :class:`Offload`.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import re
 import weakref
 from dataclasses import dataclass
 
@@ -51,13 +58,21 @@ from memfit.techniques.base import (
     choice,
     register,
 )
+from memfit.techniques.checkpointing import find_blocks
 from memfit.techniques.offload_optimizer import DeviceStepOffload, OffloadOptimizerStates
 from memfit.techniques.placement import HostPlacement
 
-ITEMS = ("optimizer_states", "optimizer_states:step=device", "activations")
+ITEMS = ("optimizer_states", "optimizer_states:step=device", "activations", "activations:blocks=K")
 STATES = ("optimizer_states", "optimizer_states:step=device")
 LABELS = {"optimizer_states": "off=optimizer", "optimizer_states:step=device": "off=optimizer(device step)",
           "activations": "off=activations"}
+_PARTIAL = re.compile(r"^activations:blocks=(\d+)$")
+
+
+def activation_blocks(item: str) -> int | None:
+    """K of an ``activations:blocks=K`` item (None: another item)."""
+    m = _PARTIAL.match(item)
+    return int(m.group(1)) if m else None
 
 
 PREFETCH = 2
@@ -82,8 +97,13 @@ class OffloadActivations:
     """
 
     def __init__(self, model: torch.nn.Module, placement: HostPlacement, min_bytes: int = 1024,
-                 prefetch: int = PREFETCH):
+                 prefetch: int = PREFETCH, blocks: int | None = None):
         self.placement = placement
+        self.blocks = blocks
+        """Offload only what is saved inside the first ``blocks`` repeated blocks (None: everything)."""
+        self._inside = 0
+        if blocks is not None:
+            self._watch(model, blocks)
         self.min_bytes, self.prefetch = min_bytes, prefetch
         self._params = {p.untyped_storage()._cdata for p in model.parameters()}
         self.saved: dict[int, tuple[torch.device, torch.Tensor, object]] = {}
@@ -106,9 +126,23 @@ class OffloadActivations:
         self._back: dict[int, torch.Tensor] = {}
         """Number -> its device tensor, unpacked for one use, kept for another."""
 
+    def _watch(self, model: torch.nn.Module, count: int) -> None:
+        """Count the calls of the first ``count`` repeated blocks in progress (their forward, which a
+        block's checkpoint wraps: the input it saves is saved inside the call)."""
+        chosen = [b for _, children in find_blocks(model) for b in children][:count]
+
+        def enter(module, args):
+            self._inside += 1
+
+        def leave(module, args, out):
+            self._inside -= 1
+        for block in chosen:
+            block.register_forward_pre_hook(enter)
+            block.register_forward_hook(leave)
+
     def _pack(self, t: torch.Tensor):
         if t.untyped_storage().nbytes() < self.min_bytes or t.untyped_storage()._cdata in self._params \
-                or t.device.type == "meta":
+                or t.device.type == "meta" or (self.blocks is not None and not self._inside):
             return t
         key = (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
         seen = self._seen.get(key)
@@ -247,6 +281,13 @@ class Offload(Config):
         """Which optimizer-state offload (an item of STATES), if any."""
         return next((s for s in STATES if s in self.items), None)
 
+    @property
+    def activations(self) -> float:
+        """How many blocks' activations go to the host: 0, K, or infinity for all of them."""
+        if "activations" in self.items:
+            return float("inf")
+        return next((float(k) for k in map(activation_blocks, self.items) if k is not None), 0.0)
+
     def check(self, plan) -> None:
         if self.states == "optimizer_states:step=device" and plan.optimizer_in_backward:
             raise UserError("plan: offload: [optimizer_states:step=device] updates after backward, optimizer_in_backward "
@@ -257,7 +298,7 @@ class Offload(Config):
         return len(self.items)
 
     def saves_at_most(self, other: Config, batch_size: int) -> bool:
-        return set(self.items) <= set(other.items)
+        return (self.states is None or self.states == other.states) and self.activations <= other.activations
 
     def apply(self, parts) -> None:
         if self.states == "optimizer_states":
@@ -265,16 +306,20 @@ class Offload(Config):
         elif self.states is not None:
             placement = parts.placement
             parts.make_optimizer = lambda params, factory: DeviceStepOffload(params, factory, placement)
-        if "activations" in self.items:
-            parts.forward_contexts.append(OffloadActivations(parts.model, parts.placement))
+        if self.activations:
+            count = None if self.activations == float("inf") else int(self.activations)
+            if count is not None:
+                _check_blocks(parts.model, count)
+            parts.forward_contexts.append(OffloadActivations(parts.model, parts.placement, blocks=count))
 
     def frugal(self, ctx: AdaptContext):
         if "activations" in self.items:
             return None
-        return Offload((*self.items, "activations")), "offload: activations"
+        kept = tuple(x for x in self.items if activation_blocks(x) is None)
+        return Offload((*kept, "activations")), "offload: activations"
 
     def label(self, batch_size):
-        return " ".join(LABELS[o] for o in self.items) or None
+        return " ".join(LABELS.get(o) or f"off=activations({activation_blocks(o)} blocks)" for o in self.items) or None
 
     def ablations(self):
         return [(f"offload {item}", Offload(tuple(x for x in self.items if x != item))) for item in self.items]
@@ -300,6 +345,16 @@ def _offload_optimizer(parts) -> None:
         parts.updates_in_backward = True
 
 
+def _check_blocks(model: torch.nn.Module, count: int) -> None:
+    blocks = sum(len(children) for _, children in find_blocks(model))
+    if not blocks:
+        raise UserError("plan: offload: activations:blocks=K offloads the first K repeated blocks' activations, and "
+                        "the model has no repeated blocks; use offload: [activations]")
+    if not 1 <= count <= blocks:
+        raise UserError(f"plan: offload: activations:blocks={count}: the model has {blocks} repeated blocks; give "
+                        f"1 to {blocks}, or activations for all of them")
+
+
 def _items_text(text: str) -> list[str]:
     return [v for v in text.split(",") if v]
 
@@ -311,18 +366,33 @@ def parse(values: dict) -> Offload:
     if not isinstance(offload, (list, tuple)):
         raise UserError(f"plan: offload must be a list of {', '.join(ITEMS)}; got {offload!r}")
     for item in offload:
-        choice("offload", item, ITEMS)
+        k = activation_blocks(str(item))
+        if k is None:
+            choice("offload", item, ITEMS[:-1] + ("activations:blocks=K (K >= 1)",))
+        elif k < 1:
+            raise UserError(f"plan: offload: {item}: K must be a whole number >= 1 (the first K repeated blocks)")
+    if sum(str(x).startswith("activations") for x in offload) > 1:
+        raise UserError("plan: offload lists activations twice; keep one of activations, activations:blocks=K")
     return Offload(tuple(offload))
 
 
 def search(ctx: SearchContext) -> list[tuple[str, ...]]:
-    # on the CPU the host *is* the device: nothing to gain
-    return [(), ("optimizer_states",), ("optimizer_states:step=device",), ("activations",)] if ctx.device.is_gpu else [()]
+    """On GPU presets: each state offload, all activations, and (four blocks or more) the first half
+    of the blocks' activations, whose copies have the rest of the model's compute to hide behind. On
+    the CPU the host *is* the device: nothing to gain."""
+    if not ctx.device.is_gpu:
+        return [()]
+    values = [(), ("optimizer_states",), ("optimizer_states:step=device",), ("activations",)]
+    blocks = sum(len(children) for _, children in find_blocks(ctx.model))
+    if blocks >= 4:
+        values.append((f"activations:blocks={blocks // 2}",))
+    return values
 
 
 TECHNIQUE = register(
     Technique("offload", (Key("offload", (), "Move to host memory: optimizer_states (stepped on the host), "
-                              "optimizer_states:step=device, activations.",
+                              "optimizer_states:step=device, activations (or activations:blocks=K, the first K "
+                              "repeated blocks').",
                               annotation="list[str]", from_text=_items_text, metavar="OFFLOAD"),),
               parse, search=search, escalation=30),
     Offload)

@@ -118,3 +118,47 @@ def test_device_keeps_no_block_inputs_and_the_host_one_per_block():
     assert host(2, "blocks") == both.measured.host_peak_bytes
     assert host(4, "blocks") - host(2, "blocks") == 2 * INPUT_BYTES  # one input per added block
     assert host(4, "none") - host(2, "none") > 20 * INPUT_BYTES  # without checkpointing: all they save
+
+
+GPT2_4 = GPT2_DROPOUT.replace("n_layer=2", "n_layer=4")
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "blocks"])
+def test_the_first_blocks_offload_alone_and_train_exactly_as_without(checkpointing, monkeypatch):
+    """``activations:blocks=K``: what is saved inside the first K blocks goes to the host, nothing else
+    (not the later blocks', not the head's or the loss'); the training equals the plain one."""
+    assert_same_training(run_steps(GPT2_4, Plan(checkpointing=checkpointing)),
+                         run_steps(GPT2_4, Plan(checkpointing=checkpointing, offload=["activations:blocks=2"])))
+    packs, _, n, hooks = _one_step(monkeypatch, Plan(checkpointing="blocks", offload=["activations:blocks=1"]))
+    assert [off for _, within, _, off in packs if not within and off] == []  # outside the blocks: kept
+    assert hooks.blocks == 1 and hooks._inside == 0
+
+
+def test_offloading_the_first_blocks_keeps_between_none_and_all_and_is_predicted():
+    plain, half, every = (measured(GPT2_4, Plan(offload=off)) for off in ([], ["activations:blocks=2"], OFF))
+    for r in (plain, half, every):
+        assert abs(r.error_percent) <= 1.0, r.error_percent
+    acts = [r.measured.breakdown["activations"] for r in (plain, half, every)]
+    assert acts[0] > acts[1] > acts[2]
+    assert 0 < half.predicted.host_peak_bytes < every.predicted.host_peak_bytes
+
+
+@pytest.mark.parametrize("items,problem", [
+    (["activations:blocks=0"], "K must be a whole number >= 1"), (["activations:blocks=9"], "give 1 to 4"),
+    (["activations", "activations:blocks=2"], "lists activations twice"),
+    (["activations:blocks=x"], "is not valid")])
+def test_bad_first_blocks_are_one_line(items, problem):
+    from memfit.errors import UserError
+    with pytest.raises(UserError, match=problem) as e:
+        estimate(GPT2_4, Plan(offload=items), batch_size=BATCH, seq_len=SEQ)
+    assert "\n" not in str(e.value)
+
+
+def test_the_first_blocks_save_no_more_than_all_and_the_search_tries_half():
+    from memfit.planner.space import default_space, model_facts
+    from memfit.devices import get_device
+    half, every, states = (Plan(offload=o).config("offload") for o in (["activations:blocks=2"], OFF,
+                                                                        ["optimizer_states"]))
+    assert half.saves_at_most(every, 4) and not every.saves_at_most(half, 4) and not half.saves_at_most(states, 4)
+    space = default_space(model_facts(load_workload("llama:num_hidden_layers=8", seq_len=64)), get_device("h100-80gb"), 1)
+    assert ("activations:blocks=4",) in space.values["offload"]
