@@ -155,8 +155,8 @@ def test_bad_first_blocks_are_one_line(items, problem):
 
 
 def test_the_first_blocks_save_no_more_than_all_and_the_search_tries_half():
-    from memfit.planner.space import default_space, model_facts
     from memfit.devices import get_device
+    from memfit.planner.space import default_space, model_facts
     half, every, states = (Plan(offload=o).config("offload") for o in (["activations:blocks=2"], OFF,
                                                                         ["optimizer_states"]))
     assert half.saves_at_most(every, 4) and not every.saves_at_most(half, 4) and not half.saves_at_most(states, 4)
