@@ -29,6 +29,9 @@ a swap of fake tensors first drops them from the converter's memo (a cache of re
 conversions: dropping an entry only costs a conversion later); every other swap is untouched.
 A test fails loudly if torch stops using ``torch.utils.swap_tensors`` here or fixes it.
 
+Kernels whose meta kernel refuses what their real kernel runs get one for the trace
+(NOTE [ Grouped GEMM on fake tensors ] in :mod:`memfit.memory.grouped_mm`).
+
 What a technique's own library needs on fake tensors is the technique's business
 (``Config.trace_context``, e.g. NOTE [ bitsandbytes tables on fake tensors ]).
 """
@@ -41,6 +44,8 @@ import weakref
 
 import torch
 
+from memfit.memory.grouped_mm import grouped_mm_meta
+
 
 @contextlib.contextmanager
 def real_code_paths():
@@ -49,6 +54,7 @@ def real_code_paths():
         if module is not None and hasattr(module, "is_fake_tensor"):
             stack.enter_context(_patched(module, "is_fake_tensor", lambda x: False))
         stack.enter_context(_patched(torch.utils, "swap_tensors", _fake_swappable(torch.utils.swap_tensors)))
+        stack.enter_context(grouped_mm_meta())  # NOTE [ Grouped GEMM on fake tensors ]
         yield
 
 
