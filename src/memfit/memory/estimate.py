@@ -94,7 +94,8 @@ def _real_fallback(target: Target, err: TraceError):
             raise err from None
     need, avail = 4 * n_bytes + (256 << 20), available_host_bytes()
     if need > avail // 2:
+        fix = "" if err.library else ("; make the workload traceable (avoid data-dependent ops such as .item() or "
+                                      "nonzero in the step)")
         raise TraceError(f"{err}; a real-run fallback would need about {need / 2**30:.1f} GiB but this machine has "
-                         f"{avail / 2**30:.1f} GiB free; make the workload traceable (avoid data-dependent ops "
-                         "such as .item() or nonzero in the step)", op=err.op) from err
+                         f"{avail / 2**30:.1f} GiB free{fix}", op=err.op, library=err.library) from err
     return run_tracked(target.on(cpu_device()) if target.device.is_gpu else target, fake=False)

@@ -92,7 +92,7 @@ def _run_tracked(target: Target, *, fake: bool, steps: int, outer: contextlib.Ab
                     tracker.label([p.grad for p in params if p.grad is not None], "gradients")
                 tracker.mark("end")
     except Exception as e:
-        if fake and is_trace_error(e):
+        if fake and is_trace_error(e) and not isinstance(e, TraceError):
             op = trace_error_op(e)
             raise TraceError(f"fake-tensor tracing failed at {op}: {str(e).splitlines()[0][:200]}", op=op) from e
         raise

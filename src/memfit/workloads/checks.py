@@ -86,14 +86,17 @@ def guarded(arch: str, overrides: dict, what: str, fn: Callable) -> Callable:
 
 def blamed(source: str, fix: str, what: str, fn: Callable) -> Callable:
     """``fn`` whose failures are the user's ``source`` (overrides, a model folder's config.json):
-    one line naming it, ``what`` failed and ``fix``; what :func:`guarded` lets pass, passes."""
+    one line naming it, ``what`` failed and ``fix``; what :func:`guarded` lets pass, passes. A
+    failure inside memfit's fake trace is memfit's (NOTE [ Whose failure ] in memfit.errors)."""
     def call(*args):
         try:
             return fn(*args)
         except Exception as e:
-            from memfit.errors import brief, passes_through, raised_in_memfit
+            from memfit.errors import brief, in_fake_trace, passes_through, raised_in_memfit, untraced
             if passes_through(e) or raised_in_memfit(e):
                 raise
+            if in_fake_trace():
+                raise untraced(source, what, e) from e
             msg = brief(e)
             raise UserError(f"{source}: {what} failed with {type(e).__name__}: {msg}; {fix}") from e
     return call
