@@ -184,6 +184,8 @@ _SCALAR_READS = {aten._local_scalar_dense.default, aten.is_nonzero.default}
 
 
 def _routing_of(module, args) -> _Layer | None:
+    if isinstance(getattr(module, "base_layer", None), torch.nn.Module):  # a PEFT wrapper: its base layer is seen
+        return None
     experts = getattr(module, "num_experts", None)
     if not isinstance(experts, int) or isinstance(experts, bool) or len(args) < 2:
         return None
