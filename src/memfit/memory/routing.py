@@ -137,7 +137,8 @@ class RoutingMode(TorchDispatchMode):
             self._layers.pop()
 
     def __enter__(self):
-        self._handles = [register_module_forward_pre_hook(self._enter), register_module_forward_hook(self._leave)]
+        self._handles = [register_module_forward_pre_hook(self._enter),  # (always: also when checkpoint stops
+                         register_module_forward_hook(self._leave, always_call=True)]  # a recomputation early)
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -251,3 +252,30 @@ def routing_mode(routing: str, tracker):
     mode = RoutingMode(routing, tracker)
     with mode:
         yield mode
+
+
+class ForcedRouting(TorchDispatchMode):
+    """A real run routed as :class:`RoutingMode` assumes, to measure a routing's prediction: every
+    ``topk`` over E experts' scores (a router's choice, [T, E] -> [T, k]) returns the indices of
+    ``balanced`` (pair i of the T*k to expert i mod E) or ``worst`` (every token to expert 0, its
+    other k-1 pairs spread over experts 1..E-1) routing. For tests and the accuracy table only:
+    the model trains on its router's real choice."""
+
+    def __init__(self, routing: str = BALANCED):
+        super().__init__()
+        assert routing in (BALANCED, WORST), routing
+        self.routing = routing
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is aten.topk.default and args[0].dim() == 2:
+            _, idx = out
+            tokens, k = idx.shape
+            experts = args[0].shape[-1]
+            if self.routing == BALANCED:
+                forced = torch.arange(tokens * k, device=idx.device).view(tokens, k) % experts
+            else:
+                rest = 1 + torch.arange(tokens * (k - 1), device=idx.device).view(tokens, k - 1) % (experts - 1)
+                forced = torch.cat([torch.zeros(tokens, 1, dtype=idx.dtype, device=idx.device), rest], 1)
+            idx.copy_(forced)
+        return out
