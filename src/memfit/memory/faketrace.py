@@ -16,7 +16,7 @@ from typing import Any
 
 from memfit.devices import Device
 from memfit.errors import TraceError, is_trace_error, trace_error_op
-from memfit.memory.adapters import fsdp_buffers, real_code_paths
+from memfit.memory.adapters import fsdp_buffers, real_code_paths, rng_states_seen
 from memfit.memory.categories import STEADY_STEP
 from memfit.memory.cuda import cuda_kernel_model
 from memfit.memory.heap import frozen_heap
@@ -67,6 +67,8 @@ def _run_tracked(target: Target, *, fake: bool, steps: int, outer: contextlib.Ab
                 stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
             stack.enter_context(tracker)
             stack.enter_context(fsdp_buffers(tracker, target.plan.config("shard").fsdp2))
+            if not device.is_gpu:
+                stack.enter_context(rng_states_seen(tracker))  # NOTE [ RNG states ]
             if fake:
                 _enter_trace_contexts(stack, target)
                 routed = stack.enter_context(routing_mode(routing, tracker)).answers
