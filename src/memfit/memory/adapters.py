@@ -29,9 +29,6 @@ a swap of fake tensors first drops them from the converter's memo (a cache of re
 conversions: dropping an entry only costs a conversion later); every other swap is untouched.
 A test fails loudly if torch stops using ``torch.utils.swap_tensors`` here or fixes it.
 
-Kernels whose meta kernel refuses what their real kernel runs get one for the trace
-(NOTE [ Grouped GEMM on fake tensors ] in :mod:`memfit.memory.grouped_mm`).
-
 NOTE [ RNG states ]
 ``torch.utils.checkpoint`` saves the CPU generator's state (``torch.get_rng_state()``, 5056 bytes)
 at every checkpointed call and keeps it until backward recomputes the call: a tensor made by no
@@ -51,8 +48,6 @@ import weakref
 
 import torch
 
-from memfit.memory.grouped_mm import grouped_mm_meta
-
 
 @contextlib.contextmanager
 def real_code_paths():
@@ -61,7 +56,6 @@ def real_code_paths():
         if module is not None and hasattr(module, "is_fake_tensor"):
             stack.enter_context(_patched(module, "is_fake_tensor", lambda x: False))
         stack.enter_context(_patched(torch.utils, "swap_tensors", _fake_swappable(torch.utils.swap_tensors)))
-        stack.enter_context(grouped_mm_meta())  # NOTE [ Grouped GEMM on fake tensors ]
         yield
 
 

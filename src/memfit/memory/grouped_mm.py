@@ -11,25 +11,23 @@ restates only the CUDA fast path's checks: it refuses float32 ("Expected mat_a t
 or supported Float16 matrix") and float16 without cuBLASLt's grouped GEMM. So a model that trains
 for real in fp32 could not be traced on fake tensors.
 
-While a fake trace runs, :func:`grouped_mm_meta` registers a Meta kernel for ``_grouped_mm``
-that keeps PyTorch's own for bfloat16 and, for float32 and float16, makes the real kernel's
-checks and its output: ``create_grouped_gemm_output_tensor``, whose last dimension is padded to
-16 bytes on every build but ROCm's (the fallback's ``mm_out`` writes into slices of it and
-allocates nothing else: a profiled run on this CPU shows no scratch, see
-tests/unit/test_moe.py). The registration is removed when the trace ends; while it exists it
-applies process-wide, as :mod:`memfit.memory.cuda.composites`' do. Autograd's formulas for
-``_grouped_mm`` call ``_grouped_mm`` again (the weight gradient is a 2-D x 2-D grouped GEMM),
-so the backward goes through the same kernel. A test fails loudly when PyTorch's meta kernel
-accepts float32 itself (then this goes).
+While a fake trace runs, :class:`GroupedMMMeta`, a dispatch mode entered right above fake mode
+(below the tracker, which so books the output as ``_grouped_mm``'s and probes its scratch),
+leaves bfloat16 calls to PyTorch's meta kernel and answers float32 and float16 ones with the real
+kernel's checks and its output: ``create_grouped_gemm_output_tensor``, whose last dimension is
+padded to 16 bytes on every build but ROCm's (the fallback's ``mm_out`` writes into slices of
+it; in fp32 it allocates nothing else, a profiled run on this CPU shows, tests/unit/test_moe.py;
+bf16's per-expert packing is probed). A mode, not a Meta kernel registered with
+``torch.library``: fake mode kept calling such a kernel after its library was destroyed, so it
+could not be scoped to the trace. Autograd's formulas for ``_grouped_mm`` call ``_grouped_mm``
+again (the weight gradient is a 2-D x 2-D grouped GEMM), so the backward goes through the same
+mode. A test fails loudly when PyTorch's meta kernel accepts float32 itself (then this goes).
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-
-from memfit.quiet import silenced_warnings
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -108,20 +106,19 @@ def _real_kernel_meta(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     return output_like_real(mat_a, mat_b, offs, out_dtype)
 
 
-@contextlib.contextmanager
-def grouped_mm_meta():
+class GroupedMMMeta(TorchDispatchMode):
     """See NOTE [ Grouped GEMM on fake tensors ]."""
-    from torch._meta_registrations import meta_grouped_mm
 
-    def meta(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
-        if mat_a.dtype == torch.bfloat16 and mat_b.dtype == torch.bfloat16:
-            return meta_grouped_mm(mat_a, mat_b, offs, bias, out_dtype)
-        return _real_kernel_meta(mat_a, mat_b, offs, bias, out_dtype)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _GROUPED_MM and not (args[0].dtype == args[1].dtype == torch.bfloat16):
+            return _real_kernel_meta(*args, **kwargs)
+        return func(*args, **kwargs)
 
-    lib = torch.library.Library("aten", "IMPL")
-    try:
-        with silenced_warnings():  # "overriding a previously registered kernel": for the trace only
-            lib.impl("_grouped_mm", meta, "Meta")
-        yield
-    finally:
-        lib._destroy()
+
+_GROUPED_MM = torch.ops.aten._grouped_mm.default
+
+
+def grouped_mm_meta() -> GroupedMMMeta:
+    """The mode to enter between fake mode and the tracker (see NOTE [ Grouped GEMM on fake tensors ])."""
+    return GroupedMMMeta()
