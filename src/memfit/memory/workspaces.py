@@ -67,6 +67,7 @@ CPU_PROBED_OPS = {
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
     aten._log_softmax.default, aten._log_softmax_backward_data.default,
     aten._softmax.default, aten._softmax_backward_data.default,
+    aten._safe_softmax.default,  # (SDPA's math path: a -inf mask and its all() inside the op)
     aten.nll_loss_forward.default, aten.nll_loss_backward.default,
     aten.max_pool2d_with_indices.default, aten.max_pool2d_with_indices_backward.default,
     aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool2d_backward.default,
