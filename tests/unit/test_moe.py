@@ -10,7 +10,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memfit.cli.main import main
-from memfit.memory import faketrace
+from memfit.memory import adapters
 from memfit.memory.estimate import estimate
 from memfit.memory.faketrace import run_tracked
 from memfit.memory.grouped_mm import grouped_mm_meta, meta_refuses
@@ -35,7 +35,9 @@ def grouped_calls(dtype):
 
 def test_pytorch_meta_still_refuses_fp32_else_this_registration_goes():
     """If this fails, PyTorch's meta kernel accepts fp32 grouped GEMMs itself: remove
-    memfit.memory.grouped_mm and its mode in memfit.memory.faketrace."""
+    memfit.memory.grouped_mm and its use in memfit.memory.adapters.real_code_paths."""
+    from torch._subclasses import fake_impls
+    assert isinstance(fake_impls.op_implementations_checks, list)  # where fake mode looks first
     assert meta_refuses(torch.float32) and meta_refuses(torch.float16) and not meta_refuses(torch.bfloat16)
 
 
@@ -52,8 +54,9 @@ def test_fake_grouped_mm_is_the_real_kernels_output_and_no_scratch(dtype):
             assert measured.scratch_bytes == 0
 
 
-def test_the_mode_checks_as_the_real_kernel_and_acts_in_the_trace_only():
+def test_it_checks_as_the_real_kernel_and_acts_in_the_trace_only():
     def call(*shapes, mode=contextlib.nullcontext):
+        FakeTensorMode.cache_clear()  # (fake mode caches what ops returned, across modes)
         with FakeTensorMode(), mode():
             return aten._grouped_mm.default(*(torch.randn(s) for s in shapes), torch.zeros(E, dtype=torch.int32))
     assert call((S, K), (E, K, N), mode=grouped_mm_meta).shape == (S, N)
@@ -65,7 +68,7 @@ def test_the_mode_checks_as_the_real_kernel_and_acts_in_the_trace_only():
 
 def test_a_failure_inside_the_fake_trace_is_memfits_and_names_op_module_and_line(tmp_path, monkeypatch, capsys):
     """Without the registration, the issue's error: it must not tell the user to fix the config."""
-    monkeypatch.setattr(faketrace, "grouped_mm_meta", contextlib.nullcontext)
+    monkeypatch.setattr(adapters, "grouped_mm_meta", contextlib.nullcontext)
     big = dict(SMALL_FOLDERS["mixtral"], hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                num_local_experts=8, vocab_size=32000, num_attention_heads=32, num_key_value_heads=8)
     (tmp_path / "config.json").write_text(json.dumps(big))
@@ -78,7 +81,7 @@ def test_a_failure_inside_the_fake_trace_is_memfits_and_names_op_module_and_line
 
 
 def test_a_small_model_failing_the_trace_is_measured_for_real_instead(monkeypatch):
-    monkeypatch.setattr(faketrace, "grouped_mm_meta", contextlib.nullcontext)
+    monkeypatch.setattr(adapters, "grouped_mm_meta", contextlib.nullcontext)
     r = estimate(write_folder("mixtral"), Plan(), batch_size=2, seq_len=32)
     assert r.method == "real-fallback" and "aten._grouped_mm.default in module MixtralExperts" in r.approximations[0]
 

@@ -36,6 +36,9 @@ ATen op, so no dispatch mode sees it (the profiler does: 15 KiB over three check
 small model, 1% of its step). On a CPU target both traces show it to the tracker
 (``rng_states_seen``); on a GPU target it is host memory and not the card's.
 
+Kernels whose meta kernel refuses what their real kernel runs get an implementation for the
+trace (NOTE [ Grouped GEMM on fake tensors ] in :mod:`memfit.memory.grouped_mm`).
+
 What a technique's own library needs on fake tensors is the technique's business
 (``Config.trace_context``, e.g. NOTE [ bitsandbytes tables on fake tensors ]).
 """
@@ -48,6 +51,8 @@ import weakref
 
 import torch
 
+from memfit.memory.grouped_mm import grouped_mm_meta
+
 
 @contextlib.contextmanager
 def real_code_paths():
@@ -56,6 +61,7 @@ def real_code_paths():
         if module is not None and hasattr(module, "is_fake_tensor"):
             stack.enter_context(_patched(module, "is_fake_tensor", lambda x: False))
         stack.enter_context(_patched(torch.utils, "swap_tensors", _fake_swappable(torch.utils.swap_tensors)))
+        stack.enter_context(grouped_mm_meta())  # NOTE [ Grouped GEMM on fake tensors ]
         yield
 
 

@@ -19,7 +19,6 @@ from memfit.errors import TraceError, is_trace_error, trace_error_op
 from memfit.memory.adapters import fsdp_buffers, real_code_paths, rng_states_seen
 from memfit.memory.categories import STEADY_STEP
 from memfit.memory.cuda import cuda_kernel_model
-from memfit.memory.grouped_mm import grouped_mm_meta
 from memfit.memory.heap import frozen_heap
 from memfit.memory.routing import BALANCED, routing_mode
 from memfit.memory.tracker import MemoryTracker
@@ -66,7 +65,6 @@ def _run_tracked(target: Target, *, fake: bool, steps: int, outer: contextlib.Ab
             stack.enter_context(outer or contextlib.nullcontext())
             if fake:
                 stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-                stack.enter_context(grouped_mm_meta())  # NOTE [ Grouped GEMM on fake tensors ]
             stack.enter_context(tracker)
             stack.enter_context(fsdp_buffers(tracker, target.plan.config("shard").fsdp2))
             if not device.is_gpu:

@@ -11,23 +11,26 @@ restates only the CUDA fast path's checks: it refuses float32 ("Expected mat_a t
 or supported Float16 matrix") and float16 without cuBLASLt's grouped GEMM. So a model that trains
 for real in fp32 could not be traced on fake tensors.
 
-While a fake trace runs, :class:`GroupedMMMeta`, a dispatch mode entered right above fake mode
-(below the tracker, which so books the output as ``_grouped_mm``'s and probes its scratch),
-leaves bfloat16 calls to PyTorch's meta kernel and answers float32 and float16 ones with the real
-kernel's checks and its output: ``create_grouped_gemm_output_tensor``, whose last dimension is
-padded to 16 bytes on every build but ROCm's (the fallback's ``mm_out`` writes into slices of
-it; in fp32 it allocates nothing else, a profiled run on this CPU shows, tests/unit/test_moe.py;
-bf16's per-expert packing is probed). A mode, not a Meta kernel registered with
-``torch.library``: fake mode kept calling such a kernel after its library was destroyed, so it
-could not be scoped to the trace. Autograd's formulas for ``_grouped_mm`` call ``_grouped_mm``
+While a fake trace runs, :func:`grouped_mm_meta` adds an op implementation to fake mode's own
+list (``torch._subclasses.fake_impls.op_implementations_checks``, consulted before meta kernels;
+a test fails loudly if it moves) that leaves bfloat16 calls to PyTorch's meta kernel and answers
+float32 and float16 ones with the real kernel's checks and its output:
+``create_grouped_gemm_output_tensor``, whose last dimension is padded to 16 bytes on every build
+but ROCm's (the fallback's ``mm_out`` writes into slices of it; in fp32 it allocates nothing
+else, a profiled run on this CPU shows, tests/unit/test_moe.py; bf16's per-expert packing is
+probed). The tracker sees ``_grouped_mm`` as any op. Not a Meta kernel registered with
+``torch.library``: fake mode kept calling such a kernel after its library was destroyed (the
+dispatch table restored), so it could not be scoped to the trace; not a dispatch mode: one more
+Python call per op slowed every trace by 10%. Autograd's formulas for ``_grouped_mm`` call ``_grouped_mm``
 again (the weight gradient is a 2-D x 2-D grouped GEMM), so the backward goes through the same
 mode. A test fails loudly when PyTorch's meta kernel accepts float32 itself (then this goes).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -106,19 +109,30 @@ def _real_kernel_meta(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     return output_like_real(mat_a, mat_b, offs, out_dtype)
 
 
-class GroupedMMMeta(TorchDispatchMode):
-    """See NOTE [ Grouped GEMM on fake tensors ]."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is _GROUPED_MM and not (args[0].dtype == args[1].dtype == torch.bfloat16):
-            return _real_kernel_meta(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
 _GROUPED_MM = torch.ops.aten._grouped_mm.default
 
 
-def grouped_mm_meta() -> GroupedMMMeta:
-    """The mode to enter between fake mode and the tracker (see NOTE [ Grouped GEMM on fake tensors ])."""
-    return GroupedMMMeta()
+@contextlib.contextmanager
+def grouped_mm_meta():
+    """See NOTE [ Grouped GEMM on fake tensors ]: fake mode's op implementations answer
+    ``_grouped_mm`` in the dtypes PyTorch's meta kernel refuses, for the duration of the block."""
+    from torch._subclasses import fake_impls
+    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+
+    def applies(func) -> bool:
+        return func is _GROUPED_MM
+
+    def fake_grouped_mm(fake_mode, func, *args, **kwargs):
+        if args[0].dtype == args[1].dtype == torch.bfloat16:
+            return NotImplemented  # PyTorch's meta kernel
+        device = args[0].device
+        with in_kernel_invocation_manager(fake_mode):  # (the arguments read as meta tensors)
+            out = _real_kernel_meta(*args, **kwargs)
+        return FakeTensor(fake_mode, out, device)
+
+    entry = (applies, fake_grouped_mm)
+    fake_impls.op_implementations_checks.append(entry)
+    try:
+        yield
+    finally:
+        fake_impls.op_implementations_checks.remove(entry)

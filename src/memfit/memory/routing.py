@@ -125,6 +125,8 @@ class RoutingMode(TorchDispatchMode):
     def _enter(self, module, args) -> None:
         layer = _routing_of(module, args)
         if layer is not None:
+            if not self._layers:
+                super().__enter__()  # the mode is on the stack during experts calls only
             self._layers.append((module, layer))
             if id(module) not in self.answers.layers:
                 self.answers.layers[id(module)] = ExpertsLayer(
@@ -135,17 +137,23 @@ class RoutingMode(TorchDispatchMode):
     def _leave(self, module, args, out) -> None:
         if self._layers and self._layers[-1][0] is module:
             self._layers.pop()
+            if not self._layers:
+                super().__exit__(None, None, None)
 
-    def __enter__(self):
+    @contextlib.contextmanager
+    def watching(self):
+        """Watch module calls for the duration; the dispatch mode itself is pushed only while an
+        experts module runs (every other op of the trace pays nothing for it)."""
         self._handles = [register_module_forward_pre_hook(self._enter),  # (always: also when checkpoint stops
                          register_module_forward_hook(self._leave, always_call=True)]  # a recomputation early)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        for h in self._handles:
-            h.remove()
-        self._layers.clear()
-        return super().__exit__(*exc)
+        try:
+            yield self
+        finally:
+            for h in self._handles:
+                h.remove()
+            if self._layers:
+                self._layers.clear()
+                super().__exit__(None, None, None)
 
     # -- answers --------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -249,8 +257,7 @@ def _is_fake(t) -> bool:
 @contextlib.contextmanager
 def routing_mode(routing: str, tracker):
     """A :class:`RoutingMode` for one fake trace (enter it inside the tracker)."""
-    mode = RoutingMode(routing, tracker)
-    with mode:
+    with RoutingMode(routing, tracker).watching() as mode:
         yield mode
 
 
