@@ -6,7 +6,8 @@ Whisper, built from config.json as model folders, each in fp32, bf16 autocast an
 and without block checkpointing, fully fine-tuned and with a LoRA on the attention (PEFT's
 q and v projections) or on the experts (``params=``): the fake-tensor prediction, the measured peak
 (PyTorch profiler allocator events, independent of memfit's tracker) and the error. The experts
-run as transformers runs them by default (``grouped_mm``); the rows marked ``eager`` run the
+run as transformers runs them by default (``grouped_mm``), or as ``batched_mm`` (each pair's
+expert weights gathered); the rows marked ``eager`` run the
 per-expert loop, measured with the router forced to the routing the prediction assumes
 (balanced) and to the worst routing, against the reported bound.
 
@@ -44,6 +45,9 @@ def rows():
             for checkpointing in ("none", "blocks"):
                 for adapter in adapters:
                     yield name, {}, precision, checkpointing, adapter, None
+    for precision in ("fp32", "bf16"):
+        for checkpointing in ("none", "blocks"):
+            yield "mixtral", {"experts_implementation": "batched_mm"}, precision, checkpointing, "none", None
     for routing in (BALANCED, WORST):
         for precision in ("fp32", "bf16"):
             for checkpointing in ("none", "blocks"):
