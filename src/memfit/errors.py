@@ -57,18 +57,27 @@ def is_trace_error(exc: BaseException) -> bool:
     return "FakeTensor" in msg or "fake tensor" in msg.lower() or "meta tensor" in msg.lower()
 
 
-def in_fake_trace() -> bool:
-    """Is a fake-tensor mode active on this thread (memfit's trace of a step)?"""
+def fake_kernel_failure(exc: BaseException) -> bool:
+    """Did ``exc`` come out of an op's fake or meta implementation while memfit's fake trace ran
+    (a fake-tensor mode active on this thread)? Errors raised by the model's own Python code (a
+    config that cannot build, a check of sizes) are not."""
     import torch
-    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
+        return False
+    return any(f"{os.sep}torch{os.sep}{part}" in fr.filename for fr in traceback.extract_tb(exc.__traceback__)
+               for part in _FAKE_MACHINERY)
+
+
+_FAKE_MACHINERY = ("_subclasses", "_meta_registrations.py", "_refs", "_prims", "_decomp")
 
 
 def untraced(source: str, what: str, exc: BaseException) -> TraceError:
     """NOTE [ Whose failure ]: a library's model built from its config (a model folder, a hub id, a
-    built-in) that fails inside memfit's fake trace fails in memfit's model of that library's code
-    (a meta kernel that refuses what the real kernel runs, a data-dependent op memfit does not
-    answer), not in the config: the error says what was not modelled and where, and estimate may
-    still measure a real run (a TraceError). A failure of the real run stays the config's."""
+    built-in) whose step fails inside an op's fake or meta implementation during memfit's trace
+    (:func:`fake_kernel_failure`: a meta kernel that refuses what the real kernel runs) fails in
+    memfit's model of that library's code, not in the config: the error says what was not
+    modelled and where, and estimate may still measure a real run (a TraceError). Building the
+    model and the batch, and any failure of a real run, stay the config's (or the overrides')."""
     where, module, op = library_location(exc), _module_of(exc), _op_of(exc)
     at = " ".join(x for x in (f"at {op}" if op else "", f"in module {module}" if module else "",
                               f"({where})" if where else "") if x)

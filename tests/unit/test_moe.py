@@ -80,6 +80,27 @@ def test_a_failure_inside_the_fake_trace_is_memfits_and_names_op_module_and_line
     assert "memfit does not model this yet (the model is not at fault)" in err
 
 
+def test_only_a_fake_kernels_failure_in_the_step_is_memfits():
+    from memfit.errors import TraceError, UserError
+    from memfit.workloads.checks import blamed
+
+    def grouped(*_):  # an op whose meta kernel refuses what its real kernel runs
+        return aten._grouped_mm.default(torch.randn(S, K), torch.randn(E, K, N), torch.zeros(E, dtype=torch.int32))
+
+    def bad_config(*_):  # the model's own code refusing its config
+        raise ValueError("n_embd must be divisible by n_head")
+    fix = "fix its config.json"
+    FakeTensorMode.cache_clear()
+    with FakeTensorMode():
+        with pytest.raises(TraceError, match=r"^acme/moe: memfit's fake-tensor trace of loss\(model, batch\) failed "
+                                             r"at aten._grouped_mm.default"):
+            blamed("acme/moe", fix, "loss(model, batch)", grouped)()
+        with pytest.raises(UserError, match="building the model failed with ValueError: n_embd .*; fix its config"):
+            blamed("acme/moe", fix, "building the model", bad_config)()
+        with pytest.raises(UserError, match="loss.* failed with ValueError: n_embd .*; fix its config"):
+            blamed("acme/moe", fix, "loss(model, batch)", bad_config)()
+
+
 def test_a_small_model_failing_the_trace_is_measured_for_real_instead(monkeypatch):
     monkeypatch.setattr(adapters, "grouped_mm_meta", contextlib.nullcontext)
     r = estimate(write_folder("mixtral"), Plan(), batch_size=2, seq_len=32)

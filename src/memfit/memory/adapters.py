@@ -34,7 +34,7 @@ NOTE [ RNG states ]
 at every checkpointed call and keeps it until backward recomputes the call: a tensor made by no
 ATen op, so no dispatch mode sees it (the profiler does: 15 KiB over three checkpointed blocks of a
 small model, 1% of its step). On a CPU target both traces show it to the tracker
-(``rng_states_seen``); on a GPU target it is host memory and not the card's.
+(``rng_states_seen``), under ``other``; on a GPU target it is host memory and not the card's.
 
 Kernels whose meta kernel refuses what their real kernel runs get an implementation for the
 trace (NOTE [ Grouped GEMM on fake tensors ] in :mod:`memfit.memory.grouped_mm`).
@@ -97,6 +97,7 @@ def rng_states_seen(tracker):
     def get_rng_state():
         state = get()
         tracker.storages.see(state)
+        tracker.label(state, "other")  # checkpoint's bookkeeping, not an activation
         return state
     with _patched(torch, "get_rng_state", get_rng_state):
         yield

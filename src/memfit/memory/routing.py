@@ -7,7 +7,9 @@ matters to memory:
 
 - ``grouped_mm`` (transformers' default) and ``batched_mm`` give every expert's tokens to one
   kernel call over all T*k (token, expert) pairs: every tensor has T*k rows whatever the routing,
-  so the trace is exact for any routing (NOTE [ Grouped GEMM on fake tensors ]).
+  so the trace holds for any routing (NOTE [ Grouped GEMM on fake tensors ]; on a CPU, a bf16
+  grouped GEMM's per-expert packing scratch, a few KiB to MiB, grows with the largest group: it is
+  probed at the balanced split).
 - the per-expert loop (``experts_implementation="eager"``, transformers' ``@use_experts_implementation``
   classes' own forward) asks which experts were hit (``nonzero`` over the E (+1) slots of a
   one-hot routing mask) and, for each, which (slot, token) pairs it got (``torch.where`` over its
@@ -28,14 +30,17 @@ with an integer ``num_experts`` called as ``experts(hidden_states [T, H], top_k_
   weights, ``select_backward``, summed into the one gradient) and the largest expert's
   activations, which backward (running the loop in reverse) reaches last, when the most of those
   gradients are held. Measured on this CPU (tests/unit/test_moe_routing.py): a real run routed
-  this way peaks at the bound exactly, random routings between the balanced prediction and it. A router with a capacity (``expert_capacity`` on the
-  module or its config: tokens over it are dropped) caps each expert at that capacity.
+  this way peaks at the bound exactly, random routings between the balanced prediction and it.
+  A router with a capacity (``expert_capacity`` on the module or its config: tokens over it are
+  dropped) caps each expert at that capacity.
 
 The loop's scalar reads of a hit expert's index are answered 0 (every expert has the same
 shapes) and its check for the padding slot False (never hit under either routing). Each routed
 call is listed as an approximation, and ``estimate`` traces the step a second time under
 ``worst`` when the first trace needed an answer, to report the bound beside the prediction.
-Any other data-dependent ``nonzero`` still fails the trace, naming the op.
+Any other data-dependent ``nonzero`` still fails the trace, naming the op. The mode is on the
+dispatch stack only while an experts module runs (global forward hooks push and pop it), so the
+rest of a trace pays nothing for it.
 """
 
 from __future__ import annotations

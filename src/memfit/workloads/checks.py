@@ -90,14 +90,16 @@ def blamed(source: str, fix: str | None, what: str, fn: Callable) -> Callable:
     one line naming it, ``what`` failed and ``fix`` (None: nothing of the user's is at fault, and a
     failure passes through); what :func:`guarded` lets pass, passes. A failure inside memfit's fake
     trace is memfit's (NOTE [ Whose failure ] in memfit.errors)."""
+    in_step = what.startswith("loss")  # (building the model or the batch runs the config's own code)
+
     def call(*args):
         try:
             return fn(*args)
         except Exception as e:
-            from memfit.errors import brief, in_fake_trace, passes_through, raised_in_memfit, untraced
+            from memfit.errors import brief, fake_kernel_failure, passes_through, raised_in_memfit, untraced
             if passes_through(e) or raised_in_memfit(e):
                 raise
-            if in_fake_trace():
+            if in_step and fake_kernel_failure(e):
                 raise untraced(source, what, e) from e
             if fix is None:
                 raise
