@@ -27,9 +27,11 @@ class UserError(ValueError):
 class TraceError(UserError):
     """A workload could not be traced on fake tensors (e.g. a data-dependent op)."""
 
-    def __init__(self, message: str, op: str | None = None):
+    def __init__(self, message: str, op: str | None = None, *, library: bool = False):
         super().__init__(message)
         self.op = op
+        self.library = library
+        """The failure is in memfit's model of a library's code (NOTE [ Whose failure ]), not the workload's."""
 
 
 class KernelUnavailable(UserError):
@@ -53,6 +55,59 @@ def is_trace_error(exc: BaseException) -> bool:
         pass
     msg = str(exc)
     return "FakeTensor" in msg or "fake tensor" in msg.lower() or "meta tensor" in msg.lower()
+
+
+def fake_kernel_failure(exc: BaseException) -> bool:
+    """Did ``exc`` come out of an op's fake or meta implementation while memfit's fake trace ran
+    (a fake-tensor mode active on this thread)? Errors raised by the model's own Python code (a
+    config that cannot build, a check of sizes) are not."""
+    import torch
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
+        return False
+    return any(f"{os.sep}torch{os.sep}{part}" in fr.filename for fr in traceback.extract_tb(exc.__traceback__)
+               for part in _FAKE_MACHINERY)
+
+
+_FAKE_MACHINERY = ("_subclasses", "_meta_registrations.py", "_refs", "_prims", "_decomp")
+
+
+def untraced(source: str, what: str, exc: BaseException) -> TraceError:
+    """NOTE [ Whose failure ]: a library's model built from its config (a model folder, a hub id, a
+    built-in) whose step fails inside an op's fake or meta implementation during memfit's trace
+    (:func:`fake_kernel_failure`: a meta kernel that refuses what the real kernel runs) fails in
+    memfit's model of that library's code, not in the config: the error says what was not
+    modelled and where, and estimate may still measure a real run (a TraceError). Building the
+    model and the batch, and any failure of a real run, stay the config's (or the overrides')."""
+    where, module, op = library_location(exc), _module_of(exc), _op_of(exc)
+    at = " ".join(x for x in (f"at {op}" if op else "", f"in module {module}" if module else "",
+                              f"({where})" if where else "") if x)
+    return TraceError(f"{source}: memfit's fake-tensor trace of {what} failed{' ' + at if at else ''}: "
+                      f"{type(exc).__name__}: {brief(exc, 200)}; memfit does not model this yet (the model is not at "
+                      "fault): report it to memfit; memfit profile measures a real run where the model fits",
+                      op=op or trace_error_op(exc), library=True)
+
+
+def _op_of(exc: BaseException) -> str | None:
+    """The ATen op being dispatched when ``exc`` was raised (innermost ``OpOverload`` on the stack)."""
+    import torch
+    tb, found = exc.__traceback__, None
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, torch._ops.OpOverload):
+            found = str(owner)
+        tb = tb.tb_next
+    return found
+
+
+def library_location(exc: BaseException) -> str | None:
+    """``package/file.py:LINE`` of the innermost frame of ``exc`` outside torch and memfit: the library
+    code (e.g. transformers) that made the call which failed."""
+    for fr in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = fr.filename.replace(os.sep, "/")
+        if "/torch/" not in path and "/memfit/" not in path and not path.startswith("<"):
+            short = path.split("-packages/")[-1] if "-packages/" in path else "/".join(path.split("/")[-2:])
+            return f"{short}:{fr.lineno}"
+    return None
 
 
 def trace_error_op(exc: BaseException) -> str:

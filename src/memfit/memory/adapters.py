@@ -8,6 +8,8 @@ import weakref
 
 import torch
 
+from memfit.memory.grouped_mm import grouped_mm_meta
+
 
 # NOTE [ Libraries that branch on fake tensors ]
 # Hugging Face transformers treats a ``FakeTensor`` as "tracing" (``is_tracing`` ->
@@ -24,6 +26,7 @@ def real_code_paths():
         if module is not None and hasattr(module, "is_fake_tensor"):
             stack.enter_context(_patched(module, "is_fake_tensor", lambda x: False))
         stack.enter_context(_patched(torch.utils, "swap_tensors", _fake_swappable(torch.utils.swap_tensors)))
+        stack.enter_context(grouped_mm_meta())  # NOTE [ Grouped GEMM on fake tensors ]
         yield
 
 
@@ -62,6 +65,28 @@ def _same_tensor(t1, t2) -> bool:
             and t1.dtype == t2.dtype and t1.shape == t2.shape and t1.stride() == t2.stride()
             and t1.storage_offset() == t2.storage_offset()
             and t1.untyped_storage()._cdata == t2.untyped_storage()._cdata)
+
+
+@contextlib.contextmanager
+# NOTE [ RNG states ]
+# ``torch.utils.checkpoint`` saves the CPU generator's state (``torch.get_rng_state()``, 5056 bytes)
+# at every checkpointed call and keeps it until backward recomputes the call: a tensor made by no
+# ATen op, so no dispatch mode sees it (the profiler does: 15 KiB over three checkpointed blocks of a
+# small model, 1% of its step). On a CPU target both traces show it to the tracker
+# (``rng_states_seen``), under ``other``; on a GPU target it is host memory and not the card's.
+# Kernels whose meta kernel refuses what their real kernel runs get an implementation for the trace
+# (NOTE [ Grouped GEMM on fake tensors ] in memfit.memory.grouped_mm).
+def rng_states_seen(tracker):
+    """See NOTE [ RNG states ]."""
+    get = torch.get_rng_state
+
+    def get_rng_state():
+        state = get()
+        tracker.storages.see(state)
+        tracker.label(state, "other")  # checkpoint's bookkeeping, not an activation
+        return state
+    with _patched(torch, "get_rng_state", get_rng_state):
+        yield
 
 
 FSDP_BUFFER_METHODS = ("unshard", "wait_for_unshard", "post_backward")

@@ -26,6 +26,7 @@ from memfit.devices import Device, available_host_bytes, cpu_device
 from memfit.errors import TraceError
 from memfit.memory.faketrace import run_tracked
 from memfit.memory.report import MemoryReport, report_for, traced_device
+from memfit.memory.routing import WORST, experts_facts
 from memfit.memory.snapshot import check_snapshot_path, save_snapshot
 from memfit.memory.timeline import save_timeline_png
 from memfit.plans import Plan
@@ -65,7 +66,13 @@ def estimate_target(target: Target, *, fallback: bool = True, timeline: str | No
         run = _real_fallback(target, e)
         method = "real-fallback"
         notes.insert(0, f"{e}; measured by a real run on this CPU with the same tracker")
-    report = report_for(run.tracker, target, method, notes=notes, trace_seconds=time.perf_counter() - t0)
+    peak, worst = report_for(run.tracker, target, method).peak_bytes, None
+    if method == "fake" and run.routing is not None and run.routing.calls:
+        with silenced_warnings():  # the bound of NOTE [ Routing on fake tensors ]
+            worst = report_for(run_tracked(target, fake=True, routing=WORST).tracker, target, method).peak_bytes
+    facts = experts_facts(run.routing, run.step.model, worst, peak)
+    report = report_for(run.tracker, target, method, notes=notes, trace_seconds=time.perf_counter() - t0,
+                        facts=facts, worst_routing_peak_bytes=worst)
     if timeline:
         save_timeline_png(run.tracker, timeline, device=traced_device(target.device, method, target.tensor_device),
                           title=f"{target.describe()} · predicted on {target.device.name}")
@@ -87,7 +94,8 @@ def _real_fallback(target: Target, err: TraceError):
             raise err from None
     need, avail = 4 * n_bytes + (256 << 20), available_host_bytes()
     if need > avail // 2:
+        fix = "" if err.library else ("; make the workload traceable (avoid data-dependent ops such as .item() or "
+                                      "nonzero in the step)")
         raise TraceError(f"{err}; a real-run fallback would need about {need / 2**30:.1f} GiB but this machine has "
-                         f"{avail / 2**30:.1f} GiB free; make the workload traceable (avoid data-dependent ops "
-                         "such as .item() or nonzero in the step)", op=err.op) from err
+                         f"{avail / 2**30:.1f} GiB free{fix}", op=err.op, library=err.library) from err
     return run_tracked(target.on(cpu_device()) if target.device.is_gpu else target, fake=False)

@@ -16,10 +16,11 @@ from typing import Any
 
 from memfit.devices import Device
 from memfit.errors import TraceError, is_trace_error, trace_error_op
-from memfit.memory.adapters import fsdp_buffers, real_code_paths
+from memfit.memory.adapters import fsdp_buffers, real_code_paths, rng_states_seen
 from memfit.memory.categories import STEADY_STEP
 from memfit.memory.cuda import cuda_kernel_model
 from memfit.memory.heap import frozen_heap
+from memfit.memory.routing import BALANCED, routing_mode
 from memfit.memory.tracker import MemoryTracker
 from memfit.memory.workspaces import probe_for
 from memfit.step import TrainStep, build_step, make_batch
@@ -33,31 +34,34 @@ class TrackedRun:
     seconds: float
     kernels: Any = None
     """The CUDA kernel model that was active (GPU targets), with what it booked."""
+    routing: Any = None
+    """What the routing mode answered (fake traces: NOTE [ Routing on fake tensors ])."""
 
 
 def run_tracked(target: Target, *, fake: bool, steps: int = STEADY_STEP,
                 outer: contextlib.AbstractContextManager | None = None, around_step=None,
-                around_build=None) -> TrackedRun:
+                around_build=None, routing: str = BALANCED) -> TrackedRun:
     """Build the target's step and run ``steps`` steps under a :class:`MemoryTracker`.
 
     ``outer`` wraps everything (e.g. a profiler); ``around_step(i)`` returns a context manager put
     around step ``i`` (e.g. a profiler range marking the steady-state step); ``around_build()`` one
-    put around building the step (loading the model: its own peak).
+    put around building the step (loading the model: its own peak). ``routing``: what a fake trace
+    assumes of data-dependent mixture-of-experts routing (NOTE [ Routing on fake tensors ]).
     """
     with frozen_heap(collect=not fake):  # NOTE [ Frozen heap ]
         return _run_tracked(target, fake=fake, steps=steps, outer=outer, around_step=around_step,
-                            around_build=around_build)
+                            around_build=around_build, routing=routing)
 
 
 def _run_tracked(target: Target, *, fake: bool, steps: int, outer: contextlib.AbstractContextManager | None,
-                 around_step, around_build=None) -> TrackedRun:
+                 around_step, around_build=None, routing: str = BALANCED) -> TrackedRun:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     device = target.device
     tracker = MemoryTracker(assume_scalars=fake, probe=probe_for(device) if fake else None)
     hooks: list[Any] = []
     t0 = time.perf_counter()
-    kernels = None
+    kernels = routed = None
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(outer or contextlib.nullcontext())
@@ -65,8 +69,11 @@ def _run_tracked(target: Target, *, fake: bool, steps: int, outer: contextlib.Ab
                 stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
             stack.enter_context(tracker)
             stack.enter_context(fsdp_buffers(tracker, target.plan.config("shard").fsdp2))
+            if not device.is_gpu:
+                stack.enter_context(rng_states_seen(tracker))  # NOTE [ RNG states ]
             if fake:
                 _enter_trace_contexts(stack, target)
+                routed = stack.enter_context(routing_mode(routing, tracker)).answers
                 if device.is_gpu:
                     kernels = stack.enter_context(_cuda_kernel_model(device, tracker))
             with (around_build() if around_build else contextlib.nullcontext()):
@@ -90,14 +97,14 @@ def _run_tracked(target: Target, *, fake: bool, steps: int, outer: contextlib.Ab
                     tracker.label([p.grad for p in params if p.grad is not None], "gradients")
                 tracker.mark("end")
     except Exception as e:
-        if fake and is_trace_error(e):
+        if fake and is_trace_error(e) and not isinstance(e, TraceError):
             op = trace_error_op(e)
             raise TraceError(f"fake-tensor tracing failed at {op}: {str(e).splitlines()[0][:200]}", op=op) from e
         raise
     finally:
         for h in hooks:
             h.remove()
-    return TrackedRun(tracker=tracker, step=step, seconds=time.perf_counter() - t0, kernels=kernels)
+    return TrackedRun(tracker=tracker, step=step, seconds=time.perf_counter() - t0, kernels=kernels, routing=routed)
 
 
 def _enter_trace_contexts(stack: contextlib.ExitStack, target: Target) -> None:

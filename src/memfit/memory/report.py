@@ -65,6 +65,12 @@ class MemoryReport:
     loaded as a checkpoint holds, beyond itself, one weight in full precision at a time)."""
     load_reserved_bytes: int | None = None
     """GPU: the caching allocator's reserved bytes when the load ended."""
+    facts: list[str] = field(default_factory=list)
+    """What the trace learnt about the model, shown beside the breakdown (a mixture of experts'
+    total and active parameters, and what routing does to the peak)."""
+    worst_routing_peak_bytes: int | None = None
+    """A mixture of experts whose routing changes tensor sizes: the peak under the worst routing
+    (NOTE [ Routing on fake tensors ]); ``peak_bytes`` is the balanced routing's."""
 
     @property
     def measurable_peak_bytes(self) -> int:
@@ -242,13 +248,14 @@ LEFT_BY_BUILD_BYTES = 512 << 20
 
 
 def report_for(tracker: MemoryTracker, target, method: str, *, measurement: Measurement | None = None,
-               notes: list[str] | tuple = (), trace_seconds: float = 0.0, view: TrackerView | None = None
-               ) -> MemoryReport:
+               notes: list[str] | tuple = (), trace_seconds: float = 0.0, view: TrackerView | None = None,
+               facts: list[str] | tuple = (), worst_routing_peak_bytes: int | None = None) -> MemoryReport:
     """The report of a run of ``target`` (a memfit.target.Target) that ``tracker`` watched.
 
     ``measurement``: the independent measurement of a real run (its peak and reserved bytes are
     the report's); ``notes``: approximations to list first; ``view``: the tracker view, when the
-    caller has it already (see :func:`tracker_view`)."""
+    caller has it already (see :func:`tracker_view`); ``facts``, ``worst_routing_peak_bytes``: see
+    :class:`MemoryReport`."""
     dev = target.device
     where = traced_device(dev, method, target.tensor_device)
     gpu = dev.is_gpu
@@ -295,7 +302,8 @@ def report_for(tracker: MemoryTracker, target, method: str, *, measurement: Meas
         host_peak_bytes=view.host_peak_bytes, process_peak_bytes=view.process_peak_bytes, reserved_bytes=reserved,
         device_total_bytes=dev.total_bytes if gpu else None, cuda_context_bytes=dev.context_bytes if gpu else None,
         cuda_workspace_bytes=workspace, timeline=view.timeline, approximations=approximations, leaks=view.leaks,
-        trace_seconds=trace_seconds, load_peak_bytes=load_peak, load_reserved_bytes=load_reserved)
+        trace_seconds=trace_seconds, load_peak_bytes=load_peak, load_reserved_bytes=load_reserved,
+        facts=list(facts), worst_routing_peak_bytes=worst_routing_peak_bytes)
     fits = Budget.of_device(dev).fits(SimpleNamespace(**report)) if gpu else None
     return MemoryReport(**report, fits=fits)
 

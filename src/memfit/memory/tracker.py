@@ -307,7 +307,8 @@ class ModuleStack:
         return self._stack[-1] if self._stack else "Global"
 
     def __enter__(self):
-        self._handles = [register_module_forward_pre_hook(self._push), register_module_forward_hook(self._pop)]
+        self._handles = [register_module_forward_pre_hook(self._push),  # (always: also when checkpoint stops a
+                         register_module_forward_hook(self._pop, always_call=True)]  # recomputation early)
         return self
 
     def __exit__(self, *exc):

@@ -36,13 +36,31 @@ CPU_PROBED_OPS = {
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
     aten._log_softmax.default, aten._log_softmax_backward_data.default,
     aten._softmax.default, aten._softmax_backward_data.default,
+    aten._safe_softmax.default,  # (SDPA's math path: a -inf mask and its all() inside the op)
     aten.nll_loss_forward.default, aten.nll_loss_backward.default,
     aten.max_pool2d_with_indices.default, aten.max_pool2d_with_indices_backward.default,
     aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool2d_backward.default,
     aten.cumsum.default, aten.sort.default, aten.topk.default,
     # a mean/sum MSE returns a 0-dim view of its elementwise buffer, kept alive for backward
     aten.mse_loss.default,
+    # a mixture of experts' grouped GEMM: one mm_out per expert, each packing its operands (bf16)
+    aten._grouped_mm.default,
 }
+# NOTE [ Mixed dtypes on a CPU ]
+# A binary elementwise op over tensors of two dtypes (bf16 activations times fp32 weights) computes
+# in the promoted dtype; on a CPU, TensorIterator first copies each input of another dtype into a
+# temporary of the promoted dtype (measured here: ``bf16[256, 64] * fp32[256, 1]`` holds a 64 KiB
+# fp32 copy of the bf16 operand while it runs). The ops of :data:`MIXED_DTYPE_OPS` are probed when
+# their inputs' dtypes differ, and cost nothing to look at otherwise.
+MIXED_DTYPE_OPS = {
+    aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.div.Tensor, aten.where.self, aten.maximum.default,
+    aten.minimum.default, aten.mul_.Tensor, aten.add_.Tensor, aten.sub_.Tensor, aten.div_.Tensor,
+}
+"""Elementwise ops whose CPU kernel (TensorIterator) copies an input of another dtype than the
+result's into a temporary of the result's dtype before computing (CUDA casts on the fly): e.g. a
+mixture of experts' bf16 expert outputs times its fp32 routing weights. Probed only when their
+tensor inputs differ in dtype (NOTE [ Mixed dtypes on a CPU ])."""
+CPU_PROBED_OPS |= MIXED_DTYPE_OPS
 MAX_PROBE_BYTES = 64 << 20
 """Largest inputs + outputs of a probed ATen kernel call: keeps probing fast and its memory small."""
 MAX_CUSTOM_PROBE_BYTES = 1 << 30
@@ -124,6 +142,8 @@ class KernelProbe:
         return hit
 
     def __call__(self, func, args, kwargs, out) -> ProbeResult | None:
+        if func in MIXED_DTYPE_OPS and not _mixed_dtypes(args):
+            return _NO_SCRATCH
         if func in GLOO_SCRATCH:
             t = args[GLOO_SCRATCH[func]]
             return ProbeResult(scratch_bytes=t.numel() * t.element_size(), output_nbytes=())
@@ -145,6 +165,15 @@ class KernelProbe:
             res = ProbeResult(scratch_bytes=0, output_nbytes=(), error=_first_sentence(e))
         self.cache[key] = res
         return res
+
+
+_NO_SCRATCH = ProbeResult(scratch_bytes=0, output_nbytes=())
+
+
+def _mixed_dtypes(args) -> bool:
+    """Do the (non-scalar) tensor inputs of an elementwise op differ in dtype?"""
+    dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor) and a.dim()}
+    return len(dtypes) > 1
 
 
 def _first_sentence(e: Exception) -> str:
@@ -183,8 +212,31 @@ def _rnn_backward_args(args: list) -> list:
     return args
 
 
+def _grouped_mm_args(args: list) -> list:
+    """_grouped_mm's offsets split its jagged dimension evenly between the groups: the balanced
+    routing of NOTE [ Routing on fake tensors ] (zeros would make every group empty)."""
+    mat_a, mat_b, offs = args[0], args[1], args[2] if len(args) > 2 else None
+    if offs is not None:
+        jagged = mat_a.size(1) if mat_a.dim() == 2 and mat_b.dim() == 2 else (
+            mat_a.size(0) if mat_a.dim() == 2 else mat_b.size(1))
+        groups = offs.size(0)
+        args = list(args)
+        args[2] = torch.tensor([(i + 1) * jagged // groups for i in range(groups)], dtype=offs.dtype)
+    return args
+
+
+def _grouped_mm_flops(args, out) -> int:
+    """2 x output elements x contraction; a 2-D x 2-D grouped GEMM contracts its jagged dimension
+    (each group's share of it)."""
+    mat_a, mat_b = args[0], args[1]
+    if mat_a.dim() == 2 and mat_b.dim() == 2:
+        return 2 * (out.numel() // max(out.size(0), 1)) * mat_a.size(1)
+    return 2 * out.numel() * mat_a.size(-1)
+
+
 # Kernels whose inputs must be consistent with each other, not just shaped alike.
-_CONSISTENT_ARGS = {aten.mkldnn_rnn_layer_backward.default: _rnn_backward_args}
+_CONSISTENT_ARGS = {aten.mkldnn_rnn_layer_backward.default: _rnn_backward_args,
+                    aten._grouped_mm.default: _grouped_mm_args}
 
 
 def _measure(func, args, kwargs) -> ProbeResult:
@@ -251,6 +303,8 @@ def probe_effort(func, args, kwargs, out) -> float:
     from torch.utils.flop_counter import flop_registry
     tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     formula = flop_registry.get(func.overloadpacket)
+    if func is aten._grouped_mm.default:
+        formula = lambda *a, out_val, **k: _grouped_mm_flops(a, out_val)  # noqa: E731 - (no formula in torch)
     if formula is None or not tensors:
         return 0.0
     flops = formula(*args, **kwargs, out_val=out)

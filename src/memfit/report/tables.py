@@ -60,6 +60,8 @@ def print_estimate(r: MemoryReport, console: Console | None = None) -> None:
                   f"of {fmt_bytes(r.device_total_bytes)}: {verdict}")
     c.print(t)
     _print_modules(c, r)
+    for fact in r.facts:
+        c.print(escape(fact))
     _print_approximations(c, r.approximations)
 
 

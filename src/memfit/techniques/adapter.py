@@ -17,11 +17,12 @@ the user's ]).
 
 Plan key ``adapter``: ``none`` (:class:`NoAdapter`), or ``lora:OPTIONS`` / ``dora:OPTIONS``
 (:class:`LoRA`) with comma-separated options ``r=16,alpha=32,targets=q_proj+v_proj,
-dropout=0.05,save=lm_head``. Targets are PEFT's names (module-name suffixes, ``+``-separated);
+dropout=0.05,save=lm_head,params=experts.gate_up_proj``. Targets are PEFT's names (module-name suffixes, ``+``-separated);
 without them PEFT's defaults for the model's type, diffusers' attention projections
 (``to_q+to_k+to_v+to_out.0``) for a diffusers model, else every linear layer but the output layer
 (``all-linear``). ``save`` lists modules trained in full beside the adapter (PEFT's
-``modules_to_save``, e.g. a classifier head). The adapter is injected with PEFT's own
+``modules_to_save``, e.g. a classifier head); ``params`` names parameters of no linear layer
+(PEFT's ``target_parameters``: a mixture of experts' 3-D expert weights, adapted per expert). The adapter is injected with PEFT's own
 ``inject_adapter_in_model``, so the model keeps its class and the workload's loss runs unchanged.
 A workload that builds a PEFT model itself (``get_peft_model``, ``inject_adapter_in_model``,
 diffusers' ``add_adapter``) needs no plan key: its frozen weights already get no gradients.
@@ -75,6 +76,10 @@ class LoRA(Adapter):
     """Dropout on the adapter's input (0 <= dropout < 1)."""
     save: tuple[str, ...] = ()
     """Modules trained in full beside the adapter (PEFT's ``modules_to_save``)."""
+    params: tuple[str, ...] = ()
+    """Parameters to adapt that are no linear layer's (PEFT's ``target_parameters``), e.g. a
+    mixture of experts' ``experts.gate_up_proj+experts.down_proj`` (3-D, one matrix per expert);
+    given alone, only they are adapted."""
     dora: bool = False
     """Weight-decomposed LoRA (DoRA): also learn a magnitude per output feature."""
 
@@ -104,15 +109,18 @@ class LoRA(Adapter):
             opts.append(f"dropout={self.dropout:g}")
         if self.save:
             opts.append("save=" + "+".join(self.save))
+        if self.params:
+            opts.append("params=" + "+".join(self.params))
         return f"{self.kind}:" + ",".join(opts)
 
     def peft_config(self, model):
         """The PEFT ``LoraConfig`` for ``model`` (targets resolved: see the module docstring)."""
         peft = _peft()
-        targets = list(self.targets) if self.targets else _default_targets(model, peft)
+        targets = list(self.targets) if self.targets else [] if self.params else _default_targets(model, peft)
+        extra = {"target_parameters": list(self.params)} if self.params else {}
         return peft.LoraConfig(r=self.r, lora_alpha=self.scale_alpha, lora_dropout=self.dropout,
                                target_modules=targets, use_dora=self.dora,
-                               modules_to_save=list(self.save) or None)
+                               modules_to_save=list(self.save) or None, **extra)
 
     def apply(self, parts) -> None:
         peft = _peft()
@@ -121,8 +129,10 @@ class LoRA(Adapter):
             parts.model = peft.inject_adapter_in_model(config, parts.model)
         except ValueError as e:
             if "not found in the base model" in str(e) or "Target modules" in str(e):
-                raise UserError(f"plan: adapter {self.text_value()}: the targets {', '.join(config.target_modules)} "
-                                f"match no module of the model; name its linear layers (e.g. targets=q_proj+v_proj; "
+                names = [*config.target_modules, *(getattr(config, "target_parameters", None) or [])]
+                raise UserError(f"plan: adapter {self.text_value()}: the targets {', '.join(names)} "
+                                f"match no module or parameter of the model; name its linear layers (e.g. "
+                                f"targets=q_proj+v_proj) or parameters (params=experts.gate_up_proj; "
                                 f"`memfit estimate ... --modules 20` lists the modules)") from None
             raise
         if self.save:
@@ -145,6 +155,8 @@ class LoRA(Adapter):
             args.append(f"lora_dropout={self.dropout:g}")
         if self.save:
             args.append(f"modules_to_save={list(self.save)}")
+        if self.params:
+            args.append(f"target_parameters={list(self.params)}")
         if self.dora:
             args.append("use_dora=True")
         return f"LoraConfig({', '.join(args)})"
@@ -203,16 +215,16 @@ def parse(values: dict) -> Adapter:
     options: dict = {}
     for part in filter(None, rest.split(",")):
         m = _OPTION.match(part.strip())
-        if not m or m.group(1) not in ("r", "alpha", "targets", "dropout", "save"):
+        if not m or m.group(1) not in ("r", "alpha", "targets", "dropout", "save", "params"):
             raise UserError(f"plan: adapter option {part!r} is not valid; use r=, alpha=, targets=a+b, dropout=, "
-                            "save=a+b (e.g. lora:r=16,alpha=32,targets=q_proj+v_proj,dropout=0.05)")
+                            "save=a+b, params=a+b (e.g. lora:r=16,alpha=32,targets=q_proj+v_proj,dropout=0.05)")
         name, value = m.groups()
         options[name] = _option(name, value, text)
     return LoRA(**options, dora=kind == "dora")
 
 
 def _option(name: str, value: str, text: str):
-    if name in ("targets", "save"):
+    if name in ("targets", "save", "params"):
         return tuple(v for v in value.split("+") if v)
     try:
         return int(value) if name == "r" else float(value)
@@ -223,6 +235,7 @@ def _option(name: str, value: str, text: str):
 TECHNIQUE = register(
     Technique("adapter", (Key("adapter", "none", "Train an adapter instead of the model (a method: changes what is "
                               "trained): none | lora:r=16,alpha=32,targets=q_proj+v_proj,dropout=0.05,save=lm_head | "
-                              "dora:... .", metavar="ADAPTER"),),
+                              "lora:r=16,params=experts.gate_up_proj+experts.down_proj (a mixture of experts' "
+                              "expert weights) | dora:... .", metavar="ADAPTER"),),
               parse),
     Adapter, NoAdapter, LoRA)

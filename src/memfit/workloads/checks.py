@@ -78,21 +78,30 @@ def guarded(arch: str, overrides: dict, what: str, fn: Callable) -> Callable:
     """Wrap a built-in workload's function (``model``, ``batch``, ``loss``) so that a failure the
     user's overrides cause is one line naming them. Without overrides a failure is memfit's own
     bug and passes through, as do failures raised by memfit's code, out-of-memory errors,
-    fake-tensor trace failures and missing kernels (:func:`memfit.errors.passes_through`)."""
+    fake-tensor trace failures and missing kernels (:func:`memfit.errors.passes_through`). A
+    failure inside memfit's fake trace is memfit's, overrides or not (NOTE [ Whose failure ])."""
     if not overrides:
-        return fn
+        return blamed(arch, None, what, fn)
     return blamed(f"{arch}:{describe(overrides)}", "change the overrides", what, fn)
 
 
-def blamed(source: str, fix: str, what: str, fn: Callable) -> Callable:
+def blamed(source: str, fix: str | None, what: str, fn: Callable) -> Callable:
     """``fn`` whose failures are the user's ``source`` (overrides, a model folder's config.json):
-    one line naming it, ``what`` failed and ``fix``; what :func:`guarded` lets pass, passes."""
+    one line naming it, ``what`` failed and ``fix`` (None: nothing of the user's is at fault, and a
+    failure passes through); what :func:`guarded` lets pass, passes. A failure inside memfit's fake
+    trace is memfit's (NOTE [ Whose failure ] in memfit.errors)."""
+    in_step = what.startswith("loss")  # (building the model or the batch runs the config's own code)
+
     def call(*args):
         try:
             return fn(*args)
         except Exception as e:
-            from memfit.errors import brief, passes_through, raised_in_memfit
+            from memfit.errors import brief, fake_kernel_failure, passes_through, raised_in_memfit, untraced
             if passes_through(e) or raised_in_memfit(e):
+                raise
+            if in_step and fake_kernel_failure(e):
+                raise untraced(source, what, e) from e
+            if fix is None:
                 raise
             msg = brief(e)
             raise UserError(f"{source}: {what} failed with {type(e).__name__}: {msg}; {fix}") from e

@@ -22,7 +22,9 @@ rule per kernel family, each a small module with its source:
   matmuls: forward's and autograd's;
 - ``reduce``: global staging buffers of split reductions (``setReduceConfig``);
 - ``conv``: cuDNN convolution workspaces (calibrated);
-- ``rnn``: cuDNN RNN weight buffer, reserve and workspace.
+- ``rnn``: cuDNN RNN weight buffer, reserve and workspace;
+- ``grouped_gemm``: mixture-of-experts grouped GEMMs: transformers' choice of kernel for the card,
+  CUTLASS's bf16 kernel (sm90/sm100) and its buffers, else the cuBLAS loop.
 
 Device facts the rules need (compute capability, SM count, CUDA/cuDNN versions, workspace sizes)
 come from :class:`memfit.devices.Device`.

@@ -8,7 +8,8 @@ Three mechanisms, each scoped to the trace:
 3. :class:`KernelMode`, a dispatch mode entered *inside* the memory tracker, which books the
    memory kernels allocate internally as fake tensors through the tracker: per-thread cuBLAS /
    cuBLASLt workspaces (persistent), and buffers held for the duration of one kernel (attention
-   backward accumulators, reduction staging buffers, cuDNN workspaces), plus the outputs the
+   backward accumulators, reduction staging buffers, cuDNN workspaces, CUTLASS's grouped GEMM
+   arguments and workspace), plus the outputs the
    meta kernels of cuDNN's RNN get wrong.
 
 Booked buffers are ordinary fake storages, so the tracker's timeline, categories (``other`` for
@@ -24,7 +25,7 @@ import contextlib
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit.memory.cuda import blas, conv, reduce, rnn, sdpa
+from memfit.memory.cuda import blas, conv, grouped_gemm, reduce, rnn, sdpa
 from memfit.memory.cuda.autocast import cuda_autocast
 from memfit.memory.cuda.composites import cuda_composites
 from memfit.memory.cuda.optim import cuda_optimizer_defaults
@@ -101,6 +102,11 @@ class KernelMode(TorchDispatchMode):
             self.transient(conv.workspace(func, args, out), args[0].device)
         elif func in _ATTENTION:
             self.transient(sdpa.kernel_buffers(func, args, out), args[0].device)
+        elif func is aten._grouped_mm.default:
+            if grouped_gemm.fast_path(self.device, args, kwargs):
+                self.transient(grouped_gemm.cutlass_buffers(self.device, args), args[0].device)
+            elif out.numel():  # the fallback's one cuBLAS mm per group
+                self._workspace("cublas", blas.thread(), self.device.workspace_bytes, out.device)
         elif func in _COPIES and self._is_prefetch(args[0], out):
             self.streams[self.tracker.state.records[-1].serial] = PREFETCH_STREAM
         return out
@@ -164,5 +170,6 @@ def cuda_kernel_model(device, tracker=None):
     """Model CUDA's kernel choices and kernel memory for ``device`` (a GPU Device) in a fake
     trace. Enter it inside the tracker (so that the booked buffers are tracked)."""
     mode = KernelMode(device, tracker)
-    with cuda_composites(device), cuda_autocast(tracker), cuda_optimizer_defaults(), lowering_for_cuda(), mode:
+    with cuda_composites(device), cuda_autocast(tracker), cuda_optimizer_defaults(), lowering_for_cuda(), \
+            grouped_gemm.transformers_choice(device), mode:
         yield mode

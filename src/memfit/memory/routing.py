@@ -1,0 +1,293 @@
+"""Mixture-of-experts routing on fake tensors: how many tokens each expert gets.
+
+NOTE [ Routing on fake tensors ]
+A mixture-of-experts layer sends each of its T tokens to k of its E experts, and which ones
+depends on the router's values: a fake tensor has none. How the experts run decides whether that
+matters to memory:
+
+- ``grouped_mm`` (transformers' default) and ``batched_mm`` give every expert's tokens to one
+  kernel call over all T*k (token, expert) pairs: every tensor has T*k rows whatever the routing,
+  so the trace holds for any routing (NOTE [ Grouped GEMM on fake tensors ]; on a CPU, a bf16
+  grouped GEMM's per-expert packing scratch, a few KiB to MiB, grows with the largest group: it is
+  probed at the balanced split).
+- the per-expert loop (``experts_implementation="eager"``, transformers' ``@use_experts_implementation``
+  classes' own forward) asks which experts were hit (``nonzero`` over the E (+1) slots of a
+  one-hot routing mask) and, for each, which (slot, token) pairs it got (``torch.where`` over its
+  [k, T] mask): output sizes a fake tensor cannot know. The tensors kept for backward sum to T*k
+  rows over the experts whatever the routing; the largest expert's transients are what routing
+  moves.
+
+While a fake trace runs, :class:`RoutingMode` answers those ``nonzero`` calls, inside a module
+with an integer ``num_experts`` called as ``experts(hidden_states [T, H], top_k_index [T, k],
+...)``, by a routing assumption:
+
+- ``balanced`` (the prediction): min(E, T*k) experts hit, the T*k pairs split evenly among them
+  (the first T*k mod E get one more): what a trained router's load-balancing aims at;
+- ``worst`` (the bound): every expert the pairs can reach is hit, and the first one the loop runs
+  gets every token (T pairs, the most one expert can get: a token picks k distinct experts); the
+  other pairs spread over the rest. What routing moves is then at its largest: the per-expert
+  costs of the loop (each hit expert's backward builds a gradient the size of all experts'
+  weights, ``select_backward``, summed into the one gradient) and the largest expert's
+  activations, which backward (running the loop in reverse) reaches last, when the most of those
+  gradients are held. Measured on this CPU (tests/unit/test_moe_routing.py): a real run routed
+  this way peaks at the bound exactly, random routings between the balanced prediction and it.
+  A router with a capacity (``expert_capacity`` on the module or its config: tokens over it are
+  dropped) caps each expert at that capacity.
+
+The loop's scalar reads of a hit expert's index are answered 0 (every expert has the same
+shapes) and its check for the padding slot False (never hit under either routing). Each routed
+call is listed as an approximation, and ``estimate`` traces the step a second time under
+``worst`` when the first trace needed an answer, to report the bound beside the prediction.
+Any other data-dependent ``nonzero`` still fails the trace, naming the op. The mode is on the
+dispatch stack only while an experts module runs (global forward hooks push and pop it), so the
+rest of a trace pays nothing for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+BALANCED = "balanced"
+WORST = "worst"
+
+
+@dataclass
+class _Layer:
+    """The routing of one experts call: T tokens, k experts each, E experts, capacity per expert."""
+
+    tokens: int
+    top_k: int
+    experts: int
+    capacity: int | None
+    hit: int = 0
+    seen: int = 0
+
+    def hit_count(self, routing: str) -> int:
+        pairs = self.tokens * self.top_k
+        if routing == WORST:  # the last expert takes every token; the other pairs hit one expert each at most
+            return min(self.experts, pairs - self.tokens + 1)
+        return min(self.experts, pairs)
+
+    def pairs_of(self, routing: str, index: int) -> int:
+        """The (slot, token) pairs of the ``index``-th hit expert, in the order the loop runs them."""
+        pairs, hit = self.tokens * self.top_k, max(self.hit, 1)
+        if routing == WORST:
+            big = self.tokens
+            if index == 0:
+                n = big
+            else:
+                base, extra = divmod(pairs - big, hit - 1)
+                n = base + (1 if index - 1 < extra else 0)
+        else:
+            base, extra = divmod(pairs, hit)
+            n = base + (1 if index < extra else 0)
+        return min(n, self.capacity) if self.capacity else n
+
+
+@dataclass
+class ExpertsLayer:
+    """An experts module the trace called: its class, E, k, T and its experts' parameter count."""
+
+    name: str
+    experts: int
+    top_k: int
+    tokens: int
+    expert_params: int
+    implementation: str | None
+
+
+@dataclass
+class RoutingAnswers:
+    """What the routing mode saw and answered in one trace (shown in the report)."""
+
+    routing: str
+    calls: int = 0
+    """Data-dependent routing answers (0: the routing did not change any tensor's size)."""
+    layers: dict[int, ExpertsLayer] = field(default_factory=dict)
+    """id(module) -> the experts module, for each one called."""
+
+
+class RoutingMode(TorchDispatchMode):
+    """Answers the data-dependent ``nonzero`` of experts loops: see NOTE [ Routing on fake tensors ]."""
+
+    def __init__(self, routing: str = BALANCED, tracker=None):
+        super().__init__()
+        assert routing in (BALANCED, WORST), routing
+        self.routing = routing
+        self.tracker = tracker
+        self.answers = RoutingAnswers(routing)
+        self._layers: list[tuple[torch.nn.Module, _Layer]] = []
+        self._handles: list = []
+
+    # -- which experts call is running -------------------------------------------------------------
+    def _enter(self, module, args) -> None:
+        layer = _routing_of(module, args)
+        if layer is not None:
+            if not self._layers:
+                super().__enter__()  # the mode is on the stack during experts calls only
+            self._layers.append((module, layer))
+            if id(module) not in self.answers.layers:
+                self.answers.layers[id(module)] = ExpertsLayer(
+                    type(module).__name__, layer.experts, layer.top_k, layer.tokens,
+                    sum(_numel(p) for p in module.parameters() if p.dim() and p.shape[0] == layer.experts),
+                    getattr(getattr(module, "config", None), "_experts_implementation", None))
+
+    def _leave(self, module, args, out) -> None:
+        if self._layers and self._layers[-1][0] is module:
+            self._layers.pop()
+            if not self._layers:
+                super().__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def watching(self):
+        """Watch module calls for the duration; the dispatch mode itself is pushed only while an
+        experts module runs (every other op of the trace pays nothing for it)."""
+        self._handles = [register_module_forward_pre_hook(self._enter),  # (always: also when checkpoint stops
+                         register_module_forward_hook(self._leave, always_call=True)]  # a recomputation early)
+        try:
+            yield self
+        finally:
+            for h in self._handles:
+                h.remove()
+            if self._layers:
+                self._layers.clear()
+                super().__exit__(None, None, None)
+
+    # -- answers --------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._layers and args and _is_fake(args[0]):
+            if func is aten.nonzero.default:
+                rows = self._rows(args[0])
+                if rows is not None:
+                    return torch.empty((rows, args[0].dim()), dtype=torch.long, device=args[0].device)
+            elif func in _SCALAR_READS and args[0].constant is None:  # (fake mode knows constants)
+                # the loop's reads of an expert's index (every expert has the same shapes) and of
+                # ``expert_idx == num_experts`` (the padding slot: never hit under either routing)
+                return False if args[0].dtype == torch.bool else 0
+        return func(*args, **kwargs)
+
+    def _rows(self, mask: torch.Tensor) -> int | None:
+        module, layer = self._layers[-1]
+        if mask.dim() == 1 and mask.numel() in (layer.experts, layer.experts + 1):  # the experts hit
+            layer.hit, layer.seen = layer.hit_count(self.routing), 0
+            self._note(module, f"{layer.hit} of {layer.experts} experts hit")
+            return layer.hit
+        if mask.numel() == layer.tokens * layer.top_k and mask.dim() == 2:  # one expert's (slot, token) pairs
+            rows = layer.pairs_of(self.routing, layer.seen)
+            layer.seen += 1
+            return rows
+        return None
+
+    def _note(self, module, what: str) -> None:
+        self.answers.calls += 1
+        name = type(module).__name__
+        if self.tracker is not None:
+            self.tracker.approximate(f"data-dependent routing of a mixture-of-experts loop assumed {self.routing} "
+                                     f"({what}; NOTE [ Routing on fake tensors ])", name)
+
+
+_SCALAR_READS = {aten._local_scalar_dense.default, aten.is_nonzero.default}
+
+
+def _routing_of(module, args) -> _Layer | None:
+    if isinstance(getattr(module, "base_layer", None), torch.nn.Module):  # a PEFT wrapper: its base layer is seen
+        return None
+    experts = getattr(module, "num_experts", None)
+    if not isinstance(experts, int) or isinstance(experts, bool) or len(args) < 2:
+        return None
+    hidden, index = args[0], args[1]
+    if not (isinstance(hidden, torch.Tensor) and isinstance(index, torch.Tensor) and index.dim() == 2
+            and not index.is_floating_point() and hidden.dim() == 2 and hidden.shape[0] == index.shape[0]):
+        return None
+    capacity = getattr(module, "expert_capacity", None) or getattr(getattr(module, "config", None),
+                                                                   "expert_capacity", None)
+    return _Layer(tokens=int(index.shape[0]), top_k=int(index.shape[1]), experts=experts,
+                  capacity=capacity if isinstance(capacity, int) and capacity > 0 else None)
+
+
+def _numel(p: torch.Tensor) -> int:
+    """Elements of a parameter (a 4-bit one's before packing)."""
+    state = getattr(p, "quant_state", None)
+    shape = getattr(state, "shape", None)
+    return int(torch.Size(shape).numel()) if shape is not None else p.numel()
+
+
+def experts_facts(answers: RoutingAnswers | None, model, worst_peak: int | None, peak: int) -> list[str]:
+    """Lines for the report of a trace that called experts modules: total and active parameters,
+    and what routing does to the peak (``worst_peak``: the peak of the trace under ``worst``)."""
+    from memfit.units import fmt_bytes
+    if answers is None or not answers.layers:
+        return []
+    layers = list(answers.layers.values())
+    total = sum(_numel(p) for p in model.parameters())
+    idle = sum(x.expert_params * (x.experts - x.top_k) / x.experts for x in layers)
+    first = layers[0]
+    shape = (f"top-{first.top_k} of {first.experts} experts" if all((x.experts, x.top_k) == (first.experts, first.top_k)
+                                                                   for x in layers) else "top-k experts")
+    facts = [f"mixture of experts: {_count(total)} parameters, {_count(total - idle)} active per token "
+             f"({shape} in {len(layers)} layers)"]
+    pairs = first.tokens * first.top_k
+    if answers.calls == 0 or worst_peak is None:
+        how = first.implementation or "one kernel"
+        facts.append(f"routing: the experts run over all {pairs} (token, expert) pairs at once "
+                     f"(experts_implementation={how}), so the router's choices do not change this step's memory")
+    else:
+        share = 100 * (worst_peak - peak) / max(peak, 1)
+        facts.append(f"routing: predicted for balanced routing (about {pairs // max(first.experts, 1)} of {pairs} "
+                     f"(token, expert) pairs per expert); the worst routing (every expert hit, one of them by every "
+                     f"token) peaks at {fmt_bytes(worst_peak)} ({share:+.1f}%)")
+    return facts
+
+
+def _count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)}"
+
+
+def _is_fake(t) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    return isinstance(t, FakeTensor)
+
+
+@contextlib.contextmanager
+def routing_mode(routing: str, tracker):
+    """A :class:`RoutingMode` for one fake trace (enter it inside the tracker)."""
+    with RoutingMode(routing, tracker).watching() as mode:
+        yield mode
+
+
+class ForcedRouting(TorchDispatchMode):
+    """A real run routed as :class:`RoutingMode` assumes, to measure a routing's prediction: every
+    ``topk`` over E experts' scores (a router's choice, [T, E] -> [T, k]) returns the indices of
+    ``balanced`` (pair i of the T*k to expert i mod E) or ``worst`` (every token to expert 0, its
+    other k-1 pairs spread over experts 1..E-1) routing. For tests and the accuracy table only:
+    the model trains on its router's real choice."""
+
+    def __init__(self, routing: str = BALANCED):
+        super().__init__()
+        assert routing in (BALANCED, WORST), routing
+        self.routing = routing
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is aten.topk.default and args[0].dim() == 2:
+            _, idx = out
+            tokens, k = idx.shape
+            experts = args[0].shape[-1]
+            if self.routing == BALANCED:
+                forced = torch.arange(tokens * k, device=idx.device).view(tokens, k) % experts
+            else:
+                rest = 1 + torch.arange(tokens * (k - 1), device=idx.device).view(tokens, k - 1) % (experts - 1)
+                forced = torch.cat([torch.zeros(tokens, 1, dtype=idx.dtype, device=idx.device), rest], 1)
+            idx.copy_(forced)
+        return out

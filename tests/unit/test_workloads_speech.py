@@ -1,0 +1,66 @@
+"""Speech seq2seq models from a config.json (NOTE [ Synthetic audio ]): the batch the model's
+processor would give (Whisper's 30 s of log-mel frames, labels at --seq-len), run for real within
+1% of the prediction; what cannot be fed is refused in one line."""
+
+import json
+
+import pytest
+
+from memfit.cli.main import main
+from memfit.errors import UserError
+from memfit.memory.measure import profile
+from memfit.plans import Plan
+from memfit.workloads import load_workload
+from memfit.workloads.small_configs import write_folder
+
+SPEECH_TO_TEXT = {"model_type": "speech_to_text", "architectures": ["Speech2TextForConditionalGeneration"],
+                  "d_model": 32, "encoder_layers": 1, "decoder_layers": 1, "encoder_attention_heads": 2,
+                  "decoder_attention_heads": 2, "encoder_ffn_dim": 32, "decoder_ffn_dim": 32, "vocab_size": 300,
+                  "conv_channels": 32, "max_target_positions": 100}
+MOONSHINE = {"model_type": "moonshine", "architectures": ["MoonshineForConditionalGeneration"], "hidden_size": 32,
+             "encoder_num_hidden_layers": 1, "decoder_num_hidden_layers": 1, "encoder_num_attention_heads": 2,
+             "decoder_num_attention_heads": 2, "intermediate_size": 32, "vocab_size": 300,
+             "max_position_embeddings": 128}
+
+
+def batch_shapes(spec, seq_len=None):
+    wl = load_workload(spec, seq_len=seq_len)
+    return {k: tuple(v.shape) for k, v in wl.batch(2).items()}, wl
+
+
+def test_whisper_gets_its_30_second_window_and_labels_at_seq_len(tmp_path):
+    folder = write_folder("whisper", tmp_path)
+    shapes, wl = batch_shapes(folder, seq_len=24)
+    assert shapes == {"input_features": (2, 16, 128), "labels": (2, 24)}  # 2 x max_source_positions frames
+    assert wl.info.config["model_class"] == "WhisperForConditionalGeneration" and wl.info.seq_len == 24
+    assert batch_shapes(folder)[0]["labels"] == (2, 64)  # default: the decoder's limit, max_target_positions
+
+
+@pytest.mark.parametrize("config,shape", [(SPEECH_TO_TEXT, (3000, 80)), (MOONSHINE, (480000,))],
+                         ids=["speech_to_text", "moonshine"])
+def test_other_speech_models_get_30_seconds_of_audio(tmp_path, config, shape):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shapes, _ = batch_shapes(str(tmp_path), seq_len=16)
+    key = "input_features" if config["model_type"] == "speech_to_text" else "input_values"
+    assert shapes == {key: (2, *shape), "labels": (2, 16)}
+
+
+@pytest.mark.parametrize("plan", [Plan(), Plan(precision="bf16", checkpointing="blocks", adapter="lora:r=8")],
+                         ids=["fp32", "bf16-blocks-lora"])
+def test_whisper_runs_for_real_within_one_percent(tmp_path, plan):
+    r = profile(write_folder("whisper", tmp_path), plan, batch_size=2, seq_len=32, repeats=1)
+    assert r.predicted.method == "fake" and abs(r.error_percent) < 1.0
+
+
+def test_what_cannot_be_fed_is_one_line(tmp_path, capsys):
+    folder = write_folder("whisper", tmp_path)
+    with pytest.raises(UserError, match=r"--seq-len 65 exceeds config.json's max_target_positions=64 \(the decoder's "
+                                        r"labels\); use --seq-len <= 64"):
+        load_workload(folder, seq_len=65)
+    other = tmp_path / "pop2piano"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "pop2piano",
+                                                   "architectures": ["Pop2PianoForConditionalGeneration"]}))
+    assert main(["estimate", str(other)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "memfit makes synthetic audio for whisper, speech_to_text, moonshine, speecht5" in err
