@@ -18,6 +18,7 @@ PACKAGE = SRC / "memfit"
 # Floors, lowest first: a module may import its own floor or lower ones, never higher.
 FLOORS = (
     ("memfit.errors", "memfit.units", "memfit.quiet", "memfit.observer", "memfit.outputs", "memfit.devices",
+     "memfit.secrets",
      "memfit.sdpa_backends"),  # what a device is, and which attention kernel it runs
     ("memfit.workload", "memfit.workloads", "memfit.techniques"),  # what to train; how (one module a technique)
     ("memfit.plans",),     # a composition of technique configs
