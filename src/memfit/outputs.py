@@ -115,6 +115,18 @@ def free_bytes(path: Path) -> int | None:
         return None
 
 
+def os_error(e: BaseException | None) -> OSError | None:
+    """The OSError that ``e`` is or was raised from (``torch.save`` reports a failed ``write`` of its
+    file object as a RuntimeError raised while the OSError was being handled)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def write_failed(e: OSError, path: Path, what: str, fix: str) -> UserError:
     """A write that failed (a full disk, a quota, an I/O error) as one line: ``what`` could not be
     written to ``path``, why, the free space there, and ``fix``."""

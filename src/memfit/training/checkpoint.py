@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from memfit.errors import UserError
-from memfit.outputs import sync_dir, write_failed, write_synced
+from memfit.outputs import os_error, sync_dir, write_failed, write_synced
 from memfit.plans import Plan
 from memfit.secrets import redact
 from memfit.techniques.sharding import TECHNIQUE as SHARDING
@@ -78,13 +78,18 @@ def save(out_dir: Path, step, *, step_index: int, samples_seen: int, workload: s
     state = {"format": FORMAT, **meta, **step_state(step)}
     path = out_dir / retention.whole_name(step_index)
     tmp = out_dir / f".{path.name}.tmp-{os.getpid()}"
+    renamed = False
     try:
         write_synced(tmp, lambda f: torch.save(state, f))
         os.replace(tmp, path)
+        renamed = True
         sync_dir(out_dir)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise _write_failed(e, tmp, step_index, previous) from None
+    except (OSError, RuntimeError) as e:  # the folder is left as it was: no temporary file, no new checkpoint
+        error = os_error(e)
+        if error is None:
+            raise
+        (path if renamed else tmp).unlink(missing_ok=True)
+        raise _write_failed(error, tmp, step_index, previous) from None
     return path
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from memfit.errors import UserError
-from memfit.outputs import sync_dir, write_synced
+from memfit.outputs import os_error, sync_dir, write_synced
 from memfit.training import retention, safe_load
 
 FORMAT = 1
@@ -73,23 +73,21 @@ def save(out_dir: Path, step, ranks, meta: dict, *, failed) -> Path:
             os.replace(tmp, folder / retention.DCP_MARK)
             sync_dir(folder)
             sync_dir(out_dir)
-        except OSError as e:
+        except (OSError, RuntimeError) as e:
+            if os_error(e) is None:
+                raise
             shutil.rmtree(folder, ignore_errors=True)
-            raise failed(e, tmp) from None
+            raise failed(os_error(e), tmp) from None
     return folder
 
 
 def _os_error(e: BaseException) -> OSError | None:
     """The OSError (a full disk, an I/O error) behind a failed DCP save, on any rank."""
-    if isinstance(e, OSError):
-        return e
     for exc_pair in (getattr(e, "failures", None) or {}).values():
-        exc = exc_pair[0] if isinstance(exc_pair, tuple) else exc_pair
-        while exc is not None and not isinstance(exc, OSError):
-            exc = exc.__cause__ or exc.__context__
-        if exc is not None:
-            return exc
-    return None
+        found = os_error(exc_pair[0] if isinstance(exc_pair, tuple) else exc_pair)
+        if found is not None:
+            return found
+    return os_error(e)
 
 
 def read(folder: Path) -> dict:
@@ -125,28 +123,32 @@ def _short_shard(folder: Path, metadata) -> str | None:
 
 def load(step, state: dict) -> None:
     """Load a DCP checkpoint into ``step``, sharded over any number of ranks or in one process."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model, optim = get_state_dict(step.model, _optimizers(step))  # (the layout to read into)
     into = {"model": model, "optim": optim, **_ema(step)}
+    load_folder(into, state["folder"])
+    set_state_dict(step.model, _optimizers(step), model_state_dict=model, optim_state_dict=optim)
+    if "ema" in into:
+        step.ema.load_sharded_state_dict(into["ema"])
+
+
+def load_folder(into: dict, folder: str) -> None:
+    """``dcp.load`` of ``folder`` into the state dict ``into``, by the allowlist of
+    memfit.training.safe_load; a failure is one line."""
+    import torch.distributed.checkpoint as dcp
     try:
         with warnings.catch_warnings():  # (that one process reads it is the point)
             warnings.filterwarnings("ignore", message=_DCP_WARNING)
-            dcp.load(into, storage_reader=safe_load.dcp_reader(state["folder"]), planner=safe_load.dcp_planner())
-    except safe_load.UnsafeCheckpoint:
-        raise
+            dcp.load(into, storage_reader=safe_load.dcp_reader(folder), planner=safe_load.dcp_planner())
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         cause = _first_failure(e)
         if isinstance(cause, UserError):
             raise cause from None
-        raise UserError(f"checkpoint {state['folder']!r} could not be read ({type(cause).__name__}: "
+        raise UserError(f"checkpoint {folder!r} could not be read ({type(cause).__name__}: "
                         f"{str(cause).strip()[:150]}); move it away to resume from the checkpoint before it") from None
-    set_state_dict(step.model, _optimizers(step), model_state_dict=model, optim_state_dict=optim)
-    if "ema" in into:
-        step.ema.load_sharded_state_dict(into["ema"])
 
 
 def _first_failure(e: BaseException) -> BaseException:
