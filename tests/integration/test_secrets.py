@@ -17,7 +17,7 @@ from memfit.training import checkpoint
 
 TOKEN = "hf_" + "Zq7Lw" * 7
 
-WORKLOAD = f'''
+WORKLOAD = '''
 import os
 import warnings
 
@@ -29,12 +29,12 @@ from memfit.workload import Workload
 def _model():
     token = os.environ["HF_TOKEN"]
     print("downloaded with", token)
-    warnings.warn(f"the hub said: token {{token}} expires soon")
+    warnings.warn(f"the hub said: token {token} expires soon")
     return torch.nn.Linear(8, 2)
 
 
 def _failing():
-    raise RuntimeError(f"401 Client Error: Unauthorized (Authorization: Bearer {{os.environ['HF_TOKEN']}})")
+    raise RuntimeError(f"401 Client Error: Unauthorized (Authorization: Bearer {os.environ['HF_TOKEN']})")
 
 
 def _batch(b):
@@ -46,7 +46,7 @@ def _loss(model, batch):
 
 
 # a name with credentials in it, as an authenticated URL has them
-W = Workload(model=_model, batch=_batch, loss=_loss, name=f"https://user:{{os.environ['HF_TOKEN']}}@hf.co/org/tiny")
+W = Workload(model=_model, batch=_batch, loss=_loss, name=f"https://user:{os.environ['HF_TOKEN']}@hf.co/org/tiny")
 FAILING = Workload(model=_failing, batch=_batch, loss=_loss, name="failing")
 '''
 

@@ -55,7 +55,7 @@ def _params(out) -> dict[str, torch.Tensor]:
 def test_two_ranks_train_as_one_process_and_resume_at_the_other_world_size(tmp_path):
     """4 steps on 2 ranks == 4 steps in one process (the same text, the same global batches; up to
     the order of float sums, 1e-5). Then each continues at the other world size to step 6: the DCP
-    checkpoint of 2 ranks in one process, one process's checkpoint.pt on 2 ranks. Both continue as
+    checkpoint of 2 ranks in one process, one process's checkpoint-<step>.pt on 2 ranks. Both continue as
     the one process that ran 6 steps straight does, EMA included (each rank's shards of it go
     through DCP). rank 0 alone writes metrics.jsonl, with each rank's measured peak beside the
     per-rank prediction."""

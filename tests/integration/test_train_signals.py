@@ -171,6 +171,7 @@ def _kill_during_saves(tmp_path, kills: int, nproc: int, seed: int = 54):
 ], ids=["one-process", "two-ranks", "one-process-20-kills", "two-ranks-20-kills"])
 def test_sigkill_during_saves_then_resume_equals_an_uninterrupted_run(tmp_path, nproc, kills):
     killed, cut_short = _kill_during_saves(tmp_path, kills, nproc)
+    print(f"{killed} kills, {cut_short} of them before the save was complete")
     assert killed == kills and cut_short >= 1, (killed, cut_short)
 
 

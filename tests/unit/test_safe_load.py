@@ -18,7 +18,7 @@ from memfit.errors import UserError
 from memfit.plans import Plan
 from memfit.step import build_step, make_batch
 from memfit.target import Target
-from memfit.training import checkpoint, safe_load, sharded_checkpoint
+from memfit.training import checkpoint, sharded_checkpoint
 from memfit.training.safe_load import UnsafeCheckpoint
 
 SMALL = "mha:vocab=256,dim=32,heads=2,layers=1,seq_len=16"  # (no transformers: a quick command)
@@ -41,8 +41,8 @@ class OneRank:
         pass
 
 
-def _step(plan=Plan()):
-    target = Target.resolve(SMALL, plan, 2, "cpu")
+def _step(plan=None):
+    target = Target.resolve(SMALL, plan or Plan(), 2, "cpu")
     step = build_step(target)
     step(make_batch(target))
     return step

@@ -19,6 +19,11 @@ What the ranks agree on, and how:
 
 A user error in any rank stops all of them (the elastic agent terminates the others): each rank
 writes its one-line error to a file, and the launching command prints one line, rank 0's first.
+
+SIGTERM or SIGUSR1 to the launching command: torchrun's agent passes it on to the ranks (SIGUSR1
+added to the signals it handles), which stop after the same step with a checkpoint
+(memfit.training.preemption); rank 0 leaves its line in the same folder and the launching command
+prints it with the command that resumes, exit 0.
 """
 
 from __future__ import annotations

@@ -207,7 +207,6 @@ class _Run:
         return self.budget is not None and self.result.predicted_peak_bytes > self.budget.bytes
 
     def go(self) -> TrainResult:
-        result, options = self.result, self.options
         try:
             with preemption.catching() as self.stop:
                 return self._go()
