@@ -32,7 +32,7 @@ from memfit.outputs import os_error, sync_dir, write_failed, write_synced
 from memfit.plans import Plan
 from memfit.secrets import redact
 from memfit.techniques.sharding import TECHNIQUE as SHARDING
-from memfit.training import retention, safe_load, sharded_checkpoint
+from memfit.training import retention, sharded_checkpoint
 
 FORMAT = 2
 
@@ -111,7 +111,7 @@ def read(out_dir: Path) -> dict:
     skipped = []
     for entry in found:
         try:
-            state = sharded_checkpoint.read(entry.path) if entry.kind == "dcp" else _read_whole(entry.path)
+            state = sharded_checkpoint.read(entry.path) if entry.kind == "dcp" else retention.load_record(entry.path, FORMAT)
         except retention.Unreadable as e:
             skipped.append((entry.name, str(e)))
             continue
@@ -127,18 +127,6 @@ def skipped_note(state: dict) -> str | None:
         return None
     names = "; ".join(f"{name} ({why})" for name, why in state["skipped"])
     return f"resume: skipped {names}; continuing from {Path(state['path']).name} (step {state['step']})"
-
-
-def _read_whole(path: Path) -> dict:
-    try:
-        state = safe_load.load_file(path)
-    except UserError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any other failure is a corrupt file
-        raise retention.unreadable(e) from None
-    if not retention.well_formed(state, FORMAT):
-        raise retention.Unreadable("not a memfit checkpoint of this version")
-    return state
 
 
 def check(state: dict, *, workload: str, requested_plan, batch_size: int) -> None:

@@ -28,6 +28,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from memfit.errors import UserError, brief
+from memfit.training import safe_load
+
 LEGACY = "checkpoint.pt"
 WHOLE = re.compile(r"^checkpoint-(\d{8,})\.pt$")
 DCP = re.compile(r"^checkpoint-dcp-(\d{8,})$")
@@ -40,10 +43,21 @@ class Unreadable(Exception):
     skips it for an older one."""
 
 
-def unreadable(e: Exception) -> Unreadable:
-    """``e``, raised while loading a checkpoint, as the reason resume skips it."""
-    from memfit.errors import brief
-    return Unreadable(f"corrupt or unreadable: {type(e).__name__}: {brief(e, 120)}")
+def load_record(path: Path, version: int, *more):
+    """A checkpoint's record (a one-process checkpoint, or a DCP checkpoint's ``meta.pt``) loaded by
+    the allowlist of memfit.training.safe_load, with ``more(...)`` (other loads of the same
+    checkpoint): a failure is :class:`Unreadable`, but for a refusal (a UserError: a type memfit
+    never writes, a package missing), which stops the resume."""
+    try:
+        record = safe_load.load_file(path)
+        loaded = [load() for load in more]
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any other failure is a corrupt checkpoint
+        raise Unreadable(f"corrupt or unreadable: {type(e).__name__}: {brief(e, 120)}") from None
+    if not well_formed(record, version):
+        raise Unreadable("not a memfit checkpoint of this version")
+    return (record, *loaded) if more else record
 
 
 _FIELDS = {"workload": str, "step": int, "samples_seen": int, "plan": dict, "adapted_plan": dict, "batch_size": int,

@@ -93,15 +93,8 @@ def _os_error(e: BaseException) -> OSError | None:
 def read(folder: Path) -> dict:
     """A complete DCP checkpoint's metadata (step, samples seen, plans, RNG states), with
     ``folder``; memfit.training.retention.Unreadable when it does not load."""
-    try:
-        meta = safe_load.load_file(folder / retention.DCP_MARK)
-        metadata = safe_load.load_dcp_metadata(folder / ".metadata")
-    except UserError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any other failure is a corrupt checkpoint
-        raise retention.unreadable(e) from None
-    if not retention.well_formed(meta, FORMAT):
-        raise retention.Unreadable("not a memfit checkpoint of this version")
+    meta, metadata = retention.load_record(folder / retention.DCP_MARK, FORMAT,
+                                           lambda: safe_load.load_dcp_metadata(folder / ".metadata"))
     short = _short_shard(folder, metadata)
     if short:
         raise retention.Unreadable(f"shard file {short} is missing or cut short")
