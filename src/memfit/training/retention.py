@@ -32,6 +32,8 @@ from memfit.errors import UserError, brief
 from memfit.training import safe_load
 
 LEGACY = "checkpoint.pt"
+LEGACY_POINTER = "checkpoint-dcp.json"
+"""Where memfit before this layout pointed at its DCP checkpoint (ignored; removed when pruning)."""
 WHOLE = re.compile(r"^checkpoint-(\d{8,})\.pt$")
 DCP = re.compile(r"^checkpoint-dcp-(\d{8,})$")
 DCP_MARK = "meta.pt"
@@ -128,6 +130,7 @@ def prune(out_dir: Path, kept: list[Path]) -> list[Path]:
     call once the newest of ``kept`` is complete). Returns what was removed."""
     keep = {p.name for p in kept}
     removed = []
+    (out_dir / LEGACY_POINTER).unlink(missing_ok=True)
     for e in entries(out_dir):
         if e.name in keep:
             continue
