@@ -55,3 +55,14 @@ def test_a_bad_keep_is_one_line(tmp_path, capsys, value):
     assert main([*ARGS, "--steps", "1", "--out", str(tmp_path), "--keep-checkpoints", value]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--keep-checkpoints" in err[0], err
+
+
+def test_the_resume_command_keeps_the_plan_the_planner_chose():
+    """Planning again on resume could choose another plan (a CPU plan times real steps), which the
+    checkpoint would refuse: the command printed at a stop names the plan file the run trained."""
+    from memfit.cli.train import resume_command
+    argv = ["train", "gpt2", "--budget", "1GiB", "--overwrite", "--out", "run 1"]
+    assert resume_command(argv, "run 1/planned.yaml") == (
+        "memfit train gpt2 --budget 1GiB --out 'run 1' --plan 'run 1/planned.yaml' --resume")
+    assert resume_command([*argv, "--plan", "p.yaml"], "x") == (
+        "memfit train gpt2 --budget 1GiB --out 'run 1' --plan p.yaml --resume")

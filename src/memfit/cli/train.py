@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
                    batch_size=bs, seq_len=seq, device=args.device, workers=workers, checkpoint_every=every,
                    progress=not args.json, report=not args.no_report, keep_checkpoints=keep)
     if result.stopped_by is not None:
-        return _stopped(args, result, ranks)
+        return _stopped(args, result, ranks, planned=plan is None)
     summary = result.report or {
         "steps": result.steps, "final_loss": result.losses[-1] if result.losses else None,
         "predicted_peak_bytes": result.predicted_peak_bytes, "measured_peak_bytes": result.measured_peak_bytes,
@@ -106,16 +106,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def resume_command(argv: list[str]) -> str:
+PLANNED = "planned.yaml"
+"""The plan the planner chose for --budget, written to --out when a resume needs it: planning again
+could choose another plan (on a CPU it times real steps), which the checkpoint would refuse."""
+
+
+def resume_command(argv: list[str], plan_file=None) -> str:
     """The command line that continues a run started with ``memfit *argv``: --resume instead of
-    --overwrite."""
+    --overwrite, and the plan it trained (``plan_file``) when the planner chose it."""
     import shlex
     rest = [a for a in argv if a not in ("--overwrite", "--resume")]
-    return shlex.join(["memfit", *rest, "--resume"])
+    plan = ["--plan", str(plan_file)] if plan_file is not None and "--plan" not in rest else []
+    return shlex.join(["memfit", *rest, *plan, "--resume"])
 
 
-def _stopped(args: argparse.Namespace, result, ranks) -> int:
+def _stopped(args: argparse.Namespace, result, ranks, *, planned: bool) -> int:
     """A signal ended the run after a checkpoint: say where, and how to continue (exit 0)."""
+    from pathlib import Path
+
+    from memfit.plans import Plan
     from memfit.training.distributed import record_stop
     line = (f"memfit train: stopped by {result.stopped_by} after step {result.last_step}; "
             f"its checkpoint is {result.last_checkpoint}")
@@ -123,7 +132,11 @@ def _stopped(args: argparse.Namespace, result, ranks) -> int:
         return 0  # (a launched rank: the launcher says it, with the command that resumes)
     if ranks is not None and not ranks.is_main:
         return 0
-    command = resume_command(args.argv)
+    plan_file = None
+    if planned:
+        plan_file = Path(result.out_dir) / PLANNED
+        Plan.from_dict(result.plan, source="the run's plan").save(plan_file)
+    command = resume_command(args.argv, plan_file)
     if args.json:
         print_json({"stopped_by": result.stopped_by, "step": result.last_step, "checkpoint": result.last_checkpoint,
                     "resume_command": command, "out": result.out_dir})
@@ -137,7 +150,6 @@ def _launch(args: argparse.Namespace, workload, nproc: int, *, plan, bs, seq, se
             keep) -> int:
     """Check and plan the run here, once, then start ``nproc`` ranks that run this same command (with
     the plan found, when the planner chose it)."""
-    import tempfile
     from pathlib import Path
 
     from memfit.errors import UserError
@@ -158,13 +170,13 @@ def _launch(args: argparse.Namespace, workload, nproc: int, *, plan, bs, seq, se
     argv = args.argv[args.argv.index("train") + 1:]
     if args.debug and "--debug" not in argv:
         argv.append("--debug")
-    with tempfile.TemporaryDirectory(prefix="memfit-launch-") as tmp:
-        if plan is None:  # the planner chose it: the ranks train that plan (and keep the budget)
-            chosen = Path(tmp) / "plan.yaml"
-            target.plan.save(chosen)
-            argv += ["--plan", str(chosen)]
-        if not args.json:
-            print(f"memfit train: {nproc} ranks on this machine (FSDP2, {target.rank_batch_size} of each batch of "
-                  f"{target.batch_size} per rank): {target.plan.describe()}", flush=True)
-        return launch(argv, nproc, port=port, debug=args.debug, resume=resume_command(args.argv))
+    chosen = None
+    if plan is None:  # the planner chose it: the ranks train that plan (and keep the budget), and so does a resume
+        chosen = Path(args.out) / PLANNED
+        target.plan.save(chosen)
+        argv += ["--plan", str(chosen)]
+    if not args.json:
+        print(f"memfit train: {nproc} ranks on this machine (FSDP2, {target.rank_batch_size} of each batch of "
+              f"{target.batch_size} per rank): {target.plan.describe()}", flush=True)
+    return launch(argv, nproc, port=port, debug=args.debug, resume=resume_command(args.argv, chosen))
 
