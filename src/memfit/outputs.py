@@ -101,3 +101,37 @@ def sync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def free_bytes(path: Path) -> int | None:
+    """Free bytes on the file system of ``path`` (its nearest existing folder); None if unknown."""
+    import shutil
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+def os_error(e: BaseException | None) -> OSError | None:
+    """The OSError that ``e`` is or was raised from (``torch.save`` reports a failed ``write`` of its
+    file object as a RuntimeError raised while the OSError was being handled)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def write_failed(e: OSError, path: Path, what: str, fix: str) -> UserError:
+    """A write that failed (a full disk, a quota, an I/O error) as one line: ``what`` could not be
+    written to ``path``, why, the free space there, and ``fix``."""
+    from memfit.units import fmt_bytes
+    free = free_bytes(path)
+    space = f"{fmt_bytes(free)} free there" if free is not None else "free space unknown"
+    why = e.strerror or (str(e) or type(e).__name__)
+    return UserError(f"{what}: {why} writing {str(path)!r} ({space}); {fix}")

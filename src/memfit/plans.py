@@ -177,9 +177,10 @@ class Plan:
         return cls.from_dict(data or {}, source=f"plan file {p.name}")
 
     def save(self, path: str | Path) -> None:
+        from memfit.secrets import redact
         p = Path(path)
         try:
-            p.write_text(json.dumps(self.to_dict(), indent=2) + "\n" if p.suffix == ".json" else self.to_yaml())
+            p.write_text(redact(json.dumps(self.to_dict(), indent=2) + "\n" if p.suffix == ".json" else self.to_yaml()))
         except OSError as e:
             raise UserError(f"cannot write the plan to {str(p)!r} ({e.strerror}); choose a writable path") from None
 

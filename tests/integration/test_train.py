@@ -59,8 +59,8 @@ def test_checkpoint_is_atomic_and_refused_when_corrupt_or_foreign(tmp_path):
     with pytest.raises(UserError, match="another plan"):
         train(LM, plan=Plan(precision="bf16"), steps=3, out=tmp_path, seq_len=64, batch_size=2, resume=True,
               progress=False, report=False)
-    (tmp_path / checkpoint.NAME).write_bytes(b"not a checkpoint")
-    with pytest.raises(UserError, match="corrupt"):
+    (tmp_path / "checkpoint-00000002.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(UserError, match="no checkpoint in .* loads .checkpoint-00000002.pt: corrupt"):
         train(LM, steps=3, out=tmp_path, seq_len=64, batch_size=2, resume=True, progress=False, report=False)
 
 

@@ -73,15 +73,15 @@ def test_budgets_that_cannot_work_are_refused_with_what_would(tmp_path, capsys):
     code = main(["train", NO_DROPOUT, "--seq-len", "64", "-b", "8", "--budget", "40MiB", "--out", str(tmp_path / "b")])
     err = capsys.readouterr().err
     assert code == 2 and "no plan fits the budget" in err and "smallest footprint found is" in err
-    assert not (tmp_path / "b" / "checkpoint.pt").exists()
+    assert not list((tmp_path / "b").glob("checkpoint*"))
 
 
 def test_an_existing_run_is_not_overwritten(tmp_path, capsys):
     train(NO_DROPOUT, steps=1, out=tmp_path, seq_len=64, batch_size=2, progress=False, report=False)
-    before = (tmp_path / "checkpoint.pt").read_bytes()
+    before = (tmp_path / "checkpoint-00000001.pt").read_bytes()
     assert main(["train", NO_DROPOUT, "--seq-len", "64", "-b", "2", "--steps", "1", "--out", str(tmp_path)]) == 2
     assert "--resume" in capsys.readouterr().err
-    assert (tmp_path / "checkpoint.pt").read_bytes() == before
+    assert (tmp_path / "checkpoint-00000001.pt").read_bytes() == before
 
 
 def test_out_of_adaptations_says_what_the_most_frugal_plan_needs(tmp_path, inject_oom):

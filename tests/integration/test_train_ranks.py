@@ -55,7 +55,7 @@ def _params(out) -> dict[str, torch.Tensor]:
 def test_two_ranks_train_as_one_process_and_resume_at_the_other_world_size(tmp_path):
     """4 steps on 2 ranks == 4 steps in one process (the same text, the same global batches; up to
     the order of float sums, 1e-5). Then each continues at the other world size to step 6: the DCP
-    checkpoint of 2 ranks in one process, one process's checkpoint.pt on 2 ranks. Both continue as
+    checkpoint of 2 ranks in one process, one process's checkpoint-<step>.pt on 2 ranks. Both continue as
     the one process that ran 6 steps straight does, EMA included (each rank's shards of it go
     through DCP). rank 0 alone writes metrics.jsonl, with each rank's measured peak beside the
     per-rank prediction."""
@@ -69,7 +69,7 @@ def test_two_ranks_train_as_one_process_and_resume_at_the_other_world_size(tmp_p
     first = _losses(ranks)
     assert sorted(first) == [1, 2, 3, 4]  # one record per step: rank 0's
     assert [first[i] for i in range(1, 5)] == pytest.approx([expected[i] for i in range(1, 5)], rel=1e-5)
-    assert (ranks / "checkpoint-dcp.json").is_file() and not (ranks / "checkpoint.pt").exists()
+    assert sorted(p.name for p in ranks.glob("checkpoint*")) == ["checkpoint-dcp-00000002", "checkpoint-dcp-00000004"]
     predicted = estimate(SMALL, Plan(world_size=2, ema=EMA), batch_size=8, device="cpu",
                          seq_len=32).measurable_peak_bytes
     assert summary["world_size"] == 2 and summary["predicted_peak_bytes"] == predicted
@@ -82,7 +82,8 @@ def test_two_ranks_train_as_one_process_and_resume_at_the_other_world_size(tmp_p
         losses = _losses(out)
         assert sorted(losses) == list(range(1, 7))
         assert [losses[5], losses[6]] == pytest.approx([expected[5], expected[6]], rel=1e-5)
-    assert (ranks / "checkpoint.pt").is_file() and not (ranks / "checkpoint-dcp.json").exists()
+    from memfit.training import checkpoint
+    assert checkpoint.read(ranks)["kind"] == "whole" and checkpoint.read(whole)["kind"] == "dcp"
     reference_params = _params(reference)
     assert any(name.startswith("ema:") for name in reference_params)
     for out in (ranks, whole):

@@ -1,6 +1,8 @@
 """DCP checkpoints (memfit.training.sharded_checkpoint) in one process: what several ranks write,
-one process reads; a save cut short leaves the last good checkpoint current; the current
-checkpoint of a folder is the later one of either kind."""
+one process reads; a save cut short leaves the last good checkpoints; resume takes the newest
+that loads, of either kind."""
+
+import re
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from memfit.plans import Plan
 from memfit.step import build_step, make_batch
 from memfit.target import Target
 from memfit.training import checkpoint, sharded_checkpoint
+from memfit.training.saver import Saver
 
 SMALL = "gpt2:n_layer=2,n_embd=64,n_head=2,vocab_size=256,n_positions=32,resid_pdrop=0,embd_pdrop=0,attn_pdrop=0"
 
@@ -53,35 +56,46 @@ def test_a_dcp_checkpoint_restores_model_optimizer_and_position(tmp_path):
             assert torch.equal(saved[i][key], loaded[i][key])
 
 
-def test_a_save_cut_short_leaves_the_last_good_checkpoint(tmp_path):
-    _save(tmp_path, _trained(1), 2)
-    _save(tmp_path, _trained(1), 4)
-    assert [p.name for p in tmp_path.glob("checkpoint-dcp-*")] == ["checkpoint-dcp-00000004"]  # older removed
-    # a save of step 6 killed after writing shards, before the pointer moved
-    (tmp_path / "checkpoint-dcp-00000006").mkdir()
-    (tmp_path / "checkpoint-dcp-00000006" / "__0_0.distcp").write_bytes(b"partial")
-    assert checkpoint.read(tmp_path)["step"] == 4
-    (tmp_path / "checkpoint-dcp.json").write_text("{not json")
-    with pytest.raises(UserError, match="corrupt or unreadable"):
+def _saver(out, keep: int = 2):
+    return Saver(out, keep=keep, workload=SMALL, requested=Plan(), ranks=OneRank())
+
+
+def test_a_save_cut_short_leaves_the_last_good_checkpoints(tmp_path):
+    saver, step = _saver(tmp_path), _trained(1)
+    for index in (2, 4, 6):
+        saver.save(step, index=index, samples_seen=4 * index)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-dcp-*")) == ["checkpoint-dcp-00000004",
+                                                                         "checkpoint-dcp-00000006"]  # the last 2
+    # a save of step 8 killed after writing shards, before rank 0 marked it complete
+    (tmp_path / "checkpoint-dcp-00000008").mkdir()
+    (tmp_path / "checkpoint-dcp-00000008" / "__0_0.distcp").write_bytes(b"partial")
+    assert checkpoint.read(tmp_path)["step"] == 6
+    # a complete one that does not load: resume takes the one before, and says so
+    (tmp_path / "checkpoint-dcp-00000006" / "meta.pt").write_bytes(b"not a checkpoint")
+    state = checkpoint.read(tmp_path)
+    assert state["step"] == 4
+    assert re.fullmatch(r"resume: skipped checkpoint-dcp-00000006 \(corrupt or unreadable: ValueError: [^\n]+\); "
+                        r"continuing from checkpoint-dcp-00000004 \(step 4\)", checkpoint.skipped_note(state))
+    # a shard cut short (a full disk on one rank) is found before the run starts
+    shard = next((tmp_path / "checkpoint-dcp-00000004").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(UserError, match=r"no checkpoint in .* loads \(checkpoint-dcp-00000006: corrupt.*"
+                                        r"checkpoint-dcp-00000004: shard file __0_0.distcp is missing or cut short"):
         checkpoint.read(tmp_path)
 
 
 def test_the_later_checkpoint_of_either_kind_is_current(tmp_path):
     step = _trained(1)
-    _save(tmp_path, step, 2)
-    checkpoint.save(tmp_path, step, step_index=4, samples_seen=16, workload=SMALL, requested_plan=Plan())
-    assert not sharded_checkpoint.exists(tmp_path)  # the one-process save replaced it
+    saver = _saver(tmp_path, keep=3)
+    saver.save(step, index=2, samples_seen=8)
+    whole = Saver(tmp_path, keep=3, workload=SMALL, requested=Plan(), resumed={"step": 2})  # (one process now)
+    whole.save(step, index=4, samples_seen=16)
     assert checkpoint.read(tmp_path)["kind"] == "whole"
+    assert sharded_checkpoint.read(tmp_path / "checkpoint-dcp-00000002")["step"] == 2  # kept: one of the last 3
     _save(tmp_path, step, 6)
-    assert not (tmp_path / checkpoint.NAME).exists()
-    assert checkpoint.read(tmp_path)["step"] == 6
-    # both present (a run killed between writing one and removing the other): the later step wins
-    other = tmp_path / "other"
-    other.mkdir()
-    for index, kind in ((8, "whole"), (4, "dcp")):
-        checkpoint.save(other, step, step_index=index, samples_seen=4 * index, workload=SMALL, requested_plan=Plan())
-        (other / checkpoint.NAME).replace(tmp_path / checkpoint.NAME)
-        assert checkpoint.read(tmp_path)["kind"] == kind
+    assert checkpoint.read(tmp_path)["kind"] == "dcp" and checkpoint.read(tmp_path)["step"] == 6
+    checkpoint.save(tmp_path, step, step_index=8, samples_seen=32, workload=SMALL, requested_plan=Plan())
+    assert checkpoint.read(tmp_path)["kind"] == "whole" and checkpoint.read(tmp_path)["step"] == 8
 
 
 def test_another_world_size_is_the_same_plan_for_resuming(tmp_path):

@@ -7,6 +7,7 @@ shows the traceback.
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import logging
 import os
@@ -60,9 +61,15 @@ def main(argv: list[str] | None = None) -> int:
     """Run memfit with ``argv`` (default: the command line) and return the exit status; run as the
     program, it exits without the interpreter's final collections (NOTE [ Exit without the final
     collections ])."""
+    from memfit.secrets import redacting
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = redacting(sys.stdout), redacting(sys.stderr)  # (memfit.secrets: no token is shown)
     if argv is not None:
-        return _run(argv)
-    try:
+        try:
+            return _run(argv)
+        finally:
+            sys.stdout, sys.stderr = streams
+    try:  # (the program: its streams stay redacting, for the traceback of --debug too)
         return _run(sys.argv[1:])
     finally:
         gc.freeze()
@@ -109,12 +116,22 @@ def _run(argv: list[str]) -> int:
     except Exception as e:  # an unexpected failure: one line unless --debug
         if debug:
             raise
+        if isinstance(e, OSError) and e.errno in _DISK_ERRORS:  # the machine's, not memfit's
+            from memfit.outputs import write_failed
+            _say(f"memfit {args.command}: error: {write_failed(e, e.filename or '.', 'cannot write', _FREE_SPACE)}", 2)
+            return 2
         msg = str(e).splitlines()[0] if str(e) else ""
         _say(f"memfit {args.command}: internal error: {type(e).__name__}: {msg} (run with --debug for the "
              "traceback and report it)", 1)
         return 1
     finally:
         warnings.showwarning = shown
+
+
+_DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG}
+"""Write errors that are the machine's, not memfit's: a full disk, a quota, an I/O error, a
+read-only file system, a file too large. One line, exit 2."""
+_FREE_SPACE = "free space there or write elsewhere (--out)"
 
 
 def _quiet_stdout() -> None:

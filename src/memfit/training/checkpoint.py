@@ -1,16 +1,21 @@
-"""Checkpoints: everything a run needs to continue exactly, written atomically.
+"""Checkpoints: everything a run needs to continue exactly, written atomically, read without running code.
 
 A checkpoint holds the model, the optimizer (8-bit and per-parameter optimizers through their
 ``state_dict``), the grad scaler, the EMA, the RNG states (CPU, CUDA, Python), the number of
 samples seen, the step and the plan. It is written to a temporary file in the same folder, flushed
-and fsync'ed, then renamed over the old one: a process killed mid-save leaves the last good
-checkpoint in place (and a temporary file, which the next run removes). Loading checks that
-the checkpoint belongs to this model (parameter names and shapes) and this plan.
+and fsync'ed, then renamed to ``checkpoint-<step>.pt``: a process killed mid-save leaves the
+checkpoints saved before it (and a temporary file, which the next run removes). A write that fails
+(a full disk, an I/O error) removes the temporary file and stops the run in one line with the path
+and the free space. The run keeps its newest K checkpoints (memfit.training.retention).
+
+Loading is ``torch.load(weights_only=True)`` with the allowlist of memfit.training.safe_load: a
+file naming any other type is refused unread. Resuming tries the complete checkpoints newest first
+and takes the first that loads, saying which it skipped and why. Loading checks that the
+checkpoint belongs to this model (parameter names and shapes) and this plan.
 
 A sharded run (several ranks) writes PyTorch's Distributed Checkpoint instead
 (memfit.training.sharded_checkpoint). Either kind resumes at any world size: the plan must be the
-same but for how it is sharded (its ``shard`` keys), and the batch the same global batch. The
-folder's current checkpoint is the one of the later step.
+same but for how it is sharded (its ``shard`` keys), and the batch the same global batch.
 """
 
 from __future__ import annotations
@@ -23,12 +28,12 @@ from pathlib import Path
 import torch
 
 from memfit.errors import UserError
-from memfit.outputs import sync_dir, write_synced
+from memfit.outputs import os_error, sync_dir, write_failed, write_synced
 from memfit.plans import Plan
+from memfit.secrets import redact
 from memfit.techniques.sharding import TECHNIQUE as SHARDING
-from memfit.training import sharded_checkpoint
+from memfit.training import retention, sharded_checkpoint
 
-NAME = "checkpoint.pt"
 FORMAT = 2
 
 
@@ -56,58 +61,76 @@ def load_step_state(step, state: dict) -> None:
 
 
 def save(out_dir: Path, step, *, step_index: int, samples_seen: int, workload: str, requested_plan,
-         rng: dict | None = None, ranks=None) -> Path:
-    """Write the checkpoint atomically; ``rng``: the RNG states to save (default: the current ones).
-    ``ranks`` (memfit.training.distributed.Ranks): a sharded run's, every rank calls this."""
+         rng: dict | None = None, ranks=None, previous: int | None = None) -> Path:
+    """Write the checkpoint of ``step_index`` atomically; ``rng``: the RNG states to save (default:
+    the current ones). ``ranks`` (memfit.training.distributed.Ranks): a sharded run's, every rank
+    calls this. ``previous``: the step of the run's last complete checkpoint (for the message
+    when the write fails). Older checkpoints are left to the caller (memfit.training.retention)."""
     meta = {
-        "workload": workload, "step": step_index, "samples_seen": samples_seen,
+        "workload": redact(workload), "step": step_index, "samples_seen": samples_seen,
         "plan": requested_plan.to_dict(), "adapted_plan": step.plan.to_dict(), "batch_size": step.batch_size,
         "shapes": {n: tuple(p.shape) for n, p in step.model.named_parameters()},  # (a DTensor's are the whole's)
         "rng": rng or rng_state(),
     }
     if ranks is not None:
-        folder = sharded_checkpoint.save(out_dir, step, ranks, meta)
-        if ranks.is_main:
-            (out_dir / NAME).unlink(missing_ok=True)  # (older: the pointer moved past it)
-        return folder
+        return sharded_checkpoint.save(out_dir, step, ranks, meta, failed=lambda e, path: _write_failed(
+            e, path, step_index, previous))
     state = {"format": FORMAT, **meta, **step_state(step)}
-    path = out_dir / NAME
-    tmp = out_dir / f".{NAME}.tmp-{os.getpid()}"
-    write_synced(tmp, lambda f: torch.save(state, f))
-    os.replace(tmp, path)
-    sync_dir(out_dir)
-    sharded_checkpoint.remove(out_dir)  # (older: this one replaced it)
+    path = out_dir / retention.whole_name(step_index)
+    tmp = out_dir / f".{path.name}.tmp-{os.getpid()}"
+    renamed = False
+    try:
+        write_synced(tmp, lambda f: torch.save(state, f))
+        os.replace(tmp, path)
+        renamed = True
+        sync_dir(out_dir)
+    except (OSError, RuntimeError) as e:  # the folder is left as it was: no temporary file, no new checkpoint
+        error = os_error(e)
+        if error is None:
+            raise
+        (path if renamed else tmp).unlink(missing_ok=True)
+        raise _write_failed(error, tmp, step_index, previous) from None
     return path
 
 
+def _write_failed(e: OSError, path: Path, step_index: int, previous: int | None) -> UserError:
+    kept = (f"the checkpoint of step {previous} is intact: --resume continues from it" if previous
+            else "no checkpoint of this run was complete yet")
+    return write_failed(e, path, f"cannot save the checkpoint of step {step_index}",
+                        f"free space there or choose another --out; {kept}")
+
+
 def read(out_dir: Path) -> dict:
-    """The folder's current checkpoint: a one-process one (its tensors loaded) or a sharded one
-    (its metadata; ``restore`` reads the shards)."""
-    if sharded_checkpoint.exists(out_dir):
-        sharded = {**sharded_checkpoint.read(out_dir), "kind": "dcp"}
-        if not (out_dir / NAME).is_file():
-            return sharded
-        whole = _read_whole(out_dir)
-        return sharded if sharded["step"] > whole["step"] else whole
-    return _read_whole(out_dir)
-
-
-def _read_whole(out_dir: Path) -> dict:
-    path = out_dir / NAME
-    if not path.is_file():
+    """The newest checkpoint of ``out_dir`` that loads: a one-process one (its tensors loaded) or a
+    sharded one (its metadata; ``restore`` reads the shards), with ``skipped``: the newer ones that
+    did not load, as (name, why). A checkpoint naming a type memfit never writes stops the resume
+    (memfit.training.safe_load.UnsafeCheckpoint): the folder was tampered with."""
+    found = retention.complete(out_dir)
+    if not found:
         raise UserError(f"--resume: no checkpoint in {str(out_dir)!r}; run without --resume to start")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # noqa: BLE001 - any failure is a corrupt file
-        raise UserError(f"checkpoint {str(path)!r} is corrupt or unreadable ({type(e).__name__}); "
-                        "delete it or point --out to another folder") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise UserError(f"checkpoint {str(path)!r} is not a memfit checkpoint of this version")
-    return {**state, "kind": "whole"}
+    skipped = []
+    for entry in found:
+        try:
+            state = sharded_checkpoint.read(entry.path) if entry.kind == "dcp" else retention.load_record(entry.path, FORMAT)
+        except retention.Unreadable as e:
+            skipped.append((entry.name, str(e)))
+            continue
+        return {**state, "kind": entry.kind, "path": str(entry.path), "skipped": skipped}
+    raise UserError(f"--resume: no checkpoint in {str(out_dir)!r} loads ("
+                    + "; ".join(f"{name}: {why}" for name, why in skipped)
+                    + "); restore them from a copy, or start a new run in another --out folder")
+
+
+def skipped_note(state: dict) -> str | None:
+    """The one line a resume says about the newer checkpoints it skipped (None: it took the newest)."""
+    if not state.get("skipped"):
+        return None
+    names = "; ".join(f"{name} ({why})" for name, why in state["skipped"])
+    return f"resume: skipped {names}; continuing from {Path(state['path']).name} (step {state['step']})"
 
 
 def check(state: dict, *, workload: str, requested_plan, batch_size: int) -> None:
-    if state["workload"] != workload:
+    if state["workload"] != redact(workload):
         raise UserError(f"the checkpoint in --out is from another model ({state['workload']}); "
                         "use a fresh --out folder for this workload")
     # compared as plans: a key this version added since the checkpoint was written takes its default
@@ -160,7 +183,7 @@ def restore(step, state: dict) -> tuple[int, int]:
 def remove_stale_temporaries(out_dir: Path) -> list[Path]:
     """Delete temporary files left by saves that were killed (their process is gone)."""
     removed = []
-    for tmp in out_dir.glob(f".{NAME}.tmp-*"):
+    for tmp in [*out_dir.glob(".checkpoint*.tmp-*"), *out_dir.glob("checkpoint-dcp-*/.*.tmp-*")]:
         pid = tmp.name.rsplit("-", 1)[-1]
         if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
             tmp.unlink(missing_ok=True)
@@ -179,7 +202,7 @@ def _alive(pid: int) -> bool:
 
 
 def exists(out_dir: Path) -> bool:
-    return (out_dir / NAME).is_file() or sharded_checkpoint.exists(out_dir)
+    return bool(retention.complete(out_dir))
 
 
 def drop_records_after(path: Path, step: int) -> None:

@@ -19,13 +19,20 @@ What the ranks agree on, and how:
 
 A user error in any rank stops all of them (the elastic agent terminates the others): each rank
 writes its one-line error to a file, and the launching command prints one line, rank 0's first.
+
+SIGTERM or SIGUSR1 to the launching command: torchrun's agent passes it on to the ranks (SIGUSR1
+added to the signals it handles), which stop after the same step with a checkpoint
+(memfit.training.preemption); rank 0 leaves its line in the same folder and the launching command
+prints it with the command that resumes, exit 0.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -60,12 +67,13 @@ class Ranks:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def mean(self, value: float) -> float:
-        """The mean of ``value`` over the ranks."""
+    def mean_and_any(self, value: float, flag: bool) -> tuple[float, bool]:
+        """The mean of ``value`` over the ranks, and whether ``flag`` is set on any rank: one
+        all-reduce of two numbers (the loop's per-step loss, and a stop asked by a signal)."""
         import torch.distributed as dist
-        t = torch.tensor([float(value)], dtype=torch.float64, device=_collective_device())
+        t = torch.tensor([float(value), float(flag)], dtype=torch.float64, device=_collective_device())
         dist.all_reduce(t)
-        return float(t.item()) / self.world_size
+        return float(t[0].item()) / self.world_size, bool(t[1].item() > 0)
 
     def gather(self, value: int) -> list[int]:
         """``value`` of every rank, in rank order (on every rank)."""
@@ -174,10 +182,11 @@ def check_launch(nproc: int, device_kind: str, port: int | None) -> None:
                                 "out (a free one is chosen)") from None
 
 
-def launch(argv: list[str], nproc: int, *, port: int | None = None, debug: bool = False) -> int:
+def launch(argv: list[str], nproc: int, *, port: int | None = None, debug: bool = False, resume: str = "") -> int:
     """Run ``memfit train *argv`` in ``nproc`` processes under torchrun's elastic agent (one node,
     no restarts), as torchrun does; the exit status is the ranks': 0, or the first failing rank's,
-    with its one line."""
+    with its one line. A signal that stopped the ranks after a checkpoint (memfit.training.preemption)
+    is exit 0, with rank 0's line and the command that resumes, ``resume``."""
     import logging
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -186,17 +195,33 @@ def launch(argv: list[str], nproc: int, *, port: int | None = None, debug: bool 
     if not debug:  # the agent's own logging of a failed rank; the rank's error is printed below
         for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     threads = max(1, (os.cpu_count() or 1) // nproc)
     saved = {k: os.environ.get(k) for k in (ERRORS_ENV, "OMP_NUM_THREADS")}
     with tempfile.TemporaryDirectory(prefix="memfit-ranks-") as errors:
         os.environ.update({ERRORS_ENV: errors, "OMP_NUM_THREADS": saved["OMP_NUM_THREADS"] or str(threads)})
+        # SIGUSR1 too (SLURM's early warning): the agent passes it on to the ranks, as it does SIGTERM
+        signals = {"signals_to_handle": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"} if "signals_to_handle" in {
+            f.name for f in dataclasses.fields(LaunchConfig)} else {}
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"memfit-{os.getpid()}",
                               rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port or 0}",
-                              rdzv_configs={"is_host": True}, max_restarts=0, monitor_interval=0.2)
+                              rdzv_configs={"is_host": True}, max_restarts=0, monitor_interval=0.2, **signals)
         try:
             elastic_launch(config, sys.executable)("-m", "memfit.cli.main", "train", *argv)
         except ChildFailedError as e:
+            if _said_stopped(Path(errors), resume):
+                return 0  # (a rank that had saved was stopped while it exited)
             return _report_failure(Path(errors), e)
+        except SignalException as e:  # the agent got a signal and passed it on to the ranks
+            if _said_stopped(Path(errors), resume):
+                return 0
+            name = signal.Signals(e.sigval).name
+            print(f"memfit train: {name}: the ranks stopped before saving; the last complete checkpoint in --out stays "
+                  f"and --resume continues from it: {resume}", file=sys.stderr)
+            return 128 + int(e.sigval)
+        else:
+            _said_stopped(Path(errors), resume)
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -221,6 +246,33 @@ def record_error(line: str, code: int) -> bool:
         deadline = time.monotonic() + RANK0_GRACE
         while time.monotonic() < deadline and not (Path(folder) / "0").exists():
             time.sleep(0.05)
+    return True
+
+
+STOPPED = "stopped"
+"""The file rank 0 of a launched run writes when a signal stopped the run after a checkpoint."""
+
+
+def record_stop(line: str) -> bool:
+    """In rank 0 of a launched run, keep the line saying where a signal stopped the run, for the
+    launcher to print with the command that resumes (True); False when not a launched rank."""
+    folder = os.environ.get(ERRORS_ENV)
+    ranks = current()
+    if not folder or ranks is None:
+        return False
+    if ranks.is_main:
+        part = Path(folder) / f"{STOPPED}.part"
+        part.write_text(line)
+        part.replace(Path(folder) / STOPPED)
+    return True
+
+
+def _said_stopped(errors: Path, resume: str) -> bool:
+    """Print rank 0's stop line and the command that resumes, if the ranks were stopped by a signal."""
+    stopped = errors / STOPPED
+    if not stopped.is_file():
+        return False
+    print(f"{stopped.read_text()}; resume with: {resume}", flush=True)
     return True
 
 

@@ -14,8 +14,10 @@ loop adds:
   over step 2, or the first later step that needed no adaptation, next to the plan's prediction;
   other steps report the guard's peak (CPU with a budget), the process's resident peak (CPU) or
   the CUDA allocator's peak;
-- Ctrl-C that keeps the steps done, and a resume that drops what a crashed run logged after its
-  last checkpoint;
+- checkpoints (memfit.training.saver: the last K kept), Ctrl-C that keeps the steps done, SIGTERM
+  and SIGUSR1 that end the run after its step with a checkpoint (memfit.training.preemption), and
+  a resume that takes the newest checkpoint that loads and drops what a crashed run logged after
+  it;
 - several ranks (``memfit train --nproc N``, memfit.training.distributed): this process is one
   of them when torchrun's environment says so; rank 0 writes what is written once.
 """
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -32,27 +33,24 @@ from pathlib import Path
 
 import torch
 
-from memfit.devices import Device, get_device
 from memfit.errors import UserError
 from memfit.memory.adapters import fsdp_resizes
 from memfit.memory.budget import Budget
 from memfit.memory.categories import STEADY_STEP
-from memfit.memory.estimate import estimate_target
 from memfit.memory.measure import PeakWindow
-from memfit.planner.search import plan as make_plan
 from memfit.planner.space import model_facts
 from memfit.plans import Plan
-from memfit.quiet import silenced_warnings
+from memfit.secrets import redact, tokens
 from memfit.step import TrainStep, build_step, make_batch
 from memfit.target import Target
-from memfit.techniques.sharding import on_ranks
-from memfit.training import checkpoint, distributed
+from memfit.training import checkpoint, distributed, preemption, setup
 from memfit.training.adapt import FitPredictor, OutOfAdaptations, run_adapting
 from memfit.training.data import ByteCorpus, text_batches
 from memfit.training.enforce import arm, enforce, step_peak
 from memfit.training.progress import Progress
 from memfit.training.rebuild import rebuild
 from memfit.training.report import final_report
+from memfit.training.saver import DEFAULT_KEEP, Saver
 from memfit.units import fmt_bytes
 from memfit.workload import Workload
 from memfit.workloads import load_workload
@@ -79,6 +77,13 @@ class TrainResult:
     budget_bytes: int | None = None
     guard_peak_bytes: int | None = None
     report: dict = field(default_factory=dict)
+    stopped_by: str | None = None
+    """The signal that ended the run early (SIGTERM, SIGUSR1), after a checkpoint; None when it ran
+    to ``steps``."""
+    last_checkpoint: str | None = None
+    """The newest complete checkpoint the run leaves."""
+    last_step: int = 0
+    """The last step done (``steps``, or where a signal stopped the run)."""
 
 
 @dataclass(frozen=True)
@@ -93,19 +98,22 @@ class RunOptions:
     checkpoint_every: int
     progress: bool
     report: bool
+    keep_checkpoints: int = DEFAULT_KEEP
 
 
 def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: str | int | None = None,
           steps: int = 20, out: str | Path = "memfit-out", data: str | None = None, resume: bool = False,
           overwrite: bool = False, seed: int = 0, batch_size: int | None = None, seq_len: int | None = None,
           device: str = "auto", workers: int | None = None, checkpoint_every: int = 10, progress: bool = True,
-          report: bool = True) -> TrainResult:
+          report: bool = True, keep_checkpoints: int = DEFAULT_KEEP) -> TrainResult:
     """Train ``workload`` for ``steps`` optimizer steps under ``plan`` (or the planner's plan for
     ``budget``), writing metrics.jsonl, checkpoints and (``report``) report.json with a memory
     timeline to ``out``. With both a plan and a budget, the plan is kept and the budget enforced.
 
     ``device``: auto (cuda when available), cpu or cuda. ``workers``: DataLoader worker processes
-    for text data (default: 2 on a GPU, 0 on a CPU).
+    for text data (default: 2 on a GPU, 0 on a CPU). ``keep_checkpoints``: how many of the newest
+    checkpoints stay in ``out``. SIGTERM or SIGUSR1 ends the run after its current step, with a
+    checkpoint (``stopped_by`` says which).
     """
     ranks = distributed.current()
     if ranks is not None and plan is None and budget is not None:
@@ -115,29 +123,32 @@ def train(workload: Workload | str, *, plan: Plan | str | None = None, budget: s
     prepared = prepare(workload, plan=plan, budget=budget, steps=steps, out=out, data=data, resume=resume,
                        overwrite=overwrite, seed=seed, batch_size=batch_size, seq_len=seq_len, device=device,
                        workers=workers, checkpoint_every=checkpoint_every, progress=progress, report=report,
-                       world_size=ranks.world_size if ranks else 1)
+                       world_size=ranks.world_size if ranks else 1, keep_checkpoints=keep_checkpoints)
     return _Run(*prepared, ranks).go()
 
 
 def prepare(workload: Workload | str, *, plan, budget, steps, out, data, resume, overwrite, seed, batch_size, seq_len,
-            device, workers, checkpoint_every, progress, report, world_size: int = 1
-            ) -> tuple[Target, Budget | None, ByteCorpus | None, RunOptions]:
+            device, workers, checkpoint_every, progress, report, world_size: int = 1,
+            keep_checkpoints: int = DEFAULT_KEEP) -> tuple[Target, Budget | None, ByteCorpus | None, RunOptions]:
     """Everything a run is checked and planned with before it starts (in each rank, and in the
     command that launches them): its target (the plan sharded over ``world_size`` ranks), the
     budget, the text and the options."""
     wl = load_workload(workload, seq_len=seq_len)
-    dev = _training_device(device)
+    dev = setup.training_device(device)
     if steps < 1:
         raise UserError(f"--steps must be >= 1, got {steps}")
-    out_dir = _out_dir(out)
+    if keep_checkpoints < 1:
+        raise UserError(f"--keep-checkpoints must be >= 1 (the newest checkpoints kept), got {keep_checkpoints}")
+    out_dir = setup.out_dir(out)
     if checkpoint.exists(out_dir) and not resume and not overwrite:
         raise UserError(f"--out {str(out_dir)!r} already holds a run's checkpoint; add --resume to continue it, "
                         "--overwrite to start over, or choose another --out folder")
-    corpus = _corpus(wl, data)
+    corpus = setup.corpus(wl, data)
     target = Target.resolve(wl, None, batch_size, dev)
-    target, budget_obj = _choose_plan(target, plan, budget, world_size=world_size)
+    target, budget_obj = setup.choose_plan(target, plan, budget, world_size=world_size)
     options = RunOptions(steps=steps, out_dir=out_dir, resume=resume, seed=seed, workers=workers,
-                         checkpoint_every=checkpoint_every, progress=progress, report=report)
+                         checkpoint_every=checkpoint_every, progress=progress, report=report,
+                         keep_checkpoints=keep_checkpoints)
     return target, budget_obj, corpus, options
 
 
@@ -152,16 +163,26 @@ class _Run:
         self.grouped = False
         """Whether this rank is in its process group now (fake traces cannot run then)."""
         self.state = None
+        self.resume_note = None
         if options.resume:
             self.state = checkpoint.read(options.out_dir)
+            self.resume_note = checkpoint.skipped_note(self.state)
             checkpoint.check(self.state, workload=target.workload.name, requested_plan=self.requested,
                              batch_size=target.batch_size)
             target = target.with_plan(checkpoint.resumed_plan(self.state, self.requested))
         self.target, self.budget, self.corpus, self.options = target, budget, corpus, options
         if self.main:
             checkpoint.remove_stale_temporaries(options.out_dir)
+        self.saver = Saver(options.out_dir, keep=options.keep_checkpoints, workload=target.workload.name,
+                           requested=self.requested, ranks=ranks, resumed=self.state)
+        self.stop: preemption.Stop | None = None
+        """Set by SIGTERM / SIGUSR1 while the loop runs."""
+        self.secrets = tokens()
+        """The Hugging Face tokens nothing written may hold (memfit.secrets)."""
+        self.stopping = False
+        """Whether this rank (every rank: they agree after each step) ends the run after this step."""
         self.result = TrainResult(steps=options.steps, out_dir=str(options.out_dir),
-                                  predicted_peak_bytes=_predicted_peak(target), plan=self.requested.to_dict(),
+                                  predicted_peak_bytes=setup.predicted_peak(target), plan=self.requested.to_dict(),
                                   budget_bytes=budget.bytes if budget else None,
                                   world_size=ranks.world_size if ranks else 1)
         torch.manual_seed(options.seed)
@@ -186,6 +207,13 @@ class _Run:
         return self.budget is not None and self.result.predicted_peak_bytes > self.budget.bytes
 
     def go(self) -> TrainResult:
+        try:
+            with preemption.catching() as self.stop:
+                return self._go()
+        finally:
+            self.stop = None
+
+    def _go(self) -> TrainResult:
         result, options = self.result, self.options
         try:
             if self.ranks is None:
@@ -200,11 +228,12 @@ class _Run:
                     finally:
                         self.grouped = False
         except OutOfAdaptations as e:
-            raise _out_of_adaptations(e, self.target, self.budget) from None
+            raise setup.out_of_adaptations(e, self.target, self.budget) from None
         if measured_plan != self.target.plan:  # adapted before the measured step: compare with its own prediction
-            result.predicted_peak_bytes = _predicted_peak(self.target.with_plan(measured_plan))
+            result.predicted_peak_bytes = setup.predicted_peak(self.target.with_plan(measured_plan))
         result.adapted_plan = self.step.plan.to_dict()
-        if options.report and self.main:
+        result.last_checkpoint = str(self.saver.kept[-1]) if self.saver.kept else None
+        if options.report and self.main and result.stopped_by is None:  # (stopping: no time for a report)
             result.report = final_report(self.step, options.out_dir, result)
         return result
 
@@ -234,7 +263,9 @@ class _Run:
             if self._expects_oom and self.guard is not None:
                 bar.note(f"note: the plan's predicted peak {fmt_bytes(result.predicted_peak_bytes)} is over the "
                          f"budget {fmt_bytes(self.budget.bytes)}; expect adaptations")
-            last_saved = start
+            result.last_step = start
+            if self.resume_note:
+                bar.note(self.resume_note)
             batches = self._batches(first_sample=samples_seen, count=options.steps - start)
             for i in range(start, options.steps):
                 index = i + 1
@@ -244,20 +275,24 @@ class _Run:
                     loss, seconds, measured = self._step(batch, index, bar)
                 except KeyboardInterrupt:
                     if self.ranks is not None:  # (the other ranks may be inside a collective)
-                        bar.note(f"interrupted; the checkpoint of step {last_saved} is current: --resume continues")
+                        bar.note(f"interrupted; the checkpoint of step {self.saver.last_saved} is current: --resume "
+                                 "continues")
                         raise
-                    _save_on_interrupt(options.out_dir, self.step, i, last_saved, samples_seen, rng_at_start,
-                                       self.target.workload.name, self.requested, bar)
+                    self.saver.on_interrupt(self.step, done=i, samples_seen=samples_seen, rng=rng_at_start,
+                                            note=bar.note)
                     raise
                 samples_seen += self.target.batch_size
                 if measured:
                     measured_plan = self.step.plan
                 self._record(metrics, bar, index, loss, seconds, measured)
-                if (options.checkpoint_every and index % options.checkpoint_every == 0) or index == options.steps:
-                    checkpoint.save(options.out_dir, self.step, step_index=index, samples_seen=samples_seen,
-                                    workload=self.target.workload.name, requested_plan=self.requested,
-                                    ranks=self.ranks)
-                    last_saved = index
+                result.last_step = index
+                if (options.checkpoint_every and index % options.checkpoint_every == 0) or index == options.steps \
+                        or self.stopping:
+                    self.saver.save(self.step, index=index, samples_seen=samples_seen)
+                if self.stopping:
+                    result.stopped_by = (self.stop.signal if self.stop is not None else None) or "a signal to a rank"
+                    bar.note(f"{result.stopped_by}: stopped after step {index}; saved its checkpoint")
+                    break
         return measured_plan
 
     def _step(self, batch, index: int, bar: Progress) -> tuple[float, float, bool]:
@@ -283,8 +318,11 @@ class _Run:
         with self.window.step(index) if measuring else contextlib.nullcontext():
             loss, self.step = run_adapting(self.step, batch, adapted, self.fits, rebuild_step=self._rebuild,
                                            decide=self.ranks.decide if self.ranks else None)
-        if self.ranks is not None:
-            loss = self.ranks.mean(loss)  # (equal shares: the global batch's loss)
+        asked = self.stop is not None and self.stop.requested
+        if self.ranks is not None:  # (equal shares: the global batch's loss); every rank stops if one was asked
+            loss, self.stopping = self.ranks.mean_and_any(loss, asked)
+        else:
+            self.stopping = asked
         seconds = time.perf_counter() - t0
         measuring = measuring and len(result.adaptations) == adaptations_before
         if measuring:
@@ -320,7 +358,8 @@ class _Run:
         if measured and result.measured_peak_bytes_per_rank:
             record["peak_bytes_per_rank"] = result.measured_peak_bytes_per_rank
         if metrics is not None:
-            metrics.write(json.dumps(record) + "\n")
+            line = json.dumps(record)
+            metrics.write((redact(line, self.secrets) if self.secrets else line) + "\n")
             metrics.flush()
         bar.update(index, loss=loss, rate=rate, unit=unit, peak_bytes=peak)
 
@@ -342,94 +381,3 @@ class _Run:
             if on_gpu:
                 batch = {k: v.to("cuda", non_blocking=True) for k, v in batch.items()}
             yield batch
-
-
-# -- pieces of the loop -------------------------------------------------------------------------
-
-def _training_device(name: str) -> Device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name not in ("cpu", "cuda"):
-        raise UserError(f"--device {name!r}: training runs on this machine; choose auto, cpu or cuda "
-                        "(GPU presets are for estimate and plan)")
-    return get_device(name)
-
-
-def _corpus(wl: Workload, data: str | None):
-    """The text a language model trains on (``--data``, or Python's own sources); None for others."""
-    info = wl.info
-    if info.text_lm and (info.vocab_size or 256) < 256:  # the corpus's token ids are bytes
-        raise UserError(f"{wl.name}: vocab_size={info.vocab_size} is below 256, and training text is "
-                        f"tokenized as bytes (ids 0-255); override {wl.name}:vocab_size=256 or more")
-    if data is not None and not info.text_lm:
-        raise UserError(f"--data applies to the built-in language models (gpt2, llama); {wl.name} makes its own "
-                        "batches")
-    return ByteCorpus(data) if info.text_lm else None
-
-
-def _choose_plan(target: Target, plan: Plan | str | None, budget: str | int | None,
-                 world_size: int = 1) -> tuple[Target, Budget | None]:
-    """The plan to train with (given, or the planner's for the budget, per rank at ``world_size``
-    ranks) and the budget enforced."""
-    if isinstance(plan, str):
-        plan = Plan.load(plan)
-    budget_obj = Budget.resolve(budget, target.device) if budget is not None else None
-    if plan is None and budget is not None:
-        found = make_plan(target.workload, budget=budget, batch_size=target.batch_size, device=target.device,
-                          fixed={"world_size": world_size} if world_size > 1 else None)
-        if found.chosen is None:
-            smallest = found.smallest
-            hint = (f"; the smallest footprint found is {fmt_bytes(smallest.used_bytes)} with "
-                    f"{smallest.plan.describe()}: give a budget of at least that, or a smaller --batch-size"
-                    if smallest is not None else "; give a larger budget or a smaller --batch-size")
-            raise UserError(f"no plan fits the budget of {fmt_bytes(budget_obj.bytes)}{hint}")
-        plan = found.chosen.plan
-    plan = on_ranks(plan or Plan(), world_size)
-    return target.with_plan(plan), budget_obj  # (with_plan refuses a batch the ranks cannot split)
-
-
-def _predicted_peak(target: Target) -> int:
-    """What the run's measurement sees: on a CPU the whole process heap, on a GPU allocated bytes."""
-    with silenced_warnings():
-        return estimate_target(target).measurable_peak_bytes
-
-
-def _save_on_interrupt(out_dir: Path, step: TrainStep, done: int, last_saved: int, samples_seen: int, rng: dict,
-                       workload: str, requested: Plan, bar: Progress) -> None:
-    """Ctrl-C: keep the steps done. If nothing of the interrupted step was applied yet (no optimizer
-    update, no EMA or scaler update), save the checkpoint of the last completed step, with the RNG
-    as it was when the interrupted step began, so ``--resume`` continues exactly."""
-    untouched = step.phase in ("idle", "zero_grad", "forward") or (
-        step.phase == "backward" and not step.updates_in_backward)
-    if done <= last_saved:
-        bar.note(f"interrupted in step {done + 1}; the checkpoint of step {last_saved} is current: --resume continues")
-    elif untouched:
-        checkpoint.save(out_dir, step, step_index=done, samples_seen=samples_seen, workload=workload,
-                        requested_plan=requested, rng=rng)
-        bar.note(f"interrupted in step {done + 1} ({step.phase}); saved the checkpoint of step {done}: --resume "
-                 "continues exactly")
-    else:
-        bar.note(f"interrupted inside step {done + 1}'s parameter update; the checkpoint of step {last_saved} stays: "
-                 "--resume continues from it")
-
-
-def _out_of_adaptations(e: OutOfAdaptations, target: Target, budget: Budget | None) -> UserError:
-    """The run cannot go on: say what the most frugal plan it reached needs, and what to do."""
-    with silenced_warnings():
-        need = estimate_target(target.with_plan(e.plan)).peak_bytes
-    limit = f"the budget of {fmt_bytes(budget.bytes)}" if budget else f"the {target.device.name}'s memory"
-    return UserError(f"out of memory with every adaptation applied ({e.plan.describe()}): the step needs "
-                     f"{fmt_bytes(need)} (predicted) and {limit} is smaller; give at least that, a smaller "
-                     "--batch-size, or let the planner search every technique (memfit plan WORKLOAD --budget ...)")
-
-
-def _out_dir(out: str | Path) -> Path:
-    path = Path(out)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".memfit-write-test-{os.getpid()}"  # (the ranks of a run check the same folder at once)
-        probe.write_text("")
-        probe.unlink(missing_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot write to --out {str(path)!r} ({e.strerror}); choose a writable folder") from None
-    return path

@@ -16,6 +16,7 @@ from memfit.errors import UserError
 from memfit.memory.estimate import estimate_target
 from memfit.plans import Plan
 from memfit.quiet import silenced_warnings
+from memfit.secrets import redact
 from memfit.target import Target
 from memfit.units import fmt_bytes
 
@@ -45,7 +46,7 @@ def technique_savings(target: Target, base_peak: int) -> list[dict]:
 
 def write_report(out_dir: Path, summary: dict) -> Path:
     path = out_dir / REPORT_JSON
-    path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    path.write_text(redact(json.dumps(summary, indent=2, default=str)) + "\n")
     return path
 
 
