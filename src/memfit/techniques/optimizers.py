@@ -12,6 +12,9 @@ Memory/compute trade-off, per parameter of N bytes in fp32:
 - ``sgd`` (:class:`SGDMomentum`) with momentum keeps one buffer (N).
 - ``adamw8bit-ao`` / ``adamw4bit-ao`` / ``adamwfp8-ao``: torchao's low-bit AdamW (8-bit, 4-bit and fp8
   moments: N/2, N/4, N/2), in :mod:`memfit.techniques.optimizers_torchao`. Need torchao (``memfit[ao]``).
+- ``adamw8bit-paged`` / ``adamw-paged``: bitsandbytes' paged AdamW (8-bit and fp32 moments) with its
+  large states in CUDA managed memory, outside PyTorch's allocator, in
+  :mod:`memfit.techniques.optimizers_paged`. Need bitsandbytes.
 Hyperparameters (lr, weight decay, betas, eps) are taken from the workload's optimizer, group by
 group: a workload that gives its biases and norms no weight decay keeps that (:func:`regroup`).
 """
@@ -36,15 +39,18 @@ from memfit.techniques.optimizer_variant import (
     hyperparameters,
     regroup,
 )
+from memfit.techniques.optimizers_paged import VARIANTS as PAGED_VARIANTS
 from memfit.techniques.optimizers_torchao import VARIANTS as TORCHAO_VARIANTS
 from memfit.techniques.optimizers_torchao import torchao_problem
 
-NAMES = ("adamw", "adamw8bit", "adafactor", "sgd", "adamw8bit-ao", "adamw4bit-ao", "adamwfp8-ao")
-ADAMW_CLASS = ("adamw", "adamw8bit", "adamw8bit-ao", "adamw4bit-ao", "adamwfp8-ao")
-"""``--optimizers adamw-class``: AdamW at any state precision (offloaded or not). The planner's
-default for GPU presets, but the torchao variants with adamw8bit's state bytes where bitsandbytes
-is there (NOTE [ Same states, a slower update ]). On the CPU, where the planner times real steps and
-torchao's updates compile with inductor first, the default is adamw and adamw8bit."""
+NAMES = ("adamw", "adamw8bit", "adafactor", "sgd", "adamw8bit-ao", "adamw4bit-ao", "adamwfp8-ao", "adamw8bit-paged",
+         "adamw-paged")
+ADAMW_CLASS = ("adamw", "adamw8bit", "adamw8bit-ao", "adamw4bit-ao", "adamwfp8-ao", "adamw8bit-paged", "adamw-paged")
+"""``--optimizers adamw-class``: AdamW at any state precision, its states offloaded, paged or not. The
+planner's default for GPU presets, but the torchao variants with adamw8bit's state bytes where
+bitsandbytes is there (NOTE [ Same states, a slower update ]). On the CPU, where the planner times
+real steps, torchao's updates compile with inductor first and nothing is paged, the default is adamw
+and adamw8bit."""
 CPU_DEFAULT = ("adamw", "adamw8bit")
 
 
@@ -240,16 +246,19 @@ def parse(values: dict) -> OptimizerVariant:
     name = choice("optimizer", values["optimizer"], NAMES)
     if name in TORCHAO_VARIANTS:
         return TORCHAO_VARIANTS[name]()
+    if name in PAGED_VARIANTS:
+        return PAGED_VARIANTS[name]()
     return {"adamw": WorkloadOptimizer(), "adamw8bit": AdamW8bit(), "adafactor": Adafactor(),
             "sgd": SGDMomentum()}[name]
 
 
 def search(ctx: SearchContext) -> list[str]:
     names = list(ctx.options.get("optimizers") or default_optimizers(ctx.device))
-    if "adamw8bit" in names and not bitsandbytes_available():  # predicted = what runs: never plan a fallback
-        names.remove("adamw8bit")
-        ctx.notes.append("adamw8bit left out: it needs bitsandbytes, which is not installed here "
-                         "(pip install bitsandbytes)")
+    needs_bnb = [n for n in names if n == "adamw8bit" or n in PAGED_VARIANTS]
+    if needs_bnb and not bitsandbytes_available():  # predicted = what runs: never plan a fallback
+        for name in needs_bnb:
+            names.remove(name)
+        ctx.notes.append(f"{', '.join(needs_bnb)} left out: bitsandbytes is not installed here (pip install bitsandbytes)")
         warnings.warn(f"plan: {ctx.notes[-1]}", stacklevel=2)
     for name in [n for n in names if n in TORCHAO_VARIANTS]:
         missing = torchao_problem(name)
@@ -289,7 +298,9 @@ def _leave_out_same_states_slower(names: list[str], ctx: SearchContext) -> None:
 
 TECHNIQUE = register(
     Technique("optimizer", (Key("optimizer", "adamw", "adamw | adamw8bit (bitsandbytes) | adafactor | sgd | "
-                                "adamw8bit-ao | adamw4bit-ao | adamwfp8-ao (torchao's 8-bit, 4-bit, fp8 states).",
+                                "adamw8bit-ao | adamw4bit-ao | adamwfp8-ao (torchao's 8-bit, 4-bit, fp8 states) | "
+                                "adamw8bit-paged | adamw-paged (bitsandbytes' paged states, in CUDA managed memory).",
                                 metavar="OPTIMIZER"),),
               parse, search=search),
-    OptimizerVariant, WorkloadOptimizer, SGDMomentum, Adafactor, AdamW8bit, *TORCHAO_VARIANTS.values())
+    OptimizerVariant, WorkloadOptimizer, SGDMomentum, Adafactor, AdamW8bit, *TORCHAO_VARIANTS.values(),
+    *PAGED_VARIANTS.values())
