@@ -86,6 +86,8 @@ def _run_tracked(target: Target, *, fake: bool, steps: int, outer: contextlib.Ab
                         loss = step.run(batch)
                         del loss
                     tracker.label([v for s in step.optimizer.state.values() for v in s.values()], "optimizer_states")
+                    # (an update may give a parameter new storage: galore-torch's 8-bit AdamW assigns ``p.data``)
+                    tracker.label(params, "parameters")
                     # (FSDP2 sets its sharded gradients itself: no accumulate-grad hook sees them)
                     tracker.label([p.grad for p in params if p.grad is not None], "gradients")
                 tracker.mark("end")

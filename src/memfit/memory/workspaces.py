@@ -42,6 +42,8 @@ CPU_PROBED_OPS = {
     aten.cumsum.default, aten.sort.default, aten.topk.default,
     # a mean/sum MSE returns a 0-dim view of its elementwise buffer, kept alive for backward
     aten.mse_loss.default,
+    # LAPACK's SVD (GaLore's projection): a column-major copy of the input and gesdd's work arrays
+    aten._linalg_svd.default,
 }
 MAX_PROBE_BYTES = 64 << 20
 """Largest inputs + outputs of a probed ATen kernel call: keeps probing fast and its memory small."""

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from memfit.errors import UserError
+from memfit.techniques import bnb_optim
 from memfit.techniques.optimizer_variant import OptimizerVariant, hyperparameters, regroup
 
 MANAGED_MIN_ELEMENTS = 100_000
@@ -73,8 +74,7 @@ class PagedVariant(OptimizerVariant):
                 "memory on a GPU, outside the caching allocator (predicted apart, as 'managed')"]
 
     def trace_context(self):
-        from memfit.techniques.optimizers import real_quantization_tables
-        return real_quantization_tables()
+        return bnb_optim.real_quantization_tables()
 
     def export(self, into) -> None:
         into.hf["optim"] = self.hf_name
@@ -117,8 +117,7 @@ def _refused_with(plan) -> str | None:
 
 
 def _bitsandbytes_ready() -> bool:
-    from memfit.techniques.optimizers import bitsandbytes_available
-    return bitsandbytes_available()
+    return bnb_optim.bitsandbytes_available()
 
 
 # NOTE [ Managed states ]
