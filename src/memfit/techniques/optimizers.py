@@ -70,7 +70,7 @@ class SGDMomentum(OptimizerVariant):
 
     name = "sgd"
     rank = 1
-    numerics = "SGD (not AdamW)"
+    numerics = "different optimizer: SGD with momentum"
 
     def factory(self, workload_factory, params):
         like = workload_factory(params)
@@ -84,7 +84,7 @@ class Adafactor(OptimizerVariant):
 
     name = "adafactor"
     rank = 2
-    numerics = "Adafactor (not AdamW)"
+    numerics = "different optimizer: Adafactor (factored second moments)"
 
     def factory(self, workload_factory, params):
         like = workload_factory(params)
