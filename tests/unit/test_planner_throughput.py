@@ -28,8 +28,8 @@ def test_text_workloads_show_tokens_per_second():
     result = _result(2048)
     assert result.throughput(result.chosen) == 2 * 2048 / 0.5
     out = _text(print_plan_result, result)
-    assert "8,192 tokens/s" in out and "tokens/s" in out.splitlines()[[i for i, l in enumerate(out.splitlines())
-                                                                        if "ms/step" in l and "plan" in l][0]]
+    header = next(line for line in out.splitlines() if "ms/step" in line and "plan" in line)
+    assert "8,192 tokens/s" in out and "tokens/s" in header
     assert "2,048" in out  # (the slower plan's 2 x 2048 / 2.0 s)
     ranked = result.to_json()["ranked"]
     assert [r["tokens_per_second"] for r in ranked] == [8192.0, 2048.0]
