@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helpers import accumulated_step
 from memfit.plans import Plan
 from memfit.step import build_step
 from memfit.workload import Workload
@@ -51,15 +52,7 @@ def _one_cycle(opt):
 
 
 def _reference_step(model, optimizer, scheduler, batch) -> torch.Tensor:
-    optimizer.zero_grad(set_to_none=True)
-    total = None
-    for micro in zip(*(t.chunk(ACCUM) for t in batch)):
-        loss = _loss(model, micro) / ACCUM
-        loss.backward()
-        total = loss.detach() if total is None else total + loss.detach()
-    optimizer.step()
-    scheduler.step()
-    return total
+    return accumulated_step(model, optimizer, scheduler, batch, _loss, ACCUM)
 
 
 REFERENCES = {
