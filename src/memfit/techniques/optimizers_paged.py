@@ -132,6 +132,13 @@ def _bitsandbytes_ready() -> bool:
 # then runs on plain tensors (no ``is_paged``: nothing to prefetch), the same kernels the non-paged
 # optimizer traces. On the ``cpu`` device bitsandbytes itself falls back to plain tensors (with a
 # warning memfit does not repeat): nothing is managed.
+#
+# NOTE [ Loaded states are paged again ]
+# bitsandbytes' ``load_state_dict`` casts every state to its parameter's device: a paged optimizer
+# resumed from a checkpoint (or rebuilt by OOM adaptation, which moves states through state dicts)
+# would hold its large states in the caching allocator from then on, a different memory than the one
+# predicted. memfit's subclass copies each loaded moment of a tensor it pages into a new managed
+# buffer (booked as managed, as at the first step).
 _CLASSES: dict[str, type] = {}
 
 
@@ -156,6 +163,16 @@ def paged_class(name: str) -> type:
             self.memfit_placement.mark_managed(buffer)
             return buffer
 
+        def load_state_dict(self, state_dict, *args, **kwargs):
+            base.load_state_dict(self, state_dict, *args, **kwargs)
+            if not self.memfit_gpu:
+                return
+            for p, state in self.state.items():  # NOTE [ Loaded states are paged again ]
+                for key in ("state1", "state2") if p.numel() >= MANAGED_MIN_ELEMENTS else ():
+                    value = state.get(key)
+                    if isinstance(value, torch.Tensor) and not getattr(value, "is_paged", False):
+                        state[key] = get_state_buffer(self, p, value.dtype).copy_(value.reshape(p.shape))
+
         _CLASSES[name] = type(name, (base,), {"__init__": __init__, "get_state_buffer": get_state_buffer,
-                                              "__module__": __name__})
+                                              "load_state_dict": load_state_dict, "__module__": __name__})
     return _CLASSES[name]

@@ -149,3 +149,38 @@ def test_planner_searches_the_paged_variants_on_gpu_presets_only():
     assert {"adamw8bit-paged", "adamw-paged"} <= set(search(SearchContext(model=None, device=get_device("rtx4090"),
                                                                           batch_size=1)))
     assert not {"adamw8bit-paged", "adamw-paged"} & set(default_optimizers(get_device("cpu")))
+
+
+def test_states_loaded_from_a_state_dict_are_paged_again():
+    """NOTE [ Loaded states are paged again ]: bitsandbytes' load_state_dict puts every state on its
+    parameter's device (the caching allocator); memfit's paged optimizer copies each large moment back
+    into a managed buffer, with the same values. (On CPU tensors, as a GPU preset's trace has them.)"""
+    from memfit.techniques.optimizers_paged import paged_class
+    from memfit.techniques.placement import HostPlacement
+
+    class Observer:
+        def __init__(self):
+            self.seen = []
+
+        def managed(self, t):
+            self.seen.append(t)
+
+    def build(observer):
+        placement = HostPlacement()
+        placement.observer = observer
+        return paged_class("PagedAdamW8bit")(params, gpu=True, placement=placement, lr=1e-3, betas=(0.9, 0.999),
+                                             eps=1e-8, weight_decay=0.0)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(400, 300)), torch.nn.Parameter(torch.randn(10))]
+    first, second = Observer(), Observer()
+    opt = build(first)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert len(first.seen) == 2  # (the large tensor's two moments; the small one stays with PyTorch)
+    saved = {k: v.clone() for k, v in opt.state[params[0]].items() if torch.is_tensor(v)}
+    again = build(second)
+    again.load_state_dict(opt.state_dict())
+    state = again.state[params[0]]
+    assert [id(t) for t in second.seen] == [id(state["state1"]), id(state["state2"])]
+    assert all(torch.equal(state[k], v) for k, v in saved.items())
