@@ -93,15 +93,15 @@ class LowRankVariant(OptimizerVariant):
         if not params:
             return
         like = parts.optimizer_factory(params)
-        projected = projected_parameters(parts.model)
-        seeds = {p: i + 1 for i, p in enumerate(params)}  # (APOLLO's seed per parameter, as for the whole model)
+        projected = {id(p) for p in projected_parameters(parts.model)}
+        seeds = {id(p): i + 1 for i, p in enumerate(params)}  # (APOLLO's seed per parameter, as for the whole model)
         options = self.group_options()
         cls = self.optimizer_class()
         defaults = hyperparameters(like.defaults)
 
         def build(ps):
-            plain = regroup([p for p in ps if p not in projected], like, hyperparameters)
-            low = regroup([p for p in ps if p in projected], like, lambda g: {**hyperparameters(g), **options})
+            plain = regroup([p for p in ps if id(p) not in projected], like, hyperparameters)
+            low = regroup([p for p in ps if id(p) in projected], like, lambda g: {**hyperparameters(g), **options})
             return cls([g for g in plain + low if g["params"]], seeds=seeds, **defaults)
         parts.optimizer_factory = build
 
@@ -207,14 +207,14 @@ def parse_lowrank(text: str) -> LowRankVariant:
     return replace(cls(), **values)
 
 
-def projected_parameters(model: torch.nn.Module) -> set:
+def projected_parameters(model: torch.nn.Module) -> list:
     """The weights GaLore and APOLLO project: ``nn.Linear`` weights inside the repeated blocks, or
     every ``nn.Linear`` weight of a model without them."""
     from memfit.techniques.checkpointing import find_blocks
     blocks = find_blocks(model)
     roots = [b for _, children in blocks for b in children] or [model]
-    return {m.weight for root in roots for m in root.modules()
-            if isinstance(m, torch.nn.Linear) and m.weight.requires_grad}
+    return [m.weight for root in roots for m in root.modules()
+            if isinstance(m, torch.nn.Linear) and m.weight.requires_grad]
 
 
 # NOTE [ The projection step is the step traced ]
@@ -307,7 +307,7 @@ def apollo_class() -> type:
             for group in self.param_groups:
                 for p in group["params"]:
                     if p.requires_grad:
-                        self.state[p]["seed"] = seeds.get(p, self.state[p]["seed"])
+                        self.state[p]["seed"] = seeds.get(id(p), self.state[p]["seed"])
 
         def _initialize_projector(self, group, state):
             return projector(group["rank"], update_proj_gap=group["update_proj_gap"], scale=group["scale"],
