@@ -77,7 +77,7 @@ at the same lr: 0.21."""
 
 @pytest.mark.parametrize("name", [
     "galore:rank=32",
-    pytest.param("apollo-mini", marks=pytest.mark.slow),  # (50 s here: APOLLO's per-step norms on this CPU)
+    pytest.param("apollo-mini", marks=pytest.mark.slow),  # (50 s on this shared 2-core machine)
     pytest.param("galore8bit:rank=32", marks=pytest.mark.slow),
     pytest.param("apollo:rank=32", marks=pytest.mark.slow),
 ])
