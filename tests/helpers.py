@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -60,3 +62,23 @@ class OpShapes(TorchDispatchMode):
         if isinstance(out, torch.Tensor):
             self.seen.append((func.overloadpacket.__name__, tuple(out.shape)))
         return out
+
+
+def accumulated_step(model, optimizer, scheduler, batch, loss_fn, accum: int) -> torch.Tensor:
+    """A plain loop's step (the twin tests' reference): zero, loss / ``accum`` per micro-batch,
+    backward (gradients accumulate), step, schedule. Returns the batch's loss."""
+    optimizer.zero_grad(set_to_none=True)
+    total = None
+    for micro in zip(*(t.chunk(accum) for t in batch)):
+        loss = loss_fn(model, micro) / accum
+        loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    optimizer.step()
+    scheduler.step()
+    return total
+
+
+def cosine_with_warmup(steps: int):
+    """LambdaLR factor: linear warmup over a tenth of ``steps``, then a cosine to 0."""
+    warmup = max(1, steps // 10)
+    return lambda s: (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * (s - warmup) / (steps - warmup)))

@@ -2,7 +2,8 @@
 
 A TrainStep announces its phases (``zero_grad``, ``forward``, ``backward``, ``optimizer``) through
 ``observer.phase(name)``, and techniques that copy tensors to host memory report the copies
-through ``observer.host(tensors)``. memfit's memory tracker and the CPU budget guard are
+through ``observer.host(tensors)``; a paged optimizer reports the states it keeps in CUDA managed
+memory through ``observer.managed(tensors)``. memfit's memory tracker and the CPU budget guard are
 observers; by default nobody watches (:class:`NullObserver`).
 """
 
@@ -23,3 +24,7 @@ class NullObserver:
 
     def host(self, tensors) -> None:
         pass
+
+    def managed(self, tensors) -> None:
+        """These tensors are CUDA managed (unified) memory, outside PyTorch's caching allocator
+        (memfit.techniques.optimizers_paged)."""

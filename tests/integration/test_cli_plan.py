@@ -78,7 +78,7 @@ def test_gpu_preset_plan_shows_compile_time(capsys):
     assert chosen["plan"]["compile"] == "blocks" and chosen["compile_seconds"] > 0
     assert main(argv) == 0
     table = capsys.readouterr().out.split("alternatives, fastest first")[1].splitlines()
-    assert table[1].split()[:4] == ["plan", "memory", "ms/step", "compile"] and "compile=blocks" in table[2]
+    assert table[1].split()[:5] == ["plan", "memory", "ms/step", "tokens/s", "compile"] and "compile=blocks" in table[2]
     assert main([*argv, "--steps", "1000"]) == 0
     out = capsys.readouterr().out
     assert "over a run of 1000 steps, compile time included" in out

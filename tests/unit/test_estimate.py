@@ -135,9 +135,10 @@ def test_planner_leaves_out_adamw8bit_without_bitsandbytes_and_says_why(monkeypa
                                  loss=lambda m, b: m(b).sum()))
     assert "adamw8bit" in default_space(facts, get_device("h100-80gb"), 8).values["optimizer"]
     monkeypatch.setattr(optimizers, "bitsandbytes_available", lambda: False)
-    with pytest.warns(UserWarning, match="adamw8bit left out.*bitsandbytes"):
+    with pytest.warns(UserWarning, match="adamw8bit, adamw8bit-paged, adamw-paged left out.*bitsandbytes"):
         space = default_space(facts, get_device("h100-80gb"), 8)
-    assert space.values["optimizer"] == [o for o in optimizers.ADAMW_CLASS if o != "adamw8bit"]
+    assert space.values["optimizer"] == [o for o in optimizers.ADAMW_CLASS
+                                         if o not in ("adamw8bit", "adamw8bit-paged", "adamw-paged")]
     assert "pip install bitsandbytes" in space.notes[0]
 
 

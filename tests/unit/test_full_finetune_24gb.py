@@ -33,7 +33,8 @@ def test_the_planner_finds_an_adamw_plan_for_7b_on_24_gb():
     result = plan("llama", device="rtx4090", batch_size=1, seq_len=2048)
     assert result.chosen is not None
     chosen = result.chosen.plan
-    assert chosen.optimizer in ("adamw", "adamw8bit", "adamw8bit-ao", "adamw4bit-ao", "adamwfp8-ao") \
+    assert chosen.optimizer in ("adamw", "adamw8bit", "adamw8bit-ao", "adamw4bit-ao", "adamwfp8-ao", "adamw8bit-paged",
+                                "adamw-paged") \
         and chosen.precision == "bf16-pure"
     # NOTE [ Low-bit states on the host ]: never a compiled low-bit update on the host
     assert not (chosen.config("optimizer").slow_host_update and chosen.config("offload").states == "optimizer_states")

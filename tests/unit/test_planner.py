@@ -153,7 +153,8 @@ def test_offloaded_states_take_the_optimizer_out_of_the_memory_order():
 
 def test_the_default_optimizer_search_is_the_adamw_class_on_gpus(monkeypatch):
     """GPU presets: AdamW at every state precision (8-bit bitsandbytes, torchao 4-bit; torchao's 8-bit
-    and fp8 only without bitsandbytes or when named: NOTE [ Same states, a slower update ]); the
+    and fp8 only without bitsandbytes or when named: NOTE [ Same states, a slower update ]), and
+    bitsandbytes' paged AdamW (8-bit and fp32: torchtune's recipe is in the default search); the
     CPU (real steps, torchao compiles its update first): adamw and adamw8bit. A torchao that cannot
     run here is left out with a note, never planned."""
     from memfit.devices import get_device
@@ -162,7 +163,7 @@ def test_the_default_optimizer_search_is_the_adamw_class_on_gpus(monkeypatch):
 
     gpu, cpu = get_device("rtx4090"), get_device("cpu")
     ctx = SearchContext(model=None, device=gpu, batch_size=1)
-    assert optimizers.search(ctx) == ["adamw", "adamw8bit", "adamw4bit-ao"]
+    assert optimizers.search(ctx) == ["adamw", "adamw8bit", "adamw4bit-ao", "adamw8bit-paged", "adamw-paged"]
     assert ctx.notes == ["adamw8bit-ao, adamwfp8-ao left out: the same state bytes as adamw8bit (bitsandbytes) and a "
                          "slower update (a compiled call per parameter; measured on an H100); name them with "
                          "--optimizers to search them"]
@@ -170,11 +171,11 @@ def test_the_default_optimizer_search_is_the_adamw_class_on_gpus(monkeypatch):
     assert optimizers.search(named) == list(optimizers.ADAMW_CLASS) and not named.notes
     assert optimizers.search(SearchContext(model=None, device=cpu, batch_size=1)) == ["adamw", "adamw8bit"]
     monkeypatch.setattr(optimizers, "bitsandbytes_available", lambda: False)
-    with pytest.warns(UserWarning, match="adamw8bit left out"):
+    with pytest.warns(UserWarning, match="adamw8bit, adamw8bit-paged, adamw-paged left out"):
         assert optimizers.search(SearchContext(model=None, device=gpu, batch_size=1)) == \
             ["adamw", "adamw8bit-ao", "adamw4bit-ao", "adamwfp8-ao"]  # (without bitsandbytes: torchao's are the 8-bit ones)
     monkeypatch.setattr(optimizers, "torchao_problem", lambda name: f"optimizer {name} needs torchao")
-    with pytest.warns(UserWarning, match="adamw8bit left out"):
+    with pytest.warns(UserWarning, match="adamw8bit, adamw8bit-paged, adamw-paged left out"):
         ctx = SearchContext(model=None, device=gpu, batch_size=1)
         assert optimizers.search(ctx) == ["adamw"]
     assert ctx.notes[1:] == [f"{n} left out: optimizer {n} needs torchao" for n in ("adamw8bit-ao", "adamw4bit-ao",

@@ -22,7 +22,8 @@ from memfit.devices import get_device
 from memfit.integrations.export import HF_CALLBACK, HF_TRAINER, LIGHTNING_CALLBACK, to_hf, to_lightning
 from memfit.plans import Plan
 
-HF_OPTIM = {"adamw": "adamw_torch", "adamw8bit": "adamw_bnb_8bit", "adafactor": "adafactor", "sgd": "sgd"}
+HF_OPTIM = {"adamw": "adamw_torch", "adamw8bit": "adamw_bnb_8bit", "adafactor": "adafactor", "sgd": "sgd",
+            "adamw8bit-paged": "paged_adamw_8bit", "adamw-paged": "paged_adamw_32bit"}
 LIGHTNING_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed", "bf16-pure": "bf16-true"}
 
 # (id, plan, global batch, device, plan keys TrainingArguments cannot carry, ... Lightning's Trainer cannot)
@@ -43,6 +44,8 @@ PLANS = [
     ("adafactor", Plan(optimizer="adafactor"), 8, "cpu", set(), {"optimizer"}),
     ("adamw8bit bf16", Plan(optimizer="adamw8bit", precision="bf16"), 8, "h100-80gb", set(), {"optimizer"}),
     ("sgd clipped", Plan(optimizer="sgd", max_grad_norm=0.5), 8, "cpu", set(), {"optimizer"}),
+    ("paged 8-bit bf16", Plan(optimizer="adamw8bit-paged", precision="bf16"), 8, "h100-80gb", set(), {"optimizer"}),
+    ("paged fp32 states", Plan(optimizer="adamw-paged"), 8, "rtx4090", set(), {"optimizer"}),
     ("compile full", Plan(compile="full"), 8, "h100-80gb", set(), {"compile"}),
     ("compile blocks", Plan(compile="blocks", checkpointing="blocks"), 8, "h100-80gb", {"compile"},
      {"compile", "checkpointing"}),

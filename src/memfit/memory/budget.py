@@ -4,13 +4,15 @@ One definition, used by the planner (does a plan fit?), by every report (does th
 device?) and by training (which micro-batch will fit under the enforcement?):
 
 - **What a plan needs** (:meth:`Budget.used_bytes`): on a GPU, the caching allocator's *reserved*
-  bytes (its cudaMalloc'd segments, not only the allocated tensors) plus the CUDA context, which
-  lives outside PyTorch's allocator but inside the card; on a CPU device, device and host bytes
-  together: offloaded copies live in the same physical memory.
+  bytes (its cudaMalloc'd segments, not only the allocated tensors) plus the CUDA context and the
+  CUDA managed memory of a paged optimizer's states, which live outside PyTorch's allocator but
+  inside the card (memfit.memory.managed); on a CPU device, device and host bytes together:
+  offloaded copies live in the same physical memory.
 - **What the run's enforcement limits** (:meth:`Budget.enforced_bytes`): a budget memfit sets on a
-  GPU is the caching allocator's per-process limit, which caps reserved bytes (the context is not
-  in it); on a CPU the budget guard counts device bytes (host-placed copies excluded, as on a GPU);
-  with no budget set, a GPU's own capacity limits reserved bytes plus the context.
+  GPU is the caching allocator's per-process limit, which caps reserved bytes (neither the context
+  nor managed memory is in it: a card short for managed memory pages it out instead of raising); on
+  a CPU the budget guard counts device bytes (host-placed copies excluded, as on a GPU); with no
+  budget set, a GPU's own capacity limits reserved bytes plus the context.
 
 The planner plans by the first (conservative: it includes what enforcement does not see);
 adaptation predicts by the second (what decides whether the retried step raises).
@@ -52,7 +54,7 @@ class Budget:
     def used_bytes(self, report) -> int:
         """What the step needs of the budget (see the module's docstring)."""
         if self.device.is_gpu:
-            return _reserved(report) + (report.cuda_context_bytes or 0)
+            return _reserved(report) + (report.cuda_context_bytes or 0) + getattr(report, "managed_bytes", 0)
         return report.process_peak_bytes or report.peak_bytes
 
     def fits(self, report) -> bool:

@@ -14,6 +14,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from torch.utils._pytree import tree_leaves
+
 from memfit.devices import Device
 from memfit.errors import TraceError, is_trace_error, trace_error_op
 from memfit.memory.adapters import fsdp_buffers, real_code_paths, rng_states_seen
@@ -92,7 +95,9 @@ def _run_tracked(target: Target, *, fake: bool, steps: int, outer: contextlib.Ab
                     with (around_step(i) if around_step else contextlib.nullcontext()):
                         loss = step.run(batch)
                         del loss
-                    tracker.label([v for s in step.optimizer.state.values() for v in s.values()], "optimizer_states")
+                    tracker.label(optimizer_state_tensors(step.optimizer), "optimizer_states")
+                    # (an update may give a parameter new storage: galore-torch's 8-bit AdamW assigns ``p.data``)
+                    tracker.label(params, "parameters")
                     # (FSDP2 sets its sharded gradients itself: no accumulate-grad hook sees them)
                     tracker.label([p.grad for p in params if p.grad is not None], "gradients")
                 tracker.mark("end")
@@ -105,6 +110,18 @@ def _run_tracked(target: Target, *, fake: bool, steps: int, outer: contextlib.Ab
         for h in hooks:
             h.remove()
     return TrackedRun(tracker=tracker, step=step, seconds=time.perf_counter() - t0, kernels=kernels, routing=routed)
+
+
+def optimizer_state_tensors(optimizer) -> list:
+    """The tensors an optimizer's state holds: its values, and the tensors an object among them holds
+    (GaLore's and APOLLO's projectors keep their projection matrix as an attribute)."""
+    out = []
+    for state in optimizer.state.values():
+        for value in state.values():
+            out.append(value)
+            if not isinstance(value, (torch.Tensor, int, float, str, bool)) and hasattr(value, "__dict__"):
+                out.extend(tree_leaves(vars(value)))
+    return out
 
 
 def _enter_trace_contexts(stack: contextlib.ExitStack, target: Target) -> None:

@@ -55,6 +55,10 @@ class BudgetGuard(TorchDispatchMode):
         """These tensors live in host memory: stop counting them (and never count them again)."""
         self._storages.host(tensors)
 
+    def managed(self, tensors) -> None:
+        """CUDA managed memory (a paged optimizer's states) is not the allocator's: not counted either."""
+        self._storages.host(tensors)
+
     @property
     def storages(self) -> LiveStorages:
         """The storages counted (memfit.memory.adapters.fsdp_resizes shows it FSDP2's resizes)."""

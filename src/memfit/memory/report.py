@@ -21,7 +21,8 @@ from memfit.memory.budget import Budget
 from memfit.memory.categories import CATEGORIES, STEADY_STEP
 from memfit.memory.expandable import new_model
 from memfit.memory.leaks import find_leaks
-from memfit.memory.tracker import MemoryTracker
+from memfit.memory.managed import managed_notes
+from memfit.memory.tracker import MANAGED, MemoryTracker
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,10 @@ class MemoryReport:
     worst_routing_peak_bytes: int | None = None
     """A mixture of experts whose routing changes tensor sizes: the peak under the worst routing
     (NOTE [ Routing on fake tensors ]); ``peak_bytes`` is the balanced routing's."""
+    managed_bytes: int = 0
+    """GPU: CUDA managed (unified) memory at the peak: a paged optimizer's states (memfit.memory.managed).
+    Outside the caching allocator: in neither ``peak_bytes`` nor ``reserved_bytes``, counted against
+    the card by :class:`~memfit.memory.budget.Budget`."""
 
     @property
     def measurable_peak_bytes(self) -> int:
@@ -264,8 +269,10 @@ def report_for(tracker: MemoryTracker, target, method: str, *, measurement: Meas
     peak, reserved, workspace = view.peak_bytes, None, None
     load_peak, load_reserved, load_notes = _load_figures(tracker, target, where, gpu)
     approximations = [*notes, *view.approximations, *load_notes]
+    managed = 0
     if gpu:
         window = step_window(tracker, STEADY_STEP)
+        managed = peak_of(tracker, MANAGED, window)[0]
         model = new_model(expandable=target.plan.config("allocator").expands)
         peak, reserved, _ = allocator.replay(tracker, where, window, getattr(tracker, "side_streams", None),
                                              model=model)
@@ -295,6 +302,8 @@ def report_for(tracker: MemoryTracker, target, method: str, *, measurement: Meas
     if measurement is not None:
         peak = measurement.peak_bytes
         reserved = measurement.reserved_bytes if measurement.reserved_bytes is not None else reserved
+    if managed:
+        approximations[:0] = managed_notes(reserved, dev.context_bytes, managed, dev)
     report = dict(
         workload=target.workload.name, device=dev.name, batch_size=target.batch_size, plan=target.plan.to_dict(),
         method=method, peak_bytes=peak, breakdown=breakdown, peak_phase=view.peak_phase, precision=target.precision,
@@ -303,7 +312,7 @@ def report_for(tracker: MemoryTracker, target, method: str, *, measurement: Meas
         device_total_bytes=dev.total_bytes if gpu else None, cuda_context_bytes=dev.context_bytes if gpu else None,
         cuda_workspace_bytes=workspace, timeline=view.timeline, approximations=approximations, leaks=view.leaks,
         trace_seconds=trace_seconds, load_peak_bytes=load_peak, load_reserved_bytes=load_reserved,
-        facts=list(facts), worst_routing_peak_bytes=worst_routing_peak_bytes)
+        facts=list(facts), worst_routing_peak_bytes=worst_routing_peak_bytes, managed_bytes=managed)
     fits = Budget.of_device(dev).fits(SimpleNamespace(**report)) if gpu else None
     return MemoryReport(**report, fits=fits)
 

@@ -22,6 +22,8 @@ from memfit.memory.categories import CATEGORIES
 from memfit.memory.storages import LiveStorages
 
 aten = torch.ops.aten
+MANAGED = "managed"
+"""The tracker's device of CUDA managed (unified) memory: a paged optimizer's states."""
 
 
 # NOTE [ What a storage tracker cannot see ]
@@ -137,6 +139,16 @@ class MemoryTracker(TorchDispatchMode):
     def host(self, tensors) -> None:
         """These tensors live in host memory (see memfit.techniques.placement)."""
         self.storages.host(tensors)
+
+    def managed(self, tensors) -> None:
+        """These tensors are CUDA managed memory, outside the caching allocator: booked on the device
+        ``managed`` (NOTE [ Managed states ] in memfit.techniques.optimizers_paged). A real managed
+        buffer comes from no ATen op (``torch.frombuffer``), so it is booked here if it is new."""
+        for t in tree_leaves(tensors):
+            if isinstance(t, torch.Tensor):
+                self.storages.see(t)
+                for serial in self.storages.tokens(t):
+                    self.state.records[serial].device = MANAGED
 
     # NOTE [ Categories are decided late ]
     # A storage's category is often known only after it was allocated: a backward result becomes a

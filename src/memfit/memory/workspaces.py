@@ -45,6 +45,8 @@ CPU_PROBED_OPS = {
     aten.mse_loss.default,
     # a mixture of experts' grouped GEMM: one mm_out per expert, each packing its operands (bf16)
     aten._grouped_mm.default,
+    # LAPACK's SVD (GaLore's projection): a column-major copy of the input and gesdd's work arrays
+    aten._linalg_svd.default,
 }
 # NOTE [ Mixed dtypes on a CPU ]
 # A binary elementwise op over tensors of two dtypes (bf16 activations times fp32 weights) computes

@@ -85,10 +85,21 @@ class PlanResult:
     (memfit.planner.traces.TraceBook.spent): where the planning time went."""
     trainable: int | None = None
     """The parameters the plans train (None: not counted, with a search space of the caller's)."""
+    seq_len: int | None = None
+    """Tokens per sample of a text workload (None: throughput is counted in samples)."""
+
+    @property
+    def throughput_unit(self) -> str:
+        return "tokens/s" if self.seq_len else "samples/s"
+
+    def throughput(self, c: Candidate) -> float:
+        """Tokens (text workloads: batch x sequence length) or samples a second at ``c``'s step time."""
+        return self.batch_size * (self.seq_len or 1) / c.seconds if c.seconds > 0 else 0.0
 
     def to_json(self) -> dict:
         def row(c: Candidate) -> dict:
-            return {"plan": c.plan.to_dict(), "predicted_step_seconds": c.seconds,
+            rate = "tokens_per_second" if self.seq_len else "samples_per_second"
+            return {"plan": c.plan.to_dict(), "predicted_step_seconds": c.seconds, rate: self.throughput(c),
                     "steady_step_seconds": c.step_seconds if c.step_seconds is not None else c.seconds,
                     "compile_seconds": c.compile_seconds, "status": c.status.value,
                     "reason": c.reason, "used_bytes": c.used_bytes, "peak_bytes": c.peak_bytes,
@@ -258,6 +269,7 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
         chosen.choose(_why_chosen(chosen, ranked, bs))
     result = PlanResult(workload=wl.name, device=dev.name, batch_size=bs, budget_bytes=budget_bytes,
                         time_model=model.describe(), chosen=chosen, candidates=ranked, traces=walk.traces,
+                        seq_len=wl.info.seq_len,
                         run_steps=steps, notes=[*space.notes, *(f"{x} (left out)" for x in model.excluded), *walk.notes])
     if chosen is None:  # nothing fits (or the trace limit came first): the smallest footprint seen
         result.smallest = walk.smallest(ranked)

@@ -48,6 +48,9 @@ class Traced(NamedTuple):
     ops: list
     stream: Stream | None = None
     """Its allocations (shallow traces of eager plans: memfit.memory.deep_stream)."""
+    managed_bytes: int = 0
+    """CUDA managed memory (a paged optimizer's states): in ``used_bytes``, in neither the peak nor the
+    stream; per block, so extrapolated with the depth as the peak is."""
     seconds: float = 0.0
     """The trace's CPU seconds in the process that ran it (wall time depends on what else runs)."""
 
@@ -169,10 +172,11 @@ class TraceBook:
         (d, e), full = pair, self.depth
         ops = extrapolate_ops(a.ops, b.ops, d, e, full)
         peak = int(extrapolate(a.peak_bytes, b.peak_bytes, d, e, full))  # (PEAK_MARGIN below)
+        managed = int(extrapolate(a.managed_bytes, b.managed_bytes, d, e, full))
         n = plan.micro_batches(self.target.batch_size)[1]  # a graph is compiled once, run per micro-batch
         fwd_a, fwd_b = (sum(op.phase == FORWARD for op in t.ops) // n for t in (a, b))
         graph = GraphSize(forward_ops=int(extrapolate(fwd_a, fwd_b, d, e, full)), block_ops=max(1, (fwd_b - fwd_a) // (e - d)))
-        m = Measured(peak_bytes=peak, used_lower=int(peak * (1 - PEAK_MARGIN)) + b.context_bytes, graph=graph,
+        m = Measured(peak_bytes=peak, used_lower=int((peak + managed) * (1 - PEAK_MARGIN)) + b.context_bytes, graph=graph,
                      ops=ops, pair=None if ops is not None else (a.ops, b.ops, d, e, full))
         self.measured[plan] = m
         self._new.append(plan)
@@ -186,7 +190,7 @@ class TraceBook:
         (t,) = self._run([(plan, None, None)])
         forward = sum(op.phase == FORWARD for op in t.ops) // plan.micro_batches(self.target.batch_size)[1]
         graph = GraphSize(forward_ops=forward, block_ops=m.graph.block_ops if m else forward // max(1, self.depth or 1))
-        m = Measured(peak_bytes=t.peak_bytes, used_lower=t.peak_bytes + t.context_bytes, used_bytes=t.used_bytes,
+        m = Measured(peak_bytes=t.peak_bytes, used_lower=t.peak_bytes + t.context_bytes + t.managed_bytes, used_bytes=t.used_bytes,
                      graph=graph, ops=t.ops, full=True)
         self.measured[plan] = m
         self._new.append(plan)
@@ -204,7 +208,9 @@ class TraceBook:
             if traced and traced[0].stream is not None and traced[1].stream is not None:
                 deep = deepen(traced[0].stream, traced[1].stream, *pair, self.depth)
             t0 = time.process_time()
-            self._deep[plan] = None if deep is None else replay(deep, STEADY_STEP, expandable=plan.config("allocator").expands)[1] + traced[1].context_bytes
+            managed = int(extrapolate(traced[0].managed_bytes, traced[1].managed_bytes, *pair, self.depth)) if traced else 0
+            self._deep[plan] = None if deep is None else (replay(deep, STEADY_STEP, expandable=plan.config("allocator").expands)[1]
+                                                          + traced[1].context_bytes + managed)
             self._spend("deep stream replay", time.process_time() - t0)
         return self._deep[plan]
 
@@ -215,12 +221,12 @@ class TraceBook:
         if pair:
             try:
                 a, b = self._run([(plan, d, batch) for d in pair])
-                peak = extrapolate(a.peak_bytes, b.peak_bytes, *pair, self.depth)
+                peak = extrapolate(a.peak_bytes + a.managed_bytes, b.peak_bytes + b.managed_bytes, *pair, self.depth)
                 return int(peak * (1 - PEAK_MARGIN)) + b.context_bytes
             except ShallowFailed:
                 pass
         (t,) = self._run([(plan, None, batch)])
-        return t.peak_bytes + t.context_bytes
+        return t.peak_bytes + t.context_bytes + t.managed_bytes
 
     def ops_of(self, plan: Plan) -> list:
         """The full-depth ops of a measured plan."""
@@ -296,7 +302,7 @@ class TraceBook:
 
     def _shallow_lower(self, t: Traced) -> int:
         """A lower bound of the full plan's need from one shallow trace (more blocks hold no less)."""
-        return int(t.peak_bytes * (1 - PEAK_MARGIN)) + t.context_bytes
+        return int((t.peak_bytes + t.managed_bytes) * (1 - PEAK_MARGIN)) + t.context_bytes
 
     def _skip_deeper(self, job: tuple, shallower) -> bool:
         return isinstance(shallower, Traced) and self._shallow_lower(shallower) > self.budget.bytes
@@ -373,7 +379,7 @@ class TraceBook:
             stream = from_tracker(tracker, traced_device(target.device, "fake", target.tensor_device),
                                   getattr(tracker, "side_streams", None), self._containers)
         return Traced(report.peak_bytes, report.cuda_context_bytes or 0, self.budget.used_bytes(report), ops, stream,
-                      time.process_time() - t0)
+                      managed_bytes=report.managed_bytes, seconds=time.process_time() - t0)
 
 
 def _kind(job: tuple) -> str:

@@ -26,7 +26,7 @@ def print_plan_result(result, console: Console | None = None, top: int = 12) -> 
         ch = result.chosen
         compiling = f" · compile {_compile_time(ch)}" if ch.compile_seconds else ""
         c.print(f"[green]chosen:[/] {escape(ch.plan.describe())} · predicted {fmt_bytes(ch.used_bytes)} · "
-                f"{ch.seconds * 1e3:.1f} ms/step{compiling}")
+                f"{ch.seconds * 1e3:.1f} ms/step · {_rate(result, ch)}{compiling}")
         if ch.plan.numerics:
             c.print(f"[yellow]changes numerics:[/] {escape(', '.join(ch.plan.numerics))} (the updates differ from "
                     "the workload's own fp32 step; see docs/numerics.md)")
@@ -39,19 +39,23 @@ def print_plan_result(result, console: Console | None = None, top: int = 12) -> 
     shown = [x for x in result.candidates if x.status in ("chosen", "too big")][:top]
     shown += [x for x in result.candidates if x.status == "slower"][:max(3, top - len(shown))]
     compiles = any(x.compile_seconds for x in shown)
-    for col, just in (("plan", "left"), ("memory", "right"), ("ms/step", "right")) + \
+    for col, just in (("plan", "left"), ("memory", "right"), ("ms/step", "right"), (result.throughput_unit, "right")) + \
             ((("compile", "right"),) if compiles else ()) + (("status", "left"),):
         t.add_column(col, justify=just)
     for x in shown:
         mem = fmt_bytes(x.used_bytes) if x.used_bytes is not None else "-"
         style = {"chosen": "green", "too big": "red"}.get(x.status, "dim")
         compile_cell = (_compile_time(x) if x.compile_seconds else "-",) if compiles else ()
-        t.add_row(escape(x.plan.short(result.batch_size)) + (" *" if x.plan.numerics else ""), mem, f"{x.seconds * 1e3:.1f}", *compile_cell,
+        t.add_row(escape(x.plan.short(result.batch_size)) + (" *" if x.plan.numerics else ""), mem, f"{x.seconds * 1e3:.1f}",
+                  _rate(result, x, unit=False), *compile_cell,
                   f"[{style}]{x.status}[/]: {escape(x.reason)}")
     c.print(t)
     if any(x.plan.numerics for x in shown):
         c.print("[dim]* changes numerics (bf16 weights, low-bit optimizer states, stochastic rounding, quantized "
-                "base weights): its updates differ from the workload's own step[/]")
+                "base weights, a different optimizer): its updates differ from the workload's own step[/]")
+    different = sorted({n for x in shown for n in x.plan.numerics if n.startswith("different optimizer")})
+    for note in different:
+        c.print(f"[yellow]{escape(note)}[/]: not AdamW, searched because --optimizers named it")
     pruned = sum(x.status == "pruned" for x in result.candidates)
     if pruned:
         c.print(f"[dim]{pruned} plans pruned without tracing: they save no more memory than a plan that did "
@@ -69,17 +73,25 @@ def print_methods(rows, console: Console | None = None) -> None:
     c.print(f"[yellow]note:[/] {DIFFERENT_THINGS}")
     t = Table(title="each method's fastest plan that fits", show_edge=False, pad_edge=False, box=None)
     for col, just in (("method", "left"), ("trains", "right"), ("plan", "left"), ("memory", "right"),
-                      ("ms/step", "right"), ("what it trains", "left")):
+                      ("ms/step", "right"), (first.throughput_unit, "right"), ("what it trains", "left")):
         t.add_column(col, justify=just)
     for method, result, trainable in rows:
         ch = result.chosen
         if ch:
-            cells = (escape(ch.plan.short(result.batch_size)), fmt_bytes(ch.used_bytes), f"{ch.seconds * 1e3:.1f}")
+            cells = (escape(ch.plan.short(result.batch_size)), fmt_bytes(ch.used_bytes), f"{ch.seconds * 1e3:.1f}",
+                     _rate(result, ch, unit=False))
         else:
             smallest = fmt_bytes(result.smallest.used_bytes) if result.smallest else "-"
-            cells = ("[red]nothing fits[/]", f"needs {smallest}", "-")
+            cells = ("[red]nothing fits[/]", f"needs {smallest}", "-", "-")
         t.add_row(method.name, _count(trainable), *cells, method.trains)
     c.print(t)
+
+
+def _rate(result, candidate, unit: bool = True) -> str:
+    """The candidate's throughput: tokens/s for a text workload (batch x sequence length a step), else samples/s."""
+    rate = result.throughput(candidate)
+    text = f"{rate:,.0f}" if rate >= 100 else f"{rate:.1f}" if rate >= 10 else f"{rate:.2f}"
+    return f"{text} {result.throughput_unit}" if unit else text
 
 
 def _count(n: int | None) -> str:

@@ -54,7 +54,10 @@ def print_estimate(r: MemoryReport, console: Console | None = None) -> None:
     if r.reserved_bytes is not None:
         t.add_row("reserved", fmt_bytes(r.reserved_bytes), "", "held by the CUDA caching allocator")
         t.add_row("CUDA context", fmt_bytes(r.cuda_context_bytes), "", "outside PyTorch's allocator")
-        total = r.reserved_bytes + r.cuda_context_bytes
+        if r.managed_bytes:
+            t.add_row("managed (paged)", fmt_bytes(r.managed_bytes), "",
+                      "paged optimizer states: CUDA unified memory, not in max_memory_reserved()")
+        total = r.reserved_bytes + r.cuda_context_bytes + r.managed_bytes
         verdict = "[green]fits[/]" if r.fits else "[red]does not fit[/]"
         t.add_row("[bold]on the device[/]", f"[bold]{fmt_bytes(total)}[/]", "",
                   f"of {fmt_bytes(r.device_total_bytes)}: {verdict}")
@@ -116,8 +119,11 @@ def print_profile(result, console: Console | None = None) -> None:
     if cuda:
         predicted_reserved = fmt_bytes(p.reserved_bytes) if p.reserved_bytes is not None else "-"
         t.add_row("[bold]peak reserved[/]", f"[bold]{predicted_reserved}[/]", f"[bold]{fmt_bytes(m.reserved_bytes)}[/]")
+        if p.managed_bytes:
+            t.add_row("managed (paged)", fmt_bytes(p.managed_bytes), fmt_bytes(m.managed_bytes))
         if result.device_used_bytes is not None:
-            context = fmt_bytes(p.reserved_bytes + p.cuda_context_bytes) if p.reserved_bytes is not None else "-"
+            context = (fmt_bytes(p.reserved_bytes + p.cuda_context_bytes + p.managed_bytes)
+                       if p.reserved_bytes is not None else "-")
             t.add_row("on the device", context, fmt_bytes(result.device_used_bytes))
     if result.load_peak_bytes is not None and p.load_peak_bytes:
         t.add_row("loading the model", fmt_bytes(p.load_peak_bytes), fmt_bytes(result.load_peak_bytes))

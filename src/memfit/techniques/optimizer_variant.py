@@ -12,7 +12,8 @@ import torch
 from memfit.techniques.base import Config, Export
 
 HF_OPTIM_NAMES = {"adamw_bnb_8bit": "adamw8bit", "adafactor": "adafactor", "adamw_torch_8bit": "adamw8bit-ao",
-                  "adamw_torch_4bit": "adamw4bit-ao"}
+                  "adamw_torch_4bit": "adamw4bit-ao", "paged_adamw_8bit": "adamw8bit-paged",
+                  "paged_adamw_32bit": "adamw-paged"}
 """TrainingArguments' ``optim`` names of memfit's variants (what their exports write)."""
 
 Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]

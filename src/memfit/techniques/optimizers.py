@@ -12,6 +12,12 @@ Memory/compute trade-off, per parameter of N bytes in fp32:
 - ``sgd`` (:class:`SGDMomentum`) with momentum keeps one buffer (N).
 - ``adamw8bit-ao`` / ``adamw4bit-ao`` / ``adamwfp8-ao``: torchao's low-bit AdamW (8-bit, 4-bit and fp8
   moments: N/2, N/4, N/2), in :mod:`memfit.techniques.optimizers_torchao`. Need torchao (``memfit[ao]``).
+- ``adamw8bit-paged`` / ``adamw-paged``: bitsandbytes' paged AdamW (8-bit and fp32 moments) with its
+  large states in CUDA managed memory, outside PyTorch's allocator, in
+  :mod:`memfit.techniques.optimizers_paged`. Need bitsandbytes.
+- ``galore`` / ``galore8bit`` / ``apollo`` / ``apollo-mini``: low-rank and state-light optimizers
+  (different optimizers, searched only when named), in :mod:`memfit.techniques.optimizers_lowrank`.
+  Need ``memfit[galore]`` / ``memfit[apollo]``.
 Hyperparameters (lr, weight decay, betas, eps) are taken from the workload's optimizer, group by
 group: a workload that gives its biases and norms no weight decay keeps that (:func:`regroup`).
 """
@@ -19,9 +25,6 @@ group: a workload that gives its biases and norms no weight decay keeps that (:f
 from __future__ import annotations
 
 import contextlib
-import functools
-import logging
-import sys
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from memfit.techniques.base import Key, SearchContext, Technique, choice, register
+from memfit.techniques.bnb_optim import bitsandbytes_available, real_quantization_tables
 from memfit.techniques.optimizer_variant import (
     Factory,
     OptimizerVariant,
@@ -36,15 +40,20 @@ from memfit.techniques.optimizer_variant import (
     hyperparameters,
     regroup,
 )
+from memfit.techniques.optimizers_lowrank import VARIANTS as LOWRANK_VARIANTS
+from memfit.techniques.optimizers_lowrank import lowrank_problem, parse_lowrank
+from memfit.techniques.optimizers_paged import VARIANTS as PAGED_VARIANTS
 from memfit.techniques.optimizers_torchao import VARIANTS as TORCHAO_VARIANTS
 from memfit.techniques.optimizers_torchao import torchao_problem
 
-NAMES = ("adamw", "adamw8bit", "adafactor", "sgd", "adamw8bit-ao", "adamw4bit-ao", "adamwfp8-ao")
-ADAMW_CLASS = ("adamw", "adamw8bit", "adamw8bit-ao", "adamw4bit-ao", "adamwfp8-ao")
-"""``--optimizers adamw-class``: AdamW at any state precision (offloaded or not). The planner's
-default for GPU presets, but the torchao variants with adamw8bit's state bytes where bitsandbytes
-is there (NOTE [ Same states, a slower update ]). On the CPU, where the planner times real steps and
-torchao's updates compile with inductor first, the default is adamw and adamw8bit."""
+NAMES = ("adamw", "adamw8bit", "adafactor", "sgd", "adamw8bit-ao", "adamw4bit-ao", "adamwfp8-ao", "adamw8bit-paged",
+         "adamw-paged", "galore", "galore8bit", "apollo", "apollo-mini")
+ADAMW_CLASS = ("adamw", "adamw8bit", "adamw8bit-ao", "adamw4bit-ao", "adamwfp8-ao", "adamw8bit-paged", "adamw-paged")
+"""``--optimizers adamw-class``: AdamW at any state precision, its states offloaded, paged or not. The
+planner's default for GPU presets, but the torchao variants with adamw8bit's state bytes where
+bitsandbytes is there (NOTE [ Same states, a slower update ]). On the CPU, where the planner times
+real steps, torchao's updates compile with inductor first and nothing is paged, the default is adamw
+and adamw8bit."""
 CPU_DEFAULT = ("adamw", "adamw8bit")
 
 
@@ -61,7 +70,7 @@ class SGDMomentum(OptimizerVariant):
 
     name = "sgd"
     rank = 1
-    numerics = "SGD (not AdamW)"
+    numerics = "different optimizer: SGD with momentum"
 
     def factory(self, workload_factory, params):
         like = workload_factory(params)
@@ -75,7 +84,7 @@ class Adafactor(OptimizerVariant):
 
     name = "adafactor"
     rank = 2
-    numerics = "Adafactor (not AdamW)"
+    numerics = "different optimizer: Adafactor (factored second moments)"
 
     def factory(self, workload_factory, params):
         like = workload_factory(params)
@@ -120,95 +129,6 @@ def adamw8bit_factory(hp: dict) -> Factory:
                                    weight_decay=hp["weight_decay"], min_8bit_size=4096)
 
 
-def bitsandbytes_available() -> bool:
-    """Can ``adamw8bit`` run in this environment (bitsandbytes and its 8-bit AdamW import)?
-
-    A missing or broken install counts as unavailable: the planner then leaves adamw8bit out and
-    an explicit adamw8bit plan runs, and is estimated, as its fallback (fp32 AdamW)."""
-    # bitsandbytes warns at import about a 4-bit CPU matmul kernel memfit does not use
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-    try:
-        with _compile_deferred():
-            import bitsandbytes  # noqa: F401
-            from bitsandbytes.optim import AdamW8bit as _  # noqa: F401
-    except Exception:  # noqa: BLE001 - missing or broken install
-        return False
-    return True
-
-
-# NOTE [ bitsandbytes without Inductor ]
-# Bitsandbytes' default (CPU) backend wraps some kernels in ``torch.compile`` when it is imported, and
-# ``torch.compile`` imports Inductor at once: 1.7 s of the planner's 2.2 s import of bitsandbytes, for
-# kernels a fake trace never runs. ``torch.compile`` compiles nothing before the first call anyway, so
-# while bitsandbytes is imported it is replaced by a wrapper that calls it at the first call: the same
-# kernels, the same fallback on a compile error (bitsandbytes' wrapper catches the error at the call),
-# and Inductor imported only if one of them runs.
-@contextlib.contextmanager
-def _compile_deferred():
-    """``torch.compile`` deferred to the first call while bitsandbytes is imported (NOTE [ bitsandbytes
-    without Inductor ])."""
-    real = torch.compile
-    if "bitsandbytes" in sys.modules:
-        yield
-        return
-
-    def deferred(model=None, **kwargs):
-        if model is None:  # used as @torch.compile(...)
-            return lambda fn: deferred(fn, **kwargs)
-        compiled = []
-
-        @functools.wraps(model)
-        def call(*args, **kw):
-            if not compiled:
-                compiled.append(real(model, **kwargs))
-            return compiled[0](*args, **kw)
-        return call
-
-    torch.compile = deferred
-    try:
-        yield
-    finally:
-        torch.compile = real
-
-
-_TABLES: dict = {}
-
-
-# NOTE [ bitsandbytes tables on fake tensors ]
-# Bitsandbytes builds each 8-bit optimizer's quantization map (a constant 256-value table) with Python
-# loops of ``.tolist()``; on fake tensors every read is data-dependent, which made tracing
-# optimizer-in-backward (one optimizer per parameter) 30 s slower on a 7B model. The table is computed
-# once for real, outside fake mode and every dispatch mode (the tracker too: the table is host data in
-# a real run, and a trace that counted it would differ from the next one in the process, which finds
-# it made: the planner's two shallow traces then differ by more than the inserted blocks), and reused:
-# exact, since it depends on no input.
-@contextlib.contextmanager
-def real_quantization_tables():
-    """bitsandbytes' 8-bit quantization maps computed once, for real, and reused (NOTE [ bitsandbytes
-    tables on fake tensors ])."""
-    if not bitsandbytes_available():
-        yield
-        return
-    import bitsandbytes.functional as bnb_functional
-    original = getattr(bnb_functional, "create_dynamic_map", None)
-    if original is None:
-        yield
-        return
-
-    def real_table(*args, **kwargs):
-        key = (original, args, tuple(sorted(kwargs.items())))
-        if key not in _TABLES:
-            from torch.utils._python_dispatch import _disable_current_modes
-            with _disable_current_modes():
-                _TABLES[key] = original(*args, **kwargs)
-        return _TABLES[key]
-    bnb_functional.create_dynamic_map = real_table
-    try:
-        yield
-    finally:
-        bnb_functional.create_dynamic_map = original
-
-
 class PerParameterOptimizers:
     """One optimizer per parameter, acting as one optimizer: ``state``, ``param_groups`` and
     ``state_dict()`` gather the per-parameter optimizers (what in-backward stepping and
@@ -237,25 +157,31 @@ class PerParameterOptimizers:
 
 
 def parse(values: dict) -> OptimizerVariant:
-    name = choice("optimizer", values["optimizer"], NAMES)
+    text = str(values["optimizer"])
+    if text.partition(":")[0] in LOWRANK_VARIANTS:
+        return parse_lowrank(text)
+    name = choice("optimizer", text, NAMES)
     if name in TORCHAO_VARIANTS:
         return TORCHAO_VARIANTS[name]()
+    if name in PAGED_VARIANTS:
+        return PAGED_VARIANTS[name]()
     return {"adamw": WorkloadOptimizer(), "adamw8bit": AdamW8bit(), "adafactor": Adafactor(),
             "sgd": SGDMomentum()}[name]
 
 
 def search(ctx: SearchContext) -> list[str]:
     names = list(ctx.options.get("optimizers") or default_optimizers(ctx.device))
-    if "adamw8bit" in names and not bitsandbytes_available():  # predicted = what runs: never plan a fallback
-        names.remove("adamw8bit")
-        ctx.notes.append("adamw8bit left out: it needs bitsandbytes, which is not installed here "
-                         "(pip install bitsandbytes)")
+    needs_bnb = [n for n in names if n == "adamw8bit" or n in PAGED_VARIANTS]
+    if needs_bnb and not bitsandbytes_available():  # predicted = what runs: never plan a fallback
+        for name in needs_bnb:
+            names.remove(name)
+        ctx.notes.append(f"{', '.join(needs_bnb)} left out: bitsandbytes is not installed here (pip install bitsandbytes)")
         warnings.warn(f"plan: {ctx.notes[-1]}", stacklevel=2)
-    for name in [n for n in names if n in TORCHAO_VARIANTS]:
-        missing = torchao_problem(name)
+    for name in [n for n in names if n in TORCHAO_VARIANTS or n in LOWRANK_VARIANTS]:
+        missing = torchao_problem(name) if name in TORCHAO_VARIANTS else lowrank_problem(name)
         if missing:
             names.remove(name)
-            ctx.notes.append(f"{name} left out: {missing}")
+            ctx.notes.append(f"{name} left out: {missing.removeprefix('plan: ')}")
     if not ctx.options.get("optimizers"):
         _leave_out_same_states_slower(names, ctx)
     return names
@@ -289,7 +215,11 @@ def _leave_out_same_states_slower(names: list[str], ctx: SearchContext) -> None:
 
 TECHNIQUE = register(
     Technique("optimizer", (Key("optimizer", "adamw", "adamw | adamw8bit (bitsandbytes) | adafactor | sgd | "
-                                "adamw8bit-ao | adamw4bit-ao | adamwfp8-ao (torchao's 8-bit, 4-bit, fp8 states).",
+                                "adamw8bit-ao | adamw4bit-ao | adamwfp8-ao (torchao's 8-bit, 4-bit, fp8 states) | "
+                                "adamw8bit-paged | adamw-paged (bitsandbytes' paged states, in CUDA managed memory) | "
+                                "galore | galore8bit | apollo | apollo-mini (different optimizers, low-rank; options "
+                                "as galore:rank=64,update_proj_gap=200,scale=0.25).",
                                 metavar="OPTIMIZER"),),
               parse, search=search),
-    OptimizerVariant, WorkloadOptimizer, SGDMomentum, Adafactor, AdamW8bit, *TORCHAO_VARIANTS.values())
+    OptimizerVariant, WorkloadOptimizer, SGDMomentum, Adafactor, AdamW8bit, *TORCHAO_VARIANTS.values(),
+    *PAGED_VARIANTS.values(), *LOWRANK_VARIANTS.values())

@@ -66,6 +66,11 @@ class HostPlacement:
         self.observer.host(t)
         return t
 
+    def mark_managed(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` is CUDA managed memory (a paged optimizer's state), or stands for it in a trace."""
+        self.observer.managed(t)
+        return t
+
 
 _WHERE = threading.local()
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helpers import accumulated_step
 from memfit.plans import Plan
 from memfit.step import build_step
 from memfit.workload import Workload
@@ -58,15 +59,7 @@ def _warmup_then_decay(step: int) -> float:
 
 def _reference_step(model, optimizer, scheduler, batch) -> torch.Tensor:
     """The plain loop: zero, loss / ACCUM per micro-batch, backward (accumulates), step, schedule."""
-    optimizer.zero_grad(set_to_none=True)
-    total = None
-    for micro in zip(*(t.chunk(ACCUM) for t in batch)):
-        loss = _loss(model, micro) / ACCUM
-        loss.backward()
-        total = loss.detach() if total is None else total + loss.detach()
-    optimizer.step()
-    scheduler.step()
-    return total
+    return accumulated_step(model, optimizer, scheduler, batch, _loss, ACCUM)
 
 
 def _fp32_reference(init: nn.Module, lr: float, steps: int) -> list[list[torch.Tensor]]:

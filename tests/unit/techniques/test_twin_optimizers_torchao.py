@@ -9,13 +9,13 @@ the reference's loss there (measured gaps in each test's docstring).
 """
 
 import copy
-import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helpers import cosine_with_warmup
 from memfit.plans import Plan
 from memfit.step import build_step
 from memfit.workload import Workload
@@ -44,9 +44,7 @@ def _loss(model, batch):
     return F.mse_loss(model(batch[0]), batch[1])
 
 
-def _cosine(steps: int):
-    warmup = max(1, steps // 10)
-    return lambda s: (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * (s - warmup) / (steps - warmup)))
+_cosine = cosine_with_warmup
 
 
 def _losses(plan: Plan | None, steps: int) -> list[float]:

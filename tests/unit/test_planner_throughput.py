@@ -1,0 +1,49 @@
+"""Throughput beside step time: every listed plan shows tokens/s (text workloads: batch x sequence
+length over the step's seconds) or samples/s, in the table, the methods table and the JSON."""
+
+from rich.console import Console
+
+from memfit.planner.candidate import Candidate
+from memfit.planner.search import PlanResult
+from memfit.plans import Plan
+from memfit.report.planner import print_methods, print_plan_result
+
+
+def _result(seq_len):
+    chosen = Candidate(Plan(checkpointing="blocks"), 0.5, used_bytes=1 << 30)
+    chosen.choose("fastest predicted plan that fits")
+    slower = Candidate(Plan(optimizer="galore"), 2.0, used_bytes=None)
+    slower.outrun("4.00x the chosen plan's time")
+    return PlanResult(workload="llama", device="rtx4090", batch_size=2, budget_bytes=2 << 30, time_model="test",
+                      chosen=chosen, candidates=[chosen, slower], seq_len=seq_len)
+
+
+def _text(print_fn, *args) -> str:
+    console = Console(record=True, width=250)
+    print_fn(*args, console=console)
+    return console.export_text()
+
+
+def test_text_workloads_show_tokens_per_second():
+    result = _result(2048)
+    assert result.throughput(result.chosen) == 2 * 2048 / 0.5
+    out = _text(print_plan_result, result)
+    header = next(line for line in out.splitlines() if "ms/step" in line and "plan" in line)
+    assert "8,192 tokens/s" in out and "tokens/s" in header
+    assert "2,048" in out  # (the slower plan's 2 x 2048 / 2.0 s)
+    ranked = result.to_json()["ranked"]
+    assert [r["tokens_per_second"] for r in ranked] == [8192.0, 2048.0]
+    assert "different optimizer: GaLore" in out  # (named where plans are listed)
+
+
+def test_other_workloads_show_samples_per_second():
+    result = _result(None)
+    assert result.to_json()["chosen"]["samples_per_second"] == 4.0
+    assert "4.00 samples/s" in _text(print_plan_result, result)
+
+
+def test_the_methods_table_shows_throughput_too():
+    from types import SimpleNamespace
+    method = SimpleNamespace(name="full", trains="every weight")
+    out = _text(print_methods, [(method, _result(2048), 8_000_000_000)])
+    assert "tokens/s" in out and "8,192" in out
