@@ -37,6 +37,18 @@ to eager silently, and the prediction would no longer be of the step that runs."
 
 _REAL: dict[float | None, Callable] = {}
 _PREDICTED: dict[float | None, Callable] = {}
+_BROKEN: dict = {}
+"""Code of a region's function -> how Dynamo broke its graph, once seen in this process (Dynamo's own
+cache of compiled code is per process and code object too: a second trace compiles nothing anew)."""
+
+
+class GraphBreaks(UserError):
+    """A predicted region did not compile as one graph (NOTE [ A broken graph is not predicted as compiled ])."""
+
+    def __init__(self, name: str, breaks: int, first: str):
+        super().__init__(f"compile: torch.compile broke the {name} into pieces at {breaks} graph break(s) "
+                         f"(first: {first}); memfit predicts a compiled region only when Dynamo captures it whole")
+        self.region, self.breaks, self.first = name, breaks, first
 
 
 # NOTE [ Compiled regions on fake tensors ]
@@ -70,12 +82,35 @@ def compiled(fn: Callable, *, budget: float | None = None, name: str = "region",
                 fake_wrapper.RUNTIME_MODES.append(modes)
                 _tell_code_generator(modes, name)
                 try:
-                    return _explained(predicted, name, *args, **kwargs)
+                    return _whole(fn, name, lambda: _explained(predicted, name, *args, **kwargs))
                 finally:
                     fake_wrapper.RUNTIME_MODES.pop()
         with _outside_modes():  # NOTE [ Real compiled regions run outside memfit's modes ]
             return _explained(real, name, *args, **kwargs)
     return call
+
+
+# NOTE [ A broken graph is not predicted as compiled ]
+# Where Dynamo breaks a region's graph (``compile: full`` allows it: models log or branch in Python),
+# the pieces between the graphs run eagerly, outside memfit's modes (NOTE [ Compiled regions on fake
+# tensors ]): the tracker would miss what they allocate, and the prediction would be of a step
+# that does not run. So a predicted region that broke raises :class:`GraphBreaks` naming the first
+# break; ``estimate`` then predicts the plan without that compile and says so in one line, and the
+# planner leaves the compile mode out with that line (memfit.memory.estimate, memfit.planner).
+def _whole(fn, name: str, call):
+    """``call()`` (a predicted region's compiled call), refused if Dynamo broke the region's graph."""
+    from torch._dynamo.utils import counters
+    code = getattr(fn, "__code__", None) or id(fn)
+    if code in _BROKEN:
+        raise GraphBreaks(name, *_BROKEN[code])
+    before = dict(counters["graph_break"])
+    out = call()
+    new = {k: v - before.get(k, 0) for k, v in counters["graph_break"].items() if v > before.get(k, 0)}
+    if new:
+        first = " ".join(str(next(iter(new))).split("\n")[0].split())[:200]
+        _BROKEN[code] = (sum(new.values()), first)
+        raise GraphBreaks(name, *_BROKEN[code])
+    return out
 
 
 def _tell_code_generator(modes, name: str) -> None:
@@ -204,8 +239,9 @@ def _predicting_backend(budget: float | None) -> Callable:
 # ``as_strided``, which fake mode and the tracker see; the wrapper is kept in Inductor's caches under
 # keys of its own (NOTE [ Predicted wrappers in Inductor's caches ]). Library kernels the wrapper calls (matmuls with ``out=``,
 # attention and other fallbacks) run on fake tensors as in eager mode. The kernels are generated
-# but never compiled (Inductor's CPU code generator still probes the C++ compiler once, so a
-# prediction needs one too).
+# but never compiled (Inductor's CPU code generator still probes the C++ compiler once, so a CPU
+# prediction needs one too; a GPU preset's takes Inductor's CUDA path, NOTE [ Inductor's CUDA path
+# without a GPU ], which needs Triton and no C++ compiler).
 def _lower_then_run(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     """Inductor's whole ``compile_fx_inner`` (post-grad passes, lowering, scheduling and fusion,
     buffer reuse, the generated Python wrapper) with the kernels' compilation left out: the wrapper
