@@ -156,7 +156,9 @@ def compiling_for_cuda():
         on_cpu = input_device is not None and torch.device(input_device).type == "cuda"
         return init(torch.device("cpu") if on_cpu else input_device, **kwargs)
 
-    with cuda_facts.card(target()), \
+    # (one thread: Inductor would otherwise start its pool of compile workers, ~0.5 GiB each, and hand
+    # them each kernel to compile for real as it is generated; a prediction compiles none)
+    with cuda_facts.card(target()), torch._inductor.config.patch(compile_threads=1), \
             unittest.mock.patch.object(pad_mm, "should_pad_bench_key", timing.key), \
             unittest.mock.patch.object(pad_mm, "get_cached_should_pad", timing.padded_is_faster), \
             unittest.mock.patch.object(joint_graph, "lazy_init", patterns_traced_on_cpu), \

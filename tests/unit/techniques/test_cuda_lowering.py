@@ -92,3 +92,25 @@ def test_a_gpu_presets_compile_needs_triton_and_no_cpu_compiler(monkeypatch):
     monkeypatch.setattr(compiled_module, "has_triton", lambda: False)
     with pytest.raises(UserError, match="compile for h100-80gb needs Triton .*pip install triton"):
         _predict(compiled(lm_loss, name="lm loss", dynamic=False), monkeypatch)
+
+
+def test_the_planner_searches_a_gpu_presets_compile_by_triton_not_a_cpu_compiler(monkeypatch):
+    import shutil
+
+    from memfit.planner.space import default_space, model_facts
+    from memfit.techniques import compile as compile_technique
+    from memfit.workloads import load_workload
+
+    facts = model_facts(load_workload("gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=500,n_positions=128", seq_len=64))
+
+    def modes(device):
+        space = default_space(facts, get_device(device), 8, compile_modes=("none", "blocks"))
+        return space.values["compile"], space.notes
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)  # no C++ compiler: the CPU's compile is left out
+    assert modes("a100-40gb")[0] == ["none", "blocks"]
+    compiles, notes = modes("cpu")
+    assert compiles == ["none"] and any("C++ compiler" in n for n in notes)
+    monkeypatch.setattr(compile_technique, "has_triton", lambda: False)
+    compiles, notes = modes("a100-40gb")
+    assert compiles == ["none"] and any("needs Triton (pip install triton)" in n for n in notes), notes
