@@ -153,19 +153,6 @@ def test_the_maximal_plans_come_first_when_no_plan_measured_before_the_walk_fits
     assert chosen.plan == a and m not in trace.order
 
 
-def test_a_gpu_presets_compiled_region_is_generated_without_vector_code():
-    """NOTE [ Kernels generated without vectorization for a GPU preset ]: no vector instruction set
-    while a GPU preset's region is predicted; the CPU's own otherwise."""
-    from torch._inductor import cpu_vec_isa
-
-    from memfit.techniques.cuda_lowering import lowered_as_on_cuda, lowering_for_cuda
-    with lowering_for_cuda(), lowered_as_on_cuda():
-        assert cpu_vec_isa.pick_vec_isa() is cpu_vec_isa.invalid_vec_isa
-    with lowered_as_on_cuda():  # a CPU prediction: the kernels it generates are the ones that run
-        assert cpu_vec_isa.pick_vec_isa.__module__ == "torch._inductor.cpu_vec_isa"
-    assert cpu_vec_isa.pick_vec_isa.__module__ == "torch._inductor.cpu_vec_isa"
-
-
 DEEP = "gpt2:n_layer=6,n_embd=256,n_head=4,vocab_size=2000,n_positions=128"
 
 

@@ -34,7 +34,8 @@ with the same library versions: ``predicted_cuda`` (``device="cuda"``, the local
 A case file is a JSON list of objects ``{"case": id, "workload": spec, "batch_size": n,
 "seq_len": t or null, "plan": {Plan fields}}`` and optionally ``"memory_limit_bytes": n`` (the caching
 allocator is capped there with ``torch.cuda.set_per_process_memory_fraction``: a smaller card, as
-``memfit train --budget`` enforces it; the row records the fraction); ``workload`` is a built-in name,
+``memfit train --budget`` enforces it; the row records the fraction); ``"leave_bytes": n`` leaves only n bytes of the card free
+(a ballast outside PyTorch's allocator, :func:`ballast`); ``workload`` is a built-in name,
 ``package.module:NAME`` or ``path/to/file.py:NAME`` (memfit's user formats); ``"kwargs": {...}`` calls NAME with them (tiny
 sizes for a smoke test); ``"profile": true`` adds the step's top CUDA kernels by time (``kernels``). Set
 ``MEMFIT_COMMIT`` where the checkout has no ``.git``.
@@ -194,6 +195,22 @@ def predict_here(case: dict, device: str) -> dict:
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
+_BALLAST: list[int] = []
+
+
+def ballast(leave_bytes: int) -> int:
+    """Take the card's free memory down to ``leave_bytes`` with an allocation outside PyTorch's caching
+    allocator (``cudaMalloc`` through CuPy, held until the process ends): a smaller card, whose allocator
+    meets the card's end, not only a per-process cap (DESIGN.md). Returns the bytes taken."""
+    import cupy
+    import torch
+    free, _ = torch.cuda.mem_get_info()
+    taken = max(0, free - leave_bytes)
+    if taken:
+        _BALLAST.append(cupy.cuda.runtime.malloc(taken))
+    return taken
+
+
 def measure_case(case: dict, device: str = "cuda", predict: str | None = None) -> dict:
     """Run one case here (see the module docstring); returns its row (``error`` on failure)."""
     import statistics
@@ -220,6 +237,8 @@ def measure_case(case: dict, device: str = "cuda", predict: str | None = None) -
                 from memfit.training.enforce import limit_cuda_allocator
                 row["memory_limit_bytes"] = case["memory_limit_bytes"]
                 row["memory_fraction"] = limit_cuda_allocator(case["memory_limit_bytes"])
+            if case.get("leave_bytes"):  # a smaller card: its memory, outside the allocator too
+                row["leave_bytes"], row["ballast_bytes"] = case["leave_bytes"], ballast(case["leave_bytes"])
         dev = memfit.get_device(device)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

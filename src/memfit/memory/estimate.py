@@ -32,6 +32,7 @@ from memfit.memory.timeline import save_timeline_png
 from memfit.plans import Plan
 from memfit.quiet import silenced_warnings
 from memfit.target import Target
+from memfit.techniques.compiled import GraphBreaks
 from memfit.workload import Workload
 
 
@@ -58,8 +59,17 @@ def estimate_target(target: Target, *, fallback: bool = True, timeline: str | No
     notes = [note for config in target.plan.techniques for note in config.notes()]
     method = "fake"
     try:
-        with silenced_warnings():
-            run = run_tracked(target, fake=True)
+        try:
+            with silenced_warnings():
+                run = run_tracked(target, fake=True)
+        except GraphBreaks as e:  # NOTE [ A broken graph is not predicted as compiled ]
+            if not fallback:
+                raise
+            target = target.with_plan(without_compile(target.plan))
+            notes = [f"{e}: predicted with the plan {target.plan.short()} instead",
+                     *(note for config in target.plan.techniques for note in config.notes())]
+            with silenced_warnings():
+                run = run_tracked(target, fake=True)
     except TraceError as e:
         if not fallback or target.plan.config("shard").fsdp2:  # a sharded step runs in N processes: no real fallback
             raise
@@ -79,6 +89,13 @@ def estimate_target(target: Target, *, fallback: bool = True, timeline: str | No
     if snapshot:
         save_snapshot(run, snapshot, target=target, report=report)
     return report
+
+
+def without_compile(plan: Plan) -> Plan:
+    """``plan`` as an eager step: no compile, and no activation memory budget (which needs one)."""
+    import dataclasses
+    budget = getattr(plan.config("checkpointing"), "fraction", None) is not None
+    return dataclasses.replace(plan, compile="none", **({"checkpointing": "none"} if budget else {}))
 
 
 def _real_fallback(target: Target, err: TraceError):

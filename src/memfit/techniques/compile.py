@@ -5,7 +5,8 @@ fuse chains of pointwise ops into single kernels, so their intermediate results 
 materialised, and lets AOTAutograd's min-cut partitioner choose what forward saves for backward
 (recomputing cheap pointwise results instead of saving them). On a GPT-2 measured on an H100 that
 halved both memory and step time. The cost: compile time (tens of seconds per distinct region,
-once per process: compiled regions are cached) and, on a CPU, a C++ compiler.
+once per process: compiled regions are cached) and a code generator's toolchain: a C++ compiler on a CPU,
+Triton on a GPU (and to predict a GPU preset's step, memfit.techniques.cuda_lowering).
 
 - :class:`CompileBlocks` (``blocks``) compiles each repeated block's forward (the blocks
   ``checkpointing: blocks`` finds): one graph serves every block, so compile time stays short, and
@@ -41,15 +42,16 @@ from dataclasses import dataclass
 from memfit.errors import UserError
 from memfit.techniques.base import Config, Export, GraphSize, Key, SearchContext, Technique, choice, register
 from memfit.techniques.checkpointing import BUDGET_RECORDING, find_blocks
-from memfit.techniques.compiled import compiled, has_cpu_compiler
+from memfit.techniques.compiled import compiled, has_cpu_compiler, has_triton
 
 MODES = ("none", "blocks", "full")
 DEFAULT_SEARCH = {"gpu": ("none",), "cpu": ("none",)}
 """The modes the planner searches when not told (see the module's docstring: on GPU presets ``none``
 until compiled predictions survive the planner's many variants in one process)."""
 FUSION_NOTE = ("compiled regions: Inductor's own generated code (partition, fusions, schedule, buffer reuse) run on "
-               "fake tensors with no-op kernels (NOTE [ Inductor's own wrapper on fake tensors ]); GPU presets use "
-               "Inductor's CPU code generator, whose fusion choices can differ from Triton's")
+               "fake tensors with no-op kernels (NOTE [ Inductor's own wrapper on fake tensors ]); a GPU preset's "
+               "through Inductor's CUDA path for its card, without a GPU (NOTE [ Inductor's CUDA path without a GPU ]; "
+               "matmul padding chosen without timing)")
 
 # Compile time on GPU presets, from one recording (gpu-ground-truth/h100-handwritten-gpt2-compile.jsonl:
 # a hand-written GPT-2 124M, batch 8 x 1024, bf16 autocast, AdamW, torch.compile(model), no memfit).
@@ -184,13 +186,22 @@ def search(ctx: SearchContext) -> list[str]:
     if "blocks" in modes and not find_blocks(ctx.model):
         modes.remove("blocks")
         ctx.notes.append("compile: blocks left out: the model has no repeated blocks")
-    if not has_cpu_compiler() and any(m != "none" for m in modes):  # (GPU presets are predicted with it too)
+    missing = _missing_toolchain(ctx.device.is_gpu)
+    if missing and any(m != "none" for m in modes):
         modes = [m for m in modes if m == "none"]
-        ctx.notes.append("compile left out: Inductor needs a C++ compiler (g++ or c++ on PATH)")
+        ctx.notes.append(f"compile left out: {missing}")
     if not modes:
         raise UserError(f"plan: no compile mode asked for can run here ({ctx.notes[-1]}); add none to "
                         "--compile-modes")
     return modes
+
+
+def _missing_toolchain(gpu: bool) -> str | None:
+    """What Inductor lacks here to predict (and run) compiled regions on this device, with the fix: a GPU
+    preset's regions take Inductor's CUDA path (Triton's code generator), the CPU's its C++ one."""
+    if gpu:
+        return None if has_triton() else "Inductor's CUDA path needs Triton (pip install triton)"
+    return None if has_cpu_compiler() else "Inductor needs a C++ compiler (g++ or c++ on PATH)"
 
 
 def parse(values: dict) -> Compile:

@@ -37,6 +37,18 @@ to eager silently, and the prediction would no longer be of the step that runs."
 
 _REAL: dict[float | None, Callable] = {}
 _PREDICTED: dict[float | None, Callable] = {}
+_BROKEN: dict = {}
+"""Code of a region's function -> how Dynamo broke its graph, once seen in this process (Dynamo's own
+cache of compiled code is per process and code object too: a second trace compiles nothing anew)."""
+
+
+class GraphBreaks(UserError):
+    """A predicted region did not compile as one graph (NOTE [ A broken graph is not predicted as compiled ])."""
+
+    def __init__(self, name: str, breaks: int, first: str):
+        super().__init__(f"compile: torch.compile broke the {name} into pieces at {breaks} graph break(s) "
+                         f"(first: {first}); memfit predicts a compiled region only when Dynamo captures it whole")
+        self.region, self.breaks, self.first = name, breaks, first
 
 
 # NOTE [ Compiled regions on fake tensors ]
@@ -68,13 +80,45 @@ def compiled(fn: Callable, *, budget: float | None = None, name: str = "region",
                 for pause in list(CAPTURE_PAUSES):
                     paused.enter_context(pause())
                 fake_wrapper.RUNTIME_MODES.append(modes)
+                _tell_code_generator(modes, name)
                 try:
-                    return _explained(predicted, name, *args, **kwargs)
+                    return _whole(fn, name, lambda: _explained(predicted, name, *args, **kwargs))
                 finally:
                     fake_wrapper.RUNTIME_MODES.pop()
         with _outside_modes():  # NOTE [ Real compiled regions run outside memfit's modes ]
             return _explained(real, name, *args, **kwargs)
     return call
+
+
+# NOTE [ A broken graph is not predicted as compiled ]
+# Where Dynamo breaks a region's graph (``compile: full`` allows it: models log or branch in Python),
+# the pieces between the graphs run eagerly, outside memfit's modes (NOTE [ Compiled regions on fake
+# tensors ]): the tracker would miss what they allocate, and the prediction would be of a step
+# that does not run. So a predicted region that broke raises :class:`GraphBreaks` naming the first
+# break; ``estimate`` then predicts the plan without that compile and says so in one line, and the
+# planner leaves the compile mode out with that line (memfit.memory.estimate, memfit.planner).
+def _whole(fn, name: str, call):
+    """``call()`` (a predicted region's compiled call), refused if Dynamo broke the region's graph."""
+    from torch._dynamo.utils import counters
+    code = getattr(fn, "__code__", None) or id(fn)
+    if code in _BROKEN:
+        raise GraphBreaks(name, *_BROKEN[code])
+    before = dict(counters["graph_break"])
+    out = call()
+    new = {k: v - before.get(k, 0) for k, v in counters["graph_break"].items() if v > before.get(k, 0)}
+    if new:
+        first = " ".join(str(next(iter(new))).split("\n")[0].split())[:200]
+        _BROKEN[code] = (sum(new.values()), first)
+        raise GraphBreaks(name, *_BROKEN[code])
+    return out
+
+
+def _tell_code_generator(modes, name: str) -> None:
+    """The report says which of Inductor's code generators a predicted region followed: the modes
+    of the call that keep a report's approximations (memfit's tracker) are told."""
+    for mode in modes:
+        if callable(getattr(mode, "approximate", None)):
+            mode.approximate(f"compiled region predicted with {cuda_lowering.code_generator()}", name)
 
 
 def _quiet_logging() -> None:
@@ -116,18 +160,26 @@ def _fake(args, kwargs) -> bool:
 
 
 def _check_toolchain(args, kwargs) -> None:
-    """Inductor writes C++ (CPU) or Triton (CUDA) kernels: say what is missing before it fails."""
+    """Inductor writes C++ (CPU) or Triton (CUDA) kernels: say what is missing before it fails. A GPU
+    preset's region is predicted with Inductor's CUDA path (memfit.techniques.cuda_lowering), which
+    needs Triton and no C++ compiler."""
     from torch.utils._pytree import tree_leaves
     cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in tree_leaves((args, kwargs)))
-    if cuda:
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            raise UserError("compile on a GPU needs Triton (pip install triton, which PyTorch's CUDA wheels "
-                            "bring); install it or use compile: none") from None
+    if cuda or (cuda_lowering.active() and _fake(args, kwargs)):
+        if not has_triton():
+            where = "on a GPU" if cuda else f"for {cuda_lowering.target().name}"
+            raise UserError(f"compile {where} needs Triton (Inductor's CUDA code generator; PyTorch's CUDA wheels "
+                            "bring it): pip install triton, or use compile: none")
     elif not has_cpu_compiler():
         raise UserError("compile on a CPU needs a C++ compiler (g++ or c++ on PATH) for Inductor's kernels; "
                         "install one (e.g. apt install g++) or use compile: none")
+
+
+def has_triton() -> bool:
+    """Inductor's CUDA path needs Triton: for real kernels, and for a GPU preset's predictions (its
+    code generator writes Triton kernels, which a prediction never compiles)."""
+    import importlib.util
+    return importlib.util.find_spec("triton") is not None
 
 
 def has_cpu_compiler() -> bool:
@@ -168,7 +220,9 @@ def _predicting_backend(budget: float | None) -> Callable:
     if budget not in _PREDICTED:
         def inductor_until_lowering(gm, example_inputs):
             from torch._inductor.compile_fx import compile_fx
-            with _budget(budget):
+            on_cuda = cuda_lowering.partition_on_cuda() if cuda_lowering.emulates(example_inputs) else \
+                contextlib.nullcontext()  # NOTE [ Inductor's CUDA path without a GPU ]
+            with _budget(budget), on_cuda:
                 return compile_fx(gm, example_inputs, inner_compile=_lower_then_run)
         _PREDICTED[budget] = inductor_until_lowering
     return _PREDICTED[budget]
@@ -185,8 +239,9 @@ def _predicting_backend(budget: float | None) -> Callable:
 # ``as_strided``, which fake mode and the tracker see; the wrapper is kept in Inductor's caches under
 # keys of its own (NOTE [ Predicted wrappers in Inductor's caches ]). Library kernels the wrapper calls (matmuls with ``out=``,
 # attention and other fallbacks) run on fake tensors as in eager mode. The kernels are generated
-# but never compiled (Inductor's CPU code generator still probes the C++ compiler once, so a
-# prediction needs one too).
+# but never compiled (Inductor's CPU code generator still probes the C++ compiler once, so a CPU
+# prediction needs one too; a GPU preset's takes Inductor's CUDA path, NOTE [ Inductor's CUDA path
+# without a GPU ], which needs Triton and no C++ compiler).
 def _lower_then_run(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     """Inductor's whole ``compile_fx_inner`` (post-grad passes, lowering, scheduling and fusion,
     buffer reuse, the generated Python wrapper) with the kernels' compilation left out: the wrapper
@@ -200,8 +255,12 @@ def _lower_then_run(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     # without the prediction's key it must not touch the caches)
     caches = contextlib.nullcontext() if fake_wrapper.caches_on() else \
         torch._inductor.config.patch(force_disable_caches=True)
-    with _outside_modes(), caches, cuda_lowering.lowered_as_on_cuda(), \
-            unittest.mock.patch.object(GraphLowering, "_compile_to_module_lines", fake_wrapper.load_wrapper):
+    load, lowering = fake_wrapper.load_wrapper, contextlib.nullcontext()
+    if cuda_lowering.emulates(example_inputs):  # NOTE [ Inductor's CUDA path without a GPU ]
+        move = cuda_lowering.graph_on_cuda(gm)  # (an inference graph, or the backward: moved at its partition)
+        example_inputs = [move(x) for x in example_inputs]
+        load, lowering = fake_wrapper.load_emulated_wrapper, cuda_lowering.compiling_for_cuda()
+    with _outside_modes(), caches, lowering, unittest.mock.patch.object(GraphLowering, "_compile_to_module_lines", load):
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
 

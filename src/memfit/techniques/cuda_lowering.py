@@ -1,120 +1,217 @@
-"""Inductor's lowering as it runs for CUDA, while a GPU preset's compiled region is predicted on CPU.
+"""Inductor's CUDA path, without a GPU: a GPU preset's compiled regions lowered as Triton lowers them.
 
-A GPU preset is traced on fake CPU tensors, so Inductor lowers its compiled regions for the CPU.
-Where Inductor's lowering takes a CPU-only branch that changes what the wrapper allocates, the
-prediction of a CUDA step would hold buffers the real one never allocates. While the CUDA kernel
-model is active (:func:`lowering_for_cuda`, entered by ``memfit.memory.cuda.model``) the predicting
-compile takes CUDA's branch instead (:func:`lowered_as_on_cuda`, entered by
-``memfit.techniques.compiled``), and its wrappers are cached under a key of their own
+A GPU preset is traced on fake CPU tensors (NOTE [ GPU presets without a GPU ], memfit.devices).
+Left alone, Inductor would compile its regions for the CPU: its C++ code generator fuses, saves for
+backward and reuses buffers otherwise than its CUDA path (Triton's code generator), and a compiled
+GPT-2 124M was then predicted 12-17% low for an H100 (rows c-gpt2-bf16-full* of
+tests/data/h100.jsonl). While the CUDA kernel model is active (:func:`lowering_for_cuda`, entered
+by ``memfit.memory.cuda.model`` with the preset), a predicting compile takes the CUDA path instead
+(NOTE [ Inductor's CUDA path without a GPU ]); its wrappers are cached under keys of their own
 (``fake_wrapper.PredictionPass``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import unittest.mock
 
 import torch
+from torch.utils._pytree import tree_map
 
-_ACTIVE = [0]
+from memfit.techniques import cuda_facts
+
+_DEVICES: list = []
+CUDA = torch.device("cuda", 0)
 
 
 @contextlib.contextmanager
-def lowering_for_cuda():
-    """While this is active, predicting compiles lower as Inductor does for CUDA (where it differs)."""
-    _ACTIVE[0] += 1
+def lowering_for_cuda(device):
+    """While this is active, predicting compiles on CPU tensors lower for ``device`` (a GPU preset)
+    as Inductor's CUDA path does."""
+    _DEVICES.append(device)
     try:
         yield
     finally:
-        _ACTIVE[0] -= 1
+        _DEVICES.pop()
 
 
 def active() -> bool:
-    return _ACTIVE[0] > 0
+    return bool(_DEVICES)
 
 
-# NOTE [ cat lowered as on CUDA ]
-# Inductor lowers ``aten.cat`` on the CPU to a materialised concatenation always (pointwise
-# concatenation is off there for speed; a uint8 ``cat`` even falls back to ATen's kernel), while on
-# CUDA it may lower to a pointwise cat that its consumers fuse, allocating nothing. torchao's 4-bit
-# AdamW unpacks its codes with ``torch.stack([codes >> 4, codes & 15], -1)``: on the H100, the
-# compiled update of a 1B Llama's tied embedding allocated no unpacked codes, and the CPU lowering
-# predicted two of 250.5 MiB each at the step's peak (+4.3% allocated; measured 2026-11-26,
-# tests/data/h100.jsonl ``llama1b-full-purebf16-blocks-4bit-ao-inbw``). The lowering's first test is
-# ``inputs[0].get_device().type == "cpu"``; here that one call answers "cuda", and every later call
-# (the device the pointwise cat is built on) the real CPU device, so the kernels still generate for
-# the CPU that runs the prediction.
-#
-# NOTE [ Kernels generated without vectorization for a GPU preset ]
-# A predicted region's kernels are generated and never compiled (NOTE [ Inductor's own wrapper on
-# fake tensors ]), and on a GPU the real ones are Triton's: the CPU's vector instructions shape only
-# the text of kernels nobody runs. Finding them is not free: Inductor's first vectorized kernel in a
-# process probes the C++ compiler for each instruction set (builds a test program for each on a cold
-# cache), and every vectorized kernel is generated twice (a vector and a scalar tail). While a GPU
-# preset is predicted, Inductor picks no vector instruction set: torchao's 4-bit AdamW for two Llama
-# blocks at 7B width (5 graphs) then predicts in 12.5 s instead of 22.6 s on a cold cache, with the
-# same allocations. Scheduling and fusion, hence the wrapper's buffers, do not depend on the
-# instruction set; the H100 rows with compiled regions (tests/data/h100.jsonl) hold it. A CPU
-# prediction keeps the CPU's own set: there the kernels it generates are the ones that run.
-@contextlib.contextmanager
-def lowered_as_on_cuda():
-    """Inductor's ``aten.cat`` lowering takes its CUDA branch (NOTE [ cat lowered as on CUDA ]) and
-    its kernels are generated without vector instructions (NOTE [ Kernels generated without
-    vectorization for a GPU preset ]); a no-op unless :func:`lowering_for_cuda` is active."""
+def target():
+    """The GPU preset the predicting compiles lower for (None: none)."""
+    return _DEVICES[-1] if _DEVICES else None
+
+
+def emulates(example_inputs) -> bool:
+    """Whether a predicting compile of a graph with these inputs takes the emulated CUDA path: a GPU
+    preset is traced here on CPU tensors (with fake CUDA tensors, on a machine with a GPU, Inductor
+    takes its CUDA path by itself)."""
     if not active():
+        return False
+    devices = {x.device.type for x in example_inputs if isinstance(x, torch.Tensor)}
+    return "cpu" in devices or ("cuda" in devices and not torch.cuda.is_available())
+
+
+def code_generator() -> str:
+    """Which code generator a predicting compile follows now, in words (for the report)."""
+    device = target()
+    if device is None:
+        return "Inductor's C++ code generator (CPU)"
+    cc = device.compute_capability
+    return f"Inductor's CUDA path and Triton code generator for {device.name} (sm{cc[0]}{cc[1]}, {device.sm_count} SMs)"
+
+
+# NOTE [ Inductor's CUDA path without a GPU ]
+# Three ways were open: fake CUDA tensors throughout, modelling where the CPU lowering differs from
+# Triton's, or Inductor's CUDA path on graphs moved to CUDA after autograd has run. The first fails:
+# AOTAutograd traces the joint forward-backward graph by running autograd's engine, which needs a
+# CUDA driver for CUDA tensors, fake ones too (pytorch#92627). The second drifted: the CPU lowering
+# and Triton's differ in many small rules (pointwise cat, split reductions, padded matmuls, what a
+# fused kernel materialises), and each one modelled was another rule to keep up with Inductor. So
+# memfit takes the third:
+#
+# 1. Dynamo captures the region and AOTAutograd traces its joint graph on the CPU tensors of the
+#    trace, with the CUDA kernel model's composites registered (memfit.memory.cuda): the joint graph
+#    holds the ATen ops CUDA dispatches to (its attention backend, fused dropout).
+# 2. Before Inductor's joint-graph passes and the min-cut partitioner run, the joint graph is moved
+#    to CUDA (:func:`graph_on_cuda`): every fake tensor in its metadata and every device argument
+#    becomes ``cuda:0``. From there Inductor runs its CUDA path, unchanged: the joint passes (padded
+#    matmuls), the partitioner's choice of what forward saves, the post-grad passes, lowering,
+#    the scheduler's fusions and order, buffer reuse, and the Triton code generator, whose kernels
+#    are generated and never compiled. Inductor asks the card a few facts while it compiles
+#    (memfit.techniques.cuda_facts): the preset answers them.
+# 3. The generated wrapper runs on the trace's CPU fake tensors (NOTE [ Inductor's own wrapper on
+#    fake tensors ]): its ``empty_strided_cuda`` and ``device('cuda')`` allocate on the trace's
+#    device, its device guards and streams do nothing.
+#
+# What is not Inductor's own: Inductor's pattern passes are traced once per device on example
+# tensors with autograd, so their patterns are traced on the CPU (the same ATen patterns); and a
+# padded matmul is chosen on a GPU by timing both (``pad_mm``), here by NOTE [ Padded matmuls
+# without timing ].
+@contextlib.contextmanager
+def partition_on_cuda():
+    """Inductor's partitioner (and its joint-graph passes before it) get the joint graph moved to
+    CUDA (NOTE [ Inductor's CUDA path without a GPU ], step 2)."""
+    from torch._inductor import compile_fx
+
+    partition = compile_fx.partition_fn
+
+    def on_cuda(gm, joint_inputs, **kwargs):
+        move = graph_on_cuda(gm)
+        with compiling_for_cuda():
+            return partition(gm, tree_map(move, list(joint_inputs)), **kwargs)
+
+    with unittest.mock.patch.object(compile_fx, "partition_fn", on_cuda):
         yield
-        return
-    with _cat_as_on_cuda(), _no_vector_isa():
-        yield
+
+
+# NOTE [ Padded matmuls without timing ]
+# Inductor's joint-graph pass ``pad_mm`` pads a compute-bound matmul whose dimensions are not
+# aligned (GPT-2's vocabulary, 50257, to 50264 in bf16) when a timing on the GPU shows the padded
+# one (with the copies that pad its operands) 10% faster than the unpadded one. Its padded copies
+# are memory: a logits-sized one (786 MiB for GPT-2 124M at batch 8 x 1024) each. Nothing can be
+# timed here. The H100 rows c-gpt2-bf16-full* tell which way the timings went for GPT-2's three
+# vocabulary matmuls: the prediction made on the H100 itself, whose pass timed them there, came to
+# 6,369,784,832 bytes allocated (``predicted_cuda`` in the row); here, padding only the input
+# gradient's matmul, whose padded operands Inductor writes padded in the first place (the pass then
+# leaves their padding out of the timing: ``should_exclude_padding_time``), gives 6,369,860,608
+# (padding none: 5,601,774,592; all three: 7,172,274,176; the weight gradient's alone: 5,546,468,864
+# and +1.3% reserved). So a matmul the pass finds compute-bound on the preset is taken to be faster
+# padded when none of the operands to pad needs a copy of its own, and slower otherwise.
+class _PadTiming:
+    """Stands in for ``pad_mm``'s timing (NOTE [ Padded matmuls without timing ]): the pass asks
+    for its timing key with the match, then for the cached timing of that key."""
+
+    def __init__(self, pad_mm) -> None:
+        self.pad_mm, self.key_of, self.asked = pad_mm, pad_mm.should_pad_bench_key, None
+
+    def key(self, match, mat1, mat2, op, input=None, is_base_time_key=False):
+        self.asked = (match, mat1, mat2, op)
+        return self.key_of(match, mat1, mat2, op, input, is_base_time_key)
+
+    def padded_is_faster(self, _key) -> bool:
+        pad_mm = self.pad_mm
+        match, mat1, mat2, op = self.asked
+        m, k = mat1.shape[-2:]
+        n = mat2.shape[-1]
+
+        def pads(t, *dims) -> bool:
+            return any(pad_mm.get_padded_length(d, pad_mm.get_alignment_size(t)) for d in dims)
+
+        to_pad = [name for name, t, dims in (("mat1", mat1, (m, k)), ("mat2", mat2, (k, n))) if pads(t, *dims)]
+        return all(pad_mm.should_exclude_padding_time(match, name) for name in to_pad)
 
 
 @contextlib.contextmanager
-def _no_vector_isa():
-    from torch._inductor import cpu_vec_isa
+def compiling_for_cuda():
+    """Inductor compiles for the preset of :func:`lowering_for_cuda`, on a machine without a GPU."""
+    from torch._inductor.fx_passes import joint_graph, pad_mm
 
-    pick = cpu_vec_isa.pick_vec_isa
-    cpu_vec_isa.pick_vec_isa = lambda: cpu_vec_isa.invalid_vec_isa  # (Inductor's code generator asks the module)
-    try:
+    init = joint_graph.lazy_init
+    timing = _PadTiming(pad_mm)
+
+    def patterns_traced_on_cpu(input_device=None, **kwargs):
+        on_cpu = input_device is not None and torch.device(input_device).type == "cuda"
+        return init(torch.device("cpu") if on_cpu else input_device, **kwargs)
+
+    # (one thread: Inductor would otherwise start its pool of compile workers, ~0.5 GiB each, and hand
+    # them each kernel to compile for real as it is generated; a prediction compiles none)
+    with cuda_facts.card(target()), torch._inductor.config.patch(compile_threads=1), \
+            unittest.mock.patch.object(pad_mm, "should_pad_bench_key", timing.key), \
+            unittest.mock.patch.object(pad_mm, "get_cached_should_pad", timing.padded_is_faster), \
+            unittest.mock.patch.object(joint_graph, "lazy_init", patterns_traced_on_cpu), \
+            unittest.mock.patch.object(joint_graph, "UniformValueConstantFolder",
+                                       _folder_on_cpu(joint_graph.UniformValueConstantFolder)):
         yield
-    finally:
-        cpu_vec_isa.pick_vec_isa = pick
 
 
-@contextlib.contextmanager
-def _cat_as_on_cuda():
-    from torch._inductor import lowering
+def _folder_on_cpu(folder: type) -> type:
+    """Inductor's constant folding evaluates a graph's constant nodes on real one-element tensors on
+    the graph's device; without a GPU they are evaluated on the CPU (the same values)."""
+    def on_cpu(x):
+        return torch.device("cpu") if isinstance(x, torch.device) and x.type == "cuda" else x
 
-    cat = getattr(lowering.cat, "__wrapped__", None)  # the lowering itself, inside register_lowering's handling
-    register = getattr(lowering, "_register_lowering", None)
-    if cat is None or register is None:  # (another Inductor: its CPU lowering, as before this module)
-        yield
-        return
+    class FolderOnCpu(folder):
+        def run_node(self, node):
+            args, kwargs = node.args, node.kwargs
+            node.args, node.kwargs = tree_map(on_cpu, args), tree_map(on_cpu, kwargs)
+            try:
+                return super().run_node(node)
+            finally:
+                node.args, node.kwargs = args, kwargs
 
-    def cat_as_on_cuda(inputs, dim=0):
-        first = inputs[0]
+    return FolderOnCpu
 
-        def device_once():
-            object.__delattr__(first, "get_device")
-            real = first.get_device()
-            return torch.device("cuda") if real is not None and real.type == "cpu" else real
 
-        try:
-            object.__setattr__(first, "get_device", device_once)
-        except (AttributeError, TypeError):  # (an input that takes no attribute: the CPU's branch)
-            return cat(inputs, dim)
-        try:
-            return cat(inputs, dim)
-        finally:
-            if "get_device" in vars(first):
-                object.__delattr__(first, "get_device")
+def graph_on_cuda(gm: torch.fx.GraphModule):
+    """Move ``gm`` to CUDA in place: its nodes' fake values and device arguments. Returns the mover,
+    for the graph's example inputs (one moved tensor per tensor: aliases stay aliases)."""
+    move = _mover()
+    for node in gm.graph.nodes:
+        node.args = tree_map(move, node.args)
+        node.kwargs = tree_map(move, node.kwargs)
+        if "val" in node.meta:
+            node.meta["val"] = tree_map(move, node.meta["val"])
+    gm.recompile()
+    return move
 
-    as_on_cuda = register(
-        torch.ops.aten.cat, cat_as_on_cuda, broadcast=False, convert_input_to_bool=False, lowering_dict={},
-        type_promotion_kind=lowering.ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)  # as lowering.py registers cat
-    keys = [op for op, fn in lowering.lowerings.items() if fn is lowering.cat]
-    for op in keys:
-        lowering.lowerings[op] = as_on_cuda
-    try:
-        yield
-    finally:
-        for op in keys:
-            lowering.lowerings[op] = lowering.cat
+
+def _mover():
+    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+
+    moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (the CPU tensor, kept alive; its move)
+
+    def move(x):
+        if isinstance(x, torch.device) and x.type == "cpu":
+            return CUDA
+        if not isinstance(x, FakeTensor) or x.device.type != "cpu":
+            return x
+        if id(x) not in moved:
+            with in_kernel_invocation_manager(x.fake_mode):
+                meta = torch.ops.aten.alias.default(x)  # (a meta tensor on the fake tensor's storage)
+            moved[id(x)] = (x, FakeTensor(x.fake_mode, meta, CUDA))
+        return moved[id(x)][1]
+
+    return move

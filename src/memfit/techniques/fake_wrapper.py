@@ -35,9 +35,14 @@ class PredictionPass(CustomGraphPass):
         return None
 
     def uuid(self) -> str:
-        from memfit.techniques import cuda_lowering  # lowered as on CUDA: other wrappers (its NOTE)
-        files = (__file__, cuda_lowering.__file__)
-        return "memfit-fake-wrapper-" + ("cuda-" if cuda_lowering.active() else "") + get_hash_for_files(files).hex()
+        from memfit.techniques import (
+            cuda_facts,
+            cuda_lowering,  # lowered as on CUDA: other wrappers (its NOTE)
+        )
+        files = (__file__, cuda_lowering.__file__, cuda_facts.__file__)
+        device = cuda_lowering.target()  # (the card's facts decide the CUDA path's choices)
+        card = f"{device.name}-sm{device.compute_capability}-{device.sm_count}-" if device is not None else ""
+        return "memfit-fake-wrapper-" + card + get_hash_for_files(files).hex()
 
 
 PREDICTION_PASS = PredictionPass()
@@ -84,6 +89,17 @@ def load_wrapper(graph, wrapper_code):
     """Stands in for ``GraphLowering._compile_to_module_lines``: the generated wrapper with kernels
     that do nothing, written to Inductor's code cache (its source differs from the real wrapper's,
     so it has a key of its own) and loaded from there, as a cache hit loads it."""
+    return _load(graph, wrapper_code, emulated=False)
+
+
+def load_emulated_wrapper(graph, wrapper_code):
+    """:func:`load_wrapper` for a wrapper of Inductor's CUDA path that runs on the CPU fake tensors
+    of a GPU preset's trace (NOTE [ Inductor's CUDA path without a GPU ]): its CUDA allocations on
+    the trace's device, its device guard and streams doing nothing."""
+    return _load(graph, wrapper_code, emulated=True)
+
+
+def _load(graph, wrapper_code, emulated: bool):
     from torch._inductor.codecache import PyCodeCache
     source = wrapper_code.value
     if NO_KERNELS_LINE not in source:
@@ -91,7 +107,10 @@ def load_wrapper(graph, wrapper_code):
     # (on one line: the line map of the wrapper stays valid)
     source = source.replace(NO_KERNELS_LINE, "from memfit.techniques import fake_wrapper as _memfit_fake_wrapper; "
                             "async_compile = _memfit_fake_wrapper.NO_KERNELS", 1)
-    source += "\n_memfit_fake_wrapper.install(globals())\n"
+    if emulated:
+        for call, stand_in in EMULATED_CALLS.items():
+            source = source.replace(call, stand_in)
+    source += f"\n_memfit_fake_wrapper.install(globals(), emulated={emulated})\n"
     linemap = [(line, node.stack_trace) for line, node in wrapper_code.line_map]
     key, path = PyCodeCache.write(source)
     module = PyCodeCache.load_by_key_path(key, path, linemap, graph.constants)
@@ -99,10 +118,12 @@ def load_wrapper(graph, wrapper_code):
     return module
 
 
-def install(scope: dict) -> None:
+def install(scope: dict, emulated: bool = False) -> None:
     """Called by a predicted wrapper's last line: its allocations through the dispatcher, its
-    ``call`` under the modes of the region's call."""
+    ``call`` under the modes of the region's call; an emulated CUDA wrapper's on the trace's device."""
     scope.update(FAKE_ALLOCATORS)
+    if emulated:
+        scope.update(EMULATED_CUDA)
     scope["call"] = _under_call_modes(scope["call"])
 
 
@@ -159,6 +180,51 @@ FAKE_ALLOCATORS = {
     "assert_size_stride": _no_kernel,
     "assert_size_stride_grouped": _no_kernel,
     "assert_alignment": _no_kernel,
+}
+
+
+class _NoDeviceGuard:
+    def __init__(self, index) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+def _device_of_trace(type=None, index=None):
+    """``torch.device`` in an emulated CUDA wrapper: CUDA is the trace's (CPU) device."""
+    kind = type.type if isinstance(type, torch.device) else str(type)
+    if kind.split(":")[0] == "cuda":
+        return torch.device("cpu")
+    return torch.device(type) if index is None else torch.device(type, index)
+
+
+def _empty_strided_on_trace(size, stride, dtype):
+    return torch.empty_strided(size, stride, dtype=dtype, device="cpu")
+
+
+def _copy_if_misaligned(tensor):
+    """Inductor's CUDA wrapper copies an input whose data is not 16-byte aligned (its kernels assume
+    it); the caching allocator aligns each block, so a fake tensor is misaligned by its offset only."""
+    if isinstance(tensor, torch.Tensor) and tensor.storage_offset() * tensor.element_size() % 16:
+        return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
+                                   device=tensor.device).copy_(tensor)
+    return tensor
+
+
+EMULATED_CALLS = {"torch.cuda._DeviceGuard(": "_memfit_fake_wrapper.NoDeviceGuard(",
+                  "torch.cuda.set_device(": "_memfit_fake_wrapper.no_kernel("}
+"""Calls of a CUDA wrapper that need a driver, and what an emulated wrapper calls instead."""
+NoDeviceGuard = _NoDeviceGuard
+no_kernel = _no_kernel
+EMULATED_CUDA = {
+    "empty_strided_cuda": _empty_strided_on_trace,
+    "device": _device_of_trace,
+    "get_raw_stream": lambda index: 0,
+    "copy_if_misaligned": _copy_if_misaligned,
 }
 
 

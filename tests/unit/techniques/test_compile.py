@@ -86,6 +86,35 @@ def test_a_graph_break_in_a_block_is_one_line_naming_it():
         estimate(wl, Plan(compile="blocks"), batch_size=2)
 
 
+class BreaksEverywhere(nn.Module):
+    """A block that logs through a C extension Dynamo cannot trace: a graph break in every block."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return torch.relu(self.lin(x))
+
+
+def test_a_whole_model_graph_that_breaks_is_predicted_as_the_eager_step_and_says_so():
+    """NOTE [ A broken graph is not predicted as compiled ]: the eager pieces between the graphs would
+    run outside the tracker; the estimate names the break and predicts the plan without compile."""
+    from memfit.memory.estimate import estimate_target
+    from memfit.target import Target
+    from memfit.techniques.compiled import GraphBreaks
+    wl = Workload(model=lambda: nn.Sequential(*[BreaksEverywhere() for _ in range(3)]),
+                  batch=lambda n: torch.randn(n, 8), loss=lambda m, x: m(x).sum())
+    report = estimate(wl, Plan(compile="full", checkpointing="budget:0.5"), batch_size=4)
+    assert report.plan["compile"] == "none" and report.plan["checkpointing"] == "none"
+    line = report.approximations[0]
+    assert "broke the model and loss" in line and "graph break" in line and "instead" in line, line
+    assert report.peak_bytes == estimate(wl, Plan(), batch_size=4).peak_bytes  # the eager step, as said
+    with pytest.raises(GraphBreaks, match="broke the model and loss"):  # the planner: the mode is left out
+        estimate_target(Target.resolve(wl, Plan(compile="full"), 4), fallback=False)
+
+
 def test_a_missing_cpu_compiler_is_named(monkeypatch):
     import shutil
     monkeypatch.setattr(shutil, "which", lambda name: None)

@@ -170,6 +170,6 @@ def cuda_kernel_model(device, tracker=None):
     """Model CUDA's kernel choices and kernel memory for ``device`` (a GPU Device) in a fake
     trace. Enter it inside the tracker (so that the booked buffers are tracked)."""
     mode = KernelMode(device, tracker)
-    with cuda_composites(device), cuda_autocast(tracker), cuda_optimizer_defaults(), lowering_for_cuda(), \
+    with cuda_composites(device), cuda_autocast(tracker), cuda_optimizer_defaults(), lowering_for_cuda(device), \
             grouped_gemm.transformers_choice(device), mode:
         yield mode
