@@ -58,8 +58,8 @@ from memfit.planner.walk import Walk
 from memfit.plans import Plan, technique_of
 from memfit.quiet import silenced_warnings
 from memfit.step import build_step
-from memfit.techniques.swap_blocks import least_resident_params, model_blocks
 from memfit.target import Target
+from memfit.techniques.swap_blocks import least_resident_params, model_blocks
 from memfit.units import fmt_bytes
 from memfit.workload import Workload
 
