@@ -104,6 +104,6 @@ def quantize(layer: Float8Linear, full: torch.Tensor) -> torch.nn.Parameter:
     rows = max(1, CHUNK_BYTES // max(1, 4 * full.shape[1]))
     for start in range(0, full.shape[0], rows):
         end = start + rows
-        codes[start:end] = full[start:end].float().div_(scale[start:end])
+        codes[start:end] = full[start:end].to(torch.float32, copy=True).div_(scale[start:end])
     layer.scale = scale
     return torch.nn.Parameter(codes, requires_grad=False)
