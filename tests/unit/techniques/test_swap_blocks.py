@@ -12,7 +12,6 @@ import contextlib
 import io
 
 import pytest
-import torch
 
 from helpers import assert_same_training, run_steps
 from memfit.devices import get_device
