@@ -59,7 +59,7 @@ from memfit.plans import Plan, technique_of
 from memfit.quiet import silenced_warnings
 from memfit.step import build_step
 from memfit.target import Target
-from memfit.techniques.swap_blocks import least_resident_params, model_blocks
+from memfit.techniques.swap_blocks import least_resident_bytes
 from memfit.units import fmt_bytes
 from memfit.workload import Workload
 
@@ -361,12 +361,12 @@ def _check_real_steps_fit(workload, facts) -> None:
 
 def _check_budget_above_weights(budget: int, facts, dev: Device, world_size: int = 1, base_weights=None) -> None:
     """The weights that stay on the device in every plan fit the budget: all of them in 16 bits (one
-    rank's share), or, where ``swap_blocks`` can keep blocks on the host (one GPU, weights that are
-    not bitsandbytes'), those outside the repeated blocks and two blocks, in 16 bits (8 with fp8)."""
+    rank's share), or, where ``swap_blocks`` can keep blocks on the host (one GPU), those outside the
+    repeated blocks and two blocks (memfit.techniques.swap_blocks.least_resident_bytes)."""
     min_bytes = facts.n_params * (2 if dev.bf16 or dev.fp16 else 4) // world_size
-    if world_size == 1 and dev.is_gpu and str(base_weights or "as-is") in ("as-is", "fp8") and \
-            model_blocks(facts.model):
-        min_bytes = least_resident_params(facts.model) * (1 if base_weights == "fp8" else 2)
+    resident = least_resident_bytes(facts.model, base_weights) if world_size == 1 and dev.is_gpu else None
+    if resident is not None:
+        min_bytes = resident
     if budget < min_bytes:
         share = f", 1/{world_size} of them per rank" if world_size > 1 else ""
         raise UserError(f"budget {fmt_bytes(budget)} is below the model's own parameters ({fmt_bytes(min_bytes)} "

@@ -63,13 +63,26 @@ def _swapped(model: torch.nn.Module, count: int) -> tuple[list[torch.nn.Module],
     return blocks, set(range(len(blocks) - count, len(blocks)))
 
 
-def least_resident_params(model: torch.nn.Module) -> int:
-    """Parameters that stay on the device whatever is swapped: those outside the blocks and the two
-    largest blocks (the one running and the one being fetched)."""
-    blocks = model_blocks(model)
-    sizes = sorted((sum(p.numel() for p in b.parameters()) for b in blocks), reverse=True)
-    total = sum(p.numel() for p in model.parameters())
-    return total - sum(sizes) + sum(sizes[:2])
+def _weight_bytes(params, model: torch.nn.Module, base_weights: str) -> int:
+    """Bytes of ``params`` in 16 bits, linear weights in 8 with ``base_weights: fp8``."""
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)} if base_weights == "fp8" else ()
+    return sum(p.numel() * (1 if id(p) in linear else 2) for p in params)
+
+
+def _swappable(model: torch.nn.Module, base_weights: str | None) -> bool:
+    """Blocks to swap, in a format the swap streams (as-is or fp8, not bitsandbytes' layers)."""
+    return str(base_weights or "as-is") in ("as-is", "fp8") and bool(model_blocks(model))
+
+
+def least_resident_bytes(model: torch.nn.Module, base_weights: str | None) -> int | None:
+    """Bytes of the weights that stay on the device however many blocks are swapped (those outside
+    the blocks and the two largest blocks: the one running and the one being fetched), in 16 bits
+    (linear weights in 8 with fp8); None where no block can be swapped."""
+    if not _swappable(model, base_weights):
+        return None
+    base = str(base_weights or "as-is")
+    sizes = sorted((_weight_bytes(b.parameters(), model, base) for b in model_blocks(model)), reverse=True)
+    return _weight_bytes(model.parameters(), model, base) - sum(sizes) + sum(sizes[:2])
 
 
 # NOTE [ Weights saved for backward ]
@@ -312,16 +325,12 @@ def search(ctx: SearchContext) -> list[int]:
     """None, a quarter, half, three quarters and all of the blocks, on GPU presets where the weights
     take more than half the budget (in the format the plan stores them: ``base_weights``); else none
     (the host is the device on a CPU, and a model far under its budget gains nothing)."""
-    budget = ctx.options.get("budget_bytes")
-    base = str(ctx.options.get("base_weights") or "as-is")
-    blocks = model_blocks(ctx.model)
-    if not ctx.device.is_gpu or budget is None or not blocks or base.startswith(("nf4", "fp4", "int8")):
+    budget, base = ctx.options.get("budget_bytes"), ctx.options.get("base_weights")
+    if not ctx.device.is_gpu or budget is None or not _swappable(ctx.model, base):
         return [0]
-    linear = {id(m.weight) for m in ctx.model.modules() if isinstance(m, torch.nn.Linear)}
-    weights = sum(p.numel() * (1 if base == "fp8" and id(p) in linear else 2) for p in ctx.model.parameters())
-    if weights <= budget / 2:
+    if _weight_bytes(ctx.model.parameters(), ctx.model, str(base or "as-is")) <= budget / 2:
         return [0]
-    n = len(blocks)
+    n = len(model_blocks(ctx.model))
     return sorted({0, n // 4, n // 2, 3 * n // 4, n})
 
 
