@@ -48,6 +48,7 @@ class Plan:
     grad_accum_steps: int = _key("grad_accum_steps")
     compile: str = _key("compile")                      # techniques/compile.py
     checkpointing: str = _key("checkpointing")          # techniques/checkpointing.py
+    swap_blocks: int = _key("swap_blocks")              # techniques/swap_blocks.py
     optimizer: str = _key("optimizer")                  # techniques/optimizers.py (+ its variants)
     optimizer_in_backward: bool = _key("optimizer_in_backward")  # techniques/in_backward.py
     shard: str = _key("shard")                          # techniques/sharding.py (FSDP2)

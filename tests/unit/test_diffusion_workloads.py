@@ -28,12 +28,15 @@ TINY = {
     "unet-sd15": "unet-sd15:block_out_channels=32/32/64/64,attention_head_dim=2,cross_attention_dim=32,"
                  "layers_per_block=1",
 }
-RESOLUTION = {"dit-lumina2": 128, "dit-sd3": 128, "unet-sdxl": 128, "unet-sd15": 64}
+TINY["dit-flux"] = ("dit-flux:num_layers=2,num_single_layers=3,attention_head_dim=16,num_attention_heads=2,"
+                    "joint_attention_dim=32,pooled_projection_dim=16,in_channels=16,axes_dims_rope=4/6/6")
+RESOLUTION = {"dit-lumina2": 128, "dit-sd3": 128, "unet-sdxl": 128, "unet-sd15": 64, "dit-flux": 128}
 
 # unet-sdxl in fp32 is profiled by test_block_checkpointing_keeps_fewer_activations (same bound)
 CASES = [(arch, precision, ckpt) for arch in ("dit-lumina2", "unet-sdxl") for precision in ("fp32", "bf16")
          for ckpt in ("none", "blocks") if (arch, precision) != ("unet-sdxl", "fp32")] + [
-    ("dit-sd3", "fp32", "none"), ("dit-sd3", "bf16", "blocks"), ("unet-sd15", "fp32", "none")]
+    ("dit-sd3", "fp32", "none"), ("dit-sd3", "bf16", "blocks"), ("unet-sd15", "fp32", "none"),
+    ("dit-flux", "fp32", "none"), ("dit-flux", "bf16", "blocks")]
 SLOW = {("unet-sdxl", "bf16", "none"), ("unet-sdxl", "bf16", "blocks")}
 
 
@@ -87,7 +90,7 @@ def test_checkpointed_training_equals_plain():
 
 def test_released_sizes_and_resolution_shape_the_batch():
     """Parameter counts of the released models, and the latent/caption shapes of one sample."""
-    sizes = {"dit-lumina2": 2.61e9, "dit-sd3": 2.03e9, "unet-sdxl": 2.57e9, "unet-sd15": 0.86e9}
+    sizes = {"dit-lumina2": 2.61e9, "dit-sd3": 2.03e9, "unet-sdxl": 2.57e9, "unet-sd15": 0.86e9, "dit-flux": 11.90e9}
     for spec, want in sizes.items():
         with torch.device("meta"):
             n = sum(p.numel() for p in load_workload(spec).model().parameters())
@@ -100,3 +103,46 @@ def test_released_sizes_and_resolution_shape_the_batch():
     assert load_workload("unet-sd15").info.resolution == 512
     sdxl = load_workload("unet-sdxl").batch(1)
     assert sdxl["sample"].shape == (1, 4, 128, 128) and sdxl["text_embeds"].shape == (1, 1280)
+
+
+def test_flux_is_flux1_dev_trained_on_cached_latents_and_text():
+    """FLUX.1-dev's shapes: 19 double- and 38 single-stream blocks of 3072 (24 heads x 128), the
+    guidance embedding; one sample at 1024 px is 64 x 64 tokens of 2x2-packed 16-channel latents
+    (128 x 128 latents), 512 T5 tokens of 4096 and a pooled CLIP vector of 768; the model loads as a
+    checkpoint (each weight made in its final form)."""
+    wl = load_workload("dit-flux")
+    with torch.device("meta"):
+        model = wl.model()
+    blocks = {name: (len(children), type(children[0]).__name__) for name, children in find_blocks(model)}
+    assert blocks == {"transformer_blocks": (19, "FluxTransformerBlock"),
+                      "single_transformer_blocks": (38, "FluxSingleTransformerBlock")}
+    assert model.config.guidance_embeds and model.inner_dim == 3072 and wl.from_checkpoint
+    batch = wl.batch(2)
+    assert batch["hidden_states"].shape == batch["target"].shape == (2, 64 * 64, 64)
+    assert batch["encoder_hidden_states"].shape == (2, 512, 4096) and batch["pooled_projections"].shape == (2, 768)
+    assert batch["img_ids"].shape == (64 * 64, 3) and batch["txt_ids"].shape == (512, 3)
+    assert batch["guidance"].shape == batch["timestep"].shape == (2,) and wl.info.resolution == 1024
+    assert batch["img_ids"][65].tolist() == [0, 1, 1]  # (row, column) of the token
+    assert load_workload("dit-flux", resolution=512).batch(1)["hidden_states"].shape == (1, 32 * 32, 64)
+
+
+def test_flux_target_is_the_velocity_of_the_packed_latents():
+    """Rectified flow (t = 1 is noise): the noisy input is (1 - t) x0 + t noise and the target
+    noise - x0, both packed 2x2 into tokens; checked by unpacking with the pipeline's inverse."""
+    wl = load_workload(TINY["dit-flux"], resolution=64)
+    torch.manual_seed(0)
+    b = wl.batch(2)
+    torch.manual_seed(0)
+    x0, noise, t = torch.randn(2, 4, 8, 8), torch.randn(2, 4, 8, 8), torch.rand(2)
+
+    def unpack(tokens):  # diffusers' FluxPipeline._unpack_latents
+        return tokens.view(2, 4, 4, 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(2, 4, 8, 8)
+    s = t.view(-1, 1, 1, 1)
+    torch.testing.assert_close(unpack(b["hidden_states"]), (1 - s) * x0 + s * noise)
+    torch.testing.assert_close(unpack(b["target"]), noise - x0)
+
+
+def test_flux_resolution_must_divide_into_packed_latents():
+    from memfit.errors import UserError
+    with pytest.raises(UserError, match=r"--resolution 1000 is not a multiple of 16 .* use --resolution 992 or 1008"):
+        load_workload("dit-flux", resolution=1000)

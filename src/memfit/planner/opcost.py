@@ -112,6 +112,8 @@ class OpRecorder(TorchDispatchMode):
         self._pending: dict[int, tuple[int, weakref.ref]] = {}
         """Storages written by a collective or on FSDP2's streams -> (that op's serial, the storage,
         by weak reference: a freed storage's key is reused)."""
+        self._fetched: set[int] = set()
+        """Storages filled ahead by a side-stream copy in forward or backward, not read yet."""
         self._serials = 0
         self._compute_waits = 0
         self._schema: dict[Any, tuple[bool, tuple[int, ...]]] = {}
@@ -272,8 +274,11 @@ class OpRecorder(TorchDispatchMode):
                 self.ops.append(Op(D2H, phase, 0.0, written, "", 1, flags))
                 return
             if hosted:  # host -> device (offloaded activations and optimizer states coming back)
-                side = phase == PHASES.index("optimizer") and not flags & WORKER  # offloaded states are prefetched on a side stream
+                # offloaded states are prefetched on a side stream, and so are swapped blocks' weights
+                side = (phase == PHASES.index("optimizer") and not flags & WORKER) or bool(flags & SIDE_STREAM)
                 key = outs[0].untyped_storage()._cdata if side and outs else 0
+                if key and phase != PHASES.index("optimizer"):
+                    self._fetched.add(key)
                 self.ops.append(Op(H2D, phase, 0.0, written, "", 1, flags | (SIDE_STREAM if side else 0), key))
                 return
             if outs:
@@ -284,7 +289,7 @@ class OpRecorder(TorchDispatchMode):
             self.ops.append(Op(HOST, phase, 0.0, device_in, "", 1, flags, host_bytes=read + written))
             return
         key = key_of_stream_op if key_of_stream_op is not None else \
-            ins[0].untyped_storage()._cdata if phase == 4 and ins else 0
+            ins[0].untyped_storage()._cdata if phase == 4 and ins else self._first_use(ins)
         if packet in ATTENTION_OPS:
             flops = flops_of(packet, args, kwargs, out)
             dtype = "half" if args[0].dtype in HALF else "fp32"
@@ -335,6 +340,18 @@ class OpRecorder(TorchDispatchMode):
         self.ops.append(Op(COMM, phase, 0.0, int(moved * (n - 1) / max(n, 1)), "", 1, flags | after, serial))
         for t in outs:
             self._will_wait(t, serial)
+
+    def _first_use(self, ins) -> int:
+        """The storage of a weight fetched ahead on a side stream that this op is the first to read
+        (it waits for that copy: its ``key``), else 0."""
+        if not self._fetched:
+            return 0
+        for t in ins:
+            key = t.untyped_storage()._cdata
+            if key in self._fetched:
+                self._fetched.discard(key)
+                return key
+        return 0
 
     def _serial(self) -> int:
         self._serials += 1
@@ -393,7 +410,7 @@ def _offload_flags() -> int:
     return _WHERE_FLAGS.get(running(), 0)
 
 
-_WHERE_FLAGS = {"out": OUT_STREAM, "host": WORKER, "background": BACKGROUND}
+_WHERE_FLAGS = {"out": OUT_STREAM, "host": WORKER, "background": BACKGROUND, "in": SIDE_STREAM}
 
 
 def _flags() -> int:

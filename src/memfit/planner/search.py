@@ -59,6 +59,7 @@ from memfit.plans import Plan, technique_of
 from memfit.quiet import silenced_warnings
 from memfit.step import build_step
 from memfit.target import Target
+from memfit.techniques.swap_blocks import least_resident_bytes
 from memfit.units import fmt_bytes
 from memfit.workload import Workload
 
@@ -152,12 +153,13 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     if world > 1 and not dev.is_gpu:
         raise UserError(f"plan --world-size {world} times sharded plans on GPU presets (on the CPU the planner times "
                         "real steps, which a sharded plan runs in several processes); give --device, e.g. h100-80gb")
-    _check_budget_above_weights(budget_bytes, facts, dev, world)
+    _check_budget_above_weights(budget_bytes, facts, dev, world, (fixed or {}).get("base_weights"))
     if not dev.is_gpu and time_model is None:
         _check_real_steps_fit(wl, facts)
     rank_bs = Plan(world_size=world).config("shard").rank_batch(bs)  # (a sharded rank's micro-batches split this)
     custom_space = space is not None
-    space = space or default_space(facts, dev, rank_bs, optimizers, compile_modes)
+    space = space or default_space(facts, dev, rank_bs, optimizers, compile_modes, budget_bytes=budget_bytes,
+                                   base_weights=(fixed or {}).get("base_weights"))
     given_fields = dict(fixed or {})
     fixed, constrained = _constrain(space, dict(given_fields), dev, rank_bs)
     _check_suits(target, constrained)
@@ -369,8 +371,14 @@ def _check_real_steps_fit(workload, facts) -> None:
                         "devices), which traces on fake tensors without that memory")
 
 
-def _check_budget_above_weights(budget: int, facts, dev: Device, world_size: int = 1) -> None:
+def _check_budget_above_weights(budget: int, facts, dev: Device, world_size: int = 1, base_weights=None) -> None:
+    """The weights that stay on the device in every plan fit the budget: all of them in 16 bits (one
+    rank's share), or, where ``swap_blocks`` can keep blocks on the host (one GPU), those outside the
+    repeated blocks and two blocks (memfit.techniques.swap_blocks.least_resident_bytes)."""
     min_bytes = facts.n_params * (2 if dev.bf16 or dev.fp16 else 4) // world_size
+    resident = least_resident_bytes(facts.model, base_weights) if world_size == 1 and dev.is_gpu else None
+    if resident is not None:
+        min_bytes = resident
     if budget < min_bytes:
         share = f", 1/{world_size} of them per rank" if world_size > 1 else ""
         raise UserError(f"budget {fmt_bytes(budget)} is below the model's own parameters ({fmt_bytes(min_bytes)} "

@@ -101,8 +101,8 @@ def depths(plan, full: int) -> tuple[int, int] | None:
     should be traced at full depth (a shallow model, or a depth the period does not divide)."""
     p = period(plan)
     d = p * -(-2 // p)  # at least 2: one block is no repeated block (find_blocks)
-    if full < MIN_DEPTH_FOR_SHALLOW or d + p >= full or (full - d) % p:
-        return None
+    if full < MIN_DEPTH_FOR_SHALLOW or d + p >= full or (full - d) % p or plan.swap_blocks:
+        return None  # (swap_blocks counts blocks of the full model: no shallow model has them)
     return d, d + p
 
 

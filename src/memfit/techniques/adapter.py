@@ -19,7 +19,8 @@ Plan key ``adapter``: ``none`` (:class:`NoAdapter`), or ``lora:OPTIONS`` / ``dor
 (:class:`LoRA`) with comma-separated options ``r=16,alpha=32,targets=q_proj+v_proj,
 dropout=0.05,save=lm_head,params=experts.gate_up_proj``. Targets are PEFT's names (module-name suffixes, ``+``-separated);
 without them PEFT's defaults for the model's type, diffusers' attention projections
-(``to_q+to_k+to_v+to_out.0``) for a diffusers model, else every linear layer but the output layer
+(``to_q+to_k+to_v+to_out.0``) for a diffusers model (Flux: its attention and feed-forward layers,
+as diffusers' and kohya's Flux LoRAs), else every linear layer but the output layer
 (``all-linear``). ``save`` lists modules trained in full beside the adapter (PEFT's
 ``modules_to_save``, e.g. a classifier head); ``params`` names parameters of no linear layer
 (PEFT's ``target_parameters``: a mixture of experts' 3-D expert weights, adapted per expert). The adapter is injected with PEFT's own
@@ -167,14 +168,26 @@ DIFFUSERS_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
 train_dreambooth_lora_*)."""
 
 
+FLUX_TARGETS = (r".*transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|"
+                r"to_add_out)|ff(_context)?\.net\.(0\.proj|2)|proj_mlp|proj_out)")
+"""Flux's LoRA targets: diffusers' ``train_dreambooth_lora_flux`` default (both streams' attention
+projections and feed-forward layers) and, as kohya's Flux LoRA, the single-stream blocks' MLP and
+output projections; one regex PEFT matches against whole module names, so the model's own final
+``proj_out`` is not adapted."""
+DIFFUSERS_MODEL_TARGETS = {"FluxTransformer2DModel": FLUX_TARGETS}
+"""Default targets of diffusers models whose LoRA scripts adapt more than the attention projections."""
+
+
 def _default_targets(model, peft) -> list[str] | str:
     """PEFT's default target modules for a transformers model type; for a diffusers model the
-    attention projections its LoRA scripts adapt; else every linear layer but the output layer
-    (PEFT's ``all-linear``)."""
+    layers its LoRA scripts adapt (:data:`DIFFUSERS_MODEL_TARGETS`, else the attention
+    projections); else every linear layer but the output layer (PEFT's ``all-linear``)."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     mapping = getattr(peft.utils, "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING", {})
     if isinstance(model_type, str) and model_type in mapping:
         return list(mapping[model_type])
+    if type(model).__module__.startswith("diffusers.") and type(model).__name__ in DIFFUSERS_MODEL_TARGETS:
+        return DIFFUSERS_MODEL_TARGETS[type(model).__name__]
     if type(model).__module__.startswith("diffusers.") and \
             any(name.endswith(".to_q") for name, _ in model.named_modules()):
         return DIFFUSERS_TARGETS

@@ -19,7 +19,11 @@ The LM head keeps the workload's ``requires_grad`` (peft's ``get_peft_model`` fr
 adapter is added), so a plan without an adapter trains the head on a quantized body. Gradient
 checkpointing is the ``checkpointing`` key's business. Runs in plan order 2, before ``precision``
 and before an ``adapter`` wraps the quantized layers.
-Needs bitsandbytes (``pip install bitsandbytes``); 4-bit and 8-bit layers run forward and
+- ``fp8`` (:class:`Float8Weights`): float8 e4m3 codes, N bytes plus one fp32 scale per row, upcast
+  to the compute dtype per matmul in forward and backward (kohya's ``--fp8_base``;
+  memfit.techniques.fp8_linear says why not torchao's subclass). About 2.5% relative error on a
+  random layer's output. Needs a torch with float8 dtypes, not bitsandbytes.
+Needs bitsandbytes (``pip install bitsandbytes``) but for fp8; 4-bit and 8-bit layers run forward and
 backward on CPU and CUDA. Paged optimizers (``bnb.optim.PagedAdamW``) in a workload are not
 modelled: their states live in CUDA unified memory that the driver pages out.
 """
@@ -36,8 +40,9 @@ import torch
 from memfit.errors import UserError
 from memfit.techniques.base import Config, Export, Key, Technique, register
 from memfit.techniques.bnb_kernels import fake_parameter_subclasses, gemm_4bit_kernels, has_4bit_layers
+from memfit.techniques.fp8_linear import Float8Linear, float8_available, quantize
 
-FORMATS = ("as-is", "nf4", "fp4", "int8")
+FORMATS = ("as-is", "nf4", "fp4", "int8", "fp8")
 BLOCKSIZE = 64
 """Weights per 4-bit absmax block (bitsandbytes' and transformers' default)."""
 
@@ -78,6 +83,10 @@ class BaseWeights(Config):
     def quantized(self, layer, full: torch.Tensor) -> torch.nn.Parameter:
         """``layer``'s weight quantized from ``full`` (the weight in full precision, on the device)."""
         raise NotImplementedError
+
+    def require(self) -> None:
+        """Raise the user error that says what this format needs, where it is missing here."""
+        _require_bitsandbytes(self.text)
 
 
 @dataclass(frozen=True)
@@ -161,6 +170,44 @@ class Int8Weights(BaseWeights):
         into.hf_notes.append("load the model with BitsAndBytesConfig(load_in_8bit=True)")
 
 
+@dataclass(frozen=True)
+class Float8Weights(BaseWeights):
+    """float8 e4m3 codes with one fp32 scale per output row, upcast per matmul
+    (memfit.techniques.fp8_linear)."""
+
+    numerics = "fp8 (e4m3) base weights"
+
+    def __post_init__(self) -> None:
+        self.require()
+
+    def values(self) -> dict:
+        return {"base_weights": "fp8"}
+
+    def label(self, batch_size):
+        return "fp8"
+
+    def require(self) -> None:
+        if not float8_available():
+            raise UserError(f"plan: base_weights fp8 needs a torch with float8 dtypes (2.1 or later; this is "
+                            f"{torch.__version__}); upgrade torch, or use base_weights: as-is")
+
+    def check(self, plan) -> None:
+        if getattr(plan.config("adapter"), "dora", False):
+            raise UserError("plan: base_weights fp8 does not take a DoRA adapter (DoRA normalises the base weight "
+                            "itself every step); use lora:... or base_weights: as-is")
+
+    def layer(self, linear: torch.nn.Linear):
+        return Float8Linear.from_linear(linear)
+
+    def quantized(self, layer, full: torch.Tensor) -> torch.nn.Parameter:
+        return quantize(layer, full)
+
+    def export(self, into: Export) -> None:
+        into.not_carried(self)
+        into.hf_notes.append("store the frozen linear weights in float8_e4m3fn with a scale per row and upcast per "
+                             "matmul (kohya's --fp8_base)")
+
+
 def _quantize_linears(model: torch.nn.Module, config: BaseWeights, text: str) -> None:
     """The linears replaced (:func:`_replace_linears`) and their weights quantized where they are."""
     for layer in _replace_linears(model, config, text):
@@ -172,7 +219,7 @@ def _replace_linears(model: torch.nn.Module, config: BaseWeights, text: str) -> 
     returns the new layers, their weights not yet quantized. In a workload that already trains a
     peft adapter, only its frozen linears (the base layers under the adapter's): the adapter's own
     matrices and ``modules_to_save`` copies train, in full precision, as in QLoRA."""
-    _require_bitsandbytes(text)
+    config.require()
     head = _output_layer(model)
     adapted = _has_peft_adapter(model)
     targets = [(name, m) for name, m in model.named_modules()
@@ -249,23 +296,25 @@ def _bnb_on_fake_tensors(tables: bool):
         yield
 
 
-_GRAMMAR = re.compile(r"^(as-is|int8|(nf4|fp4)(:double_quant=(true|false))?)$")
+_GRAMMAR = re.compile(r"^(as-is|int8|fp8|(nf4|fp4)(:double_quant=(true|false))?)$")
 
 
 def parse(values: dict) -> BaseWeights:
     text = str(values["base_weights"])
     m = _GRAMMAR.match(text)
     if not m:
-        raise UserError(f"plan: base_weights {text!r} is not valid; choose one of as-is, nf4, fp4, int8 "
+        raise UserError(f"plan: base_weights {text!r} is not valid; choose one of as-is, nf4, fp4, int8, fp8 "
                         "(nf4 and fp4 take :double_quant=true, e.g. nf4:double_quant=true)")
     if m.group(2):
         return Quantized4bit(m.group(2), m.group(4) == "true")
+    if text == "fp8":
+        return Float8Weights()
     return {"as-is": AsIsWeights(), "int8": Int8Weights()}[text]
 
 
 TECHNIQUE = register(
-    Technique("base_weights", (Key("base_weights", "as-is", "Base model's linear weights: as-is | nf4 | fp4 | int8; "
-                                   "nf4/fp4 take :double_quant=true (QLoRA's nf4:double_quant=true).",
+    Technique("base_weights", (Key("base_weights", "as-is", "Base model's linear weights: as-is | nf4 | fp4 | int8 | "
+                                   "fp8; nf4/fp4 take :double_quant=true (QLoRA's nf4:double_quant=true).",
                                    metavar="FORMAT"),),
               parse),
-    BaseWeights, AsIsWeights, Quantized4bit, Int8Weights)
+    BaseWeights, AsIsWeights, Quantized4bit, Int8Weights, Float8Weights)

@@ -48,7 +48,11 @@ class Load:
     arrive (:meth:`memfit.techniques.base.Config.on_load`)."""
 
     quantizers: dict[int, Quantizer] = field(default_factory=dict)
-    """``id`` of a meta weight -> how the load quantizes it (bitsandbytes' formats)."""
+    """``id`` of a meta weight -> how the load quantizes it (bitsandbytes' formats, fp8)."""
+    on_host: set[int] = field(default_factory=set)
+    """``id`` of meta parameters the load makes in host memory, quantized there if they are
+    quantized (the weights of swapped blocks: memfit.techniques.swap_blocks), as a loader that reads
+    the checkpoint on the host and moves the rest to the device leaves them."""
 
 
 def natural_key(name: str) -> tuple:
@@ -78,7 +82,7 @@ def materialise(model: torch.nn.Module, device: str | torch.device, load: Load |
         if old is None or id(old) in done or old.device.type != "meta":
             continue
         done.add(id(old))
-        new = torch.empty(old.shape, dtype=old.dtype, device=device)
+        new = _empty(old, device, id(old) in load.on_host)
         quantize = load.quantizers.get(id(old))
         if quantize is None:
             _put(owners[id(old)], _as_kind(old, new))
@@ -90,6 +94,14 @@ def materialise(model: torch.nn.Module, device: str | torch.device, load: Load |
         _put(owners[id(old)], quantize(module.get_parameter(owners[id(old)][0][1])))
         quantized.append(module)
     _initialise(model, skip=quantized)
+
+
+def _empty(old: torch.Tensor, device: str | torch.device, on_host: bool) -> torch.Tensor:
+    """Uninitialised storage for ``old`` on ``device``, or in host memory (pinned for a CUDA device)."""
+    if not on_host:
+        return torch.empty(old.shape, dtype=old.dtype, device=device)
+    pinned = torch.device(device).type == "cuda"
+    return torch.empty(old.shape, dtype=old.dtype, device="cpu", pin_memory=pinned)
 
 
 def _owners(model: torch.nn.Module) -> dict[int, list[tuple[torch.nn.Module, str]]]:

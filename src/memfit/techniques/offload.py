@@ -142,7 +142,8 @@ class OffloadActivations:
 
     def _pack(self, t: torch.Tensor):
         if t.untyped_storage().nbytes() < self.min_bytes or t.untyped_storage()._cdata in self._params \
-                or t.device.type == "meta" or (self.blocks is not None and not self._inside):
+                or isinstance(t, torch.nn.Parameter) or t.device.type == "meta" \
+                or (self.blocks is not None and not self._inside):  # (a swapped block's weight: a parameter)
             return t
         key = (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
         seen = self._seen.get(key)

@@ -79,7 +79,8 @@ def running() -> str | None:
     """What a host-memory technique is doing on this thread, for the planner's op recorder (its
     time model): ``"out"`` while gradients are copied out on a stream of their own, ``"host"`` while
     the offloaded optimizer updates on the host and copies parameters back (a worker thread),
-    ``"background"`` while the EMA copies and averages beside the next step; None otherwise."""
+    ``"background"`` while the EMA copies and averages beside the next step, ``"in"`` while weights
+    are copied to the device ahead of their use on a side stream (swap_blocks); None otherwise."""
     return getattr(_WHERE, "now", None)
 
 

@@ -203,8 +203,8 @@ class BF16Pure(Precision):
         converted: dict[int, torch.nn.Parameter] = {}
         for module in model.modules():
             for name, p in list(module._parameters.items()):
-                if p is None or not p.is_floating_point():
-                    continue
+                if p is None or not p.is_floating_point() or p.element_size() == 1:
+                    continue  # (float8 base weights stay as they are stored)
                 if id(p) not in converted:
                     converted[id(p)] = torch.nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=p.requires_grad)
                 module._parameters[name] = converted[id(p)]

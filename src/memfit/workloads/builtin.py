@@ -2,7 +2,8 @@
 diffusers image models (the only ones that take ``--resolution``). The Hugging Face models, hub ids
 and model folders load as transformers loads a checkpoint (``Workload.from_checkpoint``); the zoo's
 plain-torch models and the diffusers models are built as written (diffusers loads with accelerate's
-``init_empty_weights``, parameters alone on the meta device: not modelled yet)."""
+``init_empty_weights``, parameters alone on the meta device: not modelled yet), but for ``dit-flux``,
+which loads as a checkpoint: its 12B weights reach a 12 GB card only in fp8 or streamed block by block."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def builtin_workload(spec: str, *, seq_len: int | None = None, resolution: int |
     return dataclasses.replace(wl, model=guarded(arch, overrides, "building the model", wl.model),
                                batch=guarded(arch, overrides, "batch(batch_size)", wl.batch),
                                loss=guarded(arch, overrides, "loss(model, batch)", wl.loss),
-                               from_checkpoint=arch in hf.BUILDERS)
+                               from_checkpoint=arch in hf.BUILDERS or wl.from_checkpoint)
 
 
 def folder_workload(path: str, *, seq_len: int | None = None) -> Workload:

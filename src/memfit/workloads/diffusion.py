@@ -75,7 +75,14 @@ SD15 = ImageModel(
     "unet-sd15", "UNet2DConditionModel", {"sample_size": 64, "cross_attention_dim": 768}, 512, 77,
     "Stable Diffusion 1.5 UNet, 860M (diffusers UNet2DConditionModel; epsilon prediction, 512px)")
 
-MODELS = {m.arch: m for m in (LUMINA2, SD3, SDXL, SD15)}
+FLUX = ImageModel(
+    "dit-flux", "FluxTransformer2DModel",
+    # FLUX.1-dev: the class defaults (19 double-stream + 38 single-stream blocks, 24 heads x 128, T5 4096 wide,
+    # CLIP pooled 768, 64 input channels: 2x2 patches of 16 latent channels) and its guidance embedding.
+    {"guidance_embeds": True}, 1024, 512,
+    "FLUX.1-dev DiT, 11.9B (diffusers FluxTransformer2DModel; flow matching with guidance, 1024px)")
+
+MODELS = {m.arch: m for m in (LUMINA2, SD3, SDXL, SD15, FLUX)}
 
 
 def _model_class(name: str) -> type:
@@ -240,6 +247,53 @@ def sd3(overrides: dict, seq_len: int | None, resolution: int | None) -> Workloa
     return _workload(SD3, _build(SD3, cls, kw, overrides), batch, _transformer_loss, res, info)
 
 
+FLUX_PACK = 2
+"""Flux's pipeline packs 2x2 latent pixels into one token (``FluxPipeline._pack_latents``)."""
+FLUX_GUIDANCE = 1.0
+"""The guidance value fed to FLUX.1-dev's guidance embedding in training (kohya's ``--guidance_scale``)."""
+
+
+def flux(overrides: dict, seq_len: int | None, resolution: int | None) -> Workload:
+    """FLUX.1-dev as kohya's sd-scripts and diffusers' ``train_dreambooth_lora_flux`` train it: latents
+    and T5/CLIP outputs cached (``--cache_latents``, ``--cache_text_encoder_outputs``), so the batch is
+    the packed noisy latents, the text states, the pooled CLIP vector, the guidance value and the
+    position ids; rectified flow (t = 1 is noise), the target the velocity ``noise - latents``. The
+    model loads as a checkpoint does (built on the meta device, each weight made in its final form:
+    memfit.techniques.loading), as ``from_pretrained`` and kohya's loader bring it to the card."""
+    _no_seq_len(FLUX.arch, seq_len)
+    cls, kw = _config(FLUX, overrides)
+    if kw["in_channels"] % FLUX_PACK ** 2:
+        raise UserError(f"{FLUX.arch}: in_channels {kw['in_channels']} must be a multiple of 4 (2x2 latent pixels "
+                        "per token); change the overrides")
+    side = latent_size(FLUX, resolution, FLUX_PACK * kw["patch_size"], "2x2 packing times patch size")
+    channels, caption = kw["in_channels"] // FLUX_PACK ** 2, FLUX.caption_tokens
+
+    def batch(b: int) -> dict:
+        latents, noise, t = torch.randn(b, channels, side, side), torch.randn(b, channels, side, side), torch.rand(b)
+        noisy, target = _flow_matching(latents, noise, t, data_at_one=False)
+        half = side // FLUX_PACK
+        rows, cols = torch.arange(half).repeat_interleave(half), torch.arange(half).repeat(half)
+        return {"hidden_states": _pack(noisy), "timestep": t, "guidance": torch.full((b,), FLUX_GUIDANCE),
+                "encoder_hidden_states": torch.randn(b, caption, kw["joint_attention_dim"]),
+                "pooled_projections": torch.randn(b, kw["pooled_projection_dim"]),
+                "img_ids": torch.stack([torch.zeros(half * half), rows.float(), cols.float()], dim=1),
+                "txt_ids": torch.zeros(caption, 3), "target": _pack(target)}
+
+    res = side * VAE_FACTOR
+    info = _info(FLUX, res, kw, ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
+                                 "joint_attention_dim"))
+    wl = _workload(FLUX, _build(FLUX, cls, kw, overrides), batch, _transformer_loss, res, info)
+    wl.from_checkpoint = True
+    return wl
+
+
+def _pack(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] -> [B, H/2 * W/2, 4C]: each 2x2 patch one token (``FluxPipeline._pack_latents``)."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // FLUX_PACK, FLUX_PACK, w // FLUX_PACK, FLUX_PACK).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // FLUX_PACK) * (w // FLUX_PACK), c * FLUX_PACK ** 2)
+
+
 def _unet(m: ImageModel):
     def build(overrides: dict, seq_len: int | None, resolution: int | None) -> Workload:
         _no_seq_len(m.arch, seq_len)
@@ -282,5 +336,6 @@ BUILDERS = {
     "dit-sd3": (sd3, SD3.doc),
     "unet-sdxl": (_unet(SDXL), SDXL.doc),
     "unet-sd15": (_unet(SD15), SD15.doc),
+    "dit-flux": (flux, FLUX.doc),
 }
 """Built-ins that take ``--resolution``: ``builder(overrides, seq_len, resolution)``."""
