@@ -175,6 +175,8 @@ def apply_config(args: argparse.Namespace) -> None:
         if getattr(args, key, None) is None and value is not None:
             setattr(args, key, str(value))
     args.config_plan = mapped.plan
+    if max_size(args) == "batch_size":  # (max: what one step holds at once; the answer is the micro-batch)
+        args.config_plan = mapped.plan.replace(micro_batch_size=None, grad_accum_steps=1)
     args.config_summary = mapped.summary()
 
 

@@ -8,7 +8,6 @@ value of the free size, and :func:`largest_estimate` finds the largest that fits
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from memfit.devices import Device
@@ -93,12 +92,12 @@ def check_whole_batch(plan: Plan, axis: Axis) -> None:
                         "and --grad-accum-steps (a split batch can grow without bound)")
 
 
-def largest_estimate(sized: Sized, plan: Plan, device: Device | str, budget: Budget
+def largest_estimate(sized: Sized, plan: Plan, device: Device | str, budget: Budget, first: int | None = None
                      ) -> tuple[Largest, MemoryReport]:
     """The largest value of the free size whose step under ``plan`` fits ``budget`` (what it counts:
     :class:`~memfit.memory.budget.Budget`), exact: its full trace fits and the next value's does not
     (memfit.planner.largest). Returns the answer and the report at that value (at the smallest value
-    where none fits)."""
+    where none fits). ``first``: a value known to fit, to start from (default: the smallest)."""
     check_whole_batch(plan, sized.axis)
     reports: dict[int, MemoryReport] = {}
 
@@ -107,14 +106,10 @@ def largest_estimate(sized: Sized, plan: Plan, device: Device | str, budget: Bud
             reports[value] = estimate_target(sized.target(value, plan, device))
         return budget.used_bytes(reports[value])
 
-    found = find_largest(sized.axis, measure, budget.bytes, second=sized.second)
+    found = find_largest(sized.axis, measure, budget.bytes, first=first, second=None if first else sized.second)
     return found, reports[found.value if found.value is not None else found.next_value]
 
 
 def budget_for(spec: str | int | None, device: Device) -> Budget:
     """``--budget`` of estimate's ``max``: as given, else the whole device (what a report's verdict says)."""
     return Budget.of_device(device) if spec is None else Budget.resolve(spec, device)
-
-
-def replace_batch(target: Target, batch_size: int) -> Target:
-    return dataclasses.replace(target, batch_size=batch_size)
