@@ -70,6 +70,16 @@ class Device:
         return self.total_bytes - self.context_bytes
 
 
+def architecture(device: Device) -> tuple:
+    """What a fake trace of a step on ``device`` depends on besides the step itself: the kernels CUDA
+    picks (compute capability, CUDA and cuDNN versions), the dtypes, the allocator and its library
+    workspaces. Not the capacity, the context (added to a trace's figure), nor the speeds: cards
+    alike in these share their traces (``memfit fit``). The SM count is left out too: it sizes only
+    the staging buffers of some reductions, a few KiB held within one kernel."""
+    return (device.kind, device.allocator, device.bf16, device.fp16, device.compute_capability, device.cuda_version,
+            device.cudnn_version, device.workspace_bytes, device.lt_workspace_bytes)
+
+
 def cublas_workspace_bytes(capability: tuple[int, int]) -> int:
     """PyTorch's default cuBLAS workspace per handle and stream (CublasHandlePool.cpp, no
     CUBLAS_WORKSPACE_CONFIG): 32 MiB on Hopper and newer, 4096 KiB * 2 + 16 KiB * 8 before."""

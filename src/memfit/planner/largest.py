@@ -114,7 +114,7 @@ class Largest:
                 "measured": {str(k): v for k, v in sorted(self.measured.items())}}
 
 
-GROWTH = 16
+GROWTH = 1024
 """At most this many times the largest value that fits so far is traced next (a line drawn through
 two small values may point far off)."""
 
