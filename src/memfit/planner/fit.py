@@ -17,9 +17,10 @@ capacity less 10%, counted as reserved + CUDA context):
 NOTE [ One book per architecture ]
 A plan's bytes do not depend on the card's capacity: only on what the trace's kernels depend on
 (memfit.devices.architecture: compute capability, CUDA and cuDNN, dtypes, workspaces). So the cards
-are grouped by architecture, and each group has one trace book per rank count
-(memfit.planner.traces.TraceBook) that every card of the group asks, at the batches its capacity
-leads to (NOTE [ A book for every batch ]): the first card's context is replaced by each card's own.
+are grouped by architecture, and each group has one trace book (memfit.planner.traces.TraceBook, on
+one pool of worker processes) that every card of the group asks, at the batches and rank counts its
+capacity leads to (NOTE [ A book for every batch ]): the first card's context is replaced by each
+card's own.
 Cards of one architecture share the traces at the batch sizes they share (1 and 2, which draw every
 card's line, and any batch two cards both reach), and the check of a faster recipe at a batch costs
 one shallow trace where its lower bound is over the budget. Each plan at a batch is measured as the
@@ -44,6 +45,7 @@ from memfit.planner.shallow import extrapolate
 from memfit.planner.space import ModelFacts, model_facts
 from memfit.planner.timing import time_from_ops
 from memfit.planner.traces import Measured, TraceBook
+from memfit.plans import Plan
 from memfit.quiet import silenced_warnings
 from memfit.target import Target
 from memfit.workload import Workload
@@ -109,29 +111,17 @@ class FitTable:
 
 
 class Books:
-    """The trace books of one architecture, one per rank count (NOTE [ One book per architecture ])."""
+    """The trace book of one architecture (NOTE [ One book per architecture ]): every plan, batch and
+    rank count of its cards, on one pool of worker processes."""
 
     def __init__(self, workload: Workload, facts: ModelFacts, device: Device) -> None:
-        self.workload, self.facts, self.device = workload, facts, device
-        self.books: dict[int, TraceBook] = {}
-
-    def book(self, world: int) -> TraceBook:
-        if world not in self.books:
-            target = Target(self.workload, sharded_or_none(world), world, self.device)
-            self.books[world] = TraceBook(target, self.facts, Budget.of_device(self.device), world=world)
-        return self.books[world]
+        self.facts, self.device = facts, device
+        self.book = TraceBook(Target(workload, Plan(), 1, device), facts, Budget.of_device(device))
 
     def close(self) -> tuple[int, int]:
-        """Close the books; returns their (traces, full traces)."""
-        counts = [(b.traces, b.full_traces) for b in self.books.values()]
-        for b in self.books.values():
-            b.close()
-        return sum(c[0] for c in counts), sum(c[1] for c in counts)
-
-
-def sharded_or_none(world: int):
-    from memfit.plans import Plan
-    return Plan(world_size=world) if world > 1 else Plan()
+        """Close the book; returns its (traces, full traces)."""
+        self.book.close()
+        return self.book.traces, self.book.full_traces
 
 
 def fit_table(workload: Workload, methods: list[Method], cards: list[Device], *, budget: str | None = None,
@@ -155,10 +145,8 @@ def fit_table(workload: Workload, methods: list[Method], cards: list[Device], *,
         progress.stage(f"tracing for {', '.join(d.name for d in group)}")
         try:
             for method in methods:
-                with silenced_warnings():
-                    plans = recipes(method, facts, group[0])
                 for card in group:
-                    table.cells[(card.name, method.name)] = _cell(card, method, plans, books, budget, max_world)
+                    table.cells[(card.name, method.name)] = _cell(card, method, books, budget, max_world)
         finally:
             traces, full = books.close()
             table.traces += traces
@@ -167,12 +155,11 @@ def fit_table(workload: Workload, methods: list[Method], cards: list[Device], *,
     return table
 
 
-def _cell(card: Device, method: Method, plans: list[Recipe], books: Books, budget: str | None,
-          max_world: int) -> Cell:
+def _cell(card: Device, method: Method, books: Books, budget: str | None, max_world: int) -> Cell:
     cell = Cell(card.name, method.name, budget_bytes=Budget.resolve(budget, card).bytes)
     try:
         with silenced_warnings():
-            _fill(cell, card, method, plans, books, max_world)
+            _fill(cell, card, method, recipes(method, books.facts, books.device), books, max_world)
     except UserError as e:
         cell.error, cell.cannot = brief(e, 120).removeprefix("plan: "), True
     return cell
@@ -181,25 +168,28 @@ def _cell(card: Device, method: Method, plans: list[Recipe], books: Books, budge
 def _fill(cell: Cell, card: Device, method: Method, plans: list[Recipe], books: Books, max_world: int) -> None:
     shift = card.context_bytes - books.device.context_bytes  # (the group's traces carry its first card's context)
     limit = cell.budget_bytes
-    world, book, frugal = 1, books.book(1), plans[-1]
+    world, book, frugal = 1, books.book, plans[-1]
 
-    def used(recipe: Recipe, batch: int, bk: TraceBook) -> int:
-        return bk.at_batch(recipe.plan, batch).used_bytes + shift
+    def used(recipe: Recipe, batch: int) -> int:
+        return book.at_batch(recipe.plan, batch).used_bytes + shift
 
-    needs = used(frugal, 1, book)
+    needs = used(frugal, 1)
+    alone = book.at_batch(frugal.plan, 1).peak_bytes
     while needs > limit:  # no recipe fits one card: the fewest with FSDP2 (as plan --max-world-size decides)
         world *= 2
         if world > max_world:
             cell.error = f"needs {_gib(needs)} a rank on {world // 2} cards ({frugal.name})"
             return
-        frugal, book = sharded(method, books.facts, books.device, world), books.book(world)
-        needs = used(frugal, 1, book)
-    found = find_largest(batch_axis(), lambda b: used(frugal, b, book), limit)
+        if alone / world + card.context_bytes > limit and world * 2 <= max_world:
+            continue  # (a rank allocates at least 1/world of what one card does: its activations are not split)
+        frugal = sharded(method, books.facts, books.device, world)
+        needs = used(frugal, 1)
+    found = find_largest(batch_axis(), lambda b: used(frugal, b), limit)
     n = found.value
     chosen = frugal
     for recipe in plans[:-1] if world == 1 else ():  # the fastest recipe that takes the batch too
         try:
-            if book.shallow_lower(recipe.plan, n) + shift <= limit and used(recipe, n, book) <= limit:
+            if book.shallow_lower(recipe.plan, n) + shift <= limit and used(recipe, n) <= limit:
                 chosen = recipe
                 break
         except UserError:  # (a recipe this model cannot run: the next one)

@@ -94,7 +94,8 @@ class Largest:
 
     @property
     def traces(self) -> int:
-        return len(self.measured)
+        """Values traced (not those the model refused before any trace)."""
+        return sum(used is not None for used in self.measured.values())
 
     def describe(self) -> str:
         """One line: the value, and why the next one is out."""

@@ -11,8 +11,8 @@ autocast where it has not.
 |---|---|---|
 | fast | P | P |
 | checkpointed | P, blocks checkpointed, 8-bit AdamW, loss in chunks | P, blocks checkpointed, loss in chunks |
-| offloaded | P, blocks, loss in chunks, AdamW stepped in backward on the host | (the adapter's states are small) |
-| sharded over N cards | P, blocks, loss in chunks, AdamW stepped in backward, FSDP2 | P, blocks, loss in chunks, FSDP2 |
+| offloaded | P, blocks, loss in chunks, AdamW stepped on the host (in backward, but with fp16) | (the adapter's states are small) |
+| sharded over N cards | P, blocks, loss in chunks, AdamW stepped in backward (but with fp16), FSDP2 | P, blocks, loss in chunks, FSDP2 |
 
 The last single-card recipe saves the most: the largest batch a card takes under any recipe is its
 largest, and the plan shown is the fastest recipe that takes that batch.
@@ -52,7 +52,8 @@ def recipes(method: Method, facts: ModelFacts, device: Device) -> list[Recipe]:
         out.append(Recipe("checkpointed", Plan(**base, **checkpointed)))
     host = _offers(values, "offload", ("optimizer_states",)) and _offers(values, "optimizer_in_backward", True)
     if not adapter and host:
-        out.append(Recipe("offloaded", Plan(**base, **frugal, optimizer_in_backward=True, offload=["optimizer_states"])))
+        out.append(Recipe("offloaded", _first_valid({**base, **frugal, "offload": ["optimizer_states"]},
+                                                    {"optimizer_in_backward": True})))
     return out
 
 
@@ -61,10 +62,16 @@ def sharded(method: Method, facts: ModelFacts, device: Device, world: int) -> Re
     values = default_space(facts, device, world).values
     base = {**method.keys, "precision": _precision(values)}
     extra = {"optimizer_in_backward": True} if Plan(**method.keys).config("adapter").is_default else {}
+    return Recipe(f"FSDP2 over {world}", _first_valid({**base, **_frugal(values), "world_size": world}, extra))
+
+
+def _first_valid(fields: dict, extra: dict) -> Plan:
+    """The plan of ``fields`` and ``extra``, or of ``fields`` alone where the two do not combine (the
+    step in backward with fp16's gradient scaler, on a card without bf16)."""
     try:
-        return Recipe(f"FSDP2 over {world}", Plan(**base, **_frugal(values), **extra, world_size=world))
+        return Plan(**fields, **extra)
     except UserError:
-        return Recipe(f"FSDP2 over {world}", Plan(**base, **_frugal(values), world_size=world))
+        return Plan(**fields)
 
 
 def _offers(values: dict, key: str, value) -> bool:

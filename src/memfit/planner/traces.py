@@ -214,8 +214,9 @@ class TraceBook:
         return t.peak_bytes + t.context_bytes
 
     # NOTE [ A book for every batch ]
-    # ``memfit fit`` asks one book (one card architecture, one rank count) for each plan at many batch
-    # sizes: the cards' capacities differ, their plans' bytes do not. A plan at a batch is measured as
+    # ``memfit fit`` asks one book (one card architecture) for each plan at many batch sizes and rank
+    # counts (a job's batch is one rank's, of its plan's ranks): the cards' capacities differ, their
+    # plans' bytes do not. A plan at a batch is measured as
     # the walk's top rungs measure one: the shallow pair's allocations replayed at full depth (the
     # reserved bytes, equal to a full trace's on every plan seen: NOTE [ Allocations at full depth ]),
     # or a full trace where the pair's streams do not line up or the model has no shallow pair.
@@ -384,13 +385,14 @@ class TraceBook:
     def _trace(self, job: tuple) -> Traced | Exception:
         """One trace (run in a worker process): a plan's error comes back as a value."""
         plan, depth, batch = job
-        target = self.target.with_plan(plan)
+        target = self.target
         if batch is not None:
-            target = dataclasses.replace(target, batch_size=batch * self.world)  # (``batch``: one rank's)
+            target = dataclasses.replace(target, batch_size=batch * plan.world_size)  # (``batch``: one rank's)
         if depth is not None:
             target = dataclasses.replace(target, workload=self._shallow(depth))
         trackers = []
         try:
+            target = target.with_plan(plan)
             report, ops = record_step(target, on_tracker=trackers.append if depth else None)
         except UserError as e:
             return e

@@ -72,11 +72,14 @@ def _legend(say, table) -> None:
 
 
 def markdown(table) -> str:
-    """The table as Markdown (for a README)."""
-    lines = [f"| card | memory | {' | '.join(table.methods)} |", "|---|---:|" + "---|" * len(table.methods)]
+    """The table as Markdown (for a README): a line saying what it is, the table, the recipes."""
+    lines = [f"`memfit fit` {_header(table)}", "",
+             f"| card | memory | {' | '.join(table.methods)} |", "|---|---:|" + "---|" * len(table.methods)]
     for d, cells in _rows(table):
-        texts = [cell_text(c, table.unit) if c else "-" for c in cells]
+        texts = [cell_text(c, table.unit).replace("|", "\\|") if c else "-" for c in cells]
         lines.append(f"| {d.name} | {fmt_bytes(d.total_bytes)} | {' | '.join(texts)} |")
+    lines.append("")
+    _legend(lines.append, table)
     return "\n".join(lines)
 
 
