@@ -182,13 +182,19 @@ def _fill(cell: Cell, card: Device, method: Method, plans: list[Recipe], books: 
             return
         if alone / world + card.context_bytes > limit and world * 2 <= max_world:
             continue  # (a rank allocates at least 1/world of what one card does: its activations are not split)
-        frugal = sharded(method, books.facts, books.device, world)
+        try:
+            frugal = sharded(method, books.facts, books.device, world)
+        except UserError as e:  # (FSDP2 with fp16 on a card without bf16)
+            cell.error = f"needs {_gib(needs)} on one card; {str(e).split(' (')[0].removeprefix('plan: ')}"
+            return
         needs = used(frugal, 1)
     found = find_largest(batch_axis(), lambda b: used(frugal, b), limit)
     n = found.value
     chosen = frugal
     for recipe in plans[:-1] if world == 1 else ():  # the fastest recipe that takes the batch too
-        try:
+        try:  # (over at batch 1, a bound every card of the architecture shares: over at n)
+            if book.shallow_lower(recipe.plan, 1) + shift > limit:
+                continue
             if book.shallow_lower(recipe.plan, n) + shift <= limit and used(recipe, n) <= limit:
                 chosen = recipe
                 break

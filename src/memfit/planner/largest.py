@@ -9,9 +9,10 @@ A step's memory is close to affine in the batch and the sequence length (activat
 loss's logits grow with them; weights, gradients and optimizer states do not), and in the latent area
 for a resolution (a DiT's tokens, a UNet's feature maps). So the search traces the two smallest values,
 draws the line through them, and traces the value where the line meets the budget; then the next value.
-Each new trace redraws the line through the two measured points nearest the budget (the largest that
-fits and the smallest that does not, once there is one), so an error of the line costs a trace or two,
-not a scan; where the line twice errs to the same side the search halves the bracket instead. A value
+Each new trace redraws the line: through the smallest value and the largest that fits (a long base,
+which the caching allocator's steps in reserved bytes do not tilt), then, once a value over the budget
+is known, through the two values around it; so an error of the line costs a trace or two, not a scan,
+and where the line twice errs to the same side the search halves the bracket instead. A value
 the model cannot take (a sequence beyond its position table) bounds the search, and halving finds the
 last one it takes. It ends when a value fits and the next one does not: typically four traces. The
 search assumes that more of a value never needs less memory.
@@ -168,22 +169,22 @@ def find_largest(axis: Axis, measure: Callable[[int], int], budget_bytes: int, *
 
 def _next_value(axis: Axis, measured: dict, budget: int, lo: int, hi: int | None, sides: list[bool],
                 most: int) -> int | None:
-    """The value to trace next, inside (lo, hi): where the line through the measured points nearest
-    the budget meets it; halfway where the line erred to one side twice, or where ``hi`` is a value
-    the model cannot take."""
+    """The value to trace next, inside (lo, hi): where a line meets the budget (before a value over it
+    is known, the line through the smallest value and the largest that fits, which steps in the
+    allocator's reserved bytes do not tilt; then through the two values around the budget); halfway
+    where the line erred to one side twice, or where ``hi`` is a value the model cannot take."""
     step = axis.step
     top = min(most, max(lo * GROWTH, lo + step)) // step * step if hi is None else hi - step
     if top <= lo:
         return None
-    if hi is not None and (measured[hi] is None or (len(sides) >= 2 and sides[-1] == sides[-2]
-                                                     and hi - lo > 4 * step)):
+    if hi is not None and (measured[hi] is None or (len(sides) >= 2 and sides[-1] == sides[-2])):
         return min(max(lo + step, (lo + hi) // 2 // step * step), top)
-    below = sorted(v for v, used in measured.items() if used is not None and v <= lo)
-    if hi is None and len(below) < 2:
+    first = min(v for v, used in measured.items() if used is not None)
+    if hi is None and first == lo:
         return min(lo + step, top)
-    a, b = (below[-2], lo) if hi is None else (lo, hi)
+    a, b = (first, lo) if hi is None else (lo, hi)
     ua, ub = measured[a], measured[b]
-    slope = (ub - ua) / (axis.x(b) - axis.x(a)) if b != a else 0.0
+    slope = (ub - ua) / (axis.x(b) - axis.x(a))
     if slope <= 0:  # nothing grows (yet): double
         return min(max(lo * 2, lo + step), top)
     guess = axis.value_at(axis.x(a) + (budget - ua) / slope)
