@@ -70,6 +70,16 @@ class Device:
         return self.total_bytes - self.context_bytes
 
 
+def architecture(device: Device) -> tuple:
+    """What a fake trace of a step on ``device`` depends on besides the step itself: the kernels CUDA
+    picks (compute capability, CUDA and cuDNN versions), the dtypes, the allocator and its library
+    workspaces. Not the capacity, the context (added to a trace's figure), nor the speeds: cards
+    alike in these share their traces (``memfit fit``). The SM count is left out too: it sizes only
+    the staging buffers of some reductions, a few KiB held within one kernel."""
+    return (device.kind, device.allocator, device.bf16, device.fp16, device.compute_capability, device.cuda_version,
+            device.cudnn_version, device.workspace_bytes, device.lt_workspace_bytes)
+
+
 def cublas_workspace_bytes(capability: tuple[int, int]) -> int:
     """PyTorch's default cuBLAS workspace per handle and stream (CublasHandlePool.cpp, no
     CUBLAS_WORKSPACE_CONFIG): 32 MiB on Hopper and newer, 4096 KiB * 2 + 16 KiB * 8 before."""
@@ -89,11 +99,27 @@ def _gpu(name, total, ctx_mib, capability, sms, bf16, fp16_tflops, bf16_tflops, 
                   interconnect_bandwidth=(nvlink_gbs or link_gbs) * 1e9)
 
 
+def typical_total(smi_mib: int) -> int:
+    """The ``total_memory`` torch typically reports for a card whose ``nvidia-smi`` total is
+    ``smi_mib``: 98.5% of it (the driver and firmware keep the rest; the 24 GB presets' figures,
+    read on those cards, are 97.6-98.7%), in whole MiB. A typical value, not a reading."""
+    return int(smi_mib * 0.985) * MiB
+
+
 # total_memory as torch.cuda.get_device_properties reports it; context sizes are typical with
 # lazy module loading (CUDA >= 11.7). The H100 and H200 figures (total, 527 MiB context) were read
 # on those cards (tests/data/h100.jsonl, h200.jsonl, driver 580). Software: the PyTorch wheels'
 # CUDA 13.0 with cuDNN 9.19 (as measured there); CUDA 13 dropped Volta, so the V100 gets the CUDA
 # 12.8 wheels' cuDNN 9.10.
+#
+# The 8 to 48 GB consumer and workstation cards (below the V100) were read on none: their totals are
+# ``typical_total`` of the nvidia-smi figure, their CUDA contexts typical values that grow with the SM
+# count as the read ones do (300 MiB at 24 SMs to 450 MiB at 170), and the rest is the vendor's
+# specification sheet: SMs, boost clock x tensor FLOPs per SM and clock for the dense fp16/bf16 peak
+# with fp32 accumulation (GeForce cards run it at half their fp16-accumulate rate, the RTX A6000 and
+# L40S at the full rate), TF32 dense for float32, GDDR bandwidth, and the PCIe link at about 78% of
+# its nominal rate (x8 Gen4 on the RTX 4060 and 4060 Ti, x16 Gen5 on the RTX 5090, x16 Gen4 on the
+# rest). Ada cards are sm89, GA10x sm86, the RTX 5090 sm120.
 GPU_PRESETS: dict[str, Device] = {d.name: d for d in (
     _gpu("h100-80gb", 85_017_493_504, 527, (9, 0), 132, True, 989, 989, 494, 3350, 55, 450),
     _gpu("h200-141gb", 150_109_880_320, 527, (9, 0), 132, True, 989, 989, 494, 4800, 55, 450),
@@ -104,9 +130,21 @@ GPU_PRESETS: dict[str, Device] = {d.name: d for d in (
     _gpu("rtx3090", 25_447_170_048, 400, (8, 6), 82, True, 71, 71, 35.6, 936, 25),
     _gpu("t4", 15_835_398_144, 310, (7, 5), 40, False, 65, 0, 8.1, 320, 12),
     _gpu("v100-16gb", 16_945_512_448, 330, (7, 0), 80, False, 125, 0, 15.7, 900, 12, 150, cuda=(12, 8), cudnn=91002),
+    _gpu("rtx4060", typical_total(8188), 300, (8, 9), 24, True, 30.2, 30.2, 15.1, 272, 12.5),
+    _gpu("rtx3070", typical_total(8192), 320, (8, 6), 46, True, 40.6, 40.6, 20.3, 448, 25),
+    _gpu("rtx3060-12gb", typical_total(12288), 300, (8, 6), 28, True, 25.5, 25.5, 12.7, 360, 25),
+    _gpu("rtx4070", typical_total(12282), 330, (8, 9), 46, True, 58.3, 58.3, 29.1, 504, 25),
+    _gpu("rtx4060ti-16gb", typical_total(16380), 310, (8, 9), 34, True, 44.1, 44.1, 22.1, 288, 12.5),
+    _gpu("rtx4080", typical_total(16376), 370, (8, 9), 76, True, 97.5, 97.5, 48.7, 717, 25),
+    _gpu("rtx5090", typical_total(32607), 450, (12, 0), 170, True, 209.5, 209.5, 104.8, 1792, 55),
+    _gpu("rtxa6000", typical_total(49140), 400, (8, 6), 84, True, 154.8, 154.8, 77.4, 768, 25),
+    _gpu("l40s", typical_total(46068), 420, (8, 9), 142, True, 362, 362, 183, 864, 25),
 )}
 
-ALIASES = {"h100": "h100-80gb", "h200": "h200-141gb", "a100": "a100-80gb", "4090": "rtx4090", "3090": "rtx3090", "v100": "v100-16gb"}
+ALIASES = {"h100": "h100-80gb", "h200": "h200-141gb", "a100": "a100-80gb", "4090": "rtx4090", "3090": "rtx3090",
+           "v100": "v100-16gb", "4060": "rtx4060", "3070": "rtx3070", "3060": "rtx3060-12gb",
+           "rtx3060": "rtx3060-12gb", "4070": "rtx4070", "4060ti": "rtx4060ti-16gb", "rtx4060ti": "rtx4060ti-16gb",
+           "4080": "rtx4080", "5090": "rtx5090", "a6000": "rtxa6000", "rtx-a6000": "rtxa6000"}
 
 
 def cpu_device() -> Device:
@@ -148,8 +186,10 @@ def preset_for_card(card: str, total_memory: int | None = None) -> str:
     """The preset whose name a CUDA card's name (``torch.cuda.get_device_name``) matches; an A100
     40GB's when none does. ``total_memory`` tells the A100's two sizes apart (80GB when unknown)."""
     a100 = "a100-40gb" if total_memory is not None and total_memory <= 60 * GiB else "a100-80gb"
-    hints = {"h100": "h100-80gb", "h200": "h200-141gb", "a100": a100, "l4": "l4", "4090": "rtx4090",
-             "3090": "rtx3090", "t4": "t4", "v100": "v100-16gb"}
+    hints = {"h100": "h100-80gb", "h200": "h200-141gb", "a100": a100, "l40s": "l40s", "l4": "l4", "4090": "rtx4090",
+             "3090": "rtx3090", "t4": "t4", "v100": "v100-16gb", "4060 ti": "rtx4060ti-16gb", "4060": "rtx4060",
+             "3070": "rtx3070", "3060": "rtx3060-12gb", "4070": "rtx4070", "4080": "rtx4080", "5090": "rtx5090",
+             "a6000": "rtxa6000"}
     return next((v for k, v in hints.items() if k in card.lower()), "a100-40gb")
 
 

@@ -41,6 +41,9 @@ class WorkloadInfo:
     """Tokens per sample (language models)."""
     resolution: int | None = None
     """Pixels on a side of each generated image (image-generation models)."""
+    resolution_step: int | None = None
+    """Pixels between two resolutions the model takes (the VAE's factor times its patch size, or its
+    UNet's halvings): one latent step."""
     vocab_size: int | None = None
     config: dict = field(default_factory=dict)
     """The architecture's sizes (config fields), for reports."""

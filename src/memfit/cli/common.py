@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 
+from memfit.errors import UserError
 from memfit.outputs import IMAGE_SUFFIXES, check_output_file
 from memfit.plans import Plan, keys
 from memfit.units import MAX_SIZE, parse_positive_int
@@ -27,23 +28,36 @@ def add_command(sub: argparse._SubParsersAction, name: str, run, help: str,
     return p
 
 
-def add_workload_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("workload", help="built-in name (gpt2, llama:num_hidden_layers=2, cnn, ...; see `memfit workloads`), "
-                                    "path/to/file.py:NAME, a Hugging Face model folder (./dir or hf:./dir), or a "
-                                    "hub id (org/name, org/name@revision; through the Hugging Face cache): its "
-                                    "config.json only, no weights read")
-    p.add_argument("--batch-size", "-b", metavar="N", help="global batch size (default: the workload's)")
-    p.add_argument("--seq-len", metavar="T", help="sequence length for built-in language models and model folders (default: the "
-                                             "config's, a folder's capped at 2048)")
-    add_resolution_arg(p)
+WORKLOAD_HELP = ("built-in name (gpt2, llama:num_hidden_layers=2, cnn, ...; see `memfit workloads`), path/to/file.py:NAME, "
+                 "a Hugging Face model folder (./dir or hf:./dir), or a hub id (org/name, org/name@revision; through "
+                 "the Hugging Face cache): its config.json only, no weights read")
+MAX_HELP = ("; max: the largest that fits the budget (estimate: under the given plan; plan: the fastest value and plan, "
+            "and the largest under any plan)")
+
+
+def add_workload_args(p: argparse.ArgumentParser, *, max_values: bool = False, from_config: bool = False) -> None:
+    """The workload and its sizes; ``max_values``: a size may be ``max`` (estimate, plan);
+    ``from_config``: ``--from config.yml`` (an axolotl config) may name the workload instead."""
+    more = MAX_HELP if max_values else ""
+    if from_config:
+        p.add_argument("workload", nargs="?", help=WORKLOAD_HELP + "; or --from")
+        p.add_argument("--from", dest="from_config", metavar="CONFIG.yml",
+                       help="an axolotl config: its base_model, adapter, LoRA, quantization, sizes, checkpointing, "
+                            "precision and optimizer become the workload and the plan (flags given here override it)")
+    else:
+        p.add_argument("workload", help=WORKLOAD_HELP)
+    p.add_argument("--batch-size", "-b", metavar="N", help="global batch size (default: the workload's)" + more)
+    p.add_argument("--seq-len", metavar="T", help="sequence length for built-in language models and model folders "
+                                                  "(default: the config's, a folder's capped at 2048)" + more)
+    add_resolution_arg(p, more)
     p.add_argument("--device", "-d", default="cpu", help="cpu (this machine) or a GPU preset (see `memfit devices`)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
-def add_resolution_arg(p: argparse.ArgumentParser) -> None:
+def add_resolution_arg(p: argparse.ArgumentParser, more: str = "") -> None:
     p.add_argument("--resolution", metavar="PX", help="image size in pixels for the built-in image-generation models "
                                                       "(dit-lumina2, unet-sdxl, ...; default: the model's native, e.g. "
-                                                      "1024); their latents are PX/8 on a side")
+                                                      "1024); their latents are PX/8 on a side" + more)
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
@@ -58,7 +72,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
-    plan = Plan.load(args.plan) if args.plan else Plan()
+    """The plan file (or an axolotl config's plan, ``--from``), with the plan flags over it."""
+    plan = Plan.load(args.plan) if args.plan else getattr(args, "config_plan", None) or Plan()
     changes = {key.name: key.from_text(value) for key in keys()
                if (value := getattr(args, f"plan_{key.name}", None)) is not None}
     return plan.replace(**changes) if changes else plan
@@ -92,22 +107,77 @@ def print_report_extras(report, args: argparse.Namespace, modules: int | None) -
         print(f"snapshot written to {args.snapshot} (open it at https://pytorch.org/memory_viz)")
 
 
+SIZE_FLAGS = {"batch_size": "--batch-size", "seq_len": "--seq-len", "resolution": "--resolution"}
+
+
+def max_size(args: argparse.Namespace) -> str | None:
+    """The size given as ``max`` (``batch_size``, ``seq_len`` or ``resolution``), or None."""
+    given = [key for key in SIZE_FLAGS if str(getattr(args, key, None) or "").strip().lower() == "max"]
+    if len(given) > 1:
+        raise UserError(f"{' and '.join(SIZE_FLAGS[k] for k in given)} are both max; ask for one size at a time "
+                        "and give the other")
+    return given[0] if given else None
+
+
+def _size(args: argparse.Namespace, key: str) -> int | None:
+    text = getattr(args, key, None)
+    if text is None or str(text).strip().lower() == "max":
+        return None
+    return parse_positive_int(text, SIZE_FLAGS[key], MAX_SIZE)
+
+
 def batch_and_seq(args: argparse.Namespace) -> tuple[int | None, int | None]:
-    bs = parse_positive_int(args.batch_size, "--batch-size", MAX_SIZE) if args.batch_size is not None else None
-    seq = parse_positive_int(args.seq_len, "--seq-len", MAX_SIZE) if args.seq_len is not None else None
-    return bs, seq
+    return _size(args, "batch_size"), _size(args, "seq_len")
 
 
-def sized_workload(args: argparse.Namespace) -> tuple[object, int | None, int | None]:
+def sized_workload(args: argparse.Namespace, *, allow_max: bool = False) -> tuple[object, int | None, int | None]:
     """(workload, batch size, sequence length) from the arguments. With ``--resolution`` the workload
     is built here at that resolution (a Workload, sized: the sequence length is then in it), so that
-    estimate, profile, plan and train all take it the same way; otherwise it is the name as given."""
+    estimate, profile, plan and train all take it the same way; otherwise it is the name as given.
+    A size given as ``max`` is None here (``allow_max``: estimate and plan take it, see :func:`max_size`)."""
+    free = max_size(args)
+    if free is not None and not allow_max:
+        raise UserError(f"{SIZE_FLAGS[free]} max is for memfit estimate and memfit plan; give a number")
     bs, seq = batch_and_seq(args)
-    if getattr(args, "resolution", None) is None:
+    res = _size(args, "resolution")
+    if res is None:
         return args.workload, bs, seq
     from memfit.workloads import load_workload
-    res = parse_positive_int(args.resolution, "--resolution", MAX_SIZE)
     return load_workload(args.workload, seq_len=seq, resolution=res), bs, None
+
+
+def sized_free(args: argparse.Namespace, key: str):
+    """The workload with ``key`` left free (``max``), its other sizes as given (memfit.planner.sized)."""
+    from memfit.planner.sized import Sized
+    return Sized.of(args.workload, key, batch_size=_size(args, "batch_size"), seq_len=_size(args, "seq_len"),
+                    resolution=_size(args, "resolution"))
+
+
+def apply_config(args: argparse.Namespace) -> None:
+    """``--from config.yml``: the axolotl config's workload, sizes and plan, under what the command line
+    gives (memfit.integrations.axolotl); its unmapped fields are warned about, one line each."""
+    path = getattr(args, "from_config", None)
+    if path is None:
+        if getattr(args, "workload", "") is None:
+            raise UserError("name a workload (e.g. gpt2), or an axolotl config with --from config.yml")
+        return
+    import warnings
+
+    from memfit.devices import get_device
+    from memfit.integrations.axolotl import read_config
+    if args.workload is not None:
+        raise UserError(f"give a workload or --from {path}, not both (the config's base_model is the workload)")
+    mapped = read_config(path, get_device(args.device))
+    for line in mapped.warnings:
+        warnings.warn(line, stacklevel=2)
+    args.workload = mapped.workload
+    for key, value in (("batch_size", mapped.batch_size), ("seq_len", mapped.seq_len)):
+        if getattr(args, key, None) is None and value is not None:
+            setattr(args, key, str(value))
+    args.config_plan = mapped.plan
+    if max_size(args) == "batch_size":  # (max: what one step holds at once; the answer is the micro-batch)
+        args.config_plan = mapped.plan.replace(micro_batch_size=None, grad_accum_steps=1)
+    args.config_summary = mapped.summary()
 
 
 def print_json(obj) -> None:

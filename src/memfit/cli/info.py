@@ -27,9 +27,11 @@ def run_devices(args: argparse.Namespace) -> int:
     from memfit.devices import GPU_PRESETS, cpu_device
     from memfit.units import fmt_bytes
     cpu = cpu_device()
-    print(f"{'cpu':12s} {fmt_bytes(cpu.total_bytes):>11s}  this machine (CPU allocator)")
+    print(f"{'cpu':15s} {fmt_bytes(cpu.total_bytes):>11s}  this machine (CPU allocator)")
     for d in GPU_PRESETS.values():
         dtypes = "bf16+fp16" if d.bf16 else "fp16"
-        print(f"{d.name:12s} {fmt_bytes(d.total_bytes):>11s}  {dtypes:9s} context {d.context_bytes >> 20} MiB, "
-              f"{d.peak_flops['float16'] / 1e12:.0f} TFLOP/s fp16, {d.mem_bandwidth / 1e12:.2f} TB/s")
+        major, minor = d.compute_capability
+        print(f"{d.name:15s} {fmt_bytes(d.total_bytes):>11s}  {dtypes:9s} sm{major}{minor} {d.sm_count:3d} SMs, context "
+              f"{d.context_bytes >> 20} MiB, {d.peak_flops['float16'] / 1e12:.0f} TFLOP/s fp16, "
+              f"{d.mem_bandwidth / 1e12:.2f} TB/s")
     return 0

@@ -26,12 +26,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from memfit.cli import demo, estimate, info, plan, profile, train
+    from memfit.cli import demo, estimate, fit, info, plan, profile, train
     parser = _Parser(prog="memfit", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"memfit {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (estimate, profile, plan, train, info, demo):
+    for module in (estimate, profile, plan, fit, train, info, demo):
         module.register(sub)
     return parser
 

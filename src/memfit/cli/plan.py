@@ -7,11 +7,15 @@ import contextlib
 import dataclasses
 
 from memfit.cli.common import (
+    SIZE_FLAGS,
     add_command,
     add_plan_args,
     add_workload_args,
+    apply_config,
+    max_size,
     plan_from_args,
     print_json,
+    sized_free,
     sized_workload,
 )
 
@@ -22,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     description="Search precision, checkpointing, optimizer, offload, loss chunking, attention, "
                                 "compile and micro-batching on predictions: every candidate's memory comes from "
                                 "an exact fake-tensor trace, its time from a cost model.")
-    add_workload_args(p)
+    add_workload_args(p, max_values=True, from_config=True)
     add_plan_args(p)
     p.add_argument("--budget", help="memory budget: 20GiB, 1.5GB, 80%% of the device; default: capacity minus 10%%")
     p.add_argument("--out", metavar="FILE", help="write the chosen plan (YAML, or JSON for .json)")
@@ -65,7 +69,11 @@ def run(args: argparse.Namespace) -> int:
     from memfit.techniques.optimizers import NAMES as OPTIMIZERS
     from memfit.units import parse_positive_int
 
-    workload, bs, seq = sized_workload(args)
+    apply_config(args)
+    free = max_size(args)
+    workload, bs, seq = sized_workload(args, allow_max=True)
+    if getattr(args, "config_summary", None) and not args.json:
+        print(args.config_summary)
     max_traces = parse_positive_int(args.max_traces, "--max-traces")
     if args.out:
         check_output_file(args.out, "--out", example="plan.yaml")
@@ -89,6 +97,9 @@ def run(args: argparse.Namespace) -> int:
     fixed = {k: v for k, v in given.to_dict().items() if v != Plan().to_dict()[k]}
     from memfit.hosts import get_host
     host = get_host(args.host)
+    if free is not None:
+        return _largest(args, free, fixed, dict(optimizers=optimizers, max_traces=max_traces,
+                                                compile_modes=compile_modes, steps=steps))
     if args.methods is not None:
         return _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_traces, compile_modes, steps,
                                 host)
@@ -191,3 +202,31 @@ def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_trac
         print_methods(rows)
     return 0 if any(r.chosen for _, r, _ in rows) else 1
 
+
+
+def _largest(args: argparse.Namespace, key: str, fixed: dict, kwargs: dict) -> int:
+    """A size given as ``max``: the fastest value and plan, and the largest value under any plan
+    (memfit.planner.search_max)."""
+    from memfit.errors import UserError
+    from memfit.planner.progress import PlanProgress
+    from memfit.planner.search_max import plan_largest
+    from memfit.report.planner import print_largest_plan
+
+    flag = SIZE_FLAGS[key]
+    if args.methods is not None or args.max_world_size is not None or int(fixed.get("world_size") or 1) > 1:
+        raise UserError(f"{flag} max plans one method on one device; drop --methods, --world-size and --max-world-size "
+                        "(memfit fit compares cards and methods)")
+    if args.pareto:
+        raise UserError(f"{flag} max runs several searches; give the value it finds to write --pareto")
+    sized = sized_free(args, key)
+    with PlanProgress() if not args.json else contextlib.nullcontext() as progress:
+        result = plan_largest(sized, budget=args.budget, device=args.device, fixed=fixed, progress=progress, **kwargs)
+    if result.best and args.out:
+        result.best.chosen.plan.save(args.out)
+    if args.json:
+        print_json(result.to_json())
+    else:
+        print_largest_plan(result)
+        if result.best and args.out:
+            print(f"plan written to {args.out}")
+    return 0 if result.best else 1

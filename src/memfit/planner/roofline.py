@@ -50,7 +50,8 @@ from memfit.planner.ops import (
     Op,
 )
 
-FP32_SIMT = {"h100-80gb": 67e12, "h200-141gb": 67e12, "a100-80gb": 19.5e12, "a100-40gb": 19.5e12, "l4": 30.3e12}
+FP32_SIMT = {"h100-80gb": 67e12, "h200-141gb": 67e12, "a100-80gb": 19.5e12, "a100-40gb": 19.5e12, "l4": 30.3e12,
+             "l40s": 91.6e12, "rtxa6000": 38.7e12}
 """fp32 FLOP/s without tensor cores where it differs from the preset's float32 (TF32) figure."""
 
 

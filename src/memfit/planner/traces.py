@@ -65,7 +65,8 @@ class Measured:
     """A lower bound of what the budget counts (allocated peak, less ``PEAK_MARGIN`` when it is
     extrapolated, + CUDA context)."""
     used_bytes: int | None = None
-    """What the budget counts (reserved + context): full traces only."""
+    """What the budget counts (reserved + context): full traces only (and a plan at a batch, NOTE [ A
+    book for every batch ])."""
     graph: GraphSize = field(default_factory=GraphSize)
     ops: list | None = None
     """The step's ops at full depth (None: the pair's ops did not line up, see ``pair``)."""
@@ -144,6 +145,8 @@ class TraceBook:
         self._workloads: dict[int, object] = {}
         self._traced: dict[tuple, Traced | Exception] = {}
         self._deep: dict[Plan, int | None] = {}
+        self._at: dict[tuple[Plan, int], Measured] = {}
+        """(plan, batch) -> its figures (NOTE [ A book for every batch ])."""
         self._containers = tuple(name for name, _ in find_blocks(facts.model))
         """The repeated-block containers (their module names give an allocation's block)."""
         # forked children cannot use CUDA once the parent has: no workers where tensors are CUDA's
@@ -227,6 +230,57 @@ class TraceBook:
                 pass
         (t,) = self._run([(plan, None, batch)])
         return t.peak_bytes + t.context_bytes + t.managed_bytes
+
+    # NOTE [ A book for every batch ]
+    # ``memfit fit`` asks one book (one card architecture) for each plan at many batch sizes and rank
+    # counts (a job's batch is one rank's, of its plan's ranks): the cards' capacities differ, their
+    # plans' bytes do not. A plan at a batch is measured as
+    # the walk's top rungs measure one: the shallow pair's allocations replayed at full depth (the
+    # reserved bytes, equal to a full trace's on every plan seen: NOTE [ Allocations at full depth ]),
+    # or a full trace where the pair's streams do not line up or the model has no shallow pair.
+    def at_batch(self, plan: Plan, batch: int) -> Measured:
+        """``plan`` at ``batch`` samples a rank: what the budget counts and its ops at full depth
+        (NOTE [ A book for every batch ])."""
+        key = (plan, batch)
+        if key not in self._at:
+            self._at[key] = self._deep_at(plan, batch) or self._full_at(plan, batch)
+        return self._at[key]
+
+    def shallow_lower(self, plan: Plan, batch: int) -> int:
+        """A lower bound of what ``plan`` at ``batch`` needs from its shallower trace alone (more blocks
+        hold no less; a full trace where it has no shallow pair)."""
+        if (plan, batch) in self._at:
+            return self._at[(plan, batch)].used_bytes
+        pair = self.depths(plan)
+        if pair:
+            try:
+                (t,) = self._run([(plan, pair[0], batch)])
+                return self._shallow_lower(t)
+            except ShallowFailed:
+                pass
+        return self.at_batch(plan, batch).used_bytes
+
+    def _deep_at(self, plan: Plan, batch: int) -> Measured | None:
+        pair = self.depths(plan)
+        if not pair:
+            return None
+        try:
+            a, b = self._run([(plan, d, batch) for d in pair])
+        except ShallowFailed:
+            return None
+        deep = deepen(a.stream, b.stream, *pair, self.depth) if a.stream and b.stream else None
+        if deep is None:
+            return None
+        used = replay(deep, STEADY_STEP, expandable=plan.config("allocator").expands)[1] + b.context_bytes
+        peak = int(extrapolate(a.peak_bytes, b.peak_bytes, *pair, self.depth))
+        ops = extrapolate_ops(a.ops, b.ops, *pair, self.depth)
+        return Measured(peak_bytes=peak, used_lower=int(peak * (1 - PEAK_MARGIN)) + b.context_bytes, used_bytes=used,
+                        ops=ops, pair=None if ops is not None else (a.ops, b.ops, *pair, self.depth))
+
+    def _full_at(self, plan: Plan, batch: int) -> Measured:
+        (t,) = self._run([(plan, None, batch)])
+        return Measured(peak_bytes=t.peak_bytes, used_lower=t.peak_bytes + t.context_bytes, used_bytes=t.used_bytes,
+                        ops=t.ops, full=True)
 
     def ops_of(self, plan: Plan) -> list:
         """The full-depth ops of a measured plan."""
@@ -358,15 +412,16 @@ class TraceBook:
     def _trace(self, job: tuple) -> Traced | Exception:
         """One trace (run in a worker process): a plan's error comes back as a value."""
         plan, depth, batch = job
-        target = self.target.with_plan(plan)
+        target = self.target
         if batch is not None:
-            target = dataclasses.replace(target, batch_size=batch * self.world)  # (``batch``: one rank's)
+            target = dataclasses.replace(target, batch_size=batch * plan.world_size)  # (``batch``: one rank's)
         if depth is not None:
             target = dataclasses.replace(target, workload=self._shallow(depth))
         trackers = []
         t0 = time.process_time()
         try:
-            report, ops = record_step(target, on_tracker=trackers.append if depth and not batch else None)
+            target = target.with_plan(plan)
+            report, ops = record_step(target, on_tracker=trackers.append if depth else None)
         except UserError as e:
             return e
         except Exception as e:  # noqa: BLE001 - shallow: the model indexes its blocks by a count

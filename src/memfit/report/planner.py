@@ -94,6 +94,47 @@ def _rate(result, candidate, unit: bool = True) -> str:
     return f"{text} {result.throughput_unit}" if unit else text
 
 
+def print_largest_plan(result, console: Console | None = None) -> None:
+    """``memfit plan --batch-size max`` (memfit.planner.search_max.LargestPlan): the fastest value and
+    plan, the largest value under any plan, and each value searched."""
+    from memfit.planner.search_max import throughput
+    c = console or Console(highlight=False, soft_wrap=True)
+    axis, found = result.sized.axis, result.largest
+    c.print(f"[bold]memfit plan[/] {axis.flag} max · budget {fmt_bytes(result.budget_bytes)}")
+    if found.value is None:
+        c.print(f"[red]nothing fits:[/] {escape(found.describe())} under the most frugal plans; a budget of at least "
+                "that would fit")
+        return
+    if result.best:
+        ch = result.best.chosen
+        c.print(f"[green]fastest:[/] {axis.show(result.best_value)} with {escape(ch.plan.short(result.best.batch_size))} · "
+                f"{result.throughput:,.0f} {result.unit} · {ch.seconds * 1e3:.1f} ms/step · predicted "
+                f"{fmt_bytes(ch.used_bytes)}")
+    top = f" with {escape(result.largest_plan.short())}" if result.largest_plan else ""
+    c.print(f"[green]largest under any plan:[/] {axis.show(found.value)}{top}, {fmt_bytes(found.used_bytes)}; "
+            f"{escape(_beyond(found))} ({found.traces} values traced)")
+    t = Table(title="the searches, by value", show_edge=False, pad_edge=False, box=None)
+    for col, just in ((axis.words, "right"), ("fastest plan that fits", "left"), ("memory", "right"),
+                      ("ms/step", "right"), (result.unit, "right")):
+        t.add_column(col, justify=just)
+    for value, r in sorted(result.searched, key=lambda x: x[0]):
+        ch = r.chosen
+        if ch is None:
+            t.add_row(axis.number(value), "[red]nothing fits[/]", "-", "-", "-")
+            continue
+        t.add_row(axis.number(value), escape(ch.plan.short(r.batch_size)), fmt_bytes(ch.used_bytes),
+                  f"{ch.seconds * 1e3:.1f}", f"{throughput(result.sized, value, ch.seconds):,.0f}")
+    c.print(t)
+    if result.best:
+        c.print(escape(result.best.chosen.plan.to_yaml().rstrip()))
+
+
+def _beyond(found) -> str:
+    if found.next_used_bytes is None:
+        return f"{found.axis.show(found.next_value)} is beyond the model ({found.next_error})"
+    return f"{found.axis.show(found.next_value)} needs {fmt_bytes(found.next_used_bytes)} under every plan"
+
+
 def _count(n: int | None) -> str:
     if n is None:
         return "-"

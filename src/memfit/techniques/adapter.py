@@ -71,8 +71,9 @@ class LoRA(Adapter):
     alpha: float | None = None
     """Scale numerator (the update is scaled by alpha / r); None: 2 * r."""
     targets: tuple[str, ...] = ()
-    """Module names to adapt (PEFT's ``target_modules``); empty: PEFT's default for the model
-    type, else all linear layers but the output layer."""
+    """Module names to adapt (PEFT's ``target_modules``; ``all-linear``: every linear layer but the
+    output layer); empty: PEFT's default for the model type, else all linear layers but the output
+    layer."""
     dropout: float = 0.0
     """Dropout on the adapter's input (0 <= dropout < 1)."""
     save: tuple[str, ...] = ()
@@ -119,6 +120,8 @@ class LoRA(Adapter):
         peft = _peft()
         targets = list(self.targets) if self.targets else [] if self.params else _default_targets(model, peft)
         extra = {"target_parameters": list(self.params)} if self.params else {}
+        if targets == [ALL_LINEAR]:  # (targets=all-linear: PEFT's shorthand, which it takes as a string only)
+            targets = ALL_LINEAR
         return peft.LoraConfig(r=self.r, lora_alpha=self.scale_alpha, lora_dropout=self.dropout,
                                target_modules=targets, use_dora=self.dora,
                                modules_to_save=list(self.save) or None, **extra)

@@ -158,13 +158,19 @@ def _build(m: ImageModel, cls: type, kwargs: dict, overrides: dict):
 
 
 # -- resolution ------------------------------------------------------------------------------------
+def latent_step(multiple: int) -> int:
+    """Pixels between two resolutions a model takes: the VAE's factor times ``multiple`` latents
+    (its patch size, or its UNet's halvings)."""
+    return VAE_FACTOR * multiple
+
+
 def latent_size(m: ImageModel, resolution: int | None, multiple: int, why: str) -> int:
     """Latent pixels on a side for ``resolution`` (default: the model's native one); the image must
     divide into whole latents and then into ``multiple`` of them (patches, or the UNet's halvings)."""
     res = m.resolution if resolution is None else resolution
     if not isinstance(res, int) or isinstance(res, bool) or res < 1:
         raise UserError(f"--resolution must be a positive whole number of pixels, got {resolution!r}")
-    step = VAE_FACTOR * multiple
+    step = latent_step(multiple)
     if res % step:
         lower, upper = res // step * step, (res // step + 1) * step
         use = f"{lower} or {upper}" if lower else str(upper)
@@ -173,8 +179,8 @@ def latent_size(m: ImageModel, resolution: int | None, multiple: int, why: str) 
     return res // VAE_FACTOR
 
 
-def _info(m: ImageModel, res: int, kwargs: dict, sizes: tuple[str, ...]) -> WorkloadInfo:
-    return WorkloadInfo(arch=m.arch, resolution=res,
+def _info(m: ImageModel, res: int, kwargs: dict, sizes: tuple[str, ...], multiple: int) -> WorkloadInfo:
+    return WorkloadInfo(arch=m.arch, resolution=res, resolution_step=latent_step(multiple),
                         config={"model_class": m.class_name, "latent": res // VAE_FACTOR,
                                 **{k: kwargs[k] for k in sizes if k in kwargs}})
 
@@ -221,7 +227,8 @@ def lumina2(overrides: dict, seq_len: int | None, resolution: int | None) -> Wor
                 "encoder_attention_mask": torch.ones(b, caption, dtype=torch.bool), "target": target}
 
     res = side * VAE_FACTOR
-    info = _info(LUMINA2, res, kw, ("hidden_size", "num_layers", "num_attention_heads", "cap_feat_dim"))
+    info = _info(LUMINA2, res, kw, ("hidden_size", "num_layers", "num_attention_heads", "cap_feat_dim"),
+                 kw["patch_size"])
     return _workload(LUMINA2, _build(LUMINA2, cls, kw, overrides), batch, _transformer_loss, res, info)
 
 
@@ -243,7 +250,8 @@ def sd3(overrides: dict, seq_len: int | None, resolution: int | None) -> Workloa
                 "pooled_projections": torch.randn(b, kw["pooled_projection_dim"]), "target": target}
 
     res = side * VAE_FACTOR
-    info = _info(SD3, res, kw, ("num_layers", "num_attention_heads", "attention_head_dim", "joint_attention_dim"))
+    info = _info(SD3, res, kw, ("num_layers", "num_attention_heads", "attention_head_dim", "joint_attention_dim"),
+                 kw["patch_size"])
     return _workload(SD3, _build(SD3, cls, kw, overrides), batch, _transformer_loss, res, info)
 
 
@@ -299,7 +307,8 @@ def _unet(m: ImageModel):
         _no_seq_len(m.arch, seq_len)
         cls, kw = _config(m, overrides)
         levels = len(kw["block_out_channels"]) if isinstance(kw["block_out_channels"], (tuple, list)) else 1
-        side = latent_size(m, resolution, 2 ** (levels - 1), "the UNet's downsampling")
+        halvings = 2 ** (levels - 1)
+        side = latent_size(m, resolution, halvings, "the UNet's downsampling")
         channels, cross = kw["in_channels"], kw["cross_attention_dim"]
         text_time = kw.get("addition_embed_type") == "text_time"
         time_ids = 6  # SDXL: original size, crop offset, target size (2 numbers each)
@@ -326,7 +335,7 @@ def _unet(m: ImageModel):
             return _mse(pred, batch["target"])
 
         res = side * VAE_FACTOR
-        info = _info(m, res, kw, ("block_out_channels", "layers_per_block", "cross_attention_dim"))
+        info = _info(m, res, kw, ("block_out_channels", "layers_per_block", "cross_attention_dim"), halvings)
         return _workload(m, _build(m, cls, kw, overrides), batch, loss, res, info)
     return build
 

@@ -1,0 +1,224 @@
+"""An axolotl config (YAML) read as the workload and the plan it trains: ``memfit estimate --from
+config.yml`` (and ``plan``).
+
+| axolotl field | memfit |
+|---|---|
+| ``base_model`` (``base_model_config`` where given) | the workload: a hub id or a model folder, its config.json alone |
+| ``adapter: lora`` / ``qlora`` | ``adapter: lora:...``; qlora also ``base_weights: nf4:double_quant=true`` |
+| ``lora_r``, ``lora_alpha``, ``lora_dropout`` | the adapter's ``r``, ``alpha``, ``dropout`` |
+| ``lora_target_modules``; ``lora_target_linear: true`` | its ``targets``; ``targets=all-linear`` |
+| ``lora_modules_to_save``; ``peft_use_dora: true`` | its ``save``; a DoRA adapter |
+| ``load_in_4bit`` / ``load_in_8bit`` | ``base_weights: nf4:double_quant=true`` / ``int8`` |
+| ``sequence_len`` | the sequence length |
+| ``micro_batch_size`` x ``gradient_accumulation_steps`` | the global batch, split into micro-batches of ``micro_batch_size`` |
+| ``gradient_checkpointing: true`` | ``checkpointing: blocks`` (Hugging Face's: each decoder layer) |
+| ``bf16: true`` / ``auto``; ``fp16: true`` | ``precision: bf16-pure`` (axolotl loads the model in bf16; ``auto``: fp16 on a card without bf16); ``fp16`` |
+| ``optimizer`` | ``adamw_torch``, ``adamw_torch_fused``, ``adamw_hf``, ``paged_adamw_32bit``: ``adamw``; ``adamw_bnb_8bit``, ``paged_adamw_8bit``: ``adamw8bit``; ``adafactor``; ``sgd`` |
+| ``max_grad_norm``; ``torch_compile: true`` | ``max_grad_norm``; ``compile: full`` |
+
+What the estimate ignores, and how it says so:
+
+- **Refused, one line** (ignoring them would mislead): ``deepspeed`` (memfit does not model DeepSpeed's
+  ZeRO; it shards with FSDP2, ``--world-size``), ``fsdp`` / ``fsdp_config`` (give ``--world-size``),
+  ``rl`` (DPO and the like train on pairs beside a reference model), ``unfrozen_parameters``, an
+  adapter or an optimizer memfit does not run.
+- **Ignored in silence**: fields of the run around the step (data, schedule, logging, saving,
+  evaluation, the tokenizer, the hub: :data:`NO_MEMORY_EFFECT`), and the attention flags
+  (``flash_attention``, ``sdp_attention``, ``xformers_attention``: memfit's CUDA model already takes
+  the fused kernels). ``sample_packing`` makes every sample ``sequence_len`` tokens long, which is
+  what memfit traces; without it, a batch is padded to its longest sample, at most that.
+- **Ignored with a warning**: any other field set (a field left empty is as if absent), one line naming
+  it; so is the paging of the ``paged_`` optimizers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from memfit.devices import Device
+from memfit.errors import UserError
+from memfit.plans import Plan
+
+REFUSED = {
+    "deepspeed": "memfit does not model DeepSpeed's ZeRO stages; remove deepspeed from the config (memfit shards "
+                 "with FSDP2: give --world-size N)",
+    "fsdp": "give --world-size N instead (memfit shards with FSDP2 and predicts one rank); remove fsdp from the config",
+    "fsdp_config": "give --world-size N instead (memfit shards with FSDP2 and predicts one rank); remove fsdp_config "
+                   "from the config",
+    "rl": "memfit traces supervised fine-tuning; preference training (DPO, ORPO, KTO, ...) holds pairs and a "
+          "reference model; remove rl from the config to estimate the SFT step",
+    "unfrozen_parameters": "memfit trains the whole model or an adapter; remove unfrozen_parameters from the config",
+}
+"""Fields whose meaning memfit cannot carry, and the fix."""
+
+NO_MEMORY_EFFECT = frozenset("""
+base_model_ignore_patterns chat_template chat_template_jinja dataset_prepared_path dataset_processes datasets
+test_datasets val_set_size output_dir num_epochs max_steps learning_rate lr_scheduler lr_scheduler_kwargs
+cosine_min_lr_ratio cosine_constant_lr_ratio lr_div_factor warmup_steps warmup_ratio weight_decay adam_beta1
+adam_beta2 adam_epsilon logging_steps save_steps saves_per_epoch save_total_limit save_strategy save_safetensors
+eval_steps evals_per_epoch eval_strategy eval_table_size eval_max_new_tokens eval_sample_packing eval_batch_size
+do_causal_lm_eval early_stopping_patience resume_from_checkpoint auto_resume_from_checkpoints local_rank debug
+seed wandb_project wandb_entity wandb_watch wandb_name wandb_log_model wandb_mode wandb_run_id mlflow_tracking_uri
+mlflow_experiment_name comet_api_key comet_workspace comet_project_name hub_model_id hub_strategy push_dataset_to_hub
+hf_use_auth_token strict model_type tokenizer_type tokenizer_config tokenizer_use_fast tokenizer_legacy
+trust_remote_code is_llama_derived_model is_mistral_derived_model is_falcon_derived_model is_qwen_derived_model
+special_tokens tokens train_on_inputs group_by_length pad_to_sequence_len sample_packing flash_attention
+flash_attn_cross_entropy flash_attn_rms_norm flash_attn_fuse_qkv flash_attn_fuse_mlp sdp_attention
+xformers_attention tf32 gradient_checkpointing_kwargs lora_fan_in_fan_out logging_dir shuffle_merged_datasets
+default_system_message dataloader_num_workers dataloader_pin_memory dataloader_prefetch_factor remove_unused_columns
+gptq lora_model_dir profiler_steps include_tokens_per_second
+""".split())
+"""Fields of the run around the step (ignored without a word)."""
+
+MAPPED = frozenset("""
+base_model base_model_config adapter lora_r lora_alpha lora_dropout lora_target_modules lora_target_linear
+lora_modules_to_save peft_use_dora load_in_4bit load_in_8bit sequence_len micro_batch_size gradient_accumulation_steps
+batch_size gradient_checkpointing bf16 fp16 optimizer max_grad_norm torch_compile
+""".split())
+
+OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw": "adamw",
+              "paged_adamw_32bit": "adamw", "adamw_bnb_8bit": "adamw8bit", "paged_adamw_8bit": "adamw8bit",
+              "adamw_8bit": "adamw8bit", "adafactor": "adafactor", "sgd": "sgd"}
+
+
+@dataclass(frozen=True)
+class AxolotlConfig:
+    """What an axolotl config says, in memfit's terms."""
+
+    path: str
+    workload: str
+    batch_size: int
+    micro_batch_size: int
+    seq_len: int | None
+    plan: Plan
+    warnings: tuple[str, ...] = ()
+
+    def summary(self) -> str:
+        split = (f" ({self.micro_batch_size} a micro-batch x {self.batch_size // self.micro_batch_size} accumulated)"
+                 if self.batch_size != self.micro_batch_size else "")
+        seq = f" · seq {self.seq_len}" if self.seq_len else ""
+        return f"from {self.path}: {self.workload} · batch {self.batch_size}{split}{seq} · {self.plan.describe()}"
+
+
+def read_config(path: str | Path, device: Device) -> AxolotlConfig:
+    """The axolotl config at ``path`` (see the module docstring); ``device`` decides ``bf16: auto``."""
+    import yaml
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--from {path}: no such file; give an axolotl config (.yml)")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise UserError(f"--from {path}: not valid YAML ({str(e).splitlines()[0]}); fix the file") from None
+    if not isinstance(data, dict):
+        raise UserError(f"--from {path}: an axolotl config is a mapping of fields (base_model: ..., adapter: ...)")
+    return map_config(data, str(path), device)
+
+
+def map_config(data: dict, where: str, device: Device) -> AxolotlConfig:
+    """An axolotl config's fields (a parsed YAML mapping) as memfit's workload, sizes and plan."""
+    data = {key: value for key, value in data.items() if value not in (None, "", [], {})}  # (empty: as if absent)
+    for key, fix in REFUSED.items():
+        if data.get(key) not in (None, False):
+            raise UserError(f"--from {where}: {key}: {fix}")
+    model = data.get("base_model_config") or data.get("base_model")
+    if not isinstance(model, str) or not model.strip():
+        raise UserError(f"--from {where}: no base_model; the config names the model it trains (a hub id or a folder)")
+    warnings = [f"axolotl config {where}: {key} is not mapped; the estimate ignores it"
+                for key in data if key not in MAPPED and key not in NO_MEMORY_EFFECT and key not in REFUSED]
+    micro = _whole(data, "micro_batch_size", where, 1)
+    accum = _whole(data, "gradient_accumulation_steps", where, 1)
+    if "batch_size" in data and "micro_batch_size" not in data:
+        warnings.append(f"axolotl config {where}: batch_size without micro_batch_size: memfit takes micro_batch_size 1 "
+                        "(axolotl's default); give micro_batch_size")
+    fields = {**_method(data, where), **_precision(data, device), **_optimizer(data, where, warnings)}
+    checkpointing = data.get("gradient_checkpointing")
+    if checkpointing not in (None, False):
+        if checkpointing is not True:
+            warnings.append(f"axolotl config {where}: gradient_checkpointing: {checkpointing} is taken as block "
+                            "checkpointing on the device (its offload is not modelled)")
+        fields["checkpointing"] = "blocks"
+    if data.get("max_grad_norm") is not None:
+        fields["max_grad_norm"] = data["max_grad_norm"]
+    if data.get("torch_compile") not in (None, False):
+        fields["compile"] = "full"
+    if accum > 1:
+        fields["micro_batch_size"] = micro
+    try:
+        plan = Plan(**fields)
+    except UserError as e:
+        raise UserError(f"--from {where}: {str(e).removeprefix('plan: ')}") from None
+    seq = data.get("sequence_len")
+    return AxolotlConfig(where, model.strip(), micro * accum, micro,
+                         _whole(data, "sequence_len", where, None) if seq is not None else None, plan, tuple(warnings))
+
+
+def _whole(data: dict, key: str, where: str, default):
+    value = data.get(key, default)
+    if value is default:
+        return value
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UserError(f"--from {where}: {key} must be a whole number >= 1, got {value!r}")
+    return value
+
+
+def _method(data: dict, where: str) -> dict:
+    """adapter, lora_*, load_in_* -> the plan's adapter and base_weights."""
+    kind = data.get("adapter")
+    four, eight = bool(data.get("load_in_4bit")), bool(data.get("load_in_8bit"))
+    if four and eight:
+        raise UserError(f"--from {where}: load_in_4bit and load_in_8bit are both set; keep one")
+    weights = "nf4:double_quant=true" if four or kind == "qlora" else "int8" if eight else None
+    if kind in (None, "", False):
+        if weights:
+            raise UserError(f"--from {where}: load_in_{'4' if four else '8'}bit without an adapter trains nothing; "
+                            "set adapter: lora (or qlora)")
+        return {}
+    if kind not in ("lora", "qlora"):
+        raise UserError(f"--from {where}: adapter {kind!r} is not one memfit runs; use lora or qlora")
+    options = [f"r={_whole(data, 'lora_r', where, 8)}"]
+    if data.get("lora_alpha") is not None:
+        options.append(f"alpha={data['lora_alpha']}")
+    if data.get("lora_target_linear"):
+        options.append("targets=all-linear")
+    elif data.get("lora_target_modules"):
+        options.append("targets=" + "+".join(_names(data, "lora_target_modules", where)))
+    if data.get("lora_dropout"):
+        options.append(f"dropout={data['lora_dropout']}")
+    if data.get("lora_modules_to_save"):
+        options.append("save=" + "+".join(_names(data, "lora_modules_to_save", where)))
+    out = {"adapter": f"{'dora' if data.get('peft_use_dora') else 'lora'}:{','.join(options)}"}
+    if weights:
+        out["base_weights"] = weights
+    return out
+
+
+def _names(data: dict, key: str, where: str) -> list[str]:
+    value = data[key]
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        raise UserError(f"--from {where}: {key} must be a list of module names, got {value!r}")
+    return names
+
+
+def _precision(data: dict, device: Device) -> dict:
+    bf16, fp16 = data.get("bf16"), data.get("fp16")
+    if bf16 is True or (bf16 == "auto" and device.bf16):
+        return {"precision": "bf16-pure"}
+    if fp16 or bf16 == "auto":
+        return {"precision": "fp16"}
+    return {}
+
+
+def _optimizer(data: dict, where: str, warnings: list[str]) -> dict:
+    name = data.get("optimizer")
+    if name is None:
+        return {}
+    if name not in OPTIMIZERS:
+        raise UserError(f"--from {where}: optimizer {name!r} is not one memfit runs; use one of "
+                        f"{', '.join(OPTIMIZERS)}")
+    if str(name).startswith("paged_"):
+        warnings.append(f"axolotl config {where}: optimizer {name}: its states are traced on the device (paging them "
+                        "to the host under pressure is not modelled)")
+    return {"optimizer": OPTIMIZERS[name]}

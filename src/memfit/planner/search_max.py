@@ -1,0 +1,204 @@
+"""``memfit plan --batch-size max`` (or ``--seq-len``, ``--resolution``): two answers.
+
+1. **The largest value under any plan.** A plan that saves no more memory than one that does not fit
+   cannot fit (memfit.planner.feasibility), so the largest value any plan reaches is the largest that
+   one of the *maximal* plans reaches (those no other plan out-saves everywhere; micro-batches are
+   left out: a split batch can grow without bound). Their memory is close to affine in the value
+   (NOTE [ The largest value from a line ] in memfit.planner.largest), so each is traced at the two
+   smallest values, its line drawn, and the search for the value then traces, at each value, the
+   maximal plans their lines put within ``NEAR`` of the budget (the others are taken as over it).
+   The value found fits by a full trace of one maximal plan, and the next one by none traced.
+2. **The fastest.** Throughput (tokens, images or samples per second) is what a larger batch buys, and
+   what a more frugal plan costs. The planner searches (memfit.planner.search) at the largest value
+   and at halves of it, down to where its fastest plan is the fastest of all plans (a smaller value
+   cannot give a faster plan); the value and plan of the highest throughput are then pushed to that
+   plan's own largest value (exact, as ``estimate`` finds it), and searched there once more.
+
+A search per value is seconds for a small model and a minute or more for a 7B one: ``max`` costs
+about log2(N) + 2 searches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from memfit.devices import Device, get_device
+from memfit.errors import UserError
+from memfit.memory.budget import Budget
+from memfit.memory.estimate import estimate_target
+from memfit.planner.candidate import Candidate, Status
+from memfit.planner.feasibility import maximal
+from memfit.planner.largest import Largest, find_largest
+from memfit.planner.search import PlanResult, plan
+from memfit.planner.sized import Sized, largest_estimate
+from memfit.planner.space import candidates, default_space, model_facts
+from memfit.plans import Plan
+from memfit.quiet import silenced_warnings
+
+NEAR = 1.10
+"""A maximal plan whose line puts it above the budget by more than this factor is not traced at a value."""
+
+
+@dataclass
+class LargestPlan:
+    """Both answers of ``plan ... max`` (the module docstring)."""
+
+    sized: Sized
+    budget_bytes: int
+    largest: Largest
+    """The largest value under any plan."""
+    largest_plan: Plan | None
+    """The maximal plan that fits at ``largest.value``."""
+    best: PlanResult | None = None
+    """The planner's search at the value of highest throughput (None: nothing fits)."""
+    best_value: int | None = None
+    throughput: float | None = None
+    unit: str = "samples/s"
+    searched: list[tuple[int, PlanResult]] = field(default_factory=list)
+    """Every search, by value."""
+
+    def to_json(self) -> dict:
+        return {"axis": self.sized.axis.key, "best_value": self.best_value, "throughput": self.throughput,
+                "throughput_unit": self.unit, "best": self.best.to_json() if self.best else None,
+                "largest": self.largest.to_json(),
+                "largest_plan": self.largest_plan.to_dict() if self.largest_plan else None,
+                "searched": [{"value": v, "chosen": r.chosen.plan.to_dict() if r.chosen else None,
+                              "step_seconds": r.chosen.seconds if r.chosen else None,
+                              "throughput": throughput(self.sized, v, r.chosen.seconds) if r.chosen else None}
+                             for v, r in self.searched]}
+
+
+def throughput_unit(sized: Sized, value: int) -> str:
+    info = sized.workload_at(value).info
+    return "tokens/s" if info.text_lm and info.seq_len else "images/s" if info.resolution else "samples/s"
+
+
+def throughput(sized: Sized, value: int, seconds: float) -> float:
+    """Tokens (language models), images (image generation) or samples per second at ``value``."""
+    s = sized.sizes(value)
+    info = sized.workload_at(value).info
+    batch = s["batch_size"] or sized.workload_at(value).default_batch_size
+    per_sample = info.seq_len if info.text_lm and info.seq_len else 1
+    return batch * per_sample / seconds
+
+
+def plan_largest(sized: Sized, *, budget: str | int | None, device: str | Device, fixed: dict,
+                 search: Callable[..., PlanResult] | None = None, **plan_kwargs) -> LargestPlan:
+    """Both answers for ``sized``'s free size (the module docstring). ``fixed``: the plan fields the user
+    gave; ``plan_kwargs``: what :func:`memfit.planner.search.plan` takes besides (optimizers, ...)."""
+    dev = get_device(device)
+    budget_obj = Budget.resolve(budget, dev)
+    search = search or plan
+    axis = sized.axis
+    if axis.key == "batch_size" and ("micro_batch_size" in fixed or "grad_accum_steps" in fixed):
+        raise UserError("--batch-size max finds the largest batch one step holds at once; drop --micro-batch-size "
+                        "and --grad-accum-steps (a split batch can grow without bound)")
+    tops = maximal_plans(sized, dev, fixed)
+    largest, top = _largest_any(sized, tops, dev, budget_obj)
+    out = LargestPlan(sized, budget_obj.bytes, largest, top, unit=throughput_unit(sized, axis.step))
+    if largest.value is None:
+        return out
+
+    def at(value: int) -> PlanResult:
+        for v, r in out.searched:
+            if v == value:
+                return r
+        s = sized.sizes(value)
+        result = search(sized.workload_at(value), budget=budget, device=dev, batch_size=s["batch_size"],
+                        fixed=fixed, **plan_kwargs)
+        out.searched.append((value, result))
+        return result
+
+    value = largest.value
+    while True:  # the largest value, then halves, until the fastest plan of all fits
+        result = at(value)
+        if result.chosen is None or _fastest_of_all(result) or value <= axis.step:
+            break
+        value = max(axis.step, value // 2 // axis.step * axis.step)
+    scored = [(throughput(sized, v, r.chosen.seconds), v, r) for v, r in out.searched if r.chosen]
+    if not scored:
+        return out
+    _, v, r = max(scored, key=lambda x: x[0])
+    if r.chosen.plan.micro_batches(sized.batch_at(v) or 1)[1] == 1 and v < largest.value:
+        own, _ = largest_estimate(sized, r.chosen.plan, dev, budget_obj, first=v)  # (that plan's own largest)
+        if own.value is not None and own.value > v:
+            again = at(own.value)
+            if again.chosen:
+                scored.append((throughput(sized, own.value, again.chosen.seconds), own.value, again))
+    out.throughput, out.best_value, out.best = max(scored, key=lambda x: x[0])
+    return out
+
+
+def _fastest_of_all(result: PlanResult) -> bool:
+    """No plan faster than the chosen one was too big: a smaller value cannot give a faster plan."""
+    chosen = result.chosen
+    return not any(c.status is Status.TOO_BIG and c.seconds < chosen.seconds for c in result.candidates)
+
+
+def maximal_plans(sized: Sized, device: Device, fixed: dict) -> list[Plan]:
+    """The maximal plans of the default search space (memfit.planner.space), with the user's fixed
+    fields, that do not split the batch."""
+    value = sized.axis.step
+    target = sized.target(value, None, device)
+    bs = target.batch_size
+    with silenced_warnings():
+        facts = model_facts(target.workload)
+    space = default_space(facts, device, bs)
+    space.micro_batches = [bs]
+    plans = []
+    for p in candidates(space, bs):
+        try:
+            plans.append(p.replace(**fixed))
+        except UserError:
+            continue
+    plans = list(dict.fromkeys(plans))
+    if not plans:
+        raise UserError("plan: no valid plan is left with the fields you fixed; remove some of the plan flags")
+    return [c.plan for c in maximal([Candidate(p, 0.0) for p in plans], bs)]
+
+
+def _largest_any(sized: Sized, tops: list[Plan], device: Device, budget: Budget) -> tuple[Largest, Plan | None]:
+    """The largest value some plan of ``tops`` fits at (step 1 of the module docstring)."""
+    used: dict[tuple[Plan, int], int | None] = {}
+    errors: list[str] = []
+    best: dict[int, Plan] = {}
+
+    def one(p: Plan, value: int) -> int | None:
+        if (p, value) not in used:
+            try:
+                with silenced_warnings():
+                    used[(p, value)] = budget.used_bytes(estimate_target(sized.target(value, p, device)))
+            except UserError as e:  # (the plan cannot run at this value: a bound)
+                used[(p, value)] = None
+                errors.append(str(e))
+        return used[(p, value)]
+
+    def measure(value: int) -> int:
+        figures = {}
+        for p in tops:
+            line = _line(sized, p, used)
+            if line is not None and line(value) > budget.bytes * NEAR:
+                continue
+            u = one(p, value)
+            if u is not None:
+                figures[p] = u
+        if not figures:
+            raise UserError(errors[-1] if errors else f"no maximal plan runs at {sized.axis.show(value)}")
+        p = min(figures, key=figures.get)
+        best[value] = p
+        return figures[p]
+
+    found = find_largest(sized.axis, measure, budget.bytes, second=sized.second)
+    return found, best.get(found.value) if found.value is not None else None
+
+
+def _line(sized: Sized, p: Plan, used: dict) -> Callable[[int], float] | None:
+    """The line of ``p``'s need through its two smallest values traced (None: fewer than two)."""
+    points = sorted((v, u) for (q, v), u in used.items() if q == p and u is not None)
+    if len(points) < 2:
+        return None
+    (a, ua), (b, ub) = points[:2]
+    x = sized.axis.x
+    slope = (ub - ua) / (x(b) - x(a))
+    return lambda value: ua + slope * (x(value) - x(a))

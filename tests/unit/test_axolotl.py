@@ -1,0 +1,97 @@
+"""An axolotl config read as a workload and a plan (memfit.integrations.axolotl): each mapped field,
+the fields refused in one line, and the ones named in a warning."""
+
+from pathlib import Path
+
+import pytest
+
+from memfit.devices import get_device
+from memfit.errors import UserError
+from memfit.integrations.axolotl import NO_MEMORY_EFFECT, REFUSED, map_config, read_config
+from memfit.plans import Plan
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "axolotl"
+CARD = get_device("rtx4090")
+
+
+def test_axolotls_qlora_example():
+    c = read_config(DATA / "qlora-llama.yml", CARD)
+    assert c.workload == "NousResearch/Llama-2-7b-hf"
+    assert (c.batch_size, c.micro_batch_size, c.seq_len) == (4, 1, 4096)
+    assert c.plan == Plan(adapter="lora:r=32,alpha=16,targets=all-linear,dropout=0.05",
+                          base_weights="nf4:double_quant=true", precision="bf16-pure", checkpointing="blocks",
+                          micro_batch_size=1, optimizer="adamw")
+    assert c.plan.micro_batches(c.batch_size) == (1, 4)
+    assert c.warnings == (f"axolotl config {DATA / 'qlora-llama.yml'}: optimizer paged_adamw_32bit: its states are "
+                          "traced on the device (paging them to the host under pressure is not modelled)",)
+
+
+def test_an_8bit_lora_with_named_targets():
+    c = read_config(DATA / "lora-llama.yml", CARD)
+    assert c.plan == Plan(adapter="lora:r=16,alpha=32,targets=q_proj+v_proj,dropout=0.05", base_weights="int8",
+                          precision="bf16-pure", checkpointing="blocks", optimizer="adamw8bit", micro_batch_size=2)
+    assert (c.batch_size, c.seq_len, c.warnings) == (8, 2048, ())
+    assert "batch 8 (2 a micro-batch x 4 accumulated) · seq 2048" in c.summary()
+
+
+def test_unmapped_fields_are_named_one_a_line():
+    c = read_config(DATA / "unmapped.yml", CARD)
+    assert [w.split(": ", 1)[1] for w in c.warnings] == [
+        "neftune_noise_alpha is not mapped; the estimate ignores it", "relora_steps is not mapped; the estimate ignores it"]
+    assert c.plan == Plan(adapter="lora:r=8", precision="bf16-pure") and c.batch_size == 4
+
+
+def test_deepspeed_is_refused_in_one_line():
+    with pytest.raises(UserError) as e:
+        read_config(DATA / "deepspeed.yml", CARD)
+    assert str(e.value).startswith(f"--from {DATA / 'deepspeed.yml'}: deepspeed: memfit does not model DeepSpeed")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("key", sorted(REFUSED))
+def test_every_refused_field_names_itself(key):
+    with pytest.raises(UserError, match=f"c.yml: {key}: "):
+        map_config({"base_model": "org/model", key: "something"}, "c.yml", CARD)
+
+
+def test_an_empty_refused_field_is_as_if_absent():
+    c = map_config({"base_model": "org/model", "deepspeed": None, "fsdp": [], "fsdp_config": {}}, "c.yml", CARD)
+    assert c.plan == Plan() and c.warnings == ()
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"adapter": "ia3"}, "adapter 'ia3' is not one memfit runs"),
+    ({"optimizer": "lion_8bit"}, "optimizer 'lion_8bit' is not one memfit runs"),
+    ({"load_in_4bit": True}, "without an adapter trains nothing"),
+    ({"adapter": "lora", "load_in_4bit": True, "load_in_8bit": True}, "keep one"),
+    ({"micro_batch_size": 0}, "micro_batch_size must be a whole number >= 1"),
+    ({"adapter": "lora", "lora_target_modules": [1, 2]}, "must be a list of module names"),
+])
+def test_bad_values_are_one_line_errors(fields, message):
+    with pytest.raises(UserError, match=message):
+        map_config({"base_model": "org/model", **fields}, "c.yml", CARD)
+
+
+def test_no_base_model():
+    with pytest.raises(UserError, match="no base_model"):
+        map_config({"adapter": "lora"}, "c.yml", CARD)
+
+
+def test_bf16_auto_follows_the_card():
+    assert map_config({"base_model": "m", "bf16": "auto"}, "c", CARD).plan.precision == "bf16-pure"
+    assert map_config({"base_model": "m", "bf16": "auto"}, "c", get_device("t4")).plan.precision == "fp16"
+    assert map_config({"base_model": "m", "fp16": True}, "c", CARD).plan.precision == "fp16"
+
+
+def test_the_run_around_the_step_is_ignored_in_silence():
+    fields = {key: 1 for key in NO_MEMORY_EFFECT}
+    assert map_config({"base_model": "m", **fields}, "c", CARD).warnings == ()
+
+
+def test_dora_save_and_compile():
+    c = map_config({"base_model": "m", "adapter": "lora", "lora_r": 4, "peft_use_dora": True,
+                    "lora_modules_to_save": ["lm_head"], "torch_compile": True, "max_grad_norm": 1.0,
+                    "gradient_checkpointing": "offload"}, "c", CARD)
+    assert c.plan == Plan(adapter="dora:r=4,save=lm_head", compile="full", max_grad_norm=1.0, checkpointing="blocks")
+    assert c.warnings == ("axolotl config c: gradient_checkpointing: offload is taken as block checkpointing on the "
+                          "device (its offload is not modelled)",)

@@ -1,0 +1,104 @@
+"""``memfit fit`` (memfit.planner.fit): each cell's batch is exact on its own card, checked by full
+traces of ``memfit estimate`` on that card (not the table's shared, shallow traces); the cards of one
+architecture share their traces; where one card is too small, the fewest FSDP2 cards; the diffusion
+built-ins take full and LoRA."""
+
+import dataclasses
+
+import pytest
+
+from memfit.devices import GPU_PRESETS, architecture, get_device
+from memfit.memory.budget import Budget
+from memfit.memory.estimate import estimate_target
+from memfit.planner.fit import fit_table
+from memfit.planner.methods import parse_methods
+from memfit.planner.recipes import recipes
+from memfit.planner.space import model_facts
+from memfit.plans import Plan
+from memfit.quiet import silenced_warnings
+from memfit.target import Target
+from memfit.workloads import load_workload
+
+# 6 blocks: the shallow pairs (2 and 3 blocks) and the deep stream are used, as for a 7B
+LLAMA = ("llama:num_hidden_layers=6,hidden_size=64,intermediate_size=128,num_attention_heads=4,num_key_value_heads=2,"
+         "vocab_size=512")
+SD3 = ("dit-sd3:num_layers=6,num_attention_heads=2,attention_head_dim=16,joint_attention_dim=32,"
+       "caption_projection_dim=32,pooled_projection_dim=16,pos_embed_max_size=16")
+
+
+def _used(workload, plan: Plan, batch: int, card) -> int:
+    with silenced_warnings():
+        report = estimate_target(Target.resolve(workload, plan, batch, card))
+    return Budget(0, card).used_bytes(report)
+
+
+SEQ = 512  # (a sample's activations well over the allocator's 2 MiB steps: a few traces a cell)
+
+
+@pytest.fixture(scope="module")
+def llama_table():
+    workload = load_workload(LLAMA, seq_len=SEQ)
+    cards = [get_device(n) for n in ("rtx4060", "rtx4090")]
+    return workload, cards, fit_table(workload, parse_methods("full,lora"), cards, budget="4.5%")
+
+
+def test_each_cell_fits_and_the_next_batch_does_not_by_full_traces_on_its_own_card(llama_table):
+    workload, cards, table = llama_table
+    facts = model_facts(workload)
+    for card in cards:
+        for method in parse_methods("full,lora"):
+            cell = table.cells[(card.name, method.name)]
+            assert cell.world == 1 and cell.batch >= 2, cell
+            frugal = recipes(method, facts, card)[-1].plan
+            assert _used(workload, cell.plan, cell.batch, card) == cell.used_bytes <= cell.budget_bytes
+            assert _used(workload, frugal, cell.batch + 1, card) > cell.budget_bytes
+            assert cell.throughput > 0 and cell.seconds > 0
+
+
+def test_one_architectures_cards_share_their_traces(llama_table):
+    workload, cards, table = llama_table
+    assert architecture(cards[0]) == architecture(cards[1]) and table.groups == 1
+    alone = [fit_table(workload, parse_methods("full,lora"), [card], budget="4.5%") for card in cards]
+    for one in alone:  # the same answers
+        for key, cell in one.cells.items():
+            assert (cell.batch, cell.recipe, cell.used_bytes) == (table.cells[key].batch, table.cells[key].recipe,
+                                                                  table.cells[key].used_bytes)
+    assert table.traces < sum(one.traces for one in alone) - 4  # (batches 1 and 2 of each method, traced once)
+
+
+# 24 blocks of 26 MB of bf16 weights, a short sequence: a LoRA's frozen weights outweigh what FSDP2
+# adds (a block gathered and the next prefetched), so two ranks hold less than one card
+DEEP = ("llama:num_hidden_layers=24,hidden_size=1024,intermediate_size=2816,num_attention_heads=8,"
+        "num_key_value_heads=8,vocab_size=4096")
+
+
+def test_no_single_card_the_fewest_with_fsdp2():
+    workload = load_workload(DEEP, seq_len=16)
+    card = get_device("rtx4060")
+    small = dataclasses.replace(card, name="small", total_bytes=card.context_bytes + 550 * 2**20)
+    cell = fit_table(workload, parse_methods("lora"), [small], budget="100%", max_world=4).cells[("small", "lora")]
+    assert cell.world == 2 and cell.batch % 2 == 0, cell
+    assert cell.plan.world_size == 2 and cell.recipe == "FSDP2 over 2"
+    assert cell.used_bytes <= cell.budget_bytes < cell.next_used_bytes
+    assert _used(workload, cell.plan, cell.batch, small) == cell.used_bytes  # a rank's full trace, on the card
+    one = recipes(parse_methods("lora")[0], model_facts(workload), small)[-1].plan
+    assert _used(workload, one, 1, small) > cell.budget_bytes  # one card alone does not take batch 1
+
+
+def test_nothing_fits_even_sharded_says_what_a_rank_needs():
+    workload = load_workload(DEEP, seq_len=16)
+    card = get_device("rtx4060")
+    tiny = dataclasses.replace(card, name="tiny", total_bytes=card.context_bytes + 100 * 2**20)
+    cell = fit_table(workload, parse_methods("lora"), [tiny], budget="100%", max_world=2).cells[("tiny", "lora")]
+    assert cell.world == 0 and cell.error.startswith("needs ") and "a rank on 2 cards" in cell.error
+
+
+def test_a_diffusion_model_full_and_lora():
+    pytest.importorskip("diffusers")
+    workload = load_workload(SD3, resolution=64)
+    table = fit_table(workload, parse_methods("full,lora"), [GPU_PRESETS["rtx4060"]], budget="5%")
+    assert table.unit == "images/s"
+    for method in ("full", "lora"):
+        cell = table.cells[("rtx4060", method)]
+        assert cell.world == 1 and cell.batch >= 1 and cell.throughput > 0, cell
+        assert _used(workload, cell.plan, cell.batch, GPU_PRESETS["rtx4060"]) <= cell.budget_bytes

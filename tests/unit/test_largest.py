@@ -1,0 +1,97 @@
+"""``max`` as a value (memfit.planner.largest, memfit.planner.sized): the search is exact on its own
+terms (the value fits, the next does not) in a few traces, and on this CPU the answer of
+``estimate --batch-size max`` holds against the profiler: the step at N measures within the budget,
+the step at N+1 over it."""
+
+import pytest
+
+from memfit.errors import UserError
+from memfit.memory.budget import Budget
+from memfit.memory.measure import profile
+from memfit.planner.largest import GROWTH, batch_axis, find_largest, resolution_axis, seq_axis
+from memfit.planner.sized import Sized, largest_estimate
+from memfit.plans import Plan
+
+GPT2 = "gpt2:n_layer=2,n_embd=64,n_head=2,vocab_size=256"
+LLAMA = ("llama:num_hidden_layers=2,hidden_size=64,intermediate_size=128,num_attention_heads=4,"
+         "num_key_value_heads=4,vocab_size=256")
+
+
+@pytest.mark.parametrize("need, budget", [
+    (lambda v: 1000 + 37 * v, 5000),            # affine: the line is right at once
+    (lambda v: 1000 + 37 * v + v * v // 3, 5000),  # curved: the line errs, and is redrawn
+    (lambda v: 1000 + 100 * (v // 7) * 7, 4000),   # steps (an allocator's rounding)
+    (lambda v: 10 + v, 10 ** 6),                 # far: the line points past GROWTH x
+])
+def test_the_value_found_fits_and_the_next_does_not(need, budget):
+    found = find_largest(batch_axis(), need, budget)
+    assert need(found.value) <= budget < need(found.value + 1)
+    assert found.next_value == found.value + 1 and found.next_used_bytes == need(found.value + 1)
+    assert set(found.measured) >= {found.value, found.value + 1}
+
+
+def test_an_affine_need_costs_four_traces():
+    found = find_largest(batch_axis(), lambda v: 10_000 + 123 * v, 50_000)
+    assert (found.value, found.traces) == (325, 4)  # 1 and 2 draw the line, 325 and 326 confirm it
+
+
+def test_a_resolution_steps_by_latents_and_grows_with_the_area():
+    axis = resolution_axis(16)
+    found = find_largest(axis, lambda px: 10 ** 6 + 10 * px * px, 5 * 10 ** 7, second=1024)
+    assert found.value % 16 == 0 and found.next_value == found.value + 16
+    assert 10 ** 6 + 10 * found.value ** 2 <= 5 * 10 ** 7 < 10 ** 6 + 10 * found.next_value ** 2
+    assert found.traces <= 4  # the smallest, the native size, then the value and the next
+
+
+def test_a_value_the_model_cannot_take_bounds_the_search():
+    def need(seq):
+        if seq > 1024:
+            raise UserError("gpt2: --seq-len exceeds the model's n_positions=1024")
+        return seq
+    found = find_largest(seq_axis(), need, 10 ** 9)
+    assert (found.value, found.next_value, found.next_used_bytes) == (1024, 1088, None)
+    assert "n_positions" in found.next_error and "beyond the model" in found.describe()
+
+
+def test_nothing_fits_says_what_the_smallest_needs():
+    found = find_largest(batch_axis(), lambda v: 1000 * v + 500, 400)
+    assert found.value is None and found.next_value == 1 and found.next_used_bytes == 1500
+    assert "not even batch size 1" in found.describe()
+
+
+def test_growth_is_bounded_per_trace():
+    values = []
+
+    def need(v):
+        values.append(v)
+        return v
+    find_largest(batch_axis(), need, 10 ** 6)
+    assert all(b <= max(a * GROWTH, a + 1) for a, b in zip(values, values[1:]) if b > a)
+
+
+def test_a_split_batch_cannot_be_max():
+    sized = Sized.of(GPT2, "batch_size", seq_len=16)
+    with pytest.raises(UserError, match="holds at once"):
+        largest_estimate(sized, Plan(micro_batch_size=2), "cpu", Budget.resolve("1GiB", sized.target(1, None, "cpu").device))
+
+
+def test_resolution_max_needs_an_image_model():
+    with pytest.raises(UserError, match="image-generation built-ins"):
+        Sized.of(GPT2, "resolution")
+
+
+@pytest.mark.parametrize("workload, plan", [(GPT2, Plan()), (LLAMA, Plan(adapter="lora:r=4"))],
+                         ids=["gpt2", "peft-lora-llama"])
+def test_batch_max_is_exact_against_the_profiler(workload, plan):
+    """The budget lies between the profiler's peaks at batch 5 and 6 (measured here, not predicted):
+    ``max`` must answer 5, and the profiler's own peaks at its N and N+1 straddle the budget."""
+    seq = 32
+    measured = {b: profile(workload, plan, batch_size=b, seq_len=seq, repeats=0).peak_bytes for b in (5, 6)}
+    assert measured[5] < measured[6]
+    budget_bytes = (measured[5] + measured[6]) // 2
+    sized = Sized.of(workload, "batch_size", seq_len=seq)
+    budget = Budget(budget_bytes, sized.target(1, None, "cpu").device)
+    found, report = largest_estimate(sized, plan, "cpu", budget)
+    assert found.value == 5 and report.batch_size == 5
+    assert found.traces <= 6
+    assert measured[found.value] <= budget_bytes < measured[found.value + 1]
