@@ -135,7 +135,7 @@ class Plan:
         if not isinstance(data, dict):
             raise UserError(f"{source}: a plan must be a mapping of keys to values, got {type(data).__name__}")
         names = {f.name for f in dataclasses.fields(cls) if f.init}
-        unknown = sorted(set(data) - names)
+        unknown = sorted(str(k) for k in set(data) - names)  # (a YAML key can be null or a number)
         if unknown:
             raise UserError(f"{source}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(names))}")
         try:

@@ -145,7 +145,7 @@ def _kill_in_saves(workload, out, steps: int, kills: int, nproc: int, rng) -> in
         while p.poll() is None and not _saving(out, before):
             time.sleep(0.002)
         assert p.poll() is None, "the run ended before a save was caught"
-        time.sleep(rng.uniform(0, SAVE_SECONDS))
+        time.sleep(rng.uniform(0, SAVE_SECONDS) if killed else 0)  # (the first at once: one kill lands in a save)
         family = _family(p.pid)
         victims = family if nproc == 1 or killed % 3 == 0 else [rng.choice(family[1:] or family)]
         for pid in victims:  # the whole machine at once, or (2 ranks) one process of the run

@@ -22,7 +22,7 @@ MAX_FILE_LINES, MAX_CLASS_LINES = 450, 300
 # Floors, lowest first: a module may import its own floor or lower ones, never higher. A module is on
 # the floor of the longest name here that it is or lies under.
 FLOORS = (
-    ("memfit.errors", "memfit.units", "memfit.quiet", "memfit.observer", "memfit.outputs", "memfit.devices",
+    ("memfit.errors", "memfit.units", "memfit.quiet", "memfit.rng_ops", "memfit.observer", "memfit.outputs", "memfit.devices",
      "memfit.hosts", "memfit.secrets", "memfit.sdpa_backends"),  # what a device and its host are, which attention kernel it runs
     ("memfit.workload", "memfit.workloads", "memfit.techniques"),  # what to train; how (one module a technique)
     ("memfit.plans",),     # a composition of technique configs

@@ -23,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from memfit import rng_ops
 from memfit.memory.storages import LiveStorages
 from memfit.units import fmt_bytes
 
@@ -111,3 +112,6 @@ class BudgetGuard(TorchDispatchMode):
     def _hosted(self, nbytes: int) -> int:
         self.live_bytes -= nbytes
         return 0
+
+
+rng_ops.register(BudgetGuard)  # (memfit.rng_ops)

@@ -52,6 +52,8 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memfit import rng_ops
+
 aten = torch.ops.aten
 
 BALANCED = "balanced"
@@ -291,3 +293,9 @@ class ForcedRouting(TorchDispatchMode):
                 forced = torch.cat([torch.zeros(tokens, 1, dtype=idx.dtype, device=idx.device), rest], 1)
             idx.copy_(forced)
         return out
+
+
+rng_ops.register(RoutingMode)  # (memfit.rng_ops)
+
+
+rng_ops.register(ForcedRouting)  # (memfit.rng_ops)

@@ -18,6 +18,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from memfit import rng_ops
 from memfit.memory.categories import CATEGORIES
 from memfit.memory.storages import LiveStorages
 
@@ -398,3 +399,6 @@ def _user_frame() -> str:
         if "/torch/" not in f and "/memfit/memory/" not in f and "contextlib" not in f:
             return f"{'/'.join(f.split('/')[-2:])}:{frame.lineno}"  # also '<stdin>', a notebook cell
     return "?"
+
+
+rng_ops.register(MemoryTracker)  # (memfit.rng_ops)

@@ -38,6 +38,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils.flop_counter import flop_registry
 
+from memfit import rng_ops
 from memfit.planner.op_work import (
     ATTENTION_OPS,
     HALF,
@@ -436,3 +437,6 @@ _WRAPPERS = {"_fn", "inner", "__call__", "redispatch", "wrapper"}
 def _is_recompute() -> bool:
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
     return hooks is not None and hooks[0].__qualname__.startswith("_recomputation_hook")
+
+
+rng_ops.register(OpRecorder)  # (memfit.rng_ops)

@@ -50,8 +50,19 @@ def _serve(conn, ours, fn: Callable, first: Callable) -> None:
             conn.send(answer)
         except OSError:  # the process that forked it is gone
             return
-        except Exception as e:  # noqa: BLE001 - an answer that does not pickle
-            conn.send((False, RuntimeError(f"{type(e).__name__}: {e}")))
+        except Exception as e:  # noqa: BLE001 - an answer that does not pickle: say what it was
+            conn.send((False, RuntimeError(_unpicklable(answer, e))))
+
+
+def _unpicklable(answer: tuple, error: Exception) -> str:
+    """What a worker says in place of an answer that does not pickle: an exception's own type, message
+    and traceback (Dynamo's errors hold closures), else why the result did not pickle."""
+    ok, value = answer
+    if ok:
+        return f"a trace's result does not pickle ({type(error).__name__}: {error})"
+    import traceback
+    where = "".join(traceback.format_exception(value)[-6:]).rstrip()
+    return f"{type(value).__name__}: {value}\n(in a worker process:)\n{where}"
 
 
 class ForkedProcesses:

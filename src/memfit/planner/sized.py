@@ -87,7 +87,7 @@ class Sized:
 def check_whole_batch(plan: Plan, axis: Axis) -> None:
     """``max`` is what one step holds at once: a plan that splits the batch into micro-batches holds
     a micro-batch at a time, and its batch could grow without bound."""
-    if axis.key == "batch_size" and (plan.micro_batch_size is not None or plan.grad_accum_steps != 1):
+    if axis.key == "batch_size" and not plan.config("accumulation").is_default:
         raise UserError("--batch-size max finds the largest batch one step holds at once; drop --micro-batch-size "
                         "and --grad-accum-steps (a split batch can grow without bound)")
 

@@ -13,46 +13,25 @@ its ops at full depth; what the ops cost in time is the time model's business
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from memfit.errors import UserError
 from memfit.memory.budget import Budget
 from memfit.memory.categories import STEADY_STEP
-from memfit.memory.deep_stream import Stream, deepen, from_tracker, replay
-from memfit.memory.report import traced_device
+from memfit.memory.deep_stream import deepen, replay
 from memfit.planner.ops import FORWARD
-from memfit.planner.shallow import depth_of, depths, extrapolate, extrapolate_ops, shallow_workload
+from memfit.planner.shallow import depth_of, depths, extrapolate, extrapolate_ops
 from memfit.planner.space import ModelFacts
-from memfit.planner.timing import record_step
+from memfit.planner.trace_job import Traced, Tracer
 from memfit.planner.workers import SKIPPED, Workers
 from memfit.plans import Plan
 from memfit.target import Target
 from memfit.techniques.base import GraphSize
-from memfit.techniques.checkpointing import find_blocks
 
 PEAK_MARGIN = 0.02
 """How far an extrapolated allocated peak may be above the full trace's (caching-allocator rounding;
 1% seen with ``blocks:every=2`` on a small model): the lower bound that prunes is that much lower."""
-
-
-class Traced(NamedTuple):
-    """What the book keeps of one trace (small, so a worker process can send it back)."""
-
-    peak_bytes: int
-    context_bytes: int
-    used_bytes: int
-    """What the budget counts (reserved + context on a GPU preset)."""
-    ops: list
-    stream: Stream | None = None
-    """Its allocations (shallow traces of eager plans: memfit.memory.deep_stream)."""
-    managed_bytes: int = 0
-    """CUDA managed memory (a paged optimizer's states): in ``used_bytes``, in neither the peak nor the
-    stream; per block, so extrapolated with the depth as the peak is."""
-    seconds: float = 0.0
-    """The trace's CPU seconds in the process that ran it (wall time depends on what else runs)."""
 
 
 @dataclass
@@ -127,7 +106,6 @@ class TraceBook:
         """The samples one rank's step runs (what micro-batch sizes split)."""
         self.depth = depth_of(facts.model)
         self.n_params = facts.n_params
-        self._meta = facts.model
         self.measured: dict[Plan, Measured] = {}
         self._new: list[Plan] = []
         """Plans measured since the walk last asked (:meth:`newly_measured`)."""
@@ -142,15 +120,13 @@ class TraceBook:
         self.progress = None
         """Told which kind of trace runs now (memfit.planner.progress)."""
         self.shallow_failed: str | None = None
-        self._workloads: dict[int, object] = {}
         self._traced: dict[tuple, Traced | Exception] = {}
         self._deep: dict[Plan, int | None] = {}
         self._at: dict[tuple[Plan, int], Measured] = {}
         """(plan, batch) -> its figures (NOTE [ A book for every batch ])."""
-        self._containers = tuple(name for name, _ in find_blocks(facts.model))
-        """The repeated-block containers (their module names give an allocation's block)."""
+        self.tracer = Tracer(target, facts.model, budget)
         # forked children cannot use CUDA once the parent has: no workers where tensors are CUDA's
-        self.workers = Workers(self._trace, fork=target.tensor_device != "cuda", affinity=compiles)
+        self.workers = Workers(self.tracer, fork=target.tensor_device != "cuda", affinity=compiles)
 
     def close(self) -> None:
         self.workers.close()
@@ -351,7 +327,7 @@ class TraceBook:
         jobs = [(p, pair[i], None) for i in range(max(map(len, pairs), default=0)) for p, pair in zip(plans, pairs)
                 if i < len(pair)]
         for d in dict.fromkeys(d for _, d, _ in jobs if d is not None):  # (here: the forked workers share them)
-            self._shallow(d)
+            self.tracer.shallow(d)
         return jobs
 
     def _shallow_lower(self, t: Traced) -> int:
@@ -402,39 +378,6 @@ class TraceBook:
         entry = self.spent.setdefault(f"{self.phase}: {kind}", [0, 0.0])
         entry[0] += 1
         entry[1] += seconds
-
-    def _shallow(self, depth: int):
-        """The workload cut to ``depth`` blocks (one per depth: its meta model is cut once)."""
-        if depth not in self._workloads:
-            self._workloads[depth] = shallow_workload(self.target.workload, depth, meta=self._meta)
-        return self._workloads[depth]
-
-    def _trace(self, job: tuple) -> Traced | Exception:
-        """One trace (run in a worker process): a plan's error comes back as a value."""
-        plan, depth, batch = job
-        target = self.target
-        if batch is not None:
-            target = dataclasses.replace(target, batch_size=batch * plan.world_size)  # (``batch``: one rank's)
-        if depth is not None:
-            target = dataclasses.replace(target, workload=self._shallow(depth))
-        trackers = []
-        t0 = time.process_time()
-        try:
-            target = target.with_plan(plan)
-            report, ops = record_step(target, on_tracker=trackers.append if depth else None)
-        except UserError as e:
-            return e
-        except Exception as e:  # noqa: BLE001 - shallow: the model indexes its blocks by a count
-            if depth is None:
-                raise
-            return RuntimeError(f"{type(e).__name__}: {e}")
-        stream = None
-        if trackers:
-            tracker = trackers[0]
-            stream = from_tracker(tracker, traced_device(target.device, "fake", target.tensor_device),
-                                  getattr(tracker, "side_streams", None), self._containers)
-        return Traced(report.peak_bytes, report.cuda_context_bytes or 0, self.budget.used_bytes(report), ops, stream,
-                      managed_bytes=report.managed_bytes, seconds=time.process_time() - t0)
 
 
 def _kind(job: tuple) -> str:

@@ -12,6 +12,8 @@ import logging
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memfit import rng_ops
+
 _FAKE_CLASSES: dict[type, type] = {}
 
 
@@ -220,3 +222,6 @@ def cuda_fused_4bit(device, dtype, M: int, N: int, K: int, blocksize: int) -> bo
         return bool(cuda_ops._gemm_4bit_use_custom_cuda.__wrapped__(0, dtype, M, N, K))
     finally:
         cuda_ops._gpu_dispatch_props = props
+
+
+rng_ops.register(Gemm4bitKernels)  # (memfit.rng_ops)

@@ -158,12 +158,38 @@ def compiling_for_cuda():
 
     # (one thread: Inductor would otherwise start its pool of compile workers, ~0.5 GiB each, and hand
     # them each kernel to compile for real as it is generated; a prediction compiles none)
-    with cuda_facts.card(target()), torch._inductor.config.patch(compile_threads=1), \
+    with cuda_facts.card(target()), torch._inductor.config.patch(compile_threads=1), _rng_state_on_cpu(), \
             unittest.mock.patch.object(pad_mm, "should_pad_bench_key", timing.key), \
             unittest.mock.patch.object(pad_mm, "get_cached_should_pad", timing.padded_is_faster), \
             unittest.mock.patch.object(joint_graph, "lazy_init", patterns_traced_on_cpu), \
             unittest.mock.patch.object(joint_graph, "UniformValueConstantFolder",
                                        _folder_on_cpu(joint_graph.UniformValueConstantFolder)):
+        yield
+
+
+# NOTE [ Recomputed random ops without a GPU ]
+# Where a compiled region recomputes a random op in backward (dropout inside a checkpointed block),
+# AOTAutograd's partitioner makes forward and backward draw the same numbers: on CUDA by passing each
+# graph a clone of the device generator's state ("graph-safe" functionalization), else by saving the
+# generator's state in forward (``run_and_save_rng_state``). Both ask the CUDA generator, which a
+# machine without a GPU does not have. While predicting, the second way is taken with the CPU
+# generator's state standing in: a ``torch.get_rng_state()`` tensor (5,056 bytes) saved per recomputed
+# random op where the GPU passes a generator object and saves nothing; a few hundred KiB for a model
+# with a hundred dropouts, against the GiBs of a step.
+@contextlib.contextmanager
+def _rng_state_on_cpu():
+    from torch._functorch import partitioners
+
+    def cpu_state(device="cuda"):
+        return torch.get_rng_state()
+
+    def keep_state(new_state, device="cuda"):
+        pass
+
+    with torch._functorch.config.patch(graphsafe_rng_functionalization=False), \
+            unittest.mock.patch.object(partitioners, "get_device_rng_state", cpu_state), \
+            unittest.mock.patch.object(torch.cuda, "get_rng_state", cpu_state), \
+            unittest.mock.patch.object(torch.cuda, "set_rng_state", keep_state):
         yield
 
 

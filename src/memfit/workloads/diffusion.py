@@ -289,7 +289,7 @@ def flux(overrides: dict, seq_len: int | None, resolution: int | None) -> Worklo
 
     res = side * VAE_FACTOR
     info = _info(FLUX, res, kw, ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
-                                 "joint_attention_dim"))
+                                 "joint_attention_dim"), FLUX_PACK * kw["patch_size"])
     wl = _workload(FLUX, _build(FLUX, cls, kw, overrides), batch, _transformer_loss, res, info)
     wl.from_checkpoint = True
     return wl

@@ -25,6 +25,7 @@ import contextlib
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memfit import rng_ops
 from memfit.memory.cuda import blas, conv, grouped_gemm, reduce, rnn, sdpa
 from memfit.memory.cuda.autocast import cuda_autocast
 from memfit.memory.cuda.composites import cuda_composites
@@ -173,3 +174,6 @@ def cuda_kernel_model(device, tracker=None):
     with cuda_composites(device), cuda_autocast(tracker), cuda_optimizer_defaults(), lowering_for_cuda(device), \
             grouped_gemm.transformers_choice(device), mode:
         yield mode
+
+
+rng_ops.register(KernelMode)  # (memfit.rng_ops)

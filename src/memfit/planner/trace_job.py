@@ -1,0 +1,83 @@
+"""One trace job of the trace book (memfit.planner.traces), as a worker process runs it.
+
+A job is ``(plan, depth or None for full, batch or None for the whole batch)``: the plan's TrainStep
+traced on fake tensors (memfit.planner.timing.record_step) at that depth and batch. What comes back is
+small (:class:`Traced`), since a worker sends it to the planner's process; a plan's error comes back
+as a value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import NamedTuple
+
+from memfit.errors import UserError
+from memfit.memory.budget import Budget
+from memfit.memory.deep_stream import Stream, from_tracker
+from memfit.memory.report import traced_device
+from memfit.planner.shallow import shallow_workload
+from memfit.planner.timing import record_step
+from memfit.target import Target
+from memfit.techniques.checkpointing import find_blocks
+
+
+class Traced(NamedTuple):
+    """What the book keeps of one trace (small, so a worker process can send it back)."""
+
+    peak_bytes: int
+    context_bytes: int
+    used_bytes: int
+    """What the budget counts (reserved + context on a GPU preset)."""
+    ops: list
+    stream: Stream | None = None
+    """Its allocations (shallow traces of eager plans: memfit.memory.deep_stream)."""
+    managed_bytes: int = 0
+    """CUDA managed memory (a paged optimizer's states): in ``used_bytes``, in neither the peak nor the
+    stream; per block, so extrapolated with the depth as the peak is."""
+    seconds: float = 0.0
+    """The trace's CPU seconds in the process that ran it (wall time depends on what else runs)."""
+
+
+class Tracer:
+    """Runs trace jobs for one target (the trace book's workers call it)."""
+
+    def __init__(self, target: Target, meta_model, budget: Budget) -> None:
+        self.target, self.budget = target, budget
+        self._meta = meta_model
+        self._workloads: dict[int, object] = {}
+        self._containers = tuple(name for name, _ in find_blocks(meta_model))
+        """The repeated-block containers (their module names give an allocation's block)."""
+
+    def shallow(self, depth: int):
+        """The workload cut to ``depth`` blocks (one per depth: its meta model is cut once)."""
+        if depth not in self._workloads:
+            self._workloads[depth] = shallow_workload(self.target.workload, depth, meta=self._meta)
+        return self._workloads[depth]
+
+    def __call__(self, job: tuple) -> Traced | Exception:
+        """One trace (run in a worker process): a plan's error comes back as a value."""
+        plan, depth, batch = job
+        target = self.target
+        if batch is not None:
+            target = dataclasses.replace(target, batch_size=batch * plan.world_size)  # (``batch``: one rank's)
+        if depth is not None:
+            target = dataclasses.replace(target, workload=self.shallow(depth))
+        trackers = []
+        t0 = time.process_time()
+        try:
+            target = target.with_plan(plan)
+            report, ops = record_step(target, on_tracker=trackers.append if depth else None)
+        except UserError as e:
+            return e
+        except Exception as e:  # noqa: BLE001 - shallow: the model indexes its blocks by a count
+            if depth is None:
+                raise
+            return RuntimeError(f"{type(e).__name__}: {e}")
+        stream = None
+        if trackers:
+            tracker = trackers[0]
+            stream = from_tracker(tracker, traced_device(target.device, "fake", target.tensor_device),
+                                  getattr(tracker, "side_streams", None), self._containers)
+        return Traced(report.peak_bytes, report.cuda_context_bytes or 0, self.budget.used_bytes(report), ops, stream,
+                      managed_bytes=report.managed_bytes, seconds=time.process_time() - t0)
