@@ -22,7 +22,11 @@ same capture and Inductor pipeline down to its generated wrapper, run with no-op
 (memfit.techniques.compiled).
 
 Planning (:func:`search`, ``DEFAULT_SEARCH``): compile modes are searched when asked (``memfit plan
---compile-modes none,blocks,full``), on every device for now. On the CPU the calibrated time model
+--compile-modes none,blocks,full``), and by default on a GPU preset when the run's length is given
+(``--steps``) and is at least ``PAYS_AFTER_STEPS``: compile time then counts per step (compile seconds /
+steps), so the search weighs it, and a run too short to pay for it is not slowed by tracing its
+graphs. Without ``--steps`` the run's length is unknown and the default search stays eager (planning
+stays within a minute for the README's examples). On the CPU the calibrated time model
 compiles each mode for real (10-30 s for a 2-layer GPT-2 on 2 cores, minutes for GPT-2 124M). On GPU
 presets plans are only traced, but each distinct candidate (precision, micro-batch, budget) is a new
 capture through Inductor's passes: seconds for a small block, about a minute for GPT-2 124M's whole
@@ -46,6 +50,11 @@ from memfit.techniques.compiled import compiled, has_cpu_compiler, has_triton
 
 MODES = ("none", "blocks", "full")
 DEFAULT_SEARCH = {"gpu": ("none",), "cpu": ("none",)}
+LONG_RUN_SEARCH = ("none", "blocks", "full")
+"""A GPU preset's compile modes searched by default for a run of ``PAYS_AFTER_STEPS`` steps or more."""
+PAYS_AFTER_STEPS = 100
+"""Under this many steps, a compile of tens of seconds (GPT-2 124M's whole graph: about a minute on a
+GPU) costs more than its fused kernels save (30-40 ms a step on GPT-2 at batch 8 x 1024 on an H100)."""
 """The modes the planner searches when not told (see the module's docstring: on GPU presets ``none``
 until compiled predictions survive the planner's many variants in one process)."""
 FUSION_NOTE = ("compiled regions: Inductor's own generated code (partition, fusions, schedule, buffer reuse) run on "
@@ -177,10 +186,16 @@ class CompileFull(Compile):
 
 
 def search(ctx: SearchContext) -> list[str]:
-    """``ctx.options["compile_modes"]`` if given, else ``DEFAULT_SEARCH`` for the device (see the
-    module's docstring); modes that cannot run here are left out with a note."""
+    """``ctx.options["compile_modes"]`` if given, else ``LONG_RUN_SEARCH`` on a GPU preset for a run
+    of ``PAYS_AFTER_STEPS`` or more (``ctx.options["run_steps"]``), else ``DEFAULT_SEARCH`` for the
+    device (see the module's docstring); modes that cannot run here are left out with a note."""
     modes = ctx.options.get("compile_modes")
-    if modes is None:
+    steps = ctx.options.get("run_steps")
+    if modes is None and ctx.device.is_gpu and steps is not None and steps >= PAYS_AFTER_STEPS:
+        modes = LONG_RUN_SEARCH
+        ctx.notes.append(f"compile searched: a run of {steps} steps pays for its compiles (--compile-modes none "
+                         "keeps the step eager)")
+    elif modes is None:
         modes = DEFAULT_SEARCH["gpu" if ctx.device.is_gpu else "cpu"]
     modes = [choice("compile", m, MODES) for m in modes]
     if "blocks" in modes and not find_blocks(ctx.model):
