@@ -62,6 +62,7 @@ def test_bad_input_is_one_line(capsys, argv, words):
     _one_line_error(capsys, *words)
 
 
+@pytest.mark.slow  # (minutes on 2 cores: keeps the default suite under 10 minutes)
 def test_plan_batch_max_on_a_gpu_preset(capsys):
     assert main(["plan", LLAMA6, "--seq-len", "64", "-b", "max", "--device", "rtx4060", "--budget", "600MiB",
                  "--json"]) == 0
@@ -100,6 +101,7 @@ def test_estimate_from_an_axolotl_config(tmp_path, capsys):
     assert out["plan"]["micro_batch_size"] is None and out["batch_size"] == out["largest"]["value"] > 4
 
 
+@pytest.mark.slow  # (minutes on 2 cores: keeps the default suite under 10 minutes)
 def test_fit_table_json_markdown_png(tmp_path, capsys):
     png = tmp_path / "fit.png"
     argv = ["fit", LLAMA6, "--seq-len", "64", "--devices", "rtx4060,rtx3070", "--methods", "full,lora",

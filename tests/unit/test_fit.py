@@ -72,6 +72,7 @@ DEEP = ("llama:num_hidden_layers=24,hidden_size=1024,intermediate_size=2816,num_
         "num_key_value_heads=8,vocab_size=4096")
 
 
+@pytest.mark.slow  # (minutes on 2 cores: keeps the default suite under 10 minutes)
 def test_no_single_card_the_fewest_with_fsdp2():
     workload = load_workload(DEEP, seq_len=16)
     card = get_device("rtx4060")
@@ -93,6 +94,7 @@ def test_nothing_fits_even_sharded_says_what_a_rank_needs():
     assert cell.world == 0 and cell.error.startswith("needs ") and "a rank on 2 cards" in cell.error
 
 
+@pytest.mark.slow  # (minutes on 2 cores: keeps the default suite under 10 minutes)
 def test_a_diffusion_model_full_and_lora():
     pytest.importorskip("diffusers")
     workload = load_workload(SD3, resolution=64)
