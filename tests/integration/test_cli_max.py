@@ -84,6 +84,7 @@ def _tiny_llama_folder(tmp_path) -> Path:
     return d
 
 
+@pytest.mark.slow  # (keeps the default suite under 10 minutes on 2 cores)
 def test_estimate_from_an_axolotl_config(tmp_path, capsys):
     config = tmp_path / "lora.yml"
     config.write_text(f"base_model: {_tiny_llama_folder(tmp_path)}\nadapter: lora\nlora_r: 4\nlora_target_linear: true\n"

@@ -55,6 +55,7 @@ def test_each_cell_fits_and_the_next_batch_does_not_by_full_traces_on_its_own_ca
             assert cell.throughput > 0 and cell.seconds > 0
 
 
+@pytest.mark.slow  # (keeps the default suite under 10 minutes on 2 cores)
 def test_one_architectures_cards_share_their_traces(llama_table):
     workload, cards, table = llama_table
     assert architecture(cards[0]) == architecture(cards[1]) and table.groups == 1

@@ -4,6 +4,7 @@ through PyTorch's higher-order random-state ops, which memfit's dispatch modes r
 (memfit.rng_ops), and a GPU preset predicts them without a CUDA generator
 (NOTE [ Recomputed random ops without a GPU ])."""
 
+import pytest
 import torch
 
 from helpers import measured
@@ -42,6 +43,7 @@ def test_recomputed_dropout_under_the_tracker_trains_as_without_it():
         assert torch.equal(p, tracked[name]), name
 
 
+@pytest.mark.slow  # (keeps the default suite under 10 minutes on 2 cores)
 def test_recomputed_dropout_peak_predicted_against_the_profiler():
     r = measured(DROPOUT, PLAN, batch_size=4, seq_len=64)
     assert abs(r.error_percent) <= 1.0, r.error_percent
