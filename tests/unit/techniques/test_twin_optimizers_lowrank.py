@@ -10,56 +10,24 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from helpers import cosine_with_warmup
 from memfit.plans import Plan
 from memfit.step import build_step
-from memfit.workload import Workload
+from twins import ACCUM, HP, MICRO, mse, step_losses, student, teacher_batches, workload
 
 pytest.importorskip("galore_torch")
 pytest.importorskip("apollo_torch")
 
-HP = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01}
-IN, HIDDEN, OUT = 64, 256, 64  # two projected weights, 256 x 64 and 64 x 256
-MICRO, ACCUM = 8, 4
-
-
-def _student() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, OUT))
+TEACHER_HIDDEN = 8  # (a rank-8 teacher: learnable by a rank-32 projection)
 
 
 def _batches(steps: int):
-    torch.manual_seed(1)
-    teacher = nn.Sequential(nn.Linear(IN, 8), nn.Tanh(), nn.Linear(8, OUT)).requires_grad_(False)
-    g = torch.Generator().manual_seed(2)
-    xs = [torch.randn(ACCUM * MICRO, IN, generator=g) for _ in range(steps)]
-    return [(x, teacher(x)) for x in xs]
-
-
-def _loss(model, batch):
-    return F.mse_loss(model(batch[0]), batch[1])
-
-
-_cosine = cosine_with_warmup
-
-
-def _workload(init: nn.Module, batches) -> Workload:
-    return Workload(model=lambda: copy.deepcopy(init), batch=lambda n: batches[0], loss=_loss,
-                    optimizer=lambda ps: torch.optim.AdamW(ps, **HP))
+    return teacher_batches(steps, TEACHER_HIDDEN)
 
 
 def _losses(plan: Plan, steps: int) -> list[float]:
-    batches = _batches(steps)
-    step = build_step(_workload(_student(), batches), plan, ACCUM * MICRO, "cpu")
-    sched = torch.optim.lr_scheduler.LambdaLR(step.optimizer, _cosine(steps))
-    out = []
-    for batch in batches:
-        out.append(float(step(batch)))
-        sched.step()
-    return out
+    return step_losses(plan, student(), _batches(steps))
 
 
 def _share_of_adamws_reduction(losses: list[float], ref: list[float]) -> float:
@@ -101,7 +69,7 @@ def _by_hand(init: nn.Module, make, steps: int, gap: int = 1) -> list[torch.Tens
     for batch in _batches(steps):
         opt.zero_grad(set_to_none=True)
         for micro in zip(*(t.chunk(ACCUM) for t in batch)):
-            (_loss(model, micro) / ACCUM).backward()
+            (mse(model, micro) / ACCUM).backward()
         opt.step()
     return [p.detach() for p in model.parameters()]
 
@@ -113,7 +81,7 @@ def test_galore_and_apollo_are_the_libraries_optimizers():
     model, as the library seeds ``model.parameters()``)."""
     import apollo_torch
     import galore_torch
-    init, steps = _student(), 4
+    init, steps = student(), 4
     low = {"rank": 16, "scale": 0.25, "proj_type": "std"}
     cases = {
         "galore:rank=16,update_proj_gap=1": lambda groups: galore_torch.GaLoreAdamW(
@@ -123,7 +91,7 @@ def test_galore_and_apollo_are_the_libraries_optimizers():
     }
     for name, make in cases.items():
         ref = _by_hand(init, make, steps)
-        step = build_step(_workload(init, _batches(steps)), Plan(optimizer=name, micro_batch_size=MICRO), ACCUM * MICRO, "cpu")
+        step = build_step(workload(init, _batches(steps)), Plan(optimizer=name, micro_batch_size=MICRO), ACCUM * MICRO, "cpu")
         for batch in _batches(steps):
             step(batch)
         for (n, p), r in zip(step.model.named_parameters(), ref):
@@ -134,8 +102,8 @@ def test_the_projection_is_renewed_at_the_steady_step_and_every_gap():
     """NOTE [ The projection step is the step traced ]: GaLore's SVDs happen at the first step, the second
     (memfit's steady step, the one traced and measured) and then every ``update_proj_gap`` steps, as
     the library schedules them (its step counts 0, 3, 6 for a gap of 3: steps 1, 4, 7)."""
-    init, steps, calls = _student(), 7, []
-    step = build_step(_workload(init, _batches(steps)), Plan(optimizer="galore:rank=16,update_proj_gap=3"), 32, "cpu")
+    init, steps, calls = student(), 7, []
+    step = build_step(workload(init, _batches(steps)), Plan(optimizer="galore:rank=16,update_proj_gap=3"), 32, "cpu")
     real_svd = torch.linalg.svd
 
     def counting(*args, **kwargs):
@@ -155,10 +123,10 @@ def test_the_projection_is_renewed_at_the_steady_step_and_every_gap():
 def test_per_layer_in_backward_trains_exactly_as_after_backward(name):
     """The papers' per-layer variant (one optimizer per parameter, stepped in backward) trains exactly
     as the whole-model optimizer stepped after backward: every parameter torch.equal after 4 steps."""
-    init, steps = _student(), 4
+    init, steps = student(), 4
     batches = _batches(steps)
-    after = build_step(_workload(init, batches), Plan(optimizer=name), ACCUM * MICRO, "cpu")
-    inbw = build_step(_workload(init, batches), Plan(optimizer=name, optimizer_in_backward=True), ACCUM * MICRO, "cpu")
+    after = build_step(workload(init, batches), Plan(optimizer=name), ACCUM * MICRO, "cpu")
+    inbw = build_step(workload(init, batches), Plan(optimizer=name, optimizer_in_backward=True), ACCUM * MICRO, "cpu")
     for i, batch in enumerate(batches):
         assert after(batch) == inbw(batch), f"step {i + 1}: loss"
     for (n, a), b in zip(after.model.named_parameters(), inbw.model.parameters()):

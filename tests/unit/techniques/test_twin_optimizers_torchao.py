@@ -12,69 +12,39 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from helpers import cosine_with_warmup
 from memfit.plans import Plan
 from memfit.step import build_step
-from memfit.workload import Workload
+from twins import ACCUM, HIDDEN, HP, MICRO, mse, step_losses, student, teacher_batches, workload
 
 pytest.importorskip("torchao")
 
-HP = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01}
-IN, HIDDEN, OUT = 64, 256, 64  # weights of 16384 elements: quantized states
-MICRO, ACCUM = 8, 4
-
-
-def _student() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, OUT))
-
 
 def _batches(steps: int):
-    torch.manual_seed(1)
-    teacher = nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT)).requires_grad_(False)
-    g = torch.Generator().manual_seed(2)
-    xs = [torch.randn(ACCUM * MICRO, IN, generator=g) for _ in range(steps)]
-    return [(x, teacher(x)) for x in xs]
-
-
-def _loss(model, batch):
-    return F.mse_loss(model(batch[0]), batch[1])
-
-
-_cosine = cosine_with_warmup
+    return teacher_batches(steps, HIDDEN)
 
 
 def _losses(plan: Plan | None, steps: int) -> list[float]:
     """Per-step loss of fp32 AdamW in a plain loop (plan None) or of memfit's step with ``plan``."""
-    init, batches = _student(), _batches(steps)
+    init, batches = student(), _batches(steps)
     if plan is None:
         model = copy.deepcopy(init)
         opt = torch.optim.AdamW(model.parameters(), **HP)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, _cosine(steps))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine_with_warmup(steps))
         out = []
         for batch in batches:
             opt.zero_grad(set_to_none=True)
             total = 0.0
             for micro in zip(*(t.chunk(ACCUM) for t in batch)):
-                loss = _loss(model, micro) / ACCUM
+                loss = mse(model, micro) / ACCUM
                 loss.backward()
                 total += loss.item()
             opt.step()
             sched.step()
             out.append(total)
         return out
-    wl = Workload(model=lambda: copy.deepcopy(init), batch=lambda n: batches[0], loss=_loss,
-                  optimizer=lambda ps: torch.optim.AdamW(ps, **HP))
-    step = build_step(wl, plan, ACCUM * MICRO, "cpu")
-    sched = torch.optim.lr_scheduler.LambdaLR(step.optimizer, _cosine(steps))
-    out = []
-    for batch in batches:
-        out.append(float(step(batch)))
-        sched.step()
-    return out
+    return step_losses(plan, init, batches)
 
 
 def _relative_gap(losses: list[float], ref: list[float]) -> float:
@@ -123,10 +93,8 @@ def test_bf16_pure_stochastic_rounding_is_torchaos():
     (measured +0.0013 at 20 steps)."""
     steps = 20
     plan = Plan(optimizer="adamw8bit-ao", precision="bf16-pure", bf16_update="stochastic", micro_batch_size=MICRO)
-    init, batches = _student(), _batches(1)
-    wl = Workload(model=lambda: copy.deepcopy(init), batch=lambda n: batches[0], loss=_loss,
-                  optimizer=lambda ps: torch.optim.AdamW(ps, **HP))
-    assert build_step(wl, plan, ACCUM * MICRO, "cpu").optimizer.bf16_stochastic_round is True
+    init, batches = student(), _batches(1)
+    assert build_step(workload(init, batches), plan, ACCUM * MICRO, "cpu").optimizer.bf16_stochastic_round is True
     torch.manual_seed(3)
     gap = _relative_gap(_losses(plan, steps), _losses(None, steps))
     print(f"adamw8bit-ao bf16-pure stochastic: relative loss gap {gap:+.4f}")
