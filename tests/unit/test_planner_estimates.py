@@ -51,7 +51,7 @@ def _model_with(measured: dict, ratios: dict) -> GpuStepModel:
     model.baseline.base = Plan()
     model.ratios = ratios
     seconds = {}
-    model.step = lambda p: SimpleNamespace(seconds=seconds[p], cpu_seconds=0.0) if p in book.measured else None
+    model.step = lambda p: SimpleNamespace(seconds=seconds[p], cpu_seconds=0.0, migration=0.0) if p in book.measured else None
 
     def measure(p, s):
         book.measured[p], seconds[p] = Measured(peak_bytes=0, used_lower=0), s

@@ -4,17 +4,20 @@ One definition, used by the planner (does a plan fit?), by every report (does th
 device?) and by training (which micro-batch will fit under the enforcement?):
 
 - **What a plan needs** (:meth:`Budget.used_bytes`): on a GPU, the caching allocator's *reserved*
-  bytes (its cudaMalloc'd segments, not only the allocated tensors) plus the CUDA context and the
-  CUDA managed memory of a paged optimizer's states, which live outside PyTorch's allocator but
-  inside the card (memfit.memory.managed); on a CPU device, device and host bytes together:
-  offloaded copies live in the same physical memory.
+  bytes (its cudaMalloc'd segments, not only the allocated tensors) plus the CUDA context (the
+  *allocator side*, :meth:`Budget.allocator_bytes`), plus the part of a paged optimizer's CUDA
+  managed memory the card holds beside them: managed memory lives outside PyTorch's allocator but
+  inside the card, up to the budget; what does not fit there the driver pages to the host and back
+  each step (memfit.memory.managed, NOTE [ Managed memory over the budget ]); on a CPU device,
+  device and host bytes together: offloaded copies live in the same physical memory.
 - **What the run's enforcement limits** (:meth:`Budget.enforced_bytes`): a budget memfit sets on a
   GPU is the caching allocator's per-process limit, which caps reserved bytes (neither the context
   nor managed memory is in it: a card short for managed memory pages it out instead of raising); on
   a CPU the budget guard counts device bytes (host-placed copies excluded, as on a GPU); with no
   budget set, a GPU's own capacity limits reserved bytes plus the context.
 
-The planner plans by the first (conservative: it includes what enforcement does not see);
+The planner plans by the first (conservative: it includes what enforcement does not see, and it
+prices the pages that migrate as time: :meth:`Budget.migration`);
 adaptation predicts by the second (what decides whether the retried step raises).
 """
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.devices import Device, available_host_bytes
+from memfit.memory.managed import Migration, migration
 from memfit.units import parse_size
 
 HEADROOM = 0.10
@@ -54,8 +58,40 @@ class Budget:
     def used_bytes(self, report) -> int:
         """What the step needs of the budget (see the module's docstring)."""
         if self.device.is_gpu:
-            return _reserved(report) + (report.cuda_context_bytes or 0) + getattr(report, "managed_bytes", 0)
+            return self.counted(self.allocator_bytes(report), getattr(report, "managed_bytes", 0))
         return report.process_peak_bytes or report.peak_bytes
+
+    def allocator_bytes(self, report) -> int:
+        """The allocator side of what the step needs: reserved + CUDA context on a GPU (no managed
+        memory); on a CPU, what :meth:`used_bytes` counts."""
+        if self.device.is_gpu:
+            return _reserved(report) + (report.cuda_context_bytes or 0)
+        return report.process_peak_bytes or report.peak_bytes
+
+    # NOTE [ Managed memory over the budget ]
+    # A paged optimizer's states (CUDA managed memory) are not capped by the allocator's limit: the
+    # driver keeps on the card what fits beside the allocator's segments and the context, and pages
+    # the rest to the host and back each step (bitsandbytes prefetches each state before its update).
+    # So a step whose allocator side fits always runs; its managed bytes count against the budget up
+    # to what is left of it, and what is over costs time, not an OOM: the migration's seconds are
+    # part of the step (memfit.planner.gpu_time). This is how torchtune trains Llama-3-8B with
+    # PagedAdamW8bit on a 24 GB card: 15 GiB of states beside 19 GiB reserved. The room left to the
+    # managed bytes is the budget's, not the card's: memfit keeps within what the user gave it.
+    def counted(self, allocator_bytes: int, managed_bytes: int) -> int:
+        """What the budget counts of a step holding ``allocator_bytes`` (reserved + context) and
+        ``managed_bytes`` of CUDA managed memory: the allocator side, plus the managed bytes that fit
+        beside it (NOTE [ Managed memory over the budget ])."""
+        return allocator_bytes + managed_bytes - self.paged_out(allocator_bytes, managed_bytes)
+
+    def paged_out(self, allocator_bytes: int, managed_bytes: int) -> int:
+        """The managed bytes that do not fit beside the allocator side under the budget: the driver
+        keeps them on the host, and pages them in and out each step."""
+        return max(0, managed_bytes - max(0, self.bytes - allocator_bytes))
+
+    def migration(self, allocator_bytes: int, managed_bytes: int) -> Migration:
+        """The managed pages that move over the host link each step, and their time
+        (memfit.memory.managed.migration, in the room the budget leaves them)."""
+        return migration(managed_bytes, self.bytes - allocator_bytes, self.device.host_link_bandwidth)
 
     def fits(self, report) -> bool:
         return self.used_bytes(report) <= self.bytes

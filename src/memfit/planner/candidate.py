@@ -12,7 +12,7 @@ out only when its figure is over the budget by more than the rung's own error (i
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from memfit.plans import Plan
 
@@ -80,6 +80,9 @@ class Evidence:
     """The step time this rung gives (None: it gives none)."""
     compile_seconds: float = 0.0
     """One-time seconds before the first step (a measured run's warm-up)."""
+    managed_bytes: int = 0
+    """CUDA managed memory (a paged optimizer's states): ``used_bytes`` holds the part that fits
+    beside the allocator side (memfit.memory.budget.Budget.counted)."""
 
     def over(self, budget_bytes: int) -> bool:
         return self.used_bytes is not None and self.fidelity.over(self.used_bytes, budget_bytes)
@@ -100,6 +103,12 @@ class Candidate:
     used_bytes: int | None = None
     """What the budget holds: reserved + context (GPU) or device + host (CPU)."""
     peak_bytes: int | None = None
+    managed_bytes: int = 0
+    """CUDA managed memory (paged optimizer states), partly in ``used_bytes`` (memfit.memory.budget)."""
+    recipe: object | None = None
+    """The field's recipe this plan is (memfit.planner.field_recipes.FieldRecipe), if any."""
+    time_notes: list[str] = field(default_factory=list)
+    """What the time model says of the predicted time (the managed pages' migration)."""
 
     @property
     def open(self) -> bool:
@@ -110,10 +119,12 @@ class Candidate:
         """Take the time model's figures (they change as the plan is measured)."""
         self.seconds, self.step_seconds, self.compile_seconds = model.per_step(self.plan, steps), \
             model.predict(self.plan), model.warmup(self.plan)
+        self.time_notes = model.step_notes(self.plan)
 
     def take(self, evidence: Evidence) -> None:
         self.peak_bytes = evidence.peak_bytes
         self.used_bytes = evidence.used_bytes
+        self.managed_bytes = evidence.managed_bytes
 
     def reopen(self) -> None:
         self.status, self.reason = Status.NOT_EVALUATED, ""

@@ -19,6 +19,7 @@ time model prices the same book's ops (memfit.planner.gpu_time).
 from __future__ import annotations
 
 from memfit.errors import UserError
+from memfit.memory.budget import Budget
 from memfit.planner.baseline import Baseline
 from memfit.planner.candidate import Evidence, Fidelity
 from memfit.planner.ladder import DeepRung, Ladder
@@ -27,10 +28,14 @@ from memfit.plans import Plan
 from memfit.quiet import silenced_warnings
 
 
-def _of(m: Measured) -> Evidence:
+def _of(m: Measured, budget: Budget) -> Evidence:
+    """A measured plan's evidence: its allocator side, and the managed bytes the budget holds beside it
+    (NOTE [ Managed memory over the budget ] in memfit.memory.budget)."""
     if m.full:
-        return Evidence(Fidelity.FULL, used_bytes=m.used_bytes, peak_bytes=m.peak_bytes)
-    return Evidence(Fidelity.LOWER_BOUND, used_bytes=m.used_lower, peak_bytes=m.peak_bytes)
+        return Evidence(Fidelity.FULL, used_bytes=budget.counted(m.used_bytes, m.managed_bytes), peak_bytes=m.peak_bytes,
+                        managed_bytes=m.managed_bytes)
+    return Evidence(Fidelity.LOWER_BOUND, used_bytes=budget.counted(m.used_lower, m.managed_bytes), peak_bytes=m.peak_bytes,
+                    managed_bytes=m.managed_bytes)
 
 
 class Estimate:
@@ -46,7 +51,7 @@ class Estimate:
     def evaluate(self, plan: Plan) -> Evidence | None:
         if self.book.is_measured(plan):
             return None
-        return Evidence(Fidelity.ESTIMATE, used_bytes=self.used(plan))
+        return Evidence(Fidelity.ESTIMATE, used_bytes=self.used(plan))  # (the allocator side: managed bytes never put it over)
 
     def free(self, plan: Plan) -> bool:
         """The estimate needs no trace (a micro-batch size's saving is traced when first asked for)."""
@@ -90,7 +95,7 @@ class ShallowTrace:
         self.book = book
 
     def evaluate(self, plan: Plan) -> Evidence:
-        return _of(self.book.measure(plan))
+        return _of(self.book.measure(plan), self.book.budget)
 
 
 class DeepStream(DeepRung):
@@ -102,7 +107,10 @@ class DeepStream(DeepRung):
 
     def evaluate(self, plan: Plan) -> Evidence | None:
         used = self.book.deep_used(plan)
-        return None if used is None else Evidence(Fidelity.DEEP, used_bytes=used)
+        if used is None:
+            return None
+        managed = self.book.measured[plan].managed_bytes
+        return Evidence(Fidelity.DEEP, used_bytes=self.book.budget.counted(used, managed), managed_bytes=managed)
 
 
 class FullTrace:
@@ -112,7 +120,7 @@ class FullTrace:
         self.book = book
 
     def evaluate(self, plan: Plan) -> Evidence:
-        return _of(self.book.confirm(plan))
+        return _of(self.book.confirm(plan), self.book.budget)
 
 
 class GpuLadder(Ladder):
@@ -130,10 +138,10 @@ class GpuLadder(Ladder):
 
     def evidence(self, plan: Plan) -> Evidence | None:
         m = self.book.measured.get(plan)
-        return None if m is None else _of(m)
+        return None if m is None else _of(m, self.book.budget)
 
     def full_evidence(self) -> list[tuple[Plan, Evidence]]:
-        return [(p, _of(m)) for p, m in list(self.book.measured.items()) if m.full]
+        return [(p, _of(m, self.book.budget)) for p, m in list(self.book.measured.items()) if m.full]
 
     def has_full_trace(self, plan: Plan) -> bool:
         return self.book.has_full_trace(plan)

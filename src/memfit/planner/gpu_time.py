@@ -66,7 +66,7 @@ class GpuStepModel(StepTimeModel):
         base = self.seconds(self.base)
         for key, (with_value, without) in self.baseline.pairs.items():
             m, ref = self.step(with_value), self.step(without)
-            self.ratios[key] = m.seconds / ref.seconds
+            self.ratios[key] = self._unpaged(with_value) / self._unpaged(without)  # (NOTE [ Migration in estimates ])
             self.cpu_extra[key] = (m.cpu_seconds - ref.cpu_seconds, ref.cpu_seconds)
         for m in self.baseline.micro:  # (their savings are traced when first asked for: tight budgets only)
             self.ratios[("micro_batch_size", m)] = self._micro_seconds(m) / base
@@ -92,15 +92,43 @@ class GpuStepModel(StepTimeModel):
         """The step seconds of a measured plan."""
         return self.step(plan).seconds
 
+    def _unpaged(self, plan: Plan) -> float:
+        """A measured plan's step seconds without its managed pages' migration."""
+        step = self.step(plan)
+        return step.seconds - step.migration
+
     def _price(self, plan: Plan, m: Measured) -> StepTime:
         target = self.target.with_plan(plan)
         if m.ops is not None:
-            return time_from_ops(m.ops, target, self.k)
+            return self._migrated(time_from_ops(m.ops, target, self.k), m)
         a, b, d, e, full = m.pair  # the runs do not line up: the time on the line through both depths
         sa, sb = time_from_ops(a, target, self.k), time_from_ops(b, target, self.k)
-        return dataclasses.replace(sb, seconds=extrapolate(sa.seconds, sb.seconds, d, e, full),
-                                   cpu_seconds=extrapolate(sa.cpu_seconds, sb.cpu_seconds, d, e, full), notes=[
-            "the shallow steps' ops did not line up: time extrapolated on a line"])
+        return self._migrated(dataclasses.replace(sb, seconds=extrapolate(sa.seconds, sb.seconds, d, e, full),
+                                                  cpu_seconds=extrapolate(sa.cpu_seconds, sb.cpu_seconds, d, e, full),
+                                                  notes=["the shallow steps' ops did not line up: time extrapolated on a line"]), m)
+
+    # NOTE [ Migration in estimates ]
+    # A paged optimizer's states that the budget has no room for migrate over the host link each step
+    # (memfit.memory.managed), and how many depends on the plan's allocator side: a plan measured by a
+    # shallow pair has only its lower bound (so its migration errs low until its full trace), and a plan
+    # not measured has none. So the time of a measured plan adds its migration, and the ratios and
+    # nearest-part estimates are taken without it: a paged value measured alone on the base plan (whose
+    # activations leave no room) would otherwise carry the whole states' migration into every plan that
+    # pages, hiding the plans that leave the states room. An estimate without migration errs low, which
+    # costs a trace, not the answer.
+    def _migrated(self, step: StepTime, m: Measured) -> StepTime:
+        """``step`` plus its managed pages' migration (NOTE [ Managed memory over the budget ] in
+        memfit.memory.budget), from the allocator side measured (a lower bound before the full trace)."""
+        if not m.managed_bytes:
+            return step
+        allocator = m.used_bytes if m.used_bytes is not None else m.used_lower
+        moved = self.book.budget.migration(allocator, m.managed_bytes)
+        if not moved.seconds:
+            return step
+        note = (f"{moved.in_bytes / 2**30:.2f} GiB of paged optimizer states migrate in and out over the host link each "
+                f"step ({moved.short_bytes / 2**30:.2f} GiB more than the budget leaves them): {moved.seconds * 1e3:.0f} ms")
+        return dataclasses.replace(step, seconds=step.seconds + moved.seconds, migration=moved.seconds,
+                                   notes=[*step.notes, note])
 
     # -- estimates -----------------------------------------------------------------------------
     #
@@ -121,11 +149,11 @@ class GpuStepModel(StepTimeModel):
         if m is not None and not m.shallower_only:
             return self.seconds(plan)
         keys = self.technique_keys(plan)
-        parts = [(part, self.seconds(other)) for other, m in list(self.book.measured.items())
+        parts = [(part, self._unpaged(other)) for other, m in list(self.book.measured.items())
                  if not m.shallower_only and (part := self.technique_keys(other)) and part <= keys]
         largest = [(part, seconds) for part, seconds in parts if not any(part < bigger for bigger, _ in parts)]
         if not largest:
-            estimate = factor_estimate(self.seconds(self.base), keys, self.ratios)
+            estimate = factor_estimate(self._unpaged(self.base), keys, self.ratios)
         else:
             estimate = max(factor_estimate(seconds, keys - part, self.ratios) for part, seconds in largest)
         return max(estimate, self.cpu_floor(plan))
@@ -177,6 +205,11 @@ class GpuStepModel(StepTimeModel):
 
     def is_estimate(self, plan: Plan) -> bool:
         return not self.book.is_measured(plan)
+
+    def step_notes(self, plan: Plan) -> list[str]:
+        """The measured step's migration (NOTE [ Migration in estimates ]); nothing for an estimate."""
+        step = self.step(plan)
+        return [n for n in step.notes if "paged optimizer states migrate" in n] if step is not None else []
 
     def warmup(self, plan: Plan) -> float:
         """One-time compile seconds before the first step, from the compiled graph's size."""

@@ -54,7 +54,8 @@ class FakeTrace:
         self.traces += 1
         with silenced_warnings():
             report = estimate_target(self.target.with_plan(plan))
-        evidence = Evidence(Fidelity.FULL, used_bytes=self.budget.used_bytes(report), peak_bytes=report.peak_bytes)
+        evidence = Evidence(Fidelity.FULL, used_bytes=self.budget.used_bytes(report), peak_bytes=report.peak_bytes,
+                            managed_bytes=report.managed_bytes)
         self.found[plan] = evidence
         return evidence
 

@@ -173,6 +173,9 @@ class StepTime:
     """Host-device copies on the compute stream, and side-stream waits."""
     communication: float = 0.0
     """The compute stream waiting for collectives (sharding): what compute did not hide."""
+    migration: float = 0.0
+    """Managed pages over the host link (a paged optimizer's states the budget has no room for:
+    memfit.memory.managed), added to the step: the update waits for its states' pages."""
     host: float = 0.0
     cpu_bound: float = 0.0
     cpu_seconds: float = 0.0

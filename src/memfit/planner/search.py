@@ -38,6 +38,7 @@ from memfit.planner import cost
 from memfit.planner.baseline import Baseline
 from memfit.planner.candidate import Candidate, Status
 from memfit.planner.feasibility import maximal, splits
+from memfit.planner.field_recipes import field_plans, settle_recipes
 from memfit.planner.gpu_ladder import GpuLadder
 from memfit.planner.gpu_time import GpuStepModel
 from memfit.planner.ladder import FakeTrace, Ladder
@@ -104,7 +105,8 @@ class PlanResult:
                     "steady_step_seconds": c.step_seconds if c.step_seconds is not None else c.seconds,
                     "compile_seconds": c.compile_seconds, "status": c.status.value,
                     "reason": c.reason, "used_bytes": c.used_bytes, "peak_bytes": c.peak_bytes,
-                    "changes_numerics": list(c.plan.numerics)}
+                    "changes_numerics": list(c.plan.numerics), "managed_bytes": c.managed_bytes,
+                    "recipe": c.recipe.name if c.recipe is not None else None}
         evaluated = [c for c in self.candidates if not c.open]
         return {"workload": self.workload, "device": self.device, "batch_size": self.batch_size,
                 "budget_bytes": self.budget_bytes, "time_model": self.time_model, "run_steps": self.run_steps,
@@ -112,7 +114,8 @@ class PlanResult:
                 "planning_seconds": self.seconds, "candidates_total": len(self.candidates),
                 "smallest": row(self.smallest) if self.smallest else None, "notes": self.notes,
                 "trace_seconds": {k: [n, round(sec, 2)] for k, (n, sec) in self.trace_seconds.items()},
-                "ranked": [row(c) for c in evaluated[:50]]}
+                "ranked": [row(c) for c in evaluated[:50]],
+                "field_recipes": [row(c) for c in self.candidates if c.recipe is not None]}
 
 
 def resolve_budget(budget: str | int | None, device: Device) -> int:
@@ -160,6 +163,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     custom_space = space is not None
     space = space or default_space(facts, dev, rank_bs, optimizers, compile_modes, budget_bytes=budget_bytes,
                                    base_weights=(fixed or {}).get("base_weights"), run_steps=steps)
+    offered = {k: list(v) for k, v in space.values.items()}
     given_fields = dict(fixed or {})
     fixed, constrained = _constrain(space, dict(given_fields), dev, rank_bs)
     _check_suits(target, constrained)
@@ -185,6 +189,10 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     if not plans:
         raise UserError("plan: no valid plan is left with the fields you fixed; remove some of the plan flags")
     drop_unused(space, plans)
+    recipes, recipe_notes = ({}, []) if custom_space or world > 1 or time_model is not None else \
+        field_plans(wl, given_fields, offered, dev, mostly_frozen=trainable is not None and trainable < facts.n_params / 2)
+    space.notes.extend(recipe_notes)
+    plans += [p for p in recipes if p not in set(plans)]
     progress.stage("timing techniques")
     book = None
     with silenced_warnings():
@@ -197,7 +205,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
             model, ladder = cost.calibrate(target, space, progress=progress), Ladder(FakeTrace(target, budget_obj))
     try:
         result = _search(t0, target, budget_obj, space, plans, constrained, model, ladder, steps, max_traces,
-                         progress, alongside, book)
+                         progress, alongside, book, recipes)
         if book is not None:
             result.trace_seconds = book.spent
     finally:
@@ -240,7 +248,8 @@ def _trainable(target: Target, facts, given: dict) -> int:
 
 def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Plan], constrained: dict,
             model: StepTimeModel, ladder: Ladder, steps: int | None, max_traces: int, progress,
-            alongside: bool = True, book: TraceBook | None = None) -> PlanResult:
+            alongside: bool = True, book: TraceBook | None = None, recipes: dict | None = None) -> PlanResult:
+    recipes = recipes or {}
     wl, dev, bs, budget_bytes = target.workload, target.device, target.batch_size, budget_obj.bytes
     whole = [c.plan for c in maximal([Candidate(p, 0.0) for p in plans], bs)
              if not splits(c.plan, bs)] if alongside else None  # (--methods: the searches share the cores)
@@ -250,14 +259,17 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
         if not space.values[name]:  # the time model's runs found that the value does not suit the workload
             why = next((x.split(": ", 1)[-1] for x in model.excluded if x.startswith(f"{name}=")), "")
             raise _unsuited(wl, name, value, why)
-    plans = [p for p in plans if all(getattr(p, n) in v for n, v in space.values.items())]  # after exclusions
-    ranked = [Candidate(p, 0.0) for p in plans]
+    plans = [p for p in plans if p in recipes or all(getattr(p, n) in v for n, v in space.values.items())]  # after exclusions
+    ranked = [Candidate(p, 0.0, recipe=recipes.get(p)) for p in plans]
     for c in ranked:
         c.retime(model, steps)
     walk = Walk(bs, budget_obj, model, ladder, steps, max_traces, progress, alongside)
     if book is not None:
         book.phase = "walk"
     chosen = walk.run(ranked)
+    if recipes:  # (memfit.planner.field_recipes: each shown with figures of its own)
+        with silenced_warnings():
+            chosen = settle_recipes(walk, [c for c in ranked if c.recipe is not None], chosen)
     if chosen is None and not any(c.used_bytes is not None for c in ranked):
         invalid = next((c for c in ranked if c.status is Status.INVALID), None)
         reason = invalid.reason.removeprefix("plan: ") if invalid else "no candidate plan is left"

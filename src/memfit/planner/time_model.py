@@ -50,6 +50,10 @@ class StepTimeModel:
     def describe(self) -> str:
         raise NotImplementedError
 
+    def step_notes(self, plan: Plan) -> list[str]:
+        """What the report says of the plan's predicted time beyond its figure (none by default)."""
+        return []
+
     def per_step(self, plan: Plan, steps: int | None) -> float:
         """Seconds per step over a run of ``steps`` steps (compile time spread over them); None: a
         run long enough for compile time not to count."""

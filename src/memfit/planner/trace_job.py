@@ -28,12 +28,13 @@ class Traced(NamedTuple):
     peak_bytes: int
     context_bytes: int
     used_bytes: int
-    """What the budget counts (reserved + context on a GPU preset)."""
+    """The allocator side of what the budget counts (reserved + context on a GPU preset; no managed
+    memory: ``managed_bytes``)."""
     ops: list
     stream: Stream | None = None
     """Its allocations (shallow traces of eager plans: memfit.memory.deep_stream)."""
     managed_bytes: int = 0
-    """CUDA managed memory (a paged optimizer's states): in ``used_bytes``, in neither the peak nor the
+    """CUDA managed memory (a paged optimizer's states): in none of ``used_bytes``, the peak and the
     stream; per block, so extrapolated with the depth as the peak is."""
     seconds: float = 0.0
     """The trace's CPU seconds in the process that ran it (wall time depends on what else runs)."""
@@ -79,5 +80,5 @@ class Tracer:
             tracker = trackers[0]
             stream = from_tracker(tracker, traced_device(target.device, "fake", target.tensor_device),
                                   getattr(tracker, "side_streams", None), self._containers)
-        return Traced(report.peak_bytes, report.cuda_context_bytes or 0, self.budget.used_bytes(report), ops, stream,
+        return Traced(report.peak_bytes, report.cuda_context_bytes or 0, self.budget.allocator_bytes(report), ops, stream,
                       managed_bytes=report.managed_bytes, seconds=time.process_time() - t0)

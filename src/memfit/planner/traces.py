@@ -41,11 +41,14 @@ class Measured:
     peak_bytes: int
     """Allocated peak."""
     used_lower: int
-    """A lower bound of what the budget counts (allocated peak, less ``PEAK_MARGIN`` when it is
-    extrapolated, + CUDA context)."""
+    """A lower bound of the allocator side of what the budget counts (allocated peak, less
+    ``PEAK_MARGIN`` when it is extrapolated, + CUDA context)."""
     used_bytes: int | None = None
-    """What the budget counts (reserved + context): full traces only (and a plan at a batch, NOTE [ A
-    book for every batch ])."""
+    """The allocator side of what the budget counts (reserved + context): full traces only (and a plan
+    at a batch, NOTE [ A book for every batch ])."""
+    managed_bytes: int = 0
+    """CUDA managed memory (a paged optimizer's states), outside the allocator side: the budget counts
+    what fits beside it (memfit.memory.budget.Budget.counted), the rest migrates each step."""
     graph: GraphSize = field(default_factory=GraphSize)
     ops: list | None = None
     """The step's ops at full depth (None: the pair's ops did not line up, see ``pair``)."""
@@ -146,7 +149,7 @@ class TraceBook:
             return self.confirm(plan)
         if b is SKIPPED:  # NOTE [ The deeper trace of a plan over the budget at the shallower depth ]
             m = self.measured[plan] = Measured(peak_bytes=a.peak_bytes, used_lower=self._shallow_lower(a),
-                                               shallower_only=True)
+                                               managed_bytes=a.managed_bytes, shallower_only=True)
             return m
         (d, e), full = pair, self.depth
         ops = extrapolate_ops(a.ops, b.ops, d, e, full)
@@ -155,8 +158,8 @@ class TraceBook:
         n = plan.micro_batches(self.target.batch_size)[1]  # a graph is compiled once, run per micro-batch
         fwd_a, fwd_b = (sum(op.phase == FORWARD for op in t.ops) // n for t in (a, b))
         graph = GraphSize(forward_ops=int(extrapolate(fwd_a, fwd_b, d, e, full)), block_ops=max(1, (fwd_b - fwd_a) // (e - d)))
-        m = Measured(peak_bytes=peak, used_lower=int((peak + managed) * (1 - PEAK_MARGIN)) + b.context_bytes, graph=graph,
-                     ops=ops, pair=None if ops is not None else (a.ops, b.ops, d, e, full))
+        m = Measured(peak_bytes=peak, used_lower=int(peak * (1 - PEAK_MARGIN)) + b.context_bytes, graph=graph,
+                     ops=ops, pair=None if ops is not None else (a.ops, b.ops, d, e, full), managed_bytes=managed)
         self.measured[plan] = m
         self._new.append(plan)
         return m
@@ -169,14 +172,14 @@ class TraceBook:
         (t,) = self._run([(plan, None, None)])
         forward = sum(op.phase == FORWARD for op in t.ops) // plan.micro_batches(self.target.batch_size)[1]
         graph = GraphSize(forward_ops=forward, block_ops=m.graph.block_ops if m else forward // max(1, self.depth or 1))
-        m = Measured(peak_bytes=t.peak_bytes, used_lower=t.peak_bytes + t.context_bytes + t.managed_bytes, used_bytes=t.used_bytes,
-                     graph=graph, ops=t.ops, full=True)
+        m = Measured(peak_bytes=t.peak_bytes, used_lower=t.peak_bytes + t.context_bytes, used_bytes=t.used_bytes,
+                     graph=graph, ops=t.ops, full=True, managed_bytes=t.managed_bytes)
         self.measured[plan] = m
         self._new.append(plan)
         return m
 
     def deep_used(self, plan: Plan) -> int | None:
-        """What the budget counts for a measured plan, from its shallow pair's allocations
+        """The allocator side of what the budget counts for a measured plan, from its shallow pair's allocations
         replayed at full depth (NOTE [ Allocations at full depth ]; 0.05-0.5 s, so asked only of a
         plan about to be confirmed); None where they do not line up, or the plan has no pair."""
         if plan not in self._deep:
@@ -187,9 +190,8 @@ class TraceBook:
             if traced and traced[0].stream is not None and traced[1].stream is not None:
                 deep = deepen(traced[0].stream, traced[1].stream, *pair, self.depth)
             t0 = time.process_time()
-            managed = int(extrapolate(traced[0].managed_bytes, traced[1].managed_bytes, *pair, self.depth)) if traced else 0
             self._deep[plan] = None if deep is None else (replay(deep, STEADY_STEP, expandable=plan.config("allocator").expands)[1]
-                                                          + traced[1].context_bytes + managed)
+                                                          + traced[1].context_bytes)
             self._spend("deep stream replay", time.process_time() - t0)
         return self._deep[plan]
 
@@ -200,12 +202,12 @@ class TraceBook:
         if pair:
             try:
                 a, b = self._run([(plan, d, batch) for d in pair])
-                peak = extrapolate(a.peak_bytes + a.managed_bytes, b.peak_bytes + b.managed_bytes, *pair, self.depth)
+                peak = extrapolate(a.peak_bytes, b.peak_bytes, *pair, self.depth)
                 return int(peak * (1 - PEAK_MARGIN)) + b.context_bytes
             except ShallowFailed:
                 pass
         (t,) = self._run([(plan, None, batch)])
-        return t.peak_bytes + t.context_bytes + t.managed_bytes
+        return t.peak_bytes + t.context_bytes
 
     # NOTE [ A book for every batch ]
     # ``memfit fit`` asks one book (one card architecture) for each plan at many batch sizes and rank
@@ -250,13 +252,14 @@ class TraceBook:
         used = replay(deep, STEADY_STEP, expandable=plan.config("allocator").expands)[1] + b.context_bytes
         peak = int(extrapolate(a.peak_bytes, b.peak_bytes, *pair, self.depth))
         ops = extrapolate_ops(a.ops, b.ops, *pair, self.depth)
+        managed = int(extrapolate(a.managed_bytes, b.managed_bytes, *pair, self.depth))
         return Measured(peak_bytes=peak, used_lower=int(peak * (1 - PEAK_MARGIN)) + b.context_bytes, used_bytes=used,
-                        ops=ops, pair=None if ops is not None else (a.ops, b.ops, *pair, self.depth))
+                        ops=ops, pair=None if ops is not None else (a.ops, b.ops, *pair, self.depth), managed_bytes=managed)
 
     def _full_at(self, plan: Plan, batch: int) -> Measured:
         (t,) = self._run([(plan, None, batch)])
         return Measured(peak_bytes=t.peak_bytes, used_lower=t.peak_bytes + t.context_bytes, used_bytes=t.used_bytes,
-                        ops=t.ops, full=True)
+                        ops=t.ops, full=True, managed_bytes=t.managed_bytes)
 
     def ops_of(self, plan: Plan) -> list:
         """The full-depth ops of a measured plan."""
@@ -332,7 +335,7 @@ class TraceBook:
 
     def _shallow_lower(self, t: Traced) -> int:
         """A lower bound of the full plan's need from one shallow trace (more blocks hold no less)."""
-        return int((t.peak_bytes + t.managed_bytes) * (1 - PEAK_MARGIN)) + t.context_bytes
+        return int(t.peak_bytes * (1 - PEAK_MARGIN)) + t.context_bytes
 
     def _skip_deeper(self, job: tuple, shallower) -> bool:
         return isinstance(shallower, Traced) and self._shallow_lower(shallower) > self.budget.bytes

@@ -27,6 +27,12 @@ def print_plan_result(result, console: Console | None = None, top: int = 12) -> 
         compiling = f" · compile {_compile_time(ch)}" if ch.compile_seconds else ""
         c.print(f"[green]chosen:[/] {escape(ch.plan.describe())} · predicted {fmt_bytes(ch.used_bytes)} · "
                 f"{ch.seconds * 1e3:.1f} ms/step · {_rate(result, ch)}{compiling}")
+        if ch.managed_bytes:
+            c.print(f"[dim]paged optimizer states: {fmt_bytes(ch.managed_bytes)} of CUDA managed memory, not in "
+                    "torch.cuda.max_memory_reserved(); the memory above counts the part that fits beside the "
+                    "allocator's under the budget[/]")
+        for note in ch.time_notes:
+            c.print(f"[dim]{escape(note)}[/]")
         if ch.plan.numerics:
             c.print(f"[yellow]changes numerics:[/] {escape(', '.join(ch.plan.numerics))} (the updates differ from "
                     "the workload's own fp32 step; see docs/numerics.md)")
@@ -60,6 +66,24 @@ def print_plan_result(result, console: Console | None = None, top: int = 12) -> 
     if pruned:
         c.print(f"[dim]{pruned} plans pruned without tracing: they save no more memory than a plan that did "
                 "not fit[/]")
+    _print_recipes(c, result)
+
+
+def _print_recipes(c: Console, result) -> None:
+    """The field's recipes planned beside memfit's own (memfit.planner.field_recipes)."""
+    recipes = [x for x in result.candidates if x.recipe is not None]
+    if not recipes:
+        return
+    c.print("[bold]the field's recipes[/] (planned the same way, with this model and batch):")
+    for x in recipes:
+        mem = fmt_bytes(x.used_bytes) if x.used_bytes is not None else "-"
+        style = {"chosen": "green", "too big": "red"}.get(x.status, "dim")
+        c.print(f"  {escape(x.recipe.name)}: {escape(x.plan.short(result.batch_size))} · {mem} · "
+                f"{x.seconds * 1e3:.1f} ms/step · {_rate(result, x)} · [{style}]{x.status}[/]: {escape(x.reason)}")
+        c.print(f"[dim]    from {escape(x.recipe.source)}"
+                + (f"; published: {escape(x.recipe.published)}" if x.recipe.published else "") + "[/]")
+        for note in x.time_notes:
+            c.print(f"[dim]    {escape(note)}[/]")
 
 
 def print_methods(rows, console: Console | None = None) -> None:

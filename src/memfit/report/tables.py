@@ -54,10 +54,15 @@ def print_estimate(r: MemoryReport, console: Console | None = None) -> None:
     if r.reserved_bytes is not None:
         t.add_row("reserved", fmt_bytes(r.reserved_bytes), "", "held by the CUDA caching allocator")
         t.add_row("CUDA context", fmt_bytes(r.cuda_context_bytes), "", "outside PyTorch's allocator")
+        allocator = r.reserved_bytes + r.cuda_context_bytes
+        paged_out = max(0, r.managed_bytes - max(0, r.device_total_bytes - allocator))
         if r.managed_bytes:
             t.add_row("managed (paged)", fmt_bytes(r.managed_bytes), "",
                       "paged optimizer states: CUDA unified memory, not in max_memory_reserved()")
-        total = r.reserved_bytes + r.cuda_context_bytes + r.managed_bytes
+        if paged_out:
+            t.add_row("  paged out", fmt_bytes(paged_out), "",
+                      "no room beside the allocator: on the host, migrating in and out each step")
+        total = allocator + r.managed_bytes - paged_out
         verdict = "[green]fits[/]" if r.fits else "[red]does not fit[/]"
         t.add_row("[bold]on the device[/]", f"[bold]{fmt_bytes(total)}[/]", "",
                   f"of {fmt_bytes(r.device_total_bytes)}: {verdict}")
