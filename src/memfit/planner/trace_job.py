@@ -9,6 +9,7 @@ as a value.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import NamedTuple
 
@@ -45,6 +46,10 @@ class Tracer:
 
     def __init__(self, target: Target, meta_model, budget: Budget) -> None:
         self.target, self.budget = target, budget
+        # Dynamo notes, once per process, that a checkpoint under torch.compile has a context_fn
+        # (memfit's checkpointing passes one): the planner's traces are not the run, and every worker
+        # that compiles a checkpointed block would print it (``memfit train`` still shows it).
+        logging.getLogger("torch._higher_order_ops.wrap").setLevel(logging.ERROR)
         self._meta = meta_model
         self._workloads: dict[int, object] = {}
         self._containers = tuple(name for name, _ in find_blocks(meta_model))
