@@ -2,6 +2,7 @@
 predicting torchtune's full fine-tuning recipe with its own traces, its paged states' migration
 priced, beside the plan it chooses."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from memfit.devices import get_device
 from memfit.memory.estimate import estimate
 from memfit.planner.candidate import Candidate, Status
+from memfit.planner import field_recipes
 from memfit.planner.field_recipes import RECIPES, field_plans, settle_recipes
 from memfit.planner.search import plan
 from memfit.plans import Plan
@@ -41,6 +43,8 @@ def test_each_method_gets_the_recipes_published_for_it():
     assert list(_names(IMAGES, {"adapter": "lora:r=8"})) == ["kohya sd-scripts LoRA"]
     assert _names(IMAGES, {}) == {}  # (no published full fine-tuning recipe for images here)
     assert _names(TEXT, {}, device=get_device("cpu")) == {}  # (paged states and the GPU's kernels: GPU presets only)
+    assert field_plans(TEXT, {}, OFFERED, GPU, n_params=124_000_000) == ({}, [])  # (published from 1B parameters)
+    assert list(field_plans(TEXT, {}, OFFERED, GPU, n_params=8 * 10**9)[0].values()) == [RECIPES[0]]
 
 
 def test_values_the_model_cannot_take_are_dropped_and_a_contradicted_recipe_is_left_out():
@@ -71,12 +75,13 @@ def _large_elements() -> list[int]:
     return [p.numel() for p in model.parameters() if p.requires_grad and p.numel() >= 100_000]
 
 
-def test_torchtune_full_recipe_is_listed_with_its_paged_states_migration_priced():
+def test_torchtune_full_recipe_is_listed_with_its_paged_states_migration_priced(monkeypatch):
     """A budget with room for the recipe's allocator side but for only half its paged 8-bit states:
     the recipe fits (the rest pages), is predicted from its own traces, and its time carries every
     managed byte in and out over the host link (NOTE [ Pages that migrate ]); the plan chosen is
     predicted no slower."""
     pytest.importorskip("bitsandbytes")
+    monkeypatch.setattr(field_recipes, "RECIPES", tuple(dataclasses.replace(r, min_params=0) for r in RECIPES))  # (a small model)
     recipe_plan = next(iter(field_plans(TEXT, {}, OFFERED, GPU)[0]))
     managed = 2 * sum(_large_elements())  # (two 8-bit moments per element, from the meta model)
     r = estimate(LLAMA, recipe_plan, batch_size=2, seq_len=64, device="rtx4090")

@@ -13,7 +13,7 @@ config.yml`` (and ``plan``).
 | ``micro_batch_size`` x ``gradient_accumulation_steps`` | the global batch, split into micro-batches of ``micro_batch_size`` |
 | ``gradient_checkpointing: true`` | ``checkpointing: blocks`` (Hugging Face's: each decoder layer) |
 | ``bf16: true`` / ``auto``; ``fp16: true`` | ``precision: bf16-pure`` (axolotl loads the model in bf16; ``auto``: fp16 on a card without bf16); ``fp16`` |
-| ``optimizer`` | ``adamw_torch``, ``adamw_torch_fused``, ``adamw_hf``, ``paged_adamw_32bit``: ``adamw``; ``adamw_bnb_8bit``, ``paged_adamw_8bit``: ``adamw8bit``; ``adafactor``; ``sgd`` |
+| ``optimizer`` | ``adamw_torch``, ``adamw_torch_fused``, ``adamw_hf``: ``adamw``; ``adamw_bnb_8bit``: ``adamw8bit``; ``paged_adamw_32bit``, ``paged_adamw_8bit``: ``adamw-paged``, ``adamw8bit-paged`` (states in CUDA managed memory); ``adafactor``; ``sgd`` |
 | ``max_grad_norm``; ``torch_compile: true`` | ``max_grad_norm``; ``compile: full`` |
 
 What the estimate ignores, and how it says so:
@@ -28,7 +28,7 @@ What the estimate ignores, and how it says so:
   the fused kernels). ``sample_packing`` makes every sample ``sequence_len`` tokens long, which is
   what memfit traces; without it, a batch is padded to its longest sample, at most that.
 - **Ignored with a warning**: any other field set (a field left empty is as if absent), one line naming
-  it; so is the paging of the ``paged_`` optimizers.
+  it.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ batch_size gradient_checkpointing bf16 fp16 optimizer max_grad_norm torch_compil
 """.split())
 
 OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw": "adamw",
-              "paged_adamw_32bit": "adamw", "adamw_bnb_8bit": "adamw8bit", "paged_adamw_8bit": "adamw8bit",
+              "paged_adamw_32bit": "adamw-paged", "adamw_bnb_8bit": "adamw8bit", "paged_adamw_8bit": "adamw8bit-paged",
               "adamw_8bit": "adamw8bit", "adafactor": "adafactor", "sgd": "sgd"}
 
 
@@ -132,7 +132,7 @@ def map_config(data: dict, where: str, device: Device) -> AxolotlConfig:
     if "batch_size" in data and "micro_batch_size" not in data:
         warnings.append(f"axolotl config {where}: batch_size without micro_batch_size: memfit takes micro_batch_size 1 "
                         "(axolotl's default); give micro_batch_size")
-    fields = {**_method(data, where), **_precision(data, device), **_optimizer(data, where, warnings)}
+    fields = {**_method(data, where), **_precision(data, device), **_optimizer(data, where)}
     checkpointing = data.get("gradient_checkpointing")
     if checkpointing not in (None, False):
         if checkpointing is not True:
@@ -211,14 +211,11 @@ def _precision(data: dict, device: Device) -> dict:
     return {}
 
 
-def _optimizer(data: dict, where: str, warnings: list[str]) -> dict:
+def _optimizer(data: dict, where: str) -> dict:
     name = data.get("optimizer")
     if name is None:
         return {}
     if name not in OPTIMIZERS:
         raise UserError(f"--from {where}: optimizer {name!r} is not one memfit runs; use one of "
                         f"{', '.join(OPTIMIZERS)}")
-    if str(name).startswith("paged_"):
-        warnings.append(f"axolotl config {where}: optimizer {name}: its states are traced on the device (paging them "
-                        "to the host under pressure is not modelled)")
     return {"optimizer": OPTIMIZERS[name]}

@@ -9,7 +9,9 @@ ops), walked with the others, and measured after the walk if the walk never reac
 The report lists each with its predicted memory, step time and throughput, and what its authors
 published for it.
 
-A recipe fixes techniques, never the user's model or adapter: its LoRA rank, targets and base-weight
+Each is planned only for models of the size it is published for (torchtune's single-device configs
+start at 1B parameters), so a small model's plan is not slowed by a recipe nobody runs on it. A
+recipe fixes techniques, never the user's model or adapter: its LoRA rank, targets and base-weight
 format stay the user's (``--adapter``, ``--base-weights``, ``--methods``). A value that needs the
 model's structure (block checkpointing, a chunked loss) is kept only where the search space offers
 it for this workload; a recipe that contradicts a plan field the user fixed is left out, with a note.
@@ -42,6 +44,8 @@ class FieldRecipe:
     """What its authors measured (a figure and its setup), shown beside memfit's prediction."""
     text_lm: bool = True
     """A recipe for causal language models (else for image-generation models)."""
+    min_params: int = 0
+    """The smallest model it is published for (torchtune's single-device configs start at 1B)."""
 
 
 RECIPES = (
@@ -49,16 +53,18 @@ RECIPES = (
                 dict(precision="bf16-pure", checkpointing="blocks", optimizer="adamw8bit-paged",
                      optimizer_in_backward=True, compile="blocks", loss_chunks=8),
                 "torchtune full_finetune_single_device, llama3_1/8B_full_single_device.yaml",
-                published="Llama-3.1-8B on an RTX 4090, batch 2 x 2048: 1,650 tokens/s, 18.9 GiB reserved (torchtune's README)"),
+                published="Llama-3.1-8B on an RTX 4090, batch 2 x 2048: 1,650 tokens/s, 18.9 GiB reserved (torchtune's README)",
+                min_params=10**9),
     FieldRecipe("torchtune LoRA (1 GPU)", ("lora",),
                 dict(precision="bf16-pure", checkpointing="blocks", loss_chunks=8),
-                "torchtune lora_finetune_single_device, llama3_1/8B_lora_single_device.yaml"),
+                "torchtune lora_finetune_single_device, llama3_1/8B_lora_single_device.yaml", min_params=10**9),
     FieldRecipe("torchtune QLoRA (1 GPU)", ("qlora",),
                 dict(precision="bf16-pure", checkpointing="blocks", loss_chunks=8),
-                "torchtune lora_finetune_single_device, llama3_1/8B_qlora_single_device.yaml"),
+                "torchtune lora_finetune_single_device, llama3_1/8B_qlora_single_device.yaml", min_params=10**9),
     FieldRecipe("QLoRA paper (HF Trainer)", ("qlora",),
                 dict(precision="bf16", checkpointing="blocks", optimizer="adamw8bit-paged"),
-                "Dettmers et al. 2023 with transformers' Trainer: optim=paged_adamw_8bit, gradient_checkpointing=True, bf16=True"),
+                "Dettmers et al. 2023 with transformers' Trainer: optim=paged_adamw_8bit, gradient_checkpointing=True, bf16=True",
+                min_params=10**9),
     FieldRecipe("kohya sd-scripts LoRA", ("lora", "qlora"),
                 dict(precision="bf16", checkpointing="blocks", optimizer="adamw8bit"),
                 "kohya-ss/sd-scripts: --mixed_precision bf16 --gradient_checkpointing --optimizer_type AdamW8bit",
@@ -79,10 +85,12 @@ def method_of(given: dict, mostly_frozen: bool = False) -> str:
     return "lora" if plan.config("base_weights").is_default else "qlora"
 
 
-def field_plans(workload, given: dict, offered: dict, device, mostly_frozen: bool = False) -> tuple[dict, list[str]]:
+def field_plans(workload, given: dict, offered: dict, device, mostly_frozen: bool = False,
+                n_params: int | None = None) -> tuple[dict, list[str]]:
     """The recipes that suit ``workload``'s method on ``device``, as plans (each with the fields the
     user fixed, ``given``), and notes on those left out. ``offered``: the search space's values
-    before any narrowing (plan key -> values); ``mostly_frozen``: see :func:`method_of`."""
+    before any narrowing (plan key -> values); ``mostly_frozen``: see :func:`method_of`;
+    ``n_params``: the model's parameters (None: any size suits)."""
     if not device.is_gpu:
         return {}, []
     method, text = method_of(given, mostly_frozen), bool(workload.info.seq_len) and workload.info.resolution is None
@@ -90,6 +98,8 @@ def field_plans(workload, given: dict, offered: dict, device, mostly_frozen: boo
     out, notes = {}, []
     for recipe in RECIPES:
         if method not in recipe.methods or (recipe.text_lm and not text) or (not recipe.text_lm and not images):
+            continue
+        if n_params is not None and n_params < recipe.min_params:
             continue
         fields = {k: v for k, v in recipe.fields.items() if k not in MODEL_DEPENDENT or v in offered.get(k, ())}
         clash = [k for k, v in fields.items() if k in given and Plan(**{k: given[k]}).to_dict()[k] != Plan(**{k: v}).to_dict()[k]]

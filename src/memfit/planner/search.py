@@ -190,7 +190,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
         raise UserError("plan: no valid plan is left with the fields you fixed; remove some of the plan flags")
     drop_unused(space, plans)
     recipes, recipe_notes = ({}, []) if custom_space or world > 1 or time_model is not None else \
-        field_plans(wl, given_fields, offered, dev, mostly_frozen=trainable is not None and trainable < facts.n_params / 2)
+        field_plans(wl, given_fields, offered, dev, mostly_frozen=trainable is not None and trainable < facts.n_params / 2,
+                    n_params=facts.n_params)
     space.notes.extend(recipe_notes)
     plans += [p for p in recipes if p not in set(plans)]
     progress.stage("timing techniques")
