@@ -10,8 +10,8 @@ import torch
 
 from memfit.devices import get_device
 from memfit.memory.estimate import estimate
-from memfit.planner.candidate import Candidate, Status
 from memfit.planner import field_recipes
+from memfit.planner.candidate import Candidate, Status
 from memfit.planner.field_recipes import RECIPES, field_plans, settle_recipes
 from memfit.planner.search import plan
 from memfit.plans import Plan

@@ -190,7 +190,8 @@ def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_trac
         methods = [dataclasses.replace(m, keys={**m.keys, "base_weights": fmt}) for m in methods]
     searches = [(m.name, dict(workload=workload, budget=args.budget, device=args.device, batch_size=bs,
                               optimizers=optimizers, max_traces=max_traces, fixed={**fixed, **m.keys},
-                              compile_modes=compile_modes, steps=steps, host=host)) for m in methods]
+                              compile_modes=compile_modes, steps=steps, host=host,
+                              field_recipes=False)) for m in methods]  # (listed by a one-method plan)
     with PlanProgress() if not args.json else contextlib.nullcontext() as progress:
         longest = next((i for i, m in enumerate(methods) if m.name == "full"), 0)
         results = plan_side_by_side(searches, progress, longest=longest)  # NOTE [ Methods planned side by side ]

@@ -128,7 +128,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
          optimizers: tuple[str, ...] | None = None, max_traces: int = 60,
          time_model: StepTimeModel | None = None, space=None, fixed: dict | None = None,
          compile_modes: tuple[str, ...] | None = None, steps: int | None = None, progress=None,
-         narrow_optimizer: bool = True, alongside: bool = True, host=None) -> PlanResult:
+         narrow_optimizer: bool = True, alongside: bool = True, host=None, field_recipes: bool = True) -> PlanResult:
     """The fastest plan for ``workload`` whose predicted memory fits ``budget`` on ``device``.
 
     ``fixed``: plan fields the user set (``--precision bf16``); the search covers the others.
@@ -142,6 +142,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     other searches use the cores: memfit.planner.side_by_side).
     ``host``: the machine that trains, for the host part of GPU step times (memfit.hosts: a preset's
     name, a multiple, or None for the default).
+    ``field_recipes``: plan the field's published recipes beside the search's own (memfit.planner.
+    field_recipes; GPU presets; False where the report lists no recipe: ``--methods``' table).
     """
     progress = progress or NoProgress()
     t0 = time.perf_counter()
@@ -189,7 +191,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     if not plans:
         raise UserError("plan: no valid plan is left with the fields you fixed; remove some of the plan flags")
     drop_unused(space, plans)
-    recipes, recipe_notes = ({}, []) if custom_space or world > 1 or time_model is not None else \
+    recipes, recipe_notes = ({}, []) if custom_space or world > 1 or time_model is not None or not field_recipes else \
         field_plans(wl, given_fields, offered, dev, mostly_frozen=trainable is not None and trainable < facts.n_params / 2,
                     n_params=facts.n_params)
     space.notes.extend(recipe_notes)
@@ -218,7 +220,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
         again = plan(workload, budget=budget, device=device, batch_size=batch_size, seq_len=seq_len,
                      optimizers=optimizers, max_traces=max_traces, time_model=time_model, fixed=given_fields,
                      compile_modes=compile_modes, steps=steps, progress=progress, narrow_optimizer=False,
-                     alongside=alongside, host=host)
+                     alongside=alongside, host=host, field_recipes=field_recipes)
         again.traces += result.traces
         again.seconds = time.perf_counter() - t0
         return again

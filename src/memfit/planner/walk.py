@@ -274,7 +274,7 @@ class Walk:
                 break
             if x is not c and x.open and ladder.has_evidence(x.plan) and not ladder.is_final(x.plan) \
                     and not ladder.has_full_trace(x.plan) and x.used_bytes is not None \
-                    and x.used_bytes <= self.budget.bytes and not self._too_big_deep(x):
+                    and x.used_bytes <= self.budget.bytes and _compiles_as(x.plan, c.plan) and not self._too_big_deep(x):
                 ahead[x.plan] = None
         check = ladder.deep.to_check_alongside(ladder) if len(ahead) < spare and ladder.deep is not None else None
         if check is not None:
@@ -328,3 +328,11 @@ class Walk:
             if self.ladder.is_final(best.plan) or self._take(best, self.ladder.full):
                 return best
         return None
+
+
+def _compiles_as(plan, other) -> bool:
+    """``plan``'s full trace compiles nothing ``other``'s does not: it may run alongside ``other``'s
+    confirming full trace (a compiled plan's full trace compiles for many times an eager one's
+    seconds, and the confirmation waits for every trace run beside it)."""
+    mode = plan.config("compile").mode
+    return mode in ("none", other.config("compile").mode)
