@@ -228,3 +228,18 @@ def test_a_plan_the_deep_rung_ruled_out_is_traced_in_full_alongside_the_confirma
     chosen, walk, ladder, (ruled, big, plan) = _deep_walk(full_of_ruled_out=int(9.8 * GiB))
     assert chosen.plan == ruled and ladder.prefetched[0] == [plan, ruled]
     assert walk.notes and "missed a full trace" in walk.notes[0]
+
+
+def test_a_compiled_plan_is_not_traced_in_full_beside_an_eager_confirmation():
+    """The plan confirmed is eager; the next that may come up (measured, its lower bound fits) is
+    compiled: its full trace would compile for many times the confirmation's seconds, which waits for
+    it, so it is not run alongside. An eager one in its place is."""
+    for nxt, alongside in ((Plan(compile="blocks", checkpointing="blocks"), False), (Plan(checkpointing="blocks"), True)):
+        first = Plan(loss_chunks=8)
+        seconds = {first: 1.0, nxt: 2.0}
+        ladder = _DeepLadder(lower={first: 8 * GiB, nxt: 8 * GiB}, deep={}, full={first: 9 * GiB, nxt: 9 * GiB})
+        ranked = [Candidate(p, s) for p, s in seconds.items()]
+        walk = Walk(4, Budget(10 * GiB, get_device("h100-80gb")), _Model(seconds), ladder, None, 60)
+        walk._measure(ranked[1])  # (the next plan measured: its lower bound fits)
+        assert walk.run(ranked).plan == first
+        assert ladder.prefetched == [[first, nxt] if alongside else [first]], nxt
