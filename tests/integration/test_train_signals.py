@@ -198,7 +198,8 @@ def _finish(argv, out, reference) -> None:
     assert not _unfinished(out)  # what the killed saves left is removed
 
 
-@pytest.mark.parametrize("nproc, kills", [(1, 2), (2, 1)], ids=["one-process", "two-ranks"])
+@pytest.mark.parametrize("nproc, kills", [(1, 2), pytest.param(2, 1, marks=pytest.mark.slow)],  # (slow: keeps the
+                         ids=["one-process", "two-ranks"])                                   # default suite under 10 min)
 def test_killed_in_saves_then_stopped_by_sigterm_then_resumed_equals_an_uninterrupted_run(tmp_path, nproc, kills):
     workload, out, steps = _workload(tmp_path), tmp_path / "out", 12
     reference = _reference(tmp_path, workload, steps, nproc)

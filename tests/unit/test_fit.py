@@ -42,6 +42,7 @@ def llama_table():
     return workload, cards, fit_table(workload, parse_methods("full,lora"), cards, budget="4.5%")
 
 
+@pytest.mark.slow  # (a minute on 2 cores: keeps the default suite under 10 minutes)
 def test_each_cell_fits_and_the_next_batch_does_not_by_full_traces_on_its_own_card(llama_table):
     workload, cards, table = llama_table
     facts = model_facts(workload)

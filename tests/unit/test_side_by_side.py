@@ -72,6 +72,7 @@ def test_the_searches_run_in_turn_where_processes_cannot_be_forked(monkeypatch):
     assert [r["label"] for r, _ in results] == ["a", "b"] and all(r["pid"] == PARENT for r, _ in results)
 
 
+@pytest.mark.slow  # (about 30 s on 2 cores: keeps the default suite under 10 minutes)
 def test_a_search_killed_while_it_reports_leaves_the_others_to_come_back():
     """NOTE [ A pipe per search ]: a search killed while it writes its progress (the kernel's OOM
     killer) must not stop the others: with one queue for all, it held the queue's lock forever and

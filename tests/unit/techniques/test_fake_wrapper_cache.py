@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 STAGE = r'''
 import json, torch
 from torch._dynamo.utils import counters
@@ -47,6 +49,7 @@ def _stage(cache_dir) -> dict:
     return json.loads(line.removeprefix("RESULT"))
 
 
+@pytest.mark.slow  # (40-60 s on 2 cores: keeps the default suite under 10 minutes)
 def test_a_cached_prediction_equals_the_compiled_one_and_real_compiles_stay_apart(tmp_path):
     first = _stage(tmp_path)
     assert first["fake_misses"] >= 1 and first["fake_hits"] == 0
