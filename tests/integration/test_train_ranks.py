@@ -52,6 +52,7 @@ def _params(out) -> dict[str, torch.Tensor]:
             **{f"ema:{n}": t for n, t in step.ema.state_dict()["shadow"].items()}}
 
 
+@pytest.mark.slow  # (about 45 s on 2 cores: keeps the default suite under 10 minutes)
 def test_two_ranks_train_as_one_process_and_resume_at_the_other_world_size(tmp_path):
     """4 steps on 2 ranks == 4 steps in one process (the same text, the same global batches; up to
     the order of float sums, 1e-5). Then each continues at the other world size to step 6: the DCP

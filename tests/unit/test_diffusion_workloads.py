@@ -32,7 +32,7 @@ TINY["dit-flux"] = ("dit-flux:num_layers=2,num_single_layers=3,attention_head_di
                     "joint_attention_dim=32,pooled_projection_dim=16,in_channels=16,axes_dims_rope=4/6/6")
 RESOLUTION = {"dit-lumina2": 128, "dit-sd3": 128, "unet-sdxl": 128, "unet-sd15": 64, "dit-flux": 128}
 
-# unet-sdxl in fp32 is profiled by test_block_checkpointing_keeps_fewer_activations (same bound)
+# unet-sdxl in fp32 is profiled by test_block_checkpointing_keeps_fewer_activations (same bound; slow tier)
 CASES = [(arch, precision, ckpt) for arch in ("dit-lumina2", "unet-sdxl") for precision in ("fp32", "bf16")
          for ckpt in ("none", "blocks") if (arch, precision) != ("unet-sdxl", "fp32")] + [
     ("dit-sd3", "fp32", "none"), ("dit-sd3", "bf16", "blocks"), ("unet-sd15", "fp32", "none"),
@@ -53,7 +53,7 @@ def test_prediction_within_1pct_of_the_profiler(arch, precision, ckpt):
     assert abs(r.error_percent) <= 1.0, (arch, precision, ckpt, r.predicted.peak_bytes, r.peak_bytes)
 
 
-@pytest.mark.parametrize("arch", ["dit-lumina2", "unet-sdxl"])
+@pytest.mark.parametrize("arch", ["dit-lumina2", pytest.param("unet-sdxl", marks=pytest.mark.slow)])  # (slow: 25 s)
 def test_block_checkpointing_keeps_fewer_activations(arch):
     """Blocks are found (Lumina2's transformer blocks; the UNet's resnets and attentions inside its
     down/up blocks) and checkpointing them lowers the measured activations, as predicted."""

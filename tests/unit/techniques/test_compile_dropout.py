@@ -49,6 +49,7 @@ def test_recomputed_dropout_peak_predicted_against_the_profiler():
     assert abs(r.error_percent) <= 1.0, r.error_percent
 
 
+@pytest.mark.slow  # (about 35 s on 2 cores: keeps the default suite under 10 minutes)
 def test_a_gpu_preset_predicts_recomputed_dropout_without_a_cuda_generator():
     """Predicted through Inductor's CUDA path for the h100 preset (it asked the CUDA generator and
     failed before): checkpointed blocks save less than the same compiled graph without them."""
