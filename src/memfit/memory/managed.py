@@ -4,9 +4,10 @@ A paged optimizer (memfit.techniques.optimizers_paged) keeps its large states in
 (``cudaMallocManaged``). The driver, not PyTorch's caching allocator, holds it: it is in neither
 ``torch.cuda.max_memory_allocated()`` nor ``torch.cuda.max_memory_reserved()``, and
 ``set_per_process_memory_fraction`` does not cap it. While the card has room it is device memory
-like any other, and :class:`memfit.memory.budget.Budget` counts it against the card. When the card
-is short, the driver moves pages between host and device memory each step, and the step waits for
-the host link: :func:`migration` says how many bytes and how long.
+like any other, and :class:`memfit.memory.budget.Budget` counts it against the card up to the room
+the allocator's segments and the context leave. When the card is short, the driver moves pages
+between host and device memory each step, and the step waits for the host link: :func:`migration`
+says how many bytes and how long (the planner adds that time to the step).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from memfit.units import fmt_bytes
 
 NOT_IN_RESERVED = ("managed (unified) memory is allocated by the CUDA driver, not PyTorch's caching allocator: it "
                    "is not in torch.cuda.max_memory_reserved() (nor max_memory_allocated()), and "
-                   "set_per_process_memory_fraction does not cap it; memfit counts it against the card")
+                   "set_per_process_memory_fraction does not cap it; memfit counts it against the card up to the room the "
+                   "allocator leaves, and the rest as pages that migrate each step")
 
 
 @dataclass(frozen=True)
