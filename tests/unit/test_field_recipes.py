@@ -43,13 +43,14 @@ def test_each_method_gets_the_recipes_published_for_it():
     assert list(_names(IMAGES, {"adapter": "lora:r=8"})) == ["kohya sd-scripts LoRA"]
     assert _names(IMAGES, {}) == {}  # (no published full fine-tuning recipe for images here)
     assert _names(TEXT, {}, device=get_device("cpu")) == {}  # (paged states and the GPU's kernels: GPU presets only)
+    assert _names(TEXT, {}, offered={"checkpointing": ["none", "blocks"], "loss_chunks": [0]}) == {}  # (no causal LM)
     assert field_plans(TEXT, {}, OFFERED, GPU, n_params=124_000_000) == ({}, [])  # (published from 1B parameters)
     assert list(field_plans(TEXT, {}, OFFERED, GPU, n_params=8 * 10**9)[0].values()) == [RECIPES[0]]
 
 
 def test_values_the_model_cannot_take_are_dropped_and_a_contradicted_recipe_is_left_out():
-    no_blocks = _names(TEXT, {"adapter": "lora:r=8"}, offered={"checkpointing": ["none"], "loss_chunks": [0]})
-    assert no_blocks["torchtune LoRA (1 GPU)"] == Plan(adapter="lora:r=8", precision="bf16-pure")
+    no_blocks = _names(TEXT, {"adapter": "lora:r=8"}, offered={"checkpointing": ["none"], "loss_chunks": [0, 8]})
+    assert no_blocks["torchtune LoRA (1 GPU)"] == Plan(adapter="lora:r=8", precision="bf16-pure", loss_chunks=8)
     plans, notes = field_plans(TEXT, {"precision": "fp32"}, OFFERED, GPU)
     assert plans == {} and notes == ["torchtune full (1 GPU) not planned: it sets precision, which you fixed"]
     assert all(r.source for r in RECIPES)

@@ -14,7 +14,8 @@ start at 1B parameters), so a small model's plan is not slowed by a recipe nobod
 recipe fixes techniques, never the user's model or adapter: its LoRA rank, targets and base-weight
 format stay the user's (``--adapter``, ``--base-weights``, ``--methods``). A value that needs the
 model's structure (block checkpointing, a chunked loss) is kept only where the search space offers
-it for this workload; a recipe that contradicts a plan field the user fixed is left out, with a note.
+it for this workload, and the language-model recipes apply to causal LMs only (those whose loss the
+space offers to chunk); a recipe that contradicts a plan field the user fixed is left out, with a note.
 
 | recipe | method | plan | source |
 |---|---|---|---|
@@ -93,8 +94,9 @@ def field_plans(workload, given: dict, offered: dict, device, mostly_frozen: boo
     ``n_params``: the model's parameters (None: any size suits)."""
     if not device.is_gpu:
         return {}, []
-    method, text = method_of(given, mostly_frozen), bool(workload.info.seq_len) and workload.info.resolution is None
     images = workload.info.resolution is not None
+    text = not images and any(offered.get("loss_chunks", ()))  # (a causal LM: its loss can be chunked)
+    method = method_of(given, mostly_frozen)
     out, notes = {}, []
     for recipe in RECIPES:
         if method not in recipe.methods or (recipe.text_lm and not text) or (not recipe.text_lm and not images):
