@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.devices import Device, available_host_bytes
-from memfit.memory.managed import Migration, migration
+from memfit.memory.managed import Migration, migration, paged_out_bytes
 from memfit.units import parse_size
 
 HEADROOM = 0.10
@@ -57,9 +57,8 @@ class Budget:
 
     def used_bytes(self, report) -> int:
         """What the step needs of the budget (see the module's docstring)."""
-        if self.device.is_gpu:
-            return self.counted(self.allocator_bytes(report), getattr(report, "managed_bytes", 0))
-        return report.process_peak_bytes or report.peak_bytes
+        allocator = self.allocator_bytes(report)
+        return self.counted(allocator, getattr(report, "managed_bytes", 0)) if self.device.is_gpu else allocator
 
     def allocator_bytes(self, report) -> int:
         """The allocator side of what the step needs: reserved + CUDA context on a GPU (no managed
@@ -86,7 +85,7 @@ class Budget:
     def paged_out(self, allocator_bytes: int, managed_bytes: int) -> int:
         """The managed bytes that do not fit beside the allocator side under the budget: the driver
         keeps them on the host, and pages them in and out each step."""
-        return max(0, managed_bytes - max(0, self.bytes - allocator_bytes))
+        return paged_out_bytes(managed_bytes, self.bytes - allocator_bytes)
 
     def migration(self, allocator_bytes: int, managed_bytes: int) -> Migration:
         """The managed pages that move over the host link each step, and their time

@@ -49,16 +49,22 @@ class Migration:
 # the pages needed soonest would move only M - R each way (``least_bytes``). The driver migrates
 # faulted pages and writes back evicted ones on the same copy path, so the two directions are added,
 # at the device's host link bandwidth: an estimate of the link's share, not measured on a GPU yet.
+def paged_out_bytes(managed_bytes: int, room_bytes: int) -> int:
+    """The managed bytes the card has no room for (``room_bytes``: what the allocator's segments and
+    the context leave): they live on the host, and migrate each step."""
+    return max(0, managed_bytes - max(0, room_bytes))
+
+
 def migration(managed_bytes: int, room_bytes: int, link_bandwidth: float) -> Migration:
     """The managed bytes that migrate each step (NOTE [ Pages that migrate ]): ``managed_bytes`` of
     states swept each step, ``room_bytes`` of the card left to them (capacity - reserved - context),
     ``link_bandwidth`` the host link's bytes per second."""
-    room = max(0, room_bytes)
-    if managed_bytes <= room:
+    short = paged_out_bytes(managed_bytes, room_bytes)
+    if not short:
         return Migration(0, 0, 0, 0.0, 0)
     moved = managed_bytes
     seconds = 2 * moved / link_bandwidth if link_bandwidth > 0 else float("inf")
-    return Migration(managed_bytes - room, moved, moved, seconds, managed_bytes - room)
+    return Migration(short, moved, moved, seconds, short)
 
 
 def step_migration(reserved_bytes: int, context_bytes: int, managed_bytes: int, device) -> Migration:

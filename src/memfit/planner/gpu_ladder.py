@@ -31,10 +31,8 @@ from memfit.quiet import silenced_warnings
 def _of(m: Measured, budget: Budget) -> Evidence:
     """A measured plan's evidence: its allocator side, and the managed bytes the budget holds beside it
     (NOTE [ Managed memory over the budget ] in memfit.memory.budget)."""
-    if m.full:
-        return Evidence(Fidelity.FULL, used_bytes=budget.counted(m.used_bytes, m.managed_bytes), peak_bytes=m.peak_bytes,
-                        managed_bytes=m.managed_bytes)
-    return Evidence(Fidelity.LOWER_BOUND, used_bytes=budget.counted(m.used_lower, m.managed_bytes), peak_bytes=m.peak_bytes,
+    fidelity, allocator = (Fidelity.FULL, m.used_bytes) if m.full else (Fidelity.LOWER_BOUND, m.used_lower)
+    return Evidence(fidelity, used_bytes=budget.counted(allocator, m.managed_bytes), peak_bytes=m.peak_bytes,
                     managed_bytes=m.managed_bytes)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from memfit.memory.managed import Migration
 from memfit.planner.baseline import Baseline
 from memfit.planner.cpu_floor import cpu_floor
 from memfit.planner.ops import forward_backward_span
@@ -119,16 +120,19 @@ class GpuStepModel(StepTimeModel):
     def _migrated(self, step: StepTime, m: Measured) -> StepTime:
         """``step`` plus its managed pages' migration (NOTE [ Managed memory over the budget ] in
         memfit.memory.budget), from the allocator side measured (a lower bound before the full trace)."""
-        if not m.managed_bytes:
+        moved = self._moved(m)
+        if moved is None:
             return step
+        return dataclasses.replace(step, seconds=step.seconds + moved.seconds, migration=moved.seconds,
+                                   notes=[*step.notes, _migration_note(moved)])
+
+    def _moved(self, m: Measured) -> Migration | None:
+        """The managed pages a measured plan's step migrates (None: none)."""
+        if not m.managed_bytes:
+            return None
         allocator = m.used_bytes if m.used_bytes is not None else m.used_lower
         moved = self.book.budget.migration(allocator, m.managed_bytes)
-        if not moved.seconds:
-            return step
-        note = (f"{moved.in_bytes / 2**30:.2f} GiB of paged optimizer states migrate in and out over the host link each "
-                f"step ({moved.short_bytes / 2**30:.2f} GiB more than the budget leaves them): {moved.seconds * 1e3:.0f} ms")
-        return dataclasses.replace(step, seconds=step.seconds + moved.seconds, migration=moved.seconds,
-                                   notes=[*step.notes, note])
+        return moved if moved.seconds else None
 
     # -- estimates -----------------------------------------------------------------------------
     #
@@ -208,8 +212,9 @@ class GpuStepModel(StepTimeModel):
 
     def step_notes(self, plan: Plan) -> list[str]:
         """The measured step's migration (NOTE [ Migration in estimates ]); nothing for an estimate."""
-        step = self.step(plan)
-        return [n for n in step.notes if "paged optimizer states migrate" in n] if step is not None else []
+        m = self.book.measured.get(plan)
+        moved = self._moved(m) if m is not None and not m.shallower_only else None
+        return [_migration_note(moved)] if moved is not None else []
 
     def warmup(self, plan: Plan) -> float:
         """One-time compile seconds before the first step, from the compiled graph's size."""
@@ -227,3 +232,8 @@ class GpuStepModel(StepTimeModel):
         return (f"op-level: each plan's own ops on the {self.target.device.name} preset{host}, constants fitted on H100 "
                 f"recordings{shallow}; {book.traces} traces ({book.full_traces} at full depth, "
                 f"{book.workers.count} processes) in {book.seconds_spent:.1f} s")
+
+
+def _migration_note(moved: Migration) -> str:
+    return (f"{moved.in_bytes / 2**30:.2f} GiB of paged optimizer states migrate in and out over the host link each "
+            f"step ({moved.short_bytes / 2**30:.2f} GiB more than the budget leaves them): {moved.seconds * 1e3:.0f} ms")

@@ -195,7 +195,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
         field_plans(wl, given_fields, offered, dev, mostly_frozen=trainable is not None and trainable < facts.n_params / 2,
                     n_params=facts.n_params)
     space.notes.extend(recipe_notes)
-    plans += [p for p in recipes if p not in set(plans)]
+    known = set(plans)
+    plans += [p for p in recipes if p not in known]
     progress.stage("timing techniques")
     book = None
     with silenced_warnings():

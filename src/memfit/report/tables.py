@@ -7,6 +7,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from memfit.memory.categories import CATEGORIES, DESCRIPTIONS
+from memfit.memory.managed import paged_out_bytes
 from memfit.memory.report import MemoryReport
 from memfit.units import fmt_bytes
 
@@ -55,7 +56,7 @@ def print_estimate(r: MemoryReport, console: Console | None = None) -> None:
         t.add_row("reserved", fmt_bytes(r.reserved_bytes), "", "held by the CUDA caching allocator")
         t.add_row("CUDA context", fmt_bytes(r.cuda_context_bytes), "", "outside PyTorch's allocator")
         allocator = r.reserved_bytes + r.cuda_context_bytes
-        paged_out = max(0, r.managed_bytes - max(0, r.device_total_bytes - allocator))
+        paged_out = paged_out_bytes(r.managed_bytes, r.device_total_bytes - allocator)
         if r.managed_bytes:
             t.add_row("managed (paged)", fmt_bytes(r.managed_bytes), "",
                       "paged optimizer states: CUDA unified memory, not in max_memory_reserved()")
