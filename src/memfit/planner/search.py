@@ -255,7 +255,7 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
             alongside: bool = True, book: TraceBook | None = None, recipes: dict | None = None) -> PlanResult:
     recipes = recipes or {}
     wl, dev, bs, budget_bytes = target.workload, target.device, target.batch_size, budget_obj.bytes
-    whole = [c.plan for c in maximal([Candidate(p, 0.0) for p in plans], bs)
+    whole = [c.plan for c in maximal([Candidate(p, 0.0) for p in plans if p not in recipes], bs)
              if not splits(c.plan, bs)] if alongside else None  # (--methods: the searches share the cores)
     with silenced_warnings():
         model.prepare(ahead=whole)  # NOTE [ The walk's first traces behind the measuring ]

@@ -296,7 +296,8 @@ class Walk:
     def _check_feasible(self, ranked: list[Candidate]) -> bool:
         """Trace the maximal plans (memfit.planner.feasibility): False if none of them fits (then
         nothing does); else they go back into the queue at their measured times."""
-        if not self.maximal.check(ranked, self._measure, lambda m: self._take(m, self.ladder.full)):
+        space = [c for c in ranked if c.recipe is None]  # (a field recipe is outside the space: none it dominates)
+        if not self.maximal.check(space, self._measure, lambda m: self._take(m, self.ladder.full)):
             return False
         for m in self.maximal.plans:
             if m.open:
