@@ -9,7 +9,7 @@ import torch
 
 from memfit.memory.allocator import replay as replay_trace
 from memfit.memory.categories import STEADY_STEP
-from memfit.memory.deep_stream import Stream, _sorted_free_runs, deepen, from_tracker, replay
+from memfit.memory.deep_stream import Stream, _sorted_free_runs, deepen, from_tracker, replay, widen
 from memfit.memory.faketrace import run_tracked
 from memfit.memory.report import step_window, traced_device
 from memfit.planner.shallow import depths, shallow_workload
@@ -235,3 +235,23 @@ def test_shallow_models_cut_from_the_planner_s_meta_model_are_built_as_the_plan_
         streams.append(from_tracker(tracker, where, getattr(tracker, "side_streams", None), containers))
     _, truth = _trace(target)
     assert replay(deepen(*streams, d, e, 6), STEADY_STEP) == truth
+
+
+def test_widen_draws_each_size_on_its_line_and_refuses_what_is_not_one():
+    """NOTE [ Allocations at another batch ]: the same events at two batches, each size on its line
+    (a weight's constant, an activation's x times a sample's); an allocation the build made once in
+    one trace only is kept; a size off the line of whole bytes, or another event in the step, is no
+    stream."""
+    def at(n, extra_setup=False, odd=0):
+        setup = [("+", 4096)] + ([("+", 512)] if extra_setup else [])
+        k = len(setup)
+        return _stream([*setup, ("mark", "step", 2), ("mark", "forward", 2), ("+", 1000 * n + odd), ("+", 8192),
+                        ("-", k + 2), ("-", k + 3)])
+    a, b = at(2, extra_setup=True), at(3)
+    wide = widen(a, b, 2, 3, 10)
+    assert wide is not None and [t[1] for t in wide.tokens if t[0] == "+"] == [4096, 10000, 8192]
+    assert sorted(f for f in wide.frees if f >= 0) == [3, 4]  # (both step allocations freed, in size order)
+    assert widen(a, at(5, odd=1), 2, 5, 10) is None  # 1 byte in 3 samples: not whole bytes at 10
+    changed = _stream([("+", 4096), ("mark", "step", 2), ("mark", "forward", 2), ("+", 3000), ("+", 8192),
+                       ("+", 64), ("-", 3), ("-", 4)])
+    assert widen(a, changed, 2, 3, 10) is None  # (one more allocation in the step)

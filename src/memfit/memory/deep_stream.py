@@ -92,12 +92,18 @@ def from_tracker(tracker, device: str, side_streams: dict | None = None, contain
     return _sorted_free_runs(Stream(tokens, frees, phases, blocks))
 
 
-def _sorted_free_runs(stream: Stream) -> Stream:
+def step_events(stream: Stream) -> list:
+    """The stream's events after the model's build (the build's may differ with the trace's history)."""
+    return [t for t, phase in zip(stream.tokens, stream.phases) if phase != SETUP]
+
+
+def _sorted_free_runs(stream: Stream, by_size: bool = True) -> Stream:
     """Each run of frees in the forward with no allocation between them, sorted by the block
     and the kind of what they free. The allocator's state after a run does not depend on its
     order (freed blocks merge with their free neighbours either way), and autocast drops its
     cache of cast weights at the end of the forward in the order of a hash map, which no depth
-    repeats (elsewhere the trace's order is the same at every depth)."""
+    repeats (elsewhere the trace's order is the same at every depth). ``by_size=False``: sorted by
+    what they free but its size first (the order at any batch, NOTE [ Allocations at another batch ])."""
     tokens, frees, phases = list(stream.tokens), list(stream.frees), list(stream.phases)
     blocks = list(stream.blocks) if stream.blocks is not None else [-1] * len(tokens)
     i = 0
@@ -111,7 +117,7 @@ def _sorted_free_runs(stream: Stream) -> Stream:
         if phases[i] != "forward":  # (elsewhere the trace's order is already the same at every depth)
             i = k
             continue
-        run = sorted(range(i, k), key=lambda j: (blocks[frees[j]], tokens[j]))
+        run = sorted(range(i, k), key=lambda j: (blocks[frees[j]], tokens[j] if by_size else (*tokens[j][2:], tokens[j][1])))
         tokens[i:k], frees[i:k], phases[i:k] = [tokens[j] for j in run], [frees[j] for j in run], [phases[j] for j in run]
         i = k
     return Stream(tokens, frees, phases, blocks)
@@ -346,3 +352,61 @@ def replay(stream: Stream, step: int, *, expandable: bool = False) -> tuple[int,
             else:
                 yield i, stream.frees[i], -1, tok[1], tok[2]
     return replay_events(events(), start, model=new_model(expandable))[:2]
+
+
+# NOTE [ Allocations at another batch ]
+# The step at ``x`` samples makes the same allocations and frees as at ``x_a`` and ``x_b``, in the
+# same order, each of a size on the line through its two sizes: a batch's activations, inputs and
+# logits are ``x`` times a sample's, the weights, gradients, states and workspaces do not grow.
+# ``widen`` builds that stream from ``b``'s events, each of ``b``'s allocations paired with ``a``'s by
+# a diff of the two streams (the events of one size at both batches), then, where they differ, a diff
+# of those stretches without their sizes (each run of frees sorted by what it frees but its size,
+# which orders the runs of ``from_tracker`` otherwise at each batch). Before the step (the model's build), the trace's
+# own history may add or drop an allocation (a cache made on first use in the process): those of
+# ``b`` that ``a`` lacks keep their size, as ``deepen`` keeps them. Where the two streams differ in
+# the step (a kernel chosen by size, a run of frees sorted otherwise) or a size is off the line of
+# whole bytes, there is none (None). A line drawn from two batches is not trusted on its word: the
+# trace book checks it against a third batch traced (memfit.planner.at_batch).
+def widen(a: Stream, b: Stream, x_a: int, x_b: int, x: int) -> Stream | None:
+    """The stream at ``x`` samples from those at ``x_a`` and ``x_b`` (NOTE [ Allocations at another
+    batch ]); None where they are not the same events with sizes on a line of whole bytes."""
+    if x_a == x_b:
+        return None
+    a, b = _sorted_free_runs(a, by_size=False), _sorted_free_runs(b, by_size=False)
+
+    def shapes(s: Stream) -> list:
+        return [t if t[0] == MARK else (t[0], *t[2:]) for t in s.tokens]
+    shape_a, shape_b = shapes(a), shapes(b)
+
+    pairs: dict[int, int] = {}  # event of ``b`` -> the same event of ``a``
+
+    def pair(i1: int, i2: int, j1: int, j2: int, sized: bool) -> bool:
+        """Pair ``a[i1:i2]`` with ``b[j1:j2]``: first event for event (sizes too, ``sized``), then
+        what differs by its events without their sizes; False where the step differs."""
+        left = a.tokens[i1:i2] if sized else shape_a[i1:i2]
+        right = b.tokens[j1:j2] if sized else shape_b[j1:j2]
+        for tag, p1, p2, q1, q2 in difflib.SequenceMatcher(None, left, right, autojunk=False).get_opcodes():
+            if tag == "equal":
+                pairs.update(zip(range(j1 + q1, j1 + q2), range(i1 + p1, i1 + p2)))
+            elif sized and tag == "replace":
+                if not pair(i1 + p1, i1 + p2, j1 + q1, j1 + q2, False):
+                    return False
+            elif any(a.phases[i] != SETUP for i in range(i1 + p1, i1 + p2)) or \
+                    any(b.phases[j] != SETUP for j in range(j1 + q1, j1 + q2)):
+                return False
+        return True
+
+    if not pair(0, len(a.tokens), 0, len(b.tokens), True):
+        return None
+    tokens = list(b.tokens)
+    for j, i in pairs.items():
+        tb, ta = b.tokens[j], a.tokens[i]
+        if tb[0] == MARK:
+            continue
+        if tb[0] == "-" and pairs.get(b.frees[j], -1) != a.frees[i]:
+            return None  # (a free of another allocation)
+        rise, run = (tb[1] - ta[1]) * (x - x_a), x_b - x_a
+        if rise % run or ta[1] + rise // run <= 0:
+            return None
+        tokens[j] = (tb[0], ta[1] + rise // run, *tb[2:])
+    return _sorted_free_runs(Stream(tokens, list(b.frees), list(b.phases), b.blocks))

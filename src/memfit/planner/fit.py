@@ -5,8 +5,10 @@ models). Each cell answers on its own card, under its budget (by default the pla
 capacity less 10%, counted as reserved + CUDA context):
 
 - the largest batch any recipe (memfit.planner.recipes) takes at the given sequence length or
-  resolution, exact as ``estimate --batch-size max`` finds it (memfit.planner.largest: the batch fits,
-  the next one does not), under the most frugal recipe;
+  resolution, as ``estimate --batch-size max`` finds it (memfit.planner.largest: the batch fits, the
+  next one does not), under the most frugal recipe; each batch's figures from the shallow pair's
+  allocations at full depth, or drawn on the plan's line in the batch once that line has drawn a
+  third traced batch allocation for allocation (NOTE [ A plan's line in the batch ]);
 - the plan that does it: the fastest recipe that takes that batch;
 - its predicted step time (the GPU presets' op-level time model, memfit.planner.timing, on that
   card's peaks and bandwidths), as tokens, images or samples per second;
@@ -14,18 +16,10 @@ capacity less 10%, counted as reserved + CUDA context):
   ``max_world``) whose FSDP2 recipe fits at one sample a rank, as ``memfit plan --max-world-size``
   decides, and the largest batch a rank then takes.
 
-NOTE [ One book per architecture ]
-A plan's bytes do not depend on the card's capacity: only on what the trace's kernels depend on
-(memfit.devices.architecture: compute capability, CUDA and cuDNN, dtypes, workspaces). So the cards
-are grouped by architecture, and each group has one trace book (memfit.planner.traces.TraceBook, on
-one pool of worker processes) that every card of the group asks, at the batches and rank counts its
-capacity leads to (NOTE [ A book for every batch ]): the first card's context is replaced by each
-card's own.
-Cards of one architecture share the traces at the batch sizes they share (1 and 2, which draw every
-card's line, and any batch two cards both reach), and the check of a faster recipe at a batch costs
-one shallow trace where its lower bound is over the budget. Each plan at a batch is measured as the
-planner's top rungs measure it: the shallow pair's allocations replayed at full depth (a full trace
-where they do not line up).
+The traces: memfit.planner.fit_books (NOTE [ One book per architecture ], NOTE [ Architectures that
+trace alike ]). A faster recipe is checked at one sample first (a figure every card of the
+architecture shares), and at a card's batch only where that fits; at the batch, one shallow trace
+rules it out where its lower bound is over the budget.
 """
 
 from __future__ import annotations
@@ -37,15 +31,16 @@ from dataclasses import dataclass, field
 from memfit.devices import Device, architecture
 from memfit.errors import UserError, brief
 from memfit.memory.budget import Budget
+from memfit.planner.fit_books import Books
 from memfit.planner.largest import batch_axis, find_largest
+from memfit.planner.measured import Measured
 from memfit.planner.methods import Method
 from memfit.planner.progress import NoProgress
 from memfit.planner.recipes import Recipe, recipes, sharded
 from memfit.planner.shallow import extrapolate
-from memfit.planner.space import ModelFacts, model_facts
+from memfit.planner.space import model_facts
 from memfit.planner.timing import time_from_ops
-from memfit.planner.traces import Measured, TraceBook
-from memfit.plans import Plan
+from memfit.planner.traces import TraceBook
 from memfit.quiet import silenced_warnings
 from memfit.target import Target
 from memfit.workload import Workload
@@ -100,28 +95,16 @@ class FitTable:
     full_traces: int = 0
     seconds: float = 0.0
     groups: int = 0
+    shared: int = 0
+    """Plans an architecture took from another's book (NOTE [ Architectures that trace alike ])."""
     budget: str | None = None
     """The budget as given (a share of each card; None: the planner's default)."""
 
     def to_json(self) -> dict:
         return {"workload": self.workload, "sizes": self.sizes, "throughput_unit": self.unit, "methods": self.methods,
                 "cards": [d.name for d in self.cards], "traces": self.traces, "full_traces": self.full_traces,
-                "architectures": self.groups, "seconds": self.seconds,
+                "architectures": self.groups, "plans_shared_between_architectures": self.shared, "seconds": self.seconds,
                 "cells": [c.to_json() for c in self.cells.values()]}
-
-
-class Books:
-    """The trace book of one architecture (NOTE [ One book per architecture ]): every plan, batch and
-    rank count of its cards, on one pool of worker processes."""
-
-    def __init__(self, workload: Workload, facts: ModelFacts, device: Device) -> None:
-        self.facts, self.device = facts, device
-        self.book = TraceBook(Target(workload, Plan(), 1, device), facts, Budget.of_device(device))
-
-    def close(self) -> tuple[int, int]:
-        """Close the book; returns its (traces, full traces)."""
-        self.book.close()
-        return self.book.traces, self.book.full_traces
 
 
 def fit_table(workload: Workload, methods: list[Method], cards: list[Device], *, budget: str | None = None,
@@ -140,41 +123,64 @@ def fit_table(workload: Workload, methods: list[Method], cards: list[Device], *,
             raise UserError(f"fit: {card.name} is not a GPU preset; name GPU presets (see memfit devices)")
         groups.setdefault(architecture(card), []).append(card)
     table.groups = len(groups)
-    for group in groups.values():
-        books = Books(workload, facts, group[0])
-        progress.stage(f"tracing for {', '.join(d.name for d in group)}")
-        try:
+    books = Books(workload, facts)
+    try:  # (the largest group first: the others take the plans that trace alike from its book)
+        for group in sorted(groups.values(), key=len, reverse=True):
+            progress.stage(f"tracing for {', '.join(d.name for d in group)}")
+            _prefetch(books, group[0], methods)
             for method in methods:
                 for card in group:
                     table.cells[(card.name, method.name)] = _cell(card, method, books, budget, max_world)
-        finally:
-            traces, full = books.close()
-            table.traces += traces
-            table.full_traces += full
+    finally:
+        table.traces, table.full_traces = books.close()
+        table.shared = books.shared
     table.seconds = time.perf_counter() - t0
     return table
+
+
+def _prefetch(books: Books, card: Device, methods: list[Method]) -> None:
+    """What every card of ``card``'s architecture asks first (NOTE [ What every card asks first ])."""
+    first, others = [], []
+    for method in methods:
+        try:
+            with silenced_warnings():
+                plans = recipes(method, books.facts, card)
+        except UserError:
+            continue
+        first.append(plans[-1].plan)
+        others += [r.plan for r in plans[:-1]]
+    with silenced_warnings():
+        books.prefetch(card, first, others)
 
 
 def _cell(card: Device, method: Method, books: Books, budget: str | None, max_world: int) -> Cell:
     cell = Cell(card.name, method.name, budget_bytes=Budget.resolve(budget, card).bytes)
     try:
         with silenced_warnings():
-            _fill(cell, card, method, recipes(method, books.facts, books.device), books, max_world)
+            _fill(cell, card, method, recipes(method, books.facts, card), books, max_world)
     except UserError as e:
         cell.error, cell.cannot = brief(e, 120).removeprefix("plan: "), True
     return cell
 
 
 def _fill(cell: Cell, card: Device, method: Method, plans: list[Recipe], books: Books, max_world: int) -> None:
-    shift = card.context_bytes - books.device.context_bytes  # (the group's traces carry its first card's context)
     limit = cell.budget_bytes
-    world, book, frugal = 1, books.book, plans[-1]
+    world, frugal = 1, plans[-1]
+
+    def book(recipe: Recipe) -> TraceBook:
+        return books.for_plan(card, recipe.plan)
+
+    def shift(recipe: Recipe) -> int:  # (a book's traces carry its own card's context)
+        return card.context_bytes - book(recipe).target.device.context_bytes
 
     def used(recipe: Recipe, batch: int) -> int:
-        return book.at_batch(recipe.plan, batch).used_bytes + shift
+        return book(recipe).at_batch(recipe.plan, batch).used_bytes + shift(recipe)
+
+    def lower(recipe: Recipe, batch: int) -> int:
+        return book(recipe).shallow_lower(recipe.plan, batch) + shift(recipe)
 
     needs = used(frugal, 1)
-    alone = book.at_batch(frugal.plan, 1).peak_bytes
+    alone = book(frugal).at_batch(frugal.plan, 1).peak_bytes
     while needs > limit:  # no recipe fits one card: the fewest with FSDP2 (as plan --max-world-size decides)
         world *= 2
         if world > max_world:
@@ -183,7 +189,7 @@ def _fill(cell: Cell, card: Device, method: Method, plans: list[Recipe], books: 
         if alone / world + card.context_bytes > limit and world * 2 <= max_world:
             continue  # (a rank allocates at least 1/world of what one card does: its activations are not split)
         try:
-            frugal = sharded(method, books.facts, books.device, world)
+            frugal = sharded(method, books.facts, card, world)
         except UserError as e:  # (FSDP2 with fp16 on a card without bf16)
             cell.error = f"needs {_gib(needs)} on one card; {str(e).split(' (')[0].removeprefix('plan: ')}"
             return
@@ -192,20 +198,20 @@ def _fill(cell: Cell, card: Device, method: Method, plans: list[Recipe], books: 
     n = found.value
     chosen = frugal
     for recipe in plans[:-1] if world == 1 else ():  # the fastest recipe that takes the batch too
-        try:  # (over at batch 1, a bound every card of the architecture shares: over at n)
-            if book.shallow_lower(recipe.plan, 1) + shift > limit:
+        try:  # (over at batch 1, a figure every card of the architecture shares: over at n)
+            if used(recipe, 1) > limit:
                 continue
-            if book.shallow_lower(recipe.plan, n) + shift <= limit and used(recipe, n) <= limit:
+            if lower(recipe, n) <= limit and used(recipe, n) <= limit:
                 chosen = recipe
                 break
         except UserError:  # (a recipe this model cannot run: the next one)
             continue
-    m = book.at_batch(chosen.plan, n)
-    target = dataclasses.replace(book.target, plan=chosen.plan, batch_size=n * world, device=card)
+    m = book(chosen).at_batch(chosen.plan, n)
+    target = dataclasses.replace(book(chosen).target, plan=chosen.plan, batch_size=n * world, device=card)
     cell.world, cell.batch, cell.recipe, cell.plan = world, n * world, chosen.name, chosen.plan
-    cell.used_bytes, cell.next_used_bytes = m.used_bytes + shift, found.next_used_bytes
+    cell.used_bytes, cell.next_used_bytes = m.used_bytes + shift(chosen), found.next_used_bytes
     cell.seconds = _seconds(m, target)
-    info = book.target.workload.info
+    info = target.workload.info
     per_sample = info.seq_len if info.text_lm and info.seq_len else 1
     cell.throughput = n * world * per_sample / cell.seconds
 

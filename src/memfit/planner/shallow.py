@@ -176,10 +176,20 @@ def _same_kind(x, y) -> bool:
     return x.kind == y.kind and x.phase == y.phase and x.dtype == y.dtype and x.flags == y.flags
 
 
-def _scaled(x, y, copies: int):
-    """The op on the line through ``x`` (depth d) and ``y`` (d + p), at ``copies`` periods past d."""
+def _scaled(x, y, copies: float):
+    """The op on the line through ``x`` (depth d) and ``y`` (d + p), at ``copies`` periods past d (or
+    through two batches, ``copies`` times their distance past the first)."""
     def line(u, v):
         return type(u)(max(0, u + (v - u) * copies))
     return y._replace(flops=line(x.flops, y.flops), nbytes=line(x.nbytes, y.nbytes),
                       tensors=line(x.tensors, y.tensors), host_bytes=line(x.host_bytes, y.host_bytes),
                       elements=line(x.elements, y.elements))
+
+
+def widen_ops(a: list, b: list, x_a: int, x_b: int, x: int) -> list | None:
+    """The op list of the step at ``x`` samples from those at ``x_a`` and ``x_b`` (memfit.memory.deep_stream's
+    NOTE [ Allocations at another batch ]): the same ops, each on the line through its two sizes; None
+    where they are not the same ops."""
+    if len(a) != len(b) or x_a == x_b or not all(_same_kind(u, v) and u.tensors == v.tensors for u, v in zip(a, b)):
+        return None
+    return [_scaled(u, v, (x - x_a) / (x_b - x_a)) for u, v in zip(a, b)]

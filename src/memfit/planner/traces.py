@@ -14,12 +14,13 @@ its ops at full depth; what the ops cost in time is the time model's business
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 from memfit.errors import UserError
 from memfit.memory.budget import Budget
 from memfit.memory.categories import STEADY_STEP
 from memfit.memory.deep_stream import deepen, replay
+from memfit.planner.at_batch import AtBatch
+from memfit.planner.measured import PEAK_MARGIN, Measured, ShallowFailed
 from memfit.planner.ops import FORWARD
 from memfit.planner.shallow import depth_of, depths, extrapolate, extrapolate_ops
 from memfit.planner.space import ModelFacts
@@ -28,42 +29,6 @@ from memfit.planner.workers import SKIPPED, Workers
 from memfit.plans import Plan
 from memfit.target import Target
 from memfit.techniques.base import GraphSize
-
-PEAK_MARGIN = 0.02
-"""How far an extrapolated allocated peak may be above the full trace's (caching-allocator rounding;
-1% seen with ``blocks:every=2`` on a small model): the lower bound that prunes is that much lower."""
-
-
-@dataclass
-class Measured:
-    """A plan's figures from its own traces (a shallow pair extrapolated, or a full trace)."""
-
-    peak_bytes: int
-    """Allocated peak."""
-    used_lower: int
-    """A lower bound of the allocator side of what the budget counts (allocated peak, less
-    ``PEAK_MARGIN`` when it is extrapolated, + CUDA context)."""
-    used_bytes: int | None = None
-    """The allocator side of what the budget counts (reserved + context): full traces only (and a plan
-    at a batch, NOTE [ A book for every batch ])."""
-    managed_bytes: int = 0
-    """CUDA managed memory (a paged optimizer's states), outside the allocator side: the budget counts
-    what fits beside it (memfit.memory.budget.Budget.counted), the rest migrates each step."""
-    graph: GraphSize = field(default_factory=GraphSize)
-    ops: list | None = None
-    """The step's ops at full depth (None: the pair's ops did not line up, see ``pair``)."""
-    pair: tuple | None = None
-    """Where the pair's ops did not line up: (ops at d, ops at e, d, e, full depth), for the time
-    on the line through both depths."""
-    shallower_only: bool = False
-    """Over the budget at the shallower depth, its deeper trace skipped: no ops, and the peak and
-    lower bound the shallower trace's (NOTE [ The deeper trace of a plan over the budget at the
-    shallower depth ])."""
-    full: bool = False
-
-
-class ShallowFailed(Exception):
-    """A shallow trace failed for the model's sake: trace at full depth."""
 
 
 def compiles(job: tuple) -> tuple | None:
@@ -99,7 +64,7 @@ def _after_shallowest(jobs: list[tuple], which) -> dict:
     return after
 
 
-class TraceBook:
+class TraceBook(AtBatch):
     """The traces of one search, run on the workers and kept (see the module docstring)."""
 
     def __init__(self, target: Target, facts: ModelFacts, budget: Budget, world: int = 1) -> None:
@@ -125,8 +90,7 @@ class TraceBook:
         self.shallow_failed: str | None = None
         self._traced: dict[tuple, Traced | Exception] = {}
         self._deep: dict[Plan, int | None] = {}
-        self._at: dict[tuple[Plan, int], Measured] = {}
-        """(plan, batch) -> its figures (NOTE [ A book for every batch ])."""
+        self._start_batches()
         self.tracer = Tracer(target, facts.model, budget)
         # forked children cannot use CUDA once the parent has: no workers where tensors are CUDA's
         self.workers = Workers(self.tracer, fork=target.tensor_device != "cuda", affinity=compiles)
@@ -208,58 +172,6 @@ class TraceBook:
                 pass
         (t,) = self._run([(plan, None, batch)])
         return t.peak_bytes + t.context_bytes
-
-    # NOTE [ A book for every batch ]
-    # ``memfit fit`` asks one book (one card architecture) for each plan at many batch sizes and rank
-    # counts (a job's batch is one rank's, of its plan's ranks): the cards' capacities differ, their
-    # plans' bytes do not. A plan at a batch is measured as
-    # the walk's top rungs measure one: the shallow pair's allocations replayed at full depth (the
-    # reserved bytes, equal to a full trace's on every plan seen: NOTE [ Allocations at full depth ]),
-    # or a full trace where the pair's streams do not line up or the model has no shallow pair.
-    def at_batch(self, plan: Plan, batch: int) -> Measured:
-        """``plan`` at ``batch`` samples a rank: what the budget counts and its ops at full depth
-        (NOTE [ A book for every batch ])."""
-        key = (plan, batch)
-        if key not in self._at:
-            self._at[key] = self._deep_at(plan, batch) or self._full_at(plan, batch)
-        return self._at[key]
-
-    def shallow_lower(self, plan: Plan, batch: int) -> int:
-        """A lower bound of what ``plan`` at ``batch`` needs from its shallower trace alone (more blocks
-        hold no less; a full trace where it has no shallow pair)."""
-        if (plan, batch) in self._at:
-            return self._at[(plan, batch)].used_bytes
-        pair = self.depths(plan)
-        if pair:
-            try:
-                (t,) = self._run([(plan, pair[0], batch)])
-                return self._shallow_lower(t)
-            except ShallowFailed:
-                pass
-        return self.at_batch(plan, batch).used_bytes
-
-    def _deep_at(self, plan: Plan, batch: int) -> Measured | None:
-        pair = self.depths(plan)
-        if not pair:
-            return None
-        try:
-            a, b = self._run([(plan, d, batch) for d in pair])
-        except ShallowFailed:
-            return None
-        deep = deepen(a.stream, b.stream, *pair, self.depth) if a.stream and b.stream else None
-        if deep is None:
-            return None
-        used = replay(deep, STEADY_STEP, expandable=plan.config("allocator").expands)[1] + b.context_bytes
-        peak = int(extrapolate(a.peak_bytes, b.peak_bytes, *pair, self.depth))
-        ops = extrapolate_ops(a.ops, b.ops, *pair, self.depth)
-        managed = int(extrapolate(a.managed_bytes, b.managed_bytes, *pair, self.depth))
-        return Measured(peak_bytes=peak, used_lower=int(peak * (1 - PEAK_MARGIN)) + b.context_bytes, used_bytes=used,
-                        ops=ops, pair=None if ops is not None else (a.ops, b.ops, *pair, self.depth), managed_bytes=managed)
-
-    def _full_at(self, plan: Plan, batch: int) -> Measured:
-        (t,) = self._run([(plan, None, batch)])
-        return Measured(peak_bytes=t.peak_bytes, used_lower=t.peak_bytes + t.context_bytes, used_bytes=t.used_bytes,
-                        ops=t.ops, full=True, managed_bytes=t.managed_bytes)
 
     def ops_of(self, plan: Plan) -> list:
         """The full-depth ops of a measured plan."""

@@ -41,7 +41,9 @@ def _recipes(table) -> list[str]:
 
 def _header(table) -> str:
     return (f"{table.workload} · {table.sizes} · {len(table.cards)} cards ({table.groups} architectures) · "
-            f"{table.traces} traces ({table.full_traces} at full depth) · {table.seconds:.1f} s")
+            f"{table.traces} traces ({table.full_traces} at full depth"
+            + (f"; {table.shared} plans shared by architectures that trace alike" if table.shared else "")
+            + f") · {table.seconds:.1f} s")
 
 
 def print_fit(table, console: Console | None = None) -> None:

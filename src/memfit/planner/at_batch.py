@@ -1,0 +1,174 @@
+"""A plan at any batch size, for the questions asked of many batches (``memfit fit``, and the largest
+batch that fits): the trace book's figures of a plan at ``batch`` samples a rank.
+
+NOTE [ A book for every batch ]
+``memfit fit`` asks one book (one card architecture) for each plan at many batch sizes and rank
+counts (a job's batch is one rank's, of its plan's ranks): the cards' capacities differ, their
+plans' bytes do not. A plan at a batch is measured as the walk's top rungs measure one: the shallow
+pair's allocations replayed at full depth (the reserved bytes, equal to a full trace's on every plan
+seen: NOTE [ Allocations at full depth ] in memfit.memory.deep_stream), or a full trace where the
+pair's streams do not line up or the model has no shallow pair.
+
+NOTE [ A plan's line in the batch ]
+A dozen cards ask a plan at a dozen batches, two each (the largest that fits, and the next), and
+each batch costs a shallow pair: on Llama-2-7B about 1-2.5 s of CPU a trace, most of ``memfit fit``'s
+time. But the step at ``x`` samples makes the allocations the steps at two other batches make, each
+of a size on the line through theirs (NOTE [ Allocations at another batch ]), and its ops are theirs
+on the same line. So once a plan is traced at two batches (of at least two samples, ``LINE_FROM``), its figures at any other are drawn: the
+allocations at full depth on the line, replayed through the caching-allocator model (the reserved
+bytes, fragmentation and all, not a line through two totals), and the ops on the line for the time.
+A line is trusted only once it has drawn a third batch traced for real, allocation for allocation
+(and op for op); where it has not (a kernel chosen by size, a size off the line), the plan is
+traced at every batch, as before. So a plan costs three batches' traces whatever the cards ask.
+"""
+
+from __future__ import annotations
+
+import math
+
+from memfit.memory.categories import STEADY_STEP
+from memfit.memory.deep_stream import Stream, deepen, replay, step_events, widen
+from memfit.planner.measured import PEAK_MARGIN, Measured, ShallowFailed
+from memfit.planner.shallow import extrapolate, extrapolate_ops, widen_ops
+from memfit.plans import Plan
+
+TRUSTED, BROKEN = "trusted", "broken"
+
+LINE_FROM = 2
+"""The smallest batch on a plan's line. One sample is not: a tensor with a batch dimension of 1 is
+contiguous where more samples make it strided, so a reshape that views it at one sample copies it at
+two (the chunked loss's shifted labels)."""
+
+
+class AtBatch:
+    """The trace book's figures of a plan at a batch (the module's NOTEs). A mixin of
+    memfit.planner.traces.TraceBook: it uses its ``depths``, ``depth``, ``_run`` and ``_shallow_lower``."""
+
+    def _start_batches(self) -> None:
+        self._at: dict[tuple[Plan, int], Measured] = {}
+        """(plan, batch) -> its figures."""
+        self._streams: dict[tuple[Plan, int], tuple[Stream, int]] = {}
+        """(plan, batch) traced -> its allocations at full depth, and their reserved bytes."""
+        self._lines: dict[Plan, str] = {}
+        """A plan -> whether its line drew a third batch (TRUSTED) or not (BROKEN)."""
+
+    def at_batch(self, plan: Plan, batch: int) -> Measured:
+        """``plan`` at ``batch`` samples a rank: what the budget counts and its ops at full depth
+        (NOTE [ A book for every batch ]; drawn on its line where it has one, NOTE [ A plan's line in
+        the batch ])."""
+        key = (plan, batch)
+        if key not in self._at:
+            drawn = self._draw(plan, batch) if self._lines.get(plan) == TRUSTED and batch >= LINE_FROM else None
+            self._at[key] = drawn[0] if drawn else self._traced_at(plan, batch)
+        return self._at[key]
+
+    def shallow_lower(self, plan: Plan, batch: int) -> int:
+        """A lower bound of what ``plan`` at ``batch`` needs from its shallower trace alone (more blocks
+        hold no less; a full trace where it has no shallow pair; exact where the plan has a line)."""
+        if (plan, batch) in self._at or (self._lines.get(plan) == TRUSTED and batch >= LINE_FROM):
+            return self.at_batch(plan, batch).used_bytes
+        pair = self.depths(plan)
+        if pair:
+            try:
+                (t,) = self._run([(plan, pair[0], batch)])
+                return self._shallow_lower(t)
+            except ShallowFailed:
+                pass
+        return self.at_batch(plan, batch).used_bytes
+
+    def lines(self) -> dict[str, int]:
+        """How many plans' lines are trusted, and how many broke."""
+        values = list(self._lines.values())
+        return {TRUSTED: values.count(TRUSTED), BROKEN: values.count(BROKEN)}
+
+    # -- traced, and drawn -----------------------------------------------------------------------
+    def _traced_at(self, plan: Plan, batch: int) -> Measured:
+        m = self._deep_at(plan, batch) or self._full_at(plan, batch)
+        if plan not in self._lines and (plan, batch) in self._streams and batch >= LINE_FROM:
+            others = sorted(b for p, b in self._streams if p == plan and b != batch and b >= LINE_FROM)
+            if len(others) >= 2:  # a third batch: does the line through the first two draw it?
+                drawn = self._draw(plan, batch, others[0], others[1])
+                self._lines[plan] = TRUSTED if drawn and _same(*drawn, m, self._streams[(plan, batch)][0]) else BROKEN
+        return m
+
+    def _draw(self, plan: Plan, batch: int, x_a: int | None = None, x_b: int | None = None) \
+            -> tuple[Measured, Stream] | None:
+        """``plan`` at ``batch`` on the line through two batches it was traced at (by default the
+        smallest and the largest: a long base), and its allocations; None where the line does not hold."""
+        if x_a is None:
+            traced = sorted(b for p, b in self._streams if p == plan and b != batch and b >= LINE_FROM)
+            if len(traced) < 2:
+                return None
+            x_a, x_b = traced[0], traced[-1]
+        a, b = self._at[(plan, x_a)], self._at[(plan, x_b)]
+        shallow = []
+        for d in self.depths(plan):  # (each depth's allocations at ``batch``, then at full depth)
+            t_a, t_b = self._traced[(plan, d, x_a)], self._traced[(plan, d, x_b)]
+            shallow.append(widen(t_a.stream, t_b.stream, x_a, x_b, batch))
+        stream = deepen(*shallow, *self.depths(plan), self.depth) if len(shallow) == 2 and None not in shallow else None
+        if stream is None:
+            return None
+        ops, pair = None, None
+        if a.ops is not None and b.ops is not None:
+            ops = widen_ops(a.ops, b.ops, x_a, x_b, batch)
+            if ops is None:
+                return None
+        elif a.pair is not None and b.pair is not None:
+            lists = [widen_ops(u, v, x_a, x_b, batch) for u, v in zip(a.pair[:2], b.pair[:2])]
+            if None in lists:
+                return None
+            pair = (*lists, *b.pair[2:])
+        else:
+            return None
+        peak, reserved = replay(stream, STEADY_STEP, expandable=plan.config("allocator").expands)
+        context = b.used_bytes - self._streams[(plan, x_b)][1]
+        managed = round(a.managed_bytes + (b.managed_bytes - a.managed_bytes) * (batch - x_a) / (x_b - x_a))
+        return Measured(peak_bytes=peak, used_lower=int(peak * (1 - PEAK_MARGIN)) + context,
+                        used_bytes=reserved + context, ops=ops, pair=pair, managed_bytes=managed), stream
+
+    def _deep_at(self, plan: Plan, batch: int) -> Measured | None:
+        pair = self.depths(plan)
+        if not pair:
+            return None
+        try:
+            a, b = self._run([(plan, d, batch) for d in pair])
+        except ShallowFailed:
+            return None
+        deep = deepen(a.stream, b.stream, *pair, self.depth) if a.stream and b.stream else None
+        if deep is None:
+            return None
+        reserved = replay(deep, STEADY_STEP, expandable=plan.config("allocator").expands)[1]
+        self._streams[(plan, batch)] = deep, reserved
+        peak = int(extrapolate(a.peak_bytes, b.peak_bytes, *pair, self.depth))
+        ops = extrapolate_ops(a.ops, b.ops, *pair, self.depth)
+        managed = int(extrapolate(a.managed_bytes, b.managed_bytes, *pair, self.depth))
+        return Measured(peak_bytes=peak, used_lower=int(peak * (1 - PEAK_MARGIN)) + b.context_bytes,
+                        used_bytes=reserved + b.context_bytes, ops=ops,
+                        pair=None if ops is not None else (a.ops, b.ops, *pair, self.depth), managed_bytes=managed)
+
+    def _full_at(self, plan: Plan, batch: int) -> Measured:
+        (t,) = self._run([(plan, None, batch)])
+        return Measured(peak_bytes=t.peak_bytes, used_lower=t.peak_bytes + t.context_bytes, used_bytes=t.used_bytes,
+                        ops=t.ops, full=True, managed_bytes=t.managed_bytes)
+
+
+def _same(drawn: Measured, drawn_stream: Stream, traced: Measured, stream: Stream) -> bool:
+    """The line drew the traced batch: the same allocations at full depth, the same bytes, and its ops
+    within rounding."""
+    if step_events(drawn_stream) != step_events(stream):
+        return False
+    if (drawn.used_bytes, drawn.managed_bytes) != (traced.used_bytes, traced.managed_bytes):
+        return False
+    pairs = [(drawn.ops, traced.ops)] if drawn.ops is not None else list(zip(drawn.pair[:2], traced.pair[:2]))
+    for x, y in pairs:
+        if x is None or y is None or len(x) != len(y):
+            return False
+        for u, v in zip(x, y):
+            if u._replace(flops=0, nbytes=0, host_bytes=0, elements=0, key=0) != \
+                    v._replace(flops=0, nbytes=0, host_bytes=0, elements=0, key=0):
+                return False
+            if not all(math.isclose(p, q, rel_tol=1e-6, abs_tol=1) for p, q in
+                       ((u.flops, v.flops), (u.nbytes, v.nbytes), (u.host_bytes, v.host_bytes), (u.elements, v.elements))):
+                return False
+    return True
+

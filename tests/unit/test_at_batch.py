@@ -1,0 +1,125 @@
+"""A plan at any batch (memfit.planner.at_batch): once its line has drawn a third traced batch, the
+book draws every other batch without a trace, and what it draws is what a full trace of the step at
+that batch gives (``memfit estimate``, independent of the trace book); a line that misses its third
+batch draws nothing. And the books of two architectures share a plan only where it traces alike
+(memfit.planner.fit_books)."""
+
+import pytest
+
+from memfit.devices import get_device
+from memfit.memory import deep_stream
+from memfit.memory.budget import Budget
+from memfit.memory.estimate import estimate_target
+from memfit.planner import at_batch
+from memfit.planner.fit_books import Books
+from memfit.planner.methods import parse_methods
+from memfit.planner.recipes import recipes
+from memfit.planner.space import model_facts
+from memfit.planner.timing import time_from_ops
+from memfit.planner.traces import TraceBook
+from memfit.plans import Plan
+from memfit.quiet import silenced_warnings
+from memfit.target import Target
+from memfit.workloads import load_workload
+
+# 6 blocks: shallow pairs (2 and 3 blocks) and the deep stream, as for a 7B
+LLAMA = ("llama:num_hidden_layers=6,hidden_size=64,intermediate_size=128,num_attention_heads=4,num_key_value_heads=2,"
+         "vocab_size=512")
+SEQ = 256
+
+
+@pytest.fixture(scope="module")
+def setting():
+    workload = load_workload(LLAMA, seq_len=SEQ)
+    with silenced_warnings():
+        facts = model_facts(workload)
+    return workload, facts
+
+
+def _book(setting, card) -> TraceBook:
+    workload, facts = setting
+    return TraceBook(Target(workload, Plan(), 1, card), facts, Budget.of_device(card))
+
+
+def _used(workload, plan: Plan, batch: int, card) -> int:
+    with silenced_warnings():
+        report = estimate_target(Target.resolve(workload, plan, batch, card))
+    return Budget(0, card).used_bytes(report)
+
+
+@pytest.mark.parametrize("method", ["lora", pytest.param("full", marks=pytest.mark.slow)])
+def test_a_batch_drawn_on_the_line_is_the_full_trace_at_that_batch(setting, method):
+    workload, facts = setting
+    card = get_device("rtx4090")
+    plan = recipes(parse_methods(method)[0], facts, card)[-1].plan
+    book = _book(setting, card)
+    try:
+        with silenced_warnings():
+            for batch in (2, 3, 5):
+                book.at_batch(plan, batch)
+            assert book.lines() == {at_batch.TRUSTED: 1, at_batch.BROKEN: 0}
+            traces = book.traces
+            drawn = book.at_batch(plan, 11)
+            assert book.traces == traces  # (drawn: no trace)
+            book.at_batch(plan, 1)  # one sample's chunked loss views the labels two samples copy: off the line
+            assert book.traces == traces + 2
+            report = estimate_target(Target.resolve(workload, plan, 11, card))
+        assert drawn.used_bytes == Budget(0, card).used_bytes(report)
+        assert drawn.peak_bytes == pytest.approx(report.peak_bytes, rel=1e-4)  # (the replay rounds a few tensors)
+        if method == "full":  # its ops, on the line: the time of the traced step
+            traced = _book(setting, card)
+            try:
+                with silenced_warnings():
+                    truth = traced.at_batch(plan, 11)
+            finally:
+                traced.close()
+            target = Target.resolve(workload, plan, 11, card)
+            assert time_from_ops(drawn.ops, target).seconds == pytest.approx(
+                time_from_ops(truth.ops, target).seconds, rel=1e-3)
+    finally:
+        book.close()
+
+
+def test_a_line_that_misses_its_third_batch_draws_nothing(setting, monkeypatch):
+    _, facts = setting
+    card = get_device("rtx4090")
+    plan = recipes(parse_methods("lora")[0], facts, card)[-1].plan
+    widen = deep_stream.widen
+
+    def off_by_a_block(a, b, x_a, x_b, x):  # one allocation 512 bytes off the line
+        s = widen(a, b, x_a, x_b, x)
+        i = next(i for i, t in enumerate(s.tokens) if t[0] == "+" and t[3] == "forward")
+        return s._replace(tokens=[*s.tokens[:i], (s.tokens[i][0], s.tokens[i][1] + 512, *s.tokens[i][2:]),
+                                  *s.tokens[i + 1:]])
+
+    monkeypatch.setattr(at_batch, "widen", off_by_a_block)
+    book = _book(setting, card)
+    try:
+        with silenced_warnings():
+            for batch in (1, 2, 3, 5):
+                book.at_batch(plan, batch)
+            assert book.lines() == {at_batch.TRUSTED: 0, at_batch.BROKEN: 1}
+            traces = book.traces
+            book.at_batch(plan, 11)
+        assert book.traces == traces + 2  # (its shallow pair)
+    finally:
+        book.close()
+
+
+def test_architectures_share_a_plan_only_where_it_traces_alike(setting):
+    workload, facts = setting
+    sm89, sm86, sm90 = get_device("rtx4090"), get_device("rtx3090"), get_device("h100-80gb")
+    lora = recipes(parse_methods("lora")[0], facts, sm89)[-1].plan
+    books = Books(workload, facts)
+    try:
+        with silenced_warnings():
+            first = books.for_plan(sm89, lora)
+            first.at_batch(lora, 1)
+            assert books.for_plan(sm86, lora) is first  # (the same kernels and workspaces)
+            # Hopper's cuBLAS workspace is 32 MiB, not 8: its own book
+            assert books.for_plan(sm90, lora) is books.open(sm90) is not first
+        assert books.shared == 1
+        on_sm86 = first.at_batch(lora, 2).used_bytes - sm89.context_bytes + sm86.context_bytes
+        assert on_sm86 == _used(workload, lora, 2, sm86)  # (a full trace on the sm86 card itself)
+    finally:
+        books.close()
