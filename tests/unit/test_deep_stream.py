@@ -243,10 +243,12 @@ def test_widen_draws_each_size_on_its_line_and_refuses_what_is_not_one():
     one trace only is kept; a size off the line of whole bytes, or another event in the step, is no
     stream."""
     def at(n, extra_setup=False, odd=0):
-        setup = [("+", 4096)] + ([("+", 512)] if extra_setup else [])
-        k = len(setup)
-        return _stream([*setup, ("mark", "step", 2), ("mark", "forward", 2), ("+", 1000 * n + odd), ("+", 8192),
-                        ("-", k + 2), ("-", k + 3)])
+        k = 1 + extra_setup
+        s = _stream([*[("+", 4096)] * k, ("mark", "step", 2), ("mark", "forward", 2), ("+", 1000 * n + odd),
+                     ("+", 8192), ("-", k + 2), ("-", k + 3)])
+        if extra_setup:  # (a cache the process made on first use: another op)
+            s.tokens[0] = ("+", 8, 0, "setup", 2, "lift_fresh")
+        return s
     a, b = at(2, extra_setup=True), at(3)
     wide = widen(a, b, 2, 3, 10)
     assert wide is not None and [t[1] for t in wide.tokens if t[0] == "+"] == [4096, 10000, 8192]

@@ -359,9 +359,8 @@ def replay(stream: Stream, step: int, *, expandable: bool = False) -> tuple[int,
 # same order, each of a size on the line through its two sizes: a batch's activations, inputs and
 # logits are ``x`` times a sample's, the weights, gradients, states and workspaces do not grow.
 # ``widen`` builds that stream from ``b``'s events, each of ``b``'s allocations paired with ``a``'s by
-# a diff of the two streams (the events of one size at both batches), then, where they differ, a diff
-# of those stretches without their sizes (each run of frees sorted by what it frees but its size,
-# which orders the runs of ``from_tracker`` otherwise at each batch). Before the step (the model's build), the trace's
+# a diff of the two streams without their sizes (each run of frees sorted by what it frees but its
+# size, which orders the runs of ``from_tracker`` otherwise at each batch). Before the step (the model's build), the trace's
 # own history may add or drop an allocation (a cache made on first use in the process): those of
 # ``b`` that ``a`` lacks keep their size, as ``deepen`` keeps them. Where the two streams differ in
 # the step (a kernel chosen by size, a run of frees sorted otherwise) or a size is off the line of
@@ -376,28 +375,14 @@ def widen(a: Stream, b: Stream, x_a: int, x_b: int, x: int) -> Stream | None:
 
     def shapes(s: Stream) -> list:
         return [t if t[0] == MARK else (t[0], *t[2:]) for t in s.tokens]
-    shape_a, shape_b = shapes(a), shapes(b)
 
     pairs: dict[int, int] = {}  # event of ``b`` -> the same event of ``a``
-
-    def pair(i1: int, i2: int, j1: int, j2: int, sized: bool) -> bool:
-        """Pair ``a[i1:i2]`` with ``b[j1:j2]``: first event for event (sizes too, ``sized``), then
-        what differs by its events without their sizes; False where the step differs."""
-        left = a.tokens[i1:i2] if sized else shape_a[i1:i2]
-        right = b.tokens[j1:j2] if sized else shape_b[j1:j2]
-        for tag, p1, p2, q1, q2 in difflib.SequenceMatcher(None, left, right, autojunk=False).get_opcodes():
-            if tag == "equal":
-                pairs.update(zip(range(j1 + q1, j1 + q2), range(i1 + p1, i1 + p2)))
-            elif sized and tag == "replace":
-                if not pair(i1 + p1, i1 + p2, j1 + q1, j1 + q2, False):
-                    return False
-            elif any(a.phases[i] != SETUP for i in range(i1 + p1, i1 + p2)) or \
-                    any(b.phases[j] != SETUP for j in range(j1 + q1, j1 + q2)):
-                return False
-        return True
-
-    if not pair(0, len(a.tokens), 0, len(b.tokens), True):
-        return None
+    matcher = difflib.SequenceMatcher(None, shapes(a), shapes(b), autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            pairs.update(zip(range(j1, j2), range(i1, i2)))
+        elif any(a.phases[i] != SETUP for i in range(i1, i2)) or any(b.phases[j] != SETUP for j in range(j1, j2)):
+            return None
     tokens = list(b.tokens)
     for j, i in pairs.items():
         tb, ta = b.tokens[j], a.tokens[i]

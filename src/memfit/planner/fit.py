@@ -127,7 +127,7 @@ def fit_table(workload: Workload, methods: list[Method], cards: list[Device], *,
     try:  # (the largest group first: the others take the plans that trace alike from its book)
         for group in sorted(groups.values(), key=len, reverse=True):
             progress.stage(f"tracing for {', '.join(d.name for d in group)}")
-            _prefetch(books, group[0], methods)
+            _prefetch(books, group, methods, budget)
             for method in methods:
                 for card in group:
                     table.cells[(card.name, method.name)] = _cell(card, method, books, budget, max_world)
@@ -138,9 +138,10 @@ def fit_table(workload: Workload, methods: list[Method], cards: list[Device], *,
     return table
 
 
-def _prefetch(books: Books, card: Device, methods: list[Method]) -> None:
-    """What every card of ``card``'s architecture asks first (NOTE [ What every card asks first ])."""
-    first, others = [], []
+def _prefetch(books: Books, group: list[Device], methods: list[Method], budget: str | None) -> None:
+    """What every card of the ``group`` asks first (NOTE [ What every card asks first ])."""
+    card, first, others = group[0], [], []
+    room = max(Budget.resolve(budget, c).bytes - c.context_bytes for c in group)
     for method in methods:
         try:
             with silenced_warnings():
@@ -150,7 +151,7 @@ def _prefetch(books: Books, card: Device, methods: list[Method]) -> None:
         first.append(plans[-1].plan)
         others += [r.plan for r in plans[:-1]]
     with silenced_warnings():
-        books.prefetch(card, first, others)
+        books.prefetch(card, first, others, room)
 
 
 def _cell(card: Device, method: Method, books: Books, budget: str | None, max_world: int) -> Cell:

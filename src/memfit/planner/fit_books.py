@@ -24,10 +24,11 @@ NOTE [ What every card asks first ]
 Each card's search is a sequence: a plan at one sample, at two, then where the line through them
 meets the card's budget (memfit.planner.largest), so its traces run one pair at a time, and one of
 the two workers waits while the deeper trace of a pair runs. What every card of an architecture asks
-first does not depend on its capacity: each method's most frugal recipe at one and two samples, and
-its faster recipes at one. So those are traced together, on every worker, before the first card's
-search; and the frugal recipes at three samples too, which draws their lines (NOTE [ A plan's line in
-the batch ]) one batch sooner: the first batch a card's search traces then checks them.
+first does not depend on its capacity: each method's recipes at one sample, and its most frugal
+recipe at two where one fits the group's largest card. So those are traced together, on every
+worker, before the first card's search; and the frugal recipes at three samples too, which draws
+their lines (NOTE [ A plan's line in the batch ]) one batch sooner: the first batch a card's search
+traces then checks them.
 """
 
 from __future__ import annotations
@@ -79,25 +80,37 @@ class Books:
                     break
         return self._answers[key]
 
-    def prefetch(self, device: Device, first: list[Plan], others: list[Plan]) -> None:
+    def prefetch(self, device: Device, first: list[Plan], others: list[Plan], room: int) -> None:
         """Trace together what every card of ``device``'s architecture asks first (NOTE [ What every card
-        asks first ]): the plans' shallower traces at one sample (the comparison with the books opened
-        before), then ``first`` at one and two samples and ``others`` at one, each on the book that
-        answers it."""
+        asks first ]): each plan at one sample (its shallower trace first: the comparison with the books
+        opened before), then those of ``first`` that fit ``room`` bytes at one sample (the group's
+        largest budget less its context) at two and three, each on the book that answers it."""
         own = self.open(device)
         plans = list(dict.fromkeys([*first, *others]))
         own._run([(p, own.depths(p)[0], 1) for p in plans if own.depths(p)], check=False)
+        self._trace([(self.for_plan(device, plan), plan, 1) for plan in plans])
+        more = []
+        for plan in first:
+            book = self.for_plan(device, plan)
+            try:
+                if book.at_batch(plan, 1).used_bytes - book.target.device.context_bytes <= room:
+                    more += [(book, plan, 2), (book, plan, 3)]
+            except UserError:  # (a plan this model cannot run: the cell says so)
+                pass
+        self._trace(more)
+
+    @staticmethod
+    def _trace(asks: list[tuple[TraceBook, Plan, int]]) -> None:
+        """Each (book, plan, batch) traced together, on each book's workers, then its figures read in order."""
         jobs: dict[int, list] = {}
-        asks = [(self.for_plan(device, plan), plan, batch) for plan in plans
-                for batch in ((1, 2, 3) if plan in first else (1,))]
         for book, plan, batch in asks:
             jobs.setdefault(id(book), [book])[1:] += [(plan, d, batch) for d in book.depths(plan) or (None,)]
         for book, *todo in jobs.values():
             book._run(todo, check=False)
-        for book, plan, batch in asks:  # (each plan's figures at those batches, in order: its line)
+        for book, plan, batch in asks:  # (in order: a plan's line)
             try:
                 book.at_batch(plan, batch)
-            except UserError:  # (a plan this model cannot run: the cell says so)
+            except UserError:
                 pass
 
     def close(self) -> tuple[int, int]:
