@@ -257,3 +257,20 @@ def test_widen_draws_each_size_on_its_line_and_refuses_what_is_not_one():
     changed = _stream([("+", 4096), ("mark", "step", 2), ("mark", "forward", 2), ("+", 3000), ("+", 8192),
                        ("+", 64), ("-", 3), ("-", 4)])
     assert widen(a, changed, 2, 3, 10) is None  # (one more allocation in the step)
+
+
+def test_a_cache_the_shallower_trace_made_first_in_its_process_does_not_hide_a_blocks_build():
+    """The shallower trace ran first in its worker: two caches made on first use (8 bytes each) sit in
+    its build where the deeper trace inserts one more block's weights. The diff calls that stretch a
+    replacement; it is still the block's build, repeated at full depth (it was dropped, and Llama-2-7B's
+    LoRA weights with it: 14 MiB of reserved bytes short of the full trace)."""
+    def build(blocks, caches):
+        s = _stream([*[("+", 8)] * caches, *[("+", 262144)] * blocks, ("mark", "step", 2), ("mark", "forward", 2),
+                     ("+", 4096), ("-", caches + blocks + 2)])
+        s.tokens[:caches] = [("+", 8, 0, "setup", 2, "lift_fresh")] * caches
+        s.tokens[caches:caches + blocks] = [("+", 262144, 0, "setup", 2, "empty")] * blocks
+        return s
+    first_in_process = build(2, 2)
+    for shallower in (first_in_process, build(2, 0)):
+        deep = deepen(shallower, build(3, 0), 2, 3, 5)
+        assert deep is not None and sum(t[1] == 262144 for t in deep.tokens if t[0] == "+") == 5

@@ -331,6 +331,11 @@ def _inserted(a: Stream, b: Stream) -> list[tuple[int, int]] | None:
         elif tag != "equal" and (any(a.phases[i] != SETUP for i in range(i1, i2))
                                  or any(b.phases[j] != SETUP for j in range(j1, j2))):
             return None
+        elif tag == "replace" and not set(a.tokens[i1:i2]) & set(b.tokens[j1:j2]):
+            # (in the build: the shallower trace ran first in its process, and its caches made on first
+            # use, absent in ``b``, sit beside the block's build ``b`` inserts, which the diff then
+            # calls a replacement; the block's build is still a stretch to repeat)
+            spans.append((j1, j2))
     return spans
 
 
