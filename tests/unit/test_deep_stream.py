@@ -274,3 +274,21 @@ def test_a_cache_the_shallower_trace_made_first_in_its_process_does_not_hide_a_b
     for shallower in (first_in_process, build(2, 0)):
         deep = deepen(shallower, build(3, 0), 2, 3, 5)
         assert deep is not None and sum(t[1] == 262144 for t in deep.tokens if t[0] == "+") == 5
+
+
+def test_side_streams_are_numbered_by_first_use_not_by_the_process():
+    """A process numbers its CUDA streams on, trace after trace (FSDP2's all-gather streams were 10 in
+    a worker's first trace and 18 in its second): the two depths of a plan traced in one process then
+    differed in every side-stream allocation, and the planner traced the plan at full depth."""
+    from types import SimpleNamespace
+
+    def tracker(first_stream):
+        rec = [SimpleNamespace(device="cuda:0", nbytes=n, phase="forward", step=2, op="empty", module="")
+               for n in (4096, 8192, 512)]
+        state = SimpleNamespace(records=rec, events=[(0, 1), (1, 1), (2, 1), (1, -1), (0, -1)],
+                                marks=[("step", 2, 0), ("forward", 2, 0)])
+        return SimpleNamespace(state=state), {1: first_stream, 2: first_stream + 2}
+
+    (t1, s1), (t2, s2) = tracker(10), tracker(18)
+    one, two = from_tracker(t1, "cuda:0", s1), from_tracker(t2, "cuda:0", s2)
+    assert one == two and [t[2] for t in one.tokens if t[0] == "+"] == [0, 1, 2]

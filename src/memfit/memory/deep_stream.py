@@ -50,7 +50,7 @@ def from_tracker(tracker, device: str, side_streams: dict | None = None, contain
     pattern = re.compile(r"\.(?:" + names + r")\.(\d+)(?:\.|$)") if containers else None
     blocks: list[int] = []
     marks = sorted(((idx, k, name, step) for k, (name, step, idx) in enumerate(tracker.state.marks)))
-    tokens, frees, phases, at = [], [], [], {}
+    tokens, frees, phases, at, numbers = [], [], [], {}, {}
     m, phase = 0, SETUP
 
     def take_marks(upto: int) -> None:
@@ -71,6 +71,8 @@ def from_tracker(tracker, device: str, side_streams: dict | None = None, contain
         if rec.device != device or rec.nbytes == 0:
             continue
         stream = side_streams.get(serial, 0) if side_streams else 0
+        if stream:  # (numbered in order of first use: the process numbers streams on, trace after trace)
+            stream = numbers.setdefault(stream, len(numbers) + 1)
         if sign > 0:
             at[serial] = len(tokens)
             # (the forward's module only: after a recomputation that stopped early, the tracker's
