@@ -80,6 +80,7 @@ def test_a_batch_drawn_on_the_line_is_the_full_trace_at_that_batch(setting, meth
         book.close()
 
 
+@pytest.mark.slow  # (the fallback path; keeps the default suite near 10 minutes on 2 cores)
 def test_a_line_that_misses_its_third_batch_draws_nothing(setting, monkeypatch):
     _, facts = setting
     card = get_device("rtx4090")
