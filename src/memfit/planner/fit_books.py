@@ -36,7 +36,8 @@ from __future__ import annotations
 from memfit.devices import Device, architecture
 from memfit.errors import UserError
 from memfit.memory.budget import Budget
-from memfit.memory.deep_stream import step_events
+from memfit.memory.cuda.reduce import SEMAPHORES, STAGING_BUFFER
+from memfit.memory.deep_stream import MARK, step_events
 from memfit.planner.space import ModelFacts
 from memfit.planner.trace_job import Traced
 from memfit.planner.traces import TraceBook
@@ -138,15 +139,14 @@ def _alike(other: TraceBook, own: TraceBook, plan: Plan) -> bool:
             and [op._replace(key=0) for op in theirs.ops] == [op._replace(key=0) for op in ours.ops])
 
 
-
-STAGING = ("reduction staging buffer", "reduction semaphores")
+STAGING = (STAGING_BUFFER, SEMAPHORES)
 """What a reduction kernel allocates for its own blocks: sized by the card's SM count (memfit.memory.cuda.reduce),
 which the cards of one architecture differ in and share traces anyway (memfit.devices.architecture)."""
 
 
 def _kernels_aside(events: list) -> list:
     """The events with the reductions' staging buffers at no size (the SM count's)."""
-    return [(t[0], 0, *t[2:]) if t[0] != "mark" and t[5] in STAGING else t for t in events]
+    return [(t[0], 0, *t[2:]) if t[0] != MARK and t[5] in STAGING else t for t in events]
 
 
 def _staging(stream) -> int:

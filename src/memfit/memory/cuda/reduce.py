@@ -146,6 +146,10 @@ def global_buffer_bytes(shape, strides, reduced: set[int], element_size: int, ac
     return size, 4 * grid_x
 
 
+STAGING_BUFFER, SEMAPHORES = "reduction staging buffer", "reduction semaphores"
+"""The names a reduction's own allocations are booked under (the SM count sizes them)."""
+
+
 def buffers(func, args, kwargs, sm_count: int) -> list[tuple[str, int, bool]]:
     """The staging buffer and semaphores a reduction allocates inside its kernel, if any."""
     x = args[0]
@@ -158,4 +162,4 @@ def buffers(func, args, kwargs, sm_count: int) -> list[tuple[str, int, bool]]:
                                     input_vec_size=vec)
     if not size:
         return []
-    return [("reduction staging buffer", size, True), ("reduction semaphores", sem, True)]
+    return [(STAGING_BUFFER, size, True), (SEMAPHORES, sem, True)]
