@@ -9,7 +9,16 @@ import torch
 
 from memfit.memory.allocator import replay as replay_trace
 from memfit.memory.categories import STEADY_STEP
-from memfit.memory.deep_stream import Stream, _sorted_free_runs, deepen, from_tracker, replay, widen
+from memfit.memory.cuda.reduce import STAGING_BUFFER
+from memfit.memory.deep_stream import (
+    Stream,
+    _sorted_free_runs,
+    deepen,
+    from_tracker,
+    replay,
+    step_events,
+    widen,
+)
 from memfit.memory.faketrace import run_tracked
 from memfit.memory.report import step_window, traced_device
 from memfit.planner.shallow import depths, shallow_workload
@@ -343,3 +352,19 @@ def test_a_first_block_unlike_the_rest_is_not_the_copied_one():
     full = _lora_like(6)
     assert deep.tokens == full.tokens
     assert _who_frees_what(deep) == _who_frees_what(full)
+
+
+def test_a_reductions_staging_buffer_is_sized_at_another_batch_off_the_line():
+    """A bias gradient's reduction on an H100 splits each output's inputs over more blocks as the batch
+    grows, in steps (memfit.memory.cuda.reduce): its staging buffer is not on the line through two
+    batches. ``widen`` sizes it from its input's shape drawn on the line, and gives the traced step."""
+    # (64 features, 64 tokens: past 32 samples, a [tokens, 64] bias gradient's staging buffer grows every
+    # second sample)
+    target = Target.resolve("gpt2:n_layer=6,n_embd=64,n_head=4,vocab_size=1000,n_positions=64",
+                            Plan(precision="bf16-pure"), 1, "h100-80gb", seq_len=64)
+    (a, _), (b, _), (c, _) = (_trace(dataclasses.replace(target, batch_size=n), 2) for n in (40, 41, 46))
+    staging = [(u[1], v[1], w[1]) for u, v, w in zip(step_events(a), step_events(b), step_events(c))
+               if u[0] == "+" and u[5] == STAGING_BUFFER]
+    assert any(w != u + (v - u) * 6 for u, v, w in staging)  # (off the line: what the test is about)
+    wide = widen(a, b, 40, 41, 46)
+    assert wide is not None and step_events(wide) == step_events(c)

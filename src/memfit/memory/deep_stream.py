@@ -15,6 +15,7 @@ import re
 from typing import NamedTuple
 
 from memfit.memory.allocator import replay_events
+from memfit.memory.cuda import reduce
 from memfit.memory.expandable import new_model
 
 MARK = "mark"
@@ -36,6 +37,9 @@ class Stream(NamedTuple):
     blocks: list | None = None
     """``blocks[i]``: the repeated block an allocation was made in the forward (the index of its
     module in the block container), else -1."""
+    kernels: list | None = None
+    """``kernels[i]``: what sizes a reduction's staging buffer or semaphores allocated at ``i``
+    (memfit.memory.cuda.reduce.Geometry), else None: :func:`widen` sizes them at another batch."""
 
 
 def from_tracker(tracker, device: str, side_streams: dict | None = None, containers: tuple[str, ...] = ()) -> Stream:
@@ -43,12 +47,14 @@ def from_tracker(tracker, device: str, side_streams: dict | None = None, contain
     (as memfit.memory.allocator.replay sees it: storages of 0 bytes allocate nothing).
     ``containers``: the model's repeated-block containers (memfit.techniques.checkpointing.find_blocks)."""
     recs = tracker.state.records
+    reductions = getattr(tracker, "reductions", None) or {}
     # (each container by its path and by its path's tails: the tracker names modules from the
     # first one whose forward ran, the inner model when a chunked loss calls it directly)
     tails = {".".join(c.split(".")[k:]) for c in containers for k in range(len(c.split(".")))}
     names = "|".join(map(re.escape, sorted(tails, key=len, reverse=True)))
     pattern = re.compile(r"\.(?:" + names + r")\.(\d+)(?:\.|$)") if containers else None
     blocks: list[int] = []
+    kernels: list = []
     marks = sorted(((idx, k, name, step) for k, (name, step, idx) in enumerate(tracker.state.marks)))
     tokens, frees, phases, at, numbers = [], [], [], {}, {}
     m, phase = 0, SETUP
@@ -63,6 +69,7 @@ def from_tracker(tracker, device: str, side_streams: dict | None = None, contain
             frees.append(-1)
             phases.append(phase)
             blocks.append(-1)
+            kernels.append(None)
             m += 1
 
     for i, (serial, sign) in enumerate(tracker.state.events):
@@ -83,15 +90,17 @@ def from_tracker(tracker, device: str, side_streams: dict | None = None, contain
             tokens.append(("+", rec.nbytes, stream, rec.phase, rec.step, rec.op, module))
             frees.append(-1)
             blocks.append(int(found.group(1)) if found else -1)
+            kernels.append(reductions.get(serial))
         elif serial in at:
             tokens.append(("-",) + tokens[at[serial]][1:])
             frees.append(at.pop(serial))
             blocks.append(-1)
+            kernels.append(None)
         else:
             continue
         phases.append(phase)
     take_marks(len(tracker.state.events))
-    return _sorted_free_runs(Stream(tokens, frees, phases, blocks))
+    return _sorted_free_runs(Stream(tokens, frees, phases, blocks, kernels if any(kernels) else None))
 
 
 def step_events(stream: Stream) -> list:
@@ -122,7 +131,7 @@ def _sorted_free_runs(stream: Stream, by_size: bool = True) -> Stream:
         run = sorted(range(i, k), key=lambda j: (blocks[frees[j]], tokens[j] if by_size else (*tokens[j][2:], tokens[j][1])))
         tokens[i:k], frees[i:k], phases[i:k] = [tokens[j] for j in run], [frees[j] for j in run], [phases[j] for j in run]
         i = k
-    return Stream(tokens, frees, phases, blocks)
+    return Stream(tokens, frees, phases, blocks, stream.kernels)  # (``kernels``: None at every free)
 
 
 # NOTE [ Allocations at full depth ]
@@ -319,7 +328,8 @@ def _deepen(b: Stream, spans: list[tuple[int, int]], period: int, n: int, once_b
         return None
     blocks = [b.blocks[j] + block_shift(j, c) if b.blocks is not None and b.blocks[j] >= 0 else -1
               for j, c in origin]
-    return _sorted_free_runs(Stream(tokens, frees, phases, blocks))
+    kernels = [b.kernels[j] for j, _ in origin] if b.kernels is not None else None
+    return _sorted_free_runs(Stream(tokens, frees, phases, blocks, kernels))
 
 
 def _far_side(b: Stream, spans: list[tuple[int, int]], stretch: list[int]) -> list[int]:
@@ -414,7 +424,12 @@ def replay(stream: Stream, step: int, *, expandable: bool = False) -> tuple[int,
 # own history may add or drop an allocation (a cache made on first use in the process): those of
 # ``b`` that ``a`` lacks keep their size, as ``deepen`` keeps them. Where the two streams differ in
 # the step (a kernel chosen by size, a run of frees sorted otherwise) or a size is off the line of
-# whole bytes, there is none (None). A line drawn from two batches is not trusted on its word: the
+# whole bytes, there is none (None). One kind of allocation is sized by a kernel's launch and not on
+# a line: a reduction's staging buffer and semaphores grow in steps as its inputs outgrow the card's
+# blocks (memfit.memory.cuda.reduce; an RMSNorm weight gradient's, 128 MiB at two samples and 192 MiB
+# at 48 on an H100). The trace keeps what sizes them (``Stream.kernels``: the input's shape and strides,
+# the SM count), and ``widen`` sizes them at ``x`` from the input drawn on the line; where a kernel has
+# no staging at ``x``, there is no stream. A line drawn from two batches is not trusted on its word: the
 # trace book checks it against a third batch traced (memfit.planner.at_batch).
 def widen(a: Stream, b: Stream, x_a: int, x_b: int, x: int) -> Stream | None:
     """The stream at ``x`` samples from those at ``x_a`` and ``x_b`` (NOTE [ Allocations at another
@@ -434,14 +449,45 @@ def widen(a: Stream, b: Stream, x_a: int, x_b: int, x: int) -> Stream | None:
         elif any(a.phases[i] != SETUP for i in range(i1, i2)) or any(b.phases[j] != SETUP for j in range(j1, j2)):
             return None
     tokens = list(b.tokens)
+    kernels = list(b.kernels) if b.kernels is not None else None
     for j, i in pairs.items():
         tb, ta = b.tokens[j], a.tokens[i]
         if tb[0] == MARK:
             continue
         if tb[0] == "-" and pairs.get(b.frees[j], -1) != a.frees[i]:
             return None  # (a free of another allocation)
+        if kernels is not None and kernels[j if tb[0] == "+" else b.frees[j]] is not None:
+            if tb[0] == "-":  # (a staging buffer's free: its allocation's size, drawn before it)
+                tokens[j] = ("-", *tokens[b.frees[j]][1:])
+                continue
+            g = _geometry_at(a.kernels[i] if a.kernels is not None else None, kernels[j], x_a, x_b, x)
+            size = reduce.sized(g)[tb[5] == reduce.SEMAPHORES] if g is not None else 0
+            if not size:
+                return None  # (no staging at ``x``: another kernel configuration)
+            tokens[j], kernels[j] = (tb[0], size, *tb[2:]), g
+            continue
         rise, run = (tb[1] - ta[1]) * (x - x_a), x_b - x_a
         if rise % run or ta[1] + rise // run <= 0:
             return None
         tokens[j] = (tb[0], ta[1] + rise // run, *tb[2:])
-    return _sorted_free_runs(Stream(tokens, list(b.frees), list(b.phases), b.blocks))
+    return _sorted_free_runs(Stream(tokens, list(b.frees), list(b.phases), b.blocks, kernels))
+
+
+def _geometry_at(ga, gb, x_a: int, x_b: int, x: int):
+    """A reduction's geometry at ``x`` samples on the line through those at ``x_a`` and ``x_b``: its
+    input's sizes and strides drawn on it, the rest the same (None where they differ, or a size is off
+    the line of whole elements)."""
+    if ga is None or ga[2:] != gb[2:] or len(ga.shape) != len(gb.shape):
+        return None
+    drawn = []
+    for u, v in ((ga.shape, gb.shape), (ga.strides, gb.strides)):
+        out = []
+        for p, q in zip(u, v):
+            rise, run = (q - p) * (x - x_a), x_b - x_a
+            if rise % run or p + rise // run < 0:
+                return None
+            out.append(p + rise // run)
+        drawn.append(tuple(out))
+    if 0 in drawn[0]:
+        return None
+    return gb._replace(shape=drawn[0], strides=drawn[1])

@@ -46,8 +46,12 @@ class KernelMode(TorchDispatchMode):
         self.booked: dict[str, int] = {}  # rule -> calls, for the report
         self.streams: dict[int, int] = {}
         """Serial of a storage allocated on a side stream -> stream number (see memfit.memory.allocator)."""
+        self.reductions: dict[int, reduce.Geometry] = {}
+        """Serial of a reduction's staging buffer or semaphores -> what sizes them (memfit.memory.deep_stream
+        sizes them at another batch)."""
         if tracker is not None:
             tracker.side_streams = self.streams
+            tracker.reductions = self.reductions
 
     # -- booking ----------------------------------------------------------------------------------
     def _empty(self, nbytes: int, what: str, where: torch.device, category: str) -> torch.Tensor:
@@ -63,14 +67,16 @@ class KernelMode(TorchDispatchMode):
     def persistent(self, nbytes: int, what: str, where: torch.device) -> None:
         self._held.append(self._empty(nbytes, what, where, "other"))
 
-    def transient(self, buffers, where: torch.device) -> None:
+    def transient(self, buffers, where: torch.device, geometry: reduce.Geometry | None = None) -> None:
         """Allocate ``buffers`` [(what, bytes, held)] in order and free them all (a buffer not
-        ``held`` is freed before the next one is allocated)."""
+        ``held`` is freed before the next one is allocated); ``geometry``: what sizes them (a reduction's)."""
         live = []
         for what, nbytes, held in buffers:
             if nbytes <= 0:
                 continue
             t = self._empty(nbytes, what, where, "temporaries")
+            if geometry is not None and self.tracker is not None:
+                self.reductions[self.tracker.state.records[-1].serial] = geometry
             if held:
                 live.append(t)
             del t
@@ -98,7 +104,8 @@ class KernelMode(TorchDispatchMode):
                 if blas.uses_cublaslt(func, args, kwargs):
                     self._workspace("cublaslt", thread, self.device.lt_workspace_bytes, where)
         elif func in reduce.REDUCE_OPS:
-            self.transient(reduce.buffers(func, args, kwargs, self.device.sm_count), args[0].device)
+            g = reduce.geometry(func, args, kwargs, self.device.sm_count)
+            self.transient(reduce.buffers(g), args[0].device, g)
         elif func is aten.convolution.default:
             self.transient(conv.workspace(func, args, out), args[0].device)
         elif func in _ATTENTION:

@@ -20,6 +20,8 @@ per SM. Inputs of 2**31 or more elements (split into 32-bit-indexable pieces) ar
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 aten = torch.ops.aten
@@ -150,16 +152,38 @@ STAGING_BUFFER, SEMAPHORES = "reduction staging buffer", "reduction semaphores"
 """The names a reduction's own allocations are booked under (the SM count sizes them)."""
 
 
-def buffers(func, args, kwargs, sm_count: int) -> list[tuple[str, int, bool]]:
-    """The staging buffer and semaphores a reduction allocates inside its kernel, if any."""
+class Geometry(NamedTuple):
+    """What sizes a reduction's staging buffer: its input's layout, and the card's SM count. A batch
+    dimension moves ``shape`` (and the strides over it); :func:`sized` gives the bytes at any."""
+
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    reduced: tuple[int, ...]
+    element_size: int
+    acc_size: int
+    vec: int
+    sm_count: int
+
+
+def sized(g: Geometry) -> tuple[int, int]:
+    """(staging buffer bytes, semaphore bytes) of a reduction of this geometry (0, 0: none)."""
+    return global_buffer_bytes(list(g.shape), list(g.strides), set(g.reduced), g.element_size, g.acc_size,
+                               g.sm_count, input_vec_size=g.vec)
+
+
+def geometry(func, args, kwargs, sm_count: int) -> Geometry | None:
+    """The geometry of a reduction's staging buffer (None: a reduction this model does not size)."""
     x = args[0]
     if not isinstance(x, torch.Tensor) or x.is_complex() or x.numel() >= 2**31 or not x.dtype.is_floating_point:
-        return []
-    reduced = _reduced_dims(func, args, kwargs, x.dim())
-    acc = 8 if x.dtype == torch.float64 else 4
-    vec = 8 if x.element_size() <= 2 else 4
-    size, sem = global_buffer_bytes(list(x.shape), list(x.stride()), reduced, x.element_size(), acc, sm_count,
-                                    input_vec_size=vec)
+        return None
+    reduced = tuple(sorted(_reduced_dims(func, args, kwargs, x.dim())))
+    return Geometry(tuple(x.shape), tuple(x.stride()), reduced, x.element_size(), 8 if x.dtype == torch.float64 else 4,
+                    8 if x.element_size() <= 2 else 4, sm_count)
+
+
+def buffers(g: Geometry | None) -> list[tuple[str, int, bool]]:
+    """The staging buffer and semaphores a reduction of geometry ``g`` allocates inside its kernel, if any."""
+    size, sem = sized(g) if g is not None else (0, 0)
     if not size:
         return []
     return [(STAGING_BUFFER, size, True), (SEMAPHORES, sem, True)]
