@@ -180,6 +180,9 @@ def _fill(cell: Cell, card: Device, method: Method, plans: list[Recipe], books: 
     def lower(recipe: Recipe, batch: int) -> int:
         return book(recipe).shallow_lower(recipe.plan, batch) + shift(recipe)
 
+    def bound(recipe: Recipe, batch: int) -> int:  # (the shallow pair's: no full trace where it does not line up)
+        return book(recipe).lower_bound(recipe.plan, batch) + shift(recipe)
+
     needs = used(frugal, 1)
     alone = book(frugal).at_batch(frugal.plan, 1).peak_bytes
     while needs > limit:  # no recipe fits one card: the fewest with FSDP2 (as plan --max-world-size decides)
@@ -200,7 +203,7 @@ def _fill(cell: Cell, card: Device, method: Method, plans: list[Recipe], books: 
     chosen = frugal
     for recipe in plans[:-1] if world == 1 else ():  # the fastest recipe that takes the batch too
         try:  # (over at batch 1, a figure every card of the architecture shares: over at n)
-            if used(recipe, 1) > limit:
+            if bound(recipe, 1) > limit or used(recipe, 1) > limit:
                 continue
             if lower(recipe, n) <= limit and used(recipe, n) <= limit:
                 chosen = recipe

@@ -89,7 +89,7 @@ class Books:
         own = self.open(device)
         plans = list(dict.fromkeys([*first, *others]))
         own._run([(p, own.depths(p)[0], 1) for p in plans if own.depths(p)], check=False)
-        self._trace([(self.for_plan(device, plan), plan, 1) for plan in plans])
+        self._trace([(self.for_plan(device, plan), plan, 1) for plan in plans], room)
         more = []
         for plan in first:
             book = self.for_plan(device, plan)
@@ -101,8 +101,11 @@ class Books:
         self._trace(more)
 
     @staticmethod
-    def _trace(asks: list[tuple[TraceBook, Plan, int]]) -> None:
-        """Each (book, plan, batch) traced together, on each book's workers, then its figures read in order."""
+    def _trace(asks: list[tuple[TraceBook, Plan, int]], room: int | None = None) -> None:
+        """Each (book, plan, batch) traced together, on each book's workers, then its figures read in order;
+        but those whose shallow pair is over ``room`` bytes (the group's largest budget less its context) by
+        its lower bound: where the pair's allocations do not line up at full depth, a full trace would
+        measure a plan no card of the group takes."""
         jobs: dict[int, list] = {}
         for book, plan, batch in asks:
             jobs.setdefault(id(book), [book])[1:] += [(plan, d, batch) for d in book.depths(plan) or (None,)]
@@ -110,7 +113,8 @@ class Books:
             book._run(todo, check=False)
         for book, plan, batch in asks:  # (in order: a plan's line)
             try:
-                book.at_batch(plan, batch)
+                if room is None or book.lower_bound(plan, batch) - book.target.device.context_bytes <= room:
+                    book.at_batch(plan, batch)
             except UserError:
                 pass
 
