@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from memfit.memory.allocator import replay_events
 from memfit.memory.cuda import reduce
+from memfit.memory.cuda.model import workspace_bytes
 from memfit.memory.expandable import new_model
 
 MARK = "mark"
@@ -412,6 +413,35 @@ def replay(stream: Stream, step: int, *, expandable: bool = False) -> tuple[int,
             else:
                 yield i, stream.frees[i], -1, tok[1], tok[2]
     return replay_events(events(), start, model=new_model(expandable))[:2]
+
+
+# NOTE [ A stream on another card ]
+# Two cards whose kernels allocate alike (the same attention kernel, the same 4-bit kernels, the same
+# dtypes) make the same allocations in the same order, but for what the card sizes: the cuBLAS and
+# cuBLASLt workspaces (32 MiB a handle on Hopper and newer, 8 MiB before) and the reductions' staging
+# buffers (by the SM count, memfit.memory.cuda.reduce). ``on_card`` resizes those in a stream traced for
+# one card, and the replay gives the other's allocated peak and reserved bytes without a trace of its own.
+# Which cards allocate alike is measured, not assumed (memfit.planner.fit_books).
+def on_card(stream: Stream, device) -> Stream | None:
+    """``stream`` as ``device``'s kernels make it (NOTE [ A stream on another card ]); None where a
+    reduction has no staging buffer on it (its stream has fewer allocations)."""
+    tokens = list(stream.tokens)
+    kernels = list(stream.kernels) if stream.kernels is not None else None
+    for i, t in enumerate(stream.tokens):
+        if t[0] == MARK:
+            continue
+        if t[0] == "-":
+            tokens[i] = ("-", *tokens[stream.frees[i]][1:])
+            continue
+        size = workspace_bytes(t[5], device)
+        if size is None and kernels is not None and kernels[i] is not None:
+            kernels[i] = kernels[i]._replace(sm_count=device.sm_count)
+            size = reduce.sized(kernels[i])[t[5] == reduce.SEMAPHORES]
+        if size is not None and size != t[1]:
+            if not size:
+                return None
+            tokens[i] = (t[0], size, *t[2:])
+    return Stream(tokens, list(stream.frees), list(stream.phases), stream.blocks, kernels)
 
 
 # NOTE [ Allocations at another batch ]

@@ -51,6 +51,8 @@ class AtBatch:
         """(plan, batch) traced -> its allocations at full depth, and their reserved bytes."""
         self._lines: dict[Plan, str] = {}
         """A plan -> whether its line drew a third batch (TRUSTED) or not (BROKEN)."""
+        self._drawn: dict[tuple[Plan, int], Stream] = {}
+        """(plan, batch) drawn on its line -> its allocations at full depth."""
 
     def at_batch(self, plan: Plan, batch: int) -> Measured:
         """``plan`` at ``batch`` samples a rank: what the budget counts and its ops at full depth
@@ -59,13 +61,25 @@ class AtBatch:
         key = (plan, batch)
         if key not in self._at:
             drawn = self._draw(plan, batch) if self._lines.get(plan) == TRUSTED and batch >= LINE_FROM else None
+            if drawn:
+                self._drawn[key] = drawn[1]
             self._at[key] = drawn[0] if drawn else self._traced_at(plan, batch)
         return self._at[key]
+
+    def has_at(self, plan: Plan, batch: int) -> bool:
+        """``plan``'s figures at ``batch`` cost no trace: kept, or drawn on its line."""
+        return (plan, batch) in self._at or (self._lines.get(plan) == TRUSTED and batch >= LINE_FROM)
+
+    def stream_at(self, plan: Plan, batch: int) -> Stream | None:
+        """The allocations at full depth behind ``plan``'s figures at ``batch`` (None: a full trace's)."""
+        self.at_batch(plan, batch)
+        kept = self._streams.get((plan, batch))
+        return kept[0] if kept else self._drawn.get((plan, batch))
 
     def shallow_lower(self, plan: Plan, batch: int) -> int:
         """A lower bound of what ``plan`` at ``batch`` needs from its shallower trace alone (more blocks
         hold no less; a full trace where it has no shallow pair; exact where the plan has a line)."""
-        if (plan, batch) in self._at or (self._lines.get(plan) == TRUSTED and batch >= LINE_FROM):
+        if self.has_at(plan, batch):
             return self.at_batch(plan, batch).used_bytes
         pair = self.depths(plan)
         if pair:

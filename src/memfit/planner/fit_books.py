@@ -13,12 +13,16 @@ on its line (NOTE [ A plan's line in the batch ]), so a card costs a plan no tra
 NOTE [ Architectures that trace alike ]
 Most plans trace alike on most architectures: an sm86 and an sm89 card pick the same attention
 kernel and the same cuBLAS workspace for a bf16 LoRA, and only some plans differ (4-bit kernels by
-compute capability, Hopper's larger workspace, fp16 where a card lacks bf16). Which do is the
+compute capability, Hopper's cuDNN attention, fp16 where a card lacks bf16). Which do is the
 kernels' business, not a rule to keep here, so it is measured: before an architecture's book traces
 a plan at more than one sample, its shallower trace at one sample is compared with the one each
-book opened before it made (allocation for allocation of the step, op for op, and the allocated,
-reserved and managed bytes but the context). Where one is the same, that book answers the plan for
-both architectures, at every batch, and the plan costs this one a single trace.
+book opened before it made, once that one's workspaces and staging buffers are sized for this card
+(NOTE [ A stream on another card ] in memfit.memory.deep_stream): allocation for allocation of the
+step, op for op, and the allocated, reserved and managed bytes. Where one is the same, that book
+answers the plan for both architectures, at every batch, and the plan costs this one a single trace.
+Its figures on each card are its allocations at full depth sized for that card and replayed
+(:class:`OnCard`): a Blackwell card's 32 MiB cuBLAS workspaces, or an Ada card's 24 SMs to an RTX
+4090's 128 (each card's own staging buffers, not its group's first card's).
 
 NOTE [ What every card asks first ]
 Each card's search is a sequence: a plan at one sample, at two, then where the line through them
@@ -33,11 +37,16 @@ traces then checks them.
 
 from __future__ import annotations
 
+import dataclasses
+
 from memfit.devices import Device, architecture
 from memfit.errors import UserError
 from memfit.memory.budget import Budget
+from memfit.memory.categories import STEADY_STEP
+from memfit.memory.cuda.model import workspace_bytes
 from memfit.memory.cuda.reduce import SEMAPHORES, STAGING_BUFFER
-from memfit.memory.deep_stream import MARK, step_events
+from memfit.memory.deep_stream import on_card, replay, step_events
+from memfit.planner.measured import PEAK_MARGIN, Measured
 from memfit.planner.space import ModelFacts
 from memfit.planner.trace_job import Traced
 from memfit.planner.traces import TraceBook
@@ -47,12 +56,13 @@ from memfit.workload import Workload
 
 
 class Books:
-    """Every architecture's trace book, and which one answers each plan for each (the module's NOTEs)."""
+    """Every architecture's trace book, and which one answers each plan for each card (the module's NOTEs)."""
 
     def __init__(self, workload: Workload, facts: ModelFacts) -> None:
         self.workload, self.facts = workload, facts
         self.books: dict[tuple, TraceBook] = {}
-        self._answers: dict[tuple[tuple, Plan], TraceBook] = {}
+        self._sources: dict[tuple[tuple, Plan], TraceBook] = {}
+        self._cards: dict[tuple[int, str], OnCard] = {}
         self.shared = 0
         """Plans an architecture took from another's book."""
 
@@ -64,22 +74,31 @@ class Books:
                                          Budget.of_device(device))
         return self.books[arch]
 
-    def for_plan(self, device: Device, plan: Plan) -> TraceBook:
-        """The book that answers ``plan`` on ``device``: its architecture's, or an earlier one's where the
-        plan traces alike there (NOTE [ Architectures that trace alike ])."""
-        arch = architecture(device)
-        key = (arch, plan)
-        if key not in self._answers:
+    def for_plan(self, device: Device, plan: Plan) -> TraceBook | OnCard:
+        """What answers ``plan`` on ``device``: the book of its architecture, or of an earlier one where the
+        plan traces alike there (NOTE [ Architectures that trace alike ]); through :class:`OnCard` where
+        that book's card sizes its workspaces or staging buffers otherwise."""
+        source = self._source(device, plan)
+        if _sized_by(source.target.device) == _sized_by(device):
+            return source
+        key = (id(source), device.name)
+        if key not in self._cards:
+            self._cards[key] = OnCard(source, self.open(device), device)
+        return self._cards[key]
+
+    def _source(self, device: Device, plan: Plan) -> TraceBook:
+        key = (architecture(device), plan)
+        if key not in self._sources:
             own = self.open(device)
-            self._answers[key] = own
+            self._sources[key] = own
             for other in self.books.values():
                 if other is own:
                     break
                 if _alike(other, own, plan):
-                    self._answers[key] = other
+                    self._sources[key] = other
                     self.shared += 1
                     break
-        return self._answers[key]
+        return self._sources[key]
 
     def prefetch(self, device: Device, first: list[Plan], others: list[Plan], room: int) -> None:
         """Trace together what every card of ``device``'s architecture asks first (NOTE [ What every card
@@ -101,16 +120,17 @@ class Books:
         self._trace(more)
 
     @staticmethod
-    def _trace(asks: list[tuple[TraceBook, Plan, int]], room: int | None = None) -> None:
+    def _trace(asks: list[tuple[TraceBook | OnCard, Plan, int]], room: int | None = None) -> None:
         """Each (book, plan, batch) traced together, on each book's workers, then its figures read in order;
         but those whose shallow pair is over ``room`` bytes (the group's largest budget less its context) by
         its lower bound: where the pair's allocations do not line up at full depth, a full trace would
         measure a plan no card of the group takes."""
         jobs: dict[int, list] = {}
         for book, plan, batch in asks:
-            jobs.setdefault(id(book), [book])[1:] += [(plan, d, batch) for d in book.depths(plan) or (None,)]
-        for book, *todo in jobs.values():
-            book._run(todo, check=False)
+            home = book.source if isinstance(book, OnCard) else book
+            jobs.setdefault(id(home), [home])[1:] += [(plan, d, batch) for d in home.depths(plan) or (None,)]
+        for home, *todo in jobs.values():
+            home._run(todo, check=False)
         for book, plan, batch in asks:  # (in order: a plan's line)
             try:
                 if room is None or book.lower_bound(plan, batch) - book.target.device.context_bytes <= room:
@@ -125,8 +145,67 @@ class Books:
         return sum(b.traces for b in self.books.values()), sum(b.full_traces for b in self.books.values())
 
 
+def _sized_by(device: Device) -> tuple:
+    """What sizes a card's own allocations in a trace alike (NOTE [ A stream on another card ])."""
+    return device.workspace_bytes, device.lt_workspace_bytes, device.sm_count
+
+
+class OnCard:
+    """A book's figures of plans on another card (one whose kernels allocate alike, but sizes its library
+    workspaces or its reductions' staging buffers otherwise): the book's allocations at full depth resized
+    for the card and replayed (NOTE [ A stream on another card ] in memfit.memory.deep_stream). Where the
+    book has no stream (a full trace), the card's own architecture's book answers, as before."""
+
+    def __init__(self, source: TraceBook, own: TraceBook, device: Device) -> None:
+        self.source, self.own = source, own
+        self.target = dataclasses.replace(own.target, device=device)
+        self._at: dict[tuple[Plan, int], Measured] = {}
+
+    def _shift(self, book: TraceBook) -> int:
+        return self.target.device.context_bytes - book.target.device.context_bytes
+
+    def at_batch(self, plan: Plan, batch: int) -> Measured:
+        key = (plan, batch)
+        if key not in self._at:
+            m = self.source.at_batch(plan, batch)
+            stream = self.source.stream_at(plan, batch)
+            moved = on_card(stream, self.target.device) if stream is not None else None
+            if moved is None:
+                m = self.own.at_batch(plan, batch)
+                shift = self._shift(self.own)
+                self._at[key] = dataclasses.replace(m, used_lower=m.used_lower + shift, used_bytes=m.used_bytes + shift)
+            else:
+                peak, reserved = replay(moved, STEADY_STEP, expandable=plan.config("allocator").expands)
+                context = self.target.device.context_bytes
+                self._at[key] = dataclasses.replace(m, peak_bytes=peak, used_lower=int(peak * (1 - PEAK_MARGIN)) + context,
+                                                    used_bytes=reserved + context)
+        return self._at[key]
+
+    def shallow_lower(self, plan: Plan, batch: int) -> int:
+        if self.source.has_at(plan, batch):
+            return self.at_batch(plan, batch).used_bytes
+        return self.source.shallow_lower(plan, batch) + self._shift(self.source) - self._card_sized(plan, batch)
+
+    def lower_bound(self, plan: Plan, batch: int) -> int:
+        if self.source.has_at(plan, batch):
+            return self.at_batch(plan, batch).used_lower
+        return self.source.lower_bound(plan, batch) + self._shift(self.source) - self._card_sized(plan, batch)
+
+    def _card_sized(self, plan: Plan, batch: int) -> int:
+        """The most the source card's own allocations (its workspaces, its largest staging buffer) hold in
+        the plan's shallower trace at ``batch``: what a bound from it may be above this card's."""
+        depths = self.source.depths(plan)
+        t = self.source._traced.get((plan, depths[0], batch)) if depths else None
+        if not isinstance(t, Traced) or t.stream is None:
+            return 0
+        card = self.source.target.device
+        workspaces = sum(tok[1] for tok in t.stream.tokens if tok[0] == "+" and workspace_bytes(tok[5], card) is not None)
+        return workspaces + _staging(t.stream)
+
+
 def _alike(other: TraceBook, own: TraceBook, plan: Plan) -> bool:
-    """``plan``'s shallower trace at one sample is the same in both books (``other`` has traced it)."""
+    """``plan``'s shallower trace at one sample is the same in both books (``other`` has traced it), once its
+    workspaces and staging buffers are sized for ``own``'s card (NOTE [ A stream on another card ])."""
     depths = own.depths(plan)
     if not depths or other.depths(plan) != depths:
         return False
@@ -136,23 +215,14 @@ def _alike(other: TraceBook, own: TraceBook, plan: Plan) -> bool:
     (theirs,), (ours,) = other._run([job], check=False), own._run([job], check=False)
     if not isinstance(theirs, Traced) or not isinstance(ours, Traced) or theirs.stream is None or ours.stream is None:
         return False  # (a plan's error: its own book says it)
-    slack = _staging(theirs.stream) + _staging(ours.stream)
-    return (abs(theirs.peak_bytes - ours.peak_bytes) <= slack and theirs.managed_bytes == ours.managed_bytes
-            and abs((theirs.used_bytes - theirs.context_bytes) - (ours.used_bytes - ours.context_bytes)) <= slack
-            and _kernels_aside(step_events(theirs.stream)) == _kernels_aside(step_events(ours.stream))
+    moved = on_card(theirs.stream, own.target.device)
+    expands = plan.config("allocator").expands
+    return (moved is not None and theirs.managed_bytes == ours.managed_bytes
+            and step_events(moved) == step_events(ours.stream)
+            and replay(moved, STEADY_STEP, expandable=expands) == replay(ours.stream, STEADY_STEP, expandable=expands)
             and [op._replace(key=0) for op in theirs.ops] == [op._replace(key=0) for op in ours.ops])
-
-
-STAGING = (STAGING_BUFFER, SEMAPHORES)
-"""What a reduction kernel allocates for its own blocks: sized by the card's SM count (memfit.memory.cuda.reduce),
-which the cards of one architecture differ in and share traces anyway (memfit.devices.architecture)."""
-
-
-def _kernels_aside(events: list) -> list:
-    """The events with the reductions' staging buffers at no size (the SM count's)."""
-    return [(t[0], 0, *t[2:]) if t[0] != MARK and t[5] in STAGING else t for t in events]
 
 
 def _staging(stream) -> int:
     """The largest staging buffer in a stream (what it may add to the allocated peak)."""
-    return max((t[1] for t in stream.tokens if t[0] == "+" and t[5] in STAGING), default=0)
+    return max((t[1] for t in stream.tokens if t[0] == "+" and t[5] in (STAGING_BUFFER, SEMAPHORES)), default=0)

@@ -35,6 +35,18 @@ from memfit.techniques.cuda_lowering import lowering_for_cuda
 aten = torch.ops.aten
 
 
+WORKSPACE = " workspace"
+WORKSPACE_SIZES = {"cublas": "workspace_bytes", "cublaslt": "lt_workspace_bytes"}
+"""A library's workspace, booked as ``"<library> workspace (<thread> thread)"``, by the device field that sizes it."""
+
+
+def workspace_bytes(op: str, device) -> int | None:
+    """The bytes of the library workspace booked as ``op`` on ``device`` (None: ``op`` is not one)."""
+    library, sep, _ = op.partition(WORKSPACE + " (")
+    field = WORKSPACE_SIZES.get(library) if sep else None
+    return getattr(device, field) if field else None
+
+
 class KernelMode(TorchDispatchMode):
     """Books what CUDA kernels allocate that their meta kernels do not show."""
 
@@ -146,7 +158,7 @@ class KernelMode(TorchDispatchMode):
     def _workspace(self, library: str, thread: str, nbytes: int, where) -> None:
         if nbytes and (library, thread) not in self.workspaces:
             self.workspaces.add((library, thread))
-            self.persistent(nbytes, f"{library} workspace ({thread} thread)", where)
+            self.persistent(nbytes, f"{library}{WORKSPACE} ({thread} thread)", where)
 
     def __enter__(self):
         # (entered again while inside, by a compiled region's wrapper that runs under the modes of its
