@@ -75,10 +75,9 @@ def architecture(device: Device) -> tuple:
     picks (compute capability, CUDA and cuDNN versions), the dtypes, the allocator and its library
     workspaces. Not the capacity, the context (added to a trace's figure), nor the speeds: cards
     alike in these share their traces (``memfit fit``). The SM count is left out too: it sizes only
-    the staging buffers of some reductions, held within one kernel (memfit.memory.cuda.reduce). Most are
-    a few KiB, but a weight's gradient summed over the batch and the sequence is not: an RMSNorm's at
-    batch 2 x 2048 on Llama-2-7B sizes holds 128 MiB on an H100 (132 SMs), so cards of one architecture
-    with other SM counts may differ by that much where it lands on the peak (not measured on a GPU)."""
+    the staging buffers of some reductions, held within one kernel (memfit.memory.cuda.reduce; an RMSNorm
+    weight's gradient at batch 2 x 2048 on Llama-2-7B sizes holds 128 MiB on an H100), and ``memfit fit``
+    sizes those for each card (memfit.planner.fit_books.OnCard)."""
     return (device.kind, device.allocator, device.bf16, device.fp16, device.compute_capability, device.cuda_version,
             device.cudnn_version, device.workspace_bytes, device.lt_workspace_bytes)
 
