@@ -7,7 +7,7 @@ batch draws nothing. And the books of two architectures share a plan only where 
 import pytest
 
 from memfit.devices import get_device
-from memfit.memory import deep_stream
+from memfit.memory import stream_sizes
 from memfit.memory.budget import Budget
 from memfit.memory.estimate import estimate_target
 from memfit.planner import at_batch
@@ -85,7 +85,7 @@ def test_a_line_that_misses_its_third_batch_draws_nothing(setting, monkeypatch):
     _, facts = setting
     card = get_device("rtx4090")
     plan = recipes(parse_methods("lora")[0], facts, card)[-1].plan
-    widen = deep_stream.widen
+    widen = stream_sizes.widen
 
     def off_by_a_block(a, b, x_a, x_b, x):  # one allocation 512 bytes off the line
         s = widen(a, b, x_a, x_b, x)
@@ -147,6 +147,6 @@ def test_a_card_of_the_group_with_other_sms_has_its_own_staging_buffers(setting)
             for batch in (256, 257):  # (65,536 tokens: an RMSNorm weight gradient's reduction fills 24 SMs)
                 assert answer.at_batch(full, batch).used_bytes == _used(workload, full, batch, small)
             stream = book.stream_at(full, 256)
-            assert deep_stream.on_card(stream, small).tokens != stream.tokens  # (what the test is about)
+            assert stream_sizes.on_card(stream, small).tokens != stream.tokens  # (what the test is about)
     finally:
         books.close()

@@ -10,17 +10,10 @@ import torch
 from memfit.memory.allocator import replay as replay_trace
 from memfit.memory.categories import STEADY_STEP
 from memfit.memory.cuda.reduce import STAGING_BUFFER
-from memfit.memory.deep_stream import (
-    Stream,
-    _sorted_free_runs,
-    deepen,
-    from_tracker,
-    replay,
-    step_events,
-    widen,
-)
+from memfit.memory.deep_stream import Stream, deepen, from_tracker, replay, sorted_free_runs, step_events
 from memfit.memory.faketrace import run_tracked
 from memfit.memory.report import step_window, traced_device
+from memfit.memory.stream_sizes import widen
 from memfit.planner.shallow import depths, shallow_workload
 from memfit.plans import Plan
 from memfit.quiet import silenced_warnings
@@ -208,7 +201,7 @@ def _blocks_stream(depth, losses):
         free(("h", k), "backward")
         free(("g", k), "backward")
     mark("end", "backward")
-    return _sorted_free_runs(Stream(tokens, frees, phases, blocks))
+    return sorted_free_runs(Stream(tokens, frees, phases, blocks))
 
 
 @pytest.mark.parametrize("d,e,full", [(1, 2, 5), (2, 3, 5), (3, 4, 6), (2, 4, 8)])

@@ -50,7 +50,7 @@ def segment_size(size: int) -> int:
     return ROUND_LARGE * ((size + ROUND_LARGE - 1) // ROUND_LARGE)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Block:
     segment: int
     offset: int

@@ -15,8 +15,6 @@ import re
 from typing import NamedTuple
 
 from memfit.memory.allocator import replay_events
-from memfit.memory.cuda import reduce
-from memfit.memory.cuda.model import workspace_bytes
 from memfit.memory.expandable import new_model
 
 MARK = "mark"
@@ -101,7 +99,7 @@ def from_tracker(tracker, device: str, side_streams: dict | None = None, contain
             continue
         phases.append(phase)
     take_marks(len(tracker.state.events))
-    return _sorted_free_runs(Stream(tokens, frees, phases, blocks, kernels if any(kernels) else None))
+    return sorted_free_runs(Stream(tokens, frees, phases, blocks, kernels if any(kernels) else None))
 
 
 def step_events(stream: Stream) -> list:
@@ -109,13 +107,14 @@ def step_events(stream: Stream) -> list:
     return [t for t, phase in zip(stream.tokens, stream.phases) if phase != SETUP]
 
 
-def _sorted_free_runs(stream: Stream, by_size: bool = True) -> Stream:
+def sorted_free_runs(stream: Stream, by_size: bool = True) -> Stream:
     """Each run of frees in the forward with no allocation between them, sorted by the block
     and the kind of what they free. The allocator's state after a run does not depend on its
     order (freed blocks merge with their free neighbours either way), and autocast drops its
     cache of cast weights at the end of the forward in the order of a hash map, which no depth
     repeats (elsewhere the trace's order is the same at every depth). ``by_size=False``: sorted by
-    what they free but its size first (the order at any batch, NOTE [ Allocations at another batch ])."""
+    what they free but its size first (the order at any batch, NOTE [ Allocations at another batch ] in
+    memfit.memory.stream_sizes)."""
     tokens, frees, phases = list(stream.tokens), list(stream.frees), list(stream.phases)
     blocks = list(stream.blocks) if stream.blocks is not None else [-1] * len(tokens)
     i = 0
@@ -251,13 +250,20 @@ def _deepen(b: Stream, spans: list[tuple[int, int]], period: int, n: int, once_b
         s = stretch[j]
         return pos_once[j] if s < 0 else first[s] + c * length[s] + (j - spans[s][0])
 
-    tokens: list = [None] * out_len
-    phases: list = [None] * out_len
+    origin: list = []  # (event of ``b``, copy) at each place
+    j = 0
+    while j < len(b.tokens):
+        s = stretch[j]
+        if s < 0:
+            origin.append((j, 0))
+            j += 1
+            continue
+        for c in range(n):
+            origin += [(i, c) for i in range(j, j + length[s])]
+        j += length[s]
+    tokens = [b.tokens[j] for j, _ in origin]
+    phases = [b.phases[j] for j, _ in origin]
     frees = [-1] * out_len
-    origin: list = [None] * out_len  # (event of ``b``, copy) at each place
-    for j, tok in enumerate(b.tokens):
-        for c in range(n if stretch[j] >= 0 else 1):
-            tokens[pos(j, c)], phases[pos(j, c)], origin[pos(j, c)] = tok, b.phases[j], (j, c)
     shifted = _far_side(b, spans, stretch)
 
     def block_shift(j: int, c: int) -> int:
@@ -330,13 +336,13 @@ def _deepen(b: Stream, spans: list[tuple[int, int]], period: int, n: int, once_b
     blocks = [b.blocks[j] + block_shift(j, c) if b.blocks is not None and b.blocks[j] >= 0 else -1
               for j, c in origin]
     kernels = [b.kernels[j] for j, _ in origin] if b.kernels is not None else None
-    return _sorted_free_runs(Stream(tokens, frees, phases, blocks, kernels))
+    return sorted_free_runs(Stream(tokens, frees, phases, blocks, kernels))
 
 
 def _far_side(b: Stream, spans: list[tuple[int, int]], stretch: list[int]) -> list[int]:
     """1 for an event of ``b`` made once that lies past an inserted stretch of its run of one
     phase (after it; before it in the backward, which runs down the blocks), else 0. A free in a
-    sorted run of frees (:func:`_sorted_free_runs`) is past the stretches inside that run only:
+    sorted run of frees (:func:`sorted_free_runs`) is past the stretches inside that run only:
     the run is in block order of its own, whatever stretch came before it."""
     out = [0] * len(b.tokens)
     start = 0
@@ -413,111 +419,3 @@ def replay(stream: Stream, step: int, *, expandable: bool = False) -> tuple[int,
             else:
                 yield i, stream.frees[i], -1, tok[1], tok[2]
     return replay_events(events(), start, model=new_model(expandable))[:2]
-
-
-# NOTE [ A stream on another card ]
-# Two cards whose kernels allocate alike (the same attention kernel, the same 4-bit kernels, the same
-# dtypes) make the same allocations in the same order, but for what the card sizes: the cuBLAS and
-# cuBLASLt workspaces (32 MiB a handle on Hopper and newer, 8 MiB before) and the reductions' staging
-# buffers (by the SM count, memfit.memory.cuda.reduce). ``on_card`` resizes those in a stream traced for
-# one card, and the replay gives the other's allocated peak and reserved bytes without a trace of its own.
-# Which cards allocate alike is measured, not assumed (memfit.planner.fit_books).
-def on_card(stream: Stream, device) -> Stream | None:
-    """``stream`` as ``device``'s kernels make it (NOTE [ A stream on another card ]); None where a
-    reduction has no staging buffer on it (its stream has fewer allocations)."""
-    tokens = list(stream.tokens)
-    kernels = list(stream.kernels) if stream.kernels is not None else None
-    for i, t in enumerate(stream.tokens):
-        if t[0] == MARK:
-            continue
-        if t[0] == "-":
-            tokens[i] = ("-", *tokens[stream.frees[i]][1:])
-            continue
-        size = workspace_bytes(t[5], device)
-        if size is None and kernels is not None and kernels[i] is not None:
-            kernels[i] = kernels[i]._replace(sm_count=device.sm_count)
-            size = reduce.sized(kernels[i])[t[5] == reduce.SEMAPHORES]
-        if size is not None and size != t[1]:
-            if not size:
-                return None
-            tokens[i] = (t[0], size, *t[2:])
-    return Stream(tokens, list(stream.frees), list(stream.phases), stream.blocks, kernels)
-
-
-# NOTE [ Allocations at another batch ]
-# The step at ``x`` samples makes the same allocations and frees as at ``x_a`` and ``x_b``, in the
-# same order, each of a size on the line through its two sizes: a batch's activations, inputs and
-# logits are ``x`` times a sample's, the weights, gradients, states and workspaces do not grow.
-# ``widen`` builds that stream from ``b``'s events, each of ``b``'s allocations paired with ``a``'s by
-# a diff of the two streams without their sizes (each run of frees sorted by what it frees but its
-# size, which orders the runs of ``from_tracker`` otherwise at each batch). Before the step (the model's build), the trace's
-# own history may add or drop an allocation (a cache made on first use in the process): those of
-# ``b`` that ``a`` lacks keep their size, as ``deepen`` keeps them. Where the two streams differ in
-# the step (a kernel chosen by size, a run of frees sorted otherwise) or a size is off the line of
-# whole bytes, there is none (None). One kind of allocation is sized by a kernel's launch and not on
-# a line: a reduction's staging buffer and semaphores grow in steps as its inputs outgrow the card's
-# blocks (memfit.memory.cuda.reduce; an RMSNorm weight gradient's, 128 MiB at two samples and 192 MiB
-# at 48 on an H100). The trace keeps what sizes them (``Stream.kernels``: the input's shape and strides,
-# the SM count), and ``widen`` sizes them at ``x`` from the input drawn on the line; where a kernel has
-# no staging at ``x``, there is no stream. A line drawn from two batches is not trusted on its word: the
-# trace book checks it against a third batch traced (memfit.planner.at_batch).
-def widen(a: Stream, b: Stream, x_a: int, x_b: int, x: int) -> Stream | None:
-    """The stream at ``x`` samples from those at ``x_a`` and ``x_b`` (NOTE [ Allocations at another
-    batch ]); None where they are not the same events with sizes on a line of whole bytes."""
-    if x_a == x_b:
-        return None
-    a, b = _sorted_free_runs(a, by_size=False), _sorted_free_runs(b, by_size=False)
-
-    def shapes(s: Stream) -> list:
-        return [t if t[0] == MARK else (t[0], *t[2:]) for t in s.tokens]
-
-    pairs: dict[int, int] = {}  # event of ``b`` -> the same event of ``a``
-    matcher = difflib.SequenceMatcher(None, shapes(a), shapes(b), autojunk=False)
-    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
-        if tag == "equal":
-            pairs.update(zip(range(j1, j2), range(i1, i2)))
-        elif any(a.phases[i] != SETUP for i in range(i1, i2)) or any(b.phases[j] != SETUP for j in range(j1, j2)):
-            return None
-    tokens = list(b.tokens)
-    kernels = list(b.kernels) if b.kernels is not None else None
-    for j, i in pairs.items():
-        tb, ta = b.tokens[j], a.tokens[i]
-        if tb[0] == MARK:
-            continue
-        if tb[0] == "-" and pairs.get(b.frees[j], -1) != a.frees[i]:
-            return None  # (a free of another allocation)
-        if kernels is not None and kernels[j if tb[0] == "+" else b.frees[j]] is not None:
-            if tb[0] == "-":  # (a staging buffer's free: its allocation's size, drawn before it)
-                tokens[j] = ("-", *tokens[b.frees[j]][1:])
-                continue
-            g = _geometry_at(a.kernels[i] if a.kernels is not None else None, kernels[j], x_a, x_b, x)
-            size = reduce.sized(g)[tb[5] == reduce.SEMAPHORES] if g is not None else 0
-            if not size:
-                return None  # (no staging at ``x``: another kernel configuration)
-            tokens[j], kernels[j] = (tb[0], size, *tb[2:]), g
-            continue
-        rise, run = (tb[1] - ta[1]) * (x - x_a), x_b - x_a
-        if rise % run or ta[1] + rise // run <= 0:
-            return None
-        tokens[j] = (tb[0], ta[1] + rise // run, *tb[2:])
-    return _sorted_free_runs(Stream(tokens, list(b.frees), list(b.phases), b.blocks, kernels))
-
-
-def _geometry_at(ga, gb, x_a: int, x_b: int, x: int):
-    """A reduction's geometry at ``x`` samples on the line through those at ``x_a`` and ``x_b``: its
-    input's sizes and strides drawn on it, the rest the same (None where they differ, or a size is off
-    the line of whole elements)."""
-    if ga is None or ga[2:] != gb[2:] or len(ga.shape) != len(gb.shape):
-        return None
-    drawn = []
-    for u, v in ((ga.shape, gb.shape), (ga.strides, gb.strides)):
-        out = []
-        for p, q in zip(u, v):
-            rise, run = (q - p) * (x - x_a), x_b - x_a
-            if rise % run or p + rise // run < 0:
-                return None
-            out.append(p + rise // run)
-        drawn.append(tuple(out))
-    if 0 in drawn[0]:
-        return None
-    return gb._replace(shape=drawn[0], strides=drawn[1])

@@ -13,7 +13,7 @@ NOTE [ A plan's line in the batch ]
 A dozen cards ask a plan at a dozen batches, two each (the largest that fits, and the next), and
 each batch costs a shallow pair: on Llama-2-7B about 1-2.5 s of CPU a trace, most of ``memfit fit``'s
 time. But the step at ``x`` samples makes the allocations the steps at two other batches make, each
-of a size on the line through theirs (NOTE [ Allocations at another batch ]), and its ops are theirs
+of a size on the line through theirs (NOTE [ Allocations at another batch ] in memfit.memory.stream_sizes), and its ops are theirs
 on the same line. So once a plan is traced at two batches (of at least two samples, ``LINE_FROM``), its figures at any other are drawn: the
 allocations at full depth on the line, replayed through the caching-allocator model (the reserved
 bytes, fragmentation and all, not a line through two totals), and the ops on the line for the time.
@@ -27,7 +27,8 @@ from __future__ import annotations
 import math
 
 from memfit.memory.categories import STEADY_STEP
-from memfit.memory.deep_stream import Stream, deepen, replay, step_events, widen
+from memfit.memory.deep_stream import Stream, deepen, replay, step_events
+from memfit.memory.stream_sizes import Paired, pair_up, widen
 from memfit.planner.measured import PEAK_MARGIN, Measured, ShallowFailed
 from memfit.planner.shallow import extrapolate, extrapolate_ops, widen_ops
 from memfit.plans import Plan
@@ -51,6 +52,8 @@ class AtBatch:
         """(plan, batch) traced -> its allocations at full depth, and their reserved bytes."""
         self._lines: dict[Plan, str] = {}
         """A plan -> whether its line drew a third batch (TRUSTED) or not (BROKEN)."""
+        self._paired: dict[tuple, Paired | None] = {}
+        """(plan, depth, x_a, x_b) -> its two traces' events paired (memfit.memory.stream_sizes.pair_up)."""
         self._drawn: dict[tuple[Plan, int], Stream] = {}
         """(plan, batch) drawn on its line -> its allocations at full depth."""
 
@@ -118,7 +121,10 @@ class AtBatch:
         shallow = []
         for d in self.depths(plan):  # (each depth's allocations at ``batch``, then at full depth)
             t_a, t_b = self._traced[(plan, d, x_a)], self._traced[(plan, d, x_b)]
-            shallow.append(widen(t_a.stream, t_b.stream, x_a, x_b, batch))
+            key = (plan, d, x_a, x_b)
+            if key not in self._paired:
+                self._paired[key] = pair_up(t_a.stream, t_b.stream)
+            shallow.append(widen(t_a.stream, t_b.stream, x_a, x_b, batch, self._paired[key]) if self._paired[key] else None)
         stream = deepen(*shallow, *self.depths(plan), self.depth) if len(shallow) == 2 and None not in shallow else None
         if stream is None:
             return None

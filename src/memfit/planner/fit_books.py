@@ -17,7 +17,7 @@ compute capability, Hopper's cuDNN attention, fp16 where a card lacks bf16). Whi
 kernels' business, not a rule to keep here, so it is measured: before an architecture's book traces
 a plan at more than one sample, its shallower trace at one sample is compared with the one each
 book opened before it made, once that one's workspaces and staging buffers are sized for this card
-(NOTE [ A stream on another card ] in memfit.memory.deep_stream): allocation for allocation of the
+(NOTE [ A stream on another card ] in memfit.memory.stream_sizes): allocation for allocation of the
 step, op for op, and the allocated, reserved and managed bytes. Where one is the same, that book
 answers the plan for both architectures, at every batch, and the plan costs this one a single trace.
 Its figures on each card are its allocations at full depth sized for that card and replayed
@@ -45,7 +45,8 @@ from memfit.memory.budget import Budget
 from memfit.memory.categories import STEADY_STEP
 from memfit.memory.cuda.model import workspace_bytes
 from memfit.memory.cuda.reduce import SEMAPHORES, STAGING_BUFFER
-from memfit.memory.deep_stream import on_card, replay, step_events
+from memfit.memory.deep_stream import replay, step_events
+from memfit.memory.stream_sizes import on_card
 from memfit.planner.measured import PEAK_MARGIN, Measured
 from memfit.planner.space import ModelFacts
 from memfit.planner.trace_job import Traced
@@ -153,7 +154,7 @@ def _sized_by(device: Device) -> tuple:
 class OnCard:
     """A book's figures of plans on another card (one whose kernels allocate alike, but sizes its library
     workspaces or its reductions' staging buffers otherwise): the book's allocations at full depth resized
-    for the card and replayed (NOTE [ A stream on another card ] in memfit.memory.deep_stream). Where the
+    for the card and replayed (NOTE [ A stream on another card ] in memfit.memory.stream_sizes). Where the
     book has no stream (a full trace), the card's own architecture's book answers, as before."""
 
     def __init__(self, source: TraceBook, own: TraceBook, device: Device) -> None:
