@@ -51,6 +51,7 @@ CASES = {
     "gpt2-8": "gpt2 -b 8 --seq-len 1024 --device h100-80gb --budget 8GiB",
     # issue 49: a hub model with a 152k vocabulary and 28 layers (<= 60 s one method, <= 90 s three)
     "qwen-qlora": "Qwen/Qwen2.5-7B-Instruct --device rtx4090 -b 2 --seq-len 2048 --adapter lora:r=16 --base-weights nf4",
+    "qwen-full": "Qwen/Qwen2.5-7B-Instruct --device rtx4090 -b 2 --seq-len 2048",
     "qwen-methods": "Qwen/Qwen2.5-7B-Instruct --methods full,lora,qlora --device rtx4090 -b 2 --seq-len 2048",
 }
 HUB_CONFIGS = Path(__file__).resolve().parent / "hub_configs"

@@ -19,10 +19,12 @@ from memfit.memory.deep_stream import MARK, SETUP, Stream, sorted_free_runs
 # one card, and the replay gives the other's allocated peak and reserved bytes without a trace of its own.
 # Which cards allocate alike is measured, not assumed (memfit.planner.fit_books).
 def on_card(stream: Stream, device) -> Stream | None:
-    """``stream`` as ``device``'s kernels make it (NOTE [ A stream on another card ]); None where a
-    reduction has no staging buffer on it (its stream has fewer allocations)."""
+    """``stream`` as ``device``'s kernels make it (NOTE [ A stream on another card ]): ``stream`` itself
+    where no size changes; None where a reduction has no staging buffer on it (its stream has fewer
+    allocations)."""
     tokens = list(stream.tokens)
     kernels = list(stream.kernels) if stream.kernels is not None else None
+    changed = False
     for i, t in enumerate(stream.tokens):
         if t[0] == MARK:
             continue
@@ -36,8 +38,8 @@ def on_card(stream: Stream, device) -> Stream | None:
         if size is not None and size != t[1]:
             if not size:
                 return None
-            tokens[i] = (t[0], size, *t[2:])
-    return Stream(tokens, list(stream.frees), list(stream.phases), stream.blocks, kernels)
+            tokens[i], changed = (t[0], size, *t[2:]), True
+    return Stream(tokens, list(stream.frees), list(stream.phases), stream.blocks, kernels) if changed else stream
 
 
 # NOTE [ Allocations at another batch ]

@@ -171,7 +171,10 @@ class OnCard:
             m = self.source.at_batch(plan, batch)
             stream = self.source.stream_at(plan, batch)
             moved = on_card(stream, self.target.device) if stream is not None else None
-            if moved is None:
+            if moved is stream:  # (no size changes on this card: the book's figures, with the card's context)
+                shift = self._shift(self.source)
+                self._at[key] = dataclasses.replace(m, used_lower=m.used_lower + shift, used_bytes=m.used_bytes + shift)
+            elif moved is None:
                 m = self.own.at_batch(plan, batch)
                 shift = self._shift(self.own)
                 self._at[key] = dataclasses.replace(m, used_lower=m.used_lower + shift, used_bytes=m.used_bytes + shift)
