@@ -87,8 +87,8 @@ def test_a_line_that_misses_its_third_batch_draws_nothing(setting, monkeypatch):
     plan = recipes(parse_methods("lora")[0], facts, card)[-1].plan
     widen = stream_sizes.widen
 
-    def off_by_a_block(a, b, x_a, x_b, x):  # one allocation 512 bytes off the line
-        s = widen(a, b, x_a, x_b, x)
+    def off_by_a_block(a, b, x_a, x_b, x, paired=None):  # one allocation 512 bytes off the line
+        s = widen(a, b, x_a, x_b, x, paired)
         i = next(i for i, t in enumerate(s.tokens) if t[0] == "+" and t[3] == "forward")
         return s._replace(tokens=[*s.tokens[:i], (s.tokens[i][0], s.tokens[i][1] + 512, *s.tokens[i][2:]),
                                   *s.tokens[i + 1:]])
