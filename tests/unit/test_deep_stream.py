@@ -361,3 +361,34 @@ def test_a_reductions_staging_buffer_is_sized_at_another_batch_off_the_line():
     assert any(w != u + (v - u) * 6 for u, v, w in staging)  # (off the line: what the test is about)
     wide = widen(a, b, 40, 41, 46)
     assert wide is not None and step_events(wide) == step_events(c)
+
+
+def _foreach_like(blocks: int) -> Stream:
+    """An optimizer step whose foreach op allocates one output per block, then frees them all."""
+    tokens, frees, phases = [("mark", "step", 1), ("mark", "optimizer", 1)], [-1, -1], ["optimizer"] * 2
+    tokens.append(("+", 64, 0, "optimizer", 1, "_to_copy", ""))  # (a scalar before the run)
+    frees.append(-1)
+    phases.append("optimizer")
+    made = []
+    for _ in range(blocks):
+        made.append(len(tokens))
+        tokens.append(("+", 4096, 0, "optimizer", 1, "_foreach_sqrt", ""))
+        frees.append(-1)
+        phases.append("optimizer")
+    for j in reversed(made):
+        tokens.append(("-", 4096, 0, "optimizer", 1, "_foreach_sqrt", ""))
+        frees.append(j)
+        phases.append("optimizer")
+    tokens += [("-", 64, 0, "optimizer", 1, "_to_copy", ""), ("mark", "end", 1)]
+    frees += [2, -1]
+    phases += ["optimizer"] * 2
+    return Stream(tokens, frees, phases, [-1] * len(tokens))
+
+
+def test_a_blocks_outputs_and_their_frees_side_by_side_are_two_stretches():
+    """The diff places the extra block's foreach output and its free side by side, at the seam of the run of
+    allocations and the run of frees: copied as one stretch they would alternate at full depth; as two, the
+    runs grow, as the full step's do (the fp16 optimizer step of Llama-2-7B: 2 MiB of reserved bytes)."""
+    deep = deepen(_foreach_like(2), _foreach_like(3), 2, 3, 6)
+    assert deep is not None
+    assert deep.tokens == _foreach_like(6).tokens
