@@ -107,7 +107,18 @@ def test_a_line_that_misses_its_third_batch_draws_nothing(setting, monkeypatch):
         book.close()
 
 
-def test_architectures_share_a_plan_only_where_it_traces_alike(setting):
+@pytest.fixture
+def books(setting):
+    """Every architecture's trace book for the setting's model, closed after the test."""
+    b = Books(*setting)
+    try:
+        with silenced_warnings():
+            yield b
+    finally:
+        b.close()
+
+
+def test_architectures_share_a_plan_only_where_it_traces_alike(setting, books):
     """An Ampere and a Blackwell card take an Ada card's LoRA traces, their workspaces and staging buffers
     sized for each (82 SMs, 32 MiB cuBLAS workspaces), and give what a trace on the card itself gives;
     Hopper's cuDNN attention allocates otherwise: its own book."""
@@ -115,37 +126,27 @@ def test_architectures_share_a_plan_only_where_it_traces_alike(setting):
     sm89, sm86 = get_device("rtx4090"), get_device("rtx3090")
     sm90, sm120 = get_device("h100-80gb"), get_device("rtx5090")
     lora = recipes(parse_methods("lora")[0], facts, sm89)[-1].plan
-    books = Books(workload, facts)
-    try:
-        with silenced_warnings():
-            first = books.for_plan(sm89, lora)
-            assert first is books.open(sm89)
-            first.at_batch(lora, 1)
-            on_sm86, on_sm120 = books.for_plan(sm86, lora), books.for_plan(sm120, lora)
-            assert on_sm86.source is first and on_sm120.source is first
-            assert books.for_plan(sm90, lora) is books.open(sm90)
-            assert books.shared == 2
-            for card, answer in ((sm86, on_sm86), (sm120, on_sm120)):  # (a full trace on the card itself)
-                assert answer.at_batch(lora, 2).used_bytes == _used(workload, lora, 2, card)
-    finally:
-        books.close()
+    first = books.for_plan(sm89, lora)
+    assert first is books.open(sm89)
+    first.at_batch(lora, 1)
+    on_sm86, on_sm120 = books.for_plan(sm86, lora), books.for_plan(sm120, lora)
+    assert on_sm86.source is first and on_sm120.source is first
+    assert books.for_plan(sm90, lora) is books.open(sm90)
+    assert books.shared == 2
+    for card, answer in ((sm86, on_sm86), (sm120, on_sm120)):  # (a full trace on the card itself)
+        assert answer.at_batch(lora, 2).used_bytes == _used(workload, lora, 2, card)
 
 
-def test_a_card_of_the_group_with_other_sms_has_its_own_staging_buffers(setting):
+def test_a_card_of_the_group_with_other_sms_has_its_own_staging_buffers(setting, books):
     """The cards of one architecture share its book; a card with fewer SMs splits a reduction over fewer
     blocks, and its figures are its own (an RTX 4060's 24 SMs; the book's RTX 4090 has 128)."""
     workload, facts = setting
     sm89, small = get_device("rtx4090"), get_device("rtx4060")
     full = recipes(parse_methods("full")[0], facts, sm89)[-1].plan
-    books = Books(workload, facts)
-    try:
-        with silenced_warnings():
-            book = books.for_plan(sm89, full)
-            answer = books.for_plan(small, full)
-            assert answer.source is book
-            # (65,536 tokens: an RMSNorm weight gradient's reduction fills 24 SMs)
-            assert answer.at_batch(full, 256).used_bytes == _used(workload, full, 256, small)
-            stream = book.stream_at(full, 256)
-            assert stream_sizes.on_card(stream, small).tokens != stream.tokens  # (what the test is about)
-    finally:
-        books.close()
+    book = books.for_plan(sm89, full)
+    answer = books.for_plan(small, full)
+    assert answer.source is book
+    # (65,536 tokens: an RMSNorm weight gradient's reduction fills 24 SMs)
+    assert answer.at_batch(full, 256).used_bytes == _used(workload, full, 256, small)
+    stream = book.stream_at(full, 256)
+    assert stream_sizes.on_card(stream, small).tokens != stream.tokens  # (what the test is about)

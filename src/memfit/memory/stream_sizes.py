@@ -7,7 +7,7 @@ import difflib
 from typing import NamedTuple
 
 from memfit.memory.cuda import reduce
-from memfit.memory.cuda.model import workspace_bytes
+from memfit.memory.cuda.model import WORKSPACE_SIZES, workspace_bytes
 from memfit.memory.deep_stream import MARK, SETUP, Stream, sorted_free_runs
 
 
@@ -18,6 +18,11 @@ from memfit.memory.deep_stream import MARK, SETUP, Stream, sorted_free_runs
 # buffers (by the SM count, memfit.memory.cuda.reduce). ``on_card`` resizes those in a stream traced for
 # one card, and the replay gives the other's allocated peak and reserved bytes without a trace of its own.
 # Which cards allocate alike is measured, not assumed (memfit.planner.fit_books).
+def card_sizes(device) -> tuple:
+    """What ``on_card`` sizes a stream by: the card's library workspaces and its SM count."""
+    return (*(getattr(device, field) for field in WORKSPACE_SIZES.values()), device.sm_count)
+
+
 def on_card(stream: Stream, device) -> Stream | None:
     """``stream`` as ``device``'s kernels make it (NOTE [ A stream on another card ]): ``stream`` itself
     where no size changes; None where a reduction has no staging buffer on it (its stream has fewer

@@ -46,7 +46,7 @@ from memfit.memory.categories import STEADY_STEP
 from memfit.memory.cuda.model import workspace_bytes
 from memfit.memory.cuda.reduce import SEMAPHORES, STAGING_BUFFER
 from memfit.memory.deep_stream import replay, step_events
-from memfit.memory.stream_sizes import on_card
+from memfit.memory.stream_sizes import card_sizes, on_card
 from memfit.planner.measured import PEAK_MARGIN, Measured
 from memfit.planner.space import ModelFacts
 from memfit.planner.trace_job import Traced
@@ -80,7 +80,7 @@ class Books:
         plan traces alike there (NOTE [ Architectures that trace alike ]); through :class:`OnCard` where
         that book's card sizes its workspaces or staging buffers otherwise."""
         source = self._source(device, plan)
-        if _sized_by(source.target.device) == _sized_by(device):
+        if card_sizes(source.target.device) == card_sizes(device):
             return source
         key = (id(source), device.name)
         if key not in self._cards:
@@ -146,11 +146,6 @@ class Books:
         return sum(b.traces for b in self.books.values()), sum(b.full_traces for b in self.books.values())
 
 
-def _sized_by(device: Device) -> tuple:
-    """What sizes a card's own allocations in a trace alike (NOTE [ A stream on another card ])."""
-    return device.workspace_bytes, device.lt_workspace_bytes, device.sm_count
-
-
 class OnCard:
     """A book's figures of plans on another card (one whose kernels allocate alike, but sizes its library
     workspaces or its reductions' staging buffers otherwise): the book's allocations at full depth resized
@@ -165,19 +160,21 @@ class OnCard:
     def _shift(self, book: TraceBook) -> int:
         return self.target.device.context_bytes - book.target.device.context_bytes
 
+    def _with_context(self, m: Measured, book: TraceBook) -> Measured:
+        """``book``'s figures with this card's CUDA context in place of ``book``'s card's."""
+        shift = self._shift(book)
+        return dataclasses.replace(m, used_lower=m.used_lower + shift, used_bytes=m.used_bytes + shift)
+
     def at_batch(self, plan: Plan, batch: int) -> Measured:
         key = (plan, batch)
         if key not in self._at:
             m = self.source.at_batch(plan, batch)
             stream = self.source.stream_at(plan, batch)
             moved = on_card(stream, self.target.device) if stream is not None else None
-            if moved is stream:  # (no size changes on this card: the book's figures, with the card's context)
-                shift = self._shift(self.source)
-                self._at[key] = dataclasses.replace(m, used_lower=m.used_lower + shift, used_bytes=m.used_bytes + shift)
+            if moved is stream:  # (no size changes on this card: the book's figures)
+                self._at[key] = self._with_context(m, self.source)
             elif moved is None:
-                m = self.own.at_batch(plan, batch)
-                shift = self._shift(self.own)
-                self._at[key] = dataclasses.replace(m, used_lower=m.used_lower + shift, used_bytes=m.used_bytes + shift)
+                self._at[key] = self._with_context(self.own.at_batch(plan, batch), self.own)
             else:
                 peak, reserved = replay(moved, STEADY_STEP, expandable=plan.config("allocator").expands)
                 context = self.target.device.context_bytes

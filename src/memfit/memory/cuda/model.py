@@ -59,7 +59,7 @@ class KernelMode(TorchDispatchMode):
         self.streams: dict[int, int] = {}
         """Serial of a storage allocated on a side stream -> stream number (see memfit.memory.allocator)."""
         self.reductions: dict[int, reduce.Geometry] = {}
-        """Serial of a reduction's staging buffer or semaphores -> what sizes them (memfit.memory.deep_stream
+        """Serial of a reduction's staging buffer or semaphores -> what sizes them (memfit.memory.stream_sizes
         sizes them at another batch)."""
         if tracker is not None:
             tracker.side_streams = self.streams
