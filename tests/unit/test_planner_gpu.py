@@ -61,6 +61,25 @@ def test_shallow_pair_extrapolates_to_the_full_trace(fields):
     assert measured.used_lower <= Budget.resolve(None, target.device).used_bytes(report)
 
 
+def test_a_plan_offloading_the_first_half_of_the_blocks_has_a_shallow_pair():
+    """NOTE [ A shallow pair of a plan that offloads the first K blocks ]: offloading 3 of 6 blocks is
+    traced at 2 and 4 blocks offloading 1 and 2 of them. Its peak is on the line through them (within
+    2%, as above), so is its step time (within 5%), and it keeps no stream (the pair cannot give the
+    full model's order)."""
+    target = _target(Plan(precision="bf16", checkpointing="blocks", offload=("activations:blocks=3",)))
+    assert depths(target.plan, 6) == (2, 4) and depths(target.plan.replace(offload=("activations:blocks=4",)), 6) is None
+    report, full, full_ops = trace_step(target)
+    book, model = _model(target)
+    try:
+        a, b = book._run([(target.plan, d, None) for d in (2, 4)])
+        measured = book.measure(target.plan)
+    finally:
+        book.close()
+    assert not measured.full and a.stream is None and b.stream is None
+    assert measured.peak_bytes == pytest.approx(report.peak_bytes, rel=0.02)
+    assert model.seconds(target.plan) == pytest.approx(full.seconds, rel=0.05)
+
+
 def test_shallow_model_keeps_its_first_blocks_and_tied_weights():
     wl = _target().workload
     calls = []

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import math
 
 import torch
 
@@ -91,15 +92,54 @@ def _materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Modul
     return copy.deepcopy(model, memo)
 
 
-def period(plan) -> int:
-    """The depth unit of a plan: ``checkpointing: blocks:every=N`` repeats every N blocks."""
-    return max(1, int(getattr(plan.config("checkpointing"), "every", 1) or 1))
+def period(plan, full: int | None = None) -> int:
+    """The depth unit of a plan: ``checkpointing: blocks:every=N`` repeats every N blocks, and
+    ``offload: activations:blocks=K`` of ``full`` blocks every ``full / gcd(full, K)`` (NOTE [ A
+    shallow pair of a plan that offloads the first K blocks ])."""
+    p = max(1, int(getattr(plan.config("checkpointing"), "every", 1) or 1))
+    k = offloaded_blocks(plan)
+    return math.lcm(p, full // math.gcd(full, k)) if k and full else p
+
+
+# NOTE [ A shallow pair of a plan that offloads the first K blocks ]
+# ``offload: activations:blocks=K`` offloads what the first K of the model's L blocks save: two kinds of
+# block, K offloaded ones, then L - K kept ones. A shallow model of d blocks cannot offload K of
+# them (K is half the blocks when the planner asks), and one kind of block inserted between two
+# depths cannot make the other kind grow. So the pair keeps the full model's share: at d blocks,
+# the first d * K / L are offloaded, at depths where that is whole (a period of L / gcd(L, K) blocks:
+# 2 for half of them). The deeper trace then has one block of each kind more for each period, and
+# what grows with both kinds grows along the line through the pair, the peak of the step and the
+# count and size of its ops. What the pair's difference cannot give is the order at full depth: it
+# is one offloaded and one kept block inserted side by side, while the full model has all offloaded
+# blocks first. So a plan of two kinds keeps no stream (memfit.memory.deep_stream), and what asks
+# for its exact allocations (the reserved bytes, another batch's line) traces it at full depth. Its
+# ops do not line up either (backward fetches the offloaded blocks' tensors ahead, inside the kept
+# blocks' backward), so its step time is the one on the line through the pair's times
+# (memfit.planner.gpu_time). Before the pair, such a plan cost a full trace to be compared at all
+# (6 s of a 7B model's 68 s plan).
+def offloaded_blocks(plan) -> int:
+    """K of a plan that offloads the first K blocks' activations (0: none, or every block's)."""
+    k = plan.config("offload").activations
+    return int(k) if 0 < k < float("inf") else 0
+
+
+def at_depth(plan, depth: int, full: int):
+    """``plan`` as the model cut to ``depth`` of its ``full`` blocks runs it: the same share of offloaded
+    blocks (NOTE [ A shallow pair of a plan that offloads the first K blocks ]); the plan itself
+    where it has one kind of block."""
+    k = offloaded_blocks(plan)
+    if not k or depth == full:
+        return plan
+    offload = plan.config("offload")
+    items = tuple(x if not x.startswith("activations:blocks=") else f"activations:blocks={k * depth // full}"
+                  for x in offload.items)
+    return plan.with_config(type(offload)(items))
 
 
 def depths(plan, full: int) -> tuple[int, int] | None:
     """The two shallow depths ``(d, d + p)`` a plan is traced at (``p``: its period), or None when it
     should be traced at full depth (a shallow model, or a depth the period does not divide)."""
-    p = period(plan)
+    p = period(plan, full)
     d = p * -(-2 // p)  # at least 2: one block is no repeated block (find_blocks)
     if full < MIN_DEPTH_FOR_SHALLOW or d + p >= full or (full - d) % p or plan.swap_blocks:
         return None  # (swap_blocks counts blocks of the full model: no shallow model has them)

@@ -17,7 +17,7 @@ from memfit.errors import UserError
 from memfit.memory.budget import Budget
 from memfit.memory.deep_stream import Stream, from_tracker
 from memfit.memory.report import traced_device
-from memfit.planner.shallow import shallow_workload
+from memfit.planner.shallow import at_depth, depth_of, offloaded_blocks, shallow_workload
 from memfit.planner.timing import record_step
 from memfit.target import Target
 from memfit.techniques.checkpointing import find_blocks
@@ -53,6 +53,7 @@ class Tracer:
         self._meta = meta_model
         self._workloads: dict[int, object] = {}
         self._containers = tuple(name for name, _ in find_blocks(meta_model))
+        self._full = depth_of(meta_model)
         """The repeated-block containers (their module names give an allocation's block)."""
 
     def shallow(self, depth: int):
@@ -69,11 +70,14 @@ class Tracer:
             target = dataclasses.replace(target, batch_size=batch * plan.world_size)  # (``batch``: one rank's)
         if depth is not None:
             target = dataclasses.replace(target, workload=self.shallow(depth))
+            plan = at_depth(plan, depth, self._full)
+        # (two kinds of block keep no stream: NOTE [ A shallow pair of a plan that offloads the first K blocks ])
+        keeps_stream = depth is not None and not offloaded_blocks(plan)
         trackers = []
         t0 = time.process_time()
         try:
             target = target.with_plan(plan)
-            report, ops = record_step(target, on_tracker=trackers.append if depth else None)
+            report, ops = record_step(target, on_tracker=trackers.append if keeps_stream else None)
         except UserError as e:
             return e
         except Exception as e:  # noqa: BLE001 - shallow: the model indexes its blocks by a count
