@@ -369,3 +369,23 @@ def test_a_walk_round_replaces_the_queued_plans_and_keeps_the_base_at_other_micr
         assert workers._queued == [(new, d, None), (base, d, 4), (base, e, 4)]
     finally:
         book.close()
+
+
+def test_a_plan_that_fits_only_with_expandable_segments_is_chosen_with_them():
+    """NOTE [ Expandable segments where they decide the fit ]: this plan's reserved bytes are 128 MiB
+    with the default segments and 124 MiB with expandable ones. Under a budget between the two (with
+    the context), the planner chooses it with ``allocator: expandable``, at the figure a full trace of
+    that plan gives, from the default plan's own traces; above both, the plan stays as written."""
+    fields = {"precision": "bf16-pure", "checkpointing": "blocks", "optimizer_in_backward": True, "loss_chunks": 8}
+    target = _target(Plan(**fields))
+    report = trace_step(target)[0]
+    expanded = trace_step(target.with_plan(Plan(**fields, allocator="expandable")))[0]
+    assert expanded.reserved_bytes == report.expandable_reserved_bytes < report.reserved_bytes
+    budget = Budget.resolve(None, target.device)
+    default_used, expandable_used = budget.used_bytes(report), budget.used_bytes(expanded)
+    space = SearchSpace(values={k: [v] for k, v in fields.items()}, micro_batches=[8])
+    r = plan(DEEP, budget=(default_used + expandable_used) // 2, device=DEVICE, batch_size=8, seq_len=128,
+             space=space, field_recipes=False)
+    assert r.chosen.plan == Plan(**fields, allocator="expandable") and r.chosen.used_bytes == expandable_used
+    r = plan(DEEP, budget=default_used, device=DEVICE, batch_size=8, seq_len=128, space=space, field_recipes=False)
+    assert r.chosen.plan == Plan(**fields) and r.chosen.used_bytes == default_used

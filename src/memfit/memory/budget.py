@@ -67,6 +67,12 @@ class Budget:
             return _reserved(report) + (report.cuda_context_bytes or 0)
         return report.process_peak_bytes or report.peak_bytes
 
+    def expandable_allocator_bytes(self, report) -> int | None:
+        """:meth:`allocator_bytes` of the same step with expandable segments (GPU predictions; None
+        where the report has no such figure: memfit.techniques.allocator)."""
+        x = getattr(report, "expandable_reserved_bytes", None)
+        return None if x is None or not self.device.is_gpu else x + (report.cuda_context_bytes or 0)
+
     # NOTE [ Managed memory over the budget ]
     # A paged optimizer's states (CUDA managed memory) are not capped by the allocator's limit: the
     # driver keeps on the card what fits beside the allocator's segments and the context, and pages

@@ -50,6 +50,9 @@ class MemoryReport:
     """On a CPU device: the peak of device + host bytes together (the same physical memory)."""
     reserved_bytes: int | None = None
     """GPU: the caching allocator's reserved (cudaMalloc'd) bytes at the peak."""
+    expandable_reserved_bytes: int | None = None
+    """GPU, predicted: the reserved bytes of the same step with expandable segments (NOTE [ Reserved
+    bytes with expandable segments, from the same trace ]); ``reserved_bytes`` where the plan has them."""
     device_total_bytes: int | None = None
     cuda_context_bytes: int | None = None
     cuda_workspace_bytes: int | None = None
@@ -266,16 +269,19 @@ def report_for(tracker: MemoryTracker, target, method: str, *, measurement: Meas
     gpu = dev.is_gpu
     view = view or tracker_view(tracker, where, sizes=allocator.round_size if gpu else None)
     breakdown = dict(view.breakdown)
-    peak, reserved, workspace = view.peak_bytes, None, None
+    peak, reserved, workspace, expandable = view.peak_bytes, None, None, None
     load_peak, load_reserved, load_notes = _load_figures(tracker, target, where, gpu)
     approximations = [*notes, *view.approximations, *load_notes]
     managed = 0
     if gpu:
         window = step_window(tracker, STEADY_STEP)
         managed = peak_of(tracker, MANAGED, window)[0]
-        model = new_model(expandable=target.plan.config("allocator").expands)
+        expands = target.plan.config("allocator").expands
         peak, reserved, _ = allocator.replay(tracker, where, window, getattr(tracker, "side_streams", None),
-                                             model=model)
+                                             model=new_model(expandable=expands))
+        expandable = reserved if expands else \
+            allocator.replay(tracker, where, window, getattr(tracker, "side_streams", None),
+                             model=new_model(expandable=True))[1]
         # The breakdown uses 512-byte rounded storages; the replay also counts unsplit block
         # remainders. Their difference is allocator overhead, booked under "other".
         breakdown["other"] += peak - view.peak_bytes
@@ -293,6 +299,7 @@ def report_for(tracker: MemoryTracker, target, method: str, *, measurement: Meas
             breakdown["other"] += workspace
             peak += workspace
             reserved = reserved + allocator.segment_size(workspace) if workspace else reserved
+            expandable = expandable + allocator.segment_size(workspace) if workspace else expandable
         if where == "cpu" and method == "fake":
             approximations.append("traced on fake CPU tensors (no GPU here), with CUDA's kernel choices modelled")
         elif where == "cpu":
@@ -302,6 +309,7 @@ def report_for(tracker: MemoryTracker, target, method: str, *, measurement: Meas
     if measurement is not None:
         peak = measurement.peak_bytes
         reserved = measurement.reserved_bytes if measurement.reserved_bytes is not None else reserved
+        expandable = None  # (measured: one allocator ran)
     if managed:
         approximations[:0] = managed_notes(reserved, dev.context_bytes, managed, dev)
     report = dict(
@@ -309,6 +317,7 @@ def report_for(tracker: MemoryTracker, target, method: str, *, measurement: Meas
         method=method, peak_bytes=peak, breakdown=breakdown, peak_phase=view.peak_phase, precision=target.precision,
         by_module=view.by_module, activations_by_module=view.activations_by_module,
         host_peak_bytes=view.host_peak_bytes, process_peak_bytes=view.process_peak_bytes, reserved_bytes=reserved,
+        expandable_reserved_bytes=expandable,
         device_total_bytes=dev.total_bytes if gpu else None, cuda_context_bytes=dev.context_bytes if gpu else None,
         cuda_workspace_bytes=workspace, timeline=view.timeline, approximations=approximations, leaks=view.leaks,
         trace_seconds=trace_seconds, load_peak_bytes=load_peak, load_reserved_bytes=load_reserved,

@@ -279,6 +279,8 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
         reason = invalid.reason.removeprefix("plan: ") if invalid else "no candidate plan is left"
         raise UserError(f"plan: no candidate plan can run {wl.name}: {reason}")
     ranked.sort(key=lambda c: c.seconds)
+    if chosen is not None and book is not None and chosen.plan in book.expands:
+        chosen.plan = book.expanded(chosen.plan)  # NOTE [ Expandable segments where they decide the fit ]
     if chosen is not None:
         for c in ranked:
             if c.open and c is not chosen:
@@ -293,6 +295,8 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
         result.smallest = walk.smallest(ranked)
         if result.smallest is not None and result.smallest.used_bytes <= budget_bytes:  # a lower bound erred high
             chosen = result.chosen = result.smallest
+            if book is not None and chosen.plan in book.expands:
+                chosen.plan = book.expanded(chosen.plan)
             chosen.choose("the smallest plan found, confirmed to fit by a full trace")
         for c in ranked:
             if c.open and c.used_bytes is None:

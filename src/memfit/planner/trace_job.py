@@ -39,6 +39,9 @@ class Traced(NamedTuple):
     stream; per block, so extrapolated with the depth as the peak is."""
     seconds: float = 0.0
     """The trace's CPU seconds in the process that ran it (wall time depends on what else runs)."""
+    expandable_used_bytes: int | None = None
+    """``used_bytes`` of the same step with expandable segments (NOTE [ Reserved bytes with expandable
+    segments, from the same trace ] in memfit.techniques.allocator)."""
 
 
 class Tracer:
@@ -90,4 +93,5 @@ class Tracer:
             stream = from_tracker(tracker, traced_device(target.device, "fake", target.tensor_device),
                                   getattr(tracker, "side_streams", None), self._containers)
         return Traced(report.peak_bytes, report.cuda_context_bytes or 0, self.budget.allocator_bytes(report), ops, stream,
-                      managed_bytes=report.managed_bytes, seconds=time.process_time() - t0)
+                      managed_bytes=report.managed_bytes, seconds=time.process_time() - t0,
+                      expandable_used_bytes=self.budget.expandable_allocator_bytes(report))

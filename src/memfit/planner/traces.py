@@ -90,6 +90,9 @@ class TraceBook(AtBatch):
         self.shallow_failed: str | None = None
         self._traced: dict[tuple, Traced | Exception] = {}
         self._deep: dict[Plan, int | None] = {}
+        self.expands: set[Plan] = set()
+        """Plans that fit the budget only with expandable segments (NOTE [ Expandable segments where
+        they decide the fit ]): their figures here are those of expandable segments."""
         self._start_batches()
         self.tracer = Tracer(target, facts.model, budget)
         # forked children cannot use CUDA once the parent has: no workers where tensors are CUDA's
@@ -136,7 +139,9 @@ class TraceBook(AtBatch):
         (t,) = self._run([(plan, None, None)])
         forward = sum(op.phase == FORWARD for op in t.ops) // plan.micro_batches(self.target.batch_size)[1]
         graph = GraphSize(forward_ops=forward, block_ops=m.graph.block_ops if m else forward // max(1, self.depth or 1))
-        m = Measured(peak_bytes=t.peak_bytes, used_lower=t.peak_bytes + t.context_bytes, used_bytes=t.used_bytes,
+        used = t.expandable_used_bytes if self._expands_to_fit(plan, t.used_bytes, t.expandable_used_bytes,
+                                                               t.managed_bytes) else t.used_bytes
+        m = Measured(peak_bytes=t.peak_bytes, used_lower=t.peak_bytes + t.context_bytes, used_bytes=used,
                      graph=graph, ops=t.ops, full=True, managed_bytes=t.managed_bytes)
         self.measured[plan] = m
         self._new.append(plan)
@@ -154,10 +159,50 @@ class TraceBook(AtBatch):
             if traced and traced[0].stream is not None and traced[1].stream is not None:
                 deep = deepen(traced[0].stream, traced[1].stream, *pair, self.depth)
             t0 = time.process_time()
-            self._deep[plan] = None if deep is None else (replay(deep, STEADY_STEP, expandable=plan.config("allocator").expands)[1]
-                                                          + traced[1].context_bytes)
+            used = None
+            if deep is not None:
+                context = traced[1].context_bytes
+                used = replay(deep, STEADY_STEP, expandable=plan.config("allocator").expands)[1] + context
+                managed = self.measured[plan].managed_bytes if plan in self.measured else 0
+                if self.budget.counted(used, managed) > self.budget.bytes and not plan.config("allocator").expands:
+                    expanded = replay(deep, STEADY_STEP, expandable=True)[1] + context
+                    used = expanded if self._expands_to_fit(plan, used, expanded, managed) else used
+            self._deep[plan] = used
             self._spend("deep stream replay", time.process_time() - t0)
         return self._deep[plan]
+
+    # NOTE [ Expandable segments where they decide the fit ]
+    # Expandable segments change no tensor and no kernel, only how the caching allocator holds what
+    # the step allocates: its reserved bytes come from the same trace, replayed by the other allocator
+    # model (NOTE [ Reserved bytes with expandable segments, from the same trace ] in
+    # memfit.techniques.allocator). So the planner does not search them as a value (that would double
+    # the plans for no trace), but each plan whose reserved bytes are over the budget with PyTorch's
+    # default segments and within it with expandable ones fits: with ``allocator: expandable``, which
+    # the chosen plan then carries (memfit.planner.search). Where the default segments fit, the plan
+    # is the user's as written: no default changes the allocator. This is PyTorch's own advice when
+    # "reserved but unallocated" memory ran a step out of memory.
+    def _expands_to_fit(self, plan: Plan, used: int, expanded: int | None, managed: int) -> bool:
+        """Whether ``plan`` fits only with expandable segments (``used``, ``expanded``: its allocator side
+        with the default segments and with expandable ones); if so it is kept in :attr:`expands`."""
+        budget = self.budget
+        if expanded is None or plan.config("allocator").expands or budget.counted(used, managed) <= budget.bytes \
+                or budget.counted(expanded, managed) > budget.bytes:
+            return False
+        self.expands.add(plan)
+        return True
+
+    def expanded(self, plan: Plan) -> Plan:
+        """``plan`` with ``allocator: expandable``, its figures in this book those ``plan`` has here (the
+        same traces: NOTE [ Expandable segments where they decide the fit ])."""
+        twin = plan.replace(allocator="expandable")
+        if plan in self.measured:
+            self.measured[twin] = self.measured[plan]
+        for (p, d, b), t in list(self._traced.items()):
+            if p == plan and isinstance(t, Traced):
+                self._traced[(twin, d, b)] = t._replace(used_bytes=t.expandable_used_bytes or t.used_bytes)
+        if plan in self._deep:
+            self._deep[twin] = self._deep[plan]
+        return twin
 
     def lower_bound(self, plan: Plan, batch: int) -> int:
         """The lower bound of what ``plan`` at ``batch`` needs (a micro-batch's step: what the

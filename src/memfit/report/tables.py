@@ -31,6 +31,17 @@ def _pct(part: int, whole: int) -> str:
     return f"{100 * part / whole:5.1f}%" if whole else "    -"
 
 
+EXPANDABLE_SAVES = 0.02
+"""Expandable segments are shown beside the default's reserved bytes where they hold this share less."""
+
+
+def _expandable_saves(r: MemoryReport) -> bool:
+    """Whether the report shows the reserved bytes with expandable segments (NOTE [ Reserved bytes with
+    expandable segments, from the same trace ] in memfit.techniques.allocator)."""
+    x = r.expandable_reserved_bytes
+    return x is not None and r.reserved_bytes is not None and x < r.reserved_bytes * (1 - EXPANDABLE_SAVES)
+
+
 def print_estimate(r: MemoryReport, console: Console | None = None) -> None:
     c = console or _console()
     how = {"fake": "traced on fake tensors", "real-fallback": "measured by a real run (fake tracing failed)",
@@ -54,6 +65,9 @@ def print_estimate(r: MemoryReport, console: Console | None = None) -> None:
         t.add_row("loading the model", fmt_bytes(r.load_peak_bytes), "", f"peak before the first step{reserved}")
     if r.reserved_bytes is not None:
         t.add_row("reserved", fmt_bytes(r.reserved_bytes), "", "held by the CUDA caching allocator")
+        if _expandable_saves(r):
+            t.add_row("  with expandable", fmt_bytes(r.expandable_reserved_bytes), "",
+                      "the same step, allocator: expandable")
         t.add_row("CUDA context", fmt_bytes(r.cuda_context_bytes), "", "outside PyTorch's allocator")
         allocator = r.reserved_bytes + r.cuda_context_bytes
         paged_out = paged_out_bytes(r.managed_bytes, r.device_total_bytes - allocator)

@@ -17,8 +17,21 @@ segment by its shortfall instead of opening a new segment. memfit.memory.expanda
 Memory/compute trade-off: less fragmentation (reserved close to allocated) for a driver call per
 page mapped, paid while the segment grows during the first steps; no cost per step after that.
 It does not change what is computed. It acts on CUDA only; a plan that sets it on the CPU is the
-same step. The planner does not search it: once bf16-pure builds the model in bf16, it saves
-0.25 GiB on that 7B plan (14.16 -> 13.91 GiB reserved), so it is the user's to set.
+same step. The planner does not search it as a value of its own: once bf16-pure builds the model
+in bf16, it saves 0.25 GiB on that 7B plan (14.16 -> 13.91 GiB reserved). Every GPU prediction
+gives the reserved bytes under both (NOTE [ Reserved bytes with expandable segments, from the same
+trace ]), and the planner takes expandable segments where they decide the fit.
+
+NOTE [ Reserved bytes with expandable segments, from the same trace ]
+The allocator setting changes no tensor: the trace's allocations are the same under both, and
+only the allocator model replaying them differs (memfit.memory.allocator.replay, 0.01-0.05 s
+against seconds of tracing). So every predicted GPU report replays its step twice, and says what
+expandable segments would hold (``MemoryReport.expandable_reserved_bytes``; ``estimate`` shows it
+where it is 2% or more under the default's). It matters most for QLoRA: bitsandbytes dequantizes
+each frozen weight to a bf16 temporary in forward and backward, a different size per projection,
+between the activations. The default segments cannot reuse those holes: Qwen2.5-7B QLoRA (r=16,
+bf16-pure, blocks, 8 loss chunks, batch 2 x 2048, rtx4090) allocates 7.36 GiB and reserves 8.04
+GiB by default, 7.57 GiB with expandable segments.
 
 Plan key ``allocator``: ``default`` (:class:`DefaultSegments`: PyTorch's, or what the process's
 ``PYTORCH_CUDA_ALLOC_CONF`` sets) or ``expandable`` (:class:`ExpandableSegments`).
