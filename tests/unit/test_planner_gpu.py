@@ -387,5 +387,7 @@ def test_a_plan_that_fits_only_with_expandable_segments_is_chosen_with_them():
     r = plan(DEEP, budget=(default_used + expandable_used) // 2, device=DEVICE, batch_size=8, seq_len=128,
              space=space, field_recipes=False)
     assert r.chosen.plan == Plan(**fields, allocator="expandable") and r.chosen.used_bytes == expandable_used
+    assert any("fits only with expandable segments" in n for n in r.notes)
     r = plan(DEEP, budget=default_used, device=DEVICE, batch_size=8, seq_len=128, space=space, field_recipes=False)
     assert r.chosen.plan == Plan(**fields) and r.chosen.used_bytes == default_used
+    assert not any("expandable" in n for n in r.notes)

@@ -228,6 +228,11 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     return result
 
 
+EXPANDED = ("the chosen plan fits only with expandable segments (allocator: expandable, what "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True sets): with PyTorch's default segments its reserved bytes "
+            "are over the budget")
+
+
 def gpu_search(target: Target, space, facts, budget: Budget, fixed: dict | None = None, host=None
                ) -> tuple[TraceBook, GpuStepModel, GpuLadder]:
     """A GPU preset's search: one book of traces, and the time model and the evidence ladder that
@@ -279,8 +284,10 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
         reason = invalid.reason.removeprefix("plan: ") if invalid else "no candidate plan is left"
         raise UserError(f"plan: no candidate plan can run {wl.name}: {reason}")
     ranked.sort(key=lambda c: c.seconds)
+    expanded_note = []
     if chosen is not None and book is not None and chosen.plan in book.expands:
         chosen.plan = book.expanded(chosen.plan)  # NOTE [ Expandable segments where they decide the fit ]
+        expanded_note.append(EXPANDED)
     if chosen is not None:
         for c in ranked:
             if c.open and c is not chosen:
@@ -290,13 +297,15 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
     result = PlanResult(workload=wl.name, device=dev.name, batch_size=bs, budget_bytes=budget_bytes,
                         time_model=model.describe(), chosen=chosen, candidates=ranked, traces=walk.traces,
                         seq_len=wl.info.seq_len,
-                        run_steps=steps, notes=[*space.notes, *(f"{x} (left out)" for x in model.excluded), *walk.notes])
+                        run_steps=steps, notes=[*space.notes, *(f"{x} (left out)" for x in model.excluded), *walk.notes,
+                               *expanded_note])
     if chosen is None:  # nothing fits (or the trace limit came first): the smallest footprint seen
         result.smallest = walk.smallest(ranked)
         if result.smallest is not None and result.smallest.used_bytes <= budget_bytes:  # a lower bound erred high
             chosen = result.chosen = result.smallest
             if book is not None and chosen.plan in book.expands:
                 chosen.plan = book.expanded(chosen.plan)
+                result.notes.append(EXPANDED)
             chosen.choose("the smallest plan found, confirmed to fit by a full trace")
         for c in ranked:
             if c.open and c.used_bytes is None:
