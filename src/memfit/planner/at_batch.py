@@ -25,6 +25,7 @@ traced at every batch, as before. So a plan costs three batches' traces whatever
 from __future__ import annotations
 
 import math
+import time
 
 from memfit.memory.categories import STEADY_STEP
 from memfit.memory.deep_stream import Stream, deepen, replay, step_events
@@ -56,6 +57,8 @@ class AtBatch:
         """(plan, depth, x_a, x_b) -> its two traces' events paired (memfit.memory.stream_sizes.pair_up)."""
         self._drawn: dict[tuple[Plan, int], Stream] = {}
         """(plan, batch) drawn on its line -> its allocations at full depth."""
+        self._expanded: dict[tuple[Plan, int], int | None] = {}
+        """(plan, batch) -> what the budget counts of it with expandable segments."""
 
     def at_batch(self, plan: Plan, batch: int) -> Measured:
         """``plan`` at ``batch`` samples a rank: what the budget counts and its ops at full depth
@@ -72,6 +75,23 @@ class AtBatch:
     def has_at(self, plan: Plan, batch: int) -> bool:
         """``plan``'s figures at ``batch`` cost no trace: kept, or drawn on its line."""
         return (plan, batch) in self._at or (self._lines.get(plan) == TRUSTED and batch >= LINE_FROM)
+
+    def expanded_used(self, plan: Plan, batch: int) -> int | None:
+        """:meth:`at_batch`'s ``used_bytes`` with expandable segments: the same allocations replayed by the
+        other allocator model (NOTE [ Expandable segments where they decide the fit ] in
+        memfit.planner.traces); None where there is no such figure."""
+        key = (plan, batch)
+        if key not in self._expanded:
+            stream = self.stream_at(plan, batch)
+            if stream is not None:
+                t0 = time.process_time()
+                used = replay(stream, STEADY_STEP, expandable=True)[1] + self.target.device.context_bytes
+                self._spend("expandable replay", time.process_time() - t0)
+            else:
+                t = self._traced.get((plan, None, batch))
+                used = getattr(t, "expandable_used_bytes", None)
+            self._expanded[key] = used
+        return self._expanded[key]
 
     def stream_at(self, plan: Plan, batch: int) -> Stream | None:
         """The allocations at full depth behind ``plan``'s figures at ``batch`` (None: a full trace's)."""

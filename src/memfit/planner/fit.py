@@ -174,10 +174,19 @@ def _fill(cell: Cell, card: Device, method: Method, plans: list[Recipe], books: 
     def shift(recipe: Recipe) -> int:  # (a book's traces carry its own card's context)
         return card.context_bytes - book(recipe).target.device.context_bytes
 
-    def used(recipe: Recipe, batch: int) -> int:
+    def default_used(recipe: Recipe, batch: int) -> int:
         return book(recipe).at_batch(recipe.plan, batch).used_bytes + shift(recipe)
 
-    def lower(recipe: Recipe, batch: int) -> int:
+    def used(recipe: Recipe, batch: int) -> int:  # NOTE [ Expandable segments where they decide the fit ]
+        need = default_used(recipe, batch)
+        if need > limit and not recipe.plan.config("allocator").expands:
+            expanded = book(recipe).expanded_used(recipe.plan, batch)
+            need = need if expanded is None else min(need, expanded + shift(recipe))
+        return need
+
+    def lower(recipe: Recipe, batch: int) -> int:  # (where the book has the batch: its figure, either segments)
+        if book(recipe).has_at(recipe.plan, batch):
+            return used(recipe, batch)
         return book(recipe).shallow_lower(recipe.plan, batch) + shift(recipe)
 
     def bound(recipe: Recipe, batch: int) -> int:  # (the shallow pair's: no full trace where it does not line up)
@@ -213,7 +222,9 @@ def _fill(cell: Cell, card: Device, method: Method, plans: list[Recipe], books: 
     m = book(chosen).at_batch(chosen.plan, n)
     target = dataclasses.replace(book(chosen).target, plan=chosen.plan, batch_size=n * world, device=card)
     cell.world, cell.batch, cell.recipe, cell.plan = world, n * world, chosen.name, chosen.plan
-    cell.used_bytes, cell.next_used_bytes = m.used_bytes + shift(chosen), found.next_used_bytes
+    cell.used_bytes, cell.next_used_bytes = used(chosen, n), found.next_used_bytes
+    if cell.used_bytes < default_used(chosen, n):  # (it fits with expandable segments only)
+        cell.plan, cell.recipe = chosen.plan.replace(allocator="expandable"), f"{chosen.name}+expandable"
     cell.seconds = _seconds(m, target)
     info = target.workload.info
     per_sample = info.seq_len if info.text_lm and info.seq_len else 1

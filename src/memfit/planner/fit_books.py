@@ -182,6 +182,21 @@ class OnCard:
                                                     used_bytes=reserved + context)
         return self._at[key]
 
+    def has_at(self, plan: Plan, batch: int) -> bool:
+        return self.source.has_at(plan, batch)
+
+    def expanded_used(self, plan: Plan, batch: int) -> int | None:
+        """:meth:`at_batch`'s ``used_bytes`` with expandable segments (as the books' own)."""
+        stream = self.source.stream_at(plan, batch)
+        moved = on_card(stream, self.target.device) if stream is not None else None
+        if moved is stream:
+            used = self.source.expanded_used(plan, batch)
+            return None if used is None else used + self._shift(self.source)
+        if moved is None:
+            used = self.own.expanded_used(plan, batch)
+            return None if used is None else used + self._shift(self.own)
+        return replay(moved, STEADY_STEP, expandable=True)[1] + self.target.device.context_bytes
+
     def shallow_lower(self, plan: Plan, batch: int) -> int:
         if self.source.has_at(plan, batch):
             return self.at_batch(plan, batch).used_bytes
