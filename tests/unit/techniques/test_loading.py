@@ -39,6 +39,21 @@ def test_a_qlora_step_no_longer_reserves_the_full_precision_model():
         assert r.load_reserved_bytes <= 1.10 * r.load_peak_bytes  # bf16: peft casts the bf16 embeddings to fp32
 
 
+@pytest.mark.slow  # (two full traces of a 7B model: a minute on 2 cores)
+@pytest.mark.parametrize("precision", ["bf16-pure", None])  # (None: the plan's default, fp32 master weights)
+def test_a_7b_qlora_step_reserves_within_5_percent_of_allocated_with_expandable_segments(precision):
+    """Issue 49's QLoRA at full size (Llama-2-7B, batch 2 x 2048, r=16, blocks, 8 loss chunks, rtx4090):
+    with PyTorch's default segments the step's own fragmentation (bitsandbytes' dequantized weights of
+    another size per projection, between the activations) reserves 10-12% over its allocated peak;
+    the same trace replayed with expandable segments, within 5% (NOTE [ Reserved bytes with expandable
+    segments, from the same trace ]). Under bf16 autocast it is 6.0% (8.29 GiB for 7.82): not asserted."""
+    plan = memfit.Plan(base_weights="nf4", adapter="lora:r=16", checkpointing="blocks", loss_chunks=8,
+                       **({"precision": precision} if precision else {}))
+    r = estimate("llama", plan, batch_size=2, seq_len=2048, device="rtx4090")
+    assert r.reserved_bytes > 1.05 * r.peak_bytes
+    assert r.peak_bytes < r.expandable_reserved_bytes <= 1.05 * r.peak_bytes
+
+
 def test_the_load_holds_one_weight_in_full_precision_at_a_time():
     """The load's peak: the quantized model plus, at most, the largest linear in full precision and
     its quantized copy (the moment bitsandbytes quantizes it)."""
