@@ -276,12 +276,12 @@ def report_for(tracker: MemoryTracker, target, method: str, *, measurement: Meas
     if gpu:
         window = step_window(tracker, STEADY_STEP)
         managed = peak_of(tracker, MANAGED, window)[0]
+        def replay(expandable: bool) -> tuple[int, int]:
+            return allocator.replay(tracker, where, window, getattr(tracker, "side_streams", None),
+                                    model=new_model(expandable=expandable))[:2]
         expands = target.plan.config("allocator").expands
-        peak, reserved, _ = allocator.replay(tracker, where, window, getattr(tracker, "side_streams", None),
-                                             model=new_model(expandable=expands))
-        expandable = reserved if expands else \
-            allocator.replay(tracker, where, window, getattr(tracker, "side_streams", None),
-                             model=new_model(expandable=True))[1]
+        peak, reserved = replay(expands)
+        expandable = reserved if expands else replay(True)[1]
         # The breakdown uses 512-byte rounded storages; the replay also counts unsplit block
         # remainders. Their difference is allocator overhead, booked under "other".
         breakdown["other"] += peak - view.peak_bytes

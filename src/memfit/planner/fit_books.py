@@ -169,8 +169,7 @@ class OnCard:
         key = (plan, batch)
         if key not in self._at:
             m = self.source.at_batch(plan, batch)
-            stream = self.source.stream_at(plan, batch)
-            moved = on_card(stream, self.target.device) if stream is not None else None
+            stream, moved = self._moved(plan, batch)
             if moved is stream:  # (no size changes on this card: the book's figures)
                 self._at[key] = self._with_context(m, self.source)
             elif moved is None:
@@ -185,10 +184,15 @@ class OnCard:
     def has_at(self, plan: Plan, batch: int) -> bool:
         return self.source.has_at(plan, batch)
 
+    def _moved(self, plan: Plan, batch: int):
+        """(the book's allocations behind ``plan`` at ``batch``, the same on this card): the second is the first
+        where no size changes, None where the book has no stream or the card makes fewer allocations."""
+        stream = self.source.stream_at(plan, batch)
+        return stream, on_card(stream, self.target.device) if stream is not None else None
+
     def expanded_used(self, plan: Plan, batch: int) -> int | None:
         """:meth:`at_batch`'s ``used_bytes`` with expandable segments (as the books' own)."""
-        stream = self.source.stream_at(plan, batch)
-        moved = on_card(stream, self.target.device) if stream is not None else None
+        stream, moved = self._moved(plan, batch)
         if moved is stream:
             used = self.source.expanded_used(plan, batch)
             return None if used is None else used + self._shift(self.source)

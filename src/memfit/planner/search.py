@@ -233,6 +233,15 @@ EXPANDED = ("the chosen plan fits only with expandable segments (allocator: expa
             "are over the budget")
 
 
+def _with_expandable(chosen: Candidate | None, book: TraceBook | None) -> list[str]:
+    """A chosen plan that fits only with expandable segments carries them (NOTE [ Expandable segments
+    where they decide the fit ]); the note that says so, if it does."""
+    if chosen is None or book is None or chosen.plan not in book.expands:
+        return []
+    chosen.plan = book.expanded(chosen.plan)
+    return [EXPANDED]
+
+
 def gpu_search(target: Target, space, facts, budget: Budget, fixed: dict | None = None, host=None
                ) -> tuple[TraceBook, GpuStepModel, GpuLadder]:
     """A GPU preset's search: one book of traces, and the time model and the evidence ladder that
@@ -284,10 +293,7 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
         reason = invalid.reason.removeprefix("plan: ") if invalid else "no candidate plan is left"
         raise UserError(f"plan: no candidate plan can run {wl.name}: {reason}")
     ranked.sort(key=lambda c: c.seconds)
-    expanded_note = []
-    if chosen is not None and book is not None and chosen.plan in book.expands:
-        chosen.plan = book.expanded(chosen.plan)  # NOTE [ Expandable segments where they decide the fit ]
-        expanded_note.append(EXPANDED)
+    expanded_note = _with_expandable(chosen, book)
     if chosen is not None:
         for c in ranked:
             if c.open and c is not chosen:
@@ -303,9 +309,7 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
         result.smallest = walk.smallest(ranked)
         if result.smallest is not None and result.smallest.used_bytes <= budget_bytes:  # a lower bound erred high
             chosen = result.chosen = result.smallest
-            if book is not None and chosen.plan in book.expands:
-                chosen.plan = book.expanded(chosen.plan)
-                result.notes.append(EXPANDED)
+            result.notes += _with_expandable(chosen, book)
             chosen.choose("the smallest plan found, confirmed to fit by a full trace")
         for c in ranked:
             if c.open and c.used_bytes is None:

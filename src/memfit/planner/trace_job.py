@@ -56,8 +56,8 @@ class Tracer:
         self._meta = meta_model
         self._workloads: dict[int, object] = {}
         self._containers = tuple(name for name, _ in find_blocks(meta_model))
-        self._full = depth_of(meta_model)
         """The repeated-block containers (their module names give an allocation's block)."""
+        self._full = depth_of(meta_model)
 
     def shallow(self, depth: int):
         """The workload cut to ``depth`` blocks (one per depth: its meta model is cut once)."""

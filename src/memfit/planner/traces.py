@@ -139,8 +139,7 @@ class TraceBook(AtBatch):
         (t,) = self._run([(plan, None, None)])
         forward = sum(op.phase == FORWARD for op in t.ops) // plan.micro_batches(self.target.batch_size)[1]
         graph = GraphSize(forward_ops=forward, block_ops=m.graph.block_ops if m else forward // max(1, self.depth or 1))
-        used = t.expandable_used_bytes if self._expands_to_fit(plan, t.used_bytes, t.expandable_used_bytes,
-                                                               t.managed_bytes) else t.used_bytes
+        used = self._counted(plan, t.used_bytes, lambda: t.expandable_used_bytes, t.managed_bytes)
         m = Measured(peak_bytes=t.peak_bytes, used_lower=t.peak_bytes + t.context_bytes, used_bytes=used,
                      graph=graph, ops=t.ops, full=True, managed_bytes=t.managed_bytes)
         self.measured[plan] = m
@@ -162,11 +161,9 @@ class TraceBook(AtBatch):
             used = None
             if deep is not None:
                 context = traced[1].context_bytes
-                used = replay(deep, STEADY_STEP, expandable=plan.config("allocator").expands)[1] + context
-                managed = self.measured[plan].managed_bytes if plan in self.measured else 0
-                if self.budget.counted(used, managed) > self.budget.bytes and not plan.config("allocator").expands:
-                    expanded = replay(deep, STEADY_STEP, expandable=True)[1] + context
-                    used = expanded if self._expands_to_fit(plan, used, expanded, managed) else used
+                used = self._counted(plan, replay(deep, STEADY_STEP, expandable=plan.config("allocator").expands)[1] + context,
+                                     lambda: replay(deep, STEADY_STEP, expandable=True)[1] + context,
+                                     self.measured[plan].managed_bytes if plan in self.measured else 0)
             self._deep[plan] = used
             self._spend("deep stream replay", time.process_time() - t0)
         return self._deep[plan]
@@ -181,15 +178,18 @@ class TraceBook(AtBatch):
     # the chosen plan then carries (memfit.planner.search). Where the default segments fit, the plan
     # is the user's as written: no default changes the allocator. This is PyTorch's own advice when
     # "reserved but unallocated" memory ran a step out of memory.
-    def _expands_to_fit(self, plan: Plan, used: int, expanded: int | None, managed: int) -> bool:
-        """Whether ``plan`` fits only with expandable segments (``used``, ``expanded``: its allocator side
-        with the default segments and with expandable ones); if so it is kept in :attr:`expands`."""
+    def _counted(self, plan: Plan, used: int, expanded, managed: int) -> int:
+        """The allocator side the book keeps for ``plan``: ``used`` (the default segments'), or ``expanded()``
+        (expandable segments'; None: no such figure) where only that fits, the plan then kept in
+        :attr:`expands`. ``expanded`` is asked only of a plan over the budget."""
         budget = self.budget
-        if expanded is None or plan.config("allocator").expands or budget.counted(used, managed) <= budget.bytes \
-                or budget.counted(expanded, managed) > budget.bytes:
-            return False
+        if plan.config("allocator").expands or budget.counted(used, managed) <= budget.bytes:
+            return used
+        other = expanded()
+        if other is None or budget.counted(other, managed) > budget.bytes:
+            return used
         self.expands.add(plan)
-        return True
+        return other
 
     def expanded(self, plan: Plan) -> Plan:
         """``plan`` with ``allocator: expandable``, its figures in this book those ``plan`` has here (the
