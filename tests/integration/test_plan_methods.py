@@ -91,6 +91,7 @@ def test_the_optimizer_keys_are_fixed_only_when_small_and_not_the_users():
     assert users.values["optimizer"] == ["adamw", "adamw8bit-ao"]
 
 
+@pytest.mark.slow  # (keeps the default suite under 10 minutes on 2 cores)
 def test_when_nothing_fits_with_the_optimizer_fixed_the_plan_searches_it_again(monkeypatch):
     """No answer is lost: the narrowed search found nothing, so the whole space is searched."""
     from memfit.planner import search

@@ -111,7 +111,8 @@ def _one_process(steps: int, fields: dict):
     return losses, {n: p.detach() for n, p in step.model.named_parameters()}, step.ema.state_dict().get("shadow", {})
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# (compiled blocks on two ranks: slow, keeps the default suite under 10 minutes on 2 cores)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if "compile" in c else c for c in CASES])
 def test_two_ranks_train_as_one_process_and_the_rank_peak_is_predicted(two_ranks, case):
     """Same global batch, same initial weights: the 2-rank FSDP2 losses and parameters equal one
     process's (up to the reduction order of float sums: 1e-5 relative). Rank 0's step, tracked on

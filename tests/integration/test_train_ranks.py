@@ -100,6 +100,7 @@ def test_two_ranks_train_as_one_process_and_resume_at_the_other_world_size(tmp_p
         "same --plan/--batch-size (the world size may differ), or start a new run in another --out folder"]
 
 
+@pytest.mark.slow  # (keeps the default suite under 10 minutes on 2 cores); two ranks: test_sharding
 def test_optimizer_in_backward_on_two_ranks_resumes_in_one_process(tmp_path):
     """Sharded optimizer-in-backward: each rank steps its shards from FSDP2's post-reduce-scatter
     hooks; the DCP checkpoint holds the per-parameter optimizers' states by parameter name, so one
@@ -118,6 +119,7 @@ def test_optimizer_in_backward_on_two_ranks_resumes_in_one_process(tmp_path):
     assert [losses[i] for i in range(1, 7)] == pytest.approx([expected[i] for i in range(1, 7)], rel=1e-5)
 
 
+@pytest.mark.slow  # (keeps the default suite under 10 minutes on 2 cores); one process: test_train_adapt
 def test_out_of_memory_on_two_ranks_adapts_in_lockstep(tmp_path):
     """A per-rank budget under the plan's need: the CPU guard raises out-of-memory on both ranks,
     rank 0 picks the smaller micro-batch and both rebuild; the losses stay one process's."""

@@ -76,6 +76,7 @@ def _large_elements() -> list[int]:
     return [p.numel() for p in model.parameters() if p.requires_grad and p.numel() >= 100_000]
 
 
+@pytest.mark.slow  # (keeps the default suite under 10 minutes on 2 cores); planning the 8B recipe: ~35 s
 def test_torchtune_full_recipe_is_listed_with_its_paged_states_migration_priced(monkeypatch):
     """A budget with room for the recipe's allocator side but for only half its paged 8-bit states:
     the recipe fits (the rest pages), is predicted from its own traces, and its time carries every

@@ -109,6 +109,7 @@ def test_a_diffusion_model_full_and_lora():
         assert _used(workload, cell.plan, cell.batch, GPU_PRESETS["rtx4060"]) <= cell.budget_bytes
 
 
+@pytest.mark.slow  # (keeps the default suite under 10 minutes on 2 cores); the planner's: test_planner_gpu
 def test_a_batch_that_fits_only_with_expandable_segments_is_taken_with_them():
     """NOTE [ Expandable segments where they decide the fit ]: LoRA of the 6-block Llama at 12 samples
     reserves 56 MiB with the default segments and 54 MiB with expandable ones; under a budget of 55 MiB

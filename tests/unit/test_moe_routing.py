@@ -21,10 +21,11 @@ def eager_mixtral(tmp_path_factory):
 
 def measured(folder, plan, routing=None):
     with ForcedRouting(routing) if routing else contextlib.nullcontext():
-        return profile(folder, plan, batch_size=2, seq_len=64, repeats=1)
+        return profile(folder, plan, batch_size=2, seq_len=64, repeats=0)
 
 
-@pytest.mark.parametrize("plan", [Plan(), Plan(precision="bf16", checkpointing="blocks")], ids=["fp32", "bf16-blocks"])
+@pytest.mark.parametrize("plan", [Plan(), pytest.param(Plan(precision="bf16", checkpointing="blocks"), marks=pytest.mark.slow)],
+                         ids=["fp32", "bf16-blocks"])  # (slow: keeps the default suite under 10 minutes; bf16 blocks on MoE: test_moe_techniques)
 def test_the_loop_traces_and_each_routing_is_predicted_within_one_percent(eager_mixtral, plan):
     balanced = measured(eager_mixtral, plan, BALANCED)
     assert balanced.predicted.method == "fake" and abs(balanced.error_percent) < 1.0

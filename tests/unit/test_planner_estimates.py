@@ -156,6 +156,7 @@ def test_the_maximal_plans_come_first_when_no_plan_measured_before_the_walk_fits
 DEEP = "gpt2:n_layer=6,n_embd=256,n_head=4,vocab_size=2000,n_positions=128"
 
 
+@pytest.mark.slow  # (keeps the default suite under 10 minutes on 2 cores); a planning-time saving
 def test_work_adding_values_are_not_measured_when_the_fastest_simple_plan_fits(monkeypatch):
     """NOTE [ Work-adding values when the default plan fits ]: on an 80 GB card a small GPT-2's
     default plan fits; checkpointing, offload and a chunked loss can only make it slower, so they
