@@ -368,6 +368,7 @@ def _status(argv: list[str]) -> tuple[int, str]:
     return rc, err
 
 
+@pytest.mark.slow  # (keeps the default suite under 10 minutes on 2 cores)
 def test_a_reader_that_leaves_the_pipe_ends_memfit_quietly():
     """``memfit estimate ... | head -1``: the reader closes the pipe; memfit stops with the shell's
     SIGPIPE status (141) and says nothing, where it used to report an internal BrokenPipeError."""

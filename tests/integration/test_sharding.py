@@ -39,7 +39,7 @@ CASES = {"fsdp": {"shard": "fsdp", "world_size": 2},
 WIDER = "gpt2:n_layer=4,n_embd=256,n_head=4,vocab_size=2000,n_positions=64"
 
 
-def _rank(rank: int, world: int, port: int, out: str) -> None:
+def _rank(rank: int, world: int, port: int, out: str, cases: list[str]) -> None:
     """One rank, every case in turn (one pair of processes for them all: each start costs seconds).
     A case: measure the peak of its second step with the profiler's allocator events (and the
     tracker's, on the real tensors), then train STEPS steps of the sharded step on its share of the
@@ -59,7 +59,8 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     seen = {}
     try:
-        for case, fields in CASES.items():
+        for case in cases:
+            fields = CASES[case]
             target = Target.resolve(SMALL, Plan(**fields), BATCH, "cpu", seq_len=32)
             torch.manual_seed(0)
             run, peak, _ = measured_cpu_run(target)
@@ -91,10 +92,13 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> dict:
-    """What rank 0 of 2 real gloo ranks saw, by case (one launch for the module)."""
+def two_ranks(tmp_path_factory, request) -> dict:
+    """What rank 0 of 2 real gloo ranks saw, by case (one launch for the module): the cases this session
+    runs (the slow tier's compiled case only when it is selected)."""
     out = str(tmp_path_factory.mktemp("ranks") / "rank0.json")
-    mp.start_processes(_rank, args=(2, _free_port(), out), nprocs=2, start_method="spawn")
+    cases = [c for c in CASES if any(getattr(item, "callspec", None) and item.callspec.params.get("case") == c
+                                     and item.path.name == "test_sharding.py" for item in request.session.items)]
+    mp.start_processes(_rank, args=(2, _free_port(), out, cases), nprocs=2, start_method="spawn")
     with open(out) as f:
         return json.load(f)
 
