@@ -128,3 +128,15 @@ def test_calibration_measures_compile_time_and_times_budgets_with_compile():
     assert ("checkpointing", "budget:0.5") in model.factors and not model.excluded
     assert model.warmup(Plan(compile="blocks", checkpointing="budget:0.5")) == pytest.approx(
         sum(model.warmups.values()))
+
+
+def test_a_given_budget_is_checked_with_the_given_compile_mode():
+    """``--compile full --checkpointing budget:0.5`` (a budget needs compile): each given value is checked
+    against the model with the given fields it needs, not refused as if compile were off."""
+    from memfit.errors import UserError
+    from memfit.planner.search import _check_suits
+    target = Target.resolve(SPEC, None, 8, "h100-80gb", seq_len=64)
+    given = {"compile": "full", "checkpointing": "budget:0.5"}
+    _check_suits(target, {"checkpointing": "budget:0.5"}, given)  # (raised "needs compile" before)
+    with pytest.raises(UserError, match="needs compile"):
+        _check_suits(target, {"checkpointing": "budget:0.5"}, {"checkpointing": "budget:0.5"})

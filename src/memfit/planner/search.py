@@ -168,7 +168,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     offered = {k: list(v) for k, v in space.values.items()}
     given_fields = dict(fixed or {})
     fixed, constrained = _constrain(space, dict(given_fields), dev, rank_bs)
-    _check_suits(target, constrained)
+    _check_suits(target, constrained, given_fields)
     trainable = None if custom_space else _trainable(target, facts, given_fields)
     narrowed = narrow_optimizer and not custom_space and leave_out_optimizer_choices(  # NOTE [ Optimizer choices that cannot matter ]
         space, trainable, budget_bytes, set(given_fields) | ({"optimizer"} if optimizers else set()))
@@ -363,19 +363,30 @@ def _constrain(space, fixed: dict, dev: Device, bs: int) -> tuple[dict, dict]:
     return fixed, constrained
 
 
-def _check_suits(target: Target, constrained: dict) -> None:
+def _check_suits(target: Target, constrained: dict, given: dict) -> None:
     """Build the step (on fake tensors: no memory) with each value the user fixed, so that one that
     does not suit the workload (loss_chunks on a model that is no causal LM, checkpointing without
-    repeated blocks) is refused before any candidate is timed or traced."""
+    repeated blocks) is refused before any candidate is timed or traced. A value is built alone, or
+    with the other given fields where it needs one of them (an activation budget needs compile)."""
     for name, value in constrained.items():
-        config = Plan(**{name: value}).config(technique_of(name).name)
+        alone = _alone_or_with(name, value, given)
+        config = alone.config(technique_of(name).name)
         if not config.technique.depends_on_model or config.is_default:
             continue
         try:
             with silenced_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
-                build_step(target.with_plan(Plan(**{name: value})))
+                build_step(target.with_plan(alone))
         except UserError as e:
             raise _unsuited(target.workload, name, value, str(e)) from None
+
+
+def _alone_or_with(name: str, value, given: dict) -> Plan:
+    """A plan of ``name=value`` alone; with every given field where the value alone is no plan (the
+    given fields together were checked as a plan before the search)."""
+    try:
+        return Plan(**{name: value})
+    except UserError:
+        return Plan(**given)
 
 
 def _unsuited(wl: Workload, name: str, value, why: str) -> UserError:
