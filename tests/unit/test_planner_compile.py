@@ -140,3 +140,5 @@ def test_a_given_budget_is_checked_with_the_given_compile_mode():
     _check_suits(target, {"checkpointing": "budget:0.5"}, given)  # (raised "needs compile" before)
     with pytest.raises(UserError, match="needs compile"):
         _check_suits(target, {"checkpointing": "budget:0.5"}, {"checkpointing": "budget:0.5"})
+    with_8bit = {**given, "checkpointing": "budget:0.1", "optimizer_in_backward": True, "optimizer": "adamw8bit"}
+    _check_suits(target, {"checkpointing": "budget:0.1"}, with_8bit)  # (built with compile, not the 8-bit update)

@@ -381,12 +381,14 @@ def _check_suits(target: Target, constrained: dict, given: dict) -> None:
 
 
 def _alone_or_with(name: str, value, given: dict) -> Plan:
-    """A plan of ``name=value`` alone; with every given field where the value alone is no plan (the
-    given fields together were checked as a plan before the search)."""
-    try:
-        return Plan(**{name: value})
-    except UserError:
-        return Plan(**given)
+    """A plan of ``name=value`` alone, or with the one other given field it needs (an activation
+    budget needs a compile mode), or else with them all."""
+    for other in (None, *[k for k in given if k != name]):
+        try:
+            return Plan(**{name: value, **({other: given[other]} if other else {})})
+        except UserError:
+            continue
+    return Plan(**given)
 
 
 def _unsuited(wl: Workload, name: str, value, why: str) -> UserError:
