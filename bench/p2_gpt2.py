@@ -12,7 +12,7 @@ the planner's own time model over a run of ``--steps`` steps (compile time sprea
 memory from the chosen plan's full-depth trace. Eager's time is the H100's measured 70.3 ms and its
 memory the measured row; the predicted eager step is printed beside it (a ratio of two predictions).
 
-    .venv/bin/python -m bench.p2_gpt2                 # the table (about 6 minutes on 2 cores)
+    .venv/bin/python -m bench.p2_gpt2                 # the table (about 12 minutes on 2 cores)
     .venv/bin/python -m bench.p2_gpt2 --steps 1000
 """
 
