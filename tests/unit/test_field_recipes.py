@@ -54,6 +54,9 @@ def test_values_the_model_cannot_take_are_dropped_and_a_contradicted_recipe_is_l
     plans, notes = field_plans(TEXT, {"precision": "fp32"}, OFFERED, GPU)
     assert plans == {} and notes == ["torchtune full (1 GPU) not planned: it sets precision, which you fixed"]
     assert all(r.source for r in RECIPES)
+    budget = {"compile": "full", "checkpointing": "budget:0.5"}  # (a budget alone is no plan: it needs compile)
+    plans, notes = field_plans(TEXT, budget, OFFERED, GPU)
+    assert plans == {} and notes == ["torchtune full (1 GPU) not planned: it sets checkpointing, compile, which you fixed"]
 
 
 def test_a_recipe_predicted_faster_that_fits_is_chosen_instead():

@@ -97,6 +97,7 @@ def field_plans(workload, given: dict, offered: dict, device, mostly_frozen: boo
     images = workload.info.resolution is not None
     text = not images and any(offered.get("loss_chunks", ()))  # (a causal LM: its loss can be chunked)
     method = method_of(given, mostly_frozen)
+    yours = Plan(**given).to_dict()  # (a given value may need another: a budget needs compile)
     out, notes = {}, []
     for recipe in RECIPES:
         if method not in recipe.methods or (recipe.text_lm and not text) or (not recipe.text_lm and not images):
@@ -104,7 +105,7 @@ def field_plans(workload, given: dict, offered: dict, device, mostly_frozen: boo
         if n_params is not None and n_params < recipe.min_params:
             continue
         fields = {k: v for k, v in recipe.fields.items() if k not in MODEL_DEPENDENT or v in offered.get(k, ())}
-        clash = [k for k, v in fields.items() if k in given and Plan(**{k: given[k]}).to_dict()[k] != Plan(**{k: v}).to_dict()[k]]
+        clash = [k for k, v in fields.items() if k in given and yours[k] != Plan(**{k: v}).to_dict()[k]]
         if clash:
             notes.append(f"{recipe.name} not planned: it sets {', '.join(clash)}, which you fixed")
             continue
