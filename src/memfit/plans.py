@@ -255,6 +255,24 @@ def keys() -> tuple[Key, ...]:
     return tuple(k for t in TECHNIQUES for k in t.keys)
 
 
+def with_what_it_needs(name: str, value: Any, others, base: Plan | None = None) -> tuple[Plan, dict] | None:
+    """``base`` (None: the default plan) with ``name=value``, or, when that is no plan, with the first
+    other field of ``others`` (``(key, value)`` pairs) that lets it be one (``budget:0.5`` needs a
+    compile mode); and the other field added (``{}`` for none). None: no such field."""
+    make = Plan if base is None else base.replace
+    try:
+        return make(**{name: value}), {}
+    except UserError:
+        pass
+    for other, v in others:
+        if other != name:
+            try:
+                return make(**{name: value, other: v}), {other: v}
+            except UserError:
+                continue
+    return None
+
+
 def technique_of(key: str) -> Technique:
     """The technique that owns plan key ``key``."""
     return KEYS[key][0]

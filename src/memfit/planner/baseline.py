@@ -16,7 +16,7 @@ from collections.abc import Callable
 from memfit.errors import UserError
 from memfit.planner.space import SearchSpace
 from memfit.planner.traces import TraceBook
-from memfit.plans import Plan, technique_of
+from memfit.plans import Plan, technique_of, with_what_it_needs
 
 
 def adds_work(key: tuple[str, object]) -> bool:
@@ -129,17 +129,8 @@ class Baseline:
     def _alone(self, name: str, value) -> Plan | None:
         """The base with ``value`` (or, when it cannot run alone, with the first other searched value
         that lets it run: ``budget:F`` with a compile mode)."""
-        try:
-            return self.base.replace(**{name: value})
-        except UserError:
-            pass
-        for other, values in self.space.values.items():
-            for v in values if other != name else ():
-                try:
-                    return self.base.replace(**{name: value, other: v})
-                except UserError:
-                    continue
-        return None
+        found = with_what_it_needs(name, value, ((k, v) for k, vs in self.space.values.items() for v in vs), self.base)
+        return found[0] if found else None
 
     # NOTE [ The walk's first traces behind the measuring ]
     # The search hands :meth:`Baseline.measure` the plans the walk takes first whatever is measured

@@ -29,7 +29,7 @@ from memfit.planner.candidate import Evidence, Fidelity
 from memfit.planner.progress import NoProgress
 from memfit.planner.space import SearchSpace
 from memfit.planner.time_model import StepTimeModel, factor_estimate
-from memfit.plans import Plan, technique_of
+from memfit.plans import Plan, technique_of, with_what_it_needs
 from memfit.quiet import silenced_warnings
 from memfit.step import build_step, make_batch
 from memfit.target import Target
@@ -249,14 +249,8 @@ def _alone(name: str, value, space: SearchSpace) -> tuple[Plan, Plan]:
     """The plan that times ``value`` and the plan it is compared with: ``value`` alone against the
     default plan, or, when it cannot run alone, with the first other value of the space that lets
     it run (e.g. ``budget:0.5`` with ``compile: blocks``) against that value alone."""
-    try:
-        return Plan(**{name: value}), Plan()
-    except UserError as e:
-        alone_error = e
-    for other, values in space.values.items():
-        for v in values if other != name else ():
-            try:
-                return Plan(**{name: value, other: v}), Plan(**{other: v})
-            except UserError:
-                continue
-    raise alone_error
+    found = with_what_it_needs(name, value, ((k, v) for k, vs in space.values.items() for v in vs))
+    if found is None:
+        Plan(**{name: value})  # (raises why it cannot run alone)
+    plan, other = found
+    return plan, Plan(**other)

@@ -56,7 +56,7 @@ from memfit.planner.space import (
 from memfit.planner.time_model import StepTimeModel
 from memfit.planner.traces import TraceBook
 from memfit.planner.walk import Walk
-from memfit.plans import Plan, technique_of
+from memfit.plans import Plan, technique_of, with_what_it_needs
 from memfit.quiet import silenced_warnings
 from memfit.step import build_step
 from memfit.target import Target
@@ -383,12 +383,8 @@ def _check_suits(target: Target, constrained: dict, given: dict) -> None:
 def _alone_or_with(name: str, value, given: dict) -> Plan:
     """A plan of ``name=value`` alone, or with the one other given field it needs (an activation
     budget needs a compile mode), or else with them all."""
-    for other in (None, *[k for k in given if k != name]):
-        try:
-            return Plan(**{name: value, **({other: given[other]} if other else {})})
-        except UserError:
-            continue
-    return Plan(**given)
+    found = with_what_it_needs(name, value, given.items())
+    return found[0] if found else Plan(**given)
 
 
 def _unsuited(wl: Workload, name: str, value, why: str) -> UserError:
