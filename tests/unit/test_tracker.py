@@ -76,3 +76,23 @@ def test_fake_trace_allocates_no_real_memory():
     assert run.tracker.live_bytes() == 0 or all(r.nbytes >= 0 for r in run.tracker.state.records)
     report = report_for(run.tracker, target, "fake")
     assert report.breakdown["parameters"] == (32768 * 32768 + 32768) * F32
+
+
+def test_a_scalar_made_where_a_check_was_freed_is_not_read_as_that_check():
+    """Fake mode cannot know ``found_inf.item()``: 0 is assumed, and ``.all()`` True. Which check made a
+    tensor was kept by its storage's address, so a float made where a freed ``.all()`` had been read as
+    True: GradScaler skipped the first step's update in some traces and not others (NOTE [ Assumed
+    scalars ])."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    reads = []
+    with FakeTensorMode(), MemoryTracker(assume_scalars=True):
+        x = torch.ones(4)
+        for _ in range(50):
+            check = (x > 0).all()
+            assert bool(check) is True
+            del check
+            found_inf = torch.zeros(())
+            reads.append(found_inf.item())
+            del found_inf
+    assert reads == [0.0] * 50

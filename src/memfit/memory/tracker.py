@@ -80,8 +80,8 @@ class MemoryTracker(TorchDispatchMode):
         self.approximations: dict[tuple[str, str], Approximation] = {}
         self.probe = probe
         self.unprobed: dict[str, int] = {}
-        self._check_origin: dict[int, object] = {}  # storage -> the aten.all / aten.any / aten.sum that made it
-        self._mask_counts: dict[int, int | None] = {}  # storage -> elements counted per value (a bool mask's sum)
+        self._check_origin: dict[int, object] = {}  # storage's record -> the aten.all / aten.any / aten.sum that made it
+        self._mask_counts: dict[int, int | None] = {}  # storage's record -> elements counted per value (a bool mask's sum)
         self.storages = LiveStorages(self._allocated, self._freed, self._hosted)  # tokens: record serials
         self._forward_serial_start = 0
         self._modules = ModuleStack()
@@ -184,10 +184,6 @@ class MemoryTracker(TorchDispatchMode):
             except DataDependentOutputException:
                 return self._assume(func, args)
         out = func(*args, **kwargs)
-        if self.assume_scalars and func.overloadpacket in _CHECK_OPS and isinstance(out, torch.Tensor):
-            self._check_origin[_key(out)] = func.overloadpacket
-            if func.overloadpacket in _COUNT_OPS:
-                self._mask_counts[_key(out)] = _mask_count(args, out)
         probed = None
         if self.probe is not None and self.probe.wants(func):
             probed = self.probe(func, args, kwargs, out)
@@ -204,6 +200,12 @@ class MemoryTracker(TorchDispatchMode):
                     self.approximate("kernel scratch extrapolated from probes at smaller shapes",
                                       str(func.overloadpacket.__name__))
         self.storages.see_outputs(out, func)
+        if self.assume_scalars and func.overloadpacket in _CHECK_OPS and isinstance(out, torch.Tensor):
+            token = self.storages.token(out)  # (by its record, not its address: NOTE [ Assumed scalars ])
+            if token is not None:
+                self._check_origin[token] = func.overloadpacket
+                if func.overloadpacket in _COUNT_OPS:
+                    self._mask_counts[token] = _mask_count(args, out)
         if probed is not None and probed.scratch_bytes:
             # scratch = the op's peak minus what it returns, so booking it beside the outputs
             # reproduces the op's peak (see memfit.memory.workspaces)
@@ -255,12 +257,16 @@ class MemoryTracker(TorchDispatchMode):
     # overflow), and a count of a boolean mask (``mask.sum()``, ``count_nonzero``) a full mask, as
     # ``.all()`` is: every element counted (e.g. the caption lengths of a text-conditioned DiT from
     # its attention mask; a synthetic batch's masks are full). Every assumption is listed in the
-    # report.
+    # report. Which check made a tensor is kept by its storage's record, not its address: a storage
+    # freed and another made at the same address took over its origin, so GradScaler's found_inf, made
+    # where an ``.all()`` had been, read as an overflow and skipped the first step's update, in some
+    # traces and not others (the second step then made the optimizer states).
     def _assume(self, func, args):
         """The value assumed for a scalar fake mode cannot know, listed in the report (NOTE [ Assumed
         scalars ])."""
-        origin = self._check_origin.get(_key(args[0])) if func is not aten.equal.default else None
-        count = self._mask_counts.get(_key(args[0])) if origin in _COUNT_OPS else None
+        token = self.storages.token(args[0])
+        origin = self._check_origin.get(token) if func is not aten.equal.default and token is not None else None
+        count = self._mask_counts.get(token) if origin in _COUNT_OPS else None
         if func is aten.equal.default:
             what, value = "torch.equal(...) assumed True", True
         elif count is not None:
@@ -381,10 +387,6 @@ _SCALAR_READS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_n
 def _any_fake(args) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
     return any(isinstance(a, FakeTensor) for a in tree_leaves(args))
-
-
-def _key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
 
 
 def _device_name(t: torch.Tensor) -> str:
