@@ -18,3 +18,21 @@ def test_estimate_for_a_gpu_preset_does_not_initialise_cuda():
     out = _run("import memfit, torch; memfit.estimate('mha', batch_size=2, device='h100-80gb'); "
                "print(torch.cuda.is_initialized())")
     assert out.endswith("False")
+
+
+def test_a_process_first_trace_of_a_lora_plan_is_its_second():
+    """peft makes tensors as it loads (LoHa's ``torch.tensor(1)`` defaults): imported by the first trace
+    of a process, they were that trace's allocations, so two workers traced one plan differently and
+    memfit fit's architectures shared fewer plans, run to run (NOTE [ Imports before the trace ])."""
+    out = _run("import sys; from memfit.planner.trace_job import Tracer; from memfit.memory.budget import Budget;\n"
+               "from memfit.devices import get_device; from memfit.plans import Plan; from memfit.target import Target\n"
+               "from memfit.workloads import load_workload; from memfit.planner.space import model_facts\n"
+               "from memfit.quiet import silenced_warnings\n"
+               "w = load_workload('llama:num_hidden_layers=6,hidden_size=64,intermediate_size=128,num_attention_heads=4,"
+               "num_key_value_heads=2,vocab_size=512', seq_len=64); card = get_device('rtx4090')\n"
+               "with silenced_warnings():\n"
+               "    tracer = Tracer(Target(w, Plan(), 1, card), model_facts(w).model, Budget.of_device(card))\n"
+               "    plan = Plan(adapter='lora:r=4'); assert 'peft' not in sys.modules\n"
+               "    a, b = tracer((plan, 2, 1)), tracer((plan, 2, 1))\n"
+               "print(a.stream.tokens == b.stream.tokens, a.peak_bytes == b.peak_bytes, len(a.stream.tokens))")
+    assert out.split()[:2] == ["True", "True"]

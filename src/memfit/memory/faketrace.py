@@ -61,6 +61,8 @@ def _run_tracked(target: Target, *, fake: bool, steps: int, outer: contextlib.Ab
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     device = target.device
+    for config in target.plan.techniques:  # NOTE [ Imports before the trace ]
+        config.before_trace()
     tracker = MemoryTracker(assume_scalars=fake, probe=probe_for(device) if fake else None)
     hooks: list[Any] = []
     t0 = time.perf_counter()
@@ -124,6 +126,14 @@ def optimizer_state_tensors(optimizer) -> list:
     return out
 
 
+# NOTE [ Imports before the trace ]
+# A module that makes tensors as it loads (peft's LoHa: ``scale=torch.tensor(1)`` defaults), imported
+# for the first time while a step is built under the tracker, puts them in the trace as the step's
+# allocations: in the first trace of a process only. So two traces of one plan would differ by what
+# their process traced before, and the planner compares traces made in different worker processes
+# (memfit.planner.fit_books: whether two architectures trace a plan alike). Each config imports what
+# its step imports lazily before the trace enters its modes (``Config.before_trace``); the real run
+# imported it long before its first step.
 def _enter_trace_contexts(stack: contextlib.ExitStack, target: Target) -> None:
     """What a fake trace of the target's step needs to take a real run's code paths."""
     stack.enter_context(real_code_paths())
