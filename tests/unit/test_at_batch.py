@@ -14,6 +14,7 @@ from memfit.planner import at_batch
 from memfit.planner.fit_books import Books
 from memfit.planner.methods import parse_methods
 from memfit.planner.recipes import recipes
+from memfit.planner.shallow import OpsOnLine
 from memfit.planner.space import model_facts
 from memfit.planner.timing import time_from_ops
 from memfit.planner.traces import TraceBook
@@ -66,6 +67,7 @@ def test_a_batch_drawn_on_the_line_is_the_full_trace_at_that_batch(setting, meth
             report = estimate_target(Target.resolve(workload, plan, 11, card))
         assert drawn.used_bytes == Budget(0, card).used_bytes(report)
         assert drawn.peak_bytes == pytest.approx(report.peak_bytes, rel=1e-4)  # (the replay rounds a few tensors)
+        assert isinstance(drawn.ops, OpsOnLine) and len(drawn.ops) > 0  # (put on the line when first read)
         if method == "full":  # its ops, on the line: the time of the traced step
             traced = _book(setting, card)
             try:
@@ -150,3 +152,19 @@ def test_a_card_of_the_group_with_other_sms_has_its_own_staging_buffers(setting,
     assert answer.at_batch(full, 256).used_bytes == _used(workload, full, 256, small)
     stream = book.stream_at(full, 256)
     assert stream_sizes.on_card(stream, small).tokens != stream.tokens  # (what the test is about)
+
+
+def test_ops_on_the_line_are_each_op_on_the_line_through_its_two_sizes():
+    import pickle
+
+    from memfit.planner.ops import MATMUL, MEMORY, Op
+    from memfit.planner.shallow import ops_line_up
+
+    two = [Op(MATMUL, 0, 100.0, 40, "bf16", 1, 0, key=7), Op(MEMORY, 1, 0.0, 10, "", 3, 0, elements=5)]
+    four = [Op(MATMUL, 0, 200.0, 60, "bf16", 1, 0, key=9), Op(MEMORY, 1, 0.0, 20, "", 3, 0, elements=9)]
+    assert ops_line_up(two, four) and not ops_line_up(two, four[:1]) and not ops_line_up(two, four[::-1])
+    ten = OpsOnLine(two, four, 2, 4, 10)
+    assert len(ten) == 2 and ten._ops is None  # (nothing put on the line before it is read)
+    assert list(ten) == [Op(MATMUL, 0, 500.0, 120, "bf16", 1, 0, key=9), Op(MEMORY, 1, 0.0, 50, "", 3, 0, elements=21)]
+    assert ten[1].nbytes == 50 and ten[:1] == [ten[0]]
+    assert pickle.loads(pickle.dumps(ten)) == list(ten)  # (a worker gets the list it is)

@@ -31,7 +31,7 @@ from memfit.memory.categories import STEADY_STEP
 from memfit.memory.deep_stream import Stream, deepen, replay, step_events
 from memfit.memory.stream_sizes import Paired, pair_up, widen
 from memfit.planner.measured import PEAK_MARGIN, Measured, ShallowFailed
-from memfit.planner.shallow import extrapolate, extrapolate_ops, widen_ops
+from memfit.planner.shallow import OpsOnLine, extrapolate, extrapolate_ops, ops_line_up
 from memfit.plans import Plan
 
 TRUSTED, BROKEN = "trusted", "broken"
@@ -59,6 +59,8 @@ class AtBatch:
         """(plan, batch) drawn on its line -> its allocations at full depth."""
         self._expanded: dict[tuple[Plan, int], int | None] = {}
         """(plan, batch) -> what the budget counts of it with expandable segments."""
+        self._ops_line_up: dict[tuple, bool] = {}
+        """(plan, x_a, x_b, which) -> whether the ops at the two batches line up (:meth:`_line_up`)."""
 
     def at_batch(self, plan: Plan, batch: int) -> Measured:
         """``plan`` at ``batch`` samples a rank: what the budget counts and its ops at full depth
@@ -150,14 +152,13 @@ class AtBatch:
             return None
         ops, pair = None, None
         if a.ops is not None and b.ops is not None:
-            ops = widen_ops(a.ops, b.ops, x_a, x_b, batch)
-            if ops is None:
+            if not self._line_up(plan, x_a, x_b, 0, a.ops, b.ops):
                 return None
+            ops = OpsOnLine(a.ops, b.ops, x_a, x_b, batch)
         elif a.pair is not None and b.pair is not None:
-            lists = [widen_ops(u, v, x_a, x_b, batch) for u, v in zip(a.pair[:2], b.pair[:2])]
-            if None in lists:
+            if not all(self._line_up(plan, x_a, x_b, i + 1, u, v) for i, (u, v) in enumerate(zip(a.pair[:2], b.pair[:2]))):
                 return None
-            pair = (*lists, *b.pair[2:])
+            pair = (*(OpsOnLine(u, v, x_a, x_b, batch) for u, v in zip(a.pair[:2], b.pair[:2])), *b.pair[2:])
         else:
             return None
         peak, reserved = replay(stream, STEADY_STEP, expandable=plan.config("allocator").expands)
@@ -165,6 +166,14 @@ class AtBatch:
         managed = round(a.managed_bytes + (b.managed_bytes - a.managed_bytes) * (batch - x_a) / (x_b - x_a))
         return Measured(peak_bytes=peak, used_lower=int(peak * (1 - PEAK_MARGIN)) + context,
                         used_bytes=reserved + context, ops=ops, pair=pair, managed_bytes=managed), stream
+
+    def _line_up(self, plan: Plan, x_a: int, x_b: int, which: int, a: list, b: list) -> bool:
+        """Whether the ops ``a`` and ``b`` of ``plan`` at ``x_a`` and ``x_b`` samples (``which``: the full
+        depth's, or a depth's of the pair) are the same ops, checked once for every batch drawn on them."""
+        key = (plan, x_a, x_b, which)
+        if key not in self._ops_line_up:
+            self._ops_line_up[key] = x_a != x_b and ops_line_up(a, b)
+        return self._ops_line_up[key]
 
     def _deep_at(self, plan: Plan, batch: int) -> Measured | None:
         pair = self.depths(plan)

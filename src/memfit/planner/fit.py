@@ -20,6 +20,16 @@ The traces: memfit.planner.fit_books (NOTE [ One book per architecture ], NOTE [
 trace alike ]). A faster recipe is checked at one sample first (a figure every card of the
 architecture shares), and at a card's batch only where that fits; at the batch, one shallow trace
 rules it out where its lower bound is over the budget.
+
+NOTE [ Faster recipes in rounds ]
+Each card's largest batch is its own (a dozen cards, a dozen batches), so checking a faster recipe at
+it is a trace of its own: the shallower trace at that batch, then, where its lower bound is within the
+budget, the deeper one. Asked card by card, each is one trace while the other worker waits. So the
+cells of a group of cards first find their batches under the frugal recipes (drawn on the recipes'
+lines once the first card has traced them), then ask their faster recipes in rounds, fastest first:
+each round traces together every cell's next recipe at its batch, the shallower traces, then the
+deeper ones of those within their budgets; a cell whose recipe takes its batch leaves the rounds. The
+same traces as one cell at a time, run two at a time.
 """
 
 from __future__ import annotations
@@ -128,9 +138,13 @@ def fit_table(workload: Workload, methods: list[Method], cards: list[Device], *,
         for group in sorted(groups.values(), key=len, reverse=True):
             progress.stage(f"tracing for {', '.join(d.name for d in group)}")
             _prefetch(books, group, methods, budget)
-            for method in methods:
-                for card in group:
-                    table.cells[(card.name, method.name)] = _cell(card, method, books, budget, max_world)
+            searches = [_Search(card, method, books, budget, max_world) for method in methods for card in group]
+            for search in searches:
+                search.largest()
+            _faster_in_rounds(searches, books)
+            for search in searches:
+                search.finish()
+                table.cells[(search.cell.card, search.cell.method)] = search.cell
     finally:
         table.traces, table.full_traces = books.close()
         table.shared = books.shared
@@ -154,81 +168,155 @@ def _prefetch(books: Books, group: list[Device], methods: list[Method], budget: 
         books.prefetch(card, first, others, room)
 
 
-def _cell(card: Device, method: Method, books: Books, budget: str | None, max_world: int) -> Cell:
-    cell = Cell(card.name, method.name, budget_bytes=Budget.resolve(budget, card).bytes)
-    try:
-        with silenced_warnings():
-            _fill(cell, card, method, recipes(method, books.facts, card), books, max_world)
-    except UserError as e:
-        cell.error, cell.cannot = brief(e, 120).removeprefix("plan: "), True
-    return cell
+def _faster_in_rounds(searches: list[_Search], books: Books) -> None:
+    """Each search's fastest recipe that takes its batch (NOTE [ Faster recipes in rounds ])."""
+    with silenced_warnings():
+        while asks := [(s, r) for s in searches if (r := s.next_faster()) is not None]:
+            books.trace_shallower([(s.book(r), r.plan, s.batch) for s, r in asks])
+            near = [(s, r) for s, r in asks if s.may_take(r)]
+            books.trace_together([(s.book(r), r.plan, s.batch) for s, r in near])
+            for s, r in near:
+                s.try_take(r)
 
 
-def _fill(cell: Cell, card: Device, method: Method, plans: list[Recipe], books: Books, max_world: int) -> None:
-    limit = cell.budget_bytes
-    world, frugal = 1, plans[-1]
+class _Search:
+    """One cell's search (the module docstring): the cards that train it and the largest batch under the
+    most frugal recipe (:meth:`largest`), then the fastest recipe that takes that batch too (asked by
+    :func:`_faster_in_rounds`), and its figures (:meth:`finish`)."""
 
-    def book(recipe: Recipe) -> TraceBook:
-        return books.for_plan(card, recipe.plan)
+    def __init__(self, card: Device, method: Method, books: Books, budget: str | None, max_world: int) -> None:
+        self.card, self.method, self.books, self.max_world = card, method, books, max_world
+        self.cell = Cell(card.name, method.name, budget_bytes=Budget.resolve(budget, card).bytes)
+        self.limit = self.cell.budget_bytes
+        self.plans: list[Recipe] = []
+        self.faster: list[Recipe] = []
+        """The recipes faster than ``chosen`` still to ask, fastest first."""
+        self.chosen: Recipe | None = None
+        self.world, self.batch, self.found = 1, None, None
+        try:
+            with silenced_warnings():
+                self.plans = recipes(method, books.facts, card)
+        except UserError as e:
+            self._cannot(e)
 
-    def shift(recipe: Recipe) -> int:  # (a book's traces carry its own card's context)
-        return card.context_bytes - book(recipe).target.device.context_bytes
+    def _cannot(self, e: UserError) -> None:
+        self.cell.error, self.cell.cannot = brief(e, 120).removeprefix("plan: "), True
+        self.plans, self.faster, self.chosen = [], [], None
 
-    def default_used(recipe: Recipe, batch: int) -> int:
-        return book(recipe).at_batch(recipe.plan, batch).used_bytes + shift(recipe)
+    # -- a recipe's figures on this card -----------------------------------------------------------
+    def book(self, recipe: Recipe) -> TraceBook:
+        return self.books.for_plan(self.card, recipe.plan)
 
-    def used(recipe: Recipe, batch: int) -> int:  # NOTE [ Expandable segments where they decide the fit ]
-        need = default_used(recipe, batch)
-        if need > limit and not recipe.plan.config("allocator").expands:
-            expanded = book(recipe).expanded_used(recipe.plan, batch)
-            need = need if expanded is None else min(need, expanded + shift(recipe))
+    def _shift(self, recipe: Recipe) -> int:  # (a book's traces carry its own card's context)
+        return self.card.context_bytes - self.book(recipe).target.device.context_bytes
+
+    def default_used(self, recipe: Recipe, batch: int) -> int:
+        return self.book(recipe).at_batch(recipe.plan, batch).used_bytes + self._shift(recipe)
+
+    def used(self, recipe: Recipe, batch: int) -> int:  # NOTE [ Expandable segments where they decide the fit ]
+        need = self.default_used(recipe, batch)
+        if need > self.limit and not recipe.plan.config("allocator").expands:
+            expanded = self.book(recipe).expanded_used(recipe.plan, batch)
+            need = need if expanded is None else min(need, expanded + self._shift(recipe))
         return need
 
-    def lower(recipe: Recipe, batch: int) -> int:  # (where the book has the batch: its figure, either segments)
-        if book(recipe).has_at(recipe.plan, batch):
-            return used(recipe, batch)
-        return book(recipe).shallow_lower(recipe.plan, batch) + shift(recipe)
+    def lower(self, recipe: Recipe, batch: int) -> int:  # (where the book has the batch: its figure, either segments)
+        if self.book(recipe).has_at(recipe.plan, batch):
+            return self.used(recipe, batch)
+        return self.book(recipe).shallow_lower(recipe.plan, batch) + self._shift(recipe)
 
-    def bound(recipe: Recipe, batch: int) -> int:  # (the shallow pair's: no full trace where it does not line up)
-        return book(recipe).lower_bound(recipe.plan, batch) + shift(recipe)
+    def bound(self, recipe: Recipe, batch: int) -> int:  # (the shallow pair's: no full trace where it does not line up)
+        return self.book(recipe).lower_bound(recipe.plan, batch) + self._shift(recipe)
 
-    needs = used(frugal, 1)
-    alone = book(frugal).at_batch(frugal.plan, 1).peak_bytes
-    while needs > limit:  # no recipe fits one card: the fewest with FSDP2 (as plan --max-world-size decides)
-        world *= 2
-        if world > max_world:
-            cell.error = f"needs {_gib(needs)} a rank on {world // 2} cards ({frugal.name})"
+    # -- the search --------------------------------------------------------------------------------
+    def largest(self) -> None:
+        """The fewest cards that train the method (one, or FSDP2 over 2, 4, ...; as ``plan --max-world-size``
+        decides) and the largest batch a rank takes under its most frugal recipe."""
+        if not self.plans:
             return
-        if alone / world + card.context_bytes > limit and world * 2 <= max_world:
-            continue  # (a rank allocates at least 1/world of what one card does: its activations are not split)
         try:
-            frugal = sharded(method, books.facts, card, world)
-        except UserError as e:  # (FSDP2 with fp16 on a card without bf16)
-            cell.error = f"needs {_gib(needs)} on one card; {str(e).split(' (')[0].removeprefix('plan: ')}"
+            with silenced_warnings():
+                self._largest()
+        except UserError as e:
+            self._cannot(e)
+
+    def _largest(self) -> None:
+        cell, world, frugal = self.cell, 1, self.plans[-1]
+        needs = self.used(frugal, 1)
+        alone = self.book(frugal).at_batch(frugal.plan, 1).peak_bytes
+        while needs > self.limit:  # no recipe fits one card: the fewest with FSDP2
+            world *= 2
+            if world > self.max_world:
+                cell.error, self.plans = f"needs {_gib(needs)} a rank on {world // 2} cards ({frugal.name})", []
+                return
+            if alone / world + self.card.context_bytes > self.limit and world * 2 <= self.max_world:
+                continue  # (a rank allocates at least 1/world of what one card does: its activations are not split)
+            try:
+                frugal = sharded(self.method, self.books.facts, self.card, world)
+            except UserError as e:  # (FSDP2 with fp16 on a card without bf16)
+                cell.error = f"needs {_gib(needs)} on one card; {str(e).split(' (')[0].removeprefix('plan: ')}"
+                self.plans = []
+                return
+            needs = self.used(frugal, 1)
+        self.found = find_largest(batch_axis(), lambda b: self.used(frugal, b), self.limit)
+        self.world, self.batch, self.chosen = world, self.found.value, frugal
+        self.faster = list(self.plans[:-1]) if world == 1 else []
+
+    def next_faster(self) -> Recipe | None:
+        """The fastest recipe left to ask at the batch: past those over the budget at one sample (a figure
+        every card of the architecture shares, so no trace of its own)."""
+        while self.faster:
+            recipe = self.faster[0]
+            try:
+                if self.bound(recipe, 1) <= self.limit and self.used(recipe, 1) <= self.limit:
+                    return recipe
+            except UserError:  # (a recipe this model cannot run: the next one)
+                pass
+            self.faster.pop(0)
+        return None
+
+    def may_take(self, recipe: Recipe) -> bool:
+        """Its shallower trace at the batch (a lower bound) is within the budget; else it is out."""
+        try:
+            if self.lower(recipe, self.batch) <= self.limit:
+                return True
+        except UserError:
+            pass
+        self.faster.pop(0)
+        return False
+
+    def try_take(self, recipe: Recipe) -> None:
+        """The recipe takes the batch (and is chosen: the searches stop here), or it is out."""
+        try:
+            if self.used(recipe, self.batch) <= self.limit:
+                self.chosen, self.faster = recipe, []
+                return
+        except UserError:
+            pass
+        self.faster.pop(0)
+
+    def finish(self) -> None:
+        """The cell's figures from the chosen recipe at the batch."""
+        if self.chosen is None:
             return
-        needs = used(frugal, 1)
-    found = find_largest(batch_axis(), lambda b: used(frugal, b), limit)
-    n = found.value
-    chosen = frugal
-    for recipe in plans[:-1] if world == 1 else ():  # the fastest recipe that takes the batch too
-        try:  # (over at batch 1, a figure every card of the architecture shares: over at n)
-            if bound(recipe, 1) > limit or used(recipe, 1) > limit:
-                continue
-            if lower(recipe, n) <= limit and used(recipe, n) <= limit:
-                chosen = recipe
-                break
-        except UserError:  # (a recipe this model cannot run: the next one)
-            continue
-    m = book(chosen).at_batch(chosen.plan, n)
-    target = dataclasses.replace(book(chosen).target, plan=chosen.plan, batch_size=n * world, device=card)
-    cell.world, cell.batch, cell.recipe, cell.plan = world, n * world, chosen.name, chosen.plan
-    cell.used_bytes, cell.next_used_bytes = used(chosen, n), found.next_used_bytes
-    if cell.used_bytes < default_used(chosen, n):  # (it fits with expandable segments only)
-        cell.plan, cell.recipe = chosen.plan.replace(allocator="expandable"), f"{chosen.name}+expandable"
-    cell.seconds = _seconds(m, target)
-    info = target.workload.info
-    per_sample = info.seq_len if info.text_lm and info.seq_len else 1
-    cell.throughput = n * world * per_sample / cell.seconds
+        try:
+            with silenced_warnings():
+                self._finish()
+        except UserError as e:
+            self._cannot(e)
+
+    def _finish(self) -> None:
+        cell, chosen, n, world = self.cell, self.chosen, self.batch, self.world
+        m = self.book(chosen).at_batch(chosen.plan, n)
+        target = dataclasses.replace(self.book(chosen).target, plan=chosen.plan, batch_size=n * world, device=self.card)
+        cell.world, cell.batch, cell.recipe, cell.plan = world, n * world, chosen.name, chosen.plan
+        cell.used_bytes, cell.next_used_bytes = self.used(chosen, n), self.found.next_used_bytes
+        if cell.used_bytes < self.default_used(chosen, n):  # (it fits with expandable segments only)
+            cell.plan, cell.recipe = chosen.plan.replace(allocator="expandable"), f"{chosen.name}+expandable"
+        cell.seconds = _seconds(m, target)
+        info = target.workload.info
+        per_sample = info.seq_len if info.text_lm and info.seq_len else 1
+        cell.throughput = n * world * per_sample / cell.seconds
 
 
 def _seconds(m: Measured, target: Target) -> float:

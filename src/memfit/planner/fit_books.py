@@ -139,6 +139,31 @@ class Books:
             except UserError:
                 pass
 
+    @staticmethod
+    def trace_shallower(asks: list[tuple[TraceBook | OnCard, Plan, int]]) -> None:
+        """The shallower trace of each (book, plan, batch) the book cannot draw, together on each book's
+        workers (what a lower bound at the batch needs: NOTE [ Faster recipes in rounds ] in
+        memfit.planner.fit)."""
+        Books._together(asks, shallower=True)
+
+    @staticmethod
+    def trace_together(asks: list[tuple[TraceBook | OnCard, Plan, int]]) -> None:
+        """The shallow pair (or the full trace) of each (book, plan, batch) the book cannot draw, together
+        on each book's workers; the figures are read when asked."""
+        Books._together(asks, shallower=False)
+
+    @staticmethod
+    def _together(asks: list, shallower: bool) -> None:
+        jobs: dict[int, list] = {}
+        for book, plan, batch in asks:
+            if book.has_at(plan, batch):
+                continue
+            home = book.source if isinstance(book, OnCard) else book
+            depths = home.depths(plan) or (None,)
+            jobs.setdefault(id(home), [home])[1:] += [(plan, d, batch) for d in depths[:1 if shallower else None]]
+        for home, *todo in jobs.values():
+            home._run(todo, check=False)
+
     def close(self) -> tuple[int, int]:
         """Close every book; returns their (traces, full traces)."""
         for book in self.books.values():

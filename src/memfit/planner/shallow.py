@@ -29,6 +29,7 @@ import copy
 import dataclasses
 import itertools
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -226,10 +227,43 @@ def _scaled(x, y, copies: float):
                       elements=line(x.elements, y.elements))
 
 
-def widen_ops(a: list, b: list, x_a: int, x_b: int, x: int) -> list | None:
-    """The op list of the step at ``x`` samples from those at ``x_a`` and ``x_b`` (memfit.memory.deep_stream's
-    NOTE [ Allocations at another batch ]): the same ops, each on the line through its two sizes; None
-    where they are not the same ops."""
-    if len(a) != len(b) or x_a == x_b or not all(_same_kind(u, v) and u.tensors == v.tensors for u, v in zip(a, b)):
-        return None
-    return [_scaled(u, v, (x - x_a) / (x_b - x_a)) for u, v in zip(a, b)]
+def ops_line_up(a: list, b: list) -> bool:
+    """``a`` and ``b`` are the same ops at two batches, so the step at another batch has each on the line
+    through its two sizes (:class:`OpsOnLine`; memfit.memory.deep_stream's NOTE [ Allocations at another
+    batch ])."""
+    return len(a) == len(b) and all(_same_kind(u, v) and u.tensors == v.tensors for u, v in zip(a, b))
+
+
+class OpsOnLine(Sequence):
+    """The op list of the step at ``x`` samples from those at ``x_a`` and ``x_b`` (lists that
+    :func:`ops_line_up` has checked), each op on the line through its two sizes; made when first read:
+    ``memfit fit`` asks most batches it draws for their bytes only, and a Llama's step has some 13,000
+    ops to put on the line."""
+
+    __slots__ = ("_line", "_ops")
+
+    def __init__(self, a: list, b: list, x_a: int, x_b: int, x: int) -> None:
+        self._line, self._ops = (a, b, x_a, x_b, x), None
+
+    def _list(self) -> list:
+        if self._ops is None:
+            a, b, x_a, x_b, x = self._line
+            self._ops, self._line = [_scaled(u, v, (x - x_a) / (x_b - x_a)) for u, v in zip(a, b)], None
+        return self._ops
+
+    def __len__(self) -> int:
+        return len(self._ops) if self._ops is not None else len(self._line[0])
+
+    def __getitem__(self, i):
+        return self._list()[i]
+
+    def __iter__(self):
+        return iter(self._list())
+
+    def __eq__(self, other) -> bool:
+        return self._list() == (other._list() if isinstance(other, OpsOnLine) else other)
+
+    __hash__ = None
+
+    def __reduce__(self):  # (sent to another process as the list it is)
+        return list, (self._list(),)
