@@ -78,51 +78,57 @@ class CachingAllocatorModel:
         self._segments = 0
 
     def malloc(self, size: int, stream: int = 0) -> _Block:
-        size = round_size(size)
+        # (round_size inlined: the replays of ``memfit fit`` make millions of calls)
+        size = 0 if size <= 0 else MIN_BLOCK if size < MIN_BLOCK else MIN_BLOCK * ((size + MIN_BLOCK - 1) // MIN_BLOCK)
         small = size <= SMALL_SIZE
-        pool = self._free.setdefault((stream, small), [])
-        i = bisect.bisect_left(pool, (size, -1, -1))
+        key = (stream, small)
+        pool = self._free.get(key)
+        if pool is None:
+            pool = self._free[key] = []
+        i = bisect.bisect_left(pool, (size,))  # (the first block of at least ``size``: ties by segment, offset)
         if i < len(pool):
             block = pool.pop(i)[3]
         else:
             seg = segment_size(size)
             self.reserved += seg
-            self.peak_reserved = max(self.peak_reserved, self.reserved)
-            block = _Block(segment=self._segments, offset=0, size=seg, free=True, small=small, stream=stream)
+            if self.reserved > self.peak_reserved:
+                self.peak_reserved = self.reserved
+            block = _Block(self._segments, 0, seg, True, small, None, None, stream)
             self._segments += 1
             if self.on_segment is not None:
                 self.on_segment("segment_alloc", block)
         remaining = block.size - size
-        if (small and remaining >= MIN_BLOCK) or (not small and remaining > SMALL_SIZE):
-            rest = _Block(segment=block.segment, offset=block.offset + size, size=remaining, free=True,
-                          small=small, prev=block, next=block.next, stream=block.stream)
-            if block.next:
-                block.next.prev = rest
+        if remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE:
+            nxt = block.next
+            rest = _Block(block.segment, block.offset + size, remaining, True, small, block, nxt, block.stream)
+            if nxt is not None:
+                nxt.prev = rest
             block.next = rest
             block.size = size
-            self._insert(rest)
+            bisect.insort(pool, (remaining, rest.segment, rest.offset, rest))
         block.free = False
         self.allocated += block.size
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
         return block
 
     def free(self, block: _Block) -> None:
         self.allocated -= block.size
         block.free = True
-        for nb in (block.prev, block.next):
-            if nb is not None and nb.free:
-                self._remove(nb)
-                if nb is block.prev:
-                    nb.size += block.size
-                    nb.next = block.next
-                    if block.next:
-                        block.next.prev = nb
-                    block = nb
-                else:
-                    block.size += nb.size
-                    block.next = nb.next
-                    if nb.next:
-                        nb.next.prev = block
+        prev, nxt = block.prev, block.next
+        if prev is not None and prev.free:
+            self._remove(prev)
+            prev.size += block.size
+            prev.next = nxt
+            if nxt is not None:
+                nxt.prev = prev
+            block = prev
+        if nxt is not None and nxt.free:
+            self._remove(nxt)
+            block.size += nxt.size
+            block.next = nxt.next
+            if nxt.next is not None:
+                nxt.next.prev = block
         self._insert(block)
 
     def empty_cache(self) -> None:

@@ -61,18 +61,23 @@ class ExpandableSegmentsModel:
     def malloc(self, size: int, stream: int = 0) -> _Block:
         size = round_size(size)
         key = (stream, size <= SMALL_SIZE)
-        pool = self._free.setdefault(key, [])
-        i = bisect.bisect_left(pool, (size, -1))
+        pool = self._free.get(key)
+        if pool is None:
+            pool = self._free[key] = []
+        i = bisect.bisect_left(pool, (size,))
         block = pool.pop(i)[2] if i < len(pool) else self._expand(key, size)
-        if block.size - size >= MIN_BLOCK:
-            rest = _Block(block.offset + size, block.size - size, "free", key, prev=block, next=block.next)
-            if block.next is not None:
-                block.next.prev = rest
+        remaining = block.size - size
+        if remaining >= MIN_BLOCK:
+            nxt = block.next
+            rest = _Block(block.offset + size, remaining, "free", key, block, nxt)
+            if nxt is not None:
+                nxt.prev = rest
             block.next, block.size = rest, size
-            self._insert_free(rest)
+            bisect.insort(self._free[key], (remaining, rest.offset, rest))
         block.state = "used"
         self.allocated += block.size
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
         return block
 
     def free(self, block: _Block) -> None:
