@@ -7,7 +7,7 @@ import difflib
 from typing import NamedTuple
 
 from memfit.memory.cuda import reduce
-from memfit.memory.cuda.model import WORKSPACE_SIZES, workspace_bytes
+from memfit.memory.cuda.model import WORKSPACE, WORKSPACE_SIZES, workspace_bytes
 from memfit.memory.deep_stream import MARK, SETUP, Stream, sorted_free_runs
 
 
@@ -27,15 +27,11 @@ def on_card(stream: Stream, device) -> Stream | None:
     """``stream`` as ``device``'s kernels make it (NOTE [ A stream on another card ]): ``stream`` itself
     where no size changes; None where a reduction has no staging buffer on it (its stream has fewer
     allocations)."""
-    tokens = list(stream.tokens)
     kernels = list(stream.kernels) if stream.kernels is not None else None
-    changed = False
+    sized: dict[int, int] = {}  # allocation -> its size on the card, where that differs
     for i, t in enumerate(stream.tokens):
-        if t[0] == MARK:
-            continue
-        if t[0] == "-":
-            tokens[i] = ("-", *tokens[stream.frees[i]][1:])
-            continue
+        if t[0] != "+" or (WORKSPACE not in t[5] and (kernels is None or kernels[i] is None)):
+            continue  # (few allocations are sized by the card: test those only)
         size = workspace_bytes(t[5], device)
         if size is None and kernels is not None and kernels[i] is not None:
             kernels[i] = kernels[i]._replace(sm_count=device.sm_count)
@@ -43,8 +39,15 @@ def on_card(stream: Stream, device) -> Stream | None:
         if size is not None and size != t[1]:
             if not size:
                 return None
-            tokens[i], changed = (t[0], size, *t[2:]), True
-    return Stream(tokens, list(stream.frees), list(stream.phases), stream.blocks, kernels) if changed else stream
+            sized[i] = size
+    if not sized:
+        return stream
+    tokens = list(stream.tokens)
+    for i, t in enumerate(tokens):
+        j = i if t[0] == "+" else stream.frees[i] if t[0] == "-" else None
+        if j in sized:  # (an allocation, or the free of one, resized)
+            tokens[i] = (t[0], sized[j], *t[2:])
+    return Stream(tokens, list(stream.frees), list(stream.phases), stream.blocks, kernels)
 
 
 # NOTE [ Allocations at another batch ]
