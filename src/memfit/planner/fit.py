@@ -232,13 +232,8 @@ class _Search:
     def largest(self) -> None:
         """The fewest cards that train the method (one, or FSDP2 over 2, 4, ...; as ``plan --max-world-size``
         decides) and the largest batch a rank takes under its most frugal recipe."""
-        if not self.plans:
-            return
-        try:
-            with silenced_warnings():
-                self._largest()
-        except UserError as e:
-            self._cannot(e)
+        if self.plans:
+            self._guarded(self._largest)
 
     def _largest(self) -> None:
         cell, world, frugal = self.cell, 1, self.plans[-1]
@@ -267,41 +262,42 @@ class _Search:
         every card of the architecture shares, so no trace of its own)."""
         while self.faster:
             recipe = self.faster[0]
-            try:
-                if self.bound(recipe, 1) <= self.limit and self.used(recipe, 1) <= self.limit:
-                    return recipe
-            except UserError:  # (a recipe this model cannot run: the next one)
-                pass
+            if self._within(self.bound, recipe, 1) and self._within(self.used, recipe, 1):
+                return recipe
             self.faster.pop(0)
         return None
 
     def may_take(self, recipe: Recipe) -> bool:
         """Its shallower trace at the batch (a lower bound) is within the budget; else it is out."""
-        try:
-            if self.lower(recipe, self.batch) <= self.limit:
-                return True
-        except UserError:
-            pass
+        if self._within(self.lower, recipe, self.batch):
+            return True
         self.faster.pop(0)
         return False
 
     def try_take(self, recipe: Recipe) -> None:
         """The recipe takes the batch (and is chosen: the searches stop here), or it is out."""
+        if self._within(self.used, recipe, self.batch):
+            self.chosen, self.faster = recipe, []
+        else:
+            self.faster.pop(0)
+
+    def _within(self, figure, recipe: Recipe, batch: int) -> bool:
+        """``figure(recipe, batch)`` is within the budget; False where the model cannot run the recipe."""
         try:
-            if self.used(recipe, self.batch) <= self.limit:
-                self.chosen, self.faster = recipe, []
-                return
+            return figure(recipe, batch) <= self.limit
         except UserError:
-            pass
-        self.faster.pop(0)
+            return False
 
     def finish(self) -> None:
         """The cell's figures from the chosen recipe at the batch."""
-        if self.chosen is None:
-            return
+        if self.chosen is not None:
+            self._guarded(self._finish)
+
+    def _guarded(self, step) -> None:
+        """``step()``; where it raises a UserError, the method cannot run here (the cell says why)."""
         try:
             with silenced_warnings():
-                self._finish()
+                step()
         except UserError as e:
             self._cannot(e)
 
