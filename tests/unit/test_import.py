@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 
 def _run(code: str) -> str:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
@@ -20,10 +22,13 @@ def test_estimate_for_a_gpu_preset_does_not_initialise_cuda():
     assert out.endswith("False")
 
 
-def test_a_process_first_trace_of_a_lora_plan_is_its_second():
-    """peft makes tensors as it loads (LoHa's ``torch.tensor(1)`` defaults): imported by the first trace
-    of a process, they were that trace's allocations, so two workers traced one plan differently and
-    memfit fit's architectures shared fewer plans, run to run (NOTE [ Imports before the trace ])."""
+@pytest.mark.parametrize("fields, module", [("adapter='lora:r=4'", "peft"), ("optimizer='adamw8bit'", "bitsandbytes"),
+                                           ("optimizer='galore'", "galore_torch")])
+def test_a_process_first_trace_of_a_plan_is_its_second(fields, module):
+    """peft and bitsandbytes make tensors as they load (LoHa's ``torch.tensor(1)`` defaults, the 4-bit
+    quantization tables; galore-torch imports bitsandbytes): imported by the first trace of a process,
+    they were that trace's allocations, so two workers traced one plan differently and memfit fit's
+    architectures shared fewer plans, run to run (NOTE [ Imports before the trace ])."""
     out = _run("import sys; from memfit.planner.trace_job import Tracer; from memfit.memory.budget import Budget;\n"
                "from memfit.devices import get_device; from memfit.plans import Plan; from memfit.target import Target\n"
                "from memfit.workloads import load_workload; from memfit.planner.space import model_facts\n"
@@ -32,7 +37,7 @@ def test_a_process_first_trace_of_a_lora_plan_is_its_second():
                "num_key_value_heads=2,vocab_size=512', seq_len=64); card = get_device('rtx4090')\n"
                "with silenced_warnings():\n"
                "    tracer = Tracer(Target(w, Plan(), 1, card), model_facts(w).model, Budget.of_device(card))\n"
-               "    plan = Plan(adapter='lora:r=4'); assert 'peft' not in sys.modules\n"
+               f"    plan = Plan({fields}); assert '{module}' not in sys.modules\n"
                "    a, b = tracer((plan, 2, 1)), tracer((plan, 2, 1))\n"
                "print(a.stream.tokens == b.stream.tokens, a.peak_bytes == b.peak_bytes, len(a.stream.tokens))")
-    assert out.split()[:2] == ["True", "True"]
+    assert out.split()[-3:-1] == ["True", "True"]

@@ -127,7 +127,8 @@ def optimizer_state_tensors(optimizer) -> list:
 
 
 # NOTE [ Imports before the trace ]
-# A module that makes tensors as it loads (peft's LoHa: ``scale=torch.tensor(1)`` defaults), imported
+# A module that makes tensors as it loads (peft's LoHa: ``scale=torch.tensor(1)`` defaults; bitsandbytes:
+# its 4-bit quantization tables, imported by its 8-bit AdamW and by galore-torch's and apollo-torch's), imported
 # for the first time while a step is built under the tracker, puts them in the trace as the step's
 # allocations: in the first trace of a process only. So two traces of one plan would differ by what
 # their process traced before, and the planner compares traces made in different worker processes
