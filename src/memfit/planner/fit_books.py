@@ -126,12 +126,7 @@ class Books:
         but those whose shallow pair is over ``room`` bytes (the group's largest budget less its context) by
         its lower bound: where the pair's allocations do not line up at full depth, a full trace would
         measure a plan no card of the group takes."""
-        jobs: dict[int, list] = {}
-        for book, plan, batch in asks:
-            home = book.source if isinstance(book, OnCard) else book
-            jobs.setdefault(id(home), [home])[1:] += [(plan, d, batch) for d in home.depths(plan) or (None,)]
-        for home, *todo in jobs.values():
-            home._run(todo, check=False)
+        Books.trace_together(asks)
         for book, plan, batch in asks:  # (in order: a plan's line)
             try:
                 if room is None or book.lower_bound(plan, batch) - book.target.device.context_bytes <= room:
@@ -154,6 +149,8 @@ class Books:
 
     @staticmethod
     def _together(asks: list, shallower: bool) -> None:
+        """The traces of ``asks`` not traced yet, each book's together on its workers (an OnCard's on the
+        book it draws from)."""
         jobs: dict[int, list] = {}
         for book, plan, batch in asks:
             if book.has_at(plan, batch):

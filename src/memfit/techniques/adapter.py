@@ -78,12 +78,6 @@ class LoRA(Adapter):
     """Dropout on the adapter's input (0 <= dropout < 1)."""
     save: tuple[str, ...] = ()
     """Modules trained in full beside the adapter (PEFT's ``modules_to_save``)."""
-
-    def before_trace(self) -> None:
-        try:  # (peft's LoHa makes tensors as its module loads: NOTE [ Imports before the trace ])
-            _peft()
-        except UserError:  # (building the step says so)
-            pass
     params: tuple[str, ...] = ()
     """Parameters to adapt that are no linear layer's (PEFT's ``target_parameters``), e.g. a
     mixture of experts' ``experts.gate_up_proj+experts.down_proj`` (3-D, one matrix per expert);
@@ -98,6 +92,12 @@ class LoRA(Adapter):
             raise UserError(f"plan: adapter alpha must be > 0, got {self.alpha!r}; write e.g. lora:r=16,alpha=32")
         if not 0 <= self.dropout < 1:
             raise UserError(f"plan: adapter dropout must be in [0, 1), got {self.dropout!r}; write e.g. dropout=0.05")
+
+    def before_trace(self) -> None:
+        try:  # (peft's LoHa makes tensors as its module loads: NOTE [ Imports before the trace ])
+            _peft()
+        except UserError:  # (building the step says so)
+            pass
 
     @property
     def kind(self) -> str:
