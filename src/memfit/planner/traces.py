@@ -13,6 +13,7 @@ its ops at full depth; what the ops cost in time is the time model's business
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from memfit.errors import UserError
@@ -30,25 +31,43 @@ from memfit.plans import Plan
 from memfit.target import Target
 from memfit.techniques.base import GraphSize
 
+OUTSIDE_THE_GRAPH = ("allocator", "grad_accum_steps", "optimizer", "optimizer_in_backward", "ema", "max_grad_norm",
+                     "bf16_update")
+"""Plan fields that change no compiled region of the model (the update, the allocator, how micro-batches
+add up): plans that differ only in them trace one graph (offload too, but for its activations)."""
+
 
 def compiles(job: tuple) -> tuple | None:
     """What a trace job compiles, as a key (None: nothing): the job runs in a worker that compiled
-    it before (NOTE [ A compile's traces in the process that compiled it ] in memfit.planner.workers)."""
-    plan = job[0]
-    if plan.config("compile").mode == "blocks":
-        return ("blocks", plan)
+    it before (NOTE [ A compile's traces in the process that compiled it ] in memfit.planner.workers).
+    A whole-model graph is one per depth and batch; a block's serves every depth."""
+    plan, depth, batch = job
+    mode = plan.config("compile").mode
+    if mode == "blocks":
+        return ("blocks", _graph_fields(plan), batch)
+    if mode == "full":
+        return ("full", _graph_fields(plan), depth, batch)
     optimizer = plan.config("optimizer")
     if not optimizer.compiles_per_weight_dtype:
         return None
     return ((optimizer.name, *map(str, optimizer.values().values())),), plan.config("precision").weights
 
 
+def _graph_fields(plan: Plan) -> tuple:
+    """The plan's values that its compiled regions depend on (NOTE [ Wrapped forwards that torch.compile
+    does not tie to one model ] in memfit.techniques.forwards: in one process, plans equal in these
+    share the graphs)."""
+    values = ((f.name, getattr(plan, f.name)) for f in dataclasses.fields(plan) if f.init and f.name not in OUTSIDE_THE_GRAPH)
+    return tuple((k, tuple(x for x in v if x.startswith("activations")) if k == "offload" else v) for k, v in values)
+
+
 def _shares_compiles(plan: Plan) -> bool:
     """The plan's compiled graphs are the same at every depth (torchao's update, one per parameter
     shape; ``compile: blocks``, one per block): a deeper trace after the shallowest finds them in
     Inductor's cache (NOTE [ Jobs in the background, and after the compile they share ] in
-    memfit.planner.workers)."""
-    return compiles((plan, None, None)) is not None
+    memfit.planner.workers). A whole-model graph is not (``compile: full``)."""
+    key = compiles((plan, None, None))
+    return key is not None and key[0] != "full"
 
 
 def _after_shallowest(jobs: list[tuple], which) -> dict:

@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from memfit.sdpa_backends import MATH, select_backend
 from memfit.techniques.base import Config, Export, Key, SearchContext, Technique, choice, register
+from memfit.techniques.forwards import forward_of
 
 CHUNK_SIZE = 256
 MODES = ("auto", "sdpa", "math", "chunked")
@@ -171,7 +172,7 @@ def without_attention_weights_where_fused(model: nn.Module, device) -> list[nn.M
     patched = []
     for m in model.modules():
         if isinstance(m, nn.MultiheadAttention):
-            m.forward = functools.partial(_forward_fused_where_it_saves, device, m, m.forward)
+            m.forward = functools.partial(_forward_fused_where_it_saves, device, m, forward_of(m))
             patched.append(m)
     return patched
 
@@ -182,7 +183,7 @@ def without_attention_weights(model: nn.Module) -> list[nn.Module]:
     patched = []
     for m in model.modules():
         if isinstance(m, nn.MultiheadAttention):
-            m.forward = functools.partial(_forward_without_weights, m.forward)
+            m.forward = functools.partial(_forward_without_weights, forward_of(m))
             patched.append(m)
     return patched
 

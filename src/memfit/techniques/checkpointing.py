@@ -44,6 +44,7 @@ from memfit.techniques.base import (
     Technique,
     register,
 )
+from memfit.techniques.forwards import forward_of
 
 aten = torch.ops.aten
 
@@ -104,7 +105,7 @@ def _policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _checkpointed_forward(original, selective: bool, recompute_contexts: list, *args, **kwargs):
+def _checkpointed_forward(original, selective: bool, recompute_contexts, *args, **kwargs):
     if not torch.is_grad_enabled():
         return original(*args, **kwargs)
     # ``recompute_contexts`` is read when the block runs, so contexts that techniques applied
@@ -160,9 +161,23 @@ def checkpoint_blocks(model: nn.Module, *, every: int = 1, selective: bool = Fal
         for i, block in enumerate(children):
             if i % every:
                 continue
-            block.forward = functools.partial(_checkpointed_forward, block.forward, selective, recompute_contexts)
+            block.forward = functools.partial(_checkpointed_forward, forward_of(block), selective, recompute_contexts)
             wrapped.append(block)
     return wrapped
+
+
+def _checkpoint_step_blocks(parts, **options) -> None:
+    """The step's blocks checkpointed, each re-entering the step's recompute contexts: the list while
+    techniques apply (a later one may add to it), a tuple once all have (NOTE [ Wrapped forwards that
+    torch.compile does not tie to one model ] in memfit.techniques.forwards: Dynamo guards a list
+    inside a compiled region by its identity, one list per model copy)."""
+    blocks = checkpoint_blocks(parts.model, recompute_contexts=parts.recompute_contexts, **options)
+
+    def freeze(parts) -> None:
+        for block in blocks:
+            wrapper = block.forward
+            block.forward = functools.partial(wrapper.func, *wrapper.args[:2], tuple(wrapper.args[2]))
+    parts.finalizers.append(freeze)
 
 
 class Checkpointing(Config):
@@ -242,7 +257,7 @@ class BlocksAC(Checkpointing):
         return {"checkpointing": "blocks" if self.every == 1 else f"blocks:every={self.every}"}
 
     def apply(self, parts) -> None:
-        checkpoint_blocks(parts.model, every=self.every, recompute_contexts=parts.recompute_contexts)
+        _checkpoint_step_blocks(parts, every=self.every)
 
     def export(self, into: Export) -> None:
         if self.every != 1:
@@ -261,7 +276,7 @@ class SelectiveAC(Checkpointing):
         return {"checkpointing": "selective"}
 
     def apply(self, parts) -> None:
-        checkpoint_blocks(parts.model, selective=True, recompute_contexts=parts.recompute_contexts)
+        _checkpoint_step_blocks(parts, selective=True)
 
 
 @dataclass(frozen=True)

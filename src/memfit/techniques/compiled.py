@@ -64,7 +64,14 @@ def compiled(fn: Callable, *, budget: float | None = None, name: str = "region",
     parameter asks); ``recompile_limit``: compilations of ``fn`` allowed in this process."""
     _quiet_logging()
     real = torch.compile(fn, backend=_real_backend(budget), fullgraph=fullgraph, dynamic=dynamic)
-    predicted = torch.compile(fn, backend=_predicting_backend(budget), fullgraph=fullgraph, dynamic=dynamic)
+    # NOTE [ A predicted region is compiled for its shapes ]
+    # A run compiles its step once, for the one shape it trains at. One process that predicts several
+    # shapes of a region (the planner's micro-batch sizes, ``--batch-size max``) would otherwise have
+    # Dynamo's automatic dynamic shapes recompile it with a symbolic batch after the first change, and
+    # predict other buffers than the run's static graph (GPT-2 at batch 8 after batch 4: 10 MB more
+    # reserved). So a prediction compiles each shape apart, unless ``dynamic`` is asked for.
+    predicted = torch.compile(fn, backend=_predicting_backend(budget), fullgraph=fullgraph,
+                              dynamic=False if dynamic is None else dynamic)
 
     # NOTE [ Real compiled regions run outside memfit's modes ]
     # On real tensors too, torch.compile cannot run under a user's dispatch mode; a compiled region
