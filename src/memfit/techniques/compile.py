@@ -28,11 +28,13 @@ steps), so the search weighs it, and a run too short to pay for it is not slowed
 graphs. Without ``--steps`` the run's length is unknown and the default search stays eager (planning
 stays within a minute for the README's examples). On the CPU the calibrated time model
 compiles each mode for real (10-30 s for a 2-layer GPT-2 on 2 cores, minutes for GPT-2 124M). On GPU
-presets plans are only traced, but each distinct candidate (precision, micro-batch, budget) is a new
-capture through Inductor's passes: seconds for a small block, about a minute for GPT-2 124M's whole
-graph, and planning Llama-2-7B with ``blocks`` searched took 7 minutes (30 s without) and then
-hit Dynamo's recompile limit (then 8 graphs per code object, every traced variant of a block being
-one; memfit now allows ``compiled.RECOMPILE_LIMIT`` and fails with one line past it). In the planner's memory order a compiled plan saves at least what the same plan saves eager
+presets plans are only traced: each distinct compiled graph (precision, micro-batch, depth, budget) is
+a capture through Inductor's passes (seconds for a small block, 15-25 s for GPT-2 124M's shallow whole
+graph), once per worker process, and plans that differ only outside it (the optimizer, in-backward
+stepping, offloaded states) reuse it (NOTE [ Wrapped forwards that torch.compile does not tie to one
+model ] in memfit.techniques.forwards): Llama-2-7B with ``--steps 1000`` plans in about 2 minutes on 2
+cores. Dynamo's recompile limit is ``compiled.RECOMPILE_LIMIT`` per region and process, with one line
+past it. In the planner's memory order a compiled plan saves at least what the same plan saves eager
 (so predicted for GPT-2 with each eager checkpointing mode, on the CPU and a GPU preset); ``blocks``
 and ``full`` are not ordered (with a budget, whole-model graphs can hold more than blocks). On GPU
 presets the compiled step's time (memfit.planner.timing) and compile time (``COMPILE_SECONDS_PER_OP``)
@@ -50,13 +52,13 @@ from memfit.techniques.compiled import compiled, has_cpu_compiler, has_triton
 
 MODES = ("none", "blocks", "full")
 DEFAULT_SEARCH = {"gpu": ("none",), "cpu": ("none",)}
+"""The modes the planner searches when not told and the run's length is unknown (see the module's
+docstring): eager, as the user's step is written."""
 LONG_RUN_SEARCH = ("none", "blocks", "full")
 """A GPU preset's compile modes searched by default for a run of ``PAYS_AFTER_STEPS`` steps or more."""
 PAYS_AFTER_STEPS = 100
 """Under this many steps, a compile of tens of seconds (GPT-2 124M's whole graph: about a minute on a
 GPU) costs more than its fused kernels save (30-40 ms a step on GPT-2 at batch 8 x 1024 on an H100)."""
-"""The modes the planner searches when not told (see the module's docstring: on GPU presets ``none``
-until compiled predictions survive the planner's many variants in one process)."""
 FUSION_NOTE = ("compiled regions: Inductor's own generated code (partition, fusions, schedule, buffer reuse) run on "
                "fake tensors with no-op kernels (NOTE [ Inductor's own wrapper on fake tensors ]); a GPU preset's "
                "through Inductor's CUDA path for its card, without a GPU (NOTE [ Inductor's CUDA path without a GPU ]; "
