@@ -402,3 +402,23 @@ def test_qlora_step_time_matches_the_h200():
 def test_cpu_targets_are_refused():
     with pytest.raises(ValueError, match="step_seconds: the op-level time model is for GPU targets"):
         step_seconds(Target.resolve(GPT2, Plan(), 2, "cpu", seq_len=32))
+
+
+def test_a_storage_fetched_ahead_and_freed_unread_is_forgotten():
+    """A side-stream copy's storage freed before any op read it must not make a later storage at its
+    address wait for that copy (the recorder keys storages by address)."""
+    import gc
+
+    import torch
+
+    from memfit.planner.opcost import OpRecorder
+    rec = OpRecorder()
+    freed, kept = torch.empty(16), torch.empty(16)
+    freed_key, kept_key = freed.untyped_storage()._cdata, kept.untyped_storage()._cdata
+    rec._fetch_ahead(freed.untyped_storage())
+    rec._fetch_ahead(kept.untyped_storage())
+    del freed
+    gc.collect()
+    assert freed_key not in rec._fetched
+    assert rec._first_use([kept]) == kept_key  # its first reader waits for the copy, once
+    assert rec._first_use([kept]) == 0

@@ -113,8 +113,9 @@ class OpRecorder(TorchDispatchMode):
         self._pending: dict[int, tuple[int, weakref.ref]] = {}
         """Storages written by a collective or on FSDP2's streams -> (that op's serial, the storage,
         by weak reference: a freed storage's key is reused)."""
-        self._fetched: set[int] = set()
-        """Storages filled ahead by a side-stream copy in forward or backward, not read yet."""
+        self._fetched: dict[int, weakref.ref] = {}
+        """Storages filled ahead by a side-stream copy in forward or backward, not read yet (by weak
+        reference: a storage freed unread leaves, so no later storage at its address waits for its copy)."""
         self._serials = 0
         self._compute_waits = 0
         self._schema: dict[Any, tuple[bool, tuple[int, ...]]] = {}
@@ -279,7 +280,7 @@ class OpRecorder(TorchDispatchMode):
                 side = (phase == PHASES.index("optimizer") and not flags & WORKER) or bool(flags & SIDE_STREAM)
                 key = outs[0].untyped_storage()._cdata if side and outs else 0
                 if key and phase != PHASES.index("optimizer"):
-                    self._fetched.add(key)
+                    self._fetch_ahead(outs[0].untyped_storage())
                 self.ops.append(Op(H2D, phase, 0.0, written, "", 1, flags | (SIDE_STREAM if side else 0), key))
                 return
             if outs:
@@ -350,9 +351,18 @@ class OpRecorder(TorchDispatchMode):
         for t in ins:
             key = t.untyped_storage()._cdata
             if key in self._fetched:
-                self._fetched.discard(key)
+                del self._fetched[key]
                 return key
         return 0
+
+    def _fetch_ahead(self, st) -> None:
+        """``st`` was filled by a side-stream copy: its first reader waits for that copy."""
+        key = st._cdata
+
+        def freed(ref, key=key):
+            if self._fetched.get(key) is ref:
+                del self._fetched[key]
+        self._fetched[key] = weakref.ref(st, freed)
 
     def _serial(self) -> int:
         self._serials += 1

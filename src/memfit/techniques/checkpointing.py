@@ -172,11 +172,12 @@ def _checkpoint_step_blocks(parts, **options) -> None:
     torch.compile does not tie to one model ] in memfit.techniques.forwards: Dynamo guards a list
     inside a compiled region by its identity, one list per model copy)."""
     blocks = checkpoint_blocks(parts.model, recompute_contexts=parts.recompute_contexts, **options)
+    wrappers = [block.forward for block in blocks]  # (a later technique may wrap them in turn: kept as they are)
 
     def freeze(parts) -> None:
-        for block in blocks:
-            wrapper = block.forward
-            block.forward = functools.partial(wrapper.func, *wrapper.args[:2], tuple(wrapper.args[2]))
+        for wrapper in wrappers:  # (the same partial, its list now a tuple)
+            forward, selective, contexts = wrapper.args
+            wrapper.__setstate__((wrapper.func, (forward, selective, tuple(contexts)), wrapper.keywords, None))
     parts.finalizers.append(freeze)
 
 
