@@ -19,8 +19,8 @@ from memfit.target import Target
 from memfit.techniques.compiled import has_triton
 from memfit.techniques.forwards import forward_of
 
-SPEC = "gpt2:n_layer=3,n_embd=64,n_head=4,vocab_size=500,n_positions=128"
-BASE = {"precision": "bf16-pure", "compile": "full", "loss_chunks": 4}
+SPEC = "gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=500,n_positions=128"
+BASE = {"precision": "bf16-pure", "compile": "full", "loss_chunks": 2}
 
 needs_triton = pytest.mark.skipif(not has_triton(), reason="a GPU preset's compiled regions take Triton's code generator")
 

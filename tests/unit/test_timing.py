@@ -411,12 +411,12 @@ def test_a_storage_fetched_ahead_and_freed_unread_is_forgotten():
 
     import torch
 
-    from memfit.planner.opcost import OpRecorder
+    from memfit.planner.opcost import OpRecorder, _while_alive
     rec = OpRecorder()
     freed, kept = torch.empty(16), torch.empty(16)
     freed_key, kept_key = freed.untyped_storage()._cdata, kept.untyped_storage()._cdata
-    rec._fetch_ahead(freed.untyped_storage())
-    rec._fetch_ahead(kept.untyped_storage())
+    _while_alive(rec._fetched, freed.untyped_storage())  # (as a side-stream copy into each records them)
+    _while_alive(rec._fetched, kept.untyped_storage())
     del freed
     gc.collect()
     assert freed_key not in rec._fetched

@@ -107,13 +107,13 @@ class OpRecorder(TorchDispatchMode):
         super().__init__()
         self.ops: list[Op] = []
         self.tracker = None
-        self._device_scalars: dict[int, weakref.ref] = {}
+        self._device_scalars: dict[int, tuple[None, weakref.ref]] = {}
         """Zero-dim storages computed from device tensors (a read of one waits for the GPU)."""
         self._last_copy: tuple[int, int] | None = None  # (index in ops, output storage key)
         self._pending: dict[int, tuple[int, weakref.ref]] = {}
         """Storages written by a collective or on FSDP2's streams -> (that op's serial, the storage,
         by weak reference: a freed storage's key is reused)."""
-        self._fetched: dict[int, weakref.ref] = {}
+        self._fetched: dict[int, tuple[None, weakref.ref]] = {}
         """Storages filled ahead by a side-stream copy in forward or backward, not read yet (by weak
         reference: a storage freed unread leaves, so no later storage at its address waits for its copy)."""
         self._serials = 0
@@ -201,15 +201,12 @@ class OpRecorder(TorchDispatchMode):
                 self._last_copy = None
 
     def _device_scalar(self, t: torch.Tensor) -> bool:
-        st = t.untyped_storage()
-        ref = self._device_scalars.get(st._cdata)
-        return ref is not None and ref() is not None
+        entry = self._device_scalars.get(t.untyped_storage()._cdata)
+        return entry is not None and entry[1]() is not None
 
     def _mark_device_scalar(self, t: torch.Tensor) -> None:
-        st = t.untyped_storage()
-        key = st._cdata
-        if key not in self._device_scalars:  # by weak reference: a freed storage's key is reused
-            self._device_scalars[key] = weakref.ref(st, lambda _r, key=key: self._device_scalars.pop(key, None))
+        if t.untyped_storage()._cdata not in self._device_scalars:
+            _while_alive(self._device_scalars, t.untyped_storage())
 
     def _is_host(self, t: torch.Tensor) -> bool:
         tr = self.tracker
@@ -280,7 +277,7 @@ class OpRecorder(TorchDispatchMode):
                 side = (phase == PHASES.index("optimizer") and not flags & WORKER) or bool(flags & SIDE_STREAM)
                 key = outs[0].untyped_storage()._cdata if side and outs else 0
                 if key and phase != PHASES.index("optimizer"):
-                    self._fetch_ahead(outs[0].untyped_storage())
+                    _while_alive(self._fetched, outs[0].untyped_storage())
                 self.ops.append(Op(H2D, phase, 0.0, written, "", 1, flags | (SIDE_STREAM if side else 0), key))
                 return
             if outs:
@@ -355,15 +352,6 @@ class OpRecorder(TorchDispatchMode):
                 return key
         return 0
 
-    def _fetch_ahead(self, st) -> None:
-        """``st`` was filled by a side-stream copy: its first reader waits for that copy."""
-        key = st._cdata
-
-        def freed(ref, key=key):
-            if self._fetched.get(key) is ref:
-                del self._fetched[key]
-        self._fetched[key] = weakref.ref(st, freed)
-
     def _serial(self) -> int:
         self._serials += 1
         return self._serials
@@ -378,13 +366,7 @@ class OpRecorder(TorchDispatchMode):
         return AFTER_COMPUTE
 
     def _will_wait(self, t: torch.Tensor, serial: int) -> None:
-        st = t.untyped_storage()
-        key = st._cdata
-
-        def freed(ref, key=key):
-            if self._pending.get(key, (0, None))[1] is ref:
-                del self._pending[key]
-        self._pending[key] = (serial, weakref.ref(st, freed))
+        _while_alive(self._pending, t.untyped_storage(), serial)
 
     def _wait_for_collectives(self, ins, phase: int, flags: int) -> None:
         for t in ins:
@@ -414,6 +396,17 @@ its GEMMs in bf16 and its forward GEMM counted (NOTE [ The 4-bit matmul under au
 ``memfit.techniques.bnb_kernels``), to +17%."""
 _PROFILER = {torch.ops.profiler._record_function_enter_new, torch.ops.profiler._record_function_exit}
 _MEMFIT_MODES = ("/memfit/",)
+
+
+def _while_alive(table: dict, st, value=None) -> None:
+    """``table[st._cdata] = (value, a weak reference to st)`` until ``st`` is freed: tables are keyed by a
+    storage's address, which a later storage takes (its entry then replaces this one)."""
+    key = st._cdata
+
+    def freed(ref):
+        if table.get(key, (None, None))[1] is ref:
+            del table[key]
+    table[key] = (value, weakref.ref(st, freed))
 
 
 def _offload_flags() -> int:
