@@ -155,7 +155,7 @@ def checkpoint_blocks(model: nn.Module, *, every: int = 1, selective: bool = Fal
     if not blocks:
         raise UserError("checkpointing: found no repeated blocks (a ModuleList or Sequential of modules of one "
                         "class) in the model; use checkpointing: none, or structure the model in blocks")
-    recompute_contexts = recompute_contexts if recompute_contexts is not None else []
+    recompute_contexts = recompute_contexts if recompute_contexts is not None else ()  # (none to come)
     wrapped = []
     for _, children in blocks:
         for i, block in enumerate(children):
