@@ -53,6 +53,12 @@ CASES = {
     "qwen-qlora": "Qwen/Qwen2.5-7B-Instruct --device rtx4090 -b 2 --seq-len 2048 --adapter lora:r=16 --base-weights nf4",
     "qwen-full": "Qwen/Qwen2.5-7B-Instruct --device rtx4090 -b 2 --seq-len 2048",
     "qwen-methods": "Qwen/Qwen2.5-7B-Instruct --methods full,lora,qlora --device rtx4090 -b 2 --seq-len 2048",
+    # issue 52: compile searched for a long run (--steps), each distinct graph compiled once per worker
+    "p2-compiled": "gpt2 -b 8 --seq-len 1024 --device h100-80gb --budget 2.05GiB --steps 10000 --precision bf16-pure "
+                   "--loss-chunks 32",
+    "llama-compiled": "llama -b 1 --seq-len 2048 --device rtx4090 --steps 1000",
+    "lumina-compiled": "dit-lumina2 --adapter lora:r=16 --resolution 1024 --device rtx4090 -b 2 --steps 1000",
+    "qwen-lora-compiled": "Qwen/Qwen2.5-7B-Instruct --device rtx4090 -b 2 --seq-len 2048 --adapter lora:r=16 --steps 1000",
 }
 HUB_CONFIGS = Path(__file__).resolve().parent / "hub_configs"
 """``org--name/config.json`` per hub id the cases name."""
