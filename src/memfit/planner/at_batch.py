@@ -44,7 +44,9 @@ two (the chunked loss's shifted labels)."""
 
 class AtBatch:
     """The trace book's figures of a plan at a batch (the module's NOTEs). A mixin of
-    memfit.planner.traces.TraceBook: it uses its ``depths``, ``depth``, ``_run`` and ``_shallow_lower``."""
+    memfit.planner.traces.TraceBook: it uses its ``depths``, ``depth``, ``_run``, ``_shallow_lower`` and
+    ``workers`` (pumped before a figure is computed here: NOTE [ One pool for many books ] in
+    memfit.planner.workers)."""
 
     def _start_batches(self) -> None:
         self._at: dict[tuple[Plan, int], Measured] = {}
@@ -68,6 +70,7 @@ class AtBatch:
         the batch ])."""
         key = (plan, batch)
         if key not in self._at:
+            self.workers.pump()  # (the background traces while the figures are computed here)
             drawn = self._draw(plan, batch) if self._lines.get(plan) == TRUSTED and batch >= LINE_FROM else None
             if drawn:
                 self._drawn[key] = drawn[1]
@@ -85,6 +88,7 @@ class AtBatch:
         key = (plan, batch)
         if key not in self._expanded:
             stream = self.stream_at(plan, batch)
+            self.workers.pump()
             if stream is not None:
                 t0 = time.process_time()
                 used = replay(stream, STEADY_STEP, expandable=True)[1] + self.target.device.context_bytes

@@ -133,11 +133,16 @@ def fit_table(workload: Workload, methods: list[Method], cards: list[Device], *,
             raise UserError(f"fit: {card.name} is not a GPU preset; name GPU presets (see memfit devices)")
         groups.setdefault(architecture(card), []).append(card)
     table.groups = len(groups)
-    books = Books(workload, facts)
+    order = sorted(groups.values(), key=len, reverse=True)
+    books = Books(workload, facts, [group[0] for group in order])
     try:  # (the largest group first: the others take the plans that trace alike from its book)
-        for group in sorted(groups.values(), key=len, reverse=True):
-            progress.stage(f"tracing for {', '.join(d.name for d in group)}")
+        for group in order[1:]:  # (their first traces, in the background: NOTE [ One pool for many books ])
+            books.queue(group[0], [p for first, others in [_recipes(group[0], methods, books)] for p in [*first, *others]])
+        for group in order:  # (what every card asks first, for every group: many traces at once)
+            progress.stage(f"tracing what {', '.join(d.name for d in group)} ask first")
             _prefetch(books, group, methods, budget)
+        for group in order:
+            progress.stage(f"tracing for {', '.join(d.name for d in group)}")
             searches = [_Search(card, method, books, budget, max_world) for method in methods for card in group]
             for search in searches:
                 search.largest()
@@ -154,8 +159,15 @@ def fit_table(workload: Workload, methods: list[Method], cards: list[Device], *,
 
 def _prefetch(books: Books, group: list[Device], methods: list[Method], budget: str | None) -> None:
     """What every card of the ``group`` asks first (NOTE [ What every card asks first ])."""
-    card, first, others = group[0], [], []
     room = max(Budget.resolve(budget, c).bytes - c.context_bytes for c in group)
+    first, others = _recipes(group[0], methods, books)
+    with silenced_warnings():
+        books.prefetch(group[0], first, others, room)
+
+
+def _recipes(card: Device, methods: list[Method], books: Books) -> tuple[list, list]:
+    """Each method's most frugal recipe's plan on ``card``, and the others' plans."""
+    first, others = [], []
     for method in methods:
         try:
             with silenced_warnings():
@@ -164,8 +176,7 @@ def _prefetch(books: Books, group: list[Device], methods: list[Method], budget: 
             continue
         first.append(plans[-1].plan)
         others += [r.plan for r in plans[:-1]]
-    with silenced_warnings():
-        books.prefetch(card, first, others, room)
+    return first, others
 
 
 def _faster_in_rounds(searches: list[_Search], books: Books) -> None:

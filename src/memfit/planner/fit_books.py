@@ -32,7 +32,9 @@ first does not depend on its capacity: each method's recipes at one sample, and 
 recipe at two where one fits the group's largest card. So those are traced together, on every
 worker, before the first card's search; and the frugal recipes at three samples too, which draws
 their lines (NOTE [ A plan's line in the batch ]) one batch sooner: the first batch a card's search
-traces then checks them.
+traces then checks them. Every group's are traced before any search: the groups after the first
+queue their first traces in the background of the one pool at once (NOTE [ One pool for many
+books ] in memfit.planner.workers), and their prefetches run one after another, many traces each.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from memfit.planner.measured import PEAK_MARGIN, Measured
 from memfit.planner.space import ModelFacts
 from memfit.planner.trace_job import Traced
 from memfit.planner.traces import TraceBook
+from memfit.planner.workers import SharedWorkers
 from memfit.plans import Plan
 from memfit.target import Target
 from memfit.workload import Workload
@@ -59,20 +62,25 @@ from memfit.workload import Workload
 class Books:
     """Every architecture's trace book, and which one answers each plan for each card (the module's NOTEs)."""
 
-    def __init__(self, workload: Workload, facts: ModelFacts) -> None:
+    def __init__(self, workload: Workload, facts: ModelFacts, devices: list[Device] = ()) -> None:
+        """``devices``: the cards to be asked, whose books open here, before any trace (their processes
+        are one pool: NOTE [ One pool for many books ] in memfit.planner.workers)."""
         self.workload, self.facts = workload, facts
+        self.pool = SharedWorkers()
         self.books: dict[tuple, TraceBook] = {}
         self._sources: dict[tuple[tuple, Plan], TraceBook] = {}
         self._cards: dict[tuple[int, str], OnCard] = {}
         self.shared = 0
         """Plans an architecture took from another's book."""
+        for device in devices:
+            self.open(device)
 
     def open(self, device: Device) -> TraceBook:
         """The book of ``device``'s architecture (opened on the first card that asks)."""
         arch = architecture(device)
         if arch not in self.books:
             self.books[arch] = TraceBook(Target(self.workload, Plan(), 1, device), self.facts,
-                                         Budget.of_device(device))
+                                         Budget.of_device(device), pool=self.pool)
         return self.books[arch]
 
     def for_plan(self, device: Device, plan: Plan) -> TraceBook | OnCard:
@@ -100,6 +108,14 @@ class Books:
                     self.shared += 1
                     break
         return self._sources[key]
+
+    def queue(self, device: Device, plans: list[Plan]) -> None:
+        """The shallower trace of each of ``plans`` at one sample on ``device``'s book (what :meth:`prefetch`
+        traces first), queued in the background of the shared pool, for its processes to trace while the
+        groups before it are searched (NOTE [ One pool for many books ] in memfit.planner.workers)."""
+        own = self.open(device)
+        own.jobs([p for p in plans if own.depths(p)])  # (its cut models, made here: the pool forks with them)
+        own.workers.start([(p, own.depths(p)[0], 1) for p in dict.fromkeys(plans) if own.depths(p)])
 
     def prefetch(self, device: Device, first: list[Plan], others: list[Plan], room: int) -> None:
         """Trace together what every card of ``device``'s architecture asks first (NOTE [ What every card
@@ -165,6 +181,7 @@ class Books:
         """Close every book; returns their (traces, full traces)."""
         for book in self.books.values():
             book.close()
+        self.pool.close()
         return sum(b.traces for b in self.books.values()), sum(b.full_traces for b in self.books.values())
 
 
@@ -197,6 +214,7 @@ class OnCard:
             elif moved is None:
                 self._at[key] = self._with_context(self.own.at_batch(plan, batch), self.own)
             else:
+                self.own.workers.pump()
                 peak, reserved = replay(moved, STEADY_STEP, expandable=plan.config("allocator").expands)
                 context = self.target.device.context_bytes
                 self._at[key] = dataclasses.replace(m, peak_bytes=peak, used_lower=int(peak * (1 - PEAK_MARGIN)) + context,

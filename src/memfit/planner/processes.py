@@ -108,11 +108,12 @@ class ForkedProcesses:
         self._busy[i] = future
         return future
 
-    def wait_any(self) -> None:
-        """Block until a busy process answers; set the future of each that has."""
+    def wait_any(self, timeout: float | None = None) -> None:
+        """Block until a busy process answers (at most ``timeout`` seconds; 0: take only the answers
+        already there); set the future of each that has."""
         if not self._busy:
             return
-        ready = wait([self._conns[i] for i in self._busy])
+        ready = wait([self._conns[i] for i in self._busy], timeout)
         for i in [i for i in list(self._busy) if self._conns[i] in ready]:
             future = self._busy.pop(i)
             try:

@@ -26,7 +26,7 @@ from memfit.planner.ops import FORWARD
 from memfit.planner.shallow import depth_of, depths, extrapolate, extrapolate_ops
 from memfit.planner.space import ModelFacts
 from memfit.planner.trace_job import Traced, Tracer
-from memfit.planner.workers import SKIPPED, Workers
+from memfit.planner.workers import SKIPPED, SharedWorkers, Workers
 from memfit.plans import Plan
 from memfit.target import Target
 from memfit.techniques.base import GraphSize
@@ -86,7 +86,10 @@ def _after_shallowest(jobs: list[tuple], which) -> dict:
 class TraceBook(AtBatch):
     """The traces of one search, run on the workers and kept (see the module docstring)."""
 
-    def __init__(self, target: Target, facts: ModelFacts, budget: Budget, world: int = 1) -> None:
+    def __init__(self, target: Target, facts: ModelFacts, budget: Budget, world: int = 1,
+                 pool: SharedWorkers | None = None) -> None:
+        """``pool``: processes shared with other books (NOTE [ One pool for many books ] in
+        memfit.planner.workers); by default the book forks its own."""
         self.target, self.budget = target, budget
         self.world = world
         self.rank_batch = target.batch_size // world
@@ -115,7 +118,9 @@ class TraceBook(AtBatch):
         self._start_batches()
         self.tracer = Tracer(target, facts.model, budget)
         # forked children cannot use CUDA once the parent has: no workers where tensors are CUDA's
-        self.workers = Workers(self.tracer, fork=target.tensor_device != "cuda", affinity=compiles)
+        fork = target.tensor_device != "cuda"
+        self.workers = pool.lane(self.tracer, compiles) if pool is not None and fork else \
+            Workers(self.tracer, fork=fork, affinity=compiles)
 
     def close(self) -> None:
         self.workers.close()

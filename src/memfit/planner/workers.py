@@ -133,10 +133,11 @@ class Workers:
             new = [job for job in dict.fromkeys(jobs) if job not in self._background and job not in self._queued]
             self._queued += new
 
-    def cancel(self) -> list:
+    def cancel(self, which: Callable | None = None) -> list:
         """Drop the background jobs not handed to a worker yet (those running finish; no one waits);
-        returns them, in order."""
-        dropped, self._queued = self._queued, []
+        returns them, in order. ``which(job)``: those to drop (default: all)."""
+        dropped = [job for job in self._queued if which is None or which(job)]
+        self._queued = [job for job in self._queued if job not in dropped]
         return dropped
 
     def _map_on_pool(self, jobs: list, after: dict, skip: Callable | None) -> list:
@@ -155,14 +156,30 @@ class Workers:
                 if worker is not None:
                     todo.remove(job)
                     futures[job] = self._submit(worker, job)
-            for job in list(self._queued):  # (a worker the jobs leave idle: the background's next)
-                worker = self._worker_for(job)
-                if worker is not None:
-                    self._queued.remove(job)
-                    self._background[job] = self._submit(worker, job)
+            self._hand_background()
             if not todo and all(f.done() for f in futures.values()):
                 return [futures[job].result() for job in jobs]
             self._pool.wait_any()
+
+    def _hand_background(self) -> None:
+        """The background's next jobs to the processes idle now (a worker the jobs leave idle)."""
+        for job in list(self._queued):
+            worker = self._worker_for(job)
+            if worker is not None:
+                self._queued.remove(job)
+                self._background[job] = self._submit(worker, job)
+
+    def pump(self) -> None:
+        """Take the answers already there and hand the background's next jobs to the processes idle now,
+        without waiting: the planner calls it between its own computations (replaying allocations at
+        full depth), so that the processes trace the background while it computes (NOTE [ One pool for
+        many books ])."""
+        if self._pool is not None and (self._queued or self._background):
+            try:
+                self._pool.wait_any(timeout=0)
+                self._hand_background()
+            except BrokenProcessPool:  # (the next map finds it broken, and goes on here)
+                pass
 
     def _is_warm(self, job) -> bool:
         """Some process ran a job of ``job``'s affinity key: it waits for that one, which the jobs
@@ -209,3 +226,68 @@ class Workers:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+
+
+# NOTE [ One pool for many books ]
+# ``memfit fit`` asks one trace book per card architecture (memfit.planner.fit_books), and each card's
+# search is a chain: a shallow pair, then the planner's own work on its figures (its allocations
+# replayed at full depth, through the caching-allocator model, for every card that asks), then the next
+# pair. With a pool per book, the processes idled while the planner computed: on Llama-2-7B, 27 of the
+# 98 s no trace ran. So the books share one pool (a :class:`Lane` each, its jobs tagged with the book's
+# function), the architectures after the first queue their first traces in its background at once, and
+# the planner hands them out while it computes (:meth:`Workers.pump`). The processes are forked once,
+# with every book's function: a lane is opened before the first job.
+class SharedWorkers(Workers):
+    """One pool of processes for several job functions, each asked through its :class:`Lane`."""
+
+    def __init__(self) -> None:
+        self._lanes: list[tuple[Callable, Callable | None]] = []
+        super().__init__(self._run_tagged, affinity=self._tagged_affinity)
+
+    def lane(self, fn: Callable, affinity: Callable | None = None) -> Lane | Workers:
+        """A lane running ``fn`` on its jobs; once the processes are forked (they hold the lanes opened
+        before), processes of its own."""
+        if self._pool is not None:
+            return Workers(fn, affinity=affinity)
+        self._lanes.append((fn, affinity))
+        return Lane(self, len(self._lanes) - 1)
+
+    def _run_tagged(self, job):
+        tag, own = job
+        return self._lanes[tag][0](own)
+
+    def _tagged_affinity(self, job):
+        tag, own = job
+        affinity = self._lanes[tag][1]
+        key = affinity(own) if affinity else None
+        return None if key is None else (tag, key)
+
+
+class Lane:
+    """One job function's view of a :class:`SharedWorkers` (as a :class:`Workers` of its own); closing it
+    leaves the pool to its owner."""
+
+    def __init__(self, shared: SharedWorkers, tag: int) -> None:
+        self.shared, self.tag = shared, tag
+
+    @property
+    def count(self) -> int:
+        return self.shared.count
+
+    def map(self, jobs: list, after: dict | None = None, behind: list = (), skip: Callable | None = None) -> list:
+        tag = self.tag
+        tagged_skip = (lambda job, result: skip(job[1], result)) if skip else None
+        return self.shared.map([(tag, j) for j in jobs], after={(tag, k): (tag, v) for k, v in (after or {}).items()},
+                               behind=[(tag, j) for j in behind], skip=tagged_skip)
+
+    def start(self, jobs: list) -> None:
+        self.shared.start([(self.tag, j) for j in jobs])
+
+    def cancel(self) -> list:
+        return [j for _, j in self.shared.cancel(lambda job: job[0] == self.tag)]
+
+    def pump(self) -> None:
+        self.shared.pump()
+
+    def close(self) -> None:
+        pass
