@@ -112,7 +112,7 @@ class Books:
     def queue(self, device: Device, plans: list[Plan]) -> None:
         """The shallower trace of each of ``plans`` at one sample on ``device``'s book (what :meth:`prefetch`
         traces first), queued in the background of the shared pool, for its processes to trace while the
-        groups before it are searched (NOTE [ One pool for many books ] in memfit.planner.workers)."""
+        planner asks the groups before it (NOTE [ One pool for many books ] in memfit.planner.workers)."""
         own = self.open(device)
         own.jobs([p for p in plans if own.depths(p)])  # (its cut models, made here: the pool forks with them)
         own.workers.start([(p, own.depths(p)[0], 1) for p in dict.fromkeys(plans) if own.depths(p)])
