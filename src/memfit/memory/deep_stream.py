@@ -421,22 +421,14 @@ def replay(stream: Stream, step: int, *, expandable: bool = False) -> tuple[int,
     memfit.memory.allocator.replay gives them for a trace (its ``replay_events``, inlined: ``memfit
     fit`` replays hundreds of streams of ten thousand events, one after another)."""
     tokens, frees = stream.tokens, stream.frees
-    start = end = None
-    for i, tok in enumerate(tokens):
-        if tok[0] == MARK:
-            if start is None:
-                if tok[1] == "step" and tok[2] == step:
-                    start = i
-            elif tok[1] in ("step", "end"):
-                end = i
-                break
-    if start is None:
-        raise ValueError(f"no step {step} in the stream")
+    marks = [(i, tok[1], tok[2]) for i, tok in enumerate(tokens) if tok[0] == MARK]
+    start = next(i for i, name, s in marks if name == "step" and s == step)
+    end = next((i for i, name, _ in marks if i > start and name in ("step", "end")), len(tokens))
     model = new_model(expandable)
     malloc, free = model.malloc, model.free
     blocks: dict = {}
     peak = -1
-    for i in range(len(tokens) if end is None else end):
+    for i in range(end):
         tok = tokens[i]
         kind = tok[0]
         if kind == "+":
