@@ -14,6 +14,7 @@ import itertools
 import re
 from typing import NamedTuple
 
+from memfit.memory.allocator import replay_events
 from memfit.memory.expandable import new_model
 
 MARK = "mark"
@@ -418,29 +419,18 @@ def _at_run_ends(b: Stream, j1: int, j2: int) -> list[tuple[int, int]]:
 def replay(stream: Stream, step: int, *, expandable: bool = False) -> tuple[int, int]:
     """(allocated peak within step ``step``, reserved bytes at its end) of the stream through the
     caching-allocator model (with ``expandable`` segments or not), as
-    memfit.memory.allocator.replay gives them for a trace (its ``replay_events``, inlined: ``memfit
-    fit`` replays hundreds of streams of ten thousand events, one after another)."""
-    tokens, frees = stream.tokens, stream.frees
-    marks = [(i, tok[1], tok[2]) for i, tok in enumerate(tokens) if tok[0] == MARK]
+    memfit.memory.allocator.replay gives them for a trace."""
+    marks = [(i, tok[1], tok[2]) for i, tok in enumerate(stream.tokens) if tok[0] == MARK]
     start = next(i for i, name, s in marks if name == "step" and s == step)
-    end = next((i for i, name, _ in marks if i > start and name in ("step", "end")), len(tokens))
-    model = new_model(expandable)
-    malloc, free = model.malloc, model.free
-    blocks: dict = {}
-    peak = -1
-    for i in range(end):
-        tok = tokens[i]
-        kind = tok[0]
-        if kind == "+":
-            blocks[i] = malloc(tok[1], tok[2])
-        elif kind == MARK:
-            if tok[1] == "empty_cache":
-                model.empty_cache()
-            continue
-        else:
-            block = blocks.pop(frees[i], None)
-            if block is not None:
-                free(block)
-        if i >= start and model.allocated > peak:
-            peak = model.allocated
-    return (model.allocated if peak < 0 else peak), model.reserved
+    end = next((i for i, name, _ in marks if i > start and name in ("step", "end")), len(stream.tokens))
+
+    def events():
+        for i, tok in enumerate(stream.tokens[:end]):
+            if tok[0] == MARK:
+                if tok[1] == "empty_cache":
+                    yield i, None, 0, 0, 0
+            elif tok[0] == "+":
+                yield i, i, 1, tok[1], tok[2]
+            else:
+                yield i, stream.frees[i], -1, tok[1], tok[2]
+    return replay_events(events(), start, model=new_model(expandable))[:2]
