@@ -32,6 +32,7 @@ from memfit.memory.deep_stream import Stream, deepen, replay, step_events
 from memfit.memory.stream_sizes import Paired, pair_up, widen
 from memfit.planner.measured import PEAK_MARGIN, Measured, ShallowFailed
 from memfit.planner.shallow import OpsOnLine, extrapolate, extrapolate_ops, ops_line_up
+from memfit.planner.turns import current as current_turns
 from memfit.plans import Plan
 
 TRUSTED, BROKEN = "trusted", "broken"
@@ -63,6 +64,8 @@ class AtBatch:
         """(plan, batch) -> what the budget counts of it with expandable segments."""
         self._ops_line_up: dict[tuple, bool] = {}
         """(plan, x_a, x_b, which) -> whether the ops at the two batches line up (:meth:`_line_up`)."""
+        self._tracing: dict[Plan, int] = {}
+        """A plan -> its batches being traced now, by searches in turns (:meth:`_after_others`)."""
 
     def at_batch(self, plan: Plan, batch: int) -> Measured:
         """``plan`` at ``batch`` samples a rank: what the budget counts and its ops at full depth
@@ -70,12 +73,22 @@ class AtBatch:
         the batch ])."""
         key = (plan, batch)
         if key not in self._at:
+            self._after_others(plan)
+        if key not in self._at:
             self.workers.pump()  # (the background traces while the figures are computed here)
             drawn = self._draw(plan, batch) if self._lines.get(plan) == TRUSTED and batch >= LINE_FROM else None
             if drawn:
                 self._drawn[key] = drawn[1]
             self._at[key] = drawn[0] if drawn else self._traced_at(plan, batch)
         return self._at[key]
+
+    def _after_others(self, plan: Plan) -> None:
+        """Where searches take turns (NOTE [ Searches in turns ] in memfit.planner.turns) and another is
+        tracing ``plan`` at a batch while its line is undecided: wait for that batch, which may decide the
+        line, so that this batch is drawn on it, as it would be asked after, and costs no trace."""
+        turns = current_turns()
+        if turns is not None and plan not in self._lines and self._tracing.get(plan):
+            turns.wait(lambda: plan in self._lines or not self._tracing.get(plan))
 
     def has_at(self, plan: Plan, batch: int) -> bool:
         """``plan``'s figures at ``batch`` cost no trace: kept, or drawn on its line."""
@@ -126,7 +139,11 @@ class AtBatch:
 
     # -- traced, and drawn -----------------------------------------------------------------------
     def _traced_at(self, plan: Plan, batch: int) -> Measured:
-        m = self._deep_at(plan, batch) or self._full_at(plan, batch)
+        self._tracing[plan] = self._tracing.get(plan, 0) + 1
+        try:
+            m = self._deep_at(plan, batch) or self._full_at(plan, batch)
+        finally:
+            self._tracing[plan] -= 1
         if plan not in self._lines and (plan, batch) in self._streams and batch >= LINE_FROM:
             others = sorted(b for p, b in self._streams if p == plan and b != batch and b >= LINE_FROM)
             if len(others) >= 2:  # a third batch: does the line through the first two draw it?

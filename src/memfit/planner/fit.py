@@ -35,6 +35,7 @@ same traces as one cell at a time, run two at a time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -51,6 +52,7 @@ from memfit.planner.shallow import extrapolate
 from memfit.planner.space import model_facts
 from memfit.planner.timing import time_from_ops
 from memfit.planner.traces import TraceBook
+from memfit.planner.turns import in_turns
 from memfit.quiet import silenced_warnings
 from memfit.target import Target
 from memfit.workload import Workload
@@ -142,20 +144,30 @@ def fit_table(workload: Workload, methods: list[Method], cards: list[Device], *,
         for group in order:  # (what every card asks first, for every group: many traces at once)
             progress.stage(f"tracing what {', '.join(d.name for d in group)} ask first")
             _prefetch(books, group, methods, budget)
-        for group in order:
-            progress.stage(f"tracing for {', '.join(d.name for d in group)}")
-            searches = [_Search(card, method, books, budget, max_world) for method in methods for card in group]
+        searched = []
+        for together in (order[:1], order[1:]):  # (the first alone: the others draw on its lines, take its plans)
+            progress.stage(f"tracing for {', '.join(d.name for group in together for d in group)}")
+            searched += in_turns([functools.partial(_search_group, group, methods, books, budget, max_world)
+                                  for group in together], together=books.pool.count > 1)
+        for searches in searched:  # (NOTE [ Searches in turns ])
             for search in searches:
-                search.largest()
-            _faster_in_rounds(searches, books)
-            for search in searches:
-                search.finish()
                 table.cells[(search.cell.card, search.cell.method)] = search.cell
     finally:
         table.traces, table.full_traces = books.close()
         table.shared = books.shared
     table.seconds = time.perf_counter() - t0
     return table
+
+
+def _search_group(group: list[Device], methods: list[Method], books: Books, budget: str | None,
+                  max_world: int) -> list[_Search]:
+    """The cells of one architecture's cards: their largest batches, then faster recipes in rounds."""
+    searches = [_Search(card, method, books, budget, max_world) for method in methods for card in group]
+    in_turns([search.largest for search in searches], together=books.pool.count > 1)
+    _faster_in_rounds(searches, books)
+    for search in searches:
+        search.finish()
+    return searches
 
 
 def _prefetch(books: Books, group: list[Device], methods: list[Method], budget: str | None) -> None:

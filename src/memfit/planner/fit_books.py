@@ -53,6 +53,7 @@ from memfit.planner.measured import PEAK_MARGIN, Measured
 from memfit.planner.space import ModelFacts
 from memfit.planner.trace_job import Traced
 from memfit.planner.traces import TraceBook
+from memfit.planner.turns import current as current_turns
 from memfit.planner.workers import SharedWorkers
 from memfit.plans import Plan
 from memfit.target import Target
@@ -69,6 +70,8 @@ class Books:
         self.pool = SharedWorkers()
         self.books: dict[tuple, TraceBook] = {}
         self._sources: dict[tuple[tuple, Plan], TraceBook] = {}
+        self._deciding: set[tuple[tuple, Plan]] = set()
+        """The (architecture, plan) whose source a search is deciding now, the others waiting for it."""
         self._cards: dict[tuple[int, str], OnCard] = {}
         self.shared = 0
         """Plans an architecture took from another's book."""
@@ -97,17 +100,25 @@ class Books:
 
     def _source(self, device: Device, plan: Plan) -> TraceBook:
         key = (architecture(device), plan)
+        if key in self._deciding:  # (another search, in turns, is comparing it: NOTE [ Searches in turns ])
+            current_turns().wait(lambda: key in self._sources)
         if key not in self._sources:
             own = self.open(device)
-            self._sources[key] = own
-            for other in self.books.values():
-                if other is own:
-                    break
-                if _alike(other, own, plan):
-                    self._sources[key] = other
-                    self.shared += 1
-                    break
+            self._deciding.add(key)
+            try:
+                source = next((other for other in self._earlier(own) if _alike(other, own, plan)), own)
+            finally:
+                self._deciding.discard(key)
+            self._sources[key] = source
+            self.shared += source is not own
         return self._sources[key]
+
+    def _earlier(self, own: TraceBook):
+        """The books opened before ``own``."""
+        for other in self.books.values():
+            if other is own:
+                return
+            yield other
 
     def queue(self, device: Device, plans: list[Plan]) -> None:
         """The shallower trace of each of ``plans`` at one sample on ``device``'s book (what :meth:`prefetch`

@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 
 from memfit.planner.processes import ForkedProcesses
+from memfit.planner.turns import current as current_turns
 
 MAX_WORKERS = 8
 
@@ -84,6 +85,9 @@ class Workers:
         """Background jobs (:meth:`start`) not handed to a worker yet, in order."""
         self._background: dict = {}
         """Background job -> its future, once handed to a worker, until a :meth:`map` takes it."""
+        self._inflight: dict = {}
+        """Job -> its future, while the :meth:`map` that handed it out waits: a map of another planner
+        thread that asks it takes that future (NOTE [ Searches in turns ] in memfit.planner.turns)."""
 
     # NOTE [ Jobs in the background, and after the compile they share ]
     # Two things would keep a core idle or busy for nothing while the planner measures before its walk:
@@ -142,9 +146,19 @@ class Workers:
 
     def _map_on_pool(self, jobs: list, after: dict, skip: Callable | None) -> list:
         own = list(dict.fromkeys(jobs))
-        futures = {job: self._background.pop(job) for job in own if job in self._background}
+        futures = {job: self._inflight[job] for job in own if job in self._inflight}
+        mine = [job for job in own if job in self._background and job not in futures]
+        for job in mine:  # (taken from the background: in flight for other threads' maps too)
+            futures[job] = self._inflight[job] = self._background.pop(job)
         self._queued = [job for job in self._queued if job not in own]
         todo = [job for job in own if job not in futures]
+        try:
+            return self._run_on_pool(jobs, own, futures, todo, after, skip, mine)
+        finally:
+            for job in mine:
+                self._inflight.pop(job, None)
+
+    def _run_on_pool(self, jobs, own, futures, todo, after, skip, mine) -> list:
         while True:
             ready = [j for j in todo if after.get(j) not in own or (after[j] in futures and futures[after[j]].done())]
             for job in sorted(ready, key=lambda j: not self._is_warm(j)):  # (a warm process to its key's job first)
@@ -155,11 +169,25 @@ class Workers:
                 worker = self._worker_for(job)
                 if worker is not None:
                     todo.remove(job)
-                    futures[job] = self._submit(worker, job)
+                    futures[job] = self._inflight[job] = self._submit(worker, job)
+                    mine.append(job)
             self._hand_background()
             if not todo and all(f.done() for f in futures.values()):
                 return [futures[job].result() for job in jobs]
-            self._pool.wait_any()
+            self._wait(futures, todo)
+
+    def _wait(self, futures: dict, todo: list) -> None:
+        """Until one of ``futures`` is done or, with jobs ``todo``, a process is idle; in turns with the other
+        planner threads where there are (NOTE [ Searches in turns ] in memfit.planner.turns)."""
+        turns, pool = current_turns(), self._pool
+        if turns is None:
+            pool.wait_any()
+            return
+        pending = [f for f in futures.values() if not f.done()]
+        turns.wait(lambda: self._pool is not pool or any(f.done() for f in pending) or bool(todo and pool.idle()),
+                   pool.wait_any)
+        if self._pool is not pool:  # (another thread found a worker dead: go on here, in turn)
+            raise BrokenProcessPool("the trace workers were closed")
 
     def _hand_background(self) -> None:
         """The background's next jobs to the processes idle now (a worker the jobs leave idle)."""
@@ -223,6 +251,7 @@ class Workers:
     def close(self) -> None:
         self._queued.clear()
         self._background.clear()
+        self._inflight.clear()
         if self._pool is not None:
             self._pool.close()
             self._pool = None

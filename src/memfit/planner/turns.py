@@ -1,0 +1,145 @@
+"""Several chains of planner work in one process, taking turns while the trace workers run.
+
+NOTE [ Searches in turns ]
+``memfit fit`` searches each card architecture's cells in a chain: a shallow pair of traces, then the
+planner's own figures from them (allocations deepened to full depth and replayed through the
+caching-allocator model, the ops' times), then the next pair. One chain at a time, the two worker
+processes waited for the planner, and the planner for them: on Llama-2-7B, after every group's first
+traces, 76 traces (52 s of worker CPU) and ~20 s of the planner's own CPU took 55 s on two cores. The
+chains of different architectures depend on nothing of each other's, so :func:`in_turns` runs them
+together: each in a thread, one running at a time. A thread hands its turn on only where it would
+otherwise block, waiting for traces (memfit.planner.workers.Workers.map) or for the threads it started,
+and the next to run is the first, in the order they stopped, that can go on. So while one chain waits
+for its pair, another computes its figures or hands out its own pair.
+
+These are turns, not parallel Python: a thread runs from one wait to the next with no other planner
+thread running, so the books, caches and pool are used as by one thread, in an order that depends on
+the traces' timing. Every figure is the same in any order (a trace, a replay, a drawn line confirmed by
+a third traced batch are functions of their plan and batch), so the table is the same; only which
+thread traced a shared job first differs, and a job two threads ask at once is traced once
+(``Workers`` keeps the jobs in flight). Where the traces run here, in turn (one core, no fork), the
+chains run one after another, as before.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable
+
+_state = threading.local()
+
+
+class _Parked:
+    """A thread waiting for its turn: ``ready()`` (None: it can go on at once), and ``poll`` (a blocking
+    wait on the trace workers, which it runs when no one can go on)."""
+
+    def __init__(self, ready: Callable[[], bool] | None, poll: Callable[[], None] | None) -> None:
+        self.ready, self.poll = ready, poll
+        self.event = threading.Event()
+
+    def can_go(self) -> bool:
+        return self.ready is None or self.ready()
+
+
+class Turns:
+    """Threads that run one at a time (NOTE [ Searches in turns ])."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._parked: list[_Parked] = []
+
+    def wait(self, done: Callable[[], bool], poll: Callable[[], None] | None = None) -> None:
+        """Until ``done()``: where another thread can go on, hand it the turn and wait to be given it back;
+        where none can, ``poll()`` (block on the trace workers: some thread's trace ends); where no thread
+        can poll either, a parked one that can. Call only in a thread that has the turn."""
+        while not done():
+            with self._lock:
+                nxt = self._next()
+                if nxt is None and poll is None:
+                    nxt = next((p for p in self._parked if p.poll is not None), None)
+                    if nxt is None:
+                        raise RuntimeError("planner turns: every thread waits, and none for the trace workers")
+                    self._parked.remove(nxt)
+                if nxt is not None:
+                    me = _Parked(done, poll)
+                    self._parked.append(me)
+                    nxt.event.set()
+            if nxt is None:
+                poll()
+            else:
+                me.event.wait()
+
+    def _next(self) -> _Parked | None:
+        """The first parked thread that can go on, taken off the list (under the lock)."""
+        for p in self._parked:
+            if p.can_go():
+                self._parked.remove(p)
+                return p
+        return None
+
+    def _hand_on(self) -> None:
+        """A thread ends: the turn to the first that can go on, else to one that polls."""
+        with self._lock:
+            nxt = self._next() or next((p for p in self._parked if p.poll is not None), None)
+            if nxt is not None:
+                if nxt in self._parked:
+                    self._parked.remove(nxt)
+                nxt.event.set()
+
+    def gather(self, fns: list[Callable[[], object]]) -> list:
+        """Each ``fn()`` in a thread of its own, in turns with the others; their results, in order (the
+        first exception raised, once all have ended). Call only in a thread that has the turn."""
+        results: list = [None] * len(fns)
+        errors: list[BaseException | None] = [None] * len(fns)
+        ended = [False] * len(fns)
+
+        def run(i: int, fn: Callable, parked: _Parked) -> None:
+            parked.event.wait()
+            _state.turns = self
+            try:
+                results[i] = fn()
+            except BaseException as e:  # (re-raised where they were gathered)
+                errors[i] = e
+            finally:
+                ended[i] = True
+                self._hand_on()
+
+        threads = []
+        for i, fn in enumerate(fns):
+            parked = _Parked(None, None)
+            with self._lock:
+                self._parked.append(parked)
+            thread = threading.Thread(target=run, args=(i, fn, parked), name=f"memfit-turn-{i}", daemon=True)
+            thread.start()
+            threads.append(thread)
+        self.wait(lambda: all(ended))
+        for thread in threads:
+            thread.join()
+        for e in errors:
+            if e is not None:
+                raise e
+        return results
+
+
+def in_turns(fns: list[Callable[[], object]], together: bool = True) -> list:
+    """Each ``fn()``, in turns (NOTE [ Searches in turns ]) where ``together``, else one after another; their
+    results, in order."""
+    if not together or len(fns) < 2:
+        return [fn() for fn in fns]
+    turns = getattr(_state, "turns", None)
+    if turns is None:
+        turns = Turns()
+        _state.turns = turns
+        # (``warnings.catch_warnings`` blocks of threads in turns end out of order: the filters as they were)
+        with warnings.catch_warnings():
+            try:
+                return turns.gather(fns)
+            finally:
+                _state.turns = None
+    return turns.gather(fns)
+
+
+def current() -> Turns | None:
+    """The turns this thread takes part in (None: it runs alone)."""
+    return getattr(_state, "turns", None)

@@ -1,0 +1,139 @@
+"""NOTE [ Searches in turns ] (memfit.planner.turns): chains of planner work run in threads that take
+turns, one at a time, handing the turn on only where they wait for the trace workers; a job two of
+them ask at once is traced once."""
+
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from memfit.planner.turns import Turns, current, in_turns
+
+
+class _FakePool:
+    """Jobs that end, oldest first, each time someone polls."""
+
+    def __init__(self) -> None:
+        self.pending: list[dict] = []
+        self.polls = 0
+
+    def submit(self) -> dict:
+        job = {"done": False}
+        self.pending.append(job)
+        return job
+
+    def poll(self) -> None:
+        self.polls += 1
+        self.pending.pop(0)["done"] = True
+
+
+def test_a_chain_that_waits_hands_its_turn_to_another_and_only_one_runs_at_a_time():
+    pool, log, running = _FakePool(), [], []
+
+    def chain(name: str, steps: int):
+        def run():
+            for step in range(steps):
+                assert not running, (name, running)  # (one thread at a time)
+                running.append(name)
+                log.append(f"{name}{step}")
+                job = pool.submit()
+                running.remove(name)
+                current().wait(lambda job=job: job["done"], pool.poll)
+            return name
+        return run
+
+    assert in_turns([chain("a", 3), chain("b", 2)]) == ["a", "b"]
+    # a waits for its first job: b hands out its own before a's ends; one poll ends each job
+    assert log[:2] == ["a0", "b0"], log
+    assert sorted(log) == ["a0", "a1", "a2", "b0", "b1"] and pool.polls == 5 and not pool.pending
+    assert current() is None  # (the turns end with the call)
+
+
+def test_apart_they_run_one_after_another():
+    log = []
+    in_turns([lambda: log.append("a"), lambda: log.append("b")], together=False)
+    assert log == ["a", "b"]
+
+
+def test_an_error_in_one_chain_is_raised_once_all_have_ended():
+    pool, ended = _FakePool(), []
+
+    def fails():
+        raise ValueError("plan error")
+
+    def waits():
+        job = pool.submit()
+        current().wait(lambda: job["done"], pool.poll)
+        ended.append("waits")
+
+    with pytest.raises(ValueError, match="plan error"):
+        in_turns([fails, waits])
+    assert ended == ["waits"]
+
+
+def test_turns_nest_a_chain_gathers_its_own():
+    pool, log = _FakePool(), []
+
+    def leaf(name):
+        def run():
+            job = pool.submit()
+            log.append(f"asked {name}")
+            current().wait(lambda: job["done"], pool.poll)
+            log.append(f"got {name}")
+        return run
+
+    def group(names):
+        return lambda: in_turns([leaf(n) for n in names])
+
+    in_turns([group(["a", "b"]), group(["c"])])
+    assert sorted(log[:3]) == ["asked a", "asked b", "asked c"], log  # every leaf asks before any waits out
+    assert sorted(log[3:]) == ["got a", "got b", "got c"]
+
+
+def test_waiting_for_nothing_any_thread_polls_is_an_error_not_a_hang():
+    turns = Turns()
+    done = threading.Event()
+    with pytest.raises(RuntimeError, match="none for the trace workers"):
+        turns.wait(done.is_set)
+
+
+POOL = """
+import os, sys, time
+from memfit.planner.turns import in_turns
+from memfit.planner.workers import SharedWorkers
+log = sys.argv[1]
+def traced(name):
+    start = time.time()
+    time.sleep(0.4)
+    end = time.time()
+    with open(log, "a") as f:
+        f.write(f"{name} {start} {end}\\n")
+    return name, os.getpid()
+pool = SharedWorkers()
+lane = pool.lane(traced)
+lane.map(["warm"])                                     # (the pool forks)
+answers = {}
+def chain(name):
+    def run():
+        answers[name] = lane.map([name]) + lane.map(["shared"])
+    return run
+in_turns([chain("a"), chain("b")])
+assert [n for n, _ in answers["a"]] == ["a", "shared"] and [n for n, _ in answers["b"]] == ["b", "shared"]
+ran = {}
+for line in open(log):
+    name, start, end = line.split()
+    ran.setdefault(name, []).append((float(start), float(end)))
+(a,), (b,) = ran["a"], ran["b"]
+assert b[0] < a[1], ran                                 # b's job started while a's map waited for a's
+assert len(ran["shared"]) == 1, ran                    # asked by both chains at once: traced once
+pool.close()
+print("ok")
+"""
+
+
+def test_chains_in_turns_share_the_pool_and_a_job_in_flight(tmp_path):
+    env = {"MEMFIT_PLAN_WORKERS": "2", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", POOL, str(tmp_path / "log")], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
