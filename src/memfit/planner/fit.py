@@ -30,6 +30,14 @@ lines once the first card has traced them), then ask their faster recipes in rou
 each round traces together every cell's next recipe at its batch, the shallower traces, then the
 deeper ones of those within their budgets; a cell whose recipe takes its batch leaves the rounds. The
 same traces as one cell at a time, run two at a time.
+
+The cards of a group find their largest batches in turns, and so do the groups after the first (NOTE
+[ Searches in turns ] in memfit.planner.turns): while one search waits for its pair, another computes
+its figures or hands out its own. The first group searches alone, before the others: they draw on its
+plans' lines and take the plans that trace alike from its book, which, asked before its own searches
+had traced them, would cost traces of their own. A search that asks a plan whose line a batch being
+traced may decide waits for that batch (memfit.planner.at_batch), and one that asks which book answers
+a plan another is deciding waits for that answer (memfit.planner.fit_books): the same traces as in turn.
 """
 
 from __future__ import annotations
