@@ -97,6 +97,12 @@ def test_waiting_for_nothing_any_thread_polls_is_an_error_not_a_hang():
     with pytest.raises(RuntimeError, match="none for the trace workers"):
         turns.wait(done.is_set)
 
+    def stuck():
+        current().wait(lambda: False)  # (no trace to wait for: no thread will ever make it go on)
+
+    with pytest.raises(RuntimeError, match="none for the trace workers"):
+        in_turns([stuck, stuck])
+
 
 POOL = """
 import os, sys, time

@@ -101,7 +101,7 @@ class Books:
     def _source(self, device: Device, plan: Plan) -> TraceBook:
         key = (architecture(device), plan)
         if key in self._deciding:  # (another search, in turns, is comparing it: NOTE [ Searches in turns ])
-            current_turns().wait(lambda: key in self._sources)
+            current_turns().wait(lambda: key in self._sources or key not in self._deciding)
         if key not in self._sources:
             own = self.open(device)
             self._deciding.add(key)

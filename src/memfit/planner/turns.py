@@ -79,9 +79,11 @@ class Turns:
         return None
 
     def _hand_on(self) -> None:
-        """A thread ends: the turn to the first that can go on, else to one that polls."""
+        """A thread ends: the turn to the first that can go on, else to one that polls, else to the first
+        (which finds no one to poll for it, and raises: an error, not a hang)."""
         with self._lock:
-            nxt = self._next() or next((p for p in self._parked if p.poll is not None), None)
+            nxt = self._next() or next((p for p in self._parked if p.poll is not None), None) or \
+                (self._parked[0] if self._parked else None)
             if nxt is not None:
                 if nxt in self._parked:
                     self._parked.remove(nxt)
