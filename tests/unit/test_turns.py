@@ -143,3 +143,40 @@ def test_chains_in_turns_share_the_pool_and_a_job_in_flight(tmp_path):
     out = subprocess.run([sys.executable, "-c", POOL, str(tmp_path / "log")], capture_output=True, text=True,
                          env=env, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+LINE = """
+import warnings
+warnings.filterwarnings("ignore")
+from memfit.devices import get_device
+from memfit.memory.budget import Budget
+from memfit.planner.methods import parse_methods
+from memfit.planner.recipes import recipes
+from memfit.planner.space import model_facts
+from memfit.planner.traces import TraceBook
+from memfit.planner.turns import in_turns
+from memfit.plans import Plan
+from memfit.target import Target
+from memfit.workloads import load_workload
+workload = load_workload("llama:num_hidden_layers=6,hidden_size=64,intermediate_size=128,num_attention_heads=4,"
+                         "num_key_value_heads=2,vocab_size=512", seq_len=256)
+card = get_device("rtx4090")
+facts = model_facts(workload)
+plan = recipes(parse_methods("lora")[0], facts, card)[-1].plan
+book = TraceBook(Target(workload, Plan(), 1, card), facts, Budget.of_device(card))
+book.at_batch(plan, 2), book.at_batch(plan, 3)         # a line through two batches, not yet decided
+before = book.traces
+got = in_turns([lambda: book.at_batch(plan, 5), lambda: book.at_batch(plan, 7)])
+assert book.workers.count == 2
+print(book.traces - before, dict(book.lines()))
+book.close()
+"""
+
+
+def test_a_search_in_turns_waits_for_the_batch_that_decides_a_line_and_draws_on_it():
+    """NOTE [ Searches in turns ]: two searches ask a plan at 5 and 7 samples while its line (through 2 and 3)
+    is undecided; the second waits for the first's batch, which decides the line, and draws 7 on it: one
+    shallow pair, as when they are asked one after the other."""
+    env = {"MEMFIT_PLAN_WORKERS": "2", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", LINE], capture_output=True, text=True, env=env, timeout=300)
+    assert out.stdout.strip() == "2 {'trusted': 1, 'broken': 0}", out.stderr[-2000:]
