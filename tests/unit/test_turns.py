@@ -56,7 +56,7 @@ def test_apart_they_run_one_after_another():
     assert log == ["a", "b"]
 
 
-def test_an_error_in_one_chain_is_raised_once_all_have_ended():
+def test_an_error_in_one_chain_is_raised_and_the_others_stop():
     pool, ended = _FakePool(), []
 
     def fails():
@@ -69,7 +69,8 @@ def test_an_error_in_one_chain_is_raised_once_all_have_ended():
 
     with pytest.raises(ValueError, match="plan error"):
         in_turns([fails, waits])
-    assert ended == ["waits"]
+    assert ended == []
+    assert threading.active_count() == 1
 
 
 def test_turns_nest_a_chain_gathers_its_own():
@@ -180,3 +181,97 @@ def test_a_search_in_turns_waits_for_the_batch_that_decides_a_line_and_draws_on_
     env = {"MEMFIT_PLAN_WORKERS": "2", "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", LINE], capture_output=True, text=True, env=env, timeout=300)
     assert out.stdout.strip() == "2 {'trusted': 1, 'broken': 0}", out.stderr[-2000:]
+
+
+EDGES = """
+import os, signal, sys, threading, time, warnings
+from memfit.planner.turns import current, in_turns
+from memfit.planner.workers import SharedWorkers
+log = sys.argv[1]
+def traced(name):
+    time.sleep(2 if name == "slow" else 0.2)
+    with open(log, "a") as f:
+        f.write(name + "\\n")
+    return name
+def ran():
+    return open(log).read().split()
+guard = threading.Timer(60, lambda: (print("HANG", flush=True), os._exit(3)))
+guard.daemon = True
+guard.start()
+pool = SharedWorkers()
+lane = pool.lane(traced, affinity=lambda job: "K" if job.startswith("k") else None)
+lane.map(["warm"])
+
+# a deeper trace after its shallower one, and a compile's key busy while the other process idles: a wait,
+# not a spin that never polls the workers
+pair = lambda n: (lambda: lane.map([n + "-shallow", n + "-deep"], after={n + "-deep": n + "-shallow"}))
+assert in_turns([pair("a"), pair("b")]) == [["a-shallow", "a-deep"], ["b-shallow", "b-deep"]]
+assert in_turns([lambda: lane.map(["k1"]), lambda: lane.map(["k2"])]) == [["k1"], ["k2"]]
+
+# a job one search waits to hand out while another hands it out, or queues it behind: traced once
+open(log, "w").close()
+out = in_turns([lambda: lane.map(["a1", "a2", "shared"]), lambda: lane.map(["b1", "b2", "shared"])])
+assert ran().count("shared") == 1 and out[0][2] == out[1][2] == "shared", ran()
+open(log, "w").close()
+in_turns([lambda: lane.map(["x"]), lambda: lane.map(["y"], behind=["x"])])
+time.sleep(0.5); pool.pump()
+assert ran().count("x") == 1 and not pool._background, (ran(), pool._background)
+
+# a search's warning filters are its own across the turns of the others
+def quiet(steps):
+    def run():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for i in range(steps):
+                lane.map([f"q{steps}-{i}"])
+                warnings.warn("inside: an error")
+    return run
+try:
+    in_turns([quiet(1), quiet(3)])
+    raise SystemExit("a warning inside a search was not its own filters'")
+except UserWarning:
+    pass
+warnings.warn("outside: only a warning")  # (the filters as before, once the turns end)
+
+# a worker that dies while another search takes the answers: the search waiting for it goes on, here
+def dies():
+    pid = pool._pool._procs[0].pid if pool._pool else None
+    if pid:
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(0.3)
+    lane.start(["bg"])
+    lane.pump()
+assert in_turns([lambda: lane.map(["slow"]), dies]) == [["slow"], None]
+pool.close()
+guard.cancel()
+print("ok")
+"""
+
+
+def test_the_edges_of_turns_on_a_real_pool(tmp_path):
+    """Found in review of NOTE [ Searches in turns ]: a search whose job waits for another (a deeper trace, a
+    compile's process) waits for an answer rather than spinning; a job two searches ask, or queue, is traced
+    once; each search keeps its own warning filters; a dead worker's answer reaches the search waiting."""
+    env = {"MEMFIT_PLAN_WORKERS": "2", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-W", "default", "-c", EDGES, str(tmp_path / "log")], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.stdout.strip() == "ok", (out.stdout[-500:], out.stderr[-2000:])
+
+
+def test_an_error_in_one_chain_stops_the_others_at_their_next_wait():
+    pool, log = _FakePool(), []
+
+    def chain(name):
+        def run():
+            for step in range(3):
+                log.append(f"{name}{step}")
+                job = pool.submit()
+                if name == "a" and step == 1:
+                    raise KeyboardInterrupt  # (or a bug: the table cannot be finished)
+                current().wait(lambda job=job: job["done"], pool.poll)
+        return run
+
+    with pytest.raises(KeyboardInterrupt):
+        in_turns([chain("a"), chain("b"), chain("c")])
+    assert "a2" not in log and "b2" not in log and "c2" not in log, log  # (no chain went on past the interrupt)
+    assert threading.active_count() == 1

@@ -156,7 +156,7 @@ def fit_table(workload: Workload, methods: list[Method], cards: list[Device], *,
         for together in (order[:1], order[1:]):  # (the first alone: the others draw on its lines, take its plans)
             progress.stage(f"tracing for {', '.join(d.name for group in together for d in group)}")
             searched += in_turns([functools.partial(_search_group, group, methods, books, budget, max_world)
-                                  for group in together], together=books.pool.count > 1)
+                                  for group in together], together=books.in_processes)
         for searches in searched:  # (NOTE [ Searches in turns ])
             for search in searches:
                 table.cells[(search.cell.card, search.cell.method)] = search.cell
@@ -171,7 +171,7 @@ def _search_group(group: list[Device], methods: list[Method], books: Books, budg
                   max_world: int) -> list[_Search]:
     """The cells of one architecture's cards: their largest batches, then faster recipes in rounds."""
     searches = [_Search(card, method, books, budget, max_world) for method in methods for card in group]
-    in_turns([search.largest for search in searches], together=books.pool.count > 1)
+    in_turns([search.largest for search in searches], together=books.in_processes)
     _faster_in_rounds(searches, books)
     for search in searches:
         search.finish()

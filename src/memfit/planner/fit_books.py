@@ -54,7 +54,7 @@ from memfit.planner.space import ModelFacts
 from memfit.planner.trace_job import Traced
 from memfit.planner.traces import TraceBook
 from memfit.planner.turns import current as current_turns
-from memfit.planner.workers import SharedWorkers
+from memfit.planner.workers import Lane, SharedWorkers
 from memfit.plans import Plan
 from memfit.target import Target
 from memfit.workload import Workload
@@ -85,6 +85,12 @@ class Books:
             self.books[arch] = TraceBook(Target(self.workload, Plan(), 1, device), self.facts,
                                          Budget.of_device(device), pool=self.pool)
         return self.books[arch]
+
+    @property
+    def in_processes(self) -> bool:
+        """Every book's traces run in the shared pool's processes (not here, in turn: one core, or CUDA
+        traces), so searches may take turns (NOTE [ Searches in turns ] in memfit.planner.turns)."""
+        return self.pool.count > 1 and all(isinstance(b.workers, Lane) for b in self.books.values())
 
     def for_plan(self, device: Device, plan: Plan) -> TraceBook | OnCard:
         """What answers ``plan`` on ``device``: the book of its architecture, or of an earlier one where the

@@ -82,6 +82,8 @@ class ForkedProcesses:
             self._conns.append(parent)
             self._procs.append(proc)
         self._busy: dict[int, Future] = {}
+        self.answers = 0
+        """How many jobs have answered (a waiter in turns goes on once it moves: memfit.planner.turns)."""
         self.firsts = []
         for conn in self._conns:
             try:
@@ -116,10 +118,13 @@ class ForkedProcesses:
         ready = wait([self._conns[i] for i in self._busy], timeout)
         for i in [i for i in list(self._busy) if self._conns[i] in ready]:
             future = self._busy.pop(i)
+            self.answers += 1
             try:
                 ok, answer = self._conns[i].recv()
             except (EOFError, OSError) as e:  # the process died (killed for memory?)
-                raise BrokenProcessPool(f"worker {i} died") from e
+                broken = BrokenProcessPool(f"worker {i} died")
+                future.set_exception(broken)  # (whoever waits for it learns it, not only this caller)
+                raise broken from e
             if ok:
                 future.set_result(answer)
             else:

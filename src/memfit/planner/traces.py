@@ -338,6 +338,8 @@ class TraceBook(AtBatch):
             self.progress.rung(f"{self.phase}: {len(todo)} {' and '.join(kinds)} trace{'s' if len(todo) > 1 else ''}")
         for job, result in zip(todo, self.workers.map(todo, after=after, behind=list(behind),
                                                       skip=self._skip_deeper if skip_over else None)):
+            if job in self._traced:  # (a search in turns asked it too, and kept it first: counted once)
+                continue
             self._traced[job] = result
             if result is SKIPPED:
                 continue

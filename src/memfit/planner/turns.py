@@ -28,6 +28,8 @@ import warnings
 from collections.abc import Callable
 
 _state = threading.local()
+CANCEL_WAIT = 5.0
+"""Seconds an interrupted gather waits for each thread to reach its next wait and stop."""
 
 
 class _Parked:
@@ -42,18 +44,37 @@ class _Parked:
         return self.ready is None or self.ready()
 
 
+class Cancelled(BaseException):
+    """Raised at a thread's next wait once the turns are cancelled (the command was interrupted)."""
+
+
+def _warnings_state() -> tuple:
+    return warnings.filters, warnings.showwarning
+
+
+def _restore_warnings(state: tuple) -> None:
+    """A thread's warning filters as it left them (``warnings.catch_warnings`` swaps the module's list: the
+    blocks of threads in turns would otherwise end out of order)."""
+    if (warnings.filters, warnings.showwarning) != state:
+        warnings.filters, warnings.showwarning = state
+        warnings._filters_mutated()
+
+
 class Turns:
     """Threads that run one at a time (NOTE [ Searches in turns ])."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._parked: list[_Parked] = []
+        self.cancelled = False
 
     def wait(self, done: Callable[[], bool], poll: Callable[[], None] | None = None) -> None:
         """Until ``done()``: where another thread can go on, hand it the turn and wait to be given it back;
         where none can, ``poll()`` (block on the trace workers: some thread's trace ends); where no thread
         can poll either, a parked one that can. Call only in a thread that has the turn."""
         while not done():
+            if self.cancelled:
+                raise Cancelled()
             with self._lock:
                 nxt = self._next()
                 if nxt is None and poll is None:
@@ -68,7 +89,17 @@ class Turns:
             if nxt is None:
                 poll()
             else:
+                state = _warnings_state()
                 me.event.wait()
+                _restore_warnings(state)
+
+    def _cancel(self) -> None:
+        """Every parked thread wakes and raises :class:`Cancelled`; the running one does at its next wait."""
+        with self._lock:
+            self.cancelled = True
+            for p in self._parked:
+                p.event.set()
+            self._parked.clear()
 
     def _next(self) -> _Parked | None:
         """The first parked thread that can go on, taken off the list (under the lock)."""
@@ -95,14 +126,19 @@ class Turns:
         results: list = [None] * len(fns)
         errors: list[BaseException | None] = [None] * len(fns)
         ended = [False] * len(fns)
+        state = _warnings_state()
 
         def run(i: int, fn: Callable, parked: _Parked) -> None:
             parked.event.wait()
             _state.turns = self
+            _restore_warnings(state)
             try:
+                if self.cancelled:
+                    raise Cancelled()
                 results[i] = fn()
-            except BaseException as e:  # (re-raised where they were gathered)
+            except BaseException as e:  # (re-raised where they were gathered; the others stop at their next wait)
                 errors[i] = e
+                self._cancel()
             finally:
                 ended[i] = True
                 self._hand_on()
@@ -115,12 +151,21 @@ class Turns:
             thread = threading.Thread(target=run, args=(i, fn, parked), name=f"memfit-turn-{i}", daemon=True)
             thread.start()
             threads.append(thread)
-        self.wait(lambda: all(ended))
+        try:
+            self.wait(lambda: all(ended))
+        except BaseException as e:  # (interrupted, here or in a thread: every thread stops at its next wait)
+            self._cancel()
+            for thread in threads:
+                thread.join(timeout=CANCEL_WAIT)
+            first = next((x for x in errors if x is not None and not isinstance(x, Cancelled)), None)
+            if isinstance(e, Cancelled) and first is not None:
+                raise first from None
+            raise
         for thread in threads:
             thread.join()
-        for e in errors:
-            if e is not None:
-                raise e
+        first = next((e for e in errors if e is not None and not isinstance(e, Cancelled)), None)
+        if first is not None or any(errors):
+            raise first or next(e for e in errors if e is not None)
         return results
 
 

@@ -134,7 +134,8 @@ class Workers:
         while it waits, and a later :meth:`map` takes their results. Here (one process) they run
         only when a :meth:`map` asks for them."""
         if self.count > 1:
-            new = [job for job in dict.fromkeys(jobs) if job not in self._background and job not in self._queued]
+            new = [job for job in dict.fromkeys(jobs)
+                   if job not in self._background and job not in self._queued and job not in self._inflight]
             self._queued += new
 
     def cancel(self, which: Callable | None = None) -> list:
@@ -160,6 +161,13 @@ class Workers:
 
     def _run_on_pool(self, jobs, own, futures, todo, after, skip, mine) -> list:
         while True:
+            for job in [j for j in todo if j in self._inflight or j in self._background]:  # (another thread's)
+                todo.remove(job)
+                if job in self._inflight:
+                    futures[job] = self._inflight[job]
+                else:
+                    futures[job] = self._inflight[job] = self._background.pop(job)
+                    mine.append(job)
             ready = [j for j in todo if after.get(j) not in own or (after[j] in futures and futures[after[j]].done())]
             for job in sorted(ready, key=lambda j: not self._is_warm(j)):  # (a warm process to its key's job first)
                 if skip and after.get(job) in futures and skip(job, futures[after[job]].result()):
@@ -174,18 +182,17 @@ class Workers:
             self._hand_background()
             if not todo and all(f.done() for f in futures.values()):
                 return [futures[job].result() for job in jobs]
-            self._wait(futures, todo)
+            self._wait()
 
-    def _wait(self, futures: dict, todo: list) -> None:
-        """Until one of ``futures`` is done or, with jobs ``todo``, a process is idle; in turns with the other
-        planner threads where there are (NOTE [ Searches in turns ] in memfit.planner.turns)."""
+    def _wait(self) -> None:
+        """Until a process answers (any job's: it may free a process for a job waiting for one); in turns with
+        the other planner threads where there are (NOTE [ Searches in turns ] in memfit.planner.turns)."""
         turns, pool = current_turns(), self._pool
         if turns is None:
             pool.wait_any()
             return
-        pending = [f for f in futures.values() if not f.done()]
-        turns.wait(lambda: self._pool is not pool or any(f.done() for f in pending) or bool(todo and pool.idle()),
-                   pool.wait_any)
+        seen = pool.answers
+        turns.wait(lambda: self._pool is not pool or pool.answers != seen, pool.wait_any)
         if self._pool is not pool:  # (another thread found a worker dead: go on here, in turn)
             raise BrokenProcessPool("the trace workers were closed")
 
