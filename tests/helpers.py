@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -83,3 +85,13 @@ def cosine_with_warmup(steps: int):
     """LambdaLR factor: linear warmup over a tenth of ``steps``, then a cosine to 0."""
     warmup = max(1, steps // 10)
     return lambda s: (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * (s - warmup) / (steps - warmup)))
+
+
+def with_two_workers(script: str, *args: str, timeout: int = 120, flags: tuple = ()) -> str:
+    """Run ``script`` in a fresh Python (``python -c``) with two trace worker processes (a forked pool: the
+    test process itself may have run a backward pass, after which autograd does not survive a fork);
+    its stdout, stripped, or its stderr's tail where it printed something else than ``ok``."""
+    env = {"MEMFIT_PLAN_WORKERS": "2", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, *flags, "-c", script, *args], capture_output=True, text=True, env=env,
+                         timeout=timeout)
+    return out.stdout.strip() if out.stdout.strip() == "ok" else out.stdout.strip() + "\n" + out.stderr[-2000:]

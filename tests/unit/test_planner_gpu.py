@@ -1,9 +1,6 @@
 """The GPU-preset planner: shallow traces that extrapolate to the full trace, a search whose choice
 is the brute-force optimum, reasons that name what the choice beat, and the worker processes."""
 
-import subprocess
-import sys
-
 import pytest
 
 from memfit.memory.budget import Budget
@@ -14,6 +11,7 @@ from memfit.planner.timing import trace_step
 from memfit.planner.workers import SKIPPED, Workers
 from memfit.plans import Plan
 from memfit.target import Target
+from tests.helpers import with_two_workers
 
 DEEP = "gpt2:n_layer=6,n_embd=256,n_head=4,vocab_size=2000,n_positions=128"
 DEVICE = "h100-80gb"
@@ -244,10 +242,7 @@ def test_workers_run_a_shared_compile_first_and_queue_jobs_in_the_background(tmp
     once the one it names has ended, and ``skip`` drops it where that one's result makes it
     needless; ``behind`` queues jobs without waiting, ``cancel`` drops those not started, and a
     later ``map`` takes a background job's result instead of running it again."""
-    env = {"MEMFIT_PLAN_WORKERS": "2", "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-c", BACKGROUND, str(tmp_path / "log")], capture_output=True, text=True,
-                         env=env, timeout=120)
-    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+    assert with_two_workers(BACKGROUND, str(tmp_path / "log")) == "ok"
 
 
 AFFINITY = """
@@ -276,15 +271,11 @@ def test_a_compiling_job_runs_in_the_process_that_compiled_its_key():
     """NOTE [ A compile's traces in the process that compiled it ]: jobs of one affinity key run in
     one process, in turn (the other process runs the rest), also when both are idle, and a job
     without a key given first leaves that process to them."""
-    env = {"MEMFIT_PLAN_WORKERS": "2", "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-c", AFFINITY], capture_output=True, text=True, env=env, timeout=120)
-    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+    assert with_two_workers(AFFINITY) == "ok"
 
 
 def test_workers_fork_and_fall_back_where_a_worker_dies_or_autograd_cannot_follow():
-    env = {"MEMFIT_PLAN_WORKERS": "2", "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-c", WORKERS], capture_output=True, text=True, env=env, timeout=120)
-    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+    assert with_two_workers(WORKERS) == "ok"
 
 
 

@@ -2,8 +2,7 @@
 forked processes, each through its lane, and the background of any lane is handed out by ``pump``
 while the planner computes, without a ``map`` waiting."""
 
-import subprocess
-import sys
+from tests.helpers import with_two_workers
 
 SHARED = """
 import os, sys, time
@@ -44,7 +43,4 @@ print("ok")
 
 
 def test_lanes_share_one_pool_and_the_background_runs_while_the_planner_computes(tmp_path):
-    env = {"MEMFIT_PLAN_WORKERS": "2", "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-c", SHARED, str(tmp_path / "log")], capture_output=True, text=True,
-                         env=env, timeout=120)
-    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+    assert with_two_workers(SHARED, str(tmp_path / "log")) == "ok"

@@ -2,13 +2,12 @@
 turns, one at a time, handing the turn on only where they wait for the trace workers; a job two of
 them ask at once is traced once."""
 
-import subprocess
-import sys
 import threading
 
 import pytest
 
 from memfit.planner.turns import Turns, current, in_turns
+from tests.helpers import with_two_workers
 
 
 class _FakePool:
@@ -140,10 +139,7 @@ print("ok")
 
 
 def test_chains_in_turns_share_the_pool_and_a_job_in_flight(tmp_path):
-    env = {"MEMFIT_PLAN_WORKERS": "2", "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-c", POOL, str(tmp_path / "log")], capture_output=True, text=True,
-                         env=env, timeout=120)
-    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+    assert with_two_workers(POOL, str(tmp_path / "log")) == "ok"
 
 
 LINE = """
@@ -178,9 +174,7 @@ def test_a_search_in_turns_waits_for_the_batch_that_decides_a_line_and_draws_on_
     """NOTE [ Searches in turns ]: two searches ask a plan at 5 and 7 samples while its line (through 2 and 3)
     is undecided; the second waits for the first's batch, which decides the line, and draws 7 on it: one
     shallow pair, as when they are asked one after the other."""
-    env = {"MEMFIT_PLAN_WORKERS": "2", "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-c", LINE], capture_output=True, text=True, env=env, timeout=300)
-    assert out.stdout.strip() == "2 {'trusted': 1, 'broken': 0}", out.stderr[-2000:]
+    assert with_two_workers(LINE, timeout=300).startswith("2 {'trusted': 1, 'broken': 0}")
 
 
 EDGES = """
@@ -252,10 +246,7 @@ def test_the_edges_of_turns_on_a_real_pool(tmp_path):
     """Found in review of NOTE [ Searches in turns ]: a search whose job waits for another (a deeper trace, a
     compile's process) waits for an answer rather than spinning; a job two searches ask, or queue, is traced
     once; each search keeps its own warning filters; a dead worker's answer reaches the search waiting."""
-    env = {"MEMFIT_PLAN_WORKERS": "2", "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-W", "default", "-c", EDGES, str(tmp_path / "log")], capture_output=True,
-                         text=True, env=env, timeout=120)
-    assert out.stdout.strip() == "ok", (out.stdout[-500:], out.stderr[-2000:])
+    assert with_two_workers(EDGES, str(tmp_path / "log"), flags=("-W", "default")) == "ok"
 
 
 def test_an_error_in_one_chain_stops_the_others_at_their_next_wait():
