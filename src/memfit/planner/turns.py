@@ -101,8 +101,10 @@ class Turns:
                 poll()
             else:
                 state = _warnings_state()
-                me.event.wait()
-                _restore_warnings(state)
+                try:
+                    me.event.wait()
+                finally:  # (interrupted too)
+                    _restore_warnings(state)
 
     def _cancel(self) -> None:
         """Every parked thread wakes and raises :class:`Cancelled`; the running one does at its next wait."""
@@ -168,16 +170,21 @@ class Turns:
             self._cancel()
             for thread in threads:
                 thread.join(timeout=CANCEL_WAIT)
-            first = next((x for x in errors if x is not None and not isinstance(x, Cancelled)), None)
+            first = _first_error(errors)
             if isinstance(e, Cancelled) and first is not None:
                 raise first from None
             raise
         for thread in threads:
             thread.join()
-        first = next((e for e in errors if e is not None and not isinstance(e, Cancelled)), None)
-        if first is not None or any(errors):
-            raise first or next(e for e in errors if e is not None)
+        first = _first_error(errors) or next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
         return results
+
+
+def _first_error(errors: list) -> BaseException | None:
+    """The first error a thread raised of its own (not :class:`Cancelled` by another's)."""
+    return next((e for e in errors if e is not None and not isinstance(e, Cancelled)), None)
 
 
 def in_turns(fns: list[Callable[[], object]], together: bool = True) -> list:
@@ -187,14 +194,11 @@ def in_turns(fns: list[Callable[[], object]], together: bool = True) -> list:
         return [fn() for fn in fns]
     turns = getattr(_state, "turns", None)
     if turns is None:
-        turns = Turns()
-        _state.turns = turns
-        # (``warnings.catch_warnings`` blocks of threads in turns end out of order: the filters as they were)
-        with warnings.catch_warnings():
-            try:
-                return turns.gather(fns)
-            finally:
-                _state.turns = None
+        turns = _state.turns = Turns()
+        try:
+            return turns.gather(fns)
+        finally:
+            _state.turns = None
     return turns.gather(fns)
 
 

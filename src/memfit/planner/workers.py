@@ -146,22 +146,21 @@ class Workers:
         return dropped
 
     def _map_on_pool(self, jobs: list, after: dict, skip: Callable | None) -> list:
-        own = list(dict.fromkeys(jobs))
-        futures = {job: self._inflight[job] for job in own if job in self._inflight}
-        mine = [job for job in own if job in self._background and job not in futures]
-        for job in mine:  # (taken from the background: in flight for other threads' maps too)
-            futures[job] = self._inflight[job] = self._background.pop(job)
-        self._queued = [job for job in self._queued if job not in own]
-        todo = [job for job in own if job not in futures]
+        mine: list = []  # (the jobs this map hands out or takes from the background: in flight while it waits)
         try:
-            return self._run_on_pool(jobs, own, futures, todo, after, skip, mine)
+            return self._run_on_pool(jobs, after, skip, mine)
         finally:
             for job in mine:
                 self._inflight.pop(job, None)
 
-    def _run_on_pool(self, jobs, own, futures, todo, after, skip, mine) -> list:
+    def _run_on_pool(self, jobs: list, after: dict, skip: Callable | None, mine: list) -> list:
+        own = list(dict.fromkeys(jobs))
+        self._queued = [job for job in self._queued if job not in own]
+        futures: dict = {}
+        todo = list(own)
         while True:
-            for job in [j for j in todo if j in self._inflight or j in self._background]:  # (another thread's)
+            # (handed out already: from the background, or by another planner thread's map)
+            for job in [j for j in todo if j in self._inflight or j in self._background]:
                 todo.remove(job)
                 if job in self._inflight:
                     futures[job] = self._inflight[job]
