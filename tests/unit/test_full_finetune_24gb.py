@@ -63,9 +63,10 @@ def test_low_bit_states_that_cannot_fit_beside_the_weights_are_not_timed():
 def test_the_negative_answer_for_16_gb_is_decided_by_the_maximal_plans_full_traces():
     """NOTE [ A borderline answer decided by the maximal plans' full traces ]: at 14 GiB the lower
     bound of the smallest plan fits (13.88 GiB allocated) and its full trace does not (14.55 GiB):
-    the walk used to trace 93 plans to say so."""
+    the walk used to trace 93 plans to say so. The footprint named is the smallest confirmed (14.20 GiB,
+    paged 8-bit states and activations on the host), not that of the plan with the smallest bound."""
     from memfit.planner.search import plan
     result = plan("llama", device="rtx4090", batch_size=1, seq_len=2048, budget="14GiB")
     assert result.chosen is None and result.smallest is not None
-    assert 14.5 * GiB < result.smallest.used_bytes < 14.6 * GiB
+    assert 14.1 * GiB < result.smallest.used_bytes < 14.3 * GiB
     assert result.traces <= 60, result.traces

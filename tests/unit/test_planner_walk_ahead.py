@@ -243,3 +243,21 @@ def test_a_compiled_plan_is_not_traced_in_full_beside_an_eager_confirmation():
         walk._measure(ranked[1])  # (the next plan measured: its lower bound fits)
         assert walk.run(ranked).plan == first
         assert ladder.prefetched == [[first, nxt] if alongside else [first]], nxt
+
+
+def test_nothing_fits_names_the_smallest_footprint_confirmed_not_the_smallest_bound():
+    """Llama-2-7B at 14 GiB said "at least 14.55 GiB" (the plan with the smallest lower bound,
+    13.99, confirmed) while another, bounded at 14.00, needed 14.20. Plans are confirmed in the order
+    of their bounds until no bound left is below the smallest footprint confirmed."""
+    low, mid, high, far = Plan(loss_chunks=8), Plan(checkpointing="blocks"), Plan(), Plan(precision="bf16")
+    lower = {low: 14 * GiB, mid: int(14.1 * GiB), high: int(14.15 * GiB), far: int(14.3 * GiB)}
+    ladder = _DeepLadder(lower=lower, deep={}, full={low: int(14.6 * GiB), mid: int(14.2 * GiB),
+                                                     high: 15 * GiB, far: 20 * GiB})
+    ranked = [Candidate(p, 1.0 + i) for i, p in enumerate(lower)]
+    walk = Walk(4, Budget(13 * GiB, get_device("h100-80gb")), _Model({c.plan: c.seconds for c in ranked}), ladder,
+                None, 60)
+    for c in ranked:
+        c.take(ladder.first.evaluate(c.plan))
+    smallest = walk.smallest(ranked)
+    assert smallest.plan == mid and smallest.used_bytes == int(14.2 * GiB)
+    assert ladder.full_traced == {low, mid, high}  # (far's bound is above 14.2 GiB: not confirmed)

@@ -323,12 +323,18 @@ class Walk:
         return c if chosen is None or c.seconds < chosen.seconds else None
 
     def smallest(self, ranked: list[Candidate]) -> Candidate | None:
-        """The traced plan with the smallest footprint, confirmed by the top rung."""
+        """The traced plan with the smallest footprint, confirmed by the top rung. A plan's lower bound
+        may be below another's confirmed footprint and its own above it: plans are confirmed in the
+        order of their bounds until no bound left is below the smallest footprint confirmed."""
         traced = [c for c in ranked if c.used_bytes is not None and c.status is not Status.INVALID]
-        for best in sorted(traced, key=lambda c: c.used_bytes):
-            if self.ladder.is_final(best.plan) or self._take(best, self.ladder.full):
-                return best
-        return None
+        best = None
+        for c in sorted(traced, key=lambda c: c.used_bytes):
+            if best is not None and c.used_bytes >= best.used_bytes:
+                break
+            if (self.ladder.is_final(c.plan) or self._take(c, self.ladder.full)) and \
+                    (best is None or c.used_bytes < best.used_bytes):
+                best = c
+        return best
 
 
 def _compiles_as(plan, other) -> bool:
