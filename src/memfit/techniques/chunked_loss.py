@@ -15,8 +15,12 @@ gradient accumulation) and Lightning. A call without labels, or in eval mode, is
 forward unchanged.
 
 Applies to Hugging Face causal LMs (``...ForCausalLM`` whose output layer is a plain
-``nn.Linear`` and whose loss is ``ForCausalLMLoss``); models with logit soft-capping or scaling
-are refused. A loss that computes its own cross-entropy from ``.logits`` is not chunked.
+``nn.Linear`` and whose loss is ``ForCausalLMLoss``). What such a model does to its logits between
+the head and the loss is done slice by slice (:class:`LogitTransform`): Gemma's soft-capping
+(``final_logit_softcapping``), Cohere's ``logit_scale`` and Granite's ``logits_scaling``, as Liger-Kernel
+and Unsloth do. A forward that changes its logits in any other way is refused in one line when it runs
+(NOTE [ Logits the model changes ]), never trained on a loss that skips the change. A loss that
+computes its own cross-entropy from ``.logits`` is not chunked.
 
 Plan key ``loss_chunks``: 0 (:class:`FullLoss`) or K > 0 (:class:`ChunkedLoss`).
 """
@@ -57,8 +61,80 @@ _ORIGINAL_ATTR = "_memfit_original_forward"
 
 # -- the one chunked cross-entropy ----------------------------------------------------------------
 
-def _chunk_loss(hidden, labels, weight, bias, ignore_index):
-    logits = F.linear(hidden, weight, bias).float()
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a causal LM's forward does to its logits between the output layer and the loss, in the
+    head's dtype (before the loss's fp32 cast) and in the model's own order of operations."""
+
+    multiply: float | None = None
+    """Cohere: ``logits * self.logit_scale``."""
+    divide: float | None = None
+    """Granite: ``logits / config.logits_scaling``."""
+    softcap: float | None = None
+    """Gemma 2: ``tanh(logits / cap) * cap`` (``config.final_logit_softcapping``)."""
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.multiply is not None:
+            logits = logits * self.multiply
+        if self.divide is not None:
+            logits = logits / self.divide
+        if self.softcap is not None:
+            logits = logits / self.softcap
+            logits = torch.tanh(logits)
+            logits = logits * self.softcap
+        return logits
+
+
+NO_TRANSFORM = LogitTransform()
+_TRANSFORMS = (("config", "final_logit_softcapping", "softcap"), ("model", "logit_scale", "multiply"),
+               ("config", "logits_scaling", "divide"))
+"""(where the forward reads it, attribute, :class:`LogitTransform` field)."""
+
+
+class _Unit:
+    """Stands in for a scale the forward multiplies or divides its logits by: both leave them as they are."""
+
+    def __rmul__(self, other):
+        return other
+
+    def __rtruediv__(self, other):
+        return other
+
+
+def logit_transform(lm: nn.Module) -> LogitTransform:
+    """The transform ``lm``'s forward applies to its logits, from the attributes it reads; a UserError
+    for one that is not a number."""
+    found = {}
+    for where, attr, field in _TRANSFORMS:
+        value = getattr(lm.config if where == "config" else lm, attr, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UserError(f"loss_chunks: {type(lm).__name__}'s {attr} is a {type(value).__name__}, not a number "
+                            "that chunking can apply slice by slice; set loss_chunks: 0")
+        found[field] = float(value)
+    return LogitTransform(**found)
+
+
+@contextlib.contextmanager
+def _transform_left_to_chunks(lm: nn.Module):
+    """The forward's own logit transform switched off for one call (the chunks apply it): a soft-cap
+    read as ``None``, a scale as :class:`_Unit`."""
+    saved = []
+    for where, attr, field in _TRANSFORMS:
+        owner = lm.config if where == "config" else lm
+        if getattr(owner, attr, None) is not None:
+            saved.append((owner, attr, getattr(owner, attr)))
+            object.__setattr__(owner, attr, None if field == "softcap" else _Unit())  # (configs check types)
+    try:
+        yield
+    finally:
+        for owner, attr, value in reversed(saved):
+            object.__setattr__(owner, attr, value)
+
+
+def _chunk_loss(hidden, labels, weight, bias, ignore_index, transform):
+    logits = transform(F.linear(hidden, weight, bias)).float()
     return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
 
 
@@ -67,8 +143,9 @@ def _chunk_loss(hidden, labels, weight, bias, ignore_index):
 # recomputes one slice's [tokens/K, vocab] logits, takes their gradient and frees them before the next
 # slice.
 def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Linear, chunks: int, *,
-                          ignore_index: int = IGNORE_INDEX, num_items_in_batch=None) -> torch.Tensor:
-    """Cross-entropy of ``head(hidden)`` against ``labels`` (aligned: already shifted), the tokens
+                          ignore_index: int = IGNORE_INDEX, num_items_in_batch=None,
+                          transform: LogitTransform = NO_TRANSFORM) -> torch.Tensor:
+    """Cross-entropy of ``transform(head(hidden))`` against ``labels`` (aligned: already shifted), the tokens
     in ``chunks`` slices, each slice's logits recomputed in backward. Divided by
     ``num_items_in_batch`` when given (as transformers' ``fixed_cross_entropy``: the Trainer counts
     the tokens of all accumulated micro-batches), else by the tokens not ``ignore_index`` (the mean)."""
@@ -76,7 +153,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor, head: nn.L
     labels = labels.reshape(-1).to(hidden.device)
     total = None
     for h, y in zip(hidden.chunk(chunks), labels.chunk(chunks)):
-        part = checkpoint(_chunk_loss, h, y, head.weight, head.bias, ignore_index, use_reentrant=False)
+        part = checkpoint(_chunk_loss, h, y, head.weight, head.bias, ignore_index, transform, use_reentrant=False)
         total = part if total is None else total + part
     if num_items_in_batch is None:
         return total / (labels != ignore_index).sum()
@@ -99,10 +176,10 @@ class ChunkedHead(nn.Module):
     if any, is a no-op on it). The real head's forward and its hooks do not run."""
 
     def __init__(self, head: nn.Linear, labels, chunks: int, ignore_index: int = IGNORE_INDEX,
-                 num_items_in_batch=None, shift_labels=None):
+                 num_items_in_batch=None, shift_labels=None, transform: LogitTransform = NO_TRANSFORM):
         super().__init__()
         self.parts = (head, labels, shift_labels, num_items_in_batch)  # (a tuple: not a submodule)
-        self.chunks, self.ignore_index = chunks, ignore_index
+        self.chunks, self.ignore_index, self.transform = chunks, ignore_index, transform
         self.loss = self.placeholder = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -112,7 +189,7 @@ class ChunkedHead(nn.Module):
         head, labels, shifted, num_items = self.parts
         targets = shift_labels(labels, self.ignore_index) if shifted is None else shifted
         self.loss = chunked_cross_entropy(hidden, targets, head, self.chunks, ignore_index=self.ignore_index,
-                                          num_items_in_batch=num_items)
+                                          num_items_in_batch=num_items, transform=self.transform)
         self.placeholder = hidden.new_zeros((), dtype=torch.float32).expand(*hidden.shape[:-1], head.out_features)
         return self.placeholder
 
@@ -130,6 +207,7 @@ def chunk_lm_loss(model: nn.Module, chunks: int) -> nn.Module:
     logits, and no graph is kept), is unchanged. Patching again replaces the chunk count. Returns
     ``model``."""
     lm = check_supported(model)
+    transform = logit_transform(lm)
     head = lm.get_output_embeddings()
     head_name = next(name for name, child in lm.named_children() if child is head)
     own = lm.__dict__.get("forward")
@@ -151,12 +229,13 @@ def chunk_lm_loss(model: nn.Module, chunks: int) -> nn.Module:
         else:
             del kwargs["labels"]
         loss_kwargs = {k: kwargs.pop(k) for k in LOSS_KWARGS if k in kwargs}
-        stand_in = ChunkedHead(m.get_output_embeddings(), labels, chunks, **loss_kwargs)
-        with _standing_in(m, head_name, stand_in):
+        stand_in = ChunkedHead(m.get_output_embeddings(), labels, chunks, transform=transform, **loss_kwargs)
+        with _standing_in(m, head_name, stand_in), _transform_left_to_chunks(m):
             out = run(*args, **kwargs)
         if stand_in.loss is None:
             raise UserError(f"loss_chunks: {type(m).__name__}.forward did not call its output layer {head_name!r}, "
                             "so there is no loss to chunk; set loss_chunks: 0")
+        _check_logits_unchanged(m, out, stand_in.placeholder)
         return _with_loss(out, stand_in.loss, stand_in.placeholder)
 
     forward.__signature__ = signature  # (the Trainer reads it: dataset columns, loss keywords)
@@ -176,6 +255,20 @@ def _standing_in(model: nn.Module, name: str, stand_in: nn.Module):
         yield
     finally:
         model._modules[name] = head
+
+
+# NOTE [ Logits the model changes ]
+# The stand-in head returns a placeholder, and the forward returns it as its logits unless it does
+# something to them after the head. The transforms :class:`LogitTransform` knows are switched off for
+# the call (the chunks apply them); any other change (another scale, a slice of the vocabulary, a
+# soft-cap read from elsewhere) makes the returned logits another tensor. The loss chunking computed
+# would then skip that change, so the call is refused rather than trained on.
+def _check_logits_unchanged(model: nn.Module, out, placeholder) -> None:
+    logits = [x for x in out if torch.is_tensor(x) and x.dim() > 0] if isinstance(out, tuple) \
+        else [out.get("logits")] if hasattr(out, "get") else []
+    if logits and logits[0] is not None and not any(x is placeholder for x in logits):
+        raise UserError(f"loss_chunks: {type(model).__name__}.forward changes its logits after the output layer, "
+                        "which chunking does not reproduce; set loss_chunks: 0")
 
 
 def _with_loss(out, loss, placeholder):
@@ -212,10 +305,6 @@ def check_supported(model) -> nn.Module:
             or not any(child is head for child in lm.children()):
         raise UserError(f"loss_chunks: {cls}'s output layer is a {type(head).__name__}, not a plain nn.Linear child "
                         "of the model (lm_head) that chunking can apply slice by slice; set loss_chunks: 0")
-    for attr in ("final_logit_softcapping", "logit_scale"):
-        if getattr(config, attr, None):
-            raise UserError(f"loss_chunks: this model applies {attr} to its logits, which chunking does not "
-                            "reproduce; set loss_chunks: 0")
     loss_function = getattr(lm, "loss_function", None)
     if loss_function is not ForCausalLMLoss:
         raise UserError(f"loss_chunks: {cls} computes its loss with {getattr(loss_function, '__name__', loss_function)}, "
