@@ -24,6 +24,14 @@ class UserError(ValueError):
     """A problem with the user's input. The message names the problem and the fix."""
 
 
+class WeightsExceedBudget(UserError):
+    """The weights every plan keeps on the device exceed the budget: no plan can fit, so none is searched."""
+
+    def __init__(self, message: str, needs_bytes: int):
+        super().__init__(message)
+        self.needs_bytes = needs_bytes
+
+
 class TraceError(UserError):
     """A workload could not be traced on fake tensors (e.g. a data-dependent op)."""
 

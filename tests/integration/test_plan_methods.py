@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 from test_cli_errors import run
 
 from memfit.errors import UserError
@@ -153,3 +154,45 @@ def test_a_model_the_user_froze_leaves_the_optimizer_as_the_workload_s_too():
     result = plan(dataclasses.replace(base, model=frozen), device="h100-80gb", batch_size=2, max_traces=4)
     assert any("not searched" in n for n in result.notes)
     assert {c.plan.optimizer for c in result.candidates} == {"adamw"}
+
+
+def test_a_method_whose_weights_alone_exceed_the_budget_is_a_row_and_the_others_are_planned():
+    """Mixtral's --methods full,lora,qlora on a 24 GB card waited for every search, then failed as a
+    whole on full fine-tuning's weights (9.5 minutes). Full fine-tuning of this 8-layer model needs
+    its 16.5 MiB of weights on the device (no block of it is frozen, so none can be swapped out);
+    LoRA's frozen blocks can be, so it is searched."""
+    tiny8 = TINY.replace("num_hidden_layers=1,hidden_size=64,intermediate_size=128", "num_hidden_layers=8,hidden_size=256,"
+                         "intermediate_size=1024")
+    code, out, _ = run(["plan", tiny8, "--seq-len", "32", "-b", "2", "--methods", "full,lora", "--device", "h100-80gb",
+                        "--budget", "12MiB", "--max-traces", "4", "--optimizers", "adamw", "--json"])
+    assert code == 1
+    rows = {m["method"]: m for m in json.loads(out)["methods"]}
+    full, lora = rows["full"], rows["lora"]
+    assert full["chosen"] is None and full["least_bytes"] == 2 * 8_648_960 and not full["ranked"]
+    assert "below the model's own parameters" in full["notes"][0]
+    assert lora["least_bytes"] is None and lora["traces"] > 0 and lora["ranked"]
+
+
+def test_the_weights_every_plan_keeps_count_quantized_linears_in_their_format():
+    """A 4-bit QLoRA of a large model is not refused for its 16-bit size (Llama-2-70B on a 48 GB
+    card: 128 GiB in 16 bits, about 35 GiB with NF4 linears)."""
+    from memfit.devices import get_device
+    from memfit.errors import WeightsExceedBudget
+    from memfit.planner.search import _check_budget_above_weights
+    from memfit.planner.space import model_facts
+    from memfit.workloads import load_workload
+    facts = model_facts(load_workload(TINY.replace("num_hidden_layers=1", "num_hidden_layers=4"), seq_len=32))
+    dev = get_device("h100-80gb")
+    linear = sum(m.weight.numel() for m in facts.model.modules()
+                 if type(m) is torch.nn.Linear and m is not facts.model.lm_head)
+    sixteen = 2 * facts.n_params
+    nf4 = sixteen - 2 * linear + linear // 2
+    for base, need in (("as-is", sixteen), ("nf4", nf4), ("nf4:double_quant=true", nf4), ("int8", sixteen - linear)):
+        with pytest.raises(WeightsExceedBudget) as refused:
+            _check_budget_above_weights(need - 1, facts, dev, base_weights=base)
+        assert refused.value.needs_bytes == need
+        _check_budget_above_weights(need, facts, dev, base_weights=base)
+    block = 2 * sum(p.numel() for p in facts.model.model.layers[0].parameters())
+    with pytest.raises(WeightsExceedBudget) as refused:  # (an adapter: two of the four blocks can be swapped out)
+        _check_budget_above_weights(sixteen - 2 * block - 1, facts, dev, adapter="lora:r=16")
+    assert refused.value.needs_bytes == sixteen - 2 * block

@@ -146,3 +146,19 @@ def test_gpu_presets_take_the_cards_grouped_gemm():
     assert hopper["cutlass grouped gemm arguments"] == hopper["cutlass grouped gemm workspace"] == calls
     assert hopper["_grouped_mm"] == ada["_grouped_mm"] == calls and "cutlass grouped gemm arguments" not in ada
     assert "_grouped_mm" not in turing and turing["grouped_mm_fallback"] == 2 * 2 * 2  # transformers' own op
+
+
+def test_quantized_base_weights_leave_the_experts_3d_weights_as_they_are_and_say_so():
+    """Mixtral's QLoRA on a 24 GB card: 85 GiB of parameters with nf4, because the experts are 3-D
+    weights, not nn.Linear layers; transformers' BitsAndBytesConfig leaves them so too. The report
+    says which bytes stayed, counted here on the meta device."""
+    pytest.importorskip("bitsandbytes")
+    folder = write_folder("mixtral")
+    _, experts = experts_params(folder)
+    r = estimate(folder, Plan(base_weights="nf4", adapter="lora:r=16"), batch_size=2, seq_len=32)
+    line = next(f for f in r.facts if f.startswith("base weights:"))
+    from memfit.units import fmt_bytes
+    assert line.startswith(f"base weights: the experts' 3-D weights ({fmt_bytes(experts * 4)} in float32) are not "
+                           "nn.Linear layers, so they are not quantized")
+    plain = estimate(folder, Plan(adapter="lora:r=16"), batch_size=2, seq_len=32)
+    assert not any(f.startswith("base weights:") for f in plain.facts)

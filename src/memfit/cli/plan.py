@@ -168,7 +168,7 @@ def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_trac
                      host=None) -> int:
     """``--methods``: plan each method on its own (NOTE [ Methods are the user's ])."""
     from memfit.errors import UserError
-    from memfit.planner.methods import DIFFERENT_THINGS, parse_methods
+    from memfit.planner.methods import DIFFERENT_THINGS, parse_methods, plan_method
     from memfit.planner.progress import PlanProgress
     from memfit.planner.side_by_side import plan_side_by_side
     from memfit.report.planner import print_methods
@@ -194,7 +194,7 @@ def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_trac
                               field_recipes=False)) for m in methods]  # (listed by a one-method plan)
     with PlanProgress() if not args.json else contextlib.nullcontext() as progress:
         longest = next((i for i, m in enumerate(methods) if m.name == "full"), 0)
-        results = plan_side_by_side(searches, progress, longest=longest)  # NOTE [ Methods planned side by side ]
+        results = plan_side_by_side(searches, progress, plan=plan_method, longest=longest)  # NOTE [ Methods planned side by side ]
     rows = [(m, r, r.trainable) for m, (r, _) in zip(methods, results)]
     if args.json:
         print_json({"note": DIFFERENT_THINGS, "methods": [

@@ -236,6 +236,7 @@ def experts_facts(answers: RoutingAnswers | None, model, worst_peak: int | None,
                                                                    for x in layers) else "top-k experts")
     facts = [f"mixture of experts: {_count(total)} parameters, {_count(total - idle)} active per token "
              f"({shape} in {len(layers)} layers)"]
+    facts += _experts_left_unquantized(model)
     pairs = first.tokens * first.top_k
     if answers.calls == 0 or worst_peak is None:
         how = first.implementation or "one kernel"
@@ -247,6 +248,27 @@ def experts_facts(answers: RoutingAnswers | None, model, worst_peak: int | None,
                      f"(token, expert) pairs per expert); the worst routing (every expert hit, one of them by every "
                      f"token) peaks at {fmt_bytes(worst_peak)} ({share:+.1f}%)")
     return facts
+
+
+QUANTIZED_LAYERS = ("Linear4bit", "Linear8bitLt", "Float8Linear")
+"""The layers of quantized base weights (memfit.techniques.base_weights)."""
+
+
+def _experts_left_unquantized(model) -> list[str]:
+    """A line for a model whose linears are quantized but whose experts hold 3-D weights: quantizing
+    replaces ``nn.Linear`` layers (bitsandbytes, and transformers' ``BitsAndBytesConfig`` as it loads a
+    checkpoint), so those stay as they are."""
+    from memfit.units import fmt_bytes
+    if not any(type(m).__name__ in QUANTIZED_LAYERS for m in model.modules()):
+        return []
+    kept = [p for m in model.modules() if isinstance(getattr(m, "num_experts", None), int)
+            for p in m.parameters(recurse=False) if p.dim() >= 3]
+    if not kept:
+        return []
+    size = sum(p.numel() * p.element_size() for p in kept)
+    return [f"base weights: the experts' 3-D weights ({fmt_bytes(size)} in {str(kept[0].dtype).removeprefix('torch.')}) "
+            "are not nn.Linear layers, so they are not quantized: bitsandbytes and transformers' BitsAndBytesConfig "
+            "quantize nn.Linear layers only, and leave them so when loading this model in 4 or 8 bits"]
 
 
 def _count(n: float) -> str:

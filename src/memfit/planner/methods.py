@@ -58,3 +58,19 @@ def parse_methods(text: str, adapter: str = "none") -> list[Method]:
         "qlora": {"adapter": lora, "base_weights": "nf4"},
     }
     return [Method(name, keys[name]) for name in names]
+
+
+def plan_method(**kwargs):
+    """One method's search (memfit.planner.search.plan). A method whose weights alone exceed the
+    budget gets a result with no plan and the bytes it needs at least, so that the other methods
+    are still compared (a budget too small for full fine-tuning is the usual reason to ask)."""
+    from memfit.devices import get_device
+    from memfit.errors import WeightsExceedBudget
+    from memfit.planner.search import PlanResult, plan, resolve_budget
+    try:
+        return plan(**kwargs)
+    except WeightsExceedBudget as e:
+        wl, dev = kwargs["workload"], get_device(kwargs["device"])
+        return PlanResult(workload=getattr(wl, "name", wl), device=dev.name, batch_size=kwargs["batch_size"],
+                          budget_bytes=resolve_budget(kwargs.get("budget"), dev), time_model="-",
+                          chosen=None, notes=[str(e)], least_bytes=e.needs_bytes)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memfit.devices import Device, available_host_bytes
-from memfit.errors import UserError
+from memfit.errors import UserError, WeightsExceedBudget
 from memfit.hosts import get_host
 from memfit.memory.budget import Budget
 from memfit.planner import cost
@@ -60,6 +60,7 @@ from memfit.plans import Plan, technique_of, with_what_it_needs
 from memfit.quiet import silenced_warnings
 from memfit.step import build_step
 from memfit.target import Target
+from memfit.techniques.base_weights import STORED_BYTES, least_weight_bytes
 from memfit.techniques.swap_blocks import least_resident_bytes
 from memfit.units import fmt_bytes
 from memfit.workload import Workload
@@ -89,6 +90,8 @@ class PlanResult:
     """The parameters the plans train (None: not counted, with a search space of the caller's)."""
     seq_len: int | None = None
     """Tokens per sample of a text workload (None: throughput is counted in samples)."""
+    least_bytes: int | None = None
+    """When no plan was searched: what every plan keeps on the device (memfit.errors.WeightsExceedBudget)."""
 
     @property
     def throughput_unit(self) -> str:
@@ -112,7 +115,8 @@ class PlanResult:
                 "budget_bytes": self.budget_bytes, "time_model": self.time_model, "run_steps": self.run_steps,
                 "chosen": row(self.chosen) if self.chosen else None, "traces": self.traces,
                 "planning_seconds": self.seconds, "candidates_total": len(self.candidates),
-                "smallest": row(self.smallest) if self.smallest else None, "notes": self.notes,
+                "smallest": row(self.smallest) if self.smallest else None, "least_bytes": self.least_bytes,
+                "notes": self.notes,
                 "trace_seconds": {k: [n, round(sec, 2)] for k, (n, sec) in self.trace_seconds.items()},
                 "ranked": [row(c) for c in evaluated[:50]],
                 "field_recipes": [row(c) for c in self.candidates if c.recipe is not None]}
@@ -158,7 +162,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     if world > 1 and not dev.is_gpu:
         raise UserError(f"plan --world-size {world} times sharded plans on GPU presets (on the CPU the planner times "
                         "real steps, which a sharded plan runs in several processes); give --device, e.g. h100-80gb")
-    _check_budget_above_weights(budget_bytes, facts, dev, world, (fixed or {}).get("base_weights"))
+    _check_budget_above_weights(budget_bytes, facts, dev, world, (fixed or {}).get("base_weights"),
+                                (fixed or {}).get("adapter"))
     if not dev.is_gpu and time_model is None:
         _check_real_steps_fit(wl, facts)
     rank_bs = Plan(world_size=world).config("shard").rank_batch(bs)  # (a sharded rank's micro-batches split this)
@@ -413,16 +418,22 @@ def _check_real_steps_fit(workload, facts) -> None:
                         "devices), which traces on fake tensors without that memory")
 
 
-def _check_budget_above_weights(budget: int, facts, dev: Device, world_size: int = 1, base_weights=None) -> None:
-    """The weights that stay on the device in every plan fit the budget: all of them in 16 bits (one
-    rank's share), or, where ``swap_blocks`` can keep blocks on the host (one GPU), those outside the
-    repeated blocks and two blocks (memfit.techniques.swap_blocks.least_resident_bytes)."""
-    min_bytes = facts.n_params * (2 if dev.bf16 or dev.fp16 else 4) // world_size
-    resident = least_resident_bytes(facts.model, base_weights) if world_size == 1 and dev.is_gpu else None
+def _check_budget_above_weights(budget: int, facts, dev: Device, world_size: int = 1, base_weights=None,
+                                adapter=None) -> None:
+    """The weights that stay on the device in every plan fit the budget: all of them in 16 bits, or
+    in ``base_weights``' format (one rank's share), or, where ``swap_blocks`` can keep blocks' frozen
+    weights on the host (one GPU), those outside the repeated blocks and two blocks
+    (memfit.techniques.swap_blocks.least_resident_bytes)."""
+    other = 2 if dev.bf16 or dev.fp16 else 4
+    min_bytes = least_weight_bytes(facts.model.parameters(), facts.model, base_weights, other) // world_size
+    resident = least_resident_bytes(facts.model, base_weights, adapter=str(adapter or "none") != "none") \
+        if world_size == 1 and dev.is_gpu else None
     if resident is not None:
-        min_bytes = resident
+        min_bytes = min(min_bytes, resident)
     if budget < min_bytes:
         share = f", 1/{world_size} of them per rank" if world_size > 1 else ""
-        raise UserError(f"budget {fmt_bytes(budget)} is below the model's own parameters ({fmt_bytes(min_bytes)} "
-                        f"for {facts.n_params / 1e6:.1f}M parameters in 16 bits{share}); give a budget above that, or "
-                        "shard the model over more ranks (--world-size)")
+        fmt = str(base_weights or "as-is").split(":", 1)[0]
+        how = f"with {fmt} linear weights" if fmt in STORED_BYTES else "in 16 bits"
+        raise WeightsExceedBudget(f"budget {fmt_bytes(budget)} is below the model's own parameters "
+                                  f"({fmt_bytes(min_bytes)} for {facts.n_params / 1e6:.1f}M parameters {how}{share}); "
+                                  "give a budget above that, or shard the model over more ranks (--world-size)", min_bytes)

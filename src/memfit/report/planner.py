@@ -91,7 +91,7 @@ def print_methods(rows, console: Console | None = None) -> None:
     (Method, PlanResult, trainable parameters))."""
     from memfit.planner.methods import DIFFERENT_THINGS
     c = console or Console(highlight=False, soft_wrap=True)
-    first = rows[0][1]
+    first = next((r for _, r, _ in rows if r.least_bytes is None), rows[0][1])  # (a method searched: its unit)
     c.print(f"[bold]memfit plan --methods[/] {first.workload} · batch {first.batch_size} · device {first.device} · "
             f"budget {fmt_bytes(first.budget_bytes)}")
     c.print(f"[yellow]note:[/] {DIFFERENT_THINGS}")
@@ -104,6 +104,8 @@ def print_methods(rows, console: Console | None = None) -> None:
         if ch:
             cells = (escape(ch.plan.short(result.batch_size)), fmt_bytes(ch.used_bytes), f"{ch.seconds * 1e3:.1f}",
                      _rate(result, ch, unit=False))
+        elif result.least_bytes is not None:  # (not searched: its weights alone exceed the budget)
+            cells = ("[red]cannot fit[/]: its weights alone", f"need {fmt_bytes(result.least_bytes)}", "-", "-")
         else:
             smallest = fmt_bytes(result.smallest.used_bytes) if result.smallest else "-"
             cells = ("[red]nothing fits[/]", f"needs {smallest}", "-", "-")

@@ -240,6 +240,21 @@ def _replace_linears(model: torch.nn.Module, config: BaseWeights, text: str) -> 
     return layers
 
 
+STORED_BYTES = {"nf4": 0.5, "fp4": 0.5, "int8": 1, "fp8": 1}
+"""Bytes per element of a linear weight stored in each quantized format, its scales left out."""
+
+
+def least_weight_bytes(params, model: torch.nn.Module, base_weights: str | None, other: int = 2) -> int:
+    """Bytes of ``params`` (of ``model``) at the least any plan stores them: the linear weights
+    ``base_weights`` quantizes (each ``nn.Linear`` but the output layer, :func:`_replace_linears`) at
+    the format's bytes per element, scales left out; every other parameter at ``other`` bytes (16 bits).
+    A mixture of experts' 3-D expert weights are not ``nn.Linear`` layers: no format quantizes them."""
+    per = STORED_BYTES.get(str(base_weights or "as-is").split(":", 1)[0])  # ("nf4:double_quant=true")
+    head = _output_layer(model)
+    linear = {id(m.weight) for m in model.modules() if type(m) is torch.nn.Linear and m is not head} if per else set()
+    return int(sum(p.numel() * (per if id(p) in linear else other) for p in params))
+
+
 def _output_layer(model: torch.nn.Module):
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None

@@ -40,6 +40,7 @@ import torch
 
 from memfit.errors import UserError
 from memfit.techniques.base import Config, Export, Key, SearchContext, Technique, register, whole_number
+from memfit.techniques.base_weights import least_weight_bytes
 from memfit.techniques.checkpointing import find_blocks
 from memfit.techniques.placement import HostPlacement, doing
 
@@ -63,26 +64,23 @@ def _swapped(model: torch.nn.Module, count: int) -> tuple[list[torch.nn.Module],
     return blocks, set(range(len(blocks) - count, len(blocks)))
 
 
-def _weight_bytes(params, model: torch.nn.Module, base_weights: str) -> int:
-    """Bytes of ``params`` in 16 bits, linear weights in 8 with ``base_weights: fp8``."""
-    linear = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)} if base_weights == "fp8" else ()
-    return sum(p.numel() * (1 if id(p) in linear else 2) for p in params)
-
-
 def _swappable(model: torch.nn.Module, base_weights: str | None) -> bool:
     """Blocks to swap, in a format the swap streams (as-is or fp8, not bitsandbytes' layers)."""
     return str(base_weights or "as-is") in ("as-is", "fp8") and bool(model_blocks(model))
 
 
-def least_resident_bytes(model: torch.nn.Module, base_weights: str | None) -> int | None:
-    """Bytes of the weights that stay on the device however many blocks are swapped (those outside
-    the blocks and the two largest blocks: the one running and the one being fetched), in 16 bits
-    (linear weights in 8 with fp8); None where no block can be swapped."""
+def least_resident_bytes(model: torch.nn.Module, base_weights: str | None, adapter: bool = True) -> int | None:
+    """Bytes of the weights that stay on the device however many blocks are swapped (all but the
+    blocks' frozen weights, and those of the two largest blocks: the one running and the one being
+    fetched), in 16 bits (linear weights in 8 with fp8); None where no block can be swapped.
+    ``adapter``: an adapter freezes the blocks' weights (without one, only those the model freezes
+    itself are frozen)."""
     if not _swappable(model, base_weights):
         return None
     base = str(base_weights or "as-is")
-    sizes = sorted((_weight_bytes(b.parameters(), model, base) for b in model_blocks(model)), reverse=True)
-    return _weight_bytes(model.parameters(), model, base) - sum(sizes) + sum(sizes[:2])
+    sizes = sorted((least_weight_bytes([p for p in b.parameters() if adapter or not p.requires_grad], model, base)
+                    for b in model_blocks(model)), reverse=True)
+    return least_weight_bytes(model.parameters(), model, base) - sum(sizes) + sum(sizes[:2])
 
 
 # NOTE [ Weights saved for backward ]
@@ -336,7 +334,7 @@ def search(ctx: SearchContext) -> list[int]:
     budget, base = ctx.options.get("budget_bytes"), ctx.options.get("base_weights")
     if not ctx.device.is_gpu or budget is None or not _swappable(ctx.model, base):
         return [0]
-    if _weight_bytes(ctx.model.parameters(), ctx.model, str(base or "as-is")) <= SEARCHED_OVER * budget:
+    if least_weight_bytes(ctx.model.parameters(), ctx.model, str(base or "as-is")) <= SEARCHED_OVER * budget:
         return [0]
     n = len(model_blocks(ctx.model))
     return sorted({0, n // 4, n // 2, 3 * n // 4, n})
