@@ -59,6 +59,11 @@ class Tracer:
         """The repeated-block containers (their module names give an allocation's block)."""
         self._full = depth_of(meta_model)
 
+    @property
+    def meta_model(self):
+        """The workload's model on the meta device, at full depth (not to be changed)."""
+        return self._meta
+
     def shallow(self, depth: int):
         """The workload cut to ``depth`` blocks (one per depth: its meta model is cut once)."""
         if depth not in self._workloads:

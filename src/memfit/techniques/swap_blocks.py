@@ -70,16 +70,24 @@ def _swappable(model: torch.nn.Module, base_weights: str | None) -> bool:
 
 
 def least_resident_bytes(model: torch.nn.Module, base_weights: str | None, adapter: bool = True) -> int | None:
-    """Bytes of the weights that stay on the device however many blocks are swapped (all but the
-    blocks' frozen weights, and those of the two largest blocks: the one running and the one being
-    fetched), in 16 bits (linear weights in 8 with fp8); None where no block can be swapped.
-    ``adapter``: an adapter freezes the blocks' weights (without one, only those the model freezes
-    itself are frozen)."""
+    """Bytes of the weights that stay on the device however many blocks are swapped; None where no
+    block can be swapped (:func:`resident_weight_bytes` of every block)."""
     if not _swappable(model, base_weights):
         return None
+    return resident_weight_bytes(model, base_weights, len(model_blocks(model)), adapter)
+
+
+def resident_weight_bytes(model: torch.nn.Module, base_weights: str | None, count: int, adapter: bool = True) -> int:
+    """Bytes of the weights on the device with the last ``count`` blocks swapped: all but those
+    blocks' frozen weights, and those of the two largest of them (the one running and the one being
+    fetched), in 16 bits or ``base_weights``' format (memfit.techniques.base_weights.least_weight_bytes).
+    ``adapter``: an adapter freezes the blocks' weights (without one, only those the model freezes
+    itself are frozen). A lower bound of what any plan with ``swap_blocks: count`` allocates."""
     base = str(base_weights or "as-is")
+    blocks = model_blocks(model)
+    swapped = blocks[len(blocks) - count:] if 0 < count <= len(blocks) else []
     sizes = sorted((least_weight_bytes([p for p in b.parameters() if adapter or not p.requires_grad], model, base)
-                    for b in model_blocks(model)), reverse=True)
+                    for b in swapped), reverse=True)
     return least_weight_bytes(model.parameters(), model, base) - sum(sizes) + sum(sizes[:2])
 
 
