@@ -93,28 +93,13 @@ def _materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Modul
     return copy.deepcopy(model, memo)
 
 
-def swapped_blocks(plan, full: int | None) -> int:
-    """N of a plan that swaps the last N of its ``full`` blocks, some but not all (0: none, or every block)."""
-    n = int(plan.swap_blocks or 0)
-    return n if full and 0 < n < full else 0
-
-
 def period(plan, full: int | None = None) -> int:
     """The depth unit of a plan: ``checkpointing: blocks:every=N`` repeats every N blocks, and
     ``offload: activations:blocks=K`` of ``full`` blocks every ``full / gcd(full, K)`` (NOTE [ A
-    shallow pair of a plan that offloads the first K blocks ]), ``swap_blocks: N`` every
-    ``full / gcd(full, N)`` (NOTE [ A shallow pair of a plan that swaps the last N blocks ])."""
+    shallow pair of a plan that offloads the first K blocks ])."""
     p = max(1, int(getattr(plan.config("checkpointing"), "every", 1) or 1))
-    for k in (offloaded_blocks(plan), swapped_blocks(plan, full)):
-        if k and full:
-            p = math.lcm(p, full // math.gcd(full, k))
-    return p
-
-
-def two_kinds(plan, full: int | None) -> bool:
-    """A plan whose shallow pair has two kinds of block (offloaded and kept, swapped and resident):
-    it keeps no stream (NOTE [ A shallow pair of a plan that offloads the first K blocks ])."""
-    return bool(offloaded_blocks(plan) or swapped_blocks(plan, full))
+    k = offloaded_blocks(plan)
+    return math.lcm(p, full // math.gcd(full, k)) if k and full else p
 
 
 # NOTE [ A shallow pair of a plan that offloads the first K blocks ]
@@ -141,14 +126,10 @@ def offloaded_blocks(plan) -> int:
 
 def at_depth(plan, depth: int, full: int):
     """``plan`` as the model cut to ``depth`` of its ``full`` blocks runs it: the same share of offloaded
-    blocks (NOTE [ A shallow pair of a plan that offloads the first K blocks ]) and of swapped blocks
-    (every block swapped: all ``depth`` of them); the plan itself where it has one kind of block."""
-    k, n = offloaded_blocks(plan), int(plan.swap_blocks or 0)
-    if depth == full or not (k or n):
-        return plan
-    if n:
-        plan = plan.replace(swap_blocks=depth if n >= full else n * depth // full)
-    if not k:
+    blocks (NOTE [ A shallow pair of a plan that offloads the first K blocks ]); the plan itself
+    where it has one kind of block."""
+    k = offloaded_blocks(plan)
+    if not k or depth == full:
         return plan
     offload = plan.config("offload")
     items = tuple(x if not x.startswith("activations:blocks=") else f"activations:blocks={k * depth // full}"
@@ -156,29 +137,13 @@ def at_depth(plan, depth: int, full: int):
     return plan.with_config(type(offload)(items))
 
 
-# NOTE [ A shallow pair of a plan that swaps the last N blocks ]
-# ``swap_blocks: N`` keeps the frozen weights of the last N of the model's L blocks on the host, and
-# at most two of them on the device at once (the one running, the one being fetched). As for the
-# first K blocks offloaded, the pair keeps the full model's share: at d blocks the last d * N / L are
-# swapped (a period of L / gcd(L, N) blocks; with every block swapped, all d), and the shallower depth
-# swaps at least two, so that both hold two swapped blocks' weights: the device's weights are then
-# the resident blocks' and two swapped ones', on the line through the pair, as are the copies over
-# the link and their time. Before, a swapped plan had no shallow pair: each cost a full-depth trace
-# (21 s apiece for Gemma-2-9B's LoRA, 18 of them in a 286 s plan). A count the period does not fit
-# within the model (10 of 42 blocks: a period of 21) is traced at full depth.
-
-
 def depths(plan, full: int) -> tuple[int, int] | None:
     """The two shallow depths ``(d, d + p)`` a plan is traced at (``p``: its period), or None when it
     should be traced at full depth (a shallow model, or a depth the period does not divide)."""
     p = period(plan, full)
     d = p * -(-2 // p)  # at least 2: one block is no repeated block (find_blocks)
-    n = int(plan.swap_blocks or 0)
-    if n and full:  # two swapped blocks at the shallower depth (NOTE [ A shallow pair of a plan that swaps the last N blocks ])
-        least = math.ceil(2 * full / min(n, full))
-        d = max(d, p * math.ceil(least / p))
-    if full < MIN_DEPTH_FOR_SHALLOW or d + p >= full or (full - d) % p:
-        return None
+    if full < MIN_DEPTH_FOR_SHALLOW or d + p >= full or (full - d) % p or plan.swap_blocks:
+        return None  # (swap_blocks counts blocks of the full model: no shallow model has them)
     return d, d + p
 
 

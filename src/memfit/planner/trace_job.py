@@ -17,7 +17,7 @@ from memfit.errors import UserError
 from memfit.memory.budget import Budget
 from memfit.memory.deep_stream import Stream, from_tracker
 from memfit.memory.report import traced_device
-from memfit.planner.shallow import at_depth, depth_of, shallow_workload, two_kinds
+from memfit.planner.shallow import at_depth, depth_of, offloaded_blocks, shallow_workload
 from memfit.planner.timing import record_step
 from memfit.target import Target
 from memfit.techniques.checkpointing import find_blocks
@@ -80,7 +80,7 @@ class Tracer:
             target = dataclasses.replace(target, workload=self.shallow(depth))
             plan = at_depth(plan, depth, self._full)
         # (two kinds of block keep no stream: NOTE [ A shallow pair of a plan that offloads the first K blocks ])
-        keeps_stream = depth is not None and not two_kinds(plan, depth) and not plan.swap_blocks
+        keeps_stream = depth is not None and not offloaded_blocks(plan)
         trackers = []
         t0 = time.process_time()
         try:
