@@ -85,10 +85,11 @@ class Estimate:
         were estimated to fit, and traced at full depth (swapped plans have no shallow pair)."""
         if not plan.swap_blocks:
             return 0
-        key = ("swap_blocks", plan.swap_blocks, str(plan.base_weights), plan.adapter != "none")
+        adapter = not plan.config("adapter").is_default
+        key = (plan.swap_blocks, str(plan.base_weights), adapter)
         if key not in self.resident:
             self.resident[key] = resident_weight_bytes(self.book.tracer.meta_model, plan.base_weights, plan.swap_blocks,
-                                                       adapter=plan.adapter != "none")
+                                                       adapter=adapter)
         return self.resident[key]
 
 

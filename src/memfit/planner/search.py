@@ -426,8 +426,8 @@ def _check_budget_above_weights(budget: int, facts, dev: Device, world_size: int
     (memfit.techniques.swap_blocks.least_resident_bytes)."""
     other = 2 if dev.bf16 or dev.fp16 else 4
     min_bytes = least_weight_bytes(facts.model.parameters(), facts.model, base_weights, other) // world_size
-    resident = least_resident_bytes(facts.model, base_weights, adapter=str(adapter or "none") != "none") \
-        if world_size == 1 and dev.is_gpu else None
+    adapted = adapter is not None and not Plan(adapter=adapter).config("adapter").is_default
+    resident = least_resident_bytes(facts.model, base_weights, adapter=adapted) if world_size == 1 and dev.is_gpu else None
     if resident is not None:
         min_bytes = min(min_bytes, resident)
     if budget < min_bytes:
