@@ -91,6 +91,11 @@ _TRANSFORMS = (("config", "final_logit_softcapping", "softcap"), ("model", "logi
 """(where the forward reads it, attribute, :class:`LogitTransform` field)."""
 
 
+def _holders(lm: nn.Module):
+    """(object, attribute, field) of each transform ``lm``'s forward may read (:data:`_TRANSFORMS`)."""
+    return [(lm.config if where == "config" else lm, attr, field) for where, attr, field in _TRANSFORMS]
+
+
 class _Unit:
     """Stands in for a scale the forward multiplies or divides its logits by: both leave them as they are."""
 
@@ -105,8 +110,8 @@ def logit_transform(lm: nn.Module) -> LogitTransform:
     """The transform ``lm``'s forward applies to its logits, from the attributes it reads; a UserError
     for one that is not a number."""
     found = {}
-    for where, attr, field in _TRANSFORMS:
-        value = getattr(lm.config if where == "config" else lm, attr, None)
+    for owner, attr, field in _holders(lm):
+        value = getattr(owner, attr, None)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -121,8 +126,7 @@ def _transform_left_to_chunks(lm: nn.Module):
     """The forward's own logit transform switched off for one call (the chunks apply it): a soft-cap
     read as ``None``, a scale as :class:`_Unit`."""
     saved = []
-    for where, attr, field in _TRANSFORMS:
-        owner = lm.config if where == "config" else lm
+    for owner, attr, field in _holders(lm):
         if getattr(owner, attr, None) is not None:
             saved.append((owner, attr, getattr(owner, attr)))
             object.__setattr__(owner, attr, None if field == "softcap" else _Unit())  # (configs check types)
