@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Sequence
 
 import torch
 
+from memfit.planner.op_links import Links, consistent, relinked
 from memfit.techniques.checkpointing import find_blocks
 from memfit.workload import Workload, call_workload
 
@@ -94,12 +96,15 @@ def _materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Modul
 
 
 def period(plan, full: int | None = None) -> int:
-    """The depth unit of a plan: ``checkpointing: blocks:every=N`` repeats every N blocks, and
+    """The depth unit of a plan: ``checkpointing: blocks:every=N`` repeats every N blocks,
     ``offload: activations:blocks=K`` of ``full`` blocks every ``full / gcd(full, K)`` (NOTE [ A
-    shallow pair of a plan that offloads the first K blocks ])."""
+    shallow pair of a plan that offloads the first K blocks ]), ``swap_blocks: N`` every
+    ``full / gcd(full, N)`` (NOTE [ A shallow pair of a plan that swaps the last N blocks ])."""
     p = max(1, int(getattr(plan.config("checkpointing"), "every", 1) or 1))
-    k = offloaded_blocks(plan)
-    return math.lcm(p, full // math.gcd(full, k)) if k and full else p
+    for k in (offloaded_blocks(plan), int(plan.swap_blocks or 0)):
+        if k and full:
+            p = math.lcm(p, full // math.gcd(full, k))
+    return p
 
 
 # NOTE [ A shallow pair of a plan that offloads the first K blocks ]
@@ -126,10 +131,14 @@ def offloaded_blocks(plan) -> int:
 
 def at_depth(plan, depth: int, full: int):
     """``plan`` as the model cut to ``depth`` of its ``full`` blocks runs it: the same share of offloaded
-    blocks (NOTE [ A shallow pair of a plan that offloads the first K blocks ]); the plan itself
-    where it has one kind of block."""
-    k = offloaded_blocks(plan)
-    if not k or depth == full:
+    blocks (NOTE [ A shallow pair of a plan that offloads the first K blocks ]) and of swapped blocks
+    (every block swapped: all ``depth`` of them); the plan itself where it has one kind of block."""
+    k, n = offloaded_blocks(plan), int(plan.swap_blocks or 0)
+    if depth == full or not (k or n):
+        return plan
+    if n:  # (of all the stacks' blocks: an encoder-decoder's 2 * full)
+        plan = plan.replace(swap_blocks=n * depth // full)
+    if not k:
         return plan
     offload = plan.config("offload")
     items = tuple(x if not x.startswith("activations:blocks=") else f"activations:blocks={k * depth // full}"
@@ -137,13 +146,35 @@ def at_depth(plan, depth: int, full: int):
     return plan.with_config(type(offload)(items))
 
 
+# NOTE [ A shallow pair of a plan that swaps the last N blocks ]
+# ``swap_blocks: N`` keeps the frozen weights of the last N repeated blocks on the host, and at most
+# two of them on the device at once (the one running, the one being fetched). As for the first K
+# blocks offloaded, the pair keeps the full model's share: with L blocks a stack, at d blocks a stack
+# the last d * N / L are swapped (a period of L / gcd(L, N) blocks; every block swapped: all of them,
+# of every stack), and the shallower depth swaps at least two, so that both hold two swapped blocks'
+# weights: the device's weights are then the resident blocks' and two swapped ones', on the line
+# through the pair. Where every block is swapped the ops line up, and each block waits for its own
+# prefetch (NOTE [ Ops that wait for others, in the extrapolated ops ] in memfit.planner.op_links:
+# Gemma-2-9B's LoRA priced as its full trace, 4.14 s); where some are, the step time is on the line
+# through the pair's (two kinds of block, as for offloaded activations; 4.10 s against its full
+# trace's 4.10 s for 21 of its 42 blocks). No stream is kept: the reserved bytes come from the full
+# trace that confirms a plan. Before, each swapped plan cost a full-depth trace (21 s apiece for
+# Gemma-2-9B's LoRA, 18 of them in a 286 s plan). A count whose period does not fit within the model
+# (10 of 42 blocks: a period of 21) is traced at full depth; the planner searches counts with short
+# periods (memfit.techniques.swap_blocks.search).
+
+
 def depths(plan, full: int) -> tuple[int, int] | None:
     """The two shallow depths ``(d, d + p)`` a plan is traced at (``p``: its period), or None when it
     should be traced at full depth (a shallow model, or a depth the period does not divide)."""
     p = period(plan, full)
     d = p * -(-2 // p)  # at least 2: one block is no repeated block (find_blocks)
-    if full < MIN_DEPTH_FOR_SHALLOW or d + p >= full or (full - d) % p or plan.swap_blocks:
-        return None  # (swap_blocks counts blocks of the full model: no shallow model has them)
+    n = int(plan.swap_blocks or 0)
+    if n and full:  # two swapped blocks at the shallower depth (NOTE [ A shallow pair of a plan that swaps the last N blocks ])
+        least = math.ceil(2 * full / min(n, full))
+        d = max(d, p * math.ceil(least / p))
+    if full < MIN_DEPTH_FOR_SHALLOW or d + p >= full or (full - d) % p:
+        return None
     return d, d + p
 
 
@@ -169,20 +200,36 @@ def extrapolate_ops(a: list, b: list, d: int, e: int, full: int) -> list | None:
     if len(runs_a) != len(runs_b) or e <= d or (full - d) % (e - d):
         return None
     copies = (full - d) // (e - d)  # inserted stretches at full depth (one of them already in ``b``)
+    links = Links(b)  # (prefetches: NOTE [ Ops that wait for others, in the extrapolated ops ])
     out: list = []
+    images: list[list[int]] = []  # the indices in ``out`` of each op of ``b`` (``copies`` of a stretch's)
+    start = 0
     for ra, rb in zip(runs_a, runs_b):
-        p = _insertion(ra, rb)
+        extra = len(rb) - len(ra)
+        p = _insertion(ra, rb, functools.partial(_keeps_links, links, b, start, extra, len(rb)))
         if p is None:
             return None
-        extra = len(rb) - len(ra)
+        if links.made:
+            images += [[len(out) + i] for i in range(p)] + \
+                [[len(out) + p + c * extra + i for c in range(copies)] for i in range(extra)] + \
+                [[len(out) + p + copies * extra + i] for i in range(len(ra) - p)]
+            links.runs.append((start, start + p, start + p + extra, start + len(rb)))
         out += [_scaled(x, y, copies) for x, y in zip(ra[:p], rb[:p])] + rb[p:p + extra] * copies + \
             [_scaled(x, y, copies) for x, y in zip(ra[p:], rb[p + extra:])]
-    return out
+        start += len(rb)
+    return relinked(out, images, links, b)
 
 
-def _insertion(ra: list, rb: list) -> int | None:
+def _keeps_links(links: Links, b: list, start: int, extra: int, length: int, p: int) -> bool:
+    """The stretch inserted at ``p`` of the run ``b[start:start + length]`` keeps its waits."""
+    return consistent(links, b, start, start + p, start + p + extra, start + length)
+
+
+def _insertion(ra: list, rb: list, keeps_links=lambda p: True) -> int | None:
     """Where in ``ra`` the ops ``rb`` has more were inserted: the ops before and after it pair up by
-    kind, with the fewest unequal pairs; None if there is no such place."""
+    kind, with the fewest unequal pairs, and the stretch repeats the ops that wait for others with
+    what they wait for (``keeps_links(p)``: NOTE [ Ops that wait for others, in the extrapolated ops ]
+    in memfit.planner.op_links); None if there is no such place."""
     n, extra = len(ra), len(rb) - len(ra)
     if extra < 0:
         return None
@@ -194,8 +241,9 @@ def _insertion(ra: list, rb: list) -> int | None:
     for i in range(n - 1, -1, -1):
         kind_after[i] = kind_after[i + 1] and _same_kind(ra[i], rb[i + extra])
         unequal_after[i] = unequal_after[i + 1] + (_key(ra[i]) != _key(rb[i + extra]))
-    places = [p for p in range(n + 1) if kind_before[p] and kind_after[p]]
-    return min(places, key=lambda p: unequal_before[p] + unequal_after[p]) if places else None
+    places = sorted((p for p in range(n + 1) if kind_before[p] and kind_after[p]),
+                    key=lambda p: unequal_before[p] + unequal_after[p])
+    return next((p for p in places if keeps_links(p)), None)
 
 
 def _runs(ops: list) -> list[list]:

@@ -80,7 +80,7 @@ class Tracer:
             target = dataclasses.replace(target, workload=self.shallow(depth))
             plan = at_depth(plan, depth, self._full)
         # (two kinds of block keep no stream: NOTE [ A shallow pair of a plan that offloads the first K blocks ])
-        keeps_stream = depth is not None and not offloaded_blocks(plan)
+        keeps_stream = depth is not None and not offloaded_blocks(plan) and not plan.swap_blocks
         trackers = []
         t0 = time.process_time()
         try:
