@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -336,16 +337,37 @@ budget, 0.52 of a 24 GB card's (kohya swaps blocks on 12 and 16 GB cards, not on
 
 
 def search(ctx: SearchContext) -> list[int]:
-    """None, a quarter, half, three quarters and all of the blocks, on GPU presets where the weights
-    take more than ``SEARCHED_OVER`` of the budget (in the format the plan stores them: ``base_weights``); else none
-    (the host is the device on a CPU, and a model far under its budget gains nothing)."""
+    """None, about a quarter, half and three quarters, and all of the blocks, on GPU presets where the
+    weights take more than ``SEARCHED_OVER`` of the budget (in the format the plan stores them:
+    ``base_weights``); else none (the host is the device on a CPU, and a model far under its budget
+    gains nothing). "About": NOTE [ Swapped counts the planner traces shallow ]."""
     budget, base = ctx.options.get("budget_bytes"), ctx.options.get("base_weights")
     if not ctx.device.is_gpu or budget is None or not _swappable(ctx.model, base):
         return [0]
     if least_weight_bytes(ctx.model.parameters(), ctx.model, str(base or "as-is")) <= SEARCHED_OVER * budget:
         return [0]
-    n = len(model_blocks(ctx.model))
-    return sorted({0, n // 4, n // 2, 3 * n // 4, n})
+    stacks = find_blocks(ctx.model)
+    n = sum(len(blocks) for _, blocks in stacks)
+    if len({len(blocks) for _, blocks in stacks}) > 1:  # (stacks of two depths: no shallow traces)
+        return sorted({0, n // 4, n // 2, 3 * n // 4, n})
+    return sorted({0, *(_near(n, len(stacks), share) for share in (0.25, 0.5, 0.75)), n})
+
+
+# NOTE [ Swapped counts the planner traces shallow ]
+# The planner measures a plan by traces of the model cut to a few blocks a stack (memfit.planner.shallow),
+# keeping the full model's share of swapped blocks: N of L blocks a stack repeats every
+# L / gcd(L, N) blocks, and the cut model is a few such periods deep. A quarter of Gemma-2's 42 blocks
+# (10) repeats every 21 and three quarters (31) every 42: each such plan was traced at full depth,
+# 21 s a trace, where 14 and 28 (a third, two thirds) repeat every 3 blocks and cost two traces of 6
+# and 9 blocks, or 3 and 6. So each share is the count within an eighth of the blocks of it whose
+# share repeats soonest, the nearest of those: 14, 21 and 28 of 42; 8, 16 and 24 of 32 as before.
+# Which counts are searched is a choice of grid (kohya's users set any), not of what is predicted.
+def _near(n: int, stacks: int, share: float) -> int:
+    """The count of ``n`` blocks (``stacks`` stacks of equal depth) within an eighth of them of ``share``
+    whose share repeats in the fewest blocks a stack, nearest ``share`` among those."""
+    depth = n // stacks
+    window = [k for k in range(1, n) if abs(k - share * n) <= n / 8] or [max(1, round(share * n))]
+    return min(window, key=lambda k: (depth // math.gcd(depth, k), abs(k - share * n)))
 
 
 TECHNIQUE = register(

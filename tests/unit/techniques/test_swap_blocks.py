@@ -20,11 +20,13 @@ from memfit.memory.estimate import estimate
 from memfit.memory.measure import profile
 from memfit.planner.ops import H2D, SIDE_STREAM
 from memfit.planner.roofline import H100
+from memfit.planner.shallow import depths
 from memfit.planner.space import default_space, model_facts
 from memfit.planner.timing import time_from_ops, trace_step
 from memfit.plans import Plan
 from memfit.step import build_step
 from memfit.target import Target
+from memfit.techniques.base_weights import least_weight_bytes
 from memfit.techniques.swap_blocks import BlockSwapper, model_blocks
 from memfit.workloads import load_workload
 
@@ -154,6 +156,20 @@ def test_the_planner_searches_swap_where_the_weights_fill_the_budget():
     assert default_space(facts, gpu, 1, budget_bytes=21 * 2**30, base_weights="fp8").values["swap_blocks"] == [0]
     llama = model_facts(load_workload("llama", seq_len=2048))  # (Llama-2-7B in bf16: 0.59 of a 24 GB card's budget)
     assert default_space(llama, gpu, 1, budget_bytes=int(0.9 * gpu.total_bytes)).values["swap_blocks"] == [0]
+
+
+def test_swapped_counts_of_one_stack_repeat_within_a_few_blocks():
+    """NOTE [ Swapped counts the planner traces shallow ]: of 42 blocks, a third and two thirds (14 and 28:
+    a period of 3 blocks) in place of a quarter and three quarters (10 and 31: periods of 21 and 42, each
+    plan traced at full depth); of 32, the quarters as before. Each has a shallow pair."""
+    gpu = get_device("rtx4090")
+    for layers, counts, pairs in ((42, [0, 14, 21, 28, 42], [(6, 9), (4, 6), (3, 6), (2, 3)]),
+                                  (32, [0, 8, 16, 24, 32], [(8, 12), (4, 6), (4, 8), (2, 3)])):
+        facts = model_facts(load_workload(f"llama:num_hidden_layers={layers},hidden_size=256,intermediate_size=512,"
+                                          "num_attention_heads=4,num_key_value_heads=4,vocab_size=500"))
+        weights = least_weight_bytes(facts.model.parameters(), facts.model, "as-is")  # (what the search weighs)
+        assert default_space(facts, gpu, 1, budget_bytes=int(1.1 * weights)).values["swap_blocks"] == counts
+        assert [depths(Plan(swap_blocks=n), layers) for n in counts[1:]] == pairs
 
 
 @pytest.mark.parametrize("spec,fields,problem", [
