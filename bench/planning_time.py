@@ -53,6 +53,10 @@ CASES = {
     "qwen-qlora": "Qwen/Qwen2.5-7B-Instruct --device rtx4090 -b 2 --seq-len 2048 --adapter lora:r=16 --base-weights nf4",
     "qwen-full": "Qwen/Qwen2.5-7B-Instruct --device rtx4090 -b 2 --seq-len 2048",
     "qwen-methods": "Qwen/Qwen2.5-7B-Instruct --methods full,lora,qlora --device rtx4090 -b 2 --seq-len 2048",
+    # hub models not written here: Gemma-2-9B (42 layers, 256k vocabulary, soft-capped logits), its LoRA
+    # swapping blocks on a 24 GB card (NOTE [ A shallow pair of a plan that swaps the last N blocks ])
+    "gemma-lora": "google/gemma-2-9b --device rtx4090 -b 2 --seq-len 2048 --adapter lora:r=16",
+    "gemma-methods": "google/gemma-2-9b --methods full,lora,qlora --device rtx4090 -b 2 --seq-len 2048",
     # issue 52: compile searched for a long run (--steps), each distinct graph compiled once per worker
     "p2-compiled": "gpt2 -b 8 --seq-len 1024 --device h100-80gb --budget 2.05GiB --steps 10000 --precision bf16-pure "
                    "--loss-chunks 32",
