@@ -226,7 +226,10 @@ class GpuStepModel(StepTimeModel):
 
     def describe(self) -> str:
         book = self.book
-        shallow = (f"; plans measured by shallow traces at 2 and 3 of {book.depth} blocks (2 and 4 with a period of 2), their ops extrapolated, "
+        depth = f"{book.depth} units of {' + '.join(map(str, book.unit))} blocks" if len(set(book.unit)) > 1 else \
+            f"{book.depth} blocks"
+        shallow = (f"; plans measured by shallow traces at 2 and 3 of {depth} (deeper where a plan repeats every few "
+                   "blocks: checkpointing every 2, a share of the blocks offloaded or swapped), their ops extrapolated, "
                    "the chosen one confirmed by a full trace") if book.depths(self.base or Plan()) else ""
         host = f", host {self.host.name}" if self.host is not None else ""
         return (f"op-level: each plan's own ops on the {self.target.device.name} preset{host}, constants fitted on H100 "

@@ -30,6 +30,7 @@ from memfit.planner.workers import SKIPPED, SharedWorkers, Workers
 from memfit.plans import Plan
 from memfit.target import Target
 from memfit.techniques.base import GraphSize
+from memfit.techniques.checkpointing import find_blocks
 
 OUTSIDE_THE_GRAPH = ("allocator", "grad_accum_steps", "optimizer", "optimizer_in_backward", "ema", "max_grad_norm",
                      "bf16_update")
@@ -95,6 +96,8 @@ class TraceBook(AtBatch):
         self.rank_batch = target.batch_size // world
         """The samples one rank's step runs (what micro-batch sizes split)."""
         self.depth = depth_of(facts.model)
+        self.unit = tuple(len(blocks) // self.depth for _, blocks in find_blocks(facts.model)) if self.depth else ()
+        """The blocks of each stack a unit of :attr:`depth` holds (NOTE [ Stacks of two depths ]: FLUX.1's (1, 2))."""
         self.n_params = facts.n_params
         self.measured: dict[Plan, Measured] = {}
         self._new: list[Plan] = []

@@ -346,26 +346,25 @@ def search(ctx: SearchContext) -> list[int]:
         return [0]
     if least_weight_bytes(ctx.model.parameters(), ctx.model, str(base or "as-is")) <= SEARCHED_OVER * budget:
         return [0]
-    stacks = find_blocks(ctx.model)
-    n = sum(len(blocks) for _, blocks in stacks)
-    if len({len(blocks) for _, blocks in stacks}) > 1:  # (stacks of two depths: no shallow traces)
-        return sorted({0, n // 4, n // 2, 3 * n // 4, n})
-    return sorted({0, *(_near(n, len(stacks), share) for share in (0.25, 0.5, 0.75)), n})
+    lengths = [len(blocks) for _, blocks in find_blocks(ctx.model)]
+    n, depth = sum(lengths), math.gcd(*lengths)
+    return sorted({0, *(_near(n, depth, share) for share in (0.25, 0.5, 0.75)), n})
 
 
 # NOTE [ Swapped counts the planner traces shallow ]
 # The planner measures a plan by traces of the model cut to a few blocks a stack (memfit.planner.shallow),
-# keeping the full model's share of swapped blocks: N of L blocks a stack repeats every
-# L / gcd(L, N) blocks, and the cut model is a few such periods deep. A quarter of Gemma-2's 42 blocks
-# (10) repeats every 21 and three quarters (31) every 42: each such plan was traced at full depth,
-# 21 s a trace, where 14 and 28 (a third, two thirds) repeat every 3 blocks and cost two traces of 6
-# and 9 blocks, or 3 and 6. So each share is the count within an eighth of the blocks of it whose
-# share repeats soonest, the nearest of those: 14, 21 and 28 of 42; 8, 16 and 24 of 32 as before.
-# Which counts are searched is a choice of grid (kohya's users set any), not of what is predicted.
-def _near(n: int, stacks: int, share: float) -> int:
-    """The count of ``n`` blocks (``stacks`` stacks of equal depth) within an eighth of them of ``share``
-    whose share repeats in the fewest blocks a stack, nearest ``share`` among those."""
-    depth = n // stacks
+# keeping the full model's share of swapped blocks: N of the blocks, at depth d of D (a stack's blocks,
+# or units of stacks of two depths), swaps N * d / D, which is whole every D / gcd(D, N) blocks, and
+# the cut model is a few such periods deep. A quarter of Gemma-2's 42 blocks (10) repeats every 21 and
+# three quarters (31) every 42: each such plan was traced at full depth, 21 s a trace, where 14 and 28
+# (a third, two thirds) repeat every 3 blocks and cost two traces of 6 and 9 blocks, or 3 and 6. So
+# each share is the count within an eighth of the blocks of it whose share repeats soonest, the nearest
+# of those: 14, 21 and 28 of 42; 8, 16 and 24 of 32 as before; 19, 28 and 38 of FLUX.1's 57 (19 + 38:
+# 19 and 38 repeat every unit, 28 at full depth only). Which counts are searched is a choice of grid
+# (kohya's users set any), not of what is predicted.
+def _near(n: int, depth: int, share: float) -> int:
+    """The count of ``n`` blocks (``depth`` deep: memfit.planner.shallow.depth_of) within an eighth of them
+    of ``share`` whose share repeats in the fewest blocks, nearest ``share`` among those."""
     window = [k for k in range(1, n) if abs(k - share * n) <= n / 8] or [max(1, round(share * n))]
     return min(window, key=lambda k: (depth // math.gcd(depth, k), abs(k - share * n)))
 
