@@ -27,9 +27,9 @@ def test_stacks_of_two_depths_are_cut_in_units_of_both():
     assert depths(Plan(swap_blocks=6), 6) == (2, 3) and depths(Plan(swap_blocks=4), 6) is None  # (4 of 18: 4/3 a unit)
 
 
-@pytest.mark.parametrize("swapped", [0, 6, 18])
+@pytest.mark.parametrize("swapped", [0, 18])
 def test_a_flux_plan_from_its_shallow_pair_is_its_full_trace(swapped):
-    """A LoRA with blocks checkpointed, none, the last third or every block swapped: the peak on the line
+    """A LoRA with blocks checkpointed, none or every block swapped: the peak on the line
     through 2 + 4 and 3 + 6 blocks is the full trace's (within 0.5%), and so is the step time (within 2%:
     the line through the pair's times, as the blocks inserted at two places do not line up as ops).
     Every block swapped, the peak moves: at 2 and 3 units it is in the double blocks' backward (their
@@ -49,7 +49,7 @@ def test_a_flux_plan_from_its_shallow_pair_is_its_full_trace(swapped):
     finally:
         book.close()
     assert not measured.full and book.full_traces == 0
-    if swapped < 18:
+    if not swapped:
         assert measured.peak_bytes == pytest.approx(report.peak_bytes, rel=0.005)
     else:
         assert 0.95 * report.peak_bytes < measured.peak_bytes <= report.peak_bytes
