@@ -215,15 +215,16 @@ def _quantize_linears(model: torch.nn.Module, config: BaseWeights, text: str) ->
 
 
 def _replace_linears(model: torch.nn.Module, config: BaseWeights, text: str) -> list[torch.nn.Module]:
-    """Every ``nn.Linear`` but the output layer, replaced by ``config.layer(linear)`` (bias kept);
-    returns the new layers, their weights not yet quantized. In a workload that already trains a
-    peft adapter, only its frozen linears (the base layers under the adapter's): the adapter's own
-    matrices and ``modules_to_save`` copies train, in full precision, as in QLoRA."""
+    """Every ``nn.Linear`` but the output layer, and every transformers ``Conv1D`` (GPT-2's), replaced by
+    ``config.layer(linear)`` (bias kept); returns the new layers, their weights not yet quantized. In a
+    workload that already trains a peft adapter, only its frozen linears (the base layers under the
+    adapter's): the adapter's own matrices and ``modules_to_save`` copies train, in full precision, as
+    in QLoRA."""
     config.require()
     head = _output_layer(model)
     adapted = _has_peft_adapter(model)
     targets = [(name, m) for name, m in model.named_modules()
-               if type(m) is torch.nn.Linear and m is not head and not (adapted and m.weight.requires_grad)]
+               if _is_linear(m) and m is not head and not (adapted and m.weight.requires_grad)]
     if not targets:
         raise UserError(f"plan: base_weights {text} found no nn.Linear layer to quantize in the model "
                         "(besides its output layer); use base_weights: as-is for this model")
@@ -231,13 +232,38 @@ def _replace_linears(model: torch.nn.Module, config: BaseWeights, text: str) -> 
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        layer = config.layer(linear)
+        layer = config.layer(linear if type(linear) is torch.nn.Linear else _as_linear(linear))
         if linear.bias is not None:
             layer.bias = linear.bias
         layer.train(linear.training)
         setattr(parent, child, layer)
         layers.append(layer)
     return layers
+
+
+def _is_linear(module: torch.nn.Module) -> bool:
+    """An ``nn.Linear`` (not a subclass: a quantized layer already), or a transformers ``Conv1D``: the
+    layers transformers' bitsandbytes integration quantizes (``replace_with_bnb_linear``)."""
+    kind = type(module)
+    return kind is torch.nn.Linear or (kind.__name__ == "Conv1D" and kind.__module__ == "transformers.pytorch_utils")
+
+
+# NOTE [ GPT-2's Conv1D ]
+# GPT-2 (and GPT-J's relatives in transformers) computes its projections with ``Conv1D``: ``x @ W + b``
+# with W stored (in, out), the transpose of an ``nn.Linear``'s. transformers' ``BitsAndBytesConfig``
+# replaces it by a ``Linear4bit`` of the same features and transposes the checkpoint's weight as it
+# loads (its ``source_cls``); peft then adapts the 4-bit layer as a linear (``fan_in_fan_out`` off). So
+# here too: the layer is quantized from the transposed weight, a copy of one layer at a time where the
+# weights are already built, none where the model loads as a checkpoint (its weights arrive one at a
+# time, in the layer's own shape).
+def _as_linear(conv: torch.nn.Module) -> torch.nn.Linear:
+    """The ``nn.Linear`` a ``Conv1D`` computes (its weight transposed; NOTE [ GPT-2's Conv1D ])."""
+    w = conv.weight
+    linear = torch.nn.Linear(w.shape[0], w.shape[1], bias=False, device="meta", dtype=w.dtype)
+    linear.weight = torch.nn.Parameter(w.detach().t().contiguous(), requires_grad=w.requires_grad)
+    linear.bias = conv.bias
+    linear.train(conv.training)
+    return linear
 
 
 STORED_BYTES = {"nf4": 0.5, "fp4": 0.5, "int8": 1, "fp8": 1}
@@ -251,7 +277,7 @@ def least_weight_bytes(params, model: torch.nn.Module, base_weights: str | None,
     A mixture of experts' 3-D expert weights are not ``nn.Linear`` layers: no format quantizes them."""
     per = STORED_BYTES.get(str(base_weights or "as-is").split(":", 1)[0])  # ("nf4:double_quant=true")
     head = _output_layer(model)
-    linear = {id(m.weight) for m in model.modules() if type(m) is torch.nn.Linear and m is not head} if per else set()
+    linear = {id(m.weight) for m in model.modules() if _is_linear(m) and m is not head} if per else set()
     return int(sum(p.numel() * (per if id(p) in linear else other) for p in params))
 
 

@@ -144,8 +144,11 @@ def _initialise(model: torch.nn.Module, skip: list[torch.nn.Module]) -> None:
     if callable(hf_init) and hasattr(model, "_init_weights"):
         for module in model.modules():  # building marked them initialised (on meta: no values yet)
             module.__dict__.pop("_is_hf_initialized", None)
-        for module in skip:
+        for module in skip:  # (and their tensors: a parent's init may reach them, GPT-2's scaled c_proj)
             module._is_hf_initialized = True
+            for t in [*module._parameters.values(), *module._buffers.values()]:
+                if t is not None:
+                    t._is_hf_initialized = True
         hf_init()
         return
     for module in model.modules():
