@@ -28,6 +28,19 @@ def _model(target, space=None):
     return book, model
 
 
+def _traced_both_ways(target, pair):
+    """The plan's full trace (report, step time, ops), and its shallow pair at ``pair`` traced and measured by
+    a search's trace book (the two traces, what the book measured, the time model)."""
+    report, full, full_ops = trace_step(target)
+    book, model = _model(target)
+    try:
+        a, b = book._run([(target.plan, d, None) for d in pair])
+        measured = book.measure(target.plan)
+    finally:
+        book.close()
+    return report, full, full_ops, a, b, measured, model
+
+
 SLOW = pytest.mark.slow  # (keeps the default suite under 10 minutes)
 
 
@@ -45,13 +58,7 @@ def test_shallow_pair_extrapolates_to_the_full_trace(fields):
     target = _target(Plan(**fields))
     pair = depths(target.plan, 6)
     assert pair == ((2, 4) if "every=2" in str(fields.get("checkpointing")) else (2, 3))
-    report, full, full_ops = trace_step(target)
-    book, model = _model(target)
-    try:
-        a, b = book._run([(target.plan, d, None) for d in pair])
-        measured = book.measure(target.plan)
-    finally:
-        book.close()
+    report, full, full_ops, a, b, measured, model = _traced_both_ways(target, pair)
     ops = extrapolate_ops(a.ops, b.ops, *pair, 6)
     assert ops is not None and len(ops) == len(full_ops) and measured.ops == ops
     assert model.seconds(target.plan) == pytest.approx(full.seconds, rel=1e-3)
@@ -399,13 +406,7 @@ def test_a_plan_swapping_blocks_has_a_shallow_pair(swapped, pair):
     plan = Plan(adapter="lora:r=4", precision="bf16-pure", checkpointing="blocks", swap_blocks=swapped)
     target = Target.resolve(LORA8, plan, 2, DEVICE, seq_len=64)
     assert depths(plan, 8) == pair and depths(plan.replace(swap_blocks=2), 8) is None  # (period 4: 4 + 4 is 8)
-    report, full, _ = trace_step(target)
-    book, model = _model(target)
-    try:
-        a, b = book._run([(target.plan, d, None) for d in pair])
-        measured = book.measure(target.plan)
-    finally:
-        book.close()
+    report, full, _, a, b, measured, model = _traced_both_ways(target, pair)
     assert not measured.full and a.stream is None and b.stream is None
     assert (measured.ops is not None) == (swapped == 8)
     assert measured.peak_bytes == pytest.approx(report.peak_bytes, rel=1e-3)
