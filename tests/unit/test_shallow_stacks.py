@@ -27,30 +27,31 @@ def test_stacks_of_two_depths_are_cut_in_units_of_both():
     assert depths(Plan(swap_blocks=6), 6) == (2, 3) and depths(Plan(swap_blocks=4), 6) is None  # (4 of 18: 4/3 a unit)
 
 
-@pytest.mark.parametrize("swapped", [0, 18])
-def test_a_flux_plan_from_its_shallow_pair_is_its_full_trace(swapped):
-    """A LoRA with blocks checkpointed, none or every block swapped: the peak on the line
-    through 2 + 4 and 3 + 6 blocks is the full trace's (within 0.5%), and so is the step time (within 2%:
-    the line through the pair's times, as the blocks inserted at two places do not line up as ops).
-    Every block swapped, the peak moves: at 2 and 3 units it is in the double blocks' backward (their
-    transients), at full depth where backward starts (every block's saved input); the line through the
-    pair is then low (2.5% here, 27% for FLUX.1-dev at 1024 px), never high: each moment's bytes are on a
-    line in the depth, and their maximum is convex. It is a lower bound, as the planner uses it, and the
-    chosen plan is confirmed by a full trace. Before, each plan of such a model was traced at full depth."""
-    plan = Plan(adapter="lora:r=4", precision="bf16-pure", checkpointing="blocks", swap_blocks=swapped)
-    target = Target.resolve(FLUX6, plan, 1, "rtx4090", resolution=256)
+def test_flux_plans_from_their_shallow_pairs_are_their_full_traces():
+    """A LoRA with blocks checkpointed, none or every block swapped (one search's book measures both): the
+    peak on the line through 2 + 4 and 3 + 6 blocks is the full trace's (within 0.5%), and so is the step
+    time (within 2%: the line through the pair's times, as the blocks inserted at two places do not line
+    up as ops). Every block swapped, the peak moves: at 2 and 3 units it is in the double blocks'
+    backward (their transients), at full depth where backward starts (every block's saved input); the
+    line through the pair is then low (2.5% here, 27% for FLUX.1-dev at 1024 px), never high: each
+    moment's bytes are on a line in the depth, and their maximum is convex. It is a lower bound, as the
+    planner uses it, and the chosen plan is confirmed by a full trace. Before, each plan of such a model
+    was traced at full depth."""
+    plans = [Plan(adapter="lora:r=4", precision="bf16-pure", checkpointing="blocks", swap_blocks=n) for n in (0, 18)]
+    target = Target.resolve(FLUX6, plans[0], 1, "rtx4090", resolution=256)
     assert sum(len(b) for b in [model_blocks(model_facts(target.workload).model)]) == 18
-    report, full, _ = trace_step(target)
     space = SearchSpace(values={"precision": ["bf16-pure"]}, micro_batches=[1])
     book, model, _ = gpu_search(target, space, model_facts(target.workload), Budget.resolve(None, target.device))
     try:
-        measured = book.measure(target.plan)
-        seconds = model.seconds(target.plan)
+        measured = [book.measure(target.with_plan(p).plan) for p in plans]
+        seconds = [model.seconds(target.with_plan(p).plan) for p in plans]
     finally:
         book.close()
-    assert not measured.full and book.full_traces == 0
-    if not swapped:
-        assert measured.peak_bytes == pytest.approx(report.peak_bytes, rel=0.005)
-    else:
-        assert 0.95 * report.peak_bytes < measured.peak_bytes <= report.peak_bytes
-    assert seconds == pytest.approx(full.seconds, rel=0.02)
+    assert not any(m.full for m in measured) and book.full_traces == 0
+    for plan, m, s in zip(plans, measured, seconds):
+        report, full, _ = trace_step(target.with_plan(plan))
+        if not plan.swap_blocks:
+            assert m.peak_bytes == pytest.approx(report.peak_bytes, rel=0.005)
+        else:
+            assert 0.95 * report.peak_bytes < m.peak_bytes <= report.peak_bytes
+        assert s == pytest.approx(full.seconds, rel=0.02)
