@@ -58,9 +58,11 @@ def depth_of(model: torch.nn.Module) -> int | None:
 # divisor: at depth d each stack keeps ``d * its length / g`` blocks (g = gcd of the lengths: FLUX.1 at 2
 # and 3 is 2 + 4 and 3 + 6 blocks; full depth, 19, is the model). Everything that grows with the blocks
 # grows on the line in d, as with one stack. The deeper trace has blocks inserted at two places, not
-# one, so its ops do not line up with the shallower's (extrapolate_ops): the step time is the line
-# through the pair's times, as for two kinds of block. Before, such a model was traced at full depth
-# for every plan (FLUX.1-dev's LoRA planned for a 12 GB card in 600 s).
+# one; extrapolate_ops may still line the runs up with one stretch (a double block and two single ones
+# side by side, where the stacks meet: the same ops, in another order), else the step time is the line
+# through the pair's times, as for two kinds of block. On FLUX.1-dev either gave the full trace's time
+# (none, 19, 38 or all 57 blocks swapped). Before, such a model was traced at full depth for every
+# plan (FLUX.1-dev's LoRA planned for a 12 GB card in 600 s).
 
 
 def shallow_workload(workload: Workload, depth: int, meta: torch.nn.Module | None = None) -> Workload:
