@@ -93,9 +93,8 @@ def shallow_workload(workload: Workload, depth: int, meta: torch.nn.Module | Non
 def _cut(model: torch.nn.Module, depth: int) -> torch.nn.Module:
     """``model`` with each repeated-block container cut to its first ``depth`` blocks, or ``depth`` units
     of them (NOTE [ Stacks of two depths ]), in place."""
-    found = find_blocks(model)
-    unit = math.gcd(*(len(children) for _, children in found)) if found else 1
-    for name, children in found:
+    unit = depth_of(model) or 1
+    for name, children in find_blocks(model):
         container = model.get_submodule(name)
         keep = len(children) // unit * depth
         for child in [n for n, c in container.named_children() if any(c is x for x in children)][keep:]:
