@@ -9,37 +9,15 @@ shallow points misses them by 1-2.5 GiB on Llama-2-7B. Tracing the full depth to
 
 from __future__ import annotations
 
-import difflib
 import itertools
 import re
-from typing import NamedTuple
 
 from memfit.memory.allocator import replay_events
 from memfit.memory.expandable import new_model
+from memfit.memory.stream_events import MARK, SETUP, Stream
+from memfit.memory.stretches import at_seam, blocks_a_unit, container, inserted, slides
 
-MARK = "mark"
-SETUP = "setup"
-
-
-class Stream(NamedTuple):
-    """One device's allocations and frees, with the step's marks, in order.
-
-    ``tokens[i]``: ``("+", nbytes, stream, phase, step, op, module)`` for an allocation
-    (``phase``: the one it was made in; ``module``: in the forward, the one it was made in with
-    its block's index as ``#``, else ""), ``("-", ...)`` with its allocation's fields for a free, or
-    ``("mark", name, step)``. ``frees[i]``: the index of the allocation the free at ``i`` frees
-    (-1 elsewhere). ``phases[i]``: the step phase the event happened in."""
-
-    tokens: list
-    frees: list
-    phases: list
-    blocks: list | None = None
-    """``blocks[i]``: the repeated block an allocation was made in the forward (the index of its
-    module in the block container), else -1."""
-    kernels: list | None = None
-    """``kernels[i]``: what sizes a reduction's staging buffer or semaphores allocated at ``i``
-    (memfit.memory.cuda.reduce.Geometry), else None: :func:`widen` sizes them at another batch."""
-
+__all__ = ["MARK", "SETUP", "Stream", "deepen", "from_tracker", "replay", "sorted_free_runs", "step_events"]
 
 def from_tracker(tracker, device: str, side_streams: dict | None = None, containers: tuple[str, ...] = ()) -> Stream:
     """The stream of ``device`` in a :class:`~memfit.memory.tracker.MemoryTracker`'s timeline
@@ -156,6 +134,12 @@ def sorted_free_runs(stream: Stream, by_size: bool = True) -> Stream:
 #   backward and freed by the next one's): the allocation made once is freed by the first copy,
 #   copy ``c``'s allocation by copy ``c + 1``, the last copy's by the free made once.
 #
+# Where the depth counts units of two stacks (FLUX.1's one double- and two single-stream blocks), a
+# copy moves a block's events by its own stack's blocks in a unit, and a stretch of the other stack's
+# events does not move them (memfit.memory.stretches.blocks_a_unit, :func:`_far_side`; and NOTE
+# [ Stretches at the seam of two stacks ] there). On FLUX.1-dev at 1024 px (RTX 4090 preset) three
+# plans' allocated peaks and reserved bytes are their full traces' to the byte.
+#
 # Replayed through memfit.memory.allocator's caching-allocator model, the stream gives the full
 # step's allocated peak and reserved bytes without a full trace. Where the two streams do not
 # differ by insertions alone (outside the model's build, where the trace's own history may add or
@@ -178,51 +162,21 @@ def deepen(a: Stream, b: Stream, d: int, e: int, full: int) -> Stream | None:
     if e <= d or (full - d) % (e - d) or full < e:
         return None
     n = (full - d) // (e - d)
-    spans = _inserted(a, b)
-    if spans is None:
+    spans, scales = inserted(a, b), blocks_a_unit(a, b, e - d)
+    if spans is None or scales is None:
         return None
+    if len(scales) > 1:  # (NOTE [ Stretches at the seam of two stacks ])
+        spans = [part for span in spans for part in at_seam(b, *span)]
     for once_by_place in (False, True):  # (NOTE [ Which copy is inserted ])
-        for slid in _slides(b, spans):
-            deep = _deepen(b, slid, e - d, n, once_by_place)
+        for slid in slides(b, spans):
+            deep = _deepen(b, slid, e - d, n, once_by_place, scales)
             if deep is not None:
                 return deep
     return None
 
 
-def _slides(b: Stream, spans: list[tuple[int, int]], most: int = 2):
-    """The inserted stretches where the diff put them, then each slid by one and two of its own lengths
-    where ``b`` repeats it there (see NOTE [ Which copy is inserted ])."""
-    yield spans
-    for k in range(1, most + 1):
-        slid, moved = [], False
-        for j1, j2 in spans:
-            length, far = j2 - j1, 0
-            while far < k and j2 + (far + 1) * length <= len(b.tokens) and \
-                    b.tokens[j1 + (far + 1) * length:j2 + (far + 1) * length] == b.tokens[j1:j2]:
-                far += 1
-            slid.append((j1 + far * length, j2 + far * length))
-            moved |= far == k
-        if not moved:
-            return
-        yield slid
-
-
-# NOTE [ Which copy is inserted ]
-# The diff of the shallow streams places each inserted stretch at one of the places where ``b`` repeats
-# it, and difflib takes the first: a LoRA's first block, say. But the first block is not always one of
-# the rest: its input needs no gradient (the embeddings are frozen), so the cast LoRA weights it makes
-# are not saved for the backward and are freed at the end of the forward. Copies of the first block are
-# then the wrong ones, and the frees carried over free an allocation twice (a fp16 LoRA of Llama-2-7B
-# at one sample, where that cast and the LoRA product's fp32 cast are the same size). So where the
-# stretches where the diff put them do not carry every free over, they are tried one and two of their
-# lengths further on, where ``b`` has the same events: a middle block's. And there the first block's
-# free at the end of the forward, made once, is past the forward's stretch, so it would free the last
-# copy's cast: where the stretches do not carry every free over however they are slid, a block's
-# allocation made once and freed once is freed where it was made (``once_by_place``), as an allocation
-# outside the blocks is. ``tests/unit/test_deep_stream.py`` holds it on such a step; on the fp16 LoRA and
-# QLoRA of Llama-2-7B at one sample (T4 preset) the replay then gives the full trace's reserved bytes to
-# the byte, and its allocated peak (the LoRA's 1 KiB over the full trace's 47.3 GiB).
-def _deepen(b: Stream, spans: list[tuple[int, int]], period: int, n: int, once_by_place: bool) -> Stream | None:
+def _deepen(b: Stream, spans: list[tuple[int, int]], period: int, n: int, once_by_place: bool,
+            scales: dict[str, int]) -> Stream | None:
     stretch = [-1] * len(b.tokens)  # the inserted stretch each event of ``b`` is in (-1: once)
     for s, (j1, j2) in enumerate(spans):
         for j in range(j1, j2):
@@ -269,9 +223,10 @@ def _deepen(b: Stream, spans: list[tuple[int, int]], period: int, n: int, once_b
         """How many blocks further event j of ``b`` in copy c is at full depth: the copies of a
         stretch run up the blocks (down in the backward), and an event made once lies beyond
         all copies but one when it is past the stretch in its run."""
+        blocks = period * scales.get(container(b.tokens[j]), 1)
         if stretch[j] < 0:
-            return period * (n - 1) * shifted[j]
-        return period * (n - 1 - c if b.phases[j] == "backward" else c)
+            return blocks * (n - 1) * shifted[j]
+        return blocks * (n - 1 - c if b.phases[j] == "backward" else c)
 
     # a block's allocations at full depth by (token, run of one phase, block), in order; and the
     # place of each of ``b``'s among those of its block
@@ -342,27 +297,35 @@ def _far_side(b: Stream, spans: list[tuple[int, int]], stretch: list[int]) -> li
     """1 for an event of ``b`` made once that lies past an inserted stretch of its run of one
     phase (after it; before it in the backward, which runs down the blocks), else 0. A free in a
     sorted run of frees (:func:`sorted_free_runs`) is past the stretches inside that run only:
-    the run is in block order of its own, whatever stretch came before it."""
+    the run is in block order of its own, whatever stretch came before it. A stretch of another
+    block container's events does not count: FLUX.1's single-stream blocks follow the double-stream
+    blocks' stretch, and are not moved by its copies (NOTE [ Stacks of two depths ])."""
+    holds = [{container(t) for t in b.tokens[j1:j2]} - {None} for j1, j2 in spans]
+
+    def moves(i: int, s: int) -> bool:
+        own = container(b.tokens[i])
+        return own is None or not holds[s] or own in holds[s]
+
     out = [0] * len(b.tokens)
     start = 0
     for j in range(len(b.tokens) + 1):
         if j == len(b.tokens) or b.tokens[j][0] == MARK:
-            inside = [(j1, j2) for j1, j2 in spans if start <= j1 < j]
+            inside = [(s, j1, j2) for s, (j1, j2) in enumerate(spans) if start <= j1 < j]
             for i in range(start, j):
                 if stretch[i] < 0 and inside:
                     down = b.phases[i] == "backward"
-                    out[i] = int(any(j1 > i if down else j2 <= i for j1, j2 in inside))
+                    out[i] = int(any((j1 > i if down else j2 <= i) and moves(i, s) for s, j1, j2 in inside))
             start = j + 1
     i = 0
     while i < len(b.tokens):  # the sorted runs of frees in the forward
         k = i
         while k < len(b.tokens) and b.tokens[k][0] == "-" and b.phases[k] == "forward":
             k += 1
-        inside = [(j1, j2) for j1, j2 in spans if i <= j1 < k]
+        inside = [(s, j1, j2) for s, (j1, j2) in enumerate(spans) if i <= j1 < k]
         if k - i > 1 and inside:  # (a run with no stretch of its own is where its neighbours put it)
             for x in range(i, k):
                 if stretch[x] < 0:
-                    out[x] = int(any(j2 <= x for j1, j2 in inside))
+                    out[x] = int(any(j2 <= x and moves(x, s) for s, j1, j2 in inside))
         i = max(k, i + 1)
     return out
 
@@ -376,44 +339,6 @@ def _consistent(tokens: list, frees: list) -> bool:
                 return False
             seen.add(ja)
     return True
-
-
-def _inserted(a: Stream, b: Stream) -> list[tuple[int, int]] | None:
-    """The stretches of ``b`` (start, end) that ``a`` lacks; None where the streams differ
-    otherwise (but in the model's build, where the trace's history may add or drop an
-    allocation: a cache made on first use)."""
-    spans = []
-    matcher = difflib.SequenceMatcher(None, a.tokens, b.tokens, autojunk=False)
-    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
-        if tag == "insert":
-            if any(b.tokens[j][0] == MARK for j in range(j1, j2)):
-                return None  # a step or phase mark in a stretch: not a repeated block
-            spans += _at_run_ends(b, j1, j2)
-        elif tag != "equal" and (any(a.phases[i] != SETUP for i in range(i1, i2))
-                                 or any(b.phases[j] != SETUP for j in range(j1, j2))):
-            return None
-        elif tag == "replace" and not set(a.tokens[i1:i2]) & set(b.tokens[j1:j2]):
-            # (in the build: the shallower trace ran first in its process, and its caches made on first
-            # use, absent in ``b``, sit beside the block's build ``b`` inserts, which the diff then
-            # calls a replacement; the block's build is still a stretch to repeat)
-            spans.append((j1, j2))
-    return spans
-
-
-def _at_run_ends(b: Stream, j1: int, j2: int) -> list[tuple[int, int]]:
-    """An inserted stretch, or two where it is the end of a run of one allocation and the end of the run of
-    its frees that follows: a foreach op over each block's tensors allocates all its outputs, then frees
-    them all, and the diff can place the extra block's allocations and frees side by side, at the seam
-    of the two runs. Copied as one stretch, they would alternate at full depth (the fp16 optimizer step's
-    ``_foreach_sqrt`` on Llama-2-7B: 2 MiB less reserved than the full trace); as two, each run grows."""
-    k = j1
-    while k < j2 and b.tokens[k][0] == "+":
-        k += 1
-    if j1 == 0 or j2 >= len(b.tokens) or k in (j1, j2) or b.tokens[j1 - 1] != b.tokens[j1] or \
-            b.tokens[j2][0] != "-" or any(t != b.tokens[j1] for t in b.tokens[j1:k]) or \
-            any(t != b.tokens[j2] for t in b.tokens[k:j2]):
-        return [(j1, j2)]
-    return [(j1, k), (k, j2)]
 
 
 def replay(stream: Stream, step: int, *, expandable: bool = False) -> tuple[int, int]:

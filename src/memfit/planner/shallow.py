@@ -62,7 +62,8 @@ def depth_of(model: torch.nn.Module) -> int | None:
 # side by side, where the stacks meet: the same ops, in another order), else the step time is the line
 # through the pair's times, as for two kinds of block. On FLUX.1-dev either gave the full trace's time
 # (none, 19, 38 or all 57 blocks swapped). Before, such a model was traced at full depth for every
-# plan (FLUX.1-dev's LoRA planned for a 12 GB card in 600 s).
+# plan (FLUX.1-dev's LoRA planned for a 12 GB card in 600 s). The pair's allocations at full depth
+# (memfit.memory.deep_stream) count each stack's blocks in a unit, and are the full trace's to the byte.
 
 
 def shallow_workload(workload: Workload, depth: int, meta: torch.nn.Module | None = None) -> Workload:

@@ -1,0 +1,133 @@
+"""The stretches a deeper shallow trace's allocations insert into a shallower one's: what
+memfit.memory.deep_stream repeats to build a plan's allocations at full depth (NOTE [ Allocations at
+full depth ] there)."""
+
+from __future__ import annotations
+
+import difflib
+
+from memfit.memory.stream_events import MARK, SETUP, Stream
+
+
+# NOTE [ Stretches at the seam of two stacks ]
+# Where a unit of the depth is blocks of two containers (FLUX.1's double- and single-stream blocks), a
+# step that runs over the parameters in their order (the optimizer's foreach ops, zero_grad) has each
+# stack's in a row: the unit's extra double block is inserted at the end of the double blocks', just
+# before the single blocks', and the diff puts the extra single blocks' right after it, in one stretch
+# (``D2 S0 S1`` of ``D0 D1 D2 S0 ... S5``). Repeated as one, it would alternate the stacks' tensors, as
+# no depth does. So a stretch that does not repeat its neighbours but is two parts that do, the first
+# the events before it and the second those after it, is two stretches, each repeated in place.
+def at_seam(b: Stream, j1: int, j2: int) -> list[tuple[int, int]]:
+    """The stretch, or its two parts where it lies at the seam of two stacks (the NOTE above)."""
+    toks = b.tokens
+    if _repeats(toks, j1, j2):
+        return [(j1, j2)]
+    for k in range(j1 + 1, j2):
+        if toks[j1:k] == toks[2 * j1 - k:j1] and toks[k:j2] == toks[j2:2 * j2 - k]:
+            return [(j1, k), (k, j2)]
+    return [(j1, j2)]
+
+
+def _repeats(toks: list, j1: int, j2: int) -> bool:
+    """The stretch has the events just before or just after it."""
+    n = j2 - j1
+    return (j1 >= n and toks[j1 - n:j1] == toks[j1:j2]) or toks[j2:j2 + n] == toks[j1:j2]
+
+
+# NOTE [ Which copy is inserted ]
+# The diff of the shallow streams places each inserted stretch at one of the places where ``b`` repeats
+# it, and difflib takes the first: a LoRA's first block, say. But the first block is not always one of
+# the rest: its input needs no gradient (the embeddings are frozen), so the cast LoRA weights it makes
+# are not saved for the backward and are freed at the end of the forward. Copies of the first block are
+# then the wrong ones, and the frees carried over free an allocation twice (a fp16 LoRA of Llama-2-7B
+# at one sample, where that cast and the LoRA product's fp32 cast are the same size). So where the
+# stretches where the diff put them do not carry every free over, they are tried one and two of their
+# lengths further on, where ``b`` has the same events: a middle block's. And there the first block's
+# free at the end of the forward, made once, is past the forward's stretch, so it would free the last
+# copy's cast: where the stretches do not carry every free over however they are slid, a block's
+# allocation made once and freed once is freed where it was made (``once_by_place``), as an allocation
+# outside the blocks is. ``tests/unit/test_deep_stream.py`` holds it on such a step; on the fp16 LoRA and
+# QLoRA of Llama-2-7B at one sample (T4 preset) the replay then gives the full trace's reserved bytes to
+# the byte, and its allocated peak (the LoRA's 1 KiB over the full trace's 47.3 GiB).
+def slides(b: Stream, spans: list[tuple[int, int]], most: int = 2):
+    """The inserted stretches where the diff put them, then each slid by one and two of its own lengths
+    where ``b`` repeats it there (see NOTE [ Which copy is inserted ])."""
+    yield spans
+    for k in range(1, most + 1):
+        slid, moved = [], False
+        for j1, j2 in spans:
+            length, far = j2 - j1, 0
+            while far < k and j2 + (far + 1) * length <= len(b.tokens) and \
+                    b.tokens[j1 + (far + 1) * length:j2 + (far + 1) * length] == b.tokens[j1:j2]:
+                far += 1
+            slid.append((j1 + far * length, j2 + far * length))
+            moved |= far == k
+        if not moved:
+            return
+        yield slid
+
+
+def blocks_a_unit(a: Stream, b: Stream, period: int) -> dict[str, int] | None:
+    """Each block container's blocks in one unit of the depth, by the prefix of its modules (before the
+    ``#``): 1 where the depth counts its blocks; 1 and 2 for FLUX.1, whose depth counts units of one
+    double- and two single-stream blocks (NOTE [ Stacks of two depths ] in memfit.planner.shallow). None
+    where a container did not grow by whole units."""
+    def counts(s: Stream) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for tok, block in zip(s.tokens, s.blocks or ()):
+            if tok[0] == "+" and block >= 0:
+                key = container(tok)
+                out[key] = max(out.get(key, 0), block + 1)
+        return out
+    ca, cb = counts(a), counts(b)
+    if set(ca) != set(cb):
+        return None
+    grown = {k: cb[k] - ca[k] for k in cb}
+    if any(g <= 0 or g % period for g in grown.values()):
+        return None
+    return {k: g // period for k, g in grown.items()}
+
+
+def container(token: tuple) -> str | None:
+    """The block container an allocation (or its free) was made in, in the forward: its module's path
+    before the block's ``#``."""
+    module = token[6] if token[0] != MARK and len(token) > 6 else ""
+    return module.split("#")[0] if "#" in module else None
+
+
+def inserted(a: Stream, b: Stream) -> list[tuple[int, int]] | None:
+    """The stretches of ``b`` (start, end) that ``a`` lacks; None where the streams differ
+    otherwise (but in the model's build, where the trace's history may add or drop an
+    allocation: a cache made on first use)."""
+    spans = []
+    matcher = difflib.SequenceMatcher(None, a.tokens, b.tokens, autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "insert":
+            if any(b.tokens[j][0] == MARK for j in range(j1, j2)):
+                return None  # a step or phase mark in a stretch: not a repeated block
+            spans += _at_run_ends(b, j1, j2)
+        elif tag != "equal" and (any(a.phases[i] != SETUP for i in range(i1, i2))
+                                 or any(b.phases[j] != SETUP for j in range(j1, j2))):
+            return None
+        elif tag == "replace" and not set(a.tokens[i1:i2]) & set(b.tokens[j1:j2]):
+            # (in the build: the shallower trace ran first in its process, and its caches made on first
+            # use, absent in ``b``, sit beside the block's build ``b`` inserts, which the diff then
+            # calls a replacement; the block's build is still a stretch to repeat)
+            spans.append((j1, j2))
+    return spans
+
+
+def _at_run_ends(b: Stream, j1: int, j2: int) -> list[tuple[int, int]]:
+    """An inserted stretch, or two where it is the end of a run of one allocation and the end of the run of
+    its frees that follows: a foreach op over each block's tensors allocates all its outputs, then frees
+    them all, and the diff can place the extra block's allocations and frees side by side, at the seam
+    of the two runs. Copied as one stretch, they would alternate at full depth (the fp16 optimizer step's
+    ``_foreach_sqrt`` on Llama-2-7B: 2 MiB less reserved than the full trace); as two, each run grows."""
+    k = j1
+    while k < j2 and b.tokens[k][0] == "+":
+        k += 1
+    if j1 == 0 or j2 >= len(b.tokens) or k in (j1, j2) or b.tokens[j1 - 1] != b.tokens[j1] or \
+            b.tokens[j2][0] != "-" or any(t != b.tokens[j1] for t in b.tokens[j1:k]) or \
+            any(t != b.tokens[j2] for t in b.tokens[k:j2]):
+        return [(j1, j2)]
+    return [(j1, k), (k, j2)]
