@@ -4,6 +4,8 @@ is the brute-force optimum, reasons that name what the choice beat, and the work
 import pytest
 
 from memfit.memory.budget import Budget
+from memfit.memory.categories import STEADY_STEP
+from memfit.memory.deep_stream import deepen, replay
 from memfit.planner.search import gpu_search, plan
 from memfit.planner.shallow import at_depth, depths, extrapolate_ops, shallow_workload
 from memfit.planner.space import SearchSpace, model_facts
@@ -401,13 +403,16 @@ def test_a_plan_swapping_blocks_has_a_shallow_pair(swapped, pair):
     at 4 and 6 blocks swapping 2 and 3 of them (two swapped at the shallower depth), every block
     swapped at 2 and 3. The peak is on the line through them, and so is the step time (its ops
     extrapolated where every block is swapped, else the pair's times), as the full trace has them
-    (within 0.1%; both exact here); no stream is kept. (Before, each swapped plan was traced at full
-    depth.)"""
+    (within 0.1%; both exact here). Every block swapped, the pair's allocations at full depth replay to
+    the full trace's peak and reserved bytes; some swapped, no stream is kept. (Before, each swapped
+    plan was traced at full depth, and then every swapped plan kept no stream.)"""
     plan = Plan(adapter="lora:r=4", precision="bf16-pure", checkpointing="blocks", swap_blocks=swapped)
     target = Target.resolve(LORA8, plan, 2, DEVICE, seq_len=64)
     assert depths(plan, 8) == pair and depths(plan.replace(swap_blocks=2), 8) is None  # (period 4: 4 + 4 is 8)
     report, full, _, a, b, measured, model = _traced_both_ways(target, pair)
-    assert not measured.full and a.stream is None and b.stream is None
+    assert not measured.full and (a.stream is None) == (b.stream is None) == (swapped < 8)
+    if swapped == 8:  # (one kind of block: its allocations at full depth, NOTE [ A block's first fetches two ])
+        assert replay(deepen(a.stream, b.stream, *pair, 8), STEADY_STEP) == (report.peak_bytes, report.reserved_bytes)
     assert (measured.ops is not None) == (swapped == 8)
     assert measured.peak_bytes == pytest.approx(report.peak_bytes, rel=1e-3)
     assert model.seconds(target.plan) == pytest.approx(full.seconds, rel=1e-3)

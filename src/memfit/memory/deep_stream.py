@@ -140,6 +140,15 @@ def sorted_free_runs(stream: Stream, by_size: bool = True) -> Stream:
 # [ Stretches at the seam of two stacks ] there). On FLUX.1-dev at 1024 px (RTX 4090 preset) three
 # plans' allocated peaks and reserved bytes are their full traces' to the byte.
 #
+# NOTE [ A block's first fetches two ]
+# With every block swapped (memfit.techniques.swap_blocks), a block's forward pre-hook copies the next
+# block's weights to the device, freed when that block's forward ends; and the first block copies its
+# own weights too. So the first block makes twice the copies of any other, and the copies another block
+# frees are, in the first block, after its own: the same place counted from the block's last of their
+# kind, not from its first. Where the place from the first is past what a block at full depth makes,
+# the place from the last is taken. On FLUX.1-dev at 1024 px (bf16 and fp8 base weights, every block
+# swapped) the replay then gives the full trace's allocated peak and reserved bytes to the byte.
+#
 # Replayed through memfit.memory.allocator's caching-allocator model, the stream gives the full
 # step's allocated peak and reserved bytes without a full trace. Where the two streams do not
 # differ by insertions alone (outside the model's build, where the trace's own history may add or
@@ -233,12 +242,15 @@ def _deepen(b: Stream, spans: list[tuple[int, int]], period: int, n: int, once_b
     run = list(itertools.accumulate(int(t[0] == MARK) for t in b.tokens))
     made: dict[tuple, list[int]] = {}
     rank: dict[int, int] = {}
+    last: dict[int, int] = {}  # (the place counted from the block's last of its kind: NOTE [ A block's first fetches two ])
     if b.blocks is not None:
         seen: dict[tuple, int] = {}
         for j, tok in enumerate(b.tokens):
             if tok[0] == "+" and b.blocks[j] >= 0:
                 key = (tok, run[j], b.blocks[j])
                 rank[j] = seen[key] = seen.get(key, -1) + 1
+        for j in rank:
+            last[j] = seen[(b.tokens[j], run[j], b.blocks[j])] - rank[j]
         for i, (j, c) in enumerate(origin):
             if b.tokens[j][0] == "+" and b.blocks[j] >= 0:
                 made.setdefault((b.tokens[j], run[j], b.blocks[j] + block_shift(j, c)), []).append(i)
@@ -253,9 +265,12 @@ def _deepen(b: Stream, spans: list[tuple[int, int]], period: int, n: int, once_b
             # a block's allocation freed in the forward or backward: by the same block's free
             for c in range(n if sf >= 0 else 1):
                 found = made.get((b.tokens[ja], run[ja], b.blocks[ja] + block_shift(jf, c)), ())
-                if rank[ja] >= len(found):
+                if rank[ja] < len(found):
+                    frees[pos(jf, c)] = found[rank[ja]]
+                elif last[ja] < len(found):
+                    frees[pos(jf, c)] = found[len(found) - 1 - last[ja]]
+                else:
                     return None
-                frees[pos(jf, c)] = found[rank[ja]]
         elif sf < 0 and sa < 0:
             frees[pos(jf)] = pos(ja)
         elif sf == sa:

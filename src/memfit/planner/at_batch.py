@@ -207,9 +207,10 @@ class AtBatch:
         deep = deepen(a.stream, b.stream, *pair, self.depth) if a.stream and b.stream else None
         if deep is None:
             return None
-        reserved = replay(deep, STEADY_STEP, expandable=plan.config("allocator").expands)[1]
+        # (the replay's peak: the line's is low where the peak moves between phases with the depth, every
+        # block swapped: NOTE [ Stacks of two depths ] in memfit.planner.shallow)
+        peak, reserved = replay(deep, STEADY_STEP, expandable=plan.config("allocator").expands)
         self._streams[(plan, batch)] = deep, reserved
-        peak = int(extrapolate(a.peak_bytes, b.peak_bytes, *pair, self.depth))
         ops = extrapolate_ops(a.ops, b.ops, *pair, self.depth)
         managed = int(extrapolate(a.managed_bytes, b.managed_bytes, *pair, self.depth))
         return Measured(peak_bytes=peak, used_lower=int(peak * (1 - PEAK_MARGIN)) + b.context_bytes,

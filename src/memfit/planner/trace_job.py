@@ -58,6 +58,7 @@ class Tracer:
         self._containers = tuple(name for name, _ in find_blocks(meta_model))
         """The repeated-block containers (their module names give an allocation's block)."""
         self._full = depth_of(meta_model)
+        self._blocks = sum(len(children) for _, children in find_blocks(meta_model))
 
     @property
     def meta_model(self):
@@ -76,11 +77,12 @@ class Tracer:
         target = self.target
         if batch is not None:
             target = dataclasses.replace(target, batch_size=batch * plan.world_size)  # (``batch``: one rank's)
+        # (two kinds of block keep no stream: NOTE [ A shallow pair of a plan that offloads the first K blocks ];
+        # every block swapped is one kind: NOTE [ A shallow pair of a plan that swaps the last N blocks ])
+        keeps_stream = depth is not None and not offloaded_blocks(plan) and plan.swap_blocks in (0, self._blocks)
         if depth is not None:
             target = dataclasses.replace(target, workload=self.shallow(depth))
             plan = at_depth(plan, depth, self._full)
-        # (two kinds of block keep no stream: NOTE [ A shallow pair of a plan that offloads the first K blocks ])
-        keeps_stream = depth is not None and not offloaded_blocks(plan) and not plan.swap_blocks
         trackers = []
         t0 = time.process_time()
         try:
