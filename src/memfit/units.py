@@ -56,6 +56,11 @@ MAX_SIZE = 2**32
 """The largest batch size or sequence length taken (tensor sizes must stay far inside 64 bits)."""
 
 
+def fmt_rate(rate: float) -> str:
+    """A throughput in three significant figures or more: 1,530; 40.2; 0.21 (a FLUX.1 step at 1024 px)."""
+    return f"{rate:,.0f}" if rate >= 100 else f"{rate:.1f}" if rate >= 10 else f"{rate:.2f}"
+
+
 def parse_positive_int(text: str | int, what: str, maximum: int | None = None) -> int:
     try:
         value = int(text)

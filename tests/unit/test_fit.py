@@ -121,3 +121,32 @@ def test_a_batch_that_fits_only_with_expandable_segments_is_taken_with_them():
     assert cell.batch == 12 and cell.plan.allocator == "expandable" and cell.recipe.endswith("+expandable")
     assert _used(workload, cell.plan, 12, card) == cell.used_bytes <= cell.budget_bytes < cell.next_used_bytes
     assert _used(workload, cell.plan.replace(allocator="default"), 12, card) > cell.budget_bytes
+
+
+def test_an_adapter_swaps_every_block_where_the_weights_fill_the_card():
+    """The ``swapped`` recipe (memfit.planner.recipes): an adapter's most frugal recipe keeps every block's frozen
+    weights on the host where the weights take more than 3/4 of the card's budget, as the planner's search
+    does (memfit.techniques.swap_blocks.search); not on a card they leave room on, and never for full
+    fine-tuning (no frozen weights) or QLoRA (bitsandbytes' layers do not stream)."""
+    facts = model_facts(load_workload(DEEP, seq_len=16))
+    card = get_device("rtx4060")
+    weights = sum(p.numel() for p in facts.model.parameters()) * 2  # (bf16-pure on an sm89 card)
+    full, lora, qlora = parse_methods("full,lora,qlora")
+    swapped = recipes(lora, facts, card, weights)[-1]
+    assert swapped.name == "swapped" and swapped.plan.swap_blocks == 24 and swapped.plan.checkpointing == "blocks"
+    assert recipes(lora, facts, card, 2 * weights)[-1].name == "checkpointed"
+    assert all(r.plan.swap_blocks == 0 for m in (full, qlora) for r in recipes(m, facts, card, weights))
+
+
+@pytest.mark.slow  # (a minute on 2 cores: keeps the default suite under 10 minutes)
+def test_a_card_the_weights_fill_takes_an_adapter_with_every_block_swapped():
+    """A LoRA whose frozen weights fill the card (24 blocks of 26 MB, a card of 300 MiB and its context) trains on
+    one card with every block swapped, not on two with FSDP2; its batch fits and the next does not, by full
+    traces of that card (the pair's allocations at full depth: NOTE [ A block's first fetches two ])."""
+    workload = load_workload(DEEP, seq_len=256)
+    card = get_device("rtx4060")
+    small = dataclasses.replace(card, name="small", total_bytes=card.context_bytes + 300 * 2**20)
+    cell = fit_table(workload, parse_methods("lora"), [small], budget="100%", max_world=4).cells[("small", "lora")]
+    assert cell.world == 1 and cell.recipe.startswith("swapped") and cell.plan.swap_blocks == 24, cell
+    assert _used(workload, cell.plan, cell.batch, small) == cell.used_bytes <= cell.budget_bytes
+    assert _used(workload, cell.plan, cell.batch + 1, small) > cell.budget_bytes

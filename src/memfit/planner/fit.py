@@ -147,7 +147,7 @@ def fit_table(workload: Workload, methods: list[Method], cards: list[Device], *,
     books = Books(workload, facts, [group[0] for group in order])
     try:  # (the largest group first: the others take the plans that trace alike from its book)
         for group in order[1:]:  # (their first traces, in the background: NOTE [ One pool for many books ])
-            first, others = _recipes(group[0], methods, books)
+            first, others = _recipes(group[0], methods, books, budget)
             books.queue(group[0], first + others)
         for group in order:  # (what every card asks first, for every group: many traces at once)
             progress.stage(f"tracing what {', '.join(d.name for d in group)} ask first")
@@ -181,18 +181,18 @@ def _search_group(group: list[Device], methods: list[Method], books: Books, budg
 def _prefetch(books: Books, group: list[Device], methods: list[Method], budget: str | None) -> None:
     """What every card of the ``group`` asks first (NOTE [ What every card asks first ])."""
     room = max(Budget.resolve(budget, c).bytes - c.context_bytes for c in group)
-    first, others = _recipes(group[0], methods, books)
+    first, others = _recipes(group[0], methods, books, budget)
     with silenced_warnings():
         books.prefetch(group[0], first, others, room)
 
 
-def _recipes(card: Device, methods: list[Method], books: Books) -> tuple[list, list]:
+def _recipes(card: Device, methods: list[Method], books: Books, budget: str | None) -> tuple[list, list]:
     """Each method's most frugal recipe's plan on ``card``, and the others' plans."""
     first, others = [], []
     for method in methods:
         try:
             with silenced_warnings():
-                plans = recipes(method, books.facts, card)
+                plans = recipes(method, books.facts, card, Budget.resolve(budget, card).bytes)
         except UserError:
             continue
         first.append(plans[-1].plan)
@@ -227,7 +227,7 @@ class _Search:
         self.world, self.batch, self.found = 1, None, None
         try:
             with silenced_warnings():
-                self.plans = recipes(method, books.facts, card)
+                self.plans = recipes(method, books.facts, card, self.limit)
         except UserError as e:
             self._cannot(e)
 

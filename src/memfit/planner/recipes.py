@@ -12,6 +12,7 @@ autocast where it has not.
 | fast | P | P |
 | checkpointed | P, blocks checkpointed, 8-bit AdamW, loss in chunks | P, blocks checkpointed, loss in chunks |
 | offloaded | P, blocks, loss in chunks, AdamW stepped on the host (in backward, but with fp16) | (the adapter's states are small) |
+| swapped | (every weight trains: none to swap) | P, blocks checkpointed, loss in chunks, every block's frozen weights on the host (where they take more than 3/4 of the card: FLUX.1 on 8-24 GB cards) |
 | sharded over N cards | P, blocks, loss in chunks, AdamW stepped in backward (but with fp16), FSDP2 | P, blocks, loss in chunks, FSDP2 |
 
 The last single-card recipe saves the most: the largest batch a card takes under any recipe is its
@@ -38,10 +39,11 @@ class Recipe:
     plan: Plan
 
 
-def recipes(method: Method, facts: ModelFacts, device: Device) -> list[Recipe]:
+def recipes(method: Method, facts: ModelFacts, device: Device, budget_bytes: int | None = None) -> list[Recipe]:
     """The single-card recipes of ``method`` for the workload on ``device``, fastest first (the module
-    docstring)."""
-    values = default_space(facts, device, 1).values
+    docstring). ``budget_bytes``: the card's budget, where the weights' share of it decides whether
+    blocks are swapped (memfit.techniques.swap_blocks.search; None: never)."""
+    values = default_space(facts, device, 1, budget_bytes=budget_bytes, base_weights=method.keys.get("base_weights")).values
     base = {**method.keys, "precision": _precision(values)}
     frugal = _frugal(values)
     out = [Recipe("fast", Plan(**base))]
@@ -54,6 +56,9 @@ def recipes(method: Method, facts: ModelFacts, device: Device) -> list[Recipe]:
     if not adapter and host:
         out.append(Recipe("offloaded", _first_valid({**base, **frugal, "offload": ["optimizer_states"]},
                                                     {"optimizer_in_backward": True})))
+    swapped = max(values.get("swap_blocks") or [0])
+    if adapter and swapped:
+        out.append(Recipe("swapped", Plan(**base, **frugal, swap_blocks=swapped)))
     return out
 
 

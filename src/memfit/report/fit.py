@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from memfit.errors import UserError
-from memfit.units import fmt_bytes
+from memfit.units import fmt_bytes, fmt_rate
 
 SHORT_UNITS = {"tokens/s": "tok/s", "images/s": "img/s", "samples/s": "samples/s"}
 
@@ -20,7 +20,7 @@ def cell_text(cell, unit: str) -> str:
         return f"n/a: {cell.error}"
     if cell.world == 0:
         return f"no: {cell.error}" if cell.error else "no"
-    rate = f"{cell.throughput:,.0f} {SHORT_UNITS.get(unit, unit)}" if cell.throughput else "-"
+    rate = f"{fmt_rate(cell.throughput)} {SHORT_UNITS.get(unit, unit)}" if cell.throughput else "-"
     where = "" if cell.world == 1 else f"{cell.world} cards: "
     return f"{where}b={cell.batch} {cell.recipe}, {rate}"
 

@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from memfit.errors import UserError
-from memfit.units import fmt_bytes
+from memfit.units import fmt_bytes, fmt_rate
 
 
 def print_plan_result(result, console: Console | None = None, top: int = 12) -> None:
@@ -116,7 +116,7 @@ def print_methods(rows, console: Console | None = None) -> None:
 def _rate(result, candidate, unit: bool = True) -> str:
     """The candidate's throughput: tokens/s for a text workload (batch x sequence length a step), else samples/s."""
     rate = result.throughput(candidate)
-    text = f"{rate:,.0f}" if rate >= 100 else f"{rate:.1f}" if rate >= 10 else f"{rate:.2f}"
+    text = fmt_rate(rate)
     return f"{text} {result.throughput_unit}" if unit else text
 
 
@@ -134,7 +134,7 @@ def print_largest_plan(result, console: Console | None = None) -> None:
     if result.best:
         ch = result.best.chosen
         c.print(f"[green]fastest:[/] {axis.show(result.best_value)} with {escape(ch.plan.short(result.best.batch_size))} · "
-                f"{result.throughput:,.0f} {result.unit} · {ch.seconds * 1e3:.1f} ms/step · predicted "
+                f"{fmt_rate(result.throughput)} {result.unit} · {ch.seconds * 1e3:.1f} ms/step · predicted "
                 f"{fmt_bytes(ch.used_bytes)}")
     top = f" with {escape(result.largest_plan.short())}" if result.largest_plan else ""
     c.print(f"[green]largest under any plan:[/] {axis.show(found.value)}{top}, {fmt_bytes(found.used_bytes)}; "
@@ -149,7 +149,7 @@ def print_largest_plan(result, console: Console | None = None) -> None:
             t.add_row(axis.number(value), "[red]nothing fits[/]", "-", "-", "-")
             continue
         t.add_row(axis.number(value), escape(ch.plan.short(r.batch_size)), fmt_bytes(ch.used_bytes),
-                  f"{ch.seconds * 1e3:.1f}", f"{throughput(result.sized, value, ch.seconds):,.0f}")
+                  f"{ch.seconds * 1e3:.1f}", fmt_rate(throughput(result.sized, value, ch.seconds)))
     c.print(t)
     if result.best:
         c.print(escape(result.best.chosen.plan.to_yaml().rstrip()))
