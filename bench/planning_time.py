@@ -57,6 +57,9 @@ CASES = {
     # swapping blocks on a 24 GB card (NOTE [ A shallow pair of a plan that swaps the last N blocks ])
     "gemma-lora": "google/gemma-2-9b --device rtx4090 -b 2 --seq-len 2048 --adapter lora:r=16",
     "gemma-methods": "google/gemma-2-9b --methods full,lora,qlora --device rtx4090 -b 2 --seq-len 2048",
+    # issue 53: FLUX.1-dev's LoRA, fp8 base, 1024 px, on a 12 GB card (two stacks; blocks swapped)
+    "flux-12": "dit-flux --adapter lora:r=16 --base-weights fp8 --precision bf16-pure --resolution 1024 -b 1 "
+               "--device rtx4090 --budget 12GiB",
     # issue 52: compile searched for a long run (--steps), each distinct graph compiled once per worker
     "p2-compiled": "gpt2 -b 8 --seq-len 1024 --device h100-80gb --budget 2.05GiB --steps 10000 --precision bf16-pure "
                    "--loss-chunks 32",
