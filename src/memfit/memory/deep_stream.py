@@ -284,28 +284,57 @@ def _deepen(b: Stream, spans: list[tuple[int, int]], period: int, n: int, once_b
             chain_in.setdefault(b.tokens[ja][1:], []).append((ja, jf))
         else:
             chain_out.setdefault(b.tokens[ja][1:], []).append((ja, jf))
-    for key, ins in chain_in.items():  # a chain through the copies (see the NOTE)
-        outs = chain_out.pop(key, [])
-        if len(outs) != len(ins):
+    links = _chains(chain_in, chain_out)
+    if links is None:
+        return None
+    for (ja_once, jf), (ja, jf_once) in links:  # a chain through the copies (see the NOTE)
+        mirror = (b.phases[jf] == "backward") != (b.phases[ja] == "backward")
+        shift = -1 if ja_once < spans[stretch[ja]][0] else 1  # the allocation made once: before the copies, or after
+        hit = set()
+        for c in range(n):
+            k = (n - 1 - c if mirror else c) + shift
+            frees[pos(jf, c)] = pos(ja, k) if 0 <= k < n else pos(ja_once)
+            hit.add(k)
+        left = [k for k in range(n) if k not in hit]
+        if len(left) != 1:
             return None
-        for (ja_once, jf), (ja, jf_once) in zip(sorted(ins), sorted(outs)):
-            mirror = (b.phases[jf] == "backward") != (b.phases[ja] == "backward")
-            shift = -1 if ja_once < spans[stretch[ja]][0] else 1  # the allocation made once: before the copies, or after
-            hit = set()
-            for c in range(n):
-                k = (n - 1 - c if mirror else c) + shift
-                frees[pos(jf, c)] = pos(ja, k) if 0 <= k < n else pos(ja_once)
-                hit.add(k)
-            left = [k for k in range(n) if k not in hit]
-            if len(left) != 1:
-                return None
-            frees[pos(jf_once)] = pos(ja, left[0])
-    if chain_out or not _consistent(tokens, frees):
+        frees[pos(jf_once)] = pos(ja, left[0])
+    for i, ja in enumerate(frees):  # (a chain's free names the link it frees: NOTE [ A chain's last link ])
+        if ja >= 0 and tokens[i][0] == "-" and tokens[i] != ("-",) + tokens[ja][1:] and _link(tokens[i]) == _link(tokens[ja]):
+            tokens[i] = ("-",) + tokens[ja][1:]
+    if not _consistent(tokens, frees):
         return None
     blocks = [b.blocks[j] + block_shift(j, c) if b.blocks is not None and b.blocks[j] >= 0 else -1
               for j, c in origin]
     kernels = [b.kernels[j] for j, _ in origin] if b.kernels is not None else None
     return sorted_free_runs(Stream(tokens, frees, phases, blocks, kernels))
+
+
+def _link(token: tuple) -> tuple:
+    """An allocation's fields but the op that made it: a chain's links are made by one op in the first block
+    of the backward and by another in the rest (NOTE [ A chain's last link ] in memfit.memory.stretches)."""
+    return token[1:5] + token[6:]
+
+
+def _chains(chain_in: dict, chain_out: dict) -> list | None:
+    """Each chain's first link (an allocation made once, freed in a stretch) with its last (made in a stretch,
+    freed once), paired by their fields, in order; then those left, by their fields but the op that made them
+    (NOTE [ A chain's last link ]); None where some are left unpaired."""
+    pairs, left_in, left_out = [], {}, {}
+    for key in chain_in.keys() | chain_out.keys():
+        ins, outs = chain_in.get(key, []), chain_out.get(key, [])
+        if len(ins) == len(outs):
+            pairs += zip(sorted(ins), sorted(outs))
+        else:
+            link = key[:4] + key[5:]
+            left_in.setdefault(link, []).extend(ins)
+            left_out.setdefault(link, []).extend(outs)
+    for link in left_in.keys() | left_out.keys():
+        ins, outs = left_in.get(link, []), left_out.get(link, [])
+        if len(ins) != len(outs):
+            return None
+        pairs += zip(sorted(ins), sorted(outs))
+    return pairs
 
 
 def _far_side(b: Stream, spans: list[tuple[int, int]], stretch: list[int]) -> list[int]:

@@ -106,6 +106,8 @@ def inserted(a: Stream, b: Stream) -> list[tuple[int, int]] | None:
             if any(b.tokens[j][0] == MARK for j in range(j1, j2)):
                 return None  # a step or phase mark in a stretch: not a repeated block
             spans += _at_run_ends(b, j1, j2)
+        elif tag == "replace" and _frees_of_a_chain(a.tokens[i1:i2], b.tokens[j1:j2]):
+            continue  # (NOTE [ A chain's last link ])
         elif tag != "equal" and (any(a.phases[i] != SETUP for i in range(i1, i2))
                                  or any(b.phases[j] != SETUP for j in range(j1, j2))):
             return None
@@ -131,3 +133,19 @@ def _at_run_ends(b: Stream, j1: int, j2: int) -> list[tuple[int, int]]:
             any(t != b.tokens[j2] for t in b.tokens[k:j2]):
         return [(j1, j2)]
     return [(j1, k), (k, j2)]
+
+
+# NOTE [ A chain's last link ]
+# A free's event names what its allocation was made by. In a chain through the blocks' backward (a
+# gradient one block makes and the next frees), the first block of the backward makes its link otherwise
+# than the others (Gemma 2's last layer casts the gradient it gets from the final norm, ``_to_copy``; the
+# others add to theirs, ``add``). Where the first block's backward frees a link, the shallower trace's
+# free is the cast's, and the deeper one's an add's: the same free, at the same place, of another
+# allocation. The diff calls it a replacement; it is not an inserted stretch but where the chain ends, so
+# frees that differ only in what made their allocations are taken as equal here, and who frees what is
+# the deeper trace's own (memfit.memory.deep_stream carries it over through the copies).
+def _frees_of_a_chain(x: list, y: list) -> bool:
+    """Runs of frees, one for one, that differ only in the op that made what they free."""
+    return len(x) == len(y) and all(
+        u[0] == v[0] == "-" and u[:5] == v[:5] and u[6:] == v[6:] for u, v in zip(x, y))
+
