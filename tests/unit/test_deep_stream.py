@@ -17,7 +17,7 @@ from memfit.memory.deep_stream import Stream, deepen, from_tracker, replay, sort
 from memfit.memory.faketrace import run_tracked
 from memfit.memory.report import step_window, traced_device
 from memfit.memory.stream_sizes import widen
-from memfit.memory.stretches import inserted
+from memfit.memory.stretches import _at_run_ends, inserted
 from memfit.planner.shallow import depths, shallow_workload
 from memfit.planner.space import model_facts
 from memfit.planner.trace_job import Tracer
@@ -369,20 +369,22 @@ def test_a_reductions_staging_buffer_is_sized_at_another_batch_off_the_line():
     assert wide is not None and step_events(wide) == step_events(c)
 
 
-def _foreach_like(blocks: int) -> Stream:
-    """An optimizer step whose foreach op allocates one output per block, then frees them all."""
+def _foreach_like(blocks: int, sizes: tuple[int, ...] = (4096,)) -> Stream:
+    """An optimizer step whose foreach op allocates one output per tensor of each block (of ``sizes``), then
+    frees them all."""
     tokens, frees, phases = [("mark", "step", 1), ("mark", "optimizer", 1)], [-1, -1], ["optimizer"] * 2
     tokens.append(("+", 64, 0, "optimizer", 1, "_to_copy", ""))  # (a scalar before the run)
     frees.append(-1)
     phases.append("optimizer")
     made = []
     for _ in range(blocks):
-        made.append(len(tokens))
-        tokens.append(("+", 4096, 0, "optimizer", 1, "_foreach_sqrt", ""))
-        frees.append(-1)
-        phases.append("optimizer")
+        for size in sizes:
+            made.append(len(tokens))
+            tokens.append(("+", size, 0, "optimizer", 1, "_foreach_sqrt", ""))
+            frees.append(-1)
+            phases.append("optimizer")
     for j in reversed(made):
-        tokens.append(("-", 4096, 0, "optimizer", 1, "_foreach_sqrt", ""))
+        tokens.append(("-",) + tokens[j][1:])
         frees.append(j)
         phases.append("optimizer")
     tokens += [("-", 64, 0, "optimizer", 1, "_to_copy", ""), ("mark", "end", 1)]
@@ -400,6 +402,36 @@ def test_a_blocks_outputs_and_their_frees_side_by_side_are_two_stretches():
     assert deep.tokens == _foreach_like(6).tokens
 
 
+def test_a_foreach_step_over_tensors_of_several_sizes_grows_each_run():
+    """The same where each block's tensors have several sizes (a layer of Phi-3-mini's QLoRA: 8 matrices of 4
+    sizes). Where the diff puts the extra layer's outputs and their frees side by side at the seam of the runs,
+    they are two stretches (Phi-3-mini's QLoRA, whose replay was 44 MiB short of its full trace's 4.72 GB
+    reserved, is exact with it); before, only runs of one size were split."""
+    sizes = (98304, 98304, 98304, 294912, 98304, 524288, 262144, 98304)
+    b = _foreach_like(3, sizes)
+    seam = 3 + 3 * len(sizes)  # (after the scalar and three layers' outputs: the first free)
+    assert _at_run_ends(b, seam - len(sizes), seam + len(sizes)) == [(seam - len(sizes), seam), (seam, seam + len(sizes))]
+    forward = b._replace(phases=["forward"] * len(b.tokens))  # (a block's forward is not split so)
+    assert _at_run_ends(forward, seam - len(sizes), seam + len(sizes)) == [(seam - len(sizes), seam + len(sizes))]
+    deep = deepen(_foreach_like(2, sizes), b, 2, 3, 6)
+    assert deep is not None and deep.tokens == _foreach_like(6, sizes).tokens
+
+
+HUB_CONFIGS = json.loads((Path(__file__).parents[1] / "data" / "hub_configs.json").read_text())
+
+
+def _pair_and_full(folder, repo_id: str, plan: Plan, **sizes):
+    """``repo_id``'s hub config at 6 layers and the ``sizes`` given, traced as the planner's workers trace it: at 2
+    and 3 layers, and in full."""
+    config = dict(HUB_CONFIGS[repo_id], num_hidden_layers=6, **sizes)
+    (folder / "config.json").write_text(json.dumps(config))
+    target = Target.resolve(str(folder), plan, 2, "rtx4090", seq_len=256)
+    facts = model_facts(target.workload)
+    tracer = Tracer(target, facts.model, Budget.resolve(None, target.device))
+    tracer((plan, 2, None))  # (the first trace in a process may keep its batch past the step, then frees it later)
+    return (tracer((plan, d, None)) for d in (2, 3, None))
+
+
 @pytest.mark.parametrize("swap", [0, 6])
 def test_a_chain_whose_first_link_another_op_makes_is_carried_to_full_depth(tmp_path, swap):
     """NOTE [ A chain's last link ] (memfit.memory.stretches): Gemma 2's last layer casts the gradient it gets
@@ -408,16 +440,10 @@ def test_a_chain_whose_first_link_another_op_makes_is_carried_to_full_depth(tmp_
     loss (every block swapped or none), as Gemma-2-9B's plans: its pair's allocations at full depth replay to
     the full trace's allocated peak and reserved bytes, to the byte (Gemma-2-9B's LoRA swapping its 42 blocks:
     19.08 and 19.99 GB, both exact). Before, there was none, and every batch of such a plan was a full trace."""
-    config = json.loads((Path(__file__).parents[1] / "data" / "hub_configs.json").read_text())["google/gemma-2-9b"]
-    config.update(num_hidden_layers=6, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, vocab_size=512)
-    (tmp_path / "config.json").write_text(json.dumps(config))
     plan = Plan(adapter="lora:r=4", precision="bf16-pure", checkpointing="selective", loss_chunks=4, swap_blocks=swap)
-    target = Target.resolve(str(tmp_path), plan, 2, "rtx4090", seq_len=256)
-    facts = model_facts(target.workload)
-    tracer = Tracer(target, facts.model, Budget.resolve(None, target.device))
-    tracer((plan, 2, None))  # (the first trace in a process may keep its batch past the step, then frees it later)
-    a, b, full = (tracer((plan, d, None)) for d in (2, 3, None))
+    a, b, full = _pair_and_full(tmp_path, "google/gemma-2-9b", plan, hidden_size=64, intermediate_size=128,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                                vocab_size=512)
     assert inserted(a.stream, b.stream) is not None
     deep = deepen(a.stream, b.stream, 2, 3, 6)
     assert deep is not None
