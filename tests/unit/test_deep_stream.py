@@ -432,7 +432,7 @@ def _pair_and_full(folder, repo_id: str, plan: Plan, **sizes):
     return (tracer((plan, d, None)) for d in (2, 3, None))
 
 
-@pytest.mark.parametrize("swap", [0, 6])
+@pytest.mark.parametrize("swap", [0, pytest.param(6, marks=pytest.mark.slow)])  # (6: the suite under 10 minutes)
 def test_a_chain_whose_first_link_another_op_makes_is_carried_to_full_depth(tmp_path, swap):
     """NOTE [ A chain's last link ] (memfit.memory.stretches): Gemma 2's last layer casts the gradient it gets
     (``_to_copy``) where the others add to theirs, so the shallower trace's last free in the backward frees a
