@@ -14,7 +14,7 @@ import re
 
 from memfit.memory.allocator import replay_events
 from memfit.memory.expandable import new_model
-from memfit.memory.stream_events import MARK, SETUP, Stream
+from memfit.memory.stream_events import MARK, SETUP, Stream, fields_but_op
 from memfit.memory.stretches import at_seam, blocks_a_unit, container, inserted, slides
 
 __all__ = ["MARK", "SETUP", "Stream", "deepen", "from_tracker", "replay", "sorted_free_runs", "step_events"]
@@ -242,15 +242,12 @@ def _deepen(b: Stream, spans: list[tuple[int, int]], period: int, n: int, once_b
     run = list(itertools.accumulate(int(t[0] == MARK) for t in b.tokens))
     made: dict[tuple, list[int]] = {}
     rank: dict[int, int] = {}
-    last: dict[int, int] = {}  # (the place counted from the block's last of its kind: NOTE [ A block's first fetches two ])
+    seen: dict[tuple, int] = {}  # (the last place of each kind in its block)
     if b.blocks is not None:
-        seen: dict[tuple, int] = {}
         for j, tok in enumerate(b.tokens):
             if tok[0] == "+" and b.blocks[j] >= 0:
                 key = (tok, run[j], b.blocks[j])
                 rank[j] = seen[key] = seen.get(key, -1) + 1
-        for j in rank:
-            last[j] = seen[(b.tokens[j], run[j], b.blocks[j])] - rank[j]
         for i, (j, c) in enumerate(origin):
             if b.tokens[j][0] == "+" and b.blocks[j] >= 0:
                 made.setdefault((b.tokens[j], run[j], b.blocks[j] + block_shift(j, c)), []).append(i)
@@ -265,10 +262,11 @@ def _deepen(b: Stream, spans: list[tuple[int, int]], period: int, n: int, once_b
             # a block's allocation freed in the forward or backward: by the same block's free
             for c in range(n if sf >= 0 else 1):
                 found = made.get((b.tokens[ja], run[ja], b.blocks[ja] + block_shift(jf, c)), ())
+                from_last = seen[(b.tokens[ja], run[ja], b.blocks[ja])] - rank[ja]  # (NOTE [ A block's first fetches two ])
                 if rank[ja] < len(found):
                     frees[pos(jf, c)] = found[rank[ja]]
-                elif last[ja] < len(found):
-                    frees[pos(jf, c)] = found[len(found) - 1 - last[ja]]
+                elif from_last < len(found):
+                    frees[pos(jf, c)] = found[len(found) - 1 - from_last]
                 else:
                     return None
         elif sf < 0 and sa < 0:
@@ -281,9 +279,9 @@ def _deepen(b: Stream, spans: list[tuple[int, int]], period: int, n: int, once_b
             for c in range(n):
                 frees[pos(jf, c)] = pos(ja, n - 1 - c if mirror else c)
         elif sa < 0:
-            chain_in.setdefault(b.tokens[ja][1:], []).append((ja, jf))
+            chain_in.setdefault(b.tokens[ja], []).append((ja, jf))
         else:
-            chain_out.setdefault(b.tokens[ja][1:], []).append((ja, jf))
+            chain_out.setdefault(b.tokens[ja], []).append((ja, jf))
     links = _chains(chain_in, chain_out)
     if links is None:
         return None
@@ -300,7 +298,8 @@ def _deepen(b: Stream, spans: list[tuple[int, int]], period: int, n: int, once_b
             return None
         frees[pos(jf_once)] = pos(ja, left[0])
     for i, ja in enumerate(frees):  # (a chain's free names the link it frees: NOTE [ A chain's last link ])
-        if ja >= 0 and tokens[i][0] == "-" and tokens[i] != ("-",) + tokens[ja][1:] and _link(tokens[i]) == _link(tokens[ja]):
+        if ja >= 0 and tokens[i][0] == "-" and tokens[i] != ("-",) + tokens[ja][1:] and \
+                fields_but_op(tokens[i]) == fields_but_op(tokens[ja]):
             tokens[i] = ("-",) + tokens[ja][1:]
     if not _consistent(tokens, frees):
         return None
@@ -308,12 +307,6 @@ def _deepen(b: Stream, spans: list[tuple[int, int]], period: int, n: int, once_b
               for j, c in origin]
     kernels = [b.kernels[j] for j, _ in origin] if b.kernels is not None else None
     return sorted_free_runs(Stream(tokens, frees, phases, blocks, kernels))
-
-
-def _link(token: tuple) -> tuple:
-    """An allocation's fields but the op that made it: a chain's links are made by one op in the first block
-    of the backward and by another in the rest (NOTE [ A chain's last link ] in memfit.memory.stretches)."""
-    return token[1:5] + token[6:]
 
 
 def _chains(chain_in: dict, chain_out: dict) -> list | None:
@@ -326,7 +319,7 @@ def _chains(chain_in: dict, chain_out: dict) -> list | None:
         if len(ins) == len(outs):
             pairs += zip(sorted(ins), sorted(outs))
         else:
-            link = key[:4] + key[5:]
+            link = fields_but_op(key)
             left_in.setdefault(link, []).extend(ins)
             left_out.setdefault(link, []).extend(outs)
     for link in left_in.keys() | left_out.keys():

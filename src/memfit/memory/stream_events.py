@@ -26,3 +26,9 @@ class Stream(NamedTuple):
     kernels: list | None = None
     """``kernels[i]``: what sizes a reduction's staging buffer or semaphores allocated at ``i``
     (memfit.memory.cuda.reduce.Geometry), else None: :func:`widen` sizes them at another batch."""
+
+
+def fields_but_op(token: tuple) -> tuple:
+    """An allocation's or free's fields but its sign and the op that made the allocation (NOTE [ A chain's
+    last link ] in memfit.memory.stretches)."""
+    return token[1:5] + token[6:]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import difflib
 
-from memfit.memory.stream_events import MARK, SETUP, Stream
+from memfit.memory.stream_events import MARK, SETUP, Stream, fields_but_op
 
 
 # NOTE [ Stretches at the seam of two stacks ]
@@ -120,9 +120,9 @@ def inserted(a: Stream, b: Stream) -> list[tuple[int, int]] | None:
 
 
 def _at_run_ends(b: Stream, j1: int, j2: int) -> list[tuple[int, int]]:
-    """An inserted stretch, or two where it is the end of a run of one allocation and the end of the run of
-    its frees that follows: a foreach op over each block's tensors allocates all its outputs, then frees
-    them all, and the diff can place the extra block's allocations and frees side by side, at the seam
+    """An inserted stretch, or two where it is the end of a run of allocations and the end of the run of
+    their frees that follows (of one allocation; or of one op's, in the optimizer's step): a foreach op over
+    each block's tensors allocates all its outputs, then frees them all, and the diff can place the extra block's allocations and frees side by side, at the seam
     of the two runs. Copied as one stretch, they would alternate at full depth (the fp16 optimizer step's
     ``_foreach_sqrt`` on Llama-2-7B: 2 MiB less reserved than the full trace); as two, each run grows."""
     k = j1
@@ -152,5 +152,5 @@ def _at_run_ends(b: Stream, j1: int, j2: int) -> list[tuple[int, int]]:
 def _frees_of_a_chain(x: list, y: list) -> bool:
     """Runs of frees, one for one, that differ only in the op that made what they free."""
     return len(x) == len(y) and all(
-        u[0] == v[0] == "-" and u[:5] == v[:5] and u[6:] == v[6:] for u, v in zip(x, y))
+        u[0] == v[0] == "-" and fields_but_op(u) == fields_but_op(v) for u, v in zip(x, y))
 

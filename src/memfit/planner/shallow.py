@@ -180,8 +180,8 @@ def at_depth(plan, depth: int, full: int):
 # trace's 4.10 s for 21 of its 42 blocks). Where every block is swapped, the pair keeps its streams, and
 # their allocations at full depth (memfit.memory.deep_stream; NOTE [ A block's first fetches two ] there)
 # are the full trace's to the byte on FLUX.1-dev at 1024 px, in bf16 and fp8; where some are, no stream
-# is kept, and the reserved bytes come from the full trace that confirms a plan. Before, each swapped plan cost a full-depth trace (21 s apiece for
-# Gemma-2-9B's LoRA, 18 of them in a 286 s plan). A count whose period does not fit within the model
+# is kept, and the reserved bytes come from the full trace that confirms a plan. Before, each swapped
+# plan cost a full-depth trace (21 s apiece for Gemma-2-9B's LoRA, 18 of them in a 286 s plan). A count whose period does not fit within the model
 # (10 of 42 blocks: a period of 21) is traced at full depth; the planner searches counts with short
 # periods (memfit.techniques.swap_blocks.search).
 

@@ -55,10 +55,11 @@ class Tracer:
         logging.getLogger("torch._higher_order_ops.wrap").setLevel(logging.ERROR)
         self._meta = meta_model
         self._workloads: dict[int, object] = {}
-        self._containers = tuple(name for name, _ in find_blocks(meta_model))
+        found = find_blocks(meta_model)
+        self._containers = tuple(name for name, _ in found)
         """The repeated-block containers (their module names give an allocation's block)."""
         self._full = depth_of(meta_model)
-        self._blocks = sum(len(children) for _, children in find_blocks(meta_model))
+        self._blocks = sum(len(children) for _, children in found)
 
     @property
     def meta_model(self):
