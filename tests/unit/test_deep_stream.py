@@ -17,7 +17,7 @@ from memfit.memory.deep_stream import Stream, deepen, from_tracker, replay, sort
 from memfit.memory.faketrace import run_tracked
 from memfit.memory.report import step_window, traced_device
 from memfit.memory.stream_sizes import widen
-from memfit.memory.stretches import _at_run_ends, inserted
+from memfit.memory.stretches import _at_run_ends, inserted, joined
 from memfit.planner.shallow import depths, shallow_workload
 from memfit.planner.space import model_facts
 from memfit.planner.trace_job import Tracer
@@ -415,6 +415,30 @@ def test_a_foreach_step_over_tensors_of_several_sizes_grows_each_run():
     assert _at_run_ends(forward, seam - len(sizes), seam + len(sizes)) == [(seam - len(sizes), seam + len(sizes))]
     deep = deepen(_foreach_like(2, sizes), b, 2, 3, 6)
     assert deep is not None and deep.tokens == _foreach_like(6, sizes).tokens
+
+
+def _swapped_backward(middle: int) -> Stream:
+    """A backward over swapped blocks then two resident ones: the first swapped block fetches its own weights
+    and the next one's (C C), each of ``middle`` blocks after it the next one's (C), the last none; B is a
+    swapped block's backward, R a resident one's."""
+    c = [("+", 4096, 0, "backward", 1, "clone", "")] * 2
+    body = [("+", 512, 0, "backward", 1, "mm", ""), ("+", 256, 0, "backward", 1, "add", "")]
+    resident = [("+", 512, 0, "backward", 1, "mm", ""), ("+", 128, 0, "backward", 1, "mul", "")]
+    tokens = [("mark", "backward", 1)] + c + c + body + (c + body) * middle + body + resident * 2
+    return Stream(tokens, [-1] * len(tokens), ["backward"] * len(tokens))
+
+
+def test_a_swapped_blocks_copies_the_diff_put_apart_from_its_backward_are_joined_to_it():
+    """NOTE [ A block split by the diff ]: ``C C B B`` to ``C C B C B B``, the diff may insert the middle block's
+    copies and the last block's backward, ``C C B [C] B [B]``; copied, the Cs would run in a row, then the Bs.
+    The two are one stretch, a middle block: ``C C B [C B] B``. A stretch that repeats its neighbours (a whole
+    block) is left as it is."""
+    b = _swapped_backward(1)
+    c, body = 2, 2
+    split = [(1 + 2 * c + body, 1 + 3 * c + body), (1 + 3 * c + 2 * body, 1 + 3 * c + 3 * body)]  # ([C], the last [B])
+    assert joined(b, split) == [(1 + 2 * c + body, 1 + 3 * c + 2 * body)]
+    whole = [(1 + 2 * c + body, 1 + 3 * c + 2 * body), (len(b.tokens) - 2, len(b.tokens))]  # (C B, and an R)
+    assert joined(b, whole) == whole
 
 
 HUB_CONFIGS = json.loads((Path(__file__).parents[1] / "data" / "hub_configs.json").read_text())

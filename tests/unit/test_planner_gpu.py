@@ -403,16 +403,17 @@ def test_a_plan_swapping_blocks_has_a_shallow_pair(swapped, pair):
     at 4 and 6 blocks swapping 2 and 3 of them (two swapped at the shallower depth), every block
     swapped at 2 and 3. The peak is on the line through them, and so is the step time (its ops
     extrapolated where every block is swapped, else the pair's times), as the full trace has them
-    (within 0.1%; both exact here). Every block swapped, the pair's allocations at full depth replay to
-    the full trace's peak and reserved bytes; some swapped, no stream is kept. (Before, each swapped
-    plan was traced at full depth, and then every swapped plan kept no stream.)"""
+    (within 0.1%; both exact here). The pair's allocations at full depth replay to the full trace's peak
+    and reserved bytes, every block swapped (NOTE [ A block's first fetches two ]) or some (NOTE [ Two kinds of
+    block, as two containers ]). (Before, each swapped plan was traced at full depth; then a plan swapping
+    some blocks kept no stream, and each batch of it asked for was a full trace.)"""
     plan = Plan(adapter="lora:r=4", precision="bf16-pure", checkpointing="blocks", swap_blocks=swapped)
     target = Target.resolve(LORA8, plan, 2, DEVICE, seq_len=64)
     assert depths(plan, 8) == pair and depths(plan.replace(swap_blocks=2), 8) is None  # (period 4: 4 + 4 is 8)
     report, full, _, a, b, measured, model = _traced_both_ways(target, pair)
-    assert not measured.full and (a.stream is None) == (b.stream is None) == (swapped < 8)
-    if swapped == 8:  # (one kind of block: its allocations at full depth, NOTE [ A block's first fetches two ])
-        assert replay(deepen(a.stream, b.stream, *pair, 8), STEADY_STEP) == (report.peak_bytes, report.reserved_bytes)
+    assert not measured.full and a.stream is not None and b.stream is not None
+    # (every block swapped: NOTE [ A block's first fetches two ]; some: NOTE [ Two kinds of block, as two containers ])
+    assert replay(deepen(a.stream, b.stream, *pair, 8), STEADY_STEP) == (report.peak_bytes, report.reserved_bytes)
     assert (measured.ops is not None) == (swapped == 8)
     assert measured.peak_bytes == pytest.approx(report.peak_bytes, rel=1e-3)
     assert model.seconds(target.plan) == pytest.approx(full.seconds, rel=1e-3)
@@ -425,3 +426,5 @@ def test_a_shallow_model_swaps_the_full_models_share_of_every_stack():
     assert at_depth(Plan(swap_blocks=18), 4, 12).swap_blocks == 6
     assert at_depth(Plan(swap_blocks=42), 2, 42).swap_blocks == 2
     assert at_depth(Plan(swap_blocks=14), 6, 42).swap_blocks == 2 and depths(Plan(swap_blocks=14), 42) == (6, 9)
+    # (two resident blocks at the shallower depth too: 24 of 32 swapped at 8 and 12, 2 and 3 of them resident)
+    assert depths(Plan(swap_blocks=24), 32) == (8, 12) and depths(Plan(swap_blocks=19), 19, 57) == (2, 3)

@@ -14,15 +14,18 @@ import re
 
 from memfit.memory.allocator import replay_events
 from memfit.memory.expandable import new_model
-from memfit.memory.stream_events import MARK, SETUP, Stream, fields_but_op
-from memfit.memory.stretches import at_seam, blocks_a_unit, container, inserted, slides
+from memfit.memory.stream_events import MARK, SETUP, Stream, fields_but_op, second_kind
+from memfit.memory.stretches import at_seam, blocks_a_copy, container, inserted, joined, slides
 
 __all__ = ["MARK", "SETUP", "Stream", "deepen", "from_tracker", "replay", "sorted_free_runs", "step_events"]
 
-def from_tracker(tracker, device: str, side_streams: dict | None = None, containers: tuple[str, ...] = ()) -> Stream:
+def from_tracker(tracker, device: str, side_streams: dict | None = None, containers: tuple[str, ...] = (),
+                 swapped_from: dict[str, int] | None = None) -> Stream:
     """The stream of ``device`` in a :class:`~memfit.memory.tracker.MemoryTracker`'s timeline
     (as memfit.memory.allocator.replay sees it: storages of 0 bytes allocate nothing).
-    ``containers``: the model's repeated-block containers (memfit.techniques.checkpointing.find_blocks)."""
+    ``containers``: the model's repeated-block containers (memfit.techniques.checkpointing.find_blocks);
+    ``swapped_from``: a container's first swapped block, where some of its blocks are swapped (NOTE
+    [ Two kinds of block, as two containers ])."""
     recs = tracker.state.records
     reductions = getattr(tracker, "reductions", None) or {}
     # (each container by its path and by its path's tails: the tracker names modules from the
@@ -30,6 +33,7 @@ def from_tracker(tracker, device: str, side_streams: dict | None = None, contain
     tails = {".".join(c.split(".")[k:]) for c in containers for k in range(len(c.split(".")))}
     names = "|".join(map(re.escape, sorted(tails, key=len, reverse=True)))
     pattern = re.compile(r"\.(?:" + names + r")\.(\d+)(?:\.|$)") if containers else None
+    kinds = second_kind(containers, swapped_from)
     blocks: list[int] = []
     kernels: list = []
     marks = sorted(((idx, k, name, step) for k, (name, step, idx) in enumerate(tracker.state.marks)))
@@ -64,9 +68,12 @@ def from_tracker(tracker, device: str, side_streams: dict | None = None, contain
             found = pattern.search(rec.module) if pattern and rec.phase == "forward" else None
             module = "" if rec.phase != "forward" else rec.module if found is None else \
                 rec.module[:found.start(1)] + "#" + rec.module[found.end(1):]
+            block = int(found.group(1)) if found else -1
+            if found and kinds:
+                module, block = kinds(module, block)
             tokens.append(("+", rec.nbytes, stream, rec.phase, rec.step, rec.op, module))
             frees.append(-1)
-            blocks.append(int(found.group(1)) if found else -1)
+            blocks.append(block)
             kernels.append(reductions.get(serial))
         elif serial in at:
             tokens.append(("-",) + tokens[at[serial]][1:])
@@ -136,7 +143,7 @@ def sorted_free_runs(stream: Stream, by_size: bool = True) -> Stream:
 #
 # Where the depth counts units of two stacks (FLUX.1's one double- and two single-stream blocks), a
 # copy moves a block's events by its own stack's blocks in a unit, and a stretch of the other stack's
-# events does not move them (memfit.memory.stretches.blocks_a_unit, :func:`_far_side`; and NOTE
+# events does not move them (memfit.memory.stretches.blocks_a_copy, :func:`_far_side`; and NOTE
 # [ Stretches at the seam of two stacks ] there). On FLUX.1-dev at 1024 px (RTX 4090 preset) three
 # plans' allocated peaks and reserved bytes are their full traces' to the byte.
 #
@@ -148,6 +155,16 @@ def sorted_free_runs(stream: Stream, by_size: bool = True) -> Stream:
 # kind, not from its first. Where the place from the first is past what a block at full depth makes,
 # the place from the last is taken. On FLUX.1-dev at 1024 px (bf16 and fp8 base weights, every block
 # swapped) the replay then gives the full trace's allocated peak and reserved bytes to the byte.
+#
+# NOTE [ A fetch held across the copies ]
+# With the last blocks swapped, the first resident block's forward pre-hook already fetches the first
+# swapped block's weights, and they stay on the device through every resident block until that block's
+# forward frees them: an allocation of the first resident block freed past the resident blocks' stretch.
+# No block of the full depth's moved by the stretch's copies made it, so where the block's own allocation
+# is not found there, an allocation made once and freed once is freed where it was made (where both
+# moved, by the same block's, as before). Llama-2-7B, Gemma-2-9B and FLUX.1-dev plans with some blocks
+# swapped replay to their full traces to the byte (NOTE [ Two kinds of block, as two containers ] in
+# memfit.memory.stream_events).
 #
 # Replayed through memfit.memory.allocator's caching-allocator model, the stream gives the full
 # step's allocated peak and reserved bytes without a full trace. Where the two streams do not
@@ -171,21 +188,21 @@ def deepen(a: Stream, b: Stream, d: int, e: int, full: int) -> Stream | None:
     if e <= d or (full - d) % (e - d) or full < e:
         return None
     n = (full - d) // (e - d)
-    spans, scales = inserted(a, b), blocks_a_unit(a, b, e - d)
-    if spans is None or scales is None:
+    spans, grown = inserted(a, b), blocks_a_copy(a, b)
+    if spans is None or grown is None:
         return None
-    if len(scales) > 1:  # (NOTE [ Stretches at the seam of two stacks ])
-        spans = [part for span in spans for part in at_seam(b, *span)]
+    if len(grown) > 1:  # (NOTE [ Stretches at the seam of two stacks ], NOTE [ A block split by the diff ])
+        spans = joined(b, [part for span in spans for part in at_seam(b, *span)])
     for once_by_place in (False, True):  # (NOTE [ Which copy is inserted ])
         for slid in slides(b, spans):
-            deep = _deepen(b, slid, e - d, n, once_by_place, scales)
+            deep = _deepen(b, slid, e - d, n, once_by_place, grown)
             if deep is not None:
                 return deep
     return None
 
 
 def _deepen(b: Stream, spans: list[tuple[int, int]], period: int, n: int, once_by_place: bool,
-            scales: dict[str, int]) -> Stream | None:
+            grown: dict[str, int]) -> Stream | None:
     stretch = [-1] * len(b.tokens)  # the inserted stretch each event of ``b`` is in (-1: once)
     for s, (j1, j2) in enumerate(spans):
         for j in range(j1, j2):
@@ -232,7 +249,7 @@ def _deepen(b: Stream, spans: list[tuple[int, int]], period: int, n: int, once_b
         """How many blocks further event j of ``b`` in copy c is at full depth: the copies of a
         stretch run up the blocks (down in the backward), and an event made once lies beyond
         all copies but one when it is past the stretch in its run."""
-        blocks = period * scales.get(container(b.tokens[j]), 1)
+        blocks = grown.get(container(b.tokens[j]), period)
         if stretch[j] < 0:
             return blocks * (n - 1) * shifted[j]
         return blocks * (n - 1 - c if b.phases[j] == "backward" else c)
@@ -267,6 +284,8 @@ def _deepen(b: Stream, spans: list[tuple[int, int]], period: int, n: int, once_b
                     frees[pos(jf, c)] = found[rank[ja]]
                 elif from_last < len(found):
                     frees[pos(jf, c)] = found[len(found) - 1 - from_last]
+                elif sf < 0 and sa < 0:  # (NOTE [ A fetch held across the copies ])
+                    frees[pos(jf)] = pos(ja)
                 else:
                     return None
         elif sf < 0 and sa < 0:

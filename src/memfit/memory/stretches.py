@@ -28,6 +28,31 @@ def at_seam(b: Stream, j1: int, j2: int) -> list[tuple[int, int]]:
     return [(j1, j2)]
 
 
+# NOTE [ A block split by the diff ]
+# With some blocks swapped, the backward's first swapped block fetches its own weights and the next one's,
+# each middle one fetches the next one's (14 copies for a FLUX.1 single-stream block), and the last
+# fetches none: ``C C B  C B  B`` at three swapped blocks (C: a block's copies, B: its backward), ``C C B  B``
+# at two. The deeper trace inserts a middle block, ``C B``, but its B is the last block's too, and the diff
+# can insert the middle block's C and the last block's B: ``C C B  [C] B  [B]``, where the last B, beside
+# the resident blocks' stretch, makes one insertion with it (FLUX.1-dev with 19 of its 57 blocks swapped).
+# Copied, the Cs would run in a row, then the Bs. A stretch that does not repeat its neighbours is joined
+# with the next stretch of its run where that one, slid back over copies of itself (an equal insertion),
+# starts where it ends: ``C C B  [C B]  B``, a middle block.
+def joined(b: Stream, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The stretches, with a part of a block joined to the rest of it (the NOTE above)."""
+    toks, out = b.tokens, list(spans)
+    i = 0
+    while i + 1 < len(out):
+        (x1, x2), (y1, y2) = out[i], out[i + 1]
+        n = y2 - y1
+        while y1 - n >= x2 and toks[y1 - n:y1] == toks[y1:y2]:
+            y1, y2 = y1 - n, y2 - n
+        if y1 == x2 and not _repeats(toks, x1, x2) and not any(t[0] == MARK for t in toks[x2:out[i + 1][0]]):
+            out[i:i + 2] = [(x1, y2)]
+        i += 1
+    return out
+
+
 def _repeats(toks: list, j1: int, j2: int) -> bool:
     """The stretch has the events just before or just after it."""
     n = j2 - j1
@@ -67,11 +92,13 @@ def slides(b: Stream, spans: list[tuple[int, int]], most: int = 2):
         yield slid
 
 
-def blocks_a_unit(a: Stream, b: Stream, period: int) -> dict[str, int] | None:
-    """Each block container's blocks in one unit of the depth, by the prefix of its modules (before the
-    ``#``): 1 where the depth counts its blocks; 1 and 2 for FLUX.1, whose depth counts units of one
-    double- and two single-stream blocks (NOTE [ Stacks of two depths ] in memfit.planner.shallow). None
-    where a container did not grow by whole units."""
+def blocks_a_copy(a: Stream, b: Stream) -> dict[str, int] | None:
+    """The blocks each block container grew by from ``a`` to ``b`` (what a copy of the pair's stretches
+    inserts), by the prefix of its modules (before the ``#``): the period where the depth counts its
+    blocks; the period and twice it for FLUX.1, whose depth counts units of one double- and two
+    single-stream blocks (NOTE [ Stacks of two depths ] in memfit.planner.shallow); a share of it for each
+    kind of a container whose last blocks are swapped (NOTE [ Two kinds of block, as two containers ] in
+    memfit.memory.deep_stream). None where a container did not grow."""
     def counts(s: Stream) -> dict[str, int]:
         out: dict[str, int] = {}
         for tok, block in zip(s.tokens, s.blocks or ()):
@@ -83,9 +110,7 @@ def blocks_a_unit(a: Stream, b: Stream, period: int) -> dict[str, int] | None:
     if set(ca) != set(cb):
         return None
     grown = {k: cb[k] - ca[k] for k in cb}
-    if any(g <= 0 or g % period for g in grown.values()):
-        return None
-    return {k: g // period for k, g in grown.items()}
+    return None if any(g <= 0 for g in grown.values()) else grown
 
 
 def container(token: tuple) -> str | None:

@@ -173,27 +173,35 @@ def at_depth(plan, depth: int, full: int):
 # the last d * N / L are swapped (a period of L / gcd(L, N) blocks; every block swapped: all of them,
 # of every stack), and the shallower depth swaps at least two, so that both hold two swapped blocks'
 # weights: the device's weights are then the resident blocks' and two swapped ones', on the line
-# through the pair. Where every block is swapped the ops line up, and each block waits for its own
+# through the pair. It keeps two resident blocks too, where some are: the first fetches the first
+# swapped block's weights and the last frees its output there, which one block would do at once (Llama-2-7B
+# with 24 of 32 swapped, without checkpointing, was traced at 4 and 8 blocks, and its stream did not line up). Where every block is swapped the ops line up, and each block waits for its own
 # prefetch (NOTE [ Ops that wait for others, in the extrapolated ops ] in memfit.planner.op_links:
 # Gemma-2-9B's LoRA priced as its full trace, 4.14 s); where some are, the step time is on the line
 # through the pair's (two kinds of block, as for offloaded activations; 4.10 s against its full
-# trace's 4.10 s for 21 of its 42 blocks). Where every block is swapped, the pair keeps its streams, and
-# their allocations at full depth (memfit.memory.deep_stream; NOTE [ A block's first fetches two ] there)
-# are the full trace's to the byte on FLUX.1-dev at 1024 px, in bf16 and fp8; where some are, no stream
-# is kept, and the reserved bytes come from the full trace that confirms a plan. Before, each swapped
+# trace's 4.10 s for 21 of its 42 blocks). The pair keeps its streams, and their allocations at full
+# depth (memfit.memory.deep_stream; NOTE [ A block's first fetches two ] there; some blocks swapped:
+# NOTE [ Two kinds of block, as two containers ] in memfit.memory.stream_events) are the full trace's to
+# the byte on FLUX.1-dev at 1024 px, in bf16 and fp8, and on Llama-2-7B and Gemma-2-9B with a quarter,
+# half and three quarters of their blocks swapped (before, some blocks swapped kept no stream, and the
+# reserved bytes came from the full trace that confirms a plan). Before, each swapped
 # plan cost a full-depth trace (21 s apiece for Gemma-2-9B's LoRA, 18 of them in a 286 s plan). A count whose period does not fit within the model
 # (10 of 42 blocks: a period of 21) is traced at full depth; the planner searches counts with short
 # periods (memfit.techniques.swap_blocks.search).
 
 
-def depths(plan, full: int) -> tuple[int, int] | None:
+def depths(plan, full: int, blocks: int | None = None) -> tuple[int, int] | None:
     """The two shallow depths ``(d, d + p)`` a plan is traced at (``p``: its period), or None when it
-    should be traced at full depth (a shallow model, or a depth the period does not divide)."""
+    should be traced at full depth (a shallow model, or a depth the period does not divide). ``blocks``:
+    all the stacks' blocks at full depth (``full`` where the depth counts them)."""
     p = period(plan, full)
     d = p * -(-2 // p)  # at least 2: one block is no repeated block (find_blocks)
     n = int(plan.swap_blocks or 0)
-    if n and full:  # two swapped blocks at the shallower depth (NOTE [ A shallow pair of a plan that swaps the last N blocks ])
+    if n and full:  # two blocks of each kind at the shallower depth (NOTE [ A shallow pair of a plan that swaps the last N blocks ])
         least = math.ceil(2 * full / min(n, full))
+        resident = (blocks or full) - n
+        if resident > 0:
+            least = max(least, math.ceil(2 * full / resident))
         d = max(d, p * math.ceil(least / p))
     if full < MIN_DEPTH_FOR_SHALLOW or d + p >= full or (full - d) % p:
         return None

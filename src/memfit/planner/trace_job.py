@@ -59,7 +59,18 @@ class Tracer:
         self._containers = tuple(name for name, _ in found)
         """The repeated-block containers (their module names give an allocation's block)."""
         self._full = depth_of(meta_model)
-        self._blocks = sum(len(children) for _, children in found)
+        self._lengths = tuple(len(children) for _, children in found)
+        """Each container's blocks at full depth."""
+
+    def _swapped_from(self, count: int, depth: int) -> dict[str, int]:
+        """Each container's first swapped block at ``depth`` (its blocks' share of the full model's), the
+        last ``count`` of all the containers' blocks in order swapped (memfit.techniques.swap_blocks)."""
+        lengths = [n * depth // self._full for n in self._lengths]
+        out, left = {}, count
+        for name, n in reversed(list(zip(self._containers, lengths))):
+            out[name] = max(0, n - left)
+            left = max(0, left - n)
+        return out
 
     @property
     def meta_model(self):
@@ -78,9 +89,9 @@ class Tracer:
         target = self.target
         if batch is not None:
             target = dataclasses.replace(target, batch_size=batch * plan.world_size)  # (``batch``: one rank's)
-        # (two kinds of block keep no stream: NOTE [ A shallow pair of a plan that offloads the first K blocks ];
-        # every block swapped is one kind: NOTE [ A shallow pair of a plan that swaps the last N blocks ])
-        keeps_stream = depth is not None and not offloaded_blocks(plan) and plan.swap_blocks in (0, self._blocks)
+        # (offloaded and kept blocks keep no stream: NOTE [ A shallow pair of a plan that offloads the first K
+        # blocks ]; swapped and resident ones do: NOTE [ Two kinds of block, as two containers ])
+        keeps_stream = depth is not None and not offloaded_blocks(plan)
         if depth is not None:
             target = dataclasses.replace(target, workload=self.shallow(depth))
             plan = at_depth(plan, depth, self._full)
@@ -99,7 +110,8 @@ class Tracer:
         if trackers:
             tracker = trackers[0]
             stream = from_tracker(tracker, traced_device(target.device, "fake", target.tensor_device),
-                                  getattr(tracker, "side_streams", None), self._containers)
+                                  getattr(tracker, "side_streams", None), self._containers,
+                                  self._swapped_from(int(plan.swap_blocks or 0), depth))
         return Traced(report.peak_bytes, report.cuda_context_bytes or 0, self.budget.allocator_bytes(report), ops, stream,
                       managed_bytes=report.managed_bytes, seconds=time.process_time() - t0,
                       expandable_used_bytes=self.budget.expandable_allocator_bytes(report))
