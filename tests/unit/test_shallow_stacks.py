@@ -67,10 +67,10 @@ def test_flux_plans_from_their_shallow_pairs_are_their_full_traces(swapped):  # 
 def test_flux_with_some_single_blocks_swapped_replays_its_full_trace():
     """A third of FLUX.1's blocks swapped (6 of 18: at 2 and 3 units, 2 and 3 of the single-stream blocks): three
     kinds of block, the double ones, the resident single ones and the swapped single ones, each inserted in its
-    own stretch (NOTE [ Two kinds of block, as two containers ]); without checkpointing, the diff cuts the
-    swapped blocks' backward otherwise than they repeat (NOTE [ A block split by the diff ]). The pair's allocations at full depth replay to the full trace's allocated peak and reserved bytes to the byte
-    (FLUX.1-dev at 1024 px, 19 of 57 swapped: the same). Before, such a plan kept no stream, and each batch
-    of it was a full trace."""
+    own stretch (NOTE [ Two kinds of block, as two containers ]). The pair's allocations at full depth replay
+    to the full trace's allocated peak and reserved bytes to the byte (FLUX.1-dev at 1024 px, 19 of 57
+    swapped: the same, once a block the diff split is joined: NOTE [ A block split by the diff ]). Before,
+    such a plan kept no stream, and each batch of it was a full trace."""
     plan = Plan(adapter="lora:r=4", precision="bf16-pure", swap_blocks=6)
     target = Target.resolve(FLUX6, plan, 1, "rtx4090", resolution=256)
     facts = model_facts(target.workload)
