@@ -197,17 +197,17 @@ def at_depth(plan, depth: int, full: int):
 # periods (memfit.techniques.swap_blocks.search).
 
 
-def depths(plan, full: int, blocks: int | None = None) -> tuple[int, int] | None:
+def depths(plan, full: int, unit: tuple[int, ...] = (1,)) -> tuple[int, int] | None:
     """The two shallow depths ``(d, d + p)`` a plan is traced at (``p``: its period), or None when it
-    should be traced at full depth (a shallow model, or a depth the period does not divide). ``blocks``:
-    all the stacks' blocks at full depth (``full`` where the depth counts them)."""
+    should be traced at full depth (a shallow model, or a depth the period does not divide). ``unit``: each
+    stack's blocks in a unit of the depth (NOTE [ Stacks of two depths ])."""
     p = period(plan, full)
     d = p * -(-2 // p)  # at least 2: one block is no repeated block (find_blocks)
     n = int(plan.swap_blocks or 0) or offloaded_blocks(plan)
     if n and full:  # two blocks of each kind at the shallower depth (NOTE [ A shallow pair of a plan that swaps the last N
         # blocks ], NOTE [ A shallow pair of a plan that offloads the first K blocks ])
         least = math.ceil(2 * full / min(n, full))
-        other = (blocks or full) - n
+        other = full * sum(unit) - n
         if other > 0:
             least = max(least, math.ceil(2 * full / other))
         d = max(d, p * math.ceil(least / p))
