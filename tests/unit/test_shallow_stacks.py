@@ -75,7 +75,7 @@ def test_flux_with_some_single_blocks_swapped_replays_its_full_trace():
     target = Target.resolve(FLUX6, plan, 1, "rtx4090", resolution=256)
     facts = model_facts(target.workload)
     tracer = Tracer(target, facts.model, Budget.resolve(None, target.device))
-    pair = depths(plan, 6, (1, 2))
+    pair = depths(plan, 6)
     assert pair == (2, 3)
     a, b = (tracer((plan, d, None)) for d in pair)
     full = tracer((plan, None, None))

@@ -14,18 +14,18 @@ import re
 
 from memfit.memory.allocator import replay_events
 from memfit.memory.expandable import new_model
-from memfit.memory.stream_events import MARK, SETUP, SWAPPED, Stream, fields_but_op, second_kind
+from memfit.memory.stream_events import MARK, SETUP, Stream, fields_but_op, second_kind
 from memfit.memory.stretches import at_seam, blocks_a_copy, container, inserted, joined, slides
 
 __all__ = ["MARK", "SETUP", "Stream", "deepen", "from_tracker", "replay", "sorted_free_runs", "step_events"]
 
 def from_tracker(tracker, device: str, side_streams: dict | None = None, containers: tuple[str, ...] = (),
-                 second_from: dict[str, int] | None = None, second: str = SWAPPED) -> Stream:
+                 swapped_from: dict[str, int] | None = None) -> Stream:
     """The stream of ``device`` in a :class:`~memfit.memory.tracker.MemoryTracker`'s timeline
     (as memfit.memory.allocator.replay sees it: storages of 0 bytes allocate nothing).
     ``containers``: the model's repeated-block containers (memfit.techniques.checkpointing.find_blocks);
-    ``second_from``: a container's first block of the ``second`` kind, where it has two kinds of block (the
-    first swapped one, or the first kept one: NOTE [ Two kinds of block, as two containers ])."""
+    ``swapped_from``: a container's first swapped block, where some of its blocks are swapped (NOTE
+    [ Two kinds of block, as two containers ])."""
     recs = tracker.state.records
     reductions = getattr(tracker, "reductions", None) or {}
     # (each container by its path and by its path's tails: the tracker names modules from the
@@ -33,7 +33,7 @@ def from_tracker(tracker, device: str, side_streams: dict | None = None, contain
     tails = {".".join(c.split(".")[k:]) for c in containers for k in range(len(c.split(".")))}
     names = "|".join(map(re.escape, sorted(tails, key=len, reverse=True)))
     pattern = re.compile(r"\.(?:" + names + r")\.(\d+)(?:\.|$)") if containers else None
-    kinds = second_kind(containers, second_from, second)
+    kinds = second_kind(containers, swapped_from)
     blocks: list[int] = []
     kernels: list = []
     marks = sorted(((idx, k, name, step) for k, (name, step, idx) in enumerate(tracker.state.marks)))

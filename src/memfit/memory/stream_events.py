@@ -50,20 +50,18 @@ def fields_but_op(token: tuple) -> tuple:
 # full traces (batch 2 x 2048 or 1024 px, RTX 4090 preset, LoRA r=16, bf16-pure; blocks or selective
 # checkpointing or none): Llama-2-7B with 8, 16 and 24 of 32 blocks swapped, Gemma-2-9B with 14, 21 and
 # 28 of 42, FLUX.1-dev with 38 of 57 (and 19 without checkpointing): allocated peak and reserved bytes
-# equal to the byte, 19 plans. FLUX.1-dev with fp8 base weights and blocks checkpointed (19 or 38 swapped)
-# does not line up in the model's build (no stream: the full trace decides, as before).
-#
-# ``offload: activations:blocks=K`` is two kinds of block too: the first K offloaded, then the kept ones,
-# named ``<container>~kept``. (Before, its pair kept no stream: NOTE [ A shallow pair of a plan that
-# offloads the first K blocks ] in memfit.planner.shallow.)
-SWAPPED, KEPT = "~swapped", "~kept"
+# equal to the byte, 19 plans. No stream (the full trace decides, as before) for Llama-2-7B with 24 of 32
+# swapped and no checkpointing (traced at 4 and 8 blocks: one resident block at the shallower depth, which
+# fetches the first swapped block's weights and frees its own output there, where two blocks split the
+# two), and FLUX.1-dev with fp8 base weights and blocks checkpointed (19 or 38 swapped), whose step frees
+# some of the build's tensors at other places at the two depths.
+SWAPPED = "~swapped"
 
 
-def second_kind(containers: tuple[str, ...], second_from: dict[str, int] | None, name: str = SWAPPED):
-    """(module with ``#``, block) -> the same, with a block of the second kind's container (``name``) and
-    index as its own (NOTE [ Two kinds of block, as two containers ]); None where no container has two kinds.
-    ``second_from``: each container's first block of the second kind."""
-    firsts = {c: k for c, k in (second_from or {}).items() if k > 0}
+def second_kind(containers: tuple[str, ...], swapped_from: dict[str, int] | None):
+    """(module with ``#``, block) -> the same, with a swapped block's container and index as its own
+    (NOTE [ Two kinds of block, as two containers ]); None where no container has two kinds."""
+    firsts = {c: k for c, k in (swapped_from or {}).items() if k > 0}
     if not firsts:
         return None
 
@@ -76,5 +74,5 @@ def second_kind(containers: tuple[str, ...], second_from: dict[str, int] | None,
         if first is None or block < first:
             return module, block
         head, tail = module.split("#", 1)
-        return head.rstrip(".") + name + ".#" + tail, block - first
+        return head.rstrip(".") + SWAPPED + ".#" + tail, block - first
     return renamed

@@ -135,21 +135,14 @@ def period(plan, full: int | None = None) -> int:
 # the first d * K / L are offloaded, at depths where that is whole (a period of L / gcd(L, K) blocks:
 # 2 for half of them). The deeper trace then has one block of each kind more for each period, and
 # what grows with both kinds grows along the line through the pair, the peak of the step and the
-# count and size of its ops. The pair's allocations give the order at full depth once the kept blocks
-# are named as a container of their own (NOTE [ Two kinds of block, as two containers ] in
-# memfit.memory.stream_events): an offloaded block is inserted among the offloaded ones, a kept one among
-# the kept ones. The shallower depth holds two blocks of each kind (4 and 6 blocks for half of them; at 2
-# and 4, one offloaded block keeps its tensors in the stash where more would release them, and the stream
-# of a checkpointed Llama-2-7B was 416 MiB over its full trace's reserved bytes). Checked against full
-# traces (GPT-2 at batch 8 x 1024, Llama-2-7B and Qwen2.5-7B at 1 x 2048, half the blocks offloaded, RTX
-# 4090 preset): no checkpointing in bf16, fp16, bf16-pure with 8 chunks in backward, and a LoRA, exact
-# to the byte (13 plans); with blocks (every block or every 2) checkpointed, one tensor a block, the
-# prefetch two tensors ahead spans blocks, the diff is not insertions alone, and there is no stream (11
-# plans; selective on Llama-2-7B exact): what asks for their exact allocations (the reserved bytes,
-# another batch's line) traces them at full depth. Their ops do not line up either (backward fetches the
-# offloaded blocks' tensors ahead, inside the kept blocks' backward), so the step time is the one on the
-# line through the pair's times (memfit.planner.gpu_time). Before the pair, such a plan cost a full
-# trace to be compared at all (6 s of a 7B model's 68 s plan).
+# count and size of its ops. What the pair's difference cannot give is the order at full depth: it
+# is one offloaded and one kept block inserted side by side, while the full model has all offloaded
+# blocks first. So a plan of two kinds keeps no stream (memfit.memory.deep_stream), and what asks
+# for its exact allocations (the reserved bytes, another batch's line) traces it at full depth. Its
+# ops do not line up either (backward fetches the offloaded blocks' tensors ahead, inside the kept
+# blocks' backward), so its step time is the one on the line through the pair's times
+# (memfit.planner.gpu_time). Before the pair, such a plan cost a full trace to be compared at all
+# (6 s of a 7B model's 68 s plan).
 def offloaded_blocks(plan) -> int:
     """K of a plan that offloads the first K blocks' activations (0: none, or every block's)."""
     k = plan.config("offload").activations
@@ -180,9 +173,7 @@ def at_depth(plan, depth: int, full: int):
 # the last d * N / L are swapped (a period of L / gcd(L, N) blocks; every block swapped: all of them,
 # of every stack), and the shallower depth swaps at least two, so that both hold two swapped blocks'
 # weights: the device's weights are then the resident blocks' and two swapped ones', on the line
-# through the pair. It keeps two resident blocks too, where some are: the first fetches the first
-# swapped block's weights and the last frees its output there, which one block would do at once (Llama-2-7B
-# with 24 of 32 swapped, without checkpointing, was traced at 4 and 8 blocks, and its stream did not line up). Where every block is swapped the ops line up, and each block waits for its own
+# through the pair. Where every block is swapped the ops line up, and each block waits for its own
 # prefetch (NOTE [ Ops that wait for others, in the extrapolated ops ] in memfit.planner.op_links:
 # Gemma-2-9B's LoRA priced as its full trace, 4.14 s); where some are, the step time is on the line
 # through the pair's (two kinds of block, as for offloaded activations; 4.10 s against its full
@@ -197,19 +188,14 @@ def at_depth(plan, depth: int, full: int):
 # periods (memfit.techniques.swap_blocks.search).
 
 
-def depths(plan, full: int, unit: tuple[int, ...] = (1,)) -> tuple[int, int] | None:
+def depths(plan, full: int) -> tuple[int, int] | None:
     """The two shallow depths ``(d, d + p)`` a plan is traced at (``p``: its period), or None when it
-    should be traced at full depth (a shallow model, or a depth the period does not divide). ``unit``: each
-    stack's blocks in a unit of the depth (NOTE [ Stacks of two depths ])."""
+    should be traced at full depth (a shallow model, or a depth the period does not divide)."""
     p = period(plan, full)
     d = p * -(-2 // p)  # at least 2: one block is no repeated block (find_blocks)
-    n = int(plan.swap_blocks or 0) or offloaded_blocks(plan)
-    if n and full:  # two blocks of each kind at the shallower depth (NOTE [ A shallow pair of a plan that swaps the last N
-        # blocks ], NOTE [ A shallow pair of a plan that offloads the first K blocks ])
+    n = int(plan.swap_blocks or 0)
+    if n and full:  # two swapped blocks at the shallower depth (NOTE [ A shallow pair of a plan that swaps the last N blocks ])
         least = math.ceil(2 * full / min(n, full))
-        other = full * sum(unit) - n
-        if other > 0:
-            least = max(least, math.ceil(2 * full / other))
         d = max(d, p * math.ceil(least / p))
     if full < MIN_DEPTH_FOR_SHALLOW or d + p >= full or (full - d) % p:
         return None

@@ -17,7 +17,6 @@ from memfit.errors import UserError
 from memfit.memory.budget import Budget
 from memfit.memory.deep_stream import Stream, from_tracker
 from memfit.memory.report import traced_device
-from memfit.memory.stream_events import KEPT, SWAPPED
 from memfit.planner.shallow import at_depth, depth_of, offloaded_blocks, shallow_workload
 from memfit.planner.timing import record_step
 from memfit.target import Target
@@ -63,22 +62,15 @@ class Tracer:
         self._lengths = tuple(len(children) for _, children in found)
         """Each container's blocks at full depth."""
 
-    def _second_kind(self, plan, depth: int) -> tuple[dict[str, int], str]:
-        """Each container's first block of the second kind at ``depth`` (``plan`` as it runs there), and the
-        kind's name: the first swapped one, the last ``swap_blocks`` of all the containers' blocks in order
-        swapped (memfit.techniques.swap_blocks); or the first kept one, the first K offloaded
-        (``activations:blocks=K``: memfit.techniques.offload). NOTE [ Two kinds of block, as two containers ]."""
+    def _swapped_from(self, count: int, depth: int) -> dict[str, int]:
+        """Each container's first swapped block at ``depth`` (its blocks' share of the full model's), the
+        last ``count`` of all the containers' blocks in order swapped (memfit.techniques.swap_blocks)."""
         lengths = [n * depth // self._full for n in self._lengths]
-        out, swapped, offloaded = {}, int(plan.swap_blocks or 0), offloaded_blocks(plan)
-        if swapped:
-            for name, n in reversed(list(zip(self._containers, lengths))):
-                out[name] = max(0, n - swapped)
-                swapped = max(0, swapped - n)
-            return out, SWAPPED
-        for name, n in zip(self._containers, lengths):
-            out[name] = min(n, offloaded)
-            offloaded = max(0, offloaded - n)
-        return out, KEPT
+        out, left = {}, count
+        for name, n in reversed(list(zip(self._containers, lengths))):
+            out[name] = max(0, n - left)
+            left = max(0, left - n)
+        return out
 
     @property
     def meta_model(self):
@@ -97,9 +89,9 @@ class Tracer:
         target = self.target
         if batch is not None:
             target = dataclasses.replace(target, batch_size=batch * plan.world_size)  # (``batch``: one rank's)
-        # (two kinds of block, resident and swapped or offloaded and kept: NOTE [ Two kinds of block, as two
-        # containers ]; three, where a plan does both, keep no stream)
-        keeps_stream = depth is not None and not (offloaded_blocks(plan) and plan.swap_blocks)
+        # (offloaded and kept blocks keep no stream: NOTE [ A shallow pair of a plan that offloads the first K
+        # blocks ]; swapped and resident ones do: NOTE [ Two kinds of block, as two containers ])
+        keeps_stream = depth is not None and not offloaded_blocks(plan)
         if depth is not None:
             target = dataclasses.replace(target, workload=self.shallow(depth))
             plan = at_depth(plan, depth, self._full)
@@ -118,7 +110,8 @@ class Tracer:
         if trackers:
             tracker = trackers[0]
             stream = from_tracker(tracker, traced_device(target.device, "fake", target.tensor_device),
-                                  getattr(tracker, "side_streams", None), self._containers, *self._second_kind(plan, depth))
+                                  getattr(tracker, "side_streams", None), self._containers,
+                                  self._swapped_from(int(plan.swap_blocks or 0), depth))
         return Traced(report.peak_bytes, report.cuda_context_bytes or 0, self.budget.allocator_bytes(report), ops, stream,
                       managed_bytes=report.managed_bytes, seconds=time.process_time() - t0,
                       expandable_used_bytes=self.budget.expandable_allocator_bytes(report))

@@ -278,7 +278,7 @@ class TraceBook(AtBatch):
 
     def depths(self, plan: Plan) -> tuple[int, ...]:
         """The depths of the plan's shallow pair (none: it is traced at full depth)."""
-        return () if not self.depth or self.shallow_failed else (depths(plan, self.depth, self.unit) or ())
+        return () if not self.depth or self.shallow_failed else (depths(plan, self.depth) or ())
 
     # -- running traces together -----------------------------------------------------------------
     def trace_shallow(self, plans: list[Plan], behind: list[tuple] = (), skip_over: bool = False) -> None:
