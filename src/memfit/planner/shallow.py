@@ -138,7 +138,10 @@ def period(plan, full: int | None = None) -> int:
 # count and size of its ops. What the pair's difference cannot give is the order at full depth: it
 # is one offloaded and one kept block inserted side by side, while the full model has all offloaded
 # blocks first. So a plan of two kinds keeps no stream (memfit.memory.deep_stream), and what asks
-# for its exact allocations (the reserved bytes, another batch's line) traces it at full depth. Its
+# for its exact allocations (the reserved bytes, another batch's line) traces it at full depth. (Named
+# apart, as swapped blocks are: NOTE [ Two kinds of block, as two containers ], the kept blocks' order
+# holds at 4 and 6 blocks where no block is checkpointed, but not at 2 and 4, and the deeper pairs cost
+# more planning time than the streams saved: docs/planner.md.) Its
 # ops do not line up either (backward fetches the offloaded blocks' tensors ahead, inside the kept
 # blocks' backward), so its step time is the one on the line through the pair's times
 # (memfit.planner.gpu_time). Before the pair, such a plan cost a full trace to be compared at all
