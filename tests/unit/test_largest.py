@@ -5,12 +5,16 @@ the step at N+1 over it."""
 
 import pytest
 
+from memfit.devices import get_device
 from memfit.errors import UserError
 from memfit.memory.budget import Budget
 from memfit.memory.measure import profile
 from memfit.planner.largest import GROWTH, batch_axis, find_largest, resolution_axis, seq_axis
+from memfit.planner.search_max import maximal_plans
 from memfit.planner.sized import Sized, largest_estimate
+from memfit.planner.space import model_facts
 from memfit.plans import Plan
+from memfit.techniques.base_weights import least_weight_bytes
 
 GPT2 = "gpt2:n_layer=2,n_embd=64,n_head=2,vocab_size=256"
 LLAMA = ("llama:num_hidden_layers=2,hidden_size=64,intermediate_size=128,num_attention_heads=4,"
@@ -95,3 +99,18 @@ def test_batch_max_is_exact_against_the_profiler(workload, plan):
     assert found.value == 5 and report.batch_size == 5
     assert found.traces <= 6
     assert measured[found.value] <= budget_bytes < measured[found.value + 1]
+
+
+def test_max_searches_swapped_blocks_where_the_weights_fill_the_budget():
+    """The maximal plans ``max`` draws its largest value from include every block swapped where the weights
+    take most of the budget, as the planner's own search does (memfit.techniques.swap_blocks.search). Before,
+    they never swapped: a LoRA of Llama-2-7B on a 12 GB card (``memfit plan llama --adapter lora:r=16 --device
+    rtx4070 -b max --seq-len 2048``) was "nothing fits: not even batch size 1", which ``memfit fit`` and
+    ``memfit plan -b 1`` fit with blocks swapped."""
+    sized = Sized.of(LLAMA, "batch_size", seq_len=16)
+    model = model_facts(sized.target(1, None, "rtx4090").workload).model
+    weights = least_weight_bytes(model.parameters(), model, "as-is")
+    fixed = {"adapter": "lora:r=4"}
+    tops = maximal_plans(sized, get_device("rtx4090"), fixed, budget_bytes=weights)  # (the weights fill it)
+    assert {p.swap_blocks for p in tops} == {2}  # (both blocks: swapping more saves more)
+    assert {p.swap_blocks for p in maximal_plans(sized, get_device("rtx4090"), fixed, budget_bytes=100 * weights)} == {0}

@@ -94,7 +94,7 @@ def plan_largest(sized: Sized, *, budget: str | int | None, device: str | Device
     if axis.key == "batch_size" and ("micro_batch_size" in fixed or "grad_accum_steps" in fixed):
         raise UserError("--batch-size max finds the largest batch one step holds at once; drop --micro-batch-size "
                         "and --grad-accum-steps (a split batch can grow without bound)")
-    tops = maximal_plans(sized, dev, fixed)
+    tops = maximal_plans(sized, dev, fixed, budget_obj.bytes)
     largest, top = _largest_any(sized, tops, dev, budget_obj)
     out = LargestPlan(sized, budget_obj.bytes, largest, top, unit=throughput_unit(sized, axis.step))
     if largest.value is None:
@@ -136,15 +136,17 @@ def _fastest_of_all(result: PlanResult) -> bool:
     return not any(c.status is Status.TOO_BIG and c.seconds < chosen.seconds for c in result.candidates)
 
 
-def maximal_plans(sized: Sized, device: Device, fixed: dict) -> list[Plan]:
+def maximal_plans(sized: Sized, device: Device, fixed: dict, budget_bytes: int | None = None) -> list[Plan]:
     """The maximal plans of the default search space (memfit.planner.space), with the user's fixed
-    fields, that do not split the batch."""
+    fields, that do not split the batch. ``budget_bytes``: what the space's values that matter only when
+    the weights fill the budget look at (``swap_blocks``: a LoRA of Llama-2-7B on a 12 GB card fits only
+    with blocks swapped, and without them ``max`` answered that nothing fits)."""
     value = sized.axis.step
     target = sized.target(value, None, device)
     bs = target.batch_size
     with silenced_warnings():
         facts = model_facts(target.workload)
-    space = default_space(facts, device, bs)
+    space = default_space(facts, device, bs, budget_bytes=budget_bytes, base_weights=fixed.get("base_weights"))
     space.micro_batches = [bs]
     plans = []
     for p in candidates(space, bs):
