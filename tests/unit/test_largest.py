@@ -3,14 +3,17 @@ terms (the value fits, the next does not) in a few traces, and on this CPU the a
 ``estimate --batch-size max`` holds against the profiler: the step at N measures within the budget,
 the step at N+1 over it."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from memfit.devices import get_device
 from memfit.errors import UserError
 from memfit.memory.budget import Budget
 from memfit.memory.measure import profile
+from memfit.planner.candidate import Candidate, Status
 from memfit.planner.largest import GROWTH, batch_axis, find_largest, resolution_axis, seq_axis
-from memfit.planner.search_max import maximal_plans
+from memfit.planner.search_max import _fastest_of_all, _too_big, maximal_plans
 from memfit.planner.sized import Sized, largest_estimate
 from memfit.planner.space import model_facts
 from memfit.plans import Plan
@@ -114,3 +117,17 @@ def test_max_searches_swapped_blocks_where_the_weights_fill_the_budget():
     tops = maximal_plans(sized, get_device("rtx4090"), fixed, budget_bytes=weights)  # (the weights fill it)
     assert {p.swap_blocks for p in tops} == {2}  # (both blocks: swapping more saves more)
     assert {p.swap_blocks for p in maximal_plans(sized, get_device("rtx4090"), fixed, budget_bytes=100 * weights)} == {0}
+
+
+def test_plans_too_big_at_the_smallest_value_do_not_keep_the_halving_going():
+    """NOTE [ Plans too big at the smallest value ]: a faster plan that was too big keeps ``max`` halving its
+    value, unless it was too big at the smallest value too (then at every value), split into micro-batches
+    or not. Before, on a card that holds a 7B LoRA only with blocks swapped, every unswapped plan kept it
+    halving down to batch 1 (19 minutes and more)."""
+    swapped, plain = Plan(adapter="lora:r=4", swap_blocks=2), Plan(adapter="lora:r=4")
+    chosen = Candidate(swapped, 2.0, status=Status.CHOSEN)
+    at_value = SimpleNamespace(chosen=chosen, candidates=[chosen, Candidate(plain.replace(micro_batch_size=2), 1.0,
+                                                                            status=Status.TOO_BIG)])
+    at_smallest = SimpleNamespace(chosen=chosen, candidates=[chosen, Candidate(plain, 0.5, status=Status.TOO_BIG)])
+    assert not _fastest_of_all(at_value)  # (the faster plan may fit at a smaller value: halve)
+    assert _fastest_of_all(at_value, _too_big(at_smallest))  # (it does not fit at the smallest: stop)

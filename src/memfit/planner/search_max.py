@@ -11,7 +11,9 @@
 2. **The fastest.** Throughput (tokens, images or samples per second) is what a larger batch buys, and
    what a more frugal plan costs. The planner searches (memfit.planner.search) at the largest value
    and at halves of it, down to where its fastest plan is the fastest of all plans (a smaller value
-   cannot give a faster plan); the value and plan of the highest throughput are then pushed to that
+   cannot give a faster plan; nor can a plan too big at the smallest value, searched where two searches
+   did not settle it: NOTE [ Plans too big at the smallest value ]); the value and plan of the highest
+   throughput are then pushed to that
    plan's own largest value (exact, as ``estimate`` finds it), and searched there once more.
 
 A search per value is seconds for a small model and a minute or more for a 7B one: ``max`` costs
@@ -110,11 +112,15 @@ def plan_largest(sized: Sized, *, budget: str | int | None, device: str | Device
         out.searched.append((value, result))
         return result
 
-    value = largest.value
+    value, hopeless = largest.value, None
     while True:  # the largest value, then halves, until the fastest plan of all fits
         result = at(value)
-        if result.chosen is None or _fastest_of_all(result) or value <= axis.step:
+        if result.chosen is None or value <= axis.step or _fastest_of_all(result, hopeless):
             break
+        if hopeless is None and len(out.searched) >= 2:  # (NOTE [ Plans too big at the smallest value ])
+            hopeless = _too_big(at(axis.step))
+            if _fastest_of_all(result, hopeless):
+                break
         value = max(axis.step, value // 2 // axis.step * axis.step)
     scored = [(throughput(sized, v, r.chosen.seconds), v, r) for v, r in out.searched if r.chosen]
     if not scored:
@@ -130,10 +136,33 @@ def plan_largest(sized: Sized, *, budget: str | int | None, device: str | Device
     return out
 
 
-def _fastest_of_all(result: PlanResult) -> bool:
-    """No plan faster than the chosen one was too big: a smaller value cannot give a faster plan."""
+def _fastest_of_all(result: PlanResult, hopeless: set[Plan] | None = None) -> bool:
+    """No plan faster than the chosen one was too big (but those too big at every value: ``hopeless``): a
+    smaller value cannot give a faster plan."""
     chosen = result.chosen
-    return not any(c.status is Status.TOO_BIG and c.seconds < chosen.seconds for c in result.candidates)
+    return not any(c.status is Status.TOO_BIG and c.seconds < chosen.seconds and _unsplit(c.plan) not in (hopeless or ())
+                   for c in result.candidates)
+
+
+# NOTE [ Plans too big at the smallest value ]
+# The halving stops where no plan faster than the chosen one was too big. On a card that holds a model
+# only with its blocks swapped (a LoRA of Llama-2-7B on a 12 GB card), every unswapped plan is faster and
+# too big at every value, so it halved down to the smallest: log2(N) searches of two minutes and more each
+# (stopped after 19 minutes). A plan too big at the smallest value is too big at every larger one (memory
+# grows with the value; a micro-batch of a split plan is at least the smallest value), so where two
+# searches did not settle it, the smallest value is searched, and its plans too big there no longer keep
+# the halving going.
+def _too_big(result: PlanResult) -> set[Plan]:
+    """The plans of a search too big for the budget (or saving no more than one that is), unsplit."""
+    return {_unsplit(c.plan) for c in result.candidates if c.status in (Status.TOO_BIG, Status.PRUNED)}
+
+
+def _unsplit(plan: Plan) -> Plan:
+    """The plan with its batch whole (a micro-batch of a split plan needs what the whole plan needs at that size)."""
+    return plan.replace(micro_batch_size=None, grad_accum_steps=UNSPLIT.grad_accum_steps)
+
+
+UNSPLIT = Plan()
 
 
 def maximal_plans(sized: Sized, device: Device, fixed: dict, budget_bytes: int | None = None) -> list[Plan]:
