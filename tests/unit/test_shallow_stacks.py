@@ -29,8 +29,9 @@ def test_stacks_of_two_depths_are_cut_in_units_of_both():
     assert depths(Plan(swap_blocks=6), 6) == (2, 3) and depths(Plan(swap_blocks=4), 6) is None  # (4 of 18: 4/3 a unit)
 
 
-@pytest.mark.parametrize("swapped", [0, pytest.param(18, marks=pytest.mark.slow)])  # (18: the suite under 10 minutes;
-def test_flux_plans_from_their_shallow_pairs_are_their_full_traces(swapped):  # test_planner_gpu swaps all of one stack)
+@pytest.mark.slow  # (21 s and 23 s: the suite under 10 minutes; test_planner_gpu's swapped plans of one stack, two
+@pytest.mark.parametrize("swapped", [0, 18])  # containers when some blocks are swapped, stay in the default suite)
+def test_flux_plans_from_their_shallow_pairs_are_their_full_traces(swapped):
     """A LoRA with blocks checkpointed, none or every block swapped, traced as the planner's workers trace it: the
     peak on the line through 2 + 4 and 3 + 6 blocks is the full trace's (within 0.5%), and so is the step
     time (within 2%). Every block swapped, the peak moves: at 2 and 3 units it is in the double blocks'
