@@ -13,8 +13,8 @@
    and at halves of it, down to where its fastest plan is the fastest of all plans (a smaller value
    cannot give a faster plan; nor can a plan too big at the smallest value, searched where two searches
    did not settle it: NOTE [ Plans too big at the smallest value ]); the value and plan of the highest
-   throughput are then pushed to that
-   plan's own largest value (exact, as ``estimate`` finds it), and searched there once more.
+   throughput are then pushed to that plan's own largest value (exact, as ``estimate`` finds it), and
+   searched there once more.
 
 A search per value is seconds for a small model and a minute or more for a 7B one: ``max`` costs
 about log2(N) + 2 searches.
