@@ -29,8 +29,9 @@ from memfit.quiet import silenced_warnings
 from memfit.target import Target
 
 
-def plans(counts: list[int], which: str, fp8: bool) -> list[Plan]:
-    base = {"adapter": "lora:r=16", "precision": "bf16-pure", **({"base_weights": "fp8"} if fp8 else {})}
+def plans(counts: list[int], which: str, fp8: bool, micro: int | None = None) -> list[Plan]:
+    base = {"adapter": "lora:r=16", "precision": "bf16-pure", **({"base_weights": "fp8"} if fp8 else {}),
+            **({"micro_batch_size": micro} if micro else {})}
     kinds = {"b": {"checkpointing": "blocks"}, "s": {"checkpointing": "selective", "loss_chunks": 8}, "n": {}}
     return [Plan(**base, **kinds[k], swap_blocks=n) for n in counts for k in which]
 
@@ -45,8 +46,11 @@ def main() -> None:
     parser.add_argument("-b", "--batch-size", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--resolution", type=int, default=None)
+    parser.add_argument("--micro-batch-size", type=int, default=None,
+                        help="split the batch (the pair skips the repeated micro-batches: NOTE [ Repeated "
+                             "micro-batches, traced once ] in memfit.step)")
     args = parser.parse_args()
-    todo = plans([int(x) for x in args.swap.split(",")], args.plans, args.fp8)
+    todo = plans([int(x) for x in args.swap.split(",")], args.plans, args.fp8, args.micro_batch_size)
     sizes = {"resolution": args.resolution} if args.resolution else {"seq_len": args.seq_len}
     with silenced_warnings():
         target = Target.resolve(args.model, todo[0], args.batch_size, args.device, **sizes)

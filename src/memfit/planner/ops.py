@@ -68,3 +68,15 @@ def forward_backward_span(ops: list[Op]) -> tuple[int, int]:
     first = next((i for i, op in enumerate(ops) if op.phase == FORWARD), 0)
     last = max((i for i, op in enumerate(ops) if op.phase == BACKWARD), default=len(ops) - 1)
     return first, last
+
+
+def repeat_micro_batch(ops: list[Op], n: int) -> list[Op] | None:
+    """The ops of a step of ``n`` micro-batches from those of its trace that ran the first two and the
+    last (NOTE [ Repeated micro-batches, traced once ] in memfit.step): the second's ops (from its
+    forward to the last one's) once more for each skipped micro-batch. None where the ops do not show
+    three micro-batches."""
+    starts = [i for i, op in enumerate(ops) if op.phase == FORWARD and (i == 0 or ops[i - 1].phase != FORWARD)]
+    if len(starts) != 3:
+        return None
+    second, last = starts[1], starts[2]
+    return ops[:last] + ops[second:last] * (n - 3) + ops[last:]

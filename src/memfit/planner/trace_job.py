@@ -8,6 +8,7 @@ as a value.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -17,8 +18,10 @@ from memfit.errors import UserError
 from memfit.memory.budget import Budget
 from memfit.memory.deep_stream import Stream, from_tracker
 from memfit.memory.report import traced_device
+from memfit.planner.ops import repeat_micro_batch
 from memfit.planner.shallow import at_depth, depth_of, offloaded_blocks, shallow_workload
 from memfit.planner.timing import record_step
+from memfit.step import has_repeats, repeats_skipped
 from memfit.target import Target
 from memfit.techniques.checkpointing import find_blocks
 
@@ -99,7 +102,15 @@ class Tracer:
         t0 = time.process_time()
         try:
             target = target.with_plan(plan)
-            report, ops = record_step(target, on_tracker=trackers.append if keeps_stream else None)
+            n = plan.micro_batches(target.batch_size)[1]
+            skips = depth is not None and has_repeats(n)  # NOTE [ Repeated micro-batches, traced once ]
+            with repeats_skipped() if skips else contextlib.nullcontext():
+                report, ops = record_step(target, on_tracker=trackers.append if keeps_stream else None)
+            if skips:
+                ops = repeat_micro_batch(ops, n)
+                if ops is None:  # (not three micro-batches in its ops: traced whole)
+                    trackers.clear()
+                    report, ops = record_step(target, on_tracker=trackers.append if keeps_stream else None)
         except UserError as e:
             return e
         except Exception as e:  # noqa: BLE001 - shallow: the model indexes its blocks by a count
