@@ -55,10 +55,12 @@ def split_batch(batch: Any, batch_size: int, n: int) -> list[Any]:
 # a planner's search at batch 16 on a 12 GB card traced plans of 8 and 16 micro-batches at 5.5 s a
 # shallow trace, against 0.6 s unsplit. Yet the memory does the same thing in every micro-batch between
 # the second and the last: the first makes the gradients, each next one adds into them, and the last is
-# followed by the update (and told it is the last: ``hook(index, n)``). So the planner's shallow traces
-# (memfit.planner.trace_job) run the first two and the last under ``repeats_skipped()``, with the whole
-# batch in memory, and the second's ops stand for each skipped one (memfit.planner.ops.repeat_micro_batch).
-# Nothing else skips: ``estimate``, ``profile``, ``train`` and the planner's full traces run them all.
+# followed by the update (and told it is the last: ``hook(index, n)``). So the planner's traces, shallow
+# and full (memfit.planner.trace_job), run the first two and the last under ``repeats_skipped()``, with
+# the whole batch in memory, and the second's ops stand for each skipped one
+# (memfit.planner.ops.repeat_micro_batch). The peak, reserved bytes, ops and allocation stream are the
+# whole step's (tests/unit/test_repeated_micro_batches.py). Nothing else skips: ``estimate``,
+# ``profile`` and ``train`` run every micro-batch.
 _SKIP_REPEATS = contextvars.ContextVar("memfit_skip_repeated_micro_batches", default=False)
 
 

@@ -1,6 +1,6 @@
-"""NOTE [ Repeated micro-batches, traced once ] (memfit.step): a planner's shallow trace of a plan split
-into more than three micro-batches runs the first two and the last, and gives what the whole step's
-trace gives: peak, reserved bytes, ops (so its time), and a stream that replays at full depth."""
+"""NOTE [ Repeated micro-batches, traced once ] (memfit.step): a planner's trace (shallow or full) of a plan
+split into more than three micro-batches runs the first two and the last, and gives what the whole
+step's trace gives: peak, reserved bytes, ops (so its time), and a stream that replays at full depth."""
 
 import pytest
 
@@ -43,7 +43,7 @@ def test_the_second_micro_batchs_ops_stand_for_each_skipped_one():
     {"precision": "bf16", "offload": ("optimizer_states",)},
     pytest.param({"precision": "bf16-pure", "checkpointing": "selective", "loss_chunks": 4}, marks=pytest.mark.slow),
 ])
-def test_a_shallow_trace_skipping_repeated_micro_batches_gives_the_whole_steps_figures(fields):
+def test_a_trace_skipping_repeated_micro_batches_gives_the_whole_steps_figures(fields):
     """(Swapped blocks: ``python -m bench.deep_stream_check llama:num_hidden_layers=8 --swap 0,4,8 -b 8
     --micro-batch-size 1 --seq-len 1024`` replays each pair of skipped traces to its full trace, to the byte.)"""
     target = Target.resolve(LLAMA, Plan(**fields), 6, "rtx4090", seq_len=128)
@@ -60,7 +60,12 @@ def test_a_shallow_trace_skipping_repeated_micro_batches_gives_the_whole_steps_f
         finally:
             trace_job.has_repeats = whole_has_repeats
         full = tracer((plan, None, None))
-    for s, w in zip(skipped, whole):
+        trace_job.has_repeats = lambda n: False
+        try:
+            full_whole = tracer((plan, None, None))
+        finally:
+            trace_job.has_repeats = whole_has_repeats
+    for s, w in zip([*skipped, full], [*whole, full_whole]):
         assert (s.peak_bytes, s.used_bytes, s.expandable_used_bytes) == (w.peak_bytes, w.used_bytes, w.expandable_used_bytes)
         assert len(s.ops) == len(w.ops)
         at = target.with_plan(plan)

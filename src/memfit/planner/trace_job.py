@@ -103,7 +103,7 @@ class Tracer:
         try:
             target = target.with_plan(plan)
             n = plan.micro_batches(target.batch_size)[1]
-            skips = depth is not None and has_repeats(n)  # NOTE [ Repeated micro-batches, traced once ]
+            skips = has_repeats(n)  # NOTE [ Repeated micro-batches, traced once ]
             with repeats_skipped() if skips else contextlib.nullcontext():
                 report, ops = record_step(target, on_tracker=trackers.append if keeps_stream else None)
             if skips:
