@@ -75,6 +75,7 @@ def test_plans_that_differ_outside_the_graph_share_a_workers_key_and_others_do_n
 
 
 @needs_triton
+@pytest.mark.slow  # (27 s: keeps the default suite under 10 minutes)
 def test_a_shape_predicted_before_leaves_the_next_shapes_prediction_as_a_fresh_process_makes_it():
     torch._dynamo.reset()
     tracer = _tracer(batch=6, seq_len=100)

@@ -17,7 +17,7 @@ from memfit.quiet import silenced_warnings
 from memfit.step import micro_batches_run, repeats_skipped
 from memfit.target import Target
 
-LLAMA = "llama:num_hidden_layers=8,hidden_size=256,intermediate_size=512,num_attention_heads=4,num_key_value_heads=4,vocab_size=1000"
+LLAMA = "llama:num_hidden_layers=6,hidden_size=256,intermediate_size=512,num_attention_heads=4,num_key_value_heads=4,vocab_size=1000"
 
 
 def test_only_the_first_two_and_the_last_micro_batches_run_when_repeats_are_skipped():
@@ -39,37 +39,35 @@ def test_the_second_micro_batchs_ops_stand_for_each_skipped_one():
     assert repeat_micro_batch(ops[:5] + ops[7:], 6) is None  # (two micro-batches in the ops: not skipped)
 
 
-@pytest.mark.parametrize("fields", [
-    {"precision": "bf16", "offload": ("optimizer_states",)},
-    pytest.param({"precision": "bf16-pure", "checkpointing": "selective", "loss_chunks": 4}, marks=pytest.mark.slow),
+@pytest.mark.parametrize("fields,shallow_whole", [
+    ({"precision": "bf16", "offload": ("optimizer_states",)}, False),
+    pytest.param({"precision": "bf16", "offload": ("optimizer_states",)}, True, marks=pytest.mark.slow),
+    pytest.param({"precision": "bf16-pure", "checkpointing": "selective", "loss_chunks": 4}, True, marks=pytest.mark.slow),
 ])
-def test_a_trace_skipping_repeated_micro_batches_gives_the_whole_steps_figures(fields):
-    """(Swapped blocks: ``python -m bench.deep_stream_check llama:num_hidden_layers=8 --swap 0,4,8 -b 8
+def test_a_trace_skipping_repeated_micro_batches_gives_the_whole_steps_figures(fields, shallow_whole):
+    """The full trace, skipping, against the whole one; the skipped shallow pair carried to full depth
+    against the full trace (``shallow_whole``: and each shallow trace against its whole one). (Swapped
+    blocks: ``python -m bench.deep_stream_check llama:num_hidden_layers=8 --swap 0,4,8 -b 8
     --micro-batch-size 1 --seq-len 1024`` replays each pair of skipped traces to its full trace, to the byte.)"""
-    target = Target.resolve(LLAMA, Plan(**fields), 6, "rtx4090", seq_len=128)
+    target = Target.resolve(LLAMA, Plan(**fields), 5, "rtx4090", seq_len=128)
     with silenced_warnings():
         facts = model_facts(target.workload)
     tracer = trace_job.Tracer(target, facts.model, Budget.resolve(None, target.device))
-    plan = Plan(**fields, micro_batch_size=1)  # (six micro-batches: three skipped)
+    plan = Plan(**fields, micro_batch_size=1)  # (five micro-batches: two skipped)
     pair = depths(plan, depth_of(facts.model))
+    jobs = [(plan, d, None) for d in pair] + [(plan, None, None)]
     with silenced_warnings():
-        skipped = [tracer((plan, d, None)) for d in pair]
+        skipped = [tracer(job) for job in jobs]
         whole_has_repeats, trace_job.has_repeats = trace_job.has_repeats, lambda n: False
         try:
-            whole = [tracer((plan, d, None)) for d in pair]
+            whole = [tracer(job) for job in (jobs if shallow_whole else jobs[2:])]
         finally:
             trace_job.has_repeats = whole_has_repeats
-        full = tracer((plan, None, None))
-        trace_job.has_repeats = lambda n: False
-        try:
-            full_whole = tracer((plan, None, None))
-        finally:
-            trace_job.has_repeats = whole_has_repeats
-    for s, w in zip([*skipped, full], [*whole, full_whole]):
+    at = target.with_plan(plan)
+    for s, w in zip(skipped[-len(whole):], whole):
         assert (s.peak_bytes, s.used_bytes, s.expandable_used_bytes) == (w.peak_bytes, w.used_bytes, w.expandable_used_bytes)
         assert len(s.ops) == len(w.ops)
-        at = target.with_plan(plan)
         assert time_from_ops(s.ops, at).seconds == pytest.approx(time_from_ops(w.ops, at).seconds, rel=1e-9)
-    deep, deep_whole = (deepen(a.stream, b.stream, *pair, depth_of(facts.model)) for a, b in (skipped, whole))
-    assert deep is not None and deep_whole is not None
+    full = skipped[2]
+    deep = deepen(skipped[0].stream, skipped[1].stream, *pair, depth_of(facts.model))
     assert replay(deep, STEADY_STEP)[:2] == (full.peak_bytes, full.used_bytes - full.context_bytes)
