@@ -156,7 +156,8 @@ def test_a_model_the_user_froze_leaves_the_optimizer_as_the_workload_s_too():
     assert {c.plan.optimizer for c in result.candidates} == {"adamw"}
 
 
-def test_a_method_whose_weights_alone_exceed_the_budget_is_a_row_and_the_others_are_planned():
+@pytest.mark.slow  # (15 s: keeps the default suite under 10 minutes; the unit tier keeps a precision left out
+def test_a_method_whose_weights_alone_exceed_the_budget_is_a_row_and_the_others_are_planned():  # for its weights)
     """Mixtral's --methods full,lora,qlora on a 24 GB card waited for every search, then failed as a
     whole on full fine-tuning's weights (9.5 minutes). Here full fine-tuning needs the model's 4.49 MiB
     of 16-bit weights on the device, over a 3 MiB budget; QLoRA's NF4 linears take a quarter of
