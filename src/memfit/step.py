@@ -75,9 +75,13 @@ def repeats_skipped():
         _SKIP_REPEATS.reset(token)
 
 
+RUN_WHEN_SKIPPING = 3
+"""The micro-batches a step skipping repeats runs: the first, the second and the last."""
+
+
 def has_repeats(n: int) -> bool:
     """A step of ``n`` micro-batches has some between the second and the last."""
-    return n > 3
+    return n > RUN_WHEN_SKIPPING
 
 
 def micro_batches_run(n: int) -> tuple[int, ...]:
@@ -302,6 +306,14 @@ def make_batch(target: Target, *, whole: bool = False) -> Any:
         raise UserError(f"the workload's batch(batch_size) returned {_kind(batch)} with no tensor in it; return a "
                         "tensor or a tuple/list/dict of tensors shaped [batch, ...]")
     return batch
+
+
+def batch_bytes(target: Target) -> int:
+    """The bytes of one batch of the target's step (one rank's share), from its shapes (built on the
+    meta device: nothing is allocated)."""
+    with torch.device("meta"):
+        batch = call_workload("batch(batch_size)", target.workload.batch, target.rank_batch_size)
+    return sum(x.numel() * x.element_size() for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor))
 
 
 def _kind(obj: Any) -> str:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from memfit.step import RUN_WHEN_SKIPPING
+
 # op kinds
 VIEW, MATMUL, ATTENTION, MEMORY, FOREACH, H2D, D2H, HOST, SYNC, RNN, SCALAR, COMM, WAIT = range(13)
 KIND_NAMES = ("view", "matmul", "attention", "memory", "foreach", "h2d", "d2h", "host", "sync", "rnn", "scalar",
@@ -76,7 +78,7 @@ def repeat_micro_batch(ops: list[Op], n: int) -> list[Op] | None:
     forward to the last one's) once more for each skipped micro-batch. None where the ops do not show
     three micro-batches."""
     starts = [i for i, op in enumerate(ops) if op.phase == FORWARD and (i == 0 or ops[i - 1].phase != FORWARD)]
-    if len(starts) != 3:
+    if len(starts) != RUN_WHEN_SKIPPING:
         return None
     second, last = starts[1], starts[2]
-    return ops[:last] + ops[second:last] * (n - 3) + ops[last:]
+    return ops[:last] + ops[second:last] * (n - RUN_WHEN_SKIPPING) + ops[last:]
