@@ -10,13 +10,22 @@ import pytest
 from memfit.devices import get_device
 from memfit.errors import UserError
 from memfit.memory.budget import Budget
+from memfit.memory.estimate import estimate_target
 from memfit.memory.measure import profile
 from memfit.planner.candidate import Candidate, Status
+from memfit.planner.failures import Failures
 from memfit.planner.largest import GROWTH, batch_axis, find_largest, resolution_axis, seq_axis
-from memfit.planner.search_max import _fastest_of_all, _too_big, maximal_plans
+from memfit.planner.search_max import (
+    SEGMENT_SLACK,
+    _fastest_of_all,
+    _too_big,
+    maximal_plans,
+    too_big_at_larger_batches,
+)
 from memfit.planner.sized import Sized, largest_estimate
 from memfit.planner.space import model_facts
 from memfit.plans import Plan
+from memfit.step import batch_bytes
 from memfit.techniques.base_weights import least_weight_bytes
 
 GPT2 = "gpt2:n_layer=2,n_embd=64,n_head=2,vocab_size=256"
@@ -131,3 +140,42 @@ def test_plans_too_big_at_the_smallest_value_do_not_keep_the_halving_going():
     at_smallest = SimpleNamespace(chosen=chosen, candidates=[chosen, Candidate(plain, 0.5, status=Status.TOO_BIG)])
     assert not _fastest_of_all(at_value)  # (the faster plan may fit at a smaller value: halve)
     assert _fastest_of_all(at_value, _too_big(at_smallest))  # (it does not fit at the smallest: stop)
+
+
+def test_a_split_plan_needs_at_a_smaller_batch_what_it_needs_at_a_larger_one_less_the_inputs():
+    """NOTE [ Plans too big at a larger batch ]: the claim ``max``'s searches rest on, traced. With the same
+    micro-batches, batch 8 needs at most batch 4's bytes plus batch 8's inputs and one segment, and no less."""
+    split = Plan(adapter="lora:r=4", micro_batch_size=2)
+    budget = Budget.resolve(None, get_device("rtx4090"))
+    sized = Sized.of(LLAMA, "batch_size", seq_len=64)
+    used = {b: budget.used_bytes(estimate_target(sized.target(b, split, "rtx4090"))) for b in (4, 8)}
+    assert used[4] <= used[8] <= used[4] + batch_bytes(sized.target(8, None, "rtx4090")) + SEGMENT_SLACK
+
+
+def test_split_plans_too_big_at_a_larger_batch_fail_untraced_at_a_smaller_one():
+    """A split plan over the budget at batch 16 by more than its inputs and a segment is taken as too big at
+    batch 8 with the same micro-batches (not where the micro-batch is the whole batch, nor within the slack),
+    and the walk rejects it untraced and prunes the plans that save no more than it."""
+    budget = 10 * 2**30
+    sized = Sized.of(LLAMA, "batch_size", seq_len=64)
+    base = Plan(adapter="lora:r=4", checkpointing="blocks")
+    over = budget + SEGMENT_SLACK + 2**20
+
+    def c(plan, used):
+        return Candidate(plan, 1.0, status=Status.TOO_BIG, used_bytes=used)
+    at16 = SimpleNamespace(budget_bytes=budget, candidates=[
+        c(base.replace(micro_batch_size=4), over),       # carried
+        c(base.replace(micro_batch_size=2), budget + 2**20),  # within the slack: traced again
+        c(base.replace(micro_batch_size=8), over),       # the whole batch at 8: traced again
+        c(base, over)])                                  # not split
+    known = too_big_at_larger_batches(sized, [(16, at16)], 8, get_device("rtx4090"))
+    assert list(known) == [base.replace(micro_batch_size=4)]
+    need, why = known[base.replace(micro_batch_size=4)]
+    assert budget < need < over and "batch 16" in why
+    assert too_big_at_larger_batches(sized, [(16, at16)], 16, get_device("rtx4090")) == {}  # (not a larger batch)
+
+    failed = Failures(8, budget)
+    ranked = [Candidate(p, 1.0) for p in (base.replace(micro_batch_size=4), base.replace(micro_batch_size=2), base)]
+    failed.known(ranked, known)
+    assert [x.status for x in ranked] == [Status.TOO_BIG, Status.NOT_EVALUATED, Status.NOT_EVALUATED]
+    assert failed.rule_out(ranked[2]) and failed.rule_out(ranked[1]) is None  # (batch 8 whole saves no more than 4s)

@@ -261,3 +261,24 @@ def test_nothing_fits_names_the_smallest_footprint_confirmed_not_the_smallest_bo
     smallest = walk.smallest(ranked)
     assert smallest.plan == mid and smallest.used_bytes == int(14.2 * GiB)
     assert ladder.full_traced == {low, mid, high}  # (far's bound is above 14.2 GiB: not confirmed)
+
+
+def test_a_plan_far_over_the_budget_rules_out_its_optimizer_variants_untraced():
+    """NOTE [ Failures too big for any optimizer choice ]: where the optimizer keys can change a plan's need by
+    at most ``states_bytes``, a plan over the budget by more rules out its variants in those keys untraced
+    (8-bit states, states on the host, the step in backward); by less, or unbounded, each is traced."""
+    plain, low_bit, on_host, in_backward = Plan(), Plan(optimizer="adamw8bit"), Plan(offload=("optimizer_states",)), \
+        Plan(optimizer_in_backward=True)
+    ckpt = Plan(checkpointing="blocks")
+    seconds = {plain: 1.0, low_bit: 1.1, on_host: 1.2, in_backward: 1.3, ckpt: 5.0}
+    for over, bound, traced in ((20 * GiB, GiB, [plain, ckpt]), (GiB // 2, GiB, [plain, low_bit, on_host, in_backward, ckpt]),
+                                (20 * GiB, None, [plain, low_bit, on_host, in_backward, ckpt])):
+        used = {p: 10 * GiB + over for p in seconds} | {ckpt: 5 * GiB}
+        ladder = _Ladder(_Trace(used), {p: 5 * GiB for p in seconds})
+        ranked = [Candidate(p, s) for p, s in seconds.items()]
+        walk = Walk(4, Budget(10 * GiB, get_device("h100-80gb")), _Model(seconds), ladder, None, 60, alongside=False)
+        walk.failed.states_bytes = bound
+        assert walk.run(ranked).plan == ckpt
+        assert ladder.full.order == traced
+        if len(traced) == 2:
+            assert all(c.status is Status.PRUNED and "optimizer keys" in c.reason for c in ranked[1:4])

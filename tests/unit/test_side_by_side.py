@@ -14,6 +14,7 @@ import pytest
 from memfit.errors import UserError
 from memfit.planner import side_by_side
 from memfit.planner.side_by_side import plan_side_by_side
+from memfit.planner.workers import worker_count
 
 PARENT = os.getpid()
 
@@ -162,3 +163,30 @@ def _run_alone(script: str, **env) -> str:
         pytest.fail("the searches did not come back in 60 s: one waits for a search that was killed")
     assert proc.returncode == 0, err[-2000:]
     return out
+
+
+def test_traces_of_ones_own_run_in_a_process_of_their_own_and_leave_workers_forkable():
+    """NOTE [ Traces of one's own in a process of their own ]: a fake step (with its backward) run through
+    ``in_own_process`` comes back, and the process can still fork trace workers after it; run here, it
+    could not. A fresh interpreter: this test session's own backward passes would hide it."""
+    code = textwrap.dedent("""
+        from memfit.memory.estimate import estimate_target
+        from memfit.planner.side_by_side import can_fork_searches, in_own_process
+        from memfit.target import Target
+        target = Target.resolve("gpt2:n_layer=1,n_embd=32,n_head=2,vocab_size=64", None, 2, "rtx4090", seq_len=8)
+        peak = in_own_process(lambda: estimate_target(target).peak_bytes)
+        forkable = can_fork_searches()
+        here = estimate_target(target).peak_bytes
+        print(peak == here, forkable, can_fork_searches())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    cores = worker_count() >= 2  # (with one core no search forks: all runs here)
+    assert out.stdout.split() == ["True", str(cores), "False"], out.stderr[-2000:]
+
+
+def test_a_user_error_in_a_process_of_its_own_is_raised_here():
+    def refuse():
+        raise UserError("no value fits")
+    with pytest.raises(UserError, match="no value fits"):
+        side_by_side.in_own_process(refuse)
+    assert side_by_side.in_own_process(lambda: os.getpid()) != PARENT or not side_by_side.can_fork_searches()

@@ -140,8 +140,8 @@ class Candidate:
     def reject(self, reason: str) -> None:
         self.status, self.reason = Status.TOO_BIG, reason
 
-    def prune(self) -> None:
-        self.status, self.reason = Status.PRUNED, "saves no more memory than a plan that did not fit"
+    def prune(self, reason: str = "saves no more memory than a plan that did not fit") -> None:
+        self.status, self.reason = Status.PRUNED, reason
 
     def invalidate(self, error: Exception) -> None:
         self.status, self.reason = Status.INVALID, str(error)

@@ -45,6 +45,7 @@ from memfit.planner.ladder import FakeTrace, Ladder
 from memfit.planner.progress import NoProgress
 from memfit.planner.roofline import for_host
 from memfit.planner.space import (
+    STATE_BYTES_AT_MOST,
     candidates,
     default_space,
     drop_unused,
@@ -92,6 +93,8 @@ class PlanResult:
     """Tokens per sample of a text workload (None: throughput is counted in samples)."""
     least_bytes: int | None = None
     """When no plan was searched: what every plan keeps on the device (memfit.errors.WeightsExceedBudget)."""
+    limited: bool = False
+    """The trace limit left a faster plan untraced: the plan chosen may not be the fastest that fits."""
 
     @property
     def throughput_unit(self) -> str:
@@ -114,7 +117,7 @@ class PlanResult:
         return {"workload": self.workload, "device": self.device, "batch_size": self.batch_size,
                 "budget_bytes": self.budget_bytes, "time_model": self.time_model, "run_steps": self.run_steps,
                 "chosen": row(self.chosen) if self.chosen else None, "traces": self.traces,
-                "planning_seconds": self.seconds, "candidates_total": len(self.candidates),
+                "planning_seconds": self.seconds, "candidates_total": len(self.candidates), "trace_limited": self.limited,
                 "smallest": row(self.smallest) if self.smallest else None, "least_bytes": self.least_bytes,
                 "notes": self.notes,
                 "trace_seconds": {k: [n, round(sec, 2)] for k, (n, sec) in self.trace_seconds.items()},
@@ -132,7 +135,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
          optimizers: tuple[str, ...] | None = None, max_traces: int = 60,
          time_model: StepTimeModel | None = None, space=None, fixed: dict | None = None,
          compile_modes: tuple[str, ...] | None = None, steps: int | None = None, progress=None,
-         narrow_optimizer: bool = True, alongside: bool = True, host=None, field_recipes: bool = True) -> PlanResult:
+         narrow_optimizer: bool = True, alongside: bool = True, host=None, field_recipes: bool = True,
+         too_big: dict[Plan, tuple[int, str]] | None = None) -> PlanResult:
     """The fastest plan for ``workload`` whose predicted memory fits ``budget`` on ``device``.
 
     ``fixed``: plan fields the user set (``--precision bf16``); the search covers the others.
@@ -148,6 +152,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     name, a multiple, or None for the default).
     ``field_recipes``: plan the field's published recipes beside the search's own (memfit.planner.
     field_recipes; GPU presets; False where the report lists no recipe: ``--methods``' table).
+    ``too_big``: plans known not to fit, with a lower bound of their need and why (memfit.planner.failures).
     """
     progress = progress or NoProgress()
     t0 = time.perf_counter()
@@ -214,7 +219,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
             model, ladder = cost.calibrate(target, space, progress=progress), Ladder(FakeTrace(target, budget_obj))
     try:
         result = _search(t0, target, budget_obj, space, plans, constrained, model, ladder, steps, max_traces,
-                         progress, alongside, book, recipes)
+                         progress, alongside, book, recipes, too_big, trainable)
         if book is not None:
             result.trace_seconds = book.spent
     finally:
@@ -226,7 +231,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
         again = plan(workload, budget=budget, device=device, batch_size=batch_size, seq_len=seq_len,
                      optimizers=optimizers, max_traces=max_traces, time_model=time_model, fixed=given_fields,
                      compile_modes=compile_modes, steps=steps, progress=progress, narrow_optimizer=False,
-                     alongside=alongside, host=host, field_recipes=field_recipes)
+                     alongside=alongside, host=host, field_recipes=field_recipes, too_big=too_big)
         again.traces += result.traces
         again.seconds = time.perf_counter() - t0
         return again
@@ -271,7 +276,8 @@ def _trainable(target: Target, facts, given: dict) -> int:
 
 def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Plan], constrained: dict,
             model: StepTimeModel, ladder: Ladder, steps: int | None, max_traces: int, progress,
-            alongside: bool = True, book: TraceBook | None = None, recipes: dict | None = None) -> PlanResult:
+            alongside: bool = True, book: TraceBook | None = None, recipes: dict | None = None,
+            too_big: dict | None = None, trainable: int | None = None) -> PlanResult:
     recipes = recipes or {}
     wl, dev, bs, budget_bytes = target.workload, target.device, target.batch_size, budget_obj.bytes
     whole = [c.plan for c in maximal([Candidate(p, 0.0) for p in plans if p not in recipes], bs)
@@ -287,6 +293,8 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
     for c in ranked:
         c.retime(model, steps)
     walk = Walk(bs, budget_obj, model, ladder, steps, max_traces, progress, alongside)
+    walk.failed.states_bytes = None if trainable is None else 2 * STATE_BYTES_AT_MOST * trainable
+    walk.failed.known(ranked, too_big or {})
     if book is not None:
         book.phase = "walk"
     chosen = walk.run(ranked)
@@ -307,7 +315,7 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
         chosen.choose(_why_chosen(chosen, ranked, bs))
     result = PlanResult(workload=wl.name, device=dev.name, batch_size=bs, budget_bytes=budget_bytes,
                         time_model=model.describe(), chosen=chosen, candidates=ranked, traces=walk.traces,
-                        seq_len=wl.info.seq_len,
+                        seq_len=wl.info.seq_len, limited=walk.limited,
                         run_steps=steps, notes=[*space.notes, *(f"{x} (left out)" for x in model.excluded), *walk.notes,
                                *expanded_note])
     if chosen is None:  # nothing fits (or the trace limit came first): the smallest footprint seen

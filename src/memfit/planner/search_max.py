@@ -33,10 +33,13 @@ from memfit.planner.candidate import Candidate, Status
 from memfit.planner.feasibility import maximal
 from memfit.planner.largest import Largest, find_largest
 from memfit.planner.search import PlanResult, plan
+from memfit.planner.side_by_side import in_own_process
 from memfit.planner.sized import Sized, largest_estimate
 from memfit.planner.space import candidates, default_space, model_facts
 from memfit.plans import Plan
 from memfit.quiet import silenced_warnings
+from memfit.step import batch_bytes
+from memfit.units import fmt_bytes
 
 NEAR = 1.10
 """A maximal plan whose line puts it above the budget by more than this factor is not traced at a value."""
@@ -67,7 +70,8 @@ class LargestPlan:
                 "largest_plan": self.largest_plan.to_dict() if self.largest_plan else None,
                 "searched": [{"value": v, "chosen": r.chosen.plan.to_dict() if r.chosen else None,
                               "step_seconds": r.chosen.seconds if r.chosen else None,
-                              "throughput": throughput(self.sized, v, r.chosen.seconds) if r.chosen else None}
+                              "throughput": throughput(self.sized, v, r.chosen.seconds) if r.chosen else None,
+                              "trace_limited": r.limited}
                              for v, r in self.searched]}
 
 
@@ -97,7 +101,7 @@ def plan_largest(sized: Sized, *, budget: str | int | None, device: str | Device
         raise UserError("--batch-size max finds the largest batch one step holds at once; drop --micro-batch-size "
                         "and --grad-accum-steps (a split batch can grow without bound)")
     tops = maximal_plans(sized, dev, fixed, budget_obj.bytes)
-    largest, top = _largest_any(sized, tops, dev, budget_obj)
+    largest, top = in_own_process(lambda: _largest_any(sized, tops, dev, budget_obj))  # NOTE [ Traces of one's own in a process of their own ]
     out = LargestPlan(sized, budget_obj.bytes, largest, top, unit=throughput_unit(sized, axis.step))
     if largest.value is None:
         return out
@@ -107,8 +111,9 @@ def plan_largest(sized: Sized, *, budget: str | int | None, device: str | Device
             if v == value:
                 return r
         s = sized.sizes(value)
+        known = too_big_at_larger_batches(sized, out.searched, value, dev)  # NOTE [ Plans too big at a larger batch ]
         result = search(sized.workload_at(value), budget=budget, device=dev, batch_size=s["batch_size"],
-                        fixed=fixed, **plan_kwargs)
+                        fixed=fixed, **({"too_big": known} if known else {}), **plan_kwargs)
         out.searched.append((value, result))
         return result
 
@@ -127,7 +132,7 @@ def plan_largest(sized: Sized, *, budget: str | int | None, device: str | Device
         return out
     _, v, r = max(scored, key=lambda x: x[0])
     if r.chosen.plan.micro_batches(sized.batch_at(v) or 1)[1] == 1 and v < largest.value:
-        own, _ = largest_estimate(sized, r.chosen.plan, dev, budget_obj, first=v)  # (that plan's own largest)
+        own = in_own_process(lambda: largest_estimate(sized, r.chosen.plan, dev, budget_obj, first=v)[0])  # (its own largest)
         if own.value is not None and own.value > v:
             again = at(own.value)
             if again.chosen:
@@ -163,6 +168,46 @@ def _unsplit(plan: Plan) -> Plan:
 
 
 UNSPLIT = Plan()
+
+
+# NOTE [ Plans too big at a larger batch ]
+# A plan that splits a batch into micro-batches of m holds, at any batch that m divides, what it holds at
+# a larger one, but for the larger batch's inputs: one micro-batch's activations at a time beside the
+# same weights, gradients and states (the micro-batches' ops repeat: NOTE [ Repeated micro-batches,
+# traced once ] in memfit.step). So a split plan too big at batch B by more than B's inputs and one
+# allocator segment (``SEGMENT_SLACK``: the inputs' segment may leave a different remainder) is too big at
+# a smaller batch with the same micro-batches, and the searches at the halves take it as failed without
+# tracing it; with it fail the plans it saves at least as much as (the walk's pruning). On a 12 GB card a
+# LoRA of Llama-2-7B at 2048 tokens reaches batch 16 only split, and the search at 8 traced again about
+# half of the split plans the search at 16 had ruled out. Measured: docs/planner-notes.md.
+SEGMENT_SLACK = 20 << 20
+"""The caching allocator's segment for a mid-sized block (1-10 MiB): what the inputs' own segment can
+shift the reserved bytes by beyond their size."""
+
+
+def too_big_at_larger_batches(sized: Sized, searched: list[tuple[int, PlanResult]], value: int, device: Device
+                              ) -> dict[Plan, tuple[int, str]]:
+    """The split plans that the searches at larger batches found too big with micro-batches that divide
+    batch ``value``: plan -> (a lower bound of its need at ``value``, why), for
+    :func:`memfit.planner.search.plan`'s ``too_big`` (NOTE [ Plans too big at a larger batch ])."""
+    if sized.axis.key != "batch_size":
+        return {}
+    out: dict[Plan, tuple[int, str]] = {}
+    for v, result in searched:
+        if v <= value:
+            continue
+        slack = batch_bytes(sized.target(v, None, device)) + SEGMENT_SLACK
+        for c in result.candidates:
+            if c.status is not Status.TOO_BIG or c.used_bytes is None or c.used_bytes - slack <= result.budget_bytes:
+                continue
+            m, n = c.plan.micro_batches(v)
+            if n == 1 or m >= value or value % m:
+                continue
+            need = c.used_bytes - slack
+            if c.plan not in out or need > out[c.plan][0]:
+                out[c.plan] = (need, f"needs at least {fmt_bytes(need)}: {fmt_bytes(c.used_bytes)} at batch {v} in "
+                                     f"the same micro-batches of {m}, less that batch's inputs (not traced at this batch)")
+    return out
 
 
 def maximal_plans(sized: Sized, device: Device, fixed: dict, budget_bytes: int | None = None) -> list[Plan]:

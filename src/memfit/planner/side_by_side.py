@@ -186,3 +186,46 @@ def _take(kind: str, i: int, value, outcome: dict, lines: list) -> None:
     else:
         outcome[i] = (kind, value)
         lines[i].done("done")
+
+
+# NOTE [ Traces of one's own in a process of their own ]
+# A process that has run a backward pass can no longer fork trace workers (autograd's threads do not
+# survive a fork: memfit.planner.workers), and its searches then trace every plan in turn, on one core.
+# ``plan --batch-size max`` traces its maximal plans at several values (fake steps, backward included)
+# before its searches; done here, each search after them ran on one core: 405 s against 253 s for the
+# search at batch 16 of a LoRA of Llama-2-7B on a 12 GB card. So those traces run in a process forked
+# for them, and their figures come back pickled. Measured: docs/planner-notes.md.
+def in_own_process(fn: Callable):
+    """``fn()`` in a forked process, its result pickled back (NOTE [ Traces of one's own in a process of
+    their own ]); here where searches cannot fork, or where the process died (killed for memory?)."""
+    if not can_fork_searches():
+        return fn()
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_call_in_child, args=(fn, send), name="memfit-traces")
+    p.start()
+    send.close()
+    try:
+        kind, value = recv.recv()
+    except Exception:  # noqa: BLE001 - it died before sending
+        kind, value = "died", None
+    finally:
+        recv.close()
+        p.join()
+    if kind == "user error":
+        raise UserError(value)
+    if kind == "error":
+        raise RuntimeError(f"traces in a forked process failed: {value}")
+    return fn() if kind == "died" else value
+
+
+def _call_in_child(fn: Callable, conn) -> None:
+    try:
+        conn.send(("result", fn()))
+    except UserError as e:
+        conn.send(("user error", str(e)))
+    except BaseException as e:  # noqa: BLE001 - sent to the parent, which raises it
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        conn.close()
+        os._exit(0)

@@ -13,6 +13,7 @@ memory than one that already did not fit, in every technique, cannot fit either.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -212,9 +213,17 @@ def candidates(space: SearchSpace, batch_size: int) -> list[Plan]:
     return out
 
 
-def saves_no_more_than(a: Plan, b: Plan, batch_size: int) -> bool:
+def saves_no_more_than(a: Plan, b: Plan, batch_size: int, states_aside: bool = False) -> bool:
     """True if plan ``a`` saves no more memory than ``b`` in every technique (so if ``b`` does not
     fit, neither does ``a``). Values of equal rank but different kind are not comparable, nor are
-values whose order does not hold in their plan (``Config.ordered_in``)."""
+    values whose order does not hold in their plan (``Config.ordered_in``). ``states_aside``: compare
+    them but for what they do to the trained parameters' gradients and optimizer states
+    (``Config.states_aside``: NOTE [ Failures too big for any optimizer choice ] in memfit.planner.walk)."""
+    xs, ys = (_aside(a), _aside(b)) if states_aside else (a.techniques, b.techniques)
     return all(x.saves_at_most(y, batch_size) if x.ordered_in(a) and y.ordered_in(b) else x == y
-               for x, y in zip(a.techniques, b.techniques))
+               for x, y in zip(xs, ys))
+
+
+@functools.lru_cache(maxsize=65536)
+def _aside(plan: Plan) -> tuple:
+    return tuple(x.states_aside() for x in plan.techniques)

@@ -8,7 +8,7 @@ it out; its full trace confirms it. The first plan that comes out fastest with f
 fit is chosen.
 
 Pruning: a plan that saves no more memory than one that did not fit cannot fit (techniques are
-assumed not to *add* memory). The maximal plans (none saves less than another everywhere) are
+assumed not to *add* memory; the failures and what they rule out: memfit.planner.failures). The maximal plans (none saves less than another everywhere) are
 traced after ``WALK_BEFORE_FEASIBILITY`` traces (memfit.planner.feasibility; first, when no plan
 measured before the walk fits: NOTE [ Maximal plans first when nothing measured fits ]): when none
 of them fits, nothing does.
@@ -21,10 +21,10 @@ import heapq
 from memfit.errors import UserError
 from memfit.memory.budget import Budget
 from memfit.planner.candidate import Candidate, Fidelity, Status
+from memfit.planner.failures import Failures
 from memfit.planner.feasibility import MaximalPlans
 from memfit.planner.ladder import Evaluator, Ladder
 from memfit.planner.progress import NoProgress
-from memfit.planner.space import saves_no_more_than
 from memfit.planner.time_model import StepTimeModel
 from memfit.quiet import silenced_warnings
 from memfit.units import fmt_bytes
@@ -44,7 +44,7 @@ class Walk:
         full traces while one is confirmed (False: the searches of ``--methods`` share the cores)."""
         self.progress = progress or NoProgress()
         self.steps, self.max_traces = steps, max_traces
-        self.failed: list[Candidate] = []
+        self.failed = Failures(batch_size, budget.bytes)
         self.evaluated = 0
         self.maximal = MaximalPlans(batch_size, budget, ladder)
         self.before_feasibility = WALK_BEFORE_FEASIBILITY
@@ -98,7 +98,7 @@ class Walk:
                 continue
             self.progress.walk(self.evaluated, self.max_traces, len(heap) + 1)
             if self._dominated(c):
-                c.prune()
+                c.prune(self.failed.rule_out(c))
                 continue
             if self.evaluated >= self.max_traces and not self.ladder.has_evidence(c.plan):
                 self._stop_at_limit(c)
@@ -108,7 +108,7 @@ class Walk:
                     return None
                 if not c.open or self._dominated(c):
                     if c.open:
-                        c.prune()
+                        c.prune(self.failed.rule_out(c))
                     continue
                 if self.ladder.has_evidence(c.plan) and self._requeued(c):
                     continue
@@ -134,7 +134,7 @@ class Walk:
         return None
 
     def _dominated(self, c: Candidate) -> bool:
-        return any(saves_no_more_than(c.plan, f.plan, self.bs) for f in self.failed)
+        return self.failed.rule_out(c) is not None
 
     def _requeued(self, c: Candidate) -> bool:
         """Slower than the fastest plan left (its time was measured): back in the queue at its time."""
@@ -204,7 +204,7 @@ class Walk:
         for _, _, x in heapq.nsmallest(LOOK_AHEAD, self.heap):
             if x is c or not x.open or x.used_bytes is not None or self.ladder.traced(x.plan):
                 continue
-            if self._dominated(x) or any(saves_no_more_than(x.plan, y.plan, self.bs) for y in (c, *out)):
+            if self._dominated(x) or self.failed.would_rule_out(x, (c, *out)):
                 continue
             if estimate is not None and (not estimate.free(x.plan) or estimate.evaluate(x.plan).over(self.budget.bytes)):
                 continue
@@ -248,7 +248,7 @@ class Walk:
     def _too_big(self, c: Candidate, at_least: bool = False, how: str = "") -> None:
         need = f"at least {fmt_bytes(c.used_bytes)} (allocated)" if at_least else fmt_bytes(c.used_bytes)
         c.reject(f"needs {need}{f' ({how})' if how else ''} > budget {fmt_bytes(self.budget.bytes)}")
-        self.failed.append(c)
+        self.failed.add(c)
 
     def _too_big_deep(self, c: Candidate) -> bool:
         """A plan whose lower bound fits, ruled out without its full trace by the deep rung."""

@@ -148,7 +148,8 @@ def print_largest_plan(result, console: Console | None = None) -> None:
         if ch is None:
             t.add_row(axis.number(value), "[red]nothing fits[/]", "-", "-", "-")
             continue
-        t.add_row(axis.number(value), escape(ch.plan.short(r.batch_size)), fmt_bytes(ch.used_bytes),
+        limited = " [yellow](trace limit reached: a faster plan may fit)[/]" if r.limited else ""
+        t.add_row(axis.number(value), escape(ch.plan.short(r.batch_size)) + limited, fmt_bytes(ch.used_bytes),
                   f"{ch.seconds * 1e3:.1f}", fmt_rate(throughput(result.sized, value, ch.seconds)))
     c.print(t)
     if result.best:

@@ -189,6 +189,13 @@ class Config:
             return True
         return self.rank is not None and other.rank is not None and self.rank < other.rank
 
+    def states_aside(self) -> Config:
+        """This config with what it does to the trained parameters' gradients and optimizer states left
+        out (the technique's default where that is all it does): the planner compares plans so where a
+        plan too big by more than those could ever save rules out others (NOTE [ Failures too big for
+        any optimizer choice ] in memfit.planner.walk)."""
+        return self
+
     def ordered_in(self, plan) -> bool:
         """Whether :meth:`saves_at_most` orders this config's device memory inside ``plan`` (the
         optimizer's state precision does not once the states live on the host). Where it does not,

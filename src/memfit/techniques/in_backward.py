@@ -54,6 +54,9 @@ class UpdateTiming(Config):
     def values(self) -> dict:
         return {"optimizer_in_backward": isinstance(self, StepInBackward)}
 
+    def states_aside(self) -> Config:
+        return self.technique.default
+
 
 @dataclass(frozen=True)
 class StepAfterBackward(UpdateTiming):

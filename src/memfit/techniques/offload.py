@@ -301,6 +301,9 @@ class Offload(Config):
     def saves_at_most(self, other: Config, batch_size: int) -> bool:
         return (self.states is None or self.states == other.states) and self.activations <= other.activations
 
+    def states_aside(self) -> Config:
+        return Offload(tuple(x for x in self.items if x not in STATES)) if self.states else self
+
     def apply(self, parts) -> None:
         if self.states == "optimizer_states":
             _offload_optimizer(parts)

@@ -75,6 +75,9 @@ class OptimizerVariant(Config):
     def ablations(self):
         return [(f"optimizer {self.name}", WorkloadOptimizer())] if self.name != "adamw" else []
 
+    def states_aside(self) -> Config:
+        return self.technique.default
+
     def ordered_in(self, plan) -> bool:
         """Offloaded states live on the host: their precision orders host memory, not the device's
         (a low-bit variant offloaded can even hold more on the device: its own temporaries)."""
