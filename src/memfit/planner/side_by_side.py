@@ -89,11 +89,20 @@ def _search_in_child(plan: Callable, then: Callable | None, kwargs: dict, conn, 
     its own pipe (NOTE [ A pipe per search ]); then the process ends at once, its own
     workers with it (they may still be winding down, and waiting for them at exit left them
     orphaned, holding the terminal's pipes)."""
-    try:
-        if nice:
-            os.nice(nice)
+    if nice:
+        os.nice(nice)
+
+    def search():
         result = plan(**kwargs, progress=_Relay(conn), alongside=False)
-        conn.send(("result", (result, then(result) if then else None)))
+        return result, then(result) if then else None
+    _call_in_child(search, conn)
+
+
+def _call_in_child(fn: Callable, conn) -> None:
+    """``fn()``'s result (or error) down ``conn``; then the process ends at once, with any workers of its
+    own (NOTE [ A pipe per search ])."""
+    try:
+        conn.send(("result", fn()))
     except UserError as e:
         conn.send(("user error", str(e)))
     except BaseException as e:  # noqa: BLE001 - sent to the parent, which raises it
@@ -217,15 +226,3 @@ def in_own_process(fn: Callable):
     if kind == "error":
         raise RuntimeError(f"traces in a forked process failed: {value}")
     return fn() if kind == "died" else value
-
-
-def _call_in_child(fn: Callable, conn) -> None:
-    try:
-        conn.send(("result", fn()))
-    except UserError as e:
-        conn.send(("user error", str(e)))
-    except BaseException as e:  # noqa: BLE001 - sent to the parent, which raises it
-        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    finally:
-        conn.close()
-        os._exit(0)
