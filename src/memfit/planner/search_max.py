@@ -14,7 +14,10 @@
    cannot give a faster plan; nor can a plan too big at the smallest value, searched where two searches
    did not settle it: NOTE [ Plans too big at the smallest value ]); the value and plan of the highest
    throughput are then pushed to that plan's own largest value (exact, as ``estimate`` finds it), and
-   searched there once more.
+   searched there once more. A split plan one search found too big, the searches at smaller values
+   take as failed untraced (NOTE [ Plans too big at a larger batch ]); ``max``'s own traces run in a
+   process of their own, so that its searches keep their trace workers (NOTE [ Traces of one's own
+   in a process of their own ] in memfit.planner.side_by_side).
 
 A search per value is seconds for a small model and a minute or more for a 7B one: ``max`` costs
 about log2(N) + 2 searches.
