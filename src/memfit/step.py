@@ -296,10 +296,10 @@ def _load(model: torch.nn.Module, target: Target) -> None:
     materialise(model, target.tensor_device, load)
 
 
-def make_batch(target: Target, *, whole: bool = False) -> Any:
+def make_batch(target: Target, *, whole: bool = False, device: str | None = None) -> Any:
     """One batch of what the target's step runs (one rank's share when sharded; ``whole``: the
-    global batch all ranks share), on the step's device."""
-    with torch.device(target.tensor_device):
+    global batch all ranks share), on the step's device (or ``device``)."""
+    with torch.device(device or target.tensor_device):
         batch = call_workload("batch(batch_size)", target.workload.batch,
                               target.batch_size if whole else target.rank_batch_size)
     if not any(isinstance(x, torch.Tensor) for x in tree_flatten(batch)[0]):
@@ -311,8 +311,7 @@ def make_batch(target: Target, *, whole: bool = False) -> Any:
 def batch_bytes(target: Target) -> int:
     """The bytes of one batch of the target's step (one rank's share), from its shapes (built on the
     meta device: nothing is allocated)."""
-    with torch.device("meta"):
-        batch = call_workload("batch(batch_size)", target.workload.batch, target.rank_batch_size)
+    batch = make_batch(target, device="meta")
     return sum(x.numel() * x.element_size() for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor))
 
 

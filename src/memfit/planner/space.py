@@ -218,7 +218,7 @@ def saves_no_more_than(a: Plan, b: Plan, batch_size: int, states_aside: bool = F
     fit, neither does ``a``). Values of equal rank but different kind are not comparable, nor are
     values whose order does not hold in their plan (``Config.ordered_in``). ``states_aside``: compare
     them but for what they do to the trained parameters' gradients and optimizer states
-    (``Config.states_aside``: NOTE [ Failures too big for any optimizer choice ] in memfit.planner.walk)."""
+    (``Config.states_aside``: NOTE [ Failures too big for any optimizer choice ] in memfit.planner.failures)."""
     xs, ys = (_aside(a), _aside(b)) if states_aside else (a.techniques, b.techniques)
     return all(x.saves_at_most(y, batch_size) if x.ordered_in(a) and y.ordered_in(b) else x == y
                for x, y in zip(xs, ys))

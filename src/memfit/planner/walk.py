@@ -8,10 +8,11 @@ it out; its full trace confirms it. The first plan that comes out fastest with f
 fit is chosen.
 
 Pruning: a plan that saves no more memory than one that did not fit cannot fit (techniques are
-assumed not to *add* memory; the failures and what they rule out: memfit.planner.failures). The maximal plans (none saves less than another everywhere) are
-traced after ``WALK_BEFORE_FEASIBILITY`` traces (memfit.planner.feasibility; first, when no plan
-measured before the walk fits: NOTE [ Maximal plans first when nothing measured fits ]): when none
-of them fits, nothing does.
+assumed not to *add* memory; the failures and what they rule out: memfit.planner.failures). The
+maximal plans (none saves less than another everywhere) are traced after
+``WALK_BEFORE_FEASIBILITY`` traces (memfit.planner.feasibility; first, when no plan measured before
+the walk fits: NOTE [ Maximal plans first when nothing measured fits ]): when none of them fits,
+nothing does.
 """
 
 from __future__ import annotations
@@ -97,8 +98,7 @@ class Walk:
             if not c.open:
                 continue
             self.progress.walk(self.evaluated, self.max_traces, len(heap) + 1)
-            if self._dominated(c):
-                c.prune(self.failed.rule_out(c))
+            if self._pruned(c):
                 continue
             if self.evaluated >= self.max_traces and not self.ladder.has_evidence(c.plan):
                 self._stop_at_limit(c)
@@ -106,9 +106,7 @@ class Walk:
             if self.maximal.plans is None and self.evaluated >= self.before_feasibility:
                 if not self._check_feasible(ranked):
                     return None
-                if not c.open or self._dominated(c):
-                    if c.open:
-                        c.prune(self.failed.rule_out(c))
+                if not c.open or self._pruned(c):
                     continue
                 if self.ladder.has_evidence(c.plan) and self._requeued(c):
                     continue
@@ -133,8 +131,11 @@ class Walk:
             return c
         return None
 
-    def _dominated(self, c: Candidate) -> bool:
-        return self.failed.rule_out(c) is not None
+    def _pruned(self, c: Candidate) -> bool:
+        """``c`` ruled out by the failures, and pruned with their reason."""
+        if (why := self.failed.rule_out(c)) is not None:
+            c.prune(why)
+        return why is not None
 
     def _requeued(self, c: Candidate) -> bool:
         """Slower than the fastest plan left (its time was measured): back in the queue at its time."""
@@ -204,7 +205,7 @@ class Walk:
         for _, _, x in heapq.nsmallest(LOOK_AHEAD, self.heap):
             if x is c or not x.open or x.used_bytes is not None or self.ladder.traced(x.plan):
                 continue
-            if self._dominated(x) or self.failed.would_rule_out(x, (c, *out)):
+            if self.failed.rule_out(x) or self.failed.would_rule_out(x, (c, *out)):
                 continue
             if estimate is not None and (not estimate.free(x.plan) or estimate.evaluate(x.plan).over(self.budget.bytes)):
                 continue

@@ -193,7 +193,7 @@ class Config:
         """This config with what it does to the trained parameters' gradients and optimizer states left
         out (the technique's default where that is all it does): the planner compares plans so where a
         plan too big by more than those could ever save rules out others (NOTE [ Failures too big for
-        any optimizer choice ] in memfit.planner.walk)."""
+        any optimizer choice ] in memfit.planner.failures)."""
         return self
 
     def ordered_in(self, plan) -> bool:
