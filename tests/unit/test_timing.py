@@ -406,19 +406,40 @@ def test_cpu_targets_are_refused():
 
 def test_a_storage_fetched_ahead_and_freed_unread_is_forgotten():
     """A side-stream copy's storage freed before any op read it must not make a later storage at its
-    address wait for that copy (the recorder keys storages by address)."""
+    address wait for that copy (the recorder finds storages by address)."""
     import gc
 
     import torch
 
-    from memfit.planner.opcost import OpRecorder, _while_alive
-    rec = OpRecorder()
+    from memfit.planner.op_links import Prefetched
+    keys = Prefetched()
     freed, kept = torch.empty(16), torch.empty(16)
-    freed_key, kept_key = freed.untyped_storage()._cdata, kept.untyped_storage()._cdata
-    _while_alive(rec._fetched, freed.untyped_storage())  # (as a side-stream copy into each records them)
-    _while_alive(rec._fetched, kept.untyped_storage())
+    address = freed.untyped_storage()._cdata
+    keys.copied(freed, 1, in_optimizer=False)  # (as a side-stream copy into each records them)
+    keys.copied(kept, 2, in_optimizer=False)
     del freed
     gc.collect()
-    assert freed_key not in rec._fetched
-    assert rec._first_use([kept]) == kept_key  # its first reader waits for the copy, once
-    assert rec._first_use([kept]) == 0
+    assert address not in keys._unread and address not in keys._keys
+    assert keys.first_read([kept]) == 2  # its first reader waits for the copy, once
+    assert keys.first_read([kept]) == 0
+
+
+def test_an_optimizer_op_on_a_storage_no_copy_wrote_waits_for_none():
+    """NOTE [ Keys, not addresses ]: in the optimizer phase an op waits for the copy that wrote its
+    first input; a storage no copy wrote, even at the address of a freed prefetched one, gives key 0,
+    and a prefetched state gives its copy's serial number, not its address."""
+    import gc
+
+    import torch
+
+    from memfit.planner.op_links import Prefetched
+    keys = Prefetched()
+    state = torch.empty(64)
+    keys.copied(state, 7, in_optimizer=True)
+    assert keys.key_of(state) == 7 and keys.key_of(state[8:]) == 7
+    address = state.untyped_storage()._cdata
+    del state
+    gc.collect()
+    assert address not in keys._keys
+    other = torch.empty(64)
+    assert keys.key_of(other) == 0

@@ -31,11 +31,20 @@ copies but the last would make what nothing waits for); and the stretch's ops wa
 prefetches as it makes. Block swap's stretch then starts with a block's prefetch, not with block 0's
 compute, whose weights were copied before it or fetched by the last micro-batch's backward. A run
 with no such place does not line up (the time is then the line through the pair's times).
+
+NOTE [ Keys, not addresses ]
+The recorder (memfit.planner.opcost) gave a copy and the op reading what it wrote the storage's
+address as their key. The host's allocator hands an address out again once freed: in the optimizer
+phase every op carried its first input's address, so one reading a new storage at a freed prefetch's
+address waited for that copy, by chance, in one process and not in another (this module's test
+failed in one CI run of several). :class:`Prefetched` gives each copy a serial number of its own,
+kept for its storage while the storage lives.
 """
 
 from __future__ import annotations
 
 import bisect
+import weakref
 
 from memfit.planner.ops import (
     BACKGROUND,
@@ -142,3 +151,48 @@ def relinked(out: list, images: list[list[int]], links: Links, b: list) -> list 
                 return None
             result[i] = result[i]._replace(key=-j - 1)
     return result
+
+
+class Prefetched:
+    """The recorder's side-stream copies to the device, by the storage each wrote while it lives
+    (NOTE [ Keys, not addresses ])."""
+
+    def __init__(self) -> None:
+        self._keys: dict[int, tuple[int, weakref.ref]] = {}
+        """Storage address -> (the key of the copy that wrote it, the storage by weak reference)."""
+        self._unread: dict[int, tuple[int, weakref.ref]] = {}
+        """The same, for weights copied ahead in forward or backward and not read yet."""
+
+    def copied(self, t, key: int, in_optimizer: bool) -> int:
+        """A copy with serial ``key`` wrote ``t``: returns ``key``."""
+        while_alive(self._keys, t.untyped_storage(), key)
+        if not in_optimizer:
+            while_alive(self._unread, t.untyped_storage(), key)
+        return key
+
+    def key_of(self, t) -> int:
+        """The key of the copy that wrote ``t``'s storage (an optimizer state coming back), else 0."""
+        hit = self._keys.get(t.untyped_storage()._cdata)
+        return hit[0] if hit is not None and hit[1]() is not None else 0
+
+    def first_read(self, ins) -> int:
+        """The key of the copy of a weight fetched ahead that an op reading ``ins`` is the first to
+        read (it waits for that copy), else 0."""
+        if not self._unread:
+            return 0
+        for t in ins:
+            hit = self._unread.pop(t.untyped_storage()._cdata, None)
+            if hit is not None and hit[1]() is not None:
+                return hit[0]
+        return 0
+
+
+def while_alive(table: dict, st, value=None) -> None:
+    """``table[st._cdata] = (value, a weak reference to st)`` until ``st`` is freed: tables are keyed by a
+    storage's address, which a later storage takes (its entry then replaces this one)."""
+    key = st._cdata
+
+    def freed(ref):
+        if table.get(key, (None, None))[1] is ref:
+            del table[key]
+    table[key] = (value, weakref.ref(st, freed))

@@ -25,6 +25,7 @@ Bytes are those of the tensors an op reads and writes, each at most its storage 
 bias is read once). Views, allocations and metadata ops launch no kernel; ops on zero-dim host
 scalars (AdamW's step counters stay on the CPU) launch none either. A scalar read
 (``.item()``) of a value computed on the device is a synchronisation.
+
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils.flop_counter import flop_registry
 
 from memfit import rng_ops
+from memfit.planner.op_links import Prefetched, while_alive
 from memfit.planner.op_work import (
     ATTENTION_OPS,
     HALF,
@@ -113,9 +115,7 @@ class OpRecorder(TorchDispatchMode):
         self._pending: dict[int, tuple[int, weakref.ref]] = {}
         """Storages written by a collective or on FSDP2's streams -> (that op's serial, the storage,
         by weak reference: a freed storage's key is reused)."""
-        self._fetched: dict[int, tuple[None, weakref.ref]] = {}
-        """Storages filled ahead by a side-stream copy in forward or backward, not read yet (by weak
-        reference: a storage freed unread leaves, so no later storage at its address waits for its copy)."""
+        self._prefetched = Prefetched()
         self._serials = 0
         self._compute_waits = 0
         self._schema: dict[Any, tuple[bool, tuple[int, ...]]] = {}
@@ -206,7 +206,7 @@ class OpRecorder(TorchDispatchMode):
 
     def _mark_device_scalar(self, t: torch.Tensor) -> None:
         if t.untyped_storage()._cdata not in self._device_scalars:
-            _while_alive(self._device_scalars, t.untyped_storage())
+            while_alive(self._device_scalars, t.untyped_storage())
 
     def _is_host(self, t: torch.Tensor) -> bool:
         tr = self.tracker
@@ -275,9 +275,7 @@ class OpRecorder(TorchDispatchMode):
             if hosted:  # host -> device (offloaded activations and optimizer states coming back)
                 # offloaded states are prefetched on a side stream, and so are swapped blocks' weights
                 side = (phase == PHASES.index("optimizer") and not flags & WORKER) or bool(flags & SIDE_STREAM)
-                key = outs[0].untyped_storage()._cdata if side and outs else 0
-                if key and phase != PHASES.index("optimizer"):
-                    _while_alive(self._fetched, outs[0].untyped_storage())
+                key = self._prefetched.copied(outs[0], self._serial(), phase == OPTIMIZER) if side and outs else 0
                 self.ops.append(Op(H2D, phase, 0.0, written, "", 1, flags | (SIDE_STREAM if side else 0), key))
                 return
             if outs:
@@ -288,7 +286,7 @@ class OpRecorder(TorchDispatchMode):
             self.ops.append(Op(HOST, phase, 0.0, device_in, "", 1, flags, host_bytes=read + written))
             return
         key = key_of_stream_op if key_of_stream_op is not None else \
-            ins[0].untyped_storage()._cdata if phase == 4 and ins else self._first_use(ins)
+            self._prefetched.key_of(ins[0]) if phase == OPTIMIZER and ins else self._prefetched.first_read(ins)
         if packet in ATTENTION_OPS:
             flops = flops_of(packet, args, kwargs, out)
             dtype = "half" if args[0].dtype in HALF else "fp32"
@@ -340,18 +338,6 @@ class OpRecorder(TorchDispatchMode):
         for t in outs:
             self._will_wait(t, serial)
 
-    def _first_use(self, ins) -> int:
-        """The storage of a weight fetched ahead on a side stream that this op is the first to read
-        (it waits for that copy: its ``key``), else 0."""
-        if not self._fetched:
-            return 0
-        for t in ins:
-            key = t.untyped_storage()._cdata
-            if key in self._fetched:
-                del self._fetched[key]
-                return key
-        return 0
-
     def _serial(self) -> int:
         self._serials += 1
         return self._serials
@@ -366,7 +352,7 @@ class OpRecorder(TorchDispatchMode):
         return AFTER_COMPUTE
 
     def _will_wait(self, t: torch.Tensor, serial: int) -> None:
-        _while_alive(self._pending, t.untyped_storage(), serial)
+        while_alive(self._pending, t.untyped_storage(), serial)
 
     def _wait_for_collectives(self, ins, phase: int, flags: int) -> None:
         for t in ins:
@@ -396,17 +382,6 @@ its GEMMs in bf16 and its forward GEMM counted (NOTE [ The 4-bit matmul under au
 ``memfit.techniques.bnb_kernels``), to +17%."""
 _PROFILER = {torch.ops.profiler._record_function_enter_new, torch.ops.profiler._record_function_exit}
 _MEMFIT_MODES = ("/memfit/",)
-
-
-def _while_alive(table: dict, st, value=None) -> None:
-    """``table[st._cdata] = (value, a weak reference to st)`` until ``st`` is freed: tables are keyed by a
-    storage's address, which a later storage takes (its entry then replaces this one)."""
-    key = st._cdata
-
-    def freed(ref):
-        if table.get(key, (None, None))[1] is ref:
-            del table[key]
-    table[key] = (value, weakref.ref(st, freed))
 
 
 def _offload_flags() -> int:
