@@ -282,3 +282,4 @@ def test_a_plan_far_over_the_budget_rules_out_its_optimizer_variants_untraced():
         assert ladder.full.order == traced
         if len(traced) == 2:
             assert all(c.status is Status.PRUNED and "optimizer keys" in c.reason for c in ranked[1:4])
+

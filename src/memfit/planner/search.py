@@ -55,7 +55,7 @@ from memfit.planner.space import (
     model_facts,
 )
 from memfit.planner.time_model import StepTimeModel
-from memfit.planner.traces import TraceBook
+from memfit.planner.traces import TraceBook, with_expandable
 from memfit.planner.walk import Walk
 from memfit.plans import Plan, technique_of, with_what_it_needs
 from memfit.quiet import silenced_warnings
@@ -136,20 +136,18 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
          time_model: StepTimeModel | None = None, space=None, fixed: dict | None = None,
          compile_modes: tuple[str, ...] | None = None, steps: int | None = None, progress=None,
          narrow_optimizer: bool = True, alongside: bool = True, host=None, field_recipes: bool = True,
-         too_big: dict[Plan, tuple[int, str]] | None = None) -> PlanResult:
+         too_big: dict[Plan, tuple[int, str]] | None = None, _book: TraceBook | None = None) -> PlanResult:
     """The fastest plan for ``workload`` whose predicted memory fits ``budget`` on ``device``.
 
     ``fixed``: plan fields the user set (``--precision bf16``); the search covers the others.
-    ``compile_modes``: the compile modes to search (None: the device's default, ``none`` for now;
-    memfit.techniques.compile says why). ``steps``: the run's
+    ``compile_modes``: the compile modes to search (None: the device's default). ``steps``: the run's
     length; compile time then counts as compile seconds / steps per step (None: a long run).
     ``progress``: a memfit.planner.progress.PlanProgress to report to (None: nothing shown).
     ``narrow_optimizer``: fix the optimizer's keys where the trained parameters are few (NOTE [ Optimizer
     choices that cannot matter ] in memfit.planner.space); when nothing fits so, plan again without.
     ``alongside``: idle workers trace the next plans' full traces while one is confirmed (False where
-    other searches use the cores: memfit.planner.side_by_side).
-    ``host``: the machine that trains, for the host part of GPU step times (memfit.hosts: a preset's
-    name, a multiple, or None for the default).
+    other searches use the cores: memfit.planner.side_by_side). ``host``: the machine that trains, for
+    the host part of GPU step times (memfit.hosts: a preset's name, a multiple, or None for the default).
     ``field_recipes``: plan the field's published recipes beside the search's own (memfit.planner.
     field_recipes; GPU presets; False where the report lists no recipe: ``--methods``' table).
     ``too_big``: plans known not to fit, with a lower bound of their need and why (memfit.planner.failures).
@@ -213,51 +211,46 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
         if time_model is not None:
             model, ladder = time_model, Ladder(FakeTrace(target, budget_obj))
         elif dev.is_gpu:
-            book, model, ladder = gpu_search(target, space, facts, budget_obj, fixed, host=host)
+            book, model, ladder = gpu_search(target, space, facts, budget_obj, fixed, host=host, book=_book)
             book.progress = progress
         else:
             model, ladder = cost.calibrate(target, space, progress=progress), Ladder(FakeTrace(target, budget_obj))
+    widen = False
     try:
         result = _search(t0, target, budget_obj, space, plans, constrained, model, ladder, steps, max_traces,
                          progress, alongside, book, recipes, too_big, trainable)
         if book is not None:
             result.trace_seconds = book.spent
+        widen = narrowed and result.chosen is None
     finally:
         model.close()
-        if book is not None:
+        if book is not None and not widen:
             book.close()
     result.trainable = trainable
-    if narrowed and result.chosen is None:  # NOTE [ Optimizer choices that cannot matter ]: no answer is lost
-        again = plan(workload, budget=budget, device=device, batch_size=batch_size, seq_len=seq_len,
-                     optimizers=optimizers, max_traces=max_traces, time_model=time_model, fixed=given_fields,
-                     compile_modes=compile_modes, steps=steps, progress=progress, narrow_optimizer=False,
-                     alongside=alongside, host=host, field_recipes=field_recipes, too_big=too_big)
-        again.traces += result.traces
+    if widen:  # NOTE [ Optimizer choices that cannot matter ]: no answer is lost (on the same book of traces)
+        try:
+            again = plan(workload, budget=budget, device=device, batch_size=batch_size, seq_len=seq_len,
+                         optimizers=optimizers, max_traces=max_traces, time_model=time_model, fixed=given_fields,
+                         compile_modes=compile_modes, steps=steps, progress=progress, narrow_optimizer=False,
+                         alongside=alongside, host=host, field_recipes=field_recipes, too_big=too_big, _book=book)
+        finally:
+            if book is not None:
+                book.close()
+        again.traces += result.traces if book is None else 0  # (a book counts its traces: the wide search's has both)
         again.seconds = time.perf_counter() - t0
         return again
     return result
 
 
-EXPANDED = ("the chosen plan fits only with expandable segments (allocator: expandable, what "
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True sets): with PyTorch's default segments its reserved bytes "
-            "are over the budget")
-
-
-def _with_expandable(chosen: Candidate | None, book: TraceBook | None) -> list[str]:
-    """A chosen plan that fits only with expandable segments carries them (NOTE [ Expandable segments
-    where they decide the fit ]); the note that says so, if it does."""
-    if chosen is None or book is None or chosen.plan not in book.expands:
-        return []
-    chosen.plan = book.expanded(chosen.plan)
-    return [EXPANDED]
-
-
-def gpu_search(target: Target, space, facts, budget: Budget, fixed: dict | None = None, host=None
-               ) -> tuple[TraceBook, GpuStepModel, GpuLadder]:
+def gpu_search(target: Target, space, facts, budget: Budget, fixed: dict | None = None, host=None,
+               book: TraceBook | None = None) -> tuple[TraceBook, GpuStepModel, GpuLadder]:
     """A GPU preset's search: one book of traces, and the time model and the evidence ladder that
     read it, side by side (``fixed``: plan fields outside the search space that every candidate
-    has; ``host``: the training machine, memfit.hosts). The caller closes the book (its worker processes)."""
-    book = TraceBook(target, facts, budget, world=int((fixed or {}).get("world_size") or 1))
+    has; ``host``: the training machine, memfit.hosts; ``book``: an earlier search's of the same target,
+    whose traces are kept). The caller closes the book (its worker processes)."""
+    if book is None:
+        book = TraceBook(target, facts, budget, world=int((fixed or {}).get("world_size") or 1))
+    book.phase = "before the walk"
     baseline = Baseline(book, space, fixed)
     host = get_host(host)
     return book, GpuStepModel(book, baseline, k=for_host(host), host=host), GpuLadder(book, baseline)
@@ -306,7 +299,7 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
         reason = invalid.reason.removeprefix("plan: ") if invalid else "no candidate plan is left"
         raise UserError(f"plan: no candidate plan can run {wl.name}: {reason}")
     ranked.sort(key=lambda c: c.seconds)
-    expanded_note = _with_expandable(chosen, book)
+    expanded_note = with_expandable(chosen, book)
     if chosen is not None:
         for c in ranked:
             if c.open and c is not chosen:
@@ -322,7 +315,7 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
         result.smallest = walk.smallest(ranked)
         if result.smallest is not None and result.smallest.used_bytes <= budget_bytes:  # a lower bound erred high
             chosen = result.chosen = result.smallest
-            result.notes += _with_expandable(chosen, book)
+            result.notes += with_expandable(chosen, book)
             chosen.choose("the smallest plan found, confirmed to fit by a full trace")
         for c in ranked:
             if c.open and c.used_bytes is None:

@@ -90,7 +90,8 @@ def drop_unused(space: SearchSpace, plans: list[Plan]) -> None:
 # save no more than that, and change numerics or add work for it. Where that bound is under
 # ``SMALL_STATES`` of the budget and the user named none of them, the optimizer is the workload's own,
 # stepped after backward, its states on the device; the search notes it. When no plan fits that way,
-# memfit.planner.search plans again with them, so no answer is lost. Measured: docs/planner-notes.md.
+# memfit.planner.search plans again with them, on the same traces, so no answer is lost. Measured (and
+# why the bound is not larger): docs/planner-notes.md.
 SMALL_STATES = 0.01
 STATE_BYTES_AT_MOST = 16
 """Per trained parameter: an fp32 gradient (4), AdamW's two fp32 moments (8), and 4 to spare."""
@@ -116,7 +117,7 @@ def leave_out_optimizer_choices(space: SearchSpace, trainable: int, budget_bytes
         left_out.append("offload: [optimizer_states]")
     if left_out:
         space.notes.append(f"{', '.join(left_out)} not searched: the {trainable:,} trained parameters' gradients and "
-                           f"optimizer states need at most {fmt_bytes(most)}, under 1% of the budget "
+                           f"optimizer states need at most {fmt_bytes(most)}, {most / budget_bytes:.1%} of the budget "
                            "(the workload's own optimizer, stepped after backward)")
     return bool(left_out)
 
@@ -219,11 +220,13 @@ def saves_no_more_than(a: Plan, b: Plan, batch_size: int, states_aside: bool = F
     values whose order does not hold in their plan (``Config.ordered_in``). ``states_aside``: compare
     them but for what they do to the trained parameters' gradients and optimizer states
     (``Config.states_aside``: NOTE [ Failures too big for any optimizer choice ] in memfit.planner.failures)."""
-    xs, ys = (_aside(a), _aside(b)) if states_aside else (a.techniques, b.techniques)
+    xs, ys = (without_states(a), without_states(b)) if states_aside else (a.techniques, b.techniques)
     return all(x.saves_at_most(y, batch_size) if x.ordered_in(a) and y.ordered_in(b) else x == y
                for x, y in zip(xs, ys))
 
 
 @functools.lru_cache(maxsize=65536)
-def _aside(plan: Plan) -> tuple:
+def without_states(plan: Plan) -> tuple:
+    """``plan``'s techniques with what they do to the trained parameters' gradients and optimizer states
+    left out (``Config.states_aside``): the plans equal under it differ in their optimizer keys only."""
     return tuple(x.states_aside() for x in plan.techniques)

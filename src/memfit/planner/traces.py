@@ -373,3 +373,17 @@ def _kind(job: tuple) -> str:
     """A trace job's kind, as :attr:`TraceBook.spent` counts it."""
     kind = "full-depth" if job[1] is None else "shallow"
     return kind + (" (micro-batch)" if job[2] is not None else "")
+
+
+EXPANDED = ("the chosen plan fits only with expandable segments (allocator: expandable, what "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True sets): with PyTorch's default segments its reserved bytes "
+            "are over the budget")
+
+
+def with_expandable(chosen, book: TraceBook | None) -> list[str]:
+    """A chosen plan (a memfit.planner.candidate.Candidate) that fits only with expandable segments carries
+    them (NOTE [ Expandable segments where they decide the fit ]); the note that says so, if it does."""
+    if chosen is None or book is None or chosen.plan not in book.expands:
+        return []
+    chosen.plan = book.expanded(chosen.plan)
+    return [EXPANDED]
