@@ -179,3 +179,43 @@ def test_split_plans_too_big_at_a_larger_batch_fail_untraced_at_a_smaller_one():
     failed.known(ranked, known)
     assert [x.status for x in ranked] == [Status.TOO_BIG, Status.NOT_EVALUATED, Status.NOT_EVALUATED]
     assert failed.rule_out(ranked[2]) and failed.rule_out(ranked[1]) is None  # (batch 8 whole saves no more than 4s)
+
+
+def test_max_searches_the_smallest_value_first_and_then_only_for_what_beats_it(monkeypatch):
+    """NOTE [ The smallest value first ]: the search at the smallest value has no bound; each later one is
+    told the step time it must beat (its samples over the best throughput found before), and a search
+    that finds nothing faster leaves the halving going."""
+    from memfit.planner import search_max
+    from memfit.planner.largest import Largest
+    sized = Sized.of(LLAMA, "batch_size", seq_len=64)
+    largest = Largest(batch_axis(), 1 << 30, 8, 1 << 29, 9, 1 << 31)
+    monkeypatch.setattr(search_max, "maximal_plans", lambda *a, **k: [])
+    own = iter([(largest, Plan()), SimpleNamespace(value=None)])  # (the largest under any plan; the best's own)
+    monkeypatch.setattr(search_max, "in_own_process", lambda f: next(own))
+    seconds = {1: 1.0, 8: None, 4: 3.0, 2: 3.0}  # (batch 1: 64 tokens/s; at 8 nothing beats 8 s; 4 beats it)
+    asked = []
+
+    def search(workload, batch_size, slower_than=None, **kwargs):
+        asked.append((batch_size, slower_than))
+        s = seconds[batch_size]
+        chosen = None if s is None else Candidate(Plan(), s, status=Status.CHOSEN)
+        return SimpleNamespace(chosen=chosen, candidates=[chosen] if chosen else [], limited=False,
+                               slower_than=slower_than, batch_size=batch_size)
+    out = search_max.plan_largest(sized, budget="1GiB", device="rtx4090", fixed={}, search=search)
+    assert asked == [(1, None), (8, 8.0), (4, 4.0)]  # (4's plan is the fastest of all: no need for 2)
+    assert out.best_value == 4 and out.throughput == pytest.approx(4 * 64 / 3.0)
+
+
+def test_a_search_with_a_time_to_beat_walks_only_the_plans_estimated_faster():
+    """``slower_than``: plans estimated no faster are not traced, and where none faster fits, nothing is
+    chosen (not a negative answer: no error, no search of the optimizer choices again)."""
+    from memfit.planner.search import plan
+    free = plan(LLAMA, device="rtx4090", batch_size=2, seq_len=64, max_traces=6, fixed={"adapter": "lora:r=4"})
+    fastest = min(c.seconds for c in free.candidates)
+    capped = plan(LLAMA, device="rtx4090", batch_size=2, seq_len=64, max_traces=6, fixed={"adapter": "lora:r=4"},
+                  slower_than=fastest)
+    assert capped.chosen is None and capped.slower_than == fastest
+    assert all(c.status is Status.SLOWER and "not traced" in c.reason for c in capped.candidates)
+    half = plan(LLAMA, device="rtx4090", batch_size=2, seq_len=64, max_traces=6, fixed={"adapter": "lora:r=4"},
+                slower_than=free.chosen.seconds * 1.001)
+    assert half.chosen is not None and half.chosen.plan == free.chosen.plan

@@ -64,8 +64,9 @@ class Estimate:
         default's lower bound plus each value's saving alone. Savings on different parts (optimizer
         states, activations) add up; two on the same part (activations) save less together than
         the sum: the estimate errs low (a product of the fractions each leaves errs high where the
-        parts differ, and hid the fastest plan at a tight budget). It only spares the search the
-        traces of plans well over the budget."""
+        parts differ, and hid the fastest plan at a tight budget), but never under the weights the plan
+        keeps (NOTE [ The weights under an estimate ]). It only spares the search the traces of plans
+        well over the budget."""
         base = self.book.measured[self.baseline.base]
         if not self.free(plan):  # the base's step at the plan's micro-batch size, traced
             micro = plan.micro_batches(self.book.target.batch_size)[0]
@@ -85,8 +86,8 @@ class Estimate:
     # savings on activations alone stop at the activations: a LoRA of Llama-2-7B at batch 16 x 2048 on
     # a 12 GB card (13.5 GB of bf16 weights, none swapped) was estimated under the budget with micro-
     # batches, offloaded activations and checkpointing together, whose savings alone (each a share of
-    # some 90 GiB of activations) summed to more than all but the weights; 54 of the 61 plans its search
-    # traced were such, 1.2-5x over the budget, and the trace limit came first. So no estimate is under
+    # 100 GiB and more of activations) summed to more than all but the weights; 11 of the 61 plans its
+    # search traced were such, 2-5x over the budget, before its trace limit. So no estimate is under
     # what the plan keeps of the weights on the device (every weight but the swapped blocks', in 16 bits
     # or the base weights' format: a lower bound of what it allocates) plus the CUDA context. (Sharded
     # plans hold a share of them: no floor there.)

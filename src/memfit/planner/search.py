@@ -95,6 +95,8 @@ class PlanResult:
     """When no plan was searched: what every plan keeps on the device (memfit.errors.WeightsExceedBudget)."""
     limited: bool = False
     """The trace limit left a faster plan untraced: the plan chosen may not be the fastest that fits."""
+    slower_than: float | None = None
+    """The step time a plan had to beat to be searched (None: any; nothing chosen: none faster fits)."""
 
     @property
     def throughput_unit(self) -> str:
@@ -136,7 +138,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
          time_model: StepTimeModel | None = None, space=None, fixed: dict | None = None,
          compile_modes: tuple[str, ...] | None = None, steps: int | None = None, progress=None,
          narrow_optimizer: bool = True, alongside: bool = True, host=None, field_recipes: bool = True,
-         too_big: dict[Plan, tuple[int, str]] | None = None, _book: TraceBook | None = None) -> PlanResult:
+         too_big: dict[Plan, tuple[int, str]] | None = None, slower_than: float | None = None,
+         _book: TraceBook | None = None) -> PlanResult:
     """The fastest plan for ``workload`` whose predicted memory fits ``budget`` on ``device``.
 
     ``fixed``: plan fields the user set (``--precision bf16``); the search covers the others.
@@ -151,6 +154,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     ``field_recipes``: plan the field's published recipes beside the search's own (memfit.planner.
     field_recipes; GPU presets; False where the report lists no recipe: ``--methods``' table).
     ``too_big``: plans known not to fit, with a lower bound of their need and why (memfit.planner.failures).
+    ``slower_than``: seconds a step must beat to be of use (memfit.planner.search_max); plans estimated
+    no faster are not walked, and where none faster fits, nothing is chosen.
     """
     progress = progress or NoProgress()
     t0 = time.perf_counter()
@@ -218,10 +223,10 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     widen = False
     try:
         result = _search(t0, target, budget_obj, space, plans, constrained, model, ladder, steps, max_traces,
-                         progress, alongside, book, recipes, too_big, trainable)
+                         progress, alongside, book, recipes, too_big, trainable, slower_than)
         if book is not None:
             result.trace_seconds = book.spent
-        widen = narrowed and result.chosen is None
+        widen = narrowed and result.chosen is None and slower_than is None
     finally:
         model.close()
         if book is not None and not widen:
@@ -270,7 +275,7 @@ def _trainable(target: Target, facts, given: dict) -> int:
 def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Plan], constrained: dict,
             model: StepTimeModel, ladder: Ladder, steps: int | None, max_traces: int, progress,
             alongside: bool = True, book: TraceBook | None = None, recipes: dict | None = None,
-            too_big: dict | None = None, trainable: int | None = None) -> PlanResult:
+            too_big: dict | None = None, trainable: int | None = None, slower_than: float | None = None) -> PlanResult:
     recipes = recipes or {}
     wl, dev, bs, budget_bytes = target.workload, target.device, target.batch_size, budget_obj.bytes
     whole = [c.plan for c in maximal([Candidate(p, 0.0) for p in plans if p not in recipes], bs)
@@ -288,13 +293,16 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
     walk = Walk(bs, budget_obj, model, ladder, steps, max_traces, progress, alongside)
     walk.failed.states_bytes = None if trainable is None else 2 * STATE_BYTES_AT_MOST * trainable
     walk.failed.known(ranked, too_big or {})
+    capped = {id(c) for c in ranked if slower_than is not None and c.open and c.seconds >= slower_than}
+    for c in (c for c in ranked if id(c) in capped):  # (not walked, nor among the maximal plans it traces)
+        c.outrun(f"estimated no faster than {slower_than:.3g} s, what a step must beat here (not traced)")
     if book is not None:
         book.phase = "walk"
-    chosen = walk.run(ranked)
+    chosen = walk.run([c for c in ranked if id(c) not in capped])
     if recipes:  # (memfit.planner.field_recipes: each shown with figures of its own)
         with silenced_warnings():
             chosen = settle_recipes(walk, [c for c in ranked if c.recipe is not None], chosen)
-    if chosen is None and not any(c.used_bytes is not None for c in ranked):
+    if chosen is None and slower_than is None and not any(c.used_bytes is not None for c in ranked):
         invalid = next((c for c in ranked if c.status is Status.INVALID), None)
         reason = invalid.reason.removeprefix("plan: ") if invalid else "no candidate plan is left"
         raise UserError(f"plan: no candidate plan can run {wl.name}: {reason}")
@@ -308,7 +316,7 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
         chosen.choose(_why_chosen(chosen, ranked, bs))
     result = PlanResult(workload=wl.name, device=dev.name, batch_size=bs, budget_bytes=budget_bytes,
                         time_model=model.describe(), chosen=chosen, candidates=ranked, traces=walk.traces,
-                        seq_len=wl.info.seq_len, limited=walk.limited,
+                        seq_len=wl.info.seq_len, limited=walk.limited, slower_than=slower_than,
                         run_steps=steps, notes=[*space.notes, *(f"{x} (left out)" for x in model.excluded), *walk.notes,
                                *expanded_note])
     if chosen is None:  # nothing fits (or the trace limit came first): the smallest footprint seen

@@ -146,7 +146,9 @@ def print_largest_plan(result, console: Console | None = None) -> None:
     for value, r in sorted(result.searched, key=lambda x: x[0]):
         ch = r.chosen
         if ch is None:
-            t.add_row(axis.number(value), "[red]nothing fits[/]", "-", "-", "-")
+            why = "nothing fits" if r.slower_than is None else \
+                f"none faster than {r.slower_than * 1e3:,.0f} ms/step fits (the best {result.unit} found before)"
+            t.add_row(axis.number(value), f"[red]{why}[/]", "-", "-", "-")
             continue
         limited = " [yellow](trace limit reached: a faster plan may fit)[/]" if r.limited else ""
         t.add_row(axis.number(value), escape(ch.plan.short(r.batch_size)) + limited, fmt_bytes(ch.used_bytes),
