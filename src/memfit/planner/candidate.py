@@ -140,7 +140,7 @@ class Candidate:
     def reject(self, reason: str) -> None:
         self.status, self.reason = Status.TOO_BIG, reason
 
-    def prune(self, reason: str = "saves no more memory than a plan that did not fit") -> None:
+    def prune(self, reason: str) -> None:
         self.status, self.reason = Status.PRUNED, reason
 
     def invalidate(self, error: Exception) -> None:

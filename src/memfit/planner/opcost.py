@@ -25,7 +25,6 @@ Bytes are those of the tensors an op reads and writes, each at most its storage 
 bias is read once). Views, allocations and metadata ops launch no kernel; ops on zero-dim host
 scalars (AdamW's step counters stay on the CPU) launch none either. A scalar read
 (``.item()``) of a value computed on the device is a synchronisation.
-
 """
 
 from __future__ import annotations

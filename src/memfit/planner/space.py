@@ -220,13 +220,13 @@ def saves_no_more_than(a: Plan, b: Plan, batch_size: int, states_aside: bool = F
     values whose order does not hold in their plan (``Config.ordered_in``). ``states_aside``: compare
     them but for what they do to the trained parameters' gradients and optimizer states
     (``Config.states_aside``: NOTE [ Failures too big for any optimizer choice ] in memfit.planner.failures)."""
-    xs, ys = (without_states(a), without_states(b)) if states_aside else (a.techniques, b.techniques)
+    xs, ys = (_aside(a), _aside(b)) if states_aside else (a.techniques, b.techniques)
     return all(x.saves_at_most(y, batch_size) if x.ordered_in(a) and y.ordered_in(b) else x == y
                for x, y in zip(xs, ys))
 
 
 @functools.lru_cache(maxsize=65536)
-def without_states(plan: Plan) -> tuple:
+def _aside(plan: Plan) -> tuple:
     """``plan``'s techniques with what they do to the trained parameters' gradients and optimizer states
     left out (``Config.states_aside``): the plans equal under it differ in their optimizer keys only."""
     return tuple(x.states_aside() for x in plan.techniques)
