@@ -37,7 +37,10 @@ def _kernel_missing(name: str, precision: str) -> bool:
     return name == "lstm" and precision == "bf16" and not cpu_runs_bf16_lstm()
 
 
-SLOW_CASES = {("t5", "fp32")}  # the slowest pair, to the slow tier (keeps the default suite under 10 minutes)
+# One precision of each architecture in the default tier (both for cnn and lstm), the other in the slow tier
+# (keeps the default suite under 10 minutes); the GPU rows of tests/data hold both on a GPU.
+SLOW_CASES = {("t5", "fp32"), ("transformer", "fp32"), ("gpt2", "bf16"), ("bert", "fp32"), ("llama", "bf16"),
+              ("vit", "fp32"), ("mha", "bf16"), ("dit", "fp32")}
 
 
 @pytest.mark.parametrize("name,precision", [
