@@ -32,6 +32,8 @@ def test_fields_a_config_derives_follow_the_overrides():
 
 @pytest.mark.parametrize("spec,match", [
     ("nosuch", "unknown workload"),
+    ("qlora.yml", r"axolotl config is read with --from: memfit estimate --from qlora\.yml"),
+    ("configs/qlora.yaml", r"memfit estimate --from configs/qlora\.yaml \(or plan --from\)"),
     ("gpt2:nlayer=3", "no field 'nlayer'"),
     ("gpt2:n_layer", "key=value"),
     ("cnn:widht=3", "unknown field"),

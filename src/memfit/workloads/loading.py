@@ -36,6 +36,9 @@ def load_workload(spec: str | Workload, *, seq_len: int | None = None, resolutio
             return hub_workload(name, seq_len=seq_len)
         return folder_workload(name, seq_len=seq_len)
     head = spec.split(":", 1)[0]
+    if Path(head).suffix.lower() in (".yml", ".yaml"):
+        raise UserError(f"{head} is not a workload; an axolotl config is read with --from: memfit estimate --from "
+                        f"{head} (or plan --from)")
     if head.endswith(".py") or Path(head).suffix == ".py":
         _builtin_sizes_only(seq_len, resolution, "set it inside your workload file")
         return _load_file_workload(spec)
