@@ -47,3 +47,20 @@ def test_the_methods_table_shows_throughput_too():
     method = SimpleNamespace(name="full", trains="every weight")
     out = _text(print_methods, [(method, _result(2048), 8_000_000_000)])
     assert "tokens/s" in out and "8,192" in out
+
+
+def test_the_methods_table_keeps_one_line_a_method_on_an_80_column_terminal():
+    """What each method trains is said under the table (a column of sentences wrapped every row into
+    five lines at 80 columns), and a memory cell is never split."""
+    from types import SimpleNamespace
+    none = _result(2048)
+    none.chosen, none.smallest = None, Candidate(Plan(), 1.0, used_bytes=589_299_712)
+    methods = [SimpleNamespace(name="lora", trains="a low-rank adapter trains; the base weights are frozen"),
+               SimpleNamespace(name="qlora", trains="a low-rank adapter trains over base weights quantized to 4 bits")]
+    console = Console(record=True, width=80)
+    print_methods([(methods[0], _result(2048), 98_304), (methods[1], none, 98_304)], console=console)
+    lines = console.export_text().splitlines()
+    rows = [line for line in lines if line.startswith(("lora ", "qlora "))]
+    assert len(rows) == 2 and "needs 562.00 MiB" in rows[1]
+    assert "  lora: a low-rank adapter trains; the base weights are frozen" in lines
+    assert all(len(line) <= 80 for line in lines if not line.startswith("note:"))

@@ -97,8 +97,8 @@ def print_methods(rows, console: Console | None = None) -> None:
     c.print(f"[yellow]note:[/] {DIFFERENT_THINGS}")
     t = Table(title="each method's fastest plan that fits", show_edge=False, pad_edge=False, box=None)
     for col, just in (("method", "left"), ("trains", "right"), ("plan", "left"), ("memory", "right"),
-                      ("ms/step", "right"), (first.throughput_unit, "right"), ("what it trains", "left")):
-        t.add_column(col, justify=just)
+                      ("ms/step", "right"), (first.throughput_unit, "right")):
+        t.add_column(col, justify=just, no_wrap=col in ("method", "memory"))
     for method, result, trainable in rows:
         ch = result.chosen
         if ch:
@@ -109,8 +109,10 @@ def print_methods(rows, console: Console | None = None) -> None:
         else:
             smallest = fmt_bytes(result.smallest.used_bytes) if result.smallest else "-"
             cells = ("[red]nothing fits[/]", f"needs {smallest}", "-", "-")
-        t.add_row(method.name, _count(trainable), *cells, method.trains)
+        t.add_row(method.name, _count(trainable), *cells)
     c.print(t)
+    for method, _, _ in rows:  # (below the table: a column of sentences wrapped each row on a narrow terminal)
+        c.print(f"[dim]  {method.name}: {escape(method.trains)}[/]")
 
 
 def _rate(result, candidate, unit: bool = True) -> str:
