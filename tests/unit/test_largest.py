@@ -219,3 +219,22 @@ def test_a_search_with_a_time_to_beat_walks_only_the_plans_estimated_faster():
     half = plan(LLAMA, device="rtx4090", batch_size=2, seq_len=64, max_traces=6, fixed={"adapter": "lora:r=4"},
                 slower_than=free.chosen.seconds * 1.001)
     assert half.chosen is not None and half.chosen.plan == free.chosen.plan
+
+
+def test_plan_max_prints_its_searches_and_says_how_to_write_the_plan(monkeypatch, capsys):
+    """The text answer: the fastest value and plan, the searches by value, and how to keep the plan (with
+    the value to train at); the plan's every field is not dumped (plan's own table does not either)."""
+    from memfit.cli.main import main
+    from memfit.planner import search_max
+    from memfit.planner.largest import Largest
+    sized = Sized.of(LLAMA, "batch_size", seq_len=64)
+    chosen = Candidate(Plan(checkpointing="blocks"), 2.0, used_bytes=1 << 29, status=Status.CHOSEN)
+    best = SimpleNamespace(chosen=chosen, candidates=[chosen], limited=False, slower_than=None, batch_size=4)
+    out = search_max.LargestPlan(sized, 1 << 30, Largest(batch_axis(), 1 << 30, 8, 1 << 29, 9, 1 << 31), Plan(),
+                                 best=best, best_value=4, throughput=128.0, unit="tokens/s", searched=[(4, best)])
+    monkeypatch.setattr(search_max, "plan_largest", lambda *a, **k: out)
+    assert main(["plan", LLAMA, "--seq-len", "64", "-b", "max", "--device", "rtx4090"]) == 0
+    text = capsys.readouterr().out
+    assert "fastest: batch size 4 with fp32 ckpt=blocks" in text and "bf16_update" not in text
+    assert text.rstrip().endswith("--out plan.yaml writes the fastest plan; train with it at --batch-size 4 (memfit "
+                                  "train ... --plan plan.yaml)")

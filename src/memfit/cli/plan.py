@@ -230,4 +230,7 @@ def _largest(args: argparse.Namespace, key: str, fixed: dict, kwargs: dict) -> i
         print_largest_plan(result)
         if result.best and args.out:
             print(f"plan written to {args.out}")
+        elif result.best:  # (as plan's own table: the plan is written with --out, not dumped)
+            print(f"--out plan.yaml writes the fastest plan; train with it at {result.sized.axis.flag} "
+                  f"{result.best_value} (memfit train ... --plan plan.yaml)")
     return 0 if result.best else 1

@@ -156,8 +156,6 @@ def print_largest_plan(result, console: Console | None = None) -> None:
         t.add_row(axis.number(value), escape(ch.plan.short(r.batch_size)) + limited, fmt_bytes(ch.used_bytes),
                   f"{ch.seconds * 1e3:.1f}", fmt_rate(throughput(result.sized, value, ch.seconds)))
     c.print(t)
-    if result.best:
-        c.print(escape(result.best.chosen.plan.to_yaml().rstrip()))
 
 
 def _beyond(found) -> str:
