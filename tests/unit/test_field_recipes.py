@@ -101,3 +101,17 @@ def test_torchtune_full_recipe_is_listed_with_its_paged_states_migration_priced(
     assert result.chosen is not None and result.chosen.seconds <= recipe.seconds
     row = result.to_json()["field_recipes"][0]
     assert row["recipe"] == "torchtune full (1 GPU)" and row["managed_bytes"] == managed
+
+
+def test_a_recipe_is_traced_whatever_the_estimate_says(monkeypatch):
+    """NOTE [ A recipe is never ruled out by an estimate ]: with every estimate far over the budget (as
+    savings measured alone gave torchtune's recipe for Llama-3-8B sizes: 29.40 GiB, where its own traces
+    fit 21.28), the plans of the space are ruled out untraced and the recipe is still traced."""
+    from memfit.planner import gpu_ladder
+    from memfit.planner.candidate import Evidence, Fidelity
+    monkeypatch.setattr(field_recipes, "RECIPES", tuple(dataclasses.replace(r, min_params=0) for r in RECIPES))  # (a small model)
+    monkeypatch.setattr(gpu_ladder.Estimate, "evaluate", lambda self, plan: Evidence(Fidelity.ESTIMATE, used_bytes=1 << 50))
+    result = plan(LLAMA, budget="8GiB", device="rtx4090", batch_size=2, seq_len=64, max_traces=12)
+    recipes = [c for c in result.candidates if c.recipe is not None]
+    assert recipes and all(c.used_bytes is not None and "estimated to need" not in c.reason for c in recipes)
+    assert any("estimated to need" in c.reason for c in result.candidates if c.recipe is None)  # (the others were)
