@@ -190,7 +190,7 @@ def predict_here(case: dict, device: str) -> dict:
     import memfit
     try:
         report = memfit.estimate(resolve_workload(case), memfit.Plan(**case["plan"]), batch_size=case["batch_size"], device=device)
-        return {"allocated": report.peak_bytes, "reserved": report.reserved_bytes}
+        return {"allocated": report.peak_bytes, "reserved": report.reserved_bytes, "managed": report.managed_bytes}
     except Exception as e:  # noqa: BLE001 - recorded; the measurement stands
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 
@@ -200,15 +200,38 @@ _BALLAST: list[int] = []
 
 def ballast(leave_bytes: int) -> int:
     """Take the card's free memory down to ``leave_bytes`` with an allocation outside PyTorch's caching
-    allocator (``cudaMalloc`` through CuPy, held until the process ends): a smaller card, whose allocator
-    meets the card's end, not only a per-process cap (DESIGN.md). Returns the bytes taken."""
-    import cupy
+    allocator (the CUDA driver's ``cuMemAlloc`` in the context torch made current, held until the process
+    ends): a smaller card, whose allocator meets the card's end, not only a per-process cap (DESIGN.md).
+    Device memory is committed when allocated, so what is left is physical memory: managed (paged)
+    memory and the CUDA context are outside the allocator's cap, not outside this. The driver library
+    comes with the NVIDIA driver: no wheel to carry (CuPy, used before, was not on the device machine).
+    Returns the bytes taken."""
+    import ctypes
+
     import torch
-    free, _ = torch.cuda.mem_get_info()
+    free, _ = torch.cuda.mem_get_info()  # (creates torch's context and makes it current here)
     taken = max(0, free - leave_bytes)
     if taken:
-        _BALLAST.append(cupy.cuda.runtime.malloc(taken))
+        driver = ctypes.CDLL("libcuda.so.1")
+        pointer = ctypes.c_uint64()
+        status = driver.cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(taken))
+        if status != 0:
+            raise RuntimeError(f"ballast: cuMemAlloc_v2 of {taken} bytes failed (CUresult {status})")
+        _BALLAST.append(pointer.value)
     return taken
+
+
+def managed_bytes() -> int:
+    """Bytes of CUDA managed (unified) tensors alive in this process: bitsandbytes' paged optimizer
+    states (``is_paged``), which are outside the caching allocator and its max_memory_* figures."""
+    import gc
+    import warnings
+
+    import torch
+    with warnings.catch_warnings():  # (isinstance on deprecated objects torch keeps warns)
+        warnings.simplefilter("ignore")
+        return sum(o.numel() * o.element_size() for o in gc.get_objects()
+                   if isinstance(o, torch.Tensor) and getattr(o, "is_paged", False))
 
 
 def measure_case(case: dict, device: str = "cuda", predict: str | None = None) -> dict:
@@ -267,6 +290,9 @@ def measure_case(case: dict, device: str = "cuda", predict: str | None = None) -
                 row["device_used_after_step"] = total - torch.cuda.mem_get_info()[0]
                 row["device_used_before_model"] = total - free0
             row["allocated_after_step"] = torch.cuda.memory_allocated()
+            row["managed_bytes"] = managed_bytes()  # (paged states: not in max_memory_reserved)
+            if row.get("leave_bytes"):
+                row["free_after_step"] = torch.cuda.mem_get_info()[0]  # (what the ballast left, still free)
             stats = torch.cuda.memory_stats()
             row["alloc_retries"] = stats.get("num_alloc_retries", 0)
         times = []

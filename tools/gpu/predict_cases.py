@@ -30,7 +30,8 @@ def predict_case(case: dict, preset: str) -> dict:
                              device=preset)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     return {"case": case["case"], "preset": preset,
-            "predicted": {"allocated": report.peak_bytes, "reserved": report.reserved_bytes},
+            "predicted": {"allocated": report.peak_bytes, "reserved": report.reserved_bytes,
+                          "managed": report.managed_bytes},
             "code_generators": [a for a in report.approximations if "compiled region predicted with" in a],
             "notes": [a for a in report.approximations if "instead" in a],
             "memfit_commit": commit, "torch": torch.__version__, "seconds": round(time.perf_counter() - t0, 1)}
