@@ -1,0 +1,40 @@
+"""The GPU harness's own arithmetic, without a GPU: the ballast that makes a large card a smaller one, and
+the paged (managed) bytes a row records apart from the caching allocator's."""
+
+import ctypes
+
+import pytest
+import torch
+
+from tools.gpu import ground_truth
+
+
+class _Driver:
+    def __init__(self, status: int = 0) -> None:
+        self.status, self.asked = status, []
+
+    def cuMemAlloc_v2(self, pointer, size):  # noqa: N802 - the driver's name
+        self.asked.append(size.value)
+        ctypes.cast(pointer, ctypes.POINTER(ctypes.c_uint64)).contents.value = 0x7F00
+        return self.status
+
+
+def test_the_ballast_takes_what_is_free_beyond_the_bytes_left_outside_the_allocator(monkeypatch):
+    driver = _Driver()
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (100 << 30, 141 << 30))
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: driver if name == "libcuda.so.1" else None)
+    monkeypatch.setattr(ground_truth, "_BALLAST", [])
+    assert ground_truth.ballast(24 << 30) == 76 << 30 and driver.asked == [76 << 30]
+    assert ground_truth._BALLAST == [0x7F00]  # (held until the process ends)
+    assert ground_truth.ballast(200 << 30) == 0 and driver.asked == [76 << 30]  # (less free than asked: nothing)
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: _Driver(status=2))
+    with pytest.raises(RuntimeError, match="cuMemAlloc_v2 of 81604378624 bytes failed .CUresult 2."):
+        ground_truth.ballast(24 << 30)
+
+
+def test_managed_bytes_count_the_paged_tensors_alone():
+    before = ground_truth.managed_bytes()
+    paged, plain = torch.zeros(1000, dtype=torch.uint8), torch.zeros(1000)
+    paged.is_paged = True  # (as bitsandbytes marks its managed state tensors)
+    assert ground_truth.managed_bytes() - before == 1000
+    del paged, plain
