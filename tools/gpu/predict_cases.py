@@ -7,6 +7,10 @@ Commit the file before the GPU run: the rows measured later are compared with it
 
     python -m tools.gpu.predict_cases --cases tools/gpu/compile_blind_cases.json \\
         --out tools/gpu/compile_blind_predicted.jsonl [--preset h100-80gb] [--only REGEX]
+
+``--times CARD`` (``h100`` or ``h200``) adds ``predicted_step_seconds``: the step time the time model
+gives the case on that machine (its card's preset, its host's profile, memfit.hosts), exactly as
+``tools/fit/held_out.py`` will predict the measured row (blind held-out plans, issue 51).
 """
 
 from __future__ import annotations
@@ -37,18 +41,33 @@ def predict_case(case: dict, preset: str) -> dict:
             "memfit_commit": commit, "torch": torch.__version__, "seconds": round(time.perf_counter() - t0, 1)}
 
 
+CARD_GPUS = {"h100": "NVIDIA H100 80GB HBM3", "h200": "NVIDIA H200"}
+
+
+def predict_seconds(case: dict, card: str) -> float:
+    """The time model's step seconds for ``case`` on ``card``'s machine, as tools/fit/held_out.py
+    prices the row the GPU will record (built as the harness builds it: loaded as a checkpoint)."""
+    from tools.fit.held_out import predict
+    row = {**case, "card": card, "gpu": CARD_GPUS[card], "load": "checkpoint", "step_seconds_median": 1.0}
+    (result,) = predict([row], None)
+    return result.predicted
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", required=True, metavar="FILE.json")
     ap.add_argument("--out", required=True, metavar="FILE.jsonl")
     ap.add_argument("--preset", default="h100-80gb")
     ap.add_argument("--only", metavar="REGEX")
+    ap.add_argument("--times", choices=sorted(CARD_GPUS), help="also the predicted step seconds on this machine")
     opts = ap.parse_args(argv)
     warnings.simplefilter("ignore")
     with open(opts.cases) as f:
         cases = [c for c in json.load(f) if not opts.only or re.search(opts.only, c["case"])]
     for case in cases:
         row = predict_case(case, opts.preset)
+        if opts.times:
+            row["predicted_step_seconds"] = {opts.times: round(predict_seconds(case, opts.times), 5)}
         with open(opts.out, "a") as f:
             f.write(json.dumps(row) + "\n")
         print(json.dumps(row), flush=True)
