@@ -1,0 +1,87 @@
+"""The QLoRA loop as users write it, predicted (issue 49: memfit predicts what *they* run).
+
+A saved checkpoint is loaded with transformers' ``from_pretrained`` and a ``BitsAndBytesConfig``
+(NF4, double quantization, bf16 compute), prepared with peft's ``prepare_model_for_kbit_training``
+(non-quantized weights to fp32, input embeddings requiring grad, checkpointing of each decoder layer
+as the Trainer enables it: ``use_reentrant=False``), given peft's LoRA, and trained with torch's AdamW
+under bf16 autocast (``Trainer(bf16=True)``). The profiler measures the third step's peak of that
+loop, from the first allocation of the load on; memfit predicts the same folder under the plan that
+names it: ``base_weights: nf4:double_quant=true, adapter: lora:...,targets=q_proj+v_proj, precision:
+bf16, checkpointing: blocks`` (``bf16``: autocast over fp32 weights, which is what
+``prepare_model_for_kbit_training`` leaves; ``bf16-pure`` keeps them in bf16, as torchtune and
+Unsloth do)."""
+
+import gc
+import json
+
+import pytest
+import torch
+
+import memfit
+from memfit.memory.profiler_events import allocator_events, memory_profiler
+from memfit.quiet import QuietProfiler
+
+CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 688,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
+          "max_position_embeddings": 128, "tie_word_embeddings": True}
+BATCH, SEQ = 2, 64
+MARK_STEP_3 = 12_345_677
+"""An allocation of this many bytes, made and freed just before the third step: where it starts in the
+profiler's stream."""
+
+
+def _save(folder) -> None:
+    import transformers
+    config = transformers.LlamaConfig(**{k: v for k, v in CONFIG.items() if k != "architectures"})
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+
+
+def _users_loop(folder, checkpointing: bool) -> int:
+    """The third step's peak of the user's loop (bytes live on the CPU allocator, the load's included)."""
+    import transformers
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                            bnb_4bit_compute_dtype=torch.bfloat16)
+    gc.collect()
+    with QuietProfiler(memory_profiler()) as prof:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), quantization_config=quant,
+                                                                  dtype=torch.bfloat16, device_map={"": "cpu"})
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing,
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                 task_type="CAUSAL_LM"))
+        model.train()
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        tokens = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ))
+        for i in range(3):
+            if i == 2:
+                torch.empty(MARK_STEP_3, dtype=torch.uint8)  # (made and freed at once: a mark in the stream)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    live, peak, third = 0, 0, False
+    for _, nbytes in allocator_events(prof):
+        if abs(nbytes) == MARK_STEP_3:
+            third = True
+            continue
+        live += nbytes
+        if third:
+            peak = max(peak, live)
+    assert third
+    return peak
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "blocks"])
+def test_the_users_qlora_loop_is_predicted_within_1pct(tmp_path, checkpointing):
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("peft")
+    _save(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"]
+    measured = _users_loop(tmp_path, checkpointing == "blocks")
+    plan = memfit.Plan(base_weights="nf4:double_quant=true", adapter="lora:r=16,alpha=16,targets=q_proj+v_proj",
+                       precision="bf16", checkpointing=checkpointing)
+    predicted = memfit.estimate(str(tmp_path), plan, batch_size=BATCH, seq_len=SEQ, device="cpu").peak_bytes
+    assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
