@@ -38,3 +38,14 @@ def test_managed_bytes_count_the_paged_tensors_alone():
     paged.is_paged = True  # (as bitsandbytes marks its managed state tensors)
     assert ground_truth.managed_bytes() - before == 1000
     del paged, plain
+
+
+def test_a_blind_row_is_set_beside_its_prediction():
+    from tools.gpu.compare_blind import lines
+    rows = [{"case": "a", "max_memory_allocated": 100, "max_memory_reserved": 200, "managed_bytes": 0,
+             "step_seconds_median": 2.0, "alloc_retries": 0},
+            {"case": "b", "error": "OutOfMemoryError: CUDA out of memory"}]
+    predicted = {"a": {"predicted": {"allocated": 103, "reserved": 190, "managed": 0}, "predicted_step_seconds": {"h200": 1.8}}}
+    a, b = lines(rows, predicted, "h200")
+    assert "allocated 100 (+3.00%)" in a and "reserved 200 (-5.00%)" in a and "s/step 2.0 (-10.00%)" in a
+    assert b.endswith("error: OutOfMemoryError: CUDA out of memory") and "allocated None (-)" in b

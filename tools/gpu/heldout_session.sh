@@ -16,14 +16,4 @@ python3 -c "import torch, bitsandbytes, transformers; print(torch.__version__, b
 el "held-out plans"; python3 -m tools.gpu.ground_truth --cases tools/gpu/heldout_cases.json --out $OUT/gt.jsonl \
   --timeout 120 --deadline $(( $(left) - 15 ))
 el done
-python3 - "$OUT/gt.jsonl" <<'PY'
-import json, sys
-predicted = {json.loads(l)["case"]: json.loads(l) for l in open("tools/gpu/heldout_predicted.jsonl")}
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    p = predicted.get(r["case"], {})
-    s = (p.get("predicted_step_seconds") or {}).get("h200")
-    m = r.get("step_seconds_median")
-    print(r["case"], "measured", m, "predicted", s, f"{s / m - 1:+.1%}" if s and m else "", "allocated",
-          r.get("max_memory_allocated"), "predicted", (p.get("predicted") or {}).get("allocated"), r.get("error", ""))
-PY
+python3 -m tools.gpu.compare_blind $OUT/gt.jsonl tools/gpu/heldout_predicted.jsonl

@@ -32,10 +32,4 @@ if [ "$(left)" -gt 120 ]; then
     --out $OUT/offload_gpu.jsonl
 fi
 el done
-python3 - "$OUT/gt.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    print(r["case"], {k: r.get(k) for k in ("max_memory_allocated", "max_memory_reserved", "managed_bytes",
-                                            "free_after_step", "step_seconds_median", "tokens_per_second", "error")})
-PY
+python3 -m tools.gpu.compare_blind $OUT/gt.jsonl tools/gpu/recipe_predicted.jsonl

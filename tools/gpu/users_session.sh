@@ -25,14 +25,4 @@ if [ "$(left)" -gt 150 ]; then
   el "qlora load"; timeout $(( $(left) - 10 )) python3 -m bench.qlora_load_gpu --preset h200-141gb --out $OUT/qlora_load.jsonl
 fi
 el done
-python3 - "$OUT/gt.jsonl" <<'PY'
-import json, sys
-predicted = {json.loads(l)["case"]: json.loads(l) for l in open("tools/gpu/users_predicted.jsonl")}
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    p = predicted.get(r["case"], {})
-    a, pa = r.get("max_memory_allocated"), (p.get("predicted") or {}).get("allocated")
-    print(r["case"], "allocated", a, "predicted", pa, f"{pa / a - 1:+.2%}" if a and pa else "", "s/step",
-          r.get("step_seconds_median"), "predicted", (p.get("predicted_step_seconds") or {}).get("h200"),
-          "retries", r.get("alloc_retries"), (r.get("error") or "")[:120])
-PY
+python3 -m tools.gpu.compare_blind $OUT/gt.jsonl tools/gpu/users_predicted.jsonl
