@@ -152,22 +152,12 @@ class Walk:
         self.heap.clear()
         self.limited = True
 
-    # NOTE [ A recipe is never ruled out by an estimate ]
-    # The estimate rung adds each value's saving measured alone, and a saving measured alone can be less
-    # than the same value's in a combination: where the peak moves. Llama-3-8B sizes, bf16-pure, at 2 x
-    # 2048: alone, stepping in backward saves nothing (the peak is at the start of backward, before any
-    # gradient); with blocks checkpointed and paged states, the peak is the gradients', which it frees.
-    # So torchtune's recipe was estimated at 29.40 GiB for a 21.28 GiB budget and listed "too big (not
-    # traced)" on the h200-141gb preset, where its own traces (with --steps, which searches compile)
-    # fit it. A field recipe is a few plans that the report lists with figures of their own: it is traced.
     def _estimated_too_big(self, c: Candidate) -> bool:
-        if c.recipe is not None:  # NOTE [ A recipe is never ruled out by an estimate ]
-            return False
-        estimate = self.ladder.estimate.evaluate(c.plan) if self.ladder.estimate is not None else None
+        rung = self.ladder.estimate if c.recipe is None else None  # (NOTE [ A recipe is never ruled out by an estimate ])
+        estimate = rung.evaluate(c.plan) if rung is not None else None
         if estimate is None or not estimate.over(self.budget.bytes):
             return False
-        c.reject(f"estimated to need {fmt_bytes(estimate.used_bytes)} > budget {fmt_bytes(self.budget.bytes)} "
-                 "(not traced)")
+        c.reject(f"estimated to need {fmt_bytes(estimate.used_bytes)} > budget {fmt_bytes(self.budget.bytes)} (not traced)")
         return True
 
     # NOTE [ The next plan measured alongside ]
@@ -354,3 +344,12 @@ def _compiles_as(plan, other) -> bool:
     seconds, and the confirmation waits for every trace run beside it)."""
     mode = plan.config("compile").mode
     return mode in ("none", other.config("compile").mode)
+
+# NOTE [ A recipe is never ruled out by an estimate ]
+# The estimate rung adds each value's saving measured alone, and a saving measured alone can be less
+# than the same value's in a combination: where the peak moves. Llama-3-8B sizes, bf16-pure, at 2 x
+# 2048: alone, stepping in backward saves nothing (the peak is at the start of backward, before any
+# gradient); with blocks checkpointed and paged states, the peak is the gradients', which it frees.
+# So torchtune's recipe was estimated at 29.40 GiB for a 21.28 GiB budget and listed "too big (not
+# traced)" on the h200-141gb preset, where its own traces (with --steps, which searches compile)
+# fit it. A field recipe is a few plans that the report lists with figures of their own: it is traced.
