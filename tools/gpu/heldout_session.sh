@@ -3,10 +3,11 @@
 # (Phi-3-mini and Qwen2.5-7B from their configs in bench/hub_configs/: LoRA, QLoRA, full fine-tuning, with and
 # without checkpointing, chunks, stepping in backward; tools/gpu/heldout_cases.json), each alone on the GPU
 # (--jobs 1: tools/fit/held_out.py leaves out rows recorded beside other processes).
-# Blind: their step times and memory were predicted on a CPU and committed first (tools/gpu/heldout_predicted.jsonl,
+# Blind: their step times and memory were predicted on a CPU and committed first (tools/gpu/heldout_predicted.jsonl;
+# heldout_predicted_h100.jsonl for an H100 machine,
 # `python -m tools.gpu.predict_cases --cases tools/gpu/heldout_cases.json --preset h200-141gb --times h200`);
 # compare those, unchanged, with the rows this call writes (targets: median |error| <= 5%, worst <= 20%,
-# Spearman >= 0.95 among each model's plans). On an H100 machine, predict again with --times h100 first.
+# Spearman >= 0.95 among each model's plans).
 # Before the call, here: bitsandbytes in .whl (the QLoRA cases), as tools/gpu/session.sh says.
 #   run(command="bash tools/gpu/heldout_session.sh $(git rev-parse --short HEAD) 2>&1 | tee $OUT/log.txt",
 #       carry=[".whl"], timeout_s=600)
@@ -16,4 +17,4 @@ python3 -c "import torch, bitsandbytes, transformers; print(torch.__version__, b
 el "held-out plans"; python3 -m tools.gpu.ground_truth --cases tools/gpu/heldout_cases.json --out $OUT/gt.jsonl \
   --timeout 120 --deadline $(( $(left) - 15 ))
 el done
-python3 -m tools.gpu.compare_blind $OUT/gt.jsonl tools/gpu/heldout_predicted.jsonl
+python3 -m tools.gpu.compare_blind $OUT/gt.jsonl $(predicted heldout) --card $CARD

@@ -12,7 +12,7 @@
 # (set_per_process_memory_fraction does not cap CUDA managed memory: the paged states' pages meet the ballast).
 # Rows record max_memory_allocated/reserved, the paged states' bytes apart (managed_bytes: not in
 # max_memory_reserved), free_after_step, tokens_per_second. Blind predictions, made on a CPU and committed first:
-# tools/gpu/recipe_predicted.jsonl (memory, both presets) and docs/planner.md (times, the h200-141gb plan).
+# tools/gpu/recipe_predicted.jsonl (memory; recipe_predicted_h100.jsonl for an H100) and docs/planner.md (times).
 # Before the call, here (the device machine has no network): bitsandbytes in .whl, as tools/gpu/session.sh says.
 #   run(command="bash tools/gpu/recipe_session.sh $(git rev-parse --short HEAD) 2>&1 | tee $OUT/log.txt",
 #       carry=[".whl"], timeout_s=600)
@@ -32,4 +32,4 @@ if [ "$(left)" -gt 120 ]; then
     --out $OUT/offload_gpu.jsonl
 fi
 el done
-python3 -m tools.gpu.compare_blind $OUT/gt.jsonl tools/gpu/recipe_predicted.jsonl
+python3 -m tools.gpu.compare_blind $OUT/gt.jsonl $(predicted recipe) --card $CARD

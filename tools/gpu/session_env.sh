@@ -11,3 +11,6 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   || echo "wheels did not install"
 export PYTHONPATH=/tmp/site:$PWD/src
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
+# The machine (h100 or h200) and the blind predictions committed for it: predicted NAME -> tools/gpu/NAME_predicted*.jsonl
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -qi h100 && echo h100 || echo h200)
+predicted() { if [ "$CARD" = h100 ]; then echo "tools/gpu/$1_predicted_h100.jsonl"; else echo "tools/gpu/$1_predicted.jsonl"; fi; }

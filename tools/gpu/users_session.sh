@@ -10,7 +10,7 @@
 #      for 16 GB (no swap) and with 28 swapped under 16 GiB: each must fit, be within 3% allocated, its s/it recorded;
 #   3. QLoRA as users load it (issue 49): bench.qlora_load_gpu, from_pretrained with BitsAndBytesConfig of a saved
 #      Llama-3.2-3B-sized checkpoint, peft LoRA, torch AdamW, batch 2 x 2048: load and step peaks against memfit's.
-# Blind: memory and step times of 1-2 were predicted on a CPU and committed first (tools/gpu/users_predicted.jsonl:
+# Blind: memory and step times of 1-2 were predicted on a CPU and committed first (tools/gpu/users_predicted.jsonl, users_predicted_h100.jsonl for an H100:
 # `python -m tools.gpu.predict_cases --cases tools/gpu/users_cases.json --preset h200-141gb --times h200`).
 # Before the call, here: bitsandbytes (fp8 needs none; QLoRA does) in .whl, as tools/gpu/session.sh says.
 #   run(command="bash tools/gpu/users_session.sh $(git rev-parse --short HEAD) 2>&1 | tee $OUT/log.txt",
@@ -25,4 +25,4 @@ if [ "$(left)" -gt 150 ]; then
   el "qlora load"; timeout $(( $(left) - 10 )) python3 -m bench.qlora_load_gpu --preset h200-141gb --out $OUT/qlora_load.jsonl
 fi
 el done
-python3 -m tools.gpu.compare_blind $OUT/gt.jsonl tools/gpu/users_predicted.jsonl
+python3 -m tools.gpu.compare_blind $OUT/gt.jsonl $(predicted users) --card $CARD
