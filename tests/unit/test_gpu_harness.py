@@ -49,3 +49,14 @@ def test_a_blind_row_is_set_beside_its_prediction():
     a, b = lines(rows, predicted, "h200")
     assert "allocated 100 (+3.00%)" in a and "reserved 200 (-5.00%)" in a and "s/step 2.0 (-10.00%)" in a
     assert b.endswith("error: OutOfMemoryError: CUDA out of memory") and "allocated None (-)" in b
+
+
+def test_a_blind_time_carries_the_paged_states_migration_where_the_ballast_leaves_no_room():
+    from memfit.devices import get_device
+    from tools.gpu.predict_cases import migration_seconds
+    link = get_device("h200-141gb").host_link_bandwidth
+    case = {"leave_bytes": 24 << 30}
+    assert migration_seconds(case, {"reserved": 20 << 30, "managed": 15 << 30}, "h200-141gb") == \
+        pytest.approx(2 * (15 << 30) / link)  # (4 GiB of room for 15: every page, in and out)
+    assert migration_seconds(case, {"reserved": 8 << 30, "managed": 15 << 30}, "h200-141gb") == 0.0  # (room for all)
+    assert migration_seconds({}, {"reserved": 20 << 30, "managed": 15 << 30}, "h200-141gb") == 0.0  # (no ballast)
