@@ -345,6 +345,7 @@ def _compiles_as(plan, other) -> bool:
     mode = plan.config("compile").mode
     return mode in ("none", other.config("compile").mode)
 
+
 # NOTE [ A recipe is never ruled out by an estimate ]
 # The estimate rung adds each value's saving measured alone, and a saving measured alone can be less
 # than the same value's in a combination: where the peak moves. Llama-3-8B sizes, bf16-pure, at 2 x
