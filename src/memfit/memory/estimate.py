@@ -56,7 +56,7 @@ def estimate_target(target: Target, *, fallback: bool = True, timeline: str | No
                     snapshot: str | None = None) -> MemoryReport:
     """:func:`estimate` of a resolved target."""
     t0 = time.perf_counter()
-    notes = [note for config in target.plan.techniques for note in config.notes()]
+    notes = _notes(target.plan)
     method = "fake"
     try:
         try:
@@ -66,8 +66,7 @@ def estimate_target(target: Target, *, fallback: bool = True, timeline: str | No
             if not fallback:
                 raise
             target = target.with_plan(without_compile(target.plan))
-            notes = [f"{e}: predicted with the plan {target.plan.short()} instead",
-                     *(note for config in target.plan.techniques for note in config.notes())]
+            notes = [f"{e}: predicted with the plan {target.plan.short()} instead", *_notes(target.plan)]
             with silenced_warnings():
                 run = run_tracked(target, fake=True)
     except TraceError as e:
@@ -116,3 +115,10 @@ def _real_fallback(target: Target, err: TraceError):
         raise TraceError(f"{err}; a real-run fallback would need about {need / 2**30:.1f} GiB but this machine has "
                          f"{avail / 2**30:.1f} GiB free{fix}", op=err.op, library=err.library) from err
     return run_tracked(target.on(cpu_device()) if target.device.is_gpu else target, fake=False)
+
+
+def _notes(plan) -> list[str]:
+    """What the estimate of ``plan`` approximates: each technique's notes, and what a QLoRA plan's precision
+    is not (memfit.techniques.base_weights.precision_notes)."""
+    from memfit.techniques.base_weights import precision_notes
+    return [*(note for config in plan.techniques for note in config.notes()), *precision_notes(plan)]

@@ -208,6 +208,18 @@ class Float8Weights(BaseWeights):
                              "matmul (kohya's --fp8_base)")
 
 
+def precision_notes(plan) -> list[str]:
+    """What a QLoRA plan in ``bf16-pure`` is not: the loop of peft's and transformers' guides, whose
+    ``prepare_model_for_kbit_training`` keeps the weights it does not quantize in fp32 (docs/fine-tuning.md:
+    30% more on a small model than bf16-pure predicts)."""
+    if plan.precision != "bf16-pure" or plan.config("adapter").is_default or \
+            not isinstance(plan.config("base_weights"), (Quantized4bit, Int8Weights)):
+        return []
+    return ["bf16-pure keeps the weights that are not quantized, and the adapter, in bf16 (torchtune's and Unsloth's "
+            "QLoRA); a loop that calls peft's prepare_model_for_kbit_training keeps them in fp32: --precision bf16 "
+            "predicts that loop"]
+
+
 def _quantize_linears(model: torch.nn.Module, config: BaseWeights, text: str) -> None:
     """The linears replaced (:func:`_replace_linears`) and their weights quantized where they are."""
     for layer in _replace_linears(model, config, text):

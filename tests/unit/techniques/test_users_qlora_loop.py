@@ -85,3 +85,19 @@ def test_the_users_qlora_loop_is_predicted_within_1pct(tmp_path, checkpointing):
                        precision="bf16", checkpointing=checkpointing)
     predicted = memfit.estimate(str(tmp_path), plan, batch_size=BATCH, seq_len=SEQ, device="cpu").peak_bytes
     assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+
+
+def test_a_bf16_pure_qlora_estimate_says_which_loop_it_is_not():
+    """bf16-pure predicts torchtune's and Unsloth's QLoRA (every weight in bf16), 30% under the loop above
+    on this model: its estimate says so, and which precision predicts that loop; bf16 says nothing."""
+    spec = ("llama:num_hidden_layers=2,hidden_size=64,intermediate_size=128,num_attention_heads=4,"
+            "num_key_value_heads=2,vocab_size=256")
+
+    def hint(**fields) -> list[str]:
+        report = memfit.estimate(spec, memfit.Plan(**fields), batch_size=1, seq_len=16)
+        return [a for a in report.approximations if "prepare_model_for_kbit_training" in a]
+    assert hint(base_weights="nf4", adapter="lora:r=4", precision="bf16-pure") == [
+        "bf16-pure keeps the weights that are not quantized, and the adapter, in bf16 (torchtune's and Unsloth's QLoRA); "
+        "a loop that calls peft's prepare_model_for_kbit_training keeps them in fp32: --precision bf16 predicts that loop"]
+    assert hint(base_weights="nf4", adapter="lora:r=4", precision="bf16") == []
+    assert hint(adapter="lora:r=4", precision="bf16-pure") == []  # (no quantized base: no prepare to speak of)
