@@ -56,7 +56,7 @@ def estimate_target(target: Target, *, fallback: bool = True, timeline: str | No
                     snapshot: str | None = None) -> MemoryReport:
     """:func:`estimate` of a resolved target."""
     t0 = time.perf_counter()
-    notes = _notes(target.plan)
+    notes = plan_notes(target.plan)
     method = "fake"
     try:
         try:
@@ -66,7 +66,7 @@ def estimate_target(target: Target, *, fallback: bool = True, timeline: str | No
             if not fallback:
                 raise
             target = target.with_plan(without_compile(target.plan))
-            notes = [f"{e}: predicted with the plan {target.plan.short()} instead", *_notes(target.plan)]
+            notes = [f"{e}: predicted with the plan {target.plan.short()} instead", *plan_notes(target.plan)]
             with silenced_warnings():
                 run = run_tracked(target, fake=True)
     except TraceError as e:
@@ -117,8 +117,8 @@ def _real_fallback(target: Target, err: TraceError):
     return run_tracked(target.on(cpu_device()) if target.device.is_gpu else target, fake=False)
 
 
-def _notes(plan) -> list[str]:
-    """What the estimate of ``plan`` approximates: each technique's notes, and what a QLoRA plan's precision
+def plan_notes(plan) -> list[str]:
+    """What a prediction of ``plan`` approximates: each technique's notes, and what a QLoRA plan's precision
     is not (memfit.techniques.base_weights.precision_notes)."""
     from memfit.techniques.base_weights import precision_notes
     return [*(note for config in plan.techniques for note in config.notes()), *precision_notes(plan)]

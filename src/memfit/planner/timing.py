@@ -294,7 +294,7 @@ def record_step(target: Target, on_tracker=None) -> tuple[MemoryReport, list[Op]
     compiled step for memory, its eager step for the ops (:func:`eager_plan`).
 
     ``on_tracker(tracker)``: told of the memory tracker of an eager plan's trace (compiled: not)."""
-    from memfit.memory.estimate import estimate_target
+    from memfit.memory.estimate import estimate_target, plan_notes
     from memfit.memory.faketrace import run_tracked
     from memfit.memory.report import report_for
     from memfit.quiet import silenced_warnings
@@ -305,7 +305,7 @@ def record_step(target: Target, on_tracker=None) -> tuple[MemoryReport, list[Op]
     recorder = OpRecorder()
     with silenced_warnings():
         run = run_tracked(target, fake=True, around_step=steady_step_recorder(recorder))
-    notes = [note for config in target.plan.techniques for note in config.notes()]
+    notes = plan_notes(target.plan)
     report = report_for(run.tracker, target, "fake", notes=notes, trace_seconds=time.perf_counter() - t0)
     if on_tracker is not None:
         on_tracker(run.tracker)
