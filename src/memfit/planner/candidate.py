@@ -28,6 +28,9 @@ class Status(enum.StrEnum):
     PRUNED = "pruned"
     """Saves no more memory than a plan that did not fit (not traced)."""
     SLOWER = "slower"
+    NOT_WORTH = "not worth it"
+    """Fits and is predicted faster than the chosen plan by less than its extra techniques must pay
+    (NOTE [ A technique pays for itself ] in memfit.planner.simpler)."""
     INVALID = "invalid"
     """The plan does not suit the workload (its trace raised a UserError)."""
 

@@ -44,6 +44,7 @@ from memfit.planner.gpu_time import GpuStepModel
 from memfit.planner.ladder import FakeTrace, Ladder
 from memfit.planner.progress import NoProgress
 from memfit.planner.roofline import for_host
+from memfit.planner.simpler import settle_simpler
 from memfit.planner.space import (
     STATE_BYTES_AT_MOST,
     candidates,
@@ -299,9 +300,9 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
     if book is not None:
         book.phase = "walk"
     chosen = walk.run([c for c in ranked if id(c) not in capped])
-    if recipes:  # (memfit.planner.field_recipes: each shown with figures of its own)
-        with silenced_warnings():
-            chosen = settle_recipes(walk, [c for c in ranked if c.recipe is not None], chosen)
+    with silenced_warnings():  # (memfit.planner.field_recipes: each shown with figures of its own)
+        chosen = settle_recipes(walk, [c for c in ranked if c.recipe is not None], chosen)
+        chosen = settle_simpler(walk, ranked, chosen)  # NOTE [ A technique pays for itself ]
     if chosen is None and slower_than is None and not any(c.used_bytes is not None for c in ranked):
         invalid = next((c for c in ranked if c.status is Status.INVALID), None)
         reason = invalid.reason.removeprefix("plan: ") if invalid else "no candidate plan is left"

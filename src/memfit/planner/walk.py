@@ -305,23 +305,23 @@ class Walk:
                 heapq.heappush(self.heap, (m.seconds, self.order[id(m)], m))
         return True
 
-    def settle(self, c: Candidate, chosen: Candidate | None) -> Candidate | None:
-        """A plan the report shows with figures of its own (a field recipe: memfit.planner.field_recipes)
-        that the walk left open: measured on the first rung, then, where it fits and is predicted
-        faster than ``chosen``, confirmed by the top rung. Returns ``c`` where it should be chosen
-        instead; it stays open (to be outrun) where it is slower."""
+    def settle(self, c: Candidate, chosen: Candidate | None, within: float = 0.0) -> Candidate | None:
+        """A plan the walk left open, weighed against ``chosen`` (a field recipe; a simpler plan):
+        measured on the first rung, then, where it fits and is predicted faster than ``chosen`` (or
+        by ``within`` of its time slower at most), confirmed by the top rung. Returns ``c`` where it
+        should be chosen instead; it stays open (to be outrun) where it is slower."""
         if not c.open:
             return None
         if not self.ladder.has_evidence(c.plan):
             self.evaluated += 1
         if not self._take(c, self.ladder.first) or not c.open:
             return None
-        if chosen is not None and c.seconds >= chosen.seconds:
+        if chosen is not None and c.seconds >= chosen.seconds * (1 + within):
             return None
         if not self.ladder.is_final(c.plan) and (self._too_big_deep(c) or not self._take(c, self.ladder.full)
                                                  or not c.open):
             return None
-        return c if chosen is None or c.seconds < chosen.seconds else None
+        return c if chosen is None or c.seconds < chosen.seconds * (1 + within) else None
 
     def smallest(self, ranked: list[Candidate]) -> Candidate | None:
         """The traced plan with the smallest footprint, confirmed by the top rung. A plan's lower bound
