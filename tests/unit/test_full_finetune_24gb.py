@@ -59,30 +59,6 @@ def test_low_bit_states_that_cannot_fit_beside_the_weights_are_not_timed():
         assert sum("exceed the budget" in n for n in space.notes) == len(left)
 
 
-def test_4bit_states_that_cannot_fit_beside_the_weights_and_the_largest_gradient_are_not_timed(hub_cache):
-    """NOTE [ States that cannot fit ]: Qwen2.5-7B's bf16 weights (14.19 GiB) and 4-bit states (7.09 GiB
-    at least) are 21.27 GiB, just under the rtx4090's 21.28 GiB budget; its lm_head's gradient (1.02
-    GiB in bf16), held whole beside them in every plan, is not. So torchao's 4-bit update is not timed
-    (its cold compiles were 12.6 s of a 69 s ``--methods`` search on this 2-core machine)."""
-    import json
-    from pathlib import Path
-
-    from memfit.devices import get_device
-    from memfit.planner.space import default_space, leave_out_states_that_cannot_fit, model_facts
-    from memfit.techniques.optimizers import ADAMW_CLASS
-    from memfit.workloads import load_workload
-    configs = json.loads((Path(__file__).parents[1] / "data" / "hub_configs.json").read_text())
-    hub_cache("Qwen/Qwen2.5-7B-Instruct", configs["Qwen/Qwen2.5-7B-Instruct"])
-    facts, device = model_facts(load_workload("Qwen/Qwen2.5-7B-Instruct", seq_len=2048)), get_device("rtx4090")
-    budget = Budget.resolve(None, device).bytes
-    weights, states = 2 * facts.n_params, facts.n_params  # (every parameter trains)
-    assert weights + states < budget < weights + states + 2 * 152064 * 3584
-    space = default_space(facts, device, 1, optimizers=ADAMW_CLASS)
-    leave_out_states_that_cannot_fit(space, facts, budget, device)
-    assert "adamw4bit-ao" not in space.values["optimizer"]
-    assert any(n.startswith("adamw4bit-ao left out") and "largest gradient (1.02 GiB)" in n for n in space.notes)
-
-
 @pytest.mark.slow  # (about 40 s: keeps the default suite under 10 minutes)
 def test_the_negative_answer_for_16_gb_is_decided_by_the_maximal_plans_full_traces():
     """NOTE [ A borderline answer decided by the maximal plans' full traces ]: at 14 GiB the lower
