@@ -64,3 +64,22 @@ def test_the_methods_table_keeps_one_line_a_method_on_an_80_column_terminal():
     assert len(rows) == 2 and "needs 562.00 MiB" in rows[1]
     assert "  lora: a low-rank adapter trains; the base weights are frozen" in lines
     assert all(len(line) <= 80 for line in lines if not line.startswith("note:"))
+
+
+def test_the_chosen_plan_and_the_one_it_displaced_are_listed_beside_any_number_of_bigger_plans():
+    """The table lists up to 12 plans: faster plans too big to fit no longer push the chosen one out
+    (Qwen2.5-7B on the rtx4090 preset had 12 of them), nor the plan NOTE [ A technique pays for
+    itself ] displaced."""
+    from memfit.planner.candidate import Status
+    result = _result(2048)
+    big = []
+    for i in range(15):
+        c = Candidate(Plan(loss_chunks=2 + i), 0.1 + 0.01 * i, used_bytes=4 << 30)
+        c.status, c.reason = Status.TOO_BIG, "needs more"
+        big.append(c)
+    displaced = Candidate(Plan(checkpointing="blocks", optimizer_in_backward=True), 0.499, used_bytes=1 << 30)
+    displaced.status, displaced.reason = Status.NOT_WORTH, "what it adds (optimizer_in_backward=True) does not pay"
+    result.candidates = [*big, displaced, *result.candidates]
+    rows = [line for line in _text(print_plan_result, result).splitlines() if "GiB" in line and "ms/step" not in line]
+    assert sum("too big" in r for r in rows) == 10
+    assert any("not worth it" in r for r in rows) and any("chosen:" in r and "ckpt=blocks" in r for r in rows)
