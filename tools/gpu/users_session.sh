@@ -6,8 +6,10 @@
 #      (11.17 GiB), 7 needing 12.86 GiB: batch 6 must train and batch 7 run out of memory (the allocator frees its
 #      cache and retries before it raises: a 7 that trains says the answer is conservative by one);
 #   2. a FLUX.1-dev LoRA r=16 at 1024 px with fp8 base weights (issue 53): the plan memfit chooses for a 12 GB card
-#      (28 of 57 blocks swapped, blocks checkpointed, AdamW states on the host) under a ballast leaving 12 GiB, and
-#      for 16 GB (no swap) and with 28 swapped under 16 GiB: each must fit, be within 3% allocated, its s/it recorded;
+#      (28 of 57 blocks swapped, blocks checkpointed; its AdamW states on the device since NOTE [ A technique pays
+#      for itself ]: the `ondevice` cases, first) under a ballast leaving 12 GiB, and for 16 GB (no swap); then the
+#      plans it chose before (states on the host), and 28 swapped under 16 GiB: each must fit, be within 3%
+#      allocated, its s/it recorded;
 #   3. QLoRA as users load it (issue 49): bench.qlora_load_gpu, from_pretrained with BitsAndBytesConfig of a saved
 #      Llama-3.2-3B-sized checkpoint, peft LoRA, torch AdamW, batch 2 x 2048: load and step peaks against memfit's.
 # Blind: memory and step times of 1-2 were predicted on a CPU and committed first (tools/gpu/users_predicted.jsonl, users_predicted_h100.jsonl for an H100:
