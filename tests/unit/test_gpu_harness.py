@@ -33,11 +33,19 @@ def test_the_ballast_takes_what_is_free_beyond_the_bytes_left_outside_the_alloca
 
 
 def test_managed_bytes_count_the_paged_tensors_alone():
+    import weakref
+
+    class Referent:
+        pass
+
+    referent = Referent()
+    dead = [weakref.proxy(referent)]  # (a process holds dead proxies: isinstance on one raised ReferenceError)
+    del referent
     before = ground_truth.managed_bytes()
     paged, plain = torch.zeros(1000, dtype=torch.uint8), torch.zeros(1000)
     paged.is_paged = True  # (as bitsandbytes marks its managed state tensors)
     assert ground_truth.managed_bytes() - before == 1000
-    del paged, plain
+    del paged, plain, dead
 
 
 def test_a_blind_row_is_set_beside_its_prediction():

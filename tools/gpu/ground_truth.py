@@ -226,12 +226,14 @@ def managed_bytes() -> int:
     states (``is_paged``), which are outside the caching allocator and its max_memory_* figures."""
     import gc
     import warnings
+    import weakref
 
     import torch
+    proxies = (weakref.ProxyType, weakref.CallableProxyType)  # (isinstance on a dead one raises ReferenceError)
     with warnings.catch_warnings():  # (isinstance on deprecated objects torch keeps warns)
         warnings.simplefilter("ignore")
         return sum(o.numel() * o.element_size() for o in gc.get_objects()
-                   if isinstance(o, torch.Tensor) and getattr(o, "is_paged", False))
+                   if type(o) not in proxies and isinstance(o, torch.Tensor) and getattr(o, "is_paged", False))
 
 
 def measure_case(case: dict, device: str = "cuda", predict: str | None = None) -> dict:
