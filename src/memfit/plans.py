@@ -190,11 +190,14 @@ class Plan:
         """Compact label, e.g. 'bf16 mb2 ckpt=blocks adamw8bit inbw chunks=8'."""
         return " ".join(label for cfg in self.techniques if (label := cfg.label(batch_size)))
 
+    def changed(self) -> dict[str, Any]:
+        """The fields whose values differ from a default plan's (the workload's own step)."""
+        default = Plan()
+        return {name: value for name, value in self._values().items() if value != getattr(default, name)}
+
     def describe(self) -> str:
         """Short text of the non-default fields, e.g. 'precision=bf16, micro_batch_size=2'."""
-        default = Plan()
-        parts = [f"{name}={_show(value)}" for name, value in self._values().items()
-                 if value != getattr(default, name)]
+        parts = [f"{name}={_show(value)}" for name, value in self.changed().items()]
         return ", ".join(parts) or "defaults (fp32, whole batch)"
 
 

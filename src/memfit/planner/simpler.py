@@ -9,8 +9,6 @@ memory elsewhere (the host's), adds a moving part that can fail. So a technique 
 
 from __future__ import annotations
 
-import dataclasses
-
 from memfit.planner.candidate import Candidate, Status
 from memfit.plans import Plan
 
@@ -45,15 +43,12 @@ HOST_SIDE = ("offload", "swap_blocks", "shard_offload")
 
 def techniques(plan: Plan) -> frozenset:
     """The plan's values other than a default plan's: ``(field, value)``, one per offloaded item."""
-    default, out = Plan(), set()
-    for f in dataclasses.fields(plan):
-        value = getattr(plan, f.name)
-        if not f.init or value == getattr(default, f.name):
-            continue
+    out = set()
+    for name, value in plan.changed().items():
         if isinstance(value, tuple):
-            out.update((f.name, str(item)) for item in value)
+            out.update((name, str(item)) for item in value)
         else:
-            out.add((f.name, value))
+            out.add((name, value))
     return frozenset(out)
 
 
