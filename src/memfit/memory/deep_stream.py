@@ -229,27 +229,33 @@ def _deepen(b: Stream, spans: list[tuple[int, int]], period: int, n: int, once_b
         s = stretch[j]
         return pos_once[j] if s < 0 else first[s] + c * length[s] + (j - spans[s][0])
 
-    origin: list = []  # (event of ``b``, copy) at each place
+    # the event of ``b`` at each place, and its copy (two lists of ints, not a list of pairs: a deep
+    # stream has ~10^5 places, and as many tuples would wake the garbage collector again and again)
+    source: list[int] = []
+    copy: list[int] = []
     j = 0
     while j < len(b.tokens):
         s = stretch[j]
         if s < 0:
-            origin.append((j, 0))
+            source.append(j)
+            copy.append(0)
             j += 1
             continue
         for c in range(n):
-            origin += [(i, c) for i in range(j, j + length[s])]
+            source.extend(range(j, j + length[s]))
+            copy.extend(itertools.repeat(c, length[s]))
         j += length[s]
-    tokens = [b.tokens[j] for j, _ in origin]
-    phases = [b.phases[j] for j, _ in origin]
+    tokens = list(map(b.tokens.__getitem__, source))
+    phases = list(map(b.phases.__getitem__, source))
     frees = [-1] * out_len
     shifted = _far_side(b, spans, stretch)
+    per_copy = [grown.get(container(t), period) for t in b.tokens]  # blocks a copy of each event spans
 
     def block_shift(j: int, c: int) -> int:
         """How many blocks further event j of ``b`` in copy c is at full depth: the copies of a
         stretch run up the blocks (down in the backward), and an event made once lies beyond
         all copies but one when it is past the stretch in its run."""
-        blocks = grown.get(container(b.tokens[j]), period)
+        blocks = per_copy[j]
         if stretch[j] < 0:
             return blocks * (n - 1) * shifted[j]
         return blocks * (n - 1 - c if b.phases[j] == "backward" else c)
@@ -265,7 +271,7 @@ def _deepen(b: Stream, spans: list[tuple[int, int]], period: int, n: int, once_b
             if tok[0] == "+" and b.blocks[j] >= 0:
                 key = (tok, run[j], b.blocks[j])
                 rank[j] = seen[key] = seen.get(key, -1) + 1
-        for i, (j, c) in enumerate(origin):
+        for i, (j, c) in enumerate(zip(source, copy)):
             if b.tokens[j][0] == "+" and b.blocks[j] >= 0:
                 made.setdefault((b.tokens[j], run[j], b.blocks[j] + block_shift(j, c)), []).append(i)
 
@@ -323,8 +329,8 @@ def _deepen(b: Stream, spans: list[tuple[int, int]], period: int, n: int, once_b
     if not _consistent(tokens, frees):
         return None
     blocks = [b.blocks[j] + block_shift(j, c) if b.blocks is not None and b.blocks[j] >= 0 else -1
-              for j, c in origin]
-    kernels = [b.kernels[j] for j, _ in origin] if b.kernels is not None else None
+              for j, c in zip(source, copy)]
+    kernels = list(map(b.kernels.__getitem__, source)) if b.kernels is not None else None
     return sorted_free_runs(Stream(tokens, frees, phases, blocks, kernels))
 
 

@@ -53,6 +53,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit import rng_ops
+from memfit.memory.fake_device import PRIM_DEVICE, FakeTensor
 
 aten = torch.ops.aten
 
@@ -164,6 +165,8 @@ class RoutingMode(TorchDispatchMode):
 
     # -- answers --------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is PRIM_DEVICE and type(args[0]) is FakeTensor:  # (NOTE [ Device queries ] in memfit.memory.fake_device)
+            return args[0].device
         kwargs = kwargs or {}
         if self._layers and args and _is_fake(args[0]):
             if func is aten.nonzero.default:
@@ -303,6 +306,8 @@ class ForcedRouting(TorchDispatchMode):
         self.routing = routing
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is PRIM_DEVICE and type(args[0]) is FakeTensor:  # (NOTE [ Device queries ] in memfit.memory.fake_device)
+            return args[0].device
         out = func(*args, **(kwargs or {}))
         if func is aten.topk.default and args[0].dim() == 2:
             _, idx = out

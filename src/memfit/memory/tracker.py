@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_leaves
 
 from memfit import rng_ops
 from memfit.memory.categories import CATEGORIES
+from memfit.memory.fake_device import PRIM_DEVICE, FakeTensor
 from memfit.memory.storages import LiveStorages
 
 aten = torch.ops.aten
@@ -174,8 +175,8 @@ class MemoryTracker(TorchDispatchMode):
 
     # -- dispatch --------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _PRIM_DEVICE:  # tensor.device on a fake tensor: over half of all calls, never memory
-            return func(*args)
+        if func is PRIM_DEVICE:  # tensor.device: over half of all calls, never memory
+            return args[0].device if type(args[0]) is FakeTensor else func(*args)  # (NOTE [ Device queries ] in memfit.memory.fake_device)
         kwargs = kwargs or {}
         if self.assume_scalars and func in _SCALAR_READS and _any_fake(args):
             from torch._subclasses.fake_tensor import DataDependentOutputException
@@ -380,7 +381,6 @@ def _mask_count(args, out: torch.Tensor) -> int | None:
     if mask is None or mask.dtype != torch.bool or out.numel() == 0:
         return None
     return mask.numel() // out.numel()
-_PRIM_DEVICE = torch.ops.prim.device.default
 _SCALAR_READS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
 
 

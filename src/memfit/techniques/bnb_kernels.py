@@ -13,6 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit import rng_ops
+from memfit.memory.fake_device import PRIM_DEVICE, FakeTensor
 
 _FAKE_CLASSES: dict[type, type] = {}
 
@@ -143,9 +144,10 @@ class Gemm4bitKernels(TorchDispatchMode):
                 self._library = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is PRIM_DEVICE and type(args[0]) is FakeTensor:  # (NOTE [ Device queries ] in memfit.memory.fake_device)
+            return args[0].device
         kwargs = kwargs or {}
         if getattr(func, "namespace", None) == "bitsandbytes" and func.__name__ == "gemm_4bit.default":
-            from torch._subclasses.fake_tensor import FakeTensor
             with _autocast_again() if self._autocast else contextlib.nullcontext():
                 if isinstance(args[0], FakeTensor):
                     return self._gemm_4bit(*args, **kwargs)
