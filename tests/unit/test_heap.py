@@ -1,12 +1,13 @@
 """Garbage collection around traces (NOTE [ Frozen heap ]) and at the program's exit."""
 
 import gc
+import threading
 import weakref
 
 import torch
 
 from memfit.cli.main import main
-from memfit.memory.heap import frozen_heap
+from memfit.memory.heap import frozen_heap, without_collections
 
 
 class _Cycle:
@@ -56,3 +57,50 @@ def test_main_freezes_the_heap_only_when_run_as_the_program(monkeypatch, capsys)
     finally:
         gc.unfreeze()
     assert "memfit" in capsys.readouterr().out
+
+
+def test_stream_computations_run_without_automatic_collections_and_leave_them_as_they_were():
+    # NOTE [ Streams make no cycles ]: off inside, nested and from two threads at once; on after the last
+    seen = []
+    inner_started, outer_may_end = threading.Event(), threading.Event()
+
+    @without_collections
+    def computation(depth: int) -> int:
+        seen.append(gc.isenabled())
+        return computation(depth - 1) + 1 if depth else 0
+
+    @without_collections
+    def held():  # another thread's computation, still running when the first ends
+        seen.append(gc.isenabled())
+        inner_started.set()
+        outer_may_end.wait(5)
+
+    assert gc.isenabled()
+    assert computation(3) == 3
+    assert gc.isenabled() and seen == [False] * 4
+    other = threading.Thread(target=held)
+    other.start()
+    inner_started.wait(5)
+    assert computation(0) == 0
+    assert not gc.isenabled()  # (the other thread's computation still runs)
+    outer_may_end.set()
+    other.join()
+    assert gc.isenabled() and seen == [False] * 6
+    gc.disable()  # a caller that turned them off keeps them off
+    try:
+        computation(1)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_a_computation_that_raises_turns_collections_back_on():
+    @without_collections
+    def fails():
+        raise ValueError("no")
+
+    try:
+        fails()
+    except ValueError:
+        pass
+    assert gc.isenabled()

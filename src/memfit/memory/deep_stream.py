@@ -14,6 +14,7 @@ import re
 
 from memfit.memory.allocator import replay_events
 from memfit.memory.expandable import new_model
+from memfit.memory.heap import without_collections
 from memfit.memory.stream_events import MARK, SETUP, Stream, fields_but_op, second_kind
 from memfit.memory.stretches import at_seam, blocks_a_copy, container, inserted, joined, slides
 
@@ -182,6 +183,7 @@ def sorted_free_runs(stream: Stream, by_size: bool = True) -> Stream:
 # model, so the planner only *rules out* plans on it, over the budget by more than the deep rung's
 # margin (memfit.planner.candidate.Fidelity.DEEP), confirms its choice by a full trace, and checks the two against each other (memfit.planner.ladder's
 # ``DeepRung``: a miss sends the plans it ruled out to full traces).
+@without_collections
 def deepen(a: Stream, b: Stream, d: int, e: int, full: int) -> Stream | None:
     """The stream at ``full`` blocks from those at ``d`` and ``e`` blocks (see NOTE [ Allocations
     at full depth ]); None where they do not differ by inserted stretches."""
@@ -403,6 +405,7 @@ def _consistent(tokens: list, frees: list) -> bool:
     return True
 
 
+@without_collections
 def replay(stream: Stream, step: int, *, expandable: bool = False) -> tuple[int, int]:
     """(allocated peak within step ``step``, reserved bytes at its end) of the stream through the
     caching-allocator model (with ``expandable`` segments or not), as

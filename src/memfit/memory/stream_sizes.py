@@ -9,6 +9,7 @@ from typing import NamedTuple
 from memfit.memory.cuda import reduce
 from memfit.memory.cuda.model import WORKSPACE, WORKSPACE_SIZES, workspace_bytes
 from memfit.memory.deep_stream import MARK, SETUP, Stream, sorted_free_runs
+from memfit.memory.heap import without_collections
 
 
 # NOTE [ A stream on another card ]
@@ -23,6 +24,7 @@ def card_sizes(device) -> tuple:
     return (*(getattr(device, field) for field in WORKSPACE_SIZES.values()), device.sm_count)
 
 
+@without_collections
 def on_card(stream: Stream, device) -> Stream | None:
     """``stream`` as ``device``'s kernels make it (NOTE [ A stream on another card ]): ``stream`` itself
     where no size changes; None where a reduction has no staging buffer on it (its stream has fewer
@@ -76,6 +78,7 @@ class Paired(NamedTuple):
     pairs: dict[int, int]
 
 
+@without_collections
 def pair_up(a: Stream, b: Stream) -> Paired | None:
     """The events of ``b`` paired with ``a``'s, as :func:`widen` draws them (the same at any ``x``: a plan's
     book pairs two batches' streams once); None where they are not the same events."""
@@ -97,6 +100,7 @@ def pair_up(a: Stream, b: Stream) -> Paired | None:
     return Paired(a, b, pairs)
 
 
+@without_collections
 def widen(a: Stream, b: Stream, x_a: int, x_b: int, x: int, paired: Paired | None = None) -> Stream | None:
     """The stream at ``x`` samples from those at ``x_a`` and ``x_b`` (NOTE [ Allocations at another
     batch ]); None where they are not the same events with sizes on a line of whole bytes. ``paired``:
