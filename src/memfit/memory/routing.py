@@ -53,7 +53,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit import rng_ops
-from memfit.memory.fake_device import PRIM_DEVICE, FakeTensor
+from memfit.device_queries import PRIM_DEVICE, FakeTensor
 
 aten = torch.ops.aten
 
@@ -165,7 +165,7 @@ class RoutingMode(TorchDispatchMode):
 
     # -- answers --------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is PRIM_DEVICE and type(args[0]) is FakeTensor:  # (NOTE [ Device queries ] in memfit.memory.fake_device)
+        if func is PRIM_DEVICE and type(args[0]) is FakeTensor:  # (NOTE [ Device queries ] in memfit.device_queries)
             return args[0].device
         kwargs = kwargs or {}
         if self._layers and args and _is_fake(args[0]):
@@ -306,7 +306,7 @@ class ForcedRouting(TorchDispatchMode):
         self.routing = routing
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is PRIM_DEVICE and type(args[0]) is FakeTensor:  # (NOTE [ Device queries ] in memfit.memory.fake_device)
+        if func is PRIM_DEVICE and type(args[0]) is FakeTensor:  # (NOTE [ Device queries ] in memfit.device_queries)
             return args[0].device
         out = func(*args, **(kwargs or {}))
         if func is aten.topk.default and args[0].dim() == 2:

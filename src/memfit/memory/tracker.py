@@ -19,8 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from memfit import rng_ops
+from memfit.device_queries import PRIM_DEVICE, FakeTensor
 from memfit.memory.categories import CATEGORIES
-from memfit.memory.fake_device import PRIM_DEVICE, FakeTensor
 from memfit.memory.storages import LiveStorages
 
 aten = torch.ops.aten
@@ -176,7 +176,7 @@ class MemoryTracker(TorchDispatchMode):
     # -- dispatch --------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is PRIM_DEVICE:  # tensor.device: over half of all calls, never memory
-            return args[0].device if type(args[0]) is FakeTensor else func(*args)  # (NOTE [ Device queries ] in memfit.memory.fake_device)
+            return args[0].device if type(args[0]) is FakeTensor else func(*args)  # (NOTE [ Device queries ] in memfit.device_queries)
         kwargs = kwargs or {}
         if self.assume_scalars and func in _SCALAR_READS and _any_fake(args):
             from torch._subclasses.fake_tensor import DataDependentOutputException

@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils.flop_counter import flop_registry
 
 from memfit import rng_ops
-from memfit.memory.fake_device import PRIM_DEVICE, FakeTensor
+from memfit.device_queries import PRIM_DEVICE, FakeTensor
 from memfit.planner.op_links import Prefetched, while_alive
 from memfit.planner.op_work import (
     ATTENTION_OPS,
@@ -221,7 +221,7 @@ class OpRecorder(TorchDispatchMode):
 
     # -- dispatch ---------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is PRIM_DEVICE and type(args[0]) is FakeTensor:  # (NOTE [ Device queries ] in memfit.memory.fake_device)
+        if func is PRIM_DEVICE and type(args[0]) is FakeTensor:  # (NOTE [ Device queries ] in memfit.device_queries)
             return args[0].device
         kwargs = kwargs or {}
         out = func(*args, **kwargs)

@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit import rng_ops
-from memfit.memory.fake_device import PRIM_DEVICE, FakeTensor
+from memfit.device_queries import PRIM_DEVICE, FakeTensor
 
 _FAKE_CLASSES: dict[type, type] = {}
 
@@ -144,7 +144,7 @@ class Gemm4bitKernels(TorchDispatchMode):
                 self._library = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is PRIM_DEVICE and type(args[0]) is FakeTensor:  # (NOTE [ Device queries ] in memfit.memory.fake_device)
+        if func is PRIM_DEVICE and type(args[0]) is FakeTensor:  # (NOTE [ Device queries ] in memfit.device_queries)
             return args[0].device
         kwargs = kwargs or {}
         if getattr(func, "namespace", None) == "bitsandbytes" and func.__name__ == "gemm_4bit.default":

@@ -26,11 +26,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit import rng_ops
+from memfit.device_queries import PRIM_DEVICE, FakeTensor
 from memfit.memory.cuda import blas, conv, grouped_gemm, reduce, rnn, sdpa
 from memfit.memory.cuda.autocast import cuda_autocast
 from memfit.memory.cuda.composites import cuda_composites
 from memfit.memory.cuda.optim import cuda_optimizer_defaults
-from memfit.memory.fake_device import PRIM_DEVICE, FakeTensor
 from memfit.techniques.cuda_lowering import lowering_for_cuda
 
 aten = torch.ops.aten
@@ -97,7 +97,7 @@ class KernelMode(TorchDispatchMode):
 
     # -- dispatch ---------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is PRIM_DEVICE and type(args[0]) is FakeTensor:  # (NOTE [ Device queries ] in memfit.memory.fake_device)
+        if func is PRIM_DEVICE and type(args[0]) is FakeTensor:  # (NOTE [ Device queries ] in memfit.device_queries)
             return args[0].device
         kwargs = kwargs or {}
         if func is aten._cudnn_rnn.default:
