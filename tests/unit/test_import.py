@@ -23,7 +23,8 @@ def test_estimate_for_a_gpu_preset_does_not_initialise_cuda():
 
 
 @pytest.mark.parametrize("fields, module", [("adapter='lora:r=4'", "peft"), ("optimizer='adamw8bit'", "bitsandbytes"),
-                                           ("optimizer='galore'", "galore_torch")])
+                                           pytest.param("optimizer='galore'", "galore_torch", marks=pytest.mark.slow)])
+# (galore slow: an optional extra whose import is checked as peft's and bitsandbytes' are; keeps the default suite under 10 minutes)
 def test_a_process_first_trace_of_a_plan_is_its_second(fields, module):
     """peft and bitsandbytes make tensors as they load (LoHa's ``torch.tensor(1)`` defaults, the 4-bit
     quantization tables; galore-torch imports bitsandbytes): imported by the first trace of a process,
