@@ -258,10 +258,9 @@ def _lower_then_run(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     caches ])."""
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.graph import GraphLowering
-    # (a backward graph compiles lazily, in autograd's backward, outside the call's prediction_caches:
-    # without the prediction's key it must not touch the caches)
-    caches = contextlib.nullcontext() if fake_wrapper.caches_on() else \
-        torch._inductor.config.patch(force_disable_caches=True)
+    # (a backward graph compiles lazily, in autograd's backward, outside the call's prediction_caches: it
+    # is a predicting compile too, and is keyed as one, with the preset the trace lowers for)
+    caches = fake_wrapper.prediction_caches()
     load, lowering = fake_wrapper.load_wrapper, contextlib.nullcontext()
     if cuda_lowering.emulates(example_inputs):  # NOTE [ Inductor's CUDA path without a GPU ]
         move = cuda_lowering.graph_on_cuda(gm)  # (an inference graph, or the backward: moved at its partition)

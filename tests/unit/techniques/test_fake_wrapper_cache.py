@@ -22,6 +22,10 @@ SPEC = "gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=500,n_positions=64,attn_pdr
 report = estimate(SPEC, Plan(compile="blocks"), batch_size=2, seq_len=32)
 out = {"peak": report.peak_bytes, "fake_hits": counters["inductor"]["fxgraph_cache_hit"],
        "fake_misses": counters["inductor"]["fxgraph_cache_miss"]}
+before = dict(counters["inductor"])  # a whole-model graph: its backward compiled lazily, in autograd's backward
+out["full_peak"] = estimate(SPEC, Plan(compile="full"), batch_size=2, seq_len=32).peak_bytes
+out["full_hits"] = counters["inductor"]["fxgraph_cache_hit"] - before.get("fxgraph_cache_hit", 0)
+out["full_misses"] = counters["inductor"]["fxgraph_cache_miss"] - before.get("fxgraph_cache_miss", 0)
 
 def region(x, w):
     h = torch.relu(x @ w) * 2.0
@@ -56,6 +60,9 @@ def test_a_cached_prediction_equals_the_compiled_one_and_real_compiles_stay_apar
     second = _stage(tmp_path)
     assert second["fake_hits"] >= 1 and second["fake_misses"] == 0  # served by the first process's entries
     assert second["peak"] == first["peak"]  # the cached wrapper allocates what the compiled one did
+    # a backward graph compiled lazily, in autograd's backward, is a predicting compile too: kept, then served
+    assert first["full_misses"] >= 2 and second["full_misses"] == 0 and second["full_hits"] == first["full_misses"]
+    assert second["full_peak"] == first["full_peak"]
     # a real compile of the same graph in the same folder: never the predicted wrapper (no-op kernels)
     assert first["real_hits"] == 0 and first["real_equals_eager"]
     assert second["real_hits"] == 1 and second["real_equals_eager"]  # (the first process's real entry)
