@@ -80,11 +80,6 @@ def prediction_caches():
             yield
 
 
-def caches_on() -> bool:
-    """Whether this predicting compile may use Inductor's caches (inside :func:`prediction_caches`)."""
-    return isinstance(torch._inductor.config.post_grad_custom_post_pass, PredictionPass)
-
-
 def load_wrapper(graph, wrapper_code):
     """Stands in for ``GraphLowering._compile_to_module_lines``: the generated wrapper with kernels
     that do nothing, written to Inductor's code cache (its source differs from the real wrapper's,
