@@ -9,6 +9,8 @@ import torch
 from memfit.cli.main import main
 from memfit.memory.heap import frozen_heap, without_collections
 
+THAWED_HEAP = True  # (these tests freeze and thaw it themselves: NOTE [ A frozen heap per test module ] in conftest)
+
 
 class _Cycle:
     def __init__(self, tensor):
@@ -45,6 +47,29 @@ def test_frozen_heap_leaves_a_callers_freeze_alone(monkeypatch):
     with frozen_heap():
         pass
     assert calls == []
+
+
+def test_a_measured_run_collects_the_heap_once_before_its_model_is_built(monkeypatch):
+    # Each full collection walks every object torch and transformers made (~0.25 s in a process that
+    # imported them): ``profile`` leaves the one before the run to run_tracked's frozen heap.
+    import memfit.memory.faketrace as faketrace
+    from memfit.memory.measure import profile
+    collects, predicted, before_build = [], [], []
+    real_collect, real_run = gc.collect, faketrace._run_tracked
+    monkeypatch.setattr(gc, "collect", lambda *a: collects.append(1) or real_collect(*a))
+
+    def run(target, **kw):
+        if not kw["fake"]:  # (collections since the prediction's trace ended)
+            before_build.append(len(collects) - predicted[-1])
+        out = real_run(target, **kw)
+        predicted.append(len(collects))
+        return out
+
+    monkeypatch.setattr(faketrace, "_run_tracked", run)
+    result = profile("gpt2:n_layer=1,n_embd=32,n_head=2,vocab_size=64,n_positions=16", batch_size=1, seq_len=8,
+                     device="cpu", repeats=0)
+    assert result.measured.peak_bytes > 0
+    assert before_build == [1]
 
 
 def test_main_freezes_the_heap_only_when_run_as_the_program(monkeypatch, capsys):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -174,8 +173,7 @@ def profile(workload: Workload | str, plan: Plan | str | None = None, *, batch_s
     if predicted.peak_bytes > available_host_bytes() * 0.8:
         raise UserError(f"profile: the step needs about {predicted.peak_bytes / 2**30:.1f} GiB but this machine has "
                         f"{available_host_bytes() / 2**30:.1f} GiB free; use a smaller batch or model, or memfit estimate")
-    gc.collect()
-    run, peak, load_peak = measured_cpu_run(target)
+    run, peak, load_peak = measured_cpu_run(target)  # (it collects garbage first: NOTE [ Frozen heap ])
     view = tracker_view(run.tracker, traced_device(dev, "real", target.tensor_device))
     tracker_peak = view.process_peak_bytes or view.peak_bytes
     measured = report_for(run.tracker, target, "real", measurement=Measurement(peak), view=view)
@@ -224,8 +222,7 @@ def _profile_cuda(target: Target, predicted: MemoryReport, repeats: int, timelin
     dev = target.device
     meter = CudaStepMeter(cuda, history=bool(timeline or snapshot))
     load = CudaStepMeter(cuda)
-    gc.collect()
-    try:
+    try:  # (run_tracked collects garbage first: NOTE [ Frozen heap ])
         with silenced_warnings():
             run = run_tracked(target, fake=False, around_build=load.around,
                               around_step=lambda i: meter.around() if i == STEADY_STEP else contextlib.nullcontext())
