@@ -30,15 +30,25 @@ def pytest_configure(config):
 # as it is, as under any caller that froze its heap. What survives a module boundary and becomes cyclic
 # garbage later is not collected (a cache entry dropped by a later module): memory, not results. A module
 # that tests freezing itself sets ``THAWED_HEAP = True`` and runs with nothing frozen.
+#
+# Importing Lightning sets ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` for the whole process; on a machine without
+# NVML every ``torch.cuda.is_available()`` then tries to load it and fails (fake tensors ask hundreds of
+# times a trace). A module that imported Lightning leaves the variable as it found it.
 @pytest.fixture(autouse=True, scope="module")
-def _frozen_heap_per_module(request):
+def _module_boundary(request):
+    """NOTE [ A frozen heap per test module ], and the NVML check as the module found it."""
     import gc
     if getattr(request.module, "THAWED_HEAP", False):
         gc.unfreeze()
     else:
         gc.collect()
         gc.freeze()
+    nvml = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
     yield
+    if nvml is None:
+        os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
+    else:
+        os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = nvml
 
 
 @pytest.fixture
