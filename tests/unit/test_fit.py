@@ -150,3 +150,22 @@ def test_a_card_the_weights_fill_takes_an_adapter_with_every_block_swapped():
     assert cell.world == 1 and cell.recipe.startswith("swapped") and cell.plan.swap_blocks == 24, cell
     assert _used(workload, cell.plan, cell.batch, small) == cell.used_bytes <= cell.budget_bytes
     assert _used(workload, cell.plan, cell.batch + 1, small) > cell.budget_bytes
+
+
+def test_each_cells_first_faster_recipe_is_queued_when_its_batch_is_found_and_the_first_round_asks_it(monkeypatch):
+    # NOTE [ Faster recipes in rounds ]: the shallower trace queued in the background is the first round's
+    # own ask (the same plan, batch and book), so the workers trace nothing the table does not use.
+    from memfit.planner.fit_books import Books
+    queued, rounds = [], []
+    real_queue, real_shallower = Books.queue_shallower, Books.trace_shallower
+
+    def key(book, plan, batch):
+        return (id(getattr(book, "source", book)), plan, batch)
+
+    monkeypatch.setattr(Books, "queue_shallower",
+                        staticmethod(lambda asks: (queued.extend(key(*a) for a in asks), real_queue(asks))))
+    monkeypatch.setattr(Books, "trace_shallower",
+                        staticmethod(lambda asks: (rounds.append([key(*a) for a in asks]), real_shallower(asks))))
+    workload = load_workload(LLAMA, seq_len=SEQ)
+    fit_table(workload, parse_methods("lora"), [get_device("rtx4090")], budget="4.5%")
+    assert queued and rounds and sorted(queued, key=str) == sorted(rounds[0], key=str)

@@ -29,7 +29,10 @@ cells of a group of cards first find their batches under the frugal recipes (dra
 lines once the first card has traced them), then ask their faster recipes in rounds, fastest first:
 each round traces together every cell's next recipe at its batch, the shallower traces, then the
 deeper ones of those within their budgets; a cell whose recipe takes its batch leaves the rounds. The
-same traces as one cell at a time, run two at a time.
+same traces as one cell at a time, run two at a time. A cell's first faster recipe is known as soon as its
+batch is (those over the budget at one sample are passed over without a trace), so its shallower trace at
+the batch is queued in the background then: the workers trace it while the planner draws the other cards'
+batches on the lines, where they had nothing queued, and the first round takes it.
 
 The cards of a group find their largest batches in turns, and so do the groups after the first (NOTE
 [ Searches in turns ] in memfit.planner.turns): while one search waits for its pair, another computes
@@ -288,6 +291,8 @@ class _Search:
         self.found = find_largest(batch_axis(), lambda b: self.used(frugal, b), self.limit)
         self.world, self.batch, self.chosen = world, self.found.value, frugal
         self.faster = list(self.plans[:-1]) if world == 1 else []
+        if (first := self.next_faster()) is not None:  # (the first round's shallower trace, in the background now)
+            self.books.queue_shallower([(self.book(first), first.plan, self.batch)])
 
     def next_faster(self) -> Recipe | None:
         """The fastest recipe left to ask at the batch: past those over the budget at one sample (a figure

@@ -175,6 +175,17 @@ class Books:
         Books._together(asks, shallower=True)
 
     @staticmethod
+    def queue_shallower(asks: list[tuple[TraceBook | OnCard, Plan, int]]) -> None:
+        """The shallower trace of each (book, plan, batch) the book cannot draw, queued in the background of
+        its book's workers, for :meth:`trace_shallower` to take later (NOTE [ Faster recipes in rounds ] in
+        memfit.planner.fit)."""
+        for book, plan, batch in asks:
+            home = book.source if isinstance(book, OnCard) else book
+            depths = home.depths(plan)
+            if depths and not book.has_at(plan, batch):
+                home.workers.start([(plan, depths[0], batch)])
+
+    @staticmethod
     def trace_together(asks: list[tuple[TraceBook | OnCard, Plan, int]]) -> None:
         """The shallow pair (or the full trace) of each (book, plan, batch) the book cannot draw, together
         on each book's workers; the figures are read when asked."""
