@@ -179,11 +179,8 @@ class Books:
         """The shallower trace of each (book, plan, batch) the book cannot draw, queued in the background of
         its book's workers, for :meth:`trace_shallower` to take later (NOTE [ Faster recipes in rounds ] in
         memfit.planner.fit)."""
-        for book, plan, batch in asks:
-            home = book.source if isinstance(book, OnCard) else book
-            depths = home.depths(plan)
-            if depths and not book.has_at(plan, batch):
-                home.workers.start([(plan, depths[0], batch)])
+        for home, *todo in Books._jobs(asks, shallower=True).values():
+            home.workers.start(todo)
 
     @staticmethod
     def trace_together(asks: list[tuple[TraceBook | OnCard, Plan, int]]) -> None:
@@ -193,17 +190,23 @@ class Books:
 
     @staticmethod
     def _together(asks: list, shallower: bool) -> None:
-        """The traces of ``asks`` not traced yet, each book's together on its workers (an OnCard's on the
-        book it draws from)."""
+        """The traces of ``asks`` not traced yet, each book's together on its workers."""
+        for home, *todo in Books._jobs(asks, shallower).values():
+            home._run(todo, check=False)
+
+    @staticmethod
+    def _jobs(asks: list, shallower: bool) -> dict[int, list]:
+        """The trace jobs of ``asks`` the books neither can draw nor have traced, by the book that traces them
+        (an OnCard's: the book it draws from): ``id(book) -> [book, *jobs]``."""
         jobs: dict[int, list] = {}
         for book, plan, batch in asks:
             if book.has_at(plan, batch):
                 continue
             home = book.source if isinstance(book, OnCard) else book
             depths = home.depths(plan) or (None,)
-            jobs.setdefault(id(home), [home])[1:] += [(plan, d, batch) for d in depths[:1 if shallower else None]]
-        for home, *todo in jobs.values():
-            home._run(todo, check=False)
+            jobs.setdefault(id(home), [home])[1:] += [(plan, d, batch) for d in depths[:1 if shallower else None]
+                                                      if (plan, d, batch) not in home._traced]
+        return jobs
 
     def close(self) -> tuple[int, int]:
         """Close every book; returns their (traces, full traces)."""
