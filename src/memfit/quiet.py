@@ -4,12 +4,15 @@ memfit runs the user's step many times over (fake traces for predictions, the pl
 candidates, a report's ablations); warnings those runs raise (a deprecated argument of the
 user's model, autocast on a CPU) were already shown, or belong to the real run, and are silenced
 there with :func:`silenced_warnings`. The profiler's kineto writes start/stop messages straight
-to file descriptor 2; :class:`QuietProfiler` sends them to /dev/null.
+to file descriptor 2; :class:`QuietProfiler` sends them to /dev/null. Values memfit makes up in
+place of a checkpoint's (:func:`stand_in_values`) are not the user's step: what a trace assumes
+about them is not listed in its report.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import sys
 import warnings
@@ -69,3 +72,23 @@ class QuietProfiler:
         with quiet_fd2():
             self.prof.stop()
         return False
+
+
+_STAND_IN = contextvars.ContextVar("memfit_stand_in_values", default=False)
+
+
+@contextlib.contextmanager
+def stand_in_values():
+    """Inside the block memfit gives a loaded model values a checkpoint would have given it (the
+    model's own initialisation: memfit.techniques.loading). A fake trace's assumptions about those
+    values (e.g. ``trunc_normal_``'s rejection loop, ``.any()`` assumed False for each weight) are
+    about no step the user runs, and :func:`in_stand_in_values` tells the tracker not to list them."""
+    token = _STAND_IN.set(True)
+    try:
+        yield
+    finally:
+        _STAND_IN.reset(token)
+
+
+def in_stand_in_values() -> bool:
+    return _STAND_IN.get()

@@ -157,3 +157,26 @@ def test_module_conversions_on_fake_tensors():
             weight = layer.weight
             layer.to("cpu", dtype=torch.bfloat16)
     assert layer.weight is weight and weight.dtype == torch.bfloat16
+
+
+class _TruncInit(nn.Linear):
+    """A weight whose initialisation reads its own values: ``trunc_normal_``'s rejection loop asks
+    ``.any()`` of each draw (std 1 in [-2, 2])."""
+
+    def reset_parameters(self):
+        nn.init.trunc_normal_(self.weight, std=1.0)
+        nn.init.zeros_(self.bias)
+
+
+def test_a_loaded_models_initialisation_is_not_listed_among_the_steps_assumptions():
+    """memfit's stand-in for a checkpoint's values is not the user's step (NOTE [ Assumed scalars ]):
+    Gemma 3's vision tower listed "a data-dependent .any() assumed False at
+    transformers/initialization.py:137 (x163)". An assumption the step itself makes still is."""
+    def loss(m, x):
+        y = m(x)
+        return y.sum() * 2 if bool((y > 0).any()) else y.sum()
+    wl = Workload(model=lambda: _TruncInit(64, 64), batch=lambda n: torch.randn(n, 64), loss=loss,
+                  default_batch_size=4, name="trunc-init", from_checkpoint=True)
+    r = estimate(wl, Plan(), batch_size=4)
+    listed = [str(a) for a in r.approximations if "data-dependent" in str(a)]
+    assert len(listed) == 1 and "test_estimate.py" in listed[0], listed

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from memfit import rng_ops
+from memfit.quiet import in_stand_in_values
 from memfit.device_queries import PRIM_DEVICE, FakeTensor
 from memfit.memory.categories import CATEGORIES
 from memfit.memory.storages import LiveStorages
@@ -258,7 +259,9 @@ class MemoryTracker(TorchDispatchMode):
     # overflow), and a count of a boolean mask (``mask.sum()``, ``count_nonzero``) a full mask, as
     # ``.all()`` is: every element counted (e.g. the caption lengths of a text-conditioned DiT from
     # its attention mask; a synthetic batch's masks are full). Every assumption is listed in the
-    # report. Which check made a tensor is kept by its storage's record, not its address: a storage
+    # report, except those about the values memfit gives a loaded model in place of a checkpoint's
+    # (memfit.quiet.stand_in_values: the user's run reads a checkpoint there, and assumes nothing).
+    # Which check made a tensor is kept by its storage's record, not its address: a storage
     # freed and another made at the same address took over its origin, so GradScaler's found_inf, made
     # where an ``.all()`` had been, read as an overflow and skipped the first step's update, in some
     # traces and not others (the second step then made the optimizer states).
@@ -280,7 +283,8 @@ class MemoryTracker(TorchDispatchMode):
             dtype = args[0].dtype
             value = False if dtype == torch.bool else 0.0 if dtype.is_floating_point else 0
             what = "a data-dependent scalar read (.item()/bool()) assumed 0"
-        self.approximate(what, _user_frame())
+        if not in_stand_in_values():  # memfit's own stand-in for a checkpoint's values: not the user's step
+            self.approximate(what, _user_frame())
         return value
 
     def approximate(self, what: str, where: str) -> None:

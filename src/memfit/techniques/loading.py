@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from memfit.quiet import stand_in_values
+
 Quantizer = Callable[[torch.Tensor], torch.nn.Parameter]
 """A weight in its load dtype, on the device -> the quantized parameter that replaces it."""
 
@@ -129,6 +131,7 @@ def _put(holders: list[tuple[torch.nn.Module, str]], value: torch.Tensor) -> Non
 _BIAS = re.compile(r"(^|_)bias$")
 
 
+@stand_in_values()
 def _initialise(model: torch.nn.Module, skip: list[torch.nn.Module]) -> None:
     """Values for every tensor: a finite default first (a module no initialiser covers must not
     train on uninitialised memory), then the model's own initialisation."""
@@ -167,6 +170,7 @@ def _default_fill(attr: str, t: torch.Tensor) -> None:
         t.fill_(1.0)
 
 
+@stand_in_values()
 def _initialise_module(model: torch.nn.Module, module: torch.nn.Module) -> None:
     """One module's values (a weight about to be quantized)."""
     with torch.no_grad():
