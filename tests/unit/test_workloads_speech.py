@@ -65,3 +65,46 @@ def test_what_cannot_be_fed_is_one_line(tmp_path, capsys):
     assert main(["estimate", str(other)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "memfit makes synthetic audio for whisper, speech_to_text, moonshine, speecht5" in err
+
+
+# -- audio encoders with a CTC or classification head ---------------------------------------------
+
+WAV2VEC2_CTC = {"model_type": "wav2vec2", "architectures": ["Wav2Vec2ForCTC"], "hidden_size": 32,
+                "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64, "vocab_size": 32,
+                "pad_token_id": 0, "conv_dim": [32, 32, 32], "conv_stride": [5, 4, 4], "conv_kernel": [10, 4, 4],
+                "num_conv_pos_embeddings": 16, "num_conv_pos_embedding_groups": 2, "layerdrop": 0.0,
+                "mask_time_prob": 0.2, "mask_time_length": 4}  # (SpecAugment on: its mask is drawn with numpy)
+HUBERT_CLASSIFIER = {**WAV2VEC2_CTC, "model_type": "hubert", "architectures": ["HubertForSequenceClassification"],
+                     "num_labels": 5}
+
+
+def _folder(tmp_path, config, **changes):
+    (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
+    return str(tmp_path)
+
+
+def test_a_ctc_head_gets_30_seconds_of_audio_and_labels_that_are_never_the_blank(tmp_path):
+    shapes, wl = batch_shapes(_folder(tmp_path, WAV2VEC2_CTC), seq_len=40)
+    assert shapes == {"input_values": (2, 480000), "labels": (2, 40)}
+    assert wl.info.config["model_class"] == "Wav2Vec2ForCTC" and wl.info.seq_len == 40
+    labels = wl.batch(64)["labels"]
+    assert labels.min() >= 1 and labels.max() == 31  # every value but the blank (pad_token_id 0)
+    assert batch_shapes(str(tmp_path))[0]["labels"] == (2, 448)  # default: a 30-second transcript
+
+
+def test_an_audio_classifier_gets_one_label_a_clip_and_refuses_seq_len(tmp_path):
+    folder = _folder(tmp_path, HUBERT_CLASSIFIER)
+    shapes, _ = batch_shapes(folder)
+    assert shapes == {"input_values": (2, 480000), "labels": (2,)}
+    with pytest.raises(UserError, match="--seq-len does not apply to an audio-classification model"):
+        load_workload(folder, seq_len=16)
+
+
+@pytest.mark.parametrize("config", [WAV2VEC2_CTC, HUBERT_CLASSIFIER], ids=["wav2vec2-ctc", "hubert-classifier"])
+def test_audio_encoders_are_traced_on_fake_tensors_and_run_for_real_within_one_percent(tmp_path, config):
+    """Before, CTC's masked_select and _ctc_loss and SpecAugment's host-drawn mask (indexed in backward)
+    each failed the fake trace, and the estimate fell back to a real run on this CPU (NOTE [ Sizes a
+    fake tensor cannot know ])."""
+    r = profile(_folder(tmp_path, config), Plan(), batch_size=2, seq_len=40 if "ctc" in str(config) else None,
+                repeats=0)
+    assert r.predicted.method == "fake" and abs(r.error_percent) < 1.0, (r.predicted.method, r.error_percent)

@@ -19,10 +19,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from memfit import rng_ops
-from memfit.quiet import in_stand_in_values
 from memfit.device_queries import PRIM_DEVICE, FakeTensor
+from memfit.memory import assumed_sizes
 from memfit.memory.categories import CATEGORIES
 from memfit.memory.storages import LiveStorages
+from memfit.quiet import in_stand_in_values
 
 aten = torch.ops.aten
 MANAGED = "managed"
@@ -84,6 +85,7 @@ class MemoryTracker(TorchDispatchMode):
         self.unprobed: dict[str, int] = {}
         self._check_origin: dict[int, object] = {}  # storage's record -> the aten.all / aten.any / aten.sum that made it
         self._mask_counts: dict[int, int | None] = {}  # storage's record -> elements counted per value (a bool mask's sum)
+        self._host_masks = assumed_sizes.HostMasks(lambda t: self.storages.token(t))
         self.storages = LiveStorages(self._allocated, self._freed, self._hosted)  # tokens: record serials
         self._forward_serial_start = 0
         self._modules = ModuleStack()
@@ -185,7 +187,7 @@ class MemoryTracker(TorchDispatchMode):
                 return func(*args, **kwargs)
             except DataDependentOutputException:
                 return self._assume(func, args)
-        out = func(*args, **kwargs)
+        out = self._sized(func, args, kwargs) if func in _SIZED else func(*args, **kwargs)
         probed = None
         if self.probe is not None and self.probe.wants(func):
             probed = self.probe(func, args, kwargs, out)
@@ -202,18 +204,44 @@ class MemoryTracker(TorchDispatchMode):
                     self.approximate("kernel scratch extrapolated from probes at smaller shapes",
                                       str(func.overloadpacket.__name__))
         self.storages.see_outputs(out, func)
+        if func in assumed_sizes.LIFTS and type(out) is FakeTensor:
+            self._host_masks.seen(func, args, out)
         if self.assume_scalars and func.overloadpacket in _CHECK_OPS and isinstance(out, torch.Tensor):
             token = self.storages.token(out)  # (by its record, not its address: NOTE [ Assumed scalars ])
             if token is not None:
                 self._check_origin[token] = func.overloadpacket
                 if func.overloadpacket in _COUNT_OPS:
                     self._mask_counts[token] = _mask_count(args, out)
+        if func in assumed_sizes.SCRATCH and _any_fake(args):  # (a real run's allocator sees it)
+            self._transient(assumed_sizes.scratch_bytes(func, args), func, args)
+            self._transient_end()
         if probed is not None and probed.scratch_bytes:
             # scratch = the op's peak minus what it returns, so booking it beside the outputs
             # reproduces the op's peak (see memfit.memory.workspaces)
             self._transient(probed.scratch_bytes, func, args)
             self._transient_end()
         return out
+
+    def _sized(self, func, args, kwargs):
+        """An op whose output size depends on values: fake mode's answer where it knows them, else the
+        assumed size (NOTE [ Sizes a fake tensor cannot know ] in memfit.memory.assumed_sizes)."""
+        from torch._subclasses.fake_tensor import DynamicOutputShapeException
+        try:
+            return func(*args, **kwargs)
+        except DynamicOutputShapeException:
+            if func in assumed_sizes.MASK_INDEXED:
+                known = self._host_masks.as_positions(func, args)
+                if known is None:
+                    raise
+                out = func(*known[0], **kwargs)
+                self._transient(known[1], func, args)  # (the kernel's nonzero of the mask)
+                self._transient_end()
+                return out
+            sized = assumed_sizes.assumed_outputs(func, args) if self.assume_scalars else None
+            if sized is None:
+                raise
+            self.approximate(sized[1], _user_frame())
+            return sized[0]
 
     # -- LiveStorages hooks: a storage's token is its record's serial ----------------------------
     def _allocated(self, t: torch.Tensor, nbytes: int, func, on_host: bool) -> int:
@@ -375,6 +403,7 @@ def _resize_outputs(out, real_nbytes: tuple[int, ...]):
     return tree_unflatten(leaves, spec) if changed else out
 
 
+_SIZED = {*assumed_sizes.SIZED, *assumed_sizes.MASK_INDEXED}
 _COUNT_OPS = {aten.sum, aten.count_nonzero}
 _CHECK_OPS = {aten.all, aten.any, *_COUNT_OPS}
 

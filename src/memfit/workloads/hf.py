@@ -11,7 +11,7 @@ import torch
 from memfit.errors import UserError, brief
 from memfit.workload import Workload, WorkloadInfo
 from memfit.workloads.checks import check_value, describe, simple_types
-from memfit.workloads.speech import speech_batch
+from memfit.workloads.speech import encoder_batch, speech_batch
 
 
 def _transformers():
@@ -169,6 +169,8 @@ BUILDERS = {
 # (task, the name of transformers' Auto mapping of model_type -> model class name)
 _TASKS = (("seq2seq-lm", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
           ("speech-seq2seq", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES"),  # NOTE [ Synthetic audio ]
+          ("ctc", "MODEL_FOR_CTC_MAPPING_NAMES"),  # (speech encoders: NOTE [ Synthetic audio ])
+          ("audio-classification", "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES"),
           ("masked-lm", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
           ("causal-lm", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
           ("image-classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"))
@@ -210,6 +212,9 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
     elif task == "speech-seq2seq":
         batch, seq, _ = speech_batch(model_type, config, seq_len, FOLDER_SEQ_LEN, where)
         vocab = config.vocab_size
+    elif task in ("ctc", "audio-classification"):
+        batch, seq, _ = encoder_batch(task, model_type, cls, config, seq_len, where)
+        vocab = config.vocab_size if task == "ctc" else None
     else:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config  # multimodal: its LM
         vocab = getattr(text, "vocab_size", None)
@@ -290,7 +295,8 @@ def _folder_model_class(tf, config, data: dict, where: str):
     tasks = [(task, getattr(modeling_auto, names, {})) for task, names in _TASKS]
     model_type = data["model_type"]
     fallback = next(((task, m[model_type]) for task, m in tasks if isinstance(m.get(model_type), str)), None)
-    feeds = "causal LM, seq2seq LM, speech seq2seq, masked LM and image-classification heads"
+    feeds = ("causal LM, seq2seq LM, speech seq2seq, CTC, audio-classification, masked LM and image-classification "
+             "heads")
     for name in data.get("architectures") or ():
         task = next((task for task, m in tasks if name in m.values()), None)
         if task is not None and hasattr(tf, name):
