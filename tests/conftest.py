@@ -112,7 +112,9 @@ def inject_oom(monkeypatch):
 def hub_cache(tmp_path, monkeypatch):
     """A Hugging Face hub cache in a temporary HF_HOME, offline, laid out as huggingface_hub lays
     it out: ``hub/models--org--name/{blobs/<sha>, snapshots/<commit>/config.json, refs/<branch>}``.
-    ``add(repo_id, config, commit=..., refs=("main",))`` writes one snapshot; returns the HF_HOME."""
+    ``add(repo_id, config, commit=..., refs=("main",), files={})`` writes one snapshot (``config`` as
+    config.json, unless None; ``files``: other JSON files by their path in the repository); returns the
+    HF_HOME."""
     import hashlib
     import json
 
@@ -126,15 +128,17 @@ def hub_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
 
-    def add(repo_id: str, config: dict, commit: str = "a" * 40, refs: tuple = ("main",)):
+    def add(repo_id: str, config: dict | None, commit: str = "a" * 40, refs: tuple = ("main",),
+            files: dict | None = None):
         repo = cache / ("models--" + repo_id.replace("/", "--"))
-        text = json.dumps(config)
-        blob = repo / "blobs" / hashlib.sha1(text.encode()).hexdigest()
-        blob.parent.mkdir(parents=True, exist_ok=True)
-        blob.write_text(text)
         snapshot = repo / "snapshots" / commit
-        snapshot.mkdir(parents=True, exist_ok=True)
-        (snapshot / "config.json").symlink_to(os.path.relpath(blob, snapshot))
+        for name, data in {**({"config.json": config} if config is not None else {}), **(files or {})}.items():
+            text = json.dumps(data)
+            blob = repo / "blobs" / hashlib.sha1(text.encode()).hexdigest()
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            blob.write_text(text)
+            (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+            (snapshot / name).symlink_to(os.path.relpath(blob, (snapshot / name).parent))
         for ref in refs:
             (repo / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
             (repo / "refs" / ref).write_text(commit)

@@ -31,7 +31,7 @@ CASES = [
      "gpt2: --resolution applies to the image-generation built-ins (dit-lumina2, dit-sd3, unet-sdxl, unet-sd15, dit-flux); "
      "drop it"),
     (["train", "cnn", "--resolution", "64", "--steps", "1"], "cnn: --resolution applies to the image-generation"),
-    (["estimate", "{d}/wl.py:OK", "--resolution", "512"], "--resolution applies to built-in workloads only"),
+    (["estimate", "{d}/wl.py:OK", "--resolution", "512"], "--resolution applies to built-in workloads, model folders and hub ids only"),
     (["estimate", "dit-lumina2", "--resolution", "0"], "--resolution"),
     (["estimate", "dit-lumina2", "--resolution", "big"], "--resolution"),
     (["estimate", "dit-lumina2", "--seq-len", "256"],

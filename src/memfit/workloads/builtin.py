@@ -3,7 +3,9 @@ diffusers image models (the only ones that take ``--resolution``). The Hugging F
 and model folders load as transformers loads a checkpoint (``Workload.from_checkpoint``); the zoo's
 plain-torch models and the diffusers models are built as written (diffusers loads with accelerate's
 ``init_empty_weights``, parameters alone on the meta device: not modelled yet), but for ``dit-flux``,
-which loads as a checkpoint: its 12B weights reach a 12 GB card only in fp8 or streamed block by block."""
+which loads as a checkpoint: its 12B weights reach a 12 GB card only in fp8 or streamed block by block.
+A diffusers repository (a hub id or a folder) builds its denoiser from its own config.json and loads as
+``from_pretrained`` loads it (NOTE [ diffusers repositories ] in memfit.workloads.diffusers_folders)."""
 
 from __future__ import annotations
 
@@ -51,20 +53,25 @@ def builtin_workload(spec: str, *, seq_len: int | None = None, resolution: int |
                                from_checkpoint=arch in hf.BUILDERS or wl.from_checkpoint)
 
 
-def folder_workload(path: str, *, seq_len: int | None = None) -> Workload:
+def folder_workload(path: str, *, seq_len: int | None = None, resolution: int | None = None) -> Workload:
     """A local Hugging Face model folder, built from its config.json (NOTE [ Model folders ] in
-    :mod:`memfit.workloads.hf`); a failure to build or run it is the config's, named as such."""
+    :mod:`memfit.workloads.hf`; a diffusers pipeline: NOTE [ diffusers repositories ]); a failure to build
+    or run it is the config's, named as such."""
     check_seq_len(seq_len)
-    return _blamed_on_config(hf.folder(path, seq_len), f"model folder {path}", "fix its config.json")
+    check_resolution(resolution)
+    return _blamed_on_config(hf.folder(path, seq_len, resolution=resolution), f"model folder {path}",
+                             "fix its config.json")
 
 
-def hub_workload(hub_id: str, *, seq_len: int | None = None) -> Workload:
-    """A Hugging Face hub id (``org/name[@revision]``): its config.json alone, from the hub's cache or
-    fetched into it, built as a model folder (NOTE [ Hub ids ] in :mod:`memfit.workloads.hub`)."""
+def hub_workload(hub_id: str, *, seq_len: int | None = None, resolution: int | None = None) -> Workload:
+    """A Hugging Face hub id (``org/name[@revision]``): its config.json alone (a diffusers pipeline's:
+    its denoiser's), from the hub's cache or fetched into it, built as a model folder (NOTE [ Hub ids ]
+    in :mod:`memfit.workloads.hub`)."""
     check_seq_len(seq_len)
+    check_resolution(resolution)
     source = f"hub model {hub_id}"
     snapshot = hub.hub_config_folder(hub_id)
-    wl = hf.folder(str(snapshot), seq_len, name=hub_id, where=source)
+    wl = hf.folder(str(snapshot), seq_len, name=hub_id, where=source, resolution=resolution)
     return _blamed_on_config(wl, source, "write a file workload (path/to/file.py:NAME) that builds it")
 
 

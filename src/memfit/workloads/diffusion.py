@@ -85,7 +85,7 @@ FLUX = ImageModel(
 MODELS = {m.arch: m for m in (LUMINA2, SD3, SDXL, SD15, FLUX)}
 
 
-def _model_class(name: str) -> type:
+def model_class(name: str) -> type:
     """diffusers' model class ``name``, imported without the log lines its optional backends write
     on first import (torch's pytree deprecations, bitsandbytes' and torchao's kernel notices): they
     are not the user's, and a command's output (or its one error line) stays clean."""
@@ -111,7 +111,7 @@ def _config(m: ImageModel, overrides: dict) -> tuple[type, dict]:
     size's, then the user's overrides (checked one by one against the constructor's signature).
     A tuple field takes ``/``-separated values (``unet-sdxl:block_out_channels=32/64/64``): commas
     separate the overrides themselves."""
-    cls = _model_class(m.class_name)
+    cls = model_class(m.class_name)
     params = {n: p for n, p in inspect.signature(cls.__init__).parameters.items() if n != "self"}
     kwargs = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
     kwargs.update(m.defaults)
@@ -214,11 +214,11 @@ def _transformer_loss(model, batch: dict) -> torch.Tensor:
 
 
 # -- the workloads ---------------------------------------------------------------------------------
-def lumina2(overrides: dict, seq_len: int | None, resolution: int | None) -> Workload:
-    _no_seq_len(LUMINA2.arch, seq_len)
-    cls, kw = _config(LUMINA2, overrides)
-    side = latent_size(LUMINA2, resolution, kw["patch_size"], "patch size")
-    channels, caption, width = kw["in_channels"], LUMINA2.caption_tokens, kw["cap_feat_dim"]
+def lumina2(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = LUMINA2) -> Workload:
+    _no_seq_len(m.arch, seq_len)
+    cls, kw = _config(m, overrides)
+    side = latent_size(m, resolution, kw["patch_size"], "patch size")
+    channels, caption, width = kw["in_channels"], m.caption_tokens, kw["cap_feat_dim"]
 
     def batch(b: int) -> dict:
         latents, noise, t = torch.randn(b, channels, side, side), torch.randn(b, channels, side, side), torch.rand(b)
@@ -227,18 +227,18 @@ def lumina2(overrides: dict, seq_len: int | None, resolution: int | None) -> Wor
                 "encoder_attention_mask": torch.ones(b, caption, dtype=torch.bool), "target": target}
 
     res = side * VAE_FACTOR
-    info = _info(LUMINA2, res, kw, ("hidden_size", "num_layers", "num_attention_heads", "cap_feat_dim"),
+    info = _info(m, res, kw, ("hidden_size", "num_layers", "num_attention_heads", "cap_feat_dim"),
                  kw["patch_size"])
-    return _workload(LUMINA2, _build(LUMINA2, cls, kw, overrides), batch, _transformer_loss, res, info)
+    return _workload(m, _build(m, cls, kw, overrides), batch, _transformer_loss, res, info)
 
 
-def sd3(overrides: dict, seq_len: int | None, resolution: int | None) -> Workload:
-    _no_seq_len(SD3.arch, seq_len)
-    cls, kw = _config(SD3, overrides)
-    side = latent_size(SD3, resolution, kw["patch_size"], "patch size")
+def sd3(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = SD3) -> Workload:
+    _no_seq_len(m.arch, seq_len)
+    cls, kw = _config(m, overrides)
+    side = latent_size(m, resolution, kw["patch_size"], "patch size")
     most = (kw["pos_embed_max_size"] or 0) * kw["patch_size"] * VAE_FACTOR
     if most and side * VAE_FACTOR > most:
-        raise UserError(f"{SD3.arch}: --resolution {side * VAE_FACTOR} exceeds the position table "
+        raise UserError(f"{m.arch}: --resolution {side * VAE_FACTOR} exceeds the position table "
                         f"(pos_embed_max_size={kw['pos_embed_max_size']}, {most}px); use --resolution <= {most}")
     channels = kw["in_channels"]
 
@@ -246,13 +246,13 @@ def sd3(overrides: dict, seq_len: int | None, resolution: int | None) -> Workloa
         latents, noise, t = torch.randn(b, channels, side, side), torch.randn(b, channels, side, side), torch.rand(b)
         noisy, target = _flow_matching(latents, noise, t, data_at_one=False)
         return {"hidden_states": noisy, "timestep": t * 1000,
-                "encoder_hidden_states": torch.randn(b, SD3.caption_tokens, kw["joint_attention_dim"]),
+                "encoder_hidden_states": torch.randn(b, m.caption_tokens, kw["joint_attention_dim"]),
                 "pooled_projections": torch.randn(b, kw["pooled_projection_dim"]), "target": target}
 
     res = side * VAE_FACTOR
-    info = _info(SD3, res, kw, ("num_layers", "num_attention_heads", "attention_head_dim", "joint_attention_dim"),
+    info = _info(m, res, kw, ("num_layers", "num_attention_heads", "attention_head_dim", "joint_attention_dim"),
                  kw["patch_size"])
-    return _workload(SD3, _build(SD3, cls, kw, overrides), batch, _transformer_loss, res, info)
+    return _workload(m, _build(m, cls, kw, overrides), batch, _transformer_loss, res, info)
 
 
 FLUX_PACK = 2
@@ -261,36 +261,37 @@ FLUX_GUIDANCE = 1.0
 """The guidance value fed to FLUX.1-dev's guidance embedding in training (kohya's ``--guidance_scale``)."""
 
 
-def flux(overrides: dict, seq_len: int | None, resolution: int | None) -> Workload:
+def flux(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = FLUX) -> Workload:
     """FLUX.1-dev as kohya's sd-scripts and diffusers' ``train_dreambooth_lora_flux`` train it: latents
     and T5/CLIP outputs cached (``--cache_latents``, ``--cache_text_encoder_outputs``), so the batch is
     the packed noisy latents, the text states, the pooled CLIP vector, the guidance value and the
     position ids; rectified flow (t = 1 is noise), the target the velocity ``noise - latents``. The
     model loads as a checkpoint does (built on the meta device, each weight made in its final form:
     memfit.techniques.loading), as ``from_pretrained`` and kohya's loader bring it to the card."""
-    _no_seq_len(FLUX.arch, seq_len)
-    cls, kw = _config(FLUX, overrides)
+    _no_seq_len(m.arch, seq_len)
+    cls, kw = _config(m, overrides)
     if kw["in_channels"] % FLUX_PACK ** 2:
-        raise UserError(f"{FLUX.arch}: in_channels {kw['in_channels']} must be a multiple of 4 (2x2 latent pixels "
+        raise UserError(f"{m.arch}: in_channels {kw['in_channels']} must be a multiple of 4 (2x2 latent pixels "
                         "per token); change the overrides")
-    side = latent_size(FLUX, resolution, FLUX_PACK * kw["patch_size"], "2x2 packing times patch size")
-    channels, caption = kw["in_channels"] // FLUX_PACK ** 2, FLUX.caption_tokens
+    side = latent_size(m, resolution, FLUX_PACK * kw["patch_size"], "2x2 packing times patch size")
+    channels, caption = kw["in_channels"] // FLUX_PACK ** 2, m.caption_tokens
 
     def batch(b: int) -> dict:
         latents, noise, t = torch.randn(b, channels, side, side), torch.randn(b, channels, side, side), torch.rand(b)
         noisy, target = _flow_matching(latents, noise, t, data_at_one=False)
         half = side // FLUX_PACK
         rows, cols = torch.arange(half).repeat_interleave(half), torch.arange(half).repeat(half)
-        return {"hidden_states": _pack(noisy), "timestep": t, "guidance": torch.full((b,), FLUX_GUIDANCE),
+        guidance = {"guidance": torch.full((b,), FLUX_GUIDANCE)} if kw["guidance_embeds"] else {}  # (not schnell's)
+        return {"hidden_states": _pack(noisy), "timestep": t, **guidance,
                 "encoder_hidden_states": torch.randn(b, caption, kw["joint_attention_dim"]),
                 "pooled_projections": torch.randn(b, kw["pooled_projection_dim"]),
                 "img_ids": torch.stack([torch.zeros(half * half), rows.float(), cols.float()], dim=1),
                 "txt_ids": torch.zeros(caption, 3), "target": _pack(target)}
 
     res = side * VAE_FACTOR
-    info = _info(FLUX, res, kw, ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
+    info = _info(m, res, kw, ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
                                  "joint_attention_dim"), FLUX_PACK * kw["patch_size"])
-    wl = _workload(FLUX, _build(FLUX, cls, kw, overrides), batch, _transformer_loss, res, info)
+    wl = _workload(m, _build(m, cls, kw, overrides), batch, _transformer_loss, res, info)
     wl.from_checkpoint = True
     return wl
 
@@ -302,7 +303,7 @@ def _pack(latents: torch.Tensor) -> torch.Tensor:
     return x.reshape(b, (h // FLUX_PACK) * (w // FLUX_PACK), c * FLUX_PACK ** 2)
 
 
-def _unet(m: ImageModel):
+def unet_builder(m: ImageModel):
     def build(overrides: dict, seq_len: int | None, resolution: int | None) -> Workload:
         _no_seq_len(m.arch, seq_len)
         cls, kw = _config(m, overrides)
@@ -343,8 +344,8 @@ def _unet(m: ImageModel):
 BUILDERS = {
     "dit-lumina2": (lumina2, LUMINA2.doc),
     "dit-sd3": (sd3, SD3.doc),
-    "unet-sdxl": (_unet(SDXL), SDXL.doc),
-    "unet-sd15": (_unet(SD15), SD15.doc),
+    "unet-sdxl": (unet_builder(SDXL), SDXL.doc),
+    "unet-sd15": (unet_builder(SD15), SD15.doc),
     "dit-flux": (flux, FLUX.doc),
 }
 """Built-ins that take ``--resolution``: ``builder(overrides, seq_len, resolution)``."""

@@ -10,6 +10,7 @@ import torch
 
 from memfit.errors import UserError, brief
 from memfit.workload import Workload, WorkloadInfo
+from memfit.workloads import diffusers_folders
 from memfit.workloads.checks import check_value, describe, simple_types
 from memfit.workloads.speech import encoder_batch, speech_batch
 
@@ -181,9 +182,11 @@ would otherwise be estimated at 128k tokens); ``--seq-len`` sets another."""
 NO_POSITION_LIMIT_SEQ_LEN = 512  # configs without a position limit (relative positions, as T5's built-in)
 
 
-def folder(path_text: str, seq_len: int | None, *, name: str | None = None, where: str | None = None) -> Workload:
+def folder(path_text: str, seq_len: int | None, *, name: str | None = None, where: str | None = None,
+           resolution: int | None = None) -> Workload:
     """The workload of a local Hugging Face model folder (or its config.json): see NOTE [ Model folders ].
-    ``name`` and ``where`` name it in reports and errors (a hub id's snapshot: the id, not the cache path)."""
+    ``name`` and ``where`` name it in reports and errors (a hub id's snapshot: the id, not the cache path).
+    A diffusers pipeline or denoiser folder is built by memfit.workloads.diffusers_folders (``resolution``)."""
     path = Path(path_text).expanduser()
     where = where or f"model folder {path_text}"
     if path.is_file() and path.name == "config.json":
@@ -192,7 +195,13 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
         raise UserError(f"{where} not found; give a folder holding config.json, or a hub id as org/name")
     elif not path.is_dir():
         raise UserError(f"{where} is a file, not a folder; give the folder that holds config.json")
+    path = diffusers_folders.pipeline_denoiser(path, where) or path
     data = _read_config_json(path, where)
+    if diffusers_folders.is_diffusers_config(data):
+        return diffusers_folders.diffusers_workload(data, name or path_text, where, seq_len, resolution)
+    if resolution is not None:
+        raise UserError(f"{where}: --resolution applies to image-generation models (diffusers' denoisers); a "
+                        "transformers model takes --seq-len (an image classifier: image_size in its config.json)")
     tf = _transformers()
     config = _folder_config(tf, path, data, where)
     task, cls = _folder_model_class(tf, config, data, where)
@@ -268,6 +277,8 @@ def _read_config_json(path: Path, where: str) -> dict:
                         "it again") from None
     if not isinstance(data, dict):
         raise UserError(f"{where}: config.json holds a {type(data).__name__}, not a JSON object; download it again")
+    if diffusers_folders.is_diffusers_config(data):
+        return data
     if not isinstance(data.get("model_type"), str) or not data["model_type"]:
         raise UserError(f"{where}: config.json has no model_type; add the architecture's name, "
                         "e.g. \"model_type\": \"llama\"")

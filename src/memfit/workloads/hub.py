@@ -57,7 +57,13 @@ def hub_config_folder(text: str) -> Path:
     login = "log in with `hf auth login` or set HF_TOKEN"
     try:
         with _hub_quiet():  # its retries log a line each; the error below is the one line the user reads
-            return Path(hf_hub_download(repo_id, "config.json", revision=revision)).parent
+            try:
+                return Path(hf_hub_download(repo_id, "config.json", revision=revision)).parent
+            except (hub_errors.LocalEntryNotFoundError, hub_errors.EntryNotFoundError) as missing:
+                denoiser = _diffusers_denoiser(hf_hub_download, repo_id, revision, where)
+                if denoiser is None:
+                    raise missing from None
+                return denoiser
     except hub_errors.GatedRepoError:
         raise UserError(f"{where} is gated; accept its terms at https://huggingface.co/{repo_id} and {login}") from None
     except hub_errors.RepositoryNotFoundError:
@@ -71,9 +77,11 @@ def hub_config_folder(text: str) -> Path:
         why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub cannot be reached"
         raise UserError(f"{where}: config.json is not in the Hugging Face cache ({cache}) and {why}{local}; "
                         f"run `hf download {repo_id} config.json` where the hub can be reached (into the same "
-                        "HF_HOME), or give a folder holding config.json") from None
+                        "HF_HOME; a diffusers pipeline: model_index.json and unet/config.json or "
+                        "transformer/config.json), or give a folder holding config.json") from None
     except hub_errors.EntryNotFoundError:
-        raise UserError(f"{where} has no config.json (not a transformers model); give a model repository, "
+        raise UserError(f"{where} has no config.json or model_index.json (not a transformers or diffusers model); "
+                        "give a model repository, "
                         "or write a file workload (path/to/file.py:NAME) that builds it") from None
     except hub_errors.HFValidationError as e:
         raise UserError(f"{where} is not a valid hub id ({brief(e, 120)}); write org/name or "
@@ -81,6 +89,21 @@ def hub_config_folder(text: str) -> Path:
     except hub_errors.HfHubHTTPError as e:
         raise UserError(f"{where}: the hub refused config.json ({brief(e, 120)}); {login}, or try "
                         "again later") from None
+
+
+def _diffusers_denoiser(download, repo_id: str, revision: str | None, where: str) -> Path | None:
+    """A diffusers pipeline's denoiser folder (its ``model_index.json``, then the ``unet`` or
+    ``transformer`` config it names: NOTE [ diffusers repositories ]), or None if the repository has no
+    model_index.json (cached, or on the hub)."""
+    from huggingface_hub import errors as hub_errors
+
+    from memfit.workloads import diffusers_folders
+    try:
+        index = Path(download(repo_id, "model_index.json", revision=revision))
+    except (hub_errors.LocalEntryNotFoundError, hub_errors.EntryNotFoundError):
+        return None
+    name = diffusers_folders.denoiser_name(diffusers_folders.read_model_index(index, where), where)
+    return Path(download(repo_id, f"{name}/config.json", revision=revision)).parent
 
 
 @contextlib.contextmanager

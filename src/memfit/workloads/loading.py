@@ -30,11 +30,10 @@ def load_workload(spec: str | Workload, *, seq_len: int | None = None, resolutio
                         "a model folder (./dir holding config.json) or a hub id (org/name)")
     spec = spec.strip()
     if spec[:3].lower() == "hf:":
-        _builtin_sizes_only(None, resolution, "a Hugging Face model takes --seq-len")
         name = spec[3:].strip()
         if not Path(name).expanduser().exists() and is_hub_id(name, bare_names=True):
-            return hub_workload(name, seq_len=seq_len)
-        return folder_workload(name, seq_len=seq_len)
+            return hub_workload(name, seq_len=seq_len, resolution=resolution)
+        return folder_workload(name, seq_len=seq_len, resolution=resolution)
     head = spec.split(":", 1)[0]
     if Path(head).suffix.lower() in (".yml", ".yaml"):
         raise UserError(f"{head} is not a workload; an axolotl config is read with --from: memfit estimate --from "
@@ -46,11 +45,9 @@ def load_workload(spec: str | Workload, *, seq_len: int | None = None, resolutio
         _builtin_sizes_only(seq_len, resolution, "set it inside your workload module")
         return _load_module_workload(spec)
     if _names_a_folder(spec, head):
-        _builtin_sizes_only(None, resolution, "a Hugging Face model takes --seq-len")
-        return folder_workload(spec, seq_len=seq_len)
+        return folder_workload(spec, seq_len=seq_len, resolution=resolution)
     if is_hub_id(spec):
-        _builtin_sizes_only(None, resolution, "a Hugging Face model takes --seq-len")
-        return hub_workload(spec, seq_len=seq_len)
+        return hub_workload(spec, seq_len=seq_len, resolution=resolution)
     if "/" in head or "\\" in head:
         _builtin_sizes_only(seq_len, resolution, "set it inside your workload file")
         return _load_file_workload(spec)
@@ -60,7 +57,7 @@ def load_workload(spec: str | Workload, *, seq_len: int | None = None, resolutio
 def _builtin_sizes_only(seq_len: int | None, resolution: int | None, fix: str) -> None:
     for flag, value in (("--seq-len", seq_len), ("--resolution", resolution)):
         if value is not None:
-            raise UserError(f"{flag} applies to built-in workloads only; {fix}")
+            raise UserError(f"{flag} applies to built-in workloads, model folders and hub ids only; {fix}")
 
 
 def _names_a_module(spec: str, head: str) -> bool:

@@ -1,0 +1,104 @@
+"""diffusers models from a hub id or a folder: a pipeline's denoiser, built from its own config.json.
+
+NOTE [ diffusers repositories ]
+A diffusers repository (``stabilityai/stable-diffusion-xl-base-1.0``, ``black-forest-labs/FLUX.1-dev``,
+or any fine-tune of one) has no config.json at its root. Its ``model_index.json`` names the pipeline's
+components, and the denoiser's config is ``unet/config.json`` or ``transformer/config.json``: the
+model class's constructor arguments, with ``_class_name``. memfit trains the denoiser, which is what
+LoRA and full fine-tuning of a diffusion model train: the VAE's latents and the text encoders' outputs
+are cached inputs, as for the built-ins (``--cache_latents``, ``--cache_text_encoder_outputs``). So a
+hub id or folder costs two small files, ``model_index.json`` and the denoiser's ``config.json``.
+
+The denoiser is built with the built-in of its class, every field as the file has it. The batch is
+the built-in's (the same objective, caption tokens and conditioning), at the config's own resolution
+(``sample_size`` latents; FLUX has none: 1024 px) unless ``--resolution`` gives another:
+
+- ``UNet2DConditionModel``: SDXL's batch when ``addition_embed_type`` is ``text_time`` (``unet-sdxl``),
+  else Stable Diffusion 1.x/2.x's (``unet-sd15``);
+- ``SD3Transformer2DModel`` (SD3, SD3.5): ``dit-sd3``'s;
+- ``FluxTransformer2DModel``: ``dit-flux``'s, with the guidance input only when the config embeds it
+  (FLUX.1-dev does; FLUX.1-schnell does not);
+- ``Lumina2Transformer2DModel``: ``dit-lumina2``'s.
+
+Any other class is refused in one line. It loads as ``from_pretrained`` loads it (each weight made on
+the device in its final form: memfit.techniques.loading).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+from pathlib import Path
+
+from memfit.errors import UserError, brief
+from memfit.workload import Workload
+from memfit.workloads import diffusion
+
+DENOISERS = ("transformer", "unet")
+"""The components of a diffusers pipeline that hold its denoiser, in the order they are looked for."""
+
+_BY_CLASS = {"FluxTransformer2DModel": (diffusion.FLUX, diffusion.flux),
+             "SD3Transformer2DModel": (diffusion.SD3, diffusion.sd3),
+             "Lumina2Transformer2DModel": (diffusion.LUMINA2, diffusion.lumina2)}
+CLASSES = ("UNet2DConditionModel", *_BY_CLASS)
+
+
+def is_diffusers_config(data: dict) -> bool:
+    """A diffusers model's config.json (``_class_name``), not a transformers one (``model_type``)."""
+    return isinstance(data.get("_class_name"), str) and "model_type" not in data
+
+
+def read_model_index(path: Path, where: str) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{where}: model_index.json cannot be read ({brief(e, 120)}); download it again") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{where}: model_index.json holds a {type(data).__name__}, not a JSON object; download it again")
+    return data
+
+
+def denoiser_name(index: dict, where: str) -> str:
+    """The component of a pipeline's ``model_index.json`` that holds its denoiser."""
+    name = next((n for n in DENOISERS if n in index), None)
+    if name is None:
+        kind = index.get("_class_name", "this pipeline")
+        raise UserError(f"{where}: {kind}'s model_index.json names no unet or transformer (the denoiser memfit "
+                        "trains); give the repository of a text-to-image pipeline, or a file workload "
+                        "(path/to/file.py:NAME) that builds the model")
+    return name
+
+
+def pipeline_denoiser(path: Path, where: str) -> Path | None:
+    """The denoiser's folder of a diffusers pipeline folder (one holding model_index.json), else None."""
+    if not (path / "model_index.json").is_file() or (path / "config.json").is_file():
+        return None
+    name = denoiser_name(read_model_index(path / "model_index.json", where), where)
+    if not (path / name / "config.json").is_file():
+        raise UserError(f"{where}: {name}/config.json is missing (model_index.json names it); download it with "
+                        f"the pipeline, e.g. `hf download ORG/NAME {name}/config.json`")
+    return path / name
+
+
+def diffusers_workload(data: dict, name: str, where: str, seq_len: int | None, resolution: int | None) -> Workload:
+    """The workload of a diffusers denoiser's config.json (see the module's NOTE)."""
+    class_name = data["_class_name"]
+    if class_name == "UNet2DConditionModel":
+        template = diffusion.SDXL if data.get("addition_embed_type") == "text_time" else diffusion.SD15
+    elif class_name in _BY_CLASS:
+        template = _BY_CLASS[class_name][0]
+    else:
+        raise UserError(f"{where}: memfit builds the diffusers denoisers {', '.join(CLASSES)}, not {class_name}; "
+                        "write a file workload (path/to/file.py:NAME) that builds it and its batch")
+    params = inspect.signature(diffusion.model_class(class_name).__init__).parameters
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()
+              if not k.startswith("_") and k in params}
+    sample = data.get("sample_size")
+    native = sample * diffusion.VAE_FACTOR if isinstance(sample, int) and sample > 0 else template.resolution
+    # The file's fields replace the template's published size, as given (diffusers checks them, not the
+    # user's overrides' checks); the batch's layout stays the template's.
+    template = dataclasses.replace(template, arch=name, resolution=native, defaults=fields)
+    if class_name == "UNet2DConditionModel":
+        return diffusion.unet_builder(template)({}, seq_len, resolution)
+    return _BY_CLASS[class_name][1]({}, seq_len, resolution, m=template)

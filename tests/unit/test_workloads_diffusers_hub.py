@@ -1,0 +1,83 @@
+"""diffusers repositories as workloads (NOTE [ diffusers repositories ]): a pipeline's hub id or folder
+reads model_index.json and its denoiser's config.json, builds that denoiser with the built-in batch of
+its class at the config's own resolution, and runs for real within 1% of its prediction; a class memfit
+has no batch for is refused in one line."""
+
+import json
+
+import pytest
+
+from memfit.cli.main import main
+from memfit.errors import UserError
+from memfit.memory.estimate import estimate
+from memfit.memory.measure import profile
+from memfit.plans import Plan
+from memfit.workloads import load_workload
+
+UNET = {"_class_name": "UNet2DConditionModel", "_diffusers_version": "0.30.0", "sample_size": 16,
+        "in_channels": 4, "out_channels": 4, "block_out_channels": [32, 64], "layers_per_block": 1,
+        "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"], "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
+        "cross_attention_dim": 32, "attention_head_dim": 8, "norm_num_groups": 8, "upcast_attention": None}
+FLUX_SCHNELL = {"_class_name": "FluxTransformer2DModel", "attention_head_dim": 16, "num_attention_heads": 2,
+                "num_layers": 1, "num_single_layers": 1, "in_channels": 16, "joint_attention_dim": 32,
+                "pooled_projection_dim": 16, "axes_dims_rope": [4, 6, 6], "guidance_embeds": False}
+ID = "acme/toy-diffusion"
+
+
+def pipeline(denoiser: str, config: dict, kind: str = "StableDiffusionPipeline") -> dict:
+    return {"model_index.json": {"_class_name": kind, denoiser: ["diffusers", config["_class_name"]],
+                                 "vae": ["diffusers", "AutoencoderKL"]}, f"{denoiser}/config.json": config}
+
+
+def shapes(wl, n=2):
+    return {k: tuple(v.shape) for k, v in wl.batch(n).items()}
+
+
+def test_a_pipelines_hub_id_builds_its_denoiser_at_the_configs_resolution(hub_cache, no_network):
+    hub_cache(ID, None, files=pipeline("unet", UNET))
+    wl = load_workload(ID)
+    assert wl.name == ID and wl.from_checkpoint and wl.info.config["model_class"] == "UNet2DConditionModel"
+    assert wl.info.resolution == 128  # sample_size 16 latents x the VAE's 8
+    assert shapes(wl) == {"sample": (2, 4, 16, 16), "timestep": (2,), "encoder_hidden_states": (2, 77, 32),
+                          "target": (2, 4, 16, 16)}
+    assert shapes(load_workload(ID, resolution=64))["sample"] == (2, 4, 8, 8)
+
+
+def test_a_pipeline_folder_predicts_as_its_hub_id_and_runs_within_one_percent(hub_cache, no_network, tmp_path):
+    hub_cache(ID, None, files=pipeline("unet", UNET))
+    for name, data in pipeline("unet", UNET).items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(json.dumps(data))
+    hub = estimate(ID, Plan(), batch_size=2)
+    assert hub.method == "fake" and estimate(str(tmp_path), Plan(), batch_size=2).peak_bytes == hub.peak_bytes
+    r = profile(str(tmp_path), Plan(), batch_size=2, repeats=0)
+    assert r.predicted.method == "fake" and abs(r.error_percent) < 1.0, r.error_percent
+
+
+def test_flux_schnell_gets_no_guidance_input_and_runs_within_one_percent(hub_cache, no_network):
+    """FLUX.1-schnell embeds no guidance: fed one, its forward fails (dev's batch has it)."""
+    hub_cache(ID, None, files=pipeline("transformer", FLUX_SCHNELL, "FluxPipeline"))
+    wl = load_workload(ID, resolution=64)
+    assert "guidance" not in wl.batch(1) and wl.info.resolution == 64
+    r = profile(ID, Plan(), batch_size=1, resolution=64, repeats=0)
+    assert r.predicted.method == "fake" and abs(r.error_percent) < 1.0, r.error_percent
+
+
+@pytest.mark.parametrize("files,error", [
+    (pipeline("transformer", {"_class_name": "WanTransformer3DModel", "num_layers": 1}, "WanPipeline"),
+     "memfit builds the diffusers denoisers UNet2DConditionModel, FluxTransformer2DModel, SD3Transformer2DModel, "
+     "Lumina2Transformer2DModel, not WanTransformer3DModel"),
+    ({"model_index.json": {"_class_name": "AudioLDMPipeline", "vocoder": ["transformers", "SpeechT5HifiGan"]}},
+     "AudioLDMPipeline's model_index.json names no unet or transformer"),
+], ids=["unmodelled-class", "no-denoiser"])
+def test_what_cannot_be_built_is_one_line(hub_cache, no_network, capsys, files, error):
+    hub_cache(ID, None, files=files)
+    assert main(["estimate", ID]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and error in err
+
+
+def test_resolution_on_a_transformers_folder_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2}))
+    with pytest.raises(UserError, match="--resolution applies to image-generation models"):
+        load_workload(str(tmp_path), resolution=256)
