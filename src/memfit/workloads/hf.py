@@ -81,6 +81,21 @@ def _lm_batch(vocab: int, seq_len: int, with_labels_key: str = "labels"):
     return batch
 
 
+def _classified_batch(task: str, config, vocab: int, seq: int):
+    """Tokens and one label a sequence (a reward model, ``num_labels`` 1: a score) or a token."""
+    if task == "sequence-classification" and getattr(config, "pad_token_id", None) is None:
+        # A decoder finds each sequence's last token by its padding, and refuses a batch without a pad
+        # token: trainers set the tokenizer's (TRL's RewardTrainer: model.config.pad_token_id). No bytes change.
+        config.pad_token_id = vocab - 1
+    classes = config.num_labels
+
+    def batch(batch_size: int):
+        shape = (batch_size,) if task == "sequence-classification" else (batch_size, seq)
+        labels = torch.randn(shape) if classes == 1 else torch.randint(0, classes, shape)
+        return {"input_ids": torch.randint(0, vocab, (batch_size, seq)), "labels": labels}
+    return batch
+
+
 def _hf_loss(model, batch):
     return model(**batch).loss
 
@@ -174,7 +189,9 @@ _TASKS = (("seq2seq-lm", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
           ("audio-classification", "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES"),
           ("masked-lm", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
           ("causal-lm", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
-          ("image-classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"))
+          ("image-classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
+          ("sequence-classification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),  # (also reward models)
+          ("token-classification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"))
 _POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx")
 FOLDER_SEQ_LEN = 2048
 """A folder's default sequence length: its position limit, capped here (long-context configs
@@ -236,7 +253,7 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
         if limit is not None and seq > limit:
             raise UserError(f"{where}: --seq-len {seq} exceeds config.json's {field}={limit}; "
                             f"use --seq-len <= {limit} or raise {field} in config.json")
-        batch = _lm_batch(vocab, seq)
+        batch = _classified_batch(task, config, vocab, seq) if task.endswith("classification") else _lm_batch(vocab, seq)
     sizes = {k: v for k in ("num_hidden_layers", "hidden_size") if isinstance(v := getattr(config, k, None), int)}
     quantized = _checkpoint_format(data, where)
     if quantized is not None:
@@ -306,8 +323,8 @@ def _folder_model_class(tf, config, data: dict, where: str):
     tasks = [(task, getattr(modeling_auto, names, {})) for task, names in _TASKS]
     model_type = data["model_type"]
     fallback = next(((task, m[model_type]) for task, m in tasks if isinstance(m.get(model_type), str)), None)
-    feeds = ("causal LM, seq2seq LM, speech seq2seq, CTC, audio-classification, masked LM and image-classification "
-             "heads")
+    feeds = ("causal LM, seq2seq LM, speech seq2seq, CTC, audio-classification, masked LM, image-classification, "
+             "sequence-classification and token-classification heads")
     for name in data.get("architectures") or ():
         task = next((task for task, m in tasks if name in m.values()), None)
         if task is not None and hasattr(tf, name):

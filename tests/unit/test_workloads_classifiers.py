@@ -1,0 +1,43 @@
+"""Text classifiers from a config.json: sequence classification (BERT's, and a decoder's as a reward
+model: one score a sequence) and token classification (NER) get tokens and their labels, and run for
+real within 1% of their prediction."""
+
+import json
+
+import pytest
+
+from memfit.memory.measure import profile
+from memfit.plans import Plan
+from memfit.workloads import load_workload
+
+BERT = {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "intermediate_size": 64, "vocab_size": 300, "max_position_embeddings": 128}
+SENTIMENT = {**BERT, "architectures": ["BertForSequenceClassification"], "id2label": {"0": "neg", "1": "neu", "2": "pos"}}
+NER = {**BERT, "architectures": ["BertForTokenClassification"], "id2label": {str(i): f"L{i}" for i in range(9)}}
+REWARD = {"model_type": "llama", "architectures": ["LlamaForSequenceClassification"], "hidden_size": 32,
+          "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+          "vocab_size": 300, "max_position_embeddings": 128, "num_labels": 1}  # (no pad_token_id, as Llama's)
+
+
+def folder(tmp_path, config) -> str:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("config,labels,dtype", [(SENTIMENT, (2,), "int64"), (NER, (2, 16), "int64"),
+                                                 (REWARD, (2,), "float32")], ids=["sentiment", "ner", "reward"])
+def test_a_classifier_gets_tokens_and_a_label_a_sequence_or_a_token(tmp_path, config, labels, dtype):
+    wl = load_workload(folder(tmp_path, config), seq_len=16)
+    batch = wl.batch(2)
+    assert tuple(batch["input_ids"].shape) == (2, 16) and tuple(batch["labels"].shape) == labels
+    assert str(batch["labels"].dtype) == f"torch.{dtype}" and wl.info.config["model_class"] == config["architectures"][0]
+    if config is not REWARD:
+        assert int(batch["labels"].max()) < len(config["id2label"])
+
+
+@pytest.mark.parametrize("config", [SENTIMENT, NER, REWARD], ids=["sentiment", "ner", "reward"])
+def test_a_classifier_runs_for_real_within_one_percent(tmp_path, config):
+    """A decoder's sequence classifier without a pad token refuses a batch of more than one sequence;
+    memfit gives it one, as trainers do (TRL's RewardTrainer)."""
+    r = profile(folder(tmp_path, config), Plan(), batch_size=2, seq_len=16, repeats=0)
+    assert r.predicted.method == "fake" and abs(r.error_percent) < 1.0, r.error_percent
