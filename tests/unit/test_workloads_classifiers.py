@@ -41,3 +41,23 @@ def test_a_classifier_runs_for_real_within_one_percent(tmp_path, config):
     memfit gives it one, as trainers do (TRL's RewardTrainer)."""
     r = profile(folder(tmp_path, config), Plan(), batch_size=2, seq_len=16, repeats=0)
     assert r.predicted.method == "fake" and abs(r.error_percent) < 1.0, r.error_percent
+
+
+# -- image-text pairs ----------------------------------------------------------------------------
+
+_TOWERS = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_hidden_layers": 2}
+CLIP = {"model_type": "clip", "architectures": ["CLIPModel"], "projection_dim": 16,
+        "text_config": {**_TOWERS, "vocab_size": 300, "max_position_embeddings": 20},
+        "vision_config": {**_TOWERS, "image_size": 32, "patch_size": 8}}
+SIGLIP = {**CLIP, "model_type": "siglip", "architectures": ["SiglipModel"]}
+
+
+@pytest.mark.parametrize("config", [CLIP, SIGLIP], ids=["clip", "siglip"])
+def test_an_image_text_model_trains_on_pairs_with_its_own_loss_within_one_percent(tmp_path, config):
+    """CLIPModel and SiglipModel were refused ("a head memfit cannot feed"): they train on image-text pairs
+    with their contrastive loss (``return_loss=True``)."""
+    path = folder(tmp_path, config)
+    shapes = {k: tuple(v.shape) for k, v in load_workload(path).batch(2).items()}
+    assert shapes == {"input_ids": (2, 20), "pixel_values": (2, 3, 32, 32)}  # captions at the text encoder's limit
+    r = profile(path, Plan(), batch_size=4, seq_len=12, repeats=0)
+    assert r.predicted.method == "fake" and abs(r.error_percent) < 1.0, r.error_percent

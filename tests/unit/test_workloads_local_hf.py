@@ -121,8 +121,8 @@ BAD = [
      r"does not know model_type 'nosuchformer' \(its auto_map names custom code.*\); upgrade transformers"),
     ("unknown class", {**GPT2, "architectures": ["GPT9LMHeadModel"]},
      r"has no class GPT9LMHeadModel .*; upgrade transformers or set \"architectures\": \[\"GPT2LMHeadModel\"\]"),
-    ("unfed head", {**LLAMA3, "architectures": ["LlamaForSequenceClassification"]},
-     r"names LlamaForSequenceClassification, a head memfit cannot feed .*set \"architectures\": \[\"LlamaForCausalLM\"\]"),
+    ("unfed head", {**LLAMA3, "architectures": ["LlamaForQuestionAnswering"]},
+     r"names LlamaForQuestionAnswering, a head memfit cannot feed .*set \"architectures\": \[\"LlamaForCausalLM\"\]"),
     ("seq too long", GPT2, r"--seq-len 4096 exceeds config\.json's n_positions=128; use --seq-len <= 128"),
     ("bad sizes", {**GPT2, "n_embd": 30}, r"building the model failed with .*; fix its config\.json"),
 ]

@@ -100,6 +100,34 @@ def _hf_loss(model, batch):
     return model(**batch).loss
 
 
+PAIRED = ("clip", "siglip", "metaclip_2")
+"""Image-text models trained on pairs with their own contrastive loss (``return_loss=True``): CLIP's
+softmax over the batch's pairs, SigLIP's sigmoid over each pair."""
+
+
+def _pairs_batch(model_type: str, config, seq_len: int | None, where: str):
+    """(batch, caption tokens, text vocabulary) of an image-text model: a batch of matching pairs."""
+    if model_type not in PAIRED:
+        raise UserError(f"{where}: memfit feeds image-text pairs to {', '.join(PAIRED)} models, not {model_type!r} "
+                        "(its processor's own inputs); write a file workload (path/to/file.py:NAME) that builds it")
+    text, vision = config.text_config, config.vision_config
+    limit = text.max_position_embeddings
+    seq = seq_len or limit
+    if seq > limit:
+        raise UserError(f"{where}: --seq-len {seq} exceeds the text encoder's max_position_embeddings={limit}; "
+                        f"use --seq-len <= {limit}")
+    size = vision.image_size
+
+    def batch(batch_size: int):
+        return {"input_ids": torch.randint(0, text.vocab_size, (batch_size, seq)),
+                "pixel_values": torch.randn(batch_size, vision.num_channels, size, size)}
+    return batch, seq, text.vocab_size
+
+
+def _contrastive_loss(model, batch):
+    return model(**batch, return_loss=True).loss
+
+
 def _check_seq(arch: str, seq_len: int, limit: int | None, field: str) -> None:
     if limit is not None and seq_len > limit:
         raise UserError(f"{arch}: --seq-len {seq_len} exceeds the model's {field}={limit}; "
@@ -190,6 +218,7 @@ _TASKS = (("seq2seq-lm", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
           ("masked-lm", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
           ("causal-lm", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
           ("image-classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
+          ("contrastive", "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES"),  # CLIP, SigLIP: image-text pairs
           ("sequence-classification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),  # (also reward models)
           ("token-classification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"))
 _POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx")
@@ -238,6 +267,8 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
     elif task == "speech-seq2seq":
         batch, seq, _ = speech_batch(model_type, config, seq_len, FOLDER_SEQ_LEN, where)
         vocab = config.vocab_size
+    elif task == "contrastive":
+        batch, seq, vocab = _pairs_batch(model_type, config, seq_len, where)
     elif task in ("ctc", "audio-classification"):
         batch, seq, _ = encoder_batch(task, model_type, cls, config, seq_len, where)
         vocab = config.vocab_size if task == "ctc" else None
@@ -258,7 +289,8 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
     quantized = _checkpoint_format(data, where)
     if quantized is not None:
         config.quantization_config = None  # memfit's base_weights quantizes (transformers' own would at from_pretrained)
-    return Workload(model=lambda: cls(config), batch=batch, loss=_hf_loss, name=name or path_text,
+    return Workload(model=lambda: cls(config), batch=batch, loss=_contrastive_loss if task == "contrastive" else _hf_loss,
+                    name=name or path_text,
                     default_batch_size=1 if task == "causal-lm" else 8,
                     info=WorkloadInfo(arch=model_type, text_lm=task == "causal-lm", seq_len=seq, vocab_size=vocab,
                                       config={"model_class": cls.__name__, **sizes}, quantized=quantized))
@@ -324,7 +356,7 @@ def _folder_model_class(tf, config, data: dict, where: str):
     model_type = data["model_type"]
     fallback = next(((task, m[model_type]) for task, m in tasks if isinstance(m.get(model_type), str)), None)
     feeds = ("causal LM, seq2seq LM, speech seq2seq, CTC, audio-classification, masked LM, image-classification, "
-             "sequence-classification and token-classification heads")
+             "image-text contrastive, sequence-classification and token-classification heads")
     for name in data.get("architectures") or ():
         task = next((task for task, m in tasks if name in m.values()), None)
         if task is not None and hasattr(tf, name):
