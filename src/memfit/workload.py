@@ -47,6 +47,11 @@ class WorkloadInfo:
     vocab_size: int | None = None
     config: dict = field(default_factory=dict)
     """The architecture's sizes (config fields), for reports."""
+    coupled_samples: str | None = None
+    """Why the step's samples are not independent of each other, or None: a loss over the whole batch
+    (CLIP's contrastive loss compares each pair with every other pair of the batch). Micro-batches
+    would then train on another objective, so the planner searches none and OOM adaptation does not
+    re-split the batch."""
     quantized: str | None = None
     """A pre-quantized checkpoint's base-weight format, as a ``base_weights`` plan value (its
     config.json's ``quantization_config``: bitsandbytes' ``nf4``, ``fp4``, ``int8``); None: full precision."""

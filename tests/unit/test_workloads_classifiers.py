@@ -61,3 +61,20 @@ def test_an_image_text_model_trains_on_pairs_with_its_own_loss_within_one_percen
     assert shapes == {"input_ids": (2, 20), "pixel_values": (2, 3, 32, 32)}  # captions at the text encoder's limit
     r = profile(path, Plan(), batch_size=4, seq_len=12, repeats=0)
     assert r.predicted.method == "fake" and abs(r.error_percent) < 1.0, r.error_percent
+
+
+def test_a_contrastive_batch_is_never_split_into_micro_batches(tmp_path):
+    """Two micro-batches of a contrastive loss compare each pair with half the batch's others: another
+    objective. OOM adaptation turns to checkpointing instead, and the planner searches no micro-batch."""
+    from memfit.planner.search import plan
+    from memfit.training.adapt import adapt
+    wl = load_workload(folder(tmp_path, CLIP), seq_len=12)
+    assert "contrastive loss compares each image-text pair" in wl.info.coupled_samples
+    model = wl.model()
+    assert adapt(Plan(), 8, model)[0].micro_batch_size == 4  # (what an independent-sample step gets)
+    adapted, change = adapt(Plan(), 8, model, coupled_samples=wl.info.coupled_samples)
+    assert adapted.micro_batch_size is None and adapted.checkpointing == "blocks", change
+    result = plan(wl, budget="40GiB", device="h100-80gb", batch_size=8, fixed={"precision": "bf16-pure"},
+                  optimizers=("adamw",), compile_modes=("none",), max_traces=8)
+    sizes = {c.plan.micro_batch_size for c in result.candidates}
+    assert sizes == {None} and any("micro-batches not searched" in n for n in result.notes), (sizes, result.notes)

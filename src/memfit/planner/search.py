@@ -178,7 +178,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     rank_bs = Plan(world_size=world).config("shard").rank_batch(bs)  # (a sharded rank's micro-batches split this)
     custom_space = space is not None
     space = space or default_space(facts, dev, rank_bs, optimizers, compile_modes, budget_bytes=budget_bytes,
-                                   base_weights=(fixed or {}).get("base_weights"), run_steps=steps)
+                                   base_weights=(fixed or {}).get("base_weights"), run_steps=steps,
+                                   coupled_samples=wl.info.coupled_samples)
     offered = {k: list(v) for k, v in space.values.items()}
     given_fields = dict(fixed or {})
     fixed, constrained = _constrain(space, dict(given_fields), dev, rank_bs)

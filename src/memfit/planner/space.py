@@ -60,19 +60,23 @@ def model_facts(workload: Workload) -> ModelFacts:
 def default_space(facts: ModelFacts, device: Device, batch_size: int,
                   optimizers: tuple[str, ...] | None = None,
                   compile_modes: tuple[str, ...] | None = None, *, budget_bytes: int | None = None,
-                  base_weights: str | None = None, run_steps: int | None = None) -> SearchSpace:
+                  base_weights: str | None = None, run_steps: int | None = None,
+                  coupled_samples: str | None = None) -> SearchSpace:
     """``compile_modes``: the compile modes to try; None: the device's default (memfit.techniques.compile).
     ``budget_bytes`` and ``base_weights`` (the plan's, as the user gave it): what a technique whose
     values matter only when the weights fill the budget looks at (``swap_blocks``); None: unknown.
     ``run_steps``: the run's length, if given (compile is searched by default on GPU presets for a run
-    long enough to pay for its compiles: memfit.techniques.compile)."""
+    long enough to pay for its compiles: memfit.techniques.compile). ``coupled_samples``: why the
+    workload's samples depend on each other (memfit.workload.WorkloadInfo): no micro-batch is searched."""
     ctx = SearchContext(model=facts.model, device=device, batch_size=batch_size,
                         options={"optimizers": optimizers, "compile_modes": compile_modes,
                                  "budget_bytes": budget_bytes, "base_weights": base_weights,
                                  "run_steps": run_steps})
     values = {t.keys[0].name: list(t.search(ctx)) for t in TECHNIQUES if t.search is not None}
     micro = [m for m in (batch_size, batch_size // 2, batch_size // 4, batch_size // 8)
-             if m >= 1 and batch_size % m == 0]
+             if m >= 1 and batch_size % m == 0 and (m == batch_size or not coupled_samples)]
+    if coupled_samples:
+        ctx.notes.append(f"micro-batches not searched: {coupled_samples}, so a micro-batch trains on another objective")
     return SearchSpace(values=values, micro_batches=sorted(set(micro), reverse=True), notes=list(ctx.notes))
 
 

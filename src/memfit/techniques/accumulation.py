@@ -70,7 +70,10 @@ class Accumulation(Config):
         return self.micro_batches(batch_size)[0] >= other.micro_batches(batch_size)[0]
 
     def frugal(self, ctx: AdaptContext):
-        """The largest smaller micro-batch predicted to fit (``ctx.fits``), else half."""
+        """The largest smaller micro-batch predicted to fit (``ctx.fits``), else half; none where the
+        samples depend on each other (a contrastive loss: another objective)."""
+        if ctx.coupled_samples:
+            return None
         m, _ = self.micro_batches(ctx.batch_size)
         smaller = [d for d in range(m // 2, 0, -1) if ctx.batch_size % d == 0]
         candidates = []

@@ -409,3 +409,5 @@ class AdaptContext:
     """The running step's model (its structure decides, e.g., whether blocks exist)."""
     fits: Callable | None = None
     """fits(plan) -> bool: does the estimate predict the plan fits? None: unknown."""
+    coupled_samples: str | None = None
+    """Why the step's samples depend on each other (memfit.workload.WorkloadInfo), or None."""

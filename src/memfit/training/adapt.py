@@ -37,14 +37,17 @@ from memfit.training.rebuild import rebuild
 Fits = Callable[[Plan], bool]
 
 
-def adapt(plan: Plan, batch_size: int, model: torch.nn.Module, fits: Fits | None = None) -> tuple[Plan, str]:
+def adapt(plan: Plan, batch_size: int, model: torch.nn.Module, fits: Fits | None = None,
+          coupled_samples: str | None = None) -> tuple[Plan, str]:
     """A plan that uses less memory than ``plan``, and what changed. Raises when out of options.
 
     ``fits(plan)``: whether the estimate predicts ``plan`` fits. With it, the micro-batch (or a
     compiled plan's activation budget) goes straight to the largest predicted to fit instead of
-    stepping down one OOM at a time."""
+    stepping down one OOM at a time. ``coupled_samples``: why the step's samples depend on each other
+    (the workload's), when they do: the batch is then not re-split."""
     # (the samples one step runs: a rank's share of the global batch when sharded)
-    ctx = AdaptContext(plan=plan, batch_size=plan.config("shard").rank_batch(batch_size), model=model, fits=fits)
+    ctx = AdaptContext(plan=plan, batch_size=plan.config("shard").rank_batch(batch_size), model=model, fits=fits,
+                       coupled_samples=coupled_samples)
     order = [(c.escalation(ctx), i, c) for i, c in enumerate(plan.techniques)]
     for _, _, current in sorted(o for o in order if o[0] is not None):
         step = current.frugal(ctx)
@@ -103,7 +106,7 @@ class FitPredictor:
         """Trace the remedy :func:`adapt` would turn to first for ``plan`` (e.g. the micro-batch sizes
         below ``plan``'s, largest first, up to the first that fits); ``model``: its structure."""
         with contextlib.suppress(OutOfAdaptations):
-            adapt(plan, self.target.batch_size, model, self)
+            adapt(plan, self.target.batch_size, model, self, self.target.workload.info.coupled_samples)
 
     def _trace(self, plan: Plan) -> bool:
         with (self.paused() if self.paused is not None else contextlib.nullcontext()), silenced_warnings():
@@ -142,7 +145,7 @@ def run_adapting(step: TrainStep, batch, on_adapt: Callable[[dict], None] | None
         step.phase = "idle"
         free_failed_step(step)
         def choose(step=step):
-            return adapt(step.plan, step.batch_size, step.model, fits)
+            return adapt(step.plan, step.batch_size, step.model, fits, step.target.workload.info.coupled_samples)
         plan, change = decide(choose) if decide is not None else choose()
         step = rebuild_step(step, plan)
         _set_rng_state(rng)

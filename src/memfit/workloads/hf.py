@@ -293,6 +293,8 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
                     name=name or path_text,
                     default_batch_size=1 if task == "causal-lm" else 8,
                     info=WorkloadInfo(arch=model_type, text_lm=task == "causal-lm", seq_len=seq, vocab_size=vocab,
+                                      coupled_samples=f"{cls.__name__}'s contrastive loss compares each image-text "
+                                      "pair with every other pair of the batch" if task == "contrastive" else None,
                                       config={"model_class": cls.__name__, **sizes}, quantized=quantized))
 
 
