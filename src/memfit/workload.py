@@ -47,6 +47,9 @@ class WorkloadInfo:
     vocab_size: int | None = None
     config: dict = field(default_factory=dict)
     """The architecture's sizes (config fields), for reports."""
+    sample: str | None = None
+    """What one sample of the synthetic batch is, in words (a hub model's: "2048 tokens", "30 s of
+    16 kHz audio and 448 CTC labels"), shown with the estimate; None: not said."""
     coupled_samples: str | None = None
     """Why the step's samples are not independent of each other, or None: a loss over the whole batch
     (CLIP's contrastive loss compares each pair with every other pair of the batch). Micro-batches

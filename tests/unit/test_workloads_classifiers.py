@@ -78,3 +78,22 @@ def test_a_contrastive_batch_is_never_split_into_micro_batches(tmp_path):
                   optimizers=("adamw",), compile_modes=("none",), max_traces=8)
     sizes = {c.plan.micro_batch_size for c in result.candidates}
     assert sizes == {None} and any("micro-batches not searched" in n for n in result.notes), (sizes, result.notes)
+
+
+GEMMA3 = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "mm_tokens_per_image": 4,
+          "image_token_index": 299, "boi_token_index": 297, "eoi_token_index": 298,
+          "text_config": {"model_type": "gemma3_text", **_TOWERS, "num_key_value_heads": 1, "head_dim": 16,
+                          "vocab_size": 300, "max_position_embeddings": 64, "sliding_window": 16},
+          "vision_config": {"model_type": "siglip_vision_model", **_TOWERS, "image_size": 32, "patch_size": 8}}
+
+
+@pytest.mark.parametrize("config,sample", [
+    (SENTIMENT, "16 tokens and one label"), (NER, "16 tokens and a label each"),
+    (CLIP, "a 32x32 image and its 16-token caption (a matching pair)"),
+    (GEMMA3, "16 tokens; text only: no image is fed, so the vision encoder's weights count and its activations do not"),
+], ids=["sentiment", "ner", "clip", "gemma3"])
+def test_the_estimate_says_what_one_sample_is(tmp_path, config, sample):
+    """A vision-language model is fed its language model's input alone: said, not hidden."""
+    from memfit.memory.estimate import estimate
+    r = estimate(folder(tmp_path, config), Plan(), batch_size=1, seq_len=16)
+    assert f"one sample: {sample}" in r.facts, r.facts

@@ -79,7 +79,8 @@ def estimate_target(target: Target, *, fallback: bool = True, timeline: str | No
     if method == "fake" and run.routing is not None and run.routing.calls:
         with silenced_warnings():  # the bound of NOTE [ Routing on fake tensors ]
             worst = report_for(run_tracked(target, fake=True, routing=WORST).tracker, target, method).peak_bytes
-    facts = experts_facts(run.routing, run.step.model, worst, peak)
+    sample = target.workload.info.sample
+    facts = [*experts_facts(run.routing, run.step.model, worst, peak), *([f"one sample: {sample}"] if sample else [])]
     report = report_for(run.tracker, target, method, notes=notes, trace_seconds=time.perf_counter() - t0,
                         facts=facts, worst_routing_peak_bytes=worst)
     if timeline:

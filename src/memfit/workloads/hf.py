@@ -100,6 +100,8 @@ def _hf_loss(model, batch):
     return model(**batch).loss
 
 
+_TARGETS = {"seq2seq-lm": " in, as many label tokens out", "sequence-classification": " and one label",
+            "token-classification": " and a label each"}
 PAIRED = ("clip", "siglip", "metaclip_2")
 """Image-text models trained on pairs with their own contrastive loss (``return_loss=True``): CLIP's
 softmax over the batch's pairs, SigLIP's sigmoid over each pair."""
@@ -264,13 +266,18 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
             return {"pixel_values": torch.randn(batch_size, channels, height, width),
                     "labels": torch.randint(0, labels, (batch_size,))}
         seq, vocab = None, None
+        sample = f"a {height}x{width} image and its class"
     elif task == "speech-seq2seq":
-        batch, seq, _ = speech_batch(model_type, config, seq_len, FOLDER_SEQ_LEN, where)
+        batch, seq, audio = speech_batch(model_type, config, seq_len, FOLDER_SEQ_LEN, where)
+        sample = f"{audio} and {seq} label tokens"
         vocab = config.vocab_size
     elif task == "contrastive":
         batch, seq, vocab = _pairs_batch(model_type, config, seq_len, where)
+        size = config.vision_config.image_size
+        sample = f"a {size}x{size} image and its {seq}-token caption (a matching pair)"
     elif task in ("ctc", "audio-classification"):
-        batch, seq, _ = encoder_batch(task, model_type, cls, config, seq_len, where)
+        batch, seq, audio = encoder_batch(task, model_type, cls, config, seq_len, where)
+        sample = f"{audio} and " + (f"{seq} CTC labels" if task == "ctc" else "its class")
         vocab = config.vocab_size if task == "ctc" else None
     else:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config  # multimodal: its LM
@@ -285,6 +292,9 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
             raise UserError(f"{where}: --seq-len {seq} exceeds config.json's {field}={limit}; "
                             f"use --seq-len <= {limit} or raise {field} in config.json")
         batch = _classified_batch(task, config, vocab, seq) if task.endswith("classification") else _lm_batch(vocab, seq)
+        sample = f"{seq} tokens" + _TARGETS.get(task, "")
+        if getattr(config, "vision_config", None) is not None:  # (a vision-language model fed its LM's input)
+            sample += "; text only: no image is fed, so the vision encoder's weights count and its activations do not"
     sizes = {k: v for k in ("num_hidden_layers", "hidden_size") if isinstance(v := getattr(config, k, None), int)}
     quantized = _checkpoint_format(data, where)
     if quantized is not None:
@@ -293,6 +303,7 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
                     name=name or path_text,
                     default_batch_size=1 if task == "causal-lm" else 8,
                     info=WorkloadInfo(arch=model_type, text_lm=task == "causal-lm", seq_len=seq, vocab_size=vocab,
+                                      sample=sample,
                                       coupled_samples=f"{cls.__name__}'s contrastive loss compares each image-text "
                                       "pair with every other pair of the batch" if task == "contrastive" else None,
                                       config={"model_class": cls.__name__, **sizes}, quantized=quantized))
