@@ -79,5 +79,5 @@ def test_what_cannot_be_built_is_one_line(hub_cache, no_network, capsys, files, 
 
 def test_resolution_on_a_transformers_folder_is_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2}))
-    with pytest.raises(UserError, match="--resolution applies to image-generation models"):
+    with pytest.raises(UserError, match="--resolution applies to image models"):
         load_workload(str(tmp_path), resolution=256)

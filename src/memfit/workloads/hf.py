@@ -10,7 +10,7 @@ import torch
 
 from memfit.errors import UserError, brief
 from memfit.workload import Workload, WorkloadInfo
-from memfit.workloads import diffusers_folders
+from memfit.workloads import diffusers_folders, timm_folders
 from memfit.workloads.checks import check_value, describe, simple_types
 from memfit.workloads.speech import encoder_batch, speech_batch
 
@@ -247,8 +247,10 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
     data = _read_config_json(path, where)
     if diffusers_folders.is_diffusers_config(data):
         return diffusers_folders.diffusers_workload(data, name or path_text, where, seq_len, resolution)
+    if timm_folders.is_timm_config(data):
+        return timm_folders.timm_workload(data, name or path_text, where, seq_len, resolution)
     if resolution is not None:
-        raise UserError(f"{where}: --resolution applies to image-generation models (diffusers' denoisers); a "
+        raise UserError(f"{where}: --resolution applies to image models (diffusers' denoisers, timm's classifiers); a "
                         "transformers model takes --seq-len (an image classifier: image_size in its config.json)")
     tf = _transformers()
     config = _folder_config(tf, path, data, where)
@@ -339,7 +341,7 @@ def _read_config_json(path: Path, where: str) -> dict:
                         "it again") from None
     if not isinstance(data, dict):
         raise UserError(f"{where}: config.json holds a {type(data).__name__}, not a JSON object; download it again")
-    if diffusers_folders.is_diffusers_config(data):
+    if diffusers_folders.is_diffusers_config(data) or timm_folders.is_timm_config(data):
         return data
     if not isinstance(data.get("model_type"), str) or not data["model_type"]:
         raise UserError(f"{where}: config.json has no model_type; add the architecture's name, "
