@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 
-from memfit.units import fmt_bytes
+from memfit.units import fmt_bytes, fmt_rate
 
 
 class Progress:
@@ -50,7 +50,7 @@ class Progress:
         peak = fmt_bytes(peak_bytes) if peak_bytes else "-"
         if self.budget:
             peak += f" / {fmt_bytes(self.budget)}"
-        info = f"loss {loss:.4f} · {rate:,.0f} {unit}/s · peak {peak}"
+        info = f"loss {loss:.4f} · {fmt_rate(rate)} {unit}/s · peak {peak}"
         if self._bar is not None:
             self._bar.update(self._task, completed=step, info=info)
             return
