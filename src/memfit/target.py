@@ -37,7 +37,7 @@ class Target:
         wl = load_workload(workload, seq_len=seq_len, resolution=resolution)
         if isinstance(plan, str):
             plan = Plan.load(plan)
-        plan = _with_checkpoint_format(plan or Plan(), wl)
+        plan = as_checkpoint(plan or Plan(), wl)
         bs = batch_size or wl.default_batch_size
         if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
             raise UserError(f"batch size must be a positive whole number, got {batch_size!r}")
@@ -47,6 +47,7 @@ class Target:
 
     def with_plan(self, plan: Plan) -> Target:
         """The same workload, batch and device under another plan (checked as :meth:`resolve` does)."""
+        plan = as_checkpoint(plan, self.workload)
         plan.check_implemented()
         plan.micro_batches(self.batch_size)
         return dataclasses.replace(self, plan=plan)
@@ -73,17 +74,31 @@ class Target:
         return f"{self.workload.name} · batch {self.batch_size} · {self.plan.describe()}"
 
 
-def _with_checkpoint_format(plan: Plan, wl: Workload) -> Plan:
-    """A pre-quantized checkpoint's base weights are quantized whatever the plan says: ``as-is``
-    means its own format; another format cannot be loaded from it."""
-    fmt = wl.info.quantized
-    if fmt is None:
-        return plan
-    ours = plan.replace(base_weights=fmt)
-    if plan.config("base_weights").is_default:
-        return ours
-    if plan.config("base_weights") != ours.config("base_weights"):
-        raise UserError(f"{wl.name} is a pre-quantized checkpoint ({fmt}, its config.json's quantization_config): "
-                        f"its base weights load as {fmt}, not {plan.base_weights}; drop --base-weights "
-                        "(or plan the full-precision checkpoint)")
+def as_checkpoint(plan: Plan, wl: Workload) -> Plan:
+    """``plan`` on what the workload's checkpoint is. A pre-quantized checkpoint's base weights are
+    quantized whatever the plan says: ``as-is`` means its own format; another format cannot be loaded
+    from it. An adapter checkpoint trains its own adapter (NOTE [ Adapter checkpoints ] in
+    memfit.workloads.adapter_folders): ``none`` means it; another adapter is not it. Every plan of a
+    target passes here, the planner's candidates too."""
+    for key, ours, what, fix in (
+            ("base_weights", wl.info.quantized, "a pre-quantized checkpoint ({}, its config.json's quantization_config)",
+             "drop --base-weights (or plan the full-precision checkpoint)"),
+            ("adapter", wl.info.adapter, "an adapter checkpoint ({}, its adapter_config.json)",
+             "drop --adapter (or plan its base model)")):
+        if ours is None:
+            continue
+        theirs = plan.replace(**{key: ours})
+        if plan.config(key).is_default:
+            plan = theirs
+        elif plan.config(key) != theirs.config(key):
+            raise UserError(f"{wl.name} is {what.format(ours)}: its {key} is {ours}, not {getattr(plan, key)}; {fix}")
     return plan
+
+
+def checkpoint_fields(fixed: dict | None, wl: Workload) -> dict:
+    """The plan fields a search fixes, with what the workload's checkpoint fixes (:func:`as_checkpoint`:
+    a pre-quantized checkpoint's ``base_weights``, an adapter checkpoint's ``adapter``) added."""
+    fixed = dict(fixed or {})
+    plan = as_checkpoint(Plan().replace(**fixed), wl)
+    return {**fixed, **{k: getattr(plan, k) for k, ours in (("base_weights", wl.info.quantized),
+                                                            ("adapter", wl.info.adapter)) if ours is not None}}

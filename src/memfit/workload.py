@@ -55,6 +55,9 @@ class WorkloadInfo:
     (CLIP's contrastive loss compares each pair with every other pair of the batch). Micro-batches
     would then train on another objective, so the planner searches none and OOM adaptation does not
     re-split the batch."""
+    adapter: str | None = None
+    """An adapter checkpoint's adapter, as an ``adapter`` plan value (its adapter_config.json:
+    ``lora:r=16,alpha=32,targets=q_proj+v_proj``); the workload is its base model. None: no adapter."""
     quantized: str | None = None
     """A pre-quantized checkpoint's base-weight format, as a ``base_weights`` plan value (its
     config.json's ``quantization_config``: bitsandbytes' ``nf4``, ``fp4``, ``int8``); None: full precision."""

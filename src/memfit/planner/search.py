@@ -61,7 +61,7 @@ from memfit.planner.walk import Walk
 from memfit.plans import Plan, technique_of, with_what_it_needs
 from memfit.quiet import silenced_warnings
 from memfit.step import build_step
-from memfit.target import Target
+from memfit.target import Target, checkpoint_fields
 from memfit.techniques.base_weights import STORED_BYTES, least_weight_bytes
 from memfit.techniques.swap_blocks import least_resident_bytes
 from memfit.units import fmt_bytes
@@ -164,15 +164,15 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
         raise UserError(f"plan: steps must be a whole number >= 1 (the run's length), got {steps!r}")
     target = Target.resolve(workload, None, batch_size, device, seq_len=seq_len)
     wl, dev, bs = target.workload, target.device, target.batch_size
+    fixed = checkpoint_fields(fixed, wl)  # (a pre-quantized or adapter checkpoint's own fields)
     budget_obj = Budget.resolve(budget, dev)
     budget_bytes = budget_obj.bytes
     facts = model_facts(wl)
-    world = int((fixed or {}).get("world_size") or 1)
+    world = int(fixed.get("world_size") or 1)
     if world > 1 and not dev.is_gpu:
         raise UserError(f"plan --world-size {world} times sharded plans on GPU presets (on the CPU the planner times "
                         "real steps, which a sharded plan runs in several processes); give --device, e.g. h100-80gb")
-    _check_budget_above_weights(budget_bytes, facts, dev, world, (fixed or {}).get("base_weights"),
-                                (fixed or {}).get("adapter"))
+    _check_budget_above_weights(budget_bytes, facts, dev, world, fixed.get("base_weights"), fixed.get("adapter"))
     if not dev.is_gpu and time_model is None:
         _check_real_steps_fit(wl, facts)
     rank_bs = Plan(world_size=world).config("shard").rank_batch(bs)  # (a sharded rank's micro-batches split this)

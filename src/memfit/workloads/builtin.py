@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 
 from memfit.errors import UserError
 from memfit.units import parse_key_values
 from memfit.workload import Workload
-from memfit.workloads import diffusion, hf, hub, zoo
+from memfit.workloads import adapter_folders, diffusion, hf, hub, zoo
 from memfit.workloads.checks import blamed, check_resolution, check_seq_len, guarded
 
 _REGISTRY: dict[str, tuple[Callable[..., Workload], str]] = {
@@ -53,24 +54,32 @@ def builtin_workload(spec: str, *, seq_len: int | None = None, resolution: int |
                                from_checkpoint=arch in hf.BUILDERS or wl.from_checkpoint)
 
 
-def folder_workload(path: str, *, seq_len: int | None = None, resolution: int | None = None) -> Workload:
+def folder_workload(path: str, *, seq_len: int | None = None, resolution: int | None = None,
+                    load: Callable[..., Workload] | None = None) -> Workload:
     """A local Hugging Face model folder, built from its config.json (NOTE [ Model folders ] in
-    :mod:`memfit.workloads.hf`; a diffusers pipeline: NOTE [ diffusers repositories ]); a failure to build
-    or run it is the config's, named as such."""
+    :mod:`memfit.workloads.hf`; a diffusers pipeline: NOTE [ diffusers repositories ]; a PEFT adapter, its
+    base loaded with ``load``: NOTE [ Adapter checkpoints ]); a failure to build or run it is the
+    config's, named as such."""
     check_seq_len(seq_len)
     check_resolution(resolution)
-    return _blamed_on_config(hf.folder(path, seq_len, resolution=resolution), f"model folder {path}",
-                             "fix its config.json")
+    where = f"model folder {path}"
+    folder = Path(path).expanduser()
+    if load is not None and adapter_folders.is_adapter_folder(folder):
+        return adapter_folders.adapter_workload(folder, path, where, load, seq_len, resolution)
+    return _blamed_on_config(hf.folder(path, seq_len, resolution=resolution), where, "fix its config.json")
 
 
-def hub_workload(hub_id: str, *, seq_len: int | None = None, resolution: int | None = None) -> Workload:
+def hub_workload(hub_id: str, *, seq_len: int | None = None, resolution: int | None = None,
+                 load: Callable[..., Workload] | None = None) -> Workload:
     """A Hugging Face hub id (``org/name[@revision]``): its config.json alone (a diffusers pipeline's:
-    its denoiser's), from the hub's cache or fetched into it, built as a model folder (NOTE [ Hub ids ]
-    in :mod:`memfit.workloads.hub`)."""
+    its denoiser's; a PEFT adapter's: its adapter_config.json, its base loaded with ``load``), from the
+    hub's cache or fetched into it, built as a model folder (NOTE [ Hub ids ] in :mod:`memfit.workloads.hub`)."""
     check_seq_len(seq_len)
     check_resolution(resolution)
     source = f"hub model {hub_id}"
     snapshot = hub.hub_config_folder(hub_id)
+    if load is not None and adapter_folders.is_adapter_folder(snapshot):
+        return adapter_folders.adapter_workload(snapshot, hub_id, source, load, seq_len, resolution)
     wl = hf.folder(str(snapshot), seq_len, name=hub_id, where=source, resolution=resolution)
     return _blamed_on_config(wl, source, "write a file workload (path/to/file.py:NAME) that builds it")
 

@@ -60,10 +60,11 @@ def hub_config_folder(text: str) -> Path:
             try:
                 return Path(hf_hub_download(repo_id, "config.json", revision=revision)).parent
             except (hub_errors.LocalEntryNotFoundError, hub_errors.EntryNotFoundError) as missing:
-                denoiser = _diffusers_denoiser(hf_hub_download, repo_id, revision, where)
-                if denoiser is None:
+                folder = _diffusers_denoiser(hf_hub_download, repo_id, revision, where) or \
+                    _adapter_folder(hf_hub_download, repo_id, revision)
+                if folder is None:
                     raise missing from None
-                return denoiser
+                return folder
     except hub_errors.GatedRepoError:
         raise UserError(f"{where} is gated; accept its terms at https://huggingface.co/{repo_id} and {login}") from None
     except hub_errors.RepositoryNotFoundError:
@@ -78,9 +79,11 @@ def hub_config_folder(text: str) -> Path:
         raise UserError(f"{where}: config.json is not in the Hugging Face cache ({cache}) and {why}{local}; "
                         f"run `hf download {repo_id} config.json` where the hub can be reached (into the same "
                         "HF_HOME; a diffusers pipeline: model_index.json and unet/config.json or "
-                        "transformer/config.json), or give a folder holding config.json") from None
+                        "transformer/config.json; a PEFT adapter: adapter_config.json), or give a folder holding "
+                        "config.json") from None
     except hub_errors.EntryNotFoundError:
-        raise UserError(f"{where} has no config.json or model_index.json (not a transformers or diffusers model); "
+        raise UserError(f"{where} has no config.json, model_index.json or adapter_config.json (not a transformers, "
+                        "diffusers or PEFT model); "
                         "give a model repository, "
                         "or write a file workload (path/to/file.py:NAME) that builds it") from None
     except hub_errors.HFValidationError as e:
@@ -104,6 +107,15 @@ def _diffusers_denoiser(download, repo_id: str, revision: str | None, where: str
         return None
     name = diffusers_folders.denoiser_name(diffusers_folders.read_model_index(index, where), where)
     return Path(download(repo_id, f"{name}/config.json", revision=revision)).parent
+
+
+def _adapter_folder(download, repo_id: str, revision: str | None) -> Path | None:
+    """A PEFT adapter's folder (its ``adapter_config.json``: NOTE [ Adapter checkpoints ]), or None."""
+    from huggingface_hub import errors as hub_errors
+    try:
+        return Path(download(repo_id, "adapter_config.json", revision=revision)).parent
+    except (hub_errors.LocalEntryNotFoundError, hub_errors.EntryNotFoundError):
+        return None
 
 
 @contextlib.contextmanager

@@ -32,8 +32,8 @@ def load_workload(spec: str | Workload, *, seq_len: int | None = None, resolutio
     if spec[:3].lower() == "hf:":
         name = spec[3:].strip()
         if not Path(name).expanduser().exists() and is_hub_id(name, bare_names=True):
-            return hub_workload(name, seq_len=seq_len, resolution=resolution)
-        return folder_workload(name, seq_len=seq_len, resolution=resolution)
+            return hub_workload(name, seq_len=seq_len, resolution=resolution, load=load_workload)
+        return folder_workload(name, seq_len=seq_len, resolution=resolution, load=load_workload)
     head = spec.split(":", 1)[0]
     if Path(head).suffix.lower() in (".yml", ".yaml"):
         raise UserError(f"{head} is not a workload; an axolotl config is read with --from: memfit estimate --from "
@@ -45,9 +45,9 @@ def load_workload(spec: str | Workload, *, seq_len: int | None = None, resolutio
         _builtin_sizes_only(seq_len, resolution, "set it inside your workload module")
         return _load_module_workload(spec)
     if _names_a_folder(spec, head):
-        return folder_workload(spec, seq_len=seq_len, resolution=resolution)
+        return folder_workload(spec, seq_len=seq_len, resolution=resolution, load=load_workload)
     if is_hub_id(spec):
-        return hub_workload(spec, seq_len=seq_len, resolution=resolution)
+        return hub_workload(spec, seq_len=seq_len, resolution=resolution, load=load_workload)
     if "/" in head or "\\" in head:
         _builtin_sizes_only(seq_len, resolution, "set it inside your workload file")
         return _load_file_workload(spec)
