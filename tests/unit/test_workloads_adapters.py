@@ -72,3 +72,16 @@ def test_what_an_adapter_checkpoint_cannot_be_is_one_line(tmp_path, capsys, conf
     assert main(["estimate", adapter, "--seq-len", "16", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and error in err, err
+
+
+def test_fit_refuses_an_adapter_checkpoint_and_a_pre_quantized_ones_full_methods_in_one_line(tmp_path, capsys):
+    """fit's table compares methods of a base model: an adapter checkpoint has one, a pre-quantized one
+    trains only an adapter over its own format (its full column showed full-precision weights before)."""
+    base = write(tmp_path / "base", "config.json", {**LLAMA, "quantization_config": NF4})
+    adapter = write(tmp_path / "lora", "adapter_config.json", {**LORA, "base_model_name_or_path": base})
+    for args, error in ((["fit", adapter, "--seq-len", "16"], "is an adapter checkpoint (lora:r=8"),
+                        (["fit", base, "--seq-len", "16", "--methods", "full,qlora"],
+                         "is a pre-quantized checkpoint (nf4); only qlora trains it")):
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and error in err, err

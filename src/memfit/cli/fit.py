@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 
 from memfit.cli.common import add_command, add_resolution_arg, print_json
 
@@ -52,8 +53,18 @@ def run(args: argparse.Namespace) -> int:
     res = parse_positive_int(args.resolution, "--resolution", MAX_SIZE) if args.resolution is not None else None
     most = parse_positive_int(args.max_world_size, "--max-world-size")
     workload = load_workload(args.workload, seq_len=seq, resolution=res)
-    image = workload.info.resolution is not None
-    methods = parse_methods(args.methods or ("full,lora" if image else "full,lora,qlora"), args.adapter)
+    image, info = workload.info.resolution is not None, workload.info
+    if info.adapter is not None:
+        raise UserError(f"fit compares full fine-tuning, LoRA and QLoRA of a base model; {workload.name} is an adapter "
+                        f"checkpoint ({info.adapter}): fit its base model, or plan it on a card with memfit plan "
+                        f"{workload.name} --batch-size max --device CARD")
+    default = "qlora" if info.quantized else "full,lora" if image else "full,lora,qlora"
+    methods = parse_methods(args.methods or default, args.adapter)
+    if info.quantized is not None:  # (a pre-quantized checkpoint: an adapter over its own format, as plan --methods)
+        if [m.name for m in methods] != ["qlora"]:
+            raise UserError(f"fit --methods: {workload.name} is a pre-quantized checkpoint ({info.quantized}); only "
+                            "qlora trains it (an adapter over its quantized weights): use --methods qlora")
+        methods = [dataclasses.replace(m, keys={**m.keys, "base_weights": info.quantized}) for m in methods]
     if image and any(m.name == "qlora" for m in methods):
         raise UserError("fit --methods: qlora is for language models here (4-bit base weights of a diffusion model "
                         "are not modelled); choose from full, lora, dora")
