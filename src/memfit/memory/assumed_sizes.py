@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 aten = torch.ops.aten
 
-SIZED = (aten.masked_select.default, aten._ctc_loss.Tensor)
+SIZED = frozenset({aten.masked_select.default, aten._ctc_loss.Tensor})
 """Ops answered by :func:`assumed_outputs` when fake mode cannot size them."""
 
 
@@ -72,9 +72,10 @@ def scratch_bytes(func, args) -> int:
     return t.numel() * t.element_size()
 
 
-LIFTS = (aten.lift_fresh.default, aten.lift_fresh_copy.default, aten._to_copy.default, aten.clone.default)
+LIFTS = frozenset({aten.lift_fresh.default, aten.lift_fresh_copy.default, aten._to_copy.default, aten.clone.default})
 """Ops that make a mask of host data (``torch.tensor``), or a copy of one."""
-MASK_INDEXED = (aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._unsafe_index_put.default)
+MASK_INDEXED = frozenset({aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
+                          aten._unsafe_index_put.default})
 """Ops indexed by a list of tensors, where a boolean mask stands for its ``nonzero`` positions."""
 
 
