@@ -20,14 +20,12 @@ NOTE [ Assumed scalars ] in tracker.py (a boolean mask is full), each listed in 
   ``log_probs``), but while it runs it holds ``log_beta``, an ``empty_like(log_alpha)``, in both
   the CPU and the CUDA kernel (ATen's LossCTC.cpp and LossCTC.cu): booked as the op's scratch.
 
-Boolean masks made from host data are different: their values are real. SpecAugment in wav2vec2,
-HuBERT, WavLM and Data2Vec draws which frames to mask with numpy, makes a mask of it with
-``torch.tensor`` (a real tensor lifted into fake mode) and writes ``hidden_states[mask] = embed``,
-whose backward indexes the gradient by that mask. :class:`HostMasks` counts the True values of
-each mask lifted from the host (following copies and casts of it), and an index by such a mask is
-traced as the index by the ``nonzero`` positions the kernel computes, with that ``nonzero``'s output
-as the op's scratch: exact for the mask the trace drew (a real step draws another, of about as many).
-A mask computed from fake tensors is not known, and indexing by it still fails the trace.
+Where the values that size them are known, they are used instead: the real twins of the trace's small
+integer and boolean tensors (NOTE [ Real values of small integer tensors ] in memfit.memory.real_values),
+which a synthetic batch's labels and lengths have, and SpecAugment's mask, drawn with numpy on the host.
+An index by a boolean mask with a twin is traced as the index by its ``nonzero`` positions, with that
+``nonzero``'s output as the op's scratch. A mask computed from activations has no twin: ``masked_select``
+by it is sized by the full-mask assumption above, and an index by it still fails the trace.
 
 transformers runs CTC with cuDNN disabled (``torch.backends.cudnn.flags(enabled=False)``), so on a
 GPU these are ATen's native kernels, whose allocations are the CPU kernel's.
@@ -36,7 +34,6 @@ GPU these are ATen's native kernels, whose allocations are the CPU kernel's.
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 aten = torch.ops.aten
 
@@ -72,57 +69,41 @@ def scratch_bytes(func, args) -> int:
     return t.numel() * t.element_size()
 
 
-LIFTS = frozenset({aten.lift_fresh.default, aten.lift_fresh_copy.default, aten._to_copy.default, aten.clone.default})
-"""Ops that make a mask of host data (``torch.tensor``), or a copy of one."""
 MASK_INDEXED = frozenset({aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
                           aten._unsafe_index_put.default})
 """Ops indexed by a list of tensors, where a boolean mask stands for its ``nonzero`` positions."""
 
 
-class HostMasks:
-    """True counts of boolean masks whose values the trace knows (see the module's NOTE)."""
-
-    def __init__(self, token_of):
-        self._token_of = token_of  # a tensor -> its storage's token
-        self._counts: dict[object, tuple[int, int]] = {}  # token -> (elements, True among them)
-
-    def seen(self, func, args, out) -> None:
-        """After one of :data:`LIFTS` made ``out``: remember its count if it is a known mask."""
-        if not isinstance(out, torch.Tensor) or out.dtype != torch.bool or not args:
-            return
-        src = args[0]
-        if func in (aten.lift_fresh.default, aten.lift_fresh_copy.default):
-            count = (out.numel(), _true_count(src)) if type(src) is torch.Tensor else None
-        else:
-            count = self._count(src) if isinstance(src, torch.Tensor) and src.numel() == out.numel() else None
-        token = self._token_of(out)
-        if count is not None and token is not None:
-            self._counts[token] = count
-
-    def _count(self, mask: torch.Tensor) -> tuple[int, int] | None:
-        if mask.dtype not in (torch.bool, torch.uint8):
+def as_positions(args, count) -> tuple[tuple, int] | None:
+    """(an indexing op's arguments with each boolean mask among its indices replaced by its positions,
+    the bytes of the ``nonzero`` the kernel computes for them), or None if a mask's count is unknown.
+    ``count(mask)``: its True values (memfit.memory.real_values), or None."""
+    positions, scratch = [], 0
+    for index in args[1]:
+        if index is None or index.dtype not in (torch.bool, torch.uint8):
+            positions.append(index)
+            continue
+        rows = count(index)
+        if rows is None:
             return None
-        known = self._counts.get(self._token_of(mask))
-        return known if known is not None and known[0] == mask.numel() else None  # (not a view of part of it)
-
-    def as_positions(self, func, args) -> tuple[tuple, int] | None:
-        """(``func``'s arguments with each known mask among its indices replaced by its positions, the
-        bytes of the ``nonzero`` the kernel computes for them), or None if a mask there is unknown."""
-        indices = args[1]
-        positions, scratch = [], 0
-        for index in indices:
-            if index is None or index.dtype not in (torch.bool, torch.uint8):
-                positions.append(index)
-                continue
-            known = self._count(index)
-            if known is None:
-                return None
-            rows = known[1]
-            positions += [torch.empty(rows, dtype=torch.long, device=index.device) for _ in range(index.dim())]
-            scratch += rows * index.dim() * 8
-        return (args[0], positions, *args[2:]), scratch
+        positions += [torch.empty(rows, dtype=torch.long, device=index.device) for _ in range(index.dim())]
+        scratch += rows * index.dim() * 8
+    return (args[0], positions, *args[2:]), scratch
 
 
-def _true_count(real: torch.Tensor) -> int:
-    with _disable_current_modes():  # (a real tensor: counted by its kernel, not by fake mode)
-        return int(real.count_nonzero())
+def known_outputs(func, args, count, longest) -> object | None:
+    """``func``'s outputs (of :data:`SIZED`) where the values that size them are known: a mask's count
+    (``count(mask)``), the longest CTC target (``longest(target_lengths)``); else None."""
+    if func is aten.masked_select.default:
+        x, mask = args[0], args[1]
+        rows = count(mask) if mask.shape == torch.broadcast_shapes(x.shape, mask.shape) else None
+        return None if rows is None else torch.empty(rows, dtype=x.dtype, device=x.device)
+    if func is aten._ctc_loss.Tensor and args[0].dim() == 3:
+        most = longest(args[3])
+        if most is None:
+            return None
+        log_probs = args[0]
+        frames, batch = log_probs.shape[0], log_probs.shape[1]
+        return (torch.empty(batch, dtype=log_probs.dtype, device=log_probs.device),
+                torch.empty(batch, frames, 2 * int(most) + 1, dtype=log_probs.dtype, device=log_probs.device))
+    return None

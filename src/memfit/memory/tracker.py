@@ -22,6 +22,7 @@ from memfit import rng_ops
 from memfit.device_queries import PRIM_DEVICE, FakeTensor
 from memfit.memory import assumed_sizes
 from memfit.memory.categories import CATEGORIES
+from memfit.memory.real_values import RealValues
 from memfit.memory.storages import LiveStorages
 from memfit.quiet import in_stand_in_values
 
@@ -85,7 +86,7 @@ class MemoryTracker(TorchDispatchMode):
         self.unprobed: dict[str, int] = {}
         self._check_origin: dict[int, object] = {}  # storage's record -> the aten.all / aten.any / aten.sum that made it
         self._mask_counts: dict[int, int | None] = {}  # storage's record -> elements counted per value (a bool mask's sum)
-        self._host_masks = assumed_sizes.HostMasks(lambda t: self.storages.token(t))
+        self._real_values = RealValues()  # (NOTE [ Real values of small integer tensors ])
         self.storages = LiveStorages(self._allocated, self._freed, self._hosted)  # tokens: record serials
         self._forward_serial_start = 0
         self._modules = ModuleStack()
@@ -186,7 +187,8 @@ class MemoryTracker(TorchDispatchMode):
             try:  # fake mode knows the value of small constants (e.g. an optimizer's step counter)
                 return func(*args, **kwargs)
             except DataDependentOutputException:
-                return self._assume(func, args)
+                known = self._real_values.scalar_read(func, args)  # (NOTE [ Real values of small integer tensors ])
+                return self._assume(func, args) if known is None else known
         out = self._sized(func, args, kwargs) if func in _SIZED else func(*args, **kwargs)
         probed = None
         if self.probe is not None and self.probe.wants(func):
@@ -204,8 +206,8 @@ class MemoryTracker(TorchDispatchMode):
                     self.approximate("kernel scratch extrapolated from probes at smaller shapes",
                                       str(func.overloadpacket.__name__))
         self.storages.see_outputs(out, func)
-        if func in assumed_sizes.LIFTS and type(out) is FakeTensor:
-            self._host_masks.seen(func, args, out)
+        if self.assume_scalars and type(out) is FakeTensor:
+            self._real_values.after(func, args, kwargs, out)
         if self.assume_scalars and func.overloadpacket in _CHECK_OPS and isinstance(out, torch.Tensor):
             token = self.storages.token(out)  # (by its record, not its address: NOTE [ Assumed scalars ])
             if token is not None:
@@ -229,14 +231,20 @@ class MemoryTracker(TorchDispatchMode):
         try:
             return func(*args, **kwargs)
         except DynamicOutputShapeException:
+            values = self._real_values
+            if func is aten.nonzero.default and values.of(args[0]) is not None:
+                return torch.empty((values.count(args[0]), args[0].dim()), dtype=torch.long, device=args[0].device)
             if func in assumed_sizes.MASK_INDEXED:
-                known = self._host_masks.as_positions(func, args)
+                known = assumed_sizes.as_positions(args, values.count)
                 if known is None:
                     raise
                 out = func(*known[0], **kwargs)
                 self._transient(known[1], func, args)  # (the kernel's nonzero of the mask)
                 self._transient_end()
                 return out
+            known = assumed_sizes.known_outputs(func, args, values.count, values.maximum)
+            if known is not None:
+                return known
             sized = assumed_sizes.assumed_outputs(func, args) if self.assume_scalars else None
             if sized is None:
                 raise
@@ -403,7 +411,7 @@ def _resize_outputs(out, real_nbytes: tuple[int, ...]):
     return tree_unflatten(leaves, spec) if changed else out
 
 
-_SIZED = {*assumed_sizes.SIZED, *assumed_sizes.MASK_INDEXED}
+_SIZED = {*assumed_sizes.SIZED, *assumed_sizes.MASK_INDEXED, aten.nonzero.default}
 _COUNT_OPS = {aten.sum, aten.count_nonzero}
 _CHECK_OPS = {aten.all, aten.any, *_COUNT_OPS}
 

@@ -1,0 +1,175 @@
+"""Real values of a fake trace's small integer and boolean tensors.
+
+NOTE [ Real values of small integer tensors ]
+A fake tensor has a shape and no values, and some of a step's code reads values of integer tensors:
+DeBERTa's classification loss keeps the labelled rows (``(labels >= 0).nonzero()``), a CTC loss
+counts each transcript's labels, a vision-language model finds its image tokens (``input_ids ==
+image_token_id``), a check compares a label with the vocabulary (``labels.max() >= vocab_size``).
+Those values come from the batch, whose integer tensors (token ids, labels, lengths, positions) are
+small beside the activations, and from host data (SpecAugment's mask, drawn with numpy and lifted
+with ``torch.tensor``).
+
+So the tracker keeps a real twin of each such tensor (at most :data:`LIMIT` elements): a tensor lifted
+from host data is its own twin; an integer factory (``randint``, ``arange``, ``zeros``, ``full``) makes
+one (``randint`` from a generator of its own: the trace's random streams are untouched, and a real step
+draws other values of the same kind); and an op whose tensor arguments all have twins gets one by
+running on them (an in-place op updates them; an in-place op with an argument without a twin drops the
+twin it would have changed). Outputs over the limit, floating-point outputs and tuples get none.
+
+The tracker then answers from the twins what fake mode cannot know: a scalar read (``.item()``,
+``bool(t)``) is the twin's value, not an assumption; ``nonzero``, ``masked_select`` and an index by a
+boolean mask take the twin's count; CTC's ``log_alpha`` the longest target. The trace then follows the
+path a real step with such a batch follows, and sizes what it sizes. Whatever has no twin (a mask
+computed from activations) is answered as before: NOTE [ Sizes a fake tensor cannot know ] in
+memfit.memory.assumed_sizes, NOTE [ Assumed scalars ] in memfit.memory.tracker.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_map
+
+aten = torch.ops.aten
+
+LIMIT = 1 << 22
+"""The most elements a tensor with a twin has (4M: a batch's token ids and labels are far fewer)."""
+_VALUED = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+_RANDINT = frozenset({aten.randint.default, aten.randint.low, aten.randint.generator, aten.randint.low_generator})
+_FACTORIES = frozenset({aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default,
+                        aten.ones.default, aten.full.default, aten.scalar_tensor.default})
+_LIFTS = frozenset({aten.lift_fresh.default, aten.lift_fresh_copy.default})
+_SKIP = frozenset({aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default})
+
+
+class RealValues:
+    """The twins of one trace (see the module's NOTE)."""
+
+    def __init__(self, seed: int = 0):
+        self._twins: dict[int, torch.Tensor] = {}  # id(fake tensor) -> its real twin
+        self._gen = torch.Generator().manual_seed(seed)
+
+    def __bool__(self) -> bool:
+        return bool(self._twins)
+
+    def of(self, t) -> torch.Tensor | None:
+        """``t``'s twin, or None."""
+        return self._twins.get(id(t)) if isinstance(t, torch.Tensor) else None
+
+    def after(self, func, args, kwargs, out) -> None:
+        """After ``func`` made ``out`` on fake tensors: give ``out`` a twin where one follows."""
+        if func in _SKIP:
+            return
+        if func in _LIFTS:
+            src = args[0] if args else None
+            if type(src) is torch.Tensor and _valued(out):
+                self._keep(out, src)
+            return
+        if func in _RANDINT:
+            if _valued(out):
+                self._keep(out, self._randint(func, args, kwargs, out))
+            return
+        if func in _FACTORIES:
+            if _valued(out):
+                self._keep(out, self._run(func, args, kwargs))
+            return
+        if not self._twins or not args or id(args[0]) not in self._twins and not _any_twinned(self, args):
+            return
+        real_args, missing = self._real(args)
+        real_kwargs, missing_kw = self._real(kwargs)
+        mutated = func._schema.is_mutable
+        if missing or missing_kw:
+            if mutated and isinstance(args[0], torch.Tensor):
+                self._twins.pop(id(args[0]), None)  # (changed by what has no twin: no longer known)
+            return
+        if not _valued(out):
+            return
+        result = self._run(func, real_args, real_kwargs)
+        if isinstance(result, torch.Tensor) and result.shape == out.shape:
+            self._keep(out, result)
+
+    def _keep(self, fake: torch.Tensor, real: torch.Tensor | None) -> None:
+        if real is None or real.numel() > LIMIT:
+            return
+        key = id(fake)
+        if key not in self._twins:
+            weakref.finalize(fake, self._twins.pop, key, None)
+        self._twins[key] = real
+
+    def _real(self, tree):
+        missing = []
+
+        def swap(x):
+            if isinstance(x, torch.Tensor):
+                twin = self._twins.get(id(x))
+                if twin is None:
+                    missing.append(x)
+                return twin
+            if isinstance(x, torch.device):
+                return torch.device("cpu")
+            return x
+        return tree_map(swap, tree), bool(missing)
+
+    def _run(self, func, args, kwargs):
+        kwargs = {k: (torch.device("cpu") if k == "device" else v) for k, v in (kwargs or {}).items()}
+        try:
+            with _disable_current_modes():
+                return func(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - a twin is a help, never a failure of the trace
+            return None
+
+    def _randint(self, func, args, kwargs, out: torch.Tensor) -> torch.Tensor | None:
+        low, high = (0, args[0]) if func in (aten.randint.default, aten.randint.generator) else (args[0], args[1])
+        try:
+            with _disable_current_modes():
+                return torch.randint(int(low), int(high), tuple(out.shape), dtype=out.dtype, generator=self._gen)
+        except Exception:  # noqa: BLE001
+            return None
+
+    def count(self, mask) -> int | None:
+        """True values of a boolean mask with a twin, else None."""
+        twin = self.of(mask)
+        if twin is None:
+            return None
+        with _disable_current_modes():
+            return int(twin.count_nonzero())
+
+    def maximum(self, t) -> int | None:
+        """The largest value of a tensor with a twin (a CTC loss's longest target), else None."""
+        twin = self.of(t)
+        if twin is None or twin.numel() == 0:
+            return None
+        with _disable_current_modes():
+            return int(twin.max())
+
+    def scalar_read(self, func, args):
+        """A scalar read (``.item()``, ``bool(t)``, ``torch.equal``) answered by twins, else None."""
+        if func is aten.equal.default:
+            a, b = self.of(args[0]), self.of(args[1])
+            if a is None or b is None:
+                return None
+            with _disable_current_modes():
+                return bool(torch.equal(a, b))
+        return self.scalar(args[0])
+
+    def scalar(self, t):
+        """The value of a one-element tensor with a twin (a Python number), else None."""
+        twin = self.of(t)
+        if twin is None or twin.numel() != 1:
+            return None
+        with _disable_current_modes():
+            return twin.item()
+
+
+def _valued(out) -> bool:
+    return isinstance(out, torch.Tensor) and out.dtype in _VALUED and out.numel() <= LIMIT
+
+
+def _any_twinned(values: RealValues, args) -> bool:
+    """Whether an argument (or a tensor of a list argument: ``cat``'s) has a twin."""
+    twins = values._twins
+    return any(id(a) in twins if isinstance(a, torch.Tensor) else
+               isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) and id(x) in twins for x in a)
+               for a in args)
