@@ -113,8 +113,8 @@ def _real_fallback(target: Target, err: TraceError):
     if need > avail // 2:
         fix = "" if err.library else ("; make the workload traceable (avoid data-dependent ops such as .item() or "
                                       "nonzero in the step)")
-        raise TraceError(f"{err}; a real-run fallback would need about {need / 2**30:.1f} GiB but this machine has "
-                         f"{avail / 2**30:.1f} GiB free{fix}", op=err.op, library=err.library) from err
+        raise TraceError(f"{err}; a real-run fallback would need about {need / 2**30:.1f} GiB, more than half of the "
+                         f"{avail / 2**30:.1f} GiB free here{fix}", op=err.op, library=err.library) from err
     return run_tracked(target.on(cpu_device()) if target.device.is_gpu else target, fake=False)
 
 
