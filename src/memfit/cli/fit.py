@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 
 from memfit.cli.common import add_command, add_resolution_arg, print_json
 
@@ -39,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from memfit.errors import UserError
     from memfit.outputs import IMAGE_SUFFIXES, check_output_file
     from memfit.planner.fit import fit_table
-    from memfit.planner.methods import parse_methods
+    from memfit.planner.methods import on_checkpoint, parse_methods
     from memfit.planner.progress import PlanProgress
     from memfit.report.fit import markdown, print_fit, save_fit_png
     from memfit.units import MAX_SIZE, parse_positive_int
@@ -60,11 +59,7 @@ def run(args: argparse.Namespace) -> int:
                         f"{workload.name} --batch-size max --device CARD")
     default = "qlora" if info.quantized else "full,lora" if image else "full,lora,qlora"
     methods = parse_methods(args.methods or default, args.adapter)
-    if info.quantized is not None:  # (a pre-quantized checkpoint: an adapter over its own format, as plan --methods)
-        if [m.name for m in methods] != ["qlora"]:
-            raise UserError(f"fit --methods: {workload.name} is a pre-quantized checkpoint ({info.quantized}); only "
-                            "qlora trains it (an adapter over its quantized weights): use --methods qlora")
-        methods = [dataclasses.replace(m, keys={**m.keys, "base_weights": info.quantized}) for m in methods]
+    methods = on_checkpoint(methods, workload, "fit --methods")
     if image and any(m.name == "qlora" for m in methods):
         raise UserError("fit --methods: qlora is for language models here (4-bit base weights of a diffusion model "
                         "are not modelled); choose from full, lora, dora")

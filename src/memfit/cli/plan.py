@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 
 from memfit.cli.common import (
     SIZE_FLAGS,
@@ -168,7 +167,7 @@ def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_trac
                      host=None) -> int:
     """``--methods``: plan each method on its own (NOTE [ Methods are the user's ])."""
     from memfit.errors import UserError
-    from memfit.planner.methods import DIFFERENT_THINGS, parse_methods, plan_method
+    from memfit.planner.methods import DIFFERENT_THINGS, on_checkpoint, parse_methods, plan_method
     from memfit.planner.progress import PlanProgress
     from memfit.planner.side_by_side import plan_side_by_side
     from memfit.report.planner import print_methods
@@ -181,13 +180,7 @@ def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_trac
     from memfit.workloads import load_workload
     methods = parse_methods(args.methods, given.adapter)
     workload = load_workload(workload, seq_len=seq)  # once, here: the searches' processes share it (forked)
-    fmt = workload.info.quantized
-    if fmt is not None:
-        if [m.name for m in methods] != ["qlora"]:
-            raise UserError(f"--methods: {workload.name} is a pre-quantized checkpoint ({fmt}); only qlora trains it "
-                            "(an adapter over its quantized weights): use --methods qlora, or plan the full-precision "
-                            "checkpoint")
-        methods = [dataclasses.replace(m, keys={**m.keys, "base_weights": fmt}) for m in methods]
+    methods = on_checkpoint(methods, workload, "--methods")
     searches = [(m.name, dict(workload=workload, budget=args.budget, device=args.device, batch_size=bs,
                               optimizers=optimizers, max_traces=max_traces, fixed={**fixed, **m.keys},
                               compile_modes=compile_modes, steps=steps, host=host,

@@ -37,26 +37,36 @@ import torch
 
 aten = torch.ops.aten
 
-SIZED = frozenset({aten.masked_select.default, aten._ctc_loss.Tensor})
-"""Ops answered by :func:`assumed_outputs` when fake mode cannot size them."""
+SIZED = frozenset({aten.nonzero.default, aten.masked_select.default, aten._ctc_loss.Tensor})
+"""Ops answered by :func:`outputs` when fake mode cannot size them."""
 
 
-def assumed_outputs(func, args) -> tuple[object, str] | None:
-    """(outputs on the inputs' device, the assumption said in the report) for ``func`` of
-    :data:`SIZED`, or None where its arguments are not of the form sized here."""
+def outputs(func, args, count, longest) -> tuple[object, str | None] | None:
+    """(``func``'s outputs on the inputs' device, the assumption made for them or None where the values
+    that size them are known) for ``func`` of :data:`SIZED`; None where nothing sizes them here.
+    ``count(mask)``: a mask's True values, ``longest(lengths)``: the largest length, each None where
+    unknown (memfit.memory.real_values)."""
+    if func is aten.nonzero.default:
+        rows = count(args[0])
+        return None if rows is None else (
+            torch.empty((rows, args[0].dim()), dtype=torch.long, device=args[0].device), None)
     if func is aten.masked_select.default:
         x, mask = args[0], args[1]
         shape = torch.broadcast_shapes(x.shape, mask.shape)
-        return (torch.empty(shape.numel(), dtype=x.dtype, device=x.device),
-                "a data-dependent masked_select assumed a full mask (every element selected)")
+        rows = count(mask) if mask.shape == shape else None
+        assumption = None if rows is not None else \
+            "a data-dependent masked_select assumed a full mask (every element selected)"
+        return torch.empty(shape.numel() if rows is None else rows, dtype=x.dtype, device=x.device), assumption
     log_probs, targets = args[0], args[1]
     if log_probs.dim() != 3 or targets.dim() not in (1, 2):
         return None
     frames, batch = log_probs.shape[0], log_probs.shape[1]
-    longest = targets.shape[1] if targets.dim() == 2 else targets.numel() // max(batch, 1)
-    outputs = (torch.empty(batch, dtype=log_probs.dtype, device=log_probs.device),
-               torch.empty(batch, frames, 2 * longest + 1, dtype=log_probs.dtype, device=log_probs.device))
-    return outputs, f"CTC targets assumed {longest} tokens each (log_alpha sized by the longest)"
+    most, assumption = longest(args[3]), None
+    if most is None:
+        most = targets.shape[1] if targets.dim() == 2 else targets.numel() // max(batch, 1)
+        assumption = f"CTC targets assumed {most} tokens each (log_alpha sized by the longest)"
+    return (torch.empty(batch, dtype=log_probs.dtype, device=log_probs.device),
+            torch.empty(batch, frames, 2 * int(most) + 1, dtype=log_probs.dtype, device=log_probs.device)), assumption
 
 
 SCRATCH = {aten._ctc_loss_backward.Tensor: 6}
@@ -89,21 +99,3 @@ def as_positions(args, count) -> tuple[tuple, int] | None:
         positions += [torch.empty(rows, dtype=torch.long, device=index.device) for _ in range(index.dim())]
         scratch += rows * index.dim() * 8
     return (args[0], positions, *args[2:]), scratch
-
-
-def known_outputs(func, args, count, longest) -> object | None:
-    """``func``'s outputs (of :data:`SIZED`) where the values that size them are known: a mask's count
-    (``count(mask)``), the longest CTC target (``longest(target_lengths)``); else None."""
-    if func is aten.masked_select.default:
-        x, mask = args[0], args[1]
-        rows = count(mask) if mask.shape == torch.broadcast_shapes(x.shape, mask.shape) else None
-        return None if rows is None else torch.empty(rows, dtype=x.dtype, device=x.device)
-    if func is aten._ctc_loss.Tensor and args[0].dim() == 3:
-        most = longest(args[3])
-        if most is None:
-            return None
-        log_probs = args[0]
-        frames, batch = log_probs.shape[0], log_probs.shape[1]
-        return (torch.empty(batch, dtype=log_probs.dtype, device=log_probs.device),
-                torch.empty(batch, frames, 2 * int(most) + 1, dtype=log_probs.dtype, device=log_probs.device))
-    return None

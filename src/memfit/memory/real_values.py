@@ -51,9 +51,6 @@ class RealValues:
         self._twins: dict[int, torch.Tensor] = {}  # id(fake tensor) -> its real twin
         self._gen = torch.Generator().manual_seed(seed)
 
-    def __bool__(self) -> bool:
-        return bool(self._twins)
-
     def of(self, t) -> torch.Tensor | None:
         """``t``'s twin, or None."""
         return self._twins.get(id(t)) if isinstance(t, torch.Tensor) else None
@@ -75,7 +72,7 @@ class RealValues:
             if _valued(out):
                 self._keep(out, self._run(func, args, kwargs))
             return
-        if not self._twins or not args or id(args[0]) not in self._twins and not _any_twinned(self, args):
+        if not self._twins or not args or id(args[0]) not in self._twins and not self._any_twinned(args):
             return
         real_args, missing = self._real(args)
         real_kwargs, missing_kw = self._real(kwargs)
@@ -89,6 +86,13 @@ class RealValues:
         result = self._run(func, real_args, real_kwargs)
         if isinstance(result, torch.Tensor) and result.shape == out.shape:
             self._keep(out, result)
+
+    def _any_twinned(self, args) -> bool:
+        """Whether an argument (or a tensor of a list argument: ``cat``'s) has a twin."""
+        twins = self._twins
+        return any(id(a) in twins if isinstance(a, torch.Tensor) else
+                   isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) and id(x) in twins for x in a)
+                   for a in args)
 
     def _keep(self, fake: torch.Tensor, real: torch.Tensor | None) -> None:
         if real is None or real.numel() > LIMIT:
@@ -165,11 +169,3 @@ class RealValues:
 
 def _valued(out) -> bool:
     return isinstance(out, torch.Tensor) and out.dtype in _VALUED and out.numel() <= LIMIT
-
-
-def _any_twinned(values: RealValues, args) -> bool:
-    """Whether an argument (or a tensor of a list argument: ``cat``'s) has a twin."""
-    twins = values._twins
-    return any(id(a) in twins if isinstance(a, torch.Tensor) else
-               isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) and id(x) in twins for x in a)
-               for a in args)

@@ -232,8 +232,6 @@ class MemoryTracker(TorchDispatchMode):
             return func(*args, **kwargs)
         except DynamicOutputShapeException:
             values = self._real_values
-            if func is aten.nonzero.default and values.of(args[0]) is not None:
-                return torch.empty((values.count(args[0]), args[0].dim()), dtype=torch.long, device=args[0].device)
             if func in assumed_sizes.MASK_INDEXED:
                 known = assumed_sizes.as_positions(args, values.count)
                 if known is None:
@@ -242,13 +240,11 @@ class MemoryTracker(TorchDispatchMode):
                 self._transient(known[1], func, args)  # (the kernel's nonzero of the mask)
                 self._transient_end()
                 return out
-            known = assumed_sizes.known_outputs(func, args, values.count, values.maximum)
-            if known is not None:
-                return known
-            sized = assumed_sizes.assumed_outputs(func, args) if self.assume_scalars else None
+            sized = assumed_sizes.outputs(func, args, values.count, values.maximum)
             if sized is None:
                 raise
-            self.approximate(sized[1], _user_frame())
+            if sized[1] is not None:
+                self.approximate(sized[1], _user_frame())
             return sized[0]
 
     # -- LiveStorages hooks: a storage's token is its record's serial ----------------------------
@@ -411,7 +407,7 @@ def _resize_outputs(out, real_nbytes: tuple[int, ...]):
     return tree_unflatten(leaves, spec) if changed else out
 
 
-_SIZED = {*assumed_sizes.SIZED, *assumed_sizes.MASK_INDEXED, aten.nonzero.default}
+_SIZED = {*assumed_sizes.SIZED, *assumed_sizes.MASK_INDEXED}
 _COUNT_OPS = {aten.sum, aten.count_nonzero}
 _CHECK_OPS = {aten.all, aten.any, *_COUNT_OPS}
 

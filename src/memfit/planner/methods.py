@@ -9,6 +9,7 @@ fastest fitting plan of each beside the others, with what each one trains.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from memfit.errors import UserError
@@ -58,6 +59,20 @@ def parse_methods(text: str, adapter: str = "none") -> list[Method]:
         "qlora": {"adapter": lora, "base_weights": "nf4"},
     }
     return [Method(name, keys[name]) for name in names]
+
+
+def on_checkpoint(methods: list[Method], workload, flag: str) -> list[Method]:
+    """``methods`` for ``workload``: a pre-quantized checkpoint trains only qlora, over its own format
+    (its weights load in no other: memfit.target.as_checkpoint); any other workload takes them as given.
+    ``flag``: the option named in the error (``--methods``, ``fit --methods``)."""
+    fmt = workload.info.quantized
+    if fmt is None:
+        return methods
+    if [m.name for m in methods] != ["qlora"]:
+        raise UserError(f"{flag}: {workload.name} is a pre-quantized checkpoint ({fmt}); only qlora trains it (an "
+                        "adapter over its quantized weights): use --methods qlora, or plan the full-precision "
+                        "checkpoint")
+    return [dataclasses.replace(m, keys={**m.keys, "base_weights": fmt}) for m in methods]
 
 
 def plan_method(**kwargs):

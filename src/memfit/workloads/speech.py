@@ -81,7 +81,6 @@ CTC_LABELS = 448
 """A CTC head's labels without ``--seq-len``: the characters of a 30-second transcript (about 15 a
 second), as many as Whisper's decoder takes for its 30 s window."""
 _STACKED_FRAMES_PER_SECOND = 50  # Wav2Vec2-BERT: two 10 ms log-mel frames stacked into one
-ENCODER_INPUTS = ("raw 16 kHz audio", "wav2vec2-bert", "audio-spectrogram-transformer", "whisper")
 
 
 def encoder_batch(task: str, model_type: str, model_class, config, seq_len: int | None, where: str
