@@ -23,7 +23,8 @@ MAX_FILE_LINES, MAX_CLASS_LINES = 450, 300
 # the floor of the longest name here that it is or lies under.
 FLOORS = (
     ("memfit.errors", "memfit.units", "memfit.quiet", "memfit.rng_ops", "memfit.observer", "memfit.outputs", "memfit.devices",
-     "memfit.hosts", "memfit.secrets", "memfit.sdpa_backends", "memfit.device_queries"),  # what a device and its host are, which attention kernel it runs
+     "memfit.hosts", "memfit.secrets", "memfit.sdpa_backends", "memfit.device_queries",
+     "memfit.real_values"),  # what a device and its host are, which attention kernel it runs
     ("memfit.workload", "memfit.workloads", "memfit.techniques"),  # what to train; how (one module a technique)
     ("memfit.plans",),     # a composition of technique configs
     ("memfit.target",),    # workload x plan x batch x device, resolved once

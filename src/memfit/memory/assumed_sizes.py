@@ -21,9 +21,11 @@ NOTE [ Assumed scalars ] in tracker.py (a boolean mask is full), each listed in 
   the CPU and the CUDA kernel (ATen's LossCTC.cpp and LossCTC.cu): booked as the op's scratch.
 
 Where the values that size them are known, they are used instead: the real twins of the trace's small
-integer and boolean tensors (NOTE [ Real values of small integer tensors ] in memfit.memory.real_values),
+integer and boolean tensors (NOTE [ Real values of small integer tensors ] in memfit.real_values),
 which a synthetic batch's labels and lengths have, and SpecAugment's mask, drawn with numpy on the host.
-An index by a boolean mask with a twin is traced as the index by its ``nonzero`` positions, with that
+Any op sized by values whose arguments all have twins is sized by running it on them (Qwen2-VL's
+``repeat_interleave`` of its image grid, ``unique_consecutive`` of its window bounds); an index by a
+boolean mask with a twin is traced as the index by its ``nonzero`` positions, with that
 ``nonzero``'s output as the op's scratch. A mask computed from activations has no twin: ``masked_select``
 by it is sized by the full-mask assumption above, and an index by it still fails the trace.
 
@@ -45,7 +47,7 @@ def outputs(func, args, count, longest) -> tuple[object, str | None] | None:
     """(``func``'s outputs on the inputs' device, the assumption made for them or None where the values
     that size them are known) for ``func`` of :data:`SIZED`; None where nothing sizes them here.
     ``count(mask)``: a mask's True values, ``longest(lengths)``: the largest length, each None where
-    unknown (memfit.memory.real_values)."""
+    unknown (memfit.real_values)."""
     if func is aten.nonzero.default:
         rows = count(args[0])
         return None if rows is None else (
@@ -87,7 +89,7 @@ MASK_INDEXED = frozenset({aten.index.Tensor, aten.index_put.default, aten.index_
 def as_positions(args, count) -> tuple[tuple, int] | None:
     """(an indexing op's arguments with each boolean mask among its indices replaced by its positions,
     the bytes of the ``nonzero`` the kernel computes for them), or None if a mask's count is unknown.
-    ``count(mask)``: its True values (memfit.memory.real_values), or None."""
+    ``count(mask)``: its True values (memfit.real_values), or None."""
     positions, scratch = [], 0
     for index in args[1]:
         if index is None or index.dtype not in (torch.bool, torch.uint8):

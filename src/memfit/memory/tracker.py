@@ -14,6 +14,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import DynamicOutputShapeException
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -22,9 +23,9 @@ from memfit import rng_ops
 from memfit.device_queries import PRIM_DEVICE, FakeTensor
 from memfit.memory import assumed_sizes
 from memfit.memory.categories import CATEGORIES
-from memfit.memory.real_values import RealValues
 from memfit.memory.storages import LiveStorages
 from memfit.quiet import in_stand_in_values
+from memfit.real_values import RealValues
 
 aten = torch.ops.aten
 MANAGED = "managed"
@@ -189,7 +190,12 @@ class MemoryTracker(TorchDispatchMode):
             except DataDependentOutputException:
                 known = self._real_values.scalar_read(func, args)  # (NOTE [ Real values of small integer tensors ])
                 return self._assume(func, args) if known is None else known
-        out = self._sized(func, args, kwargs) if func in _SIZED else func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except DynamicOutputShapeException:  # (an op sized by values: NOTE [ Sizes a fake tensor cannot know ])
+            out = self._sized(func, args, kwargs)
+            if out is None:
+                raise
         probed = None
         if self.probe is not None and self.probe.wants(func):
             probed = self.probe(func, args, kwargs, out)
@@ -206,7 +212,7 @@ class MemoryTracker(TorchDispatchMode):
                     self.approximate("kernel scratch extrapolated from probes at smaller shapes",
                                       str(func.overloadpacket.__name__))
         self.storages.see_outputs(out, func)
-        if self.assume_scalars and type(out) is FakeTensor:
+        if self.assume_scalars and (type(out) is FakeTensor or type(out) in (tuple, list) and out and type(out[0]) is FakeTensor):
             self._real_values.after(func, args, kwargs, out)
         if self.assume_scalars and func.overloadpacket in _CHECK_OPS and isinstance(out, torch.Tensor):
             token = self.storages.token(out)  # (by its record, not its address: NOTE [ Assumed scalars ])
@@ -225,27 +231,27 @@ class MemoryTracker(TorchDispatchMode):
         return out
 
     def _sized(self, func, args, kwargs):
-        """An op whose output size depends on values: fake mode's answer where it knows them, else the
-        assumed size (NOTE [ Sizes a fake tensor cannot know ] in memfit.memory.assumed_sizes)."""
-        from torch._subclasses.fake_tensor import DynamicOutputShapeException
-        try:
-            return func(*args, **kwargs)
-        except DynamicOutputShapeException:
-            values = self._real_values
-            if func in assumed_sizes.MASK_INDEXED:
-                known = assumed_sizes.as_positions(args, values.count)
-                if known is None:
-                    raise
-                out = func(*known[0], **kwargs)
-                self._transient(known[1], func, args)  # (the kernel's nonzero of the mask)
-                self._transient_end()
-                return out
-            sized = assumed_sizes.outputs(func, args, values.count, values.maximum)
-            if sized is None:
-                raise
-            if sized[1] is not None:
-                self.approximate(sized[1], _user_frame())
-            return sized[0]
+        """The outputs of an op whose size depends on values fake mode does not know: the op's own on the
+        real twins of its arguments, else the assumed size (NOTE [ Sizes a fake tensor cannot know ] in
+        memfit.memory.assumed_sizes), else None."""
+        values = self._real_values
+        known = values.fake_outputs(func, args, kwargs) if self.assume_scalars else None
+        if known is not None:  # (every argument has a twin: the op's own answer)
+            return known
+        if func in assumed_sizes.MASK_INDEXED:
+            known = assumed_sizes.as_positions(args, values.count)
+            if known is None:
+                return None
+            out = func(*known[0], **kwargs)
+            self._transient(known[1], func, args)  # (the kernel's nonzero of the mask)
+            self._transient_end()
+            return out
+        sized = assumed_sizes.outputs(func, args, values.count, values.maximum) if func in assumed_sizes.SIZED else None
+        if sized is None:
+            return None
+        if sized[1] is not None:
+            self.approximate(sized[1], _user_frame())
+        return sized[0]
 
     # -- LiveStorages hooks: a storage's token is its record's serial ----------------------------
     def _allocated(self, t: torch.Tensor, nbytes: int, func, on_host: bool) -> int:
@@ -407,7 +413,6 @@ def _resize_outputs(out, real_nbytes: tuple[int, ...]):
     return tree_unflatten(leaves, spec) if changed else out
 
 
-_SIZED = {*assumed_sizes.SIZED, *assumed_sizes.MASK_INDEXED}
 _COUNT_OPS = {aten.sum, aten.count_nonzero}
 _CHECK_OPS = {aten.all, aten.any, *_COUNT_OPS}
 

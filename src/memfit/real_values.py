@@ -14,7 +14,7 @@ from host data is its own twin; an integer factory (``randint``, ``arange``, ``z
 one (``randint`` from a generator of its own: the trace's random streams are untouched, and a real step
 draws other values of the same kind); and an op whose tensor arguments all have twins gets one by
 running on them (an in-place op updates them; an in-place op with an argument without a twin drops the
-twin it would have changed). Outputs over the limit, floating-point outputs and tuples get none.
+twin it would have changed). Outputs over the limit and floating-point outputs get none; each tensor of a tuple (``unbind``'s) gets its own.
 
 The tracker then answers from the twins what fake mode cannot know: a scalar read (``.item()``,
 ``bool(t)``) is the twin's value, not an assumption; ``nonzero``, ``masked_select`` and an index by a
@@ -29,8 +29,8 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_map
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves, tree_map
 
 aten = torch.ops.aten
 
@@ -81,11 +81,14 @@ class RealValues:
             if mutated and isinstance(args[0], torch.Tensor):
                 self._twins.pop(id(args[0]), None)  # (changed by what has no twin: no longer known)
             return
-        if not _valued(out):
+        outs = out if isinstance(out, (tuple, list)) else (out,)  # (``unbind``, ``split``: a tuple, each kept)
+        if not any(_valued(o) for o in outs):
             return
         result = self._run(func, real_args, real_kwargs)
-        if isinstance(result, torch.Tensor) and result.shape == out.shape:
-            self._keep(out, result)
+        results = result if isinstance(result, (tuple, list)) else (result,)
+        for o, r in zip(outs, results) if len(results) == len(outs) else ():
+            if _valued(o) and isinstance(r, torch.Tensor) and r.shape == o.shape:
+                self._keep(o, r)
 
     def _any_twinned(self, args) -> bool:
         """Whether an argument (or a tensor of a list argument: ``cat``'s) has a twin."""
@@ -132,6 +135,19 @@ class RealValues:
         except Exception:  # noqa: BLE001
             return None
 
+    def fake_outputs(self, func, args, kwargs):
+        """Fake outputs of an op sized by values (``repeat_interleave`` by repeats, ``unique``, ``nonzero``),
+        shaped as the op's own on the twins of its arguments (called in the dispatch mode's body: fake mode
+        makes them), or None if an argument has no twin. :meth:`after` then gives them their twins."""
+        real_args, missing = self._real(args)
+        real_kwargs, missing_kw = self._real(kwargs)
+        real = None if missing or missing_kw else self._run(func, real_args, real_kwargs)
+        if real is None:
+            return None
+        device = next(a.device for a in tree_leaves(args) if isinstance(a, torch.Tensor))
+        return tree_map(lambda r: torch.empty(r.shape, dtype=r.dtype, device=device)
+                        if isinstance(r, torch.Tensor) else r, real)
+
     def count(self, mask) -> int | None:
         """True values of a boolean mask with a twin, else None."""
         twin = self.of(mask)
@@ -169,3 +185,35 @@ class RealValues:
 
 def _valued(out) -> bool:
     return isinstance(out, torch.Tensor) and out.dtype in _VALUED and out.numel() <= LIMIT
+
+
+class KnownValues(TorchDispatchMode):
+    """Fake mode's ops with the twins' answers and nothing else: a scalar read of a tensor with a twin, and
+    an op sized by the values of tensors with twins. What has no twin fails as under fake mode alone.
+    Entered inside ``FakeTensorMode``, to run model code whose shapes follow its integer inputs (a
+    vision-language model's image tokens: memfit.workloads.image_text); a fake trace's tracker answers
+    the same reads itself (memfit.memory.tracker), with its assumptions besides."""
+
+    def __init__(self):
+        super().__init__()
+        self.values = RealValues()
+        self.unknown_reads_zero = False
+        """Answer a scalar read without a twin 0 (False) instead of failing: while building a model, whose
+        initial values no shape follows (a truncated normal's resampling loop)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+        kwargs = kwargs or {}
+        try:
+            out = func(*args, **kwargs)
+        except DataDependentOutputException:
+            out = self.values.scalar_read(func, args)
+            if out is None and not self.unknown_reads_zero:
+                raise
+            return 0 if out is None else out
+        except DynamicOutputShapeException:
+            out = self.values.fake_outputs(func, args, kwargs)
+            if out is None:
+                raise
+        self.values.after(func, args, kwargs, out)
+        return out
