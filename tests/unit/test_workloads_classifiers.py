@@ -90,10 +90,10 @@ GEMMA3 = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGenerat
 @pytest.mark.parametrize("config,sample", [
     (SENTIMENT, "16 tokens and one label"), (NER, "16 tokens and a label each"),
     (CLIP, "a 32x32 image and its 16-token caption (a matching pair)"),
-    (GEMMA3, "16 tokens; text only: no image is fed, so the vision encoder's weights count and its activations do not"),
+    (GEMMA3, "a 32x32 image (32x32, 4 image tokens) in 16 tokens"),  # (NOTE [ Image-text batches ])
 ], ids=["sentiment", "ner", "clip", "gemma3"])
 def test_the_estimate_says_what_one_sample_is(tmp_path, config, sample):
-    """A vision-language model is fed its language model's input alone: said, not hidden."""
+    """What the synthetic batch holds is said: a vision-language model's image and its tokens among them."""
     from memfit.memory.estimate import estimate
     r = estimate(folder(tmp_path, config), Plan(), batch_size=1, seq_len=16)
     assert f"one sample: {sample}" in r.facts, r.facts

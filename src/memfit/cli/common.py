@@ -57,7 +57,8 @@ def add_workload_args(p: argparse.ArgumentParser, *, max_values: bool = False, f
 def add_resolution_arg(p: argparse.ArgumentParser, more: str = "") -> None:
     p.add_argument("--resolution", metavar="PX", help="image size in pixels for the built-in image-generation models "
                                                       "(dit-lumina2, unet-sdxl, ...; default: the model's native, e.g. "
-                                                      "1024); their latents are PX/8 on a side" + more)
+                                                      "1024); their latents are PX/8 on a side; a vision-language "
+                                                      "model's image side (0: text only)" + more)
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
@@ -123,6 +124,8 @@ def _size(args: argparse.Namespace, key: str) -> int | None:
     text = getattr(args, key, None)
     if text is None or str(text).strip().lower() == "max":
         return None
+    if key == "resolution" and str(text).strip() == "0":
+        return 0  # (a vision-language model's text only: NOTE [ Image-text batches ])
     return parse_positive_int(text, SIZE_FLAGS[key], MAX_SIZE)
 
 

@@ -61,7 +61,7 @@ def folder_workload(path: str, *, seq_len: int | None = None, resolution: int | 
     base loaded with ``load``: NOTE [ Adapter checkpoints ]); a failure to build or run it is the
     config's, named as such."""
     check_seq_len(seq_len)
-    check_resolution(resolution)
+    check_resolution(resolution, text_only=True)
     where = f"model folder {path}"
     folder = Path(path).expanduser()
     if load is not None and adapter_folders.is_adapter_folder(folder):
@@ -75,7 +75,7 @@ def hub_workload(hub_id: str, *, seq_len: int | None = None, resolution: int | N
     its denoiser's; a PEFT adapter's: its adapter_config.json, its base loaded with ``load``), from the
     hub's cache or fetched into it, built as a model folder (NOTE [ Hub ids ] in :mod:`memfit.workloads.hub`)."""
     check_seq_len(seq_len)
-    check_resolution(resolution)
+    check_resolution(resolution, text_only=True)
     source = f"hub model {hub_id}"
     snapshot = hub.hub_config_folder(hub_id)
     if load is not None and adapter_folders.is_adapter_folder(snapshot):

@@ -113,6 +113,9 @@ def check_seq_len(seq_len: Any) -> None:
         raise UserError(f"--seq-len must be a positive whole number, got {seq_len!r}")
 
 
-def check_resolution(resolution: Any) -> None:
-    if resolution is not None and (not isinstance(resolution, int) or isinstance(resolution, bool) or resolution < 1):
-        raise UserError(f"--resolution must be a positive whole number of pixels, got {resolution!r}")
+def check_resolution(resolution: Any, text_only: bool = False) -> None:
+    """``text_only``: 0 is taken too (a vision-language model's samples without an image)."""
+    if resolution is not None and (not isinstance(resolution, int) or isinstance(resolution, bool) or
+                                   resolution < (0 if text_only else 1)):
+        zero = " (0: text only, for a vision-language model)" if text_only else ""
+        raise UserError(f"--resolution must be a positive whole number of pixels{zero}, got {resolution!r}")

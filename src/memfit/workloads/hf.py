@@ -10,7 +10,7 @@ import torch
 
 from memfit.errors import UserError, brief
 from memfit.workload import Workload, WorkloadInfo
-from memfit.workloads import diffusers_folders, timm_folders
+from memfit.workloads import diffusers_folders, image_text, timm_folders
 from memfit.workloads.checks import check_value, describe, simple_types
 from memfit.workloads.speech import encoder_batch, speech_batch
 
@@ -218,6 +218,7 @@ _TASKS = (("seq2seq-lm", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
           ("ctc", "MODEL_FOR_CTC_MAPPING_NAMES"),  # (speech encoders: NOTE [ Synthetic audio ])
           ("audio-classification", "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES"),
           ("masked-lm", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
+          ("image-text-to-text", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"),  # NOTE [ Image-text batches ]
           ("causal-lm", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
           ("image-classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
           ("contrastive", "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES"),  # CLIP, SigLIP: image-text pairs
@@ -245,18 +246,25 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
         raise UserError(f"{where} is a file, not a folder; give the folder that holds config.json")
     path = diffusers_folders.pipeline_denoiser(path, where) or path
     data = _read_config_json(path, where)
+    if resolution == image_text.TEXT_ONLY and (diffusers_folders.is_diffusers_config(data) or
+                                                timm_folders.is_timm_config(data)):
+        raise UserError(f"{where}: --resolution 0 (text only) applies to vision-language models; give the "
+                        "image's side in pixels")
     if diffusers_folders.is_diffusers_config(data):
         return diffusers_folders.diffusers_workload(data, name or path_text, where, seq_len, resolution)
     if timm_folders.is_timm_config(data):
         return timm_folders.timm_workload(data, name or path_text, where, seq_len, resolution)
-    if resolution is not None:
-        raise UserError(f"{where}: --resolution applies to image models (diffusers' denoisers, timm's classifiers); a "
-                        "transformers model takes --seq-len (an image classifier: image_size in its config.json)")
     tf = _transformers()
     config = _folder_config(tf, path, data, where)
     task, cls = _folder_model_class(tf, config, data, where)
-    config.use_cache = False  # training: no KV cache
+    if resolution is not None and task != "image-text-to-text":
+        raise UserError(f"{where}: --resolution applies to image models (diffusers' denoisers, timm's classifiers, "
+                        "vision-language models); a transformers model takes --seq-len (an image classifier: "
+                        "image_size in its config.json)")
+    for c in {id(config): config, id(t := getattr(config, "get_text_config", lambda: config)()): t}.values():
+        c.use_cache = False  # training: no KV cache (a multimodal model's language model reads its own config's)
     model_type = data["model_type"]
+    images = False  # (a vision-language model's samples hold an image: NOTE [ Image-text batches ])
     if task == "image-classification":
         if seq_len is not None:
             raise UserError(f"{where}: --seq-len does not apply to an image model; set image_size in its config.json")
@@ -295,7 +303,10 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
                             f"use --seq-len <= {limit} or raise {field} in config.json")
         batch = _classified_batch(task, config, vocab, seq) if task.endswith("classification") else _lm_batch(vocab, seq)
         sample = f"{seq} tokens" + _TARGETS.get(task, "")
-        if getattr(config, "vision_config", None) is not None:  # (a vision-language model fed its LM's input)
+        if task == "image-text-to-text":  # NOTE [ Image-text batches ]
+            batch, sample, images = image_text.with_images(cls, config, path, seq, vocab, resolution, where,
+                                                           batch, sample)
+        elif getattr(config, "vision_config", None) is not None:  # (a vision-language model fed its LM's input)
             sample += "; text only: no image is fed, so the vision encoder's weights count and its activations do not"
     sizes = {k: v for k in ("num_hidden_layers", "hidden_size") if isinstance(v := getattr(config, k, None), int)}
     quantized = _checkpoint_format(data, where)
@@ -303,8 +314,9 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
         config.quantization_config = None  # memfit's base_weights quantizes (transformers' own would at from_pretrained)
     return Workload(model=lambda: cls(config), batch=batch, loss=_contrastive_loss if task == "contrastive" else _hf_loss,
                     name=name or path_text,
-                    default_batch_size=1 if task == "causal-lm" else 8,
-                    info=WorkloadInfo(arch=model_type, text_lm=task == "causal-lm", seq_len=seq, vocab_size=vocab,
+                    default_batch_size=1 if task in ("causal-lm", "image-text-to-text") else 8,
+                    info=WorkloadInfo(arch=model_type, text_lm=task in ("causal-lm", "image-text-to-text") and not images,
+                                      seq_len=seq, vocab_size=vocab,
                                       sample=sample,
                                       coupled_samples=f"{cls.__name__}'s contrastive loss compares each image-text "
                                       "pair with every other pair of the batch" if task == "contrastive" else None,
@@ -370,7 +382,7 @@ def _folder_model_class(tf, config, data: dict, where: str):
     tasks = [(task, getattr(modeling_auto, names, {})) for task, names in _TASKS]
     model_type = data["model_type"]
     fallback = next(((task, m[model_type]) for task, m in tasks if isinstance(m.get(model_type), str)), None)
-    feeds = ("causal LM, seq2seq LM, speech seq2seq, CTC, audio-classification, masked LM, image-classification, "
+    feeds = ("causal LM, vision-language, seq2seq LM, speech seq2seq, CTC, audio-classification, masked LM, image-classification, "
              "image-text contrastive, sequence-classification and token-classification heads")
     for name in data.get("architectures") or ():
         task = next((task for task, m in tasks if name in m.values()), None)

@@ -11,6 +11,7 @@ built-in). A revision (a branch, tag or commit) follows an ``@``: ``org/name@mai
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import re
 from pathlib import Path
@@ -58,7 +59,9 @@ def hub_config_folder(text: str) -> Path:
     try:
         with _hub_quiet():  # its retries log a line each; the error below is the one line the user reads
             try:
-                return Path(hf_hub_download(repo_id, "config.json", revision=revision)).parent
+                folder = Path(hf_hub_download(repo_id, "config.json", revision=revision)).parent
+                _image_processor_config(hf_hub_download, repo_id, revision, folder)
+                return folder
             except (hub_errors.LocalEntryNotFoundError, hub_errors.EntryNotFoundError) as missing:
                 folder = _diffusers_denoiser(hf_hub_download, repo_id, revision, where) or \
                     _adapter_folder(hf_hub_download, repo_id, revision)
@@ -107,6 +110,16 @@ def _diffusers_denoiser(download, repo_id: str, revision: str | None, where: str
         return None
     name = diffusers_folders.denoiser_name(diffusers_folders.read_model_index(index, where), where)
     return Path(download(repo_id, f"{name}/config.json", revision=revision)).parent
+
+
+def _image_processor_config(download, repo_id: str, revision: str | None, folder: Path) -> None:
+    """A vision-language model's ``preprocessor_config.json`` beside its config.json, where the repository
+    has one (NOTE [ Image-text batches ] in memfit.workloads.image_text); its defaults serve otherwise."""
+    try:
+        if "vision_config" in json.loads((folder / "config.json").read_text(encoding="utf-8")):
+            download(repo_id, "preprocessor_config.json", revision=revision)
+    except Exception:  # noqa: BLE001 - optional: missing, offline, unreadable: the processor's defaults serve
+        pass
 
 
 def _adapter_folder(download, repo_id: str, revision: str | None) -> Path | None:

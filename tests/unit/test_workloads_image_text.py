@@ -1,0 +1,140 @@
+"""Vision-language models from a config.json get an image in each sample, made by their own image
+processor, and as many image tokens as their vision tower returns features for (NOTE [ Image-text
+batches ]); they run for real within 1% of their prediction. Before, they were fed text alone."""
+
+import json
+
+import pytest
+import torch
+
+from memfit.errors import UserError
+from memfit.memory.measure import profile
+from memfit.plans import Plan
+from memfit.workloads import load_workload
+
+TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 400, "max_position_embeddings": 512}
+TOWER = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_hidden_layers": 2,
+         "image_size": 56, "patch_size": 14}
+QWEN25 = {"model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"], **TEXT,
+          "vision_start_token_id": 390, "vision_end_token_id": 391, "image_token_id": 392, "video_token_id": 393,
+          "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+          "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                            "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
+                            "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1]}}
+LLAVA = {"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"], "image_token_index": 392,
+         "text_config": {"model_type": "llama", **TEXT},
+         "vision_config": {"model_type": "clip_vision_model", **TOWER, "projection_dim": 32}}
+GEMMA3 = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "image_token_index": 392,
+          "boi_token_index": 390, "eoi_token_index": 391, "mm_tokens_per_image": 4,
+          "text_config": {"model_type": "gemma3_text", **TEXT, "head_dim": 16, "sliding_window": 64},
+          "vision_config": {"model_type": "siglip_vision_model", **TOWER}}
+MISTRAL3 = {"model_type": "mistral3", "architectures": ["Mistral3ForConditionalGeneration"], "image_token_index": 10,
+            "spatial_merge_size": 2, "text_config": {"model_type": "mistral", **TEXT, "head_dim": 16},
+            "vision_config": {"model_type": "pixtral", **TOWER, "image_size": 64, "patch_size": 16, "head_dim": 16}}
+MLLAMA = {"model_type": "mllama", "architectures": ["MllamaForConditionalGeneration"], "image_token_index": 392,
+          "text_config": {"model_type": "mllama_text_model", **TEXT, "pad_token_id": 0, "cross_attention_layers": [1]},
+          "vision_config": {"model_type": "mllama_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                            "attention_heads": 2, "num_hidden_layers": 2, "num_global_layers": 1, "image_size": 56,
+                            "patch_size": 14, "max_num_tiles": 4, "intermediate_layers_indices": [0],
+                            "vision_output_dim": 64}}
+
+
+def folder(tmp_path, config, preprocessor: dict | None = None) -> str:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    if preprocessor is not None:
+        (tmp_path / "preprocessor_config.json").write_text(json.dumps(preprocessor))
+    return str(tmp_path)
+
+
+# (config, --seq-len, image tokens a sample: Qwen2.5-VL 448x448 = 32x32 patches of 14 px, merged 2x2;
+# LLaVA 56 px in 14 px patches, CLS dropped; Gemma 3 its mm_tokens_per_image; Pixtral 64 px in 16 px
+# patches, merged 2x2)
+CASES = [(QWEN25, 320, 256), (LLAVA, 96, 16), (GEMMA3, 96, 4), (MISTRAL3, 96, 4)]
+IDS = ["qwen2.5-vl", "llava", "gemma3", "mistral3"]
+
+
+@pytest.mark.parametrize("config,seq,tokens", CASES, ids=IDS)
+def test_each_sample_holds_an_image_and_exactly_its_image_tokens(tmp_path, config, seq, tokens):
+    """Text ids avoid every special id (Pixtral's image token is 10, inside the drawn range), so the
+    image tokens are exactly those placed; labels ignore them."""
+    wl = load_workload(folder(tmp_path, config), seq_len=seq)
+    image_id = config.get("image_token_id", config.get("image_token_index"))
+    for _ in range(3):
+        batch = wl.batch(2)
+        ids = batch["input_ids"]
+        assert tuple(ids.shape) == (2, seq) and "pixel_values" in batch
+        assert ((ids == image_id).sum(dim=1) == tokens).all()
+        assert (batch["labels"][ids == image_id] == -100).all()
+    assert f"{tokens} image tokens) in {seq} tokens" in wl.info.sample and not wl.info.text_lm
+
+
+@pytest.mark.parametrize("config,seq,tokens", CASES, ids=IDS)
+def test_an_image_text_step_runs_for_real_within_one_percent(tmp_path, config, seq, tokens):
+    r = profile(folder(tmp_path, config), Plan(), batch_size=2, seq_len=seq, repeats=0)
+    assert r.predicted.method == "fake" and abs(r.error_percent) < 1.0, r.error_percent
+    assert not [a for a in r.predicted.approximations if "assumed" in a], r.predicted.approximations
+
+
+def test_resolution_sizes_the_image_and_a_saved_processor_config_wins(tmp_path):
+    """Qwen2.5-VL takes any size: 224 px is 16x16 patches, 64 tokens. A folder's preprocessor_config.json
+    is the processor users run (here max_pixels caps the image at 112x112: 16 tokens)."""
+    assert "(256 patches, 64 image tokens)" in load_workload(folder(tmp_path, QWEN25), seq_len=320,
+                                                             resolution=224).info.sample
+    (tmp_path / "capped").mkdir()
+    capped = folder(tmp_path / "capped", QWEN25, {"max_pixels": 112 * 112, "min_pixels": 56 * 56})
+    assert "(64 patches, 16 image tokens)" in load_workload(capped, seq_len=320).info.sample
+
+
+def test_the_language_model_keeps_no_cache_under_checkpointing(tmp_path):
+    """memfit turned the KV cache off in the top config only; Gemma 3's language model reads its own
+    (text_config.use_cache: true in every checkpoint), so each layer filled a cache, and recomputing a
+    sliding-window layer under checkpointing attended to 2 x seq - 1 keys: the trace failed at 2,048
+    tokens of Gemma 3 4B, and a real run fails the same way."""
+    config = {**GEMMA3, "text_config": {**GEMMA3["text_config"], "sliding_window": 16, "use_cache": True}}
+    r = profile(folder(tmp_path, config), Plan(checkpointing="blocks"), batch_size=2, seq_len=96, repeats=0)
+    assert r.predicted.method == "fake" and abs(r.error_percent) < 1.0, r.error_percent
+
+
+def test_resolution_zero_is_text_only_and_an_uncountable_model_says_why(tmp_path):
+    wl = load_workload(folder(tmp_path, LLAVA), seq_len=32, resolution=0)
+    assert set(wl.batch(2)) == {"input_ids", "labels"} and wl.info.text_lm and "text only (--resolution 0)" in wl.info.sample
+    (tmp_path / "mllama").mkdir()
+    wl = load_workload(folder(tmp_path / "mllama", MLLAMA), seq_len=32)
+    assert set(wl.batch(2)) == {"input_ids", "labels"}
+    assert "text only: no image, as MllamaForConditionalGeneration has no get_image_features" in wl.info.sample
+
+
+@pytest.mark.parametrize("resolution,error", [
+    (448, r"a 448x448 image takes 256 tokens, more than --seq-len 200 holds with its text; raise --seq-len or "
+          r"lower --resolution"),
+    (-1, r"--resolution must be a positive whole number of pixels \(0: text only, for a vision-language model\), "
+         r"got -1")])
+def test_bad_image_sizes_are_one_line(tmp_path, resolution, error):
+    with pytest.raises(UserError, match=error):
+        load_workload(folder(tmp_path, QWEN25), seq_len=200, resolution=resolution)
+
+
+def test_a_hub_vision_language_model_reads_its_preprocessor_config(hub_cache, no_network):
+    hub_cache("acme/qwen-vl-toy", QWEN25, files={"preprocessor_config.json": {"max_pixels": 112 * 112}})
+    assert "(64 patches, 16 image tokens)" in load_workload("acme/qwen-vl-toy", seq_len=320).info.sample
+
+
+# -- what the trace needed: NOTE [ Real values of small integer tensors ] --------------------------
+
+def test_value_sized_ops_and_tuples_of_twinned_tensors_are_exact_on_fake_tensors():
+    """Qwen2-VL's vision tower reads its grid with ``.tolist()`` (an ``unbind``: a tuple), sizes its
+    sequence with ``repeat_interleave`` by the grid, and builds rope deltas with ``torch.tensor`` of 0-dim
+    tensors; each failed the fake trace, or read 0."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memfit.memory.adapters import real_code_paths
+    from memfit.memory.tracker import MemoryTracker
+    with FakeTensorMode(allow_non_fake_inputs=True), MemoryTracker(assume_scalars=True) as tracker, real_code_paths():
+        grid = torch.tensor([[1, 4, 6], [2, 2, 2]])
+        assert grid.tolist() == [[1, 4, 6], [2, 2, 2]]
+        lengths = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])
+        assert lengths.shape == (3,) and lengths.tolist() == [24, 4, 4]
+        deltas = torch.tensor([lengths.max() - 1, lengths.min()])
+        assert deltas.tolist() == [23, 4]
+    assert not tracker.approximations
