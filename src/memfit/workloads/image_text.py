@@ -24,7 +24,8 @@ memfit makes each sample's image as the model's own processor would:
 4. Each sample's ``--seq-len`` tokens (default: the language model's, as a text model's) hold that
    many image tokens after the first token (Qwen's ``vision_start`` token before them, its
    ``vision_end`` after), then random text. Text ids avoid every special id of the config, so the
-   image tokens are exactly those placed. Labels ignore the image (``-100``, as trainers' collators
+   image tokens are exactly those placed. Llama 3.2 Vision cross-attends to its image's tiles: one
+   ``<|image|>`` token, and a ``cross_attention_mask`` from it to the end, as its processor makes. Labels ignore the image (``-100``, as trainers' collators
    do); ``token_type_ids`` or ``mm_token_type_ids`` mark it where the model's forward takes them.
 
 A batch of B samples is B copies of that image's inputs, concatenated as a processor concatenates
@@ -99,6 +100,7 @@ def image_text_batch(cls, config, folder: Path | None, seq: int, vocab: int, res
     params = inspect.signature(cls.forward).parameters
     type_ids = next((k for k in ("mm_token_type_ids", "token_type_ids") if k in params), None)
     prefix = getattr(config, "model_type", "") == "paligemma"  # (its type ids: 0 the image and prompt, 1 the rest)
+    cross = "cross_attention_mask" in params
 
     def batch(batch_size: int) -> dict:
         ids = torch.randint(0, high, (batch_size, seq))
@@ -120,6 +122,11 @@ def image_text_batch(cls, config, folder: Path | None, seq: int, vocab: int, res
             out[type_ids] = kinds
         for key, t in image.inputs.items():
             out[key] = _copies(t, batch_size)
+        if cross:  # (Llama 3.2 Vision: every token from the image's on attends to its tiles)
+            tiles = out["aspect_ratio_mask"]
+            mask = torch.zeros((batch_size, seq, *tiles.shape[1:]), dtype=torch.long)
+            mask[:, start:] = tiles[:, None]
+            out["cross_attention_mask"] = mask
         return out
 
     sample = (f"a {image.side}x{image.side} image ({image.shape}, {image.tokens} image tokens) in "
@@ -249,6 +256,8 @@ def _image_tokens(cls, config, inputs: dict[str, torch.Tensor]) -> int:
 
     from memfit.quiet import silenced_warnings, stand_in_values
     from memfit.real_values import KnownValues
+    if "cross_attention_mask" in inspect.signature(cls.forward).parameters and "aspect_ratio_mask" in inputs:
+        return 1  # (Llama 3.2 Vision: the image is cross-attended, one <|image|> token in the sequence)
     if not hasattr(cls, "get_image_features"):
         raise TextOnly(f"{cls.__name__} has no get_image_features to count its image tokens")
     shallow = copy.deepcopy(config)
