@@ -317,10 +317,14 @@ def check_supported(model) -> nn.Module:
 
 
 def _causal_lm_classes() -> set[str]:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    """transformers' causal LMs, and its vision-language models (``...ForConditionalGeneration`` of the
+    image-text-to-text mapping: a language model over image and text tokens, its loss ForCausalLMLoss on
+    a plain ``lm_head``, which :func:`check_supported` checks of each)."""
+    from transformers.models.auto import modeling_auto
     names = set()
-    for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
-        names.update(v if isinstance(v, (list, tuple)) else [v])
+    for mapping in ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"):
+        for v in getattr(modeling_auto, mapping, {}).values():
+            names.update(v if isinstance(v, (list, tuple)) else [v])
     return names
 
 
