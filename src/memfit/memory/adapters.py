@@ -27,30 +27,7 @@ def real_code_paths():
             stack.enter_context(_patched(module, "is_fake_tensor", lambda x: False))
         stack.enter_context(_patched(torch.utils, "swap_tensors", _fake_swappable(torch.utils.swap_tensors)))
         stack.enter_context(grouped_mm_meta())  # NOTE [ Grouped GEMM on fake tensors ]
-        stack.enter_context(_patched(torch, "tensor", _from_fake_scalars(torch.tensor)))
         yield
-
-
-# NOTE [ Tensors from lists of fake scalars ]
-# ``torch.tensor([t0, t1])`` of 0-dim tensors reads each one's data directly, with no op that a
-# dispatch mode sees, so on fake tensors it fails ("its data is not allocated yet"). Qwen2-VL's
-# position index builds its rope deltas that way (``torch.tensor(mrope_position_deltas)``). While a
-# fake trace runs, such a list's fake tensors are read with ``.item()`` first, which the tracker
-# answers (from real values where it has them: NOTE [ Real values of small integer tensors ]).
-def _from_fake_scalars(make):
-    """See NOTE [ Tensors from lists of fake scalars ]."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    def read(x):
-        if isinstance(x, FakeTensor):
-            return x.tolist()
-        return [read(v) for v in x] if isinstance(x, (list, tuple)) else x
-
-    def tensor(data, *args, **kwargs):
-        if isinstance(data, (list, tuple)) and any(isinstance(x, (FakeTensor, list, tuple)) for x in data):
-            data = read(data)
-        return make(data, *args, **kwargs)
-    return tensor
 
 
 # NOTE [ Module conversions on fake tensors ]

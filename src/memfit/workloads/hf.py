@@ -312,7 +312,8 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
     quantized = _checkpoint_format(data, where)
     if quantized is not None:
         config.quantization_config = None  # memfit's base_weights quantizes (transformers' own would at from_pretrained)
-    return Workload(model=lambda: cls(config), batch=batch, loss=_contrastive_loss if task == "contrastive" else _hf_loss,
+    loss = _contrastive_loss if task == "contrastive" else image_text.image_text_loss if images else _hf_loss
+    return Workload(model=lambda: cls(config), batch=batch, loss=loss,
                     name=name or path_text,
                     default_batch_size=1 if task in ("causal-lm", "image-text-to-text") else 8,
                     info=WorkloadInfo(arch=model_type, text_lm=task in ("causal-lm", "image-text-to-text") and not images,

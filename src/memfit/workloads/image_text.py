@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.overrides import TorchFunctionMode
 
 from memfit.errors import UserError, brief
 
@@ -71,7 +73,7 @@ class OneImage:
 def with_images(cls, config, folder: Path | None, seq: int, vocab: int, resolution: int | None, where: str,
                 text_batch: Callable[[int], dict], text_sample: str) -> tuple[Callable[[int], dict], str, bool]:
     """(batch, one sample in words, whether it holds an image): :func:`image_text_batch`'s, else the text
-    batch given, with why in the words."""
+    batch given, with why in the words. A batch with an image is trained on by :func:`image_text_loss`."""
     try:
         made = image_text_batch(cls, config, folder, seq, vocab, resolution, where)
     except TextOnly as e:
@@ -97,6 +99,7 @@ def image_text_batch(cls, config, folder: Path | None, seq: int, vocab: int, res
         raise UserError(f"{where}: a {image.side}x{image.side} image takes {image.tokens} tokens, more than "
                         f"--seq-len {seq} holds with its text; raise --seq-len or lower --resolution")
     high, avoid = _text_ids(config, vocab)
+    filler = max(set(range(high - len(avoid) - 1, high)) - set(avoid))  # (a text id that is no special one)
     params = inspect.signature(cls.forward).parameters
     type_ids = next((k for k in ("mm_token_type_ids", "token_type_ids") if k in params), None)
     prefix = getattr(config, "model_type", "") == "paligemma"  # (its type ids: 0 the image and prompt, 1 the rest)
@@ -105,7 +108,7 @@ def image_text_batch(cls, config, folder: Path | None, seq: int, vocab: int, res
     def batch(batch_size: int) -> dict:
         ids = torch.randint(0, high, (batch_size, seq))
         for special in avoid:  # (a low special id, Pixtral's image token 10: no text token may be one)
-            ids.masked_fill_(ids == special, high - 1)
+            ids.masked_fill_(ids == special, filler)
         ids[:, start:start + image.tokens] = image_id
         if start > 1:
             ids[:, start - 1] = config.vision_start_token_id
@@ -114,11 +117,12 @@ def image_text_batch(cls, config, folder: Path | None, seq: int, vocab: int, res
         labels = ids.clone()
         labels[:, :end] = -100
         out = {"input_ids": ids, "labels": labels}
-        if type_ids is not None:
-            kinds = torch.zeros_like(ids) if not prefix else torch.ones_like(ids)
-            kinds[:, start:start + image.tokens] = 0 if prefix else 1
+        if type_ids is not None:  # (the image's tokens 1; PaliGemma's: 0 for its prefix, the image with it)
+            kinds = torch.ones_like(ids) if prefix else torch.zeros_like(ids)
             if prefix:
                 kinds[:, :end] = 0
+            else:
+                kinds[:, start:start + image.tokens] = 1
             out[type_ids] = kinds
         for key, t in image.inputs.items():
             out[key] = _copies(t, batch_size)
@@ -132,6 +136,40 @@ def image_text_batch(cls, config, folder: Path | None, seq: int, vocab: int, res
     sample = (f"a {image.side}x{image.side} image ({image.shape}, {image.tokens} image tokens) in "
               f"{seq} tokens")
     return batch, sample
+
+
+def image_text_loss(model, batch) -> torch.Tensor:
+    """The model's own loss on an image-text batch (NOTE [ Tensors from lists of fake scalars ])."""
+    with _ScalarsRead():
+        return model(**batch).loss
+
+
+# NOTE [ Tensors from lists of fake scalars ]
+# ``torch.tensor([t0, t1])`` of 0-dim tensors reads each one's data directly, with no op that a dispatch
+# mode sees, so on fake tensors it fails ("its data is not allocated yet"). Qwen2-VL's position index
+# builds its rope deltas that way (``torch.tensor(mrope_position_deltas)``). So an image-text model's
+# forward runs under a function mode that reads such a list's fake tensors first (``.tolist()``, which
+# the tracker answers, from real values where it has them: NOTE [ Real values of small integer tensors ]).
+# On real tensors it changes nothing. (Not a patch of ``torch.tensor``: torch's device contexts keep the
+# function they intercept by identity, in a cache made once, and a patch in place at that moment kept
+# ``torch.tensor(...)`` off the device for the rest of the process.)
+class _ScalarsRead(TorchFunctionMode):
+    """See NOTE [ Tensors from lists of fake scalars ]."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.tensor and args and isinstance(args[0], (list, tuple)) and _holds_fake(args[0]):
+            args = (_read(args[0]), *args[1:])
+        return func(*args, **(kwargs or {}))
+
+
+def _holds_fake(data) -> bool:
+    return any(isinstance(x, FakeTensor) or isinstance(x, (list, tuple)) and _holds_fake(x) for x in data)
+
+
+def _read(data):
+    if isinstance(data, FakeTensor):
+        return data.tolist()
+    return [_read(x) for x in data] if isinstance(data, (list, tuple)) else data
 
 
 class TextOnly(Exception):
