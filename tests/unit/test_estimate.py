@@ -148,6 +148,9 @@ def test_module_conversions_on_fake_tensors():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from memfit.memory.adapters import real_code_paths
+    # (fake mode's dispatch cache, shared by the process: an op answered from it makes a tensor no memo
+    # holds, so after other tests' traces ``plain.to`` could swap, and this test failed by its order)
+    FakeTensorMode.cache_clear()
     with FakeTensorMode(allow_non_fake_inputs=True):
         plain = torch.nn.Linear(4, 4)
         with pytest.raises(RuntimeError, match="Couldn't swap"):
