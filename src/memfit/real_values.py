@@ -14,7 +14,12 @@ from host data is its own twin; an integer factory (``randint``, ``arange``, ``z
 one (``randint`` from a generator of its own: the trace's random streams are untouched, and a real step
 draws other values of the same kind); and an op whose tensor arguments all have twins gets one by
 running on them (an in-place op updates them; an in-place op with an argument without a twin drops the
-twin it would have changed). Outputs over the limit and floating-point outputs get none; each tensor of a tuple (``unbind``'s) gets its own.
+twin it would have changed). Outputs over the limit and floating-point outputs get none; each tensor
+of a tuple (``unbind``'s) gets its own.
+One more value is known without a twin: a draw from a normal distribution (``randn``, and its casts
+and views) is never exactly 0, so its ``== 0`` is all False, a twin of one value expanded
+(no memory, whatever its size): SmolVLM keeps the tiles whose pixels are not all 0, every one of a
+synthetic batch's, as in a real run.
 
 The tracker then answers from the twins what fake mode cannot know: a scalar read (``.item()``,
 ``bool(t)``) is the twin's value, not an assumption; ``nonzero``, ``masked_select`` and an index by a
@@ -42,6 +47,10 @@ _FACTORIES = frozenset({aten.arange.default, aten.arange.start, aten.arange.star
                         aten.ones.default, aten.full.default, aten.scalar_tensor.default})
 _LIFTS = frozenset({aten.lift_fresh.default, aten.lift_fresh_copy.default})
 _SKIP = frozenset({aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default})
+_DRAWN = frozenset({aten.randn.default, aten.randn.generator, aten.randn_like.default})
+"""Draws from a normal distribution: never exactly 0 (a uniform ``rand`` in fp32 is, once in 2**24)."""
+_KEEPS_DRAWN = frozenset({aten._to_copy.default, aten.view.default, aten._unsafe_view.default, aten.clone.default,
+                          aten.reshape.default, aten.contiguous.default})
 
 
 class RealValues:
@@ -49,6 +58,7 @@ class RealValues:
 
     def __init__(self, seed: int = 0):
         self._twins: dict[int, torch.Tensor] = {}  # id(fake tensor) -> its real twin
+        self._drawn: set[int] = set()  # id(fake tensor) drawn from a normal distribution (randn)
         self._gen = torch.Generator().manual_seed(seed)
 
     def of(self, t) -> torch.Tensor | None:
@@ -58,6 +68,15 @@ class RealValues:
     def after(self, func, args, kwargs, out) -> None:
         """After ``func`` made ``out`` on fake tensors: give ``out`` a twin where one follows."""
         if func in _SKIP:
+            return
+        if func in _DRAWN or func in _KEEPS_DRAWN and args and id(args[0]) in self._drawn:
+            if isinstance(out, torch.Tensor) and out.is_floating_point():
+                self._mark_drawn(out)
+            return
+        if func is aten.eq.Scalar and id(args[0]) in self._drawn and args[1] == 0 and _valued(out, constant=True):
+            # (a normal draw is never exactly 0: SmolVLM finds padding images by their zeros)
+            with _disable_current_modes():
+                self._keep(out, torch.zeros((), dtype=torch.bool).expand(out.shape))
             return
         if func in _LIFTS:
             src = args[0] if args else None
@@ -97,8 +116,14 @@ class RealValues:
                    isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) and id(x) in twins for x in a)
                    for a in args)
 
+    def _mark_drawn(self, fake: torch.Tensor) -> None:
+        key = id(fake)
+        if key not in self._drawn:
+            self._drawn.add(key)
+            weakref.finalize(fake, self._drawn.discard, key)
+
     def _keep(self, fake: torch.Tensor, real: torch.Tensor | None) -> None:
-        if real is None or real.numel() > LIMIT:
+        if real is None or real.numel() > LIMIT and any(real.stride()):  # (a constant, all strides 0, costs nothing)
             return
         key = id(fake)
         if key not in self._twins:
@@ -183,8 +208,9 @@ class RealValues:
             return twin.item()
 
 
-def _valued(out) -> bool:
-    return isinstance(out, torch.Tensor) and out.dtype in _VALUED and out.numel() <= LIMIT
+def _valued(out, constant: bool = False) -> bool:
+    """``out`` may have a twin (``constant``: one of a single value, expanded, whatever its size)."""
+    return isinstance(out, torch.Tensor) and out.dtype in _VALUED and (constant or out.numel() <= LIMIT)
 
 
 class KnownValues(TorchDispatchMode):
@@ -213,7 +239,32 @@ class KnownValues(TorchDispatchMode):
             return 0 if out is None else out
         except DynamicOutputShapeException:
             out = self.values.fake_outputs(func, args, kwargs)
-            if out is None:
+            known = as_positions(args, self.values.count) if out is None and func in MASK_INDEXED else None
+            if known is not None:  # (an index by a mask with a twin: by its positions)
+                out = func(*known[0], **kwargs)
+            elif out is None:
                 raise
         self.values.after(func, args, kwargs, out)
         return out
+
+
+MASK_INDEXED = frozenset({aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
+                          aten._unsafe_index_put.default})
+"""Ops indexed by a list of tensors, where a boolean mask stands for its ``nonzero`` positions."""
+
+
+def as_positions(args, count) -> tuple[tuple, int] | None:
+    """(an indexing op's arguments with each boolean mask among its indices replaced by its positions,
+    the bytes of the ``nonzero`` the kernel computes for them), or None if a mask's count is unknown.
+    ``count(mask)``: its True values (:meth:`RealValues.count`), or None."""
+    positions, scratch = [], 0
+    for index in args[1]:
+        if index is None or index.dtype not in (torch.bool, torch.uint8):
+            positions.append(index)
+            continue
+        rows = count(index)
+        if rows is None:
+            return None
+        positions += [torch.empty(rows, dtype=torch.long, device=index.device) for _ in range(index.dim())]
+        scratch += rows * index.dim() * 8
+    return (args[0], positions, *args[2:]), scratch

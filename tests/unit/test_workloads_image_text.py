@@ -42,7 +42,8 @@ MLLAMA = {"model_type": "mllama", "architectures": ["MllamaForConditionalGenerat
 SMOLVLM = {"model_type": "smolvlm", "architectures": ["SmolVLMForConditionalGeneration"], "image_token_id": 392,
            "scale_factor": 2, "text_config": {"model_type": "llama", **TEXT},
            "vision_config": {"model_type": "smolvlm_vision", **TOWER, "image_size": 64, "patch_size": 16}}
-"""SmolVLM drops padding images by their pixels' values, which a fake tensor does not have: fed text, said why."""
+SMOLVLM_PROCESSOR = {"max_image_size": {"longest_edge": 64}, "size": {"longest_edge": 128}}
+"""SmolVLM splits an image into tiles of its tower's size, and a global one (a 128 px image: 4 + 1 tiles of 64 px)."""
 
 
 def folder(tmp_path, config, preprocessor: dict | None = None) -> str:
@@ -101,13 +102,28 @@ def test_the_language_model_keeps_no_cache_under_checkpointing(tmp_path):
     assert r.predicted.method == "fake" and abs(r.error_percent) < 1.0, r.error_percent
 
 
-def test_resolution_zero_is_text_only_and_an_uncountable_model_says_why(tmp_path):
+def test_resolution_zero_is_text_only_and_an_uncountable_model_says_why(tmp_path, monkeypatch):
     wl = load_workload(folder(tmp_path, LLAVA), seq_len=32, resolution=0)
     assert set(wl.batch(2)) == {"input_ids", "labels"} and wl.info.text_lm and "text only (--resolution 0)" in wl.info.sample
-    (tmp_path / "smolvlm").mkdir()
-    wl = load_workload(folder(tmp_path / "smolvlm", SMOLVLM), seq_len=32)
-    assert set(wl.batch(2)) == {"input_ids", "labels"}
-    assert "text only: no image, as counting its image tokens failed (DynamicOutputShapeException" in wl.info.sample
+    from memfit.workloads import image_text
+
+    def refused(*args):
+        raise image_text.TextOnly("its image processor needs files")
+    monkeypatch.setattr(image_text, "one_image", refused)
+    wl = load_workload(folder(tmp_path, LLAVA), seq_len=32)
+    assert set(wl.batch(2)) == {"input_ids", "labels"} and wl.info.text_lm
+    assert "text only: no image, as its image processor needs files, so the vision encoder's" in wl.info.sample
+
+
+def test_smolvlm_finds_no_padding_tile_in_random_pixels(tmp_path):
+    """SmolVLM drops padding tiles by their pixels (``(pixel_values == 0).sum(...) != n``, then an index by
+    that mask): random pixels are never 0, which the trace now knows of values drawn from a normal
+    distribution, so every tile is kept, as in a real run. Before, the count failed and it was fed text."""
+    path = folder(tmp_path, SMOLVLM, SMOLVLM_PROCESSOR)
+    wl = load_workload(path, seq_len=200, resolution=128)
+    assert "a 128x128 image (5 tiles of 64x64, 20 image tokens) in 200 tokens" == wl.info.sample
+    r = profile(path, Plan(), batch_size=2, seq_len=200, resolution=128, repeats=0)
+    assert r.predicted.method == "fake" and abs(r.error_percent) < 1.0 and not r.predicted.approximations
 
 
 @pytest.mark.parametrize("resolution,error", [

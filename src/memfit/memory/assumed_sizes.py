@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import torch
 
+from memfit import real_values
+
 aten = torch.ops.aten
 
 SIZED = frozenset({aten.nonzero.default, aten.masked_select.default, aten._ctc_loss.Tensor})
@@ -81,23 +83,4 @@ def scratch_bytes(func, args) -> int:
     return t.numel() * t.element_size()
 
 
-MASK_INDEXED = frozenset({aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
-                          aten._unsafe_index_put.default})
-"""Ops indexed by a list of tensors, where a boolean mask stands for its ``nonzero`` positions."""
-
-
-def as_positions(args, count) -> tuple[tuple, int] | None:
-    """(an indexing op's arguments with each boolean mask among its indices replaced by its positions,
-    the bytes of the ``nonzero`` the kernel computes for them), or None if a mask's count is unknown.
-    ``count(mask)``: its True values (memfit.real_values), or None."""
-    positions, scratch = [], 0
-    for index in args[1]:
-        if index is None or index.dtype not in (torch.bool, torch.uint8):
-            positions.append(index)
-            continue
-        rows = count(index)
-        if rows is None:
-            return None
-        positions += [torch.empty(rows, dtype=torch.long, device=index.device) for _ in range(index.dim())]
-        scratch += rows * index.dim() * 8
-    return (args[0], positions, *args[2:]), scratch
+MASK_INDEXED, as_positions = real_values.MASK_INDEXED, real_values.as_positions  # (used by the twins too)

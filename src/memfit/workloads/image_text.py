@@ -2,7 +2,7 @@
 
 NOTE [ Image-text batches ]
 A vision-language model (transformers' ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING``: Qwen2/2.5/3-VL,
-LLaVA and LLaVA-NeXT/OneVision, Gemma 3, PaliGemma, Mistral 3 (Pixtral), LFM2-VL, ...) trains on
+LLaVA and LLaVA-NeXT/OneVision, Gemma 3, PaliGemma, Mistral 3 (Pixtral), SmolVLM, LFM2-VL, ...) trains on
 samples of an image and text. The image runs through the vision tower, and its features replace
 the image tokens of the sequence, whose number the image's size and the processor decide (256 for
 Gemma 3 at any size; one per 28x28 pixels for Qwen2.5-VL). The vision tower's activations and the
@@ -310,7 +310,7 @@ def _image_tokens(cls, config, inputs: dict[str, torch.Tensor]) -> int:
             with stand_in_values():
                 model = cls(shallow)
             known.unknown_reads_zero = False
-            fed = {k: torch.empty(v.shape, dtype=v.dtype) if v.is_floating_point()
+            fed = {k: torch.randn(v.shape, dtype=v.dtype) if v.is_floating_point()
                    else torch.tensor(v.tolist(), dtype=v.dtype) for k, v in inputs.items()}
             features = model.get_image_features(**fed)
             features = getattr(features, "pooler_output", features)
