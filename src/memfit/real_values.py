@@ -173,6 +173,13 @@ class RealValues:
         return tree_map(lambda r: torch.empty(r.shape, dtype=r.dtype, device=device)
                         if isinstance(r, torch.Tensor) else r, real)
 
+    def indexed_by_positions(self, func, args, kwargs) -> tuple[object, int] | None:
+        """(the outputs of an indexing op of :data:`MASK_INDEXED` whose boolean masks have twins, run by
+        their positions; the bytes of the ``nonzero`` its kernel computes), or None. Called in a dispatch
+        mode's body (fake mode makes the outputs)."""
+        known = as_positions(args, self.count) if func in MASK_INDEXED else None
+        return None if known is None else (func(*known[0], **kwargs), known[1])
+
     def count(self, mask) -> int | None:
         """True values of a boolean mask with a twin, else None."""
         twin = self.of(mask)
@@ -239,9 +246,9 @@ class KnownValues(TorchDispatchMode):
             return 0 if out is None else out
         except DynamicOutputShapeException:
             out = self.values.fake_outputs(func, args, kwargs)
-            known = as_positions(args, self.values.count) if out is None and func in MASK_INDEXED else None
-            if known is not None:  # (an index by a mask with a twin: by its positions)
-                out = func(*known[0], **kwargs)
+            indexed = self.values.indexed_by_positions(func, args, kwargs) if out is None else None
+            if indexed is not None:
+                out = indexed[0]
             elif out is None:
                 raise
         self.values.after(func, args, kwargs, out)

@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import torch
 
-from memfit import real_values
-
 aten = torch.ops.aten
 
 SIZED = frozenset({aten.nonzero.default, aten.masked_select.default, aten._ctc_loss.Tensor})
@@ -83,4 +81,3 @@ def scratch_bytes(func, args) -> int:
     return t.numel() * t.element_size()
 
 
-MASK_INDEXED, as_positions = real_values.MASK_INDEXED, real_values.as_positions  # (used by the twins too)

@@ -19,7 +19,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from memfit import rng_ops
+from memfit import real_values, rng_ops
 from memfit.device_queries import PRIM_DEVICE, FakeTensor
 from memfit.memory import assumed_sizes
 from memfit.memory.categories import CATEGORIES
@@ -238,14 +238,12 @@ class MemoryTracker(TorchDispatchMode):
         known = values.fake_outputs(func, args, kwargs) if self.assume_scalars else None
         if known is not None:  # (every argument has a twin: the op's own answer)
             return known
-        if func in assumed_sizes.MASK_INDEXED:
-            known = assumed_sizes.as_positions(args, values.count)
-            if known is None:
-                return None
-            out = func(*known[0], **kwargs)
-            self._transient(known[1], func, args)  # (the kernel's nonzero of the mask)
-            self._transient_end()
-            return out
+        if func in real_values.MASK_INDEXED:
+            indexed = values.indexed_by_positions(func, args, kwargs)
+            if indexed is not None:
+                self._transient(indexed[1], func, args)  # (the kernel's nonzero of the mask)
+                self._transient_end()
+            return None if indexed is None else indexed[0]
         sized = assumed_sizes.outputs(func, args, values.count, values.maximum) if func in assumed_sizes.SIZED else None
         if sized is None:
             return None

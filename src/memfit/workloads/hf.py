@@ -261,7 +261,7 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
         raise UserError(f"{where}: --resolution applies to image models (diffusers' denoisers, timm's classifiers, "
                         "vision-language models); a transformers model takes --seq-len (an image classifier: "
                         "image_size in its config.json)")
-    for c in {id(config): config, id(t := getattr(config, "get_text_config", lambda: config)()): t}.values():
+    for c in image_text.config_and_text(config):
         c.use_cache = False  # training: no KV cache (a multimodal model's language model reads its own config's)
     model_type = data["model_type"]
     images = False  # (a vision-language model's samples hold an image: NOTE [ Image-text batches ])

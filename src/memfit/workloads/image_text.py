@@ -184,10 +184,16 @@ def image_token_id(config) -> int:
     raise TextOnly("its config names no image token (image_token_id)")
 
 
+def config_and_text(config) -> list:
+    """``config`` and its language model's own config (a multimodal model's ``text_config``), once each."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return [config] if text is config else [config, text]
+
+
 def _text_ids(config, vocab: int) -> tuple[int, list[int]]:
     """(text ids are drawn below this, special ids below it that a drawn id must not be)."""
     specials = set()
-    for c in {id(config): config, id(t := config.get_text_config()): t}.values():
+    for c in config_and_text(config):
         for key, value in vars(c).items():
             if (key.endswith("_token_id") or key.endswith("_token_index")) and isinstance(value, int) and value >= 0:
                 specials.add(value)
