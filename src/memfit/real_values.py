@@ -31,6 +31,7 @@ memfit.memory.assumed_sizes, NOTE [ Assumed scalars ] in memfit.memory.tracker.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -215,6 +216,41 @@ class RealValues:
             return twin.item()
 
 
+# NOTE [ A list read from a twin ]
+# ``FakeTensor.tolist`` reads each element with its own ``.item()``: an ``unbind``, then a scalar read per
+# element, each through every mode of the trace. Qwen2.5-VL's rope index reads each sample's token types
+# as a list (2,048 of them) at every forward: 31,000 scalar reads, 5 of a shallow trace's 11 s. A
+# tensor with a twin is read from its twin at once, after one scalar read through the modes, as a CUDA
+# tensor's ``tolist`` is one copy to the host and one wait (the time model's sync: not one per element).
+_LISTED: list[RealValues] = []
+"""The twins of the traces now running, innermost last (the tracker's, and KnownValues' around it)."""
+
+
+@contextlib.contextmanager
+def lists_from_twins(values: RealValues):
+    """While entered, ``tolist`` of a fake tensor that has a twin in ``values`` reads the twin (the NOTE above)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    if not _LISTED:
+        original = FakeTensor.tolist
+
+        def tolist(self):
+            twin = next((t for t in map(lambda v: v.of(self), reversed(_LISTED)) if t is not None), None)
+            if twin is None or self.numel() == 0:
+                return original(self)
+            self[(0,) * self.dim()].item()  # (the one wait a real read makes)
+            with _disable_current_modes():
+                return twin.tolist()
+        tolist.original = original
+        FakeTensor.tolist = tolist
+    _LISTED.append(values)
+    try:
+        yield
+    finally:
+        _LISTED.remove(values)
+        if not _LISTED:
+            FakeTensor.tolist = FakeTensor.tolist.original
+
+
 def _valued(out, constant: bool = False) -> bool:
     """``out`` may have a twin (``constant``: one of a single value, expanded, whatever its size)."""
     return isinstance(out, torch.Tensor) and out.dtype in _VALUED and (constant or out.numel() <= LIMIT)
@@ -233,6 +269,16 @@ class KnownValues(TorchDispatchMode):
         self.unknown_reads_zero = False
         """Answer a scalar read without a twin 0 (False) instead of failing: while building a model, whose
         initial values no shape follows (a truncated normal's resampling loop)."""
+
+    def __enter__(self):
+        self._lists = lists_from_twins(self.values)
+        self._lists.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        self._lists.__exit__(*exc)
+        return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException

@@ -161,6 +161,30 @@ def test_value_sized_ops_and_tuples_of_twinned_tensors_are_exact_on_fake_tensors
     assert not tracker.approximations
 
 
+def test_a_list_read_from_a_twin_is_one_read():
+    """Qwen2.5-VL's rope index reads each sample's token types with ``.tolist()``: under fake mode one
+    scalar read through every mode per element (31,000 of them, half of a shallow trace's time). A tensor
+    with a twin is read from it after one scalar read, as a CUDA tensor's ``tolist`` waits once (NOTE [ A
+    list read from a twin ]); one without a twin is read as before, element by element."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from memfit.memory.tracker import MemoryTracker
+
+    class Reads(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+    original, expected = FakeTensor.tolist, [i % 3 == 0 for i in range(2048)]
+    with FakeTensorMode(allow_non_fake_inputs=True), MemoryTracker(assume_scalars=True), Reads() as reads:
+        types = torch.arange(2048) % 3 == 0
+        assert types.tolist() == expected and reads.n == 1
+        assert torch.arange(6).reshape(2, 3).tolist() == [[0, 1, 2], [3, 4, 5]] and reads.n == 2
+    assert FakeTensor.tolist is original  # (restored on leaving the trace)
+
+
 @pytest.mark.parametrize("config,seq", [(QWEN25, 320), (GEMMA3, 96)], ids=["qwen2.5-vl", "gemma3"])
 def test_a_vision_language_models_loss_chunks_as_a_causal_lms(tmp_path, config, seq):
     """Its head is a plain lm_head and its loss ForCausalLMLoss, as a causal LM's: chunked, the loss and

@@ -97,6 +97,7 @@ class MemoryTracker(TorchDispatchMode):
     # -- context -----------------------------------------------------------------------------
     def __enter__(self):
         self._stack.enter_context(self._modules)
+        self._stack.enter_context(real_values.lists_from_twins(self._real_values))  # (NOTE [ A list read from a twin ])
         return super().__enter__()
 
     def __exit__(self, *exc):

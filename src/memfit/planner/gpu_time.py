@@ -226,8 +226,7 @@ class GpuStepModel(StepTimeModel):
 
     def describe(self) -> str:
         book = self.book
-        depth = f"{book.depth} units of {' + '.join(map(str, book.unit))} blocks" if len(set(book.unit)) > 1 else \
-            f"{book.depth} blocks"
+        depth = book.stacks.describe() if book.stacks else ""
         shallow = (f"; plans measured by shallow traces at 2 and 3 of {depth} (deeper where a plan repeats every few "
                    "blocks: checkpointing every 2, a share of the blocks offloaded or swapped), their ops extrapolated, "
                    "the chosen one confirmed by a full trace") if book.depths(self.base or Plan()) else ""

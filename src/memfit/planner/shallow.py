@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import functools
 import itertools
 import math
@@ -43,27 +44,67 @@ MIN_DEPTH_FOR_SHALLOW = 6
 
 
 def depth_of(model: torch.nn.Module) -> int | None:
-    """The depth shallow traces cut: the number of repeated blocks when every repeated-block container
-    of ``model`` holds the same number (a decoder's layers; an encoder-decoder's two stacks of equal
-    depth), else the greatest common divisor of their lengths (NOTE [ Stacks of two depths ]); None
-    where the model has no repeated blocks."""
-    lengths = [len(children) for _, children in find_blocks(model)]
-    return math.gcd(*lengths) if lengths else None
+    """The depth shallow traces cut (:attr:`Stacks.full`); None where the model has no repeated blocks."""
+    stacks = stacks_of(model)
+    return stacks.full if stacks else None
 
 
-# NOTE [ Stacks of two depths ]
-# FLUX.1 runs 19 double-stream blocks, then 38 single-stream ones. Cut to the same number of blocks a
-# stack, the shallow models would hold another share of the two kinds than the full model, and the
-# line through two of them would not reach it. So the depth is counted in units of the stacks' common
-# divisor: at depth d each stack keeps ``d * its length / g`` blocks (g = gcd of the lengths: FLUX.1 at 2
-# and 3 is 2 + 4 and 3 + 6 blocks; full depth, 19, is the model). Everything that grows with the blocks
-# grows on the line in d, as with one stack. The deeper trace has blocks inserted at two places, not
-# one; extrapolate_ops may still line the runs up with one stretch (a double block and two single ones
-# side by side, where the stacks meet: the same ops, in another order), else the step time is the line
-# through the pair's times, as for two kinds of block. On FLUX.1-dev either gave the full trace's time
-# (none, 19, 38 or all 57 blocks swapped). Before, such a model was traced at full depth for every
-# plan (FLUX.1-dev's LoRA planned for a 12 GB card in 600 s). The pair's allocations at full depth
-# (memfit.memory.deep_stream) count each stack's blocks in a unit, and are the full trace's to the byte.
+@dataclasses.dataclass(frozen=True)
+class Stacks:
+    """How shallow traces cut a model's repeated-block containers: at depth ``t`` container ``i`` keeps
+    ``offsets[i] + unit[i] * t`` of its blocks, so every figure that grows with the blocks grows on a
+    line in ``t``, and at ``full`` it keeps all ``lengths[i]`` (NOTE [ Stacks of two depths ])."""
+
+    lengths: tuple[int, ...]
+    unit: tuple[int, ...]
+    full: int
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return tuple(n - u * self.full for n, u in zip(self.lengths, self.unit))
+
+    def describe(self) -> str:
+        """``28 blocks (stacks of 32 and 28 cut to 4 + t and t)``, ``19 units of 1 + 2 blocks``, ``32 blocks``."""
+        if any(self.offsets):
+            cuts = (" + ".join([str(o)] * bool(o) + [f"{u if u > 1 else ''}t"] * bool(u)) for o, u in zip(self.offsets, self.unit))
+            return f"{self.full} blocks (stacks of {' and '.join(map(str, self.lengths))} cut to {' and '.join(cuts)})"
+        return f"{self.full} units of {' + '.join(map(str, self.unit))} blocks" if len(set(self.unit)) > 1 else f"{self.full} blocks"
+
+    def at(self, depth: int) -> tuple[int, ...]:
+        """Each container's blocks at ``depth``."""
+        return tuple(o + u * depth for o, u in zip(self.offsets, self.unit))
+
+
+def stacks_of(model: torch.nn.Module) -> Stacks | None:
+    """How shallow traces cut ``model`` (:class:`Stacks`; None: no repeated blocks). One stack, or stacks
+    whose lengths have a common divisor of at least MIN_DEPTH_FOR_SHALLOW, are cut in units of it; others
+    keep a few blocks of the longer stacks in every trace (NOTE [ Stacks of unrelated depths ])."""
+    lengths = tuple(len(children) for _, children in find_blocks(model))
+    if not lengths:
+        return None
+    g = math.gcd(*lengths)
+    if g >= MIN_DEPTH_FOR_SHALLOW or len(lengths) == 1 or max(lengths) < MIN_DEPTH_FOR_SHALLOW:
+        return Stacks(lengths, tuple(n // g for n in lengths), g)
+
+    def blocks_traced(full: int) -> int:  # in the pair at 2 and 3: 2 * offsets + 5 * unit
+        unit = [n // full for n in lengths]
+        return sum(2 * (n - u * full) + 5 * u for n, u in zip(lengths, unit))
+    full = min(range(MIN_DEPTH_FOR_SHALLOW, max(lengths) + 1), key=lambda t: (blocks_traced(t), -t))
+    return Stacks(lengths, tuple(n // full for n in lengths), full)
+
+
+# NOTE [ Stacks of unrelated depths ]
+# A vision-language model runs a vision tower, then a language model: Qwen2.5-VL-7B 32 vision blocks and
+# 28 text ones, Gemma-3-4B 27 and 34. Their common divisor (4, 1) leaves no pair of shallow depths in
+# units of it, and every plan was traced at full depth (Qwen2.5-VL's plan: 959 s). So the depth is
+# counted in blocks of the shorter stack, and each longer one keeps its extra blocks in every trace:
+# at depth t, 4 + t vision blocks and t text ones (Gemma 3: t and 7 + t; a stack shorter than the
+# depth chosen is kept whole). Each container's blocks are still on a line in t, and at t = 28 the
+# model is whole, so the pair's figures extrapolate as for one stack; the depth chosen is the one whose
+# pair traces the fewest blocks. Two things stay out: the pairs that keep the full model's share of
+# offloaded or swapped blocks (a count of all the stacks' blocks, whose share is not on such a line):
+# those plans are traced at full depth (memfit.planner.traces), and the extra stretch where the two
+# stacks meet, which is not one stretch of ops: the step time is the line through the pair's times.
 
 
 def shallow_workload(workload: Workload, depth: int, meta: torch.nn.Module | None = None) -> Workload:
@@ -94,10 +135,9 @@ def shallow_workload(workload: Workload, depth: int, meta: torch.nn.Module | Non
 def _cut(model: torch.nn.Module, depth: int) -> torch.nn.Module:
     """``model`` with each repeated-block container cut to its first ``depth`` blocks, or ``depth`` units
     of them (NOTE [ Stacks of two depths ]), in place."""
-    unit = depth_of(model) or 1
-    for name, children in find_blocks(model):
+    stacks = stacks_of(model)
+    for (name, children), keep in zip(find_blocks(model), stacks.at(depth)):
         container = model.get_submodule(name)
-        keep = len(children) // unit * depth
         for child in [n for n, c in container.named_children() if any(c is x for x in children)][keep:]:
             delattr(container, child)
     return model
@@ -234,6 +274,13 @@ def extrapolate_ops(a: list, b: list, d: int, e: int, full: int) -> list | None:
     for ra, rb in zip(runs_a, runs_b):
         extra = len(rb) - len(ra)
         p = _insertion(ra, rb, functools.partial(_keeps_links, links, b, start, extra, len(rb)))
+        if p is None and not links.made:  # (NOTE [ Stacks of unrelated depths ]: a stretch a stack)
+            run = _with_stretches(ra, rb, copies)
+            if run is None:
+                return None
+            out += run
+            start += len(rb)
+            continue
         if p is None:
             return None
         if links.made:
@@ -245,6 +292,24 @@ def extrapolate_ops(a: list, b: list, d: int, e: int, full: int) -> list | None:
             [_scaled(x, y, copies) for x, y in zip(ra[p:], rb[p + extra:])]
         start += len(rb)
     return relinked(out, images, links, b)
+
+
+def _with_stretches(ra: list, rb: list, copies: int) -> list | None:
+    """The run at full depth where ``rb`` is ``ra`` with stretches inserted at several places (one a stack
+    of blocks, each stack's grown by a block or more: a vision tower's and its language model's), or
+    None: a diff of the two runs' ops (without the storage they touch) that finds only insertions, and ops of
+    one kind grown in place (a ``_foreach`` op over more tensors)."""
+    matcher = difflib.SequenceMatcher(None, list(map(_key, ra)), list(map(_key, rb)), autojunk=False)
+    out: list = []
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "insert":
+            out += rb[j1:j2] * copies
+        elif tag == "equal" or (tag == "replace" and i2 - i1 == j2 - j1 and
+                                all(map(_same_kind, ra[i1:i2], rb[j1:j2]))):
+            out += [_scaled(x, y, copies) for x, y in zip(ra[i1:i2], rb[j1:j2])]
+        else:
+            return None
+    return out
 
 
 def _keeps_links(links: Links, b: list, start: int, extra: int, length: int, p: int) -> bool:

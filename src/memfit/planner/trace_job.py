@@ -19,7 +19,7 @@ from memfit.memory.budget import Budget
 from memfit.memory.deep_stream import Stream, from_tracker
 from memfit.memory.report import traced_device
 from memfit.planner.ops import repeat_micro_batch
-from memfit.planner.shallow import at_depth, depth_of, offloaded_blocks, shallow_workload
+from memfit.planner.shallow import at_depth, offloaded_blocks, shallow_workload, stacks_of
 from memfit.planner.timing import record_step
 from memfit.step import has_repeats, repeats_skipped
 from memfit.target import Target
@@ -61,14 +61,13 @@ class Tracer:
         found = find_blocks(meta_model)
         self._containers = tuple(name for name, _ in found)
         """The repeated-block containers (their module names give an allocation's block)."""
-        self._full = depth_of(meta_model)
-        self._lengths = tuple(len(children) for _, children in found)
-        """Each container's blocks at full depth."""
+        self._stacks = stacks_of(meta_model)
+        self._full = self._stacks.full if self._stacks else None
 
     def _swapped_from(self, count: int, depth: int) -> dict[str, int]:
         """Each container's first swapped block at ``depth`` (its blocks' share of the full model's), the
         last ``count`` of all the containers' blocks in order swapped (memfit.techniques.swap_blocks)."""
-        lengths = [n * depth // self._full for n in self._lengths]
+        lengths = self._stacks.at(depth)
         out, left = {}, count
         for name, n in reversed(list(zip(self._containers, lengths))):
             out[name] = max(0, n - left)

@@ -23,14 +23,13 @@ from memfit.memory.deep_stream import deepen, replay
 from memfit.planner.at_batch import AtBatch
 from memfit.planner.measured import PEAK_MARGIN, Measured, ShallowFailed
 from memfit.planner.ops import FORWARD
-from memfit.planner.shallow import depth_of, depths, extrapolate, extrapolate_ops
+from memfit.planner.shallow import depths, extrapolate, extrapolate_ops, offloaded_blocks, stacks_of
 from memfit.planner.space import ModelFacts
 from memfit.planner.trace_job import Traced, Tracer
 from memfit.planner.workers import SKIPPED, SharedWorkers, Workers
 from memfit.plans import Plan
 from memfit.target import Target
 from memfit.techniques.base import GraphSize
-from memfit.techniques.checkpointing import find_blocks
 
 OUTSIDE_THE_GRAPH = ("allocator", "grad_accum_steps", "optimizer", "optimizer_in_backward", "ema", "max_grad_norm",
                      "bf16_update")
@@ -95,9 +94,9 @@ class TraceBook(AtBatch):
         self.world = world
         self.rank_batch = target.batch_size // world
         """The samples one rank's step runs (what micro-batch sizes split)."""
-        self.depth = depth_of(facts.model)
-        self.unit = tuple(len(blocks) // self.depth for _, blocks in find_blocks(facts.model)) if self.depth else ()
-        """The blocks of each stack a unit of :attr:`depth` holds (NOTE [ Stacks of two depths ]: FLUX.1's (1, 2))."""
+        self.stacks = stacks_of(facts.model)
+        """How the shallow traces cut the model (NOTE [ Stacks of two depths ]: FLUX.1's units of 1 + 2 blocks)."""
+        self.depth = self.stacks.full if self.stacks else None
         self.n_params = facts.n_params
         self.measured: dict[Plan, Measured] = {}
         self._new: list[Plan] = []
@@ -278,7 +277,11 @@ class TraceBook(AtBatch):
 
     def depths(self, plan: Plan) -> tuple[int, ...]:
         """The depths of the plan's shallow pair (none: it is traced at full depth)."""
-        return () if not self.depth or self.shallow_failed else (depths(plan, self.depth) or ())
+        if not self.depth or self.shallow_failed:
+            return ()
+        if any(self.stacks.offsets) and (offloaded_blocks(plan) or plan.swap_blocks):
+            return ()  # (a share of all the stacks' blocks: NOTE [ Stacks of unrelated depths ])
+        return depths(plan, self.depth) or ()
 
     # -- running traces together -----------------------------------------------------------------
     def trace_shallow(self, plans: list[Plan], behind: list[tuple] = (), skip_over: bool = False) -> None:

@@ -1,0 +1,73 @@
+"""Shallow pairs of a model whose stacks' lengths share no divisor worth cutting by (a vision-language
+model: a vision tower, then a language model): NOTE [ Stacks of unrelated depths ] in memfit.planner.shallow."""
+
+import json
+
+import pytest
+import torch
+
+from memfit.memory.budget import Budget
+from memfit.planner.shallow import Stacks, depths, extrapolate, extrapolate_ops, shallow_workload, stacks_of
+from memfit.planner.space import model_facts
+from memfit.planner.timing import time_from_ops
+from memfit.planner.trace_job import Tracer
+from memfit.plans import Plan
+from memfit.target import Target
+
+
+class _Stacks(torch.nn.Module):
+    def __init__(self, *lengths):
+        super().__init__()
+        for i, n in enumerate(lengths):
+            setattr(self, f"stack{i}", torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(n)))
+
+
+@pytest.mark.parametrize("lengths,full,unit", [
+    ((32, 28), 28, (1, 1)),   # Qwen2.5-VL-7B: 4 + t vision blocks and t text ones
+    ((27, 34), 27, (1, 1)),   # Gemma-3-4B: t and 7 + t
+    ((24, 32), 8, (3, 4)),    # LLaVA-1.5-7B: a common divisor of 8, cut in units of it as before
+    ((19, 38), 19, (1, 2)),   # FLUX.1
+    ((40, 3), 40, (1, 0)),    # a stack shorter than the depth is kept whole
+    ((4, 5), 1, (4, 5)),      # too shallow to cut: traced at full depth (depths() is None)
+])
+def test_the_depth_cut_traces_the_fewest_blocks_and_reaches_the_whole_model(lengths, full, unit):
+    stacks = stacks_of(_Stacks(*lengths))
+    assert (stacks.full, stacks.unit) == (full, unit)
+    assert stacks.at(full) == lengths and all(o >= 0 for o in stacks.offsets)
+    assert Stacks((32, 28), (1, 1), 28).describe() == "28 blocks (stacks of 32 and 28 cut to 4 + t and t)"
+
+
+QWEN = {"model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"], "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 400, "max_position_embeddings": 512, "vision_start_token_id": 390, "vision_end_token_id": 391,
+        "image_token_id": 392, "video_token_id": 393, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+        "vision_config": {"depth": 8, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+                          "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+                          "fullatt_block_indexes": []}}
+"""A Qwen2.5-VL of 8 vision blocks and 6 text ones (cut to 2 + t and t; every vision block windowed: a
+configured full-attention block at an index past the cut is not in the pair, NOTE [ Stacks of unrelated depths ])."""
+
+
+@pytest.mark.parametrize("plan", [pytest.param(Plan(precision="bf16"), marks=pytest.mark.slow),  # (12 s)
+                                  Plan(adapter="lora:r=4", precision="bf16-pure", checkpointing="blocks:every=2")],
+                         ids=["bf16", "lora-every-2"])
+def test_a_vision_language_models_pair_gives_its_full_traces_peak_and_time(tmp_path, plan):
+    """The pair's peak on its line is the full trace's, and its ops, a stretch of vision blocks and one of text
+    blocks inserted apart in each phase, line up (:func:`memfit.planner.shallow._with_stretches`): the step time
+    is the full trace's. Before, the model's stacks (8 and 6: a divisor of 2) gave no pair, and each plan was
+    traced at full depth (Qwen2.5-VL-7B's: 43 s a trace)."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN))
+    target = Target.resolve(str(tmp_path), plan, 2, "rtx4090", seq_len=96, resolution=112)
+    facts = model_facts(target.workload)
+    stacks = stacks_of(facts.model)
+    assert (stacks.full, stacks.offsets) == (6, (2, 0))
+    model = shallow_workload(target.workload, 2, meta=facts.model).model()
+    assert (len(model.model.visual.blocks), len(model.model.language_model.layers)) == (4, 2)
+    tracer = Tracer(target, facts.model, Budget.resolve(None, target.device))
+    pair = depths(plan, 6)
+    a, b = (tracer((plan, d, None)) for d in pair)
+    full = tracer((plan, None, None))
+    assert extrapolate(a.peak_bytes, b.peak_bytes, *pair, 6) == pytest.approx(full.peak_bytes, rel=1e-4)
+    ops = extrapolate_ops(a.ops, b.ops, *pair, 6)
+    assert ops is not None
+    assert time_from_ops(ops, target).seconds == pytest.approx(time_from_ops(full.ops, target).seconds, rel=0.005)
