@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from memfit.memory.budget import Budget
+from memfit.memory.categories import STEADY_STEP
+from memfit.memory.deep_stream import deepen, replay
 from memfit.planner.shallow import Stacks, depths, extrapolate, extrapolate_ops, shallow_workload, stacks_of
 from memfit.planner.space import model_facts
 from memfit.planner.timing import time_from_ops
@@ -54,7 +56,8 @@ configured full-attention block at an index past the cut is not in the pair, NOT
 def test_a_vision_language_models_pair_gives_its_full_traces_peak_and_time(tmp_path, plan):
     """The pair's peak on its line is the full trace's, and its ops, a stretch of vision blocks and one of text
     blocks inserted apart in each phase, line up (:func:`memfit.planner.shallow._with_stretches`): the step time
-    is the full trace's. Before, the model's stacks (8 and 6: a divisor of 2) gave no pair, and each plan was
+    is the full trace's; and the pair's allocations at full depth replay to the full trace's allocated peak and
+    reserved bytes, to the byte. Before, the model's stacks (8 and 6: a divisor of 2) gave no pair, and each plan was
     traced at full depth (Qwen2.5-VL-7B's: 43 s a trace)."""
     (tmp_path / "config.json").write_text(json.dumps(QWEN))
     target = Target.resolve(str(tmp_path), plan, 2, "rtx4090", seq_len=96, resolution=112)
@@ -71,3 +74,6 @@ def test_a_vision_language_models_pair_gives_its_full_traces_peak_and_time(tmp_p
     ops = extrapolate_ops(a.ops, b.ops, *pair, 6)
     assert ops is not None
     assert time_from_ops(ops, target).seconds == pytest.approx(time_from_ops(full.ops, target).seconds, rel=0.005)
+    deep = deepen(a.stream, b.stream, *pair, 6)  # (NOTE [ What the trace frees after its end ])
+    assert deep is not None
+    assert replay(deep, STEADY_STEP) == (full.peak_bytes, full.used_bytes - full.context_bytes)

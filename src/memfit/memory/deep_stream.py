@@ -16,7 +16,7 @@ from memfit.memory.allocator import replay_events
 from memfit.memory.expandable import new_model
 from memfit.memory.heap import without_collections
 from memfit.memory.stream_events import MARK, SETUP, Stream, fields_but_op, second_kind
-from memfit.memory.stretches import at_seam, blocks_a_copy, container, inserted, joined, slides
+from memfit.memory.stretches import at_seam, blocks_a_copy, container, inserted, joined, slides, until_end
 
 __all__ = ["MARK", "SETUP", "Stream", "deepen", "from_tracker", "replay", "sorted_free_runs", "step_events"]
 
@@ -189,7 +189,15 @@ def deepen(a: Stream, b: Stream, d: int, e: int, full: int) -> Stream | None:
     at full depth ]); None where they do not differ by inserted stretches."""
     if e <= d or (full - d) % (e - d) or full < e:
         return None
-    n = (full - d) // (e - d)
+    deep = _deepened(a, b, e - d, (full - d) // (e - d))
+    if deep is None:  # (NOTE [ What the trace frees after its end ])
+        a_cut, b_cut = until_end(a), until_end(b)
+        if a_cut is not a or b_cut is not b:
+            deep = _deepened(a_cut, b_cut, e - d, (full - d) // (e - d))
+    return deep
+
+
+def _deepened(a: Stream, b: Stream, period: int, n: int) -> Stream | None:
     spans, grown = inserted(a, b), blocks_a_copy(a, b)
     if spans is None or grown is None:
         return None
@@ -197,7 +205,7 @@ def deepen(a: Stream, b: Stream, d: int, e: int, full: int) -> Stream | None:
         spans = joined(b, [part for span in spans for part in at_seam(b, *span)])
     for once_by_place in (False, True):  # (NOTE [ Which copy is inserted ])
         for slid in slides(b, spans):
-            deep = _deepen(b, slid, e - d, n, once_by_place, grown)
+            deep = _deepen(b, slid, period, n, once_by_place, grown)
             if deep is not None:
                 return deep
     return None

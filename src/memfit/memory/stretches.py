@@ -179,3 +179,20 @@ def _frees_of_a_chain(x: list, y: list) -> bool:
     return len(x) == len(y) and all(
         u[0] == v[0] == "-" and fields_but_op(u) == fields_but_op(v) for u, v in zip(x, y))
 
+
+# NOTE [ What the trace frees after its end ]
+# When the traced steps end, the trace lets go of the model: its parameters and optimizer states are
+# freed in the order Python drops them. Those frees follow no block, and the diff of two streams pairs
+# them by size alone. Where the deeper model grew two stacks apart (a vision tower's and a language
+# model's blocks: NOTE [ Stacks of unrelated depths ] in memfit.planner.shallow), a parameter inserted
+# for one stack had its free paired with another's, and no stream was made. What the pair's stream is
+# asked for is the replay of a step (:func:`replay`), which ends at the step's end. So where the streams do not
+# line up whole, they are cut at their last ``end`` mark and tried again (whole first: a swapped block's
+# optimizer frees are placed by its teardown stretch, tests/unit/test_planner_gpu.py). A tiny Qwen2.5-VL's checkpointed LoRA then replays to its full trace's
+# allocated peak and reserved bytes to the byte (before: no stream, and a full trace for its reserved bytes).
+def until_end(s: Stream) -> Stream:
+    """``s`` up to its last ``end`` mark (the NOTE above)."""
+    end = next((i + 1 for i in range(len(s.tokens) - 1, -1, -1) if s.tokens[i][0] == MARK and s.tokens[i][1] == "end"),
+               len(s.tokens))
+    return s if end == len(s.tokens) else Stream(s.tokens[:end], s.frees[:end], s.phases[:end], s.blocks[:end] if s.blocks is not None else None,
+                  s.kernels[:end] if s.kernels is not None else None)
