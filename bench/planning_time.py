@@ -59,6 +59,9 @@ CASES = {
     # swapping blocks on a 24 GB card (NOTE [ A shallow pair of a plan that swaps the last N blocks ])
     "gemma-lora": "google/gemma-2-9b --device rtx4090 -b 2 --seq-len 2048 --adapter lora:r=16",
     "gemma-methods": "google/gemma-2-9b --methods full,lora,qlora --device rtx4090 -b 2 --seq-len 2048",
+    # a vision-language model (a 448 px image a sample): 32 vision blocks and 28 text ones, cut to 4 + t and t
+    # (NOTE [ Stacks of unrelated depths ])
+    "qwenvl-qlora": "Qwen/Qwen2.5-VL-7B-Instruct --device rtx4090 -b 2 --seq-len 2048 --adapter lora:r=16 --base-weights nf4",
     # issue 53: FLUX.1-dev's LoRA, fp8 base, 1024 px, on a 12 GB card (two stacks; blocks swapped)
     "flux-12": "dit-flux --adapter lora:r=16 --base-weights fp8 --precision bf16-pure --resolution 1024 -b 1 "
                "--device rtx4090 --budget 12GiB",
@@ -77,13 +80,14 @@ HEADER = re.compile(r"candidate plans, (\d+) traced, ([\d.]+) s")
 
 
 def hub_cache(home: Path) -> None:
-    """A Hugging Face cache under ``home`` holding each of ``HUB_CONFIGS``'s config.json files, laid out
+    """A Hugging Face cache under ``home`` holding each of ``HUB_CONFIGS``'s config files, laid out
     as huggingface_hub lays it out."""
     for folder in HUB_CONFIGS.iterdir():
         repo = home / "hub" / f"models--{folder.name}"
         snapshot = repo / "snapshots" / ("0" * 40)
         snapshot.mkdir(parents=True, exist_ok=True)
-        (snapshot / "config.json").write_bytes((folder / "config.json").read_bytes())
+        for file in folder.iterdir():  # (config.json; a vision-language model's preprocessor_config.json)
+            (snapshot / file.name).write_bytes(file.read_bytes())
         (repo / "refs").mkdir(exist_ok=True)
         (repo / "refs" / "main").write_text("0" * 40)
 

@@ -26,7 +26,7 @@ import contextvars
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from memfit.devices import Device
 from memfit.errors import UserError, missing_kernel
@@ -36,19 +36,7 @@ from memfit.target import Target
 from memfit.techniques.base import StepParts
 from memfit.techniques.loading import Load, materialise, on_meta
 from memfit.techniques.placement import HostPlacement
-from memfit.workload import Workload, call_workload, checked
-
-
-def split_batch(batch: Any, batch_size: int, n: int) -> list[Any]:
-    """Split every tensor whose first dimension is the batch into ``n`` equal micro-batches."""
-    leaves, spec = tree_flatten(batch)
-    if not any(isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch_size for x in leaves):
-        raise UserError(f"cannot split the batch into micro-batches: no tensor in it has a first dimension of "
-                        f"{batch_size} (the batch size); make batch(batch_size) return tensors shaped [batch, ...]")
-    parts = [x.chunk(n) if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch_size
-             else [x] * n for x in leaves]
-    return [tree_unflatten([p[i] for p in parts], spec) for i in range(n)]
-
+from memfit.workload import Workload, call_workload, checked, split_batch
 
 # NOTE [ Repeated micro-batches, traced once ]
 # A step split into n micro-batches runs n forwards and backwards, and its fake trace costs n times one:
@@ -190,7 +178,7 @@ class TrainStep:
         contexts, the loss scaled for fp16); gradients accumulate. Returns the batch's loss, detached."""
         obs, n = self._observer, self.num_micro_batches
         batch = self.precision.prepare_batch(batch)
-        micro = split_batch(batch, self.rank_batch_size, n) if n > 1 else [batch]
+        micro = (self.target.workload.split or split_batch)(batch, self.rank_batch_size, n) if n > 1 else [batch]
         total = None
         with contextlib.ExitStack() as around:
             for make in self._contexts:

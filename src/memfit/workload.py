@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from memfit.errors import UserError, brief, passes_through, raised_in_memfit, user_location
 
@@ -74,6 +75,10 @@ class Workload:
     """Batch size used when the user gives none."""
     info: WorkloadInfo = field(default_factory=WorkloadInfo)
     """Facts shown in reports (architecture, sizes, sequence length)."""
+    split: Callable[[Any, int, int], list] | None = None
+    """How a batch of ``batch_size`` samples splits into ``n`` micro-batches (``split(batch, batch_size, n)``);
+    None: every tensor whose first dimension is the batch, in ``n`` equal parts (:func:`split_batch`). A
+    vision-language model's image inputs hold each image's rows on it (memfit.workloads.image_text.split_images)."""
     from_checkpoint: bool = False
     """``model()`` describes a checkpoint's model, and the step loads it as its library loads one
     (``from_pretrained``): built on the meta device, each weight then materialised on the step's
@@ -122,3 +127,14 @@ def _workload_error(what: str, fn, e: Exception) -> BaseException:
 def _builtin(fn) -> bool:
     """A built-in workload's function (memfit.workloads): its failures are reported there (overrides)."""
     return str(getattr(fn, "__module__", None) or "").startswith("memfit.workloads")
+
+
+def split_batch(batch: Any, batch_size: int, n: int) -> list[Any]:
+    """Split every tensor whose first dimension is the batch into ``n`` equal micro-batches."""
+    leaves, spec = tree_flatten(batch)
+    if not any(isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch_size for x in leaves):
+        raise UserError(f"cannot split the batch into micro-batches: no tensor in it has a first dimension of "
+                        f"{batch_size} (the batch size); make batch(batch_size) return tensors shaped [batch, ...]")
+    parts = [x.chunk(n) if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch_size
+             else [x] * n for x in leaves]
+    return [tree_unflatten([p[i] for p in parts], spec) for i in range(n)]

@@ -82,6 +82,34 @@ def test_an_image_text_step_runs_for_real_within_one_percent(tmp_path, config, s
     assert not [a for a in r.predicted.approximations if "assumed" in a], r.predicted.approximations
 
 
+def test_micro_batches_split_each_images_rows_with_its_sample(tmp_path):
+    """Qwen2.5-VL's processor concatenates every image's patch rows (``pixel_values``: 256 rows an image at
+    224 px), and its grid says whose they are. Split into micro-batches of one sample, each holds its own
+    image's rows: the mean of the micro-batches' losses is the batch's and so are the summed gradients
+    (rtol 1e-5), and the step accumulating them runs for real within 1% of its prediction. Before, each
+    micro-batch held every image's rows and one image's grid, and its forward failed (the planner's plans
+    of micro-batches of Qwen2.5-VL-7B were all invalid)."""
+    wl = load_workload(folder(tmp_path, QWEN25), seq_len=96, resolution=224)
+    torch.manual_seed(0)
+    model, batch = wl.model(), wl.batch(2)
+    assert batch["pixel_values"].shape[0] == 2 * 256
+    whole = wl.loss(model, batch)
+    whole.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    parts = wl.split(batch, 2, 2)
+    assert [p["pixel_values"].shape[0] for p in parts] == [256, 256] and parts[1]["image_grid_thw"].shape == (1, 3)
+    halves = [wl.loss(model, p) / 2 for p in parts]
+    for h in halves:
+        h.backward()
+    assert torch.allclose(sum(h.detach() for h in halves), whole.detach(), rtol=1e-5)
+    for n, p in model.named_parameters():
+        if n in grads:
+            assert torch.allclose(p.grad, grads[n], rtol=1e-5, atol=1e-7), n
+    r = profile(folder(tmp_path, QWEN25), Plan(micro_batch_size=1), batch_size=2, seq_len=96, resolution=224, repeats=0)
+    assert r.predicted.method == "fake" and abs(r.error_percent) < 1.0, r.error_percent
+
+
 def test_resolution_sizes_the_image_and_a_saved_processor_config_wins(tmp_path):
     """Qwen2.5-VL takes any size: 224 px is 16x16 patches, 64 tokens. A folder's preprocessor_config.json
     is the processor users run (here max_pixels caps the image at 112x112: 16 tokens)."""

@@ -48,6 +48,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
 from memfit.errors import UserError, brief
+from memfit.workload import split_batch
 
 DEFAULT_SIDE = 448
 """Pixels a side of the synthetic image of a model whose vision config fixes no size (Qwen2-VL's
@@ -71,17 +72,30 @@ class OneImage:
 
 
 def with_images(cls, config, folder: Path | None, seq: int, vocab: int, resolution: int | None, where: str,
-                text_batch: Callable[[int], dict], text_sample: str) -> tuple[Callable[[int], dict], str, bool]:
-    """(batch, one sample in words, whether it holds an image): :func:`image_text_batch`'s, else the text
-    batch given, with why in the words. A batch with an image is trained on by :func:`image_text_loss`."""
+                text_batch: Callable[[int], dict], text_sample: str) -> tuple[Callable[[int], dict], str, Callable | None]:
+    """(batch, one sample in words, how it splits into micro-batches): :func:`image_text_batch`'s, else the text
+    batch given, with why in the words, and None. A batch with an image is trained on by :func:`image_text_loss`."""
     try:
         made = image_text_batch(cls, config, folder, seq, vocab, resolution, where)
     except TextOnly as e:
         return text_batch, (f"{text_sample}; text only: no image, as {e}, so the vision encoder's weights count "
-                            "and its activations do not"), False
+                            "and its activations do not"), None
     if made is None:
-        return text_batch, f"{text_sample}; text only (--resolution 0): the vision encoder's weights count", False
-    return *made, True
+        return text_batch, f"{text_sample}; text only (--resolution 0): the vision encoder's weights count", None
+    return *made, split_images
+
+
+def split_images(batch: dict, batch_size: int, n: int) -> list[dict]:
+    """``n`` micro-batches of an image-text batch. Its image inputs hold each image's rows on the first
+    dimension, as processors concatenate them (Qwen2-VL's ``pixel_values``: 1,024 patch rows an image, not
+    one), and split with their samples into ``n`` equal parts; the rest splits as any batch. Before, a
+    micro-batch held every image's patches and one image's grid (the planner's plans of micro-batches of a
+    Qwen2.5-VL failed their trace, and so would a step accumulating them)."""
+    images = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > 0
+              and v.shape[0] != batch_size and v.shape[0] % batch_size == 0}
+    text = split_batch({k: v for k, v in batch.items() if k not in images}, batch_size, n)
+    parts = {k: v.chunk(n) for k, v in images.items()}
+    return [{**t, **{k: p[i] for k, p in parts.items()}} for i, t in enumerate(text)]
 
 
 def image_text_batch(cls, config, folder: Path | None, seq: int, vocab: int, resolution: int | None,
