@@ -17,7 +17,7 @@ from memfit.memory.deep_stream import Stream, deepen, from_tracker, replay, sort
 from memfit.memory.faketrace import run_tracked
 from memfit.memory.report import step_window, traced_device
 from memfit.memory.stream_sizes import widen
-from memfit.memory.stretches import _at_run_ends, inserted, joined
+from memfit.memory.stretches import _at_run_ends, inserted, joined, unstraddled
 from memfit.planner.shallow import depths, shallow_workload
 from memfit.planner.space import model_facts
 from memfit.planner.trace_job import Tracer
@@ -472,3 +472,16 @@ def test_a_chain_whose_first_link_another_op_makes_is_carried_to_full_depth(tmp_
     deep = deepen(a.stream, b.stream, 2, 3, 6)
     assert deep is not None
     assert replay(deep, STEADY_STEP) == (full.peak_bytes, full.used_bytes - full.context_bytes)
+
+
+def test_a_stretch_ending_on_an_allocation_freed_after_it_moves_back():
+    """AdamW's first step makes each parameter's step count (L) and moments (Z, Z), and a step count made last
+    is freed at once. A diff that placed the inserted parameter's states one event late (Z Z L, its L freed after it)
+    is moved back to L Z Z (NOTE [ A stretch that ends on an allocation freed after it ]): Qwen2.5-VL-7B's
+    QLoRA pair then replays at full depth to its full trace's reserved bytes (9,982,443,520) and peak (512
+    bytes of 8.85 GB low); before, it kept no stream. A stretch with no such end stays where it is."""
+    lift, zeros = ("+", 4, 0, "optimizer", 1, "lift_fresh", ""), ("+", 8, 0, "optimizer", 1, "zeros_like", "")
+    tokens = [lift, zeros, zeros] * 2 + [lift, ("-", *lift[1:])]
+    b = Stream(tokens, [-1] * 7 + [6], ["optimizer"] * 8)
+    assert unstraddled(b, [(4, 7)]) == [(3, 6)]
+    assert unstraddled(b, [(3, 6)]) == [(3, 6)] and unstraddled(b, [(0, 3)]) == [(0, 3)]

@@ -16,7 +16,16 @@ from memfit.memory.allocator import replay_events
 from memfit.memory.expandable import new_model
 from memfit.memory.heap import without_collections
 from memfit.memory.stream_events import MARK, SETUP, Stream, fields_but_op, second_kind
-from memfit.memory.stretches import at_seam, blocks_a_copy, container, inserted, joined, slides, until_end
+from memfit.memory.stretches import (
+    at_seam,
+    blocks_a_copy,
+    container,
+    inserted,
+    joined,
+    slides,
+    unstraddled,
+    until_end,
+)
 
 __all__ = ["MARK", "SETUP", "Stream", "deepen", "from_tracker", "replay", "sorted_free_runs", "step_events"]
 
@@ -203,8 +212,9 @@ def _deepened(a: Stream, b: Stream, period: int, n: int) -> Stream | None:
         return None
     if len(grown) > 1:  # (NOTE [ Stretches at the seam of two stacks ], NOTE [ A block split by the diff ])
         spans = joined(b, [part for span in spans for part in at_seam(b, *span)])
+    moved = unstraddled(b, spans)  # (NOTE [ A stretch that ends on an allocation freed after it ])
     for once_by_place in (False, True):  # (NOTE [ Which copy is inserted ])
-        for slid in slides(b, spans):
+        for slid in itertools.chain(slides(b, spans), slides(b, moved) if moved != spans else ()):
             deep = _deepen(b, slid, period, n, once_by_place, grown)
             if deep is not None:
                 return deep

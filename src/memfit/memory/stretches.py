@@ -74,6 +74,25 @@ def _repeats(toks: list, j1: int, j2: int) -> bool:
 # outside the blocks is. ``tests/unit/test_deep_stream.py`` holds it on such a step; on the fp16 LoRA and
 # QLoRA of Llama-2-7B at one sample (T4 preset) the replay then gives the full trace's reserved bytes to
 # the byte, and its allocated peak (the LoRA's 1 KiB over the full trace's 47.3 GiB).
+# NOTE [ A stretch that ends on an allocation freed after it ]
+# AdamW's first step makes each parameter's states in turn (its step count, then two moments), and a step
+# count made last is freed at once. The diff may place the inserted parameters' states one event late, moments first:
+# the stretch then ends on the step count that is freed just after it, an allocation of every copy freed
+# once. The same stretch one event earlier (the event before it equals its last) holds no such pair
+# (Qwen2.5-VL-7B's QLoRA pair: its allocations at full depth did not line up).
+def unstraddled(b: Stream, spans: list[tuple[int, int]], most: int = 3) -> list[tuple[int, int]]:
+    """Each stretch moved back by up to ``most`` events while it ends on an allocation freed right after it
+    and the event before it is the same as its last (the NOTE above)."""
+    out = []
+    for j1, j2 in spans:
+        k = 0
+        while k < most and j1 - k > 0 and j2 - k < len(b.frees) and b.frees[j2 - k] == j2 - k - 1 and \
+                b.tokens[j1 - k - 1] == b.tokens[j2 - k - 1]:
+            k += 1
+        out.append((j1 - k, j2 - k))
+    return out
+
+
 def slides(b: Stream, spans: list[tuple[int, int]], most: int = 2):
     """The inserted stretches where the diff put them, then each slid by one and two of its own lengths
     where ``b`` repeats it there (see NOTE [ Which copy is inserted ])."""

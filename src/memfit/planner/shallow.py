@@ -299,7 +299,9 @@ def _with_stretches(ra: list, rb: list, copies: int) -> list | None:
     of blocks, each stack's grown by a block or more: a vision tower's and its language model's), or
     None: a diff of the two runs' ops (without the storage they touch) that finds only insertions, and ops of
     one kind grown in place (a ``_foreach`` op over more tensors)."""
-    matcher = difflib.SequenceMatcher(None, list(map(_key, ra)), list(map(_key, rb)), autojunk=False)
+    ids: dict = {}  # (each op's key as a small int: the diff hashes and compares ints, not tuples of fields)
+    matcher = difflib.SequenceMatcher(None, [ids.setdefault(_key(op), len(ids)) for op in ra],
+                                      [ids.setdefault(_key(op), len(ids)) for op in rb], autojunk=False)
     out: list = []
     for tag, i1, i2, j1, j2 in matcher.get_opcodes():
         if tag == "insert":
