@@ -77,3 +77,24 @@ def test_a_vision_language_models_pair_gives_its_full_traces_peak_and_time(tmp_p
     deep = deepen(a.stream, b.stream, *pair, 6)  # (NOTE [ What the trace frees after its end ])
     assert deep is not None
     assert replay(deep, STEADY_STEP) == (full.peak_bytes, full.used_bytes - full.context_bytes)
+
+
+def _op(kind, nbytes=8, phase="forward"):
+    from memfit.planner.opcost import Op
+    return Op(kind=kind, phase=phase, flops=nbytes, nbytes=nbytes, dtype="bf16", tensors=1, flags=0, key=0,
+              host_bytes=0, is_causal=False, elements=nbytes)
+
+
+def test_a_run_with_a_stretch_at_each_stack_repeats_both_and_puts_grown_ops_on_their_line():
+    """The ops diff (:func:`memfit.planner.shallow._with_stretches`): a stretch inserted at the start, one in the
+    middle and one at the end each repeat ``copies`` times; an op of one kind grown in place (a foreach over
+    more tensors) is on the line through its two sizes; a run that lost ops does not line up."""
+    from memfit.planner.shallow import _with_stretches
+    vision, text, head = [_op("v1"), _op("v2")], [_op("t1")], [_op("h", 8)]
+    ra = [_op("embed"), *vision, _op("merge"), *text, *head]
+    rb = [_op("embed"), *vision, *vision, _op("merge"), *text, *text, _op("h", 12)]
+    out = _with_stretches(ra, rb, 3)
+    assert [o.kind for o in out] == ["embed", "v1", "v2"] + ["v1", "v2"] * 3 + ["merge", "t1"] + ["t1"] * 3 + ["h"]
+    assert out[-1].nbytes == 8 + 3 * 4  # (8 at d, 12 at d + 1: 20 three steps on)
+    assert [o.kind for o in _with_stretches(text, [_op("x"), *text, _op("y")], 2)] == ["x", "x", "t1", "y", "y"]
+    assert _with_stretches(ra, ra[1:], 2) is None

@@ -300,18 +300,28 @@ def _with_stretches(ra: list, rb: list, copies: int) -> list | None:
     None: a diff of the two runs' ops (without the storage they touch) that finds only insertions, and ops of
     one kind grown in place (a ``_foreach`` op over more tensors)."""
     ids: dict = {}  # (each op's key as a small int: the diff hashes and compares ints, not tuples of fields)
-    matcher = difflib.SequenceMatcher(None, [ids.setdefault(_key(op), len(ids)) for op in ra],
-                                      [ids.setdefault(_key(op), len(ids)) for op in rb], autojunk=False)
-    out: list = []
-    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+    ka, kb = [ids.setdefault(_key(op), len(ids)) for op in ra], [ids.setdefault(_key(op), len(ids)) for op in rb]
+    head = next((i for i, (x, y) in enumerate(zip(ka, kb)) if x != y), min(len(ka), len(kb)))
+    tail, most = 0, min(len(ka), len(kb)) - head
+    while tail < most and ka[-1 - tail] == kb[-1 - tail]:
+        tail += 1
+    # (the diff's time grows with the product of the lengths it compares: the ops before the first
+    # insertion and after the last are paired without it)
+    matcher = difflib.SequenceMatcher(None, ka[head:len(ka) - tail], kb[head:len(kb) - tail], autojunk=False)
+    out: list = [_scaled(x, y, copies) for x, y in zip(ra[:head], rb[:head])]
+    for tag, i1, i2, j1, j2 in ((t, i1 + head, i2 + head, j1 + head, j2 + head) for t, i1, i2, j1, j2 in matcher.get_opcodes()):
+        grown = j2 - j1 - (i2 - i1)  # (a replacement: ops grown in place, beside a stretch inserted before or after them)
         if tag == "insert":
             out += rb[j1:j2] * copies
-        elif tag == "equal" or (tag == "replace" and i2 - i1 == j2 - j1 and
-                                all(map(_same_kind, ra[i1:i2], rb[j1:j2]))):
+        elif tag == "equal":
             out += [_scaled(x, y, copies) for x, y in zip(ra[i1:i2], rb[j1:j2])]
+        elif tag == "replace" and grown >= 0 and all(map(_same_kind, ra[i1:i2], rb[j2 - (i2 - i1):j2])):
+            out += rb[j1:j1 + grown] * copies + [_scaled(x, y, copies) for x, y in zip(ra[i1:i2], rb[j1 + grown:j2])]
+        elif tag == "replace" and grown >= 0 and all(map(_same_kind, ra[i1:i2], rb[j1:j1 + i2 - i1])):
+            out += [_scaled(x, y, copies) for x, y in zip(ra[i1:i2], rb[j1:j1 + i2 - i1])] + rb[j2 - grown:j2] * copies
         else:
             return None
-    return out
+    return out + [_scaled(x, y, copies) for x, y in zip(ra[len(ra) - tail:], rb[len(rb) - tail:])]
 
 
 def _keeps_links(links: Links, b: list, start: int, extra: int, length: int, p: int) -> bool:
