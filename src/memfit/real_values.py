@@ -234,7 +234,7 @@ def lists_from_twins(values: RealValues):
         original = FakeTensor.tolist
 
         def tolist(self):
-            twin = next((t for t in map(lambda v: v.of(self), reversed(_LISTED)) if t is not None), None)
+            twin = next((t for t in (v.of(self) for v in reversed(_LISTED)) if t is not None), None)
             if twin is None or self.numel() == 0:
                 return original(self)
             self[(0,) * self.dim()].item()  # (the one wait a real read makes)

@@ -74,25 +74,6 @@ def _repeats(toks: list, j1: int, j2: int) -> bool:
 # outside the blocks is. ``tests/unit/test_deep_stream.py`` holds it on such a step; on the fp16 LoRA and
 # QLoRA of Llama-2-7B at one sample (T4 preset) the replay then gives the full trace's reserved bytes to
 # the byte, and its allocated peak (the LoRA's 1 KiB over the full trace's 47.3 GiB).
-# NOTE [ A stretch that ends on an allocation freed after it ]
-# AdamW's first step makes each parameter's states in turn (its step count, then two moments), and a step
-# count made last is freed at once. The diff may place the inserted parameters' states one event late, moments first:
-# the stretch then ends on the step count that is freed just after it, an allocation of every copy freed
-# once. The same stretch one event earlier (the event before it equals its last) holds no such pair
-# (Qwen2.5-VL-7B's QLoRA pair: its allocations at full depth did not line up).
-def unstraddled(b: Stream, spans: list[tuple[int, int]], most: int = 3) -> list[tuple[int, int]]:
-    """Each stretch moved back by up to ``most`` events while it ends on an allocation freed right after it
-    and the event before it is the same as its last (the NOTE above)."""
-    out = []
-    for j1, j2 in spans:
-        k = 0
-        while k < most and j1 - k > 0 and j2 - k < len(b.frees) and b.frees[j2 - k] == j2 - k - 1 and \
-                b.tokens[j1 - k - 1] == b.tokens[j2 - k - 1]:
-            k += 1
-        out.append((j1 - k, j2 - k))
-    return out
-
-
 def slides(b: Stream, spans: list[tuple[int, int]], most: int = 2):
     """The inserted stretches where the diff put them, then each slid by one and two of its own lengths
     where ``b`` repeats it there (see NOTE [ Which copy is inserted ])."""
@@ -109,6 +90,25 @@ def slides(b: Stream, spans: list[tuple[int, int]], most: int = 2):
         if not moved:
             return
         yield slid
+
+
+# NOTE [ A stretch that ends on an allocation freed after it ]
+# AdamW's first step makes each parameter's states in turn (its step count, then two moments), and a step
+# count made last is freed at once. The diff may place the inserted parameters' states one event late,
+# moments first: the stretch then ends on the step count that is freed just after it, an allocation of
+# every copy freed once. The same stretch one event earlier (the event before it equals its last) holds no such pair
+# (Qwen2.5-VL-7B's QLoRA pair: its allocations at full depth did not line up).
+def unstraddled(b: Stream, spans: list[tuple[int, int]], most: int = 3) -> list[tuple[int, int]]:
+    """Each stretch moved back by up to ``most`` events while it ends on an allocation freed right after it
+    and the event before it is the same as its last (the NOTE above)."""
+    out = []
+    for j1, j2 in spans:
+        k = 0
+        while k < most and j1 - k > 0 and j2 - k < len(b.frees) and b.frees[j2 - k] == j2 - k - 1 and \
+                b.tokens[j1 - k - 1] == b.tokens[j2 - k - 1]:
+            k += 1
+        out.append((j1 - k, j2 - k))
+    return out
 
 
 def blocks_a_copy(a: Stream, b: Stream) -> dict[str, int] | None:
@@ -207,11 +207,11 @@ def _frees_of_a_chain(x: list, y: list) -> bool:
 # for one stack had its free paired with another's, and no stream was made. What the pair's stream is
 # asked for is the replay of a step (:func:`replay`), which ends at the step's end. So where the streams do not
 # line up whole, they are cut at their last ``end`` mark and tried again (whole first: a swapped block's
-# optimizer frees are placed by its teardown stretch, tests/unit/test_planner_gpu.py). A tiny Qwen2.5-VL's checkpointed LoRA then replays to its full trace's
-# allocated peak and reserved bytes to the byte (before: no stream, and a full trace for its reserved bytes).
+# optimizer frees are placed by its teardown stretch, tests/unit/test_planner_gpu.py). A tiny Qwen2.5-VL's
+# checkpointed LoRA then replays to its full trace's allocated peak and reserved bytes to the byte (before: no stream, and a full trace for its reserved bytes).
 def until_end(s: Stream) -> Stream:
     """``s`` up to its last ``end`` mark (the NOTE above)."""
-    end = next((i + 1 for i in range(len(s.tokens) - 1, -1, -1) if s.tokens[i][0] == MARK and s.tokens[i][1] == "end"),
-               len(s.tokens))
-    return s if end == len(s.tokens) else Stream(s.tokens[:end], s.frees[:end], s.phases[:end], s.blocks[:end] if s.blocks is not None else None,
-                  s.kernels[:end] if s.kernels is not None else None)
+    end = next((i + 1 for i in range(len(s.tokens) - 1, -1, -1) if s.tokens[i][:2] == (MARK, "end")), len(s.tokens))
+    if end == len(s.tokens):
+        return s
+    return Stream(*(None if x is None else x[:end] for x in s))
