@@ -21,8 +21,9 @@ import time
 from memfit.memory.budget import Budget
 from memfit.memory.categories import STEADY_STEP
 from memfit.memory.deep_stream import deepen, replay
-from memfit.planner.shallow import depth_of, depths
+from memfit.planner.shallow import depths
 from memfit.planner.space import model_facts
+from memfit.planner.stacks import depth_of
 from memfit.planner.trace_job import Tracer
 from memfit.plans import Plan
 from memfit.quiet import silenced_warnings

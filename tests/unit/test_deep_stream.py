@@ -20,6 +20,7 @@ from memfit.memory.stream_sizes import widen
 from memfit.memory.stretches import _at_run_ends, inserted, joined, unstraddled
 from memfit.planner.shallow import depths, shallow_workload
 from memfit.planner.space import model_facts
+from memfit.planner.stacks import stacks_of
 from memfit.planner.trace_job import Tracer
 from memfit.plans import Plan
 from memfit.quiet import silenced_warnings
@@ -444,32 +445,37 @@ def test_a_swapped_blocks_copies_the_diff_put_apart_from_its_backward_are_joined
 HUB_CONFIGS = json.loads((Path(__file__).parents[1] / "data" / "hub_configs.json").read_text())
 
 
-def _pair_and_full(folder, repo_id: str, plan: Plan, **sizes):
-    """``repo_id``'s hub config at 6 layers and the ``sizes`` given, traced as the planner's workers trace it: at 2
-    and 3 layers, and in full."""
-    config = dict(HUB_CONFIGS[repo_id], num_hidden_layers=6, **sizes)
+def _pair_and_full(folder, repo_id: str, plan: Plan, layers: int, **sizes):
+    """``repo_id``'s hub config at ``layers`` layers and the ``sizes`` given, traced as the planner's workers trace
+    it: its pair (the depths, and the depth in units of its stacks), and in full."""
+    config = dict(HUB_CONFIGS[repo_id], num_hidden_layers=layers, **sizes)
     (folder / "config.json").write_text(json.dumps(config))
     target = Target.resolve(str(folder), plan, 2, "rtx4090", seq_len=256)
     facts = model_facts(target.workload)
+    stacks = stacks_of(facts.model)
+    pair = depths(plan, stacks.full, stacks.least)
     tracer = Tracer(target, facts.model, Budget.resolve(None, target.device))
-    tracer((plan, 2, None))  # (the first trace in a process may keep its batch past the step, then frees it later)
-    return (tracer((plan, d, None)) for d in (2, 3, None))
+    tracer((plan, pair[0], None))  # (the first trace in a process may keep its batch past the step, then frees it later)
+    return (*(tracer((plan, d, None)) for d in (*pair, None)), (*pair, stacks.full))
 
 
-@pytest.mark.parametrize("swap", [0, pytest.param(6, marks=pytest.mark.slow)])  # (6: the suite under 10 minutes)
+@pytest.mark.parametrize("swap", [0, pytest.param(12, marks=pytest.mark.slow)])  # (12: the suite under 10 minutes)
 def test_a_chain_whose_first_link_another_op_makes_is_carried_to_full_depth(tmp_path, swap):
     """NOTE [ A chain's last link ] (memfit.memory.stretches): Gemma 2's last layer casts the gradient it gets
     (``_to_copy``) where the others add to theirs, so the shallower trace's last free in the backward frees a
-    cast and the deeper one's an add. A LoRA of a 6-layer Gemma 2 with selective checkpointing and a chunked
-    loss (every block swapped or none), as Gemma-2-9B's plans: its pair's allocations at full depth replay to
-    the full trace's allocated peak and reserved bytes, to the byte (Gemma-2-9B's LoRA swapping its 42 blocks:
-    19.08 and 19.99 GB, both exact). Before, there was none, and every batch of such a plan was a full trace."""
+    cast and the deeper one's an add. A LoRA of a 12-layer Gemma 2 with selective checkpointing and a chunked
+    loss (every block swapped or none), as Gemma-2-9B's plans: its pair (1 and 2 units of a sliding-window and
+    a global layer: NOTE [ Blocks of several kinds ] in memfit.planner.stacks) has allocations at full depth
+    that replay to the full trace's allocated peak and reserved bytes, to the byte (Gemma-2-9B's LoRA swapping
+    its 42 blocks: 19.08 and 19.99 GB, both exact). Before, there was none, and every batch of such a plan was
+    a full trace."""
     plan = Plan(adapter="lora:r=4", precision="bf16-pure", checkpointing="selective", loss_chunks=4, swap_blocks=swap)
-    a, b, full = _pair_and_full(tmp_path, "google/gemma-2-9b", plan, hidden_size=64, intermediate_size=128,
-                                num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
-                                vocab_size=512)
+    a, b, full, (d, e, depth) = _pair_and_full(tmp_path, "google/gemma-2-9b", plan, 12, hidden_size=64,
+                                               intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                               head_dim=16, query_pre_attn_scalar=16, vocab_size=512)
+    assert (d, e, depth) == ((2, 3, 6) if swap else (1, 2, 6))  # (two swapped blocks at the shallower depth)
     assert inserted(a.stream, b.stream) is not None
-    deep = deepen(a.stream, b.stream, 2, 3, 6)
+    deep = deepen(a.stream, b.stream, d, e, depth)
     assert deep is not None
     assert replay(deep, STEADY_STEP) == (full.peak_bytes, full.used_bytes - full.context_bytes)
 

@@ -9,8 +9,9 @@ from memfit.memory.categories import STEADY_STEP
 from memfit.memory.deep_stream import deepen, replay
 from memfit.planner import trace_job
 from memfit.planner.ops import BACKWARD, FORWARD, OPTIMIZER, Op, repeat_micro_batch
-from memfit.planner.shallow import depth_of, depths
+from memfit.planner.shallow import depths
 from memfit.planner.space import model_facts
+from memfit.planner.stacks import depth_of
 from memfit.planner.timing import time_from_ops
 from memfit.plans import Plan
 from memfit.quiet import silenced_warnings

@@ -9,8 +9,9 @@ import torch
 from memfit.memory.budget import Budget
 from memfit.memory.categories import STEADY_STEP
 from memfit.memory.deep_stream import deepen, replay
-from memfit.planner.shallow import Stacks, depths, extrapolate, extrapolate_ops, shallow_workload, stacks_of
+from memfit.planner.shallow import depths, extrapolate, extrapolate_ops, shallow_workload
 from memfit.planner.space import model_facts
+from memfit.planner.stacks import Stacks, stacks_of
 from memfit.planner.timing import time_from_ops
 from memfit.planner.trace_job import Tracer
 from memfit.plans import Plan

@@ -6,12 +6,14 @@ number of repeated blocks ``L`` (a decoder's layers): the blocks' parameters, gr
 optimizer states, their saved activations, their kernels and the time they take. So each plan is
 traced twice at shallow depths ``d`` and ``e = d + p`` (``p``: the plan's period, 2 for
 ``checkpointing: blocks:every=2``, else 1; ``d``: 2, or ``p`` when larger: 2 and 3 blocks, or 2 and
-4), and every figure is extrapolated along the line through both::
+4; where blocks come in several kinds, 1 and 2 units of a few blocks: memfit.planner.stacks), and
+every figure is extrapolated along the line through both::
 
     f(L) = f(d) + (f(e) - f(d)) * (L - d) / p
 
 The shallow model is the workload's own ``model()``, built on the meta device, with each repeated
-block container (memfit.techniques.checkpointing.find_blocks) cut to its first ``depth`` blocks, then
+block container (memfit.techniques.checkpointing.find_blocks) cut to its first blocks (how many at
+each depth: memfit.planner.stacks.Stacks), then
 given storage where ``build_step`` builds it (``to_empty``): the same classes, the same step, fewer
 layers, and nothing of the full model ever allocated (the caching-allocator model would keep its
 segments). Values are not initialised: fake tensors have none.
@@ -36,75 +38,9 @@ from collections.abc import Sequence
 import torch
 
 from memfit.planner.op_links import Links, consistent, relinked
+from memfit.planner.stacks import MIN_DEPTH_FOR_SHALLOW, stacks_of
 from memfit.techniques.checkpointing import find_blocks
 from memfit.workload import Workload, call_workload
-
-MIN_DEPTH_FOR_SHALLOW = 6
-"""Models with fewer repeated blocks are traced at full depth (little to gain)."""
-
-
-def depth_of(model: torch.nn.Module) -> int | None:
-    """The depth shallow traces cut (:attr:`Stacks.full`); None where the model has no repeated blocks."""
-    stacks = stacks_of(model)
-    return stacks.full if stacks else None
-
-
-@dataclasses.dataclass(frozen=True)
-class Stacks:
-    """How shallow traces cut a model's repeated-block containers: at depth ``t`` container ``i`` keeps
-    ``offsets[i] + unit[i] * t`` of its blocks, so every figure that grows with the blocks grows on a
-    line in ``t``, and at ``full`` it keeps all ``lengths[i]`` (NOTE [ Stacks of two depths ])."""
-
-    lengths: tuple[int, ...]
-    unit: tuple[int, ...]
-    full: int
-
-    @property
-    def offsets(self) -> tuple[int, ...]:
-        return tuple(n - u * self.full for n, u in zip(self.lengths, self.unit))
-
-    def describe(self) -> str:
-        """``28 blocks (stacks of 32 and 28 cut to 4 + t and t)``, ``19 units of 1 + 2 blocks``, ``32 blocks``."""
-        if any(self.offsets):
-            cuts = (" + ".join([str(o)] * bool(o) + [f"{u if u > 1 else ''}t"] * bool(u)) for o, u in zip(self.offsets, self.unit))
-            return f"{self.full} blocks (stacks of {' and '.join(map(str, self.lengths))} cut to {' and '.join(cuts)})"
-        return f"{self.full} units of {' + '.join(map(str, self.unit))} blocks" if len(set(self.unit)) > 1 else f"{self.full} blocks"
-
-    def at(self, depth: int) -> tuple[int, ...]:
-        """Each container's blocks at ``depth``."""
-        return tuple(o + u * depth for o, u in zip(self.offsets, self.unit))
-
-
-def stacks_of(model: torch.nn.Module) -> Stacks | None:
-    """How shallow traces cut ``model`` (:class:`Stacks`; None: no repeated blocks). One stack, or stacks
-    whose lengths have a common divisor of at least MIN_DEPTH_FOR_SHALLOW, are cut in units of it; others
-    keep a few blocks of the longer stacks in every trace (NOTE [ Stacks of unrelated depths ])."""
-    lengths = tuple(len(children) for _, children in find_blocks(model))
-    if not lengths:
-        return None
-    g = math.gcd(*lengths)
-    if g >= MIN_DEPTH_FOR_SHALLOW or len(lengths) == 1 or max(lengths) < MIN_DEPTH_FOR_SHALLOW:
-        return Stacks(lengths, tuple(n // g for n in lengths), g)
-
-    def blocks_traced(full: int) -> int:  # in the pair at 2 and 3: 2 * offsets + 5 * unit
-        unit = [n // full for n in lengths]
-        return sum(2 * (n - u * full) + 5 * u for n, u in zip(lengths, unit))
-    full = min(range(MIN_DEPTH_FOR_SHALLOW, max(lengths) + 1), key=lambda t: (blocks_traced(t), -t))
-    return Stacks(lengths, tuple(n // full for n in lengths), full)
-
-
-# NOTE [ Stacks of unrelated depths ]
-# A vision-language model runs a vision tower, then a language model: Qwen2.5-VL-7B 32 vision blocks and
-# 28 text ones, Gemma-3-4B 27 and 34. Their common divisor (4, 1) leaves no pair of shallow depths in
-# units of it, and every plan was traced at full depth (Qwen2.5-VL's plan: 959 s). So the depth is
-# counted in blocks of the shorter stack, and each longer one keeps its extra blocks in every trace:
-# at depth t, 4 + t vision blocks and t text ones (Gemma 3: t and 7 + t; a stack shorter than the
-# depth chosen is kept whole). Each container's blocks are still on a line in t, and at t = 28 the
-# model is whole, so the pair's figures extrapolate as for one stack; the depth chosen is the one whose
-# pair traces the fewest blocks. Two things stay out: the pairs that keep the full model's share of
-# offloaded or swapped blocks (a count of all the stacks' blocks, whose share is not on such a line):
-# those plans are traced at full depth (memfit.planner.traces), and the extra stretch where the two
-# stacks meet, which is not one stretch of ops: the step time is the line through the pair's times.
 
 
 def shallow_workload(workload: Workload, depth: int, meta: torch.nn.Module | None = None) -> Workload:
@@ -155,12 +91,14 @@ def _materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Modul
     return copy.deepcopy(model, memo)
 
 
-def period(plan, full: int | None = None) -> int:
-    """The depth unit of a plan: ``checkpointing: blocks:every=N`` repeats every N blocks,
+def period(plan, full: int | None = None, unit: tuple[int, ...] = (1,)) -> int:
+    """The depth unit of a plan: ``checkpointing: blocks:every=N`` repeats every N blocks (of each stack's
+    ``unit`` blocks a depth: every ``N / gcd(N, unit)`` depths),
     ``offload: activations:blocks=K`` of ``full`` blocks every ``full / gcd(full, K)`` (NOTE [ A
     shallow pair of a plan that offloads the first K blocks ]), ``swap_blocks: N`` every
     ``full / gcd(full, N)`` (NOTE [ A shallow pair of a plan that swaps the last N blocks ])."""
-    p = max(1, int(getattr(plan.config("checkpointing"), "every", 1) or 1))
+    every = max(1, int(getattr(plan.config("checkpointing"), "every", 1) or 1))
+    p = math.lcm(*(every // math.gcd(every, u) for u in unit if u))
     for k in (offloaded_blocks(plan), int(plan.swap_blocks or 0)):
         if k and full:
             p = math.lcm(p, full // math.gcd(full, k))
@@ -231,16 +169,17 @@ def at_depth(plan, depth: int, full: int):
 # periods (memfit.techniques.swap_blocks.search).
 
 
-def depths(plan, full: int) -> tuple[int, int] | None:
+def depths(plan, full: int, least: int = 2, unit: tuple[int, ...] = (1,)) -> tuple[int, int] | None:
     """The two shallow depths ``(d, d + p)`` a plan is traced at (``p``: its period), or None when it
-    should be traced at full depth (a shallow model, or a depth the period does not divide)."""
-    p = period(plan, full)
-    d = p * -(-2 // p)  # at least 2: one block is no repeated block (find_blocks)
+    should be traced at full depth (a shallow model, or a depth the period does not divide).
+    ``least`` and ``unit``: the shallowest depth, and each stack's blocks a depth (memfit.planner.stacks)."""
+    p = period(plan, full, unit)
+    d = p * -(-least // p)  # at least 2 blocks: one block is no repeated block (find_blocks)
     n = int(plan.swap_blocks or 0)
     if n and full:  # two swapped blocks at the shallower depth (NOTE [ A shallow pair of a plan that swaps the last N blocks ])
         least = math.ceil(2 * full / min(n, full))
         d = max(d, p * math.ceil(least / p))
-    if full < MIN_DEPTH_FOR_SHALLOW or d + p >= full or (full - d) % p:
+    if (full < MIN_DEPTH_FOR_SHALLOW and least > 1) or d + p >= full or (full - d) % p:
         return None
     return d, d + p
 

@@ -19,7 +19,8 @@ from memfit.memory.budget import Budget
 from memfit.memory.deep_stream import Stream, from_tracker
 from memfit.memory.report import traced_device
 from memfit.planner.ops import repeat_micro_batch
-from memfit.planner.shallow import at_depth, offloaded_blocks, shallow_workload, stacks_of
+from memfit.planner.shallow import at_depth, offloaded_blocks, shallow_workload
+from memfit.planner.stacks import stacks_of
 from memfit.planner.timing import record_step
 from memfit.step import has_repeats, repeats_skipped
 from memfit.target import Target

@@ -23,8 +23,9 @@ from memfit.memory.deep_stream import deepen, replay
 from memfit.planner.at_batch import AtBatch
 from memfit.planner.measured import PEAK_MARGIN, Measured, ShallowFailed
 from memfit.planner.ops import FORWARD
-from memfit.planner.shallow import depths, extrapolate, extrapolate_ops, offloaded_blocks, stacks_of
+from memfit.planner.shallow import depths, extrapolate, extrapolate_ops, offloaded_blocks
 from memfit.planner.space import ModelFacts
+from memfit.planner.stacks import stacks_of
 from memfit.planner.trace_job import Traced, Tracer
 from memfit.planner.workers import SKIPPED, SharedWorkers, Workers
 from memfit.plans import Plan
@@ -279,9 +280,10 @@ class TraceBook(AtBatch):
         """The depths of the plan's shallow pair (none: it is traced at full depth)."""
         if not self.depth or self.shallow_failed:
             return ()
-        if any(self.stacks.offsets) and (offloaded_blocks(plan) or plan.swap_blocks):
-            return ()  # (a share of all the stacks' blocks: NOTE [ Stacks of unrelated depths ])
-        return depths(plan, self.depth) or ()
+        share = offloaded_blocks(plan) or 0 < plan.swap_blocks < sum(self.stacks.lengths)
+        if (any(self.stacks.offsets) and (share or plan.swap_blocks)) or (self.stacks.kinds and max(self.stacks.unit) > 1 and share):
+            return ()  # (a share of all the stacks' blocks: NOTE [ Stacks of unrelated depths ], [ Blocks of several kinds ])
+        return depths(plan, self.depth, self.stacks.least, self.stacks.unit) or ()
 
     # -- running traces together -----------------------------------------------------------------
     def trace_shallow(self, plans: list[Plan], behind: list[tuple] = (), skip_over: bool = False) -> None:

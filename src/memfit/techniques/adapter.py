@@ -193,8 +193,10 @@ def _default_targets(model, peft) -> list[str] | str:
     projections); else every linear layer but the output layer (PEFT's ``all-linear``)."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     mapping = getattr(peft.utils, "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING", {})
-    if isinstance(model_type, str) and model_type in mapping:
-        return list(mapping[model_type])
+    if isinstance(model_type, str):  # (a text-only config of a multimodal family: llama4_text as llama4)
+        for name in (model_type, model_type.removesuffix("_text")):
+            if name in mapping:
+                return list(mapping[name])
     if type(model).__module__.startswith("diffusers.") and type(model).__name__ in DIFFUSERS_MODEL_TARGETS:
         return DIFFUSERS_MODEL_TARGETS[type(model).__name__]
     if type(model).__module__.startswith("diffusers.") and \

@@ -1,0 +1,89 @@
+"""Blocks of several kinds: NOTE [ Blocks of several kinds ] in memfit.planner.stacks. A shallow pair adds
+blocks of the kinds of those it stands for, so its figures at full depth are the full trace's."""
+
+import pytest
+import torch
+
+from memfit.memory.budget import Budget
+from memfit.memory.categories import STEADY_STEP
+from memfit.memory.deep_stream import deepen, replay
+from memfit.planner.shallow import depths, extrapolate, extrapolate_ops
+from memfit.planner.space import model_facts
+from memfit.planner.stacks import Stacks, block_kinds, cut_by_kinds, stacks_of
+from memfit.planner.timing import time_from_ops
+from memfit.planner.trace_job import Tracer
+from memfit.plans import Plan
+from memfit.target import Target
+
+
+class Block(torch.nn.Module):
+    def __init__(self, index: int, wide: bool, drop: float):
+        super().__init__()
+        self.layer_idx, self.drop_rate = index, drop  # (an index, a rate growing with depth: neither a kind)
+        self.sliding = not wide
+        self.proj = torch.nn.Linear(8, 16 if wide else 8)
+
+
+def test_a_kind_is_what_builds_a_block_and_not_its_index():
+    blocks = [Block(i, wide=False, drop=0.1 * i) for i in range(6)]
+    assert block_kinds(blocks) == (0,) * 6
+    blocks[5].sliding = False  # (a plain value: Gemma 3's global layer)
+    assert block_kinds(blocks) == (0, 0, 0, 0, 0, 1)
+    blocks[2] = Block(2, wide=True, drop=0.2)  # (another shape: a third kind, not sliding either)
+    assert block_kinds(blocks) == (0, 0, 1, 0, 0, 2)
+
+
+@pytest.mark.parametrize(("lengths", "kinds", "cut"), [
+    ((34,), [tuple(int(i % 6 == 5) for i in range(34))], ((6,), 5, 1)),   # Gemma-3-4B's text: 4 + 6t
+    ((61,), [(0, 0, 0) + (1,) * 58], ((1,), 59, 1)),                      # DeepSeek-V3: 2 + t, its third dense layer in both
+    ((48,), [tuple(i % 2 + 2 * (i % 4 == 3) for i in range(48))], ((4,), 12, 1)),  # Llama 4 Maverick: 3 kinds, 4t
+    ((12,), [tuple(int(i % 4 == 3) for i in range(12))], None),           # no cut traces fewer than 12 blocks
+    ((27, 34), [(0,) * 27, tuple(int(i % 6 == 5) for i in range(34))], ((5, 6), 5, 1)),  # Gemma-3-4B: 2 + 5t, 4 + 6t
+])
+def test_stacks_are_cut_in_units_that_repeat_their_kinds(lengths, kinds, cut):
+    assert cut_by_kinds(lengths, kinds) == cut
+    if cut:
+        stacks = Stacks(lengths, cut[0], cut[1], cut[2], 2)
+        assert stacks.at(stacks.full) == lengths and all(n >= 2 for n in stacks.at(stacks.least))
+
+
+def _llama4(folder, layers: int = 16):
+    """A tiny Llama 4 text model: experts every other layer, no rope every fourth (three kinds of layer)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model(
+        "llama4_text", hidden_size=64, intermediate_size=128, intermediate_size_mlp=128, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=512, num_hidden_layers=layers, num_local_experts=4,
+        interleave_moe_layer_step=2)
+    config.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("plan", [Plan(precision="bf16"),
+                                  Plan(adapter="lora:r=4", precision="bf16-pure", checkpointing="blocks")],
+                         ids=["bf16", "lora-blocks"])
+def test_a_pair_of_units_of_three_kinds_gives_the_full_trace(tmp_path, plan):
+    """Llama 4's pair at 2 and 3 layers added a dense layer for its experts: its peak was 34% low. Cut in units
+    of 4 layers, its pair's peak, step time and allocations at full depth are the full trace's."""
+    target = Target.resolve(_llama4(tmp_path), plan, 2, "rtx4090", seq_len=128)
+    facts = model_facts(target.workload)
+    stacks = stacks_of(facts.model)
+    assert (stacks.unit, stacks.full, stacks.kinds) == ((4,), 4, 3)
+    assert stacks.describe() == "16 blocks of 3 kinds (cut to 4t)"
+    pair = depths(plan, stacks.full, stacks.least)
+    assert pair == (1, 2)
+    tracer = Tracer(target, facts.model, Budget.resolve(None, target.device))
+    a, b, full = (tracer((plan, d, None)) for d in (*pair, None))
+    assert extrapolate(a.peak_bytes, b.peak_bytes, *pair, stacks.full) == pytest.approx(full.peak_bytes, rel=1e-3)
+    ops = extrapolate_ops(a.ops, b.ops, *pair, stacks.full)
+    assert ops is not None
+    assert time_from_ops(ops, target).seconds == pytest.approx(time_from_ops(full.ops, target).seconds, rel=1e-6)
+    deep = deepen(a.stream, b.stream, *pair, stacks.full)
+    assert replay(deep, STEADY_STEP) == (full.peak_bytes, full.used_bytes - full.context_bytes)
+
+
+def test_a_model_whose_kinds_no_cut_repeats_is_traced_whole(tmp_path):
+    """12 layers in periods of 4: a pair of 1 and 2 units traces as many layers as the model has."""
+    target = Target.resolve(_llama4(tmp_path, layers=12), Plan(), 2, "rtx4090", seq_len=128)
+    stacks = stacks_of(model_facts(target.workload).model)
+    assert stacks.full == 1 and stacks.at(1) == (12,) and depths(Plan(), stacks.full, stacks.least) is None
+    assert stacks.describe() == "12 blocks of 3 kinds (traced whole)"
