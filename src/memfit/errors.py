@@ -196,6 +196,14 @@ def raised_in_memfit(exc: BaseException) -> bool:
     return path.startswith(root + os.sep) and not path.startswith(os.path.join(root, "workloads") + os.sep)
 
 
+def raised_in_package(exc: BaseException, package: str) -> bool:
+    """Did ``package`` (an installed library: ``peft``) raise ``exc``, in its innermost frame?"""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and f"{os.sep}{package}{os.sep}" in os.path.abspath(tb.tb_frame.f_code.co_filename)
+
+
 def user_location(exc: BaseException, fn=None) -> str | None:
     """``file.py:LINE`` of the innermost frame of ``exc`` in the user's code: the file that defines
     ``fn`` if it is on the stack, else the innermost frame outside Python's and the installed

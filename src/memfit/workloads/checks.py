@@ -96,11 +96,21 @@ def blamed(source: str, fix: str | None, what: str, fn: Callable) -> Callable:
         try:
             return fn(*args)
         except Exception as e:
-            from memfit.errors import brief, fake_kernel_failure, passes_through, raised_in_memfit, untraced
+            from memfit.errors import (
+                brief,
+                fake_kernel_failure,
+                passes_through,
+                raised_in_memfit,
+                raised_in_package,
+                untraced,
+            )
             if passes_through(e) or raised_in_memfit(e):
                 raise
             if in_step and fake_kernel_failure(e):
                 raise untraced(source, what, e) from e
+            if in_step and raised_in_package(e, "peft"):  # (PEFT adapted a layer it cannot run: Llama 4's router)
+                raise UserError(f"{source}: {what} failed in PEFT's adapter layers with {type(e).__name__}: {brief(e)}; "
+                                "name the layers to adapt (e.g. --adapter lora:r=16,targets=q_proj+v_proj)") from e
             if fix is None:
                 raise
             msg = brief(e)

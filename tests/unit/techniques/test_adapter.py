@@ -201,3 +201,32 @@ wl = Workload(model=model, batch=base.batch, loss=lambda m, b: base.loss(m, b))
     assert abs(r.error_percent) <= 1.0, r.error_percent
     plan_key = estimate(DIT, Plan(adapter="lora:r=8,alpha=8"), batch_size=2, resolution=128)
     assert r.predicted.breakdown["optimizer_states"] == plan_key.breakdown["optimizer_states"]
+
+
+def _llama4_text(folder) -> str:
+    """A tiny Llama 4 text model, whose router subclasses ``nn.Linear`` and returns a pair."""
+    import transformers
+    transformers.AutoConfig.for_model(
+        "llama4_text", hidden_size=64, intermediate_size=128, intermediate_size_mlp=128, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=512, num_hidden_layers=2, num_local_experts=4,
+        interleave_moe_layer_step=2).save_pretrained(folder)
+    return str(folder)
+
+
+def test_a_text_config_of_a_multimodal_family_takes_its_familys_targets(tmp_path):
+    """PEFT names Llama 4's targets under ``llama4``, not ``llama4_text``: its default LoRA adapts q_proj and
+    v_proj as PEFT would for the family, where all-linear wrapped the router (a pair out of a Linear)."""
+    import peft
+
+    from memfit.techniques.adapter import _default_targets
+    workload = load_workload(_llama4_text(tmp_path), seq_len=64)
+    with torch.device("meta"):
+        assert _default_targets(workload.model(), peft) == ["q_proj", "v_proj"]
+    assert estimate(workload, Plan(adapter="lora:r=4"), batch_size=2).peak_bytes > 0  # (all-linear: the error below)
+
+
+def test_a_failure_in_peft_layers_names_the_targets_to_choose(tmp_path):
+    """A failure inside PEFT's layers is not the config's: one line saying which layers to adapt."""
+    with pytest.raises(UserError, match=r"failed in PEFT's adapter layers with AttributeError: .*; name the layers "
+                                        r"to adapt \(e\.g\. --adapter lora:r=16,targets=q_proj\+v_proj\)"):
+        estimate(_llama4_text(tmp_path), Plan(adapter="lora:r=4,targets=all-linear"), batch_size=2, seq_len=64)
