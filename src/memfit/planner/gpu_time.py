@@ -227,7 +227,8 @@ class GpuStepModel(StepTimeModel):
     def describe(self) -> str:
         book = self.book
         depth = book.stacks.describe() if book.stacks else ""
-        shallow = (f"; plans measured by shallow traces at 2 and 3 of {depth} (deeper where a plan repeats every few "
+        least, t = (book.stacks.least, "t = " if book.stacks.kinds else "") if book.stacks else (2, "")
+        shallow = (f"; plans measured by shallow traces at {t}{least} and {least + 1} of {depth} (deeper where a plan repeats every few "
                    "blocks: checkpointing every 2, a share of the blocks offloaded or swapped), their ops extrapolated, "
                    "the chosen one confirmed by a full trace") if book.depths(self.base or Plan()) else ""
         host = f", host {self.host.name}" if self.host is not None else ""
