@@ -34,7 +34,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from memfit.errors import UserError
+from memfit.errors import UserError, brief
 from memfit.techniques.base import Config, Export, Key, Technique, register
 
 ALL_LINEAR = "all-linear"
@@ -135,16 +135,21 @@ class LoRA(Adapter):
     def apply(self, parts) -> None:
         peft = _peft()
         config = self.peft_config(parts.model)
+        if config.target_modules == ALL_LINEAR and not self.targets:
+            config.exclude_modules = _refused(config, parts.model) or None
         try:
             parts.model = peft.inject_adapter_in_model(config, parts.model)
         except ValueError as e:
             if "not found in the base model" in str(e) or "Target modules" in str(e):
-                names = [*config.target_modules, *(getattr(config, "target_parameters", None) or [])]
+                targets = config.target_modules
+                names = [targets] if isinstance(targets, str) else [*targets]
+                names += getattr(config, "target_parameters", None) or []
                 raise UserError(f"plan: adapter {self.text_value()}: the targets {', '.join(names)} "
                                 f"match no module or parameter of the model; name its linear layers (e.g. "
                                 f"targets=q_proj+v_proj) or parameters (params=experts.gate_up_proj; "
                                 f"`memfit estimate ... --modules 20` lists the modules)") from None
-            raise
+            raise UserError(f"plan: adapter {self.text_value()}: PEFT refuses it on this model ({brief(e)}); name "
+                            "the layers to adapt (e.g. targets=q_proj+v_proj)") from None
         if self.save:
             _check_saved(parts.model, self.save, self.text_value())
 
@@ -193,16 +198,31 @@ def _default_targets(model, peft) -> list[str] | str:
     projections); else every linear layer but the output layer (PEFT's ``all-linear``)."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     mapping = getattr(peft.utils, "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING", {})
-    if isinstance(model_type, str):  # (a text-only config of a multimodal family: llama4_text as llama4)
-        for name in (model_type, model_type.removesuffix("_text")):
-            if name in mapping:
-                return list(mapping[name])
+    if isinstance(model_type, str) and model_type in mapping:  # (names, or a regular expression: gemma4's)
+        return mapping[model_type] if isinstance(mapping[model_type], str) else list(mapping[model_type])
+    family = mapping.get(model_type.removesuffix("_text")) if isinstance(model_type, str) else None
+    if family is not None and not isinstance(family, str):  # (a text-only config of a multimodal family's names:
+        return list(family)                                  # llama4_text as llama4; a family's expression names its paths)
     if type(model).__module__.startswith("diffusers.") and type(model).__name__ in DIFFUSERS_MODEL_TARGETS:
         return DIFFUSERS_MODEL_TARGETS[type(model).__name__]
     if type(model).__module__.startswith("diffusers.") and \
             any(name.endswith(".to_q") for name, _ in model.named_modules()):
         return DIFFUSERS_TARGETS
     return ALL_LINEAR
+
+
+def _refused(config, model) -> list[str]:
+    """The layer names of ``model`` that PEFT refuses to adapt with ``config`` (a Mamba mixer's ``out_proj``:
+    PEFT's default for such models is to raise), left out of the default ``all-linear``."""
+    from peft.tuners import tuners_utils
+    check = getattr(tuners_utils, "_check_lora_target_modules_mamba", None)
+    refused = set()
+    for name in {n.rsplit(".", 1)[-1] for n, _ in model.named_modules() if n} if check else ():
+        try:
+            check(config, model, name)
+        except ValueError:
+            refused.add(name)
+    return sorted(refused)
 
 
 def _check_saved(model, names: tuple[str, ...], text: str) -> None:

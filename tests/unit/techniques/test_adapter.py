@@ -230,3 +230,41 @@ def test_a_failure_in_peft_layers_names_the_targets_to_choose(tmp_path):
     with pytest.raises(UserError, match=r"failed in PEFT's adapter layers with AttributeError: .*; name the layers "
                                         r"to adapt \(e\.g\. --adapter lora:r=16,targets=q_proj\+v_proj\)"):
         estimate(_llama4_text(tmp_path), Plan(adapter="lora:r=4,targets=all-linear"), batch_size=2, seq_len=64)
+
+
+def test_a_regular_expression_of_targets_is_passed_whole_and_a_familys_is_not_borrowed(monkeypatch):
+    """PEFT maps gemma4 to a regular expression over its multimodal paths: it is the target of that model type (it
+    was split into characters), and no target for the family's text-only type (gemma4_text), whose layers the
+    expression does not name; a family's names are (llama4_text takes llama4's)."""
+    import types
+
+    import peft
+
+    from memfit.techniques.adapter import ALL_LINEAR, _default_targets
+    expression = r".*language_model\..*\.(q_proj|v_proj)"
+    mapping = dict(peft.utils.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, family=expression, named=["q_proj"])
+    monkeypatch.setattr(peft.utils, "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING", mapping)
+    model = torch.nn.Linear(2, 2)
+    for model_type, targets in [("family", expression), ("family_text", ALL_LINEAR), ("named_text", ["q_proj"])]:
+        model.config = types.SimpleNamespace(model_type=model_type)
+        assert _default_targets(model, peft) == targets
+
+
+def _falcon_h1(folder) -> str:
+    import transformers
+    transformers.AutoConfig.for_model(
+        "falcon_h1", hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=512, num_hidden_layers=2, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16,
+        mamba_n_groups=1, mamba_chunk_size=16).save_pretrained(folder)
+    return str(folder)
+
+
+def test_the_default_all_linear_leaves_out_the_layers_peft_refuses(tmp_path):
+    """A Mamba mixer's out_proj and conv1d: PEFT raises on them, so the default all-linear (Falcon-H1 has no PEFT
+    mapping) leaves them out; naming one is a one-line error, not PEFT's traceback."""
+    workload = load_workload(_falcon_h1(tmp_path), seq_len=32)
+    step = build_step(workload, Plan(adapter="lora:r=4"), batch_size=2)
+    adapted = {n.rsplit(".", 1)[-1] for n, m in step.model.named_modules() if hasattr(m, "lora_A")}
+    assert adapted and not adapted & {"out_proj", "conv1d"} and "in_proj" in adapted
+    with pytest.raises(UserError, match=r"PEFT refuses it on this model \(.*out_proj.*\); name the layers to adapt"):
+        build_step(workload, Plan(adapter="lora:r=4,targets=out_proj"), batch_size=2)
