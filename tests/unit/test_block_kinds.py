@@ -12,6 +12,7 @@ from memfit.planner.space import model_facts
 from memfit.planner.stacks import Stacks, block_kinds, cut_by_kinds, stacks_of
 from memfit.planner.timing import time_from_ops
 from memfit.planner.trace_job import Tracer
+from memfit.planner.traces import TraceBook
 from memfit.plans import Plan
 from memfit.target import Target
 
@@ -87,3 +88,30 @@ def test_a_model_whose_kinds_no_cut_repeats_is_traced_whole(tmp_path):
     stacks = stacks_of(model_facts(target.workload).model)
     assert stacks.full == 1 and stacks.at(1) == (12,) and depths(Plan(), stacks.full, stacks.least) is None
     assert stacks.describe() == "12 blocks of 3 kinds (traced whole)"
+
+
+def test_a_pair_of_one_unit_takes_its_peak_from_the_allocations_replayed_at_full_depth(tmp_path):
+    """A tiny Nemotron-H (Mamba, experts, attention and MLP layers in turn) with a LoRA and blocks checkpointed
+    peaks in another phase at one unit than at two or more (224, 327, 332 and 338 MB at 1 to 4 units): the line
+    through the pair at 1 and 2 units was 57% high. The book takes the peak of the pair's allocations replayed at
+    full depth, the full trace's."""
+    transformers = pytest.importorskip("transformers")
+    transformers.AutoConfig.for_model(
+        "nemotron_h", hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=512, num_hidden_layers=16, mamba_num_heads=128, mamba_head_dim=64, n_groups=8, ssm_state_size=128,
+        chunk_size=128, n_routed_experts=8, moe_intermediate_size=32, moe_shared_expert_intermediate_size=7688,
+        num_experts_per_tok=2, n_group=1, topk_group=1,
+        layers_block_type=["linear_attention", "moe", "full_attention", "mlp"] * 4).save_pretrained(tmp_path)
+    plan = Plan(adapter="lora:r=4", precision="bf16-pure", checkpointing="blocks")
+    target = Target.resolve(str(tmp_path), plan, 2, "rtx4090", seq_len=128)
+    facts = model_facts(target.workload)
+    book = TraceBook(target, facts, Budget.of_device(target.device))
+    try:
+        assert book.depths(plan) == (1, 2)
+        m = book.measure(plan)
+        a, b = (book._traced[(plan, d, None)] for d in (1, 2))
+        full = book.confirm(plan)  # (its full trace)
+    finally:
+        book.close()
+    assert extrapolate(a.peak_bytes, b.peak_bytes, 1, 2, 4) > 1.5 * full.peak_bytes  # (the line)
+    assert m.peak_bytes == full.peak_bytes
