@@ -212,16 +212,24 @@ def _default_targets(model, peft) -> list[str] | str:
 
 
 def _refused(config, model) -> list[str]:
-    """The layer names of ``model`` that PEFT refuses to adapt with ``config`` (a Mamba mixer's ``out_proj``:
-    PEFT's default for such models is to raise), left out of the default ``all-linear``."""
+    """The layer names of ``model`` left out of the default ``all-linear``: those PEFT refuses to adapt with
+    ``config`` (a Mamba mixer's ``out_proj``: PEFT raises), and a model's own subclasses of ``nn.Linear`` with a
+    forward of their own (a router returning scores and indices, Llama 4's and PhiMoE's: PEFT's layer adds its
+    update to a pair and fails)."""
+    import torch
     from peft.tuners import tuners_utils
     check = getattr(tuners_utils, "_check_lora_target_modules_mamba", None)
     refused = set()
-    for name in {n.rsplit(".", 1)[-1] for n, _ in model.named_modules() if n} if check else ():
-        try:
-            check(config, model, name)
-        except ValueError:
+    for path, module in model.named_modules():
+        name = path.rsplit(".", 1)[-1]
+        if isinstance(module, torch.nn.Linear) and type(module).forward is not torch.nn.Linear.forward and \
+                type(module).__module__.startswith("transformers.models."):
             refused.add(name)
+        elif check is not None and path and name not in refused:
+            try:
+                check(config, model, name)
+            except ValueError:
+                refused.add(name)
     return sorted(refused)
 
 

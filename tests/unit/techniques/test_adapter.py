@@ -268,3 +268,17 @@ def test_the_default_all_linear_leaves_out_the_layers_peft_refuses(tmp_path):
     assert adapted and not adapted & {"out_proj", "conv1d"} and "in_proj" in adapted
     with pytest.raises(UserError, match=r"PEFT refuses it on this model \(.*out_proj.*\); name the layers to adapt"):
         build_step(workload, Plan(adapter="lora:r=4,targets=out_proj"), batch_size=2)
+
+
+def test_the_default_all_linear_leaves_out_a_router_that_subclasses_linear(tmp_path):
+    """PhiMoE's router subclasses ``nn.Linear`` and returns scores and indices; PEFT's all-linear wraps it and its
+    layer fails adding the update to a pair. The default leaves it out and adapts the other linear layers."""
+    import transformers
+    transformers.AutoConfig.for_model(
+        "phimoe", hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=512, num_hidden_layers=2, num_local_experts=4).save_pretrained(tmp_path)
+    workload = load_workload(str(tmp_path), seq_len=32)
+    step = build_step(workload, Plan(adapter="lora:r=4"), batch_size=2)
+    adapted = {n.rsplit(".", 1)[-1] for n, m in step.model.named_modules() if hasattr(m, "lora_A")}
+    assert "router" not in adapted and {"q_proj", "o_proj"} <= adapted
+    assert estimate(workload, Plan(adapter="lora:r=4"), batch_size=2).peak_bytes > 0
