@@ -1,16 +1,15 @@
-"""How shallow traces cut a model's stacks of repeated blocks: how many of each stack a trace at depth
-``t`` keeps, so that every figure that grows with the blocks grows on a line in ``t``.
+"""How shallow traces cut a model's stacks of repeated blocks (:class:`Stacks`): how many blocks of each
+stack a trace at depth ``t`` keeps, so that every figure that grows with the blocks grows on a line in
+``t`` (the NOTEs below).
 
-Kinds of repeated block: where one class of block is built in several shapes, which blocks a shallow
-trace may stand for the others.
-
-A shallow pair (memfit.planner.shallow) extrapolates the blocks it adds between its two depths to the
+Blocks of several kinds: where one class of block is built in several shapes, which blocks a shallow
+trace may stand for the others. A shallow pair (memfit.planner.shallow) extrapolates the blocks it adds between its two depths to the
 blocks it leaves out. That holds where the blocks left out are the added ones again. Many models build
 their one block class in kinds by index: Gemma 3 a global-attention layer every sixth, Qwen3-Next and
 Granite 4 a full-attention layer every fourth among linear-attention ones, Llama 4 Maverick a mixture
 of experts every other layer, DeepSeek-V3 three dense layers before its experts, a vision transformer
 a drop-path module in all blocks but the first. Their first blocks stand for none of the others (the
-pair extrapolated Llama 4's dense layers over its experts: peak 34% low).
+pair extrapolated Llama 4's dense layers over its experts: peak 34-41% low).
 
 A block's kind is what builds it: its modules' classes, its parameters' and buffers' shapes and dtypes,
 and the plain values its modules hold (``sliding_window``, ``is_moe_layer``, ``attention_type``). A
@@ -51,7 +50,7 @@ class Stacks:
     least: int = 2
     """The shallower depth of a pair (1 where the blocks are cut by kind, in units of a few blocks)."""
     kinds: int = 0
-    """Where a stack holds blocks of several kinds (memfit.planner.block_kinds), how many kinds all the
+    """Where a stack holds blocks of several kinds (:func:`block_kinds`), how many kinds all the
     stacks hold (else 0): the cut keeps each added unit's kinds, or (``full`` 1) the model is traced whole."""
 
     @property
@@ -110,14 +109,15 @@ def _by_length(lengths: tuple[int, ...]) -> Stacks:
 # alternate sliding-window and global attention (one in two, one in six), Qwen3-Next and Granite 4
 # put a full-attention layer after three linear-attention ones, Llama 4 Maverick a mixture of experts
 # every other layer, DeepSeek-V3 three dense layers before its experts. A pair that adds the first
-# blocks' kind stands for none of the others: on tiny models of each (tests/unit/test_block_kinds.py)
-# the pair at 2 and 3 blocks was 34% low on Llama 4's peak, 8% and 11% high on Qwen3-Next's and
-# Granite 4's, its step time 17% high. So where a cut's added blocks are not each of the kinds of the
+# blocks' kind stands for none of the others: on tiny models of each (bench/shallow_kinds.py) the
+# pair at 2 and 3 blocks was 41% low on Llama 4's peak, 21% low on DeepSeek-V3's, 9% and 11% high on
+# Qwen3-Next's and Granite 4's, its step time 5-25% off. So where a cut's added blocks are not each of the kinds of the
 # blocks they stand for, the stacks are cut in units of the kinds' period: the depth counts units, an
 # offset keeps the blocks ahead of the first whole one (DeepSeek-V3's dense layers, Gemma-3-4B's 34 =
 # 4 + 6 * 5), and the pair is at 1 and 2 units (at least two blocks a stack, as find_blocks needs). The
 # pair's figures then extrapolate as for blocks of one kind: each of those tiny models' peak, step time
-# and allocations at full depth are its full trace's. The cut chosen traces the fewest blocks; where
+# and allocations at full depth are its full trace's. (One unit may peak in another phase than deeper
+# ones: its peak is taken from the allocations replayed at full depth, memfit.planner.traces.) The cut chosen traces the fewest blocks; where
 # none traces fewer than the model has (12 layers in periods of 4), the model is traced whole. Plans
 # that offload or swap a share of the blocks go to full depth when the units are more than a block (a
 # share's blocks mix kinds unevenly between depths); every block swapped keeps its pair.
