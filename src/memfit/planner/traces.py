@@ -160,11 +160,9 @@ class TraceBook(AtBatch):
         return m
 
     def _replayed_peak(self, plan: Plan, a, b, pair: tuple[int, int]) -> int | None:
-        """The allocated peak of the pair's allocations replayed at full depth (None: they do not line up).
-        A pair of one unit and two of blocks of several kinds (NOTE [ Blocks of several kinds ]) may peak
-        in another phase at one unit than deeper, which no line through the two draws: a tiny Nemotron-H's
-        LoRA with blocks checkpointed peaked at 224, 327, 332 and 338 MB at 1 to 4 units, and the line
-        through the first two was 57% high; its replay was exact, for 0.3-0.4 s a plan of Gemma-3-12B."""
+        """The peak of the pair's allocations replayed at full depth (None: they do not line up): a pair at one
+        unit may peak in another phase than deeper (NOTE [ Blocks of several kinds ]; Nemotron-H's line: 57%
+        high, its replay exact, for 0.3-0.4 s a plan of Gemma-3-12B)."""
         t0 = time.process_time()
         deep = deepen(a.stream, b.stream, *pair, self.depth) if a.stream is not None and b.stream is not None else None
         peak = replay(deep, STEADY_STEP)[0] if deep is not None else None
