@@ -115,3 +115,15 @@ def test_a_pair_of_one_unit_takes_its_peak_from_the_allocations_replayed_at_full
         book.close()
     assert extrapolate(a.peak_bytes, b.peak_bytes, 1, 2, 4) > 1.5 * full.peak_bytes  # (the line)
     assert m.peak_bytes == full.peak_bytes
+
+
+def test_a_cut_keeps_two_blocks_of_each_class_of_a_stack_of_several():
+    """Jamba-1.5-Large's 72 layers, an attention layer every eighth (offset 4), experts every other: a unit of 8
+    holds one attention layer, not a stack of two classes (find_blocks), so the pair is at 2 and 3 units."""
+    kinds = tuple(2 * (i % 8 == 4) + i % 2 for i in range(72))
+    attention = [i for i in range(72) if i % 8 == 4]
+
+    def holds(i, n):
+        return sum(a < n for a in attention) >= 2 and n - sum(a < n for a in attention) >= 2
+    assert cut_by_kinds((72,), [kinds]) == ((8,), 9, 1)
+    assert cut_by_kinds((72,), [kinds], holds) == ((8,), 9, 2)

@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from memfit.techniques.checkpointing import find_blocks
+from memfit.techniques.checkpointing import find_blocks, repeated
 
 MIN_DEPTH_FOR_SHALLOW = 6
 """Models with fewer repeated blocks are traced at full depth (little to gain)."""
@@ -88,7 +88,9 @@ def stacks_of(model: torch.nn.Module) -> Stacks | None:
     kinds = [block_kinds(children) for _, children in found]
     if all(repeats(k, o, u, plain.least, plain.full) for k, o, u in zip(kinds, plain.offsets, plain.unit)):
         return plain
-    unit, full, least = cut_by_kinds(lengths, kinds) or ((0,) * len(lengths), 1, 2)
+    def holds(i: int, n: int) -> bool:  # (the first n blocks of stack i are still repeated blocks)
+        return repeated(found[i][1][:n], isinstance(model.get_submodule(found[i][0]), torch.nn.ModuleList))
+    unit, full, least = cut_by_kinds(lengths, kinds, holds) or ((0,) * len(lengths), 1, 2)
     return Stacks(lengths, unit, full, least, sum(len(set(ks)) for ks in kinds))
 
 
@@ -184,16 +186,21 @@ def _signature(block: torch.nn.Module) -> tuple[tuple, dict]:
     return tuple(structure), plain
 
 
-def cut_by_kinds(lengths: tuple[int, ...], kinds: list[tuple[int, ...]]) -> tuple[tuple[int, ...], int, int] | None:
+def cut_by_kinds(lengths: tuple[int, ...], kinds: list[tuple[int, ...]],
+                 holds=lambda i, n: n >= 2) -> tuple[tuple[int, ...], int, int] | None:
     """``(unit, full, least)`` of the cheapest cut of stacks of ``lengths`` blocks whose added blocks are
     the blocks they stand for: at depth ``t`` stack ``i`` keeps its first ``o_i + unit_i * t`` blocks
     (``o_i = lengths_i - unit_i * full``), and from the pair's shallower depth ``least`` on, every unit
-    added holds the kinds of the one before it. None: no cut traces fewer blocks than the model has."""
+    added holds the kinds of the one before it. ``holds(i, n)``: the first ``n`` blocks of stack ``i`` are
+    still a stack (two blocks; of a list of several classes, two of each). None: no cut traces fewer blocks
+    than the model has."""
     best = None
     for full in range(3, max(lengths) + 1):
         unit = tuple(n // full for n in lengths)
         offsets = tuple(n - u * full for n, u in zip(lengths, unit))
-        least = 1 if all(o + u >= 2 for o, u in zip(offsets, unit)) else 2
+        least = 1 if all(holds(i, o + u) for i, (o, u) in enumerate(zip(offsets, unit))) else 2
+        if least == 2 and not all(holds(i, o + 2 * u) for i, (o, u) in enumerate(zip(offsets, unit))):
+            continue
         if full < least + 2 or not all(repeats(k, o, u, least, full) for k, o, u in zip(kinds, offsets, unit)):
             continue
         traced = sum(2 * o + (2 * least + 1) * u for o, u in zip(offsets, unit))  # (the pair at least, least + 1)

@@ -23,6 +23,7 @@ the same result, and the model's code and module types stay unchanged (only the 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import inspect
@@ -71,9 +72,11 @@ else calibrates them."""
 
 
 def find_blocks(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
-    """The repeated blocks: containers whose children (>= 2) share one class, outermost first.
+    """The repeated blocks: containers whose children (>= 2) share one class, outermost first, and lists
+    of blocks of a few classes each repeated (a hybrid decoder's: Jamba's attention and Mamba layers).
 
-    Nested repeats (a repeated block inside a repeated block) are not returned twice.
+    Nested repeats (a repeated block inside a repeated block) are not returned twice. A list whose classes
+    are not each repeated is not one (a UNet's down blocks: three with attention, one without).
     """
     found: list[tuple[str, list[nn.Module]]] = []
     claimed: set[int] = set()
@@ -81,12 +84,21 @@ def find_blocks(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
         if id(mod) in claimed or not isinstance(mod, (nn.ModuleList, nn.Sequential)):
             continue
         children = list(mod.children())
-        if len(children) >= 2 and len({type(c) for c in children}) == 1 and \
-                sum(p.numel() for p in children[0].parameters()) > 0:
+        if repeated(children, isinstance(mod, nn.ModuleList)):
             found.append((name, children))
             for c in children:
                 claimed.update(id(m) for m in c.modules())
     return found
+
+
+def repeated(children: list[nn.Module], in_list: bool = True) -> bool:
+    """Whether ``children`` of a container (``in_list``: a ModuleList, else a Sequential) are repeated blocks
+    (:func:`find_blocks`)."""
+    classes = collections.Counter(type(c) for c in children)
+    several = in_list and min(classes.values(), default=0) >= 2 and \
+        all(next(c.parameters(), None) is not None for c in children)
+    return len(children) >= 2 and (len(classes) == 1 or several) and \
+        sum(p.numel() for p in children[0].parameters()) > 0
 
 
 # NOTE [ Checkpoints under saved-tensor hooks ]: hooks held around forward (offload: activations)

@@ -26,6 +26,31 @@ def test_blocks_are_found_in_hf_and_plain_models():
         checkpoint_blocks(nn.Linear(2, 2))
 
 
+class _Attention(nn.Linear):
+    pass
+
+
+class _Mamba(nn.Linear):
+    pass
+
+
+def test_a_list_of_blocks_of_several_classes_each_repeated_is_one_stack():
+    """A hybrid decoder's layers (Jamba: Mamba layers, an attention layer every eighth) are one stack of blocks to
+    checkpoint, as Hugging Face's gradient checkpointing takes them; a list whose classes are not each repeated
+    (a UNet's down blocks: three with attention, one without) is not, nor a Sequential of several classes."""
+    hybrid = nn.Module()
+    hybrid.layers = nn.ModuleList([_Attention(4, 4) if i % 8 == 4 else _Mamba(4, 4) for i in range(16)])
+    assert [(n, len(b)) for n, b in find_blocks(hybrid)] == [("layers", 16)]
+    assert len(checkpoint_blocks(hybrid)) == 16
+    unet = nn.Module()
+    unet.down = nn.ModuleList([_Attention(4, 4), _Attention(4, 4), _Attention(4, 4), _Mamba(4, 4)])
+    unet.seq = nn.Sequential(_Attention(4, 4), _Attention(4, 4), _Mamba(4, 4), _Mamba(4, 4))
+    assert find_blocks(unet) == []
+    jamba = nn.Module()
+    jamba.layers = nn.ModuleList(hybrid.layers[:8])  # (a shallow cut of one attention layer: not a stack)
+    assert find_blocks(jamba) == []
+
+
 def test_recomputed_forwards_are_counted():
     """Each checkpointed block runs its forward twice per step (forward + recompute)."""
     calls = {"n": 0}
