@@ -136,7 +136,7 @@ class LoRA(Adapter):
         peft = _peft()
         config = self.peft_config(parts.model)
         if config.target_modules == ALL_LINEAR and not self.targets:
-            config.exclude_modules = _refused(config, parts.model) or None
+            config.exclude_modules = _left_out(config, parts.model) or None
         try:
             parts.model = peft.inject_adapter_in_model(config, parts.model)
         except ValueError as e:
@@ -211,7 +211,7 @@ def _default_targets(model, peft) -> list[str] | str:
     return ALL_LINEAR
 
 
-def _refused(config, model) -> list[str]:
+def _left_out(config, model) -> list[str]:
     """The layer names of ``model`` left out of the default ``all-linear``: those PEFT refuses to adapt with
     ``config`` (a Mamba mixer's ``out_proj``: PEFT raises), and a model's own subclasses of ``nn.Linear`` with a
     forward of their own (a router returning scores and indices, Llama 4's and PhiMoE's: PEFT's layer adds its
