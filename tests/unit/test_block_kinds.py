@@ -127,3 +127,14 @@ def test_a_cut_keeps_two_blocks_of_each_class_of_a_stack_of_several():
         return sum(a < n for a in attention) >= 2 and n - sum(a < n for a in attention) >= 2
     assert cut_by_kinds((72,), [kinds]) == ((8,), 9, 1)
     assert cut_by_kinds((72,), [kinds], holds) == ((8,), 9, 2)
+
+
+def test_a_last_block_of_its_own_kind_keeps_the_plain_cut():
+    """SD3's last block outputs no text stream (``context_pre_only``): no prefix of its blocks holds it, so its
+    stack keeps the plain cut (pairs of 2 and 3 blocks) rather than being traced whole for every plan."""
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([Block(i, wide=i == 23, drop=0.0) for i in range(24)])
+    stacks = stacks_of(model)
+    assert (stacks.unit, stacks.full, stacks.least, stacks.kinds) == ((1,), 24, 2, 0)
+    model.blocks[11] = Block(11, wide=True, drop=0.0)  # (another one in the middle: no plain cut)
+    assert stacks_of(model).kinds == 2
