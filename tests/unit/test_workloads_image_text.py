@@ -240,3 +240,15 @@ def test_a_vision_language_models_loss_chunks_as_a_causal_lms(tmp_path, config, 
         torch.testing.assert_close(grads[1][1][name], g, rtol=1e-5, atol=1e-7, msg=name)
     r = profile(path, Plan(loss_chunks=4), batch_size=2, seq_len=seq, repeats=0)
     assert r.predicted.method == "fake" and abs(r.error_percent) < 1.0, r.error_percent
+
+
+def test_the_trained_parameters_are_counted_on_a_build_that_reads_values(tmp_path):
+    """Gemma 3's SigLIP tower initialises with ``trunc_normal_``, which asks ``mask.any()``: the planner's count of
+    trained parameters (a build on fake tensors) answered it as a trace does (it raised: an internal error of
+    ``memfit plan google/gemma-3-4b-it --adapter ...``), and counts what the real build trains."""
+    from memfit.memory.faketrace import trainable_parameters
+    from memfit.step import build_step
+    from memfit.target import Target
+    target = Target.resolve(folder(tmp_path, GEMMA3), Plan(adapter="lora:r=4"), 2, seq_len=96)
+    real = sum(p.numel() for p in build_step(target).model.parameters() if p.requires_grad)
+    assert trainable_parameters(target) == real > 0

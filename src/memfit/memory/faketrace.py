@@ -143,11 +143,14 @@ def _enter_trace_contexts(stack: contextlib.ExitStack, target: Target) -> None:
 
 
 def trainable_parameters(target: Target) -> int:
-    """How many parameters the target's step trains, from its step built on fake tensors (no memory)."""
+    """How many parameters the target's step trains, from its step built on fake tensors (no memory). The
+    build's scalar reads are answered as in a trace (NOTE [ Assumed scalars ]: ``trunc_normal_``'s
+    ``mask.any()`` in Gemma 3's SigLIP init raised on a bare fake tensor)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        stack.enter_context(MemoryTracker(assume_scalars=True))
         _enter_trace_contexts(stack, target)
         step = build_step(target)
         return sum(p.numel() for p in step.model.parameters() if p.requires_grad)
