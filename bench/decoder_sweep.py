@@ -5,8 +5,9 @@
 
 Each type gets a config of its class with small sizes (hidden 64, 16 layers, 8 experts), written to a
 temporary folder, and two plans (bf16; a LoRA with blocks checkpointed) are traced whole and at their
-shallow pair. One JSON line a type: the cut, and for each plan the pair's peak on the line, its step time
-from the extrapolated ops and its allocations replayed at full depth, against the full trace's; or the
+shallow pair (bench.shallow_kinds.compare). One JSON line a type: for each plan the cut, the pair's peak on
+the line, its step time from the extrapolated ops and its allocations replayed at full depth, against the
+full trace's; or the
 error, where the small config does not build (a type whose sizes need more than these) or memfit fails
 (an ``INTERNAL`` one is memfit's bug).
 """
@@ -35,17 +36,8 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_k
 def one(model_type: str, folder: str) -> dict:
     from transformers import AutoConfig
 
+    from bench.shallow_kinds import PLANS, compare
     from memfit.errors import UserError
-    from memfit.memory.budget import Budget
-    from memfit.memory.categories import STEADY_STEP
-    from memfit.memory.deep_stream import deepen, replay
-    from memfit.planner.shallow import depths, extrapolate, extrapolate_ops
-    from memfit.planner.space import model_facts
-    from memfit.planner.stacks import stacks_of
-    from memfit.planner.timing import time_from_ops
-    from memfit.planner.trace_job import Tracer
-    from memfit.plans import Plan
-    from memfit.target import Target
     out: dict = {"model": model_type}
     try:
         config = AutoConfig.for_model(model_type, **SMALL)
@@ -56,32 +48,9 @@ def one(model_type: str, folder: str) -> dict:
         config.save_pretrained(folder)
     except Exception as e:  # noqa: BLE001 - the small sizes do not make a config of this type
         return dict(out, config=f"{type(e).__name__}: {str(e)[:200]}")
-    plans = {"bf16": Plan(precision="bf16"),
-             "lora+blocks": Plan(adapter="lora:r=4", precision="bf16-pure", checkpointing="blocks")}
-    for label, plan in plans.items():
+    for label, plan in PLANS.items():
         try:
-            target = Target.resolve(folder, plan, 2, "rtx4090", seq_len=128)
-            facts = model_facts(target.workload)
-            stacks = stacks_of(facts.model)
-            out["stacks"] = stacks.describe() if stacks else None
-            tracer = Tracer(target, facts.model, Budget.resolve(None, target.device))
-            full = tracer((plan, None, None))
-            if not hasattr(full, "peak_bytes"):
-                out[label] = f"full trace: {full}"[:300]
-                continue
-            pair = depths(plan, stacks.full, stacks.least, stacks.unit) if stacks else None
-            if pair is None:
-                out[label] = "traced whole"
-                continue
-            a, b = (tracer((plan, d, None)) for d in pair)
-            peak = extrapolate(a.peak_bytes, b.peak_bytes, *pair, stacks.full) / full.peak_bytes - 1
-            ops = extrapolate_ops(a.ops, b.ops, *pair, stacks.full)
-            seconds = time_from_ops(ops, target).seconds if ops is not None else \
-                extrapolate(*(time_from_ops(t.ops, target).seconds for t in (a, b)), *pair, stacks.full)
-            deep = deepen(a.stream, b.stream, *pair, stacks.full) if a.stream and b.stream else None
-            stream = replay(deep, STEADY_STEP)[0] / full.peak_bytes - 1 if deep is not None else None
-            out[label] = (f"pair {pair} line {peak:+.3%} time {seconds / time_from_ops(full.ops, target).seconds - 1:+.3%}"
-                          f" stream {'none' if stream is None else f'{stream:+.3%}'}")
+            out[label] = compare(folder, plan, seq_len=128)
         except UserError as e:
             out[label] = f"UserError: {str(e)[:300]}"
         except Exception as e:  # noqa: BLE001 - memfit's bug: recorded, and the sweep goes on

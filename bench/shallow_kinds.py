@@ -73,6 +73,9 @@ def compare(folder: str, plan: Plan, seq_len: int) -> str:
     t1 = time.perf_counter()
     full = tracer((plan, None, None))
     t2 = time.perf_counter()
+    failed = next((t for t in (a, b, full) if not hasattr(t, "peak_bytes")), None)  # (a trace's error, returned)
+    if failed is not None:
+        return f"{stacks.describe()}: a trace failed: {failed}"
     peak = extrapolate(a.peak_bytes, b.peak_bytes, *pair, stacks.full)
     ops = extrapolate_ops(a.ops, b.ops, *pair, stacks.full)
     seconds = time_from_ops(ops, target).seconds if ops is not None else \

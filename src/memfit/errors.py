@@ -187,21 +187,23 @@ def passes_through(exc: BaseException) -> bool:
 def raised_in_memfit(exc: BaseException) -> bool:
     """Did memfit's own code (not a built-in workload) raise ``exc``? Then it is memfit's bug."""
     root = os.path.dirname(os.path.abspath(__file__))
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    if tb is None:
-        return False
-    path = os.path.abspath(tb.tb_frame.f_code.co_filename)
-    return path.startswith(root + os.sep) and not path.startswith(os.path.join(root, "workloads") + os.sep)
+    path = _innermost_file(exc)
+    return path is not None and path.startswith(root + os.sep) and \
+        not path.startswith(os.path.join(root, "workloads") + os.sep)
 
 
 def raised_in_package(exc: BaseException, package: str) -> bool:
     """Did ``package`` (an installed library: ``peft``) raise ``exc``, in its innermost frame?"""
+    path = _innermost_file(exc)
+    return path is not None and f"{os.sep}{package}{os.sep}" in path
+
+
+def _innermost_file(exc: BaseException) -> str | None:
+    """The file of the innermost frame of ``exc``'s traceback (None: it has none)."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    return tb is not None and f"{os.sep}{package}{os.sep}" in os.path.abspath(tb.tb_frame.f_code.co_filename)
+    return None if tb is None else os.path.abspath(tb.tb_frame.f_code.co_filename)
 
 
 def user_location(exc: BaseException, fn=None) -> str | None:

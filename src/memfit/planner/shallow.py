@@ -177,9 +177,8 @@ def depths(plan, full: int, least: int = 2, unit: tuple[int, ...] = (1,)) -> tup
     d = p * -(-least // p)  # at least 2 blocks: one block is no repeated block (find_blocks)
     n = int(plan.swap_blocks or 0)
     if n and full:  # two swapped blocks at the shallower depth (NOTE [ A shallow pair of a plan that swaps the last N blocks ])
-        least = math.ceil(2 * full / min(n, full))
-        d = max(d, p * math.ceil(least / p))
-    if (full < MIN_DEPTH_FOR_SHALLOW and least > 1) or d + p >= full or (full - d) % p:
+        d = max(d, p * math.ceil(math.ceil(2 * full / min(n, full)) / p))
+    if (full < MIN_DEPTH_FOR_SHALLOW and (least > 1 or n)) or d + p >= full or (full - d) % p:
         return None
     return d, d + p
 

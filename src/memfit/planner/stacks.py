@@ -60,13 +60,12 @@ class Stacks:
     def describe(self) -> str:
         """``28 blocks (stacks of 32 and 28 cut to 4 + t and t)``, ``19 units of 1 + 2 blocks``, ``32 blocks``,
         ``48 blocks of 3 kinds (cut to 4t)``, ``12 blocks of 2 kinds (traced whole)``."""
+        cut = " and ".join(" + ".join([str(o)] * bool(o) + [f"{u if u > 1 else ''}t"] * bool(u))
+                           for o, u in zip(self.offsets, self.unit))
         if self.kinds:
-            cut = " and ".join(" + ".join([str(o)] * bool(o) + [f"{u if u > 1 else ''}t"] * bool(u))
-                               for o, u in zip(self.offsets, self.unit))
             return f"{sum(self.lengths)} blocks of {self.kinds} kinds ({'traced whole' if self.full == 1 else 'cut to ' + cut})"
         if any(self.offsets):
-            cuts = (" + ".join([str(o)] * bool(o) + [f"{u if u > 1 else ''}t"] * bool(u)) for o, u in zip(self.offsets, self.unit))
-            return f"{self.full} blocks (stacks of {' and '.join(map(str, self.lengths))} cut to {' and '.join(cuts)})"
+            return f"{self.full} blocks (stacks of {' and '.join(map(str, self.lengths))} cut to {cut})"
         return f"{self.full} units of {' + '.join(map(str, self.unit))} blocks" if len(set(self.unit)) > 1 else f"{self.full} blocks"
 
     def at(self, depth: int) -> tuple[int, ...]:

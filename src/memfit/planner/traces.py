@@ -291,9 +291,10 @@ class TraceBook(AtBatch):
         """The depths of the plan's shallow pair (none: it is traced at full depth)."""
         if not self.depth or self.shallow_failed:
             return ()
-        share = offloaded_blocks(plan) or 0 < plan.swap_blocks < sum(self.stacks.lengths)
-        if (any(self.stacks.offsets) and (share or plan.swap_blocks)) or (self.stacks.kinds and max(self.stacks.unit) > 1 and share):
-            return ()  # (a share of all the stacks' blocks: NOTE [ Stacks of unrelated depths ], [ Blocks of several kinds ])
+        moved = offloaded_blocks(plan) or plan.swap_blocks  # (a share of all the stacks' blocks: NOTE [ Stacks of
+        share = offloaded_blocks(plan) or 0 < plan.swap_blocks < sum(self.stacks.lengths)  # unrelated depths ], [ Blocks of several kinds ])
+        if (any(self.stacks.offsets) and moved) or (self.stacks.kinds and max(self.stacks.unit) > 1 and share):
+            return ()
         return depths(plan, self.depth, self.stacks.least, self.stacks.unit) or ()
 
     # -- running traces together -----------------------------------------------------------------
