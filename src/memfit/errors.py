@@ -85,14 +85,36 @@ def untraced(source: str, what: str, exc: BaseException) -> TraceError:
     (:func:`fake_kernel_failure`: a meta kernel that refuses what the real kernel runs) fails in
     memfit's model of that library's code, not in the config: the error says what was not
     modelled and where, and estimate may still measure a real run (a TraceError). Building the
-    model and the batch, and any failure of a real run, stay the config's (or the overrides')."""
-    where, module, op = library_location(exc), _module_of(exc), _op_of(exc)
-    at = " ".join(x for x in (f"at {op}" if op else "", f"in module {module}" if module else "",
-                              f"({where})" if where else "") if x)
+    model and the batch, and any failure of a real run, stay the config's (or the overrides'), and
+    so does an op that refuses its operands' sizes (:func:`shapes_refused`: a shape contract the
+    device's kernel checks too; a DeepSeek-V3 config whose ``head_dim`` is not its rope and nope
+    dims' sum failed a broadcast on the ``rtx4090`` preset, and was blamed on memfit)."""
+    at, op = where_raised(exc), _op_of(exc)
     return TraceError(f"{source}: memfit's fake-tensor trace of {what} failed{' ' + at if at else ''}: "
                       f"{type(exc).__name__}: {brief(exc, 200)}; memfit does not model this yet (the model is not at "
                       "fault): report it to memfit; memfit profile measures a real run where the model fits",
                       op=op or trace_error_op(exc), library=True)
+
+
+# Shape contracts every kernel checks before it computes, real and meta alike: an op that refuses its
+# operands' sizes with one of these refuses them on the device too (NOTE [ Whose failure ]).
+_SHAPE_CONTRACTS = re.compile(
+    r"Attempting to broadcast a dimension|must match the size of tensor|shapes cannot be multiplied|"
+    r"is invalid for input of size|selected index k out of range|size mismatch|"
+    r"Sizes of tensors must match except in dimension|expected .{0,40}to have .{0,40} channels")
+
+
+def shapes_refused(exc: BaseException) -> bool:
+    """Did an op refuse its operands' sizes (a shape contract the real kernel checks too), rather
+    than fail in what memfit's fake kernels model? Then the sizes (a config, the overrides) are at fault."""
+    return isinstance(exc, RuntimeError) and _SHAPE_CONTRACTS.search(str(exc)) is not None
+
+
+def where_raised(exc: BaseException) -> str:
+    """"at OP in module M (package/file.py:LINE)", the parts known, or ""."""
+    where, module, op = library_location(exc), _module_of(exc), _op_of(exc)
+    return " ".join(x for x in (f"at {op}" if op else "", f"in module {module}" if module else "",
+                                f"({where})" if where else "") if x)
 
 
 def _op_of(exc: BaseException) -> str | None:

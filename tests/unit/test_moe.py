@@ -162,3 +162,32 @@ def test_quantized_base_weights_leave_the_experts_3d_weights_as_they_are_and_say
                            "nn.Linear layers, so they are not quantized")
     plain = estimate(folder, Plan(adapter="lora:r=16"), batch_size=2, seq_len=32)
     assert not any(f.startswith("base weights:") for f in plain.facts)
+
+
+def test_sizes_an_op_refuses_in_the_fake_trace_are_the_configs_and_name_op_module_and_line(tmp_path, capsys):
+    """A DeepSeek-V3 config whose head_dim (12) is not its rope and nope dims' sum (8 + 16): on a GPU
+    preset the planner's trace refused a broadcast in a fake kernel, and the error blamed memfit
+    ("the model is not at fault"). The device's kernel refuses those sizes too: the config is at fault."""
+    from memfit.errors import TraceError, UserError
+    from memfit.workloads.checks import blamed
+    config = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=64,
+                  intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
+                  num_hidden_layers=2, first_k_dense_replace=1, vocab_size=1000, n_routed_experts=4,
+                  num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
+                  qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, head_dim=12)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["plan", str(tmp_path), "--device", "rtx4090", "-b", "1", "--seq-len", "64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "memfit does not model this yet" not in err and err.endswith("fix its config.json")
+    assert "loss(model, batch) failed at aten.mul.Tensor in module DeepseekV3Attention " \
+           "(transformers/models/deepseek_v3/modeling_deepseek_v3.py:" in err
+    assert "the op refuses its operands' sizes" in err
+
+    def broadcast(*_):
+        return torch.randn(2, 3) * torch.randn(2, 4)
+    FakeTensorMode.cache_clear()
+    with FakeTensorMode():  # a config's sizes: the user's; a built-in without overrides: still memfit's own
+        with pytest.raises(UserError, match="refuses its operands' sizes.*; fix its config.json$"):
+            blamed("acme/moe", "fix its config.json", "loss(model, batch)", broadcast)()
+        with pytest.raises(TraceError, match="memfit does not model this yet"):
+            blamed("llama", None, "loss(model, batch)", broadcast)()

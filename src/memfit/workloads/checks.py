@@ -102,12 +102,17 @@ def blamed(source: str, fix: str | None, what: str, fn: Callable) -> Callable:
                 passes_through,
                 raised_in_memfit,
                 raised_in_package,
+                shapes_refused,
                 untraced,
+                where_raised,
             )
             if passes_through(e) or raised_in_memfit(e):
                 raise
             if in_step and fake_kernel_failure(e):
-                raise untraced(source, what, e) from e
+                if fix is None or not shapes_refused(e):
+                    raise untraced(source, what, e) from e
+                raise UserError(f"{source}: {what} failed {where_raised(e)}: the op refuses its operands' sizes, "
+                                f"as the device's kernel would: {type(e).__name__}: {brief(e, 200)}; {fix}") from e
             if in_step and raised_in_package(e, "peft"):  # (PEFT adapted a layer it cannot run: Llama 4's router)
                 raise UserError(f"{source}: {what} failed in PEFT's adapter layers with {type(e).__name__}: {brief(e)}; "
                                 "name the layers to adapt (e.g. --adapter lora:r=16,targets=q_proj+v_proj)") from e
