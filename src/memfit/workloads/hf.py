@@ -338,9 +338,21 @@ def _checkpoint_format(data: dict, where: str) -> str | None:
             return kind + (":double_quant=true" if q.get("bnb_4bit_use_double_quant") else "")
     elif method == "bitsandbytes" and q.get("load_in_8bit"):
         return "int8"
+    nearest = _nearest_format(method, q)
     raise UserError(f"{where}: config.json's quantization_config is a pre-quantized {method} checkpoint, a format "
-                    "memfit does not model (it models bitsandbytes' nf4, fp4 and int8); plan the full-precision "
-                    "checkpoint with --base-weights nf4 instead")
+                    "memfit does not model (it models bitsandbytes' nf4, fp4 and int8, and fp8 weights upcast per "
+                    f"layer); plan the full-precision checkpoint with --base-weights {nearest} instead, the modelled "
+                    f"format of its size ({'half a byte' if nearest == 'nf4' else 'a byte'} a weight)")
+
+
+def _nearest_format(method: str, q: dict) -> str:
+    """The modelled ``base_weights`` format that stores as many bytes a weight as a pre-quantized
+    checkpoint's ``method`` (its kernels and scales still differ): float8 checkpoints fp8, 8-bit
+    integer ones int8, the rest (GPTQ, AWQ, HQQ... at 4 bits) nf4."""
+    bits = q.get("bits") or q.get("w_bit") or q.get("nbits")
+    if "fp8" in method.lower() or "float8" in str(q.get("weights", "")).lower() or q.get("fmt") in ("e4m3", "float8_e4m3fn"):
+        return "fp8"
+    return "int8" if method in ("eetq", "int8") or str(bits) == "8" else "nf4"
 
 
 def _read_config_json(path: Path, where: str) -> dict:

@@ -177,7 +177,11 @@ def test_a_pre_quantized_checkpoint_loads_in_its_own_format(tmp_path):
     assert abs(pre.peak_bytes - same.peak_bytes) <= 0.001 * same.peak_bytes
     with pytest.raises(UserError, match="pre-quantized checkpoint .*not int8; drop --base-weights"):
         Target.resolve(folder, memfit.Plan(base_weights="int8"), 2, "cpu", seq_len=16)
-    with pytest.raises(UserError, match="pre-quantized gptq checkpoint, a format memfit does not model"):
-        load_workload(_folder(tmp_path / "gptq", {"quant_method": "gptq", "bits": 4, "group_size": 128}), seq_len=16)
+    # each unmodelled format names the modelled one of its size (an fp8 checkpoint was told nf4)
+    for method, q, nearest in (("gptq", {"bits": 4, "group_size": 128}, "nf4"), ("gptq", {"bits": 8}, "int8"),
+                               ("fp8", {"weight_block_size": [128, 128]}, "fp8"), ("awq", {"w_bit": 4}, "nf4")):
+        with pytest.raises(UserError, match=f"pre-quantized {method} checkpoint, a format memfit does not model.*"
+                                            f"with --base-weights {nearest} instead"):
+            load_workload(_folder(tmp_path / f"{method}{nearest}", {"quant_method": method, **q}), seq_len=16)
     assert load_workload(_folder(tmp_path / "int8", {"quant_method": "bitsandbytes", "load_in_8bit": True}),
                          seq_len=16).info.quantized == "int8"
