@@ -36,9 +36,11 @@ def test_each_method_gets_the_recipes_published_for_it():
     assert full["torchtune full (1 GPU)"] == Plan(precision="bf16-pure", checkpointing="blocks", optimizer="adamw8bit-paged",
                                                  optimizer_in_backward=True, compile="blocks", loss_chunks=8)
     lora = _names(TEXT, {"adapter": "lora:r=8"})
-    assert list(lora) == ["torchtune LoRA (1 GPU)"] and lora["torchtune LoRA (1 GPU)"].adapter == "lora:r=8"
+    assert list(lora) == ["torchtune LoRA (1 GPU)", "Unsloth (1 GPU)"] and lora["torchtune LoRA (1 GPU)"].adapter == "lora:r=8"
+    assert lora["Unsloth (1 GPU)"] == Plan(adapter="lora:r=8", precision="bf16-pure", checkpointing="blocks",
+                                          offload=["activations"], optimizer="adamw8bit", loss_chunks=8)
     qlora = _names(TEXT, {"adapter": "lora:r=8", "base_weights": "nf4"})
-    assert sorted(qlora) == ["QLoRA paper (HF Trainer)", "torchtune QLoRA (1 GPU)"]
+    assert sorted(qlora) == ["QLoRA paper (HF Trainer)", "Unsloth (1 GPU)", "torchtune QLoRA (1 GPU)"]
     assert all(p.base_weights == "nf4" for p in qlora.values())  # (the user's model and adapter stay theirs)
     assert list(_names(IMAGES, {"adapter": "lora:r=8"})) == ["kohya sd-scripts LoRA"]
     assert _names(IMAGES, {}) == {}  # (no published full fine-tuning recipe for images here)
@@ -115,3 +117,22 @@ def test_a_recipe_is_traced_whatever_the_estimate_says(monkeypatch):
     recipes = [c for c in result.candidates if c.recipe is not None]
     assert recipes and all(c.used_bytes is not None and "estimated to need" not in c.reason for c in recipes)
     assert any("estimated to need" in c.reason for c in result.candidates if c.recipe is None)  # (the others were)
+
+
+def test_unsloths_recipe_keeps_each_checkpointed_blocks_input_on_the_host_and_is_planned_beside_the_search(monkeypatch):
+    """Unsloth's offloaded gradient checkpointing is blocks with their inputs on the host: against
+    torchtune's LoRA recipe (blocks on the device) the device's activations at the peak are every
+    block's input (bf16, batch x seq x hidden, counted here from the model's sizes) fewer, the host
+    holds at least those, and the planner traces the recipe."""
+    pytest.importorskip("bitsandbytes")
+    monkeypatch.setattr(field_recipes, "RECIPES", tuple(dataclasses.replace(r, min_params=0) for r in RECIPES))  # (a small model)
+    lora = _names(TEXT, {"adapter": "lora:r=8"})
+    unsloth, torchtune = (estimate(LLAMA, lora[name], batch_size=2, seq_len=64, device="rtx4090")
+                          for name in ("Unsloth (1 GPU)", "torchtune LoRA (1 GPU)"))
+    block_inputs = 2 * (2 * 64 * 256 * 2)  # (2 blocks x batch 2 x 64 tokens x 256 wide x 2 bytes)
+    assert unsloth.host_peak_bytes - torchtune.host_peak_bytes >= block_inputs
+    assert torchtune.breakdown["activations"] - unsloth.breakdown["activations"] == block_inputs  # (at the peak)
+    result = plan(LLAMA, budget="8GiB", device="rtx4090", batch_size=2, seq_len=64, max_traces=12,
+                  fixed={"adapter": "lora:r=8"})
+    (row,) = [c for c in result.candidates if c.recipe is not None and c.recipe.name == "Unsloth (1 GPU)"]
+    assert row.plan == lora["Unsloth (1 GPU)"] and row.used_bytes is not None and row.seconds > 0
