@@ -106,8 +106,20 @@ _SHAPE_CONTRACTS = re.compile(
 
 def shapes_refused(exc: BaseException) -> bool:
     """Did an op refuse its operands' sizes (a shape contract the real kernel checks too), rather
-    than fail in what memfit's fake kernels model? Then the sizes (a config, the overrides) are at fault."""
-    return isinstance(exc, RuntimeError) and _SHAPE_CONTRACTS.search(str(exc)) is not None
+    than fail in what memfit's fake kernels model? Then the sizes (a config, the overrides) are at
+    fault, unless the trace assumed a data-dependent value before (:func:`_values_assumed`): sizes made
+    from a value assumed 0 (JetMoE's expert counts, read with ``tolist``) are memfit's."""
+    return isinstance(exc, RuntimeError) and _SHAPE_CONTRACTS.search(str(exc)) is not None and not _values_assumed()
+
+
+def _values_assumed() -> bool:
+    """Has a dispatch mode active on this thread (memfit's tracker) assumed 0 for a value fake mode could
+    not know (NOTE [ Assumed scalars ] in memfit.memory.tracker)? (The checks it assumes pass, such as a
+    mask's ``.all()`` that many attention masks read, make no sizes.)"""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    return any(getattr(mode, "assume_scalars", False) and
+               any(what.endswith("assumed 0") for what, _ in getattr(mode, "approximations", {}))
+               for mode in _get_current_dispatch_mode_stack())
 
 
 def where_raised(exc: BaseException) -> str:

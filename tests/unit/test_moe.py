@@ -14,6 +14,7 @@ from memfit.memory import adapters
 from memfit.memory.estimate import estimate
 from memfit.memory.faketrace import run_tracked
 from memfit.memory.grouped_mm import grouped_mm_meta, meta_refuses
+from memfit.memory.tracker import MemoryTracker
 from memfit.memory.workspaces import _measure
 from memfit.plans import Plan
 from memfit.target import Target
@@ -191,3 +192,11 @@ def test_sizes_an_op_refuses_in_the_fake_trace_are_the_configs_and_name_op_modul
             blamed("acme/moe", "fix its config.json", "loss(model, batch)", broadcast)()
         with pytest.raises(TraceError, match="memfit does not model this yet"):
             blamed("llama", None, "loss(model, batch)", broadcast)()
+
+    def from_an_assumed_count(x):  # (sizes made from a value the trace assumed: memfit's, as JetMoE's expert counts)
+        n = int(x.sum().item())
+        return torch.randn(n + 2, 4) * torch.randn(3, 4)
+    FakeTensorMode.cache_clear()
+    with FakeTensorMode(), MemoryTracker(assume_scalars=True):
+        with pytest.raises(TraceError, match="memfit does not model this yet"):
+            blamed("acme/moe", "fix its config.json", "loss(model, batch)", from_an_assumed_count)(torch.ones(3))
