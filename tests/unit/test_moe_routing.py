@@ -60,3 +60,37 @@ def test_routing_answers():
     capped = _Layer(tokens=10, top_k=2, experts=8, capacity=4)
     capped.hit = capped.hit_count(WORST)
     assert capped.pairs_of(WORST, 0) == 4  # tokens over an expert's capacity are dropped
+
+
+@pytest.fixture(scope="module")
+def jetmoe(tmp_path_factory):
+    import json
+    folder = tmp_path_factory.mktemp("jetmoe")
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["JetMoeForCausalLM"], "model_type": "jetmoe", "hidden_size": 64, "num_hidden_layers": 2,
+        "num_key_value_heads": 4, "kv_channels": 16, "intermediate_size": 128, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "vocab_size": 1000, "max_position_embeddings": 512}))
+    return str(folder)
+
+
+def test_a_router_that_reads_its_experts_token_counts_is_answered_as_each_routing_routes(jetmoe):
+    """JetMoE's gating reads each expert's token count (``expert_size.tolist()``) and splits its
+    tokens by them, in its experts and its attention's experts: each read was assumed 0 and the
+    trace failed (a real run on the CPU measured it instead). The counts are now the routing's:
+    the prediction is what a real run routed that way measures, and the bound the worst's."""
+    balanced = measured(jetmoe, Plan(), BALANCED)
+    assert balanced.predicted.method == "fake" and abs(balanced.error_percent) < 1.0
+    assert any("assumed balanced (4 of 4 experts' token counts" in a for a in balanced.predicted.approximations)
+    assert not any("scalar read" in a for a in balanced.predicted.approximations)
+    assert balanced.predicted.facts[0].startswith("mixture of experts: ") and "in 4 routed layers" in balanced.predicted.facts[0]
+    worst = measured(jetmoe, Plan(), WORST)
+    bound = worst.predicted.worst_routing_peak_bytes
+    assert bound is not None and abs(bound - worst.peak_bytes) / worst.peak_bytes < 0.01
+
+
+def test_a_routers_counts():
+    layer = _Layer(tokens=10, top_k=2, experts=8, capacity=None, gate=True)
+    assert layer.counts(BALANCED) == [3, 3, 3, 3, 2, 2, 2, 2]
+    assert layer.counts(WORST) == [10, 2, 2, 2, 1, 1, 1, 1]  # (each token's first pair on expert 0, as ForcedRouting)
+    few = _Layer(tokens=2, top_k=2, experts=8, capacity=None, gate=True)
+    assert few.counts(BALANCED) == [1, 1, 1, 1, 0, 0, 0, 0] and few.counts(WORST) == [2, 1, 1, 0, 0, 0, 0, 0]
