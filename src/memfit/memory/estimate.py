@@ -32,6 +32,7 @@ from memfit.memory.timeline import save_timeline_png
 from memfit.plans import Plan
 from memfit.quiet import silenced_warnings
 from memfit.target import Target
+from memfit.techniques.adapter import adapter_facts
 from memfit.techniques.compiled import GraphBreaks
 from memfit.workload import Workload
 
@@ -80,7 +81,8 @@ def estimate_target(target: Target, *, fallback: bool = True, timeline: str | No
         with silenced_warnings():  # the bound of NOTE [ Routing on fake tensors ]
             worst = report_for(run_tracked(target, fake=True, routing=WORST).tracker, target, method).peak_bytes
     sample = target.workload.info.sample
-    facts = [*experts_facts(run.routing, run.step.model, worst, peak), *([f"one sample: {sample}"] if sample else [])]
+    facts = [*experts_facts(run.routing, run.step.model, worst, peak), *adapter_facts(run.step.model),
+             *([f"one sample: {sample}"] if sample else [])]
     report = report_for(run.tracker, target, method, notes=notes, trace_seconds=time.perf_counter() - t0,
                         facts=facts, worst_routing_peak_bytes=worst)
     if timeline:

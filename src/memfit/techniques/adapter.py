@@ -211,6 +211,23 @@ def _default_targets(model, peft) -> list[str] | str:
     return ALL_LINEAR
 
 
+def adapter_facts(model) -> list[str]:
+    """A line for a report of a model with adapter layers: which layers were adapted (by their last two
+    names: ``self_attn.q_proj x32``) and the parameters trained. The default targets are PEFT's or
+    every linear layer, so a user sees what they became (JetMoE's experts are no linear layers: its
+    routers alone are adapted)."""
+    from collections import Counter
+
+    import torch
+    names = Counter(".".join(n.split(".")[-2:]) for n, m in model.named_modules()
+                    if hasattr(m, "lora_A") and isinstance(m.lora_A, torch.nn.ModuleDict) and len(m.lora_A))
+    if not names:
+        return []
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    layers = ", ".join(f"{k} x{v}" for k, v in names.most_common(6)) + (", ..." if len(names) > 6 else "")
+    return [f"adapter: {sum(names.values())} layers adapted ({layers}); {trained:,} parameters trained"]
+
+
 def _left_out(config, model) -> list[str]:
     """The layer names of ``model`` left out of the default ``all-linear``: those PEFT refuses to adapt with
     ``config`` (a Mamba mixer's ``out_proj``: PEFT raises), and a model's own subclasses of ``nn.Linear`` with a

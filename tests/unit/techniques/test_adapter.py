@@ -282,3 +282,14 @@ def test_the_default_all_linear_leaves_out_a_router_that_subclasses_linear(tmp_p
     adapted = {n.rsplit(".", 1)[-1] for n, m in step.model.named_modules() if hasattr(m, "lora_A")}
     assert "router" not in adapted and {"q_proj", "o_proj"} <= adapted
     assert estimate(workload, Plan(adapter="lora:r=4"), batch_size=2).peak_bytes > 0
+
+
+def test_the_report_says_which_layers_the_adapter_took_and_what_it_trains():
+    """The default targets are PEFT's for the model's type (Llama: q_proj and v_proj), or every linear
+    layer: the report names what they became, counted here from the sizes (r x (in + out) a layer)."""
+    hidden, r = 256, 8
+    wl = f"llama:num_hidden_layers=2,hidden_size={hidden},intermediate_size=688,num_attention_heads=4,num_key_value_heads=4"
+    report = estimate(wl, Plan(adapter=f"lora:r={r}"), batch_size=1, seq_len=16)
+    trained = 4 * r * (hidden + hidden)  # (2 layers x q_proj and v_proj, each [hidden, hidden])
+    assert f"adapter: 4 layers adapted (self_attn.q_proj x2, self_attn.v_proj x2); {trained:,} parameters trained" in report.facts
+    assert not any(f.startswith("adapter:") for f in estimate(wl, Plan(), batch_size=1, seq_len=16).facts)
