@@ -112,13 +112,17 @@ def shapes_refused(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and _SHAPE_CONTRACTS.search(str(exc)) is not None and not _values_assumed()
 
 
+ASSUMED_ZERO = "a data-dependent scalar read (.item()/bool()) assumed 0"
+"""How memfit.memory.tracker lists a value it assumed 0 (one that may size tensors)."""
+
+
 def _values_assumed() -> bool:
     """Has a dispatch mode active on this thread (memfit's tracker) assumed 0 for a value fake mode could
     not know (NOTE [ Assumed scalars ] in memfit.memory.tracker)? (The checks it assumes pass, such as a
     mask's ``.all()`` that many attention masks read, make no sizes.)"""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
     return any(getattr(mode, "assume_scalars", False) and
-               any(what.endswith("assumed 0") for what, _ in getattr(mode, "approximations", {}))
+               any(what == ASSUMED_ZERO for what, _ in getattr(mode, "approximations", {}))
                for mode in _get_current_dispatch_mode_stack())
 
 

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 from memfit import real_values, rng_ops
 from memfit.device_queries import PRIM_DEVICE, FakeTensor
+from memfit.errors import ASSUMED_ZERO
 from memfit.memory import assumed_sizes
 from memfit.memory.categories import CATEGORIES
 from memfit.memory.storages import LiveStorages
@@ -319,7 +320,7 @@ class MemoryTracker(TorchDispatchMode):
         else:
             dtype = args[0].dtype
             value = False if dtype == torch.bool else 0.0 if dtype.is_floating_point else 0
-            what = "a data-dependent scalar read (.item()/bool()) assumed 0"
+            what = ASSUMED_ZERO
         if not in_stand_in_values():  # memfit's own stand-in for a checkpoint's values: not the user's step
             self.approximate(what, _user_frame())
         return value
