@@ -249,12 +249,12 @@ def build_step(workload: Workload | str | Target, plan: Plan | None = None, batc
     with torch.device(target.tensor_device), contextlib.ExitStack() as building:
         for config in target.plan.techniques:
             building.enter_context(config.build_context())
-        if wl.from_checkpoint:
-            building.enter_context(on_meta())
+        record = building.enter_context(on_meta()) if wl.from_checkpoint else None
         model = call_workload("model()", wl.model)
     if not isinstance(model, torch.nn.Module):
         raise UserError(f"workload model() must return an nn.Module, got {type(model).__name__}")
-    if wl.from_checkpoint:
+    if record is not None:
+        record.host_tensors(model)
         _load(model, target)
     with torch.device(target.tensor_device):
         model.train()

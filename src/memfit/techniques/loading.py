@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from memfit.quiet import stand_in_values
+from memfit.techniques.host_tensors import BuildRecord
 
 Quantizer = Callable[[torch.Tensor], torch.nn.Parameter]
 """A weight in its load dtype, on the device -> the quantized parameter that replaces it."""
@@ -63,10 +64,12 @@ def natural_key(name: str) -> tuple:
 
 
 @contextlib.contextmanager
-def on_meta() -> Iterator[None]:
-    """Build on the meta device (no memory, no initialisation work)."""
-    with torch.device("meta"):
-        yield
+def on_meta() -> Iterator[BuildRecord]:
+    """Build on the meta device (no memory, no initialisation work). Yields the build's record,
+    whose ``host_tensors(model)`` makes the plain tensor attributes again on the host (NOTE [ Plain
+    tensors of a meta build ] in memfit.techniques.host_tensors)."""
+    with torch.device("meta"), BuildRecord() as record:
+        yield record
 
 
 def materialise(model: torch.nn.Module, device: str | torch.device, load: Load | None = None) -> None:

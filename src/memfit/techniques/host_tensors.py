@@ -1,0 +1,112 @@
+"""Plain tensor attributes of a model built on the meta device, made again on the host.
+
+NOTE [ Plain tensors of a meta build ]
+A module may keep tensors that are neither parameters nor buffers: Qwen-Image's rotary table
+(``QwenEmbedRope.pos_freqs``, complex, made in ``__init__`` with ``torch.arange``, ``torch.outer``
+and ``torch.polar``, and moved to the device in each forward). diffusers' ``from_pretrained`` builds
+under accelerate's ``init_empty_weights``, which sends only parameters to the meta device, so such a
+tensor is real, on the host, with its values. Built under ``torch.device("meta")`` (memfit's load:
+memfit.techniques.loading), it is meta, and the first forward fails to copy it ("Cannot copy out
+of meta tensor"); no checkpoint holds it, and no initialiser knows it.
+
+So the meta build runs under :class:`BuildRecord`, a function mode that notes each call that
+makes a meta tensor (its function, arguments and order). After the build, each plain meta tensor
+attribute is made again on the host by replaying, in their order, the calls its value came from
+(in-place calls included: a tensor's writer is the last call that returned it or wrote into it), with every meta
+tensor among the arguments replaced by its replayed value and a meta ``device`` by the host. The
+values are those the library's own build gives; the memory is the host's, as the library's is
+(what reaches the device is the forward's own copy). A plain tensor made from a parameter or a
+buffer (whose values come from a checkpoint) is not replayed: it stays meta, and its forward
+fails as before.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+HOST = torch.device("cpu")
+
+
+class BuildRecord(TorchFunctionMode):
+    """The calls of a meta build that made meta tensors (see NOTE [ Plain tensors of a meta build ])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple] = []
+        """(function, args, kwargs, outputs, the calls each meta argument came from)."""
+        self.writer: dict[int, int] = {}
+        """``id`` of a meta tensor -> the index of the last call that returned it."""
+        self._kept: list = []  # (keeps each recorded tensor alive: its id stays its own)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        made = [t for t in tree_flatten(out)[0] if _is_meta(t)]
+        if getattr(func, "__name__", "") == "__setitem__" and args and _is_meta(args[0]):
+            made.append(args[0])  # (``t[0] = 1`` writes ``t`` and returns nothing)
+        if _is_meta(kwargs.get("out")):
+            made.append(kwargs["out"])
+        if made:
+            deps = tuple({self.writer[id(t)] for t in tree_flatten((args, kwargs))[0]
+                          if _is_meta(t) and id(t) in self.writer})
+            index = len(self.calls)
+            self.calls.append((func, args, kwargs, out, deps))
+            for t in made:
+                self.writer[id(t)] = index
+            self._kept.append((args, kwargs, out))
+        return out
+
+    def host_tensors(self, model: torch.nn.Module) -> None:
+        """Replace each plain meta tensor attribute of ``model``'s modules by its value on the host."""
+        owned = {id(t) for t in [*model.parameters(), *model.buffers()]}
+        plain = [(m, name, t) for m in model.modules() for name, t in vars(m).items()
+                 if _is_meta(t) and id(t) not in owned and id(t) in self.writer]
+        if not plain:
+            return
+        needed: set[int] = set()
+        for _, _, t in plain:
+            calls = self._closure(self.writer[id(t)])
+            if not any(id(x) in owned for i in calls for x in tree_flatten(self.calls[i][3])[0] if _is_meta(x)):
+                needed |= calls  # (else made from a parameter or a buffer: left as it is)
+        real: dict[int, torch.Tensor] = {}
+        with torch.device(HOST):
+            for i in sorted(needed):
+                func, args, kwargs, out, _ = self.calls[i]
+                args, kwargs = tree_map(lambda x: _on_host(x, real), (args, kwargs))
+                if any(_is_meta(x) for x in tree_flatten((args, kwargs))[0]):
+                    continue  # (a meta tensor no recorded call made: what it makes stays meta)
+                result = func(*args, **kwargs)
+                for old, new in zip(tree_flatten(out)[0], tree_flatten(result)[0]):
+                    if _is_meta(old):
+                        real[id(old)] = new
+        for module, name, t in plain:
+            if id(t) in real:
+                setattr(module, name, real[id(t)])
+
+    def _closure(self, root: int) -> set[int]:
+        """The recorded calls the value written by call ``root`` came from, ``root`` included."""
+        seen: set[int] = set()
+        todo = [root]
+        while todo:
+            i = todo.pop()
+            if i not in seen:
+                seen.add(i)
+                todo.extend(self.calls[i][4])
+        return seen
+
+
+def _is_meta(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type == "meta"
+
+
+def _on_host(x, real: dict):
+    if isinstance(x, torch.device) and x.type == "meta":
+        return HOST
+    if isinstance(x, str) and x == "meta":
+        return "cpu"
+    if _is_meta(x):
+        return real.get(id(x), x)
+    return x
+

@@ -1,0 +1,40 @@
+"""Plain tensor attributes of a model built on the meta device (NOTE [ Plain tensors of a meta build ]):
+made again on the host with the values a real build gives them, in-place calls included; one made from
+a parameter is left on the meta device."""
+
+import torch
+
+from memfit.techniques.loading import on_meta
+
+
+class Rotary(torch.nn.Module):
+    def __init__(self, n: int = 8) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        index = torch.arange(n)
+        table = torch.outer(index.float(), 1.0 / torch.pow(100.0, torch.arange(0, 4, 2).float() / 4))
+        table.mul_(2.0)
+        self.table = torch.polar(torch.ones_like(table), table)  # (complex, as Qwen-Image's)
+        self.flags = torch.zeros(n, dtype=torch.bool)
+        self.flags[0] = True
+        self.from_weight = self.proj.weight.detach() * 2  # (a parameter's: its values are the checkpoint's)
+
+
+def test_plain_tensors_are_made_on_the_host_with_their_build_values():
+    with on_meta() as record:
+        model = Rotary()
+    assert model.table.device.type == "meta" and model.proj.weight.device.type == "meta"
+    record.host_tensors(model)
+    real = Rotary()
+    assert model.table.device.type == "cpu" and torch.equal(model.table, real.table)
+    assert torch.equal(model.flags, real.flags)  # (an in-place write after the tensor was made)
+    assert model.proj.weight.device.type == "meta"  # (parameters are the load's: memfit.techniques.loading)
+    assert model.from_weight.device.type == "meta"
+
+
+def test_a_build_without_plain_tensors_is_left_as_it_is():
+    with on_meta() as record:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    before = {n: id(t) for n, t in model.state_dict(keep_vars=True).items()}
+    record.host_tensors(model)
+    assert {n: id(t) for n, t in model.state_dict(keep_vars=True).items()} == before
