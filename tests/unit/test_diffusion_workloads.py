@@ -30,17 +30,20 @@ TINY = {
 }
 TINY["dit-flux"] = ("dit-flux:num_layers=2,num_single_layers=3,attention_head_dim=16,num_attention_heads=2,"
                     "joint_attention_dim=32,pooled_projection_dim=16,in_channels=16,axes_dims_rope=4/6/6")
-RESOLUTION = {"dit-lumina2": 128, "dit-sd3": 128, "unet-sdxl": 128, "unet-sd15": 64, "dit-flux": 128}
+TINY["dit-qwenimage"] = ("dit-qwenimage:num_layers=2,attention_head_dim=16,num_attention_heads=2,joint_attention_dim=32,"
+                         "axes_dims_rope=4/6/6")
+RESOLUTION = {"dit-lumina2": 128, "dit-sd3": 128, "unet-sdxl": 128, "unet-sd15": 64, "dit-flux": 128, "dit-qwenimage": 128}
 
 # unet-sdxl in fp32 is profiled by test_block_checkpointing_keeps_fewer_activations (same bound; slow tier)
 CASES = [(arch, precision, ckpt) for arch in ("dit-lumina2", "unet-sdxl") for precision in ("fp32", "bf16")
          for ckpt in ("none", "blocks") if (arch, precision) != ("unet-sdxl", "fp32")] + [
     ("dit-sd3", "fp32", "none"), ("dit-sd3", "bf16", "blocks"), ("unet-sd15", "fp32", "none"),
-    ("dit-flux", "fp32", "none"), ("dit-flux", "bf16", "blocks")]
+    ("dit-flux", "fp32", "none"), ("dit-flux", "bf16", "blocks"), ("dit-qwenimage", "fp32", "none"),
+    ("dit-qwenimage", "bf16", "blocks")]
 SLOW = {("unet-sdxl", "bf16", "none"), ("unet-sdxl", "bf16", "blocks"),  # (keeps the default suite under 10 minutes:
         ("dit-lumina2", "bf16", "none"), ("dit-lumina2", "fp32", "blocks"),  # lumina2 fp32-none stays, and its
         ("dit-lumina2", "bf16", "blocks"), ("dit-flux", "fp32", "none"),  # bf16-blocks LoRA in test_adapter; flux bf16-blocks;
-        ("unet-sd15", "fp32", "none")}  # diffusers' UNet2DConditionModel stays in test_adapter's unet-sdxl LoRA)
+        ("unet-sd15", "fp32", "none"), ("dit-qwenimage", "fp32", "none")}  # diffusers' UNet2DConditionModel stays in test_adapter's unet-sdxl LoRA)
 
 
 def _profile(arch: str, precision: str, ckpt: str):
@@ -93,7 +96,8 @@ def test_checkpointed_training_equals_plain():
 
 def test_released_sizes_and_resolution_shape_the_batch():
     """Parameter counts of the released models, and the latent/caption shapes of one sample."""
-    sizes = {"dit-lumina2": 2.61e9, "dit-sd3": 2.03e9, "unet-sdxl": 2.57e9, "unet-sd15": 0.86e9, "dit-flux": 11.90e9}
+    sizes = {"dit-lumina2": 2.61e9, "dit-sd3": 2.03e9, "unet-sdxl": 2.57e9, "unet-sd15": 0.86e9, "dit-flux": 11.90e9,
+             "dit-qwenimage": 20.43e9}
     for spec, want in sizes.items():
         with torch.device("meta"):
             n = sum(p.numel() for p in load_workload(spec).model().parameters())
@@ -149,3 +153,29 @@ def test_flux_resolution_must_divide_into_packed_latents():
     from memfit.errors import UserError
     with pytest.raises(UserError, match=r"--resolution 1000 is not a multiple of 16 .* use --resolution 992 or 1008"):
         load_workload("dit-flux", resolution=1000)
+
+
+def test_qwen_image_is_trained_on_packed_latents_and_masked_captions():
+    """Qwen-Image's batch as diffusers' LoRA script feeds it: FLUX's 2x2 packing of 16 latent channels, 512
+    caption states 3584 wide (Qwen2.5-VL-7B's) with their mask, each sample's latent grid, the timestep a
+    fraction; the target the velocity of the packed latents."""
+    wl = load_workload("dit-qwenimage", resolution=512)
+    batch = wl.batch(2)
+    assert batch["hidden_states"].shape == batch["target"].shape == (2, 32 * 32, 64)
+    assert batch["encoder_hidden_states"].shape == (2, 512, 3584) and batch["encoder_hidden_states_mask"].all()
+    assert batch["img_shapes"] == [[(1, 32, 32)]] * 2 and float(batch["timestep"].max()) <= 1.0
+    assert wl.from_checkpoint and wl.info.resolution == 512 and wl.name == "dit-qwenimage 512px"
+
+
+def test_qwen_image_rotary_table_is_made_on_the_host_as_diffusers_makes_it():
+    """The rotary table is a plain attribute (no parameter, no buffer): loaded as a checkpoint is, it is made
+    again on the host with the values diffusers' own build gives it (NOTE [ Plain tensors of a meta build ]);
+    on the meta device alone the first forward failed ("Cannot copy out of meta tensor")."""
+    from memfit.step import build_step
+    wl = load_workload(TINY["dit-qwenimage"], resolution=64)
+    loaded = build_step(wl, Plan(), 1, "cpu").model.pos_embed
+    with torch.device("cpu"):
+        built = wl.model().pos_embed
+    for name in ("pos_freqs", "neg_freqs"):
+        ours, theirs = getattr(loaded, name), getattr(built, name)
+        assert ours.device.type == "cpu" and ours.dtype == torch.complex64 and torch.equal(ours, theirs), name

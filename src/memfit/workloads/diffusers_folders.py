@@ -18,7 +18,9 @@ the built-in's (the same objective, caption tokens and conditioning), at the con
 - ``SD3Transformer2DModel`` (SD3, SD3.5): ``dit-sd3``'s;
 - ``FluxTransformer2DModel``: ``dit-flux``'s, with the guidance input only when the config embeds it
   (FLUX.1-dev does; FLUX.1-schnell does not);
-- ``Lumina2Transformer2DModel``: ``dit-lumina2``'s.
+- ``Lumina2Transformer2DModel``: ``dit-lumina2``'s;
+- ``QwenImageTransformer2DModel`` (Qwen-Image, and Qwen-Image-Edit's denoiser built as Qwen-Image's):
+  ``dit-qwenimage``'s.
 
 Any other class is refused in one line. It loads as ``from_pretrained`` loads it (each weight made on
 the device in its final form: memfit.techniques.loading).
@@ -40,7 +42,8 @@ DENOISERS = ("transformer", "unet")
 
 _BY_CLASS = {"FluxTransformer2DModel": (diffusion.FLUX, diffusion.flux),
              "SD3Transformer2DModel": (diffusion.SD3, diffusion.sd3),
-             "Lumina2Transformer2DModel": (diffusion.LUMINA2, diffusion.lumina2)}
+             "Lumina2Transformer2DModel": (diffusion.LUMINA2, diffusion.lumina2),
+             "QwenImageTransformer2DModel": (diffusion.QWEN_IMAGE, diffusion.qwen_image)}
 CLASSES = ("UNet2DConditionModel", *_BY_CLASS)
 
 

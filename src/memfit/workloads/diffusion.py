@@ -82,7 +82,14 @@ FLUX = ImageModel(
     {"guidance_embeds": True}, 1024, 512,
     "FLUX.1-dev DiT, 11.9B (diffusers FluxTransformer2DModel; flow matching with guidance, 1024px)")
 
-MODELS = {m.arch: m for m in (LUMINA2, SD3, SDXL, SD15, FLUX)}
+QWEN_IMAGE = ImageModel(
+    "dit-qwenimage", "QwenImageTransformer2DModel",
+    # Qwen-Image: the class defaults (60 double-stream blocks of 3072, 24 heads x 128; 2x2 patches of 16 latent
+    # channels; Qwen2.5-VL-7B's 3584-wide hidden states as captions), at the pipeline's 1024 px and 512 tokens.
+    {}, 1024, 512,
+    "Qwen-Image MMDiT, 20.4B (diffusers QwenImageTransformer2DModel; flow matching, 1024px)")
+
+MODELS = {m.arch: m for m in (LUMINA2, SD3, SDXL, SD15, FLUX, QWEN_IMAGE)}
 
 
 def model_class(name: str) -> type:
@@ -296,6 +303,37 @@ def flux(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageM
     return wl
 
 
+def qwen_image(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = QWEN_IMAGE) -> Workload:
+    """Qwen-Image as diffusers' ``train_dreambooth_lora_qwen_image`` and musubi-tuner train it: latents and
+    Qwen2.5-VL's caption states cached, so the batch is the packed noisy latents (2x2 latent pixels a token,
+    as FLUX packs them), the caption states with their mask, each sample's latent grid for the rotary
+    positions (``img_shapes``), and the timestep as a fraction (the pipeline's ``t / 1000``); rectified flow
+    (t = 1 is noise), the target the velocity ``noise - latents``. Loaded as a checkpoint is."""
+    _no_seq_len(m.arch, seq_len)
+    cls, kw = _config(m, overrides)
+    if kw["in_channels"] % FLUX_PACK ** 2:
+        raise UserError(f"{m.arch}: in_channels {kw['in_channels']} must be a multiple of 4 (2x2 latent pixels "
+                        "per token); change the overrides")
+    side = latent_size(m, resolution, FLUX_PACK * kw["patch_size"], "2x2 packing times patch size")
+    channels, caption = kw["in_channels"] // FLUX_PACK ** 2, m.caption_tokens
+
+    def batch(b: int) -> dict:
+        latents, noise, t = torch.randn(b, channels, side, side), torch.randn(b, channels, side, side), torch.rand(b)
+        noisy, target = _flow_matching(latents, noise, t, data_at_one=False)
+        half = side // FLUX_PACK
+        return {"hidden_states": _pack(noisy), "timestep": t,
+                "encoder_hidden_states": torch.randn(b, caption, kw["joint_attention_dim"]),
+                "encoder_hidden_states_mask": torch.ones(b, caption, dtype=torch.long),
+                "img_shapes": [[(1, half, half)]] * b, "target": _pack(target)}
+
+    res = side * VAE_FACTOR
+    info = _info(m, res, kw, ("num_layers", "num_attention_heads", "attention_head_dim", "joint_attention_dim"),
+                 FLUX_PACK * kw["patch_size"])
+    wl = _workload(m, _build(m, cls, kw, overrides), batch, _transformer_loss, res, info)
+    wl.from_checkpoint = True
+    return wl
+
+
 def _pack(latents: torch.Tensor) -> torch.Tensor:
     """[B, C, H, W] -> [B, H/2 * W/2, 4C]: each 2x2 patch one token (``FluxPipeline._pack_latents``)."""
     b, c, h, w = latents.shape
@@ -347,5 +385,6 @@ BUILDERS = {
     "unet-sdxl": (unet_builder(SDXL), SDXL.doc),
     "unet-sd15": (unet_builder(SD15), SD15.doc),
     "dit-flux": (flux, FLUX.doc),
+    "dit-qwenimage": (qwen_image, QWEN_IMAGE.doc),
 }
 """Built-ins that take ``--resolution``: ``builder(overrides, seq_len, resolution)``."""
