@@ -32,18 +32,21 @@ TINY["dit-flux"] = ("dit-flux:num_layers=2,num_single_layers=3,attention_head_di
                     "joint_attention_dim=32,pooled_projection_dim=16,in_channels=16,axes_dims_rope=4/6/6")
 TINY["dit-qwenimage"] = ("dit-qwenimage:num_layers=2,attention_head_dim=16,num_attention_heads=2,joint_attention_dim=32,"
                          "axes_dims_rope=4/6/6")
-RESOLUTION = {"dit-lumina2": 128, "dit-sd3": 128, "unet-sdxl": 128, "unet-sd15": 64, "dit-flux": 128, "dit-qwenimage": 128}
+TINY["dit-flux2"] = ("dit-flux2:num_layers=1,num_single_layers=2,attention_head_dim=16,num_attention_heads=2,"
+                     "joint_attention_dim=32,in_channels=16,axes_dims_rope=4/4/4/4")
+RESOLUTION = {"dit-flux2": 128, "dit-lumina2": 128, "dit-sd3": 128, "unet-sdxl": 128, "unet-sd15": 64, "dit-flux": 128, "dit-qwenimage": 128}
 
 # unet-sdxl in fp32 is profiled by test_block_checkpointing_keeps_fewer_activations (same bound; slow tier)
 CASES = [(arch, precision, ckpt) for arch in ("dit-lumina2", "unet-sdxl") for precision in ("fp32", "bf16")
          for ckpt in ("none", "blocks") if (arch, precision) != ("unet-sdxl", "fp32")] + [
     ("dit-sd3", "fp32", "none"), ("dit-sd3", "bf16", "blocks"), ("unet-sd15", "fp32", "none"),
     ("dit-flux", "fp32", "none"), ("dit-flux", "bf16", "blocks"), ("dit-qwenimage", "fp32", "none"),
-    ("dit-qwenimage", "bf16", "blocks")]
+    ("dit-qwenimage", "bf16", "blocks"), ("dit-flux2", "fp32", "none"), ("dit-flux2", "bf16", "blocks")]
 SLOW = {("unet-sdxl", "bf16", "none"), ("unet-sdxl", "bf16", "blocks"),  # (keeps the default suite under 10 minutes:
         ("dit-lumina2", "bf16", "none"), ("dit-lumina2", "fp32", "blocks"),  # lumina2 fp32-none stays, and its
         ("dit-lumina2", "bf16", "blocks"), ("dit-flux", "fp32", "none"),  # bf16-blocks LoRA in test_adapter; flux bf16-blocks;
-        ("unet-sd15", "fp32", "none"), ("dit-qwenimage", "fp32", "none")}  # diffusers' UNet2DConditionModel stays in test_adapter's unet-sdxl LoRA)
+        ("unet-sd15", "fp32", "none"), ("dit-qwenimage", "fp32", "none"),
+        ("dit-flux2", "fp32", "none")}  # diffusers' UNet2DConditionModel stays in test_adapter's unet-sdxl LoRA)
 
 
 def _profile(arch: str, precision: str, ckpt: str):
@@ -97,7 +100,7 @@ def test_checkpointed_training_equals_plain():
 def test_released_sizes_and_resolution_shape_the_batch():
     """Parameter counts of the released models, and the latent/caption shapes of one sample."""
     sizes = {"dit-lumina2": 2.61e9, "dit-sd3": 2.03e9, "unet-sdxl": 2.57e9, "unet-sd15": 0.86e9, "dit-flux": 11.90e9,
-             "dit-qwenimage": 20.43e9}
+             "dit-qwenimage": 20.43e9, "dit-flux2": 32.22e9}
     for spec, want in sizes.items():
         with torch.device("meta"):
             n = sum(p.numel() for p in load_workload(spec).model().parameters())
@@ -179,3 +182,20 @@ def test_qwen_image_rotary_table_is_made_on_the_host_as_diffusers_makes_it():
     for name in ("pos_freqs", "neg_freqs"):
         ours, theirs = getattr(loaded, name), getattr(built, name)
         assert ours.device.type == "cpu" and ours.dtype == torch.complex64 and torch.equal(ours, theirs), name
+
+
+def test_flux2_is_fed_its_pipelines_patchified_tokens_and_4_axis_positions():
+    """FLUX.2-dev's batch: 32 latent channels patchified 2x2 into 128 and flattened to tokens exactly as
+    ``Flux2Pipeline`` does it, 512 caption states 15360 wide, the guidance value, and (time, row, column,
+    layer) ids for image and caption tokens; the target is the velocity in the same layout."""
+    from diffusers import Flux2Pipeline
+
+    from memfit.workloads.packed_dits import _patchify
+    latents = torch.randn(2, 32, 8, 8)
+    want = Flux2Pipeline._pack_latents(Flux2Pipeline._patchify_latents(latents))
+    assert torch.equal(_patchify(latents), want)
+    batch = load_workload("dit-flux2", resolution=512).batch(2)
+    assert batch["hidden_states"].shape == batch["target"].shape == (2, 32 * 32, 128)
+    assert batch["encoder_hidden_states"].shape == (2, 512, 15360) and batch["guidance"].shape == (2,)
+    assert batch["img_ids"].shape == (2, 1024, 4) and batch["img_ids"][0, 33].tolist() == [0, 1, 1, 0]
+    assert batch["txt_ids"].shape == (2, 512, 4) and batch["txt_ids"][0, 7].tolist() == [0, 0, 0, 7]

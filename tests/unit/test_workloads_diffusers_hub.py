@@ -80,7 +80,7 @@ def test_a_qwen_image_pipeline_builds_dit_qwenimages_batch_and_runs_within_one_p
 @pytest.mark.parametrize("files,error", [
     (pipeline("transformer", {"_class_name": "WanTransformer3DModel", "num_layers": 1}, "WanPipeline"),
      "memfit builds the diffusers denoisers UNet2DConditionModel, FluxTransformer2DModel, SD3Transformer2DModel, "
-     "Lumina2Transformer2DModel, QwenImageTransformer2DModel, not WanTransformer3DModel"),
+     "Lumina2Transformer2DModel, QwenImageTransformer2DModel, Flux2Transformer2DModel, not WanTransformer3DModel"),
     ({"model_index.json": {"_class_name": "AudioLDMPipeline", "vocoder": ["transformers", "SpeechT5HifiGan"]}},
      "AudioLDMPipeline's model_index.json names no unet or transformer"),
 ], ids=["unmodelled-class", "no-denoiser"])

@@ -17,13 +17,16 @@ from pathlib import Path
 from memfit.errors import UserError
 from memfit.units import parse_key_values
 from memfit.workload import Workload
-from memfit.workloads import adapter_folders, diffusion, hf, hub, zoo
+from memfit.workloads import adapter_folders, diffusion, hf, hub, packed_dits, zoo
 from memfit.workloads.checks import blamed, check_resolution, check_seq_len, guarded
+
+IMAGE_BUILDERS = {**diffusion.BUILDERS, **packed_dits.BUILDERS}
+"""The built-ins that take ``--resolution``."""
 
 _REGISTRY: dict[str, tuple[Callable[..., Workload], str]] = {
     **{name: (fn, doc) for name, (fn, doc) in hf.BUILDERS.items()},
     **{name: (fn, doc) for name, (fn, doc) in zoo.BUILDERS.items()},
-    **{name: (fn, doc) for name, (fn, doc) in diffusion.BUILDERS.items()},
+    **{name: (fn, doc) for name, (fn, doc) in IMAGE_BUILDERS.items()},
 }
 
 
@@ -42,12 +45,12 @@ def builtin_workload(spec: str, *, seq_len: int | None = None, resolution: int |
     check_resolution(resolution)
     builder, _ = _REGISTRY[arch]
     overrides = parse_key_values(override_text, arch)
-    if arch in diffusion.BUILDERS:
+    if arch in IMAGE_BUILDERS:
         wl = builder(overrides, seq_len, resolution)
     else:
         if resolution is not None:
             raise UserError(f"{arch}: --resolution applies to the image-generation built-ins "
-                            f"({', '.join(diffusion.BUILDERS)}); drop it (image sizes of other models are overrides)")
+                            f"({', '.join(IMAGE_BUILDERS)}); drop it (image sizes of other models are overrides)")
         wl = builder(overrides, seq_len)
     return dataclasses.replace(wl, model=guarded(arch, overrides, "building the model", wl.model),
                                batch=guarded(arch, overrides, "batch(batch_size)", wl.batch),

@@ -20,7 +20,9 @@ the built-in's (the same objective, caption tokens and conditioning), at the con
   (FLUX.1-dev does; FLUX.1-schnell does not);
 - ``Lumina2Transformer2DModel``: ``dit-lumina2``'s;
 - ``QwenImageTransformer2DModel`` (Qwen-Image, and Qwen-Image-Edit's denoiser built as Qwen-Image's):
-  ``dit-qwenimage``'s.
+  ``dit-qwenimage``'s;
+- ``Flux2Transformer2DModel`` (FLUX.2-dev, and FLUX.2's smaller sizes): ``dit-flux2``'s, with the guidance
+  input only when the config embeds it.
 
 Any other class is refused in one line. It loads as ``from_pretrained`` loads it (each weight made on
 the device in its final form: memfit.techniques.loading).
@@ -35,15 +37,16 @@ from pathlib import Path
 
 from memfit.errors import UserError, brief
 from memfit.workload import Workload
-from memfit.workloads import diffusion
+from memfit.workloads import diffusion, packed_dits
 
 DENOISERS = ("transformer", "unet")
 """The components of a diffusers pipeline that hold its denoiser, in the order they are looked for."""
 
-_BY_CLASS = {"FluxTransformer2DModel": (diffusion.FLUX, diffusion.flux),
+_BY_CLASS = {"FluxTransformer2DModel": (packed_dits.FLUX, packed_dits.flux),
              "SD3Transformer2DModel": (diffusion.SD3, diffusion.sd3),
              "Lumina2Transformer2DModel": (diffusion.LUMINA2, diffusion.lumina2),
-             "QwenImageTransformer2DModel": (diffusion.QWEN_IMAGE, diffusion.qwen_image)}
+             "QwenImageTransformer2DModel": (packed_dits.QWEN_IMAGE, packed_dits.qwen_image),
+             "Flux2Transformer2DModel": (packed_dits.FLUX2, packed_dits.flux2)}
 CLASSES = ("UNet2DConditionModel", *_BY_CLASS)
 
 

@@ -75,21 +75,7 @@ SD15 = ImageModel(
     "unet-sd15", "UNet2DConditionModel", {"sample_size": 64, "cross_attention_dim": 768}, 512, 77,
     "Stable Diffusion 1.5 UNet, 860M (diffusers UNet2DConditionModel; epsilon prediction, 512px)")
 
-FLUX = ImageModel(
-    "dit-flux", "FluxTransformer2DModel",
-    # FLUX.1-dev: the class defaults (19 double-stream + 38 single-stream blocks, 24 heads x 128, T5 4096 wide,
-    # CLIP pooled 768, 64 input channels: 2x2 patches of 16 latent channels) and its guidance embedding.
-    {"guidance_embeds": True}, 1024, 512,
-    "FLUX.1-dev DiT, 11.9B (diffusers FluxTransformer2DModel; flow matching with guidance, 1024px)")
-
-QWEN_IMAGE = ImageModel(
-    "dit-qwenimage", "QwenImageTransformer2DModel",
-    # Qwen-Image: the class defaults (60 double-stream blocks of 3072, 24 heads x 128; 2x2 patches of 16 latent
-    # channels; Qwen2.5-VL-7B's 3584-wide hidden states as captions), at the pipeline's 1024 px and 512 tokens.
-    {}, 1024, 512,
-    "Qwen-Image MMDiT, 20.4B (diffusers QwenImageTransformer2DModel; flow matching, 1024px)")
-
-MODELS = {m.arch: m for m in (LUMINA2, SD3, SDXL, SD15, FLUX, QWEN_IMAGE)}
+MODELS = {m.arch: m for m in (LUMINA2, SD3, SDXL, SD15)}
 
 
 def model_class(name: str) -> type:
@@ -113,7 +99,7 @@ def model_class(name: str) -> type:
 
 
 # -- config with overrides -------------------------------------------------------------------------
-def _config(m: ImageModel, overrides: dict) -> tuple[type, dict]:
+def config_of(m: ImageModel, overrides: dict) -> tuple[type, dict]:
     """The model class and its constructor's keyword arguments: the class's defaults, the published
     size's, then the user's overrides (checked one by one against the constructor's signature).
     A tuple field takes ``/``-separated values (``unet-sdxl:block_out_channels=32/64/64``): commas
@@ -151,7 +137,7 @@ def _tuple_value(arch: str, key: str, value: Any, default: tuple) -> Any:
     return tuple(parts)
 
 
-def _build(m: ImageModel, cls: type, kwargs: dict, overrides: dict):
+def model_builder(m: ImageModel, cls: type, kwargs: dict, overrides: dict):
     def model():
         try:
             return cls(**kwargs)
@@ -186,23 +172,23 @@ def latent_size(m: ImageModel, resolution: int | None, multiple: int, why: str) 
     return res // VAE_FACTOR
 
 
-def _info(m: ImageModel, res: int, kwargs: dict, sizes: tuple[str, ...], multiple: int) -> WorkloadInfo:
+def image_info(m: ImageModel, res: int, kwargs: dict, sizes: tuple[str, ...], multiple: int) -> WorkloadInfo:
     return WorkloadInfo(arch=m.arch, resolution=res, resolution_step=latent_step(multiple),
                         config={"model_class": m.class_name, "latent": res // VAE_FACTOR,
                                 **{k: kwargs[k] for k in sizes if k in kwargs}})
 
 
-def _workload(m: ImageModel, model, batch, loss, res: int, info: WorkloadInfo) -> Workload:
+def image_workload(m: ImageModel, model, batch, loss, res: int, info: WorkloadInfo) -> Workload:
     name = m.arch if res == m.resolution else f"{m.arch} {res}px"
     return Workload(model=model, batch=batch, loss=loss, name=name, default_batch_size=1, info=info)
 
 
-def _no_seq_len(arch: str, seq_len: int | None) -> None:
+def no_seq_len(arch: str, seq_len: int | None) -> None:
     if seq_len is not None:
         raise UserError(f"{arch}: --seq-len does not apply to an image model; give --resolution PIXELS instead")
 
 
-def _flow_matching(latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, data_at_one: bool):
+def flow_matching(latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, data_at_one: bool):
     """Rectified flow: a straight line between noise and data; the target is its velocity."""
     s = t.view(-1, 1, 1, 1)
     if data_at_one:  # Lumina-Image-2.0: t = 1 is the image
@@ -214,7 +200,7 @@ def _mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(pred.float(), target.float())
 
 
-def _transformer_loss(model, batch: dict) -> torch.Tensor:
+def transformer_loss(model, batch: dict) -> torch.Tensor:
     """A DiT's denoising loss: every batch entry but the target is a keyword of its forward."""
     inputs = {k: v for k, v in batch.items() if k != "target"}
     return _mse(model(**inputs, return_dict=False)[0], batch["target"])
@@ -222,26 +208,26 @@ def _transformer_loss(model, batch: dict) -> torch.Tensor:
 
 # -- the workloads ---------------------------------------------------------------------------------
 def lumina2(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = LUMINA2) -> Workload:
-    _no_seq_len(m.arch, seq_len)
-    cls, kw = _config(m, overrides)
+    no_seq_len(m.arch, seq_len)
+    cls, kw = config_of(m, overrides)
     side = latent_size(m, resolution, kw["patch_size"], "patch size")
     channels, caption, width = kw["in_channels"], m.caption_tokens, kw["cap_feat_dim"]
 
     def batch(b: int) -> dict:
         latents, noise, t = torch.randn(b, channels, side, side), torch.randn(b, channels, side, side), torch.rand(b)
-        noisy, target = _flow_matching(latents, noise, t, data_at_one=True)
+        noisy, target = flow_matching(latents, noise, t, data_at_one=True)
         return {"hidden_states": noisy, "timestep": t, "encoder_hidden_states": torch.randn(b, caption, width),
                 "encoder_attention_mask": torch.ones(b, caption, dtype=torch.bool), "target": target}
 
     res = side * VAE_FACTOR
-    info = _info(m, res, kw, ("hidden_size", "num_layers", "num_attention_heads", "cap_feat_dim"),
+    info = image_info(m, res, kw, ("hidden_size", "num_layers", "num_attention_heads", "cap_feat_dim"),
                  kw["patch_size"])
-    return _workload(m, _build(m, cls, kw, overrides), batch, _transformer_loss, res, info)
+    return image_workload(m, model_builder(m, cls, kw, overrides), batch, transformer_loss, res, info)
 
 
 def sd3(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = SD3) -> Workload:
-    _no_seq_len(m.arch, seq_len)
-    cls, kw = _config(m, overrides)
+    no_seq_len(m.arch, seq_len)
+    cls, kw = config_of(m, overrides)
     side = latent_size(m, resolution, kw["patch_size"], "patch size")
     most = (kw["pos_embed_max_size"] or 0) * kw["patch_size"] * VAE_FACTOR
     if most and side * VAE_FACTOR > most:
@@ -251,100 +237,21 @@ def sd3(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageMo
 
     def batch(b: int) -> dict:
         latents, noise, t = torch.randn(b, channels, side, side), torch.randn(b, channels, side, side), torch.rand(b)
-        noisy, target = _flow_matching(latents, noise, t, data_at_one=False)
+        noisy, target = flow_matching(latents, noise, t, data_at_one=False)
         return {"hidden_states": noisy, "timestep": t * 1000,
                 "encoder_hidden_states": torch.randn(b, m.caption_tokens, kw["joint_attention_dim"]),
                 "pooled_projections": torch.randn(b, kw["pooled_projection_dim"]), "target": target}
 
     res = side * VAE_FACTOR
-    info = _info(m, res, kw, ("num_layers", "num_attention_heads", "attention_head_dim", "joint_attention_dim"),
+    info = image_info(m, res, kw, ("num_layers", "num_attention_heads", "attention_head_dim", "joint_attention_dim"),
                  kw["patch_size"])
-    return _workload(m, _build(m, cls, kw, overrides), batch, _transformer_loss, res, info)
-
-
-FLUX_PACK = 2
-"""Flux's pipeline packs 2x2 latent pixels into one token (``FluxPipeline._pack_latents``)."""
-FLUX_GUIDANCE = 1.0
-"""The guidance value fed to FLUX.1-dev's guidance embedding in training (kohya's ``--guidance_scale``)."""
-
-
-def flux(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = FLUX) -> Workload:
-    """FLUX.1-dev as kohya's sd-scripts and diffusers' ``train_dreambooth_lora_flux`` train it: latents
-    and T5/CLIP outputs cached (``--cache_latents``, ``--cache_text_encoder_outputs``), so the batch is
-    the packed noisy latents, the text states, the pooled CLIP vector, the guidance value and the
-    position ids; rectified flow (t = 1 is noise), the target the velocity ``noise - latents``. The
-    model loads as a checkpoint does (built on the meta device, each weight made in its final form:
-    memfit.techniques.loading), as ``from_pretrained`` and kohya's loader bring it to the card."""
-    _no_seq_len(m.arch, seq_len)
-    cls, kw = _config(m, overrides)
-    if kw["in_channels"] % FLUX_PACK ** 2:
-        raise UserError(f"{m.arch}: in_channels {kw['in_channels']} must be a multiple of 4 (2x2 latent pixels "
-                        "per token); change the overrides")
-    side = latent_size(m, resolution, FLUX_PACK * kw["patch_size"], "2x2 packing times patch size")
-    channels, caption = kw["in_channels"] // FLUX_PACK ** 2, m.caption_tokens
-
-    def batch(b: int) -> dict:
-        latents, noise, t = torch.randn(b, channels, side, side), torch.randn(b, channels, side, side), torch.rand(b)
-        noisy, target = _flow_matching(latents, noise, t, data_at_one=False)
-        half = side // FLUX_PACK
-        rows, cols = torch.arange(half).repeat_interleave(half), torch.arange(half).repeat(half)
-        guidance = {"guidance": torch.full((b,), FLUX_GUIDANCE)} if kw["guidance_embeds"] else {}  # (not schnell's)
-        return {"hidden_states": _pack(noisy), "timestep": t, **guidance,
-                "encoder_hidden_states": torch.randn(b, caption, kw["joint_attention_dim"]),
-                "pooled_projections": torch.randn(b, kw["pooled_projection_dim"]),
-                "img_ids": torch.stack([torch.zeros(half * half), rows.float(), cols.float()], dim=1),
-                "txt_ids": torch.zeros(caption, 3), "target": _pack(target)}
-
-    res = side * VAE_FACTOR
-    info = _info(m, res, kw, ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
-                                 "joint_attention_dim"), FLUX_PACK * kw["patch_size"])
-    wl = _workload(m, _build(m, cls, kw, overrides), batch, _transformer_loss, res, info)
-    wl.from_checkpoint = True
-    return wl
-
-
-def qwen_image(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = QWEN_IMAGE) -> Workload:
-    """Qwen-Image as diffusers' ``train_dreambooth_lora_qwen_image`` and musubi-tuner train it: latents and
-    Qwen2.5-VL's caption states cached, so the batch is the packed noisy latents (2x2 latent pixels a token,
-    as FLUX packs them), the caption states with their mask, each sample's latent grid for the rotary
-    positions (``img_shapes``), and the timestep as a fraction (the pipeline's ``t / 1000``); rectified flow
-    (t = 1 is noise), the target the velocity ``noise - latents``. Loaded as a checkpoint is."""
-    _no_seq_len(m.arch, seq_len)
-    cls, kw = _config(m, overrides)
-    if kw["in_channels"] % FLUX_PACK ** 2:
-        raise UserError(f"{m.arch}: in_channels {kw['in_channels']} must be a multiple of 4 (2x2 latent pixels "
-                        "per token); change the overrides")
-    side = latent_size(m, resolution, FLUX_PACK * kw["patch_size"], "2x2 packing times patch size")
-    channels, caption = kw["in_channels"] // FLUX_PACK ** 2, m.caption_tokens
-
-    def batch(b: int) -> dict:
-        latents, noise, t = torch.randn(b, channels, side, side), torch.randn(b, channels, side, side), torch.rand(b)
-        noisy, target = _flow_matching(latents, noise, t, data_at_one=False)
-        half = side // FLUX_PACK
-        return {"hidden_states": _pack(noisy), "timestep": t,
-                "encoder_hidden_states": torch.randn(b, caption, kw["joint_attention_dim"]),
-                "encoder_hidden_states_mask": torch.ones(b, caption, dtype=torch.long),
-                "img_shapes": [[(1, half, half)]] * b, "target": _pack(target)}
-
-    res = side * VAE_FACTOR
-    info = _info(m, res, kw, ("num_layers", "num_attention_heads", "attention_head_dim", "joint_attention_dim"),
-                 FLUX_PACK * kw["patch_size"])
-    wl = _workload(m, _build(m, cls, kw, overrides), batch, _transformer_loss, res, info)
-    wl.from_checkpoint = True
-    return wl
-
-
-def _pack(latents: torch.Tensor) -> torch.Tensor:
-    """[B, C, H, W] -> [B, H/2 * W/2, 4C]: each 2x2 patch one token (``FluxPipeline._pack_latents``)."""
-    b, c, h, w = latents.shape
-    x = latents.view(b, c, h // FLUX_PACK, FLUX_PACK, w // FLUX_PACK, FLUX_PACK).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // FLUX_PACK) * (w // FLUX_PACK), c * FLUX_PACK ** 2)
+    return image_workload(m, model_builder(m, cls, kw, overrides), batch, transformer_loss, res, info)
 
 
 def unet_builder(m: ImageModel):
     def build(overrides: dict, seq_len: int | None, resolution: int | None) -> Workload:
-        _no_seq_len(m.arch, seq_len)
-        cls, kw = _config(m, overrides)
+        no_seq_len(m.arch, seq_len)
+        cls, kw = config_of(m, overrides)
         levels = len(kw["block_out_channels"]) if isinstance(kw["block_out_channels"], (tuple, list)) else 1
         halvings = 2 ** (levels - 1)
         side = latent_size(m, resolution, halvings, "the UNet's downsampling")
@@ -374,8 +281,8 @@ def unet_builder(m: ImageModel):
             return _mse(pred, batch["target"])
 
         res = side * VAE_FACTOR
-        info = _info(m, res, kw, ("block_out_channels", "layers_per_block", "cross_attention_dim"), halvings)
-        return _workload(m, _build(m, cls, kw, overrides), batch, loss, res, info)
+        info = image_info(m, res, kw, ("block_out_channels", "layers_per_block", "cross_attention_dim"), halvings)
+        return image_workload(m, model_builder(m, cls, kw, overrides), batch, loss, res, info)
     return build
 
 
@@ -384,7 +291,6 @@ BUILDERS = {
     "dit-sd3": (sd3, SD3.doc),
     "unet-sdxl": (unet_builder(SDXL), SDXL.doc),
     "unet-sd15": (unet_builder(SD15), SD15.doc),
-    "dit-flux": (flux, FLUX.doc),
-    "dit-qwenimage": (qwen_image, QWEN_IMAGE.doc),
 }
-"""Built-ins that take ``--resolution``: ``builder(overrides, seq_len, resolution)``."""
+"""Built-ins that take ``--resolution``: ``builder(overrides, seq_len, resolution)`` (and those of
+memfit.workloads.packed_dits)."""

@@ -1,0 +1,182 @@
+"""Diffusion transformers fed packed latent tokens: FLUX.1, FLUX.2 and Qwen-Image (diffusers' DiTs, built
+from their configs; no weights).
+
+Their pipelines cut the VAE's latents into 2x2 patches and feed each patch as one token of 4x the latent
+channels (``_pack_latents``; FLUX.2 puts the patch in channels first, ``_patchify_latents``), so a
+1024 px image is (1024 / 16) ** 2 = 4096 tokens beside the caption's, and the denoiser's output is
+compared with the velocity in the same packed layout. The text encoder's states and the VAE's latents
+are cached inputs, as kohya's ``--cache_latents`` and ``--cache_text_encoder_outputs`` and diffusers' LoRA
+scripts keep them (memfit.workloads.diffusion explains what is and is not trained). At 12B (FLUX.1),
+20B (Qwen-Image) and 32B (FLUX.2) their weights reach a consumer card only in fp8 or streamed block by
+block, so each loads as a checkpoint does (memfit.techniques.loading).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memfit.errors import UserError
+from memfit.workload import Workload
+from memfit.workloads.diffusion import (
+    VAE_FACTOR,
+    ImageModel,
+    config_of,
+    flow_matching,
+    image_info,
+    image_workload,
+    latent_size,
+    model_builder,
+    no_seq_len,
+    transformer_loss,
+)
+
+FLUX = ImageModel(
+    "dit-flux", "FluxTransformer2DModel",
+    # FLUX.1-dev: the class defaults (19 double-stream + 38 single-stream blocks, 24 heads x 128, T5 4096 wide,
+    # CLIP pooled 768, 64 input channels: 2x2 patches of 16 latent channels) and its guidance embedding.
+    {"guidance_embeds": True}, 1024, 512,
+    "FLUX.1-dev DiT, 11.9B (diffusers FluxTransformer2DModel; flow matching with guidance, 1024px)")
+
+QWEN_IMAGE = ImageModel(
+    "dit-qwenimage", "QwenImageTransformer2DModel",
+    # Qwen-Image: the class defaults (60 double-stream blocks of 3072, 24 heads x 128; 2x2 patches of 16 latent
+    # channels; Qwen2.5-VL-7B's 3584-wide hidden states as captions), at the pipeline's 1024 px and 512 tokens.
+    {}, 1024, 512,
+    "Qwen-Image MMDiT, 20.4B (diffusers QwenImageTransformer2DModel; flow matching, 1024px)")
+
+FLUX2 = ImageModel(
+    "dit-flux2", "Flux2Transformer2DModel",
+    # FLUX.2-dev: the class defaults (8 double-stream + 48 single-stream blocks of 6144, 48 heads x 128; 128 input
+    # channels: 2x2 patches of 32 latent channels; Mistral-Small-3.1's three stacked hidden states, 15360 wide, as
+    # captions) and its guidance embedding, at the pipeline's 1024 px and 512 tokens.
+    {}, 1024, 512,
+    "FLUX.2-dev DiT, 32.2B (diffusers Flux2Transformer2DModel; flow matching with guidance, 1024px)")
+
+FLUX_PACK = 2
+"""Flux's pipeline packs 2x2 latent pixels into one token (``FluxPipeline._pack_latents``)."""
+FLUX_GUIDANCE = 1.0
+"""The guidance value fed to FLUX.1-dev's guidance embedding in training (kohya's ``--guidance_scale``)."""
+
+
+def flux(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = FLUX) -> Workload:
+    """FLUX.1-dev as kohya's sd-scripts and diffusers' ``train_dreambooth_lora_flux`` train it: latents
+    and T5/CLIP outputs cached (``--cache_latents``, ``--cache_text_encoder_outputs``), so the batch is
+    the packed noisy latents, the text states, the pooled CLIP vector, the guidance value and the
+    position ids; rectified flow (t = 1 is noise), the target the velocity ``noise - latents``. The
+    model loads as a checkpoint does (built on the meta device, each weight made in its final form:
+    memfit.techniques.loading), as ``from_pretrained`` and kohya's loader bring it to the card."""
+    no_seq_len(m.arch, seq_len)
+    cls, kw = config_of(m, overrides)
+    if kw["in_channels"] % FLUX_PACK ** 2:
+        raise UserError(f"{m.arch}: in_channels {kw['in_channels']} must be a multiple of 4 (2x2 latent pixels "
+                        "per token); change the overrides")
+    side = latent_size(m, resolution, FLUX_PACK * kw["patch_size"], "2x2 packing times patch size")
+    channels, caption = kw["in_channels"] // FLUX_PACK ** 2, m.caption_tokens
+
+    def batch(b: int) -> dict:
+        latents, noise, t = torch.randn(b, channels, side, side), torch.randn(b, channels, side, side), torch.rand(b)
+        noisy, target = flow_matching(latents, noise, t, data_at_one=False)
+        half = side // FLUX_PACK
+        rows, cols = torch.arange(half).repeat_interleave(half), torch.arange(half).repeat(half)
+        guidance = {"guidance": torch.full((b,), FLUX_GUIDANCE)} if kw["guidance_embeds"] else {}  # (not schnell's)
+        return {"hidden_states": _pack(noisy), "timestep": t, **guidance,
+                "encoder_hidden_states": torch.randn(b, caption, kw["joint_attention_dim"]),
+                "pooled_projections": torch.randn(b, kw["pooled_projection_dim"]),
+                "img_ids": torch.stack([torch.zeros(half * half), rows.float(), cols.float()], dim=1),
+                "txt_ids": torch.zeros(caption, 3), "target": _pack(target)}
+
+    res = side * VAE_FACTOR
+    info = image_info(m, res, kw, ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
+                                 "joint_attention_dim"), FLUX_PACK * kw["patch_size"])
+    wl = image_workload(m, model_builder(m, cls, kw, overrides), batch, transformer_loss, res, info)
+    wl.from_checkpoint = True
+    return wl
+
+
+def qwen_image(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = QWEN_IMAGE) -> Workload:
+    """Qwen-Image as diffusers' ``train_dreambooth_lora_qwen_image`` and musubi-tuner train it: latents and
+    Qwen2.5-VL's caption states cached, so the batch is the packed noisy latents (2x2 latent pixels a token,
+    as FLUX packs them), the caption states with their mask, each sample's latent grid for the rotary
+    positions (``img_shapes``), and the timestep as a fraction (the pipeline's ``t / 1000``); rectified flow
+    (t = 1 is noise), the target the velocity ``noise - latents``. Loaded as a checkpoint is."""
+    no_seq_len(m.arch, seq_len)
+    cls, kw = config_of(m, overrides)
+    if kw["in_channels"] % FLUX_PACK ** 2:
+        raise UserError(f"{m.arch}: in_channels {kw['in_channels']} must be a multiple of 4 (2x2 latent pixels "
+                        "per token); change the overrides")
+    side = latent_size(m, resolution, FLUX_PACK * kw["patch_size"], "2x2 packing times patch size")
+    channels, caption = kw["in_channels"] // FLUX_PACK ** 2, m.caption_tokens
+
+    def batch(b: int) -> dict:
+        latents, noise, t = torch.randn(b, channels, side, side), torch.randn(b, channels, side, side), torch.rand(b)
+        noisy, target = flow_matching(latents, noise, t, data_at_one=False)
+        half = side // FLUX_PACK
+        return {"hidden_states": _pack(noisy), "timestep": t,
+                "encoder_hidden_states": torch.randn(b, caption, kw["joint_attention_dim"]),
+                "encoder_hidden_states_mask": torch.ones(b, caption, dtype=torch.long),
+                "img_shapes": [[(1, half, half)]] * b, "target": _pack(target)}
+
+    res = side * VAE_FACTOR
+    info = image_info(m, res, kw, ("num_layers", "num_attention_heads", "attention_head_dim", "joint_attention_dim"),
+                 FLUX_PACK * kw["patch_size"])
+    wl = image_workload(m, model_builder(m, cls, kw, overrides), batch, transformer_loss, res, info)
+    wl.from_checkpoint = True
+    return wl
+
+
+def flux2(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = FLUX2) -> Workload:
+    """FLUX.2-dev as diffusers' ``train_dreambooth_lora_flux2`` trains it: latents and the text encoder's states
+    cached, so the batch is the noisy latents patchified 2x2 into channels and flattened to tokens
+    (``Flux2Pipeline._patchify_latents``, ``_pack_latents``), the caption states, the guidance value, the
+    4-axis position ids of image and text tokens (time, row, column, layer), and the timestep as a fraction;
+    rectified flow (t = 1 is noise), the target the velocity ``noise - latents``. Loaded as a checkpoint is."""
+    no_seq_len(m.arch, seq_len)
+    cls, kw = config_of(m, overrides)
+    if kw["in_channels"] % FLUX_PACK ** 2:
+        raise UserError(f"{m.arch}: in_channels {kw['in_channels']} must be a multiple of 4 (2x2 latent pixels "
+                        "per token); change the overrides")
+    side = latent_size(m, resolution, FLUX_PACK * kw["patch_size"], "2x2 patchifying times patch size")
+    channels, caption = kw["in_channels"] // FLUX_PACK ** 2, m.caption_tokens
+
+    def batch(b: int) -> dict:
+        latents, noise, t = torch.randn(b, channels, side, side), torch.randn(b, channels, side, side), torch.rand(b)
+        noisy, target = flow_matching(latents, noise, t, data_at_one=False)
+        half = side // FLUX_PACK
+        one = torch.arange(1)
+        img_ids = torch.cartesian_prod(one, torch.arange(half), torch.arange(half), one)
+        txt_ids = torch.cartesian_prod(one, one, one, torch.arange(caption))
+        guidance = {"guidance": torch.full((b,), FLUX_GUIDANCE)} if kw["guidance_embeds"] else {}
+        return {"hidden_states": _patchify(noisy), "timestep": t, **guidance,
+                "encoder_hidden_states": torch.randn(b, caption, kw["joint_attention_dim"]),
+                "img_ids": img_ids.expand(b, -1, -1), "txt_ids": txt_ids.expand(b, -1, -1),
+                "target": _patchify(target)}
+
+    res = side * VAE_FACTOR
+    info = image_info(m, res, kw, ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
+                                 "joint_attention_dim"), FLUX_PACK * kw["patch_size"])
+    wl = image_workload(m, model_builder(m, cls, kw, overrides), batch, transformer_loss, res, info)
+    wl.from_checkpoint = True
+    return wl
+
+
+def _patchify(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] -> [B, H/2 * W/2, 4C], channel-major within each 2x2 patch (FLUX.2's pipeline:
+    ``_patchify_latents`` then ``_pack_latents``)."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // FLUX_PACK, FLUX_PACK, w // FLUX_PACK, FLUX_PACK).permute(0, 1, 3, 5, 2, 4)
+    return x.reshape(b, c * FLUX_PACK ** 2, (h // FLUX_PACK) * (w // FLUX_PACK)).permute(0, 2, 1)
+
+
+def _pack(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] -> [B, H/2 * W/2, 4C]: each 2x2 patch one token (``FluxPipeline._pack_latents``)."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // FLUX_PACK, FLUX_PACK, w // FLUX_PACK, FLUX_PACK).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // FLUX_PACK) * (w // FLUX_PACK), c * FLUX_PACK ** 2)
+
+
+BUILDERS = {
+    "dit-flux": (flux, FLUX.doc),
+    "dit-qwenimage": (qwen_image, QWEN_IMAGE.doc),
+    "dit-flux2": (flux2, FLUX2.doc),
+}
+"""Built-ins that take ``--resolution``: ``builder(overrides, seq_len, resolution)``."""
