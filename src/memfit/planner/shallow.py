@@ -40,6 +40,8 @@ import torch
 from memfit.planner.op_links import Links, consistent, relinked
 from memfit.planner.stacks import MIN_DEPTH_FOR_SHALLOW, stacks_of
 from memfit.techniques.checkpointing import find_blocks
+from memfit.techniques.host_tensors import BuildRecord, plain_tensors
+from memfit.techniques.loading import on_meta
 from memfit.workload import Workload, call_workload
 
 
@@ -53,7 +55,8 @@ def shallow_workload(workload: Workload, depth: int, meta: torch.nn.Module | Non
     (``precision: bf16-pure`` builds in bf16), and a model copied from the fp32 one would put an
     fp32 build into the trace (the reserved bytes at full depth counted a 25 GiB fp32 Llama-2-7B)."""
     built: dict[torch.dtype, torch.nn.Module] = {}
-    if meta is not None:
+    records: dict[torch.dtype, BuildRecord] = {}
+    if meta is not None and not plain_tensors(meta):  # (else built here: NOTE [ Plain tensors of a meta build ])
         try:
             built[torch.get_default_dtype()] = _cut(copy.deepcopy(meta), depth)
         except Exception:  # noqa: BLE001 - built again at the trace, whose failure sends it to full depth
@@ -62,9 +65,9 @@ def shallow_workload(workload: Workload, depth: int, meta: torch.nn.Module | Non
     def model() -> torch.nn.Module:
         device, dtype = torch.get_default_device(), torch.get_default_dtype()
         if dtype not in built:  # the meta model is built once per default dtype, and copied for each trace
-            with torch.device("meta"):
+            with on_meta() as records[dtype]:
                 built[dtype] = _cut(call_workload("model()", workload.model), depth)
-        return _materialize(built[dtype], device)
+        return _materialize(built[dtype], device, records.get(dtype))
     return dataclasses.replace(workload, model=model, name=f"{workload.name}[{depth} blocks]")
 
 
@@ -79,10 +82,14 @@ def _cut(model: torch.nn.Module, depth: int) -> torch.nn.Module:
     return model
 
 
-def _materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+def _materialize(model: torch.nn.Module, device: torch.device, record: BuildRecord | None = None) -> torch.nn.Module:
     """A copy of a meta model with uninitialised storage on ``device`` (``to_empty`` on a copy,
-    keeping tied parameters tied; the meta model itself is left as it is, for the next copy)."""
-    memo: dict[int, torch.Tensor] = {}
+    keeping tied parameters tied; the meta model itself is left as it is, for the next copy). Its plain
+    tensor attributes are made on the host from ``record``, the meta build's (NOTE [ Plain tensors of a
+    meta build ]); one it cannot make stays the meta model's own."""
+    memo: dict[int, torch.Tensor] = {id(t): t for t in plain_tensors(model)}
+    if record is not None:  # (a model loaded as a checkpoint is copied onto meta, and its plain tensors are the host's)
+        memo.update(record.host_values(model, torch.device("cpu") if device.type == "meta" else device))
     for t in itertools.chain(model.parameters(), model.buffers()):
         if id(t) not in memo:
             empty = torch.empty_like(t, device=device)

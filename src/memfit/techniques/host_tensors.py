@@ -60,30 +60,36 @@ class BuildRecord(TorchFunctionMode):
 
     def host_tensors(self, model: torch.nn.Module) -> None:
         """Replace each plain meta tensor attribute of ``model``'s modules by its value on the host."""
+        values = self.host_values(model)
+        for module in model.modules():
+            for name, t in list(vars(module).items()):
+                if isinstance(t, torch.Tensor) and id(t) in values:
+                    setattr(module, name, values[id(t)])
+
+    def host_values(self, model: torch.nn.Module, device: torch.device = HOST) -> dict[int, torch.Tensor]:
+        """``id`` of each plain meta tensor attribute of ``model``'s modules -> its value made on the host
+        (or on ``device``: where a model built as written makes it), under the modes of now (fake tensors in
+        a trace); those made from a parameter or a buffer are left out (see the NOTE)."""
         owned = {id(t) for t in [*model.parameters(), *model.buffers()]}
-        plain = [(m, name, t) for m in model.modules() for name, t in vars(m).items()
+        plain = [t for m in model.modules() for t in vars(m).values()
                  if _is_meta(t) and id(t) not in owned and id(t) in self.writer]
-        if not plain:
-            return
         needed: set[int] = set()
-        for _, _, t in plain:
+        for t in plain:
             calls = self._closure(self.writer[id(t)])
             if not any(id(x) in owned for i in calls for x in tree_flatten(self.calls[i][3])[0] if _is_meta(x)):
                 needed |= calls  # (else made from a parameter or a buffer: left as it is)
         real: dict[int, torch.Tensor] = {}
-        with torch.device(HOST):
+        with torch.device(device):
             for i in sorted(needed):
                 func, args, kwargs, out, _ = self.calls[i]
-                args, kwargs = tree_map(lambda x: _on_host(x, real), (args, kwargs))
+                args, kwargs = tree_map(lambda x: _on(device, x, real), (args, kwargs))
                 if any(_is_meta(x) for x in tree_flatten((args, kwargs))[0]):
                     continue  # (a meta tensor no recorded call made: what it makes stays meta)
                 result = func(*args, **kwargs)
                 for old, new in zip(tree_flatten(out)[0], tree_flatten(result)[0]):
                     if _is_meta(old):
                         real[id(old)] = new
-        for module, name, t in plain:
-            if id(t) in real:
-                setattr(module, name, real[id(t)])
+        return {id(t): real[id(t)] for t in plain if id(t) in real}
 
     def _closure(self, root: int) -> set[int]:
         """The recorded calls the value written by call ``root`` came from, ``root`` included."""
@@ -97,15 +103,19 @@ class BuildRecord(TorchFunctionMode):
         return seen
 
 
+def plain_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors ``model``'s modules hold as plain attributes (neither parameters nor buffers)."""
+    owned = {id(t) for t in [*model.parameters(), *model.buffers()]}
+    return [t for m in model.modules() for t in vars(m).values() if isinstance(t, torch.Tensor) and id(t) not in owned]
+
+
 def _is_meta(x) -> bool:
     return isinstance(x, torch.Tensor) and x.device.type == "meta"
 
 
-def _on_host(x, real: dict):
-    if isinstance(x, torch.device) and x.type == "meta":
-        return HOST
-    if isinstance(x, str) and x == "meta":
-        return "cpu"
+def _on(device: torch.device, x, real: dict):
+    if isinstance(x, torch.device) and x.type == "meta" or isinstance(x, str) and x == "meta":
+        return device
     if _is_meta(x):
         return real.get(id(x), x)
     return x
