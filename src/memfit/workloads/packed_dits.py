@@ -13,6 +13,8 @@ block, so each loads as a checkpoint does (memfit.techniques.loading).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from memfit.errors import UserError
@@ -65,32 +67,16 @@ def flux(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageM
     position ids; rectified flow (t = 1 is noise), the target the velocity ``noise - latents``. The
     model loads as a checkpoint does (built on the meta device, each weight made in its final form:
     memfit.techniques.loading), as ``from_pretrained`` and kohya's loader bring it to the card."""
-    no_seq_len(m.arch, seq_len)
-    cls, kw = config_of(m, overrides)
-    if kw["in_channels"] % FLUX_PACK ** 2:
-        raise UserError(f"{m.arch}: in_channels {kw['in_channels']} must be a multiple of 4 (2x2 latent pixels "
-                        "per token); change the overrides")
-    side = latent_size(m, resolution, FLUX_PACK * kw["patch_size"], "2x2 packing times patch size")
-    channels, caption = kw["in_channels"] // FLUX_PACK ** 2, m.caption_tokens
-
-    def batch(b: int) -> dict:
-        latents, noise, t = torch.randn(b, channels, side, side), torch.randn(b, channels, side, side), torch.rand(b)
-        noisy, target = flow_matching(latents, noise, t, data_at_one=False)
-        half = side // FLUX_PACK
+    def inputs(b: int, kw: dict, half: int) -> dict:
         rows, cols = torch.arange(half).repeat_interleave(half), torch.arange(half).repeat(half)
         guidance = {"guidance": torch.full((b,), FLUX_GUIDANCE)} if kw["guidance_embeds"] else {}  # (not schnell's)
-        return {"hidden_states": _pack(noisy), "timestep": t, **guidance,
-                "encoder_hidden_states": torch.randn(b, caption, kw["joint_attention_dim"]),
+        return {**guidance, "encoder_hidden_states": torch.randn(b, m.caption_tokens, kw["joint_attention_dim"]),
                 "pooled_projections": torch.randn(b, kw["pooled_projection_dim"]),
                 "img_ids": torch.stack([torch.zeros(half * half), rows.float(), cols.float()], dim=1),
-                "txt_ids": torch.zeros(caption, 3), "target": _pack(target)}
-
-    res = side * VAE_FACTOR
-    info = image_info(m, res, kw, ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
-                                 "joint_attention_dim"), FLUX_PACK * kw["patch_size"])
-    wl = image_workload(m, model_builder(m, cls, kw, overrides), batch, transformer_loss, res, info)
-    wl.from_checkpoint = True
-    return wl
+                "txt_ids": torch.zeros(m.caption_tokens, 3)}
+    return _packed_workload(m, overrides, seq_len, resolution, _pack, inputs,
+                            ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
+                             "joint_attention_dim"))
 
 
 def qwen_image(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = QWEN_IMAGE) -> Workload:
@@ -99,29 +85,12 @@ def qwen_image(overrides: dict, seq_len: int | None, resolution: int | None, m: 
     as FLUX packs them), the caption states with their mask, each sample's latent grid for the rotary
     positions (``img_shapes``), and the timestep as a fraction (the pipeline's ``t / 1000``); rectified flow
     (t = 1 is noise), the target the velocity ``noise - latents``. Loaded as a checkpoint is."""
-    no_seq_len(m.arch, seq_len)
-    cls, kw = config_of(m, overrides)
-    if kw["in_channels"] % FLUX_PACK ** 2:
-        raise UserError(f"{m.arch}: in_channels {kw['in_channels']} must be a multiple of 4 (2x2 latent pixels "
-                        "per token); change the overrides")
-    side = latent_size(m, resolution, FLUX_PACK * kw["patch_size"], "2x2 packing times patch size")
-    channels, caption = kw["in_channels"] // FLUX_PACK ** 2, m.caption_tokens
-
-    def batch(b: int) -> dict:
-        latents, noise, t = torch.randn(b, channels, side, side), torch.randn(b, channels, side, side), torch.rand(b)
-        noisy, target = flow_matching(latents, noise, t, data_at_one=False)
-        half = side // FLUX_PACK
-        return {"hidden_states": _pack(noisy), "timestep": t,
-                "encoder_hidden_states": torch.randn(b, caption, kw["joint_attention_dim"]),
-                "encoder_hidden_states_mask": torch.ones(b, caption, dtype=torch.long),
-                "img_shapes": [[(1, half, half)]] * b, "target": _pack(target)}
-
-    res = side * VAE_FACTOR
-    info = image_info(m, res, kw, ("num_layers", "num_attention_heads", "attention_head_dim", "joint_attention_dim"),
-                 FLUX_PACK * kw["patch_size"])
-    wl = image_workload(m, model_builder(m, cls, kw, overrides), batch, transformer_loss, res, info)
-    wl.from_checkpoint = True
-    return wl
+    def inputs(b: int, kw: dict, half: int) -> dict:
+        return {"encoder_hidden_states": torch.randn(b, m.caption_tokens, kw["joint_attention_dim"]),
+                "encoder_hidden_states_mask": torch.ones(b, m.caption_tokens, dtype=torch.long),
+                "img_shapes": [[(1, half, half)]] * b}
+    return _packed_workload(m, overrides, seq_len, resolution, _pack, inputs,
+                            ("num_layers", "num_attention_heads", "attention_head_dim", "joint_attention_dim"))
 
 
 def flux2(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = FLUX2) -> Workload:
@@ -130,30 +99,41 @@ def flux2(overrides: dict, seq_len: int | None, resolution: int | None, m: Image
     (``Flux2Pipeline._patchify_latents``, ``_pack_latents``), the caption states, the guidance value, the
     4-axis position ids of image and text tokens (time, row, column, layer), and the timestep as a fraction;
     rectified flow (t = 1 is noise), the target the velocity ``noise - latents``. Loaded as a checkpoint is."""
+    def inputs(b: int, kw: dict, half: int) -> dict:
+        one = torch.arange(1)
+        img_ids = torch.cartesian_prod(one, torch.arange(half), torch.arange(half), one)
+        txt_ids = torch.cartesian_prod(one, one, one, torch.arange(m.caption_tokens))
+        guidance = {"guidance": torch.full((b,), FLUX_GUIDANCE)} if kw["guidance_embeds"] else {}
+        return {**guidance, "encoder_hidden_states": torch.randn(b, m.caption_tokens, kw["joint_attention_dim"]),
+                "img_ids": img_ids.expand(b, -1, -1), "txt_ids": txt_ids.expand(b, -1, -1)}
+    return _packed_workload(m, overrides, seq_len, resolution, _patchify, inputs,
+                            ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
+                             "joint_attention_dim"))
+
+
+def _packed_workload(m: ImageModel, overrides: dict, seq_len: int | None, resolution: int | None,
+                     layout: Callable[[torch.Tensor], torch.Tensor], inputs: Callable[[int, dict, int], dict],
+                     sizes: tuple[str, ...]) -> Workload:
+    """The workload of a DiT fed 2x2-packed latent tokens: rectified flow (t = 1 is noise) on latents of
+    ``in_channels / 4`` channels, the noisy latents and the velocity target in the pipeline's ``layout``,
+    the timestep as a fraction, and the model's other ``inputs(batch, config, tokens a side)``; loaded as a
+    checkpoint is."""
     no_seq_len(m.arch, seq_len)
     cls, kw = config_of(m, overrides)
     if kw["in_channels"] % FLUX_PACK ** 2:
         raise UserError(f"{m.arch}: in_channels {kw['in_channels']} must be a multiple of 4 (2x2 latent pixels "
                         "per token); change the overrides")
-    side = latent_size(m, resolution, FLUX_PACK * kw["patch_size"], "2x2 patchifying times patch size")
-    channels, caption = kw["in_channels"] // FLUX_PACK ** 2, m.caption_tokens
+    side = latent_size(m, resolution, FLUX_PACK * kw["patch_size"], "2x2 packing times patch size")
+    channels = kw["in_channels"] // FLUX_PACK ** 2
 
     def batch(b: int) -> dict:
         latents, noise, t = torch.randn(b, channels, side, side), torch.randn(b, channels, side, side), torch.rand(b)
         noisy, target = flow_matching(latents, noise, t, data_at_one=False)
-        half = side // FLUX_PACK
-        one = torch.arange(1)
-        img_ids = torch.cartesian_prod(one, torch.arange(half), torch.arange(half), one)
-        txt_ids = torch.cartesian_prod(one, one, one, torch.arange(caption))
-        guidance = {"guidance": torch.full((b,), FLUX_GUIDANCE)} if kw["guidance_embeds"] else {}
-        return {"hidden_states": _patchify(noisy), "timestep": t, **guidance,
-                "encoder_hidden_states": torch.randn(b, caption, kw["joint_attention_dim"]),
-                "img_ids": img_ids.expand(b, -1, -1), "txt_ids": txt_ids.expand(b, -1, -1),
-                "target": _patchify(target)}
+        return {"hidden_states": layout(noisy), "timestep": t, **inputs(b, kw, side // FLUX_PACK),
+                "target": layout(target)}
 
     res = side * VAE_FACTOR
-    info = image_info(m, res, kw, ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
-                                 "joint_attention_dim"), FLUX_PACK * kw["patch_size"])
+    info = image_info(m, res, kw, sizes, FLUX_PACK * kw["patch_size"])
     wl = image_workload(m, model_builder(m, cls, kw, overrides), batch, transformer_loss, res, info)
     wl.from_checkpoint = True
     return wl
