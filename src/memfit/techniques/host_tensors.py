@@ -37,8 +37,8 @@ class BuildRecord(TorchFunctionMode):
         self.calls: list[tuple] = []
         """(function, args, kwargs, outputs, the calls each meta argument came from)."""
         self.writer: dict[int, int] = {}
-        """``id`` of a meta tensor -> the index of the last call that returned it."""
-        self._kept: list = []  # (keeps each recorded tensor alive: its id stays its own)
+        """``id`` of a meta tensor -> the index of the last call that returned it or wrote into it (``calls``
+        holds every recorded tensor, so an id stays its own)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -55,7 +55,6 @@ class BuildRecord(TorchFunctionMode):
             self.calls.append((func, args, kwargs, out, deps))
             for t in made:
                 self.writer[id(t)] = index
-            self._kept.append((args, kwargs, out))
         return out
 
     def host_tensors(self, model: torch.nn.Module) -> None:
@@ -71,8 +70,7 @@ class BuildRecord(TorchFunctionMode):
         (or on ``device``: where a model built as written makes it), under the modes of now (fake tensors in
         a trace); those made from a parameter or a buffer are left out (see the NOTE)."""
         owned = {id(t) for t in [*model.parameters(), *model.buffers()]}
-        plain = [t for m in model.modules() for t in vars(m).values()
-                 if _is_meta(t) and id(t) not in owned and id(t) in self.writer]
+        plain = [t for t in plain_tensors(model) if _is_meta(t) and id(t) in self.writer]
         needed: set[int] = set()
         for t in plain:
             calls = self._closure(self.writer[id(t)])
@@ -119,4 +117,3 @@ def _on(device: torch.device, x, real: dict):
     if _is_meta(x):
         return real.get(id(x), x)
     return x
-
