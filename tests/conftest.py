@@ -20,29 +20,36 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
-# NOTE [ A frozen heap per test module ]
-# A full garbage collection walks every object the process holds: in a test worker that imported torch,
-# transformers and peft, ~550,000 objects, 0.25 s each time. memfit collects before every measured run
-# (NOTE [ Frozen heap ] in memfit.memory.heap), and so do its OOM adaptation, the Lightning callback and
-# accelerate's Trainer: hundreds of times in the suite, ~10% of its CPU time. So each test module starts
-# with a collection of what the modules before it left, and freezes what survives (``gc.freeze``); the
-# collections its tests run walk only what the module made. memfit's frozen heap leaves a caller's freeze
-# as it is, as under any caller that froze its heap. What survives a module boundary and becomes cyclic
-# garbage later is not collected (a cache entry dropped by a later module): memory, not results. A module
-# that tests freezing itself sets ``THAWED_HEAP = True`` and runs with nothing frozen.
-#
-# Importing Lightning sets ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` for the whole process; on a machine without
-# NVML every ``torch.cuda.is_available()`` then tries to load it and fails (fake tensors ask hundreds of
-# times a trace). A module that imported Lightning leaves the variable as it found it.
-@pytest.fixture(autouse=True, scope="module")
-def _module_boundary(request):
-    """NOTE [ A frozen heap per test module ], and the NVML check as the module found it."""
+# NOTE [ A frozen heap per test ]
+# A full garbage collection walks every object the process holds that is not frozen: in a test worker that
+# imported torch, transformers and peft, ~550,000 objects, 0.25 s each time. memfit collects before every
+# measured run and every traced step (NOTE [ Frozen heap ] in memfit.memory.heap), and so do its OOM
+# adaptation, the Lightning callback and accelerate's Trainer: thousands of times in the suite. memfit's
+# frozen heap leaves a caller's freeze as it is, so under a freeze made once per module each collection
+# walked all that the module's earlier tests left (compiled graphs, caches: up to 800,000 objects, 1.3-1.5 s
+# of collections a test, 21% of the GPU-row tests' time). So each test starts with a collection of what the
+# tests before it left (it walks only that: the rest is frozen), and freezes what survives
+# (``gc.freeze``); the collections its own code runs walk only what it made, as in a process of its own.
+# What survives a test and becomes cyclic garbage later is not collected (a cache entry a later test drops):
+# memory, not results. A module that tests freezing itself sets ``THAWED_HEAP = True`` and runs with
+# nothing frozen.
+@pytest.fixture(autouse=True)
+def _frozen_before_each_test(request):
+    """NOTE [ A frozen heap per test ]."""
     import gc
     if getattr(request.module, "THAWED_HEAP", False):
         gc.unfreeze()
     else:
         gc.collect()
         gc.freeze()
+
+
+# Importing Lightning sets ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` for the whole process; on a machine without
+# NVML every ``torch.cuda.is_available()`` then tries to load it and fails (fake tensors ask hundreds of
+# times a trace). A module that imported Lightning leaves the variable as it found it.
+@pytest.fixture(autouse=True, scope="module")
+def _nvml_check_as_found():
+    """The NVML check as the module found it (the note above)."""
     nvml = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
     yield
     if nvml is None:

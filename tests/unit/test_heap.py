@@ -9,7 +9,7 @@ import torch
 from memfit.cli.main import main
 from memfit.memory.heap import frozen_heap, without_collections
 
-THAWED_HEAP = True  # (these tests freeze and thaw it themselves: NOTE [ A frozen heap per test module ] in conftest)
+THAWED_HEAP = True  # (these tests freeze and thaw it themselves: NOTE [ A frozen heap per test ] in conftest)
 
 
 class _Cycle:

@@ -2,9 +2,9 @@
 diffusers image models (the only ones that take ``--resolution``). The Hugging Face models, hub ids
 and model folders load as transformers loads a checkpoint (``Workload.from_checkpoint``); the zoo's
 plain-torch models and the diffusers models are built as written (diffusers loads with accelerate's
-``init_empty_weights``, parameters alone on the meta device: not modelled yet), but for ``dit-flux`` and
-``dit-qwenimage``, which load as a checkpoint: their 12B and 20B weights reach a consumer card only in
-fp8 or streamed block by block.
+``init_empty_weights``, parameters alone on the meta device: not modelled yet), but for ``dit-flux``,
+``dit-qwenimage`` and ``dit-flux2``, which load as a checkpoint: their 12B, 20B and 32B weights reach a
+consumer card only in fp8 or streamed block by block.
 A diffusers repository (a hub id or a folder) builds its denoiser from its own config.json and loads as
 ``from_pretrained`` loads it (NOTE [ diffusers repositories ] in memfit.workloads.diffusers_folders)."""
 
