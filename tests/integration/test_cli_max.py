@@ -48,7 +48,7 @@ def test_estimate_max_where_nothing_fits_exits_2(capsys):
     (["estimate", GPT2, "-b", "max", "--seq-len", "max"], ["--batch-size and --seq-len are both max"]),
     (["profile", GPT2, "-b", "max"], ["--batch-size max is for memfit estimate and memfit plan"]),
     (["estimate", GPT2, "-b", "2", "--budget", "1GiB"], ["--budget is for a size given as max"]),
-    (["estimate", GPT2, "--resolution", "max"], ["--resolution max applies to the image-generation built-ins"]),
+    (["estimate", GPT2, "--resolution", "max"], ["--resolution max applies to the image- and video-generation built-ins (dit-lumina2"]),
     (["estimate", GPT2, "-b", "max", "--micro-batch-size", "2"], ["one step holds at once"]),
     (["plan", GPT2, "-b", "max", "--methods", "full,lora"], ["max plans one method on one device"]),
     (["estimate", GPT2, "--from", str(DATA / "lora-llama.yml")], ["give a workload or --from", "not both"]),

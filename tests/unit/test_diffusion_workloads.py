@@ -34,19 +34,22 @@ TINY["dit-qwenimage"] = ("dit-qwenimage:num_layers=2,attention_head_dim=16,num_a
                          "axes_dims_rope=4/6/6")
 TINY["dit-flux2"] = ("dit-flux2:num_layers=1,num_single_layers=2,attention_head_dim=16,num_attention_heads=2,"
                      "joint_attention_dim=32,in_channels=16,axes_dims_rope=4/4/4/4")
-RESOLUTION = {"dit-flux2": 128, "dit-lumina2": 128, "dit-sd3": 128, "unet-sdxl": 128, "unet-sd15": 64, "dit-flux": 128, "dit-qwenimage": 128}
+TINY["dit-wan"] = ("dit-wan:num_layers=2,attention_head_dim=16,num_attention_heads=2,ffn_dim=64,text_dim=32,"
+                   "freq_dim=32,frames=5")
+RESOLUTION = {"dit-wan": 64, "dit-flux2": 128, "dit-lumina2": 128, "dit-sd3": 128, "unet-sdxl": 128, "unet-sd15": 64, "dit-flux": 128, "dit-qwenimage": 128}
 
 # unet-sdxl in fp32 is profiled by test_block_checkpointing_keeps_fewer_activations (same bound; slow tier)
 CASES = [(arch, precision, ckpt) for arch in ("dit-lumina2", "unet-sdxl") for precision in ("fp32", "bf16")
          for ckpt in ("none", "blocks") if (arch, precision) != ("unet-sdxl", "fp32")] + [
     ("dit-sd3", "fp32", "none"), ("dit-sd3", "bf16", "blocks"), ("unet-sd15", "fp32", "none"),
     ("dit-flux", "fp32", "none"), ("dit-flux", "bf16", "blocks"), ("dit-qwenimage", "fp32", "none"),
-    ("dit-qwenimage", "bf16", "blocks"), ("dit-flux2", "fp32", "none"), ("dit-flux2", "bf16", "blocks")]
+    ("dit-qwenimage", "bf16", "blocks"), ("dit-flux2", "fp32", "none"), ("dit-flux2", "bf16", "blocks"),
+    ("dit-wan", "fp32", "none"), ("dit-wan", "bf16", "blocks")]
 SLOW = {("unet-sdxl", "bf16", "none"), ("unet-sdxl", "bf16", "blocks"),  # (keeps the default suite under 10 minutes:
         ("dit-lumina2", "bf16", "none"), ("dit-lumina2", "fp32", "blocks"),  # lumina2 fp32-none stays, and its
         ("dit-lumina2", "bf16", "blocks"), ("dit-flux", "fp32", "none"),  # bf16-blocks LoRA in test_adapter; flux bf16-blocks;
         ("unet-sd15", "fp32", "none"), ("dit-qwenimage", "fp32", "none"),
-        ("dit-flux2", "fp32", "none")}  # diffusers' UNet2DConditionModel stays in test_adapter's unet-sdxl LoRA)
+        ("dit-flux2", "fp32", "none"), ("dit-wan", "fp32", "none")}  # diffusers' UNet2DConditionModel stays in test_adapter's unet-sdxl LoRA)
 
 
 def _profile(arch: str, precision: str, ckpt: str):
@@ -100,7 +103,7 @@ def test_checkpointed_training_equals_plain():
 def test_released_sizes_and_resolution_shape_the_batch():
     """Parameter counts of the released models, and the latent/caption shapes of one sample."""
     sizes = {"dit-lumina2": 2.61e9, "dit-sd3": 2.03e9, "unet-sdxl": 2.57e9, "unet-sd15": 0.86e9, "dit-flux": 11.90e9,
-             "dit-qwenimage": 20.43e9, "dit-flux2": 32.22e9}
+             "dit-qwenimage": 20.43e9, "dit-flux2": 32.22e9, "dit-wan": 14.29e9, "dit-wan-1.3b": 1.42e9}
     for spec, want in sizes.items():
         with torch.device("meta"):
             n = sum(p.numel() for p in load_workload(spec).model().parameters())
@@ -199,3 +202,28 @@ def test_flux2_is_fed_its_pipelines_patchified_tokens_and_4_axis_positions():
     assert batch["encoder_hidden_states"].shape == (2, 512, 15360) and batch["guidance"].shape == (2,)
     assert batch["img_ids"].shape == (2, 1024, 4) and batch["img_ids"][0, 33].tolist() == [0, 1, 1, 0]
     assert batch["txt_ids"].shape == (2, 512, 4) and batch["txt_ids"][0, 7].tolist() == [0, 0, 0, 7]
+
+
+def test_wan_is_trained_on_cached_video_latents_frames_in_steps_of_four():
+    """Wan 2.1 T2V: latents [B, 16, (frames - 1) / 4 + 1, R / 8, R / 8], UMT5 captions padded to 512, the
+    timestep on the 0-1000 scale, and per sample the rectified-flow mix and its velocity; its 40 blocks are
+    found; frames not 4k + 1 are refused in one line naming the two nearest."""
+    from memfit.errors import UserError
+    wl = load_workload("dit-wan:frames=33", resolution=832)
+    assert wl.from_checkpoint and wl.name == "dit-wan 832px 33 frames"
+    assert wl.info.config["latent_frames"] == 9
+    torch.manual_seed(0)
+    batch = wl.batch(2)
+    assert batch["hidden_states"].shape == batch["target"].shape == (2, 16, 9, 104, 104)
+    assert batch["encoder_hidden_states"].shape == (2, 512, 4096) and batch["timestep"].shape == (2,)
+    assert 0 <= batch["timestep"].min() and batch["timestep"].max() <= 1000
+    # noisy = (1 - t) x + t n and target = n - x, so noisy + (1 - t) target = n for each sample's own t
+    t = (batch["timestep"] / 1000).view(-1, 1, 1, 1, 1)
+    noise = batch["hidden_states"] + (1 - t) * batch["target"]
+    latents = noise - batch["target"]
+    assert torch.allclose((1 - t) * latents + t * noise, batch["hidden_states"], atol=1e-5)
+    with torch.device("meta"):
+        model = load_workload("dit-wan").model()
+    assert {n: len(c) for n, c in find_blocks(model)} == {"blocks": 40}
+    with pytest.raises(UserError, match="frames=32 is not 4k [+] 1.*use frames=29 or frames=33"):
+        load_workload("dit-wan:frames=32")

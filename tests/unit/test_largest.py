@@ -92,7 +92,7 @@ def test_a_split_batch_cannot_be_max():
 
 
 def test_resolution_max_needs_an_image_model():
-    with pytest.raises(UserError, match="image-generation built-ins"):
+    with pytest.raises(UserError, match="image- and video-generation built-ins"):
         Sized.of(GPT2, "resolution")
 
 

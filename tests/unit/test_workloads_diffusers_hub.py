@@ -66,6 +66,8 @@ def test_flux_schnell_gets_no_guidance_input_and_runs_within_one_percent(hub_cac
 QWEN_IMAGE = {"_class_name": "QwenImageTransformer2DModel", "attention_head_dim": 16, "num_attention_heads": 2,
               "num_layers": 1, "in_channels": 64, "out_channels": 16, "joint_attention_dim": 32,
               "axes_dims_rope": [4, 6, 6], "guidance_embeds": False}
+WAN = {"_class_name": "WanTransformer3DModel", "attention_head_dim": 16, "num_attention_heads": 2, "num_layers": 1,
+       "ffn_dim": 64, "text_dim": 32, "freq_dim": 32, "patch_size": [1, 2, 2]}
 
 
 def test_a_qwen_image_pipeline_builds_dit_qwenimages_batch_and_runs_within_one_percent(hub_cache, no_network):
@@ -77,10 +79,20 @@ def test_a_qwen_image_pipeline_builds_dit_qwenimages_batch_and_runs_within_one_p
     assert r.predicted.method == "fake" and abs(r.error_percent) < 1.0, r.error_percent
 
 
+def test_a_wan_pipeline_builds_dit_wans_video_batch_and_runs_within_one_percent(hub_cache, no_network):
+    hub_cache(ID, None, files=pipeline("transformer", WAN, "WanPipeline"))
+    wl = load_workload(ID, resolution=64)
+    assert wl.info.config["model_class"] == "WanTransformer3DModel" and wl.from_checkpoint
+    assert wl.batch(1)["hidden_states"].shape == (1, 16, 21, 8, 8)  # Wan's 81 frames: 21 latent frames
+    r = profile(ID, Plan(), batch_size=1, resolution=64, repeats=0)
+    assert r.predicted.method == "fake" and abs(r.error_percent) < 1.0, r.error_percent
+
+
 @pytest.mark.parametrize("files,error", [
-    (pipeline("transformer", {"_class_name": "WanTransformer3DModel", "num_layers": 1}, "WanPipeline"),
+    (pipeline("transformer", {"_class_name": "HunyuanVideoTransformer3DModel", "num_layers": 1}, "HunyuanVideoPipeline"),
      "memfit builds the diffusers denoisers UNet2DConditionModel, FluxTransformer2DModel, SD3Transformer2DModel, "
-     "Lumina2Transformer2DModel, QwenImageTransformer2DModel, Flux2Transformer2DModel, not WanTransformer3DModel"),
+     "Lumina2Transformer2DModel, QwenImageTransformer2DModel, Flux2Transformer2DModel, WanTransformer3DModel, "
+     "not HunyuanVideoTransformer3DModel"),
     ({"model_index.json": {"_class_name": "AudioLDMPipeline", "vocoder": ["transformers", "SpeechT5HifiGan"]}},
      "AudioLDMPipeline's model_index.json names no unet or transformer"),
 ], ids=["unmodelled-class", "no-denoiser"])

@@ -57,8 +57,9 @@ class Sized:
             return cls(spec, seq_axis(), batch_size=batch_size, second=own)
         wl = load_workload(spec, seq_len=seq_len)
         if wl.info.resolution_step is None:
-            raise UserError(f"--resolution max applies to the image-generation built-ins (dit-lumina2, dit-sd3, "
-                            f"unet-sdxl, unet-sd15), not {wl.name}")
+            from memfit.workloads.builtin import IMAGE_BUILDERS
+            raise UserError(f"--resolution max applies to the image- and video-generation built-ins "
+                            f"({', '.join(IMAGE_BUILDERS)}) and diffusers repositories, not {wl.name}")
         return cls(spec, resolution_axis(wl.info.resolution_step), batch_size=batch_size, seq_len=seq_len,
                    second=wl.info.resolution)
 

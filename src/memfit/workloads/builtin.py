@@ -3,8 +3,8 @@ diffusers image models (the only ones that take ``--resolution``). The Hugging F
 and model folders load as transformers loads a checkpoint (``Workload.from_checkpoint``); the zoo's
 plain-torch models and the diffusers models are built as written (diffusers loads with accelerate's
 ``init_empty_weights``, parameters alone on the meta device: not modelled yet), but for ``dit-flux``,
-``dit-qwenimage`` and ``dit-flux2``, which load as a checkpoint: their 12B, 20B and 32B weights reach a
-consumer card only in fp8 or streamed block by block.
+``dit-qwenimage``, ``dit-flux2`` and the Wan video DiTs, which load as a checkpoint: their 12B to 32B
+weights reach a consumer card only in fp8 or streamed block by block.
 A diffusers repository (a hub id or a folder) builds its denoiser from its own config.json and loads as
 ``from_pretrained`` loads it (NOTE [ diffusers repositories ] in memfit.workloads.diffusers_folders)."""
 
@@ -17,11 +17,11 @@ from pathlib import Path
 from memfit.errors import UserError
 from memfit.units import parse_key_values
 from memfit.workload import Workload
-from memfit.workloads import adapter_folders, diffusion, hf, hub, packed_dits, zoo
+from memfit.workloads import adapter_folders, diffusion, hf, hub, packed_dits, video_dits, zoo
 from memfit.workloads.checks import blamed, check_resolution, check_seq_len, guarded
 
-IMAGE_BUILDERS = {**diffusion.BUILDERS, **packed_dits.BUILDERS}
-"""The built-ins that take ``--resolution``."""
+IMAGE_BUILDERS = {**diffusion.BUILDERS, **packed_dits.BUILDERS, **video_dits.BUILDERS}
+"""The built-ins that take ``--resolution`` (the image and video diffusion models)."""
 
 _REGISTRY: dict[str, tuple[Callable[..., Workload], str]] = {
     **{name: (fn, doc) for name, (fn, doc) in hf.BUILDERS.items()},
@@ -49,7 +49,7 @@ def builtin_workload(spec: str, *, seq_len: int | None = None, resolution: int |
         wl = builder(overrides, seq_len, resolution)
     else:
         if resolution is not None:
-            raise UserError(f"{arch}: --resolution applies to the image-generation built-ins "
+            raise UserError(f"{arch}: --resolution applies to the image- and video-generation built-ins "
                             f"({', '.join(IMAGE_BUILDERS)}); drop it (image sizes of other models are overrides)")
         wl = builder(overrides, seq_len)
     return dataclasses.replace(wl, model=guarded(arch, overrides, "building the model", wl.model),

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from memfit.errors import UserError, brief
 from memfit.workload import Workload
-from memfit.workloads import diffusion, packed_dits
+from memfit.workloads import diffusion, packed_dits, video_dits
 
 DENOISERS = ("transformer", "unet")
 """The components of a diffusers pipeline that hold its denoiser, in the order they are looked for."""
@@ -46,7 +46,8 @@ _BY_CLASS = {"FluxTransformer2DModel": (packed_dits.FLUX, packed_dits.flux),
              "SD3Transformer2DModel": (diffusion.SD3, diffusion.sd3),
              "Lumina2Transformer2DModel": (diffusion.LUMINA2, diffusion.lumina2),
              "QwenImageTransformer2DModel": (packed_dits.QWEN_IMAGE, packed_dits.qwen_image),
-             "Flux2Transformer2DModel": (packed_dits.FLUX2, packed_dits.flux2)}
+             "Flux2Transformer2DModel": (packed_dits.FLUX2, packed_dits.flux2),
+             "WanTransformer3DModel": (video_dits.WAN, video_dits.wan)}
 CLASSES = ("UNet2DConditionModel", *_BY_CLASS)
 
 

@@ -189,8 +189,9 @@ def no_seq_len(arch: str, seq_len: int | None) -> None:
 
 
 def flow_matching(latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, data_at_one: bool):
-    """Rectified flow: a straight line between noise and data; the target is its velocity."""
-    s = t.view(-1, 1, 1, 1)
+    """Rectified flow: a straight line between noise and data; the target is its velocity (one ``t``
+    a sample, for image ``[B, C, H, W]`` and video ``[B, C, F, H, W]`` latents alike)."""
+    s = t.view(-1, *[1] * (latents.dim() - 1))
     if data_at_one:  # Lumina-Image-2.0: t = 1 is the image
         return s * latents + (1 - s) * noise, latents - noise
     return (1 - s) * latents + s * noise, noise - latents  # SD3: t = 1 is pure noise
