@@ -86,6 +86,8 @@ class Evidence:
     managed_bytes: int = 0
     """CUDA managed memory (a paged optimizer's states): ``used_bytes`` holds the part that fits
     beside the allocator side (memfit.memory.budget.Budget.counted)."""
+    host_bytes: int = 0
+    """Peak bytes in host memory (a full trace's; 0 where unknown)."""
 
     def over(self, budget_bytes: int) -> bool:
         return self.used_bytes is not None and self.fidelity.over(self.used_bytes, budget_bytes)
@@ -108,6 +110,9 @@ class Candidate:
     peak_bytes: int | None = None
     managed_bytes: int = 0
     """CUDA managed memory (paged optimizer states), partly in ``used_bytes`` (memfit.memory.budget)."""
+    host_bytes: int = 0
+    """Peak bytes of the step's copies in host memory, from a full trace (0 where none was run): not
+    checked against the training machine's memory yet."""
     recipe: object | None = None
     """The field's recipe this plan is (memfit.planner.field_recipes.FieldRecipe), if any."""
     time_notes: list[str] = field(default_factory=list)
@@ -128,6 +133,7 @@ class Candidate:
         self.peak_bytes = evidence.peak_bytes
         self.used_bytes = evidence.used_bytes
         self.managed_bytes = evidence.managed_bytes
+        self.host_bytes = evidence.host_bytes
 
     def reopen(self) -> None:
         self.status, self.reason = Status.NOT_EVALUATED, ""

@@ -34,7 +34,7 @@ def _of(m: Measured, budget: Budget) -> Evidence:
     (NOTE [ Managed memory over the budget ] in memfit.memory.budget)."""
     fidelity, allocator = (Fidelity.FULL, m.used_bytes) if m.full else (Fidelity.LOWER_BOUND, m.used_lower)
     return Evidence(fidelity, used_bytes=budget.counted(allocator, m.managed_bytes), peak_bytes=m.peak_bytes,
-                    managed_bytes=m.managed_bytes)
+                    managed_bytes=m.managed_bytes, host_bytes=m.host_bytes)
 
 
 class Estimate:

@@ -55,7 +55,7 @@ class FakeTrace:
         with silenced_warnings():
             report = estimate_target(self.target.with_plan(plan))
         evidence = Evidence(Fidelity.FULL, used_bytes=self.budget.used_bytes(report), peak_bytes=report.peak_bytes,
-                            managed_bytes=report.managed_bytes)
+                            managed_bytes=report.managed_bytes, host_bytes=report.host_peak_bytes)
         self.found[plan] = evidence
         return evidence
 

@@ -37,6 +37,8 @@ class Measured:
     lower bound the shallower trace's (NOTE [ The deeper trace of a plan over the budget at the
     shallower depth ])."""
     full: bool = False
+    host_bytes: int = 0
+    """Peak bytes in host memory (full traces only: a shallow pair's are not extrapolated)."""
 
 
 class ShallowFailed(Exception):

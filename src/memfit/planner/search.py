@@ -115,7 +115,7 @@ class PlanResult:
                     "compile_seconds": c.compile_seconds, "status": c.status.value,
                     "reason": c.reason, "used_bytes": c.used_bytes, "peak_bytes": c.peak_bytes,
                     "changes_numerics": list(c.plan.numerics), "managed_bytes": c.managed_bytes,
-                    "recipe": c.recipe.name if c.recipe is not None else None}
+                    "host_bytes": c.host_bytes, "recipe": c.recipe.name if c.recipe is not None else None}
         evaluated = [c for c in self.candidates if not c.open]
         return {"workload": self.workload, "device": self.device, "batch_size": self.batch_size,
                 "budget_bytes": self.budget_bytes, "time_model": self.time_model, "run_steps": self.run_steps,

@@ -46,6 +46,8 @@ class Traced(NamedTuple):
     expandable_used_bytes: int | None = None
     """``used_bytes`` of the same step with expandable segments (NOTE [ Reserved bytes with expandable
     segments, from the same trace ] in memfit.techniques.allocator)."""
+    host_bytes: int = 0
+    """Peak bytes of the step's copies in host memory (offloaded states or activations, swapped blocks)."""
 
 
 class Tracer:
@@ -125,4 +127,5 @@ class Tracer:
                                   self._swapped_from(int(plan.swap_blocks or 0), depth))
         return Traced(report.peak_bytes, report.cuda_context_bytes or 0, self.budget.allocator_bytes(report), ops, stream,
                       managed_bytes=report.managed_bytes, seconds=time.process_time() - t0,
-                      expandable_used_bytes=self.budget.expandable_allocator_bytes(report))
+                      expandable_used_bytes=self.budget.expandable_allocator_bytes(report),
+                      host_bytes=report.host_peak_bytes)

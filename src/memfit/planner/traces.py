@@ -179,7 +179,7 @@ class TraceBook(AtBatch):
         graph = GraphSize(forward_ops=forward, block_ops=m.graph.block_ops if m else forward // max(1, self.depth or 1))
         used = self._counted(plan, t.used_bytes, lambda: t.expandable_used_bytes, t.managed_bytes)
         m = Measured(peak_bytes=t.peak_bytes, used_lower=t.peak_bytes + t.context_bytes, used_bytes=used,
-                     graph=graph, ops=t.ops, full=True, managed_bytes=t.managed_bytes)
+                     graph=graph, ops=t.ops, full=True, managed_bytes=t.managed_bytes, host_bytes=t.host_bytes)
         self.measured[plan] = m
         self._new.append(plan)
         return m

@@ -27,6 +27,10 @@ def print_plan_result(result, console: Console | None = None, top: int = 12) -> 
         compiling = f" · compile {_compile_time(ch)}" if ch.compile_seconds else ""
         c.print(f"[green]chosen:[/] {escape(ch.plan.describe())} · predicted {fmt_bytes(ch.used_bytes)} · "
                 f"{ch.seconds * 1e3:.1f} ms/step · {_rate(result, ch)}{compiling}")
+        if ch.host_bytes and result.device != "cpu":
+            c.print(f"[yellow]host memory:[/] {fmt_bytes(ch.host_bytes)} of the training machine's memory at the peak "
+                    "(offloaded or swapped copies, pinned); the planner does not check it against that machine's "
+                    "memory yet")
         if ch.managed_bytes:
             c.print(f"[dim]paged optimizer states: {fmt_bytes(ch.managed_bytes)} of CUDA managed memory, not in "
                     "torch.cuda.max_memory_reserved(); the memory above counts the part that fits beside the "
