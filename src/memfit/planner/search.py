@@ -380,36 +380,34 @@ def _constrain(space, fixed: dict, dev: Device, bs: int) -> tuple[dict, dict]:
 
 
 def _check_suits(target: Target, constrained: dict, given: dict) -> None:
-    """Build the step (on fake tensors: no memory) with each value the user fixed, so that one that
-    does not suit the workload (loss_chunks on a model that is no causal LM, checkpointing without
-    repeated blocks) is refused before any candidate is timed or traced. A value is built alone, or
-    with the other given fields where it needs one of them (an activation budget needs compile)."""
+    """Build the step (on fake tensors: no memory) with each value the user fixed, so that one that does
+    not suit the workload (loss_chunks on a model that is no causal LM, checkpointing without repeated
+    blocks) is refused before any candidate is timed or traced. A value is built alone, or with the other
+    given field it needs (an activation budget needs compile). One that fails alone where the user gave
+    other fields too is left to the walk's traces, which build it with them all (swap_blocks needs the
+    given adapter's frozen weights)."""
     for name, value in constrained.items():
         alone = _alone_or_with(name, value, given)
         config = alone.config(technique_of(name).name)
-        if not config.technique.depends_on_model or config.is_default:
-            continue
-        try:
-            with silenced_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
-                build_step(target.with_plan(alone))
-        except UserError as e:
-            raise _unsuited(target.workload, name, value, str(e)) from None
+        if config.technique.depends_on_model and not config.is_default:
+            try:
+                with silenced_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
+                    build_step(target.with_plan(alone))
+            except UserError as e:
+                if alone == Plan(**given):
+                    raise _unsuited(target.workload, name, value, str(e)) from None
 
 
 def _alone_or_with(name: str, value, given: dict) -> Plan:
-    """A plan of ``name=value`` alone, or with the one other given field it needs (an activation
-    budget needs a compile mode), or else with them all."""
+    """``name=value`` alone, or with the one other given field it needs, or else with them all."""
     found = with_what_it_needs(name, value, given.items())
     return found[0] if found else Plan(**given)
 
 
 def _unsuited(wl: Workload, name: str, value, why: str) -> UserError:
-    return UserError(f"plan: the given {name}={_show_value(value)} does not suit {wl.name}: "
+    shown = "[" + ",".join(value) + "]" if isinstance(value, tuple) else str(value)
+    return UserError(f"plan: the given {name}={shown} does not suit {wl.name}: "
                      f"{why.removeprefix('plan: ')}; remove --{name.replace('_', '-')} to let the planner choose")
-
-
-def _show_value(value) -> str:
-    return "[" + ",".join(value) + "]" if isinstance(value, tuple) else str(value)
 
 
 CPU_STATE_BYTES = 16

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 
 import pytest
 
@@ -202,3 +203,20 @@ def test_swap_above_the_blocks_exits_2_in_one_line():
         rc = main(["estimate", FLUX, "--resolution", "64", "--adapter", "lora:r=4", "--swap-blocks", "9"])
     lines = err.getvalue().strip().splitlines()
     assert rc == 2 and len(lines) == 1 and "exceeds the model's 5 repeated blocks" in lines[0]
+
+
+def test_a_given_swap_is_planned_with_the_given_adapter_and_refused_without_one():
+    """``plan --adapter ... --swap-blocks N`` plans the swap with the adapter's frozen weights (built alone,
+    every weight trains and no block has any to stream: it was refused); without an adapter, one line."""
+    from memfit.cli.main import main
+    args = ["plan", FLUX, "--resolution", "64", "--device", "rtx4090", "--swap-blocks", "2", "--precision", "bf16-pure",
+            "--checkpointing", "none", "--json"]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        assert main([*args, "--adapter", "lora:r=4"]) == 0
+    assert json.loads(out.getvalue())["chosen"]["plan"]["swap_blocks"] == 2
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err := io.StringIO()):
+        assert main(args) == 2
+    assert err.getvalue().strip().splitlines() == [
+        "memfit plan: error: plan: swap_blocks streams frozen weights, and block 3 has none (every weight trains); "
+        "train an adapter (adapter: lora:r=16) or use swap_blocks: 0"]
