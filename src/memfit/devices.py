@@ -151,11 +151,15 @@ ALIASES = {"h100": "h100-80gb", "h200": "h200-141gb", "a100": "a100-80gb", "4090
 
 def cpu_device() -> Device:
     """The machine at hand, as the CPU allocator sees it."""
+    return Device(name="cpu", kind="cpu", total_bytes=host_total_bytes(), bf16=True, fp16=True, allocator="cpu")
+
+
+def host_total_bytes() -> int:
+    """This machine's physical memory (16 GiB when unknown)."""
     try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
-        total = 16 * GiB
-    return Device(name="cpu", kind="cpu", total_bytes=total, bf16=True, fp16=True, allocator="cpu")
+        return 16 * GiB
 
 
 def available_host_bytes() -> int:

@@ -72,6 +72,15 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
             g.add_argument(flag, dest=f"plan_{key.name}", metavar=key.metavar, help=key.doc)
 
 
+def given_fields(args: argparse.Namespace, given: Plan) -> dict:
+    """The plan fields the user set, which the planner keeps: those ``given`` (the plan file and flags)
+    sets apart from the default, and every plan flag given, a default value too (``--checkpointing
+    none``: the user's step as written, not a field left to the search)."""
+    flagged = {key.name for key in keys() if getattr(args, f"plan_{key.name}", None) is not None}
+    default = Plan().to_dict()
+    return {k: v for k, v in given.to_dict().items() if v != default[k] or k in flagged}
+
+
 def plan_from_args(args: argparse.Namespace) -> Plan:
     """The plan file (or an axolotl config's plan, ``--from``), with the plan flags over it."""
     plan = Plan.load(args.plan) if args.plan else getattr(args, "config_plan", None) or Plan()

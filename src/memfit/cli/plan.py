@@ -11,6 +11,7 @@ from memfit.cli.common import (
     add_plan_args,
     add_workload_args,
     apply_config,
+    given_fields,
     max_size,
     plan_from_args,
     print_json,
@@ -41,6 +42,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", metavar="HOST",
                    help="the machine that trains, for the host part of GPU step times: h100-box (default), "
                         "h200-box, a multiple of h100-box's dispatch costs (1.3), or measure (with --device cuda)")
+    p.add_argument("--host-memory", metavar="SIZE",
+                   help="the training machine's memory for offloaded and swapped copies: 64GB, or 80%% of this "
+                        "machine's; plans that need more are rejected. Default: with --device cuda, what this "
+                        "machine can still give; on a preset, not checked")
     p.add_argument("--methods", metavar="METHODS",
                    help="compare fine-tuning methods side by side (full,lora,dora,qlora; they train different "
                         "things): each gets its fastest plan that fits. Default: the workload's own method only")
@@ -62,7 +67,6 @@ def run(args: argparse.Namespace) -> int:
     from memfit.outputs import IMAGE_SUFFIXES, check_output_file
     from memfit.planner.progress import PlanProgress
     from memfit.planner.search import plan
-    from memfit.plans import Plan
     from memfit.report.planner import print_plan_result, save_pareto_png
     from memfit.techniques.compile import MODES as COMPILE_MODES
     from memfit.techniques.optimizers import NAMES as OPTIMIZERS
@@ -93,12 +97,13 @@ def run(args: argparse.Namespace) -> int:
         if o not in OPTIMIZERS:
             raise UserError(f"--optimizers: unknown optimizer {o!r}; choose from {', '.join(OPTIMIZERS)}")
     given = plan_from_args(args)
-    fixed = {k: v for k, v in given.to_dict().items() if v != Plan().to_dict()[k]}
+    fixed = given_fields(args, given)
     from memfit.hosts import get_host
     host = get_host(args.host)
     if free is not None:
         return _largest(args, free, fixed, dict(optimizers=optimizers, max_traces=max_traces,
-                                                compile_modes=compile_modes, steps=steps))
+                                                compile_modes=compile_modes, steps=steps,
+                                                host_memory=args.host_memory))
     if args.methods is not None:
         return _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_traces, compile_modes, steps,
                                 host)
@@ -117,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
             fields = {**fixed, "world_size": world} if world > 1 else fixed
             result = plan(workload, budget=args.budget, device=args.device, batch_size=bs, seq_len=seq,
                           optimizers=optimizers, max_traces=max_traces,
-                          fixed=fields, compile_modes=compile_modes, steps=steps, progress=progress, host=host)
+                          fixed=fields, compile_modes=compile_modes, steps=steps, progress=progress, host=host,
+                          host_memory=args.host_memory)
             tried.append(world)
             if result.chosen:
                 break
@@ -184,7 +190,7 @@ def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_trac
     searches = [(m.name, dict(workload=workload, budget=args.budget, device=args.device, batch_size=bs,
                               optimizers=optimizers, max_traces=max_traces, fixed={**fixed, **m.keys},
                               compile_modes=compile_modes, steps=steps, host=host,
-                              field_recipes=False)) for m in methods]  # (listed by a one-method plan)
+                              host_memory=args.host_memory, field_recipes=False)) for m in methods]  # (listed by a one-method plan)
     with PlanProgress() if not args.json else contextlib.nullcontext() as progress:
         longest = next((i for i, m in enumerate(methods) if m.name == "full"), 0)
         results = plan_side_by_side(searches, progress, plan=plan_method, longest=longest)  # NOTE [ Methods planned side by side ]

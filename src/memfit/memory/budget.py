@@ -16,6 +16,13 @@ device?) and by training (which micro-batch will fit under the enforcement?):
   a CPU the budget guard counts device bytes (host-placed copies excluded, as on a GPU); with no
   budget set, a GPU's own capacity limits reserved bytes plus the context.
 
+- **What the plan's host copies may hold** (:attr:`Budget.host_bytes`, ``--host-memory``): offloaded
+  optimizer states or activations and swapped blocks live in the training machine's memory
+  (pinned), which is not the card's: a plan that fits the card but not that machine is killed by the
+  OS, not by CUDA. Checked against the step's host peak where a limit is known: the one given, or,
+  planning on ``--device cuda``, the memory this machine can still give; a GPU preset has no machine
+  of its own, so without ``--host-memory`` it is not checked (the report says so).
+
 The planner plans by the first (conservative: it includes what enforcement does not see, and it
 prices the pages that migrate as time: :meth:`Budget.migration`);
 adaptation predicts by the second (what decides whether the retried step raises).
@@ -23,9 +30,9 @@ adaptation predicts by the second (what decides whether the retried step raises)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from memfit.devices import Device, available_host_bytes
+from memfit.devices import Device, available_host_bytes, host_total_bytes
 from memfit.memory.managed import Migration, migration, paged_out_bytes
 from memfit.units import parse_size
 
@@ -39,6 +46,9 @@ class Budget:
     device: Device
     whole_device: bool = False
     """The device's own capacity (nothing set by memfit): the card itself is the limit."""
+    host_bytes: int | None = None
+    """The training machine's memory a GPU step's host copies may hold at their peak (None: not
+    checked; see the module's docstring)."""
 
     @classmethod
     def of_device(cls, device: Device) -> Budget:
@@ -54,6 +64,21 @@ class Budget:
         if spec is None:
             return cls(int(capacity * (1 - HEADROOM)), device)
         return cls(parse_size(spec, total_bytes=capacity, what="budget"), device)
+
+    def with_host(self, spec: str | int | None) -> Budget:
+        """This budget with the host memory ``--host-memory`` gives: ``64GB``, ``80%`` of this machine's
+        memory, or None: on a local GPU (``--device cuda``) what this machine can still give, on a GPU
+        preset unchecked. A CPU device counts host copies in :attr:`bytes` already."""
+        if not self.device.is_gpu:
+            return self
+        if spec is None:
+            local = self.device.name.startswith("cuda")  # (memfit.devices.local_cuda_device: "cuda (<card>)")
+            return replace(self, host_bytes=available_host_bytes()) if local else self
+        return replace(self, host_bytes=parse_size(spec, total_bytes=host_total_bytes(), what="--host-memory"))
+
+    def host_over(self, host_bytes: int) -> bool:
+        """A step holding ``host_bytes`` in the training machine's memory does not fit it."""
+        return self.host_bytes is not None and host_bytes > self.host_bytes
 
     def used_bytes(self, report) -> int:
         """What the step needs of the budget (see the module's docstring)."""

@@ -184,9 +184,11 @@ class AtBatch:
             return None
         peak, reserved = replay(stream, STEADY_STEP, expandable=plan.config("allocator").expands)
         context = b.used_bytes - self._streams[(plan, x_b)][1]
-        managed = round(a.managed_bytes + (b.managed_bytes - a.managed_bytes) * (batch - x_a) / (x_b - x_a))
+        managed, host = (round(u + (v - u) * (batch - x_a) / (x_b - x_a))
+                         for u, v in ((a.managed_bytes, b.managed_bytes), (a.host_bytes, b.host_bytes)))
         return Measured(peak_bytes=peak, used_lower=int(peak * (1 - PEAK_MARGIN)) + context,
-                        used_bytes=reserved + context, ops=ops, pair=pair, managed_bytes=managed), stream
+                        used_bytes=reserved + context, ops=ops, pair=pair, managed_bytes=managed,
+                        host_bytes=host), stream
 
     def _line_up(self, plan: Plan, x_a: int, x_b: int, which: int, a: list, b: list) -> bool:
         """Whether the ops ``a`` and ``b`` of ``plan`` at ``x_a`` and ``x_b`` samples (``which``: the full
@@ -213,14 +215,16 @@ class AtBatch:
         self._streams[(plan, batch)] = deep, reserved
         ops = extrapolate_ops(a.ops, b.ops, *pair, self.depth)
         managed = int(extrapolate(a.managed_bytes, b.managed_bytes, *pair, self.depth))
+        host = int(extrapolate(a.host_bytes, b.host_bytes, *pair, self.depth))
         return Measured(peak_bytes=peak, used_lower=int(peak * (1 - PEAK_MARGIN)) + b.context_bytes,
                         used_bytes=reserved + b.context_bytes, ops=ops,
-                        pair=None if ops is not None else (a.ops, b.ops, *pair, self.depth), managed_bytes=managed)
+                        pair=None if ops is not None else (a.ops, b.ops, *pair, self.depth), managed_bytes=managed,
+                        host_bytes=host)
 
     def _full_at(self, plan: Plan, batch: int) -> Measured:
         (t,) = self._run([(plan, None, batch)])
         return Measured(peak_bytes=t.peak_bytes, used_lower=t.peak_bytes + t.context_bytes, used_bytes=t.used_bytes,
-                        ops=t.ops, full=True, managed_bytes=t.managed_bytes)
+                        ops=t.ops, full=True, managed_bytes=t.managed_bytes, host_bytes=t.host_bytes)
 
 
 def _same(drawn: Measured, drawn_stream: Stream, traced: Measured, stream: Stream) -> bool:

@@ -160,7 +160,8 @@ class Baseline:
     # value alone where the values faster than the default are all of one technique, so that no two
     # combine) fits by its own full trace, no plan can beat it: every other combination is estimated
     # slower, and the work-adding values are not measured at all (left out, with a note). Where it does
-    # not fit, the rest are measured as before. Measured: docs/planner-notes.md.
+    # not fit, the device or the host's memory (``--host-memory``: checkpointing shrinks what an
+    # offload holds there), the rest are measured as before. Measured: docs/planner-notes.md.
     def _may_fit_alone(self) -> bool:
         """Whether the default plan's weights (and, where every weight trains, their gradients) are
         within the budget (quantized base weights: assumed): else it cannot fit, and nothing is gained
@@ -194,10 +195,11 @@ class Baseline:
             if len({name for _, name, _ in faster}) > 1:
                 return False
             best = min(faster, key=lambda x: x[0])[2] if faster else self.base
-            if book.measure(best).used_lower > book.budget.bytes:
-                return False
+            if book.measure(best).used_lower > book.budget.bytes or book.budget.host_over(book.measure(best).host_bytes):
+                return False  # (over the host's memory: a work-adding value may hold less there)
             book.cancel_queued()  # (the work-adding values queued behind: likely not needed now)
-            return book.confirm(best).used_bytes <= book.budget.bytes
+            full = book.confirm(best)
+            return full.used_bytes <= book.budget.bytes and not book.budget.host_over(full.host_bytes)
         except UserError:
             return False
 

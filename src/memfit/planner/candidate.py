@@ -87,7 +87,7 @@ class Evidence:
     """CUDA managed memory (a paged optimizer's states): ``used_bytes`` holds the part that fits
     beside the allocator side (memfit.memory.budget.Budget.counted)."""
     host_bytes: int = 0
-    """Peak bytes in host memory (a full trace's; 0 where unknown)."""
+    """Peak bytes in host memory (0 where unknown): as :attr:`Candidate.host_bytes`."""
 
     def over(self, budget_bytes: int) -> bool:
         return self.used_bytes is not None and self.fidelity.over(self.used_bytes, budget_bytes)
@@ -111,8 +111,8 @@ class Candidate:
     managed_bytes: int = 0
     """CUDA managed memory (paged optimizer states), partly in ``used_bytes`` (memfit.memory.budget)."""
     host_bytes: int = 0
-    """Peak bytes of the step's copies in host memory, from a full trace (0 where none was run): not
-    checked against the training machine's memory yet."""
+    """Peak bytes in the training machine's memory: the step's copies there, and a paged optimizer's
+    states paged out (memfit.planner.gpu_ladder); held to ``--host-memory`` (memfit.memory.budget)."""
     recipe: object | None = None
     """The field's recipe this plan is (memfit.planner.field_recipes.FieldRecipe), if any."""
     time_notes: list[str] = field(default_factory=list)

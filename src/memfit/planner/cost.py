@@ -219,6 +219,23 @@ def _say_how_long(progress, values: int, step_seconds: float, batch: int) -> Non
                       "GPU instead, give --device (see memfit devices)")
 
 
+CPU_STATE_BYTES = 16
+"""Bytes per parameter of the plain fp32 AdamW step the CPU planner times for real first (weights,
+gradients and two moments), before any activation."""
+
+
+def check_real_steps_fit(workload, facts) -> None:
+    """The CPU planner times real steps, the plain plan's first: refuse, in one line, a model whose
+    plain step cannot fit this machine's memory (the OS would kill the process)."""
+    need, free = facts.n_params * CPU_STATE_BYTES, available_host_bytes()
+    if need > 0.8 * free:
+        raise UserError(f"memfit plan on the cpu device times real steps of each technique, the plain fp32 AdamW "
+                        f"step first: {workload.name} needs {fmt_bytes(need)} for its weights, gradients and AdamW "
+                        f"states alone ({facts.n_params / 1e9:.2f}B parameters), and this machine has "
+                        f"{fmt_bytes(free)} free; plan for a GPU preset (e.g. --device h100-80gb; see memfit "
+                        "devices), which traces on fake tensors without that memory")
+
+
 HOST_SHARE = 0.6
 """A step timed here may need this share of the memory the machine has free: the rest is this
 process's own (torch, the traces), and what a technique timed alone adds to the plain step."""

@@ -31,10 +31,11 @@ from memfit.techniques.swap_blocks import resident_weight_bytes
 
 def _of(m: Measured, budget: Budget) -> Evidence:
     """A measured plan's evidence: its allocator side, and the managed bytes the budget holds beside it
-    (NOTE [ Managed memory over the budget ] in memfit.memory.budget)."""
+    (NOTE [ Managed memory over the budget ] in memfit.memory.budget); on the host, its copies there and
+    the managed pages the card has no room for."""
     fidelity, allocator = (Fidelity.FULL, m.used_bytes) if m.full else (Fidelity.LOWER_BOUND, m.used_lower)
     return Evidence(fidelity, used_bytes=budget.counted(allocator, m.managed_bytes), peak_bytes=m.peak_bytes,
-                    managed_bytes=m.managed_bytes, host_bytes=m.host_bytes)
+                    managed_bytes=m.managed_bytes, host_bytes=m.host_bytes + budget.paged_out(allocator, m.managed_bytes))
 
 
 class Estimate:

@@ -38,7 +38,8 @@ class Measured:
     shallower depth ])."""
     full: bool = False
     host_bytes: int = 0
-    """Peak bytes in host memory (full traces only: a shallow pair's are not extrapolated)."""
+    """Peak bytes in host memory (a shallow pair's on the line through its two depths: NOTE [ Host
+    bytes from a shallow pair ] in memfit.planner.traces; the shallower trace's alone: a lower bound)."""
 
 
 class ShallowFailed(Exception):

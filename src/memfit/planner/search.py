@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memfit.devices import Device, available_host_bytes
+from memfit.devices import Device
 from memfit.errors import UserError, WeightsExceedBudget
 from memfit.hosts import get_host
 from memfit.memory.budget import Budget
@@ -98,6 +98,8 @@ class PlanResult:
     """The trace limit left a faster plan untraced: the plan chosen may not be the fastest that fits."""
     slower_than: float | None = None
     """The step time a plan had to beat to be searched (None: any; nothing chosen: none faster fits)."""
+    host_budget_bytes: int | None = None
+    """The training machine's memory the plans' host copies were held to (None: not checked)."""
 
     @property
     def throughput_unit(self) -> str:
@@ -118,7 +120,7 @@ class PlanResult:
                     "host_bytes": c.host_bytes, "recipe": c.recipe.name if c.recipe is not None else None}
         evaluated = [c for c in self.candidates if not c.open]
         return {"workload": self.workload, "device": self.device, "batch_size": self.batch_size,
-                "budget_bytes": self.budget_bytes, "time_model": self.time_model, "run_steps": self.run_steps,
+                "budget_bytes": self.budget_bytes, "host_budget_bytes": self.host_budget_bytes, "time_model": self.time_model, "run_steps": self.run_steps,
                 "chosen": row(self.chosen) if self.chosen else None, "traces": self.traces,
                 "planning_seconds": self.seconds, "candidates_total": len(self.candidates), "trace_limited": self.limited,
                 "smallest": row(self.smallest) if self.smallest else None, "least_bytes": self.least_bytes,
@@ -140,7 +142,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
          compile_modes: tuple[str, ...] | None = None, steps: int | None = None, progress=None,
          narrow_optimizer: bool = True, alongside: bool = True, host=None, field_recipes: bool = True,
          too_big: dict[Plan, tuple[int, str]] | None = None, slower_than: float | None = None,
-         _book: TraceBook | None = None) -> PlanResult:
+         host_memory: str | int | None = None, _book: TraceBook | None = None) -> PlanResult:
     """The fastest plan for ``workload`` whose predicted memory fits ``budget`` on ``device``.
 
     ``fixed``: plan fields the user set (``--precision bf16``); the search covers the others.
@@ -156,7 +158,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     field_recipes; GPU presets; False where the report lists no recipe: ``--methods``' table).
     ``too_big``: plans known not to fit, with a lower bound of their need and why (memfit.planner.failures).
     ``slower_than``: seconds a step must beat to be of use (memfit.planner.search_max); plans estimated
-    no faster are not walked, and where none faster fits, nothing is chosen.
+    no faster are not walked, and where none faster fits, nothing is chosen. ``host_memory``: the
+    training machine's memory for the plans' host copies (memfit.memory.budget.Budget.with_host).
     """
     progress = progress or NoProgress()
     t0 = time.perf_counter()
@@ -165,7 +168,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     target = Target.resolve(workload, None, batch_size, device, seq_len=seq_len)
     wl, dev, bs = target.workload, target.device, target.batch_size
     fixed = checkpoint_fields(fixed, wl)  # (a pre-quantized or adapter checkpoint's own fields)
-    budget_obj = Budget.resolve(budget, dev)
+    budget_obj = Budget.resolve(budget, dev).with_host(host_memory)
     budget_bytes = budget_obj.bytes
     facts = model_facts(wl)
     world = int(fixed.get("world_size") or 1)
@@ -174,7 +177,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
                         "real steps, which a sharded plan runs in several processes); give --device, e.g. h100-80gb")
     _check_budget_above_weights(budget_bytes, facts, dev, world, fixed.get("base_weights"), fixed.get("adapter"))
     if not dev.is_gpu and time_model is None:
-        _check_real_steps_fit(wl, facts)
+        cost.check_real_steps_fit(wl, facts)
     rank_bs = Plan(world_size=world).config("shard").rank_batch(bs)  # (a sharded rank's micro-batches split this)
     custom_space = space is not None
     space = space or default_space(facts, dev, rank_bs, optimizers, compile_modes, budget_bytes=budget_bytes,
@@ -239,7 +242,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
             again = plan(workload, budget=budget, device=device, batch_size=batch_size, seq_len=seq_len,
                          optimizers=optimizers, max_traces=max_traces, time_model=time_model, fixed=given_fields,
                          compile_modes=compile_modes, steps=steps, progress=progress, narrow_optimizer=False,
-                         alongside=alongside, host=host, field_recipes=field_recipes, too_big=too_big, _book=book)
+                         alongside=alongside, host=host, field_recipes=field_recipes, too_big=too_big,
+                         host_memory=host_memory, _book=book)
         finally:
             if book is not None:
                 book.close()
@@ -319,6 +323,7 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
     result = PlanResult(workload=wl.name, device=dev.name, batch_size=bs, budget_bytes=budget_bytes,
                         time_model=model.describe(), chosen=chosen, candidates=ranked, traces=walk.traces,
                         seq_len=wl.info.seq_len, limited=walk.limited, slower_than=slower_than,
+                        host_budget_bytes=budget_obj.host_bytes,
                         run_steps=steps, notes=[*space.notes, *(f"{x} (left out)" for x in model.excluded), *walk.notes,
                                *expanded_note])
     if chosen is None:  # nothing fits (or the trace limit came first): the smallest footprint seen
@@ -408,23 +413,6 @@ def _unsuited(wl: Workload, name: str, value, why: str) -> UserError:
     shown = "[" + ",".join(value) + "]" if isinstance(value, tuple) else str(value)
     return UserError(f"plan: the given {name}={shown} does not suit {wl.name}: "
                      f"{why.removeprefix('plan: ')}; remove --{name.replace('_', '-')} to let the planner choose")
-
-
-CPU_STATE_BYTES = 16
-"""Bytes per parameter of the plain fp32 AdamW step the CPU planner times for real first (weights,
-gradients and two moments), before any activation."""
-
-
-def _check_real_steps_fit(workload, facts) -> None:
-    """The CPU planner times real steps, the plain plan's first: refuse, in one line, a model whose
-    plain step cannot fit this machine's memory (the OS would kill the process)."""
-    need, free = facts.n_params * CPU_STATE_BYTES, available_host_bytes()
-    if need > 0.8 * free:
-        raise UserError(f"memfit plan on the cpu device times real steps of each technique, the plain fp32 AdamW "
-                        f"step first: {workload.name} needs {fmt_bytes(need)} for its weights, gradients and AdamW "
-                        f"states alone ({facts.n_params / 1e9:.2f}B parameters), and this machine has "
-                        f"{fmt_bytes(free)} free; plan for a GPU preset (e.g. --device h100-80gb; see memfit "
-                        "devices), which traces on fake tensors without that memory")
 
 
 def _check_budget_above_weights(budget: int, facts, dev: Device, world_size: int = 1, base_weights=None,

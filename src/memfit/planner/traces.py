@@ -84,6 +84,17 @@ def _after_shallowest(jobs: list[tuple], which) -> dict:
     return after
 
 
+# NOTE [ Host bytes from a shallow pair ]
+# What a plan keeps in host memory grows with the depth as its device bytes do: offloaded
+# activations and states per block, swapped blocks' weights (the pair keeps the full model's share
+# of offloaded and swapped blocks: memfit.planner.shallow). So the host peak at full depth is on the
+# line through the pair's, as the allocated peak is. On an 8-block GPT-2 (rtx4090, batch 4 x 128)
+# it equalled the full trace's to the byte for activations offloaded (all, the first half, with
+# blocks checkpointed), optimizer states offloaded, both, and a LoRA swapping 4 and 8 blocks
+# (tests/integration/test_plan_host_memory.py). The walk holds a plan to the host's memory with it
+# (NOTE [ A plan over the host's memory ] in memfit.planner.walk).
+
+
 class TraceBook(AtBatch):
     """The traces of one search, run on the workers and kept (see the module docstring)."""
 
@@ -130,8 +141,7 @@ class TraceBook(AtBatch):
 
     # -- a plan's figures ----------------------------------------------------------------------
     def measure(self, plan: Plan) -> Measured:
-        """The plan's ops and allocated peak from a shallow trace pair (full depth when the model
-        is shallow, or a shallow trace failed once)."""
+        """The plan's ops, allocated peak and host bytes from a shallow trace pair (full depth when the model is shallow, or a shallow trace failed once)."""
         if plan in self.measured:
             return self.measured[plan]
         pair = self.depths(plan)
@@ -143,18 +153,19 @@ class TraceBook(AtBatch):
             return self.confirm(plan)
         if b is SKIPPED:  # NOTE [ The deeper trace of a plan over the budget at the shallower depth ]
             m = self.measured[plan] = Measured(peak_bytes=a.peak_bytes, used_lower=self._shallow_lower(a),
-                                               managed_bytes=a.managed_bytes, shallower_only=True)
+                                               managed_bytes=a.managed_bytes, shallower_only=True, host_bytes=a.host_bytes)
             return m
         (d, e), full = pair, self.depth
         ops = extrapolate_ops(a.ops, b.ops, d, e, full)
         peak = self._replayed_peak(plan, a, b, pair) if self.stacks.least == 1 else None
         peak = peak or int(extrapolate(a.peak_bytes, b.peak_bytes, d, e, full))  # (PEAK_MARGIN below)
-        managed = int(extrapolate(a.managed_bytes, b.managed_bytes, d, e, full))
+        managed, host = (int(extrapolate(u, v, d, e, full)) for u, v in  # (host: NOTE [ Host bytes from a shallow pair ])
+                         ((a.managed_bytes, b.managed_bytes), (a.host_bytes, b.host_bytes)))
         n = plan.micro_batches(self.target.batch_size)[1]  # a graph is compiled once, run per micro-batch
         fwd_a, fwd_b = (sum(op.phase == FORWARD for op in t.ops) // n for t in (a, b))
         graph = GraphSize(forward_ops=int(extrapolate(fwd_a, fwd_b, d, e, full)), block_ops=max(1, (fwd_b - fwd_a) // (e - d)))
-        m = Measured(peak_bytes=peak, used_lower=int(peak * (1 - PEAK_MARGIN)) + b.context_bytes, graph=graph,
-                     ops=ops, pair=None if ops is not None else (a.ops, b.ops, d, e, full), managed_bytes=managed)
+        m = Measured(peak_bytes=peak, used_lower=int(peak * (1 - PEAK_MARGIN)) + b.context_bytes, graph=graph, ops=ops,
+                     pair=None if ops is not None else (a.ops, b.ops, d, e, full), managed_bytes=managed, host_bytes=host)
         self.measured[plan] = m
         self._new.append(plan)
         return m

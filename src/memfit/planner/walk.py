@@ -36,6 +36,14 @@ LOOK_AHEAD = 16
 """Queued plans looked at for the one measured alongside (NOTE [ The next plan measured alongside ])."""
 
 
+# NOTE [ Maximal plans first when nothing measured fits ]
+# The time model measures the default plan and each value alone before the walk (GPU presets). When
+# none of them fits, the answer needs several techniques together, and the fastest plans (few
+# techniques) are the least likely to fit: the walk then traces the maximal plans first, whose
+# failures prune every plan they dominate. Where a value alone fits, the fastest plans are tried
+# first: the maximal plans may cost more traces than they save. Measured: docs/planner-notes.md.
+
+
 class Walk:
     def __init__(self, batch_size: int, budget: Budget, model: StepTimeModel, ladder: Ladder, steps: int | None,
                  max_traces: int, progress=None, alongside: bool = True) -> None:
@@ -53,6 +61,7 @@ class Walk:
         self.limited = False
         """The trace limit left a faster plan untraced."""
         self.notes: list[str] = []
+        self.over_host: dict[tuple, Candidate] = {}  # (by _host_copies: NOTE [ A plan over the host's memory ])
         self.heap: list = []
         self.order: dict[int, int] = {}
 
@@ -60,12 +69,6 @@ class Walk:
     def traces(self) -> int:
         return self.ladder.traces
 
-    # NOTE [ Maximal plans first when nothing measured fits ]
-    # The time model measures the default plan and each value alone before the walk (GPU presets). When
-    # none of them fits, the answer needs several techniques together, and the fastest plans (few
-    # techniques) are the least likely to fit: the walk then traces the maximal plans first, whose
-    # failures prune every plan they dominate. Where a value alone fits, the fastest plans are tried
-    # first: the maximal plans may cost more traces than they save. Measured: docs/planner-notes.md.
     def run(self, ranked: list[Candidate]) -> Candidate | None:
         measured = [e for e in (self.ladder.evidence(c.plan) for c in ranked) if e is not None]
         if measured and all(e.over(self.budget.bytes) for e in measured):  # NOTE [ Maximal plans first when nothing measured fits ]
@@ -133,16 +136,17 @@ class Walk:
 
     def _pruned(self, c: Candidate) -> bool:
         """``c`` ruled out by the failures, and pruned with their reason."""
-        if (why := self.failed.rule_out(c)) is not None:
+        if (why := self.failed.rule_out(c)) is None and (x := self.over_host.get(_host_copies(c.plan))) is not None:
+            why = f"holds the same host copies as {x.plan.describe()}, over the host memory (not traced)"
+        if why is not None:
             c.prune(why)
         return why is not None
 
     def _requeued(self, c: Candidate) -> bool:
         """Slower than the fastest plan left (its time was measured): back in the queue at its time."""
-        if self.heap and c.seconds > self.heap[0][0]:
+        if slower := bool(self.heap) and c.seconds > self.heap[0][0]:
             heapq.heappush(self.heap, (c.seconds, self.order[id(c)], c))
-            return True
-        return False
+        return slower
 
     def _stop_at_limit(self, c: Candidate) -> None:
         """A faster plan left untraced: no choice can be called the fastest that fits."""
@@ -195,10 +199,9 @@ class Walk:
         return self._take(c, self.ladder.first)
 
     def _next_to_measure(self, c: Candidate, n: int = 1) -> list[Candidate]:
-        """The ``n`` plans queued next that the walk would measure if ``c`` (and each before it) did
-        not fit: open, untraced, not pruned by a plan that failed or by ``c`` or those before it (were
-        they to fail), and not estimated too big (an estimate that would need a trace of its own is
-        not asked for)."""
+        """The ``n`` plans queued next that the walk would measure if ``c`` (and each before it) did not fit:
+        open, untraced, not pruned by a plan that failed or by ``c`` or those before it (were they to
+        fail), and not estimated too big (an estimate needing a trace of its own is not asked for)."""
         if not self.alongside or self.ladder.spare_workers < 1 or self.evaluated + 1 >= self.max_traces:
             return []
         estimate, out = self.ladder.estimate, []
@@ -227,6 +230,10 @@ class Walk:
         c.take(evidence)
         if evidence.over(self.budget.bytes):
             self._too_big(c, at_least=evidence.fidelity is Fidelity.LOWER_BOUND)
+        elif self.budget.host_over(evidence.host_bytes):  # NOTE [ A plan over the host's memory ]
+            c.reject(f"needs {fmt_bytes(evidence.host_bytes)} of host memory > {fmt_bytes(self.budget.host_bytes)} "
+                     "(--host-memory)")
+            self.over_host[_host_copies(c.plan)] = c
         self._rekey()
         return True
 
@@ -327,7 +334,8 @@ class Walk:
         """The traced plan with the smallest footprint, confirmed by the top rung. A plan's lower bound
         may be below another's confirmed footprint and its own above it: plans are confirmed in the
         order of their bounds until no bound left is below the smallest footprint confirmed."""
-        traced = [c for c in ranked if c.used_bytes is not None and c.status is not Status.INVALID]
+        traced = [c for c in ranked if c.used_bytes is not None and c.status is not Status.INVALID and
+                  not self.budget.host_over(c.host_bytes)]  # (NOTE [ A plan over the host's memory ])
         best = None
         for c in sorted(traced, key=lambda c: c.used_bytes):
             if best is not None and c.used_bytes >= best.used_bytes:
@@ -336,6 +344,27 @@ class Walk:
                     (best is None or c.used_bytes < best.used_bytes):
                 best = c
         return best
+
+
+# NOTE [ A plan over the host's memory ]
+# Offloaded states and activations and swapped blocks live in the training machine's memory, and
+# a plan that fits the card but not that machine is killed by the OS (memfit.memory.budget). Where
+# the budget knows that machine's memory, a plan whose host peak is over it is rejected at the rung
+# that finds it (a shallow pair's host bytes are on the line through its depths; the full trace
+# decides the chosen plan's). It does not rule out other plans (memfit.planner.failures): the
+# failures' order is the device's, and a plan saving more device memory may well hold more on
+# the host. Nor is it the smallest footprint when nothing fits: no device budget would fit it.
+# What it rules out are the plans that hold the same copies on the host: those that differ from it
+# only in fields no host copy depends on (:func:`_host_copies`). Without that, the walk traced each
+# optimizer and allocator variant of a plan over the host (Wan 1.3B's LoRA on rtx4060 with 32 GB:
+# 112 traces, 359 s).
+def _host_copies(plan) -> tuple:
+    """``plan`` without the fields its host copies do not depend on: the allocator, and, where no
+    optimizer state is on the host, the optimizer and when it steps (offloaded activations and swapped
+    weights are the same whichever optimizer updates the trained ones)."""
+    free = {"allocator"} | (set() if plan.config("offload").states else {"optimizer", "optimizer_in_backward",
+                                                                          "bf16_update"})
+    return tuple((k, str(v)) for k, v in sorted(plan.to_dict().items()) if k not in free)
 
 
 def _compiles_as(plan, other) -> bool:

@@ -28,9 +28,15 @@ def print_plan_result(result, console: Console | None = None, top: int = 12) -> 
         c.print(f"[green]chosen:[/] {escape(ch.plan.describe())} · predicted {fmt_bytes(ch.used_bytes)} · "
                 f"{ch.seconds * 1e3:.1f} ms/step · {_rate(result, ch)}{compiling}")
         if ch.host_bytes and result.device != "cpu":
-            c.print(f"[yellow]host memory:[/] {fmt_bytes(ch.host_bytes)} of the training machine's memory at the peak "
-                    "(offloaded or swapped copies, pinned); the planner does not check it against that machine's "
-                    "memory yet")
+            if result.host_budget_bytes is not None:
+                c.print(f"host memory: {fmt_bytes(ch.host_bytes)} of the {fmt_bytes(result.host_budget_bytes)} the "
+                        "training machine gives (--host-memory) at the peak (offloaded or swapped copies, pinned, and "
+                        "paged optimizer states paged out)")
+            else:
+                c.print(f"[yellow]host memory:[/] {fmt_bytes(ch.host_bytes)} of the training machine's memory at the "
+                        "peak (offloaded or swapped copies, pinned, and paged optimizer states paged out), not checked "
+                        "against it: give --host-memory "
+                        "(e.g. 64GB) to plan within that machine's memory")
         if ch.managed_bytes:
             c.print(f"[dim]paged optimizer states: {fmt_bytes(ch.managed_bytes)} of CUDA managed memory, not in "
                     "torch.cuda.max_memory_reserved(); the memory above counts the part that fits beside the "
@@ -41,10 +47,16 @@ def print_plan_result(result, console: Console | None = None, top: int = 12) -> 
             c.print(f"[yellow]changes numerics:[/] {escape(', '.join(ch.plan.numerics))} (the updates differ from "
                     "the workload's own fp32 step; see docs/numerics.md)")
         c.print(escape(ch.plan.to_yaml().rstrip()))
-    else:
-        s = result.smallest
+    elif (s := result.smallest) is not None:
         c.print(f"[red]nothing fits in {fmt_bytes(result.budget_bytes)}.[/] The smallest footprint found is "
                 f"{fmt_bytes(s.used_bytes)} with: {escape(s.plan.describe())}; a budget of at least that would fit.")
+    else:
+        c.print(f"[red]nothing fits in {fmt_bytes(result.budget_bytes)}.[/]")
+    if not result.chosen and (over_host := _over_host(result)):
+        least = min(over_host, key=lambda x: x.host_bytes)
+        c.print(f"[red]{len(over_host)} plan(s) fit the device but not the host memory[/] "
+                f"({fmt_bytes(result.host_budget_bytes)}, --host-memory); the least host memory among them is "
+                f"{fmt_bytes(least.host_bytes)}, with: {escape(least.plan.describe())}.")
     t = Table(title="alternatives, fastest first", show_edge=False, pad_edge=False, box=None)
     kept = [x for x in result.candidates if x.status in ("chosen", "not worth it")]  # (always shown)
     big = [x for x in result.candidates if x.status == "too big"][:max(0, top - len(kept))]
@@ -212,3 +224,10 @@ def save_pareto_png(result, path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _over_host(result) -> list:
+    """The plans that fit the device's budget but were rejected for the host's memory."""
+    limit = result.host_budget_bytes
+    return [] if limit is None else [x for x in result.candidates if x.status == "too big" and x.host_bytes > limit
+                                     and x.used_bytes is not None and x.used_bytes <= result.budget_bytes]
