@@ -47,6 +47,7 @@ from memfit.planner.roofline import for_host
 from memfit.planner.simpler import settle_simpler
 from memfit.planner.space import (
     STATE_BYTES_AT_MOST,
+    block_input_bytes,
     candidates,
     default_space,
     drop_unused,
@@ -182,7 +183,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     custom_space = space is not None
     space = space or default_space(facts, dev, rank_bs, optimizers, compile_modes, budget_bytes=budget_bytes,
                                    base_weights=(fixed or {}).get("base_weights"), run_steps=steps,
-                                   coupled_samples=wl.info.coupled_samples)
+                                   coupled_samples=wl.info.coupled_samples,
+                                   block_inputs=lambda: block_input_bytes(wl, facts.model, rank_bs))
     offered = {k: list(v) for k, v in space.values.items()}
     given_fields = dict(fixed or {})
     fixed, constrained = _constrain(space, dict(given_fields), dev, rank_bs)

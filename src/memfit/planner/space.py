@@ -57,21 +57,54 @@ def model_facts(workload: Workload) -> ModelFacts:
     return ModelFacts(model=model, n_params=sum(p.numel() for p in model.parameters()))
 
 
+# NOTE [ What the repeated blocks take in ]
+# Whether swapping blocks can matter depends on what is left of the budget beside the weights, and
+# block checkpointing leaves there what enters each block, a tensor of the batch's tokens by the
+# block's width: small for a language model's 2,048 tokens (0.8 GiB over Qwen2.5-7B's 28 blocks at 2 x
+# 2048), not for a video model's (Wan 14B's 81 frames at 480 px: 18,900 tokens by 5120, 7.2 GiB over its
+# 40 blocks). The step is run once on the meta device (no memory, no compute; a model that asks a meta
+# tensor for a value, as a causal LM's loss does, tells nothing: None), a hook on each repeated block
+# counting the first floating-point tensor it takes, at 2 bytes an element (a checkpointed block
+# input in 16 bits).
+def block_input_bytes(workload: Workload, model: torch.nn.Module, batch_size: int) -> int | None:
+    """Bytes of what enters the repeated blocks of one step at ``batch_size``, summed over the blocks
+    (NOTE [ What the repeated blocks take in ]); None where the meta step cannot tell."""
+    from memfit.techniques.checkpointing import find_blocks
+
+    counted: list[int] = []
+
+    def count(module, args, kwargs):
+        x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+        counted.append(0 if x is None else x.numel())
+
+    hooks = [b.register_forward_pre_hook(count, with_kwargs=True) for _, blocks in find_blocks(model) for b in blocks]
+    try:
+        with torch.device("meta"), torch.no_grad():
+            workload.loss(model, workload.batch(batch_size))
+    except Exception:  # (a value asked of a meta tensor, a data-dependent shape: unknown)
+        return None
+    finally:
+        for h in hooks:
+            h.remove()
+    return 2 * sum(counted) if counted else None
+
+
 def default_space(facts: ModelFacts, device: Device, batch_size: int,
                   optimizers: tuple[str, ...] | None = None,
                   compile_modes: tuple[str, ...] | None = None, *, budget_bytes: int | None = None,
                   base_weights: str | None = None, run_steps: int | None = None,
-                  coupled_samples: str | None = None) -> SearchSpace:
+                  coupled_samples: str | None = None, block_inputs=None) -> SearchSpace:
     """``compile_modes``: the compile modes to try; None: the device's default (memfit.techniques.compile).
     ``budget_bytes`` and ``base_weights`` (the plan's, as the user gave it): what a technique whose
     values matter only when the weights fill the budget looks at (``swap_blocks``); None: unknown.
     ``run_steps``: the run's length, if given (compile is searched by default on GPU presets for a run
     long enough to pay for its compiles: memfit.techniques.compile). ``coupled_samples``: why the
-    workload's samples depend on each other (memfit.workload.WorkloadInfo): no micro-batch is searched."""
+    workload's samples depend on each other (memfit.workload.WorkloadInfo): no micro-batch is searched.
+    ``block_inputs``: a call giving :func:`block_input_bytes` at the batch (asked only where it decides)."""
     ctx = SearchContext(model=facts.model, device=device, batch_size=batch_size,
                         options={"optimizers": optimizers, "compile_modes": compile_modes,
                                  "budget_bytes": budget_bytes, "base_weights": base_weights,
-                                 "run_steps": run_steps})
+                                 "run_steps": run_steps, "block_inputs": block_inputs})
     values = {t.keys[0].name: list(t.search(ctx)) for t in TECHNIQUES if t.search is not None}
     micro = [m for m in (batch_size, batch_size // 2, batch_size // 4, batch_size // 8)
              if m >= 1 and batch_size % m == 0 and (m == batch_size or not coupled_samples)]

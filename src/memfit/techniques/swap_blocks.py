@@ -334,18 +334,29 @@ quarter of the card or more for activations, which block checkpointing makes sma
 bf16 on a 24 GB card (0.6-0.7) fits without swap, and searching it there cost the planner a full-depth
 trace per swapped count (70 s of a Qwen2.5-7B LoRA's plan). FLUX.1-dev in fp8 takes 0.93 of a 12 GiB
 budget, 0.52 of a 24 GB card's (kohya swaps blocks on 12 and 16 GB cards, not on 24 GB ones)."""
+WITH_INPUTS_OVER = 0.85
+"""Or the share the weights and what block checkpointing keeps (each block's input: memfit.planner.space's
+NOTE [ What the repeated blocks take in ]) must take together, where the weights take at least
+``INPUTS_ASKED_OVER``: a video model's tokens make block checkpointing keep gigabytes (Wan 14B in fp8
+at 81 frames on a 24 GB card: 0.63 of the budget, 0.97 with its 40 blocks' inputs), a language model's
+do not (Qwen2.5-7B's LoRA at 2 x 2048: 0.75 with them)."""
+INPUTS_ASKED_OVER = 0.5
 
 
 def search(ctx: SearchContext) -> list[int]:
     """None, about a quarter, half and three quarters, and all of the blocks, on GPU presets where the
     weights take more than ``SEARCHED_OVER`` of the budget (in the format the plan stores them:
-    ``base_weights``); else none (the host is the device on a CPU, and a model far under its budget
+    ``base_weights``), or they and the blocks' inputs more than ``WITH_INPUTS_OVER``; else none (the host is the device on a CPU, and a model far under its budget
     gains nothing). "About": NOTE [ Swapped counts the planner traces shallow ]."""
     budget, base = ctx.options.get("budget_bytes"), ctx.options.get("base_weights")
     if not ctx.device.is_gpu or budget is None or not _swappable(ctx.model, base):
         return [0]
-    if least_weight_bytes(ctx.model.parameters(), ctx.model, str(base or "as-is")) <= SEARCHED_OVER * budget:
-        return [0]
+    weights = least_weight_bytes(ctx.model.parameters(), ctx.model, str(base or "as-is"))
+    if weights <= SEARCHED_OVER * budget:
+        inputs = ctx.options.get("block_inputs") if weights > INPUTS_ASKED_OVER * budget else None
+        taken = inputs() if inputs is not None else None
+        if taken is None or weights + taken <= WITH_INPUTS_OVER * budget:
+            return [0]
     lengths = [len(blocks) for _, blocks in find_blocks(ctx.model)]
     n, depth = sum(lengths), math.gcd(*lengths)
     return sorted({0, *(_near(n, depth, share) for share in (0.25, 0.5, 0.75)), n})

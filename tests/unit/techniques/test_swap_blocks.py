@@ -22,7 +22,7 @@ from memfit.memory.measure import profile
 from memfit.planner.ops import H2D, SIDE_STREAM
 from memfit.planner.roofline import H100
 from memfit.planner.shallow import depths
-from memfit.planner.space import default_space, model_facts
+from memfit.planner.space import block_input_bytes, default_space, model_facts
 from memfit.planner.timing import time_from_ops, trace_step
 from memfit.plans import Plan
 from memfit.step import build_step
@@ -157,6 +157,26 @@ def test_the_planner_searches_swap_where_the_weights_fill_the_budget():
     assert default_space(facts, gpu, 1, budget_bytes=21 * 2**30, base_weights="fp8").values["swap_blocks"] == [0]
     llama = model_facts(load_workload("llama", seq_len=2048))  # (Llama-2-7B in bf16: 0.59 of a 24 GB card's budget)
     assert default_space(llama, gpu, 1, budget_bytes=int(0.9 * gpu.total_bytes)).values["swap_blocks"] == [0]
+
+
+def test_the_planner_searches_swap_where_the_weights_and_the_checkpointed_block_inputs_fill_the_budget():
+    """memfit.techniques.swap_blocks.WITH_INPUTS_OVER: FLUX.1-dev in fp8 takes 0.53 of a 21 GiB budget; with
+    8 GiB of block inputs (a video model's tokens) swap is searched, with 1 GiB or none known it is not."""
+    facts, gpu = model_facts(load_workload("dit-flux")), get_device("rtx4090")
+
+    def space(inputs):
+        return default_space(facts, gpu, 1, budget_bytes=21 * 2**30, base_weights="fp8",
+                             block_inputs=lambda: inputs).values["swap_blocks"]
+    assert space(8 * 2**30) == [0, 19, 28, 38, 57]
+    assert space(1 * 2**30) == space(None) == [0]
+
+
+def test_the_block_inputs_are_the_tokens_by_the_width_in_16_bits_over_the_blocks():
+    """A tiny Wan at 33 frames and 64 px: 9 latent frames of (64 / 16)^2 patches, 2 x 16 wide, 2 blocks, batch 3."""
+    wl = load_workload("dit-wan:num_layers=2,attention_head_dim=16,num_attention_heads=2,ffn_dim=64,text_dim=32,"
+                       "freq_dim=32,frames=33", resolution=64)
+    assert block_input_bytes(wl, model_facts(wl).model, 3) == 2 * 3 * 9 * 16 * 32 * 2
+    assert block_input_bytes(load_workload("llama", seq_len=64), model_facts(load_workload("llama", seq_len=64)).model, 1) is None
 
 
 def test_swapped_counts_of_one_stack_repeat_within_a_few_blocks():
