@@ -129,10 +129,10 @@ def test_exports():
 def test_the_cpu_planner_refuses_a_model_whose_plain_step_cannot_fit_this_machine(monkeypatch):
     """It times real steps: a model whose fp32 AdamW states alone pass the free memory would be
     killed by the OS; one line instead, naming the GPU presets that trace without that memory."""
-    import memfit.planner.search as search
+    import memfit.planner.cost as cost
     from memfit.errors import UserError
     from memfit.planner.search import plan as plan_for
-    monkeypatch.setattr(search, "available_host_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(cost, "available_host_bytes", lambda: 1 << 20)
     with pytest.raises(UserError, match=r"this machine has 1.00 MiB free; plan for a GPU preset"):
         plan_for("gpt2:n_layer=1,n_embd=64,n_head=2,vocab_size=256,n_positions=32", budget="1GiB", device="cpu",
                  batch_size=2, seq_len=32)
