@@ -208,7 +208,7 @@ class Walk:
         for _, _, x in heapq.nsmallest(LOOK_AHEAD, self.heap):
             if x is c or not x.open or x.used_bytes is not None or self.ladder.traced(x.plan):
                 continue
-            if self.failed.rule_out(x) or self.failed.would_rule_out(x, (c, *out)):
+            if self.failed.rule_out(x) or self.failed.would_rule_out(x, (c, *out)) or _host_copies(x.plan) in self.over_host:
                 continue
             if estimate is not None and (not estimate.free(x.plan) or estimate.evaluate(x.plan).over(self.budget.bytes)):
                 continue
