@@ -65,6 +65,11 @@ class Device:
     def is_gpu(self) -> bool:
         return self.kind == "cuda"
 
+    @property
+    def is_local_gpu(self) -> bool:
+        """The GPU of this machine (:func:`local_cuda_device`, named ``cuda (<card>)``), not a preset."""
+        return self.name.startswith("cuda")
+
     def usable_bytes(self) -> int:
         """Capacity left to PyTorch's allocator after the CUDA context."""
         return self.total_bytes - self.context_bytes

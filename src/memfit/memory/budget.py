@@ -72,8 +72,7 @@ class Budget:
         if not self.device.is_gpu:
             return self
         if spec is None:
-            local = self.device.name.startswith("cuda")  # (memfit.devices.local_cuda_device: "cuda (<card>)")
-            return replace(self, host_bytes=available_host_bytes()) if local else self
+            return replace(self, host_bytes=available_host_bytes()) if self.device.is_local_gpu else self
         return replace(self, host_bytes=parse_size(spec, total_bytes=host_total_bytes(), what="--host-memory"))
 
     def host_over(self, host_bytes: int) -> bool:

@@ -212,7 +212,7 @@ class Rates:
     def of(cls, device: Device, k: Constants) -> Rates:
         from memfit.devices import preset_for_card
         fl = device.peak_flops or {"float32": 1e12}
-        name = device.name if device.name in FP32_SIMT or not device.name.startswith("cuda") else \
+        name = device.name if device.name in FP32_SIMT or not device.is_local_gpu else \
             preset_for_card(device.name)
         half = fl.get("bfloat16", fl.get("float16", fl.get("float32", 1e12)))
         tf32 = fl.get("float32", 1e12)
