@@ -89,8 +89,10 @@ def test_a_default_value_given_as_a_flag_is_held():
 
 
 @pytest.mark.parametrize("given, why", [("lots", "malformed --host-memory 'lots'"), ("0GB", "--host-memory must be positive")])
-def test_a_bad_host_memory_gets_one_line(capsys, given, why):
-    assert main(["plan", *ARGS, "--host-memory", given]) == 2
+@pytest.mark.parametrize("command", ["plan", "fit"])
+def test_a_bad_host_memory_gets_one_line(capsys, given, why, command):
+    args = ARGS if command == "plan" else ["gpt2", "--devices", "rtx4090"]
+    assert main([command, *args, "--host-memory", given]) == 2
     err = capsys.readouterr().err.strip()
     assert why in err and len(err.splitlines()) == 1
 

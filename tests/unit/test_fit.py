@@ -17,6 +17,7 @@ from memfit.planner.space import model_facts
 from memfit.plans import Plan
 from memfit.quiet import silenced_warnings
 from memfit.target import Target
+from memfit.units import fmt_bytes
 from memfit.workloads import load_workload
 
 # 6 blocks: the shallow pairs (2 and 3 blocks) and the deep stream are used, as for a 7B
@@ -169,3 +170,29 @@ def test_each_cells_first_faster_recipe_is_queued_when_its_batch_is_found_and_th
     workload = load_workload(LLAMA, seq_len=SEQ)
     fit_table(workload, parse_methods("lora"), [get_device("rtx4090")], budget="4.5%")
     assert queued and rounds and sorted(queued, key=str) == sorted(rounds[0], key=str)
+
+
+FULL = ("llama:num_hidden_layers=4,hidden_size=512,intermediate_size=1408,num_attention_heads=8,num_key_value_heads=8,"
+        "vocab_size=4096")
+
+
+def test_a_recipe_over_the_host_memory_is_passed_over_for_paged_states_and_the_cell_says_so():
+    """NOTE [ A recipe over the host's memory ]: on a card that takes full fine-tuning only with AdamW stepped on
+    the host, the cell holds that recipe's host bytes (those of ``memfit estimate``'s full trace at its batch);
+    with ``host_memory`` below them, the recipe is passed over for the paged 8-bit AdamW (its batch exact by
+    full traces), and the cell says what the offloaded one would need."""
+    workload = load_workload(FULL, seq_len=64)
+    card = get_device("rtx4060")
+    small = dataclasses.replace(card, name="small", total_bytes=card.context_bytes + 100 * 2**20)
+    cell = fit_table(workload, parse_methods("full"), [small], budget="100%", max_world=2).cells[("small", "full")]
+    assert cell.world == 1 and cell.recipe.startswith("offloaded") and cell.plan.offload == ("optimizer_states",), cell
+    with silenced_warnings():
+        report = estimate_target(Target.resolve(workload, cell.plan, cell.batch, small))
+    assert cell.host_bytes == report.host_peak_bytes > 0 and not cell.passed_over
+    limit = cell.host_bytes - 2**20
+    held = fit_table(workload, parse_methods("full"), [small], budget="100%", max_world=2,
+                     host_memory=f"{limit}B").cells[("small", "full")]
+    assert held.world == 1 and held.recipe.startswith("paged") and held.plan.optimizer == "adamw8bit-paged", held
+    assert held.host_bytes <= limit and held.passed_over.startswith("offloaded needs ")
+    assert f"of host memory > {fmt_bytes(limit)} (--host-memory)" in held.passed_over
+    assert _used(workload, held.plan, held.batch, small) <= held.budget_bytes < _used(workload, held.plan, held.batch + 1, small)

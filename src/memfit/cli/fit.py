@@ -28,6 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                    "capacity less 10%%, as memfit plan)")
     p.add_argument("--max-world-size", metavar="N", default="8",
                    help="where no card fits alone: try 2, 4, ... up to N cards with FSDP2 (default 8)")
+    p.add_argument("--host-memory", metavar="SIZE",
+                   help="the training machine's memory for offloaded and swapped copies: 64GB, or 80%% of this "
+                        "machine's; recipes that need more are passed over (default: not checked)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     p.add_argument("--png", metavar="FILE.png", help="also write a picture of the table")
@@ -51,6 +54,10 @@ def run(args: argparse.Namespace) -> int:
     seq = parse_positive_int(args.seq_len, "--seq-len", MAX_SIZE) if args.seq_len is not None else None
     res = parse_positive_int(args.resolution, "--resolution", MAX_SIZE) if args.resolution is not None else None
     most = parse_positive_int(args.max_world_size, "--max-world-size")
+    if args.host_memory is not None:
+        from memfit.devices import host_total_bytes
+        from memfit.units import parse_size
+        parse_size(args.host_memory, total_bytes=host_total_bytes(), what="--host-memory")  # (bad input: before tracing)
     workload = load_workload(args.workload, seq_len=seq, resolution=res)
     image, info = workload.info.resolution is not None, workload.info
     if info.adapter is not None:
@@ -66,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     names = [n.strip() for n in args.devices.split(",") if n.strip()] if args.devices else list(GPU_PRESETS)
     cards = list({d.name: d for d in map(get_device, names)}.values())
     with PlanProgress() if not args.json else contextlib.nullcontext() as progress:
-        table = fit_table(workload, methods, cards, budget=args.budget, max_world=most, progress=progress)
+        table = fit_table(workload, methods, cards, budget=args.budget, max_world=most,
+                          host_memory=args.host_memory, progress=progress)
     if args.png:
         save_fit_png(table, args.png)
     if args.json:

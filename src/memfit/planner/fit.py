@@ -66,6 +66,7 @@ from memfit.planner.traces import TraceBook
 from memfit.planner.turns import in_turns
 from memfit.quiet import silenced_warnings
 from memfit.target import Target
+from memfit.units import fmt_bytes
 from memfit.workload import Workload
 
 
@@ -83,6 +84,10 @@ class Cell:
     plan: object = None
     used_bytes: int | None = None
     """What the budget counts at ``batch`` (one rank's)."""
+    host_bytes: int = 0
+    """The plan's peak in the training machine's memory at ``batch``: offloaded states, swapped weights."""
+    passed_over: str = ""
+    """The recipes passed over for the host's memory, in words (NOTE [ A recipe over the host's memory ])."""
     next_used_bytes: int | None = None
     """What one more sample a rank needs."""
     seconds: float | None = None
@@ -100,8 +105,8 @@ class Cell:
     def to_json(self) -> dict:
         return {"card": self.card, "method": self.method, "fits_one_card": self.fits, "cards": self.world or None,
                 "batch": self.batch, "recipe": self.recipe, "plan": self.plan.to_dict() if self.plan else None,
-                "used_bytes": self.used_bytes, "next_batch_used_bytes": self.next_used_bytes,
-                "step_seconds": self.seconds, "throughput": self.throughput, "budget_bytes": self.budget_bytes,
+                "used_bytes": self.used_bytes, "host_bytes": self.host_bytes, "next_batch_used_bytes": self.next_used_bytes,
+                "passed_over_for_host_memory": self.passed_over or None, "step_seconds": self.seconds, "throughput": self.throughput, "budget_bytes": self.budget_bytes,
                 "error": self.error, "cannot": self.cannot}
 
 
@@ -122,17 +127,21 @@ class FitTable:
     """Plans an architecture took from another's book (NOTE [ Architectures that trace alike ])."""
     budget: str | None = None
     """The budget as given (a share of each card; None: the planner's default)."""
+    host_budget_bytes: int | None = None
+    """The training machine's memory the plans' host copies may hold (``--host-memory``; None: not checked)."""
 
     def to_json(self) -> dict:
         return {"workload": self.workload, "sizes": self.sizes, "throughput_unit": self.unit, "methods": self.methods,
                 "cards": [d.name for d in self.cards], "traces": self.traces, "full_traces": self.full_traces,
                 "architectures": self.groups, "plans_shared_between_architectures": self.shared, "seconds": self.seconds,
-                "cells": [c.to_json() for c in self.cells.values()]}
+                "host_budget_bytes": self.host_budget_bytes, "cells": [c.to_json() for c in self.cells.values()]}
 
 
 def fit_table(workload: Workload, methods: list[Method], cards: list[Device], *, budget: str | None = None,
-              max_world: int = 8, progress=None) -> FitTable:
-    """The table of ``cards`` by ``methods`` for ``workload`` (the module docstring)."""
+              max_world: int = 8, host_memory: str | int | None = None, progress=None) -> FitTable:
+    """The table of ``cards`` by ``methods`` for ``workload`` (the module docstring). ``host_memory``: the
+    training machine's memory (``64GB``, ``80%`` of this one's) the recipes' host copies may hold (NOTE [ A
+    recipe over the host's memory ]); None: not checked, as for ``memfit plan`` on a preset."""
     progress = progress or NoProgress()
     t0 = time.perf_counter()
     with silenced_warnings():
@@ -140,6 +149,8 @@ def fit_table(workload: Workload, methods: list[Method], cards: list[Device], *,
     info = workload.info
     sizes = (f"seq {info.seq_len}" if info.seq_len else f"{info.resolution} px" if info.resolution else "")
     table = FitTable(workload.name, sizes, _unit(workload), [m.name for m in methods], list(cards), budget=budget)
+    if cards and host_memory is not None:
+        table.host_budget_bytes = Budget.resolve(budget, cards[0]).with_host(host_memory).host_bytes
     groups: dict[tuple, list[Device]] = {}
     for card in cards:
         if not card.is_gpu:
@@ -158,7 +169,7 @@ def fit_table(workload: Workload, methods: list[Method], cards: list[Device], *,
         searched = []
         for together in (order[:1], order[1:]):  # (the first alone: the others draw on its lines, take its plans)
             progress.stage(f"tracing for {', '.join(d.name for group in together for d in group)}")
-            searched += in_turns([functools.partial(_search_group, group, methods, books, budget, max_world)
+            searched += in_turns([functools.partial(_search_group, group, methods, books, budget, max_world, host_memory)
                                   for group in together], together=books.in_processes)
         for searches in searched:  # (NOTE [ Searches in turns ])
             for search in searches:
@@ -171,9 +182,9 @@ def fit_table(workload: Workload, methods: list[Method], cards: list[Device], *,
 
 
 def _search_group(group: list[Device], methods: list[Method], books: Books, budget: str | None,
-                  max_world: int) -> list[_Search]:
+                  max_world: int, host_memory: str | int | None) -> list[_Search]:
     """The cells of one architecture's cards: their largest batches, then faster recipes in rounds."""
-    searches = [_Search(card, method, books, budget, max_world) for method in methods for card in group]
+    searches = [_Search(card, method, books, budget, max_world, host_memory) for method in methods for card in group]
     in_turns([search.largest for search in searches], together=books.in_processes)
     _faster_in_rounds(searches, books)
     for search in searches:
@@ -219,15 +230,18 @@ class _Search:
     most frugal recipe (:meth:`largest`), then the fastest recipe that takes that batch too (asked by
     :func:`_faster_in_rounds`), and its figures (:meth:`finish`)."""
 
-    def __init__(self, card: Device, method: Method, books: Books, budget: str | None, max_world: int) -> None:
+    def __init__(self, card: Device, method: Method, books: Books, budget: str | None, max_world: int,
+                 host_memory: str | int | None = None) -> None:
         self.card, self.method, self.books, self.max_world = card, method, books, max_world
-        self.cell = Cell(card.name, method.name, budget_bytes=Budget.resolve(budget, card).bytes)
+        self.budget = Budget.resolve(budget, card).with_host(host_memory)
+        self.cell = Cell(card.name, method.name, budget_bytes=self.budget.bytes)
         self.limit = self.cell.budget_bytes
         self.plans: list[Recipe] = []
         self.faster: list[Recipe] = []
         """The recipes faster than ``chosen`` still to ask, fastest first."""
         self.chosen: Recipe | None = None
         self.world, self.batch, self.found = 1, None, None
+        self.passed = ""
         try:
             with silenced_warnings():
                 self.plans = recipes(method, books.facts, card, self.limit)
@@ -269,8 +283,11 @@ class _Search:
         decides) and the largest batch a rank takes under its most frugal recipe."""
         if self.plans:
             self._guarded(self._largest)
+        self.cell.passed_over = self.passed
 
     def _largest(self) -> None:
+        if not self._within_host():
+            return
         cell, world, frugal = self.cell, 1, self.plans[-1]
         needs = self.used(frugal, 1)
         alone = self.book(frugal).at_batch(frugal.plan, 1).peak_bytes
@@ -293,6 +310,40 @@ class _Search:
         self.faster = list(self.plans[:-1]) if world == 1 else []
         if (first := self.next_faster()) is not None:  # (the first round's shallower trace, in the background now)
             self.books.queue_shallower([(self.book(first), first.plan, self.batch)])
+
+    # NOTE [ A recipe over the host's memory ]
+    # With --host-memory, a recipe holding copies on the host (optimizer states offloaded, frozen blocks
+    # swapped) that needs more of the training machine's memory than it gives is passed over, as the
+    # planner's walk rejects such a plan; the cell then takes the recipes left (the next most frugal
+    # saves less, so the batch may be smaller, or FSDP2 over several cards). Those copies hold the
+    # weights' or the states' bytes, whatever the batch (no recipe offloads activations), so one sample
+    # decides: the figure every card of the architecture shares. Recipes without host copies are not
+    # asked (no trace of their own). The chosen recipe's host bytes at its batch are in its cell. In
+    # place of ``offloaded``, passed over, the cell tries ``paged`` (memfit.planner.recipes): its states
+    # a quarter of the bytes, and only those the card has no room for on the host. Not before: its
+    # allocator side is larger (a smaller batch) and the pages it moves each step make it slower.
+    def host(self, recipe: Recipe, batch: int) -> int:
+        """The recipe's peak in host memory at ``batch`` (pinned copies), with a paged optimizer's pages out."""
+        m = self.book(recipe).at_batch(recipe.plan, batch)
+        return m.host_bytes + self.budget.paged_out(self.default_used(recipe, batch), m.managed_bytes)
+
+    def _within_host(self) -> bool:
+        """Pass over the recipes over the host's memory (NOTE [ A recipe over the host's memory ]); False
+        where none is left (the cell says what the least of them needs)."""
+        if self.budget.host_bytes is None:
+            return True
+        over = {r.name: self.host(r, 1) for r in self.plans if _holds_host(r.plan)}
+        over = {name: n for name, n in over.items() if self.budget.host_over(n)}
+        if "offloaded" in over:  # (its host-light stand-in: the states paged, a quarter of the bytes)
+            light = recipes(self.method, self.books.facts, self.card, self.limit, host_light=True)
+            self.plans = [r for r in self.plans if r.name != "offloaded"] + [r for r in light if r.name == "paged"]
+            if self.plans[-1].name == "paged" and self.budget.host_over(n := self.host(self.plans[-1], 1)):
+                over["paged"] = n
+        self.plans = [r for r in self.plans if r.name not in over]
+        if over:
+            self.passed = (" and ".join(f"{name} needs {fmt_bytes(n)}" for name, n in over.items())
+                           + f" of host memory > {fmt_bytes(self.budget.host_bytes)} (--host-memory)")
+        return bool(self.plans)
 
     def next_faster(self) -> Recipe | None:
         """The fastest recipe left to ask at the batch: past those over the budget at one sample (a figure
@@ -344,9 +395,12 @@ class _Search:
         target = dataclasses.replace(self.book(chosen).target, plan=chosen.plan, batch_size=n * world, device=self.card)
         cell.world, cell.batch, cell.recipe, cell.plan = world, n * world, chosen.name, chosen.plan
         cell.used_bytes, cell.next_used_bytes = self.used(chosen, n), self.found.next_used_bytes
+        cell.host_bytes = self.host(chosen, n) if _holds_host(chosen.plan) else 0
         if cell.used_bytes < self.default_used(chosen, n):  # (it fits with expandable segments only)
             cell.plan, cell.recipe = chosen.plan.replace(allocator="expandable"), f"{chosen.name}+expandable"
         cell.seconds = _seconds(m, target)
+        if m.managed_bytes:  # (a paged optimizer's pages the card has no room for move each step: NOTE [ Migration in estimates ])
+            cell.seconds += self.budget.migration(cell.used_bytes, m.managed_bytes).seconds
         info = target.workload.info
         per_sample = info.seq_len if info.text_lm and info.seq_len else 1
         cell.throughput = n * world * per_sample / cell.seconds
@@ -359,6 +413,13 @@ def _seconds(m: Measured, target: Target) -> float:
         return time_from_ops(m.ops, target).seconds
     a, b, d, e, full = m.pair
     return extrapolate(time_from_ops(a, target).seconds, time_from_ops(b, target).seconds, d, e, full)
+
+
+def _holds_host(plan) -> bool:
+    """The plan may keep copies in host memory: offloaded optimizer states or activations, swapped blocks,
+    or a paged optimizer's states (those the card has no room for)."""
+    return (not (plan.config("offload").is_default and plan.config("swap_blocks").is_default)
+            or plan.optimizer.endswith("-paged"))
 
 
 def _unit(workload: Workload) -> str:

@@ -22,7 +22,8 @@ def cell_text(cell, unit: str) -> str:
         return f"no: {cell.error}" if cell.error else "no"
     rate = f"{fmt_rate(cell.throughput)} {SHORT_UNITS.get(unit, unit)}" if cell.throughput else "-"
     where = "" if cell.world == 1 else f"{cell.world} cards: "
-    return f"{where}b={cell.batch} {cell.recipe}, {rate}"
+    host = f", host {fmt_bytes(cell.host_bytes)}" if cell.host_bytes else ""
+    return f"{where}b={cell.batch} {cell.recipe}, {rate}{host}"
 
 
 def _rows(table):
@@ -37,6 +38,15 @@ def _recipes(table) -> list[str]:
         if cell.plan is not None:
             seen.setdefault((cell.method, cell.recipe), set()).add(cell.plan.short())
     return [f"{method} {recipe}: {' | '.join(sorted(plans))}" for (method, recipe), plans in sorted(seen.items())]
+
+
+def _passed_over(table) -> list[tuple[str, str, str]]:
+    """(method, its cards, what was passed over) for each recipe the host's memory ruled out."""
+    seen: dict[tuple[str, str], list[str]] = {}
+    for cell in table.cells.values():
+        if cell.passed_over:
+            seen.setdefault((cell.method, cell.passed_over), []).append(cell.card)
+    return [(method, ", ".join(cards), passed) for (method, passed), cards in seen.items()]
 
 
 def _header(table) -> str:
@@ -71,6 +81,15 @@ def _legend(say, table) -> None:
         f"{table.unit} predicted on the card; the recipe: the fastest that takes the batch:")
     for line in _recipes(table):
         say(f"  {escape(line)}")
+    if table.host_budget_bytes is not None:
+        passed = _passed_over(table)
+        say(f"host: the training machine's memory the recipe's copies hold (offloaded or paged states, swapped blocks), "
+            f"each within {fmt_bytes(table.host_budget_bytes)} (--host-memory)" + ("; passed over:" if passed else ""))
+        for method, cards, what in passed:
+            say(f"  {method} on {cards}: {escape(what)}")
+    elif any(c.host_bytes for c in table.cells.values()):
+        say("host: the training machine's memory the recipe's copies hold (offloaded or paged states, swapped blocks); "
+            "not checked against any machine: give --host-memory SIZE")
 
 
 def markdown(table) -> str:
