@@ -89,9 +89,10 @@ def test_a_default_value_given_as_a_flag_is_held():
 
 
 @pytest.mark.parametrize("given, why", [("lots", "malformed --host-memory 'lots'"), ("0GB", "--host-memory must be positive")])
-@pytest.mark.parametrize("command", ["plan", "fit"])
+@pytest.mark.parametrize("command", ["plan", "fit", "estimate", "estimate-on-cpu"])
 def test_a_bad_host_memory_gets_one_line(capsys, given, why, command):
-    args = ARGS if command == "plan" else ["gpt2", "--devices", "rtx4090"]
+    args = {"fit": ["gpt2", "--devices", "rtx4090"], "estimate-on-cpu": [SPEC, "--device", "cpu"]}.get(command, ARGS)
+    command = command.removesuffix("-on-cpu")
     assert main([command, *args, "--host-memory", given]) == 2
     err = capsys.readouterr().err.strip()
     assert why in err and len(err.splitlines()) == 1
@@ -135,3 +136,19 @@ def test_paged_optimizer_states_the_card_has_no_room_for_count_as_host_memory():
     chosen = plan(spec, budget=room, device="rtx4090", batch_size=2, seq_len=64, fixed=fixed).chosen
     assert chosen.plan == Plan(**fixed) and report.host_peak_bytes == 0
     assert chosen.host_bytes == report.managed_bytes - report.managed_bytes // 2 > 0
+
+
+def test_estimate_holds_the_host_copies_to_the_host_memory_given(capsys):
+    """``memfit estimate --host-memory``: the step's host bytes (offloaded copies, and a paged optimizer's pages
+    out) against the limit, on the terminal and in --json; not checked on a preset without it."""
+    offloaded = [*ARGS, "--offload", "optimizer_states"]
+    assert main(["estimate", *offloaded, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    need = report["host_peak_bytes"]
+    assert report["host_bytes"] == need > 0 and report["host_budget_bytes"] is None and report["host_fits"] is None
+    for limit, fits in ((need - 1, False), (need, True)):
+        assert main(["estimate", *offloaded, "--host-memory", f"{limit}B", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["host_fits"] is fits
+        assert main(["estimate", *offloaded, "--host-memory", f"{limit}B"]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("on the host"))
+        assert fmt_bytes(need) in line and fmt_bytes(limit) in line and ("does not" not in line) == fits  # (the table wraps "fit")

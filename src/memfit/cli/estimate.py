@@ -33,6 +33,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget", help="with a size given as max: the memory budget (20GiB, 1.5GB, 80%% of the device); "
                                     "default: the whole device (what the report's verdict counts: reserved + CUDA "
                                     "context on a GPU preset)")
+    p.add_argument("--host-memory", metavar="SIZE",
+                   help="the training machine's memory (64GB, or 80%% of this machine's): the report says whether "
+                        "the plan's host copies (offloaded, swapped, paged out) fit it. Default: with --device "
+                        "cuda, what this machine can still give; on a preset, not checked")
     add_report_args(p, "write the step's memory timeline, stacked by category",
                     "write the trace as a torch.cuda.memory._snapshot() pickle: segments and blocks (a GPU "
                     "preset's from memfit's caching-allocator model), allocations with their module, category "
@@ -54,12 +58,13 @@ def run(args: argparse.Namespace) -> int:
                         "for a budget")
     workload, bs, seq = sized_workload(args)
     _say_config(args)
+    host = _host_limit(args)
     report = estimate(workload, plan_from_args(args), batch_size=bs, device=args.device, seq_len=seq,
                       timeline=args.timeline, snapshot=args.snapshot)
     if args.json:
-        print_json(report.to_json())
+        print_json({**report.to_json(), **_host_json(report, host)})
         return 0
-    print_estimate(report)
+    print_estimate(report, host_limit=host)
     print_report_extras(report, args, modules)
     return 0
 
@@ -76,6 +81,7 @@ def _largest(args: argparse.Namespace, key: str, modules: int | None) -> int:
         raise UserError(f"{SIZE_FLAGS[key]} max traces several values; give the value it finds to write "
                         "--timeline or --snapshot")
     device = get_device(args.device)
+    host = _host_limit(args)
     sized = sized_free(args, key)
     budget = budget_for(args.budget, device)
     plan = plan_from_args(args)
@@ -87,12 +93,25 @@ def _largest(args: argparse.Namespace, key: str, modules: int | None) -> int:
                         f"budget of {fmt_bytes(budget.bytes)} on {device.name}: it needs {fmt_bytes(found.next_used_bytes)} "
                         f"({what}); give a larger --budget, or a plan that saves memory (memfit plan finds one)")
     if args.json:
-        print_json({**report.to_json(), "largest": found.to_json()})
+        print_json({**report.to_json(), **_host_json(report, host), "largest": found.to_json()})
         return 0
-    print_estimate(report)
+    print_estimate(report, host_limit=host)
     print_report_extras(report, args, modules)
     print(found.describe())
     return 0
+
+
+def _host_limit(args: argparse.Namespace) -> int | None:
+    """The training machine's memory the step's host copies are held to (``--host-memory``; None: not
+    checked), as ``memfit plan`` resolves it (memfit.memory.budget.Budget.with_host)."""
+    from memfit.devices import get_device
+    from memfit.memory.budget import Budget
+    return Budget.resolve(None, get_device(args.device)).with_host(args.host_memory).host_bytes
+
+
+def _host_json(report, limit: int | None) -> dict:
+    need = report.host_held_bytes
+    return {"host_bytes": need, "host_budget_bytes": limit, "host_fits": None if limit is None else need <= limit}
 
 
 def _say_config(args: argparse.Namespace) -> None:

@@ -69,11 +69,12 @@ class Budget:
         """This budget with the host memory ``--host-memory`` gives: ``64GB``, ``80%`` of this machine's
         memory, or None: on a local GPU (``--device cuda``) what this machine can still give, on a GPU
         preset unchecked. A CPU device counts host copies in :attr:`bytes` already."""
-        if not self.device.is_gpu:
+        given = None if spec is None else parse_size(spec, total_bytes=host_total_bytes(), what="--host-memory")
+        if not self.device.is_gpu:  # (a bad value is still one: it gets its line)
             return self
-        if spec is None:
+        if given is None:
             return replace(self, host_bytes=available_host_bytes()) if self.device.is_local_gpu else self
-        return replace(self, host_bytes=parse_size(spec, total_bytes=host_total_bytes(), what="--host-memory"))
+        return replace(self, host_bytes=given)
 
     def host_over(self, host_bytes: int) -> bool:
         """A step holding ``host_bytes`` in the training machine's memory does not fit it."""

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from memfit.devices import Device
-from memfit.memory import allocator
+from memfit.memory import allocator, managed
 from memfit.memory.budget import Budget
 from memfit.memory.categories import CATEGORIES, STEADY_STEP
 from memfit.memory.expandable import new_model
@@ -85,6 +85,21 @@ class MemoryReport:
         """The peak a measurement of the real run sees: on a CPU device, device and host memory are
         one process heap, so both together; on a GPU, the device's allocated bytes."""
         return self.process_peak_bytes if self.device == "cpu" and self.process_peak_bytes else self.peak_bytes
+
+    @property
+    def paged_out_bytes(self) -> int:
+        """GPU: the managed bytes with no room on the card beside the allocator's side (reserved + CUDA
+        context): on the host, migrating in and out each step (memfit.memory.managed)."""
+        if not self.managed_bytes or self.reserved_bytes is None:
+            return 0
+        room = self.device_total_bytes - self.reserved_bytes - (self.cuda_context_bytes or 0)
+        return managed.paged_out_bytes(self.managed_bytes, room)
+
+    @property
+    def host_held_bytes(self) -> int:
+        """What the step holds in the training machine's memory at its peak: offloaded and swapped copies
+        and the paged-out states (what ``--host-memory`` is held against)."""
+        return self.host_peak_bytes + self.paged_out_bytes
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

@@ -7,7 +7,6 @@ from rich.markup import escape
 from rich.table import Table
 
 from memfit.memory.categories import CATEGORIES, DESCRIPTIONS
-from memfit.memory.managed import paged_out_bytes
 from memfit.memory.report import MemoryReport
 from memfit.units import fmt_bytes
 
@@ -42,7 +41,9 @@ def _expandable_saves(r: MemoryReport) -> bool:
     return x is not None and r.reserved_bytes is not None and x < r.reserved_bytes * (1 - EXPANDABLE_SAVES)
 
 
-def print_estimate(r: MemoryReport, console: Console | None = None) -> None:
+def print_estimate(r: MemoryReport, console: Console | None = None, host_limit: int | None = None) -> None:
+    """The estimate's table; ``host_limit``: the training machine's memory (``--host-memory``) the host
+    copies are held to (None: not checked)."""
     c = console or _console()
     how = {"fake": "traced on fake tensors", "real-fallback": "measured by a real run (fake tracing failed)",
            "real": "measured"}[r.method]
@@ -70,7 +71,7 @@ def print_estimate(r: MemoryReport, console: Console | None = None) -> None:
                       "the same step, allocator: expandable")
         t.add_row("CUDA context", fmt_bytes(r.cuda_context_bytes), "", "outside PyTorch's allocator")
         allocator = r.reserved_bytes + r.cuda_context_bytes
-        paged_out = paged_out_bytes(r.managed_bytes, r.device_total_bytes - allocator)
+        paged_out = r.paged_out_bytes
         if r.managed_bytes:
             t.add_row("managed (paged)", fmt_bytes(r.managed_bytes), "",
                       "paged optimizer states: CUDA unified memory, not in max_memory_reserved()")
@@ -81,6 +82,10 @@ def print_estimate(r: MemoryReport, console: Console | None = None) -> None:
         verdict = "[green]fits[/]" if r.fits else "[red]does not fit[/]"
         t.add_row("[bold]on the device[/]", f"[bold]{fmt_bytes(total)}[/]", "",
                   f"of {fmt_bytes(r.device_total_bytes)}: {verdict}")
+    if host_limit is not None and r.host_held_bytes:
+        verdict = "[green]fits[/]" if r.host_held_bytes <= host_limit else "[red]does not fit[/]"
+        t.add_row("[bold]on the host[/]", f"[bold]{fmt_bytes(r.host_held_bytes)}[/]", "",
+                  f"of {fmt_bytes(host_limit)} (--host-memory): {verdict}")
     c.print(t)
     _print_modules(c, r)
     for fact in r.facts:
