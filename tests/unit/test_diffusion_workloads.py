@@ -36,7 +36,11 @@ TINY["dit-flux2"] = ("dit-flux2:num_layers=1,num_single_layers=2,attention_head_
                      "joint_attention_dim=32,in_channels=16,axes_dims_rope=4/4/4/4")
 TINY["dit-wan"] = ("dit-wan:num_layers=2,attention_head_dim=16,num_attention_heads=2,ffn_dim=64,text_dim=32,"
                    "freq_dim=32,frames=5")
-RESOLUTION = {"dit-wan": 64, "dit-flux2": 128, "dit-lumina2": 128, "dit-sd3": 128, "unet-sdxl": 128, "unet-sd15": 64, "dit-flux": 128, "dit-qwenimage": 128}
+TINY["dit-wan-i2v"] = ("dit-wan-i2v:num_layers=2,attention_head_dim=16,num_attention_heads=2,ffn_dim=64,text_dim=32,"
+                       "freq_dim=32,frames=5,image_dim=24,added_kv_proj_dim=32,width=96")  # (Wan 2.1's CLIP path too)
+TINY["dit-wan-5b"] = ("dit-wan-5b:num_layers=2,attention_head_dim=16,num_attention_heads=2,ffn_dim=64,text_dim=32,"
+                      "freq_dim=32,frames=5,in_channels=8,out_channels=8,width=128")
+RESOLUTION = {"dit-wan-i2v": 64, "dit-wan-5b": 64, "dit-wan": 64, "dit-flux2": 128, "dit-lumina2": 128, "dit-sd3": 128, "unet-sdxl": 128, "unet-sd15": 64, "dit-flux": 128, "dit-qwenimage": 128}
 
 # unet-sdxl in fp32 is profiled by test_block_checkpointing_keeps_fewer_activations (same bound; slow tier)
 CASES = [(arch, precision, ckpt) for arch in ("dit-lumina2", "unet-sdxl") for precision in ("fp32", "bf16")
@@ -44,7 +48,8 @@ CASES = [(arch, precision, ckpt) for arch in ("dit-lumina2", "unet-sdxl") for pr
     ("dit-sd3", "fp32", "none"), ("dit-sd3", "bf16", "blocks"), ("unet-sd15", "fp32", "none"),
     ("dit-flux", "fp32", "none"), ("dit-flux", "bf16", "blocks"), ("dit-qwenimage", "fp32", "none"),
     ("dit-qwenimage", "bf16", "blocks"), ("dit-flux2", "fp32", "none"), ("dit-flux2", "bf16", "blocks"),
-    ("dit-wan", "fp32", "none"), ("dit-wan", "bf16", "blocks")]
+    ("dit-wan", "fp32", "none"), ("dit-wan", "bf16", "blocks"), ("dit-wan-i2v", "bf16", "blocks"),
+    ("dit-wan-5b", "fp32", "none")]
 SLOW = {("unet-sdxl", "bf16", "none"), ("unet-sdxl", "bf16", "blocks"),  # (keeps the default suite under 10 minutes:
         ("dit-lumina2", "bf16", "none"), ("dit-lumina2", "fp32", "blocks"),  # lumina2 fp32-none stays, and its
         ("dit-lumina2", "bf16", "blocks"), ("dit-flux", "fp32", "none"),  # bf16-blocks LoRA in test_adapter; flux bf16-blocks;
@@ -103,7 +108,8 @@ def test_checkpointed_training_equals_plain():
 def test_released_sizes_and_resolution_shape_the_batch():
     """Parameter counts of the released models, and the latent/caption shapes of one sample."""
     sizes = {"dit-lumina2": 2.61e9, "dit-sd3": 2.03e9, "unet-sdxl": 2.57e9, "unet-sd15": 0.86e9, "dit-flux": 11.90e9,
-             "dit-qwenimage": 20.43e9, "dit-flux2": 32.22e9, "dit-wan": 14.29e9, "dit-wan-1.3b": 1.42e9}
+             "dit-qwenimage": 20.43e9, "dit-flux2": 32.22e9, "dit-wan": 14.29e9, "dit-wan-1.3b": 1.42e9, "dit-wan-i2v": 14.29e9, "dit-wan-5b": 5.00e9,
+             "dit-wan-i2v:image_dim=1280,added_kv_proj_dim=5120": 16.39e9}
     for spec, want in sizes.items():
         with torch.device("meta"):
             n = sum(p.numel() for p in load_workload(spec).model().parameters())
@@ -227,3 +233,29 @@ def test_wan_is_trained_on_cached_video_latents_frames_in_steps_of_four():
     assert {n: len(c) for n, c in find_blocks(model)} == {"blocks": 40}
     with pytest.raises(UserError, match="frames=32 is not 4k [+] 1.*use frames=29 or frames=33"):
         load_workload("dit-wan:frames=32")
+
+
+def test_wan_clips_wider_than_high_image_to_video_and_the_5b_with_a_timestep_per_token():
+    """Wan's 480p is 832 x 480 (32,760 tokens at 81 frames, Wan's own seq_len); Wan 2.2 I2V takes the first
+    frame's mask and latents as 20 more channels (and Wan 2.1's CLIP image states, 257 tokens, where the config
+    has image_dim); Wan 2.2 TI2V 5B's 16x VAE makes 48-channel latents of 1280 x 704 x 121 frames into 27,280
+    tokens (Wan 2.2's seq_len), each with its own timestep; sizes that do not divide are refused in one line."""
+    from memfit.errors import UserError
+    wide = load_workload("dit-wan:width=832", resolution=480)
+    assert wide.name == "dit-wan 832x480px" and wide.info.config["tokens"] == 32760
+    assert wide.batch(1)["hidden_states"].shape == (1, 16, 21, 60, 104)
+    i2v = load_workload("dit-wan-i2v:image_dim=1280,added_kv_proj_dim=5120").batch(2)
+    assert i2v["hidden_states"].shape == (2, 36, 21, 60, 60) and i2v["target"].shape == (2, 16, 21, 60, 60)
+    assert i2v["encoder_hidden_states_image"].shape == (2, 257, 1280)
+    assert "encoder_hidden_states_image" not in load_workload("dit-wan-i2v").batch(1)
+    five = load_workload("dit-wan-5b")
+    assert five.name == "dit-wan-5b" and five.info.config["tokens"] == 27280 and five.info.resolution_step == 32
+    batch = five.batch(2)
+    assert batch["hidden_states"].shape == batch["target"].shape == (2, 48, 31, 44, 80)
+    assert batch["timestep"].shape == (2, 27280) and (batch["timestep"] == batch["timestep"][:, :1]).all()
+    assert load_workload("dit-wan-5b:width=704").name == "dit-wan-5b 704x704px"
+    with pytest.raises(UserError, match=r"--resolution 700 is not a multiple of 32 \(the VAE's factor 16 x patch size 2\); "
+                                        r"use --resolution 672 or 704"):
+        load_workload("dit-wan-5b", resolution=700)
+    with pytest.raises(UserError, match=r"width=1000 is not a multiple of 32 .*use width=992 or 1024"):
+        load_workload("dit-wan-5b:width=1000")

@@ -88,6 +88,12 @@ def test_a_wan_pipeline_builds_dit_wans_video_batch_and_runs_within_one_percent(
     assert r.predicted.method == "fake" and abs(r.error_percent) < 1.0, r.error_percent
 
 
+def test_a_wan_2_2_5b_pipeline_takes_its_16x_vae_and_a_timestep_per_token(hub_cache, no_network):
+    hub_cache(ID, None, files=pipeline("transformer", {**WAN, "in_channels": 48, "out_channels": 48}, "WanPipeline"))
+    batch = load_workload(ID, resolution=64).batch(1)  # (121 frames: 31 latent; 1280 wide: 80 latents)
+    assert batch["hidden_states"].shape == (1, 48, 31, 4, 80) and batch["timestep"].shape == (1, 31 * 2 * 40)
+
+
 @pytest.mark.parametrize("files,error", [
     (pipeline("transformer", {"_class_name": "HunyuanVideoTransformer3DModel", "num_layers": 1}, "HunyuanVideoPipeline"),
      "memfit builds the diffusers denoisers UNet2DConditionModel, FluxTransformer2DModel, SD3Transformer2DModel, "

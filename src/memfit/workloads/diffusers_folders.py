@@ -93,6 +93,8 @@ def diffusers_workload(data: dict, name: str, where: str, seq_len: int | None, r
     class_name = data["_class_name"]
     if class_name == "UNet2DConditionModel":
         template = diffusion.SDXL if data.get("addition_embed_type") == "text_time" else diffusion.SD15
+    elif class_name == "WanTransformer3DModel":
+        template = video_dits.template(data)
     elif class_name in _BY_CLASS:
         template = _BY_CLASS[class_name][0]
     else:

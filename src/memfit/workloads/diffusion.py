@@ -48,6 +48,8 @@ class ImageModel:
     caption_tokens: int
     """Tokens of text hidden states per sample (the pipeline's max_sequence_length)."""
     doc: str
+    vae_factor: int = VAE_FACTOR
+    """Pixels per latent on each side (Wan 2.2's 5B VAE: 16)."""
 
 
 LUMINA2 = ImageModel(
@@ -151,30 +153,31 @@ def model_builder(m: ImageModel, cls: type, kwargs: dict, overrides: dict):
 
 
 # -- resolution ------------------------------------------------------------------------------------
-def latent_step(multiple: int) -> int:
+def latent_step(multiple: int, vae_factor: int = VAE_FACTOR) -> int:
     """Pixels between two resolutions a model takes: the VAE's factor times ``multiple`` latents
     (its patch size, or its UNet's halvings)."""
-    return VAE_FACTOR * multiple
+    return vae_factor * multiple
 
 
-def latent_size(m: ImageModel, resolution: int | None, multiple: int, why: str) -> int:
+def latent_size(m: ImageModel, resolution: int | None, multiple: int, why: str, flag: str = "--resolution ") -> int:
     """Latent pixels on a side for ``resolution`` (default: the model's native one); the image must
-    divide into whole latents and then into ``multiple`` of them (patches, or the UNet's halvings)."""
+    divide into whole latents and then into ``multiple`` of them (patches, or the UNet's halvings).
+    ``flag``: how the user gave the size (``--resolution `` or a video's ``width=``)."""
     res = m.resolution if resolution is None else resolution
     if not isinstance(res, int) or isinstance(res, bool) or res < 1:
-        raise UserError(f"--resolution must be a positive whole number of pixels, got {resolution!r}")
-    step = latent_step(multiple)
+        raise UserError(f"{flag.strip()} must be a positive whole number of pixels, got {resolution!r}")
+    step = latent_step(multiple, m.vae_factor)
     if res % step:
         lower, upper = res // step * step, (res // step + 1) * step
         use = f"{lower} or {upper}" if lower else str(upper)
-        raise UserError(f"{m.arch}: --resolution {res} is not a multiple of {step} (the VAE's factor {VAE_FACTOR} x "
-                        f"{why} {multiple}); use --resolution {use}")
-    return res // VAE_FACTOR
+        raise UserError(f"{m.arch}: {flag}{res} is not a multiple of {step} (the VAE's factor {m.vae_factor} x "
+                        f"{why} {multiple}); use {flag}{use}")
+    return res // m.vae_factor
 
 
 def image_info(m: ImageModel, res: int, kwargs: dict, sizes: tuple[str, ...], multiple: int) -> WorkloadInfo:
-    return WorkloadInfo(arch=m.arch, resolution=res, resolution_step=latent_step(multiple),
-                        config={"model_class": m.class_name, "latent": res // VAE_FACTOR,
+    return WorkloadInfo(arch=m.arch, resolution=res, resolution_step=latent_step(multiple, m.vae_factor),
+                        config={"model_class": m.class_name, "latent": res // m.vae_factor,
                                 **{k: kwargs[k] for k in sizes if k in kwargs}})
 
 

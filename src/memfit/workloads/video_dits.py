@@ -1,5 +1,14 @@
-"""Video diffusion transformers: Wan 2.1 (diffusers' ``WanTransformer3DModel``, built from its config; no
-weights), text-to-video, trained on cached latents as musubi-tuner and diffusers' Wan LoRA scripts train it.
+"""Video diffusion transformers: Wan 2.1 and 2.2 (diffusers' ``WanTransformer3DModel``, built from its
+config; no weights), trained on cached latents as musubi-tuner and diffusers' Wan LoRA scripts train them:
+
+- ``dit-wan``: Wan 2.1 T2V 14B, which is also the shape of each of Wan 2.2 T2V A14B's two experts (a LoRA
+  trains one expert at a time, the high-noise or the low-noise one); ``dit-wan-1.3b``: Wan 2.1 T2V 1.3B.
+- ``dit-wan-i2v``: one expert of Wan 2.2 I2V A14B. The first frame's latents and its mask ride along the
+  noisy latents as 20 more input channels (36 in, 16 out). Wan 2.1's I2V also takes CLIP's image states
+  through extra attention: ``dit-wan-i2v:image_dim=1280,added_kv_proj_dim=5120`` (257 tokens a clip).
+- ``dit-wan-5b``: Wan 2.2 TI2V 5B. Its VAE compresses 16x on each side into 48 channels, and its pipeline
+  gives every token its own timestep (``expand_timesteps``), so the timestep's projection is a
+  ``[B, tokens, 6, 3072]`` tensor, not ``[B, 6, 3072]``. Native: 121 frames at 1280 x 704.
 
 Where memory goes. Wan's VAE compresses 4x in time and 8x on each side, and the DiT cuts the latents
 into 1x2x2 patches, so a clip of ``F`` frames at ``R`` px a side is ``((F - 1) / 4 + 1) * (R / 16) ** 2``
@@ -9,10 +18,14 @@ LoRA-frozen: fewer frames cut them in steps of 4. At 14B the weights reach a con
 streamed block by block, so the model loads as a checkpoint does (memfit.techniques.loading).
 
 The frame count is the workload's ``frames`` (``dit-wan:frames=33``; ``4k + 1``, the VAE's first frame
-alone then groups of 4); ``--resolution`` is the side of a square clip.
+alone then groups of 4). ``--resolution`` is the clip's height, and its width the workload's ``width``
+(``dit-wan:width=832 --resolution 480``, Wan's 480p; default: square, but 1280 for ``dit-wan-5b``);
+``--resolution max`` searches the height at that width.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -20,7 +33,6 @@ from memfit.errors import UserError
 from memfit.workload import Workload
 from memfit.workloads.checks import check_value
 from memfit.workloads.diffusion import (
-    VAE_FACTOR,
     ImageModel,
     config_of,
     flow_matching,
@@ -45,8 +57,39 @@ WAN_1_3B = ImageModel(
     {"num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30}, 480, 512,
     "Wan 2.1 T2V 1.3B video DiT (diffusers WanTransformer3DModel; flow matching, 81 frames at 480px)")
 
-FRAMES = 81
-"""Frames a clip (Wan's default ``num_frames``: 5 s at 16 fps)."""
+WAN_I2V = ImageModel(
+    "dit-wan-i2v", "WanTransformer3DModel",
+    # Wan2.2-I2V-A14B, one expert: Wan 2.1 14B's blocks, 36 input channels (16 noisy + 4 mask + 16 image).
+    {"in_channels": 36}, 480, 512,
+    "Wan 2.2 I2V A14B video DiT, one expert (diffusers WanTransformer3DModel; first frame as 20 more "
+    "input channels; 81 frames at 480px)")
+
+WAN_5B = ImageModel(
+    "dit-wan-5b", "WanTransformer3DModel",
+    # Wan2.2-TI2V-5B: 30 blocks of 3072 (24 heads x 128), FFN 14336, 48 latent channels (the 16x VAE).
+    {"num_attention_heads": 24, "ffn_dim": 14336, "num_layers": 30, "in_channels": 48, "out_channels": 48},
+    704, 512,
+    "Wan 2.2 TI2V 5B video DiT (diffusers WanTransformer3DModel; 16x VAE, a timestep per token; 121 frames "
+    "at 1280x704)", vae_factor=16)
+
+
+@dataclass(frozen=True)
+class Clip:
+    """What a Wan model trains on by default, beside its config."""
+
+    frames: int = 81
+    """Frames a clip (Wan's default ``num_frames``: 5 s at 16 fps; 2.2's 5B: 121, 5 s at 24 fps)."""
+    width: int | None = None
+    """Pixels wide (None: as high as ``--resolution``)."""
+    token_timesteps: bool = False
+    """A timestep per latent token, as Wan 2.2 TI2V's pipeline gives them (``expand_timesteps``)."""
+
+
+WAN22_CLIP = Clip(frames=121, width=1280, token_timesteps=True)
+"""Wan 2.2 TI2V 5B's, which comes with the 16x VAE (also for a model folder of it)."""
+IMAGE_TOKENS = 257
+"""CLIP ViT-H/14's image states a clip (Wan 2.1 I2V's ``image_dim`` path; first-last-frame: twice that)."""
+FRAMES = Clip.frames
 TIME_FACTOR = 4
 """Frames per latent frame after the first (Wan's VAE: the first frame alone, then groups of 4)."""
 
@@ -61,41 +104,68 @@ def latent_frames(arch: str, frames) -> int:
 
 
 def wan(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = WAN) -> Workload:
-    """Wan 2.1 text-to-video as musubi-tuner and diffusers' Wan LoRA scripts train it: latents and UMT5's
-    caption states cached, so the batch is the noisy video latents ``[B, 16, F', H', W']``, the caption
-    states (padded to 512 tokens, as the pipeline pads them) and the timestep on the 0-1000 scale; rectified
-    flow (t = 1 is noise), the target the velocity ``noise - latents``. Loaded as a checkpoint is."""
+    """Wan as musubi-tuner and diffusers' Wan LoRA scripts train it: latents and UMT5's caption states cached,
+    so the batch is the noisy video latents ``[B, C, F', H', W']`` (for image-to-video with the first frame's
+    mask and latents concatenated on the channels), the caption states (padded to 512 tokens, as the pipeline
+    pads them), CLIP's image states where the config takes them, and the timestep on the 0-1000 scale (one
+    per token for 2.2's 5B); rectified flow (t = 1 is noise), the target the velocity ``noise - latents``.
+    Loaded as a checkpoint is."""
     no_seq_len(m.arch, seq_len)
+    clip = WAN22_CLIP if m.vae_factor == WAN_5B.vae_factor else Clip()
     overrides = dict(overrides)
-    frames = overrides.pop("frames", FRAMES)
+    frames = overrides.pop("frames", clip.frames)
+    width = overrides.pop("width", clip.width)
     depth = latent_frames(m.arch, frames)
     cls, kw = config_of(m, overrides)
     p_t, p_h, p_w = kw["patch_size"]
     if p_h != p_w or depth % p_t:
         raise UserError(f"{m.arch}: patch_size {kw['patch_size']} must be square on a side and divide the "
                         f"{depth} latent frames; change the overrides")
-    side = latent_size(m, resolution, p_h, "patch size")
-    channels = kw["in_channels"]
+    high = latent_size(m, resolution, p_h, "patch size")
+    wide = high if width is None else latent_size(m, check_value(m.arch, "width", width, (int,), example=832),
+                                                  p_w, "patch size", flag="width=")
+    out, extra = kw["out_channels"] or kw["in_channels"], kw["in_channels"] - (kw["out_channels"] or kw["in_channels"])
+    if extra < 0:
+        raise UserError(f"{m.arch}: in_channels {kw['in_channels']} is fewer than out_channels {out}; change the overrides")
+    tokens = depth // p_t * (high // p_h) * (wide // p_w)
+    image_tokens = (kw.get("pos_embed_seq_len") or IMAGE_TOKENS) if kw.get("image_dim") else 0
 
     def batch(b: int) -> dict:
-        shape = (b, channels, depth, side, side)
+        shape = (b, out, depth, high, wide)
         latents, noise, t = torch.randn(shape), torch.randn(shape), torch.rand(b)
         noisy, target = flow_matching(latents, noise, t, data_at_one=False)
-        return {"hidden_states": noisy, "timestep": t * 1000,
-                "encoder_hidden_states": torch.randn(b, m.caption_tokens, kw["text_dim"]), "target": target}
+        if extra:  # (image-to-video: the first frame's mask and latents, as the pipeline concatenates them)
+            noisy = torch.cat([noisy, torch.randn(b, extra, depth, high, wide)], dim=1)
+        timestep = (t * 1000)[:, None].expand(b, tokens).contiguous() if clip.token_timesteps else t * 1000
+        out_batch = {"hidden_states": noisy, "timestep": timestep,
+                     "encoder_hidden_states": torch.randn(b, m.caption_tokens, kw["text_dim"]), "target": target}
+        if image_tokens:
+            out_batch["encoder_hidden_states_image"] = torch.randn(b, image_tokens, kw["image_dim"])
+        return out_batch
 
-    res = side * VAE_FACTOR
+    res = high * m.vae_factor
     info = image_info(m, res, kw, ("num_layers", "num_attention_heads", "attention_head_dim", "ffn_dim"), p_h)
-    info.config.update(frames=frames, latent_frames=depth)
+    info.config.update(frames=frames, latent_frames=depth, width=wide * m.vae_factor, tokens=tokens)
     wl = image_workload(m, model_builder(m, cls, kw, overrides), batch, transformer_loss, res, info)
-    if frames != FRAMES:
+    square = clip.width is None and (width is None or width == res)
+    if not (res == m.resolution and width == clip.width):
+        wl.name = f"{m.arch} {res}px" if square else f"{m.arch} {wide * m.vae_factor}x{res}px"
+    if frames != clip.frames:
         wl.name += f" {frames} frames"
     wl.from_checkpoint = True
     return wl
 
 
+def template(config: dict) -> ImageModel:
+    """The built-in a Wan ``config.json`` is shaped like: 2.2's 5B where its latents have 48 channels
+    (its 16x VAE's), else the 14B (its fields replace the size)."""
+    return WAN_5B if config.get("out_channels", config.get("in_channels")) == WAN_5B.defaults["out_channels"] else WAN
+
+
 BUILDERS = {
     "dit-wan": (wan, WAN.doc),
     "dit-wan-1.3b": (lambda o, s, r: wan(o, s, r, m=WAN_1_3B), WAN_1_3B.doc),
+    "dit-wan-i2v": (lambda o, s, r: wan(o, s, r, m=WAN_I2V), WAN_I2V.doc),
+    "dit-wan-5b": (lambda o, s, r: wan(o, s, r, m=WAN_5B), WAN_5B.doc),
 }
 """Built-ins that take ``--resolution``: ``builder(overrides, seq_len, resolution)``."""
