@@ -327,22 +327,30 @@ class _Search:
         m = self.book(recipe).at_batch(recipe.plan, batch)
         return m.host_bytes + self.budget.paged_out(self.default_used(recipe, batch), m.managed_bytes)
 
+    def _host_at_one(self, recipe: Recipe) -> int:
+        """:meth:`host` at one sample; 0 where the model cannot run the recipe (its own figures say so later)."""
+        try:
+            return self.host(recipe, 1)
+        except UserError:
+            return 0
+
     def _within_host(self) -> bool:
         """Pass over the recipes over the host's memory (NOTE [ A recipe over the host's memory ]); False
-        where none is left (the cell says what the least of them needs)."""
+        where none is left (then the cell's error says what they need)."""
         if self.budget.host_bytes is None:
             return True
-        over = {r.name: self.host(r, 1) for r in self.plans if _holds_host(r.plan)}
-        over = {name: n for name, n in over.items() if self.budget.host_over(n)}
+        over = {r.name: n for r in self.plans if _holds_host(r.plan) and self.budget.host_over(n := self._host_at_one(r))}
         if "offloaded" in over:  # (its host-light stand-in: the states paged, a quarter of the bytes)
             light = recipes(self.method, self.books.facts, self.card, self.limit, host_light=True)
             self.plans = [r for r in self.plans if r.name != "offloaded"] + [r for r in light if r.name == "paged"]
-            if self.plans[-1].name == "paged" and self.budget.host_over(n := self.host(self.plans[-1], 1)):
+            if self.plans[-1].name == "paged" and self.budget.host_over(n := self._host_at_one(self.plans[-1])):
                 over["paged"] = n
         self.plans = [r for r in self.plans if r.name not in over]
         if over:
             self.passed = (" and ".join(f"{name} needs {fmt_bytes(n)}" for name, n in over.items())
                            + f" of host memory > {fmt_bytes(self.budget.host_bytes)} (--host-memory)")
+        if not self.plans:
+            self.cell.error = self.passed
         return bool(self.plans)
 
     def next_faster(self) -> Recipe | None:
