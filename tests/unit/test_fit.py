@@ -196,3 +196,8 @@ def test_a_recipe_over_the_host_memory_is_passed_over_for_paged_states_and_the_c
     assert held.host_bytes <= limit and held.passed_over.startswith("offloaded needs ")
     assert f"of host memory > {fmt_bytes(limit)} (--host-memory)" in held.passed_over
     assert _used(workload, held.plan, held.batch, small) <= held.budget_bytes < _used(workload, held.plan, held.batch + 1, small)
+    # the paged states' pages out grow with the batch: held to the limit at any batch, as if all were out
+    tight = held.host_bytes + 2**20
+    below = fit_table(workload, parse_methods("full"), [small], budget="100%", max_world=2,
+                      host_memory=f"{tight}B").cells[("small", "full")]
+    assert below.host_bytes <= tight and "paged needs " in below.passed_over, below

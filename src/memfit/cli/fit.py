@@ -54,10 +54,6 @@ def run(args: argparse.Namespace) -> int:
     seq = parse_positive_int(args.seq_len, "--seq-len", MAX_SIZE) if args.seq_len is not None else None
     res = parse_positive_int(args.resolution, "--resolution", MAX_SIZE) if args.resolution is not None else None
     most = parse_positive_int(args.max_world_size, "--max-world-size")
-    if args.host_memory is not None:
-        from memfit.devices import host_total_bytes
-        from memfit.units import parse_size
-        parse_size(args.host_memory, total_bytes=host_total_bytes(), what="--host-memory")  # (bad input: before tracing)
     workload = load_workload(args.workload, seq_len=seq, resolution=res)
     image, info = workload.info.resolution is not None, workload.info
     if info.adapter is not None:

@@ -144,13 +144,13 @@ def fit_table(workload: Workload, methods: list[Method], cards: list[Device], *,
     recipe over the host's memory ]); None: not checked, as for ``memfit plan`` on a preset."""
     progress = progress or NoProgress()
     t0 = time.perf_counter()
+    host = Budget.resolve(budget, cards[0]).with_host(host_memory).host_bytes if cards else None  # (bad input: now)
     with silenced_warnings():
         facts = model_facts(workload)
     info = workload.info
     sizes = (f"seq {info.seq_len}" if info.seq_len else f"{info.resolution} px" if info.resolution else "")
-    table = FitTable(workload.name, sizes, _unit(workload), [m.name for m in methods], list(cards), budget=budget)
-    if cards and host_memory is not None:
-        table.host_budget_bytes = Budget.resolve(budget, cards[0]).with_host(host_memory).host_bytes
+    table = FitTable(workload.name, sizes, _unit(workload), [m.name for m in methods], list(cards), budget=budget,
+                     host_budget_bytes=host)
     groups: dict[tuple, list[Device]] = {}
     for card in cards:
         if not card.is_gpu:
@@ -317,7 +317,9 @@ class _Search:
     # planner's walk rejects such a plan; the cell then takes the recipes left (the next most frugal
     # saves less, so the batch may be smaller, or FSDP2 over several cards). Those copies hold the
     # weights' or the states' bytes, whatever the batch (no recipe offloads activations), so one sample
-    # decides: the figure every card of the architecture shares. Recipes without host copies are not
+    # decides: the figure every card of the architecture shares. A paged optimizer's pages out grow with
+    # the batch (its activations leave the states less of the card), so its figure there is all of its
+    # states: what a batch that fills the card pages out. Recipes without host copies are not
     # asked (no trace of their own). The chosen recipe's host bytes at its batch are in its cell. In
     # place of ``offloaded``, passed over, the cell tries ``paged`` (memfit.planner.recipes): its states
     # a quarter of the bytes, and only those the card has no room for on the host. Not before: its
@@ -325,14 +327,17 @@ class _Search:
     def host(self, recipe: Recipe, batch: int) -> int:
         """The recipe's peak in host memory at ``batch`` (pinned copies), with a paged optimizer's pages out."""
         m = self.book(recipe).at_batch(recipe.plan, batch)
-        return m.host_bytes + self.budget.paged_out(self.default_used(recipe, batch), m.managed_bytes)
+        return m.host_bytes + self.budget.paged_out(self.used(recipe, batch), m.managed_bytes)
 
     def _host_at_one(self, recipe: Recipe) -> int:
-        """:meth:`host` at one sample; 0 where the model cannot run the recipe (its own figures say so later)."""
+        """What the recipe may hold on the host at any batch, from one sample: its copies, and all of a paged
+        optimizer's states (a batch that fills the card pages every one out); 0 where the model cannot run
+        the recipe (its own figures say so later)."""
         try:
-            return self.host(recipe, 1)
+            m = self.book(recipe).at_batch(recipe.plan, 1)
         except UserError:
             return 0
+        return m.host_bytes + m.managed_bytes
 
     def _within_host(self) -> bool:
         """Pass over the recipes over the host's memory (NOTE [ A recipe over the host's memory ]); False
@@ -350,7 +355,7 @@ class _Search:
             self.passed = (" and ".join(f"{name} needs {fmt_bytes(n)}" for name, n in over.items())
                            + f" of host memory > {fmt_bytes(self.budget.host_bytes)} (--host-memory)")
         if not self.plans:
-            self.cell.error = self.passed
+            self.cell.error = "every recipe is over the host memory (--host-memory)"
         return bool(self.plans)
 
     def next_faster(self) -> Recipe | None:
@@ -407,8 +412,9 @@ class _Search:
         if cell.used_bytes < self.default_used(chosen, n):  # (it fits with expandable segments only)
             cell.plan, cell.recipe = chosen.plan.replace(allocator="expandable"), f"{chosen.name}+expandable"
         cell.seconds = _seconds(m, target)
+        cell.used_bytes = self.budget.counted(cell.used_bytes, m.managed_bytes)  # (a paged optimizer's pages kept)
         if m.managed_bytes:  # (a paged optimizer's pages the card has no room for move each step: NOTE [ Migration in estimates ])
-            cell.seconds += self.budget.migration(cell.used_bytes, m.managed_bytes).seconds
+            cell.seconds += self.budget.migration(self.used(chosen, n), m.managed_bytes).seconds
         info = target.workload.info
         per_sample = info.seq_len if info.text_lm and info.seq_len else 1
         cell.throughput = n * world * per_sample / cell.seconds

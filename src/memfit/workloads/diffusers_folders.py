@@ -104,7 +104,7 @@ def diffusers_workload(data: dict, name: str, where: str, seq_len: int | None, r
     fields = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()
               if not k.startswith("_") and k in params}
     sample = data.get("sample_size")
-    native = sample * diffusion.VAE_FACTOR if isinstance(sample, int) and sample > 0 else template.resolution
+    native = sample * template.vae_factor if isinstance(sample, int) and sample > 0 else template.resolution
     # The file's fields replace the template's published size, as given (diffusers checks them, not the
     # user's overrides' checks); the batch's layout stays the template's.
     template = dataclasses.replace(template, arch=name, resolution=native, defaults=fields)

@@ -165,7 +165,8 @@ def latent_size(m: ImageModel, resolution: int | None, multiple: int, why: str, 
     ``flag``: how the user gave the size (``--resolution `` or a video's ``width=``)."""
     res = m.resolution if resolution is None else resolution
     if not isinstance(res, int) or isinstance(res, bool) or res < 1:
-        raise UserError(f"{flag.strip()} must be a positive whole number of pixels, got {resolution!r}")
+        where = "" if flag.startswith("--") else f"{m.arch}: "
+        raise UserError(f"{where}{flag.strip().rstrip('=')} must be a positive whole number of pixels, got {res!r}")
     step = latent_step(multiple, m.vae_factor)
     if res % step:
         lower, upper = res // step * step, (res // step + 1) * step

@@ -157,9 +157,10 @@ def wan(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageMo
 
 
 def template(config: dict) -> ImageModel:
-    """The built-in a Wan ``config.json`` is shaped like: 2.2's 5B where its latents have 48 channels
-    (its 16x VAE's), else the 14B (its fields replace the size)."""
-    return WAN_5B if config.get("out_channels", config.get("in_channels")) == WAN_5B.defaults["out_channels"] else WAN
+    """The built-in a Wan ``config.json`` is shaped like: 2.2's 5B where its output latents have 48
+    channels (its 16x VAE's), else the 14B (its fields replace the size)."""
+    out = config.get("out_channels", 16) or config.get("in_channels", 16)  # (diffusers: None is in_channels)
+    return WAN_5B if out == WAN_5B.defaults["out_channels"] else WAN
 
 
 BUILDERS = {
