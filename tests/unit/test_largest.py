@@ -59,6 +59,16 @@ def test_a_resolution_steps_by_latents_and_grows_with_the_area():
     assert found.traces <= 4  # the smallest, the native size, then the value and the next
 
 
+def test_a_video_of_a_fixed_width_grows_with_its_height_alone():
+    """A Wan clip given a width (``dit-wan:width=832``) grows only in height with ``--resolution``: its axis is
+    affine in the value, so the line through two traces lands on the answer (a squared axis would not)."""
+    pytest.importorskip("diffusers")
+    assert Sized.of("dit-wan:width=832", "resolution").axis.squared is False
+    assert Sized.of("dit-wan", "resolution").axis.squared is True
+    found = find_largest(resolution_axis(16, squared=False), lambda px: 10 ** 6 + 9000 * px, 5 * 10 ** 7, second=480)
+    assert 10 ** 6 + 9000 * found.value <= 5 * 10 ** 7 < 10 ** 6 + 9000 * found.next_value and found.traces <= 4
+
+
 def test_a_value_the_model_cannot_take_bounds_the_search():
     def need(seq):
         if seq > 1024:

@@ -71,9 +71,11 @@ def seq_axis() -> Axis:
     return Axis("seq_len", "--seq-len", "sequence length", SEQ_STEP)
 
 
-def resolution_axis(step: int) -> Axis:
-    """``step``: pixels of one latent step (the workload's ``resolution_step``)."""
-    return Axis("resolution", "--resolution", "resolution", step, squared=True)
+def resolution_axis(step: int, squared: bool = True) -> Axis:
+    """``step``: pixels of one latent step (the workload's ``resolution_step``); ``squared``: the image
+    grows on both sides with it (memory near-affine in its square), not only in height (a video of a
+    fixed width: affine in the value)."""
+    return Axis("resolution", "--resolution", "resolution", step, squared=squared)
 
 
 @dataclass

@@ -60,7 +60,8 @@ class Sized:
             from memfit.workloads.builtin import IMAGE_BUILDERS
             raise UserError(f"--resolution max applies to the image- and video-generation built-ins "
                             f"({', '.join(IMAGE_BUILDERS)}) and diffusers repositories, not {wl.name}")
-        return cls(spec, resolution_axis(wl.info.resolution_step), batch_size=batch_size, seq_len=seq_len,
+        squared = not wl.info.config.get("fixed_width")  # (a Wan clip's width=: only its height grows)
+        return cls(spec, resolution_axis(wl.info.resolution_step, squared), batch_size=batch_size, seq_len=seq_len,
                    second=wl.info.resolution)
 
     def sizes(self, value: int) -> dict:

@@ -145,7 +145,8 @@ def wan(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageMo
 
     res = high * m.vae_factor
     info = image_info(m, res, kw, ("num_layers", "num_attention_heads", "attention_head_dim", "ffn_dim"), p_h)
-    info.config.update(frames=frames, latent_frames=depth, width=wide * m.vae_factor, tokens=tokens)
+    info.config.update(frames=frames, latent_frames=depth, width=wide * m.vae_factor, tokens=tokens,
+                       fixed_width=width is not None)
     wl = image_workload(m, model_builder(m, cls, kw, overrides), batch, transformer_loss, res, info)
     square = clip.width is None and (width is None or width == res)
     if not (res == m.resolution and width == clip.width):
