@@ -67,6 +67,7 @@ def test_a_video_of_a_fixed_width_grows_with_its_height_alone():
     assert Sized.of("dit-wan", "resolution").axis.squared is True
     found = find_largest(resolution_axis(16, squared=False), lambda px: 10 ** 6 + 9000 * px, 5 * 10 ** 7, second=480)
     assert 10 ** 6 + 9000 * found.value <= 5 * 10 ** 7 < 10 ** 6 + 9000 * found.next_value and found.traces <= 4
+    assert found.describe().startswith("largest height that fits")
 
 
 def test_a_value_the_model_cannot_take_bounds_the_search():

@@ -148,7 +148,8 @@ def fit_table(workload: Workload, methods: list[Method], cards: list[Device], *,
     with silenced_warnings():
         facts = model_facts(workload)
     info = workload.info
-    sizes = (f"seq {info.seq_len}" if info.seq_len else f"{info.resolution} px" if info.resolution else "")
+    wide = f"{info.config['width']}x" if info.config.get("fixed_width") else ""  # (a Wan clip of a given width)
+    sizes = (f"seq {info.seq_len}" if info.seq_len else f"{wide}{info.resolution} px" if info.resolution else "")
     table = FitTable(workload.name, sizes, _unit(workload), [m.name for m in methods], list(cards), budget=budget,
                      host_budget_bytes=host)
     groups: dict[tuple, list[Device]] = {}

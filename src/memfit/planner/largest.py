@@ -75,7 +75,7 @@ def resolution_axis(step: int, squared: bool = True) -> Axis:
     """``step``: pixels of one latent step (the workload's ``resolution_step``); ``squared``: the image
     grows on both sides with it (memory near-affine in its square), not only in height (a video of a
     fixed width: affine in the value)."""
-    return Axis("resolution", "--resolution", "resolution", step, squared=squared)
+    return Axis("resolution", "--resolution", "resolution" if squared else "height", step, squared=squared)
 
 
 @dataclass
