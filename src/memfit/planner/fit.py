@@ -242,7 +242,6 @@ class _Search:
         """The recipes faster than ``chosen`` still to ask, fastest first."""
         self.chosen: Recipe | None = None
         self.world, self.batch, self.found = 1, None, None
-        self.passed = ""
         try:
             with silenced_warnings():
                 self.plans = recipes(method, books.facts, card, self.limit)
@@ -284,7 +283,6 @@ class _Search:
         decides) and the largest batch a rank takes under its most frugal recipe."""
         if self.plans:
             self._guarded(self._largest)
-        self.cell.passed_over = self.passed
 
     def _largest(self) -> None:
         if not self._within_host():
@@ -353,8 +351,8 @@ class _Search:
                 over["paged"] = n
         self.plans = [r for r in self.plans if r.name not in over]
         if over:
-            self.passed = (" and ".join(f"{name} needs {fmt_bytes(n)}" for name, n in over.items())
-                           + f" of host memory > {fmt_bytes(self.budget.host_bytes)} (--host-memory)")
+            self.cell.passed_over = (" and ".join(f"{name} needs {fmt_bytes(n)}" for name, n in over.items())
+                                     + f" of host memory > {fmt_bytes(self.budget.host_bytes)} (--host-memory)")
         if not self.plans:
             self.cell.error = "every recipe is over the host memory (--host-memory)"
         return bool(self.plans)
