@@ -173,7 +173,7 @@ class _DeepLadder(Ladder):
     def __init__(self, lower: dict, deep: dict, full: dict) -> None:
         self.first, self.deep = _Rung(Fidelity.LOWER_BOUND, lower, self), _Deep(deep)
         self.full = _FullRung(full, self)
-        self.found, self.full_traced, self.prefetched = {}, set(), []
+        self.found, self.full_traced, self.prefetched, self.behind = {}, set(), [], []
 
     @property
     def traces(self):
@@ -191,8 +191,9 @@ class _DeepLadder(Ladder):
     def traced(self, plan):
         return plan in self.found
 
-    def prefetch(self, plans):
+    def prefetch(self, plans, behind=()):
         self.prefetched.append(list(plans))
+        self.behind.append(list(behind))
         self.full_traced.update(plans)
 
 
@@ -243,6 +244,29 @@ def test_a_compiled_plan_is_not_traced_in_full_beside_an_eager_confirmation():
         walk._measure(ranked[1])  # (the next plan measured: its lower bound fits)
         assert walk.run(ranked).plan == first
         assert ladder.prefetched == [[first, nxt] if alongside else [first]], nxt
+
+
+def test_the_recipes_left_to_measure_are_traced_alongside_the_confirmation_in_place_of_the_next_plan():
+    """NOTE [ The recipes' traces alongside ]: a field recipe the walk has not measured is measured after
+    it whatever it chooses, so the worker the confirmation leaves idle runs the recipe's first rung (queued
+    behind the confirmation), not the next plan's full trace, which is of use only if the confirmation fails.
+    With no recipe left, the next plan's full trace runs alongside, as before."""
+    first, nxt, recipe = Plan(loss_chunks=8), Plan(checkpointing="blocks"), Plan(checkpointing="blocks", loss_chunks=8)
+    for with_recipe in (True, False):
+        seconds = {first: 1.0, nxt: 2.0, **({recipe: 3.0} if with_recipe else {})}
+        ladder = _DeepLadder(lower={p: 8 * GiB for p in seconds}, deep={}, full={p: 9 * GiB for p in seconds})
+        ranked = [Candidate(p, s) for p, s in seconds.items()]
+        if with_recipe:
+            ranked[2].recipe = "torchtune"
+        walk = Walk(4, Budget(10 * GiB, get_device("h100-80gb")), _Model(seconds), ladder, None, 60)
+        walk._measure(ranked[0])  # (both measured before the walk: their lower bounds fit)
+        walk._measure(ranked[1])
+        assert walk.run(ranked).plan == first
+        if with_recipe:
+            assert ladder.prefetched == [[first]] and ladder.behind == [[recipe]]
+            assert recipe not in ladder.found  # (its traces are only queued: the recipes' turn takes them)
+        else:
+            assert ladder.prefetched == [[first, nxt]] and ladder.behind == [[]]
 
 
 def test_nothing_fits_names_the_smallest_footprint_confirmed_not_the_smallest_bound():

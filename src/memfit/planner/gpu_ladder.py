@@ -176,9 +176,9 @@ class GpuLadder(Ladder):
     def traced(self, plan: Plan) -> bool:
         return self.book.is_measured(plan) or self.book.has_shallow_traces(plan)
 
-    def prefetch(self, plans: list[Plan]) -> None:
+    def prefetch(self, plans: list[Plan], behind: list[Plan] = ()) -> None:
         with silenced_warnings():
-            self.book.trace_full(plans)
+            self.book.trace_full(plans, behind=self.book.jobs(list(behind)))
 
     def queue(self, plans: list[Plan]) -> None:
         self.book.queue_shallowest(plans)

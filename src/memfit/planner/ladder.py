@@ -99,8 +99,9 @@ class Ladder:
         """The first rung's traces of ``plan`` ran (or failed): measuring it costs no trace."""
         return self.has_evidence(plan)
 
-    def prefetch(self, plans: list[Plan]) -> None:
-        """Run the top rung of ``plans`` together (spare workers)."""
+    def prefetch(self, plans: list[Plan], behind: list[Plan] = ()) -> None:
+        """Run the top rung of ``plans`` together (spare workers); the first rung of the plans ``behind``
+        is queued after them, in the background, for a later measure to take."""
 
     def queue(self, plans: list[Plan]) -> None:
         """Queue the first trace of ``plans``' first rung in the background, in place of what was
