@@ -63,7 +63,6 @@ class Walk:
         self.notes: list[str] = []
         self.over_host: dict[tuple, Candidate] = {}  # (by _host_copies: NOTE [ A plan over the host's memory ])
         self.heap: list = []
-        self.ranked: list[Candidate] = []
         self.order: dict[int, int] = {}
 
     @property
@@ -71,7 +70,7 @@ class Walk:
         return self.ladder.traces
 
     def run(self, ranked: list[Candidate]) -> Candidate | None:
-        self.ranked = ranked
+        self.ranked = ranked  # (the recipes: NOTE [ The recipes' traces alongside ])
         measured = [e for e in (self.ladder.evidence(c.plan) for c in ranked) if e is not None]
         if measured and all(e.over(self.budget.bytes) for e in measured):  # NOTE [ Maximal plans first when nothing measured fits ]
             self.before_feasibility = 0
@@ -201,9 +200,8 @@ class Walk:
         return self._take(c, self.ladder.first)
 
     def _next_to_measure(self, c: Candidate, n: int = 1) -> list[Candidate]:
-        """The ``n`` plans queued next that the walk would measure if ``c`` (and each before it) did not fit:
-        open, untraced, not pruned by a plan that failed or by ``c`` or those before it (were they to
-        fail), and not estimated too big (an estimate needing a trace of its own is not asked for)."""
+        """The ``n`` plans queued next that the walk would measure if ``c`` (and each before it) did not fit: open, untraced,
+        not pruned by a failure or by ``c`` or those before it, not estimated too big (by an estimate needing no trace)."""
         if not self.alongside or self.ladder.spare_workers < 1 or self.evaluated + 1 >= self.max_traces:
             return []
         estimate, out = self.ladder.estimate, []
@@ -272,12 +270,10 @@ class Walk:
         return True
 
     def _confirm_ahead(self, c: Candidate) -> None:
-        """Run ``c``'s full trace alongside those of the next plans that may come up for confirming
-        (measured, their lower bound fits), on the workers that would otherwise wait: when ``c``'s
-        reserved bytes do not fit, the next one's are ready."""
-        spare, ladder = self.ladder.spare_workers if self.alongside else 0, self.ladder
-        if spare <= 0 or ladder.has_full_trace(c.plan):  # (nothing to run alongside)
-            return
+        """Run ``c``'s full trace alongside those of the next plans that may come up for confirming (measured, their
+        lower bound fits), or the recipes' first rung, on the workers that would otherwise wait."""
+        if (spare := self.ladder.spare_workers if self.alongside else 0) <= 0 or (ladder := self.ladder).has_full_trace(c.plan):
+            return  # (nothing to run alongside)
         recipes = [x.plan for x in self.ranked if x.recipe is not None and x.open and not ladder.traced(x.plan)]
         ahead: dict = {}
         for _, _, x in heapq.nsmallest(len(self.heap), self.heap) if not recipes else ():  # NOTE [ The recipes' traces alongside ]
@@ -291,16 +287,6 @@ class Walk:
         if check is not None:
             ahead[check] = None  # NOTE [ A full trace for the deep rung's check, alongside ]
         ladder.prefetch([c.plan, *ahead], behind=recipes)
-
-    # NOTE [ The recipes' traces alongside ]
-    # The field recipes the walk has not measured are measured after it, whichever plan it chooses (each
-    # is listed with figures of its own: memfit.planner.field_recipes), while a full trace of the next plan
-    # alongside a confirmation is of use only if the confirmation fails. So where a recipe is left to
-    # measure, the workers the confirmation leaves idle trace the recipes' shallow pairs in its place (in
-    # the background: the recipes' turn takes them), and the next plans' full traces are not run ahead. A
-    # deep rung's check still runs first (without it, every plan it ruled out is traced in full after the
-    # choice). Qwen2.5-7B's QLoRA on a 24 GB card: the three recipes' pairs took 8.6 s after a 25 s
-    # confirmation; measured: docs/planner.md.
 
     def _distrust_deep(self, ranked: list[Candidate], c: Candidate | None) -> None:
         """Put the plans the deep rung ruled out back into the queue (and those pruned, which may
@@ -386,6 +372,18 @@ def _compiles_as(plan, other) -> bool:
     seconds, and the confirmation waits for every trace run beside it)."""
     mode = plan.config("compile").mode
     return mode in ("none", other.config("compile").mode)
+
+
+# NOTE [ The recipes' traces alongside ]
+# The field recipes the walk has not measured are measured after it, whichever plan it chooses (each
+# is listed with figures of its own: memfit.planner.field_recipes), while a full trace of the next plan
+# alongside a confirmation is of use only if the confirmation fails. So where a recipe is left to
+# measure, the workers the confirmation leaves idle trace the recipes' shallow pairs in its place (in
+# the background: the recipes' turn takes them), and the next plans' full traces are not run ahead. A
+# deep rung's check still runs first (without it, every plan it ruled out is traced in full after the
+# choice). Qwen2.5-7B's QLoRA on a 24 GB card: the three recipes' pairs took 8.6 s after a 25 s
+# confirmation; measured: docs/planner.md.
+
 
 
 # NOTE [ A recipe is never ruled out by an estimate ]
