@@ -7,7 +7,7 @@ import pytest
 
 from memfit.devices import get_device
 from memfit.memory.budget import Budget
-from memfit.planner.cpu_floor import FLOOR_SHARE, cpu_floor, overlap_group
+from memfit.planner.cpu_floor import FLOOR_SHARE, cpu_floor, overlap_group, update_signature
 from memfit.planner.search import gpu_search
 from memfit.planner.space import default_space, model_facts
 from memfit.planner.time_model import factor_estimate
@@ -74,3 +74,59 @@ def test_no_floor_at_a_precision_never_measured_alone(gpt2_model):
     """(fp32 is outside this space: nothing measured its step, so nothing bounds its plans.)"""
     assert gpt2_model.cpu_floor(Plan(precision="fp32", checkpointing="selective", micro_batch_size=2)) == 0.0
     assert gpt2_model.cpu_floor(Plan(precision="bf16-pure", checkpointing="selective", micro_batch_size=2)) > 0.0
+
+
+def test_the_update_signature_leaves_out_what_does_not_change_the_host_update():
+    a = Plan(precision="bf16-pure", optimizer="adamw8bit", offload=["optimizer_states"])
+    alike = [a.replace(checkpointing="selective", micro_batch_size=2, loss_chunks=8),
+             a.replace(optimizer_in_backward=True), a.replace(offload=["optimizer_states", "activations"])]
+    other = [a.replace(optimizer="adamw"), a.replace(precision="bf16"), a.replace(offload=["optimizer_states:step=device"]),
+             a.replace(max_grad_norm=1.0)]
+    assert all(update_signature(p) == update_signature(a) for p in alike)
+    assert all(update_signature(p) != update_signature(a) for p in other)
+
+
+@pytest.fixture(scope="module")
+def host_update_model():
+    """GPT-2's width at 2 blocks, batch 8 x 1024, full fine-tuning on the h100-80gb preset, its optimizer
+    states stepped on the host: 8-bit AdamW's host update is slow, the step waits for it."""
+    target = Target.resolve("gpt2:n_layer=2", None, 8, "h100-80gb", seq_len=1024)
+    facts = model_facts(target.workload)
+    space = default_space(facts, get_device("h100-80gb"), 8)
+    space.values = {"precision": ["bf16-pure"], "optimizer": ["adamw", "adamw8bit"],
+                    "offload": [(), ("optimizer_states",)], "checkpointing": ["none", "selective"],
+                    "optimizer_in_backward": [False, True]}
+    space.micro_batches = [8, 2]
+    book, model, _ = gpu_search(target, space, facts, Budget.resolve("3GiB", target.device))
+    with silenced_warnings():
+        model.prepare()
+    yield model
+    book.close()
+
+
+def test_a_measured_host_update_floors_the_estimates_of_plans_that_update_alike(host_update_model):
+    """NOTE [ The host's update under an estimate ]: once one 8-bit AdamW plan stepping on the host is
+    measured, every plan updating alike is estimated at least FLOOR_SHARE of its worker's seconds, which
+    stays under each one's own measured time; a plan updating otherwise (torch's AdamW) gets no floor from it."""
+    model = host_update_model
+    first = Plan(precision="bf16-pure", optimizer="adamw8bit", offload=["optimizer_states"], checkpointing="selective",
+                 optimizer_in_backward=True)
+    alike = [Plan(precision="bf16-pure", optimizer="adamw8bit", offload=["optimizer_states"], micro_batch_size=2),
+             Plan(precision="bf16-pure", optimizer="adamw8bit", offload=["optimizer_states"])]
+    other = Plan(precision="bf16-pure", optimizer="adamw", offload=["optimizer_states"], checkpointing="selective")
+    assert all(model.update_floor(p) == 0.0 for p in [first, *alike])  # (no 8-bit update on the host measured)
+    torch_adamw = model.update_floor(other)  # (the state offload measured alone, before the walk: torch's AdamW)
+    before = [model.predict(p) for p in alike]
+    with silenced_warnings():
+        model.book.measure(first)
+    worker = model.step(first).worker
+    assert worker > 0.5 * model.seconds(first)  # (the step waits for the host's 8-bit update)
+    assert model.estimate_depends_on(alike[0], [first]) and not model.estimate_depends_on(other, [first])
+    assert 0 < torch_adamw < FLOOR_SHARE * worker and model.update_floor(other) == torch_adamw
+    for plan, estimate in zip(alike, before):
+        assert model.update_floor(plan) == pytest.approx(FLOOR_SHARE * worker)
+        assert model.predict(plan) > estimate  # (the ratios alone estimated it under the floor)
+        with silenced_warnings():
+            model.book.measure(plan)
+        assert model.step(plan).worker == pytest.approx(worker, rel=1e-6)
+        assert FLOOR_SHARE * worker <= model.seconds(plan)

@@ -9,7 +9,8 @@ book's (memfit.planner.traces); this model only prices their ops:
    the plan's values had alone (memfit.planner.baseline measures them before the walk;
    memfit.planner.time_model.factor_estimate, the CPU model's too), and once the walk has measured
    plans, from the plan's nearest measured part instead (NOTE [ Estimates from the nearest measured
-   plan ]); never under the CPU's floor (memfit.planner.cpu_floor).
+   plan ]); never under the CPU's floor, nor under the host update's of a measured plan updating
+   alike (memfit.planner.cpu_floor).
 2. **Measured** (a plan the walk visited: a shallow pair's ops extrapolated to full depth, or a full
    trace's): the plan's own ops, priced. The walk puts it back into its queue at that time.
 
@@ -24,7 +25,7 @@ import dataclasses
 
 from memfit.memory.managed import Migration
 from memfit.planner.baseline import Baseline
-from memfit.planner.cpu_floor import cpu_floor
+from memfit.planner.cpu_floor import FLOOR_SHARE, cpu_floor, update_signature, updates_on_host
 from memfit.planner.ops import forward_backward_span
 from memfit.planner.shallow import extrapolate
 from memfit.planner.time_model import StepTimeModel, factor_estimate
@@ -106,6 +107,7 @@ class GpuStepModel(StepTimeModel):
         sa, sb = time_from_ops(a, target, self.k), time_from_ops(b, target, self.k)
         return self._migrated(dataclasses.replace(sb, seconds=extrapolate(sa.seconds, sb.seconds, d, e, full),
                                                   cpu_seconds=extrapolate(sa.cpu_seconds, sb.cpu_seconds, d, e, full),
+                                                  worker=extrapolate(sa.worker, sb.worker, d, e, full),
                                                   notes=["the shallow steps' ops did not line up: time extrapolated on a line"]), m)
 
     # NOTE [ Migration in estimates ]
@@ -160,7 +162,17 @@ class GpuStepModel(StepTimeModel):
             estimate = factor_estimate(self._unpaged(self.base), keys, self.ratios)
         else:
             estimate = max(factor_estimate(seconds, keys - part, self.ratios) for part, seconds in largest)
-        return max(estimate, self.cpu_floor(plan))
+        return max(estimate, self.cpu_floor(plan), self.update_floor(plan))
+
+    def update_floor(self, plan: Plan) -> float:
+        """The host update's floor under ``plan``'s estimate (NOTE [ The host's update under an estimate ] in
+        memfit.planner.cpu_floor): 0 where no measured plan updates on the host as it does."""
+        if not updates_on_host(plan):
+            return 0.0
+        signature = update_signature(plan)
+        workers = [step.worker for other, m in list(self.book.measured.items()) if not m.shallower_only
+                   and updates_on_host(other) and update_signature(other) == signature and (step := self.step(other))]
+        return FLOOR_SHARE * max(workers, default=0.0)
 
     def cpu_floor(self, plan: Plan) -> float:
         """What the CPU at least spends issuing ``plan``'s step, from its precision's step and each
@@ -205,7 +217,8 @@ class GpuStepModel(StepTimeModel):
 
     def estimate_depends_on(self, plan: Plan, measured: list[Plan]) -> bool:
         keys = self.technique_keys(plan)
-        return any(self.technique_keys(m) <= keys for m in measured)
+        return any(self.technique_keys(m) <= keys for m in measured) or updates_on_host(plan) and any(
+            updates_on_host(m) and update_signature(m) == update_signature(plan) for m in measured)
 
     def is_estimate(self, plan: Plan) -> bool:
         return not self.book.is_measured(plan)

@@ -177,6 +177,9 @@ class StepTime:
     """Managed pages over the host link (a paged optimizer's states the budget has no room for:
     memfit.memory.managed), added to the step: the update waits for its states' pages."""
     host: float = 0.0
+    worker: float = 0.0
+    """The host update's worker thread, busy (NOTE [ Host optimizer ] in memfit.planner.timing): the step
+    lasts at least this long."""
     cpu_bound: float = 0.0
     cpu_seconds: float = 0.0
     """CPU time to issue the step (each op's dispatch)."""

@@ -125,7 +125,7 @@ def simulate(ops: list[Op], device: Device, k: Constants = H100, *, fused: float
     busy = dict.fromkeys(("forward", "backward", "recompute", "optimizer", "transfers", "communication"), 0.0)
     host = 0.0
     kernels = 0
-    w = w_in = out = 0.0  # NOTE [ Host optimizer ]: the worker thread, the stream in, the stream out
+    w = w_in = out = worker = 0.0  # NOTE [ Host optimizer ]: the worker thread, the stream in, the stream out; its busy seconds
     joined = True
     beside = 0.0  # NOTE [ Beside the next step ]
     stash: collections.deque = collections.deque()  # when offloaded activations' copies out end
@@ -155,6 +155,7 @@ def simulate(ops: list[Op], device: Device, k: Constants = H100, *, fused: float
             joined = False
             w, w_in, dt = _on_worker(op, rates, w, w_in, max(c, out))
             host += dt if kind == HOST else 0.0
+            worker += dt if kind != H2D else 0.0
             busy["transfers"] += dt if kind == H2D else 0.0
             continue
         if not joined and op.phase >= PHASES.index("optimizer"):  # the step waits for the updates
@@ -213,7 +214,7 @@ def simulate(ops: list[Op], device: Device, k: Constants = H100, *, fused: float
     total = max(c, g, w, w_in, out, beside, comm)
     cpu_bound = max(0.0, total - sum(busy.values()) - host)
     cpu_seconds = sum(rates.cpu(op) * _in_graph(op, fused) for op in ops)
-    return StepTime(seconds=total, **busy, host=host, cpu_bound=cpu_bound, cpu_seconds=cpu_seconds,
+    return StepTime(seconds=total, **busy, host=host, worker=worker, cpu_bound=cpu_bound, cpu_seconds=cpu_seconds,
                     kernels=kernels, ops=len(ops))
 
 
