@@ -162,24 +162,28 @@ def leave_out_optimizer_choices(space: SearchSpace, trainable: int, budget_bytes
 # NOTE [ States that cannot fit ]
 # A torchao low-bit AdamW keeps its states on the device in every plan the search tries (its host
 # update is left out: NOTE [ Low-bit states on the host ]; its device-step offload and FSDP2 are
-# refused). So where the weights at 16 bits and its states at their least (``state_bytes_at_least``
-# per trained parameter) exceed the budget, no plan with it can fit, and timing it would only cost
-# its compiles (tens of seconds on a cold cache). Such a variant is left out, with a note. Measured:
-# docs/planner-notes.md.
+# refused). So where the weights at 16 bits, its states at their least (``state_bytes_at_least``
+# per trained parameter) and the largest trained parameter's gradient at 16 bits (made in backward
+# while all of them are there, whenever the update runs) exceed the budget, no plan with it can fit,
+# and timing it would only cost its compiles (tens of seconds on a cold cache: 34 s of CPU for
+# Qwen2.5-7B, whose weights and 4-bit states alone are 868 KB under a 24 GB card's budget and whose
+# embedding's gradient is 1.09 GB). Such a variant is left out, with a note. Measured: docs/planner-notes.md.
 def leave_out_states_that_cannot_fit(space: SearchSpace, facts: ModelFacts, budget_bytes: int,
                                      device: Device) -> None:
     """NOTE [ States that cannot fit ] (one rank: unsharded states)."""
     from memfit.units import fmt_bytes
     values = space.values.get("optimizer", [])
-    trained = sum(p.numel() for p in facts.model.parameters() if p.requires_grad)
+    sizes = [p.numel() for p in facts.model.parameters() if p.requires_grad]
+    trained, gradient = sum(sizes), 2 * max(sizes, default=0)
     weights = facts.n_params * (2 if device.bf16 or device.fp16 else 4)
     for name in list(values):
         variant = Plan(optimizer=name).config("optimizer")
         least = variant.state_bytes_at_least
-        if len(values) > 1 and least and variant.slow_host_update and weights + trained * least > budget_bytes:
+        if len(values) > 1 and least and variant.slow_host_update and weights + trained * least + gradient > budget_bytes:
             values.remove(name)
-            space.notes.append(f"{name} left out: the weights in 16 bits ({fmt_bytes(weights)}) and its states on the "
-                               f"device ({fmt_bytes(int(trained * least))} at least) exceed the budget")
+            space.notes.append(f"{name} left out: the weights in 16 bits ({fmt_bytes(weights)}), its states on the "
+                               f"device ({fmt_bytes(int(trained * least))} at least) and the largest gradient "
+                               f"({fmt_bytes(gradient)}) exceed the budget")
 
 
 def weight_bytes(model: torch.nn.Module, precision: str) -> int:
