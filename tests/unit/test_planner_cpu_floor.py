@@ -39,11 +39,16 @@ def test_a_value_that_saves_cpu_time_lowers_the_floor_in_every_micro_batch():
 def gpt2_model():
     """GPT-2's width at 2 blocks, batch 8 x 1024 on the h100-80gb preset: its step waits on the GPU,
     its selective checkpointing split into 4 micro-batches waits on the CPU."""
+    yield from _gpt2_time_model({"precision": ["bf16-pure"], "checkpointing": ["none", "selective"]})
+
+
+def _gpt2_time_model(values: dict):
+    """The time model of GPT-2's width at 2 blocks, batch 8 x 1024 on the h100-80gb preset, over ``values``
+    and micro-batches of 8 and 2, its base and each value measured alone."""
     target = Target.resolve("gpt2:n_layer=2", None, 8, "h100-80gb", seq_len=1024)
     facts = model_facts(target.workload)
     space = default_space(facts, get_device("h100-80gb"), 8)
-    space.values = {"precision": ["bf16-pure"], "checkpointing": ["none", "selective"]}
-    space.micro_batches = [8, 2]
+    space.values, space.micro_batches = values, [8, 2]
     book, model, _ = gpu_search(target, space, facts, Budget.resolve("3GiB", target.device))
     with silenced_warnings():
         model.prepare()
@@ -90,18 +95,9 @@ def test_the_update_signature_leaves_out_what_does_not_change_the_host_update():
 def host_update_model():
     """GPT-2's width at 2 blocks, batch 8 x 1024, full fine-tuning on the h100-80gb preset, its optimizer
     states stepped on the host: 8-bit AdamW's host update is slow, the step waits for it."""
-    target = Target.resolve("gpt2:n_layer=2", None, 8, "h100-80gb", seq_len=1024)
-    facts = model_facts(target.workload)
-    space = default_space(facts, get_device("h100-80gb"), 8)
-    space.values = {"precision": ["bf16-pure"], "optimizer": ["adamw", "adamw8bit"],
-                    "offload": [(), ("optimizer_states",)], "checkpointing": ["none", "selective"],
-                    "optimizer_in_backward": [False, True]}
-    space.micro_batches = [8, 2]
-    book, model, _ = gpu_search(target, space, facts, Budget.resolve("3GiB", target.device))
-    with silenced_warnings():
-        model.prepare()
-    yield model
-    book.close()
+    yield from _gpt2_time_model({"precision": ["bf16-pure"], "optimizer": ["adamw", "adamw8bit"],
+                                 "offload": [(), ("optimizer_states",)], "checkpointing": ["none", "selective"],
+                                 "optimizer_in_backward": [False, True]})
 
 
 def test_a_measured_host_update_floors_the_estimates_of_plans_that_update_alike(host_update_model):
