@@ -8,6 +8,7 @@ from memfit.planner.ladder import DeepRung, Ladder
 from memfit.planner.time_model import StepTimeModel
 from memfit.planner.walk import Walk
 from memfit.plans import Plan
+from memfit.quiet import silenced_warnings
 
 GiB = 1 << 30
 
@@ -264,7 +265,6 @@ def test_the_recipes_left_to_measure_are_traced_alongside_the_confirmation_in_pl
         assert walk.run(ranked).plan == first
         if with_recipe:
             assert ladder.prefetched == [[first]] and ladder.behind == [[recipe]]
-            assert recipe not in ladder.found  # (its traces are only queued: the recipes' turn takes them)
         else:
             assert ladder.prefetched == [[first, nxt]] and ladder.behind == [[]]
 
@@ -307,3 +307,33 @@ def test_a_plan_far_over_the_budget_rules_out_its_optimizer_variants_untraced():
         if len(traced) == 2:
             assert all(c.status is Status.PRUNED and "optimizer keys" in c.reason for c in ranked[1:4])
 
+
+
+def test_a_recipes_pair_queued_behind_a_full_trace_runs_once_in_the_background_and_its_measure_takes_it():
+    """NOTE [ The recipes' traces alongside ], on a real trace book and its worker processes: the recipe's shallow
+    pair queued behind a full trace is handed to the worker the full trace leaves idle; the recipe's measure then
+    takes it (each trace counted once, none run again) and finds what a book tracing the recipe alone finds. A
+    full-depth job is not queued behind (it would hold a worker the walk may need next)."""
+    from memfit.planner.space import model_facts
+    from memfit.planner.traces import TraceBook
+    from memfit.target import Target
+    from memfit.workloads import load_workload
+    workload = load_workload("llama:num_hidden_layers=6,hidden_size=64,intermediate_size=128,num_attention_heads=4,"
+                             "num_key_value_heads=2,vocab_size=512", seq_len=256)
+    facts, card = model_facts(workload), get_device("h100-80gb")
+    chosen, recipe, other = Plan(precision="bf16-pure"), Plan(precision="bf16-pure", checkpointing="blocks"), Plan()
+    book, alone = (TraceBook(Target(workload, Plan(), 1, card), facts, Budget.of_device(card)) for _ in range(2))
+    try:
+        with silenced_warnings():
+            book.trace_full([chosen], behind=[*book.jobs([recipe]), (other, None, None)])
+            forked = book.workers.count > 1  # (one process where this one ran a backward pass: nothing in the background)
+            handed = [j for j in book.jobs([recipe]) if j in book.workers._background or j in book.workers._queued]
+            assert handed == (book.jobs([recipe]) if forked else handed)
+            assert (other, None, None) not in book.workers._queued + list(book.workers._background)
+            m, a = book.measure(recipe), alone.measure(recipe)
+        assert (book.traces, book.full_traces) == (3, 1)
+        assert (m.peak_bytes, m.used_lower, len(m.ops)) == (a.peak_bytes, a.used_lower, len(a.ops))
+        assert not forked or not book.workers._queued and not book.workers._background
+    finally:
+        book.close()
+        alone.close()

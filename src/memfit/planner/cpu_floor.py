@@ -105,5 +105,6 @@ def update_signature(plan) -> tuple:
 
 
 def updates_on_host(plan) -> bool:
-    """The plan steps offloaded optimizer states (on the host, or on the device with the states copied in)."""
+    """The plan updates its offloaded optimizer states on the host (not ``optimizer_states:step=device``, whose
+    update runs on the device: no worker thread)."""
     return plan.config("offload").states == "optimizer_states"

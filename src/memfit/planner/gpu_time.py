@@ -105,9 +105,10 @@ class GpuStepModel(StepTimeModel):
             return self._migrated(time_from_ops(m.ops, target, self.k), m)
         a, b, d, e, full = m.pair  # the runs do not line up: the time on the line through both depths
         sa, sb = time_from_ops(a, target, self.k), time_from_ops(b, target, self.k)
-        return self._migrated(dataclasses.replace(sb, seconds=extrapolate(sa.seconds, sb.seconds, d, e, full),
+        worker = extrapolate(sa.worker, sb.worker, d, e, full)  # (a step lasts at least its worker's seconds)
+        return self._migrated(dataclasses.replace(sb, seconds=max(worker, extrapolate(sa.seconds, sb.seconds, d, e, full)),
                                                   cpu_seconds=extrapolate(sa.cpu_seconds, sb.cpu_seconds, d, e, full),
-                                                  worker=extrapolate(sa.worker, sb.worker, d, e, full),
+                                                  worker=worker,
                                                   notes=["the shallow steps' ops did not line up: time extrapolated on a line"]), m)
 
     # NOTE [ Migration in estimates ]

@@ -319,8 +319,8 @@ class TraceBook(AtBatch):
         self._run(jobs, check=False, behind=rest, skip_over=skip_over and len(plans) > 1)
 
     def trace_full(self, plans: list[Plan], behind: list[tuple] = ()) -> None:
-        """Trace ``plans`` at full depth together (:meth:`confirm` then reads them); ``behind``: as in trace_shallow."""
-        self._run([(p, None, None) for p in plans], check=False, behind=[j for j in dict.fromkeys(behind) if j not in self._traced])
+        """Trace ``plans`` at full depth together; ``behind``: shallow jobs queued after them (not full ones: a worker held)."""
+        self._run([(p, None, None) for p in plans], check=False, behind=[j for j in behind if j[1] and j not in self._traced])
 
     def queue_shallowest(self, plans: list[Plan]) -> None:
         """The shallowest trace of each of ``plans`` (those with a pair) queued in the background, in
