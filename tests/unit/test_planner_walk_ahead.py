@@ -308,7 +308,6 @@ def test_a_plan_far_over_the_budget_rules_out_its_optimizer_variants_untraced():
             assert all(c.status is Status.PRUNED and "optimizer keys" in c.reason for c in ranked[1:4])
 
 
-
 def test_a_recipes_pair_queued_behind_a_full_trace_runs_once_in_the_background_and_its_measure_takes_it():
     """NOTE [ The recipes' traces alongside ], on a real trace book and its worker processes: the recipe's shallow
     pair queued behind a full trace is handed to the worker the full trace leaves idle; the recipe's measure then

@@ -171,15 +171,15 @@ class GpuStepModel(StepTimeModel):
         if not updates_on_host(plan):
             return 0.0
         signature = update_signature(plan)
-        workers = [step.worker for other, m in list(self.book.measured.items()) if not m.shallower_only
-                   and updates_on_host(other) and update_signature(other) == signature and (step := self.step(other))]
+        workers = [step.worker for other, m in list(self.book.measured.items())  # (an equal signature updates on the host too)
+                   if not m.shallower_only and update_signature(other) == signature and (step := self.step(other))]
         return FLOOR_SHARE * max(workers, default=0.0)
 
     def cpu_floor(self, plan: Plan) -> float:
         """What the CPU at least spends issuing ``plan``'s step, from its precision's step and each
         other value's extra alone (NOTE [ The CPU's floor under an estimate ]); 0 where there is no
         floor (compiled, sharded, the update on the host) or its parts are not measured."""
-        if self.book.world > 1 or not plan.config("compile").is_default or plan.config("offload").states == "optimizer_states":
+        if self.book.world > 1 or not plan.config("compile").is_default or updates_on_host(plan):
             return 0.0
         keys = self.technique_keys(plan)
         ref = self.baseline.precision_alone(plan.precision)
@@ -219,7 +219,7 @@ class GpuStepModel(StepTimeModel):
     def estimate_depends_on(self, plan: Plan, measured: list[Plan]) -> bool:
         keys = self.technique_keys(plan)
         return any(self.technique_keys(m) <= keys for m in measured) or updates_on_host(plan) and any(
-            updates_on_host(m) and update_signature(m) == update_signature(plan) for m in measured)
+            update_signature(m) == update_signature(plan) for m in measured)
 
     def is_estimate(self, plan: Plan) -> bool:
         return not self.book.is_measured(plan)

@@ -385,7 +385,6 @@ def _compiles_as(plan, other) -> bool:
 # confirmation; measured: docs/planner.md.
 
 
-
 # NOTE [ A recipe is never ruled out by an estimate ]
 # The estimate rung adds each value's saving measured alone, and a saving measured alone can be less
 # than the same value's in a combination: where the peak moves. Llama-3-8B sizes, bf16-pure, at 2 x
