@@ -7,6 +7,7 @@ builds bitsandbytes modules itself (``Linear4bit``, ``Linear8bitLt``, ``BitsAndB
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 
 import torch
@@ -27,7 +28,15 @@ def _fake_class(cls: type) -> type:
             for key, value in self.__dict__.items():
                 t.__dict__.setdefault(key, value)
             return t
-        _FAKE_CLASSES[cls] = type(cls.__name__, (FakeTensor, cls), {"detach": detach, "__module__": cls.__module__})
+
+        def deepcopy(self, memo):
+            t = FakeTensor.clone(self).requires_grad_(self.requires_grad)
+            t.__class__ = type(self)
+            for key, value in self.__dict__.items():
+                t.__dict__[key] = value if isinstance(value, torch.nn.Module) else copy.deepcopy(value, memo)
+            return t
+        _FAKE_CLASSES[cls] = type(cls.__name__, (FakeTensor, cls), {"detach": detach, "__deepcopy__": deepcopy,
+                                                                   "__module__": cls.__module__})
     return _FAKE_CLASSES[cls]
 
 
@@ -41,7 +50,10 @@ def _fake_class(cls: type) -> type:
 # dispatches it) and the requested class (bitsandbytes' methods and attributes: ``quant_state``,
 # ``.to`` that quantizes, ``CB``/``SCB``), keeping the class's name (peft checks
 # ``param.__class__.__name__ != "Params4bit"``). Its ``detach`` keeps that class, as
-# ``nn.Parameter(...)`` in ``Module._apply`` requires. Quantization then runs bitsandbytes' own
+# ``nn.Parameter(...)`` in ``Module._apply`` requires. Its ``__deepcopy__`` clones the data and copies
+# the attributes (the layer it belongs to by reference, as bitsandbytes' own): bitsandbytes' makes the
+# copy with ``type(self).__new__(type(self))``, which a fake tensor cannot take, and peft's DoRA
+# deep-copies a 4-bit layer to dequantize its weight (QDoRA). Quantization then runs bitsandbytes' own
 # code on fake tensors: its custom ops' fake kernels give the packed uint8 weights, absmax and the
 # nested statistics exact shapes and dtypes. Every other ``_make_subclass`` call is untouched.
 @contextlib.contextmanager
