@@ -218,3 +218,30 @@ def test_user_errors_are_one_line_with_the_fix(monkeypatch):
     monkeypatch.setattr(optimizers, "bitsandbytes_available", lambda: False)
     with pytest.raises(UserError, match="pip install bitsandbytes"):
         run_tracked(Target.resolve(workload(), Plan(base_weights="int8"), 1), fake=True, steps=0)
+
+
+@pytest.mark.parametrize("spec", ["llama:hidden_size=64,intermediate_size=128,num_hidden_layers=2,vocab_size=300",
+                                  "gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=300,n_positions=64"])
+@pytest.mark.parametrize("adapter", ["lora:r=4", "dora:r=4,targets=all-linear,save=lm_head"])
+def test_an_adapter_trains_as_many_parameters_on_any_base_weights_as_the_planner_counts(spec, adapter):
+    """The planner counts an adapter's parameters on the workload's own weights (memfit.planner.search:
+    ``_trainable``); each format's quantized layers keep the linears' features (GPT-2's Conv1D
+    included), so the steps that train them train as many."""
+    from memfit.memory.faketrace import trainable_parameters
+    from memfit.planner.search import _trainable
+    target = Target.resolve(spec, None, 1, "rtx4090", seq_len=32)
+    counts = {value: trainable_parameters(target.with_plan(Plan(adapter=adapter, base_weights=value)))
+              for value in ("nf4", "int8") + (() if adapter.startswith("dora") else ("fp8",))}  # (fp8 takes no DoRA)
+    counted = _trainable(target, None, {"adapter": adapter, "base_weights": "nf4"})
+    assert counted > 0 and set(counts.values()) == {counted}, (counted, counts)
+
+
+def test_qdora_is_traced_on_fake_tensors_within_1pct_of_the_profiler():
+    """peft's DoRA deep-copies a 4-bit layer to dequantize its weight (QDoRA): the copy of a
+    bitsandbytes parameter on fake tensors (NOTE [ bitsandbytes parameters on fake tensors ]), where a
+    failed trace fell back to a real run (a 7B model's, on the CPU)."""
+    spec = "llama:num_hidden_layers=2,hidden_size=128,intermediate_size=256,num_attention_heads=4,vocab_size=1000"
+    r = profile(spec, Plan(adapter="dora:r=8,targets=q_proj+v_proj", base_weights="nf4", precision="bf16",
+                           checkpointing="blocks"), batch_size=2, seq_len=64, repeats=0)
+    assert r.predicted.method == "fake"
+    assert abs(r.error_percent) <= 1.0, r.error_percent
