@@ -35,8 +35,14 @@ def _fake_class(cls: type) -> type:
             for key, value in self.__dict__.items():
                 t.__dict__[key] = value if isinstance(value, torch.nn.Module) else copy.deepcopy(value, memo)
             return t
-        _FAKE_CLASSES[cls] = type(cls.__name__, (FakeTensor, cls), {"detach": detach, "__deepcopy__": deepcopy,
-                                                                   "__module__": cls.__module__})
+
+        def to(self, *args, **kwargs):
+            device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+            if self.dtype == torch.int8 and device in (None, self.device) and dtype in (None, self.dtype):
+                return self  # (8-bit codes already where they are asked to be)
+            return cls.to(self, *args, **kwargs)
+        body = {"detach": detach, "__deepcopy__": deepcopy, "__module__": cls.__module__}
+        _FAKE_CLASSES[cls] = type(cls.__name__, (FakeTensor, cls), body | ({"to": to} if cls.__name__ == "Int8Params" else {}))
     return _FAKE_CLASSES[cls]
 
 
@@ -53,7 +59,11 @@ def _fake_class(cls: type) -> type:
 # ``nn.Parameter(...)`` in ``Module._apply`` requires. Its ``__deepcopy__`` clones the data and copies
 # the attributes (the layer it belongs to by reference, as bitsandbytes' own): bitsandbytes' makes the
 # copy with ``type(self).__new__(type(self))``, which a fake tensor cannot take, and peft's DoRA
-# deep-copies a 4-bit layer to dequantize its weight (QDoRA). Quantization then runs bitsandbytes' own
+# deep-copies a 4-bit layer to dequantize its weight (QDoRA). An 8-bit weight's ``.to`` its own device
+# and dtype is itself, as on a GPU: fake tensors are CPU tensors, and on the CPU peft's DoRA re-wraps
+# the weight every forward (``module.weight = module.weight.to(device)``), where bitsandbytes' ``to``
+# keeps the codes but not the scales its layer moved into its state: the next step fails (it fails on a
+# real CPU too). On a GPU peft does not re-wrap it. Quantization then runs bitsandbytes' own
 # code on fake tensors: its custom ops' fake kernels give the packed uint8 weights, absmax and the
 # nested statistics exact shapes and dtypes. Every other ``_make_subclass`` call is untouched.
 @contextlib.contextmanager
