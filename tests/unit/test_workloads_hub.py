@@ -48,6 +48,35 @@ def test_an_existing_folder_wins_over_a_hub_id(hub_cache, no_network, tmp_path, 
     assert layers(ID) == 1 and layers(f"hf:{ID}") == 1 and layers(f"./{ID}") == 1
 
 
+def test_overrides_of_a_hub_ids_config_build_the_folder_that_has_them(hub_cache, no_network, tmp_path):
+    """NOTE [ Overrides of a config.json ]: ``org/name:key=value`` is the hub id's config.json with those
+    fields changed, as a folder holding that config.json (derived fields follow: GPT-2's head size)."""
+    hub_cache(ID, GPT2)
+    edited = tmp_path / "edited"
+    edited.mkdir()
+    (edited / "config.json").write_text(json.dumps({**GPT2, "n_layer": 3, "n_embd": 128}))
+    spec = f"{ID}:n_layer=3,n_embd=128"
+    wl = load_workload(spec, seq_len=16)
+    assert wl.name == spec and wl.info.config["num_hidden_layers"] == 3
+    assert layers(f"hf:{ID}:n_layer=1") == 1 and layers(f"{edited}:n_layer=1") == 1
+    hub = estimate(spec, Plan(), batch_size=2, seq_len=16)
+    assert hub.method == "fake" and hub.peak_bytes == estimate(str(edited), Plan(), batch_size=2, seq_len=16).peak_bytes
+    assert hub.peak_bytes > estimate(ID, Plan(), batch_size=2, seq_len=16).peak_bytes
+
+
+@pytest.mark.parametrize("spec,message", [
+    (f"{ID}:n_layr=3", r"hub model acme/gpt2-toy: its config\.json has no field 'n_layr' \(did you mean n_layer\?\)"),
+    (f"{ID}:text_config.n_layer=3", r"has no nested config 'text_config' for the override text_config\.n_layer"),
+    (f"{ID}:n_layer=3,oops", r"malformed override 'oops' for acme/gpt2-toy"),
+    (f"{ID}:n_embd=65", r"hub model acme/gpt2-toy: building the model failed .*divisible.*; change the overrides$"),
+])
+def test_a_bad_override_of_a_hub_ids_config_is_one_line(hub_cache, no_network, spec, message):
+    from memfit.errors import UserError
+    hub_cache(ID, GPT2)
+    with pytest.raises(UserError, match=message):
+        estimate(spec, Plan(), batch_size=2, seq_len=16)
+
+
 @pytest.mark.parametrize("text,hub", [("meta-llama/Llama-3.1-8B", True), ("org/name@refs/pr/1", True),
                                       ("./org/name", False), ("/abs/path", False), ("~/models/x", False),
                                       ("dir/wl.py", False), ("org/config.json", False), ("gpt2", False),

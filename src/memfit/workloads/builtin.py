@@ -19,6 +19,7 @@ from memfit.units import parse_key_values
 from memfit.workload import Workload
 from memfit.workloads import adapter_folders, diffusion, hf, hub, packed_dits, video_dits, zoo
 from memfit.workloads.checks import blamed, check_resolution, check_seq_len, guarded
+from memfit.workloads.config_overrides import parse_overrides
 
 IMAGE_BUILDERS = {**diffusion.BUILDERS, **packed_dits.BUILDERS, **video_dits.BUILDERS}
 """The built-ins that take ``--resolution`` (the image and video diffusion models)."""
@@ -59,22 +60,26 @@ def builtin_workload(spec: str, *, seq_len: int | None = None, resolution: int |
 
 
 def folder_workload(path: str, *, seq_len: int | None = None, resolution: int | None = None,
-                    load: Callable[..., Workload] | None = None) -> Workload:
+                    load: Callable[..., Workload] | None = None, overrides: str = "") -> Workload:
     """A local Hugging Face model folder, built from its config.json (NOTE [ Model folders ] in
     :mod:`memfit.workloads.hf`; a diffusers pipeline: NOTE [ diffusers repositories ]; a PEFT adapter, its
     base loaded with ``load``: NOTE [ Adapter checkpoints ]); a failure to build or run it is the
-    config's, named as such."""
+    config's, named as such. ``overrides``: ``key=value,...`` of its config.json (NOTE [ Overrides of a
+    config.json ])."""
     check_seq_len(seq_len)
     check_resolution(resolution, text_only=True)
     where = f"model folder {path}"
     folder = Path(path).expanduser()
     if load is not None and adapter_folders.is_adapter_folder(folder):
+        _no_adapter_overrides(overrides, where)
         return adapter_folders.adapter_workload(folder, path, where, load, seq_len, resolution)
-    return _blamed_on_config(hf.folder(path, seq_len, resolution=resolution), where, "fix its config.json")
+    wl = hf.folder(path, seq_len, resolution=resolution, name=f"{path}:{overrides}" if overrides else None,
+                   overrides=parse_overrides(overrides, path))
+    return _blamed_on_config(wl, where, "change the overrides" if overrides else "fix its config.json")
 
 
 def hub_workload(hub_id: str, *, seq_len: int | None = None, resolution: int | None = None,
-                 load: Callable[..., Workload] | None = None) -> Workload:
+                 load: Callable[..., Workload] | None = None, overrides: str = "") -> Workload:
     """A Hugging Face hub id (``org/name[@revision]``): its config.json alone (a diffusers pipeline's:
     its denoiser's; a PEFT adapter's: its adapter_config.json, its base loaded with ``load``), from the
     hub's cache or fetched into it, built as a model folder (NOTE [ Hub ids ] in :mod:`memfit.workloads.hub`)."""
@@ -83,9 +88,17 @@ def hub_workload(hub_id: str, *, seq_len: int | None = None, resolution: int | N
     source = f"hub model {hub_id}"
     snapshot = hub.hub_config_folder(hub_id)
     if load is not None and adapter_folders.is_adapter_folder(snapshot):
+        _no_adapter_overrides(overrides, source)
         return adapter_folders.adapter_workload(snapshot, hub_id, source, load, seq_len, resolution)
-    wl = hf.folder(str(snapshot), seq_len, name=hub_id, where=source, resolution=resolution)
-    return _blamed_on_config(wl, source, "write a file workload (path/to/file.py:NAME) that builds it")
+    wl = hf.folder(str(snapshot), seq_len, name=f"{hub_id}:{overrides}" if overrides else hub_id, where=source,
+                   resolution=resolution, overrides=parse_overrides(overrides, hub_id))
+    return _blamed_on_config(wl, source, "change the overrides" if overrides else
+                             "write a file workload (path/to/file.py:NAME) that builds it")
+
+
+def _no_adapter_overrides(overrides: str, where: str) -> None:
+    if overrides:
+        raise UserError(f"{where} is a PEFT adapter, whose config has no model fields to override; drop the overrides")
 
 
 def _blamed_on_config(wl: Workload, source: str, fix: str) -> Workload:

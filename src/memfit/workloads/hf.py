@@ -12,6 +12,7 @@ from memfit.errors import UserError, brief
 from memfit.workload import Workload, WorkloadInfo
 from memfit.workloads import diffusers_folders, image_text, timm_folders
 from memfit.workloads.checks import check_value, describe, simple_types
+from memfit.workloads.config_overrides import apply_overrides
 from memfit.workloads.speech import encoder_batch, speech_batch
 
 
@@ -232,10 +233,11 @@ NO_POSITION_LIMIT_SEQ_LEN = 512  # configs without a position limit (relative po
 
 
 def folder(path_text: str, seq_len: int | None, *, name: str | None = None, where: str | None = None,
-           resolution: int | None = None) -> Workload:
+           resolution: int | None = None, overrides: dict | None = None) -> Workload:
     """The workload of a local Hugging Face model folder (or its config.json): see NOTE [ Model folders ].
     ``name`` and ``where`` name it in reports and errors (a hub id's snapshot: the id, not the cache path).
-    A diffusers pipeline or denoiser folder is built by memfit.workloads.diffusers_folders (``resolution``)."""
+    A diffusers pipeline or denoiser folder is built by memfit.workloads.diffusers_folders (``resolution``).
+    ``overrides``: config.json fields to change (NOTE [ Overrides of a config.json ])."""
     path = Path(path_text).expanduser()
     where = where or f"model folder {path_text}"
     if path.is_file() and path.name == "config.json":
@@ -245,7 +247,7 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
     elif not path.is_dir():
         raise UserError(f"{where} is a file, not a folder; give the folder that holds config.json")
     path = diffusers_folders.pipeline_denoiser(path, where) or path
-    data = _read_config_json(path, where)
+    data = apply_overrides(_read_config_json(path, where), overrides, where)
     if resolution == image_text.TEXT_ONLY and (diffusers_folders.is_diffusers_config(data) or
                                                 timm_folders.is_timm_config(data)):
         raise UserError(f"{where}: --resolution 0 (text only) applies to vision-language models; give the "
@@ -255,7 +257,7 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
     if timm_folders.is_timm_config(data):
         return timm_folders.timm_workload(data, name or path_text, where, seq_len, resolution)
     tf = _transformers()
-    config = _folder_config(tf, path, data, where)
+    config = _folder_config(tf, path, data, where, overridden=bool(overrides))
     task, cls = _folder_model_class(tf, config, data, where)
     if resolution is not None and task != "image-text-to-text":
         raise UserError(f"{where}: --resolution applies to image models (diffusers' denoisers, timm's classifiers, "
@@ -375,18 +377,23 @@ def _read_config_json(path: Path, where: str) -> dict:
     return data
 
 
-def _folder_config(tf, path: Path, data: dict, where: str):
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+def _folder_config(tf, path: Path, data: dict, where: str, overridden: bool = False):
+    """The folder's config; ``overridden``: built from ``data``, the config.json with the user's overrides
+    (as from_pretrained builds it from the file's: fields the class derives follow them)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
     model_type = data["model_type"]
     if model_type not in CONFIG_MAPPING_NAMES:
         custom = " (its auto_map names custom code, which memfit does not run)" if "auto_map" in data else ""
         raise UserError(f"{where}: transformers {tf.__version__} does not know model_type {model_type!r}{custom}; "
                         "upgrade transformers, or write a file workload (path/to/file.py:NAME) that builds it")
     try:
+        if overridden:
+            return CONFIG_MAPPING[model_type].from_dict(data)
         return tf.AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except Exception as e:  # noqa: BLE001 - whatever the config class refuses is the file's fault
+    except Exception as e:  # noqa: BLE001 - whatever the config class refuses is the file's (or the overrides') fault
+        fix = "change the overrides" if overridden else "fix the file or download it again"
         raise UserError(f"{where}: transformers cannot read its config.json ({type(e).__name__}: {brief(e, 160)}); "
-                        "fix the file or download it again") from None
+                        f"{fix}") from None
 
 
 def _folder_model_class(tf, config, data: dict, where: str):

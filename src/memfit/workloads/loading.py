@@ -14,6 +14,7 @@ from pathlib import Path
 from memfit.errors import UserError
 from memfit.workload import Workload
 from memfit.workloads.builtin import builtin_names, builtin_workload, folder_workload, hub_workload
+from memfit.workloads.config_overrides import split_overrides
 from memfit.workloads.hub import is_hub_id
 
 
@@ -29,11 +30,17 @@ def load_workload(spec: str | Workload, *, seq_len: int | None = None, resolutio
         raise UserError("no workload given; name a built-in (e.g. gpt2), a file (path/to/file.py:NAME), "
                         "a model folder (./dir holding config.json) or a hub id (org/name)")
     spec = spec.strip()
+    sizes = {"seq_len": seq_len, "resolution": resolution, "load": load_workload}
     if spec[:3].lower() == "hf:":
-        name = spec[3:].strip()
+        name, overrides = split_overrides(spec[3:].strip())
         if not Path(name).expanduser().exists() and is_hub_id(name, bare_names=True):
-            return hub_workload(name, seq_len=seq_len, resolution=resolution, load=load_workload)
-        return folder_workload(name, seq_len=seq_len, resolution=resolution, load=load_workload)
+            return hub_workload(name, **sizes, overrides=overrides)
+        return folder_workload(name, **sizes, overrides=overrides)
+    base, overrides = split_overrides(spec)  # NOTE [ Overrides of a config.json ]
+    if overrides and (Path(base).expanduser().is_dir() or Path(base).name == "config.json"):
+        return folder_workload(base, **sizes, overrides=overrides)
+    if overrides and is_hub_id(base):
+        return hub_workload(base, **sizes, overrides=overrides)
     head = spec.split(":", 1)[0]
     if Path(head).suffix.lower() in (".yml", ".yaml"):
         raise UserError(f"{head} is not a workload; an axolotl config is read with --from: memfit estimate --from "
@@ -105,8 +112,8 @@ def _load_file_workload(spec: str) -> Workload:
     path_text, _, name = spec.partition(":")
     path = Path(path_text)
     if path.is_dir():
-        raise UserError(f"workload {spec!r}: {path_text} is a folder; give a model folder alone (no :NAME or "
-                        "overrides: edit its config.json) or a file as path/to/file.py:NAME")
+        raise UserError(f"workload {spec!r}: {path_text} is a folder; give a model folder (with key=value overrides "
+                        "of its config.json, if any) or a file as path/to/file.py:NAME")
     if not path.is_file():
         raise UserError(f"workload file {path_text!r} not found; give path/to/file.py:NAME (or a model folder "
                         "holding config.json)")

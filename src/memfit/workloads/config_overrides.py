@@ -1,0 +1,66 @@
+"""Overrides of a model folder's or hub id's config.json, written as for a built-in:
+``Qwen/Qwen2.5-7B-Instruct:num_hidden_layers=14,max_position_embeddings=65536``.
+
+NOTE [ Overrides of a config.json ]
+transformers' ``AutoConfig.from_pretrained(id, num_hidden_layers=14)`` takes fields as keyword
+arguments; a hub id's config.json sits in the hub's cache, where no one should edit it. So a hub id
+or a model folder takes ``:key=value`` pairs, as a built-in does, applied to the config.json's fields
+before the model is built from it (one path: NOTE [ Model folders ] in :mod:`memfit.workloads.hf`).
+A dotted key reaches a nested config (``text_config.num_hidden_layers=4`` of a vision-language model);
+``a/b/c`` gives a list (``axes_dims_rope=16/56/56``), as in a built-in's overrides. A key must already be
+in the config.json: a misspelt one would otherwise become an attribute no model reads, and the
+prediction would be of the model unchanged. The config class then checks the values, as for any
+config.json.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from memfit.errors import UserError
+from memfit.units import parse_key_values
+
+
+def split_overrides(spec: str) -> tuple[str, str]:
+    """``org/name:key=value,...`` -> (``org/name``, ``key=value,...``); no overrides: (spec, "")."""
+    head, sep, rest = spec.rpartition(":")
+    if sep and head and "=" in rest and "=" not in head:
+        return head, rest
+    return spec, ""
+
+
+def parse_overrides(text: str, where: str) -> dict:
+    """The ``key=value`` pairs of ``text`` (YAML scalars; ``a/b/c`` a list of them)."""
+    values = parse_key_values(text, where, example=f"{where}:num_hidden_layers=4")
+    return {k: [_scalar(x) for x in v.split("/")] if isinstance(v, str) and "/" in v else v for k, v in values.items()}
+
+
+def apply_overrides(data: dict, overrides: dict | None, where: str) -> dict:
+    """``data`` (a config.json's object) with ``overrides`` set; a key not in it is a one-line error."""
+    if not overrides:
+        return data
+    data = dict(data)
+    for key, value in overrides.items():
+        *parents, field = key.split(".")
+        node, path = data, []
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                raise UserError(f"{where}: its config.json has no nested config {'.'.join([*path, part])!r} "
+                                f"for the override {key}; name a field of the config.json")
+            node[part] = node = dict(node[part])
+            path.append(part)
+        if field not in node:
+            close = difflib.get_close_matches(field, [k for k in node if isinstance(k, str)], n=1)
+            hint = f" (did you mean {'.'.join([*path, close[0]])}?)" if close else ""
+            raise UserError(f"{where}: its config.json has no field {key!r}{hint}; an override changes a field "
+                            "the config.json has (copy the folder and add it there to set a new one)")
+        node[field] = value
+    return data
+
+
+def _scalar(text: str):
+    import yaml
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
