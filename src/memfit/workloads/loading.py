@@ -37,7 +37,7 @@ def load_workload(spec: str | Workload, *, seq_len: int | None = None, resolutio
             return hub_workload(name, **sizes, overrides=overrides)
         return folder_workload(name, **sizes, overrides=overrides)
     base, overrides = split_overrides(spec)  # NOTE [ Overrides of a config.json ]
-    if overrides and (Path(base).expanduser().is_dir() or Path(base).name == "config.json"):
+    if overrides and _names_a_folder(base, base):
         return folder_workload(base, **sizes, overrides=overrides)
     if overrides and is_hub_id(base):
         return hub_workload(base, **sizes, overrides=overrides)
