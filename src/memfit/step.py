@@ -269,7 +269,11 @@ def build_step(workload: Workload | str | Target, plan: Plan | None = None, batc
             finalize(parts)
         params = [p for p in parts.model.parameters() if p.requires_grad]
         if not params:
-            raise UserError("the workload's model has no trainable parameters")
+            quantized = not target.plan.config("base_weights").is_default and target.plan.config("adapter").is_default
+            raise UserError("the workload's model has no trainable parameters" + (
+                f" under base_weights {target.plan.base_weights} (quantized weights are frozen, and the model has no "
+                "output layer left in full precision); train an adapter (adapter: lora:r=16)" if quantized else
+                "; make some require grad in the workload's model(), or train an adapter (adapter: lora:r=16)"))
         optimizer = parts.make_optimizer(params, parts.optimizer_factory)
     return TrainStep(target, parts, optimizer, observer)
 

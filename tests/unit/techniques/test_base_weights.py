@@ -256,3 +256,12 @@ def test_dora_on_8bit_weights_traces_two_steps_on_a_gpu_preset_with_the_layers_s
                       fake=True)
     layers = quantized_layers(run.step.model)
     assert len(layers) == 14 and all(m.state.SCB is not None and m.weight.dtype == torch.int8 for m in layers)
+
+
+def test_quantized_weights_with_nothing_left_to_train_say_to_train_an_adapter():
+    """A model with no output layer (a diffusion transformer) has every linear quantized and frozen."""
+    head_less = Workload(model=lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8)),
+                         batch=lambda n: torch.randn(n, 8), loss=lambda m, b: m(b).square().mean(), name="mlp")
+    with pytest.raises(UserError, match=r"no trainable parameters under base_weights nf4 .*; train an adapter "
+                                        r"\(adapter: lora:r=16\)$"):
+        run_tracked(Target.resolve(head_less, Plan(base_weights="nf4"), 2, "rtx4090"), fake=True, steps=0)
