@@ -389,4 +389,4 @@ def test_a_pre_quantized_checkpoint_planned_for_full_fine_tuning_is_one_line(tmp
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320, "max_position_embeddings": 64,
         "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}}))
     code, out, err = run(["plan", str(tmp_path), "--seq-len", "16", "-b", "2", "--methods", "full,qlora"])
-    assert code == 2 and len(err.strip().splitlines()) == 1 and "only qlora trains it" in err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "only qlora or qdora trains it" in err

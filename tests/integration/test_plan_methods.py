@@ -44,10 +44,24 @@ def test_the_planner_never_changes_the_method_by_itself():
 
 
 def test_methods_take_the_users_adapter_settings():
-    methods = {m.name: m.keys for m in parse_methods("lora,dora,qlora", "lora:r=4,targets=q_proj")}
+    methods = {m.name: m.keys for m in parse_methods("lora,dora,qlora,qdora", "lora:r=4,targets=q_proj")}
     assert methods["lora"] == {"adapter": "lora:r=4,targets=q_proj", "base_weights": "as-is"}
     assert methods["dora"]["adapter"] == "dora:r=4,targets=q_proj"
     assert methods["qlora"] == {"adapter": "lora:r=4,targets=q_proj", "base_weights": "nf4"}
+    assert methods["qdora"] == {"adapter": "dora:r=4,targets=q_proj", "base_weights": "nf4"}
+
+
+def test_qdora_is_planned_on_fake_tensors_beside_qlora():
+    """QDoRA (DoRA over NF4 weights) traces on fake tensors (NOTE [ bitsandbytes parameters on fake
+    tensors ]): its row is a plan, and DoRA's magnitudes make it train more than QLoRA."""
+    code, out, _ = run(["plan", TINY, "--seq-len", "32", "-b", "2", "--methods", "qlora,qdora", "--device",
+                        "h100-80gb", "--max-traces", "4", "--optimizers", "adamw", "--json"])
+    assert code == 0
+    rows = {m["method"]: m for m in json.loads(out)["methods"]}
+    assert rows["qdora"]["chosen"]["plan"]["adapter"].startswith("dora:") and rows["qdora"]["chosen"]["plan"][
+        "base_weights"] == "nf4"
+    # DoRA adds one magnitude per output feature of each adapted layer (q_proj, v_proj: 64 + 64)
+    assert rows["qdora"]["trainable_parameters"] == rows["qlora"]["trainable_parameters"] + 64 + 64
 
 
 @pytest.mark.parametrize("text,problem", [("full,prefix", "unknown method 'prefix'"), ("lora,lora", "named twice"),

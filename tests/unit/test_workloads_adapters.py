@@ -81,7 +81,7 @@ def test_fit_refuses_an_adapter_checkpoint_and_a_pre_quantized_ones_full_methods
     adapter = write(tmp_path / "lora", "adapter_config.json", {**LORA, "base_model_name_or_path": base})
     for args, error in ((["fit", adapter, "--seq-len", "16"], "is an adapter checkpoint (lora:r=8"),
                         (["fit", base, "--seq-len", "16", "--methods", "full,qlora"],
-                         "is a pre-quantized checkpoint (nf4); only qlora trains it")):
+                         "is a pre-quantized checkpoint (nf4); only qlora or qdora trains it")):
         assert main(args) == 2
         err = capsys.readouterr().err.strip()
         assert "\n" not in err and error in err, err

@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", metavar="T", help="sequence length (language models; default: the config's)")
     add_resolution_arg(p)
     p.add_argument("--methods", metavar="METHODS",
-                   help="methods to compare (full,lora,dora,qlora); default full,lora,qlora, or full,lora for "
+                   help="methods to compare (full,lora,dora,qlora,qdora); default full,lora,qlora, or full,lora for "
                         "image-generation models")
     p.add_argument("--adapter", default="lora:r=16", help="the LoRA methods' adapter: rank and targets "
                                                           "(default lora:r=16, the model's attention projections)")
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from memfit.errors import UserError
     from memfit.outputs import IMAGE_SUFFIXES, check_output_file
     from memfit.planner.fit import fit_table
-    from memfit.planner.methods import on_checkpoint, parse_methods
+    from memfit.planner.methods import QUANTIZED, on_checkpoint, parse_methods
     from memfit.planner.progress import PlanProgress
     from memfit.report.fit import markdown, print_fit, save_fit_png
     from memfit.units import MAX_SIZE, parse_positive_int
@@ -63,8 +63,8 @@ def run(args: argparse.Namespace) -> int:
     default = "qlora" if info.quantized else "full,lora" if image else "full,lora,qlora"
     methods = parse_methods(args.methods or default, args.adapter)
     methods = on_checkpoint(methods, workload, "fit --methods")
-    if image and any(m.name == "qlora" for m in methods):
-        raise UserError("fit --methods: qlora is for language models here (4-bit base weights of a diffusion model "
+    if image and any(m.name in QUANTIZED for m in methods):
+        raise UserError("fit --methods: qlora and qdora are for language models here (4-bit base weights of a diffusion model "
                         "are not modelled); choose from full, lora, dora")
     names = [n.strip() for n in args.devices.split(",") if n.strip()] if args.devices else list(GPU_PRESETS)
     cards = list({d.name: d for d in map(get_device, names)}.values())

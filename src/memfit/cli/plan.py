@@ -47,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "machine's; plans that need more are rejected. Default: with --device cuda, what this "
                         "machine can still give; on a preset, not checked")
     p.add_argument("--methods", metavar="METHODS",
-                   help="compare fine-tuning methods side by side (full,lora,dora,qlora; they train different "
+                   help="compare fine-tuning methods side by side (full,lora,dora,qlora,qdora; they train different "
                         "things): each gets its fastest plan that fits. Default: the workload's own method only")
     p.add_argument("--max-traces", default="60", help="most candidate plans to trace")
     p.add_argument("--compile-modes", metavar="MODES",

@@ -1,4 +1,4 @@
-"""Comparing fine-tuning methods for one budget: full fine-tuning, LoRA, DoRA, QLoRA side by side.
+"""Comparing fine-tuning methods for one budget: full fine-tuning, LoRA, DoRA, QLoRA, QDoRA side by side.
 
 NOTE [ Methods are the user's ] (memfit.techniques.adapter): the planner changes techniques freely
 (the same model is trained, exactly or within a stated bound) but never the method, which decides
@@ -21,8 +21,13 @@ METHODS = {
     "lora": "a low-rank adapter trains; the base weights are frozen",
     "dora": "a weight-decomposed low-rank adapter (DoRA) trains; the base weights are frozen",
     "qlora": "a low-rank adapter trains over base weights quantized to 4 bits (NF4) and frozen",
+    "qdora": "a weight-decomposed low-rank adapter (DoRA) trains over base weights quantized to 4 bits (NF4) "
+             "and frozen (Answer.AI's QDoRA)",
 }
 """Method -> what it trains (shown beside its plan)."""
+
+QUANTIZED = ("qlora", "qdora")
+"""The methods that train over quantized base weights."""
 
 DIFFERENT_THINGS = ("these methods train different things: full fine-tuning updates every weight, an adapter "
                     "only its low-rank matrices (quality and what you ship differ); compare them on your "
@@ -57,20 +62,21 @@ def parse_methods(text: str, adapter: str = "none") -> list[Method]:
         "lora": {"adapter": lora, "base_weights": "as-is"},
         "dora": {"adapter": lora.replace("lora:", "dora:", 1), "base_weights": "as-is"},
         "qlora": {"adapter": lora, "base_weights": "nf4"},
+        "qdora": {"adapter": lora.replace("lora:", "dora:", 1), "base_weights": "nf4"},
     }
     return [Method(name, keys[name]) for name in names]
 
 
 def on_checkpoint(methods: list[Method], workload, flag: str) -> list[Method]:
-    """``methods`` for ``workload``: a pre-quantized checkpoint trains only qlora, over its own format
-    (its weights load in no other: memfit.target.as_checkpoint); any other workload takes them as given.
-    ``flag``: the option named in the error (``--methods``, ``fit --methods``)."""
+    """``methods`` for ``workload``: a pre-quantized checkpoint trains only qlora or qdora, over its own
+    format (its weights load in no other: memfit.target.as_checkpoint); any other workload takes them as
+    given. ``flag``: the option named in the error (``--methods``, ``fit --methods``)."""
     fmt = workload.info.quantized
     if fmt is None:
         return methods
-    if [m.name for m in methods] != ["qlora"]:
-        raise UserError(f"{flag}: {workload.name} is a pre-quantized checkpoint ({fmt}); only qlora trains it (an "
-                        "adapter over its quantized weights): use --methods qlora, or plan the full-precision "
+    if not methods or any(m.name not in QUANTIZED for m in methods):
+        raise UserError(f"{flag}: {workload.name} is a pre-quantized checkpoint ({fmt}); only qlora or qdora trains it "
+                        "(an adapter over its quantized weights): use --methods qlora, or plan the full-precision "
                         "checkpoint")
     return [dataclasses.replace(m, keys={**m.keys, "base_weights": fmt}) for m in methods]
 
