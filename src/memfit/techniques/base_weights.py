@@ -153,6 +153,13 @@ class Int8Weights(BaseWeights):
     def label(self, batch_size):
         return "int8"
 
+    def apply(self, parts) -> None:
+        if not parts.device.is_gpu and getattr(parts.plan.config("adapter"), "dora", False):
+            raise UserError("plan: DoRA over int8 base weights fails on the CPU from its second step (peft re-wraps "
+                            "the 8-bit weight every forward there, and bitsandbytes drops its scales); plan it for a "
+                            "GPU (--device), or use base_weights: nf4 (QDoRA)")
+        super().apply(parts)
+
     def layer(self, linear: torch.nn.Linear):
         import bitsandbytes as bnb
         layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=linear.bias is not None,

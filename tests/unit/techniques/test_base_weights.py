@@ -256,6 +256,9 @@ def test_dora_on_8bit_weights_traces_two_steps_on_a_gpu_preset_with_the_layers_s
                       fake=True)
     layers = quantized_layers(run.step.model)
     assert len(layers) == 14 and all(m.state.SCB is not None and m.weight.dtype == torch.int8 for m in layers)
+    with pytest.raises(UserError, match=r"DoRA over int8 base weights fails on the CPU from its second step .*"
+                                        r"use base_weights: nf4 \(QDoRA\)$"):
+        profile(spec, Plan(adapter="dora:r=8", base_weights="int8"), batch_size=2, seq_len=32, repeats=0)
 
 
 def test_quantized_weights_with_nothing_left_to_train_say_to_train_an_adapter():
