@@ -23,6 +23,7 @@ CASES = {
     "LoRA, GPT-2 + modules_to_save": (GPT2, ["--seq-len", "64", "--adapter", "lora:r=8,targets=c_attn,save=lm_head"]),
     "DoRA, Llama-style LM": (LLAMA, ["--seq-len", "64", "--adapter", "dora:r=8,targets=q_proj+v_proj"]),
     "QLoRA (nf4), Llama-style LM": (LLAMA, ["--seq-len", "64", "--base-weights", "nf4", "--adapter", "lora:r=8"]),
+    "QDoRA (nf4), Llama-style LM": (LLAMA, ["--seq-len", "64", "--base-weights", "nf4", "--adapter", "dora:r=8"]),
 }
 VARIANTS = (("fp32", "none"), ("bf16", "none"), ("fp32", "blocks"), ("bf16", "blocks"))
 
