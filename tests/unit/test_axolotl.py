@@ -94,3 +94,11 @@ def test_dora_save_and_compile():
     assert c.plan == Plan(adapter="dora:r=4,save=lm_head", compile="full", max_grad_norm=1.0, checkpointing="blocks")
     assert c.warnings == ("axolotl config c: gradient_checkpointing: offload is taken as block checkpointing on the "
                           "device (its offload is not modelled)",)
+
+
+@pytest.mark.parametrize("spec", ["configs/qlora.yml", "configs/qlora.yaml:base_model=x", "acme/qlora.yml:n_layer=2"])
+def test_an_axolotl_config_given_as_the_workload_says_to_read_it_with_from(spec):
+    from memfit.errors import UserError
+    from memfit.workloads import load_workload
+    with pytest.raises(UserError, match=r"is not a workload; an axolotl config is read with --from"):
+        load_workload(spec)

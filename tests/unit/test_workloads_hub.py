@@ -64,8 +64,37 @@ def test_overrides_of_a_hub_ids_config_build_the_folder_that_has_them(hub_cache,
     assert hub.peak_bytes > estimate(ID, Plan(), batch_size=2, seq_len=16).peak_bytes
 
 
+def test_an_override_takes_transformers_aliases_class_fields_nested_fields_and_numbers(hub_cache, no_network):
+    """As ``from_pretrained`` reads them: GPT-2's ``num_hidden_layers`` is ``n_layer``; a field the file
+    leaves at its class default; a nested field; ``1e-6`` a number, not YAML 1.1's string."""
+    hub_cache(ID, {**GPT2, "task_specific_params": {"text-generation": {"max_length": 50}}})
+    spec = f"{ID}:num_hidden_layers=3,layer_norm_epsilon=1e-6,task_specific_params.text-generation.max_length=60"
+    config = load_workload(spec, seq_len=16).model().config
+    assert config.n_layer == 3 and config.layer_norm_epsilon == 1e-6
+    assert config.task_specific_params == {"text-generation": {"max_length": 60}}
+
+
+@pytest.mark.parametrize("spec,split", [
+    ("path/to/file.py:NAME", ("path/to/file.py:NAME", "")), ("pkg.mod:NAME", ("pkg.mod:NAME", "")),
+    ("gpt2:n_layer=2", ("gpt2", "n_layer=2")), ("org/name@refs/pr/1:n_layer=2", ("org/name@refs/pr/1", "n_layer=2")),
+    ("./d:n=2,m=a/b", ("./d", "n=2,m=a/b")), ("org/name", ("org/name", ""))])
+def test_where_a_spec_s_overrides_begin(spec, split):
+    from memfit.workloads.config_overrides import split_overrides
+    assert split_overrides(spec) == split
+
+
+def test_overrides_parse_lists_and_numbers_as_the_fields_hold_them():
+    from memfit.workloads.config_overrides import apply_overrides, parse_overrides
+    data = {"axes": [16, 56, 56], "rope_theta": 10000.0, "max_position_embeddings": 4096, "name": "x"}
+    out = apply_overrides(data, parse_overrides("axes=8/28/28,rope_theta=1e6,max_position_embeddings=3e4,name=1e3",
+                                                "cfg"), "cfg")
+    assert out == {"axes": [8, 28, 28], "rope_theta": 1e6, "max_position_embeddings": 30000, "name": "1e3"}
+    assert data["axes"] == [16, 56, 56]  # (the file's object is left as it was)
+
+
 @pytest.mark.parametrize("spec,message", [
-    (f"{ID}:n_layr=3", r"hub model acme/gpt2-toy: its config\.json has no field 'n_layr' \(did you mean n_layer\?\)"),
+    (f"{ID}:n_layr=3", r"hub model acme/gpt2-toy: its config has no field 'n_layr' \(did you mean n_layer\?\); "
+                       r"name a field of its config\.json or of its config class$"),
     (f"{ID}:text_config.n_layer=3", r"has no nested config 'text_config' for the override text_config\.n_layer"),
     (f"{ID}:n_layer=3,oops", r"malformed override 'oops' for acme/gpt2-toy"),
     (f"{ID}:n_embd=65", r"hub model acme/gpt2-toy: building the model failed .*divisible.*; change the overrides$"),

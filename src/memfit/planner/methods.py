@@ -76,7 +76,7 @@ def on_checkpoint(methods: list[Method], workload, flag: str) -> list[Method]:
         return methods
     if not methods or any(m.name not in QUANTIZED for m in methods):
         raise UserError(f"{flag}: {workload.name} is a pre-quantized checkpoint ({fmt}); only qlora or qdora trains it "
-                        "(an adapter over its quantized weights): use --methods qlora, or plan the full-precision "
+                        "(an adapter over its quantized weights): use --methods qlora or qdora, or plan the full-precision "
                         "checkpoint")
     return [dataclasses.replace(m, keys={**m.keys, "base_weights": fmt}) for m in methods]
 

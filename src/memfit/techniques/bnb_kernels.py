@@ -30,7 +30,8 @@ def _fake_class(cls: type) -> type:
             return t
 
         def deepcopy(self, memo):
-            t = FakeTensor.clone(self).requires_grad_(self.requires_grad)
+            with torch.no_grad():  # (a leaf, as torch's own Tensor.__deepcopy__ makes it)
+                t = FakeTensor.clone(self).requires_grad_(self.requires_grad)
             t.__class__ = type(self)
             for key, value in self.__dict__.items():
                 t.__dict__[key] = value if isinstance(value, torch.nn.Module) else copy.deepcopy(value, memo)

@@ -7,10 +7,12 @@ arguments; a hub id's config.json sits in the hub's cache, where no one should e
 or a model folder takes ``:key=value`` pairs, as a built-in does, applied to the config.json's fields
 before the model is built from it (one path: NOTE [ Model folders ] in :mod:`memfit.workloads.hf`).
 A dotted key reaches a nested config (``text_config.num_hidden_layers=4`` of a vision-language model);
-``a/b/c`` gives a list (``axes_dims_rope=16/56/56``), as in a built-in's overrides. A key must already be
-in the config.json: a misspelt one would otherwise become an attribute no model reads, and the
-prediction would be of the model unchanged. The config class then checks the values, as for any
-config.json.
+``a/b/c`` gives a list (``axes_dims_rope=16/56/56``), as in a built-in's overrides; ``1e6`` is a number
+(YAML 1.1 reads it as a string). A key must be a field of the config: in the config.json, or, for a
+transformers model, of its config class (a field the file leaves at its default), its aliases read as
+``from_pretrained`` reads them (GPT-2's ``num_hidden_layers`` is ``n_layer``). A misspelt one would
+otherwise become an attribute no model reads, and the prediction would be of the model unchanged. The
+config class then checks the values, as for any config.json.
 """
 
 from __future__ import annotations
@@ -40,8 +42,15 @@ def apply_overrides(data: dict, overrides: dict | None, where: str) -> dict:
     if not overrides:
         return data
     data = dict(data)
+    fields = _config_class_fields(data)
     for key, value in overrides.items():
         *parents, field = key.split(".")
+        if not parents and fields is not None:
+            aliases, known = fields
+            field = aliases.get(field, field)
+            if field not in data and field in known:
+                data[field] = _number(value, known[field])
+                continue
         node, path = data, []
         for part in parents:
             if not isinstance(node.get(part), dict):
@@ -50,12 +59,40 @@ def apply_overrides(data: dict, overrides: dict | None, where: str) -> dict:
             node[part] = node = dict(node[part])
             path.append(part)
         if field not in node:
-            close = difflib.get_close_matches(field, [k for k in node if isinstance(k, str)], n=1)
+            names = [k for k in node if isinstance(k, str)] + ([*fields[1], *fields[0]] if fields and not parents else [])
+            close = difflib.get_close_matches(field, names, n=1)
             hint = f" (did you mean {'.'.join([*path, close[0]])}?)" if close else ""
-            raise UserError(f"{where}: its config.json has no field {key!r}{hint}; an override changes a field "
-                            "the config.json has (copy the folder and add it there to set a new one)")
-        node[field] = value
+            raise UserError(f"{where}: its config has no field {key!r}{hint}; name a field of its config.json"
+                            + (" or of its config class" if fields is not None else ""))
+        node[field] = _number(value, node[field])
     return data
+
+
+def _number(value, current):
+    """``value``, a number where it is written as one and the field holds one (``1e6``, ``1e-5``)."""
+    if isinstance(value, list):
+        return [_number(v, current[0] if isinstance(current, list) and current else None) for v in value]
+    if isinstance(value, str) and isinstance(current, (int, float)) and not isinstance(current, bool):
+        try:
+            number = float(value)
+        except ValueError:
+            return value
+        return int(number) if isinstance(current, int) and number.is_integer() else number
+    return value
+
+
+def _config_class_fields(data: dict) -> tuple[dict, dict] | None:
+    """A transformers config's (aliases, {field: default}) from its class, or None (not one)."""
+    model_type = data.get("model_type")
+    if not isinstance(model_type, str):
+        return None
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+        cls = CONFIG_MAPPING[model_type]
+        defaults = cls().to_dict()
+    except Exception:  # noqa: BLE001 - not transformers', or a class that needs arguments: the file's fields only
+        return None
+    return dict(getattr(cls, "attribute_map", {}) or {}), defaults
 
 
 def _scalar(text: str):

@@ -36,15 +36,15 @@ def load_workload(spec: str | Workload, *, seq_len: int | None = None, resolutio
         if not Path(name).expanduser().exists() and is_hub_id(name, bare_names=True):
             return hub_workload(name, **sizes, overrides=overrides)
         return folder_workload(name, **sizes, overrides=overrides)
+    head = spec.split(":", 1)[0]
+    if Path(head).suffix.lower() in (".yml", ".yaml"):
+        raise UserError(f"{head} is not a workload; an axolotl config is read with --from: memfit estimate --from "
+                        f"{head} (or plan --from)")
     base, overrides = split_overrides(spec)  # NOTE [ Overrides of a config.json ]
     if overrides and _names_a_folder(base, base):
         return folder_workload(base, **sizes, overrides=overrides)
     if overrides and is_hub_id(base):
         return hub_workload(base, **sizes, overrides=overrides)
-    head = spec.split(":", 1)[0]
-    if Path(head).suffix.lower() in (".yml", ".yaml"):
-        raise UserError(f"{head} is not a workload; an axolotl config is read with --from: memfit estimate --from "
-                        f"{head} (or plan --from)")
     if head.endswith(".py") or Path(head).suffix == ".py":
         _builtin_sizes_only(seq_len, resolution, "set it inside your workload file")
         return _load_file_workload(spec)
