@@ -44,6 +44,8 @@ def _fake_class(cls: type) -> type:
             return cls.to(self, *args, **kwargs)
         body = {"detach": detach, "__deepcopy__": deepcopy, "__module__": cls.__module__}
         _FAKE_CLASSES[cls] = type(cls.__name__, (FakeTensor, cls), body | ({"to": to} if cls.__name__ == "Int8Params" else {}))
+        from torch._dynamo.variables.builder import VariableBuilder
+        VariableBuilder._type_dispatch()[_FAKE_CLASSES[cls]] = VariableBuilder.wrap_tensor
     return _FAKE_CLASSES[cls]
 
 
@@ -64,7 +66,10 @@ def _fake_class(cls: type) -> type:
 # and dtype is itself, as on a GPU: fake tensors are CPU tensors, and on the CPU peft's DoRA re-wraps
 # the weight every forward (``module.weight = module.weight.to(device)``), where bitsandbytes' ``to``
 # keeps the codes but not the scales its layer moved into its state: the next step fails (it fails on a
-# real CPU too). On a GPU peft does not re-wrap it. Quantization then runs bitsandbytes' own
+# real CPU too). On a GPU peft does not re-wrap it. Dynamo wraps the class as a tensor, as it wraps the
+# real one (a ``Parameter`` subclass): it picks the exact ``FakeTensor`` class out by type, and took a
+# subclass of it with fake mode's ``__torch_dispatch__`` for an opaque object, so a compiled block of
+# 4-bit layers (QLoRA with ``compile: blocks``) failed to trace where the real step compiles. Quantization then runs bitsandbytes' own
 # code on fake tensors: its custom ops' fake kernels give the packed uint8 weights, absmax and the
 # nested statistics exact shapes and dtypes. Every other ``_make_subclass`` call is untouched.
 @contextlib.contextmanager
