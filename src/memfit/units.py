@@ -76,7 +76,6 @@ def parse_positive_int(text: str | int, what: str, maximum: int | None = None) -
 def parse_key_values(text: str, what: str, example: str | None = None) -> dict:
     """'a=1,b=0.5,c=true' -> {'a': 1, 'b': 0.5, 'c': True} (values parsed as YAML scalars).
     ``what`` names the option in errors; ``example`` shows a well-formed one."""
-    import yaml
     out: dict = {}
     if not text:
         return out
@@ -86,8 +85,14 @@ def parse_key_values(text: str, what: str, example: str | None = None) -> dict:
         if not sep or not key:
             raise UserError(f"malformed override {item!r} for {what}; write key=value pairs separated by commas, "
                             f"e.g. {example or what + ':key=value,key=value'}")
-        try:
-            out[key] = yaml.safe_load(value)
-        except yaml.YAMLError:
-            out[key] = value
+        out[key] = parse_scalar(value)
     return out
+
+
+def parse_scalar(text: str):
+    """``text`` as a YAML scalar ('1' -> 1, 'true' -> True), or as it is where YAML cannot read it."""
+    import yaml
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text

@@ -59,19 +59,23 @@ def _fake_class(cls: type) -> type:
 # dispatches it) and the requested class (bitsandbytes' methods and attributes: ``quant_state``,
 # ``.to`` that quantizes, ``CB``/``SCB``), keeping the class's name (peft checks
 # ``param.__class__.__name__ != "Params4bit"``). Its ``detach`` keeps that class, as
-# ``nn.Parameter(...)`` in ``Module._apply`` requires. Its ``__deepcopy__`` clones the data and copies
-# the attributes (the layer it belongs to by reference, as bitsandbytes' own): bitsandbytes' makes the
-# copy with ``type(self).__new__(type(self))``, which a fake tensor cannot take, and peft's DoRA
-# deep-copies a 4-bit layer to dequantize its weight (QDoRA). An 8-bit weight's ``.to`` its own device
-# and dtype is itself, as on a GPU: fake tensors are CPU tensors, and on the CPU peft's DoRA re-wraps
-# the weight every forward (``module.weight = module.weight.to(device)``), where bitsandbytes' ``to``
-# keeps the codes but not the scales its layer moved into its state: the next step fails (it fails on a
-# real CPU too). On a GPU peft does not re-wrap it. Dynamo wraps the class as a tensor, as it wraps the
-# real one (a ``Parameter`` subclass): it picks the exact ``FakeTensor`` class out by type, and took a
-# subclass of it with fake mode's ``__torch_dispatch__`` for an opaque object, so a compiled block of
-# 4-bit layers (QLoRA with ``compile: blocks``) failed to trace where the real step compiles. Quantization then runs bitsandbytes' own
+# ``nn.Parameter(...)`` in ``Module._apply`` requires. Quantization then runs bitsandbytes' own
 # code on fake tensors: its custom ops' fake kernels give the packed uint8 weights, absmax and the
 # nested statistics exact shapes and dtypes. Every other ``_make_subclass`` call is untouched.
+#
+# Three more things the class does as the real parameter would:
+# - Its ``__deepcopy__`` clones the data and copies the attributes (the layer it belongs to by
+#   reference, as bitsandbytes' own): bitsandbytes' makes the copy with ``type(self).__new__(type(self))``,
+#   which a fake tensor cannot take, and peft's DoRA deep-copies a 4-bit layer to dequantize its weight
+#   (QDoRA).
+# - An 8-bit weight's ``.to`` its own device and dtype is itself, as on a GPU: fake tensors are CPU
+#   tensors, and on the CPU peft's DoRA re-wraps the weight every forward (``module.weight =
+#   module.weight.to(device)``), where bitsandbytes' ``to`` keeps the codes but not the scales its layer
+#   moved into its state: the next step fails (it fails on a real CPU too). On a GPU peft does not re-wrap it.
+# - Dynamo wraps the class as a tensor, as it wraps the real one (a ``Parameter`` subclass): it picks the
+#   exact ``FakeTensor`` class out by type, and took a subclass of it with fake mode's
+#   ``__torch_dispatch__`` for an opaque object, so a compiled block of 4-bit layers (QLoRA with
+#   ``compile: blocks``) failed to trace where the real step compiles.
 @contextlib.contextmanager
 def fake_parameter_subclasses():
     """See NOTE [ bitsandbytes parameters on fake tensors ]."""

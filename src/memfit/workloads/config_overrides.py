@@ -20,7 +20,7 @@ from __future__ import annotations
 import difflib
 
 from memfit.errors import UserError
-from memfit.units import parse_key_values
+from memfit.units import parse_key_values, parse_scalar
 
 
 def split_overrides(spec: str) -> tuple[str, str]:
@@ -34,7 +34,7 @@ def split_overrides(spec: str) -> tuple[str, str]:
 def parse_overrides(text: str, where: str) -> dict:
     """The ``key=value`` pairs of ``text`` (YAML scalars; ``a/b/c`` a list of them)."""
     values = parse_key_values(text, where, example=f"{where}:num_hidden_layers=4")
-    return {k: [_scalar(x) for x in v.split("/")] if isinstance(v, str) and "/" in v else v for k, v in values.items()}
+    return {k: [parse_scalar(x) for x in v.split("/")] if isinstance(v, str) and "/" in v else v for k, v in values.items()}
 
 
 def apply_overrides(data: dict, overrides: dict | None, where: str) -> dict:
@@ -45,12 +45,8 @@ def apply_overrides(data: dict, overrides: dict | None, where: str) -> dict:
     fields = _config_class_fields(data)
     for key, value in overrides.items():
         *parents, field = key.split(".")
-        if not parents and fields is not None:
-            aliases, known = fields
-            field = aliases.get(field, field)
-            if field not in data and field in known:
-                data[field] = _number(value, known[field])
-                continue
+        aliases, known = fields if fields is not None and not parents else ({}, {})
+        field = aliases.get(field, field)
         node, path = data, []
         for part in parents:
             if not isinstance(node.get(part), dict):
@@ -58,13 +54,12 @@ def apply_overrides(data: dict, overrides: dict | None, where: str) -> dict:
                                 f"for the override {key}; name a field of the config.json")
             node[part] = node = dict(node[part])
             path.append(part)
-        if field not in node:
-            names = [k for k in node if isinstance(k, str)] + ([*fields[1], *fields[0]] if fields and not parents else [])
-            close = difflib.get_close_matches(field, names, n=1)
+        if field not in node and field not in known:
+            close = difflib.get_close_matches(field, [k for k in node if isinstance(k, str)] + [*known, *aliases], n=1)
             hint = f" (did you mean {'.'.join([*path, close[0]])}?)" if close else ""
             raise UserError(f"{where}: its config has no field {key!r}{hint}; name a field of its config.json"
                             + (" or of its config class" if fields is not None else ""))
-        node[field] = _number(value, node[field])
+        node[field] = _number(value, node[field] if field in node else known[field])
     return data
 
 
@@ -94,10 +89,3 @@ def _config_class_fields(data: dict) -> tuple[dict, dict] | None:
         return None
     return dict(getattr(cls, "attribute_map", {}) or {}), defaults
 
-
-def _scalar(text: str):
-    import yaml
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
