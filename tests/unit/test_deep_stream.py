@@ -17,7 +17,7 @@ from memfit.memory.deep_stream import Stream, deepen, from_tracker, replay, sort
 from memfit.memory.faketrace import run_tracked
 from memfit.memory.report import step_window, traced_device
 from memfit.memory.stream_sizes import widen
-from memfit.memory.stretches import _at_run_ends, inserted, joined, unstraddled
+from memfit.memory.stretches import _at_run_ends, first_use, inserted, joined, unstraddled
 from memfit.planner.shallow import depths, shallow_workload
 from memfit.planner.space import model_facts
 from memfit.planner.stacks import stacks_of
@@ -65,6 +65,20 @@ def test_shallow_allocations_replayed_at_full_depth_give_the_full_traces_reserve
         step = [t for t in deep.tokens if t[0] != "mark" and t[3] != "setup"]  # (the model's build differs)
         assert step == [t for t in full.tokens if t[0] != "mark" and t[3] != "setup"]
         assert _who_frees_what(deep) == _who_frees_what(full)
+
+
+def test_a_workspace_the_top_blocks_backward_makes_is_made_once_at_full_depth():
+    """With every second block checkpointed, a LoRA's top block is plain: the autograd thread's first matmul
+    (its cuBLASLt workspace, never freed) is in that block's backward, the block the deeper trace inserts.
+    Deepened, the workspace is made once, where the full trace makes it (NOTE [ A workspace made on first
+    use ]); before, the streams had no deep stream, and the plan cost a full trace."""
+    plan = Plan(precision="bf16-pure", checkpointing="blocks:every=2", adapter="lora:r=8")
+    target = Target.resolve(DEEP, plan, 8, "rtx4090", seq_len=64)
+    d, e = depths(target.plan, 6)
+    (a, _), (b, _), (full, truth) = _trace(target, d), _trace(target, e), _trace(target)
+    deep = deepen(a, b, d, e, 6)
+    assert deep is not None and replay(deep, STEADY_STEP) == truth
+    assert [t for t in deep.tokens if first_use(t)] == [t for t in full.tokens if first_use(t)] != []
 
 
 def test_a_free_that_moves_with_depth_leaves_no_stream():

@@ -20,6 +20,7 @@ from memfit.memory.stretches import (
     at_seam,
     blocks_a_copy,
     container,
+    first_uses_once,
     inserted,
     joined,
     slides,
@@ -351,7 +352,7 @@ def _deepen(b: Stream, spans: list[tuple[int, int]], period: int, n: int, once_b
     blocks = [b.blocks[j] + block_shift(j, c) if b.blocks is not None and b.blocks[j] >= 0 else -1
               for j, c in zip(source, copy)]
     kernels = list(map(b.kernels.__getitem__, source)) if b.kernels is not None else None
-    return sorted_free_runs(Stream(tokens, frees, phases, blocks, kernels))
+    return sorted_free_runs(first_uses_once(Stream(tokens, frees, phases, blocks, kernels)))
 
 
 def _chains(chain_in: dict, chain_out: dict) -> list | None:

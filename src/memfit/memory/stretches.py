@@ -146,6 +146,8 @@ def inserted(a: Stream, b: Stream) -> list[tuple[int, int]] | None:
     spans = []
     matcher = difflib.SequenceMatcher(None, a.tokens, b.tokens, autojunk=False)
     for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag in ("delete", "insert") and all(first_use(t) for t in [*a.tokens[i1:i2], *b.tokens[j1:j2]]):
+            continue  # (NOTE [ A workspace made on first use ])
         if tag == "insert":
             if any(b.tokens[j][0] == MARK for j in range(j1, j2)):
                 return None  # a step or phase mark in a stretch: not a repeated block
@@ -161,6 +163,43 @@ def inserted(a: Stream, b: Stream) -> list[tuple[int, int]] | None:
             # calls a replacement; the block's build is still a stretch to repeat)
             spans.append((j1, j2))
     return spans
+
+
+# NOTE [ A workspace made on first use ]
+# A thread's cuBLAS (and cuBLASLt) workspace is allocated by its first matmul, and never freed
+# (memfit.memory.cuda.blas). Where that matmul is in a block, it is in the first block the thread runs:
+# in the backward, the top one, which the deeper trace inserts. With every second block checkpointed
+# (Qwen2.5-7B's LoRA at 2 and 4 blocks), the top block is plain and its backward's first matmul makes the
+# autograd thread's cuBLASLt workspace: in the shallower trace it is in the block both traces share, in the
+# deeper one in the block inserted before it. So the diff finds the workspace deleted there and inserted
+# with the stretch, and a stretch copied n times would make it n times. A first-use allocation deleted or
+# inserted alone is no difference of the streams; in a stretch, it is made by the first copy only
+# (:func:`first_uses_once`), where the deeper trace has it: the first block the thread runs.
+WORKSPACE_OF_A_THREAD = " workspace ("
+
+
+def first_use(token: tuple) -> bool:
+    """An allocation a thread makes on its first use of a library and never frees (NOTE [ A workspace made on
+    first use ]; booked as ``"<library> workspace (<thread> thread)"`` by memfit.memory.cuda.model)."""
+    return token[0] == "+" and WORKSPACE_OF_A_THREAD in token[5]
+
+
+def first_uses_once(s: Stream) -> Stream:
+    """``s`` with each first-use allocation after the first of its kind left out (NOTE [ A workspace made on
+    first use ]): they are never freed, so no free names them."""
+    seen, keep = set(), []
+    for i, t in enumerate(s.tokens):
+        if first_use(t):
+            if t in seen:
+                continue
+            seen.add(t)
+        keep.append(i)
+    if len(keep) == len(s.tokens):
+        return s
+    new = {old: k for k, old in enumerate(keep)}
+    return Stream([s.tokens[i] for i in keep], [new[s.frees[i]] if s.frees[i] >= 0 else -1 for i in keep],
+                  [s.phases[i] for i in keep], [s.blocks[i] for i in keep] if s.blocks is not None else None,
+                  [s.kernels[i] for i in keep] if s.kernels is not None else None)
 
 
 def _at_run_ends(b: Stream, j1: int, j2: int) -> list[tuple[int, int]]:
