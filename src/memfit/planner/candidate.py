@@ -3,8 +3,9 @@
 The planner learns what a plan needs from evidence of rising cost and fidelity (the *ladder*,
 memfit.planner.ladder): an estimate from other plans' traces (free), a shallow trace pair's
 allocated peak (a lower bound, a second or two), the shallow traces' allocations replayed at full
-depth (the reserved bytes, tenths of a second more), a full fake trace (the reserved bytes as
-``memfit estimate`` reports them, seconds to minutes on a large model). A cheap rung rules a plan
+depth (the reserved bytes, tenths of a second more), and the top rung: those allocations checked by a
+trace at a third depth, or a full fake trace (the reserved bytes as ``memfit estimate`` reports them,
+seconds to minutes on a large model). A cheap rung rules a plan
 out only when its figure is over the budget by more than the rung's own error (its
 :attr:`Fidelity.margin`); only the top rung lets a plan be chosen.
 """

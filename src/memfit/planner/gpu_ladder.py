@@ -9,10 +9,13 @@
    is allocated): above the budget, the plan is too big.
 3. :class:`DeepStream` (a plan about to be confirmed): the pair's allocations replayed at full depth
    through the allocator model (memfit.memory.deep_stream): the reserved bytes, without a full trace.
-4. :class:`FullTrace` (the plan chosen): one full trace, the same as ``memfit estimate``: reserved
-   bytes at full depth. Only a plan with this rung's evidence is chosen.
+4. :class:`FullTrace` (the plan chosen): the deep stream checked by a trace at a third depth (NOTE
+   [ The deep stream checked at a third depth ] in memfit.planner.deep_figures), or where that misses or
+   does not line up, one full trace, the same as ``memfit estimate``: reserved bytes at full depth.
+   Only a plan with this rung's evidence is chosen.
 
-So the chosen plan's figures are those of its own full trace. The rungs say nothing of time: the
+So the chosen plan's figures are those of its own full trace, or of its deep stream checked at a third
+depth (equal to the full trace's on every plan checked). The rungs say nothing of time: the
 time model prices the same book's ops (memfit.planner.gpu_time).
 """
 

@@ -244,7 +244,7 @@ class GpuStepModel(StepTimeModel):
         least, t = (book.stacks.least, "t = " if book.stacks.kinds else "") if book.stacks else (2, "")
         shallow = (f"; plans measured by shallow traces at {t}{least} and {least + 1} of {depth} (deeper where a plan repeats every few "
                    "blocks: checkpointing every 2, a share of the blocks offloaded or swapped), their ops extrapolated, "
-                   "the chosen one confirmed by a full trace") if book.depths(self.base or Plan()) else ""
+                   "the chosen one confirmed by its allocations deepened to a third depth, or by a full trace") if book.depths(self.base or Plan()) else ""
         host = f", host {self.host.name}" if self.host is not None else ""
         return (f"op-level: each plan's own ops on the {self.target.device.name} preset{host}, constants fitted on H100 "
                 f"recordings{shallow}; {book.traces} traces ({book.full_traces} at full depth, "

@@ -3,7 +3,8 @@
 Each rung is an :class:`Evaluator`: a plan in, frozen :class:`~memfit.planner.candidate.Evidence`
 out (bytes and fidelity), or None where the rung has nothing to say about that plan. Cheap rungs
 rule plans out; only the top rung (a full fake trace of the plan's own step, what ``memfit
-estimate`` reports) lets one be chosen. The search (memfit.planner.walk) is the same for every
+estimate`` reports, or on GPU presets the deep stream checked at a third depth: memfit.planner.deep_figures)
+lets one be chosen. The search (memfit.planner.walk) is the same for every
 ladder; which rungs exist is the device's business (memfit.planner.search builds the ladder beside
 the time model):
 

@@ -21,6 +21,7 @@ from memfit.memory.budget import Budget
 from memfit.memory.categories import STEADY_STEP
 from memfit.memory.deep_stream import deepen, replay
 from memfit.planner.at_batch import AtBatch
+from memfit.planner.deep_figures import DeepFigures
 from memfit.planner.measured import PEAK_MARGIN, Measured, ShallowFailed
 from memfit.planner.ops import FORWARD
 from memfit.planner.shallow import depths, extrapolate, extrapolate_ops, offloaded_blocks
@@ -95,7 +96,7 @@ def _after_shallowest(jobs: list[tuple], which) -> dict:
 # (NOTE [ A plan over the host's memory ] in memfit.planner.walk).
 
 
-class TraceBook(AtBatch):
+class TraceBook(AtBatch, DeepFigures):
     """The traces of one search, run on the workers and kept (see the module docstring)."""
 
     def __init__(self, target: Target, facts: ModelFacts, budget: Budget, world: int = 1,
@@ -125,11 +126,11 @@ class TraceBook(AtBatch):
         """Told which kind of trace runs now (memfit.planner.progress)."""
         self.shallow_failed: str | None = None
         self._traced: dict[tuple, Traced | Exception] = {}
-        self._deep: dict[Plan, int | None] = {}
         self.expands: set[Plan] = set()
         """Plans that fit the budget only with expandable segments (NOTE [ Expandable segments where
         they decide the fit ]): their figures here are those of expandable segments."""
         self._start_batches()
+        self._start_deep_figures()
         self.tracer = Tracer(target, facts.model, budget)
         # forked children cannot use CUDA once the parent has: no workers where tensors are CUDA's
         fork = target.tensor_device != "cuda"
@@ -181,10 +182,14 @@ class TraceBook(AtBatch):
         return peak
 
     def confirm(self, plan: Plan) -> Measured:
-        """The plan's full trace: what ``memfit estimate`` reports, and its ops at full depth."""
+        """The plan's figures at full depth: its deep stream checked at a third depth (NOTE [ The deep stream
+        checked at a third depth ] in memfit.planner.deep_figures), else its full trace, what ``memfit estimate``
+        reports, and its ops at full depth."""
         m = self.measured.get(plan)
         if m is not None and m.full:
             return m
+        if (checked := self.confirmed_at_third(plan)) is not None:
+            return checked
         (t,) = self._run([(plan, None, None)])
         forward = sum(op.phase == FORWARD for op in t.ops) // plan.micro_batches(self.target.batch_size)[1]
         graph = GraphSize(forward_ops=forward, block_ops=m.graph.block_ops if m else forward // max(1, self.depth or 1))
@@ -194,28 +199,6 @@ class TraceBook(AtBatch):
         self.measured[plan] = m
         self._new.append(plan)
         return m
-
-    def deep_used(self, plan: Plan) -> int | None:
-        """The allocator side of what the budget counts for a measured plan, from its shallow pair's allocations
-        replayed at full depth (NOTE [ Allocations at full depth ]; 0.05-0.5 s, so asked only of a
-        plan about to be confirmed); None where they do not line up, or the plan has no pair."""
-        if plan not in self._deep:
-            pair, traced = self.depths(plan), None
-            if pair and all(isinstance(self._traced.get((plan, d, None)), Traced) for d in pair):
-                traced = [self._traced[(plan, d, None)] for d in pair]
-            deep = None
-            if traced and traced[0].stream is not None and traced[1].stream is not None:
-                deep = deepen(traced[0].stream, traced[1].stream, *pair, self.depth)
-            t0 = time.process_time()
-            used = None
-            if deep is not None:
-                context = traced[1].context_bytes
-                used = self._counted(plan, replay(deep, STEADY_STEP, expandable=plan.config("allocator").expands)[1] + context,
-                                     lambda: replay(deep, STEADY_STEP, expandable=True)[1] + context,
-                                     self.measured[plan].managed_bytes if plan in self.measured else 0)
-            self._deep[plan] = used
-            self._spend("deep stream replay", time.process_time() - t0)
-        return self._deep[plan]
 
     # NOTE [ Expandable segments where they decide the fit ]
     # Expandable segments change no tensor and no kernel, only how the caching allocator holds what
@@ -270,7 +253,7 @@ class TraceBook(AtBatch):
     def ops_of(self, plan: Plan) -> list:
         """The full-depth ops of a measured plan."""
         pair = self.depths(plan)
-        if pair and not self.is_confirmed(plan):
+        if pair and not self.has_full_trace(plan, full_depth=True):
             a, b = self._run([(plan, d, None) for d in pair])
             ops = extrapolate_ops(a.ops, b.ops, *pair, self.depth)
             if ops is not None:
@@ -290,8 +273,10 @@ class TraceBook(AtBatch):
         m = self.measured.get(plan)
         return m is not None and m.full
 
-    def has_full_trace(self, plan: Plan) -> bool:
-        return (plan, None, None) in self._traced
+    def has_full_trace(self, plan: Plan, full_depth: bool = False) -> bool:
+        """The plan's top rung ran (or failed): its full trace, or (unless ``full_depth``) its trace at the third
+        depth (NOTE [ The deep stream checked at a third depth ])."""
+        return (plan, None, None) in self._traced or not full_depth and self.top_job(plan) in self._traced
 
     def has_shallow_traces(self, plan: Plan) -> bool:
         """Its shallow pair ran (or failed): :meth:`measure` costs no trace (a full trace where it has none)."""
@@ -320,7 +305,7 @@ class TraceBook(AtBatch):
 
     def trace_full(self, plans: list[Plan], behind: list[tuple] = ()) -> None:
         """Trace ``plans`` at full depth together; ``behind``: shallow jobs queued after them (not full ones: a worker held)."""
-        self._run([(p, None, None) for p in plans], check=False, behind=[j for j in behind if j[1] and j not in self._traced])
+        self._run([self.top_job(p) for p in plans], check=False, behind=[j for j in behind if j[1] and j not in self._traced])
 
     def queue_shallowest(self, plans: list[Plan]) -> None:
         """The shallowest trace of each of ``plans`` (those with a pair) queued in the background, in
@@ -377,7 +362,7 @@ class TraceBook(AtBatch):
             if isinstance(result, Traced):
                 self.traces += 1
                 self.full_traces += job[1] is None
-                self._spend(_kind(job), result.seconds)
+                self._spend("third depth" if job in self.third_jobs else _kind(job), result.seconds)
             elif job[1] is not None and not isinstance(result, UserError):
                 self.shallow_failed = self.shallow_failed or f"{type(result).__name__}: {result}"
         self.seconds_spent += time.perf_counter() - t0

@@ -4,8 +4,8 @@ A priority queue on predicted time. A visited plan climbs the ladder (memfit.pla
 estimate well over the budget rules it out untraced; its first rung's evidence (the CPU: a full
 trace; GPU presets: a shallow pair, which also gives its own time) either rules it out or lets it
 on; slower than its estimate, it goes back into the queue at its new time; the deep rung may rule
-it out; its full trace confirms it. The first plan that comes out fastest with final figures that
-fit is chosen.
+it out; its top rung (a full trace, or its deep stream checked at a third depth) confirms it. The
+first plan that comes out fastest with final figures that fit is chosen.
 
 Pruning: a plan that saves no more memory than one that did not fit cannot fit (techniques are
 assumed not to *add* memory; the failures and what they rule out: memfit.planner.failures). The
