@@ -50,3 +50,15 @@ def test_a_deep_stream_that_misses_its_third_depth_is_confirmed_by_the_full_trac
     kinds = " ".join(result.trace_seconds)
     assert "third depth" in kinds and "full-depth" in kinds
     assert (result.chosen.used_bytes, result.chosen.peak_bytes) == _truth(result)
+
+
+def test_a_third_depth_trace_that_fails_is_a_miss_and_shallow_pairs_go_on(monkeypatch):
+    """A failed trace at the third depth sends the plan to its full trace; it does not turn shallow pairs off for
+    the search (as a failed shallow trace does)."""
+    from memfit.planner.trace_job import Tracer
+    traced = Tracer.__call__
+    monkeypatch.setattr(Tracer, "__call__", lambda self, job: RuntimeError("boom") if job[1] == 4 else traced(self, job))
+    result = _search({"precision": "bf16-pure", "checkpointing": "blocks"})
+    full = sum(n for kind, (n, _) in result.trace_seconds.items() if "full-depth" in kind)
+    assert full == 1 and any("shallow" in kind for kind in result.trace_seconds)
+    assert (result.chosen.used_bytes, result.chosen.peak_bytes) == _truth(result)

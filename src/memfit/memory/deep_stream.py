@@ -352,7 +352,8 @@ def _deepen(b: Stream, spans: list[tuple[int, int]], period: int, n: int, once_b
     blocks = [b.blocks[j] + block_shift(j, c) if b.blocks is not None and b.blocks[j] >= 0 else -1
               for j, c in zip(source, copy)]
     kernels = list(map(b.kernels.__getitem__, source)) if b.kernels is not None else None
-    return sorted_free_runs(first_uses_once(Stream(tokens, frees, phases, blocks, kernels)))
+    once = first_uses_once(Stream(tokens, frees, phases, blocks, kernels))
+    return sorted_free_runs(once) if once is not None else None
 
 
 def _chains(chain_in: dict, chain_out: dict) -> list | None:

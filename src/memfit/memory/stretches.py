@@ -147,6 +147,8 @@ def inserted(a: Stream, b: Stream) -> list[tuple[int, int]] | None:
     matcher = difflib.SequenceMatcher(None, a.tokens, b.tokens, autojunk=False)
     for tag, i1, i2, j1, j2 in matcher.get_opcodes():
         if tag in ("delete", "insert") and all(first_use(t) for t in [*a.tokens[i1:i2], *b.tokens[j1:j2]]):
+            if _first_uses(a) != _first_uses(b):  # (made at one depth only: a difference)
+                return None
             continue  # (NOTE [ A workspace made on first use ])
         if tag == "insert":
             if any(b.tokens[j][0] == MARK for j in range(j1, j2)):
@@ -184,9 +186,14 @@ def first_use(token: tuple) -> bool:
     return token[0] == "+" and WORKSPACE_OF_A_THREAD in token[5]
 
 
-def first_uses_once(s: Stream) -> Stream:
+def _first_uses(s: Stream) -> list:
+    return sorted(t for t in s.tokens if first_use(t))
+
+
+def first_uses_once(s: Stream) -> Stream | None:
     """``s`` with each first-use allocation after the first of its kind left out (NOTE [ A workspace made on
-    first use ]): they are never freed, so no free names them."""
+    first use ]); None where a free names one left out (the trace's teardown frees the workspaces: such a
+    stream was paired wrongly)."""
     seen, keep = set(), []
     for i, t in enumerate(s.tokens):
         if first_use(t):
@@ -197,6 +204,8 @@ def first_uses_once(s: Stream) -> Stream:
     if len(keep) == len(s.tokens):
         return s
     new = {old: k for k, old in enumerate(keep)}
+    if any(s.frees[i] >= 0 and s.frees[i] not in new for i in keep):
+        return None
     return Stream([s.tokens[i] for i in keep], [new[s.frees[i]] if s.frees[i] >= 0 else -1 for i in keep],
                   [s.phases[i] for i in keep], [s.blocks[i] for i in keep] if s.blocks is not None else None,
                   [s.kernels[i] for i in keep] if s.kernels is not None else None)

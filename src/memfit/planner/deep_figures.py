@@ -14,8 +14,10 @@ the cost of ``f`` blocks: the pair's allocations deepened to ``f`` and replayed 
 allocated peak and reserved bytes exactly. Where they do, the plan's figures at full depth are the
 replayed ones (its ops the pair's, extrapolated, as before confirming) and it may be chosen; where
 they do not (or nothing lines up, or ``f`` is not short of full depth), its full trace runs, as
-before. Whether the deep rung's rulings hold is then checked against these plans as against full
-traces (NOTE [ Deep stream checked ] in memfit.planner.ladder).
+before. The deep rung's rulings (NOTE [ Deep stream checked ] in memfit.planner.ladder) are then held
+against these plans as against full traces: such a plan's figure is its deep one, so what that check
+now rests on is the deepening checked at the third depth. A failed trace there is a miss, and does not
+turn shallow pairs off for the search, as a failed shallow trace does.
 
 What this cannot see is a model whose full build differs from its cut (a tensor sized by the depth
 outside the blocks); such a model's streams do not line up with the cut's in the first place (the
@@ -31,6 +33,7 @@ from memfit.errors import UserError
 from memfit.memory.categories import STEADY_STEP
 from memfit.memory.deep_stream import deepen, replay
 from memfit.planner.measured import Measured, ShallowFailed
+from memfit.planner.shallow import extrapolate
 from memfit.planner.trace_job import Traced
 from memfit.plans import Plan
 
@@ -82,6 +85,13 @@ class DeepFigures:
         self.third_jobs.add(job)
         return job
 
+    def checked_at_third(self, plan: Plan) -> bool:
+        """``plan``'s trace at the third depth ran, and its deep stream did not miss it (no deep stream
+        is made to answer: the walk asks this of every plan it may run alongside)."""
+        pair = self.depths(plan)
+        job = (plan, 2 * pair[1] - pair[0], None) if len(pair) == 2 else None
+        return job in self.third_jobs and job in self._traced and plan not in self.missed_at_third
+
     def top_job(self, plan: Plan) -> tuple:
         """The job of ``plan``'s top rung: its trace at the third depth, or at full depth."""
         return self.third_depth_job(plan) or (plan, None, None)
@@ -92,23 +102,35 @@ class DeepFigures:
         job = self.third_depth_job(plan)
         if job is None:
             return None
+        (d, e), third = self.depths(plan), job[1]
         try:
             (t,) = self._run([job])
-        except (ShallowFailed, UserError):
+        except (ShallowFailed, UserError):  # (a failed third trace is a miss: the full trace decides)
             t = None
-        (d, e), third = self.depths(plan), job[1]
         a, b = (self._traced.get((plan, x, None)) for x in (d, e))
         deep = deepen(a.stream, b.stream, d, e, third) if isinstance(t, Traced) else None
-        expands = plan.config("allocator").expands
-        if deep is None or replay(deep, STEADY_STEP, expandable=expands) != \
-                (t.peak_bytes, t.used_bytes - t.context_bytes):
+        if deep is None or not _same_figures(deep, t, a, b, (d, e, third), plan.config("allocator").expands):
             self.missed_at_third.add(plan)
             return None
         full, m = deepen(a.stream, b.stream, d, e, self.depth), self.measured[plan]
-        peak, reserved = replay(full, STEADY_STEP, expandable=expands)
+        peak, reserved = replay(full, STEADY_STEP, expandable=plan.config("allocator").expands)
         used = self._counted(plan, reserved + b.context_bytes,
                              lambda: replay(full, STEADY_STEP, expandable=True)[1] + b.context_bytes, m.managed_bytes)
         m = self.measured[plan] = dataclasses.replace(m, peak_bytes=peak, used_lower=peak + b.context_bytes,
                                                       used_bytes=used, full=True)
         self._new.append(plan)
         return m
+
+
+def _same_figures(deep, t: Traced, a: Traced, b: Traced, depths: tuple[int, int, int], expands: bool) -> bool:
+    """The pair's figures at the third depth are its trace's: the allocated peak and reserved bytes replayed
+    (with expandable segments too, where the trace has that figure), and the managed and host bytes on the
+    pair's line (as the full-depth ones are drawn)."""
+    d, e, third = depths
+    if replay(deep, STEADY_STEP, expandable=expands) != (t.peak_bytes, t.used_bytes - t.context_bytes):
+        return False
+    if t.expandable_used_bytes is not None and not expands and \
+            replay(deep, STEADY_STEP, expandable=True)[1] != t.expandable_used_bytes - t.context_bytes:
+        return False
+    return all(int(extrapolate(u, v, d, e, third)) == w for u, v, w in
+               ((a.managed_bytes, b.managed_bytes, t.managed_bytes), (a.host_bytes, b.host_bytes, t.host_bytes)))

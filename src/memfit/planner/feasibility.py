@@ -91,7 +91,7 @@ class MaximalPlans:
                 self.ladder.prefetch([m.plan for m in group])
                 for m in group:
                     confirm(m)
-                if any(m in group and m.status is not Status.TOO_BIG for m in tops):
+                if any(m.open for m in group):
                     return True
             if all(m.status is Status.TOO_BIG for m in tops):
                 return False

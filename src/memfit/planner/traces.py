@@ -253,7 +253,7 @@ class TraceBook(AtBatch, DeepFigures):
     def ops_of(self, plan: Plan) -> list:
         """The full-depth ops of a measured plan."""
         pair = self.depths(plan)
-        if pair and not self.has_full_trace(plan, full_depth=True):
+        if pair and not isinstance(self._traced.get((plan, None, None)), Traced):
             a, b = self._run([(plan, d, None) for d in pair])
             ops = extrapolate_ops(a.ops, b.ops, *pair, self.depth)
             if ops is not None:
@@ -276,7 +276,7 @@ class TraceBook(AtBatch, DeepFigures):
     def has_full_trace(self, plan: Plan, full_depth: bool = False) -> bool:
         """The plan's top rung ran (or failed): its full trace, or (unless ``full_depth``) its trace at the third
         depth (NOTE [ The deep stream checked at a third depth ])."""
-        return (plan, None, None) in self._traced or not full_depth and self.top_job(plan) in self._traced
+        return (plan, None, None) in self._traced or not full_depth and self.checked_at_third(plan)
 
     def has_shallow_traces(self, plan: Plan) -> bool:
         """Its shallow pair ran (or failed): :meth:`measure` costs no trace (a full trace where it has none)."""
@@ -363,7 +363,7 @@ class TraceBook(AtBatch, DeepFigures):
                 self.traces += 1
                 self.full_traces += job[1] is None
                 self._spend("third depth" if job in self.third_jobs else _kind(job), result.seconds)
-            elif job[1] is not None and not isinstance(result, UserError):
+            elif job[1] is not None and not isinstance(result, UserError) and job not in self.third_jobs:
                 self.shallow_failed = self.shallow_failed or f"{type(result).__name__}: {result}"
         self.seconds_spent += time.perf_counter() - t0
         out = [self._traced[j] for j in jobs]
