@@ -63,13 +63,18 @@ class DeepFigures:
             t0 = time.process_time()
             used = None
             if deep is not None:
-                context = traced[1].context_bytes
-                used = self._counted(plan, replay(deep, STEADY_STEP, expandable=plan.config("allocator").expands)[1] + context,
-                                     lambda: replay(deep, STEADY_STEP, expandable=True)[1] + context,
-                                     self.measured[plan].managed_bytes if plan in self.measured else 0)
+                managed = self.measured[plan].managed_bytes if plan in self.measured else 0
+                used = self._used_at_full_depth(plan, deep, traced[1].context_bytes, managed)[1]
             self._deep[plan] = used
             self._spend("deep stream replay", time.process_time() - t0)
         return self._deep[plan]
+
+    def _used_at_full_depth(self, plan: Plan, deep, context: int, managed: int) -> tuple[int, int]:
+        """The allocated peak of the stream ``deep`` at full depth, and the allocator side the book keeps of it
+        (with expandable segments where only they fit: ``_counted``)."""
+        peak, reserved = replay(deep, STEADY_STEP, expandable=plan.config("allocator").expands)
+        return peak, self._counted(plan, reserved + context,
+                                   lambda: replay(deep, STEADY_STEP, expandable=True)[1] + context, managed)
 
     def third_depth_job(self, plan: Plan) -> tuple | None:
         """The trace that confirms ``plan`` in place of its full trace (None: its full trace confirms it)."""
@@ -112,10 +117,9 @@ class DeepFigures:
         if deep is None or not _same_figures(deep, t, a, b, (d, e, third), plan.config("allocator").expands):
             self.missed_at_third.add(plan)
             return None
-        full, m = deepen(a.stream, b.stream, d, e, self.depth), self.measured[plan]
-        peak, reserved = replay(full, STEADY_STEP, expandable=plan.config("allocator").expands)
-        used = self._counted(plan, reserved + b.context_bytes,
-                             lambda: replay(full, STEADY_STEP, expandable=True)[1] + b.context_bytes, m.managed_bytes)
+        m = self.measured[plan]
+        peak, used = self._used_at_full_depth(plan, deepen(a.stream, b.stream, d, e, self.depth), b.context_bytes,
+                                              m.managed_bytes)
         m = self.measured[plan] = dataclasses.replace(m, peak_bytes=peak, used_lower=peak + b.context_bytes,
                                                       used_bytes=used, full=True)
         self._new.append(plan)
