@@ -32,6 +32,17 @@ class WeightsExceedBudget(UserError):
         self.needs_bytes = needs_bytes
 
 
+class CompileFailed(UserError):
+    """torch.compile could not capture or compile a region of the step (``what``: the cause, without the fix)."""
+
+    def __init__(self, message: str, what: str = ""):
+        super().__init__(message)
+        self.what = what or message
+
+    def __reduce__(self):  # (a trace worker sends it back to the planner's process)
+        return type(self), (str(self), self.what)
+
+
 class TraceError(UserError):
     """A workload could not be traced on fake tensors (e.g. a data-dependent op)."""
 

@@ -4,8 +4,10 @@ calibrated model's measured compile time (slow: it compiles for real)."""
 
 
 import pytest
+import torch
 
 from memfit.devices import get_device
+from memfit.errors import CompileFailed
 from memfit.memory.budget import Budget
 from memfit.planner import cost
 from memfit.planner.candidate import Candidate
@@ -16,6 +18,7 @@ from memfit.planner.space import candidates, default_space, model_facts, saves_n
 from memfit.plans import Plan
 from memfit.target import Target
 from memfit.techniques.compile import COMPILE_SECONDS_PER_OP
+from memfit.workload import Workload
 from memfit.workloads import load_workload
 
 SPEC = "gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=500,n_positions=128"
@@ -134,11 +137,42 @@ def test_a_given_budget_is_checked_with_the_given_compile_mode():
     """``--compile full --checkpointing budget:0.5`` (a budget needs compile): each given value is checked
     against the model with the given fields it needs, not refused as if compile were off."""
     from memfit.errors import UserError
-    from memfit.planner.search import _check_suits
+    from memfit.planner.given_fields import check_suits
     target = Target.resolve(SPEC, None, 8, "h100-80gb", seq_len=64)
     given = {"compile": "full", "checkpointing": "budget:0.5"}
-    _check_suits(target, {"checkpointing": "budget:0.5"}, given)  # (raised "needs compile" before)
+    check_suits(target, {"checkpointing": "budget:0.5"}, given)  # (raised "needs compile" before)
     with pytest.raises(UserError, match="needs compile"):
-        _check_suits(target, {"checkpointing": "budget:0.5"}, {"checkpointing": "budget:0.5"})
+        check_suits(target, {"checkpointing": "budget:0.5"}, {"checkpointing": "budget:0.5"})
     with_8bit = {**given, "checkpointing": "budget:0.1", "optimizer_in_backward": True, "optimizer": "adamw8bit"}
-    _check_suits(target, {"checkpointing": "budget:0.1"}, with_8bit)  # (built with compile, not the 8-bit update)
+    check_suits(target, {"checkpointing": "budget:0.1"}, with_8bit)  # (built with compile, not the 8-bit update)
+
+
+class _BreakingBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        torch._dynamo.graph_break()  # (no block is one graph: compile: blocks cannot capture any)
+        return torch.relu(self.lin(x))
+
+
+def _breaking_workload() -> Workload:
+    model = lambda: torch.nn.Sequential(*(_BreakingBlock() for _ in range(4)))  # noqa: E731
+    return Workload(model=model, batch=lambda n: torch.randn(n, 64), loss=lambda m, b: m(b).square().mean(),
+                    name="breaks")
+
+
+def test_a_searched_compile_mode_the_model_cannot_take_is_left_out_and_the_note_says_what_broke():
+    """NOTE [ A searched compile mode the model cannot take ]: ``--compile-modes blocks`` on blocks that
+    break the graph ended the search in the error; now the plan is eager, and the first note says why.
+    Given as a plan field, the mode is the user's step: its failure stays one line naming the cause."""
+    result = plan(_breaking_workload(), device="rtx4090", batch_size=4, compile_modes=("blocks",))
+    assert result.chosen is not None and result.chosen.plan.compile == "none"
+    assert result.notes[0] == ("compile: blocks left out: torch.compile cannot capture the block _BreakingBlock as one "
+                               "graph (Call to `torch._dynamo.graph_break()`: Called `torch._dynamo.graph_break()` "
+                               "with args `[]`, kwargs `{}`); planned without compile")
+    assert all(c.plan.compile == "none" for c in result.candidates)
+    with pytest.raises(CompileFailed, match=r"^compile: torch.compile cannot capture the block _BreakingBlock as one "
+                                            r"graph \(Call to `torch._dynamo.graph_break\(\)`.*\); use compile: none"):
+        plan(_breaking_workload(), device="rtx4090", batch_size=4, fixed={"compile": "blocks"})

@@ -28,10 +28,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from torch._subclasses.fake_tensor import FakeTensorMode
-
 from memfit.devices import Device
-from memfit.errors import UserError, WeightsExceedBudget
+from memfit.errors import CompileFailed, UserError, WeightsExceedBudget
 from memfit.hosts import get_host
 from memfit.memory.budget import Budget
 from memfit.planner import cost
@@ -39,6 +37,7 @@ from memfit.planner.baseline import Baseline
 from memfit.planner.candidate import Candidate, Status
 from memfit.planner.feasibility import maximal, splits
 from memfit.planner.field_recipes import field_plans, settle_recipes
+from memfit.planner.given_fields import check_suits, constrain, unsuited
 from memfit.planner.gpu_ladder import GpuLadder
 from memfit.planner.gpu_time import GpuStepModel
 from memfit.planner.ladder import FakeTrace, Ladder
@@ -59,9 +58,8 @@ from memfit.planner.space import (
 from memfit.planner.time_model import StepTimeModel
 from memfit.planner.traces import TraceBook, with_expandable
 from memfit.planner.walk import Walk
-from memfit.plans import Plan, technique_of, with_what_it_needs
+from memfit.plans import Plan
 from memfit.quiet import silenced_warnings
-from memfit.step import build_step
 from memfit.target import Target, checkpoint_fields
 from memfit.techniques.base_weights import STORED_BYTES, least_weight_bytes
 from memfit.techniques.swap_blocks import least_resident_bytes
@@ -136,6 +134,14 @@ def resolve_budget(budget: str | int | None, device: Device) -> int:
     return Budget.resolve(budget, device).bytes
 
 
+# NOTE [ A searched compile mode the model cannot take ]
+# The default plan every value is measured against has the first compile mode searched (memfit.planner.
+# baseline): ``--compile-modes blocks`` makes every candidate compiled. Where torch.compile cannot capture
+# the model in that mode (a block that breaks the graph, an op Dynamo cannot run on fake tensors), the
+# search would end in that error, as ``--compile blocks`` does, although the user asked only which modes
+# to try. So the mode is left out and the search runs again with the others, or eager where none is left;
+# the report's first note says what broke and what was planned instead. A mode given as a plan field
+# (``--compile blocks``) is the user's step, and its failure stays an error.
 def plan(workload: Workload | str, *, budget: str | int | None = None, device: str | Device = "cpu",
          batch_size: int | None = None, seq_len: int | None = None,
          optimizers: tuple[str, ...] | None = None, max_traces: int = 60,
@@ -187,8 +193,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
                                    block_inputs=lambda: block_input_bytes(wl, facts.model, rank_bs))
     offered = {k: list(v) for k, v in space.values.items()}
     given_fields = dict(fixed or {})
-    fixed, constrained = _constrain(space, dict(given_fields), dev, rank_bs)
-    _check_suits(target, constrained, given_fields)
+    fixed, constrained = constrain(space, dict(given_fields), dev, rank_bs)
+    check_suits(target, constrained, given_fields)
     trainable = None if custom_space else _trainable(target, facts, given_fields)
     narrowed = narrow_optimizer and not custom_space and leave_out_optimizer_choices(  # NOTE [ Optimizer choices that cannot matter ]
         space, trainable, budget_bytes, set(given_fields) | ({"optimizer"} if optimizers else set()))
@@ -219,25 +225,40 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     plans += [p for p in recipes if p not in known]
     progress.stage("timing techniques")
     book = None
-    with silenced_warnings():
-        if time_model is not None:
-            model, ladder = time_model, Ladder(FakeTrace(target, budget_obj))
-        elif dev.is_gpu:
-            book, model, ladder = gpu_search(target, space, facts, budget_obj, fixed, host=host, book=_book)
-            book.progress = progress
-        else:
-            model, ladder = cost.calibrate(target, space, progress=progress), Ladder(FakeTrace(target, budget_obj))
     widen = False
     try:
-        result = _search(t0, target, budget_obj, space, plans, constrained, model, ladder, steps, max_traces,
-                         progress, alongside, book, recipes, too_big, trainable, slower_than)
-        if book is not None:
-            result.trace_seconds = book.spent
-        widen = narrowed and result.chosen is None and slower_than is None
-    finally:
-        model.close()
-        if book is not None and not widen:
-            book.close()
+        with silenced_warnings():
+            if time_model is not None:
+                model, ladder = time_model, Ladder(FakeTrace(target, budget_obj))
+            elif dev.is_gpu:
+                book, model, ladder = gpu_search(target, space, facts, budget_obj, fixed, host=host, book=_book)
+                book.progress = progress
+            else:
+                model, ladder = cost.calibrate(target, space, progress=progress), Ladder(FakeTrace(target, budget_obj))
+        try:
+            result = _search(t0, target, budget_obj, space, plans, constrained, model, ladder, steps, max_traces,
+                             progress, alongside, book, recipes, too_big, trainable, slower_than)
+            if book is not None:
+                result.trace_seconds = book.spent
+            widen = narrowed and result.chosen is None and slower_than is None
+        finally:
+            model.close()
+            if book is not None and not widen:
+                book.close()
+    except CompileFailed as e:  # NOTE [ A searched compile mode the model cannot take ]
+        modes = list(space.values.get("compile") or [])
+        if "compile" in given_fields or custom_space or not modes or modes[0] == "none":
+            raise
+        left = tuple(m for m in modes if m != modes[0]) or ("none",)
+        again = plan(workload, budget=budget, device=device, batch_size=batch_size, seq_len=seq_len,
+                     optimizers=optimizers, max_traces=max_traces, time_model=time_model, fixed=given_fields,
+                     compile_modes=left, steps=steps, progress=progress, narrow_optimizer=narrow_optimizer,
+                     alongside=alongside, host=host, field_recipes=field_recipes, too_big=too_big,
+                     slower_than=slower_than, host_memory=host_memory)
+        instead = "without compile" if left == ("none",) else f"with compile: {', '.join(left)}"
+        again.notes.insert(0, f"compile: {modes[0]} left out: {e.what}; planned {instead}")
+        again.seconds = time.perf_counter() - t0
+        return again
     result.trainable = trainable
     if widen:  # NOTE [ Optimizer choices that cannot matter ]: no answer is lost (on the same book of traces)
         try:
@@ -298,7 +319,7 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
     for name, value in constrained.items():
         if not space.values[name]:  # the time model's runs found that the value does not suit the workload
             why = next((x.split(": ", 1)[-1] for x in model.excluded if x.startswith(f"{name}=")), "")
-            raise _unsuited(wl, name, value, why)
+            raise unsuited(wl, name, value, why)
     plans = [p for p in plans if p in recipes or all(getattr(p, n) in v for n, v in space.values.items())]  # after exclusions
     ranked = [Candidate(p, 0.0, recipe=recipes.get(p)) for p in plans]
     for c in ranked:
@@ -361,65 +382,6 @@ def _why_chosen(chosen: Candidate, ranked: list[Candidate], bs: int) -> str:
     if slower:
         parts.append("next: " + ", ".join(f"{c.plan.short(bs)} {c.seconds / chosen.seconds:.2f}x" for c in slower))
     return "; ".join(parts)
-
-
-def _constrain(space, fixed: dict, dev: Device, bs: int) -> tuple[dict, dict]:
-    """Narrow ``space`` to the plan fields the user fixed. Returns the fields left to apply to every
-    candidate (outside the space: ema, bf16_update) and the space dimensions fixed (name -> value).
-    A value that leaves a choice to the planner (``Config.choices``) becomes a space dimension.
-    Values the planner cannot search with are refused here, before any trace; a value that means
-    something per device (``precision: auto``) is resolved for this one."""
-    given = Plan().replace(**fixed)
-    given.check_implemented()
-    for name in list(fixed):
-        technique = technique_of(name)
-        config = given.config(technique.name).resolve(dev)
-        choices = config.choices(dev)
-        if len(choices) > 1:  # the user left this choice to the planner (ema: {device: auto})
-            del fixed[name]
-            space.values[name] = [c.values()[name] for c in choices]
-            continue
-        fixed.update(choices[0].values())
-    split = {k: fixed.pop(k) for k in ("micro_batch_size", "grad_accum_steps") if k in fixed}
-    if split:
-        micro, _ = Plan(**split).micro_batches(bs)
-        space.micro_batches = [micro]
-    constrained = {}
-    for name in [n for n in fixed if n in space.values]:
-        constrained[name] = fixed.pop(name)
-        space.values[name] = [constrained[name]]
-    return fixed, constrained
-
-
-def _check_suits(target: Target, constrained: dict, given: dict) -> None:
-    """Build the step (on fake tensors: no memory) with each value the user fixed, so that one that does
-    not suit the workload (loss_chunks on a model that is no causal LM, checkpointing without repeated
-    blocks) is refused before any candidate is timed or traced. A value is built alone, or with the other
-    given field it needs (an activation budget needs compile). One that fails alone where the user gave
-    other fields too is left to the walk's traces, which build it with them all (swap_blocks needs the
-    given adapter's frozen weights)."""
-    for name, value in constrained.items():
-        alone = _alone_or_with(name, value, given)
-        config = alone.config(technique_of(name).name)
-        if config.technique.depends_on_model and not config.is_default:
-            try:
-                with silenced_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
-                    build_step(target.with_plan(alone))
-            except UserError as e:
-                if alone == Plan(**given):
-                    raise _unsuited(target.workload, name, value, str(e)) from None
-
-
-def _alone_or_with(name: str, value, given: dict) -> Plan:
-    """``name=value`` alone, or with the one other given field it needs, or else with them all."""
-    found = with_what_it_needs(name, value, given.items())
-    return found[0] if found else Plan(**given)
-
-
-def _unsuited(wl: Workload, name: str, value, why: str) -> UserError:
-    shown = "[" + ",".join(value) + "]" if isinstance(value, tuple) else str(value)
-    return UserError(f"plan: the given {name}={shown} does not suit {wl.name}: "
-                     f"{why.removeprefix('plan: ')}; remove --{name.replace('_', '-')} to let the planner choose")
 
 
 def _check_budget_above_weights(budget: int, facts, dev: Device, world_size: int = 1, base_weights=None,

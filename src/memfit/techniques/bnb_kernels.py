@@ -144,7 +144,10 @@ class Gemm4bitKernels(TorchDispatchMode):
     # (46 TFLOP at CUDA-core rates: the time model's +118% on the H100's QLoRA row). While the mode is
     # entered, an AutocastCPU kernel for ``gemm_4bit`` (fake traces run on CPU tensors, a GPU preset
     # under CPU autocast with CUDA's lists) notes that autocast is on and hands the call on below the
-    # autocast key, and the mode runs its kernels with autocast on again, as the real implementation.
+    # autocast key (with autocast excluded, as PyTorch's autocast kernels do: under Dynamo's Python
+    # dispatcher a redispatch recomputes the keys from the thread's and came back here, a RecursionError
+    # that broke compiled QLoRA under bf16 autocast), and the mode runs its kernels with autocast on
+    # again, as the real implementation.
     # Its ``F.linear`` reaches the modes below whole (``aten.linear``, called below autograd), so the
     # time model counts it as the GEMM it is (``memfit.planner.opcost``) and the CPU's kernel probes
     # measure its scratch (``memfit.memory.workspaces``); it had been priced as a memory-bound op, which
@@ -218,8 +221,10 @@ def _autocast_kernel(calls: list[bool]):
 
     def kernel(keyset, *args, **kwargs):
         calls.append(True)
-        try:
-            return overload.redispatch(keyset - _AUTOCAST, *args, **kwargs)
+        try:  # (autocast excluded too, as PyTorch's own autocast kernels do: under Dynamo's Python dispatcher a
+            # redispatch recomputes the keys from the thread's, and would come back here)
+            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST):
+                return overload.redispatch(keyset - _AUTOCAST, *args, **kwargs)
         finally:
             calls.pop()
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.modules.module as _module
 from torch.utils._python_dispatch import _disable_current_modes
 
-from memfit.errors import UserError
+from memfit.errors import CompileFailed, UserError
 from memfit.techniques import cuda_lowering, fake_wrapper
 
 RECOMPILE_LIMIT = 64
@@ -149,15 +149,27 @@ def _explained(fn, name, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except torch._dynamo.exc.Unsupported as e:
-        reason = " ".join(str(e).split())[:300]
-        raise UserError(f"compile: torch.compile cannot capture the {name} as one graph ({reason}); use "
-                        "compile: none, or compile: blocks if only the whole model breaks") from None
+        what = f"torch.compile cannot capture the {name} as one graph ({graph_break_reason(e)})"
+        raise CompileFailed(f"compile: {what}; use compile: none, or compile: blocks if only the whole model breaks",
+                            what) from None
     except torch._dynamo.exc.FailOnRecompileLimitHit:
         raise UserError(f"compile: the {name} was compiled {RECOMPILE_LIMIT} times in this process (new shapes, "
                         "budgets or plans each compile anew); run fewer plans per process, or use compile: none") from None
     except torch._dynamo.exc.BackendCompilerFailed as e:
         cause = " ".join(str(getattr(e, "inner_exception", e)).split())[:300]
-        raise UserError(f"compile: Inductor failed to compile the {name} ({cause}); use compile: none") from None
+        what = f"Inductor failed to compile the {name} ({cause})"
+        raise CompileFailed(f"compile: {what}; use compile: none", what) from None
+
+
+def graph_break_reason(e: Exception, limit: int = 300) -> str:
+    """What broke, from Dynamo's graph-break message: its kind (the first line) and its debug context
+    (the op or call that failed), not the generic explanation and hints between them; at most ``limit``
+    characters."""
+    text = str(e)
+    kind = " ".join(text.split("\n", 1)[0].split())
+    context = text.partition("Developer debug context:")[2].partition("For more details about this graph break")[0]
+    reason = f"{kind}: {' '.join(context.split())}" if context.strip() else " ".join(text.split())
+    return reason if len(reason) <= limit else reason[:limit - 3].rstrip() + "..."
 
 
 def _fake(args, kwargs) -> bool:

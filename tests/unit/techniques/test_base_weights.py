@@ -270,12 +270,14 @@ def test_quantized_weights_with_nothing_left_to_train_say_to_train_an_adapter():
         run_tracked(Target.resolve(head_less, Plan(base_weights="nf4"), 2, "rtx4090"), fake=True, steps=0)
 
 
-@pytest.mark.parametrize("value", ["nf4", "int8"])
-def test_compiled_blocks_of_quantized_layers_are_predicted_on_fake_tensors_within_1pct(value):
+@pytest.mark.parametrize("value, precision", [("nf4", "fp32"), ("int8", "fp32"), ("nf4", "bf16")])
+def test_compiled_blocks_of_quantized_layers_are_predicted_on_fake_tensors_within_1pct(value, precision):
     """Dynamo wraps a fake bitsandbytes parameter as a tensor, as it wraps the real one (NOTE [
-    bitsandbytes parameters on fake tensors ]): QLoRA with compiled blocks traced, where it failed."""
+    bitsandbytes parameters on fake tensors ]): QLoRA with compiled blocks traced, where it failed. Under
+    bf16 autocast the 4-bit matmul's autocast kernel came back to itself under Dynamo's Python dispatcher
+    (a RecursionError, reported as a graph break: NOTE [ The 4-bit matmul under autocast ])."""
     spec = "llama:num_hidden_layers=2,hidden_size=128,intermediate_size=256,num_attention_heads=4,vocab_size=1000"
-    r = profile(spec, Plan(adapter="lora:r=8", base_weights=value, compile="blocks"), batch_size=2, seq_len=64,
-                repeats=0)
+    r = profile(spec, Plan(adapter="lora:r=8", base_weights=value, compile="blocks", precision=precision), batch_size=2,
+                seq_len=64, repeats=0)
     assert r.predicted.method == "fake"
     assert abs(r.error_percent) <= 1.0, r.error_percent
