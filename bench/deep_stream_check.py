@@ -10,7 +10,7 @@ each plan's allocated peak and reserved bytes both ways and their difference (0.
     python -m bench.deep_stream_check dit-flux --swap 19,38 --plans n --resolution 1024 -b 1
 
 ``--plans``: b (LoRA r=16, bf16-pure, blocks checkpointed; with ``--fp8``, fp8 base weights), s (selective, 8
-loss chunks), n (no checkpointing). On GPU presets only: the traces are of that preset, on fake tensors.
+loss chunks), e (every second block checkpointed, 8 loss chunks), n (no checkpointing). On GPU presets only: the traces are of that preset, on fake tensors.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import time
 from memfit.memory.budget import Budget
 from memfit.memory.categories import STEADY_STEP
 from memfit.memory.deep_stream import deepen, replay
-from memfit.planner.shallow import depths
+from memfit.planner.shallow import depths, extrapolate, extrapolate_ops
 from memfit.planner.space import model_facts
-from memfit.planner.stacks import depth_of
+from memfit.planner.stacks import stacks_of
+from memfit.planner.timing import time_from_ops
 from memfit.planner.trace_job import Tracer
 from memfit.plans import Plan
 from memfit.quiet import silenced_warnings
@@ -33,7 +34,8 @@ from memfit.target import Target
 def plans(counts: list[int], which: str, fp8: bool, micro: int | None = None) -> list[Plan]:
     base = {"adapter": "lora:r=16", "precision": "bf16-pure", **({"base_weights": "fp8"} if fp8 else {}),
             **({"micro_batch_size": micro} if micro else {})}
-    kinds = {"b": {"checkpointing": "blocks"}, "s": {"checkpointing": "selective", "loss_chunks": 8}, "n": {}}
+    kinds = {"b": {"checkpointing": "blocks"}, "s": {"checkpointing": "selective", "loss_chunks": 8}, "n": {},
+             "e": {"checkpointing": "blocks:every=2", "loss_chunks": 8}}
     return [Plan(**base, **kinds[k], swap_blocks=n) for n in counts for k in which]
 
 
@@ -56,10 +58,11 @@ def main() -> None:
     with silenced_warnings():
         target = Target.resolve(args.model, todo[0], args.batch_size, args.device, **sizes)
         facts = model_facts(target.workload)
-        full = depth_of(facts.model)
+        stacks = stacks_of(facts.model)
+        full = stacks.full
         tracer = Tracer(target, facts.model, Budget.resolve(None, target.device))
         for plan in todo:
-            pair = depths(plan, full)
+            pair = depths(plan, full, stacks.least, stacks.unit)
             if pair is None:
                 print(f"{plan.short():60s} traced at full depth (no shallow pair)", flush=True)
                 continue
@@ -73,7 +76,14 @@ def main() -> None:
             t2 = time.time()
             shown = "no stream" if got is None else \
                 f"{got[0] / 2**30:.3f}/{got[1] / 2**30:.3f} GiB, diff {(got[0] - want[0]) / 2**20:+.1f}/{(got[1] - want[1]) / 2**20:+.1f} MiB"
-            print(f"{plan.short():60s} pair {pair}: {shown}; full trace {want[0] / 2**30:.3f}/{want[1] / 2**30:.3f} GiB "
+            on = target.with_plan(plan)
+            ops = extrapolate_ops(a.ops, b.ops, *pair, full)  # (else the line through the pair's times, as the book)
+            pair_s = time_from_ops(ops, on).seconds if ops is not None else \
+                extrapolate(*(time_from_ops(t.ops, on).seconds for t in (a, b)), *pair, full)
+            full_s = time_from_ops(f.ops, on).seconds
+            print(f"{plan.short():60s} pair {pair}: {shown}; full trace {want[0] / 2**30:.3f}/{want[1] / 2**30:.3f} GiB; "
+                  f"time {pair_s * 1e3:.1f} ms against {full_s * 1e3:.1f} ms ({(pair_s / full_s - 1) * 100:+.2f}%"
+                  f"{', ops extrapolated' if ops is not None else ', line through the times'}) "
                   f"(pair {t1 - t0:.1f} s, full {t2 - t1:.1f} s)", flush=True)
 
 

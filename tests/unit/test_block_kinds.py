@@ -138,3 +138,28 @@ def test_a_last_block_of_its_own_kind_keeps_the_plain_cut():
     assert (stacks.unit, stacks.full, stacks.least, stacks.kinds) == ((1,), 24, 2, 0)
     model.blocks[11] = Block(11, wide=True, drop=0.0)  # (another one in the middle: no plain cut)
     assert stacks_of(model).kinds == 2
+
+
+def test_a_share_of_blocks_swapped_in_whole_units_keeps_its_pair_and_its_figures_are_the_full_traces(tmp_path):
+    """NOTE [ Blocks of several kinds, some swapped ]: a tiny Gemma 2 (sliding and global layers in turn, 24
+    layers, 12 units of 2). 8 swapped layers are 4 units, and 2 and 4 at the pair's 3 and 6 units: its pair's
+    allocations at full depth and step time are the full trace's (before, every such plan was traced whole).
+    6 swapped are 2 at 4 units but 3, a sliding layer more than global ones, at 6: traced at full depth."""
+    transformers = pytest.importorskip("transformers")
+    transformers.AutoConfig.for_model(
+        "gemma2", hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=512, num_hidden_layers=24, sliding_window=32).save_pretrained(tmp_path)
+    plan = Plan(adapter="lora:r=4", precision="bf16-pure", checkpointing="blocks", swap_blocks=8)
+    target = Target.resolve(str(tmp_path), plan, 2, "rtx4090", seq_len=64)
+    facts = model_facts(target.workload)
+    book = TraceBook(target, facts, Budget.of_device(target.device))
+    try:
+        assert (book.stacks.unit, book.stacks.full, book.stacks.kinds) == ((2,), 12, 2)
+        assert book.depths(plan) == (3, 6) and book.depths(plan.replace(swap_blocks=6)) == ()
+        a, b = book._run([(plan, d, None) for d in (3, 6)])
+        (full,) = book._run([(plan, None, None)])
+    finally:
+        book.close()
+    assert replay(deepen(a.stream, b.stream, 3, 6, 12), STEADY_STEP) == (full.peak_bytes, full.used_bytes - full.context_bytes)
+    line = extrapolate(*(time_from_ops(t.ops, target).seconds for t in (a, b)), 3, 6, 12)
+    assert line == pytest.approx(time_from_ops(full.ops, target).seconds, rel=1e-3)

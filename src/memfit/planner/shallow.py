@@ -190,6 +190,26 @@ def depths(plan, full: int, least: int = 2, unit: tuple[int, ...] = (1,)) -> tup
     return d, d + p
 
 
+# NOTE [ Blocks of several kinds, some swapped ]
+# Where a stack is cut in units of its blocks' kinds (Gemma 2's sliding and global layers, two blocks a
+# unit: NOTE [ Blocks of several kinds ] in memfit.planner.stacks), a share of its blocks swapped mixes
+# the kinds unevenly between depths unless the swapped blocks are whole units at every depth: 21 of
+# Gemma-2-9B's 42 blocks swaps one global layer more than sliding ones, and at 3 units 1 of 6 blocks,
+# of one kind. Such plans are traced at full depth. But 14 or 28 of 42 are 7 or 14 whole units, and
+# the pair at 3 and 6 units swaps 2 and 4, or 4 and 8, blocks: whole units too, each kind swapped as in
+# the full model, one unit of each container (resident, swapped) inserted between the depths. Those
+# keep their pair, as a stack of one kind does (NOTE [ A shallow pair of a plan that swaps the last N
+# blocks ]). One stack only: stacks of unrelated depths keep no pair for a share of their blocks.
+def swapped_in_units(plan, pair: tuple[int, ...], stacks) -> bool:
+    """A plan swapping a share of one stack's blocks swaps whole units of its kinds in the full model and
+    at both depths of its ``pair`` (NOTE [ Blocks of several kinds, some swapped ]); nothing else offloaded."""
+    n = int(plan.swap_blocks or 0)
+    if not pair or len(stacks.unit) != 1 or offloaded_blocks(plan) or not n:
+        return False
+    unit, full = stacks.unit[0], stacks.full
+    return n % unit == 0 and all(n * d % full == 0 and (n * d // full) % unit == 0 for d in pair)
+
+
 def extrapolate(at_d: float, at_e: float, d: int, e: int, full: int) -> float:
     """The figure at ``full`` blocks on the line through (d, at_d) and (e, at_e)."""
     return at_d + (at_e - at_d) * (full - d) / (e - d)

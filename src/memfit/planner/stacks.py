@@ -125,7 +125,9 @@ def _by_length(lengths: tuple[int, ...]) -> Stacks:
 # ones: its peak is taken from the allocations replayed at full depth, memfit.planner.traces.) The cut chosen traces the fewest blocks; where
 # none traces fewer than the model has (12 layers in periods of 4), the model is traced whole. Plans
 # that offload or swap a share of the blocks go to full depth when the units are more than a block (a
-# share's blocks mix kinds unevenly between depths); every block swapped keeps its pair. One exception:
+# share's blocks mix kinds unevenly between depths); every block swapped keeps its pair, and so does a
+# share swapped in whole units at both depths and in the full model (NOTE [ Blocks of several kinds,
+# some swapped ] in memfit.planner.shallow: Gemma-2-9B's 14 or 28 of 42). One exception:
 # a stack's last block of its own kind (SD3's, which outputs no text stream) is extrapolated from the
 # block before it, as the plain cut did (other kinds still cut as above): no prefix holds it, and every
 # plan traced whole would cost 2.5-3.6x the pair's time. It stays off (dit-sd3 at 512 px: the pair's

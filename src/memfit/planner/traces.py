@@ -24,7 +24,7 @@ from memfit.planner.at_batch import AtBatch
 from memfit.planner.deep_figures import DeepFigures
 from memfit.planner.measured import PEAK_MARGIN, Measured, ShallowFailed
 from memfit.planner.ops import FORWARD
-from memfit.planner.shallow import depths, extrapolate, extrapolate_ops, offloaded_blocks
+from memfit.planner.shallow import depths, extrapolate, extrapolate_ops, offloaded_blocks, swapped_in_units
 from memfit.planner.space import ModelFacts
 from memfit.planner.stacks import stacks_of
 from memfit.planner.trace_job import Traced, Tracer
@@ -289,9 +289,12 @@ class TraceBook(AtBatch, DeepFigures):
             return ()
         moved = offloaded_blocks(plan) or plan.swap_blocks  # (a share of all the stacks' blocks: NOTE [ Stacks of
         share = offloaded_blocks(plan) or 0 < plan.swap_blocks < sum(self.stacks.lengths)  # unrelated depths ], [ Blocks of several kinds ])
-        if (any(self.stacks.offsets) and moved) or (self.stacks.kinds and max(self.stacks.unit) > 1 and share):
+        if any(self.stacks.offsets) and moved:
             return ()
-        return depths(plan, self.depth, self.stacks.least, self.stacks.unit) or ()
+        pair = depths(plan, self.depth, self.stacks.least, self.stacks.unit) or ()
+        if self.stacks.kinds and max(self.stacks.unit) > 1 and share and not swapped_in_units(plan, pair, self.stacks):
+            return ()
+        return pair
 
     # -- running traces together -----------------------------------------------------------------
     def trace_shallow(self, plans: list[Plan], behind: list[tuple] = (), skip_over: bool = False) -> None:
