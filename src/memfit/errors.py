@@ -33,14 +33,15 @@ class WeightsExceedBudget(UserError):
 
 
 class CompileFailed(UserError):
-    """torch.compile could not capture or compile a region of the step (``what``: the cause, without the fix)."""
+    """torch.compile could not capture or compile a region of the step (``what``: the cause, without the fix;
+    ``region``: the region's name, as memfit.techniques.compiled names it)."""
 
-    def __init__(self, message: str, what: str = ""):
+    def __init__(self, message: str, what: str = "", region: str = ""):
         super().__init__(message)
-        self.what = what or message
+        self.what, self.region = what or message, region
 
     def __reduce__(self):  # (a trace worker sends it back to the planner's process)
-        return type(self), (str(self), self.what)
+        return CompileFailed, (str(self), self.what, self.region)
 
 
 class TraceError(UserError):

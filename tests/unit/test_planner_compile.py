@@ -173,6 +173,13 @@ def test_a_searched_compile_mode_the_model_cannot_take_is_left_out_and_the_note_
                                "graph (Call to `torch._dynamo.graph_break()`: Called `torch._dynamo.graph_break()` "
                                "with args `[]`, kwargs `{}`); planned without compile")
     assert all(c.plan.compile == "none" for c in result.candidates)
+    # ``full`` may break the graph, but a broken graph is not predicted as compiled: it raised in a trace worker,
+    # whose error (GraphBreaks) did not unpickle in the planner's process
+    both = plan(_breaking_workload(), device="rtx4090", batch_size=4, compile_modes=("full", "blocks"))
+    assert both.chosen.plan.compile == "none" and both.notes[1] == result.notes[0]
+    assert both.notes[0].startswith("compile: full left out: torch.compile broke the model and loss into pieces at 3 "
+                                    "graph break(s) (first: Call to `torch._dynamo.graph_break()`); planned with "
+                                    "compile: blocks")
     with pytest.raises(CompileFailed, match=r"^compile: torch.compile cannot capture the block _BreakingBlock as one "
                                             r"graph \(Call to `torch._dynamo.graph_break\(\)`.*\); use compile: none"):
         plan(_breaking_workload(), device="rtx4090", batch_size=4, fixed={"compile": "blocks"})

@@ -62,6 +62,7 @@ from memfit.plans import Plan
 from memfit.quiet import silenced_warnings
 from memfit.target import Target, checkpoint_fields
 from memfit.techniques.base_weights import STORED_BYTES, least_weight_bytes
+from memfit.techniques.compile import mode_failed
 from memfit.techniques.swap_blocks import least_resident_bytes
 from memfit.units import fmt_bytes
 from memfit.workload import Workload
@@ -247,7 +248,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
                 book.close()
     except CompileFailed as e:  # NOTE [ A searched compile mode the model cannot take ]
         modes = list(space.values.get("compile") or [])
-        if "compile" in given_fields or custom_space or not modes or modes[0] == "none":
+        if "compile" in given_fields or custom_space or not modes or modes[0] == "none" or not mode_failed(e):
             raise
         left = tuple(m for m in modes if m != modes[0]) or ("none",)
         again = plan(workload, budget=budget, device=device, batch_size=batch_size, seq_len=seq_len,

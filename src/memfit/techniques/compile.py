@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.errors import UserError
+from memfit.errors import CompileFailed, UserError
 from memfit.techniques.base import Config, Export, GraphSize, Key, SearchContext, Technique, choice, register
 from memfit.techniques.checkpointing import BUDGET_RECORDING, find_blocks
 from memfit.techniques.compiled import compiled, has_cpu_compiler, has_triton
@@ -166,7 +166,7 @@ class CompileBlocks(Compile):
         budget = _budget(parts)
         for _, children in blocks:
             for block in children:
-                block.forward = compiled(block.forward, budget=budget, name=f"block {type(block).__name__}")
+                block.forward = compiled(block.forward, budget=budget, name=f"{BLOCK_REGION}{type(block).__name__}")
 
     def _graph_ops(self, graph: GraphSize) -> int:
         return graph.block_ops  # one graph serves every block
@@ -184,7 +184,16 @@ class CompileFull(Compile):
 
     def _finalize(self, parts) -> None:  # after chunked loss and checkpointing wrapped what they wrap
         # not one graph: models log or branch in Python here and there (Dynamo splits the graph there)
-        parts.loss_fn = compiled(parts.loss_fn, budget=_budget(parts), name="model and loss", fullgraph=False)
+        parts.loss_fn = compiled(parts.loss_fn, budget=_budget(parts), name=FULL_REGION, fullgraph=False)
+
+
+BLOCK_REGION, FULL_REGION = "block ", "model and loss"
+"""The names of the regions the compile modes compile (a block's: this, then its class's name)."""
+
+
+def mode_failed(e: CompileFailed) -> bool:
+    """``e`` is a failure of a region a compile mode compiles (not of another technique's: torchao's update)."""
+    return e.region.startswith(BLOCK_REGION) or e.region == FULL_REGION
 
 
 def search(ctx: SearchContext) -> list[str]:

@@ -42,13 +42,17 @@ _BROKEN: dict = {}
 cache of compiled code is per process and code object too: a second trace compiles nothing anew)."""
 
 
-class GraphBreaks(UserError):
+class GraphBreaks(CompileFailed):
     """A predicted region did not compile as one graph (NOTE [ A broken graph is not predicted as compiled ])."""
 
     def __init__(self, name: str, breaks: int, first: str):
-        super().__init__(f"compile: torch.compile broke the {name} into pieces at {breaks} graph break(s) "
-                         f"(first: {first}); memfit predicts a compiled region only when Dynamo captures it whole")
-        self.region, self.breaks, self.first = name, breaks, first
+        what = f"torch.compile broke the {name} into pieces at {breaks} graph break(s) (first: {first})"
+        super().__init__(f"compile: {what}; memfit predicts a compiled region only when Dynamo captures it whole",
+                         what, name)
+        self.breaks, self.first = breaks, first
+
+    def __reduce__(self):  # (a trace worker sends it back: its own arguments, not CompileFailed's)
+        return GraphBreaks, (self.region, self.breaks, self.first)
 
 
 # NOTE [ Compiled regions on fake tensors ]
@@ -151,14 +155,14 @@ def _explained(fn, name, *args, **kwargs):
     except torch._dynamo.exc.Unsupported as e:
         what = f"torch.compile cannot capture the {name} as one graph ({graph_break_reason(e)})"
         raise CompileFailed(f"compile: {what}; use compile: none, or compile: blocks if only the whole model breaks",
-                            what) from None
+                            what, name) from None
     except torch._dynamo.exc.FailOnRecompileLimitHit:
         raise UserError(f"compile: the {name} was compiled {RECOMPILE_LIMIT} times in this process (new shapes, "
                         "budgets or plans each compile anew); run fewer plans per process, or use compile: none") from None
     except torch._dynamo.exc.BackendCompilerFailed as e:
         cause = " ".join(str(getattr(e, "inner_exception", e)).split())[:300]
         what = f"Inductor failed to compile the {name} ({cause})"
-        raise CompileFailed(f"compile: {what}; use compile: none", what) from None
+        raise CompileFailed(f"compile: {what}; use compile: none", what, name) from None
 
 
 def graph_break_reason(e: Exception, limit: int = 300) -> str:
