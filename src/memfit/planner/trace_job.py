@@ -14,6 +14,8 @@ import logging
 import time
 from typing import NamedTuple
 
+import torch
+
 from memfit.errors import UserError
 from memfit.memory.budget import Budget
 from memfit.memory.deep_stream import Stream, from_tracker
@@ -25,6 +27,7 @@ from memfit.planner.timing import record_step
 from memfit.step import has_repeats, repeats_skipped
 from memfit.target import Target
 from memfit.techniques.checkpointing import find_blocks
+from memfit.techniques.compiled import GraphBreaks
 
 
 class Traced(NamedTuple):
@@ -50,6 +53,13 @@ class Traced(NamedTuple):
     """Peak bytes of the step's copies in host memory (offloaded states or activations, swapped blocks)."""
 
 
+# NOTE [ Pieces of a broken graph left in Dynamo's cache ]
+# A plan with ``compile: full`` whose blocks break the graph is refused (memfit.techniques.compiled.GraphBreaks),
+# but the pieces Dynamo compiled around the breaks stay in the cache of each broken frame's code, a block's
+# forward among them. A later ``compile: blocks`` trace in the same process (a worker traces many plans) compiles
+# that forward as one graph under the same backend, finds the cached pieces, and runs them: the breaks unseen, a
+# step partly eager predicted as compiled. None of the pieces is of use, so a trace that ends in GraphBreaks
+# drops Dynamo's caches, once the trace has ended (not inside it: Dynamo's state is in use there).
 class Tracer:
     """Runs trace jobs for one target (the trace book's workers call it)."""
 
@@ -114,6 +124,8 @@ class Tracer:
                     trackers.clear()
                     report, ops = record_step(target, on_tracker=trackers.append if keeps_stream else None)
         except UserError as e:
+            if isinstance(e, GraphBreaks):  # NOTE [ Pieces of a broken graph left in Dynamo's cache ]
+                torch._dynamo.reset()
             return e
         except Exception as e:  # noqa: BLE001 - shallow: the model indexes its blocks by a count
             if depth is None:
