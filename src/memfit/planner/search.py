@@ -225,6 +225,14 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     known = set(plans)
     plans += [p for p in recipes if p not in known]
     progress.stage("timing techniques")
+
+    def again_with(**changes) -> PlanResult:  # (this search again, with ``changes``: the user's arguments as given)
+        return plan(**{**dict(workload=workload, budget=budget, device=device, batch_size=batch_size, seq_len=seq_len,
+                                optimizers=optimizers, max_traces=max_traces, time_model=time_model, fixed=given_fields,
+                                compile_modes=compile_modes, steps=steps, progress=progress,
+                                narrow_optimizer=narrow_optimizer, alongside=alongside, host=host,
+                                field_recipes=field_recipes, too_big=too_big, slower_than=slower_than,
+                                host_memory=host_memory), **changes})
     book = None
     widen = False
     try:
@@ -251,11 +259,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
         if "compile" in given_fields or custom_space or not modes or modes[0] == "none" or not mode_failed(e):
             raise
         left = tuple(m for m in modes if m != modes[0]) or ("none",)
-        again = plan(workload, budget=budget, device=device, batch_size=batch_size, seq_len=seq_len,
-                     optimizers=optimizers, max_traces=max_traces, time_model=time_model, fixed=given_fields,
-                     compile_modes=left, steps=steps, progress=progress, narrow_optimizer=narrow_optimizer,
-                     alongside=alongside, host=host, field_recipes=field_recipes, too_big=too_big,
-                     slower_than=slower_than, host_memory=host_memory)
+        again = again_with(compile_modes=left)
         instead = "without compile" if left == ("none",) else f"with compile: {', '.join(left)}"
         again.notes.insert(0, f"compile: {modes[0]} left out: {e.what}; planned {instead}")
         again.seconds = time.perf_counter() - t0
@@ -263,11 +267,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     result.trainable = trainable
     if widen:  # NOTE [ Optimizer choices that cannot matter ]: no answer is lost (on the same book of traces)
         try:
-            again = plan(workload, budget=budget, device=device, batch_size=batch_size, seq_len=seq_len,
-                         optimizers=optimizers, max_traces=max_traces, time_model=time_model, fixed=given_fields,
-                         compile_modes=compile_modes, steps=steps, progress=progress, narrow_optimizer=False,
-                         alongside=alongside, host=host, field_recipes=field_recipes, too_big=too_big,
-                         host_memory=host_memory, _book=book)
+            again = again_with(narrow_optimizer=False, _book=book)
         finally:
             if book is not None:
                 book.close()
