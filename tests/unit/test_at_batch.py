@@ -9,6 +9,7 @@ import pytest
 from memfit.devices import get_device
 from memfit.memory import stream_sizes
 from memfit.memory.budget import Budget
+from memfit.memory.deep_stream import deepen
 from memfit.memory.estimate import estimate_target
 from memfit.planner import at_batch
 from memfit.planner.fit_books import Books
@@ -62,6 +63,15 @@ def test_a_batch_drawn_on_the_line_is_the_full_trace_at_that_batch(setting, meth
             traces = book.traces
             drawn = book.at_batch(plan, 11)
             assert book.traces == traces  # (drawn: no trace)
+            # drawn on the line of the two batches' streams at full depth where their builds are the same
+            # events (a worker's first trace may build otherwise), which is the shallow streams' lines
+            # deepened (NOTE [ A line drawn at full depth ])
+            shallow = [stream_sizes.widen(book._traced[(plan, d, 2)].stream, book._traced[(plan, d, 5)].stream, 2, 5, 11)
+                       for d in book.depths(plan)]
+            deepened = deepen(*shallow, *book.depths(plan), book.depth)
+            deep = book._widened_deep(plan, 2, 5, 11)
+            assert book.stream_at(plan, 11) == (deep or deepened)
+            assert deep is None or deep[:3] == deepened[:3]  # (tokens, frees, phases)
             book.at_batch(plan, 1)  # one sample's chunked loss views the labels two samples copy: off the line
             assert book.traces == traces + 2
             report = estimate_target(Target.resolve(workload, plan, 11, card))

@@ -79,21 +79,28 @@ class Paired(NamedTuple):
 
 
 @without_collections
-def pair_up(a: Stream, b: Stream) -> Paired | None:
+def pair_up(a: Stream, b: Stream, *, setups_may_differ: bool = True) -> Paired | None:
     """The events of ``b`` paired with ``a``'s, as :func:`widen` draws them (the same at any ``x``: a plan's
-    book pairs two batches' streams once); None where they are not the same events."""
+    book pairs two batches' streams once); None where they are not the same events. ``setups_may_differ``
+    False: None also where the model's builds differ (the streams must be the same events throughout)."""
     a, b = sorted_free_runs(a, by_size=False), sorted_free_runs(b, by_size=False)
 
     def shapes(s: Stream) -> list:
         return [t if t[0] == MARK else (t[0], *t[2:]) for t in s.tokens]
 
     pairs: dict[int, int] = {}  # event of ``b`` -> the same event of ``a``
-    matcher = difflib.SequenceMatcher(None, shapes(a), shapes(b), autojunk=False)
-    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
-        if tag == "equal":
-            pairs.update(zip(range(j1, j2), range(i1, i2)))
-        elif any(a.phases[i] != SETUP for i in range(i1, i2)) or any(b.phases[j] != SETUP for j in range(j1, j2)):
-            return None
+    shapes_a, shapes_b = shapes(a), shapes(b)
+    if shapes_a == shapes_b:  # (the diff's one run, without its quadratic search: most pairs are so)
+        pairs = dict(zip(range(len(shapes_b)), range(len(shapes_a))))
+    elif not setups_may_differ:
+        return None
+    else:
+        matcher = difflib.SequenceMatcher(None, shapes_a, shapes_b, autojunk=False)
+        for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+            if tag == "equal":
+                pairs.update(zip(range(j1, j2), range(i1, i2)))
+            elif any(a.phases[i] != SETUP for i in range(i1, i2)) or any(b.phases[j] != SETUP for j in range(j1, j2)):
+                return None
     for j, i in pairs.items():
         if b.tokens[j][0] == "-" and pairs.get(b.frees[j], -1) != a.frees[i]:
             return None  # (a free of another allocation)
