@@ -505,3 +505,43 @@ def test_a_stretch_ending_on_an_allocation_freed_after_it_moves_back():
     b = Stream(tokens, [-1] * 7 + [6], ["optimizer"] * 8)
     assert unstraddled(b, [(4, 7)]) == [(3, 6)]
     assert unstraddled(b, [(3, 6)]) == [(3, 6)] and unstraddled(b, [(0, 3)]) == [(0, 3)]
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_a_streams_replay_is_the_allocator_models_replay_of_its_events(expandable):
+    """``replay`` runs memfit.memory.allocator.replay_events' loop over a stream's tokens itself (faster): the
+    same peak and reserved bytes on random streams with marks, an emptied cache, side streams and frees of
+    allocations made before the step, under either allocator model."""
+    import random
+
+    from memfit.memory.allocator import replay_events
+    from memfit.memory.expandable import new_model
+    rng = random.Random(1)
+    for _ in range(40):
+        tokens, frees, phases, live = [("mark", "step", 1)], [-1], ["setup"], []
+        for i in range(1, 600):
+            if i in (200, 400):
+                tokens.append(("mark", "step", i // 200 + 1) if i == 200 else ("mark", "empty_cache", 0))
+                frees.append(-1)
+            elif live and rng.random() < 0.45:
+                j = live.pop(rng.randrange(len(live)))
+                tokens.append(("-", *tokens[j][1:]))
+                frees.append(j)
+            else:
+                size = int(rng.choice([100, 4000, 600_000, 3 << 20, 15 << 20, 90 << 20]) * rng.uniform(0.5, 1.5))
+                tokens.append(("+", size, rng.choice([0, 0, 0, 1]), "forward", 1, "op", ""))
+                frees.append(-1)
+                live.append(i)
+            phases.append("forward")
+        stream = Stream(tokens, frees, phases, None, None)
+
+        def events(tokens=tokens, frees=frees):
+            for i, tok in enumerate(tokens):
+                if tok[0] == "mark":
+                    if tok[1] == "empty_cache":
+                        yield i, None, 0, 0, 0
+                elif tok[0] == "+":
+                    yield i, i, 1, tok[1], tok[2]
+                else:
+                    yield i, frees[i], -1, tok[1], tok[2]
+        assert replay(stream, 2, expandable=expandable) == replay_events(events(), 200, model=new_model(expandable))[:2]
