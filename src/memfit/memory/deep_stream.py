@@ -433,25 +433,17 @@ def replay(stream: Stream, step: int, *, expandable: bool = False) -> tuple[int,
     marks = [(i, tok[1], tok[2]) for i, tok in enumerate(tokens) if tok[0] == MARK]
     start = next(i for i, name, s in marks if name == "step" and s == step)
     end = next((i for i, name, _ in marks if i > start and name in ("step", "end")), len(tokens))
-    # (memfit.memory.allocator.replay_events' loop, fused with the stream's events: ``memfit fit`` replays
-    # hundreds of streams of 20,000-30,000 events in the planner's own process)
-    model = new_model(expandable)
-    malloc, free = model.malloc, model.free
-    blocks: dict[int, object] = {}
-    peak = -1
-    for i in range(end):
+    model, blocks, peak = new_model(expandable), {}, -1
+    for i in range(end):  # (replay_events' loop on the stream's own tokens: memfit fit replays hundreds of streams)
         tok = tokens[i]
-        kind = tok[0]
-        if kind == "+":
-            blocks[i] = malloc(tok[1], tok[2])
-        elif kind == MARK:
+        if tok[0] == "+":
+            blocks[i] = model.malloc(tok[1], tok[2])
+        elif tok[0] == MARK:
             if tok[1] == "empty_cache":
                 model.empty_cache()
             continue
-        else:
-            block = blocks.pop(frees[i], None)
-            if block is not None:
-                free(block)
+        elif (block := blocks.pop(frees[i], None)) is not None:
+            model.free(block)
         if i >= start and model.allocated > peak:
             peak = model.allocated
     return (model.allocated if peak < 0 else peak), model.reserved

@@ -36,8 +36,9 @@ swapped LoRA at 13 samples on an RTX 4080 drew 15,240,003,584 B where its full t
 just within the card's budget, and the line at full depth draws that to the byte (and at 13 on an RTX
 4060 Ti, 6 on an RTX 4060 and an RTX 3070: four cells of ``memfit fit llama``, each now its full trace's
 figure). Where the two builds differ (a worker's first trace may build otherwise), the shallow streams
-are widened and deepened, as before. The line's check against a third traced batch checks the line as
-it draws.
+are widened and deepened, as before. The line's check draws the third batch from the first two, the
+way their streams allow; later batches are drawn from the smallest and the largest batch traced, which
+may go the other way where those two builds differ.
 """
 
 from __future__ import annotations
@@ -213,7 +214,8 @@ class AtBatch:
 
     def _widened_deep(self, plan: Plan, x_a: int, x_b: int, batch: int) -> Stream | None:
         """``plan``'s allocations at full depth at ``batch`` on the line through those at ``x_a`` and ``x_b``
-        (NOTE [ A line drawn at full depth ]); None where the two are not the same events throughout."""
+        (NOTE [ A line drawn at full depth ]); None where the two are not the same events throughout, a size
+        is off the line of whole bytes, or a reduction has no staging buffer at ``batch``."""
         key = (plan, None, x_a, x_b)
         if key not in self._paired:
             self._paired[key] = pair_up(self._streams[(plan, x_a)][0], self._streams[(plan, x_b)][0],
