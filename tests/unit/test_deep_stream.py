@@ -509,8 +509,8 @@ def test_a_stretch_ending_on_an_allocation_freed_after_it_moves_back():
 
 @pytest.mark.parametrize("expandable", [False, True])
 def test_a_streams_replay_is_the_allocator_models_replay_of_its_events(expandable):
-    """``replay`` runs memfit.memory.allocator.replay_events' loop over a stream's tokens itself (faster): the
-    same peak and reserved bytes on random streams with marks, an emptied cache, side streams and frees of
+    """``replay`` of a stream gives memfit.memory.allocator.replay_events' figures for its events: the same
+    peak and reserved bytes on random streams with marks, an emptied cache, side streams and frees of
     allocations made before the step, under either allocator model."""
     import random
 

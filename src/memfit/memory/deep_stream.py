@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import re
 
+from memfit.memory.allocator import replay_events
 from memfit.memory.expandable import new_model
 from memfit.memory.heap import without_collections
 from memfit.memory.stream_events import MARK, SETUP, Stream, fields_but_op, second_kind
@@ -429,21 +430,17 @@ def replay(stream: Stream, step: int, *, expandable: bool = False) -> tuple[int,
     """(allocated peak within step ``step``, reserved bytes at its end) of the stream through the
     caching-allocator model (with ``expandable`` segments or not), as
     memfit.memory.allocator.replay gives them for a trace."""
-    tokens, frees = stream.tokens, stream.frees
-    marks = [(i, tok[1], tok[2]) for i, tok in enumerate(tokens) if tok[0] == MARK]
+    marks = [(i, tok[1], tok[2]) for i, tok in enumerate(stream.tokens) if tok[0] == MARK]
     start = next(i for i, name, s in marks if name == "step" and s == step)
-    end = next((i for i, name, _ in marks if i > start and name in ("step", "end")), len(tokens))
-    model, blocks, peak = new_model(expandable), {}, -1
-    for i in range(end):  # (replay_events' loop on the stream's own tokens: memfit fit replays hundreds of streams)
-        tok = tokens[i]
-        if tok[0] == "+":
-            blocks[i] = model.malloc(tok[1], tok[2])
-        elif tok[0] == MARK:
-            if tok[1] == "empty_cache":
-                model.empty_cache()
-            continue
-        elif (block := blocks.pop(frees[i], None)) is not None:
-            model.free(block)
-        if i >= start and model.allocated > peak:
-            peak = model.allocated
-    return (model.allocated if peak < 0 else peak), model.reserved
+    end = next((i for i, name, _ in marks if i > start and name in ("step", "end")), len(stream.tokens))
+
+    def events():
+        for i, tok in enumerate(stream.tokens[:end]):
+            if tok[0] == MARK:
+                if tok[1] == "empty_cache":
+                    yield i, None, 0, 0, 0
+            elif tok[0] == "+":
+                yield i, i, 1, tok[1], tok[2]
+            else:
+                yield i, stream.frees[i], -1, tok[1], tok[2]
+    return replay_events(events(), start, model=new_model(expandable))[:2]
