@@ -83,6 +83,7 @@ def _run_tracked(target: Target, *, fake: bool, steps: int, outer: contextlib.Ab
                     kernels = stack.enter_context(_cuda_kernel_model(device, tracker))
             with (around_build() if around_build else contextlib.nullcontext()):
                 step = build_step(target)
+            tracker.state.built = len(tracker.state.events)
             params = [p for p in step.model.parameters()]
             tracker.label(params, "parameters")
             for p in params:

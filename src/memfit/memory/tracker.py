@@ -66,6 +66,8 @@ class TrackerState:
     """(serial, +1 for allocation | -1 for free), in order; bytes come from the record so that a
     probe can correct a record's size after the fact."""
     marks: list[tuple[str, int, int]] = field(default_factory=list)  # (phase, step, event index at start)
+    built: int | None = None
+    """The event index at which the model was built or loaded (the batch and the steps come after)."""
 
 
 class MemoryTracker(TorchDispatchMode):

@@ -63,7 +63,7 @@ def print_estimate(r: MemoryReport, console: Console | None = None, host_limit: 
         t.add_row("host memory", fmt_bytes(r.host_peak_bytes), "", "peak of offloaded copies (not on the device)")
     if r.load_peak_bytes:
         reserved = f", {fmt_bytes(r.load_reserved_bytes)} reserved" if r.load_reserved_bytes is not None else ""
-        t.add_row("loading the model", fmt_bytes(r.load_peak_bytes), "", f"peak before the first step{reserved}")
+        t.add_row("loading the model", fmt_bytes(r.load_peak_bytes), "", f"peak while it loads, before its first batch{reserved}")
     if r.reserved_bytes is not None:
         t.add_row("reserved", fmt_bytes(r.reserved_bytes), "", "held by the CUDA caching allocator")
         if _expandable_saves(r):

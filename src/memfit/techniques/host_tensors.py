@@ -3,7 +3,8 @@
 NOTE [ Plain tensors of a meta build ]
 A module may keep tensors that are neither parameters nor buffers: Qwen-Image's rotary table
 (``QwenEmbedRope.pos_freqs``, complex, made in ``__init__`` with ``torch.arange``, ``torch.outer``
-and ``torch.polar``, and moved to the device in each forward). diffusers' ``from_pretrained`` builds
+and ``torch.polar``, and moved to the device in each forward), or a list of them (Lumina2's
+``freqs_cis``, one table per axis). diffusers' ``from_pretrained`` builds
 under accelerate's ``init_empty_weights``, which sends only parameters to the meta device, so such a
 tensor is real, on the host, with its values. Built under ``torch.device("meta")`` (memfit's load:
 memfit.techniques.loading), it is meta, and the first forward fails to copy it ("Cannot copy out
@@ -61,9 +62,11 @@ class BuildRecord(TorchFunctionMode):
         """Replace each plain meta tensor attribute of ``model``'s modules by its value on the host."""
         values = self.host_values(model)
         for module in model.modules():
-            for name, t in list(vars(module).items()):
-                if isinstance(t, torch.Tensor) and id(t) in values:
-                    setattr(module, name, values[id(t)])
+            for name, v in list(vars(module).items()):
+                if isinstance(v, torch.Tensor) and id(v) in values:
+                    setattr(module, name, values[id(v)])
+                elif type(v) in (list, tuple) and any(id(x) in values for x in v):
+                    setattr(module, name, type(v)(values.get(id(x), x) for x in v))
 
     def host_values(self, model: torch.nn.Module, device: torch.device = HOST) -> dict[int, torch.Tensor]:
         """``id`` of each plain meta tensor attribute of ``model``'s modules -> its value made on the host
@@ -102,9 +105,11 @@ class BuildRecord(TorchFunctionMode):
 
 
 def plain_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The tensors ``model``'s modules hold as plain attributes (neither parameters nor buffers)."""
+    """The tensors ``model``'s modules hold as plain attributes (neither parameters nor buffers), alone or
+    in a list or tuple (Lumina2's ``Lumina2RotaryPosEmbed.freqs_cis``: one rotary table per axis)."""
     owned = {id(t) for t in [*model.parameters(), *model.buffers()]}
-    return [t for m in model.modules() for t in vars(m).values() if isinstance(t, torch.Tensor) and id(t) not in owned]
+    held = [x for m in model.modules() for v in vars(m).values() for x in (v if type(v) in (list, tuple) else (v,))]
+    return [t for t in held if isinstance(t, torch.Tensor) and id(t) not in owned]
 
 
 def _is_meta(x) -> bool:

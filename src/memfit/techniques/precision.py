@@ -197,6 +197,18 @@ class BF16Pure(Precision):
         return tree_map(lambda x: x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.is_floating_point()
                         else x, batch)
 
+    def on_load(self, model, load) -> None:
+        """A checkpoint loaded with ``dtype=torch.bfloat16`` reaches the device in bf16 throughout; the
+        model's parameters already are (built under this precision's default dtype), but a buffer its
+        ``__init__`` makes in fp32 explicitly (SD3's 226 MB sin-cos position table) is cast here, on the meta
+        device, so that it arrives in bf16 rather than in fp32 to be converted on the device. Parameters are
+        left to ``convert``: other configs' ``on_load`` key theirs by identity (quantizers, swapped blocks)."""
+        cast: dict[int, torch.Tensor] = {}  # (a buffer two modules share stays shared)
+        for module in model.modules():
+            for name, b in list(module._buffers.items()):
+                if b is not None and b.is_floating_point() and b.element_size() > 2:
+                    module._buffers[name] = cast.setdefault(id(b), b.to(torch.bfloat16))
+
     def convert(self, model: torch.nn.Module) -> torch.nn.Module:
         # Replace parameters one by one (keeping tied weights tied) rather than model.to(): the
         # latter swaps tensors in place, which fails for tied parameters on fake tensors.

@@ -1,10 +1,8 @@
 """The built-in workloads' registry: the Hugging Face architectures, the plain-torch zoo and the
-diffusers image models (the only ones that take ``--resolution``). The Hugging Face models, hub ids
-and model folders load as transformers loads a checkpoint (``Workload.from_checkpoint``); the zoo's
-plain-torch models and the diffusers models are built as written (diffusers loads with accelerate's
-``init_empty_weights``, parameters alone on the meta device: not modelled yet), but for ``dit-flux``,
-``dit-qwenimage``, ``dit-flux2`` and the Wan video DiTs, which load as a checkpoint: their 12B to 32B
-weights reach a consumer card only in fp8 or streamed block by block.
+diffusers image and video models (the only ones that take ``--resolution``). The Hugging Face and
+diffusers models, hub ids and model folders load as their library loads a checkpoint
+(``Workload.from_checkpoint``: each weight reaches the device in its final form, bf16 or quantized);
+the zoo's plain-torch models are built as written.
 A diffusers repository (a hub id or a folder) builds its denoiser from its own config.json and loads as
 ``from_pretrained`` loads it (NOTE [ diffusers repositories ] in memfit.workloads.diffusers_folders)."""
 

@@ -183,8 +183,12 @@ def image_info(m: ImageModel, res: int, kwargs: dict, sizes: tuple[str, ...], mu
 
 
 def image_workload(m: ImageModel, model, batch, loss, res: int, info: WorkloadInfo) -> Workload:
+    """A diffusers denoiser, loaded as ``from_pretrained`` loads it: built on the meta device, each
+    weight made on the device in its final form (memfit.techniques.loading), so a QLoRA or bf16-pure
+    plan never holds the full-precision model there."""
     name = m.arch if res == m.resolution else f"{m.arch} {res}px"
-    return Workload(model=model, batch=batch, loss=loss, name=name, default_batch_size=1, info=info)
+    return Workload(model=model, batch=batch, loss=loss, name=name, default_batch_size=1, info=info,
+                    from_checkpoint=True)
 
 
 def no_seq_len(arch: str, seq_len: int | None) -> None:

@@ -134,9 +134,7 @@ def _packed_workload(m: ImageModel, overrides: dict, seq_len: int | None, resolu
 
     res = side * VAE_FACTOR
     info = image_info(m, res, kw, sizes, FLUX_PACK * kw["patch_size"])
-    wl = image_workload(m, model_builder(m, cls, kw, overrides), batch, transformer_loss, res, info)
-    wl.from_checkpoint = True
-    return wl
+    return image_workload(m, model_builder(m, cls, kw, overrides), batch, transformer_loss, res, info)
 
 
 def _patchify(latents: torch.Tensor) -> torch.Tensor:

@@ -153,7 +153,6 @@ def wan(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageMo
         wl.name = f"{m.arch} {res}px" if square else f"{m.arch} {wide * m.vae_factor}x{res}px"
     if frames != clip.frames:
         wl.name += f" {frames} frames"
-    wl.from_checkpoint = True
     return wl
 
 

@@ -18,6 +18,7 @@ class Rotary(torch.nn.Module):
         self.flags = torch.zeros(n, dtype=torch.bool)
         self.flags[0] = True
         self.from_weight = self.proj.weight.detach() * 2  # (a parameter's: its values are the checkpoint's)
+        self.per_axis = [torch.arange(n, dtype=torch.float64) * k for k in (1, 3)]  # (Lumina2's freqs_cis: a list)
 
 
 def test_plain_tensors_are_made_on_the_host_with_their_build_values():
@@ -28,6 +29,8 @@ def test_plain_tensors_are_made_on_the_host_with_their_build_values():
     real = Rotary()
     assert model.table.device.type == "cpu" and torch.equal(model.table, real.table)
     assert torch.equal(model.flags, real.flags)  # (an in-place write after the tensor was made)
+    assert type(model.per_axis) is list and all(a.device.type == "cpu" and torch.equal(a, b)
+                                                 for a, b in zip(model.per_axis, real.per_axis, strict=True))
     assert model.proj.weight.device.type == "meta"  # (parameters are the load's: memfit.techniques.loading)
     assert model.from_weight.device.type == "meta"
 
