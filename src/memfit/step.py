@@ -255,7 +255,10 @@ def build_step(workload: Workload | str | Target, plan: Plan | None = None, batc
         raise UserError(f"workload model() must return an nn.Module, got {type(model).__name__}")
     if record is not None:
         record.host_tensors(model)
-        _load(model, target)
+        # (a GPU preset traced on this CPU's fake tensors: the buffers' values matter to no one, and their
+        # replay, on the host, would be counted as the device's; on a GPU, or a CPU device, it runs)
+        preset_traced_here = target.device.kind == "cuda" and target.tensor_device == "cpu"
+        _load(model, target, {} if preset_traced_here else record.buffer_values(model))
     with torch.device(target.tensor_device):
         model.train()
         parts = StepParts(model=model, device=target.device, device_type=target.tensor_device,
@@ -278,14 +281,14 @@ def build_step(workload: Workload | str | Target, plan: Plan | None = None, batc
     return TrainStep(target, parts, optimizer, observer)
 
 
-def _load(model: torch.nn.Module, target: Target) -> None:
+def _load(model: torch.nn.Module, target: Target, buffer_values: dict[str, torch.Tensor]) -> None:
     """The model built on the meta device, loaded as a checkpoint: the plan's conversions done while
     loading (quantizers), then each weight materialised on the step's device (NOTE in
-    memfit.techniques.loading: Load as users load)."""
+    memfit.techniques.loading: Load as users load), the buffers the build computed given its values."""
     load = Load()
     for config in target.plan.techniques:
         config.on_load(model, load)
-    materialise(model, target.tensor_device, load)
+    materialise(model, target.tensor_device, load, buffer_values)
 
 
 def make_batch(target: Target, *, whole: bool = False, device: str | None = None) -> Any:

@@ -19,6 +19,19 @@ values are those the library's own build gives; the memory is the host's, as the
 (what reaches the device is the forward's own copy). A plain tensor made from a parameter or a
 buffer (whose values come from a checkpoint) is not replayed: it stays meta, and its forward
 fails as before.
+
+NOTE [ Buffers of a meta build ]
+A buffer's values come from a checkpoint or the library's own build: a non-persistent rotary table
+(Wan's ``freqs_cos``), an index table (Swin's ``relative_position_index``), or a persistent one that
+no initialiser covers (SD3's sin-cos ``pos_embed``, computed in ``__init__``). memfit has no
+checkpoint, and its load makes each buffer empty on the device (memfit.techniques.loading), where a
+stand-in fill would leave noise or zeros. So the same replay gives each buffer the build computed its
+value, made on the host before the load (:meth:`BuildRecord.buffer_values`) and copied into the
+buffer once it is on the device, in its dtype there: what a checkpoint's copy would bring, no
+device memory beyond the buffer itself. On a CPU device the host is the device, and the replay's
+tensors count there, in the prediction as in the profiler's measurement. A GPU preset traced on
+this CPU's fake tensors skips it (memfit.step): fake values matter to no one, and the device never
+sees the host's work.
 """
 
 from __future__ import annotations
@@ -72,12 +85,23 @@ class BuildRecord(TorchFunctionMode):
         """``id`` of each plain meta tensor attribute of ``model``'s modules -> its value made on the host
         (or on ``device``: where a model built as written makes it), under the modes of now (fake tensors in
         a trace); those made from a parameter or a buffer are left out (see the NOTE)."""
+        return self._replayed(model, [t for t in plain_tensors(model) if _is_meta(t)], device)
+
+    def buffer_values(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Each meta buffer of ``model`` the build computed (from no parameter and no other buffer) -> its
+        value made on the host, by name (NOTE [ Buffers of a meta build ])."""
+        named = dict(model.named_buffers(remove_duplicate=False))
+        values = self._replayed(model, [b for b in named.values() if _is_meta(b)], HOST)
+        return {name: values[id(b)] for name, b in named.items() if id(b) in values}
+
+    def _replayed(self, model: torch.nn.Module, tensors: list[torch.Tensor], device: torch.device) -> dict[int, torch.Tensor]:
         owned = {id(t) for t in [*model.parameters(), *model.buffers()]}
-        plain = [t for t in plain_tensors(model) if _is_meta(t) and id(t) in self.writer]
+        wanted = [t for t in tensors if id(t) in self.writer]
         needed: set[int] = set()
-        for t in plain:
+        for t in wanted:
             calls = self._closure(self.writer[id(t)])
-            if not any(id(x) in owned for i in calls for x in tree_flatten(self.calls[i][3])[0] if _is_meta(x)):
+            if not any(id(x) in owned and x is not t for i in calls for x in tree_flatten(self.calls[i][3])[0]
+                       if _is_meta(x)):
                 needed |= calls  # (else made from a parameter or a buffer: left as it is)
         real: dict[int, torch.Tensor] = {}
         with torch.device(device):
@@ -90,7 +114,7 @@ class BuildRecord(TorchFunctionMode):
                 for old, new in zip(tree_flatten(out)[0], tree_flatten(result)[0]):
                     if _is_meta(old):
                         real[id(old)] = new
-        return {id(t): real[id(t)] for t in plain if id(t) in real}
+        return {id(t): real[id(t)] for t in wanted if id(t) in real}
 
     def _closure(self, root: int) -> set[int]:
         """The recorded calls the value written by call ``root`` came from, ``root`` included."""

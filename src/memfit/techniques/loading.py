@@ -72,9 +72,12 @@ def on_meta() -> Iterator[BuildRecord]:
         yield record
 
 
-def materialise(model: torch.nn.Module, device: str | torch.device, load: Load | None = None) -> None:
+def materialise(model: torch.nn.Module, device: str | torch.device, load: Load | None = None,
+                buffer_values: dict[str, torch.Tensor] | None = None) -> None:
     """Give every meta tensor of ``model`` its storage on ``device``, one tensor at a time, as a
-    checkpoint's load would (see the module's docstring); tied tensors stay tied."""
+    checkpoint's load would (see the module's docstring); tied tensors stay tied. ``buffer_values``:
+    buffers' values by name, made on the host (NOTE [ Buffers of a meta build ] in
+    memfit.techniques.host_tensors), copied in once every tensor has its own."""
     load = load or Load()
     owners = _owners(model)
     persistent = model.state_dict(keep_vars=True)
@@ -99,6 +102,18 @@ def materialise(model: torch.nn.Module, device: str | torch.device, load: Load |
         _put(owners[id(old)], quantize(module.get_parameter(owners[id(old)][0][1])))
         quantized.append(module)
     _initialise(model, skip=quantized)
+    _copy_in(model, buffer_values or {})
+
+
+def _copy_in(model: torch.nn.Module, values: dict[str, torch.Tensor]) -> None:
+    """Each buffer's value, cast on the host to the buffer's dtype and copied to its device (no
+    allocation there)."""
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    with torch.no_grad():
+        for name, value in values.items():
+            buffer = buffers.get(name)
+            if buffer is not None and buffer.shape == value.shape:
+                buffer.copy_(value.to(buffer.dtype))
 
 
 def _empty(old: torch.Tensor, device: str | torch.device, on_host: bool) -> torch.Tensor:

@@ -198,16 +198,21 @@ class BF16Pure(Precision):
                         else x, batch)
 
     def on_load(self, model, load) -> None:
-        """A checkpoint loaded with ``dtype=torch.bfloat16`` reaches the device in bf16 throughout; the
-        model's parameters already are (built under this precision's default dtype), but a buffer its
-        ``__init__`` makes in fp32 explicitly (SD3's 226 MB sin-cos position table) is cast here, on the meta
-        device, so that it arrives in bf16 rather than in fp32 to be converted on the device. Parameters are
-        left to ``convert``: other configs' ``on_load`` key theirs by identity (quantizers, swapped blocks)."""
+        """A checkpoint loaded with ``dtype=torch.bfloat16`` casts each tensor it holds to bf16 before it
+        reaches the device. The parameters already are bf16 (built under this precision's default dtype),
+        but a persistent buffer the model's ``__init__`` makes in fp32 explicitly (SD3's 226 MB sin-cos
+        position table) is cast here, on the meta device, so that it arrives in bf16 rather than in fp32 to
+        be converted on the device. Buffers no checkpoint holds (rotary tables) stay as the library leaves
+        them, and ``convert`` casts them afterwards, as it does parameters: other configs' ``on_load`` key
+        parameters by identity (quantizers, swapped blocks)."""
+        held = {id(t) for t in model.state_dict(keep_vars=True).values()}
         cast: dict[int, torch.Tensor] = {}  # (a buffer two modules share stays shared)
         for module in model.modules():
             for name, b in list(module._buffers.items()):
-                if b is not None and b.is_floating_point() and b.element_size() > 2:
-                    module._buffers[name] = cast.setdefault(id(b), b.to(torch.bfloat16))
+                if b is not None and id(b) in held and b.is_floating_point() and b.element_size() > 2:
+                    if id(b) not in cast:
+                        cast[id(b)] = b.to(torch.bfloat16)
+                    module._buffers[name] = cast[id(b)]
 
     def convert(self, model: torch.nn.Module) -> torch.nn.Module:
         # Replace parameters one by one (keeping tied weights tied) rather than model.to(): the
