@@ -28,7 +28,10 @@ checkpoint, and its load makes each buffer empty on the device (memfit.technique
 stand-in fill would leave noise or zeros. So the same replay gives each buffer the build computed its
 value, made on the host before the load (:meth:`BuildRecord.buffer_values`) and copied into the
 buffer once it is on the device, in its dtype there: what a checkpoint's copy would bring, no
-device memory beyond the buffer itself. On a CPU device the host is the device, and the replay's
+device memory beyond the buffer itself. It comes before the library's own initialisation, which
+has the last word, as in an eager build; a buffer made with ``torch.empty`` (Gemma 4's ``std_scale``,
+filled by ``_init_weights``) is not replayed, and one the replay cannot make (it raises) is left to
+the initialiser. The replay runs in the build's default dtype (bf16 under ``bf16-pure``). On a CPU device the host is the device, and the replay's
 tensors count there, in the prediction as in the profiler's measurement. A GPU preset traced on
 this CPU's fake tensors skips it (memfit.step): fake values matter to no one, and the device never
 sees the host's work.
@@ -41,6 +44,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 HOST = torch.device("cpu")
+UNINITIALISED = ("empty", "new_empty")
+"""Calls whose tensors have no values (``torch.empty``, ``empty_like``, ``Tensor.new_empty``)."""
 
 
 class BuildRecord(TorchFunctionMode):
@@ -48,6 +53,8 @@ class BuildRecord(TorchFunctionMode):
 
     def __init__(self) -> None:
         super().__init__()
+        self.dtype = torch.get_default_dtype()
+        """The build's default dtype (``bf16-pure`` builds in bf16): the replay's too."""
         self.calls: list[tuple] = []
         """(function, args, kwargs, outputs, the calls each meta argument came from)."""
         self.writer: dict[int, int] = {}
@@ -91,7 +98,18 @@ class BuildRecord(TorchFunctionMode):
         """Each meta buffer of ``model`` the build computed (from no parameter and no other buffer) -> its
         value made on the host, by name (NOTE [ Buffers of a meta build ])."""
         named = dict(model.named_buffers(remove_duplicate=False))
-        values = self._replayed(model, [b for b in named.values() if _is_meta(b)], HOST)
+        computed = [b for b in named.values() if _is_meta(b) and id(b) in self.writer and not any(
+            getattr(self.calls[i][0], "__name__", "").startswith(UNINITIALISED)
+            for i in self._closure(self.writer[id(b)]))]  # (an ``empty`` one's values are its initialiser's)
+        try:
+            values = self._replayed(model, computed, HOST)
+        except Exception:  # noqa: BLE001 - one at a time: a buffer the replay cannot make is left to the initialiser
+            values = {}
+            for b in computed:
+                try:
+                    values.update(self._replayed(model, [b], HOST))
+                except Exception:  # noqa: BLE001
+                    pass
         return {name: values[id(b)] for name, b in named.items() if id(b) in values}
 
     def _replayed(self, model: torch.nn.Module, tensors: list[torch.Tensor], device: torch.device) -> dict[int, torch.Tensor]:
@@ -104,6 +122,14 @@ class BuildRecord(TorchFunctionMode):
                        if _is_meta(x)):
                 needed |= calls  # (else made from a parameter or a buffer: left as it is)
         real: dict[int, torch.Tensor] = {}
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            return self._run(needed, wanted, real, device)
+        finally:
+            torch.set_default_dtype(before)
+
+    def _run(self, needed: set[int], wanted: list[torch.Tensor], real: dict, device: torch.device) -> dict[int, torch.Tensor]:
         with torch.device(device):
             for i in sorted(needed):
                 func, args, kwargs, out, _ = self.calls[i]

@@ -101,8 +101,7 @@ def materialise(model: torch.nn.Module, device: str | torch.device, load: Load |
         del new
         _put(owners[id(old)], quantize(module.get_parameter(owners[id(old)][0][1])))
         quantized.append(module)
-    _initialise(model, skip=quantized)
-    _copy_in(model, buffer_values or {})
+    _initialise(model, skip=quantized, buffer_values=buffer_values or {})
 
 
 def _copy_in(model: torch.nn.Module, values: dict[str, torch.Tensor]) -> None:
@@ -150,9 +149,10 @@ _BIAS = re.compile(r"(^|_)bias$")
 
 
 @stand_in_values()
-def _initialise(model: torch.nn.Module, skip: list[torch.nn.Module]) -> None:
+def _initialise(model: torch.nn.Module, skip: list[torch.nn.Module], buffer_values: dict[str, torch.Tensor]) -> None:
     """Values for every tensor: a finite default first (a module no initialiser covers must not
-    train on uninitialised memory), then the model's own initialisation."""
+    train on uninitialised memory), the buffers' values their build computed, then the model's own
+    initialisation (the eager order: ``__init__``'s values, then the library's init)."""
     skipped = {id(m) for m in skip}
     with torch.no_grad():
         for module in model.modules():
@@ -161,6 +161,7 @@ def _initialise(model: torch.nn.Module, skip: list[torch.nn.Module]) -> None:
             for attr, t in [*module._parameters.items(), *module._buffers.items()]:
                 if t is not None:
                     _default_fill(attr, t)
+    _copy_in(model, buffer_values)
     hf_init = getattr(model, "initialize_weights", None)
     if callable(hf_init) and hasattr(model, "_init_weights"):
         for module in model.modules():  # building marked them initialised (on meta: no values yet)

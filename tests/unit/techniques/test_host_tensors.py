@@ -41,3 +41,26 @@ def test_a_build_without_plain_tensors_is_left_as_it_is():
     before = {n: id(t) for n, t in model.state_dict(keep_vars=True).items()}
     record.host_tensors(model)
     assert {n: id(t) for n, t in model.state_dict(keep_vars=True).items()} == before
+
+
+class MadeInTheDefaultDtype(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        inv = torch.ones(8)
+        t = torch.arange(4, dtype=inv.dtype)
+        self.register_buffer("table", t[:, None] @ inv[None, :], persistent=False)
+
+
+def test_buffers_are_replayed_in_the_builds_default_dtype():
+    """``bf16-pure`` builds with bf16 as the default dtype; its replay, after the build, must too (in fp32
+    ``ones`` and an ``arange`` in the recorded bf16 no longer multiply)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with on_meta() as record:
+            model = MadeInTheDefaultDtype()
+        real = MadeInTheDefaultDtype()
+    finally:
+        torch.set_default_dtype(before)
+    values = record.buffer_values(model)
+    assert values["table"].dtype == torch.bfloat16 and torch.equal(values["table"], real.table)

@@ -224,3 +224,24 @@ def test_a_buffer_made_in_fp32_arrives_in_bf16_with_its_librarys_values():
     wan = build_step(Target.resolve(WAN, memfit.Plan(), 1, "cpu", resolution=64)).model
     built = dict(diffusers.WanTransformer3DModel(**wan.config).named_buffers())
     assert all(torch.equal(b, built[name]) for name, b in wan.named_buffers())
+
+
+def test_a_buffer_the_librarys_init_fills_keeps_the_inits_values(tmp_path):
+    """Gemma 4's vision tower makes ``std_scale`` and ``std_bias`` with ``torch.empty`` and fills them in
+    ``_init_weights`` (ones and zeros): the build's replay must not copy uninitialised memory over them
+    (it did, after the init, with the first replay of buffers)."""
+    pytest.importorskip("transformers", minversion="5.5")
+    import transformers
+    if not hasattr(transformers, "Gemma4VisionModel"):
+        pytest.skip("transformers without Gemma 4")
+    (tmp_path / "g.py").write_text(
+        "import torch, transformers, memfit\n"
+        "cfg = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,\n"
+        "    num_attention_heads=2, num_key_value_heads=2, head_dim=16, standardize=True)\n"
+        "def wl():\n"
+        "    return memfit.Workload(model=lambda: transformers.Gemma4VisionModel(cfg), batch=lambda n: torch.zeros(n),\n"
+        "                           loss=lambda m, b: b.sum(), from_checkpoint=True)\n")
+    for plan in (memfit.Plan(), memfit.Plan(precision="bf16-pure")):
+        buffers = dict(build_step(Target.resolve(f"{tmp_path / 'g.py'}:wl", plan, 1, "cpu")).model.named_buffers())
+        assert torch.equal(buffers["std_scale"], torch.ones_like(buffers["std_scale"])), buffers["std_scale"][:4]
+        assert torch.equal(buffers["std_bias"], torch.zeros_like(buffers["std_bias"]))
