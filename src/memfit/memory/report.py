@@ -244,8 +244,9 @@ def traced_device(device: Device, method: str, tensor_device: str) -> str:
 def load_window(tracker: MemoryTracker) -> Window:
     """From the first event to the model's build or load's end (the batch is the step's: the profiler
     measures the build alone), or to the first step in a tracker that did not note it."""
-    first = next((idx for name, _, idx in tracker.state.marks if name == "step"), len(tracker.state.events))
-    return Window(0, first if tracker.state.built is None else tracker.state.built)
+    if tracker.state.built is not None:
+        return Window(0, tracker.state.built)
+    return Window(0, next((idx for name, _, idx in tracker.state.marks if name == "step"), len(tracker.state.events)))
 
 
 def _load_figures(tracker: MemoryTracker, target, where: str, gpu: bool) -> tuple[int, int | None, list[str]]:

@@ -31,10 +31,10 @@ buffer once it is on the device, in its dtype there: what a checkpoint's copy wo
 device memory beyond the buffer itself. It comes before the library's own initialisation, which
 has the last word, as in an eager build; a buffer made with ``torch.empty`` (Gemma 4's ``std_scale``,
 filled by ``_init_weights``) is not replayed, and one the replay cannot make (it raises) is left to
-the initialiser. The replay runs in the build's default dtype (bf16 under ``bf16-pure``). On a CPU device the host is the device, and the replay's
-tensors count there, in the prediction as in the profiler's measurement. A GPU preset traced on
-this CPU's fake tensors skips it (memfit.step): fake values matter to no one, and the device never
-sees the host's work.
+the initialiser. The replay runs in the build's default dtype (bf16 under ``bf16-pure``). On a CPU
+device the host is the device, and the replay's tensors count there, in the prediction as in the
+profiler's measurement. A GPU preset traced on this CPU's fake tensors skips it (memfit.step): fake
+values matter to no one, and the device never sees the host's work.
 """
 
 from __future__ import annotations
@@ -121,15 +121,15 @@ class BuildRecord(TorchFunctionMode):
             if not any(id(x) in owned and x is not t for i in calls for x in tree_flatten(self.calls[i][3])[0]
                        if _is_meta(x)):
                 needed |= calls  # (else made from a parameter or a buffer: left as it is)
-        real: dict[int, torch.Tensor] = {}
         before = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            return self._run(needed, wanted, real, device)
+            return self._run(needed, wanted, device)
         finally:
             torch.set_default_dtype(before)
 
-    def _run(self, needed: set[int], wanted: list[torch.Tensor], real: dict, device: torch.device) -> dict[int, torch.Tensor]:
+    def _run(self, needed: set[int], wanted: list[torch.Tensor], device: torch.device) -> dict[int, torch.Tensor]:
+        real: dict[int, torch.Tensor] = {}
         with torch.device(device):
             for i in sorted(needed):
                 func, args, kwargs, out, _ = self.calls[i]
