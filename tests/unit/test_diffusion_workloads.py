@@ -38,9 +38,10 @@ TINY["dit-wan"] = ("dit-wan:num_layers=2,attention_head_dim=16,num_attention_hea
                    "freq_dim=32,frames=5")
 TINY["dit-wan-i2v"] = ("dit-wan-i2v:num_layers=2,attention_head_dim=16,num_attention_heads=2,ffn_dim=64,text_dim=32,"
                        "freq_dim=32,frames=5,image_dim=24,added_kv_proj_dim=32,width=96")  # (Wan 2.1's CLIP path too)
+TINY["dit-wan-flf2v"] = TINY["dit-wan-i2v"] + ",pos_embed_seq_len=514"  # (Wan 2.1 FLF2V: two frames' image states)
 TINY["dit-wan-5b"] = ("dit-wan-5b:num_layers=2,attention_head_dim=16,num_attention_heads=2,ffn_dim=64,text_dim=32,"
                       "freq_dim=32,frames=5,in_channels=8,out_channels=8,width=128")
-RESOLUTION = {"dit-wan-i2v": 64, "dit-wan-5b": 64, "dit-wan": 64, "dit-flux2": 128, "dit-lumina2": 128, "dit-sd3": 128, "unet-sdxl": 128, "unet-sd15": 64, "dit-flux": 128, "dit-qwenimage": 128}
+RESOLUTION = {"dit-wan-i2v": 64, "dit-wan-flf2v": 64, "dit-wan-5b": 64, "dit-wan": 64, "dit-flux2": 128, "dit-lumina2": 128, "dit-sd3": 128, "unet-sdxl": 128, "unet-sd15": 64, "dit-flux": 128, "dit-qwenimage": 128}
 
 # unet-sdxl in fp32 is profiled by test_block_checkpointing_keeps_fewer_activations (same bound; slow tier)
 CASES = [(arch, precision, ckpt) for arch in ("dit-lumina2", "unet-sdxl") for precision in ("fp32", "bf16")
@@ -49,7 +50,7 @@ CASES = [(arch, precision, ckpt) for arch in ("dit-lumina2", "unet-sdxl") for pr
     ("dit-flux", "fp32", "none"), ("dit-flux", "bf16", "blocks"), ("dit-qwenimage", "fp32", "none"),
     ("dit-qwenimage", "bf16", "blocks"), ("dit-flux2", "fp32", "none"), ("dit-flux2", "bf16", "blocks"),
     ("dit-wan", "fp32", "none"), ("dit-wan", "bf16", "blocks"), ("dit-wan-i2v", "bf16", "blocks"),
-    ("dit-wan-5b", "fp32", "none")]
+    ("dit-wan-flf2v", "bf16", "blocks"), ("dit-wan-5b", "fp32", "none")]
 SLOW = {("unet-sdxl", "bf16", "none"), ("unet-sdxl", "bf16", "blocks"),  # (keeps the default suite under 10 minutes:
         ("dit-lumina2", "bf16", "none"), ("dit-lumina2", "fp32", "blocks"),  # lumina2 fp32-none stays, and its
         ("dit-lumina2", "bf16", "blocks"), ("dit-flux", "fp32", "none"),  # bf16-blocks LoRA in test_adapter; flux bf16-blocks;
@@ -248,6 +249,9 @@ def test_wan_clips_wider_than_high_image_to_video_and_the_5b_with_a_timestep_per
     assert i2v["hidden_states"].shape == (2, 36, 21, 60, 60) and i2v["target"].shape == (2, 16, 21, 60, 60)
     assert i2v["encoder_hidden_states_image"].shape == (2, 257, 1280)
     assert "encoder_hidden_states_image" not in load_workload("dit-wan-i2v").batch(1)
+    # Wan 2.1 FLF2V: the first and the last frame's states in pairs, as its pipeline hands them ([2B, 257, 1280])
+    flf2v = load_workload("dit-wan-i2v:image_dim=1280,added_kv_proj_dim=5120,pos_embed_seq_len=514").batch(2)
+    assert flf2v["encoder_hidden_states_image"].shape == (4, 257, 1280)
     five = load_workload("dit-wan-5b")
     assert five.name == "dit-wan-5b" and five.info.config["tokens"] == 27280 and five.info.resolution_step == 32
     batch = five.batch(2)

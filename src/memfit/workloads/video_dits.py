@@ -5,7 +5,8 @@ config; no weights), trained on cached latents as musubi-tuner and diffusers' Wa
   trains one expert at a time, the high-noise or the low-noise one); ``dit-wan-1.3b``: Wan 2.1 T2V 1.3B.
 - ``dit-wan-i2v``: one expert of Wan 2.2 I2V A14B. The first frame's latents and its mask ride along the
   noisy latents as 20 more input channels (36 in, 16 out). Wan 2.1's I2V also takes CLIP's image states
-  through extra attention: ``dit-wan-i2v:image_dim=1280,added_kv_proj_dim=5120`` (257 tokens a clip).
+  through extra attention: ``dit-wan-i2v:image_dim=1280,added_kv_proj_dim=5120`` (257 tokens a clip), and
+  Wan 2.1 FLF2V (first and last frame) the states of both frames: ``...,pos_embed_seq_len=514``.
 - ``dit-wan-5b``: Wan 2.2 TI2V 5B. Its VAE compresses 16x on each side into 48 channels, and its pipeline
   gives every token its own timestep (``expand_timesteps``), so the timestep's projection is a
   ``[B, tokens, 6, 3072]`` tensor, not ``[B, 6, 3072]``. Native: 121 frames at 1280 x 704.
@@ -128,7 +129,10 @@ def wan(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageMo
     if extra < 0:
         raise UserError(f"{m.arch}: in_channels {kw['in_channels']} is fewer than out_channels {out}; change the overrides")
     tokens = depth // p_t * (high // p_h) * (wide // p_w)
-    image_tokens = (kw.get("pos_embed_seq_len") or IMAGE_TOKENS) if kw.get("image_dim") else 0
+    # (first-last-frame, Wan 2.1 FLF2V: ``pos_embed_seq_len`` set, the pipeline encodes both frames and hands
+    # their states in pairs, ``[2B, 257, 1280]``, which the image embedding views as ``[B, 514, 1280]``)
+    pairs = kw.get("pos_embed_seq_len")
+    images, image_tokens = ((2, pairs // 2) if pairs else (1, IMAGE_TOKENS)) if kw.get("image_dim") else (0, 0)
 
     def batch(b: int) -> dict:
         shape = (b, out, depth, high, wide)
@@ -140,7 +144,7 @@ def wan(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageMo
         out_batch = {"hidden_states": noisy, "timestep": timestep,
                      "encoder_hidden_states": torch.randn(b, m.caption_tokens, kw["text_dim"]), "target": target}
         if image_tokens:
-            out_batch["encoder_hidden_states_image"] = torch.randn(b, image_tokens, kw["image_dim"])
+            out_batch["encoder_hidden_states_image"] = torch.randn(b * images, image_tokens, kw["image_dim"])
         return out_batch
 
     res = high * m.vae_factor
