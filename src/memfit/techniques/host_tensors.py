@@ -13,7 +13,8 @@ of meta tensor"); no checkpoint holds it, and no initialiser knows it.
 So the meta build runs under :class:`BuildRecord`, a function mode that notes each call that
 makes a meta tensor (its function, arguments and order). After the build, each plain meta tensor
 attribute is made again on the host by replaying, in their order, the calls its value came from
-(in-place calls included: a tensor's writer is the last call that returned it or wrote into it), with every meta
+(in-place calls included: a tensor's writer is the last call that returned it or wrote into it, and a
+write through a view is a write into all that share its storage), with every meta
 tensor among the arguments replaced by its replayed value and a meta ``device`` by the host. The
 values are those the library's own build gives; the memory is the host's, as the library's is
 (what reaches the device is the forward's own copy). A plain tensor made from a parameter or a
@@ -62,6 +63,9 @@ class BuildRecord(TorchFunctionMode):
         self.writer: dict[int, int] = {}
         """``id`` of a meta tensor -> the index of the last call that returned it or wrote into it (``calls``
         holds every recorded tensor, so an id stays its own)."""
+        self.stored: dict[int, int] = {}
+        """A meta storage -> the index of the last call that returned or wrote a tensor on it: a write through
+        a view (``x.view(2, 4)[0] = 9``) is a write into every tensor that shares its storage."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -72,12 +76,14 @@ class BuildRecord(TorchFunctionMode):
         if _is_meta(kwargs.get("out")):
             made.append(kwargs["out"])
         if made:
-            deps = tuple({self.writer[id(t)] for t in tree_flatten((args, kwargs))[0]
-                          if _is_meta(t) and id(t) in self.writer})
+            read = [t for t in tree_flatten((args, kwargs))[0] if _is_meta(t)]
+            deps = {self.writer[id(t)] for t in read if id(t) in self.writer}
+            deps |= {self.stored[_storage(t)] for t in read if _storage(t) in self.stored}
             index = len(self.calls)
-            self.calls.append((func, args, kwargs, out, deps))
+            self.calls.append((func, args, kwargs, out, tuple(deps)))
             for t in made:
                 self.writer[id(t)] = index
+                self.stored[_storage(t)] = index
         return out
 
     def host_tensors(self, model: torch.nn.Module) -> None:
@@ -102,7 +108,7 @@ class BuildRecord(TorchFunctionMode):
         named = dict(model.named_buffers(remove_duplicate=False))
         computed = [b for b in named.values() if _is_meta(b) and id(b) in self.writer and not any(
             getattr(self.calls[i][0], "__name__", "").startswith(UNINITIALISED)
-            for i in self._closure(self.writer[id(b)]))]  # (an ``empty`` one's values are its initialiser's)
+            for i in self._closure(b))]  # (an ``empty`` one's values are its initialiser's)
         try:
             values = self._replayed(model, computed, HOST)
         except Exception:  # noqa: BLE001 - one at a time: a buffer the replay cannot make is left to the initialiser
@@ -119,7 +125,7 @@ class BuildRecord(TorchFunctionMode):
         wanted = [t for t in tensors if id(t) in self.writer]
         needed: set[int] = set()
         for t in wanted:
-            calls = self._closure(self.writer[id(t)])
+            calls = self._closure(t)
             if not any(id(x) in owned and x is not t for i in calls for x in tree_flatten(self.calls[i][3])[0]
                        if _is_meta(x)):
                 needed |= calls  # (else made from a parameter or a buffer: left as it is)
@@ -149,19 +155,19 @@ class BuildRecord(TorchFunctionMode):
                 if any(_is_meta(x) for x in tree_flatten(on)[0]):
                     continue  # (a meta tensor no recorded call made: what it makes stays meta)
                 result = func(*on[0], **on[1])
-                for old, new in zip(tree_flatten(out)[0], tree_flatten(result)[0]):
-                    if _is_meta(old):
-                        real[id(old)] = new
+                real.update((id(old), new) for old, new in zip(tree_flatten(out)[0], tree_flatten(result)[0])
+                            if _is_meta(old))
                 del on, result
                 for x in tree_flatten((args, kwargs, out))[0]:
                     if _is_meta(x) and last.get(id(x), -1) <= i and id(x) not in kept:
                         real.pop(id(x), None)
         return {id(t): real[id(t)] for t in wanted if id(t) in real}
 
-    def _closure(self, root: int) -> set[int]:
-        """The recorded calls the value written by call ``root`` came from, ``root`` included."""
+    def _closure(self, t: torch.Tensor) -> set[int]:
+        """The recorded calls the value of ``t`` (a recorded meta tensor) came from: the last that made or wrote it,
+        the last that wrote its storage (through a view, after ``t`` was made), and those they read from."""
         seen: set[int] = set()
-        todo = [root]
+        todo = [self.writer[id(t)], *([self.stored[_storage(t)]] if _storage(t) in self.stored else [])]
         while todo:
             i = todo.pop()
             if i not in seen:
@@ -176,6 +182,11 @@ def plain_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     owned = {id(t) for t in [*model.parameters(), *model.buffers()]}
     held = [x for m in model.modules() for v in vars(m).values() for x in (v if type(v) in (list, tuple) else (v,))]
     return [t for t in held if isinstance(t, torch.Tensor) and id(t) not in owned]
+
+
+def _storage(t: torch.Tensor) -> int:
+    """The storage ``t`` is a view of (its views share it)."""
+    return t.untyped_storage()._cdata
 
 
 def _is_meta(x) -> bool:

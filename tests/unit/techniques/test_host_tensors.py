@@ -118,4 +118,33 @@ def test_the_replay_holds_no_more_than_the_build_itself():
     with _LiveBytes() as replay:
         values = record.buffer_values(model)
     assert torch.equal(values["table"], real.table)
-    assert eager.peak <= 4 * 2**20 and replay.peak <= eager.peak, (replay.peak, eager.peak)
+    assert 2 * 2**20 <= eager.peak <= 4 * 2**20 and replay.peak <= eager.peak, (replay.peak, eager.peak)
+
+
+class WrittenThroughViews(torch.nn.Module):
+    """Values written through a view of a tensor, or into a tensor a view was taken of, before the buffer reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        x = torch.arange(8.0)
+        x.view(2, 4)[0] = 9.0  # (a write through a view, read through its base)
+        y = x.view(2, 4)
+        x.mul_(2.0)  # (a write into the base, read through a view taken before it)
+        c = torch.polar(torch.ones(4), torch.arange(4.0))
+        c.real.mul_(3.0)  # (a write into the real part of a complex tensor)
+        self.register_buffer("through_view", x * 1)
+        self.register_buffer("view_of_written", y + 0)
+        self.register_buffer("complex", c * 1)
+        w = torch.arange(4.0)
+        self.register_buffer("written_after", w)
+        w[0:2].fill_(7.0)  # (a write through a view after the buffer was registered)
+
+
+def test_writes_through_views_are_replayed():
+    """A write into a view is a write into its storage (a review found these values lost: the replay ran
+    only the calls that wrote the very tensor the buffer read)."""
+    with on_meta() as record:
+        model = WrittenThroughViews()
+    values, real = record.buffer_values(model), WrittenThroughViews()
+    for name, b in real.named_buffers():
+        assert torch.equal(values[name], b), (name, values[name], b)
