@@ -88,6 +88,19 @@ def test_a_wan_pipeline_builds_dit_wans_video_batch_and_runs_within_one_percent(
     assert r.predicted.method == "fake" and abs(r.error_percent) < 1.0, r.error_percent
 
 
+def test_a_wan_hub_ids_clip_takes_frames_and_width_as_dit_wan_does_and_other_fields_stay_the_configs(hub_cache, no_network):
+    """``frames=`` and ``width=`` size a Wan hub id's clip as they size ``dit-wan``'s (they are no config.json
+    fields: before, they were refused as such); the config's own fields are overridden as before, and a
+    model without a clip still refuses them."""
+    hub_cache(ID, None, files=pipeline("transformer", WAN, "WanPipeline"))
+    wl = load_workload(f"{ID}:frames=5,width=96,num_layers=2", resolution=64)
+    assert wl.batch(1)["hidden_states"].shape == (1, 16, 2, 8, 12)  # (5 frames: 2 latent; 96 x 64 px: 12 x 8)
+    assert wl.info.config["num_layers"] == 2 and wl.info.config["frames"] == 5
+    hub_cache("org/qwen-image", None, files=pipeline("transformer", QWEN_IMAGE, "QwenImagePipeline"))
+    with pytest.raises(UserError, match="its config has no field 'frames'"):
+        load_workload("org/qwen-image:frames=5", resolution=64)
+
+
 def test_a_wan_2_2_5b_pipeline_takes_its_16x_vae_and_a_timestep_per_token(hub_cache, no_network):
     hub_cache(ID, None, files=pipeline("transformer", {**WAN, "in_channels": 48, "out_channels": 48}, "WanPipeline"))
     batch = load_workload(ID, resolution=64).batch(1)  # (121 frames: 31 latent; 1280 wide: 80 latents)

@@ -88,8 +88,21 @@ def pipeline_denoiser(path: Path, where: str) -> Path | None:
     return path / name
 
 
-def diffusers_workload(data: dict, name: str, where: str, seq_len: int | None, resolution: int | None) -> Workload:
-    """The workload of a diffusers denoiser's config.json (see the module's NOTE)."""
+CLIP_KEYS = ("frames", "width")
+"""A video model's clip, given as overrides of a Wan folder or hub id as of ``dit-wan`` (not config.json fields)."""
+
+
+def clip_overrides(data: dict, overrides: dict | None) -> dict:
+    """The overrides of ``data`` (a config.json's object) that size a Wan model's clip: ``frames=``, ``width=``."""
+    if data.get("_class_name") != "WanTransformer3DModel" or not overrides:
+        return {}
+    return {k: overrides[k] for k in CLIP_KEYS if k in overrides}
+
+
+def diffusers_workload(data: dict, name: str, where: str, seq_len: int | None, resolution: int | None,
+                       clip: dict | None = None) -> Workload:
+    """The workload of a diffusers denoiser's config.json (see the module's NOTE); ``clip``: a Wan model's
+    :func:`clip_overrides`."""
     class_name = data["_class_name"]
     if class_name == "UNet2DConditionModel":
         template = diffusion.SDXL if data.get("addition_embed_type") == "text_time" else diffusion.SD15
@@ -110,4 +123,4 @@ def diffusers_workload(data: dict, name: str, where: str, seq_len: int | None, r
     template = dataclasses.replace(template, arch=name, resolution=native, defaults=fields)
     if class_name == "UNet2DConditionModel":
         return diffusion.unet_builder(template)({}, seq_len, resolution)
-    return _BY_CLASS[class_name][1]({}, seq_len, resolution, m=template)
+    return _BY_CLASS[class_name][1](dict(clip or {}), seq_len, resolution, m=template)

@@ -247,13 +247,15 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
     elif not path.is_dir():
         raise UserError(f"{where} is a file, not a folder; give the folder that holds config.json")
     path = diffusers_folders.pipeline_denoiser(path, where) or path
-    data = apply_overrides(_read_config_json(path, where), overrides, where)
+    data = _read_config_json(path, where)
+    clip = diffusers_folders.clip_overrides(data, overrides)  # (a Wan clip's frames= and width=: not config fields)
+    data = apply_overrides(data, {k: v for k, v in (overrides or {}).items() if k not in clip}, where)
     if resolution == image_text.TEXT_ONLY and (diffusers_folders.is_diffusers_config(data) or
                                                 timm_folders.is_timm_config(data)):
         raise UserError(f"{where}: --resolution 0 (text only) applies to vision-language models; give the "
                         "image's side in pixels")
     if diffusers_folders.is_diffusers_config(data):
-        return diffusers_folders.diffusers_workload(data, name or path_text, where, seq_len, resolution)
+        return diffusers_folders.diffusers_workload(data, name or path_text, where, seq_len, resolution, clip)
     if timm_folders.is_timm_config(data):
         return timm_folders.timm_workload(data, name or path_text, where, seq_len, resolution)
     tf = _transformers()
