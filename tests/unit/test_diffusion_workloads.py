@@ -13,6 +13,7 @@ import torch
 from memfit.memory.measure import profile
 from memfit.plans import Plan
 from memfit.techniques.checkpointing import find_blocks
+from memfit.workload import split_batch
 from memfit.workloads import load_workload
 from tests.helpers import assert_same_training, run_steps
 
@@ -234,6 +235,19 @@ def test_wan_is_trained_on_cached_video_latents_frames_in_steps_of_four():
     assert {n: len(c) for n, c in find_blocks(model)} == {"blocks": 40}
     with pytest.raises(UserError, match="frames=32 is not 4k [+] 1.*use frames=29 or frames=33"):
         load_workload("dit-wan:frames=32")
+
+
+def test_wan_flf2v_micro_batches_keep_each_samples_pair_of_image_states():
+    """FLF2V's image states hold two rows a sample (first and last frame): a micro-batch takes its samples'
+    pairs (a review found every micro-batch given all of them, and the step failing), predicted within 1%."""
+    wl = load_workload(TINY["dit-wan-flf2v"], resolution=RESOLUTION["dit-wan-flf2v"])
+    batch = wl.batch(2)
+    parts = (wl.split or split_batch)(batch, 2, 2)
+    assert [p["encoder_hidden_states_image"].shape[0] for p in parts] == [2, 2]
+    assert torch.equal(torch.cat([p["encoder_hidden_states_image"] for p in parts]), batch["encoder_hidden_states_image"])
+    r = profile(TINY["dit-wan-flf2v"], Plan(precision="bf16", micro_batch_size=1), batch_size=2,
+                resolution=RESOLUTION["dit-wan-flf2v"], repeats=0)
+    assert r.predicted.method == "fake" and abs(r.error_percent) <= 1.0, r.error_percent
 
 
 def test_wan_clips_wider_than_high_image_to_video_and_the_5b_with_a_timestep_per_token():

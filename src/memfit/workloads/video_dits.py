@@ -44,6 +44,7 @@ from memfit.workloads.diffusion import (
     no_seq_len,
     transformer_loss,
 )
+from memfit.workloads.image_text import split_images
 
 WAN = ImageModel(
     "dit-wan", "WanTransformer3DModel",
@@ -152,6 +153,8 @@ def wan(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageMo
     info.config.update(frames=frames, latent_frames=depth, width=wide * m.vae_factor, tokens=tokens,
                        fixed_width=width is not None)
     wl = image_workload(m, model_builder(m, cls, kw, overrides), batch, transformer_loss, res, info)
+    if images > 1:  # (FLF2V's image states, two rows a sample, split with their samples into micro-batches)
+        wl.split = split_images
     square = clip.width is None and (width is None or width == res)
     if not (res == m.resolution and width == clip.width):
         wl.name = f"{m.arch} {res}px" if square else f"{m.arch} {wide * m.vae_factor}x{res}px"

@@ -2,12 +2,9 @@
 made again on the host with the values a real build gives them, in-place calls included; one made from
 a parameter is left on the meta device."""
 
-import weakref
-
 import torch
-import torch.utils._python_dispatch
-import torch.utils._pytree
 
+from bench.buffer_replay import LiveBytes
 from memfit.techniques.loading import on_meta
 
 
@@ -70,32 +67,6 @@ def test_buffers_are_replayed_in_the_builds_default_dtype():
     assert values["table"].dtype == torch.bfloat16 and torch.equal(values["table"], real.table)
 
 
-class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
-    """The most bytes of CPU tensors made under it alive at once (each storage counted until it is freed)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self._seen: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key and key not in self._seen:
-                    self._seen.add(key)
-                    self.live += storage.nbytes()
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(storage, self._freed, key, storage.nbytes())
-        return out
-
-    def _freed(self, key: int, nbytes: int) -> None:
-        self._seen.discard(key)
-        self.live -= nbytes
-
-
 class LongChain(torch.nn.Module):
     """A table computed through many steps, none of which the build keeps (SD3's sin-cos table is made so)."""
 
@@ -109,13 +80,13 @@ class LongChain(torch.nn.Module):
 
 def test_the_replay_holds_no_more_than_the_build_itself():
     """The replay of a buffer drops each step's value after its last use, as the build's Python does: its
-    peak of live host bytes (counted by a dispatch mode here, not by memfit) is the eager build's, not the
-    sum of every step (13 tensors of 1 MiB)."""
-    with _LiveBytes() as eager:
+    peak of live host bytes (counted by bench.buffer_replay's dispatch mode, not by memfit) is the eager
+    build's, not the sum of every step (13 tensors of 1 MiB)."""
+    with LiveBytes() as eager:
         real = LongChain()
     with on_meta() as record:
         model = LongChain()
-    with _LiveBytes() as replay:
+    with LiveBytes() as replay:
         values = record.buffer_values(model)
     assert torch.equal(values["table"], real.table)
     assert 2 * 2**20 <= eager.peak <= 4 * 2**20 and replay.peak <= eager.peak, (replay.peak, eager.peak)
