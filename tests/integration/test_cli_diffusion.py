@@ -37,6 +37,14 @@ CASES = [
     (["estimate", "dit-lumina2", "--seq-len", "256"],
      "dit-lumina2: --seq-len does not apply to an image model; give --resolution PIXELS instead"),
     (["estimate", "dit-sd3", "--resolution", "4096"], "exceeds the position table (pos_embed_max_size=192, 3072px)"),
+    # --resolution WIDTHxHEIGHT (NOTE [ A resolution's width ])
+    (["estimate", "dit-flux", "--resolution", "1216x"],
+     "--resolution 1216x: give PIXELS (a square, e.g. 1024) or WIDTHxHEIGHT (e.g. 1216x832)"),
+    (["estimate", "dit-flux", "--resolution", "1216x0"], "--resolution's height"),
+    (["estimate", "dit-flux:width=1024", "--resolution", "1216x832"],
+     "dit-flux: width=1024 and --resolution 1216x832 give two widths; give one"),
+    (["estimate", "dit-flux", "--resolution", "1000x832"], "dit-flux: width=1000 is not a multiple of 16"),
+    (["estimate", "gpt2", "--resolution", "512x512"], "gpt2: --resolution applies to the image- and video-generation"),
     (["estimate", "dit-lumina2:no_such=1"], "dit-lumina2: Lumina2Transformer2DModel has no field 'no_such'"),
     (["estimate", "dit-lumina2:num_layers=abc"], "dit-lumina2: num_layers must be an int"),
     (["estimate", "unet-sdxl:block_out_channels=a/b"],
@@ -73,3 +81,17 @@ def test_resolution_sizes_the_estimate():
         assert report["workload"] == f"dit-lumina2 {res}px"
         peaks[res] = report["breakdown"]["activations"]
     assert peaks["256"] > 1.4 * peaks["128"]
+
+
+def test_a_resolution_wider_than_high_sizes_the_estimate():
+    """``--resolution 192x128`` (width by height) is the image's size: 12 x 8 patches of tokens where 128 px
+    square has 8 x 8, so the activations grow; the report names it as given."""
+    acts = {}
+    for res in ("128", "192x128"):
+        argv = ["estimate", LUMINA, "--resolution", res, "-b", "1", "--json"]
+        rc, out, err = run(argv)
+        check(argv, rc, err)
+        report = json.loads(out)
+        assert report["workload"] == f"dit-lumina2 {res}px"
+        acts[res] = report["breakdown"]["activations"]
+    assert acts["192x128"] > 1.1 * acts["128"]

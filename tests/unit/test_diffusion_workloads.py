@@ -277,3 +277,47 @@ def test_wan_clips_wider_than_high_image_to_video_and_the_5b_with_a_timestep_per
         load_workload("dit-wan-5b", resolution=700)
     with pytest.raises(UserError, match=r"width=1000 is not a multiple of 32 .*use width=992 or 1024"):
         load_workload("dit-wan-5b:width=1000")
+
+
+WIDE = {"dit-lumina2": (192, 128), "dit-sd3": (192, 128), "unet-sdxl": (192, 128), "unet-sd15": (192, 64),
+        "dit-flux": (192, 128), "dit-qwenimage": (192, 128), "dit-flux2": (192, 128)}
+"""(width, height) of an image wider than high, for each image model (NOTE [ A resolution's width ])."""
+WIDE_SLOW = {"unet-sdxl", "unet-sd15"}  # (keeps the default suite under 10 minutes)
+
+
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.slow) if a in WIDE_SLOW else a for a in WIDE])
+def test_an_image_wider_than_high_is_its_models_input_and_predicted_within_1pct(arch):
+    """``--resolution WIDTHxHEIGHT`` (kohya's buckets: 1216x832): latents H/8 x W/8 (packed models: their
+    tokens row by row, with their positions), the same workload as a ``width=`` override; the real step takes
+    it (a model whose positions assumed a square would fail or mismatch) and is predicted within 1%."""
+    width, height = WIDE[arch]
+    wl = load_workload(TINY[arch], resolution=(width, height))
+    assert wl.info.resolution == height and wl.info.config["width"] == width and wl.info.config["fixed_width"]
+    assert wl.name == f"{arch} {width}x{height}px"
+    assert load_workload(f"{TINY[arch]},width={width}", resolution=height).name == wl.name
+    batch = wl.batch(2)
+    latents = batch["sample"] if "sample" in batch else batch["hidden_states"]
+    if latents.dim() == 4:  # (B, C, H/8, W/8)
+        assert latents.shape[2:] == (height // 8, width // 8)
+    else:  # (B, tokens, C): 2x2 latent pixels a token
+        assert latents.shape[1] == (height // 16) * (width // 16)
+    if arch == "dit-flux":
+        assert batch["img_ids"][width // 16].tolist() == [0, 1, 0]  # (the second row's first token)
+    if arch == "dit-qwenimage":
+        assert batch["img_shapes"] == [[(1, height // 16, width // 16)]] * 2
+    r = profile(TINY[arch], Plan(), batch_size=2, resolution=(width, height), repeats=0)
+    assert r.predicted.method == "fake" and abs(r.error_percent) <= 1.0, (arch, r.error_percent)
+
+
+def test_a_resolutions_width_is_given_once_and_within_the_models_sizes():
+    from memfit.errors import UserError
+    with pytest.raises(UserError, match=r"dit-flux: width=1024 and --resolution 1216x832 give two widths; give one"):
+        load_workload("dit-flux:width=1024", resolution=(1216, 832))
+    with pytest.raises(UserError, match=r"dit-flux: width=1000 is not a multiple of 16 .*use width=992 or 1008"):
+        load_workload("dit-flux", resolution=(1000, 832))
+    with pytest.raises(UserError, match=r"dit-sd3: width=4096 exceeds the position table .*use width=<= 3072"):
+        load_workload("dit-sd3", resolution=(4096, 1024))
+    with pytest.raises(UserError, match=r"gpt2: --resolution applies to the image- and video-generation built-ins"):
+        load_workload("gpt2", resolution=(512, 512))
+    assert load_workload("dit-flux", resolution=(1024, 1024)).name == "dit-flux"
+    assert load_workload("dit-flux", resolution=(512, 512)).name == "dit-flux 512px"

@@ -65,6 +65,8 @@ def test_a_video_of_a_fixed_width_grows_with_its_height_alone():
     pytest.importorskip("diffusers")
     assert Sized.of("dit-wan:width=832", "resolution").axis.squared is False
     assert Sized.of("dit-wan", "resolution").axis.squared is True
+    assert Sized.of("dit-flux:width=1216", "resolution").axis.squared is False  # (an image too: NOTE [ A resolution's width ])
+    assert Sized.of("dit-flux", "batch_size", resolution=(1216, 832)).workload_at(1).name == "dit-flux 1216x832px"
     found = find_largest(resolution_axis(16, squared=False), lambda px: 10 ** 6 + 9000 * px, 5 * 10 ** 7, second=480)
     assert 10 ** 6 + 9000 * found.value <= 5 * 10 ** 7 < 10 ** 6 + 9000 * found.next_value and found.traces <= 4
     assert found.describe().startswith("largest height that fits")

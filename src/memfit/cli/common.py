@@ -55,10 +55,11 @@ def add_workload_args(p: argparse.ArgumentParser, *, max_values: bool = False, f
 
 
 def add_resolution_arg(p: argparse.ArgumentParser, more: str = "") -> None:
-    p.add_argument("--resolution", metavar="PX", help="image size in pixels for the built-in image-generation models "
-                                                      "(dit-lumina2, unet-sdxl, ...; default: the model's native, e.g. "
-                                                      "1024); their latents are PX/8 on a side; a vision-language "
-                                                      "model's image side (0: text only)" + more)
+    p.add_argument("--resolution", metavar="PX", help="image size in pixels for the image- and video-generation "
+                                                      "models (dit-flux, unet-sdxl, ...; default: the model's native, "
+                                                      "e.g. 1024): PX square, or WIDTHxHEIGHT (e.g. 1216x832); their "
+                                                      "latents are PX/8 on a side; a vision-language model's image "
+                                                      "side (0: text only)" + more)
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
@@ -133,9 +134,24 @@ def _size(args: argparse.Namespace, key: str) -> int | None:
     text = getattr(args, key, None)
     if text is None or str(text).strip().lower() == "max":
         return None
-    if key == "resolution" and str(text).strip() == "0":
-        return 0  # (a vision-language model's text only: NOTE [ Image-text batches ])
+    if key == "resolution":
+        return parse_resolution(text)
     return parse_positive_int(text, SIZE_FLAGS[key], MAX_SIZE)
+
+
+def parse_resolution(text: str) -> int | tuple[int, int]:
+    """``--resolution``: pixels on a side, ``WIDTHxHEIGHT`` as ``(width, height)`` (NOTE [ A resolution's
+    width ] in memfit.workloads.checks), or 0 (a vision-language model's text only: NOTE [ Image-text batches ])."""
+    text = str(text).strip()
+    if text == "0":
+        return 0
+    width, sep, height = text.lower().replace("×", "x").partition("x")
+    if sep:
+        if not (width.strip().isdigit() and height.strip().isdigit()):
+            raise UserError(f"--resolution {text}: give PIXELS (a square, e.g. 1024) or WIDTHxHEIGHT (e.g. 1216x832)")
+        return (parse_positive_int(width, "--resolution's width", MAX_SIZE),
+                parse_positive_int(height, "--resolution's height", MAX_SIZE))
+    return parse_positive_int(text, "--resolution", MAX_SIZE)
 
 
 def batch_and_seq(args: argparse.Namespace) -> tuple[int | None, int | None]:

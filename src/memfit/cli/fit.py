@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 
-from memfit.cli.common import add_command, add_resolution_arg, print_json
+from memfit.cli.common import add_command, add_resolution_arg, parse_resolution, print_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     if args.budget is not None and not str(args.budget).strip().endswith("%"):
         raise UserError(f"fit --budget {args.budget}: give a share of each card, e.g. 90% (the cards differ in size)")
     seq = parse_positive_int(args.seq_len, "--seq-len", MAX_SIZE) if args.seq_len is not None else None
-    res = parse_positive_int(args.resolution, "--resolution", MAX_SIZE) if args.resolution is not None else None
+    res = parse_resolution(args.resolution) if args.resolution is not None else None
     most = parse_positive_int(args.max_world_size, "--max-world-size")
     workload = load_workload(args.workload, seq_len=seq, resolution=res)
     image, info = workload.info.resolution is not None, workload.info

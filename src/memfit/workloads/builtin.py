@@ -16,7 +16,7 @@ from memfit.errors import UserError
 from memfit.units import parse_key_values
 from memfit.workload import Workload
 from memfit.workloads import adapter_folders, diffusion, hf, hub, packed_dits, video_dits, zoo
-from memfit.workloads.checks import blamed, check_resolution, check_seq_len, guarded
+from memfit.workloads.checks import blamed, check_resolution, check_seq_len, guarded, split_resolution
 from memfit.workloads.config_overrides import parse_overrides
 
 IMAGE_BUILDERS = {**diffusion.BUILDERS, **packed_dits.BUILDERS, **video_dits.BUILDERS}
@@ -45,7 +45,8 @@ def builtin_workload(spec: str, *, seq_len: int | None = None, resolution: int |
     builder, _ = _REGISTRY[arch]
     overrides = parse_key_values(override_text, arch)
     if arch in IMAGE_BUILDERS:
-        wl = builder(overrides, seq_len, resolution)
+        height, sized = split_resolution(resolution, overrides, arch)  # NOTE [ A resolution's width ]
+        wl = builder(sized, seq_len, height)
     else:
         if resolution is not None:
             raise UserError(f"{arch}: --resolution applies to the image- and video-generation built-ins "

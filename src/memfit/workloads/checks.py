@@ -129,8 +129,31 @@ def check_seq_len(seq_len: Any) -> None:
 
 
 def check_resolution(resolution: Any, text_only: bool = False) -> None:
-    """``text_only``: 0 is taken too (a vision-language model's samples without an image)."""
-    if resolution is not None and (not isinstance(resolution, int) or isinstance(resolution, bool) or
-                                   resolution < (0 if text_only else 1)):
+    """``resolution``: pixels on a side, or ``(width, height)`` (NOTE [ A resolution's width ]);
+    ``text_only``: 0 is taken too (a vision-language model's samples without an image)."""
+    if isinstance(resolution, tuple) and len(resolution) == 2 and all(_pixels(v, 1) for v in resolution):
+        return
+    if resolution is not None and not _pixels(resolution, 0 if text_only else 1):
         zero = " (0: text only, for a vision-language model)" if text_only else ""
         raise UserError(f"--resolution must be a positive whole number of pixels{zero}, got {resolution!r}")
+
+
+def _pixels(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+# NOTE [ A resolution's width ]
+# An image or video model's size is its height (``--resolution PX``, square unless a width is given)
+# and its width: a ``width=`` override of the workload (``dit-flux:width=1216 --resolution 832``), or
+# ``--resolution 1216x832`` (width by height, as screens and kohya's buckets name them), which is
+# ``resolution=(1216, 832)`` here. ``--resolution max`` grows the height at a given width.
+def split_resolution(resolution: Any, overrides: dict, where: str) -> tuple[Any, dict]:
+    """(the height, ``overrides`` with the width) of ``resolution`` given as ``(width, height)``; others
+    as they are (NOTE [ A resolution's width ])."""
+    if not isinstance(resolution, tuple):
+        return resolution, overrides
+    width, height = resolution
+    if "width" in overrides and overrides["width"] != width:
+        raise UserError(f"{where}: width={overrides['width']} and --resolution {width}x{height} give two widths; "
+                        "give one")
+    return height, {**overrides, "width": width}

@@ -88,21 +88,26 @@ def pipeline_denoiser(path: Path, where: str) -> Path | None:
     return path / name
 
 
+SIZE_KEYS = ("width",)
+"""An image's width, given as an override of a diffusers folder or hub id as of the built-ins (not a
+config.json field: NOTE [ A resolution's width ] in memfit.workloads.checks); a Wan model's clip also takes
+``frames=`` (CLIP_KEYS)."""
 CLIP_KEYS = ("frames", "width")
-"""A video model's clip, given as overrides of a Wan folder or hub id as of ``dit-wan`` (not config.json fields)."""
 
 
-def clip_overrides(data: dict, overrides: dict | None) -> dict:
-    """The overrides of ``data`` (a config.json's object) that size a Wan model's clip: ``frames=``, ``width=``."""
-    if data.get("_class_name") != "WanTransformer3DModel" or not overrides:
+def size_overrides(data: dict, overrides: dict | None) -> dict:
+    """The overrides of ``data`` (a diffusers config.json's object) that size its image or clip: ``width=``, and
+    a Wan model's ``frames=``."""
+    if not overrides or not is_diffusers_config(data):
         return {}
-    return {k: overrides[k] for k in CLIP_KEYS if k in overrides}
+    keys = CLIP_KEYS if data.get("_class_name") == "WanTransformer3DModel" else SIZE_KEYS
+    return {k: overrides[k] for k in keys if k in overrides}
 
 
 def diffusers_workload(data: dict, name: str, where: str, seq_len: int | None, resolution: int | None,
                        clip: dict | None = None) -> Workload:
-    """The workload of a diffusers denoiser's config.json (see the module's NOTE); ``clip``: a Wan model's
-    :func:`clip_overrides`."""
+    """The workload of a diffusers denoiser's config.json (see the module's NOTE); ``clip``: its
+    :func:`size_overrides`."""
     class_name = data["_class_name"]
     if class_name == "UNet2DConditionModel":
         template = diffusion.SDXL if data.get("addition_embed_type") == "text_time" else diffusion.SD15
@@ -122,5 +127,5 @@ def diffusers_workload(data: dict, name: str, where: str, seq_len: int | None, r
     # user's overrides' checks); the batch's layout stays the template's.
     template = dataclasses.replace(template, arch=name, resolution=native, defaults=fields)
     if class_name == "UNet2DConditionModel":
-        return diffusion.unet_builder(template)({}, seq_len, resolution)
+        return diffusion.unet_builder(template)(dict(clip or {}), seq_len, resolution)
     return _BY_CLASS[class_name][1](dict(clip or {}), seq_len, resolution, m=template)

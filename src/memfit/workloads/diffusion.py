@@ -176,17 +176,41 @@ def latent_size(m: ImageModel, resolution: int | None, multiple: int, why: str, 
     return res // m.vae_factor
 
 
-def image_info(m: ImageModel, res: int, kwargs: dict, sizes: tuple[str, ...], multiple: int) -> WorkloadInfo:
+def given_width(overrides: dict) -> tuple[dict, Any]:
+    """(``overrides`` without ``width=``, the width given or None): an image's width is no config field
+    (NOTE [ A resolution's width ] in memfit.workloads.checks)."""
+    rest = dict(overrides)
+    return rest, rest.pop("width", None)
+
+
+def latent_sides(m: ImageModel, resolution: int | None, width: Any, multiple: int, why: str) -> tuple[int, int]:
+    """Latent (rows, columns) of an image ``resolution`` pixels high (default: the model's native) and
+    ``width`` wide (default: square), each a whole number of ``multiple`` latents (see :func:`latent_size`)."""
+    high = latent_size(m, resolution, multiple, why)
+    if width is None:
+        return high, high
+    width = check_value(m.arch, "width", width, (int,), example=high * m.vae_factor)
+    return high, latent_size(m, width, multiple, why, flag="width=")
+
+
+def image_info(m: ImageModel, res: int, kwargs: dict, sizes: tuple[str, ...], multiple: int,
+               width: int | None = None) -> WorkloadInfo:
+    """``res``: the image's height in pixels; ``width``: its width where one was given (then
+    ``--resolution max`` grows the height alone: memfit.planner.sized)."""
+    wide = {"width": width, "fixed_width": True} if width is not None else {}
     return WorkloadInfo(arch=m.arch, resolution=res, resolution_step=latent_step(multiple, m.vae_factor),
-                        config={"model_class": m.class_name, "latent": res // m.vae_factor,
+                        config={"model_class": m.class_name, "latent": res // m.vae_factor, **wide,
                                 **{k: kwargs[k] for k in sizes if k in kwargs}})
 
 
 def image_workload(m: ImageModel, model, batch, loss, res: int, info: WorkloadInfo) -> Workload:
     """A diffusers denoiser, loaded as ``from_pretrained`` loads it: built on the meta device, each
     weight made on the device in its final form (memfit.techniques.loading), so a QLoRA or bf16-pure
-    plan never holds the full-precision model there."""
-    name = m.arch if res == m.resolution else f"{m.arch} {res}px"
+    plan never holds the full-precision model there. Named by its size where it is not the native
+    square (``dit-flux 512px``, ``dit-flux 1216x832px``: width by height)."""
+    width = info.config.get("width", res)
+    name = (m.arch if res == width == m.resolution else f"{m.arch} {res}px" if res == width
+            else f"{m.arch} {width}x{res}px")
     return Workload(model=model, batch=batch, loss=loss, name=name, default_batch_size=1, info=info,
                     from_checkpoint=True)
 
@@ -218,52 +242,56 @@ def transformer_loss(model, batch: dict) -> torch.Tensor:
 # -- the workloads ---------------------------------------------------------------------------------
 def lumina2(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = LUMINA2) -> Workload:
     no_seq_len(m.arch, seq_len)
+    overrides, width = given_width(overrides)
     cls, kw = config_of(m, overrides)
-    side = latent_size(m, resolution, kw["patch_size"], "patch size")
-    channels, caption, width = kw["in_channels"], m.caption_tokens, kw["cap_feat_dim"]
+    high, wide = latent_sides(m, resolution, width, kw["patch_size"], "patch size")
+    channels, caption, text = kw["in_channels"], m.caption_tokens, kw["cap_feat_dim"]
 
     def batch(b: int) -> dict:
-        latents, noise, t = torch.randn(b, channels, side, side), torch.randn(b, channels, side, side), torch.rand(b)
+        latents, noise, t = torch.randn(b, channels, high, wide), torch.randn(b, channels, high, wide), torch.rand(b)
         noisy, target = flow_matching(latents, noise, t, data_at_one=True)
-        return {"hidden_states": noisy, "timestep": t, "encoder_hidden_states": torch.randn(b, caption, width),
+        return {"hidden_states": noisy, "timestep": t, "encoder_hidden_states": torch.randn(b, caption, text),
                 "encoder_attention_mask": torch.ones(b, caption, dtype=torch.bool), "target": target}
 
-    res = side * VAE_FACTOR
+    res = high * VAE_FACTOR
     info = image_info(m, res, kw, ("hidden_size", "num_layers", "num_attention_heads", "cap_feat_dim"),
-                 kw["patch_size"])
+                      kw["patch_size"], None if width is None else wide * VAE_FACTOR)
     return image_workload(m, model_builder(m, cls, kw, overrides), batch, transformer_loss, res, info)
 
 
 def sd3(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = SD3) -> Workload:
     no_seq_len(m.arch, seq_len)
+    overrides, width = given_width(overrides)
     cls, kw = config_of(m, overrides)
-    side = latent_size(m, resolution, kw["patch_size"], "patch size")
+    high, wide = latent_sides(m, resolution, width, kw["patch_size"], "patch size")
     most = (kw["pos_embed_max_size"] or 0) * kw["patch_size"] * VAE_FACTOR
-    if most and side * VAE_FACTOR > most:
-        raise UserError(f"{m.arch}: --resolution {side * VAE_FACTOR} exceeds the position table "
-                        f"(pos_embed_max_size={kw['pos_embed_max_size']}, {most}px); use --resolution <= {most}")
+    for flag, side in (("--resolution ", high), ("width=", wide)):
+        if most and side * VAE_FACTOR > most:
+            raise UserError(f"{m.arch}: {flag}{side * VAE_FACTOR} exceeds the position table "
+                            f"(pos_embed_max_size={kw['pos_embed_max_size']}, {most}px); use {flag}<= {most}")
     channels = kw["in_channels"]
 
     def batch(b: int) -> dict:
-        latents, noise, t = torch.randn(b, channels, side, side), torch.randn(b, channels, side, side), torch.rand(b)
+        latents, noise, t = torch.randn(b, channels, high, wide), torch.randn(b, channels, high, wide), torch.rand(b)
         noisy, target = flow_matching(latents, noise, t, data_at_one=False)
         return {"hidden_states": noisy, "timestep": t * 1000,
                 "encoder_hidden_states": torch.randn(b, m.caption_tokens, kw["joint_attention_dim"]),
                 "pooled_projections": torch.randn(b, kw["pooled_projection_dim"]), "target": target}
 
-    res = side * VAE_FACTOR
+    res = high * VAE_FACTOR
     info = image_info(m, res, kw, ("num_layers", "num_attention_heads", "attention_head_dim", "joint_attention_dim"),
-                 kw["patch_size"])
+                      kw["patch_size"], None if width is None else wide * VAE_FACTOR)
     return image_workload(m, model_builder(m, cls, kw, overrides), batch, transformer_loss, res, info)
 
 
 def unet_builder(m: ImageModel):
     def build(overrides: dict, seq_len: int | None, resolution: int | None) -> Workload:
         no_seq_len(m.arch, seq_len)
+        overrides, width = given_width(overrides)
         cls, kw = config_of(m, overrides)
         levels = len(kw["block_out_channels"]) if isinstance(kw["block_out_channels"], (tuple, list)) else 1
         halvings = 2 ** (levels - 1)
-        side = latent_size(m, resolution, halvings, "the UNet's downsampling")
+        high, wide = latent_sides(m, resolution, width, halvings, "the UNet's downsampling")
         channels, cross = kw["in_channels"], kw["cross_attention_dim"]
         text_time = kw.get("addition_embed_type") == "text_time"
         time_ids = 6  # SDXL: original size, crop offset, target size (2 numbers each)
@@ -274,7 +302,7 @@ def unet_builder(m: ImageModel):
                             "(the pooled text embedding is the rest); change the overrides")
 
         def batch(b: int) -> dict:
-            latents, noise = torch.randn(b, channels, side, side), torch.randn(b, channels, side, side)
+            latents, noise = torch.randn(b, channels, high, wide), torch.randn(b, channels, high, wide)
             t = torch.randint(0, 1000, (b,))
             alpha = torch.linspace(0.9991, 0.0047, 1000)[t].view(-1, 1, 1, 1)  # SD's scaled-linear alphas_cumprod
             out = {"sample": alpha.sqrt() * latents + (1 - alpha).sqrt() * noise, "timestep": t,
@@ -289,8 +317,9 @@ def unet_builder(m: ImageModel):
                          added_cond_kwargs=added or None, return_dict=False)[0]
             return _mse(pred, batch["target"])
 
-        res = side * VAE_FACTOR
-        info = image_info(m, res, kw, ("block_out_channels", "layers_per_block", "cross_attention_dim"), halvings)
+        res = high * VAE_FACTOR
+        info = image_info(m, res, kw, ("block_out_channels", "layers_per_block", "cross_attention_dim"), halvings,
+                          None if width is None else wide * VAE_FACTOR)
         return image_workload(m, model_builder(m, cls, kw, overrides), batch, loss, res, info)
     return build
 

@@ -11,7 +11,7 @@ import torch
 from memfit.errors import UserError, brief
 from memfit.workload import Workload, WorkloadInfo
 from memfit.workloads import diffusers_folders, image_text, timm_folders
-from memfit.workloads.checks import check_value, describe, simple_types
+from memfit.workloads.checks import check_value, describe, simple_types, split_resolution
 from memfit.workloads.config_overrides import apply_overrides
 from memfit.workloads.speech import encoder_batch, speech_batch
 
@@ -248,8 +248,13 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
         raise UserError(f"{where} is a file, not a folder; give the folder that holds config.json")
     path = diffusers_folders.pipeline_denoiser(path, where) or path
     data = _read_config_json(path, where)
-    clip = diffusers_folders.clip_overrides(data, overrides)  # (a Wan clip's frames= and width=: not config fields)
+    clip = diffusers_folders.size_overrides(data, overrides)  # (an image's width=, a Wan clip's frames=: not config fields)
     data = apply_overrides(data, {k: v for k, v in (overrides or {}).items() if k not in clip}, where)
+    if isinstance(resolution, tuple) and diffusers_folders.is_diffusers_config(data):
+        resolution, clip = split_resolution(resolution, clip, where)  # NOTE [ A resolution's width ]
+    elif isinstance(resolution, tuple):
+        raise UserError(f"{where}: --resolution WIDTHxHEIGHT applies to image- and video-generation models (diffusers' "
+                        "denoisers); give one side in pixels")
     if resolution == image_text.TEXT_ONLY and (diffusers_folders.is_diffusers_config(data) or
                                                 timm_folders.is_timm_config(data)):
         raise UserError(f"{where}: --resolution 0 (text only) applies to vision-language models; give the "

@@ -18,11 +18,13 @@ from memfit.workloads.config_overrides import split_overrides
 from memfit.workloads.hub import is_hub_id
 
 
-def load_workload(spec: str | Workload, *, seq_len: int | None = None, resolution: int | None = None) -> Workload:
+def load_workload(spec: str | Workload, *, seq_len: int | None = None,
+                  resolution: int | tuple[int, int] | None = None) -> Workload:
     """Resolve a workload spec: a Workload, ``file.py:NAME``, ``package.module:NAME``, a model folder (``./dir``, ``hf:./dir``,
     ``./dir/config.json``), a hub id (``org/name``, ``org/name@rev``, ``hf:name``) or a built-in name
     with overrides. ``seq_len`` sizes built-ins, folders and hub models; ``resolution`` the
-    image-generation built-ins."""
+    image-generation built-ins: pixels on a side, or ``(width, height)`` (NOTE [ A resolution's width ]
+    in memfit.workloads.checks)."""
     if isinstance(spec, Workload):
         _builtin_sizes_only(seq_len, resolution, "set it inside your workload")
         return spec

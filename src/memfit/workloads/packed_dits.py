@@ -24,9 +24,10 @@ from memfit.workloads.diffusion import (
     ImageModel,
     config_of,
     flow_matching,
+    given_width,
     image_info,
     image_workload,
-    latent_size,
+    latent_sides,
     model_builder,
     no_seq_len,
     transformer_loss,
@@ -67,12 +68,12 @@ def flux(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageM
     position ids; rectified flow (t = 1 is noise), the target the velocity ``noise - latents``. The
     model loads as a checkpoint does (built on the meta device, each weight made in its final form:
     memfit.techniques.loading), as ``from_pretrained`` and kohya's loader bring it to the card."""
-    def inputs(b: int, kw: dict, half: int) -> dict:
-        rows, cols = torch.arange(half).repeat_interleave(half), torch.arange(half).repeat(half)
+    def inputs(b: int, kw: dict, high: int, wide: int) -> dict:
+        rows, cols = torch.arange(high).repeat_interleave(wide), torch.arange(wide).repeat(high)
         guidance = {"guidance": torch.full((b,), FLUX_GUIDANCE)} if kw["guidance_embeds"] else {}  # (not schnell's)
         return {**guidance, "encoder_hidden_states": torch.randn(b, m.caption_tokens, kw["joint_attention_dim"]),
                 "pooled_projections": torch.randn(b, kw["pooled_projection_dim"]),
-                "img_ids": torch.stack([torch.zeros(half * half), rows.float(), cols.float()], dim=1),
+                "img_ids": torch.stack([torch.zeros(high * wide), rows.float(), cols.float()], dim=1),
                 "txt_ids": torch.zeros(m.caption_tokens, 3)}
     return _packed_workload(m, overrides, seq_len, resolution, _pack, inputs,
                             ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
@@ -85,10 +86,10 @@ def qwen_image(overrides: dict, seq_len: int | None, resolution: int | None, m: 
     as FLUX packs them), the caption states with their mask, each sample's latent grid for the rotary
     positions (``img_shapes``), and the timestep as a fraction (the pipeline's ``t / 1000``); rectified flow
     (t = 1 is noise), the target the velocity ``noise - latents``. Loaded as a checkpoint is."""
-    def inputs(b: int, kw: dict, half: int) -> dict:
+    def inputs(b: int, kw: dict, high: int, wide: int) -> dict:
         return {"encoder_hidden_states": torch.randn(b, m.caption_tokens, kw["joint_attention_dim"]),
                 "encoder_hidden_states_mask": torch.ones(b, m.caption_tokens, dtype=torch.long),
-                "img_shapes": [[(1, half, half)]] * b}
+                "img_shapes": [[(1, high, wide)]] * b}
     return _packed_workload(m, overrides, seq_len, resolution, _pack, inputs,
                             ("num_layers", "num_attention_heads", "attention_head_dim", "joint_attention_dim"))
 
@@ -99,9 +100,9 @@ def flux2(overrides: dict, seq_len: int | None, resolution: int | None, m: Image
     (``Flux2Pipeline._patchify_latents``, ``_pack_latents``), the caption states, the guidance value, the
     4-axis position ids of image and text tokens (time, row, column, layer), and the timestep as a fraction;
     rectified flow (t = 1 is noise), the target the velocity ``noise - latents``. Loaded as a checkpoint is."""
-    def inputs(b: int, kw: dict, half: int) -> dict:
+    def inputs(b: int, kw: dict, high: int, wide: int) -> dict:
         one = torch.arange(1)
-        img_ids = torch.cartesian_prod(one, torch.arange(half), torch.arange(half), one)
+        img_ids = torch.cartesian_prod(one, torch.arange(high), torch.arange(wide), one)
         txt_ids = torch.cartesian_prod(one, one, one, torch.arange(m.caption_tokens))
         guidance = {"guidance": torch.full((b,), FLUX_GUIDANCE)} if kw["guidance_embeds"] else {}
         return {**guidance, "encoder_hidden_states": torch.randn(b, m.caption_tokens, kw["joint_attention_dim"]),
@@ -112,28 +113,29 @@ def flux2(overrides: dict, seq_len: int | None, resolution: int | None, m: Image
 
 
 def _packed_workload(m: ImageModel, overrides: dict, seq_len: int | None, resolution: int | None,
-                     layout: Callable[[torch.Tensor], torch.Tensor], inputs: Callable[[int, dict, int], dict],
+                     layout: Callable[[torch.Tensor], torch.Tensor], inputs: Callable[[int, dict, int, int], dict],
                      sizes: tuple[str, ...]) -> Workload:
     """The workload of a DiT fed 2x2-packed latent tokens: rectified flow (t = 1 is noise) on latents of
     ``in_channels / 4`` channels, the noisy latents and the velocity target in the pipeline's ``layout``,
-    the timestep as a fraction, and the model's other ``inputs(batch, config, tokens a side)``; loaded as a
-    checkpoint is."""
+    the timestep as a fraction, and the model's other ``inputs(batch, config, token rows, token columns)``;
+    loaded as a checkpoint is."""
     no_seq_len(m.arch, seq_len)
+    overrides, width = given_width(overrides)
     cls, kw = config_of(m, overrides)
     if kw["in_channels"] % FLUX_PACK ** 2:
         raise UserError(f"{m.arch}: in_channels {kw['in_channels']} must be a multiple of 4 (2x2 latent pixels "
                         "per token); change the overrides")
-    side = latent_size(m, resolution, FLUX_PACK * kw["patch_size"], "2x2 packing times patch size")
+    high, wide = latent_sides(m, resolution, width, FLUX_PACK * kw["patch_size"], "2x2 packing times patch size")
     channels = kw["in_channels"] // FLUX_PACK ** 2
 
     def batch(b: int) -> dict:
-        latents, noise, t = torch.randn(b, channels, side, side), torch.randn(b, channels, side, side), torch.rand(b)
+        latents, noise, t = torch.randn(b, channels, high, wide), torch.randn(b, channels, high, wide), torch.rand(b)
         noisy, target = flow_matching(latents, noise, t, data_at_one=False)
-        return {"hidden_states": layout(noisy), "timestep": t, **inputs(b, kw, side // FLUX_PACK),
+        return {"hidden_states": layout(noisy), "timestep": t, **inputs(b, kw, high // FLUX_PACK, wide // FLUX_PACK),
                 "target": layout(target)}
 
-    res = side * VAE_FACTOR
-    info = image_info(m, res, kw, sizes, FLUX_PACK * kw["patch_size"])
+    res = high * VAE_FACTOR
+    info = image_info(m, res, kw, sizes, FLUX_PACK * kw["patch_size"], None if width is None else wide * VAE_FACTOR)
     return image_workload(m, model_builder(m, cls, kw, overrides), batch, transformer_loss, res, info)
 
 

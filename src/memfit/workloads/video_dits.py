@@ -39,7 +39,7 @@ from memfit.workloads.diffusion import (
     flow_matching,
     image_info,
     image_workload,
-    latent_size,
+    latent_sides,
     model_builder,
     no_seq_len,
     transformer_loss,
@@ -123,9 +123,7 @@ def wan(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageMo
     if p_h != p_w or depth % p_t:
         raise UserError(f"{m.arch}: patch_size {kw['patch_size']} must be square on a side and divide the "
                         f"{depth} latent frames; change the overrides")
-    high = latent_size(m, resolution, p_h, "patch size")
-    wide = high if width is None else latent_size(m, check_value(m.arch, "width", width, (int,), example=832),
-                                                  p_w, "patch size", flag="width=")
+    high, wide = latent_sides(m, resolution, width, p_h, "patch size")
     out, extra = kw["out_channels"] or kw["in_channels"], kw["in_channels"] - (kw["out_channels"] or kw["in_channels"])
     if extra < 0:
         raise UserError(f"{m.arch}: in_channels {kw['in_channels']} is fewer than out_channels {out}; change the overrides")
@@ -156,8 +154,8 @@ def wan(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageMo
     if images > 1:  # (FLF2V's image states, two rows a sample, split with their samples into micro-batches)
         wl.split = split_images
     square = clip.width is None and (width is None or width == res)
-    if not (res == m.resolution and width == clip.width):
-        wl.name = f"{m.arch} {res}px" if square else f"{m.arch} {wide * m.vae_factor}x{res}px"
+    wl.name = (m.arch if res == m.resolution and width == clip.width else f"{m.arch} {res}px" if square
+               else f"{m.arch} {wide * m.vae_factor}x{res}px")
     if frames != clip.frames:
         wl.name += f" {frames} frames"
     return wl
