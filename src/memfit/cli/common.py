@@ -41,9 +41,11 @@ def add_workload_args(p: argparse.ArgumentParser, *, max_values: bool = False, f
     more = MAX_HELP if max_values else ""
     if from_config:
         p.add_argument("workload", nargs="?", help=WORKLOAD_HELP + "; or --from")
-        p.add_argument("--from", dest="from_config", metavar="CONFIG.yml",
-                       help="an axolotl config: its base_model, adapter, LoRA, quantization, sizes, checkpointing, "
-                            "precision and optimizer become the workload and the plan (flags given here override it)")
+        p.add_argument("--from", dest="from_config", metavar="CONFIG",
+                       help="an axolotl config (.yml) or a kohya-ss sd-scripts config (.toml): its model, adapter, "
+                            "quantization, sizes, checkpointing, precision and optimizer become the workload and the "
+                            "plan (flags given here override it; a kohya config training a checkpoint file of an SD "
+                            "or SDXL UNet takes the workload's name beside it)")
     else:
         p.add_argument("workload", help=WORKLOAD_HELP)
     p.add_argument("--batch-size", "-b", metavar="N", help="global batch size (default: the workload's)" + more)
@@ -145,7 +147,7 @@ def parse_resolution(text: str) -> int | tuple[int, int]:
     text = str(text).strip()
     if text == "0":
         return 0
-    width, sep, height = text.lower().replace("×", "x").partition("x")
+    width, sep, height = text.lower().replace("×", "x").replace(",", "x").partition("x")  # (kohya: width,height)
     if sep:
         if not (width.strip().isdigit() and height.strip().isdigit()):
             raise UserError(f"--resolution {text}: give PIXELS (a square, e.g. 1024) or WIDTHxHEIGHT (e.g. 1216x832)")
@@ -182,24 +184,26 @@ def sized_free(args: argparse.Namespace, key: str):
 
 
 def apply_config(args: argparse.Namespace) -> None:
-    """``--from config.yml``: the axolotl config's workload, sizes and plan, under what the command line
-    gives (memfit.integrations.axolotl); its unmapped fields are warned about, one line each."""
+    """``--from FILE``: the training config's workload, sizes and plan, under what the command line gives
+    (memfit.integrations.configs); its unmapped fields are warned about, one line each."""
     path = getattr(args, "from_config", None)
     if path is None:
         if getattr(args, "workload", "") is None:
-            raise UserError("name a workload (e.g. gpt2), or an axolotl config with --from config.yml")
+            raise UserError("name a workload (e.g. gpt2), or a training config with --from config.yml (axolotl) "
+                            "or config.toml (kohya-ss sd-scripts)")
         return
     import warnings
 
     from memfit.devices import get_device
-    from memfit.integrations.axolotl import read_config
-    if args.workload is not None:
-        raise UserError(f"give a workload or --from {path}, not both (the config's base_model is the workload)")
-    mapped = read_config(path, get_device(args.device))
+    from memfit.integrations.from_file import read_training_config
+    mapped = read_training_config(path, get_device(args.device), args.workload)
     for line in mapped.warnings:
         warnings.warn(line, stacklevel=2)
     args.workload = mapped.workload
-    for key, value in (("batch_size", mapped.batch_size), ("seq_len", mapped.seq_len)):
+    res = mapped.resolution
+    sizes = (("batch_size", mapped.batch_size), ("seq_len", mapped.seq_len),
+             ("resolution", f"{res[0]}x{res[1]}" if isinstance(res, tuple) else res))
+    for key, value in sizes:
         if getattr(args, key, None) is None and value is not None:
             setattr(args, key, str(value))
     args.config_plan = mapped.plan

@@ -33,11 +33,11 @@ What the estimate ignores, and how it says so:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 from memfit.devices import Device
 from memfit.errors import UserError
+from memfit.integrations.configs import TrainingConfig, whole
 from memfit.plans import Plan
 
 REFUSED = {
@@ -82,26 +82,7 @@ OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": 
               "adamw_8bit": "adamw8bit", "adafactor": "adafactor", "sgd": "sgd"}
 
 
-@dataclass(frozen=True)
-class AxolotlConfig:
-    """What an axolotl config says, in memfit's terms."""
-
-    path: str
-    workload: str
-    batch_size: int
-    micro_batch_size: int
-    seq_len: int | None
-    plan: Plan
-    warnings: tuple[str, ...] = ()
-
-    def summary(self) -> str:
-        split = (f" ({self.micro_batch_size} a micro-batch x {self.batch_size // self.micro_batch_size} accumulated)"
-                 if self.batch_size != self.micro_batch_size else "")
-        seq = f" · seq {self.seq_len}" if self.seq_len else ""
-        return f"from {self.path}: {self.workload} · batch {self.batch_size}{split}{seq} · {self.plan.describe()}"
-
-
-def read_config(path: str | Path, device: Device) -> AxolotlConfig:
+def read_config(path: str | Path, device: Device) -> TrainingConfig:
     """The axolotl config at ``path`` (see the module docstring); ``device`` decides ``bf16: auto``."""
     import yaml
     p = Path(path)
@@ -116,7 +97,7 @@ def read_config(path: str | Path, device: Device) -> AxolotlConfig:
     return map_config(data, str(path), device)
 
 
-def map_config(data: dict, where: str, device: Device) -> AxolotlConfig:
+def map_config(data: dict, where: str, device: Device) -> TrainingConfig:
     """An axolotl config's fields (a parsed YAML mapping) as memfit's workload, sizes and plan."""
     data = {key: value for key, value in data.items() if value not in (None, "", [], {})}  # (empty: as if absent)
     for key, fix in REFUSED.items():
@@ -127,8 +108,8 @@ def map_config(data: dict, where: str, device: Device) -> AxolotlConfig:
         raise UserError(f"--from {where}: no base_model; the config names the model it trains (a hub id or a folder)")
     warnings = [f"axolotl config {where}: {key} is not mapped; the estimate ignores it"
                 for key in data if key not in MAPPED and key not in NO_MEMORY_EFFECT and key not in REFUSED]
-    micro = _whole(data, "micro_batch_size", where, 1)
-    accum = _whole(data, "gradient_accumulation_steps", where, 1)
+    micro = whole(data, "micro_batch_size", where, 1)
+    accum = whole(data, "gradient_accumulation_steps", where, 1)
     if "batch_size" in data and "micro_batch_size" not in data:
         warnings.append(f"axolotl config {where}: batch_size without micro_batch_size: memfit takes micro_batch_size 1 "
                         "(axolotl's default); give micro_batch_size")
@@ -150,17 +131,8 @@ def map_config(data: dict, where: str, device: Device) -> AxolotlConfig:
     except UserError as e:
         raise UserError(f"--from {where}: {str(e).removeprefix('plan: ')}") from None
     seq = data.get("sequence_len")
-    return AxolotlConfig(where, model.strip(), micro * accum, micro,
-                         _whole(data, "sequence_len", where, None) if seq is not None else None, plan, tuple(warnings))
-
-
-def _whole(data: dict, key: str, where: str, default):
-    value = data.get(key, default)
-    if value is default:
-        return value
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise UserError(f"--from {where}: {key} must be a whole number >= 1, got {value!r}")
-    return value
+    return TrainingConfig(where, model.strip(), micro * accum, micro,
+                         whole(data, "sequence_len", where, None) if seq is not None else None, plan, tuple(warnings))
 
 
 def _method(data: dict, where: str) -> dict:
@@ -177,7 +149,7 @@ def _method(data: dict, where: str) -> dict:
         return {}
     if kind not in ("lora", "qlora"):
         raise UserError(f"--from {where}: adapter {kind!r} is not one memfit runs; use lora or qlora")
-    options = [f"r={_whole(data, 'lora_r', where, 8)}"]
+    options = [f"r={whole(data, 'lora_r', where, 8)}"]
     if data.get("lora_alpha") is not None:
         options.append(f"alpha={data['lora_alpha']}")
     if data.get("lora_target_linear"):

@@ -1,0 +1,43 @@
+"""What the training configs people already have become: memfit's workload, sizes and plan (``memfit
+estimate --from FILE``, and ``plan``; an axolotl YAML, memfit.integrations.axolotl, or a kohya-ss
+sd-scripts TOML, memfit.integrations.kohya, told apart by the file's suffix: memfit.integrations.from_file)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfit.errors import UserError
+from memfit.plans import Plan
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """What a training config says, in memfit's terms."""
+
+    path: str
+    workload: str
+    batch_size: int
+    micro_batch_size: int
+    seq_len: int | None
+    plan: Plan
+    warnings: tuple[str, ...] = ()
+    resolution: int | tuple[int, int] | None = None
+    """An image's side, or its (width, height) (NOTE [ A resolution's width ] in memfit.workloads.checks)."""
+
+    def summary(self) -> str:
+        split = (f" ({self.micro_batch_size} a micro-batch x {self.batch_size // self.micro_batch_size} accumulated)"
+                 if self.batch_size != self.micro_batch_size else "")
+        seq = f" · seq {self.seq_len}" if self.seq_len else ""
+        res = self.resolution
+        px = f" · {res[0]}x{res[1]} px" if isinstance(res, tuple) else f" · {res} px" if res else ""
+        return f"from {self.path}: {self.workload} · batch {self.batch_size}{split}{seq}{px} · {self.plan.describe()}"
+
+
+def whole(data: dict, key: str, where: str, default):
+    """``data[key]``, a whole number >= 1 (``default`` where it is absent)."""
+    value = data.get(key, default)
+    if value is default:
+        return value
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UserError(f"--from {where}: {key} must be a whole number >= 1, got {value!r}")
+    return value

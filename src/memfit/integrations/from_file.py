@@ -1,0 +1,25 @@
+"""``--from FILE``: a training config people already have, read by its suffix (an axolotl YAML:
+memfit.integrations.axolotl; a kohya-ss sd-scripts TOML: memfit.integrations.kohya) as memfit's
+workload, sizes and plan (memfit.integrations.configs.TrainingConfig)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from memfit.devices import Device
+from memfit.errors import UserError
+from memfit.integrations import axolotl, kohya
+from memfit.integrations.configs import TrainingConfig
+
+
+def read_training_config(path: str | Path, device: Device, workload: str | None = None) -> TrainingConfig:
+    """The config at ``path``: ``.yml``/``.yaml`` axolotl's, ``.toml`` kohya's (``workload``: the model the
+    user names beside it; a kohya config may train a checkpoint file that does not say which model it is)."""
+    suffix = Path(path).suffix.lower()
+    if suffix in (".yml", ".yaml"):
+        if workload is not None:
+            raise UserError(f"give a workload or --from {path}, not both (the config's base_model is the workload)")
+        return axolotl.read_config(path, device)
+    if suffix == ".toml":
+        return kohya.read_config(path, device, workload)
+    raise UserError(f"--from {path}: give an axolotl config (.yml) or a kohya-ss sd-scripts config (.toml)")

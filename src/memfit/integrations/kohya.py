@@ -1,0 +1,278 @@
+"""A kohya-ss sd-scripts config (TOML, what ``--config_file`` reads) read as the workload and the plan it
+trains: ``memfit estimate --from config.toml`` (and ``plan``). As sd-scripts does, the file's sections are
+merged into one set of arguments; a ``dataset_config`` it names is read for the images' size and batch.
+
+| sd-scripts argument | memfit |
+|---|---|
+| ``pretrained_model_name_or_path`` | the workload where it is a diffusers repository (a hub id or a folder); a checkpoint file: the built-in its other files name (``ae``: ``dit-flux``; ``clip_g``: ``dit-sd3``; ``gemma2``: ``dit-lumina2``), or the workload named beside ``--from`` |
+| ``network_module`` ``networks.lora*``; none | ``adapter: lora:r=network_dim,alpha=network_alpha,targets=all-linear``; none: full fine-tuning |
+| ``network_dropout`` | the adapter's ``dropout`` |
+| ``resolution`` (``1024`` or ``1216,832``: width, height) | the image's size (``--resolution 1216x832``) |
+| ``train_batch_size`` x ``gradient_accumulation_steps`` | the global batch, split into micro-batches of ``train_batch_size`` |
+| ``dataset_config``'s ``resolution`` and ``batch_size`` | the same, over the training config's (the dataset with the largest batch of pixels) |
+| ``mixed_precision`` bf16 / fp16; ``full_bf16`` | ``precision: bf16`` / ``fp16`` (autocast); ``bf16-pure`` |
+| ``fp8_base``, ``fp8_base_unet`` | ``base_weights: fp8`` |
+| ``blocks_to_swap`` | ``swap_blocks`` |
+| ``gradient_checkpointing``; ``cpu_offload_checkpointing`` | ``checkpointing: blocks``; with ``offload: activations`` (each checkpointed block's input in host memory) |
+| ``optimizer_type`` (``use_8bit_adam``) | ``AdamW``: ``adamw``; ``AdamW8bit``: ``adamw8bit``; ``PagedAdamW8bit``: ``adamw8bit-paged``; ``PagedAdamW``, ``PagedAdamW32bit``: ``adamw-paged``; ``Adafactor``: ``adafactor``; ``SGDNesterov``: ``sgd`` |
+| ``fused_backward_pass`` | ``optimizer_in_backward`` |
+| ``max_grad_norm`` (sd-scripts' default 1.0; 0: none) | ``max_grad_norm`` |
+
+What the estimate ignores, and how it says so:
+
+- **Refused, one line**: ``deepspeed`` (memfit shards with FSDP2: ``--world-size``), a ``network_module``
+  other than LoRA (LyCORIS, OFT, DyLoRA), ``network_train_text_encoder_only``, an optimizer memfit does
+  not run (Lion, Prodigy, D-Adaptation, ...), and a checkpoint file whose model the config does not name.
+- **Warned, one line each**: ``full_fp16`` (taken as fp16 autocast, whose fp32 weights are a bound);
+  latents or text-encoder outputs not cached (memfit's batch is the cached tensors: the VAE or text
+  encoders running in the step are not in the estimate); text encoders trained; ``network_args`` (memfit's
+  LoRA adapts every linear layer of the denoiser: a bound where they train fewer); any other argument set.
+- **Ignored in silence**: the run around the step (data, captions, buckets, schedule, sampling, saving,
+  logging, the other models' files: :data:`NO_MEMORY_EFFECT`) and the attention flags (``sdpa``,
+  ``xformers``: memfit's CUDA model takes the fused kernels).
+
+kohya's LoRA adapts each linear layer of the denoiser's transformer blocks; memfit's ``all-linear`` also
+adapts the few outside them (embedders, the final layer): a few MB of parameters and inputs, once a step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from memfit.devices import Device
+from memfit.errors import UserError
+from memfit.integrations.configs import TrainingConfig, whole
+from memfit.plans import Plan
+
+REFUSED = {
+    "deepspeed": "memfit does not model DeepSpeed's ZeRO stages; remove deepspeed (memfit shards with FSDP2: give "
+                 "--world-size N)",
+    "network_train_text_encoder_only": "memfit estimates the denoiser's training; remove "
+                                       "network_train_text_encoder_only",
+}
+"""Arguments whose meaning memfit cannot carry, and the fix."""
+
+NO_MEMORY_EFFECT = frozenset("""
+pretrained_model_name_or_path ae clip_l clip_g t5xxl vae gemma2 tokenizer_cache_dir no_half_vae
+disable_mmap_load_safetensors weighting_scheme logit_mean logit_std mode_scale train_data_dir reg_data_dir in_json
+dataset_config dataset_repeats enable_bucket min_bucket_reso max_bucket_reso bucket_reso_steps bucket_no_upscale
+shuffle_caption caption_extension caption_extention keep_tokens keep_tokens_separator color_aug flip_aug
+face_crop_aug_range random_crop caption_dropout_rate caption_dropout_every_n_epochs caption_tag_dropout_rate
+token_warmup_min token_warmup_step prior_loss_weight max_data_loader_n_workers persistent_data_loader_workers
+vae_batch_size skip_cache_check alpha_mask cache_latents cache_latents_to_disk cache_text_encoder_outputs
+cache_text_encoder_outputs_to_disk output_dir output_name save_model_as save_precision save_every_n_epochs
+save_every_n_steps save_last_n_epochs save_last_n_steps save_state save_state_on_train_end save_n_epoch_ratio
+resume logging_dir log_with log_prefix log_tracker_name log_config wandb_api_key wandb_run_name seed
+max_train_steps max_train_epochs learning_rate unet_lr text_encoder_lr lr_scheduler lr_warmup_steps
+lr_scheduler_num_cycles lr_scheduler_power lr_scheduler_args lr_scheduler_type optimizer_args sample_prompts
+sample_every_n_steps sample_every_n_epochs sample_sampler sample_at_first training_comment no_metadata
+network_weights dim_from_weights scale_weight_norms huggingface_repo_id huggingface_repo_type
+huggingface_path_in_repo huggingface_token huggingface_repo_visibility save_state_to_huggingface
+resume_from_huggingface async_upload ddp_timeout ddp_gradient_as_bucket_view ddp_static_graph full_path
+mem_eff_save guidance_scale timestep_sampling discrete_flow_shift model_prediction_type sigmoid_scale loss_type
+huber_c huber_schedule noise_offset noise_offset_random_strength adaptive_noise_scale multires_noise_iterations
+multires_noise_discount ip_noise_gamma ip_noise_gamma_random_strength min_snr_gamma debiased_estimation_loss
+scale_v_pred_loss_like_noise_pred v_pred_like_loss zero_terminal_snr v2 v_parameterization clip_skip
+max_token_length apply_t5_attn_mask sdpa xformers mem_eff_attn attn_mode split_attn highvram lowram lowvram
+network_train_unet_only cpu_offload_checkpointing network_module network_dim network_alpha network_dropout
+resolution train_batch_size gradient_accumulation_steps mixed_precision full_bf16 full_fp16 fp8_base fp8_base_unet
+blocks_to_swap gradient_checkpointing optimizer_type use_8bit_adam fused_backward_pass max_grad_norm network_args
+metadata_title metadata_author metadata_description metadata_license metadata_tags console_log_level
+console_log_file console_log_simple wandb_run_id
+""".split())
+"""Arguments of the run around the step, and those mapped above (no warning)."""
+
+OPTIMIZERS = {"adamw": "adamw", "adamw8bit": "adamw8bit", "pagedadamw8bit": "adamw8bit-paged",
+              "pagedadamw": "adamw-paged", "pagedadamw32bit": "adamw-paged", "adafactor": "adafactor",
+              "sgdnesterov": "sgd"}
+"""sd-scripts' ``optimizer_type`` (it compares them lower-cased) and memfit's optimizer."""
+
+CHECKPOINT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin", ".sft")
+BY_FILES = (("ae", "dit-flux"), ("clip_g", "dit-sd3"), ("gemma2", "dit-lumina2"))
+"""A checkpoint file's model, by the other model files its script takes (flux_train_network.py's ``ae``,
+sd3_train_network.py's ``clip_g``, lumina_train_network.py's ``gemma2``)."""
+
+
+def read_config(path: str | Path, device: Device, workload: str | None = None) -> TrainingConfig:
+    """The sd-scripts config at ``path`` (see the module docstring); ``workload``: the model named beside it."""
+    p = Path(path)
+    data = _toml(p, f"--from {path}", "a kohya-ss sd-scripts config (.toml)")
+    return map_config(data, str(path), device, workload, base=p.parent)
+
+
+def map_config(data: dict, where: str, device: Device, workload: str | None = None,
+               base: Path | None = None) -> TrainingConfig:
+    """sd-scripts arguments (a parsed TOML mapping; sections merged as sd-scripts merges them) as memfit's
+    workload, sizes and plan; ``base``: the folder a relative ``dataset_config`` may be in."""
+    del device  # (sd-scripts' precision is explicit: no "auto" to decide on the card)
+    flat: dict = {}
+    for key, value in data.items():  # (sd-scripts: a section's keys are arguments as top-level keys are)
+        flat.update(value if isinstance(value, dict) else {key: value})
+    data = {k: v for k, v in flat.items() if v not in (None, "", [], {})}
+    for key, fix in REFUSED.items():
+        if data.get(key) not in (None, False):
+            raise UserError(f"--from {where}: {key}: {fix}")
+    warnings = [f"kohya config {where}: {key} is not mapped; the estimate ignores it"
+                for key in data if key not in NO_MEMORY_EFFECT and key not in REFUSED]
+    model = workload or _model(data, where)
+    micro, resolution, more = _dataset(data, where, base)
+    warnings += more
+    accum = whole(data, "gradient_accumulation_steps", where, 1)
+    fields = {**_method(data, where, warnings), **_precision(data, where, warnings), **_optimizer(data, where)}
+    if data.get("gradient_checkpointing"):
+        fields["checkpointing"] = "blocks"
+        if data.get("cpu_offload_checkpointing"):
+            fields["offload"] = ["activations"]
+    if data.get("blocks_to_swap"):
+        fields["swap_blocks"] = whole(data, "blocks_to_swap", where, None)
+    if data.get("fused_backward_pass"):
+        fields["optimizer_in_backward"] = True
+    norm = data.get("max_grad_norm", 1.0)  # (sd-scripts clips at 1.0 unless told 0)
+    fields["max_grad_norm"] = float(norm) if norm else None
+    if accum > 1:
+        fields["micro_batch_size"] = micro
+    _cached(data, where, warnings)
+    try:
+        plan = Plan(**fields)
+    except UserError as e:
+        raise UserError(f"--from {where}: {str(e).removeprefix('plan: ')}") from None
+    return TrainingConfig(where, model, micro * accum, micro, None, plan, tuple(warnings), resolution)
+
+
+def _toml(path: Path, where: str, what: str) -> dict:
+    try:
+        import tomllib
+    except ImportError:  # (Python 3.10)
+        import tomli as tomllib
+    if not path.is_file():
+        raise UserError(f"{where}: no such file; give {what}")
+    try:
+        return tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{where}: not valid TOML ({str(e).splitlines()[0]}); fix the file") from None
+
+
+def _model(data: dict, where: str) -> str:
+    """The workload of ``pretrained_model_name_or_path``: a diffusers repository as it is named; a checkpoint
+    file by the files beside it (:data:`BY_FILES`)."""
+    name = data.get("pretrained_model_name_or_path")
+    if not isinstance(name, str) or not name.strip():
+        raise UserError(f"--from {where}: no pretrained_model_name_or_path; the config names the model it trains")
+    name = name.strip()
+    if not name.lower().endswith(CHECKPOINT_SUFFIXES):
+        return name  # (a diffusers folder or hub id: memfit reads its model_index.json and config.json)
+    for key, builtin in BY_FILES:
+        if data.get(key):
+            return "dit-flux:guidance_embeds=false" if builtin == "dit-flux" and "schnell" in name.lower() else builtin
+    raise UserError(f"--from {where}: pretrained_model_name_or_path is a checkpoint file ({Path(name).name}) whose "
+                    "model the config does not say; name it beside --from: memfit estimate unet-sdxl --from "
+                    f"{where} (or unet-sd15, dit-flux, dit-sd3, dit-lumina2, a diffusers folder or hub id)")
+
+
+def _dataset(data: dict, where: str, base: Path | None) -> tuple[int, int | tuple[int, int] | None, list[str]]:
+    """(samples a micro-batch, the image's size, warnings): the dataset config's, where it names them, over
+    the training config's ``train_batch_size`` and ``resolution``."""
+    batch = whole(data, "train_batch_size", where, 1)
+    resolution = _resolution(data.get("resolution"), where, "resolution")
+    name = data.get("dataset_config")
+    if not name:
+        return batch, resolution, []
+    path = Path(name).expanduser()
+    if not path.is_file() and base is not None and (base / path).is_file():
+        path = base / path
+    if not path.is_file():
+        return batch, resolution, [f"kohya config {where}: dataset_config {name} not found; the training config's "
+                                   "train_batch_size and resolution are used"]
+    sets = _toml(path, f"--from {where}: dataset_config {name}", "a dataset config (.toml)")
+    general = sets.get("general", {}) if isinstance(sets.get("general"), dict) else {}
+    found = []
+    for entry in sets.get("datasets") or [{}]:
+        merged = {**general, **(entry if isinstance(entry, dict) else {})}
+        size = _resolution(merged.get("resolution"), f"{where}: dataset_config {name}", "resolution") or resolution
+        found.append((whole(merged, "batch_size", f"{where}: dataset_config {name}", batch), size))
+    pixels = [b * (s[0] * s[1] if isinstance(s, tuple) else (s or 0) ** 2) for b, s in found]
+    chosen = found[pixels.index(max(pixels))]
+    more = ([f"kohya config {where}: dataset_config {name} has {len(found)} datasets of different sizes; memfit "
+             f"estimates the largest batch of pixels ({chosen[0]} at {_shown(chosen[1])})"]
+            if len(set(found)) > 1 else [])
+    return chosen[0], chosen[1], more
+
+
+def _resolution(value, where: str, key: str) -> int | tuple[int, int] | None:
+    """sd-scripts' ``resolution``: ``1024``, ``"1024"``, ``"1216,832"`` or ``[1216, 832]`` (width, height)."""
+    if value is None:
+        return None
+    parts = value if isinstance(value, list) else str(value).split(",")
+    try:
+        sides = [int(str(p).strip()) for p in parts]
+    except ValueError:
+        sides = []
+    if len(sides) not in (1, 2) or min(sides) < 1 or isinstance(value, bool):
+        raise UserError(f"--from {where}: {key} must be a size in pixels or width,height (1024, or 1216,832), "
+                        f"got {value!r}")
+    return sides[0] if len(sides) == 1 or sides[0] == sides[1] else (sides[0], sides[1])
+
+
+def _shown(size) -> str:
+    return f"{size[0]}x{size[1]} px" if isinstance(size, tuple) else f"{size} px" if size else "the model's size"
+
+
+def _method(data: dict, where: str, warnings: list[str]) -> dict:
+    """network_module, network_dim/alpha/dropout, fp8_base -> the plan's adapter and base weights."""
+    module = data.get("network_module")
+    fp8 = bool(data.get("fp8_base") or data.get("fp8_base_unet"))
+    if not module:
+        if fp8:
+            raise UserError(f"--from {where}: fp8_base without a network_module trains nothing; set network_module = "
+                            "\"networks.lora\" (or the model's, e.g. networks.lora_flux)")
+        return {}
+    if not isinstance(module, str) or not module.startswith("networks.lora"):
+        raise UserError(f"--from {where}: network_module {module!r} is not one memfit runs; memfit models LoRA "
+                        "(networks.lora, networks.lora_flux, ...)")
+    options = [f"r={whole(data, 'network_dim', where, 4)}", f"alpha={data.get('network_alpha', 1)}",
+               "targets=all-linear"]
+    if data.get("network_dropout"):
+        options.append(f"dropout={data['network_dropout']}")
+    if data.get("network_args"):
+        warnings.append(f"kohya config {where}: network_args are not mapped; memfit's LoRA adapts every linear layer "
+                        "of the denoiser (a bound where they train fewer)")
+    if not data.get("network_train_unet_only") and not _caches(data, "cache_text_encoder_outputs"):
+        warnings.append(f"kohya config {where}: the text encoders are trained too (no network_train_unet_only); "
+                        "memfit estimates the denoiser's LoRA alone")
+    return {"adapter": f"lora:{','.join(options)}", **({"base_weights": "fp8"} if fp8 else {})}
+
+
+def _precision(data: dict, where: str, warnings: list[str]) -> dict:
+    mixed = str(data.get("mixed_precision", "no")).lower()
+    if mixed not in ("no", "bf16", "fp16"):
+        raise UserError(f"--from {where}: mixed_precision {data['mixed_precision']!r}: use no, fp16 or bf16")
+    if data.get("full_bf16"):
+        return {"precision": "bf16-pure"}
+    if data.get("full_fp16"):
+        warnings.append(f"kohya config {where}: full_fp16 is taken as fp16 autocast (memfit has no fp16 weights and "
+                        "gradients: its fp32 weights are a bound)")
+        return {"precision": "fp16"}
+    return {"precision": mixed} if mixed != "no" else {}
+
+
+def _optimizer(data: dict, where: str) -> dict:
+    name = data.get("optimizer_type")
+    if name is None:
+        return {"optimizer": "adamw8bit"} if data.get("use_8bit_adam") else {}
+    if str(name).lower() not in OPTIMIZERS:
+        raise UserError(f"--from {where}: optimizer_type {name!r} is not one memfit runs; use AdamW, AdamW8bit, "
+                        "PagedAdamW8bit, PagedAdamW, Adafactor or SGDNesterov")
+    return {"optimizer": OPTIMIZERS[str(name).lower()]}
+
+
+def _caches(data: dict, key: str) -> bool:
+    return bool(data.get(key) or data.get(f"{key}_to_disk"))
+
+
+def _cached(data: dict, where: str, warnings: list[str]) -> None:
+    """memfit's batch is cached latents and text-encoder outputs; a config that runs the VAE or text encoders
+    in the step is named."""
+    for key, what in (("cache_latents", "latents"), ("cache_text_encoder_outputs", "text-encoder outputs")):
+        if not _caches(data, key):
+            warnings.append(f"kohya config {where}: {what} are not cached ({key}); memfit's batch is the cached "
+                            f"tensors, so what computes them in the step is not in the estimate")

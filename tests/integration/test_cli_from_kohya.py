@@ -1,0 +1,47 @@
+"""``memfit estimate --from config.toml``: a kohya-ss sd-scripts config on the command line. Its plan and
+sizes are the estimate's, flags beside it override them, the model a checkpoint file holds is named
+beside it, and what cannot be read is one line with exit status 2."""
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_cli_errors import check, run
+
+pytest.importorskip("diffusers")
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "kohya"
+FLUX = ("dit-flux:num_layers=1,num_single_layers=2,attention_head_dim=16,num_attention_heads=2,"
+        "joint_attention_dim=32,pooled_projection_dim=16,in_channels=16,axes_dims_rope=4/6/6")
+
+
+def test_a_flux_config_is_estimated_with_its_plan_and_sizes():
+    """The config's plan and batch (2, from its dataset config) on a tiny FLUX named beside it; the
+    resolution and the swapped blocks given as flags override the config's (a tiny model has 3 blocks)."""
+    argv = ["estimate", FLUX, "--from", str(DATA / "flux-lora-12gb.toml"), "--resolution", "192x128",
+            "--swap-blocks", "2", "--device", "rtx4090", "--json"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rc, out, err = run(argv)
+    check(argv, rc, err)
+    report = json.loads(out)
+    assert rc == 0 and report["workload"] == "dit-flux 192x128px" and report["batch_size"] == 2
+    plan = report["plan"]
+    assert (plan["base_weights"], plan["precision"], plan["checkpointing"], plan["swap_blocks"], plan["optimizer"]) == (
+        "fp8", "bf16", "blocks", 2, "adamw8bit")
+    assert plan["adapter"] == "lora:r=16,alpha=16,targets=all-linear" and plan["max_grad_norm"] == 1.0
+    assert not [w for w in caught if "kohya config" in str(w.message)]  # (every argument of it mapped or silent)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["estimate", "--from", str(DATA / "sdxl-lora.toml"), "--device", "rtx4090"],
+     "whose model the config does not say; name it beside --from: memfit estimate unet-sdxl --from"),
+    (["estimate", "--from", str(DATA / "missing.toml")], "missing.toml: no such file; give a kohya-ss sd-scripts config"),
+    (["plan", "--from", "config.json", "--device", "rtx4090"], "give an axolotl config (.yml) or a kohya-ss sd-scripts"),
+])
+def test_what_cannot_be_read_is_one_line(argv, message):
+    rc, _, err = run(argv)
+    check(argv, rc, err)
+    assert rc == 2 and message in err, err

@@ -1,0 +1,119 @@
+"""A kohya-ss sd-scripts config read as a workload and a plan (memfit.integrations.kohya): each mapped
+argument, the dataset config's sizes, the model of a checkpoint file, the arguments refused in one line,
+and the ones named in a warning."""
+
+from pathlib import Path
+
+import pytest
+
+from memfit.devices import get_device
+from memfit.errors import UserError
+from memfit.integrations.from_file import read_training_config
+from memfit.integrations.kohya import REFUSED, map_config
+from memfit.plans import Plan
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "kohya"
+CARD = get_device("rtx4090")
+MINIMAL = {"pretrained_model_name_or_path": "/m/flux1-dev.safetensors", "ae": "/m/ae.safetensors",
+           "cache_latents": True, "cache_text_encoder_outputs": True}
+
+
+def test_a_flux_lora_for_12_gb_as_sd_scripts_trains_it():
+    """Sections merged; fp8 base, 18 blocks swapped, blocks checkpointed, 8-bit AdamW, bf16 autocast, and
+    sd-scripts' clipping at 1.0 by default; batch and buckets from the dataset config beside it."""
+    c = read_training_config(DATA / "flux-lora-12gb.toml", CARD)
+    assert c.workload == "dit-flux" and (c.batch_size, c.micro_batch_size, c.resolution) == (2, 2, 1024)
+    assert c.plan == Plan(adapter="lora:r=16,alpha=16,targets=all-linear", base_weights="fp8", precision="bf16",
+                          checkpointing="blocks", swap_blocks=18, optimizer="adamw8bit", max_grad_norm=1.0)
+    assert c.warnings == ()
+    assert c.summary().endswith("dit-flux · batch 2 · 1024 px · " + c.plan.describe())
+
+
+def test_an_sdxl_lora_of_a_checkpoint_file_takes_the_model_named_beside_it():
+    """A checkpoint file does not say which UNet it holds: the workload named beside --from is the model,
+    else one line asks for it; ``resolution = "1216,832"`` is width by height; offloaded checkpointing is
+    blocks with their inputs in host memory; full_fp16 and network_args are each named in a warning."""
+    with pytest.raises(UserError, match=r"checkpoint file \(sd_xl_base_1.0.safetensors\) whose model the config does "
+                                        r"not say; name it beside --from: memfit estimate unet-sdxl --from"):
+        read_training_config(DATA / "sdxl-lora.toml", CARD)
+    c = read_training_config(DATA / "sdxl-lora.toml", CARD, "unet-sdxl")
+    assert (c.workload, c.batch_size, c.micro_batch_size, c.resolution) == ("unet-sdxl", 8, 4, (1216, 832))
+    assert c.plan == Plan(adapter="lora:r=32,alpha=16,targets=all-linear,dropout=0.1", precision="fp16",
+                          checkpointing="blocks", offload=["activations"], optimizer="adamw8bit-paged",
+                          micro_batch_size=4, max_grad_norm=None)
+    assert c.plan.micro_batches(c.batch_size) == (4, 2)
+    assert [w.split(": ", 1)[1].split(";")[0] for w in c.warnings] == [
+        "network_args are not mapped",
+        "full_fp16 is taken as fp16 autocast (memfit has no fp16 weights and gradients: its fp32 weights are a bound)"]
+    assert "1216x832 px" in c.summary()
+
+
+def test_defaults_and_what_runs_in_the_step_are_named():
+    """A diffusers repository is the workload as named; sd-scripts' defaults (LoRA rank 4, alpha 1,
+    clipping at 1.0); latents, text-encoder outputs and text encoders computed or trained in the step
+    are named, one line each (memfit's batch is the cached tensors)."""
+    c = map_config({"pretrained_model_name_or_path": "black-forest-labs/FLUX.1-dev",
+                    "network_module": "networks.lora_flux"}, "c.toml", CARD)
+    assert c.workload == "black-forest-labs/FLUX.1-dev" and c.resolution is None and c.batch_size == 1
+    assert c.plan == Plan(adapter="lora:r=4,alpha=1,targets=all-linear", max_grad_norm=1.0)
+    assert [w.split(": ", 1)[1].split(";")[0] for w in c.warnings] == [
+        "the text encoders are trained too (no network_train_unet_only)", "latents are not cached (cache_latents)",
+        "text-encoder outputs are not cached (cache_text_encoder_outputs)"]
+
+
+@pytest.mark.parametrize("files,workload", [({"ae": "a"}, "dit-flux"), ({"clip_g": "g", "t5xxl": "t"}, "dit-sd3"),
+                                            ({"gemma2": "g"}, "dit-lumina2")])
+def test_a_checkpoint_files_model_is_named_by_the_files_beside_it(files, workload):
+    data = {"pretrained_model_name_or_path": "/m/model.safetensors", **files}
+    assert map_config(data, "c.toml", CARD).workload == workload
+    schnell = {**MINIMAL, "pretrained_model_name_or_path": "/m/flux1-schnell.safetensors"}
+    assert map_config(schnell, "c.toml", CARD).workload == "dit-flux:guidance_embeds=false"
+
+
+def test_a_dataset_config_gives_the_largest_batch_of_pixels(tmp_path):
+    (tmp_path / "sets.toml").write_text('[general]\nresolution = 512\nbatch_size = 4\n\n[[datasets]]\n\n'
+                                        '[[datasets]]\nresolution = [1216, 832]\nbatch_size = 2\n')
+    c = map_config({**MINIMAL, "dataset_config": "sets.toml", "train_batch_size": 8}, "c.toml", CARD, base=tmp_path)
+    assert (c.batch_size, c.resolution) == (2, (1216, 832))  # (2 x 1216 x 832 pixels over 4 x 512 x 512)
+    assert c.warnings[0].endswith("has 2 datasets of different sizes; memfit estimates the largest batch of pixels "
+                                  "(2 at 1216x832 px)")
+    c = map_config({**MINIMAL, "dataset_config": "gone.toml", "resolution": 768}, "c.toml", CARD, base=tmp_path)
+    assert (c.batch_size, c.resolution) == (1, 768) and "dataset_config gone.toml not found" in c.warnings[0]
+
+
+def test_unmapped_arguments_are_named_one_a_line():
+    c = map_config({**MINIMAL, "split_mode": True, "t5xxl_max_token_length": 256}, "c.toml", CARD)
+    assert [w.split(": ", 1)[1] for w in c.warnings] == [
+        "split_mode is not mapped; the estimate ignores it", "t5xxl_max_token_length is not mapped; the estimate ignores it"]
+
+
+@pytest.mark.parametrize("key", sorted(REFUSED))
+def test_every_refused_argument_names_itself(key):
+    with pytest.raises(UserError, match=f"c.toml: {key}: "):
+        map_config({**MINIMAL, key: "something"}, "c.toml", CARD)
+
+
+@pytest.mark.parametrize("change,error", [
+    ({"network_module": "lycoris.kohya"}, "network_module 'lycoris.kohya' is not one memfit runs; memfit models LoRA"),
+    ({"optimizer_type": "Prodigy"}, "optimizer_type 'Prodigy' is not one memfit runs; use AdamW, AdamW8bit"),
+    ({"fp8_base": True}, "fp8_base without a network_module trains nothing"),
+    ({"mixed_precision": "fp8"}, "mixed_precision 'fp8': use no, fp16 or bf16"),
+    ({"resolution": "1024,"}, "resolution must be a size in pixels or width,height (1024, or 1216,832), got '1024,'"),
+    ({"train_batch_size": 0}, "train_batch_size must be a whole number >= 1, got 0"),
+    ({"pretrained_model_name_or_path": ""}, "no pretrained_model_name_or_path; the config names the model it trains"),
+])
+def test_bad_arguments_are_one_line(change, error):
+    with pytest.raises(UserError) as e:
+        map_config({**MINIMAL, **change}, "c.toml", CARD)
+    assert str(e.value).startswith("--from c.toml: ") and error in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_file_that_is_not_toml_or_not_a_config(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("network_dim = = 4\n")
+    with pytest.raises(UserError, match=r"bad.toml: not valid TOML \("):
+        read_training_config(bad, CARD)
+    with pytest.raises(UserError, match=r"give an axolotl config \(.yml\) or a kohya-ss sd-scripts config \(.toml\)"):
+        read_training_config(tmp_path / "config.json", CARD)
+    with pytest.raises(UserError, match=r"give a workload or --from .*, not both"):
+        read_training_config(Path(__file__).resolve().parents[1] / "data" / "axolotl" / "lora-llama.yml", CARD, "gpt2")
