@@ -70,28 +70,16 @@ def test_bad_resolution_is_one_line(folder, argv, message):
 
 
 def test_resolution_sizes_the_estimate():
-    """Twice the resolution, four times the image tokens (64 -> 256, beside 256 caption tokens):
-    the activations grow with the joint sequence (320 -> 512), and the report names the resolution."""
-    peaks = {}
-    for res in ("128", "256"):
-        argv = ["estimate", LUMINA, "--resolution", res, "-b", "1", "--json"]
-        rc, out, err = run(argv)
-        check(argv, rc, err)
-        report = json.loads(out)
-        assert report["workload"] == f"dit-lumina2 {res}px"
-        peaks[res] = report["breakdown"]["activations"]
-    assert peaks["256"] > 1.4 * peaks["128"]
-
-
-def test_a_resolution_wider_than_high_sizes_the_estimate():
-    """``--resolution 192x128`` (width by height) is the image's size: 12 x 8 patches of tokens where 128 px
-    square has 8 x 8, so the activations grow; the report names it as given."""
+    """Twice the resolution, four times the image tokens (64 -> 256, beside 256 caption tokens): the
+    activations grow with the joint sequence (320 -> 512). ``--resolution 192x128`` (width by height; kohya's
+    ``192,128`` too) is 12 x 8 patches where 128 px square has 8 x 8. The report names the size."""
     acts = {}
-    for res in ("128", "192x128"):
+    for res, name in (("128", "128px"), ("256", "256px"), ("192x128", "192x128px"), ("192,128", "192x128px")):
         argv = ["estimate", LUMINA, "--resolution", res, "-b", "1", "--json"]
         rc, out, err = run(argv)
         check(argv, rc, err)
         report = json.loads(out)
-        assert report["workload"] == f"dit-lumina2 {res}px"
+        assert report["workload"] == f"dit-lumina2 {name}"
         acts[res] = report["breakdown"]["activations"]
-    assert acts["192x128"] > 1.1 * acts["128"]
+    assert acts["256"] > 1.4 * acts["128"] and acts["192x128"] > 1.1 * acts["128"]
+    assert acts["192,128"] == acts["192x128"]
