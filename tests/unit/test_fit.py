@@ -201,3 +201,16 @@ def test_a_recipe_over_the_host_memory_is_passed_over_for_paged_states_and_the_c
     below = fit_table(workload, parse_methods("full"), [small], budget="100%", max_world=2,
                       host_memory=f"{tight}B").cells[("small", "full")]
     assert below.host_bytes <= tight and "paged needs " in below.passed_over, below
+
+
+def test_the_header_says_a_size_once():
+    """An image model's name says a size other than its own (``dit-flux 1216x832px``): the header does not
+    repeat it; a native size or a sequence length is said beside the name."""
+    from memfit.planner.fit import FitTable
+    from memfit.report.fit import markdown
+    cards = [GPU_PRESETS["rtx4090"]]
+    for name, sizes, said in (("dit-flux 1216x832px", "1216x832 px", "dit-flux 1216x832px · 1 cards"),
+                              ("dit-wan 832x480px", "832x480 px", "dit-wan 832x480px · 1 cards"),
+                              ("dit-flux", "1024 px", "dit-flux · 1024 px · 1 cards"),
+                              ("llama", "seq 2048", "llama · seq 2048 · 1 cards")):
+        assert markdown(FitTable(name, sizes, "images/s", [], cards)).startswith(f"`memfit fit` {said}"), name

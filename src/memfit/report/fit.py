@@ -49,8 +49,15 @@ def _passed_over(table) -> list[tuple[str, str, str]]:
     return [(method, ", ".join(cards), passed) for (method, passed), cards in seen.items()]
 
 
+def _named(table) -> str:
+    """The workload and its sizes, once (an image model's name already says a size other than its own:
+    ``dit-flux 1216x832px``)."""
+    said = table.sizes.replace(" px", "px") in table.workload
+    return table.workload if said or not table.sizes else f"{table.workload} · {table.sizes}"
+
+
 def _header(table) -> str:
-    return (f"{table.workload} · {table.sizes} · {len(table.cards)} cards ({table.groups} architectures) · "
+    return (f"{_named(table)} · {len(table.cards)} cards ({table.groups} architectures) · "
             f"{table.traces} traces ({table.full_traces} at full depth"
             + (f"; {table.shared} plans shared by architectures that trace alike" if table.shared else "")
             + f") · {table.seconds:.1f} s")
@@ -130,7 +137,7 @@ def save_fit_png(table, path: str | Path) -> Path:
     grid.auto_set_font_size(False)
     grid.set_fontsize(7)
     grid.scale(1, 2.2)
-    ax.set_title(f"memfit fit {table.workload} · {table.sizes}", fontsize=9)
+    ax.set_title(f"memfit fit {_named(table)}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
