@@ -96,6 +96,7 @@ def test_a_wan_hub_ids_clip_takes_frames_and_width_as_dit_wan_does_and_other_fie
     wl = load_workload(f"{ID}:frames=5,width=96,num_layers=2", resolution=64)
     assert wl.batch(1)["hidden_states"].shape == (1, 16, 2, 8, 12)  # (5 frames: 2 latent; 96 x 64 px: 12 x 8)
     assert wl.info.config["num_layers"] == 2 and wl.info.config["frames"] == 5
+    assert wl.name == f"{ID}:num_layers=2 96x64px 5 frames"  # (the sizes said once, after the name)
     hub_cache("org/qwen-image", None, files=pipeline("transformer", QWEN_IMAGE, "QwenImagePipeline"))
     with pytest.raises(UserError, match="its config has no field 'frames'"):
         load_workload("org/qwen-image:frames=5", resolution=64)
@@ -108,6 +109,7 @@ def test_a_pipelines_hub_id_takes_a_width_as_the_built_ins_do(hub_cache, no_netw
     hub_cache(ID, None, files=pipeline("unet", UNET))
     assert shapes(load_workload(ID, resolution=(96, 64)))["sample"] == (2, 4, 8, 12)
     assert shapes(load_workload(f"{ID}:width=96", resolution=64))["sample"] == (2, 4, 8, 12)
+    assert load_workload(f"{ID}:width=96", resolution=64).name == f"{ID} 96x64px"
     hub_cache("org/flux", None, files=pipeline("transformer", FLUX_SCHNELL, "FluxPipeline"))
     wl = load_workload("org/flux", resolution=(96, 64))
     assert wl.batch(1)["hidden_states"].shape == (1, 4 * 6, 16) and wl.name == "org/flux 96x64px"

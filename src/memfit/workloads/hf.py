@@ -249,6 +249,10 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
     path = diffusers_folders.pipeline_denoiser(path, where) or path
     data = _read_config_json(path, where)
     clip = diffusers_folders.size_overrides(data, overrides)  # (an image's width=, a Wan clip's frames=: not config fields)
+    if clip and name and ":" in name:  # (the name says the sizes after it: dit-wan's "832x480px 33 frames")
+        head, _, text = name.rpartition(":")
+        rest = [kv for kv in text.split(",") if kv.split("=", 1)[0].strip() not in clip]
+        name = f"{head}:{','.join(rest)}" if rest else head
     data = apply_overrides(data, {k: v for k, v in (overrides or {}).items() if k not in clip}, where)
     if isinstance(resolution, tuple) and diffusers_folders.is_diffusers_config(data):
         resolution, clip = split_resolution(resolution, clip, where)  # NOTE [ A resolution's width ]
