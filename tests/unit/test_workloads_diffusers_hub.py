@@ -142,5 +142,5 @@ def test_resolution_on_a_transformers_folder_is_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2}))
     with pytest.raises(UserError, match="--resolution applies to image models"):
         load_workload(str(tmp_path), resolution=256)
-    with pytest.raises(UserError, match="--resolution WIDTHxHEIGHT applies to image- and video-generation models"):
+    with pytest.raises(UserError, match="--resolution applies to image models"):
         load_workload(str(tmp_path), resolution=(256, 128))

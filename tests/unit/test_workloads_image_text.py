@@ -120,6 +120,17 @@ def test_resolution_sizes_the_image_and_a_saved_processor_config_wins(tmp_path):
     assert "(64 patches, 16 image tokens)" in load_workload(capped, seq_len=320).info.sample
 
 
+def test_an_image_wider_than_high_is_its_processors_and_runs_within_one_percent(tmp_path):
+    """``--resolution 448x224`` (width by height: NOTE [ A resolution's width ]): Qwen2.5-VL keeps the
+    aspect, 32 x 16 patches of 14 px merged 2x2 into 128 tokens, where 224 px square makes 64; the real step
+    is within 1% of its prediction."""
+    path = folder(tmp_path, QWEN25)
+    wl = load_workload(path, seq_len=320, resolution=(448, 224))
+    assert wl.info.sample.startswith("a 448x224 image (512 patches, 128 image tokens)")
+    r = profile(path, Plan(), batch_size=2, seq_len=320, resolution=(448, 224), repeats=0)
+    assert r.predicted.method == "fake" and abs(r.error_percent) < 1.0, r.error_percent
+
+
 def test_the_language_model_keeps_no_cache_under_checkpointing(tmp_path):
     """memfit turned the KV cache off in the top config only; Gemma 3's language model reads its own
     (text_config.use_cache: true in every checkpoint), so each layer filled a cache, and recomputing a

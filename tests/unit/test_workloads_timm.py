@@ -30,6 +30,16 @@ def test_a_timm_model_runs_for_real_within_one_percent_at_another_resolution(hub
     assert r.predicted.method == "fake" and abs(r.error_percent) < 1.0, r.error_percent
 
 
+def test_a_timm_vit_takes_an_image_wider_than_high(hub_cache, no_network):
+    """``--resolution 64x32`` (width by height): images [B, 3, 32, 64], a ViT built for them (its fixed
+    position table: img_size=(32, 64), 8 patches of 16 px), run for real within 1%."""
+    hub_cache("timm/vit.toy", VIT)
+    wl = load_workload("timm/vit.toy", resolution=(64, 32))
+    assert tuple(wl.batch(2)[0].shape) == (2, 3, 32, 64) and wl.info.sample == "a 64x32 image and its class"
+    r = profile("timm/vit.toy", Plan(), batch_size=2, resolution=(64, 32), repeats=0)
+    assert r.predicted.method == "fake" and abs(r.error_percent) < 1.0, r.error_percent
+
+
 @pytest.mark.parametrize("args,error", [
     (["estimate", "timm/none.x"], "timm/none.x: timm 1.0"),
     (["estimate", "timm/resnet18.toy", "--seq-len", "64"], "--seq-len does not apply to an image model"),

@@ -60,8 +60,8 @@ def add_resolution_arg(p: argparse.ArgumentParser, more: str = "") -> None:
     p.add_argument("--resolution", metavar="PX", help="image size in pixels for the image- and video-generation "
                                                       "models (dit-flux, unet-sdxl, ...; default: the model's native, "
                                                       "e.g. 1024): PX square, or WIDTHxHEIGHT (e.g. 1216x832); their "
-                                                      "latents are PX/8 on a side; a vision-language model's image "
-                                                      "side (0: text only)" + more)
+                                                      "latents are PX/8 on a side; a timm model's or vision-language "
+                                                      "model's image (0: text only)" + more)
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:

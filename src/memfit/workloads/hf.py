@@ -256,9 +256,6 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
     data = apply_overrides(data, {k: v for k, v in (overrides or {}).items() if k not in clip}, where)
     if isinstance(resolution, tuple) and diffusers_folders.is_diffusers_config(data):
         resolution, clip = split_resolution(resolution, clip, where)  # NOTE [ A resolution's width ]
-    elif isinstance(resolution, tuple):
-        raise UserError(f"{where}: --resolution WIDTHxHEIGHT applies to image- and video-generation models (diffusers' "
-                        "denoisers); give one side in pixels")
     if resolution == image_text.TEXT_ONLY and (diffusers_folders.is_diffusers_config(data) or
                                                 timm_folders.is_timm_config(data)):
         raise UserError(f"{where}: --resolution 0 (text only) applies to vision-language models; give the "

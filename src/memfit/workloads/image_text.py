@@ -65,8 +65,8 @@ class OneImage:
     """The processor's outputs for one image (``pixel_values``, ``image_grid_thw``, ...)."""
     tokens: int
     """Image tokens the sample's sequence holds for it."""
-    side: int
-    """Pixels a side of the image fed to the processor."""
+    size: str
+    """The image fed to the processor, width by height in pixels (``448x448``)."""
     shape: str
     """What the processor made of it, in words (``1024 patches``, ``5 tiles of 384x384``)."""
 
@@ -110,7 +110,7 @@ def image_text_batch(cls, config, folder: Path | None, seq: int, vocab: int, res
     start = 1 + (getattr(config, "vision_start_token_id", None) is not None)
     end = start + image.tokens + (getattr(config, "vision_end_token_id", None) is not None)
     if end >= seq:
-        raise UserError(f"{where}: a {image.side}x{image.side} image takes {image.tokens} tokens, more than "
+        raise UserError(f"{where}: a {image.size} image takes {image.tokens} tokens, more than "
                         f"--seq-len {seq} holds with its text; raise --seq-len or lower --resolution")
     high, avoid = _text_ids(config, vocab)
     filler = max(set(range(high - len(avoid) - 1, high)) - set(avoid))  # (a text id that is no special one)
@@ -147,7 +147,7 @@ def image_text_batch(cls, config, folder: Path | None, seq: int, vocab: int, res
             out["cross_attention_mask"] = mask
         return out
 
-    sample = (f"a {image.side}x{image.side} image ({image.shape}, {image.tokens} image tokens) in "
+    sample = (f"a {image.size} image ({image.shape}, {image.tokens} image tokens) in "
               f"{seq} tokens")
     return batch, sample
 
@@ -223,17 +223,19 @@ def _copies(t: torch.Tensor, n: int) -> torch.Tensor:
     return torch.tensor(t.tolist(), dtype=t.dtype).repeat(n, *([1] * (t.dim() - 1)))
 
 
-def one_image(cls, config, folder: Path | None, resolution: int | None) -> OneImage:
-    """One sample's image made by the model's processor, and the image tokens it takes."""
+def one_image(cls, config, folder: Path | None, resolution: int | tuple[int, int] | None) -> OneImage:
+    """One sample's image made by the model's processor, and the image tokens it takes; ``resolution``: its
+    side, or its (width, height)."""
     processor = image_processor(config, folder)
     vision = getattr(config, "vision_config", None)
     size = getattr(vision, "image_size", None)
     size = size[0] if isinstance(size, (list, tuple)) and size else size
-    side = resolution or (size if isinstance(size, int) else DEFAULT_SIDE)
+    side = size if isinstance(size, int) else DEFAULT_SIDE
+    width, height = resolution if isinstance(resolution, tuple) else (resolution or side,) * 2  # (NOTE [ A resolution's width ])
     try:
         import numpy as np
         from PIL import Image
-        pixels = np.random.default_rng(0).integers(0, 256, (side, side, 3), dtype=np.uint8)
+        pixels = np.random.default_rng(0).integers(0, 256, (height, width, 3), dtype=np.uint8)
         made = processor(images=[Image.fromarray(pixels)], return_tensors="pt")
     except ImportError as e:
         raise TextOnly(f"making its image needs {e.name} (pip install pillow torchvision)") from None
@@ -242,7 +244,7 @@ def one_image(cls, config, folder: Path | None, resolution: int | None) -> OneIm
     inputs = {k: v for k, v in made.items() if isinstance(v, torch.Tensor)}
     if "pixel_values" not in inputs:
         raise TextOnly(f"its image processor {type(processor).__name__} makes no pixel_values")
-    return OneImage(inputs=inputs, tokens=_image_tokens(cls, config, inputs), side=side,
+    return OneImage(inputs=inputs, tokens=_image_tokens(cls, config, inputs), size=f"{width}x{height}",
                     shape=_shape_words(inputs["pixel_values"]))
 
 

@@ -27,7 +27,8 @@ def is_timm_config(data: dict) -> bool:
     return isinstance(data.get("architecture"), str) and "model_type" not in data and "_class_name" not in data
 
 
-def timm_workload(data: dict, name: str, where: str, seq_len: int | None, resolution: int | None) -> Workload:
+def timm_workload(data: dict, name: str, where: str, seq_len: int | None,
+                  resolution: int | tuple[int, int] | None) -> Workload:
     """The workload of a timm checkpoint's config.json (see the module's NOTE)."""
     try:
         import timm
@@ -45,10 +46,10 @@ def timm_workload(data: dict, name: str, where: str, seq_len: int | None, resolu
     kwargs = {"num_classes": classes, **(data.get("model_args") or {})}
     if isinstance(data.get("global_pool"), str):
         kwargs["global_pool"] = data["global_pool"]
-    if resolution is not None:
-        height = width = resolution
+    if resolution is not None:  # (a side, or (width, height): NOTE [ A resolution's width ])
+        width, height = resolution if isinstance(resolution, tuple) else (resolution, resolution)
         if pretrained.get("fixed_input_size"):
-            kwargs["img_size"] = resolution
+            kwargs["img_size"] = (height, width) if width != height else height
 
     def model():
         return timm.create_model(arch, pretrained=False, **kwargs)
@@ -60,5 +61,5 @@ def timm_workload(data: dict, name: str, where: str, seq_len: int | None, resolu
         return F.cross_entropy(m(b[0]), b[1])
 
     return Workload(model=model, batch=batch, loss=loss, name=name, default_batch_size=32, from_checkpoint=True,
-                    info=WorkloadInfo(arch=arch, sample=f"a {height}x{width} image and its class",
+                    info=WorkloadInfo(arch=arch, sample=f"a {width}x{height} image and its class",
                                       config={"model_class": f"timm {arch}", "classes": classes}))
