@@ -24,28 +24,67 @@ def test_a_flux_lora_for_12_gb_as_sd_scripts_trains_it():
     c = read_training_config(DATA / "flux-lora-12gb.toml", CARD)
     assert c.workload == "dit-flux" and (c.batch_size, c.micro_batch_size, c.resolution) == (2, 2, 1024)
     assert c.plan == Plan(adapter="lora:r=16,alpha=16,targets=all-linear", base_weights="fp8", precision="bf16",
-                          checkpointing="blocks", swap_blocks=18, optimizer="adamw8bit", max_grad_norm=1.0)
-    assert c.warnings == ()
+                          checkpointing="blocks", swap_blocks=39, optimizer="adamw8bit", max_grad_norm=1.0)
+    assert [w.split(": ", 1)[1] for w in c.warnings] == [
+        "blocks_to_swap 18 swaps 9 double- and 18 single-stream blocks of FLUX; memfit swaps about as many bytes as "
+        "its last 39 blocks (swap_blocks 39)"]
     assert c.summary().endswith("dit-flux · batch 2 · 1024 px · " + c.plan.describe())
 
 
 def test_an_sdxl_lora_of_a_checkpoint_file_takes_the_model_named_beside_it():
     """A checkpoint file does not say which UNet it holds: the workload named beside --from is the model,
-    else one line asks for it; ``resolution = "1216,832"`` is width by height; offloaded checkpointing is
-    blocks with their inputs in host memory; full_fp16 and network_args are each named in a warning."""
+    else one line asks for it; ``resolution = "1216,832"`` is width by height; fp16 is a bound (memfit has
+    no fp16 weights) and network_args are not mapped, each said in one line."""
     with pytest.raises(UserError, match=r"checkpoint file \(sd_xl_base_1.0.safetensors\) whose model the config does "
                                         r"not say; name it beside --from: memfit estimate unet-sdxl --from"):
         read_training_config(DATA / "sdxl-lora.toml", CARD)
     c = read_training_config(DATA / "sdxl-lora.toml", CARD, "unet-sdxl")
     assert (c.workload, c.batch_size, c.micro_batch_size, c.resolution) == ("unet-sdxl", 8, 4, (1216, 832))
-    assert c.plan == Plan(adapter="lora:r=32,alpha=16,targets=all-linear,dropout=0.1", precision="fp16",
-                          checkpointing="blocks", offload=["activations"], optimizer="adamw8bit-paged",
-                          micro_batch_size=4, max_grad_norm=None)
+    assert c.plan == Plan(adapter="lora:r=32,alpha=16,targets=all-linear", precision="fp16", checkpointing="blocks",
+                          optimizer="adamw8bit-paged", micro_batch_size=4, max_grad_norm=None)
     assert c.plan.micro_batches(c.batch_size) == (4, 2)
     assert [w.split(": ", 1)[1].split(";")[0] for w in c.warnings] == [
-        "network_args are not mapped",
-        "full_fp16 is taken as fp16 autocast (memfit has no fp16 weights and gradients: its fp32 weights are a bound)"]
+        "network_args are not mapped (conv_dim, train_blocks, ...)", "memfit has no fp16 weights"]
     assert "1216x832 px" in c.summary()
+
+
+def test_precision_is_sd_scripts_or_the_nearest_said():
+    """LoRA scripts cast the frozen base to the mixed precision's dtype (fp32 LoRA weights): bf16-pure, said,
+    but bf16 autocast over an fp8 base; full_bf16: bf16-pure; full fine-tuning keeps fp32 weights: autocast."""
+    def mapped(**kw):
+        c = map_config({**MINIMAL, "network_train_unet_only": True, **kw}, "c.toml", CARD)
+        return c.plan.precision, [w.split(": ", 1)[1][:40] for w in c.warnings]
+    lora = {"network_module": "networks.lora_flux"}
+    assert mapped(**lora, mixed_precision="bf16") == ("bf16-pure", ["mixed_precision bf16 casts the frozen ba"])
+    assert mapped(**lora, mixed_precision="bf16", fp8_base=True) == ("bf16", [])
+    assert mapped(**lora, mixed_precision="bf16", full_bf16=True) == ("bf16-pure", [])
+    assert mapped(mixed_precision="bf16") == ("bf16", []) and mapped(mixed_precision="bf16", full_bf16=True)[0] == "bf16-pure"
+    assert mapped(**lora, mixed_precision="fp16") == ("fp16", ["memfit has no fp16 weights; its fp16 aut"])
+
+
+def test_sd_scripts_own_rules_for_memory_flags():
+    """An SD/SDXL UNet without sdpa, xformers or mem_eff_attn computes the whole score matrix (``attention:
+    math``); fused_backward_pass is full fine-tuning's, with Adafactor; FLUX's offloaded checkpointing is the
+    blocks' inputs on the host, and neither it with swapped blocks nor an SD UNet's is run by sd-scripts."""
+    sd = {"pretrained_model_name_or_path": "/m/v1-5.safetensors"}
+    assert map_config(sd, "c.toml", CARD, "unet-sd15").plan.attention == "math"
+    assert map_config({**sd, "sdpa": True}, "c.toml", CARD, "unet-sd15").plan.attention == "auto"
+    fused = map_config({**MINIMAL, "optimizer_type": "Adafactor", "fused_backward_pass": True}, "c.toml", CARD).plan
+    assert fused.optimizer_in_backward and fused.max_grad_norm is None  # (sd-scripts clips each gradient in its hook)
+    c = map_config({**MINIMAL, "network_module": "networks.lora_flux", "fused_backward_pass": True}, "c.toml", CARD)
+    assert not c.plan.optimizer_in_backward and "fused_backward_pass does nothing" in " ".join(c.warnings)
+    c = map_config({**MINIMAL, "gradient_checkpointing": True, "cpu_offload_checkpointing": True}, "c.toml", CARD)
+    assert c.plan.checkpointing == "blocks" and c.plan.offload == ("activations",)
+    for bad, error in ((dict(optimizer_type="AdamW", fused_backward_pass=True), "fused_backward_pass: sd-scripts takes "
+                        "it with optimizer_type Adafactor"),
+                       (dict(gradient_checkpointing=True, cpu_offload_checkpointing=True, blocks_to_swap=8),
+                        "cpu_offload_checkpointing and blocks_to_swap: sd-scripts refuses the two together"),
+                       (dict(use_8bit_adam=True, optimizer_type="AdamW"), "use_8bit_adam and optimizer_type are both"),
+                       (dict(model_type="chroma"), "model_type 'chroma': memfit builds FLUX.1 from a checkpoint file")):
+        with pytest.raises(UserError, match=error):
+            map_config({**MINIMAL, **bad}, "c.toml", CARD)
+    with pytest.raises(UserError, match="sd-scripts' SD and SDXL UNets take no offloaded checkpointing"):
+        map_config({**sd, "gradient_checkpointing": True, "cpu_offload_checkpointing": True}, "c.toml", CARD, "unet-sdxl")
 
 
 def test_defaults_and_what_runs_in_the_step_are_named():
@@ -59,15 +98,37 @@ def test_defaults_and_what_runs_in_the_step_are_named():
     assert [w.split(": ", 1)[1].split(";")[0] for w in c.warnings] == [
         "the text encoders are trained too (no network_train_unet_only)", "latents are not cached (cache_latents)",
         "text-encoder outputs are not cached (cache_text_encoder_outputs)"]
+    assert c.plan.attention == "auto"  # (FLUX's attention is sd-scripts' SDPA)
 
 
 @pytest.mark.parametrize("files,workload", [({"ae": "a"}, "dit-flux"), ({"clip_g": "g", "t5xxl": "t"}, "dit-sd3"),
-                                            ({"gemma2": "g"}, "dit-lumina2")])
+                                            ({"gemma2": "g", "ae": "a"}, "dit-lumina2")])  # (Lumina takes an ae too)
 def test_a_checkpoint_files_model_is_named_by_the_files_beside_it(files, workload):
     data = {"pretrained_model_name_or_path": "/m/model.safetensors", **files}
     assert map_config(data, "c.toml", CARD).workload == workload
     schnell = {**MINIMAL, "pretrained_model_name_or_path": "/m/flux1-schnell.safetensors"}
     assert map_config(schnell, "c.toml", CARD).workload == "dit-flux:guidance_embeds=false"
+
+
+@pytest.mark.parametrize("n,last", [(1, 2), (8, 18), (18, 39), (35, 54)])
+def test_fluxs_blocks_to_swap_is_as_many_bytes_of_memfits_last_blocks(n, last):
+    """sd-scripts swaps n // 2 double-stream and (n - n // 2) * 2 single-stream blocks of FLUX: memfit's last
+    blocks (the 38 singles first, then doubles) of the nearest bytes, within half a double block, checked on
+    FLUX.1-dev's own blocks; past sd-scripts' 17 doubles and 36 singles it is one line."""
+    import torch
+
+    from memfit.techniques.swap_blocks import model_blocks
+    from memfit.workloads import load_workload
+    c = map_config({**MINIMAL, "blocks_to_swap": n}, "c.toml", CARD)
+    assert c.plan.swap_blocks == last
+    with torch.device("meta"):
+        blocks = model_blocks(load_workload("dit-flux").model())
+    size = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    theirs = sum(size[19 - n // 2:19]) + sum(size[57 - (n - n // 2) * 2:])
+    assert abs(sum(size[57 - last:]) - theirs) <= size[0] / 2, (sum(size[57 - last:]), theirs)
+    with pytest.raises(UserError, match="blocks_to_swap 36 swaps 18 double and 36 single blocks of FLUX; sd-scripts "
+                                        r"swaps at most 17 and 36 \(blocks_to_swap <= 35\)"):
+        map_config({**MINIMAL, "blocks_to_swap": 36}, "c.toml", CARD)
 
 
 def test_a_dataset_config_gives_the_largest_batch_of_pixels(tmp_path):
@@ -82,9 +143,11 @@ def test_a_dataset_config_gives_the_largest_batch_of_pixels(tmp_path):
 
 
 def test_unmapped_arguments_are_named_one_a_line():
-    c = map_config({**MINIMAL, "split_mode": True, "t5xxl_max_token_length": 256}, "c.toml", CARD)
+    c = map_config({**MINIMAL, "network_train_unet_only": True, "t5xxl_max_token_length": 256, "lr_warmup": 9},
+                   "c.toml", CARD)
     assert [w.split(": ", 1)[1] for w in c.warnings] == [
-        "split_mode is not mapped; the estimate ignores it", "t5xxl_max_token_length is not mapped; the estimate ignores it"]
+        "t5xxl_max_token_length is not mapped; the estimate ignores it", "lr_warmup is not mapped; the estimate ignores it"]
+    assert map_config({**MINIMAL, "split_mode": True}, "c.toml", CARD).plan.swap_blocks == 39  # (sd-scripts: 18)
 
 
 @pytest.mark.parametrize("key", sorted(REFUSED))

@@ -4,35 +4,40 @@ merged into one set of arguments; a ``dataset_config`` it names is read for the 
 
 | sd-scripts argument | memfit |
 |---|---|
-| ``pretrained_model_name_or_path`` | the workload where it is a diffusers repository (a hub id or a folder); a checkpoint file: the built-in its other files name (``ae``: ``dit-flux``; ``clip_g``: ``dit-sd3``; ``gemma2``: ``dit-lumina2``), or the workload named beside ``--from`` |
-| ``network_module`` ``networks.lora*``; none | ``adapter: lora:r=network_dim,alpha=network_alpha,targets=all-linear``; none: full fine-tuning |
-| ``network_dropout`` | the adapter's ``dropout`` |
-| ``resolution`` (``1024`` or ``1216,832``: width, height) | the image's size (``--resolution 1216x832``) |
+| ``pretrained_model_name_or_path`` | the workload where it is a diffusers repository (a hub id or a folder); a checkpoint file: the built-in its other files name (``gemma2``: ``dit-lumina2``; ``clip_g``: ``dit-sd3``; ``ae``: ``dit-flux``), or the workload named beside ``--from`` |
+| ``network_module`` ``networks.lora*``; none | ``adapter: lora:r=network_dim,alpha=network_alpha,targets=all-linear`` (sd-scripts' defaults 4 and 1); none: full fine-tuning |
+| ``resolution`` (``"1024"`` or ``"1216,832"``: width, height) | the image's size (``--resolution 1216x832``) |
 | ``train_batch_size`` x ``gradient_accumulation_steps`` | the global batch, split into micro-batches of ``train_batch_size`` |
 | ``dataset_config``'s ``resolution`` and ``batch_size`` | the same, over the training config's (the dataset with the largest batch of pixels) |
-| ``mixed_precision`` bf16 / fp16; ``full_bf16`` | ``precision: bf16`` / ``fp16`` (autocast); ``bf16-pure`` |
-| ``fp8_base``, ``fp8_base_unet`` | ``base_weights: fp8`` |
-| ``blocks_to_swap`` | ``swap_blocks`` |
-| ``gradient_checkpointing``; ``cpu_offload_checkpointing`` | ``checkpointing: blocks``; with ``offload: activations`` (each checkpointed block's input in host memory) |
+| ``mixed_precision``, ``full_bf16``, ``full_fp16`` | full fine-tuning: ``bf16``/``fp16`` autocast, ``bf16-pure``; LoRA (its frozen base cast to 16 bits): ``bf16-pure``, or ``bf16`` autocast over an fp8 base; fp16 is a bound (memfit has no fp16 weights), said |
+| ``fp8_base``, ``fp8_base_unet`` | ``base_weights: fp8`` (memfit's carries a scale per row; sd-scripts' is a plain cast) |
+| ``blocks_to_swap`` (``split_mode``: 18) | ``swap_blocks``; of FLUX, about the same bytes (sd-scripts swaps N/2 double-stream blocks and N single-stream ones; memfit its last blocks, the singles first: 18 is 39) |
+| ``gradient_checkpointing``; ``cpu_offload_checkpointing`` | ``checkpointing: blocks``; with ``offload: activations`` (each checkpointed block's input in host memory; FLUX and SD3) |
+| ``sdpa``, ``xformers``, ``mem_eff_attn`` (SD, SDXL) | fused attention; none of them: ``attention: math`` (sd-scripts' UNet then holds the whole score matrix) |
 | ``optimizer_type`` (``use_8bit_adam``) | ``AdamW``: ``adamw``; ``AdamW8bit``: ``adamw8bit``; ``PagedAdamW8bit``: ``adamw8bit-paged``; ``PagedAdamW``, ``PagedAdamW32bit``: ``adamw-paged``; ``Adafactor``: ``adafactor``; ``SGDNesterov``: ``sgd`` |
-| ``fused_backward_pass`` | ``optimizer_in_backward`` |
+| ``fused_backward_pass`` (full fine-tuning, Adafactor) | ``optimizer_in_backward`` (sd-scripts clips each gradient alone there: no global norm) |
 | ``max_grad_norm`` (sd-scripts' default 1.0; 0: none) | ``max_grad_norm`` |
 
 What the estimate ignores, and how it says so:
 
 - **Refused, one line**: ``deepspeed`` (memfit shards with FSDP2: ``--world-size``), a ``network_module``
   other than LoRA (LyCORIS, OFT, DyLoRA), ``network_train_text_encoder_only``, an optimizer memfit does
-  not run (Lion, Prodigy, D-Adaptation, ...), and a checkpoint file whose model the config does not name.
-- **Warned, one line each**: ``full_fp16`` (taken as fp16 autocast, whose fp32 weights are a bound);
-  latents or text-encoder outputs not cached (memfit's batch is the cached tensors: the VAE or text
-  encoders running in the step are not in the estimate); text encoders trained; ``network_args`` (memfit's
-  LoRA adapts every linear layer of the denoiser: a bound where they train fewer); any other argument set.
+  not run (Lion, Prodigy, D-Adaptation, ...), a checkpoint file whose model the config does not name
+  (or a ``model_type`` other than FLUX's), and what sd-scripts itself refuses (offloaded checkpointing of
+  an SD or SDXL UNet, or beside ``blocks_to_swap``; ``fused_backward_pass`` but with Adafactor and no
+  accumulation; ``use_8bit_adam`` beside ``optimizer_type``).
+- **Warned, one line each**: the precision where memfit's nearest differs (above); latents or text-encoder
+  outputs not cached (memfit's batch is the cached tensors: the VAE or text encoders running in the step
+  are not in the estimate); text encoders trained (no ``network_train_unet_only``); FLUX's swapped blocks
+  as memfit counts them; ``network_args``; ``fused_backward_pass`` in a LoRA config (sd-scripts ignores it);
+  any other argument set.
 - **Ignored in silence**: the run around the step (data, captions, buckets, schedule, sampling, saving,
-  logging, the other models' files: :data:`NO_MEMORY_EFFECT`) and the attention flags (``sdpa``,
-  ``xformers``: memfit's CUDA model takes the fused kernels).
+  logging, the other models' files: :data:`NO_MEMORY_EFFECT`), and ``network_dropout`` (sd-scripts drops
+  the rank-r output: a mask of r values a row).
 
-kohya's LoRA adapts each linear layer of the denoiser's transformer blocks; memfit's ``all-linear`` also
-adapts the few outside them (embedders, the final layer): a few MB of parameters and inputs, once a step.
+kohya's LoRA adapts each linear layer of the denoiser's transformer blocks (FLUX's modulations too);
+memfit's ``all-linear`` also adapts the few outside them (embedders, the final layer): a few MB of
+parameters and inputs, once a step.
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ huber_c huber_schedule noise_offset noise_offset_random_strength adaptive_noise_
 multires_noise_discount ip_noise_gamma ip_noise_gamma_random_strength min_snr_gamma debiased_estimation_loss
 scale_v_pred_loss_like_noise_pred v_pred_like_loss zero_terminal_snr v2 v_parameterization clip_skip
 max_token_length apply_t5_attn_mask sdpa xformers mem_eff_attn attn_mode split_attn highvram lowram lowvram
+split_mode model_type
 network_train_unet_only cpu_offload_checkpointing network_module network_dim network_alpha network_dropout
 resolution train_batch_size gradient_accumulation_steps mixed_precision full_bf16 full_fp16 fp8_base fp8_base_unet
 blocks_to_swap gradient_checkpointing optimizer_type use_8bit_adam fused_backward_pass max_grad_norm network_args
@@ -88,9 +94,9 @@ OPTIMIZERS = {"adamw": "adamw", "adamw8bit": "adamw8bit", "pagedadamw8bit": "ada
 """sd-scripts' ``optimizer_type`` (it compares them lower-cased) and memfit's optimizer."""
 
 CHECKPOINT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin", ".sft")
-BY_FILES = (("ae", "dit-flux"), ("clip_g", "dit-sd3"), ("gemma2", "dit-lumina2"))
-"""A checkpoint file's model, by the other model files its script takes (flux_train_network.py's ``ae``,
-sd3_train_network.py's ``clip_g``, lumina_train_network.py's ``gemma2``)."""
+BY_FILES = (("gemma2", "dit-lumina2"), ("clip_g", "dit-sd3"), ("ae", "dit-flux"))
+"""A checkpoint file's model, by the other model files its script takes (lumina_train_network.py's
+``gemma2``, beside its ``ae``; sd3_train_network.py's ``clip_g``; flux_train_network.py's ``ae``)."""
 
 
 def read_config(path: str | Path, device: Device, workload: str | None = None) -> TrainingConfig:
@@ -115,20 +121,16 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
     warnings = [f"kohya config {where}: {key} is not mapped; the estimate ignores it"
                 for key in data if key not in NO_MEMORY_EFFECT and key not in REFUSED]
     model = workload or _model(data, where)
+    family = _family(model, data)
     micro, resolution, more = _dataset(data, where, base)
     warnings += more
     accum = whole(data, "gradient_accumulation_steps", where, 1)
     fields = {**_method(data, where, warnings), **_precision(data, where, warnings), **_optimizer(data, where)}
-    if data.get("gradient_checkpointing"):
-        fields["checkpointing"] = "blocks"
-        if data.get("cpu_offload_checkpointing"):
-            fields["offload"] = ["activations"]
-    if data.get("blocks_to_swap"):
-        fields["swap_blocks"] = whole(data, "blocks_to_swap", where, None)
-    if data.get("fused_backward_pass"):
-        fields["optimizer_in_backward"] = True
+    fields.update(_memory(data, where, family, accum, warnings))
+    if family == "unet" and not any(data.get(k) for k in ("sdpa", "xformers", "mem_eff_attn")):
+        fields["attention"] = "math"  # (sd-scripts' SD/SDXL UNet without them: the whole score matrix)
     norm = data.get("max_grad_norm", 1.0)  # (sd-scripts clips at 1.0 unless told 0)
-    fields["max_grad_norm"] = float(norm) if norm else None
+    fields.setdefault("max_grad_norm", float(norm) if norm else None)
     if accum > 1:
         fields["micro_batch_size"] = micro
     _cached(data, where, warnings)
@@ -137,6 +139,71 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
     except UserError as e:
         raise UserError(f"--from {where}: {str(e).removeprefix('plan: ')}") from None
     return TrainingConfig(where, model, micro * accum, micro, None, plan, tuple(warnings), resolution)
+
+
+def _family(model: str, data: dict) -> str:
+    """Which of sd-scripts' model code trains ``model``: ``flux``, ``lumina``, ``sd3`` or ``unet`` (SD, SDXL)."""
+    name = model.lower()
+    for family, files, words in (("lumina", "gemma2", ("lumina",)), ("sd3", "clip_g", ("sd3", "stable-diffusion-3")),
+                                 ("flux", "ae", ("flux",))):
+        if data.get(files) or any(w in name for w in words):
+            return family
+    return "unet"
+
+
+def _memory(data: dict, where: str, family: str, accum: int, warnings: list[str]) -> dict:
+    """Checkpointing, its offload, swapped blocks and the fused backward pass, as sd-scripts runs them."""
+    fields: dict = {}
+    swap = data.get("blocks_to_swap") or (18 if data.get("split_mode") and family == "flux" else 0)  # (split_mode: 18)
+    offload = data.get("cpu_offload_checkpointing")
+    if offload and family == "unet":
+        raise UserError(f"--from {where}: cpu_offload_checkpointing: sd-scripts' SD and SDXL UNets take no offloaded "
+                        "checkpointing (their forward fails); remove it")
+    if offload and swap and family in ("flux", "sd3"):
+        raise UserError(f"--from {where}: cpu_offload_checkpointing and blocks_to_swap: sd-scripts refuses the two "
+                        "together; keep one")
+    if data.get("gradient_checkpointing"):
+        fields["checkpointing"] = "blocks"
+        if offload and family == "lumina":
+            warnings.append(f"kohya config {where}: cpu_offload_checkpointing does nothing in sd-scripts' Lumina; "
+                            "ignored")
+        elif offload:
+            fields["offload"] = ["activations"]
+    if swap:
+        fields["swap_blocks"] = (_swapped(whole({"blocks_to_swap": swap}, "blocks_to_swap", where, None), where,
+                                          warnings) if family == "flux" else whole(data, "blocks_to_swap", where, None))
+    if data.get("fused_backward_pass"):
+        if data.get("network_module"):
+            warnings.append(f"kohya config {where}: fused_backward_pass does nothing in sd-scripts' LoRA training; "
+                            "ignored")
+        elif str(data.get("optimizer_type", "")).lower() != "adafactor" or accum > 1:
+            raise UserError(f"--from {where}: fused_backward_pass: sd-scripts takes it with optimizer_type Adafactor "
+                            "and gradient_accumulation_steps 1 only")
+        else:  # (sd-scripts clips each gradient alone, in its hook: no global norm to hold)
+            fields.update(optimizer_in_backward=True, max_grad_norm=None)
+    return fields
+
+
+FLUX_DOUBLE, FLUX_SINGLE = 19, 38
+"""FLUX.1's double- and single-stream blocks (memfit's order: the doubles first, then the singles)."""
+FLUX_DOUBLE_WEIGHS = 339_831_296 / 141_591_808
+"""A FLUX.1 double-stream block's parameters over a single-stream block's (2.4)."""
+
+
+def _swapped(n: int, where: str, warnings: list[str]) -> int:
+    """sd-scripts' ``blocks_to_swap`` of FLUX as memfit's ``swap_blocks`` (the last N of the model's blocks):
+    sd-scripts swaps ``n // 2`` double-stream blocks and ``(n - n // 2) * 2`` single-stream ones
+    (``flux_models.Flux.enable_block_swap``); memfit swaps its last blocks, the singles first, of the nearest
+    bytes (within half a double block)."""
+    doubles, singles = n // 2, (n - n // 2) * 2
+    if doubles > FLUX_DOUBLE - 2 or singles > FLUX_SINGLE - 2:
+        raise UserError(f"--from {where}: blocks_to_swap {n} swaps {doubles} double and {singles} single blocks of "
+                        f"FLUX; sd-scripts swaps at most {FLUX_DOUBLE - 2} and {FLUX_SINGLE - 2} (blocks_to_swap <= 35)")
+    weight = doubles * FLUX_DOUBLE_WEIGHS + singles  # (in single blocks)
+    last = round(weight) if weight <= FLUX_SINGLE else FLUX_SINGLE + round((weight - FLUX_SINGLE) / FLUX_DOUBLE_WEIGHS)
+    warnings.append(f"kohya config {where}: blocks_to_swap {n} swaps {doubles} double- and {singles} single-stream "
+                    f"blocks of FLUX; memfit swaps about as many bytes as its last {last} blocks (swap_blocks {last})")
+    return last
 
 
 def _toml(path: Path, where: str, what: str) -> dict:
@@ -161,6 +228,9 @@ def _model(data: dict, where: str) -> str:
     name = name.strip()
     if not name.lower().endswith(CHECKPOINT_SUFFIXES):
         return name  # (a diffusers folder or hub id: memfit reads its model_index.json and config.json)
+    if str(data.get("model_type", "flux")).lower() != "flux":
+        raise UserError(f"--from {where}: model_type {data['model_type']!r}: memfit builds FLUX.1 from a checkpoint "
+                        "file, not this model; name a diffusers repository of it as the workload")
     for key, builtin in BY_FILES:
         if data.get(key):
             return "dit-flux:guidance_embeds=false" if builtin == "dit-flux" and "schnell" in name.lower() else builtin
@@ -230,27 +300,35 @@ def _method(data: dict, where: str, warnings: list[str]) -> dict:
         raise UserError(f"--from {where}: network_module {module!r} is not one memfit runs; memfit models LoRA "
                         "(networks.lora, networks.lora_flux, ...)")
     options = [f"r={whole(data, 'network_dim', where, 4)}", f"alpha={data.get('network_alpha', 1)}",
-               "targets=all-linear"]
-    if data.get("network_dropout"):
-        options.append(f"dropout={data['network_dropout']}")
+               "targets=all-linear"]  # (network_dropout: on the rank-r output in sd-scripts, a mask of r values a row)
     if data.get("network_args"):
-        warnings.append(f"kohya config {where}: network_args are not mapped; memfit's LoRA adapts every linear layer "
-                        "of the denoiser (a bound where they train fewer)")
-    if not data.get("network_train_unet_only") and not _caches(data, "cache_text_encoder_outputs"):
+        warnings.append(f"kohya config {where}: network_args are not mapped (conv_dim, train_blocks, ...); memfit's "
+                        "LoRA adapts the denoiser's linear layers, where they may adapt more or fewer")
+    if not data.get("network_train_unet_only"):
         warnings.append(f"kohya config {where}: the text encoders are trained too (no network_train_unet_only); "
                         "memfit estimates the denoiser's LoRA alone")
     return {"adapter": f"lora:{','.join(options)}", **({"base_weights": "fp8"} if fp8 else {})}
 
 
 def _precision(data: dict, where: str, warnings: list[str]) -> dict:
+    """sd-scripts' precision as memfit's. Its LoRA scripts cast the frozen base to the mixed precision's dtype
+    and keep the LoRA weights in fp32 (``full_bf16``/``full_fp16``: in 16 bits too); its full fine-tuning keeps
+    fp32 weights under autocast unless ``full_bf16``. memfit's ``bf16`` autocast holds fp32 weights, its
+    ``bf16-pure`` every weight in bf16, and it has no fp16 weights: the nearest is taken, and said."""
     mixed = str(data.get("mixed_precision", "no")).lower()
     if mixed not in ("no", "bf16", "fp16"):
         raise UserError(f"--from {where}: mixed_precision {data['mixed_precision']!r}: use no, fp16 or bf16")
-    if data.get("full_bf16"):
+    lora, fp8 = bool(data.get("network_module")), bool(data.get("fp8_base") or data.get("fp8_base_unet"))
+    if data.get("full_bf16") or (mixed == "bf16" and lora and not fp8):
+        if not data.get("full_bf16"):
+            warnings.append(f"kohya config {where}: mixed_precision bf16 casts the frozen base to bf16 and keeps the "
+                            "LoRA weights in fp32; memfit's nearest is bf16-pure, with them in bf16 too (their fp32 "
+                            "gradients and states are not counted)")
         return {"precision": "bf16-pure"}
-    if data.get("full_fp16"):
-        warnings.append(f"kohya config {where}: full_fp16 is taken as fp16 autocast (memfit has no fp16 weights and "
-                        "gradients: its fp32 weights are a bound)")
+    if data.get("full_fp16") or (mixed == "fp16" and lora and not fp8):
+        warnings.append(f"kohya config {where}: memfit has no fp16 weights; its fp16 autocast keeps the "
+                        f"{'frozen base' if lora else 'weights and gradients'} in fp32 where sd-scripts holds them in "
+                        "fp16 (a bound: twice their bytes)")
         return {"precision": "fp16"}
     return {"precision": mixed} if mixed != "no" else {}
 
@@ -259,6 +337,9 @@ def _optimizer(data: dict, where: str) -> dict:
     name = data.get("optimizer_type")
     if name is None:
         return {"optimizer": "adamw8bit"} if data.get("use_8bit_adam") else {}
+    if data.get("use_8bit_adam"):
+        raise UserError(f"--from {where}: use_8bit_adam and optimizer_type are both set (sd-scripts refuses them "
+                        "together); keep optimizer_type")
     if str(name).lower() not in OPTIMIZERS:
         raise UserError(f"--from {where}: optimizer_type {name!r} is not one memfit runs; use AdamW, AdamW8bit, "
                         "PagedAdamW8bit, PagedAdamW, Adafactor or SGDNesterov")

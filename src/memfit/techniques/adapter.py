@@ -20,7 +20,8 @@ Plan key ``adapter``: ``none`` (:class:`NoAdapter`), or ``lora:OPTIONS`` / ``dor
 dropout=0.05,save=lm_head,params=experts.gate_up_proj``. Targets are PEFT's names (module-name suffixes, ``+``-separated);
 without them PEFT's defaults for the model's type, diffusers' attention projections
 (``to_q+to_k+to_v+to_out.0``) for a diffusers model (Flux: its attention and feed-forward layers,
-as diffusers' and kohya's Flux LoRAs), else every linear layer but the output layer
+as diffusers' Flux LoRA; kohya's also adapts the blocks' modulations: ``targets=all-linear``), else
+every linear layer but the output layer
 (``all-linear``). ``save`` lists modules trained in full beside the adapter (PEFT's
 ``modules_to_save``, e.g. a classifier head); ``params`` names parameters of no linear layer
 (PEFT's ``target_parameters``: a mixture of experts' 3-D expert weights, adapted per expert). The adapter is injected with PEFT's own
@@ -185,9 +186,9 @@ train_dreambooth_lora_*)."""
 FLUX_TARGETS = (r".*transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|"
                 r"to_add_out)|ff(_context)?\.net\.(0\.proj|2)|proj_mlp|proj_out)")
 """Flux's LoRA targets: diffusers' ``train_dreambooth_lora_flux`` default (both streams' attention
-projections and feed-forward layers) and, as kohya's Flux LoRA, the single-stream blocks' MLP and
-output projections; one regex PEFT matches against whole module names, so the model's own final
-``proj_out`` is not adapted."""
+projections and feed-forward layers) and the single-stream blocks' MLP and output projections (kohya's
+Flux LoRA adapts these and the blocks' modulation layers too: ``targets=all-linear``); one regex PEFT
+matches against whole module names, so the model's own final ``proj_out`` is not adapted."""
 DIFFUSERS_MODEL_TARGETS = {"FluxTransformer2DModel": FLUX_TARGETS}
 """Default targets of diffusers models whose LoRA scripts adapt more than the attention projections."""
 
