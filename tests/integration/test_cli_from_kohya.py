@@ -43,3 +43,24 @@ def test_what_cannot_be_read_is_one_line(argv, message):
     rc, _, err = run(argv)
     check(argv, rc, err)
     assert rc == 2 and message in err, err
+
+
+def test_a_plan_is_printed_as_sd_scripts_arguments_that_read_back_as_it(tmp_path):
+    """``memfit plan ... --format kohya``: the chosen plan as lines of a --config_file TOML; written to a
+    file and read back with --from, they are the plan memfit chose, at its batch and resolution."""
+    argv = ["plan", FLUX, "--adapter", "lora:r=16,alpha=16,targets=all-linear", "--base-weights", "fp8",
+            "--precision", "bf16", "--resolution", "192x128", "-b", "2", "--device", "rtx4090", "--budget", "1GiB",
+            "--format", "kohya", "--json"]
+    rc, out, err = run(argv)
+    check(argv, rc, err)
+    result = json.loads(out)
+    assert rc == 0 and result["kohya_unmapped"] == [] and result["kohya_arguments"]["resolution"] == "192,128"
+    config = tmp_path / "memfit.toml"
+    config.write_text('pretrained_model_name_or_path = "/m/flux1-dev.safetensors"\nae = "/m/ae.safetensors"\n'
+                      "cache_latents = true\ncache_text_encoder_outputs = true\n"
+                      + "\n".join(f"{k} = {json.dumps(v)}" for k, v in result["kohya_arguments"].items()))
+    from memfit.devices import get_device
+    from memfit.integrations.from_file import read_training_config
+    from memfit.plans import Plan
+    back = read_training_config(config, get_device("rtx4090"), FLUX)
+    assert back.plan == Plan.from_dict(result["chosen"]["plan"]) and (back.batch_size, back.resolution) == (2, (192, 128))

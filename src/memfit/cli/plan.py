@@ -30,9 +30,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_plan_args(p)
     p.add_argument("--budget", help="memory budget: 20GiB, 1.5GB, 80%% of the device; default: capacity minus 10%%")
     p.add_argument("--out", metavar="FILE", help="write the chosen plan (YAML, or JSON for .json)")
-    p.add_argument("--format", choices=("yaml", "hf", "lightning"), default="yaml",
+    p.add_argument("--format", choices=("yaml", "hf", "lightning", "kohya"), default="yaml",
                    help="also print the plan as Hugging Face TrainingArguments or Lightning Trainer keyword "
-                        "arguments (accepted unchanged), what they cannot carry and memfit's callback that applies it")
+                        "arguments (accepted unchanged), what they cannot carry and memfit's callback that applies it; "
+                        "kohya: the lines of a kohya-ss sd-scripts --config_file TOML")
     p.add_argument("--pareto", metavar="FILE.png", help="write a memory vs time plot of the evaluated plans")
     p.add_argument("--optimizers", default=None,
                    help="optimizer variants to consider, from adamw, adamw8bit, adamw8bit-ao, adamw4bit-ao, "
@@ -144,6 +145,9 @@ def run(args: argparse.Namespace) -> int:
                 out[key] = arguments.kwargs
                 out[f"{name}_unmapped"], out[f"{name}_notes"] = list(arguments.unmapped), list(arguments.notes)
                 out[f"{name}_callback"] = arguments.callback if arguments.unmapped else None
+        if result.chosen and args.format == "kohya":
+            kohya = _kohya(workload, result, args.device)
+            out.update(kohya_arguments=kohya.arguments, kohya_unmapped=list(kohya.unmapped), kohya_notes=list(kohya.notes))
         if ranks:
             out["world_sizes_tried"] = tried
             out["smallest_world_size"] = tried[-1] if result.chosen else None
@@ -152,7 +156,15 @@ def run(args: argparse.Namespace) -> int:
         print_plan_result(result)
         if ranks:
             print(ranks)
-        if result.chosen and args.format != "yaml":
+        if result.chosen and args.format == "kohya":
+            kohya = _kohya(workload, result, args.device)
+            print("sd-scripts arguments (lines of its --config_file TOML):")
+            print(kohya.toml())
+            for setting in kohya.unmapped:
+                print(f"  not carried by sd-scripts' arguments: {setting}")
+            for note in kohya.notes:
+                print(f"  in your setup: {note}")
+        elif result.chosen and args.format != "yaml":
             arguments = (to_hf if args.format == "hf" else to_lightning)(result.chosen.plan, result.batch_size,
                                                                          args.device)
             print(arguments.python())
@@ -167,6 +179,18 @@ def run(args: argparse.Namespace) -> int:
         if args.pareto:
             print(f"Pareto plot written to {args.pareto}")
     return 0 if result.chosen else 1
+
+
+def _kohya(workload, result, device):
+    """The chosen plan as sd-scripts arguments (memfit.integrations.kohya_export), for the workload's model
+    and image size."""
+    from memfit.integrations.kohya_export import to_kohya
+    from memfit.workloads import load_workload
+    loaded = load_workload(workload)
+    info = loaded.info
+    width = info.config.get("width") if info.config.get("fixed_width") else None
+    size = (width, info.resolution) if width and width != info.resolution else info.resolution
+    return to_kohya(result.chosen.plan, result.batch_size, loaded.name, size, device)
 
 
 def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_traces, compile_modes, steps,

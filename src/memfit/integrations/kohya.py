@@ -121,7 +121,7 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
     warnings = [f"kohya config {where}: {key} is not mapped; the estimate ignores it"
                 for key in data if key not in NO_MEMORY_EFFECT and key not in REFUSED]
     model = workload or _model(data, where)
-    family = _family(model, data)
+    family = family_of(model, data)
     micro, resolution, more = _dataset(data, where, base)
     warnings += more
     accum = whole(data, "gradient_accumulation_steps", where, 1)
@@ -141,7 +141,7 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
     return TrainingConfig(where, model, micro * accum, micro, None, plan, tuple(warnings), resolution)
 
 
-def _family(model: str, data: dict) -> str:
+def family_of(model: str, data: dict) -> str:
     """Which of sd-scripts' model code trains ``model``: ``flux``, ``lumina``, ``sd3`` or ``unet`` (SD, SDXL)."""
     name = model.lower()
     for family, files, words in (("lumina", "gemma2", ("lumina",)), ("sd3", "clip_g", ("sd3", "stable-diffusion-3")),
@@ -190,17 +190,22 @@ FLUX_DOUBLE_WEIGHS = 339_831_296 / 141_591_808
 """A FLUX.1 double-stream block's parameters over a single-stream block's (2.4)."""
 
 
-def _swapped(n: int, where: str, warnings: list[str]) -> int:
+def flux_swap(n: int) -> int:
     """sd-scripts' ``blocks_to_swap`` of FLUX as memfit's ``swap_blocks`` (the last N of the model's blocks):
     sd-scripts swaps ``n // 2`` double-stream blocks and ``(n - n // 2) * 2`` single-stream ones
     (``flux_models.Flux.enable_block_swap``); memfit swaps its last blocks, the singles first, of the nearest
     bytes (within half a double block)."""
+    weight = n // 2 * FLUX_DOUBLE_WEIGHS + (n - n // 2) * 2  # (in single blocks)
+    return round(weight) if weight <= FLUX_SINGLE else FLUX_SINGLE + round((weight - FLUX_SINGLE) / FLUX_DOUBLE_WEIGHS)
+
+
+def _swapped(n: int, where: str, warnings: list[str]) -> int:
+    """:func:`flux_swap`, within sd-scripts' bounds, said in a warning line."""
     doubles, singles = n // 2, (n - n // 2) * 2
     if doubles > FLUX_DOUBLE - 2 or singles > FLUX_SINGLE - 2:
         raise UserError(f"--from {where}: blocks_to_swap {n} swaps {doubles} double and {singles} single blocks of "
                         f"FLUX; sd-scripts swaps at most {FLUX_DOUBLE - 2} and {FLUX_SINGLE - 2} (blocks_to_swap <= 35)")
-    weight = doubles * FLUX_DOUBLE_WEIGHS + singles  # (in single blocks)
-    last = round(weight) if weight <= FLUX_SINGLE else FLUX_SINGLE + round((weight - FLUX_SINGLE) / FLUX_DOUBLE_WEIGHS)
+    last = flux_swap(n)
     warnings.append(f"kohya config {where}: blocks_to_swap {n} swaps {doubles} double- and {singles} single-stream "
                     f"blocks of FLUX; memfit swaps about as many bytes as its last {last} blocks (swap_blocks {last})")
     return last

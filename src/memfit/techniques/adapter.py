@@ -158,7 +158,10 @@ class LoRA(Adapter):
         return f"{self.kind}{self.r}"
 
     def export(self, into: Export) -> None:
-        into.not_carried(self)
+        into.not_carried(self, kohya=self.dora or self.targets != ("all-linear",) or bool(self.save or self.params))
+        if not self.dora:  # (sd-scripts' LoRA adapts every linear layer of the blocks)
+            into.kohya.update(network_module="networks.lora", network_dim=self.r, network_alpha=self.scale_alpha,
+                              network_train_unet_only=True)
         note = f"build the PEFT model in your code: get_peft_model(model, {self._peft_text()})"
         into.hf_notes.append(note)
         into.lightning_notes.append(note)

@@ -228,6 +228,9 @@ class AutoAttention(Attention):
     def ablations(self):
         return []
 
+    def export(self, into: Export) -> None:
+        into.kohya["sdpa"] = True  # (the fused kernels memfit's CUDA model takes)
+
 
 @dataclass(frozen=True)
 class SDPAttention(Attention):
@@ -245,6 +248,7 @@ class SDPAttention(Attention):
 
     def export(self, into: Export) -> None:
         into.hf_notes.append("attention: sdpa: load the model with from_pretrained(..., attn_implementation='sdpa')")
+        into.kohya["sdpa"] = True
 
 
 @dataclass(frozen=True)
@@ -261,7 +265,7 @@ class MathAttention(Attention):
         return sdpa_kernel([SDPBackend.MATH])
 
     def export(self, into: Export) -> None:
-        into.not_carried(self)
+        into.not_carried(self, kohya=False)  # (sd-scripts' SD/SDXL UNet without sdpa or xformers computes it so)
 
 
 @dataclass(frozen=True)

@@ -355,7 +355,8 @@ class GraphSize:
 @dataclass
 class Export:
     """Arguments for Hugging Face ``TrainingArguments`` and Lightning's ``Trainer`` that those
-    classes accept unchanged, and what they cannot carry, so nothing is silently dropped:
+    classes accept unchanged (and kohya-ss sd-scripts' config), and what they cannot carry, so nothing
+    is silently dropped:
     ``*_unmapped`` lists plan settings memfit's callback for that trainer applies (written as plan
     keys, ``loss_chunks: 4``); ``*_notes`` lists what the user's own code sets (how the model is
     loaded, the DataLoader's batch size)."""
@@ -368,15 +369,21 @@ class Export:
     lightning: dict = field(default_factory=dict)
     lightning_unmapped: list = field(default_factory=list)
     lightning_notes: list = field(default_factory=list)
+    kohya: dict = field(default_factory=dict)
+    """kohya-ss sd-scripts' arguments (memfit.integrations.kohya_export: the model family's adjustments)."""
+    kohya_unmapped: list = field(default_factory=list)
+    kohya_notes: list = field(default_factory=list)
 
-    def not_carried(self, config: Config | str, *, hf: bool = True, lightning: bool = True) -> None:
-        """Neither trainer's arguments carry ``config`` (its plan keys are listed) or ``what``."""
+    def not_carried(self, config: Config | str, *, hf: bool = True, lightning: bool = True, kohya: bool = True) -> None:
+        """No trainer's arguments carry ``config`` (its plan keys are listed) or ``what`` (but those told)."""
         what = config if isinstance(config, str) else "; ".join(
             f"{key}: {_plain_text(value)}" for key, value in config.values().items())
         if hf:
             self.hf_unmapped.append(what)
         if lightning:
             self.lightning_unmapped.append(what)
+        if kohya:
+            self.kohya_unmapped.append(what)
 
     def in_lightning_module(self, what: str) -> None:
         """``what`` has no Lightning ``Trainer`` argument."""

@@ -210,7 +210,8 @@ class Float8Weights(BaseWeights):
         return quantize(layer, full)
 
     def export(self, into: Export) -> None:
-        into.not_carried(self)
+        into.not_carried(self, kohya=False)
+        into.kohya["fp8_base"] = True
         into.hf_notes.append("store the frozen linear weights in float8_e4m3fn with a scale per row and upcast per "
                              "matmul (kohya's --fp8_base)")
 

@@ -52,6 +52,7 @@ class NoClipping(GradClipping):
 
     def export(self, into: Export) -> None:
         into.hf["max_grad_norm"] = 0.0  # the Trainer clips at 1.0 unless told not to; Lightning does not clip
+        into.kohya["max_grad_norm"] = 0.0  # (sd-scripts too)
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class ClipGradNorm(GradClipping):
         return f"clip={self.max_norm:g}"
 
     def export(self, into: Export) -> None:
-        into.hf["max_grad_norm"] = self.max_norm
+        into.hf["max_grad_norm"] = into.kohya["max_grad_norm"] = self.max_norm
         into.lightning.update(gradient_clip_val=self.max_norm, gradient_clip_algorithm="norm")
 
 

@@ -93,7 +93,8 @@ class StepInBackward(UpdateTiming):
         return [("optimizer in backward", StepAfterBackward())]
 
     def export(self, into: Export) -> None:
-        into.not_carried(self)
+        into.kohya["fused_backward_pass"] = True  # (sd-scripts' full fine-tuning with Adafactor only: kohya_export)
+        into.not_carried(self, kohya=False)
 
 
 def _flag(text: str) -> bool:

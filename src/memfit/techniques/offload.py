@@ -329,8 +329,10 @@ class Offload(Config):
         return [(f"offload {item}", Offload(tuple(x for x in self.items if x != item))) for item in self.items]
 
     def export(self, into: Export) -> None:
+        if self.items == ("activations",):  # (sd-scripts: each checkpointed block's input on the host)
+            into.kohya["cpu_offload_checkpointing"] = True
         if self.items:
-            into.not_carried(self)
+            into.not_carried(self, kohya=self.items != ("activations",))
 
 
 def _offload_optimizer(parts) -> None:

@@ -98,8 +98,10 @@ class OptimizerVariant(Config):
                             "sgd": "sgd"}[self.name]
         if self.name == "sgd":
             into.hf["optim_args"] = "momentum=0.9"  # SGDMomentum's one state buffer (the Trainer's default is 0)
+        into.kohya["optimizer_type"] = {"adamw": "AdamW", "adamw8bit": "AdamW8bit", "adafactor": "Adafactor",
+                                        "sgd": "SGDNesterov"}[self.name]
         if self.name != "adamw":  # Lightning: the LightningModule's configure_optimizers builds the optimizer
-            into.not_carried(self, hf=False)
+            into.not_carried(self, hf=False, kohya=False)
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,8 @@ class PagedVariant(OptimizerVariant):
     bnb_class = ""
     """The ``bitsandbytes.optim`` class."""
     hf_name = ""
+    kohya_name = ""
+    """sd-scripts' ``optimizer_type``."""
     """Hugging Face ``TrainingArguments.optim`` for the same optimizer."""
 
     def check(self, plan) -> None:
@@ -78,7 +80,8 @@ class PagedVariant(OptimizerVariant):
 
     def export(self, into) -> None:
         into.hf["optim"] = self.hf_name
-        into.not_carried(self, hf=False)
+        into.kohya["optimizer_type"] = self.kohya_name
+        into.not_carried(self, hf=False, kohya=False)
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,7 @@ class PagedAdamW8bit(PagedVariant):
     numerics = "8-bit AdamW states"
     bnb_class = "PagedAdamW8bit"
     hf_name = "paged_adamw_8bit"
+    kohya_name = "PagedAdamW8bit"
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,7 @@ class PagedAdamW(PagedVariant):
     rank = 0
     bnb_class = "PagedAdamW"
     hf_name = "paged_adamw_32bit"
+    kohya_name = "PagedAdamW"
 
 
 VARIANTS = {cls.name: cls for cls in (PagedAdamW8bit, PagedAdamW)}

@@ -92,6 +92,7 @@ class Precision(Config):
 
     def export(self, into: Export) -> None:
         into.lightning["precision"] = LIGHTNING[self.name]
+        into.kohya["mixed_precision"] = {"fp32": "no", "bf16-pure": "bf16"}.get(self.name, self.name)
 
     @classmethod
     def from_arguments(cls, given: Export) -> Precision | None:
@@ -233,6 +234,7 @@ class BF16Pure(Precision):
     def export(self, into: Export) -> None:
         super().export(into)
         into.hf["bf16"] = True  # with the model loaded in bf16, autocast changes nothing: all of it is bf16
+        into.kohya["full_bf16"] = True
         into.hf_notes.append("precision: bf16-pure: load the model in bf16 (from_pretrained(..., "
                              "dtype=torch.bfloat16), or model.to(torch.bfloat16))")
 

@@ -176,6 +176,7 @@ class FSDP2(Sharding):
         into.hf["fsdp"] = "full_shard auto_wrap" + (" offload" if self.offload else "")
         into.hf["fsdp_config"] = {"fsdp_version": 2, "reshard_after_forward": self.reshard_after_forward}
         into.lightning.update(strategy="fsdp", devices=self.world_size)
+        into.not_carried(self, hf=False, lightning=False)  # (sd-scripts shards no weights: DDP or DeepSpeed)
         if self.param_dtype != "none" or self.reduce_dtype != "none":
             into.in_lightning_module(f"FSDP2 MixedPrecisionPolicy(param_dtype={self.param_dtype}, "
                                      f"reduce_dtype={self.reduce_dtype})")

@@ -308,7 +308,8 @@ class SwapBlocks(Config):
 
     def export(self, into: Export) -> None:
         if self.count:
-            into.not_carried(self)
+            into.kohya["blocks_to_swap"] = self.count  # (FLUX's: sd-scripts' own count, memfit.integrations.kohya_export)
+            into.not_carried(self, kohya=False)
 
 
 def _buffers_to(block: torch.nn.Module, device: torch.device) -> None:

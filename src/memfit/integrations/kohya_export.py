@@ -1,0 +1,107 @@
+"""A plan as kohya-ss sd-scripts arguments: ``memfit plan ... --format kohya`` prints the lines of a
+``--config_file`` TOML that run the plan memfit chose (the inverse of memfit.integrations.kohya's table),
+what sd-scripts has no argument for, and what the user's own setup must hold (cached latents and text
+outputs: memfit's batch is the cached tensors).
+
+Each technique writes its own arguments (``Config.export``'s ``kohya``; what it cannot carry is listed as
+plan keys); here the model family's adjustments follow: its LoRA module, FLUX's swapped blocks (sd-scripts
+counts N/2 double-stream blocks and N single-stream ones, so the smallest ``blocks_to_swap`` that swaps
+at least the plan's bytes is written, and said), and what sd-scripts runs for some families only. Each
+value is the one :func:`memfit.integrations.kohya.map_config` reads back into the same plan.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from memfit.devices import Device
+from memfit.integrations.export import export
+from memfit.integrations.kohya import FLUX_DOUBLE, FLUX_SINGLE, family_of, flux_swap
+from memfit.plans import Plan
+
+MODULES = {"flux": "networks.lora_flux", "sd3": "networks.lora_sd3", "lumina": "networks.lora_lumina",
+           "unet": "networks.lora"}
+"""sd-scripts' LoRA module of each model family."""
+MAX_FLUX_SWAP = 35
+"""sd-scripts' most ``blocks_to_swap`` of FLUX (17 double-stream and 36 single-stream blocks)."""
+
+
+@dataclass(frozen=True)
+class KohyaArguments:
+    """A plan's sd-scripts arguments, and what they cannot carry."""
+
+    arguments: dict
+    unmapped: tuple[str, ...]
+    """Plan settings sd-scripts has no argument for (as plan keys)."""
+    notes: tuple[str, ...]
+    """What the rest of the user's setup must hold."""
+
+    def toml(self) -> str:
+        """The arguments as the lines of a ``--config_file`` TOML."""
+        return "\n".join(f"{k} = {_value(v)}" for k, v in self.arguments.items())
+
+
+def _value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return json.dumps(v) if isinstance(v, str) else repr(v)
+
+
+def to_kohya(plan: Plan, batch_size: int, model: str, resolution: int | tuple[int, int] | None = None,
+             device: Device | str | None = None) -> KohyaArguments:
+    """``plan`` at ``batch_size`` (global) for ``model`` (a workload's name: it says the model family) as
+    sd-scripts arguments: each technique's own (``Config.export``'s ``kohya``), then the family's: its LoRA
+    module, FLUX's count of swapped blocks, and what sd-scripts runs for that family only."""
+    into = export(plan, batch_size, device)
+    args, unmapped = dict(into.kohya), list(into.kohya_unmapped)
+    notes = [CACHED, *into.kohya_notes]
+    family = family_of(model, {})
+    if "network_module" in args:
+        args["network_module"] = MODULES[family]
+        args["network_alpha"] = _number(args["network_alpha"])
+        if args.get("mixed_precision") in ("bf16", "fp16") and not (args.get("full_bf16") or args.get("fp8_base")):
+            notes.append(f"mixed_precision {args['mixed_precision']}: sd-scripts' LoRA script casts the frozen base to "
+                         f"{args['mixed_precision']} too, where the plan keeps it in fp32 (less memory than predicted)")
+    if args.get("fp8_base") and args.get("mixed_precision") == "no":
+        unmapped.append("precision: fp32 (sd-scripts' fp8_base needs mixed_precision bf16 or fp16)")
+    if resolution is not None:
+        args["resolution"] = f"{resolution[0]},{resolution[1]}" if isinstance(resolution, tuple) else str(resolution)
+    if args.get("gradient_accumulation_steps") == 1:
+        del args["gradient_accumulation_steps"]
+    _family_rules(args, unmapped, family)
+    return KohyaArguments(args, tuple(unmapped), tuple(notes))
+
+
+CACHED = ("cache_latents and cache_text_encoder_outputs (or their _to_disk forms): memfit's batch is the cached latents "
+          "and text-encoder outputs")
+
+
+def _family_rules(args: dict, unmapped: list[str], family: str) -> None:
+    """What sd-scripts runs for some families only: offloaded checkpointing (FLUX's and SD3's, without swapped
+    blocks), FLUX's count of swapped blocks, the fused backward pass (full fine-tuning, Adafactor, no
+    accumulation)."""
+    if args.get("cpu_offload_checkpointing") and (family not in ("flux", "sd3") or args.get("blocks_to_swap")):
+        del args["cpu_offload_checkpointing"]
+        unmapped.append("offload: [activations] (sd-scripts offloads FLUX's and SD3's checkpointed blocks, without "
+                        "blocks_to_swap)")
+    swap = args.get("blocks_to_swap")
+    if swap and family == "flux":
+        n = next((n for n in range(1, MAX_FLUX_SWAP + 1) if flux_swap(n) >= swap), None)
+        if n is None:
+            del args["blocks_to_swap"]
+            unmapped.append(f"swap_blocks: {swap} (more than sd-scripts' {MAX_FLUX_SWAP} swaps of FLUX's "
+                            f"{FLUX_DOUBLE + FLUX_SINGLE} blocks)")
+        else:
+            args["blocks_to_swap"] = n
+            if flux_swap(n) != swap:
+                unmapped.append(f"swap_blocks: {swap} (blocks_to_swap {n} swaps about the bytes of memfit's last "
+                                f"{flux_swap(n)}: a little more)")
+    if args.get("fused_backward_pass") and (args.get("network_module") or args.get("optimizer_type") != "Adafactor"
+                                            or args.get("gradient_accumulation_steps")):
+        del args["fused_backward_pass"]
+        unmapped.append("optimizer_in_backward: true (sd-scripts fuses it with Adafactor in full fine-tuning only)")
+
+
+def _number(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else x

@@ -1,0 +1,55 @@
+"""A plan as kohya-ss sd-scripts arguments (memfit.integrations.kohya_export): read back by
+memfit.integrations.kohya it is the same plan, and what sd-scripts has no argument for is listed."""
+
+import pytest
+
+from memfit.devices import get_device
+from memfit.integrations.kohya import flux_swap, map_config
+from memfit.integrations.kohya_export import to_kohya
+from memfit.plans import Plan
+
+CARD = get_device("rtx4090")
+FILES = {"dit-flux": {"ae": "a"}, "unet-sdxl": {}, "dit-sd3": {"clip_g": "g"}}
+CACHED = {"cache_latents": True, "cache_text_encoder_outputs": True}
+
+
+@pytest.mark.parametrize("model,plan,batch", [
+    ("dit-flux", Plan(adapter="lora:r=16,alpha=16,targets=all-linear", base_weights="fp8", precision="bf16",
+                      checkpointing="blocks", swap_blocks=39, optimizer="adamw8bit", max_grad_norm=1.0), 2),
+    ("dit-flux", Plan(adapter="lora:r=32,alpha=32,targets=all-linear", precision="bf16-pure", checkpointing="blocks",
+                      offload=["activations"], optimizer="adamw8bit-paged", micro_batch_size=1), 4),
+    ("unet-sdxl", Plan(adapter="lora:r=8,alpha=4,targets=all-linear", precision="fp16", checkpointing="blocks",
+                       optimizer="adamw", max_grad_norm=1.0), 3),
+    ("dit-sd3", Plan(precision="bf16-pure", checkpointing="blocks", optimizer="adafactor",
+                     optimizer_in_backward=True), 1),
+], ids=["flux-swap", "flux-offload", "sdxl-fp16", "sd3-full-fused"])
+def test_the_arguments_read_back_are_the_plan(model, plan, batch):
+    out = to_kohya(plan, batch, model, (1216, 832))
+    assert out.unmapped == (), out.unmapped
+    data = {"pretrained_model_name_or_path": f"/m/{model}.safetensors", **FILES[model], **CACHED, **out.arguments}
+    back = map_config(data, "c.toml", CARD, None if FILES[model] else model)
+    assert (back.plan, back.batch_size, back.resolution) == (plan, batch, (1216, 832))
+
+
+def test_what_sd_scripts_cannot_carry_is_listed():
+    plan = Plan(adapter="dora:r=16", base_weights="nf4", precision="bf16", checkpointing="selective",
+                offload=["optimizer_states"], compile="blocks", optimizer="adamw8bit-ao", swap_blocks=0)
+    out = to_kohya(plan, 1, "dit-flux")
+    assert {u.split(":")[0] for u in out.unmapped} == {
+        "adapter", "base_weights", "checkpointing", "offload", "optimizer", "compile"}
+    assert "network_module" not in out.arguments and out.arguments["mixed_precision"] == "bf16"
+    assert to_kohya(Plan(adapter="lora:r=4"), 1, "dit-flux").unmapped == ("adapter: lora:r=4",)
+    assert to_kohya(Plan(world_size=2), 2, "dit-flux").unmapped[0].startswith("shard: ")  # (no FSDP in sd-scripts)
+
+
+def test_fluxs_swapped_blocks_are_sd_scripts_count_of_at_least_the_plans_bytes():
+    """memfit's last M blocks as the smallest blocks_to_swap whose blocks weigh as much; one it does not hit
+    exactly is said; beyond sd-scripts' 35 it is not carried."""
+    for m in (2, 18, 39, 54):
+        n = to_kohya(Plan(adapter="lora:r=4,targets=all-linear", swap_blocks=m), 1, "dit-flux").arguments["blocks_to_swap"]
+        assert flux_swap(n) == m
+    out = to_kohya(Plan(adapter="lora:r=4,targets=all-linear", swap_blocks=3), 1, "dit-flux")
+    assert out.arguments["blocks_to_swap"] == 2 and out.unmapped[0].startswith("swap_blocks: 3 (blocks_to_swap 2")
+    out = to_kohya(Plan(adapter="lora:r=4,targets=all-linear", swap_blocks=57), 1, "dit-flux")
+    assert "blocks_to_swap" not in out.arguments and out.unmapped[0].startswith("swap_blocks: 57 (more than")
+    assert to_kohya(Plan(adapter="lora:r=4,targets=all-linear", swap_blocks=7), 1, "dit-sd3").arguments["blocks_to_swap"] == 7
