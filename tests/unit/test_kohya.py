@@ -180,3 +180,22 @@ def test_a_file_that_is_not_toml_or_not_a_config(tmp_path):
         read_training_config(tmp_path / "config.json", CARD)
     with pytest.raises(UserError, match=r"give a workload or --from .*, not both"):
         read_training_config(Path(__file__).resolve().parents[1] / "data" / "axolotl" / "lora-llama.yml", CARD, "gpt2")
+
+
+def test_what_sd_scripts_ignores_or_turns_on_and_values_of_the_wrong_kind():
+    """SD/SDXL take no blocks_to_swap; offloaded checkpointing without checkpointing does nothing in a LoRA
+    script and turns checkpointing on in full fine-tuning; split_mode yields to a blocks_to_swap given, 0
+    too; lora_fa (A frozen) is not memfit's LoRA; values of the wrong kind are one line."""
+    sd = {"pretrained_model_name_or_path": "/m/sdxl.safetensors", "sdpa": True}
+    c = map_config({**sd, "blocks_to_swap": 3}, "c.toml", CARD, "unet-sdxl")
+    assert c.plan.swap_blocks == 0 and "blocks_to_swap: sd-scripts' SD and SDXL scripts take none" in c.warnings[0]
+    c = map_config({**MINIMAL, "network_module": "networks.lora_flux", "cpu_offload_checkpointing": True}, "c.toml", CARD)
+    assert c.plan.offload == () and any("does nothing in sd-scripts' LoRA" in w for w in c.warnings)
+    c = map_config({**MINIMAL, "cpu_offload_checkpointing": True}, "c.toml", CARD)
+    assert (c.plan.checkpointing, c.plan.offload) == ("blocks", ("activations",))
+    assert map_config({**MINIMAL, "split_mode": True, "blocks_to_swap": 0}, "c.toml", CARD).plan.swap_blocks == 0
+    for bad, error in (({"network_module": "networks.lora_fa"}, "network_module 'networks.lora_fa' is not one"),
+                       ({"max_grad_norm": "abc"}, "max_grad_norm must be a number >= 0"),
+                       ({"dataset_config": 5}, "dataset_config must be a path to a dataset config")):
+        with pytest.raises(UserError, match=error):
+            map_config({**MINIMAL, **bad}, "c.toml", CARD)

@@ -53,3 +53,23 @@ def test_fluxs_swapped_blocks_are_sd_scripts_count_of_at_least_the_plans_bytes()
     out = to_kohya(Plan(adapter="lora:r=4,targets=all-linear", swap_blocks=57), 1, "dit-flux")
     assert "blocks_to_swap" not in out.arguments and out.unmapped[0].startswith("swap_blocks: 57 (more than")
     assert to_kohya(Plan(adapter="lora:r=4,targets=all-linear", swap_blocks=7), 1, "dit-sd3").arguments["blocks_to_swap"] == 7
+
+
+def test_only_the_models_sd_scripts_trains_and_only_what_it_runs_for_each():
+    """By the diffusers class: a model sd-scripts has no trainer for is one line; SD/SDXL swap no blocks;
+    offloaded inputs need checkpointed blocks; a LoRA's dropout (PEFT drops the input, sd-scripts the rank-r
+    output) and FLUX's math attention are listed; chunked attention is written as SDPA, its nearest."""
+    from memfit.errors import UserError
+    for model, cls in (("dit-wan", "WanTransformer3DModel"), ("dit-flux2", "Flux2Transformer2DModel"), ("gpt2", None)):
+        with pytest.raises(UserError, match="--format kohya: sd-scripts trains FLUX.1, SD3, Lumina 2 and SD/SDXL UNets"):
+            to_kohya(Plan(), 1, model, model_class=cls)
+    assert to_kohya(Plan(), 1, "/my/model", model_class="FluxTransformer2DModel").arguments["sdpa"]
+    out = to_kohya(Plan(adapter="lora:r=4,targets=all-linear", swap_blocks=3), 1, "unet-sdxl")
+    assert "blocks_to_swap" not in out.arguments and out.unmapped[0].startswith("swap_blocks: 3 (sd-scripts' SD and SDXL")
+    out = to_kohya(Plan(offload=["activations"]), 1, "dit-flux")
+    assert "cpu_offload_checkpointing" not in out.arguments and out.unmapped[0].startswith("offload: [activations]")
+    assert to_kohya(Plan(adapter="lora:r=4,targets=all-linear,dropout=0.1"), 1, "dit-flux").unmapped
+    assert to_kohya(Plan(attention="math"), 1, "dit-flux").unmapped == ("attention: math (sd-scripts runs SDPA for "
+                                                                         "FLUX, SD3 and Lumina)",)
+    out = to_kohya(Plan(attention="chunked"), 1, "unet-sdxl")
+    assert out.arguments["sdpa"] and out.unmapped[0].startswith("attention: chunked")

@@ -101,6 +101,9 @@ def run(args: argparse.Namespace) -> int:
     fixed = given_fields(args, given)
     from memfit.hosts import get_host
     host = get_host(args.host)
+    if args.format != "yaml" and (free is not None or args.methods is not None):
+        raise UserError(f"--format {args.format} prints one chosen plan; drop --methods and give the size (not max), "
+                        "or leave --format out")
     if free is not None:
         return _largest(args, free, fixed, dict(optimizers=optimizers, max_traces=max_traces,
                                                 compile_modes=compile_modes, steps=steps,
@@ -190,7 +193,7 @@ def _kohya(workload, result, device):
     info = loaded.info
     width = info.config.get("width") if info.config.get("fixed_width") else None
     size = (width, info.resolution) if width and width != info.resolution else info.resolution
-    return to_kohya(result.chosen.plan, result.batch_size, loaded.name, size, device)
+    return to_kohya(result.chosen.plan, result.batch_size, loaded.name, size, device, info.config.get("model_class"))
 
 
 def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_traces, compile_modes, steps,

@@ -130,6 +130,8 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
     if family == "unet" and not any(data.get(k) for k in ("sdpa", "xformers", "mem_eff_attn")):
         fields["attention"] = "math"  # (sd-scripts' SD/SDXL UNet without them: the whole score matrix)
     norm = data.get("max_grad_norm", 1.0)  # (sd-scripts clips at 1.0 unless told 0)
+    if isinstance(norm, bool) or not isinstance(norm, (int, float)) or norm < 0:
+        raise UserError(f"--from {where}: max_grad_norm must be a number >= 0 (0: no clipping), got {norm!r}")
     fields.setdefault("max_grad_norm", float(norm) if norm else None)
     if accum > 1:
         fields["micro_batch_size"] = micro
@@ -141,27 +143,47 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
     return TrainingConfig(where, model, micro * accum, micro, None, plan, tuple(warnings), resolution)
 
 
-def family_of(model: str, data: dict) -> str:
-    """Which of sd-scripts' model code trains ``model``: ``flux``, ``lumina``, ``sd3`` or ``unet`` (SD, SDXL)."""
+FAMILIES = {"FluxTransformer2DModel": "flux", "SD3Transformer2DModel": "sd3", "Lumina2Transformer2DModel": "lumina",
+            "UNet2DConditionModel": "unet"}
+"""The diffusers classes of the models sd-scripts trains, and its code for each (FLUX.1, SD3, Lumina 2, SD/SDXL)."""
+
+
+def family_of(model: str, data: dict, model_class: str | None = None) -> str | None:
+    """Which of sd-scripts' model code trains ``model``: ``flux``, ``lumina``, ``sd3``, ``unet`` (SD, SDXL), or
+    None (none of them, or unknown): by its diffusers class where known, else by the files beside a checkpoint
+    and the words of its name."""
+    if model_class is not None:
+        return FAMILIES.get(model_class)
     name = model.lower()
     for family, files, words in (("lumina", "gemma2", ("lumina",)), ("sd3", "clip_g", ("sd3", "stable-diffusion-3")),
-                                 ("flux", "ae", ("flux",))):
-        if data.get(files) or any(w in name for w in words):
+                                 ("flux", "ae", ("dit-flux:", "flux.1", "flux1"))):
+        if data.get(files) or any(w in name for w in words) or (family == "flux" and name == "dit-flux"):
             return family
-    return "unet"
+    unets = ("unet-", "stable-diffusion", "sdxl", "sd_xl", "sd15", "v1-5")
+    return "unet" if any(w in name for w in unets) else None
 
 
 def _memory(data: dict, where: str, family: str, accum: int, warnings: list[str]) -> dict:
     """Checkpointing, its offload, swapped blocks and the fused backward pass, as sd-scripts runs them."""
     fields: dict = {}
-    swap = data.get("blocks_to_swap") or (18 if data.get("split_mode") and family == "flux" else 0)  # (split_mode: 18)
+    split = data.get("split_mode") and family == "flux" and "blocks_to_swap" not in data  # (split_mode: 18)
+    swap = data.get("blocks_to_swap") or (18 if split else 0)
     offload = data.get("cpu_offload_checkpointing")
+    if swap and family == "unet":
+        warnings.append(f"kohya config {where}: blocks_to_swap: sd-scripts' SD and SDXL scripts take none (their "
+                        "arguments ignore it); ignored")
+        swap = 0
     if offload and family == "unet":
         raise UserError(f"--from {where}: cpu_offload_checkpointing: sd-scripts' SD and SDXL UNets take no offloaded "
                         "checkpointing (their forward fails); remove it")
     if offload and swap and family in ("flux", "sd3"):
         raise UserError(f"--from {where}: cpu_offload_checkpointing and blocks_to_swap: sd-scripts refuses the two "
                         "together; keep one")
+    if offload and not data.get("gradient_checkpointing") and not data.get("network_module"):
+        data = {**data, "gradient_checkpointing": True}  # (sd-scripts' full fine-tuning turns it on for the offload)
+    elif offload and not data.get("gradient_checkpointing"):
+        warnings.append(f"kohya config {where}: cpu_offload_checkpointing without gradient_checkpointing does nothing "
+                        "in sd-scripts' LoRA training; ignored")
     if data.get("gradient_checkpointing"):
         fields["checkpointing"] = "blocks"
         if offload and family == "lumina":
@@ -170,8 +192,8 @@ def _memory(data: dict, where: str, family: str, accum: int, warnings: list[str]
         elif offload:
             fields["offload"] = ["activations"]
     if swap:
-        fields["swap_blocks"] = (_swapped(whole({"blocks_to_swap": swap}, "blocks_to_swap", where, None), where,
-                                          warnings) if family == "flux" else whole(data, "blocks_to_swap", where, None))
+        swap = whole({"blocks_to_swap": swap}, "blocks_to_swap", where, None)
+        fields["swap_blocks"] = _swapped(swap, where, warnings) if family == "flux" else swap
     if data.get("fused_backward_pass"):
         if data.get("network_module"):
             warnings.append(f"kohya config {where}: fused_backward_pass does nothing in sd-scripts' LoRA training; "
@@ -184,6 +206,8 @@ def _memory(data: dict, where: str, family: str, accum: int, warnings: list[str]
     return fields
 
 
+LORA_MODULES = ("networks.lora", "networks.lora_flux", "networks.lora_sd3", "networks.lora_lumina")
+"""sd-scripts' LoRA training modules (lora_fa freezes A; lora_interrogator and lora_diffusers train nothing)."""
 FLUX_DOUBLE, FLUX_SINGLE = 19, 38
 """FLUX.1's double- and single-stream blocks (memfit's order: the doubles first, then the singles)."""
 FLUX_DOUBLE_WEIGHS = 339_831_296 / 141_591_808
@@ -252,6 +276,8 @@ def _dataset(data: dict, where: str, base: Path | None) -> tuple[int, int | tupl
     name = data.get("dataset_config")
     if not name:
         return batch, resolution, []
+    if not isinstance(name, str):
+        raise UserError(f"--from {where}: dataset_config must be a path to a dataset config (.toml), got {name!r}")
     path = Path(name).expanduser()
     if not path.is_file() and base is not None and (base / path).is_file():
         path = base / path
@@ -261,7 +287,10 @@ def _dataset(data: dict, where: str, base: Path | None) -> tuple[int, int | tupl
     sets = _toml(path, f"--from {where}: dataset_config {name}", "a dataset config (.toml)")
     general = sets.get("general", {}) if isinstance(sets.get("general"), dict) else {}
     found = []
-    for entry in sets.get("datasets") or [{}]:
+    entries = sets.get("datasets") or [{}]
+    if not isinstance(entries, list):
+        raise UserError(f"--from {where}: dataset_config {name}: datasets must be a list of [[datasets]] tables")
+    for entry in entries:
         merged = {**general, **(entry if isinstance(entry, dict) else {})}
         size = _resolution(merged.get("resolution"), f"{where}: dataset_config {name}", "resolution") or resolution
         found.append((whole(merged, "batch_size", f"{where}: dataset_config {name}", batch), size))
@@ -301,7 +330,7 @@ def _method(data: dict, where: str, warnings: list[str]) -> dict:
             raise UserError(f"--from {where}: fp8_base without a network_module trains nothing; set network_module = "
                             "\"networks.lora\" (or the model's, e.g. networks.lora_flux)")
         return {}
-    if not isinstance(module, str) or not module.startswith("networks.lora"):
+    if module not in LORA_MODULES:
         raise UserError(f"--from {where}: network_module {module!r} is not one memfit runs; memfit models LoRA "
                         "(networks.lora, networks.lora_flux, ...)")
     options = [f"r={whole(data, 'network_dim', where, 4)}", f"alpha={data.get('network_alpha', 1)}",

@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass
 
 from memfit.devices import Device
+from memfit.errors import UserError
 from memfit.integrations.export import export
 from memfit.integrations.kohya import FLUX_DOUBLE, FLUX_SINGLE, family_of, flux_swap
 from memfit.plans import Plan
@@ -49,14 +50,17 @@ def _value(v) -> str:
 
 
 def to_kohya(plan: Plan, batch_size: int, model: str, resolution: int | tuple[int, int] | None = None,
-             device: Device | str | None = None) -> KohyaArguments:
+             device: Device | str | None = None, model_class: str | None = None) -> KohyaArguments:
     """``plan`` at ``batch_size`` (global) for ``model`` (a workload's name: it says the model family) as
     sd-scripts arguments: each technique's own (``Config.export``'s ``kohya``), then the family's: its LoRA
     module, FLUX's count of swapped blocks, and what sd-scripts runs for that family only."""
     into = export(plan, batch_size, device)
     args, unmapped = dict(into.kohya), list(into.kohya_unmapped)
     notes = [CACHED, *into.kohya_notes]
-    family = family_of(model, {})
+    family = family_of(model, {}, model_class)
+    if family is None:
+        raise UserError(f"--format kohya: sd-scripts trains FLUX.1, SD3, Lumina 2 and SD/SDXL UNets, not {model}"
+                        + (f" ({model_class})" if model_class else "") + "; use --format yaml, hf or lightning")
     if "network_module" in args:
         args["network_module"] = MODULES[family]
         args["network_alpha"] = _number(args["network_alpha"])
@@ -81,10 +85,15 @@ def _family_rules(args: dict, unmapped: list[str], family: str) -> None:
     """What sd-scripts runs for some families only: offloaded checkpointing (FLUX's and SD3's, without swapped
     blocks), FLUX's count of swapped blocks, the fused backward pass (full fine-tuning, Adafactor, no
     accumulation)."""
-    if args.get("cpu_offload_checkpointing") and (family not in ("flux", "sd3") or args.get("blocks_to_swap")):
+    if args.get("blocks_to_swap") and family == "unet":
+        unmapped.append(f"swap_blocks: {args.pop('blocks_to_swap')} (sd-scripts' SD and SDXL scripts swap no blocks)")
+    if args.get("cpu_offload_checkpointing") and (family not in ("flux", "sd3") or args.get("blocks_to_swap")
+                                                   or not args.get("gradient_checkpointing")):
         del args["cpu_offload_checkpointing"]
-        unmapped.append("offload: [activations] (sd-scripts offloads FLUX's and SD3's checkpointed blocks, without "
-                        "blocks_to_swap)")
+        unmapped.append("offload: [activations] (sd-scripts offloads FLUX's and SD3's checkpointed blocks' inputs, "
+                        "with gradient_checkpointing and without blocks_to_swap)")
+    if not args.get("sdpa") and family != "unet":
+        unmapped.append("attention: math (sd-scripts runs SDPA for FLUX, SD3 and Lumina)")
     swap = args.get("blocks_to_swap")
     if swap and family == "flux":
         n = next((n for n in range(1, MAX_FLUX_SWAP + 1) if flux_swap(n) >= swap), None)

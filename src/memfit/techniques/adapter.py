@@ -158,7 +158,8 @@ class LoRA(Adapter):
         return f"{self.kind}{self.r}"
 
     def export(self, into: Export) -> None:
-        into.not_carried(self, kohya=self.dora or self.targets != ("all-linear",) or bool(self.save or self.params))
+        into.not_carried(self, kohya=self.dora or self.targets != ("all-linear",) or bool(self.save or self.params
+                                                                                            or self.dropout))
         if not self.dora:  # (sd-scripts' LoRA adapts every linear layer of the blocks)
             into.kohya.update(network_module="networks.lora", network_dim=self.r, network_alpha=self.scale_alpha,
                               network_train_unet_only=True)

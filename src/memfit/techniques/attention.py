@@ -288,6 +288,7 @@ class ChunkedAttention(Attention):
         return ChunkedSDPA(self.chunk_size)
 
     def export(self, into: Export) -> None:
+        into.kohya["sdpa"] = True  # (sd-scripts' nearest: a fused kernel, not its UNet's whole score matrix)
         into.not_carried(self)
 
 
