@@ -210,6 +210,9 @@ LORA_MODULES = ("networks.lora", "networks.lora_flux", "networks.lora_sd3", "net
 """sd-scripts' LoRA training modules (lora_fa freezes A; lora_interrogator and lora_diffusers train nothing)."""
 FLUX_DOUBLE, FLUX_SINGLE = 19, 38
 """FLUX.1's double- and single-stream blocks (memfit's order: the doubles first, then the singles)."""
+FLUX_MOST_SWAPPED = max(n for n in range(FLUX_DOUBLE + FLUX_SINGLE)
+                        if n // 2 <= FLUX_DOUBLE - 2 and (n - n // 2) * 2 <= FLUX_SINGLE - 2)
+"""sd-scripts' most ``blocks_to_swap`` of FLUX (35: 17 double-stream and 36 single-stream blocks; it keeps two of each)."""
 FLUX_DOUBLE_WEIGHS = 339_831_296 / 141_591_808
 """A FLUX.1 double-stream block's parameters over a single-stream block's (2.4)."""
 
@@ -228,7 +231,8 @@ def _swapped(n: int, where: str, warnings: list[str]) -> int:
     doubles, singles = n // 2, (n - n // 2) * 2
     if doubles > FLUX_DOUBLE - 2 or singles > FLUX_SINGLE - 2:
         raise UserError(f"--from {where}: blocks_to_swap {n} swaps {doubles} double and {singles} single blocks of "
-                        f"FLUX; sd-scripts swaps at most {FLUX_DOUBLE - 2} and {FLUX_SINGLE - 2} (blocks_to_swap <= 35)")
+                        f"FLUX; sd-scripts swaps at most {FLUX_DOUBLE - 2} and {FLUX_SINGLE - 2} (blocks_to_swap <= "
+                        f"{FLUX_MOST_SWAPPED})")
     last = flux_swap(n)
     warnings.append(f"kohya config {where}: blocks_to_swap {n} swaps {doubles} double- and {singles} single-stream "
                     f"blocks of FLUX; memfit swaps about as many bytes as its last {last} blocks (swap_blocks {last})")

@@ -18,14 +18,12 @@ from dataclasses import dataclass
 from memfit.devices import Device
 from memfit.errors import UserError
 from memfit.integrations.export import export
-from memfit.integrations.kohya import FLUX_DOUBLE, FLUX_SINGLE, family_of, flux_swap
+from memfit.integrations.kohya import FLUX_DOUBLE, FLUX_MOST_SWAPPED, FLUX_SINGLE, family_of, flux_swap
 from memfit.plans import Plan
 
 MODULES = {"flux": "networks.lora_flux", "sd3": "networks.lora_sd3", "lumina": "networks.lora_lumina",
            "unet": "networks.lora"}
 """sd-scripts' LoRA module of each model family."""
-MAX_FLUX_SWAP = 35
-"""sd-scripts' most ``blocks_to_swap`` of FLUX (17 double-stream and 36 single-stream blocks)."""
 
 
 @dataclass(frozen=True)
@@ -96,10 +94,10 @@ def _family_rules(args: dict, unmapped: list[str], family: str) -> None:
         unmapped.append("attention: math (sd-scripts runs SDPA for FLUX, SD3 and Lumina)")
     swap = args.get("blocks_to_swap")
     if swap and family == "flux":
-        n = next((n for n in range(1, MAX_FLUX_SWAP + 1) if flux_swap(n) >= swap), None)
+        n = next((n for n in range(1, FLUX_MOST_SWAPPED + 1) if flux_swap(n) >= swap), None)
         if n is None:
             del args["blocks_to_swap"]
-            unmapped.append(f"swap_blocks: {swap} (more than sd-scripts' {MAX_FLUX_SWAP} swaps of FLUX's "
+            unmapped.append(f"swap_blocks: {swap} (more than sd-scripts' {FLUX_MOST_SWAPPED} swaps of FLUX's "
                             f"{FLUX_DOUBLE + FLUX_SINGLE} blocks)")
         else:
             args["blocks_to_swap"] = n

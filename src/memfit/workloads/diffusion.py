@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -183,21 +183,29 @@ def given_width(overrides: dict) -> tuple[dict, Any]:
     return rest, rest.pop("width", None)
 
 
-def latent_sides(m: ImageModel, resolution: int | None, width: Any, multiple: int, why: str) -> tuple[int, int]:
-    """Latent (rows, columns) of an image ``resolution`` pixels high (default: the model's native) and
-    ``width`` wide (default: square), each a whole number of ``multiple`` latents (see :func:`latent_size`)."""
+class Sides(NamedTuple):
+    """An image's latent rows and columns, and whether its width was given (else it is square)."""
+
+    high: int
+    wide: int
+    given: bool
+
+
+def latent_sides(m: ImageModel, resolution: int | None, width: Any, multiple: int, why: str) -> Sides:
+    """The latent sides of an image ``resolution`` pixels high (default: the model's native) and ``width``
+    wide (default: square), each a whole number of ``multiple`` latents (see :func:`latent_size`)."""
     high = latent_size(m, resolution, multiple, why)
     if width is None:
-        return high, high
+        return Sides(high, high, False)
     width = check_value(m.arch, "width", width, (int,), example=high * m.vae_factor)
-    return high, latent_size(m, width, multiple, why, flag="width=")
+    return Sides(high, latent_size(m, width, multiple, why, flag="width="), True)
 
 
 def image_info(m: ImageModel, res: int, kwargs: dict, sizes: tuple[str, ...], multiple: int,
-               width: int | None = None) -> WorkloadInfo:
-    """``res``: the image's height in pixels; ``width``: its width where one was given (then
-    ``--resolution max`` grows the height alone: memfit.planner.sized)."""
-    wide = {"width": width, "fixed_width": True} if width is not None else {}
+               sides: Sides | None = None) -> WorkloadInfo:
+    """``res``: the image's height in pixels; ``sides``: its latent sides, whose width, where one was given,
+    is said (then ``--resolution max`` grows the height alone: memfit.planner.sized)."""
+    wide = {"width": sides.wide * m.vae_factor, "fixed_width": True} if sides is not None and sides.given else {}
     return WorkloadInfo(arch=m.arch, resolution=res, resolution_step=latent_step(multiple, m.vae_factor),
                         config={"model_class": m.class_name, "latent": res // m.vae_factor, **wide,
                                 **{k: kwargs[k] for k in sizes if k in kwargs}})
@@ -244,7 +252,7 @@ def lumina2(overrides: dict, seq_len: int | None, resolution: int | None, m: Ima
     no_seq_len(m.arch, seq_len)
     overrides, width = given_width(overrides)
     cls, kw = config_of(m, overrides)
-    high, wide = latent_sides(m, resolution, width, kw["patch_size"], "patch size")
+    high, wide, _ = sides = latent_sides(m, resolution, width, kw["patch_size"], "patch size")
     channels, caption, text = kw["in_channels"], m.caption_tokens, kw["cap_feat_dim"]
 
     def batch(b: int) -> dict:
@@ -255,7 +263,7 @@ def lumina2(overrides: dict, seq_len: int | None, resolution: int | None, m: Ima
 
     res = high * VAE_FACTOR
     info = image_info(m, res, kw, ("hidden_size", "num_layers", "num_attention_heads", "cap_feat_dim"),
-                      kw["patch_size"], None if width is None else wide * VAE_FACTOR)
+                      kw["patch_size"], sides)
     return image_workload(m, model_builder(m, cls, kw, overrides), batch, transformer_loss, res, info)
 
 
@@ -263,7 +271,7 @@ def sd3(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageMo
     no_seq_len(m.arch, seq_len)
     overrides, width = given_width(overrides)
     cls, kw = config_of(m, overrides)
-    high, wide = latent_sides(m, resolution, width, kw["patch_size"], "patch size")
+    high, wide, _ = sides = latent_sides(m, resolution, width, kw["patch_size"], "patch size")
     most = (kw["pos_embed_max_size"] or 0) * kw["patch_size"] * VAE_FACTOR
     for flag, side in (("--resolution ", high), ("width=", wide)):
         if most and side * VAE_FACTOR > most:
@@ -280,7 +288,7 @@ def sd3(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageMo
 
     res = high * VAE_FACTOR
     info = image_info(m, res, kw, ("num_layers", "num_attention_heads", "attention_head_dim", "joint_attention_dim"),
-                      kw["patch_size"], None if width is None else wide * VAE_FACTOR)
+                      kw["patch_size"], sides)
     return image_workload(m, model_builder(m, cls, kw, overrides), batch, transformer_loss, res, info)
 
 
@@ -291,7 +299,7 @@ def unet_builder(m: ImageModel):
         cls, kw = config_of(m, overrides)
         levels = len(kw["block_out_channels"]) if isinstance(kw["block_out_channels"], (tuple, list)) else 1
         halvings = 2 ** (levels - 1)
-        high, wide = latent_sides(m, resolution, width, halvings, "the UNet's downsampling")
+        high, wide, _ = sides = latent_sides(m, resolution, width, halvings, "the UNet's downsampling")
         channels, cross = kw["in_channels"], kw["cross_attention_dim"]
         text_time = kw.get("addition_embed_type") == "text_time"
         time_ids = 6  # SDXL: original size, crop offset, target size (2 numbers each)
@@ -319,7 +327,7 @@ def unet_builder(m: ImageModel):
 
         res = high * VAE_FACTOR
         info = image_info(m, res, kw, ("block_out_channels", "layers_per_block", "cross_attention_dim"), halvings,
-                          None if width is None else wide * VAE_FACTOR)
+                          sides)
         return image_workload(m, model_builder(m, cls, kw, overrides), batch, loss, res, info)
     return build
 

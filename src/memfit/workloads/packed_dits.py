@@ -125,7 +125,8 @@ def _packed_workload(m: ImageModel, overrides: dict, seq_len: int | None, resolu
     if kw["in_channels"] % FLUX_PACK ** 2:
         raise UserError(f"{m.arch}: in_channels {kw['in_channels']} must be a multiple of 4 (2x2 latent pixels "
                         "per token); change the overrides")
-    high, wide = latent_sides(m, resolution, width, FLUX_PACK * kw["patch_size"], "2x2 packing times patch size")
+    high, wide, _ = sides = latent_sides(m, resolution, width, FLUX_PACK * kw["patch_size"],
+                                         "2x2 packing times patch size")
     channels = kw["in_channels"] // FLUX_PACK ** 2
 
     def batch(b: int) -> dict:
@@ -135,7 +136,7 @@ def _packed_workload(m: ImageModel, overrides: dict, seq_len: int | None, resolu
                 "target": layout(target)}
 
     res = high * VAE_FACTOR
-    info = image_info(m, res, kw, sizes, FLUX_PACK * kw["patch_size"], None if width is None else wide * VAE_FACTOR)
+    info = image_info(m, res, kw, sizes, FLUX_PACK * kw["patch_size"], sides)
     return image_workload(m, model_builder(m, cls, kw, overrides), batch, transformer_loss, res, info)
 
 

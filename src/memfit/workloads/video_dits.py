@@ -123,7 +123,7 @@ def wan(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageMo
     if p_h != p_w or depth % p_t:
         raise UserError(f"{m.arch}: patch_size {kw['patch_size']} must be square on a side and divide the "
                         f"{depth} latent frames; change the overrides")
-    high, wide = latent_sides(m, resolution, width, p_h, "patch size")
+    high, wide, _ = latent_sides(m, resolution, width, p_h, "patch size")
     out, extra = kw["out_channels"] or kw["in_channels"], kw["in_channels"] - (kw["out_channels"] or kw["in_channels"])
     if extra < 0:
         raise UserError(f"{m.arch}: in_channels {kw['in_channels']} is fewer than out_channels {out}; change the overrides")
