@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from memfit.memory import workspaces
 from memfit.memory.estimate import estimate
 from memfit.plans import Plan
 
@@ -144,13 +145,15 @@ def test_two_ranks_train_as_one_process_and_the_rank_peak_is_predicted(two_ranks
     assert ranks["peak"] == pytest.approx(predicted.peak_bytes, rel=0.02), (ranks["peak"], predicted.peak_bytes)
 
 
-def test_gloos_scratch_sets_the_wider_models_rank_peak(two_ranks):
+def test_gloos_scratch_sets_the_wider_models_rank_peak(two_ranks, monkeypatch):
     """On a wider GPT-2 the rank's peak is in a backward all-gather, where gloo gathers into a flat
     buffer of the output's size (NOTE [ gloo's collective scratch ]): predicted by rule, measured by
-    the profiler within 2% (without the rule the prediction was 2.2% low)."""
-    rank0 = two_ranks["wider"]
-    measured = rank0["peak"]
+    the profiler within 2%; without the rule the prediction is 2.3% low. (Not against the tracker on
+    the real tensors: in one CI run it booked 0.6 MB more than the prediction without the rule, a
+    real kernel's scratch the profiler's peak did not hold, while the profiler's peak was the same.)"""
+    measured = two_ranks["wider"]["peak"]
     predicted = estimate(WIDER, Plan(world_size=2), batch_size=BATCH, device="cpu", seq_len=32)
-    # the tracker on the real tensors sees no scratch: the prediction without the rule, too low
-    assert measured > 1.02 * rank0["tracked"], (measured, rank0["tracked"])
     assert measured == pytest.approx(predicted.peak_bytes, rel=0.02), (measured, predicted.peak_bytes)
+    monkeypatch.setattr(workspaces, "GLOO_SCRATCH", {})
+    without_rule = estimate(WIDER, Plan(world_size=2), batch_size=BATCH, device="cpu", seq_len=32)
+    assert measured > 1.02 * without_rule.peak_bytes, (measured, without_rule.peak_bytes)
