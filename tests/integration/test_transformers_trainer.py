@@ -351,3 +351,26 @@ def test_memfit_apply_runs_a_peft_model_in_the_users_loop():
         step(batch)
     trained = sum(p.numel() for g in step.optimizer.param_groups for p in g["params"])
     assert trained == sum(p.numel() for p in model.parameters() if p.requires_grad) == 2 * 4 * (64 + 192)
+
+
+def test_a_plain_trainers_bf16_peft_model_runs_bf16_base_as_predicted(tmp_path):
+    """A model loaded in bf16 and given peft's LoRA (kept in fp32 by get_peft_model), trained by a plain
+    Trainer(bf16=True): the step is bf16-base (NOTE [ The adapter users' precision ]), measured as
+    predicted; a plan in bf16-pure is not what that Trainer runs, and says so in one line."""
+    peft = pytest.importorskip("peft")
+
+    def bf16_peft():
+        return peft.get_peft_model(_model().to(torch.bfloat16), peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True))
+    model = bf16_peft()
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
+    trainer = Trainer(model=model, args=_args(tmp_path, bf16=True), train_dataset=Tokens())
+    MemfitCallback(plan={"precision": "bf16-base", "checkpointing": "blocks"}).attach(trainer)
+    trainer.train()
+    _assert_measured_as_predicted(trainer)
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
+    trainer = Trainer(model=bf16_peft(), args=_args(tmp_path, bf16=True, max_steps=1), train_dataset=Tokens())
+    MemfitCallback(plan={"precision": "bf16-pure"}).attach(trainer)
+    with pytest.raises(UserError, match=r"the Trainer's arguments run \{'precision': 'bf16-base'\}") as e:
+        trainer.train()
+    assert "\n" not in str(e.value)

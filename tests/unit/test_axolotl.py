@@ -19,7 +19,7 @@ def test_axolotls_qlora_example():
     assert c.workload == "NousResearch/Llama-2-7b-hf"
     assert (c.batch_size, c.micro_batch_size, c.seq_len) == (4, 1, 4096)
     assert c.plan == Plan(adapter="lora:r=32,alpha=16,targets=all-linear,dropout=0.05",
-                          base_weights="nf4:double_quant=true", precision="bf16-pure", checkpointing="blocks",
+                          base_weights="nf4:double_quant=true", precision="bf16-base", checkpointing="blocks",
                           micro_batch_size=1, optimizer="adamw-paged")  # (paged_adamw_32bit: states in managed memory)
     assert c.plan.micro_batches(c.batch_size) == (1, 4)
     assert c.warnings == ()
@@ -28,7 +28,7 @@ def test_axolotls_qlora_example():
 def test_an_8bit_lora_with_named_targets():
     c = read_config(DATA / "lora-llama.yml", CARD)
     assert c.plan == Plan(adapter="lora:r=16,alpha=32,targets=q_proj+v_proj,dropout=0.05", base_weights="int8",
-                          precision="bf16-pure", checkpointing="blocks", optimizer="adamw8bit", micro_batch_size=2)
+                          precision="bf16-base", checkpointing="blocks", optimizer="adamw8bit", micro_batch_size=2)
     assert (c.batch_size, c.seq_len, c.warnings) == (8, 2048, ())
     assert "batch 8 (2 a micro-batch x 4 accumulated) · seq 2048" in c.summary()
 
@@ -37,7 +37,7 @@ def test_unmapped_fields_are_named_one_a_line():
     c = read_config(DATA / "unmapped.yml", CARD)
     assert [w.split(": ", 1)[1] for w in c.warnings] == [
         "neftune_noise_alpha is not mapped; the estimate ignores it", "relora_steps is not mapped; the estimate ignores it"]
-    assert c.plan == Plan(adapter="lora:r=8", precision="bf16-pure") and c.batch_size == 4
+    assert c.plan == Plan(adapter="lora:r=8", precision="bf16-base") and c.batch_size == 4
 
 
 def test_deepspeed_is_refused_in_one_line():
@@ -76,8 +76,10 @@ def test_no_base_model():
         map_config({"adapter": "lora"}, "c.yml", CARD)
 
 
-def test_bf16_auto_follows_the_card():
+def test_bf16_auto_follows_the_card_and_an_adapter_stays_fp32():
+    """axolotl loads the model in bf16; with an adapter, peft keeps it in fp32 (bf16-base)."""
     assert map_config({"base_model": "m", "bf16": "auto"}, "c", CARD).plan.precision == "bf16-pure"
+    assert map_config({"base_model": "m", "bf16": True, "adapter": "lora"}, "c", CARD).plan.precision == "bf16-base"
     assert map_config({"base_model": "m", "bf16": "auto"}, "c", get_device("t4")).plan.precision == "fp16"
     assert map_config({"base_model": "m", "fp16": True}, "c", CARD).plan.precision == "fp16"
 

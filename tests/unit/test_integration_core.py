@@ -16,7 +16,8 @@ CPU = get_device("cpu")
 
 @pytest.mark.parametrize("plan", [Plan(precision="bf16", max_grad_norm=0.5), Plan(precision="fp16"),
                                   Plan(checkpointing="blocks", compile="full", micro_batch_size=2),
-                                  Plan(optimizer="adafactor", precision="bf16-pure")])
+                                  Plan(optimizer="adafactor", precision="bf16-pure"),
+                                  Plan(adapter="lora:r=4", precision="bf16-base")])
 @pytest.mark.parametrize("trainer", ["hf", "lightning"])
 def test_what_a_plan_exports_maps_back_to_its_configs(plan, trainer):
     exported = export(plan, 8, CPU)
@@ -25,8 +26,10 @@ def test_what_a_plan_exports_maps_back_to_its_configs(plan, trainer):
     assert back or (trainer == "lightning" and plan.compile == "full"), plan  # (Lightning: none of those)
     for name, config in back.items():
         ours = plan.config(name)
-        # (bf16-pure exports bf16=True to TrainingArguments; the model's dtype says which: the HF adapter)
-        same = config == ours or (name == "precision" and trainer == "hf" and ours.text == "bf16-pure")
+        # (bf16-pure and bf16-base export bf16=True to TrainingArguments, bf16-base bf16-mixed to Lightning; the
+        # model's dtypes say which: the HF adapter)
+        same = config == ours or (name == "precision" and (trainer == "hf" and ours.text == "bf16-pure"
+                                                           or ours.text == "bf16-base"))
         assert same or (name == "accumulation" and config.micro_batches(8) == ours.micro_batches(8)), (name, config, ours)
 
 

@@ -22,7 +22,9 @@ CACHED = {"cache_latents": True, "cache_text_encoder_outputs": True}
                        optimizer="adamw", max_grad_norm=1.0), 3),
     ("dit-sd3", Plan(precision="bf16-pure", checkpointing="blocks", optimizer="adafactor",
                      optimizer_in_backward=True), 1),
-], ids=["flux-swap", "flux-offload", "sdxl-fp16", "sd3-full-fused"])
+    ("dit-flux", Plan(adapter="lora:r=16,alpha=16,targets=all-linear", precision="bf16-base", checkpointing="blocks",
+                      optimizer="adamw8bit"), 1),
+], ids=["flux-swap", "flux-offload", "sdxl-fp16", "sd3-full-fused", "flux-bf16-base"])
 def test_the_arguments_read_back_are_the_plan(model, plan, batch):
     out = to_kohya(plan, batch, model, (1216, 832))
     assert out.unmapped == (), out.unmapped

@@ -12,7 +12,7 @@ config.yml`` (and ``plan``).
 | ``sequence_len`` | the sequence length |
 | ``micro_batch_size`` x ``gradient_accumulation_steps`` | the global batch, split into micro-batches of ``micro_batch_size`` |
 | ``gradient_checkpointing: true`` | ``checkpointing: blocks`` (Hugging Face's: each decoder layer) |
-| ``bf16: true`` / ``auto``; ``fp16: true`` | ``precision: bf16-pure`` (axolotl loads the model in bf16; ``auto``: fp16 on a card without bf16); ``fp16`` |
+| ``bf16: true`` / ``auto``; ``fp16: true`` | ``precision: bf16-pure`` (axolotl loads the model in bf16; ``auto``: fp16 on a card without bf16); with an adapter ``bf16-base`` (peft keeps the adapter in fp32, and axolotl casts the embeddings and norms back to bf16); ``fp16`` |
 | ``optimizer`` | ``adamw_torch``, ``adamw_torch_fused``, ``adamw_hf``: ``adamw``; ``adamw_bnb_8bit``: ``adamw8bit``; ``paged_adamw_32bit``, ``paged_adamw_8bit``: ``adamw-paged``, ``adamw8bit-paged`` (states in CUDA managed memory); ``adafactor``; ``sgd`` |
 | ``max_grad_norm``; ``torch_compile: true`` | ``max_grad_norm``; ``compile: full`` |
 
@@ -113,7 +113,8 @@ def map_config(data: dict, where: str, device: Device) -> TrainingConfig:
     if "batch_size" in data and "micro_batch_size" not in data:
         warnings.append(f"axolotl config {where}: batch_size without micro_batch_size: memfit takes micro_batch_size 1 "
                         "(axolotl's default); give micro_batch_size")
-    fields = {**_method(data, where), **_precision(data, device), **_optimizer(data, where)}
+    method = _method(data, where)
+    fields = {**method, **_precision(data, device, "adapter" in method), **_optimizer(data, where)}
     checkpointing = data.get("gradient_checkpointing")
     if checkpointing not in (None, False):
         if checkpointing is not True:
@@ -174,10 +175,10 @@ def _names(data: dict, key: str, where: str) -> list[str]:
     return names
 
 
-def _precision(data: dict, device: Device) -> dict:
+def _precision(data: dict, device: Device, adapter: bool) -> dict:
     bf16, fp16 = data.get("bf16"), data.get("fp16")
     if bf16 is True or (bf16 == "auto" and device.bf16):
-        return {"precision": "bf16-pure"}
+        return {"precision": "bf16-base" if adapter else "bf16-pure"}
     if fp16 or bf16 == "auto":
         return {"precision": "fp16"}
     return {}

@@ -20,6 +20,7 @@ from memfit.errors import UserError
 from memfit.integrations.export import export
 from memfit.integrations.kohya import FLUX_DOUBLE, FLUX_MOST_SWAPPED, FLUX_SINGLE, family_of, flux_swap
 from memfit.plans import Plan
+from memfit.techniques.precision import Autocast
 
 MODULES = {"flux": "networks.lora_flux", "sd3": "networks.lora_sd3", "lumina": "networks.lora_lumina",
            "unet": "networks.lora"}
@@ -62,7 +63,7 @@ def to_kohya(plan: Plan, batch_size: int, model: str, resolution: int | tuple[in
     if "network_module" in args:
         args["network_module"] = MODULES[family]
         args["network_alpha"] = _number(args["network_alpha"])
-        if args.get("mixed_precision") in ("bf16", "fp16") and not (args.get("full_bf16") or args.get("fp8_base")):
+        if isinstance(plan.config("precision"), Autocast) and not args.get("fp8_base"):
             notes.append(f"mixed_precision {args['mixed_precision']}: sd-scripts' LoRA script casts the frozen base to "
                          f"{args['mixed_precision']} too, where the plan keeps it in fp32 (less memory than predicted)")
     if args.get("fp8_base") and args.get("mixed_precision") == "no":

@@ -24,7 +24,7 @@ space offers to chunk); a recipe that contradicts a plan field the user fixed is
 | torchtune QLoRA, one GPU | qlora | bf16-pure, blocks, 8 chunks | ``lora_finetune_single_device``, ``llama3_1/8B_qlora_single_device.yaml`` |
 | QLoRA paper (HF Trainer) | qlora | bf16 autocast, blocks, paged 8-bit AdamW | Dettmers et al. 2023; ``optim="paged_adamw_8bit"``, ``gradient_checkpointing=True`` |
 | Unsloth, one GPU | lora, qlora | bf16-pure, blocks with their inputs on the host, 8-bit AdamW, 8 chunks | Unsloth's notebooks: ``use_gradient_checkpointing="unsloth"`` (offloaded checkpoints), ``optim="adamw_8bit"``; its fused Triton kernels are not modelled: the row is its memory plan run with memfit's kernels |
-| kohya sd-scripts LoRA | lora, qlora (images) | bf16 autocast, blocks, 8-bit AdamW | ``--mixed_precision bf16 --gradient_checkpointing --optimizer_type AdamW8bit`` |
+| kohya sd-scripts LoRA | lora, qlora (images) | bf16-base (the frozen model cast to bf16, the LoRA in fp32, autocast), blocks, 8-bit AdamW | ``--mixed_precision bf16 --gradient_checkpointing --optimizer_type AdamW8bit`` |
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ RECIPES = (
                 "use_gradient_checkpointing=\"unsloth\": each checkpointed layer's input held in host memory), "
                 "optim=\"adamw_8bit\", its chunked cross-entropy", min_params=10**9),
     FieldRecipe("kohya sd-scripts LoRA", ("lora", "qlora"),
-                dict(precision="bf16", checkpointing="blocks", optimizer="adamw8bit"),
+                dict(precision="bf16-base", checkpointing="blocks", optimizer="adamw8bit"),
                 "kohya-ss/sd-scripts: --mixed_precision bf16 --gradient_checkpointing --optimizer_type AdamW8bit",
                 text_lm=False),
 )

@@ -10,9 +10,17 @@ to keep small gradients from flushing to zero; bf16 has fp32's range and needs n
 half the bytes, at the cost of update precision (small updates can be lost to rounding; see
 ``bf16_update``).
 
+``bf16-base`` is what an adapter's users run (NOTE [ The adapter users' precision ]): the base model
+in bf16 as ``from_pretrained(dtype=torch.bfloat16)`` loads it, the adapter's weights in fp32 as
+peft's ``get_peft_model`` leaves them, the step under bf16 autocast (``Trainer(bf16=True)``). Its
+frozen weights take bf16-pure's bytes; the adapter's weights, gradients and AdamW states take
+fp32's (16 bytes a parameter, not 8: 0.3 GiB for a 7B model's rank-16 LoRA), and each adapter
+matmul casts its fp32 weight to bf16 under autocast (a copy of r x (in + out) values).
+
 Plan key ``precision``: ``fp32`` (:class:`FP32`), ``bf16`` / ``fp16`` (:class:`Autocast`),
-``bf16-pure`` (:class:`BF16Pure`), ``auto`` (:class:`AutoPrecision`: bf16 where the device
-supports it, fp16 otherwise, fp32 on a device with neither).
+``bf16-pure`` (:class:`BF16Pure`), ``bf16-base`` (:class:`BF16Base`), ``auto``
+(:class:`AutoPrecision`: bf16 where the device supports it, fp16 otherwise, fp32 on a device with
+neither).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from memfit.errors import UserError
 from memfit.quiet import silenced_warnings
 from memfit.techniques.base import Config, Export, Key, SearchContext, Technique, choice, register
 
-MODES = ("fp32", "bf16", "fp16", "bf16-pure", "auto")
+MODES = ("fp32", "bf16", "fp16", "bf16-pure", "bf16-base", "auto")
 
 
 class NoScaler:
@@ -181,55 +189,17 @@ class BF16Pure(Precision):
             raise UserError(f"precision bf16-pure: {device.name} has no bf16 support; use fp16 or auto")
         return self
 
-    @contextlib.contextmanager
     def build_context(self):
-        """The model is built in bf16 (floating-point tensors it creates without a dtype): a 7B model
-        built in fp32 first would take 26 GiB of device memory, and the allocator would keep it
-        reserved after the cast (what from_pretrained(dtype=torch.bfloat16) avoids too)."""
-        before = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            yield
-        finally:
-            torch.set_default_dtype(before)
+        return built_in_bf16()
 
     def prepare_batch(self, batch):
-        """Floating-point inputs follow the weights into bf16 (integer ids and labels stay)."""
-        return tree_map(lambda x: x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.is_floating_point()
-                        else x, batch)
+        return _inputs_in_bf16(batch)
 
     def on_load(self, model, load) -> None:
-        """A checkpoint loaded with ``dtype=torch.bfloat16`` casts each tensor it holds to bf16 before it
-        reaches the device. The parameters already are bf16 (built under this precision's default dtype),
-        but a persistent buffer the model's ``__init__`` makes in fp32 explicitly (SD3's 226 MB sin-cos
-        position table) is cast here, on the meta device, so that it arrives in bf16 rather than in fp32 to
-        be converted on the device. Buffers no checkpoint holds (rotary tables) stay as the library leaves
-        them, and ``convert`` casts them afterwards, as it does parameters: other configs' ``on_load`` key
-        parameters by identity (quantizers, swapped blocks)."""
-        held = {id(t) for t in model.state_dict(keep_vars=True).values()}
-        cast: dict[int, torch.Tensor] = {}  # (a buffer two modules share stays shared)
-        for module in model.modules():
-            for name, b in list(module._buffers.items()):
-                if b is not None and id(b) in held and b.is_floating_point() and b.element_size() > 2:
-                    if id(b) not in cast:
-                        cast[id(b)] = b.to(torch.bfloat16)
-                    module._buffers[name] = cast[id(b)]
+        _load_in_bf16(model)
 
     def convert(self, model: torch.nn.Module) -> torch.nn.Module:
-        # Replace parameters one by one (keeping tied weights tied) rather than model.to(): the
-        # latter swaps tensors in place, which fails for tied parameters on fake tensors.
-        converted: dict[int, torch.nn.Parameter] = {}
-        for module in model.modules():
-            for name, p in list(module._parameters.items()):
-                if p is None or not p.is_floating_point() or p.element_size() == 1:
-                    continue  # (float8 base weights stay as they are stored)
-                if id(p) not in converted:
-                    converted[id(p)] = torch.nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=p.requires_grad)
-                module._parameters[name] = converted[id(p)]
-            for name, b in list(module._buffers.items()):
-                if b is not None and b.is_floating_point():
-                    module._buffers[name] = b.to(torch.bfloat16)
-        return model
+        return _to_bf16(model)
 
     def export(self, into: Export) -> None:
         super().export(into)
@@ -237,6 +207,142 @@ class BF16Pure(Precision):
         into.kohya["full_bf16"] = True
         into.hf_notes.append("precision: bf16-pure: load the model in bf16 (from_pretrained(..., "
                              "dtype=torch.bfloat16), or model.to(torch.bfloat16))")
+
+
+# NOTE [ The adapter users' precision ]
+# peft's guides, axolotl and kohya's sd-scripts all train an adapter the same way: the base model is
+# loaded in bf16 (``from_pretrained(dtype=torch.bfloat16)``; sd-scripts casts its frozen model to the
+# mixed precision's dtype), the adapter's weights are upcast to fp32 (``get_peft_model``'s
+# ``autocast_adapter_dtype=True``, its default; sd-scripts' network stays fp32 unless ``full_bf16``),
+# and the step runs under bf16 autocast (``Trainer(bf16=True)``, accelerate's ``mixed_precision``).
+# Neither ``bf16`` (autocast over fp32 weights: twice the base's bytes) nor ``bf16-pure`` (the adapter
+# in bf16 too: half its weights', gradients' and states' bytes) is that loop, so ``bf16-base`` is:
+# the parameters converted as bf16-pure converts them (the buffers as the load leaves them: a rotary
+# table made in fp32 stays fp32, as ``from_pretrained`` leaves it), then peft's own
+# ``cast_adapter_dtype`` over each adapter, as ``get_peft_model`` calls it. As in peft, only the adapter's layers are upcast: modules
+# trained in full beside it (``save=``, peft's ``modules_to_save``) stay bf16, and train so.
+@dataclass(frozen=True)
+class BF16Base(Precision):
+    """The base model in bf16, the adapter in fp32, bf16 autocast (NOTE [ The adapter users' precision ])."""
+
+    name = "bf16-base"
+    weights = "bf16"
+    rank = None  # (between bf16 and bf16-pure only where an adapter trains: not ordered, not searched)
+    numerics = "bf16 base model (the adapter in fp32)"
+
+    def resolve(self, device) -> Precision:
+        if not device.bf16:
+            raise UserError(f"precision bf16-base: {device.name} has no bf16 support; use fp16 or auto")
+        return self
+
+    def build_context(self):
+        return built_in_bf16()
+
+    def prepare_batch(self, batch):
+        return _inputs_in_bf16(batch)
+
+    def on_load(self, model, load) -> None:
+        _load_in_bf16(model)
+
+    def convert(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The rest in bf16 (an adapter already in fp32, a user's model's trained one, keeps its bits),
+        then peft's upcast of each adapter."""
+        names, adapter = adapter_parameters(model)
+        if not names:
+            raise UserError("precision bf16-base keeps an adapter's weights in fp32 over a bf16 base model, and the "
+                            "plan trains no adapter; add one (adapter: lora:r=16) or use bf16-pure")
+        from peft.tuners.tuners_utils import cast_adapter_dtype
+        model = _to_bf16(model, buffers=False, keep={id(p) for p in adapter})
+        for name in sorted(names):
+            cast_adapter_dtype(model, adapter_name=name)
+        return model
+
+    def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
+        return Autocast("bf16").autocast(device_type)
+
+    def export(self, into: Export) -> None:
+        into.lightning["precision"] = LIGHTNING["bf16"]
+        into.kohya["mixed_precision"] = "bf16"  # (sd-scripts' LoRA: the frozen model in bf16, the network fp32)
+        into.hf["bf16"] = True
+        note = ("precision: bf16-base: load the model in bf16 (from_pretrained(..., dtype=torch.bfloat16)) and keep "
+                "get_peft_model's autocast_adapter_dtype=True (its default: the adapter in fp32)")
+        into.hf_notes.append(note)
+        into.lightning_notes.append(note)
+
+
+def adapter_parameters(model: torch.nn.Module) -> tuple[set[str], list[torch.nn.Parameter]]:
+    """The names of the peft adapters in ``model`` and their layers' parameters (none without peft)."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        return set(), []
+    names, params = set(), []
+    for m in model.modules():
+        if isinstance(m, BaseTunerLayer):
+            for attr in m.adapter_layer_names:
+                for name, part in getattr(m, attr, {}).items():
+                    names.add(name)
+                    params += [part] if isinstance(part, torch.nn.Parameter) else list(part.parameters())
+    return names, params
+
+
+@contextlib.contextmanager
+def built_in_bf16():
+    """The model is built in bf16 (floating-point tensors it creates without a dtype): a 7B model
+    built in fp32 first would take 26 GiB of device memory, and the allocator would keep it
+    reserved after the cast (what from_pretrained(dtype=torch.bfloat16) avoids too)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def _inputs_in_bf16(batch):
+    """Floating-point inputs follow the weights into bf16 (integer ids and labels stay)."""
+    return tree_map(lambda x: x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.is_floating_point()
+                    else x, batch)
+
+
+def _load_in_bf16(model: torch.nn.Module) -> None:
+    """A checkpoint loaded with ``dtype=torch.bfloat16`` casts each tensor it holds to bf16 before it
+    reaches the device. The parameters already are bf16 (built under :func:`built_in_bf16`), but a
+    persistent buffer the model's ``__init__`` makes in fp32 explicitly (SD3's 226 MB sin-cos position
+    table) is cast here, on the meta device, so that it arrives in bf16 rather than in fp32 to be
+    converted on the device. Buffers no checkpoint holds (rotary tables) stay as the library leaves
+    them, and :func:`_to_bf16` casts them afterwards, as it does parameters: other configs' ``on_load``
+    key parameters by identity (quantizers, swapped blocks)."""
+    held = {id(t) for t in model.state_dict(keep_vars=True).values()}
+    cast: dict[int, torch.Tensor] = {}  # (a buffer two modules share stays shared)
+    for module in model.modules():
+        for name, b in list(module._buffers.items()):
+            if b is not None and id(b) in held and b.is_floating_point() and b.element_size() > 2:
+                if id(b) not in cast:
+                    cast[id(b)] = b.to(torch.bfloat16)
+                module._buffers[name] = cast[id(b)]
+
+
+def _to_bf16(model: torch.nn.Module, buffers: bool = True, keep: frozenset[int] | set[int] = frozenset()) -> torch.nn.Module:
+    """Every floating-point parameter in bf16 (float8 base weights stay as stored), and every buffer
+    (``buffers``; else they stay as the load left them: :func:`_load_in_bf16` cast those a checkpoint
+    holds, and a table the model makes in fp32 on purpose, such as a rotary ``inv_freq``, stays fp32,
+    as after ``from_pretrained(dtype=torch.bfloat16)``); parameters whose ``id`` is in ``keep`` stay as they
+    are. Parameters are replaced one by one (tied
+    weights stay tied) rather than by ``model.to()``, which swaps tensors in place and fails for tied
+    parameters on fake tensors."""
+    converted: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or not p.is_floating_point() or p.element_size() == 1 or id(p) in keep:
+                continue
+            if id(p) not in converted:
+                converted[id(p)] = torch.nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=p.requires_grad)
+            module._parameters[name] = converted[id(p)]
+        for name, b in list(module._buffers.items()) if buffers else ():
+            if b is not None and b.is_floating_point():
+                module._buffers[name] = b.to(torch.bfloat16)
+    return model
 
 
 @dataclass(frozen=True)
@@ -260,7 +366,7 @@ LIGHTNING = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed", "bf16-
 def parse(values: dict) -> Precision:
     mode = choice("precision", values["precision"], MODES)
     return {"fp32": FP32(), "bf16": Autocast("bf16"), "fp16": Autocast("fp16"), "bf16-pure": BF16Pure(),
-            "auto": AutoPrecision()}[mode]
+            "bf16-base": BF16Base(), "auto": AutoPrecision()}[mode]
 
 
 def search(ctx: SearchContext) -> list[str]:
@@ -269,7 +375,8 @@ def search(ctx: SearchContext) -> list[str]:
 
 
 TECHNIQUE = register(
-    Technique("precision", (Key("precision", "fp32", "fp32 | bf16 | fp16 | bf16-pure | auto (bf16 where supported, "
-                                "else fp16, else fp32).", metavar="PRECISION"),),
+    Technique("precision", (Key("precision", "fp32", "fp32 | bf16 | fp16 | bf16-pure | bf16-base (the base model in "
+                                "bf16, an adapter in fp32, bf16 autocast: peft's, axolotl's and kohya's LoRA) | auto "
+                                "(bf16 where supported, else fp16, else fp32).", metavar="PRECISION"),),
               parse, search=search),
-    Precision, FP32, Autocast, BF16Pure, AutoPrecision)
+    Precision, FP32, Autocast, BF16Pure, BF16Base, AutoPrecision)

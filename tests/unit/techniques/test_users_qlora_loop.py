@@ -1,6 +1,6 @@
-"""The QLoRA loop as users write it, predicted (issue 49: memfit predicts what *they* run).
+"""The QLoRA and LoRA loops as users write them, predicted (issue 49: memfit predicts what *they* run).
 
-A saved checkpoint is loaded with transformers' ``from_pretrained`` and a ``BitsAndBytesConfig``
+QLoRA: a saved checkpoint is loaded with transformers' ``from_pretrained`` and a ``BitsAndBytesConfig``
 (NF4, double quantization, bf16 compute), prepared with peft's ``prepare_model_for_kbit_training``
 (non-quantized weights to fp32, input embeddings requiring grad, checkpointing of each decoder layer
 as the Trainer enables it: ``use_reentrant=False``), given peft's LoRA, and trained with torch's AdamW
@@ -9,7 +9,11 @@ loop, from the first allocation of the load on; memfit predicts the same folder 
 names it: ``base_weights: nf4:double_quant=true, adapter: lora:...,targets=q_proj+v_proj, precision:
 bf16, checkpointing: blocks`` (``bf16``: autocast over fp32 weights, which is what
 ``prepare_model_for_kbit_training`` leaves; ``bf16-pure`` keeps them in bf16, as torchtune and
-Unsloth do)."""
+Unsloth do).
+
+LoRA: the same folder loaded with ``dtype=torch.bfloat16``, checkpointing as the Trainer enables it,
+``get_peft_model`` (its adapter upcast to fp32), AdamW, bf16 autocast: ``precision: bf16-base``
+(NOTE [ The adapter users' precision ])."""
 
 import gc
 import json
@@ -37,18 +41,22 @@ def _save(folder) -> None:
     transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
 
 
-def _users_loop(folder, checkpointing: bool) -> int:
-    """The third step's peak of the user's loop (bytes live on the CPU allocator, the load's included)."""
+def _users_loop(folder, checkpointing: bool, quantized: bool = True) -> int:
+    """The third step's peak of the user's loop (bytes live on the CPU allocator, the load's included):
+    QLoRA (``quantized``) or LoRA over a model loaded in bf16."""
     import transformers
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                            bnb_4bit_compute_dtype=torch.bfloat16)
+                                            bnb_4bit_compute_dtype=torch.bfloat16) if quantized else None
     gc.collect()
     with QuietProfiler(memory_profiler()) as prof:
         model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), quantization_config=quant,
                                                                   dtype=torch.bfloat16, device_map={"": "cpu"})
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing,
-                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+        if quantized:
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing,
+                                                    gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif checkpointing:  # (what Trainer(gradient_checkpointing=True) does)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules=["q_proj", "v_proj"],
                                                  task_type="CAUSAL_LM"))
         model.train()
@@ -87,6 +95,21 @@ def test_the_users_qlora_loop_is_predicted_within_1pct(tmp_path, checkpointing):
     assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
 
 
+@pytest.mark.parametrize("checkpointing", ["none", "blocks"])
+def test_the_users_lora_loop_in_bf16_is_predicted_within_1pct_by_bf16_base(tmp_path, checkpointing):
+    """peft's LoRA over a model loaded in bf16 keeps its adapter in fp32: bf16-base predicts the loop;
+    bf16-pure (the adapter in bf16 too) is under it by the adapter's missing bytes."""
+    pytest.importorskip("peft")
+    _save(tmp_path)
+    measured = _users_loop(tmp_path, checkpointing == "blocks", quantized=False)
+    plans = {precision: memfit.Plan(adapter="lora:r=16,alpha=16,targets=q_proj+v_proj", precision=precision,
+                                    checkpointing=checkpointing) for precision in ("bf16-base", "bf16-pure")}
+    base, pure = (memfit.estimate(str(tmp_path), plan, batch_size=BATCH, seq_len=SEQ, device="cpu").peak_bytes
+                  for plan in plans.values())
+    assert abs(base - measured) <= 0.01 * measured, (base, measured)
+    assert measured - pure > 0.01 * measured, (pure, measured)
+
+
 def test_a_bf16_pure_qlora_estimate_says_which_loop_it_is_not():
     """bf16-pure predicts torchtune's and Unsloth's QLoRA (every weight in bf16), 30% under the loop above
     on this model: its estimate says so, and which precision predicts that loop; bf16 says nothing."""
@@ -101,3 +124,7 @@ def test_a_bf16_pure_qlora_estimate_says_which_loop_it_is_not():
         "a loop that calls peft's prepare_model_for_kbit_training keeps them in fp32: --precision bf16 predicts that loop"]
     assert hint(base_weights="nf4", adapter="lora:r=4", precision="bf16") == []
     assert hint(adapter="lora:r=4", precision="bf16-pure") == []  # (no quantized base: no prepare to speak of)
+    lora = memfit.estimate(spec, memfit.Plan(adapter="lora:r=4", precision="bf16-pure"), batch_size=1, seq_len=16)
+    assert [a for a in lora.approximations if "get_peft_model" in a] == [
+        "bf16-pure keeps the adapter in bf16 too (torchtune's LoRA); peft's get_peft_model over a model loaded in bf16 "
+        "keeps it in fp32 (as axolotl and kohya's sd-scripts do): --precision bf16-base predicts that"]
