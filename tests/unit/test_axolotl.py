@@ -82,6 +82,7 @@ def test_bf16_auto_follows_the_card_and_an_adapter_stays_fp32():
     assert map_config({"base_model": "m", "bf16": True, "adapter": "lora"}, "c", CARD).plan.precision == "bf16-base"
     assert map_config({"base_model": "m", "bf16": "auto"}, "c", get_device("t4")).plan.precision == "fp16"
     assert map_config({"base_model": "m", "fp16": True}, "c", CARD).plan.precision == "fp16"
+    assert map_config({"base_model": "m", "fp16": True, "adapter": "lora"}, "c", CARD).plan.precision == "fp16-base"
 
 
 def test_the_run_around_the_step_is_ignored_in_silence():

@@ -49,8 +49,9 @@ def test_an_sdxl_lora_of_a_checkpoint_file_takes_the_model_named_beside_it():
 
 
 def test_precision_is_sd_scripts_or_the_nearest_said():
-    """LoRA scripts cast the frozen base to the mixed precision's dtype (fp32 LoRA weights): bf16-base, but
-    bf16 autocast over an fp8 base; full_bf16: bf16-pure; full fine-tuning keeps fp32 weights: autocast."""
+    """LoRA scripts cast the frozen base to the mixed precision's dtype (fp32 LoRA weights): bf16-base or
+    fp16-base, but autocast over an fp8 base; full_bf16: bf16-pure; full_fp16 a bound, said; full fine-tuning
+    keeps fp32 weights: autocast."""
     def mapped(**kw):
         c = map_config({**MINIMAL, "network_train_unet_only": True, **kw}, "c.toml", CARD)
         return c.plan.precision, [w.split(": ", 1)[1][:40] for w in c.warnings]
@@ -59,7 +60,8 @@ def test_precision_is_sd_scripts_or_the_nearest_said():
     assert mapped(**lora, mixed_precision="bf16", fp8_base=True) == ("bf16", [])
     assert mapped(**lora, mixed_precision="bf16", full_bf16=True) == ("bf16-pure", [])
     assert mapped(mixed_precision="bf16") == ("bf16", []) and mapped(mixed_precision="bf16", full_bf16=True)[0] == "bf16-pure"
-    assert mapped(**lora, mixed_precision="fp16") == ("fp16", ["memfit has no fp16 weights; its fp16 aut"])
+    assert mapped(**lora, mixed_precision="fp16") == ("fp16-base", [])
+    assert mapped(**lora, mixed_precision="fp16", full_fp16=True) == ("fp16", ["memfit has no fp16 weights; its fp16 aut"])
 
 
 def test_sd_scripts_own_rules_for_memory_flags():

@@ -18,7 +18,7 @@ CACHED = {"cache_latents": True, "cache_text_encoder_outputs": True}
                       checkpointing="blocks", swap_blocks=39, optimizer="adamw8bit", max_grad_norm=1.0), 2),
     ("dit-flux", Plan(adapter="lora:r=32,alpha=32,targets=all-linear", precision="bf16-pure", checkpointing="blocks",
                       offload=["activations"], optimizer="adamw8bit-paged", micro_batch_size=1), 4),
-    ("unet-sdxl", Plan(adapter="lora:r=8,alpha=4,targets=all-linear", precision="fp16", checkpointing="blocks",
+    ("unet-sdxl", Plan(adapter="lora:r=8,alpha=4,targets=all-linear", precision="fp16-base", checkpointing="blocks",
                        optimizer="adamw", max_grad_norm=1.0), 3),
     ("dit-sd3", Plan(precision="bf16-pure", checkpointing="blocks", optimizer="adafactor",
                      optimizer_in_backward=True), 1),
@@ -40,6 +40,10 @@ def test_what_sd_scripts_cannot_carry_is_listed():
     assert {u.split(":")[0] for u in out.unmapped} == {
         "adapter", "base_weights", "checkpointing", "offload", "optimizer", "compile"}
     assert "network_module" not in out.arguments and out.arguments["mixed_precision"] == "bf16"
+    autocast = to_kohya(Plan(adapter="lora:r=4,targets=all-linear", precision="bf16"), 1, "dit-flux")
+    assert any(n.startswith("mixed_precision bf16: sd-scripts' LoRA script casts the frozen base") for n in autocast.notes)
+    assert not any("casts the frozen base" in n for n in to_kohya(
+        Plan(adapter="lora:r=4,targets=all-linear", precision="bf16-base"), 1, "dit-flux").notes)
     assert to_kohya(Plan(adapter="lora:r=4"), 1, "dit-flux").unmapped == ("adapter: lora:r=4",)
     assert to_kohya(Plan(world_size=2), 2, "dit-flux").unmapped[0].startswith("shard: ")  # (no FSDP in sd-scripts)
 

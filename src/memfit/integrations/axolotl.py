@@ -12,7 +12,7 @@ config.yml`` (and ``plan``).
 | ``sequence_len`` | the sequence length |
 | ``micro_batch_size`` x ``gradient_accumulation_steps`` | the global batch, split into micro-batches of ``micro_batch_size`` |
 | ``gradient_checkpointing: true`` | ``checkpointing: blocks`` (Hugging Face's: each decoder layer) |
-| ``bf16: true`` / ``auto``; ``fp16: true`` | ``precision: bf16-pure`` (axolotl loads the model in bf16; ``auto``: fp16 on a card without bf16); with an adapter ``bf16-base`` (peft keeps the adapter in fp32, and axolotl casts the embeddings and norms back to bf16); ``fp16`` |
+| ``bf16: true`` / ``auto``; ``fp16: true`` | ``precision: bf16-pure`` (axolotl loads the model in bf16; ``auto``: fp16 on a card without bf16); with an adapter ``bf16-base`` / ``fp16-base`` (peft keeps the adapter in fp32, and axolotl casts the embeddings and norms back to 16 bits); ``fp16`` |
 | ``optimizer`` | ``adamw_torch``, ``adamw_torch_fused``, ``adamw_hf``: ``adamw``; ``adamw_bnb_8bit``: ``adamw8bit``; ``paged_adamw_32bit``, ``paged_adamw_8bit``: ``adamw-paged``, ``adamw8bit-paged`` (states in CUDA managed memory); ``adafactor``; ``sgd`` |
 | ``max_grad_norm``; ``torch_compile: true`` | ``max_grad_norm``; ``compile: full`` |
 
@@ -180,7 +180,7 @@ def _precision(data: dict, device: Device, adapter: bool) -> dict:
     if bf16 is True or (bf16 == "auto" and device.bf16):
         return {"precision": "bf16-base" if adapter else "bf16-pure"}
     if fp16 or bf16 == "auto":
-        return {"precision": "fp16"}
+        return {"precision": "fp16-base" if adapter else "fp16"}
     return {}
 
 

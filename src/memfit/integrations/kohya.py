@@ -9,7 +9,7 @@ merged into one set of arguments; a ``dataset_config`` it names is read for the 
 | ``resolution`` (``"1024"`` or ``"1216,832"``: width, height) | the image's size (``--resolution 1216x832``) |
 | ``train_batch_size`` x ``gradient_accumulation_steps`` | the global batch, split into micro-batches of ``train_batch_size`` |
 | ``dataset_config``'s ``resolution`` and ``batch_size`` | the same, over the training config's (the dataset with the largest batch of pixels) |
-| ``mixed_precision``, ``full_bf16``, ``full_fp16`` | full fine-tuning: ``bf16``/``fp16`` autocast, ``bf16-pure``; LoRA (its frozen base cast to 16 bits, the network in fp32): ``bf16-base``, or ``bf16`` autocast over an fp8 base; ``full_bf16``: ``bf16-pure``; fp16 is a bound (memfit has no fp16 weights), said |
+| ``mixed_precision``, ``full_bf16``, ``full_fp16`` | full fine-tuning: ``bf16``/``fp16`` autocast, ``bf16-pure``; LoRA (its frozen base cast to 16 bits, the network in fp32): ``bf16-base`` / ``fp16-base``, or autocast over an fp8 base; ``full_bf16``: ``bf16-pure``; ``full_fp16`` a bound (memfit trains no fp16 weights), said |
 | ``fp8_base``, ``fp8_base_unet`` | ``base_weights: fp8`` (memfit's carries a scale per row; sd-scripts' is a plain cast) |
 | ``blocks_to_swap`` (``split_mode``: 18) | ``swap_blocks``; of FLUX, about the same bytes (sd-scripts swaps N/2 double-stream blocks and N single-stream ones; memfit its last blocks, the singles first: 18 is 39) |
 | ``gradient_checkpointing``; ``cpu_offload_checkpointing`` | ``checkpointing: blocks``; with ``offload: activations`` (each checkpointed block's input in host memory; FLUX and SD3) |
@@ -352,17 +352,17 @@ def _precision(data: dict, where: str, warnings: list[str]) -> dict:
     """sd-scripts' precision as memfit's. Its LoRA scripts cast the frozen base to the mixed precision's dtype
     and keep the LoRA weights in fp32 (``full_bf16``/``full_fp16``: in 16 bits too); its full fine-tuning keeps
     fp32 weights under autocast unless ``full_bf16``. memfit's ``bf16`` autocast holds fp32 weights, its
-    ``bf16-pure`` every weight in bf16, its ``bf16-base`` the frozen model in bf16 and the LoRA in fp32 (the
-    LoRA scripts' bf16), and it has no fp16 weights: the nearest is taken, and said."""
+    ``bf16-pure`` every weight in bf16, its ``bf16-base``/``fp16-base`` the frozen model in 16 bits and the LoRA
+    in fp32 (the LoRA scripts' mixed precision), and it trains no fp16 weights: the nearest is taken, and said."""
     mixed = str(data.get("mixed_precision", "no")).lower()
     if mixed not in ("no", "bf16", "fp16"):
         raise UserError(f"--from {where}: mixed_precision {data['mixed_precision']!r}: use no, fp16 or bf16")
     lora, fp8 = bool(data.get("network_module")), bool(data.get("fp8_base") or data.get("fp8_base_unet"))
     if data.get("full_bf16"):
         return {"precision": "bf16-pure"}
-    if mixed == "bf16" and lora and not fp8:
-        return {"precision": "bf16-base"}
-    if data.get("full_fp16") or (mixed == "fp16" and lora and not fp8):
+    if mixed in ("bf16", "fp16") and lora and not fp8 and not data.get("full_fp16"):
+        return {"precision": f"{mixed}-base"}
+    if data.get("full_fp16"):
         warnings.append(f"kohya config {where}: memfit has no fp16 weights; its fp16 autocast keeps the "
                         f"{'frozen base' if lora else 'weights and gradients'} in fp32 where sd-scripts holds them in "
                         "fp16 (a bound: twice their bytes)")

@@ -53,7 +53,7 @@ from memfit.integrations.export import HF_CALLBACK_APPLIES, hf_unmapped_of, to_h
 from memfit.memory.measure import PeakWindow
 from memfit.plans import TECHNIQUES, Plan
 from memfit.techniques.base import Export
-from memfit.techniques.precision import Autocast, BF16Base, BF16Pure, adapter_parameters
+from memfit.techniques.precision import AdapterBase, Autocast, BF16Pure, adapter_parameters
 
 __all__ = ["ERROR", "MEASURED", "PREDICTED", "MemfitCallback", "MemfitTrainer"]
 CALLBACK_APPLIES = HF_CALLBACK_APPLIES
@@ -244,11 +244,15 @@ def _given(args) -> Export:
 def _trainer_runs(given: Export, model) -> dict:
     """The plan values the Trainer's own step runs with these arguments: every technique the
     arguments set, the rest at its default, but for the model-side ones a callback applies (bf16
-    with a model loaded in bf16 runs bf16-pure; with peft's adapter in fp32 over it, bf16-base)."""
+    with a model loaded in bf16 runs bf16-pure; with peft's adapter in fp32 over a bf16 or fp16 model, bf16-base or fp16-base)."""
     configs = core.trainer_configs(given)
-    if configs.get("precision") == Autocast("bf16") and next(model.parameters()).dtype == torch.bfloat16:
-        _, adapter = adapter_parameters(model)  # (get_peft_model keeps an adapter in fp32 over a bf16 model)
-        configs["precision"] = BF16Base() if adapter and all(p.dtype == torch.float32 for p in adapter) else BF16Pure()
+    precision = configs.get("precision")
+    if isinstance(precision, Autocast) and next(model.parameters()).dtype == precision.torch_dtype:
+        _, adapter = adapter_parameters(model)  # (get_peft_model keeps an adapter in fp32 over a 16-bit model)
+        if adapter and all(p.dtype == torch.float32 for p in adapter):
+            configs["precision"] = AdapterBase(precision.dtype)
+        elif precision.dtype == "bf16":
+            configs["precision"] = BF16Pure()
     return {k: v for t in TECHNIQUES if t.name not in CALLBACK_APPLIES or t.name in configs
             for k, v in configs.get(t.name, t.default).values().items()}
 

@@ -30,7 +30,7 @@ def adds_work(key: tuple[str, object]) -> bool:
 
 def _weight_bytes(n_params: int, plan: Plan) -> int:
     """Every parameter in the plan's weight dtype (Precision.weights: fp32 or bf16)."""
-    return n_params * (2 if plan.config("precision").weights == "bf16" else 4)
+    return n_params * (4 if plan.config("precision").weights == "fp32" else 2)
 
 
 def _plans_of(first: list[Plan], pairs) -> list[Plan]:

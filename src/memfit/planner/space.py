@@ -187,15 +187,15 @@ def leave_out_states_that_cannot_fit(space: SearchSpace, facts: ModelFacts, budg
 
 
 def weight_bytes(model: torch.nn.Module, precision: str) -> int:
-    """The bytes of ``model``'s parameters (meta) held at ``precision``: floating-point ones in bf16
-    where its weights are bf16, else as the model builds them (autocast keeps them)."""
-    bf16 = Plan(precision=precision).config("precision").weights == "bf16"
+    """The bytes of ``model``'s parameters (meta) held at ``precision``: floating-point ones in 16 bits
+    where its weights are 16-bit, else as the model builds them (autocast keeps them)."""
+    half = Plan(precision=precision).config("precision").weights != "fp32"
     seen, total = set(), 0
     for p in model.parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
-        total += p.numel() * (2 if bf16 and p.is_floating_point() else p.element_size())
+        total += p.numel() * (2 if half and p.is_floating_point() else p.element_size())
     return total
 
 

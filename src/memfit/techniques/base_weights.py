@@ -63,7 +63,7 @@ class BaseWeights(Config):
             if not parts.loaded:
                 _quantize_linears(parts.model, self, self.text)
             _prepare_for_kbit_training(parts.model, freeze=not _has_peft_adapter(parts.model),
-                                       upcast=parts.plan.config("precision").resolve(parts.device).weights != "bf16")
+                                       upcast=parts.plan.config("precision").resolve(parts.device).weights == "fp32")
         if has_4bit_layers(parts.model):
             parts.contexts.append(lambda: gemm_4bit_kernels(parts.device))
 

@@ -78,7 +78,7 @@ class StepInBackward(UpdateTiming):
                             "cannot accumulate micro-batches; set grad_accum_steps: 1 or optimizer_in_backward: false")
         if plan.micro_batch_size is not None:
             raise UserError("plan: optimizer_in_backward cannot accumulate micro-batches; remove micro_batch_size")
-        if plan.precision == "fp16":
+        if plan.config("precision").scaled:
             raise UserError("plan: optimizer_in_backward cannot unscale fp16 gradients with a GradScaler "
                             "(inf checks need all gradients); use bf16 or set optimizer_in_backward: false")
 

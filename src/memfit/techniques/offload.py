@@ -339,7 +339,7 @@ def _offload_optimizer(parts) -> None:
     """The step's optimizer steps on the host (memfit.techniques.offload_optimizer): from each
     gradient's hook, unless clipping or fp16 loss scaling need every gradient first."""
     placement, built = parts.placement, []
-    eager = parts.plan.max_grad_norm is None and parts.plan.precision != "fp16"
+    eager = parts.plan.max_grad_norm is None and not parts.plan.config("precision").scaled
 
     def make(params, factory):
         built.append(OffloadOptimizerStates(params, factory, placement, eager=eager))

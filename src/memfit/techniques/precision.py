@@ -14,11 +14,14 @@ half the bytes, at the cost of update precision (small updates can be lost to ro
 in bf16 as ``from_pretrained(dtype=torch.bfloat16)`` loads it, the adapter's weights in fp32 as
 peft's ``get_peft_model`` leaves them, the step under bf16 autocast (``Trainer(bf16=True)``). Its
 frozen weights take bf16-pure's bytes; the adapter's weights, gradients and AdamW states take
-fp32's (16 bytes a parameter, not 8: 0.3 GiB for a 7B model's rank-16 LoRA), and each adapter
-matmul casts its fp32 weight to bf16 under autocast (a copy of r x (in + out) values).
+fp32's (16 bytes a parameter, not 8: 0.3 GiB for a 7B model's rank-16 LoRA), and peft's LoRA layer
+casts its input to the adapter's dtype before the adapter's matmuls (fp32 temporaries the size of
+the layer's input). Llama-2-7B, rank 16 on every linear layer, blocks, batch 2 x 2048, RTX 4090:
+15.20 GiB allocated against bf16-pure's 14.64.
+``fp16-base`` is the same in fp16 with a GradScaler (``Trainer(fp16=True)`` on a card without bf16).
 
 Plan key ``precision``: ``fp32`` (:class:`FP32`), ``bf16`` / ``fp16`` (:class:`Autocast`),
-``bf16-pure`` (:class:`BF16Pure`), ``bf16-base`` (:class:`BF16Base`), ``auto``
+``bf16-pure`` (:class:`BF16Pure`), ``bf16-base`` / ``fp16-base`` (:class:`AdapterBase`), ``auto``
 (:class:`AutoPrecision`: bf16 where the device supports it, fp16 otherwise, fp32 on a device with
 neither).
 """
@@ -36,7 +39,7 @@ from memfit.errors import UserError
 from memfit.quiet import silenced_warnings
 from memfit.techniques.base import Config, Export, Key, SearchContext, Technique, choice, register
 
-MODES = ("fp32", "bf16", "fp16", "bf16-pure", "bf16-base", "auto")
+MODES = ("fp32", "bf16", "fp16", "bf16-pure", "bf16-base", "fp16-base", "auto")
 
 
 class NoScaler:
@@ -68,6 +71,9 @@ class Precision(Config):
     name = "fp32"
     weights: ClassVar[str] = "fp32"
     """The dtype the weights (and so the optimizer's parameters) are held in."""
+    scaled: ClassVar[bool] = False
+    """The loss is scaled (fp16's GradScaler), so every gradient is unscaled and checked for
+    overflow at once, after backward."""
 
     def values(self) -> dict:
         return {"precision": self.name}
@@ -143,6 +149,10 @@ class Autocast(Precision):
     def torch_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.dtype == "bf16" else torch.float16
 
+    @property
+    def scaled(self) -> bool:
+        return self.dtype == "fp16"
+
     def resolve(self, device) -> Precision:
         if not (device.bf16 if self.dtype == "bf16" else device.fp16):
             alternative = "fp16 or auto" if self.dtype == "bf16" else "fp32 or auto"
@@ -190,16 +200,16 @@ class BF16Pure(Precision):
         return self
 
     def build_context(self):
-        return built_in_bf16()
+        return built_in(torch.bfloat16)
 
     def prepare_batch(self, batch):
-        return _inputs_in_bf16(batch)
+        return _inputs_in(batch)
 
     def on_load(self, model, load) -> None:
-        _load_in_bf16(model)
+        _load_in(model)
 
     def convert(self, model: torch.nn.Module) -> torch.nn.Module:
-        return _to_bf16(model)
+        return _to_half(model)
 
     def export(self, into: Export) -> None:
         super().export(into)
@@ -222,52 +232,92 @@ class BF16Pure(Precision):
 # ``cast_adapter_dtype`` over each adapter, as ``get_peft_model`` calls it. As in peft, only the adapter's layers are upcast: modules
 # trained in full beside it (``save=``, peft's ``modules_to_save``) stay bf16, and train so.
 @dataclass(frozen=True)
-class BF16Base(Precision):
-    """The base model in bf16, the adapter in fp32, bf16 autocast (NOTE [ The adapter users' precision ])."""
+class AdapterBase(Precision):
+    """The base model in 16 bits, the adapter in fp32, 16-bit autocast (NOTE [ The adapter users'
+    precision ]): ``bf16-base``, or ``fp16-base`` (a card without bf16: a T4's, and sd-scripts' fp16),
+    whose loss is scaled by a GradScaler as ``Trainer(fp16=True)`` scales it."""
 
-    name = "bf16-base"
-    weights = "bf16"
-    rank = None  # (between bf16 and bf16-pure only where an adapter trains: not ordered, not searched)
-    numerics = "bf16 base model (the adapter in fp32)"
+    dtype: str = "bf16"
+    """bf16 or fp16."""
+    rank = None  # (between autocast and bf16-pure only where an adapter trains: not ordered, not searched)
+
+    @property
+    def name(self) -> str:
+        return f"{self.dtype}-base"
+
+    @property
+    def weights(self) -> str:
+        return self.dtype
+
+    @property
+    def numerics(self) -> str:
+        return f"{self.dtype} base model (the adapter in fp32)"
+
+    @property
+    def scaled(self) -> bool:
+        return self.dtype == "fp16"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return Autocast(self.dtype).torch_dtype
 
     def resolve(self, device) -> Precision:
-        if not device.bf16:
-            raise UserError(f"precision bf16-base: {device.name} has no bf16 support; use fp16 or auto")
+        if not (device.bf16 if self.dtype == "bf16" else device.fp16):
+            other = "fp16-base" if self.dtype == "bf16" else "fp32"
+            raise UserError(f"precision {self.name}: {device.name} has no {self.dtype} support; use {other} or auto")
         return self
 
     def build_context(self):
-        return built_in_bf16()
+        return built_in(self.torch_dtype)
 
     def prepare_batch(self, batch):
-        return _inputs_in_bf16(batch)
+        return _inputs_in(batch, self.torch_dtype)
 
     def on_load(self, model, load) -> None:
-        _load_in_bf16(model)
+        _load_in(model, self.torch_dtype)
 
     def convert(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The rest in bf16 (an adapter already in fp32, a user's model's trained one, keeps its bits),
+        """The rest in 16 bits (an adapter already in fp32, a user's model's trained one, keeps its bits),
         then peft's upcast of each adapter."""
         names, adapter = adapter_parameters(model)
         if not names:
-            raise UserError("precision bf16-base keeps an adapter's weights in fp32 over a bf16 base model, and the "
-                            "plan trains no adapter; add one (adapter: lora:r=16) or use bf16-pure")
+            raise UserError(f"precision {self.name} keeps an adapter's weights in fp32 over a {self.dtype} base model, "
+                            "and the plan trains no adapter; add one (adapter: lora:r=16) or use "
+                            f"{'bf16-pure' if self.dtype == 'bf16' else 'fp16'}")
         from peft.tuners.tuners_utils import cast_adapter_dtype
-        model = _to_bf16(model, buffers=False, keep={id(p) for p in adapter})
+        model = _to_half(model, self.torch_dtype, buffers=False, keep={id(p) for p in adapter})
         for name in sorted(names):
             cast_adapter_dtype(model, adapter_name=name)
+        if self.scaled:
+            _check_unscalable(model, self.name)
         return model
 
     def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
-        return Autocast("bf16").autocast(device_type)
+        return Autocast(self.dtype).autocast(device_type)
+
+    def grad_scaler(self, device_type: str):
+        return Autocast(self.dtype).grad_scaler(device_type)
 
     def export(self, into: Export) -> None:
-        into.lightning["precision"] = LIGHTNING["bf16"]
-        into.kohya["mixed_precision"] = "bf16"  # (sd-scripts' LoRA: the frozen model in bf16, the network fp32)
-        into.hf["bf16"] = True
-        note = ("precision: bf16-base: load the model in bf16 (from_pretrained(..., dtype=torch.bfloat16)) and keep "
-                "get_peft_model's autocast_adapter_dtype=True (its default: the adapter in fp32)")
+        into.lightning["precision"] = LIGHTNING[self.dtype]
+        into.kohya["mixed_precision"] = self.dtype  # (sd-scripts' LoRA: the frozen model in 16 bits, the network fp32)
+        into.hf[self.dtype] = True
+        torch_dtype = "torch.bfloat16" if self.dtype == "bf16" else "torch.float16"
+        note = (f"precision: {self.name}: load the model in {self.dtype} (from_pretrained(..., dtype={torch_dtype})) "
+                "and keep get_peft_model's autocast_adapter_dtype=True (its default: the adapter in fp32)")
         into.hf_notes.append(note)
         into.lightning_notes.append(note)
+
+
+def _check_unscalable(model: torch.nn.Module, name: str) -> None:
+    """A GradScaler refuses to unscale fp16 gradients: a module trained in full beside the adapter, which
+    peft leaves in the model's fp16 (``modules_to_save``), fails the user's Trainer(fp16=True) at its first
+    step; so does it here, in one line, before a step."""
+    half = [n for n, p in model.named_parameters() if p.requires_grad and p.dtype == torch.float16]
+    if half:
+        raise UserError(f"precision {name}: {half[0]} trains in fp16 (a module trained beside the adapter stays in the "
+                        "model's dtype), and a GradScaler cannot unscale fp16 gradients, as Trainer(fp16=True) fails "
+                        "on it too; train only the adapter, or use precision fp16 (fp32 weights)")
 
 
 def adapter_parameters(model: torch.nn.Module) -> tuple[set[str], list[torch.nn.Parameter]]:
@@ -287,61 +337,60 @@ def adapter_parameters(model: torch.nn.Module) -> tuple[set[str], list[torch.nn.
 
 
 @contextlib.contextmanager
-def built_in_bf16():
-    """The model is built in bf16 (floating-point tensors it creates without a dtype): a 7B model
+def built_in(dtype: torch.dtype = torch.bfloat16):
+    """The model is built in ``dtype`` (floating-point tensors it creates without a dtype): a 7B model
     built in fp32 first would take 26 GiB of device memory, and the allocator would keep it
     reserved after the cast (what from_pretrained(dtype=torch.bfloat16) avoids too)."""
     before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_dtype(dtype)
     try:
         yield
     finally:
         torch.set_default_dtype(before)
 
 
-def _inputs_in_bf16(batch):
-    """Floating-point inputs follow the weights into bf16 (integer ids and labels stay)."""
-    return tree_map(lambda x: x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.is_floating_point()
-                    else x, batch)
+def _inputs_in(batch, dtype: torch.dtype = torch.bfloat16):
+    """Floating-point inputs follow the weights into ``dtype`` (integer ids and labels stay)."""
+    return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, batch)
 
 
-def _load_in_bf16(model: torch.nn.Module) -> None:
-    """A checkpoint loaded with ``dtype=torch.bfloat16`` casts each tensor it holds to bf16 before it
-    reaches the device. The parameters already are bf16 (built under :func:`built_in_bf16`), but a
-    persistent buffer the model's ``__init__`` makes in fp32 explicitly (SD3's 226 MB sin-cos position
-    table) is cast here, on the meta device, so that it arrives in bf16 rather than in fp32 to be
-    converted on the device. Buffers no checkpoint holds (rotary tables) stay as the library leaves
-    them, and :func:`_to_bf16` casts them afterwards, as it does parameters: other configs' ``on_load``
-    key parameters by identity (quantizers, swapped blocks)."""
+def _load_in(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> None:
+    """A checkpoint loaded with ``dtype=`` casts each tensor it holds to ``dtype`` before it reaches the
+    device. The parameters already are (built under :func:`built_in`), but a persistent buffer the
+    model's ``__init__`` makes in fp32 explicitly (SD3's 226 MB sin-cos position table) is cast here, on
+    the meta device, so that it arrives in 16 bits rather than in fp32 to be converted on the device.
+    Buffers no checkpoint holds (rotary tables) stay as the library leaves them, and :func:`_to_half`
+    casts them afterwards, as it does parameters: other configs' ``on_load`` key parameters by identity
+    (quantizers, swapped blocks)."""
     held = {id(t) for t in model.state_dict(keep_vars=True).values()}
     cast: dict[int, torch.Tensor] = {}  # (a buffer two modules share stays shared)
     for module in model.modules():
         for name, b in list(module._buffers.items()):
             if b is not None and id(b) in held and b.is_floating_point() and b.element_size() > 2:
                 if id(b) not in cast:
-                    cast[id(b)] = b.to(torch.bfloat16)
+                    cast[id(b)] = b.to(dtype)
                 module._buffers[name] = cast[id(b)]
 
 
-def _to_bf16(model: torch.nn.Module, buffers: bool = True, keep: frozenset[int] | set[int] = frozenset()) -> torch.nn.Module:
-    """Every floating-point parameter in bf16 (float8 base weights stay as stored), and every buffer
-    (``buffers``; else they stay as the load left them: :func:`_load_in_bf16` cast those a checkpoint
-    holds, and a table the model makes in fp32 on purpose, such as a rotary ``inv_freq``, stays fp32,
-    as after ``from_pretrained(dtype=torch.bfloat16)``); parameters whose ``id`` is in ``keep`` stay as they
-    are. Parameters are replaced one by one (tied
-    weights stay tied) rather than by ``model.to()``, which swaps tensors in place and fails for tied
-    parameters on fake tensors."""
+def _to_half(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, buffers: bool = True,
+             keep: frozenset[int] | set[int] = frozenset()) -> torch.nn.Module:
+    """Every floating-point parameter in ``dtype`` (float8 base weights stay as stored), and every buffer
+    (``buffers``; else they stay as the load left them: :func:`_load_in` cast those a checkpoint holds,
+    and a table the model makes in fp32 on purpose, such as a rotary ``inv_freq``, stays fp32, as after
+    ``from_pretrained(dtype=torch.bfloat16)``); parameters whose ``id`` is in ``keep`` stay as they are.
+    Parameters are replaced one by one (tied weights stay tied) rather than by ``model.to()``, which
+    swaps tensors in place and fails for tied parameters on fake tensors."""
     converted: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is None or not p.is_floating_point() or p.element_size() == 1 or id(p) in keep:
                 continue
             if id(p) not in converted:
-                converted[id(p)] = torch.nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=p.requires_grad)
+                converted[id(p)] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
             module._parameters[name] = converted[id(p)]
         for name, b in list(module._buffers.items()) if buffers else ():
             if b is not None and b.is_floating_point():
-                module._buffers[name] = b.to(torch.bfloat16)
+                module._buffers[name] = b.to(dtype)
     return model
 
 
@@ -366,7 +415,7 @@ LIGHTNING = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed", "bf16-
 def parse(values: dict) -> Precision:
     mode = choice("precision", values["precision"], MODES)
     return {"fp32": FP32(), "bf16": Autocast("bf16"), "fp16": Autocast("fp16"), "bf16-pure": BF16Pure(),
-            "bf16-base": BF16Base(), "auto": AutoPrecision()}[mode]
+            "bf16-base": AdapterBase("bf16"), "fp16-base": AdapterBase("fp16"), "auto": AutoPrecision()}[mode]
 
 
 def search(ctx: SearchContext) -> list[str]:
@@ -375,8 +424,8 @@ def search(ctx: SearchContext) -> list[str]:
 
 
 TECHNIQUE = register(
-    Technique("precision", (Key("precision", "fp32", "fp32 | bf16 | fp16 | bf16-pure | bf16-base (the base model in "
-                                "bf16, an adapter in fp32, bf16 autocast: peft's, axolotl's and kohya's LoRA) | auto "
+    Technique("precision", (Key("precision", "fp32", "fp32 | bf16 | fp16 | bf16-pure | bf16-base / fp16-base (the base "
+                                "model in 16 bits, an adapter in fp32, autocast: peft's, axolotl's and kohya's LoRA) | auto "
                                 "(bf16 where supported, else fp16, else fp32).", metavar="PRECISION"),),
               parse, search=search),
-    Precision, FP32, Autocast, BF16Pure, BF16Base, AutoPrecision)
+    Precision, FP32, Autocast, BF16Pure, AdapterBase, AutoPrecision)

@@ -116,12 +116,12 @@ class FSDP2(Sharding):
                    "yet; use compile: blocks, which compiles each block before it is sharded")
         if plan.config("offload").states is not None:
             refuse("offload: optimizer_states", "use shard_offload: true, FSDP2's own CPU offload")
-        if plan.precision == "fp16":
-            refuse("precision: fp16", "its loss scaler checks each rank's shard of the gradients for overflow "
+        if plan.config("precision").scaled:
+            refuse(f"precision: {plan.precision}", "its loss scaler checks each rank's shard of the gradients for overflow "
                    "alone, so the ranks could disagree on skipping a step; use bf16")
         if plan.optimizer == "adamw8bit":
             refuse("optimizer: adamw8bit", "bitsandbytes' 8-bit states do not take DTensor parameters")
-        if self.param_dtype != "none" and plan.precision in ("bf16", "fp16"):
+        if self.param_dtype != "none" and plan.precision in ("bf16", "fp16", "bf16-base", "fp16-base"):
             raise UserError(f"plan: shard_param_dtype {self.param_dtype} and precision {plan.precision} both cast the "
                             "compute; with FSDP2 use precision fp32 and shard_param_dtype bf16 (torchtitan's mixed "
                             "precision), or shard_param_dtype none")
