@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from memfit.plans import Plan
 from tests.integration.test_cli_errors import check, run
 
 pytest.importorskip("diffusers")
@@ -47,20 +48,24 @@ def test_what_cannot_be_read_is_one_line(argv, message):
 
 def test_a_plan_is_printed_as_sd_scripts_arguments_that_read_back_as_it(tmp_path):
     """``memfit plan ... --format kohya``: the chosen plan as lines of a --config_file TOML; written to a
-    file and read back with --from, they are the plan memfit chose, at its batch and resolution."""
-    argv = ["plan", FLUX, "--adapter", "lora:r=16,alpha=16,targets=all-linear", "--base-weights", "fp8",
-            "--precision", "bf16", "--resolution", "192x128", "-b", "2", "--device", "rtx4090", "--budget", "1GiB",
-            "--format", "kohya", "--json"]
+    file and read back with --from, they are the plan memfit chose, at its batch and resolution. The search
+    keeps to what sd-scripts runs: under this budget the whole search ranks 49 plans, 30 of them with every-2
+    or selective checkpointing or offloaded activations without checkpointing, which sd-scripts has no
+    argument for; here every plan ranked is one it carries."""
+    argv = ["plan", FLUX, "--adapter", "lora:r=16,alpha=16,targets=all-linear", "--resolution", "192x128", "-b", "2",
+            "--device", "rtx4090", "--budget", "432MiB", "--format", "kohya", "--json"]
     rc, out, err = run(argv)
     check(argv, rc, err)
     result = json.loads(out)
     assert rc == 0 and result["kohya_unmapped"] == [] and result["kohya_arguments"]["resolution"] == "192,128"
+    from memfit.integrations.kohya_export import runs_in_sd_scripts
+    runs = runs_in_sd_scripts(2, "dit-flux", (192, 128), "rtx4090", None, {"adapter": "x"})
+    assert len(result["ranked"]) > 10 and all(runs(Plan.from_dict(c["plan"])) for c in result["ranked"])
     config = tmp_path / "memfit.toml"
     config.write_text('pretrained_model_name_or_path = "/m/flux1-dev.safetensors"\nae = "/m/ae.safetensors"\n'
                       "cache_latents = true\ncache_text_encoder_outputs = true\n"
                       + "\n".join(f"{k} = {json.dumps(v)}" for k, v in result["kohya_arguments"].items()))
     from memfit.devices import get_device
     from memfit.integrations.from_file import read_training_config
-    from memfit.plans import Plan
     back = read_training_config(config, get_device("rtx4090"), FLUX)
     assert back.plan == Plan.from_dict(result["chosen"]["plan"]) and (back.batch_size, back.resolution) == (2, (192, 128))

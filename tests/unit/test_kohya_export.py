@@ -4,8 +4,9 @@ memfit.integrations.kohya it is the same plan, and what sd-scripts has no argume
 import pytest
 
 from memfit.devices import get_device
+from memfit.errors import UserError
 from memfit.integrations.kohya import flux_swap, map_config
-from memfit.integrations.kohya_export import to_kohya
+from memfit.integrations.kohya_export import runs_in_sd_scripts, to_kohya
 from memfit.plans import Plan
 
 CARD = get_device("rtx4090")
@@ -50,12 +51,14 @@ def test_what_sd_scripts_cannot_carry_is_listed():
 
 def test_fluxs_swapped_blocks_are_sd_scripts_count_of_at_least_the_plans_bytes():
     """memfit's last M blocks as the smallest blocks_to_swap whose blocks weigh as much; one it does not hit
-    exactly is said; beyond sd-scripts' 35 it is not carried."""
+    exactly is said (sd-scripts swaps a little more: less device memory); beyond sd-scripts' 35 it is not
+    carried."""
     for m in (2, 18, 39, 54):
         n = to_kohya(Plan(adapter="lora:r=4,targets=all-linear", swap_blocks=m), 1, "dit-flux").arguments["blocks_to_swap"]
         assert flux_swap(n) == m
     out = to_kohya(Plan(adapter="lora:r=4,targets=all-linear", swap_blocks=3), 1, "dit-flux")
-    assert out.arguments["blocks_to_swap"] == 2 and out.unmapped[0].startswith("swap_blocks: 3 (blocks_to_swap 2")
+    assert out.arguments["blocks_to_swap"] == 2 and out.unmapped == ()
+    assert any(n.startswith("swap_blocks: 3 is written as blocks_to_swap 2") for n in out.notes)
     out = to_kohya(Plan(adapter="lora:r=4,targets=all-linear", swap_blocks=57), 1, "dit-flux")
     assert "blocks_to_swap" not in out.arguments and out.unmapped[0].startswith("swap_blocks: 57 (more than")
     assert to_kohya(Plan(adapter="lora:r=4,targets=all-linear", swap_blocks=7), 1, "dit-sd3").arguments["blocks_to_swap"] == 7
@@ -65,7 +68,6 @@ def test_only_the_models_sd_scripts_trains_and_only_what_it_runs_for_each():
     """By the diffusers class: a model sd-scripts has no trainer for is one line; SD/SDXL swap no blocks;
     offloaded inputs need checkpointed blocks; a LoRA's dropout (PEFT drops the input, sd-scripts the rank-r
     output) and FLUX's math attention are listed; chunked attention is written as SDPA, its nearest."""
-    from memfit.errors import UserError
     for model, cls in (("dit-wan", "WanTransformer3DModel"), ("dit-flux2", "Flux2Transformer2DModel"), ("gpt2", None)):
         with pytest.raises(UserError, match="--format kohya: sd-scripts trains FLUX.1, SD3, Lumina 2 and SD/SDXL UNets"):
             to_kohya(Plan(), 1, model, model_class=cls)
@@ -79,3 +81,19 @@ def test_only_the_models_sd_scripts_trains_and_only_what_it_runs_for_each():
                                                                          "FLUX, SD3 and Lumina)",)
     out = to_kohya(Plan(attention="chunked"), 1, "unet-sdxl")
     assert out.arguments["sdpa"] and out.unmapped[0].startswith("attention: chunked")
+
+
+def test_the_search_for_sd_scripts_keeps_the_plans_its_arguments_carry():
+    """``plan --format kohya`` searches only what sd-scripts runs: every-N or selective checkpointing, compiled
+    blocks, the optimizer's states on the host and a low-bit torchao optimizer are left out; the user's own
+    fields are theirs (an adapter of named targets stays, and is listed); FLUX's swapped blocks are carried
+    as a count that swaps a little more; a model sd-scripts does not train is refused before a search."""
+    fixed = {"adapter": "lora:r=4,targets=to_q+to_k"}
+    runs = runs_in_sd_scripts(2, "dit-flux", (1216, 832), "rtx4090", None, fixed)
+    base = Plan(**fixed, precision="bf16-base")
+    assert runs(base) and runs(base.replace(checkpointing="blocks", swap_blocks=38, optimizer="adamw8bit"))
+    for change in (dict(checkpointing="blocks:every=2"), dict(checkpointing="selective"), dict(compile="blocks"),
+                   dict(offload=["optimizer_states"]), dict(optimizer="adamw8bit-ao"), dict(loss_chunks=4)):
+        assert not runs(base.replace(**change)), change
+    with pytest.raises(UserError, match="sd-scripts trains FLUX.1, SD3, Lumina 2 and SD/SDXL UNets, not llama"):
+        runs_in_sd_scripts(2, "llama")

@@ -111,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
     if args.methods is not None:
         return _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_traces, compile_modes, steps,
                                 host)
+    kohya = _KohyaTarget(workload, bs, args.device) if args.format == "kohya" else None  # (refuses a model now)
+    runs_in = kohya.runs_in(fixed) if kohya else None
     sizes = [given.world_size]
     if args.max_world_size is not None:
         most = parse_positive_int(args.max_world_size, "--max-world-size")
@@ -127,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
             result = plan(workload, budget=args.budget, device=args.device, batch_size=bs, seq_len=seq,
                           optimizers=optimizers, max_traces=max_traces,
                           fixed=fields, compile_modes=compile_modes, steps=steps, progress=progress, host=host,
-                          host_memory=args.host_memory)
+                          host_memory=args.host_memory, runs_in=runs_in)
             tried.append(world)
             if result.chosen:
                 break
@@ -148,8 +150,8 @@ def run(args: argparse.Namespace) -> int:
                 out[key] = arguments.kwargs
                 out[f"{name}_unmapped"], out[f"{name}_notes"] = list(arguments.unmapped), list(arguments.notes)
                 out[f"{name}_callback"] = arguments.callback if arguments.unmapped else None
-        if result.chosen and args.format == "kohya":
-            kohya = _kohya(workload, result, args.device)
+        if result.chosen and kohya:
+            kohya = kohya.arguments(result)
             out.update(kohya_arguments=kohya.arguments, kohya_unmapped=list(kohya.unmapped), kohya_notes=list(kohya.notes))
         if ranks:
             out["world_sizes_tried"] = tried
@@ -159,8 +161,8 @@ def run(args: argparse.Namespace) -> int:
         print_plan_result(result)
         if ranks:
             print(ranks)
-        if result.chosen and args.format == "kohya":
-            kohya = _kohya(workload, result, args.device)
+        if result.chosen and kohya:
+            kohya = kohya.arguments(result)
             print("sd-scripts arguments (lines of its --config_file TOML):")
             print(kohya.toml())
             for setting in kohya.unmapped:
@@ -184,16 +186,28 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result.chosen else 1
 
 
-def _kohya(workload, result, device):
-    """The chosen plan as sd-scripts arguments (memfit.integrations.kohya_export), for the workload's model
-    and image size."""
-    from memfit.integrations.kohya_export import to_kohya
-    from memfit.workloads import load_workload
-    loaded = load_workload(workload)
-    info = loaded.info
-    width = info.config.get("width") if info.config.get("fixed_width") else None
-    size = (width, info.resolution) if width and width != info.resolution else info.resolution
-    return to_kohya(result.chosen.plan, result.batch_size, loaded.name, size, device, info.config.get("model_class"))
+class _KohyaTarget:
+    """``--format kohya``: the workload's model and image size, as sd-scripts' arguments name them
+    (memfit.integrations.kohya_export)."""
+
+    def __init__(self, workload, batch_size, device):
+        from memfit.target import Target
+        target = Target.resolve(workload, None, batch_size, device)
+        info = target.workload.info
+        width = info.config.get("width") if info.config.get("fixed_width") else None
+        self.size = (width, info.resolution) if width and width != info.resolution else info.resolution
+        self.model, self.model_class = target.workload.name, info.config.get("model_class")
+        self.batch_size, self.device = target.batch_size, device
+
+    def runs_in(self, fixed: dict):
+        """The plans sd-scripts' arguments carry (the search is kept to them); refuses a model it does not train."""
+        from memfit.integrations.kohya_export import runs_in_sd_scripts
+        return runs_in_sd_scripts(self.batch_size, self.model, self.size, self.device, self.model_class, fixed)
+
+    def arguments(self, result):
+        """The chosen plan as sd-scripts arguments."""
+        from memfit.integrations.kohya_export import to_kohya
+        return to_kohya(result.chosen.plan, result.batch_size, self.model, self.size, self.device, self.model_class)
 
 
 def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_traces, compile_modes, steps,

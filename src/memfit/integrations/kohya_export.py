@@ -13,6 +13,7 @@ value is the one :func:`memfit.integrations.kohya.map_config` reads back into th
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from memfit.devices import Device
@@ -72,18 +73,33 @@ def to_kohya(plan: Plan, batch_size: int, model: str, resolution: int | tuple[in
         args["resolution"] = f"{resolution[0]},{resolution[1]}" if isinstance(resolution, tuple) else str(resolution)
     if args.get("gradient_accumulation_steps") == 1:
         del args["gradient_accumulation_steps"]
-    _family_rules(args, unmapped, family)
+    _family_rules(args, unmapped, notes, family)
     return KohyaArguments(args, tuple(unmapped), tuple(notes))
+
+
+def runs_in_sd_scripts(batch_size: int, model: str, resolution: int | tuple[int, int] | None = None,
+                       device: Device | str | None = None, model_class: str | None = None,
+                       fixed: dict | None = None) -> Callable[[Plan], bool]:
+    """Whether sd-scripts' arguments carry a plan (``memfit plan --format kohya`` searches only those): every
+    setting :func:`to_kohya` cannot carry is one of the ``fixed`` fields the user gave (theirs to keep, and
+    listed). A model sd-scripts does not train is refused here, before a search."""
+    given = set(fixed or {})
+    to_kohya(Plan(), batch_size, model, resolution, device, model_class)
+
+    def runs(plan: Plan) -> bool:
+        out = to_kohya(plan, batch_size, model, resolution, device, model_class)
+        return all(setting.split(":", 1)[0] in given for setting in out.unmapped)
+    return runs
 
 
 CACHED = ("cache_latents and cache_text_encoder_outputs (or their _to_disk forms): memfit's batch is the cached latents "
           "and text-encoder outputs")
 
 
-def _family_rules(args: dict, unmapped: list[str], family: str) -> None:
+def _family_rules(args: dict, unmapped: list[str], notes: list[str], family: str) -> None:
     """What sd-scripts runs for some families only: offloaded checkpointing (FLUX's and SD3's, without swapped
-    blocks), FLUX's count of swapped blocks, the fused backward pass (full fine-tuning, Adafactor, no
-    accumulation)."""
+    blocks), FLUX's count of swapped blocks (the smallest that swaps at least the plan's: less device memory
+    than predicted, a note), the fused backward pass (full fine-tuning, Adafactor, no accumulation)."""
     if args.get("blocks_to_swap") and family == "unet":
         unmapped.append(f"swap_blocks: {args.pop('blocks_to_swap')} (sd-scripts' SD and SDXL scripts swap no blocks)")
     if args.get("cpu_offload_checkpointing") and (family not in ("flux", "sd3") or args.get("blocks_to_swap")
@@ -103,8 +119,9 @@ def _family_rules(args: dict, unmapped: list[str], family: str) -> None:
         else:
             args["blocks_to_swap"] = n
             if flux_swap(n) != swap:
-                unmapped.append(f"swap_blocks: {swap} (blocks_to_swap {n} swaps about the bytes of memfit's last "
-                                f"{flux_swap(n)}: a little more)")
+                notes.append(f"swap_blocks: {swap} is written as blocks_to_swap {n}, which swaps about the bytes of "
+                             f"memfit's last {flux_swap(n)} blocks: a little more than planned (less device memory, "
+                             "a little slower)")
     if args.get("fused_backward_pass") and (args.get("network_module") or args.get("optimizer_type") != "Adafactor"
                                             or args.get("gradient_accumulation_steps")):
         del args["fused_backward_pass"]

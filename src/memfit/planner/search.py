@@ -26,6 +26,7 @@ host bytes together (one memory).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from memfit.devices import Device
@@ -150,7 +151,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
          compile_modes: tuple[str, ...] | None = None, steps: int | None = None, progress=None,
          narrow_optimizer: bool = True, alongside: bool = True, host=None, field_recipes: bool = True,
          too_big: dict[Plan, tuple[int, str]] | None = None, slower_than: float | None = None,
-         host_memory: str | int | None = None, _book: TraceBook | None = None) -> PlanResult:
+         host_memory: str | int | None = None, runs_in: Callable[[Plan], bool] | None = None,
+         _book: TraceBook | None = None) -> PlanResult:
     """The fastest plan for ``workload`` whose predicted memory fits ``budget`` on ``device``.
 
     ``fixed``: plan fields the user set (``--precision bf16``); the search covers the others.
@@ -168,6 +170,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     ``slower_than``: seconds a step must beat to be of use (memfit.planner.search_max); plans estimated
     no faster are not walked, and where none faster fits, nothing is chosen. ``host_memory``: the
     training machine's memory for the plans' host copies (memfit.memory.budget.Budget.with_host).
+    ``runs_in``: only plans this holds for are searched (the trainer that will run the plan:
+    memfit.integrations.kohya_export.runs_in_sd_scripts).
     """
     progress = progress or NoProgress()
     t0 = time.perf_counter()
@@ -215,15 +219,18 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
             except UserError:
                 continue
         plans = kept
+    if runs_in is not None:
+        plans = [p for p in plans if runs_in(p)]
     if not plans:
-        raise UserError("plan: no valid plan is left with the fields you fixed; remove some of the plan flags")
+        raise UserError("plan: no valid plan is left with the fields you fixed" + (
+            " that the chosen format's trainer runs" if runs_in is not None else "") + "; remove some of the plan flags")
     drop_unused(space, plans)
     recipes, recipe_notes = ({}, []) if custom_space or world > 1 or time_model is not None or not field_recipes else \
         field_plans(wl, given_fields, offered, dev, mostly_frozen=trainable is not None and trainable < facts.n_params / 2,
                     n_params=facts.n_params)
     space.notes.extend(recipe_notes)
     known = set(plans)
-    plans += [p for p in recipes if p not in known]
+    plans += [p for p in recipes if p not in known and (runs_in is None or runs_in(p))]
     progress.stage("timing techniques")
 
     def again_with(**changes) -> PlanResult:  # (this search again, with ``changes``: the user's arguments as given)
@@ -232,7 +239,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
                                 compile_modes=compile_modes, steps=steps, progress=progress,
                                 narrow_optimizer=narrow_optimizer, alongside=alongside, host=host,
                                 field_recipes=field_recipes, too_big=too_big, slower_than=slower_than,
-                                host_memory=host_memory), **changes})
+                                host_memory=host_memory, runs_in=runs_in), **changes})
     book = None
     widen = False
     try:
