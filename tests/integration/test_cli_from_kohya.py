@@ -28,7 +28,7 @@ def test_a_flux_config_is_estimated_with_its_plan_and_sizes():
     assert rc == 0 and report["workload"] == "dit-flux 192x128px" and report["batch_size"] == 2
     plan = report["plan"]
     assert (plan["base_weights"], plan["precision"], plan["checkpointing"], plan["swap_blocks"], plan["optimizer"]) == (
-        "fp8", "bf16", "blocks", 2, "adamw8bit")
+        "fp8", "bf16-base", "blocks", 2, "adamw8bit")
     assert plan["adapter"] == "lora:r=16,alpha=16,targets=all-linear" and plan["max_grad_norm"] == 1.0
     said = [line for line in err.splitlines() if "kohya config" in line]  # (every argument mapped or silent, but FLUX's
     assert len(said) == 1 and "blocks_to_swap 18 swaps 9 double- and 18 single-stream blocks" in said[0]  # swap)

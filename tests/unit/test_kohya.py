@@ -19,11 +19,12 @@ MINIMAL = {"pretrained_model_name_or_path": "/m/flux1-dev.safetensors", "ae": "/
 
 
 def test_a_flux_lora_for_12_gb_as_sd_scripts_trains_it():
-    """Sections merged; fp8 base, 18 blocks swapped, blocks checkpointed, 8-bit AdamW, bf16 autocast, and
+    """Sections merged; fp8 base, 18 blocks swapped, blocks checkpointed, 8-bit AdamW, bf16-base (the LoRA
+    in fp32, bf16 autocast), and
     sd-scripts' clipping at 1.0 by default; batch and buckets from the dataset config beside it."""
     c = read_training_config(DATA / "flux-lora-12gb.toml", CARD)
     assert c.workload == "dit-flux" and (c.batch_size, c.micro_batch_size, c.resolution) == (2, 2, 1024)
-    assert c.plan == Plan(adapter="lora:r=16,alpha=16,targets=all-linear", base_weights="fp8", precision="bf16",
+    assert c.plan == Plan(adapter="lora:r=16,alpha=16,targets=all-linear", base_weights="fp8", precision="bf16-base",
                           checkpointing="blocks", swap_blocks=39, optimizer="adamw8bit", max_grad_norm=1.0)
     assert [w.split(": ", 1)[1] for w in c.warnings] == [
         "blocks_to_swap 18 swaps 9 double- and 18 single-stream blocks of FLUX; memfit swaps about as many bytes as "
@@ -49,15 +50,15 @@ def test_an_sdxl_lora_of_a_checkpoint_file_takes_the_model_named_beside_it():
 
 
 def test_precision_is_sd_scripts_or_the_nearest_said():
-    """LoRA scripts cast the frozen base to the mixed precision's dtype (fp32 LoRA weights): bf16-base or
-    fp16-base, but autocast over an fp8 base; full_bf16: bf16-pure; full_fp16 a bound, said; full fine-tuning
-    keeps fp32 weights: autocast."""
+    """LoRA scripts cast the frozen base to the mixed precision's dtype, or to fp8 (fp32 LoRA weights):
+    bf16-base or fp16-base; full_bf16: bf16-pure; full_fp16 a bound, said; full fine-tuning keeps fp32
+    weights: autocast."""
     def mapped(**kw):
         c = map_config({**MINIMAL, "network_train_unet_only": True, **kw}, "c.toml", CARD)
         return c.plan.precision, [w.split(": ", 1)[1][:40] for w in c.warnings]
     lora = {"network_module": "networks.lora_flux"}
     assert mapped(**lora, mixed_precision="bf16") == ("bf16-base", [])
-    assert mapped(**lora, mixed_precision="bf16", fp8_base=True) == ("bf16", [])
+    assert mapped(**lora, mixed_precision="bf16", fp8_base=True) == ("bf16-base", [])
     assert mapped(**lora, mixed_precision="bf16", full_bf16=True) == ("bf16-pure", [])
     assert mapped(mixed_precision="bf16") == ("bf16", []) and mapped(mixed_precision="bf16", full_bf16=True)[0] == "bf16-pure"
     assert mapped(**lora, mixed_precision="fp16") == ("fp16-base", [])

@@ -15,7 +15,7 @@ CACHED = {"cache_latents": True, "cache_text_encoder_outputs": True}
 
 
 @pytest.mark.parametrize("model,plan,batch", [
-    ("dit-flux", Plan(adapter="lora:r=16,alpha=16,targets=all-linear", base_weights="fp8", precision="bf16",
+    ("dit-flux", Plan(adapter="lora:r=16,alpha=16,targets=all-linear", base_weights="fp8", precision="bf16-base",
                       checkpointing="blocks", swap_blocks=39, optimizer="adamw8bit", max_grad_norm=1.0), 2),
     ("dit-flux", Plan(adapter="lora:r=32,alpha=32,targets=all-linear", precision="bf16-pure", checkpointing="blocks",
                       offload=["activations"], optimizer="adamw8bit-paged", micro_batch_size=1), 4),

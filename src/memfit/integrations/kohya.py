@@ -9,7 +9,7 @@ merged into one set of arguments; a ``dataset_config`` it names is read for the 
 | ``resolution`` (``"1024"`` or ``"1216,832"``: width, height) | the image's size (``--resolution 1216x832``) |
 | ``train_batch_size`` x ``gradient_accumulation_steps`` | the global batch, split into micro-batches of ``train_batch_size`` |
 | ``dataset_config``'s ``resolution`` and ``batch_size`` | the same, over the training config's (the dataset with the largest batch of pixels) |
-| ``mixed_precision``, ``full_bf16``, ``full_fp16`` | full fine-tuning: ``bf16``/``fp16`` autocast, ``bf16-pure``; LoRA (its frozen base cast to 16 bits, the network in fp32): ``bf16-base`` / ``fp16-base``, or autocast over an fp8 base; ``full_bf16``: ``bf16-pure``; ``full_fp16`` a bound (memfit trains no fp16 weights), said |
+| ``mixed_precision``, ``full_bf16``, ``full_fp16`` | full fine-tuning: ``bf16``/``fp16`` autocast, ``bf16-pure``; LoRA (its frozen base cast to 16 bits, or to fp8 with ``fp8_base``; the network in fp32): ``bf16-base`` / ``fp16-base`` (over an fp8 base memfit keeps the weights of no linear layer in 16 bits: norms and biases, a few MB); ``full_bf16``: ``bf16-pure``; ``full_fp16`` a bound (memfit trains no fp16 weights), said |
 | ``fp8_base``, ``fp8_base_unet`` | ``base_weights: fp8`` (memfit's carries a scale per row; sd-scripts' is a plain cast) |
 | ``blocks_to_swap`` (``split_mode``: 18) | ``swap_blocks``; of FLUX, about the same bytes (sd-scripts swaps N/2 double-stream blocks and N single-stream ones; memfit its last blocks, the singles first: 18 is 39) |
 | ``gradient_checkpointing``; ``cpu_offload_checkpointing`` | ``checkpointing: blocks``; with ``offload: activations`` (each checkpointed block's input in host memory; FLUX and SD3) |
@@ -357,11 +357,11 @@ def _precision(data: dict, where: str, warnings: list[str]) -> dict:
     mixed = str(data.get("mixed_precision", "no")).lower()
     if mixed not in ("no", "bf16", "fp16"):
         raise UserError(f"--from {where}: mixed_precision {data['mixed_precision']!r}: use no, fp16 or bf16")
-    lora, fp8 = bool(data.get("network_module")), bool(data.get("fp8_base") or data.get("fp8_base_unet"))
+    lora = bool(data.get("network_module"))
     if data.get("full_bf16"):
         return {"precision": "bf16-pure"}
-    if mixed in ("bf16", "fp16") and lora and not fp8 and not data.get("full_fp16"):
-        return {"precision": f"{mixed}-base"}
+    if mixed in ("bf16", "fp16") and lora and not data.get("full_fp16"):  # (with fp8_base the frozen model is
+        return {"precision": f"{mixed}-base"}                                # fp8: memfit keeps what is not linear in 16 bits)
     if data.get("full_fp16"):
         warnings.append(f"kohya config {where}: memfit has no fp16 weights; its fp16 autocast keeps the "
                         f"{'frozen base' if lora else 'weights and gradients'} in fp32 where sd-scripts holds them in "

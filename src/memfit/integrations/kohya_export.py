@@ -64,9 +64,10 @@ def to_kohya(plan: Plan, batch_size: int, model: str, resolution: int | tuple[in
     if "network_module" in args:
         args["network_module"] = MODULES[family]
         args["network_alpha"] = _number(args["network_alpha"])
-        if isinstance(plan.config("precision"), Autocast) and not args.get("fp8_base"):
+        if isinstance(plan.config("precision"), Autocast):
             notes.append(f"mixed_precision {args['mixed_precision']}: sd-scripts' LoRA script casts the frozen base to "
-                         f"{args['mixed_precision']} too, where the plan keeps it in fp32 (less memory than predicted)")
+                         f"{args['mixed_precision']} too, where the plan keeps it in fp32 (less memory than predicted; "
+                         f"precision {args['mixed_precision']}-base is what it runs)")
     if args.get("fp8_base") and args.get("mixed_precision") == "no":
         unmapped.append("precision: fp32 (sd-scripts' fp8_base needs mixed_precision bf16 or fp16)")
     if resolution is not None:
