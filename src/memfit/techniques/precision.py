@@ -208,6 +208,13 @@ class BF16Pure(Precision):
     def on_load(self, model, load) -> None:
         _load_in(model)
 
+    def apply(self, parts) -> None:
+        """A model loaded as a checkpoint keeps its buffers as the load left them (the checkpoint's in bf16, a
+        rotary ``inv_freq`` made in fp32 on purpose in fp32, as ``from_pretrained(dtype=torch.bfloat16)``
+        leaves it); a model the workload builds is converted whole, as ``model.to(torch.bfloat16)`` does."""
+        parts.precision = self.resolve(parts.device)
+        parts.model = _to_half(parts.model, buffers=not parts.loaded)
+
     def convert(self, model: torch.nn.Module) -> torch.nn.Module:
         return _to_half(model)
 

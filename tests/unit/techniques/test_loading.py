@@ -245,3 +245,27 @@ def test_a_buffer_the_librarys_init_fills_keeps_the_inits_values(tmp_path):
         buffers = dict(build_step(Target.resolve(f"{tmp_path / 'g.py'}:wl", plan, 1, "cpu")).model.named_buffers())
         assert torch.equal(buffers["std_scale"], torch.ones_like(buffers["std_scale"])), buffers["std_scale"][:4]
         assert torch.equal(buffers["std_bias"], torch.zeros_like(buffers["std_bias"]))
+
+
+@pytest.mark.parametrize("precision", ["bf16-pure", "bf16-base"])
+def test_a_bf16_model_keeps_the_dtypes_from_pretrained_gives_it(tmp_path, precision):
+    """bf16-pure and bf16-base of a saved folder hold every parameter and buffer in the dtype
+    ``from_pretrained(dtype=torch.bfloat16)`` gives it: the weights in bf16, the rotary ``inv_freq`` that
+    Llama makes in fp32 on purpose in fp32 (a bf16 one rounds its frequencies to 8 bits: positions past a
+    few hundred turn by the wrong angle), with its values. A model a workload builds itself is converted
+    whole, as ``model.to(torch.bfloat16)`` does."""
+    import transformers
+    config = transformers.LlamaConfig(**{k: v for k, v in LLAMA_CONFIG.items() if k not in ("architectures",)})
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
+    adapter = {"adapter": "lora:r=4"} if precision == "bf16-base" else {}
+    ours = build_step(Target.resolve(str(tmp_path), memfit.Plan(precision=precision, **adapter), 1, "cpu",
+                                     seq_len=16)).model
+    buffers = dict(theirs.named_buffers())
+    assert buffers and {n: b.dtype for n, b in ours.named_buffers()} == {n: b.dtype for n, b in buffers.items()}
+    assert buffers["model.rotary_emb.inv_freq"].dtype == torch.float32
+    assert torch.equal(ours.get_buffer("model.rotary_emb.inv_freq"), buffers["model.rotary_emb.inv_freq"])
+    assert {p.dtype for n, p in ours.named_parameters() if "lora_" not in n} == {torch.bfloat16}
+    built = build_step(Target.resolve("cnn", memfit.Plan(precision="bf16-pure"), 2, "cpu")).model
+    assert any(b.is_floating_point() for b in built.buffers())  # (BatchNorm's running statistics)
+    assert {t.dtype for t in [*built.parameters(), *built.buffers()] if t.is_floating_point()} == {torch.bfloat16}
