@@ -202,3 +202,19 @@ def test_what_sd_scripts_ignores_or_turns_on_and_values_of_the_wrong_kind():
                        ({"dataset_config": 5}, "dataset_config must be a path to a dataset config")):
         with pytest.raises(UserError, match=error):
             map_config({**MINIMAL, **bad}, "c.toml", CARD)
+
+
+def test_resolution_max_grows_the_height_at_the_configs_width():
+    """``--from`` a config of 1216x832 buckets with ``--resolution max``: the width stays the config's (a
+    ``width=`` override beside the workload's own), the height is what max grows."""
+    import argparse
+
+    from memfit.cli.common import apply_config
+    args = argparse.Namespace(from_config=str(DATA / "sdxl-lora.toml"), device="rtx4090", workload="unet-sdxl:layers_per_block=1",
+                              batch_size=None, seq_len=None, resolution="max")
+    apply_config(args)
+    assert args.workload == "unet-sdxl:layers_per_block=1,width=1216" and args.resolution == "max"
+    args = argparse.Namespace(from_config=str(DATA / "sdxl-lora.toml"), device="rtx4090", workload="unet-sdxl",
+                              batch_size=None, seq_len=None, resolution=None)
+    apply_config(args)
+    assert (args.workload, args.resolution) == ("unet-sdxl", "1216x832")
