@@ -218,3 +218,22 @@ def test_resolution_max_grows_the_height_at_the_configs_width():
                               batch_size=None, seq_len=None, resolution=None)
     apply_config(args)
     assert (args.workload, args.resolution) == ("unet-sdxl", "1216x832")
+
+
+def test_text_encoders_the_config_trains_or_runs_are_in_the_sd_workload_and_said_elsewhere():
+    """A LoRA without network_train_unet_only trains the text encoders; without cached outputs they run frozen:
+    the SD/SDXL built-ins hold them (memfit.workloads.text_encoders), beside the workload's own overrides; a
+    FLUX config that trains them is said in one line (memfit holds no FLUX text encoders)."""
+    sd = {"pretrained_model_name_or_path": "/m/sd_xl_base_1.0.safetensors", "network_module": "networks.lora",
+          "cache_latents": True}
+    trained = map_config(sd, "c.toml", CARD, "unet-sdxl:layers_per_block=1")
+    assert trained.workload == "unet-sdxl:layers_per_block=1,text_encoders=trained" and trained.warnings == ()
+    frozen = map_config({**sd, "network_train_unet_only": True}, "c.toml", CARD, "unet-sdxl")
+    assert frozen.workload == "unet-sdxl:text_encoders=frozen" and frozen.warnings == ()
+    cached = map_config({**sd, "network_train_unet_only": True, "cache_text_encoder_outputs": True}, "c.toml", CARD,
+                        "unet-sd15")
+    assert cached.workload == "unet-sd15"
+    flux = map_config({**MINIMAL, "network_module": "networks.lora_flux", "cache_text_encoder_outputs": False},
+                      "c.toml", CARD)
+    assert flux.workload == "dit-flux" and [w.split(": ", 1)[1][:40] for w in flux.warnings] == [
+        "the text encoders are trained too (no ne", "text-encoder outputs are not cached (cac"]

@@ -97,3 +97,16 @@ def test_the_search_for_sd_scripts_keeps_the_plans_its_arguments_carry():
         assert not runs(base.replace(**change)), change
     with pytest.raises(UserError, match="sd-scripts trains FLUX.1, SD3, Lumina 2 and SD/SDXL UNets, not llama"):
         runs_in_sd_scripts(2, "llama")
+
+
+def test_a_workload_whose_text_encoders_train_writes_a_lora_of_them_too():
+    """``unet-sdxl:text_encoders=trained``: no network_train_unet_only (sd-scripts then trains the text encoders'
+    LoRA), and read back it is the same workload; frozen ones are run, not cached."""
+    plan = Plan(adapter="lora:r=8,alpha=8,targets=all-linear", precision="fp16-base", checkpointing="blocks")
+    out = to_kohya(plan, 2, "unet-sdxl", 1024, "rtx4090", text_encoders="trained")
+    assert "network_train_unet_only" not in out.arguments and out.notes[0].startswith("cache_latents (or")
+    back = map_config({"pretrained_model_name_or_path": "/m/sdxl.safetensors", "cache_latents": True, **out.arguments},
+                      "c.toml", CARD, "unet-sdxl")
+    assert back.workload == "unet-sdxl:text_encoders=trained" and back.plan == plan
+    frozen = to_kohya(plan, 2, "unet-sdxl", 1024, "rtx4090", text_encoders="frozen")
+    assert frozen.arguments["network_train_unet_only"] is True and frozen.notes[0].startswith("cache_latents (or")

@@ -26,9 +26,13 @@ What the estimate ignores, and how it says so:
   (or a ``model_type`` other than FLUX's), and what sd-scripts itself refuses (offloaded checkpointing of
   an SD or SDXL UNet, or beside ``blocks_to_swap``; ``fused_backward_pass`` but with Adafactor and no
   accumulation; ``use_8bit_adam`` beside ``optimizer_type``).
-- **Warned, one line each**: the precision where memfit's nearest differs (above); latents or text-encoder
-  outputs not cached (memfit's batch is the cached tensors: the VAE or text encoders running in the step
-  are not in the estimate); text encoders trained (no ``network_train_unet_only``); FLUX's swapped blocks
+- **Text encoders in the step**: trained (a LoRA without ``network_train_unet_only``, a full fine-tuning with
+  ``train_text_encoder``), or run frozen (their outputs not cached): the SD and SDXL built-ins hold them
+  (``unet-sdxl:text_encoders=trained|frozen``, memfit.workloads.text_encoders).
+- **Warned, one line each**: the precision where memfit's nearest differs (above); latents not cached, or
+  text-encoder outputs of a model that does not hold its encoders (memfit's batch is the cached tensors: the
+  VAE or text encoders running in the step are not in the estimate); text encoders trained where the model
+  does not hold them; FLUX's swapped blocks
   as memfit counts them; ``network_args``; ``fused_backward_pass`` in a LoRA config (sd-scripts ignores it);
   any other argument set.
 - **Ignored in silence**: the run around the step (data, captions, buckets, schedule, sampling, saving,
@@ -48,6 +52,7 @@ from memfit.devices import Device
 from memfit.errors import UserError
 from memfit.integrations.configs import TrainingConfig, whole
 from memfit.plans import Plan
+from memfit.workloads.config_overrides import split_overrides
 
 REFUSED = {
     "deepspeed": "memfit does not model DeepSpeed's ZeRO stages; remove deepspeed (memfit shards with FSDP2: give "
@@ -79,7 +84,7 @@ huber_c huber_schedule noise_offset noise_offset_random_strength adaptive_noise_
 multires_noise_discount ip_noise_gamma ip_noise_gamma_random_strength min_snr_gamma debiased_estimation_loss
 scale_v_pred_loss_like_noise_pred v_pred_like_loss zero_terminal_snr v2 v_parameterization clip_skip
 max_token_length apply_t5_attn_mask sdpa xformers mem_eff_attn attn_mode split_attn highvram lowram lowvram
-split_mode model_type
+split_mode model_type train_text_encoder
 network_train_unet_only cpu_offload_checkpointing network_module network_dim network_alpha network_dropout
 resolution train_batch_size gradient_accumulation_steps mixed_precision full_bf16 full_fp16 fp8_base fp8_base_unet
 blocks_to_swap gradient_checkpointing optimizer_type use_8bit_adam fused_backward_pass max_grad_norm network_args
@@ -122,6 +127,7 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
                 for key in data if key not in NO_MEMORY_EFFECT and key not in REFUSED]
     model = workload or _model(data, where)
     family = family_of(model, data)
+    model, text = _text_encoders(model, data, where, warnings)
     micro, resolution, more = _dataset(data, where, base)
     warnings += more
     accum = whole(data, "gradient_accumulation_steps", where, 1)
@@ -135,7 +141,7 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
     fields.setdefault("max_grad_norm", float(norm) if norm else None)
     if accum > 1:
         fields["micro_batch_size"] = micro
-    _cached(data, where, warnings)
+    _cached(data, where, warnings, text)
     try:
         plan = Plan(**fields)
     except UserError as e:
@@ -342,9 +348,6 @@ def _method(data: dict, where: str, warnings: list[str]) -> dict:
     if data.get("network_args"):
         warnings.append(f"kohya config {where}: network_args are not mapped (conv_dim, train_blocks, ...); memfit's "
                         "LoRA adapts the denoiser's linear layers, where they may adapt more or fewer")
-    if not data.get("network_train_unet_only"):
-        warnings.append(f"kohya config {where}: the text encoders are trained too (no network_train_unet_only); "
-                        "memfit estimates the denoiser's LoRA alone")
     return {"adapter": f"lora:{','.join(options)}", **({"base_weights": "fp8"} if fp8 else {})}
 
 
@@ -383,14 +386,38 @@ def _optimizer(data: dict, where: str) -> dict:
     return {"optimizer": OPTIMIZERS[str(name).lower()]}
 
 
+TEXT_ENCODERS_IN_STEP = ("unet-sd15", "unet-sdxl")
+"""The built-ins that hold their text encoders in the step (memfit.workloads.text_encoders)."""
+
+
+def _text_encoders(model: str, data: dict, where: str, warnings: list[str]) -> tuple[str, bool]:
+    """(the workload, whether its text encoders run in the step). A LoRA without ``network_train_unet_only`` (or
+    a full fine-tuning with ``train_text_encoder``) trains them; a config that does not cache their outputs runs
+    them frozen. The SD and SDXL built-ins hold them (``text_encoders=trained|frozen``); for another model that
+    is said in one line."""
+    lora = bool(data.get("network_module"))
+    trained = not data.get("network_train_unet_only") if lora else bool(data.get("train_text_encoder"))
+    mode = "trained" if trained else None if _caches(data, "cache_text_encoder_outputs") else "frozen"
+    if mode is None:
+        return model, False
+    head, overrides = split_overrides(model)
+    if head in TEXT_ENCODERS_IN_STEP:
+        return f"{head}:{overrides + ',' if overrides else ''}text_encoders={mode}", True
+    if trained:
+        warnings.append(f"kohya config {where}: the text encoders are trained too (no network_train_unet_only); "
+                        f"memfit estimates the denoiser's {'LoRA' if lora else 'training'} alone (it holds text "
+                        f"encoders for {' and '.join(TEXT_ENCODERS_IN_STEP)} only)")
+    return model, False
+
+
 def _caches(data: dict, key: str) -> bool:
     return bool(data.get(key) or data.get(f"{key}_to_disk"))
 
 
-def _cached(data: dict, where: str, warnings: list[str]) -> None:
-    """memfit's batch is cached latents and text-encoder outputs; a config that runs the VAE or text encoders
-    in the step is named."""
+def _cached(data: dict, where: str, warnings: list[str], text: bool) -> None:
+    """memfit's batch is cached latents and text-encoder outputs (``text``: the encoders run in the step, as
+    the workload holds them); a config that runs the VAE or text encoders in the step otherwise is named."""
     for key, what in (("cache_latents", "latents"), ("cache_text_encoder_outputs", "text-encoder outputs")):
-        if not _caches(data, key):
+        if not _caches(data, key) and not (text and key == "cache_text_encoder_outputs"):
             warnings.append(f"kohya config {where}: {what} are not cached ({key}); memfit's batch is the cached "
                             f"tensors, so what computes them in the step is not in the estimate")

@@ -50,19 +50,22 @@ def _value(v) -> str:
 
 
 def to_kohya(plan: Plan, batch_size: int, model: str, resolution: int | tuple[int, int] | None = None,
-             device: Device | str | None = None, model_class: str | None = None) -> KohyaArguments:
+             device: Device | str | None = None, model_class: str | None = None,
+             text_encoders: str | None = None) -> KohyaArguments:
     """``plan`` at ``batch_size`` (global) for ``model`` (a workload's name: it says the model family) as
     sd-scripts arguments: each technique's own (``Config.export``'s ``kohya``), then the family's: its LoRA
     module, FLUX's count of swapped blocks, and what sd-scripts runs for that family only."""
     into = export(plan, batch_size, device)
     args, unmapped = dict(into.kohya), list(into.kohya_unmapped)
-    notes = [CACHED, *into.kohya_notes]
+    notes = [CACHED if text_encoders in (None, "cached") else LATENTS_CACHED, *into.kohya_notes]
     family = family_of(model, {}, model_class)
     if family is None:
         raise UserError(f"--format kohya: sd-scripts trains FLUX.1, SD3, Lumina 2 and SD/SDXL UNets, not {model}"
                         + (f" ({model_class})" if model_class else "") + "; use --format yaml, hf or lightning")
     if "network_module" in args:
         args["network_module"] = MODULES[family]
+        if text_encoders == "trained":  # (the workload's text encoders train: memfit.workloads.text_encoders)
+            del args["network_train_unet_only"]
         args["network_alpha"] = _number(args["network_alpha"])
         if isinstance(plan.config("precision"), Autocast):
             notes.append(f"mixed_precision {args['mixed_precision']}: sd-scripts' LoRA script casts the frozen base to "
@@ -80,19 +83,21 @@ def to_kohya(plan: Plan, batch_size: int, model: str, resolution: int | tuple[in
 
 def runs_in_sd_scripts(batch_size: int, model: str, resolution: int | tuple[int, int] | None = None,
                        device: Device | str | None = None, model_class: str | None = None,
-                       fixed: dict | None = None) -> Callable[[Plan], bool]:
+                       fixed: dict | None = None, text_encoders: str | None = None) -> Callable[[Plan], bool]:
     """Whether sd-scripts' arguments carry a plan (``memfit plan --format kohya`` searches only those): every
     setting :func:`to_kohya` cannot carry is one of the ``fixed`` fields the user gave (theirs to keep, and
     listed). A model sd-scripts does not train is refused here, before a search."""
     given = set(fixed or {})
-    to_kohya(Plan(), batch_size, model, resolution, device, model_class)
+    to_kohya(Plan(), batch_size, model, resolution, device, model_class, text_encoders)
 
     def runs(plan: Plan) -> bool:
-        out = to_kohya(plan, batch_size, model, resolution, device, model_class)
+        out = to_kohya(plan, batch_size, model, resolution, device, model_class, text_encoders)
         return all(setting.split(":", 1)[0] in given for setting in out.unmapped)
     return runs
 
 
+LATENTS_CACHED = ("cache_latents (or cache_latents_to_disk): memfit's batch is the cached latents; the text encoders run "
+                  "in the step, as the workload holds them")
 CACHED = ("cache_latents and cache_text_encoder_outputs (or their _to_disk forms): memfit's batch is the cached latents "
           "and text-encoder outputs")
 

@@ -136,8 +136,10 @@ class LoRA(Adapter):
     def apply(self, parts) -> None:
         peft = _peft()
         config = self.peft_config(parts.model)
+        left_out = list(getattr(parts.model, "adapter_leaves_out", None) or [])  # (a workload's frozen encoders)
         if config.target_modules == ALL_LINEAR and not self.targets:
-            config.exclude_modules = _left_out(config, parts.model) or None
+            left_out += _left_out(config, parts.model)
+        config.exclude_modules = left_out or None
         try:
             parts.model = peft.inject_adapter_in_model(config, parts.model)
         except ValueError as e:
@@ -200,7 +202,14 @@ DIFFUSERS_MODEL_TARGETS = {"FluxTransformer2DModel": FLUX_TARGETS}
 def _default_targets(model, peft) -> list[str] | str:
     """PEFT's default target modules for a transformers model type; for a diffusers model the
     layers its LoRA scripts adapt (:data:`DIFFUSERS_MODEL_TARGETS`, else the attention
-    projections); else every linear layer but the output layer (PEFT's ``all-linear``)."""
+    projections); else every linear layer but the output layer (PEFT's ``all-linear``). A model that
+    holds a ``denoiser`` beside its text encoders (memfit.workloads.text_encoders) takes the denoiser's,
+    and its own ``adapter_targets`` beside them."""
+    import torch
+    denoiser = getattr(model, "denoiser", None)
+    if isinstance(denoiser, torch.nn.Module):
+        inner, extra = _default_targets(denoiser, peft), list(getattr(model, "adapter_targets", ()))
+        return inner if not extra or isinstance(inner, str) else [*inner, *extra]
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     mapping = getattr(peft.utils, "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING", {})
     if isinstance(model_type, str) and model_type in mapping:  # (names, or a regular expression: gemma4's)

@@ -81,7 +81,9 @@ class Precision(Config):
     def resolve(self, device) -> Precision:
         return self
 
-    def convert(self, model: torch.nn.Module) -> torch.nn.Module:
+    def convert(self, model: torch.nn.Module, loaded: bool = False) -> torch.nn.Module:
+        """``model`` in this precision's weights (``loaded``: built on the meta device and loaded as a
+        checkpoint, memfit.techniques.loading)."""
         return model
 
     def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
@@ -96,7 +98,7 @@ class Precision(Config):
 
     def apply(self, parts) -> None:
         parts.precision = self.resolve(parts.device)
-        parts.model = parts.precision.convert(parts.model)
+        parts.model = parts.precision.convert(parts.model, loaded=parts.loaded)
 
     def label(self, batch_size):
         return self.name
@@ -208,15 +210,11 @@ class BF16Pure(Precision):
     def on_load(self, model, load) -> None:
         _load_in(model)
 
-    def apply(self, parts) -> None:
+    def convert(self, model: torch.nn.Module, loaded: bool = False) -> torch.nn.Module:
         """A model loaded as a checkpoint keeps its buffers as the load left them (the checkpoint's in bf16, a
         rotary ``inv_freq`` made in fp32 on purpose in fp32, as ``from_pretrained(dtype=torch.bfloat16)``
         leaves it); a model the workload builds is converted whole, as ``model.to(torch.bfloat16)`` does."""
-        parts.precision = self.resolve(parts.device)
-        parts.model = _to_half(parts.model, buffers=not parts.loaded)
-
-    def convert(self, model: torch.nn.Module) -> torch.nn.Module:
-        return _to_half(model)
+        return _to_half(model, buffers=not loaded)
 
     def export(self, into: Export) -> None:
         super().export(into)
@@ -236,8 +234,9 @@ class BF16Pure(Precision):
 # in bf16 too: half its weights', gradients' and states' bytes) is that loop, so ``bf16-base`` is:
 # the parameters converted as bf16-pure converts them (the buffers as the load leaves them: a rotary
 # table made in fp32 stays fp32, as ``from_pretrained`` leaves it), then peft's own
-# ``cast_adapter_dtype`` over each adapter, as ``get_peft_model`` calls it. As in peft, only the adapter's layers are upcast: modules
-# trained in full beside it (``save=``, peft's ``modules_to_save``) stay bf16, and train so.
+# ``cast_adapter_dtype`` over each adapter, as ``get_peft_model`` calls it. As in peft, only the
+# adapter's layers are upcast: modules trained in full beside it (``save=``, peft's
+# ``modules_to_save``) stay bf16, and train so.
 @dataclass(frozen=True)
 class AdapterBase(Precision):
     """The base model in 16 bits, the adapter in fp32, 16-bit autocast (NOTE [ The adapter users'
@@ -283,9 +282,9 @@ class AdapterBase(Precision):
     def on_load(self, model, load) -> None:
         _load_in(model, self.torch_dtype)
 
-    def convert(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The rest in 16 bits (an adapter already in fp32, a user's model's trained one, keeps its bits),
-        then peft's upcast of each adapter."""
+    def convert(self, model: torch.nn.Module, loaded: bool = False) -> torch.nn.Module:
+        """The rest in 16 bits (an adapter already in fp32, a user's model's trained one, keeps its bits;
+        the buffers as the load or the build left them), then peft's upcast of each adapter."""
         names, adapter = adapter_parameters(model)
         if not names:
             raise UserError(f"precision {self.name} keeps an adapter's weights in fp32 over a {self.dtype} base model, "
@@ -366,9 +365,9 @@ def _load_in(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> Non
     device. The parameters already are (built under :func:`built_in`), but a persistent buffer the
     model's ``__init__`` makes in fp32 explicitly (SD3's 226 MB sin-cos position table) is cast here, on
     the meta device, so that it arrives in 16 bits rather than in fp32 to be converted on the device.
-    Buffers no checkpoint holds (rotary tables) stay as the library leaves them, and :func:`_to_half`
-    casts them afterwards, as it does parameters: other configs' ``on_load`` key parameters by identity
-    (quantizers, swapped blocks)."""
+    Buffers no checkpoint holds (rotary tables) stay as the library leaves them, as ``from_pretrained``
+    leaves them. Parameters are converted later, by :func:`_to_half`: other configs' ``on_load`` key
+    parameters by identity (quantizers, swapped blocks)."""
     held = {id(t) for t in model.state_dict(keep_vars=True).values()}
     cast: dict[int, torch.Tensor] = {}  # (a buffer two modules share stays shared)
     for module in model.modules():

@@ -4,7 +4,7 @@ What is trained, and what is not. Fine-tuning an image model (full or LoRA) trai
 denoiser: the VAE encodes each image to latents once (cached, or under ``no_grad``) and the text
 encoders turn each caption into hidden states the same way. Their outputs are *inputs* here,
 synthetic tensors of the right shapes, as in LoRA training with cached latents; their weights take
-no memory in the step. One step of diffusers' ``train_text_to_image`` (UNet: epsilon prediction)
+no memory in the step (the UNets can hold their text encoders instead: memfit.workloads.text_encoders). One step of diffusers' ``train_text_to_image`` (UNet: epsilon prediction)
 or its rectified-flow scripts (DiT: velocity prediction):
 
     noisy = mix(latents, noise, t)     t: one timestep per sample
@@ -294,8 +294,10 @@ def sd3(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageMo
 
 def unet_builder(m: ImageModel):
     def build(overrides: dict, seq_len: int | None, resolution: int | None) -> Workload:
+        from memfit.workloads import text_encoders as te
         no_seq_len(m.arch, seq_len)
         overrides, width = given_width(overrides)
+        overrides, text, text_layers = te.text_mode(m.arch, overrides)
         cls, kw = config_of(m, overrides)
         levels = len(kw["block_out_channels"]) if isinstance(kw["block_out_channels"], (tuple, list)) else 1
         halvings = 2 ** (levels - 1)
@@ -309,17 +311,27 @@ def unet_builder(m: ImageModel):
             raise UserError(f"{m.arch}: projection_class_embeddings_input_dim must exceed 6 x addition_time_embed_dim "
                             "(the pooled text embedding is the rest); change the overrides")
 
+        encoders = te.encoder_configs(cross, pooled, text_time, text_layers) if text != "cached" else []
+
         def batch(b: int) -> dict:
             latents, noise = torch.randn(b, channels, high, wide), torch.randn(b, channels, high, wide)
             t = torch.randint(0, 1000, (b,))
             alpha = torch.linspace(0.9991, 0.0047, 1000)[t].view(-1, 1, 1, 1)  # SD's scaled-linear alphas_cumprod
-            out = {"sample": alpha.sqrt() * latents + (1 - alpha).sqrt() * noise, "timestep": t,
-                   "encoder_hidden_states": torch.randn(b, m.caption_tokens, cross), "target": noise}
+            out = {"sample": alpha.sqrt() * latents + (1 - alpha).sqrt() * noise, "timestep": t, "target": noise}
+            if encoders:  # (the captions' tokens: the encoders run in the step)
+                out["ids"] = te.token_ids(b, len(encoders))
+            else:
+                out["encoder_hidden_states"] = torch.randn(b, m.caption_tokens, cross)
             if text_time:
-                out["text_embeds"], out["time_ids"] = torch.randn(b, pooled), torch.rand(b, time_ids) * 1024
+                out["time_ids"] = torch.rand(b, time_ids) * 1024
+                if not encoders:
+                    out["text_embeds"] = torch.randn(b, pooled)
             return out
 
         def loss(model, batch: dict) -> torch.Tensor:
+            if "ids" in batch:
+                return _mse(model(batch["sample"], batch["timestep"], batch["ids"], batch.get("time_ids")),
+                            batch["target"])
             added = {k: batch[k] for k in ("text_embeds", "time_ids") if k in batch}
             pred = model(batch["sample"], batch["timestep"], batch["encoder_hidden_states"],
                          added_cond_kwargs=added or None, return_dict=False)[0]
@@ -328,7 +340,14 @@ def unet_builder(m: ImageModel):
         res = high * VAE_FACTOR
         info = image_info(m, res, kw, ("block_out_channels", "layers_per_block", "cross_attention_dim"), halvings,
                           sides)
-        return image_workload(m, model_builder(m, cls, kw, overrides), batch, loss, res, info)
+        unet = model_builder(m, cls, kw, overrides)
+        if not encoders:
+            return image_workload(m, unet, batch, loss, res, info)
+        info.config["text_encoders"] = text
+        wl = image_workload(m, lambda: te.WithTextEncoders(unet(), encoders, text == "trained"), batch, loss, res,
+                            info)
+        wl.name += f", text encoders {text}"
+        return wl
     return build
 
 
