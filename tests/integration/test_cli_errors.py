@@ -111,6 +111,9 @@ CASES = [
     (["estimate", "transformer:dropout=1.5"], "dropout must be in [0, 1)"),
     # plan flags constrain the search or are refused
     (["plan", GPT2, *SMALL, "--device", "h100-80gb", "--micro-batch-size", "3"], "not a multiple"),
+    (["plan", GPT2, *SMALL, "--device", "rtx4090", "--methods", "full,lora", "--precision", "bf16-base"],
+     "--precision bf16-base keeps an adapter in fp32 over the 16-bit model, and full trains none"),
+    (["estimate", GPT2, *SMALL, "--precision", "fp16-base"], "plan trains no adapter; add one"),
     (["plan", MHA, *SMALL, "--compile", "full", "--attention", "chunked"], "cannot capture chunked attention"),
     (["plan", MHA, *SMALL, "--checkpointing", "budget:0.5"], "budget:0.5 sets torch.compile's activation memory "
                                                              "budget, so it needs compile: blocks or compile: full"),

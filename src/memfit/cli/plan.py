@@ -217,7 +217,13 @@ def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_trac
                      host=None) -> int:
     """``--methods``: plan each method on its own (NOTE [ Methods are the user's ])."""
     from memfit.errors import UserError
-    from memfit.planner.methods import DIFFERENT_THINGS, on_checkpoint, parse_methods, plan_method
+    from memfit.planner.methods import (
+        DIFFERENT_THINGS,
+        check_precision,
+        on_checkpoint,
+        parse_methods,
+        plan_method,
+    )
     from memfit.planner.progress import PlanProgress
     from memfit.planner.side_by_side import plan_side_by_side
     from memfit.report.planner import print_methods
@@ -229,6 +235,7 @@ def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_trac
                         "--out or --pareto")
     from memfit.workloads import load_workload
     methods = parse_methods(args.methods, given.adapter)
+    check_precision(methods, given.precision, "--methods")
     workload = load_workload(workload, seq_len=seq)  # once, here: the searches' processes share it (forked)
     methods = on_checkpoint(methods, workload, "--methods")
     searches = [(m.name, dict(workload=workload, budget=args.budget, device=args.device, batch_size=bs,

@@ -67,6 +67,19 @@ def parse_methods(text: str, adapter: str = "none") -> list[Method]:
     return [Method(name, keys[name]) for name in names]
 
 
+def check_precision(methods: list[Method], precision: str, flag: str) -> None:
+    """A precision that keeps an adapter apart (``bf16-base``) has no meaning for full fine-tuning: one line,
+    before any search."""
+    from memfit.plans import Plan
+    if not Plan(precision=precision).config("precision").needs_adapter:
+        return
+    full = [m.name for m in methods if Plan(**m.keys).config("adapter").is_default]
+    if full:
+        raise UserError(f"{flag}: --precision {precision} keeps an adapter in fp32 over the 16-bit model, and "
+                        f"{', '.join(full)} trains none; drop {', '.join(full)} from {flag}, or give a precision "
+                        "every method takes (bf16-pure, bf16)")
+
+
 def on_checkpoint(methods: list[Method], workload, flag: str) -> list[Method]:
     """``methods`` for ``workload``: a pre-quantized checkpoint trains only qlora or qdora, over its own
     format (its weights load in no other: memfit.target.as_checkpoint); any other workload takes them as

@@ -74,6 +74,8 @@ class Precision(Config):
     scaled: ClassVar[bool] = False
     """The loss is scaled (fp16's GradScaler), so every gradient is unscaled and checked for
     overflow at once, after backward."""
+    needs_adapter: ClassVar[bool] = False
+    """It holds an adapter apart from the model (``bf16-base``): a plan that trains none cannot take it."""
 
     def values(self) -> dict:
         return {"precision": self.name}
@@ -246,6 +248,7 @@ class AdapterBase(Precision):
     dtype: str = "bf16"
     """bf16 or fp16."""
     rank = None  # (between autocast and bf16-pure only where an adapter trains: not ordered, not searched)
+    needs_adapter = True
 
     @property
     def name(self) -> str:
