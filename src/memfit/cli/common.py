@@ -202,7 +202,8 @@ def apply_config(args: argparse.Namespace) -> None:
     args.workload = mapped.workload
     res = mapped.resolution
     if getattr(args, "resolution", None) == "max" and isinstance(res, tuple):  # (max grows the height at the
-        args.workload = _with_width(mapped.workload, res[0])                   # config's width)
+        from memfit.workloads.config_overrides import with_override  # config's width)
+        args.workload = with_override(mapped.workload, "width", res[0])
     sizes = (("batch_size", mapped.batch_size), ("seq_len", mapped.seq_len),
              ("resolution", f"{res[0]}x{res[1]}" if isinstance(res, tuple) else res))
     for key, value in sizes:
@@ -212,13 +213,6 @@ def apply_config(args: argparse.Namespace) -> None:
     if max_size(args) == "batch_size":  # (max: what one step holds at once; the answer is the micro-batch)
         args.config_plan = mapped.plan.replace(micro_batch_size=None, grad_accum_steps=1)
     args.config_summary = mapped.summary()
-
-
-def _with_width(workload: str, width: int) -> str:
-    """``workload`` with a ``width=`` override (NOTE [ A resolution's width ]), beside any it has."""
-    from memfit.workloads.config_overrides import split_overrides
-    head, overrides = split_overrides(workload)
-    return f"{head}:{overrides + ',' if overrides else ''}width={width}"
 
 
 def print_json(obj) -> None:

@@ -52,7 +52,7 @@ from memfit.devices import Device
 from memfit.errors import UserError
 from memfit.integrations.configs import TrainingConfig, whole
 from memfit.plans import Plan
-from memfit.workloads.config_overrides import split_overrides
+from memfit.workloads.config_overrides import split_overrides, with_override
 
 REFUSED = {
     "deepspeed": "memfit does not model DeepSpeed's ZeRO stages; remove deepspeed (memfit shards with FSDP2: give "
@@ -400,9 +400,8 @@ def _text_encoders(model: str, data: dict, where: str, warnings: list[str]) -> t
     mode = "trained" if trained else None if _caches(data, "cache_text_encoder_outputs") else "frozen"
     if mode is None:
         return model, False
-    head, overrides = split_overrides(model)
-    if head in TEXT_ENCODERS_IN_STEP:
-        return f"{head}:{overrides + ',' if overrides else ''}text_encoders={mode}", True
+    if split_overrides(model)[0] in TEXT_ENCODERS_IN_STEP:
+        return with_override(model, "text_encoders", mode), True
     if trained:
         warnings.append(f"kohya config {where}: the text encoders are trained too (no network_train_unet_only); "
                         f"memfit estimates the denoiser's {'LoRA' if lora else 'training'} alone (it holds text "

@@ -264,7 +264,7 @@ class AdapterBase(Precision):
 
     @property
     def scaled(self) -> bool:
-        return self.dtype == "fp16"
+        return Autocast(self.dtype).scaled
 
     @property
     def torch_dtype(self) -> torch.dtype:

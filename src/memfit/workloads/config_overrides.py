@@ -31,6 +31,13 @@ def split_overrides(spec: str) -> tuple[str, str]:
     return spec, ""
 
 
+def with_override(spec: str, key: str, value) -> str:
+    """``spec`` with ``key=value`` added beside the overrides it has (``unet-sdxl:layers_per_block=1`` ->
+    ``unet-sdxl:layers_per_block=1,width=1216``)."""
+    head, overrides = split_overrides(spec)
+    return f"{head}:{overrides + ',' if overrides else ''}{key}={value}"
+
+
 def parse_overrides(text: str, where: str) -> dict:
     """The ``key=value`` pairs of ``text`` (YAML scalars; ``a/b/c`` a list of them)."""
     values = parse_key_values(text, where, example=f"{where}:num_hidden_layers=4")
