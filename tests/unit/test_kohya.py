@@ -107,7 +107,7 @@ def test_defaults_and_what_runs_in_the_step_are_named():
 @pytest.mark.parametrize("files,workload", [({"ae": "a"}, "dit-flux"), ({"clip_g": "g", "t5xxl": "t"}, "dit-sd3"),
                                             ({"gemma2": "g", "ae": "a"}, "dit-lumina2")])  # (Lumina takes an ae too)
 def test_a_checkpoint_files_model_is_named_by_the_files_beside_it(files, workload):
-    data = {"pretrained_model_name_or_path": "/m/model.safetensors", **files}
+    data = {"pretrained_model_name_or_path": "/m/model.safetensors", "cache_text_encoder_outputs": True, **files}
     assert map_config(data, "c.toml", CARD).workload == workload
     schnell = {**MINIMAL, "pretrained_model_name_or_path": "/m/flux1-schnell.safetensors"}
     assert map_config(schnell, "c.toml", CARD).workload == "dit-flux:guidance_embeds=false"
@@ -148,8 +148,8 @@ def test_a_dataset_config_gives_the_largest_batch_of_pixels(tmp_path):
 def test_unmapped_arguments_are_named_one_a_line():
     c = map_config({**MINIMAL, "network_train_unet_only": True, "t5xxl_max_token_length": 256, "lr_warmup": 9},
                    "c.toml", CARD)
-    assert [w.split(": ", 1)[1] for w in c.warnings] == [
-        "t5xxl_max_token_length is not mapped; the estimate ignores it", "lr_warmup is not mapped; the estimate ignores it"]
+    assert [w.split(": ", 1)[1] for w in c.warnings] == ["lr_warmup is not mapped; the estimate ignores it"]
+    assert c.workload == "dit-flux:caption_tokens=256"  # (FLUX.1's T5 tokens a caption)
     assert map_config({**MINIMAL, "split_mode": True}, "c.toml", CARD).plan.swap_blocks == 39  # (sd-scripts: 18)
 
 
@@ -220,10 +220,11 @@ def test_resolution_max_grows_the_height_at_the_configs_width():
     assert (args.workload, args.resolution) == ("unet-sdxl", "1216x832")
 
 
-def test_text_encoders_the_config_trains_or_runs_are_in_the_sd_workload_and_said_elsewhere():
+def test_text_encoders_the_config_trains_or_runs_are_in_the_workload_and_said_elsewhere():
     """A LoRA without network_train_unet_only trains the text encoders; without cached outputs they run frozen:
-    the SD/SDXL built-ins hold them (memfit.workloads.text_encoders), beside the workload's own overrides; a
-    FLUX config that trains them is said in one line (memfit holds no FLUX text encoders)."""
+    the SD/SDXL and FLUX.1 built-ins hold them (memfit.workloads.text_encoders), beside the workload's own
+    overrides; FLUX.1's T5-XXL stays cached where the config caches (sd-scripts' partial cache: CLIP-L trains);
+    an SD3 config that trains them is said in one line (memfit holds no SD3 text encoders)."""
     sd = {"pretrained_model_name_or_path": "/m/sd_xl_base_1.0.safetensors", "network_module": "networks.lora",
           "cache_latents": True}
     trained = map_config(sd, "c.toml", CARD, "unet-sdxl:layers_per_block=1")
@@ -233,7 +234,20 @@ def test_text_encoders_the_config_trains_or_runs_are_in_the_sd_workload_and_said
     cached = map_config({**sd, "network_train_unet_only": True, "cache_text_encoder_outputs": True}, "c.toml", CARD,
                         "unet-sd15")
     assert cached.workload == "unet-sd15"
-    flux = map_config({**MINIMAL, "network_module": "networks.lora_flux", "cache_text_encoder_outputs": False},
-                      "c.toml", CARD)
-    assert flux.workload == "dit-flux" and [w.split(": ", 1)[1][:40] for w in flux.warnings] == [
+    lora = {**MINIMAL, "network_module": "networks.lora_flux"}
+    flux = map_config({**lora, "cache_text_encoder_outputs": False}, "c.toml", CARD)
+    assert flux.workload == "dit-flux:text_encoders=trained" and flux.warnings == ()
+    partial = map_config(lora, "c.toml", CARD)
+    assert partial.workload == "dit-flux:text_encoders=trained,t5=cached" and partial.warnings == ()
+    unet_only = map_config({**lora, "network_train_unet_only": True, "cache_text_encoder_outputs": False}, "c.toml",
+                           CARD)
+    assert unet_only.workload == "dit-flux:text_encoders=frozen"
+    fp8_unet = map_config({**lora, "cache_text_encoder_outputs": False, "fp8_base_unet": True,
+                           "network_args": ["train_t5xxl=True"]}, "c.toml", CARD)
+    assert [w.split(": ", 1)[1][:40] for w in fp8_unet.warnings] == [
+        "train_t5xxl: memfit trains FLUX.1's CLIP", "fp8_base_unet keeps the text encoders in",
+        "network_args are not mapped (conv_dim, t"]
+    sd3 = map_config({"pretrained_model_name_or_path": "/m/sd3.5_medium.safetensors", "clip_l": "l", "clip_g": "g",
+                      "t5xxl": "t", "network_module": "networks.lora_sd3", "cache_latents": True}, "c.toml", CARD)
+    assert sd3.workload.startswith("dit-sd3") and [w.split(": ", 1)[1][:40] for w in sd3.warnings] == [
         "the text encoders are trained too (no ne", "text-encoder outputs are not cached (cac"]

@@ -1,6 +1,7 @@
-"""Text encoders in the step (memfit.workloads.text_encoders): an SD or SDXL UNet with its CLIP encoders frozen
-or trained, predicted within 1% of the profiler on a real CPU step; what trains in each mode; the encoders'
-weights counted where they are on the device; bad values in one line."""
+"""Text encoders in the step (memfit.workloads.text_encoders): an SD or SDXL UNet with its CLIP encoders, and
+FLUX.1 with CLIP-L and T5-XXL, frozen or trained, predicted within 1% of the profiler on a real CPU step; what
+trains in each mode; the encoders' weights counted where they are on the device; the denoiser's blocks last
+(what block swap streams); bad values in one line."""
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ pytest.importorskip("diffusers")
 
 SDXL = ("unet-sdxl:block_out_channels=32/64/64,attention_head_dim=2,transformer_layers_per_block=1,"
         "cross_attention_dim=32,addition_time_embed_dim=8,projection_class_embeddings_input_dim=80")
+FLUX = ("dit-flux:num_layers=2,num_single_layers=3,attention_head_dim=16,num_attention_heads=2,"
+        "joint_attention_dim=32,pooled_projection_dim=24,axes_dims_rope=4/6/6")
 SD15 = ("unet-sd15:block_out_channels=32/64,down_block_types=CrossAttnDownBlock2D/DownBlock2D,"
         "up_block_types=UpBlock2D/CrossAttnUpBlock2D,attention_head_dim=2,cross_attention_dim=32,layers_per_block=1")
 
@@ -30,6 +33,11 @@ def _with(spec: str, mode: str) -> str:
     pytest.param(SDXL, "frozen", dict(adapter="lora:r=4", precision="bf16", checkpointing="blocks"), id="sdxl-frozen",
                  marks=pytest.mark.slow),
     pytest.param(SD15, "trained", dict(precision="bf16-pure"), id="sd15-trained-full", marks=pytest.mark.slow),
+    pytest.param(FLUX, "trained", dict(adapter="lora:r=4", precision="bf16-base", checkpointing="blocks",
+                                       swap_blocks=3), id="flux-trained"),
+    pytest.param(FLUX, "trained,t5=cached", dict(adapter="lora:r=4", precision="bf16"), id="flux-t5-cached"),
+    pytest.param(FLUX, "frozen", dict(adapter="lora:r=4", base_weights="fp8", precision="bf16-base"),
+                 id="flux-frozen-fp8", marks=pytest.mark.slow),
 ])
 def test_a_unet_with_its_text_encoders_is_predicted_within_1pct(spec, mode, fields):
     r = profile(_with(spec, mode), Plan(**fields), batch_size=2, resolution=128, repeats=0)
@@ -77,6 +85,8 @@ def test_frozen_encoders_weights_are_on_the_device_and_sdxl_conditions_on_both()
 @pytest.mark.parametrize("spec,message", [
     (f"{SD15},text_encoders=cache", "text_encoders=cache is not one of cached, frozen, trained"),
     (f"{SD15},text_layers=2", "text_layers=2 needs text_encoders=frozen or trained"),
+    (f"{FLUX},t5=cache", "t5=cache is not one of cached, frozen"),
+    (f"{FLUX},t5=frozen", "t5=frozen needs text_encoders=frozen or trained"),
     ("unet-sdxl:block_out_channels=32/64/64,attention_head_dim=2,transformer_layers_per_block=1,cross_attention_dim=1,"
      "addition_time_embed_dim=8,projection_class_embeddings_input_dim=80,text_encoders=frozen",
      "cross_attention_dim=1 cannot hold two text encoders side by side"),
@@ -85,3 +95,36 @@ def test_bad_text_encoder_values_are_one_line(spec, message):
     with pytest.raises(UserError, match=message) as e:
         estimate(spec, Plan(), batch_size=1, resolution=128)
     assert "\n" not in str(e.value)
+
+
+def test_fluxs_clip_l_trains_its_t5_runs_frozen_and_its_blocks_are_the_last():
+    """FLUX.1 trained as kohya and diffusers train it: CLIP-L's projections take the LoRA and get gradients, T5
+    takes none (all-linear included) and its weights are what a frozen run adds; the DiT gets CLIP-L's pooled
+    output and T5's states (32 wide, FLUX.1-dev's 512 tokens); its blocks are the model's last, so the blocks
+    swap_blocks streams are the DiT's, as kohya's blocks_to_swap."""
+    from memfit.techniques.swap_blocks import model_blocks
+    names, model = _trained(_with(FLUX, "trained"), Plan(adapter="lora:r=4,targets=all-linear"))
+    clip, t5 = model.text_encoders
+    assert {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in names if n.startswith("text_encoders.0")} == set(
+        ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"))
+    assert not [n for n in names if n.startswith("text_encoders.1")] and not any(p.requires_grad for p in t5.parameters())
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in clip.named_parameters() if "lora_B" in n)
+    states, pooled = model.encode(Target.resolve(_with(FLUX, "trained"), Plan(), 1, "cpu", resolution=128)
+                                  .workload.batch(1)["ids"])
+    assert tuple(states.shape) == (1, 512, 32) and tuple(pooled.shape) == (1, 24)
+    assert model_blocks(model)[-5:] == [*model.denoiser.transformer_blocks, *model.denoiser.single_transformer_blocks]
+    frozen = estimate(_with(FLUX, "frozen"), Plan(adapter="lora:r=4"), batch_size=1, resolution=128)
+    cached = estimate(FLUX, Plan(adapter="lora:r=4"), batch_size=1, resolution=128)
+    step = build_step(Target.resolve(_with(FLUX, "frozen"), Plan(adapter="lora:r=4"), 1, "cpu", resolution=128))
+    encoders = sum(p.numel() * p.element_size() for p in step.model.text_encoders.parameters())
+    assert frozen.breakdown["parameters"] - cached.breakdown["parameters"] == encoders
+    assert step.target.workload.name == "dit-flux 128px, text encoders frozen"
+
+
+def test_fp8_base_weights_store_fluxs_text_encoders_in_fp8_too():
+    """kohya's fp8_base casts the text encoders' linear weights to fp8 as the DiT's (its fp8_base_unet does not:
+    the mapping says so)."""
+    step = build_step(Target.resolve(_with(FLUX, "frozen"), Plan(adapter="lora:r=4", base_weights="fp8",
+                                                                 precision="bf16-base"), 1, "cpu", resolution=128))
+    linear = [m.weight.dtype for m in step.model.text_encoders.modules() if isinstance(m, torch.nn.Linear)]
+    assert linear == [torch.float8_e4m3fn] * (6 * 2 + 7 * 2)  # (CLIP: 6 a layer; T5: q k v o wi_0 wi_1 wo; 2 layers)

@@ -27,8 +27,9 @@ What the estimate ignores, and how it says so:
   an SD or SDXL UNet, or beside ``blocks_to_swap``; ``fused_backward_pass`` but with Adafactor and no
   accumulation; ``use_8bit_adam`` beside ``optimizer_type``).
 - **Text encoders in the step**: trained (a LoRA without ``network_train_unet_only``, a full fine-tuning with
-  ``train_text_encoder``), or run frozen (their outputs not cached): the SD and SDXL built-ins hold them
-  (``unet-sdxl:text_encoders=trained|frozen``, memfit.workloads.text_encoders).
+  ``train_text_encoder``), or run frozen (their outputs not cached): the SD, SDXL and FLUX.1 built-ins hold
+  them (``unet-sdxl:text_encoders=trained|frozen``; FLUX.1's CLIP-L trains and its T5-XXL is cached or frozen:
+  memfit.workloads.text_encoders).
 - **Warned, one line each**: the precision where memfit's nearest differs (above); latents not cached, or
   text-encoder outputs of a model that does not hold its encoders (memfit's batch is the cached tensors: the
   VAE or text encoders running in the step are not in the estimate); text encoders trained where the model
@@ -84,7 +85,7 @@ huber_c huber_schedule noise_offset noise_offset_random_strength adaptive_noise_
 multires_noise_discount ip_noise_gamma ip_noise_gamma_random_strength min_snr_gamma debiased_estimation_loss
 scale_v_pred_loss_like_noise_pred v_pred_like_loss zero_terminal_snr v2 v_parameterization clip_skip
 max_token_length apply_t5_attn_mask sdpa xformers mem_eff_attn attn_mode split_attn highvram lowram lowvram
-split_mode model_type train_text_encoder
+split_mode model_type train_text_encoder t5xxl_max_token_length
 network_train_unet_only cpu_offload_checkpointing network_module network_dim network_alpha network_dropout
 resolution train_batch_size gradient_accumulation_steps mixed_precision full_bf16 full_fp16 fp8_base fp8_base_unet
 blocks_to_swap gradient_checkpointing optimizer_type use_8bit_adam fused_backward_pass max_grad_norm network_args
@@ -128,6 +129,7 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
     model = workload or _model(data, where)
     family = family_of(model, data)
     model, text = _text_encoders(model, data, where, warnings)
+    model = _caption(model, data, where, warnings)
     micro, resolution, more = _dataset(data, where, base)
     warnings += more
     accum = whole(data, "gradient_accumulation_steps", where, 1)
@@ -386,27 +388,52 @@ def _optimizer(data: dict, where: str) -> dict:
     return {"optimizer": OPTIMIZERS[str(name).lower()]}
 
 
-TEXT_ENCODERS_IN_STEP = ("unet-sd15", "unet-sdxl")
+TEXT_ENCODERS_IN_STEP = ("unet-sd15", "unet-sdxl", "dit-flux")
 """The built-ins that hold their text encoders in the step (memfit.workloads.text_encoders)."""
 
 
 def _text_encoders(model: str, data: dict, where: str, warnings: list[str]) -> tuple[str, bool]:
     """(the workload, whether its text encoders run in the step). A LoRA without ``network_train_unet_only`` (or
     a full fine-tuning with ``train_text_encoder``) trains them; a config that does not cache their outputs runs
-    them frozen. The SD and SDXL built-ins hold them (``text_encoders=trained|frozen``); for another model that
-    is said in one line."""
+    them frozen. The SD, SDXL and FLUX.1 built-ins hold them (``text_encoders=trained|frozen``; FLUX.1 trains
+    CLIP-L only, its T5-XXL cached where the config caches: ``t5=cached``); for another model that is said in
+    one line."""
     lora = bool(data.get("network_module"))
     trained = not data.get("network_train_unet_only") if lora else bool(data.get("train_text_encoder"))
-    mode = "trained" if trained else None if _caches(data, "cache_text_encoder_outputs") else "frozen"
+    cached = _caches(data, "cache_text_encoder_outputs")
+    mode = "trained" if trained else None if cached else "frozen"
+    arch = split_overrides(model)[0]
+    if arch == "dit-flux" and any("train_t5xxl" in str(a) and "true" in str(a).lower()
+                                  for a in data.get("network_args") or []):
+        warnings.append(f"kohya config {where}: train_t5xxl: memfit trains FLUX.1's CLIP-L only; T5-XXL's LoRA and "
+                        "its activations for backward are not in the estimate")
     if mode is None:
         return model, False
-    if split_overrides(model)[0] in TEXT_ENCODERS_IN_STEP:
-        return with_override(model, "text_encoders", mode), True
+    if arch in TEXT_ENCODERS_IN_STEP:
+        if arch == "dit-flux" and data.get("fp8_base_unet"):
+            warnings.append(f"kohya config {where}: fp8_base_unet keeps the text encoders in bf16 where memfit's fp8 "
+                            "base weights store them in fp8 too (T5-XXL: 4.8 GB more on the device than estimated); "
+                            "use fp8_base to have them in fp8")
+        model = with_override(model, "text_encoders", mode)
+        return (with_override(model, "t5", "cached") if arch == "dit-flux" and cached else model), True
     if trained:
         warnings.append(f"kohya config {where}: the text encoders are trained too (no network_train_unet_only); "
                         f"memfit estimates the denoiser's {'LoRA' if lora else 'training'} alone (it holds text "
-                        f"encoders for {' and '.join(TEXT_ENCODERS_IN_STEP)} only)")
+                        f"encoders for {', '.join(TEXT_ENCODERS_IN_STEP)} only)")
     return model, False
+
+
+def _caption(model: str, data: dict, where: str, warnings: list[str]) -> str:
+    """FLUX.1's T5 tokens a caption (``t5xxl_max_token_length``; sd-scripts' default is the built-in's: 512,
+    schnell's 256); another model's is said in one line."""
+    tokens = data.get("t5xxl_max_token_length")
+    if tokens is None:
+        return model
+    if split_overrides(model)[0] == "dit-flux":
+        return with_override(model, "caption_tokens", whole(data, "t5xxl_max_token_length", where, 512))
+    warnings.append(f"kohya config {where}: t5xxl_max_token_length is not mapped for this model; the estimate keeps "
+                    "its own caption length")
+    return model
 
 
 def _caches(data: dict, key: str) -> bool:

@@ -59,6 +59,8 @@ FLUX_PACK = 2
 """Flux's pipeline packs 2x2 latent pixels into one token (``FluxPipeline._pack_latents``)."""
 FLUX_GUIDANCE = 1.0
 """The guidance value fed to FLUX.1-dev's guidance embedding in training (kohya's ``--guidance_scale``)."""
+SCHNELL_TOKENS = 256
+"""T5 tokens a caption for FLUX.1-schnell (no guidance embedding): its pipeline's and kohya's limit (dev: 512)."""
 
 
 def flux(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = FLUX) -> Workload:
@@ -67,17 +69,50 @@ def flux(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageM
     the packed noisy latents, the text states, the pooled CLIP vector, the guidance value and the
     position ids; rectified flow (t = 1 is noise), the target the velocity ``noise - latents``. The
     model loads as a checkpoint does (built on the meta device, each weight made in its final form:
-    memfit.techniques.loading), as ``from_pretrained`` and kohya's loader bring it to the card."""
+    memfit.techniques.loading), as ``from_pretrained`` and kohya's loader bring it to the card. With
+    ``text_encoders=frozen|trained`` (and ``t5=``) CLIP-L and T5-XXL run in the step, the batch holding
+    the captions' token ids in place of their outputs (memfit.workloads.text_encoders). ``caption_tokens=N``:
+    T5 tokens a caption (kohya's ``t5xxl_max_token_length``, diffusers' ``--max_sequence_length``; default
+    512, and schnell's 256)."""
+    from memfit.workloads import text_encoders as te
+    overrides, text, layers = te.text_mode(m.arch, overrides)
+    overrides, t5 = te.t5_mode(m.arch, overrides, text)
+    overrides, caption = _caption_tokens(m.arch, overrides)
+
     def inputs(b: int, kw: dict, high: int, wide: int) -> dict:
         rows, cols = torch.arange(high).repeat_interleave(wide), torch.arange(wide).repeat(high)
         guidance = {"guidance": torch.full((b,), FLUX_GUIDANCE)} if kw["guidance_embeds"] else {}  # (not schnell's)
-        return {**guidance, "encoder_hidden_states": torch.randn(b, m.caption_tokens, kw["joint_attention_dim"]),
-                "pooled_projections": torch.randn(b, kw["pooled_projection_dim"]),
-                "img_ids": torch.stack([torch.zeros(high * wide), rows.float(), cols.float()], dim=1),
-                "txt_ids": torch.zeros(m.caption_tokens, 3)}
-    return _packed_workload(m, overrides, seq_len, resolution, _pack, inputs,
-                            ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
-                             "joint_attention_dim"))
+        tokens = caption or (m.caption_tokens if kw["guidance_embeds"] else SCHNELL_TOKENS)
+        out = {**guidance, "encoder_hidden_states": torch.randn(b, tokens, kw["joint_attention_dim"]),
+               "pooled_projections": torch.randn(b, kw["pooled_projection_dim"]),
+               "img_ids": torch.stack([torch.zeros(high * wide), rows.float(), cols.float()], dim=1),
+               "txt_ids": torch.zeros(tokens, 3)}
+        if text != "cached":  # (the encoders run in the step: their token ids stand for what they give)
+            del out["pooled_projections"]
+            if t5 == "frozen":
+                del out["encoder_hidden_states"]
+            out["ids"] = te.flux_token_ids(b, tokens if t5 == "frozen" else None)
+        return out
+
+    def wrap(model: Callable[[], torch.nn.Module], kw: dict) -> Callable[[], torch.nn.Module]:
+        configs = te.flux_configs(kw["pooled_projection_dim"], kw["joint_attention_dim"], t5 == "frozen", layers)
+        return lambda: te.FluxWithTextEncoders(model(), configs, text == "trained")
+    wl = _packed_workload(m, overrides, seq_len, resolution, _pack, inputs,
+                          ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
+                           "joint_attention_dim"), wrap if text != "cached" else None)
+    if text != "cached":
+        wl.info.config.update(text_encoders=text, t5=t5)
+        wl.name += f", text encoders {text}" + (", T5 cached" if t5 == "cached" else "")
+    return wl
+
+
+def _caption_tokens(arch: str, overrides: dict) -> tuple[dict, int | None]:
+    """(``overrides`` without ``caption_tokens=``, its value or None for the model's own); checked."""
+    rest = dict(overrides)
+    tokens = rest.pop("caption_tokens", None)
+    if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1):
+        raise UserError(f"{arch}: caption_tokens={tokens} must be a whole number of T5 tokens >= 1 (FLUX.1-dev: 512)")
+    return rest, tokens
 
 
 def qwen_image(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = QWEN_IMAGE) -> Workload:
@@ -114,11 +149,11 @@ def flux2(overrides: dict, seq_len: int | None, resolution: int | None, m: Image
 
 def _packed_workload(m: ImageModel, overrides: dict, seq_len: int | None, resolution: int | None,
                      layout: Callable[[torch.Tensor], torch.Tensor], inputs: Callable[[int, dict, int, int], dict],
-                     sizes: tuple[str, ...]) -> Workload:
+                     sizes: tuple[str, ...], wrap: Callable | None = None) -> Workload:
     """The workload of a DiT fed 2x2-packed latent tokens: rectified flow (t = 1 is noise) on latents of
     ``in_channels / 4`` channels, the noisy latents and the velocity target in the pipeline's ``layout``,
     the timestep as a fraction, and the model's other ``inputs(batch, config, token rows, token columns)``;
-    loaded as a checkpoint is."""
+    loaded as a checkpoint is. ``wrap(model, config)``: the model function the step trains, around the DiT's."""
     no_seq_len(m.arch, seq_len)
     overrides, width = given_width(overrides)
     cls, kw = config_of(m, overrides)
@@ -137,7 +172,8 @@ def _packed_workload(m: ImageModel, overrides: dict, seq_len: int | None, resolu
 
     res = high * VAE_FACTOR
     info = image_info(m, res, kw, sizes, FLUX_PACK * kw["patch_size"], sides)
-    return image_workload(m, model_builder(m, cls, kw, overrides), batch, transformer_loss, res, info)
+    model = model_builder(m, cls, kw, overrides)
+    return image_workload(m, wrap(model, kw) if wrap else model, batch, transformer_loss, res, info)
 
 
 def _patchify(latents: torch.Tensor) -> torch.Tensor:

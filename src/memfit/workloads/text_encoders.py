@@ -1,4 +1,5 @@
-"""Text encoders in the step: the UNets' CLIP encoders where a run does not cache the captions' hidden states.
+"""Text encoders in the step: the UNets' CLIP encoders, and FLUX.1's CLIP-L and T5-XXL, where a run does not
+cache the captions' hidden states.
 
 Memory/compute trade-off. Caching each caption's hidden states once (kohya's
 ``--cache_text_encoder_outputs``, diffusers' SDXL LoRA script's precomputed embeddings) leaves the text
@@ -18,6 +19,16 @@ SD 1.5 conditions on CLIP-L's last hidden states; SDXL on CLIP-L's and bigG's pe
 side, and on bigG's projected pooled output (diffusers' ``StableDiffusionXLPipeline.encode_prompt``).
 Their sizes follow the UNet's ``cross_attention_dim`` (768; 2048 = 768 + 1280), so a UNet shrunk by its
 overrides gets encoders that fit it; ``text_layers=N`` sets their depth (default: CLIP's 12 and bigG's 32).
+
+FLUX.1 (``dit-flux``) takes CLIP-L's pooled output (768) and T5-XXL's last hidden states (4.76B parameters:
+24 layers of 4096, 512 tokens a caption for FLUX.1-dev), the sizes following the DiT's
+``pooled_projection_dim`` and ``joint_attention_dim``. As in kohya's ``flux_train_network`` and diffusers'
+``train_dreambooth_lora_flux``, only CLIP-L trains (``text_encoders=trained``); T5-XXL runs frozen
+(``t5=frozen``, the default where CLIP-L runs) or its states are cached while CLIP-L trains (``t5=cached``:
+kohya's partial cache, ``cache_text_encoder_outputs`` without ``network_train_unet_only``). T5-XXL is 9.5 GB
+in bf16 and 4.8 GB with ``base_weights: fp8`` (kohya's ``--fp8_base`` casts the text encoders too).
+The encoders are registered before the denoiser, in the order they run, so that the last repeated blocks
+are the denoiser's (``swap_blocks: N`` streams those, as kohya's ``--blocks_to_swap`` does).
 """
 
 from __future__ import annotations
@@ -35,6 +46,10 @@ SDXL_CLIP_L_SHARE = 768 / 2048
 """CLIP-L's part of SDXL's 2048-wide cross-attention context (the rest is bigG's)."""
 TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 """The encoders' layers an adapter takes (kohya's text-encoder LoRA: CLIPAttention's and CLIPMLP's)."""
+T5_VOCAB, T5_LAYERS, T5_HEAD = 32128, 24, 64
+T5_FF = 2.5
+"""T5-XXL (google/t5-v1_1-xxl, FLUX.1's text_encoder_2): d_ff = 10240 = 2.5 x 4096."""
+T5_MODES = ("cached", "frozen")
 
 
 def text_mode(arch: str, overrides: dict) -> tuple[dict, str, int | None]:
@@ -52,15 +67,46 @@ def text_mode(arch: str, overrides: dict) -> tuple[dict, str, int | None]:
     return rest, mode, layers
 
 
+def t5_mode(arch: str, overrides: dict, text: str) -> tuple[dict, str]:
+    """(``overrides`` without ``t5=``, FLUX.1's T5-XXL mode: frozen in the step where CLIP-L runs, unless
+    cached); checked."""
+    rest = dict(overrides)
+    mode = rest.pop("t5", "cached" if text == "cached" else "frozen")
+    if mode not in T5_MODES:
+        raise UserError(f"{arch}: t5={mode} is not one of {', '.join(T5_MODES)} (memfit trains CLIP-L only, as "
+                        "kohya's and diffusers' FLUX scripts do)")
+    if mode == "frozen" and text == "cached":
+        raise UserError(f"{arch}: t5=frozen needs text_encoders=frozen or trained (CLIP-L in the step too, as "
+                        "kohya runs them)")
+    return rest, mode
+
+
+def flux_configs(pooled: int, joint: int, t5: bool, layers: int | None) -> list:
+    """The text configs of a FLUX.1 DiT whose pooled input is ``pooled`` wide and whose caption states are
+    ``joint`` wide: CLIP-L, and T5-XXL where it runs in the step (``t5``). T5's dropout is off: the frozen
+    encoder runs in eval mode (kohya's ``t5xxl.eval()``)."""
+    import transformers
+    out = [_clip(pooled, layers or CLIP_L_LAYERS)]
+    if t5:
+        out.append(transformers.T5Config(vocab_size=T5_VOCAB, d_model=joint, d_kv=min(T5_HEAD, joint),
+                                         d_ff=round(T5_FF * joint), num_layers=layers or T5_LAYERS,
+                                         num_heads=max(1, joint // T5_HEAD), feed_forward_proj="gated-gelu",
+                                         dropout_rate=0.0, is_encoder_decoder=False, use_cache=False))
+    return out
+
+
+def _clip(width: int, depth: int, **extra):
+    """A CLIP text config ``width`` wide (CLIP's heads are 64 wide; a shrunk one has one head)."""
+    import transformers
+    return transformers.CLIPTextConfig(hidden_size=width, intermediate_size=4 * width, num_hidden_layers=depth,
+                                       num_attention_heads=width // 64 if width % 64 == 0 else 1,
+                                       vocab_size=VOCAB, max_position_embeddings=CAPTION_TOKENS, **extra)
+
+
 def encoder_configs(cross: int, pooled: int, sdxl: bool, layers: int | None) -> list:
     """The CLIP text configs of a UNet whose cross-attention context is ``cross`` wide (SDXL: two encoders
     side by side, the second projecting its pooled output to ``pooled``)."""
-    import transformers
-
-    def clip(width: int, depth: int, **extra):  # (CLIP's heads are 64 wide; a shrunk one has one head)
-        return transformers.CLIPTextConfig(hidden_size=width, intermediate_size=4 * width, num_hidden_layers=depth,
-                                           num_attention_heads=width // 64 if width % 64 == 0 else 1,
-                                           vocab_size=VOCAB, max_position_embeddings=CAPTION_TOKENS, **extra)
+    clip = _clip
     if not sdxl:
         return [clip(cross, layers or CLIP_L_LAYERS, projection_dim=cross)]
     first = round(cross * SDXL_CLIP_L_SHARE)
@@ -74,18 +120,21 @@ def encoder_configs(cross: int, pooled: int, sdxl: bool, layers: int | None) -> 
 class WithTextEncoders(torch.nn.Module):
     """A UNet with its text encoders in the step: ``forward`` takes token ids where the cached step takes
     hidden states (see the module docstring). ``denoiser`` is the UNet, as the adapter's and kohya's rules
-    look for it."""
+    look for it; ``trained``: the CLIP encoders train (a T5 never does)."""
 
     def __init__(self, denoiser: torch.nn.Module, configs: list, trained: bool):
         super().__init__()
-        import transformers
+        self.text_encoders = torch.nn.ModuleList(_encoder(c, projected=len(configs) > 1 and i == len(configs) - 1)
+                                                 for i, c in enumerate(configs))  # (before the denoiser: docstring)
         self.denoiser = denoiser
-        classes = [transformers.CLIPTextModel] * (len(configs) - 1) + [
-            transformers.CLIPTextModelWithProjection if len(configs) > 1 else transformers.CLIPTextModel]
-        self.text_encoders = torch.nn.ModuleList(cls(c) for cls, c in zip(classes, configs))
-        self.trained = trained
-        if not trained:
-            self.text_encoders.requires_grad_(False)
+        self.trains = [trained and _is_clip(c) for c in configs]
+        for encoder, trains in zip(self.text_encoders, self.trains):
+            if not trains:
+                encoder.requires_grad_(False)
+
+    @property
+    def trained(self) -> bool:
+        return any(self.trains)
 
     @property
     def adapter_targets(self) -> tuple[str, ...]:
@@ -94,21 +143,24 @@ class WithTextEncoders(torch.nn.Module):
 
     @property
     def adapter_leaves_out(self) -> list[str]:
-        """Layers no adapter takes, ``all-linear`` included: the encoders' where they are frozen."""
-        return [] if self.trained else [f"text_encoders.{n}" for n, m in self.text_encoders.named_modules()
-                                        if isinstance(m, torch.nn.Linear)]
+        """Layers no adapter takes, ``all-linear`` included: those of the encoders that are frozen."""
+        return [f"text_encoders.{i}.{n}" for i, (encoder, trains) in enumerate(zip(self.text_encoders, self.trains))
+                if not trains for n, m in encoder.named_modules() if isinstance(m, torch.nn.Linear)]
+
+    def _run(self, i: int, tokens: torch.Tensor, **kwargs):
+        with torch.set_grad_enabled(self.trains[i] and torch.is_grad_enabled()):
+            return self.text_encoders[i](tokens, return_dict=True, **kwargs)
 
     def encode(self, ids: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the hidden states the UNet attends to, SDXL's pooled text or None)."""
-        with torch.set_grad_enabled(self.trained and torch.is_grad_enabled()):
-            if len(self.text_encoders) == 1:
-                return self.text_encoders[0](ids[0], return_dict=True).last_hidden_state, None
-            states, pooled = [], None
-            for encoder, tokens in zip(self.text_encoders, ids):
-                out = encoder(tokens, output_hidden_states=True, return_dict=True)
-                states.append(out.hidden_states[-2])
-                pooled = getattr(out, "text_embeds", None)
-            return torch.cat(states, dim=-1), pooled
+        if len(self.text_encoders) == 1:
+            return self._run(0, ids[0]).last_hidden_state, None
+        states, pooled = [], None
+        for i, tokens in enumerate(ids):
+            out = self._run(i, tokens, output_hidden_states=True)
+            states.append(out.hidden_states[-2])
+            pooled = getattr(out, "text_embeds", None)
+        return torch.cat(states, dim=-1), pooled
 
     def forward(self, sample, timestep, ids: list[torch.Tensor], time_ids: torch.Tensor | None = None):
         hidden, pooled = self.encode(ids)
@@ -116,6 +168,41 @@ class WithTextEncoders(torch.nn.Module):
         return self.denoiser(sample, timestep, hidden, added_cond_kwargs=added, return_dict=False)[0]
 
 
+class FluxWithTextEncoders(WithTextEncoders):
+    """FLUX.1 with CLIP-L, and T5-XXL unless its states are cached, in the step: ``forward`` takes the DiT's
+    keywords with the captions' token ids in place of ``pooled_projections`` (CLIP-L's pooled output) and,
+    where T5 runs, of ``encoder_hidden_states`` (its last hidden states), as FluxPipeline encodes a prompt."""
+
+    def encode(self, ids: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(T5's hidden states or None where they are cached, CLIP-L's pooled output)."""
+        pooled = self._run(0, ids[0]).pooler_output
+        return (self._run(1, ids[1]).last_hidden_state if len(ids) > 1 else None), pooled
+
+    def forward(self, ids: list[torch.Tensor], return_dict: bool = False, **inputs):
+        states, inputs["pooled_projections"] = self.encode(ids)
+        if states is not None:
+            inputs["encoder_hidden_states"] = states
+        return self.denoiser(**inputs, return_dict=return_dict)
+
+
+def _is_clip(config) -> bool:
+    return type(config).__name__ == "CLIPTextConfig"
+
+
+def _encoder(config, projected: bool) -> torch.nn.Module:
+    """The model of a text config (``projected``: SDXL's bigG, whose pooled output is projected)."""
+    import transformers
+    if not _is_clip(config):
+        return transformers.T5EncoderModel(config)
+    return (transformers.CLIPTextModelWithProjection if projected else transformers.CLIPTextModel)(config)
+
+
 def token_ids(batch_size: int, encoders: int) -> list[torch.Tensor]:
-    """A caption's token ids for each encoder (padded to CLIP's 77)."""
+    """A caption's token ids for each CLIP encoder (padded to CLIP's 77)."""
     return [torch.randint(0, VOCAB - 1, (batch_size, CAPTION_TOKENS)) for _ in range(encoders)]
+
+
+def flux_token_ids(batch_size: int, t5_tokens: int | None) -> list[torch.Tensor]:
+    """A caption's token ids for CLIP-L (77) and, where T5 runs (``t5_tokens``: FLUX.1-dev's 512), for T5."""
+    out = token_ids(batch_size, 1)
+    return out if t5_tokens is None else [*out, torch.randint(0, T5_VOCAB - 1, (batch_size, t5_tokens))]
