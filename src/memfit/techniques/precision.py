@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_map
 from memfit.errors import UserError
 from memfit.quiet import silenced_warnings
 from memfit.techniques.base import Config, Export, Key, SearchContext, Technique, choice, register
+from memfit.techniques.kept_in_fp32 import arrive_in_fp32, kept_ids
 
 MODES = ("fp32", "bf16", "fp16", "bf16-pure", "bf16-base", "fp16-base", "auto")
 
@@ -216,7 +217,8 @@ class BF16Pure(Precision):
         """A model loaded as a checkpoint keeps its buffers as the load left them (the checkpoint's in bf16, a
         rotary ``inv_freq`` made in fp32 on purpose in fp32, as ``from_pretrained(dtype=torch.bfloat16)``
         leaves it); a model the workload builds is converted whole, as ``model.to(torch.bfloat16)`` does."""
-        return _to_half(model, buffers=not loaded)
+        keep = kept_ids(model, torch.bfloat16, loaded) - {id(p) for p in adapter_parameters(model)[1]}
+        return _to_half(model, buffers=not loaded, keep=keep)
 
     def export(self, into: Export) -> None:
         super().export(into)
@@ -294,7 +296,8 @@ class AdapterBase(Precision):
                             "and the plan trains no adapter; add one (adapter: lora:r=16) or use "
                             f"{'bf16-pure' if self.dtype == 'bf16' else 'fp16'}")
         from peft.tuners.tuners_utils import cast_adapter_dtype
-        model = _to_half(model, self.torch_dtype, buffers=False, keep={id(p) for p in adapter})
+        keep = {id(p) for p in adapter} | kept_ids(model, self.torch_dtype, loaded)
+        model = _to_half(model, self.torch_dtype, buffers=False, keep=keep)
         for name in sorted(names):
             cast_adapter_dtype(model, adapter_name=name)
         if self.scaled:
@@ -369,9 +372,9 @@ def _load_in(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> Non
     model's ``__init__`` makes in fp32 explicitly (SD3's 226 MB sin-cos position table) is cast here, on
     the meta device, so that it arrives in 16 bits rather than in fp32 to be converted on the device.
     Buffers no checkpoint holds (rotary tables) stay as the library leaves them, as ``from_pretrained``
-    leaves them. Parameters are converted later, by :func:`_to_half`: other configs' ``on_load`` key
+    leaves them; what the model's class keeps in fp32 arrives in fp32 (memfit.techniques.kept_in_fp32). Parameters are converted later, by :func:`_to_half`: other configs' ``on_load`` key
     parameters by identity (quantizers, swapped blocks)."""
-    held = {id(t) for t in model.state_dict(keep_vars=True).values()}
+    held = {id(t) for t in model.state_dict(keep_vars=True).values()} - arrive_in_fp32(model, dtype)
     cast: dict[int, torch.Tensor] = {}  # (a buffer two modules share stays shared)
     for module in model.modules():
         for name, b in list(module._buffers.items()):

@@ -7,6 +7,7 @@ the load's own peak is predicted against the profiler (memfit's real run and tra
 ``from_pretrained`` of a saved folder), and a loaded model has the values its library gives it
 (initialised before quantizing, rotary tables computed, tied weights tied)."""
 
+import dataclasses
 import gc
 import json
 
@@ -269,3 +270,40 @@ def test_a_bf16_model_keeps_the_dtypes_from_pretrained_gives_it(tmp_path, precis
     built = build_step(Target.resolve("cnn", memfit.Plan(precision="bf16-pure"), 2, "cpu")).model
     assert any(b.is_floating_point() for b in built.buffers())  # (BatchNorm's running statistics)
     assert {t.dtype for t in [*built.parameters(), *built.buffers()] if t.is_floating_point()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("arch,precision", [("t5", "fp16-base"), ("glm4_moe", "bf16-pure"), ("glm4_moe", "bf16-base")])
+def test_what_the_models_class_keeps_in_fp32_arrives_in_fp32(tmp_path, arch, precision):
+    """A 16-bit load keeps in fp32 what the model's class names (transformers' ``_keep_in_fp32_modules``:
+    T5's feed-forward output ``wo`` in fp16; ``_keep_in_fp32_modules_strict``: GLM-4.5's router bias in bf16
+    and fp16), and so does memfit's 16-bit precision of a saved folder: every parameter and buffer in the
+    dtype ``from_pretrained(dtype=...)`` gives it. A model a workload builds itself is converted whole."""
+    import transformers
+    dtype = torch.float16 if precision.startswith("fp16") else torch.bfloat16
+    if arch == "t5":
+        config = transformers.T5Config(vocab_size=128, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+                                       decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+        auto, kept = transformers.AutoModelForSeq2SeqLM, "encoder.block.0.layer.1.DenseReluDense.wo.weight"
+    else:
+        config = transformers.Glm4MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, head_dim=16,
+                                            moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                            num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2,
+                                            first_k_dense_replace=1, n_shared_experts=1)
+        auto, kept = transformers.AutoModelForCausalLM, "model.layers.1.mlp.gate.e_score_correction_bias"
+    auto.from_config(config).to(dtype).save_pretrained(tmp_path)
+    theirs = auto.from_pretrained(str(tmp_path), dtype=dtype)
+    adapter = {"adapter": "lora:r=4"} if precision.endswith("-base") else {}
+    ours = build_step(Target.resolve(str(tmp_path), memfit.Plan(precision=precision, **adapter), 1, "cpu",
+                                     seq_len=16)).model
+    expected = {n: t.dtype for n, t in [*theirs.named_parameters(), *theirs.named_buffers()]}
+    assert expected[kept] == torch.float32
+    got = {n.removeprefix("base_model.model.").replace(".base_layer", ""): t.dtype
+           for n, t in [*ours.named_parameters(), *ours.named_buffers()] if "lora_" not in n}
+    assert got == expected
+    if arch == "t5":  # (the built-in loads as a checkpoint, as from_pretrained does; a user's own build does not)
+        from memfit.workloads import load_workload
+        wl = load_workload("t5:d_model=32,d_kv=16,d_ff=64,num_layers=2,num_heads=2,vocab_size=128", seq_len=16)
+        assert wl.from_checkpoint
+        for workload, kept_dtype in ((wl, torch.float32), (dataclasses.replace(wl, from_checkpoint=False), dtype)):
+            built = build_step(Target.resolve(workload, memfit.Plan(precision=precision, **adapter), 1, "cpu")).model
+            assert [p.dtype for n, p in built.named_parameters() if n.endswith(kept)] == [kept_dtype]
