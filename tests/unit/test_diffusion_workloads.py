@@ -165,14 +165,14 @@ def test_flux_target_is_the_velocity_of_the_packed_latents():
 
 def test_fluxs_captions_are_512_t5_tokens_schnells_256_or_as_given():
     """T5 tokens a caption: FLUX.1-dev's 512, schnell's 256 (its pipeline's and kohya's limit), or
-    ``caption_tokens=N`` (kohya's t5xxl_max_token_length); the text positions follow."""
+    ``t5_tokens=N`` (kohya's t5xxl_max_token_length); the text positions follow."""
     from memfit.errors import UserError
     for spec, tokens in ((TINY["dit-flux"], 512), (f"{TINY['dit-flux']},guidance_embeds=false", 256),
-                         (f"{TINY['dit-flux']},caption_tokens=77", 77)):
+                         (f"{TINY['dit-flux']},t5_tokens=77", 77)):
         batch = load_workload(spec, resolution=64).batch(1)
         assert batch["encoder_hidden_states"].shape[1] == batch["txt_ids"].shape[0] == tokens, spec
-    with pytest.raises(UserError, match="caption_tokens=0 must be a whole number of T5 tokens >= 1"):
-        load_workload("dit-flux:caption_tokens=0")
+    with pytest.raises(UserError, match="t5_tokens=0 must be a whole number of T5 tokens a caption >= 1"):
+        load_workload("dit-flux:t5_tokens=0")
 
 
 def test_flux_resolution_must_divide_into_packed_latents():

@@ -149,7 +149,7 @@ def test_unmapped_arguments_are_named_one_a_line():
     c = map_config({**MINIMAL, "network_train_unet_only": True, "t5xxl_max_token_length": 256, "lr_warmup": 9},
                    "c.toml", CARD)
     assert [w.split(": ", 1)[1] for w in c.warnings] == ["lr_warmup is not mapped; the estimate ignores it"]
-    assert c.workload == "dit-flux:caption_tokens=256"  # (FLUX.1's T5 tokens a caption)
+    assert c.workload == "dit-flux:t5_tokens=256"  # (FLUX.1's T5 tokens a caption)
     assert map_config({**MINIMAL, "split_mode": True}, "c.toml", CARD).plan.swap_blocks == 39  # (sd-scripts: 18)
 
 
@@ -222,9 +222,9 @@ def test_resolution_max_grows_the_height_at_the_configs_width():
 
 def test_text_encoders_the_config_trains_or_runs_are_in_the_workload_and_said_elsewhere():
     """A LoRA without network_train_unet_only trains the text encoders; without cached outputs they run frozen:
-    the SD/SDXL and FLUX.1 built-ins hold them (memfit.workloads.text_encoders), beside the workload's own
-    overrides; FLUX.1's T5-XXL stays cached where the config caches (sd-scripts' partial cache: CLIP-L trains);
-    an SD3 config that trains them is said in one line (memfit holds no SD3 text encoders)."""
+    the SD/SDXL, FLUX.1 and SD3 built-ins hold them (memfit.workloads.text_encoders), beside the workload's own
+    overrides; FLUX.1's and SD3's T5-XXL stays cached where the config caches (sd-scripts' partial cache: the
+    CLIPs train); a Lumina 2 config that trains them is said in one line (memfit holds no Gemma-2 encoder)."""
     sd = {"pretrained_model_name_or_path": "/m/sd_xl_base_1.0.safetensors", "network_module": "networks.lora",
           "cache_latents": True}
     trained = map_config(sd, "c.toml", CARD, "unet-sdxl:layers_per_block=1")
@@ -245,9 +245,14 @@ def test_text_encoders_the_config_trains_or_runs_are_in_the_workload_and_said_el
     fp8_unet = map_config({**lora, "cache_text_encoder_outputs": False, "fp8_base_unet": True,
                            "network_args": ["train_t5xxl=True"]}, "c.toml", CARD)
     assert [w.split(": ", 1)[1][:40] for w in fp8_unet.warnings] == [
-        "train_t5xxl: memfit trains FLUX.1's CLIP", "fp8_base_unet keeps the text encoders in",
+        "train_t5xxl: memfit trains the CLIP enco", "fp8_base_unet keeps the text encoders in",
         "network_args are not mapped (conv_dim, t"]
-    sd3 = map_config({"pretrained_model_name_or_path": "/m/sd3.5_medium.safetensors", "clip_l": "l", "clip_g": "g",
-                      "t5xxl": "t", "network_module": "networks.lora_sd3", "cache_latents": True}, "c.toml", CARD)
-    assert sd3.workload.startswith("dit-sd3") and [w.split(": ", 1)[1][:40] for w in sd3.warnings] == [
+    sd3 = {"pretrained_model_name_or_path": "/m/sd3.5_medium.safetensors", "clip_l": "l", "clip_g": "g",
+           "t5xxl": "t", "network_module": "networks.lora_sd3", "cache_latents": True, "t5xxl_max_token_length": 154}
+    assert map_config(sd3, "c.toml", CARD).workload == "dit-sd3:text_encoders=trained,t5_tokens=154"
+    assert map_config({**sd3, "cache_text_encoder_outputs": True}, "c.toml", CARD).workload == \
+        "dit-sd3:text_encoders=trained,t5=cached,t5_tokens=154"
+    lumina = map_config({"pretrained_model_name_or_path": "/m/lumina.safetensors", "gemma2": "g", "ae": "a",
+                         "network_module": "networks.lora_lumina", "cache_latents": True}, "c.toml", CARD)
+    assert lumina.workload == "dit-lumina2" and [w.split(": ", 1)[1][:40] for w in lumina.warnings] == [
         "the text encoders are trained too (no ne", "text-encoder outputs are not cached (cac"]

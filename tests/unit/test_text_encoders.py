@@ -1,5 +1,5 @@
-"""Text encoders in the step (memfit.workloads.text_encoders): an SD or SDXL UNet with its CLIP encoders, and
-FLUX.1 with CLIP-L and T5-XXL, frozen or trained, predicted within 1% of the profiler on a real CPU step; what
+"""Text encoders in the step (memfit.workloads.text_encoders): an SD or SDXL UNet with its CLIP encoders,
+FLUX.1 with CLIP-L and T5-XXL, and SD3 with CLIP-L, CLIP-G and T5-XXL, frozen or trained, predicted within 1% of the profiler on a real CPU step; what
 trains in each mode; the encoders' weights counted where they are on the device; the denoiser's blocks last
 (what block swap streams); bad values in one line."""
 
@@ -19,6 +19,8 @@ SDXL = ("unet-sdxl:block_out_channels=32/64/64,attention_head_dim=2,transformer_
         "cross_attention_dim=32,addition_time_embed_dim=8,projection_class_embeddings_input_dim=80")
 FLUX = ("dit-flux:num_layers=2,num_single_layers=3,attention_head_dim=16,num_attention_heads=2,"
         "joint_attention_dim=32,pooled_projection_dim=24,axes_dims_rope=4/6/6")
+SD3 = ("dit-sd3:num_layers=2,num_attention_heads=2,attention_head_dim=16,joint_attention_dim=32,"
+       "caption_projection_dim=32,pooled_projection_dim=16,pos_embed_max_size=16")
 SD15 = ("unet-sd15:block_out_channels=32/64,down_block_types=CrossAttnDownBlock2D/DownBlock2D,"
         "up_block_types=UpBlock2D/CrossAttnUpBlock2D,attention_head_dim=2,cross_attention_dim=32,layers_per_block=1")
 
@@ -38,6 +40,9 @@ def _with(spec: str, mode: str) -> str:
     pytest.param(FLUX, "trained,t5=cached", dict(adapter="lora:r=4", precision="bf16"), id="flux-t5-cached"),
     pytest.param(FLUX, "frozen", dict(adapter="lora:r=4", base_weights="fp8", precision="bf16-base"),
                  id="flux-frozen-fp8", marks=pytest.mark.slow),
+    pytest.param(SD3, "trained", dict(adapter="lora:r=4", precision="bf16-base", checkpointing="blocks"),
+                 id="sd3-trained"),
+    pytest.param(SD3, "trained,t5=cached", dict(adapter="lora:r=4"), id="sd3-t5-cached", marks=pytest.mark.slow),
 ])
 def test_a_unet_with_its_text_encoders_is_predicted_within_1pct(spec, mode, fields):
     r = profile(_with(spec, mode), Plan(**fields), batch_size=2, resolution=128, repeats=0)
@@ -119,6 +124,26 @@ def test_fluxs_clip_l_trains_its_t5_runs_frozen_and_its_blocks_are_the_last():
     encoders = sum(p.numel() * p.element_size() for p in step.model.text_encoders.parameters())
     assert frozen.breakdown["parameters"] - cached.breakdown["parameters"] == encoders
     assert step.target.workload.name == "dit-flux 128px, text encoders frozen"
+
+
+def test_sd3_trains_both_clips_and_attends_to_their_states_padded_then_t5s():
+    """SD3 as StableDiffusion3Pipeline encodes a prompt: CLIP-L's and CLIP-G's penultimate states side by side
+    (16 = 6 + 10 wide here), zero-padded to T5's 32, then T5's 256 tokens; their projected pooled outputs side
+    by side. Both CLIPs take the LoRA (kohya's sd3_train_network), T5 none; with t5=cached its states are an
+    input of the step."""
+    names, model = _trained(_with(SD3, "trained"), Plan(adapter="lora:r=4,targets=all-linear"))
+    assert {n.split(".")[1] for n in names if n.startswith("text_encoders")} == {"0", "1"}
+    assert [e.config.hidden_size for e in model.text_encoders[:2]] == [6, 10]
+    ids = Target.resolve(_with(SD3, "trained"), Plan(), 1, "cpu", resolution=128).workload.batch(1)["ids"]
+    with torch.no_grad():
+        states, pooled = model.encode(ids)
+    assert tuple(states.shape) == (1, 77 + 256, 32) and tuple(pooled.shape) == (1, 16)
+    assert not states[:, :77, 16:].any() and states[:, 77:, 16:].any()
+    batch = Target.resolve(_with(SD3, "trained,t5=cached"), Plan(), 1, "cpu", resolution=128).workload.batch(1)
+    assert len(batch["ids"]) == 2 and tuple(batch["t5_states"].shape) == (1, 256, 32)
+    with pytest.raises(UserError, match="pooled_projection_dim=48 cannot hold CLIP-L and CLIP-G side by side"):
+        estimate(SD3.replace("pooled_projection_dim=16", "pooled_projection_dim=48") + ",text_encoders=frozen",
+                 Plan(), batch_size=1, resolution=128)
 
 
 def test_fp8_base_weights_store_fluxs_text_encoders_in_fp8_too():

@@ -28,8 +28,8 @@ What the estimate ignores, and how it says so:
   accumulation; ``use_8bit_adam`` beside ``optimizer_type``).
 - **Text encoders in the step**: trained (a LoRA without ``network_train_unet_only``, a full fine-tuning with
   ``train_text_encoder``), or run frozen (their outputs not cached): the SD, SDXL and FLUX.1 built-ins hold
-  them (``unet-sdxl:text_encoders=trained|frozen``; FLUX.1's CLIP-L trains and its T5-XXL is cached or frozen:
-  memfit.workloads.text_encoders).
+  them, and SD3's (``unet-sdxl:text_encoders=trained|frozen``; FLUX.1's and SD3's CLIPs train and their T5-XXL
+  is cached or frozen: memfit.workloads.text_encoders).
 - **Warned, one line each**: the precision where memfit's nearest differs (above); latents not cached, or
   text-encoder outputs of a model that does not hold its encoders (memfit's batch is the cached tensors: the
   VAE or text encoders running in the step are not in the estimate); text encoders trained where the model
@@ -52,8 +52,8 @@ from pathlib import Path
 from memfit.devices import Device
 from memfit.errors import UserError
 from memfit.integrations.configs import TrainingConfig, whole
+from memfit.integrations.kohya_text import caption, text_encoders, text_states_cached
 from memfit.plans import Plan
-from memfit.workloads.config_overrides import split_overrides, with_override
 
 REFUSED = {
     "deepspeed": "memfit does not model DeepSpeed's ZeRO stages; remove deepspeed (memfit shards with FSDP2: give "
@@ -128,8 +128,8 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
                 for key in data if key not in NO_MEMORY_EFFECT and key not in REFUSED]
     model = workload or _model(data, where)
     family = family_of(model, data)
-    model, text = _text_encoders(model, data, where, warnings)
-    model = _caption(model, data, where, warnings)
+    model, text = text_encoders(model, data, where, warnings)
+    model = caption(model, data, where, warnings)
     micro, resolution, more = _dataset(data, where, base)
     warnings += more
     accum = whole(data, "gradient_accumulation_steps", where, 1)
@@ -143,7 +143,7 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
     fields.setdefault("max_grad_norm", float(norm) if norm else None)
     if accum > 1:
         fields["micro_batch_size"] = micro
-    _cached(data, where, warnings, text)
+    text_states_cached(data, where, warnings, text)
     try:
         plan = Plan(**fields)
     except UserError as e:
@@ -386,64 +386,3 @@ def _optimizer(data: dict, where: str) -> dict:
         raise UserError(f"--from {where}: optimizer_type {name!r} is not one memfit runs; use AdamW, AdamW8bit, "
                         "PagedAdamW8bit, PagedAdamW, Adafactor or SGDNesterov")
     return {"optimizer": OPTIMIZERS[str(name).lower()]}
-
-
-TEXT_ENCODERS_IN_STEP = ("unet-sd15", "unet-sdxl", "dit-flux")
-"""The built-ins that hold their text encoders in the step (memfit.workloads.text_encoders)."""
-
-
-def _text_encoders(model: str, data: dict, where: str, warnings: list[str]) -> tuple[str, bool]:
-    """(the workload, whether its text encoders run in the step). A LoRA without ``network_train_unet_only`` (or
-    a full fine-tuning with ``train_text_encoder``) trains them; a config that does not cache their outputs runs
-    them frozen. The SD, SDXL and FLUX.1 built-ins hold them (``text_encoders=trained|frozen``; FLUX.1 trains
-    CLIP-L only, its T5-XXL cached where the config caches: ``t5=cached``); for another model that is said in
-    one line."""
-    lora = bool(data.get("network_module"))
-    trained = not data.get("network_train_unet_only") if lora else bool(data.get("train_text_encoder"))
-    cached = _caches(data, "cache_text_encoder_outputs")
-    mode = "trained" if trained else None if cached else "frozen"
-    arch = split_overrides(model)[0]
-    if arch == "dit-flux" and any("train_t5xxl" in str(a) and "true" in str(a).lower()
-                                  for a in data.get("network_args") or []):
-        warnings.append(f"kohya config {where}: train_t5xxl: memfit trains FLUX.1's CLIP-L only; T5-XXL's LoRA and "
-                        "its activations for backward are not in the estimate")
-    if mode is None:
-        return model, False
-    if arch in TEXT_ENCODERS_IN_STEP:
-        if arch == "dit-flux" and data.get("fp8_base_unet"):
-            warnings.append(f"kohya config {where}: fp8_base_unet keeps the text encoders in bf16 where memfit's fp8 "
-                            "base weights store them in fp8 too (T5-XXL: 4.8 GB more on the device than estimated); "
-                            "use fp8_base to have them in fp8")
-        model = with_override(model, "text_encoders", mode)
-        return (with_override(model, "t5", "cached") if arch == "dit-flux" and cached else model), True
-    if trained:
-        warnings.append(f"kohya config {where}: the text encoders are trained too (no network_train_unet_only); "
-                        f"memfit estimates the denoiser's {'LoRA' if lora else 'training'} alone (it holds text "
-                        f"encoders for {', '.join(TEXT_ENCODERS_IN_STEP)} only)")
-    return model, False
-
-
-def _caption(model: str, data: dict, where: str, warnings: list[str]) -> str:
-    """FLUX.1's T5 tokens a caption (``t5xxl_max_token_length``; sd-scripts' default is the built-in's: 512,
-    schnell's 256); another model's is said in one line."""
-    tokens = data.get("t5xxl_max_token_length")
-    if tokens is None:
-        return model
-    if split_overrides(model)[0] == "dit-flux":
-        return with_override(model, "caption_tokens", whole(data, "t5xxl_max_token_length", where, 512))
-    warnings.append(f"kohya config {where}: t5xxl_max_token_length is not mapped for this model; the estimate keeps "
-                    "its own caption length")
-    return model
-
-
-def _caches(data: dict, key: str) -> bool:
-    return bool(data.get(key) or data.get(f"{key}_to_disk"))
-
-
-def _cached(data: dict, where: str, warnings: list[str], text: bool) -> None:
-    """memfit's batch is cached latents and text-encoder outputs (``text``: the encoders run in the step, as
-    the workload holds them); a config that runs the VAE or text encoders in the step otherwise is named."""
-    for key, what in (("cache_latents", "latents"), ("cache_text_encoder_outputs", "text-encoder outputs")):
-        if not _caches(data, key) and not (text and key == "cache_text_encoder_outputs"):
-            warnings.append(f"kohya config {where}: {what} are not cached ({key}); memfit's batch is the cached "
-                            f"tensors, so what computes them in the step is not in the estimate")

@@ -4,7 +4,7 @@ What is trained, and what is not. Fine-tuning an image model (full or LoRA) trai
 denoiser: the VAE encodes each image to latents once (cached, or under ``no_grad``) and the text
 encoders turn each caption into hidden states the same way. Their outputs are *inputs* here,
 synthetic tensors of the right shapes, as in LoRA training with cached latents; their weights take
-no memory in the step (the UNets can hold their text encoders instead: memfit.workloads.text_encoders). One step of diffusers' ``train_text_to_image`` (UNet: epsilon prediction)
+no memory in the step (the UNets, FLUX.1 and SD3 can hold their text encoders instead: memfit.workloads.text_encoders). One step of diffusers' ``train_text_to_image`` (UNet: epsilon prediction)
 or its rectified-flow scripts (DiT: velocity prediction):
 
     noisy = mix(latents, noise, t)     t: one timestep per sample
@@ -268,8 +268,14 @@ def lumina2(overrides: dict, seq_len: int | None, resolution: int | None, m: Ima
 
 
 def sd3(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = SD3) -> Workload:
+    """SD3's step on cached latents and text states (77 CLIP tokens and ``t5_tokens``, default 256, of T5), or
+    with CLIP-L, CLIP-G and T5-XXL in the step (``text_encoders=``, ``t5=``: memfit.workloads.text_encoders)."""
+    from memfit.workloads import text_encoders as te
     no_seq_len(m.arch, seq_len)
     overrides, width = given_width(overrides)
+    overrides, text, layers = te.text_mode(m.arch, overrides)
+    overrides, t5 = te.t5_mode(m.arch, overrides, text)
+    overrides, t5_tokens = te.t5_tokens(m.arch, overrides)
     cls, kw = config_of(m, overrides)
     high, wide, _ = sides = latent_sides(m, resolution, width, kw["patch_size"], "patch size")
     most = (kw["pos_embed_max_size"] or 0) * kw["patch_size"] * VAE_FACTOR
@@ -277,19 +283,28 @@ def sd3(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageMo
         if most and side * VAE_FACTOR > most:
             raise UserError(f"{m.arch}: {flag}{side * VAE_FACTOR} exceeds the position table "
                             f"(pos_embed_max_size={kw['pos_embed_max_size']}, {most}px); use {flag}<= {most}")
-    channels = kw["in_channels"]
+    channels, joint = kw["in_channels"], kw["joint_attention_dim"]
+    tokens = t5_tokens or m.caption_tokens - te.CAPTION_TOKENS
+    encoders = te.sd3_configs(kw["pooled_projection_dim"], joint, t5 == "frozen", layers) if text != "cached" else []
 
     def batch(b: int) -> dict:
         latents, noise, t = torch.randn(b, channels, high, wide), torch.randn(b, channels, high, wide), torch.rand(b)
         noisy, target = flow_matching(latents, noise, t, data_at_one=False)
-        return {"hidden_states": noisy, "timestep": t * 1000,
-                "encoder_hidden_states": torch.randn(b, m.caption_tokens, kw["joint_attention_dim"]),
-                "pooled_projections": torch.randn(b, kw["pooled_projection_dim"]), "target": target}
+        out = {"hidden_states": noisy, "timestep": t * 1000, "target": target}
+        if not encoders:
+            return {**out, "encoder_hidden_states": torch.randn(b, te.CAPTION_TOKENS + tokens, joint),
+                    "pooled_projections": torch.randn(b, kw["pooled_projection_dim"])}
+        out["ids"] = te.t5_token_ids(b, 2, tokens if t5 == "frozen" else None)
+        return {**out, "t5_states": torch.randn(b, tokens, joint)} if t5 == "cached" else out
 
     res = high * VAE_FACTOR
     info = image_info(m, res, kw, ("num_layers", "num_attention_heads", "attention_head_dim", "joint_attention_dim"),
                       kw["patch_size"], sides)
-    return image_workload(m, model_builder(m, cls, kw, overrides), batch, transformer_loss, res, info)
+    model = model_builder(m, cls, kw, overrides)
+    if not encoders:
+        return image_workload(m, model, batch, transformer_loss, res, info)
+    return te.labelled(image_workload(m, lambda: te.SD3WithTextEncoders(model(), encoders, text == "trained"), batch,
+                                      transformer_loss, res, info), text, t5)
 
 
 def unet_builder(m: ImageModel):

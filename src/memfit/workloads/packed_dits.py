@@ -71,13 +71,13 @@ def flux(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageM
     model loads as a checkpoint does (built on the meta device, each weight made in its final form:
     memfit.techniques.loading), as ``from_pretrained`` and kohya's loader bring it to the card. With
     ``text_encoders=frozen|trained`` (and ``t5=``) CLIP-L and T5-XXL run in the step, the batch holding
-    the captions' token ids in place of their outputs (memfit.workloads.text_encoders). ``caption_tokens=N``:
+    the captions' token ids in place of their outputs (memfit.workloads.text_encoders). ``t5_tokens=N``:
     T5 tokens a caption (kohya's ``t5xxl_max_token_length``, diffusers' ``--max_sequence_length``; default
     512, and schnell's 256)."""
     from memfit.workloads import text_encoders as te
     overrides, text, layers = te.text_mode(m.arch, overrides)
     overrides, t5 = te.t5_mode(m.arch, overrides, text)
-    overrides, caption = _caption_tokens(m.arch, overrides)
+    overrides, caption = te.t5_tokens(m.arch, overrides)
 
     def inputs(b: int, kw: dict, high: int, wide: int) -> dict:
         rows, cols = torch.arange(high).repeat_interleave(wide), torch.arange(wide).repeat(high)
@@ -91,7 +91,7 @@ def flux(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageM
             del out["pooled_projections"]
             if t5 == "frozen":
                 del out["encoder_hidden_states"]
-            out["ids"] = te.flux_token_ids(b, tokens if t5 == "frozen" else None)
+            out["ids"] = te.t5_token_ids(b, 1, tokens if t5 == "frozen" else None)
         return out
 
     def wrap(model: Callable[[], torch.nn.Module], kw: dict) -> Callable[[], torch.nn.Module]:
@@ -100,19 +100,7 @@ def flux(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageM
     wl = _packed_workload(m, overrides, seq_len, resolution, _pack, inputs,
                           ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
                            "joint_attention_dim"), wrap if text != "cached" else None)
-    if text != "cached":
-        wl.info.config.update(text_encoders=text, t5=t5)
-        wl.name += f", text encoders {text}" + (", T5 cached" if t5 == "cached" else "")
-    return wl
-
-
-def _caption_tokens(arch: str, overrides: dict) -> tuple[dict, int | None]:
-    """(``overrides`` without ``caption_tokens=``, its value or None for the model's own); checked."""
-    rest = dict(overrides)
-    tokens = rest.pop("caption_tokens", None)
-    if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1):
-        raise UserError(f"{arch}: caption_tokens={tokens} must be a whole number of T5 tokens >= 1 (FLUX.1-dev: 512)")
-    return rest, tokens
+    return te.labelled(wl, text, t5) if text != "cached" else wl
 
 
 def qwen_image(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = QWEN_IMAGE) -> Workload:

@@ -1,5 +1,5 @@
-"""Text encoders in the step: the UNets' CLIP encoders, and FLUX.1's CLIP-L and T5-XXL, where a run does not
-cache the captions' hidden states.
+"""Text encoders in the step: the UNets' CLIP encoders, FLUX.1's CLIP-L and T5-XXL, and SD3's CLIP-L, CLIP-G
+and T5-XXL, where a run does not cache the captions' hidden states.
 
 Memory/compute trade-off. Caching each caption's hidden states once (kohya's
 ``--cache_text_encoder_outputs``, diffusers' SDXL LoRA script's precomputed embeddings) leaves the text
@@ -27,6 +27,13 @@ FLUX.1 (``dit-flux``) takes CLIP-L's pooled output (768) and T5-XXL's last hidde
 (``t5=frozen``, the default where CLIP-L runs) or its states are cached while CLIP-L trains (``t5=cached``:
 kohya's partial cache, ``cache_text_encoder_outputs`` without ``network_train_unet_only``). T5-XXL is 9.5 GB
 in bf16 and 4.8 GB with ``base_weights: fp8`` (kohya's ``--fp8_base`` casts the text encoders too).
+``t5_tokens=N`` sets T5's tokens a caption (kohya's ``t5xxl_max_token_length``).
+
+SD3 (``dit-sd3``, and SD3.5's folders) takes CLIP-L's and CLIP-G's penultimate states side by side, padded
+with zeros to T5's width and followed by T5-XXL's 256 tokens of states, and their projected pooled outputs
+side by side (diffusers' ``StableDiffusion3Pipeline.encode_prompt``); both CLIPs train with
+``text_encoders=trained`` (kohya's ``sd3_train_network``), T5 as for FLUX.1. CLIP-L and CLIP-G share the
+DiT's ``pooled_projection_dim`` as SDXL's encoders share its context (768 + 1280).
 The encoders are registered before the denoiser, in the order they run, so that the last repeated blocks
 are the denoiser's (``swap_blocks: N`` streams those, as kohya's ``--blocks_to_swap`` does).
 """
@@ -81,18 +88,43 @@ def t5_mode(arch: str, overrides: dict, text: str) -> tuple[dict, str]:
     return rest, mode
 
 
+def t5_tokens(arch: str, overrides: dict) -> tuple[dict, int | None]:
+    """(``overrides`` without ``t5_tokens=``, its value or None for the model's own); checked."""
+    rest = dict(overrides)
+    tokens = rest.pop("t5_tokens", None)
+    if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1):
+        raise UserError(f"{arch}: t5_tokens={tokens} must be a whole number of T5 tokens a caption >= 1 (kohya's "
+                        "t5xxl_max_token_length)")
+    return rest, tokens
+
+
 def flux_configs(pooled: int, joint: int, t5: bool, layers: int | None) -> list:
     """The text configs of a FLUX.1 DiT whose pooled input is ``pooled`` wide and whose caption states are
-    ``joint`` wide: CLIP-L, and T5-XXL where it runs in the step (``t5``). T5's dropout is off: the frozen
-    encoder runs in eval mode (kohya's ``t5xxl.eval()``)."""
+    ``joint`` wide: CLIP-L, and T5-XXL where it runs in the step (``t5``)."""
+    return [_clip(pooled, layers or CLIP_L_LAYERS), *([_t5(joint, layers)] if t5 else [])]
+
+
+def sd3_configs(pooled: int, joint: int, t5: bool, layers: int | None) -> list:
+    """The text configs of an SD3 DiT whose pooled input is ``pooled`` wide (CLIP-L's and CLIP-G's projections
+    side by side) and whose caption states are ``joint`` wide: CLIP-L, CLIP-G, and T5-XXL where it runs in the
+    step (``t5``)."""
+    first = round(pooled * SDXL_CLIP_L_SHARE)
+    if not 0 < first < pooled or pooled > joint:
+        raise UserError(f"dit-sd3: pooled_projection_dim={pooled} cannot hold CLIP-L and CLIP-G side by side within "
+                        f"joint_attention_dim={joint}; give at least 2 and at most joint_attention_dim")
+    return [_clip(first, layers or CLIP_L_LAYERS, projection_dim=first),
+            _clip(pooled - first, layers or BIGG_LAYERS, projection_dim=pooled - first, hidden_act="gelu"),
+            *([_t5(joint, layers)] if t5 else [])]
+
+
+def _t5(width: int, layers: int | None):
+    """A T5-XXL encoder config ``width`` wide. Its dropout is off: the frozen encoder runs in eval mode (kohya's
+    ``t5xxl.eval()``)."""
     import transformers
-    out = [_clip(pooled, layers or CLIP_L_LAYERS)]
-    if t5:
-        out.append(transformers.T5Config(vocab_size=T5_VOCAB, d_model=joint, d_kv=min(T5_HEAD, joint),
-                                         d_ff=round(T5_FF * joint), num_layers=layers or T5_LAYERS,
-                                         num_heads=max(1, joint // T5_HEAD), feed_forward_proj="gated-gelu",
-                                         dropout_rate=0.0, is_encoder_decoder=False, use_cache=False))
-    return out
+    return transformers.T5Config(vocab_size=T5_VOCAB, d_model=width, d_kv=min(T5_HEAD, width),
+                                 d_ff=round(T5_FF * width), num_layers=layers or T5_LAYERS,
+                                 num_heads=max(1, width // T5_HEAD), feed_forward_proj="gated-gelu",
+                                 dropout_rate=0.0, is_encoder_decoder=False, use_cache=False)
 
 
 def _clip(width: int, depth: int, **extra):
@@ -124,13 +156,18 @@ class WithTextEncoders(torch.nn.Module):
 
     def __init__(self, denoiser: torch.nn.Module, configs: list, trained: bool):
         super().__init__()
-        self.text_encoders = torch.nn.ModuleList(_encoder(c, projected=len(configs) > 1 and i == len(configs) - 1)
+        self.text_encoders = torch.nn.ModuleList(_encoder(c, self.projected(i, configs))
                                                  for i, c in enumerate(configs))  # (before the denoiser: docstring)
         self.denoiser = denoiser
         self.trains = [trained and _is_clip(c) for c in configs]
         for encoder, trains in zip(self.text_encoders, self.trains):
             if not trains:
                 encoder.requires_grad_(False)
+
+    @staticmethod
+    def projected(i: int, configs: list) -> bool:
+        """Whether the ``i``-th CLIP's pooled output is projected (SDXL's bigG's)."""
+        return len(configs) > 1 and i == len(configs) - 1
 
     @property
     def trained(self) -> bool:
@@ -173,6 +210,10 @@ class FluxWithTextEncoders(WithTextEncoders):
     keywords with the captions' token ids in place of ``pooled_projections`` (CLIP-L's pooled output) and,
     where T5 runs, of ``encoder_hidden_states`` (its last hidden states), as FluxPipeline encodes a prompt."""
 
+    @staticmethod
+    def projected(i: int, configs: list) -> bool:
+        return False
+
     def encode(self, ids: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(T5's hidden states or None where they are cached, CLIP-L's pooled output)."""
         pooled = self._run(0, ids[0]).pooler_output
@@ -182,6 +223,32 @@ class FluxWithTextEncoders(WithTextEncoders):
         states, inputs["pooled_projections"] = self.encode(ids)
         if states is not None:
             inputs["encoder_hidden_states"] = states
+        return self.denoiser(**inputs, return_dict=return_dict)
+
+
+class SD3WithTextEncoders(WithTextEncoders):
+    """SD3 with CLIP-L, CLIP-G, and T5-XXL unless its states are cached, in the step: ``forward`` takes the
+    DiT's keywords with the captions' token ids in place of ``encoder_hidden_states`` and
+    ``pooled_projections`` (and T5's cached states as ``t5_states`` where T5 does not run), as
+    StableDiffusion3Pipeline encodes a prompt."""
+
+    @staticmethod
+    def projected(i: int, configs: list) -> bool:
+        return _is_clip(configs[i])
+
+    def encode(self, ids: list[torch.Tensor], t5_states: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the CLIPs' penultimate states side by side, padded to T5's width, then T5's states; the CLIPs'
+        projected pooled outputs side by side)."""
+        clips = [self._run(i, ids[i], output_hidden_states=True) for i in (0, 1)]
+        t5 = self._run(2, ids[2]).last_hidden_state if len(ids) > 2 else t5_states
+        clip = torch.cat([out.hidden_states[-2] for out in clips], dim=-1)
+        clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+        return torch.cat([clip, t5], dim=-2), torch.cat([out.text_embeds for out in clips], dim=-1)
+
+    def forward(self, ids: list[torch.Tensor], t5_states: torch.Tensor | None = None, return_dict: bool = False,
+                **inputs):
+        inputs["encoder_hidden_states"], inputs["pooled_projections"] = self.encode(ids, t5_states)
         return self.denoiser(**inputs, return_dict=return_dict)
 
 
@@ -197,12 +264,20 @@ def _encoder(config, projected: bool) -> torch.nn.Module:
     return (transformers.CLIPTextModelWithProjection if projected else transformers.CLIPTextModel)(config)
 
 
+def labelled(wl, text: str, t5: str):
+    """The workload of a DiT with its text encoders in the step, its name and config saying how."""
+    wl.info.config.update(text_encoders=text, t5=t5)
+    wl.name += f", text encoders {text}" + (", T5 cached" if t5 == "cached" else "")
+    return wl
+
+
 def token_ids(batch_size: int, encoders: int) -> list[torch.Tensor]:
     """A caption's token ids for each CLIP encoder (padded to CLIP's 77)."""
     return [torch.randint(0, VOCAB - 1, (batch_size, CAPTION_TOKENS)) for _ in range(encoders)]
 
 
-def flux_token_ids(batch_size: int, t5_tokens: int | None) -> list[torch.Tensor]:
-    """A caption's token ids for CLIP-L (77) and, where T5 runs (``t5_tokens``: FLUX.1-dev's 512), for T5."""
-    out = token_ids(batch_size, 1)
+def t5_token_ids(batch_size: int, clips: int, t5_tokens: int | None) -> list[torch.Tensor]:
+    """A caption's token ids for ``clips`` CLIP encoders (77 each) and, where T5 runs (``t5_tokens``: FLUX.1-dev's
+    512, SD3's 256), for T5."""
+    out = token_ids(batch_size, clips)
     return out if t5_tokens is None else [*out, torch.randint(0, T5_VOCAB - 1, (batch_size, t5_tokens))]
