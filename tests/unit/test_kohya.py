@@ -91,14 +91,19 @@ def test_sd_scripts_own_rules_for_memory_flags():
 
 
 def test_defaults_and_what_runs_in_the_step_are_named():
-    """A diffusers repository is the workload as named; sd-scripts' defaults (LoRA rank 4, alpha 1,
-    clipping at 1.0); latents, text-encoder outputs and text encoders computed or trained in the step
-    are named, one line each (memfit's batch is the cached tensors)."""
+    """A diffusers repository is the workload as named, its text encoders in the step as sd-scripts runs them
+    (trained: no network_train_unet_only, as for the built-ins); sd-scripts' defaults (LoRA rank 4, alpha 1,
+    clipping at 1.0); latents computed in the step are named in one line (memfit's batch is the cached
+    tensors); so are the text encoders of a model whose workload does not hold them."""
     c = map_config({"pretrained_model_name_or_path": "black-forest-labs/FLUX.1-dev",
                     "network_module": "networks.lora_flux"}, "c.toml", CARD)
-    assert c.workload == "black-forest-labs/FLUX.1-dev" and c.resolution is None and c.batch_size == 1
-    assert c.plan == Plan(adapter="lora:r=4,alpha=1,targets=all-linear", max_grad_norm=1.0)
-    assert [w.split(": ", 1)[1].split(";")[0] for w in c.warnings] == [
+    assert c.workload == "black-forest-labs/FLUX.1-dev:text_encoders=trained" and c.resolution is None
+    assert c.plan == Plan(adapter="lora:r=4,alpha=1,targets=all-linear", max_grad_norm=1.0) and c.batch_size == 1
+    assert [w.split(": ", 1)[1].split(";")[0] for w in c.warnings] == ["latents are not cached (cache_latents)"]
+    lumina = map_config({"pretrained_model_name_or_path": "Alpha-VLLM/Lumina-Image-2.0",
+                         "network_module": "networks.lora_lumina"}, "c.toml", CARD)
+    assert lumina.workload == "Alpha-VLLM/Lumina-Image-2.0" and [w.split(": ", 1)[1].split(";")[0]
+                                                                for w in lumina.warnings] == [
         "the text encoders are trained too (no network_train_unet_only)", "latents are not cached (cache_latents)",
         "text-encoder outputs are not cached (cache_text_encoder_outputs)"]
     assert c.plan.attention == "auto"  # (FLUX's attention is sd-scripts' SDPA)

@@ -144,3 +144,46 @@ def test_resolution_on_a_transformers_folder_is_one_line(tmp_path):
         load_workload(str(tmp_path), resolution=256)
     with pytest.raises(UserError, match="--resolution applies to image models"):
         load_workload(str(tmp_path), resolution=(256, 128))
+
+
+CLIP_TEXT = {"architectures": ["CLIPTextModel"], "model_type": "clip_text_model", "hidden_size": 32,
+             "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2, "hidden_act": "gelu",
+             "vocab_size": 49408, "max_position_embeddings": 77, "projection_dim": 32}
+T5_TEXT = {"architectures": ["T5EncoderModel"], "model_type": "t5", "d_model": 32, "d_kv": 16, "d_ff": 80,
+           "num_layers": 2, "num_heads": 2, "feed_forward_proj": "gated-gelu", "dropout_rate": 0.1,
+           "vocab_size": 32128, "is_encoder_decoder": True}
+
+
+def test_a_pipelines_own_text_encoders_are_built_from_its_configs(hub_cache, no_network):
+    """With its text encoders in the step (``text_encoders=``, as for the built-ins) a pipeline builds them from
+    its own text_encoder*/config.json (here an SD 2.x-like 3-layer GELU CLIP, and FLUX's CLIP-L and a T5 with
+    dropout, which runs in eval mode as the frozen encoder it is), within 1% of a real step; a snapshot without
+    them builds them from the denoiser's widths."""
+    files = pipeline("unet", UNET)
+    hub_cache(ID, None, files={**files, "text_encoder/config.json": CLIP_TEXT,
+                               "model_index.json": {**files["model_index.json"],
+                                                    "text_encoder": ["transformers", "CLIPTextModel"]}})
+    wl = load_workload(f"{ID}:text_encoders=frozen")
+    with __import__("torch").device("meta"):
+        encoder = wl.model().text_encoders[0]
+    assert (encoder.config.num_hidden_layers, encoder.config.hidden_act) == (3, "gelu")
+    assert wl.name == f"{ID}, text encoders frozen"
+    flux = pipeline("transformer", FLUX_SCHNELL, "FluxPipeline")
+    hub_cache("acme/toy-flux", None, files={
+        **flux, "text_encoder/config.json": {**CLIP_TEXT, "hidden_size": 16, "projection_dim": 16},
+        "text_encoder_2/config.json": T5_TEXT,
+        "model_index.json": {**flux["model_index.json"], "text_encoder": ["transformers", "CLIPTextModel"],
+                             "text_encoder_2": ["transformers", "T5EncoderModel"]}})
+    r = profile("acme/toy-flux:text_encoders=trained", Plan(adapter="lora:r=4"), batch_size=2, resolution=64,
+                repeats=0)
+    assert abs(r.error_percent) < 1.0, r.error_percent
+    from memfit.step import build_step
+    from memfit.target import Target
+    step = build_step(Target.resolve("acme/toy-flux:text_encoders=trained", Plan(adapter="lora:r=4"), 1, "cpu",
+                                     resolution=64))
+    clip, t5 = step.model.text_encoders
+    assert t5.config.num_layers == 2 and not t5.training and clip.training and step.model.denoiser.training
+    hub_cache("acme/bare", None, files=files)  # (no text_encoder/config.json in the snapshot)
+    with __import__("torch").device("meta"):
+        encoder = load_workload("acme/bare:text_encoders=frozen,text_layers=2").model().text_encoders[0]
+    assert (encoder.config.num_hidden_layers, encoder.config.hidden_size) == (2, 32)

@@ -128,8 +128,8 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
                 for key in data if key not in NO_MEMORY_EFFECT and key not in REFUSED]
     model = workload or _model(data, where)
     family = family_of(model, data)
-    model, text = text_encoders(model, data, where, warnings)
-    model = caption(model, data, where, warnings)
+    model, text = text_encoders(model, data, where, warnings, family)
+    model = caption(model, data, where, warnings, family)
     micro, resolution, more = _dataset(data, where, base)
     warnings += more
     accum = whole(data, "gradient_accumulation_steps", where, 1)

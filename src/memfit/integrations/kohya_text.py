@@ -4,52 +4,53 @@
 from __future__ import annotations
 
 from memfit.integrations.configs import whole
-from memfit.workloads.config_overrides import split_overrides, with_override
+from memfit.workloads.config_overrides import with_override
 
-TEXT_ENCODERS_IN_STEP = ("unet-sd15", "unet-sdxl", "dit-flux", "dit-sd3")
-"""The built-ins that hold their text encoders in the step (memfit.workloads.text_encoders)."""
-WITH_T5 = ("dit-flux", "dit-sd3")
+HOLDERS = ("unet", "flux", "sd3")
+"""sd-scripts' model families whose workloads hold their text encoders in the step (memfit.workloads.text_encoders:
+the SD/SDXL, FLUX.1 and SD3 built-ins, and diffusers folders or hub ids of them)."""
+WITH_T5 = ("flux", "sd3")
 """Those of them with a T5-XXL: it trains never, and is cached where the config caches (``t5=cached``)."""
 
 
-def text_encoders(model: str, data: dict, where: str, warnings: list[str]) -> tuple[str, bool]:
+def text_encoders(model: str, data: dict, where: str, warnings: list[str], family: str | None
+                  ) -> tuple[str, bool]:
     """(the workload, whether its text encoders run in the step). A LoRA without ``network_train_unet_only`` (or
     a full fine-tuning with ``train_text_encoder``) trains them; a config that does not cache their outputs runs
     them frozen. The SD, SDXL, FLUX.1 and SD3 built-ins hold them (``text_encoders=trained|frozen``; FLUX.1 and
     SD3 train their CLIPs only, T5-XXL cached where the config caches: ``t5=cached``); for another model that is
-    said in one line."""
+    said in one line. ``family``: sd-scripts' code for the model (memfit.integrations.kohya.family_of)."""
     lora = bool(data.get("network_module"))
     trained = not data.get("network_train_unet_only") if lora else bool(data.get("train_text_encoder"))
     cached = _caches(data, "cache_text_encoder_outputs")
     mode = "trained" if trained else None if cached else "frozen"
-    arch = split_overrides(model)[0]
-    if arch in WITH_T5 and any("train_t5xxl" in str(a) and "true" in str(a).lower()
+    if family in WITH_T5 and any("train_t5xxl" in str(a) and "true" in str(a).lower()
                                for a in data.get("network_args") or []):
         warnings.append(f"kohya config {where}: train_t5xxl: memfit trains the CLIP encoders only; T5-XXL's LoRA and "
                         "its activations for backward are not in the estimate")
     if mode is None:
         return model, False
-    if arch in TEXT_ENCODERS_IN_STEP:
-        if arch in WITH_T5 and data.get("fp8_base_unet"):
+    if family in HOLDERS:
+        if family in WITH_T5 and data.get("fp8_base_unet"):
             warnings.append(f"kohya config {where}: fp8_base_unet keeps the text encoders in bf16 where memfit's fp8 "
                             "base weights store them in fp8 too (T5-XXL: 4.8 GB more on the device than estimated); "
                             "use fp8_base to have them in fp8")
         model = with_override(model, "text_encoders", mode)
-        return (with_override(model, "t5", "cached") if arch in WITH_T5 and cached else model), True
+        return (with_override(model, "t5", "cached") if family in WITH_T5 and cached else model), True
     if trained:
         warnings.append(f"kohya config {where}: the text encoders are trained too (no network_train_unet_only); "
                         f"memfit estimates the denoiser's {'LoRA' if lora else 'training'} alone (it holds text "
-                        f"encoders for {', '.join(TEXT_ENCODERS_IN_STEP)} only)")
+                        "encoders for SD, SDXL, FLUX.1 and SD3 only)")
     return model, False
 
 
-def caption(model: str, data: dict, where: str, warnings: list[str]) -> str:
+def caption(model: str, data: dict, where: str, warnings: list[str], family: str | None) -> str:
     """FLUX.1's and SD3's T5 tokens a caption (``t5xxl_max_token_length``; sd-scripts' defaults are the
     built-ins': 512, schnell's 256, SD3's 256); another model's is said in one line."""
     tokens = data.get("t5xxl_max_token_length")
     if tokens is None:
         return model
-    if split_overrides(model)[0] in WITH_T5:
+    if family in WITH_T5:
         return with_override(model, "t5_tokens", whole(data, "t5xxl_max_token_length", where, 512))
     warnings.append(f"kohya config {where}: t5xxl_max_token_length is not mapped for this model; the estimate keeps "
                     "its own caption length")

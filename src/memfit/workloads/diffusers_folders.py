@@ -7,7 +7,10 @@ components, and the denoiser's config is ``unet/config.json`` or ``transformer/c
 model class's constructor arguments, with ``_class_name``. memfit trains the denoiser, which is what
 LoRA and full fine-tuning of a diffusion model train: the VAE's latents and the text encoders' outputs
 are cached inputs, as for the built-ins (``--cache_latents``, ``--cache_text_encoder_outputs``). So a
-hub id or folder costs two small files, ``model_index.json`` and the denoiser's ``config.json``.
+hub id or folder costs two small files, ``model_index.json`` and the denoiser's ``config.json``. With
+``text_encoders=frozen|trained`` (a UNet's, FLUX.1's or SD3's, as for the built-ins) the step holds its text
+encoders too, built from the pipeline's ``text_encoder*/config.json`` where the folder or the cache has them
+(SD 2.x's OpenCLIP-H), else from the denoiser's widths.
 
 The denoiser is built with the built-in of its class, every field as the file has it. The batch is
 the built-in's (the same objective, caption tokens and conditioning), at the config's own resolution
@@ -88,10 +91,21 @@ def pipeline_denoiser(path: Path, where: str) -> Path | None:
     return path / name
 
 
-SIZE_KEYS = ("width",)
+TEXT_KEYS = ("text_encoders", "t5", "t5_tokens", "text_layers")
+"""The text encoders a UNet's, FLUX.1's or SD3's step holds (memfit.workloads.text_encoders): built from the
+pipeline folder's own ``text_encoder*/config.json`` where it has them."""
+def pipeline_of(given: Path, denoiser: Path) -> Path | None:
+    """The pipeline folder of a denoiser's folder: the one given (a pipeline folder), or the folder above the
+    denoiser's (a hub snapshot's ``unet/``) where it holds model_index.json; else None."""
+    if given != denoiser:
+        return given
+    return denoiser.parent if (denoiser.parent / "model_index.json").is_file() else None
+
+
+SIZE_KEYS = ("width", *TEXT_KEYS)
 """An image's width, given as an override of a diffusers folder or hub id as of the built-ins (not a
-config.json field: NOTE [ A resolution's width ] in memfit.workloads.checks); a Wan model's clip also takes
-``frames=`` (CLIP_KEYS)."""
+config.json field: NOTE [ A resolution's width ] in memfit.workloads.checks), and the text encoders in its step
+(TEXT_KEYS); a Wan model's clip also takes ``frames=`` (CLIP_KEYS)."""
 CLIP_KEYS = ("frames", "width")
 
 
@@ -105,9 +119,10 @@ def size_overrides(data: dict, overrides: dict | None) -> dict:
 
 
 def diffusers_workload(data: dict, name: str, where: str, seq_len: int | None, resolution: int | None,
-                       clip: dict | None = None) -> Workload:
+                       clip: dict | None = None, pipeline: Path | None = None) -> Workload:
     """The workload of a diffusers denoiser's config.json (see the module's NOTE); ``clip``: its
-    :func:`size_overrides`."""
+    :func:`size_overrides`; ``pipeline``: the pipeline folder holding it, whose text encoders' configs a step
+    that holds them is built with."""
     class_name = data["_class_name"]
     if class_name == "UNet2DConditionModel":
         template = diffusion.SDXL if data.get("addition_embed_type") == "text_time" else diffusion.SD15
@@ -126,6 +141,10 @@ def diffusers_workload(data: dict, name: str, where: str, seq_len: int | None, r
     # The file's fields replace the template's published size, as given (diffusers checks them, not the
     # user's overrides' checks); the batch's layout stays the template's.
     template = dataclasses.replace(template, arch=name, resolution=native, defaults=fields)
+    if pipeline is not None and (clip or {}).get("text_encoders", "cached") != "cached":
+        from memfit.workloads.text_encoders import pipeline_configs
+        index = read_model_index(pipeline / "model_index.json", where)
+        template = dataclasses.replace(template, text_configs=pipeline_configs(pipeline, index, where))
     if class_name == "UNet2DConditionModel":
         return diffusion.unet_builder(template)(dict(clip or {}), seq_len, resolution)
     return _BY_CLASS[class_name][1](dict(clip or {}), seq_len, resolution, m=template)

@@ -50,6 +50,9 @@ class ImageModel:
     doc: str
     vae_factor: int = VAE_FACTOR
     """Pixels per latent on each side (Wan 2.2's 5B VAE: 16)."""
+    text_configs: tuple = ()
+    """A diffusers pipeline folder's own text-encoder configs (memfit.workloads.text_encoders.pipeline_configs),
+    used where the step holds its text encoders; else they are built from the denoiser's widths."""
 
 
 LUMINA2 = ImageModel(
@@ -285,7 +288,8 @@ def sd3(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageMo
                             f"(pos_embed_max_size={kw['pos_embed_max_size']}, {most}px); use {flag}<= {most}")
     channels, joint = kw["in_channels"], kw["joint_attention_dim"]
     tokens = t5_tokens or m.caption_tokens - te.CAPTION_TOKENS
-    encoders = te.sd3_configs(kw["pooled_projection_dim"], joint, t5 == "frozen", layers) if text != "cached" else []
+    encoders = te.chosen(m.text_configs, te.sd3_configs(kw["pooled_projection_dim"], joint, t5 == "frozen", layers),
+                         layers) if text != "cached" else []
 
     def batch(b: int) -> dict:
         latents, noise, t = torch.randn(b, channels, high, wide), torch.randn(b, channels, high, wide), torch.rand(b)
@@ -326,7 +330,8 @@ def unet_builder(m: ImageModel):
             raise UserError(f"{m.arch}: projection_class_embeddings_input_dim must exceed 6 x addition_time_embed_dim "
                             "(the pooled text embedding is the rest); change the overrides")
 
-        encoders = te.encoder_configs(cross, pooled, text_time, text_layers) if text != "cached" else []
+        encoders = te.chosen(m.text_configs, te.encoder_configs(cross, pooled, text_time, text_layers),
+                             text_layers) if text != "cached" else []
 
         def batch(b: int) -> dict:
             latents, noise = torch.randn(b, channels, high, wide), torch.randn(b, channels, high, wide)

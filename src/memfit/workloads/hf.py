@@ -246,7 +246,7 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
         raise UserError(f"{where} not found; give a folder holding config.json, or a hub id as org/name")
     elif not path.is_dir():
         raise UserError(f"{where} is a file, not a folder; give the folder that holds config.json")
-    path = diffusers_folders.pipeline_denoiser(path, where) or path
+    root, path = path, diffusers_folders.pipeline_denoiser(path, where) or path
     data = _read_config_json(path, where)
     clip = diffusers_folders.size_overrides(data, overrides)  # (an image's width=, a Wan clip's frames=: not config fields)
     if clip and name and ":" in name:  # (the name says the sizes after it: dit-wan's "832x480px 33 frames")
@@ -261,7 +261,8 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
         raise UserError(f"{where}: --resolution 0 (text only) applies to vision-language models; give the "
                         "image's side in pixels")
     if diffusers_folders.is_diffusers_config(data):
-        return diffusers_folders.diffusers_workload(data, name or path_text, where, seq_len, resolution, clip)
+        return diffusers_folders.diffusers_workload(data, name or path_text, where, seq_len, resolution, clip,
+                                                    diffusers_folders.pipeline_of(root, path))
     if timm_folders.is_timm_config(data):
         return timm_folders.timm_workload(data, name or path_text, where, seq_len, resolution)
     tf = _transformers()

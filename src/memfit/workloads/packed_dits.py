@@ -95,7 +95,8 @@ def flux(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageM
         return out
 
     def wrap(model: Callable[[], torch.nn.Module], kw: dict) -> Callable[[], torch.nn.Module]:
-        configs = te.flux_configs(kw["pooled_projection_dim"], kw["joint_attention_dim"], t5 == "frozen", layers)
+        configs = te.chosen(m.text_configs, te.flux_configs(kw["pooled_projection_dim"], kw["joint_attention_dim"],
+                                                           t5 == "frozen", layers), layers)
         return lambda: te.FluxWithTextEncoders(model(), configs, text == "trained")
     wl = _packed_workload(m, overrides, seq_len, resolution, _pack, inputs,
                           ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",

@@ -40,6 +40,9 @@ are the denoiser's (``swap_blocks: N`` streams those, as kohya's ``--blocks_to_s
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from memfit.errors import UserError
@@ -135,6 +138,40 @@ def _clip(width: int, depth: int, **extra):
                                        vocab_size=VOCAB, max_position_embeddings=CAPTION_TOKENS, **extra)
 
 
+TEXT_COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+"""A diffusers pipeline's text encoders, in the order its pipeline runs them (CLIP-L, then CLIP-G or T5)."""
+
+
+def pipeline_configs(root: Path, index: dict, where: str) -> tuple:
+    """The text encoders' configs of a diffusers pipeline folder, in its order, each from its own config.json
+    (SD 2.x's OpenCLIP-H, a fine-tune's changed encoder); empty where the folder lacks one (a hub snapshot
+    of the denoiser alone: the encoders are then built from the denoiser's widths)."""
+    import transformers
+    out = []
+    for name in (n for n in TEXT_COMPONENTS if isinstance(index.get(n), list) and index[n][:1] != [None]):
+        path = root / name / "config.json"
+        if not path.is_file():
+            return ()
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            out.append(transformers.AutoConfig.for_model(**data))
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise UserError(f"{where}: {name}/config.json cannot be read as a transformers config ({str(e)[:120]}); "
+                            "download it again") from None
+    return tuple(out)
+
+
+def chosen(given: tuple, wanted: list, layers: int | None) -> list:
+    """A pipeline's own text configs (``given``) where it holds as many of each kind as the model's ``wanted``
+    ones, else those; ``text_layers`` sets either's depth."""
+    if [_is_clip(c) for c in given[:len(wanted)]] != [_is_clip(c) for c in wanted] or len(given) < len(wanted):
+        return wanted
+    out = [c.__class__.from_dict(c.to_dict()) for c in given[:len(wanted)]]
+    for c in out if layers else ():
+        setattr(c, "num_hidden_layers" if _is_clip(c) else "num_layers", layers)
+    return out
+
+
 def encoder_configs(cross: int, pooled: int, sdxl: bool, layers: int | None) -> list:
     """The CLIP text configs of a UNet whose cross-attention context is ``cross`` wide (SDXL: two encoders
     side by side, the second projecting its pooled output to ``pooled``)."""
@@ -172,6 +209,15 @@ class WithTextEncoders(torch.nn.Module):
     @property
     def trained(self) -> bool:
         return any(self.trains)
+
+    def train(self, mode: bool = True):
+        """Frozen encoders stay in eval mode (no dropout: kohya's ``t5xxl.eval()``; a pipeline's T5 config holds
+        a dropout rate)."""
+        super().train(mode)
+        for encoder, trains in zip(self.text_encoders, self.trains):
+            if not trains:
+                encoder.eval()
+        return self
 
     @property
     def adapter_targets(self) -> tuple[str, ...]:
