@@ -100,10 +100,9 @@ def test_defaults_and_what_runs_in_the_step_are_named():
     assert c.workload == "black-forest-labs/FLUX.1-dev:text_encoders=trained" and c.resolution is None
     assert c.plan == Plan(adapter="lora:r=4,alpha=1,targets=all-linear", max_grad_norm=1.0) and c.batch_size == 1
     assert [w.split(": ", 1)[1].split(";")[0] for w in c.warnings] == ["latents are not cached (cache_latents)"]
-    lumina = map_config({"pretrained_model_name_or_path": "Alpha-VLLM/Lumina-Image-2.0",
-                         "network_module": "networks.lora_lumina"}, "c.toml", CARD)
-    assert lumina.workload == "Alpha-VLLM/Lumina-Image-2.0" and [w.split(": ", 1)[1].split(";")[0]
-                                                                for w in lumina.warnings] == [
+    qwen = map_config({"pretrained_model_name_or_path": "Qwen/Qwen-Image", "network_module": "networks.lora"},
+                      "c.toml", CARD)
+    assert qwen.workload == "Qwen/Qwen-Image" and [w.split(": ", 1)[1].split(";")[0] for w in qwen.warnings] == [
         "the text encoders are trained too (no network_train_unet_only)", "latents are not cached (cache_latents)",
         "text-encoder outputs are not cached (cache_text_encoder_outputs)"]
     assert c.plan.attention == "auto"  # (FLUX's attention is sd-scripts' SDPA)
@@ -227,9 +226,9 @@ def test_resolution_max_grows_the_height_at_the_configs_width():
 
 def test_text_encoders_the_config_trains_or_runs_are_in_the_workload_and_said_elsewhere():
     """A LoRA without network_train_unet_only trains the text encoders; without cached outputs they run frozen:
-    the SD/SDXL, FLUX.1 and SD3 built-ins hold them (memfit.workloads.text_encoders), beside the workload's own
+    the SD/SDXL, FLUX.1, SD3 and Lumina 2 built-ins hold them (memfit.workloads.text_encoders), beside the workload's own
     overrides; FLUX.1's and SD3's T5-XXL stays cached where the config caches (sd-scripts' partial cache: the
-    CLIPs train); a Lumina 2 config that trains them is said in one line (memfit holds no Gemma-2 encoder)."""
+    CLIPs train), and Lumina 2's Gemma-2 trains as sd-scripts' train_gemma2."""
     sd = {"pretrained_model_name_or_path": "/m/sd_xl_base_1.0.safetensors", "network_module": "networks.lora",
           "cache_latents": True}
     trained = map_config(sd, "c.toml", CARD, "unet-sdxl:layers_per_block=1")
@@ -257,7 +256,8 @@ def test_text_encoders_the_config_trains_or_runs_are_in_the_workload_and_said_el
     assert map_config(sd3, "c.toml", CARD).workload == "dit-sd3:text_encoders=trained,t5_tokens=154"
     assert map_config({**sd3, "cache_text_encoder_outputs": True}, "c.toml", CARD).workload == \
         "dit-sd3:text_encoders=trained,t5=cached,t5_tokens=154"
-    lumina = map_config({"pretrained_model_name_or_path": "/m/lumina.safetensors", "gemma2": "g", "ae": "a",
-                         "network_module": "networks.lora_lumina", "cache_latents": True}, "c.toml", CARD)
-    assert lumina.workload == "dit-lumina2" and [w.split(": ", 1)[1][:40] for w in lumina.warnings] == [
-        "the text encoders are trained too (no ne", "text-encoder outputs are not cached (cac"]
+    lumina = {"pretrained_model_name_or_path": "/m/lumina.safetensors", "gemma2": "g", "ae": "a",
+              "network_module": "networks.lora_lumina", "cache_latents": True}
+    assert map_config(lumina, "c.toml", CARD).workload == "dit-lumina2:text_encoders=trained"
+    assert map_config({**lumina, "network_train_unet_only": True}, "c.toml", CARD).workload == \
+        "dit-lumina2:text_encoders=frozen"

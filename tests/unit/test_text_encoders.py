@@ -1,5 +1,5 @@
 """Text encoders in the step (memfit.workloads.text_encoders): an SD or SDXL UNet with its CLIP encoders,
-FLUX.1 with CLIP-L and T5-XXL, and SD3 with CLIP-L, CLIP-G and T5-XXL, frozen or trained, predicted within 1% of the profiler on a real CPU step; what
+FLUX.1 with CLIP-L and T5-XXL, SD3 with CLIP-L, CLIP-G and T5-XXL, and Lumina 2 with Gemma-2, frozen or trained, predicted within 1% of the profiler on a real CPU step; what
 trains in each mode; the encoders' weights counted where they are on the device; the denoiser's blocks last
 (what block swap streams); bad values in one line."""
 
@@ -21,6 +21,8 @@ FLUX = ("dit-flux:num_layers=2,num_single_layers=3,attention_head_dim=16,num_att
         "joint_attention_dim=32,pooled_projection_dim=24,axes_dims_rope=4/6/6")
 SD3 = ("dit-sd3:num_layers=2,num_attention_heads=2,attention_head_dim=16,joint_attention_dim=32,"
        "caption_projection_dim=32,pooled_projection_dim=16,pos_embed_max_size=16")
+LUMINA = ("dit-lumina2:num_layers=2,num_refiner_layers=1,hidden_size=64,num_attention_heads=4,num_kv_heads=2,"
+          "cap_feat_dim=32,axes_dim_rope=8/4/4,multiple_of=16")
 SD15 = ("unet-sd15:block_out_channels=32/64,down_block_types=CrossAttnDownBlock2D/DownBlock2D,"
         "up_block_types=UpBlock2D/CrossAttnUpBlock2D,attention_head_dim=2,cross_attention_dim=32,layers_per_block=1")
 
@@ -43,6 +45,9 @@ def _with(spec: str, mode: str) -> str:
     pytest.param(SD3, "trained", dict(adapter="lora:r=4", precision="bf16-base", checkpointing="blocks"),
                  id="sd3-trained"),
     pytest.param(SD3, "trained,t5=cached", dict(adapter="lora:r=4"), id="sd3-t5-cached", marks=pytest.mark.slow),
+    pytest.param(LUMINA, "trained", dict(adapter="lora:r=4", precision="bf16-base", checkpointing="blocks"),
+                 id="lumina-trained"),
+    pytest.param(LUMINA, "frozen", dict(adapter="lora:r=4"), id="lumina-frozen", marks=pytest.mark.slow),
 ])
 def test_a_unet_with_its_text_encoders_is_predicted_within_1pct(spec, mode, fields):
     r = profile(_with(spec, mode), Plan(**fields), batch_size=2, resolution=128, repeats=0)
@@ -144,6 +149,22 @@ def test_sd3_trains_both_clips_and_attends_to_their_states_padded_then_t5s():
     with pytest.raises(UserError, match="pooled_projection_dim=48 cannot hold CLIP-L and CLIP-G side by side"):
         estimate(SD3.replace("pooled_projection_dim=16", "pooled_projection_dim=48") + ",text_encoders=frozen",
                  Plan(), batch_size=1, resolution=128)
+
+
+def test_luminas_gemma_takes_the_adapter_where_it_trains_and_gives_its_penultimate_states():
+    """Lumina 2 attends to Gemma-2's penultimate states (256 tokens, its caption mask an input of both); trained,
+    Gemma's attention and MLP projections take the LoRA (kohya's train_gemma2) and get gradients; frozen, none."""
+    names, model = _trained(_with(LUMINA, "trained"), Plan(adapter="lora:r=4"))
+    adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in names if n.startswith("text_encoders")}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters()
+               if n.startswith("text_encoders") and "lora_B" in n)
+    batch = Target.resolve(_with(LUMINA, "trained"), Plan(), 1, "cpu", resolution=128).workload.batch(1)
+    with torch.no_grad():
+        states = model.encode(batch["ids"], batch["encoder_attention_mask"])
+    assert tuple(states.shape) == (1, 256, 32) and "encoder_hidden_states" not in batch
+    names, _ = _trained(_with(LUMINA, "frozen"), Plan(adapter="lora:r=4,targets=all-linear"))
+    assert names and not [n for n in names if n.startswith("text_encoders")]
 
 
 def test_fp8_base_weights_store_fluxs_text_encoders_in_fp8_too():

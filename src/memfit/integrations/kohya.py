@@ -27,9 +27,9 @@ What the estimate ignores, and how it says so:
   an SD or SDXL UNet, or beside ``blocks_to_swap``; ``fused_backward_pass`` but with Adafactor and no
   accumulation; ``use_8bit_adam`` beside ``optimizer_type``).
 - **Text encoders in the step**: trained (a LoRA without ``network_train_unet_only``, a full fine-tuning with
-  ``train_text_encoder``), or run frozen (their outputs not cached): the SD, SDXL and FLUX.1 built-ins hold
-  them, and SD3's (``unet-sdxl:text_encoders=trained|frozen``; FLUX.1's and SD3's CLIPs train and their T5-XXL
-  is cached or frozen: memfit.workloads.text_encoders).
+  ``train_text_encoder``), or run frozen (their outputs not cached): the SD, SDXL, FLUX.1, SD3 and Lumina 2
+  workloads hold them (``unet-sdxl:text_encoders=trained|frozen``; FLUX.1's and SD3's CLIPs train and their
+  T5-XXL is cached or frozen; Lumina's Gemma-2 trains as ``train_gemma2``: memfit.integrations.kohya_text).
 - **Warned, one line each**: the precision where memfit's nearest differs (above); latents not cached, or
   text-encoder outputs of a model that does not hold its encoders (memfit's batch is the cached tensors: the
   VAE or text encoders running in the step are not in the estimate); text encoders trained where the model

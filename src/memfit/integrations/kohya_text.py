@@ -6,9 +6,9 @@ from __future__ import annotations
 from memfit.integrations.configs import whole
 from memfit.workloads.config_overrides import with_override
 
-HOLDERS = ("unet", "flux", "sd3")
+HOLDERS = ("unet", "flux", "sd3", "lumina")
 """sd-scripts' model families whose workloads hold their text encoders in the step (memfit.workloads.text_encoders:
-the SD/SDXL, FLUX.1 and SD3 built-ins, and diffusers folders or hub ids of them)."""
+the SD/SDXL, FLUX.1, SD3 and Lumina 2 built-ins, and diffusers folders or hub ids of them)."""
 WITH_T5 = ("flux", "sd3")
 """Those of them with a T5-XXL: it trains never, and is cached where the config caches (``t5=cached``)."""
 
@@ -17,7 +17,7 @@ def text_encoders(model: str, data: dict, where: str, warnings: list[str], famil
                   ) -> tuple[str, bool]:
     """(the workload, whether its text encoders run in the step). A LoRA without ``network_train_unet_only`` (or
     a full fine-tuning with ``train_text_encoder``) trains them; a config that does not cache their outputs runs
-    them frozen. The SD, SDXL, FLUX.1 and SD3 built-ins hold them (``text_encoders=trained|frozen``; FLUX.1 and
+    them frozen. The SD, SDXL, FLUX.1, SD3 and Lumina 2 built-ins hold them (``text_encoders=trained|frozen``; FLUX.1 and
     SD3 train their CLIPs only, T5-XXL cached where the config caches: ``t5=cached``); for another model that is
     said in one line. ``family``: sd-scripts' code for the model (memfit.integrations.kohya.family_of)."""
     lora = bool(data.get("network_module"))
@@ -40,7 +40,7 @@ def text_encoders(model: str, data: dict, where: str, warnings: list[str], famil
     if trained:
         warnings.append(f"kohya config {where}: the text encoders are trained too (no network_train_unet_only); "
                         f"memfit estimates the denoiser's {'LoRA' if lora else 'training'} alone (it holds text "
-                        "encoders for SD, SDXL, FLUX.1 and SD3 only)")
+                        "encoders for SD, SDXL, FLUX.1, SD3 and Lumina 2 only)")
     return model, False
 
 

@@ -4,7 +4,7 @@ What is trained, and what is not. Fine-tuning an image model (full or LoRA) trai
 denoiser: the VAE encodes each image to latents once (cached, or under ``no_grad``) and the text
 encoders turn each caption into hidden states the same way. Their outputs are *inputs* here,
 synthetic tensors of the right shapes, as in LoRA training with cached latents; their weights take
-no memory in the step (the UNets, FLUX.1 and SD3 can hold their text encoders instead: memfit.workloads.text_encoders). One step of diffusers' ``train_text_to_image`` (UNet: epsilon prediction)
+no memory in the step (the UNets, FLUX.1, SD3 and Lumina 2 can hold their text encoders instead: memfit.workloads.text_encoders). One step of diffusers' ``train_text_to_image`` (UNet: epsilon prediction)
 or its rectified-flow scripts (DiT: velocity prediction):
 
     noisy = mix(latents, noise, t)     t: one timestep per sample
@@ -252,22 +252,36 @@ def transformer_loss(model, batch: dict) -> torch.Tensor:
 
 # -- the workloads ---------------------------------------------------------------------------------
 def lumina2(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = LUMINA2) -> Workload:
+    """Lumina 2's step on cached latents and Gemma-2 states, or with Gemma-2 in the step (``text_encoders=``:
+    memfit.workloads.text_encoders)."""
+    from memfit.workloads import text_encoders as te
     no_seq_len(m.arch, seq_len)
     overrides, width = given_width(overrides)
+    overrides, text_mode, layers = te.text_mode(m.arch, overrides)
     cls, kw = config_of(m, overrides)
     high, wide, _ = sides = latent_sides(m, resolution, width, kw["patch_size"], "patch size")
     channels, caption, text = kw["in_channels"], m.caption_tokens, kw["cap_feat_dim"]
+    encoders = te.chosen(m.text_configs, te.lumina_configs(text, layers), layers) if text_mode != "cached" else []
 
     def batch(b: int) -> dict:
         latents, noise, t = torch.randn(b, channels, high, wide), torch.randn(b, channels, high, wide), torch.rand(b)
         noisy, target = flow_matching(latents, noise, t, data_at_one=True)
-        return {"hidden_states": noisy, "timestep": t, "encoder_hidden_states": torch.randn(b, caption, text),
-                "encoder_attention_mask": torch.ones(b, caption, dtype=torch.bool), "target": target}
+        out = {"hidden_states": noisy, "timestep": t, "encoder_attention_mask": torch.ones(b, caption, dtype=torch.bool),
+               "target": target}
+        return {**out, "ids": te.gemma_token_ids(b, caption)} if encoders else \
+            {**out, "encoder_hidden_states": torch.randn(b, caption, text)}
 
     res = high * VAE_FACTOR
     info = image_info(m, res, kw, ("hidden_size", "num_layers", "num_attention_heads", "cap_feat_dim"),
                       kw["patch_size"], sides)
-    return image_workload(m, model_builder(m, cls, kw, overrides), batch, transformer_loss, res, info)
+    model = model_builder(m, cls, kw, overrides)
+    if not encoders:
+        return image_workload(m, model, batch, transformer_loss, res, info)
+    wl = image_workload(m, lambda: te.LuminaWithTextEncoders(model(), encoders, text_mode == "trained"), batch,
+                        transformer_loss, res, info)
+    wl.info.config["text_encoders"] = text_mode
+    wl.name += f", text encoders {text_mode}"
+    return wl
 
 
 def sd3(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = SD3) -> Workload:

@@ -34,6 +34,11 @@ with zeros to T5's width and followed by T5-XXL's 256 tokens of states, and thei
 side by side (diffusers' ``StableDiffusion3Pipeline.encode_prompt``); both CLIPs train with
 ``text_encoders=trained`` (kohya's ``sd3_train_network``), T5 as for FLUX.1. CLIP-L and CLIP-G share the
 DiT's ``pooled_projection_dim`` as SDXL's encoders share its context (768 + 1280).
+
+Lumina 2 (``dit-lumina2``) attends to Gemma-2-2B's penultimate hidden states (2.6B parameters, 256 tokens a
+caption: diffusers' ``Lumina2Pipeline``, kohya's ``lumina_train_network``); with ``text_encoders=trained``
+its attention and MLP projections take the adapter (kohya's ``train_gemma2``, a LoRA without
+``network_train_unet_only``).
 The encoders are registered before the denoiser, in the order they run, so that the last repeated blocks
 are the denoiser's (``swap_blocks: N`` streams those, as kohya's ``--blocks_to_swap`` does).
 """
@@ -60,6 +65,9 @@ T5_VOCAB, T5_LAYERS, T5_HEAD = 32128, 24, 64
 T5_FF = 2.5
 """T5-XXL (google/t5-v1_1-xxl, FLUX.1's text_encoder_2): d_ff = 10240 = 2.5 x 4096."""
 T5_MODES = ("cached", "frozen")
+GEMMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Gemma-2's layers an adapter takes where it trains (kohya's Lumina LoRA: Gemma2Attention's and Gemma2MLP's)."""
+GEMMA_VOCAB, GEMMA_LAYERS, GEMMA_HEADS, GEMMA_HEAD = 256000, 26, 8, 256
 
 
 def text_mode(arch: str, overrides: dict) -> tuple[dict, str, int | None]:
@@ -120,6 +128,17 @@ def sd3_configs(pooled: int, joint: int, t5: bool, layers: int | None) -> list:
             *([_t5(joint, layers)] if t5 else [])]
 
 
+def lumina_configs(width: int, layers: int | None) -> list:
+    """Gemma-2-2B's config for a Lumina 2 DiT whose caption features are ``width`` wide (2304: 8 heads of 256,
+    4 KV heads; a shrunk one has one head as wide as it)."""
+    import transformers
+    heads = GEMMA_HEADS if width >= GEMMA_HEADS * GEMMA_HEAD else 1
+    return [transformers.Gemma2Config(vocab_size=GEMMA_VOCAB, hidden_size=width, intermediate_size=4 * width,
+                                      num_hidden_layers=layers or GEMMA_LAYERS, num_attention_heads=heads,
+                                      num_key_value_heads=max(1, heads // 2),
+                                      head_dim=GEMMA_HEAD if heads > 1 else width, use_cache=False)]
+
+
 def _t5(width: int, layers: int | None):
     """A T5-XXL encoder config ``width`` wide. Its dropout is off: the frozen encoder runs in eval mode (kohya's
     ``t5xxl.eval()``)."""
@@ -167,8 +186,10 @@ def chosen(given: tuple, wanted: list, layers: int | None) -> list:
     if [_is_clip(c) for c in given[:len(wanted)]] != [_is_clip(c) for c in wanted] or len(given) < len(wanted):
         return wanted
     out = [c.__class__.from_dict(c.to_dict()) for c in given[:len(wanted)]]
-    for c in out if layers else ():
-        setattr(c, "num_hidden_layers" if _is_clip(c) else "num_layers", layers)
+    for c in out:
+        c.use_cache = False  # (an encoder keeps no key/value cache: a checkpointed layer's rerun would grow it)
+        if layers:
+            setattr(c, "num_layers" if _is_t5(c) else "num_hidden_layers", layers)
     return out
 
 
@@ -196,7 +217,7 @@ class WithTextEncoders(torch.nn.Module):
         self.text_encoders = torch.nn.ModuleList(_encoder(c, self.projected(i, configs))
                                                  for i, c in enumerate(configs))  # (before the denoiser: docstring)
         self.denoiser = denoiser
-        self.trains = [trained and _is_clip(c) for c in configs]
+        self.trains = [trained and not _is_t5(c) for c in configs]
         for encoder, trains in zip(self.text_encoders, self.trains):
             if not trains:
                 encoder.requires_grad_(False)
@@ -222,7 +243,8 @@ class WithTextEncoders(torch.nn.Module):
     @property
     def adapter_targets(self) -> tuple[str, ...]:
         """Layers an adapter's default targets take beside the denoiser's: the encoders' where they train."""
-        return TARGETS if self.trained else ()
+        kinds = {_is_clip(e.config) for e, trains in zip(self.text_encoders, self.trains) if trains}
+        return (TARGETS if True in kinds else ()) + (GEMMA_TARGETS if False in kinds else ())
 
     @property
     def adapter_leaves_out(self) -> list[str]:
@@ -298,15 +320,34 @@ class SD3WithTextEncoders(WithTextEncoders):
         return self.denoiser(**inputs, return_dict=return_dict)
 
 
+class LuminaWithTextEncoders(WithTextEncoders):
+    """Lumina 2 with Gemma-2 in the step: ``forward`` takes the DiT's keywords with the captions' token ids in
+    place of ``encoder_hidden_states`` (Gemma-2's penultimate hidden states, as Lumina2Pipeline encodes a
+    prompt); the captions' mask stays an input of both."""
+
+    def encode(self, ids: list[torch.Tensor], mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self._run(0, ids[0], attention_mask=mask, output_hidden_states=True).hidden_states[-2]
+
+    def forward(self, ids: list[torch.Tensor], return_dict: bool = False, **inputs):
+        inputs["encoder_hidden_states"] = self.encode(ids, inputs.get("encoder_attention_mask"))
+        return self.denoiser(**inputs, return_dict=return_dict)
+
+
 def _is_clip(config) -> bool:
     return type(config).__name__ == "CLIPTextConfig"
+
+
+def _is_t5(config) -> bool:
+    return type(config).__name__ == "T5Config"
 
 
 def _encoder(config, projected: bool) -> torch.nn.Module:
     """The model of a text config (``projected``: SDXL's bigG, whose pooled output is projected)."""
     import transformers
-    if not _is_clip(config):
+    if _is_t5(config):
         return transformers.T5EncoderModel(config)
+    if not _is_clip(config):
+        return transformers.AutoModel.from_config(config)  # (Lumina's Gemma-2)
     return (transformers.CLIPTextModelWithProjection if projected else transformers.CLIPTextModel)(config)
 
 
@@ -320,6 +361,11 @@ def labelled(wl, text: str, t5: str):
 def token_ids(batch_size: int, encoders: int) -> list[torch.Tensor]:
     """A caption's token ids for each CLIP encoder (padded to CLIP's 77)."""
     return [torch.randint(0, VOCAB - 1, (batch_size, CAPTION_TOKENS)) for _ in range(encoders)]
+
+
+def gemma_token_ids(batch_size: int, tokens: int) -> list[torch.Tensor]:
+    """A caption's Gemma-2 token ids (Lumina 2: 256, the system prompt's included)."""
+    return [torch.randint(0, GEMMA_VOCAB - 1, (batch_size, tokens))]
 
 
 def t5_token_ids(batch_size: int, clips: int, t5_tokens: int | None) -> list[torch.Tensor]:
