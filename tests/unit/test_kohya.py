@@ -90,21 +90,28 @@ def test_sd_scripts_own_rules_for_memory_flags():
         map_config({**sd, "gradient_checkpointing": True, "cpu_offload_checkpointing": True}, "c.toml", CARD, "unet-sdxl")
 
 
-def test_defaults_and_what_runs_in_the_step_are_named():
-    """A diffusers repository is the workload as named, its text encoders in the step as sd-scripts runs them
-    (trained: no network_train_unet_only, as for the built-ins); sd-scripts' defaults (LoRA rank 4, alpha 1,
-    clipping at 1.0); latents computed in the step are named in one line (memfit's batch is the cached
-    tensors); so are the text encoders of a model whose workload does not hold them."""
+def test_defaults_and_what_runs_in_the_step_are_named(hub_cache):
+    """A diffusers repository is the workload as named; sd-scripts' defaults (LoRA rank 4, alpha 1,
+    clipping at 1.0); latents, text-encoder outputs and text encoders computed or trained in the step are
+    named, one line each (memfit's batch is the cached tensors), where memfit cannot tell the repository's
+    denoiser (not in the cache here); where it can, and it holds them, its text encoders are in the step as
+    sd-scripts runs them."""
     c = map_config({"pretrained_model_name_or_path": "black-forest-labs/FLUX.1-dev",
                     "network_module": "networks.lora_flux"}, "c.toml", CARD)
-    assert c.workload == "black-forest-labs/FLUX.1-dev:text_encoders=trained" and c.resolution is None
-    assert c.plan == Plan(adapter="lora:r=4,alpha=1,targets=all-linear", max_grad_norm=1.0) and c.batch_size == 1
-    assert [w.split(": ", 1)[1].split(";")[0] for w in c.warnings] == ["latents are not cached (cache_latents)"]
-    qwen = map_config({"pretrained_model_name_or_path": "Qwen/Qwen-Image", "network_module": "networks.lora"},
-                      "c.toml", CARD)
-    assert qwen.workload == "Qwen/Qwen-Image" and [w.split(": ", 1)[1].split(";")[0] for w in qwen.warnings] == [
+    assert c.workload == "black-forest-labs/FLUX.1-dev" and c.resolution is None and c.batch_size == 1
+    assert c.plan == Plan(adapter="lora:r=4,alpha=1,targets=all-linear", max_grad_norm=1.0)
+    assert [w.split(": ", 1)[1].split(";")[0] for w in c.warnings] == [
         "the text encoders are trained too (no network_train_unet_only)", "latents are not cached (cache_latents)",
         "text-encoder outputs are not cached (cache_text_encoder_outputs)"]
+    flux = {"_class_name": "FluxTransformer2DModel", "attention_head_dim": 16, "num_attention_heads": 2,
+            "num_layers": 1, "num_single_layers": 1, "joint_attention_dim": 32, "pooled_projection_dim": 16,
+            "axes_dims_rope": [4, 6, 6]}
+    hub_cache("acme/flux-tune", None, files={"model_index.json": {"_class_name": "FluxPipeline",
+                                                                   "transformer": ["diffusers", flux["_class_name"]]},
+                                            "transformer/config.json": flux})
+    held = map_config({"pretrained_model_name_or_path": "acme/flux-tune", "network_module": "networks.lora_flux",
+                       "cache_latents": True}, "c.toml", CARD)
+    assert held.workload == "acme/flux-tune:text_encoders=trained" and held.warnings == ()
     assert c.plan.attention == "auto"  # (FLUX's attention is sd-scripts' SDPA)
 
 
@@ -251,6 +258,15 @@ def test_text_encoders_the_config_trains_or_runs_are_in_the_workload_and_said_el
     assert [w.split(": ", 1)[1][:40] for w in fp8_unet.warnings] == [
         "train_t5xxl: memfit trains the CLIP enco", "fp8_base_unet keeps the text encoders in",
         "network_args are not mapped (conv_dim, t"]
+    other = map_config({**lora, "cache_text_encoder_outputs": False}, "c.toml", CARD, "dit-flux2")
+    assert other.workload == "dit-flux2" and "the text encoders are trained too" in other.warnings[0]
+    full = map_config({**MINIMAL, "cache_text_encoder_outputs": False, "train_text_encoder": True}, "c.toml", CARD)
+    assert full.workload == "dit-flux:text_encoders=frozen"  # (flux_train trains no text encoder)
+    sd3_full = {"pretrained_model_name_or_path": "/m/sd3.5_medium.safetensors", "clip_l": "l", "clip_g": "g",
+                "t5xxl": "t", "cache_latents": True, "use_t5xxl_cache_only": True}
+    assert map_config(sd3_full, "c.toml", CARD).workload == "dit-sd3:text_encoders=frozen,t5=cached"
+    assert map_config({**sd3_full, "train_text_encoder": True}, "c.toml", CARD).workload == \
+        "dit-sd3:text_encoders=trained,t5=cached"
     sd3 = {"pretrained_model_name_or_path": "/m/sd3.5_medium.safetensors", "clip_l": "l", "clip_g": "g",
            "t5xxl": "t", "network_module": "networks.lora_sd3", "cache_latents": True, "t5xxl_max_token_length": 154}
     assert map_config(sd3, "c.toml", CARD).workload == "dit-sd3:text_encoders=trained,t5_tokens=154"

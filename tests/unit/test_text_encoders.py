@@ -12,6 +12,7 @@ from memfit.memory.measure import profile
 from memfit.plans import Plan
 from memfit.step import build_step
 from memfit.target import Target
+from memfit.workloads import text_encoders as te
 
 pytest.importorskip("diffusers")
 
@@ -119,8 +120,11 @@ def test_fluxs_clip_l_trains_its_t5_runs_frozen_and_its_blocks_are_the_last():
         ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"))
     assert not [n for n in names if n.startswith("text_encoders.1")] and not any(p.requires_grad for p in t5.parameters())
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in clip.named_parameters() if "lora_B" in n)
-    states, pooled = model.encode(Target.resolve(_with(FLUX, "trained"), Plan(), 1, "cpu", resolution=128)
-                                  .workload.batch(1)["ids"])
+    ids = Target.resolve(_with(FLUX, "trained"), Plan(), 1, "cpu", resolution=128).workload.batch(1)["ids"]
+    with torch.no_grad():
+        states, pooled = model.encode(ids)
+        assert torch.equal(pooled, clip(ids[0]).pooler_output)  # (FluxPipeline: CLIP's pooled output, T5's last states)
+        assert torch.equal(states, t5(ids[1]).last_hidden_state)
     assert tuple(states.shape) == (1, 512, 32) and tuple(pooled.shape) == (1, 24)
     assert model_blocks(model)[-5:] == [*model.denoiser.transformer_blocks, *model.denoiser.single_transformer_blocks]
     frozen = estimate(_with(FLUX, "frozen"), Plan(adapter="lora:r=4"), batch_size=1, resolution=128)
@@ -142,8 +146,11 @@ def test_sd3_trains_both_clips_and_attends_to_their_states_padded_then_t5s():
     ids = Target.resolve(_with(SD3, "trained"), Plan(), 1, "cpu", resolution=128).workload.batch(1)["ids"]
     with torch.no_grad():
         states, pooled = model.encode(ids)
+        outs = [e(i, output_hidden_states=True) for e, i in zip(model.text_encoders, ids)]
     assert tuple(states.shape) == (1, 77 + 256, 32) and tuple(pooled.shape) == (1, 16)
-    assert not states[:, :77, 16:].any() and states[:, 77:, 16:].any()
+    assert torch.equal(states[:, :77, :16], torch.cat([o.hidden_states[-2] for o in outs[:2]], dim=-1))
+    assert not states[:, :77, 16:].any() and torch.equal(states[:, 77:], outs[2].last_hidden_state)
+    assert torch.equal(pooled, torch.cat([o.text_embeds for o in outs[:2]], dim=-1))
     batch = Target.resolve(_with(SD3, "trained,t5=cached"), Plan(), 1, "cpu", resolution=128).workload.batch(1)
     assert len(batch["ids"]) == 2 and tuple(batch["t5_states"].shape) == (1, 256, 32)
     with pytest.raises(UserError, match="pooled_projection_dim=48 cannot hold CLIP-L and CLIP-G side by side"):
@@ -162,9 +169,18 @@ def test_luminas_gemma_takes_the_adapter_where_it_trains_and_gives_its_penultima
     batch = Target.resolve(_with(LUMINA, "trained"), Plan(), 1, "cpu", resolution=128).workload.batch(1)
     with torch.no_grad():
         states = model.encode(batch["ids"], batch["encoder_attention_mask"])
+        own = model.text_encoders[0](batch["ids"][0], attention_mask=batch["encoder_attention_mask"],
+                                     output_hidden_states=True)
     assert tuple(states.shape) == (1, 256, 32) and "encoder_hidden_states" not in batch
+    assert torch.equal(states, own.hidden_states[-2]) and not torch.equal(states, own.last_hidden_state)
     names, _ = _trained(_with(LUMINA, "frozen"), Plan(adapter="lora:r=4,targets=all-linear"))
     assert names and not [n for n in names if n.startswith("text_encoders")]
+    # (a pipeline's own config, saved in bf16: the encoder is built in the plan's dtype)
+    saved = te.lumina_configs(32, 1)[0].__class__(**{**te.lumina_configs(32, 1)[0].to_dict(), "torch_dtype": "bfloat16"})
+    (config,) = te.chosen((saved,), te.lumina_configs(32, 1), None)
+    with torch.device("meta"):
+        assert {p.dtype for p in te.LuminaWithTextEncoders(torch.nn.Linear(1, 1), [config], False).parameters()} == \
+            {torch.float32}
 
 
 def test_fp8_base_weights_store_fluxs_text_encoders_in_fp8_too():
@@ -174,3 +190,6 @@ def test_fp8_base_weights_store_fluxs_text_encoders_in_fp8_too():
                                                                  precision="bf16-base"), 1, "cpu", resolution=128))
     linear = [m.weight.dtype for m in step.model.text_encoders.modules() if isinstance(m, torch.nn.Linear)]
     assert linear == [torch.float8_e4m3fn] * (6 * 2 + 7 * 2)  # (CLIP: 6 a layer; T5: q k v o wi_0 wi_1 wo; 2 layers)
+    fp16 = build_step(Target.resolve(_with(FLUX, "frozen"), Plan(adapter="lora:r=4", precision="fp16-base"), 1, "cpu",
+                                     resolution=128))  # (cast whole, as kohya's .to(dtype): T5's wo is not kept fp32)
+    assert {p.dtype for p in fp16.model.text_encoders.parameters()} == {torch.float16}

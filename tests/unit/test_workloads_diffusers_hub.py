@@ -150,6 +150,7 @@ CLIP_TEXT = {"architectures": ["CLIPTextModel"], "model_type": "clip_text_model"
              "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2, "hidden_act": "gelu",
              "vocab_size": 49408, "max_position_embeddings": 77, "projection_dim": 32}
 T5_TEXT = {"architectures": ["T5EncoderModel"], "model_type": "t5", "d_model": 32, "d_kv": 16, "d_ff": 80,
+           "torch_dtype": "bfloat16",
            "num_layers": 2, "num_heads": 2, "feed_forward_proj": "gated-gelu", "dropout_rate": 0.1,
            "vocab_size": 32128, "is_encoder_decoder": True}
 
@@ -183,6 +184,10 @@ def test_a_pipelines_own_text_encoders_are_built_from_its_configs(hub_cache, no_
                                      resolution=64))
     clip, t5 = step.model.text_encoders
     assert t5.config.num_layers == 2 and not t5.training and clip.training and step.model.denoiser.training
+    with __import__("torch").device("meta"):  # (a config's dtype is not the plan's; other widths are not its)
+        dtypes = {p.dtype for p in load_workload("acme/toy-flux:text_encoders=frozen").model().parameters()}
+        wider = load_workload("acme/toy-flux:text_encoders=frozen,joint_attention_dim=48").model().text_encoders
+    assert dtypes == {__import__("torch").float32} and wider[1].config.d_model == 48
     hub_cache("acme/bare", None, files=files)  # (no text_encoder/config.json in the snapshot)
     with __import__("torch").device("meta"):
         encoder = load_workload("acme/bare:text_encoders=frozen,text_layers=2").model().text_encoders[0]

@@ -197,20 +197,20 @@ class _KohyaTarget:
         width = info.config.get("width") if info.config.get("fixed_width") else None
         self.size = (width, info.resolution) if width and width != info.resolution else info.resolution
         self.model, self.model_class = target.workload.name, info.config.get("model_class")
-        self.text_encoders = info.config.get("text_encoders")
+        self.text = {k: info.config.get(k) for k in ("text_encoders", "t5", "t5_tokens")}
         self.batch_size, self.device = target.batch_size, device
 
     def runs_in(self, fixed: dict):
         """The plans sd-scripts' arguments carry (the search is kept to them); refuses a model it does not train."""
         from memfit.integrations.kohya_export import runs_in_sd_scripts
         return runs_in_sd_scripts(self.batch_size, self.model, self.size, self.device, self.model_class, fixed,
-                                  self.text_encoders)
+                                  **self.text)
 
     def arguments(self, result):
         """The chosen plan as sd-scripts arguments."""
         from memfit.integrations.kohya_export import to_kohya
         return to_kohya(result.chosen.plan, result.batch_size, self.model, self.size, self.device, self.model_class,
-                        self.text_encoders)
+                        **self.text)
 
 
 def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_traces, compile_modes, steps,

@@ -89,6 +89,7 @@ split_mode model_type train_text_encoder t5xxl_max_token_length
 network_train_unet_only cpu_offload_checkpointing network_module network_dim network_alpha network_dropout
 resolution train_batch_size gradient_accumulation_steps mixed_precision full_bf16 full_fp16 fp8_base fp8_base_unet
 blocks_to_swap gradient_checkpointing optimizer_type use_8bit_adam fused_backward_pass max_grad_norm network_args
+use_t5xxl_cache_only train_t5xxl
 metadata_title metadata_author metadata_description metadata_license metadata_tags console_log_level
 console_log_file console_log_simple wandb_run_id
 """.split())
@@ -128,8 +129,8 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
                 for key in data if key not in NO_MEMORY_EFFECT and key not in REFUSED]
     model = workload or _model(data, where)
     family = family_of(model, data)
-    model, text = text_encoders(model, data, where, warnings, family)
-    model = caption(model, data, where, warnings, family)
+    model, text = text_encoders(model, data, where, warnings)
+    model = caption(model, data, where, warnings)
     micro, resolution, more = _dataset(data, where, base)
     warnings += more
     accum = whole(data, "gradient_accumulation_steps", where, 1)

@@ -51,13 +51,18 @@ def _value(v) -> str:
 
 def to_kohya(plan: Plan, batch_size: int, model: str, resolution: int | tuple[int, int] | None = None,
              device: Device | str | None = None, model_class: str | None = None,
-             text_encoders: str | None = None) -> KohyaArguments:
+             text_encoders: str | None = None, t5: str | None = None, t5_tokens: int | None = None
+             ) -> KohyaArguments:
     """``plan`` at ``batch_size`` (global) for ``model`` (a workload's name: it says the model family) as
     sd-scripts arguments: each technique's own (``Config.export``'s ``kohya``), then the family's: its LoRA
-    module, FLUX's count of swapped blocks, and what sd-scripts runs for that family only."""
+    module, FLUX's count of swapped blocks, and what sd-scripts runs for that family only. ``text_encoders``,
+    ``t5`` and ``t5_tokens``: the workload's (memfit.workloads.text_encoders)."""
     into = export(plan, batch_size, device)
     args, unmapped = dict(into.kohya), list(into.kohya_unmapped)
-    notes = [CACHED if text_encoders in (None, "cached") else LATENTS_CACHED, *into.kohya_notes]
+    cached = CACHED if text_encoders in (None, "cached") else T5_CACHED if t5 == "cached" else LATENTS_CACHED
+    notes = [cached, *into.kohya_notes]
+    if t5_tokens is not None:
+        args["t5xxl_max_token_length"] = t5_tokens
     family = family_of(model, {}, model_class)
     if family is None:
         raise UserError(f"--format kohya: sd-scripts trains FLUX.1, SD3, Lumina 2 and SD/SDXL UNets, not {model}"
@@ -83,15 +88,17 @@ def to_kohya(plan: Plan, batch_size: int, model: str, resolution: int | tuple[in
 
 def runs_in_sd_scripts(batch_size: int, model: str, resolution: int | tuple[int, int] | None = None,
                        device: Device | str | None = None, model_class: str | None = None,
-                       fixed: dict | None = None, text_encoders: str | None = None) -> Callable[[Plan], bool]:
+                       fixed: dict | None = None, text_encoders: str | None = None, t5: str | None = None,
+                       t5_tokens: int | None = None) -> Callable[[Plan], bool]:
     """Whether sd-scripts' arguments carry a plan (``memfit plan --format kohya`` searches only those): every
     setting :func:`to_kohya` cannot carry is one of the ``fixed`` fields the user gave (theirs to keep, and
     listed). A model sd-scripts does not train is refused here, before a search."""
     given = set(fixed or {})
-    to_kohya(Plan(), batch_size, model, resolution, device, model_class, text_encoders)
+    text = {"text_encoders": text_encoders, "t5": t5, "t5_tokens": t5_tokens}
+    to_kohya(Plan(), batch_size, model, resolution, device, model_class, **text)
 
     def runs(plan: Plan) -> bool:
-        out = to_kohya(plan, batch_size, model, resolution, device, model_class, text_encoders)
+        out = to_kohya(plan, batch_size, model, resolution, device, model_class, **text)
         return all(setting.split(":", 1)[0] in given for setting in out.unmapped)
     return runs
 
@@ -100,6 +107,9 @@ LATENTS_CACHED = ("cache_latents (or cache_latents_to_disk): memfit's batch is t
                   "in the step, as the workload holds them")
 CACHED = ("cache_latents and cache_text_encoder_outputs (or their _to_disk forms): memfit's batch is the cached latents "
           "and text-encoder outputs")
+T5_CACHED = ("cache_latents and cache_text_encoder_outputs = true: memfit's batch is the cached latents and T5-XXL's "
+             "states; the CLIP encoders run in the step, as sd-scripts runs them with that cache where they train "
+             "(or with use_t5xxl_cache_only)")
 
 
 def _family_rules(args: dict, unmapped: list[str], notes: list[str], family: str) -> None:

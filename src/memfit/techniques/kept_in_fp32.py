@@ -12,7 +12,10 @@ memfit's 16-bit precisions of a model that loads as a checkpoint (``bf16-pure``,
 ``fp16-base``; memfit.techniques.precision) ask transformers' own plan of each outermost
 ``PreTrainedModel`` in the step's model, make those tensors fp32 on the meta device before they are
 materialised (so they arrive in fp32, as the load brings them), and leave them there when the rest is
-converted. A model the workload builds itself is converted whole, as ``model.to(dtype)`` converts it.
+converted. A model the workload builds itself is converted whole, as ``model.to(dtype)`` converts it, and so
+are the transformers models a module names in ``converted_whole`` (a diffusion model's text encoders: kohya's
+and diffusers' scripts cast them with ``.to(dtype)`` after loading). transformers releases without
+``_get_dtype_plan`` (4.x) match each name as a whole component of a key, as their loading did.
 """
 
 from __future__ import annotations
@@ -28,11 +31,9 @@ def kept_in_fp32(model: torch.nn.Module, dtype: torch.dtype) -> dict[int, torch.
     dtype plan (see the module docstring). Empty for a model that holds no transformers model."""
     out: dict[int, torch.Tensor] = {}
     for root in _outermost_transformers_models(model):
-        plan = root._get_dtype_plan(dtype) if callable(getattr(root, "_get_dtype_plan", None)) else {}
-        wanted = [k for k, v in plan.items() if v == torch.float32]
-        if not wanted:
+        pattern = _pattern(root, dtype)
+        if pattern is None:
             continue
-        pattern = re.compile("|".join(f"(?:{k.replace('*', '.*')})" for k in wanted))
         for name, t in root.state_dict(keep_vars=True).items():
             if t.is_floating_point() and pattern.search(name):
                 out[id(t)] = t
@@ -55,9 +56,22 @@ def arrive_in_fp32(model: torch.nn.Module, dtype: torch.dtype) -> set[int]:
     return set(kept)
 
 
+def _pattern(root: torch.nn.Module, dtype: torch.dtype) -> re.Pattern | None:
+    """What ``root``'s load in ``dtype`` keeps in fp32, as one expression over its state-dict keys; None for
+    nothing."""
+    if callable(getattr(root, "_get_dtype_plan", None)):
+        wanted = [k for k, v in root._get_dtype_plan(dtype).items() if v == torch.float32]
+        return re.compile("|".join(f"(?:{k.replace('*', '.*')})" for k in wanted)) if wanted else None
+    wanted = list(getattr(root, "_keep_in_fp32_modules_strict", None) or []) if dtype in (
+        torch.float16, torch.bfloat16) else []
+    wanted += list(getattr(root, "_keep_in_fp32_modules", None) or []) if dtype == torch.float16 else []
+    return re.compile("|".join(rf"(?:(^|\.){re.escape(k)}($|\.))" for k in wanted)) if wanted else None
+
+
 def _outermost_transformers_models(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The ``transformers.PreTrainedModel`` modules of ``model`` that no other one holds (a nested one's
-    plan is its parent's too: ``PreTrainedModel.post_init`` gathers its submodels' lists)."""
+    plan is its parent's too: ``PreTrainedModel.post_init`` gathers its submodels' lists), but those a module
+    names in its ``converted_whole`` attribute (see the module docstring)."""
     import sys
     if "transformers" not in sys.modules:
         return []
@@ -65,6 +79,8 @@ def _outermost_transformers_models(model: torch.nn.Module) -> list[torch.nn.Modu
     out: list[torch.nn.Module] = []
     held: set[int] = set()
     for module in model.modules():
+        for name in getattr(module, "converted_whole", ()):
+            held.update(id(m) for m in module.get_submodule(name).modules())
         if id(module) in held or not isinstance(module, PreTrainedModel):
             continue
         out.append(module)

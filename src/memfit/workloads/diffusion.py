@@ -277,11 +277,8 @@ def lumina2(overrides: dict, seq_len: int | None, resolution: int | None, m: Ima
     model = model_builder(m, cls, kw, overrides)
     if not encoders:
         return image_workload(m, model, batch, transformer_loss, res, info)
-    wl = image_workload(m, lambda: te.LuminaWithTextEncoders(model(), encoders, text_mode == "trained"), batch,
-                        transformer_loss, res, info)
-    wl.info.config["text_encoders"] = text_mode
-    wl.name += f", text encoders {text_mode}"
-    return wl
+    return te.labelled(image_workload(m, lambda: te.LuminaWithTextEncoders(model(), encoders, text_mode == "trained"),
+                                      batch, transformer_loss, res, info), text_mode)
 
 
 def sd3(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = SD3) -> Workload:
@@ -318,6 +315,8 @@ def sd3(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageMo
     res = high * VAE_FACTOR
     info = image_info(m, res, kw, ("num_layers", "num_attention_heads", "attention_head_dim", "joint_attention_dim"),
                       kw["patch_size"], sides)
+    if t5_tokens:
+        info.config["t5_tokens"] = t5_tokens
     model = model_builder(m, cls, kw, overrides)
     if not encoders:
         return image_workload(m, model, batch, transformer_loss, res, info)
@@ -377,11 +376,8 @@ def unet_builder(m: ImageModel):
         unet = model_builder(m, cls, kw, overrides)
         if not encoders:
             return image_workload(m, unet, batch, loss, res, info)
-        info.config["text_encoders"] = text
-        wl = image_workload(m, lambda: te.WithTextEncoders(unet(), encoders, text == "trained"), batch, loss, res,
-                            info)
-        wl.name += f", text encoders {text}"
-        return wl
+        return te.labelled(image_workload(m, lambda: te.WithTextEncoders(unet(), encoders, text == "trained"), batch,
+                                          loss, res, info), text)
     return build
 
 

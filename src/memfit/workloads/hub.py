@@ -104,7 +104,7 @@ def _diffusers_denoiser(download, repo_id: str, revision: str | None, where: str
     from huggingface_hub import errors as hub_errors
 
     from memfit.workloads import diffusers_folders
-    from memfit.workloads.text_encoders import TEXT_COMPONENTS
+    from memfit.workloads.text_encoders import text_components
     try:
         index = Path(download(repo_id, "model_index.json", revision=revision))
     except (hub_errors.LocalEntryNotFoundError, hub_errors.EntryNotFoundError):
@@ -112,7 +112,7 @@ def _diffusers_denoiser(download, repo_id: str, revision: str | None, where: str
     data = diffusers_folders.read_model_index(index, where)
     name = diffusers_folders.denoiser_name(data, where)
     folder = Path(download(repo_id, f"{name}/config.json", revision=revision)).parent
-    for encoder in (n for n in TEXT_COMPONENTS if n in data):  # (for a step that holds them: small files)
+    for encoder in text_components(data):  # (for a step that holds them: small files)
         try:
             download(repo_id, f"{encoder}/config.json", revision=revision)
         except Exception:  # noqa: BLE001 - optional: missing, offline, gated: built from the denoiser's widths

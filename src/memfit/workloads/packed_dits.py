@@ -101,6 +101,8 @@ def flux(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageM
     wl = _packed_workload(m, overrides, seq_len, resolution, _pack, inputs,
                           ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
                            "joint_attention_dim"), wrap if text != "cached" else None)
+    if caption:
+        wl.info.config["t5_tokens"] = caption
     return te.labelled(wl, text, t5) if text != "cached" else wl
 
 

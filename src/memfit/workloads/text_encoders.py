@@ -120,12 +120,11 @@ def sd3_configs(pooled: int, joint: int, t5: bool, layers: int | None) -> list:
     side by side) and whose caption states are ``joint`` wide: CLIP-L, CLIP-G, and T5-XXL where it runs in the
     step (``t5``)."""
     first = round(pooled * SDXL_CLIP_L_SHARE)
-    if not 0 < first < pooled or pooled > joint:
+    if pooled > joint:
         raise UserError(f"dit-sd3: pooled_projection_dim={pooled} cannot hold CLIP-L and CLIP-G side by side within "
-                        f"joint_attention_dim={joint}; give at least 2 and at most joint_attention_dim")
-    return [_clip(first, layers or CLIP_L_LAYERS, projection_dim=first),
-            _clip(pooled - first, layers or BIGG_LAYERS, projection_dim=pooled - first, hidden_act="gelu"),
-            *([_t5(joint, layers)] if t5 else [])]
+                        f"joint_attention_dim={joint}; give at most joint_attention_dim")
+    return [*_clip_pair(pooled, pooled - first, layers, "dit-sd3: pooled_projection_dim", "CLIP-L and CLIP-G side by "
+                        "side"), *([_t5(joint, layers)] if t5 else [])]
 
 
 def lumina_configs(width: int, layers: int | None) -> list:
@@ -161,13 +160,18 @@ TEXT_COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 """A diffusers pipeline's text encoders, in the order its pipeline runs them (CLIP-L, then CLIP-G or T5)."""
 
 
+def text_components(index: dict) -> list[str]:
+    """The text encoders a pipeline's ``model_index.json`` names (``[null, null]``: a component it has not)."""
+    return [n for n in TEXT_COMPONENTS if isinstance(index.get(n), list) and index[n][:1] != [None]]
+
+
 def pipeline_configs(root: Path, index: dict, where: str) -> tuple:
     """The text encoders' configs of a diffusers pipeline folder, in its order, each from its own config.json
     (SD 2.x's OpenCLIP-H, a fine-tune's changed encoder); empty where the folder lacks one (a hub snapshot
     of the denoiser alone: the encoders are then built from the denoiser's widths)."""
     import transformers
     out = []
-    for name in (n for n in TEXT_COMPONENTS if isinstance(index.get(n), list) and index[n][:1] != [None]):
+    for name in text_components(index):
         path = root / name / "config.json"
         if not path.is_file():
             return ()
@@ -181,11 +185,13 @@ def pipeline_configs(root: Path, index: dict, where: str) -> tuple:
 
 
 def chosen(given: tuple, wanted: list, layers: int | None) -> list:
-    """A pipeline's own text configs (``given``) where it holds as many of each kind as the model's ``wanted``
-    ones, else those; ``text_layers`` sets either's depth."""
-    if [_is_clip(c) for c in given[:len(wanted)]] != [_is_clip(c) for c in wanted] or len(given) < len(wanted):
+    """A pipeline's own text configs (``given``) where it holds the model's ``wanted`` ones, each of the same
+    kind and width (the denoiser's overrides may have changed what it takes), else those; ``text_layers`` sets
+    either's depth. A config's dtype is dropped: the encoder is built in the plan's, as the denoiser is."""
+    given = given[:len(wanted)]
+    if [(type(c), _width(c)) for c in given] != [(type(c), _width(c)) for c in wanted]:
         return wanted
-    out = [c.__class__.from_dict(c.to_dict()) for c in given[:len(wanted)]]
+    out = [c.__class__.from_dict({**c.to_dict(), "dtype": None, "torch_dtype": None}) for c in given]
     for c in out:
         c.use_cache = False  # (an encoder keeps no key/value cache: a checkpointed layer's rerun would grow it)
         if layers:
@@ -193,24 +199,36 @@ def chosen(given: tuple, wanted: list, layers: int | None) -> list:
     return out
 
 
+def _width(config) -> int:
+    return config.d_model if _is_t5(config) else config.hidden_size
+
+
 def encoder_configs(cross: int, pooled: int, sdxl: bool, layers: int | None) -> list:
     """The CLIP text configs of a UNet whose cross-attention context is ``cross`` wide (SDXL: two encoders
     side by side, the second projecting its pooled output to ``pooled``)."""
-    clip = _clip
     if not sdxl:
-        return [clip(cross, layers or CLIP_L_LAYERS, projection_dim=cross)]
-    first = round(cross * SDXL_CLIP_L_SHARE)
-    if not 0 < first < cross:
-        raise UserError(f"unet-sdxl: cross_attention_dim={cross} cannot hold two text encoders side by side; give "
-                        "at least 2")
-    return [clip(first, layers or CLIP_L_LAYERS, projection_dim=first),
-            clip(cross - first, layers or BIGG_LAYERS, projection_dim=pooled, hidden_act="gelu")]
+        return [_clip(cross, layers or CLIP_L_LAYERS, projection_dim=cross)]
+    return _clip_pair(cross, pooled, layers, "unet-sdxl: cross_attention_dim", "two text encoders side by side")
+
+
+def _clip_pair(width: int, pooled: int, layers: int | None, field: str, what: str) -> list:
+    """CLIP-L and OpenCLIP bigG side by side, ``width`` wide together (768 + 1280 of 2048), bigG projecting its
+    pooled output to ``pooled``; ``field`` and ``what`` name the width in the error where it cannot hold two."""
+    first = round(width * SDXL_CLIP_L_SHARE)
+    if not 0 < first < width:
+        raise UserError(f"{field}={width} cannot hold {what}; give at least 2")
+    return [_clip(first, layers or CLIP_L_LAYERS, projection_dim=first),
+            _clip(width - first, layers or BIGG_LAYERS, projection_dim=pooled, hidden_act="gelu")]
 
 
 class WithTextEncoders(torch.nn.Module):
     """A UNet with its text encoders in the step: ``forward`` takes token ids where the cached step takes
     hidden states (see the module docstring). ``denoiser`` is the UNet, as the adapter's and kohya's rules
     look for it; ``trained``: the CLIP encoders train (a T5 never does)."""
+
+    converted_whole = ("text_encoders",)
+    """A 16-bit precision casts the encoders whole, as kohya's and diffusers' scripts do (``.to(dtype)``):
+    nothing in them is kept in fp32 as ``from_pretrained`` would (memfit.techniques.kept_in_fp32)."""
 
     def __init__(self, denoiser: torch.nn.Module, configs: list, trained: bool):
         super().__init__()
@@ -351,9 +369,10 @@ def _encoder(config, projected: bool) -> torch.nn.Module:
     return (transformers.CLIPTextModelWithProjection if projected else transformers.CLIPTextModel)(config)
 
 
-def labelled(wl, text: str, t5: str):
-    """The workload of a DiT with its text encoders in the step, its name and config saying how."""
-    wl.info.config.update(text_encoders=text, t5=t5)
+def labelled(wl, text: str, t5: str | None = None):
+    """The workload of a denoiser with its text encoders in the step, its name and config saying how (``t5``:
+    a T5-XXL's mode, where the model has one)."""
+    wl.info.config.update(text_encoders=text, **({"t5": t5} if t5 else {}))
     wl.name += f", text encoders {text}" + (", T5 cached" if t5 == "cached" else "")
     return wl
 
