@@ -32,6 +32,17 @@ def test_a_flux_lora_for_12_gb_as_sd_scripts_trains_it():
     assert c.summary().endswith("dit-flux · batch 2 · 1024 px · " + c.plan.describe())
 
 
+def test_sd_scripts_basic_flux_command_trains_clip_l_over_t5s_cached_states():
+    """sd-scripts' basic FLUX.1 LoRA command (docs/flux_train_network.md) has no network_train_unet_only and caches
+    the text encoders' outputs: sd-scripts then trains CLIP-L's LoRA in the step over T5-XXL's cached states, in
+    fp16 over a 16-bit base (no fp8); so does the workload."""
+    c = read_training_config(DATA / "flux-docs-basic.toml", CARD)
+    assert c.workload == "dit-flux:text_encoders=trained,t5=cached" and (c.batch_size, c.resolution) == (2, 1024)
+    assert c.plan == Plan(adapter="lora:r=16,alpha=1,targets=all-linear", precision="fp16-base",
+                          checkpointing="blocks", swap_blocks=39, optimizer="adamw8bit", max_grad_norm=1.0)
+    assert [w.split(": ", 1)[1][:30] for w in c.warnings] == ["blocks_to_swap 18 swaps 9 doub"]
+
+
 def test_an_sdxl_lora_of_a_checkpoint_file_takes_the_model_named_beside_it():
     """A checkpoint file does not say which UNet it holds: the workload named beside --from is the model,
     else one line asks for it; ``resolution = "1216,832"`` is width by height; fp16 is a bound (memfit has
