@@ -325,9 +325,13 @@ def test_a_resolutions_width_is_given_once_and_within_the_models_sizes():
     from memfit.errors import UserError
     with pytest.raises(UserError, match=r"dit-flux: width=1024 and --resolution 1216x832 give two widths; give one"):
         load_workload("dit-flux:width=1024", resolution=(1216, 832))
-    with pytest.raises(UserError, match=r"dit-flux: width=1000 is not a multiple of 16 .*use width=992 or 1008"):
+    with pytest.raises(UserError, match=r"dit-flux: --resolution 1000x832's width 1000 is not a multiple of 16 .*use --resolution "
+                                        r"992x832 or 1008x832$"):  # (the width as the user gave it)
         load_workload("dit-flux", resolution=(1000, 832))
-    with pytest.raises(UserError, match=r"dit-sd3: width=4096 exceeds the position table .*use width=<= 3072"):
+    with pytest.raises(UserError, match=r"dit-flux: width=1000 is not a multiple of 16 .*use width=992 or 1008"):
+        load_workload("dit-flux:width=1000", resolution=832)
+    with pytest.raises(UserError, match=r"dit-sd3: --resolution 4096x1024's width 4096 exceeds the position table .*use "
+                                        r"--resolution <= 3072x1024"):
         load_workload("dit-sd3", resolution=(4096, 1024))
     with pytest.raises(UserError, match=r"gpt2: --resolution applies to the image- and video-generation built-ins"):
         load_workload("gpt2", resolution=(512, 512))

@@ -16,7 +16,14 @@ from memfit.errors import UserError
 from memfit.units import parse_key_values
 from memfit.workload import Workload
 from memfit.workloads import adapter_folders, diffusion, hf, hub, packed_dits, video_dits, zoo
-from memfit.workloads.checks import blamed, check_resolution, check_seq_len, guarded, split_resolution
+from memfit.workloads.checks import (
+    blamed,
+    check_resolution,
+    check_seq_len,
+    guarded,
+    split_resolution,
+    width_said_as_given,
+)
 from memfit.workloads.config_overrides import parse_overrides
 
 IMAGE_BUILDERS = {**diffusion.BUILDERS, **packed_dits.BUILDERS, **video_dits.BUILDERS}
@@ -46,7 +53,8 @@ def builtin_workload(spec: str, *, seq_len: int | None = None, resolution: int |
     overrides = parse_key_values(override_text, arch)
     if arch in IMAGE_BUILDERS:
         height, sized = split_resolution(resolution, overrides, arch)  # NOTE [ A resolution's width ]
-        wl = builder(sized, seq_len, height)
+        with width_said_as_given(resolution, overrides):
+            wl = builder(sized, seq_len, height)
     else:
         if resolution is not None:
             raise UserError(f"{arch}: --resolution applies to the image- and video-generation built-ins "

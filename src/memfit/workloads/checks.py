@@ -10,6 +10,8 @@ it; :func:`guarded` turns that failure into the same kind of message.
 
 from __future__ import annotations
 
+import contextlib
+import re
 import types
 from collections.abc import Callable
 from typing import Any, Union, get_args, get_origin
@@ -157,3 +159,19 @@ def split_resolution(resolution: Any, overrides: dict, where: str) -> tuple[Any,
         raise UserError(f"{where}: width={overrides['width']} and --resolution {width}x{height} give two widths; "
                         "give one")
     return height, {**overrides, "width": width}
+
+
+@contextlib.contextmanager
+def width_said_as_given(resolution: Any, overrides: dict):
+    """An error about a width the user gave inside ``--resolution WxH`` names it so, with its fixes, rather
+    than as the ``width=`` override it became (:func:`split_resolution`)."""
+    if not isinstance(resolution, tuple) or "width" in overrides:
+        yield
+        return
+    high = resolution[1]
+    try:
+        yield
+    except UserError as e:
+        text = re.sub(r"use width=(\d+) or (\d+)", rf"use --resolution \1x{high} or \2x{high}", str(e))
+        text = re.sub(r"use width=<= (\d+)", rf"use --resolution <= \1x{high}", text)
+        raise UserError(re.sub(r"width=(\d+)", rf"--resolution \1x{high}'s width \1", text)) from None

@@ -11,7 +11,7 @@ import torch
 from memfit.errors import UserError, brief
 from memfit.workload import Workload, WorkloadInfo
 from memfit.workloads import diffusers_folders, image_text, timm_folders
-from memfit.workloads.checks import check_value, describe, simple_types, split_resolution
+from memfit.workloads.checks import check_value, describe, simple_types, split_resolution, width_said_as_given
 from memfit.workloads.config_overrides import apply_overrides
 from memfit.workloads.speech import encoder_batch, speech_batch
 
@@ -254,6 +254,7 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
         rest = [kv for kv in text.split(",") if kv.split("=", 1)[0].strip() not in clip]
         name = f"{head}:{','.join(rest)}" if rest else head
     data = apply_overrides(data, {k: v for k, v in (overrides or {}).items() if k not in clip}, where)
+    given, given_clip = resolution, dict(clip)
     if isinstance(resolution, tuple) and diffusers_folders.is_diffusers_config(data):
         resolution, clip = split_resolution(resolution, clip, where)  # NOTE [ A resolution's width ]
     if resolution == image_text.TEXT_ONLY and (diffusers_folders.is_diffusers_config(data) or
@@ -261,8 +262,9 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
         raise UserError(f"{where}: --resolution 0 (text only) applies to vision-language models; give the "
                         "image's side in pixels")
     if diffusers_folders.is_diffusers_config(data):
-        return diffusers_folders.diffusers_workload(data, name or path_text, where, seq_len, resolution, clip,
-                                                    diffusers_folders.pipeline_of(root, path))
+        with width_said_as_given(given, given_clip):
+            return diffusers_folders.diffusers_workload(data, name or path_text, where, seq_len, resolution, clip,
+                                                        diffusers_folders.pipeline_of(root, path))
     if timm_folders.is_timm_config(data):
         return timm_folders.timm_workload(data, name or path_text, where, seq_len, resolution)
     tf = _transformers()
