@@ -1,6 +1,8 @@
 """EMA: an exponential moving average of the weights, kept where memory is cheap.
 
-The shadow copy costs one fp32 copy of the parameters (N bytes). Kept on the device it competes
+The shadow copy costs one fp32 copy of the trained parameters (N bytes): a LoRA's adapter alone, as
+ai-toolkit's and diffusers' EMA keep it (a frozen weight is its own average; copying FLUX.1's 12B frozen
+weights in fp32 would take 44 GiB). Kept on the device it competes
 with training memory; kept on the host (``device: cpu``) it costs device memory nothing and a
 device->host copy of the weights every ``every`` steps. The update is
 ``shadow = decay * shadow + (1 - decay) * weights``.
@@ -115,8 +117,12 @@ class ShadowWeights:
         self.background = _Background(placement) if config.placed == "cpu" else None
         """The host copies and the averaging thread (``device: cpu``)."""
 
+    def _averaged(self) -> list[tuple[str, torch.Tensor]]:
+        """The parameters the shadow averages: those that train (see the module docstring)."""
+        return [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+
     def _init_shadow(self) -> None:
-        for name, p in self.model.named_parameters():
+        for name, p in self._averaged():
             local = _local(p)
             if self.config.placed == "cpu":
                 self.shadow[name] = self.placement.to_host(local.float())
@@ -133,7 +139,7 @@ class ShadowWeights:
             return
         if self.updates % self.config.every:
             return
-        weights = {name: _local(p) for name, p in self.model.named_parameters()}
+        weights = {name: _local(p) for name, p in self._averaged()}
         if self.background is not None:  # (a fake trace allocates the same, and averages at once)
             self.background.average(weights, self.shadow, 1.0 - self.config.decay, at_once=_fake(weights))
             return
@@ -159,8 +165,7 @@ class ShadowWeights:
         before the first update, shadows of zeros to load into."""
         from torch.distributed.tensor import DTensor
         self.wait()
-        shadow = self.shadow or {name: torch.zeros_like(_local(p), dtype=torch.float32)
-                                 for name, p in self.model.named_parameters()}
+        shadow = self.shadow or {name: torch.zeros_like(_local(p), dtype=torch.float32) for name, p in self._averaged()}
         params = dict(self.model.named_parameters())
         return {"updates": self.updates, "shadow": {
             name: DTensor.from_local(t, params[name].device_mesh, params[name].placements, run_check=False,
@@ -198,7 +203,8 @@ class ShadowWeights:
         if state["shadow"]:
             self._init_shadow()
             for name, saved in state["shadow"].items():
-                self.shadow[name].copy_(saved)
+                if name in self.shadow:  # (an older checkpoint's shadow of a frozen weight: the weight itself)
+                    self.shadow[name].copy_(saved)
 
 
 class _Background:
