@@ -1,6 +1,7 @@
-"""``--from FILE``: a training config people already have, read by its suffix (an axolotl YAML:
-memfit.integrations.axolotl; a kohya-ss sd-scripts TOML: memfit.integrations.kohya) as memfit's
-workload, sizes and plan (memfit.integrations.configs.TrainingConfig)."""
+"""``--from FILE``: a training config people already have, read by its suffix (a YAML: axolotl's,
+memfit.integrations.axolotl, or an ai-toolkit job's, memfit.integrations.ai_toolkit, told apart by its
+``config: process:``; a kohya-ss sd-scripts TOML: memfit.integrations.kohya) as memfit's workload, sizes and
+plan (memfit.integrations.configs.TrainingConfig)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,32 @@ from pathlib import Path
 
 from memfit.devices import Device
 from memfit.errors import UserError
-from memfit.integrations import axolotl, kohya
+from memfit.integrations import ai_toolkit, axolotl, kohya
 from memfit.integrations.configs import TrainingConfig
 
 
 def read_training_config(path: str | Path, device: Device, workload: str | None = None) -> TrainingConfig:
-    """The config at ``path``: ``.yml``/``.yaml`` axolotl's, ``.toml`` kohya's (``workload``: the model the
-    user names beside it; a kohya config may train a checkpoint file that does not say which model it is)."""
+    """The config at ``path``: ``.yml``/``.yaml`` axolotl's or ai-toolkit's, ``.toml`` kohya's (``workload``: the
+    model the user names beside it; a kohya config may train a checkpoint file that does not say which model it
+    is)."""
     suffix = Path(path).suffix.lower()
     if suffix in (".yml", ".yaml"):
+        data = _peek_yaml(Path(path))
+        if ai_toolkit.is_ai_toolkit(data):
+            return ai_toolkit.map_config(data, str(path), device, workload)
         if workload is not None:
             raise UserError(f"give a workload or --from {path}, not both (the config's base_model is the workload)")
         return axolotl.read_config(path, device)
     if suffix == ".toml":
         return kohya.read_config(path, device, workload)
-    raise UserError(f"--from {path}: give an axolotl config (.yml) or a kohya-ss sd-scripts config (.toml)")
+    raise UserError(f"--from {path}: give an axolotl or ai-toolkit config (.yml) or a kohya-ss sd-scripts config "
+                    "(.toml)")
+
+
+def _peek_yaml(path: Path) -> object:
+    """The YAML's data, or None where it cannot be read (axolotl's reader then says why, in one line)."""
+    import yaml
+    try:
+        return yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None

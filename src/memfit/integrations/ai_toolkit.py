@@ -1,0 +1,179 @@
+"""ai-toolkit (ostris) job configs: a FLUX.1 LoRA's YAML as memfit's workload, sizes and plan (``memfit estimate
+--from train_lora_flux_24gb.yaml``; told from an axolotl YAML by its ``config: process:``).
+
+What ai-toolkit's ``sd_trainer`` runs for FLUX.1, read from its source (toolkit/stable_diffusion_model.py,
+jobs/process/BaseSDTrainProcess.py, toolkit/config_modules.py), and how memfit maps it:
+
+| ai-toolkit | what it runs | memfit |
+|---|---|---|
+| ``model.is_flux`` / ``arch: flux``, ``name_or_path`` | FluxTransformer2DModel from the hub id or folder | ``dit-flux`` (FLUX.1-dev's id; schnell's without guidance), else the id or folder |
+| ``model.quantize`` (``qtype`` qfloat8) | optimum-quanto: every ``nn.Linear`` of the transformer in float8 e4m3, cast to bf16 per matmul | ``base_weights: fp8`` |
+| ``model.quantize_te`` (default: ``quantize``) | T5-XXL quantized too; CLIP-L stays bf16 | fp8 base weights store both encoders' linear layers (CLIP-L: 85 MB less than ai-toolkit holds) |
+| text encoders | on the device, each prompt encoded every step under no_grad, T5 at 512 tokens; ``cache_text_embeddings`` or ``unload_text_encoder``: cached | ``text_encoders=frozen`` (``cached``) |
+| ``train.train_text_encoder`` | the encoders train | ``text_encoders=trained`` |
+| ``network`` lora, ``linear``, ``linear_alpha`` | LoRA on every linear layer of the double and single blocks, weights in fp32 | ``adapter: lora:r=linear,alpha=linear_alpha,targets=all-linear`` (also the 7 embedding and output layers) |
+| ``train.dtype`` bf16 / fp16 (default fp32) | the model in that dtype, the LoRA in fp32, no autocast | ``bf16-base`` / ``fp16-base`` (under autocast: said) / ``fp32`` |
+| ``train.gradient_checkpointing`` (default true) | every transformer block checkpointed | ``checkpointing: blocks`` |
+| ``train.optimizer`` | adamw8bit (bitsandbytes), adamw, adafactor, ... | ``adamw8bit``, ``adamw``, ``adafactor``; others refused |
+| ``train.ema_config.use_ema``, ``ema_decay`` | an fp32 copy of the LoRA on the device | ``ema: {decay, device: device}`` |
+| ``train.batch_size``, ``gradient_accumulation_steps`` | the micro-batch, accumulated | batch and micro-batch |
+| ``datasets[].resolution`` (a side or a list), ``cache_latents(_to_disk)`` | buckets up to that side squared; latents cached, the VAE off the device | ``--resolution`` the largest side |
+| ``train.max_grad_norm`` (default 1.0) | clipping | ``max_grad_norm`` |
+
+Said in one line each: the model under autocast where ai-toolkit runs none; a quantization memfit stores in
+other bytes (``qtype`` other than qfloat8/qint8); the text encoders' quantization where it differs from the
+transformer's; latents not cached; ``layer_offloading``; a network other than LoRA. Refused in one line: a
+model other than FLUX.1 (name it as the workload instead), an optimizer memfit does not run.
+"""
+
+from __future__ import annotations
+
+from memfit.devices import Device
+from memfit.errors import UserError
+from memfit.integrations.configs import TrainingConfig, whole
+from memfit.plans import Plan
+from memfit.workloads.config_overrides import with_override
+
+FLUX_DEV, FLUX_SCHNELL = "black-forest-labs/FLUX.1-dev", "black-forest-labs/FLUX.1-schnell"
+OPTIMIZERS = {"adamw8bit": "adamw8bit", "adamw8": "adamw8bit", "adam8bit": "adamw8bit", "adamw": "adamw",
+              "adam": "adamw", "adafactor": "adafactor"}
+"""ai-toolkit's optimizer names memfit runs (Adam's states weigh AdamW's)."""
+PRECISIONS = {"bf16": "bf16-base", "bfloat16": "bf16-base", "fp16": "fp16-base", "float16": "fp16-base",
+              "fp32": "fp32", "float32": "fp32"}
+ONE_BYTE = ("qfloat8", "qint8", "qfloat8_e4m3fn")
+"""optimum-quanto weight types of one byte a weight (memfit's fp8 base weights weigh the same)."""
+
+
+def is_ai_toolkit(data: object) -> bool:
+    """An ai-toolkit job config (``config: process: [...]``), not an axolotl one."""
+    return isinstance(data, dict) and isinstance(data.get("config"), dict) and "process" in data["config"]
+
+
+def map_config(data: dict, where: str, device: Device, workload: str | None = None) -> TrainingConfig:
+    """An ai-toolkit job's training process (see the module docstring) as memfit's workload, sizes and plan;
+    ``workload``: the model named beside it, in place of its ``name_or_path`` (a local copy, a tiny test model)."""
+    del device  # (ai-toolkit's dtype is explicit)
+    process = _process(data, where)
+    model, train, network = (_section(process, k, where) for k in ("model", "train", "network"))
+    warnings: list[str] = []
+    named = _workload(model, where)
+    workload = workload or named
+    text, fields = _text_encoders(model, train, where, warnings), _network(network, where, warnings)
+    fields.update(_quantized(model, where, warnings))
+    if text != "cached":
+        workload = with_override(workload, "text_encoders", text)
+    dtype = str(train.get("dtype", "fp32")).lower()
+    if dtype not in PRECISIONS:
+        raise UserError(f"--from {where}: train.dtype {dtype!r} is not one memfit runs; use bf16, fp16 or fp32")
+    fields["precision"] = PRECISIONS[dtype]
+    if dtype not in ("fp32", "float32"):
+        warnings.append(f"ai-toolkit config {where}: ai-toolkit runs the {dtype} model without autocast (the LoRA in "
+                        f"fp32); memfit's {fields['precision']} runs it under autocast, whose fp32 ops keep some "
+                        "activations in fp32 (a bound)")
+    if train.get("gradient_checkpointing", True):
+        fields["checkpointing"] = "blocks"
+    name = str(train.get("optimizer", "adamw")).lower()
+    if name not in OPTIMIZERS:
+        raise UserError(f"--from {where}: train.optimizer {name!r} is not one memfit runs; use adamw8bit, adamw or "
+                        "adafactor")
+    fields["optimizer"] = OPTIMIZERS[name]
+    ema = train.get("ema_config") or {}
+    if isinstance(ema, dict) and ema.get("use_ema"):
+        fields["ema"] = {"decay": float(ema.get("ema_decay", 0.999)), "device": "device"}
+    norm = train.get("max_grad_norm", 1.0)
+    fields["max_grad_norm"] = float(norm) if isinstance(norm, (int, float)) and not isinstance(norm, bool) and norm \
+        else None
+    micro = whole(train, "batch_size", where, 1)
+    accum = max(whole(train, "gradient_accumulation_steps", where, 1), whole(train, "gradient_accumulation", where, 1))
+    if accum > 1:
+        fields["micro_batch_size"] = micro
+    if model.get("layer_offloading") or model.get("auto_memory"):
+        warnings.append(f"ai-toolkit config {where}: layer_offloading is not mapped; memfit keeps every layer on the "
+                        "device (swap_blocks is its block swap)")
+    resolution = _resolution(process.get("datasets") or [], where, warnings)
+    try:
+        plan = Plan(**fields)
+    except UserError as e:
+        raise UserError(f"--from {where}: {str(e).removeprefix('plan: ')}") from None
+    return TrainingConfig(where, workload, micro * accum, micro, None, plan, tuple(warnings), resolution)
+
+
+def _process(data: dict, where: str) -> dict:
+    processes = data["config"]["process"]
+    found = [p for p in processes or [] if isinstance(p, dict) and "train" in p and "model" in p] \
+        if isinstance(processes, list) else []
+    if not found:
+        raise UserError(f"--from {where}: config.process holds no training process (one with model: and train:); "
+                        "give an ai-toolkit training config")
+    return found[0]
+
+
+def _section(process: dict, key: str, where: str) -> dict:
+    value = process.get(key) or {}
+    if not isinstance(value, dict):
+        raise UserError(f"--from {where}: {key} must be a mapping of fields, got {type(value).__name__}")
+    return value
+
+
+def _workload(model: dict, where: str) -> str:
+    """FLUX.1-dev's and -schnell's hub ids are the built-in (their config); another FLUX.1 as given."""
+    arch = str(model.get("arch") or ("flux" if model.get("is_flux") else "")).split(":")[0]
+    name = str(model.get("name_or_path") or "").strip()
+    if arch != "flux":
+        raise UserError(f"--from {where}: memfit reads ai-toolkit's FLUX.1 configs (is_flux, or arch: flux), not "
+                        f"arch {arch or 'unset'!r}; name the model as the workload: memfit estimate {name or 'ORG/NAME'}")
+    if not name:
+        raise UserError(f"--from {where}: model.name_or_path is not set; the config names the model it trains")
+    return {FLUX_DEV: "dit-flux", FLUX_SCHNELL: "dit-flux:guidance_embeds=false"}.get(name, name)
+
+
+def _text_encoders(model: dict, train: dict, where: str, warnings: list[str]) -> str:
+    """The text encoders' mode (see the table); their quantization where it is not the transformer's, said."""
+    if train.get("train_text_encoder"):
+        return "trained"
+    if train.get("cache_text_embeddings") or train.get("unload_text_encoder"):
+        return "cached"
+    if bool(model.get("quantize_te", model.get("quantize"))) != bool(model.get("quantize")):
+        warnings.append(f"ai-toolkit config {where}: quantize_te differs from quantize; memfit stores T5-XXL's linear "
+                        "weights as the transformer's (fp8 base weights or 16 bits): 4.4 GB off")
+    return "frozen"
+
+
+def _network(network: dict, where: str, warnings: list[str]) -> dict:
+    kind = str(network.get("type", "lora")).lower()
+    if kind != "lora":
+        raise UserError(f"--from {where}: network type {kind!r} is not one memfit runs; memfit models LoRA "
+                        "(type: lora)")
+    rank = whole(network, "linear", where, 16)
+    alpha = network.get("linear_alpha", rank)
+    if network.get("conv"):
+        warnings.append(f"ai-toolkit config {where}: network.conv is not mapped (FLUX.1's blocks hold no convolution)")
+    return {"adapter": f"lora:r={rank},alpha={alpha},targets=all-linear"}
+
+
+def _quantized(model: dict, where: str, warnings: list[str]) -> dict:
+    if not model.get("quantize"):
+        return {}
+    qtype = str(model.get("qtype", "qfloat8")).lower()
+    if qtype not in ONE_BYTE:
+        warnings.append(f"ai-toolkit config {where}: qtype {qtype} is not one byte a weight; memfit stores the "
+                        "quantized weights in fp8 (one byte)")
+    return {"base_weights": "fp8"}
+
+
+def _resolution(datasets: list, where: str, warnings: list[str]) -> int | None:
+    """The largest bucket's side (ai-toolkit caps a bucket's area at the side squared); uncached latents said."""
+    sides: list[int] = []
+    for d in datasets if isinstance(datasets, list) else []:
+        if not isinstance(d, dict):
+            continue
+        value = d.get("resolution", 512)
+        values = value if isinstance(value, list) else [value]
+        if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
+            raise UserError(f"--from {where}: datasets resolution must be a side in pixels or a list of them, got "
+                            f"{value!r}")
+        sides += values
+        if not (d.get("cache_latents") or d.get("cache_latents_to_disk")):
+            warnings.append(f"ai-toolkit config {where}: latents are not cached (cache_latents_to_disk); memfit's batch "
+                            "is the cached latents, so the VAE in the step is not in the estimate")
+    return max(sides) if sides else None

@@ -1,0 +1,120 @@
+"""ai-toolkit job configs (memfit.integrations.ai_toolkit): its FLUX.1 LoRA example for 24 GB read as the run
+ai-toolkit makes of it (fp8 base, T5 and CLIP-L in the step, the LoRA in fp32 over bf16, EMA of the LoRA),
+each option that changes memory mapped or said in one line, and what memfit does not run refused in one line;
+on the command line, a tiny FLUX named beside it runs the config's plan."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from memfit.devices import get_device
+from memfit.errors import UserError
+from memfit.integrations.ai_toolkit import map_config
+from memfit.integrations.from_file import read_training_config
+from memfit.plans import Plan
+from tests.integration.test_cli_errors import check, run
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "ai_toolkit"
+EXAMPLE = DATA / "train_lora_flux_24gb.yaml"
+CARD = get_device("rtx4090")
+TINY = ("dit-flux:num_layers=1,num_single_layers=2,attention_head_dim=16,num_attention_heads=2,"
+        "joint_attention_dim=32,pooled_projection_dim=16,in_channels=16,axes_dims_rope=4/6/6")
+
+
+def _example() -> dict:
+    return yaml.safe_load(EXAMPLE.read_text())
+
+
+def _with(**changes) -> dict:
+    """The example with ``section__key=value`` changes to its training process (``None``: removed)."""
+    data = copy.deepcopy(_example())
+    process = data["config"]["process"][0]
+    for path, value in changes.items():
+        section, key = path.split("__")
+        target = process[section][0] if section == "datasets" else process.setdefault(section, {})
+        if value is None:
+            target.pop(key, None)
+        else:
+            target[key] = value
+    return data
+
+
+def test_the_24gb_flux_example_is_the_run_ai_toolkit_makes_of_it():
+    c = read_training_config(EXAMPLE, CARD)
+    assert c.workload == "dit-flux:text_encoders=frozen" and (c.batch_size, c.resolution) == (1, 1024)
+    assert c.plan == Plan(adapter="lora:r=16,alpha=16,targets=all-linear", base_weights="fp8", precision="bf16-base",
+                          checkpointing="blocks", optimizer="adamw8bit", ema={"decay": 0.99, "device": "device"},
+                          max_grad_norm=1.0)
+    assert [w.split(": ", 1)[1][:47] for w in c.warnings] == ["ai-toolkit runs the bf16 model without autocast"]
+
+
+@pytest.mark.parametrize("changes,workload,fields", [
+    ({"train__cache_text_embeddings": True}, "dit-flux", {}),
+    ({"train__unload_text_encoder": True}, "dit-flux", {}),
+    ({"train__train_text_encoder": True}, "dit-flux:text_encoders=trained", {}),
+    ({"model__quantize": None, "train__dtype": None}, "dit-flux:text_encoders=frozen",
+     {"base_weights": "as-is", "precision": "fp32"}),
+    ({"model__name_or_path": "black-forest-labs/FLUX.1-schnell"},
+     "dit-flux:guidance_embeds=false,text_encoders=frozen", {}),
+    ({"model__name_or_path": "/models/my-flux", "train__dtype": "fp16"}, "/models/my-flux:text_encoders=frozen",
+     {"precision": "fp16-base"}),
+    ({"train__gradient_checkpointing": False, "train__optimizer": "adafactor", "train__ema_config": None},
+     "dit-flux:text_encoders=frozen", {"checkpointing": "none", "optimizer": "adafactor", "ema": None}),
+])
+def test_each_option_that_changes_memory_is_mapped(changes, workload, fields):
+    c = map_config(_with(**changes), "c.yaml", CARD)
+    expected = read_training_config(EXAMPLE, CARD).plan.replace(**fields) if fields else None
+    assert c.workload == workload and (expected is None or c.plan == expected), (c.workload, c.plan)
+
+
+def test_batches_and_buckets_are_the_largest_and_accumulated():
+    c = map_config(_with(train__batch_size=2, train__gradient_accumulation_steps=4, datasets__resolution=[512, 768]),
+                   "c.yaml", CARD)
+    assert (c.batch_size, c.micro_batch_size, c.resolution, c.plan.micro_batch_size) == (8, 2, 768, 2)
+    assert map_config(_with(datasets__resolution=None), "c.yaml", CARD).resolution == 512  # (ai-toolkit's default)
+
+
+def test_what_memfit_runs_otherwise_is_said_in_one_line():
+    c = map_config(_with(model__quantize_te=False, model__layer_offloading=True, model__qtype="uint4",
+                         datasets__cache_latents_to_disk=False), "c.yaml", CARD)
+    said = [w.split(": ", 1)[1][:40] for w in c.warnings]
+    assert said == ["quantize_te differs from quantize; memfi", "qtype uint4 is not one byte a weight; me",
+                    "ai-toolkit runs the bf16 model without a", "layer_offloading is not mapped; memfit k",
+                    "latents are not cached (cache_latents_to"], said
+    assert all("\n" not in w for w in c.warnings)
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"model__is_flux": None, "model__arch": "sd3"}, r"memfit reads ai-toolkit's FLUX.1 configs \(is_flux, or arch: "
+                                                     r"flux\), not arch 'sd3'; name the model as the workload"),
+    ({"train__optimizer": "prodigy"}, "train.optimizer 'prodigy' is not one memfit runs"),
+    ({"network__type": "lokr"}, "network type 'lokr' is not one memfit runs"),
+    ({"train__dtype": "int8"}, "train.dtype 'int8' is not one memfit runs"),
+    ({"datasets__resolution": "big"}, "datasets resolution must be a side in pixels or a list of them"),
+    ({"model__name_or_path": None}, "model.name_or_path is not set"),
+])
+def test_what_memfit_does_not_run_is_one_line(changes, message):
+    with pytest.raises(UserError, match=message) as e:
+        map_config(_with(**changes), "c.yaml", CARD)
+    assert "\n" not in str(e.value)
+
+
+def test_on_the_command_line_a_tiny_flux_beside_it_runs_its_plan(tmp_path):
+    """The config's plan and sizes on a tiny FLUX named beside it (its text encoders in the step, as the
+    config runs them); a config of another model is one line with exit status 2."""
+    argv = ["estimate", f"{TINY},text_layers=1", "--from", str(EXAMPLE), "--resolution", "128", "--device", "rtx4090",
+            "--json"]
+    rc, out, err = run(argv)
+    check(argv, rc, err)
+    report = json.loads(out)
+    assert rc == 0 and report["workload"] == "dit-flux 128px, text encoders frozen" and report["batch_size"] == 1
+    assert report["plan"]["ema"] == {"decay": 0.99, "device": "device", "every": 1}
+    other = tmp_path / "sd3.yaml"
+    other.write_text(yaml.safe_dump(_with(model__is_flux=None, model__arch="sd3")))
+    argv = ["estimate", "--from", str(other), "--device", "rtx4090"]
+    rc, _, err = run(argv)
+    check(argv, rc, err)
+    assert rc == 2 and "not arch 'sd3'" in err
