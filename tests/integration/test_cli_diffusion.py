@@ -43,7 +43,7 @@ CASES = [
     (["estimate", "dit-flux", "--resolution", "1216x0"], "--resolution's height"),
     (["estimate", "dit-flux:width=1024", "--resolution", "1216x832"],
      "dit-flux: width=1024 and --resolution 1216x832 give two widths; give one"),
-    (["estimate", "dit-flux", "--resolution", "1000x832"], "dit-flux: width=1000 is not a multiple of 16"),
+    (["estimate", "dit-flux", "--resolution", "1000x832"], "dit-flux: --resolution 1000x832's width 1000 is not a multiple of 16"),
     (["estimate", "gpt2", "--resolution", "512x512"], "gpt2: --resolution applies to the image- and video-generation"),
     (["estimate", "dit-lumina2:no_such=1"], "dit-lumina2: Lumina2Transformer2DModel has no field 'no_such'"),
     (["estimate", "dit-lumina2:num_layers=abc"], "dit-lumina2: num_layers must be an int"),
