@@ -98,6 +98,8 @@ def test_frozen_encoders_weights_are_on_the_device_and_sdxl_conditions_on_both()
     (f"{SD15},text_layers=2", "text_layers=2 needs text_encoders=frozen or trained"),
     (f"{FLUX},t5=cache", "t5=cache is not one of cached, frozen"),
     (f"{FLUX},t5=frozen", "t5=frozen needs text_encoders=frozen or trained"),
+    (f"{SD15},text_encoders=frozen,t5=cached", "t5= and t5_tokens= apply to the models with a T5-XXL"),
+    (f"{LUMINA},t5_tokens=77", "t5= and t5_tokens= apply to the models with a T5-XXL"),
     ("unet-sdxl:block_out_channels=32/64/64,attention_head_dim=2,transformer_layers_per_block=1,cross_attention_dim=1,"
      "addition_time_embed_dim=8,projection_class_embeddings_input_dim=80,text_encoders=frozen",
      "cross_attention_dim=1 cannot hold two text encoders side by side"),

@@ -144,7 +144,7 @@ def _network(network: dict, where: str, warnings: list[str]) -> dict:
     if kind != "lora":
         raise UserError(f"--from {where}: network type {kind!r} is not one memfit runs; memfit models LoRA "
                         "(type: lora)")
-    rank = whole(network, "linear", where, 16)
+    rank = whole(network, "linear", f"{where}: network", 16)
     alpha = network.get("linear_alpha", rank)
     if network.get("conv"):
         warnings.append(f"ai-toolkit config {where}: network.conv is not mapped (FLUX.1's blocks hold no convolution)")

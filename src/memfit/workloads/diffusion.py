@@ -287,7 +287,7 @@ def sd3(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageMo
     from memfit.workloads import text_encoders as te
     no_seq_len(m.arch, seq_len)
     overrides, width = given_width(overrides)
-    overrides, text, layers = te.text_mode(m.arch, overrides)
+    overrides, text, layers = te.text_mode(m.arch, overrides, t5=True)
     overrides, t5 = te.t5_mode(m.arch, overrides, text)
     overrides, t5_tokens = te.t5_tokens(m.arch, overrides)
     cls, kw = config_of(m, overrides)

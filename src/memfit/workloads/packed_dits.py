@@ -75,7 +75,7 @@ def flux(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageM
     T5 tokens a caption (kohya's ``t5xxl_max_token_length``, diffusers' ``--max_sequence_length``; default
     512, and schnell's 256)."""
     from memfit.workloads import text_encoders as te
-    overrides, text, layers = te.text_mode(m.arch, overrides)
+    overrides, text, layers = te.text_mode(m.arch, overrides, t5=True)
     overrides, t5 = te.t5_mode(m.arch, overrides, text)
     overrides, caption = te.t5_tokens(m.arch, overrides)
 

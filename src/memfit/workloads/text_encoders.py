@@ -70,10 +70,12 @@ GEMMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 GEMMA_VOCAB, GEMMA_LAYERS, GEMMA_HEADS, GEMMA_HEAD = 256000, 26, 8, 256
 
 
-def text_mode(arch: str, overrides: dict) -> tuple[dict, str, int | None]:
+def text_mode(arch: str, overrides: dict, t5: bool = False) -> tuple[dict, str, int | None]:
     """(``overrides`` without ``text_encoders=`` and ``text_layers=``, the mode, the encoders' depth or None
-    for CLIP's own); checked."""
+    for CLIP's own); checked. ``t5``: the model has a T5-XXL (``t5=`` and ``t5_tokens=`` apply)."""
     rest = dict(overrides)
+    if not t5 and {"t5", "t5_tokens"} & set(rest):
+        raise UserError(f"{arch}: t5= and t5_tokens= apply to the models with a T5-XXL (dit-flux, dit-sd3); drop them")
     mode = rest.pop("text_encoders", "cached")
     if mode not in MODES:
         raise UserError(f"{arch}: text_encoders={mode} is not one of {', '.join(MODES)} (cached: the captions' hidden "
