@@ -52,7 +52,7 @@ from pathlib import Path
 from memfit.devices import Device
 from memfit.errors import UserError
 from memfit.integrations.configs import TrainingConfig, whole
-from memfit.integrations.kohya_text import caption, text_encoders, text_states_cached
+from memfit.integrations.kohya_text import caption, holder, text_encoders, text_states_cached
 from memfit.plans import Plan
 
 REFUSED = {
@@ -129,8 +129,9 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
                 for key in data if key not in NO_MEMORY_EFFECT and key not in REFUSED]
     model = workload or _model(data, where)
     family = family_of(model, data)
-    model, text = text_encoders(model, data, where, warnings)
-    model = caption(model, data, where, warnings)
+    held = holder(model)  # (a folder's or hub id's class is read once)
+    model, text = text_encoders(model, data, where, warnings, held)
+    model = caption(model, data, where, warnings, held)
     micro, resolution, more = _dataset(data, where, base)
     warnings += more
     accum = whole(data, "gradient_accumulation_steps", where, 1)

@@ -35,14 +35,15 @@ def holder(model: str) -> str | None:
         return None
 
 
-def text_encoders(model: str, data: dict, where: str, warnings: list[str]) -> tuple[str, bool]:
+def text_encoders(model: str, data: dict, where: str, warnings: list[str], family: str | None
+                  ) -> tuple[str, bool]:
     """(the workload, whether its text encoders run in the step). A LoRA without ``network_train_unet_only`` (or
     a full fine-tuning of SD/SDXL or SD3 with ``train_text_encoder``) trains them; a config that does not cache
     their outputs runs them frozen. The SD, SDXL, FLUX.1, SD3 and Lumina 2 workloads hold them
     (``text_encoders=trained|frozen``; FLUX.1's and SD3's CLIPs train, their T5-XXL cached where the config
     caches: ``t5=cached``, and with sd3_train's ``use_t5xxl_cache_only``); for another model that is said in
-    one line."""
-    family, lora = holder(model), bool(data.get("network_module"))
+    one line. ``family``: :func:`holder` of ``model``."""
+    lora = bool(data.get("network_module"))
     trained = not data.get("network_train_unet_only") if lora else \
         bool(data.get("train_text_encoder")) and family in CLIPS_TRAIN_IN_FULL
     t5_only = family == "sd3" and not lora and bool(data.get("use_t5xxl_cache_only"))
@@ -70,13 +71,13 @@ def text_encoders(model: str, data: dict, where: str, warnings: list[str]) -> tu
     return model, False
 
 
-def caption(model: str, data: dict, where: str, warnings: list[str]) -> str:
+def caption(model: str, data: dict, where: str, warnings: list[str], family: str | None) -> str:
     """FLUX.1's and SD3's T5 tokens a caption (``t5xxl_max_token_length``; sd-scripts' defaults are the
     built-ins': 512, schnell's 256, SD3's 256); another model's is said in one line."""
     tokens = data.get("t5xxl_max_token_length")
     if tokens is None:
         return model
-    if holder(model) in WITH_T5:
+    if family in WITH_T5:
         return with_override(model, "t5_tokens", whole(data, "t5xxl_max_token_length", where, 512))
     warnings.append(f"kohya config {where}: t5xxl_max_token_length is not mapped for this model; the estimate keeps "
                     "its own caption length")
