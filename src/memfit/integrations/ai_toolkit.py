@@ -9,16 +9,16 @@ jobs/process/BaseSDTrainProcess.py, toolkit/config_modules.py), and how memfit m
 | ``model.is_flux`` / ``arch: flux``, ``name_or_path`` | FluxTransformer2DModel from the hub id or folder | ``dit-flux`` (FLUX.1-dev's id; schnell's without guidance), else the id or folder |
 | ``model.quantize`` (``qtype`` qfloat8) | optimum-quanto: every ``nn.Linear`` of the transformer in float8 e4m3, cast to bf16 per matmul | ``base_weights: fp8`` |
 | ``model.quantize_te`` (default: ``quantize``) | T5-XXL quantized too; CLIP-L stays bf16 | fp8 base weights store both encoders' linear layers (CLIP-L: 85 MB less than ai-toolkit holds) |
-| text encoders | on the device, each prompt encoded every step under no_grad, T5 at 512 tokens; ``cache_text_embeddings`` or ``unload_text_encoder``: cached | ``text_encoders=frozen`` (``cached``) |
+| text encoders | on the device, each prompt encoded every step under no_grad, T5 at 512 tokens; ``cache_text_embeddings`` (train's or a dataset's) or ``unload_text_encoder``: cached | ``text_encoders=frozen`` (``cached``) |
 | ``train.train_text_encoder`` | the encoders train | ``text_encoders=trained`` |
-| ``network`` lora, ``linear``, ``linear_alpha`` | LoRA on every linear layer of the double and single blocks, weights in fp32 | ``adapter: lora:r=linear,alpha=linear_alpha,targets=all-linear`` (also the 7 embedding and output layers) |
+| ``network`` lora, ``rank`` or ``linear`` (default 4), ``linear_alpha`` (default ``alpha``, 1) | LoRA on every linear layer of the double and single blocks, weights in fp32 | ``adapter: lora:r=linear,alpha=linear_alpha,targets=all-linear`` (also the 7 embedding and output layers) |
 | ``train.dtype`` bf16 / fp16 (default fp32) | the model in that dtype, the LoRA in fp32, no autocast | ``bf16-base`` / ``fp16-base`` (under autocast: said) / ``fp32`` |
 | ``train.gradient_checkpointing`` (default true) | every transformer block checkpointed | ``checkpointing: blocks`` |
 | ``train.optimizer`` | adamw8bit (bitsandbytes), adamw, adafactor, ... | ``adamw8bit``, ``adamw``, ``adafactor``; others refused |
 | ``train.ema_config.use_ema``, ``ema_decay`` | an fp32 copy of the LoRA on the device | ``ema: {decay, device: device}`` |
 | ``train.batch_size``, ``gradient_accumulation_steps`` | the micro-batch, accumulated | batch and micro-batch |
 | ``datasets[].resolution`` (a side or a list), ``cache_latents(_to_disk)`` | buckets up to that side squared; latents cached, the VAE off the device | ``--resolution`` the largest side |
-| ``train.max_grad_norm`` (default 1.0) | clipping | ``max_grad_norm`` |
+| ``train.max_grad_norm`` (default 1.0) | clipping (none with adafactor) | ``max_grad_norm`` |
 
 Said in one line each: the model under autocast where ai-toolkit runs none; a quantization memfit stores in
 other bytes (``qtype`` other than qfloat8/qint8); the text encoders' quantization where it differs from the
@@ -39,9 +39,10 @@ OPTIMIZERS = {"adamw8bit": "adamw8bit", "adamw8": "adamw8bit", "adam8bit": "adam
               "adam": "adamw", "adafactor": "adafactor"}
 """ai-toolkit's optimizer names memfit runs (Adam's states weigh AdamW's)."""
 PRECISIONS = {"bf16": "bf16-base", "bfloat16": "bf16-base", "fp16": "fp16-base", "float16": "fp16-base",
-              "fp32": "fp32", "float32": "fp32"}
-ONE_BYTE = ("qfloat8", "qint8", "qfloat8_e4m3fn")
-"""optimum-quanto weight types of one byte a weight (memfit's fp8 base weights weigh the same)."""
+              "half": "fp16-base", "fp32": "fp32", "float32": "fp32", "float": "fp32", "single": "fp32"}
+"""ai-toolkit's ``get_torch_dtype`` names, as memfit's precision (the LoRA in fp32 over a 16-bit model)."""
+ONE_BYTE = ("qfloat8", "qint8", "qfloat8_e4m3fn", "qfloat8_e5m2", "float8", "int8", "uint8")
+"""Weight types of one byte a weight (optimum-quanto's and torchao's; memfit's fp8 base weights weigh the same)."""
 
 
 def is_ai_toolkit(data: object) -> bool:
@@ -56,17 +57,20 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
     process = _process(data, where)
     model, train, network = (_section(process, k, where) for k in ("model", "train", "network"))
     warnings: list[str] = []
+    datasets = process.get("datasets") or []
+    if not isinstance(datasets, list):
+        raise UserError(f"--from {where}: datasets must be a list of datasets, got {type(datasets).__name__}")
     named = _workload(model, where)
     workload = workload or named
-    text, fields = _text_encoders(model, train, where, warnings), _network(network, where, warnings)
+    text, fields = _text_encoders(model, train, datasets, where, warnings), _network(network, where, warnings)
     fields.update(_quantized(model, where, warnings))
-    if text != "cached":
+    if text != "cached" and "text_encoders=" not in workload:  # (a workload named beside it keeps its own)
         workload = with_override(workload, "text_encoders", text)
     dtype = str(train.get("dtype", "fp32")).lower()
     if dtype not in PRECISIONS:
         raise UserError(f"--from {where}: train.dtype {dtype!r} is not one memfit runs; use bf16, fp16 or fp32")
     fields["precision"] = PRECISIONS[dtype]
-    if dtype not in ("fp32", "float32"):
+    if dtype not in ("fp32", "float32", "float", "single"):
         warnings.append(f"ai-toolkit config {where}: ai-toolkit runs the {dtype} model without autocast (the LoRA in "
                         f"fp32); memfit's {fields['precision']} runs it under autocast, whose fp32 ops keep some "
                         "activations in fp32 (a bound)")
@@ -77,20 +81,22 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
         raise UserError(f"--from {where}: train.optimizer {name!r} is not one memfit runs; use adamw8bit, adamw or "
                         "adafactor")
     fields["optimizer"] = OPTIMIZERS[name]
-    ema = train.get("ema_config") or {}
-    if isinstance(ema, dict) and ema.get("use_ema"):
-        fields["ema"] = {"decay": float(ema.get("ema_decay", 0.999)), "device": "device"}
-    norm = train.get("max_grad_norm", 1.0)
+    fields.update(_ema(train.get("ema_config"), where))
+    norm = train.get("max_grad_norm", 1.0)  # (ai-toolkit clips none with adafactor)
     fields["max_grad_norm"] = float(norm) if isinstance(norm, (int, float)) and not isinstance(norm, bool) and norm \
-        else None
+        and name != "adafactor" else None
     micro = whole(train, "batch_size", where, 1)
-    accum = max(whole(train, "gradient_accumulation_steps", where, 1), whole(train, "gradient_accumulation", where, 1))
+    steps, accum = (whole(train, k, where, 1) for k in ("gradient_accumulation_steps", "gradient_accumulation"))
+    if steps > 1 and accum > 1:
+        raise UserError(f"--from {where}: gradient_accumulation and gradient_accumulation_steps are both set (ai-toolkit "
+                        "refuses them together); keep one")
+    accum = max(steps, accum)
     if accum > 1:
         fields["micro_batch_size"] = micro
     if model.get("layer_offloading") or model.get("auto_memory"):
         warnings.append(f"ai-toolkit config {where}: layer_offloading is not mapped; memfit keeps every layer on the "
                         "device (swap_blocks is its block swap)")
-    resolution = _resolution(process.get("datasets") or [], where, warnings)
+    resolution = _resolution(datasets, where, warnings)
     try:
         plan = Plan(**fields)
     except UserError as e:
@@ -118,6 +124,7 @@ def _section(process: dict, key: str, where: str) -> dict:
 def _workload(model: dict, where: str) -> str:
     """FLUX.1-dev's and -schnell's hub ids are the built-in (their config); another FLUX.1 as given."""
     arch = str(model.get("arch") or ("flux" if model.get("is_flux") else "")).split(":")[0]
+    arch = "flux" if arch == "flex1" else arch  # (Flex.1, FLUX.1's kind: ai-toolkit's own alias)
     name = str(model.get("name_or_path") or "").strip()
     if arch != "flux":
         raise UserError(f"--from {where}: memfit reads ai-toolkit's FLUX.1 configs (is_flux, or arch: flux), not "
@@ -127,11 +134,12 @@ def _workload(model: dict, where: str) -> str:
     return {FLUX_DEV: "dit-flux", FLUX_SCHNELL: "dit-flux:guidance_embeds=false"}.get(name, name)
 
 
-def _text_encoders(model: dict, train: dict, where: str, warnings: list[str]) -> str:
+def _text_encoders(model: dict, train: dict, datasets: list, where: str, warnings: list[str]) -> str:
     """The text encoders' mode (see the table); their quantization where it is not the transformer's, said."""
     if train.get("train_text_encoder"):
         return "trained"
-    if train.get("cache_text_embeddings") or train.get("unload_text_encoder"):
+    if train.get("cache_text_embeddings") or train.get("unload_text_encoder") or any(
+            isinstance(d, dict) and d.get("cache_text_embeddings") for d in datasets):
         return "cached"
     if bool(model.get("quantize_te", model.get("quantize"))) != bool(model.get("quantize")):
         warnings.append(f"ai-toolkit config {where}: quantize_te differs from quantize; memfit stores T5-XXL's linear "
@@ -144,8 +152,11 @@ def _network(network: dict, where: str, warnings: list[str]) -> dict:
     if kind != "lora":
         raise UserError(f"--from {where}: network type {kind!r} is not one memfit runs; memfit models LoRA "
                         "(type: lora)")
-    rank = whole(network, "linear", f"{where}: network", 16)
-    alpha = network.get("linear_alpha", rank)
+    key = "rank" if network.get("rank") is not None else "linear"  # (ai-toolkit: rank wins; both default to 4)
+    rank = whole(network, key, f"{where}: network", 4)
+    alpha = network.get("linear_alpha", network.get("alpha", 1.0))
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
+        raise UserError(f"--from {where}: network.linear_alpha must be a number > 0, got {alpha!r}")
     if network.get("conv"):
         warnings.append(f"ai-toolkit config {where}: network.conv is not mapped (FLUX.1's blocks hold no convolution)")
     return {"adapter": f"lora:r={rank},alpha={alpha},targets=all-linear"}
@@ -154,17 +165,32 @@ def _network(network: dict, where: str, warnings: list[str]) -> dict:
 def _quantized(model: dict, where: str, warnings: list[str]) -> dict:
     if not model.get("quantize"):
         return {}
-    qtype = str(model.get("qtype", "qfloat8")).lower()
+    qtype = str(model.get("qtype", "qfloat8")).lower().split("|", 1)[0]  # ("uint3|repo/adapter": its type)
     if qtype not in ONE_BYTE:
         warnings.append(f"ai-toolkit config {where}: qtype {qtype} is not one byte a weight; memfit stores the "
                         "quantized weights in fp8 (one byte)")
     return {"base_weights": "fp8"}
 
 
+def _ema(config: object, where: str) -> dict:
+    """``ema_config`` as memfit's EMA of the LoRA on the device; none unless ``use_ema``."""
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise UserError(f"--from {where}: train.ema_config must be a mapping (use_ema: true, ema_decay: 0.99), got "
+                        f"{config!r}")
+    if not config.get("use_ema"):
+        return {}
+    decay = config.get("ema_decay", 0.999)
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)):
+        raise UserError(f"--from {where}: train.ema_config.ema_decay must be a number below 1, got {decay!r}")
+    return {"ema": {"decay": float(decay), "device": "device"}}
+
+
 def _resolution(datasets: list, where: str, warnings: list[str]) -> int | None:
     """The largest bucket's side (ai-toolkit caps a bucket's area at the side squared); uncached latents said."""
     sides: list[int] = []
-    for d in datasets if isinstance(datasets, list) else []:
+    for d in datasets:
         if not isinstance(d, dict):
             continue
         value = d.get("resolution", 512)

@@ -188,7 +188,9 @@ class ShadowWeights:
         params = dict(self.model.named_parameters())
         shadow = {}
         for name, t in state["shadow"].items():
-            p = params[name]
+            p = params.get(name)
+            if p is None or not p.requires_grad:  # (an older checkpoint's shadow of a frozen weight: the weight)
+                continue
             shadow[name] = distribute_tensor(t.to(p.device), p.device_mesh, p.placements).to_local() if isinstance(
                 p, DTensor) else t
         self.load_state_dict({"updates": state["updates"], "shadow": shadow})
