@@ -226,6 +226,17 @@ def image_workload(m: ImageModel, model, batch, loss, res: int, info: WorkloadIn
                     from_checkpoint=True)
 
 
+def held_workload(m: ImageModel, model, batch, loss, res: int, info: WorkloadInfo, encoders: list, wrapper,
+                  text: str, t5: str | None = None) -> Workload:
+    """The denoiser's workload (:func:`image_workload`), or, with ``encoders`` (text configs), ``wrapper``'s model:
+    the denoiser with its text encoders in the step (memfit.workloads.text_encoders), named so."""
+    if not encoders:
+        return image_workload(m, model, batch, loss, res, info)
+    from memfit.workloads.text_encoders import labelled
+    return labelled(image_workload(m, lambda: wrapper(model(), encoders, text == "trained"), batch, loss, res, info),
+                    text, t5)
+
+
 def no_seq_len(arch: str, seq_len: int | None) -> None:
     if seq_len is not None:
         raise UserError(f"{arch}: --seq-len does not apply to an image model; give --resolution PIXELS instead")
@@ -274,11 +285,8 @@ def lumina2(overrides: dict, seq_len: int | None, resolution: int | None, m: Ima
     res = high * VAE_FACTOR
     info = image_info(m, res, kw, ("hidden_size", "num_layers", "num_attention_heads", "cap_feat_dim"),
                       kw["patch_size"], sides)
-    model = model_builder(m, cls, kw, overrides)
-    if not encoders:
-        return image_workload(m, model, batch, transformer_loss, res, info)
-    return te.labelled(image_workload(m, lambda: te.LuminaWithTextEncoders(model(), encoders, text_mode == "trained"),
-                                      batch, transformer_loss, res, info), text_mode)
+    return held_workload(m, model_builder(m, cls, kw, overrides), batch, transformer_loss, res, info, encoders,
+                         te.LuminaWithTextEncoders, text_mode)
 
 
 def sd3(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = SD3) -> Workload:
@@ -317,11 +325,8 @@ def sd3(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageMo
                       kw["patch_size"], sides)
     if t5_tokens:
         info.config["t5_tokens"] = t5_tokens
-    model = model_builder(m, cls, kw, overrides)
-    if not encoders:
-        return image_workload(m, model, batch, transformer_loss, res, info)
-    return te.labelled(image_workload(m, lambda: te.SD3WithTextEncoders(model(), encoders, text == "trained"), batch,
-                                      transformer_loss, res, info), text, t5)
+    return held_workload(m, model_builder(m, cls, kw, overrides), batch, transformer_loss, res, info, encoders,
+                         te.SD3WithTextEncoders, text, t5)
 
 
 def unet_builder(m: ImageModel):
@@ -373,11 +378,8 @@ def unet_builder(m: ImageModel):
         res = high * VAE_FACTOR
         info = image_info(m, res, kw, ("block_out_channels", "layers_per_block", "cross_attention_dim"), halvings,
                           sides)
-        unet = model_builder(m, cls, kw, overrides)
-        if not encoders:
-            return image_workload(m, unet, batch, loss, res, info)
-        return te.labelled(image_workload(m, lambda: te.WithTextEncoders(unet(), encoders, text == "trained"), batch,
-                                          loss, res, info), text)
+        return held_workload(m, model_builder(m, cls, kw, overrides), batch, loss, res, info, encoders,
+                             te.WithTextEncoders, text)
     return build
 
 

@@ -121,12 +121,11 @@ def sd3_configs(pooled: int, joint: int, t5: bool, layers: int | None) -> list:
     """The text configs of an SD3 DiT whose pooled input is ``pooled`` wide (CLIP-L's and CLIP-G's projections
     side by side) and whose caption states are ``joint`` wide: CLIP-L, CLIP-G, and T5-XXL where it runs in the
     step (``t5``)."""
-    first = round(pooled * SDXL_CLIP_L_SHARE)
     if pooled > joint:
         raise UserError(f"dit-sd3: pooled_projection_dim={pooled} cannot hold CLIP-L and CLIP-G side by side within "
                         f"joint_attention_dim={joint}; give at most joint_attention_dim")
-    return [*_clip_pair(pooled, pooled - first, layers, "dit-sd3: pooled_projection_dim", "CLIP-L and CLIP-G side by "
-                        "side"), *([_t5(joint, layers)] if t5 else [])]
+    return [*_clip_pair(pooled, None, layers, "dit-sd3: pooled_projection_dim", "CLIP-L and CLIP-G side by side"),
+            *([_t5(joint, layers)] if t5 else [])]
 
 
 def lumina_configs(width: int, layers: int | None) -> list:
@@ -213,14 +212,15 @@ def encoder_configs(cross: int, pooled: int, sdxl: bool, layers: int | None) -> 
     return _clip_pair(cross, pooled, layers, "unet-sdxl: cross_attention_dim", "two text encoders side by side")
 
 
-def _clip_pair(width: int, pooled: int, layers: int | None, field: str, what: str) -> list:
+def _clip_pair(width: int, pooled: int | None, layers: int | None, field: str, what: str) -> list:
     """CLIP-L and OpenCLIP bigG side by side, ``width`` wide together (768 + 1280 of 2048), bigG projecting its
-    pooled output to ``pooled``; ``field`` and ``what`` name the width in the error where it cannot hold two."""
+    pooled output to ``pooled`` (None: its own width, as SD3's); ``field`` and ``what`` name the width in the error
+    where it cannot hold two."""
     first = round(width * SDXL_CLIP_L_SHARE)
     if not 0 < first < width:
         raise UserError(f"{field}={width} cannot hold {what}; give at least 2")
     return [_clip(first, layers or CLIP_L_LAYERS, projection_dim=first),
-            _clip(width - first, layers or BIGG_LAYERS, projection_dim=pooled, hidden_act="gelu")]
+            _clip(width - first, layers or BIGG_LAYERS, projection_dim=pooled or width - first, hidden_act="gelu")]
 
 
 class WithTextEncoders(torch.nn.Module):
@@ -246,10 +246,6 @@ class WithTextEncoders(torch.nn.Module):
     def projected(i: int, configs: list) -> bool:
         """Whether the ``i``-th CLIP's pooled output is projected (SDXL's bigG's)."""
         return len(configs) > 1 and i == len(configs) - 1
-
-    @property
-    def trained(self) -> bool:
-        return any(self.trains)
 
     def train(self, mode: bool = True):
         """Frozen encoders stay in eval mode (no dropout: kohya's ``t5xxl.eval()``; a pipeline's T5 config holds
