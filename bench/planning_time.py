@@ -65,6 +65,9 @@ CASES = {
     # issue 53: FLUX.1-dev's LoRA, fp8 base, 1024 px, on a 12 GB card (two stacks; blocks swapped)
     "flux-12": "dit-flux --adapter lora:r=16 --base-weights fp8 --precision bf16-pure --resolution 1024 -b 1 "
                "--device rtx4090 --budget 12GiB",
+    # FLUX.1-dev with CLIP-L and T5-XXL frozen in the step (four stacks: 12 + 24 encoder layers, 19 + 38 blocks)
+    "flux-encoders": "dit-flux:text_encoders=frozen --adapter lora:r=16 --base-weights fp8 --precision bf16-pure "
+                     "--resolution 1024 -b 1 --device rtx4090",
     # Qwen-Image (20.4B, 60 blocks, rotary tables as plain tensors: NOTE [ Plain tensors of a meta build ])
     "qwenimage-lora": "dit-qwenimage --adapter lora:r=16 --device rtx4090 -b 1",
     # issue 52: compile searched for a long run (--steps), each distinct graph compiled once per worker

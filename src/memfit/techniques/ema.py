@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -207,6 +208,11 @@ class ShadowWeights:
             for name, saved in state["shadow"].items():
                 if name in self.shadow:  # (an older checkpoint's shadow of a frozen weight: the weight itself)
                     self.shadow[name].copy_(saved)
+            fresh = [name for name in self.shadow if name not in state["shadow"]]
+            if fresh:  # (the run that saved it trained fewer parameters: an adapter added, a layer unfrozen)
+                warnings.warn(f"EMA: the checkpoint holds no average of {len(fresh)} trained parameter(s) "
+                              f"({fresh[0]}{', ...' if len(fresh) > 1 else ''}); their averages start from the "
+                              "current weights", stacklevel=2)
 
 
 class _Background:

@@ -1,5 +1,8 @@
 """Offload and EMA placement: exact results, device-side saving by per-device accounting."""
 
+import warnings
+
+import pytest
 import torch
 
 from helpers import GPT2_DROPOUT, assert_same_training, measured, run_steps
@@ -58,3 +61,18 @@ def test_ema_shadow_follows_the_weights_and_lives_where_asked():
     assert on_host.predicted.host_peak_bytes == 2 * param_bytes  # the shadow, and the copies it averages
     assert on_device.predicted.peak_bytes - on_host.predicted.peak_bytes == param_bytes
     assert abs(on_host.error_percent) <= 1.0 and abs(on_device.error_percent) <= 1.0
+
+
+def test_ema_loading_a_shadow_of_fewer_parameters_says_which_start_afresh():
+    _, params, step = run_steps(GPT2_DROPOUT, Plan(ema={"decay": 0.9, "device": "device", "every": 1}), steps=2)
+    saved = step.ema.state_dict()
+    names = sorted(saved["shadow"])
+    partial = {"updates": saved["updates"], "shadow": {n: saved["shadow"][n].clone() + 1 for n in names[1:]}}
+    with pytest.warns(UserWarning, match=rf"no average of 1 trained parameter\(s\) \({names[0]}\)"):
+        step.ema.load_state_dict(partial)
+    loaded = step.ema.state_dict()["shadow"]
+    assert all(torch.equal(loaded[n], partial["shadow"][n]) for n in names[1:])
+    torch.testing.assert_close(loaded[names[0]], params[-1][names[0]].float())  # from the current weights
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step.ema.load_state_dict(saved)  # a whole shadow says nothing
