@@ -6,11 +6,12 @@ docs/estimate.md: allocated, reserved and on-the-device bytes (reserved + the pr
 - FLUX.1-dev, LoRA r=16 on every linear layer, fp8 base weights, bf16-base, blocks, batch 1 at 1024 px on
   the rtx4090 preset, with its text encoders cached, CLIP-L trained over T5's cached states, frozen, trained;
 - SD3 medium (the same LoRA, no fp8) on rtx3060-12gb, and Lumina 2 on rtx4090, in the same modes;
-- sd-scripts' basic FLUX command and ai-toolkit's 24 GB FLUX example (tests/data), as `--from` reads them.
+- sd-scripts' basic FLUX command and ai-toolkit's 24 GB FLUX example (tests/data), as `--from` reads them;
+  ai-toolkit's examples for SD3.5 Large, Lumina 2, Qwen-Image and Wan 2.1 (14B, 1.3B) (``--only ai-toolkit``).
 
 Predictions only (fake tensors on this CPU, a GPU preset's kernels); about 30 s an estimate.
 
-    .venv/bin/python -m bench.text_encoders [--only flux,sd3,lumina,configs]
+    .venv/bin/python -m bench.text_encoders [--only flux,sd3,lumina,configs,ai-toolkit]
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ CASES = {
                {**LORA, "adapter": "lora:r=16,targets=all-linear"}, "rtx4090"),
 }
 CONFIGS = (("kohya/flux-docs-basic.toml", "rtx4090"), ("ai_toolkit/train_lora_flux_24gb.yaml", "rtx4090"))
+AI_TOOLKIT = tuple((f"ai_toolkit/{name}.yaml", "rtx4090") for name in (
+    "train_lora_sd35_large_24gb", "train_lora_lumina", "train_lora_qwen_image_24gb", "train_lora_wan21_14b_24gb",
+    "train_lora_wan21_1b_24gb"))
+"""ai-toolkit's examples for other models, each for a 24 GB card (``--only ai-toolkit``)."""
 
 
 def _row(label: str, report, seconds: float) -> str:
@@ -60,9 +65,11 @@ def main() -> None:
             report = estimate(f"{arch}:{mode}" if mode else arch, Plan(**plan), batch_size=1, device=device,
                               resolution=1024)
             print(_row(mode or "(cached)", report, time.perf_counter() - t0), flush=True)
-    if "configs" in only:
+    for section, configs in (("configs", CONFIGS), ("ai-toolkit", AI_TOOLKIT)):
+        if section not in only:
+            continue
         print(f"\n--from the trainers' configs\n{header}")
-        for path, device in CONFIGS:
+        for path, device in configs:
             t0 = time.perf_counter()
             c = read_training_config(DATA / path, get_device(device))
             report = estimate(c.workload, c.plan, batch_size=c.batch_size, device=device, resolution=c.resolution)

@@ -12,7 +12,7 @@ import yaml
 
 from memfit.devices import get_device
 from memfit.errors import UserError
-from memfit.integrations.ai_toolkit import map_config
+from memfit.integrations.ai_toolkit import SD35_LARGE, map_config
 from memfit.integrations.from_file import read_training_config
 from memfit.plans import Plan
 from tests.integration.test_cli_errors import check, run
@@ -83,6 +83,41 @@ def test_batches_and_buckets_are_the_largest_and_accumulated():
                    "c.yaml", CARD)
     assert (c.batch_size, c.micro_batch_size, c.resolution, c.plan.micro_batch_size) == (8, 2, 768, 2)
     assert map_config(_with(datasets__resolution=None), "c.yaml", CARD).resolution == 512  # (ai-toolkit's default)
+    assert map_config(_with(datasets__resolution=[632]), "c.yaml", CARD).resolution == 624  # (a side of 16s)
+
+
+@pytest.mark.parametrize("name,workload,fields,said", [
+    ("train_lora_lumina", "dit-lumina2:text_encoders=frozen", {"base_weights": "as-is"},
+     ["quantize_te differs from quantize", "ai-toolkit runs the bf16 model", "latents are not cached"]),
+    ("train_lora_sd35_large_24gb", f"{SD35_LARGE},text_encoders=frozen", {}, ["ai-toolkit runs the bf16 model"]),
+    ("train_lora_qwen_image_24gb", "dit-qwenimage", {"base_weights": "nf4", "ema": None},  # (uint3: as nf4, said)
+     ["qtype uint3 stores 3 bits a weight", "ai-toolkit runs the bf16 model"]),
+    ("train_lora_wan21_14b_24gb", "dit-wan:frames=1", {"adapter": "lora:r=32,alpha=32,targets=all-linear"},
+     ["ai-toolkit runs the bf16 model"]),  # (umT5 unloaded: its states cached; images, one frame)
+    ("train_lora_wan21_1b_24gb", "dit-wan-1.3b:frames=1", {"adapter": "lora:r=32,alpha=32,targets=all-linear",
+                                                           "base_weights": "as-is"},
+     ["the text encoders run in the step", "ai-toolkit runs the bf16 model"]),  # (umT5 in the step: said)
+])
+def test_ai_toolkits_other_examples_are_the_runs_it_makes_of_them(name, workload, fields, said):
+    """Each of ai-toolkit's examples for another model: its published id as memfit's built-in of that model,
+    the example's fields as in the FLUX one, and what memfit does not hold said in one line each."""
+    c = read_training_config(DATA / f"{name}.yaml", CARD)
+    assert c.workload == workload and c.plan == read_training_config(EXAMPLE, CARD).plan.replace(**fields), c.plan
+    assert [w.split(": ", 1)[1][:len(s)] for w, s in zip(c.warnings, said)] == said and len(c.warnings) == len(said)
+
+
+@pytest.mark.parametrize("model,workload", [
+    ({"name_or_path": "stabilityai/stable-diffusion-xl-base-1.0", "is_xl": True}, "unet-sdxl:text_encoders=frozen"),
+    ({"name_or_path": "runwayml/stable-diffusion-v1-5"}, "unet-sd15:text_encoders=frozen"),  # (no arch: SD 1.x)
+    ({"name_or_path": "/models/my-sdxl", "arch": "sdxl"}, "/models/my-sdxl:text_encoders=frozen"),
+    ({"name_or_path": "Wan-AI/Wan2.1-T2V-14B-Diffusers", "arch": "wan21"}, "dit-wan:frames=37"),
+])
+def test_archs_and_older_flags_name_the_model(model, workload):
+    data = _with(datasets__num_frames=40)  # (a Wan clip: 4k + 1 frames, said)
+    data["config"]["process"][0]["model"] = model
+    c = map_config(data, "c.yaml", CARD)
+    assert c.workload == workload
+    assert any("num_frames 40 is not 4k + 1" in w for w in c.warnings) == ("wan" in workload)
 
 
 def test_what_memfit_runs_otherwise_is_said_in_one_line():
@@ -92,18 +127,22 @@ def test_what_memfit_runs_otherwise_is_said_in_one_line():
     data["config"]["process"][0]["datasets"] = {"resolution": 512}
     with pytest.raises(UserError, match="datasets must be a list of datasets"):
         map_config(data, "c.yaml", CARD)
-    c = map_config(_with(model__quantize_te=False, model__layer_offloading=True, model__qtype="uint4",
+    assert map_config(_with(model__qtype="uint4"), "c.yaml", CARD).plan.base_weights == "nf4"  # (half a byte: unsaid)
+    assert map_config(_with(model__qtype="int6"), "c.yaml", CARD).plan.base_weights == "fp8"  # (said: one byte)
+    c = map_config(_with(model__quantize_te=False, model__layer_offloading=True, model__qtype="uint3",
                          datasets__cache_latents_to_disk=False), "c.yaml", CARD)
+    assert c.plan.base_weights == "nf4"
     said = [w.split(": ", 1)[1][:40] for w in c.warnings]
-    assert said == ["quantize_te differs from quantize; memfi", "qtype uint4 is not one byte a weight; me",
+    assert said == ["quantize_te differs from quantize; memfi", "qtype uint3 stores 3 bits a weight; memf",
                     "ai-toolkit runs the bf16 model without a", "layer_offloading is not mapped; memfit k",
                     "latents are not cached (cache_latents_to"], said
     assert all("\n" not in w for w in c.warnings)
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"model__is_flux": None, "model__arch": "sd3"}, r"memfit reads ai-toolkit's FLUX.1 configs \(is_flux, or arch: "
-                                                     r"flux\), not arch 'sd3'; name the model as the workload"),
+    ({"model__is_flux": None, "model__arch": "hidream"}, r"memfit reads ai-toolkit's flux, sd1, sdxl, sd3, lumina2, "
+     r"qwen_image, flux2, wan21 configs, not arch 'hidream'; name the model as the workload"),
+    ({"datasets__num_frames": 0, "model__arch": "wan21"}, "datasets num_frames must be a whole number >= 1"),
     ({"train__optimizer": "prodigy"}, "train.optimizer 'prodigy' is not one memfit runs"),
     ({"network__type": "lokr"}, "network type 'lokr' is not one memfit runs"),
     ({"train__dtype": "int8"}, "train.dtype 'int8' is not one memfit runs"),
@@ -132,8 +171,8 @@ def test_on_the_command_line_a_tiny_flux_beside_it_runs_its_plan(tmp_path):
     assert rc == 0 and report["workload"] == "dit-flux 128px, text encoders frozen" and report["batch_size"] == 1
     assert report["plan"]["ema"] == {"decay": 0.99, "device": "device", "every": 1}
     other = tmp_path / "sd3.yaml"
-    other.write_text(yaml.safe_dump(_with(model__is_flux=None, model__arch="sd3")))
+    other.write_text(yaml.safe_dump(_with(model__is_flux=None, model__arch="hidream")))
     argv = ["estimate", "--from", str(other), "--device", "rtx4090"]
     rc, _, err = run(argv)
     check(argv, rc, err)
-    assert rc == 2 and "not arch 'sd3'" in err
+    assert rc == 2 and "not arch 'hidream'" in err

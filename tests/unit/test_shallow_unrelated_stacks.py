@@ -2,6 +2,7 @@
 model: a vision tower, then a language model): NOTE [ Stacks of unrelated depths ] in memfit.planner.shallow."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from memfit.planner.space import model_facts
 from memfit.planner.stacks import Stacks, stacks_of
 from memfit.planner.timing import time_from_ops
 from memfit.planner.trace_job import Tracer
+from memfit.planner.traces import TraceBook
 from memfit.plans import Plan
 from memfit.target import Target
 
@@ -99,3 +101,57 @@ def test_a_run_with_a_stretch_at_each_stack_repeats_both_and_puts_grown_ops_on_t
     assert out[-1].nbytes == 8 + 3 * 4  # (8 at d, 12 at d + 1: 20 three steps on)
     assert [o.kind for o in _with_stretches(text, [_op("x"), *text, _op("y")], 2)] == ["x", "x", "t1", "y", "y"]
     assert _with_stretches(ra, ra[1:], 2) is None
+
+
+class _Unequal(torch.nn.Module):
+    """Two frozen stacks of small blocks (a text encoder's), then two trained stacks of larger ones (a DiT's)."""
+
+    def __init__(self, *lengths):
+        super().__init__()
+        for i, n in enumerate(lengths):
+            width = 1 if i < 2 else 6
+            stack = torch.nn.ModuleList(torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(width)))
+                                        for _ in range(n))
+            stack.requires_grad_(i >= 2)
+            setattr(self, f"stack{i}", stack)
+
+
+def test_frozen_stacks_weigh_what_their_blocks_cost_to_trace():
+    """NOTE [ Stacks of unequal blocks ]: FLUX.1 with CLIP-L and T5 in the step (12, 24, 19 and 38 blocks) was cut
+    to t, 2t, 7 + t and 2 + 3t (9 double blocks in the shallower trace); weighed, CLIP-L is whole in every trace
+    and the DiT's stacks are cut as without encoders."""
+    stacks = stacks_of(_Unequal(12, 24, 19, 38))
+    assert (stacks.full, stacks.unit, stacks.offsets) == (19, (0, 1, 1, 2), (12, 5, 0, 0))
+    assert stacks_of(_Stacks(12, 24, 19, 38)).full == 12  # (blocks of one cost: the fewest blocks, as before)
+
+
+FLUX_TEXT = ("dit-flux:num_layers=6,num_single_layers=12,attention_head_dim=16,num_attention_heads=2,"
+             "joint_attention_dim=32,pooled_projection_dim=24,axes_dims_rope=4/6/6,text_encoders=frozen,text_layers=4")
+"""A FLUX.1 of 6 + 12 blocks with CLIP-L and T5 of 4 layers each, frozen in the step: cut to 4, 4, t and 2t."""
+
+
+@pytest.mark.parametrize("swapped", [0, 12], ids=["resident", "singles-swapped"])
+def test_text_encoders_kept_whole_in_the_pair_give_the_full_traces_peak_and_time(swapped):
+    """The encoders' stacks are whole at both depths (a constant); the DiT's grow on their line: the pair's peak,
+    step time and allocations at full depth are the full trace's; with the DiT's last blocks swapped too (its
+    single-stream blocks, behind the encoders' stacks: :attr:`Stacks.tail`)."""
+    pytest.importorskip("diffusers")
+    plan = Plan(adapter="lora:r=4", precision="bf16-pure", checkpointing="blocks", swap_blocks=swapped)
+    target = Target.resolve(FLUX_TEXT, plan, 1, "rtx4090", resolution=128)
+    facts = model_facts(target.workload)
+    stacks = stacks_of(facts.model)
+    assert (stacks.full, stacks.unit, stacks.offsets) == (6, (0, 0, 1, 2), (4, 4, 0, 0))
+    assert stacks.tail == (6, 12)
+    tracer = Tracer(target, facts.model, Budget.resolve(None, target.device))
+    book = SimpleNamespace(depth=stacks.full, stacks=stacks, shallow_failed=None)  # (what TraceBook.depths reads)
+    pair = TraceBook.depths(book, plan)
+    assert pair == (2, 3)
+    a, b = (tracer((plan, d, None)) for d in pair)
+    full = tracer((plan, None, None))
+    assert extrapolate(a.peak_bytes, b.peak_bytes, *pair, 6) == pytest.approx(full.peak_bytes, rel=1e-4)
+    ops = extrapolate_ops(a.ops, b.ops, *pair, 6)
+    seconds = time_from_ops(ops, target).seconds if ops is not None else \
+        extrapolate(time_from_ops(a.ops, target).seconds, time_from_ops(b.ops, target).seconds, *pair, 6)
+    assert seconds == pytest.approx(time_from_ops(full.ops, target).seconds, rel=0.005)
+    deep = deepen(a.stream, b.stream, *pair, 6)
+    assert deep is not None and replay(deep, STEADY_STEP) == (full.peak_bytes, full.used_bytes - full.context_bytes)

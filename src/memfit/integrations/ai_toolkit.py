@@ -1,15 +1,17 @@
-"""ai-toolkit (ostris) job configs: a FLUX.1 LoRA's YAML as memfit's workload, sizes and plan (``memfit estimate
+"""ai-toolkit (ostris) job configs: a diffusion LoRA's YAML as memfit's workload, sizes and plan (``memfit estimate
 --from train_lora_flux_24gb.yaml``; told from an axolotl YAML by its ``config: process:``).
 
-What ai-toolkit's ``sd_trainer`` runs for FLUX.1, read from its source (toolkit/stable_diffusion_model.py,
-jobs/process/BaseSDTrainProcess.py, toolkit/config_modules.py), and how memfit maps it:
+What ai-toolkit's ``sd_trainer`` runs, read from its source (toolkit/stable_diffusion_model.py,
+jobs/process/BaseSDTrainProcess.py, toolkit/config_modules.py, extensions_built_in/diffusion_models), and how
+memfit maps it:
 
 | ai-toolkit | what it runs | memfit |
 |---|---|---|
-| ``model.is_flux`` / ``arch: flux``, ``name_or_path`` | FluxTransformer2DModel from the hub id or folder | ``dit-flux`` (FLUX.1-dev's id; schnell's without guidance), else the id or folder |
-| ``model.quantize`` (``qtype`` qfloat8) | optimum-quanto: every ``nn.Linear`` of the transformer in float8 e4m3, cast to bf16 per matmul | ``base_weights: fp8`` |
+| ``model.arch`` (or ``is_flux``, ``is_xl``, ``is_v3``, ``is_lumina2``; none: SD 1.x), ``name_or_path`` | the arch's denoiser from the hub id or folder | FLUX.1 (``flux``, ``flex1``), SD 1.x, SDXL, SD3/3.5, Lumina 2, Qwen-Image, FLUX.2, Wan 2.1: a published id as memfit's built-in (:data:`ARCHS`), else the id or folder |
+| ``model.quantize`` (``qtype`` qfloat8; torchao's ``uint3``-``uint4``) | optimum-quanto or torchao: every ``nn.Linear`` of the transformer in one byte (or 3-4 bits), cast to bf16 per matmul | ``base_weights: fp8`` (``nf4``: 4 bits, a bound for 3) |
 | ``model.quantize_te`` (default: ``quantize``) | T5-XXL quantized too; CLIP-L stays bf16 | fp8 base weights store both encoders' linear layers (CLIP-L: 85 MB less than ai-toolkit holds) |
-| text encoders | on the device, each prompt encoded every step under no_grad, T5 at 512 tokens; ``cache_text_embeddings`` (train's or a dataset's) or ``unload_text_encoder``: cached | ``text_encoders=frozen`` (``cached``) |
+| text encoders | on the device, each prompt encoded every step under no_grad, T5 at 512 tokens; ``cache_text_embeddings`` (train's or a dataset's) or ``unload_text_encoder``: cached | ``text_encoders=frozen`` (``cached``); Qwen-Image's, FLUX.2's and Wan's in the step: said, not held |
+| ``datasets[].num_frames`` (Wan; default 1: images) | clips of that many frames | ``dit-wan:frames=`` down to 4k + 1 (said where it differs) |
 | ``train.train_text_encoder`` | the encoders train | ``text_encoders=trained`` |
 | ``network`` lora, ``rank`` or ``linear`` (default 4), ``linear_alpha`` (default ``alpha``, 1) | LoRA on every linear layer of the double and single blocks, weights in fp32 | ``adapter: lora:r=linear,alpha=linear_alpha,targets=all-linear`` (also the 7 embedding and output layers) |
 | ``train.dtype`` bf16 / fp16 (default fp32) | the model in that dtype, the LoRA in fp32, no autocast | ``bf16-base`` / ``fp16-base`` (under autocast: said) / ``fp32`` |
@@ -17,13 +19,14 @@ jobs/process/BaseSDTrainProcess.py, toolkit/config_modules.py), and how memfit m
 | ``train.optimizer`` | adamw8bit (bitsandbytes), adamw, adafactor, ... | ``adamw8bit``, ``adamw``, ``adafactor``; others refused |
 | ``train.ema_config.use_ema``, ``ema_decay`` | an fp32 copy of the LoRA on the device | ``ema: {decay, device: device}`` |
 | ``train.batch_size``, ``gradient_accumulation_steps`` | the micro-batch, accumulated | batch and micro-batch |
-| ``datasets[].resolution`` (a side or a list), ``cache_latents(_to_disk)`` | buckets up to that side squared; latents cached, the VAE off the device | ``--resolution`` the largest side |
+| ``datasets[].resolution`` (a side or a list), ``cache_latents(_to_disk)`` | buckets up to that side squared; latents cached, the VAE off the device | ``--resolution`` the largest side, down to a multiple of 16 |
 | ``train.max_grad_norm`` (default 1.0) | clipping (none with adafactor) | ``max_grad_norm`` |
 
 Said in one line each: the model under autocast where ai-toolkit runs none; a quantization memfit stores in
 other bytes (``qtype`` other than qfloat8/qint8); the text encoders' quantization where it differs from the
-transformer's; latents not cached; ``layer_offloading``; a network other than LoRA. Refused in one line: a
-model other than FLUX.1 (name it as the workload instead), an optimizer memfit does not run.
+transformer's; latents not cached; ``layer_offloading``; text encoders in the step that memfit does not hold. Refused in one
+line: another arch (name the model as the workload instead), a network other than LoRA, an optimizer memfit
+does not run.
 """
 
 from __future__ import annotations
@@ -35,6 +38,28 @@ from memfit.plans import Plan
 from memfit.workloads.config_overrides import with_override
 
 FLUX_DEV, FLUX_SCHNELL = "black-forest-labs/FLUX.1-dev", "black-forest-labs/FLUX.1-schnell"
+SD35_LARGE = "dit-sd3:num_layers=38,num_attention_heads=38,caption_projection_dim=2432,pos_embed_max_size=192," \
+             "qk_norm=rms_norm"
+"""SD3.5 Large's MMDiT (8.1B: 38 blocks of 2432; its text encoders are SD3's)."""
+ARCHS = {
+    "flux": {FLUX_DEV: "dit-flux", FLUX_SCHNELL: "dit-flux:guidance_embeds=false"},
+    "sd1": {"runwayml/stable-diffusion-v1-5": "unet-sd15", "stable-diffusion-v1-5/stable-diffusion-v1-5": "unet-sd15",
+            "CompVis/stable-diffusion-v1-4": "unet-sd15"},
+    "sdxl": {"stabilityai/stable-diffusion-xl-base-1.0": "unet-sdxl"},
+    "sd3": {"stabilityai/stable-diffusion-3-medium-diffusers": "dit-sd3",
+            "stabilityai/stable-diffusion-3.5-large": SD35_LARGE},
+    "lumina2": {"Alpha-VLLM/Lumina-Image-2.0": "dit-lumina2"},
+    "qwen_image": {"Qwen/Qwen-Image": "dit-qwenimage"},
+    "flux2": {"black-forest-labs/FLUX.2-dev": "dit-flux2"},
+    "wan21": {"Wan-AI/Wan2.1-T2V-14B-Diffusers": "dit-wan", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": "dit-wan-1.3b"},
+}
+"""ai-toolkit's model archs memfit reads (``arch``, or the older ``is_flux``, ``is_xl``, ``is_v3``, ``is_lumina2``;
+none: SD 1.x), and the built-in of each published id; another id or a folder is read as a diffusers model."""
+HOLD_TEXT = ("flux", "sd1", "sdxl", "sd3", "lumina2")
+"""The archs whose denoisers memfit builds with their text encoders (memfit.workloads.text_encoders)."""
+OLD_FLAGS = {"is_flux": "flux", "is_xl": "sdxl", "is_ssd": "sdxl", "is_v3": "sd3", "is_lumina2": "lumina2",
+             "is_v2": "sd2", "is_pixart": "pixart", "is_pixart_sigma": "pixart_sigma", "is_auraflow": "auraflow"}
+"""The older flags, in the order ai-toolkit reads them (ModelConfig)."""
 OPTIMIZERS = {"adamw8bit": "adamw8bit", "adamw8": "adamw8bit", "adam8bit": "adamw8bit", "adamw": "adamw",
               "adam": "adamw", "adafactor": "adafactor"}
 """ai-toolkit's optimizer names memfit runs (Adam's states weigh AdamW's)."""
@@ -60,12 +85,19 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
     datasets = process.get("datasets") or []
     if not isinstance(datasets, list):
         raise UserError(f"--from {where}: datasets must be a list of datasets, got {type(datasets).__name__}")
-    named = _workload(model, where)
+    arch, named = _workload(model, where)
     workload = workload or named
-    text, fields = _text_encoders(model, train, datasets, where, warnings), _network(network, where, warnings)
+    text, fields = _text_encoders(arch, model, train, datasets, where, warnings), _network(arch, network, where, warnings)
     fields.update(_quantized(model, where, warnings))
     if text != "cached" and "text_encoders=" not in workload:  # (a workload named beside it keeps its own)
-        workload = with_override(workload, "text_encoders", text)
+        if arch not in HOLD_TEXT:
+            warnings.append(f"ai-toolkit config {where}: the text encoders run in the step (no cache_text_embeddings); "
+                            f"memfit holds them for SD, SDXL, FLUX.1, SD3 and Lumina 2 only, so {arch}'s are not in the "
+                            "estimate")
+        else:
+            workload = with_override(workload, "text_encoders", text)
+    if arch == "wan21" and "frames=" not in workload:
+        workload = with_override(workload, "frames", _frames(datasets, where, warnings))
     dtype = str(train.get("dtype", "fp32")).lower()
     if dtype not in PRECISIONS:
         raise UserError(f"--from {where}: train.dtype {dtype!r} is not one memfit runs; use bf16, fp16 or fp32")
@@ -121,33 +153,34 @@ def _section(process: dict, key: str, where: str) -> dict:
     return value
 
 
-def _workload(model: dict, where: str) -> str:
-    """FLUX.1-dev's and -schnell's hub ids are the built-in (their config); another FLUX.1 as given."""
-    arch = str(model.get("arch") or ("flux" if model.get("is_flux") else "")).split(":")[0]
+def _workload(model: dict, where: str) -> tuple[str, str]:
+    """(ai-toolkit's arch, the workload): a published id's built-in, another id or folder as given."""
+    arch = str(model.get("arch") or next((a for k, a in OLD_FLAGS.items() if model.get(k)), "sd1")).split(":")[0]
     arch = "flux" if arch == "flex1" else arch  # (Flex.1, FLUX.1's kind: ai-toolkit's own alias)
     name = str(model.get("name_or_path") or "").strip()
-    if arch != "flux":
-        raise UserError(f"--from {where}: memfit reads ai-toolkit's FLUX.1 configs (is_flux, or arch: flux), not "
-                        f"arch {arch or 'unset'!r}; name the model as the workload: memfit estimate {name or 'ORG/NAME'}")
+    if arch not in ARCHS:
+        raise UserError(f"--from {where}: memfit reads ai-toolkit's {', '.join(ARCHS)} configs, not arch {arch!r}; "
+                        f"name the model as the workload: memfit estimate {name or 'ORG/NAME'}")
     if not name:
         raise UserError(f"--from {where}: model.name_or_path is not set; the config names the model it trains")
-    return {FLUX_DEV: "dit-flux", FLUX_SCHNELL: "dit-flux:guidance_embeds=false"}.get(name, name)
+    return arch, ARCHS[arch].get(name, name)
 
 
-def _text_encoders(model: dict, train: dict, datasets: list, where: str, warnings: list[str]) -> str:
+def _text_encoders(arch: str, model: dict, train: dict, datasets: list, where: str, warnings: list[str]) -> str:
     """The text encoders' mode (see the table); their quantization where it is not the transformer's, said."""
     if train.get("train_text_encoder"):
         return "trained"
     if train.get("cache_text_embeddings") or train.get("unload_text_encoder") or any(
             isinstance(d, dict) and d.get("cache_text_embeddings") for d in datasets):
         return "cached"
-    if bool(model.get("quantize_te", model.get("quantize"))) != bool(model.get("quantize")):
-        warnings.append(f"ai-toolkit config {where}: quantize_te differs from quantize; memfit stores T5-XXL's linear "
-                        "weights as the transformer's (fp8 base weights or 16 bits): 4.4 GB off")
+    if arch in HOLD_TEXT and bool(model.get("quantize_te", model.get("quantize"))) != bool(model.get("quantize")):
+        warnings.append(f"ai-toolkit config {where}: quantize_te differs from quantize; memfit stores the text encoders' "
+                        "linear weights as the transformer's (fp8 base weights or 16 bits)" +
+                        (": T5-XXL's 4.4 GB off" if arch in ("flux", "sd3") else ""))
     return "frozen"
 
 
-def _network(network: dict, where: str, warnings: list[str]) -> dict:
+def _network(arch: str, network: dict, where: str, warnings: list[str]) -> dict:
     kind = str(network.get("type", "lora")).lower()
     if kind != "lora":
         raise UserError(f"--from {where}: network type {kind!r} is not one memfit runs; memfit models LoRA "
@@ -158,7 +191,9 @@ def _network(network: dict, where: str, warnings: list[str]) -> dict:
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
         raise UserError(f"--from {where}: network.linear_alpha must be a number > 0, got {alpha!r}")
     if network.get("conv"):
-        warnings.append(f"ai-toolkit config {where}: network.conv is not mapped (FLUX.1's blocks hold no convolution)")
+        warnings.append(f"ai-toolkit config {where}: network.conv is not mapped " + (
+            "(a LoRA of the UNet's convolutions); memfit adapts its linear layers" if arch in ("sd1", "sdxl") else
+            f"({arch}'s transformer blocks hold no convolution)"))
     return {"adapter": f"lora:r={rank},alpha={alpha},targets=all-linear"}
 
 
@@ -166,9 +201,16 @@ def _quantized(model: dict, where: str, warnings: list[str]) -> dict:
     if not model.get("quantize"):
         return {}
     qtype = str(model.get("qtype", "qfloat8")).lower().split("|", 1)[0]  # ("uint3|repo/adapter": its type)
-    if qtype not in ONE_BYTE:
-        warnings.append(f"ai-toolkit config {where}: qtype {qtype} is not one byte a weight; memfit stores the "
-                        "quantized weights in fp8 (one byte)")
+    if qtype in ONE_BYTE:
+        return {"base_weights": "fp8"}
+    bits = int(qtype[-1]) if qtype[-1:].isdigit() and qtype.rstrip("0123456789").endswith("int") else None
+    if bits is not None and bits <= 4:  # (torchao's uint1-uint4 and int4, quanto's qint4: as nf4, half a byte)
+        if bits < 4:
+            warnings.append(f"ai-toolkit config {where}: qtype {qtype} stores {bits} bits a weight; memfit stores the "
+                            "quantized weights in 4 (nf4: a bound)")
+        return {"base_weights": "nf4"}
+    warnings.append(f"ai-toolkit config {where}: qtype {qtype} is not one byte a weight; memfit stores the "
+                    "quantized weights in fp8 (one byte)")
     return {"base_weights": "fp8"}
 
 
@@ -198,8 +240,21 @@ def _resolution(datasets: list, where: str, warnings: list[str]) -> int | None:
         if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
             raise UserError(f"--from {where}: datasets resolution must be a side in pixels or a list of them, got "
                             f"{value!r}")
-        sides += values
+        sides += [v // 16 * 16 for v in values]  # (a square bucket's side: ai-toolkit's sides divide by 16)
         if not (d.get("cache_latents") or d.get("cache_latents_to_disk")):
             warnings.append(f"ai-toolkit config {where}: latents are not cached (cache_latents_to_disk); memfit's batch "
                             "is the cached latents, so the VAE in the step is not in the estimate")
     return max(sides) if sides else None
+
+
+def _frames(datasets: list, where: str, warnings: list[str]) -> int:
+    """A Wan clip's frames: the datasets' largest ``num_frames`` (ai-toolkit's default 1: images), down to 4k + 1
+    (Wan's VAE encodes the first frame alone, then groups of 4)."""
+    asked = max([d.get("num_frames", 1) for d in datasets if isinstance(d, dict)] or [1])
+    if isinstance(asked, bool) or not isinstance(asked, int) or asked < 1:
+        raise UserError(f"--from {where}: datasets num_frames must be a whole number >= 1, got {asked!r}")
+    frames = (asked - 1) // 4 * 4 + 1
+    if frames != asked:
+        warnings.append(f"ai-toolkit config {where}: num_frames {asked} is not 4k + 1 frames; memfit's clip holds "
+                        f"{frames} (Wan's VAE encodes the first frame, then groups of 4)")
+    return frames

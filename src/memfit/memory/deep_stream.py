@@ -211,7 +211,7 @@ def _deepened(a: Stream, b: Stream, period: int, n: int) -> Stream | None:
     spans, grown = inserted(a, b), blocks_a_copy(a, b)
     if spans is None or grown is None:
         return None
-    if len(grown) > 1:  # (NOTE [ Stretches at the seam of two stacks ], NOTE [ A block split by the diff ])
+    if sum(g > 0 for g in grown.values()) > 1:  # (NOTE [ Stretches at the seam of two stacks ], NOTE [ A block split by the diff ])
         spans = joined(b, [part for span in spans for part in at_seam(b, *span)])
     moved = unstraddled(b, spans)  # (NOTE [ A stretch that ends on an allocation freed after it ])
     for once_by_place in (False, True):  # (NOTE [ Which copy is inserted ])

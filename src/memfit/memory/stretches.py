@@ -117,7 +117,9 @@ def blocks_a_copy(a: Stream, b: Stream) -> dict[str, int] | None:
     blocks; the period and twice it for FLUX.1, whose depth counts units of one double- and two
     single-stream blocks (NOTE [ Stacks of two depths ] in memfit.planner.shallow); a share of it for each
     kind of a container whose last blocks are swapped (NOTE [ Two kinds of block, as two containers ] in
-    memfit.memory.deep_stream). None where a container did not grow."""
+    memfit.memory.deep_stream); 0 for a container kept whole at both depths (a text encoder's: NOTE [ Stacks of
+    unequal blocks ] in memfit.planner.stacks), whose events a copy does not move. None where a container
+    shrank, or none grew."""
     def counts(s: Stream) -> dict[str, int]:
         out: dict[str, int] = {}
         for tok, block in zip(s.tokens, s.blocks or ()):
@@ -129,7 +131,7 @@ def blocks_a_copy(a: Stream, b: Stream) -> dict[str, int] | None:
     if set(ca) != set(cb):
         return None
     grown = {k: cb[k] - ca[k] for k in cb}
-    return None if any(g <= 0 for g in grown.values()) else grown
+    return None if any(g < 0 for g in grown.values()) or grown and not any(grown.values()) else grown
 
 
 def container(token: tuple) -> str | None:

@@ -21,6 +21,7 @@ import torch
 
 from memfit.devices import Device
 from memfit.errors import UserError
+from memfit.planner.stacks import stacks_of
 from memfit.plans import TECHNIQUES, Plan
 from memfit.techniques.base import SearchContext
 from memfit.workload import Workload, call_workload
@@ -104,7 +105,8 @@ def default_space(facts: ModelFacts, device: Device, batch_size: int,
     ctx = SearchContext(model=facts.model, device=device, batch_size=batch_size,
                         options={"optimizers": optimizers, "compile_modes": compile_modes,
                                  "budget_bytes": budget_bytes, "base_weights": base_weights,
-                                 "run_steps": run_steps, "block_inputs": block_inputs})
+                                 "run_steps": run_steps, "block_inputs": block_inputs,
+                                 "swap_tail": stacks.tail if (stacks := stacks_of(facts.model)) else None})
     values = {t.keys[0].name: list(t.search(ctx)) for t in TECHNIQUES if t.search is not None}
     micro = [m for m in (batch_size, batch_size // 2, batch_size // 4, batch_size // 8)
              if m >= 1 and batch_size % m == 0 and (m == batch_size or not coupled_samples)]

@@ -68,6 +68,16 @@ class Stacks:
             return f"{self.full} blocks (stacks of {' and '.join(map(str, self.lengths))} cut to {cut})"
         return f"{self.full} units of {' + '.join(map(str, self.unit))} blocks" if len(set(self.unit)) > 1 else f"{self.full} blocks"
 
+    @property
+    def tail(self) -> tuple[int, ...]:
+        """The lengths of the last stacks the cut grows from no offset: a share of their blocks (the last ones)
+        swapped is on the pair's line (all of them where no stack has an offset; NOTE [ Stacks of unequal
+        blocks ]: FLUX.1's 19 and 38 behind its text encoders)."""
+        n = len(self.lengths)
+        while n and self.unit[n - 1] and not self.offsets[n - 1]:
+            n -= 1
+        return self.lengths[n:]
+
     def at(self, depth: int) -> tuple[int, ...]:
         """Each container's blocks at ``depth``."""
         return tuple(o + u * depth for o, u in zip(self.offsets, self.unit))
@@ -83,7 +93,7 @@ def stacks_of(model: torch.nn.Module) -> Stacks | None:
     lengths = tuple(len(children) for _, children in found)
     if not lengths:
         return None
-    plain = _by_length(lengths)
+    plain = _by_length(lengths, tuple(_trace_cost(children[0]) for _, children in found))
     kinds = [block_kinds(children) for _, children in found]
     if all(repeats(k, o, u, plain.least, plain.full) for k, o, u in zip(kinds, plain.offsets, plain.unit)):
         return plain
@@ -97,16 +107,39 @@ def stacks_of(model: torch.nn.Module) -> Stacks | None:
     return Stacks(lengths, unit, full, least, sum(len(set(ks)) for ks in kinds))
 
 
-def _by_length(lengths: tuple[int, ...]) -> Stacks:
+def _by_length(lengths: tuple[int, ...], costs: tuple[int, ...] | None = None) -> Stacks:
+    """``costs``: each stack's block's trace cost (:func:`_trace_cost`; NOTE [ Stacks of unequal blocks ])."""
     g = math.gcd(*lengths)
     if g >= MIN_DEPTH_FOR_SHALLOW or len(lengths) == 1 or max(lengths) < MIN_DEPTH_FOR_SHALLOW:
         return Stacks(lengths, tuple(n // g for n in lengths), g)
+    costs = costs or (1,) * len(lengths)
 
-    def blocks_traced(full: int) -> int:  # in the pair at 2 and 3: 2 * offsets + 5 * unit
+    def cost_traced(full: int) -> int:  # in the pair at 2 and 3: 2 * offsets + 5 * unit blocks, by their costs
         unit = [n // full for n in lengths]
-        return sum(2 * (n - u * full) + 5 * u for n, u in zip(lengths, unit))
-    full = min(range(MIN_DEPTH_FOR_SHALLOW, max(lengths) + 1), key=lambda t: (blocks_traced(t), -t))
+        return sum(c * (2 * (n - u * full) + 5 * u) for n, u, c in zip(lengths, unit, costs))
+    full = min(range(MIN_DEPTH_FOR_SHALLOW, max(lengths) + 1), key=lambda t: (cost_traced(t), -t))
     return Stacks(lengths, tuple(n // full for n in lengths), full)
+
+
+def _trace_cost(block: torch.nn.Module) -> int:
+    """What tracing one block costs, in ops: its leaf modules, three times over where it trains (forward,
+    and backward's two), once where it is frozen (a frozen encoder runs forward only, under no_grad)."""
+    leaves = sum(1 for m in block.modules() if next(m.children(), None) is None)
+    return max(1, leaves) * (3 if any(p.requires_grad for p in block.parameters()) else 1)
+
+
+# NOTE [ Stacks of unequal blocks ]
+# A diffusion model with its text encoders in the step (memfit.workloads.text_encoders) holds four stacks:
+# FLUX.1 CLIP-L's 12 layers, T5-XXL's 24, then 19 double-stream and 38 single-stream blocks. Counted as
+# equal blocks, the cheapest cut was t = 12: 9 double blocks in the shallower trace of every pair (7 + t),
+# each a fifth of the trace, where CLIP-L's layers, frozen and run forward only, cost a tenth of one. Weighed
+# by what a block costs to trace (its leaf modules, three times where it trains), the cut is t = 19: CLIP-L
+# whole in every trace, T5 at 5 + t, the denoiser's stacks at t and 2t as without encoders. SD3's (12, 32,
+# 24 and 24: t = 24, its MMDiT at t rather than 2t) halves the same way. Stacks of like blocks (a
+# vision-language model's) cut as before. The stacks kept whole grow by no block between the depths, and a
+# copy of the pair's stretches does not move their events (memfit.memory.stretches.blocks_a_copy). A plan
+# swapping the denoiser's last blocks keeps its pair where they lie in the stacks the cut grows from no
+# offset (:attr:`Stacks.tail`), and the planner's swap grid takes its shares of those blocks.
 
 
 # NOTE [ Blocks of several kinds ]

@@ -289,8 +289,8 @@ class TraceBook(AtBatch, DeepFigures):
             return ()
         moved = offloaded_blocks(plan) or plan.swap_blocks  # (a share of all the stacks' blocks: NOTE [ Stacks of
         share = offloaded_blocks(plan) or 0 < plan.swap_blocks < sum(self.stacks.lengths)  # unrelated depths ], [ Blocks of several kinds ])
-        if any(self.stacks.offsets) and moved:
-            return ()
+        if any(self.stacks.offsets) and moved and (offloaded_blocks(plan) or plan.swap_blocks > sum(self.stacks.tail)):
+            return ()  # (swapped blocks behind the stacks of an offset: NOTE [ Stacks of unequal blocks ])
         pair = depths(plan, self.depth, self.stacks.least, self.stacks.unit) or ()
         if self.stacks.kinds and max(self.stacks.unit) > 1 and share and not swapped_in_units(plan, pair, self.stacks):
             return ()

@@ -359,8 +359,9 @@ def search(ctx: SearchContext) -> list[int]:
         if taken is None or weights + taken <= WITH_INPUTS_OVER * budget:
             return [0]
     lengths = [len(blocks) for _, blocks in find_blocks(ctx.model)]
-    n, depth = sum(lengths), math.gcd(*lengths)
-    return sorted({0, *(_near(n, depth, share) for share in (0.25, 0.5, 0.75)), n})
+    tail = ctx.options.get("swap_tail") or lengths  # (the shares: of the blocks a shallow pair swaps, the last stacks)
+    depth = math.gcd(*tail)
+    return sorted({0, *(_near(sum(tail), depth, share) for share in (0.25, 0.5, 0.75)), sum(tail), sum(lengths)})
 
 
 # NOTE [ Swapped counts the planner traces shallow ]
