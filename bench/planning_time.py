@@ -68,6 +68,9 @@ CASES = {
     # FLUX.1-dev with CLIP-L and T5-XXL frozen in the step (four stacks: 12 + 24 encoder layers, 19 + 38 blocks)
     "flux-encoders": "dit-flux:text_encoders=frozen --adapter lora:r=16 --base-weights fp8 --precision bf16-pure "
                      "--resolution 1024 -b 1 --device rtx4090",
+    # SDXL's UNet with CLIP-L and OpenCLIP-bigG frozen in the step (12 + 32 encoder layers, the UNet's small stacks)
+    "sdxl-encoders": "unet-sdxl:text_encoders=frozen --adapter lora:r=16 --precision bf16-base --resolution 1024 -b 1 "
+                     "--device rtx4090",
     # Qwen-Image (20.4B, 60 blocks, rotary tables as plain tensors: NOTE [ Plain tensors of a meta build ])
     "qwenimage-lora": "dit-qwenimage --adapter lora:r=16 --device rtx4090 -b 1",
     # issue 52: compile searched for a long run (--steps), each distinct graph compiled once per worker

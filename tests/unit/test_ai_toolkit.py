@@ -176,3 +176,19 @@ def test_on_the_command_line_a_tiny_flux_beside_it_runs_its_plan(tmp_path):
     rc, _, err = run(argv)
     check(argv, rc, err)
     assert rc == 2 and "not arch 'hidream'" in err
+
+
+def test_a_job_with_no_network_is_full_fine_tuning_in_its_dtype():
+    """ai-toolkit's Flex.1 full fine-tuning example: no network, so the whole transformer trains in bf16 (no LoRA in
+    fp32 over it: bf16-pure), Adafactor unclipped, an EMA of every weight; quantize has nothing to store there."""
+    c = read_training_config(DATA / "train_full_fine_tune_flex.yaml", CARD)
+    assert c.workload == "ostris/Flex.1-alpha:text_encoders=frozen"
+    assert c.plan == Plan(precision="bf16-pure", checkpointing="blocks", optimizer="adafactor",
+                          ema={"decay": 0.99, "device": "device"})
+    data = yaml.safe_load((DATA / "train_full_fine_tune_flex.yaml").read_text())
+    process = data["config"]["process"][0]
+    process["model"]["quantize"], process["train"]["dtype"] = True, "fp16"
+    c = map_config(data, "c.yaml", CARD)
+    assert c.plan.precision == "fp16" and c.plan.base_weights == "as-is"
+    said = [w.split(": ", 1)[1][:40] for w in c.warnings]
+    assert said[:2] == ["quantize with no network: the trained we", "train.dtype fp16 with no network trains "], said

@@ -30,10 +30,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_plan_args(p)
     p.add_argument("--budget", help="memory budget: 20GiB, 1.5GB, 80%% of the device; default: capacity minus 10%%")
     p.add_argument("--out", metavar="FILE", help="write the chosen plan (YAML, or JSON for .json)")
-    p.add_argument("--format", choices=("yaml", "hf", "lightning", "kohya"), default="yaml",
+    p.add_argument("--format", choices=("yaml", "hf", "lightning", "kohya", "ai-toolkit"), default="yaml",
                    help="also print the plan as Hugging Face TrainingArguments or Lightning Trainer keyword "
                         "arguments (accepted unchanged), what they cannot carry and memfit's callback that applies it; "
-                        "kohya: the lines of a kohya-ss sd-scripts --config_file TOML")
+                        "kohya: the lines of a kohya-ss sd-scripts --config_file TOML; ai-toolkit: an ai-toolkit job "
+                        "YAML (both search only the plans that trainer runs)")
     p.add_argument("--pareto", metavar="FILE.png", help="write a memory vs time plot of the evaluated plans")
     p.add_argument("--optimizers", default=None,
                    help="optimizer variants to consider, from adamw, adamw8bit, adamw8bit-ao, adamw4bit-ao, "
@@ -111,8 +112,9 @@ def run(args: argparse.Namespace) -> int:
     if args.methods is not None:
         return _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_traces, compile_modes, steps,
                                 host)
-    kohya = _KohyaTarget(workload, bs, args.device) if args.format == "kohya" else None  # (refuses a model now)
-    runs_in = kohya.runs_in(fixed) if kohya else None
+    from memfit.cli.trainer_formats import TARGETS
+    trainer = TARGETS[args.format](workload, bs, args.device, args.workload) if args.format in TARGETS else None
+    runs_in = trainer.runs_in(fixed) if trainer else None  # (refuses a model the trainer does not train, now)
     sizes = [given.world_size]
     if args.max_world_size is not None:
         most = parse_positive_int(args.max_world_size, "--max-world-size")
@@ -150,9 +152,8 @@ def run(args: argparse.Namespace) -> int:
                 out[key] = arguments.kwargs
                 out[f"{name}_unmapped"], out[f"{name}_notes"] = list(arguments.unmapped), list(arguments.notes)
                 out[f"{name}_callback"] = arguments.callback if arguments.unmapped else None
-        if result.chosen and kohya:
-            kohya = kohya.arguments(result)
-            out.update(kohya_arguments=kohya.arguments, kohya_unmapped=list(kohya.unmapped), kohya_notes=list(kohya.notes))
+        if result.chosen and trainer:
+            out.update(trainer.export(result).json)
         if ranks:
             out["world_sizes_tried"] = tried
             out["smallest_world_size"] = tried[-1] if result.chosen else None
@@ -161,14 +162,8 @@ def run(args: argparse.Namespace) -> int:
         print_plan_result(result)
         if ranks:
             print(ranks)
-        if result.chosen and kohya:
-            kohya = kohya.arguments(result)
-            print("sd-scripts arguments (lines of its --config_file TOML):")
-            print(kohya.toml())
-            for setting in kohya.unmapped:
-                print(f"  not carried by sd-scripts' arguments: {setting}")
-            for note in kohya.notes:
-                print(f"  in your setup: {note}")
+        if result.chosen and trainer:
+            trainer.export(result).print()
         elif result.chosen and args.format != "yaml":
             arguments = (to_hf if args.format == "hf" else to_lightning)(result.chosen.plan, result.batch_size,
                                                                          args.device)
@@ -184,33 +179,6 @@ def run(args: argparse.Namespace) -> int:
         if args.pareto:
             print(f"Pareto plot written to {args.pareto}")
     return 0 if result.chosen else 1
-
-
-class _KohyaTarget:
-    """``--format kohya``: the workload's model and image size, as sd-scripts' arguments name them
-    (memfit.integrations.kohya_export)."""
-
-    def __init__(self, workload, batch_size, device):
-        from memfit.target import Target
-        target = Target.resolve(workload, None, batch_size, device)
-        info = target.workload.info
-        width = info.config.get("width") if info.config.get("fixed_width") else None
-        self.size = (width, info.resolution) if width and width != info.resolution else info.resolution
-        self.model, self.model_class = target.workload.name, info.config.get("model_class")
-        self.text = {k: info.config.get(k) for k in ("text_encoders", "t5", "t5_tokens")}
-        self.batch_size, self.device = target.batch_size, device
-
-    def runs_in(self, fixed: dict):
-        """The plans sd-scripts' arguments carry (the search is kept to them); refuses a model it does not train."""
-        from memfit.integrations.kohya_export import runs_in_sd_scripts
-        return runs_in_sd_scripts(self.batch_size, self.model, self.size, self.device, self.model_class, fixed,
-                                  **self.text)
-
-    def arguments(self, result):
-        """The chosen plan as sd-scripts arguments."""
-        from memfit.integrations.kohya_export import to_kohya
-        return to_kohya(result.chosen.plan, result.batch_size, self.model, self.size, self.device, self.model_class,
-                        **self.text)
 
 
 def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_traces, compile_modes, steps,

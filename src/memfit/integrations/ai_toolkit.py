@@ -15,6 +15,7 @@ memfit maps it:
 | ``train.train_text_encoder`` | the encoders train | ``text_encoders=trained`` |
 | ``network`` lora, ``rank`` or ``linear`` (default 4), ``linear_alpha`` (default ``alpha``, 1) | LoRA on every linear layer of the double and single blocks, weights in fp32 | ``adapter: lora:r=linear,alpha=linear_alpha,targets=all-linear`` (also the 7 embedding and output layers) |
 | ``train.dtype`` bf16 / fp16 (default fp32) | the model in that dtype, the LoRA in fp32, no autocast | ``bf16-base`` / ``fp16-base`` (under autocast: said) / ``fp32`` |
+| no ``network`` | full fine-tuning: the whole transformer trains in ``train.dtype`` | no adapter; ``bf16-pure`` / ``fp16`` (fp32 weights under autocast: said) / ``fp32`` |
 | ``train.gradient_checkpointing`` (default true) | every transformer block checkpointed | ``checkpointing: blocks`` |
 | ``train.optimizer`` | adamw8bit (bitsandbytes), adamw, adafactor, ... | ``adamw8bit``, ``adamw``, ``adafactor``; others refused |
 | ``train.ema_config.use_ema``, ``ema_decay`` | an fp32 copy of the LoRA on the device | ``ema: {decay, device: device}`` |
@@ -87,8 +88,14 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
         raise UserError(f"--from {where}: datasets must be a list of datasets, got {type(datasets).__name__}")
     arch, named = _workload(model, where)
     workload = workload or named
-    text, fields = _text_encoders(arch, model, train, datasets, where, warnings), _network(arch, network, where, warnings)
-    fields.update(_quantized(model, where, warnings))
+    full = not process.get("network")  # (no network: the whole transformer trains)
+    text = _text_encoders(arch, model, train, datasets, where, warnings)
+    fields = {} if full else _network(arch, network, where, warnings)
+    if full and model.get("quantize"):
+        warnings.append(f"ai-toolkit config {where}: quantize with no network: the trained weights stay in train.dtype "
+                        "(memfit quantizes none)")
+    elif not full:
+        fields.update(_quantized(model, where, warnings))
     if text != "cached" and "text_encoders=" not in workload:  # (a workload named beside it keeps its own)
         if arch not in HOLD_TEXT:
             warnings.append(f"ai-toolkit config {where}: the text encoders run in the step (no cache_text_embeddings); "
@@ -101,8 +108,12 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
     dtype = str(train.get("dtype", "fp32")).lower()
     if dtype not in PRECISIONS:
         raise UserError(f"--from {where}: train.dtype {dtype!r} is not one memfit runs; use bf16, fp16 or fp32")
-    fields["precision"] = PRECISIONS[dtype]
-    if dtype not in ("fp32", "float32", "float", "single"):
+    fields["precision"] = PRECISIONS[dtype] if not full else {"bf16-base": "bf16-pure", "fp16-base": "fp16"}.get(
+        PRECISIONS[dtype], "fp32")
+    if full and PRECISIONS[dtype] == "fp16-base":  # (ai-toolkit's fp16 names)
+        warnings.append(f"ai-toolkit config {where}: train.dtype {dtype} with no network trains the model in fp16; memfit's "
+                        "fp16 keeps fp32 weights under autocast (a bound)")
+    elif not full and dtype not in ("fp32", "float32", "float", "single"):
         warnings.append(f"ai-toolkit config {where}: ai-toolkit runs the {dtype} model without autocast (the LoRA in "
                         f"fp32); memfit's {fields['precision']} runs it under autocast, whose fp32 ops keep some "
                         "activations in fp32 (a bound)")

@@ -113,6 +113,7 @@ class Accumulation(Config):
         micro, n = self.micro_batches(into.batch_size)
         into.hf.update(per_device_train_batch_size=micro, gradient_accumulation_steps=n)
         into.kohya.update(train_batch_size=micro, gradient_accumulation_steps=n)
+        into.ai_toolkit.update({"train.batch_size": micro, "train.gradient_accumulation": n})
         into.lightning["accumulate_grad_batches"] = n
         into.lightning_notes.append(f"DataLoader(batch_size={micro})" + (
             f": {n} of them make the plan's batch of {micro * n}" if n > 1 else ": the plan's batch"))

@@ -162,9 +162,11 @@ class LoRA(Adapter):
     def export(self, into: Export) -> None:
         into.not_carried(self, kohya=self.dora or self.targets != ("all-linear",) or bool(self.save or self.params
                                                                                             or self.dropout))
-        if not self.dora:  # (sd-scripts' LoRA adapts every linear layer of the blocks)
+        if not self.dora:  # (sd-scripts' LoRA adapts every linear layer of the blocks; ai-toolkit's, the transformer's)
             into.kohya.update(network_module="networks.lora", network_dim=self.r, network_alpha=self.scale_alpha,
                               network_train_unet_only=True)
+            into.ai_toolkit.update({"network.type": "lora", "network.linear": self.r,
+                                    "network.linear_alpha": self.scale_alpha})
         note = f"build the PEFT model in your code: get_peft_model(model, {self._peft_text()})"
         into.hf_notes.append(note)
         into.lightning_notes.append(note)

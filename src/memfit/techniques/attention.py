@@ -265,7 +265,7 @@ class MathAttention(Attention):
         return sdpa_kernel([SDPBackend.MATH])
 
     def export(self, into: Export) -> None:
-        into.not_carried(self, kohya=False)  # (sd-scripts' SD/SDXL UNet without sdpa or xformers computes it so)
+        into.not_carried(self, kohya=False, ai_toolkit=True)  # (sd-scripts' SD/SDXL UNet without sdpa or xformers computes it so)
 
 
 @dataclass(frozen=True)

@@ -373,9 +373,16 @@ class Export:
     """kohya-ss sd-scripts' arguments (memfit.integrations.kohya_export: the model family's adjustments)."""
     kohya_unmapped: list = field(default_factory=list)
     kohya_notes: list = field(default_factory=list)
+    ai_toolkit: dict = field(default_factory=dict)
+    """ai-toolkit's job fields, by ``section.key`` of its training process (``train.dtype``, ``model.quantize``;
+    memfit.integrations.ai_toolkit_export)."""
+    ai_toolkit_unmapped: list = field(default_factory=list)
+    ai_toolkit_notes: list = field(default_factory=list)
 
-    def not_carried(self, config: Config | str, *, hf: bool = True, lightning: bool = True, kohya: bool = True) -> None:
-        """No trainer's arguments carry ``config`` (its plan keys are listed) or ``what`` (but those told)."""
+    def not_carried(self, config: Config | str, *, hf: bool = True, lightning: bool = True, kohya: bool = True,
+                    ai_toolkit: bool | None = None) -> None:
+        """No trainer's arguments carry ``config`` (its plan keys are listed) or ``what`` (but those told);
+        ``ai_toolkit``: as ``kohya`` unless told (both train diffusion models from a config file)."""
         what = config if isinstance(config, str) else "; ".join(
             f"{key}: {_plain_text(value)}" for key, value in config.values().items())
         if hf:
@@ -384,6 +391,8 @@ class Export:
             self.lightning_unmapped.append(what)
         if kohya:
             self.kohya_unmapped.append(what)
+        if kohya if ai_toolkit is None else ai_toolkit:
+            self.ai_toolkit_unmapped.append(what)
 
     def in_lightning_module(self, what: str) -> None:
         """``what`` has no Lightning ``Trainer`` argument."""

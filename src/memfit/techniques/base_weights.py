@@ -136,7 +136,9 @@ class Quantized4bit(BaseWeights):
         return weight.to(full.device)  # quantizes (bitsandbytes' Params4bit.to, as transformers' Bnb4bitQuantize)
 
     def export(self, into: Export) -> None:
-        into.not_carried(self)
+        into.not_carried(self, ai_toolkit=self.quant_type != "nf4")
+        if self.quant_type == "nf4":  # (torchao's 4-bit weights in ai-toolkit: half a byte a weight, as nf4)
+            into.ai_toolkit.update({"model.quantize": True, "model.qtype": "uint4"})
         into.hf_notes.append(f"load the model with BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="
                              f"'{self.quant_type}', bnb_4bit_use_double_quant={self.double_quant})")
 
@@ -212,6 +214,7 @@ class Float8Weights(BaseWeights):
     def export(self, into: Export) -> None:
         into.not_carried(self, kohya=False)
         into.kohya["fp8_base"] = True
+        into.ai_toolkit.update({"model.quantize": True, "model.qtype": "qfloat8"})  # (optimum-quanto's float8)
         into.hf_notes.append("store the frozen linear weights in float8_e4m3fn with a scale per row and upcast per "
                              "matmul (kohya's --fp8_base)")
 

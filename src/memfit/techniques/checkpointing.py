@@ -276,7 +276,7 @@ class BlocksAC(Checkpointing):
         if self.every != 1:
             return super().export(into)
         into.hf.update(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
-        into.kohya["gradient_checkpointing"] = True
+        into.kohya["gradient_checkpointing"] = into.ai_toolkit["train.gradient_checkpointing"] = True
         into.not_carried(self, hf=False, kohya=False)
 
 

@@ -105,7 +105,10 @@ class EMA(WeightAverage):
         return [("EMA on cpu", dataclasses.replace(self, device="device"))]
 
     def export(self, into: Export) -> None:
-        into.not_carried(self)
+        ours = self.placed == "device" and self.every == 1  # (ai-toolkit's EMA: on the device, every step)
+        into.not_carried(self, ai_toolkit=not ours)
+        if ours:
+            into.ai_toolkit["train.ema_config"] = {"use_ema": True, "ema_decay": self.decay}
 
 
 class ShadowWeights:

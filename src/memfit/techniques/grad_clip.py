@@ -53,6 +53,8 @@ class NoClipping(GradClipping):
     def export(self, into: Export) -> None:
         into.hf["max_grad_norm"] = 0.0  # the Trainer clips at 1.0 unless told not to; Lightning does not clip
         into.kohya["max_grad_norm"] = 0.0  # (sd-scripts too)
+        into.ai_toolkit_notes.append("max_grad_norm: ai-toolkit clips at its default 1.0 where the plan clips nothing "
+                                     "(the norms' few temporaries: plan with --max-grad-norm 1 to count them)")
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ class ClipGradNorm(GradClipping):
         return f"clip={self.max_norm:g}"
 
     def export(self, into: Export) -> None:
-        into.hf["max_grad_norm"] = into.kohya["max_grad_norm"] = self.max_norm
+        into.hf["max_grad_norm"] = into.kohya["max_grad_norm"] = into.ai_toolkit["train.max_grad_norm"] = self.max_norm
         into.lightning.update(gradient_clip_val=self.max_norm, gradient_clip_algorithm="norm")
 
 

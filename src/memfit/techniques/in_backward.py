@@ -94,7 +94,7 @@ class StepInBackward(UpdateTiming):
 
     def export(self, into: Export) -> None:
         into.kohya["fused_backward_pass"] = True  # (sd-scripts' full fine-tuning with Adafactor only: kohya_export)
-        into.not_carried(self, kohya=False)
+        into.not_carried(self, kohya=False, ai_toolkit=True)
 
 
 def _flag(text: str) -> bool:

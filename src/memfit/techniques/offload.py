@@ -332,7 +332,7 @@ class Offload(Config):
         if self.items == ("activations",):  # (sd-scripts: each checkpointed block's input on the host)
             into.kohya["cpu_offload_checkpointing"] = True
         if self.items:
-            into.not_carried(self, kohya=self.items != ("activations",))
+            into.not_carried(self, kohya=self.items != ("activations",), ai_toolkit=True)
 
 
 def _offload_optimizer(parts) -> None:

@@ -100,8 +100,10 @@ class OptimizerVariant(Config):
             into.hf["optim_args"] = "momentum=0.9"  # SGDMomentum's one state buffer (the Trainer's default is 0)
         into.kohya["optimizer_type"] = {"adamw": "AdamW", "adamw8bit": "AdamW8bit", "adafactor": "Adafactor",
                                         "sgd": "SGDNesterov"}[self.name]
+        if self.name != "sgd":
+            into.ai_toolkit["train.optimizer"] = self.name  # (ai-toolkit's names: adamw, adamw8bit, adafactor)
         if self.name != "adamw":  # Lightning: the LightningModule's configure_optimizers builds the optimizer
-            into.not_carried(self, hf=False, kohya=False)
+            into.not_carried(self, hf=False, kohya=False, ai_toolkit=self.name == "sgd")
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,7 @@ class PagedVariant(OptimizerVariant):
     def export(self, into) -> None:
         into.hf["optim"] = self.hf_name
         into.kohya["optimizer_type"] = self.kohya_name
-        into.not_carried(self, hf=False, kohya=False)
+        into.not_carried(self, hf=False, kohya=False, ai_toolkit=True)
 
 
 @dataclass(frozen=True)

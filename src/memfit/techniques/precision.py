@@ -112,6 +112,7 @@ class Precision(Config):
     def export(self, into: Export) -> None:
         into.lightning["precision"] = LIGHTNING[self.name]
         into.kohya["mixed_precision"] = {"fp32": "no", "bf16-pure": "bf16"}.get(self.name, self.name)
+        into.ai_toolkit["train.dtype"] = {"fp32": "fp32", "bf16-pure": "bf16"}.get(self.name)  # (None: no autocast there)
 
     @classmethod
     def from_arguments(cls, given: Export) -> Precision | None:
@@ -312,7 +313,7 @@ class AdapterBase(Precision):
 
     def export(self, into: Export) -> None:
         into.lightning["precision"] = LIGHTNING[self.dtype]
-        into.kohya["mixed_precision"] = self.dtype  # (sd-scripts' LoRA: the frozen model in 16 bits, the network fp32)
+        into.kohya["mixed_precision"] = into.ai_toolkit["train.dtype"] = self.dtype  # (their LoRAs: the network fp32)
         into.hf[self.dtype] = True
         torch_dtype = "torch.bfloat16" if self.dtype == "bf16" else "torch.float16"
         note = (f"precision: {self.name}: load the model in {self.dtype} (from_pretrained(..., dtype={torch_dtype})) "

@@ -309,7 +309,7 @@ class SwapBlocks(Config):
     def export(self, into: Export) -> None:
         if self.count:
             into.kohya["blocks_to_swap"] = self.count  # (FLUX's: sd-scripts' own count, memfit.integrations.kohya_export)
-            into.not_carried(self, kohya=False)
+            into.not_carried(self, kohya=False, ai_toolkit=True)  # (ai-toolkit: layer_offloading, another scheme)
 
 
 def _buffers_to(block: torch.nn.Module, device: torch.device) -> None:
@@ -345,7 +345,8 @@ INPUTS_ASKED_OVER = 0.5
 
 
 def search(ctx: SearchContext) -> list[int]:
-    """None, about a quarter, half and three quarters, and all of the blocks, on GPU presets where the
+    """None, about a quarter, half and three quarters, and all of the blocks (of the denoiser's, behind text
+    encoders' stacks), on GPU presets where the
     weights take more than ``SEARCHED_OVER`` of the budget (in the format the plan stores them:
     ``base_weights``), or they and the blocks' inputs more than ``WITH_INPUTS_OVER``; else none (the host is the device on a CPU, and a model far under its budget
     gains nothing). "About": NOTE [ Swapped counts the planner traces shallow ]."""
@@ -361,7 +362,7 @@ def search(ctx: SearchContext) -> list[int]:
     lengths = [len(blocks) for _, blocks in find_blocks(ctx.model)]
     tail = ctx.options.get("swap_tail") or lengths  # (the shares: of the blocks a shallow pair swaps, the last stacks)
     depth = math.gcd(*tail)
-    return sorted({0, *(_near(sum(tail), depth, share) for share in (0.25, 0.5, 0.75)), sum(tail), sum(lengths)})
+    return sorted({0, *(_near(sum(tail), depth, share) for share in (0.25, 0.5, 0.75)), sum(tail)})
 
 
 # NOTE [ Swapped counts the planner traces shallow ]
@@ -374,7 +375,9 @@ def search(ctx: SearchContext) -> list[int]:
 # each share is the count within an eighth of the blocks of it whose share repeats soonest, the nearest
 # of those: 14, 21 and 28 of 42; 8, 16 and 24 of 32 as before; 19, 28 and 38 of FLUX.1's 57 (19 + 38:
 # 19 and 38 repeat every unit, 28 at full depth only). Which counts are searched is a choice of grid
-# (kohya's users set any), not of what is predicted.
+# (kohya's users set any), not of what is predicted. Where text encoders' stacks come first (FLUX.1 with its
+# encoders in the step), the shares are of the denoiser's blocks behind them (``swap_tail``: NOTE [ Stacks of
+# unequal blocks ] in memfit.planner.stacks); swapping the encoders' blocks too is the user's to ask.
 def _near(n: int, depth: int, share: float) -> int:
     """The count of ``n`` blocks (``depth`` deep: memfit.planner.shallow.depth_of) within an eighth of them
     of ``share`` whose share repeats in the fewest blocks, nearest ``share`` among those."""

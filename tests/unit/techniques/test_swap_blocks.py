@@ -155,6 +155,9 @@ def test_the_planner_searches_swap_where_the_weights_fill_the_budget():
     assert default_space(facts, cpu, 1, budget_bytes=12 * 2**30).values["swap_blocks"] == [0]
     assert default_space(facts, gpu, 1).values["swap_blocks"] == [0]  # (no budget given)
     assert default_space(facts, gpu, 1, budget_bytes=21 * 2**30, base_weights="fp8").values["swap_blocks"] == [0]
+    with_text = model_facts(load_workload("dit-flux:text_encoders=frozen"))  # (CLIP-L's 12 and T5's 24 layers first)
+    assert default_space(with_text, gpu, 1, budget_bytes=12 * 2**30, base_weights="fp8").values["swap_blocks"] == \
+        [0, 19, 28, 38, 57]  # (shares of the DiT's blocks, as without them: each but 28 keeps its shallow pair)
     llama = model_facts(load_workload("llama", seq_len=2048))  # (Llama-2-7B in bf16: 0.59 of a 24 GB card's budget)
     assert default_space(llama, gpu, 1, budget_bytes=int(0.9 * gpu.total_bytes)).values["swap_blocks"] == [0]
 

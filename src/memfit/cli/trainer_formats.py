@@ -1,0 +1,91 @@
+"""``memfit plan --format kohya|ai-toolkit``: the chosen plan in a diffusion trainer's own config, and the search
+kept to the plans that trainer runs (memfit.integrations.kohya_export, memfit.integrations.ai_toolkit_export)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Exported:
+    """A chosen plan in a trainer's config: the text to paste, and what it cannot carry."""
+
+    header: str
+    text: str
+    who: str
+    """The trainer, as the lines that follow name it: ``sd-scripts' arguments``."""
+    unmapped: tuple[str, ...]
+    notes: tuple[str, ...]
+    json: dict
+
+    def print(self) -> None:
+        print(self.header)
+        print(self.text)
+        for setting in self.unmapped:
+            print(f"  not carried by {self.who}: {setting}")
+        for note in self.notes:
+            print(f"  in your setup: {note}")
+
+
+class TrainerTarget:
+    """The workload's model, image size and text encoders, as a trainer's config names them."""
+
+    def __init__(self, workload, batch_size, device, spec: str | None = None):
+        """``spec``: the workload as the user named it (``dit-flux:text_encoders=frozen``)."""
+        from memfit.target import Target
+        target = Target.resolve(workload, None, batch_size, device)
+        info = target.workload.info
+        width = info.config.get("width") if info.config.get("fixed_width") else None
+        self.size = (width, info.resolution) if width and width != info.resolution else info.resolution
+        self.model, self.model_class = target.workload.name, info.config.get("model_class")
+        self.spec = spec or (workload if isinstance(workload, str) else target.workload.name)
+        self.config = info.config
+        self.batch_size, self.device = target.batch_size, device
+
+
+class KohyaTarget(TrainerTarget):
+    """``--format kohya``: the lines of a kohya-ss sd-scripts ``--config_file`` TOML."""
+
+    @property
+    def text(self) -> dict:
+        return {k: self.config.get(k) for k in ("text_encoders", "t5", "t5_tokens")}
+
+    def runs_in(self, fixed: dict):
+        """The plans sd-scripts' arguments carry (the search is kept to them); refuses a model it does not train."""
+        from memfit.integrations.kohya_export import runs_in_sd_scripts
+        return runs_in_sd_scripts(self.batch_size, self.model, self.size, self.device, self.model_class, fixed,
+                                  **self.text)
+
+    def export(self, result) -> Exported:
+        from memfit.integrations.kohya_export import to_kohya
+        out = to_kohya(result.chosen.plan, result.batch_size, self.model, self.size, self.device, self.model_class,
+                       **self.text)
+        return Exported("sd-scripts arguments (lines of its --config_file TOML):", out.toml(), "sd-scripts' arguments",
+                        out.unmapped, out.notes, {"kohya_arguments": out.arguments, "kohya_unmapped": list(out.unmapped),
+                                                  "kohya_notes": list(out.notes)})
+
+
+class AiToolkitTarget(TrainerTarget):
+    """``--format ai-toolkit``: an ai-toolkit job's YAML."""
+
+    @property
+    def facts(self) -> dict:
+        return {k: self.config.get(k) for k in ("text_encoders", "t5", "frames", "cross_attention_dim")}
+
+    def runs_in(self, fixed: dict):
+        """The plans ai-toolkit's fields carry (the search is kept to them); refuses a model it does not train."""
+        from memfit.integrations.ai_toolkit_export import runs_in_ai_toolkit
+        return runs_in_ai_toolkit(self.batch_size, self.spec, self.model_class, self.size, self.device, self.facts,
+                                  fixed)
+
+    def export(self, result) -> Exported:
+        from memfit.integrations.ai_toolkit_export import to_ai_toolkit
+        out = to_ai_toolkit(result.chosen.plan, result.batch_size, self.spec, self.model_class, self.size, self.device,
+                            self.facts)
+        return Exported("ai-toolkit job (python run.py job.yaml):", out.yaml(), "ai-toolkit's fields", out.unmapped,
+                        out.notes, {"ai_toolkit_process": out.process, "ai_toolkit_unmapped": list(out.unmapped),
+                                    "ai_toolkit_notes": list(out.notes)})
+
+
+TARGETS = {"kohya": KohyaTarget, "ai-toolkit": AiToolkitTarget}
+"""The trainers ``--format`` writes a config for."""
