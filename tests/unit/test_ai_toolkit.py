@@ -134,9 +134,15 @@ def test_what_memfit_runs_otherwise_is_said_in_one_line():
     assert c.plan.base_weights == "nf4"
     said = [w.split(": ", 1)[1][:40] for w in c.warnings]
     assert said == ["quantize_te differs from quantize; memfi", "qtype uint3 stores 3 bits a weight; memf",
-                    "ai-toolkit runs the bf16 model without a", "layer_offloading is not mapped; memfit k",
+                    "ai-toolkit runs the bf16 model without a", "layer_offloading is not mapped (memfit s",
                     "latents are not cached (cache_latents_to"], said
     assert all("\n" not in w for w in c.warnings)
+    assert c.plan.swap_blocks == 0  # (uint3 weights: memfit streams no 4-bit layers)
+    every = map_config(_with(model__layer_offloading=True), "c.yaml", CARD)
+    assert every.plan.swap_blocks == 57  # (every one of FLUX.1's 19 + 38 blocks, behind its text encoders' stacks)
+    half = map_config(_with(model__layer_offloading=True, model__layer_offloading_transformer_percent=0.5), "c.yaml",
+                      CARD)
+    assert half.plan.swap_blocks == 28 and any("its last 28 of 57 blocks" in w for w in half.warnings)
 
 
 @pytest.mark.parametrize("changes,message", [
@@ -153,6 +159,8 @@ def test_what_memfit_runs_otherwise_is_said_in_one_line():
     ({"train__gradient_accumulation": 2, "train__gradient_accumulation_steps": 2},
      "gradient_accumulation and gradient_accumulation_steps are both set"),
     ({"network__linear_alpha": "x"}, "network.linear_alpha must be a number > 0"),
+    ({"model__layer_offloading": True, "model__layer_offloading_transformer_percent": 2},
+     "layer_offloading_transformer_percent must be a share from 0 to 1"),
 ])
 def test_what_memfit_does_not_run_is_one_line(changes, message):
     with pytest.raises(UserError, match=message) as e:

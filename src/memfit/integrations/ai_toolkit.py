@@ -25,7 +25,8 @@ memfit maps it:
 
 Said in one line each: the model under autocast where ai-toolkit runs none; a quantization memfit stores in
 other bytes (``qtype`` other than qfloat8/qint8); the text encoders' quantization where it differs from the
-transformer's; latents not cached; ``layer_offloading``; text encoders in the step that memfit does not hold. Refused in one
+transformer's; latents not cached; ``layer_offloading`` (as that share of the blocks swapped); text encoders in the
+step that memfit does not hold. Refused in one
 line: another arch (name the model as the workload instead), a network other than LoRA, an optimizer memfit
 does not run.
 """
@@ -137,8 +138,7 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
     if accum > 1:
         fields["micro_batch_size"] = micro
     if model.get("layer_offloading") or model.get("auto_memory"):
-        warnings.append(f"ai-toolkit config {where}: layer_offloading is not mapped; memfit keeps every layer on the "
-                        "device (swap_blocks is its block swap)")
+        fields.update(_layer_offloading(model, workload, where, warnings))
     resolution = _resolution(datasets, where, warnings)
     try:
         plan = Plan(**fields)
@@ -211,10 +211,9 @@ def _network(arch: str, network: dict, where: str, warnings: list[str]) -> dict:
 def _quantized(model: dict, where: str, warnings: list[str]) -> dict:
     if not model.get("quantize"):
         return {}
-    qtype = str(model.get("qtype", "qfloat8")).lower().split("|", 1)[0]  # ("uint3|repo/adapter": its type)
+    qtype, bits = _qtype(model)
     if qtype in ONE_BYTE:
         return {"base_weights": "fp8"}
-    bits = int(qtype[-1]) if qtype[-1:].isdigit() and qtype.rstrip("0123456789").endswith("int") else None
     if bits is not None and bits <= 4:  # (torchao's uint1-uint4 and int4, quanto's qint4: as nf4, half a byte)
         if bits < 4:
             warnings.append(f"ai-toolkit config {where}: qtype {qtype} stores {bits} bits a weight; memfit stores the "
@@ -223,6 +222,12 @@ def _quantized(model: dict, where: str, warnings: list[str]) -> dict:
     warnings.append(f"ai-toolkit config {where}: qtype {qtype} is not one byte a weight; memfit stores the "
                     "quantized weights in fp8 (one byte)")
     return {"base_weights": "fp8"}
+
+
+def _qtype(model: dict) -> tuple[str, int | None]:
+    """The transformer's quantized type (``uint3|repo/adapter``: ``uint3``) and its bits where an integer type's."""
+    qtype = str(model.get("qtype", "qfloat8")).lower().split("|", 1)[0]
+    return qtype, int(qtype[-1]) if qtype[-1:].isdigit() and qtype.rstrip("0123456789").endswith("int") else None
 
 
 def _ema(config: object, where: str) -> dict:
@@ -256,6 +261,36 @@ def _resolution(datasets: list, where: str, warnings: list[str]) -> int | None:
             warnings.append(f"ai-toolkit config {where}: latents are not cached (cache_latents_to_disk); memfit's batch "
                             "is the cached latents, so the VAE in the step is not in the estimate")
     return max(sides) if sides else None
+
+
+def _layer_offloading(model: dict, workload: str, where: str, warnings: list[str]) -> dict:
+    """``layer_offloading``: ai-toolkit keeps a share of the transformer's linear layers (its
+    ``layer_offloading_transformer_percent``, each layer drawn at random) on the host and copies each to the device
+    for its forward and backward. memfit's nearest is the same share of the denoiser's blocks swapped (the last
+    ones, streamed a block at a time: about the same bytes on the host, one block's more on the device); said."""
+    share = model.get("layer_offloading_transformer_percent", 1.0)
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+        raise UserError(f"--from {where}: layer_offloading_transformer_percent must be a share from 0 to 1, got {share!r}")
+    from memfit.planner.space import model_facts
+    from memfit.planner.stacks import stacks_of
+    from memfit.workloads import load_workload
+    try:
+        stacks = stacks_of(model_facts(load_workload(workload)).model)
+    except UserError:
+        stacks = None
+    bits = _qtype(model)[1] if model.get("quantize") else None
+    if stacks is None or bits is not None and bits <= 4:
+        warnings.append(f"ai-toolkit config {where}: layer_offloading is not mapped (" + (
+            "memfit streams no 4-bit layers" if stacks else "the model's blocks cannot be read here") +
+            "); memfit keeps every layer on the device")
+        return {}
+    blocks = sum(stacks.tail)
+    swapped = round(share * blocks)
+    warnings.append(f"ai-toolkit config {where}: layer_offloading streams {share:.0%} of the transformer's linear layers "
+                    f"from the host, drawn at random; memfit swaps its last {swapped} of {blocks} blocks (swap_blocks: "
+                    "about the same bytes)" + ("; the text encoders' share is not mapped" if model.get(
+                        "layer_offloading_text_encoder_percent", 1.0) else ""))
+    return {"swap_blocks": swapped} if swapped else {}
 
 
 def _frames(datasets: list, where: str, warnings: list[str]) -> int:
