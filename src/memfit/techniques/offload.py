@@ -384,14 +384,19 @@ def parse(values: dict) -> Offload:
 
 def search(ctx: SearchContext) -> list[tuple[str, ...]]:
     """On GPU presets: each state offload, all activations, and (four blocks or more) the first half
-    of the blocks' activations, whose copies have the rest of the model's compute to hide behind. On
-    the CPU the host *is* the device: nothing to gain."""
+    of the blocks' activations, whose copies have the rest of the model's compute to hide behind (of the
+    blocks behind frozen text encoders' stacks, which save none). On the CPU the host *is* the device:
+    nothing to gain."""
     if not ctx.device.is_gpu:
         return [()]
     values = [(), ("optimizer_states",), ("optimizer_states:step=device",), ("activations",)]
-    blocks = sum(len(children) for _, children in find_blocks(ctx.model))
+    lengths = [(len(children), any(p.requires_grad for c in children for p in c.parameters()))
+               for _, children in find_blocks(ctx.model)]
+    frozen = next((i for i, (_, trains) in enumerate(lengths) if trains), len(lengths))
+    ahead = sum(n for n, _ in lengths[:frozen])  # (frozen text encoders' layers first: they save no activations)
+    blocks = sum(n for n, _ in lengths) - ahead
     if blocks >= 4:
-        values.append((f"activations:blocks={blocks // 2}",))
+        values.append((f"activations:blocks={ahead + blocks // 2}",))
     return values
 
 

@@ -162,3 +162,6 @@ def test_the_first_blocks_save_no_more_than_all_and_the_search_tries_half():
     assert half.saves_at_most(every, 4) and not every.saves_at_most(half, 4) and not half.saves_at_most(states, 4)
     space = default_space(model_facts(load_workload("llama:num_hidden_layers=8", seq_len=64)), get_device("h100-80gb"), 1)
     assert ("activations:blocks=4",) in space.values["offload"]
+    # frozen text encoders first (CLIP-L's 12 and T5's 24 layers) save nothing: half of FLUX.1's 57 blocks behind them
+    flux = default_space(model_facts(load_workload("dit-flux:text_encoders=frozen")), get_device("h100-80gb"), 1)
+    assert flux.values["offload"][-1] == ("activations:blocks=64",)
