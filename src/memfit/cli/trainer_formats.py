@@ -3,6 +3,7 @@ kept to the plans that trainer runs (memfit.integrations.kohya_export, memfit.in
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -40,7 +41,7 @@ class TrainerTarget:
         self.model, self.model_class = target.workload.name, info.config.get("model_class")
         self.spec = spec or (workload if isinstance(workload, str) else target.workload.name)
         self.config = info.config
-        self.batch_size, self.device = target.batch_size, device
+        self.batch_size, self.device, self.workload = target.batch_size, device, target.workload
 
 
 class KohyaTarget(TrainerTarget):
@@ -70,7 +71,16 @@ class AiToolkitTarget(TrainerTarget):
 
     @property
     def facts(self) -> dict:
-        return {k: self.config.get(k) for k in ("text_encoders", "t5", "frames", "cross_attention_dim")}
+        return {**{k: self.config.get(k) for k in ("text_encoders", "t5", "frames", "cross_attention_dim")},
+                "blocks": self.blocks}
+
+    @functools.cached_property
+    def blocks(self) -> int | None:
+        """The denoiser's blocks (behind its text encoders' stacks): what a swapped share is of."""
+        from memfit.planner.space import model_facts
+        from memfit.planner.stacks import stacks_of
+        stacks = stacks_of(model_facts(self.workload).model)
+        return sum(stacks.tail) if stacks else None
 
     def runs_in(self, fixed: dict):
         """The plans ai-toolkit's fields carry (the search is kept to them); refuses a model it does not train."""

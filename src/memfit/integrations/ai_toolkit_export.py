@@ -5,7 +5,8 @@ what ai-toolkit has no field for, and what the user's own setup must hold.
 Each technique writes its own fields (``Config.export``'s ``ai_toolkit``, by ``section.key`` of the job's
 training process; what it cannot carry is listed as plan keys); here the model follows: its ``arch`` and
 ``name_or_path`` (a built-in as the hub id ai-toolkit loads), its text encoders (cached, in the step, or
-trained), a Wan clip's frames, the dataset's bucket, and what ai-toolkit runs its own way (the LoRA in fp32:
+trained), a Wan clip's frames, swapped blocks as ``layer_offloading`` of their share of the denoiser's blocks,
+the dataset's bucket, and what ai-toolkit runs its own way (the LoRA in fp32:
 ``bf16-pure`` with an adapter is ``bf16-base`` there). Each value is the one
 :func:`memfit.integrations.ai_toolkit.map_config` reads back into the same plan.
 """
@@ -60,7 +61,9 @@ def to_ai_toolkit(plan: Plan, batch_size: int, model: str, model_class: str | No
                   text: dict | None = None) -> AiToolkitJob:
     """``plan`` at ``batch_size`` (global) for ``model`` (a workload as named: ``dit-flux:text_encoders=frozen``) of
     ``model_class`` (its diffusers class) as an ai-toolkit job. ``text``: the workload's ``text_encoders``, ``t5``,
-    ``frames`` and ``cross_attention_dim`` (its config: memfit.workloads.text_encoders, memfit.workloads.video_dits)."""
+    ``frames`` and ``cross_attention_dim`` (its config: memfit.workloads.text_encoders, memfit.workloads.video_dits),
+    and ``blocks``: the denoiser's blocks (:attr:`memfit.planner.stacks.Stacks.tail`), whose swapped share is
+    ai-toolkit's ``layer_offloading``."""
     into = export(plan, batch_size, device)
     fields, unmapped, notes = dict(into.ai_toolkit), list(into.ai_toolkit_unmapped), list(into.ai_toolkit_notes)
     text = text or {}
@@ -78,6 +81,16 @@ def to_ai_toolkit(plan: Plan, batch_size: int, model: str, model_class: str | No
         del fields["train.max_grad_norm"]  # (ai-toolkit clips nothing with adafactor)
     if fields.get("train.gradient_accumulation") == 1:
         del fields["train.gradient_accumulation"]
+    swapped, blocks = fields.pop("model.swapped_blocks", 0), text.get("blocks")
+    if swapped and blocks and swapped <= blocks:  # (memfit.integrations.ai_toolkit._layer_offloading, read back)
+        fields.update({"model.layer_offloading": True,
+                       "model.layer_offloading_transformer_percent": round(swapped / blocks, 4),
+                       "model.layer_offloading_text_encoder_percent": 0.0})
+        notes.append(f"swap_blocks: {swapped} of the denoiser's {blocks} blocks is written as ai-toolkit's "
+                     "layer_offloading of that share of its linear layers (drawn at random: about the same bytes)")
+    elif swapped:
+        unmapped.append(f"swap_blocks: {swapped} (ai-toolkit's layer_offloading takes a share of the denoiser's blocks, "
+                        "unknown here)")
     if "network.linear_alpha" in fields:
         alpha = fields["network.linear_alpha"]
         fields["network.linear_alpha"] = int(alpha) if float(alpha).is_integer() else alpha

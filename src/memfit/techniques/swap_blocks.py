@@ -309,7 +309,8 @@ class SwapBlocks(Config):
     def export(self, into: Export) -> None:
         if self.count:
             into.kohya["blocks_to_swap"] = self.count  # (FLUX's: sd-scripts' own count, memfit.integrations.kohya_export)
-            into.not_carried(self, kohya=False, ai_toolkit=True)  # (ai-toolkit: layer_offloading, another scheme)
+            into.ai_toolkit["model.swapped_blocks"] = self.count  # (as layer_offloading's share: ai_toolkit_export)
+            into.not_carried(self, kohya=False, ai_toolkit=False)
 
 
 def _buffers_to(block: torch.nn.Module, device: torch.device) -> None:
