@@ -130,7 +130,8 @@ FLUX_TEXT = ("dit-flux:num_layers=6,num_single_layers=12,attention_head_dim=16,n
 """A FLUX.1 of 6 + 12 blocks with CLIP-L and T5 of 4 layers each, frozen in the step: cut to 4, 4, t and 2t."""
 
 
-@pytest.mark.parametrize("swapped", [0, 12], ids=["resident", "singles-swapped"])
+@pytest.mark.parametrize("swapped", [pytest.param(0, marks=pytest.mark.slow), 12],  # (14 s each; the swapped pair
+                         ids=["resident", "singles-swapped"])                     # holds the whole stacks too)
 def test_text_encoders_kept_whole_in_the_pair_give_the_full_traces_peak_and_time(swapped):
     """The encoders' stacks are whole at both depths (a constant); the DiT's grow on their line: the pair's peak,
     step time and allocations at full depth are the full trace's; with the DiT's last blocks swapped too (its
