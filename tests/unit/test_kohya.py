@@ -172,6 +172,8 @@ def test_unmapped_arguments_are_named_one_a_line():
                    "c.toml", CARD)
     assert [w.split(": ", 1)[1] for w in c.warnings] == ["lr_warmup is not mapped; the estimate ignores it"]
     assert c.workload == "dit-flux:t5_tokens=256"  # (FLUX.1's T5 tokens a caption)
+    masked = map_config({**MINIMAL, "network_train_unet_only": True, "apply_t5_attn_mask": True}, "c.toml", CARD)
+    assert masked.workload == "dit-flux:t5_mask=true" and masked.warnings == ()  # (its attention masked)
     assert map_config({**MINIMAL, "split_mode": True}, "c.toml", CARD).plan.swap_blocks == 39  # (sd-scripts: 18)
 
 

@@ -118,10 +118,12 @@ def test_fluxs_trained_clip_over_cached_t5_states_and_its_caption_length_read_ba
     cache it is the same workload and plan."""
     plan = Plan(adapter="lora:r=16,alpha=16,targets=all-linear", precision="bf16-base", base_weights="fp8",
                 checkpointing="blocks")
-    out = to_kohya(plan, 1, "dit-flux", 1024, "rtx4090", text_encoders="trained", t5="cached", t5_tokens=256)
+    out = to_kohya(plan, 1, "dit-flux", 1024, "rtx4090", text_encoders="trained", t5="cached", t5_tokens=256,
+                   t5_mask=True)
     assert out.arguments["t5xxl_max_token_length"] == 256 and "network_train_unet_only" not in out.arguments
+    assert out.arguments["apply_t5_attn_mask"] is True
     assert out.notes[0].startswith("cache_latents and cache_text_encoder_outputs = true")
     back = map_config({"pretrained_model_name_or_path": "/m/flux1-dev.safetensors", "ae": "/m/ae.safetensors",
                        "cache_latents": True, "cache_text_encoder_outputs": True, **out.arguments}, "c.toml", CARD)
-    assert back.workload == "dit-flux:text_encoders=trained,t5=cached,t5_tokens=256" and back.plan == plan
+    assert back.workload == "dit-flux:text_encoders=trained,t5=cached,t5_mask=true,t5_tokens=256" and back.plan == plan
     assert back.warnings == ()

@@ -49,7 +49,7 @@ class KohyaTarget(TrainerTarget):
 
     @property
     def text(self) -> dict:
-        return {k: self.config.get(k) for k in ("text_encoders", "t5", "t5_tokens")}
+        return {k: self.config.get(k) for k in ("text_encoders", "t5", "t5_tokens", "t5_mask")}
 
     def runs_in(self, fixed: dict):
         """The plans sd-scripts' arguments carry (the search is kept to them); refuses a model it does not train."""

@@ -51,18 +51,20 @@ def _value(v) -> str:
 
 def to_kohya(plan: Plan, batch_size: int, model: str, resolution: int | tuple[int, int] | None = None,
              device: Device | str | None = None, model_class: str | None = None,
-             text_encoders: str | None = None, t5: str | None = None, t5_tokens: int | None = None
-             ) -> KohyaArguments:
+             text_encoders: str | None = None, t5: str | None = None, t5_tokens: int | None = None,
+             t5_mask: bool | None = None) -> KohyaArguments:
     """``plan`` at ``batch_size`` (global) for ``model`` (a workload's name: it says the model family) as
     sd-scripts arguments: each technique's own (``Config.export``'s ``kohya``), then the family's: its LoRA
     module, FLUX's count of swapped blocks, and what sd-scripts runs for that family only. ``text_encoders``,
-    ``t5`` and ``t5_tokens``: the workload's (memfit.workloads.text_encoders)."""
+    ``t5``, ``t5_tokens`` and ``t5_mask``: the workload's (memfit.workloads.text_encoders, packed_dits)."""
     into = export(plan, batch_size, device)
     args, unmapped = dict(into.kohya), list(into.kohya_unmapped)
     cached = CACHED if text_encoders in (None, "cached") else T5_CACHED if t5 == "cached" else LATENTS_CACHED
     notes = [cached, *into.kohya_notes]
     if t5_tokens is not None:
         args["t5xxl_max_token_length"] = t5_tokens
+    if t5_mask:
+        args["apply_t5_attn_mask"] = True
     family = family_of(model, {}, model_class)
     if family is None:
         raise UserError(f"--format kohya: sd-scripts trains FLUX.1, SD3, Lumina 2 and SD/SDXL UNets, not {model}"
@@ -89,12 +91,12 @@ def to_kohya(plan: Plan, batch_size: int, model: str, resolution: int | tuple[in
 def runs_in_sd_scripts(batch_size: int, model: str, resolution: int | tuple[int, int] | None = None,
                        device: Device | str | None = None, model_class: str | None = None,
                        fixed: dict | None = None, text_encoders: str | None = None, t5: str | None = None,
-                       t5_tokens: int | None = None) -> Callable[[Plan], bool]:
+                       t5_tokens: int | None = None, t5_mask: bool | None = None) -> Callable[[Plan], bool]:
     """Whether sd-scripts' arguments carry a plan (``memfit plan --format kohya`` searches only those): every
     setting :func:`to_kohya` cannot carry is one of the ``fixed`` fields the user gave (theirs to keep, and
     listed). A model sd-scripts does not train is refused here, before a search."""
     given = set(fixed or {})
-    text = {"text_encoders": text_encoders, "t5": t5, "t5_tokens": t5_tokens}
+    text = {"text_encoders": text_encoders, "t5": t5, "t5_tokens": t5_tokens, "t5_mask": t5_mask}
     to_kohya(Plan(), batch_size, model, resolution, device, model_class, **text)
 
     def runs(plan: Plan) -> bool:

@@ -73,7 +73,11 @@ def text_encoders(model: str, data: dict, where: str, warnings: list[str], famil
 
 def caption(model: str, data: dict, where: str, warnings: list[str], family: str | None) -> str:
     """FLUX.1's and SD3's T5 tokens a caption (``t5xxl_max_token_length``; sd-scripts' defaults are the
-    built-ins': 512, schnell's 256, SD3's 256); another model's is said in one line."""
+    built-ins': 512, schnell's 256, SD3's 256); another model's is said in one line. FLUX.1's
+    ``apply_t5_attn_mask`` masks its attention (``t5_mask=true``: NOTE [ kohya's T5 attention mask ] in
+    memfit.workloads.packed_dits; SD3's masks T5's own encoding alone, nothing the step holds)."""
+    if data.get("apply_t5_attn_mask") and family == "flux":
+        model = with_override(model, "t5_mask", "true")
     tokens = data.get("t5xxl_max_token_length")
     if tokens is None:
         return model

@@ -91,9 +91,9 @@ def pipeline_denoiser(path: Path, where: str) -> Path | None:
     return path / name
 
 
-TEXT_KEYS = ("text_encoders", "t5", "t5_tokens", "text_layers")
+TEXT_KEYS = ("text_encoders", "t5", "t5_tokens", "text_layers", "t5_mask")
 """The text encoders a UNet's, FLUX.1's or SD3's step holds (memfit.workloads.text_encoders): built from the
-pipeline folder's own ``text_encoder*/config.json`` where it has them."""
+pipeline folder's own ``text_encoder*/config.json`` where it has them; FLUX.1's T5 mask in its attention."""
 def pipeline_of(given: Path, denoiser: Path) -> Path | None:
     """The pipeline folder of a denoiser's folder: the one given (a pipeline folder), or the folder above the
     denoiser's (a hub snapshot's ``unet/``) where it holds model_index.json; else None."""

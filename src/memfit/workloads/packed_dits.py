@@ -73,11 +73,15 @@ def flux(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageM
     ``text_encoders=frozen|trained`` (and ``t5=``) CLIP-L and T5-XXL run in the step, the batch holding
     the captions' token ids in place of their outputs (memfit.workloads.text_encoders). ``t5_tokens=N``:
     T5 tokens a caption (kohya's ``t5xxl_max_token_length``, diffusers' ``--max_sequence_length``; default
-    512, and schnell's 256)."""
+    512, and schnell's 256). ``t5_mask=true``: kohya's ``apply_t5_attn_mask`` (NOTE [ kohya's T5 attention
+    mask ])."""
     from memfit.workloads import text_encoders as te
     overrides, text, layers = te.text_mode(m.arch, overrides, t5=True)
     overrides, t5 = te.t5_mode(m.arch, overrides, text)
     overrides, caption = te.t5_tokens(m.arch, overrides)
+    masked = overrides.pop("t5_mask", False)
+    if not isinstance(masked, bool):
+        raise UserError(f"{m.arch}: t5_mask={masked} must be true or false (kohya's apply_t5_attn_mask)")
 
     def inputs(b: int, kw: dict, high: int, wide: int) -> dict:
         rows, cols = torch.arange(high).repeat_interleave(wide), torch.arange(wide).repeat(high)
@@ -92,18 +96,50 @@ def flux(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageM
             if t5 == "frozen":
                 del out["encoder_hidden_states"]
             out["ids"] = te.t5_token_ids(b, 1, tokens if t5 == "frozen" else None)
+        if masked:  # (each caption's T5 padding mask; all of it kept here: its bytes are what count)
+            out["t5_attention_mask"] = torch.ones(b, tokens, dtype=torch.bool)
         return out
 
     def wrap(model: Callable[[], torch.nn.Module], kw: dict) -> Callable[[], torch.nn.Module]:
+        dit = (lambda: _with_t5_mask(model())) if masked else model
+        if text == "cached":
+            return dit
         configs = te.chosen(m.text_configs, te.flux_configs(kw["pooled_projection_dim"], kw["joint_attention_dim"],
                                                            t5 == "frozen", layers), layers)
-        return lambda: te.FluxWithTextEncoders(model(), configs, text == "trained")
+        return lambda: te.FluxWithTextEncoders(dit(), configs, text == "trained")
     wl = _packed_workload(m, overrides, seq_len, resolution, _pack, inputs,
                           ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
-                           "joint_attention_dim"), wrap if text != "cached" else None)
+                           "joint_attention_dim"), wrap if text != "cached" or masked else None)
     if caption:
         wl.info.config["t5_tokens"] = caption
+    if masked:
+        wl.info.config["t5_mask"] = True
     return te.labelled(wl, text, t5) if text != "cached" else wl
+
+
+# NOTE [ kohya's T5 attention mask ]
+# sd-scripts' ``apply_t5_attn_mask`` masks each caption's T5 padding in FLUX.1's attention. Its blocks build the
+# mask as a boolean [B, L] over the text and image tokens, viewed as [B, heads, L, L] (``expand``: no bytes) and
+# given to SDPA, which turns a boolean mask into an additive one of the query's dtype (``logical_not``, then
+# ``where``): both materialise all of [B, heads, L, L], a bool and a bf16 tensor, 1.5 GB for one 1024 px image
+# (24 heads, 4,608 tokens) in every attention call, and the fused kernel keeps the bf16 one for backward. The
+# workload gives the model the same expanded mask (a forward pre-hook turns the batch's ``t5_attention_mask``
+# into ``joint_attention_kwargs``, which diffusers' FLUX blocks hand to SDPA), so the trace holds what
+# sd-scripts' does. (diffusers' own 2-D mask would be unsqueezed to [B, 1, 1, L] and cost nothing.)
+def _with_t5_mask(model: torch.nn.Module) -> torch.nn.Module:
+    model.register_forward_pre_hook(_t5_mask_to_attention, with_kwargs=True)
+    return model
+
+
+def _t5_mask_to_attention(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    mask = kwargs.pop("t5_attention_mask", None)
+    if mask is not None:
+        b, image = mask.shape[0], kwargs["hidden_states"].shape[1]
+        tokens = mask.shape[1] + image
+        joint = torch.cat([mask, mask.new_ones(b, image)], dim=1)[:, None, None, :]
+        heads = module.config.num_attention_heads
+        kwargs["joint_attention_kwargs"] = {"attention_mask": joint.expand(b, heads, tokens, tokens)}
+    return args, kwargs
 
 
 def qwen_image(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = QWEN_IMAGE) -> Workload:
