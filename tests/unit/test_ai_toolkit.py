@@ -91,7 +91,7 @@ def test_batches_and_buckets_are_the_largest_and_accumulated():
      ["quantize_te differs from quantize", "ai-toolkit runs the bf16 model", "latents are not cached"]),
     ("train_lora_sd35_large_24gb", f"{SD35_LARGE},text_encoders=frozen", {}, ["ai-toolkit runs the bf16 model"]),
     ("train_lora_qwen_image_24gb", "dit-qwenimage", {"base_weights": "nf4", "ema": None},  # (uint3: as nf4, said)
-     ["qtype uint3 stores 3 bits a weight", "ai-toolkit runs the bf16 model"]),
+     ["qtype's accuracy-recovery adapter", "qtype uint3 stores 3 bits a weight", "ai-toolkit runs the bf16 model"]),
     ("train_lora_wan21_14b_24gb", "dit-wan:frames=1", {"adapter": "lora:r=32,alpha=32,targets=all-linear"},
      ["ai-toolkit runs the bf16 model"]),  # (umT5 unloaded: its states cached; images, one frame)
     ("train_lora_wan21_1b_24gb", "dit-wan-1.3b:frames=1", {"adapter": "lora:r=32,alpha=32,targets=all-linear",
@@ -121,8 +121,12 @@ def test_archs_and_older_flags_name_the_model(model, workload):
 
 
 def test_what_memfit_runs_otherwise_is_said_in_one_line():
-    quiet = map_config(_with(model__qtype="uint8|ostris/adapter.safetensors"), "c.yaml", CARD)  # (one byte: unsaid)
+    quiet = map_config(_with(model__qtype="int8"), "c.yaml", CARD)  # (one byte: unsaid)
     assert len(quiet.warnings) == 1 and quiet.plan.base_weights == "fp8"
+    eight = map_config(_with(model__qtype="uint8|ostris/adapter.safetensors"), "c.yaml", CARD)
+    assert eight.plan.base_weights == "as-is"  # (ai-toolkit's uintx path leaves 8 bits unquantized)
+    assert [w.split(": ", 1)[1][:30] for w in eight.warnings][:2] == ["qtype's accuracy-recovery adap",
+                                                                      "qtype uint8: ai-toolkit leaves"]
     data = _with()
     data["config"]["process"][0]["datasets"] = {"resolution": 512}
     with pytest.raises(UserError, match="datasets must be a list of datasets"):
@@ -130,19 +134,35 @@ def test_what_memfit_runs_otherwise_is_said_in_one_line():
     assert map_config(_with(model__qtype="uint4"), "c.yaml", CARD).plan.base_weights == "nf4"  # (half a byte: unsaid)
     assert map_config(_with(model__qtype="int6"), "c.yaml", CARD).plan.base_weights == "fp8"  # (said: one byte)
     c = map_config(_with(model__quantize_te=False, model__layer_offloading=True, model__qtype="uint3",
-                         datasets__cache_latents_to_disk=False), "c.yaml", CARD)
-    assert c.plan.base_weights == "nf4"
+                         datasets__cache_latents_to_disk=False, train__diff_output_preservation=True), "c.yaml", CARD)
+    assert c.plan.base_weights == "nf4" and c.plan.swap_blocks == 0  # (FLUX.1: ai-toolkit offloads none of its layers)
     said = [w.split(": ", 1)[1][:40] for w in c.warnings]
     assert said == ["quantize_te differs from quantize; memfi", "qtype uint3 stores 3 bits a weight; memf",
-                    "ai-toolkit runs the bf16 model without a", "layer_offloading is not mapped (memfit s",
-                    "latents are not cached (cache_latents_to"], said
+                    "diff_output_preservation runs a second f", "ai-toolkit runs the bf16 model without a",
+                    "layer_offloading: ai-toolkit offloads no", "latents are not cached (cache_latents_to"], said
     assert all("\n" not in w for w in c.warnings)
-    assert c.plan.swap_blocks == 0  # (uint3 weights: memfit streams no 4-bit layers)
-    every = map_config(_with(model__layer_offloading=True), "c.yaml", CARD)
-    assert every.plan.swap_blocks == 57  # (every one of FLUX.1's 19 + 38 blocks, behind its text encoders' stacks)
-    half = map_config(_with(model__layer_offloading=True, model__layer_offloading_transformer_percent=0.5), "c.yaml",
-                      CARD)
-    assert half.plan.swap_blocks == 28 and any("its last 28 of 57 blocks" in w for w in half.warnings)
+    sdxl = map_config(_with(model__is_flux=None, model__is_xl=True, model__name_or_path="/m/sdxl"), "c.yaml", CARD)
+    assert sdxl.plan.base_weights == "as-is" and any("quantizes no sdxl UNet" in w for w in sdxl.warnings)
+
+
+def test_layer_offloading_of_qwen_image_flux2_and_wan_is_that_share_of_the_blocks_swapped():
+    """ai-toolkit's memory manager streams a share of the linear layers of Qwen-Image, FLUX.2 and Wan (drawn at
+    random): memfit swaps that share of the denoiser's blocks (Wan 2.1 1.3B: 30)."""
+    wan = dict(model__is_flux=None, model__arch="wan21", model__name_or_path="Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+               model__layer_offloading=True, model__quantize=None)
+    every = map_config(_with(**wan), "c.yaml", CARD)
+    assert every.workload == "dit-wan-1.3b:frames=1" and every.plan.swap_blocks == 30
+    half = map_config(_with(**wan, model__layer_offloading_transformer_percent=0.5), "c.yaml", CARD)
+    assert half.plan.swap_blocks == 15 and any("its last 15 of 30 blocks" in w for w in half.warnings)
+    with pytest.raises(UserError, match="layer_offloading_transformer_percent must be a share from 0 to 1"):
+        map_config(_with(**wan, model__layer_offloading_transformer_percent=2), "c.yaml", CARD)
+
+
+def test_older_flags_are_read_in_ai_toolkits_order_and_a_datasets_batch_size_wins():
+    both = map_config(_with(model__is_xl=True, model__name_or_path="/m/model"), "c.yaml", CARD)  # (is_flux too)
+    assert both.workload == "/m/model:text_encoders=frozen" and any("quantizes no sdxl" in w for w in both.warnings)
+    sets = _with(datasets__batch_size=3, train__batch_size=1)
+    assert map_config(sets, "c.yaml", CARD).batch_size == 3
 
 
 @pytest.mark.parametrize("changes,message", [
@@ -159,8 +179,6 @@ def test_what_memfit_runs_otherwise_is_said_in_one_line():
     ({"train__gradient_accumulation": 2, "train__gradient_accumulation_steps": 2},
      "gradient_accumulation and gradient_accumulation_steps are both set"),
     ({"network__linear_alpha": "x"}, "network.linear_alpha must be a number > 0"),
-    ({"model__layer_offloading": True, "model__layer_offloading_transformer_percent": 2},
-     "layer_offloading_transformer_percent must be a share from 0 to 1"),
 ])
 def test_what_memfit_does_not_run_is_one_line(changes, message):
     with pytest.raises(UserError, match=message) as e:

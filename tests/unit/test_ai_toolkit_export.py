@@ -107,15 +107,21 @@ def test_on_the_command_line_the_search_keeps_to_what_ai_toolkit_runs():
 
 
 def test_swapped_blocks_are_layer_offloading_of_their_share_and_read_back():
-    """19 of FLUX.1's 57 blocks swapped: ai-toolkit's layer_offloading of a third of the transformer's linear layers
-    (the text encoders' share none), read back by ``--from`` as the same 19 blocks."""
+    """10 of Wan 2.1 1.3B's 30 blocks swapped: ai-toolkit's layer_offloading of a third of the transformer's linear
+    layers (the text encoder's share none), read back by ``--from`` as the same 10 blocks. FLUX.1's are not carried:
+    ai-toolkit offloads no FLUX.1 layers."""
     plan = Plan(adapter="lora:r=16,alpha=16,targets=all-linear", base_weights="fp8", precision="bf16-base",
-                checkpointing="blocks", swap_blocks=19, max_grad_norm=1.0)
-    job = _job(plan, 1, "dit-flux", 1024, blocks=57)
+                checkpointing="blocks", swap_blocks=10, max_grad_norm=1.0)
+    job = _job(plan, 1, "dit-wan-1.3b:frames=1", 480, blocks=30)
     assert job.unmapped == ()
     model = job.process["model"]
     assert (model["layer_offloading"], model["layer_offloading_transformer_percent"],
             model["layer_offloading_text_encoder_percent"]) == (True, 0.3333, 0.0)
+    assert job.process["train"]["noise_scheduler"] == "flowmatch" and model["quantize_te"] is True
     again = map_config(yaml.safe_load(job.yaml()), "job.yaml", CARD)
-    assert again.plan == plan and any("its last 19 of 57 blocks" in w for w in again.warnings)
-    assert [u.split(" (")[0] for u in _job(plan, 1, "dit-flux", 1024).unmapped] == ["swap_blocks: 19"]  # (unknown)
+    assert again.plan == plan and any("its last 10 of 30 blocks" in w for w in again.warnings)
+    flux = _job(plan.replace(swap_blocks=19), 1, "dit-flux", 1024, blocks=57)
+    assert [u.split(" (")[0] for u in flux.unmapped] == ["swap_blocks: 19"]
+    adafactor = _job(Plan(adapter="lora:r=4,targets=all-linear", precision="bf16-base", optimizer="adafactor"), 1,
+                     "dit-flux", 1024)
+    assert "max_grad_norm" not in adafactor.process["train"] and not any("clips" in n for n in adafactor.notes)

@@ -8,7 +8,7 @@ memfit maps it:
 | ai-toolkit | what it runs | memfit |
 |---|---|---|
 | ``model.arch`` (or ``is_flux``, ``is_xl``, ``is_v3``, ``is_lumina2``; none: SD 1.x), ``name_or_path`` | the arch's denoiser from the hub id or folder | FLUX.1 (``flux``, ``flex1``), SD 1.x, SDXL, SD3/3.5, Lumina 2, Qwen-Image, FLUX.2, Wan 2.1: a published id as memfit's built-in (:data:`ARCHS`), else the id or folder |
-| ``model.quantize`` (``qtype`` qfloat8; torchao's ``uint3``-``uint4``) | optimum-quanto or torchao: every ``nn.Linear`` of the transformer in one byte (or 3-4 bits), cast to bf16 per matmul | ``base_weights: fp8`` (``nf4``: 4 bits, a bound for 3) |
+| ``model.quantize`` (``qtype`` qfloat8; torchao's ``uint3``-``uint4``; ``uint8``: none) | optimum-quanto or torchao: every ``nn.Linear`` of the transformer in one byte (or 3-4 bits), cast to bf16 per matmul; SD 1.x and SDXL: nothing | ``base_weights: fp8`` (``nf4``: 4 bits, a bound for 3) |
 | ``model.quantize_te`` (default: ``quantize``) | T5-XXL quantized too; CLIP-L stays bf16 | fp8 base weights store both encoders' linear layers (CLIP-L: 85 MB less than ai-toolkit holds) |
 | text encoders | on the device, each prompt encoded every step under no_grad, T5 at 512 tokens; ``cache_text_embeddings`` (train's or a dataset's) or ``unload_text_encoder``: cached | ``text_encoders=frozen`` (``cached``); Qwen-Image's, FLUX.2's and Wan's in the step: said, not held |
 | ``datasets[].num_frames`` (Wan; default 1: images) | clips of that many frames | ``dit-wan:frames=`` down to 4k + 1 (said where it differs) |
@@ -19,11 +19,14 @@ memfit maps it:
 | ``train.gradient_checkpointing`` (default true) | every transformer block checkpointed | ``checkpointing: blocks`` |
 | ``train.optimizer`` | adamw8bit (bitsandbytes), adamw, adafactor, ... | ``adamw8bit``, ``adamw``, ``adafactor``; others refused |
 | ``train.ema_config.use_ema``, ``ema_decay`` | an fp32 copy of the LoRA on the device | ``ema: {decay, device: device}`` |
-| ``train.batch_size``, ``gradient_accumulation_steps`` | the micro-batch, accumulated | batch and micro-batch |
+| ``train.batch_size`` (a dataset's own ``batch_size`` wins), ``gradient_accumulation_steps`` | the micro-batch, accumulated | batch and micro-batch |
+| ``model.layer_offloading`` (Qwen-Image, FLUX.2, Wan; the others ignore it) | a random ``layer_offloading_transformer_percent`` of the linear layers on the host, streamed | that share of the denoiser's blocks swapped (said) |
 | ``datasets[].resolution`` (a side or a list), ``cache_latents(_to_disk)`` | buckets up to that side squared; latents cached, the VAE off the device | ``--resolution`` the largest side, down to a multiple of 16 |
 | ``train.max_grad_norm`` (default 1.0) | clipping (none with adafactor) | ``max_grad_norm`` |
 
-Said in one line each: the model under autocast where ai-toolkit runs none; a quantization memfit stores in
+Said in one line each: the model under autocast where ai-toolkit runs none (its LoRA keeps fp32 copies of the
+adapted layers' inputs: memfit's figure may be low); an accuracy-recovery adapter; ``diff_output_preservation``
+and ``blank_prompt_preservation`` (a second graph); a bf16 full fine-tuning's EMA (bf16 there); a quantization memfit stores in
 other bytes (``qtype`` other than qfloat8/qint8); the text encoders' quantization where it differs from the
 transformer's; latents not cached; ``layer_offloading`` (as that share of the blocks swapped); text encoders in the
 step that memfit does not hold. Refused in one
@@ -59,16 +62,23 @@ ARCHS = {
 none: SD 1.x), and the built-in of each published id; another id or a folder is read as a diffusers model."""
 HOLD_TEXT = ("flux", "sd1", "sdxl", "sd3", "lumina2")
 """The archs whose denoisers memfit builds with their text encoders (memfit.workloads.text_encoders)."""
-OLD_FLAGS = {"is_flux": "flux", "is_xl": "sdxl", "is_ssd": "sdxl", "is_v3": "sd3", "is_lumina2": "lumina2",
-             "is_v2": "sd2", "is_pixart": "pixart", "is_pixart_sigma": "pixart_sigma", "is_auraflow": "auraflow"}
-"""The older flags, in the order ai-toolkit reads them (ModelConfig)."""
+OLD_FLAGS = {"is_v2": "sd2", "is_v3": "sd3", "is_xl": "sdxl", "is_pixart": "pixart", "is_pixart_sigma": "pixart_sigma",
+             "is_auraflow": "auraflow", "is_flux": "flux", "is_lumina2": "lumina2", "is_vega": "sdxl", "is_ssd": "sdxl"}
+"""The older flags, in the order ai-toolkit reads them (ModelConfig; Vega and SSD-1B are SDXL UNets, read from
+their own configs)."""
+QUANTIZED = ("flux", "sd3", "lumina2", "qwen_image", "flux2", "wan21")
+"""The archs whose transformer ai-toolkit quantizes with ``quantize`` (its SD 1.x and SDXL paths ignore it)."""
+LAYER_OFFLOADED = ("qwen_image", "flux2", "wan21")
+"""The archs whose models ai-toolkit's ``layer_offloading`` attaches its memory manager to (the others ignore it)."""
+FLOW = ("flux", "sd3", "lumina2", "qwen_image", "flux2", "wan21")
+"""The archs trained by flow matching (ai-toolkit's ``noise_scheduler: flowmatch``)."""
 OPTIMIZERS = {"adamw8bit": "adamw8bit", "adamw8": "adamw8bit", "adam8bit": "adamw8bit", "adamw": "adamw",
               "adam": "adamw", "adafactor": "adafactor"}
 """ai-toolkit's optimizer names memfit runs (Adam's states weigh AdamW's)."""
 PRECISIONS = {"bf16": "bf16-base", "bfloat16": "bf16-base", "fp16": "fp16-base", "float16": "fp16-base",
               "half": "fp16-base", "fp32": "fp32", "float32": "fp32", "float": "fp32", "single": "fp32"}
 """ai-toolkit's ``get_torch_dtype`` names, as memfit's precision (the LoRA in fp32 over a 16-bit model)."""
-ONE_BYTE = ("qfloat8", "qint8", "qfloat8_e4m3fn", "qfloat8_e5m2", "float8", "int8", "uint8")
+ONE_BYTE = ("qfloat8", "qint8", "qfloat8_e4m3fn", "qfloat8_e5m2", "float8", "int8")
 """Weight types of one byte a weight (optimum-quanto's and torchao's; memfit's fp8 base weights weigh the same)."""
 
 
@@ -95,8 +105,15 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
     if full and model.get("quantize"):
         warnings.append(f"ai-toolkit config {where}: quantize with no network: the trained weights stay in train.dtype "
                         "(memfit quantizes none)")
+    elif model.get("quantize") and arch not in QUANTIZED:
+        warnings.append(f"ai-toolkit config {where}: quantize: ai-toolkit quantizes no {arch} UNet; its weights stay in "
+                        "train.dtype, as memfit's")
     elif not full:
         fields.update(_quantized(model, where, warnings))
+    for key in ("diff_output_preservation", "blank_prompt_preservation"):
+        if train.get(key):
+            warnings.append(f"ai-toolkit config {where}: {key} runs a second forward and backward on the batch, keeping "
+                            "both graphs: not in the estimate (about twice its activations)")
     if text != "cached" and "text_encoders=" not in workload:  # (a workload named beside it keeps its own)
         if arch not in HOLD_TEXT:
             warnings.append(f"ai-toolkit config {where}: the text encoders run in the step (no cache_text_embeddings); "
@@ -115,9 +132,13 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
         warnings.append(f"ai-toolkit config {where}: train.dtype {dtype} with no network trains the model in fp16; memfit's "
                         "fp16 keeps fp32 weights under autocast (a bound)")
     elif not full and dtype not in ("fp32", "float32", "float", "single"):
-        warnings.append(f"ai-toolkit config {where}: ai-toolkit runs the {dtype} model without autocast (the LoRA in "
-                        f"fp32); memfit's {fields['precision']} runs it under autocast, whose fp32 ops keep some "
-                        "activations in fp32 (a bound)")
+        warnings.append(f"ai-toolkit config {where}: ai-toolkit runs the {dtype} model without autocast, its LoRA in fp32 "
+                        "casting each adapted layer's input to fp32 (kept for backward); memfit's "
+                        f"{fields['precision']} runs under autocast and keeps those inputs in {dtype}: its figure may be "
+                        "low by those fp32 copies (unmeasured)")
+    if full and fields.get("ema") and PRECISIONS[dtype] == "bf16-base":
+        warnings.append(f"ai-toolkit config {where}: ai-toolkit's EMA of a bf16 model is bf16; memfit's is fp32 (a bound: "
+                        "2 bytes a weight high)")
     if train.get("gradient_checkpointing", True):
         fields["checkpointing"] = "blocks"
     name = str(train.get("optimizer", "adamw")).lower()
@@ -129,7 +150,8 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
     norm = train.get("max_grad_norm", 1.0)  # (ai-toolkit clips none with adafactor)
     fields["max_grad_norm"] = float(norm) if isinstance(norm, (int, float)) and not isinstance(norm, bool) and norm \
         and name != "adafactor" else None
-    micro = whole(train, "batch_size", where, 1)
+    sets = [whole(d, "batch_size", where, 1) for d in datasets if isinstance(d, dict) and "batch_size" in d]
+    micro = max(sets) if sets else whole(train, "batch_size", where, 1)  # (a dataset's own batch size wins)
     steps, accum = (whole(train, k, where, 1) for k in ("gradient_accumulation_steps", "gradient_accumulation"))
     if steps > 1 and accum > 1:
         raise UserError(f"--from {where}: gradient_accumulation and gradient_accumulation_steps are both set (ai-toolkit "
@@ -137,8 +159,11 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
     accum = max(steps, accum)
     if accum > 1:
         fields["micro_batch_size"] = micro
-    if model.get("layer_offloading") or model.get("auto_memory"):
+    if (model.get("layer_offloading") or model.get("auto_memory")) and arch in LAYER_OFFLOADED:
         fields.update(_layer_offloading(model, workload, where, warnings))
+    elif model.get("layer_offloading") or model.get("auto_memory"):
+        warnings.append(f"ai-toolkit config {where}: layer_offloading: ai-toolkit offloads no {arch} layers (it manages "
+                        "Qwen-Image's, FLUX.2's and Wan's); ignored, as there")
     resolution = _resolution(datasets, where, warnings)
     try:
         plan = Plan(**fields)
@@ -179,12 +204,16 @@ def _workload(model: dict, where: str) -> tuple[str, str]:
 
 def _text_encoders(arch: str, model: dict, train: dict, datasets: list, where: str, warnings: list[str]) -> str:
     """The text encoders' mode (see the table); their quantization where it is not the transformer's, said."""
-    if train.get("train_text_encoder"):
+    if train.get("train_text_encoder") and arch == "lumina2":  # (its LoRA adapts CLIP's modules, none of Gemma-2's)
+        warnings.append(f"ai-toolkit config {where}: train_text_encoder: ai-toolkit's LoRA adapts no Gemma-2 module; "
+                        "read as Gemma-2 frozen in the step")
+    elif train.get("train_text_encoder"):
         return "trained"
     if train.get("cache_text_embeddings") or train.get("unload_text_encoder") or any(
             isinstance(d, dict) and d.get("cache_text_embeddings") for d in datasets):
         return "cached"
-    if arch in HOLD_TEXT and bool(model.get("quantize_te", model.get("quantize"))) != bool(model.get("quantize")):
+    differs = bool(model.get("quantize_te", model.get("quantize"))) != bool(model.get("quantize"))
+    if arch in HOLD_TEXT and arch != "sd3" and differs:  # (SD3's T5 is quantized with quantize alone)
         warnings.append(f"ai-toolkit config {where}: quantize_te differs from quantize; memfit stores the text encoders' "
                         "linear weights as the transformer's (fp8 base weights or 16 bits)" +
                         (": T5-XXL's 4.4 GB off" if arch in ("flux", "sd3") else ""))
@@ -212,8 +241,15 @@ def _quantized(model: dict, where: str, warnings: list[str]) -> dict:
     if not model.get("quantize"):
         return {}
     qtype, bits = _qtype(model)
+    if "|" in str(model.get("qtype", "")):
+        warnings.append(f"ai-toolkit config {where}: qtype's accuracy-recovery adapter is held on the device in "
+                        "train.dtype: not in the estimate")
     if qtype in ONE_BYTE:
         return {"base_weights": "fp8"}
+    if qtype == "uint8":  # (ai-toolkit's uintx path quantizes 1-7 bits; at 8 it leaves the weights as they are)
+        warnings.append(f"ai-toolkit config {where}: qtype uint8: ai-toolkit leaves those weights unquantized, in "
+                        "train.dtype, as memfit does")
+        return {}
     if bits is not None and bits <= 4:  # (torchao's uint1-uint4 and int4, quanto's qint4: as nf4, half a byte)
         if bits < 4:
             warnings.append(f"ai-toolkit config {where}: qtype {qtype} stores {bits} bits a weight; memfit stores the "

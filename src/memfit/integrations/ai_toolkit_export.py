@@ -20,7 +20,7 @@ import yaml
 
 from memfit.devices import Device
 from memfit.errors import UserError
-from memfit.integrations.ai_toolkit import ARCHS, HOLD_TEXT
+from memfit.integrations.ai_toolkit import ARCHS, FLOW, HOLD_TEXT, LAYER_OFFLOADED
 from memfit.integrations.export import export
 from memfit.plans import Plan
 from memfit.techniques.precision import BF16Pure
@@ -77,20 +77,23 @@ def to_ai_toolkit(plan: Plan, batch_size: int, model: str, model_class: str | No
     elif "network.type" in fields and isinstance(plan.config("precision"), BF16Pure):
         unmapped.append("precision: bf16-pure (ai-toolkit keeps a LoRA in fp32 over the bf16 model: bf16-base)")
     fields.setdefault("train.gradient_checkpointing", False)  # (ai-toolkit's default is on)
-    if fields.get("train.optimizer") == "adafactor" and "train.max_grad_norm" in fields:
-        del fields["train.max_grad_norm"]  # (ai-toolkit clips nothing with adafactor)
+    if fields.get("train.optimizer") == "adafactor":  # (ai-toolkit clips nothing with adafactor)
+        fields.pop("train.max_grad_norm", None)
+        notes = [n for n in notes if not n.startswith("max_grad_norm:")]
+    if arch in FLOW:  # (ai-toolkit's default is ddpm's)
+        fields["train.noise_scheduler"] = "flowmatch"
     if fields.get("train.gradient_accumulation") == 1:
         del fields["train.gradient_accumulation"]
     swapped, blocks = fields.pop("model.swapped_blocks", 0), text.get("blocks")
-    if swapped and blocks and swapped <= blocks:  # (memfit.integrations.ai_toolkit._layer_offloading, read back)
+    if swapped and blocks and swapped <= blocks and arch in LAYER_OFFLOADED:  # (ai_toolkit._layer_offloading)
         fields.update({"model.layer_offloading": True,
                        "model.layer_offloading_transformer_percent": round(swapped / blocks, 4),
                        "model.layer_offloading_text_encoder_percent": 0.0})
         notes.append(f"swap_blocks: {swapped} of the denoiser's {blocks} blocks is written as ai-toolkit's "
                      "layer_offloading of that share of its linear layers (drawn at random: about the same bytes)")
     elif swapped:
-        unmapped.append(f"swap_blocks: {swapped} (ai-toolkit's layer_offloading takes a share of the denoiser's blocks, "
-                        "unknown here)")
+        unmapped.append(f"swap_blocks: {swapped} (ai-toolkit's layer_offloading streams Qwen-Image's, FLUX.2's and "
+                        "Wan's layers" + ("" if arch not in LAYER_OFFLOADED else ", a share of blocks unknown here") + ")")
     if "network.linear_alpha" in fields:
         alpha = fields["network.linear_alpha"]
         fields["network.linear_alpha"] = int(alpha) if float(alpha).is_integer() else alpha
@@ -104,8 +107,8 @@ def to_ai_toolkit(plan: Plan, batch_size: int, model: str, model_class: str | No
         process["train"]["train_text_encoder"] = True
     if text.get("t5") == "cached":
         unmapped.append("t5: cached (ai-toolkit caches every text encoder's outputs or none)")
-    if fields.get("model.quantize"):
-        process["model"]["quantize_te"] = mode != "cached" and arch in HOLD_TEXT
+    if fields.get("model.quantize"):  # (the encoders load beside the transformer even to cache their outputs)
+        process["model"]["quantize_te"] = True
     process["datasets"] = [_dataset(resolution, text.get("frames"), notes)]
     notes.append("datasets: your folder_path and captions; cache_latents_to_disk as memfit's batch is the cached "
                  "latents" + ("" if "cache_text_embeddings" not in process["train"] else " and text states"))
