@@ -141,6 +141,8 @@ def test_what_memfit_runs_otherwise_is_said_in_one_line():
                     "diff_output_preservation runs a second f", "ai-toolkit runs the bf16 model without a",
                     "layer_offloading: ai-toolkit offloads no", "latents are not cached (cache_latents_to"], said
     assert all("\n" not in w for w in c.warnings)
+    only = map_config(_with(network__network_kwargs={"only_if_contains": ["transformer_blocks"]}), "c.yaml", CARD)
+    assert any("network_kwargs only_if_contains are not mapped" in w for w in only.warnings)
     sdxl = map_config(_with(model__is_flux=None, model__is_xl=True, model__name_or_path="/m/sdxl"), "c.yaml", CARD)
     assert sdxl.plan.base_weights == "as-is" and any("quantizes no sdxl UNet" in w for w in sdxl.warnings)
 

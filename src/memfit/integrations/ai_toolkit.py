@@ -234,6 +234,11 @@ def _network(arch: str, network: dict, where: str, warnings: list[str]) -> dict:
         warnings.append(f"ai-toolkit config {where}: network.conv is not mapped " + (
             "(a LoRA of the UNet's convolutions); memfit adapts its linear layers" if arch in ("sd1", "sdxl") else
             f"({arch}'s transformer blocks hold no convolution)"))
+    kwargs = network.get("network_kwargs") or {}
+    kept = [k for k in ("only_if_contains", "ignore_if_contains") if isinstance(kwargs, dict) and kwargs.get(k)]
+    if kept:
+        warnings.append(f"ai-toolkit config {where}: network_kwargs {' and '.join(kept)} are not mapped; memfit adapts "
+                        "every linear layer (more LoRA weights and saved inputs than ai-toolkit's: a bound)")
     return {"adapter": f"lora:r={rank},alpha={alpha},targets=all-linear"}
 
 
