@@ -56,6 +56,7 @@ def test_estimate_max_where_nothing_fits_exits_2(capsys):
     (["estimate"], ["name a workload", "--from config.yml"]),
     (["fit", GPT2, "--devices", "rtx4060,rtx9999"], ["unknown device 'rtx9999'", "rtx4060, rtx3070"]),
     (["fit", GPT2, "--budget", "2GiB"], ["give a share of each card"]),
+    (["fit"], ["name a workload", "--from config.yml"]),
 ])
 def test_bad_input_is_one_line(capsys, argv, words):
     assert main(argv) == 2

@@ -220,3 +220,16 @@ def test_a_job_with_no_network_is_full_fine_tuning_in_its_dtype():
     assert c.plan.precision == "fp16" and c.plan.base_weights == "as-is"
     said = [w.split(": ", 1)[1][:40] for w in c.warnings]
     assert said[:2] == ["quantize with no network: the trained we", "train.dtype fp16 with no network trains "], said
+
+
+def test_fit_from_the_config_takes_its_model_size_and_adapter():
+    """``memfit fit --from``: the cards table of the config's model (a tiny FLUX named beside it) at the config's
+    size unless given, its LoRA methods with the config's rank, alpha and targets."""
+    argv = ["fit", f"{TINY},text_layers=1", "--from", str(EXAMPLE), "--devices", "rtx4090", "--methods", "lora",
+            "--resolution", "128", "--json"]
+    rc, out, err = run(argv)
+    check(argv, rc, err)
+    report = json.loads(out)
+    assert rc == 0 and report["workload"] == "dit-flux 128px, text encoders frozen"
+    assert report["cells"][0]["plan"]["adapter"] == "lora:r=16,alpha=16,targets=all-linear"
+

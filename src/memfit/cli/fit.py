@@ -14,14 +14,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                                 "fit, the largest batch that does (exact: the next one does not), the recipe that "
                                 "takes it, and its predicted tokens/s or images/s; where no card fits alone, the "
                                 "fewest cards with FSDP2. Traces are shared by the cards of one architecture.")
-    p.add_argument("workload", help="built-in name (llama, gpt2, dit-lumina2, ...), a model folder or a hub id")
+    p.add_argument("workload", nargs="?", help="built-in name (llama, gpt2, dit-lumina2, ...), a model folder or a hub "
+                                               "id (with --from: the model named beside the config)")
+    p.add_argument("--from", dest="from_config", metavar="CONFIG",
+                   help="an axolotl or ai-toolkit YAML, or a kohya-ss TOML: its model, size and adapter (the LoRA "
+                        "methods' rank and targets)")
     p.add_argument("--seq-len", metavar="T", help="sequence length (language models; default: the config's)")
     add_resolution_arg(p)
     p.add_argument("--methods", metavar="METHODS",
                    help="methods to compare (full,lora,dora,qlora,qdora); default full,lora,qlora, or full,lora for "
                         "image-generation models")
-    p.add_argument("--adapter", default="lora:r=16", help="the LoRA methods' adapter: rank and targets "
-                                                          "(default lora:r=16, the model's attention projections)")
+    p.add_argument("--adapter", help="the LoRA methods' adapter: rank and targets (default lora:r=16, the model's "
+                                     "attention projections; with --from, the config's)")
     p.add_argument("--devices", metavar="CARDS", help="GPU presets to compare, separated by commas (default: every "
                                                       "preset; see memfit devices)")
     p.add_argument("--budget", metavar="PCT", help="each card's budget as a share of it, e.g. 100%% (default: the "
@@ -54,20 +58,28 @@ def run(args: argparse.Namespace) -> int:
     seq = parse_positive_int(args.seq_len, "--seq-len", MAX_SIZE) if args.seq_len is not None else None
     res = parse_resolution(args.resolution) if args.resolution is not None else None
     most = parse_positive_int(args.max_world_size, "--max-world-size")
-    workload = load_workload(args.workload, seq_len=seq, resolution=res)
+    names = [n.strip() for n in args.devices.split(",") if n.strip()] if args.devices else list(GPU_PRESETS)
+    cards = list({d.name: d for d in map(get_device, names)}.values())
+    adapter = args.adapter
+    if args.from_config is not None:
+        spec, seq, res, adapter = _from_config(args, cards[0], seq, res)
+    elif args.workload is None:
+        raise UserError("fit: name a workload (e.g. llama), or a training config with --from config.yml")
+    else:
+        spec = args.workload
+    adapter = adapter or "lora:r=16"
+    workload = load_workload(spec, seq_len=seq, resolution=res)
     image, info = workload.info.resolution is not None, workload.info
     if info.adapter is not None:
         raise UserError(f"fit compares full fine-tuning, LoRA and QLoRA of a base model; {workload.name} is an adapter "
                         f"checkpoint ({info.adapter}): fit its base model, or plan it on a card with memfit plan "
                         f"{workload.name} --batch-size max --device CARD")
     default = "qlora" if info.quantized else "full,lora" if image else "full,lora,qlora"
-    methods = parse_methods(args.methods or default, args.adapter)
+    methods = parse_methods(args.methods or default, adapter)
     methods = on_checkpoint(methods, workload, "fit --methods")
     if image and any(m.name in QUANTIZED for m in methods):
         raise UserError("fit --methods: qlora and qdora are for language models here (4-bit base weights of a diffusion model "
                         "are not modelled); choose from full, lora, dora")
-    names = [n.strip() for n in args.devices.split(",") if n.strip()] if args.devices else list(GPU_PRESETS)
-    cards = list({d.name: d for d in map(get_device, names)}.values())
     with PlanProgress() if not args.json else contextlib.nullcontext() as progress:
         table = fit_table(workload, methods, cards, budget=args.budget, max_world=most,
                           host_memory=args.host_memory, progress=progress)
@@ -82,3 +94,19 @@ def run(args: argparse.Namespace) -> int:
     if args.png and not args.json:
         print(f"picture written to {args.png}")
     return 0
+
+
+def _from_config(args: argparse.Namespace, card, seq, res):
+    """``--from``: the config's workload (or the one named beside it), its size where the command line gives none,
+    and its adapter where ``--adapter`` is not given (memfit.integrations.from_file); its warnings, one line each."""
+    import warnings
+
+    from memfit.integrations.from_file import read_training_config
+    mapped = read_training_config(args.from_config, card, args.workload)
+    for line in mapped.warnings:
+        warnings.warn(line, stacklevel=2)
+    if not args.json:
+        print(mapped.summary())
+    given = mapped.plan.to_dict().get("adapter")
+    adapter = args.adapter or (given if given and given != "none" else None)
+    return mapped.workload, seq or mapped.seq_len, res or mapped.resolution, adapter
