@@ -183,9 +183,10 @@ def sized_free(args: argparse.Namespace, key: str):
                     resolution=_size(args, "resolution"))
 
 
-def apply_config(args: argparse.Namespace) -> None:
+def apply_config(args: argparse.Namespace, device=None) -> None:
     """``--from FILE``: the training config's workload, sizes and plan, under what the command line gives
-    (memfit.integrations.configs); its unmapped fields are warned about, one line each."""
+    (memfit.integrations.configs); its unmapped fields are warned about, one line each. ``device``: the card the
+    config is read for (default ``--device``'s)."""
     path = getattr(args, "from_config", None)
     if path is None:
         if getattr(args, "workload", "") is None:
@@ -196,7 +197,7 @@ def apply_config(args: argparse.Namespace) -> None:
 
     from memfit.devices import get_device
     from memfit.integrations.from_file import read_training_config
-    mapped = read_training_config(path, get_device(args.device), args.workload)
+    mapped = read_training_config(path, device or get_device(args.device), args.workload)
     for line in mapped.warnings:
         warnings.warn(line, stacklevel=2)
     args.workload = mapped.workload

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 
-from memfit.cli.common import add_command, add_resolution_arg, parse_resolution, print_json
+from memfit.cli.common import add_command, add_resolution_arg, apply_config, parse_resolution, print_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -55,20 +55,17 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(args.png, "--png", example="fit.png", suffixes=IMAGE_SUFFIXES)
     if args.budget is not None and not str(args.budget).strip().endswith("%"):
         raise UserError(f"fit --budget {args.budget}: give a share of each card, e.g. 90% (the cards differ in size)")
-    seq = parse_positive_int(args.seq_len, "--seq-len", MAX_SIZE) if args.seq_len is not None else None
-    res = parse_resolution(args.resolution) if args.resolution is not None else None
     most = parse_positive_int(args.max_world_size, "--max-world-size")
     names = [n.strip() for n in args.devices.split(",") if n.strip()] if args.devices else list(GPU_PRESETS)
     cards = list({d.name: d for d in map(get_device, names)}.values())
-    adapter = args.adapter
-    if args.from_config is not None:
-        spec, seq, res, adapter = _from_config(args, cards[0], seq, res)
-    elif args.workload is None:
-        raise UserError("fit: name a workload (e.g. llama), or a training config with --from config.yml")
-    else:
-        spec = args.workload
-    adapter = adapter or "lora:r=16"
-    workload = load_workload(spec, seq_len=seq, resolution=res)
+    apply_config(args, cards[0])  # (--from: the config's model, sizes and adapter under what the command line gives)
+    if getattr(args, "config_summary", None) and not args.json:
+        print(args.config_summary)
+    given = args.config_plan.to_dict()["adapter"] if getattr(args, "config_plan", None) else "none"
+    adapter = args.adapter or (given if given != "none" else "lora:r=16")
+    seq = parse_positive_int(args.seq_len, "--seq-len", MAX_SIZE) if args.seq_len is not None else None
+    res = parse_resolution(args.resolution) if args.resolution is not None else None
+    workload = load_workload(args.workload, seq_len=seq, resolution=res)
     image, info = workload.info.resolution is not None, workload.info
     if info.adapter is not None:
         raise UserError(f"fit compares full fine-tuning, LoRA and QLoRA of a base model; {workload.name} is an adapter "
@@ -95,18 +92,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"picture written to {args.png}")
     return 0
 
-
-def _from_config(args: argparse.Namespace, card, seq, res):
-    """``--from``: the config's workload (or the one named beside it), its size where the command line gives none,
-    and its adapter where ``--adapter`` is not given (memfit.integrations.from_file); its warnings, one line each."""
-    import warnings
-
-    from memfit.integrations.from_file import read_training_config
-    mapped = read_training_config(args.from_config, card, args.workload)
-    for line in mapped.warnings:
-        warnings.warn(line, stacklevel=2)
-    if not args.json:
-        print(mapped.summary())
-    given = mapped.plan.to_dict().get("adapter")
-    adapter = args.adapter or (given if given and given != "none" else None)
-    return mapped.workload, seq or mapped.seq_len, res or mapped.resolution, adapter

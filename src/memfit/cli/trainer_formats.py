@@ -78,9 +78,8 @@ class AiToolkitTarget(TrainerTarget):
     def blocks(self) -> int | None:
         """The denoiser's blocks (behind its text encoders' stacks): what a swapped share is of."""
         from memfit.planner.space import model_facts
-        from memfit.planner.stacks import stacks_of
-        stacks = stacks_of(model_facts(self.workload).model)
-        return sum(stacks.tail) if stacks else None
+        from memfit.planner.stacks import tail_blocks
+        return tail_blocks(model_facts(self.workload).model)
 
     def runs_in(self, fixed: dict):
         """The plans ai-toolkit's fields carry (the search is kept to them); refuses a model it does not train."""

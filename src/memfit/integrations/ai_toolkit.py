@@ -313,19 +313,18 @@ def _layer_offloading(model: dict, workload: str, where: str, warnings: list[str
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
         raise UserError(f"--from {where}: layer_offloading_transformer_percent must be a share from 0 to 1, got {share!r}")
     from memfit.planner.space import model_facts
-    from memfit.planner.stacks import stacks_of
+    from memfit.planner.stacks import tail_blocks
     from memfit.workloads import load_workload
     try:
-        stacks = stacks_of(model_facts(load_workload(workload)).model)
+        blocks = tail_blocks(model_facts(load_workload(workload)).model)
     except UserError:
-        stacks = None
+        blocks = None
     bits = _qtype(model)[1] if model.get("quantize") else None
-    if stacks is None or bits is not None and bits <= 4:
+    if blocks is None or bits is not None and bits <= 4:
         warnings.append(f"ai-toolkit config {where}: layer_offloading is not mapped (" + (
-            "memfit streams no 4-bit layers" if stacks else "the model's blocks cannot be read here") +
+            "memfit streams no 4-bit layers" if blocks else "the model's blocks cannot be read here") +
             "); memfit keeps every layer on the device")
         return {}
-    blocks = sum(stacks.tail)
     swapped = round(share * blocks)
     warnings.append(f"ai-toolkit config {where}: layer_offloading streams {share:.0%} of the transformer's linear layers "
                     f"from the host, drawn at random; memfit swaps its last {swapped} of {blocks} blocks (swap_blocks: "

@@ -21,7 +21,7 @@ import yaml
 from memfit.devices import Device
 from memfit.errors import UserError
 from memfit.integrations.ai_toolkit import ARCHS, FLOW, HOLD_TEXT, LAYER_OFFLOADED
-from memfit.integrations.export import export
+from memfit.integrations.export import carried_by, export
 from memfit.plans import Plan
 from memfit.techniques.precision import BF16Pure
 from memfit.workloads.config_overrides import split_overrides
@@ -33,10 +33,13 @@ CLASSES = {"FluxTransformer2DModel": "flux", "SD3Transformer2DModel": "sd3", "Lu
 OWN_KEYS = ("text_encoders", "t5", "t5_tokens", "text_layers", "frames")
 """Workload keys the job says in its own fields (the text encoders' mode, a Wan clip's frames)."""
 BUILT_IN_IDS: dict[str, tuple[str, str]] = {}
+BY_BASE: dict[str, tuple[str, str]] = {}
 for _arch, _ids in ARCHS.items():
     for _name, _workload in _ids.items():
         BUILT_IN_IDS.setdefault(_workload, (_arch, _name))
-"""memfit's built-ins as the hub ids ai-toolkit loads (the first id of each, as published)."""
+        BY_BASE.setdefault(split_overrides(_workload)[0], (_arch, _name))
+"""memfit's built-ins as the hub ids ai-toolkit loads (the first id of each, as published); by the built-in's
+name alone, for one given other sizes."""
 
 
 @dataclass(frozen=True)
@@ -122,13 +125,7 @@ def runs_in_ai_toolkit(batch_size: int, model: str, model_class: str | None, res
     """Whether ai-toolkit's fields carry a plan (``memfit plan --format ai-toolkit`` searches only those): every
     setting :func:`to_ai_toolkit` cannot carry is one of the ``fixed`` fields the user gave. A model ai-toolkit
     does not train is refused here, before a search."""
-    given = set(fixed or {})
-    to_ai_toolkit(Plan(), batch_size, model, model_class, resolution, device, text)
-
-    def runs(plan: Plan) -> bool:
-        out = to_ai_toolkit(plan, batch_size, model, model_class, resolution, device, text)
-        return all(setting.split(":", 1)[0] in given for setting in out.unmapped)
-    return runs
+    return carried_by(lambda plan: to_ai_toolkit(plan, batch_size, model, model_class, resolution, device, text), fixed)
 
 
 def _model(model: str, model_class: str | None, text: dict, notes: list[str]) -> tuple[str, str]:
@@ -138,8 +135,8 @@ def _model(model: str, model_class: str | None, text: dict, notes: list[str]) ->
     built_in = BUILT_IN_IDS.get(f"{base}:{kept}" if kept else base)
     if built_in is not None:
         return built_in
-    if base in {split_overrides(w)[0] for w in BUILT_IN_IDS}:
-        arch, name = BUILT_IN_IDS[next(w for w in BUILT_IN_IDS if split_overrides(w)[0] == base)]
+    if base in BY_BASE:
+        arch, name = BY_BASE[base]
         notes.append(f"model: {name} is {base}'s published checkpoint; memfit's sizes ({kept}) are not its own: "
                      "give the folder or hub id you train")
         return arch, name

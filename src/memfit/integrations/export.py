@@ -136,3 +136,13 @@ def to_lightning(plan: Plan, batch_size: int, device: Device | str | None = None
         notes.append(f"DataLoader(batch_size={micro * n}): the plan's whole batch (memfit's step splits it into "
                      f"{n} micro-batches of {micro})")
     return TrainerArguments("Trainer", kwargs, tuple(unmapped), tuple(notes), LIGHTNING_CALLBACK)
+
+
+def carried_by(to, fixed: dict | None = None):
+    """Whether a trainer's config carries a plan (``memfit plan --format kohya|ai-toolkit`` searches only those):
+    every setting ``to(plan)`` lists as unmapped is one of the ``fixed`` fields the user gave (theirs to keep, and
+    listed). ``to(Plan())`` runs first: a model the trainer does not train is refused before a search."""
+    given = set(fixed or {})
+    to(Plan())
+    return lambda plan: all(setting.split(":", 1)[0] in given for setting in to(plan).unmapped)
+

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from memfit.devices import Device
 from memfit.errors import UserError
-from memfit.integrations.export import export
+from memfit.integrations.export import carried_by, export
 from memfit.integrations.kohya import FLUX_DOUBLE, FLUX_MOST_SWAPPED, FLUX_SINGLE, family_of, flux_swap
 from memfit.plans import Plan
 from memfit.techniques.precision import Autocast
@@ -95,14 +95,8 @@ def runs_in_sd_scripts(batch_size: int, model: str, resolution: int | tuple[int,
     """Whether sd-scripts' arguments carry a plan (``memfit plan --format kohya`` searches only those): every
     setting :func:`to_kohya` cannot carry is one of the ``fixed`` fields the user gave (theirs to keep, and
     listed). A model sd-scripts does not train is refused here, before a search."""
-    given = set(fixed or {})
     text = {"text_encoders": text_encoders, "t5": t5, "t5_tokens": t5_tokens, "t5_mask": t5_mask}
-    to_kohya(Plan(), batch_size, model, resolution, device, model_class, **text)
-
-    def runs(plan: Plan) -> bool:
-        out = to_kohya(plan, batch_size, model, resolution, device, model_class, **text)
-        return all(setting.split(":", 1)[0] in given for setting in out.unmapped)
-    return runs
+    return carried_by(lambda plan: to_kohya(plan, batch_size, model, resolution, device, model_class, **text), fixed)
 
 
 LATENTS_CACHED = ("cache_latents (or cache_latents_to_disk): memfit's batch is the cached latents; the text encoders run "

@@ -83,6 +83,13 @@ class Stacks:
         return tuple(o + u * depth for o, u in zip(self.offsets, self.unit))
 
 
+def tail_blocks(model: torch.nn.Module) -> int | None:
+    """The blocks a swapped share is of: those of :attr:`Stacks.tail` (a denoiser's, behind its text encoders'
+    stacks; every block where no stack has an offset); None where the model has no repeated blocks."""
+    stacks = stacks_of(model)
+    return sum(stacks.tail) if stacks else None
+
+
 def stacks_of(model: torch.nn.Module) -> Stacks | None:
     """How shallow traces cut ``model`` (:class:`Stacks`; None: no repeated blocks). One stack, or stacks
     whose lengths have a common divisor of at least MIN_DEPTH_FOR_SHALLOW, are cut in units of it; others
