@@ -377,14 +377,15 @@ def test_a_plain_trainers_bf16_peft_model_runs_bf16_base_as_predicted(tmp_path):
 
 
 @pytest.mark.parametrize("half,flag,runs", [(torch.bfloat16, "bf16", "bf16-base"), (torch.float16, "fp16", "fp16-base"),
-                                            (None, "bf16", "bf16-pure")])
+                                            (None, "bf16", "bf16-pure"), (torch.bfloat16, None, "bf16-base-noautocast")])
 def test_the_trainers_precision_is_read_from_the_models_dtypes(half, flag, runs):
     """bf16=True / fp16=True over a peft model loaded in 16 bits (the adapter fp32): bf16-base / fp16-base;
-    bf16=True over a model loaded in bf16 without an adapter: bf16-pure."""
+    bf16=True over a model loaded in bf16 without an adapter: bf16-pure; neither flag over the peft model: the
+    same loop without autocast (each adapted layer's input cast to fp32 by peft), bf16-base-noautocast."""
     from memfit.integrations.transformers import _trainer_runs
     from memfit.techniques.base import Export
     peft = pytest.importorskip("peft")
     model = _model().to(half or torch.bfloat16)
     if half is not None:
         model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
-    assert _trainer_runs(Export(BATCH, hf={flag: True}), model)["precision"] == runs
+    assert _trainer_runs(Export(BATCH, hf={flag: True} if flag else {}), model)["precision"] == runs

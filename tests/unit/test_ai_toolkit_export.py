@@ -65,7 +65,7 @@ def test_what_ai_toolkit_has_no_field_for_is_listed_as_plan_keys():
     (TINY, "flux", "black-forest-labs/FLUX.1-dev"),  # (another size of a built-in: said in a note)
 ])
 def test_built_ins_are_the_hub_ids_ai_toolkit_loads(workload, arch, name):
-    job = _job(Plan(adapter="lora:r=4,targets=all-linear", precision="bf16-base"), 1, workload, 512)
+    job = _job(Plan(adapter="lora:r=4,targets=all-linear", precision="bf16-base-noautocast"), 1, workload, 512)
     assert (job.process["model"]["arch"], job.process["model"]["name_or_path"]) == (arch, name)
     assert ("num_frames" in job.process["datasets"][0]) == ("wan" in workload)
     assert any("are not its own" in n for n in job.notes) == (workload == TINY)
@@ -110,7 +110,7 @@ def test_swapped_blocks_are_layer_offloading_of_their_share_and_read_back():
     """10 of Wan 2.1 1.3B's 30 blocks swapped: ai-toolkit's layer_offloading of a third of the transformer's linear
     layers (the text encoder's share none), read back by ``--from`` as the same 10 blocks. FLUX.1's are not carried:
     ai-toolkit offloads no FLUX.1 layers."""
-    plan = Plan(adapter="lora:r=16,alpha=16,targets=all-linear", base_weights="fp8", precision="bf16-base",
+    plan = Plan(adapter="lora:r=16,alpha=16,targets=all-linear", base_weights="fp8", precision="bf16-base-noautocast",
                 checkpointing="blocks", swap_blocks=10, max_grad_norm=1.0)
     job = _job(plan, 1, "dit-wan-1.3b:frames=1", 480, blocks=30)
     assert job.unmapped == ()
@@ -122,6 +122,6 @@ def test_swapped_blocks_are_layer_offloading_of_their_share_and_read_back():
     assert again.plan == plan and any("its last 10 of 30 blocks" in w for w in again.warnings)
     flux = _job(plan.replace(swap_blocks=19), 1, "dit-flux", 1024, blocks=57)
     assert [u.split(" (")[0] for u in flux.unmapped] == ["swap_blocks: 19"]
-    adafactor = _job(Plan(adapter="lora:r=4,targets=all-linear", precision="bf16-base", optimizer="adafactor"), 1,
+    adafactor = _job(Plan(adapter="lora:r=4,targets=all-linear", precision="bf16-base-noautocast", optimizer="adafactor"), 1,
                      "dit-flux", 1024)
     assert "max_grad_norm" not in adafactor.process["train"] and not any("clips" in n for n in adafactor.notes)

@@ -114,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
                                 host)
     from memfit.cli.trainer_formats import TARGETS
     trainer = TARGETS[args.format](workload, bs, args.device, args.workload) if args.format in TARGETS else None
+    fixed = trainer.own_fields(fixed) if trainer else fixed
     runs_in = trainer.runs_in(fixed) if trainer else None  # (refuses a model the trainer does not train, now)
     sizes = [given.world_size]
     if args.max_world_size is not None:

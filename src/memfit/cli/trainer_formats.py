@@ -42,6 +42,11 @@ class TrainerTarget:
         self.spec = spec or (workload if isinstance(workload, str) else target.workload.name)
         self.config = info.config
         self.batch_size, self.device, self.workload = target.batch_size, device, target.workload
+        self.bf16 = target.device.bf16
+
+    def own_fields(self, fixed: dict) -> dict:
+        """The plan fields the user fixed, and those the trainer always runs its own way."""
+        return fixed
 
 
 class KohyaTarget(TrainerTarget):
@@ -80,6 +85,14 @@ class AiToolkitTarget(TrainerTarget):
         from memfit.planner.space import model_facts
         from memfit.planner.stacks import tail_blocks
         return tail_blocks(model_facts(self.workload).model)
+
+    def own_fields(self, fixed: dict) -> dict:
+        """An ai-toolkit LoRA's precision is its own: the model in ``train.dtype``, the LoRA in fp32, no autocast (NOTE
+        [ ai-toolkit's LoRA: no autocast ]), unless the user fixed one."""
+        from memfit.planner.field_recipes import method_of
+        if "precision" in fixed or method_of(fixed) == "full":
+            return fixed
+        return {**fixed, "precision": "bf16-base-noautocast" if self.bf16 else "fp16-base-noautocast"}
 
     def runs_in(self, fixed: dict):
         """The plans ai-toolkit's fields carry (the search is kept to them); refuses a model it does not train."""

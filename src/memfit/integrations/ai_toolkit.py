@@ -14,7 +14,7 @@ memfit maps it:
 | ``datasets[].num_frames`` (Wan; default 1: images) | clips of that many frames | ``dit-wan:frames=`` down to 4k + 1 (said where it differs) |
 | ``train.train_text_encoder`` | the encoders train | ``text_encoders=trained`` |
 | ``network`` lora, ``rank`` or ``linear`` (default 4), ``linear_alpha`` (default ``alpha``, 1) | LoRA on every linear layer of the double and single blocks, weights in fp32 | ``adapter: lora:r=linear,alpha=linear_alpha,targets=all-linear`` (also the 7 embedding and output layers) |
-| ``train.dtype`` bf16 / fp16 (default fp32) | the model in that dtype, the LoRA in fp32, no autocast | ``bf16-base`` / ``fp16-base`` (under autocast: said) / ``fp32`` |
+| ``train.dtype`` bf16 / fp16 (default fp32) | the model in that dtype, the LoRA in fp32, no autocast (each adapted layer's input cast to fp32 and kept for backward) | ``bf16-base-noautocast`` / ``fp16-base-noautocast`` / ``fp32`` |
 | no ``network`` | full fine-tuning: the whole transformer trains in ``train.dtype`` | no adapter; ``bf16-pure`` / ``fp16`` (fp32 weights under autocast: said) / ``fp32`` |
 | ``train.gradient_checkpointing`` (default true) | every transformer block checkpointed | ``checkpointing: blocks`` |
 | ``train.optimizer`` | adamw8bit (bitsandbytes), adamw, adafactor, ... | ``adamw8bit``, ``adamw``, ``adafactor``; others refused |
@@ -24,8 +24,7 @@ memfit maps it:
 | ``datasets[].resolution`` (a side or a list), ``cache_latents(_to_disk)`` | buckets up to that side squared; latents cached, the VAE off the device | ``--resolution`` the largest side, down to a multiple of 16 |
 | ``train.max_grad_norm`` (default 1.0) | clipping (none with adafactor) | ``max_grad_norm`` |
 
-Said in one line each: the model under autocast where ai-toolkit runs none (its LoRA keeps fp32 copies of the
-adapted layers' inputs: memfit's figure may be low); an accuracy-recovery adapter; ``diff_output_preservation``
+Said in one line each: an accuracy-recovery adapter; ``diff_output_preservation``
 and ``blank_prompt_preservation`` (a second graph); a bf16 full fine-tuning's EMA (bf16 there); a quantization memfit stores in
 other bytes (``qtype`` other than qfloat8/qint8); the text encoders' quantization where it differs from the
 transformer's; latents not cached; ``layer_offloading`` (as that share of the blocks swapped); text encoders in the
@@ -75,9 +74,13 @@ FLOW = ("flux", "sd3", "lumina2", "qwen_image", "flux2", "wan21")
 OPTIMIZERS = {"adamw8bit": "adamw8bit", "adamw8": "adamw8bit", "adam8bit": "adamw8bit", "adamw": "adamw",
               "adam": "adamw", "adafactor": "adafactor"}
 """ai-toolkit's optimizer names memfit runs (Adam's states weigh AdamW's)."""
-PRECISIONS = {"bf16": "bf16-base", "bfloat16": "bf16-base", "fp16": "fp16-base", "float16": "fp16-base",
-              "half": "fp16-base", "fp32": "fp32", "float32": "fp32", "float": "fp32", "single": "fp32"}
-"""ai-toolkit's ``get_torch_dtype`` names, as memfit's precision (the LoRA in fp32 over a 16-bit model)."""
+PRECISIONS = {"bf16": "bf16-base-noautocast", "bfloat16": "bf16-base-noautocast", "fp16": "fp16-base-noautocast",
+              "float16": "fp16-base-noautocast", "half": "fp16-base-noautocast", "fp32": "fp32", "float32": "fp32",
+              "float": "fp32", "single": "fp32"}
+"""ai-toolkit's ``get_torch_dtype`` names, as memfit's precision of its LoRA: fp32 over a 16-bit model, no autocast
+(NOTE [ ai-toolkit's LoRA: no autocast ])."""
+FULL_PRECISIONS = {"bf16-base-noautocast": "bf16-pure", "fp16-base-noautocast": "fp16", "fp32": "fp32"}
+"""The same names for a full fine-tuning (the whole model trains in ``train.dtype``)."""
 ONE_BYTE = ("qfloat8", "qint8", "qfloat8_e4m3fn", "qfloat8_e5m2", "float8", "int8")
 """Weight types of one byte a weight (optimum-quanto's and torchao's; memfit's fp8 base weights weigh the same)."""
 
@@ -126,17 +129,11 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
     dtype = str(train.get("dtype", "fp32")).lower()
     if dtype not in PRECISIONS:
         raise UserError(f"--from {where}: train.dtype {dtype!r} is not one memfit runs; use bf16, fp16 or fp32")
-    fields["precision"] = PRECISIONS[dtype] if not full else {"bf16-base": "bf16-pure", "fp16-base": "fp16"}.get(
-        PRECISIONS[dtype], "fp32")
-    if full and PRECISIONS[dtype] == "fp16-base":  # (ai-toolkit's fp16 names)
+    precision = fields["precision"] = FULL_PRECISIONS[PRECISIONS[dtype]] if full else PRECISIONS[dtype]
+    if precision == "fp16":  # (a full fine-tuning in ai-toolkit's fp16)
         warnings.append(f"ai-toolkit config {where}: train.dtype {dtype} with no network trains the model in fp16; memfit's "
                         "fp16 keeps fp32 weights under autocast (a bound)")
-    elif not full and dtype not in ("fp32", "float32", "float", "single"):
-        warnings.append(f"ai-toolkit config {where}: ai-toolkit runs the {dtype} model without autocast, its LoRA in fp32 "
-                        "casting each adapted layer's input to fp32 (kept for backward); memfit's "
-                        f"{fields['precision']} runs under autocast and keeps those inputs in {dtype}: its figure may be "
-                        "low by those fp32 copies (unmeasured)")
-    if full and fields.get("ema") and PRECISIONS[dtype] == "bf16-base":
+    if full and fields.get("ema") and precision == "bf16-pure":
         warnings.append(f"ai-toolkit config {where}: ai-toolkit's EMA of a bf16 model is bf16; memfit's is fp32 (a bound: "
                         "2 bytes a weight high)")
     if train.get("gradient_checkpointing", True):

@@ -6,8 +6,8 @@ Each technique writes its own fields (``Config.export``'s ``ai_toolkit``, by ``s
 training process; what it cannot carry is listed as plan keys); here the model follows: its ``arch`` and
 ``name_or_path`` (a built-in as the hub id ai-toolkit loads), its text encoders (cached, in the step, or
 trained), a Wan clip's frames, swapped blocks as ``layer_offloading`` of their share of the denoiser's blocks,
-the dataset's bucket, and what ai-toolkit runs its own way (the LoRA in fp32:
-``bf16-pure`` with an adapter is ``bf16-base`` there). Each value is the one
+the dataset's bucket, and what ai-toolkit runs its own way (the LoRA in fp32 without autocast:
+``bf16-base-noautocast``; ``bf16-pure`` and ``bf16-base`` with an adapter are not carried). Each value is the one
 :func:`memfit.integrations.ai_toolkit.map_config` reads back into the same plan.
 """
 
@@ -76,9 +76,10 @@ def to_ai_toolkit(plan: Plan, batch_size: int, model: str, model_class: str | No
     if fields.get("train.dtype") is None:
         fields.pop("train.dtype", None)
         unmapped.append(f"precision: {plan.to_dict()['precision']} (ai-toolkit runs the model in train.dtype, without "
-                        "autocast)")
+                        "autocast" + (", its LoRA in fp32: bf16-base-noautocast)" if "network.type" in fields else ")"))
     elif "network.type" in fields and isinstance(plan.config("precision"), BF16Pure):
-        unmapped.append("precision: bf16-pure (ai-toolkit keeps a LoRA in fp32 over the bf16 model: bf16-base)")
+        unmapped.append("precision: bf16-pure (ai-toolkit keeps a LoRA in fp32 over the bf16 model, without autocast: "
+                        "bf16-base-noautocast)")
     fields.setdefault("train.gradient_checkpointing", False)  # (ai-toolkit's default is on)
     if fields.get("train.optimizer") == "adafactor":  # (ai-toolkit clips nothing with adafactor)
         fields.pop("train.max_grad_norm", None)

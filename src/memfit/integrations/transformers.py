@@ -53,7 +53,8 @@ from memfit.integrations.export import HF_CALLBACK_APPLIES, hf_unmapped_of, to_h
 from memfit.memory.measure import PeakWindow
 from memfit.plans import TECHNIQUES, Plan
 from memfit.techniques.base import Export
-from memfit.techniques.precision import AdapterBase, Autocast, BF16Pure, adapter_parameters
+from memfit.techniques.half_weights import adapter_parameters
+from memfit.techniques.precision import AdapterBase, Autocast, BF16Pure
 
 __all__ = ["ERROR", "MEASURED", "PREDICTED", "MemfitCallback", "MemfitTrainer"]
 CALLBACK_APPLIES = HF_CALLBACK_APPLIES
@@ -244,15 +245,20 @@ def _given(args) -> Export:
 def _trainer_runs(given: Export, model) -> dict:
     """The plan values the Trainer's own step runs with these arguments: every technique the
     arguments set, the rest at its default, but for the model-side ones a callback applies (bf16
-    with a model loaded in bf16 runs bf16-pure; with peft's adapter in fp32 over a bf16 or fp16 model, bf16-base or fp16-base)."""
+    with a model loaded in bf16 runs bf16-pure; with peft's adapter in fp32 over a bf16 or fp16 model, bf16-base or fp16-base;
+    neither bf16 nor fp16 over such a model: the same without autocast, bf16-base-noautocast)."""
     configs = core.trainer_configs(given)
     precision = configs.get("precision")
-    if isinstance(precision, Autocast) and next(model.parameters()).dtype == precision.torch_dtype:
-        _, adapter = adapter_parameters(model)  # (get_peft_model keeps an adapter in fp32 over a 16-bit model)
-        if adapter and all(p.dtype == torch.float32 for p in adapter):
+    dtype = next(model.parameters()).dtype
+    _, adapter = adapter_parameters(model)  # (get_peft_model keeps an adapter in fp32 over a 16-bit model)
+    fp32_adapter = bool(adapter) and all(p.dtype == torch.float32 for p in adapter)
+    if isinstance(precision, Autocast) and dtype == precision.torch_dtype:
+        if fp32_adapter:
             configs["precision"] = AdapterBase(precision.dtype)
         elif precision.dtype == "bf16":
             configs["precision"] = BF16Pure()
+    elif precision is None and fp32_adapter and dtype in (torch.bfloat16, torch.float16):
+        configs["precision"] = AdapterBase("bf16" if dtype == torch.bfloat16 else "fp16", autocast_on=False)
     return {k: v for t in TECHNIQUES if t.name not in CALLBACK_APPLIES or t.name in configs
             for k, v in configs.get(t.name, t.default).values().items()}
 

@@ -33,14 +33,15 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from torch.utils._pytree import tree_map
 
 from memfit.errors import UserError
 from memfit.quiet import silenced_warnings
 from memfit.techniques.base import Config, Export, Key, SearchContext, Technique, choice, register
-from memfit.techniques.kept_in_fp32 import arrive_in_fp32, kept_ids
+from memfit.techniques.half_weights import adapter_parameters, built_in, inputs_in, load_in, to_half
+from memfit.techniques.kept_in_fp32 import kept_ids
 
-MODES = ("fp32", "bf16", "fp16", "bf16-pure", "bf16-base", "fp16-base", "auto")
+MODES = ("fp32", "bf16", "fp16", "bf16-pure", "bf16-base", "fp16-base", "bf16-base-noautocast", "fp16-base-noautocast",
+         "auto")
 
 
 class NoScaler:
@@ -209,17 +210,17 @@ class BF16Pure(Precision):
         return built_in(torch.bfloat16)
 
     def prepare_batch(self, batch):
-        return _inputs_in(batch)
+        return inputs_in(batch)
 
     def on_load(self, model, load) -> None:
-        _load_in(model)
+        load_in(model)
 
     def convert(self, model: torch.nn.Module, loaded: bool = False) -> torch.nn.Module:
         """A model loaded as a checkpoint keeps its buffers as the load left them (the checkpoint's in bf16, a
         rotary ``inv_freq`` made in fp32 on purpose in fp32, as ``from_pretrained(dtype=torch.bfloat16)``
         leaves it); a model the workload builds is converted whole, as ``model.to(torch.bfloat16)`` does."""
         keep = kept_ids(model, torch.bfloat16, loaded) - {id(p) for p in adapter_parameters(model)[1]}
-        return _to_half(model, buffers=not loaded, keep=keep)
+        return to_half(model, buffers=not loaded, keep=keep)
 
     def export(self, into: Export) -> None:
         super().export(into)
@@ -242,6 +243,18 @@ class BF16Pure(Precision):
 # ``cast_adapter_dtype`` over each adapter, as ``get_peft_model`` calls it. As in peft, only the
 # adapter's layers are upcast: modules trained in full beside it (``save=``, peft's
 # ``modules_to_save``) stay bf16, and train so.
+#
+# NOTE [ ai-toolkit's LoRA: no autocast ]
+# ai-toolkit (ostris) runs the same weights without autocast: its ``train.dtype: bf16`` casts the model to
+# bf16, keeps its LoRA modules in fp32 (``network.force_to(..., dtype=torch.float32)``) and calls the model
+# under no autocast. Each adapted layer then casts its input to fp32 before the LoRA's first matmul
+# (toolkit/network_mixins.py: ``lora_input = x.to(self.lora_down.weight.dtype)``), and backward keeps that
+# fp32 copy: twice the input's bytes, once per adapted layer (q, k and v each hold their own copy of one
+# input). Ops that autocast would run in fp32 (norms, softmax) run in bf16, so the model's own saved
+# activations shrink a little. peft's LoRA layer does the same without autocast (``_cast_input_dtype``
+# to the adapter's dtype, the output cast back), so ``bf16-base-noautocast`` is :class:`AdapterBase`
+# with the autocast off; no GradScaler either (``fp16-base-noautocast``, ai-toolkit's fp16, scales no loss).
+# A Trainer left without ``bf16=True`` over a model loaded in bf16 runs this loop too.
 @dataclass(frozen=True)
 class AdapterBase(Precision):
     """The base model in 16 bits, the adapter in fp32, 16-bit autocast (NOTE [ The adapter users'
@@ -250,12 +263,15 @@ class AdapterBase(Precision):
 
     dtype: str = "bf16"
     """bf16 or fp16."""
+    autocast_on: bool = True
+    """The step runs under autocast (peft's, axolotl's and kohya's loop); off: ai-toolkit's (NOTE [ ai-toolkit's
+    LoRA: no autocast ]), each adapted layer's input cast to fp32, no loss scaling."""
     rank = None  # (between autocast and bf16-pure only where an adapter trains: not ordered, not searched)
     needs_adapter = True
 
     @property
     def name(self) -> str:
-        return f"{self.dtype}-base"
+        return f"{self.dtype}-base" + ("" if self.autocast_on else "-noautocast")
 
     @property
     def weights(self) -> str:
@@ -263,11 +279,11 @@ class AdapterBase(Precision):
 
     @property
     def numerics(self) -> str:
-        return f"{self.dtype} base model (the adapter in fp32)"
+        return f"{self.dtype} base model (the adapter in fp32" + (")" if self.autocast_on else ", no autocast)")
 
     @property
     def scaled(self) -> bool:
-        return Autocast(self.dtype).scaled
+        return self.autocast_on and Autocast(self.dtype).scaled
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -275,7 +291,7 @@ class AdapterBase(Precision):
 
     def resolve(self, device) -> Precision:
         if not (device.bf16 if self.dtype == "bf16" else device.fp16):
-            other = "fp16-base" if self.dtype == "bf16" else "fp32"
+            other = ("fp16-base" + self.name[len("bf16-base"):]) if self.dtype == "bf16" else "fp32"
             raise UserError(f"precision {self.name}: {device.name} has no {self.dtype} support; use {other} or auto")
         return self
 
@@ -283,10 +299,10 @@ class AdapterBase(Precision):
         return built_in(self.torch_dtype)
 
     def prepare_batch(self, batch):
-        return _inputs_in(batch, self.torch_dtype)
+        return inputs_in(batch, self.torch_dtype)
 
     def on_load(self, model, load) -> None:
-        _load_in(model, self.torch_dtype)
+        load_in(model, self.torch_dtype)
 
     def convert(self, model: torch.nn.Module, loaded: bool = False) -> torch.nn.Module:
         """The rest in 16 bits (an adapter already in fp32, a user's model's trained one, keeps its bits;
@@ -298,7 +314,7 @@ class AdapterBase(Precision):
                             f"{'bf16-pure' if self.dtype == 'bf16' else 'fp16'}")
         from peft.tuners.tuners_utils import cast_adapter_dtype
         keep = {id(p) for p in adapter} | kept_ids(model, self.torch_dtype, loaded)
-        model = _to_half(model, self.torch_dtype, buffers=False, keep=keep)
+        model = to_half(model, self.torch_dtype, buffers=False, keep=keep)
         for name in sorted(names):
             cast_adapter_dtype(model, adapter_name=name)
         if self.scaled:
@@ -306,18 +322,25 @@ class AdapterBase(Precision):
         return model
 
     def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
-        return Autocast(self.dtype).autocast(device_type)
+        return Autocast(self.dtype).autocast(device_type) if self.autocast_on else contextlib.nullcontext()
 
     def grad_scaler(self, device_type: str):
-        return Autocast(self.dtype).grad_scaler(device_type)
+        return Autocast(self.dtype).grad_scaler(device_type) if self.scaled else NoScaler()
 
     def export(self, into: Export) -> None:
-        into.lightning["precision"] = LIGHTNING[self.dtype]
-        into.kohya["mixed_precision"] = into.ai_toolkit["train.dtype"] = self.dtype  # (their LoRAs: the network fp32)
-        into.hf[self.dtype] = True
         torch_dtype = "torch.bfloat16" if self.dtype == "bf16" else "torch.float16"
         note = (f"precision: {self.name}: load the model in {self.dtype} (from_pretrained(..., dtype={torch_dtype})) "
                 "and keep get_peft_model's autocast_adapter_dtype=True (its default: the adapter in fp32)")
+        if self.autocast_on:
+            into.lightning["precision"] = LIGHTNING[self.dtype]
+            into.kohya["mixed_precision"] = self.dtype  # (its LoRA: the network fp32)
+            into.hf[self.dtype] = True
+        else:
+            into.lightning["precision"] = LIGHTNING["fp32"]
+            into.kohya_unmapped.append(f"precision: {self.name} (sd-scripts runs its LoRA under autocast: "
+                                       f"{self.dtype}-base)")
+            into.ai_toolkit["train.dtype"] = self.dtype  # (its LoRA: the network fp32, no autocast)
+            note += f", with no autocast ({'bf16' if self.dtype == 'bf16' else 'fp16'}=False in TrainingArguments)"
         into.hf_notes.append(note)
         into.lightning_notes.append(note)
 
@@ -332,79 +355,6 @@ def _check_unscalable(model: torch.nn.Module, name: str) -> None:
                         "model's dtype), and a GradScaler cannot unscale fp16 gradients, as Trainer(fp16=True) fails "
                         "on it too; train only the adapter, or use precision fp16 (fp32 weights)")
 
-
-def adapter_parameters(model: torch.nn.Module) -> tuple[set[str], list[torch.nn.Parameter]]:
-    """The names of the peft adapters in ``model`` and their layers' parameters (none without peft)."""
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:
-        return set(), []
-    names, params = set(), []
-    for m in model.modules():
-        if isinstance(m, BaseTunerLayer):
-            for attr in m.adapter_layer_names:
-                for name, part in getattr(m, attr, {}).items():
-                    names.add(name)
-                    params += [part] if isinstance(part, torch.nn.Parameter) else list(part.parameters())
-    return names, params
-
-
-@contextlib.contextmanager
-def built_in(dtype: torch.dtype = torch.bfloat16):
-    """The model is built in ``dtype`` (floating-point tensors it creates without a dtype): a 7B model
-    built in fp32 first would take 26 GiB of device memory, and the allocator would keep it
-    reserved after the cast (what from_pretrained(dtype=torch.bfloat16) avoids too)."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
-
-
-def _inputs_in(batch, dtype: torch.dtype = torch.bfloat16):
-    """Floating-point inputs follow the weights into ``dtype`` (integer ids and labels stay)."""
-    return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, batch)
-
-
-def _load_in(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> None:
-    """A checkpoint loaded with ``dtype=`` casts each tensor it holds to ``dtype`` before it reaches the
-    device. The parameters already are (built under :func:`built_in`), but a persistent buffer the
-    model's ``__init__`` makes in fp32 explicitly (SD3's 226 MB sin-cos position table) is cast here, on
-    the meta device, so that it arrives in 16 bits rather than in fp32 to be converted on the device.
-    Buffers no checkpoint holds (rotary tables) stay as the library leaves them, as ``from_pretrained``
-    leaves them; what the model's class keeps in fp32 arrives in fp32 (memfit.techniques.kept_in_fp32). Parameters are converted later, by :func:`_to_half`: other configs' ``on_load`` key
-    parameters by identity (quantizers, swapped blocks)."""
-    held = {id(t) for t in model.state_dict(keep_vars=True).values()} - arrive_in_fp32(model, dtype)
-    cast: dict[int, torch.Tensor] = {}  # (a buffer two modules share stays shared)
-    for module in model.modules():
-        for name, b in list(module._buffers.items()):
-            if b is not None and id(b) in held and b.is_floating_point() and b.element_size() > 2:
-                if id(b) not in cast:
-                    cast[id(b)] = b.to(dtype)
-                module._buffers[name] = cast[id(b)]
-
-
-def _to_half(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, buffers: bool = True,
-             keep: frozenset[int] | set[int] = frozenset()) -> torch.nn.Module:
-    """Every floating-point parameter in ``dtype`` (float8 base weights stay as stored), and every buffer
-    (``buffers``; else they stay as the load left them: :func:`_load_in` cast those a checkpoint holds,
-    and a table the model makes in fp32 on purpose, such as a rotary ``inv_freq``, stays fp32, as after
-    ``from_pretrained(dtype=torch.bfloat16)``); parameters whose ``id`` is in ``keep`` stay as they are.
-    Parameters are replaced one by one (tied weights stay tied) rather than by ``model.to()``, which
-    swaps tensors in place and fails for tied parameters on fake tensors."""
-    converted: dict[int, torch.nn.Parameter] = {}
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is None or not p.is_floating_point() or p.element_size() == 1 or id(p) in keep:
-                continue
-            if id(p) not in converted:
-                converted[id(p)] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
-            module._parameters[name] = converted[id(p)]
-        for name, b in list(module._buffers.items()) if buffers else ():
-            if b is not None and b.is_floating_point():
-                module._buffers[name] = b.to(dtype)
-    return model
 
 
 @dataclass(frozen=True)
@@ -428,7 +378,9 @@ LIGHTNING = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed", "bf16-
 def parse(values: dict) -> Precision:
     mode = choice("precision", values["precision"], MODES)
     return {"fp32": FP32(), "bf16": Autocast("bf16"), "fp16": Autocast("fp16"), "bf16-pure": BF16Pure(),
-            "bf16-base": AdapterBase("bf16"), "fp16-base": AdapterBase("fp16"), "auto": AutoPrecision()}[mode]
+            "bf16-base": AdapterBase("bf16"), "fp16-base": AdapterBase("fp16"),
+            "bf16-base-noautocast": AdapterBase("bf16", autocast_on=False),
+            "fp16-base-noautocast": AdapterBase("fp16", autocast_on=False), "auto": AutoPrecision()}[mode]
 
 
 def search(ctx: SearchContext) -> list[str]:
@@ -438,7 +390,8 @@ def search(ctx: SearchContext) -> list[str]:
 
 TECHNIQUE = register(
     Technique("precision", (Key("precision", "fp32", "fp32 | bf16 | fp16 | bf16-pure | bf16-base / fp16-base (the base "
-                                "model in 16 bits, an adapter in fp32, autocast: peft's, axolotl's and kohya's LoRA) | auto "
+                                "model in 16 bits, an adapter in fp32, autocast: peft's, axolotl's and kohya's LoRA; -noautocast: without "
+                                "autocast, ai-toolkit's) | auto "
                                 "(bf16 where supported, else fp16, else fp32).", metavar="PRECISION"),),
               parse, search=search),
     Precision, FP32, Autocast, BF16Pure, AdapterBase, AutoPrecision)

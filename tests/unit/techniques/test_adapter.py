@@ -88,12 +88,13 @@ def test_adapter_saves_the_full_models_gradients_and_states():
     assert lora.predicted.breakdown["optimizer_states"] < 0.05 * full.predicted.breakdown["optimizer_states"]
 
 
-def _plain_loop(spec, lora_kwargs, steps=3, batch_size=2, half=None):
+def _plain_loop(spec, lora_kwargs, steps=3, batch_size=2, half=None, autocast=True):
     """The PEFT user's own loop: the model loaded (as from_pretrained loads it: built on the meta device,
     its weights materialised), the adapter injected, AdamW on what requires grad, plain steps. ``half``
     (torch.bfloat16 or torch.float16): the model loaded with that dtype, the adapter upcast to fp32 as
     get_peft_model upcasts it (autocast_adapter_dtype=True), the steps under its autocast, an fp16 loss
-    scaled by a GradScaler (Trainer(bf16=True) / Trainer(fp16=True))."""
+    scaled by a GradScaler (Trainer(bf16=True) / Trainer(fp16=True)); not ``autocast``: the steps without it and
+    no loss scaled (ai-toolkit's loop, and a Trainer left without bf16=True)."""
     import contextlib
 
     from peft import LoraConfig, inject_adapter_in_model
@@ -115,14 +116,14 @@ def _plain_loop(spec, lora_kwargs, steps=3, batch_size=2, half=None):
         cast_adapter_dtype(model, "default")
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    scaler = torch.amp.GradScaler("cpu", enabled=half == torch.float16)
+    scaler = torch.amp.GradScaler("cpu", enabled=half == torch.float16 and autocast)
     torch.manual_seed(1)
     batch = wl.batch(batch_size)
     losses, params = [], []
     for i in range(steps):
         torch.manual_seed(100 + i)
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=half) if half else contextlib.nullcontext():
+        with torch.autocast("cpu", dtype=half) if half and autocast else contextlib.nullcontext():
             loss = wl.loss(model, batch)
         scaler.scale(loss).backward()
         scaler.step(opt)
@@ -168,6 +169,28 @@ def test_a_16_bit_base_trains_as_the_users_peft_loop(half):
     states = [t for s in step.optimizer.state.values() for t in s.values() if t.dim()]
     assert states and {t.dtype for t in states} == {torch.float32}
     assert any(not torch.equal(params[-1][n], params[0][n]) for n in params[0] if "lora_B" in n)
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_16_bit_base_without_autocast_trains_as_ai_toolkits_loop(half):
+    """precision bf16-base-noautocast (fp16-) is the same loop with no autocast and no loss scaling (NOTE
+    [ ai-toolkit's LoRA: no autocast ]): same losses and weights, bit for bit, and not those of bf16-base;
+    each adapted layer's input reaches the adapter in fp32."""
+    kwargs = dict(r=8, lora_alpha=16, lora_dropout=0.1, target_modules=["q_proj", "v_proj"])
+    plain_losses, plain_params = _plain_loop(LLAMA, kwargs, half=half, autocast=False)
+    name = ("bf16" if half == torch.bfloat16 else "fp16") + "-base-noautocast"
+    adapter = "lora:r=8,alpha=16,dropout=0.1,targets=q_proj+v_proj"
+    losses, params, step = run_steps(LLAMA, Plan(adapter=adapter, precision=name), batch_size=2)
+    assert losses == plain_losses
+    for i, (a, b) in enumerate(zip(params, plain_params)):
+        for n in b:
+            assert torch.equal(a[n], b[n]), f"step {i + 1}: {n}"
+    assert losses != run_steps(LLAMA, Plan(adapter=adapter, precision=name[:-len("-noautocast")]), batch_size=2)[0]
+    seen = []
+    lora_a = next(m for n, m in step.model.named_modules() if n.endswith("q_proj.lora_A.default"))
+    lora_a.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    step(step.target.workload.batch(2))
+    assert seen == [torch.float32] and step.precision.grad_scaler("cpu").__class__.__name__ == "NoScaler"
 
 
 def test_a_16_bit_base_without_an_adapter_or_with_fp16_modules_to_train_is_one_line():
