@@ -128,3 +128,37 @@ def test_nothing_changes_where_no_simpler_plan_fits_drops_a_host_side_technique_
     assert settle_simpler(walk, on_device, on_device[0]) is on_device[0] and not walk.settled
     recipe = Candidate(full, 1.0, recipe=object())
     assert settle_simpler(walk, [recipe, ranked[1]], recipe) is recipe and not walk.settled
+
+
+def _swapped(n: int) -> Plan:
+    return Plan(checkpointing="blocks", swap_blocks=n)
+
+
+def test_fewer_blocks_swapped_is_lighter_and_nothing_else_is():
+    """NOTE [ The fewest blocks swapped that fit ]: the same plan with fewer blocks swapped asks less of the host;
+    more, or fewer with another technique changed, does not."""
+    assert simpler.lighter(_swapped(10), _swapped(30)) and simpler.lighter(BLOCKS, _swapped(30))
+    assert not simpler.lighter(_swapped(30), _swapped(30)) and not simpler.lighter(_swapped(40), _swapped(30))
+    assert not simpler.lighter(Plan(checkpointing="selective", swap_blocks=10), _swapped(30))
+    assert simpler.lighter(_swapped(10), Plan(checkpointing="blocks", swap_blocks=30, offload=("optimizer_states",)))
+
+
+def test_a_tie_of_swap_counts_keeps_the_fewest_that_fit():
+    """Priced alike (their copies hidden), 30 blocks swapped is not chosen where fewer fit. With no other count
+    traced, the next below is tried (the likeliest to fit); with one traced (5 swapped: 15 GiB of a 14 GiB budget,
+    the chosen 30: 8 GiB), the line through both says 10 fit and 5 do not, and 10 is tried. No swap (a lower bound,
+    without staging buffers) is no point of that line."""
+    ranked = _ranked(*((_swapped(n), 1.0) for n in (30, 20, 10)), (BLOCKS, 1.0))
+    walk = _Walk(fits=lambda p: p.swap_blocks >= 10)
+    assert settle_simpler(walk, ranked, ranked[0]).plan == _swapped(20) and walk.settled == [_swapped(20)]
+    assert "(swap_blocks=30 where 20 fit) does not pay" in ranked[0].reason
+    walk.budget = type("Budget", (), {"bytes": 14 * 2**30})()
+    for five, tried in ((15, _swapped(10)), (None, _swapped(20))):
+        ranked = _ranked(*((_swapped(n), 1.0) for n in (30, 20, 10)))
+        ranked[0].used_bytes = 8 * 2**30
+        traced = [Candidate(_swapped(5), 1.0), Candidate(BLOCKS, 1.0)]
+        traced[0].used_bytes, traced[1].used_bytes = five and five * 2**30, 12 * 2**30  # (no swap: ignored)
+        for c in traced:
+            c.reject("too big")
+        walk.settled = []
+        assert settle_simpler(walk, ranked + traced, ranked[0]).plan == tried and walk.settled == [tried]
