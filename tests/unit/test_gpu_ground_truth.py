@@ -61,6 +61,10 @@ REPLACED = {
     "gpt2-bf16-offact": "offload: [activations] copied each saved tensor out on the compute stream then; it now "
                         "copies on a side stream and keeps up to STASH tensors on the device while their copies "
                         "are in flight (predicted +1.4% allocated). Re-measure: bench/offload_gpu.py",
+    "unet-sdxl-lora-purebf16-blocks": "checkpointing: blocks checkpointed each Transformer2DModel whole then; it now "
+                                      "checkpoints each BasicTransformerBlock, as diffusers and kohya do (NOTE [ A "
+                                      "model within the model ]: predicted 5.98 GB allocated, -3.9%). Re-measure: "
+                                      "tools/gpu/finetune_session.sh",
 }
 
 BUILT_IN_FP32 = {
