@@ -13,6 +13,7 @@ import torch
 from memfit.memory.estimate import estimate
 from memfit.memory.measure import profile
 from memfit.plans import Plan
+from memfit.step import build_step
 from memfit.techniques.checkpointing import find_blocks
 from memfit.workload import split_batch
 from memfit.workloads import load_workload
@@ -86,15 +87,17 @@ def test_block_checkpointing_keeps_fewer_activations(arch):
 
 def test_a_unets_blocks_are_what_diffusers_own_checkpointing_checkpoints(tmp_workload_file):
     """NOTE [ A model within the model ]: with four BasicTransformerBlocks in each Transformer2DModel, memfit's
-    ``checkpointing: blocks`` predicts what the profiler measures of diffusers' ``enable_gradient_checkpointing``
-    (each BasicTransformerBlock and resnet checkpointed) within 1%; checkpointing each Transformer2DModel whole
-    (before) was 3.9% more. (memfit's own blocks are measured as predicted in test_adapter.py.)"""
+    ``checkpointing: blocks`` of a LoRA is measured as predicted (within 1%), and as much as diffusers' own
+    ``enable_gradient_checkpointing`` (each BasicTransformerBlock and resnet checkpointed) is predicted to hold,
+    within 1% (0.5% less: diffusers leaves its mid-block's first resnet unchecked); checkpointing each
+    Transformer2DModel whole (before) held 2.4% more. The LoRA adapts the attention projections, diffusers'
+    targets."""
     unet = ("unet-sdxl:block_out_channels=32/64/64,attention_head_dim=2,transformer_layers_per_block=4,"
             "cross_attention_dim=32,addition_time_embed_dim=8,projection_class_embeddings_input_dim=80")
     body = f"""
 from memfit.workload import Workload
 from memfit.workloads import load_workload
-base = load_workload({unet!r}, resolution=128)
+base = load_workload({unet!r}, resolution=64)
 def model():
     m = base.model()
     m.enable_gradient_checkpointing()
@@ -102,9 +105,13 @@ def model():
 wl = Workload(model=model, batch=base.batch, loss=lambda m, b: base.loss(m, b))
 """
     plan = dict(adapter="lora:r=8", precision="bf16")
-    ours = estimate(unet, Plan(checkpointing="blocks", **plan), batch_size=2, resolution=128, device="cpu")
-    theirs = profile(f"{tmp_workload_file(body)}:wl", Plan(**plan), batch_size=2, repeats=0).measured.peak_bytes
-    assert abs(ours.peak_bytes - theirs) <= 0.01 * theirs, (ours.peak_bytes, theirs)
+    ours = profile(unet, Plan(checkpointing="blocks", **plan), batch_size=2, resolution=64, repeats=0)
+    assert abs(ours.error_percent) <= 1.0, ours.error_percent
+    theirs = estimate(f"{tmp_workload_file(body)}:wl", Plan(**plan), batch_size=2, device="cpu").peak_bytes
+    assert abs(ours.measured.peak_bytes - theirs) <= 0.01 * theirs, (ours.measured.peak_bytes, theirs)
+    trained = [n for n, p in build_step(load_workload(unet, resolution=64), Plan(**plan), 2, "cpu").model
+               .named_parameters() if p.requires_grad]
+    assert trained and all(any(f".{t}.lora_" in n for t in ("to_q", "to_k", "to_v", "to_out.0")) for n in trained)
 
 
 def test_blocks_found_at_full_size():

@@ -234,7 +234,7 @@ UNET = ("unet-sdxl:block_out_channels=32/64/64,attention_head_dim=2,transformer_
     pytest.param(DIT, "fp32", "none", id="fp32-none-dit-lumina2", marks=pytest.mark.slow),  # (test_diffusion_workloads)
     pytest.param(DIT, "bf16", "blocks", id="bf16-blocks-dit-lumina2"),
     pytest.param(UNET, "fp32", "none", id="fp32-none-unet-sdxl", marks=pytest.mark.slow),
-    pytest.param(UNET, "bf16", "blocks", id="bf16-blocks-unet-sdxl"),
+    pytest.param(UNET, "bf16", "blocks", id="bf16-blocks-unet-sdxl", marks=pytest.mark.slow),  # (test_diffusion_workloads)
 ])
 def test_diffusion_lora_predicted_within_1pct(spec, precision, checkpointing):
     """LoRA of a diffusers DiT and UNet (diffusers' attention projections by default)."""

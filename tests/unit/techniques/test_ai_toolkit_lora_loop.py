@@ -25,7 +25,8 @@ import pytest
 import torch
 
 import memfit
-from memfit.memory.profiler_events import allocator_events, memory_profiler
+from helpers import mark, peak_after_mark
+from memfit.memory.profiler_events import memory_profiler
 from memfit.quiet import QuietProfiler
 from memfit.workloads import load_workload
 
@@ -38,9 +39,6 @@ RESOLUTION, BATCH, RANK = 256, 2, 8
 TARGETS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out", "proj_mlp",
            "proj_out", "net.0.proj", "net.2")
 """The double and single blocks' linear layers (and the output projection), as peft matches these names."""
-MARK_STEP_3 = 12_345_677
-"""An allocation of this many bytes, made and freed just before the third step: where it starts in the
-profiler's stream."""
 
 
 class ToolkitLoRA(torch.nn.Module):
@@ -87,20 +85,11 @@ def _ai_toolkit_loop(checkpointing: bool) -> int:
         batch = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in cached.items()}
         for i in range(3):
             if i == 2:
-                torch.empty(MARK_STEP_3, dtype=torch.uint8)  # (made and freed at once: a mark in the stream)
+                mark()
             workload.loss(model, batch).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    live, peak, third = 0, 0, False
-    for _, nbytes in allocator_events(prof):
-        if abs(nbytes) == MARK_STEP_3:
-            third = True
-            continue
-        live += nbytes
-        if third:
-            peak = max(peak, live)
-    assert third
-    return peak
+    return peak_after_mark(prof)
 
 
 @pytest.mark.parametrize("checkpointing", ["none", "blocks"])

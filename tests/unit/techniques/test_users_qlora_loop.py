@@ -22,16 +22,14 @@ import pytest
 import torch
 
 import memfit
-from memfit.memory.profiler_events import allocator_events, memory_profiler
+from helpers import mark, peak_after_mark
+from memfit.memory.profiler_events import memory_profiler
 from memfit.quiet import QuietProfiler
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 688,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
           "max_position_embeddings": 128, "tie_word_embeddings": True}
 BATCH, SEQ = 2, 64
-MARK_STEP_3 = 12_345_677
-"""An allocation of this many bytes, made and freed just before the third step: where it starts in the
-profiler's stream."""
 
 
 def _save(folder, dtype=torch.bfloat16) -> None:
@@ -76,23 +74,14 @@ def _users_loop(folder, checkpointing: bool, quantized: bool = True, half=torch.
         tokens = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ))
         for i in range(3):
             if i == 2:
-                torch.empty(MARK_STEP_3, dtype=torch.uint8)  # (made and freed at once: a mark in the stream)
+                mark()
             with torch.autocast("cpu", dtype=half):
                 loss = model(input_ids=tokens, labels=tokens).loss
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
-    live, peak, third = 0, 0, False
-    for _, nbytes in allocator_events(prof):
-        if abs(nbytes) == MARK_STEP_3:
-            third = True
-            continue
-        live += nbytes
-        if third:
-            peak = max(peak, live)
-    assert third
-    return peak
+    return peak_after_mark(prof)
 
 
 @pytest.mark.parametrize("checkpointing", ["none", "blocks"])
