@@ -100,12 +100,17 @@ def find_blocks(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
 # and each resnet, not the Transformer2DModel: recomputing ten blocks at once in backward holds all ten
 # blocks' activations together (SDXL LoRA at 1024 px on the rtx4090 preset: 6.57 GiB allocated against
 # the 6.21 of diffusers' own checkpointing). So a repeated list whose blocks are library models (a class
-# that supports gradient checkpointing itself: diffusers' ModelMixin, transformers' PreTrainedModel) that
-# hold repeated blocks is passed over, and the blocks inside are the blocks. A decoder layer is no model
+# that supports gradient checkpointing itself: LIBRARY_MODEL_FLAGS) that hold repeated blocks is passed
+# over, and the blocks inside are the blocks. A decoder layer is no model
 # (its MoE experts stay inside the block); a Transformer2DModel of one block (SD 1.5's) holds no repeat and
 # stays the block.
+LIBRARY_MODEL_FLAGS = ("_supports_gradient_checkpointing", "supports_gradient_checkpointing")
+"""Class attributes of a library's models that checkpoint their own blocks: diffusers' ``ModelMixin``'s, transformers'
+``PreTrainedModel``'s."""
+
+
 def _models_of_blocks(children: list[nn.Module]) -> bool:
-    return all(getattr(type(c), "_supports_gradient_checkpointing", False) and
+    return all(any(getattr(type(c), flag, False) for flag in LIBRARY_MODEL_FLAGS) and
                any(repeated(list(m.children()), isinstance(m, nn.ModuleList))
                    for m in c.modules() if isinstance(m, (nn.ModuleList, nn.Sequential)))
                for c in children)
