@@ -90,9 +90,13 @@ def _fewest_swapped_first(walk, ranked: list[Candidate], chosen: Candidate, ligh
     if counts and traced and chosen.used_bytes is not None:
         n1 = getattr(chosen.plan, COUNTED)
         n0, b0 = min(traced, key=lambda nb: abs(nb[0] - n1))  # (the nearest count traced: the line's other point)
-        per_block = (b0 - chosen.used_bytes) / (n1 - n0) if n1 != n0 else 0
-        def fits(c): return per_block > 0 and chosen.used_bytes + per_block * (n1 - getattr(c.plan, COUNTED)) <= walk.budget.bytes
-        counts.sort(key=lambda c: (not fits(c), getattr(c.plan, COUNTED) if fits(c) else -getattr(c.plan, COUNTED)))
+        per_block = (b0 - chosen.used_bytes) / (n1 - n0)  # (device bytes a block swapped saves)
+
+        def order(c: Candidate) -> tuple[bool, int]:  # (predicted to fit first, the fewest of them first)
+            n = getattr(c.plan, COUNTED)
+            fits = per_block > 0 and chosen.used_bytes + per_block * (n1 - n) <= walk.budget.bytes
+            return not fits, n if fits else -n
+        counts.sort(key=order)
     else:
         counts.sort(key=lambda c: -getattr(c.plan, COUNTED))
     rest = sorted((c for c in lighter_ones if c not in counts), key=lambda c: (-len(techniques(c.plan)), c.seconds))
