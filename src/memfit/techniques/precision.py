@@ -21,7 +21,8 @@ the layer's input). Llama-2-7B, rank 16 on every linear layer, blocks, batch 2 x
 ``fp16-base`` is the same in fp16 with a GradScaler (``Trainer(fp16=True)`` on a card without bf16).
 
 Plan key ``precision``: ``fp32`` (:class:`FP32`), ``bf16`` / ``fp16`` (:class:`Autocast`),
-``bf16-pure`` (:class:`BF16Pure`), ``bf16-base`` / ``fp16-base`` (:class:`AdapterBase`), ``auto``
+``bf16-pure`` (:class:`BF16Pure`), ``bf16-base`` / ``fp16-base`` (:class:`AdapterBase`; with ``-noautocast``, the
+same weights stepped without autocast: ai-toolkit's LoRA, each adapted layer's input kept in fp32), ``auto``
 (:class:`AutoPrecision`: bf16 where the device supports it, fp16 otherwise, fp32 on a device with
 neither).
 """
