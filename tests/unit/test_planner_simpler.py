@@ -162,3 +162,13 @@ def test_a_tie_of_swap_counts_keeps_the_fewest_that_fit():
             c.reject("too big")
         walk.settled = []
         assert settle_simpler(walk, ranked + traced, ranked[0]).plan == tried and walk.settled == [tried]
+
+
+def test_without_a_line_a_dropped_host_technique_is_tried_before_fewer_blocks_swapped():
+    """FLUX.1's 12 GB plan (28 blocks swapped, AdamW's states on the host): with no second swap count traced, the
+    same plan with the states on the device is tried first, as before swap counts were simpler."""
+    offloaded = Plan(checkpointing="blocks", swap_blocks=28, offload=("optimizer_states",))
+    ranked = _ranked((offloaded, 1.0), (Plan(checkpointing="blocks", swap_blocks=19, offload=("optimizer_states",)), 1.0),
+                     (_swapped(28), 1.001))
+    walk = _Walk(fits=lambda p: True)
+    assert settle_simpler(walk, ranked, ranked[0]).plan == _swapped(28) and walk.settled == [_swapped(28)]

@@ -52,7 +52,8 @@ COUNTED = "swap_blocks"
 # "simpler". Which count to try: the device bytes fall by one block's weights per block swapped, so a
 # line through the counts already traced (the chosen plan's and another swapping some blocks of the same
 # plan: swapping none holds no staging buffers, and its figure is often only a lower bound) predicts the
-# fewest that fit; without a second point, the next count below the chosen one (the likeliest to fit).
+# fewest that fit. Without a second point, a plan that drops a host-side technique is tried first (FLUX.1's
+# 12 GB plan keeps its LoRA's states on the device), then the next count below the chosen one.
 
 
 def techniques(plan: Plan) -> frozenset:
@@ -78,29 +79,23 @@ def lighter(plan: Plan, than: Plan) -> bool:
 
 
 def _fewest_swapped_first(walk, ranked: list[Candidate], chosen: Candidate, lighter_ones: list[Candidate]) -> list:
-    """``lighter_ones`` in the order to try: those that differ from ``chosen`` by their swap count alone by the
-    count a line through the traced counts predicts to fit (the fewest first), or the next below the chosen's;
-    then the rest as before (dropping the fewest techniques first)."""
+    """``lighter_ones`` in the order to try: those that differ from ``chosen`` by their swap count alone and that a
+    line through the traced counts predicts to fit (the fewest first); then the rest as before (dropping the
+    fewest techniques first); then the other counts, the next below the chosen's first (the likeliest to fit)."""
     def others(c: Candidate) -> frozenset:
         return frozenset(t for t in techniques(c.plan) if t[0] != COUNTED)
-    same = others(chosen)
-    counts = [c for c in lighter_ones if others(c) == same]
+    same, n1 = others(chosen), getattr(chosen.plan, COUNTED)
+    counts = sorted((c for c in lighter_ones if others(c) == same), key=lambda c: -getattr(c.plan, COUNTED))
     traced = [(getattr(c.plan, COUNTED), c.used_bytes) for c in ranked if others(c) == same and c.used_bytes is not None
-              and getattr(c.plan, COUNTED) not in (0, getattr(chosen.plan, COUNTED))]  # (none swapped: no staging buffers)
+              and getattr(c.plan, COUNTED) not in (0, n1)]  # (none swapped: no staging buffers)
+    predicted: list[Candidate] = []
     if counts and traced and chosen.used_bytes is not None:
-        n1 = getattr(chosen.plan, COUNTED)
         n0, b0 = min(traced, key=lambda nb: abs(nb[0] - n1))  # (the nearest count traced: the line's other point)
         per_block = (b0 - chosen.used_bytes) / (n1 - n0)  # (device bytes a block swapped saves)
-
-        def order(c: Candidate) -> tuple[bool, int]:  # (predicted to fit first, the fewest of them first)
-            n = getattr(c.plan, COUNTED)
-            fits = per_block > 0 and chosen.used_bytes + per_block * (n1 - n) <= walk.budget.bytes
-            return not fits, n if fits else -n
-        counts.sort(key=order)
-    else:
-        counts.sort(key=lambda c: -getattr(c.plan, COUNTED))
+        predicted = sorted((c for c in counts if per_block > 0 and chosen.used_bytes + per_block *
+                            (n1 - getattr(c.plan, COUNTED)) <= walk.budget.bytes), key=lambda c: getattr(c.plan, COUNTED))
     rest = sorted((c for c in lighter_ones if c not in counts), key=lambda c: (-len(techniques(c.plan)), c.seconds))
-    return counts + rest
+    return predicted + rest + [c for c in counts if c not in predicted]
 
 
 def settle_simpler(walk, ranked: list[Candidate], chosen: Candidate | None) -> Candidate | None:
