@@ -89,10 +89,11 @@ class AiToolkitTarget(TrainerTarget):
     def own_fields(self, fixed: dict) -> dict:
         """An ai-toolkit LoRA's precision is its own: the model in ``train.dtype``, the LoRA in fp32, no autocast (NOTE
         [ ai-toolkit's LoRA: no autocast ]), unless the user fixed one."""
+        from memfit.integrations.ai_toolkit import PRECISIONS
         from memfit.planner.field_recipes import method_of
         if "precision" in fixed or method_of(fixed) == "full":
             return fixed
-        return {**fixed, "precision": "bf16-base-noautocast" if self.bf16 else "fp16-base-noautocast"}
+        return {**fixed, "precision": PRECISIONS["bf16" if self.bf16 else "fp16"]}  # (its train.dtype, read as --from does)
 
     def runs_in(self, fixed: dict):
         """The plans ai-toolkit's fields carry (the search is kept to them); refuses a model it does not train."""
