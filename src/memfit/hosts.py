@@ -13,8 +13,10 @@ per-op dispatch costs ``cpu_*``, ``host_bw``, ``host_fused_bw``) relative to the
 fitted on. Presets, by ``--host``:
 
 - ``h100-box`` (the default): the machine the H100 rows ran on; the constants' reference (all 1.0).
-- ``h200-box``: the machine the H200 rows ran on, fitted on its rows that ran alone
-  (``python -m tools.fit.held_out --fit-host h200``).
+- ``h200-box``: the machine the H200 rows of 2026-11-23 to 11-27 ran on, fitted on its rows that ran
+  alone (``python -m tools.fit.held_out --fit-host h200``).
+- ``h200-box-b``: the machine of the 2026-12-04 H200 loan (rows 85-98 of tests/data/h200.jsonl). The
+  same kind of machine, another host: NOTE [ One kind of machine, several hosts ].
 - ``measure`` (``--device cuda`` only): this machine, measured by issuing small CUDA ops from Python
   (:func:`measured_host`), against the same measurement's value recorded on the reference machine.
 - a number: the host's dispatch costs as a multiple of the reference's (``--host 1.3``: 30% slower).
@@ -44,8 +46,11 @@ HOSTS: dict[str, Host] = {h.name: h for h in (
     Host("h100-box", doc="the machine the H100 rows ran on (an H100 80GB HBM3 cloud instance, 16 host cores): "
                          "the time model's constants were fitted there"),
     Host("h200-box", dispatch=1.971, memory=1.0,
-         doc="the machine the H200 rows ran on: dispatch 1.97x the H100 box's, fitted on its 15 GPT-2 and Llama rows that ran "
-             "alone (tools/fit/held_out.py --fit-host h200)"),
+         doc="the machine the H200 rows of 2026-11-23 to 11-27 ran on: dispatch 1.97x the H100 box's, fitted on its 15 GPT-2 "
+             "and Llama rows that ran alone (tools/fit/held_out.py --fit-host h200)"),
+    Host("h200-box-b", dispatch=1.0, memory=0.645,
+         doc="the machine of the 2026-12-04 H200 loan: host memory 0.645x the H100 box's, fitted on its one Llama row with "
+             "the optimizer on the host (8B, r-memfit-l3-8b-b2); dispatch not measured there, the reference's taken"),
 )}
 DEFAULT = "h100-box"
 CARD_HOSTS = {"h100": "h100-box", "h200": "h200-box"}
@@ -78,8 +83,24 @@ def get_host(name: str | Host | None) -> Host:
 
 
 def host_for_card(card: str) -> Host:
-    """The host a recorded card's rows ran behind."""
+    """The host a recorded card's rows ran behind (rows without a ``host`` of their own)."""
     return HOSTS[CARD_HOSTS.get(card, DEFAULT)]
+
+
+# NOTE [ One kind of machine, several hosts ]
+# A device loan names the card, not the machine around it. The H200 rows of 2026-11-23 to 11-27 ran
+# behind a host whose per-op costs were 1.97x the H100 machine's (fitted on their GPT-2 and Llama
+# rows); the ten held-out plans measured on 2026-12-04, on an H200 machine of the same description
+# (16 cores, 128 GiB), came out 20-74% faster than that host predicts wherever the step is
+# host-bound, and within 0-10% of the H100 machine's host: another host. The same loan's 8B step
+# with its optimizer on the host ran 1.45x what the reference host's memory bandwidth predicts. So
+# a row names the host it ran behind (``"host"``, a preset here) when it is not its card's first
+# one, and each device call now records the host's own figures beside its rows
+# (tools/gpu/host_probe.py: CPU model, the launch time of :func:`launch_seconds`, a fused CPU AdamW's
+# bandwidth), from which the next loan's host is read rather than assumed.
+def host_for_row(row: dict, card: str) -> Host:
+    """The host a recorded row ran behind: its own ``host`` field, else its card's."""
+    return HOSTS[row["host"]] if row.get("host") else host_for_card(card)
 
 
 def launch_seconds(device: str = "cuda", ops: int = 2000) -> float:

@@ -2,6 +2,7 @@
 the paged (managed) bytes a row records apart from the caching allocator's."""
 
 import ctypes
+import json
 
 import pytest
 import torch
@@ -68,3 +69,25 @@ def test_a_blind_time_carries_the_paged_states_migration_where_the_ballast_leave
         pytest.approx(2 * (15 << 30) / link)  # (4 GiB of room for 15: every page, in and out)
     assert migration_seconds(case, {"reserved": 8 << 30, "managed": 15 << 30}, "h200-141gb") == 0.0  # (room for all)
     assert migration_seconds({}, {"reserved": 20 << 30, "managed": 15 << 30}, "h200-141gb") == 0.0  # (no ballast)
+
+
+def test_a_case_measured_then_timed_out_predicting_keeps_its_row(monkeypatch):
+    """2026-12-04: four compiled GPT-2 rows were measured, then ran past their timeout while memfit predicted
+    them in the same process, and were recorded as errors; the measurement now comes back without the prediction."""
+    import subprocess
+
+    from tools.gpu import ground_truth as gt
+    row = {"case": "c", "max_memory_allocated": 7, "step_seconds_median": 0.03}
+
+    def timed_out(cmd, **kw):
+        raise subprocess.TimeoutExpired(cmd, kw["timeout"], output=f"MEASURED {json.dumps(row)}\n".encode(),
+                                        stderr=b"progress: timed step 5: 0.03 s\n")
+    monkeypatch.setattr(subprocess, "run", timed_out)
+    got = gt.run_case({"case": "c", "workload": "gpt2"}, "cuda", timeout=150, predict="none")
+    assert got["max_memory_allocated"] == 7 and "error" not in got and got["prediction"] == "timed out after 150 s"
+
+    def stuck(cmd, **kw):
+        raise subprocess.TimeoutExpired(cmd, kw["timeout"], output=b"", stderr=b"progress: built the step in 69.0 s\n")
+    monkeypatch.setattr(subprocess, "run", stuck)
+    got = gt.run_case({"case": "c", "workload": "gpt2"}, "cuda", timeout=150, predict="none")
+    assert got["error"] == "timed out after 150 s" and "built the step" in got["traceback"]

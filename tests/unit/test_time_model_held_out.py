@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from memfit.hosts import HOSTS, get_host, host_for_card
+from memfit.hosts import HOSTS, get_host, host_for_card, host_for_row
 from memfit.planner.roofline import DISPATCH_FIELDS, H100, for_host
 from tools.fit import held_out
 
@@ -51,6 +51,41 @@ def test_a_host_scales_the_host_constants_only():
     assert all(getattr(k, n) == pytest.approx(2 * getattr(H100, n)) for n in DISPATCH_FIELDS)
     assert k.mm_eff_half == H100.mm_eff_half and k.mem_eff == H100.mem_eff and k.host_bw == pytest.approx(H100.host_bw / 2)
     assert for_host(get_host(None)) is H100 and host_for_card("h200") is HOSTS["h200-box"]
+
+
+def test_a_row_names_the_host_it_ran_behind():
+    """NOTE [ One kind of machine, several hosts ]: the 2026-12-04 H200 rows ran behind another machine."""
+    rows = [r for r in held_out.clean_rows() if r["card"] == "h200"]
+    loan_b = [r for r in rows if r.get("host") == "h200-box-b"]
+    assert {r["case"] for r in loan_b} >= {"h-phi3-lora-bf16", "h-qwen7b-full-purebf16-blocks-inbw"}
+    assert host_for_row(loan_b[0], "h200") is HOSTS["h200-box-b"]
+    assert host_for_row({"case": "x"}, "h200") is HOSTS["h200-box"] is host_for_card("h200")
+
+
+@pytest.mark.slow
+def test_the_recipe_rows_are_priced_with_their_machines_host():
+    """Issue 51's recipe rows (h200.jsonl 85-86): memfit's plan with the optimizer on the host within 3%
+    (its host's memory was fitted on it), torchtune's paged recipe, with the migration, within 10% (+7.0%)."""
+    import json
+
+    from memfit.devices import get_device
+    from memfit.planner.roofline import for_host
+    from memfit.planner.timing import time_from_ops
+    from memfit.plans import Plan
+    from tools.fit.time_constants import trace
+    from tools.gpu.predict_cases import migration_seconds
+    from tools.gpu.rows import plan_fields, preset_for
+    blind = {r["case"]: r["predicted"] for r in map(json.loads, (ROOT / "tools" / "gpu" / "recipe_predicted.jsonl")
+                                                    .read_text().splitlines())}
+    rows = [json.loads(line) for line in (ROOT / "tests" / "data" / "h200.jsonl").read_text().splitlines()
+            if '"r-memfit-l3-8b-b2"' in line or '"r-torchtune-l3-8b-b2"' in line]
+    assert len(rows) == 2
+    for row in rows:
+        ops, _ = trace({**row, "case": f"h200-{row['case']}"}, None)
+        stub = held_out._Stub(Plan(**plan_fields(row)), get_device(preset_for(row)))
+        t = time_from_ops(ops, stub, for_host(host_for_row(row, "h200"))).seconds
+        t += migration_seconds(row, blind[row["case"]], "h200-141gb")
+        assert t / row["step_seconds_median"] - 1 == pytest.approx(0.0, abs=0.03 if "memfit" in row["case"] else 0.10)
 
 
 @pytest.mark.parametrize("text", ["fast", "0", "-1", "100", "measure"])

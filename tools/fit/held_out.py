@@ -81,7 +81,7 @@ class Result:
 def predict(rows: list[dict], cache: Path | None) -> list[Result]:
     """Each row's predicted step time for its card (its preset's peaks, its machine's host)."""
     from memfit.devices import get_device
-    from memfit.hosts import host_for_card
+    from memfit.hosts import host_for_row
     from memfit.planner.roofline import for_host
     from memfit.planner.timing import time_from_ops
     from memfit.plans import Plan
@@ -96,7 +96,7 @@ def predict(rows: list[dict], cache: Path | None) -> list[Result]:
             print(f"{row['card']}:{row['case']}: trace failed: {type(e).__name__}: {str(e)[:160]}")
             continue
         stub = _Stub(Plan(**plan_fields(row)), get_device(preset_for(row)))
-        k = for_host(host_for_card(row["card"]))
+        k = for_host(host_for_row(row, row["card"]))
         out.append(Result(row, row["step_seconds_median"], time_from_ops(ops, stub, k).seconds))
     return out
 
@@ -149,7 +149,7 @@ def fit_host(rows: list[dict], card: str, cache: Path | None) -> float:
     import dataclasses
 
     import memfit.hosts as hosts
-    mine = [r for r in rows if r["card"] == card and family(r) in FIT_FAMILIES]  # (never the held-out rows)
+    mine = [r for r in rows if r["card"] == card and not r.get("host") and family(r) in FIT_FAMILIES]  # (never the held-out rows)
 
     def loss(factor: float) -> float:
         hosts.HOSTS[hosts.CARD_HOSTS[card]] = dataclasses.replace(hosts.host_for_card(card), dispatch=factor)

@@ -153,6 +153,8 @@ def versions() -> dict:
                                            capture_output=True, text=True, timeout=20).stdout.strip() or None
         except (OSError, subprocess.SubprocessError):
             out["driver"] = None
+    from tools.gpu.host_probe import cpu_model
+    out["host_cpu"], out["host_cores"] = cpu_model(), os.cpu_count()  # NOTE [ One kind of machine, several hosts ]
     out["memfit_commit"] = memfit_commit()
     return out
 
@@ -324,7 +326,8 @@ def measure_case(case: dict, device: str = "cuda", predict: str | None = None) -
             gc.collect()
             torch.cuda.empty_cache()
         turn.close()
-    if predict and "error" not in row:
+    if predict and "error" not in row:  # the measurement first: a prediction that runs past the timeout keeps it
+        print("MEASURED " + json.dumps({**row, **versions()}), flush=True)
         row["predicted_cuda"] = predict_here(case, "cuda")
         if predict != "none":
             row["predicted_preset"] = {"preset": predict, **predict_here(case, predict)}
@@ -365,6 +368,10 @@ def run_case(case: dict, device: str, timeout: float, predict: str | None = None
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        for line in out.splitlines():  # measured, then timed out predicting: the row without its prediction
+            if line.startswith("MEASURED "):
+                return {**json.loads(line[len("MEASURED "):]), "prediction": f"timed out after {timeout:.0f} s"}
         done = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
         done = "\n".join(line for line in done.splitlines() if line.startswith("progress: "))
         return {**_ids(case), "error": f"timed out after {timeout:.0f} s", "traceback": done[-1500:] or "no progress"}

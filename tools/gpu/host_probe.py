@@ -1,0 +1,100 @@
+"""The host behind a device call, measured (NOTE [ One kind of machine, several hosts ] in memfit.hosts).
+
+A loan names the card, not the machine around it, and the host sets the pace of every step that is
+host-bound (Python dispatch, an optimizer stepped on the host, pinned copies). Each device call now
+records, once, beside its rows (``$OUT/host.json``, printed too):
+
+- ``cpu``, ``cores``, ``threads``: /proc/cpuinfo's model name, ``os.cpu_count()``, torch's intra-op threads;
+- ``launch_seconds``: memfit.hosts.launch_seconds (one small CUDA op issued from Python), the dispatch
+  figure; ``dispatch_vs_reference`` once the reference machine's figure is recorded;
+- ``adamw_fused_bytes_per_second``: torch's fused CPU AdamW over ``--params`` parameters in bf16 (p, g and
+  both states bf16, as a bf16-pure plan's offloaded update runs), bytes counted as the time model counts
+  a host update (every tensor the op reads: memfit.planner.opcost), and ``memory_vs_reference``: that
+  over the reference constant ``host_fused_bw`` (memfit.hosts.Host.memory for this machine);
+- ``h2d_bytes_per_second`` and ``d2h_bytes_per_second``: one pinned 1 GiB copy each way, on a GPU.
+
+    python -m tools.gpu.host_probe [--out host.json] [--params 268435456]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+
+def cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
+def adamw_bandwidth(params: int, repeats: int = 3) -> float:
+    """Bytes/s of torch's fused CPU AdamW on ``params`` bf16 parameters (p, grad, exp_avg, exp_avg_sq)."""
+    import torch
+    p = torch.nn.Parameter(torch.randn(params, dtype=torch.bfloat16))
+    p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+    opt.step()  # creates the states
+    seconds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        opt.step()
+        seconds.append(time.perf_counter() - t0)
+    return 4 * p.numel() * p.element_size() / statistics.median(seconds)
+
+
+def link_bandwidth(nbytes: int = 1 << 30) -> dict:
+    import torch
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = {}
+    for name, (dst, src) in {"h2d": (dev, host), "d2h": (host, dev)}.items():
+        runs = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            runs.append(time.perf_counter() - t0)
+        out[f"{name}_bytes_per_second"] = round(nbytes / statistics.median(runs))
+    return out
+
+
+def probe(params: int) -> dict:
+    import torch
+
+    from memfit.hosts import REFERENCE_LAUNCH_SECONDS, launch_seconds
+    from memfit.planner.roofline import H100
+    row: dict = {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads()}
+    bw = adamw_bandwidth(params)
+    row["adamw_fused_bytes_per_second"] = round(bw)
+    row["memory_vs_reference"] = round(bw / H100.host_fused_bw, 3)
+    if torch.cuda.is_available():
+        row["launch_seconds"] = launch_seconds("cuda")
+        if REFERENCE_LAUNCH_SECONDS:
+            row["dispatch_vs_reference"] = round(row["launch_seconds"] / REFERENCE_LAUNCH_SECONDS, 3)
+        row.update(link_bandwidth())
+        row["gpu"] = torch.cuda.get_device_name()
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="write the figures here as JSON")
+    ap.add_argument("--params", type=int, default=1 << 28, help="parameters of the fused AdamW probe")
+    args = ap.parse_args(argv)
+    row = probe(args.params)
+    print("host:", json.dumps(row))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(row, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
