@@ -17,8 +17,9 @@ fitted on. Presets, by ``--host``:
   alone (``python -m tools.fit.held_out --fit-host h200``).
 - ``h200-box-b``: the machine of the 2026-12-04 H200 loan (rows 85-98 of tests/data/h200.jsonl). The
   same kind of machine, another host: NOTE [ One kind of machine, several hosts ].
-- ``measure`` (``--device cuda`` only): this machine, measured by issuing small CUDA ops from Python
-  (:func:`measured_host`), against the same measurement's value recorded on the reference machine.
+- ``measure``: this machine, measured (:func:`measured_host`): its memory bandwidth by a fused CPU
+  AdamW (a host-side optimizer's update), and, with a GPU, its dispatch costs by issuing small CUDA ops
+  from Python against the same measurement's value recorded on the reference machine.
 - a number: the host's dispatch costs as a multiple of the reference's (``--host 1.3``: 30% slower).
 """
 
@@ -121,14 +122,35 @@ def launch_seconds(device: str = "cuda", ops: int = 2000) -> float:
     return sorted(runs)[2]
 
 
-def measured_host() -> Host:
-    """This machine's host, measured against the reference machine's same measurement."""
+def adamw_bandwidth(params: int = 1 << 26, repeats: int = 3) -> float:
+    """Bytes/s of torch's fused CPU AdamW on ``params`` bf16 parameters (weights, gradients and both
+    states bf16, as a bf16-pure plan's offloaded update runs), its bytes counted as the time model
+    counts a host update (every tensor the op reads: memfit.planner.opcost); the default's 512 MiB of
+    tensors are well past any CPU cache."""
     import torch
-    if not torch.cuda.is_available():
-        raise UserError("--host measure times this machine's CUDA launches; it needs a GPU here (plan with "
-                        "--device cuda), or name a host preset")
-    if REFERENCE_LAUNCH_SECONDS is None:
-        raise UserError("--host measure: the reference machine's launch time is not recorded yet, so this "
-                        "machine's cannot be put beside it; name a host preset or a multiple (--host 1.2)")
-    factor = launch_seconds("cuda") / REFERENCE_LAUNCH_SECONDS
-    return Host(f"this machine ({factor:.2f}x h100-box)", dispatch=factor, memory=1.0)
+    p = torch.nn.Parameter(torch.randn(params, dtype=torch.bfloat16))
+    p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+    opt.step()  # creates the states
+    seconds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        opt.step()
+        seconds.append(time.perf_counter() - t0)
+    return 4 * p.numel() * p.element_size() / sorted(seconds)[len(seconds) // 2]
+
+
+def measured_host() -> Host:
+    """This machine's host: its memory bandwidth by a fused CPU AdamW against the reference constant
+    (``host_fused_bw``), and its dispatch costs by CUDA launches against the reference machine's, where
+    there is a GPU and that figure is recorded (else the reference's, and the name says so)."""
+    import torch
+
+    from memfit.planner.roofline import H100
+    memory = adamw_bandwidth() / H100.host_fused_bw
+    if torch.cuda.is_available() and REFERENCE_LAUNCH_SECONDS is not None:
+        dispatch = launch_seconds("cuda") / REFERENCE_LAUNCH_SECONDS
+        return Host(f"this machine (dispatch {dispatch:.2f}x, memory {memory:.2f}x h100-box's)", dispatch=dispatch,
+                    memory=memory)
+    why = "no GPU here" if not torch.cuda.is_available() else "the reference's launch time is not recorded"
+    return Host(f"this machine (memory {memory:.2f}x h100-box's; dispatch as h100-box's: {why})", memory=memory)

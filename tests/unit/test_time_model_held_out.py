@@ -88,7 +88,24 @@ def test_the_recipe_rows_are_priced_with_their_machines_host():
         assert t / row["step_seconds_median"] - 1 == pytest.approx(0.0, abs=0.03 if "memfit" in row["case"] else 0.10)
 
 
-@pytest.mark.parametrize("text", ["fast", "0", "-1", "100", "measure"])
+def test_a_measured_host_is_this_machines_memory_bandwidth(monkeypatch):
+    """--host measure without a GPU: the memory figure is a fused CPU AdamW's bandwidth against the
+    reference constant; the dispatch costs stay the reference's, and the host's name says why."""
+    import memfit.hosts as hosts
+    monkeypatch.setattr(hosts, "adamw_bandwidth", lambda: H100.host_fused_bw / 2)
+    host = get_host("measure")
+    assert host.memory == pytest.approx(0.5) and host.dispatch == 1.0 and "no GPU" in host.name
+    assert for_host(host).host_fused_bw == pytest.approx(H100.host_fused_bw / 2)
+
+
+def test_the_adamw_probe_counts_the_bytes_the_time_model_counts():
+    """The probe's bytes are the four bf16 tensors the fused update reads (as memfit.planner.opcost counts
+    a host update), so its bandwidth is comparable with host_fused_bw; here a small one just runs to a rate."""
+    from memfit.hosts import adamw_bandwidth
+    assert 1e8 < adamw_bandwidth(params=1 << 20, repeats=1) < 1e13
+
+
+@pytest.mark.parametrize("text", ["fast", "0", "-1", "100"])
 def test_a_bad_host_is_one_line(text):
     from memfit.errors import UserError
     with pytest.raises(UserError, match="--host") as e:

@@ -7,10 +7,9 @@ records, once, beside its rows (``$OUT/host.json``, printed too):
 - ``cpu``, ``cores``, ``threads``: /proc/cpuinfo's model name, ``os.cpu_count()``, torch's intra-op threads;
 - ``launch_seconds``: memfit.hosts.launch_seconds (one small CUDA op issued from Python), the dispatch
   figure; ``dispatch_vs_reference`` once the reference machine's figure is recorded;
-- ``adamw_fused_bytes_per_second``: torch's fused CPU AdamW over ``--params`` parameters in bf16 (p, g and
-  both states bf16, as a bf16-pure plan's offloaded update runs), bytes counted as the time model counts
-  a host update (every tensor the op reads: memfit.planner.opcost), and ``memory_vs_reference``: that
-  over the reference constant ``host_fused_bw`` (memfit.hosts.Host.memory for this machine);
+- ``adamw_fused_bytes_per_second``: memfit.hosts.adamw_bandwidth over ``--params`` parameters, and
+  ``memory_vs_reference``: that over the reference constant ``host_fused_bw`` (memfit.hosts.Host.memory
+  for this machine, as ``--host measure`` reads it);
 - ``h2d_bytes_per_second`` and ``d2h_bytes_per_second``: one pinned 1 GiB copy each way, on a GPU.
 
     python -m tools.gpu.host_probe [--out host.json] [--params 268435456]
@@ -33,21 +32,6 @@ def cpu_model() -> str | None:
         return None
 
 
-def adamw_bandwidth(params: int, repeats: int = 3) -> float:
-    """Bytes/s of torch's fused CPU AdamW on ``params`` bf16 parameters (p, grad, exp_avg, exp_avg_sq)."""
-    import torch
-    p = torch.nn.Parameter(torch.randn(params, dtype=torch.bfloat16))
-    p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
-    opt.step()  # creates the states
-    seconds = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        opt.step()
-        seconds.append(time.perf_counter() - t0)
-    return 4 * p.numel() * p.element_size() / statistics.median(seconds)
-
-
 def link_bandwidth(nbytes: int = 1 << 30) -> dict:
     import torch
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -68,10 +52,10 @@ def link_bandwidth(nbytes: int = 1 << 30) -> dict:
 def probe(params: int) -> dict:
     import torch
 
-    from memfit.hosts import REFERENCE_LAUNCH_SECONDS, launch_seconds
+    from memfit.hosts import REFERENCE_LAUNCH_SECONDS, adamw_bandwidth, launch_seconds
     from memfit.planner.roofline import H100
     row: dict = {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads()}
-    bw = adamw_bandwidth(params)
+    bw = adamw_bandwidth(params)  # (--host measure's memory figure)
     row["adamw_fused_bytes_per_second"] = round(bw)
     row["memory_vs_reference"] = round(bw / H100.host_fused_bw, 3)
     if torch.cuda.is_available():

@@ -43,7 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "adamw8bit's; adamw,adamw8bit on the CPU")
     p.add_argument("--host", metavar="HOST",
                    help="the machine that trains, for the host part of GPU step times: h100-box (default), "
-                        "h200-box, a multiple of h100-box's dispatch costs (1.3), or measure (with --device cuda)")
+                        "h200-box, h200-box-b, a multiple of h100-box's dispatch costs (1.3), or measure (this "
+                        "machine: its memory bandwidth by a CPU AdamW; its dispatch costs too with a GPU)")
     p.add_argument("--host-memory", metavar="SIZE",
                    help="the training machine's memory for offloaded and swapped copies: 64GB, or 80%% of this "
                         "machine's; plans that need more are rejected. Default: with --device cuda, what this "
