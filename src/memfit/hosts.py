@@ -10,7 +10,8 @@ behind the H100 machine's, predicted.
 
 A :class:`Host` scales the time model's host constants (memfit.planner.roofline.Constants: the
 per-op dispatch costs ``cpu_*``, ``host_bw``, ``host_fused_bw``) relative to the machine they were
-fitted on. Presets, by ``--host``:
+fitted on. Presets, by ``--host`` (left out: ``measure`` when planning for this machine's own GPU, ``--device cuda``;
+else ``h100-box``):
 
 - ``h100-box`` (the default): the machine the H100 rows ran on; the constants' reference (all 1.0).
 - ``h200-box``: the machine the H200 rows of 2026-11-23 to 11-27 ran on, fitted on its rows that ran
@@ -81,6 +82,16 @@ def get_host(name: str | Host | None) -> Host:
     if not 0.1 <= factor <= 20:
         raise UserError(f"--host {name!r}: a multiple of the reference host's dispatch costs between 0.1 and 20")
     return Host(f"{factor:g}x h100-box", dispatch=factor, memory=1.0 / factor)
+
+
+def host_for(name: str | Host | None, device) -> Host:
+    """The host ``--host`` names; left out, this machine measured when the plan is for its own GPU
+    (``--device cuda``, or a memfit.devices.Device that is this machine's: the machine that trains is
+    this one), else the reference (:data:`DEFAULT`)."""
+    local = getattr(device, "is_local_gpu", None)
+    if local is None:
+        local = str(device or "").split(":")[0].lower() in ("cuda", "gpu")
+    return measured_host() if name is None and local else get_host(name)
 
 
 def host_for_card(card: str) -> Host:

@@ -98,6 +98,14 @@ def test_a_measured_host_is_this_machines_memory_bandwidth(monkeypatch):
     assert for_host(host).host_fused_bw == pytest.approx(H100.host_fused_bw / 2)
 
 
+def test_planning_for_this_machines_gpu_measures_its_host_by_default(monkeypatch):
+    import memfit.hosts as hosts
+    monkeypatch.setattr(hosts, "adamw_bandwidth", lambda: H100.host_fused_bw / 4)
+    assert hosts.host_for(None, "cuda").memory == pytest.approx(0.25)
+    assert hosts.host_for(None, "cuda:0").memory == pytest.approx(0.25)
+    assert hosts.host_for(None, "rtx4090") is HOSTS["h100-box"] and hosts.host_for("h200-box-b", "cuda") is HOSTS["h200-box-b"]
+
+
 def test_the_adamw_probe_counts_the_bytes_the_time_model_counts():
     """The probe's bytes are the four bf16 tensors the fused update reads (as memfit.planner.opcost counts
     a host update), so its bandwidth is comparable with host_fused_bw; here a small one just runs to a rate."""

@@ -42,9 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "presets: the AdamW ones but the torchao variants whose states are no smaller than "
                         "adamw8bit's; adamw,adamw8bit on the CPU")
     p.add_argument("--host", metavar="HOST",
-                   help="the machine that trains, for the host part of GPU step times: h100-box (default), "
-                        "h200-box, h200-box-b, a multiple of h100-box's dispatch costs (1.3), or measure (this "
-                        "machine: its memory bandwidth by a CPU AdamW; its dispatch costs too with a GPU)")
+                   help="the machine that trains, for the host part of GPU step times: h100-box (the default on "
+                        "a preset), h200-box, h200-box-b, a multiple of h100-box's dispatch costs (1.3), or measure "
+                        "(this machine: its memory bandwidth by a CPU AdamW; the default with --device cuda)")
     p.add_argument("--host-memory", metavar="SIZE",
                    help="the training machine's memory for offloaded and swapped copies: 64GB, or 80%% of this "
                         "machine's; plans that need more are rejected. Default: with --device cuda, what this "
@@ -101,8 +101,8 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--optimizers: unknown optimizer {o!r}; choose from {', '.join(OPTIMIZERS)}")
     given = plan_from_args(args)
     fixed = given_fields(args, given)
-    from memfit.hosts import get_host
-    host = get_host(args.host)
+    from memfit.hosts import host_for
+    host = host_for(args.host, args.device)
     if args.format != "yaml" and (free is not None or args.methods is not None):
         raise UserError(f"--format {args.format} prints one chosen plan; drop --methods and give the size (not max), "
                         "or leave --format out")

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from memfit.devices import Device
 from memfit.errors import CompileFailed, UserError, WeightsExceedBudget
-from memfit.hosts import get_host
+from memfit.hosts import host_for
 from memfit.memory.budget import Budget
 from memfit.planner import cost
 from memfit.planner.baseline import Baseline
@@ -294,7 +294,7 @@ def gpu_search(target: Target, space, facts, budget: Budget, fixed: dict | None 
         book = TraceBook(target, facts, budget, world=int((fixed or {}).get("world_size") or 1))
     book.phase = "before the walk"
     baseline = Baseline(book, space, fixed)
-    host = get_host(host)
+    host = host_for(host, target.device)
     return book, GpuStepModel(book, baseline, k=for_host(host), host=host), GpuLadder(book, baseline)
 
 
