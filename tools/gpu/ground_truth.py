@@ -36,7 +36,8 @@ A case file is a JSON list of objects ``{"case": id, "workload": spec, "batch_si
 allocator is capped there with ``torch.cuda.set_per_process_memory_fraction``: a smaller card, as
 ``memfit train --budget`` enforces it; the row records the fraction); ``"leave_bytes": n`` leaves only n bytes of the card free
 (a ballast outside PyTorch's allocator, :func:`ballast`); ``workload`` is a built-in name,
-``package.module:NAME`` or ``path/to/file.py:NAME`` (memfit's user formats); ``"kwargs": {...}`` calls NAME with them (tiny
+``package.module:NAME`` or ``path/to/file.py:NAME`` (memfit's user formats); ``"load": "built"`` builds a
+built-in on the device instead of loading it as a checkpoint; ``"kwargs": {...}`` calls NAME with them (tiny
 sizes for a smoke test); ``"profile": true`` adds the step's top CUDA kernels by time (``kernels``). Set
 ``MEMFIT_COMMIT`` where the checkout has no ``.git``.
 """
@@ -120,7 +121,11 @@ def resolve_workload(case: dict):
     from memfit.workloads import load_workload
     spec, kwargs = case["workload"], case.get("kwargs")
     if not kwargs:
-        return load_workload(spec, seq_len=case.get("seq_len"))
+        wl = load_workload(spec, seq_len=case.get("seq_len"))
+        if case.get("load") == "built":  # built on the device, as rows before 2026-11-28 ran (tools/gpu/rows.py)
+            import dataclasses
+            wl = dataclasses.replace(wl, from_checkpoint=False)
+        return wl
     import importlib
     import importlib.util
     where, _, name = spec.partition(":")
