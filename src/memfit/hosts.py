@@ -58,6 +58,11 @@ DEFAULT = "h100-box"
 CARD_HOSTS = {"h100": "h100-box", "h200": "h200-box"}
 """The host each recorded card's rows ran behind (tests/data/<card>.jsonl)."""
 
+REFERENCE_HOST_FUSED_BW = 6.336e10
+"""Host-memory bytes/s of torch's fused CPU AdamW on the reference machine, as the time model counts its
+bytes: the time model's ``host_fused_bw`` (memfit.planner.roofline.Constants, where it is explained),
+and what :func:`adamw_bandwidth` is set beside in :func:`measured_host`."""
+
 REFERENCE_LAUNCH_SECONDS: float | None = None
 """:func:`measured_host`'s figure on the reference machine (the H100 box): not recorded yet (no GPU
 has been lent since the measurement was written), so ``--host measure`` refuses until it is."""
@@ -157,8 +162,7 @@ def measured_host() -> Host:
     there is a GPU and that figure is recorded (else the reference's, and the name says so)."""
     import torch
 
-    from memfit.planner.roofline import H100
-    memory = adamw_bandwidth() / H100.host_fused_bw
+    memory = adamw_bandwidth() / REFERENCE_HOST_FUSED_BW
     if torch.cuda.is_available() and REFERENCE_LAUNCH_SECONDS is not None:
         dispatch = launch_seconds("cuda") / REFERENCE_LAUNCH_SECONDS
         return Host(f"this machine (dispatch {dispatch:.2f}x, memory {memory:.2f}x h100-box's)", dispatch=dispatch,

@@ -119,3 +119,18 @@ def test_a_bad_host_is_one_line(text):
     with pytest.raises(UserError, match="--host") as e:
         get_host(text)
     assert "\n" not in str(e.value)
+
+
+def test_a_step_the_host_sets_on_an_unmeasured_host_says_so():
+    """NOTE [ A step the host sets ]: the note where the host's update is at least half the step and the host
+    is a preset; none where the card sets the pace, or where the host was measured or named by a multiple."""
+    from memfit.hosts import Host
+    from memfit.planner.gpu_time import _host_note, _host_sets_pace
+    from memfit.planner.roofline import StepTime
+    bound, card_bound = StepTime(seconds=1.8, worker=1.2), StepTime(seconds=1.8, worker=0.5)
+    assert _host_sets_pace(bound, HOSTS["h100-box"]) and _host_sets_pace(bound, None)
+    assert not _host_sets_pace(card_bound, HOSTS["h100-box"])
+    assert not _host_sets_pace(bound, Host("this machine (memory 0.64x h100-box's)", memory=0.64))
+    assert not _host_sets_pace(bound, get_host("1.3"))
+    note = _host_note(bound, HOSTS["h200-box-b"])
+    assert "1200 of 1800 ms" in note and "h200-box-b" in note and "--device cuda" in note

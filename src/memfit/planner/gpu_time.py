@@ -225,10 +225,15 @@ class GpuStepModel(StepTimeModel):
         return not self.book.is_measured(plan)
 
     def step_notes(self, plan: Plan) -> list[str]:
-        """The measured step's migration (NOTE [ Migration in estimates ]); nothing for an estimate."""
+        """The measured step's migration (NOTE [ Migration in estimates ]) and, where the host's update
+        sets its pace on a host nobody measured, that (NOTE [ A step the host sets ]); nothing for an estimate."""
         m = self.book.measured.get(plan)
-        moved = self._moved(m) if m is not None and not m.shallower_only else None
-        return [_migration_note(moved)] if moved is not None else []
+        if m is None or m.shallower_only:
+            return []
+        moved = self._moved(m)
+        step = self.step(plan)
+        notes = [_migration_note(moved)] if moved is not None else []
+        return notes + ([_host_note(step, self.host)] if step and _host_sets_pace(step, self.host) else [])
 
     def warmup(self, plan: Plan) -> float:
         """One-time compile seconds before the first step, from the compiled graph's size."""
@@ -249,6 +254,29 @@ class GpuStepModel(StepTimeModel):
         return (f"op-level: each plan's own ops on the {self.target.device.name} preset{host}, constants fitted on H100 "
                 f"recordings{shallow}; {book.traces} traces ({book.full_traces} at full depth, "
                 f"{book.workers.count} processes) in {book.seconds_spent:.1f} s")
+
+
+# NOTE [ A step the host sets ]
+# A step whose optimizer updates on the host lasts at least the host's update (StepTime.worker), which
+# the host's memory bandwidth sets, not the card. The hosts behind cards differ (NOTE [ One kind of
+# machine, several hosts ] in memfit.hosts): memfit's 24 GB plan for an 8B model ran 1.45x its
+# prediction on the 2026-12-04 H200 machine, where torchtune's recipe (states paged on the card) ran
+# 1.49x faster than it. So where the update is at least HOST_SHARE of a plan's step and the host is a
+# preset rather than this machine measured or one the user named by a multiple, the report says so.
+HOST_SHARE = 0.5
+
+
+def _host_sets_pace(step: StepTime, host) -> bool:
+    from memfit.hosts import HOSTS
+    return step.worker >= HOST_SHARE * step.seconds and (host is None or host.name in HOSTS)
+
+
+def _host_note(step: StepTime, host) -> str:
+    name = host.name if host is not None else "h100-box"
+    return (f"the host's optimizer update sets this step's pace ({step.worker * 1e3:.0f} of {step.seconds * 1e3:.0f} ms), "
+            f"priced for the {name} host's memory bandwidth, not measured on the machine that trains; on the "
+            "2026-12-04 H200 machine such a step ran 1.45x its prediction: plan on that machine (--device cuda) to "
+            "measure it, or name it (--host)")
 
 
 def _migration_note(moved: Migration) -> str:

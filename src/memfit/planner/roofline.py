@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass, field
 
 from memfit.devices import Device
+from memfit.hosts import REFERENCE_HOST_FUSED_BW
 from memfit.planner.ops import (
     ATTENTION,
     COMPILED,
@@ -95,7 +96,7 @@ class Constants:
     at that bound)."""
     host_bw: float = 1.099e10
     """Host-memory bytes/s of an op run on the host CPU (EMA's update on host weights)."""
-    host_fused_bw: float = 6.336e10
+    host_fused_bw: float = REFERENCE_HOST_FUSED_BW
     """Host-memory bytes/s of torch's fused CPU AdamW/Adam, the host optimizer's update (fixed:
     solved so that the one measured row, 4 Llama layers at 7B width with ``offload:
     [optimizer_states]`` on an H100 machine with 16 host cores, takes its measured 327.0 ms;
