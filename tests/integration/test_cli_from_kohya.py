@@ -46,6 +46,7 @@ def test_what_cannot_be_read_is_one_line(argv, message):
     assert rc == 2 and message in err, err
 
 
+@pytest.mark.slow  # (12 s: the suite under 10 minutes; test_kohya_export keeps the arguments and their reading back in the default suite)
 def test_a_plan_is_printed_as_sd_scripts_arguments_that_read_back_as_it(tmp_path):
     """``memfit plan ... --format kohya``: the chosen plan as lines of a --config_file TOML; written to a
     file and read back with --from, they are the plan memfit chose, at its batch and resolution. The search

@@ -140,6 +140,7 @@ def test_a_last_block_of_its_own_kind_keeps_the_plain_cut():
     assert stacks_of(model).kinds == 2
 
 
+@pytest.mark.slow  # (13 s: the suite under 10 minutes; the swapped pair's figures stay in test_shallow_unrelated_stacks' singles-swapped)
 def test_a_share_of_blocks_swapped_in_whole_units_keeps_its_pair_and_its_figures_are_the_full_traces(tmp_path):
     """NOTE [ Blocks of several kinds, some swapped ]: a tiny Gemma 2 (sliding and global layers in turn, 24
     layers, 12 units of 2). 8 swapped layers are 4 units, and 2 and 4 at the pair's 3 and 6 units: its pair's

@@ -85,6 +85,7 @@ def test_block_checkpointing_keeps_fewer_activations(arch):
     assert ckpt.predicted.breakdown["activations"] < 0.8 * plain.predicted.breakdown["activations"]
 
 
+@pytest.mark.slow  # (48 s: the suite under 10 minutes; test_blocks_found_at_full_size keeps the rule's units in the default suite)
 def test_a_unets_blocks_are_what_diffusers_own_checkpointing_checkpoints(tmp_workload_file):
     """NOTE [ A model within the model ]: with four BasicTransformerBlocks in each Transformer2DModel, memfit's
     ``checkpointing: blocks`` of a LoRA is measured as predicted (within 1%), and as much as diffusers' own

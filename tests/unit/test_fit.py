@@ -196,7 +196,17 @@ def test_a_recipe_over_the_host_memory_is_passed_over_for_paged_states_and_the_c
     assert held.host_bytes <= limit and held.passed_over.startswith("offloaded needs ")
     assert f"of host memory > {fmt_bytes(limit)} (--host-memory)" in held.passed_over
     assert _used(workload, held.plan, held.batch, small) <= held.budget_bytes < _used(workload, held.plan, held.batch + 1, small)
-    # the paged states' pages out grow with the batch: held to the limit at any batch, as if all were out
+
+
+@pytest.mark.slow  # (13 s: the suite under 10 minutes)
+def test_paged_states_are_held_to_the_host_memory_at_any_batch():
+    """The paged states' pages out grow with the batch: held to the limit at any batch, as if all were out."""
+    workload = load_workload(FULL, seq_len=64)
+    card = get_device("rtx4060")
+    small = dataclasses.replace(card, name="small", total_bytes=card.context_bytes + 100 * 2**20)
+    cell = fit_table(workload, parse_methods("full"), [small], budget="100%", max_world=2).cells[("small", "full")]
+    held = fit_table(workload, parse_methods("full"), [small], budget="100%", max_world=2,
+                     host_memory=f"{cell.host_bytes - 2**20}B").cells[("small", "full")]
     tight = held.host_bytes + 2**20
     below = fit_table(workload, parse_methods("full"), [small], budget="100%", max_world=2,
                       host_memory=f"{tight}B").cells[("small", "full")]
