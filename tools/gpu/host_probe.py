@@ -7,9 +7,9 @@ records, once, beside its rows (``$OUT/host.json``, printed too):
 - ``cpu``, ``cores``, ``threads``: /proc/cpuinfo's model name, ``os.cpu_count()``, torch's intra-op threads;
 - ``launch_seconds``: memfit.hosts.launch_seconds (one small CUDA op issued from Python), the dispatch
   figure; ``dispatch_vs_reference`` once the reference machine's figure is recorded;
-- ``adamw_fused_bytes_per_second``: memfit.hosts.adamw_bandwidth over ``--params`` parameters, and
+- ``adamw_fused_bytes_per_second``: memfit.hosts.adamw_bandwidth at its default size, and
   ``memory_vs_reference``: that over the reference constant ``host_fused_bw`` (memfit.hosts.Host.memory
-  for this machine, as ``--host measure`` reads it);
+  for this machine, as ``--host measure`` reads it); the same over ``--params`` parameters beside it;
 - ``h2d_bytes_per_second`` and ``d2h_bytes_per_second``: one pinned 1 GiB copy each way, on a GPU.
 
     python -m tools.gpu.host_probe [--out host.json] [--params 268435456]
@@ -52,12 +52,17 @@ def link_bandwidth(nbytes: int = 1 << 30) -> dict:
 def probe(params: int) -> dict:
     import torch
 
-    from memfit.hosts import REFERENCE_LAUNCH_SECONDS, adamw_bandwidth, launch_seconds
-    from memfit.planner.roofline import H100
+    from memfit.hosts import (
+        REFERENCE_HOST_FUSED_BW,
+        REFERENCE_LAUNCH_SECONDS,
+        adamw_bandwidth,
+        launch_seconds,
+    )
     row: dict = {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads()}
-    bw = adamw_bandwidth(params)  # (--host measure's memory figure)
+    bw = adamw_bandwidth()  # (--host measure's memory figure, at its size)
     row["adamw_fused_bytes_per_second"] = round(bw)
-    row["memory_vs_reference"] = round(bw / H100.host_fused_bw, 3)
+    row["memory_vs_reference"] = round(bw / REFERENCE_HOST_FUSED_BW, 3)
+    row[f"adamw_fused_bytes_per_second_{params}"] = round(adamw_bandwidth(params))  # (a size past any cache)
     if torch.cuda.is_available():
         row["launch_seconds"] = launch_seconds("cuda")
         if REFERENCE_LAUNCH_SECONDS:
