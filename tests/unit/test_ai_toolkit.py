@@ -45,7 +45,7 @@ def _with(**changes) -> dict:
 def test_the_24gb_flux_example_is_the_run_ai_toolkit_makes_of_it():
     c = read_training_config(EXAMPLE, CARD)
     assert c.workload == "dit-flux:text_encoders=frozen" and (c.batch_size, c.resolution) == (1, 1024)
-    assert c.plan == Plan(adapter="lora:r=16,alpha=16,targets=all-linear", base_weights="fp8",
+    assert c.plan == Plan(adapter="lora:r=16,alpha=16,targets=in-blocks", base_weights="fp8",
                           precision="bf16-base-noautocast", checkpointing="blocks", optimizer="adamw8bit",
                           ema={"decay": 0.99, "device": "device"}, max_grad_norm=1.0)
     assert c.warnings == ()  # (its LoRA's fp32 inputs are in the precision: NOTE [ ai-toolkit's LoRA: no autocast ])
@@ -57,9 +57,11 @@ def test_the_24gb_flux_example_is_the_run_ai_toolkit_makes_of_it():
     ({"datasets__cache_text_embeddings": True}, "dit-flux", {}),  # (a dataset's cache unloads them too)
     ({"train__train_text_encoder": True}, "dit-flux:text_encoders=trained", {}),
     ({"network__linear": None, "network__linear_alpha": None}, "dit-flux:text_encoders=frozen",
-     {"adapter": "lora:r=4,alpha=1.0,targets=all-linear"}),  # (ai-toolkit's defaults: rank 4, alpha 1)
+     {"adapter": "lora:r=4,alpha=1.0,targets=in-blocks"}),  # (ai-toolkit's defaults: rank 4, alpha 1)
     ({"network__rank": 64, "network__alpha": 32, "network__linear_alpha": None}, "dit-flux:text_encoders=frozen",
-     {"adapter": "lora:r=64,alpha=32,targets=all-linear"}),  # (rank wins over linear; alpha under linear_alpha)
+     {"adapter": "lora:r=64,alpha=32,targets=in-blocks"}),  # (rank wins over linear; alpha under linear_alpha)
+    ({"network__transformer_only": False}, "dit-flux:text_encoders=frozen",
+     {"adapter": "lora:r=16,alpha=16,targets=all-linear"}),  # (the embedders and output layers too)
     ({"train__dtype": "half", "model__arch": "flex1", "model__is_flux": None,
       "model__name_or_path": "ostris/Flex.1-alpha"}, "ostris/Flex.1-alpha:text_encoders=frozen",
      {"precision": "fp16-base-noautocast"}),
@@ -92,9 +94,9 @@ def test_batches_and_buckets_are_the_largest_and_accumulated():
     ("train_lora_sd35_large_24gb", f"{SD35_LARGE},text_encoders=frozen", {}, []),
     ("train_lora_qwen_image_24gb", "dit-qwenimage", {"base_weights": "nf4", "ema": None},  # (uint3: as nf4, said)
      ["qtype's accuracy-recovery adapter", "qtype uint3 stores 3 bits a weight"]),
-    ("train_lora_wan21_14b_24gb", "dit-wan:frames=1", {"adapter": "lora:r=32,alpha=32,targets=all-linear"},
+    ("train_lora_wan21_14b_24gb", "dit-wan:frames=1", {"adapter": "lora:r=32,alpha=32,targets=in-blocks"},
      []),  # (umT5 unloaded: its states cached; images, one frame)
-    ("train_lora_wan21_1b_24gb", "dit-wan-1.3b:frames=1", {"adapter": "lora:r=32,alpha=32,targets=all-linear",
+    ("train_lora_wan21_1b_24gb", "dit-wan-1.3b:frames=1", {"adapter": "lora:r=32,alpha=32,targets=in-blocks",
                                                            "base_weights": "as-is"},
      ["the text encoders run in the step"]),  # (umT5 in the step: said)
 ])
@@ -231,5 +233,5 @@ def test_fit_from_the_config_takes_its_model_size_and_adapter():
     check(argv, rc, err)
     report = json.loads(out)
     assert rc == 0 and report["workload"] == "dit-flux 128px, text encoders frozen"
-    assert report["cells"][0]["plan"]["adapter"] == "lora:r=16,alpha=16,targets=all-linear"
+    assert report["cells"][0]["plan"]["adapter"] == "lora:r=16,alpha=16,targets=in-blocks"
 

@@ -98,7 +98,7 @@ def test_on_the_command_line_the_search_keeps_to_what_ai_toolkit_runs():
     report = json.loads(out)
     assert rc == 0 and report["ai_toolkit_unmapped"] == [] and report["chosen"]["plan"]["offload"] == []
     process = report["ai_toolkit_process"]
-    assert process["network"] == {"type": "lora", "linear": 8, "linear_alpha": 16}
+    assert process["network"] == {"type": "lora", "linear": 8, "linear_alpha": 16, "transformer_only": False}
     assert process["train"]["batch_size"] * process["train"].get("gradient_accumulation", 1) == 4
     argv = ["plan", "gpt2:n_layer=2", "--format", "ai-toolkit", "--device", "rtx4090"]
     rc, _, err = run(argv)
@@ -125,3 +125,14 @@ def test_swapped_blocks_are_layer_offloading_of_their_share_and_read_back():
     adafactor = _job(Plan(adapter="lora:r=4,targets=all-linear", precision="bf16-base-noautocast", optimizer="adafactor"), 1,
                      "dit-flux", 1024)
     assert "max_grad_norm" not in adafactor.process["train"] and not any("clips" in n for n in adafactor.notes)
+
+
+@pytest.mark.parametrize("targets,blocks_only", [("in-blocks", True), ("all-linear", False)])
+def test_a_loras_targets_are_ai_toolkits_transformer_only_and_read_back(targets, blocks_only):
+    """``targets=in-blocks`` is ai-toolkit's ``transformer_only: true`` (its default for a DiT), ``all-linear`` its
+    ``false``; read back, each is the same LoRA."""
+    plan = Plan(adapter=f"lora:r=16,alpha=16,targets={targets}", precision="bf16-base-noautocast", checkpointing="blocks")
+    job = _job(plan, 1, TINY, 256)
+    assert job.unmapped == () and job.process["network"]["transformer_only"] is blocks_only
+    back = map_config(yaml.safe_load(job.yaml()), "job.yaml", CARD, TINY)
+    assert back.plan.adapter == plan.adapter

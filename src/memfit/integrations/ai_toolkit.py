@@ -13,7 +13,7 @@ memfit maps it:
 | text encoders | on the device, each prompt encoded every step under no_grad, T5 at 512 tokens; ``cache_text_embeddings`` (train's or a dataset's) or ``unload_text_encoder``: cached | ``text_encoders=frozen`` (``cached``); Qwen-Image's, FLUX.2's and Wan's in the step: said, not held |
 | ``datasets[].num_frames`` (Wan; default 1: images) | clips of that many frames | ``dit-wan:frames=`` down to 4k + 1 (said where it differs) |
 | ``train.train_text_encoder`` | the encoders train | ``text_encoders=trained`` |
-| ``network`` lora, ``rank`` or ``linear`` (default 4), ``linear_alpha`` (default ``alpha``, 1) | LoRA on every linear layer of the double and single blocks, weights in fp32 | ``adapter: lora:r=linear,alpha=linear_alpha,targets=all-linear`` (also the 7 embedding and output layers) |
+| ``network`` lora, ``rank`` or ``linear`` (default 4), ``linear_alpha`` (default ``alpha``, 1), ``transformer_only`` (default true) | LoRA on every linear layer of a DiT's transformer blocks (false: of the whole transformer; a UNet's: all of them), weights in fp32 | ``adapter: lora:r=linear,alpha=linear_alpha,targets=in-blocks`` (false, or SD 1.x and SDXL: ``targets=all-linear``) |
 | ``train.dtype`` bf16 / fp16 (default fp32) | the model in that dtype, the LoRA in fp32, no autocast (each adapted layer's input cast to fp32 and kept for backward) | ``bf16-base-noautocast`` / ``fp16-base-noautocast`` / ``fp32`` |
 | no ``network`` | full fine-tuning: the whole transformer trains in ``train.dtype`` | no adapter; ``bf16-pure`` / ``fp16`` (fp32 weights under autocast: said) / ``fp32`` |
 | ``train.gradient_checkpointing`` (default true) | every transformer block checkpointed | ``checkpointing: blocks`` |
@@ -236,7 +236,9 @@ def _network(arch: str, network: dict, where: str, warnings: list[str]) -> dict:
     if kept:
         warnings.append(f"ai-toolkit config {where}: network_kwargs {' and '.join(kept)} are not mapped; memfit adapts "
                         "every linear layer (more LoRA weights and saved inputs than ai-toolkit's: a bound)")
-    return {"adapter": f"lora:r={rank},alpha={alpha},targets=all-linear"}
+    # (transformer_only, ai-toolkit's default: a DiT's LoRA on its transformer blocks alone; a UNet's on all)
+    blocks_only = arch not in ("sd1", "sdxl") and network.get("transformer_only", True) is not False
+    return {"adapter": f"lora:r={rank},alpha={alpha},targets={'in-blocks' if blocks_only else 'all-linear'}"}
 
 
 def _quantized(model: dict, where: str, warnings: list[str]) -> dict:

@@ -22,7 +22,8 @@ without them PEFT's defaults for the model's type, diffusers' attention projecti
 (``to_q+to_k+to_v+to_out.0``) for a diffusers model (Flux: its attention and feed-forward layers,
 as diffusers' Flux LoRA; kohya's also adapts the blocks' modulations: ``targets=all-linear``), else
 every linear layer but the output layer
-(``all-linear``). ``save`` lists modules trained in full beside the adapter (PEFT's
+(``all-linear``); ``targets=in-blocks`` takes every linear layer inside the model's repeated blocks only
+(ai-toolkit's ``transformer_only``). ``save`` lists modules trained in full beside the adapter (PEFT's
 ``modules_to_save``, e.g. a classifier head); ``params`` names parameters of no linear layer
 (PEFT's ``target_parameters``: a mixture of experts' 3-D expert weights, adapted per expert). The adapter is injected with PEFT's own
 ``inject_adapter_in_model``, so the model keeps its class and the workload's loss runs unchanged.
@@ -39,6 +40,10 @@ from memfit.errors import UserError, brief
 from memfit.techniques.base import Config, Export, Key, Technique, register
 
 ALL_LINEAR = "all-linear"
+IN_BLOCKS = "in-blocks"
+"""Every linear layer inside the model's repeated blocks (memfit.techniques.checkpointing.find_blocks; a
+denoiser's beside its text encoders), as ai-toolkit's ``transformer_only`` LoRA of a DiT: not the
+embedders, the final norm's modulation nor the output layer that ``all-linear`` takes too."""
 
 
 # NOTE [ Methods are the user's ]
@@ -73,8 +78,8 @@ class LoRA(Adapter):
     """Scale numerator (the update is scaled by alpha / r); None: 2 * r."""
     targets: tuple[str, ...] = ()
     """Module names to adapt (PEFT's ``target_modules``; ``all-linear``: every linear layer but the
-    output layer); empty: PEFT's default for the model type, else all linear layers but the output
-    layer."""
+    output layer; ``in-blocks``: every linear layer inside the repeated blocks); empty: PEFT's default for
+    the model type, else all linear layers but the output layer."""
     dropout: float = 0.0
     """Dropout on the adapter's input (0 <= dropout < 1)."""
     save: tuple[str, ...] = ()
@@ -129,6 +134,8 @@ class LoRA(Adapter):
         extra = {"target_parameters": list(self.params)} if self.params else {}
         if targets == [ALL_LINEAR]:  # (targets=all-linear: PEFT's shorthand, which it takes as a string only)
             targets = ALL_LINEAR
+        elif targets == [IN_BLOCKS]:
+            targets = _linears_in_blocks(model, self.text_value())
         return peft.LoraConfig(r=self.r, lora_alpha=self.scale_alpha, lora_dropout=self.dropout,
                                target_modules=targets, use_dora=self.dora,
                                modules_to_save=list(self.save) or None, **extra)
@@ -160,13 +167,15 @@ class LoRA(Adapter):
         return f"{self.kind}{self.r}"
 
     def export(self, into: Export) -> None:
-        into.not_carried(self, kohya=self.dora or self.targets != ("all-linear",) or bool(self.save or self.params
-                                                                                            or self.dropout))
+        extras = self.dora or bool(self.save or self.params or self.dropout)
+        into.not_carried(self, kohya=extras or self.targets != (ALL_LINEAR,),
+                         ai_toolkit=extras or self.targets not in ((ALL_LINEAR,), (IN_BLOCKS,)))
         if not self.dora:  # (sd-scripts' LoRA adapts every linear layer of the blocks; ai-toolkit's, the transformer's)
             into.kohya.update(network_module="networks.lora", network_dim=self.r, network_alpha=self.scale_alpha,
                               network_train_unet_only=True)
             into.ai_toolkit.update({"network.type": "lora", "network.linear": self.r,
-                                    "network.linear_alpha": self.scale_alpha})
+                                    "network.linear_alpha": self.scale_alpha,
+                                    "network.transformer_only": self.targets == (IN_BLOCKS,)})
         note = f"build the PEFT model in your code: get_peft_model(model, {self._peft_text()})"
         into.hf_notes.append(note)
         into.lightning_notes.append(note)
@@ -225,6 +234,23 @@ def _default_targets(model, peft) -> list[str] | str:
             any(name.endswith(".to_q") for name, _ in model.named_modules()):
         return DIFFUSERS_TARGETS
     return ALL_LINEAR
+
+
+def _linears_in_blocks(model, text: str) -> list[str]:
+    """The whole names of the linear layers inside ``model``'s repeated blocks (:data:`IN_BLOCKS`): of its
+    denoiser where it holds one beside text encoders, with the layers those encoders' adapters take where
+    they train."""
+    import torch
+
+    from memfit.techniques.checkpointing import find_blocks
+    denoiser = getattr(model, "denoiser", None)
+    root, prefix = (denoiser, "denoiser.") if isinstance(denoiser, torch.nn.Module) else (model, "")
+    names = [f"{prefix}{blocks}.{name}" for blocks, _ in find_blocks(root)
+             for name, m in root.get_submodule(blocks).named_modules() if isinstance(m, torch.nn.Linear)]
+    if not names:
+        raise UserError(f"plan: adapter {text}: the model has no repeated blocks holding linear layers; name the "
+                        "layers to adapt (e.g. targets=all-linear)")
+    return names + list(getattr(model, "adapter_targets", ()) if prefix else ())
 
 
 def adapter_facts(model) -> list[str]:

@@ -366,3 +366,41 @@ def test_the_report_says_which_layers_the_adapter_took_and_what_it_trains():
     trained = 4 * r * (hidden + hidden)  # (2 layers x q_proj and v_proj, each [hidden, hidden])
     assert f"adapter: 4 layers adapted (self_attn.q_proj x2, self_attn.v_proj x2); {trained:,} parameters trained" in report.facts
     assert not any(f.startswith("adapter:") for f in estimate(wl, Plan(), batch_size=1, seq_len=16).facts)
+
+
+FLUX = ("dit-flux:num_layers=2,num_single_layers=2,attention_head_dim=16,num_attention_heads=2,"
+        "joint_attention_dim=32,pooled_projection_dim=16,in_channels=16,axes_dims_rope=4/6/6")
+
+
+def test_in_blocks_adapts_the_linear_layers_of_the_repeated_blocks_alone_and_is_predicted_within_1pct():
+    """``targets=in-blocks`` (ai-toolkit's ``transformer_only``): FLUX's double and single blocks' linear layers
+    (modulations too), none of the embedders, the final norm's modulation or the output layer that
+    ``all-linear`` takes beside them; measured as predicted."""
+    pytest.importorskip("diffusers")
+    from memfit.memory.measure import profile
+
+    def adapted(targets):
+        model = build_step(load_workload(FLUX, resolution=64), Plan(adapter=f"lora:r=4,targets={targets}"), 1,
+                           "cpu").model
+        return {n.rsplit(".lora_A", 1)[0] for n in _trainable(model) if ".lora_A." in n}
+    blocks, everything = adapted("in-blocks"), adapted("all-linear")
+    assert blocks and all(n.startswith(("transformer_blocks.", "single_transformer_blocks.")) for n in blocks)
+    assert {"transformer_blocks.0.norm1.linear", "single_transformer_blocks.1.proj_out"} <= blocks
+    outside = everything - blocks
+    assert blocks < everything and {"x_embedder", "context_embedder", "norm_out.linear"} <= outside
+    assert not any(n.startswith(("transformer_blocks.", "single_transformer_blocks.")) for n in outside)
+    r = profile(FLUX, Plan(adapter="lora:r=4,targets=in-blocks", precision="bf16-base-noautocast",
+                           checkpointing="blocks"), batch_size=1, resolution=64, repeats=0)
+    assert abs(r.error_percent) <= 1.0, r.error_percent
+
+
+def test_in_blocks_on_a_model_without_repeated_blocks_is_one_line(tmp_workload_file):
+    body = """
+import torch
+from memfit.workload import Workload
+wl = Workload(model=lambda: torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)),
+              batch=lambda n: torch.randn(n, 8), loss=lambda m, b: m(b).square().mean())
+"""
+    with pytest.raises(UserError, match="no repeated blocks") as e:
+        estimate(f"{tmp_workload_file(body)}:wl", Plan(adapter="lora:r=4,targets=in-blocks"), batch_size=2, device="cpu")
+    assert "\n" not in str(e.value)
