@@ -136,3 +136,10 @@ def test_a_loras_targets_are_ai_toolkits_transformer_only_and_read_back(targets,
     assert job.unmapped == () and job.process["network"]["transformer_only"] is blocks_only
     back = map_config(yaml.safe_load(job.yaml()), "job.yaml", CARD, TINY)
     assert back.plan.adapter == plan.adapter
+
+
+def test_a_unets_lora_on_its_blocks_alone_is_not_carried():
+    """ai-toolkit's ``transformer_only`` leaves a UNet's LoRA on every linear layer: ``in-blocks`` there is listed."""
+    job = _job(Plan(adapter="lora:r=4,targets=in-blocks", precision="bf16-base-noautocast"), 1, "unet-sd15", 512)
+    assert any(u.startswith("adapter: lora:r=4,targets=in-blocks") for u in job.unmapped), job.unmapped
+    assert "transformer_only" not in job.process["network"]

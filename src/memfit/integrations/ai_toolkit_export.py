@@ -80,6 +80,10 @@ def to_ai_toolkit(plan: Plan, batch_size: int, model: str, model_class: str | No
     elif "network.type" in fields and isinstance(plan.config("precision"), BF16Pure):
         unmapped.append("precision: bf16-pure (ai-toolkit keeps a LoRA in fp32 over the bf16 model, without autocast: "
                         "bf16-base-noautocast)")
+    if fields.get("network.transformer_only") and arch in ("sd1", "sdxl"):  # (a UNet's LoRA: every linear layer)
+        del fields["network.transformer_only"]
+        unmapped.append(f"adapter: {plan.to_dict()['adapter']} (ai-toolkit adapts every linear layer of a UNet: "
+                        "targets=all-linear)")
     fields.setdefault("train.gradient_checkpointing", False)  # (ai-toolkit's default is on)
     if fields.get("train.optimizer") == "adafactor":  # (ai-toolkit clips nothing with adafactor)
         fields.pop("train.max_grad_norm", None)
