@@ -59,6 +59,9 @@ ARCHS = {
 }
 """ai-toolkit's model archs memfit reads (``arch``, or the older ``is_flux``, ``is_xl``, ``is_v3``, ``is_lumina2``;
 none: SD 1.x), and the built-in of each published id; another id or a folder is read as a diffusers model."""
+UNETS = ("sd1", "sdxl")
+"""The archs with a UNet: a LoRA there adapts every linear layer (ai-toolkit's ``transformer_only`` restricts a DiT's
+to its transformer blocks alone), and ``network.conv`` would adapt its convolutions."""
 HOLD_TEXT = ("flux", "sd1", "sdxl", "sd3", "lumina2")
 """The archs whose denoisers memfit builds with their text encoders (memfit.workloads.text_encoders)."""
 OLD_FLAGS = {"is_v2": "sd2", "is_v3": "sd3", "is_xl": "sdxl", "is_pixart": "pixart", "is_pixart_sigma": "pixart_sigma",
@@ -229,7 +232,7 @@ def _network(arch: str, network: dict, where: str, warnings: list[str]) -> dict:
         raise UserError(f"--from {where}: network.linear_alpha must be a number > 0, got {alpha!r}")
     if network.get("conv"):
         warnings.append(f"ai-toolkit config {where}: network.conv is not mapped " + (
-            "(a LoRA of the UNet's convolutions); memfit adapts its linear layers" if arch in ("sd1", "sdxl") else
+            "(a LoRA of the UNet's convolutions); memfit adapts its linear layers" if arch in UNETS else
             f"({arch}'s transformer blocks hold no convolution)"))
     kwargs = network.get("network_kwargs") or {}
     kept = [k for k in ("only_if_contains", "ignore_if_contains") if isinstance(kwargs, dict) and kwargs.get(k)]
@@ -237,7 +240,7 @@ def _network(arch: str, network: dict, where: str, warnings: list[str]) -> dict:
         warnings.append(f"ai-toolkit config {where}: network_kwargs {' and '.join(kept)} are not mapped; memfit adapts "
                         "every linear layer (more LoRA weights and saved inputs than ai-toolkit's: a bound)")
     # (transformer_only, ai-toolkit's default: a DiT's LoRA on its transformer blocks alone; a UNet's on all)
-    blocks_only = arch not in ("sd1", "sdxl") and network.get("transformer_only", True) is not False
+    blocks_only = arch not in UNETS and network.get("transformer_only", True) is not False
     return {"adapter": f"lora:r={rank},alpha={alpha},targets={'in-blocks' if blocks_only else 'all-linear'}"}
 
 

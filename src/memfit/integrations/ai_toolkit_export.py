@@ -20,7 +20,7 @@ import yaml
 
 from memfit.devices import Device
 from memfit.errors import UserError
-from memfit.integrations.ai_toolkit import ARCHS, FLOW, HOLD_TEXT, LAYER_OFFLOADED
+from memfit.integrations.ai_toolkit import ARCHS, FLOW, HOLD_TEXT, LAYER_OFFLOADED, UNETS
 from memfit.integrations.export import carried_by, export
 from memfit.plans import Plan
 from memfit.techniques.precision import BF16Pure
@@ -80,7 +80,7 @@ def to_ai_toolkit(plan: Plan, batch_size: int, model: str, model_class: str | No
     elif "network.type" in fields and isinstance(plan.config("precision"), BF16Pure):
         unmapped.append("precision: bf16-pure (ai-toolkit keeps a LoRA in fp32 over the bf16 model, without autocast: "
                         "bf16-base-noautocast)")
-    if fields.get("network.transformer_only") and arch in ("sd1", "sdxl"):  # (a UNet's LoRA: every linear layer)
+    if fields.get("network.transformer_only") and arch in UNETS:  # (a UNet's LoRA: every linear layer)
         del fields["network.transformer_only"]
         unmapped.append(f"adapter: {plan.to_dict()['adapter']} (ai-toolkit adapts every linear layer of a UNet: "
                         "targets=all-linear)")
