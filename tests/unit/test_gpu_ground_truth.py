@@ -84,12 +84,12 @@ KNOWN_MISSES = {
                                "gave 6.72 GB (-1.0%); compile: full alone agrees with that one within 76 KB, and "
                                "no padding choice closes the gap (none -17.3%, all -16.1%): the compiled "
                                "chunked loss's checkpointed slices go otherwise in torch 2.14; re-measure",
-    "h200:b-gpt2-bf16-full": "allocated -12.1% (reserved -11.2%), blind (issue 52, 2026-12-04): Inductor's CUDA path "
-                             "emulated here (torch 2.14) predicts 6.37 GB, as it did for the H100's row 103 (6.43 GB "
-                             "measured, built on the device); this row loaded GPT-2 as a checkpoint and measured "
-                             "7.24 GB, and memfit's prediction on the H200 itself (torch 2.11, real Triton) gave "
-                             "7.17 GB (-0.9%). The same persistent bytes after the step (2.08 GB): the compiled "
-                             "graph saves ~0.8 GB more there. Torch version or load path: not told apart yet",
+    "h200:b-gpt2-bf16-full": "allocated -12.1% (reserved -11.2%), blind (issue 52, 2026-12-04): pad_mm's timing on "
+                             "this H200 padded all three vocabulary matmuls, where the H100's padded one (NOTE [ "
+                             "Padded matmuls without timing ]); predicted here with all three padded: 7,172,929,536 "
+                             "B (-0.93%; reserved -0.89%, equal to the prediction on the H200 itself). Neither torch "
+                             "(2.11 gives the same -12.1% here) nor the checkpoint load. memfit's compiled regions now "
+                             "pad by the prediction's rule on every card: re-measure (tools/gpu/next_loan.sh)",
     "t-llama4-selective-b2": "reserved only (-5.5%; allocated -1.5%): the real run (torch 2.11) kept ~350 MiB "
                              "more than selective checkpointing does in torch 2.14's trace",
     "timm-vit_small-bf16-blocks": "reserved only (+8.7%; allocated -0.04%): autograd accumulates a second "

@@ -223,7 +223,7 @@ def _real_backend(budget: float | None) -> Callable:
     if budget not in _REAL:
         def inductor(gm, example_inputs):
             from torch._inductor.compile_fx import compile_fx
-            with _budget(budget):
+            with _budget(budget), cuda_lowering.padding_by_rule():  # NOTE [ Padded matmuls without timing ]
                 return compile_fx(gm, example_inputs, inner_compile=_inductor_inner)
         _REAL[budget] = inductor
     return _REAL[budget]
@@ -245,7 +245,7 @@ def _predicting_backend(budget: float | None) -> Callable:
             from torch._inductor.compile_fx import compile_fx
             on_cuda = cuda_lowering.partition_on_cuda() if cuda_lowering.emulates(example_inputs) else \
                 contextlib.nullcontext()  # NOTE [ Inductor's CUDA path without a GPU ]
-            with _budget(budget), on_cuda:
+            with _budget(budget), on_cuda, cuda_lowering.padding_by_rule():
                 return compile_fx(gm, example_inputs, inner_compile=_lower_then_run)
         _PREDICTED[budget] = inductor_until_lowering
     return _PREDICTED[budget]

@@ -73,6 +73,28 @@ def test_a_gpu_presets_region_is_generated_by_triton_and_pads_as_the_h100_did(mo
     assert has_triton() == triton_here  # (answered from the card while compiling only)
 
 
+def test_a_run_pads_by_the_rule_its_prediction_pads_by(monkeypatch):
+    """NOTE [ Padded matmuls without timing ]: pad_mm's timing padded GPT-2's vocabulary matmuls otherwise on an
+    H200 than on an H100 (+0.8 GB); a region compiled for real tensors, as a run on a GPU compiles it, takes the
+    prediction's rule in place of a timing."""
+    from torch._inductor import compile_fx as inductor
+    from torch._inductor.fx_passes import pad_mm
+    rules = []
+
+    def compile_fx(gm, example_inputs, **kwargs):  # (Inductor's entry, spied on: the graph runs as captured)
+        rules.append((getattr(pad_mm.get_cached_should_pad, "__self__", None),
+                      getattr(pad_mm.should_pad_bench_key, "__self__", None)))
+        return gm
+
+    monkeypatch.setattr(inductor, "compile_fx", compile_fx)
+    torch._dynamo.reset()
+    doubled = compiled(lambda x: (x * 2).sum(), name="doubled", dynamic=False)
+    assert doubled(torch.ones(3)).item() == 6
+    assert len(rules) == 1 and all(isinstance(r, cuda_lowering._PadTiming) for r in rules[0])
+    assert rules[0][0] is rules[0][1]  # (one rule: the key it is asked for is the one it answers)
+    assert not isinstance(getattr(pad_mm.get_cached_should_pad, "__self__", None), cuda_lowering._PadTiming)
+
+
 def test_predicted_wrappers_are_keyed_by_card():
     """A card's facts change the CUDA path's choices (its SMs split reductions, its FLOP/s decide
     which matmuls pad): its wrappers are cached apart (NOTE [ Predicted wrappers in Inductor's caches ])."""
