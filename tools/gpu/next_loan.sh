@@ -3,10 +3,11 @@
 # (issue 52 compiled steps, then issue 49 loads), each case's row kept even when memfit's own prediction after it
 # runs past the timeout:
 #   1. issue 52's four GPT-2 compiled rows lost that day (blocks, full + budget 0.5 and 0.1, full + bf16-pure +
-#      8 chunks) and GPT-2 compile: full built on the device (next_loan_cases.json): with the checkpoint-loaded row
-#      measured that day (7.24 GB against 6.37 predicted here), it tells whether the load path or the torch version
-#      makes Inductor's real CUDA path save 0.8 GB more than its emulation; 3 overlapping their CPU work, each
-#      alone on the GPU, predicted there too (--predict);
+#      8 chunks) and GPT-2 compile: full again (next_loan_cases.json, -rule): that day's row measured 7.24 GB
+#      against 6.37 predicted here, because pad_mm's timing padded all three vocabulary matmuls on that H200;
+#      memfit's compiled regions now pad by the prediction's rule (NOTE [ Padded matmuls without timing ]), so
+#      it must come within 3% of 6.37 GB; 3 overlapping their CPU work, each alone on the GPU, predicted there
+#      too (--predict);
 #   2. issue 49: QLoRA as users load it (bench.qlora_load_gpu; its checkpoint made on the GPU, in /dev/shm);
 #   3. issue 52's seed case (Lumina2 LoRA, compiled blocks + budget 0.5, batch 2, 24 GiB left), if 150 s are left.
 # Blind predictions, committed first: tools/gpu/compile_blind_predicted.jsonl. The host is measured first
