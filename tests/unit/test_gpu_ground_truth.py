@@ -79,11 +79,13 @@ KNOWN_MISSES = {
     "choice4-chosen-purebf16-blocks-8bit-ao-chunks8": "reserved only (+9.6%; allocated +0.1%), on the safe side: "
                                                       "1.609 GiB measured, 1.764 predicted (blocks + 8 loss chunks "
                                                       "at 1.4 GiB allocated; not yet looked into)",
-    "c-gpt2-bf16-full-chunks": "allocated -8.2% (reserved -5.9%): Inductor's CUDA path emulated here (torch 2.14) "
-                               "predicts 6.23 GB where the same prediction on the H100 (torch 2.11, the run's) "
-                               "gave 6.72 GB (-1.0%); compile: full alone agrees with that one within 76 KB, and "
-                               "no padding choice closes the gap (none -17.3%, all -16.1%): the compiled "
-                               "chunked loss's checkpointed slices go otherwise in torch 2.14; re-measure",
+    "c-gpt2-bf16-full-chunks": "allocated -8.2% (reserved -5.9%): two causes, each shown on this CPU with torch 2.11 "
+                               "(the run's) in a second environment: Inductor's choices for the compiled chunked loss "
+                               "differ between torch 2.11 and 2.14 (the same padding gives -1.05% against -16.1%), and "
+                               "the H100's pad_mm timing padded all three chunk matmuls, where the rule pads one "
+                               "(torch 2.11: 6,711,764,480 B, -1.05%, reserved equal to the H100's own prediction; by "
+                               "the rule +8.1%). Runs now pad by the rule (NOTE [ Padded matmuls without timing ]); the "
+                               "torch version stays: re-measure with the torch that predicts",
     "h200:b-gpt2-bf16-full": "allocated -12.1% (reserved -11.2%), blind (issue 52, 2026-12-04): pad_mm's timing on "
                              "this H200 padded all three vocabulary matmuls, where the H100's padded one (NOTE [ "
                              "Padded matmuls without timing ]); predicted here with all three padded: 7,172,929,536 "

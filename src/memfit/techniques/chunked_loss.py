@@ -28,6 +28,7 @@ Plan key ``loss_chunks``: 0 (:class:`FullLoss`) or K > 0 (:class:`ChunkedLoss`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import weakref
 from dataclasses import dataclass
@@ -73,16 +74,32 @@ class LogitTransform:
     softcap: float | None = None
     """Gemma 2: ``tanh(logits / cap) * cap`` (``config.final_logit_softcapping``)."""
 
+    @property
+    def scales(self) -> tuple:
+        """(multiply, divide, softcap): what the step carries (NOTE [ Plain numbers into a compiled region ])."""
+        return (self.multiply, self.divide, self.softcap)
+
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.multiply is not None:
-            logits = logits * self.multiply
-        if self.divide is not None:
-            logits = logits / self.divide
-        if self.softcap is not None:
-            logits = logits / self.softcap
-            logits = torch.tanh(logits)
-            logits = logits * self.softcap
-        return logits
+        return _transformed(logits, *self.scales)
+
+
+# NOTE [ Plain numbers into a compiled region ]
+# The patched forward builds its :class:`ChunkedHead` inside the step, which ``compile: full`` captures
+# whole; torch 2.11's Dynamo cannot take a user dataclass into an object it builds there (nor through
+# a checkpoint), and broke the graph, so that the step ran, and was predicted, without that compile.
+# The transform goes in as its fields, a tuple of numbers (:attr:`LogitTransform.scales`).
+def _transformed(logits: torch.Tensor, multiply: float | None, divide: float | None,
+                 softcap: float | None) -> torch.Tensor:
+    """:class:`LogitTransform` ``(multiply, divide, softcap)`` on ``logits``."""
+    if multiply is not None:
+        logits = logits * multiply
+    if divide is not None:
+        logits = logits / divide
+    if softcap is not None:
+        logits = logits / softcap
+        logits = torch.tanh(logits)
+        logits = logits * softcap
+    return logits
 
 
 NO_TRANSFORM = LogitTransform()
@@ -137,8 +154,8 @@ def _transform_left_to_chunks(lm: nn.Module):
             object.__setattr__(owner, attr, value)
 
 
-def _chunk_loss(hidden, labels, weight, bias, ignore_index, transform):
-    logits = transform(F.linear(hidden, weight, bias)).float()
+def _chunk_loss(hidden, labels, weight, bias, ignore_index, multiply, divide, softcap):
+    logits = _transformed(F.linear(hidden, weight, bias), multiply, divide, softcap).float()
     return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
 
 
@@ -148,8 +165,8 @@ def _chunk_loss(hidden, labels, weight, bias, ignore_index, transform):
 # slice.
 def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Linear, chunks: int, *,
                           ignore_index: int = IGNORE_INDEX, num_items_in_batch=None,
-                          transform: LogitTransform = NO_TRANSFORM) -> torch.Tensor:
-    """Cross-entropy of ``transform(head(hidden))`` against ``labels`` (aligned: already shifted), the tokens
+                          scales: tuple = NO_TRANSFORM.scales) -> torch.Tensor:
+    """Cross-entropy of ``head(hidden)``, transformed by ``scales`` (:attr:`LogitTransform.scales`), against ``labels`` (aligned: already shifted), the tokens
     in ``chunks`` slices, each slice's logits recomputed in backward. Divided by
     ``num_items_in_batch`` when given (as transformers' ``fixed_cross_entropy``: the Trainer counts
     the tokens of all accumulated micro-batches), else by the tokens not ``ignore_index`` (the mean)."""
@@ -157,7 +174,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor, head: nn.L
     labels = labels.reshape(-1).to(hidden.device)
     total = None
     for h, y in zip(hidden.chunk(chunks), labels.chunk(chunks)):
-        part = checkpoint(_chunk_loss, h, y, head.weight, head.bias, ignore_index, transform, use_reentrant=False)
+        part = checkpoint(_chunk_loss, h, y, head.weight, head.bias, ignore_index, *scales, use_reentrant=False)
         total = part if total is None else total + part
     if num_items_in_batch is None:
         return total / (labels != ignore_index).sum()
@@ -180,10 +197,10 @@ class ChunkedHead(nn.Module):
     if any, is a no-op on it). The real head's forward and its hooks do not run."""
 
     def __init__(self, head: nn.Linear, labels, chunks: int, ignore_index: int = IGNORE_INDEX,
-                 num_items_in_batch=None, shift_labels=None, transform: LogitTransform = NO_TRANSFORM):
+                 num_items_in_batch=None, shift_labels=None, scales: tuple = NO_TRANSFORM.scales):
         super().__init__()
         self.parts = (head, labels, shift_labels, num_items_in_batch)  # (a tuple: not a submodule)
-        self.chunks, self.ignore_index, self.transform = chunks, ignore_index, transform
+        self.chunks, self.ignore_index, self.scales = chunks, ignore_index, scales
         self.loss = self.placeholder = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -193,7 +210,7 @@ class ChunkedHead(nn.Module):
         head, labels, shifted, num_items = self.parts
         targets = shift_labels(labels, self.ignore_index) if shifted is None else shifted
         self.loss = chunked_cross_entropy(hidden, targets, head, self.chunks, ignore_index=self.ignore_index,
-                                          num_items_in_batch=num_items, transform=self.transform)
+                                          num_items_in_batch=num_items, scales=self.scales)
         self.placeholder = hidden.new_zeros((), dtype=torch.float32).expand(*hidden.shape[:-1], head.out_features)
         return self.placeholder
 
@@ -211,7 +228,7 @@ def chunk_lm_loss(model: nn.Module, chunks: int) -> nn.Module:
     logits, and no graph is kept), is unchanged. Patching again replaces the chunk count. Returns
     ``model``."""
     lm = check_supported(model)
-    transform = logit_transform(lm)
+    scales = logit_transform(lm).scales  # NOTE [ Plain numbers into a compiled region ]
     head = lm.get_output_embeddings()
     head_name = next(name for name, child in lm.named_children() if child is head)
     own = lm.__dict__.get("forward")
@@ -223,7 +240,8 @@ def chunk_lm_loss(model: nn.Module, chunks: int) -> nn.Module:
 
     def forward(*args, **kwargs):
         m = ref()
-        run = original if original is not None else type(m).forward.__get__(m)
+        # (a partial, not ``forward.__get__(m)``: torch 2.11's Dynamo cannot trace a function's __get__)
+        run = original if original is not None else functools.partial(type(m).forward, m)
         positional = "labels" not in kwargs and labels_at is not None and len(args) > labels_at
         labels = args[labels_at] if positional else kwargs.get("labels")
         if labels is None or not m.training:
@@ -233,7 +251,7 @@ def chunk_lm_loss(model: nn.Module, chunks: int) -> nn.Module:
         else:
             del kwargs["labels"]
         loss_kwargs = {k: kwargs.pop(k) for k in LOSS_KWARGS if k in kwargs}
-        stand_in = ChunkedHead(m.get_output_embeddings(), labels, chunks, transform=transform, **loss_kwargs)
+        stand_in = ChunkedHead(m.get_output_embeddings(), labels, chunks, scales=scales, **loss_kwargs)
         with _standing_in(m, head_name, stand_in), _transform_left_to_chunks(m):
             out = run(*args, **kwargs)
         if stand_in.loss is None:
