@@ -164,19 +164,16 @@ class Gemm4bitKernels(TorchDispatchMode):
         self._autocast: list[bool] = []
         """One entry per ``gemm_4bit`` call in flight that was made with autocast on (NOTE [ The 4-bit
         matmul under autocast ])."""
-        self._library = None
 
     def __enter__(self):
-        self._library = _autocast_kernel(self._autocast)
+        _AutocastKernel.enter(self._autocast)
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
-            if self._library is not None:
-                self._library._destroy()
-                self._library = None
+            _AutocastKernel.exit()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is PRIM_DEVICE and type(args[0]) is FakeTensor:  # (NOTE [ Device queries ] in memfit.device_queries)
@@ -210,16 +207,40 @@ class Gemm4bitKernels(TorchDispatchMode):
 _AUTOCAST = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 
 
-def _autocast_kernel(calls: list[bool]):
-    """Register, on a library the caller destroys, an AutocastCPU kernel for ``gemm_4bit`` that
-    pushes True on ``calls`` while the call runs on below the autocast key (NOTE [ The 4-bit matmul
-    under autocast ]). None where bitsandbytes has no ``gemm_4bit``."""
+class _AutocastKernel:
+    """One AutocastCPU kernel for ``gemm_4bit`` while any :class:`Gemm4bitKernels` is entered: it pushes True
+    on the innermost mode's list while the call runs on below the autocast key (NOTE [ The 4-bit matmul
+    under autocast ]). Registered once for nested modes (a compiled region's trace inside a step's), on a
+    library destroyed when the outermost exits: torch 2.11 refuses a second kernel for the key, where
+    2.14 warns and overrides."""
+
+    active: list[list[bool]] = []
+    library = None
+
+    @classmethod
+    def enter(cls, calls: list[bool]) -> None:
+        cls.active.append(calls)
+        if len(cls.active) == 1:
+            cls.library = _register_autocast_kernel(cls.active)
+
+    @classmethod
+    def exit(cls) -> None:
+        cls.active.pop()
+        if not cls.active and cls.library is not None:
+            cls.library._destroy()
+            cls.library = None
+
+
+def _register_autocast_kernel(active: list[list[bool]]):
+    """Register, on a library the caller destroys, the kernel of :class:`_AutocastKernel` (its calls pushed
+    on ``active[-1]``). None where bitsandbytes has no ``gemm_4bit``."""
     op = getattr(getattr(torch.ops, "bitsandbytes", None), "gemm_4bit", None)
     if op is None:
         return None
     overload = op.default
 
     def kernel(keyset, *args, **kwargs):
+        calls = active[-1]
         calls.append(True)
         try:  # (autocast excluded too, as PyTorch's own autocast kernels do: under Dynamo's Python dispatcher a
             # redispatch recomputes the keys from the thread's, and would come back here)
@@ -228,12 +249,8 @@ def _autocast_kernel(calls: list[bool]):
         finally:
             calls.pop()
 
-    import warnings
     library = torch.library.Library("bitsandbytes", "IMPL")
-    with warnings.catch_warnings():
-        # "overriding a previously registered kernel": a nested trace's mode registers it again
-        warnings.simplefilter("ignore")
-        library.impl("gemm_4bit", kernel, "AutocastCPU", with_keyset=True)
+    library.impl("gemm_4bit", kernel, "AutocastCPU", with_keyset=True)
     return library
 
 
