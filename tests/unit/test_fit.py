@@ -172,7 +172,7 @@ def test_each_cells_first_faster_recipe_is_queued_when_its_batch_is_found_and_th
     assert queued and rounds and sorted(queued, key=str) == sorted(rounds[0], key=str)
 
 
-FULL = ("llama:num_hidden_layers=4,hidden_size=512,intermediate_size=1408,num_attention_heads=8,num_key_value_heads=8,"
+FULL = ("llama:num_hidden_layers=2,hidden_size=512,intermediate_size=1408,num_attention_heads=8,num_key_value_heads=8,"
         "vocab_size=4096")
 
 

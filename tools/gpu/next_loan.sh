@@ -10,7 +10,9 @@
 #      too (--predict);
 #   2. issue 49: QLoRA as users load it (bench.qlora_load_gpu; its checkpoint made on the GPU, in /dev/shm);
 #   3. issue 52's seed case (Lumina2 LoRA, compiled blocks + budget 0.5, batch 2, 24 GiB left), if 150 s are left.
-# Blind predictions, committed first: tools/gpu/compile_blind_predicted.jsonl. The host is measured first
+# Blind predictions, committed first: tools/gpu/compile_blind_predicted.jsonl (torch 2.14, this machine's) and
+# compile_t211_predicted*.jsonl (torch 2.11, the device's, in a second environment here: Inductor compiles GPT-2's
+# chunked loss otherwise in the two, 4.31 GB against 5.86 GB for -purebf16-full-chunks8). The host is measured first
 # (session_env.sh: $OUT/host.json). Before the call, here: bitsandbytes, diffusers, peft, importlib_metadata
 # wheels in .whl (finetune_session.sh's list).
 #   run(command="bash tools/gpu/next_loan.sh $(git rev-parse --short HEAD) 2>&1 | tee $OUT/log.txt",
@@ -21,6 +23,8 @@ END_SECONDS=${END_SECONDS:-570}; source tools/gpu/session_env.sh "$1"
 el "gpt2 compiled"; python3 -m tools.gpu.ground_truth --cases tools/gpu/next_loan_cases.json --jobs 3 --predict \
   --preset none --out $OUT/compile.jsonl --timeout 200 --deadline $(( $(left) - 330 ))
 python3 -m tools.gpu.compare_blind $OUT/compile.jsonl $(predicted compile_blind) --card $CARD
+echo "against the same cases predicted here with the device's torch 2.11 (compile_t211_predicted*.jsonl):"
+python3 -m tools.gpu.compare_blind $OUT/compile.jsonl $(predicted compile_t211) --card $CARD
 if [ "$(left)" -gt 80 ]; then
   q=$(( $(left) - 10 )); [ $q -gt 160 ] && q=160
   el "qlora load"; timeout $q python3 -m bench.qlora_load_gpu --preset h200-141gb --out $OUT/qlora_load.jsonl
