@@ -31,6 +31,7 @@ if [ "$(left)" -gt 80 ]; then
 fi
 if [ "$(left)" -gt 150 ]; then
   el "seed case"; python3 -m tools.gpu.ground_truth --cases tools/gpu/compile_blind_cases.json --only "^b-lumina2" --preset none \
-    --out $OUT/seed.jsonl --timeout $(( $(left) - 5 ))
+    --out $OUT/seed.jsonl --timeout $(( $(left) - 15 ))
+  for f in compile_blind compile_t211; do python3 -m tools.gpu.compare_blind $OUT/seed.jsonl $(predicted $f) --card $CARD; done
 fi
 el done
