@@ -34,10 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
-from torch.utils.checkpoint import checkpoint
 
 from memfit.sdpa_backends import MATH, select_backend
 from memfit.techniques.base import Config, Export, Key, SearchContext, Technique, choice, register
+from memfit.techniques.checkpoint_call import checkpoint
 from memfit.techniques.forwards import forward_of
 
 CHUNK_SIZE = 256

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from memfit.errors import UserError
 from memfit.techniques.base import (
@@ -45,6 +45,7 @@ from memfit.techniques.base import (
     Technique,
     register,
 )
+from memfit.techniques.checkpoint_call import checkpoint
 from memfit.techniques.forwards import forward_of
 
 aten = torch.ops.aten

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from memfit.errors import UserError
 from memfit.techniques.base import (
@@ -48,6 +47,7 @@ from memfit.techniques.base import (
     register,
     whole_number,
 )
+from memfit.techniques.checkpoint_call import checkpoint
 
 IGNORE_INDEX = -100
 MAX_CHUNKS = 2**31 - 1
