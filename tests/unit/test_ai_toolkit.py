@@ -198,7 +198,7 @@ def test_on_the_command_line_a_tiny_flux_beside_it_runs_its_plan(tmp_path):
     rc, out, err = run(argv)
     check(argv, rc, err)
     report = json.loads(out)
-    assert rc == 0 and report["workload"] == "dit-flux 512px, text encoders frozen" and report["batch_size"] == 1
+    assert rc == 0 and report["workload"] == "dit-flux 128px, text encoders frozen" and report["batch_size"] == 1
     assert report["plan"]["ema"] == {"decay": 0.99, "device": "device", "every": 1}
     other = tmp_path / "sd3.yaml"
     other.write_text(yaml.safe_dump(_with(model__is_flux=None, model__arch="hidream")))
