@@ -166,10 +166,11 @@ def _chunk_loss(hidden, labels, weight, bias, ignore_index, multiply, divide, so
 def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Linear, chunks: int, *,
                           ignore_index: int = IGNORE_INDEX, num_items_in_batch=None,
                           scales: tuple = NO_TRANSFORM.scales) -> torch.Tensor:
-    """Cross-entropy of ``head(hidden)``, transformed by ``scales`` (:attr:`LogitTransform.scales`), against ``labels`` (aligned: already shifted), the tokens
-    in ``chunks`` slices, each slice's logits recomputed in backward. Divided by
-    ``num_items_in_batch`` when given (as transformers' ``fixed_cross_entropy``: the Trainer counts
-    the tokens of all accumulated micro-batches), else by the tokens not ``ignore_index`` (the mean)."""
+    """Cross-entropy of ``head(hidden)``, transformed by ``scales`` (:attr:`LogitTransform.scales`), against
+    ``labels`` (aligned: already shifted), the tokens in ``chunks`` slices, each slice's logits recomputed in
+    backward. Divided by ``num_items_in_batch`` when given (as transformers' ``fixed_cross_entropy``: the
+    Trainer counts the tokens of all accumulated micro-batches), else by the tokens not ``ignore_index`` (the
+    mean)."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1).to(hidden.device)
     total = None

@@ -123,7 +123,7 @@ def partition_on_cuda():
 #
 # A timing is not a property of the card, though. On an H200 (row b-gpt2-bf16-full of h200.jsonl,
 # 2026-12-04) the same step's timings padded all three: 7,240,092,160 bytes measured, 7,172,721,152
-# predicted there, and 7,172,929,536 here with all three padded (6,365,837,312 by this rule: -12.1%).
+# predicted there, and 7,172,929,536 here with all three padded (6,366,885,888 by this rule: -12.1%).
 # The H200's memory is 1.43x faster than the H100's at the same compute, so its copies cost less;
 # and a 10% margin between two timed kernels also flips with noise. So no CPU can know what a GPU's
 # timing will choose, and memfit does not let it choose: every compile of a region, the run's on the
