@@ -136,7 +136,7 @@ def repeated(children: list[nn.Module], in_list: bool = True) -> bool:
 # runs under checkpoint's hooks, outside forward's: nothing it saves passes through them
 # (tests/unit/techniques/test_offload_blocks.py counts it).
 HOOKS_KWARGS = {"respect_saved_tensors_hooks": True} \
-    if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters else {}
+    if "respect_saved_tensors_hooks" in inspect.signature(torch.utils.checkpoint.checkpoint).parameters else {}
 
 
 def _policy(ctx, op, *args, **kwargs):

@@ -64,3 +64,13 @@ def test_torchs_own_checkpoint_that_raised_has_nothing_left_to_close():
     y = checkpoint(lambda t: (t * t).sum(), x, use_reentrant=False)
     y.backward()
     assert torch.equal(x.grad, 2 * x.detach())
+
+
+def test_selective_checkpointing_asks_torch_for_what_torchs_checkpoint_takes():
+    """The hooks keyword is read off torch's checkpoint, not off memfit's wrapper (whose signature is
+    ``*args, **kwargs``): read off the wrapper, selective checkpointing stopped passing it, silently."""
+    import inspect
+
+    from memfit.techniques.checkpointing import HOOKS_KWARGS
+    takes = "respect_saved_tensors_hooks" in inspect.signature(torch.utils.checkpoint.checkpoint).parameters
+    assert HOOKS_KWARGS == ({"respect_saved_tensors_hooks": True} if takes else {})
