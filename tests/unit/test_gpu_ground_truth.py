@@ -20,19 +20,15 @@ Rows without ``"load": "checkpoint"`` ran before built-in models were loaded as 
 predicted with the model built on the device, as they ran (``tools/gpu/rows.py``, ``workload_of``).
 """
 
-from pathlib import Path
-
 import pytest
 
 from tools.gpu import rows as ROWS
 
-ROOT = Path(__file__).resolve().parents[2]
 ALLOCATED_TOLERANCE = 0.03
 RESERVED_TOLERANCE = 0.05
 
 
-CASES = {c["case"]: c for c in ROWS.load_cases(ROOT / "tests" / "data" / "h100.jsonl")}
-CASES.update({f"h200:{c['case']}": c for c in ROWS.load_cases(ROOT / "tests" / "data" / "h200.jsonl")})
+CASES = ROWS.recorded_cases()
 
 # One per rule or technique (~45 s here): memory-efficient attention in fp32 (gpt2-fp32), cuDNN
 # attention with CUDA autocast (gpt2-bf16, vit-bf16, dit-bf16), selective checkpointing, offloaded

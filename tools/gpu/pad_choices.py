@@ -16,16 +16,6 @@ import argparse
 import json
 import os
 import unittest.mock
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def cases() -> dict:
-    from tools.gpu import rows
-    found = {c["case"]: c for c in rows.load_cases(ROOT / "tests" / "data" / "h100.jsonl")}
-    found.update({f"h200:{c['case']}": c for c in rows.load_cases(ROOT / "tests" / "data" / "h200.jsonl")})
-    return found
 
 
 def predict(case: dict, choice: str) -> dict:
@@ -56,7 +46,8 @@ def main() -> None:
     parser.add_argument("--choices", default="rule,none,all")
     args = parser.parse_args()
     os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"  # (each choice compiled, not served from a cache)
-    case = cases()[args.case]
+    from tools.gpu import rows
+    case = rows.recorded_cases()[args.case]
     for choice in args.choices.split(","):
         print(json.dumps(predict(case, choice)), flush=True)
 

@@ -52,6 +52,13 @@ def load_cases(path: str | os.PathLike | None = None) -> list[dict]:
     return cases
 
 
+def recorded_cases() -> dict[str, dict]:
+    """Every recorded row by its id: the H100's (tests/data/h100.jsonl) by case, the H200's prefixed ``h200:``."""
+    cases = {c["case"]: c for c in load_cases(DEFAULT)}
+    cases.update({f"h200:{c['case']}": c for c in load_cases(ROOT / "tests" / "data" / "h200.jsonl")})
+    return cases
+
+
 DEVICE_STEP_ROWS = {"gpt2-bf16-offopt", "t-llama4-offopt-b2"}
 """Rows recorded when ``offload: [optimizer_states]`` stepped on the device (before 2026-11-24); that
 implementation is ``optimizer_states:step=device`` now."""

@@ -79,9 +79,6 @@ class LogitTransform:
         """(multiply, divide, softcap): what the step carries (NOTE [ Plain numbers into a compiled region ])."""
         return (self.multiply, self.divide, self.softcap)
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        return _transformed(logits, *self.scales)
-
 
 # NOTE [ Plain numbers into a compiled region ]
 # The patched forward builds its :class:`ChunkedHead` inside the step, which ``compile: full`` captures

@@ -182,7 +182,7 @@ def compiling_for_cuda():
     # (one thread: Inductor would otherwise start its pool of compile workers, ~0.5 GiB each, and hand
     # them each kernel to compile for real as it is generated; a prediction compiles none)
     with cuda_facts.card(target()), torch._inductor.config.patch(compile_threads=1), _rng_state_on_cpu(), \
-            padding_by_rule(), unittest.mock.patch.object(joint_graph, "lazy_init", patterns_traced_on_cpu), \
+            unittest.mock.patch.object(joint_graph, "lazy_init", patterns_traced_on_cpu), \
             unittest.mock.patch.object(joint_graph, "UniformValueConstantFolder",
                                        _folder_on_cpu(joint_graph.UniformValueConstantFolder)):
         yield
