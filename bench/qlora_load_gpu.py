@@ -6,10 +6,12 @@ The parent saves a checkpoint with random weights of a config (default: Llama-3.
 safetensors, in a temporary folder), then each child process (a fresh CUDA context and allocator):
 
 1. ``from_pretrained(folder, quantization_config=BitsAndBytesConfig(nf4, double quantization, bf16
-   compute), dtype=bfloat16, device_map={"": 0})``: the load's own peak, allocated and reserved;
+   compute), dtype=bfloat16, device_map={"": 0})``: the load's own peak, allocated and reserved
+   (``load_*``; memfit's ``weights_load_peak_bytes``, ``weights_load_reserved_bytes``);
 2. peft's ``prepare_model_for_kbit_training`` (gradient checkpointing of each decoder layer, as the
-   Trainer enables it: ``use_reentrant=False``) and ``get_peft_model`` (LoRA r=16 on q_proj and
-   v_proj), torch's AdamW on the adapter, the model in train mode;
+   Trainer enables it: ``use_reentrant=False``; what was not quantized upcast to fp32) and
+   ``get_peft_model`` (LoRA r=16 on q_proj and v_proj), torch's AdamW on the adapter, the model in
+   train mode: the peak so far (``prepared_*``; memfit's ``load_peak_bytes``, ``load_reserved_bytes``);
 3. two warm-up steps under bf16 autocast (``Trainer(bf16=True)``; batch x seq random tokens, labels =
    inputs), ``reset_peak_memory_stats``, one step: the step's peak, allocated and reserved; then the
    median of 5 timed steps.
@@ -93,6 +95,8 @@ def child(folder: str, batch: int, seq_len: int, preset: str | None) -> dict:
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    if cuda:  # (the peak before the first batch: the load and what peft's preparation adds to it)
+        row["prepared_allocated"], row["prepared_reserved"] = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     device = next(model.parameters()).device
     tokens = torch.randint(0, model.config.vocab_size, (batch, seq_len), device=device)
 
@@ -129,7 +133,9 @@ def child(folder: str, batch: int, seq_len: int, preset: str | None) -> dict:
             continue
         try:
             r = memfit.estimate(folder, memfit.Plan(**PLAN), batch_size=batch, seq_len=seq_len, device=where)
-            row[f"predicted_{where}"] = {"load_allocated": r.load_peak_bytes, "load_reserved": r.load_reserved_bytes,
+            row[f"predicted_{where}"] = {"load_allocated": r.weights_load_peak_bytes,
+                                         "load_reserved": r.weights_load_reserved_bytes,
+                                         "prepared_allocated": r.load_peak_bytes, "prepared_reserved": r.load_reserved_bytes,
                                          "step_allocated": r.peak_bytes, "step_reserved": r.reserved_bytes}
         except Exception as e:  # noqa: BLE001 - recorded; the measurement stands
             row[f"predicted_{where}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -146,7 +152,8 @@ def _compare(row: dict) -> None:
         if "error" in p:
             print(f"  {key}: {p['error']}")
             continue
-        for fig in ("load_allocated", "load_reserved", "step_allocated", "step_reserved"):
+        for fig in ("load_allocated", "load_reserved", "prepared_allocated", "prepared_reserved", "step_allocated",
+                    "step_reserved"):
             m = row.get(fig)
             if m and p.get(fig):
                 print(f"  {fig:15s} measured {m / 2**30:7.3f} GiB  {key} {p[fig] / 2**30:7.3f} GiB  {p[fig] / m - 1:+.2%}")

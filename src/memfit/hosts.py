@@ -18,6 +18,7 @@ else ``h100-box``):
   alone (``python -m tools.fit.held_out --fit-host h200``).
 - ``h200-box-b``: the machine of the 2026-12-04 H200 loan (rows 85-98 of tests/data/h200.jsonl). The
   same kind of machine, another host: NOTE [ One kind of machine, several hosts ].
+- ``h200-box-c``: the machine of the second loan that day (rows 99-104), its host probed.
 - ``measure``: this machine, measured (:func:`measured_host`): its memory bandwidth by a fused CPU
   AdamW (a host-side optimizer's update), and, with a GPU, its dispatch costs by issuing small CUDA ops
   from Python against the same measurement's value recorded on the reference machine.
@@ -53,6 +54,10 @@ HOSTS: dict[str, Host] = {h.name: h for h in (
     Host("h200-box-b", dispatch=1.0, memory=0.645,
          doc="the machine of the 2026-12-04 H200 loan: host memory 0.645x the H100 box's, fitted on its one Llama row with "
              "the optimizer on the host (8B, r-memfit-l3-8b-b2); dispatch not measured there, the reference's taken"),
+    Host("h200-box-c", dispatch=1.0, memory=0.799,
+         doc="the machine of the second 2026-12-04 H200 loan: host memory 0.799x the H100 box's, its fused CPU AdamW "
+             "measured there (tools/gpu/host_probe.py, rows 99-104); dispatch: the reference's launch time is not "
+             "recorded, the reference's taken"),
 )}
 DEFAULT = "h100-box"
 CARD_HOSTS = {"h100": "h100-box", "h200": "h200-box"}

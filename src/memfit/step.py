@@ -36,6 +36,7 @@ from memfit.target import Target
 from memfit.techniques.base import StepParts
 from memfit.techniques.loading import Load, materialise, on_meta
 from memfit.techniques.placement import HostPlacement
+from memfit.techniques.timeline_marks import mark
 from memfit.workload import Workload, call_workload, checked, split_batch
 
 # NOTE [ Repeated micro-batches, traced once ]
@@ -289,6 +290,7 @@ def _load(model: torch.nn.Module, target: Target, buffer_values: dict[str, torch
     for config in target.plan.techniques:
         config.on_load(model, load)
     materialise(model, target.tensor_device, load, buffer_values)
+    mark("loaded")  # (from_pretrained's own peak ends here: what the plan prepares after it is the build's)
 
 
 def make_batch(target: Target, *, whole: bool = False, device: str | None = None) -> Any:

@@ -54,6 +54,10 @@ DEFAULT = {
 }
 
 REPLACED = {
+    "h200:b-gpt2-bf16-full": "compile: full with pad_mm's own timing, which on that H200 padded all three vocabulary "
+                             "matmuls (-12.1% against the rule's one); memfit's compiled regions now pad by the "
+                             "prediction's rule on every card (NOTE [ Padded matmuls without timing ]). Re-measured: "
+                             "h200:b-gpt2-bf16-full-rule, -1.02%",
     "gpt2-bf16-offact": "offload: [activations] copied each saved tensor out on the compute stream then; it now "
                         "copies on a side stream and keeps up to STASH tensors on the device while their copies "
                         "are in flight (predicted +1.4% allocated). Re-measure: bench/offload_gpu.py",
@@ -82,12 +86,10 @@ KNOWN_MISSES = {
                                "(torch 2.11: 6,711,764,480 B, -1.05%, reserved equal to the H100's own prediction; by "
                                "the rule +8.1%). Runs now pad by the rule (NOTE [ Padded matmuls without timing ]); the "
                                "torch version stays: re-measure with the torch that predicts",
-    "h200:b-gpt2-bf16-full": "allocated -12.1% (reserved -11.2%), blind (issue 52, 2026-12-04): pad_mm's timing on "
-                             "this H200 padded all three vocabulary matmuls, where the H100's padded one (NOTE [ "
-                             "Padded matmuls without timing ]); predicted here with all three padded: 7,172,929,536 "
-                             "B (-0.93%; reserved -0.89%, equal to the prediction on the H200 itself). Neither torch "
-                             "(2.11 gives the same -12.1% here) nor the checkpoint load. memfit's compiled regions now "
-                             "pad by the prediction's rule on every card: re-measure (tools/gpu/next_loan.sh)",
+    "h200:b-gpt2-purebf16-full-chunks8": "allocated -27.4% with torch 2.14 (this machine's), -1.11% with torch 2.11 (the "
+                                         "H200's, compile_t211_predicted.jsonl): Inductor compiles the chunked loss "
+                                         "otherwise in the two versions, as c-gpt2-bf16-full-chunks; re-measure with the "
+                                         "torch that predicts",
     "t-llama4-selective-b2": "reserved only (-5.5%; allocated -1.5%): the real run (torch 2.11) kept ~350 MiB "
                              "more than selective checkpointing does in torch 2.14's trace",
     "timm-vit_small-bf16-blocks": "reserved only (+8.7%; allocated -0.04%): autograd accumulates a second "

@@ -27,6 +27,7 @@ from memfit.memory.stretches import (
     unstraddled,
     until_end,
 )
+from memfit.memory.tracker import POINTS
 
 __all__ = ["MARK", "SETUP", "Stream", "deepen", "from_tracker", "replay", "sorted_free_runs", "step_events"]
 
@@ -55,7 +56,7 @@ def from_tracker(tracker, device: str, side_streams: dict | None = None, contain
         nonlocal m, phase
         while m < len(marks) and marks[m][0] <= upto:
             _, _, name, step = marks[m]
-            if name not in ("step", "end", "empty_cache"):
+            if name not in POINTS:
                 phase = name
             tokens.append((MARK, name, step))
             frees.append(-1)

@@ -22,7 +22,7 @@ from memfit.memory.categories import CATEGORIES, STEADY_STEP
 from memfit.memory.expandable import new_model
 from memfit.memory.leaks import find_leaks
 from memfit.memory.managed import managed_notes
-from memfit.memory.tracker import MANAGED, MemoryTracker
+from memfit.memory.tracker import MANAGED, POINTS, MemoryTracker
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,11 @@ class MemoryReport:
     loaded as a checkpoint holds, beyond itself, one weight in full precision at a time)."""
     load_reserved_bytes: int | None = None
     """GPU: the caching allocator's reserved bytes when the load ended."""
+    weights_load_peak_bytes: int | None = None
+    """A model loaded as a checkpoint: the load peak until its weights had all arrived, before the plan
+    prepared it (``from_pretrained``'s own peak; a QLoRA recipe's fp32 upcast comes after it)."""
+    weights_load_reserved_bytes: int | None = None
+    """GPU: the caching allocator's reserved bytes when the weights had all arrived."""
     facts: list[str] = field(default_factory=list)
     """What the trace learnt about the model, shown beside the breakdown (a mixture of experts'
     total and active parameters, and what routing does to the peak)."""
@@ -172,7 +177,7 @@ def phase_at(tracker: MemoryTracker, index: int) -> str:
     for name, _, idx in tracker.state.marks:
         if idx > index:
             break
-        if name not in ("step", "end", "empty_cache"):
+        if name not in POINTS:
             phase = name
     return phase
 
@@ -256,16 +261,31 @@ def _load_figures(tracker: MemoryTracker, target, where: str, gpu: bool) -> tupl
     window = load_window(tracker)
     if not gpu:
         return peak_of(tracker, where, window)[0], None, []
-    model = new_model(expandable=target.plan.config("allocator").expands)
-    peak, reserved, _ = allocator.replay(tracker, where, window, model=model)
-    left = reserved - model.allocated
+    peak, reserved, allocated = _replayed(tracker, target, where, window)
+    left = reserved - allocated
     notes = []
-    if not target.workload.from_checkpoint and left >= LEFT_BY_BUILD_BYTES and left > model.allocated // 4:
+    if not target.workload.from_checkpoint and left >= LEFT_BY_BUILD_BYTES and left > allocated // 4:
         notes.append(f"building the model on the device left {left / 2**30:.2f} GiB reserved beyond the "
-                     f"{model.allocated / 2**30:.2f} GiB it kept (a full-precision model converted afterwards); "
+                     f"{allocated / 2**30:.2f} GiB it kept (a full-precision model converted afterwards); "
                      "build it on the meta device and load each weight in its final form (from_pretrained(..., "
                      "dtype=torch.bfloat16, quantization_config=...)) to leave none")
     return peak, reserved, notes
+
+
+def _weights_load_figures(tracker: MemoryTracker, target, where: str, gpu: bool) -> tuple[int | None, int | None]:
+    """(peak, reserved at its end) of a checkpoint's load until the ``loaded`` mark; Nones without one."""
+    end = next((idx for name, _, idx in tracker.state.marks if name == "loaded"), None)
+    if end is None:
+        return None, None
+    window = Window(0, end)
+    return _replayed(tracker, target, where, window)[:2] if gpu else (peak_of(tracker, where, window)[0], None)
+
+
+def _replayed(tracker: MemoryTracker, target, where: str, window: Window) -> tuple[int, int, int]:
+    """(allocated peak, reserved and allocated at the end) of ``window``, the caching allocator replayed over it."""
+    model = new_model(expandable=target.plan.config("allocator").expands)
+    peak, reserved, _ = allocator.replay(tracker, where, window, model=model)
+    return peak, reserved, model.allocated
 
 
 LEFT_BY_BUILD_BYTES = 512 << 20
@@ -288,6 +308,7 @@ def report_for(tracker: MemoryTracker, target, method: str, *, measurement: Meas
     breakdown = dict(view.breakdown)
     peak, reserved, workspace, expandable = view.peak_bytes, None, None, None
     load_peak, load_reserved, load_notes = _load_figures(tracker, target, where, gpu)
+    weights_peak, weights_reserved = _weights_load_figures(tracker, target, where, gpu)
     approximations = [*notes, *view.approximations, *load_notes]
     managed = 0
     if gpu:
@@ -338,6 +359,7 @@ def report_for(tracker: MemoryTracker, target, method: str, *, measurement: Meas
         device_total_bytes=dev.total_bytes if gpu else None, cuda_context_bytes=dev.context_bytes if gpu else None,
         cuda_workspace_bytes=workspace, timeline=view.timeline, approximations=approximations, leaks=view.leaks,
         trace_seconds=trace_seconds, load_peak_bytes=load_peak, load_reserved_bytes=load_reserved,
+        weights_load_peak_bytes=weights_peak, weights_load_reserved_bytes=weights_reserved,
         facts=list(facts), worst_routing_peak_bytes=worst_routing_peak_bytes, managed_bytes=managed)
     fits = Budget.of_device(dev).fits(SimpleNamespace(**report)) if gpu else None
     return MemoryReport(**report, fits=fits)
@@ -349,7 +371,7 @@ def _sorted(d: dict[str, int]) -> dict[str, int]:
 
 def _timeline(tracker: MemoryTracker, device: str, window: Window, points: int) -> list[tuple[int, str, int]]:
     recs, events = tracker.state.records, tracker.state.events
-    marks = [(idx, name) for name, _, idx in tracker.state.marks if name not in ("step", "end", "empty_cache")]
+    marks = [(idx, name) for name, _, idx in tracker.state.marks if name not in POINTS]
     stride = max(1, (window.end - window.start) // points)
     out, live, phase, m = [], 0, "setup", 0
     for i, (serial, sign) in enumerate(events[:window.end]):

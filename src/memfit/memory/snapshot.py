@@ -34,7 +34,7 @@ from memfit.errors import UserError
 from memfit.memory import allocator
 from memfit.memory.categories import STEADY_STEP
 from memfit.memory.report import step_window, traced_device
-from memfit.memory.tracker import MemoryTracker
+from memfit.memory.tracker import POINTS, MemoryTracker
 from memfit.outputs import check_output_file
 
 PROTOCOL = 4
@@ -163,7 +163,7 @@ class _Builder:
         self.first_in_step: int | None = None
         self.allocated, self._peak = 0, None
         self._marks = [(idx, name) for name, _, idx in tracker.state.marks
-                       if name not in ("step", "end", "empty_cache")]
+                       if name not in POINTS]
         self._m, self._phase = 0, "setup"
         self._live: dict[int, tuple[list, str]] = {}  # serial -> (frames, category)
         self._frames: dict[tuple, list] = {}

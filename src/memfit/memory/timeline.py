@@ -7,7 +7,7 @@ from pathlib import Path
 from memfit.errors import UserError
 from memfit.memory.categories import CATEGORIES, STEADY_STEP
 from memfit.memory.report import Window, step_window
-from memfit.memory.tracker import MemoryTracker
+from memfit.memory.tracker import POINTS, MemoryTracker
 
 COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_states": "#55a868", "activations": "#c44e52",
           "temporaries": "#8172b3", "inputs": "#937860", "communication": "#da8bc3", "other": "#8c8c8c"}
@@ -28,7 +28,7 @@ def category_timeline(tracker: MemoryTracker, device: str, window: Window, point
             for c in CATEGORIES:
                 series[c].append(live[c])
     marks = [(idx - window.start, name) for name, _, idx in tracker.state.marks
-             if window.start <= idx < window.end and name not in ("step", "end", "empty_cache")]
+             if window.start <= idx < window.end and name not in POINTS]
     return xs, series, marks
 
 

@@ -70,6 +70,11 @@ class TrackerState:
     """The event index at which the model was built or loaded (the batch and the steps come after)."""
 
 
+POINTS = ("step", "end", "empty_cache", "loaded")
+"""The names :meth:`MemoryTracker.mark` puts in the timeline: points, not phases (a phase's mark names what
+runs from it to the next: 'forward', 'backward'...; memfit.techniques.timeline_marks says who marks the last two)."""
+
+
 class MemoryTracker(TorchDispatchMode):
     """Track storages created by ATen ops. Use as a context manager around model build + steps.
 
@@ -124,7 +129,7 @@ class MemoryTracker(TorchDispatchMode):
             self.phase_name = prev
 
     def mark(self, name: str) -> None:
-        """A named point in the timeline (e.g. 'step' at the start of each step)."""
+        """A named point in the timeline (one of :data:`POINTS`: 'step' at the start of each step)."""
         if name == "step":
             self.step_index += 1
         self.state.marks.append((name, self.step_index, len(self.state.events)))

@@ -75,6 +75,7 @@ class BaseWeights(Config):
             return
         for layer in _replace_linears(model, self, self.text):
             load.quantizers[id(layer.weight)] = lambda full, layer=layer: self.quantized(layer, full)
+        load.bitsandbytes = not isinstance(self, Float8Weights)
 
     layer = None
     """``layer(linear)``: the bitsandbytes layer that replaces ``linear``, its weight not yet

@@ -86,3 +86,15 @@ def to_half(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, buffers
             if b is not None and b.is_floating_point():
                 module._buffers[name] = b.to(dtype)
     return model
+
+
+def arrive_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every floating-point tensor a checkpoint holds arrives in ``dtype`` (``from_pretrained(dtype=...)``):
+    the meta parameters wider than 16 bits are made 16-bit on the meta device, keeping their identity
+    (quantizers key them by it), and the buffers as :func:`load_in` casts them; what the model's class
+    keeps in fp32 stays fp32."""
+    kept = arrive_in_fp32(model, dtype)
+    load_in(model, dtype)
+    for p in model.parameters():
+        if p.device.type == "meta" and p.is_floating_point() and p.element_size() > 2 and id(p) not in kept:
+            p.data = torch.empty_like(p, dtype=dtype)

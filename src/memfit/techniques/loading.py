@@ -56,6 +56,9 @@ class Load:
     """``id`` of meta parameters the load makes in host memory, quantized there if they are
     quantized (the weights of swapped blocks: memfit.techniques.swap_blocks), as a loader that reads
     the checkpoint on the host and moves the rest to the device leaves them."""
+    bitsandbytes: bool = False
+    """bitsandbytes quantizes while loading (transformers' ``BitsAndBytesConfig``): a recipe that loads
+    in its compute dtype (NOTE [ QLoRA loads in 16 bits ] in memfit.techniques.precision)."""
 
 
 def natural_key(name: str) -> tuple:

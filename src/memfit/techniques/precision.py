@@ -38,7 +38,14 @@ import torch
 from memfit.errors import UserError
 from memfit.quiet import silenced_warnings
 from memfit.techniques.base import Config, Export, Key, SearchContext, Technique, choice, register
-from memfit.techniques.half_weights import adapter_parameters, built_in, inputs_in, load_in, to_half
+from memfit.techniques.half_weights import (
+    adapter_parameters,
+    arrive_in,
+    built_in,
+    inputs_in,
+    load_in,
+    to_half,
+)
 from memfit.techniques.kept_in_fp32 import kept_ids
 
 MODES = ("fp32", "bf16", "fp16", "bf16-pure", "bf16-base", "fp16-base", "bf16-base-noautocast", "fp16-base-noautocast",
@@ -177,6 +184,11 @@ class Autocast(Precision):
             ctx._enabled = True
         return ctx
 
+    def on_load(self, model, load) -> None:
+        """NOTE [ QLoRA loads in 16 bits ]."""
+        if load.bitsandbytes:
+            arrive_in(model, self.torch_dtype)
+
     def grad_scaler(self, device_type: str):
         if self.dtype != "fp16":
             return NoScaler()
@@ -230,6 +242,18 @@ class BF16Pure(Precision):
         into.hf_notes.append("precision: bf16-pure: load the model in bf16 (from_pretrained(..., "
                              "dtype=torch.bfloat16), or model.to(torch.bfloat16))")
 
+
+# NOTE [ QLoRA loads in 16 bits ]
+# A model loaded as a checkpoint under fp32 weights with autocast (precision bf16/fp16) arrives in fp32:
+# from_pretrained(dtype=torch.float32), the recipe of a full fine-tune with fp32 master weights. A model
+# that bitsandbytes quantizes while loading does not: every QLoRA recipe (peft's and transformers' guides,
+# the Trainer examples, axolotl) loads it in its compute dtype (dtype=torch.bfloat16, or transformers 5's
+# default "auto" on a bf16 checkpoint), each linear quantized from its 16-bit weight; then peft's
+# prepare_model_for_kbit_training casts what was not quantized to fp32 (memfit.techniques.base_weights),
+# holding each such tensor in 16 and 32 bits at once while it casts (a Llama-3.2-3B's embedding: 0.79 and
+# 1.58 GB). Measured on an H200 (bench/qlora_load_gpu.py, 2026-12-04): from_pretrained's own peak was
+# 2.28 GB, and memfit's prediction of a load in fp32 3.12 GB (+37%): the prediction loaded the embedding
+# in fp32 and quantized each linear from fp32.
 
 # NOTE [ The adapter users' precision ]
 # peft's guides, axolotl and kohya's sd-scripts all train an adapter the same way: the base model is

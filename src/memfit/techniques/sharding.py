@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 from memfit.errors import UserError
 from memfit.techniques.base import Config, Export, Key, Technique, choice, register, whole_number
+from memfit.techniques.timeline_marks import mark, watching_tracker
 
 FSDP_STREAMS = 10
 """Numbers of FSDP2's streams in the caching-allocator model start here (0: the default stream)."""
@@ -187,18 +188,9 @@ def _release_the_whole_model(device_type: str) -> None:
     whole model's memory back (``torch.cuda.empty_cache``; in a trace, a mark the allocator model
     replays), so a rank's reserved bytes are its share's, not the whole model's."""
     import torch
-    tracker = _tracker()
-    if tracker is not None:
-        tracker.mark("empty_cache")
+    mark("empty_cache")
     if device_type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-
-
-def _tracker():
-    """The memory tracker watching this step, if any (memfit.memory.tracker.MemoryTracker, found as
-    the dispatch mode that marks the timeline; techniques sit below memfit.memory, so not by import)."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-    return next((m for m in _get_current_dispatch_mode_stack() if hasattr(m, "mark") and hasattr(m, "state")), None)
 
 
 @contextlib.contextmanager
@@ -314,7 +306,7 @@ def on_fsdp_stream() -> bool:
 def _on_stream(stream):
     """Storages the trace allocates inside the block are on ``stream`` (the tracker's
     ``side_streams``, read by memfit.memory.allocator; only GPU presets' kernel model keeps them)."""
-    tracker = _tracker()
+    tracker = watching_tracker()
     start = len(tracker.state.records) if tracker is not None else 0
     side = bool(getattr(stream, "number", 0))
     if side:
