@@ -57,6 +57,8 @@ import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from bench.offload_bound import bound, host_update_bandwidth, link_bandwidth, traffic
+
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "h100.jsonl"
 WARMUP_STEPS = 2
@@ -156,83 +158,24 @@ def measure(job: dict) -> dict:
             if cuda:
                 out["peak_reserved"] = torch.cuda.max_memory_reserved()
         second = build(job["second"])
+        staged = [(key, step.optimizer) for key, (step, _) in (("first", first), ("second", second))
+                  if hasattr(step.optimizer, "stages")]  # offloaded states: where the time goes
+        for _, opt in staged:
+            opt.stages = {}
         out["times_first"], out["times_second"] = [], []
         for _ in range(job["repeats"]):  # NOTE [ Turns, not single steps ]
             for built, times in ((first, out["times_first"]), (second, out["times_second"])):
                 turn = [timed(*built) for _ in range(STEPS_PER_TURN)]
                 times.extend(turn[1:])
-        del first, second
+        for key, opt in staged:  # (seconds per step, untimed steps of each turn included)
+            out[f"stages_{key}"] = {k: v / opt.stages["steps"] for k, v in opt.stages.items() if k != "steps"}
+        del first, second, staged
         if cuda:
             torch.cuda.empty_cache()
         report = memfit.estimate(memfit.load_workload(job["workload"], seq_len=job["seq_len"]),
                                  memfit.Plan(**job["first"]), batch_size=job["batch_size"], device=preset)
         out["predicted"] = report.measurable_peak_bytes
     return out
-
-
-# -- the physical bound: compute, the host link, the host update -------------------------------------
-
-def traffic(workload: str, batch_size: int, seq_len: int, plan: dict, preset: str) -> dict:
-    """The bytes plan ``plan``'s step moves over the host link (each way) and reads and writes on the
-    host, from the ops memfit records of its steady-state step (fake tensors: no GPU needed)."""
-    from memfit.planner.ops import D2H, FUSED_HOST, H2D, HOST
-    from memfit.planner.timing import record_ops
-    from memfit.plans import Plan
-    from memfit.target import Target
-
-    ops = record_ops(Target.resolve(workload, Plan(**plan), batch_size, preset, seq_len=seq_len))
-    return {"h2d_bytes": sum(op.nbytes for op in ops if op.kind == H2D),
-            "d2h_bytes": sum(op.nbytes for op in ops if op.kind == D2H),
-            "host_bytes": sum(op.host_bytes for op in ops if op.kind == HOST),
-            "fused_host": any(op.kind == HOST and op.flags & FUSED_HOST for op in ops)}
-
-
-def link_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> dict:
-    """Pinned host <-> device copy bandwidth on this machine, bytes/s each way (median of ``repeats``)."""
-    import torch
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    out = {}
-    for name, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
-        runs = []
-        for _ in range(repeats):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            dst.copy_(src, non_blocking=True)
-            torch.cuda.synchronize()
-            runs.append(nbytes / (time.perf_counter() - t0))
-        out[name] = statistics.median(runs)
-    return out
-
-
-def host_update_bandwidth(elements: int = 64 << 20, fused: bool = True) -> float:
-    """Bytes/s of the host update: torch's fused CPU AdamW over ``elements`` fp32 parameters (reads
-    the parameter, gradient and two moments, writes three: 28 bytes per element), or (``fused``
-    False) an elementwise lerp as the EMA's average (reads two, writes one: 12 bytes per element)."""
-    import torch
-    p = torch.zeros(elements, requires_grad=True)
-    p.grad = torch.full_like(p, 1e-3)
-    if fused:
-        opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
-        opt.step()  # (states made)
-        run, per = opt.step, 28
-    else:
-        avg = torch.zeros_like(p)
-        run, per = (lambda: avg.lerp_(p.detach(), 0.001)), 12
-    runs = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        run()
-        runs.append(elements * per / (time.perf_counter() - t0))
-    return statistics.median(runs)
-
-
-def bound(row_traffic: dict, compute_seconds: float, link: dict, host_bw: float | None) -> dict:
-    """The three terms (seconds) and the bound, their largest."""
-    terms = {"compute_s": compute_seconds,
-             "link_s": max(row_traffic["h2d_bytes"] / link["h2d"], row_traffic["d2h_bytes"] / link["d2h"]),
-             "host_s": row_traffic["host_bytes"] / host_bw if host_bw else 0.0}
-    return {**terms, "bound_s": max(terms.values()), "link_bw": link, "host_bw": host_bw, **row_traffic}
 
 
 def run_child(job: dict, timeout: float = 900) -> dict:
@@ -320,8 +263,9 @@ def run_row(row: Row, device: str, preset: str | None, repeats: int, runner=run_
         terms = bound(moved, a, link_bandwidth(), host_update_bandwidth(fused=moved["fused_host"])
                       if moved["host_bytes"] else None)
         terms["b_over_bound"] = b / terms["bound_s"]
+    staged = [r[k] for r, k in ((ab, "stages_second"), (ba, "stages_first")) if k in r]
     return {**out, "machine": ab["machine"], "torch": ab["torch"], "predicted_on": ab["predicted_on"],
-            "bound": terms,
+            "bound": terms, "stages_b": {k: statistics.mean(st[k] for st in staged) for k in staged[0]} if staged else None,
             "step_seconds_a": a, "step_seconds_b": b, "ratio": b / a, "met": met,
             "peak_a": ab["peak"], "peak_b": ba["peak"],
             "peak_reserved_a": ab.get("peak_reserved"), "peak_reserved_b": ba.get("peak_reserved"),
@@ -362,6 +306,14 @@ def table(results: list[dict]) -> str:
                          f"{t['link_s'] * 1e3:.1f} ({_mem(t['h2d_bytes'])} / {_mem(t['d2h_bytes'])}) | "
                          f"{t['host_s'] * 1e3:.1f} ({_mem(t['host_bytes'])}) | {t['bound_s'] * 1e3:.1f} | "
                          f"{t['b_over_bound']:.2f}x |")
+    staged = [r for r in results if r.get("stages_b")]
+    if staged:  # offloaded states: where B's step goes (OffloadOptimizerStates.stages, ms per step)
+        keys = ("update", "gradient_copies", "copies_back", "held_gradients", "tail")
+        lines += ["", "| row | B ms | host updates | waits for gradients | copies back issued | backward waiting to "
+                  "free gradients | after backward, waiting for updates |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for r in staged:
+            lines.append(f"| {r['id']} | {r['step_seconds_b'] * 1e3:.1f} | " +
+                         " | ".join(f"{r['stages_b'].get(k, 0.0) * 1e3:.1f}" for k in keys) + " |")
     return "\n".join(lines)
 
 

@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+from bench import offload_bound as BOUND  # noqa: E402
 from bench import offload_gpu as BENCH  # noqa: E402
 
 MIB = r"([\d.]+) MiB"
@@ -89,17 +90,43 @@ def test_the_physical_bound_is_the_largest_of_compute_the_link_and_the_host_upda
     the bound is the largest of the three terms, each at its measured bandwidth."""
     wl = ("llama:num_hidden_layers=1,hidden_size=64,intermediate_size=128,num_attention_heads=2,"
           "num_key_value_heads=1,vocab_size=256,max_position_embeddings=64")
-    moved = BENCH.traffic(wl, 2, 64, {"precision": "bf16", "offload": ["optimizer_states"]}, "h100-80gb")
+    moved = BOUND.traffic(wl, 2, 64, {"precision": "bf16", "offload": ["optimizer_states"]}, "h100-80gb")
     import memfit
     with __import__("torch").device("meta"):
         n = sum(p.numel() for p in memfit.load_workload(wl, seq_len=64).model().parameters())
     assert moved["fused_host"] and moved["d2h_bytes"] >= 4 * n and moved["h2d_bytes"] >= 4 * n
-    assert moved["host_bytes"] >= 16 * n  # (the weight, its gradient and two moments, read and written)
-    terms = BENCH.bound(moved, 0.001, {"h2d": 1e9, "d2h": 1e9}, 1e9)
+    assert moved["host_bytes"] >= 16 * n  # (the weight, its gradient and two moments, read)
+    terms = BOUND.bound(moved, 0.001, {"h2d": 1e9, "d2h": 1e9}, 1e9)
     assert terms["bound_s"] == max(terms["compute_s"], terms["link_s"], terms["host_s"]) == terms["host_s"]
-    plain = BENCH.traffic(wl, 2, 64, {"precision": "bf16"}, "h100-80gb")
+    plain = BOUND.traffic(wl, 2, 64, {"precision": "bf16"}, "h100-80gb")
     assert plain["h2d_bytes"] == plain["d2h_bytes"] == plain["host_bytes"] == 0
 
 
 def test_the_host_update_bandwidth_is_measured_here():
-    assert BENCH.host_update_bandwidth(1 << 20) > 1e8 and BENCH.host_update_bandwidth(1 << 20, fused=False) > 1e8
+    assert BOUND.host_update_bandwidth(1 << 20) > 1e8 and BOUND.host_update_bandwidth(1 << 20, fused=False) > 1e8
+
+
+def test_the_host_bandwidth_counts_bytes_as_the_steps_ops_do():
+    """NOTE [ One count of host bytes ]: the bound's host term is the ops' bytes over the bandwidth measured
+    with :data:`UPDATE_BYTES`; the two counts must be one (a fused AdamW over fp32 weights, the EMA's lerp)."""
+    import memfit
+    wl = "llama:num_hidden_layers=1,hidden_size=256,intermediate_size=512,num_attention_heads=4,vocab_size=1000"
+    n = sum(p.numel() for p in memfit.load_workload(wl, seq_len=64).model().parameters())
+    offloaded = BOUND.traffic(wl, 2, 64, {"precision": "bf16", "offload": ["optimizer_states"]}, "h200-141gb")
+    ema = BOUND.traffic(wl, 2, 64, {"precision": "bf16", "ema": {"decay": 0.999, "device": "cpu"}}, "h200-141gb")
+    assert offloaded["host_bytes"] == pytest.approx(BOUND.UPDATE_BYTES["adamw"] * n, rel=1e-4)
+    assert ema["host_bytes"] == pytest.approx(BOUND.UPDATE_BYTES["lerp"] * n, rel=1e-4)
+
+
+def test_an_activation_offloads_link_term_is_out_then_back():
+    """NOTE [ Out in forward, back in backward ]: activation offload sends in forward and fetches in backward
+    (the two directions one after the other); offloaded optimizer states send and fetch in backward."""
+    wl = "gpt2:n_layer=2,n_embd=64,n_head=2,vocab_size=256,n_positions=64"
+    act = BOUND.traffic(wl, 2, 64, {"precision": "bf16", "offload": ["activations"]}, "h200-141gb")
+    assert act["d2h_bytes"] > 0 and act["d2h_forward_bytes"] == act["d2h_bytes"]
+    assert act["h2d_backward_bytes"] == act["h2d_bytes"] > 0
+    link = {"h2d": 1e9, "d2h": 1e9}
+    assert BOUND.bound(act, 0.0, link, None)["link_s"] == pytest.approx((act["d2h_bytes"] + act["h2d_bytes"]) / 1e9)
+    states = BOUND.traffic(wl, 2, 64, {"precision": "bf16", "offload": ["optimizer_states"]}, "h200-141gb")
+    assert states["d2h_forward_bytes"] == 0
+    assert BOUND.bound(states, 0.0, link, None)["link_s"] == pytest.approx(max(states["d2h_bytes"], states["h2d_bytes"]) / 1e9)

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import traceback
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch._subclasses.fake_tensor import DynamicOutputShapeException
-from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -24,6 +22,7 @@ from memfit.device_queries import PRIM_DEVICE, FakeTensor
 from memfit.errors import ASSUMED_ZERO
 from memfit.memory import assumed_sizes
 from memfit.memory.categories import CATEGORIES
+from memfit.memory.module_stack import ModuleStack
 from memfit.memory.storages import LiveStorages
 from memfit.quiet import in_stand_in_values
 from memfit.real_values import RealValues
@@ -338,53 +337,6 @@ class MemoryTracker(TorchDispatchMode):
             self.approximations[key].count += 1
         else:
             self.approximations[key] = Approximation(what=what, where=where)
-
-
-# NOTE [ Instrumentation must not keep tensors alive ]
-# Torch.utils.module_tracker.ModuleTracker also follows backward by registering hooks on tensors;
-# under activation checkpointing those hooks are registered again on recomputed tensors and keep them
-# alive until backward ends, which changes the very peak being measured (+30% on a checkpointed MLP).
-# Forward hooks hold no tensors. Backward allocations are attributed to the module that was last
-# running forward when recomputing, else to "backward".
-class ModuleStack:
-    """The module whose forward is running (its qualified name), from global forward hooks only
-    (NOTE [ Instrumentation must not keep tensors alive ]).
-    """
-
-    def __init__(self) -> None:
-        self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._stack: list[str] = []
-        self._handles: list = []
-
-    def _name(self, mod) -> str:
-        name = self._names.get(mod)
-        if name is None:
-            root = type(mod).__name__
-            for sub_name, sub in mod.named_modules():
-                self._names.setdefault(sub, f"{root}.{sub_name}" if sub_name else root)
-            name = self._names[mod]
-        return name
-
-    def _push(self, mod, args) -> None:
-        self._stack.append(self._name(mod))
-
-    def _pop(self, mod, args, out) -> None:
-        if self._stack:
-            self._stack.pop()
-
-    def current(self) -> str:
-        return self._stack[-1] if self._stack else "Global"
-
-    def __enter__(self):
-        self._handles = [register_module_forward_pre_hook(self._push),  # (always: also when checkpoint stops a
-                         register_module_forward_hook(self._pop, always_call=True)]  # recomputation early)
-        return self
-
-    def __exit__(self, *exc):
-        for h in self._handles:
-            h.remove()
-        self._stack.clear()
-        return False
 
 
 _OP_NAMES: dict = {}

@@ -34,6 +34,7 @@ The H100 recorded it at 1.78x a bf16 GPT-2 step and 3.82x on 4 Llama layers at 7
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -88,6 +89,13 @@ class OffloadOptimizerStates(PerParameterOptimizers):
         self._in = None  # CUDA: the side stream parameters come back on (they go out on the placement's)
         self._handles = [p.register_post_accumulate_grad_hook(self._gradient_ready) for p in self.params]
 
+    stages: dict[str, float] | None = None
+    """Where the step's time goes, summed over steps, while set to a dict (bench/offload_gpu.py sets it;
+    nothing is timed otherwise): ``update`` the host optimizers' steps and ``gradient_copies`` the waits for
+    their gradients to reach the host (the worker's time), ``copies_back`` issuing the parameters' copies
+    back, ``held_gradients`` backward waiting for a copy out before it frees a gradient (NOTE [ Gradients in
+    flight ]), ``tail`` :meth:`step` waiting for the updates once backward is done, ``steps`` the count."""
+
     # -- the optimizer interface -----------------------------------------------------------------------
     @property
     def state(self) -> dict:
@@ -111,8 +119,12 @@ class OffloadOptimizerStates(PerParameterOptimizers):
             for p, copied in self._sent.items():
                 self._submit(p, copied)
         self._sent = {}
-        self._land(0)
-        self.join()
+        with self._timed("held_gradients"):
+            self._land(0)
+        with self._timed("tail"):
+            self.join()
+        if self.stages is not None:
+            self.stages["steps"] = self.stages.get("steps", 0) + 1
 
     def wait_for_gradients(self) -> None:
         """Until every gradient sent this step is in its host buffer (before clipping or unscaling
@@ -170,8 +182,21 @@ class OffloadOptimizerStates(PerParameterOptimizers):
         self._in_flight.append((p.grad, copied))
         p.grad = None
         self._sent[p] = copied
-        self._land(IN_FLIGHT)
+        with self._timed("held_gradients"):
+            self._land(IN_FLIGHT)
         return copied
+
+    @contextlib.contextmanager
+    def _timed(self, stage: str):
+        """Add the block's seconds to ``stages[stage]`` (see :attr:`stages`)."""
+        if self.stages is None:
+            yield
+            return
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stages[stage] = self.stages.get(stage, 0.0) + time.perf_counter() - t0
 
     def _land(self, keep: int) -> None:
         """Free the oldest device gradients sent, once their copies are done, until ``keep`` are left
@@ -196,15 +221,17 @@ class OffloadOptimizerStates(PerParameterOptimizers):
         """Step ``p``'s host optimizer once its gradient is on the host, then copy the master back."""
         h = self.masters[p]
         with doing("host"):
-            if copied is not None:
-                copied.synchronize()
+            with self._timed("gradient_copies"):
+                if copied is not None:
+                    copied.synchronize()
             new = not self.optimizers[p].state.get(h)
-            self.optimizers[p].step()
+            with self._timed("update"):
+                self.optimizers[p].step()
             if new:
                 self._mark_states(p)
             if self._in is not None:
                 self._in.wait_event(copied)  # (the compute stream had finished with p when the gradient went out)
-            with torch.cuda.stream(self._in) if self._in is not None else contextlib.nullcontext():
+            with self._timed("copies_back"), torch.cuda.stream(self._in) if self._in is not None else contextlib.nullcontext():
                 p.copy_(h, non_blocking=True)
 
     def _mark_states(self, p: torch.nn.Parameter) -> None:

@@ -32,12 +32,15 @@ LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "h
 
 def test_a_qlora_step_no_longer_reserves_the_full_precision_model():
     """Four layers of Llama-2-7B: QLoRA reserved 3.0x its allocated bytes when the fp32 model was built
-    on the device and quantized there; loaded as from_pretrained loads it, under 1.1x."""
+    on the device and quantized there; loaded as from_pretrained loads it, under 1.1x, and so is the load
+    itself. Under bf16 autocast, peft's preparation then casts the bf16 embeddings to fp32 (NOTE [ QLoRA
+    loads in 16 bits ]): the freed bf16 copies stay reserved, 1.19x the load's peak here."""
     for precision in ("bf16-pure", "bf16"):
         plan = memfit.Plan(base_weights="nf4", adapter="lora:r=16", checkpointing="blocks", precision=precision)
         r = estimate("llama:num_hidden_layers=4", plan, batch_size=1, seq_len=512, device="rtx4090")
         assert r.reserved_bytes <= 1.10 * r.peak_bytes, (precision, r.reserved_bytes, r.peak_bytes)
-        assert r.load_reserved_bytes <= 1.10 * r.load_peak_bytes  # bf16: peft casts the bf16 embeddings to fp32
+        assert r.weights_load_reserved_bytes <= 1.10 * r.weights_load_peak_bytes, precision
+        assert r.load_reserved_bytes <= (1.10 if precision == "bf16-pure" else 1.25) * r.load_peak_bytes, precision
 
 
 @pytest.mark.slow  # (two full traces of a 7B model: a minute on 2 cores)

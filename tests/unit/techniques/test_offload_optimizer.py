@@ -242,3 +242,23 @@ def test_tensor_hyperparameters_move_with_the_host_copy():
     moved = offload_optimizer._on_host(opt, p, host)
     assert moved.param_groups[0]["params"] == [host]
     assert moved.param_groups[0]["lr"].device.type == "meta"
+
+
+def test_timing_the_stages_changes_nothing_and_sums_each_step():
+    """``stages`` (what bench/offload_gpu.py reads on a GPU): with it set the training is bit for bit the
+    same, the worker's stages and the step's own are summed once per step, and each sum is a duration."""
+    original = offload_optimizer.OffloadOptimizerStates.__init__
+    seen = []
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **{**kwargs, "threaded": True})
+        self.stages = {}
+        seen.append(self)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(offload_optimizer.OffloadOptimizerStates, "__init__", init)
+        timed = run_steps(GPT2_DROPOUT, OFFLOAD, steps=3)
+    assert_same_training(_with_thread(True), timed)
+    (stages,) = [opt.stages for opt in seen]
+    assert stages["steps"] == 3
+    assert set(stages) == {"steps", "update", "gradient_copies", "copies_back", "held_gradients", "tail"}
+    assert all(0 <= v < 60 for k, v in stages.items() if k != "steps") and stages["update"] > 0
