@@ -44,6 +44,11 @@ LLAMA_3B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidde
             "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8,
             "vocab_size": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0, "tie_word_embeddings": True,
             "rms_norm_eps": 1e-5}
+LLAMA_2_7B = {**LLAMA_3B, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096,
+              "rope_theta": 10000.0, "tie_word_embeddings": False}
+CONFIGS = {"3b": LLAMA_3B, "7b": LLAMA_2_7B}
+"""``--size``: Llama-3.2-3B's sizes (tied embeddings) or Llama-2-7B's (issue 49's 7B class)."""
 TINY = {**LLAMA_3B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 512}
 PLAN = {"base_weights": "nf4:double_quant=true", "adapter": "lora:r=16,alpha=16,targets=q_proj+v_proj",
@@ -165,16 +170,25 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--size", choices=sorted(CONFIGS), default="3b", help="the checkpoint's sizes (default 3b)")
     ap.add_argument("--preset", default=None, help="also predict for this preset (default: none)")
     ap.add_argument("--out", default=None, help="append the row (JSON line) here")
     ap.add_argument("--cpu-smoke", action="store_true", help="a tiny config on the CPU (proves the script; no figures)")
+    ap.add_argument("--blind", nargs=2, metavar=("ROWS", "PREDICTED"),
+                    help="compare measured rows (JSON lines) with predictions committed before (a JSON file whose "
+                         "'predicted' maps presets to figures) for PRESET (--preset), and exit")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
+    if opts.blind:
+        blind = json.loads(Path(opts.blind[1]).read_text())["predicted"][opts.preset or "h200-141gb"]
+        for line in Path(opts.blind[0]).read_text().splitlines():
+            _compare({**json.loads(line), "predicted_blind": blind})
+        return 0
     if opts.child:
         folder, batch, seq_len, preset = opts.child
         print(json.dumps(child(folder, int(batch), int(seq_len), None if preset == "-" else preset)))
         return 0
-    config, batch, seq_len = (TINY, 1, 32) if opts.cpu_smoke else (LLAMA_3B, opts.batch, opts.seq_len)
+    config, batch, seq_len = (TINY, 1, 32) if opts.cpu_smoke else (CONFIGS[opts.size], opts.batch, opts.seq_len)
     shm = Path("/dev/shm")  # in memory where the machine has it: a GPU machine's disk can be slow
     roomy = shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 16 * 2**30
     with tempfile.TemporaryDirectory(dir=shm if roomy else None) as tmp:
