@@ -64,6 +64,10 @@ def print_estimate(r: MemoryReport, console: Console | None = None, host_limit: 
     if r.load_peak_bytes:
         reserved = f", {fmt_bytes(r.load_reserved_bytes)} reserved" if r.load_reserved_bytes is not None else ""
         t.add_row("loading the model", fmt_bytes(r.load_peak_bytes), "", f"peak while it loads, before its first batch{reserved}")
+        if r.weights_load_peak_bytes and r.weights_load_peak_bytes < 0.99 * r.load_peak_bytes:
+            alone = f", {fmt_bytes(r.weights_load_reserved_bytes)} reserved" if r.weights_load_reserved_bytes else ""
+            t.add_row("  its weights alone", fmt_bytes(r.weights_load_peak_bytes), "",
+                      f"until the last weight arrives (from_pretrained), before the plan prepares the model{alone}")
     if r.reserved_bytes is not None:
         t.add_row("reserved", fmt_bytes(r.reserved_bytes), "", "held by the CUDA caching allocator")
         if _expandable_saves(r):
