@@ -18,11 +18,20 @@ import sys
 import warnings
 
 
+def compiled_ops_seconds(target, k) -> float:
+    """``target``'s step seconds priced from its own step's ops (a compiled step's Inductor kernels as
+    recorded), with the constants ``k``."""
+    from memfit.memory.faketrace import run_tracked
+    from memfit.planner.timing import OpRecorder, simulate, steady_step_recorder
+    recorder = OpRecorder()
+    run_tracked(target, fake=True, around_step=steady_step_recorder(recorder))
+    return simulate(recorder.ops, target.device, k).seconds
+
+
 def compare(card: str, pattern: str) -> list[dict]:
     from memfit.hosts import host_for_row
-    from memfit.memory.faketrace import run_tracked
     from memfit.planner.roofline import H100, for_host
-    from memfit.planner.timing import OpRecorder, simulate, steady_step_recorder, step_seconds
+    from memfit.planner.timing import step_seconds
     from memfit.plans import Plan
     from memfit.target import Target
     from tools.gpu.rows import in_todays_fields
@@ -37,11 +46,8 @@ def compare(card: str, pattern: str) -> list[dict]:
         target = Target.resolve(r["workload"], Plan(**in_todays_fields(r, r["plan"])), r["batch_size"], preset,
                                 seq_len=r["seq_len"])
         k = for_host(host_for_row(r, card), H100)
-        recorder = OpRecorder()
-        run_tracked(target, fake=True, around_step=steady_step_recorder(recorder))
         out.append({"case": f"{card}:{r['case']}", "measured": r["step_seconds_median"],
-                    "time_model": step_seconds(target, k).seconds,
-                    "compiled_ops": simulate(recorder.ops, target.device, k).seconds,
+                    "time_model": step_seconds(target, k).seconds, "compiled_ops": compiled_ops_seconds(target, k),
                     "alone": not r.get("overlapped_jobs")})
     return out
 
