@@ -140,8 +140,10 @@ class Quantized4bit(BaseWeights):
         into.not_carried(self, ai_toolkit=self.quant_type != "nf4")
         if self.quant_type == "nf4":  # (torchao's 4-bit weights in ai-toolkit: half a byte a weight, as nf4)
             into.ai_toolkit.update({"model.quantize": True, "model.qtype": "uint4"})
-        into.hf_notes.append(f"load the model with BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="
-                             f"'{self.quant_type}', bnb_4bit_use_double_quant={self.double_quant})")
+        into.hf_notes.append(f"load the model with from_pretrained(..., dtype=torch.bfloat16 (torch.float16 under fp16), "
+                             f"quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="
+                             f"'{self.quant_type}', bnb_4bit_use_double_quant={self.double_quant})): the load memfit "
+                             "predicts (NOTE [ QLoRA loads in 16 bits ])")
 
 
 @dataclass(frozen=True)
@@ -177,7 +179,8 @@ class Int8Weights(BaseWeights):
 
     def export(self, into: Export) -> None:
         into.not_carried(self)
-        into.hf_notes.append("load the model with BitsAndBytesConfig(load_in_8bit=True)")
+        into.hf_notes.append("load the model with from_pretrained(..., dtype=torch.bfloat16 (torch.float16 under fp16), "
+                             "quantization_config=BitsAndBytesConfig(load_in_8bit=True))")
 
 
 @dataclass(frozen=True)
