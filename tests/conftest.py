@@ -82,7 +82,13 @@ TIMED_OUT_OF_THE_DEFAULT = {
     "_expanded_masks_take",
     "tests/unit/test_gpu_ground_truth.py::test_gpu_prediction_matches_measurement[c-gpt2-bf16-full-budget0.5]",
     "tests/unit/techniques/test_base_weights.py::test_compiled_blocks_of_quantized_layers_are_predicted_on_fake_tensors"
-    "_within_1pct[int8-fp32]",  # ([nf4-fp32])
+    "_within_1pct[int8-fp32]",  # ([nf4-bf16])
+    # 2026-12-04, later: the two heaviest with a sibling in the default run, cold (an empty Inductor cache, as CI's)
+    # on the 2-core AMD EPYC kind, where the default suite took 749 s in a fresh clone (449.5 s on the Xeon kind)
+    "tests/unit/techniques/test_base_weights.py::test_compiled_blocks_of_quantized_layers_are_predicted_on_fake_tensors"
+    "_within_1pct[nf4-fp32]",  # 30 s cold ([nf4-bf16])
+    "tests/unit/techniques/test_optimizers_torchao.py::test_prediction_matches_the_profiler_and_the_states_are_low_bit"
+    "[adamw4bit-ao]",  # 11 s cold ([adamw8bit-ao])
     "tests/integration/test_train.py::test_resume_gives_the_same_losses_as_a_straight_run[plan2-4]",  # ([plan1-4])
     "tests/unit/test_planner_third_depth.py::test_a_plan_confirmed_at_a_third_depth_has_its_full_traces_figures[fields1]",
     "tests/unit/test_at_batch.py::test_a_batch_drawn_on_the_line_is_the_full_trace_at_that_batch[lora]",
