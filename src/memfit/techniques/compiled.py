@@ -83,8 +83,12 @@ def compiled(fn: Callable, *, budget: float | None = None, name: str = "region",
     # measurements still see it (the profiler's allocator events, the CUDA allocator's statistics);
     # the tracker's breakdown of a measured step and the CPU budget guard do not see inside it.
     @functools.wraps(fn)
-    @torch._dynamo.config.patch(recompile_limit=recompile_limit, fail_on_recompile_limit_hit=True)
     def call(*args, **kwargs):
+        with torch._dynamo.config.patch(recompile_limit=recompile_limit, fail_on_recompile_limit_hit=True), \
+                _log_calls_ignored():
+            return _call(*args, **kwargs)
+
+    def _call(*args, **kwargs):
         _check_toolchain(args, kwargs)
         if _fake(args, kwargs):
             with _outside_modes() as modes, contextlib.ExitStack() as paused, fake_wrapper.prediction_caches():
@@ -133,15 +137,62 @@ def _tell_code_generator(modes, name: str) -> None:
 
 
 def _quiet_logging() -> None:
-    """Hugging Face models log once from inside forward (``logger.warning_once``); a log call splits
-    Dynamo's graph, so a compiled region skips it (as Dynamo's own hint advises)."""
+    """Inductor's C++ code generator imports cpp_extension, which warns on a machine without CUDA."""
+    import logging
+    logging.getLogger("torch.utils.cpp_extension").addFilter(_no_cuda_runtime_warning)
+
+
+# NOTE [ A log call inside a compiled region ]
+# Hugging Face models log once from inside forward (``logger.warning_once``, an ``lru_cache`` of
+# transformers'); a log call splits Dynamo's graph, so a region memfit compiles skips it, as Dynamo's own
+# hint advises: ``ignore_logging_functions`` holds it while memfit's regions are captured, and not in the
+# user's own ``torch.compile`` calls (it used to be added to the process's set for good). torch 2.9-2.13
+# write Dynamo's config as JSON into each compile's metrics, whatever ``log_compilation_metrics`` says,
+# and cannot write a function in that set: Dynamo logged "Unexpected exception logging compilation
+# metrics" with its traceback at every compile (torch 2.11, the GPU machine's), and a handler that keeps
+# log records (pytest's) kept the traceback's frames, and the fake tensors they held, alive: the 1B
+# Llama's GPU row came +5.6% after another test in its process. On those torches the metrics of memfit's
+# compiles take Dynamo's config as torch writes it with the set as the user left it.
+@contextlib.contextmanager
+def _log_calls_ignored():
+    """Dynamo's config while memfit captures a region (the note above)."""
     import logging
     once = getattr(logging.Logger, "warning_once", None)
     ignored = getattr(torch._dynamo.config, "ignore_logging_functions", None)  # (torch >= 2.9)
-    if once is not None and ignored is not None:
-        ignored.add(once)
-    # Inductor's C++ code generator imports cpp_extension, which warns on a machine without CUDA
-    logging.getLogger("torch.utils.cpp_extension").addFilter(_no_cuda_runtime_warning)
+    if once is None or ignored is None or once in ignored:
+        yield
+        return
+    with torch._dynamo.config.patch(ignore_logging_functions=ignored | {once}), _metrics_with_the_set(ignored):
+        yield
+
+
+def _metrics_with_the_set(ignored: set):
+    """Where this torch cannot write a function of ``ignore_logging_functions`` in a compile's metrics, its
+    writer called with ``ignored`` (the user's set) in place (NOTE [ A log call inside a compiled region ])."""
+    if _metrics_write_the_set():
+        return contextlib.nullcontext()
+    writer = torch._dynamo.utils._get_dynamo_config_for_logging
+
+    def written():
+        with torch._dynamo.config.patch(ignore_logging_functions=ignored):
+            return writer()
+    return unittest.mock.patch.object(torch._dynamo.utils, "_get_dynamo_config_for_logging", written)
+
+
+@functools.cache
+def _metrics_write_the_set() -> bool:
+    """Whether this torch writes Dynamo's config into a compile's metrics with a function in
+    ``ignore_logging_functions`` (torch >= 2.14 leaves the set out; one without the writer logs no config)."""
+    import json
+    writer = getattr(torch._dynamo.utils, "_get_dynamo_config_for_logging", None)
+    if writer is None:
+        return True
+    with torch._dynamo.config.patch(ignore_logging_functions={_metrics_write_the_set}):
+        try:
+            json.loads(writer() or "{}")
+        except TypeError:
+            return False
+    return True
 
 
 def _no_cuda_runtime_warning(record) -> bool:
