@@ -10,7 +10,8 @@ records, once, beside its rows (``$OUT/host.json``, printed too):
 - ``adamw_fused_bytes_per_second``: memfit.hosts.adamw_bandwidth at its default size, and
   ``memory_vs_reference``: that over the reference constant ``host_fused_bw`` (memfit.hosts.Host.memory
   for this machine, as ``--host measure`` reads it); the same over ``--params`` parameters beside it;
-- ``h2d_bytes_per_second`` and ``d2h_bytes_per_second``: one pinned 1 GiB copy each way, on a GPU.
+- ``h2d_bytes_per_second`` and ``d2h_bytes_per_second``: one pinned 1 GiB copy each way, on a GPU; ``duplex``:
+  both at once on two streams, over the longer alone (the time model's ``duplex``).
 
     python -m tools.gpu.host_probe [--out host.json] [--params 268435456]
 """
@@ -46,6 +47,22 @@ def link_bandwidth(nbytes: int = 1 << 30) -> dict:
             torch.cuda.synchronize()
             runs.append(time.perf_counter() - t0)
         out[f"{name}_bytes_per_second"] = round(nbytes / statistics.median(runs))
+    # Both ways at once, each on a stream of its own, as an offloaded optimizer's prefetch and copy out run: the
+    # time model's ``duplex`` (memfit.planner.roofline.Constants) is that time over the longer copy alone
+    # (2.0: no faster than in turn, as fitted on the H100 machine; 1.0: both at full speed).
+    host_out, dev_in = torch.empty_like(host).pin_memory(), torch.empty_like(dev)
+    streams, runs = (torch.cuda.Stream(), torch.cuda.Stream()), []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.cuda.stream(streams[0]):
+            dev.copy_(host, non_blocking=True)
+        with torch.cuda.stream(streams[1]):
+            host_out.copy_(dev_in, non_blocking=True)
+        torch.cuda.synchronize()
+        runs.append(time.perf_counter() - t0)
+    alone = max(nbytes / out["h2d_bytes_per_second"], nbytes / out["d2h_bytes_per_second"])
+    out["duplex"] = round(statistics.median(runs) / alone, 3)
     return out
 
 
