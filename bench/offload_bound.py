@@ -32,20 +32,8 @@ def traffic(workload: str, batch_size: int, seq_len: int, plan: dict, preset: st
 
 def link_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> dict:
     """Pinned host <-> device copy bandwidth on this machine, bytes/s each way (median of ``repeats``)."""
-    import torch
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    out = {}
-    for name, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
-        runs = []
-        for _ in range(repeats):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            dst.copy_(src, non_blocking=True)
-            torch.cuda.synchronize()
-            runs.append(nbytes / (time.perf_counter() - t0))
-        out[name] = statistics.median(runs)
-    return out
+    from tools.gpu.host_probe import copy_bandwidth
+    return copy_bandwidth(nbytes, repeats)
 
 
 UPDATE_BYTES = {"adamw": 16, "lerp": 12}

@@ -21,11 +21,8 @@ import warnings
 def compiled_ops_seconds(target, k) -> float:
     """``target``'s step seconds priced from its own step's ops (a compiled step's Inductor kernels as
     recorded), with the constants ``k``."""
-    from memfit.memory.faketrace import run_tracked
-    from memfit.planner.timing import OpRecorder, simulate, steady_step_recorder
-    recorder = OpRecorder()
-    run_tracked(target, fake=True, around_step=steady_step_recorder(recorder))
-    return simulate(recorder.ops, target.device, k).seconds
+    from memfit.planner.timing import record_ops, simulate
+    return simulate(record_ops(target, as_planned=True), target.device, k).seconds
 
 
 def compare(card: str, pattern: str) -> list[dict]:

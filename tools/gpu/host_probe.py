@@ -33,37 +33,47 @@ def cpu_model() -> str | None:
         return None
 
 
-def link_bandwidth(nbytes: int = 1 << 30) -> dict:
+def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> dict:
+    """Pinned host <-> device copy bandwidth, bytes/s each way (``h2d``, ``d2h``): ``nbytes`` copied, the
+    median of ``repeats`` (bench.offload_bound's link term too)."""
     import torch
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    out = {}
-    for name, (dst, src) in {"h2d": (dev, host), "d2h": (host, dev)}.items():
-        runs = []
-        for _ in range(3):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            dst.copy_(src, non_blocking=True)
-            torch.cuda.synchronize()
-            runs.append(time.perf_counter() - t0)
-        out[f"{name}_bytes_per_second"] = round(nbytes / statistics.median(runs))
+    return {name: nbytes / _median_seconds(lambda dst=dst, src=src: dst.copy_(src, non_blocking=True), repeats)
+            for name, (dst, src) in {"h2d": (dev, host), "d2h": (host, dev)}.items()}
+
+
+def link_bandwidth(nbytes: int = 1 << 30) -> dict:
+    import torch
+    one_way = copy_bandwidth(nbytes)
+    out = {f"{name}_bytes_per_second": round(bw) for name, bw in one_way.items()}
     # Both ways at once, each on a stream of its own, as an offloaded optimizer's prefetch and copy out run: the
     # time model's ``duplex`` (memfit.planner.roofline.Constants) is that time over the longer copy alone
     # (2.0: no faster than in turn, as fitted on the H100 machine; 1.0: both at full speed).
-    host_out, dev_in = torch.empty_like(host).pin_memory(), torch.empty_like(dev)
-    streams, runs = (torch.cuda.Stream(), torch.cuda.Stream()), []
-    for _ in range(3):
+    host_in, host_out = (torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2))
+    dev_in, dev_out = (torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2))
+    streams = (torch.cuda.Stream(), torch.cuda.Stream())
+
+    def both_ways():
+        with torch.cuda.stream(streams[0]):
+            dev_in.copy_(host_in, non_blocking=True)
+        with torch.cuda.stream(streams[1]):
+            host_out.copy_(dev_out, non_blocking=True)
+    out["duplex"] = round(_median_seconds(both_ways, 3) / (nbytes / min(one_way.values())), 3)
+    return out
+
+
+def _median_seconds(run, repeats: int) -> float:
+    """The median wall seconds of ``run()`` on the GPU, synchronised before and after."""
+    import torch
+    runs = []
+    for _ in range(repeats):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with torch.cuda.stream(streams[0]):
-            dev.copy_(host, non_blocking=True)
-        with torch.cuda.stream(streams[1]):
-            host_out.copy_(dev_in, non_blocking=True)
+        run()
         torch.cuda.synchronize()
         runs.append(time.perf_counter() - t0)
-    alone = max(nbytes / out["h2d_bytes_per_second"], nbytes / out["d2h_bytes_per_second"])
-    out["duplex"] = round(statistics.median(runs) / alone, 3)
-    return out
+    return statistics.median(runs)
 
 
 def probe(params: int) -> dict:

@@ -276,13 +276,14 @@ def time_from_ops(ops: list[Op], target: Target, k: Constants = H100) -> StepTim
     return st
 
 
-def record_ops(target: Target) -> list[Op]:
+def record_ops(target: Target, *, as_planned: bool = False) -> list[Op]:
     """The ops of ``target``'s steady-state step, from one fake trace (its eager step for a
-    compiled plan, see :func:`eager_plan`)."""
+    compiled plan, see :func:`eager_plan`; ``as_planned``: the compiled step's own, Inductor's kernels
+    as its wrapper launches them: tools.fit.compiled_ops)."""
     from memfit.memory.faketrace import run_tracked
     from memfit.quiet import silenced_warnings
 
-    traced = target.with_plan(eager_plan(target.plan)[0])
+    traced = target if as_planned else target.with_plan(eager_plan(target.plan)[0])
     recorder = OpRecorder()
     with silenced_warnings():
         run_tracked(traced, fake=True, around_step=steady_step_recorder(recorder))

@@ -75,7 +75,11 @@ class BaseWeights(Config):
             return
         for layer in _replace_linears(model, self, self.text):
             load.quantizers[id(layer.weight)] = lambda full, layer=layer: self.quantized(layer, full)
-        load.bitsandbytes = not isinstance(self, Float8Weights)
+        load.bitsandbytes = self.bitsandbytes
+
+    bitsandbytes = True
+    """Quantized by bitsandbytes while transformers loads (``BitsAndBytesConfig``): loaded in the compute
+    dtype (NOTE [ QLoRA loads in 16 bits ] in memfit.techniques.precision); fp8 is memfit's own."""
 
     layer = None
     """``layer(linear)``: the bitsandbytes layer that replaces ``linear``, its weight not yet
@@ -189,6 +193,7 @@ class Float8Weights(BaseWeights):
     (memfit.techniques.fp8_linear)."""
 
     numerics = "fp8 (e4m3) base weights"
+    bitsandbytes = False
 
     def __post_init__(self) -> None:
         self.require()
