@@ -223,6 +223,15 @@ EMULATED_CUDA = {
 }
 
 
+# NOTE [ The modes again, in order ]
+# The region's call stepped out of its modes from the top of the stack down
+# (``_disable_current_modes`` pops them top first), so they go back bottom first: the forward then
+# runs under the modes in the order the step set them up, as the backward does (autograd's engine
+# runs it inside the step, under the step's own stack). Pushed in the order popped, the stack was
+# upside down in every compiled forward: the op recorder and the memory tracker sat above the 4-bit
+# matmul's kernel model (memfit.techniques.bnb_kernels) and saw one ``bitsandbytes::gemm_4bit``, not
+# its dequantized weight and ``F.linear``: an 8B QLoRA's compiled step lost 114 of its 185 TFLOP of
+# GEMMs in ``tools.fit.compiled_ops`` (priced below the LoRA step it adds work to).
 def _under_call_modes(call: Callable) -> Callable:
     """Forward runs inside the region's call, which stepped out of the modes: enter them again;
     backward runs from autograd's engine, inside the step, where they are active already."""
@@ -231,7 +240,7 @@ def _under_call_modes(call: Callable) -> Callable:
             listener.compiled_call()
         modes = RUNTIME_MODES[-1] if RUNTIME_MODES else []
         with contextlib.ExitStack() as stack:
-            for m in modes:
+            for m in reversed(modes):  # (stepped out of from the top down: NOTE [ The modes again, in order ])
                 stack.enter_context(m)
             return call(args)
     return run
