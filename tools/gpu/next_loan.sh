@@ -9,6 +9,9 @@
 #      LoRA with checkpointed blocks eager and compiled), for the time model's compiled pricing: the seed case came
 #      out +61% by the fitted factors and +11% priced from its own kernels (tools.fit.compiled_ops), and every
 #      other compiled row had run beside two jobs. Step times predicted blind: tools/gpu/alone_predicted.jsonl.
+#   1c. issue 51: a paged optimizer's page migration alone (tools/gpu/migration_probe.py: 8-bit states of 2.1e9
+#      elements at three rooms, against the states on the card): memfit adds both directions; the H200's recipe row
+#      and torchtune's published 4090 rate (bench/published_rows.py) say it migrates faster than that.
 #   2. issue 49: QLoRA as users load it (bench.qlora_load_gpu), now at Llama-2-7B sizes (issue 49's 7B class; the
 #      3B row of that day: step -0.00%, from_pretrained's own peak +0.02% after the fix), and the peak through
 #      peft's preparation too (prepared_*), where memfit predicts the fp32 upcast of what was not quantized.
@@ -18,11 +21,13 @@
 # Before the call, here: bitsandbytes, diffusers, peft, importlib_metadata wheels in .whl (finetune_session.sh's list).
 #   run(command="bash tools/gpu/next_loan.sh $(git rev-parse --short HEAD) 2>&1 | tee $OUT/log.txt",
 #       carry=[".whl"], timeout_s=600)
-# Then: offload rows to bench/results/, qlora_load.jsonl to tests/data/h200_qlora_load.jsonl (or an h100 file),
+# Then: offload and migration rows to bench/results/, qlora_load.jsonl to tests/data/h200_qlora_load.jsonl (or an h100 file),
 # gt.jsonl to tests/data/h200.jsonl with "host" (the probe in $OUT/host.json says which machine).
 END_SECONDS=${END_SECONDS:-570}; source tools/gpu/session_env.sh "$1"
 el "offload llama4-offopt (and its device step)"
 timeout 170 python3 -m bench.offload_gpu --only llama4-offopt --repeats 6 --out $OUT/offload.jsonl 2>&1 | grep -v Warning | tail -20
+el "paged states' migration"; timeout 100 python3 -m tools.gpu.migration_probe --out $OUT/migration.jsonl \
+  --preset $([ "$CARD" = h100 ] && echo h100-80gb || echo h200-141gb) 2>&1 | grep -v Warning | tail -5
 el "compiled rows alone"; python3 -m tools.gpu.ground_truth --cases tools/gpu/alone_cases.json --out $OUT/alone.jsonl \
   --timeout 90 --deadline $(( $(left) - 220 ))
 python3 -m tools.gpu.compare_blind $OUT/alone.jsonl tools/gpu/alone_predicted.jsonl --card $CARD
