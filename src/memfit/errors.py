@@ -100,7 +100,8 @@ def untraced(source: str, what: str, exc: BaseException) -> TraceError:
     model and the batch, and any failure of a real run, stay the config's (or the overrides'), and
     so does an op that refuses its operands' sizes (:func:`shapes_refused`: a shape contract the
     device's kernel checks too; a DeepSeek-V3 config whose ``head_dim`` is not its rope and nope
-    dims' sum failed a broadcast on the ``rtx4090`` preset, and was blamed on memfit)."""
+    dims' sum failed a broadcast on the ``rtx4090`` preset, and was blamed on memfit), and one that refuses
+    its operands' dtypes in a model cast to 16 bits whole (:func:`dtypes_refused`)."""
     at, op = where_raised(exc), _op_of(exc)
     return TraceError(f"{source}: memfit's fake-tensor trace of {what} failed{' ' + at if at else ''}: "
                       f"{type(exc).__name__}: {brief(exc, 200)}; memfit does not model this yet (the model is not at "
@@ -122,6 +123,29 @@ def shapes_refused(exc: BaseException) -> bool:
     fault, unless the trace assumed a data-dependent value before (:func:`_values_assumed`): sizes made
     from a value assumed 0 (JetMoE's expert counts, read with ``tolist``) are memfit's."""
     return isinstance(exc, RuntimeError) and _SHAPE_CONTRACTS.search(str(exc)) is not None and not _values_assumed()
+
+
+# An op handed float32 beside 16-bit operands refuses them on the device too, where the model was cast to
+# 16 bits whole (bf16-pure, fp16-pure) and its own code makes float32 tensors (xLSTM's gates: its matmul of
+# a float32 and a bf16 tensor failed in memfit's trace and in the real step alike, and the trace's error
+# blamed memfit). Under autocast memfit's model of the CUDA cast lists is in play, so there it stays memfit's.
+_DTYPE_CONTRACTS = re.compile(r"expected scalar type [\w.]+ but found [\w.]+|expected (?:m1 and m2|mat1 and mat2|"
+                              r"query, key, and value|both vectors) to have the same dtype")
+
+
+def dtypes_refused(exc: BaseException, model) -> bool:
+    """Did an op refuse its operands' dtypes in the step of ``model`` cast to 16 bits whole (every floating
+    parameter bf16 or fp16)? Then the model's own float32 is at fault (see :data:`_DTYPE_CONTRACTS`)."""
+    import torch
+    if not (isinstance(exc, RuntimeError) and _DTYPE_CONTRACTS.search(str(exc))) or \
+            not isinstance(model, torch.nn.Module):
+        return False
+    floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    return bool(floats) and all(d in (torch.bfloat16, torch.float16) for d in floats)
+
+
+PURE_PRECISION_FIX = "the model makes float32 tensors of its own: train it under autocast (--precision bf16) instead"
+"""The fix of :func:`dtypes_refused`."""
 
 
 ASSUMED_ZERO = "a data-dependent scalar read (.item()/bool()) assumed 0"
