@@ -133,19 +133,19 @@ _DTYPE_CONTRACTS = re.compile(r"expected scalar type [\w.]+ but found [\w.]+|exp
                               r"query, key, and value|both vectors) to have the same dtype")
 
 
-def dtypes_refused(exc: BaseException, model) -> bool:
+def dtypes_refused(exc: BaseException, model) -> str | None:
     """Did an op refuse its operands' dtypes in the step of ``model`` cast to 16 bits whole (every floating
-    parameter bf16 or fp16)? Then the model's own float32 is at fault (see :data:`_DTYPE_CONTRACTS`)."""
+    parameter bf16, or every one fp16)? Then the model's own float32 is at fault (see :data:`_DTYPE_CONTRACTS`),
+    and this is the fix: the same precision under autocast. None: not such a failure."""
     import torch
     if not (isinstance(exc, RuntimeError) and _DTYPE_CONTRACTS.search(str(exc))) or \
             not isinstance(model, torch.nn.Module):
-        return False
-    floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
-    return bool(floats) and all(d in (torch.bfloat16, torch.float16) for d in floats)
-
-
-PURE_PRECISION_FIX = "the model makes float32 tensors of its own: train it under autocast (--precision bf16) instead"
-"""The fix of :func:`dtypes_refused`."""
+        return None
+    floats = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if floats not in ({torch.bfloat16}, {torch.float16}):
+        return None
+    precision = "bf16" if floats == {torch.bfloat16} else "fp16"
+    return f"the model makes float32 tensors of its own: train it under autocast (--precision {precision}) instead"
 
 
 ASSUMED_ZERO = "a data-dependent scalar read (.item()/bool()) assumed 0"

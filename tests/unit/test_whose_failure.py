@@ -30,6 +30,9 @@ def test_dtypes_an_op_refuses_in_a_model_cast_to_16_bits_whole_are_the_models(fa
                                             r"float32 tensors of its own: train it under autocast \(--precision bf16\) "
                                             r"instead$"):
             blamed("acme/x", "fix its config.json", "loss(model, batch)", _own_float32)(pure, None)
+        half = torch.nn.Linear(4, 4, dtype=torch.float16)  # (fp16-pure: its autocast is fp16's)
+        with pytest.raises(UserError, match=r"under autocast \(--precision fp16\) instead$"):
+            blamed("acme/x", "fix its config.json", "loss(model, batch)", _own_float32)(half, None)
         mixed = torch.nn.Linear(4, 4, dtype=torch.bfloat16)
         mixed.register_parameter("scale", torch.nn.Parameter(torch.ones(1)))  # (a float32 parameter: not cast whole)
         with pytest.raises(TraceError if fake else UserError) as e:

@@ -99,7 +99,6 @@ def blamed(source: str, fix: str | None, what: str, fn: Callable) -> Callable:
             return fn(*args)
         except Exception as e:
             from memfit.errors import (
-                PURE_PRECISION_FIX,
                 brief,
                 dtypes_refused,
                 fake_kernel_failure,
@@ -112,9 +111,10 @@ def blamed(source: str, fix: str | None, what: str, fn: Callable) -> Callable:
             )
             if passes_through(e) or raised_in_memfit(e):
                 raise
-            if in_step and fix is not None and args and dtypes_refused(e, args[0]):
+            autocast = dtypes_refused(e, args[0]) if in_step and fix is not None and args else None
+            if autocast:
                 raise UserError(f"{source}: {what} failed {where_raised(e)}: the op refuses its operands' dtypes, as the "
-                                f"device's kernel would: {type(e).__name__}: {brief(e, 160)}; {PURE_PRECISION_FIX}") from e
+                                f"device's kernel would: {type(e).__name__}: {brief(e, 160)}; {autocast}") from e
             if in_step and fake_kernel_failure(e):
                 if fix is None or not shapes_refused(e):
                     raise untraced(source, what, e) from e
