@@ -10,6 +10,9 @@ itself: bitsandbytes' ``PagedAdamW8bit`` over ``--params`` elements (64 bf16 mat
 once) steps under a ballast that leaves the states a given room, against ``AdamW8bit`` with the states on
 the card (the same kernels, no paging); the difference is the migration. Each room is one JSON line with
 memfit's prediction beside it (the preset's link, and the link measured here one way and both ways at once).
+The rooms tell three models apart: every managed byte in and out in series (memfit's: 2M/link at half room
+and at almost none), only the bytes the room lacks in series (M/link, then 2M/link), every byte with both
+directions at once (M/link at both).
 
     python3 -m tools.gpu.migration_probe --out $OUT/migration.jsonl [--params 2e9] [--repeats 5]
 """
