@@ -9,6 +9,9 @@
 #      LoRA with checkpointed blocks eager and compiled), for the time model's compiled pricing: the seed case came
 #      out +61% by the fitted factors and +11% priced from its own kernels (tools.fit.compiled_ops), and every
 #      other compiled row had run beside two jobs. Step times predicted blind: tools/gpu/alone_predicted.jsonl.
+#      Last, a 3B QLoRA with compiled blocks (issues 52 and 49): a compiled forward's 4-bit matmuls now reach the
+#      tracker as the eager step's do (NOTE [ The modes again, in order ]): 16.59 GiB allocated and 19.32 GiB
+#      reserved predicted (19.77 GiB reserved before that fix; torch 2.11's prediction the same).
 #   1c. issue 51: a paged optimizer's page migration alone (tools/gpu/migration_probe.py: 8-bit states of 2.1e9
 #      elements at three rooms, against the states on the card): memfit adds both directions; the H200's recipe row
 #      and torchtune's published 4090 rate (bench/published_rows.py) say it migrates faster than that.
