@@ -130,7 +130,8 @@ def shapes_refused(exc: BaseException) -> bool:
 # a float32 and a bf16 tensor failed in memfit's trace and in the real step alike, and the trace's error
 # blamed memfit). Under autocast memfit's model of the CUDA cast lists is in play, so there it stays memfit's.
 _DTYPE_CONTRACTS = re.compile(r"expected scalar type [\w.]+ but found [\w.]+|expected (?:m1 and m2|mat1 and mat2|"
-                              r"query, key, and value|both vectors) to have the same dtype")
+                              r"query, key, and value|both vectors) to have (?:the )?same dtype|"
+                              r"input tensors must have the same dtype")
 
 
 def dtypes_refused(exc: BaseException, model) -> str | None:
@@ -142,10 +143,16 @@ def dtypes_refused(exc: BaseException, model) -> str | None:
             not isinstance(model, torch.nn.Module):
         return None
     floats = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    if floats not in ({torch.bfloat16}, {torch.float16}):
+    if floats not in ({torch.bfloat16}, {torch.float16}) or _autocast_on():
         return None
     precision = "bf16" if floats == {torch.bfloat16} else "fp16"
     return f"the model makes float32 tensors of its own: train it under autocast (--precision {precision}) instead"
+
+
+def _autocast_on() -> bool:
+    """Is autocast on where the step failed (a GPU preset's trace autocasts on the CPU, with CUDA's lists)?"""
+    import torch
+    return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
 
 
 ASSUMED_ZERO = "a data-dependent scalar read (.item()/bool()) assumed 0"

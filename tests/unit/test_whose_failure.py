@@ -17,6 +17,11 @@ def _own_float32(model, batch):
     return torch.bmm(model.weight[None], torch.ones(1, 4, 4, device=model.weight.device)).sum()
 
 
+def _dot_float32(model, batch):
+    """The same with an op autocast leaves alone (``dot``)."""
+    return torch.dot(model.weight[0], torch.ones(4, device=model.weight.device))
+
+
 @pytest.mark.parametrize("fake", [False, True])
 def test_dtypes_an_op_refuses_in_a_model_cast_to_16_bits_whole_are_the_models(fake):
     """xLSTM cast to bf16 whole (bf16-pure) multiplies a float32 gate by a bf16 tensor: the real step fails,
@@ -33,6 +38,9 @@ def test_dtypes_an_op_refuses_in_a_model_cast_to_16_bits_whole_are_the_models(fa
         half = torch.nn.Linear(4, 4, dtype=torch.float16)  # (fp16-pure: its autocast is fp16's)
         with pytest.raises(UserError, match=r"under autocast \(--precision fp16\) instead$"):
             blamed("acme/x", "fix its config.json", "loss(model, batch)", _own_float32)(half, None)
+        with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TraceError if fake else UserError) as e:
+            blamed("acme/x", "fix its config.json", "loss(model, batch)", _dot_float32)(pure, None)  # (autocast on:
+        assert "dtypes" not in str(e.value)  # memfit's model of the cast lists is in play)
         mixed = torch.nn.Linear(4, 4, dtype=torch.bfloat16)
         mixed.register_parameter("scale", torch.nn.Parameter(torch.ones(1)))  # (a float32 parameter: not cast whole)
         with pytest.raises(TraceError if fake else UserError) as e:
