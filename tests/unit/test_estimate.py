@@ -183,3 +183,17 @@ def test_a_loaded_models_initialisation_is_not_listed_among_the_steps_assumption
     r = estimate(wl, Plan(), batch_size=4)
     listed = [str(a) for a in r.approximations if "data-dependent" in str(a)]
     assert len(listed) == 1 and "test_estimate.py" in listed[0], listed
+
+
+def test_a_distributions_argument_check_is_assumed_to_pass_as_all_is():
+    """torch.distributions validates its arguments with ``torch._is_all_true`` (BLT's ``Categorical`` over its
+    byte logits): a value fake mode cannot know, assumed True as ``.all()`` is (NOTE [ Assumed scalars ]), where
+    it was assumed 0, the check failed, and the trace with it. The estimate is the profiler's."""
+    def loss(m, x):
+        return -torch.distributions.Categorical(logits=m(x)).log_prob(torch.zeros(len(x), dtype=torch.long)).mean()
+    wl = Workload(model=lambda: nn.Linear(64, 64), batch=lambda n: torch.randn(n, 64), loss=loss,
+                  default_batch_size=8, name="categorical")
+    r = estimate(wl, Plan(), batch_size=8)
+    assert r.method == "fake" and any(".all() assumed True" in str(a) for a in r.approximations)
+    measured = profile(wl, batch_size=8, repeats=0)
+    assert abs(measured.error_percent) <= 1.0

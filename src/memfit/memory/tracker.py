@@ -92,7 +92,7 @@ class MemoryTracker(TorchDispatchMode):
         self.approximations: dict[tuple[str, str], Approximation] = {}
         self.probe = probe
         self.unprobed: dict[str, int] = {}
-        self._check_origin: dict[int, object] = {}  # storage's record -> the aten.all / aten.any / aten.sum that made it
+        self._check_origin: dict[int, object] = {}  # storage's record -> the aten.all / aten.any / aten.sum (or kin) that made it
         self._mask_counts: dict[int, int | None] = {}  # storage's record -> elements counted per value (a bool mask's sum)
         self._real_values = RealValues()  # (NOTE [ Real values of small integer tensors ])
         self.storages = LiveStorages(self._allocated, self._freed, self._hosted)  # tokens: record serials
@@ -298,8 +298,8 @@ class MemoryTracker(TorchDispatchMode):
         return self._modules.current()
 
     # NOTE [ Assumed scalars ]
-    # A value fake mode cannot know is assumed to be the common case of a check: ``.all()`` True,
-    # ``.any()`` False, ``torch.equal`` True, anything else 0 (e.g. GradScaler's found_inf: no
+    # A value fake mode cannot know is assumed to be the common case of a check: ``.all()`` True (and
+    # ``torch._is_all_true``, torch.distributions' argument checks), ``.any()`` False, ``torch.equal`` True, anything else 0 (e.g. GradScaler's found_inf: no
     # overflow), and a count of a boolean mask (``mask.sum()``, ``count_nonzero``) a full mask, as
     # ``.all()`` is: every element counted (e.g. the caption lengths of a text-conditioned DiT from
     # its attention mask; a synthetic batch's masks are full). Every assumption is listed in the
@@ -319,9 +319,9 @@ class MemoryTracker(TorchDispatchMode):
             what, value = "torch.equal(...) assumed True", True
         elif count is not None:
             what, value = "a data-dependent count of a boolean mask assumed full (all True)", count
-        elif origin is aten.all:
+        elif origin in _ALL_OPS:
             what, value = "a data-dependent .all() assumed True", True
-        elif origin is aten.any:
+        elif origin in _ANY_OPS:
             what, value = "a data-dependent .any() assumed False", False
         else:
             dtype = args[0].dtype
@@ -373,7 +373,10 @@ def _resize_outputs(out, real_nbytes: tuple[int, ...]):
 
 
 _COUNT_OPS = {aten.sum, aten.count_nonzero}
-_CHECK_OPS = {aten.all, aten.any, *_COUNT_OPS}
+_ALL_OPS = {aten.all, aten._is_all_true}
+"""What ``.all()`` and ``torch._is_all_true`` make (the latter: torch.distributions' argument validation)."""
+_ANY_OPS = {aten.any, aten._is_any_true}
+_CHECK_OPS = {*_ALL_OPS, *_ANY_OPS, *_COUNT_OPS}
 
 
 def _mask_count(args, out: torch.Tensor) -> int | None:
