@@ -190,7 +190,9 @@ def test_a_distributions_argument_check_is_assumed_to_pass_as_all_is():
     byte logits): a value fake mode cannot know, assumed True as ``.all()`` is (NOTE [ Assumed scalars ]), where
     it was assumed 0, the check failed, and the trace with it. The estimate is the profiler's."""
     def loss(m, x):
-        return -torch.distributions.Categorical(logits=m(x)).log_prob(torch.zeros(len(x), dtype=torch.long)).mean()
+        # (validate_args named: Dynamo turns torch.distributions' default off for the process once it compiles)
+        dist = torch.distributions.Categorical(logits=m(x), validate_args=True)
+        return -dist.log_prob(torch.zeros(len(x), dtype=torch.long)).mean()
     wl = Workload(model=lambda: nn.Linear(64, 64), batch=lambda n: torch.randn(n, 64), loss=loss,
                   default_batch_size=8, name="categorical")
     r = estimate(wl, Plan(), batch_size=8)

@@ -15,8 +15,10 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from memfit.memory.profiler_events import allocator_events, profiler_peak
 
-NUMEL = 1 << 24  # 64 MiB of fp32: gloo's worker copies it for long enough that the caller has let go first
-# (at 4 MiB a loaded CI run once lost that race in all 40 rounds)
+NUMEL = 1 << 26  # 256 MiB of fp32: gloo's worker copies it for long enough that the caller has let go first
+# (at 4 MiB a loaded CI run once lost that race in all 40 rounds, and at 64 MiB a fresh clone's suite on a
+# 2-core machine did: a worker woken on a busy core can run the whole copy before the caller's next line;
+# a copy longer than the scheduler's time slice gives the caller the core back first)
 ROUNDS = 4
 
 
