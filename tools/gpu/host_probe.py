@@ -39,7 +39,7 @@ def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> dict:
     import torch
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    return {name: nbytes / _median_seconds(lambda dst=dst, src=src: dst.copy_(src, non_blocking=True), repeats)
+    return {name: nbytes / median_seconds(lambda dst=dst, src=src: dst.copy_(src, non_blocking=True), repeats)
             for name, (dst, src) in {"h2d": (dev, host), "d2h": (host, dev)}.items()}
 
 
@@ -59,11 +59,11 @@ def link_bandwidth(nbytes: int = 1 << 30) -> dict:
             dev_in.copy_(host_in, non_blocking=True)
         with torch.cuda.stream(streams[1]):
             host_out.copy_(dev_out, non_blocking=True)
-    out["duplex"] = round(_median_seconds(both_ways, 3) / (nbytes / min(one_way.values())), 3)
+    out["duplex"] = round(median_seconds(both_ways, 3) / (nbytes / min(one_way.values())), 3)
     return out
 
 
-def _median_seconds(run, repeats: int) -> float:
+def median_seconds(run, repeats: int) -> float:
     """The median wall seconds of ``run()`` on the GPU, synchronised before and after."""
     import torch
     runs = []

@@ -22,25 +22,16 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import sys
-import time
 
 GiB = 1 << 30
 
 
 def _step_seconds(opt, repeats: int) -> float:
-    import torch
+    from tools.gpu.host_probe import median_seconds
     for _ in range(2):  # (the first step makes the states; the second settles the pages)
         opt.step()
-    torch.cuda.synchronize()
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        opt.step()
-        torch.cuda.synchronize()
-        runs.append(time.perf_counter() - t0)
-    return statistics.median(runs)
+    return median_seconds(opt.step, repeats)
 
 
 def _params(count: float):

@@ -299,8 +299,8 @@ class MemoryTracker(TorchDispatchMode):
 
     # NOTE [ Assumed scalars ]
     # A value fake mode cannot know is assumed to be the common case of a check: ``.all()`` True (and
-    # ``torch._is_all_true``, torch.distributions' argument checks), ``.any()`` False, ``torch.equal`` True, anything else 0 (e.g. GradScaler's found_inf: no
-    # overflow), and a count of a boolean mask (``mask.sum()``, ``count_nonzero``) a full mask, as
+    # ``torch._is_all_true``, torch.distributions' argument checks), ``.any()`` False, ``torch.equal``
+    # True, anything else 0 (e.g. GradScaler's found_inf: no overflow), and a count of a boolean mask (``mask.sum()``, ``count_nonzero``) a full mask, as
     # ``.all()`` is: every element counted (e.g. the caption lengths of a text-conditioned DiT from
     # its attention mask; a synthetic batch's masks are full). Every assumption is listed in the
     # report, except those about the values memfit gives a loaded model in place of a checkpoint's
