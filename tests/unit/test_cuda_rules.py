@@ -115,6 +115,31 @@ def test_cuda_sdpa_keeps_no_scores_and_books_kernel_buffers():
     assert ws == [4 * b * h * t * d + 4 * b * h * t + 256]
 
 
+def test_the_efficient_kernels_mask_is_padded_as_given_and_broadcast_as_a_view():
+    """attention.cpp ``preprocess_mask``: a [B, 1, 1, Tk] key mask with Tk not a multiple of 8 (HunyuanVideo's:
+    18,616 tokens) is padded as it is, [B, 1, 1, Tk + 8 - Tk % 8], and then expanded over heads and queries (a view).
+    Expanding first and padding the expanded mask (the model before) booked B x H x Tq x Tk bytes: 16.6 GB a call
+    at HunyuanVideo's size. An aligned mask is not copied."""
+    b, h, t, d = 2, 4, 300, 32  # (300 keys: not a multiple of 8)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        tracker = MemoryTracker()
+        with tracker, cuda_kernel_model(A100, tracker):
+            q, k, v = _qkv(b, h, t, d)
+            mask = torch.ones(b, 1, 1, t, dtype=torch.bool)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            assert type(out.grad_fn).__name__ == "ScaledDotProductEfficientAttentionBackward0"
+            out.sum().backward()
+            aligned = torch.ones(b, 1, 1, 304, dtype=torch.bfloat16)
+            q2, k2, v2 = _qkv(b, h, 304, d)
+            n = len(tracker.state.records)
+            F.scaled_dot_product_attention(q2, k2, v2, attn_mask=aligned)
+            fresh = [r.nbytes for r in tracker.state.records[n:]]
+    sizes = [r.nbytes for r in tracker.state.records]
+    assert max(sizes) < b * h * t * t * 2, max(sizes)  # (nothing of [B, H, Tq, Tk])
+    assert b * (t + 8 - t % 8) * 2 in sizes  # (the padded bf16 mask, as given: [B, 1, 1, 304])
+    assert b * 304 * 2 not in fresh  # (aligned: no copy)
+
+
 def test_cuda_sdpa_reaches_calls_inside_multihead_attention_and_is_removed_after():
     mha = torch.nn.MultiheadAttention(64, 4, batch_first=True, dropout=0.1)
     x = torch.randn(2, 16, 64)

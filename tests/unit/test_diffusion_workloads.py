@@ -12,6 +12,7 @@ import torch
 
 from memfit.memory.estimate import estimate
 from memfit.memory.measure import profile
+from memfit.planner.stacks import stacks_of
 from memfit.plans import Plan
 from memfit.step import build_step
 from memfit.techniques.checkpointing import find_blocks
@@ -44,7 +45,15 @@ TINY["dit-wan-i2v"] = ("dit-wan-i2v:num_layers=2,attention_head_dim=16,num_atten
 TINY["dit-wan-flf2v"] = TINY["dit-wan-i2v"] + ",pos_embed_seq_len=514"  # (Wan 2.1 FLF2V: two frames' image states)
 TINY["dit-wan-5b"] = ("dit-wan-5b:num_layers=2,attention_head_dim=16,num_attention_heads=2,ffn_dim=64,text_dim=32,"
                       "freq_dim=32,frames=5,in_channels=8,out_channels=8,width=128")
-RESOLUTION = {"dit-wan-i2v": 64, "dit-wan-flf2v": 64, "dit-wan-5b": 64, "dit-wan": 64, "dit-flux2": 128, "dit-lumina2": 128, "dit-sd3": 128, "unet-sdxl": 128, "unet-sd15": 64, "dit-flux": 128, "dit-qwenimage": 128}
+TINY["dit-chroma"] = ("dit-chroma:num_layers=2,num_single_layers=3,attention_head_dim=16,num_attention_heads=2,"
+                      "joint_attention_dim=32,in_channels=16,axes_dims_rope=4/6/6,approximator_hidden_dim=32,"
+                      "approximator_num_channels=16,approximator_layers=2")
+TINY["dit-zimage"] = ("dit-zimage:dim=64,n_layers=2,n_refiner_layers=1,n_heads=4,n_kv_heads=4,cap_feat_dim=32,"
+                      "axes_dims=8/4/4,caption_tokens=40")
+TINY["dit-hunyuan-video"] = ("dit-hunyuan-video:num_layers=1,num_single_layers=2,num_refiner_layers=1,attention_head_dim=16,"
+                             "num_attention_heads=2,text_embed_dim=32,pooled_projection_dim=16,rope_axes_dim=4/6/6,"
+                             "frames=5,width=64")
+RESOLUTION = {"dit-hunyuan-video": 64, "dit-chroma": 128, "dit-zimage": 128, "dit-wan-i2v": 64, "dit-wan-flf2v": 64, "dit-wan-5b": 64, "dit-wan": 64, "dit-flux2": 128, "dit-lumina2": 128, "dit-sd3": 128, "unet-sdxl": 128, "unet-sd15": 64, "dit-flux": 128, "dit-qwenimage": 128}
 
 # unet-sdxl in fp32 is profiled by test_block_checkpointing_keeps_fewer_activations (same bound; slow tier)
 CASES = [(arch, precision, ckpt) for arch in ("dit-lumina2", "unet-sdxl") for precision in ("fp32", "bf16")
@@ -53,7 +62,9 @@ CASES = [(arch, precision, ckpt) for arch in ("dit-lumina2", "unet-sdxl") for pr
     ("dit-flux", "fp32", "none"), ("dit-flux", "bf16", "blocks"), ("dit-qwenimage", "fp32", "none"),
     ("dit-qwenimage", "bf16", "blocks"), ("dit-flux2", "fp32", "none"), ("dit-flux2", "bf16", "blocks"),
     ("dit-wan", "fp32", "none"), ("dit-wan", "bf16", "blocks"), ("dit-wan-i2v", "bf16", "blocks"),
-    ("dit-wan-flf2v", "bf16", "blocks"), ("dit-wan-5b", "fp32", "none")]
+    ("dit-wan-flf2v", "bf16", "blocks"), ("dit-wan-5b", "fp32", "none"), ("dit-chroma", "fp32", "none"),
+    ("dit-chroma", "bf16", "blocks"), ("dit-zimage", "fp32", "none"), ("dit-zimage", "bf16", "blocks"),
+    ("dit-hunyuan-video", "fp32", "none"), ("dit-hunyuan-video", "bf16", "blocks")]
 SLOW = {("unet-sdxl", "bf16", "none"), ("unet-sdxl", "bf16", "blocks"),  # (keeps the default suite under 10 minutes:
         ("dit-lumina2", "bf16", "none"), ("dit-lumina2", "fp32", "blocks"),  # lumina2 fp32-none stays, and its
         ("dit-lumina2", "bf16", "blocks"), ("dit-flux", "fp32", "none"),  # bf16-blocks LoRA in test_adapter; flux bf16-blocks;
@@ -147,7 +158,8 @@ def test_released_sizes_and_resolution_shape_the_batch():
     """Parameter counts of the released models, and the latent/caption shapes of one sample."""
     sizes = {"dit-lumina2": 2.61e9, "dit-sd3": 2.03e9, "unet-sdxl": 2.57e9, "unet-sd15": 0.86e9, "dit-flux": 11.90e9,
              "dit-qwenimage": 20.43e9, "dit-flux2": 32.22e9, "dit-wan": 14.29e9, "dit-wan-1.3b": 1.42e9, "dit-wan-i2v": 14.29e9, "dit-wan-5b": 5.00e9,
-             "dit-wan-i2v:image_dim=1280,added_kv_proj_dim=5120": 16.39e9}
+             "dit-wan-i2v:image_dim=1280,added_kv_proj_dim=5120": 16.39e9, "dit-chroma": 8.90e9, "dit-zimage": 6.15e9,
+             "dit-hunyuan-video": 12.82e9}
     for spec, want in sizes.items():
         with torch.device("meta"):
             n = sum(p.numel() for p in load_workload(spec).model().parameters())
@@ -405,3 +417,71 @@ def test_a_resolutions_width_is_given_once_and_within_the_models_sizes():
         load_workload("gpt2", resolution=(512, 512))
     assert load_workload("dit-flux", resolution=(1024, 1024)).name == "dit-flux"
     assert load_workload("dit-flux", resolution=(512, 512)).name == "dit-flux 512px"
+
+
+def test_chroma_is_flux_schnell_fed_t5_alone_with_its_mask():
+    """Chroma1-HD: FLUX.1-schnell's 19 + 38 blocks, no guidance and no pooled CLIP vector; the caption's T5 mask
+    extended over the image tokens, as ``ChromaPipeline._prepare_attention_mask`` extends it."""
+    wl = load_workload("dit-chroma")
+    with torch.device("meta"):
+        model = wl.model()
+    blocks = {name: (len(children), type(children[0]).__name__) for name, children in find_blocks(model)}
+    assert blocks["transformer_blocks"] == (19, "ChromaTransformerBlock")
+    assert blocks["single_transformer_blocks"] == (38, "ChromaSingleTransformerBlock")
+    # (the approximator's five layers and norms repeat too: shallow traces keep them whole, and a swapped share is
+    # of the 57 blocks behind them: NOTE [ Stacks of unrelated depths ])
+    assert blocks["distilled_guidance_layer.layers"] == (5, "PixArtAlphaTextProjection")
+    assert stacks_of(model).tail == (19, 38)
+    batch = wl.batch(2)
+    assert batch["hidden_states"].shape == batch["target"].shape == (2, 64 * 64, 64)
+    assert batch["encoder_hidden_states"].shape == (2, 512, 4096) and batch["txt_ids"].shape == (512, 3)
+    assert batch["attention_mask"].shape == (2, 512 + 64 * 64) and batch["attention_mask"].dtype == torch.bool
+    assert "guidance" not in batch and "pooled_projections" not in batch and wl.from_checkpoint
+
+
+def test_zimage_is_called_with_lists_as_its_pipeline_calls_it():
+    """Z-Image: 30 layers and 2 + 2 refiner layers found as blocks; each sample's latents [C, 1, H, W] and caption
+    states [L, 2560] reach the model as lists (``unbind``), its list of outputs stacked against the target
+    ``latents - noise`` with t = 1 the image; ``caption_tokens=`` sizes the caption."""
+    wl = load_workload("dit-zimage")
+    with torch.device("meta"):
+        model = wl.model()
+    blocks = {name: (len(children), type(children[0]).__name__) for name, children in find_blocks(model)}
+    assert blocks["layers"] == (30, "ZImageTransformerBlock")
+    assert blocks["noise_refiner"] == blocks["context_refiner"] == (2, "ZImageTransformerBlock")
+    batch = wl.batch(2)
+    assert batch["x"].shape == (2, 16, 1, 128, 128) and batch["target"].shape == (2, 16, 128, 128)
+    assert batch["cap_feats"].shape == (2, 512, 2560) and wl.info.resolution == 1024
+    assert load_workload("dit-zimage:caption_tokens=77").batch(1)["cap_feats"].shape == (1, 77, 2560)
+    tiny = load_workload(TINY["dit-zimage"], resolution=64)
+    torch.manual_seed(0)
+    b = tiny.batch(2)
+    torch.manual_seed(0)
+    x0, noise, t = torch.randn(2, 16, 8, 8), torch.randn(2, 16, 8, 8), torch.rand(2)
+    s = t.view(-1, 1, 1, 1)
+    torch.testing.assert_close(b["x"].squeeze(2), s * x0 + (1 - s) * noise)
+    torch.testing.assert_close(b["target"], x0 - noise)
+    torch.manual_seed(1)
+    m = tiny.model()
+    out = m([x for x in b["x"]], b["t"], [c for c in b["cap_feats"]], return_dict=False)[0]
+    want = torch.nn.functional.mse_loss(torch.stack([o.float() for o in out]).squeeze(2), b["target"])
+    torch.testing.assert_close(tiny.loss(m, b), want)
+
+
+def test_hunyuan_video_is_musubi_tuners_clip_with_its_caption_mask_and_guidance():
+    """HunyuanVideo T2V: 20 double- and 40 single-stream blocks; 33 frames at 960 x 544 are 9 latent frames of
+    68 x 120 latents (1x2x2 patches: 18,360 tokens), 256 caption tokens of 4096 with their mask, CLIP-L's pooled
+    768, the guidance times 1000; ``frames=`` and ``width=`` size the clip as ``dit-wan``'s."""
+    wl = load_workload("dit-hunyuan-video")
+    with torch.device("meta"):
+        model = wl.model()
+    blocks = {name: (len(children), type(children[0]).__name__) for name, children in find_blocks(model)}
+    assert blocks["transformer_blocks"] == (20, "HunyuanVideoTransformerBlock")
+    assert blocks["single_transformer_blocks"] == (40, "HunyuanVideoSingleTransformerBlock")
+    batch = wl.batch(1)
+    assert batch["hidden_states"].shape == batch["target"].shape == (1, 16, 9, 68, 120)
+    assert batch["encoder_hidden_states"].shape == (1, 256, 4096) and batch["encoder_attention_mask"].shape == (1, 256)
+    assert batch["pooled_projections"].shape == (1, 768) and batch["guidance"].tolist() == [1000.0]
+    assert wl.info.config["tokens"] == 18360 and wl.name == "dit-hunyuan-video"
+    small = load_workload("dit-hunyuan-video:frames=17,width=512", resolution=512)
+    assert small.batch(1)["hidden_states"].shape == (1, 16, 5, 64, 64) and small.name == "dit-hunyuan-video 512x512px 17 frames"

@@ -88,6 +88,33 @@ def test_a_wan_pipeline_builds_dit_wans_video_batch_and_runs_within_one_percent(
     assert r.predicted.method == "fake" and abs(r.error_percent) < 1.0, r.error_percent
 
 
+CHROMA = {"_class_name": "ChromaTransformer2DModel", "attention_head_dim": 16, "num_attention_heads": 2,
+          "num_layers": 1, "num_single_layers": 2, "in_channels": 16, "joint_attention_dim": 32,
+          "axes_dims_rope": [4, 6, 6], "approximator_hidden_dim": 32, "approximator_num_channels": 16,
+          "approximator_layers": 2}
+ZIMAGE = {"_class_name": "ZImageTransformer2DModel", "dim": 64, "n_layers": 2, "n_refiner_layers": 1, "n_heads": 4,
+          "n_kv_heads": 4, "cap_feat_dim": 32, "axes_dims": [8, 4, 4]}
+
+
+HUNYUAN_VIDEO = {"_class_name": "HunyuanVideoTransformer3DModel", "num_layers": 1, "num_single_layers": 1,
+                 "num_refiner_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2, "text_embed_dim": 32,
+                 "pooled_projection_dim": 16, "rope_axes_dim": [4, 6, 6]}
+
+
+@pytest.mark.parametrize("config,kind,sizes,target", [
+    (CHROMA, "ChromaPipeline", "", (2, 16, 16)),
+    (ZIMAGE, "ZImagePipeline", ":caption_tokens=24", (2, 16, 8, 8)),  # (no config.json field: it sizes the batch)
+    (HUNYUAN_VIDEO, "HunyuanVideoPipeline", ":frames=5,width=64", (2, 16, 2, 8, 8))], ids=["chroma", "zimage", "hunyuan"])
+def test_chroma_zimage_and_hunyuan_pipelines_build_their_built_ins_batch_and_run_within_one_percent(
+        hub_cache, no_network, config, kind, sizes, target):
+    hub_cache(ID, None, files=pipeline("transformer", config, kind))
+    wl = load_workload(ID + sizes, resolution=64)
+    assert wl.info.config["model_class"] == config["_class_name"] and wl.from_checkpoint
+    assert wl.batch(2)["target"].shape == target
+    r = profile(ID + sizes, Plan(), batch_size=2, resolution=64, repeats=0)
+    assert r.predicted.method == "fake" and abs(r.error_percent) < 1.0, r.error_percent
+
+
 def test_a_wan_hub_ids_clip_takes_frames_and_width_as_dit_wan_does_and_other_fields_stay_the_configs(hub_cache, no_network):
     """``frames=`` and ``width=`` size a Wan hub id's clip as they size ``dit-wan``'s (they are no config.json
     fields: before, they were refused as such); the config's own fields are overridden as before, and a
@@ -124,10 +151,10 @@ def test_a_wan_2_2_5b_pipeline_takes_its_16x_vae_and_a_timestep_per_token(hub_ca
 
 
 @pytest.mark.parametrize("files,error", [
-    (pipeline("transformer", {"_class_name": "HunyuanVideoTransformer3DModel", "num_layers": 1}, "HunyuanVideoPipeline"),
+    (pipeline("transformer", {"_class_name": "LTXVideoTransformer3DModel", "num_layers": 1}, "LTXPipeline"),
      "memfit builds the diffusers denoisers UNet2DConditionModel, FluxTransformer2DModel, SD3Transformer2DModel, "
      "Lumina2Transformer2DModel, QwenImageTransformer2DModel, Flux2Transformer2DModel, WanTransformer3DModel, "
-     "not HunyuanVideoTransformer3DModel"),
+     "ChromaTransformer2DModel, ZImageTransformer2DModel, HunyuanVideoTransformer3DModel, not LTXVideoTransformer3DModel"),
     ({"model_index.json": {"_class_name": "AudioLDMPipeline", "vocoder": ["transformers", "SpeechT5HifiGan"]}},
      "AudioLDMPipeline's model_index.json names no unet or transformer"),
 ], ids=["unmodelled-class", "no-denoiser"])

@@ -15,7 +15,7 @@ from pathlib import Path
 from memfit.errors import UserError
 from memfit.units import parse_key_values
 from memfit.workload import Workload
-from memfit.workloads import adapter_folders, diffusion, hf, hub, packed_dits, video_dits, zoo
+from memfit.workloads import adapter_folders, diffusion, hf, hub, packed_dits, video_dits, zimage, zoo
 from memfit.workloads.checks import (
     blamed,
     check_resolution,
@@ -26,7 +26,7 @@ from memfit.workloads.checks import (
 )
 from memfit.workloads.config_overrides import parse_overrides
 
-IMAGE_BUILDERS = {**diffusion.BUILDERS, **packed_dits.BUILDERS, **video_dits.BUILDERS}
+IMAGE_BUILDERS = {**diffusion.BUILDERS, **packed_dits.BUILDERS, **video_dits.BUILDERS, **zimage.BUILDERS}
 """The built-ins that take ``--resolution`` (the image and video diffusion models)."""
 
 _REGISTRY: dict[str, tuple[Callable[..., Workload], str]] = {

@@ -25,7 +25,11 @@ the built-in's (the same objective, caption tokens and conditioning), at the con
 - ``QwenImageTransformer2DModel`` (Qwen-Image, and Qwen-Image-Edit's denoiser built as Qwen-Image's):
   ``dit-qwenimage``'s;
 - ``Flux2Transformer2DModel`` (FLUX.2-dev, and FLUX.2's smaller sizes): ``dit-flux2``'s, with the guidance
-  input only when the config embeds it.
+  input only when the config embeds it;
+- ``WanTransformer3DModel`` (Wan 2.1 and 2.2): ``dit-wan``'s video batch (memfit.workloads.video_dits);
+- ``ChromaTransformer2DModel`` (Chroma1-HD, Chroma1-Base): ``dit-chroma``'s;
+- ``ZImageTransformer2DModel`` (Z-Image-Turbo, Z-Image): ``dit-zimage``'s;
+- ``HunyuanVideoTransformer3DModel`` (HunyuanVideo T2V): ``dit-hunyuan-video``'s video batch.
 
 Any other class is refused in one line. It loads as ``from_pretrained`` loads it (each weight made on
 the device in its final form: memfit.techniques.loading).
@@ -40,7 +44,7 @@ from pathlib import Path
 
 from memfit.errors import UserError, brief
 from memfit.workload import Workload
-from memfit.workloads import diffusion, packed_dits, video_dits
+from memfit.workloads import diffusion, packed_dits, video_dits, zimage
 
 DENOISERS = ("transformer", "unet")
 """The components of a diffusers pipeline that hold its denoiser, in the order they are looked for."""
@@ -50,7 +54,10 @@ _BY_CLASS = {"FluxTransformer2DModel": (packed_dits.FLUX, packed_dits.flux),
              "Lumina2Transformer2DModel": (diffusion.LUMINA2, diffusion.lumina2),
              "QwenImageTransformer2DModel": (packed_dits.QWEN_IMAGE, packed_dits.qwen_image),
              "Flux2Transformer2DModel": (packed_dits.FLUX2, packed_dits.flux2),
-             "WanTransformer3DModel": (video_dits.WAN, video_dits.wan)}
+             "WanTransformer3DModel": (video_dits.WAN, video_dits.wan),
+             "ChromaTransformer2DModel": (packed_dits.CHROMA, packed_dits.chroma),
+             "ZImageTransformer2DModel": (zimage.ZIMAGE, zimage.zimage),
+             "HunyuanVideoTransformer3DModel": (video_dits.HUNYUAN_VIDEO, video_dits.hunyuan_video)}
 CLASSES = ("UNet2DConditionModel", *_BY_CLASS)
 
 
@@ -107,14 +114,16 @@ SIZE_KEYS = ("width", *TEXT_KEYS)
 config.json field: NOTE [ A resolution's width ] in memfit.workloads.checks), and the text encoders in its step
 (TEXT_KEYS); a Wan model's clip also takes ``frames=`` (CLIP_KEYS)."""
 CLIP_KEYS = ("frames", "width")
+OWN_KEYS = {"WanTransformer3DModel": CLIP_KEYS, "HunyuanVideoTransformer3DModel": CLIP_KEYS, "ZImageTransformer2DModel": ("caption_tokens", "width")}
+"""The size overrides of the classes that take others than SIZE_KEYS (Z-Image's longest caption)."""
 
 
 def size_overrides(data: dict, overrides: dict | None) -> dict:
-    """The overrides of ``data`` (a diffusers config.json's object) that size its image or clip: ``width=``, and
-    a Wan model's ``frames=``."""
+    """The overrides of ``data`` (a diffusers config.json's object) that size its image or clip: ``width=``, a Wan
+    model's ``frames=``, a Z-Image model's ``caption_tokens=``."""
     if not overrides or not is_diffusers_config(data):
         return {}
-    keys = CLIP_KEYS if data.get("_class_name") == "WanTransformer3DModel" else SIZE_KEYS
+    keys = OWN_KEYS.get(data.get("_class_name"), SIZE_KEYS)
     return {k: overrides[k] for k in keys if k in overrides}
 
 

@@ -21,6 +21,7 @@ level. ``--resolution`` sets the pixels; the default is the model's native resol
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -143,9 +144,14 @@ def _tuple_value(arch: str, key: str, value: Any, default: tuple) -> Any:
 
 
 def model_builder(m: ImageModel, cls: type, kwargs: dict, overrides: dict):
+    """The denoiser built from ``kwargs``. A deprecation diffusers warns of inside its own classes (Chroma's
+    ``FluxPosEmbed`` from its old module) is not the user's to act on: it is not shown."""
     def model():
         try:
-            return cls(**kwargs)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", category=FutureWarning, module="diffusers")
+                warnings.filterwarnings("ignore", message=".*is deprecated", category=FutureWarning)
+                return cls(**kwargs)
         except Exception as e:  # noqa: BLE001 - the defaults build; a failure is the overrides'
             if not overrides:
                 raise

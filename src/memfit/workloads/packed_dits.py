@@ -1,5 +1,5 @@
-"""Diffusion transformers fed packed latent tokens: FLUX.1, FLUX.2 and Qwen-Image (diffusers' DiTs, built
-from their configs; no weights).
+"""Diffusion transformers fed packed latent tokens: FLUX.1, Chroma, FLUX.2 and Qwen-Image (diffusers' DiTs,
+built from their configs; no weights).
 
 Their pipelines cut the VAE's latents into 2x2 patches and feed each patch as one token of 4x the latent
 channels (``_pack_latents``; FLUX.2 puts the patch in channels first, ``_patchify_latents``), so a
@@ -54,6 +54,14 @@ FLUX2 = ImageModel(
     # captions) and its guidance embedding, at the pipeline's 1024 px and 512 tokens.
     {}, 1024, 512,
     "FLUX.2-dev DiT, 32.2B (diffusers Flux2Transformer2DModel; flow matching with guidance, 1024px)")
+
+CHROMA = ImageModel(
+    "dit-chroma", "ChromaTransformer2DModel",
+    # Chroma1-HD: the class defaults (FLUX.1-schnell's 19 double-stream + 38 single-stream blocks, 24 heads x 128,
+    # T5 4096 wide; the modulation from a 5-layer approximator in place of FLUX's per-block linears; no CLIP, no
+    # guidance), at the pipeline's 1024 px and 512 T5 tokens.
+    {}, 1024, 512,
+    "Chroma1-HD DiT, 8.9B (diffusers ChromaTransformer2DModel; flow matching, T5 only, 1024px)")
 
 FLUX_PACK = 2
 """Flux's pipeline packs 2x2 latent pixels into one token (``FluxPipeline._pack_latents``)."""
@@ -142,6 +150,24 @@ def _t5_mask_to_attention(module: torch.nn.Module, args: tuple, kwargs: dict) ->
     return args, kwargs
 
 
+def chroma(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = CHROMA) -> Workload:
+    """Chroma as ai-toolkit and diffusers' Chroma pipeline feed it: latents and T5-XXL's caption states cached,
+    the batch the 2x2-packed noisy latents (as FLUX's), the caption states, the position ids (FLUX's), the
+    timestep as a fraction, and the caption's T5 mask extended over the image tokens
+    (``ChromaPipeline._prepare_attention_mask``). Each block squares that mask into [B, 1, L, L] booleans
+    before its attention (``mask[:, None, None, :] * mask[:, None, :, None]``), so the trace holds what a
+    training step does. Rectified flow (t = 1 is noise), the target the velocity. Loaded as a checkpoint is."""
+    def inputs(b: int, kw: dict, high: int, wide: int) -> dict:
+        rows, cols = torch.arange(high).repeat_interleave(wide), torch.arange(wide).repeat(high)
+        return {"encoder_hidden_states": torch.randn(b, m.caption_tokens, kw["joint_attention_dim"]),
+                "img_ids": torch.stack([torch.zeros(high * wide), rows.float(), cols.float()], dim=1),
+                "txt_ids": torch.zeros(m.caption_tokens, 3),
+                "attention_mask": torch.ones(b, m.caption_tokens + high * wide, dtype=torch.bool)}
+    return _packed_workload(m, overrides, seq_len, resolution, _pack, inputs,
+                            ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
+                             "joint_attention_dim"))
+
+
 def qwen_image(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = QWEN_IMAGE) -> Workload:
     """Qwen-Image as diffusers' ``train_dreambooth_lora_qwen_image`` and musubi-tuner train it: latents and
     Qwen2.5-VL's caption states cached, so the batch is the packed noisy latents (2x2 latent pixels a token,
@@ -222,5 +248,6 @@ BUILDERS = {
     "dit-flux": (flux, FLUX.doc),
     "dit-qwenimage": (qwen_image, QWEN_IMAGE.doc),
     "dit-flux2": (flux2, FLUX2.doc),
+    "dit-chroma": (chroma, CHROMA.doc),
 }
 """Built-ins that take ``--resolution``: ``builder(overrides, seq_len, resolution)``."""

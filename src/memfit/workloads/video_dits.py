@@ -1,5 +1,6 @@
-"""Video diffusion transformers: Wan 2.1 and 2.2 (diffusers' ``WanTransformer3DModel``, built from its
-config; no weights), trained on cached latents as musubi-tuner and diffusers' Wan LoRA scripts train them:
+"""Video diffusion transformers: Wan 2.1 and 2.2 (diffusers' ``WanTransformer3DModel``) and HunyuanVideo
+(``HunyuanVideoTransformer3DModel``, ``dit-hunyuan-video``), built from their configs (no weights), trained on
+cached latents as musubi-tuner and diffusers' LoRA scripts train them:
 
 - ``dit-wan``: Wan 2.1 T2V 14B, which is also the shape of each of Wan 2.2 T2V A14B's two experts (a LoRA
   trains one expert at a time, the high-noise or the low-noise one); ``dit-wan-1.3b``: Wan 2.1 T2V 1.3B.
@@ -75,6 +76,16 @@ WAN_5B = ImageModel(
     "at 1280x704)", vae_factor=16)
 
 
+HUNYUAN_VIDEO = ImageModel(
+    "dit-hunyuan-video", "HunyuanVideoTransformer3DModel",
+    # HunyuanVideo (T2V 720p): the class defaults (20 double-stream + 40 single-stream blocks of 3072, 24 heads x 128;
+    # a 2-layer token refiner over LLaVA-Llama-3-8B's 4096-wide states, 256 tokens; CLIP-L's pooled 768; the
+    # guidance embedding), trained as musubi-tuner's examples train it: 960 x 544, 33 frames.
+    {}, 544, 256,
+    "HunyuanVideo T2V 13B video DiT (diffusers HunyuanVideoTransformer3DModel; flow matching with guidance, "
+    "33 frames at 960x544)")
+
+
 @dataclass(frozen=True)
 class Clip:
     """What a Wan model trains on by default, beside its config."""
@@ -88,6 +99,12 @@ class Clip:
 
 
 WAN22_CLIP = Clip(frames=121, width=1280, token_timesteps=True)
+HUNYUAN_CLIP = Clip(frames=33, width=960)
+"""HunyuanVideo's clip in musubi-tuner's examples (the pipeline's own default, 129 frames at 1280 x 720, is 118,800
+tokens: inference's, not a LoRA's)."""
+HUNYUAN_GUIDANCE = 1.0
+"""The guidance value a HunyuanVideo step embeds (musubi-tuner's ``--guidance_scale`` default; the pipeline feeds
+it times 1000)."""
 """Wan 2.2 TI2V 5B's, which comes with the 16x VAE (also for a model folder of it)."""
 IMAGE_TOKENS = 257
 """CLIP ViT-H/14's image states a clip (Wan 2.1 I2V's ``image_dim`` path; first-last-frame: twice that)."""
@@ -161,6 +178,49 @@ def wan(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageMo
     return wl
 
 
+def hunyuan_video(overrides: dict, seq_len: int | None, resolution: int | None,
+                  m: ImageModel = HUNYUAN_VIDEO) -> Workload:
+    """HunyuanVideo as musubi-tuner and diffusers' pipeline feed it: latents and both text encoders' outputs cached,
+    so the batch is the noisy video latents ``[B, 16, F', H', W']`` (Wan's VAE factors: 4x in time, 8x a side),
+    LLaVA-Llama-3's caption states (256 tokens) with their mask, CLIP-L's pooled vector, the guidance value times
+    1000 and the timestep on the 0-1000 scale; rectified flow (t = 1 is noise), the target ``noise - latents``.
+    Its forward turns the caption mask into a ``[B, 1, 1, N]`` attention mask over the joined sequence. ``frames=``
+    and ``width=`` size the clip as ``dit-wan``'s. Loaded as a checkpoint is."""
+    no_seq_len(m.arch, seq_len)
+    clip = HUNYUAN_CLIP
+    overrides = dict(overrides)
+    frames = overrides.pop("frames", clip.frames)
+    width = overrides.pop("width", clip.width)
+    depth = latent_frames(m.arch, frames)
+    cls, kw = config_of(m, overrides)
+    p_t, p = kw["patch_size_t"], kw["patch_size"]
+    if depth % p_t:
+        raise UserError(f"{m.arch}: patch_size_t {p_t} must divide the {depth} latent frames; change the overrides")
+    high, wide, _ = latent_sides(m, resolution, width, p, "patch size")
+    channels = kw["in_channels"]
+
+    def batch(b: int) -> dict:
+        shape = (b, channels, depth, high, wide)
+        latents, noise, t = torch.randn(shape), torch.randn(shape), torch.rand(b)
+        noisy, target = flow_matching(latents, noise, t, data_at_one=False)
+        guidance = {"guidance": torch.full((b,), HUNYUAN_GUIDANCE * 1000)} if kw["guidance_embeds"] else {}
+        return {"hidden_states": noisy, "timestep": t * 1000, **guidance,
+                "encoder_hidden_states": torch.randn(b, m.caption_tokens, kw["text_embed_dim"]),
+                "encoder_attention_mask": torch.ones(b, m.caption_tokens, dtype=torch.long),
+                "pooled_projections": torch.randn(b, kw["pooled_projection_dim"]), "target": target}
+
+    res = high * m.vae_factor
+    tokens = depth // p_t * (high // p) * (wide // p)
+    info = image_info(m, res, kw, ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim"), p)
+    info.config.update(frames=frames, latent_frames=depth, width=wide * m.vae_factor, tokens=tokens, fixed_width=True)
+    wl = image_workload(m, model_builder(m, cls, kw, overrides), batch, transformer_loss, res, info)
+    wl.name = (m.arch if res == m.resolution and wide * m.vae_factor == clip.width
+               else f"{m.arch} {wide * m.vae_factor}x{res}px")
+    if frames != clip.frames:
+        wl.name += f" {frames} frames"
+    return wl
+
+
 def template(config: dict) -> ImageModel:
     """The built-in a Wan ``config.json`` is shaped like: 2.2's 5B where its output latents have 48
     channels (its 16x VAE's), else the 14B (its fields replace the size)."""
@@ -173,5 +233,6 @@ BUILDERS = {
     "dit-wan-1.3b": (lambda o, s, r: wan(o, s, r, m=WAN_1_3B), WAN_1_3B.doc),
     "dit-wan-i2v": (lambda o, s, r: wan(o, s, r, m=WAN_I2V), WAN_I2V.doc),
     "dit-wan-5b": (lambda o, s, r: wan(o, s, r, m=WAN_5B), WAN_5B.doc),
+    "dit-hunyuan-video": (hunyuan_video, HUNYUAN_VIDEO.doc),
 }
 """Built-ins that take ``--resolution``: ``builder(overrides, seq_len, resolution)``."""

@@ -65,14 +65,20 @@ def _float_mask(mask, dtype):
 
 
 def _efficient_mask(mask, q, k):
-    """attention.cpp ``preprocess_mask``: expand to [B, H, Tq, Tk]; pad the keys to a multiple of
-    16 (a materialised copy) when they are not aligned."""
-    mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    last = mask.shape[-1]
-    if last % 16 or mask.stride(-1) != 1:
-        pad = (16 - last % 16) % 16
-        mask = torch.nn.functional.pad(mask, (0, pad))[..., :last]
-    return mask
+    """attention.cpp ``preprocess_mask``: a mask whose strides are not multiples of 8 elements (or whose last
+    stride is not 1) is padded on its last dimension (``pad_bias``: by ``8 - Tk % 8``, 8 where already a
+    multiple) and sliced back: a copy of the mask as given, before it is broadcast. Then it is expanded to
+    [B, H, Tq, Tk], a view: a [B, 1, 1, Tk] key mask (HunyuanVideo's) stays [B, 1, 1, Tk] bytes, not H x Tq
+    times that."""
+    if any(s % EFFICIENT_MASK_ALIGNMENT for s in mask.stride()[:-1]) or mask.stride(-1) != 1:
+        last = mask.shape[-1]
+        mask = torch.nn.functional.pad(mask, (0, EFFICIENT_MASK_ALIGNMENT - last % EFFICIENT_MASK_ALIGNMENT))
+        mask = mask[..., :last]
+    return mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
+EFFICIENT_MASK_ALIGNMENT = 8
+"""``mem_eff_alignment`` in attention.cpp's ``preprocess_mask``."""
 
 
 def sdpa(cc, cuda, cudnn, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
