@@ -140,6 +140,21 @@ def test_the_efficient_kernels_mask_is_padded_as_given_and_broadcast_as_a_view()
     assert b * 304 * 2 not in fresh  # (aligned: no copy)
 
 
+def test_a_boolean_mask_becomes_an_additive_one_without_an_inverted_copy():
+    """``convert_boolean_attn_mask`` is ``where(mask, 0, -inf)`` since torch 2.6 (pytorch#139784): an expanded
+    [B, H, T, T] boolean view (kohya's T5 mask) becomes one bf16 tensor of that shape, with no bool copy of it
+    (``logical_not`` first, before, booked B x H x T x T bytes more)."""
+    b, h, t, d = 2, 4, 96, 32  # (the mask's bytes unlike any other tensor's here)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        tracker = MemoryTracker()
+        with tracker, cuda_kernel_model(A100, tracker):
+            q, k, v = _qkv(b, h, t, d)
+            mask = torch.ones(b, 1, 1, t, dtype=torch.bool).expand(b, h, t, t)
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    sizes = [r.nbytes for r in tracker.state.records]
+    assert b * h * t * t * 2 in sizes and b * h * t * t not in sizes
+
+
 def test_cuda_sdpa_reaches_calls_inside_multihead_attention_and_is_removed_after():
     mha = torch.nn.MultiheadAttention(64, 4, batch_first=True, dropout=0.1)
     x = torch.randn(2, 16, 64)

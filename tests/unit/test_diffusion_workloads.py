@@ -226,7 +226,7 @@ def test_fluxs_captions_are_512_t5_tokens_schnells_256_or_as_given():
 def test_kohyas_t5_attention_mask_is_predicted_within_1pct_and_costs_what_its_expanded_masks_take():
     """NOTE [ kohya's T5 attention mask ]: ``t5_mask=true`` gives FLUX's attention sd-scripts' [B, heads, L, L] mask;
     a full mask trains as no mask (the same outputs); on this CPU within 1% of the profiler; on the RTX 4090 preset
-    it adds at least the bool and bf16 masks SDPA makes of it (memfit.memory.cuda.sdpa)."""
+    it adds at least the bf16 mask SDPA makes of it (memfit.memory.cuda.sdpa)."""
     from memfit.errors import UserError
     from memfit.memory.estimate import estimate
     spec, masked = TINY["dit-flux"], TINY["dit-flux"] + ",t5_mask=true"
@@ -250,7 +250,7 @@ def test_kohyas_t5_attention_mask_is_predicted_within_1pct_and_costs_what_its_ex
     assert not torch.allclose(same(**inputs, return_dict=False)[0], out)
     card = [estimate(s, plan, batch_size=2, device="rtx4090", resolution=512).peak_bytes for s in (spec, masked)]
     tokens = 512 + (512 // 16) ** 2  # (T5's and the image's: 32 x 32 packed latents)
-    assert card[1] - card[0] >= 2 * 2 * tokens ** 2 * 2  # (batch 2 x 2 heads x L x L, bf16; the bool one besides)
+    assert card[1] - card[0] >= 2 * 2 * tokens ** 2 * 2  # (batch 2 x 2 heads x L x L, bf16)
     with pytest.raises(UserError, match="t5_mask=3 must be true or false"):
         load_workload(f"{spec},t5_mask=3")
 

@@ -128,9 +128,10 @@ def flux(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageM
 # NOTE [ kohya's T5 attention mask ]
 # sd-scripts' ``apply_t5_attn_mask`` masks each caption's T5 padding in FLUX.1's attention. Its blocks build the
 # mask as a boolean [B, L] over the text and image tokens, viewed as [B, heads, L, L] (``expand``: no bytes) and
-# given to SDPA, which turns a boolean mask into an additive one of the query's dtype (``logical_not``, then
-# ``where``): both materialise all of [B, heads, L, L], a bool and a bf16 tensor, 1.5 GB for one 1024 px image
-# (24 heads, 4,608 tokens) in every attention call, and the fused kernel keeps the bf16 one for backward. The
+# given to SDPA, which turns a boolean mask into an additive one of the query's dtype (``where(mask, 0, -inf)``):
+# that materialises all of [B, heads, L, L] in bf16, 1 GB for one 1024 px image (24 heads, 4,608 tokens) in
+# every attention call, and the fused kernel keeps it for backward. (torch before 2.6 inverted the mask first:
+# a bool copy of it too, 0.5 GB more.) The
 # workload gives the model the same expanded mask (a forward pre-hook turns the batch's ``t5_attention_mask``
 # into ``joint_attention_kwargs``, which diffusers' FLUX blocks hand to SDPA), so the trace holds what
 # sd-scripts' does. (diffusers' own 2-D mask would be unsqueezed to [B, 1, 1, L] and cost nothing.)

@@ -58,10 +58,11 @@ aten = torch.ops.aten
 
 def _float_mask(mask, dtype):
     """attention.cpp ``convert_boolean_attn_mask``: a boolean mask becomes a float mask (0 where
-    True, -inf where False) in the query's dtype; a float mask is used as is."""
+    True, -inf where False) in the query's dtype, ``at::where(mask, 0.0, -inf)`` (since torch 2.6, pytorch#139784:
+    no inverted boolean copy of the mask first); a float mask is used as is."""
     if mask is None or mask.dtype != torch.bool:
         return mask
-    return torch.where(mask.logical_not(), -math.inf, torch.zeros((), dtype=dtype, device=mask.device))
+    return torch.where(mask, 0.0, torch.full((), -math.inf, dtype=dtype, device=mask.device))
 
 
 def _efficient_mask(mask, q, k):
