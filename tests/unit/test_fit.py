@@ -98,6 +98,17 @@ def test_nothing_fits_even_sharded_says_what_a_rank_needs():
     assert cell.world == 0 and cell.error.startswith("needs ") and "a rank on 2 cards" in cell.error
 
 
+def test_a_card_without_bf16_says_why_fsdp2_is_not_the_answer():
+    """A T4 takes fp16 (no bf16), which FSDP2 is not run with here: the cell names FSDP2 and the missing bf16, not
+    the plan's internal wording (``shard: fsdp with ...``)."""
+    workload = load_workload(DEEP, seq_len=16)
+    card = get_device("t4")
+    tiny = dataclasses.replace(card, name="tiny", total_bytes=card.context_bytes + 100 * 2**20)
+    cell = fit_table(workload, parse_methods("full"), [tiny], budget="100%", max_world=2).cells[("tiny", "full")]
+    assert cell.world == 0 and "on one card; FSDP2 with precision: fp16" in cell.error, cell.error
+    assert cell.error.endswith("(this card has no bf16)") and "shard: fsdp" not in cell.error
+
+
 @pytest.mark.slow  # (minutes on 2 cores: keeps the default suite under 10 minutes)
 def test_a_diffusion_model_full_and_lora():
     pytest.importorskip("diffusers")

@@ -300,7 +300,9 @@ class _Search:
             try:
                 frugal = sharded(self.method, self.books.facts, self.card, world)
             except UserError as e:  # (FSDP2 with fp16 on a card without bf16)
-                cell.error = f"needs {_gib(needs)} on one card; {str(e).split(' (')[0].removeprefix('plan: ')}"
+                why = str(e).split(" (")[0].removeprefix("plan: ").replace("shard: fsdp with ", "FSDP2 with ")
+                lacks = " (this card has no bf16)" if "fp16" in why and not self.card.bf16 else ""
+                cell.error = f"needs {_gib(needs)} on one card; {why}{lacks}"
                 self.plans = []
                 return
             needs = self.used(frugal, 1)
