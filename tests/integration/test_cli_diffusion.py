@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from memfit.workloads.builtin import IMAGE_BUILDERS
 from tests.integration.test_cli_errors import check, run
 
 pytest.importorskip("diffusers")
@@ -28,8 +29,7 @@ CASES = [
      "unet-sdxl: --resolution 1000 is not a multiple of 32 (the VAE's factor 8 x the UNet's downsampling 4)"),
     (["plan", "unet-sd15", "--resolution", "480", "--budget", "8GiB"], "is not a multiple of 64"),
     (["estimate", "gpt2", "--resolution", "512"],
-     "gpt2: --resolution applies to the image- and video-generation built-ins (dit-lumina2, dit-sd3, unet-sdxl, unet-sd15, dit-flux, "
-     "dit-qwenimage, dit-flux2, dit-wan, dit-wan-1.3b, dit-wan-i2v, dit-wan-5b); drop it"),
+     f"gpt2: --resolution applies to the image- and video-generation built-ins ({', '.join(IMAGE_BUILDERS)}); drop it"),
     (["train", "cnn", "--resolution", "64", "--steps", "1"], "cnn: --resolution applies to the image- and video-generation"),
     (["estimate", "{d}/wl.py:OK", "--resolution", "512"], "--resolution applies to built-in workloads, model folders and hub ids only"),
     (["estimate", "dit-lumina2", "--resolution", "0"], "--resolution"),
