@@ -423,9 +423,7 @@ def test_chroma_is_flux_schnell_fed_t5_alone_with_its_mask():
     """Chroma1-HD: FLUX.1-schnell's 19 + 38 blocks, no guidance and no pooled CLIP vector; the caption's T5 mask
     extended over the image tokens, as ``ChromaPipeline._prepare_attention_mask`` extends it."""
     wl = load_workload("dit-chroma")
-    with torch.device("meta"):
-        model = wl.model()
-    blocks = {name: (len(children), type(children[0]).__name__) for name, children in find_blocks(model)}
+    model, blocks = _full_size_blocks(wl)
     assert blocks["transformer_blocks"] == (19, "ChromaTransformerBlock")
     assert blocks["single_transformer_blocks"] == (38, "ChromaSingleTransformerBlock")
     # (the approximator's five layers and norms repeat too: shallow traces keep them whole, and a swapped share is
@@ -444,9 +442,7 @@ def test_zimage_is_called_with_lists_as_its_pipeline_calls_it():
     states [L, 2560] reach the model as lists (``unbind``), its list of outputs stacked against the target
     ``latents - noise`` with t = 1 the image; ``caption_tokens=`` sizes the caption."""
     wl = load_workload("dit-zimage")
-    with torch.device("meta"):
-        model = wl.model()
-    blocks = {name: (len(children), type(children[0]).__name__) for name, children in find_blocks(model)}
+    model, blocks = _full_size_blocks(wl)
     assert blocks["layers"] == (30, "ZImageTransformerBlock")
     assert blocks["noise_refiner"] == blocks["context_refiner"] == (2, "ZImageTransformerBlock")
     batch = wl.batch(2)
@@ -473,9 +469,7 @@ def test_hunyuan_video_is_musubi_tuners_clip_with_its_caption_mask_and_guidance(
     68 x 120 latents (1x2x2 patches: 18,360 tokens), 256 caption tokens of 4096 with their mask, CLIP-L's pooled
     768, the guidance times 1000; ``frames=`` and ``width=`` size the clip as ``dit-wan``'s."""
     wl = load_workload("dit-hunyuan-video")
-    with torch.device("meta"):
-        model = wl.model()
-    blocks = {name: (len(children), type(children[0]).__name__) for name, children in find_blocks(model)}
+    model, blocks = _full_size_blocks(wl)
     assert blocks["transformer_blocks"] == (20, "HunyuanVideoTransformerBlock")
     assert blocks["single_transformer_blocks"] == (40, "HunyuanVideoSingleTransformerBlock")
     batch = wl.batch(1)
@@ -485,3 +479,10 @@ def test_hunyuan_video_is_musubi_tuners_clip_with_its_caption_mask_and_guidance(
     assert wl.info.config["tokens"] == 18360 and wl.name == "dit-hunyuan-video"
     small = load_workload("dit-hunyuan-video:frames=17,width=512", resolution=512)
     assert small.batch(1)["hidden_states"].shape == (1, 16, 5, 64, 64) and small.name == "dit-hunyuan-video 512x512px 17 frames"
+
+
+def _full_size_blocks(wl):
+    """The workload's model built on the meta device, and its repeated blocks: {name: (count, class name)}."""
+    with torch.device("meta"):
+        model = wl.model()
+    return model, {name: (len(children), type(children[0]).__name__) for name, children in find_blocks(model)}
