@@ -114,7 +114,8 @@ SIZE_KEYS = ("width", *TEXT_KEYS)
 config.json field: NOTE [ A resolution's width ] in memfit.workloads.checks), and the text encoders in its step
 (TEXT_KEYS); a Wan model's clip also takes ``frames=`` (CLIP_KEYS)."""
 CLIP_KEYS = ("frames", "width")
-OWN_KEYS = {"WanTransformer3DModel": CLIP_KEYS, "HunyuanVideoTransformer3DModel": CLIP_KEYS, "ZImageTransformer2DModel": ("caption_tokens", "width")}
+OWN_KEYS = {"WanTransformer3DModel": CLIP_KEYS, "HunyuanVideoTransformer3DModel": CLIP_KEYS,
+            "ZImageTransformer2DModel": ("caption_tokens", "width")}
 """The size overrides of the classes that take others than SIZE_KEYS (Z-Image's longest caption)."""
 
 

@@ -152,7 +152,7 @@ def _t5_mask_to_attention(module: torch.nn.Module, args: tuple, kwargs: dict) ->
 
 
 def chroma(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = CHROMA) -> Workload:
-    """Chroma as ai-toolkit and diffusers' Chroma pipeline feed it: latents and T5-XXL's caption states cached,
+    """Chroma as diffusers' ``ChromaPipeline`` feeds it, with latents and T5-XXL's caption states cached:
     the batch the 2x2-packed noisy latents (as FLUX's), the caption states, the position ids (FLUX's), the
     timestep as a fraction, and the caption's T5 mask extended over the image tokens
     (``ChromaPipeline._prepare_attention_mask``). Each block squares that mask into [B, 1, L, L] booleans
