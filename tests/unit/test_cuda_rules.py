@@ -326,6 +326,18 @@ def test_reduction_staging_buffer_matches_the_h100_snapshots():
     assert reduce_rule.global_buffer_bytes([4096, 768], [768, 1], {1}, 4, 4, 132) == (0, 0)
 
 
+def test_reduction_staging_buffer_sizes_its_grid_by_the_cards_threads_per_sm():
+    """Reduce.cuh: ``blocks_per_sm = maxThreadsPerMultiProcessor / threads``: 1536 on an RTX 4090 (sm89) and 1024 on a
+    T4, not the H100's 2048, so fewer blocks split a reduction there and its staging buffer is smaller."""
+    from memfit.techniques.cuda_facts import threads_per_sm
+    assert threads_per_sm(get_device("rtx4090")) == 1536 and threads_per_sm(T4) == 1024 and threads_per_sm(H100) == 2048
+    args = ([16384, 4096], [4096, 1], {0}, 2, 4, 128)  # (a bias gradient over 16,384 tokens of width 4096, bf16)
+    wide, ada = (reduce_rule.global_buffer_bytes(*args, input_vec_size=8, threads_per_sm=t)[0] for t in (2048, 1536))
+    assert (wide, ada) == (128 * 2**20, 96 * 2**20)
+    g = reduce_rule.geometry(aten.sum.dim_IntList, (torch.empty(16384, 4096, dtype=torch.bfloat16), [0]), {}, 128, 1536)
+    assert reduce_rule.sized(g)[0] == ada
+
+
 def test_cudnn_convolution_workspace_matches_the_cnn_snapshot():
     """snap-cnn-fp32 (H100, fp32 NCHW): the 128->256 stride-2 conv on 16x16 inputs held 13,762,576
     bytes forward and 17,302,111 in backward-weight; the 3-channel stem none."""
@@ -486,3 +498,46 @@ def test_cuda_autocast_steps_aside_only_while_a_compiled_region_is_captured(monk
     assert len(registered) == 1 < compiling  # (the trace's own registration: every graph was compiled)
     assert again.peak_bytes == first.peak_bytes and again.reserved_bytes == first.reserved_bytes
     assert any("compiled regions follows the CPU's op lists" in a for a in map(str, again.approximations))
+
+
+def _attention_records(card, q, k, v, mask=None):
+    """The tracker's (op, bytes) records of one SDPA forward and backward on ``card`` (fake tensors)."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        tracker = MemoryTracker()
+        with tracker, cuda_kernel_model(card, tracker):
+            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+            out.sum().backward()
+    return [(r.op, r.nbytes) for r in tracker.state.records]
+
+
+def test_flash_backward_of_grouped_query_heads_books_dk_and_dv_per_query_head():
+    """flash_api.cpp ``mha_bwd``: with fewer K/V heads than query heads it computes dK and dV per query head,
+    [B, Tk, Hq, D] each in the input's dtype, and sums them into the K/V heads at the end (Llama-3-8B's 32 query
+    and 8 K/V heads at batch 4 x 2048: 128 MiB each a layer). Equal heads: none."""
+    b, t, d = 2, 256, 64
+    q = torch.randn(b, 8, t, d, dtype=torch.bfloat16)
+    k, v = (torch.randn(b, 2, t, d, dtype=torch.bfloat16) for _ in range(2))
+    records = _attention_records(A100, q, k, v)
+    assert ("flash dk_expanded", b * t * 8 * d * 2) in records and ("flash dv_expanded", b * t * 8 * d * 2) in records
+    assert not any(op.startswith("flash dk") for op, _ in _attention_records(A100, q, q.clone(), q.clone()))
+
+
+def test_efficient_forward_of_heads_over_128_books_its_fp32_output_accumulator():
+    """attention.cu: the memory-efficient kernels for half-precision heads wider than 128 (Gemma's 256, with a mask)
+    accumulate the output in an fp32 [B, Tq, H, Dv] buffer; heads of 128 keep it in registers; fp32 needs none."""
+    b, h, t = 2, 4, 64
+    mask = torch.zeros(b, 1, t, t, dtype=torch.bfloat16)
+    wide = [torch.randn(b, h, t, 256, dtype=torch.bfloat16) for _ in range(3)]
+    assert ("efficient attention output accumulator", b * t * h * 256 * 4) in _attention_records(A100, *wide, mask)
+    narrow = [torch.randn(b, h, t, 128, dtype=torch.bfloat16) for _ in range(3)]
+    assert not any("accumulator" in op for op, _ in _attention_records(A100, *narrow, mask))
+
+
+def test_the_math_path_gets_the_boolean_mask_as_an_additive_one():
+    """attention.cpp converts a boolean mask before choosing a backend, so the math path (a permuted mask: no fused
+    kernel takes it) adds a float mask to its scores, which the conversion makes first."""
+    b, h, t, d = 2, 4, 48, 32
+    q, k, v = (torch.randn(b, h, t, d) for _ in range(3))
+    mask = torch.ones(b, h, t, t, dtype=torch.bool).transpose(-1, -2)  # (stride(-1) != 1: math on any card)
+    assert ("where", b * h * t * t * 4) in _attention_records(H100, q, k, v, mask)

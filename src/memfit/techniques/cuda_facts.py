@@ -23,9 +23,15 @@ import torch
 
 # Per compute capability (CUDA C Programming Guide, "Technical Specifications per Compute
 # Capability"): threads per multiprocessor, and the shared memory a block may opt in to.
-_THREADS_PER_SM = {(7, 0): 2048, (7, 5): 1024, (8, 0): 2048, (8, 6): 1536, (8, 9): 1536, (9, 0): 2048}
+_THREADS_PER_SM = {(7, 0): 2048, (7, 5): 1024, (8, 0): 2048, (8, 6): 1536, (8, 9): 1536, (9, 0): 2048, (10, 0): 2048,
+                   (12, 0): 1536}
 _SHARED_PER_BLOCK = {(7, 0): 98304, (7, 5): 65536, (8, 0): 166912, (8, 6): 101376, (8, 9): 101376,
                      (9, 0): 232448}
+
+
+def threads_per_sm(device) -> int:
+    """``maxThreadsPerMultiProcessor`` of a GPU preset's architecture (2048 where not listed)."""
+    return _THREADS_PER_SM.get(tuple(device.compute_capability), 2048)
 
 
 def properties(device) -> types.SimpleNamespace:
@@ -34,7 +40,7 @@ def properties(device) -> types.SimpleNamespace:
     return types.SimpleNamespace(
         name=device.name, major=cc[0], minor=cc[1], multi_processor_count=device.sm_count,
         total_memory=device.total_bytes, regs_per_multiprocessor=65536,
-        max_threads_per_multi_processor=_THREADS_PER_SM.get(cc, 2048), max_threads_per_block=1024, warp_size=32,
+        max_threads_per_multi_processor=threads_per_sm(device), max_threads_per_block=1024, warp_size=32,
         shared_memory_per_block=49152, shared_memory_per_block_optin=_SHARED_PER_BLOCK.get(cc, 101376),
         gcnArchName="", is_integrated=False, is_multi_gpu_board=False)
 

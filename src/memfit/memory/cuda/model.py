@@ -31,6 +31,7 @@ from memfit.memory.cuda import blas, conv, grouped_gemm, reduce, rnn, sdpa
 from memfit.memory.cuda.autocast import cuda_autocast
 from memfit.memory.cuda.composites import cuda_composites
 from memfit.memory.cuda.optim import cuda_optimizer_defaults
+from memfit.techniques.cuda_facts import threads_per_sm
 from memfit.techniques.cuda_lowering import lowering_for_cuda
 
 aten = torch.ops.aten
@@ -119,7 +120,7 @@ class KernelMode(TorchDispatchMode):
                 if blas.uses_cublaslt(func, args, kwargs):
                     self._workspace("cublaslt", thread, self.device.lt_workspace_bytes, where)
         elif func in reduce.REDUCE_OPS:
-            g = reduce.geometry(func, args, kwargs, self.device.sm_count)
+            g = reduce.geometry(func, args, kwargs, self.device.sm_count, threads_per_sm(self.device))
             self.transient(reduce.buffers(g), args[0].device, g)
         elif func is aten.convolution.default:
             self.transient(conv.workspace(func, args, out), args[0].device)
@@ -183,7 +184,7 @@ PREFETCH_STREAM = 1
 _COPIES = {aten.clone.default, aten._to_copy.default}
 _ATTENTION = {
     aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_cudnn_attention_backward.default,
-    aten._scaled_dot_product_flash_attention_backward.default,
+    aten._scaled_dot_product_flash_attention_backward.default, aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_efficient_attention_backward.default,
 }
 

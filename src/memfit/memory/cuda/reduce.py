@@ -29,6 +29,8 @@ aten = torch.ops.aten
 MAX_NUM_THREADS = 512
 WARP = 32
 MAX_THREADS_PER_SM = 2048
+"""``maxThreadsPerMultiProcessor`` of sm70, sm80 and sm90 (sm75: 1024; sm86, sm89, sm120: 1536): Reduce.cuh's
+``blocks_per_sm`` is it over the block's threads."""
 
 REDUCE_OPS = {
     aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, aten.amax.default,
@@ -81,7 +83,8 @@ def iterator_layout(shape, strides, reduced: set[int]) -> tuple[list[int], list[
 
 
 def global_buffer_bytes(shape, strides, reduced: set[int], element_size: int, acc_size: int, sm_count: int,
-                        vt0: int = 4, input_vec_size: int = 4) -> tuple[int, int]:
+                        vt0: int = 4, input_vec_size: int = 4,
+                        threads_per_sm: int = MAX_THREADS_PER_SM) -> tuple[int, int]:
     """(staging buffer bytes, semaphore bytes) of ``setReduceConfig`` for this reduction."""
     numel = 1
     for s in shape:
@@ -132,7 +135,7 @@ def global_buffer_bytes(shape, strides, reduced: set[int], element_size: int, ac
         step_in *= bh
     else:
         step_out *= bh
-    target_grid = sm_count * (MAX_THREADS_PER_SM // threads)
+    target_grid = sm_count * (threads_per_sm // threads)
     grid_x = _div_up(num_outputs // output_vec, step_out)
     ctas = 1
     vpt = _div_up(inputs_per_output, step_in)
@@ -163,22 +166,23 @@ class Geometry(NamedTuple):
     acc_size: int
     vec: int
     sm_count: int
+    threads_per_sm: int = MAX_THREADS_PER_SM
 
 
 def sized(g: Geometry) -> tuple[int, int]:
     """(staging buffer bytes, semaphore bytes) of a reduction of this geometry (0, 0: none)."""
     return global_buffer_bytes(list(g.shape), list(g.strides), set(g.reduced), g.element_size, g.acc_size,
-                               g.sm_count, input_vec_size=g.vec)
+                               g.sm_count, input_vec_size=g.vec, threads_per_sm=g.threads_per_sm)
 
 
-def geometry(func, args, kwargs, sm_count: int) -> Geometry | None:
+def geometry(func, args, kwargs, sm_count: int, threads_per_sm: int = MAX_THREADS_PER_SM) -> Geometry | None:
     """The geometry of a reduction's staging buffer (None: a reduction this model does not size)."""
     x = args[0]
     if not isinstance(x, torch.Tensor) or x.is_complex() or x.numel() >= 2**31 or not x.dtype.is_floating_point:
         return None
     reduced = tuple(sorted(_reduced_dims(func, args, kwargs, x.dim())))
     return Geometry(tuple(x.shape), tuple(x.stride()), reduced, x.element_size(), 8 if x.dtype == torch.float64 else 4,
-                    8 if x.element_size() <= 2 else 4, sm_count)
+                    8 if x.element_size() <= 2 else 4, sm_count, threads_per_sm)
 
 
 def buffers(g: Geometry | None) -> list[tuple[str, int, bool]]:

@@ -13,8 +13,8 @@ and the dropout RNG state:
   no mask, causal only for square attention.
   The mask (and q, k, v) need stride 1 in the last dimension for any fused kernel.
 - **memory-efficient** (``_scaled_dot_product_efficient_attention``): fp32 too, sm50+, any
-  additive mask (boolean masks become -inf/0 float masks; the mask is padded to a multiple of 16
-  keys), head dim divisible by 4 (fp32) or 8 (fp16/bf16) on sm80+.
+  additive mask (boolean masks become -inf/0 float masks; an unaligned mask is padded to a multiple of 8
+  keys as given, then broadcast as a view), head dim divisible by 4 (fp32) or 8 (fp16/bf16) on sm80+.
 - **math** otherwise (``_scaled_dot_product_attention_math``, the same ops as on the CPU).
 
 Source: aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (``select_sdp_backend`` and the
@@ -80,6 +80,10 @@ def _efficient_mask(mask, q, k):
 
 EFFICIENT_MASK_ALIGNMENT = 8
 """``mem_eff_alignment`` in attention.cpp's ``preprocess_mask``."""
+EFFICIENT_RF_HEAD_DIM = 128
+"""The widest head the memory-efficient forward keeps its output in registers for (kernel_forward.h's
+``kKeepOutputInRF``); wider half-precision heads run the ``gmem`` kernels, which accumulate the output in an fp32
+``output_accum`` buffer of [B, Tq, H, Dv] (attention.cu), freed when the call returns."""
 
 
 def sdpa(cc, cuda, cudnn, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -104,6 +108,7 @@ def sdpa(cc, cuda, cudnn, query, key, value, attn_mask=None, dropout_p=0.0, is_c
             mask = _efficient_mask(mask, query, key)
         return aten._scaled_dot_product_efficient_attention(query, key, value, mask, lse, dropout_p, is_causal,
                                                             scale=scale)[0]
+    attn_mask = _float_mask(attn_mask, query.dtype)  # (attention.cpp converts a boolean mask before any backend)
     return aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal, None,
                                                    scale=scale, enable_gqa=enable_gqa)[0]
 
@@ -127,7 +132,17 @@ def kernel_buffers(func, args, out) -> list[tuple[str, int, bool]]:
         b, h, sq, d = q.shape
         sq_r, d_r = _round(sq, 128), (_round(d, 32) if d <= 192 else 256)
         bufs = _contiguous_copies(grad_out, o)
-        return bufs + [("flash softmax_d", b * h * sq_r * 4, True), ("flash dq_accum", b * sq_r * h * d_r * 4, True)]
+        bufs += [("flash softmax_d", b * h * sq_r * 4, True), ("flash dq_accum", b * sq_r * h * d_r * 4, True)]
+        if _k.shape[1] != h:  # (grouped-query heads: dK and dV per query head, summed into the K/V heads at the end)
+            expanded = b * _k.shape[2] * h * d * q.element_size()
+            bufs += [("flash dk_expanded", expanded, True), ("flash dv_expanded", expanded, True)]
+        return bufs
+    if func is aten._scaled_dot_product_efficient_attention.default:
+        q, _k, v = args[:3]
+        if q.dtype in (torch.float16, torch.bfloat16) and max(q.shape[-1], v.shape[-1]) > EFFICIENT_RF_HEAD_DIM:
+            b, h, sq, _ = q.shape  # (its output accumulates in an fp32 buffer: the kernels for heads over 128 wide)
+            return [("efficient attention output accumulator", b * sq * h * v.shape[-1] * 4, True)]
+        return []
     if func is aten._scaled_dot_product_efficient_attention_backward.default:
         grad_out, q, _k, v, _bias, o = args[:6]
         b, h, sq, d = q.shape
