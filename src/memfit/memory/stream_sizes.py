@@ -10,18 +10,19 @@ from memfit.memory.cuda import reduce
 from memfit.memory.cuda.model import WORKSPACE, WORKSPACE_SIZES, workspace_bytes
 from memfit.memory.deep_stream import MARK, SETUP, Stream, sorted_free_runs
 from memfit.memory.heap import without_collections
+from memfit.techniques.cuda_facts import threads_per_sm
 
 
 # NOTE [ A stream on another card ]
 # Two cards whose kernels allocate alike (the same attention kernel, the same 4-bit kernels, the same
 # dtypes) make the same allocations in the same order, but for what the card sizes: the cuBLAS and
 # cuBLASLt workspaces (32 MiB a handle on Hopper and newer, 8 MiB before) and the reductions' staging
-# buffers (by the SM count, memfit.memory.cuda.reduce). ``on_card`` resizes those in a stream traced for
+# buffers (by the SM count and the threads an SM runs, memfit.memory.cuda.reduce). ``on_card`` resizes those in a stream traced for
 # one card, and the replay gives the other's allocated peak and reserved bytes without a trace of its own.
 # Which cards allocate alike is measured, not assumed (memfit.planner.fit_books).
 def card_sizes(device) -> tuple:
-    """What ``on_card`` sizes a stream by: the card's library workspaces and its SM count."""
-    return (*(getattr(device, field) for field in WORKSPACE_SIZES.values()), device.sm_count)
+    """What ``on_card`` sizes a stream by: the card's library workspaces, its SM count and threads per SM."""
+    return (*(getattr(device, field) for field in WORKSPACE_SIZES.values()), device.sm_count, threads_per_sm(device))
 
 
 @without_collections
@@ -36,7 +37,7 @@ def on_card(stream: Stream, device) -> Stream | None:
             continue  # (few allocations are sized by the card: test those only)
         size = workspace_bytes(t[5], device)
         if size is None and kernels is not None and kernels[i] is not None:
-            kernels[i] = kernels[i]._replace(sm_count=device.sm_count)
+            kernels[i] = kernels[i]._replace(sm_count=device.sm_count, threads_per_sm=threads_per_sm(device))
             size = reduce.sized(kernels[i])[t[5] == reduce.SEMAPHORES]
         if size is not None and size != t[1]:
             if not size:

@@ -29,7 +29,7 @@ aten = torch.ops.aten
 MAX_NUM_THREADS = 512
 WARP = 32
 MAX_THREADS_PER_SM = 2048
-"""``maxThreadsPerMultiProcessor`` of sm70, sm80 and sm90 (sm75: 1024; sm86, sm89, sm120: 1536): Reduce.cuh's
+"""The H100's ``maxThreadsPerMultiProcessor`` (a card's own: memfit.techniques.cuda_facts.threads_per_sm): Reduce.cuh's
 ``blocks_per_sm`` is it over the block's threads."""
 
 REDUCE_OPS = {
@@ -166,7 +166,7 @@ class Geometry(NamedTuple):
     acc_size: int
     vec: int
     sm_count: int
-    threads_per_sm: int = MAX_THREADS_PER_SM
+    threads_per_sm: int
 
 
 def sized(g: Geometry) -> tuple[int, int]:
@@ -175,7 +175,7 @@ def sized(g: Geometry) -> tuple[int, int]:
                                g.sm_count, input_vec_size=g.vec, threads_per_sm=g.threads_per_sm)
 
 
-def geometry(func, args, kwargs, sm_count: int, threads_per_sm: int = MAX_THREADS_PER_SM) -> Geometry | None:
+def geometry(func, args, kwargs, sm_count: int, threads_per_sm: int) -> Geometry | None:
     """The geometry of a reduction's staging buffer (None: a reduction this model does not size)."""
     x = args[0]
     if not isinstance(x, torch.Tensor) or x.is_complex() or x.numel() >= 2**31 or not x.dtype.is_floating_point:

@@ -91,8 +91,8 @@ def sdpa(cc, cuda, cudnn, query, key, value, attn_mask=None, dropout_p=0.0, is_c
     """``scaled_dot_product_attention`` as the CUDA build runs it (attention.cpp)."""
     backend = select_backend(cc, cuda, cudnn, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     lse = needs_grad(query, key, value)
+    mask = _float_mask(attn_mask, query.dtype)  # (chosen on the mask as given, converted before any backend runs)
     if backend == CUDNN:
-        mask = _float_mask(attn_mask, query.dtype)
         return aten._scaled_dot_product_cudnn_attention(query, key, value, mask, lse, dropout_p, is_causal, False,
                                                         scale=scale)[0]
     if backend == FLASH:
@@ -103,13 +103,11 @@ def sdpa(cc, cuda, cudnn, query, key, value, attn_mask=None, dropout_p=0.0, is_c
         out = aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=og_scale)[0]
         return out[..., :d] if pad else out
     if backend == EFFICIENT:
-        mask = _float_mask(attn_mask, query.dtype)
         if mask is not None:
             mask = _efficient_mask(mask, query, key)
         return aten._scaled_dot_product_efficient_attention(query, key, value, mask, lse, dropout_p, is_causal,
                                                             scale=scale)[0]
-    attn_mask = _float_mask(attn_mask, query.dtype)  # (attention.cpp converts a boolean mask before any backend)
-    return aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal, None,
+    return aten._scaled_dot_product_attention_math(query, key, value, mask, dropout_p, is_causal, None,
                                                    scale=scale, enable_gqa=enable_gqa)[0]
 
 
@@ -128,17 +126,17 @@ def kernel_buffers(func, args, out) -> list[tuple[str, int, bool]]:
         b, h, sq, d = q.shape
         return [("cudnn attention backward workspace", b * h * sq * d * 4 + b * h * sq * 4 + 256, True)]
     if func is aten._scaled_dot_product_flash_attention_backward.default:
-        grad_out, q, _k, _v, o = args[:5]
+        grad_out, q, k, _v, o = args[:5]
         b, h, sq, d = q.shape
         sq_r, d_r = _round(sq, 128), (_round(d, 32) if d <= 192 else 256)
         bufs = _contiguous_copies(grad_out, o)
         bufs += [("flash softmax_d", b * h * sq_r * 4, True), ("flash dq_accum", b * sq_r * h * d_r * 4, True)]
-        if _k.shape[1] != h:  # (grouped-query heads: dK and dV per query head, summed into the K/V heads at the end)
-            expanded = b * _k.shape[2] * h * d * q.element_size()
+        if k.shape[1] != h:  # (grouped-query heads: dK and dV per query head, summed into the K/V heads at the end)
+            expanded = b * k.shape[2] * h * d * q.element_size()
             bufs += [("flash dk_expanded", expanded, True), ("flash dv_expanded", expanded, True)]
         return bufs
     if func is aten._scaled_dot_product_efficient_attention.default:
-        q, _k, v = args[:3]
+        q, v = args[0], args[2]
         if q.dtype in (torch.float16, torch.bfloat16) and max(q.shape[-1], v.shape[-1]) > EFFICIENT_RF_HEAD_DIM:
             b, h, sq, _ = q.shape  # (its output accumulates in an fp32 buffer: the kernels for heads over 128 wide)
             return [("efficient attention output accumulator", b * sq * h * v.shape[-1] * 4, True)]
