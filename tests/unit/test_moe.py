@@ -127,6 +127,9 @@ def test_active_and_total_parameters_side_by_side():
     assert r.facts[0] == (f"mixture of experts: {total / 1e3:.2f} K parameters, {active / 1e3:.2f} K active per "
                           "token (top-2 of 8 experts in 2 layers)")
     assert "router's choices do not change this step's memory" in r.facts[1] and r.worst_routing_peak_bytes is None
+    adapted = estimate(folder, Plan(adapter="lora:r=8,params=experts.gate_up_proj+experts.down_proj"), batch_size=2,
+                       seq_len=32)  # (the model card's counts: the adapter's parameters are not the model's)
+    assert adapted.facts[0] == r.facts[0] and any("parameters trained" in f for f in adapted.facts)
 
 
 def booked(target) -> dict[str, int]:

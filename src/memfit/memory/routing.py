@@ -268,6 +268,12 @@ def _numel(p: torch.Tensor) -> int:
     return int(torch.Size(shape).numel()) if shape is not None else p.numel()
 
 
+def _is_adapters(name: str) -> bool:
+    """A PEFT adapter's parameter (``lora_A``, ``lora_B``, ``lora_magnitude_vector``, ...): not the model's, so
+    not in the total a model card gives."""
+    return any(part.startswith("lora_") for part in name.split("."))
+
+
 def experts_facts(answers: RoutingAnswers | None, model, worst_peak: int | None, peak: int) -> list[str]:
     """Lines for the report of a trace that called experts modules: total and active parameters,
     and what routing does to the peak (``worst_peak``: the peak of the trace under ``worst``)."""
@@ -275,7 +281,7 @@ def experts_facts(answers: RoutingAnswers | None, model, worst_peak: int | None,
     if answers is None or not answers.layers:
         return []
     layers = list(answers.layers.values())
-    total = sum(_numel(p) for p in model.parameters())
+    total = sum(_numel(p) for name, p in model.named_parameters() if not _is_adapters(name))
     first = layers[0]
     shape = (f"top-{first.top_k} of {first.experts} experts" if all((x.experts, x.top_k) == (first.experts, first.top_k)
                                                                    for x in layers) else "top-k experts")
