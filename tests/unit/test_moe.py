@@ -166,6 +166,12 @@ def test_quantized_base_weights_leave_the_experts_3d_weights_as_they_are_and_say
                            "nn.Linear layers, so they are not quantized")
     plain = estimate(folder, Plan(adapter="lora:r=16"), batch_size=2, seq_len=32)
     assert not any(f.startswith("base weights:") for f in plain.facts)
+    from memfit.errors import WeightsExceedBudget
+    from memfit.planner.search import plan
+    with pytest.raises(WeightsExceedBudget, match=f"{fmt_bytes(experts * 2)} of them the experts' 3-D weights, which "
+                                                  "nf4 leaves unquantized"):  # (a planner's refusal says why, too)
+        plan(folder, budget="1KiB", device="rtx4090", batch_size=2, seq_len=32,
+             fixed={"base_weights": "nf4", "adapter": "lora:r=16"})
 
 
 def test_sizes_an_op_refuses_in_the_fake_trace_are_the_configs_and_name_op_module_and_line(tmp_path, capsys):

@@ -309,6 +309,12 @@ QUANTIZED_LAYERS = ("Linear4bit", "Linear8bitLt", "Float8Linear")
 """The layers of quantized base weights (memfit.techniques.base_weights)."""
 
 
+def experts_3d_weights(model) -> list[torch.nn.Parameter]:
+    """The experts' weights held as 3-D parameters (one matrix per expert), which quantizing leaves as they are."""
+    return [p for m in model.modules() if isinstance(getattr(m, "num_experts", None), int)
+            for p in m.parameters(recurse=False) if p.dim() >= 3]
+
+
 def _experts_left_unquantized(model) -> list[str]:
     """A line for a model whose linears are quantized but whose experts hold 3-D weights: quantizing
     replaces ``nn.Linear`` layers (bitsandbytes, and transformers' ``BitsAndBytesConfig`` as it loads a
@@ -316,8 +322,7 @@ def _experts_left_unquantized(model) -> list[str]:
     from memfit.units import fmt_bytes
     if not any(type(m).__name__ in QUANTIZED_LAYERS for m in model.modules()):
         return []
-    kept = [p for m in model.modules() if isinstance(getattr(m, "num_experts", None), int)
-            for p in m.parameters(recurse=False) if p.dim() >= 3]
+    kept = experts_3d_weights(model)
     if not kept:
         return []
     size = sum(p.numel() * p.element_size() for p in kept)
