@@ -108,6 +108,43 @@ def test_ai_toolkits_other_examples_are_the_runs_it_makes_of_them(name, workload
     assert [w.split(": ", 1)[1][:len(s)] for w, s in zip(c.warnings, said)] == said and len(c.warnings) == len(said)
 
 
+def test_the_z_image_turbo_example_is_its_run_but_for_its_optimizer():
+    """ai-toolkit's Z-Image Turbo example: Prodigy is refused in one line; with the UI's adamw8bit it is Z-Image's
+    built-in, a rank-128 LoRA on the 30 ``layers`` alone (its ``get_transformer_block_names``, not the refiners), fp8
+    base, 1024 px buckets of 32 px, and what memfit does not hold said (DOP, the assistant LoRA, Qwen3-4B in the
+    step)."""
+    data = yaml.safe_load((DATA / "train_lora_zimage_turbo_32gb.yaml").read_text())
+    with pytest.raises(UserError, match="train.optimizer 'prodigy' is not one memfit runs"):
+        map_config(data, "z.yaml", CARD)
+    data["config"]["process"][0]["train"]["optimizer"] = "adamw8bit"
+    data["config"]["process"][0]["datasets"][0]["resolution"] = [1000]
+    c = map_config(data, "z.yaml", CARD)
+    assert (c.workload, c.batch_size, c.resolution) == ("dit-zimage", 2, 992)
+    assert c.plan == Plan(adapter="lora:r=128,alpha=128,targets=in-blocks:layers", base_weights="fp8",
+                          precision="bf16-base-noautocast", checkpointing="blocks", optimizer="adamw8bit",
+                          max_grad_norm=1.0)
+    said = ["diff_output_preservation runs a second forward", "the text encoders run in the step",
+            "assistant_lora_path: the training adapter is merged"]
+    assert [w.split(": ", 1)[1][:len(s)] for w, s in zip(c.warnings, said)] == said and len(c.warnings) == 3
+
+
+def test_a_lora_on_one_list_of_blocks_adapts_those_blocks_alone():
+    """``targets=in-blocks:layers``: the linear layers of Z-Image's main layers, none of its refiners'; a name that
+    is no list of blocks is one line naming those there are."""
+    from memfit.memory.estimate import estimate
+    tiny = ("dit-zimage:dim=64,n_layers=2,n_refiner_layers=2,n_heads=4,n_kv_heads=4,cap_feat_dim=32,axes_dims=8/4/4,"
+            "caption_tokens=40")
+    every = estimate(tiny, Plan(adapter="lora:r=4,targets=in-blocks"), batch_size=1, resolution=64)
+    main = estimate(tiny, Plan(adapter="lora:r=4,targets=in-blocks:layers"), batch_size=1, resolution=64)
+    count = [int(next(f for f in r.facts if f.startswith("adapter:")).split()[1]) for r in (every, main)]
+    # (each block: to_q, to_k, to_v, to_out.0, its feed-forward's w1, w2, w3 and, but in the context refiners, its
+    # adaLN modulation: 2 layers x 8, 2 noise refiners x 8, 2 context refiners x 7)
+    assert count == [2 * 8 + 2 * 8 + 2 * 7, 2 * 8]
+    with pytest.raises(UserError, match="blocks is not a list of the model's repeated blocks; name one of noise_refiner, "
+                                         "context_refiner, layers "):
+        estimate(tiny, Plan(adapter="lora:r=4,targets=in-blocks:blocks"), batch_size=1, resolution=64)
+
+
 @pytest.mark.parametrize("model,workload", [
     ({"name_or_path": "stabilityai/stable-diffusion-xl-base-1.0", "is_xl": True}, "unet-sdxl:text_encoders=frozen"),
     ({"name_or_path": "runwayml/stable-diffusion-v1-5"}, "unet-sd15:text_encoders=frozen"),  # (no arch: SD 1.x)
@@ -171,7 +208,7 @@ def test_older_flags_are_read_in_ai_toolkits_order_and_a_datasets_batch_size_win
 
 @pytest.mark.parametrize("changes,message", [
     ({"model__is_flux": None, "model__arch": "hidream"}, r"memfit reads ai-toolkit's flux, sd1, sdxl, sd3, lumina2, "
-     r"qwen_image, flux2, wan21 configs, not arch 'hidream'; name the model as the workload"),
+     r"qwen_image, flux2, wan21, zimage configs, not arch 'hidream'; name the model as the workload"),
     ({"datasets__num_frames": 0, "model__arch": "wan21"}, "datasets num_frames must be a whole number >= 1"),
     ({"train__optimizer": "prodigy"}, "train.optimizer 'prodigy' is not one memfit runs"),
     ({"network__type": "lokr"}, "network type 'lokr' is not one memfit runs"),

@@ -7,24 +7,25 @@ memfit maps it:
 
 | ai-toolkit | what it runs | memfit |
 |---|---|---|
-| ``model.arch`` (or ``is_flux``, ``is_xl``, ``is_v3``, ``is_lumina2``; none: SD 1.x), ``name_or_path`` | the arch's denoiser from the hub id or folder | FLUX.1 (``flux``, ``flex1``), SD 1.x, SDXL, SD3/3.5, Lumina 2, Qwen-Image, FLUX.2, Wan 2.1: a published id as memfit's built-in (:data:`ARCHS`), else the id or folder |
+| ``model.arch`` (or ``is_flux``, ``is_xl``, ``is_v3``, ``is_lumina2``; none: SD 1.x), ``name_or_path`` | the arch's denoiser from the hub id or folder | FLUX.1 (``flux``, ``flex1``), SD 1.x, SDXL, SD3/3.5, Lumina 2, Qwen-Image, FLUX.2, Wan 2.1, Z-Image (``zimage``): a published id as memfit's built-in (:data:`ARCHS`), else the id or folder |
 | ``model.quantize`` (``qtype`` qfloat8; torchao's ``uint3``-``uint4``; ``uint8``: none) | optimum-quanto or torchao: every ``nn.Linear`` of the transformer in one byte (or 3-4 bits), cast to bf16 per matmul; SD 1.x and SDXL: nothing | ``base_weights: fp8`` (``nf4``: 4 bits, a bound for 3) |
 | ``model.quantize_te`` (default: ``quantize``) | T5-XXL quantized too; CLIP-L stays bf16 | fp8 base weights store both encoders' linear layers (CLIP-L: 85 MB less than ai-toolkit holds) |
-| text encoders | on the device, each prompt encoded every step under no_grad, T5 at 512 tokens; ``cache_text_embeddings`` (train's or a dataset's) or ``unload_text_encoder``: cached | ``text_encoders=frozen`` (``cached``); Qwen-Image's, FLUX.2's and Wan's in the step: said, not held |
+| text encoders | on the device, each prompt encoded every step under no_grad, T5 at 512 tokens; ``cache_text_embeddings`` (train's or a dataset's) or ``unload_text_encoder``: cached | ``text_encoders=frozen`` (``cached``); Qwen-Image's, FLUX.2's, Wan's and Z-Image's in the step: said, not held |
 | ``datasets[].num_frames`` (Wan; default 1: images) | clips of that many frames | ``dit-wan:frames=`` down to 4k + 1 (said where it differs) |
 | ``train.train_text_encoder`` | the encoders train | ``text_encoders=trained`` |
-| ``network`` lora, ``rank`` or ``linear`` (default 4), ``linear_alpha`` (default ``alpha``, 1), ``transformer_only`` (default true) | LoRA on every linear layer of a DiT's transformer blocks (false: of the whole transformer; a UNet's: all of them), weights in fp32 | ``adapter: lora:r=linear,alpha=linear_alpha,targets=in-blocks`` (false, or SD 1.x and SDXL: ``targets=all-linear``) |
+| ``network`` lora, ``rank`` or ``linear`` (default 4), ``linear_alpha`` (default ``alpha``, 1), ``transformer_only`` (default true) | LoRA on every linear layer of a DiT's transformer blocks (its ``get_transformer_block_names``: Z-Image's 30 ``layers``, not its refiners; false: of the whole transformer; a UNet's: all of them), weights in fp32 | ``adapter: lora:r=linear,alpha=linear_alpha,targets=in-blocks`` (Z-Image: ``in-blocks:layers``; false, or SD 1.x and SDXL: ``targets=all-linear``) |
 | ``train.dtype`` bf16 / fp16 (default fp32) | the model in that dtype, the LoRA in fp32, no autocast (each adapted layer's input cast to fp32 and kept for backward) | ``bf16-base-noautocast`` / ``fp16-base-noautocast`` / ``fp32`` |
 | no ``network`` | full fine-tuning: the whole transformer trains in ``train.dtype`` | no adapter; ``bf16-pure`` / ``fp16`` (fp32 weights under autocast: said) / ``fp32`` |
 | ``train.gradient_checkpointing`` (default true) | every transformer block checkpointed | ``checkpointing: blocks`` |
 | ``train.optimizer`` | adamw8bit (bitsandbytes), adamw, adafactor, ... | ``adamw8bit``, ``adamw``, ``adafactor``; others refused |
 | ``train.ema_config.use_ema``, ``ema_decay`` | an fp32 copy of the LoRA on the device | ``ema: {decay, device: device}`` |
 | ``train.batch_size`` (a dataset's own ``batch_size`` wins), ``gradient_accumulation_steps`` | the micro-batch, accumulated | batch and micro-batch |
-| ``model.layer_offloading`` (Qwen-Image, FLUX.2, Wan; the others ignore it) | a random ``layer_offloading_transformer_percent`` of the linear layers on the host, streamed | that share of the denoiser's blocks swapped (said) |
-| ``datasets[].resolution`` (a side or a list), ``cache_latents(_to_disk)`` | buckets up to that side squared; latents cached, the VAE off the device | ``--resolution`` the largest side, down to a multiple of 16 |
+| ``model.layer_offloading`` (Qwen-Image, FLUX.2, Wan, Z-Image; the others ignore it) | a random ``layer_offloading_transformer_percent`` of the linear layers on the host, streamed | that share of the denoiser's blocks swapped (said) |
+| ``datasets[].resolution`` (a side or a list), ``cache_latents(_to_disk)`` | buckets up to that side squared; latents cached, the VAE off the device | ``--resolution`` the largest side, down to a multiple of 16 (Z-Image: 32) |
 | ``train.max_grad_norm`` (default 1.0) | clipping (none with adafactor) | ``max_grad_norm`` |
 
-Said in one line each: an accuracy-recovery adapter; ``diff_output_preservation``
+Said in one line each: an accuracy-recovery adapter; Z-Image Turbo's ``assistant_lora_path`` (merged into the weights
+and held on the device, inactive); ``diff_output_preservation``
 and ``blank_prompt_preservation`` (a second graph); a bf16 full fine-tuning's EMA (bf16 there); a quantization memfit stores in
 other bytes (``qtype`` other than qfloat8/qint8); the text encoders' quantization where it differs from the
 transformer's; latents not cached; ``layer_offloading`` (as that share of the blocks swapped); text encoders in the
@@ -56,6 +57,7 @@ ARCHS = {
     "qwen_image": {"Qwen/Qwen-Image": "dit-qwenimage"},
     "flux2": {"black-forest-labs/FLUX.2-dev": "dit-flux2"},
     "wan21": {"Wan-AI/Wan2.1-T2V-14B-Diffusers": "dit-wan", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": "dit-wan-1.3b"},
+    "zimage": {"Tongyi-MAI/Z-Image-Turbo": "dit-zimage", "Tongyi-MAI/Z-Image": "dit-zimage"},
 }
 """ai-toolkit's model archs memfit reads (``arch``, or the older ``is_flux``, ``is_xl``, ``is_v3``, ``is_lumina2``;
 none: SD 1.x), and the built-in of each published id; another id or a folder is read as a diffusers model."""
@@ -68,11 +70,16 @@ OLD_FLAGS = {"is_v2": "sd2", "is_v3": "sd3", "is_xl": "sdxl", "is_pixart": "pixa
              "is_auraflow": "auraflow", "is_flux": "flux", "is_lumina2": "lumina2", "is_vega": "sdxl", "is_ssd": "sdxl"}
 """The older flags, in the order ai-toolkit reads them (ModelConfig; Vega and SSD-1B are SDXL UNets, read from
 their own configs)."""
-QUANTIZED = ("flux", "sd3", "lumina2", "qwen_image", "flux2", "wan21")
+QUANTIZED = ("flux", "sd3", "lumina2", "qwen_image", "flux2", "wan21", "zimage")
 """The archs whose transformer ai-toolkit quantizes with ``quantize`` (its SD 1.x and SDXL paths ignore it)."""
-LAYER_OFFLOADED = ("qwen_image", "flux2", "wan21")
+LAYER_OFFLOADED = ("qwen_image", "flux2", "wan21", "zimage")
 """The archs whose models ai-toolkit's ``layer_offloading`` attaches its memory manager to (the others ignore it)."""
-FLOW = ("flux", "sd3", "lumina2", "qwen_image", "flux2", "wan21")
+FLOW = ("flux", "sd3", "lumina2", "qwen_image", "flux2", "wan21", "zimage")
+BLOCK_LISTS = {"zimage": "layers"}
+"""The archs whose ``get_transformer_block_names`` (the blocks a ``transformer_only`` LoRA adapts) are not all of
+the model's repeated blocks: Z-Image's 30 ``layers``, not its two noise and two context refiner blocks."""
+BUCKETS = {"zimage": 32}
+"""A bucket side's divisor where it is not 16 (``get_bucket_divisibility``: Z-Image's VAE 16 x its 2x2 patches)."""
 """The archs trained by flow matching (ai-toolkit's ``noise_scheduler: flowmatch``)."""
 OPTIMIZERS = {"adamw8bit": "adamw8bit", "adamw8": "adamw8bit", "adam8bit": "adamw8bit", "adamw": "adamw",
               "adam": "adamw", "adafactor": "adafactor"}
@@ -163,8 +170,12 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
         fields.update(_layer_offloading(model, workload, where, warnings))
     elif model.get("layer_offloading") or model.get("auto_memory"):
         warnings.append(f"ai-toolkit config {where}: layer_offloading: ai-toolkit offloads no {arch} layers (it manages "
-                        "Qwen-Image's, FLUX.2's and Wan's); ignored, as there")
-    resolution = _resolution(datasets, where, warnings)
+                        "Qwen-Image's, FLUX.2's, Wan's and Z-Image's); ignored, as there")
+    resolution = _resolution(datasets, where, warnings, BUCKETS.get(arch, 16))
+    if model.get("assistant_lora_path"):
+        warnings.append(f"ai-toolkit config {where}: assistant_lora_path: the training adapter is merged into the "
+                        "weights and its LoRA kept on the device, inactive, in train.dtype: not in the estimate (its "
+                        "rank's matrices, tens of MB)")
     try:
         plan = Plan(**fields)
     except UserError as e:
@@ -241,7 +252,8 @@ def _network(arch: str, network: dict, where: str, warnings: list[str]) -> dict:
                         "every linear layer (more LoRA weights and saved inputs than ai-toolkit's: a bound)")
     # (transformer_only, ai-toolkit's default: a DiT's LoRA on its transformer blocks alone; a UNet's on all)
     blocks_only = arch not in UNETS and network.get("transformer_only", True) is not False
-    return {"adapter": f"lora:r={rank},alpha={alpha},targets={'in-blocks' if blocks_only else 'all-linear'}"}
+    blocks = "in-blocks" + (f":{BLOCK_LISTS[arch]}" if arch in BLOCK_LISTS else "")
+    return {"adapter": f"lora:r={rank},alpha={alpha},targets={blocks if blocks_only else 'all-linear'}"}
 
 
 def _quantized(model: dict, where: str, warnings: list[str]) -> dict:
@@ -288,8 +300,9 @@ def _ema(config: object, where: str) -> dict:
     return {"ema": {"decay": float(decay), "device": "device"}}
 
 
-def _resolution(datasets: list, where: str, warnings: list[str]) -> int | None:
-    """The largest bucket's side (ai-toolkit caps a bucket's area at the side squared); uncached latents said."""
+def _resolution(datasets: list, where: str, warnings: list[str], divisor: int = 16) -> int | None:
+    """The largest bucket's side (ai-toolkit caps a bucket's area at the side squared, its sides a multiple of
+    ``divisor``); uncached latents said."""
     sides: list[int] = []
     for d in datasets:
         if not isinstance(d, dict):
@@ -299,7 +312,7 @@ def _resolution(datasets: list, where: str, warnings: list[str]) -> int | None:
         if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
             raise UserError(f"--from {where}: datasets resolution must be a side in pixels or a list of them, got "
                             f"{value!r}")
-        sides += [v // 16 * 16 for v in values]  # (a square bucket's side: ai-toolkit's sides divide by 16)
+        sides += [v // divisor * divisor for v in values]  # (a square bucket's side: ai-toolkit's divide by 16 or 32)
         if not (d.get("cache_latents") or d.get("cache_latents_to_disk")):
             warnings.append(f"ai-toolkit config {where}: latents are not cached (cache_latents_to_disk); memfit's batch "
                             "is the cached latents, so the VAE in the step is not in the estimate")

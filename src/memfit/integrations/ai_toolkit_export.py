@@ -28,7 +28,7 @@ from memfit.workloads.config_overrides import split_overrides
 
 CLASSES = {"FluxTransformer2DModel": "flux", "SD3Transformer2DModel": "sd3", "Lumina2Transformer2DModel": "lumina2",
            "QwenImageTransformer2DModel": "qwen_image", "Flux2Transformer2DModel": "flux2",
-           "WanTransformer3DModel": "wan21"}
+           "WanTransformer3DModel": "wan21", "ZImageTransformer2DModel": "zimage"}
 """ai-toolkit's arch of each denoiser class memfit reads (UNets: sd1 or sdxl by their added conditioning)."""
 OWN_KEYS = ("text_encoders", "t5", "t5_tokens", "text_layers", "frames")
 """Workload keys the job says in its own fields (the text encoders' mode, a Wan clip's frames)."""

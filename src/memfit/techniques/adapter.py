@@ -23,7 +23,8 @@ without them PEFT's defaults for the model's type, diffusers' attention projecti
 as diffusers' Flux LoRA; kohya's also adapts the blocks' modulations: ``targets=all-linear``), else
 every linear layer but the output layer
 (``all-linear``); ``targets=in-blocks`` takes every linear layer inside the model's repeated blocks only
-(ai-toolkit's ``transformer_only``). ``save`` lists modules trained in full beside the adapter (PEFT's
+(ai-toolkit's ``transformer_only``), and ``targets=in-blocks:layers`` those of the blocks listed under that name
+alone (ai-toolkit's Z-Image LoRA: its 30 ``layers``, not the refiners' four blocks). ``save`` lists modules trained in full beside the adapter (PEFT's
 ``modules_to_save``, e.g. a classifier head); ``params`` names parameters of no linear layer
 (PEFT's ``target_parameters``: a mixture of experts' 3-D expert weights, adapted per expert). The adapter is injected with PEFT's own
 ``inject_adapter_in_model``, so the model keeps its class and the workload's loss runs unchanged.
@@ -127,6 +128,11 @@ class LoRA(Adapter):
             opts.append("params=" + "+".join(self.params))
         return f"{self.kind}:" + ",".join(opts)
 
+    @property
+    def in_blocks(self) -> bool:
+        """The targets are the linear layers of the repeated blocks (``in-blocks``, ``in-blocks:NAME``)."""
+        return bool(self.targets) and all(t == IN_BLOCKS or t.startswith(IN_BLOCKS + ":") for t in self.targets)
+
     def peft_config(self, model):
         """The PEFT ``LoraConfig`` for ``model`` (targets resolved: see the module docstring)."""
         peft = _peft()
@@ -134,8 +140,9 @@ class LoRA(Adapter):
         extra = {"target_parameters": list(self.params)} if self.params else {}
         if targets == [ALL_LINEAR]:  # (targets=all-linear: PEFT's shorthand, which it takes as a string only)
             targets = ALL_LINEAR
-        elif targets == [IN_BLOCKS]:
-            targets = _linears_in_blocks(model, self.text_value())
+        elif self.targets and self.in_blocks:
+            lists = {t.partition(":")[2] for t in targets} - {""}
+            targets = _linears_in_blocks(model, self.text_value(), lists if IN_BLOCKS not in targets else None)
         return peft.LoraConfig(r=self.r, lora_alpha=self.scale_alpha, lora_dropout=self.dropout,
                                target_modules=targets, use_dora=self.dora,
                                modules_to_save=list(self.save) or None, **extra)
@@ -169,13 +176,13 @@ class LoRA(Adapter):
     def export(self, into: Export) -> None:
         extras = self.dora or bool(self.save or self.params or self.dropout)
         into.not_carried(self, kohya=extras or self.targets != (ALL_LINEAR,),
-                         ai_toolkit=extras or self.targets not in ((ALL_LINEAR,), (IN_BLOCKS,)))
+                         ai_toolkit=extras or self.targets != (ALL_LINEAR,) and not self.in_blocks)
         if not self.dora:  # (sd-scripts' LoRA adapts every linear layer of the blocks; ai-toolkit's, the transformer's)
             into.kohya.update(network_module="networks.lora", network_dim=self.r, network_alpha=self.scale_alpha,
                               network_train_unet_only=True)
             into.ai_toolkit.update({"network.type": "lora", "network.linear": self.r,
                                     "network.linear_alpha": self.scale_alpha,
-                                    "network.transformer_only": self.targets == (IN_BLOCKS,)})
+                                    "network.transformer_only": self.in_blocks})
         note = f"build the PEFT model in your code: get_peft_model(model, {self._peft_text()})"
         into.hf_notes.append(note)
         into.lightning_notes.append(note)
@@ -236,16 +243,20 @@ def _default_targets(model, peft) -> list[str] | str:
     return ALL_LINEAR
 
 
-def _linears_in_blocks(model, text: str) -> list[str]:
+def _linears_in_blocks(model, text: str, lists: set[str] | None = None) -> list[str]:
     """The whole names of the linear layers inside ``model``'s repeated blocks (:data:`IN_BLOCKS`): of its
     denoiser where it holds one beside text encoders, with the layers those encoders' adapters take where
-    they train."""
+    they train. ``lists``: only the blocks of the lists of these names (``in-blocks:layers``)."""
     import torch
 
     from memfit.techniques.checkpointing import find_blocks
     denoiser = getattr(model, "denoiser", None)
     root, prefix = (denoiser, "denoiser.") if isinstance(denoiser, torch.nn.Module) else (model, "")
-    names = [f"{prefix}{blocks}.{name}" for blocks, _ in find_blocks(root)
+    found = [blocks for blocks, _ in find_blocks(root)]
+    if lists is not None and not lists <= set(found):
+        raise UserError(f"plan: adapter {text}: {', '.join(sorted(lists - set(found)))} is not a list of the model's "
+                        f"repeated blocks; name one of {', '.join(found) or '(none)'} (in-blocks:NAME)")
+    names = [f"{prefix}{blocks}.{name}" for blocks in found if lists is None or blocks in lists
              for name, m in root.get_submodule(blocks).named_modules() if isinstance(m, torch.nn.Linear)]
     if not names:
         raise UserError(f"plan: adapter {text}: the model has no repeated blocks holding linear layers; name the "
