@@ -1,5 +1,5 @@
 """Text encoders in the step (memfit.workloads.text_encoders): an SD or SDXL UNet with its CLIP encoders,
-FLUX.1 with CLIP-L and T5-XXL, SD3 with CLIP-L, CLIP-G and T5-XXL, and Lumina 2 with Gemma-2, frozen or trained, predicted within 1% of the profiler on a real CPU step; what
+FLUX.1 with CLIP-L and T5-XXL, SD3 with CLIP-L, CLIP-G and T5-XXL, Lumina 2 with Gemma-2, and Z-Image with Qwen3, frozen or trained, predicted within 1% of the profiler on a real CPU step; what
 trains in each mode; the encoders' weights counted where they are on the device; the denoiser's blocks last
 (what block swap streams); bad values in one line."""
 
@@ -24,6 +24,8 @@ SD3 = ("dit-sd3:num_layers=2,num_attention_heads=2,attention_head_dim=16,joint_a
        "caption_projection_dim=32,pooled_projection_dim=16,pos_embed_max_size=16")
 LUMINA = ("dit-lumina2:num_layers=2,num_refiner_layers=1,hidden_size=64,num_attention_heads=4,num_kv_heads=2,"
           "cap_feat_dim=32,axes_dim_rope=8/4/4,multiple_of=16")
+ZIMAGE = ("dit-zimage:dim=64,n_layers=2,n_refiner_layers=1,n_heads=4,n_kv_heads=4,cap_feat_dim=32,axes_dims=8/4/4,"
+          "caption_tokens=40")
 SD15 = ("unet-sd15:block_out_channels=32/64,down_block_types=CrossAttnDownBlock2D/DownBlock2D,"
         "up_block_types=UpBlock2D/CrossAttnUpBlock2D,attention_head_dim=2,cross_attention_dim=32,layers_per_block=1")
 
@@ -49,6 +51,8 @@ def _with(spec: str, mode: str) -> str:
     pytest.param(LUMINA, "trained", dict(adapter="lora:r=4", precision="bf16-base", checkpointing="blocks"),
                  id="lumina-trained"),
     pytest.param(LUMINA, "frozen", dict(adapter="lora:r=4"), id="lumina-frozen", marks=pytest.mark.slow),
+    pytest.param(ZIMAGE, "frozen", dict(adapter="lora:r=4,targets=in-blocks:layers", base_weights="fp8",
+                                        precision="bf16-base-noautocast", checkpointing="blocks"), id="zimage-frozen-fp8"),
 ])
 def test_a_unet_with_its_text_encoders_is_predicted_within_1pct(spec, mode, fields):
     r = profile(_with(spec, mode), Plan(**fields), batch_size=2, resolution=128, repeats=0)
@@ -183,6 +187,24 @@ def test_luminas_gemma_takes_the_adapter_where_it_trains_and_gives_its_penultima
     with torch.device("meta"):
         assert {p.dtype for p in te.LuminaWithTextEncoders(torch.nn.Linear(1, 1), [config], False).parameters()} == \
             {torch.float32}
+
+
+def test_z_images_qwen3_gives_each_captions_own_penultimate_states_and_trains_never():
+    """Z-Image attends to Qwen3's penultimate states, each caption cut to its own tokens of the 512 the pipeline pads
+    it to (ZImagePipeline._encode_prompt); Qwen3 is never trained (no Z-Image trainer does), and never adapted."""
+    names, model = _trained(_with(ZIMAGE, "frozen"), Plan(adapter="lora:r=4,targets=all-linear"))
+    assert names and not [n for n in names if n.startswith("text_encoders")]
+    batch = Target.resolve(_with(ZIMAGE, "frozen"), Plan(), 2, "cpu", resolution=128).workload.batch(2)
+    with torch.no_grad():
+        states = model.encode(batch["ids"], batch["mask"])
+        own = model.text_encoders[0](batch["ids"][0], attention_mask=batch["mask"], output_hidden_states=True)
+    assert tuple(batch["ids"][0].shape) == (2, 512) and [tuple(s.shape) for s in states] == [(40, 32)] * 2
+    assert torch.equal(states[1], own.hidden_states[-2][1, :40]) and "cap_feats" not in batch
+    with pytest.raises(UserError, match="dit-zimage: text_encoders=trained: no Z-Image trainer trains Qwen3-4B"):
+        estimate(_with(ZIMAGE, "trained"), Plan(), batch_size=1, resolution=128)
+    config = te.zimage_configs(2560, None)[0]  # (Qwen3-4B, as Z-Image-Turbo's text_encoder/config.json)
+    with torch.device("meta"):
+        assert sum(p.numel() for p in te._encoder(config, False).parameters()) == 4_022_468_096
 
 
 def test_fp8_base_weights_store_fluxs_text_encoders_in_fp8_too():

@@ -10,7 +10,7 @@ memfit maps it:
 | ``model.arch`` (or ``is_flux``, ``is_xl``, ``is_v3``, ``is_lumina2``; none: SD 1.x), ``name_or_path`` | the arch's denoiser from the hub id or folder | FLUX.1 (``flux``, ``flex1``), SD 1.x, SDXL, SD3/3.5, Lumina 2, Qwen-Image, FLUX.2, Wan 2.1, Z-Image (``zimage``): a published id as memfit's built-in (:data:`ARCHS`), else the id or folder |
 | ``model.quantize`` (``qtype`` qfloat8; torchao's ``uint3``-``uint4``; ``uint8``: none) | optimum-quanto or torchao: every ``nn.Linear`` of the transformer in one byte (or 3-4 bits), cast to bf16 per matmul; SD 1.x and SDXL: nothing | ``base_weights: fp8`` (``nf4``: 4 bits, a bound for 3) |
 | ``model.quantize_te`` (default: ``quantize``) | T5-XXL quantized too; CLIP-L stays bf16 | fp8 base weights store both encoders' linear layers (CLIP-L: 85 MB less than ai-toolkit holds) |
-| text encoders | on the device, each prompt encoded every step under no_grad, T5 at 512 tokens; ``cache_text_embeddings`` (train's or a dataset's) or ``unload_text_encoder``: cached | ``text_encoders=frozen`` (``cached``); Qwen-Image's, FLUX.2's, Wan's and Z-Image's in the step: said, not held |
+| text encoders | on the device, each prompt encoded every step under no_grad, T5 at 512 tokens; ``cache_text_embeddings`` (train's or a dataset's) or ``unload_text_encoder``: cached | ``text_encoders=frozen`` (``cached``); Qwen-Image's, FLUX.2's and Wan's in the step: said, not held |
 | ``datasets[].num_frames`` (Wan; default 1: images) | clips of that many frames | ``dit-wan:frames=`` down to 4k + 1 (said where it differs) |
 | ``train.train_text_encoder`` | the encoders train | ``text_encoders=trained`` |
 | ``network`` lora, ``rank`` or ``linear`` (default 4), ``linear_alpha`` (default ``alpha``, 1), ``transformer_only`` (default true) | LoRA on every linear layer of a DiT's transformer blocks (its ``get_transformer_block_names``: Z-Image's 30 ``layers``, not its refiners; false: of the whole transformer; a UNet's: all of them), weights in fp32 | ``adapter: lora:r=linear,alpha=linear_alpha,targets=in-blocks`` (Z-Image: ``in-blocks:layers``; false, or SD 1.x and SDXL: ``targets=all-linear``) |
@@ -64,7 +64,7 @@ none: SD 1.x), and the built-in of each published id; another id or a folder is 
 UNETS = ("sd1", "sdxl")
 """The archs with a UNet: a LoRA there adapts every linear layer (ai-toolkit's ``transformer_only`` restricts a DiT's
 to its transformer blocks alone), and ``network.conv`` would adapt its convolutions."""
-HOLD_TEXT = ("flux", "sd1", "sdxl", "sd3", "lumina2")
+HOLD_TEXT = ("flux", "sd1", "sdxl", "sd3", "lumina2", "zimage")
 """The archs whose denoisers memfit builds with their text encoders (memfit.workloads.text_encoders)."""
 OLD_FLAGS = {"is_v2": "sd2", "is_v3": "sd3", "is_xl": "sdxl", "is_pixart": "pixart", "is_pixart_sigma": "pixart_sigma",
              "is_auraflow": "auraflow", "is_flux": "flux", "is_lumina2": "lumina2", "is_vega": "sdxl", "is_ssd": "sdxl"}
@@ -130,7 +130,7 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
     if text != "cached" and "text_encoders=" not in workload:  # (a workload named beside it keeps its own)
         if arch not in HOLD_TEXT:
             warnings.append(f"ai-toolkit config {where}: the text encoders run in the step (no cache_text_embeddings); "
-                            f"memfit holds them for SD, SDXL, FLUX.1, SD3 and Lumina 2 only, so {arch}'s are not in the "
+                            f"memfit holds them for SD, SDXL, FLUX.1, SD3, Lumina 2 and Z-Image only, so {arch}'s are not in the "
                             "estimate")
         else:
             workload = with_override(workload, "text_encoders", text)
@@ -218,6 +218,9 @@ def _text_encoders(arch: str, model: dict, train: dict, datasets: list, where: s
     if train.get("train_text_encoder") and arch == "lumina2":  # (its LoRA adapts CLIP's modules, none of Gemma-2's)
         warnings.append(f"ai-toolkit config {where}: train_text_encoder: ai-toolkit's LoRA adapts no Gemma-2 module; "
                         "read as Gemma-2 frozen in the step")
+    elif train.get("train_text_encoder") and arch == "zimage":  # (ZImageModel.get_te_has_grad: False)
+        warnings.append(f"ai-toolkit config {where}: train_text_encoder: ai-toolkit trains no Qwen3 of Z-Image; read "
+                        "as Qwen3 frozen in the step")
     elif train.get("train_text_encoder"):
         return "trained"
     if train.get("cache_text_embeddings") or train.get("unload_text_encoder") or any(

@@ -39,6 +39,12 @@ Lumina 2 (``dit-lumina2``) attends to Gemma-2-2B's penultimate hidden states (2.
 caption: diffusers' ``Lumina2Pipeline``, kohya's ``lumina_train_network``); with ``text_encoders=trained``
 its attention and MLP projections take the adapter (kohya's ``train_gemma2``, a LoRA without
 ``network_train_unet_only``).
+
+Z-Image (``dit-zimage``) attends to Qwen3-4B's penultimate hidden states (4.0B parameters: ``ZImagePipeline``
+pads each caption to 512 tokens, encodes them, and keeps each caption's own tokens); it runs frozen only
+(ai-toolkit's ``zimage`` and diffusers' Z-Image LoRA never train it). ai-toolkit loads it as
+``Qwen3ForCausalLM``, whose head shares the embedding (no more weights) and whose logits over the 512 tokens
+are a transient of the encoding, not of the step's peak.
 The encoders are registered before the denoiser, in the order they run, so that the last repeated blocks
 are the denoiser's (``swap_blocks: N`` streams those, as kohya's ``--blocks_to_swap`` does).
 """
@@ -68,6 +74,10 @@ T5_MODES = ("cached", "frozen")
 GEMMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """Gemma-2's layers an adapter takes where it trains (kohya's Lumina LoRA: Gemma2Attention's and Gemma2MLP's)."""
 GEMMA_VOCAB, GEMMA_LAYERS, GEMMA_HEADS, GEMMA_HEAD = 256000, 26, 8, 256
+QWEN3_VOCAB, QWEN3_LAYERS, QWEN3_HEADS, QWEN3_KV_HEADS, QWEN3_HEAD, QWEN3_FF = 151936, 36, 32, 8, 128, 9728
+"""Qwen3-4B (Z-Image's text_encoder: 2560 wide, 36 layers, 32 query and 8 key/value heads of 128)."""
+QWEN3_TOKENS = 512
+"""ZImagePipeline's ``max_sequence_length``: every caption is padded to it before encoding."""
 
 
 def text_mode(arch: str, overrides: dict, t5: bool = False) -> tuple[dict, str, int | None]:
@@ -137,6 +147,20 @@ def lumina_configs(width: int, layers: int | None) -> list:
                                       num_hidden_layers=layers or GEMMA_LAYERS, num_attention_heads=heads,
                                       num_key_value_heads=max(1, heads // 2),
                                       head_dim=GEMMA_HEAD if heads > 1 else width, use_cache=False)]
+
+
+def zimage_configs(width: int, layers: int | None) -> list:
+    """Qwen3-4B's config for a Z-Image DiT whose caption features are ``width`` wide (2560; a shrunk one has one
+    head as wide as it)."""
+    import transformers
+    full = width == 2560
+    return [transformers.Qwen3Config(vocab_size=QWEN3_VOCAB, hidden_size=width,
+                                     intermediate_size=QWEN3_FF if full else 4 * width,
+                                     num_hidden_layers=layers or QWEN3_LAYERS,
+                                     num_attention_heads=QWEN3_HEADS if full else 1,
+                                     num_key_value_heads=QWEN3_KV_HEADS if full else 1,
+                                     head_dim=QWEN3_HEAD if full else width, max_position_embeddings=40960,
+                                     rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, use_cache=False)]
 
 
 def _t5(width: int, layers: int | None):
@@ -349,6 +373,19 @@ class LuminaWithTextEncoders(WithTextEncoders):
         return self.denoiser(**inputs, return_dict=return_dict)
 
 
+class ZImageWithTextEncoders(WithTextEncoders):
+    """Z-Image with Qwen3-4B in the step: ``forward`` takes the DiT's lists with the captions' token ids and mask
+    (padded to 512) in place of each caption's states, which are Qwen3's penultimate hidden states cut to the
+    caption's own tokens, as ZImagePipeline encodes a prompt."""
+
+    def encode(self, ids: list[torch.Tensor], mask: torch.Tensor) -> list[torch.Tensor]:
+        states = self._run(0, ids[0], attention_mask=mask, output_hidden_states=True).hidden_states[-2]
+        return [s[m] for s, m in zip(states, mask)]
+
+    def forward(self, x: list, t: torch.Tensor, ids: list[torch.Tensor], mask: torch.Tensor, return_dict: bool = False):
+        return self.denoiser(x, t, self.encode(ids, mask), return_dict=return_dict)
+
+
 def _is_clip(config) -> bool:
     return type(config).__name__ == "CLIPTextConfig"
 
@@ -363,7 +400,7 @@ def _encoder(config, projected: bool) -> torch.nn.Module:
     if _is_t5(config):
         return transformers.T5EncoderModel(config)
     if not _is_clip(config):
-        return transformers.AutoModel.from_config(config)  # (Lumina's Gemma-2)
+        return transformers.AutoModel.from_config(config)  # (Lumina's Gemma-2, Z-Image's Qwen3)
     return (transformers.CLIPTextModelWithProjection if projected else transformers.CLIPTextModel)(config)
 
 
@@ -383,6 +420,13 @@ def token_ids(batch_size: int, encoders: int) -> list[torch.Tensor]:
 def gemma_token_ids(batch_size: int, tokens: int) -> list[torch.Tensor]:
     """A caption's Gemma-2 token ids (Lumina 2: 256, the system prompt's included)."""
     return [torch.randint(0, GEMMA_VOCAB - 1, (batch_size, tokens))]
+
+
+def qwen3_token_ids(batch_size: int, tokens: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """A caption's Qwen3 token ids padded to 512, and its mask: the first ``tokens`` its own (Z-Image)."""
+    mask = torch.zeros(batch_size, QWEN3_TOKENS, dtype=torch.bool)
+    mask[:, :tokens] = True
+    return [torch.randint(0, QWEN3_VOCAB - 1, (batch_size, QWEN3_TOKENS))], mask
 
 
 def t5_token_ids(batch_size: int, clips: int, t5_tokens: int | None) -> list[torch.Tensor]:
