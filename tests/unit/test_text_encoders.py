@@ -191,7 +191,8 @@ def test_luminas_gemma_takes_the_adapter_where_it_trains_and_gives_its_penultima
 
 def test_z_images_qwen3_gives_each_captions_own_penultimate_states_and_trains_never():
     """Z-Image attends to Qwen3's penultimate states, each caption cut to its own tokens of the 512 the pipeline pads
-    it to (ZImagePipeline._encode_prompt); Qwen3 is never trained (no Z-Image trainer does), and never adapted."""
+    it to (ZImagePipeline._encode_prompt); Qwen3 is never trained (ai-toolkit's Z-Image LoRA never does), and never
+    adapted."""
     names, model = _trained(_with(ZIMAGE, "frozen"), Plan(adapter="lora:r=4,targets=all-linear"))
     assert names and not [n for n in names if n.startswith("text_encoders")]
     batch = Target.resolve(_with(ZIMAGE, "frozen"), Plan(), 2, "cpu", resolution=128).workload.batch(2)
@@ -200,7 +201,7 @@ def test_z_images_qwen3_gives_each_captions_own_penultimate_states_and_trains_ne
         own = model.text_encoders[0](batch["ids"][0], attention_mask=batch["mask"], output_hidden_states=True)
     assert tuple(batch["ids"][0].shape) == (2, 512) and [tuple(s.shape) for s in states] == [(40, 32)] * 2
     assert torch.equal(states[1], own.hidden_states[-2][1, :40]) and "cap_feats" not in batch
-    with pytest.raises(UserError, match="dit-zimage: text_encoders=trained: no Z-Image trainer trains Qwen3-4B"):
+    with pytest.raises(UserError, match="dit-zimage: text_encoders=trained: memfit trains no Qwen3-4B"):
         estimate(_with(ZIMAGE, "trained"), Plan(), batch_size=1, resolution=128)
     config = te.zimage_configs(2560, None)[0]  # (Qwen3-4B, as Z-Image-Turbo's text_encoder/config.json)
     with torch.device("meta"):

@@ -219,3 +219,16 @@ def test_a_pipelines_own_text_encoders_are_built_from_its_configs(hub_cache, no_
     with __import__("torch").device("meta"):
         encoder = load_workload("acme/bare:text_encoders=frozen,text_layers=2").model().text_encoders[0]
     assert (encoder.config.num_hidden_layers, encoder.config.hidden_size) == (2, 32)
+    zimage = pipeline("transformer", ZIMAGE, "ZImagePipeline")  # (Z-Image's Qwen3, from its own config: 3 layers)
+    qwen3 = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 32, "intermediate_size": 64,
+             "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+             "vocab_size": 1000, "tie_word_embeddings": True}
+    hub_cache("acme/toy-zimage", None, files={**zimage, "text_encoder/config.json": qwen3,
+                                              "model_index.json": {**zimage["model_index.json"],
+                                                                   "text_encoder": ["transformers", "Qwen3Model"]}})
+    with __import__("torch").device("meta"):
+        encoder = load_workload("acme/toy-zimage:text_encoders=frozen").model().text_encoders[0]
+    assert (type(encoder).__name__, encoder.config.num_hidden_layers, encoder.config.vocab_size) == ("Qwen3Model", 3, 1000)
+    r = profile("acme/toy-zimage:text_encoders=frozen,caption_tokens=24", Plan(adapter="lora:r=4"), batch_size=2,
+                resolution=64, repeats=0)  # (its token ids within its own vocabulary)
+    assert abs(r.error_percent) < 1.0, r.error_percent

@@ -8,7 +8,7 @@ model class's constructor arguments, with ``_class_name``. memfit trains the den
 LoRA and full fine-tuning of a diffusion model train: the VAE's latents and the text encoders' outputs
 are cached inputs, as for the built-ins (``--cache_latents``, ``--cache_text_encoder_outputs``). So a
 hub id or folder costs two small files, ``model_index.json`` and the denoiser's ``config.json``. With
-``text_encoders=frozen|trained`` (a UNet's, FLUX.1's or SD3's, as for the built-ins) the step holds its text
+``text_encoders=frozen|trained`` (a UNet's, FLUX.1's, SD3's or Z-Image's, as for the built-ins) the step holds its text
 encoders too, built from the pipeline's ``text_encoder*/config.json`` where the folder or the cache has them
 (SD 2.x's OpenCLIP-H), else from the denoiser's widths.
 
@@ -115,8 +115,8 @@ config.json field: NOTE [ A resolution's width ] in memfit.workloads.checks), an
 (TEXT_KEYS); a Wan model's clip also takes ``frames=`` (CLIP_KEYS)."""
 CLIP_KEYS = ("frames", "width")
 OWN_KEYS = {"WanTransformer3DModel": CLIP_KEYS, "HunyuanVideoTransformer3DModel": CLIP_KEYS,
-            "ZImageTransformer2DModel": ("caption_tokens", "width")}
-"""The size overrides of the classes that take others than SIZE_KEYS (Z-Image's longest caption)."""
+            "ZImageTransformer2DModel": ("caption_tokens", "width", "text_encoders", "text_layers")}
+"""The size overrides of the classes that take others than SIZE_KEYS (Z-Image's longest caption and its Qwen3)."""
 
 
 def size_overrides(data: dict, overrides: dict | None) -> dict:

@@ -285,7 +285,7 @@ def lumina2(overrides: dict, seq_len: int | None, resolution: int | None, m: Ima
         noisy, target = flow_matching(latents, noise, t, data_at_one=True)
         out = {"hidden_states": noisy, "timestep": t, "encoder_attention_mask": torch.ones(b, caption, dtype=torch.bool),
                "target": target}
-        return {**out, "ids": te.gemma_token_ids(b, caption)} if encoders else \
+        return {**out, "ids": te.gemma_token_ids(b, caption, encoders[0].vocab_size)} if encoders else \
             {**out, "encoder_hidden_states": torch.randn(b, caption, text)}
 
     res = high * VAE_FACTOR

@@ -1,5 +1,5 @@
-"""Text encoders in the step: the UNets' CLIP encoders, FLUX.1's CLIP-L and T5-XXL, and SD3's CLIP-L, CLIP-G
-and T5-XXL, where a run does not cache the captions' hidden states.
+"""Text encoders in the step: the UNets' CLIP encoders, FLUX.1's CLIP-L and T5-XXL, SD3's CLIP-L, CLIP-G and
+T5-XXL, Lumina 2's Gemma-2 and Z-Image's Qwen3, where a run does not cache the captions' hidden states.
 
 Memory/compute trade-off. Caching each caption's hidden states once (kohya's
 ``--cache_text_encoder_outputs``, diffusers' SDXL LoRA script's precomputed embeddings) leaves the text
@@ -42,7 +42,7 @@ its attention and MLP projections take the adapter (kohya's ``train_gemma2``, a 
 
 Z-Image (``dit-zimage``) attends to Qwen3-4B's penultimate hidden states (4.0B parameters: ``ZImagePipeline``
 pads each caption to 512 tokens, encodes them, and keeps each caption's own tokens); it runs frozen only
-(ai-toolkit's ``zimage`` and diffusers' Z-Image LoRA never train it). ai-toolkit loads it as
+(ai-toolkit's ``zimage`` never trains it: ``get_te_has_grad`` is False). ai-toolkit loads it as
 ``Qwen3ForCausalLM``, whose head shares the embedding (no more weights) and whose logits over the 512 tokens
 are a transient of the encoding, not of the step's peak.
 The encoders are registered before the denoiser, in the order they run, so that the last repeated blocks
@@ -417,16 +417,17 @@ def token_ids(batch_size: int, encoders: int) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB - 1, (batch_size, CAPTION_TOKENS)) for _ in range(encoders)]
 
 
-def gemma_token_ids(batch_size: int, tokens: int) -> list[torch.Tensor]:
-    """A caption's Gemma-2 token ids (Lumina 2: 256, the system prompt's included)."""
-    return [torch.randint(0, GEMMA_VOCAB - 1, (batch_size, tokens))]
+def gemma_token_ids(batch_size: int, tokens: int, vocab: int = GEMMA_VOCAB) -> list[torch.Tensor]:
+    """A caption's Gemma-2 token ids (Lumina 2: 256, the system prompt's included), of a ``vocab`` (its config's)."""
+    return [torch.randint(0, vocab - 1, (batch_size, tokens))]
 
 
-def qwen3_token_ids(batch_size: int, tokens: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """A caption's Qwen3 token ids padded to 512, and its mask: the first ``tokens`` its own (Z-Image)."""
+def qwen3_token_ids(batch_size: int, tokens: int, vocab: int = QWEN3_VOCAB) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """A caption's Qwen3 token ids (of a ``vocab``, its config's) padded to 512, and its mask: the first ``tokens``
+    its own (Z-Image)."""
     mask = torch.zeros(batch_size, QWEN3_TOKENS, dtype=torch.bool)
     mask[:, :tokens] = True
-    return [torch.randint(0, QWEN3_VOCAB - 1, (batch_size, QWEN3_TOKENS))], mask
+    return [torch.randint(0, vocab - 1, (batch_size, QWEN3_TOKENS))], mask
 
 
 def t5_token_ids(batch_size: int, clips: int, t5_tokens: int | None) -> list[torch.Tensor]:

@@ -57,8 +57,8 @@ def zimage(overrides: dict, seq_len: int | None, resolution: int | None, m: Imag
     overrides, width = given_width(overrides)
     overrides, text_mode, layers = te.text_mode(m.arch, overrides)
     if text_mode == "trained":
-        raise UserError(f"{m.arch}: text_encoders=trained: no Z-Image trainer trains Qwen3-4B (ai-toolkit's and "
-                        "diffusers' LoRA leave it frozen); use text_encoders=frozen or cached")
+        raise UserError(f"{m.arch}: text_encoders=trained: memfit trains no Qwen3-4B (ai-toolkit's Z-Image LoRA "
+                        "leaves it frozen); use text_encoders=frozen or cached")
     caption = overrides.pop("caption_tokens", m.caption_tokens)
     if not isinstance(caption, int) or isinstance(caption, bool) or caption < 1:
         raise UserError(f"{m.arch}: caption_tokens={caption} must be a positive whole number of tokens")
@@ -77,7 +77,7 @@ def zimage(overrides: dict, seq_len: int | None, resolution: int | None, m: Imag
         out = {"x": noisy.unsqueeze(2), "t": t, "target": target}
         if not encoders:
             return {**out, "cap_feats": torch.randn(b, caption, text)}
-        out["ids"], out["mask"] = te.qwen3_token_ids(b, caption)
+        out["ids"], out["mask"] = te.qwen3_token_ids(b, caption, encoders[0].vocab_size)
         return out
 
     res = high * VAE_FACTOR
