@@ -7,8 +7,8 @@ docs/estimate.md: allocated, reserved and on-the-device bytes (reserved + the pr
   the rtx4090 preset, with its text encoders cached, CLIP-L trained over T5's cached states, frozen, trained;
 - SD3 medium (the same LoRA, no fp8) on rtx3060-12gb, and Lumina 2 on rtx4090, in the same modes;
 - sd-scripts' basic FLUX command and ai-toolkit's 24 GB FLUX example (tests/data), as `--from` reads them;
-  ai-toolkit's examples for SD3.5 Large, Lumina 2, Qwen-Image, Wan 2.1 (14B, 1.3B) and Z-Image Turbo (its Prodigy
-  read as the UI's adamw8bit: memfit does not run Prodigy) (``--only ai-toolkit``).
+  ai-toolkit's examples for SD3.5 Large, Lumina 2, Qwen-Image, Wan 2.1 (14B, 1.3B) and Z-Image Turbo
+  (``--only ai-toolkit``).
 
 Predictions only (fake tensors on this CPU, a GPU preset's kernels); about 30 s an estimate.
 
@@ -24,10 +24,7 @@ from pathlib import Path
 
 warnings.simplefilter("ignore")
 
-import yaml  # noqa: E402
-
 from memfit.devices import get_device  # noqa: E402
-from memfit.integrations.ai_toolkit import map_config  # noqa: E402
 from memfit.integrations.from_file import read_training_config  # noqa: E402
 from memfit.memory.estimate import estimate  # noqa: E402
 from memfit.plans import Plan  # noqa: E402
@@ -46,15 +43,6 @@ AI_TOOLKIT = tuple((f"ai_toolkit/{name}.yaml", "rtx4090") for name in (
     "train_lora_sd35_large_24gb", "train_lora_lumina", "train_lora_qwen_image_24gb", "train_lora_wan21_14b_24gb",
     "train_lora_wan21_1b_24gb", "train_lora_zimage_turbo_32gb"))
 """ai-toolkit's examples for other models, each for a 24 GB card (``--only ai-toolkit``)."""
-
-
-def _ai_toolkit_job(path: str) -> dict:
-    """An ai-toolkit example's job, its Prodigy (which memfit does not run) read as the UI's default adamw8bit."""
-    data = yaml.safe_load((DATA / path).read_text())
-    train = data["config"]["process"][0]["train"]
-    if train.get("optimizer") == "prodigy":
-        train["optimizer"] = "adamw8bit"
-    return data
 
 
 def _row(label: str, report, seconds: float) -> str:
@@ -84,8 +72,7 @@ def main() -> None:
         print(f"\n--from the trainers' configs\n{header}")
         for path, device in configs:
             t0 = time.perf_counter()
-            c = map_config(_ai_toolkit_job(path), path, get_device(device)) if path.startswith("ai_toolkit/") else \
-                read_training_config(DATA / path, get_device(device))
+            c = read_training_config(DATA / path, get_device(device))
             report = estimate(c.workload, c.plan, batch_size=c.batch_size, device=device, resolution=c.resolution)
             print(_row(f"{path} ({c.workload}, batch {c.batch_size}, {device})", report, time.perf_counter() - t0),
                   flush=True)

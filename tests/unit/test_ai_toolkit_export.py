@@ -13,6 +13,7 @@ from memfit.devices import get_device
 from memfit.errors import UserError
 from memfit.integrations.ai_toolkit import map_config
 from memfit.integrations.ai_toolkit_export import to_ai_toolkit
+from memfit.integrations.from_file import read_training_config
 from memfit.plans import Plan
 from memfit.workloads import load_workload
 from tests.integration.test_cli_errors import check, run
@@ -35,13 +36,9 @@ def _job(plan: Plan, batch: int, workload: str, resolution, **facts):
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in DATA.glob("*.yaml")))
 def test_each_example_written_back_reads_as_the_same_run(name):
-    """The LoRA examples and the full fine-tuning of Flex.1 (a hub id, no network: bf16-pure); Z-Image Turbo's with
-    the UI's adamw8bit for its Prodigy, which memfit does not run."""
-    data = yaml.safe_load((DATA / f"{name}.yaml").read_text())
-    train = data["config"]["process"][0]["train"]
-    if train.get("optimizer") == "prodigy":
-        train["optimizer"] = "adamw8bit"
-    given = map_config(data, f"{name}.yaml", CARD)
+    """The LoRA examples (Z-Image Turbo's with Prodigy) and the full fine-tuning of Flex.1 (a hub id, no network:
+    bf16-pure)."""
+    given = read_training_config(DATA / f"{name}.yaml", CARD)
     job = _job(given.plan, given.batch_size, given.workload, given.resolution)
     assert job.unmapped == ()
     again = map_config(yaml.safe_load(job.yaml()), "job.yaml", CARD)

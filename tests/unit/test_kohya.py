@@ -87,6 +87,9 @@ def test_sd_scripts_own_rules_for_memory_flags():
     assert fused.optimizer_in_backward and fused.max_grad_norm is None  # (sd-scripts clips each gradient in its hook)
     c = map_config({**MINIMAL, "network_module": "networks.lora_flux", "fused_backward_pass": True}, "c.toml", CARD)
     assert not c.plan.optimizer_in_backward and "fused_backward_pass does nothing" in " ".join(c.warnings)
+    prodigy = [map_config({**MINIMAL, "optimizer_type": "Prodigy", **extra}, "c.toml", CARD).plan.optimizer
+               for extra in ({}, {"optimizer_args": ["decouple=True", "slice_p=11", "use_bias_correction=True"]})]
+    assert prodigy == ["prodigy", "prodigy:slice_p=11"]  # (Prodigy's memory option, from its optimizer_args)
     c = map_config({**MINIMAL, "gradient_checkpointing": True, "cpu_offload_checkpointing": True}, "c.toml", CARD)
     assert c.plan.checkpointing == "blocks" and c.plan.offload == ("activations",)
     for bad, error in ((dict(optimizer_type="AdamW", fused_backward_pass=True), "fused_backward_pass: sd-scripts takes "
@@ -185,7 +188,7 @@ def test_every_refused_argument_names_itself(key):
 
 @pytest.mark.parametrize("change,error", [
     ({"network_module": "lycoris.kohya"}, "network_module 'lycoris.kohya' is not one memfit runs; memfit models LoRA"),
-    ({"optimizer_type": "Prodigy"}, "optimizer_type 'Prodigy' is not one memfit runs; use AdamW, AdamW8bit"),
+    ({"optimizer_type": "Lion"}, "optimizer_type 'Lion' is not one memfit runs; use AdamW, AdamW8bit"),
     ({"fp8_base": True}, "fp8_base without a network_module trains nothing"),
     ({"mixed_precision": "fp8"}, "mixed_precision 'fp8': use no, fp16 or bf16"),
     ({"resolution": "1024,"}, "resolution must be a size in pixels or width,height (1024, or 1216,832), got '1024,'"),

@@ -18,6 +18,8 @@ Memory/compute trade-off, per parameter of N bytes in fp32:
 - ``galore`` / ``galore8bit`` / ``apollo`` / ``apollo-mini``: low-rank and state-light optimizers
   (different optimizers, searched only when named), in :mod:`memfit.techniques.optimizers_lowrank`.
   Need ``memfit[galore]`` / ``memfit[apollo]``.
+- ``prodigy``: Prodigy, Adam with a learned step size (a different optimizer, searched only when named; four
+  states a parameter), in :mod:`memfit.techniques.optimizers_prodigy`. Needs ``memfit[prodigy]``.
 Hyperparameters (lr, weight decay, betas, eps) are taken from the workload's optimizer, group by
 group: a workload that gives its biases and norms no weight decay keeps that (:func:`regroup`).
 """
@@ -43,11 +45,12 @@ from memfit.techniques.optimizer_variant import (
 from memfit.techniques.optimizers_lowrank import VARIANTS as LOWRANK_VARIANTS
 from memfit.techniques.optimizers_lowrank import lowrank_problem, parse_lowrank
 from memfit.techniques.optimizers_paged import VARIANTS as PAGED_VARIANTS
+from memfit.techniques.optimizers_prodigy import Prodigy, parse_prodigy
 from memfit.techniques.optimizers_torchao import VARIANTS as TORCHAO_VARIANTS
 from memfit.techniques.optimizers_torchao import torchao_problem
 
 NAMES = ("adamw", "adamw8bit", "adafactor", "sgd", "adamw8bit-ao", "adamw4bit-ao", "adamwfp8-ao", "adamw8bit-paged",
-         "adamw-paged", "galore", "galore8bit", "apollo", "apollo-mini")
+         "adamw-paged", "galore", "galore8bit", "apollo", "apollo-mini", "prodigy")
 ADAMW_CLASS = ("adamw", "adamw8bit", "adamw8bit-ao", "adamw4bit-ao", "adamwfp8-ao", "adamw8bit-paged", "adamw-paged")
 """``--optimizers adamw-class``: AdamW at any state precision, its states offloaded, paged or not. The
 planner's default for GPU presets, but the torchao variants with adamw8bit's state bytes where
@@ -163,6 +166,8 @@ def parse(values: dict) -> OptimizerVariant:
     text = str(values["optimizer"])
     if text.partition(":")[0] in LOWRANK_VARIANTS:
         return parse_lowrank(text)
+    if text.partition(":")[0] == "prodigy":
+        return parse_prodigy(text)
     name = choice("optimizer", text, NAMES)
     if name in TORCHAO_VARIANTS:
         return TORCHAO_VARIANTS[name]()
@@ -180,8 +185,9 @@ def search(ctx: SearchContext) -> list[str]:
             names.remove(name)
         ctx.notes.append(f"{', '.join(needs_bnb)} left out: bitsandbytes is not installed here (pip install bitsandbytes)")
         warnings.warn(f"plan: {ctx.notes[-1]}", stacklevel=2)
-    for name in [n for n in names if n in TORCHAO_VARIANTS or n in LOWRANK_VARIANTS]:
-        missing = torchao_problem(name) if name in TORCHAO_VARIANTS else lowrank_problem(name)
+    for name in [n for n in names if n in TORCHAO_VARIANTS or n in LOWRANK_VARIANTS or n.startswith("prodigy")]:
+        missing = torchao_problem(name) if name in TORCHAO_VARIANTS else lowrank_problem(name) \
+            if name in LOWRANK_VARIANTS else parse_prodigy(name).problem()
         if missing:
             names.remove(name)
             ctx.notes.append(f"{name} left out: {missing.removeprefix('plan: ')}")
@@ -221,8 +227,9 @@ TECHNIQUE = register(
                                 "adamw8bit-ao | adamw4bit-ao | adamwfp8-ao (torchao's 8-bit, 4-bit, fp8 states) | "
                                 "adamw8bit-paged | adamw-paged (bitsandbytes' paged states, in CUDA managed memory) | "
                                 "galore | galore8bit | apollo | apollo-mini (different optimizers, low-rank; options "
-                                "as galore:rank=64,update_proj_gap=200,scale=0.25).",
+                                "as galore:rank=64,update_proj_gap=200,scale=0.25) | prodigy (a different optimizer: "
+                                "Adam with a learned step size; prodigy:slice_p=11 keeps less).",
                                 metavar="OPTIMIZER"),),
               parse, search=search),
     OptimizerVariant, WorkloadOptimizer, SGDMomentum, Adafactor, AdamW8bit, *TORCHAO_VARIANTS.values(),
-    *PAGED_VARIANTS.values(), *LOWRANK_VARIANTS.values())
+    *PAGED_VARIANTS.values(), *LOWRANK_VARIANTS.values(), Prodigy)
