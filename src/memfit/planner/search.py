@@ -153,7 +153,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
          narrow_optimizer: bool = True, alongside: bool = True, host=None, field_recipes: bool = True,
          too_big: dict[Plan, tuple[int, str]] | None = None, slower_than: float | None = None,
          host_memory: str | int | None = None, runs_in: Callable[[Plan], bool] | None = None,
-         _book: TraceBook | None = None) -> PlanResult:
+         swap_everywhere: bool = False, _book: TraceBook | None = None) -> PlanResult:
     """The fastest plan for ``workload`` whose predicted memory fits ``budget`` on ``device``.
 
     ``fixed``: plan fields the user set (``--precision bf16``); the search covers the others.
@@ -172,7 +172,9 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     no faster are not walked, and where none faster fits, nothing is chosen. ``host_memory``: the
     training machine's memory for the plans' host copies (memfit.memory.budget.Budget.with_host).
     ``runs_in``: only plans this holds for are searched (the trainer that will run the plan:
-    memfit.integrations.kohya_export.runs_in_sd_scripts).
+    memfit.integrations.kohya_export.runs_in_sd_scripts). ``swap_everywhere``: search ``swap_blocks`` whatever
+    the weights' share of the budget (where it was left out by that share and nothing fit, the search is run
+    again so: NOTE [ Swap searched when nothing fits ]).
     """
     progress = progress or NoProgress()
     t0 = time.perf_counter()
@@ -195,7 +197,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     custom_space = space is not None
     space = space or default_space(facts, dev, rank_bs, optimizers, compile_modes, budget_bytes=budget_bytes,
                                    base_weights=(fixed or {}).get("base_weights"), run_steps=steps,
-                                   coupled_samples=wl.info.coupled_samples,
+                                   coupled_samples=wl.info.coupled_samples, swap_everywhere=swap_everywhere,
                                    block_inputs=lambda: block_input_bytes(wl, facts.model, rank_bs))
     offered = {k: list(v) for k, v in space.values.items()}
     given_fields = dict(fixed or {})
@@ -240,7 +242,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
                                 compile_modes=compile_modes, steps=steps, progress=progress,
                                 narrow_optimizer=narrow_optimizer, alongside=alongside, host=host,
                                 field_recipes=field_recipes, too_big=too_big, slower_than=slower_than,
-                                host_memory=host_memory, runs_in=runs_in), **changes})
+                                host_memory=host_memory, runs_in=runs_in, swap_everywhere=swap_everywhere),
+                          **changes})
     book = None
     widen = False
     try:
@@ -258,9 +261,13 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
             if book is not None:
                 result.trace_seconds = book.spent
             widen = narrowed and result.chosen is None and slower_than is None
+            swap = not widen and result.chosen is None and slower_than is None and not custom_space and \
+                not swap_everywhere and "swap_blocks" not in given_fields and offered.get("swap_blocks") == [0] and \
+                default_space(facts, dev, rank_bs, budget_bytes=budget_bytes, swap_everywhere=True,
+                              base_weights=given_fields.get("base_weights")).values.get("swap_blocks") != [0]
         finally:
             model.close()
-            if book is not None and not widen:
+            if book is not None and not (widen or swap):
                 book.close()
     except CompileFailed as e:  # NOTE [ A searched compile mode the model cannot take ]
         modes = list(space.values.get("compile") or [])
@@ -273,6 +280,17 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
         again.seconds = time.perf_counter() - t0
         return again
     result.trainable = trainable
+    if swap:  # NOTE [ Swap searched when nothing fits ]
+        try:
+            again = again_with(swap_everywhere=True, _book=book)
+        finally:
+            if book is not None:
+                book.close()
+        again.notes.insert(0, "swap_blocks at first (the weights alone leave room for activations); then searched, "
+                              "as nothing fit without it")
+        again.traces += result.traces if book is None else 0
+        again.seconds = time.perf_counter() - t0
+        return again
     if widen:  # NOTE [ Optimizer choices that cannot matter ]: no answer is lost (on the same book of traces)
         try:
             again = again_with(narrow_optimizer=False, _book=book)
@@ -285,6 +303,13 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     return result
 
 
+# NOTE [ Swap searched when nothing fits ]
+# ``swap_blocks`` is searched where the weights take most of the budget (memfit.techniques.swap_blocks), as
+# its traces are costly and a model with room beside its weights fits without it. But a plan also holds what
+# its trained parameters need: a LoRA of rank 128 with Prodigy over Z-Image and its Qwen3-4B on a 16 GB card
+# keeps 5.4 GB of adapter, gradients and states beside 10 GB of fp8 weights, so nothing fit unswapped and no
+# swap was tried. Where nothing fits and the share left swap out, the search runs again with it (on the same
+# traces): a slower answer only where there was none.
 def gpu_search(target: Target, space, facts, budget: Budget, fixed: dict | None = None, host=None,
                book: TraceBook | None = None) -> tuple[TraceBook, GpuStepModel, GpuLadder]:
     """A GPU preset's search: one book of traces, and the time model and the evidence ladder that

@@ -94,18 +94,20 @@ def default_space(facts: ModelFacts, device: Device, batch_size: int,
                   optimizers: tuple[str, ...] | None = None,
                   compile_modes: tuple[str, ...] | None = None, *, budget_bytes: int | None = None,
                   base_weights: str | None = None, run_steps: int | None = None,
-                  coupled_samples: str | None = None, block_inputs=None) -> SearchSpace:
+                  coupled_samples: str | None = None, block_inputs=None, swap_everywhere: bool = False) -> SearchSpace:
     """``compile_modes``: the compile modes to try; None: the device's default (memfit.techniques.compile).
     ``budget_bytes`` and ``base_weights`` (the plan's, as the user gave it): what a technique whose
     values matter only when the weights fill the budget looks at (``swap_blocks``); None: unknown.
     ``run_steps``: the run's length, if given (compile is searched by default on GPU presets for a run
     long enough to pay for its compiles: memfit.techniques.compile). ``coupled_samples``: why the
     workload's samples depend on each other (memfit.workload.WorkloadInfo): no micro-batch is searched.
-    ``block_inputs``: a call giving :func:`block_input_bytes` at the batch (asked only where it decides)."""
+    ``block_inputs``: a call giving :func:`block_input_bytes` at the batch (asked only where it decides).
+    ``swap_everywhere``: ``swap_blocks`` searched whatever the weights' share of the budget."""
     ctx = SearchContext(model=facts.model, device=device, batch_size=batch_size,
                         options={"optimizers": optimizers, "compile_modes": compile_modes,
                                  "budget_bytes": budget_bytes, "base_weights": base_weights,
                                  "run_steps": run_steps, "block_inputs": block_inputs,
+                                 "swap_everywhere": swap_everywhere,
                                  "swap_tail": stacks.tail if (stacks := stacks_of(facts.model)) else None})
     values = {t.keys[0].name: list(t.search(ctx)) for t in TECHNIQUES if t.search is not None}
     micro = [m for m in (batch_size, batch_size // 2, batch_size // 4, batch_size // 8)

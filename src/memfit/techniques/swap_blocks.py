@@ -348,14 +348,15 @@ INPUTS_ASKED_OVER = 0.5
 def search(ctx: SearchContext) -> list[int]:
     """None, about a quarter, half and three quarters, and all of the blocks (of the denoiser's, behind text
     encoders' stacks), on GPU presets where the
-    weights take more than ``SEARCHED_OVER`` of the budget (in the format the plan stores them:
+    weights take more than ``SEARCHED_OVER`` of the budget (or whatever they take, with the option
+    ``swap_everywhere``: NOTE [ Swap searched when nothing fits ] in memfit.planner.search) (in the format the plan stores them:
     ``base_weights``), or they and the blocks' inputs more than ``WITH_INPUTS_OVER``; else none (the host is the device on a CPU, and a model far under its budget
     gains nothing). "About": NOTE [ Swapped counts the planner traces shallow ]."""
     budget, base = ctx.options.get("budget_bytes"), ctx.options.get("base_weights")
     if not ctx.device.is_gpu or budget is None or not _swappable(ctx.model, base):
         return [0]
     weights = least_weight_bytes(ctx.model.parameters(), ctx.model, str(base or "as-is"))
-    if weights <= SEARCHED_OVER * budget:
+    if weights <= SEARCHED_OVER * budget and not ctx.options.get("swap_everywhere"):
         inputs = ctx.options.get("block_inputs") if weights > INPUTS_ASKED_OVER * budget else None
         taken = inputs() if inputs is not None else None
         if taken is None or weights + taken <= WITH_INPUTS_OVER * budget:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+from pathlib import Path
 
 import pytest
 
@@ -155,6 +156,9 @@ def test_the_planner_searches_swap_where_the_weights_fill_the_budget():
     assert default_space(facts, cpu, 1, budget_bytes=12 * 2**30).values["swap_blocks"] == [0]
     assert default_space(facts, gpu, 1).values["swap_blocks"] == [0]  # (no budget given)
     assert default_space(facts, gpu, 1, budget_bytes=21 * 2**30, base_weights="fp8").values["swap_blocks"] == [0]
+    assert default_space(facts, gpu, 1, budget_bytes=40 * 2**30, base_weights="fp8", swap_everywhere=True).values[
+        "swap_blocks"] == [0, 19, 28, 38, 57]  # (NOTE [ Swap searched when nothing fits ])
+    assert default_space(facts, cpu, 1, budget_bytes=40 * 2**30, swap_everywhere=True).values["swap_blocks"] == [0]
     with_text = model_facts(load_workload("dit-flux:text_encoders=frozen"))  # (CLIP-L's 12 and T5's 24 layers first)
     assert default_space(with_text, gpu, 1, budget_bytes=12 * 2**30, base_weights="fp8").values["swap_blocks"] == \
         [0, 19, 28, 38, 57]  # (shares of the DiT's blocks, as without them: each but 28 keeps its shallow pair)
@@ -243,3 +247,21 @@ def test_a_given_swap_is_planned_with_the_given_adapter_and_refused_without_one(
     assert err.getvalue().strip().splitlines() == [
         "memfit plan: error: plan: swap_blocks streams frozen weights, and block 3 has none (every weight trains); "
         "train an adapter (adapter: lora:r=16) or use swap_blocks: 0"]
+
+
+@pytest.mark.slow
+def test_where_nothing_fits_unswapped_the_planner_searches_swap_after_all():
+    """NOTE [ Swap searched when nothing fits ]: ai-toolkit's Z-Image Turbo example (adamw8bit, r=128, Qwen3-4B in
+    the step) on a 16 GB card: its fp8 weights are 0.68 of the budget, so swap was not searched and nothing fit
+    (16.74 GiB at the least); searched again with swap, 30 blocks swapped fit (13.59 GiB, 95 s on a 2-core AMD
+    EPYC)."""
+    import yaml
+
+    from memfit.integrations.ai_toolkit import map_config
+    from memfit.planner.search import plan
+    path = Path(__file__).resolve().parents[2] / "data" / "ai_toolkit" / "train_lora_zimage_turbo_32gb.yaml"
+    data = yaml.safe_load(path.read_text())
+    data["config"]["process"][0]["train"]["optimizer"] = "adamw8bit"
+    c = map_config(data, "z.yaml", get_device("rtx4060ti-16gb"))
+    r = plan(c.workload, device="rtx4060ti-16gb", batch_size=c.batch_size, fixed=c.plan.changed())
+    assert r.chosen is not None and r.chosen.plan.swap_blocks > 0 and "then searched" in r.notes[0]
