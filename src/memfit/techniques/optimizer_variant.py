@@ -36,6 +36,25 @@ def regroup(params: list, like: torch.optim.Optimizer, options) -> list[dict]:
     return [{"params": ps, **options(like.param_groups[i])} for i, ps in members.items()]
 
 
+def refuse_sharded_or_offloaded(plan, name: str, sharded: str, offloaded: str) -> None:
+    """One line for optimizer ``name`` beside FSDP2 (``sharded``: why not) or offloaded states (``offloaded``: why
+    not, and what to do)."""
+    from memfit.errors import UserError
+    if plan.config("shard").fsdp2:
+        raise UserError(f"plan: optimizer {name} cannot be combined with shard (FSDP2): {sharded}; use shard: none, "
+                        "or adamw with shard")
+    states = plan.config("offload").states
+    if states is not None:
+        raise UserError(f"plan: optimizer {name} cannot be combined with offload: [{states}]{offloaded}")
+
+
+def trained_and_workloads(parts) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer] | None:
+    """The model's trained parameters and the workload's optimizer over them (whose groups a variant follows);
+    None where nothing trains."""
+    params = [p for p in parts.model.parameters() if p.requires_grad]
+    return (params, parts.optimizer_factory(params)) if params else None
+
+
 class OptimizerVariant(Config):
     """The plan key ``optimizer``: which optimizer the step builds, and what the planner asks of an
     optimizer alone (how it compiles, how fast it updates on the host, how small its states get)."""

@@ -36,7 +36,13 @@ from typing import ClassVar
 import torch
 
 from memfit.errors import UserError
-from memfit.techniques.optimizer_variant import OptimizerVariant, hyperparameters, regroup
+from memfit.techniques.optimizer_variant import (
+    OptimizerVariant,
+    hyperparameters,
+    refuse_sharded_or_offloaded,
+    regroup,
+    trained_and_workloads,
+)
 
 STEADY_ITER = 1
 """The optimizer's own step count (``state["step"]``) in memfit's steady step, the second."""
@@ -84,19 +90,15 @@ class LowRankVariant(OptimizerVariant):
         problem = self.problem()
         if problem:
             raise UserError(problem)
-        if plan.config("shard").fsdp2:
-            raise UserError(f"plan: optimizer {self.name} cannot be combined with shard (FSDP2): its projection "
-                            "needs each whole gradient matrix, a rank holds a shard; use shard: none, or adamw with shard")
-        states = plan.config("offload").states
-        if states is not None:
-            raise UserError(f"plan: optimizer {self.name} cannot be combined with offload: [{states}]: its states are "
-                            "already small and its projection runs beside the gradient; remove one of them")
+        refuse_sharded_or_offloaded(plan, self.name, "its projection needs each whole gradient matrix, a rank holds "
+                                    "a shard", ": its states are already small and its projection runs beside the "
+                                    "gradient; remove one of them")
 
     def apply(self, parts) -> None:
-        params = [p for p in parts.model.parameters() if p.requires_grad]
-        if not params:
+        found = trained_and_workloads(parts)
+        if found is None:
             return
-        like = parts.optimizer_factory(params)
+        params, like = found
         projected = {id(p) for p in projected_parameters(parts.model)}
         seeds = {id(p): i + 1 for i, p in enumerate(params)}  # (APOLLO's seed per parameter, as for the whole model)
         options = self.group_options()

@@ -26,7 +26,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.errors import UserError
-from memfit.techniques.optimizer_variant import OptimizerVariant, hyperparameters, regroup
+from memfit.techniques.optimizer_variant import (
+    OptimizerVariant,
+    hyperparameters,
+    refuse_sharded_or_offloaded,
+    regroup,
+    trained_and_workloads,
+)
 
 REQUIREMENT = "prodigyopt>=1.1,<1.2"
 ZERO_AT_START = ("lora_B", "lora_embedding_A")
@@ -61,23 +67,18 @@ class Prodigy(OptimizerVariant):
         problem = self.problem()
         if problem:
             raise UserError(problem)
-        if plan.config("shard").fsdp2:
-            raise UserError("plan: optimizer prodigy cannot be combined with shard (FSDP2): its step-size estimate "
-                            "sums over every parameter on every rank; use shard: none, or adamw with shard")
         if plan.optimizer_in_backward:
             raise UserError("plan: optimizer prodigy cannot step in backward: its step size is learned from every "
                             "parameter together, and in backward each parameter has an optimizer of its own; use "
                             "optimizer_in_backward: false with prodigy")
-        states = plan.config("offload").states
-        if states is not None:
-            raise UserError(f"plan: optimizer prodigy cannot be combined with offload: [{states}] (memfit offloads "
-                            "AdamW's states); use offload: [] with prodigy, or an AdamW variant")
+        refuse_sharded_or_offloaded(plan, self.name, "its step-size estimate sums over every parameter on every rank",
+                                    " (memfit offloads AdamW's states); use offload: [] with prodigy, or an AdamW variant")
 
     def apply(self, parts) -> None:
-        params = [p for p in parts.model.parameters() if p.requires_grad]
-        if not params:
+        found = trained_and_workloads(parts)
+        if found is None:
             return
-        like = parts.optimizer_factory(params)
+        like = found[1]
         zero = frozenset(id(p) for n, p in parts.model.named_parameters()
                          if p.requires_grad and any(f".{k}." in f".{n}." for k in ZERO_AT_START))
         cls, slice_p = prodigy_class(), self.slice_p
