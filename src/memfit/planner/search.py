@@ -245,7 +245,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
                                 host_memory=host_memory, runs_in=runs_in, swap_everywhere=swap_everywhere),
                           **changes})
     book = None
-    widen = False
+    widen = swap = False
     try:
         with silenced_warnings():
             if time_model is not None:
@@ -261,10 +261,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
             if book is not None:
                 result.trace_seconds = book.spent
             widen = narrowed and result.chosen is None and slower_than is None
-            swap = not widen and result.chosen is None and slower_than is None and not custom_space and \
-                not swap_everywhere and "swap_blocks" not in given_fields and offered.get("swap_blocks") == [0] and \
-                default_space(facts, dev, rank_bs, budget_bytes=budget_bytes, swap_everywhere=True,
-                              base_weights=given_fields.get("base_weights")).values.get("swap_blocks") != [0]
+            swap = not widen and result.chosen is None and slower_than is None and "swap_blocks" in space.narrowed \
+                and "swap_blocks" not in given_fields
         finally:
             model.close()
             if book is not None and not (widen or swap):

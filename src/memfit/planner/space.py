@@ -41,6 +41,8 @@ class SearchSpace:
     micro_batches: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     """Values left out because they cannot run here, and why."""
+    narrowed: list[str] = field(default_factory=list)
+    """Keys a heuristic narrowed (memfit.techniques.base.SearchContext.narrowed)."""
 
     def size(self) -> int:
         n = len(self.micro_batches)
@@ -114,7 +116,8 @@ def default_space(facts: ModelFacts, device: Device, batch_size: int,
              if m >= 1 and batch_size % m == 0 and (m == batch_size or not coupled_samples)]
     if coupled_samples:
         ctx.notes.append(f"micro-batches not searched: {coupled_samples}, so a micro-batch trains on another objective")
-    return SearchSpace(values=values, micro_batches=sorted(set(micro), reverse=True), notes=list(ctx.notes))
+    return SearchSpace(values=values, micro_batches=sorted(set(micro), reverse=True), notes=list(ctx.notes),
+                       narrowed=list(ctx.narrowed))
 
 
 def drop_unused(space: SearchSpace, plans: list[Plan]) -> None:

@@ -339,6 +339,9 @@ class SearchContext:
     """Planner options, e.g. ``optimizers``: the optimizer variants to consider."""
     notes: list = field(default_factory=list)
     """Values left out because they cannot run here, and why (techniques append)."""
+    narrowed: list = field(default_factory=list)
+    """Keys whose values a heuristic left out, which a search where nothing fits tries again whole (NOTE [ Swap
+    searched when nothing fits ] in memfit.planner.search; techniques append)."""
 
 
 @dataclass(frozen=True)

@@ -360,6 +360,7 @@ def search(ctx: SearchContext) -> list[int]:
         inputs = ctx.options.get("block_inputs") if weights > INPUTS_ASKED_OVER * budget else None
         taken = inputs() if inputs is not None else None
         if taken is None or weights + taken <= WITH_INPUTS_OVER * budget:
+            ctx.narrowed.append("swap_blocks")
             return [0]
     lengths = [len(blocks) for _, blocks in find_blocks(ctx.model)]
     tail = ctx.options.get("swap_tail") or lengths  # (the shares: of the blocks a shallow pair swaps, the last stacks)
