@@ -17,7 +17,7 @@ memfit maps it:
 | ``train.dtype`` bf16 / fp16 (default fp32) | the model in that dtype, the LoRA in fp32, no autocast (each adapted layer's input cast to fp32 and kept for backward) | ``bf16-base-noautocast`` / ``fp16-base-noautocast`` / ``fp32`` |
 | no ``network`` | full fine-tuning: the whole transformer trains in ``train.dtype`` | no adapter; ``bf16-pure`` / ``fp16`` (fp32 weights under autocast: said) / ``fp32`` |
 | ``train.gradient_checkpointing`` (default true) | every transformer block checkpointed | ``checkpointing: blocks`` |
-| ``train.optimizer`` | adamw8bit (bitsandbytes), adamw, adafactor, prodigy (prodigyopt), ... | ``adamw8bit``, ``adamw``, ``adafactor``, ``prodigy``; others refused |
+| ``train.optimizer`` | adamw8bit and lion8bit (bitsandbytes), adamw, adafactor, prodigy (prodigyopt), ... | ``adamw8bit``, ``lion8bit``, ``adamw``, ``adafactor``, ``prodigy``; others refused |
 | ``train.ema_config.use_ema``, ``ema_decay`` | an fp32 copy of the LoRA on the device | ``ema: {decay, device: device}`` |
 | ``train.batch_size`` (a dataset's own ``batch_size`` wins), ``gradient_accumulation_steps`` | the micro-batch, accumulated | batch and micro-batch |
 | ``model.layer_offloading`` (Qwen-Image, FLUX.2, Wan, Z-Image; the others ignore it) | a random ``layer_offloading_transformer_percent`` of the linear layers on the host, streamed | that share of the denoiser's blocks swapped (said) |
@@ -82,7 +82,7 @@ BUCKETS = {"zimage": 32}
 """A bucket side's divisor where it is not 16 (``get_bucket_divisibility``: Z-Image's VAE 16 x its 2x2 patches)."""
 """The archs trained by flow matching (ai-toolkit's ``noise_scheduler: flowmatch``)."""
 OPTIMIZERS = {"adamw8bit": "adamw8bit", "adamw8": "adamw8bit", "adam8bit": "adamw8bit", "adamw": "adamw",
-              "adam": "adamw", "adafactor": "adafactor", "prodigy": "prodigy"}
+              "adam": "adamw", "adafactor": "adafactor", "prodigy": "prodigy", "lion8bit": "lion8bit"}
 """ai-toolkit's optimizer names memfit runs (Adam's states weigh AdamW's; any name starting ``prodigy`` but
 ``prodigy8bit`` is prodigyopt's Prodigy there, as ``get_optimizer`` reads it)."""
 PRECISIONS = {"bf16": "bf16-base-noautocast", "bfloat16": "bf16-base-noautocast", "fp16": "fp16-base-noautocast",
@@ -153,7 +153,7 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
     name = "prodigy" if name.startswith("prodigy") and not name.startswith("prodigy8bit") else name
     if name not in OPTIMIZERS:
         raise UserError(f"--from {where}: train.optimizer {name!r} is not one memfit runs; use adamw8bit, adamw, "
-                        "adafactor or prodigy")
+                        "adafactor, prodigy or lion8bit")
     fields["optimizer"] = OPTIMIZERS[name]
     fields.update(_ema(train.get("ema_config"), where))
     norm = train.get("max_grad_norm", 1.0)  # (ai-toolkit clips none with adafactor)

@@ -14,7 +14,7 @@ merged into one set of arguments; a ``dataset_config`` it names is read for the 
 | ``blocks_to_swap`` (``split_mode``: 18) | ``swap_blocks``; of FLUX, about the same bytes (sd-scripts swaps N/2 double-stream blocks and N single-stream ones; memfit its last blocks, the singles first: 18 is 39) |
 | ``gradient_checkpointing``; ``cpu_offload_checkpointing`` | ``checkpointing: blocks``; with ``offload: activations`` (each checkpointed block's input in host memory; FLUX and SD3) |
 | ``sdpa``, ``xformers``, ``mem_eff_attn`` (SD, SDXL) | fused attention; none of them: ``attention: math`` (sd-scripts' UNet then holds the whole score matrix) |
-| ``optimizer_type`` (``use_8bit_adam``) | ``AdamW``: ``adamw``; ``AdamW8bit``: ``adamw8bit``; ``PagedAdamW8bit``: ``adamw8bit-paged``; ``PagedAdamW``, ``PagedAdamW32bit``: ``adamw-paged``; ``Adafactor``: ``adafactor``; ``SGDNesterov``: ``sgd``; ``Prodigy``: ``prodigy`` (``slice_p=N`` in ``optimizer_args``: ``prodigy:slice_p=N``) |
+| ``optimizer_type`` (``use_8bit_adam``) | ``AdamW``: ``adamw``; ``AdamW8bit``: ``adamw8bit``; ``PagedAdamW8bit``: ``adamw8bit-paged``; ``PagedAdamW``, ``PagedAdamW32bit``: ``adamw-paged``; ``Adafactor``: ``adafactor``; ``SGDNesterov``: ``sgd``; ``Prodigy``: ``prodigy`` (``slice_p=N`` in ``optimizer_args``: ``prodigy:slice_p=N``); ``Lion8bit``: ``lion8bit`` |
 | ``fused_backward_pass`` (full fine-tuning, Adafactor) | ``optimizer_in_backward`` (sd-scripts clips each gradient alone there: no global norm) |
 | ``max_grad_norm`` (sd-scripts' default 1.0; 0: none) | ``max_grad_norm`` |
 
@@ -22,7 +22,7 @@ What the estimate ignores, and how it says so:
 
 - **Refused, one line**: ``deepspeed`` (memfit shards with FSDP2: ``--world-size``), a ``network_module``
   other than LoRA (LyCORIS, OFT, DyLoRA), ``network_train_text_encoder_only``, an optimizer memfit does
-  not run (Lion, D-Adaptation, ...), a checkpoint file whose model the config does not name
+  not run (Lion in 32 bits, D-Adaptation, ...), a checkpoint file whose model the config does not name
   (or a ``model_type`` other than FLUX's), and what sd-scripts itself refuses (offloaded checkpointing of
   an SD or SDXL UNet, or beside ``blocks_to_swap``; ``fused_backward_pass`` but with Adafactor and no
   accumulation; ``use_8bit_adam`` beside ``optimizer_type``).
@@ -97,7 +97,7 @@ console_log_file console_log_simple wandb_run_id
 
 OPTIMIZERS = {"adamw": "adamw", "adamw8bit": "adamw8bit", "pagedadamw8bit": "adamw8bit-paged",
               "pagedadamw": "adamw-paged", "pagedadamw32bit": "adamw-paged", "adafactor": "adafactor",
-              "sgdnesterov": "sgd", "prodigy": "prodigy"}
+              "sgdnesterov": "sgd", "prodigy": "prodigy", "lion8bit": "lion8bit"}
 """sd-scripts' ``optimizer_type`` (it compares them lower-cased) and memfit's optimizer."""
 
 CHECKPOINT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin", ".sft")
@@ -386,7 +386,7 @@ def _optimizer(data: dict, where: str) -> dict:
                         "together); keep optimizer_type")
     if str(name).lower() not in OPTIMIZERS:
         raise UserError(f"--from {where}: optimizer_type {name!r} is not one memfit runs; use AdamW, AdamW8bit, "
-                        "PagedAdamW8bit, PagedAdamW, Adafactor, SGDNesterov or Prodigy")
+                        "PagedAdamW8bit, PagedAdamW, Adafactor, SGDNesterov, Prodigy or Lion8bit")
     optimizer = OPTIMIZERS[str(name).lower()]
     args = data.get("optimizer_args") or []
     sliced = [a for a in (args if isinstance(args, list) else [args]) if str(a).replace(" ", "").startswith("slice_p=")]

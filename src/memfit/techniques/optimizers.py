@@ -20,6 +20,8 @@ Memory/compute trade-off, per parameter of N bytes in fp32:
   Need ``memfit[galore]`` / ``memfit[apollo]``.
 - ``prodigy``: Prodigy, Adam with a learned step size (a different optimizer, searched only when named; four
   states a parameter), in :mod:`memfit.techniques.optimizers_prodigy`. Needs ``memfit[prodigy]``.
+- ``lion8bit``: bitsandbytes' Lion with one 8-bit momentum (a different optimizer, searched only when named:
+  N bytes), in :mod:`memfit.techniques.optimizers_lion`. Needs bitsandbytes.
 Hyperparameters (lr, weight decay, betas, eps) are taken from the workload's optimizer, group by
 group: a workload that gives its biases and norms no weight decay keeps that (:func:`regroup`).
 """
@@ -42,6 +44,7 @@ from memfit.techniques.optimizer_variant import (
     hyperparameters,
     regroup,
 )
+from memfit.techniques.optimizers_lion import Lion8bit
 from memfit.techniques.optimizers_lowrank import VARIANTS as LOWRANK_VARIANTS
 from memfit.techniques.optimizers_lowrank import lowrank_problem, parse_lowrank
 from memfit.techniques.optimizers_paged import VARIANTS as PAGED_VARIANTS
@@ -50,7 +53,7 @@ from memfit.techniques.optimizers_torchao import VARIANTS as TORCHAO_VARIANTS
 from memfit.techniques.optimizers_torchao import torchao_problem
 
 NAMES = ("adamw", "adamw8bit", "adafactor", "sgd", "adamw8bit-ao", "adamw4bit-ao", "adamwfp8-ao", "adamw8bit-paged",
-         "adamw-paged", "galore", "galore8bit", "apollo", "apollo-mini", "prodigy")
+         "adamw-paged", "galore", "galore8bit", "apollo", "apollo-mini", "prodigy", "lion8bit")
 ADAMW_CLASS = ("adamw", "adamw8bit", "adamw8bit-ao", "adamw4bit-ao", "adamwfp8-ao", "adamw8bit-paged", "adamw-paged")
 """``--optimizers adamw-class``: AdamW at any state precision, its states offloaded, paged or not. The
 planner's default for GPU presets, but the torchao variants with adamw8bit's state bytes where
@@ -174,12 +177,12 @@ def parse(values: dict) -> OptimizerVariant:
     if name in PAGED_VARIANTS:
         return PAGED_VARIANTS[name]()
     return {"adamw": WorkloadOptimizer(), "adamw8bit": AdamW8bit(), "adafactor": Adafactor(),
-            "sgd": SGDMomentum()}[name]
+            "sgd": SGDMomentum(), "lion8bit": Lion8bit()}[name]
 
 
 def search(ctx: SearchContext) -> list[str]:
     names = list(ctx.options.get("optimizers") or default_optimizers(ctx.device))
-    needs_bnb = [n for n in names if n == "adamw8bit" or n in PAGED_VARIANTS]
+    needs_bnb = [n for n in names if n in ("adamw8bit", "lion8bit") or n in PAGED_VARIANTS]
     if needs_bnb and not bitsandbytes_available():  # predicted = what runs: never plan a fallback
         for name in needs_bnb:
             names.remove(name)
@@ -228,8 +231,9 @@ TECHNIQUE = register(
                                 "adamw8bit-paged | adamw-paged (bitsandbytes' paged states, in CUDA managed memory) | "
                                 "galore | galore8bit | apollo | apollo-mini (different optimizers, low-rank; options "
                                 "as galore:rank=64,update_proj_gap=200,scale=0.25) | prodigy (a different optimizer: "
-                                "Adam with a learned step size; prodigy:slice_p=11 keeps less).",
+                                "Adam with a learned step size; prodigy:slice_p=11 keeps less) | lion8bit (a different "
+                                "optimizer: Lion, one 8-bit momentum; bitsandbytes).",
                                 metavar="OPTIMIZER"),),
               parse, search=search),
     OptimizerVariant, WorkloadOptimizer, SGDMomentum, Adafactor, AdamW8bit, *TORCHAO_VARIANTS.values(),
-    *PAGED_VARIANTS.values(), *LOWRANK_VARIANTS.values(), Prodigy)
+    *PAGED_VARIANTS.values(), *LOWRANK_VARIANTS.values(), Prodigy, Lion8bit)
