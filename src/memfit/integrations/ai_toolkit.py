@@ -75,12 +75,12 @@ QUANTIZED = ("flux", "sd3", "lumina2", "qwen_image", "flux2", "wan21", "zimage")
 LAYER_OFFLOADED = ("qwen_image", "flux2", "wan21", "zimage")
 """The archs whose models ai-toolkit's ``layer_offloading`` attaches its memory manager to (the others ignore it)."""
 FLOW = ("flux", "sd3", "lumina2", "qwen_image", "flux2", "wan21", "zimage")
+"""The archs trained by flow matching (ai-toolkit's ``noise_scheduler: flowmatch``)."""
 BLOCK_LISTS = {"zimage": "layers"}
 """The archs whose ``get_transformer_block_names`` (the blocks a ``transformer_only`` LoRA adapts) are not all of
 the model's repeated blocks: Z-Image's 30 ``layers``, not its two noise and two context refiner blocks."""
 BUCKETS = {"zimage": 32}
 """A bucket side's divisor where it is not 16 (``get_bucket_divisibility``: Z-Image's VAE 16 x its 2x2 patches)."""
-"""The archs trained by flow matching (ai-toolkit's ``noise_scheduler: flowmatch``)."""
 OPTIMIZERS = {"adamw8bit": "adamw8bit", "adamw8": "adamw8bit", "adam8bit": "adamw8bit", "adamw": "adamw",
               "adam": "adamw", "adafactor": "adafactor", "prodigy": "prodigy", "lion8bit": "lion8bit"}
 """ai-toolkit's optimizer names memfit runs (Adam's states weigh AdamW's; any name starting ``prodigy`` but

@@ -140,7 +140,7 @@ class LoRA(Adapter):
         extra = {"target_parameters": list(self.params)} if self.params else {}
         if targets == [ALL_LINEAR]:  # (targets=all-linear: PEFT's shorthand, which it takes as a string only)
             targets = ALL_LINEAR
-        elif self.targets and self.in_blocks:
+        elif self.in_blocks:
             lists = {t.partition(":")[2] for t in targets} - {""}
             targets = _linears_in_blocks(model, self.text_value(), lists if IN_BLOCKS not in targets else None)
         return peft.LoraConfig(r=self.r, lora_alpha=self.scale_alpha, lora_dropout=self.dropout,

@@ -46,7 +46,7 @@ from memfit.techniques.optimizer_variant import (
 )
 from memfit.techniques.optimizers_lion import Lion8bit
 from memfit.techniques.optimizers_lowrank import VARIANTS as LOWRANK_VARIANTS
-from memfit.techniques.optimizers_lowrank import lowrank_problem, parse_lowrank
+from memfit.techniques.optimizers_lowrank import parse_lowrank
 from memfit.techniques.optimizers_paged import VARIANTS as PAGED_VARIANTS
 from memfit.techniques.optimizers_prodigy import Prodigy, parse_prodigy
 from memfit.techniques.optimizers_torchao import VARIANTS as TORCHAO_VARIANTS
@@ -189,8 +189,7 @@ def search(ctx: SearchContext) -> list[str]:
         ctx.notes.append(f"{', '.join(needs_bnb)} left out: bitsandbytes is not installed here (pip install bitsandbytes)")
         warnings.warn(f"plan: {ctx.notes[-1]}", stacklevel=2)
     for name in [n for n in names if n in TORCHAO_VARIANTS or n in LOWRANK_VARIANTS or n.startswith("prodigy")]:
-        missing = torchao_problem(name) if name in TORCHAO_VARIANTS else lowrank_problem(name) \
-            if name in LOWRANK_VARIANTS else parse_prodigy(name).problem()
+        missing = torchao_problem(name) if name in TORCHAO_VARIANTS else parse({"optimizer": name}).problem()
         if missing:
             names.remove(name)
             ctx.notes.append(f"{name} left out: {missing.removeprefix('plan: ')}")

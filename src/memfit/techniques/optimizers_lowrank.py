@@ -346,8 +346,3 @@ def real_seeds():
         yield
     finally:
         random_projector.next_seed = original
-
-
-def lowrank_problem(name: str) -> str | None:
-    """Why the low-rank optimizer ``name`` cannot run here (None: it can)."""
-    return VARIANTS[name]().problem()
