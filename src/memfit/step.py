@@ -269,6 +269,7 @@ def build_step(workload: Workload | str | Target, plan: Plan | None = None, batc
                           plan=target.plan, loaded=wl.from_checkpoint)
         for config in target.plan.techniques:
             config.apply(parts)
+        _bind_modules(parts)
         for finalize in parts.finalizers:
             finalize(parts)
         params = [p for p in parts.model.parameters() if p.requires_grad]
@@ -289,8 +290,28 @@ def _load(model: torch.nn.Module, target: Target, buffer_values: dict[str, torch
     load = Load()
     for config in target.plan.techniques:
         config.on_load(model, load)
+    for module in model.modules():  # NOTE [ Workload modules that place their own weights ]
+        if hasattr(module, "memfit_on_load"):
+            module.memfit_on_load(load)
     materialise(model, target.tensor_device, load, buffer_values)
     mark("loaded")  # (from_pretrained's own peak ends here: what the plan prepares after it is the build's)
+
+
+# NOTE [ Workload modules that place their own weights ]
+# Some trainers move weights between host and device as part of the step the user wrote: ai-toolkit's
+# low_vram keeps the Wan 2.2 expert not running in host memory and swaps the two at a switch
+# (memfit.workloads.wan_experts). That is the workload's behaviour, not a technique the plan chooses, so its
+# module does it, through the same host placement the techniques use: a module with ``memfit_on_load(load)``
+# says which of its weights a checkpoint's load leaves on the host, and one with ``memfit_bind(placement,
+# device, loaded)`` is handed the step's placement (whose observer learns what is host memory) once the plan's
+# techniques have prepared the model (its adapters exist by then).
+def _bind_modules(parts: StepParts) -> None:
+    device = torch.device(parts.device_type)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    for module in parts.model.modules():
+        if hasattr(module, "memfit_bind"):
+            module.memfit_bind(parts.placement, device, parts.loaded)
 
 
 def make_batch(target: Target, *, whole: bool = False, device: str | None = None) -> Any:

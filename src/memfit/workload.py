@@ -85,6 +85,10 @@ class Workload:
     device in its final form, cast or quantized while loading (memfit.techniques.loading). The
     built-in, hub and folder workloads. False: ``model()`` runs as written, on the step's device
     (a model built there in full precision and converted afterwards leaves its segments reserved)."""
+    warmup_steps: int = 0
+    """Steps a trace runs before its two (memfit.memory.faketrace), where the steady state takes more than
+    one step to reach: Wan 2.2's two experts train in turns, so the second holds both experts' optimizer
+    states only from the third step (memfit.workloads.wan_experts)."""
 
     def build_optimizer(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
         return (self.optimizer or default_optimizer)(params)

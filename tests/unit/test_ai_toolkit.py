@@ -96,6 +96,9 @@ def test_batches_and_buckets_are_the_largest_and_accumulated():
      ["qtype's accuracy-recovery adapter", "qtype uint3 stores 3 bits a weight"]),
     ("train_lora_wan21_14b_24gb", "dit-wan:frames=1", {"adapter": "lora:r=32,alpha=32,targets=in-blocks"},
      []),  # (umT5 unloaded: its states cached; images, one frame)
+    ("train_lora_wan22_14b_24gb", "dit-wan:frames=1,experts=2,switch=step,low_vram=True",
+     {"adapter": "lora:r=32,alpha=32,targets=in-blocks", "base_weights": "nf4", "ema": None},  # (uint4 + ARA: as nf4)
+     ["qtype's accuracy-recovery adapter", "latents are not cached"]),  # (both experts; switch every 10: steps)
     ("train_lora_wan21_1b_24gb", "dit-wan-1.3b:frames=1", {"adapter": "lora:r=32,alpha=32,targets=in-blocks",
                                                            "base_weights": "as-is"},
      ["the text encoders run in the step"]),  # (umT5 in the step: said)
@@ -140,6 +143,35 @@ def test_a_lora_on_one_list_of_blocks_adapts_those_blocks_alone():
     with pytest.raises(UserError, match="blocks is not a list of the model's repeated blocks; name one of noise_refiner, "
                                          "context_refiner, layers "):
         estimate(tiny, Plan(adapter="lora:r=4,targets=in-blocks:blocks"), batch_size=1, resolution=64)
+
+
+@pytest.mark.parametrize("kwargs,train,low_vram,options", [
+    ({}, {}, False, "experts=2,switch=batch"),  # (ai-toolkit's defaults: both experts, a switch at every batch)
+    ({}, {"switch_boundary_every": 10}, True, "experts=2,switch=step,low_vram=True"),
+    ({}, {"switch_boundary_every": 3, "gradient_accumulation": 2}, False, "experts=2,switch=batch"),  # (mid-step switches)
+    ({}, {"switch_boundary_every": 4, "gradient_accumulation": 2}, False, "experts=2,switch=step"),
+    ({"train_low_noise": False}, {}, False, "experts=2,switch=none"),  # (both loaded, one trained)
+])
+def test_wan22s_two_experts_are_trained_as_ai_toolkit_switches_them(kwargs, train, low_vram, options):
+    data = _with(model__arch="wan22_14b", model__name_or_path="ai-toolkit/Wan2.2-T2V-A14B-Diffusers-bf16",
+                 model__low_vram=low_vram, model__model_kwargs=kwargs, **{f"train__{k}": v for k, v in train.items()})
+    assert map_config(data, "c.yaml", CARD).workload == f"dit-wan:frames=1,{options}"
+
+
+@pytest.mark.parametrize("arch,name,workload", [
+    ("wan22_14b_i2v", "Wan-AI/Wan2.2-I2V-A14B-Diffusers", "dit-wan-i2v:frames=1,experts=2,switch=batch"),
+    ("wan22_5b", "Wan-AI/Wan2.2-TI2V-5B-Diffusers", "dit-wan-5b:frames=1"),  # (one model, 16x VAE: 32 px buckets)
+])
+def test_wan22s_other_archs_are_their_built_ins(arch, name, workload):
+    c = map_config(_with(model__arch=arch, model__name_or_path=name, datasets__resolution=[1008]), "c.yaml", CARD)
+    assert (c.workload, c.resolution) == (workload, 992 if arch == "wan22_5b" else 1008)
+
+
+def test_wan22_with_no_expert_trained_is_one_line():
+    data = _with(model__arch="wan22_14b", model__name_or_path="ai-toolkit/Wan2.2-T2V-A14B-Diffusers-bf16",
+                 model__model_kwargs={"train_high_noise": False, "train_low_noise": False})
+    with pytest.raises(UserError, match="train_high_noise and train_low_noise are both false"):
+        map_config(data, "c.yaml", CARD)
 
 
 @pytest.mark.parametrize("model,workload", [
@@ -205,7 +237,7 @@ def test_older_flags_are_read_in_ai_toolkits_order_and_a_datasets_batch_size_win
 
 @pytest.mark.parametrize("changes,message", [
     ({"model__is_flux": None, "model__arch": "hidream"}, r"memfit reads ai-toolkit's flux, sd1, sdxl, sd3, lumina2, "
-     r"qwen_image, flux2, wan21, zimage configs, not arch 'hidream'; name the model as the workload"),
+     r"qwen_image, flux2, wan21, zimage, wan22_14b, wan22_14b_i2v, wan22_5b configs, not arch 'hidream'; name the model as the workload"),
     ({"datasets__num_frames": 0, "model__arch": "wan21"}, "datasets num_frames must be a whole number >= 1"),
     ({"train__optimizer": "prodigy8bit"}, "train.optimizer 'prodigy8bit' is not one memfit runs"),
     ({"network__type": "lokr"}, "network type 'lokr' is not one memfit runs"),

@@ -72,6 +72,24 @@ def test_built_ins_are_the_hub_ids_ai_toolkit_loads(workload, arch, name):
     assert any("are not its own" in n for n in job.notes) == (workload == TINY)
 
 
+@pytest.mark.parametrize("options,fields", [
+    ("experts=2,low_vram=True", (True, True, 1)),
+    ("experts=2,switch=step", (False, True, 20)),  # (every 10 steps of 2 micro-batches: a whole number of steps)
+    ("experts=2,switch=none", (False, False, 1)),
+])
+def test_wan22s_two_experts_are_ai_toolkits_wan22_arch(options, fields):
+    """``dit-wan:experts=2`` is ai-toolkit's Wan 2.2 A14B (its bf16 copy), with its low_vram, the experts it trains
+    and how often it switches; read back, the job is the same workload."""
+    job = _job(Plan(adapter="lora:r=4,targets=in-blocks", precision="bf16-base-noautocast", micro_batch_size=1), 2,
+               f"dit-wan:frames=1,{options}", 512)
+    model = job.process["model"]
+    assert (model["arch"], model["name_or_path"]) == ("wan22_14b", "ai-toolkit/Wan2.2-T2V-A14B-Diffusers-bf16")
+    assert (model["low_vram"], model["model_kwargs"]["train_low_noise"], job.process["train"]["switch_boundary_every"]) \
+        == fields
+    back = map_config(yaml.safe_load(job.yaml()), "job.yaml", CARD).workload
+    assert back == "dit-wan:frames=1," + options.replace("2,low", "2,switch=batch,low")
+
+
 def test_a_model_ai_toolkit_does_not_train_is_one_line():
     with pytest.raises(UserError, match="memfit writes ai-toolkit jobs for FLUX.1, .* not llama") as e:
         to_ai_toolkit(Plan(), 1, "llama", None, None, CARD, {})

@@ -58,6 +58,10 @@ ARCHS = {
     "flux2": {"black-forest-labs/FLUX.2-dev": "dit-flux2"},
     "wan21": {"Wan-AI/Wan2.1-T2V-14B-Diffusers": "dit-wan", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": "dit-wan-1.3b"},
     "zimage": {"Tongyi-MAI/Z-Image-Turbo": "dit-zimage", "Tongyi-MAI/Z-Image": "dit-zimage"},
+    "wan22_14b": {"ai-toolkit/Wan2.2-T2V-A14B-Diffusers-bf16": "dit-wan", "Wan-AI/Wan2.2-T2V-A14B-Diffusers": "dit-wan"},
+    "wan22_14b_i2v": {"ai-toolkit/Wan2.2-I2V-A14B-Diffusers-bf16": "dit-wan-i2v",
+                      "Wan-AI/Wan2.2-I2V-A14B-Diffusers": "dit-wan-i2v"},
+    "wan22_5b": {"Wan-AI/Wan2.2-TI2V-5B-Diffusers": "dit-wan-5b"},
 }
 """ai-toolkit's model archs memfit reads (``arch``, or the older ``is_flux``, ``is_xl``, ``is_v3``, ``is_lumina2``;
 none: SD 1.x), and the built-in of each published id; another id or a folder is read as a diffusers model."""
@@ -70,17 +74,22 @@ OLD_FLAGS = {"is_v2": "sd2", "is_v3": "sd3", "is_xl": "sdxl", "is_pixart": "pixa
              "is_auraflow": "auraflow", "is_flux": "flux", "is_lumina2": "lumina2", "is_vega": "sdxl", "is_ssd": "sdxl"}
 """The older flags, in the order ai-toolkit reads them (ModelConfig; Vega and SSD-1B are SDXL UNets, read from
 their own configs)."""
-QUANTIZED = ("flux", "sd3", "lumina2", "qwen_image", "flux2", "wan21", "zimage")
+WANS = ("wan21", "wan22_14b", "wan22_14b_i2v", "wan22_5b")
+"""The Wan archs: a clip of ``num_frames``; the A14B ones (:data:`EXPERTS`) with two experts."""
+EXPERTS = ("wan22_14b", "wan22_14b_i2v")
+"""Wan 2.2 A14B: ai-toolkit loads both experts and trains a LoRA on each in turns (memfit.workloads.wan_experts)."""
+QUANTIZED = ("flux", "sd3", "lumina2", "qwen_image", "flux2", "zimage", *WANS)
 """The archs whose transformer ai-toolkit quantizes with ``quantize`` (its SD 1.x and SDXL paths ignore it)."""
 LAYER_OFFLOADED = ("qwen_image", "flux2", "wan21", "zimage")
 """The archs whose models ai-toolkit's ``layer_offloading`` attaches its memory manager to (the others ignore it)."""
-FLOW = ("flux", "sd3", "lumina2", "qwen_image", "flux2", "wan21", "zimage")
+FLOW = ("flux", "sd3", "lumina2", "qwen_image", "flux2", "zimage", *WANS)
 """The archs trained by flow matching (ai-toolkit's ``noise_scheduler: flowmatch``)."""
 BLOCK_LISTS = {"zimage": "layers"}
 """The archs whose ``get_transformer_block_names`` (the blocks a ``transformer_only`` LoRA adapts) are not all of
 the model's repeated blocks: Z-Image's 30 ``layers``, not its two noise and two context refiner blocks."""
-BUCKETS = {"zimage": 32}
-"""A bucket side's divisor where it is not 16 (``get_bucket_divisibility``: Z-Image's VAE 16 x its 2x2 patches)."""
+BUCKETS = {"zimage": 32, "wan22_5b": 32}
+"""A bucket side's divisor where it is not 16 (``get_bucket_divisibility``: Z-Image's VAE 16 x its 2x2 patches;
+Wan 2.2 TI2V 5B's, 16x too)."""
 OPTIMIZERS = {"adamw8bit": "adamw8bit", "adamw8": "adamw8bit", "adam8bit": "adamw8bit", "adamw": "adamw",
               "adam": "adamw", "adafactor": "adafactor", "prodigy": "prodigy", "lion8bit": "lion8bit"}
 """ai-toolkit's optimizer names memfit runs (Adam's states weigh AdamW's; any name starting ``prodigy`` but
@@ -135,8 +144,10 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
                             "estimate")
         else:
             workload = with_override(workload, "text_encoders", text)
-    if arch == "wan21" and "frames=" not in workload:
+    if arch in WANS and "frames=" not in workload:
         workload = with_override(workload, "frames", _frames(datasets, where, warnings))
+    if arch in EXPERTS and workload.startswith("dit-wan") and "experts=" not in workload:
+        workload = _experts(workload, model, train, where, warnings)
     dtype = str(train.get("dtype", "fp32")).lower()
     if dtype not in PRECISIONS:
         raise UserError(f"--from {where}: train.dtype {dtype!r} is not one memfit runs; use bf16, fp16 or fp32")
@@ -168,7 +179,10 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
     accum = max(steps, accum)
     if accum > 1:
         fields["micro_batch_size"] = micro
-    if (model.get("layer_offloading") or model.get("auto_memory")) and arch in LAYER_OFFLOADED:
+    if (model.get("layer_offloading") or model.get("auto_memory")) and arch in EXPERTS:
+        warnings.append(f"ai-toolkit config {where}: layer_offloading streams a share of each Wan 2.2 expert's layers; "
+                        "not mapped for two experts: memfit keeps every layer of the running expert on the device")
+    elif (model.get("layer_offloading") or model.get("auto_memory")) and arch in LAYER_OFFLOADED:
         fields.update(_layer_offloading(model, workload, where, warnings))
     elif model.get("layer_offloading") or model.get("auto_memory"):
         warnings.append(f"ai-toolkit config {where}: layer_offloading: ai-toolkit offloads no {arch} layers (it manages "
@@ -183,6 +197,27 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
     except UserError as e:
         raise UserError(f"--from {where}: {str(e).removeprefix('plan: ')}") from None
     return TrainingConfig(where, workload, micro * accum, micro, None, plan, tuple(warnings), resolution)
+
+
+def _experts(workload: str, model: dict, train: dict, where: str, warnings: list[str]) -> str:
+    """Wan 2.2 A14B's two experts as ai-toolkit trains them: ``model_kwargs`` ``train_high_noise`` and
+    ``train_low_noise`` (both: the trainer switches between them every ``switch_boundary_every`` batches, accumulated
+    or not; one: the other is carried, never run) and ``low_vram`` (the expert not running waits on the host)."""
+    kwargs = model.get("model_kwargs") or {}
+    trained = [bool(kwargs.get(k, True)) for k in ("train_high_noise", "train_low_noise")]
+    if not any(trained):
+        raise UserError(f"--from {where}: model_kwargs train_high_noise and train_low_noise are both false (ai-toolkit "
+                        "refuses it); train at least one expert")
+    every = whole(train, "switch_boundary_every", where, 1)
+    accum = max(whole(train, "gradient_accumulation", where, 1), whole(train, "gradient_accumulation_steps", where, 1))
+    switch = "none" if not all(trained) else "batch" if every == 1 or every % accum else "step"
+    workload = with_override(with_override(workload, "experts", 2), "switch", switch)
+    if model.get("low_vram"):
+        workload = with_override(workload, "low_vram", True)
+        if switch == "batch":
+            warnings.append(f"ai-toolkit config {where}: low_vram with a switch at every batch copies an expert's weights "
+                            "over the host link each time (ai-toolkit suggests switch_boundary_every: 10 or 20)")
+    return workload
 
 
 def _process(data: dict, where: str) -> dict:

@@ -24,14 +24,16 @@ from memfit.integrations.ai_toolkit import ARCHS, FLOW, HOLD_TEXT, LAYER_OFFLOAD
 from memfit.integrations.export import carried_by, export
 from memfit.plans import Plan
 from memfit.techniques.precision import BF16Pure
-from memfit.workloads.config_overrides import split_overrides
+from memfit.workloads.config_overrides import parse_overrides, split_overrides
 
 CLASSES = {"FluxTransformer2DModel": "flux", "SD3Transformer2DModel": "sd3", "Lumina2Transformer2DModel": "lumina2",
            "QwenImageTransformer2DModel": "qwen_image", "Flux2Transformer2DModel": "flux2",
            "WanTransformer3DModel": "wan21", "ZImageTransformer2DModel": "zimage"}
 """ai-toolkit's arch of each denoiser class memfit reads (UNets: sd1 or sdxl by their added conditioning)."""
-OWN_KEYS = ("text_encoders", "t5", "t5_tokens", "text_layers", "frames")
-"""Workload keys the job says in its own fields (the text encoders' mode, a Wan clip's frames)."""
+OWN_KEYS = ("text_encoders", "t5", "t5_tokens", "text_layers", "frames", "experts", "switch", "low_vram")
+"""Workload keys the job says in its own fields (the text encoders' mode, a Wan clip's frames, Wan 2.2's experts)."""
+EXPERT_ARCHS = {"dit-wan": "wan22_14b", "dit-wan-i2v": "wan22_14b_i2v"}
+"""The built-ins whose ``experts=2`` is ai-toolkit's Wan 2.2 A14B arch (memfit.workloads.wan_experts)."""
 BUILT_IN_IDS: dict[str, tuple[str, str]] = {}
 BY_BASE: dict[str, tuple[str, str]] = {}
 for _arch, _ids in ARCHS.items():
@@ -73,6 +75,7 @@ def to_ai_toolkit(plan: Plan, batch_size: int, model: str, model_class: str | No
     arch, name = _model(model, model_class, text, notes)
     process: dict = {"type": "sd_trainer", "training_folder": "output", "device": "cuda:0",
                      "model": {"name_or_path": name, "arch": arch}, "train": {}}
+    fields.update(_experts(model, plan, batch_size))
     if fields.get("train.dtype") is None:
         fields.pop("train.dtype", None)
         unmapped.append(f"precision: {plan.to_dict()['precision']} (ai-toolkit runs the model in train.dtype, without "
@@ -133,9 +136,25 @@ def runs_in_ai_toolkit(batch_size: int, model: str, model_class: str | None, res
     return carried_by(lambda plan: to_ai_toolkit(plan, batch_size, model, model_class, resolution, device, text), fixed)
 
 
+def _experts(model: str, plan: Plan, batch_size: int) -> dict:
+    """Wan 2.2's two experts (``experts=2``) in ai-toolkit's fields: which it trains (``switch=none``: the
+    high-noise one), how often it switches (``step``: every 10 steps' batches, a whole number of steps) and
+    ``low_vram``."""
+    values = parse_overrides(split_overrides(model)[1], model) if ":" in model else {}
+    if values.get("experts") != 2:
+        return {}
+    switch, batches = values.get("switch", "batch"), plan.micro_batches(batch_size)[1]
+    return {"model.low_vram": bool(values.get("low_vram", False)),
+            "model.model_kwargs": {"train_high_noise": True, "train_low_noise": switch != "none"},
+            "train.switch_boundary_every": 10 * batches if switch == "step" else 1}
+
+
 def _model(model: str, model_class: str | None, text: dict, notes: list[str]) -> tuple[str, str]:
     """(ai-toolkit's arch, ``name_or_path``): a built-in's published id, else the hub id or folder itself."""
     base, overrides = split_overrides(model)
+    if base in EXPERT_ARCHS and "experts=2" in overrides.split(","):
+        arch = EXPERT_ARCHS[base]
+        return arch, next(iter(ARCHS[arch]))
     kept = ",".join(kv for kv in overrides.split(",") if kv and kv.split("=", 1)[0] not in OWN_KEYS)
     built_in = BUILT_IN_IDS.get(f"{base}:{kept}" if kept else base)
     if built_in is not None:

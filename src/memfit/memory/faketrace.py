@@ -2,7 +2,7 @@
 
 Both paths call :func:`run_tracked`: the same ``build_step``, the same batch, the same two steps.
 Step 1 creates the optimizer states; step 2 (``STEADY_STEP``) is the steady state whose peak is
-reported. A fake trace also enters what the plan's techniques need to take a real run's code
+reported (a workload whose steady state comes later runs ``warmup_steps`` before them: Wan 2.2's experts). A fake trace also enters what the plan's techniques need to take a real run's code
 path on fake tensors (``Config.trace_context``) and, for a GPU target, the CUDA kernel model.
 """
 
@@ -92,6 +92,9 @@ def _run_tracked(target: Target, *, fake: bool, steps: int, outer: contextlib.Ab
             batch = make_batch(target)
             tracker.label(batch, "inputs")
             with step.observed_by(tracker):
+                for _ in range(target.workload.warmup_steps):  # (before the first "step" mark: not a traced step)
+                    step.run(batch)
+                    tracker.label(optimizer_state_tensors(step.optimizer), "optimizer_states")
                 for i in range(1, steps + 1):
                     gc.collect()
                     tracker.mark("step")

@@ -222,8 +222,12 @@ def _default_targets(model, peft) -> list[str] | str:
     layers its LoRA scripts adapt (:data:`DIFFUSERS_MODEL_TARGETS`, else the attention
     projections); else every linear layer but the output layer (PEFT's ``all-linear``). A model that
     holds a ``denoiser`` beside its text encoders (memfit.workloads.text_encoders) takes the denoiser's,
-    and its own ``adapter_targets`` beside them."""
+    and its own ``adapter_targets`` beside them; one that holds ``experts`` of one class (Wan 2.2's two:
+    memfit.workloads.wan_experts) takes an expert's, in each."""
     import torch
+    experts = getattr(model, "experts", None)
+    if isinstance(experts, tuple) and experts and all(isinstance(e, torch.nn.Module) for e in experts):
+        return _default_targets(experts[0], peft)
     denoiser = getattr(model, "denoiser", None)
     if isinstance(denoiser, torch.nn.Module):
         inner, extra = _default_targets(denoiser, peft), list(getattr(model, "adapter_targets", ()))

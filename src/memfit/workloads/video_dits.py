@@ -4,6 +4,7 @@ cached latents as musubi-tuner and diffusers' LoRA scripts train them:
 
 - ``dit-wan``: Wan 2.1 T2V 14B, which is also the shape of each of Wan 2.2 T2V A14B's two experts (a LoRA
   trains one expert at a time, the high-noise or the low-noise one); ``dit-wan-1.3b``: Wan 2.1 T2V 1.3B.
+  ``experts=2``: both experts as ai-toolkit trains them in one run (memfit.workloads.wan_experts).
 - ``dit-wan-i2v``: one expert of Wan 2.2 I2V A14B. The first frame's latents and its mask ride along the
   noisy latents as 20 more input channels (36 in, 16 out). Wan 2.1's I2V also takes CLIP's image states
   through extra attention: ``dit-wan-i2v:image_dim=1280,added_kv_proj_dim=5120`` (257 tokens a clip), and
@@ -46,6 +47,7 @@ from memfit.workloads.diffusion import (
     transformer_loss,
 )
 from memfit.workloads.image_text import split_images
+from memfit.workloads.wan_experts import TwoExperts, experts_options
 
 WAN = ImageModel(
     "dit-wan", "WanTransformer3DModel",
@@ -131,7 +133,9 @@ def wan(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageMo
     Loaded as a checkpoint is."""
     no_seq_len(m.arch, seq_len)
     clip = WAN22_CLIP if m.vae_factor == WAN_5B.vae_factor else Clip()
-    overrides = dict(overrides)
+    overrides, experts = experts_options(m.arch, overrides)
+    if experts and m.vae_factor == WAN_5B.vae_factor:
+        raise UserError(f"{m.arch}: experts=2 is Wan 2.2 A14B's (dit-wan, dit-wan-i2v); TI2V 5B is one model")
     frames = overrides.pop("frames", clip.frames)
     width = overrides.pop("width", clip.width)
     depth = latent_frames(m.arch, frames)
@@ -167,7 +171,10 @@ def wan(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageMo
     info = image_info(m, res, kw, ("num_layers", "num_attention_heads", "attention_head_dim", "ffn_dim"), p_h)
     info.config.update(frames=frames, latent_frames=depth, width=wide * m.vae_factor, tokens=tokens,
                        fixed_width=width is not None)
-    wl = image_workload(m, model_builder(m, cls, kw, overrides), batch, transformer_loss, res, info)
+    make = model_builder(m, cls, kw, overrides)
+    wl = image_workload(m, (lambda: TwoExperts(make, **experts)) if experts else make, batch, transformer_loss, res,
+                        info)
+    wl.warmup_steps = 1 if experts and experts["switch"] != "none" else 0  # (each expert's states: memfit.workloads.wan_experts)
     if images > 1:  # (FLF2V's image states, two rows a sample, split with their samples into micro-batches)
         wl.split = split_images
     square = clip.width is None and (width is None or width == res)
@@ -175,6 +182,9 @@ def wan(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageMo
                else f"{m.arch} {wide * m.vae_factor}x{res}px")
     if frames != clip.frames:
         wl.name += f" {frames} frames"
+    if experts:
+        wl.name += " 2 experts" + (f" switch={experts['switch']}" if experts["switch"] != "batch" else "") + (
+            " low_vram" if experts["low_vram"] else "")
     return wl
 
 

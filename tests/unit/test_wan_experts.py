@@ -1,0 +1,103 @@
+"""Wan 2.2 A14B's two experts as ai-toolkit trains them (memfit.workloads.wan_experts): which expert each batch
+trains, low_vram's host copies (bit-exact training, the device's bytes), and the prediction against the profiler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import assert_same_training, run_steps
+from memfit.errors import UserError
+from memfit.memory.estimate import estimate
+from memfit.memory.measure import profile
+from memfit.plans import Plan
+from memfit.workloads import load_workload
+
+pytest.importorskip("diffusers")
+pytest.importorskip("peft")
+
+WAN = "dit-wan:num_layers=2,attention_head_dim=16,num_attention_heads=2,ffn_dim=64,text_dim=32,freq_dim=32,frames=5"
+LORA = Plan(adapter="lora:r=4")
+
+
+def _changed(spec: str, plan: Plan, batch_size: int = 2) -> list[set[str]]:
+    """The experts whose parameters changed in steps 2 and 3 of a run, each against the step before."""
+    _, params, _ = run_steps(load_workload(spec, resolution=64), plan, steps=3, batch_size=batch_size, seq_len=None)
+    return [{n.split("transformer_")[1][0] for n in after if "transformer_" in n and not torch.equal(after[n], before[n])}
+            for before, after in zip(params, params[1:])]
+
+
+@pytest.mark.parametrize("switch, micro, expected", [
+    ("batch", None, [{"2"}, {"1"}]),         # one batch a step: the experts take turns
+    ("step", 1, [{"2"}, {"1"}]),             # two micro-batches a step, a switch where each step begins
+    ("batch", 1, [{"1", "2"}, {"1", "2"}]),  # ai-toolkit's switch between the micro-batches of a step: both train
+    ("none", None, [{"1"}, {"1"}]),          # the low-noise expert carried, never run
+])
+def test_each_batch_trains_the_expert_the_switch_says(switch, micro, expected):
+    plan = LORA.replace(micro_batch_size=micro) if micro else LORA
+    assert _changed(f"{WAN},experts=2,switch={switch}", plan) == expected
+
+
+@pytest.mark.parametrize("fields", [{}, {"checkpointing": "blocks", "precision": "bf16-pure"}])
+def test_low_vram_trains_bit_exactly_as_both_experts_on_the_device(fields):
+    wl = load_workload(f"{WAN},experts=2", resolution=64)
+    low = load_workload(f"{WAN},experts=2,low_vram=true", resolution=64)
+    plan = LORA.replace(**fields)
+    assert_same_training(run_steps(wl, plan, steps=3, batch_size=2, seq_len=None),
+                         run_steps(low, plan, steps=3, batch_size=2, seq_len=None))
+
+
+@pytest.mark.parametrize("options", ["experts=2", "experts=2,low_vram=true", "experts=2,switch=step"])
+def test_two_experts_predicted_within_1pct_of_the_profiler(options):
+    """On a CPU the host is the device: the profiler's peak is device and host bytes together."""
+    r = profile(f"{WAN},{options}", LORA, batch_size=2, resolution=64, repeats=0)
+    assert r.predicted.method == "fake"
+    assert (r.predicted.host_peak_bytes > 0) == ("low_vram" in options)
+    assert abs(r.error_percent) <= 1.0, (options, r.predicted.process_peak_bytes, r.peak_bytes)
+
+
+def _expert_bytes(plan: Plan) -> tuple[int, int, int]:
+    """(one expert's frozen weight bytes, the same in the caching allocator's 512-byte blocks, both experts'
+    adapter weights in those blocks), counted on the model the step builds."""
+    from memfit.step import build_step
+    step = build_step(load_workload(f"{WAN},experts=2", resolution=64), plan, 1, "cpu")
+    one = step.model.base_model.model.transformer_2 if hasattr(step.model, "base_model") else step.model.transformer_2
+    frozen = [p.numel() * p.element_size() for p in one.parameters() if not p.requires_grad]
+    adapters = [p.numel() * p.element_size() for p in step.model.parameters() if p.requires_grad]
+    return sum(frozen), _in_blocks(frozen), _in_blocks(adapters)
+
+
+def _in_blocks(sizes: list[int]) -> int:
+    return sum(-(-b // 512) * 512 for b in sizes)
+
+
+def test_low_vram_keeps_one_experts_frozen_weights_on_the_host_and_both_states_on_the_device():
+    """On a GPU preset, counted from the model built without low_vram: the device's parameters fall by exactly
+    one expert's frozen weights, both experts' optimizer states stay (twice one expert's: the steady state,
+    from the third step), and the host holds both experts' frozen weights at a switch (as ai-toolkit's: the running
+    one is moved out before the other is moved in)."""
+    plan = LORA.replace(precision="bf16-pure")
+    both = estimate(f"{WAN},experts=2", plan, batch_size=1, resolution=64, device="rtx4090")
+    low = estimate(f"{WAN},experts=2,low_vram=true", plan, batch_size=1, resolution=64, device="rtx4090")
+    frozen, in_blocks, adapters = _expert_bytes(plan)
+    assert low.host_peak_bytes == 2 * frozen and both.host_peak_bytes == 0
+    assert both.breakdown["parameters"] - low.breakdown["parameters"] == in_blocks
+    one = estimate(WAN, plan, batch_size=1, resolution=64, device="rtx4090")  # (musubi-tuner's: one expert a run)
+    assert low.breakdown["optimizer_states"] == both.breakdown["optimizer_states"] == 2 * one.breakdown["optimizer_states"]
+    assert one.breakdown["optimizer_states"] >= adapters  # (two moments of each adapter weight, and its step count)
+
+
+@pytest.mark.parametrize("spec, problem", [
+    (f"{WAN},experts=3", "experts=3"),
+    (f"{WAN},experts=2,switch=often", "switch=often is not one of batch, step, none"),
+    (f"{WAN},low_vram=true", "add experts=2"),
+    ("dit-wan-5b:experts=2", "TI2V 5B is one model"),
+])
+def test_bad_expert_options_get_one_line(spec, problem):
+    with pytest.raises(UserError, match=problem):
+        load_workload(spec, resolution=64)
+
+
+def test_low_vram_with_every_weight_trained_gets_one_line():
+    with pytest.raises(UserError, match="train an adapter"):
+        estimate(f"{WAN},experts=2,low_vram=true", Plan(), batch_size=1, resolution=64, device="rtx4090")
