@@ -38,7 +38,7 @@ def test_each_batch_trains_the_expert_the_switch_says(switch, micro, expected):
     assert _changed(f"{WAN},experts=2,switch={switch}", plan) == expected
 
 
-@pytest.mark.parametrize("fields", [{}, {"checkpointing": "blocks", "precision": "bf16-pure"}])
+@pytest.mark.parametrize("fields", [{}, {"checkpointing": "blocks", "precision": "bf16-pure"}, {"base_weights": "nf4"}])
 def test_low_vram_trains_bit_exactly_as_both_experts_on_the_device(fields):
     wl = load_workload(f"{WAN},experts=2", resolution=64)
     low = load_workload(f"{WAN},experts=2,low_vram=true", resolution=64)
@@ -47,10 +47,12 @@ def test_low_vram_trains_bit_exactly_as_both_experts_on_the_device(fields):
                          run_steps(low, plan, steps=3, batch_size=2, seq_len=None))
 
 
-@pytest.mark.parametrize("options", ["experts=2", "experts=2,low_vram=true", "experts=2,switch=step"])
-def test_two_experts_predicted_within_1pct_of_the_profiler(options):
+@pytest.mark.parametrize("options, fields", [("experts=2", {}), ("experts=2,low_vram=true", {}),
+                                             ("experts=2,switch=step", {}),
+                                             ("experts=2,low_vram=true", {"base_weights": "nf4"})])
+def test_two_experts_predicted_within_1pct_of_the_profiler(options, fields):
     """On a CPU the host is the device: the profiler's peak is device and host bytes together."""
-    r = profile(f"{WAN},{options}", LORA, batch_size=2, resolution=64, repeats=0)
+    r = profile(f"{WAN},{options}", LORA.replace(**fields), batch_size=2, resolution=64, repeats=0)
     assert r.predicted.method == "fake"
     assert (r.predicted.host_peak_bytes > 0) == ("low_vram" in options)
     assert abs(r.error_percent) <= 1.0, (options, r.predicted.process_peak_bytes, r.peak_bytes)

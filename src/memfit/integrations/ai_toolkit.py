@@ -7,7 +7,8 @@ memfit maps it:
 
 | ai-toolkit | what it runs | memfit |
 |---|---|---|
-| ``model.arch`` (or ``is_flux``, ``is_xl``, ``is_v3``, ``is_lumina2``; none: SD 1.x), ``name_or_path`` | the arch's denoiser from the hub id or folder | FLUX.1 (``flux``, ``flex1``), SD 1.x, SDXL, SD3/3.5, Lumina 2, Qwen-Image, FLUX.2, Wan 2.1, Z-Image (``zimage``): a published id as memfit's built-in (:data:`ARCHS`), else the id or folder |
+| ``model.arch`` (or ``is_flux``, ``is_xl``, ``is_v3``, ``is_lumina2``; none: SD 1.x), ``name_or_path`` | the arch's denoiser from the hub id or folder | FLUX.1 (``flux``, ``flex1``), SD 1.x, SDXL, SD3/3.5, Lumina 2, Qwen-Image, FLUX.2, Wan 2.1, Wan 2.2 (``wan22_14b``, ``wan22_14b_i2v``: both experts, ``dit-wan:experts=2``; ``wan22_5b``), Z-Image (``zimage``): a published id as memfit's built-in (:data:`ARCHS`), else the id or folder |
+| ``model.low_vram``, ``model_kwargs.train_high_noise``/``train_low_noise``, ``train.switch_boundary_every`` (Wan 2.2 A14B) | the expert not running on the host; which experts train, and how often the trainer switches | ``low_vram=true``, ``switch=batch``/``step``/``none`` (memfit.workloads.wan_experts) |
 | ``model.quantize`` (``qtype`` qfloat8; torchao's ``uint3``-``uint4``; ``uint8``: none) | optimum-quanto or torchao: every ``nn.Linear`` of the transformer in one byte (or 3-4 bits), cast to bf16 per matmul; SD 1.x and SDXL: nothing | ``base_weights: fp8`` (``nf4``: 4 bits, a bound for 3) |
 | ``model.quantize_te`` (default: ``quantize``) | T5-XXL quantized too; CLIP-L stays bf16 | fp8 base weights store both encoders' linear layers (CLIP-L: 85 MB less than ai-toolkit holds) |
 | text encoders | on the device, each prompt encoded every step under no_grad, T5 at 512 tokens; ``cache_text_embeddings`` (train's or a dataset's) or ``unload_text_encoder``: cached | ``text_encoders=frozen`` (``cached``); Qwen-Image's, FLUX.2's and Wan's in the step: said, not held |

@@ -12,7 +12,9 @@ Memory/compute trade-off, per frozen linear weight of N elements:
 - ``int8`` (:class:`Int8Weights`): bitsandbytes' ``Linear8bitLt`` (LLM.int8, outlier threshold 6):
   N bytes plus one fp32 scale per row.
 The LM head (the model's output embedding, or a layer named ``lm_head``) stays as it is, as
-transformers' ``BitsAndBytesConfig`` leaves it. Then, as peft's ``prepare_model_for_kbit_training``:
+transformers' ``BitsAndBytesConfig`` leaves it, and so do the modules the model's class keeps in fp32 (its
+``_keep_in_fp32_modules``: T5's ``wo``, Wan's time embedder), as transformers' and diffusers' bitsandbytes loads
+leave them (NOTE [ What bitsandbytes leaves unquantized ]). Then, as peft's ``prepare_model_for_kbit_training``:
 every other parameter is frozen (a quantized weight takes no gradient), fp16/bf16 parameters that
 were not quantized (norms, embeddings) go to fp32, and the input embeddings' output requires grad.
 The LM head keeps the workload's ``requires_grad`` (peft's ``get_peft_model`` freezes it when an
@@ -258,8 +260,9 @@ def _replace_linears(model: torch.nn.Module, config: BaseWeights, text: str) -> 
     config.require()
     head = _output_layer(model)
     adapted = _has_peft_adapter(model)
+    kept = _kept_in_their_dtype(model) if config.bitsandbytes else set()
     targets = [(name, m) for name, m in model.named_modules()
-               if _is_linear(m) and m is not head and not (adapted and m.weight.requires_grad)]
+               if _is_linear(m) and m is not head and not (adapted and m.weight.requires_grad) and id(m) not in kept]
     if not targets:
         raise UserError(f"plan: base_weights {text} found no nn.Linear layer to quantize in the model "
                         "(besides its output layer); use base_weights: as-is for this model")
@@ -274,6 +277,28 @@ def _replace_linears(model: torch.nn.Module, config: BaseWeights, text: str) -> 
         setattr(parent, child, layer)
         layers.append(layer)
     return layers
+
+
+# NOTE [ What bitsandbytes leaves unquantized ]
+# transformers' and diffusers' bitsandbytes loads skip, besides the output layer, the modules their class names
+# in ``_keep_in_fp32_modules`` (both add them to ``modules_to_not_convert``, whatever the dtype): T5's ``wo``,
+# Wan's ``time_embedder``. Wan's matters beyond its bytes: its forward casts the timestep to the time
+# embedder's first weight's dtype unless that is int8, so a 4-bit embedder (uint8 storage) gets a uint8
+# timestep and the step fails. Matched as diffusers matches them, a name's whole components (transformers also
+# takes a name's end and expressions: none of the lists here needs them).
+def _kept_in_their_dtype(model: torch.nn.Module) -> set[int]:
+    """``id`` of the modules a bitsandbytes load leaves unquantized: every module inside one that the
+    outermost model class holding it names in ``_keep_in_fp32_modules`` (NOTE [ What bitsandbytes leaves
+    unquantized ])."""
+    out: set[int] = set()
+    roots = [m for m in model.modules() if getattr(m, "_keep_in_fp32_modules", None)]
+    inner = {id(sub) for r in roots for sub in r.modules() if sub is not r}
+    for root in (r for r in roots if id(r) not in inner):
+        keys = [k for k in root._keep_in_fp32_modules if isinstance(k, str)]
+        for name, module in root.named_modules():
+            if any(f".{k}." in f".{name}." for k in keys):
+                out.add(id(module))
+    return out
 
 
 def _is_linear(module: torch.nn.Module) -> bool:

@@ -75,13 +75,14 @@ class TwoExperts(torch.nn.Module):
                     p.data = p.data.to(device)
                 continue
             if not loaded:
-                p.data = placement.to_host(p.data)
+                _to(p, placement.to_host)
             self._host.add(id(p))
 
     def _mark_host(self) -> None:
         """Once, where the step's observer watches: the weights loaded or moved out before it did."""
         if self.low_vram and not self._marked:
-            self._placement.mark_host([p.data for p in self.experts[1 - self.active].parameters() if id(p) in self._host])
+            self._placement.mark_host([getattr(o, a) for p in self.experts[1 - self.active].parameters() if id(p) in self._host
+                                       for o, a in _parts(p)])
             self._marked = True
 
     def _move(self, out: torch.nn.Module, into: torch.nn.Module) -> None:
@@ -89,11 +90,11 @@ class TwoExperts(torch.nn.Module):
         weights only: its LoRA modules are not the transformer's children, and stay)."""
         for p in out.parameters():
             if not p.requires_grad:
-                p.data = self._placement.to_host(p.data)
+                _to(p, self._placement.to_host)
                 self._host.add(id(p))
         for p in into.parameters():
             if id(p) in self._host:
-                p.data = self._placement.to_device(p.data, self._device)
+                _to(p, lambda t: self._placement.to_device(t, self._device))
                 self._host.discard(id(p))
         mark("empty_cache")
         if self._device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -117,6 +118,26 @@ class TwoExperts(torch.nn.Module):
                 self._move(self.experts[before], self.experts[self.active])
         self._ran = True
         return self.experts[self.active](*args, **kwargs)
+
+
+def _parts(p: torch.Tensor) -> list[tuple[object, str]]:
+    """The tensors a frozen weight moves with (as ``Module.to`` moves them): its data, and a bitsandbytes weight's
+    scales (a 4-bit weight's block absmax, nested ones' too; an 8-bit weight's row scales). memfit's fp8 row scales
+    are buffers and stay, a few bytes a row."""
+    parts: list[tuple[object, str]] = [(p, "data")]
+    state = getattr(p, "quant_state", None)
+    if state is not None:
+        parts.append((state, "absmax"))
+        if getattr(state, "nested", False):
+            parts += [(state, "offset"), (state.state2, "absmax")]
+    if isinstance(getattr(p, "SCB", None), torch.Tensor):
+        parts.append((p, "SCB"))
+    return parts
+
+
+def _to(p: torch.Tensor, move) -> None:
+    for owner, attr in _parts(p):
+        setattr(owner, attr, move(getattr(owner, attr)))
 
 
 def experts_options(arch: str, overrides: dict) -> tuple[dict, dict | None]:

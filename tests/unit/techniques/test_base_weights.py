@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import Counter
 
@@ -281,3 +282,29 @@ def test_compiled_blocks_of_quantized_layers_are_predicted_on_fake_tensors_withi
                 seq_len=64, repeats=0)
     assert r.predicted.method == "fake"
     assert abs(r.error_percent) <= 1.0, r.error_percent
+
+
+def test_bitsandbytes_leaves_the_modules_kept_in_fp32_unquantized_as_transformers_and_diffusers_do():
+    """NOTE [ What bitsandbytes leaves unquantized ]: the linears memfit leaves are those transformers' own rule
+    (``should_convert_module`` over T5's ``_keep_in_fp32_modules``) and diffusers' (a whole-name match over
+    Wan's) leave; Wan's 4-bit LoRA then trains (its uint8 time embedder took a uint8 timestep and failed)."""
+    transformers = pytest.importorskip("transformers")
+    diffusers = pytest.importorskip("diffusers")
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    from memfit.techniques.base_weights import _kept_in_their_dtype
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2))
+    wan = diffusers.WanTransformer3DModel(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+                                          text_dim=8, freq_dim=8, ffn_dim=16, num_layers=1)
+    for model, skipped in ((t5, lambda n: not should_convert_module(n, t5._keep_in_fp32_modules)),
+                           (wan, lambda n: any(k + "." in n + "." for k in wan._keep_in_fp32_modules))):
+        kept = _kept_in_their_dtype(model)
+        linears = [(n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+        assert [n for n, m in linears if id(m) in kept] == [n for n, _ in linears if skipped(n)] != []
+    from helpers import run_steps
+    from memfit.workloads import load_workload
+    spec = "dit-wan:num_layers=2,attention_head_dim=16,num_attention_heads=2,ffn_dim=64,text_dim=32,freq_dim=32,frames=5"
+    losses = run_steps(load_workload(spec, resolution=64), Plan(adapter="lora:r=4", base_weights="nf4"), steps=2,
+                       batch_size=2, seq_len=None)[0]
+    assert all(math.isfinite(x) for x in losses)
