@@ -99,6 +99,8 @@ def test_batches_and_buckets_are_the_largest_and_accumulated():
     ("train_lora_wan22_14b_24gb", "dit-wan:frames=1,experts=2,switch=step,low_vram=True",
      {"adapter": "lora:r=32,alpha=32,targets=in-blocks", "base_weights": "nf4", "ema": None},  # (uint4 + ARA: as nf4)
      ["qtype's accuracy-recovery adapter", "latents are not cached"]),  # (both experts; switch every 10: steps)
+    ("train_lora_flux_kontext_24gb", "dit-flux:text_encoders=frozen,control_images=1", {"ema": None},
+     ["control_path: ai-toolkit encodes each reference image"]),  # (its pairs: a reference image's tokens)
     ("train_lora_wan21_1b_24gb", "dit-wan-1.3b:frames=1", {"adapter": "lora:r=32,alpha=32,targets=in-blocks",
                                                            "base_weights": "as-is"},
      ["the text encoders run in the step"]),  # (umT5 in the step: said)
@@ -165,6 +167,13 @@ def test_wan22s_two_experts_are_trained_as_ai_toolkit_switches_them(kwargs, trai
 def test_wan22s_other_archs_are_their_built_ins(arch, name, workload):
     c = map_config(_with(model__arch=arch, model__name_or_path=name, datasets__resolution=[1008]), "c.yaml", CARD)
     assert (c.workload, c.resolution) == (workload, 992 if arch == "wan22_5b" else 1008)
+
+
+def test_kontext_without_pairs_trains_as_flux():
+    """ai-toolkit's Kontext with no ``control_path`` trains on the images alone: no reference tokens."""
+    c = map_config(_with(model__arch="flux_kontext", model__name_or_path="black-forest-labs/FLUX.1-Kontext-dev"),
+                   "c.yaml", CARD)
+    assert "control_images" not in c.workload and not any("control_path" in w for w in c.warnings)
 
 
 def test_wan22_with_no_expert_trained_is_one_line():
@@ -236,8 +245,9 @@ def test_older_flags_are_read_in_ai_toolkits_order_and_a_datasets_batch_size_win
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"model__is_flux": None, "model__arch": "hidream"}, r"memfit reads ai-toolkit's flux, sd1, sdxl, sd3, lumina2, "
-     r"qwen_image, flux2, wan21, zimage, wan22_14b, wan22_14b_i2v, wan22_5b configs, not arch 'hidream'; name the model as the workload"),
+    ({"model__is_flux": None, "model__arch": "hidream"}, r"memfit reads ai-toolkit's flux, flux_kontext, sd1, sdxl, sd3, "
+     r"lumina2, qwen_image, flux2, wan21, zimage, wan22_14b, wan22_14b_i2v, wan22_5b configs, not arch 'hidream'; name the "
+     r"model as the workload"),
     ({"datasets__num_frames": 0, "model__arch": "wan21"}, "datasets num_frames must be a whole number >= 1"),
     ({"train__optimizer": "prodigy8bit"}, "train.optimizer 'prodigy8bit' is not one memfit runs"),
     ({"network__type": "lokr"}, "network type 'lokr' is not one memfit runs"),

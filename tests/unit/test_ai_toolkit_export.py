@@ -22,7 +22,7 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "ai_toolkit"
 CARD = get_device("rtx4090")
 TINY = ("dit-flux:num_layers=1,num_single_layers=2,attention_head_dim=16,num_attention_heads=2,"
         "joint_attention_dim=32,pooled_projection_dim=16,in_channels=16,axes_dims_rope=4/6/6")
-FACTS = ("text_encoders", "t5", "frames", "cross_attention_dim")
+FACTS = ("text_encoders", "t5", "frames", "cross_attention_dim", "control_images")
 
 
 def _job(plan: Plan, batch: int, workload: str, resolution, **facts):
@@ -88,6 +88,17 @@ def test_wan22s_two_experts_are_ai_toolkits_wan22_arch(options, fields):
         == fields
     back = map_config(yaml.safe_load(job.yaml()), "job.yaml", CARD).workload
     assert back == "dit-wan:frames=1," + options.replace("2,low", "2,switch=batch,low")
+
+
+def test_kontexts_reference_image_is_ai_toolkits_flux_kontext_with_pairs():
+    """``dit-flux:control_images=1`` is ai-toolkit's FLUX.1 Kontext with a paired dataset (``control_path``); read back,
+    the same workload."""
+    job = _job(Plan(adapter="lora:r=4,targets=in-blocks", precision="bf16-base-noautocast"), 1,
+               "dit-flux:control_images=1", 512)
+    assert (job.process["model"]["arch"], job.process["model"]["name_or_path"]) == \
+        ("flux_kontext", "black-forest-labs/FLUX.1-Kontext-dev")
+    assert job.process["datasets"][0]["control_path"]
+    assert map_config(yaml.safe_load(job.yaml()), "job.yaml", CARD).workload == "dit-flux:control_images=1"
 
 
 def test_a_model_ai_toolkit_does_not_train_is_one_line():

@@ -34,6 +34,7 @@ TINY = {
 }
 TINY["dit-flux"] = ("dit-flux:num_layers=2,num_single_layers=3,attention_head_dim=16,num_attention_heads=2,"
                     "joint_attention_dim=32,pooled_projection_dim=16,in_channels=16,axes_dims_rope=4/6/6")
+TINY["dit-flux-kontext"] = TINY["dit-flux"] + ",control_images=1"  # (FLUX.1 Kontext: a reference image's tokens)
 TINY["dit-qwenimage"] = ("dit-qwenimage:num_layers=2,attention_head_dim=16,num_attention_heads=2,joint_attention_dim=32,"
                          "axes_dims_rope=4/6/6")
 TINY["dit-flux2"] = ("dit-flux2:num_layers=1,num_single_layers=2,attention_head_dim=16,num_attention_heads=2,"
@@ -53,13 +54,14 @@ TINY["dit-zimage"] = ("dit-zimage:dim=64,n_layers=2,n_refiner_layers=1,n_heads=4
 TINY["dit-hunyuan-video"] = ("dit-hunyuan-video:num_layers=1,num_single_layers=2,num_refiner_layers=1,attention_head_dim=16,"
                              "num_attention_heads=2,text_embed_dim=32,pooled_projection_dim=16,rope_axes_dim=4/6/6,"
                              "frames=5,width=64")
-RESOLUTION = {"dit-hunyuan-video": 64, "dit-chroma": 128, "dit-zimage": 128, "dit-wan-i2v": 64, "dit-wan-flf2v": 64, "dit-wan-5b": 64, "dit-wan": 64, "dit-flux2": 128, "dit-lumina2": 128, "dit-sd3": 128, "unet-sdxl": 128, "unet-sd15": 64, "dit-flux": 128, "dit-qwenimage": 128}
+RESOLUTION = {"dit-flux-kontext": 128, "dit-hunyuan-video": 64, "dit-chroma": 128, "dit-zimage": 128, "dit-wan-i2v": 64, "dit-wan-flf2v": 64, "dit-wan-5b": 64, "dit-wan": 64, "dit-flux2": 128, "dit-lumina2": 128, "dit-sd3": 128, "unet-sdxl": 128, "unet-sd15": 64, "dit-flux": 128, "dit-qwenimage": 128}
 
 # unet-sdxl in fp32 is profiled by test_block_checkpointing_keeps_fewer_activations (same bound; slow tier)
 CASES = [(arch, precision, ckpt) for arch in ("dit-lumina2", "unet-sdxl") for precision in ("fp32", "bf16")
          for ckpt in ("none", "blocks") if (arch, precision) != ("unet-sdxl", "fp32")] + [
     ("dit-sd3", "fp32", "none"), ("dit-sd3", "bf16", "blocks"), ("unet-sd15", "fp32", "none"),
-    ("dit-flux", "fp32", "none"), ("dit-flux", "bf16", "blocks"), ("dit-qwenimage", "fp32", "none"),
+    ("dit-flux", "fp32", "none"), ("dit-flux", "bf16", "blocks"), ("dit-flux-kontext", "bf16", "blocks"),
+    ("dit-qwenimage", "fp32", "none"),
     ("dit-qwenimage", "bf16", "blocks"), ("dit-flux2", "fp32", "none"), ("dit-flux2", "bf16", "blocks"),
     ("dit-wan", "fp32", "none"), ("dit-wan", "bf16", "blocks"), ("dit-wan-i2v", "bf16", "blocks"),
     ("dit-wan-flf2v", "bf16", "blocks"), ("dit-wan-5b", "fp32", "none"), ("dit-chroma", "fp32", "none"),
@@ -209,6 +211,28 @@ def test_flux_target_is_the_velocity_of_the_packed_latents():
     s = t.view(-1, 1, 1, 1)
     torch.testing.assert_close(unpack(b["hidden_states"]), (1 - s) * x0 + s * noise)
     torch.testing.assert_close(unpack(b["target"]), noise - x0)
+
+
+def test_kontexts_reference_image_joins_the_noisy_tokens_and_the_loss_takes_the_noisy_ones():
+    """NOTE [ Kontext's reference image ]: the noisy tokens, then as many reference tokens; their position ids the
+    noisy ones' with the first axis 1; the target and the loss on the first half of the output."""
+    plain, kontext = (load_workload(TINY[k], resolution=64) for k in ("dit-flux", "dit-flux-kontext"))
+    torch.manual_seed(0)
+    a = plain.batch(2)
+    torch.manual_seed(0)
+    b = kontext.batch(2)
+    n = a["hidden_states"].shape[1]
+    torch.testing.assert_close(b["hidden_states"][:, :n], a["hidden_states"])
+    assert b["hidden_states"].shape[1] == 2 * n and b["target"].shape == a["target"].shape
+    torch.testing.assert_close(b["img_ids"][n:, 1:], a["img_ids"][:, 1:])
+    assert (b["img_ids"][:n, 0] == 0).all() and (b["img_ids"][n:, 0] == 1).all()
+    from memfit.step import build_step
+    step = build_step(kontext, Plan(), 2, "cpu")
+    inputs = {k: v for k, v in b.items() if k != "target"}
+    with torch.no_grad():
+        out = step.model(**inputs, return_dict=False)[0]
+        expected = torch.nn.functional.mse_loss(out[:, :n].float(), b["target"].float())
+        torch.testing.assert_close(kontext.loss(step.model, b), expected)
 
 
 def test_fluxs_captions_are_512_t5_tokens_schnells_256_or_as_given():

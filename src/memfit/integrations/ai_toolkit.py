@@ -7,7 +7,7 @@ memfit maps it:
 
 | ai-toolkit | what it runs | memfit |
 |---|---|---|
-| ``model.arch`` (or ``is_flux``, ``is_xl``, ``is_v3``, ``is_lumina2``; none: SD 1.x), ``name_or_path`` | the arch's denoiser from the hub id or folder | FLUX.1 (``flux``, ``flex1``), SD 1.x, SDXL, SD3/3.5, Lumina 2, Qwen-Image, FLUX.2, Wan 2.1, Wan 2.2 (``wan22_14b``, ``wan22_14b_i2v``: both experts, ``dit-wan:experts=2``; ``wan22_5b``), Z-Image (``zimage``): a published id as memfit's built-in (:data:`ARCHS`), else the id or folder |
+| ``model.arch`` (or ``is_flux``, ``is_xl``, ``is_v3``, ``is_lumina2``; none: SD 1.x), ``name_or_path`` | the arch's denoiser from the hub id or folder | FLUX.1 (``flux``, ``flex1``), SD 1.x, SDXL, SD3/3.5, Lumina 2, Qwen-Image, FLUX.2, FLUX.1 Kontext (``flux_kontext``; a dataset's ``control_path``: ``dit-flux:control_images=1``), Wan 2.1, Wan 2.2 (``wan22_14b``, ``wan22_14b_i2v``: both experts, ``dit-wan:experts=2``; ``wan22_5b``), Z-Image (``zimage``): a published id as memfit's built-in (:data:`ARCHS`), else the id or folder |
 | ``model.low_vram``, ``model_kwargs.train_high_noise``/``train_low_noise``, ``train.switch_boundary_every`` (Wan 2.2 A14B) | the expert not running on the host; which experts train, and how often the trainer switches | ``low_vram=true``, ``switch=batch``/``step``/``none`` (memfit.workloads.wan_experts) |
 | ``model.quantize`` (``qtype`` qfloat8; torchao's ``uint3``-``uint4``; ``uint8``: none) | optimum-quanto or torchao: every ``nn.Linear`` of the transformer in one byte (or 3-4 bits), cast to bf16 per matmul; SD 1.x and SDXL: nothing | ``base_weights: fp8`` (``nf4``: 4 bits, a bound for 3) |
 | ``model.quantize_te`` (default: ``quantize``) | T5-XXL quantized too; CLIP-L stays bf16 | fp8 base weights store both encoders' linear layers (CLIP-L: 85 MB less than ai-toolkit holds) |
@@ -49,6 +49,7 @@ SD35_LARGE = "dit-sd3:num_layers=38,num_attention_heads=38,caption_projection_di
 """SD3.5 Large's MMDiT (8.1B: 38 blocks of 2432; its text encoders are SD3's)."""
 ARCHS = {
     "flux": {FLUX_DEV: "dit-flux", FLUX_SCHNELL: "dit-flux:guidance_embeds=false"},
+    "flux_kontext": {"black-forest-labs/FLUX.1-Kontext-dev": "dit-flux"},
     "sd1": {"runwayml/stable-diffusion-v1-5": "unet-sd15", "stable-diffusion-v1-5/stable-diffusion-v1-5": "unet-sd15",
             "CompVis/stable-diffusion-v1-4": "unet-sd15"},
     "sdxl": {"stabilityai/stable-diffusion-xl-base-1.0": "unet-sdxl"},
@@ -69,7 +70,7 @@ none: SD 1.x), and the built-in of each published id; another id or a folder is 
 UNETS = ("sd1", "sdxl")
 """The archs with a UNet: a LoRA there adapts every linear layer (ai-toolkit's ``transformer_only`` restricts a DiT's
 to its transformer blocks alone), and ``network.conv`` would adapt its convolutions."""
-HOLD_TEXT = ("flux", "sd1", "sdxl", "sd3", "lumina2", "zimage")
+HOLD_TEXT = ("flux", "flux_kontext", "sd1", "sdxl", "sd3", "lumina2", "zimage")
 """The archs whose denoisers memfit builds with their text encoders (memfit.workloads.text_encoders)."""
 OLD_FLAGS = {"is_v2": "sd2", "is_v3": "sd3", "is_xl": "sdxl", "is_pixart": "pixart", "is_pixart_sigma": "pixart_sigma",
              "is_auraflow": "auraflow", "is_flux": "flux", "is_lumina2": "lumina2", "is_vega": "sdxl", "is_ssd": "sdxl"}
@@ -79,11 +80,11 @@ WANS = ("wan21", "wan22_14b", "wan22_14b_i2v", "wan22_5b")
 """The Wan archs: a clip of ``num_frames``; the A14B ones (:data:`EXPERTS`) with two experts."""
 EXPERTS = ("wan22_14b", "wan22_14b_i2v")
 """Wan 2.2 A14B: ai-toolkit loads both experts and trains a LoRA on each in turns (memfit.workloads.wan_experts)."""
-QUANTIZED = ("flux", "sd3", "lumina2", "qwen_image", "flux2", "zimage", *WANS)
+QUANTIZED = ("flux", "flux_kontext", "sd3", "lumina2", "qwen_image", "flux2", "zimage", *WANS)
 """The archs whose transformer ai-toolkit quantizes with ``quantize`` (its SD 1.x and SDXL paths ignore it)."""
 LAYER_OFFLOADED = ("qwen_image", "flux2", "wan21", "zimage")
 """The archs whose models ai-toolkit's ``layer_offloading`` attaches its memory manager to (the others ignore it)."""
-FLOW = ("flux", "sd3", "lumina2", "qwen_image", "flux2", "zimage", *WANS)
+FLOW = ("flux", "flux_kontext", "sd3", "lumina2", "qwen_image", "flux2", "zimage", *WANS)
 """The archs trained by flow matching (ai-toolkit's ``noise_scheduler: flowmatch``)."""
 BLOCK_LISTS = {"zimage": "layers"}
 """The archs whose ``get_transformer_block_names`` (the blocks a ``transformer_only`` LoRA adapts) are not all of
@@ -147,6 +148,8 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
             workload = with_override(workload, "text_encoders", text)
     if arch in WANS and "frames=" not in workload:
         workload = with_override(workload, "frames", _frames(datasets, where, warnings))
+    if arch == "flux_kontext" and any(isinstance(d, dict) and d.get("control_path") for d in datasets):
+        workload = _kontext(workload, where, warnings)
     if arch in EXPERTS and workload.startswith("dit-wan") and "experts=" not in workload:
         workload = _experts(workload, model, train, where, warnings)
     dtype = str(train.get("dtype", "fp32")).lower()
@@ -198,6 +201,21 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
     except UserError as e:
         raise UserError(f"--from {where}: {str(e).removeprefix('plan: ')}") from None
     return TrainingConfig(where, workload, micro * accum, micro, None, plan, tuple(warnings), resolution)
+
+
+def _kontext(workload: str, where: str, warnings: list[str]) -> str:
+    """FLUX.1 Kontext's paired datasets (``control_path``): the reference image's latents joined to the noisy ones
+    (NOTE [ Kontext's reference image ] in memfit.workloads.packed_dits), encoded by the VAE in each step."""
+    warnings.append(f"ai-toolkit config {where}: control_path: ai-toolkit encodes each reference image with the VAE in "
+                    "the step (its latents are not cached); the VAE and its encoding, before the forward, are not in the "
+                    "estimate")
+    if "control_images=" in workload:
+        return workload
+    if not workload.startswith("dit-flux"):
+        warnings.append(f"ai-toolkit config {where}: the reference image's tokens are added to memfit's built-in FLUX.1 "
+                        "only; name the model as dit-flux:control_images=1 to hold them")
+        return workload
+    return with_override(workload, "control_images", 1)
 
 
 def _experts(workload: str, model: dict, train: dict, where: str, warnings: list[str]) -> str:
@@ -268,7 +286,7 @@ def _text_encoders(arch: str, model: dict, train: dict, datasets: list, where: s
     if arch in HOLD_TEXT and arch != "sd3" and differs:  # (SD3's T5 is quantized with quantize alone)
         warnings.append(f"ai-toolkit config {where}: quantize_te differs from quantize; memfit stores the text encoders' "
                         "linear weights as the transformer's (fp8 base weights or 16 bits)" +
-                        (": T5-XXL's 4.4 GB off" if arch in ("flux", "sd3") else ""))
+                        (": T5-XXL's 4.4 GB off" if arch in ("flux", "flux_kontext", "sd3") else ""))
     return "frozen"
 
 

@@ -30,7 +30,8 @@ CLASSES = {"FluxTransformer2DModel": "flux", "SD3Transformer2DModel": "sd3", "Lu
            "QwenImageTransformer2DModel": "qwen_image", "Flux2Transformer2DModel": "flux2",
            "WanTransformer3DModel": "wan21", "ZImageTransformer2DModel": "zimage"}
 """ai-toolkit's arch of each denoiser class memfit reads (UNets: sd1 or sdxl by their added conditioning)."""
-OWN_KEYS = ("text_encoders", "t5", "t5_tokens", "text_layers", "frames", "experts", "switch", "low_vram")
+OWN_KEYS = ("text_encoders", "t5", "t5_tokens", "text_layers", "frames", "experts", "switch", "low_vram",
+            "control_images")
 """Workload keys the job says in its own fields (the text encoders' mode, a Wan clip's frames, Wan 2.2's experts)."""
 EXPERT_ARCHS = {"dit-wan": "wan22_14b", "dit-wan-i2v": "wan22_14b_i2v"}
 """The built-ins whose ``experts=2`` is ai-toolkit's Wan 2.2 A14B arch (memfit.workloads.wan_experts)."""
@@ -121,6 +122,8 @@ def to_ai_toolkit(plan: Plan, batch_size: int, model: str, model_class: str | No
     if fields.get("model.quantize"):  # (the encoders load beside the transformer even to cache their outputs)
         process["model"]["quantize_te"] = True
     process["datasets"] = [_dataset(resolution, text.get("frames"), notes)]
+    if text.get("control_images"):  # (FLUX.1 Kontext's pairs: the reference images, named as the targets)
+        process["datasets"][0]["control_path"] = "/path/to/control/images"
     notes.append("datasets: your folder_path and captions; cache_latents_to_disk as memfit's batch is the cached "
                  "latents" + ("" if "cache_text_embeddings" not in process["train"] else " and text states"))
     notes.append("train: your steps, lr and sampling (memfit plans memory and speed; ai-toolkit's sample step "
@@ -155,6 +158,10 @@ def _model(model: str, model_class: str | None, text: dict, notes: list[str]) ->
     if base in EXPERT_ARCHS and "experts=2" in overrides.split(","):
         arch = EXPERT_ARCHS[base]
         return arch, next(iter(ARCHS[arch]))
+    if base == "dit-flux" and "control_images=1" in overrides.split(","):  # (FLUX.1 Kontext: memfit.workloads.packed_dits)
+        kept = [kv for kv in overrides.split(",") if kv and kv.split("=", 1)[0] not in OWN_KEYS]
+        if not kept:
+            return "flux_kontext", next(iter(ARCHS["flux_kontext"]))
     kept = ",".join(kv for kv in overrides.split(",") if kv and kv.split("=", 1)[0] not in OWN_KEYS)
     built_in = BUILT_IN_IDS.get(f"{base}:{kept}" if kept else base)
     if built_in is not None:

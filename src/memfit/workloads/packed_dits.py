@@ -82,8 +82,12 @@ def flux(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageM
     the captions' token ids in place of their outputs (memfit.workloads.text_encoders). ``t5_tokens=N``:
     T5 tokens a caption (kohya's ``t5xxl_max_token_length``, diffusers' ``--max_sequence_length``; default
     512, and schnell's 256). ``t5_mask=true``: kohya's ``apply_t5_attn_mask`` (NOTE [ kohya's T5 attention
-    mask ])."""
+    mask ]). ``control_images=1``: FLUX.1 Kontext's edit pairs (NOTE [ Kontext's reference image ])."""
     from memfit.workloads import text_encoders as te
+    overrides = dict(overrides)
+    controls = overrides.pop("control_images", 0)
+    if controls not in (0, 1) or isinstance(controls, bool):
+        raise UserError(f"{m.arch}: control_images={controls!r} must be 0 or 1 (FLUX.1 Kontext takes one reference image)")
     overrides, text, layers = te.text_mode(m.arch, overrides, t5=True)
     overrides, t5 = te.t5_mode(m.arch, overrides, text)
     overrides, caption = te.t5_tokens(m.arch, overrides)
@@ -106,6 +110,8 @@ def flux(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageM
             out["ids"] = te.t5_token_ids(b, 1, tokens if t5 == "frozen" else None)
         if masked:  # (each caption's T5 padding mask; all of it kept here: its bytes are what count)
             out["t5_attention_mask"] = torch.ones(b, tokens, dtype=torch.bool)
+        if controls:  # (the reference image's tokens: the same positions on the first axis 1)
+            out["img_ids"] = torch.cat([out["img_ids"], out["img_ids"].index_fill(1, torch.tensor([0]), 1.0)])
         return out
 
     def wrap(model: Callable[[], torch.nn.Module], kw: dict) -> Callable[[], torch.nn.Module]:
@@ -117,7 +123,10 @@ def flux(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageM
         return lambda: te.FluxWithTextEncoders(dit(), configs, text == "trained")
     wl = _packed_workload(m, overrides, seq_len, resolution, _pack, inputs,
                           ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
-                           "joint_attention_dim"), wrap if text != "cached" or masked else None)
+                           "joint_attention_dim"), wrap if text != "cached" or masked else None, controls)
+    if controls:
+        wl.info.config["control_images"] = controls
+        wl.name += " with a reference image"
     if caption:
         wl.info.config["t5_tokens"] = caption
     if masked:
@@ -203,11 +212,12 @@ def flux2(overrides: dict, seq_len: int | None, resolution: int | None, m: Image
 
 def _packed_workload(m: ImageModel, overrides: dict, seq_len: int | None, resolution: int | None,
                      layout: Callable[[torch.Tensor], torch.Tensor], inputs: Callable[[int, dict, int, int], dict],
-                     sizes: tuple[str, ...], wrap: Callable | None = None) -> Workload:
+                     sizes: tuple[str, ...], wrap: Callable | None = None, controls: int = 0) -> Workload:
     """The workload of a DiT fed 2x2-packed latent tokens: rectified flow (t = 1 is noise) on latents of
     ``in_channels / 4`` channels, the noisy latents and the velocity target in the pipeline's ``layout``,
     the timestep as a fraction, and the model's other ``inputs(batch, config, token rows, token columns)``;
-    loaded as a checkpoint is. ``wrap(model, config)``: the model function the step trains, around the DiT's."""
+    loaded as a checkpoint is. ``wrap(model, config)``: the model function the step trains, around the DiT's.
+    ``controls``: reference images' latents joined after the noisy ones, the loss on the noisy tokens' output."""
     no_seq_len(m.arch, seq_len)
     overrides, width = given_width(overrides)
     cls, kw = config_of(m, overrides)
@@ -221,13 +231,30 @@ def _packed_workload(m: ImageModel, overrides: dict, seq_len: int | None, resolu
     def batch(b: int) -> dict:
         latents, noise, t = torch.randn(b, channels, high, wide), torch.randn(b, channels, high, wide), torch.rand(b)
         noisy, target = flow_matching(latents, noise, t, data_at_one=False)
-        return {"hidden_states": layout(noisy), "timestep": t, **inputs(b, kw, high // FLUX_PACK, wide // FLUX_PACK),
+        joined = torch.cat([layout(noisy), *(layout(torch.randn(b, channels, high, wide)) for _ in range(controls))], 1)
+        return {"hidden_states": joined, "timestep": t, **inputs(b, kw, high // FLUX_PACK, wide // FLUX_PACK),
                 "target": layout(target)}
 
     res = high * VAE_FACTOR
     info = image_info(m, res, kw, sizes, FLUX_PACK * kw["patch_size"], sides)
     model = model_builder(m, cls, kw, overrides)
-    return image_workload(m, wrap(model, kw) if wrap else model, batch, transformer_loss, res, info)
+    return image_workload(m, wrap(model, kw) if wrap else model, batch, _noisy_tokens_loss if controls else
+                          transformer_loss, res, info)
+
+
+# NOTE [ Kontext's reference image ]
+# FLUX.1 Kontext edits an image: the reference (ai-toolkit's control image, the pipeline's ``image``) is encoded by
+# the VAE at the target's size, packed as the noisy latents are, and joined after them on the token axis, its
+# position ids those of the target's tokens with the first axis 1 (ai-toolkit's ``get_noise_prediction``, diffusers'
+# ``FluxKontextPipeline``). Every block then attends over twice the image tokens (8,192 at 1024 px, beside the
+# caption's 512), and the denoiser's output is cut to the noisy tokens before the loss. ai-toolkit encodes the
+# reference in each step (its latents are not cached): the VAE's encoder runs before the forward, not in this batch.
+def _noisy_tokens_loss(model, batch: dict) -> torch.Tensor:
+    """:func:`transformer_loss` on the output's first tokens, the noisy latents' (a reference image's after them)."""
+    from memfit.workloads.diffusion import _mse
+    inputs = {k: v for k, v in batch.items() if k != "target"}
+    out = model(**inputs, return_dict=False)[0]
+    return _mse(out[:, :batch["target"].shape[1]], batch["target"])
 
 
 def _patchify(latents: torch.Tensor) -> torch.Tensor:
