@@ -101,6 +101,10 @@ def test_batches_and_buckets_are_the_largest_and_accumulated():
      ["qtype's accuracy-recovery adapter", "latents are not cached"]),  # (both experts; switch every 10: steps)
     ("train_lora_flux_kontext_24gb", "dit-flux:text_encoders=frozen,control_images=1", {"ema": None},
      ["control_path: ai-toolkit encodes each reference image"]),  # (its pairs: a reference image's tokens)
+    ("train_lora_qwen_image_edit_32gb", "dit-qwenimage:control_images=1,caption_tokens=1440",
+     {"base_weights": "nf4", "ema": None},  # (its reference's tokens, and Qwen2.5-VL's states of it: said)
+     ["qtype's accuracy-recovery adapter", "qtype uint3 stores 3 bits a weight", "control_path: ai-toolkit encodes",
+      "Qwen2.5-VL's caption states hold", "latents are not cached"]),
     ("train_lora_wan21_1b_24gb", "dit-wan-1.3b:frames=1", {"adapter": "lora:r=32,alpha=32,targets=in-blocks",
                                                            "base_weights": "as-is"},
      ["the text encoders run in the step"]),  # (umT5 in the step: said)
@@ -246,7 +250,7 @@ def test_older_flags_are_read_in_ai_toolkits_order_and_a_datasets_batch_size_win
 
 @pytest.mark.parametrize("changes,message", [
     ({"model__is_flux": None, "model__arch": "hidream"}, r"memfit reads ai-toolkit's flux, flux_kontext, sd1, sdxl, sd3, "
-     r"lumina2, qwen_image, flux2, wan21, zimage, wan22_14b, wan22_14b_i2v, wan22_5b configs, not arch 'hidream'; name the "
+     r"lumina2, qwen_image, qwen_image_edit, flux2, wan21, zimage, wan22_14b, wan22_14b_i2v, wan22_5b configs, not arch 'hidream'; name the "
      r"model as the workload"),
     ({"datasets__num_frames": 0, "model__arch": "wan21"}, "datasets num_frames must be a whole number >= 1"),
     ({"train__optimizer": "prodigy8bit"}, "train.optimizer 'prodigy8bit' is not one memfit runs"),

@@ -20,7 +20,7 @@ import yaml
 
 from memfit.devices import Device
 from memfit.errors import UserError
-from memfit.integrations.ai_toolkit import ARCHS, FLOW, HOLD_TEXT, LAYER_OFFLOADED, UNETS
+from memfit.integrations.ai_toolkit import ARCHS, EDITS, FLOW, HOLD_TEXT, LAYER_OFFLOADED, UNETS
 from memfit.integrations.export import carried_by, export
 from memfit.plans import Plan
 from memfit.techniques.precision import BF16Pure
@@ -158,10 +158,11 @@ def _model(model: str, model_class: str | None, text: dict, notes: list[str]) ->
     if base in EXPERT_ARCHS and "experts=2" in overrides.split(","):
         arch = EXPERT_ARCHS[base]
         return arch, next(iter(ARCHS[arch]))
-    if base == "dit-flux" and "control_images=1" in overrides.split(","):  # (FLUX.1 Kontext: memfit.workloads.packed_dits)
-        kept = [kv for kv in overrides.split(",") if kv and kv.split("=", 1)[0] not in OWN_KEYS]
+    edit = next((a for a, b in EDITS.items() if b == base), None)
+    if edit and "control_images=1" in overrides.split(","):  # (FLUX.1 Kontext, Qwen-Image-Edit: memfit.workloads.packed_dits)
+        kept = [kv for kv in overrides.split(",") if kv and kv.split("=", 1)[0] not in (*OWN_KEYS, "caption_tokens")]
         if not kept:
-            return "flux_kontext", next(iter(ARCHS["flux_kontext"]))
+            return edit, next(iter(ARCHS[edit]))
     kept = ",".join(kv for kv in overrides.split(",") if kv and kv.split("=", 1)[0] not in OWN_KEYS)
     built_in = BUILT_IN_IDS.get(f"{base}:{kept}" if kept else base)
     if built_in is not None:

@@ -183,13 +183,31 @@ def qwen_image(overrides: dict, seq_len: int | None, resolution: int | None, m: 
     Qwen2.5-VL's caption states cached, so the batch is the packed noisy latents (2x2 latent pixels a token,
     as FLUX packs them), the caption states with their mask, each sample's latent grid for the rotary
     positions (``img_shapes``), and the timestep as a fraction (the pipeline's ``t / 1000``); rectified flow
-    (t = 1 is noise), the target the velocity ``noise - latents``. Loaded as a checkpoint is."""
+    (t = 1 is noise), the target the velocity ``noise - latents``. Loaded as a checkpoint is.
+    ``caption_tokens=N``: the caption states' length (default 512). ``control_images=1``: Qwen-Image-Edit's
+    reference image, its tokens joined after the noisy ones as Kontext's (NOTE [ Kontext's reference image ]),
+    its grid a second entry of ``img_shapes``."""
+    overrides = dict(overrides)
+    controls = overrides.pop("control_images", 0)
+    caption = overrides.pop("caption_tokens", m.caption_tokens)
+    if controls not in (0, 1) or isinstance(controls, bool):
+        raise UserError(f"{m.arch}: control_images={controls!r} must be 0 or 1 (Qwen-Image-Edit's reference image)")
+    if not isinstance(caption, int) or isinstance(caption, bool) or caption < 1:
+        raise UserError(f"{m.arch}: caption_tokens={caption!r} must be a positive whole number of tokens")
+
     def inputs(b: int, kw: dict, high: int, wide: int) -> dict:
-        return {"encoder_hidden_states": torch.randn(b, m.caption_tokens, kw["joint_attention_dim"]),
-                "encoder_hidden_states_mask": torch.ones(b, m.caption_tokens, dtype=torch.long),
-                "img_shapes": [[(1, high, wide)]] * b}
-    return _packed_workload(m, overrides, seq_len, resolution, _pack, inputs,
-                            ("num_layers", "num_attention_heads", "attention_head_dim", "joint_attention_dim"))
+        return {"encoder_hidden_states": torch.randn(b, caption, kw["joint_attention_dim"]),
+                "encoder_hidden_states_mask": torch.ones(b, caption, dtype=torch.long),
+                "img_shapes": [[(1, high, wide)] * (1 + controls)] * b}
+    wl = _packed_workload(m, overrides, seq_len, resolution, _pack, inputs,
+                          ("num_layers", "num_attention_heads", "attention_head_dim", "joint_attention_dim"),
+                          controls=controls)
+    if caption != m.caption_tokens:
+        wl.info.config["caption_tokens"] = caption
+    if controls:
+        wl.info.config["control_images"] = controls
+        wl.name += " with a reference image"
+    return wl
 
 
 def flux2(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = FLUX2) -> Workload:
