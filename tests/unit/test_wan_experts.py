@@ -103,3 +103,35 @@ def test_bad_expert_options_get_one_line(spec, problem):
 def test_low_vram_with_every_weight_trained_gets_one_line():
     with pytest.raises(UserError, match="train an adapter"):
         estimate(f"{WAN},experts=2,low_vram=true", Plan(), batch_size=1, resolution=64, device="rtx4090")
+
+
+@pytest.mark.parametrize("options", ["experts=2", "experts=2,low_vram=true"])
+def test_a_checkpoint_resumes_with_the_expert_that_ran_last(options):
+    """Three steps, a checkpoint's state saved and loaded into a new step, two more: the losses of five steps in one
+    run (after an odd number of steps the expert that runs next is the second)."""
+    import io
+
+    from memfit.step import build_step
+    from memfit.training.checkpoint import load_step_state, step_state
+    wl = load_workload(f"{WAN},{options}", resolution=64)
+
+    def run(step, steps):
+        out = []
+        for i in range(steps):
+            torch.manual_seed(100 + i)
+            out.append(step(batch))
+        return out
+    torch.manual_seed(0)
+    whole = build_step(wl, LORA, 2, "cpu")
+    torch.manual_seed(1)
+    batch = wl.batch(2)
+    torch.manual_seed(0)
+    first = build_step(wl, LORA, 2, "cpu")
+    expected, before = run(whole, 5), run(first, 3)
+    saved = io.BytesIO()
+    torch.save(step_state(first), saved)
+    saved.seek(0)
+    torch.manual_seed(0)
+    second = build_step(wl, LORA, 2, "cpu")
+    load_step_state(second, torch.load(saved, weights_only=True))
+    assert before + run(second, 2) == expected

@@ -46,9 +46,11 @@ def rng_state() -> dict:
 def step_state(step) -> dict:
     """What a step holds that training must keep: the state dicts of the model, the optimizer (8-bit
     and per-parameter optimizers too), the grad scaler and the EMA. They reference the step's own
-    tensors (no copies)."""
+    tensors (no copies). ``modules``: the Python state of workload modules that keep some between steps
+    (``memfit_state()``: which of Wan 2.2's experts ran last, memfit.workloads.wan_experts), by module name."""
     return {"model": step.model.state_dict(), "optimizer": step.optimizer.state_dict(),
-            "scaler": step.scaler.state_dict(), "ema": step.ema.state_dict()}
+            "scaler": step.scaler.state_dict(), "ema": step.ema.state_dict(),
+            "modules": {name: m.memfit_state() for name, m in step.model.named_modules() if hasattr(m, "memfit_state")}}
 
 
 def load_step_state(step, state: dict) -> None:
@@ -58,6 +60,10 @@ def load_step_state(step, state: dict) -> None:
     step.optimizer.load_state_dict(state["optimizer"])
     step.scaler.load_state_dict(state["scaler"])
     step.ema.load_state_dict(state["ema"])
+    modules = dict(step.model.named_modules())
+    for name, module_state in state.get("modules", {}).items():  # (checkpoints before 2026-12-05 hold none)
+        if hasattr(modules.get(name), "memfit_restore"):
+            modules[name].memfit_restore(module_state)
 
 
 def save(out_dir: Path, step, *, step_index: int, samples_seen: int, workload: str, requested_plan,

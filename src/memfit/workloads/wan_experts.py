@@ -100,6 +100,18 @@ class TwoExperts(torch.nn.Module):
         if self._device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
 
+    # -- a checkpoint resumes with the expert that ran last (memfit.training.checkpoint) ------------------------
+    def memfit_state(self) -> dict:
+        return {"active": self.active, "ran": self._ran}
+
+    def memfit_restore(self, state: dict) -> None:
+        """The expert that ran last; under low_vram its frozen weights are moved in, the other's out."""
+        active = int(state["active"])
+        if active != self.active and self.low_vram and self._placement is not None:
+            self._mark_host()
+            self._move(self.experts[self.active], self.experts[active])
+        self.active, self._ran = active, bool(state["ran"])
+
     # -- the step --------------------------------------------------------------------------------------
     def _switches(self) -> bool:
         if not self._ran or self.switch == "none":
