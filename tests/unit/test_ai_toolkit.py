@@ -99,6 +99,9 @@ def test_batches_and_buckets_are_the_largest_and_accumulated():
     ("train_lora_wan22_14b_24gb", "dit-wan:frames=1,experts=2,switch=step,low_vram=True",
      {"adapter": "lora:r=32,alpha=32,targets=in-blocks", "base_weights": "nf4", "ema": None},  # (uint4 + ARA: as nf4)
      ["qtype's accuracy-recovery adapter", "latents are not cached"]),  # (both experts; switch every 10: steps)
+    ("train_lora_wan22_14b_i2v_image_clip_24gb", "dit-wan-i2v:frames=5,experts=2,switch=step,low_vram=True",
+     {"adapter": "lora:r=32,alpha=32,targets=in-blocks", "ema": None},  # (qfloat8: fp8)
+     ["image_i2v_clip_training makes a share of the batches clips of 5 frames", "latents are not cached"]),
     ("train_lora_flux_kontext_24gb", "dit-flux:text_encoders=frozen,control_images=1", {"ema": None},
      ["control_path: ai-toolkit encodes each reference image"]),  # (its pairs: a reference image's tokens)
     ("train_lora_qwen_image_edit_32gb", "dit-qwenimage:control_images=1,caption_tokens=1440",

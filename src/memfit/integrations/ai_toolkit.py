@@ -154,7 +154,8 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
         else:
             workload = with_override(workload, "text_encoders", text)
     if arch in WANS and "frames=" not in workload:
-        workload = with_override(workload, "frames", _frames(datasets, where, warnings))
+        workload = with_override(workload, "frames", _clip_frames(model, _frames(datasets, where, warnings), where,
+                                                                  warnings))
     if arch in EDITS and any(isinstance(d, dict) and d.get("control_path") for d in datasets):
         workload = _reference_image(arch, workload, where, warnings)
     if arch in EXPERTS and workload.startswith("dit-wan") and "experts=" not in workload:
@@ -230,6 +231,20 @@ def _reference_image(arch: str, workload: str, where: str, warnings: list[str]) 
                         f"tokens; memfit's are {QWEN_EDIT_CAPTION} (a 1 MP reference, a caption of up to 64 tokens)")
         workload = with_override(workload, "caption_tokens", QWEN_EDIT_CAPTION)
     return workload
+
+
+def _clip_frames(model: dict, frames: int, where: str, warnings: list[str]) -> int:
+    """Wan 2.2 I2V's ``image_i2v_clip_training``: a share of the still-image batches (``image_i2v_clip_training_prob``)
+    become static clips of ``image_i2v_clip_num_frames`` (default 5), whose step is the larger: memfit's clip is theirs."""
+    kwargs = model.get("model_kwargs") or {}
+    if not kwargs.get("image_i2v_clip_training"):
+        return frames
+    clip = whole(kwargs, "image_i2v_clip_num_frames", where, 5)
+    clip = max(1, (clip - 1) // 4 * 4 + 1)
+    if clip > frames:
+        warnings.append(f"ai-toolkit config {where}: image_i2v_clip_training makes a share of the batches clips of "
+                        f"{clip} frames; memfit's step is one of those (the larger)")
+    return max(frames, clip)
 
 
 def _experts(workload: str, model: dict, train: dict, where: str, warnings: list[str]) -> str:
