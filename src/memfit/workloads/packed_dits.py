@@ -269,10 +269,9 @@ def _packed_workload(m: ImageModel, overrides: dict, seq_len: int | None, resolu
 # reference in each step (its latents are not cached): the VAE's encoder runs before the forward, not in this batch.
 def _noisy_tokens_loss(model, batch: dict) -> torch.Tensor:
     """:func:`transformer_loss` on the output's first tokens, the noisy latents' (a reference image's after them)."""
-    from memfit.workloads.diffusion import _mse
     inputs = {k: v for k, v in batch.items() if k != "target"}
     out = model(**inputs, return_dict=False)[0]
-    return _mse(out[:, :batch["target"].shape[1]], batch["target"])
+    return torch.nn.functional.mse_loss(out[:, :batch["target"].shape[1]].float(), batch["target"].float())
 
 
 def _patchify(latents: torch.Tensor) -> torch.Tensor:
