@@ -102,6 +102,9 @@ def test_batches_and_buckets_are_the_largest_and_accumulated():
     ("train_lora_wan22_14b_i2v_image_clip_24gb", "dit-wan-i2v:frames=5,experts=2,switch=step,low_vram=True",
      {"adapter": "lora:r=32,alpha=32,targets=in-blocks", "ema": None},  # (qfloat8: fp8)
      ["image_i2v_clip_training makes a share of the batches clips of 5 frames", "latents are not cached"]),
+    ("train_lora_qwen_image_edit_plus2509_32gb_2controls",
+     "dit-qwenimage:control_images=2,control_px=1024,caption_tokens=473", {"ema": None},  # (qfloat8: fp8)
+     ["control_path: ai-toolkit encodes", "Qwen2.5-VL's caption states hold the references'", "latents are not cached"]),
     ("train_lora_flux_kontext_24gb", "dit-flux:text_encoders=frozen,control_images=1", {"ema": None},
      ["control_path: ai-toolkit encodes each reference image"]),  # (its pairs: a reference image's tokens)
     ("train_lora_qwen_image_edit_32gb", "dit-qwenimage:control_images=1,caption_tokens=1440",
@@ -253,7 +256,7 @@ def test_older_flags_are_read_in_ai_toolkits_order_and_a_datasets_batch_size_win
 
 @pytest.mark.parametrize("changes,message", [
     ({"model__is_flux": None, "model__arch": "hidream"}, r"memfit reads ai-toolkit's flux, flux_kontext, sd1, sdxl, sd3, "
-     r"lumina2, qwen_image, qwen_image_edit, flux2, wan21, zimage, wan22_14b, wan22_14b_i2v, wan22_5b configs, not arch 'hidream'; name the "
+     r"lumina2, qwen_image, qwen_image_edit, qwen_image_edit_plus2509, flux2, wan21, zimage, wan22_14b, wan22_14b_i2v, wan22_5b configs, not arch 'hidream'; name the "
      r"model as the workload"),
     ({"datasets__num_frames": 0, "model__arch": "wan21"}, "datasets num_frames must be a whole number >= 1"),
     ({"train__optimizer": "prodigy8bit"}, "train.optimizer 'prodigy8bit' is not one memfit runs"),

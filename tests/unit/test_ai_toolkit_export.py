@@ -22,7 +22,7 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "ai_toolkit"
 CARD = get_device("rtx4090")
 TINY = ("dit-flux:num_layers=1,num_single_layers=2,attention_head_dim=16,num_attention_heads=2,"
         "joint_attention_dim=32,pooled_projection_dim=16,in_channels=16,axes_dims_rope=4/6/6")
-FACTS = ("text_encoders", "t5", "frames", "cross_attention_dim", "control_images")
+FACTS = ("text_encoders", "t5", "frames", "cross_attention_dim", "control_images", "control_px")
 
 
 def _job(plan: Plan, batch: int, workload: str, resolution, **facts):

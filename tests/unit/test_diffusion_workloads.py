@@ -38,6 +38,7 @@ TINY["dit-flux-kontext"] = TINY["dit-flux"] + ",control_images=1"  # (FLUX.1 Kon
 TINY["dit-qwenimage"] = ("dit-qwenimage:num_layers=2,attention_head_dim=16,num_attention_heads=2,joint_attention_dim=32,"
                          "axes_dims_rope=4/6/6")
 TINY["dit-qwenimage-edit"] = TINY["dit-qwenimage"] + ",control_images=1,caption_tokens=40"  # (Qwen-Image-Edit)
+TINY["dit-qwenimage-edit-2509"] = TINY["dit-qwenimage"] + ",control_images=2,control_px=96,caption_tokens=40"
 TINY["dit-flux2"] = ("dit-flux2:num_layers=1,num_single_layers=2,attention_head_dim=16,num_attention_heads=2,"
                      "joint_attention_dim=32,in_channels=16,axes_dims_rope=4/4/4/4")
 TINY["dit-wan"] = ("dit-wan:num_layers=2,attention_head_dim=16,num_attention_heads=2,ffn_dim=64,text_dim=32,"
@@ -55,14 +56,14 @@ TINY["dit-zimage"] = ("dit-zimage:dim=64,n_layers=2,n_refiner_layers=1,n_heads=4
 TINY["dit-hunyuan-video"] = ("dit-hunyuan-video:num_layers=1,num_single_layers=2,num_refiner_layers=1,attention_head_dim=16,"
                              "num_attention_heads=2,text_embed_dim=32,pooled_projection_dim=16,rope_axes_dim=4/6/6,"
                              "frames=5,width=64")
-RESOLUTION = {"dit-flux-kontext": 128, "dit-qwenimage-edit": 128, "dit-hunyuan-video": 64, "dit-chroma": 128, "dit-zimage": 128, "dit-wan-i2v": 64, "dit-wan-flf2v": 64, "dit-wan-5b": 64, "dit-wan": 64, "dit-flux2": 128, "dit-lumina2": 128, "dit-sd3": 128, "unet-sdxl": 128, "unet-sd15": 64, "dit-flux": 128, "dit-qwenimage": 128}
+RESOLUTION = {"dit-flux-kontext": 128, "dit-qwenimage-edit": 128, "dit-qwenimage-edit-2509": 64, "dit-hunyuan-video": 64, "dit-chroma": 128, "dit-zimage": 128, "dit-wan-i2v": 64, "dit-wan-flf2v": 64, "dit-wan-5b": 64, "dit-wan": 64, "dit-flux2": 128, "dit-lumina2": 128, "dit-sd3": 128, "unet-sdxl": 128, "unet-sd15": 64, "dit-flux": 128, "dit-qwenimage": 128}
 
 # unet-sdxl in fp32 is profiled by test_block_checkpointing_keeps_fewer_activations (same bound; slow tier)
 CASES = [(arch, precision, ckpt) for arch in ("dit-lumina2", "unet-sdxl") for precision in ("fp32", "bf16")
          for ckpt in ("none", "blocks") if (arch, precision) != ("unet-sdxl", "fp32")] + [
     ("dit-sd3", "fp32", "none"), ("dit-sd3", "bf16", "blocks"), ("unet-sd15", "fp32", "none"),
     ("dit-flux", "fp32", "none"), ("dit-flux", "bf16", "blocks"), ("dit-flux-kontext", "bf16", "blocks"),
-    ("dit-qwenimage-edit", "bf16", "blocks"),
+    ("dit-qwenimage-edit", "bf16", "blocks"), ("dit-qwenimage-edit-2509", "bf16", "blocks"),
     ("dit-qwenimage", "fp32", "none"),
     ("dit-qwenimage", "bf16", "blocks"), ("dit-flux2", "fp32", "none"), ("dit-flux2", "bf16", "blocks"),
     ("dit-wan", "fp32", "none"), ("dit-wan", "bf16", "blocks"), ("dit-wan-i2v", "bf16", "blocks"),
@@ -244,6 +245,9 @@ def test_qwen_image_edits_reference_image_is_a_second_grid_of_tokens_and_its_sta
     assert b["hidden_states"].shape[1] == 2 * n and b["target"].shape == a["target"].shape
     assert b["img_shapes"] == [[a["img_shapes"][0][0]] * 2] * 2
     assert b["encoder_hidden_states"].shape[1] == b["encoder_hidden_states_mask"].shape[1] == 40
+    two = load_workload(TINY["dit-qwenimage-edit-2509"], resolution=64).batch(2)  # (two references of 96 px, the target 64)
+    assert two["img_shapes"] == [[a["img_shapes"][0][0], (1, 6, 6), (1, 6, 6)]] * 2
+    assert two["hidden_states"].shape[1] == n + 2 * 36 and two["target"].shape == a["target"].shape
 
 
 def test_fluxs_captions_are_512_t5_tokens_schnells_256_or_as_given():

@@ -77,7 +77,7 @@ class AiToolkitTarget(TrainerTarget):
     @property
     def facts(self) -> dict:
         return {**{k: self.config.get(k) for k in ("text_encoders", "t5", "frames", "cross_attention_dim",
-                                                       "control_images")},
+                                                       "control_images", "control_px")},
                 "blocks": self.blocks}
 
     @functools.cached_property

@@ -7,7 +7,7 @@ memfit maps it:
 
 | ai-toolkit | what it runs | memfit |
 |---|---|---|
-| ``model.arch`` (or ``is_flux``, ``is_xl``, ``is_v3``, ``is_lumina2``; none: SD 1.x), ``name_or_path`` | the arch's denoiser from the hub id or folder | FLUX.1 (``flux``, ``flex1``), SD 1.x, SDXL, SD3/3.5, Lumina 2, Qwen-Image, FLUX.2, FLUX.1 Kontext and Qwen-Image-Edit (``flux_kontext``, ``qwen_image_edit``; a dataset's ``control_path``: ``control_images=1``), Wan 2.1, Wan 2.2 (``wan22_14b``, ``wan22_14b_i2v``: both experts, ``dit-wan:experts=2``; ``wan22_5b``), Z-Image (``zimage``): a published id as memfit's built-in (:data:`ARCHS`), else the id or folder |
+| ``model.arch`` (or ``is_flux``, ``is_xl``, ``is_v3``, ``is_lumina2``; none: SD 1.x), ``name_or_path`` | the arch's denoiser from the hub id or folder | FLUX.1 (``flux``, ``flex1``), SD 1.x, SDXL, SD3/3.5, Lumina 2, Qwen-Image, FLUX.2, FLUX.1 Kontext and Qwen-Image-Edit (``flux_kontext``, ``qwen_image_edit``, ``qwen_image_edit_plus2509``; a dataset's ``control_path``: ``control_images=N``, memfit.integrations.ai_toolkit_models), Wan 2.1, Wan 2.2 (``wan22_14b``, ``wan22_14b_i2v``: both experts, ``dit-wan:experts=2``; ``wan22_5b``), Z-Image (``zimage``): a published id as memfit's built-in (:data:`ARCHS`), else the id or folder |
 | ``model.low_vram``, ``model_kwargs.train_high_noise``/``train_low_noise``, ``train.switch_boundary_every`` (Wan 2.2 A14B) | the expert not running on the host; which experts train, and how often the trainer switches | ``low_vram=true``, ``switch=batch``/``step``/``none`` (memfit.workloads.wan_experts) |
 | ``model.quantize`` (``qtype`` qfloat8; torchao's ``uint3``-``uint4``; ``uint8``: none) | optimum-quanto or torchao: every ``nn.Linear`` of the transformer in one byte (or 3-4 bits), cast to bf16 per matmul; SD 1.x and SDXL: nothing | ``base_weights: fp8`` (``nf4``: 4 bits, a bound for 3) |
 | ``model.quantize_te`` (default: ``quantize``) | T5-XXL quantized too; CLIP-L stays bf16 | fp8 base weights store both encoders' linear layers (CLIP-L: 85 MB less than ai-toolkit holds) |
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from memfit.devices import Device
 from memfit.errors import UserError
+from memfit.integrations.ai_toolkit_models import EDITS, EXPERTS, clip_frames, experts, reference_image
 from memfit.integrations.configs import TrainingConfig, whole
 from memfit.plans import Plan
 from memfit.workloads.config_overrides import with_override
@@ -58,6 +59,7 @@ ARCHS = {
     "lumina2": {"Alpha-VLLM/Lumina-Image-2.0": "dit-lumina2"},
     "qwen_image": {"Qwen/Qwen-Image": "dit-qwenimage"},
     "qwen_image_edit": {"Qwen/Qwen-Image-Edit": "dit-qwenimage"},
+    "qwen_image_edit_plus2509": {"Qwen/Qwen-Image-Edit-2509": "dit-qwenimage"},
     "flux2": {"black-forest-labs/FLUX.2-dev": "dit-flux2"},
     "wan21": {"Wan-AI/Wan2.1-T2V-14B-Diffusers": "dit-wan", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": "dit-wan-1.3b"},
     "zimage": {"Tongyi-MAI/Z-Image-Turbo": "dit-zimage", "Tongyi-MAI/Z-Image": "dit-zimage"},
@@ -77,21 +79,15 @@ OLD_FLAGS = {"is_v2": "sd2", "is_v3": "sd3", "is_xl": "sdxl", "is_pixart": "pixa
              "is_auraflow": "auraflow", "is_flux": "flux", "is_lumina2": "lumina2", "is_vega": "sdxl", "is_ssd": "sdxl"}
 """The older flags, in the order ai-toolkit reads them (ModelConfig; Vega and SSD-1B are SDXL UNets, read from
 their own configs)."""
-EDITS = {"flux_kontext": "dit-flux", "qwen_image_edit": "dit-qwenimage"}
-"""The edit archs whose datasets' ``control_path`` pairs join a reference image's tokens (``control_images=1``)."""
-QWEN_EDIT_CAPTION = 37 * 37 + 7 + 64
-"""Qwen-Image-Edit's caption states with the reference image (``QwenImageEditPipeline.encode_prompt``, as ai-toolkit
-calls it): Qwen2.5-VL sees the reference at 1 MP, 1036 x 1036 after its 28-pixel rounding, so 37 x 37 merged patches;
-the vision markers and the chat template's end after the 64 dropped system tokens (7); 64 of the caption's own."""
 WANS = ("wan21", "wan22_14b", "wan22_14b_i2v", "wan22_5b")
 """The Wan archs: a clip of ``num_frames``; the A14B ones (:data:`EXPERTS`) with two experts."""
-EXPERTS = ("wan22_14b", "wan22_14b_i2v")
-"""Wan 2.2 A14B: ai-toolkit loads both experts and trains a LoRA on each in turns (memfit.workloads.wan_experts)."""
-QUANTIZED = ("flux", "flux_kontext", "sd3", "lumina2", "qwen_image", "qwen_image_edit", "flux2", "zimage", *WANS)
+QWENS = ("qwen_image", "qwen_image_edit", "qwen_image_edit_plus2509")
+"""Qwen-Image and its edit models (their transformer's weights, quantized and offloaded alike)."""
+QUANTIZED = ("flux", "flux_kontext", "sd3", "lumina2", *QWENS, "flux2", "zimage", *WANS)
 """The archs whose transformer ai-toolkit quantizes with ``quantize`` (its SD 1.x and SDXL paths ignore it)."""
-LAYER_OFFLOADED = ("qwen_image", "qwen_image_edit", "flux2", "wan21", "zimage")
+LAYER_OFFLOADED = (*QWENS, "flux2", "wan21", "zimage")
 """The archs whose models ai-toolkit's ``layer_offloading`` attaches its memory manager to (the others ignore it)."""
-FLOW = ("flux", "flux_kontext", "sd3", "lumina2", "qwen_image", "qwen_image_edit", "flux2", "zimage", *WANS)
+FLOW = ("flux", "flux_kontext", "sd3", "lumina2", *QWENS, "flux2", "zimage", *WANS)
 """The archs trained by flow matching (ai-toolkit's ``noise_scheduler: flowmatch``)."""
 BLOCK_LISTS = {"zimage": "layers"}
 """The archs whose ``get_transformer_block_names`` (the blocks a ``transformer_only`` LoRA adapts) are not all of
@@ -154,12 +150,12 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
         else:
             workload = with_override(workload, "text_encoders", text)
     if arch in WANS and "frames=" not in workload:
-        workload = with_override(workload, "frames", _clip_frames(model, _frames(datasets, where, warnings), where,
+        workload = with_override(workload, "frames", clip_frames(model, _frames(datasets, where, warnings), where,
                                                                   warnings))
     if arch in EDITS and any(isinstance(d, dict) and d.get("control_path") for d in datasets):
-        workload = _reference_image(arch, workload, where, warnings)
+        workload = reference_image(arch, workload, model, datasets, where, warnings)
     if arch in EXPERTS and workload.startswith("dit-wan") and "experts=" not in workload:
-        workload = _experts(workload, model, train, where, warnings)
+        workload = experts(workload, model, train, where, warnings)
     dtype = str(train.get("dtype", "fp32")).lower()
     if dtype not in PRECISIONS:
         raise UserError(f"--from {where}: train.dtype {dtype!r} is not one memfit runs; use bf16, fp16 or fp32")
@@ -209,63 +205,6 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
     except UserError as e:
         raise UserError(f"--from {where}: {str(e).removeprefix('plan: ')}") from None
     return TrainingConfig(where, workload, micro * accum, micro, None, plan, tuple(warnings), resolution)
-
-
-def _reference_image(arch: str, workload: str, where: str, warnings: list[str]) -> str:
-    """An edit model's paired datasets (``control_path``): the reference image's latents joined to the noisy ones
-    (NOTE [ Kontext's reference image ] in memfit.workloads.packed_dits), encoded by the VAE in each step; for
-    Qwen-Image-Edit the caption's states hold the reference's vision tokens too (:data:`QWEN_EDIT_CAPTION`)."""
-    built_in = EDITS[arch]
-    warnings.append(f"ai-toolkit config {where}: control_path: ai-toolkit encodes each reference image with the VAE in "
-                    "the step (its latents are not cached); the VAE and its encoding, before the forward, are not in the "
-                    "estimate")
-    if "control_images=" in workload:
-        return workload
-    if not workload.startswith(built_in):
-        warnings.append(f"ai-toolkit config {where}: the reference image's tokens are added to memfit's built-in only; "
-                        f"name the model as {built_in}:control_images=1 to hold them")
-        return workload
-    workload = with_override(workload, "control_images", 1)
-    if arch == "qwen_image_edit" and "caption_tokens=" not in workload:
-        warnings.append(f"ai-toolkit config {where}: Qwen2.5-VL's caption states hold the reference image's vision "
-                        f"tokens; memfit's are {QWEN_EDIT_CAPTION} (a 1 MP reference, a caption of up to 64 tokens)")
-        workload = with_override(workload, "caption_tokens", QWEN_EDIT_CAPTION)
-    return workload
-
-
-def _clip_frames(model: dict, frames: int, where: str, warnings: list[str]) -> int:
-    """Wan 2.2 I2V's ``image_i2v_clip_training``: a share of the still-image batches (``image_i2v_clip_training_prob``)
-    become static clips of ``image_i2v_clip_num_frames`` (default 5), whose step is the larger: memfit's clip is theirs."""
-    kwargs = model.get("model_kwargs") or {}
-    if not kwargs.get("image_i2v_clip_training"):
-        return frames
-    clip = whole(kwargs, "image_i2v_clip_num_frames", where, 5)
-    clip = max(1, (clip - 1) // 4 * 4 + 1)
-    if clip > frames:
-        warnings.append(f"ai-toolkit config {where}: image_i2v_clip_training makes a share of the batches clips of "
-                        f"{clip} frames; memfit's step is one of those (the larger)")
-    return max(frames, clip)
-
-
-def _experts(workload: str, model: dict, train: dict, where: str, warnings: list[str]) -> str:
-    """Wan 2.2 A14B's two experts as ai-toolkit trains them: ``model_kwargs`` ``train_high_noise`` and
-    ``train_low_noise`` (both: the trainer switches between them every ``switch_boundary_every`` batches, accumulated
-    or not; one: the other is carried, never run) and ``low_vram`` (the expert not running waits on the host)."""
-    kwargs = model.get("model_kwargs") or {}
-    trained = [bool(kwargs.get(k, True)) for k in ("train_high_noise", "train_low_noise")]
-    if not any(trained):
-        raise UserError(f"--from {where}: model_kwargs train_high_noise and train_low_noise are both false (ai-toolkit "
-                        "refuses it); train at least one expert")
-    every = whole(train, "switch_boundary_every", where, 1)
-    accum = max(whole(train, "gradient_accumulation", where, 1), whole(train, "gradient_accumulation_steps", where, 1))
-    switch = "none" if not all(trained) else "batch" if every == 1 or every % accum else "step"
-    workload = with_override(with_override(workload, "experts", 2), "switch", switch)
-    if model.get("low_vram"):
-        workload = with_override(workload, "low_vram", True)
-        if switch == "batch":
-            warnings.append(f"ai-toolkit config {where}: low_vram with a switch at every batch copies an expert's weights "
-                            "over the host link each time (ai-toolkit suggests switch_boundary_every: 10 or 20)")
-    return workload
 
 
 def _process(data: dict, where: str) -> dict:

@@ -31,7 +31,7 @@ CLASSES = {"FluxTransformer2DModel": "flux", "SD3Transformer2DModel": "sd3", "Lu
            "WanTransformer3DModel": "wan21", "ZImageTransformer2DModel": "zimage"}
 """ai-toolkit's arch of each denoiser class memfit reads (UNets: sd1 or sdxl by their added conditioning)."""
 OWN_KEYS = ("text_encoders", "t5", "t5_tokens", "text_layers", "frames", "experts", "switch", "low_vram",
-            "control_images")
+            "control_images", "control_px")
 """Workload keys the job says in its own fields (the text encoders' mode, a Wan clip's frames, Wan 2.2's experts)."""
 EXPERT_ARCHS = {"dit-wan": "wan22_14b", "dit-wan-i2v": "wan22_14b_i2v"}
 """The built-ins whose ``experts=2`` is ai-toolkit's Wan 2.2 A14B arch (memfit.workloads.wan_experts)."""
@@ -122,8 +122,10 @@ def to_ai_toolkit(plan: Plan, batch_size: int, model: str, model_class: str | No
     if fields.get("model.quantize"):  # (the encoders load beside the transformer even to cache their outputs)
         process["model"]["quantize_te"] = True
     process["datasets"] = [_dataset(resolution, text.get("frames"), notes)]
-    if text.get("control_images"):  # (FLUX.1 Kontext's pairs: the reference images, named as the targets)
-        process["datasets"][0]["control_path"] = "/path/to/control/images"
+    for k in range(text.get("control_images") or 0):  # (the edit models' pairs: references named as the targets)
+        process["datasets"][0][f"control_path{k + 1 if k else ''}"] = f"/path/to/control/images{k + 1 if k else ''}"
+    if arch == "qwen_image_edit_plus2509" and not text.get("control_px"):  # (references at the target's size)
+        process["model"].setdefault("model_kwargs", {})["match_target_res"] = True
     notes.append("datasets: your folder_path and captions; cache_latents_to_disk as memfit's batch is the cached "
                  "latents" + ("" if "cache_text_embeddings" not in process["train"] else " and text states"))
     notes.append("train: your steps, lr and sampling (memfit plans memory and speed; ai-toolkit's sample step "
@@ -152,14 +154,25 @@ def _experts(model: str, plan: Plan, batch_size: int) -> dict:
             "train.switch_boundary_every": 10 * batches if switch == "step" else 1}
 
 
+def _edit_arch(base: str, overrides: str) -> str | None:
+    """ai-toolkit's edit arch of a built-in with reference images: Qwen-Image-Edit-2509's where several or 1 MP ones."""
+    values = dict(kv.split("=", 1) for kv in overrides.split(",") if "=" in kv)
+    count = int(values.get("control_images", 0) or 0)
+    if not count:
+        return None
+    if base == "dit-qwenimage" and (count > 1 or "control_px" in values):
+        return "qwen_image_edit_plus2509"
+    return next((a for a, b in EDITS.items() if b == base), None)
+
+
 def _model(model: str, model_class: str | None, text: dict, notes: list[str]) -> tuple[str, str]:
     """(ai-toolkit's arch, ``name_or_path``): a built-in's published id, else the hub id or folder itself."""
     base, overrides = split_overrides(model)
     if base in EXPERT_ARCHS and "experts=2" in overrides.split(","):
         arch = EXPERT_ARCHS[base]
         return arch, next(iter(ARCHS[arch]))
-    edit = next((a for a, b in EDITS.items() if b == base), None)
-    if edit and "control_images=1" in overrides.split(","):  # (FLUX.1 Kontext, Qwen-Image-Edit: memfit.workloads.packed_dits)
+    edit = _edit_arch(base, overrides)
+    if edit:  # (FLUX.1 Kontext, Qwen-Image-Edit and its 2509: memfit.workloads.packed_dits)
         kept = [kv for kv in overrides.split(",") if kv and kv.split("=", 1)[0] not in (*OWN_KEYS, "caption_tokens")]
         if not kept:
             return edit, next(iter(ARCHS[edit]))

@@ -184,29 +184,37 @@ def qwen_image(overrides: dict, seq_len: int | None, resolution: int | None, m: 
     as FLUX packs them), the caption states with their mask, each sample's latent grid for the rotary
     positions (``img_shapes``), and the timestep as a fraction (the pipeline's ``t / 1000``); rectified flow
     (t = 1 is noise), the target the velocity ``noise - latents``. Loaded as a checkpoint is.
-    ``caption_tokens=N``: the caption states' length (default 512). ``control_images=1``: Qwen-Image-Edit's
-    reference image, its tokens joined after the noisy ones as Kontext's (NOTE [ Kontext's reference image ]),
-    its grid a second entry of ``img_shapes``."""
+    ``caption_tokens=N``: the caption states' length (default 512). ``control_images=N``: Qwen-Image-Edit's
+    reference images (1; Edit-2509's up to 3), their tokens joined after the noisy ones as Kontext's (NOTE [ Kontext's
+    reference image ]), each grid an entry of ``img_shapes``; ``control_px=P``: each reference a square of P pixels
+    (Edit-2509's pipeline encodes them at 1 MP whatever the target's size; default: the target's size)."""
     overrides = dict(overrides)
     controls = overrides.pop("control_images", 0)
     caption = overrides.pop("caption_tokens", m.caption_tokens)
-    if controls not in (0, 1) or isinstance(controls, bool):
-        raise UserError(f"{m.arch}: control_images={controls!r} must be 0 or 1 (Qwen-Image-Edit's reference image)")
+    side = overrides.pop("control_px", None)
+    if controls not in (0, 1, 2, 3) or isinstance(controls, bool):
+        raise UserError(f"{m.arch}: control_images={controls!r} must be 0 to 3 (Qwen-Image-Edit's reference images)")
     if not isinstance(caption, int) or isinstance(caption, bool) or caption < 1:
         raise UserError(f"{m.arch}: caption_tokens={caption!r} must be a positive whole number of tokens")
+    if side is not None and (not isinstance(side, int) or isinstance(side, bool) or side < 32 or side % 32):
+        raise UserError(f"{m.arch}: control_px={side!r} must be a multiple of 32 pixels (the VAE's 8 x 2x2 packing x 2)")
 
     def inputs(b: int, kw: dict, high: int, wide: int) -> dict:
+        grid = (1, high, wide)
+        reference = grid if side is None else (1, side // (VAE_FACTOR * FLUX_PACK), side // (VAE_FACTOR * FLUX_PACK))
         return {"encoder_hidden_states": torch.randn(b, caption, kw["joint_attention_dim"]),
                 "encoder_hidden_states_mask": torch.ones(b, caption, dtype=torch.long),
-                "img_shapes": [[(1, high, wide)] * (1 + controls)] * b}
+                "img_shapes": [[grid] + [reference] * controls] * b}
     wl = _packed_workload(m, overrides, seq_len, resolution, _pack, inputs,
                           ("num_layers", "num_attention_heads", "attention_head_dim", "joint_attention_dim"),
-                          controls=controls)
+                          controls=controls, control_latent=None if side is None else side // VAE_FACTOR)
     if caption != m.caption_tokens:
         wl.info.config["caption_tokens"] = caption
     if controls:
         wl.info.config["control_images"] = controls
-        wl.name += " with a reference image"
+        wl.name += " with a reference image" if controls == 1 else f" with {controls} reference images"
+    if side is not None:
+        wl.info.config["control_px"] = side
     return wl
 
 
@@ -230,12 +238,14 @@ def flux2(overrides: dict, seq_len: int | None, resolution: int | None, m: Image
 
 def _packed_workload(m: ImageModel, overrides: dict, seq_len: int | None, resolution: int | None,
                      layout: Callable[[torch.Tensor], torch.Tensor], inputs: Callable[[int, dict, int, int], dict],
-                     sizes: tuple[str, ...], wrap: Callable | None = None, controls: int = 0) -> Workload:
+                     sizes: tuple[str, ...], wrap: Callable | None = None, controls: int = 0,
+                     control_latent: int | None = None) -> Workload:
     """The workload of a DiT fed 2x2-packed latent tokens: rectified flow (t = 1 is noise) on latents of
     ``in_channels / 4`` channels, the noisy latents and the velocity target in the pipeline's ``layout``,
     the timestep as a fraction, and the model's other ``inputs(batch, config, token rows, token columns)``;
     loaded as a checkpoint is. ``wrap(model, config)``: the model function the step trains, around the DiT's.
-    ``controls``: reference images' latents joined after the noisy ones, the loss on the noisy tokens' output."""
+    ``controls``: reference images' latents joined after the noisy ones, the loss on the noisy tokens' output
+    (each as large as the target, or squares of ``control_latent`` latent pixels)."""
     no_seq_len(m.arch, seq_len)
     overrides, width = given_width(overrides)
     cls, kw = config_of(m, overrides)
@@ -249,7 +259,8 @@ def _packed_workload(m: ImageModel, overrides: dict, seq_len: int | None, resolu
     def batch(b: int) -> dict:
         latents, noise, t = torch.randn(b, channels, high, wide), torch.randn(b, channels, high, wide), torch.rand(b)
         noisy, target = flow_matching(latents, noise, t, data_at_one=False)
-        joined = torch.cat([layout(noisy), *(layout(torch.randn(b, channels, high, wide)) for _ in range(controls))], 1)
+        ch, cw = (high, wide) if control_latent is None else (control_latent, control_latent)
+        joined = torch.cat([layout(noisy), *(layout(torch.randn(b, channels, ch, cw)) for _ in range(controls))], 1)
         return {"hidden_states": joined, "timestep": t, **inputs(b, kw, high // FLUX_PACK, wide // FLUX_PACK),
                 "target": layout(target)}
 
