@@ -156,8 +156,8 @@ def _experts(model: str, plan: Plan, batch_size: int) -> dict:
 
 def _edit_arch(base: str, overrides: str) -> str | None:
     """ai-toolkit's edit arch of a built-in with reference images: Qwen-Image-Edit-2509's where several or 1 MP ones."""
-    values = dict(kv.split("=", 1) for kv in overrides.split(",") if "=" in kv)
-    count = int(values.get("control_images", 0) or 0)
+    values = parse_overrides(overrides, base) if overrides else {}
+    count = values.get("control_images", 0)
     if not count:
         return None
     if base == "dit-qwenimage" and (count > 1 or "control_px" in values):

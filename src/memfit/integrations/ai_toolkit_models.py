@@ -15,9 +15,10 @@ from memfit.integrations.configs import whole
 from memfit.workloads.config_overrides import with_override
 
 EDITS = {"flux_kontext": "dit-flux", "qwen_image_edit": "dit-qwenimage", "qwen_image_edit_plus2509": "dit-qwenimage"}
+"""The edit archs whose datasets' ``control_path`` pairs join reference images' tokens (``control_images=N``), and
+the built-in each reads as."""
 EXPERTS = ("wan22_14b", "wan22_14b_i2v")
 """Wan 2.2 A14B: ai-toolkit loads both experts and trains a LoRA on each in turns (memfit.workloads.wan_experts)."""
-"""The edit archs whose datasets' ``control_path`` pairs join a reference image's tokens (``control_images=1``)."""
 QWEN_EDIT_CAPTION = 37 * 37 + 7 + 64
 """Qwen-Image-Edit's caption states with the reference image (``QwenImageEditPipeline.encode_prompt``, as ai-toolkit
 calls it): Qwen2.5-VL sees the reference at 1 MP, 1036 x 1036 after its 28-pixel rounding, so 37 x 37 merged patches;
@@ -28,6 +29,7 @@ PLUS_REFERENCE_TOKENS = 14 * 14 + 6
 PLUS_REFERENCE_PX = 1024
 """Edit-2509's references reach the denoiser at 1 MP whatever the target's size (``VAE_IMAGE_SIZE``; ai-toolkit's
 ``match_target_res`` sizes them as the target)."""
+
 
 def reference_image(arch: str, workload: str, model: dict, datasets: list, where: str, warnings: list[str]) -> str:
     """An edit model's paired datasets (``control_path``): the reference image's latents joined to the noisy ones
@@ -101,5 +103,3 @@ def experts(workload: str, model: dict, train: dict, where: str, warnings: list[
             warnings.append(f"ai-toolkit config {where}: low_vram with a switch at every batch copies an expert's weights "
                             "over the host link each time (ai-toolkit suggests switch_boundary_every: 10 or 20)")
     return workload
-
-

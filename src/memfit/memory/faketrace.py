@@ -2,8 +2,9 @@
 
 Both paths call :func:`run_tracked`: the same ``build_step``, the same batch, the same two steps.
 Step 1 creates the optimizer states; step 2 (``STEADY_STEP``) is the steady state whose peak is
-reported (a workload whose steady state comes later runs ``warmup_steps`` before them: Wan 2.2's experts). A fake trace also enters what the plan's techniques need to take a real run's code
-path on fake tensors (``Config.trace_context``) and, for a GPU target, the CUDA kernel model.
+reported (a workload whose steady state comes later runs ``warmup_steps`` before them: Wan 2.2's experts).
+A fake trace also enters what the plan's techniques need to take a real run's code path on fake tensors
+(``Config.trace_context``) and, for a GPU target, the CUDA kernel model.
 """
 
 from __future__ import annotations

@@ -262,9 +262,12 @@ def _mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def transformer_loss(model, batch: dict) -> torch.Tensor:
-    """A DiT's denoising loss: every batch entry but the target is a keyword of its forward."""
+    """A DiT's denoising loss: every batch entry but the target is a keyword of its forward. Where reference
+    images' tokens follow the noisy ones (an edit model's: NOTE [ Kontext's reference image ] in
+    memfit.workloads.packed_dits), the output is cut to the target's tokens first."""
     inputs = {k: v for k, v in batch.items() if k != "target"}
-    return _mse(model(**inputs, return_dict=False)[0], batch["target"])
+    out, target = model(**inputs, return_dict=False)[0], batch["target"]
+    return _mse(out if out.shape[1] == target.shape[1] else out[:, :target.shape[1]], target)
 
 
 # -- the workloads ---------------------------------------------------------------------------------

@@ -267,8 +267,7 @@ def _packed_workload(m: ImageModel, overrides: dict, seq_len: int | None, resolu
     res = high * VAE_FACTOR
     info = image_info(m, res, kw, sizes, FLUX_PACK * kw["patch_size"], sides)
     model = model_builder(m, cls, kw, overrides)
-    return image_workload(m, wrap(model, kw) if wrap else model, batch, _noisy_tokens_loss if controls else
-                          transformer_loss, res, info)
+    return image_workload(m, wrap(model, kw) if wrap else model, batch, transformer_loss, res, info)
 
 
 # NOTE [ Kontext's reference image ]
@@ -276,13 +275,9 @@ def _packed_workload(m: ImageModel, overrides: dict, seq_len: int | None, resolu
 # the VAE at the target's size, packed as the noisy latents are, and joined after them on the token axis, its
 # position ids those of the target's tokens with the first axis 1 (ai-toolkit's ``get_noise_prediction``, diffusers'
 # ``FluxKontextPipeline``). Every block then attends over twice the image tokens (8,192 at 1024 px, beside the
-# caption's 512), and the denoiser's output is cut to the noisy tokens before the loss. ai-toolkit encodes the
-# reference in each step (its latents are not cached): the VAE's encoder runs before the forward, not in this batch.
-def _noisy_tokens_loss(model, batch: dict) -> torch.Tensor:
-    """:func:`transformer_loss` on the output's first tokens, the noisy latents' (a reference image's after them)."""
-    inputs = {k: v for k, v in batch.items() if k != "target"}
-    out = model(**inputs, return_dict=False)[0]
-    return torch.nn.functional.mse_loss(out[:, :batch["target"].shape[1]].float(), batch["target"].float())
+# caption's 512), and the denoiser's output is cut to the noisy tokens before the loss (transformer_loss, in
+# memfit.workloads.diffusion). ai-toolkit encodes the reference in each step (its latents are not cached): the VAE's
+# encoder runs before the forward, not in this batch.
 
 
 def _patchify(latents: torch.Tensor) -> torch.Tensor:
