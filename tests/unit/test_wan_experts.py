@@ -135,3 +135,60 @@ def test_a_checkpoint_resumes_with_the_expert_that_ran_last(options):
     second = build_step(wl, LORA, 2, "cpu")
     load_step_state(second, torch.load(saved, weights_only=True))
     assert before + run(second, 2) == expected
+
+
+WAN_CONFIG = {"_class_name": "WanTransformer3DModel", "attention_head_dim": 16, "num_attention_heads": 2, "num_layers": 2,
+              "ffn_dim": 64, "text_dim": 32, "freq_dim": 32, "patch_size": [1, 2, 2]}
+
+
+def _wan_pipeline(root, second: dict | None) -> str:
+    """A Wan pipeline folder as users download it: Wan 2.2 A14B's names transformer_2 too (``second``: its config)."""
+    import json
+    index = {"_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"]}
+    if second is not None:
+        index.update(transformer_2=["diffusers", "WanTransformer3DModel"], boundary_ratio=0.875)
+    (root / "transformer").mkdir(parents=True)
+    (root / "model_index.json").write_text(json.dumps(index))
+    (root / "transformer" / "config.json").write_text(json.dumps(WAN_CONFIG))
+    if second is not None:
+        (root / "transformer_2").mkdir()
+        (root / "transformer_2" / "config.json").write_text(json.dumps(second))
+    return str(root)
+
+
+def test_a_wan22_pipeline_folder_takes_experts_as_the_built_in_and_predicts_the_same_bytes(tmp_path):
+    """NOTE [ A Wan 2.2 pipeline's two experts ]: a folder's ``experts=2,low_vram=true`` is the built-in's two
+    experts (they were refused as config fields before), to the byte; and it runs within 1% of the profiler."""
+    folder = _wan_pipeline(tmp_path / "wan22", WAN_CONFIG)
+    options = "frames=5,experts=2,low_vram=true"
+    wl = load_workload(f"{folder}:{options}", resolution=64)
+    assert wl.name.endswith("2 experts low_vram") and hasattr(wl.model(), "transformer_2")
+    ours = estimate(f"{folder}:{options}", LORA, batch_size=2, resolution=64)
+    built_in = estimate(f"{WAN},{options}", LORA, batch_size=2, resolution=64)
+    assert (ours.peak_bytes, ours.host_peak_bytes) == (built_in.peak_bytes, built_in.host_peak_bytes) != (0, 0)
+    r = profile(f"{folder}:{options}", LORA, batch_size=2, resolution=64, repeats=0)
+    assert r.predicted.method == "fake" and abs(r.error_percent) <= 1.0, r.error_percent
+
+
+def test_experts_on_a_pipeline_with_one_denoiser_or_unequal_experts_get_one_line(tmp_path):
+    with pytest.raises(UserError, match="this one has one denoiser: drop experts=2"):
+        load_workload(f"{_wan_pipeline(tmp_path / 'wan21', None)}:experts=2", resolution=64)
+    with pytest.raises(UserError, match="its two experts differ in num_layers"):
+        load_workload(f"{_wan_pipeline(tmp_path / 'odd', {**WAN_CONFIG, 'num_layers': 3})}:experts=2", resolution=64)
+
+
+def test_ai_toolkits_wan22_arch_on_a_local_folder_trains_both_experts(tmp_path):
+    """ai-toolkit's ``arch: wan22_14b`` with ``name_or_path`` a local pipeline folder: both experts, as for its
+    published ids (before, the folder was read as one expert)."""
+    from memfit.devices import get_device
+    from memfit.integrations.ai_toolkit import map_config
+    folder = _wan_pipeline(tmp_path / "wan22", WAN_CONFIG)
+    config = {"job": "extension", "config": {"name": "w", "process": [{
+        "type": "sd_trainer", "network": {"type": "lora", "linear": 4, "linear_alpha": 4},
+        "datasets": [{"folder_path": "/data", "resolution": [256], "num_frames": 5}],
+        "train": {"batch_size": 1, "steps": 10, "dtype": "bf16", "optimizer": "adamw8bit", "switch_boundary_every": 10},
+        "model": {"name_or_path": folder, "arch": "wan22_14b", "low_vram": True, "quantize": False}}]}}
+    read = map_config(config, "wan22.yaml", get_device("rtx4090"))
+    assert "experts=2" in read.workload and "low_vram=true" in read.workload.lower()
+    wl = load_workload(read.workload, resolution=64)
+    assert hasattr(wl.model(), "transformer_2")

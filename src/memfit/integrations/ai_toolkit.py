@@ -154,7 +154,7 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
                                                                   warnings))
     if arch in EDITS and any(isinstance(d, dict) and d.get("control_path") for d in datasets):
         workload = reference_image(arch, workload, model, datasets, where, warnings)
-    if arch in EXPERTS and workload.startswith("dit-wan") and "experts=" not in workload:
+    if arch in EXPERTS and "experts=" not in workload:  # (a folder too: NOTE [ A Wan 2.2 pipeline's two experts ])
         workload = experts(workload, model, train, where, warnings)
     dtype = str(train.get("dtype", "fp32")).lower()
     if dtype not in PRECISIONS:

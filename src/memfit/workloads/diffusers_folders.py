@@ -114,7 +114,9 @@ SIZE_KEYS = ("width", *TEXT_KEYS)
 config.json field: NOTE [ A resolution's width ] in memfit.workloads.checks), and the text encoders in its step
 (TEXT_KEYS); a Wan model's clip also takes ``frames=`` (CLIP_KEYS)."""
 CLIP_KEYS = ("frames", "width")
-OWN_KEYS = {"WanTransformer3DModel": CLIP_KEYS, "HunyuanVideoTransformer3DModel": CLIP_KEYS,
+EXPERT_KEYS = ("experts", "switch", "low_vram")
+"""Wan 2.2 A14B's two experts in one step, as ai-toolkit trains them (memfit.workloads.wan_experts)."""
+OWN_KEYS = {"WanTransformer3DModel": CLIP_KEYS + EXPERT_KEYS, "HunyuanVideoTransformer3DModel": CLIP_KEYS,
             "ZImageTransformer2DModel": ("caption_tokens", "width", "text_encoders", "text_layers")}
 """The size overrides of the classes that take others than SIZE_KEYS (Z-Image's longest caption and its Qwen3)."""
 
@@ -138,6 +140,7 @@ def diffusers_workload(data: dict, name: str, where: str, seq_len: int | None, r
         template = diffusion.SDXL if data.get("addition_embed_type") == "text_time" else diffusion.SD15
     elif class_name == "WanTransformer3DModel":
         template = video_dits.template(data)
+        check_experts(data, clip or {}, pipeline, where)
     elif class_name in _BY_CLASS:
         template = _BY_CLASS[class_name][0]
     else:
@@ -158,3 +161,33 @@ def diffusers_workload(data: dict, name: str, where: str, seq_len: int | None, r
     if class_name == "UNet2DConditionModel":
         return diffusion.unet_builder(template)(dict(clip or {}), seq_len, resolution)
     return _BY_CLASS[class_name][1](dict(clip or {}), seq_len, resolution, m=template)
+
+
+# NOTE [ A Wan 2.2 pipeline's two experts ]
+# Wan 2.2 A14B's pipeline folder (``Wan-AI/Wan2.2-T2V-A14B-Diffusers``, I2V's) names two denoisers in its
+# model_index.json: ``transformer`` (the high-noise expert) and ``transformer_2`` (the low-noise one), with
+# ``boundary_ratio``. memfit reads the first, as musubi-tuner trains one expert a run; ``experts=2`` (with
+# ``switch=`` and ``low_vram=``) holds both in the step, as ai-toolkit trains them. Both experts are built
+# from ``transformer/config.json``: where ``transformer_2/config.json`` is there and differs in a field
+# that sizes the model, the folder is refused, not predicted as two equal experts. A pipeline with one
+# denoiser (Wan 2.1, Wan 2.2 TI2V 5B) refuses ``experts=2``; a transformer folder alone cannot say, and
+# takes the user's word.
+def check_experts(data: dict, clip: dict, pipeline: Path | None, where: str) -> None:
+    """A Wan denoiser's ``experts=2`` against its pipeline (NOTE [ A Wan 2.2 pipeline's two experts ])."""
+    if clip.get("experts", 1) != 2 or pipeline is None or not (pipeline / "model_index.json").is_file():
+        return
+    index = read_model_index(pipeline / "model_index.json", where)
+    if "transformer_2" not in index:
+        raise UserError(f"{where}: experts=2 is for Wan 2.2 A14B's pipelines, whose model_index.json names "
+                        "transformer and transformer_2; this one has one denoiser: drop experts=2")
+    second = pipeline / "transformer_2" / "config.json"
+    if not second.is_file():
+        return
+    try:
+        other = json.loads(second.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{where}: transformer_2/config.json cannot be read ({brief(e, 120)}); download it again") from None
+    differ = sorted(k for k in set(data) | set(other) if not k.startswith("_") and data.get(k) != other.get(k))
+    if differ:
+        raise UserError(f"{where}: its two experts differ in {', '.join(differ[:4])}; memfit builds experts=2 as two "
+                        "copies of transformer/config.json: predict each expert alone (experts=1)")
