@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from memfit.errors import UserError
 from memfit.memory.budget import Budget
 from memfit.planner.candidate import Candidate, Status
 from memfit.planner.ladder import Ladder
@@ -53,6 +54,9 @@ class MaximalPlans:
         self.bs, self.budget, self.ladder = bs, budget, ladder
         self.plans: list[Candidate] | None = None
         """The maximal plans, once traced (None: not yet)."""
+        self.witnesses: list[Candidate] = []
+        """Eager plans the compiled maximal plans save at least as much as, traced in their place
+        (NOTE [ Eager witnesses of compiled maximal plans ])."""
 
     def check(self, ranked: list[Candidate], measure: Callable[[Candidate], bool],
               confirm: Callable[[Candidate], bool]) -> bool:
@@ -63,6 +67,8 @@ class MaximalPlans:
         self.plans = maximal(sorted(ranked, key=lambda x: x.seconds), self.bs)
         whole = [m for m in self.plans if not splits(m.plan, self.bs)]
         split = [m for m in self.plans if splits(m.plan, self.bs)]
+        if self._a_witness_fits(ranked, whole, measure):
+            return True
         for group in (whole, split):
             todo = [m for m in group if m.used_bytes is None]
             for m in todo:
@@ -74,6 +80,40 @@ class MaximalPlans:
             if any(m.used_bytes is not None for m in group) and self._some_may_fit(confirm):
                 return True
         return not any(m.used_bytes is not None for m in self.plans)
+
+    # NOTE [ Eager witnesses of compiled maximal plans ]
+    # Where compile modes are searched, the maximal plans compile: in the memory order a compiled plan saves
+    # at least what the same plan saves eager (memfit.techniques.compile), so none of the eager plans is
+    # maximal. Their shallow pairs compile a whole-model graph per depth and budget: GPT-2 124M's README
+    # example (``--steps 1000``, 32 loss chunks) traced 18 compiled maximal plans in 180 s of its 324 s,
+    # 27-37 s of a worker for each whole-model graph. The question they answer, whether anything may fit,
+    # an eager plan answers as well where its own trace says it fits: each compiled maximal plan that has
+    # an eager twin (the same plan with ``compile: none``; an activation budget has none) saves at least
+    # what the twin saves, so the twins are traced first (eager pairs, a second or two each), and one of
+    # them clearly under the budget (``NEAR_BUDGET``) answers yes; the maximal plans then wait in the
+    # queue at their estimates like any plan. Otherwise the maximal plans are traced as before, so every
+    # "nothing fits" is still theirs. Measured: docs/planner.md (P2).
+    def _a_witness_fits(self, ranked: list[Candidate], whole: list[Candidate],
+                        measure: Callable[[Candidate], bool]) -> bool:
+        by_plan = {c.plan: c for c in ranked}
+        self.witnesses = []
+        for m in whole:
+            if m.plan.config("compile").compiles:
+                try:
+                    twin = by_plan.get(m.plan.replace(compile="none"))
+                except UserError:  # (an activation budget needs compile)
+                    continue
+                if twin is not None and twin not in self.witnesses and saves_no_more_than(twin.plan, m.plan, self.bs):
+                    self.witnesses.append(twin)
+        todo = [w for w in self.witnesses if w.used_bytes is None and w.status is not Status.INVALID]
+        for w in todo:
+            w.reopen()  # (an estimate may have called it too big)
+        with silenced_warnings():
+            self.ladder.measure_together([w.plan for w in todo])
+        for w in todo:
+            measure(w)
+        limit = NEAR_BUDGET * self.budget.bytes
+        return any(w.open and w.used_bytes is not None and w.used_bytes < limit for w in self.witnesses)
 
     # NOTE [ A borderline answer decided by the maximal plans' full traces ]
     # When every maximal plan whose lower bound fits is within ``NEAR_BUDGET`` of the budget, their

@@ -306,7 +306,7 @@ class Walk:
         space = [c for c in ranked if c.recipe is None]  # (a field recipe is outside the space: none it dominates)
         if not self.maximal.check(space, self._measure, lambda m: self._take(m, self.ladder.full)):
             return False
-        for m in self.maximal.plans:
+        for m in self.maximal.plans + self.maximal.witnesses:
             if m.open:
                 heapq.heappush(self.heap, (m.seconds, self.order[id(m)], m))
         return True
