@@ -321,3 +321,14 @@ def test_fit_from_the_config_takes_its_model_size_and_adapter():
     assert rc == 0 and report["workload"] == "dit-flux 512px, text encoders frozen"
     assert report["cells"][0]["plan"]["adapter"] == "lora:r=16,alpha=16,targets=in-blocks"
 
+
+
+def test_the_qwen_image_edit_plus_arch_is_read_as_2509s():
+    """ai-toolkit's ``qwen_image_edit_plus`` (QwenImageEditPlusModel, the arch its UI writes for Qwen-Image-Edit-2509)
+    reads as ``qwen_image_edit_plus2509`` does (it was refused in one line)."""
+    data = yaml.safe_load((DATA / "train_lora_qwen_image_edit_plus2509_32gb_2controls.yaml").read_text())
+    data["config"]["process"][0]["model"]["arch"] = "qwen_image_edit_plus"
+    c, same = map_config(data, "plus.yaml", CARD), read_training_config(
+        DATA / "train_lora_qwen_image_edit_plus2509_32gb_2controls.yaml", CARD)
+    assert (c.workload, c.plan, c.batch_size, c.resolution) == (same.workload, same.plan, same.batch_size, same.resolution)
+    assert c.workload.startswith("dit-qwenimage:control_images=2")

@@ -7,7 +7,7 @@ memfit maps it:
 
 | ai-toolkit | what it runs | memfit |
 |---|---|---|
-| ``model.arch`` (or ``is_flux``, ``is_xl``, ``is_v3``, ``is_lumina2``; none: SD 1.x), ``name_or_path`` | the arch's denoiser from the hub id or folder | FLUX.1 (``flux``, ``flex1``), SD 1.x, SDXL, SD3/3.5, Lumina 2, Qwen-Image, FLUX.2, FLUX.1 Kontext and Qwen-Image-Edit (``flux_kontext``, ``qwen_image_edit``, ``qwen_image_edit_plus2509``; a dataset's ``control_path``: ``control_images=N``, memfit.integrations.ai_toolkit_models), Wan 2.1, Wan 2.2 (``wan22_14b``, ``wan22_14b_i2v``: both experts, ``dit-wan:experts=2``; ``wan22_5b``), Z-Image (``zimage``): a published id as memfit's built-in (:data:`ARCHS`), else the id or folder |
+| ``model.arch`` (or ``is_flux``, ``is_xl``, ``is_v3``, ``is_lumina2``; none: SD 1.x), ``name_or_path`` | the arch's denoiser from the hub id or folder | FLUX.1 (``flux``, ``flex1``), SD 1.x, SDXL, SD3/3.5, Lumina 2, Qwen-Image, FLUX.2, FLUX.1 Kontext and Qwen-Image-Edit (``flux_kontext``, ``qwen_image_edit``, ``qwen_image_edit_plus2509`` or ``qwen_image_edit_plus``; a dataset's ``control_path``: ``control_images=N``, memfit.integrations.ai_toolkit_models), Wan 2.1, Wan 2.2 (``wan22_14b``, ``wan22_14b_i2v``: both experts, ``dit-wan:experts=2``; ``wan22_5b``), Z-Image (``zimage``): a published id as memfit's built-in (:data:`ARCHS`), else the id or folder |
 | ``model.low_vram``, ``model_kwargs.train_high_noise``/``train_low_noise``, ``train.switch_boundary_every`` (Wan 2.2 A14B) | the expert not running on the host; which experts train, and how often the trainer switches | ``low_vram=true``, ``switch=batch``/``step``/``none`` (memfit.workloads.wan_experts) |
 | ``model.quantize`` (``qtype`` qfloat8; torchao's ``uint3``-``uint4``; ``uint8``: none) | optimum-quanto or torchao: every ``nn.Linear`` of the transformer in one byte (or 3-4 bits), cast to bf16 per matmul; SD 1.x and SDXL: nothing | ``base_weights: fp8`` (``nf4``: 4 bits, a bound for 3) |
 | ``model.quantize_te`` (default: ``quantize``) | T5-XXL quantized too; CLIP-L stays bf16 | fp8 base weights store both encoders' linear layers (CLIP-L: 85 MB less than ai-toolkit holds) |
@@ -70,6 +70,9 @@ ARCHS = {
 }
 """ai-toolkit's model archs memfit reads (``arch``, or the older ``is_flux``, ``is_xl``, ``is_v3``, ``is_lumina2``;
 none: SD 1.x), and the built-in of each published id; another id or a folder is read as a diffusers model."""
+ALIASES = {"flex1": "flux", "qwen_image_edit_plus": "qwen_image_edit_plus2509"}
+"""ai-toolkit's archs read as others: Flex.1, FLUX.1's kind; ``qwen_image_edit_plus``, the class its
+``qwen_image_edit_plus2509`` (Qwen-Image-Edit-2509) is, which its UI writes for that model."""
 UNETS = ("sd1", "sdxl")
 """The archs with a UNet: a LoRA there adapts every linear layer (ai-toolkit's ``transformer_only`` restricts a DiT's
 to its transformer blocks alone), and ``network.conv`` would adapt its convolutions."""
@@ -227,7 +230,7 @@ def _section(process: dict, key: str, where: str) -> dict:
 def _workload(model: dict, where: str) -> tuple[str, str]:
     """(ai-toolkit's arch, the workload): a published id's built-in, another id or folder as given."""
     arch = str(model.get("arch") or next((a for k, a in OLD_FLAGS.items() if model.get(k)), "sd1")).split(":")[0]
-    arch = "flux" if arch == "flex1" else arch  # (Flex.1, FLUX.1's kind: ai-toolkit's own alias)
+    arch = ALIASES.get(arch, arch)
     name = str(model.get("name_or_path") or "").strip()
     if arch not in ARCHS:
         raise UserError(f"--from {where}: memfit reads ai-toolkit's {', '.join(ARCHS)} configs, not arch {arch!r}; "
