@@ -67,7 +67,7 @@ def test_an_eager_twin_clearly_under_the_budget_answers_and_no_compiled_maximal_
 
 def test_twins_near_or_over_the_budget_leave_the_answer_to_the_compiled_maximal_plans():
     for eager in (900, 2000):  # (near: within NEAR_BUDGET of it; over)
-        fits, traced, _ = _check(lambda p: 500 if _compiled(p) else eager)
+        fits, traced, _ = _check(lambda p, eager=eager: 500 if _compiled(p) else eager)
         assert fits and any(_compiled(p) for p in traced)
     fits, traced, _ = _check(lambda p: 2000)  # nothing fits: the maximal plans' own traces say so
     assert not fits and any(_compiled(p) for p in traced)
