@@ -122,3 +122,14 @@ def test_plan_world_size_flags_refused_with_the_fix(capsys, args, message):
     from memfit.cli.main import main
     assert main(["plan", SMALL, "-b", "8", "--seq-len", "32", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_plan_chosen_because_the_trace_limit_came_first_says_so(capsys):
+    """NOTE [ The trace limit before a faster plan ]: the smallest plan traced, chosen where it fits when the walk
+    stops at --max-traces, is not the fastest that fits: the reason and a note say so, with the flag to trace more."""
+    assert main(["plan", SPEC, "-b", "8", "--seq-len", "64", "--device", "h100-80gb", "--budget", "597MiB",
+                 "--max-traces", "1", "--optimizers", "adamw", "--json"]) == 0
+    import json
+    out = json.loads(capsys.readouterr().out)
+    assert out["trace_limited"] and out["chosen"]["reason"].startswith("the smallest plan found")
+    assert "the trace limit (1) came first" in out["chosen"]["reason"] and "--max-traces 2" in out["notes"][-1]
