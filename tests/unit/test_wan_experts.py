@@ -161,6 +161,7 @@ def test_a_wan22_pipeline_folder_takes_experts_as_the_built_in_and_predicts_the_
     experts (they were refused as config fields before), to the byte; and it runs within 1% of the profiler."""
     folder = _wan_pipeline(tmp_path / "wan22", WAN_CONFIG)
     options = "frames=5,experts=2,low_vram=true"
+    assert hasattr(load_workload(f"{folder}:num_layers=1,{options}", resolution=64).model(), "transformer_2")  # (both overridden)
     wl = load_workload(f"{folder}:{options}", resolution=64)
     assert wl.name.endswith("2 experts low_vram") and hasattr(wl.model(), "transformer_2")
     ours = estimate(f"{folder}:{options}", LORA, batch_size=2, resolution=64)

@@ -140,7 +140,7 @@ def diffusers_workload(data: dict, name: str, where: str, seq_len: int | None, r
         template = diffusion.SDXL if data.get("addition_embed_type") == "text_time" else diffusion.SD15
     elif class_name == "WanTransformer3DModel":
         template = video_dits.template(data)
-        check_experts(data, clip or {}, pipeline, where)
+        check_experts(clip or {}, pipeline, where)
     elif class_name in _BY_CLASS:
         template = _BY_CLASS[class_name][0]
     else:
@@ -168,11 +168,11 @@ def diffusers_workload(data: dict, name: str, where: str, seq_len: int | None, r
 # model_index.json: ``transformer`` (the high-noise expert) and ``transformer_2`` (the low-noise one), with
 # ``boundary_ratio``. memfit reads the first, as musubi-tuner trains one expert a run; ``experts=2`` (with
 # ``switch=`` and ``low_vram=``) holds both in the step, as ai-toolkit trains them. Both experts are built
-# from ``transformer/config.json``: where ``transformer_2/config.json`` is there and differs in a field
-# that sizes the model, the folder is refused, not predicted as two equal experts. A pipeline with one
-# denoiser (Wan 2.1, Wan 2.2 TI2V 5B) refuses ``experts=2``; a transformer folder alone cannot say, and
-# takes the user's word.
-def check_experts(data: dict, clip: dict, pipeline: Path | None, where: str) -> None:
+# from ``transformer/config.json`` (with the user's overrides): where the two files, as downloaded, differ in
+# a field, the folder is refused, not predicted as two equal experts. A pipeline with one denoiser (Wan 2.1,
+# Wan 2.2 TI2V 5B) refuses ``experts=2``; a transformer folder with no pipeline above it cannot say, and takes
+# the user's word.
+def check_experts(clip: dict, pipeline: Path | None, where: str) -> None:
     """A Wan denoiser's ``experts=2`` against its pipeline (NOTE [ A Wan 2.2 pipeline's two experts ])."""
     if clip.get("experts", 1) != 2 or pipeline is None or not (pipeline / "model_index.json").is_file():
         return
@@ -180,14 +180,14 @@ def check_experts(data: dict, clip: dict, pipeline: Path | None, where: str) -> 
     if "transformer_2" not in index:
         raise UserError(f"{where}: experts=2 is for Wan 2.2 A14B's pipelines, whose model_index.json names "
                         "transformer and transformer_2; this one has one denoiser: drop experts=2")
-    second = pipeline / "transformer_2" / "config.json"
-    if not second.is_file():
+    first, second = (pipeline / name / "config.json" for name in ("transformer", "transformer_2"))
+    if not (first.is_file() and second.is_file()):
         return
-    try:
-        other = json.loads(second.read_text(encoding="utf-8"))
+    try:  # (the files as downloaded: ``data`` holds the user's overrides, which build both experts)
+        one, other = (json.loads(f.read_text(encoding="utf-8")) for f in (first, second))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{where}: transformer_2/config.json cannot be read ({brief(e, 120)}); download it again") from None
-    differ = sorted(k for k in set(data) | set(other) if not k.startswith("_") and data.get(k) != other.get(k))
+        raise UserError(f"{where}: a denoiser's config.json cannot be read ({brief(e, 120)}); download it again") from None
+    differ = sorted(k for k in set(one) | set(other) if not k.startswith("_") and one.get(k) != other.get(k))
     if differ:
         raise UserError(f"{where}: its two experts differ in {', '.join(differ[:4])}; memfit builds experts=2 as two "
                         "copies of transformer/config.json: predict each expert alone (experts=1)")
