@@ -34,7 +34,7 @@ class _Ladder:
 @functools.cache
 def _plans() -> tuple:
     space = default_space(model_facts(load_workload(SPEC, seq_len=64)), get_device("a100-40gb"), 8,
-                          optimizers=("adamw", "adamw8bit"), compile_modes=("none", "blocks", "full"))
+                          optimizers=("adamw",), compile_modes=("none", "blocks", "full"))
     return tuple(candidates(space, 8))
 
 

@@ -158,7 +158,7 @@ def _wan_pipeline(root, second: dict | None) -> str:
 
 def test_a_wan22_pipeline_folder_takes_experts_as_the_built_in_and_predicts_the_same_bytes(tmp_path):
     """NOTE [ A Wan 2.2 pipeline's two experts ]: a folder's ``experts=2,low_vram=true`` is the built-in's two
-    experts (they were refused as config fields before), to the byte; and it runs within 1% of the profiler."""
+    experts (they were refused as config fields before), to the byte, device and host."""
     folder = _wan_pipeline(tmp_path / "wan22", WAN_CONFIG)
     options = "frames=5,experts=2,low_vram=true"
     assert hasattr(load_workload(f"{folder}:num_layers=1,{options}", resolution=64).model(), "transformer_2")  # (both overridden)
@@ -167,8 +167,7 @@ def test_a_wan22_pipeline_folder_takes_experts_as_the_built_in_and_predicts_the_
     ours = estimate(f"{folder}:{options}", LORA, batch_size=2, resolution=64)
     built_in = estimate(f"{WAN},{options}", LORA, batch_size=2, resolution=64)
     assert (ours.peak_bytes, ours.host_peak_bytes) == (built_in.peak_bytes, built_in.host_peak_bytes) != (0, 0)
-    r = profile(f"{folder}:{options}", LORA, batch_size=2, resolution=64, repeats=0)
-    assert r.predicted.method == "fake" and abs(r.error_percent) <= 1.0, r.error_percent
+    # (so within 1% of the profiler as the built-in is: test_two_experts_predicted_within_1pct_of_the_profiler)
 
 
 def test_experts_on_a_pipeline_with_one_denoiser_or_unequal_experts_get_one_line(tmp_path):
