@@ -13,8 +13,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import re
+import socket
 from pathlib import Path
+from urllib.parse import urlparse
 
 from memfit.errors import UserError, brief
 
@@ -56,15 +59,16 @@ def hub_config_folder(text: str) -> Path:
     where = f"hub model {text}"
     local = f" (and no folder {repo_id} here)" if "/" in repo_id else ""
     login = "log in with `hf auth login` or set HF_TOKEN"
+    download = _Lookups(hf_hub_download, hub_errors.LocalEntryNotFoundError)  # NOTE [ A hub that cannot be reached ]
     try:
         with _hub_quiet():  # its retries log a line each; the error below is the one line the user reads
             try:
-                folder = Path(hf_hub_download(repo_id, "config.json", revision=revision)).parent
-                _image_processor_config(hf_hub_download, repo_id, revision, folder)
+                folder = Path(download(repo_id, "config.json", revision=revision)).parent
+                _image_processor_config(download, repo_id, revision, folder)
                 return folder
             except (hub_errors.LocalEntryNotFoundError, hub_errors.EntryNotFoundError) as missing:
-                folder = _diffusers_denoiser(hf_hub_download, repo_id, revision, where) or \
-                    _adapter_folder(hf_hub_download, repo_id, revision)
+                folder = _diffusers_denoiser(download, repo_id, revision, where) or \
+                    _adapter_folder(download, repo_id, revision)
                 if folder is None:
                     raise missing from None
                 return folder
@@ -137,6 +141,55 @@ def _adapter_folder(download, repo_id: str, revision: str | None) -> Path | None
         return Path(download(repo_id, "adapter_config.json", revision=revision)).parent
     except (hub_errors.LocalEntryNotFoundError, hub_errors.EntryNotFoundError):
         return None
+
+
+# NOTE [ A hub that cannot be reached ]
+# Where the hub cannot be reached and HF_HUB_OFFLINE is not set (a cluster node, a train, a firewall),
+# huggingface_hub answers a lookup of a file it has not cached after five retries with backoff: 23 s with
+# huggingface_hub 2.4 when the host name does not resolve (a cached file is answered at once). A hub id
+# costs several lookups: config.json, else a pipeline's model_index.json and its denoiser's config, then
+# optional ones (its text encoders' configs, a vision-language model's preprocessor_config.json). So
+# an estimate of a pipeline whose model_index.json and transformer/config.json were cached, as memfit's
+# own message advises, waited 70 s offline, every run, and an id not cached at all waited 70 s for its
+# one-line error. Now the lookups of a process are cache-only (``local_files_only``) once one of them
+# could not reach the hub, or from the start where the hub's host name does not resolve (checked once,
+# at once: no proxy is set that would resolve it instead). Files cached answer as before; a hub that
+# can be reached is asked as before.
+_UNREACHABLE: set[str] = set()
+"""The hub endpoints this process found it cannot reach (NOTE [ A hub that cannot be reached ])."""
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+class _Lookups:
+    """``hf_hub_download``, cache-only once the hub is found unreachable (NOTE [ A hub that cannot be reached ])."""
+
+    def __init__(self, download, not_cached: type[Exception]) -> None:
+        from huggingface_hub import constants
+        self.download, self.not_cached = download, not_cached
+        self.endpoint, self.offline = constants.ENDPOINT, constants.HF_HUB_OFFLINE  # (offline: cache-only anyway)
+        if not self.offline and self.endpoint not in _UNREACHABLE and not _resolves(self.endpoint):
+            _UNREACHABLE.add(self.endpoint)
+
+    def __call__(self, repo_id: str, filename: str, revision: str | None = None) -> str:
+        cache_only = self.endpoint in _UNREACHABLE
+        try:
+            return self.download(repo_id, filename, revision=revision, local_files_only=cache_only)
+        except self.not_cached:
+            if not (cache_only or self.offline):  # (neither cached nor reachable: the hub did not answer)
+                _UNREACHABLE.add(self.endpoint)
+            raise
+
+
+def _resolves(endpoint: str) -> bool:
+    """The endpoint's host name resolves, or a proxy set in the environment resolves it (True: ask the hub)."""
+    host = urlparse(endpoint).hostname
+    if not host or any(os.environ.get(v) for v in PROXY_VARIABLES):
+        return True
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError:  # (socket.gaierror: no such host, or no name service)
+        return False
+    return True
 
 
 @contextlib.contextmanager
