@@ -313,3 +313,14 @@ def brief(exc: BaseException, limit: int = 300) -> str:
     text = " ".join(str(exc).split())
     text = text.split(" Exception raised from ")[0].rstrip(" .")
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def parse_problem(exc: BaseException) -> str:
+    """Where and what a YAML (or JSON) parser found wrong, on one line: ``line 65, column 16: expected <block end>,
+    but found '<scalar>'`` (PyYAML's first line alone, ``while parsing a block mapping``, says neither)."""
+    mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+    if mark is not None and problem:
+        return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    if isinstance(getattr(exc, "lineno", None), int) and getattr(exc, "msg", None):  # json.JSONDecodeError
+        return f"line {exc.lineno}, column {exc.colno}: {exc.msg}"
+    return brief(exc, 200)

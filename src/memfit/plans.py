@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memfit.errors import UserError
+from memfit.errors import UserError, parse_problem
 from memfit.techniques import FOUND, KEYS
 from memfit.techniques.base import Config, Key, Technique
 from memfit.techniques.ema import EMA
@@ -174,7 +174,7 @@ class Plan:
                 data = yaml.safe_load(text)
         except Exception as e:  # noqa: BLE001 - any parse error is the user's file
             raise UserError(f"plan file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: "
-                            f"{str(e).splitlines()[0]}") from None
+                            f"{parse_problem(e)}") from None
         return cls.from_dict(data or {}, source=f"plan file {p.name}")
 
     def save(self, path: str | Path) -> None:

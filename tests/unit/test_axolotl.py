@@ -105,3 +105,12 @@ def test_an_axolotl_config_given_as_the_workload_says_to_read_it_with_from(spec)
     from memfit.workloads import load_workload
     with pytest.raises(UserError, match=r"is not a workload; an axolotl config is read with --from"):
         load_workload(spec)
+
+
+def test_a_file_that_is_not_yaml_says_where(tmp_path):
+    """PyYAML's first line (``while parsing a block mapping``) named neither the line nor the problem."""
+    broken = tmp_path / "broken.yml"
+    broken.write_text('base_model: "NousResearch/Llama-2-7b-hf\nadapter: "qlora"\n')
+    with pytest.raises(UserError, match=r"not valid YAML at line 2, column 11: expected <block end>, but found "
+                                        r"'<scalar>'; fix the file$"):
+        read_config(broken, CARD)

@@ -48,6 +48,13 @@ def test_bad_plan_file(tmp_path):
     p.write_text("precision: [unclosed\n")
     with pytest.raises(UserError, match="not valid YAML"):
         Plan.load(p)
+    p.write_text('model:\n  name: "a quote not closed\n  arch: "x"\n')  # (ai-toolkit's omnigen2 example, 2026-08)
+    with pytest.raises(UserError, match=r"not valid YAML: line 3, column 10: expected <block end>, but found '<scalar>'$"):
+        Plan.load(p)
+    q = tmp_path / "broken.json"
+    q.write_text('{"precision": "bf16",\n "compile" "full"}')
+    with pytest.raises(UserError, match=r"not valid JSON: line 2, column 12: Expecting ':' delimiter$"):
+        Plan.load(q)
     q = tmp_path / "x.json"
     q.write_text(json.dumps({"precision": "bf16", "extra_key": 1}))
     with pytest.raises(UserError, match="unknown key.*extra_key"):

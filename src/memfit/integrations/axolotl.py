@@ -36,7 +36,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from memfit.devices import Device
-from memfit.errors import UserError
+from memfit.errors import UserError, parse_problem
 from memfit.integrations.configs import TrainingConfig, whole
 from memfit.plans import Plan
 
@@ -91,7 +91,7 @@ def read_config(path: str | Path, device: Device) -> TrainingConfig:
     try:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:
-        raise UserError(f"--from {path}: not valid YAML ({str(e).splitlines()[0]}); fix the file") from None
+        raise UserError(f"--from {path}: not valid YAML at {parse_problem(e)}; fix the file") from None
     if not isinstance(data, dict):
         raise UserError(f"--from {path}: an axolotl config is a mapping of fields (base_model: ..., adapter: ...)")
     return map_config(data, str(path), device)
