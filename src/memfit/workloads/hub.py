@@ -152,9 +152,9 @@ def _adapter_folder(download, repo_id: str, revision: str | None) -> Path | None
 # an estimate of a pipeline whose model_index.json and transformer/config.json were cached, as memfit's
 # own message advises, waited 70 s offline, every run, and an id not cached at all waited 70 s for its
 # one-line error. Now the lookups of a process are cache-only (``local_files_only``) once one of them
-# could not reach the hub, or from the start where the hub's host name does not resolve (checked once,
-# at once: no proxy is set that would resolve it instead). Files cached answer as before; a hub that
-# can be reached is asked as before.
+# could not reach the hub, or from the start where the hub's host name does not resolve (one name lookup
+# before a hub id's first file, answered at once; skipped where a proxy is set, which resolves it instead).
+# Files cached answer as before; a hub that can be reached is asked as before.
 _UNREACHABLE: set[str] = set()
 """The hub endpoints this process found it cannot reach (NOTE [ A hub that cannot be reached ])."""
 PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
