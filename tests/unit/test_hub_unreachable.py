@@ -1,6 +1,6 @@
-"""NOTE [ A hub that cannot be reached ]: without HF_HUB_OFFLINE, on a machine that cannot reach the hub, a hub
-id costs one lookup that goes to the network at most (huggingface_hub retries each five times, 23 s), and none
-where the hub's host name does not resolve; what is cached answers as before.
+"""NOTE [ A hub that cannot be reached ]: without HF_HUB_OFFLINE, on a machine that cannot reach the hub, a
+process tries one connection and then reads the cache alone (huggingface_hub retried each lookup five times, 23
+s); where the connection opens but lookups fail, one lookup's tries at most; what is cached answers as before.
 
 These run huggingface_hub's own ``hf_hub_download`` against a cache laid out as it lays it out, with the name
 service failing (counted) and its backoff's sleep skipped."""
@@ -43,6 +43,7 @@ def unreachable(hub_cache, monkeypatch):
     for v in hub.PROXY_VARIABLES:
         monkeypatch.delenv(v, raising=False)
     monkeypatch.setattr(hub, "_UNREACHABLE", set())
+    monkeypatch.setattr(hub, "_PROBED", set())
     monkeypatch.setattr(_http.time, "sleep", lambda s: None)
     # (huggingface_hub's user agent asks the hub for a registry once a process, one try, whatever memfit does)
     monkeypatch.setattr(_detect_agent, "_registry", _detect_agent._EMPTY_REGISTRY)
@@ -66,9 +67,26 @@ def test_a_cached_pipeline_asks_no_name_service_past_the_first_look(unreachable)
     assert unreachable.asked == ["huggingface.co"]
 
 
-def test_where_the_name_resolves_but_the_hub_does_not_answer_one_lookup_tries(unreachable, monkeypatch):
-    """A firewall: the first lookup not cached tries (and retries), the others read the cache only."""
-    monkeypatch.setattr(hub, "_resolves", lambda endpoint: True)
+def test_a_firewall_costs_one_connection_tried(unreachable, monkeypatch):
+    """The name resolves, and the packets are dropped: the one connection tried times out (at ``PROBE_SECONDS``),
+    then every lookup reads the cache (before, huggingface_hub's tries and retries of three lookups)."""
+    tried = []
+
+    def dropped(address, timeout=None, *args, **kwargs):
+        tried.append((address, timeout))
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(socket, "create_connection", dropped)
+    unreachable("acme/fluxlike", None, files=PIPELINE)
+    assert hub_config_folder("acme/fluxlike").name == "transformer"
+    with pytest.raises(UserError, match="not in the Hugging Face cache .* and the hub cannot be reached"):
+        hub_config_folder("acme/not-cached")
+    assert tried == [(("huggingface.co", 443), hub.PROBE_SECONDS)]
+
+
+def test_where_a_connection_opens_but_the_hub_does_not_answer_one_lookup_tries(unreachable, monkeypatch):
+    """The first lookup not cached tries (and retries), the others read the cache only."""
+    monkeypatch.setattr(hub, "_connects", lambda endpoint: True)
     unreachable("acme/fluxlike", None, files=PIPELINE)
     one = tries_of_one_lookup(unreachable.asked)
     assert one > 1 and hub_config_folder("acme/fluxlike").name == "transformer"
@@ -82,7 +100,8 @@ def test_an_id_not_cached_is_one_line_at_once(unreachable):
     assert unreachable.asked == ["huggingface.co"]
 
 
-def test_a_proxy_resolves_the_hub_for_the_machine(unreachable, monkeypatch):
-    """With a proxy set, the machine's own name service says nothing of the hub: the lookups ask the hub."""
+def test_a_proxy_connects_to_the_hub_for_the_machine(unreachable, monkeypatch):
+    """With a proxy set, the machine's own connection says nothing of the hub: no connection is tried, the lookups
+    ask the hub."""
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
-    assert hub._resolves(constants.ENDPOINT) and not unreachable.asked
+    assert hub._connects(constants.ENDPOINT) and not unreachable.asked

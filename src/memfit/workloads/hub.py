@@ -151,13 +151,18 @@ def _adapter_folder(download, repo_id: str, revision: str | None) -> Path | None
 # optional ones (its text encoders' configs, a vision-language model's preprocessor_config.json). So
 # an estimate of a pipeline whose model_index.json and transformer/config.json were cached, as memfit's
 # own message advises, waited 70 s offline, every run, and an id not cached at all waited 70 s for its
-# one-line error. Now the lookups of a process are cache-only (``local_files_only``) once one of them
-# could not reach the hub, or from the start where the hub's host name does not resolve (one name lookup
-# before a hub id's first file, answered at once; skipped where a proxy is set, which resolves it instead).
+# one-line error. Now, before a process's first lookup, one connection to the hub's host is tried
+# (``PROBE_SECONDS`` at most: a name that does not resolve fails at once, a firewall that drops the
+# packets at the timeout; skipped where a proxy is set, which connects instead); where it fails, and
+# once any lookup could not reach the hub, the lookups read the cache alone (``local_files_only``).
 # Files cached answer as before; a hub that can be reached is asked as before.
 _UNREACHABLE: set[str] = set()
 """The hub endpoints this process found it cannot reach (NOTE [ A hub that cannot be reached ])."""
+_PROBED: set[str] = set()
+"""The hub endpoints this process tried a connection to (:func:`_connects`)."""
 PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+PROBE_SECONDS = 4.0
+"""The longest the one connection tried before the lookups waits (a TCP handshake takes well under a second)."""
 
 
 class _Lookups:
@@ -167,8 +172,10 @@ class _Lookups:
         from huggingface_hub import constants
         self.download, self.not_cached = download, not_cached
         self.endpoint, self.offline = constants.ENDPOINT, constants.HF_HUB_OFFLINE  # (offline: cache-only anyway)
-        if not self.offline and self.endpoint not in _UNREACHABLE and not _resolves(self.endpoint):
-            _UNREACHABLE.add(self.endpoint)
+        if not self.offline and self.endpoint not in _PROBED:
+            _PROBED.add(self.endpoint)
+            if not _connects(self.endpoint):
+                _UNREACHABLE.add(self.endpoint)
 
     def __call__(self, repo_id: str, filename: str, revision: str | None = None) -> str:
         cache_only = self.endpoint in _UNREACHABLE
@@ -180,14 +187,16 @@ class _Lookups:
             raise
 
 
-def _resolves(endpoint: str) -> bool:
-    """The endpoint's host name resolves, or a proxy set in the environment resolves it (True: ask the hub)."""
-    host = urlparse(endpoint).hostname
-    if not host or any(os.environ.get(v) for v in PROXY_VARIABLES):
+def _connects(endpoint: str) -> bool:
+    """A connection to the endpoint's host opens within ``PROBE_SECONDS``, or a proxy set in the environment
+    connects instead (True: ask the hub)."""
+    url = urlparse(endpoint)
+    if not url.hostname or any(os.environ.get(v) for v in PROXY_VARIABLES):
         return True
     try:
-        socket.getaddrinfo(host, 443)
-    except OSError:  # (socket.gaierror: no such host, or no name service)
+        port = url.port or (80 if url.scheme == "http" else 443)
+        socket.create_connection((url.hostname, port), timeout=PROBE_SECONDS).close()
+    except (OSError, ValueError):  # (no such host, no name service, refused, timed out; a bad port)
         return False
     return True
 
