@@ -258,6 +258,8 @@ def test_older_flags_are_read_in_ai_toolkits_order_and_a_datasets_batch_size_win
     ({"model__is_flux": None, "model__arch": "hidream"}, r"memfit reads ai-toolkit's flux, flux_kontext, sd1, sdxl, sd3, "
      r"lumina2, qwen_image, qwen_image_edit, qwen_image_edit_plus2509, flux2, wan21, zimage, wan22_14b, wan22_14b_i2v, wan22_5b configs, not arch 'hidream'; name the "
      r"model as the workload"),
+    ({"model__is_flux": None, "model__arch": "chroma", "model__name_or_path": "lodestones/Chroma"},
+     r"does not read ai-toolkit's chroma configs: ai-toolkit trains its own Chroma .* memfit estimate dit-chroma"),
     ({"datasets__num_frames": 0, "model__arch": "wan21"}, "datasets num_frames must be a whole number >= 1"),
     ({"train__optimizer": "prodigy8bit"}, "train.optimizer 'prodigy8bit' is not one memfit runs"),
     ({"network__type": "lokr"}, "network type 'lokr' is not one memfit runs"),

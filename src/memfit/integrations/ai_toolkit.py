@@ -31,8 +31,8 @@ and ``blank_prompt_preservation`` (a second graph); a bf16 full fine-tuning's EM
 other bytes (``qtype`` other than qfloat8/qint8); the text encoders' quantization where it differs from the
 transformer's; latents not cached; ``layer_offloading`` (as that share of the blocks swapped); text encoders in the
 step that memfit does not hold. Refused in one
-line: another arch (name the model as the workload instead), a network other than LoRA, an optimizer memfit
-does not run.
+line: another arch (name the model as the workload instead; Chroma, a model class of ai-toolkit's own: what
+differs, :data:`OWN_MODELS`), a network other than LoRA, an optimizer memfit does not run.
 """
 
 from __future__ import annotations
@@ -73,6 +73,14 @@ none: SD 1.x), and the built-in of each published id; another id or a folder is 
 ALIASES = {"flex1": "flux", "qwen_image_edit_plus": "qwen_image_edit_plus2509"}
 """ai-toolkit's archs read as others: Flex.1, FLUX.1's kind; ``qwen_image_edit_plus``, the class its
 ``qwen_image_edit_plus2509`` (Qwen-Image-Edit-2509) is, which its UI writes for that model."""
+OWN_MODELS = {
+    "chroma": "ai-toolkit trains its own Chroma (FLUX's reference layers: fused qkv projections, and a [batch, heads, "
+              "tokens, tokens] mask made through fp32 and int32 copies), from a single-file checkpoint with no config, "
+              "not diffusers' ChromaTransformer2DModel (ChromaPipeline's) that memfit's dit-chroma builds; memfit estimate "
+              "dit-chroma --adapter lora:r=16 predicts that one",
+}
+"""ai-toolkit's archs that train a model class of its own, not the diffusers class of a built-in: the name of the
+model would build another model, so the refusal says what differs and what memfit predicts instead."""
 UNETS = ("sd1", "sdxl")
 """The archs with a UNet: a LoRA there adapts every linear layer (ai-toolkit's ``transformer_only`` restricts a DiT's
 to its transformer blocks alone), and ``network.conv`` would adapt its convolutions."""
@@ -232,6 +240,8 @@ def _workload(model: dict, where: str) -> tuple[str, str]:
     arch = str(model.get("arch") or next((a for k, a in OLD_FLAGS.items() if model.get(k)), "sd1")).split(":")[0]
     arch = ALIASES.get(arch, arch)
     name = str(model.get("name_or_path") or "").strip()
+    if arch in OWN_MODELS:
+        raise UserError(f"--from {where}: memfit does not read ai-toolkit's {arch} configs: {OWN_MODELS[arch]}")
     if arch not in ARCHS:
         raise UserError(f"--from {where}: memfit reads ai-toolkit's {', '.join(ARCHS)} configs, not arch {arch!r}; "
                         f"name the model as the workload: memfit estimate {name or 'ORG/NAME'}")
