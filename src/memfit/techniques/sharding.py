@@ -143,12 +143,17 @@ class FSDP2(Sharding):
         if dist.get_world_size() != self.world_size:
             raise UserError(f"plan: world_size {self.world_size} but {dist.get_world_size()} processes were launched; "
                             "launch as many processes as world_size")
+        if self.offload and parts.device.is_gpu and parts.device_type != "cuda":  # NOTE [ FSDP2's offload on a GPU preset ]
+            raise UserError(f"plan: shard_offload on {parts.device.name} is not predicted yet: FSDP2 moves each shard to "
+                            "the host with .cpu(), which a trace on the CPU's tensors cannot tell from the device; "
+                            "leave shard_offload out, or shard over more ranks")
         from torch._subclasses.fake_tensor import unset_fake_temporarily
         with unset_fake_temporarily():  # (the mesh holds a real tensor of rank numbers)
             mesh = init_device_mesh(parts.device_type, (self.world_size,))
         policy = MixedPrecisionPolicy(param_dtype=_dtype(self.param_dtype), reduce_dtype=_dtype(self.reduce_dtype))
         options = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy,
-                       offload_policy=CPUOffloadPolicy() if self.offload else OffloadPolicy())
+                       offload_policy=CPUOffloadPolicy(pin_memory=parts.device_type == "cuda") if self.offload
+                       else OffloadPolicy())  # (pinned as HostPlacement pins: only beside CUDA tensors)
         for _, children in find_blocks(parts.model):
             for child in children:
                 fully_shard(child, **options)
@@ -157,6 +162,13 @@ class FSDP2(Sharding):
 
 
 
+    # NOTE [ FSDP2's offload on a GPU preset ]
+    # ``shard_offload`` is FSDP2's CPUOffloadPolicy: each parameter's shard, its gradient and the update on the
+    # host. A GPU preset is traced on fake CPU tensors, where FSDP2's ``.cpu()`` is a no-op, so the shards stayed
+    # counted as device bytes and the prediction was the plan's without offload (8,567,189,504 bytes either way
+    # for a 2-layer Llama over 2 ranks on h100-80gb): refused there in one line until the shards are counted as the
+    # host's. The CPU runs it (pinned only beside CUDA tensors: pin_memory needs an accelerator, and fake tensors
+    # have no ``_pin_memory``, which made every shard_offload estimate an internal error before).
     @contextlib.contextmanager
     def trace_context(self):
         with fake_process_group(self.world_size), fsdp_streams():
