@@ -18,9 +18,10 @@ config.yml`` (and ``plan``).
 
 What the estimate ignores, and how it says so:
 
+- **FSDP** (``fsdp``, ``fsdp_config``, ``fsdp_version``): FSDP2 over ``--world-size N`` ranks, which the command
+  line gives (the launcher starts them): memfit.integrations.axolotl_fsdp.
 - **Refused, one line** (ignoring them would mislead): ``deepspeed`` (memfit does not model DeepSpeed's
-  ZeRO; it shards with FSDP2, ``--world-size``), ``fsdp`` / ``fsdp_config`` (give ``--world-size``),
-  ``rl`` (DPO and the like train on pairs beside a reference model), ``unfrozen_parameters``, an
+  ZeRO; it shards with FSDP2, ``--world-size``), ``rl`` (DPO and the like train on pairs beside a reference model), ``unfrozen_parameters``, an
   adapter or an optimizer memfit does not run.
 - **Ignored in silence**: fields of the run around the step (data, schedule, logging, saving,
   evaluation, the tokenizer, the hub: :data:`NO_MEMORY_EFFECT`), and the attention flags
@@ -37,15 +38,13 @@ from pathlib import Path
 
 from memfit.devices import Device
 from memfit.errors import UserError, parse_problem
+from memfit.integrations.axolotl_fsdp import LAUNCHER_RANKS, fsdp_fields, is_sharded
 from memfit.integrations.configs import TrainingConfig, whole
 from memfit.plans import Plan
 
 REFUSED = {
     "deepspeed": "memfit does not model DeepSpeed's ZeRO stages; remove deepspeed from the config (memfit shards "
                  "with FSDP2: give --world-size N)",
-    "fsdp": "give --world-size N instead (memfit shards with FSDP2 and predicts one rank); remove fsdp from the config",
-    "fsdp_config": "give --world-size N instead (memfit shards with FSDP2 and predicts one rank); remove fsdp_config "
-                   "from the config",
     "rl": "memfit traces supervised fine-tuning; preference training (DPO, ORPO, KTO, ...) holds pairs and a "
           "reference model; remove rl from the config to estimate the SFT step",
     "unfrozen_parameters": "memfit trains the whole model or an adapter; remove unfrozen_parameters from the config",
@@ -74,7 +73,7 @@ gptq lora_model_dir profiler_steps include_tokens_per_second
 MAPPED = frozenset("""
 base_model base_model_config adapter lora_r lora_alpha lora_dropout lora_target_modules lora_target_linear
 lora_modules_to_save peft_use_dora load_in_4bit load_in_8bit sequence_len micro_batch_size gradient_accumulation_steps
-batch_size gradient_checkpointing bf16 fp16 optimizer max_grad_norm torch_compile
+batch_size gradient_checkpointing bf16 fp16 optimizer max_grad_norm torch_compile fsdp fsdp_config fsdp_version
 """.split())
 
 OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw": "adamw",
@@ -127,13 +126,19 @@ def map_config(data: dict, where: str, device: Device) -> TrainingConfig:
         fields["compile"] = "full"
     if accum > 1:
         fields["micro_batch_size"] = micro
+    sharded = is_sharded(data)
+    if sharded:
+        shard, said = fsdp_fields(data, where)
+        fields.update(shard)
+        warnings.extend(said)
     try:
         plan = Plan(**fields)
     except UserError as e:
         raise UserError(f"--from {where}: {str(e).removeprefix('plan: ')}") from None
     seq = data.get("sequence_len")
     return TrainingConfig(where, model.strip(), micro * accum, micro,
-                         whole(data, "sequence_len", where, None) if seq is not None else None, plan, tuple(warnings))
+                         whole(data, "sequence_len", where, None) if seq is not None else None, plan, tuple(warnings),
+                         ranks_from_launcher=LAUNCHER_RANKS if sharded else None)
 
 
 def _method(data: dict, where: str) -> dict:

@@ -23,6 +23,8 @@ class TrainingConfig:
     warnings: tuple[str, ...] = ()
     resolution: int | tuple[int, int] | None = None
     """An image's side, or its (width, height) (NOTE [ A resolution's width ] in memfit.workloads.checks)."""
+    ranks_from_launcher: str | None = None
+    """Set where the config shards over ranks it does not count (axolotl's FSDP): why ``--world-size`` is needed."""
 
     def summary(self) -> str:
         split = (f" ({self.micro_batch_size} a micro-batch x {self.batch_size // self.micro_batch_size} accumulated)"
