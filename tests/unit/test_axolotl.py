@@ -114,3 +114,10 @@ def test_a_file_that_is_not_yaml_says_where(tmp_path):
     with pytest.raises(UserError, match=r"not valid YAML at line 2, column 11: expected <block end>, but found "
                                         r"'<scalar>'; fix the file$"):
         read_config(broken, CARD)
+
+
+def test_torchaos_optimizers_by_their_trainer_names():
+    """axolotl's 3b-qat-mxfp4 example names ``adamw_torch_8bit`` (TrainingArguments' torchao AdamW8bit): refused before."""
+    for name, ours in (("adamw_torch_8bit", "adamw8bit-ao"), ("adamw_torch_4bit", "adamw4bit-ao")):
+        c = map_config({"base_model": "m", "optimizer": name}, "c.yml", CARD)
+        assert c.plan.optimizer == ours

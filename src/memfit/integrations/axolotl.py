@@ -13,7 +13,7 @@ config.yml`` (and ``plan``).
 | ``micro_batch_size`` x ``gradient_accumulation_steps`` | the global batch, split into micro-batches of ``micro_batch_size`` |
 | ``gradient_checkpointing: true`` | ``checkpointing: blocks`` (Hugging Face's: each decoder layer) |
 | ``bf16: true`` / ``auto``; ``fp16: true`` | ``precision: bf16-pure`` (axolotl loads the model in bf16; ``auto``: fp16 on a card without bf16); with an adapter ``bf16-base`` / ``fp16-base`` (peft keeps the adapter in fp32, and axolotl casts the embeddings and norms back to 16 bits); ``fp16`` |
-| ``optimizer`` | ``adamw_torch``, ``adamw_torch_fused``, ``adamw_hf``: ``adamw``; ``adamw_bnb_8bit``: ``adamw8bit``; ``paged_adamw_32bit``, ``paged_adamw_8bit``: ``adamw-paged``, ``adamw8bit-paged`` (states in CUDA managed memory); ``adafactor``; ``sgd`` |
+| ``optimizer`` | ``adamw_torch``, ``adamw_torch_fused``, ``adamw_hf``: ``adamw``; ``adamw_bnb_8bit``: ``adamw8bit``; ``paged_adamw_32bit``, ``paged_adamw_8bit``: ``adamw-paged``, ``adamw8bit-paged`` (states in CUDA managed memory); torchao's ``adamw_torch_8bit``, ``adamw_torch_4bit``: ``adamw8bit-ao``, ``adamw4bit-ao``; ``adafactor``; ``sgd`` |
 | ``max_grad_norm``; ``torch_compile: true`` | ``max_grad_norm``; ``compile: full`` |
 
 What the estimate ignores, and how it says so:
@@ -41,6 +41,7 @@ from memfit.errors import UserError, parse_problem
 from memfit.integrations.axolotl_fsdp import LAUNCHER_RANKS, fsdp_fields, is_sharded
 from memfit.integrations.configs import TrainingConfig, whole
 from memfit.plans import Plan
+from memfit.techniques.optimizer_variant import HF_OPTIM_NAMES
 
 REFUSED = {
     "deepspeed": "memfit does not model DeepSpeed's ZeRO stages; remove deepspeed from the config (memfit shards "
@@ -77,8 +78,9 @@ batch_size gradient_checkpointing bf16 fp16 optimizer max_grad_norm torch_compil
 """.split())
 
 OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw": "adamw",
-              "paged_adamw_32bit": "adamw-paged", "adamw_bnb_8bit": "adamw8bit", "paged_adamw_8bit": "adamw8bit-paged",
-              "adamw_8bit": "adamw8bit", "adafactor": "adafactor", "sgd": "sgd"}
+              **HF_OPTIM_NAMES, "adamw_8bit": "adamw8bit", "sgd": "sgd"}
+"""axolotl's optimizer names memfit runs: TrainingArguments' ``optim`` names (torchao's ``adamw_torch_8bit`` and
+``adamw_torch_4bit`` among them), and axolotl's ``adamw_8bit`` (bitsandbytes')."""
 
 
 def read_config(path: str | Path, device: Device) -> TrainingConfig:
