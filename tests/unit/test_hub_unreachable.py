@@ -42,8 +42,7 @@ def unreachable(hub_cache, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     for v in hub.PROXY_VARIABLES:
         monkeypatch.delenv(v, raising=False)
-    monkeypatch.setattr(hub, "_UNREACHABLE", set())
-    monkeypatch.setattr(hub, "_PROBED", set())
+    monkeypatch.setattr(hub, "_REACHABLE", {})
     monkeypatch.setattr(_http.time, "sleep", lambda s: None)
     # (huggingface_hub's user agent asks the hub for a registry once a process, one try, whatever memfit does)
     monkeypatch.setattr(_detect_agent, "_registry", _detect_agent._EMPTY_REGISTRY)

@@ -211,8 +211,8 @@ def apply_config(args: argparse.Namespace, device=None) -> None:
         if getattr(args, key, None) is None and value is not None:
             setattr(args, key, str(value))
     args.config_plan = mapped.plan
-    ranks = getattr(args, "plan_world_size", None) not in (None, "1") or getattr(args, "max_world_size", None) is not None
-    if mapped.ranks_from_launcher and not ranks:
+    if mapped.ranks_from_launcher and getattr(args, "max_world_size", None) is None \
+            and plan_from_args(args).world_size == 1:  # (the ranks as the plan holds them, flags and plan file)
         raise UserError(f"--from {path}: fsdp: {mapped.ranks_from_launcher}")
     if max_size(args) == "batch_size":  # (max: what one step holds at once; the answer is the micro-batch)
         args.config_plan = mapped.plan.replace(micro_batch_size=None, grad_accum_steps=1)

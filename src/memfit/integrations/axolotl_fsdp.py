@@ -38,8 +38,8 @@ def fsdp_fields(data: dict, where: str) -> tuple[dict, list[str]]:
     if not isinstance(config, dict):
         raise UserError(f"--from {where}: fsdp_config must be a mapping of FSDP options, got {type(config).__name__}")
     listed = data.get("fsdp") or []
-    listed = [str(x).lower() for x in (listed.split() if isinstance(listed, str) else listed if isinstance(listed, list)
-                                      else [])]
+    listed = [str(x).lower() for x in (listed.split() if isinstance(listed, str) else listed)] \
+        if isinstance(listed, (str, list)) else []
 
     def get(name: str):
         return config.get(name, config.get(f"fsdp_{name}"))

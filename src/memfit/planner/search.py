@@ -394,10 +394,12 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
         if result.smallest is not None and result.smallest.used_bytes <= budget_bytes:  # a lower bound erred high
             chosen = result.chosen = result.smallest
             result.notes += with_expandable(chosen, book)
-            faster = sum(1 for c in ranked if c.open and c.used_bytes is None and c.seconds < chosen.seconds
-                         and walk.limited and not walk.failed.rule_out(c))  # (not those a failure rules out)
-            limit = f"; the trace limit ({max_traces}) came first: {faster} plans predicted faster left untraced, " \
-                    f"--max-traces {2 * max_traces} traces more" if walk.limited else ""  # NOTE [ The trace limit before a faster plan ]
+            limit = ""
+            if walk.limited:  # NOTE [ The trace limit before a faster plan ]
+                faster = sum(1 for c in ranked if c.open and c.used_bytes is None and c.seconds < chosen.seconds
+                             and not walk.failed.rule_out(c))  # (not those a failure rules out)
+                limit = f"; the trace limit ({max_traces}) came first: {faster} plans predicted faster left untraced, " \
+                        f"--max-traces {2 * max_traces} traces more"
             chosen.choose("the smallest plan found, confirmed to fit by a full trace" + limit)
             result.notes += [limit.removeprefix("; ")] if limit else []
         for c in ranked:

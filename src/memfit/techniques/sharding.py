@@ -127,6 +127,13 @@ class FSDP2(Sharding):
                             "compute; with FSDP2 use precision fp32 and shard_param_dtype bf16 (torchtitan's mixed "
                             "precision), or shard_param_dtype none")
 
+    # NOTE [ FSDP2's offload on a GPU preset ]
+    # ``shard_offload`` is FSDP2's CPUOffloadPolicy: each parameter's shard, its gradient and the update on the
+    # host. A GPU preset is traced on fake CPU tensors, where FSDP2's ``.cpu()`` is a no-op, so the shards stayed
+    # counted as device bytes and the prediction was the plan's without offload (8,567,189,504 bytes either way
+    # for a 2-layer Llama over 2 ranks on h100-80gb): refused there in one line until the shards are counted as the
+    # host's. The CPU runs it (pinned only beside CUDA tensors: pin_memory needs an accelerator, and fake tensors
+    # have no ``_pin_memory``, which made every shard_offload estimate an internal error before).
     def apply(self, parts) -> None:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -160,15 +167,6 @@ class FSDP2(Sharding):
         fully_shard(parts.model, **options)
         _release_the_whole_model(parts.device_type)
 
-
-
-    # NOTE [ FSDP2's offload on a GPU preset ]
-    # ``shard_offload`` is FSDP2's CPUOffloadPolicy: each parameter's shard, its gradient and the update on the
-    # host. A GPU preset is traced on fake CPU tensors, where FSDP2's ``.cpu()`` is a no-op, so the shards stayed
-    # counted as device bytes and the prediction was the plan's without offload (8,567,189,504 bytes either way
-    # for a 2-layer Llama over 2 ranks on h100-80gb): refused there in one line until the shards are counted as the
-    # host's. The CPU runs it (pinned only beside CUDA tensors: pin_memory needs an accelerator, and fake tensors
-    # have no ``_pin_memory``, which made every shard_offload estimate an internal error before).
     @contextlib.contextmanager
     def trace_context(self):
         with fake_process_group(self.world_size), fsdp_streams():

@@ -50,7 +50,7 @@ def hub_config_folder(text: str) -> Path:
     """The folder of the hub cache's snapshot holding ``config.json`` of hub id ``text``, fetched
     if it is not cached (nothing else is downloaded). One-line UserErrors name the fix."""
     try:
-        from huggingface_hub import constants, hf_hub_download
+        from huggingface_hub import constants
         from huggingface_hub import errors as hub_errors
     except ImportError:
         raise UserError(f"hub model {text}: reading a hub id needs huggingface_hub; install it with "
@@ -59,7 +59,7 @@ def hub_config_folder(text: str) -> Path:
     where = f"hub model {text}"
     local = f" (and no folder {repo_id} here)" if "/" in repo_id else ""
     login = "log in with `hf auth login` or set HF_TOKEN"
-    download = _Lookups(hf_hub_download, hub_errors.LocalEntryNotFoundError)  # NOTE [ A hub that cannot be reached ]
+    download = _Lookups()  # NOTE [ A hub that cannot be reached ]
     try:
         with _hub_quiet():  # its retries log a line each; the error below is the one line the user reads
             try:
@@ -156,10 +156,8 @@ def _adapter_folder(download, repo_id: str, revision: str | None) -> Path | None
 # packets at the timeout; skipped where a proxy is set, which connects instead); where it fails, and
 # once any lookup could not reach the hub, the lookups read the cache alone (``local_files_only``).
 # Files cached answer as before; a hub that can be reached is asked as before.
-_UNREACHABLE: set[str] = set()
-"""The hub endpoints this process found it cannot reach (NOTE [ A hub that cannot be reached ])."""
-_PROBED: set[str] = set()
-"""The hub endpoints this process tried a connection to (:func:`_connects`)."""
+_REACHABLE: dict[str, bool] = {}
+"""Hub endpoint -> whether this process found it reachable (NOTE [ A hub that cannot be reached ])."""
 PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 PROBE_SECONDS = 4.0
 """The longest the one connection tried before the lookups waits (a TCP handshake takes well under a second)."""
@@ -168,22 +166,20 @@ PROBE_SECONDS = 4.0
 class _Lookups:
     """``hf_hub_download``, cache-only once the hub is found unreachable (NOTE [ A hub that cannot be reached ])."""
 
-    def __init__(self, download, not_cached: type[Exception]) -> None:
+    def __init__(self) -> None:
         from huggingface_hub import constants
-        self.download, self.not_cached = download, not_cached
         self.endpoint, self.offline = constants.ENDPOINT, constants.HF_HUB_OFFLINE  # (offline: cache-only anyway)
-        if not self.offline and self.endpoint not in _PROBED:
-            _PROBED.add(self.endpoint)
-            if not _connects(self.endpoint):
-                _UNREACHABLE.add(self.endpoint)
+        if not self.offline and self.endpoint not in _REACHABLE:
+            _REACHABLE[self.endpoint] = _connects(self.endpoint)
 
     def __call__(self, repo_id: str, filename: str, revision: str | None = None) -> str:
-        cache_only = self.endpoint in _UNREACHABLE
+        from huggingface_hub import errors, hf_hub_download
+        cache_only = _REACHABLE.get(self.endpoint) is False
         try:
-            return self.download(repo_id, filename, revision=revision, local_files_only=cache_only)
-        except self.not_cached:
+            return hf_hub_download(repo_id, filename, revision=revision, local_files_only=cache_only)
+        except errors.LocalEntryNotFoundError:
             if not (cache_only or self.offline):  # (neither cached nor reachable: the hub did not answer)
-                _UNREACHABLE.add(self.endpoint)
+                _REACHABLE[self.endpoint] = False
             raise
 
 
