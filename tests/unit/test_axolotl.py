@@ -121,3 +121,9 @@ def test_torchaos_optimizers_by_their_trainer_names():
     for name, ours in (("adamw_torch_8bit", "adamw8bit-ao"), ("adamw_torch_4bit", "adamw4bit-ao")):
         c = map_config({"base_model": "m", "optimizer": name}, "c.yml", CARD)
         assert c.plan.optimizer == ours
+
+
+def test_ligers_fused_cross_entropy_is_a_chunked_loss_said():
+    """axolotl's llama-3 FSDP examples set it: the [tokens, vocab] logits never whole (it was ignored, not mapped)."""
+    c = map_config({"base_model": "m", "liger_fused_linear_cross_entropy": True}, "c.yml", CARD)
+    assert c.plan.loss_chunks == 8 and any("liger_fused_linear_cross_entropy predicted as" in w for w in c.warnings)

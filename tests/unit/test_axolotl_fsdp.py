@@ -76,3 +76,4 @@ def test_on_the_command_line_the_ranks_come_from_world_size(tmp_path):
     report = json.loads(out)
     assert rc == 0 and report["plan"]["shard"] == "fsdp" and report["plan"]["world_size"] == 2
     assert report["plan"]["reshard_after_forward"] is False and report["breakdown"]["communication"] > 0
+    assert report["batch_size"] == 2 * BASE["micro_batch_size"]  # (axolotl's micro_batch_size is each GPU's)

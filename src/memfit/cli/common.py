@@ -205,15 +205,19 @@ def apply_config(args: argparse.Namespace, device=None) -> None:
     if getattr(args, "resolution", None) == "max" and isinstance(res, tuple):  # (max grows the height at the
         from memfit.workloads.config_overrides import with_override  # config's width)
         args.workload = with_override(mapped.workload, "width", res[0])
+    batch_from_config = getattr(args, "batch_size", None) is None
     sizes = (("batch_size", mapped.batch_size), ("seq_len", mapped.seq_len),
              ("resolution", f"{res[0]}x{res[1]}" if isinstance(res, tuple) else res))
     for key, value in sizes:
         if getattr(args, key, None) is None and value is not None:
             setattr(args, key, str(value))
     args.config_plan = mapped.plan
-    if mapped.ranks_from_launcher and getattr(args, "max_world_size", None) is None \
-            and plan_from_args(args).world_size == 1:  # (the ranks as the plan holds them, flags and plan file)
+    per_rank = mapped.ranks_from_launcher or mapped.batch_per_rank  # (as the plan holds them: flags and plan file)
+    ranks = plan_from_args(args).world_size if per_rank else 1
+    if mapped.ranks_from_launcher and ranks == 1 and getattr(args, "max_world_size", None) is None:
         raise UserError(f"--from {path}: fsdp: {mapped.ranks_from_launcher}")
+    if mapped.batch_per_rank and ranks > 1 and batch_from_config:  # (memfit's batch is all the ranks')
+        args.batch_size = str(mapped.batch_size * ranks)
     if max_size(args) == "batch_size":  # (max: what one step holds at once; the answer is the micro-batch)
         args.config_plan = mapped.plan.replace(micro_batch_size=None, grad_accum_steps=1)
     args.config_summary = mapped.summary()

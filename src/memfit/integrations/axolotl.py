@@ -15,6 +15,7 @@ config.yml`` (and ``plan``).
 | ``bf16: true`` / ``auto``; ``fp16: true`` | ``precision: bf16-pure`` (axolotl loads the model in bf16; ``auto``: fp16 on a card without bf16); with an adapter ``bf16-base`` / ``fp16-base`` (peft keeps the adapter in fp32, and axolotl casts the embeddings and norms back to 16 bits); ``fp16`` |
 | ``optimizer`` | ``adamw_torch``, ``adamw_torch_fused``, ``adamw_hf``: ``adamw``; ``adamw_bnb_8bit``: ``adamw8bit``; ``paged_adamw_32bit``, ``paged_adamw_8bit``: ``adamw-paged``, ``adamw8bit-paged`` (states in CUDA managed memory); torchao's ``adamw_torch_8bit``, ``adamw_torch_4bit``: ``adamw8bit-ao``, ``adamw4bit-ao``; ``adafactor``; ``sgd`` |
 | ``max_grad_norm``; ``torch_compile: true`` | ``max_grad_norm``; ``compile: full`` |
+| ``liger_fused_linear_cross_entropy: true`` | ``loss_chunks: 8`` (said: Liger's own chunks differ) |
 
 What the estimate ignores, and how it says so:
 
@@ -75,7 +76,10 @@ MAPPED = frozenset("""
 base_model base_model_config adapter lora_r lora_alpha lora_dropout lora_target_modules lora_target_linear
 lora_modules_to_save peft_use_dora load_in_4bit load_in_8bit sequence_len micro_batch_size gradient_accumulation_steps
 batch_size gradient_checkpointing bf16 fp16 optimizer max_grad_norm torch_compile fsdp fsdp_config fsdp_version
+liger_fused_linear_cross_entropy
 """.split())
+LIGER_CHUNKS = 8
+"""memfit's chunked loss for Liger's fused linear cross-entropy: the logits of one slice of the tokens at a time."""
 
 OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw": "adamw",
               **HF_OPTIM_NAMES, "adamw_8bit": "adamw8bit", "sgd": "sgd"}
@@ -126,6 +130,11 @@ def map_config(data: dict, where: str, device: Device) -> TrainingConfig:
         fields["max_grad_norm"] = data["max_grad_norm"]
     if data.get("torch_compile") not in (None, False):
         fields["compile"] = "full"
+    if data.get("liger_fused_linear_cross_entropy"):  # (Liger's head and loss: the logits never whole)
+        fields["loss_chunks"] = LIGER_CHUNKS
+        warnings.append(f"axolotl config {where}: liger_fused_linear_cross_entropy predicted as memfit's chunked loss "
+                        f"in {LIGER_CHUNKS} slices (Liger sizes its chunks by the vocabulary over the width, and takes "
+                        "the input's gradient in forward)")
     if accum > 1:
         fields["micro_batch_size"] = micro
     sharded = is_sharded(data)
@@ -140,7 +149,7 @@ def map_config(data: dict, where: str, device: Device) -> TrainingConfig:
     seq = data.get("sequence_len")
     return TrainingConfig(where, model.strip(), micro * accum, micro,
                          whole(data, "sequence_len", where, None) if seq is not None else None, plan, tuple(warnings),
-                         ranks_from_launcher=LAUNCHER_RANKS if sharded else None)
+                         ranks_from_launcher=LAUNCHER_RANKS if sharded else None, batch_per_rank=True)
 
 
 def _method(data: dict, where: str) -> dict:

@@ -25,6 +25,9 @@ class TrainingConfig:
     """An image's side, or its (width, height) (NOTE [ A resolution's width ] in memfit.workloads.checks)."""
     ranks_from_launcher: str | None = None
     """Set where the config shards over ranks it does not count (axolotl's FSDP): why ``--world-size`` is needed."""
+    batch_per_rank: bool = False
+    """The config's batch is each rank's (axolotl's ``micro_batch_size`` x ``gradient_accumulation_steps``, per GPU):
+    over ``--world-size N`` ranks memfit's batch, all the ranks', is N times it."""
 
     def summary(self) -> str:
         split = (f" ({self.micro_batch_size} a micro-batch x {self.batch_size // self.micro_batch_size} accumulated)"
