@@ -77,3 +77,26 @@ def test_on_the_command_line_the_ranks_come_from_world_size(tmp_path):
     assert rc == 0 and report["plan"]["shard"] == "fsdp" and report["plan"]["world_size"] == 2
     assert report["plan"]["reshard_after_forward"] is False and report["breakdown"]["communication"] > 0
     assert report["batch_size"] == 2 * BASE["micro_batch_size"]  # (axolotl's micro_batch_size is each GPU's)
+
+
+def test_max_world_size_gives_each_rank_the_configs_batch(tmp_path, monkeypatch):
+    """``plan --from --max-world-size``: axolotl's micro_batch_size is each GPU's, so 2 ranks plan a batch of twice it
+    (they planned the config's batch split over the ranks before, as --world-size did until 2026-12-05). The searches
+    are stood in for (a real one is 15 s a world size here): what matters is the batch each is asked for."""
+    import types
+
+    import memfit.planner.search
+    asked = []
+
+    def search(workload, *, batch_size, fixed, **kwargs):
+        asked.append((fixed.get("world_size", 1), batch_size))
+        return types.SimpleNamespace(chosen=None, to_json=lambda: {"batch_size": batch_size})
+
+    monkeypatch.setattr(memfit.planner.search, "plan", search)
+    config = tmp_path / "c.yml"
+    config.write_text(yaml.safe_dump({**BASE, "base_model": "llama"}))
+    argv = ["plan", "--from", str(config), "--device", "h100-80gb", "--max-world-size", "4", "--json"]
+    rc, out, err = run(argv)
+    check(argv, rc, err)
+    assert rc == 1 and asked == [(1, 2), (2, 4), (4, 8)]  # (4 did not divide the batch of 2: never tried before)
+    assert json.loads(out)["world_sizes_tried"] == [1, 2, 4]

@@ -218,6 +218,8 @@ def apply_config(args: argparse.Namespace, device=None) -> None:
         raise UserError(f"--from {path}: fsdp: {mapped.ranks_from_launcher}")
     if mapped.batch_per_rank and ranks > 1 and batch_from_config:  # (memfit's batch is all the ranks')
         args.batch_size = str(mapped.batch_size * ranks)
+    # (--max-world-size tries 1, 2, 4, ... ranks: each gets the config's batch, so memfit's grows with the ranks)
+    args.batch_per_rank = mapped.batch_size if mapped.batch_per_rank and ranks == 1 and batch_from_config else None
     if max_size(args) == "batch_size":  # (max: what one step holds at once; the answer is the micro-batch)
         args.config_plan = mapped.plan.replace(micro_batch_size=None, grad_accum_steps=1)
     args.config_summary = mapped.summary()

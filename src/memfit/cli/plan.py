@@ -118,19 +118,19 @@ def run(args: argparse.Namespace) -> int:
     fixed = trainer.own_fields(fixed) if trainer else fixed
     runs_in = trainer.runs_in(fixed) if trainer else None  # (refuses a model the trainer does not train, now)
     sizes = [given.world_size]
+    per_rank = getattr(args, "batch_per_rank", None)  # (a config's batch is each rank's: apply_config)
     if args.max_world_size is not None:
         most = parse_positive_int(args.max_world_size, "--max-world-size")
         if given.world_size > 1:
             raise UserError("give --world-size (plan for that many ranks) or --max-world-size (find the smallest), "
                             "not both")
-        from memfit.target import Target
-        batch = Target.resolve(workload, None, bs, args.device, seq_len=seq).batch_size
-        sizes = [w for w in (2 ** i for i in range(most.bit_length())) if w <= batch and batch % w == 0]
+        sizes = _world_sizes(most, workload, bs, args.device, seq, per_rank)
     tried = []
     with PlanProgress() if not args.json else contextlib.nullcontext() as progress:
         for world in sizes:
             fields = {**fixed, "world_size": world} if world > 1 else fixed
-            result = plan(workload, budget=args.budget, device=args.device, batch_size=bs, seq_len=seq,
+            result = plan(workload, budget=args.budget, device=args.device,
+                          batch_size=per_rank * world if per_rank else bs, seq_len=seq,
                           optimizers=optimizers, max_traces=max_traces,
                           fixed=fields, compile_modes=compile_modes, steps=steps, progress=progress, host=host,
                           host_memory=args.host_memory, runs_in=runs_in)
@@ -141,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
     if len(sizes) > 1:
         ranks = f"world sizes tried: {', '.join(map(str, tried))}; " + (
             f"the smallest that fits the budget per rank: {tried[-1]}" if result.chosen else
-            f"none fits the budget per rank up to {tried[-1]} ranks")
+            f"none fits the budget per rank up to {tried[-1]} ranks") + (
+            f" (the config's batch of {per_rank} a rank: {per_rank * tried[-1]} in all)" if per_rank else "")
     if args.pareto:
         save_pareto_png(result, args.pareto)
     if result.chosen and args.out:
@@ -181,6 +182,18 @@ def run(args: argparse.Namespace) -> int:
         if args.pareto:
             print(f"Pareto plot written to {args.pareto}")
     return 0 if result.chosen else 1
+
+
+def _world_sizes(most: int, workload, bs, device, seq, per_rank: int | None) -> list[int]:
+    """``--max-world-size``'s world sizes: 1, 2, 4, ... up to ``most``. memfit's batch is all the ranks': each
+    size must divide it, unless the batch is each rank's (``per_rank``: a training config's, as axolotl's
+    ``micro_batch_size``), which then grows with the ranks."""
+    sizes = [2 ** i for i in range(most.bit_length())]
+    if per_rank:
+        return sizes
+    from memfit.target import Target
+    batch = Target.resolve(workload, None, bs, device, seq_len=seq).batch_size
+    return [w for w in sizes if w <= batch and batch % w == 0]
 
 
 def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_traces, compile_modes, steps,
