@@ -229,7 +229,17 @@ def get_device(name: str | Device | None) -> Device:
         return cpu_device()
     if name.lower() in ("cuda", "gpu"):
         return local_cuda_device()
-    key = ALIASES.get(name.lower(), name.lower())
-    if key not in GPU_PRESETS:
+    key = _BY_SQUEEZED_NAME.get(_squeezed(name))
+    if key is None:
         raise UserError(f"unknown device {name!r}; choose cpu or one of: {', '.join(GPU_PRESETS)}")
     return GPU_PRESETS[key]
+
+
+def _squeezed(name: str) -> str:
+    """A card's name as people write it, reduced to a key: case, spaces, dashes and underscores, and the
+    vendor's words left out ("NVIDIA GeForce RTX 4090", "rtx-4090" and "RTX4090" are ``rtx4090``)."""
+    name = name.lower().replace("nvidia", "").replace("geforce", "")
+    return "".join(c for c in name if c not in " -_\t")
+
+
+_BY_SQUEEZED_NAME = {_squeezed(k): v for k, v in (*((p, p) for p in GPU_PRESETS), *ALIASES.items())}
