@@ -67,6 +67,7 @@ class Plan:
 
     # -- parsing, once ---------------------------------------------------------------------
     def __post_init__(self) -> None:
+        _quantized_adapter(self)
         configs = {t.name: t.config({k.name: getattr(self, k.name) for k in t.keys}) for t in TECHNIQUES}
         for cfg in configs.values():
             # the canonical value (e.g. offload as a sorted tuple): the frozen-dataclass idiom for
@@ -199,6 +200,27 @@ class Plan:
         """Short text of the non-default fields, e.g. 'precision=bf16, micro_batch_size=2'."""
         parts = [f"{name}={_show(value)}" for name, value in self.changed().items()]
         return ", ".join(parts) or "defaults (fp32, whole batch)"
+
+
+# NOTE [ qlora as an adapter ]
+# People ask for QLoRA by name: ``--adapter qlora``, ``adapter: qlora:r=64``. It is two keys here, a LoRA (or DoRA)
+# adapter over 4-bit base weights, as ``--methods qlora`` plans it: ``qlora:OPTIONS`` is ``lora:OPTIONS`` with
+# ``base_weights: nf4`` (the QLoRA paper's format; ``nf4:double_quant=true`` or ``fp4`` given beside it are kept),
+# and ``qdora`` the same over DoRA. Other base weights beside it contradict it: one line.
+def _quantized_adapter(plan: Plan) -> None:
+    """``adapter: qlora:...``/``qdora:...`` as the adapter and base weights it means (the note above)."""
+    text = plan.adapter
+    if not isinstance(text, str) or text.partition(":")[0] not in ("qlora", "qdora"):
+        return
+    adapter = text[1:]
+    base = plan.base_weights
+    if base is None or base == "as-is":
+        base = "nf4"
+    elif not (isinstance(base, str) and base.partition(":")[0] in ("nf4", "fp4")):
+        raise UserError(f"plan: adapter {text} is a LoRA over 4-bit base weights, and base_weights is {_show(base)}; "
+                        f"write adapter: {adapter} to keep base_weights {_show(base)}, or leave base_weights out")
+    object.__setattr__(plan, "adapter", adapter)
+    object.__setattr__(plan, "base_weights", base)
 
 
 def _plain(value: Any) -> Any:

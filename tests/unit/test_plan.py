@@ -128,3 +128,21 @@ def test_a_plan_says_how_it_changes_numerics():
     assert lossy.numerics == ("bf16 weights (no fp32 master copy)", "4-bit AdamW states",
                               "stochastic rounding of bf16 updates")
     assert Plan(optimizer="adamw8bit").numerics == ("8-bit AdamW states",)
+
+
+def test_qlora_is_a_lora_over_nf4_base_weights(tmp_path):
+    """``adapter: qlora`` (what people type) is the two keys it means, in a plan, a plan file and on the command
+    line; base weights that contradict it are one line (NOTE [ qlora as an adapter ])."""
+    from memfit.planner.methods import parse_methods
+    assert Plan(adapter="qlora:r=64,alpha=16") == Plan(adapter="lora:r=64,alpha=16", base_weights="nf4")
+    assert Plan(adapter="qdora") == Plan(adapter="dora", base_weights="nf4")
+    assert Plan(adapter="qlora", base_weights="nf4:double_quant=true").base_weights == "nf4:double_quant=true"
+    path = tmp_path / "p.yaml"
+    path.write_text("adapter: qlora:r=8\n")
+    assert Plan.load(path) == Plan(adapter="lora:r=8", base_weights="nf4")
+    assert Plan.load(path).to_dict()["adapter"] == "lora:r=8"  # (written back as the two keys)
+    with pytest.raises(UserError, match="adapter qlora is a LoRA over 4-bit base weights, and base_weights is int8"):
+        Plan(adapter="qlora", base_weights="int8")
+    lora, qlora = parse_methods("lora,qlora", "qlora:r=8")  # (fit --adapter qlora:r=8: the methods' rank)
+    assert (lora.keys, qlora.keys) == ({"adapter": "lora:r=8", "base_weights": "as-is"},
+                                       {"adapter": "lora:r=8", "base_weights": "nf4"})

@@ -56,7 +56,8 @@ def parse_methods(text: str, adapter: str = "none") -> list[Method]:
             raise UserError(f"--methods: unknown method {name!r}; choose from {', '.join(METHODS)}")
     if len(set(names)) != len(names):
         raise UserError("--methods: a method is named twice; name each once (e.g. full,lora,qlora)")
-    lora = adapter.replace("dora:", "lora:", 1) if adapter != "none" else DEFAULT_ADAPTER
+    kind, colon, options = adapter.partition(":")  # (qlora's and qdora's rank and targets too: NOTE [ qlora as
+    lora = f"lora{colon}{options}" if kind.removeprefix("q") in ("lora", "dora") else DEFAULT_ADAPTER  # an adapter ])
     keys = {
         "full": {"adapter": "none", "base_weights": "as-is"},
         "lora": {"adapter": lora, "base_weights": "as-is"},

@@ -336,8 +336,8 @@ def parse(values: dict) -> Adapter:
         raise UserError(f"plan: adapter {text!r} is not valid; write none, lora:r=16,... or dora:r=16,...")
     kind, _, rest = text.partition(":")
     if kind not in ("lora", "dora"):
-        raise UserError(f"plan: adapter {text!r} is not valid; write none, lora:r=16,alpha=32,targets=q_proj+v_proj "
-                        "or dora:r=16")
+        raise UserError(f"plan: adapter {text!r} is not valid; write none, lora:r=16,alpha=32,targets=q_proj+v_proj, "
+                        "dora:r=16, or qlora:r=16 (lora over nf4 base weights)")
     options: dict = {}
     for part in filter(None, rest.split(",")):
         m = _OPTION.match(part.strip())
@@ -362,6 +362,7 @@ TECHNIQUE = register(
     Technique("adapter", (Key("adapter", "none", "Train an adapter instead of the model (a method: changes what is "
                               "trained): none | lora:r=16,alpha=32,targets=q_proj+v_proj,dropout=0.05,save=lm_head | "
                               "lora:r=16,params=experts.gate_up_proj+experts.down_proj (a mixture of experts' "
-                              "expert weights) | dora:... .", metavar="ADAPTER"),),
+                              "expert weights) | dora:... | qlora:... and qdora:... (the same over base_weights "
+                              "nf4).", metavar="ADAPTER"),),
               parse),
     Adapter, NoAdapter, LoRA)
