@@ -15,6 +15,7 @@ import sys
 import warnings
 
 from memfit import __version__
+from memfit.cli import foreign_flags
 from memfit.quiet import quiet_library_loggers
 
 
@@ -84,6 +85,10 @@ def _run(argv: list[str]) -> int:
         logging.getLogger("torch._subclasses.fake_tensor").addFilter(_no_meta_kernel_failures)
     parser = build_parser()
     try:
+        theirs = foreign_flags.answer(argv)
+        if theirs:  # (said by the subcommand's parser, as below)
+            command = next((a for a in argv if not a.startswith("-")), None)
+            parser._subparsers._group_actions[0].choices.get(command, parser).error(theirs)
         args, extra = parser.parse_known_args(argv)
         if extra:  # said by the subcommand's parser, so the line names the subcommand
             sub = parser._subparsers._group_actions[0].choices.get(getattr(args, "command", None), parser)
