@@ -45,8 +45,9 @@ def builtin_workload(spec: str, *, seq_len: int | None = None, resolution: int |
     arch, _, override_text = spec.partition(":")
     arch = arch.strip().lower()
     if arch not in _REGISTRY:
-        raise UserError(f"unknown workload {arch!r}; choose a built-in ({', '.join(_REGISTRY)}), "
-                        "a file (path/to/file.py:NAME) or a model folder (./dir holding config.json)")
+        raise UserError(f"unknown workload {arch!r}; {_suggestion(arch)}choose a built-in ({', '.join(_REGISTRY)}), "
+                        "a Hugging Face hub id (org/name: its config.json), a file (path/to/file.py:NAME) or a model "
+                        "folder (./dir holding config.json)")
     check_seq_len(seq_len)
     check_resolution(resolution)
     builder, _ = _REGISTRY[arch]
@@ -112,3 +113,26 @@ def _blamed_on_config(wl: Workload, source: str, fix: str) -> Workload:
     return dataclasses.replace(wl, model=blamed(source, fix, "building the model", wl.model),
                                batch=blamed(source, fix, "batch(batch_size)", wl.batch),
                                loss=blamed(source, fix, "loss(model, batch)", wl.loss), from_checkpoint=True)
+
+
+FAMILIES = {
+    "llama2": "llama", "llama-2": "llama", "flux": "dit-flux", "flux1": "dit-flux", "sdxl": "unet-sdxl",
+    "sd15": "unet-sd15", "sd1.5": "unet-sd15", "sd3": "dit-sd3", "lumina2": "dit-lumina2", "wan": "dit-wan",
+    "qwenimage": "dit-qwenimage", "qwen-image": "dit-qwenimage", "chroma": "dit-chroma", "hunyuan": "dit-hunyuan-video",
+    "llama3": "meta-llama/Meta-Llama-3-8B", "llama-3": "meta-llama/Meta-Llama-3-8B",
+    "llama3.1": "meta-llama/Llama-3.1-8B", "mistral": "mistralai/Mistral-7B-v0.3",
+    "mixtral": "mistralai/Mixtral-8x7B-v0.1", "qwen": "Qwen/Qwen2.5-7B-Instruct", "qwen2": "Qwen/Qwen2.5-7B-Instruct",
+    "qwen2.5": "Qwen/Qwen2.5-7B-Instruct", "qwen3": "Qwen/Qwen3-8B", "gemma": "google/gemma-2-9b",
+    "gemma2": "google/gemma-2-9b", "gemma3": "google/gemma-3-4b-it", "phi": "microsoft/Phi-3-mini-4k-instruct",
+    "phi3": "microsoft/Phi-3-mini-4k-instruct", "whisper": "openai/whisper-large-v3",
+}
+"""A family name people type -> the built-in, or a hub id of the family (a suggestion: memfit reads any hub id)."""
+
+
+def _suggestion(name: str) -> str:
+    """'did you mean ...? or ' for an unknown workload name that is a family's or close to a built-in's, else ''."""
+    import difflib
+    family = FAMILIES.get(name.replace("_", "-")) or FAMILIES.get(name.replace("-", "").replace("_", ""))
+    close = difflib.get_close_matches(name, list(_REGISTRY), n=1, cutoff=0.8)
+    guess = family or (close[0] if close else None)
+    return f"did you mean {guess} ({'a hub id' if '/' in guess else 'a built-in'})? or " if guess else ""
