@@ -68,7 +68,7 @@ class Plan:
     # -- parsing, once ---------------------------------------------------------------------
     def __post_init__(self) -> None:
         _quantized_adapter(self)
-        configs = {t.name: t.config({k.name: getattr(self, k.name) for k in t.keys}) for t in TECHNIQUES}
+        configs = {t.name: _parsed(t, {k.name: getattr(self, k.name) for k in t.keys}) for t in TECHNIQUES}
         for cfg in configs.values():
             # the canonical value (e.g. offload as a sorted tuple): the frozen-dataclass idiom for
             # normalising fields at construction; nothing changes a Plan after it is made
@@ -200,6 +200,18 @@ class Plan:
         """Short text of the non-default fields, e.g. 'precision=bf16, micro_batch_size=2'."""
         parts = [f"{name}={_show(value)}" for name, value in self.changed().items()]
         return ", ".join(parts) or "defaults (fp32, whole batch)"
+
+
+def _parsed(technique: Technique, values: dict[str, Any]) -> Config:
+    """``technique``'s config of ``values``; a value it refuses that another tool's name stands in ends its error
+    with the value meant (memfit.synonyms)."""
+    try:
+        return technique.config(values)
+    except UserError as e:
+        from memfit.synonyms import meant
+        if not meant(values):
+            raise
+        raise UserError(f"{e}{meant(values)}") from None
 
 
 # NOTE [ qlora as an adapter ]

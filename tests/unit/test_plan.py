@@ -146,3 +146,28 @@ def test_qlora_is_a_lora_over_nf4_base_weights(tmp_path):
     lora, qlora = parse_methods("lora,qlora", "qlora:r=8")  # (fit --adapter qlora:r=8: the methods' rank)
     assert (lora.keys, qlora.keys) == ({"adapter": "lora:r=8", "base_weights": "as-is"},
                                        {"adapter": "lora:r=8", "base_weights": "nf4"})
+
+
+@pytest.mark.parametrize("key,theirs,said", [
+    ("optimizer", "paged_adamw_8bit", "did you mean optimizer adamw8bit-paged?"),
+    ("precision", "bfloat16", "did you mean precision bf16?"),
+    ("precision", "bf16-true", "did you mean precision bf16-pure (Lightning's bf16-true"),
+    ("base_weights", "4bit", "did you mean base_weights nf4 (QLoRA's"),
+    ("checkpointing", "full", "did you mean checkpointing blocks (each repeated block)?"),
+])
+def test_another_tools_value_is_refused_with_the_one_meant(key, theirs, said):
+    with pytest.raises(UserError) as e:
+        Plan(**{key: theirs})
+    assert str(e.value).startswith(f"plan: {key} '{theirs}' is not valid; ") and f"; {said}" in str(e.value)
+    with pytest.raises(UserError) as e:
+        Plan(precision="fp8")
+    assert "did you mean" not in str(e.value)
+
+
+def test_every_value_meant_is_one_memfit_takes():
+    from memfit.plans import technique_of
+    from memfit.synonyms import SYNONYMS
+    for key, table in SYNONYMS.items():
+        for ours in table.values():
+            value = ours.split()[0]
+            assert technique_of(key).config({key: value}) is not None, (key, value)
