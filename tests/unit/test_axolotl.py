@@ -93,10 +93,35 @@ def test_the_run_around_the_step_is_ignored_in_silence():
 def test_dora_save_and_compile():
     c = map_config({"base_model": "m", "adapter": "lora", "lora_r": 4, "peft_use_dora": True,
                     "lora_modules_to_save": ["lm_head"], "torch_compile": True, "max_grad_norm": 1.0,
-                    "gradient_checkpointing": "offload"}, "c", CARD)
+                    "gradient_checkpointing": True}, "c", CARD)
     assert c.plan == Plan(adapter="dora:r=4,save=lm_head", compile="full", max_grad_norm=1.0, checkpointing="blocks")
-    assert c.warnings == ("axolotl config c: gradient_checkpointing: offload is taken as block checkpointing on the "
-                          "device (its offload is not modelled)",)
+    assert c.warnings == ()
+
+
+@pytest.mark.parametrize("fields,warned", [
+    ({"gradient_checkpointing": "offload"}, False),  # (axolotl's deprecated spelling of activation_offloading: true)
+    ({"gradient_checkpointing": True, "activation_offloading": True}, False),
+    ({"gradient_checkpointing": True, "activation_offloading": "legacy"}, False),  # (Unsloth's)
+    ({"gradient_checkpointing": True, "activation_offloading": "hidden_states"}, False),
+    ({"gradient_checkpointing": "offload_disk"}, True),
+])
+def test_activation_offloading_holds_each_checkpointed_layers_input_on_the_host(fields, warned):
+    """Before, ``gradient_checkpointing: offload`` was block checkpointing on the device with a warning, and
+    ``activation_offloading`` a field "not mapped": each layer's input was predicted on the card."""
+    c = map_config({"base_model": "m", "adapter": "lora", **fields}, "c", CARD)
+    assert (c.plan.checkpointing, c.plan.offload) == ("blocks", ("activations",))
+    assert bool(c.warnings) == warned and all("disk is predicted as held in host memory" in w for w in c.warnings)
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"activation_offloading": True}, "activation_offloading needs gradient_checkpointing"),
+    ({"gradient_checkpointing": "unsloth"}, "gradient_checkpointing: 'unsloth' is not axolotl's"),
+    ({"gradient_checkpointing": True, "activation_offloading": "cpu"}, "activation_offloading: 'cpu' is not axolotl's"),
+])
+def test_checkpointing_values_axolotl_refuses_are_one_line(fields, message):
+    from memfit.errors import UserError
+    with pytest.raises(UserError, match=message):
+        map_config({"base_model": "m", **fields}, "c", CARD)
 
 
 @pytest.mark.parametrize("spec", ["configs/qlora.yml", "configs/qlora.yaml:base_model=x", "acme/qlora.yml:n_layer=2"])

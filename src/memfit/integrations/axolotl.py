@@ -12,6 +12,7 @@ config.yml`` (and ``plan``).
 | ``sequence_len`` | the sequence length |
 | ``micro_batch_size`` x ``gradient_accumulation_steps`` | the global batch, split into micro-batches of ``micro_batch_size`` |
 | ``gradient_checkpointing: true`` | ``checkpointing: blocks`` (Hugging Face's: each decoder layer) |
+| ``activation_offloading`` (or ``gradient_checkpointing: offload``) | ``offload: activations`` beside it: each checkpointed layer's input on the host |
 | ``bf16: true`` / ``auto``; ``fp16: true`` | ``precision: bf16-pure`` (axolotl loads the model in bf16; ``auto``: fp16 on a card without bf16); with an adapter ``bf16-base`` / ``fp16-base`` (peft keeps the adapter in fp32, and axolotl casts the embeddings and norms back to 16 bits); ``fp16`` |
 | ``optimizer`` | ``adamw_torch``, ``adamw_torch_fused``, ``adamw_hf``: ``adamw``; ``adamw_bnb_8bit``: ``adamw8bit``; ``paged_adamw_32bit``, ``paged_adamw_8bit``: ``adamw-paged``, ``adamw8bit-paged`` (states in CUDA managed memory); torchao's ``adamw_torch_8bit``, ``adamw_torch_4bit``: ``adamw8bit-ao``, ``adamw4bit-ao``; ``adafactor``; ``sgd`` |
 | ``max_grad_norm``; ``torch_compile: true`` | ``max_grad_norm``; ``compile: full`` |
@@ -75,7 +76,7 @@ gptq lora_model_dir profiler_steps include_tokens_per_second
 MAPPED = frozenset("""
 base_model base_model_config adapter lora_r lora_alpha lora_dropout lora_target_modules lora_target_linear
 lora_modules_to_save peft_use_dora load_in_4bit load_in_8bit sequence_len micro_batch_size gradient_accumulation_steps
-batch_size gradient_checkpointing bf16 fp16 optimizer max_grad_norm torch_compile fsdp fsdp_config fsdp_version
+batch_size gradient_checkpointing activation_offloading bf16 fp16 optimizer max_grad_norm torch_compile fsdp fsdp_config fsdp_version
 liger_fused_linear_cross_entropy
 """.split())
 LIGER_CHUNKS = 8
@@ -120,12 +121,7 @@ def map_config(data: dict, where: str, device: Device) -> TrainingConfig:
                         "(axolotl's default); give micro_batch_size")
     method = _method(data, where)
     fields = {**method, **_precision(data, device, "adapter" in method), **_optimizer(data, where)}
-    checkpointing = data.get("gradient_checkpointing")
-    if checkpointing not in (None, False):
-        if checkpointing is not True:
-            warnings.append(f"axolotl config {where}: gradient_checkpointing: {checkpointing} is taken as block "
-                            "checkpointing on the device (its offload is not modelled)")
-        fields["checkpointing"] = "blocks"
+    fields.update(_checkpointing(data, where, warnings))
     if data.get("max_grad_norm") is not None:
         fields["max_grad_norm"] = data["max_grad_norm"]
     if data.get("torch_compile") not in (None, False):
@@ -150,6 +146,32 @@ def map_config(data: dict, where: str, device: Device) -> TrainingConfig:
     return TrainingConfig(where, model.strip(), micro * accum, micro,
                          whole(data, "sequence_len", where, None) if seq is not None else None, plan, tuple(warnings),
                          ranks_from_launcher=LAUNCHER_RANKS if sharded else None, batch_per_rank=True)
+
+
+def _checkpointing(data: dict, where: str, warnings: list[str]) -> dict:
+    """gradient_checkpointing and activation_offloading -> the plan's checkpointing and offload. axolotl reads
+    its deprecated ``gradient_checkpointing: offload`` as ``activation_offloading: true`` and ``offload_disk`` as
+    ``disk``; each of its offloaders holds what a checkpointed layer saves, its input, off the device (Unsloth's
+    ``legacy``, the stream offloader ``true``, ``hidden_states``): memfit's blocks with ``offload: activations``."""
+    checkpointing, offloading = data.get("gradient_checkpointing"), data.get("activation_offloading")
+    if checkpointing in (None, False):
+        if offloading not in (None, False):
+            raise UserError(f"--from {where}: activation_offloading needs gradient_checkpointing (axolotl refuses it "
+                            "without); set gradient_checkpointing: true")
+        return {}
+    if checkpointing not in (True, "offload", "offload_disk"):
+        raise UserError(f"--from {where}: gradient_checkpointing: {checkpointing!r} is not axolotl's; write true, false, "
+                        "or activation_offloading beside true")
+    offloading = {"offload": offloading or True, "offload_disk": "disk"}.get(checkpointing, offloading)
+    if offloading in (None, False):
+        return {"checkpointing": "blocks"}
+    if offloading not in (True, "legacy", "hidden_states", "disk"):
+        raise UserError(f"--from {where}: activation_offloading: {offloading!r} is not axolotl's; write true, legacy, "
+                        "hidden_states or disk")
+    if offloading == "disk":
+        warnings.append(f"axolotl config {where}: activation offloading to disk is predicted as held in host memory "
+                        "(the device's bytes are the same; the host's are on disk in the run)")
+    return {"checkpointing": "blocks", "offload": ["activations"]}
 
 
 def _method(data: dict, where: str) -> dict:
