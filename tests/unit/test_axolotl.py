@@ -1,6 +1,7 @@
 """An axolotl config read as a workload and a plan (memfit.integrations.axolotl): each mapped field,
 the fields refused in one line, and the ones named in a warning."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,18 @@ def test_ligers_fused_cross_entropy_is_a_chunked_loss_said():
     """axolotl's llama-3 FSDP examples set it: the [tokens, vocab] logits never whole (it was ignored, not mapped)."""
     c = map_config({"base_model": "m", "liger_fused_linear_cross_entropy": True}, "c.yml", CARD)
     assert c.plan.loss_chunks == 8 and any("liger_fused_linear_cross_entropy predicted as" in w for w in c.warnings)
+
+
+@pytest.mark.parametrize("width,vocab,micro,seq,chunks", [
+    (4096, 32000, 4, 4096, 8),  # (Liger-Kernel's own example: BT 4096*4, V 32000, H 4096: slices of 2048 tokens)
+    (3072, 128256, 16, 8192, 32),  # (axolotl's llama-3/3b-qat-fsdp2.yaml on Llama-3.2-3B: slices of 4096 tokens)
+    (3584, 152064, 1, 4096, 32),  # (Qwen2.5-7B: 128-token slices)
+    (4096, 256, 1, 100, 1),  # (a vocabulary narrower than the width: one slice of all the tokens)
+])
+def test_ligers_slices_are_its_own_for_the_models_width_and_vocabulary(tmp_path, width, vocab, micro, seq, chunks):
+    """Liger sizes its slices so that one slice's logits are about the hidden states' size; 8 slices for
+    Llama-3.2-3B at 16 x 8192 tokens held logits 4x those of Liger's 32 (8.4 GB a slice in fp32)."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": width, "vocab_size": vocab}))
+    c = map_config({"base_model": str(tmp_path), "liger_fused_linear_cross_entropy": True, "micro_batch_size": micro,
+                    "sequence_len": seq}, "c.yml", CARD)
+    assert c.plan.loss_chunks == chunks and any(f"in Liger's {chunks} slices" in w for w in c.warnings)

@@ -16,7 +16,7 @@ config.yml`` (and ``plan``).
 | ``bf16: true`` / ``auto``; ``fp16: true`` | ``precision: bf16-pure`` (axolotl loads the model in bf16; ``auto``: fp16 on a card without bf16); with an adapter ``bf16-base`` / ``fp16-base`` (peft keeps the adapter in fp32, and axolotl casts the embeddings and norms back to 16 bits); ``fp16`` |
 | ``optimizer`` | ``adamw_torch``, ``adamw_torch_fused``, ``adamw_hf``: ``adamw``; ``adamw_bnb_8bit``: ``adamw8bit``; ``paged_adamw_32bit``, ``paged_adamw_8bit``: ``adamw-paged``, ``adamw8bit-paged`` (states in CUDA managed memory); torchao's ``adamw_torch_8bit``, ``adamw_torch_4bit``: ``adamw8bit-ao``, ``adamw4bit-ao``; ``adafactor``; ``sgd`` |
 | ``max_grad_norm``; ``torch_compile: true`` | ``max_grad_norm``; ``compile: full`` |
-| ``liger_fused_linear_cross_entropy: true`` | ``loss_chunks: 8`` (said: Liger's own chunks differ) |
+| ``liger_fused_linear_cross_entropy: true`` | ``loss_chunks``: Liger's number of slices for the model's width and vocabulary (8 where its config cannot be read), said |
 
 What the estimate ignores, and how it says so:
 
@@ -127,10 +127,14 @@ def map_config(data: dict, where: str, device: Device) -> TrainingConfig:
     if data.get("torch_compile") not in (None, False):
         fields["compile"] = "full"
     if data.get("liger_fused_linear_cross_entropy"):  # (Liger's head and loss: the logits never whole)
-        fields["loss_chunks"] = LIGER_CHUNKS
+        seq = data.get("sequence_len")
+        chunks = liger_chunks(model.strip(), micro * seq) if isinstance(seq, int) and seq > 0 else None
+        fields["loss_chunks"] = chunks or LIGER_CHUNKS
         warnings.append(f"axolotl config {where}: liger_fused_linear_cross_entropy predicted as memfit's chunked loss "
-                        f"in {LIGER_CHUNKS} slices (Liger sizes its chunks by the vocabulary over the width, and takes "
-                        "the input's gradient in forward)")
+                        + (f"in Liger's {chunks} slices of the micro-batch's tokens (Liger keeps each slice's logits in "
+                           "16 bits and takes the input's gradient in forward)" if chunks else
+                           f"in {LIGER_CHUNKS} slices (the model's width and vocabulary, by which Liger sizes its "
+                           "slices, were not read)"))
     if accum > 1:
         fields["micro_batch_size"] = micro
     sharded = is_sharded(data)
@@ -146,6 +150,28 @@ def map_config(data: dict, where: str, device: Device) -> TrainingConfig:
     return TrainingConfig(where, model.strip(), micro * accum, micro,
                          whole(data, "sequence_len", where, None) if seq is not None else None, plan, tuple(warnings),
                          ranks_from_launcher=LAUNCHER_RANKS if sharded else None, batch_per_rank=True)
+
+
+def liger_chunks(model: str, tokens: int) -> int | None:
+    """The slices Liger's fused linear cross-entropy cuts ``tokens`` (a micro-batch's) into for ``model`` (a folder
+    or hub id): slices of a power of two tokens whose logits are about the size of the hidden states (the
+    vocabulary over the width: Liger-Kernel's ``fused_linear_cross_entropy_forward``). None where the model's
+    config.json cannot be read here."""
+    import json
+
+    from memfit.workloads import hub
+    try:
+        folder = Path(model).expanduser() if Path(model).expanduser().is_dir() else hub.hub_config_folder(model)
+        config = json.loads((folder / "config.json").read_text())
+    except (UserError, OSError, ValueError):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    width, vocab = text.get("hidden_size"), text.get("vocab_size")
+    if not (isinstance(width, int) and isinstance(vocab, int) and width > 0 and vocab > 0):
+        return None
+    growth = -(-vocab // width)
+    size = min(1 << (-(-tokens // growth) - 1).bit_length(), tokens)  # (the next power of two, at most the tokens)
+    return -(-tokens // size)
 
 
 def _checkpointing(data: dict, where: str, warnings: list[str]) -> dict:
