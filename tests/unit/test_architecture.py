@@ -26,7 +26,7 @@ FLOORS = (
      "memfit.hosts", "memfit.secrets", "memfit.sdpa_backends", "memfit.device_queries",
      "memfit.real_values"),  # what a device and its host are, which attention kernel it runs
     ("memfit.workload", "memfit.workloads", "memfit.techniques"),  # what to train; how (one module a technique)
-    ("memfit.plans",),     # a composition of technique configs
+    ("memfit.plans", "memfit.synonyms"),  # a composition of technique configs; other tools' names for its values
     ("memfit.target",),    # workload x plan x batch x device, resolved once
     ("memfit.step",),      # the one TrainStep
     ("memfit.memory",),    # estimate, measure, reports, budgets
