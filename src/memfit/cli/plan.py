@@ -30,11 +30,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_plan_args(p)
     p.add_argument("--budget", help="memory budget: 20GiB, 1.5GB, 80%% of the device; default: capacity minus 10%%")
     p.add_argument("--out", metavar="FILE", help="write the chosen plan (YAML, or JSON for .json)")
-    p.add_argument("--format", choices=("yaml", "hf", "lightning", "kohya", "ai-toolkit"), default="yaml",
+    p.add_argument("--format", choices=("yaml", "hf", "lightning", "kohya", "ai-toolkit", "axolotl"), default="yaml",
                    help="also print the plan as Hugging Face TrainingArguments or Lightning Trainer keyword "
                         "arguments (accepted unchanged), what they cannot carry and memfit's callback that applies it; "
                         "kohya: the lines of a kohya-ss sd-scripts --config_file TOML; ai-toolkit: an ai-toolkit job "
-                        "YAML (both search only the plans that trainer runs)")
+                        "YAML; axolotl: an axolotl config's fields (these three search only the plans that trainer "
+                        "runs)")
     p.add_argument("--pareto", metavar="FILE.png", help="write a memory vs time plot of the evaluated plans")
     p.add_argument("--optimizers", default=None,
                    help="optimizer variants to consider, from adamw, adamw8bit, adamw8bit-ao, adamw4bit-ao, "
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         return _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_traces, compile_modes, steps,
                                 host)
     from memfit.cli.trainer_formats import TARGETS
-    trainer = TARGETS[args.format](workload, bs, args.device, args.workload) if args.format in TARGETS else None
+    trainer = TARGETS[args.format](workload, bs, args.device, args.workload, seq) if args.format in TARGETS else None
     fixed = trainer.own_fields(fixed) if trainer else fixed
     runs_in = trainer.runs_in(fixed) if trainer else None  # (refuses a model the trainer does not train, now)
     sizes = [given.world_size]

@@ -1,5 +1,6 @@
-"""``memfit plan --format kohya|ai-toolkit``: the chosen plan in a diffusion trainer's own config, and the search
-kept to the plans that trainer runs (memfit.integrations.kohya_export, memfit.integrations.ai_toolkit_export)."""
+"""``memfit plan --format kohya|ai-toolkit|axolotl``: the chosen plan in a trainer's own config, and the search
+kept to the plans that trainer runs (memfit.integrations.kohya_export, memfit.integrations.ai_toolkit_export,
+memfit.integrations.axolotl_export)."""
 
 from __future__ import annotations
 
@@ -31,10 +32,11 @@ class Exported:
 class TrainerTarget:
     """The workload's model, image size and text encoders, as a trainer's config names them."""
 
-    def __init__(self, workload, batch_size, device, spec: str | None = None):
+    def __init__(self, workload, batch_size, device, spec: str | None = None, seq_len: int | None = None):
         """``spec``: the workload as the user named it (``dit-flux:text_encoders=frozen``)."""
         from memfit.target import Target
-        target = Target.resolve(workload, None, batch_size, device)
+        target = Target.resolve(workload, None, batch_size, device, seq_len=seq_len)
+        self.seq_len = target.workload.info.seq_len
         info = target.workload.info
         width = info.config.get("width") if info.config.get("fixed_width") else None
         self.size = (width, info.resolution) if width and width != info.resolution else info.resolution
@@ -111,5 +113,33 @@ class AiToolkitTarget(TrainerTarget):
                                     "ai_toolkit_notes": list(out.notes)})
 
 
-TARGETS = {"kohya": KohyaTarget, "ai-toolkit": AiToolkitTarget}
+class AxolotlTarget(TrainerTarget):
+    """``--format axolotl``: the fields of an axolotl config (memfit.integrations.axolotl_export)."""
+
+    def own_fields(self, fixed: dict) -> dict:
+        """axolotl's precision, unless the user fixed one: ``bf16: true`` (``fp16`` on a card without bf16), the
+        model loaded in 16 bits, and an adapter kept in fp32 over it by peft (``bf16-base``), as its --from reads."""
+        from memfit.planner.field_recipes import method_of
+        if "precision" in fixed:
+            return fixed
+        half = "bf16" if self.bf16 else "fp16"
+        full = method_of(fixed) == "full"
+        return {**fixed, "precision": ("bf16-pure" if self.bf16 else "fp16") if full else f"{half}-base"}
+
+    def runs_in(self, fixed: dict):
+        """The plans axolotl's fields carry (the search is kept to them)."""
+        from memfit.integrations.axolotl_export import to_axolotl
+        from memfit.integrations.export import carried_by
+        return carried_by(lambda plan: to_axolotl(plan, self.batch_size, self.spec, self.seq_len, self.device), fixed)
+
+    def export(self, result) -> Exported:
+        from memfit.integrations.axolotl_export import to_axolotl
+        out = to_axolotl(result.chosen.plan, result.batch_size, self.spec, self.seq_len, self.device)
+        return Exported("axolotl config fields (beside its datasets and the rest of the run):", out.yaml(),
+                        "axolotl's fields", out.unmapped, out.notes,
+                        {"axolotl_fields": out.fields, "axolotl_unmapped": list(out.unmapped),
+                         "axolotl_notes": list(out.notes)})
+
+
+TARGETS = {"kohya": KohyaTarget, "ai-toolkit": AiToolkitTarget, "axolotl": AxolotlTarget}
 """The trainers ``--format`` writes a config for."""

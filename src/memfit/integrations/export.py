@@ -79,7 +79,8 @@ def export(plan: Plan, batch_size: int, device: Device | str | None = None) -> E
     (``precision: auto``) when one is given. Arguments of the device go first, so a technique's
     (a sharded plan's ``devices``) take their place."""
     dev = get_device(device) if device is not None else None
-    into = Export(plan.config("shard").rank_batch(batch_size))  # per device, as both trainers count it
+    into = Export(plan.config("shard").rank_batch(batch_size),  # per device, as both trainers count it
+                  trains_adapter=not plan.config("adapter").is_default)
     into.hf["output_dir"] = HF_OUTPUT_DIR
     if dev is not None:
         if dev.is_gpu:

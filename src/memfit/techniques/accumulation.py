@@ -112,6 +112,7 @@ class Accumulation(Config):
     def export(self, into: Export) -> None:
         micro, n = self.micro_batches(into.batch_size)
         into.hf.update(per_device_train_batch_size=micro, gradient_accumulation_steps=n)
+        into.axolotl.update(micro_batch_size=micro, gradient_accumulation_steps=n)
         into.kohya.update(train_batch_size=micro, gradient_accumulation_steps=n)
         into.ai_toolkit.update({"train.batch_size": micro, "train.gradient_accumulation": n})
         into.lightning["accumulate_grad_batches"] = n

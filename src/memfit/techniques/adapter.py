@@ -176,7 +176,9 @@ class LoRA(Adapter):
     def export(self, into: Export) -> None:
         extras = self.dora or bool(self.save or self.params or self.dropout)
         into.not_carried(self, kohya=extras or self.targets != (ALL_LINEAR,),
-                         ai_toolkit=extras or self.targets != (ALL_LINEAR,) and not self.in_blocks)
+                         ai_toolkit=extras or self.targets != (ALL_LINEAR,) and not self.in_blocks,
+                         axolotl=bool(self.params) or self.in_blocks)
+        self._axolotl(into)
         if not self.dora:  # (sd-scripts' LoRA adapts every linear layer of the blocks; ai-toolkit's, the transformer's)
             into.kohya.update(network_module="networks.lora", network_dim=self.r, network_alpha=self.scale_alpha,
                               network_train_unet_only=True)
@@ -186,6 +188,23 @@ class LoRA(Adapter):
         note = f"build the PEFT model in your code: get_peft_model(model, {self._peft_text()})"
         into.hf_notes.append(note)
         into.lightning_notes.append(note)
+
+    def _axolotl(self, into: Export) -> None:
+        """axolotl's LoRA fields (``qlora`` over the 4-bit base weights memfit.techniques.base_weights wrote)."""
+        fields = into.axolotl
+        fields.update(adapter="qlora" if fields.get("load_in_4bit") else "lora", lora_r=self.r)
+        if self.alpha is not None:
+            fields["lora_alpha"] = self.alpha
+        if self.targets == (ALL_LINEAR,):
+            fields["lora_target_linear"] = True
+        elif self.targets and not self.in_blocks:
+            fields["lora_target_modules"] = list(self.targets)
+        if self.dropout:
+            fields["lora_dropout"] = self.dropout
+        if self.save:
+            fields["lora_modules_to_save"] = list(self.save)
+        if self.dora:
+            fields["peft_use_dora"] = True
 
     def _peft_text(self) -> str:
         args = [f"r={self.r}", f"lora_alpha={self.scale_alpha:g}"]

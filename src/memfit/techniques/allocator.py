@@ -96,6 +96,7 @@ class ExpandableSegments(Segments):
         into.hf_notes.append(note)
         into.lightning_notes.append(note)
         into.kohya_notes.append(note)
+        into.axolotl_notes.append(note)
 
     def notes(self) -> list[str]:
         return ["CUDA allocator with expandable segments (memfit.memory.expandable): 20 MiB pages mapped as "

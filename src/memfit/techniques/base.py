@@ -381,11 +381,18 @@ class Export:
     memfit.integrations.ai_toolkit_export)."""
     ai_toolkit_unmapped: list = field(default_factory=list)
     ai_toolkit_notes: list = field(default_factory=list)
+    axolotl: dict = field(default_factory=dict)
+    """axolotl's config fields (memfit.integrations.axolotl_export: the model's own, Liger's slices)."""
+    axolotl_unmapped: list = field(default_factory=list)
+    axolotl_notes: list = field(default_factory=list)
+    trains_adapter: bool = False
+    """The plan trains an adapter (axolotl's ``bf16`` then keeps it in fp32 over a bf16 model)."""
 
     def not_carried(self, config: Config | str, *, hf: bool = True, lightning: bool = True, kohya: bool = True,
-                    ai_toolkit: bool | None = None) -> None:
+                    ai_toolkit: bool | None = None, axolotl: bool = True) -> None:
         """No trainer's arguments carry ``config`` (its plan keys are listed) or ``what`` (but those told);
-        ``ai_toolkit``: as ``kohya`` unless told (both train diffusion models from a config file)."""
+        ``ai_toolkit``: as ``kohya`` unless told (both train diffusion models from a config file); ``axolotl``:
+        not carried unless told, where the technique writes axolotl's fields."""
         what = config if isinstance(config, str) else "; ".join(
             f"{key}: {_plain_text(value)}" for key, value in config.values().items())
         if hf:
@@ -396,6 +403,8 @@ class Export:
             self.kohya_unmapped.append(what)
         if kohya if ai_toolkit is None else ai_toolkit:
             self.ai_toolkit_unmapped.append(what)
+        if axolotl:
+            self.axolotl_unmapped.append(what)
 
     def in_lightning_module(self, what: str) -> None:
         """``what`` has no Lightning ``Trainer`` argument."""

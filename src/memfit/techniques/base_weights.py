@@ -143,7 +143,13 @@ class Quantized4bit(BaseWeights):
         return weight.to(full.device)  # quantizes (bitsandbytes' Params4bit.to, as transformers' Bnb4bitQuantize)
 
     def export(self, into: Export) -> None:
-        into.not_carried(self, ai_toolkit=self.quant_type != "nf4")
+        into.not_carried(self, ai_toolkit=self.quant_type != "nf4", axolotl=self.quant_type != "nf4")
+        if self.quant_type == "nf4":  # (axolotl's load_in_4bit: bitsandbytes' nf4 with double quantization)
+            into.axolotl["load_in_4bit"] = True
+            if not self.double_quant:
+                into.axolotl_notes.append("axolotl's qlora quantizes with double quantization (nf4:double_quant=true): "
+                                          "about 0.4 bits a weight less than the plan's nf4, a little under the "
+                                          "predicted memory")
         if self.quant_type == "nf4":  # (torchao's 4-bit weights in ai-toolkit: half a byte a weight, as nf4)
             into.ai_toolkit.update({"model.quantize": True, "model.qtype": "uint4"})
         into.hf_notes.append(f"load the model with from_pretrained(..., dtype=torch.bfloat16 (torch.float16 under fp16), "
@@ -184,7 +190,8 @@ class Int8Weights(BaseWeights):
         return weight._quantize(full.device)  # bitsandbytes' own quantization (fp16 rows, then int8)
 
     def export(self, into: Export) -> None:
-        into.not_carried(self)
+        into.not_carried(self, axolotl=False)
+        into.axolotl["load_in_8bit"] = True
         into.hf_notes.append("load the model with from_pretrained(..., dtype=torch.bfloat16 (torch.float16 under fp16), "
                              "quantization_config=BitsAndBytesConfig(load_in_8bit=True))")
 

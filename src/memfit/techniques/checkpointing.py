@@ -303,7 +303,8 @@ class BlocksAC(Checkpointing):
             return super().export(into)
         into.hf.update(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
         into.kohya["gradient_checkpointing"] = into.ai_toolkit["train.gradient_checkpointing"] = True
-        into.not_carried(self, hf=False, kohya=False)
+        into.axolotl["gradient_checkpointing"] = True
+        into.not_carried(self, hf=False, kohya=False, axolotl=False)
 
 
 @dataclass(frozen=True)

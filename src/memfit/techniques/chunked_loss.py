@@ -378,7 +378,8 @@ class ChunkedLoss(LossChunking):
         return [(f"chunked loss ({self.chunks})", FullLoss())]
 
     def export(self, into: Export) -> None:
-        into.not_carried(self)
+        into.not_carried(self, axolotl=False)
+        into.axolotl["loss_chunks"] = self.chunks  # (axolotl's is Liger's, in slices its model sets: axolotl_export)
 
 
 def parse(values: dict) -> LossChunking:

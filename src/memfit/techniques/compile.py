@@ -112,8 +112,8 @@ class Compile(Config):
 
     def export(self, into: Export) -> None:
         if self.mode == "full":  # TrainingArguments compiles the whole model, never block by block
-            into.hf["torch_compile"] = True
-        into.not_carried(self, hf=self.mode != "full")
+            into.hf["torch_compile"] = into.axolotl["torch_compile"] = True
+        into.not_carried(self, hf=self.mode != "full", axolotl=self.mode != "full")
 
 
 def _budget(parts) -> float | None:

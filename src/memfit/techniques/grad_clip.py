@@ -53,6 +53,8 @@ class NoClipping(GradClipping):
     def export(self, into: Export) -> None:
         into.hf["max_grad_norm"] = 0.0  # the Trainer clips at 1.0 unless told not to; Lightning does not clip
         into.kohya["max_grad_norm"] = 0.0  # (sd-scripts too)
+        into.axolotl_notes.append("max_grad_norm: axolotl clips at the Trainer's default 1.0 where the plan clips nothing "
+                                  "(the norms' few temporaries: plan with --max-grad-norm 1 to count them)")
         into.ai_toolkit_notes.append("max_grad_norm: ai-toolkit clips at its default 1.0 where the plan clips nothing "
                                      "(the norms' few temporaries: plan with --max-grad-norm 1 to count them)")
 
@@ -90,6 +92,7 @@ class ClipGradNorm(GradClipping):
 
     def export(self, into: Export) -> None:
         into.hf["max_grad_norm"] = into.kohya["max_grad_norm"] = into.ai_toolkit["train.max_grad_norm"] = self.max_norm
+        into.axolotl["max_grad_norm"] = self.max_norm
         into.lightning.update(gradient_clip_val=self.max_norm, gradient_clip_algorithm="norm")
 
 

@@ -329,10 +329,11 @@ class Offload(Config):
         return [(f"offload {item}", Offload(tuple(x for x in self.items if x != item))) for item in self.items]
 
     def export(self, into: Export) -> None:
-        if self.items == ("activations",):  # (sd-scripts: each checkpointed block's input on the host)
-            into.kohya["cpu_offload_checkpointing"] = True
+        if self.items == ("activations",):  # (sd-scripts, axolotl: each checkpointed block's input on the host)
+            into.kohya["cpu_offload_checkpointing"] = into.axolotl["activation_offloading"] = True
         if self.items:
-            into.not_carried(self, kohya=self.items != ("activations",), ai_toolkit=True)
+            into.not_carried(self, kohya=self.items != ("activations",), ai_toolkit=True,
+                             axolotl=self.items != ("activations",))
 
 
 def _offload_optimizer(parts) -> None:

@@ -115,6 +115,7 @@ class OptimizerVariant(Config):
     def export(self, into: Export) -> None:
         into.hf["optim"] = {"adamw": "adamw_torch", "adamw8bit": "adamw_bnb_8bit", "adafactor": "adafactor",
                             "sgd": "sgd"}[self.name]
+        into.axolotl["optimizer"] = into.hf["optim"]  # (axolotl's optimizer names are TrainingArguments')
         if self.name == "sgd":
             into.hf["optim_args"] = "momentum=0.9"  # SGDMomentum's one state buffer (the Trainer's default is 0)
         into.kohya["optimizer_type"] = {"adamw": "AdamW", "adamw8bit": "AdamW8bit", "adafactor": "Adafactor",
@@ -122,7 +123,7 @@ class OptimizerVariant(Config):
         if self.name != "sgd":
             into.ai_toolkit["train.optimizer"] = self.name  # (ai-toolkit's names: adamw, adamw8bit, adafactor)
         if self.name != "adamw":  # Lightning: the LightningModule's configure_optimizers builds the optimizer
-            into.not_carried(self, hf=False, kohya=False, ai_toolkit=self.name == "sgd")
+            into.not_carried(self, hf=False, kohya=False, ai_toolkit=self.name == "sgd", axolotl=False)
 
 
 @dataclass(frozen=True)

@@ -79,9 +79,9 @@ class PagedVariant(OptimizerVariant):
         return bnb_optim.real_quantization_tables()
 
     def export(self, into) -> None:
-        into.hf["optim"] = self.hf_name
+        into.hf["optim"] = into.axolotl["optimizer"] = self.hf_name
         into.kohya["optimizer_type"] = self.kohya_name
-        into.not_carried(self, hf=False, kohya=False, ai_toolkit=True)
+        into.not_carried(self, hf=False, kohya=False, ai_toolkit=True, axolotl=False)
 
 
 @dataclass(frozen=True)

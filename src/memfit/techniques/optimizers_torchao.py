@@ -99,8 +99,8 @@ class TorchaoAdamW(OptimizerVariant):
 
     def export(self, into) -> None:
         if self.hf_name:
-            into.hf["optim"] = self.hf_name
-            into.not_carried(self, hf=False)
+            into.hf["optim"] = into.axolotl["optimizer"] = self.hf_name
+            into.not_carried(self, hf=False, axolotl=False)
         else:
             into.not_carried(self)
 

@@ -203,6 +203,10 @@ class Autocast(Precision):
     def export(self, into: Export) -> None:
         super().export(into)
         into.hf[self.dtype] = True
+        if self.dtype == "fp16" and not into.trains_adapter:  # (axolotl reads fp16: true so; its bf16 loads bf16 weights)
+            into.axolotl["fp16"] = True
+        else:
+            into.not_carried(self, hf=False, lightning=False, kohya=False, ai_toolkit=False)
 
 
 @dataclass(frozen=True)
@@ -239,6 +243,10 @@ class BF16Pure(Precision):
         super().export(into)
         into.hf["bf16"] = True  # with the model loaded in bf16, autocast changes nothing: all of it is bf16
         into.kohya["full_bf16"] = True
+        if into.trains_adapter:  # (axolotl's bf16 keeps an adapter in fp32 over the bf16 model: bf16-base)
+            into.not_carried(self, hf=False, lightning=False, kohya=False, ai_toolkit=False)
+        else:
+            into.axolotl["bf16"] = True
         into.hf_notes.append("precision: bf16-pure: load the model in bf16 (from_pretrained(..., "
                              "dtype=torch.bfloat16), or model.to(torch.bfloat16))")
 
@@ -359,8 +367,10 @@ class AdapterBase(Precision):
         if self.autocast_on:
             into.lightning["precision"] = LIGHTNING[self.dtype]
             into.kohya["mixed_precision"] = self.dtype  # (its LoRA: the network fp32)
-            into.hf[self.dtype] = True
+            into.hf[self.dtype] = into.axolotl[self.dtype] = True
         else:
+            into.axolotl_unmapped.append(f"precision: {self.name} (axolotl runs an adapter under autocast: "
+                                         f"{self.dtype}-base)")
             into.lightning["precision"] = LIGHTNING["fp32"]
             into.kohya_unmapped.append(f"precision: {self.name} (sd-scripts runs its LoRA under autocast: "
                                        f"{self.dtype}-base)")
