@@ -19,7 +19,7 @@ def test_axolotls_qlora_example():
     c = read_config(DATA / "qlora-llama.yml", CARD)
     assert c.workload == "NousResearch/Llama-2-7b-hf"
     assert (c.batch_size, c.micro_batch_size, c.seq_len) == (4, 1, 4096)
-    assert c.plan == Plan(adapter="lora:r=32,alpha=16,targets=all-linear,dropout=0.05",
+    assert c.plan == Plan(adapter="lora:r=32,alpha=16,targets=linear-modules,dropout=0.05",
                           base_weights="nf4:double_quant=true", precision="bf16-base", checkpointing="blocks",
                           micro_batch_size=1, optimizer="adamw-paged")  # (paged_adamw_32bit: states in managed memory)
     assert c.plan.micro_batches(c.batch_size) == (1, 4)
@@ -168,3 +168,22 @@ def test_ligers_slices_are_its_own_for_the_models_width_and_vocabulary(tmp_path,
     c = map_config({"base_model": str(tmp_path), "liger_fused_linear_cross_entropy": True, "micro_batch_size": micro,
                     "sequence_len": seq}, "c.yml", CARD)
     assert c.plan.loss_chunks == chunks and any(f"in Liger's {chunks} slices" in w for w in c.warnings)
+
+
+def test_lora_target_linear_adapts_what_axolotl_adapts_on_a_mixture_of_experts(tmp_path):
+    """axolotl's ``lora_target_linear`` takes the names of the modules whose class is a linear layer's
+    (``find_all_linear_names``); PEFT's ``all-linear``, which it was read as, also adapts a transformers Mixtral's
+    router and fused experts (and PEFT then refuses a dropout there: two of axolotl's Mixtral examples failed so)."""
+    from memfit.plans import Plan
+    from memfit.step import build_step
+    from memfit.workloads import load_workload
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 64}))
+    c = map_config({"base_model": str(tmp_path), "adapter": "lora", "lora_r": 4, "lora_dropout": 0.05,
+                    "lora_target_linear": True}, "c.yml", CARD)
+    assert c.plan.adapter == "lora:r=4,targets=linear-modules,dropout=0.05"
+    step = build_step(load_workload(str(tmp_path), seq_len=16), Plan(adapter=c.plan.adapter), 2, "cpu")
+    adapted = {n.rsplit(".lora_A", 1)[0].rsplit(".", 1)[-1] for n, _ in step.model.named_modules() if n.endswith("lora_A")}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj"}

@@ -21,7 +21,7 @@ CARD = get_device("rtx4090")
     {"precision": "bf16-pure", "checkpointing": "blocks", "optimizer": "adamw8bit", "max_grad_norm": 1.0},
     {"adapter": "lora:r=8,alpha=16,targets=q_proj+v_proj,dropout=0.05", "precision": "bf16-base",
      "micro_batch_size": 2, "optimizer": "adamw8bit-paged"},
-    {"adapter": "lora:r=16,targets=all-linear,save=lm_head", "base_weights": "nf4:double_quant=true",
+    {"adapter": "lora:r=16,targets=linear-modules+lm_head,save=embed_tokens", "base_weights": "nf4:double_quant=true",
      "precision": "bf16-base", "checkpointing": "blocks", "offload": ["activations"], "compile": "full"},
     {"adapter": "dora:r=4", "base_weights": "int8", "precision": "fp16-base", "optimizer": "adamw4bit-ao"},
 ])

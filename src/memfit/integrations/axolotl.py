@@ -6,7 +6,7 @@ config.yml`` (and ``plan``).
 | ``base_model`` (``base_model_config`` where given) | the workload: a hub id or a model folder, its config.json alone |
 | ``adapter: lora`` / ``qlora`` | ``adapter: lora:...``; qlora also ``base_weights: nf4:double_quant=true`` |
 | ``lora_r``, ``lora_alpha``, ``lora_dropout`` | the adapter's ``r``, ``alpha``, ``dropout`` |
-| ``lora_target_modules``; ``lora_target_linear: true`` | its ``targets``; ``targets=all-linear`` |
+| ``lora_target_modules``; ``lora_target_linear: true`` | its ``targets``; ``targets=linear-modules`` (axolotl's ``find_all_linear_names``) |
 | ``lora_modules_to_save``; ``peft_use_dora: true`` | its ``save``; a DoRA adapter |
 | ``load_in_4bit`` / ``load_in_8bit`` | ``base_weights: nf4:double_quant=true`` / ``int8`` |
 | ``sequence_len`` | the sequence length |
@@ -217,8 +217,9 @@ def _method(data: dict, where: str) -> dict:
     options = [f"r={whole(data, 'lora_r', where, 8)}"]
     if data.get("lora_alpha") is not None:
         options.append(f"alpha={data['lora_alpha']}")
-    if data.get("lora_target_linear"):
-        options.append("targets=all-linear")
+    if data.get("lora_target_linear"):  # (axolotl's find_all_linear_names, with lora_target_modules beside)
+        options.append("targets=" + "+".join(["linear-modules", *(_names(data, "lora_target_modules", where)
+                                                                  if data.get("lora_target_modules") else [])]))
     elif data.get("lora_target_modules"):
         options.append("targets=" + "+".join(_names(data, "lora_target_modules", where)))
     if data.get("lora_dropout"):

@@ -24,7 +24,10 @@ as diffusers' Flux LoRA; kohya's also adapts the blocks' modulations: ``targets=
 every linear layer but the output layer
 (``all-linear``); ``targets=in-blocks`` takes every linear layer inside the model's repeated blocks only
 (ai-toolkit's ``transformer_only``), and ``targets=in-blocks:layers`` those of the blocks listed under that name
-alone (ai-toolkit's Z-Image LoRA: its 30 ``layers``, not the refiners' four blocks). ``save`` lists modules trained in full beside the adapter (PEFT's
+alone (ai-toolkit's Z-Image LoRA: its 30 ``layers``, not the refiners' four blocks); ``targets=linear-modules`` the
+names of every module whose class is a linear layer's, the output layer's left out (axolotl's ``lora_target_linear``,
+the QLoRA repository's ``find_all_linear_names``: PEFT's ``all-linear`` also adapts a transformers mixture of experts'
+router and fused experts). ``save`` lists modules trained in full beside the adapter (PEFT's
 ``modules_to_save``, e.g. a classifier head); ``params`` names parameters of no linear layer
 (PEFT's ``target_parameters``: a mixture of experts' 3-D expert weights, adapted per expert). The adapter is injected with PEFT's own
 ``inject_adapter_in_model``, so the model keeps its class and the workload's loss runs unchanged.
@@ -41,6 +44,9 @@ from memfit.errors import UserError, brief
 from memfit.techniques.base import Config, Export, Key, Technique, register
 
 ALL_LINEAR = "all-linear"
+LINEAR_MODULES = "linear-modules"
+"""The name suffixes of the modules whose class is a linear layer's (``nn.Linear``, bitsandbytes' ``Linear4bit``, by the
+word in the class name), the output layer's left out: axolotl's ``lora_target_linear``."""
 IN_BLOCKS = "in-blocks"
 """Every linear layer inside the model's repeated blocks (memfit.techniques.checkpointing.find_blocks; a
 denoiser's beside its text encoders), as ai-toolkit's ``transformer_only`` LoRA of a DiT: not the
@@ -140,6 +146,8 @@ class LoRA(Adapter):
         extra = {"target_parameters": list(self.params)} if self.params else {}
         if targets == [ALL_LINEAR]:  # (targets=all-linear: PEFT's shorthand, which it takes as a string only)
             targets = ALL_LINEAR
+        elif LINEAR_MODULES in targets:
+            targets = sorted(set(_linear_module_names(model)) | set(targets) - {LINEAR_MODULES})
         elif self.in_blocks:
             lists = {t.partition(":")[2] for t in targets} - {""}
             targets = _linears_in_blocks(model, self.text_value(), lists if IN_BLOCKS not in targets else None)
@@ -177,7 +185,7 @@ class LoRA(Adapter):
         extras = self.dora or bool(self.save or self.params or self.dropout)
         into.not_carried(self, kohya=extras or self.targets != (ALL_LINEAR,),
                          ai_toolkit=extras or self.targets != (ALL_LINEAR,) and not self.in_blocks,
-                         axolotl=bool(self.params) or self.in_blocks)
+                         axolotl=bool(self.params) or self.in_blocks or ALL_LINEAR in self.targets)
         self._axolotl(into)
         if not self.dora:  # (sd-scripts' LoRA adapts every linear layer of the blocks; ai-toolkit's, the transformer's)
             into.kohya.update(network_module="networks.lora", network_dim=self.r, network_alpha=self.scale_alpha,
@@ -195,10 +203,11 @@ class LoRA(Adapter):
         fields.update(adapter="qlora" if fields.get("load_in_4bit") else "lora", lora_r=self.r)
         if self.alpha is not None:
             fields["lora_alpha"] = self.alpha
-        if self.targets == (ALL_LINEAR,):
+        if LINEAR_MODULES in self.targets:
             fields["lora_target_linear"] = True
-        elif self.targets and not self.in_blocks:
-            fields["lora_target_modules"] = list(self.targets)
+        named = [t for t in self.targets if t != LINEAR_MODULES]
+        if named and not self.in_blocks:
+            fields["lora_target_modules"] = named
         if self.dropout:
             fields["lora_dropout"] = self.dropout
         if self.save:
@@ -324,6 +333,17 @@ def _left_out(config, model) -> list[str]:
             except ValueError:
                 refused.add(name)
     return sorted(refused)
+
+
+def _linear_module_names(model) -> list[str]:
+    """``targets=linear-modules``: the last name of each module whose class is a linear layer's (``nn.Linear`` or a
+    class named so: bitsandbytes' ``Linear4bit``), less the output layer's, as axolotl's ``find_all_linear_names``."""
+    import torch
+    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+             if name and (isinstance(module, torch.nn.Linear) or "Linear" in type(module).__name__)}
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = next((name.rsplit(".", 1)[-1] for name, module in model.named_modules() if module is output), None)
+    return sorted(names - {head})
 
 
 def _check_saved(model, names: tuple[str, ...], text: str) -> None:
