@@ -36,7 +36,6 @@ def test_the_fields_read_back_into_the_same_plan(fields):
     ({"optimizer_in_backward": True}, "optimizer_in_backward: true"),
     ({"offload": ["optimizer_states"]}, "offload: [optimizer_states]"),
     ({"ema": {"decay": 0.999}}, "ema: {decay: 0.999"),
-    ({"shard": "fsdp", "world_size": 2}, "shard: fsdp"),
     ({"checkpointing": "selective"}, "checkpointing: selective"),
     ({"precision": "bf16"}, "precision: bf16"),
     ({"adapter": "lora:r=8", "base_weights": "fp8", "precision": "bf16-base"}, "base_weights: fp8"),
@@ -71,3 +70,16 @@ def test_a_plan_searched_for_axolotl_is_one_it_runs(tmp_path):
     assert (fields["base_model"], fields["sequence_len"], fields["adapter"], fields["bf16"]) == (str(tmp_path), 64, "lora",
                                                                                                True)
     assert map_config(fields, "c.yml", CARD).plan == Plan.from_dict(report["chosen"]["plan"])
+
+
+def test_a_sharded_plan_writes_fsdp2_and_reads_back_over_the_launchers_ranks():
+    """FSDP2's fields (axolotl_fsdp's table read backwards); the ranks are the launcher's, said in a note, and
+    micro_batch_size is each rank's share of the plan's batch."""
+    plan = Plan(shard="fsdp", world_size=4, reshard_after_forward=False, checkpointing="blocks", precision="bf16-pure")
+    out = to_axolotl(plan, 8, "NousResearch/Llama-2-7b-hf", 2048, get_device("h100-80gb"))
+    assert out.unmapped == () and out.fields["fsdp_version"] == 2 and out.fields["micro_batch_size"] == 2
+    assert any("launch it on 4 GPUs" in n for n in out.notes)
+    back = map_config(yaml.safe_load(out.yaml()), "c.yml", get_device("h100-80gb")).plan
+    assert back == plan.replace(world_size=1)  # (--world-size 4 gives the ranks back)
+    mixed = to_axolotl(plan.replace(shard_param_dtype="bf16"), 8, "m", 2048, get_device("h100-80gb"))
+    assert any(u.startswith("shard: fsdp") for u in mixed.unmapped)

@@ -187,8 +187,14 @@ class FSDP2(Sharding):
         into.hf["fsdp"] = "full_shard auto_wrap" + (" offload" if self.offload else "")
         into.hf["fsdp_config"] = {"fsdp_version": 2, "reshard_after_forward": self.reshard_after_forward}
         into.lightning.update(strategy="fsdp", devices=self.world_size)
-        into.not_carried(self, hf=False, lightning=False)  # (sd-scripts shards no weights: DDP or DeepSpeed)
-        if self.param_dtype != "none" or self.reduce_dtype != "none":
+        mixed = self.param_dtype != "none" or self.reduce_dtype != "none"  # (axolotl sets no MixedPrecisionPolicy)
+        into.not_carried(self, hf=False, lightning=False, axolotl=mixed)  # (sd-scripts shards no weights)
+        into.axolotl.update(fsdp_version=2, fsdp_config={"reshard_after_forward": self.reshard_after_forward,
+                                                         "offload_params": self.offload,
+                                                         "auto_wrap_policy": "TRANSFORMER_BASED_WRAP"})
+        into.axolotl_notes.append(f"launch it on {self.world_size} GPUs (accelerate launch, or torchrun "
+                                  f"--nproc-per-node {self.world_size}): micro_batch_size is each GPU's")
+        if mixed:
             into.in_lightning_module(f"FSDP2 MixedPrecisionPolicy(param_dtype={self.param_dtype}, "
                                      f"reduce_dtype={self.reduce_dtype})")
 
