@@ -160,9 +160,23 @@ def test_gloos_scratch_sets_the_wider_models_rank_peak(two_ranks, monkeypatch):
     assert measured > 1.02 * without_rule.peak_bytes, (measured, without_rule.peak_bytes)
 
 
-def test_shard_offload_on_a_gpu_preset_is_one_line():
-    """NOTE [ FSDP2's offload on a GPU preset ]: traced on the CPU's tensors, FSDP2's ``.cpu()`` moved nothing, and the
-    prediction was the plan's without offload; refused there until the shards are counted as the host's."""
+def test_shard_offload_on_a_gpu_preset_books_the_shards_on_the_host():
+    """NOTE [ FSDP2's offload on a GPU preset ]: traced on the CPU's tensors, FSDP2's copies between host and device
+    are no-ops, and the prediction was the plan's without offload (refused until 2026-12-05). Now the shards, their
+    gradients and the states are the host's, and the device holds only the unit being gathered (an adapter's
+    training: memfit.techniques.shard_offload); a full fine-tuning is one line."""
+    import torch
+
     from memfit.errors import UserError
-    with pytest.raises(UserError, match=r"^plan: shard_offload on h100-80gb is not predicted yet: .*leave shard_offload out"):
-        estimate(SMALL, Plan(world_size=2, shard_offload=True), batch_size=BATCH, device="h100-80gb", seq_len=32)
+    from memfit.workloads import load_workload
+    lora = {"world_size": 2, "adapter": "lora:r=4"}
+    kw = dict(batch_size=BATCH, device="h100-80gb", seq_len=32)
+    kept = estimate(SMALL, Plan(**lora), **kw)
+    offloaded = estimate(SMALL, Plan(**lora, shard_offload=True), **kw)
+    with torch.device("meta"):
+        shards = sum(p.numel() for p in load_workload(SMALL, seq_len=32).model().parameters()) * 4 // 2
+    assert offloaded.breakdown["parameters"] == 0 < kept.breakdown["parameters"]
+    assert offloaded.host_peak_bytes >= shards, (offloaded.host_peak_bytes, shards)
+    assert kept.peak_bytes - offloaded.peak_bytes > shards // 2, (kept.peak_bytes, offloaded.peak_bytes, shards)
+    with pytest.raises(UserError, match=r"^plan: shard_offload on h100-80gb is predicted for an adapter's training only"):
+        estimate(SMALL, Plan(world_size=2, shard_offload=True), **kw)

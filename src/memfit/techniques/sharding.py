@@ -128,12 +128,9 @@ class FSDP2(Sharding):
                             "precision), or shard_param_dtype none")
 
     # NOTE [ FSDP2's offload on a GPU preset ]
-    # ``shard_offload`` is FSDP2's CPUOffloadPolicy: each parameter's shard, its gradient and the update on the
-    # host. A GPU preset is traced on fake CPU tensors, where FSDP2's ``.cpu()`` is a no-op, so the shards stayed
-    # counted as device bytes and the prediction was the plan's without offload (8,567,189,504 bytes either way
-    # for a 2-layer Llama over 2 ranks on h100-80gb): refused there in one line until the shards are counted as the
-    # host's. The CPU runs it (pinned only beside CUDA tensors: pin_memory needs an accelerator, and fake tensors
-    # have no ``_pin_memory``, which made every shard_offload estimate an internal error before).
+    # ``shard_offload`` is FSDP2's CPUOffloadPolicy. A GPU preset is traced on fake CPU tensors, where its copies
+    # between host and device are no-ops: memfit.techniques.shard_offload makes them (an adapter's training only).
+    # The CPU runs it as it is (pinned only beside CUDA tensors: fake tensors have no ``_pin_memory``).
     def apply(self, parts) -> None:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -150,10 +147,10 @@ class FSDP2(Sharding):
         if dist.get_world_size() != self.world_size:
             raise UserError(f"plan: world_size {self.world_size} but {dist.get_world_size()} processes were launched; "
                             "launch as many processes as world_size")
-        if self.offload and parts.device.is_gpu and parts.device_type != "cuda":  # NOTE [ FSDP2's offload on a GPU preset ]
-            raise UserError(f"plan: shard_offload on {parts.device.name} is not predicted yet: FSDP2 moves each shard to "
-                            "the host with .cpu(), which a trace on the CPU's tensors cannot tell from the device; "
-                            "leave shard_offload out, or shard over more ranks")
+        from memfit.techniques import shard_offload
+        emulated = self.offload and shard_offload.emulated(parts)  # NOTE [ FSDP2's offload on a GPU preset ]
+        if emulated:
+            shard_offload.check_emulated(parts)
         from torch._subclasses.fake_tensor import unset_fake_temporarily
         with unset_fake_temporarily():  # (the mesh holds a real tensor of rank numbers)
             mesh = init_device_mesh(parts.device_type, (self.world_size,))
@@ -165,6 +162,8 @@ class FSDP2(Sharding):
             for child in children:
                 fully_shard(child, **options)
         fully_shard(parts.model, **options)
+        if emulated:
+            shard_offload.emulate_offload(parts)
         _release_the_whole_model(parts.device_type)
 
     @contextlib.contextmanager
