@@ -25,6 +25,10 @@ class NullObserver:
     def host(self, tensors) -> None:
         pass
 
+    def on_host(self) -> contextlib.AbstractContextManager:
+        """What the step makes inside the block is host memory (work done on the host)."""
+        return contextlib.nullcontext()
+
     def managed(self, tensors) -> None:
         """These tensors are CUDA managed (unified) memory, outside PyTorch's caching allocator
         (memfit.techniques.optimizers_paged)."""

@@ -163,20 +163,19 @@ def test_gloos_scratch_sets_the_wider_models_rank_peak(two_ranks, monkeypatch):
 def test_shard_offload_on_a_gpu_preset_books_the_shards_on_the_host():
     """NOTE [ FSDP2's offload on a GPU preset ]: traced on the CPU's tensors, FSDP2's copies between host and device
     are no-ops, and the prediction was the plan's without offload (refused until 2026-12-05). Now the shards, their
-    gradients and the states are the host's, and the device holds only the unit being gathered (an adapter's
-    training: memfit.techniques.shard_offload); a full fine-tuning is one line."""
+    gradients, the optimizer's states and its step are the host's, and the device holds only the units being
+    gathered (memfit.techniques.shard_offload), for an adapter's training and a full fine-tuning."""
     import torch
 
-    from memfit.errors import UserError
     from memfit.workloads import load_workload
-    lora = {"world_size": 2, "adapter": "lora:r=4"}
     kw = dict(batch_size=BATCH, device="h100-80gb", seq_len=32)
-    kept = estimate(SMALL, Plan(**lora), **kw)
-    offloaded = estimate(SMALL, Plan(**lora, shard_offload=True), **kw)
     with torch.device("meta"):
         shards = sum(p.numel() for p in load_workload(SMALL, seq_len=32).model().parameters()) * 4 // 2
-    assert offloaded.breakdown["parameters"] == 0 < kept.breakdown["parameters"]
-    assert offloaded.host_peak_bytes >= shards, (offloaded.host_peak_bytes, shards)
-    assert kept.peak_bytes - offloaded.peak_bytes > shards // 2, (kept.peak_bytes, offloaded.peak_bytes, shards)
-    with pytest.raises(UserError, match=r"^plan: shard_offload on h100-80gb is predicted for an adapter's training only"):
-        estimate(SMALL, Plan(world_size=2, shard_offload=True), **kw)
+    for fields, on_host in (({"adapter": "lora:r=4"}, shards), ({}, 4 * shards)):  # (full: + gradients, 2 states)
+        kept = estimate(SMALL, Plan(world_size=2, **fields), **kw)
+        offloaded = estimate(SMALL, Plan(world_size=2, shard_offload=True, **fields), **kw)
+        for category in ("parameters", "gradients", "optimizer_states"):
+            assert offloaded.breakdown[category] == 0, (fields, category, offloaded.breakdown[category])
+        assert kept.breakdown["parameters"] > 0
+        assert offloaded.host_peak_bytes >= on_host, (fields, offloaded.host_peak_bytes, on_host)
+        assert kept.peak_bytes - offloaded.peak_bytes > shards // 2, (fields, kept.peak_bytes, offloaded.peak_bytes)

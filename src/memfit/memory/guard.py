@@ -60,6 +60,10 @@ class BudgetGuard(TorchDispatchMode):
         """CUDA managed memory (a paged optimizer's states) is not the allocator's: not counted either."""
         self._storages.host(tensors)
 
+    def on_host(self):
+        """Storages made inside the block are host memory: not counted."""
+        return self._storages.on_host()
+
     @property
     def storages(self) -> LiveStorages:
         """The storages counted (memfit.memory.adapters.fsdp_resizes shows it FSDP2's resizes)."""

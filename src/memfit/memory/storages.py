@@ -18,6 +18,7 @@ free is booked when the last tensor on the storage goes, as the allocator sees i
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -71,6 +72,8 @@ class LiveStorages:
         self._hosted = hosted
         self._died = self._on_death  # one bound method for every reference
         self._on_host: dict[int, weakref.ref] = {}  # storages placed on the host, while they live
+        self.hosting = 0
+        """Inside :meth:`on_host` blocks: storages made there are the host's (a step's work on the host)."""
 
     def see_outputs(self, out, func) -> None:
         """Show the outputs of the ATen op ``func``; none are new if they alias its inputs."""
@@ -106,6 +109,8 @@ class LiveStorages:
         ref = _StorageRef(st, self._died)
         ref.key = key
         ref.nbytes = nbytes
+        if self.hosting and key not in self._on_host:
+            self._on_host[key] = weakref.ref(st, lambda _ref, key=key: self._on_host.pop(key, None))
         self.live[key] = (self._allocated(t, nbytes, func, key in self._on_host), ref)
 
     def token(self, t: torch.Tensor):
@@ -116,6 +121,15 @@ class LiveStorages:
     def tokens(self, t: torch.Tensor) -> list:
         """The tokens of the storages holding ``t``'s bytes that are live here (see :func:`byte_holders`)."""
         return [tok for held in byte_holders(t) if (tok := self.token(held)) is not None]
+
+    @contextlib.contextmanager
+    def on_host(self):
+        """Storages made inside the block live in host memory (work a step does on the host)."""
+        self.hosting += 1
+        try:
+            yield
+        finally:
+            self.hosting -= 1
 
     def host(self, tensors) -> None:
         """These tensors' storages live in host memory (see NOTE [ Host placement ])."""

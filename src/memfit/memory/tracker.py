@@ -155,6 +155,10 @@ class MemoryTracker(TorchDispatchMode):
         """These tensors live in host memory (see memfit.techniques.placement)."""
         self.storages.host(tensors)
 
+    def on_host(self):
+        """Storages made inside the block live in host memory (work the step does on the host)."""
+        return self.storages.on_host()
+
     def managed(self, tensors) -> None:
         """These tensors are CUDA managed memory, outside the caching allocator: booked on the device
         ``managed`` (NOTE [ Managed states ] in memfit.techniques.optimizers_paged). A real managed

@@ -66,6 +66,10 @@ class HostPlacement:
         self.observer.host(t)
         return t
 
+    def on_host(self):
+        """What is made inside the block is host memory (a step's work on the host), accounted there."""
+        return self.observer.on_host()
+
     def mark_managed(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` is CUDA managed memory (a paged optimizer's state), or stands for it in a trace."""
         self.observer.managed(t)

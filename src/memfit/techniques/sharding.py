@@ -129,7 +129,7 @@ class FSDP2(Sharding):
 
     # NOTE [ FSDP2's offload on a GPU preset ]
     # ``shard_offload`` is FSDP2's CPUOffloadPolicy. A GPU preset is traced on fake CPU tensors, where its copies
-    # between host and device are no-ops: memfit.techniques.shard_offload makes them (an adapter's training only).
+    # between host and device are no-ops: memfit.techniques.shard_offload makes them.
     # The CPU runs it as it is (pinned only beside CUDA tensors: fake tensors have no ``_pin_memory``).
     def apply(self, parts) -> None:
         import torch.distributed as dist
@@ -149,8 +149,6 @@ class FSDP2(Sharding):
                             "launch as many processes as world_size")
         from memfit.techniques import shard_offload
         emulated = self.offload and shard_offload.emulated(parts)  # NOTE [ FSDP2's offload on a GPU preset ]
-        if emulated:
-            shard_offload.check_emulated(parts)
         from torch._subclasses.fake_tensor import unset_fake_temporarily
         with unset_fake_temporarily():  # (the mesh holds a real tensor of rank numbers)
             mesh = init_device_mesh(parts.device_type, (self.world_size,))
