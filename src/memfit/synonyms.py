@@ -8,11 +8,10 @@ for such a value ends with the memfit value meant (:func:`meant`).
 
 from __future__ import annotations
 
-from memfit.techniques.optimizer_variant import HF_OPTIM_NAMES
+from memfit.techniques.optimizer_variant import TRAINERS_OPTIM_NAMES
 
 SYNONYMS: dict[str, dict[str, str]] = {
-    "optimizer": {**HF_OPTIM_NAMES, "adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
-                  "adamw_8bit": "adamw8bit", "adam8bit": "adamw8bit", "adam_8bit": "adamw8bit", "paged_adamw": "adamw-paged",
+    "optimizer": {**TRAINERS_OPTIM_NAMES, "adam8bit": "adamw8bit", "adam_8bit": "adamw8bit", "paged_adamw": "adamw-paged",
                   "adam": "adamw (the same memory; AdamW decays the weights apart from the gradient)"},
     "precision": {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
                   "bf16_mixed": "bf16 (Lightning's bf16-mixed)", "16_mixed": "fp16 (Lightning's 16-mixed)",

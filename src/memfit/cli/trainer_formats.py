@@ -119,12 +119,12 @@ class AxolotlTarget(TrainerTarget):
     def own_fields(self, fixed: dict) -> dict:
         """axolotl's precision, unless the user fixed one: ``bf16: true`` (``fp16`` on a card without bf16), the
         model loaded in 16 bits, and an adapter kept in fp32 over it by peft (``bf16-base``), as its --from reads."""
+        from memfit.devices import get_device
+        from memfit.integrations.axolotl import precision_fields
         from memfit.planner.field_recipes import method_of
         if "precision" in fixed:
             return fixed
-        half = "bf16" if self.bf16 else "fp16"
-        full = method_of(fixed) == "full"
-        return {**fixed, "precision": ("bf16-pure" if self.bf16 else "fp16") if full else f"{half}-base"}
+        return {**fixed, **precision_fields({"bf16": "auto"}, get_device(self.device), method_of(fixed) != "full")}
 
     def runs_in(self, fixed: dict):
         """The plans axolotl's fields carry (the search is kept to them)."""

@@ -43,7 +43,7 @@ from memfit.errors import UserError, parse_problem
 from memfit.integrations.axolotl_fsdp import LAUNCHER_RANKS, fsdp_fields, is_sharded
 from memfit.integrations.configs import TrainingConfig, whole
 from memfit.plans import Plan
-from memfit.techniques.optimizer_variant import HF_OPTIM_NAMES
+from memfit.techniques.optimizer_variant import TRAINERS_OPTIM_NAMES
 
 REFUSED = {
     "deepspeed": "memfit does not model DeepSpeed's ZeRO stages; remove deepspeed from the config (memfit shards "
@@ -82,8 +82,7 @@ liger_fused_linear_cross_entropy
 LIGER_CHUNKS = 8
 """memfit's chunked loss for Liger's fused linear cross-entropy: the logits of one slice of the tokens at a time."""
 
-OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw": "adamw",
-              **HF_OPTIM_NAMES, "adamw_8bit": "adamw8bit", "sgd": "sgd"}
+OPTIMIZERS = {**TRAINERS_OPTIM_NAMES, "adamw": "adamw", "sgd": "sgd"}
 """axolotl's optimizer names memfit runs: TrainingArguments' ``optim`` names (torchao's ``adamw_torch_8bit`` and
 ``adamw_torch_4bit`` among them), and axolotl's ``adamw_8bit`` (bitsandbytes')."""
 
@@ -120,7 +119,7 @@ def map_config(data: dict, where: str, device: Device) -> TrainingConfig:
         warnings.append(f"axolotl config {where}: batch_size without micro_batch_size: memfit takes micro_batch_size 1 "
                         "(axolotl's default); give micro_batch_size")
     method = _method(data, where)
-    fields = {**method, **_precision(data, device, "adapter" in method), **_optimizer(data, where)}
+    fields = {**method, **precision_fields(data, device, "adapter" in method), **_optimizer(data, where)}
     fields.update(_checkpointing(data, where, warnings))
     if data.get("max_grad_norm") is not None:
         fields["max_grad_norm"] = data["max_grad_norm"]
@@ -240,7 +239,8 @@ def _names(data: dict, key: str, where: str) -> list[str]:
     return names
 
 
-def _precision(data: dict, device: Device, adapter: bool) -> dict:
+def precision_fields(data: dict, device: Device, adapter: bool) -> dict:
+    """``bf16``/``fp16`` -> the plan's precision on ``device`` (the module's table)."""
     bf16, fp16 = data.get("bf16"), data.get("fp16")
     if bf16 is True or (bf16 == "auto" and device.bf16):
         return {"precision": "bf16-base" if adapter else "bf16-pure"}

@@ -144,14 +144,13 @@ class Quantized4bit(BaseWeights):
 
     def export(self, into: Export) -> None:
         into.not_carried(self, ai_toolkit=self.quant_type != "nf4", axolotl=self.quant_type != "nf4")
-        if self.quant_type == "nf4":  # (axolotl's load_in_4bit: bitsandbytes' nf4 with double quantization)
-            into.axolotl["load_in_4bit"] = True
+        if self.quant_type == "nf4":
+            into.ai_toolkit.update({"model.quantize": True, "model.qtype": "uint4"})  # (torchao's 4-bit: half a byte)
+            into.axolotl["load_in_4bit"] = True  # (bitsandbytes' nf4 with double quantization)
             if not self.double_quant:
                 into.axolotl_notes.append("axolotl's qlora quantizes with double quantization (nf4:double_quant=true): "
                                           "about 0.4 bits a weight less than the plan's nf4, a little under the "
                                           "predicted memory")
-        if self.quant_type == "nf4":  # (torchao's 4-bit weights in ai-toolkit: half a byte a weight, as nf4)
-            into.ai_toolkit.update({"model.quantize": True, "model.qtype": "uint4"})
         into.hf_notes.append(f"load the model with from_pretrained(..., dtype=torch.bfloat16 (torch.float16 under fp16), "
                              f"quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="
                              f"'{self.quant_type}', bnb_4bit_use_double_quant={self.double_quant})): the load memfit "

@@ -15,6 +15,10 @@ HF_OPTIM_NAMES = {"adamw_bnb_8bit": "adamw8bit", "adafactor": "adafactor", "adam
                   "adamw_torch_4bit": "adamw4bit-ao", "paged_adamw_8bit": "adamw8bit-paged",
                   "paged_adamw_32bit": "adamw-paged"}
 """TrainingArguments' ``optim`` names of memfit's variants (what their exports write)."""
+TRAINERS_OPTIM_NAMES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", **HF_OPTIM_NAMES,
+                        "adamw_8bit": "adamw8bit"}
+"""Every trainer optimizer name memfit runs -> its own: TrainingArguments' ``optim`` names and axolotl's
+``adamw_8bit`` (bitsandbytes')."""
 
 Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
