@@ -82,7 +82,8 @@ def estimate_target(target: Target, *, fallback: bool = True, timeline: str | No
             worst = report_for(run_tracked(target, fake=True, routing=WORST).tracker, target, method).peak_bytes
     sample = target.workload.info.sample
     facts = [*experts_facts(run.routing, run.step.model, worst, peak), *adapter_facts(run.step.model),
-             *([f"one sample: {sample}"] if sample else [])]
+             *([f"one sample: {sample}"] if sample else []),
+             *([target.workload.info.loaded] if target.workload.info.loaded else [])]
     report = report_for(run.tracker, target, method, notes=notes, trace_seconds=time.perf_counter() - t0,
                         facts=facts, worst_routing_peak_bytes=worst)
     if timeline:

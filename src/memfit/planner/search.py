@@ -384,8 +384,8 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
                         time_model=model.describe(), chosen=chosen, candidates=ranked, traces=walk.traces,
                         seq_len=wl.info.seq_len, limited=walk.limited, slower_than=slower_than,
                         host_budget_bytes=budget_obj.host_bytes,
-                        run_steps=steps, notes=[*space.notes, *(f"{x} (left out)" for x in model.excluded), *walk.notes,
-                               *expanded_note])
+                        run_steps=steps, notes=[*([wl.info.loaded] if wl.info.loaded else []), *space.notes,
+                                                *(f"{x} (left out)" for x in model.excluded), *walk.notes, *expanded_note])
     # NOTE [ The trace limit before a faster plan ]: the walk stopped at ``max_traces`` with nothing chosen, so the
     # smallest plan traced is chosen where it fits: not the fastest that fits (GPT-2 124M, H100 preset, 1.55 GiB,
     # --steps 1000: 250 ms). The reason and a note say so, how many faster plans are untraced, and the flag.

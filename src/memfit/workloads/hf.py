@@ -322,8 +322,9 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
         elif getattr(config, "vision_config", None) is not None:  # (a vision-language model fed its LM's input)
             sample += "; text only: no image is fed, so the vision encoder's weights count and its activations do not"
     sizes = {k: v for k in ("num_hidden_layers", "hidden_size") if isinstance(v := getattr(config, k, None), int)}
-    quantized = _checkpoint_format(data, where)
-    if quantized is not None:
+    dequantized = trained_dequantized(data)
+    quantized = None if dequantized else _checkpoint_format(data, where)
+    if quantized is not None or dequantized:
         config.quantization_config = None  # memfit's base_weights quantizes (transformers' own would at from_pretrained)
     images = split is not None
     loss = _contrastive_loss if task == "contrastive" else image_text.image_text_loss if images else _hf_loss
@@ -335,7 +336,31 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
                                       sample=sample,
                                       coupled_samples=f"{cls.__name__}'s contrastive loss compares each image-text "
                                       "pair with every other pair of the batch" if task == "contrastive" else None,
-                                      config={"model_class": cls.__name__, **sizes}, quantized=quantized))
+                                      config={"model_class": cls.__name__, **sizes}, quantized=quantized,
+                                      loaded=dequantized))
+
+
+# NOTE [ Checkpoints trained dequantized ]
+# A pre-quantized format whose weights transformers cannot train is trained dequantized: gpt-oss ships its
+# experts in MXFP4, and transformers refuses to train them so ("MXFP4 quantization don't support training,
+# please consider dequantizing the model first by passing quantization_config=Mxfp4Config(dequantize=True)"),
+# which OpenAI's and TRL's fine-tuning recipes do: the weights arrive in bf16. So such a checkpoint is the
+# full-precision model here (its weights in the plan's precision: bf16-pure or bf16-base for bf16), and the
+# report says so; refusing it, or planning it with a 4-bit stand-in, answered a question nobody runs.
+DEQUANTIZED_TO_TRAIN = {"mxfp4": "Mxfp4Config(dequantize=True)"}
+"""Pre-quantized formats transformers trains only dequantized -> the load argument that dequantizes them."""
+
+
+def trained_dequantized(data: dict) -> str | None:
+    """How a checkpoint stored in a format transformers cannot train is loaded to train it, in words, or None
+    (NOTE [ Checkpoints trained dequantized ])."""
+    q = data.get("quantization_config")
+    method = str(q.get("quant_method")) if isinstance(q, dict) else None
+    if method not in DEQUANTIZED_TO_TRAIN:
+        return None
+    return (f"checkpoint: its weights are stored in {method.upper()}, which transformers does not train; planned "
+            f"dequantized to bf16 as loaded with quantization_config={DEQUANTIZED_TO_TRAIN[method]} (the weights' "
+            "precision is the plan's: bf16-pure or bf16-base keep them in bf16)")
 
 
 def _checkpoint_format(data: dict, where: str) -> str | None:

@@ -191,6 +191,23 @@ def test_a_pre_quantized_checkpoint_loads_in_its_own_format(tmp_path):
                          seq_len=16).info.quantized == "int8"
 
 
+def test_an_mxfp4_checkpoint_is_planned_dequantized_as_transformers_trains_it(tmp_path):
+    """gpt-oss stores its weights in MXFP4, which transformers refuses to train; its fine-tuning recipes load it
+    with ``Mxfp4Config(dequantize=True)``. It was refused as a format memfit does not model, with nf4 suggested:
+    now it is the full-precision model, predicted as the same config without quantization_config, and the
+    report says how it was loaded."""
+    folder = _folder(tmp_path / "mxfp4", {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]})
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "config.json").write_text(json.dumps(LLAMA_CONFIG))
+    wl = load_workload(folder, seq_len=16)
+    assert wl.info.quantized is None and "Mxfp4Config(dequantize=True)" in wl.info.loaded
+    plan = memfit.Plan(adapter="lora:r=4", precision="bf16-pure")
+    mx, same = (estimate(f, plan, batch_size=2, seq_len=16, device="rtx4090") for f in (folder, str(full)))
+    assert mx.peak_bytes == same.peak_bytes and mx.plan["base_weights"] == "as-is"
+    assert wl.info.loaded in mx.facts and wl.info.loaded not in same.facts
+
+
 @pytest.mark.parametrize("spec", ["dit-lumina2:num_layers=2", "dit-sd3:num_layers=2"])
 def test_a_diffusion_qlora_loads_each_weight_in_its_final_form(spec):
     """The built-in diffusers models load as diffusers' ``from_pretrained`` loads them. Built on the
