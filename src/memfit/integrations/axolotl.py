@@ -17,6 +17,8 @@ config.yml`` (and ``plan``).
 | ``optimizer`` | ``adamw_torch``, ``adamw_torch_fused``, ``adamw_hf``: ``adamw``; ``adamw_bnb_8bit``: ``adamw8bit``; ``paged_adamw_32bit``, ``paged_adamw_8bit``: ``adamw-paged``, ``adamw8bit-paged`` (states in CUDA managed memory); torchao's ``adamw_torch_8bit``, ``adamw_torch_4bit``: ``adamw8bit-ao``, ``adamw4bit-ao``; ``adafactor``; ``sgd`` |
 | ``max_grad_norm``; ``torch_compile: true`` | ``max_grad_norm``; ``compile: full`` |
 | ``liger_fused_linear_cross_entropy: true`` | ``loss_chunks``: Liger's number of slices for the model's width and vocabulary (8 where its config cannot be read), said |
+| ``plugins: [...CutCrossEntropyPlugin]`` (``cut_cross_entropy`` not false) | ``loss_chunks`` in Liger's slices, said: Cut Cross-Entropy holds no logits at all, the prediction one slice's more |
+| ``model_quantization_config: Mxfp4Config`` with ``dequantize: true`` | the model in bf16, as memfit plans an MXFP4 checkpoint (gpt-oss) |
 
 What the estimate ignores, and how it says so:
 
@@ -27,8 +29,8 @@ What the estimate ignores, and how it says so:
   adapter or an optimizer memfit does not run.
 - **Ignored in silence**: fields of the run around the step (data, schedule, logging, saving,
   evaluation, the tokenizer, the hub: :data:`NO_MEMORY_EFFECT`), and the attention flags
-  (``flash_attention``, ``sdp_attention``, ``xformers_attention``: memfit's CUDA model already takes
-  the fused kernels). ``sample_packing`` makes every sample ``sequence_len`` tokens long, which is
+  (``flash_attention``, ``sdp_attention``, ``xformers_attention``, and ``attn_implementation`` of a fused kernel:
+  memfit's CUDA model already takes the fused kernels). ``sample_packing`` makes every sample ``sequence_len`` tokens long, which is
   what memfit traces; without it, a batch is padded to its longest sample, at most that.
 - **Ignored with a warning**: any other field set (a field left empty is as if absent), one line naming
   it.
@@ -69,7 +71,8 @@ special_tokens tokens train_on_inputs group_by_length pad_to_sequence_len sample
 flash_attn_cross_entropy flash_attn_rms_norm flash_attn_fuse_qkv flash_attn_fuse_mlp sdp_attention
 xformers_attention tf32 gradient_checkpointing_kwargs lora_fan_in_fan_out logging_dir shuffle_merged_datasets
 default_system_message dataloader_num_workers dataloader_pin_memory dataloader_prefetch_factor remove_unused_columns
-gptq lora_model_dir profiler_steps include_tokens_per_second
+gptq lora_model_dir profiler_steps include_tokens_per_second eot_tokens skip_prepare_dataset loss_watchdog_threshold
+loss_watchdog_patience tokenizer_use_mistral_common ddp_find_unused_parameters save_only_model processor_type eta_min
 """.split())
 """Fields of the run around the step (ignored without a word)."""
 
@@ -77,10 +80,20 @@ MAPPED = frozenset("""
 base_model base_model_config adapter lora_r lora_alpha lora_dropout lora_target_modules lora_target_linear
 lora_modules_to_save peft_use_dora load_in_4bit load_in_8bit sequence_len micro_batch_size gradient_accumulation_steps
 batch_size gradient_checkpointing activation_offloading bf16 fp16 optimizer max_grad_norm torch_compile fsdp fsdp_config fsdp_version
-liger_fused_linear_cross_entropy
+liger_fused_linear_cross_entropy attn_implementation plugins cut_cross_entropy model_quantization_config
+model_quantization_config_kwargs
 """.split())
 LIGER_CHUNKS = 8
 """memfit's chunked loss for Liger's fused linear cross-entropy: the logits of one slice of the tokens at a time."""
+
+FUSED_ATTENTION = ("flash_attention_2", "flash_attention_3", "sdpa", "xformers")
+"""``attn_implementation`` values whose kernels hold no [heads, T, T] matrix: memfit's CUDA model takes SDPA's fused
+kernels for the model's attention, as the deprecated flags (``flash_attention: true``...) said; a hub kernel of
+flash attention (``kernels-community/vllm-flash-attn3``) too."""
+CUT_CROSS_ENTROPY = "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"
+PLUGINS_WITHOUT_MEMORY = ("axolotl.integrations.liger.LigerPlugin",  # (its kernels: the liger_* fields)
+                          "axolotl.integrations.swanlab.SwanLabPlugin")
+"""Plugins with nothing of their own to map: Liger's fields are read one by one, SwanLab logs."""
 
 OPTIMIZERS = {**TRAINERS_OPTIM_NAMES, "adamw": "adamw", "sgd": "sgd"}
 """axolotl's optimizer names memfit runs: TrainingArguments' ``optim`` names (torchao's ``adamw_torch_8bit`` and
@@ -125,15 +138,23 @@ def map_config(data: dict, where: str, device: Device) -> TrainingConfig:
         fields["max_grad_norm"] = data["max_grad_norm"]
     if data.get("torch_compile") not in (None, False):
         fields["compile"] = "full"
+    warnings.extend(_attention(data, where))
+    plugins = _plugins(data, where, warnings)
+    seq = data.get("sequence_len")
+    chunks = liger_chunks(model.strip(), micro * seq) if isinstance(seq, int) and seq > 0 else None
     if data.get("liger_fused_linear_cross_entropy"):  # (Liger's head and loss: the logits never whole)
-        seq = data.get("sequence_len")
-        chunks = liger_chunks(model.strip(), micro * seq) if isinstance(seq, int) and seq > 0 else None
         fields["loss_chunks"] = chunks or LIGER_CHUNKS
         warnings.append(f"axolotl config {where}: liger_fused_linear_cross_entropy predicted as memfit's chunked loss "
                         + (f"in Liger's {chunks} slices of the micro-batch's tokens (Liger keeps each slice's logits in "
                            "16 bits and takes the input's gradient in forward)" if chunks else
                            f"in {LIGER_CHUNKS} slices (the model's width and vocabulary, by which Liger sizes its "
                            "slices, were not read)"))
+    elif CUT_CROSS_ENTROPY in plugins and data.get("cut_cross_entropy", True) is not False:  # NOTE [ Cut Cross-Entropy ]
+        fields["loss_chunks"] = chunks or LIGER_CHUNKS
+        warnings.append(f"axolotl config {where}: Cut Cross-Entropy predicted as memfit's chunked loss in "
+                        + (f"{chunks} slices of the micro-batch's tokens, each slice's logits about the hidden states' "
+                           "size" if chunks else f"{LIGER_CHUNKS} slices (the model's config.json was not read)")
+                        + ": CCE holds no slice's logits, so the prediction is higher by about one slice's")
     if accum > 1:
         fields["micro_batch_size"] = micro
     sharded = is_sharded(data)
@@ -145,10 +166,47 @@ def map_config(data: dict, where: str, device: Device) -> TrainingConfig:
         plan = Plan(**fields)
     except UserError as e:
         raise UserError(f"--from {where}: {str(e).removeprefix('plan: ')}") from None
-    seq = data.get("sequence_len")
     return TrainingConfig(where, model.strip(), micro * accum, micro,
                          whole(data, "sequence_len", where, None) if seq is not None else None, plan, tuple(warnings),
                          ranks_from_launcher=LAUNCHER_RANKS if sharded else None, batch_per_rank=True)
+
+
+def _attention(data: dict, where: str) -> list[str]:
+    """``attn_implementation``: a fused kernel is what memfit predicts (nothing said); another one, a line."""
+    value = data.get("attn_implementation")
+    if value is None or value in FUSED_ATTENTION or "flash" in str(value).lower():
+        return []
+    return [f"axolotl config {where}: attn_implementation {value} is not mapped; the estimate predicts the model's "
+            "attention with SDPA's fused kernels"]
+
+
+# NOTE [ Cut Cross-Entropy ]
+# axolotl's CutCrossEntropyPlugin (70 of its 250 example configs) patches the model's loss with Apple's Cut
+# Cross-Entropy: the output layer and the cross-entropy in one kernel that never writes the logits, forward or
+# backward (each block of the vocabulary's logits lives in the GPU's on-chip memory). Left unmapped, memfit
+# predicted the whole logits and their fp32 copies (gpt-oss-20b at 4,096 tokens: 3.1 GiB each). The nearest
+# memfit step is its chunked loss, with Liger's slices: one slice's logits, about the hidden states' size, at a
+# time, recomputed in backward. That holds one slice's logits more than CCE, so the prediction is the higher,
+# and the warning says by what.
+def _plugins(data: dict, where: str, warnings: list[str]) -> list[str]:
+    """The config's plugins; each memfit cannot map named in a warning."""
+    plugins = data.get("plugins") or []
+    if not isinstance(plugins, list) or not all(isinstance(p, str) for p in plugins):
+        raise UserError(f"--from {where}: plugins is a list of plugin class paths, got {plugins!r}")
+    warnings.extend(f"axolotl config {where}: plugin {p} is not mapped; the estimate ignores it" for p in plugins
+                    if p not in (CUT_CROSS_ENTROPY, *PLUGINS_WITHOUT_MEMORY))
+    if data.get("model_quantization_config") is not None and not _dequantized_mxfp4(data):
+        warnings.append(f"axolotl config {where}: model_quantization_config {data['model_quantization_config']} is not "
+                        "mapped; the estimate ignores it")
+    return plugins
+
+
+def _dequantized_mxfp4(data: dict) -> bool:
+    """``model_quantization_config: Mxfp4Config`` with ``dequantize: true``: the model loads in bf16, as memfit plans
+    an MXFP4 checkpoint (NOTE [ Checkpoints trained dequantized ] in memfit.workloads.hf)."""
+    kwargs = data.get("model_quantization_config_kwargs") or {}
+    return data.get("model_quantization_config") == "Mxfp4Config" and isinstance(kwargs, dict) and \
+        kwargs.get("dequantize") is True
 
 
 def liger_chunks(model: str, tokens: int) -> int | None:
