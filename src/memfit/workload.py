@@ -64,7 +64,7 @@ class WorkloadInfo:
     config.json's ``quantization_config``: bitsandbytes' ``nf4``, ``fp4``, ``int8``); None: full precision."""
     loaded: str | None = None
     """How the checkpoint is loaded to train where not as stored, in words (a format transformers trains only
-    dequantized: memfit.workloads.hf.trained_dequantized), shown with the estimate and the plan; None: as stored."""
+    dequantized: memfit.workloads.checkpoint_formats.trained_dequantized), shown with the estimate and the plan; None: as stored."""
 
 
 @dataclass

@@ -9,6 +9,7 @@ config.yml`` (and ``plan``).
 | ``lora_target_modules``; ``lora_target_linear: true`` | its ``targets``; ``targets=linear-modules`` (axolotl's ``find_all_linear_names``) |
 | ``lora_modules_to_save``; ``peft_use_dora: true`` | its ``save``; a DoRA adapter |
 | ``load_in_4bit`` / ``load_in_8bit`` | ``base_weights: nf4:double_quant=true`` / ``int8`` |
+| ``quantize_moe_experts: true`` (with 4-bit weights) | ``base_weights: nf4:double_quant=true,experts=true``: the experts' 3-D weights too |
 | ``sequence_len`` | the sequence length |
 | ``micro_batch_size`` x ``gradient_accumulation_steps`` | the global batch, split into micro-batches of ``micro_batch_size`` |
 | ``gradient_checkpointing: true`` | ``checkpointing: blocks`` (Hugging Face's: each decoder layer) |
@@ -81,7 +82,7 @@ base_model base_model_config adapter lora_r lora_alpha lora_dropout lora_target_
 lora_modules_to_save peft_use_dora load_in_4bit load_in_8bit sequence_len micro_batch_size gradient_accumulation_steps
 batch_size gradient_checkpointing activation_offloading bf16 fp16 optimizer max_grad_norm torch_compile fsdp fsdp_config fsdp_version
 liger_fused_linear_cross_entropy attn_implementation plugins cut_cross_entropy model_quantization_config
-model_quantization_config_kwargs
+model_quantization_config_kwargs quantize_moe_experts
 """.split())
 LIGER_CHUNKS = 8
 """memfit's chunked loss for Liger's fused linear cross-entropy: the logits of one slice of the tokens at a time."""
@@ -124,8 +125,9 @@ def map_config(data: dict, where: str, device: Device) -> TrainingConfig:
     model = data.get("base_model_config") or data.get("base_model")
     if not isinstance(model, str) or not model.strip():
         raise UserError(f"--from {where}: no base_model; the config names the model it trains (a hub id or a folder)")
-    warnings = [f"axolotl config {where}: {key} is not mapped; the estimate ignores it"
-                for key in data if key not in MAPPED and key not in NO_MEMORY_EFFECT and key not in REFUSED]
+    warnings = [f"axolotl config {where}: {key} is not mapped; the estimate ignores it"  # (a flag set false: as absent)
+                for key, value in data.items()
+                if key not in MAPPED and key not in NO_MEMORY_EFFECT and key not in REFUSED and value is not False]
     micro = whole(data, "micro_batch_size", where, 1)
     accum = whole(data, "gradient_accumulation_steps", where, 1)
     if "batch_size" in data and "micro_batch_size" not in data:
@@ -134,6 +136,9 @@ def map_config(data: dict, where: str, device: Device) -> TrainingConfig:
     method = _method(data, where)
     fields = {**method, **precision_fields(data, device, "adapter" in method), **_optimizer(data, where)}
     fields.update(_checkpointing(data, where, warnings))
+    if data.get("quantize_moe_experts") and "experts=true" not in str(fields.get("base_weights")):
+        warnings.append(f"axolotl config {where}: quantize_moe_experts without 4-bit weights (axolotl's own 8-bit "
+                        "experts) is not mapped; the estimate keeps the experts in 16 bits")
     if data.get("max_grad_norm") is not None:
         fields["max_grad_norm"] = data["max_grad_norm"]
     if data.get("torch_compile") not in (None, False):
@@ -264,6 +269,8 @@ def _method(data: dict, where: str) -> dict:
     if four and eight:
         raise UserError(f"--from {where}: load_in_4bit and load_in_8bit are both set; keep one")
     weights = "nf4:double_quant=true" if four or kind == "qlora" else "int8" if eight else None
+    if data.get("quantize_moe_experts") and weights and weights.startswith("nf4"):  # (bitsandbytes' parametrization)
+        weights += ",experts=true"
     if kind in (None, "", False):
         if weights:
             raise UserError(f"--from {where}: load_in_{'4' if four else '8'}bit without an adapter trains nothing; "

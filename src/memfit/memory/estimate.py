@@ -123,6 +123,6 @@ def _real_fallback(target: Target, err: TraceError):
 
 def plan_notes(plan) -> list[str]:
     """What a prediction of ``plan`` approximates: each technique's notes, and what a QLoRA plan's precision
-    is not (memfit.techniques.base_weights.precision_notes)."""
-    from memfit.techniques.base_weights import precision_notes
+    is not (memfit.techniques.half_weights.precision_notes)."""
+    from memfit.techniques.half_weights import precision_notes
     return [*(note for config in plan.techniques for note in config.notes()), *precision_notes(plan)]

@@ -156,8 +156,9 @@ class RoutingMode(TorchDispatchMode):
                 super().__enter__()  # the mode is on the stack during experts calls only
             self._layers.append((module, layer))
             if id(module) not in self.answers.layers and not layer.gate:  # (a router: once it reads its counts)
-                self._seen(module, layer, sum(_numel(p) for p in module.parameters()
-                                              if p.dim() and p.shape[0] == layer.experts))
+                shapes = stored_shapes(module)
+                self._seen(module, layer, sum(_numel(p, shapes) for p in module.parameters()
+                                              if p.dim() and _shape(p, shapes)[0] == layer.experts))
 
     def _seen(self, module, layer: _Layer, expert_params: int | None) -> None:
         self.answers.layers[id(module)] = ExpertsLayer(
@@ -261,11 +262,27 @@ def _routing_of(module, args) -> _Layer | None:
                   capacity=capacity if isinstance(capacity, int) and capacity > 0 else None)
 
 
-def _numel(p: torch.Tensor) -> int:
-    """Elements of a parameter (a 4-bit one's before packing)."""
-    state = getattr(p, "quant_state", None)
-    shape = getattr(state, "shape", None)
-    return int(torch.Size(shape).numel()) if shape is not None else p.numel()
+def _numel(p: torch.Tensor, shapes: dict | None = None) -> int:
+    """Elements of a parameter (a 4-bit one's before packing; ``shapes``: :func:`stored_shapes`)."""
+    return int(_shape(p, shapes).numel())
+
+
+def _shape(p: torch.Tensor, shapes: dict | None = None) -> torch.Size:
+    """A parameter's shape as the model reads it: a 4-bit layer's or parametrization's before packing."""
+    shape = getattr(getattr(p, "quant_state", None), "shape", None) or (shapes or {}).get(id(p))
+    return torch.Size(shape) if shape is not None else p.shape
+
+
+def stored_shapes(module: torch.nn.Module) -> dict[int, torch.Size]:
+    """``id`` of each weight stored as bitsandbytes' 4-bit codes under a parametrization (experts' weights: NOTE
+    [ Experts quantized as parametrizations ] in memfit.techniques.base_weights) -> the shape the module reads."""
+    out = {}
+    for m in module.modules():
+        for stack in getattr(m, "parametrizations", {}).values():
+            state = next((x.quant_state for x in stack if getattr(x, "quant_state", None) is not None), None)
+            if state is not None:
+                out[id(stack.original)] = torch.Size(state.shape)
+    return out
 
 
 def _is_adapters(name: str) -> bool:
@@ -281,7 +298,8 @@ def experts_facts(answers: RoutingAnswers | None, model, worst_peak: int | None,
     if answers is None or not answers.layers:
         return []
     layers = list(answers.layers.values())
-    total = sum(_numel(p) for name, p in model.named_parameters() if not _is_adapters(name))
+    shapes = stored_shapes(model)
+    total = sum(_numel(p, shapes) for name, p in model.named_parameters() if not _is_adapters(name))
     first = layers[0]
     shape = (f"top-{first.top_k} of {first.experts} experts" if all((x.experts, x.top_k) == (first.experts, first.top_k)
                                                                    for x in layers) else "top-k experts")
@@ -310,9 +328,10 @@ QUANTIZED_LAYERS = ("Linear4bit", "Linear8bitLt", "Float8Linear")
 
 
 def experts_3d_weights(model) -> list[torch.nn.Parameter]:
-    """The experts' weights held as 3-D parameters (one matrix per expert), which quantizing leaves as they are."""
-    return [p for m in model.modules() if isinstance(getattr(m, "num_experts", None), int)
-            for p in m.parameters(recurse=False) if p.dim() >= 3]
+    """The experts' weights held as 3-D parameters (one matrix per expert), which quantizing leaves as they are
+    (but for ``nf4:experts=true``: memfit.techniques.base_weights)."""
+    from memfit.techniques.quantized_experts import experts_3d_parameters
+    return [m.get_parameter(name) for m, name in experts_3d_parameters(model)]
 
 
 def _experts_left_unquantized(model) -> list[str]:
@@ -328,7 +347,8 @@ def _experts_left_unquantized(model) -> list[str]:
     size = sum(p.numel() * p.element_size() for p in kept)
     return [f"base weights: the experts' 3-D weights ({fmt_bytes(size)} in {str(kept[0].dtype).removeprefix('torch.')}) "
             "are not nn.Linear layers, so they are not quantized: bitsandbytes and transformers' BitsAndBytesConfig "
-            "quantize nn.Linear layers only, and leave them so when loading this model in 4 or 8 bits"]
+            "quantize nn.Linear layers only, and leave them so when loading this model in 4 or 8 bits; "
+            "nf4:experts=true quantizes them too (bitsandbytes' parametrization, as axolotl's quantize_moe_experts)"]
 
 
 def _count(n: float) -> str:

@@ -33,7 +33,6 @@ from memfit.devices import Device
 from memfit.errors import CompileFailed, UserError, WeightsExceedBudget
 from memfit.hosts import host_for
 from memfit.memory.budget import Budget
-from memfit.memory.routing import experts_3d_weights
 from memfit.planner import cost
 from memfit.planner.baseline import Baseline
 from memfit.planner.candidate import Candidate, Status
@@ -65,6 +64,7 @@ from memfit.quiet import silenced_warnings
 from memfit.target import Target, checkpoint_fields
 from memfit.techniques.base_weights import STORED_BYTES, least_weight_bytes
 from memfit.techniques.compile import mode_failed
+from memfit.techniques.quantized_experts import experts_left_unquantized
 from memfit.techniques.swap_blocks import least_resident_bytes
 from memfit.units import fmt_bytes
 from memfit.workload import Workload
@@ -442,7 +442,7 @@ def _check_budget_above_weights(budget: int, facts, dev: Device, world_size: int
         share = f", 1/{world_size} of them per rank" if world_size > 1 else ""
         fmt = str(base_weights or "as-is").split(":", 1)[0]
         how = f"with {fmt} linear weights" if fmt in STORED_BYTES else "in 16 bits"
-        kept = sum(p.numel() for p in experts_3d_weights(facts.model)) * other if fmt in STORED_BYTES else 0
+        kept = experts_left_unquantized(facts.model, base_weights) * other
         if kept:  # (a mixture of experts' 3-D weights: no nn.Linear, so bitsandbytes leaves them in 16 bits)
             how += f", {fmt_bytes(kept)} of them the experts' 3-D weights, which {fmt} leaves unquantized (no nn.Linear)"
         raise WeightsExceedBudget(f"budget {fmt_bytes(budget)} is below the model's own parameters "

@@ -9,6 +9,8 @@ Memory/compute trade-off, per frozen linear weight of N elements:
   CUDA's fused kernel takes a small batch) and again in backward: one weight-sized temporary at a
   time, and the dequantization work every step. Lossy (NF4: about 9% relative error on a random
   layer's output, see the tests).
+- ``nf4:experts=true`` (and fp4): a mixture of experts' 3-D expert weights too, with bitsandbytes'
+  parametrization, as axolotl's ``quantize_moe_experts`` (memfit.techniques.quantized_experts).
 - ``int8`` (:class:`Int8Weights`): bitsandbytes' ``Linear8bitLt`` (LLM.int8, outlier threshold 6):
   N bytes plus one fp32 scale per row.
 The LM head (the model's output embedding, or a layer named ``lm_head``) stays as it is, as
@@ -43,6 +45,12 @@ from memfit.errors import UserError
 from memfit.techniques.base import Config, Export, Key, Technique, register
 from memfit.techniques.bnb_kernels import fake_parameter_subclasses, gemm_4bit_kernels, has_4bit_layers
 from memfit.techniques.fp8_linear import Float8Linear, float8_available, quantize
+from memfit.techniques.quantized_experts import (
+    check_adapter,
+    experts_3d_parameters,
+    experts_to_quantize,
+    quantize_expert,
+)
 
 FORMATS = ("as-is", "nf4", "fp4", "int8", "fp8")
 BLOCKSIZE = 64
@@ -64,6 +72,8 @@ class BaseWeights(Config):
         if self.layer is not None:
             if not parts.loaded:
                 _quantize_linears(parts.model, self, self.text)
+                for module, name in self.expert_weights(parts.model):
+                    self.quantize_expert(module, name)
             _prepare_for_kbit_training(parts.model, freeze=not _has_peft_adapter(parts.model),
                                        upcast=parts.plan.config("precision").resolve(parts.device).weights == "fp32")
         if has_4bit_layers(parts.model):
@@ -77,6 +87,8 @@ class BaseWeights(Config):
             return
         for layer in _replace_linears(model, self, self.text):
             load.quantizers[id(layer.weight)] = lambda full, layer=layer: self.quantized(layer, full)
+        for module, name in self.expert_weights(model):
+            load.quantizers[id(module.get_parameter(name))] = lambda full, m=module, n=name: self.quantize_expert(m, n)
         load.bitsandbytes = self.bitsandbytes
 
     bitsandbytes = True
@@ -89,6 +101,13 @@ class BaseWeights(Config):
 
     def quantized(self, layer, full: torch.Tensor) -> torch.nn.Parameter:
         """``layer``'s weight quantized from ``full`` (the weight in full precision, on the device)."""
+        raise NotImplementedError
+
+    def expert_weights(self, model) -> list[tuple[torch.nn.Module, str]]:
+        """(module, name) of the experts' 3-D weights this format quantizes (none but ``nf4:experts=true``)."""
+        return []
+
+    def quantize_expert(self, module: torch.nn.Module, name: str) -> None:
         raise NotImplementedError
 
     def require(self) -> None:
@@ -112,6 +131,8 @@ class Quantized4bit(BaseWeights):
     """``nf4`` (normal-float, QLoRA's) or ``fp4``."""
     double_quant: bool = False
     """Quantize the block scales too (8-bit absmax, one fp32 scale per 256 blocks)."""
+    experts: bool = False
+    """A mixture of experts' 3-D expert weights too (NOTE [ Experts quantized as parametrizations ])."""
 
     @property
     def numerics(self) -> str:
@@ -121,10 +142,21 @@ class Quantized4bit(BaseWeights):
         return _bnb_on_fake_tensors(tables=True)
 
     def values(self) -> dict:
-        return {"base_weights": self.quant_type + (":double_quant=true" if self.double_quant else "")}
+        options = [o for o, on in (("double_quant=true", self.double_quant), ("experts=true", self.experts)) if on]
+        return {"base_weights": self.quant_type + (":" + ",".join(options) if options else "")}
 
     def label(self, batch_size):
-        return self.quant_type + ("-dq" if self.double_quant else "")
+        return self.quant_type + ("-dq" if self.double_quant else "") + ("-experts" if self.experts else "")
+
+    def expert_weights(self, model) -> list[tuple[torch.nn.Module, str]]:
+        return experts_to_quantize(model, self.text) if self.experts else []
+
+    def check(self, plan) -> None:
+        if self.experts:
+            check_adapter(self.text, plan.config("adapter"))
+
+    def quantize_expert(self, module: torch.nn.Module, name: str) -> None:
+        quantize_expert(module, name, self.quant_type, self.double_quant, BLOCKSIZE)
 
     def layer(self, linear: torch.nn.Linear):
         import bitsandbytes as bnb
@@ -236,21 +268,6 @@ class Float8Weights(BaseWeights):
                              "matmul (kohya's --fp8_base)")
 
 
-def precision_notes(plan) -> list[str]:
-    """What an adapter's plan in ``bf16-pure`` is not. QLoRA: the loop of peft's and transformers' guides,
-    whose ``prepare_model_for_kbit_training`` keeps the weights it does not quantize in fp32 (docs/fine-tuning.md:
-    30% more on a small model than bf16-pure predicts). LoRA: ``get_peft_model`` over a model loaded in bf16,
-    which keeps the adapter in fp32 (``bf16-base``: NOTE [ The adapter users' precision ])."""
-    if plan.precision != "bf16-pure" or plan.config("adapter").is_default:
-        return []
-    if not isinstance(plan.config("base_weights"), (Quantized4bit, Int8Weights)):
-        return ["bf16-pure keeps the adapter in bf16 too (torchtune's LoRA); peft's get_peft_model over a model loaded "
-                "in bf16 keeps it in fp32 (as axolotl and kohya's sd-scripts do): --precision bf16-base predicts that"]
-    return ["bf16-pure keeps the weights that are not quantized, and the adapter, in bf16 (torchtune's and Unsloth's "
-            "QLoRA); a loop that calls peft's prepare_model_for_kbit_training keeps them in fp32: --precision bf16 "
-            "predicts that loop"]
-
-
 def _quantize_linears(model: torch.nn.Module, config: BaseWeights, text: str) -> None:
     """The linears replaced (:func:`_replace_linears`) and their weights quantized where they are."""
     for layer in _replace_linears(model, config, text):
@@ -340,10 +357,12 @@ def least_weight_bytes(params, model: torch.nn.Module, base_weights: str | None,
     """Bytes of ``params`` (of ``model``) at the least any plan stores them: the linear weights
     ``base_weights`` quantizes (each ``nn.Linear`` but the output layer, :func:`_replace_linears`) at
     the format's bytes per element, scales left out; every other parameter at ``other`` bytes (16 bits).
-    A mixture of experts' 3-D expert weights are not ``nn.Linear`` layers: no format quantizes them."""
+    A mixture of experts' 3-D expert weights are not ``nn.Linear`` layers: only ``experts=true`` quantizes them."""
     per = STORED_BYTES.get(str(base_weights or "as-is").split(":", 1)[0])  # ("nf4:double_quant=true")
     head = _output_layer(model)
     linear = {id(m.weight) for m in model.modules() if _is_linear(m) and m is not head} if per else set()
+    if per and "experts=true" in str(base_weights):
+        linear |= {id(m.get_parameter(name)) for m, name in experts_3d_parameters(model)}
     return int(sum(p.numel() * (per if id(p) in linear else other) for p in params))
 
 
@@ -403,17 +422,19 @@ def _bnb_on_fake_tensors(tables: bool):
         yield
 
 
-_GRAMMAR = re.compile(r"^(as-is|int8|fp8|(nf4|fp4)(:double_quant=(true|false))?)$")
+_GRAMMAR = re.compile(r"^(as-is|int8|fp8|(nf4|fp4)(:((double_quant|experts)=(true|false)"
+                      r"(,(double_quant|experts)=(true|false))?))?)$")
 
 
 def parse(values: dict) -> BaseWeights:
     text = str(values["base_weights"])
     m = _GRAMMAR.match(text)
-    if not m:
+    options = dict(o.split("=") for o in (m.group(4) or "").split(",") if o) if m else {}
+    if not m or (m.group(4) and len(options) != m.group(4).count(",") + 1):
         raise UserError(f"plan: base_weights {text!r} is not valid; choose one of as-is, nf4, fp4, int8, fp8 "
-                        "(nf4 and fp4 take :double_quant=true, e.g. nf4:double_quant=true)")
+                        "(nf4 and fp4 take :double_quant=true and experts=true, e.g. nf4:double_quant=true)")
     if m.group(2):
-        return Quantized4bit(m.group(2), m.group(4) == "true")
+        return Quantized4bit(m.group(2), options.get("double_quant") == "true", options.get("experts") == "true")
     if text == "fp8":
         return Float8Weights()
     return {"as-is": AsIsWeights(), "int8": Int8Weights()}[text]
@@ -421,7 +442,8 @@ def parse(values: dict) -> BaseWeights:
 
 TECHNIQUE = register(
     Technique("base_weights", (Key("base_weights", "as-is", "Base model's linear weights: as-is | nf4 | fp4 | int8 | "
-                                   "fp8; nf4/fp4 take :double_quant=true (QLoRA's nf4:double_quant=true).",
+                                   "fp8; nf4/fp4 take :double_quant=true (QLoRA's nf4:double_quant=true) and "
+                                   "experts=true (a mixture of experts' 3-D expert weights too).",
                                    metavar="FORMAT"),),
               parse),
     BaseWeights, AsIsWeights, Quantized4bit, Int8Weights, Float8Weights)

@@ -98,3 +98,19 @@ def arrive_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
     for p in model.parameters():
         if p.device.type == "meta" and p.is_floating_point() and p.element_size() > 2 and id(p) not in kept:
             p.data = torch.empty_like(p, dtype=dtype)
+
+
+def precision_notes(plan) -> list[str]:
+    """What an adapter's plan in ``bf16-pure`` is not. QLoRA: the loop of peft's and transformers' guides,
+    whose ``prepare_model_for_kbit_training`` keeps the weights it does not quantize in fp32 (docs/fine-tuning.md:
+    30% more on a small model than bf16-pure predicts). LoRA: ``get_peft_model`` over a model loaded in bf16,
+    which keeps the adapter in fp32 (``bf16-base``: NOTE [ The adapter users' precision ])."""
+    if plan.precision != "bf16-pure" or plan.config("adapter").is_default:
+        return []
+    from memfit.techniques.base_weights import Int8Weights, Quantized4bit
+    if not isinstance(plan.config("base_weights"), (Quantized4bit, Int8Weights)):
+        return ["bf16-pure keeps the adapter in bf16 too (torchtune's LoRA); peft's get_peft_model over a model loaded "
+                "in bf16 keeps it in fp32 (as axolotl and kohya's sd-scripts do): --precision bf16-base predicts that"]
+    return ["bf16-pure keeps the weights that are not quantized, and the adapter, in bf16 (torchtune's and Unsloth's "
+            "QLoRA); a loop that calls peft's prepare_model_for_kbit_training keeps them in fp32: --precision bf16 "
+            "predicts that loop"]

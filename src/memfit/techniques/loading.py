@@ -102,7 +102,9 @@ def materialise(model: torch.nn.Module, device: str | torch.device, load: Load |
         _put(owners[id(old)], torch.nn.Parameter(new, requires_grad=False))
         _initialise_module(model, module)  # values before quantizing, as the checkpoint's weight has them
         del new
-        _put(owners[id(old)], quantize(module.get_parameter(owners[id(old)][0][1])))
+        weight = quantize(module.get_parameter(owners[id(old)][0][1]))
+        if weight is not None:  # (None: the quantizer replaced it itself, a parametrization: an expert's weight)
+            _put(owners[id(old)], weight)
         quantized.append(module)
     _initialise(model, skip=quantized, buffer_values=buffer_values or {})
 
@@ -194,11 +196,15 @@ def _default_fill(attr: str, t: torch.Tensor) -> None:
 
 @stand_in_values()
 def _initialise_module(model: torch.nn.Module, module: torch.nn.Module) -> None:
-    """One module's values (a weight about to be quantized)."""
+    """One module's values (a weight about to be quantized). A module with a weight quantized already as a
+    parametrization (experts' weights) has its new tensors filled only: its initialisation would dequantize the
+    others, which a checkpoint's load never does."""
     with torch.no_grad():
         for attr, t in module._parameters.items():
             if t is not None:
                 _default_fill(attr, t)
+    if torch.nn.utils.parametrize.is_parametrized(module):
+        return
     init = getattr(model, "_init_weights", None)
     if callable(init):
         init(module)
