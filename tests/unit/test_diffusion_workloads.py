@@ -74,7 +74,9 @@ SLOW = {("unet-sdxl", "bf16", "none"), ("unet-sdxl", "bf16", "blocks"),  # (keep
         ("dit-lumina2", "bf16", "none"), ("dit-lumina2", "fp32", "blocks"),  # lumina2 fp32-none stays, and its
         ("dit-lumina2", "bf16", "blocks"), ("dit-flux", "fp32", "none"),  # bf16-blocks LoRA in test_adapter; flux bf16-blocks;
         ("unet-sd15", "fp32", "none"), ("dit-qwenimage", "fp32", "none"),
-        ("dit-flux2", "fp32", "none"), ("dit-wan", "fp32", "none")}  # diffusers' UNet2DConditionModel stays in test_adapter's unet-sdxl LoRA)
+        ("dit-flux2", "fp32", "none"), ("dit-wan", "fp32", "none"),  # diffusers' UNet2DConditionModel stays in test_adapter's unet-sdxl LoRA)
+        ("dit-sd3", "fp32", "none"), ("dit-chroma", "fp32", "none"), ("dit-zimage", "fp32", "none"),  # (each model's
+        ("dit-hunyuan-video", "fp32", "none")}  # bf16-blocks, what its LoRA users run, stays)
 
 
 def _profile(arch: str, precision: str, ckpt: str):

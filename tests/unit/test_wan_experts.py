@@ -47,7 +47,8 @@ def test_low_vram_trains_bit_exactly_as_both_experts_on_the_device(fields):
                          run_steps(low, plan, steps=3, batch_size=2, seq_len=None))
 
 
-@pytest.mark.parametrize("options, fields", [("experts=2", {}), ("experts=2,low_vram=true", {}),
+@pytest.mark.parametrize("options, fields", [("experts=2", {}),  # (low_vram alone: slow; its nf4 case stays)
+                                             pytest.param("experts=2,low_vram=true", {}, marks=pytest.mark.slow),
                                              ("experts=2,switch=step", {}),
                                              ("experts=2,low_vram=true", {"base_weights": "nf4"})])
 def test_two_experts_predicted_within_1pct_of_the_profiler(options, fields):

@@ -64,7 +64,7 @@ from memfit.quiet import silenced_warnings
 from memfit.target import Target, checkpoint_fields
 from memfit.techniques.base_weights import STORED_BYTES, least_weight_bytes
 from memfit.techniques.compile import mode_failed
-from memfit.techniques.quantized_experts import experts_left_unquantized
+from memfit.techniques.quantized_experts import experts_left_said
 from memfit.techniques.swap_blocks import least_resident_bytes
 from memfit.units import fmt_bytes
 from memfit.workload import Workload
@@ -442,9 +442,7 @@ def _check_budget_above_weights(budget: int, facts, dev: Device, world_size: int
         share = f", 1/{world_size} of them per rank" if world_size > 1 else ""
         fmt = str(base_weights or "as-is").split(":", 1)[0]
         how = f"with {fmt} linear weights" if fmt in STORED_BYTES else "in 16 bits"
-        kept = experts_left_unquantized(facts.model, base_weights) * other
-        if kept:  # (a mixture of experts' 3-D weights: no nn.Linear, so bitsandbytes leaves them in 16 bits)
-            how += f", {fmt_bytes(kept)} of them the experts' 3-D weights, which {fmt} leaves unquantized (no nn.Linear)"
+        how += experts_left_said(facts.model, base_weights, other)  # (a MoE's 3-D weights: no nn.Linear)
         raise WeightsExceedBudget(f"budget {fmt_bytes(budget)} is below the model's own parameters "
                                   f"({fmt_bytes(min_bytes)} for {facts.n_params / 1e6:.1f}M parameters {how}{share}); "
                                   "give a budget above that, or shard the model over more ranks (--world-size)", min_bytes)

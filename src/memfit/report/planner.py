@@ -132,6 +132,9 @@ def print_methods(rows, console: Console | None = None) -> None:
     c.print(t)
     for method, _, _ in rows:  # (below the table: a column of sentences wrapped each row on a narrow terminal)
         c.print(f"[dim]  {method.name}: {escape(method.trains)}[/]")
+    for method, result, _ in rows:  # (why a method cannot fit: its weights' bytes, and what would quantize more)
+        if result.least_bytes is not None and result.notes:
+            c.print(f"[dim]  {method.name} cannot fit: {escape(result.notes[0])}[/]")
 
 
 def _rate(result, candidate, unit: bool = True) -> str:

@@ -41,13 +41,18 @@ def quantize_expert(module: torch.nn.Module, name: str, quant_type: str, double_
     replace_parameter_4bit(module, name, compress_statistics=double_quant, quant_type=quant_type, blocksize=blocksize)
 
 
-def experts_left_unquantized(model, base_weights) -> int:
-    """Elements of the experts' 3-D weights that ``base_weights`` (a plan value) leaves in 16 bits: all of them
-    under a quantized format without ``experts=true``, none otherwise."""
+def experts_left_said(model, base_weights, element_bytes: int) -> str:
+    """The experts' 3-D weights that ``base_weights`` (a plan value) leaves as they are, in words for a refusal's
+    count of the weights' bytes (at ``element_bytes`` each): all of them under a quantized format without
+    ``experts=true``; "" where none is left so."""
+    from memfit.units import fmt_bytes
     text = str(base_weights or "as-is")
-    if text.split(":", 1)[0] not in ("nf4", "fp4", "int8", "fp8") or "experts=true" in text:
-        return 0
-    return sum(m.get_parameter(name).numel() for m, name in experts_3d_parameters(model))
+    fmt = text.split(":", 1)[0]
+    if fmt not in ("nf4", "fp4", "int8", "fp8") or "experts=true" in text:
+        return ""
+    kept = sum(m.get_parameter(name).numel() for m, name in experts_3d_parameters(model)) * element_bytes
+    return (f", {fmt_bytes(kept)} of them the experts' 3-D weights, which {fmt} leaves unquantized (no nn.Linear; "
+            "nf4:experts=true quantizes them)") if kept else ""
 
 
 def experts_to_quantize(model, text: str) -> list[tuple[torch.nn.Module, str]]:
