@@ -205,6 +205,9 @@ class LoRA(Adapter):
             fields["lora_alpha"] = self.alpha
         if LINEAR_MODULES in self.targets:
             fields["lora_target_linear"] = True
+            if fields.get("quantize_moe_experts"):
+                into.axolotl_notes.append("axolotl refuses lora_target_linear with quantize_moe_experts: name the "
+                                          "linear layers in lora_target_modules instead (the same layers)")
         named = [t for t in self.targets if t != LINEAR_MODULES]
         if named and not self.in_blocks:
             fields["lora_target_modules"] = named

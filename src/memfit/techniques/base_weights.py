@@ -175,10 +175,10 @@ class Quantized4bit(BaseWeights):
         return weight.to(full.device)  # quantizes (bitsandbytes' Params4bit.to, as transformers' Bnb4bitQuantize)
 
     def export(self, into: Export) -> None:
-        into.not_carried(self, ai_toolkit=self.quant_type != "nf4", axolotl=self.quant_type != "nf4")
+        into.not_carried(self, ai_toolkit=self.quant_type != "nf4" or self.experts, axolotl=self.quant_type != "nf4")
         if self.quant_type == "nf4":
             into.ai_toolkit.update({"model.quantize": True, "model.qtype": "uint4"})  # (torchao's 4-bit: half a byte)
-            into.axolotl["load_in_4bit"] = True  # (bitsandbytes' nf4 with double quantization)
+            into.axolotl.update(load_in_4bit=True, **({"quantize_moe_experts": True} if self.experts else {}))
             if not self.double_quant:
                 into.axolotl_notes.append("axolotl's qlora quantizes with double quantization (nf4:double_quant=true): "
                                           "about 0.4 bits a weight less than the plan's nf4, a little under the "

@@ -109,3 +109,10 @@ def _experts(folder):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
     return [(n, p) for n, p in model.named_parameters() if p.dim() >= 3]
+
+
+def test_the_plan_written_for_axolotl_quantizes_the_experts_too():
+    from memfit.integrations.axolotl_export import to_axolotl
+    out = to_axolotl(Plan(base_weights="nf4:double_quant=true,experts=true", adapter="lora:r=16",
+                          precision="bf16-base"), 1, "m", 2048)
+    assert out.fields["load_in_4bit"] is True and out.fields["quantize_moe_experts"] is True
