@@ -15,6 +15,8 @@ from memfit.errors import UserError
 from memfit.workloads import hub
 from memfit.workloads.hub import hub_config_folder
 
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
 FLUX = {"_class_name": "FluxTransformer2DModel", "attention_head_dim": 16, "num_attention_heads": 2, "num_layers": 1,
         "num_single_layers": 1, "in_channels": 16, "joint_attention_dim": 32, "pooled_projection_dim": 16,
         "axes_dims_rope": [4, 6, 6], "guidance_embeds": True}
@@ -40,7 +42,7 @@ def unreachable(hub_cache, monkeypatch):
     """The cache, with HF_HUB_OFFLINE unset and every name lookup failing; returns the names asked for."""
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    for v in hub.PROXY_VARIABLES:
+    for v in PROXY_VARIABLES:
         monkeypatch.delenv(v, raising=False)
     monkeypatch.setattr(hub, "_REACHABLE", {})
     monkeypatch.setattr(_http.time, "sleep", lambda s: None)
@@ -99,8 +101,31 @@ def test_an_id_not_cached_is_one_line_at_once(unreachable):
     assert unreachable.asked == ["huggingface.co"]
 
 
-def test_a_proxy_connects_to_the_hub_for_the_machine(unreachable, monkeypatch):
-    """With a proxy set, the machine's own connection says nothing of the hub: no connection is tried, the lookups
-    ask the hub."""
+def test_a_proxy_is_asked_as_the_lookups_would_ask_it(unreachable, monkeypatch):
+    """With a proxy set, the one request goes through it, as huggingface_hub's lookups would (before, a proxy
+    skipped the probe, and a proxy that could not be reached cost the first lookup's retries)."""
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
-    assert hub._connects(constants.ENDPOINT) and not unreachable.asked
+    from huggingface_hub.utils import _http
+    monkeypatch.setattr(_http, "_GLOBAL_CLIENT", None, raising=False)  # (a client made with the proxy set)
+    assert not hub._connects(constants.ENDPOINT) and unreachable.asked == ["proxy.invalid"]
+
+
+def test_a_host_that_accepts_the_connection_and_never_answers_is_unreachable(monkeypatch):
+    """A connection opens (a captive portal, a hanging proxy) and no answer comes: one probe's seconds, then the
+    cache alone. A TCP connection alone said yes, and the first lookup waited its retries (23 s)."""
+    import threading
+    import time
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    held = []
+    threading.Thread(target=lambda: held.append(server.accept()), daemon=True).start()
+    monkeypatch.setattr(hub, "PROBE_SECONDS", 0.5)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    t0 = time.perf_counter()
+    try:
+        assert not hub._connects(f"http://127.0.0.1:{server.getsockname()[1]}")
+    finally:
+        server.close()
+    assert held and time.perf_counter() - t0 < 5

@@ -13,9 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import re
-import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -151,16 +149,17 @@ def _adapter_folder(download, repo_id: str, revision: str | None) -> Path | None
 # optional ones (its text encoders' configs, a vision-language model's preprocessor_config.json). So
 # an estimate of a pipeline whose model_index.json and transformer/config.json were cached, as memfit's
 # own message advises, waited 70 s offline, every run, and an id not cached at all waited 70 s for its
-# one-line error. Now, before a process's first lookup, one connection to the hub's host is tried
-# (``PROBE_SECONDS`` at most: a name that does not resolve fails at once, a firewall that drops the
-# packets at the timeout; skipped where a proxy is set, which connects instead); where it fails, and
+# one-line error. Now, before a process's first lookup, the hub is asked once for its front page's headers,
+# through huggingface_hub's own HTTP client and its proxies, with no retry (``PROBE_SECONDS`` at most: a name
+# that does not resolve fails at once, a firewall that drops the packets at the timeout, and a connection that
+# opens on a host that never answers, a captive portal's or a proxy's that hangs, at the timeout too: a TCP
+# connection alone said yes there, and the first lookup then waited its 23 s of retries); where it fails, and
 # once any lookup could not reach the hub, the lookups read the cache alone (``local_files_only``).
-# Files cached answer as before; a hub that can be reached is asked as before.
+# Files cached answer as before; a hub that answers, whatever its status, is asked as before.
 _REACHABLE: dict[str, bool] = {}
 """Hub endpoint -> whether this process found it reachable (NOTE [ A hub that cannot be reached ])."""
-PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 PROBE_SECONDS = 4.0
-"""The longest the one connection tried before the lookups waits (a TCP handshake takes well under a second)."""
+"""The longest the one request before the lookups waits (the hub answers a HEAD in well under a second)."""
 
 
 class _Lookups:
@@ -184,15 +183,14 @@ class _Lookups:
 
 
 def _connects(endpoint: str) -> bool:
-    """A connection to the endpoint's host opens within ``PROBE_SECONDS``, or a proxy set in the environment
-    connects instead (True: ask the hub)."""
-    url = urlparse(endpoint)
-    if not url.hostname or any(os.environ.get(v) for v in PROXY_VARIABLES):
+    """The endpoint answers a HEAD request within ``PROBE_SECONDS``, through huggingface_hub's HTTP client (its
+    proxies too), whatever the status (True: ask the hub)."""
+    if not urlparse(endpoint).hostname:
         return True
+    from huggingface_hub.utils import get_session
     try:
-        port = url.port or (80 if url.scheme == "http" else 443)
-        socket.create_connection((url.hostname, port), timeout=PROBE_SECONDS).close()
-    except (OSError, ValueError):  # (no such host, no name service, refused, timed out; a bad port)
+        get_session().head(endpoint, timeout=PROBE_SECONDS)
+    except Exception:  # (no such host, no name service, refused, timed out, a proxy that fails: no answer)
         return False
     return True
 
