@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from memfit.errors import UserError
     from memfit.outputs import IMAGE_SUFFIXES, check_output_file
     from memfit.planner.fit import fit_table
-    from memfit.planner.methods import QUANTIZED, on_checkpoint, parse_methods
+    from memfit.planner.methods import QUANTIZED, on_checkpoint, parse_methods, with_experts_quantized
     from memfit.planner.progress import PlanProgress
     from memfit.report.fit import markdown, print_fit, save_fit_png
     from memfit.units import MAX_SIZE, parse_positive_int
@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     default = "qlora" if info.quantized else "full,lora" if image else "full,lora,qlora"
     methods = parse_methods(args.methods or default, adapter)
     methods = on_checkpoint(methods, workload, "fit --methods")
+    methods = with_experts_quantized(methods, workload)
     if image and any(m.name in QUANTIZED for m in methods):
         raise UserError("fit --methods: qlora and qdora are for language models here (4-bit base weights of a diffusion model "
                         "are not modelled); choose from full, lora, dora")

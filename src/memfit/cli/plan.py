@@ -207,6 +207,7 @@ def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_trac
         on_checkpoint,
         parse_methods,
         plan_method,
+        with_experts_quantized,
     )
     from memfit.planner.progress import PlanProgress
     from memfit.planner.side_by_side import plan_side_by_side
@@ -222,6 +223,7 @@ def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_trac
     check_precision(methods, given.precision, "--methods")
     workload = load_workload(workload, seq_len=seq)  # once, here: the searches' processes share it (forked)
     methods = on_checkpoint(methods, workload, "--methods")
+    methods = with_experts_quantized(methods, workload)
     searches = [(m.name, dict(workload=workload, budget=args.budget, device=args.device, batch_size=bs,
                               optimizers=optimizers, max_traces=max_traces, fixed={**fixed, **m.keys},
                               compile_modes=compile_modes, steps=steps, host=host,

@@ -109,3 +109,23 @@ def plan_method(**kwargs):
         return PlanResult(workload=getattr(wl, "name", wl), device=dev.name, batch_size=kwargs["batch_size"],
                           budget_bytes=resolve_budget(kwargs.get("budget"), dev), time_model="-",
                           chosen=None, notes=[str(e)], least_bytes=e.needs_bytes)
+
+
+# NOTE [ A mixture of experts' QLoRA quantizes its experts ]
+# transformers 5 holds a MoE's experts as 3-D parameters, which BitsAndBytesConfig leaves in 16 bits: QLoRA of
+# Qwen3-30B-A3B that way keeps 57 GiB of bf16 experts beside 4-bit attention, and fits no single card under 80 GB.
+# The QLoRA people run on these models quantizes the experts too (axolotl's quantize_moe_experts in every one of
+# its MoE QLoRA examples, with bitsandbytes' own parametrization): so the qlora and qdora methods of a model with
+# 3-D experts take ``nf4:experts=true`` (memfit.techniques.quantized_experts), and the plan's label says it
+# (``nf4-experts``). ``--base-weights nf4`` with a single method plans transformers' own way.
+def with_experts_quantized(methods: list[Method], workload) -> list[Method]:
+    """``methods`` for ``workload``: a mixture of experts' qlora and qdora quantize its 3-D experts too (NOTE [ A
+    mixture of experts' QLoRA quantizes its experts ]); a pre-quantized checkpoint keeps its own format."""
+    if workload.info.quantized is not None or not any(m.name in QUANTIZED for m in methods):
+        return methods
+    from memfit.planner.space import model_facts
+    from memfit.techniques.quantized_experts import experts_3d_parameters
+    if not experts_3d_parameters(model_facts(workload).model):
+        return methods
+    return [dataclasses.replace(m, keys={**m.keys, "base_weights": m.keys["base_weights"] + ":experts=true"})
+            if m.name in QUANTIZED else m for m in methods]

@@ -328,9 +328,11 @@ def _trainable(target: Target, facts, given: dict) -> int:
     An adapter's parameters are the same on quantized base weights (a quantized layer keeps the
     linear's features, and the adapter targets the same names), so the count builds the adapter on
     the workload's own weights: quantizing every weight on fake tensors, Qwen2.5-7B's QLoRA search
-    spent 2 s more before its first trace. A pre-quantized checkpoint is built as it loads."""
+    spent 2 s more before its first trace. A pre-quantized checkpoint is built as it loads, and quantized experts
+    too (an adapter's default targets adapt them where they are not: memfit.techniques.quantized_experts)."""
     from memfit.memory.faketrace import trainable_parameters
-    kept = ("adapter", "base_weights") if target.workload.info.quantized is not None else ("adapter",)
+    quantized = target.workload.info.quantized is not None or "experts=true" in str(given.get("base_weights"))
+    kept = ("adapter", "base_weights") if quantized else ("adapter",)
     keys = {k: v for k, v in given.items() if k in kept}
     if Plan(**keys).config("adapter").is_default:
         return sum(p.numel() for p in facts.model.parameters() if p.requires_grad)

@@ -116,3 +116,23 @@ def test_the_plan_written_for_axolotl_quantizes_the_experts_too():
     out = to_axolotl(Plan(base_weights="nf4:double_quant=true,experts=true", adapter="lora:r=16",
                           precision="bf16-base"), 1, "m", 2048)
     assert out.fields["load_in_4bit"] is True and out.fields["quantize_moe_experts"] is True
+
+
+def test_a_mixture_of_experts_qlora_method_quantizes_its_experts():
+    """NOTE [ A mixture of experts' QLoRA quantizes its experts ]: --methods and fit's qlora of a MoE take
+    nf4:experts=true (a dense model's stays nf4), and the search counts what that adapter trains: the default
+    targets adapt the experts where they are not quantized (PEFT's all-linear), not where they are (the count was
+    the unquantized model's, and narrowed the search's optimizer choices on the wrong figure)."""
+    from memfit.planner.methods import parse_methods, with_experts_quantized
+    from memfit.planner.search import plan
+    from memfit.workloads import load_workload
+    folder = write_folder("mixtral")
+    moe = load_workload(folder, seq_len=32)
+    methods = with_experts_quantized(parse_methods("full,lora,qlora,qdora"), moe)
+    assert [m.keys["base_weights"] for m in methods] == ["as-is", "as-is", "nf4:experts=true", "nf4:experts=true"]
+    dense = load_workload("gpt2:n_layer=1,n_embd=64,n_head=2", seq_len=32)
+    assert with_experts_quantized(parse_methods("qlora"), dense)[0].keys["base_weights"] == "nf4"
+    fixed = {"adapter": "lora:r=8,targets=all-linear", "base_weights": "nf4:experts=true", "precision": "bf16-pure"}
+    r = plan(folder, device="rtx4090", batch_size=2, seq_len=32, fixed=fixed, max_traces=4)
+    adapted = estimate(folder, Plan(**fixed), batch_size=2, seq_len=32)
+    assert f"{r.trainable:,} parameters trained" in next(f for f in adapted.facts if f.startswith("adapter:"))
