@@ -46,6 +46,7 @@ from memfit.techniques.base import Config, Export, Key, Technique, register
 from memfit.techniques.bnb_kernels import fake_parameter_subclasses, gemm_4bit_kernels, has_4bit_layers
 from memfit.techniques.fp8_linear import Float8Linear, float8_available, quantize
 from memfit.techniques.quantized_experts import (
+    EXPERTS_NOTE,
     check_adapter,
     experts_3d_parameters,
     experts_to_quantize,
@@ -186,7 +187,7 @@ class Quantized4bit(BaseWeights):
         into.hf_notes.append(f"load the model with from_pretrained(..., dtype=torch.bfloat16 (torch.float16 under fp16), "
                              f"quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="
                              f"'{self.quant_type}', bnb_4bit_use_double_quant={self.double_quant})): the load memfit "
-                             "predicts (NOTE [ QLoRA loads in 16 bits ])")
+                             "predicts (NOTE [ QLoRA loads in 16 bits ])" + (EXPERTS_NOTE if self.experts else ""))
 
 
 @dataclass(frozen=True)

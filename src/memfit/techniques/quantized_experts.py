@@ -14,7 +14,6 @@ import torch
 
 from memfit.errors import UserError
 
-
 # NOTE [ Experts quantized as parametrizations ]
 # transformers 5 holds a mixture of experts' weights as 3-D parameters ([experts, out, in], one grouped matmul
 # for all), not as one ``nn.Linear`` an expert, so ``BitsAndBytesConfig`` leaves them in 16 bits: QLoRA of
@@ -27,6 +26,12 @@ from memfit.errors import UserError
 # layer is not checkpointed, the copy its grouped matmul saves for backward (the codes save nothing then).
 # An adapter cannot target the quantized tensors (PEFT's ``target_parameters`` no longer finds them), as
 # axolotl refuses ``lora_target_linear`` with ``quantize_moe_experts``.
+EXPERTS_NOTE = ("; then quantize each expert's 3-D weight, which BitsAndBytesConfig leaves in 16 bits, with "
+                "bitsandbytes.nn.parametrize.replace_parameter_4bit(module, name, quant_type=..., "
+                "compress_statistics=...) (axolotl's quantize_moe_experts does it as the weights load)")
+"""What a plan with ``experts=true`` adds to the Hugging Face loading note."""
+
+
 def experts_3d_parameters(model) -> list[tuple[torch.nn.Module, str]]:
     """(module, name) of a mixture of experts' weights held as 3-D parameters (one matrix per expert: transformers
     5's fused experts, in a module that counts ``num_experts``), which only ``experts=true`` quantizes."""

@@ -116,6 +116,10 @@ def test_the_plan_written_for_axolotl_quantizes_the_experts_too():
     out = to_axolotl(Plan(base_weights="nf4:double_quant=true,experts=true", adapter="lora:r=16",
                           precision="bf16-base"), 1, "m", 2048)
     assert out.fields["load_in_4bit"] is True and out.fields["quantize_moe_experts"] is True
+    from memfit.techniques.base import Export
+    into = Export(batch_size=1)
+    Plan(base_weights="nf4:experts=true").config("base_weights").export(into)
+    assert "bitsandbytes.nn.parametrize.replace_parameter_4bit" in into.hf_notes[-1]
 
 
 def test_a_mixture_of_experts_qlora_method_quantizes_its_experts():
