@@ -47,6 +47,7 @@ from memfit.integrations.axolotl_fsdp import LAUNCHER_RANKS, fsdp_fields, is_sha
 from memfit.integrations.configs import TrainingConfig, whole
 from memfit.plans import Plan
 from memfit.techniques.optimizer_variant import TRAINERS_OPTIM_NAMES
+from memfit.techniques.quantized_experts import quantizes_experts, with_experts
 
 REFUSED = {
     "deepspeed": "memfit does not model DeepSpeed's ZeRO stages; remove deepspeed from the config (memfit shards "
@@ -136,7 +137,7 @@ def map_config(data: dict, where: str, device: Device) -> TrainingConfig:
     method = _method(data, where)
     fields = {**method, **precision_fields(data, device, "adapter" in method), **_optimizer(data, where)}
     fields.update(_checkpointing(data, where, warnings))
-    if data.get("quantize_moe_experts") and "experts=true" not in str(fields.get("base_weights")):
+    if data.get("quantize_moe_experts") and not quantizes_experts(fields.get("base_weights")):
         warnings.append(f"axolotl config {where}: quantize_moe_experts without 4-bit weights (axolotl's own 8-bit "
                         "experts) is not mapped; the estimate keeps the experts in 16 bits")
     if data.get("max_grad_norm") is not None:
@@ -270,7 +271,7 @@ def _method(data: dict, where: str) -> dict:
         raise UserError(f"--from {where}: load_in_4bit and load_in_8bit are both set; keep one")
     weights = "nf4:double_quant=true" if four or kind == "qlora" else "int8" if eight else None
     if data.get("quantize_moe_experts") and weights and weights.startswith("nf4"):  # (bitsandbytes' parametrization)
-        weights += ",experts=true"
+        weights = with_experts(weights)
     if kind in (None, "", False):
         if weights:
             raise UserError(f"--from {where}: load_in_{'4' if four else '8'}bit without an adapter trains nothing; "

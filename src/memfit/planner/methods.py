@@ -124,8 +124,8 @@ def with_experts_quantized(methods: list[Method], workload) -> list[Method]:
     if workload.info.quantized is not None or not any(m.name in QUANTIZED for m in methods):
         return methods
     from memfit.planner.space import model_facts
-    from memfit.techniques.quantized_experts import experts_3d_parameters
+    from memfit.techniques.quantized_experts import experts_3d_parameters, with_experts
     if not experts_3d_parameters(model_facts(workload).model):
         return methods
-    return [dataclasses.replace(m, keys={**m.keys, "base_weights": m.keys["base_weights"] + ":experts=true"})
+    return [dataclasses.replace(m, keys={**m.keys, "base_weights": with_experts(m.keys["base_weights"])})
             if m.name in QUANTIZED else m for m in methods]

@@ -64,7 +64,7 @@ from memfit.quiet import silenced_warnings
 from memfit.target import Target, checkpoint_fields
 from memfit.techniques.base_weights import STORED_BYTES, least_weight_bytes
 from memfit.techniques.compile import mode_failed
-from memfit.techniques.quantized_experts import experts_left_said
+from memfit.techniques.quantized_experts import experts_left_said, quantizes_experts
 from memfit.techniques.swap_blocks import least_resident_bytes
 from memfit.units import fmt_bytes
 from memfit.workload import Workload
@@ -331,7 +331,7 @@ def _trainable(target: Target, facts, given: dict) -> int:
     spent 2 s more before its first trace. A pre-quantized checkpoint is built as it loads, and quantized experts
     too (an adapter's default targets adapt them where they are not: memfit.techniques.quantized_experts)."""
     from memfit.memory.faketrace import trainable_parameters
-    quantized = target.workload.info.quantized is not None or "experts=true" in str(given.get("base_weights"))
+    quantized = target.workload.info.quantized is not None or quantizes_experts(given.get("base_weights"))
     kept = ("adapter", "base_weights") if quantized else ("adapter",)
     keys = {k: v for k, v in given.items() if k in kept}
     if Plan(**keys).config("adapter").is_default:
@@ -444,7 +444,7 @@ def _check_budget_above_weights(budget: int, facts, dev: Device, world_size: int
         share = f", 1/{world_size} of them per rank" if world_size > 1 else ""
         fmt = str(base_weights or "as-is").split(":", 1)[0]
         how = f"with {fmt} linear weights" if fmt in STORED_BYTES else "in 16 bits"
-        how += experts_left_said(facts.model, base_weights, other)  # (a MoE's 3-D weights: no nn.Linear)
+        how += experts_left_said(facts.model, base_weights, other) if fmt in STORED_BYTES else ""
         raise WeightsExceedBudget(f"budget {fmt_bytes(budget)} is below the model's own parameters "
                                   f"({fmt_bytes(min_bytes)} for {facts.n_params / 1e6:.1f}M parameters {how}{share}); "
                                   "give a budget above that, or shard the model over more ranks (--world-size)", min_bytes)

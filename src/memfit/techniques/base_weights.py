@@ -51,6 +51,7 @@ from memfit.techniques.quantized_experts import (
     experts_3d_parameters,
     experts_to_quantize,
     quantize_expert,
+    quantizes_experts,
 )
 
 FORMATS = ("as-is", "nf4", "fp4", "int8", "fp8")
@@ -107,9 +108,6 @@ class BaseWeights(Config):
     def expert_weights(self, model) -> list[tuple[torch.nn.Module, str]]:
         """(module, name) of the experts' 3-D weights this format quantizes (none but ``nf4:experts=true``)."""
         return []
-
-    def quantize_expert(self, module: torch.nn.Module, name: str) -> None:
-        raise NotImplementedError
 
     def require(self) -> None:
         """Raise the user error that says what this format needs, where it is missing here."""
@@ -362,7 +360,7 @@ def least_weight_bytes(params, model: torch.nn.Module, base_weights: str | None,
     per = STORED_BYTES.get(str(base_weights or "as-is").split(":", 1)[0])  # ("nf4:double_quant=true")
     head = _output_layer(model)
     linear = {id(m.weight) for m in model.modules() if _is_linear(m) and m is not head} if per else set()
-    if per and "experts=true" in str(base_weights):
+    if per and quantizes_experts(base_weights):
         linear |= {id(m.get_parameter(name)) for m, name in experts_3d_parameters(model)}
     return int(sum(p.numel() * (per if id(p) in linear else other) for p in params))
 

@@ -46,16 +46,26 @@ def quantize_expert(module: torch.nn.Module, name: str, quant_type: str, double_
     replace_parameter_4bit(module, name, compress_statistics=double_quant, quant_type=quant_type, blocksize=blocksize)
 
 
+def quantizes_experts(base_weights) -> bool:
+    """Whether a plan's ``base_weights`` value quantizes the experts' 3-D weights too (its ``experts=true`` option:
+    memfit.techniques.base_weights' grammar)."""
+    return "experts=true" in str(base_weights or "")
+
+
+def with_experts(base_weights: str) -> str:
+    """A 4-bit ``base_weights`` value with ``experts=true`` beside its other options (``nf4`` -> ``nf4:experts=true``,
+    ``nf4:double_quant=true`` -> ``nf4:double_quant=true,experts=true``)."""
+    return base_weights + ("," if ":" in base_weights else ":") + "experts=true"
+
+
 def experts_left_said(model, base_weights, element_bytes: int) -> str:
-    """The experts' 3-D weights that ``base_weights`` (a plan value) leaves as they are, in words for a refusal's
-    count of the weights' bytes (at ``element_bytes`` each): all of them under a quantized format without
-    ``experts=true``; "" where none is left so."""
+    """The experts' 3-D weights that a quantized ``base_weights`` (a plan value) leaves as they are, in words for a
+    refusal's count of the weights' bytes (at ``element_bytes`` each); "" where none is left so."""
     from memfit.units import fmt_bytes
-    text = str(base_weights or "as-is")
-    fmt = text.split(":", 1)[0]
-    if fmt not in ("nf4", "fp4", "int8", "fp8") or "experts=true" in text:
+    if quantizes_experts(base_weights):
         return ""
     kept = sum(m.get_parameter(name).numel() for m, name in experts_3d_parameters(model)) * element_bytes
+    fmt = str(base_weights).split(":", 1)[0]
     return (f", {fmt_bytes(kept)} of them the experts' 3-D weights, which {fmt} leaves unquantized (no nn.Linear; "
             "nf4:experts=true quantizes them)") if kept else ""
 
