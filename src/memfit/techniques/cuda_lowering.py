@@ -77,7 +77,8 @@ def code_generator() -> str:
 #    holds the ATen ops CUDA dispatches to (its attention backend, fused dropout).
 # 2. Before Inductor's joint-graph passes and the min-cut partitioner run, the joint graph is moved
 #    to CUDA (:func:`graph_on_cuda`): every fake tensor in its metadata and every device argument
-#    becomes ``cuda:0``. From there Inductor runs its CUDA path, unchanged: the joint passes (padded
+#    becomes ``cuda:0``, in the subgraphs of a ``torch.compiler.nested_compile_region`` too (whose
+#    lowering reads its inputs from ``eager_input_vals``). From there Inductor runs its CUDA path, unchanged: the joint passes (padded
 #    matmuls), the partitioner's choice of what forward saves, the post-grad passes, lowering,
 #    the scheduler's fusions and order, buffer reuse, and the Triton code generator, whose kernels
 #    are generated and never compiled. Inductor asks the card a few facts while it compiles
@@ -235,15 +236,17 @@ def _folder_on_cpu(folder: type) -> type:
 
 
 def graph_on_cuda(gm: torch.fx.GraphModule):
-    """Move ``gm`` to CUDA in place: its nodes' fake values and device arguments. Returns the mover,
-    for the graph's example inputs (one moved tensor per tensor: aliases stay aliases)."""
+    """Move ``gm`` to CUDA in place: its nodes' fake values and device arguments, its subgraphs' too.
+    Returns the mover, for the graph's example inputs (one moved tensor per tensor: aliases stay aliases)."""
     move = _mover()
-    for node in gm.graph.nodes:
-        node.args = tree_map(move, node.args)
-        node.kwargs = tree_map(move, node.kwargs)
-        if "val" in node.meta:
-            node.meta["val"] = tree_map(move, node.meta["val"])
-    gm.recompile()
+    for graph in [m for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]:
+        for node in graph.graph.nodes:
+            node.args = tree_map(move, node.args)
+            node.kwargs = tree_map(move, node.kwargs)
+            for key in ("val", "eager_input_vals"):
+                if key in node.meta:
+                    node.meta[key] = tree_map(move, node.meta[key])
+        graph.recompile()
     return move
 
 

@@ -136,3 +136,20 @@ def test_the_planner_searches_a_gpu_presets_compile_by_triton_not_a_cpu_compiler
     monkeypatch.setattr(compile_technique, "has_triton", lambda: False)
     compiles, notes = modes("a100-40gb")
     assert compiles == ["none"] and any("needs Triton (pip install triton)" in n for n in notes), notes
+
+
+def test_a_nested_compile_region_is_lowered_for_the_card_too(monkeypatch):
+    """A region the model marks with ``torch.compiler.nested_compile_region`` (compiled once, called
+    per slice) is a subgraph of the joint graph, with its inputs' fake values recorded apart
+    (``eager_input_vals``): it is moved to CUDA with the rest, and Triton generates its kernels. Left on
+    the CPU, Inductor lowered its softmax for the CPU inside a CUDA wrapper and failed."""
+    one_slice = torch.compiler.nested_compile_region(lm_loss)
+
+    def sliced(hidden, weight, labels):
+        return sum(one_slice(h, weight, y) for h, y in zip(hidden.chunk(2), labels.chunk(2)))
+
+    sources, _ = _predict(compiled(sliced, name="sliced loss", dynamic=False), monkeypatch)
+    assert len(sources) == 2 and all("cpp_fused" not in s for s in sources)
+    subgraphs = [s.split("def partitioned_fw_subgraph_0_0(args):")[1].split("\ndef ")[0] for s in sources
+                 if "def partitioned_fw_subgraph_0_0(args):" in s]
+    assert subgraphs and all("empty_strided_cuda" in s and "empty_strided_cpu" not in s for s in subgraphs)
