@@ -16,6 +16,7 @@ from memfit.errors import UserError
 from memfit.plans import Plan
 from memfit.workload import Workload
 from memfit.workloads import load_workload
+from memfit.workloads.checkpoint_formats import format_on
 
 
 @dataclass(frozen=True, eq=False)
@@ -37,17 +38,18 @@ class Target:
         wl = load_workload(workload, seq_len=seq_len, resolution=resolution)
         if isinstance(plan, str):
             plan = Plan.load(plan)
-        plan = as_checkpoint(plan or Plan(), wl)
+        dev = get_device(device)
+        plan = as_checkpoint(plan or Plan(), wl, dev)
         bs = batch_size or wl.default_batch_size
         if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
             raise UserError(f"batch size must be a positive whole number, got {batch_size!r}")
         plan.check_implemented()
         plan.micro_batches(bs)
-        return cls(wl, plan, bs, get_device(device))
+        return cls(wl, plan, bs, dev)
 
     def with_plan(self, plan: Plan) -> Target:
         """The same workload, batch and device under another plan (checked as :meth:`resolve` does)."""
-        plan = as_checkpoint(plan, self.workload)
+        plan = as_checkpoint(plan, self.workload, self.device)
         plan.check_implemented()
         plan.micro_batches(self.batch_size)
         return dataclasses.replace(self, plan=plan)
@@ -74,14 +76,16 @@ class Target:
         return f"{self.workload.name} · batch {self.batch_size} · {self.plan.describe()}"
 
 
-def as_checkpoint(plan: Plan, wl: Workload) -> Plan:
-    """``plan`` on what the workload's checkpoint is. A pre-quantized checkpoint's base weights are
+def as_checkpoint(plan: Plan, wl: Workload, device=None) -> Plan:
+    """``plan`` on what the workload's checkpoint is on ``device``. A pre-quantized checkpoint's base weights are
     quantized whatever the plan says: ``as-is`` means its own format; another format cannot be loaded
-    from it. An adapter checkpoint trains its own adapter (NOTE [ Adapter checkpoints ] in
-    memfit.workloads.adapter_folders): ``none`` means it; another adapter is not it. Every plan of a
-    target passes here, the planner's candidates too."""
+    from it (a fine-grained FP8 one loads in full precision on a card without FP8 kernels: NOTE [ FP8
+    checkpoints by card ] in memfit.workloads.checkpoint_formats). An adapter checkpoint trains its own adapter
+    (NOTE [ Adapter checkpoints ] in memfit.workloads.adapter_folders): ``none`` means it; another adapter is not
+    it. Every plan of a target passes here, the planner's candidates too."""
     for key, ours, what, fix in (
-            ("base_weights", wl.info.quantized, "a pre-quantized checkpoint ({}, its config.json's quantization_config)",
+            ("base_weights", format_on(wl.info.quantized, wl.info.loaded, device),
+             "a pre-quantized checkpoint ({}, its config.json's quantization_config)",
              "drop --base-weights (or plan the full-precision checkpoint)"),
             ("adapter", wl.info.adapter, "an adapter checkpoint ({}, its adapter_config.json)",
              "drop --adapter (or plan its base model)")):
@@ -95,10 +99,11 @@ def as_checkpoint(plan: Plan, wl: Workload) -> Plan:
     return plan
 
 
-def checkpoint_fields(fixed: dict | None, wl: Workload) -> dict:
-    """The plan fields a search fixes, with what the workload's checkpoint fixes (:func:`as_checkpoint`:
-    a pre-quantized checkpoint's ``base_weights``, an adapter checkpoint's ``adapter``) added."""
+def checkpoint_fields(fixed: dict | None, wl: Workload, device=None) -> dict:
+    """The plan fields a search on ``device`` fixes, with what the workload's checkpoint fixes there
+    (:func:`as_checkpoint`: a pre-quantized checkpoint's ``base_weights``, an adapter checkpoint's ``adapter``) added."""
     fixed = dict(fixed or {})
-    plan = as_checkpoint(Plan().replace(**fixed), wl)
-    return {**fixed, **{k: getattr(plan, k) for k, ours in (("base_weights", wl.info.quantized),
+    plan = as_checkpoint(Plan().replace(**fixed), wl, device)
+    stored = format_on(wl.info.quantized, wl.info.loaded, device)
+    return {**fixed, **{k: getattr(plan, k) for k, ours in (("base_weights", stored),
                                                             ("adapter", wl.info.adapter)) if ours is not None}}

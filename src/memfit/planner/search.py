@@ -182,7 +182,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
         raise UserError(f"plan: steps must be a whole number >= 1 (the run's length), got {steps!r}")
     target = Target.resolve(workload, None, batch_size, device, seq_len=seq_len)
     wl, dev, bs = target.workload, target.device, target.batch_size
-    fixed = checkpoint_fields(fixed, wl)  # (a pre-quantized or adapter checkpoint's own fields)
+    fixed = checkpoint_fields(fixed, wl, dev)  # (a pre-quantized or adapter checkpoint's own fields)
     budget_obj = Budget.resolve(budget, dev).with_host(host_memory)
     budget_bytes = budget_obj.bytes
     facts = model_facts(wl)

@@ -105,7 +105,7 @@ def plan_largest(sized: Sized, *, budget: str | int | None, device: str | Device
     if axis.key == "batch_size" and ("micro_batch_size" in fixed or "grad_accum_steps" in fixed):
         raise UserError("--batch-size max finds the largest batch one step holds at once; drop --micro-batch-size "
                         "and --grad-accum-steps (a split batch can grow without bound)")
-    fixed = checkpoint_fields(fixed, sized.workload_at(axis.step))  # (a pre-quantized or adapter checkpoint's own)
+    fixed = checkpoint_fields(fixed, sized.workload_at(axis.step), dev)  # (a pre-quantized or adapter checkpoint's own)
     tops = maximal_plans(sized, dev, fixed, budget_obj.bytes)
     largest, top = in_own_process(lambda: _largest_any(sized, tops, dev, budget_obj))  # NOTE [ Traces of one's own in a process of their own ]
     out = LargestPlan(sized, budget_obj.bytes, largest, top, unit=throughput_unit(sized, axis.step))

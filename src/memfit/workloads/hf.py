@@ -324,7 +324,7 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
             sample += "; text only: no image is fed, so the vision encoder's weights count and its activations do not"
     sizes = {k: v for k in ("num_hidden_layers", "hidden_size") if isinstance(v := getattr(config, k, None), int)}
     dequantized = trained_dequantized(data)
-    quantized = None if dequantized else checkpoint_format(data, where)
+    quantized = checkpoint_format(data, where)
     if quantized is not None or dequantized:
         config.quantization_config = None  # memfit's base_weights quantizes (transformers' own would at from_pretrained)
     images = split is not None

@@ -183,7 +183,7 @@ def test_a_pre_quantized_checkpoint_loads_in_its_own_format(tmp_path):
         Target.resolve(folder, memfit.Plan(base_weights="int8"), 2, "cpu", seq_len=16)
     # each unmodelled format names the modelled one of its size (an fp8 checkpoint was told nf4)
     for method, q, nearest in (("gptq", {"bits": 4, "group_size": 128}, "nf4"), ("gptq", {"bits": 8}, "int8"),
-                               ("fp8", {"weight_block_size": [128, 128]}, "fp8"), ("awq", {"w_bit": 4}, "nf4")):
+                               ("fbgemm_fp8", {"activation_scale_ub": 1200.0}, "fp8"), ("awq", {"w_bit": 4}, "nf4")):
         with pytest.raises(UserError, match=f"pre-quantized {method} checkpoint, a format memfit does not model.*"
                                             f"with --base-weights {nearest} instead"):
             load_workload(_folder(tmp_path / f"{method}{nearest}", {"quant_method": method, **q}), seq_len=16)
@@ -206,6 +206,45 @@ def test_an_mxfp4_checkpoint_is_planned_dequantized_as_transformers_trains_it(tm
     mx, same = (estimate(f, plan, batch_size=2, seq_len=16, device="rtx4090") for f in (folder, str(full)))
     assert mx.peak_bytes == same.peak_bytes and mx.plan["base_weights"] == "as-is"
     assert wl.info.loaded in mx.facts and wl.info.loaded not in same.facts
+
+
+FINE_GRAINED_FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                    "weight_block_size": [128, 128]}  # (Qwen3-8B-FP8's)
+
+
+def test_a_fine_grained_fp8_checkpoint_is_fp8_on_a_card_with_fp8_kernels_and_bf16_on_one_without(tmp_path):
+    """NOTE [ FP8 checkpoints by card ]: transformers keeps an FP8 checkpoint's float8 weights where it finds FP8
+    kernels (compute capability 8.9: the RTX 4090, H100) and dequantizes them to bf16 as it loads on an earlier card
+    (the RTX 3090, A100). It was refused as a format memfit does not model."""
+    folder = _folder(tmp_path / "fp8", FINE_GRAINED_FP8)
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "config.json").write_text(json.dumps(LLAMA_CONFIG))
+    wl = load_workload(folder, seq_len=16)
+    assert wl.info.quantized == "fp8" and "8.9" in wl.info.loaded
+    plan = memfit.Plan(adapter="lora:r=4", precision="bf16-pure")
+    kw = dict(batch_size=2, seq_len=16)
+    on_4090 = estimate(folder, plan, device="rtx4090", **kw)
+    fp8_base = estimate(str(full), plan.replace(base_weights="fp8"), device="rtx4090", **kw)
+    assert on_4090.plan["base_weights"] == "fp8" and on_4090.peak_bytes == fp8_base.peak_bytes
+    on_3090, bf16 = (estimate(f, plan, device="rtx3090", **kw) for f in (folder, str(full)))
+    assert on_3090.plan["base_weights"] == "as-is" and on_3090.peak_bytes == bf16.peak_bytes
+    assert wl.info.loaded in on_4090.facts and wl.info.loaded in on_3090.facts
+    from memfit.errors import UserError
+    with pytest.raises(UserError, match="pre-quantized checkpoint .*fp8.*its base_weights is fp8, not nf4"):
+        estimate(folder, plan.replace(base_weights="nf4"), device="h100-80gb", **kw)
+    dequantized = _folder(tmp_path / "fp8-dequantized", {**FINE_GRAINED_FP8, "dequantize": True})
+    assert load_workload(dequantized, seq_len=16).info.quantized is None
+
+
+def test_a_compressed_tensors_checkpoint_is_planned_dequantized_as_transformers_fine_tunes_it(tmp_path):
+    """compressed-tensors' FP8 kernels are inference-only in transformers ("load with `dequantize=True` to
+    fine-tune"): the checkpoint is the full-precision model, as MXFP4's (NOTE [ Checkpoints trained dequantized ])."""
+    folder = _folder(tmp_path / "ct", {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                       "config_groups": {"group_0": {"targets": ["Linear"],
+                                                                     "weights": {"num_bits": 8, "type": "float"}}}})
+    wl = load_workload(folder, seq_len=16)
+    assert wl.info.quantized is None and "CompressedTensorsConfig(dequantize=True)" in wl.info.loaded
 
 
 @pytest.mark.parametrize("spec", ["dit-lumina2:num_layers=2", "dit-sd3:num_layers=2"])
