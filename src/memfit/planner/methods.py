@@ -92,6 +92,8 @@ def on_checkpoint(methods: list[Method], workload, flag: str) -> list[Method]:
         raise UserError(f"{flag}: {workload.name} is a pre-quantized checkpoint ({fmt}); only qlora or qdora trains it "
                         "(an adapter over its quantized weights): use --methods qlora or qdora, or plan the full-precision "
                         "checkpoint")
+    if workload.info.loaded is not None:  # (its format is the card's: as-is is what as_checkpoint makes it there)
+        fmt = "as-is"  # (NOTE [ FP8 checkpoints by card ] in memfit.workloads.checkpoint_formats)
     return [dataclasses.replace(m, keys={**m.keys, "base_weights": fmt}) for m in methods]
 
 

@@ -233,6 +233,12 @@ def test_a_fine_grained_fp8_checkpoint_is_fp8_on_a_card_with_fp8_kernels_and_bf1
     from memfit.errors import UserError
     with pytest.raises(UserError, match="pre-quantized checkpoint .*fp8.*its base_weights is fp8, not nf4"):
         estimate(folder, plan.replace(base_weights="nf4"), device="h100-80gb", **kw)
+    # the qlora method's base weights are the card's too (memfit plan --methods, memfit fit)
+    from memfit.planner.methods import on_checkpoint, parse_methods
+    (qlora,) = on_checkpoint(parse_methods("qlora", "lora:r=4"), wl, "--methods")
+    method_plan = memfit.Plan(**qlora.keys)
+    assert [Target.resolve(folder, method_plan, 2, card, seq_len=16).plan.base_weights
+            for card in ("rtx4090", "rtx3090")] == ["fp8", "as-is"]
     dequantized = _folder(tmp_path / "fp8-dequantized", {**FINE_GRAINED_FP8, "dequantize": True})
     assert load_workload(dequantized, seq_len=16).info.quantized is None
 
