@@ -39,7 +39,7 @@ class Target:
         if isinstance(plan, str):
             plan = Plan.load(plan)
         dev = get_device(device)
-        plan = as_checkpoint(plan or Plan(), wl, dev)
+        plan = as_checkpoint(plan or Plan(), wl, dev, trained=plan is not None)  # (None: the workload alone)
         bs = batch_size or wl.default_batch_size
         if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
             raise UserError(f"batch size must be a positive whole number, got {batch_size!r}")
@@ -76,13 +76,15 @@ class Target:
         return f"{self.workload.name} · batch {self.batch_size} · {self.plan.describe()}"
 
 
-def as_checkpoint(plan: Plan, wl: Workload, device=None) -> Plan:
+def as_checkpoint(plan: Plan, wl: Workload, device=None, trained: bool = True) -> Plan:
     """``plan`` on what the workload's checkpoint is on ``device``. A pre-quantized checkpoint's base weights are
     quantized whatever the plan says: ``as-is`` means its own format; another format cannot be loaded
     from it (a fine-grained FP8 one loads in full precision on a card without FP8 kernels: NOTE [ FP8
     checkpoints by card ] in memfit.workloads.checkpoint_formats). An adapter checkpoint trains its own adapter
     (NOTE [ Adapter checkpoints ] in memfit.workloads.adapter_folders): ``none`` means it; another adapter is not
-    it. Every plan of a target passes here, the planner's candidates too."""
+    it. A pre-quantized checkpoint without an adapter trains nothing of its quantized weights: one line, as
+    transformers' Trainer refuses it (``trained`` False: the workload's facts are wanted, not a step). Every plan of
+    a target passes here, the planner's candidates too."""
     for key, ours, what, fix in (
             ("base_weights", format_on(wl.info.quantized, wl.info.loaded, device),
              "a pre-quantized checkpoint ({}, its config.json's quantization_config)",
@@ -96,6 +98,11 @@ def as_checkpoint(plan: Plan, wl: Workload, device=None) -> Plan:
             plan = theirs
         elif plan.config(key) != theirs.config(key):
             raise UserError(f"{wl.name} is {what.format(ours)}: its {key} is {ours}, not {getattr(plan, key)}; {fix}")
+    stored = format_on(wl.info.quantized, wl.info.loaded, device)
+    if trained and stored is not None and plan.config("adapter").is_default:  # (transformers' validate_quantization_for_training)
+        raise UserError(f"{wl.name} is a pre-quantized checkpoint ({stored}): its quantized weights are frozen, and "
+                        "transformers' Trainer refuses to fine-tune it without an adapter (\"You cannot perform "
+                        "fine-tuning on purely quantized models\"); add --adapter lora:r=16")
     return plan
 
 

@@ -53,10 +53,15 @@ def test_the_planner_keeps_a_checkpoints_own_format_and_adapter_in_every_plan(tm
     from memfit.planner.search import plan
     base = write(tmp_path / "base", "config.json", {**LLAMA, "quantization_config": NF4})
     adapter = write(tmp_path / "lora", "adapter_config.json", {**LORA, "base_model_name_or_path": base})
-    for spec, adapted in ((base, "none"), (adapter, VALUE)):
-        result = plan(spec, budget="2GiB", device="h100-80gb", batch_size=2, seq_len=16, max_traces=6,
-                      fixed={"precision": "bf16-pure"}, optimizers=("adamw",), compile_modes=("none",))
+    kw = dict(budget="2GiB", device="h100-80gb", batch_size=2, seq_len=16, max_traces=6, optimizers=("adamw",),
+              compile_modes=("none",))
+    for spec, given, adapted in ((base, {"adapter": "lora:r=4"}, "lora:r=4"), (adapter, {}, VALUE)):
+        result = plan(spec, fixed={"precision": "bf16-pure", **given}, **kw)
         assert {(c.plan.base_weights, c.plan.adapter) for c in result.candidates} == {("nf4", adapted)}
+    # without an adapter it trains none of its quantized weights: one line, as transformers' Trainer refuses it
+    from memfit.errors import UserError
+    with pytest.raises(UserError, match=r"pre-quantized checkpoint \(nf4\).*without an adapter.*add --adapter lora:r=16"):
+        plan(base, fixed={"precision": "bf16-pure"}, **kw)
 
 
 @pytest.mark.parametrize("config,args,error", [
