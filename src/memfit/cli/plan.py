@@ -222,7 +222,7 @@ def _compare_methods(args, workload, given, fixed, bs, seq, optimizers, max_trac
     methods = parse_methods(args.methods, given.adapter)
     check_precision(methods, given.precision, "--methods")
     workload = load_workload(workload, seq_len=seq)  # once, here: the searches' processes share it (forked)
-    methods = on_checkpoint(methods, workload, "--methods")
+    methods = on_checkpoint(methods, workload, "--methods", args.device)
     methods = with_experts_quantized(methods, workload)
     searches = [(m.name, dict(workload=workload, budget=args.budget, device=args.device, batch_size=bs,
                               optimizers=optimizers, max_traces=max_traces, fixed={**fixed, **m.keys},

@@ -81,12 +81,16 @@ def check_precision(methods: list[Method], precision: str, flag: str) -> None:
                         "every method takes (bf16-pure, bf16)")
 
 
-def on_checkpoint(methods: list[Method], workload, flag: str) -> list[Method]:
+def on_checkpoint(methods: list[Method], workload, flag: str, device=None) -> list[Method]:
     """``methods`` for ``workload``: a pre-quantized checkpoint trains only qlora or qdora, over its own
     format (its weights load in no other: memfit.target.as_checkpoint); any other workload takes them as
-    given. ``flag``: the option named in the error (``--methods``, ``fit --methods``)."""
+    given, and so does one that loads in full precision on ``device`` (a fine-grained FP8 checkpoint on a card
+    without FP8 kernels: NOTE [ FP8 checkpoints by card ]). ``flag``: the option named in the error
+    (``--methods``, ``fit --methods``); ``device``: the one card planned (None: several, ``fit``)."""
+    from memfit.devices import get_device
+    from memfit.workloads.checkpoint_formats import format_on
     fmt = workload.info.quantized
-    if fmt is None:
+    if fmt is None or (device is not None and format_on(fmt, workload.info.loaded, get_device(device)) is None):
         return methods
     if not methods or any(m.name not in QUANTIZED for m in methods):
         raise UserError(f"{flag}: {workload.name} is a pre-quantized checkpoint ({fmt}); only qlora or qdora trains it "

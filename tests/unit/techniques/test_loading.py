@@ -239,6 +239,11 @@ def test_a_fine_grained_fp8_checkpoint_is_fp8_on_a_card_with_fp8_kernels_and_bf1
     method_plan = memfit.Plan(**qlora.keys)
     assert [Target.resolve(folder, method_plan, 2, card, seq_len=16).plan.base_weights
             for card in ("rtx4090", "rtx3090")] == ["fp8", "as-is"]
+    # plan --methods on one card: every method where the card loads it in bf16, an adapter over fp8 where not
+    methods = parse_methods("full,lora,qlora", "lora:r=4")
+    assert on_checkpoint(methods, wl, "--methods", "rtx3090") == methods
+    with pytest.raises(UserError, match="only qlora or qdora trains it"):
+        on_checkpoint(methods, wl, "--methods", "rtx4090")
     dequantized = _folder(tmp_path / "fp8-dequantized", {**FINE_GRAINED_FP8, "dequantize": True})
     assert load_workload(dequantized, seq_len=16).info.quantized is None
 
