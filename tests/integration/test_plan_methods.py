@@ -219,8 +219,8 @@ def test_the_weights_every_plan_keeps_count_quantized_linears_in_their_format():
     card: 128 GiB in 16 bits, about 35 GiB with NF4 linears)."""
     from memfit.devices import get_device
     from memfit.errors import WeightsExceedBudget
-    from memfit.planner.search import _check_budget_above_weights
     from memfit.planner.space import model_facts
+    from memfit.planner.weight_floor import check_budget_above_weights
     from memfit.workloads import load_workload
     facts = model_facts(load_workload(TINY.replace("num_hidden_layers=1", "num_hidden_layers=4"), seq_len=32))
     dev = get_device("h100-80gb")
@@ -230,10 +230,10 @@ def test_the_weights_every_plan_keeps_count_quantized_linears_in_their_format():
     nf4 = sixteen - 2 * linear + linear // 2
     for base, need in (("as-is", sixteen), ("nf4", nf4), ("nf4:double_quant=true", nf4), ("int8", sixteen - linear)):
         with pytest.raises(WeightsExceedBudget) as refused:
-            _check_budget_above_weights(need - 1, facts, dev, base_weights=base)
+            check_budget_above_weights(need - 1, facts, dev, base_weights=base)
         assert refused.value.needs_bytes == need
-        _check_budget_above_weights(need, facts, dev, base_weights=base)
+        check_budget_above_weights(need, facts, dev, base_weights=base)
     block = 2 * sum(p.numel() for p in facts.model.model.layers[0].parameters())
     with pytest.raises(WeightsExceedBudget) as refused:  # (an adapter: two of the four blocks can be swapped out)
-        _check_budget_above_weights(sixteen - 2 * block - 1, facts, dev, adapter="lora:r=16")
+        check_budget_above_weights(sixteen - 2 * block - 1, facts, dev, adapter="lora:r=16")
     assert refused.value.needs_bytes == sixteen - 2 * block

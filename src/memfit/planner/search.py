@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from memfit.devices import Device
-from memfit.errors import CompileFailed, UserError, WeightsExceedBudget
+from memfit.errors import CompileFailed, UserError
 from memfit.hosts import host_for
 from memfit.memory.budget import Budget
 from memfit.planner import cost
@@ -59,13 +59,12 @@ from memfit.planner.space import (
 from memfit.planner.time_model import StepTimeModel
 from memfit.planner.traces import TraceBook, with_expandable
 from memfit.planner.walk import Walk
+from memfit.planner.weight_floor import WeightFloor, check_budget_above_weights, leave_out_heavier_than
 from memfit.plans import Plan
 from memfit.quiet import silenced_warnings
 from memfit.target import Target, checkpoint_fields
-from memfit.techniques.base_weights import STORED_BYTES, least_weight_bytes
 from memfit.techniques.compile import mode_failed
-from memfit.techniques.quantized_experts import experts_left_said, quantizes_experts
-from memfit.techniques.swap_blocks import least_resident_bytes
+from memfit.techniques.quantized_experts import quantizes_experts
 from memfit.units import fmt_bytes
 from memfit.workload import Workload
 
@@ -190,7 +189,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     if world > 1 and not dev.is_gpu:
         raise UserError(f"plan --world-size {world} times sharded plans on GPU presets (on the CPU the planner times "
                         "real steps, which a sharded plan runs in several processes); give --device, e.g. h100-80gb")
-    _check_budget_above_weights(budget_bytes, facts, dev, world, fixed.get("base_weights"), fixed.get("adapter"))
+    check_budget_above_weights(budget_bytes, facts, dev, world, fixed.get("base_weights"), fixed.get("adapter"))
     if not dev.is_gpu and time_model is None:
         cost.check_real_steps_fit(wl, facts)
     rank_bs = Plan(world_size=world).config("shard").rank_batch(bs)  # (a sharded rank's micro-batches split this)
@@ -227,6 +226,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     if not plans:
         raise UserError("plan: no valid plan is left with the fields you fixed" + (
             " that the chosen format's trainer runs" if runs_in is not None else "") + "; remove some of the plan flags")
+    if dev.is_gpu and world == 1 and not custom_space:  # NOTE [ Plans whose weights alone exceed the budget ]
+        plans = leave_out_heavier_than(plans, WeightFloor(facts.model), budget_bytes - dev.context_bytes, space.notes)
     drop_unused(space, plans)
     recipes, recipe_notes = ({}, []) if custom_space or world > 1 or time_model is not None or not field_recipes else \
         field_plans(wl, given_fields, offered, dev, mostly_frozen=trainable is not None and trainable < facts.n_params / 2,
@@ -426,25 +427,3 @@ def _why_chosen(chosen: Candidate, ranked: list[Candidate], bs: int) -> str:
     if slower:
         parts.append("next: " + ", ".join(f"{c.plan.short(bs)} {c.seconds / chosen.seconds:.2f}x" for c in slower))
     return "; ".join(parts)
-
-
-def _check_budget_above_weights(budget: int, facts, dev: Device, world_size: int = 1, base_weights=None,
-                                adapter=None) -> None:
-    """The weights that stay on the device in every plan fit the budget: all of them in 16 bits, or
-    in ``base_weights``' format (one rank's share), or, where ``swap_blocks`` can keep blocks' frozen
-    weights on the host (one GPU), those outside the repeated blocks and two blocks
-    (memfit.techniques.swap_blocks.least_resident_bytes)."""
-    other = 2 if dev.bf16 or dev.fp16 else 4
-    min_bytes = least_weight_bytes(facts.model.parameters(), facts.model, base_weights, other) // world_size
-    adapted = adapter is not None and not Plan(adapter=adapter).config("adapter").is_default
-    resident = least_resident_bytes(facts.model, base_weights, adapter=adapted) if world_size == 1 and dev.is_gpu else None
-    if resident is not None:
-        min_bytes = min(min_bytes, resident)
-    if budget < min_bytes:
-        share = f", 1/{world_size} of them per rank" if world_size > 1 else ""
-        fmt = str(base_weights or "as-is").split(":", 1)[0]
-        how = f"with {fmt} linear weights" if fmt in STORED_BYTES else "in 16 bits"
-        how += experts_left_said(facts.model, base_weights, other) if fmt in STORED_BYTES else ""
-        raise WeightsExceedBudget(f"budget {fmt_bytes(budget)} is below the model's own parameters "
-                                  f"({fmt_bytes(min_bytes)} for {facts.n_params / 1e6:.1f}M parameters {how}{share}); "
-                                  "give a budget above that, or shard the model over more ranks (--world-size)", min_bytes)

@@ -78,18 +78,20 @@ def least_resident_bytes(model: torch.nn.Module, base_weights: str | None, adapt
     return resident_weight_bytes(model, base_weights, len(model_blocks(model)), adapter)
 
 
-def resident_weight_bytes(model: torch.nn.Module, base_weights: str | None, count: int, adapter: bool = True) -> int:
+def resident_weight_bytes(model: torch.nn.Module, base_weights: str | None, count: int, adapter: bool = True,
+                          other: int = 2) -> int:
     """Bytes of the weights on the device with the last ``count`` blocks swapped: all but those
     blocks' frozen weights, and those of the two largest of them (the one running and the one being
-    fetched), in 16 bits or ``base_weights``' format (memfit.techniques.base_weights.least_weight_bytes).
-    ``adapter``: an adapter freezes the blocks' weights (without one, only those the model freezes
-    itself are frozen). A lower bound of what any plan with ``swap_blocks: count`` allocates."""
+    fetched), in ``other`` bytes (16 bits; 4 where the plan's weights are fp32) or ``base_weights``' format
+    (memfit.techniques.base_weights.least_weight_bytes). ``adapter``: an adapter freezes the blocks' weights
+    (without one, only those the model freezes itself are frozen). A lower bound of what any plan with
+    ``swap_blocks: count`` allocates."""
     base = str(base_weights or "as-is")
     blocks = model_blocks(model)
     swapped = blocks[len(blocks) - count:] if 0 < count <= len(blocks) else []
-    sizes = sorted((least_weight_bytes([p for p in b.parameters() if adapter or not p.requires_grad], model, base)
+    sizes = sorted((least_weight_bytes([p for p in b.parameters() if adapter or not p.requires_grad], model, base, other)
                     for b in swapped), reverse=True)
-    return least_weight_bytes(model.parameters(), model, base) - sum(sizes) + sum(sizes[:2])
+    return least_weight_bytes(model.parameters(), model, base, other) - sum(sizes) + sum(sizes[:2])
 
 
 # NOTE [ Weights saved for backward ]
