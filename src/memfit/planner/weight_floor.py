@@ -2,11 +2,10 @@
 
 NOTE [ Plans whose weights alone exceed the budget ]
 A plan is measured by traces: a shallow pair (2-4 s each for a 7B model here), or a full-depth trace where the
-pair cannot stand for it (a share of the blocks swapped or offloaded in a model of two kinds of block: 17-21 s
-for gpt-oss-20b). Some candidates cannot fit whatever their activations: gpt-oss-20b's LoRA under bf16 autocast
-keeps its 20.9 B frozen weights in fp32 (78 GiB), and with 12 of its 24 blocks swapped still 39 GiB, on a 24 GB
-card; the walk, which tries the fastest first, traced three such plans at full depth before their traces said
-"too big" (89-161 GiB). So each candidate is weighed first, on the meta model the search already holds: the
+pair cannot stand for it. Some candidates cannot fit whatever their activations: gpt-oss-20b's LoRA under bf16
+autocast keeps its 20.9 B frozen weights in fp32 (78 GiB), and with 16 of its 24 blocks swapped still 35 GiB, on a
+24 GB card; its search traced such plans before their traces said "too big" (a LoRA under autocast: 45 GiB).
+So each candidate is weighed first, on the meta model the search already holds: the
 weights that stay on the device with its ``swap_blocks`` (memfit.techniques.swap_blocks.resident_weight_bytes:
 the linear weights ``base_weights`` quantizes in its format, scales left out; the others in 16 bits, or in 32
 where the plan's precision keeps fp32 weights and the model builds them so), plus the card's CUDA context. That is
@@ -14,6 +13,9 @@ at most what the step holds at its peak (adapters, gradients, states and activat
 over the budget by it cannot fit and is not traced; the report counts them. Where every candidate is over, none
 is left out: the search's own answer (the smallest plan and what it needs) stands. On one rank only (a sharded
 rank holds a share of the weights), and on GPU presets (on a CPU device swapped blocks stay in the same memory).
+The time model's own traces (memfit.planner.baseline: a value's time measured on the workload's plain plan) are
+not candidates and are still traced: gpt-oss-20b's `plan --methods` traced 97 plans before (169.9 s) and 89 after
+(181.2 s, the machine's speed drifting), its full-depth ones the baseline's.
 """
 
 from __future__ import annotations
