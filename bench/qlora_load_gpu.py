@@ -23,7 +23,14 @@ within 1% by tests/unit/techniques/test_users_qlora_loop.py) is made in the chil
 the local card (``device="cuda"``) and for a preset (``--preset``), and printed beside it. The
 targets (issue 49): reserved within 5% of allocated, and both within 3% of the prediction.
 
-    PYTHONPATH=src python -m bench.qlora_load_gpu [--out rows.jsonl] [--batch 2 --seq-len 2048]
+With ``--format fp8`` the load is transformers' fine-grained FP8 (``FineGrainedFP8Config(weight_block_size=[128,
+128])``, quantized as it loads: FP8Linear on a card of compute capability 8.9+), the LoRA over it as peft makes it
+on a bf16 model (adapter in fp32, ``bf16-base``), gradient checkpointing enabled by transformers, no kbit
+preparation; memfit predicts a copy of the folder's config.json with that ``quantization_config``, as a hub FP8
+checkpoint's (NOTE [ FP8 checkpoints by card ] in memfit.workloads.checkpoint_formats: memfit's float8 layer stands
+in for FP8Linear: unmeasured until this runs).
+
+    PYTHONPATH=src python -m bench.qlora_load_gpu [--out rows.jsonl] [--batch 2 --seq-len 2048] [--format fp8]
     .venv/bin/python -m bench.qlora_load_gpu --cpu-smoke     # no GPU: a tiny config on this CPU, no figures
 """
 
@@ -53,6 +60,9 @@ TINY = {**LLAMA_3B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_lay
         "num_key_value_heads": 2, "vocab_size": 512}
 PLAN = {"base_weights": "nf4:double_quant=true", "adapter": "lora:r=16,alpha=16,targets=q_proj+v_proj",
         "precision": "bf16", "checkpointing": "blocks"}
+FP8_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+FP8_PLAN = {"adapter": "lora:r=16,alpha=16,targets=q_proj+v_proj", "precision": "bf16-base", "checkpointing": "blocks"}
+"""``--format fp8``: the checkpoint's format comes from its config.json (a Qwen3-*-FP8's quantization_config)."""
 WARMUP, TIMED = 2, 5
 
 
@@ -77,7 +87,16 @@ def save_checkpoint(config: dict, folder: Path) -> None:
         torch.cuda.empty_cache()  # (the children measure their own processes' peaks)
 
 
-def child(folder: str, batch: int, seq_len: int, preset: str | None) -> dict:
+def _fp8_config_folder(folder: str) -> str:
+    """A folder beside ``folder`` with its config.json and an FP8 ``quantization_config``: what memfit predicts."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    out = Path(folder + "-fp8-config")
+    out.mkdir(exist_ok=True)
+    (out / "config.json").write_text(json.dumps({**config, "quantization_config": FP8_CONFIG}))
+    return str(out)
+
+
+def child(folder: str, batch: int, seq_len: int, preset: str | None, fmt: str = "nf4") -> dict:
     """One measurement in this process (the module docstring's steps 1-3) and memfit's prediction."""
     import torch
     import transformers
@@ -85,18 +104,24 @@ def child(folder: str, batch: int, seq_len: int, preset: str | None) -> dict:
 
     import memfit
     cuda = torch.cuda.is_available()
+    plan = FP8_PLAN if fmt == "fp8" else PLAN
     row: dict = {"folder_config": json.loads((Path(folder) / "config.json").read_text()).get("hidden_size"),
-                 "batch_size": batch, "seq_len": seq_len, "plan": PLAN}
-    quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                            bnb_4bit_compute_dtype=torch.bfloat16)
+                 "batch_size": batch, "seq_len": seq_len, "plan": plan, "format": fmt}
+    quant = transformers.FineGrainedFP8Config(weight_block_size=[128, 128]) if fmt == "fp8" else \
+        transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                        bnb_4bit_compute_dtype=torch.bfloat16)
     t0 = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=quant, dtype=torch.bfloat16,
                                                               device_map={"": 0} if cuda else {"": "cpu"})
     row["load_seconds"] = round(time.perf_counter() - t0, 2)
     if cuda:
         row["load_allocated"], row["load_reserved"] = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
-    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
-                                            gradient_checkpointing_kwargs={"use_reentrant": False})
+    if fmt == "fp8":  # (peft's kbit preparation is bitsandbytes'; the Trainer's own checkpointing)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    else:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
@@ -137,7 +162,8 @@ def child(folder: str, batch: int, seq_len: int, preset: str | None) -> dict:
         if where is None:
             continue
         try:
-            r = memfit.estimate(folder, memfit.Plan(**PLAN), batch_size=batch, seq_len=seq_len, device=where)
+            r = memfit.estimate(_fp8_config_folder(folder) if fmt == "fp8" else folder, memfit.Plan(**plan),
+                                batch_size=batch, seq_len=seq_len, device=where)
             row[f"predicted_{where}"] = {"load_allocated": r.weights_load_peak_bytes,
                                          "load_reserved": r.weights_load_reserved_bytes,
                                          "prepared_allocated": r.load_peak_bytes, "prepared_reserved": r.load_reserved_bytes,
@@ -177,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blind", nargs=2, metavar=("ROWS", "PREDICTED"),
                     help="compare measured rows (JSON lines) with predictions committed before (a JSON file whose "
                          "'predicted' maps presets to figures) for PRESET (--preset), and exit")
-    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--format", choices=("nf4", "fp8"), default="nf4",
+                    help="the load: bitsandbytes' nf4 (QLoRA, default) or transformers' fine-grained FP8")
+    ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
     if opts.blind:
         blind = json.loads(Path(opts.blind[1]).read_text())["predicted"][opts.preset or "h200-141gb"]
@@ -185,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
             _compare({**json.loads(line), "predicted_blind": blind})
         return 0
     if opts.child:
-        folder, batch, seq_len, preset = opts.child
-        print(json.dumps(child(folder, int(batch), int(seq_len), None if preset == "-" else preset)))
+        folder, batch, seq_len, preset, fmt = opts.child
+        print(json.dumps(child(folder, int(batch), int(seq_len), None if preset == "-" else preset, fmt)))
         return 0
     config, batch, seq_len = (TINY, 1, 32) if opts.cpu_smoke else (CONFIGS[opts.size], opts.batch, opts.seq_len)
     shm = Path("/dev/shm")  # in memory where the machine has it: a GPU machine's disk can be slow
@@ -196,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         save_checkpoint(config, Path(tmp))
         print(f"checkpoint saved in {time.perf_counter() - t0:.1f} s", flush=True)
         proc = subprocess.run([sys.executable, "-m", "bench.qlora_load_gpu", "--child", tmp, str(batch), str(seq_len),
-                               opts.preset or "-"], capture_output=True, text=True)
+                               opts.preset or "-", opts.format], capture_output=True, text=True)
     if proc.returncode:
         print(proc.stderr[-3000:])
         return proc.returncode

@@ -21,6 +21,9 @@
 #   3. if time is left: the CPU EMA row (issue 51, cut by that loan's limit), and issue 53's `--batch-size max` on
 #      the card (GPT-2, 12 GiB left: batch 6 trains, 7 runs out of memory). FLUX's cases need a loan of their own
 #      (tools/gpu/users_session.sh).
+#   4. if time is left (issue 49, 2026-12-06): a LoRA over transformers' fine-grained FP8 load of Llama-2-7B sizes
+#      (bench.qlora_load_gpu --format fp8), against the blind prediction in tools/gpu/fp8_7b_predicted.json
+#      (memfit's float8 layer standing in for FP8Linear: NOTE [ FP8 checkpoints by card ]).
 # Before the call, here: bitsandbytes, diffusers, peft, importlib_metadata wheels in .whl (finetune_session.sh's list).
 #   run(command="bash tools/gpu/next_loan.sh $(git rev-parse --short HEAD) 2>&1 | tee $OUT/log.txt",
 #       carry=[".whl"], timeout_s=600)
@@ -48,5 +51,10 @@ if [ "$(left)" -gt 70 ]; then
   el "batch max"; python3 -m tools.gpu.ground_truth --cases $CASES --only "^m-" --out $OUT/gt.jsonl --timeout 60 \
     --deadline $(( $(left) - 40 ))
   python3 -m tools.gpu.compare_blind $OUT/gt.jsonl $(predicted users) --card $CARD
+fi
+if [ "$(left)" -gt 150 ]; then
+  el "fp8 load 7b"; timeout 140 python3 -m bench.qlora_load_gpu --size 7b --format fp8 --out $OUT/fp8_load.jsonl
+  python3 -m bench.qlora_load_gpu --blind $OUT/fp8_load.jsonl tools/gpu/fp8_7b_predicted.json \
+    --preset $([ "$CARD" = h100 ] && echo h100-80gb || echo h200-141gb)
 fi
 el done
