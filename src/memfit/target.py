@@ -106,6 +106,18 @@ def as_checkpoint(plan: Plan, wl: Workload, device=None, trained: bool = True) -
     return plan
 
 
+def as_exported(plan: Plan, wl: Workload, device=None) -> tuple[Plan, list[str]]:
+    """``plan`` as a trainer's config carries it for ``wl`` on ``device``, and what to say of what it leaves to the
+    checkpoint: a fine-grained FP8 checkpoint's ``fp8`` is its own format, which ``from_pretrained`` loads on that
+    card whatever the config sets (NOTE [ FP8 checkpoints by card ] in memfit.workloads.checkpoint_formats), not
+    kohya's ``--fp8_base`` to ask of the trainer."""
+    stored = format_on(wl.info.quantized, wl.info.loaded, device)
+    if stored is None or wl.info.loaded is None or plan.base_weights != stored:
+        return plan, []
+    return plan.replace(base_weights="as-is"), [f"base_weights {stored}: the checkpoint's own format (its config.json's "
+                                                "quantization_config); from_pretrained loads it so, nothing to set"]
+
+
 def checkpoint_fields(fixed: dict | None, wl: Workload, device=None) -> dict:
     """The plan fields a search on ``device`` fixes, with what the workload's checkpoint fixes there
     (:func:`as_checkpoint`: a pre-quantized checkpoint's ``base_weights``, an adapter checkpoint's ``adapter``) added."""

@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
         out = result.to_json()
         if result.chosen:
             for name, key, to in (("hf", "hf_training_arguments", to_hf), ("lightning", "lightning_trainer", to_lightning)):
-                arguments = to(result.chosen.plan, result.batch_size, args.device)
+                arguments = _arguments(to, result, args, seq)
                 out[key] = arguments.kwargs
                 out[f"{name}_unmapped"], out[f"{name}_notes"] = list(arguments.unmapped), list(arguments.notes)
                 out[f"{name}_callback"] = arguments.callback if arguments.unmapped else None
@@ -169,8 +169,7 @@ def run(args: argparse.Namespace) -> int:
         if result.chosen and trainer:
             trainer.export(result).print()
         elif result.chosen and args.format != "yaml":
-            arguments = (to_hf if args.format == "hf" else to_lightning)(result.chosen.plan, result.batch_size,
-                                                                         args.device)
+            arguments = _arguments(to_hf if args.format == "hf" else to_lightning, result, args, seq)
             print(arguments.python())
             for note in arguments.notes:
                 print(f"  in your code: {note}")
@@ -183,6 +182,19 @@ def run(args: argparse.Namespace) -> int:
         if args.pareto:
             print(f"Pareto plot written to {args.pareto}")
     return 0 if result.chosen else 1
+
+
+def _arguments(to, result, args, seq):
+    """The chosen plan as ``to`` (memfit.integrations.export's ``to_hf``, ``to_lightning``) writes it, with what it
+    leaves to the checkpoint said first (memfit.target.as_exported)."""
+    import dataclasses
+
+    from memfit.devices import get_device
+    from memfit.target import as_exported
+    from memfit.workloads import load_workload
+    plan, said = as_exported(result.chosen.plan, load_workload(args.workload, seq_len=seq), get_device(args.device))
+    arguments = to(plan, result.batch_size, args.device)
+    return dataclasses.replace(arguments, notes=(*said, *arguments.notes)) if said else arguments
 
 
 def _world_sizes(most: int, workload, bs, device, seq, per_rank: int | None) -> list[int]:

@@ -130,15 +130,22 @@ class AxolotlTarget(TrainerTarget):
         """The plans axolotl's fields carry (the search is kept to them)."""
         from memfit.integrations.axolotl_export import to_axolotl
         from memfit.integrations.export import carried_by
-        return carried_by(lambda plan: to_axolotl(plan, self.batch_size, self.spec, self.seq_len, self.device), fixed)
+        return carried_by(lambda plan: to_axolotl(self._exported(plan)[0], self.batch_size, self.spec, self.seq_len,
+                                                   self.device), fixed)
+
+    def _exported(self, plan):
+        from memfit.devices import get_device
+        from memfit.target import as_exported
+        return as_exported(plan, self.workload, get_device(self.device))
 
     def export(self, result) -> Exported:
         from memfit.integrations.axolotl_export import to_axolotl
-        out = to_axolotl(result.chosen.plan, result.batch_size, self.spec, self.seq_len, self.device)
+        plan, said = self._exported(result.chosen.plan)
+        out = to_axolotl(plan, result.batch_size, self.spec, self.seq_len, self.device)
         return Exported("axolotl config fields (beside its datasets and the rest of the run):", out.yaml(),
-                        "axolotl's fields", out.unmapped, out.notes,
+                        "axolotl's fields", out.unmapped, [*said, *out.notes],
                         {"axolotl_fields": out.fields, "axolotl_unmapped": list(out.unmapped),
-                         "axolotl_notes": list(out.notes)})
+                         "axolotl_notes": [*said, *out.notes]})
 
 
 TARGETS = {"kohya": KohyaTarget, "ai-toolkit": AiToolkitTarget, "axolotl": AxolotlTarget}

@@ -244,6 +244,17 @@ def test_a_fine_grained_fp8_checkpoint_is_fp8_on_a_card_with_fp8_kernels_and_bf1
     assert on_checkpoint(methods, wl, "--methods", "rtx3090") == methods
     with pytest.raises(UserError, match="only qlora or qdora trains it"):
         on_checkpoint(methods, wl, "--methods", "rtx4090")
+    # a trainer's config leaves the format to the checkpoint (it was told kohya's --fp8_base; axolotl refused it)
+    from memfit.devices import get_device
+    from memfit.integrations.axolotl_export import to_axolotl
+    from memfit.integrations.export import to_hf
+    from memfit.target import as_exported
+    chosen = memfit.Plan(base_weights="fp8", adapter="lora:r=4", precision="bf16-base")
+    exported, said = as_exported(chosen, wl, get_device("h100-80gb"))
+    assert exported.base_weights == "as-is" and "the checkpoint's own format" in said[0]
+    assert not any("fp8" in n for n in to_hf(exported, 2, "h100-80gb").notes)
+    assert not to_axolotl(exported, 2, folder, 16, "h100-80gb").unmapped
+    assert as_exported(chosen, load_workload(str(full), seq_len=16), get_device("h100-80gb")) == (chosen, [])
     dequantized = _folder(tmp_path / "fp8-dequantized", {**FINE_GRAINED_FP8, "dequantize": True})
     assert load_workload(dequantized, seq_len=16).info.quantized is None
 
