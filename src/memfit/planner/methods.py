@@ -27,6 +27,10 @@ METHODS = {
 """Method -> what it trains (shown beside its plan)."""
 
 QUANTIZED = ("qlora", "qdora")
+CHECKPOINT_METHODS = ("lora",)
+"""The methods of a checkpoint whose format is the card's (fine-grained FP8): an adapter over the weights as the card
+loads them, ``as-is`` in the plan (memfit.target.as_checkpoint makes it the format there); not DoRA, which memfit's
+float8 layer does not take."""
 """The methods that train over quantized base weights."""
 
 DIFFERENT_THINGS = ("these methods train different things: full fine-tuning updates every weight, an adapter "
@@ -92,13 +96,13 @@ def on_checkpoint(methods: list[Method], workload, flag: str, device=None) -> li
     fmt = workload.info.quantized
     if fmt is None or (device is not None and format_on(fmt, workload.info.loaded, get_device(device)) is None):
         return methods
-    if not methods or any(m.name not in QUANTIZED for m in methods):
-        raise UserError(f"{flag}: {workload.name} is a pre-quantized checkpoint ({fmt}); only qlora or qdora trains it "
-                        "(an adapter over its quantized weights): use --methods qlora or qdora, or plan the full-precision "
-                        "checkpoint")
-    if workload.info.loaded is not None:  # (its format is the card's: as-is is what as_checkpoint makes it there)
-        fmt = "as-is"  # (NOTE [ FP8 checkpoints by card ] in memfit.workloads.checkpoint_formats)
-    return [dataclasses.replace(m, keys={**m.keys, "base_weights": fmt}) for m in methods]
+    by_card = workload.info.loaded is not None  # (NOTE [ FP8 checkpoints by card ] in memfit.workloads.checkpoint_formats)
+    allowed = CHECKPOINT_METHODS if by_card else QUANTIZED
+    if not methods or any(m.name not in allowed for m in methods):
+        raise UserError(f"{flag}: {workload.name} is a pre-quantized checkpoint ({fmt}); only {' or '.join(allowed)} "
+                        f"trains it (an adapter over its quantized weights): use --methods {allowed[0]}, or plan the "
+                        "full-precision checkpoint")
+    return [dataclasses.replace(m, keys={**m.keys, "base_weights": "as-is" if by_card else fmt}) for m in methods]
 
 
 def plan_method(**kwargs):

@@ -233,16 +233,16 @@ def test_a_fine_grained_fp8_checkpoint_is_fp8_on_a_card_with_fp8_kernels_and_bf1
     from memfit.errors import UserError
     with pytest.raises(UserError, match="pre-quantized checkpoint .*fp8.*its base_weights is fp8, not nf4"):
         estimate(folder, plan.replace(base_weights="nf4"), device="h100-80gb", **kw)
-    # the qlora method's base weights are the card's too (memfit plan --methods, memfit fit)
+    # the lora method's base weights are the card's too (memfit plan --methods, memfit fit)
     from memfit.planner.methods import on_checkpoint, parse_methods
-    (qlora,) = on_checkpoint(parse_methods("qlora", "lora:r=4"), wl, "--methods")
-    method_plan = memfit.Plan(**qlora.keys)
+    (lora,) = on_checkpoint(parse_methods("lora", "lora:r=4"), wl, "--methods")
+    method_plan = memfit.Plan(**lora.keys)
     assert [Target.resolve(folder, method_plan, 2, card, seq_len=16).plan.base_weights
             for card in ("rtx4090", "rtx3090")] == ["fp8", "as-is"]
     # plan --methods on one card: every method where the card loads it in bf16, an adapter over fp8 where not
     methods = parse_methods("full,lora,qlora", "lora:r=4")
     assert on_checkpoint(methods, wl, "--methods", "rtx3090") == methods
-    with pytest.raises(UserError, match="only qlora or qdora trains it"):
+    with pytest.raises(UserError, match="only lora trains it .*use --methods lora"):
         on_checkpoint(methods, wl, "--methods", "rtx4090")
     # a trainer's config leaves the format to the checkpoint (it was told kohya's --fp8_base; axolotl refused it)
     from memfit.devices import get_device
