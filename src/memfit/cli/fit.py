@@ -84,11 +84,13 @@ def run(args: argparse.Namespace) -> int:
     if args.png:
         save_fit_png(table, args.png)
     if args.json:
-        print_json(table.to_json())
+        print_json({**table.to_json(), "checkpoint": workload.info.loaded})
     elif args.markdown:
         print(markdown(table))
     else:
         print_fit(table)
+    if workload.info.loaded and not args.json:  # (how each card loads it: MXFP4 dequantized, FP8 by card)
+        print(workload.info.loaded)
     if args.png and not args.json:
         print(f"picture written to {args.png}")
     return 0

@@ -259,6 +259,15 @@ def test_a_fine_grained_fp8_checkpoint_is_fp8_on_a_card_with_fp8_kernels_and_bf1
     assert load_workload(dequantized, seq_len=16).info.quantized is None
 
 
+@pytest.mark.slow  # (38 s here: two cards' searches; the method's per-card plans are checked above in 5 s)
+def test_fit_of_an_fp8_checkpoint_trains_a_lora_and_says_how_each_card_loads_it(tmp_path, capsys):
+    from memfit.cli.main import main
+    folder = _folder(tmp_path / "fp8", FINE_GRAINED_FP8)
+    assert main(["fit", folder, "--seq-len", "16", "--devices", "rtx3090,rtx4090"]) == 0
+    out = capsys.readouterr().out
+    assert " lora" in out.splitlines()[1] and "compute capability 8.9 or later" in out, out
+
+
 def test_a_compressed_tensors_checkpoint_is_planned_dequantized_as_transformers_fine_tunes_it(tmp_path):
     """compressed-tensors' FP8 kernels are inference-only in transformers ("load with `dequantize=True` to
     fine-tune"): the checkpoint is the full-precision model, as MXFP4's (NOTE [ Checkpoints trained dequantized ])."""
