@@ -16,7 +16,7 @@ from memfit.errors import UserError
 from memfit.plans import Plan
 from memfit.workload import Workload
 from memfit.workloads import load_workload
-from memfit.workloads.checkpoint_formats import format_on
+from memfit.workloads.checkpoint_formats import by_card, format_on
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,8 +85,9 @@ def as_checkpoint(plan: Plan, wl: Workload, device=None, trained: bool = True) -
     it. A pre-quantized checkpoint without an adapter trains nothing of its quantized weights: one line, as
     transformers' Trainer refuses it (``trained`` False: the workload's facts are wanted, not a step). Every plan of
     a target passes here, the planner's candidates too."""
+    stored = format_on(wl.info.quantized, device)
     for key, ours, what, fix in (
-            ("base_weights", format_on(wl.info.quantized, wl.info.loaded, device),
+            ("base_weights", stored,
              "a pre-quantized checkpoint ({}, its config.json's quantization_config)",
              "drop --base-weights (or plan the full-precision checkpoint)"),
             ("adapter", wl.info.adapter, "an adapter checkpoint ({}, its adapter_config.json)",
@@ -98,7 +99,6 @@ def as_checkpoint(plan: Plan, wl: Workload, device=None, trained: bool = True) -
             plan = theirs
         elif plan.config(key) != theirs.config(key):
             raise UserError(f"{wl.name} is {what.format(ours)}: its {key} is {ours}, not {getattr(plan, key)}; {fix}")
-    stored = format_on(wl.info.quantized, wl.info.loaded, device)
     if trained and stored is not None and plan.config("adapter").is_default:  # (transformers' validate_quantization_for_training)
         raise UserError(f"{wl.name} is a pre-quantized checkpoint ({stored}): its quantized weights are frozen, and "
                         "transformers' Trainer refuses to fine-tune it without an adapter (\"You cannot perform "
@@ -111,8 +111,8 @@ def as_exported(plan: Plan, wl: Workload, device=None) -> tuple[Plan, list[str]]
     checkpoint: a fine-grained FP8 checkpoint's ``fp8`` is its own format, which ``from_pretrained`` loads on that
     card whatever the config sets (NOTE [ FP8 checkpoints by card ] in memfit.workloads.checkpoint_formats), not
     kohya's ``--fp8_base`` to ask of the trainer."""
-    stored = format_on(wl.info.quantized, wl.info.loaded, device)
-    if stored is None or wl.info.loaded is None or plan.base_weights != stored:
+    stored = format_on(wl.info.quantized, device)
+    if not by_card(wl.info.quantized) or plan.base_weights != stored:
         return plan, []
     return plan.replace(base_weights="as-is"), [f"base_weights {stored}: the checkpoint's own format (its config.json's "
                                                 "quantization_config); from_pretrained loads it so, nothing to set"]
@@ -123,6 +123,6 @@ def checkpoint_fields(fixed: dict | None, wl: Workload, device=None) -> dict:
     (:func:`as_checkpoint`: a pre-quantized checkpoint's ``base_weights``, an adapter checkpoint's ``adapter``) added."""
     fixed = dict(fixed or {})
     plan = as_checkpoint(Plan().replace(**fixed), wl, device)
-    stored = format_on(wl.info.quantized, wl.info.loaded, device)
+    stored = format_on(wl.info.quantized, device)
     return {**fixed, **{k: getattr(plan, k) for k, ours in (("base_weights", stored),
                                                             ("adapter", wl.info.adapter)) if ours is not None}}

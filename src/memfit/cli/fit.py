@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from memfit.report.fit import markdown, print_fit, save_fit_png
     from memfit.units import MAX_SIZE, parse_positive_int
     from memfit.workloads import load_workload
+    from memfit.workloads.checkpoint_formats import by_card
 
     if args.png:
         check_output_file(args.png, "--png", example="fit.png", suffixes=IMAGE_SUFFIXES)
@@ -71,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"fit compares full fine-tuning, LoRA and QLoRA of a base model; {workload.name} is an adapter "
                         f"checkpoint ({info.adapter}): fit its base model, or plan it on a card with memfit plan "
                         f"{workload.name} --batch-size max --device CARD")
-    default = ("lora" if info.loaded else "qlora") if info.quantized else "full,lora" if image else "full,lora,qlora"
+    default = ("lora" if by_card(info.quantized) else "qlora") if info.quantized else "full,lora" if image else \
+        "full,lora,qlora"
     methods = parse_methods(args.methods or default, adapter)
     methods = on_checkpoint(methods, workload, "fit --methods")
     methods = with_experts_quantized(methods, workload)

@@ -151,8 +151,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         out = result.to_json()
         if result.chosen:
+            exported = _exported(result, args, seq)
             for name, key, to in (("hf", "hf_training_arguments", to_hf), ("lightning", "lightning_trainer", to_lightning)):
-                arguments = _arguments(to, result, args, seq)
+                arguments = _arguments(to, result, args, exported)
                 out[key] = arguments.kwargs
                 out[f"{name}_unmapped"], out[f"{name}_notes"] = list(arguments.unmapped), list(arguments.notes)
                 out[f"{name}_callback"] = arguments.callback if arguments.unmapped else None
@@ -169,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
         if result.chosen and trainer:
             trainer.export(result).print()
         elif result.chosen and args.format != "yaml":
-            arguments = _arguments(to_hf if args.format == "hf" else to_lightning, result, args, seq)
+            arguments = _arguments(to_hf if args.format == "hf" else to_lightning, result, args,
+                                   _exported(result, args, seq))
             print(arguments.python())
             for note in arguments.notes:
                 print(f"  in your code: {note}")
@@ -184,15 +186,20 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result.chosen else 1
 
 
-def _arguments(to, result, args, seq):
-    """The chosen plan as ``to`` (memfit.integrations.export's ``to_hf``, ``to_lightning``) writes it, with what it
-    leaves to the checkpoint said first (memfit.target.as_exported)."""
-    import dataclasses
-
+def _exported(result, args, seq):
+    """The chosen plan as a trainer's arguments carry it, and what it leaves to the checkpoint
+    (memfit.target.as_exported)."""
     from memfit.devices import get_device
     from memfit.target import as_exported
     from memfit.workloads import load_workload
-    plan, said = as_exported(result.chosen.plan, load_workload(args.workload, seq_len=seq), get_device(args.device))
+    return as_exported(result.chosen.plan, load_workload(args.workload, seq_len=seq), get_device(args.device))
+
+
+def _arguments(to, result, args, exported):
+    """The plan ``exported`` (:func:`_exported`) as ``to`` (memfit.integrations.export's ``to_hf``, ``to_lightning``)
+    writes it, with what it leaves to the checkpoint said first."""
+    import dataclasses
+    plan, said = exported
     arguments = to(plan, result.batch_size, args.device)
     return dataclasses.replace(arguments, notes=(*said, *arguments.notes)) if said else arguments
 

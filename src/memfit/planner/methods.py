@@ -27,11 +27,11 @@ METHODS = {
 """Method -> what it trains (shown beside its plan)."""
 
 QUANTIZED = ("qlora", "qdora")
+"""The methods that train over quantized base weights."""
 CHECKPOINT_METHODS = ("lora",)
 """The methods of a checkpoint whose format is the card's (fine-grained FP8): an adapter over the weights as the card
 loads them, ``as-is`` in the plan (memfit.target.as_checkpoint makes it the format there); not DoRA, which memfit's
 float8 layer does not take."""
-"""The methods that train over quantized base weights."""
 
 DIFFERENT_THINGS = ("these methods train different things: full fine-tuning updates every weight, an adapter "
                     "only its low-rank matrices (quality and what you ship differ); compare them on your "
@@ -92,17 +92,16 @@ def on_checkpoint(methods: list[Method], workload, flag: str, device=None) -> li
     without FP8 kernels: NOTE [ FP8 checkpoints by card ]). ``flag``: the option named in the error
     (``--methods``, ``fit --methods``); ``device``: the one card planned (None: several, ``fit``)."""
     from memfit.devices import get_device
-    from memfit.workloads.checkpoint_formats import format_on
+    from memfit.workloads.checkpoint_formats import by_card, format_on
     fmt = workload.info.quantized
-    if fmt is None or (device is not None and format_on(fmt, workload.info.loaded, get_device(device)) is None):
+    if fmt is None or (device is not None and format_on(fmt, get_device(device)) is None):
         return methods
-    by_card = workload.info.loaded is not None  # (NOTE [ FP8 checkpoints by card ] in memfit.workloads.checkpoint_formats)
-    allowed = CHECKPOINT_METHODS if by_card else QUANTIZED
+    allowed = CHECKPOINT_METHODS if by_card(fmt) else QUANTIZED
     if not methods or any(m.name not in allowed for m in methods):
         raise UserError(f"{flag}: {workload.name} is a pre-quantized checkpoint ({fmt}); only {' or '.join(allowed)} "
                         f"trains it (an adapter over its quantized weights): use --methods {allowed[0]}, or plan the "
                         "full-precision checkpoint")
-    return [dataclasses.replace(m, keys={**m.keys, "base_weights": "as-is" if by_card else fmt}) for m in methods]
+    return [dataclasses.replace(m, keys={**m.keys, "base_weights": "as-is" if by_card(fmt) else fmt}) for m in methods]
 
 
 def plan_method(**kwargs):

@@ -59,10 +59,16 @@ def trained_dequantized(data: dict) -> str | None:
 # stands in for FP8Linear: the same byte a weight (a scale per row for one per 128 x 128 block: 1/32 of a byte a
 # weight at 128 columns, against 1/4096), the same weight-sized bf16 temporary in backward; in forward it upcasts
 # the weight where FP8Linear quantizes the input, a temporary of the weight's size in place of the input's.
-def format_on(fmt: str | None, loaded: str | None, device) -> str | None:
+def by_card(fmt: str | None) -> bool:
+    """Whether a checkpoint stored as ``fmt`` (:func:`checkpoint_format`) loads in a format the card decides: a
+    fine-grained FP8 one (NOTE [ FP8 checkpoints by card ])."""
+    return fmt == FP8
+
+
+def format_on(fmt: str | None, device) -> str | None:
     """The ``base_weights`` a checkpoint stored as ``fmt`` loads in on ``device`` (NOTE [ FP8 checkpoints by card ]):
     a fine-grained FP8 one is fp8 only on a card whose FP8 kernels transformers runs, else full precision."""
-    if fmt != FP8 or loaded is None:
+    if not by_card(fmt):
         return fmt
     capability = getattr(device, "compute_capability", None) if device is not None and device.is_gpu else None
     return fmt if capability is not None and tuple(capability) >= FP8_FROM else None
