@@ -29,6 +29,14 @@ TORCH_CHECKS_CUDNN_DROPOUT = _torch_version() >= (2, 12)
 """torch >= 2.12 refuses cuDNN attention for a dropout that is not a multiple of 1/16 (GPT-2's
 0.1 then goes to flash); 2.11 took cuDNN for it (snap-gpt2-bf16-small, torch 2.11)."""
 
+TORCH_EFFICIENT_GQA = _torch_version() >= (2, 14)
+"""torch >= 2.14's memory-efficient kernel runs grouped-query attention itself (pytorch#191085: K/V read per
+group in forward, dK and dV per query head in backward, summed into the K/V heads after), and every fused
+kernel takes a single K/V head without ``enable_gqa``. 2.14.1's libtorch_cuda has it (its backward's
+``grad_k_expanded``); 2.13.0's and 2.11's do not, and send such attention in fp32, or in half precision
+before sm80, to the math path and its [B, H, Tq, Tk] scores. GPU rows recorded with an earlier torch are
+predicted with this off (tools/gpu/rows.py, ``recorded_environment``)."""
+
 # SDPBackend values (torch.nn.attention.SDPBackend)
 MATH, FLASH, EFFICIENT, CUDNN = 0, 1, 2, 3
 DEFAULT_ORDER = [FLASH, EFFICIENT, MATH, CUDNN]
@@ -64,15 +72,17 @@ def needs_grad(q, k, v) -> bool:
 def _common_ok(q, k, v, mask, enable_gqa: bool, supports_gqa: bool) -> bool:
     """check_tensor_shapes, check_batch_size_and_num_heads_dense<supports_gqa>,
     check_nonzero_sequence_lengths. Query heads that differ from the key/value heads pass only
-    with ``enable_gqa`` on a backend built with grouped-query support (flash, cuDNN; the
-    memory-efficient kernel has none, so GQA attention in fp32 takes the math path)."""
+    with ``enable_gqa`` on a backend built with grouped-query support (flash, cuDNN, and the
+    memory-efficient kernel from torch 2.14: before, GQA attention in fp32 takes the math path), or,
+    from torch 2.14, as one K/V head broadcast over them (``TORCH_EFFICIENT_GQA``)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.is_nested:
         return False
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
         return False
     hq, hk, hv = q.shape[1], k.shape[1], v.shape[1]
     if not (hq == hk == hv):
-        if not (enable_gqa and supports_gqa and hk == hv and hq % hk == 0):
+        grouped = enable_gqa and supports_gqa and hk == hv and hq % hk == 0
+        if not (grouped or (TORCH_EFFICIENT_GQA and hk == hv == 1)):
             return False
     return q.shape[2] > 0 and k.shape[2] > 0
 
@@ -148,7 +158,8 @@ def can_use_efficient(cc, q, k, v, mask, enable_gqa) -> bool:
     if cc >= (8, 0):  # check_data_ptr_alignment_mem_efficient (the allocator aligns bases to 512 bytes)
         if any((t.storage_offset() * t.element_size()) % (align * t.element_size()) for t in (q, k, v)):
             return False
-    return _common_ok(q, k, v, mask, enable_gqa, supports_gqa=False) and _last_dim_contiguous(q, k, v, mask, ignore_singleton=False)
+    return (_common_ok(q, k, v, mask, enable_gqa, supports_gqa=TORCH_EFFICIENT_GQA)
+            and _last_dim_contiguous(q, k, v, mask, ignore_singleton=False))
 
 
 def select_backend(cc, cuda, cudnn, q, k, v, mask=None, dropout_p=0.0, is_causal=False, enable_gqa=False) -> int:

@@ -72,20 +72,53 @@ def test_sdpa_backend_follows_card_dtype_dropout_and_mask():
     assert _backend(H100, q, k, v, None, 0.1) == expected         # GPT-2's 0.1 is not
 
 
-def test_grouped_query_attention_needs_a_backend_built_for_it():
+@pytest.mark.parametrize("efficient_gqa", [False, True], ids=["torch-2.13", "torch-2.14"])
+def test_grouped_query_attention_needs_a_backend_built_for_it(monkeypatch, efficient_gqa):
     """Qwen2/Llama GQA (12 query heads, 2 key/value heads, enable_gqa=True as transformers calls it
-    on CUDA without a mask): flash and cuDNN take it; the memory-efficient kernel has no GQA, so
-    fp32 takes the math path (which materialises the scores: qwen2-4l-fp32 on the H100 measured
-    28.07 GiB, 3 GiB above the efficient-kernel prediction)."""
+    on CUDA without a mask): flash and cuDNN take it. The memory-efficient kernel takes it from torch
+    2.14 (pytorch#191085); before, fp32 and pre-sm80 half precision take the math path, which
+    materialises the scores (qwen2-4l-fp32 on the H100, torch 2.11: 28.07 GiB measured, 3 GiB above
+    the efficient-kernel prediction). From 2.14 a single K/V head passes any fused kernel without
+    enable_gqa."""
+    from memfit import sdpa_backends
+    monkeypatch.setattr(sdpa_backends, "TORCH_EFFICIENT_GQA", efficient_gqa)
     q = torch.randn(2, 12, 64, 32, dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(2, 2, 64, 32, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     assert _backend(A100, q, k, v, None, 0.0, True, True) == "flash"
     assert _backend(H100, q, k, v, None, 0.0, True, True) == "cudnn"
+    grouped = "efficient" if efficient_gqa else "math"
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
-    assert _backend(H100, q32, k32, v32, None, 0.0, True, True) == "math"
+    assert _backend(H100, q32, k32, v32, None, 0.0, True, True) == grouped
     assert _backend(H100, q32, k32, v32, None, 0.0, True, False) == "math"  # heads differ, no enable_gqa
+    q16, k16, v16 = (t.detach().half().requires_grad_() for t in (q, k, v))
+    assert _backend(T4, q16, k16, v16, None, 0.0, True, True) == grouped   # sm75: no flash, no cuDNN
+    k1, v1 = (t[:, :1].detach().float().requires_grad_() for t in (k, v))  # one K/V head (multi-query)
+    assert _backend(H100, q32, k1, v1, None, 0.0, True, False) == grouped
+    assert _backend(A100, q, k[:, :1], v[:, :1], None, 0.0, True, False) == ("flash" if efficient_gqa else "math")
     same = [torch.randn(2, 12, 64, 32, requires_grad=True) for _ in range(3)]
     assert _backend(H100, *same, None, 0.0, True, True) == "efficient"    # enable_gqa with equal heads
+
+
+def test_the_efficient_kernels_grouped_query_backward_books_dk_and_dv_per_query_head(monkeypatch):
+    """torch 2.14's memory-efficient backward of grouped-query heads writes dK and dV per query head
+    (``grad_k_expanded``, ``grad_v_expanded``: [B, Tk, Hq, D] in the inputs' dtype) and sums them into the
+    K/V heads' gradients; its forward reads K/V per group (no copy). No [B, H, T, T] score is kept."""
+    from memfit import sdpa_backends
+    monkeypatch.setattr(sdpa_backends, "TORCH_EFFICIENT_GQA", True)
+    b, hq, hk, t, d = 2, 12, 2, 128, 32
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        tracker = MemoryTracker()
+        with tracker, cuda_kernel_model(H100, tracker):
+            q = torch.randn(b, hq, t, d, requires_grad=True)
+            k, v = (torch.randn(b, hk, t, d, requires_grad=True) for _ in range(2))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            assert type(out.grad_fn).__name__ == "ScaledDotProductEfficientAttentionBackward0"
+            out.sum().backward()
+            assert k.grad.shape == k.shape and q.grad.shape == q.shape
+    records = tracker.state.records
+    assert not [r for r in records if r.nbytes >= b * hq * t * t * 4]
+    expanded = [(r.op, r.nbytes) for r in records if "expanded" in r.op]
+    assert expanded == [("efficient grad_k_expanded", b * t * hq * d * 4), ("efficient grad_v_expanded", b * t * hq * d * 4)]
 
 
 def test_sdpa_backend_respects_sdpa_kernel_flags():

@@ -9,7 +9,8 @@ with timings, is ``.venv/bin/python -m bench.gpu_accuracy``.
 Rows record the library versions they ran with; where a library changed which kernels a model
 reaches since then, the prediction emulates the recorded behaviour (``tools/gpu/rows.py``,
 ``recorded_environment``: T5's SDPA mask layout in transformers 5.17, which sends CUDA's SDPA to the
-math path). Cases that still miss are listed in ``KNOWN_MISSES`` with the reason; they are
+math path; torch 2.11's memory-efficient kernel without grouped-query heads, which sent qwen2-4l-fp32's
+attention to the math path too). Cases that still miss are listed in ``KNOWN_MISSES`` with the reason; they are
 expected to fail (strict: a case that starts passing must be taken off the list). Cases recorded
 with a technique implementation memfit has since replaced are listed in ``REPLACED``: what they
 measured no longer runs, so they are not compared until re-measured. Cases in ``BUILT_IN_FP32``

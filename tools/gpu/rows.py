@@ -14,7 +14,8 @@ Library versions: a row records the versions it ran with (rows 1-39: torch 2.11,
 version and the installed one, the prediction emulates the recorded behaviour
 (``recorded_environment``): transformers 5.23 made T5's SDPA position-bias mask contiguous; with
 5.17's non-contiguous mask CUDA's SDPA takes the math path (memfit.memory.cuda.sdpa), with 5.23's
-the memory-efficient one.
+the memory-efficient one; torch 2.14 runs grouped-query attention in the memory-efficient kernel, where
+2.11 took the math path (fp32 GQA: qwen2-4l-fp32).
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ def in_todays_fields(case: dict, plan: dict) -> dict:
 
 RECORDED_TRANSFORMERS = "5.17.0"
 """transformers of rows without a ``transformers`` field (rows 1-39)."""
+RECORDED_TORCH = "2.11.0"
+"""torch of rows without a ``torch`` field (rows 1-39)."""
 
 
 def _version(v: str) -> tuple[int, ...]:
@@ -103,19 +106,64 @@ def _t5_mask_as_in_transformers_5_17():
     exec(compile(source.replace(line, "return position_bias_mask"), sdpa.__file__, "exec"), sdpa.__dict__, namespace)
     sdpa.create_position_bias_mask = namespace["create_position_bias_mask"]
     try:
-        yield
+        yield lambda: True
     finally:
         sdpa.create_position_bias_mask = original
 
 
-def recorded_environment(case: dict) -> contextlib.AbstractContextManager | None:
+@contextlib.contextmanager
+def _sdpa_as_in_torch_2_13():
+    """torch <= 2.13 has no grouped-query attention in the memory-efficient kernel (memfit.sdpa_backends,
+    ``TORCH_EFFICIENT_GQA``): such attention in fp32 took the math path on the recorded card. Yields whether
+    any attention call of the prediction took another kernel than the installed torch would give it."""
+    from memfit import sdpa_backends
+    from memfit.memory.cuda import sdpa as sdpa_rule
+    installed, select = sdpa_backends.TORCH_EFFICIENT_GQA, sdpa_rule.select_backend
+    changed = []
+
+    def as_recorded(*args, **kwargs):
+        sdpa_backends.TORCH_EFFICIENT_GQA = installed
+        theirs = select(*args, **kwargs)
+        sdpa_backends.TORCH_EFFICIENT_GQA = False
+        recorded = select(*args, **kwargs)
+        changed.append(theirs != recorded)
+        return recorded
+
+    sdpa_backends.TORCH_EFFICIENT_GQA, sdpa_rule.select_backend = False, as_recorded
+    try:
+        yield lambda: any(changed)
+    finally:
+        sdpa_backends.TORCH_EFFICIENT_GQA, sdpa_rule.select_backend = installed, select
+
+
+class _Emulations(contextlib.ExitStack):
+    """Several emulations at once; ``changed()``: whether any of them changed what the prediction reached."""
+
+    def __init__(self, emulations):
+        super().__init__()
+        self._emulations, self._changed = emulations, []
+
+    def __enter__(self):
+        super().__enter__()
+        self._changed = [self.enter_context(e) for e in self._emulations]
+        return self
+
+    def changed(self) -> bool:
+        return any(c() for c in self._changed)
+
+
+def recorded_environment(case: dict) -> _Emulations | None:
     """What to emulate so that the prediction reaches the kernels the recorded run reached (None:
     nothing differs)."""
+    import torch
     import transformers
+    emulations = []
     recorded = case.get("transformers") or RECORDED_TRANSFORMERS
     if case["workload"].split(":")[0] == "t5" and _version(recorded) < (5, 23) <= _version(transformers.__version__):
-        return _t5_mask_as_in_transformers_5_17()
-    return None
+        emulations.append(_t5_mask_as_in_transformers_5_17())
+    if _version(case.get("torch") or RECORDED_TORCH) < (2, 14) <= _version(torch.__version__):
+        emulations.append(_sdpa_as_in_torch_2_13())
+    return _Emulations(emulations) if emulations else None
 
 
 def preset_for(case: dict) -> str:
@@ -140,7 +188,7 @@ def predict(case: dict, device: str | None = None, *, emulate: bool = True) -> d
             "error": 100 * (report.peak_bytes - alloc) / alloc,
             "reserved_measured": reserved, "reserved_predicted": report.reserved_bytes,
             "reserved_error": 100 * (report.reserved_bytes - reserved) / reserved,
-            "seconds": time.perf_counter() - t0, "emulated": env is not None}
+            "seconds": time.perf_counter() - t0, "emulated": env is not None and env.changed()}
 
 
 def workload_of(case: dict):

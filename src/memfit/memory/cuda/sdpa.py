@@ -12,7 +12,8 @@ and the dropout RNG state:
 - **flash** (``_scaled_dot_product_flash_attention``): fp16/bf16, sm80-sm121, head dim <= 256,
   no mask, causal only for square attention.
   The mask (and q, k, v) need stride 1 in the last dimension for any fused kernel.
-- **memory-efficient** (``_scaled_dot_product_efficient_attention``): fp32 too, sm50+, any
+- **memory-efficient** (``_scaled_dot_product_efficient_attention``): fp32 too, sm50+, grouped-query
+  heads from torch 2.14 (``TORCH_EFFICIENT_GQA``), any
   additive mask (boolean masks become -inf/0 float masks; an unaligned mask is padded to a multiple of 8
   keys as given, then broadcast as a view), head dim divisible by 4 (fp32) or 8 (fp16/bf16) on sm80+.
 - **math** otherwise (``_scaled_dot_product_attention_math``, the same ops as on the CPU).
@@ -33,7 +34,8 @@ to a storage tracker) is booked by :func:`kernel_buffers`:
 - memory-efficient backward (attention_backward.cu): the fp32 gradQ staging area of the
   split-keys kernel (one [64 x D rounded to 64] fp32 tile plus 16 bytes per 64 queries, per
   batch and head), and for fp32 inputs ``delta`` computed as ``(grad_out * out).sum(-1)`` (an
-  fp32 [B, Tq, H, D] product).
+  fp32 [B, Tq, H, D] product); with grouped-query heads (torch >= 2.14), ``grad_k_expanded`` and
+  ``grad_v_expanded`` [B, Tk, H, D] in the inputs' dtype, summed into the K/V heads' gradients.
 """
 
 from __future__ import annotations
@@ -142,9 +144,13 @@ def kernel_buffers(func, args, out) -> list[tuple[str, int, bool]]:
             return [("efficient attention output accumulator", b * sq * h * v.shape[-1] * 4, True)]
         return []
     if func is aten._scaled_dot_product_efficient_attention_backward.default:
-        grad_out, q, _k, v, _bias, o = args[:6]
+        grad_out, q, k, v, _bias, o = args[:6]
         b, h, sq, d = q.shape
         bufs = _contiguous_copies(grad_out)
+        if k.shape[1] != h:  # (grouped-query heads, torch >= 2.14: dK and dV per query head, summed after)
+            sk = k.shape[2]
+            bufs += [("efficient grad_k_expanded", b * sk * h * d * k.element_size(), True),
+                     ("efficient grad_v_expanded", b * sk * h * v.shape[-1] * v.element_size(), True)]
         if q.dtype == torch.float32:  # delta = (grad_out.float() * out.float()).sum(-1): not computed in-kernel
             bufs.append(("efficient attention delta", b * sq * h * v.shape[-1] * 4, False))
         block_i = 64 if (q.dtype == torch.float32 or max(d, v.shape[-1]) <= 64) else 128
