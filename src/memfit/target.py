@@ -100,6 +100,11 @@ def as_checkpoint(plan: Plan, wl: Workload, device=None, trained: bool = True) -
         elif plan.config(key) != theirs.config(key):
             raise UserError(f"{wl.name} is {what.format(ours)}: its {key} is {ours}, not {getattr(plan, key)}; {fix}")
     if trained and stored is not None and plan.config("adapter").is_default:  # (transformers' validate_quantization_for_training)
+        if by_card(wl.info.quantized):  # (first the reason, which is the card's: fit's cell shows the start)
+            raise UserError(f"its weights load in float8 on this card (it has FP8 kernels: compute capability 8.9 or "
+                            f"later) and are frozen: {wl.name} is an FP8 checkpoint that transformers' Trainer refuses "
+                            "to fine-tune without an adapter; add --adapter lora:r=16, or train it fully on an earlier "
+                            "card (where it loads in bf16) or from its bf16 release")
         raise UserError(f"{wl.name} is a pre-quantized checkpoint ({stored}): its quantized weights are frozen, and "
                         "transformers' Trainer refuses to fine-tune it without an adapter (\"You cannot perform "
                         "fine-tuning on purely quantized models\"); add --adapter lora:r=16")

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"fit compares full fine-tuning, LoRA and QLoRA of a base model; {workload.name} is an adapter "
                         f"checkpoint ({info.adapter}): fit its base model, or plan it on a card with memfit plan "
                         f"{workload.name} --batch-size max --device CARD")
-    default = ("lora" if by_card(info.quantized) else "qlora") if info.quantized else "full,lora" if image else \
+    default = ("full,lora" if by_card(info.quantized) else "qlora") if info.quantized else "full,lora" if image else \
         "full,lora,qlora"
     methods = parse_methods(args.methods or default, adapter)
     methods = on_checkpoint(methods, workload, "fit --methods")

@@ -29,9 +29,13 @@ METHODS = {
 QUANTIZED = ("qlora", "qdora")
 """The methods that train over quantized base weights."""
 CHECKPOINT_METHODS = ("lora",)
-"""The methods of a checkpoint whose format is the card's (fine-grained FP8): an adapter over the weights as the card
-loads them, ``as-is`` in the plan (memfit.target.as_checkpoint makes it the format there); not DoRA, which memfit's
-float8 layer does not take."""
+"""The methods of a checkpoint whose format is the card's (fine-grained FP8) on a card that keeps that format: an
+adapter over the weights as the card loads them, ``as-is`` in the plan (memfit.target.as_checkpoint makes it the
+format there); not DoRA, which memfit's float8 layer does not take."""
+CHECKPOINT_METHODS_BY_CARD = ("full", "lora")
+"""The methods of such a checkpoint asked of several cards (``fit``): full fine-tuning too, which trains the
+weights a card without FP8 kernels dequantizes as it loads; each card that keeps the format says it cannot
+(memfit.target.as_checkpoint: its float8 weights are frozen)."""
 
 DIFFERENT_THINGS = ("these methods train different things: full fine-tuning updates every weight, an adapter "
                     "only its low-rank matrices (quality and what you ship differ); compare them on your "
@@ -96,7 +100,7 @@ def on_checkpoint(methods: list[Method], workload, flag: str, device=None) -> li
     fmt = workload.info.quantized
     if fmt is None or (device is not None and format_on(fmt, get_device(device)) is None):
         return methods
-    allowed = CHECKPOINT_METHODS if by_card(fmt) else QUANTIZED
+    allowed = (CHECKPOINT_METHODS if device is not None else CHECKPOINT_METHODS_BY_CARD) if by_card(fmt) else QUANTIZED
     if not methods or any(m.name not in allowed for m in methods):
         raise UserError(f"{flag}: {workload.name} is a pre-quantized checkpoint ({fmt}); only {' or '.join(allowed)} "
                         f"trains it (an adapter over its quantized weights): use --methods {allowed[0]}, or plan the "

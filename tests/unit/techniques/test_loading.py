@@ -259,13 +259,36 @@ def test_a_fine_grained_fp8_checkpoint_is_fp8_on_a_card_with_fp8_kernels_and_bf1
     assert load_workload(dequantized, seq_len=16).info.quantized is None
 
 
-@pytest.mark.slow  # (38 s here: two cards' searches; the method's per-card plans are checked above in 5 s)
+def test_an_fp8_checkpoint_fine_tunes_fully_on_a_card_that_dequantizes_it_and_not_on_one_that_keeps_fp8(tmp_path):
+    """``fit`` asks every card full fine-tuning of an FP8 checkpoint too: a card without FP8 kernels loads its
+    weights in bf16, which train; a card with them keeps them in float8, frozen, and its cell says so, card first
+    (it offered LoRA alone, which hid full fine-tuning on the RTX 3090 and A100). ``plan --methods`` on one card that
+    keeps float8 still refuses it up front."""
+    from memfit.errors import UserError
+    from memfit.planner.methods import on_checkpoint, parse_methods
+    folder = _folder(tmp_path / "fp8", FINE_GRAINED_FP8)
+    wl = load_workload(folder, seq_len=16)
+    methods = on_checkpoint(parse_methods("full,lora", "lora:r=4"), wl, "fit --methods")
+    full = memfit.Plan(**methods[0].keys)
+    assert methods[0].name == "full" and full.adapter == "none"
+    assert Target.resolve(folder, full, 2, "rtx3090", seq_len=16).plan.base_weights == "as-is"
+    with pytest.raises(UserError, match=r"^its weights load in float8 on this card .* add --adapter lora:r=16"):
+        Target.resolve(folder, full, 2, "rtx4090", seq_len=16)
+    with pytest.raises(UserError, match="only lora trains it"):
+        on_checkpoint(parse_methods("full,lora", "lora:r=4"), wl, "--methods", "h100-80gb")
+    with pytest.raises(UserError, match="only full or lora trains it"):
+        on_checkpoint(parse_methods("qlora", "lora:r=4"), wl, "fit --methods")
+
+
+@pytest.mark.slow  # (45 s here: two cards' searches; the methods' per-card plans are checked above in seconds)
 def test_fit_of_an_fp8_checkpoint_trains_a_lora_and_says_how_each_card_loads_it(tmp_path, capsys):
     from memfit.cli.main import main
     folder = _folder(tmp_path / "fp8", FINE_GRAINED_FP8)
     assert main(["fit", folder, "--seq-len", "16", "--devices", "rtx3090,rtx4090"]) == 0
     out = capsys.readouterr().out
-    assert " lora" in out.splitlines()[1] and "compute capability 8.9 or later" in out, out
+    header, rows = out.splitlines()[1], {line.split()[0]: line for line in out.splitlines()[2:] if line[:3] == "rtx"}
+    assert " full" in header and " lora" in header and "compute capability 8.9 or later" in out, out
+    assert "n/a: its weights load in" in rows["rtx4090"] and rows["rtx3090"].split()[3].startswith("b="), out
 
 
 def test_a_compressed_tensors_checkpoint_is_planned_dequantized_as_transformers_fine_tunes_it(tmp_path):
