@@ -86,14 +86,15 @@ def _print_times(cases: list[dict]) -> None:
     """The planner's step-time model (memfit.planner.timing) for each case, against its measured
     median step (rows that overlapped other cases' CPU work say so: their CPU-bound times are inflated)."""
     from memfit.planner.timing import step_seconds
-    from tools.gpu.rows import target_of
+    from tools.gpu.rows import as_recorded, target_of
     print("\n| case | measured ms | predicted ms | error |\n|---|---:|---:|---:|")
     for c in cases:
         measured = c.get("step_seconds_median")
         if not measured:
             continue
         try:
-            predicted = step_seconds(target_of(c)).seconds
+            with as_recorded(c):
+                predicted = step_seconds(target_of(c)).seconds
         except Exception as e:  # noqa: BLE001 - report and carry on
             print(f"| {c['case']} | {measured * 1e3:.1f} | failed: {type(e).__name__} | |", flush=True)
             continue

@@ -31,7 +31,7 @@ from memfit.planner.search import plan
 from memfit.planner.timing import trace_step
 from memfit.plans import Plan
 from memfit.units import fmt_bytes
-from tools.gpu.rows import CLEAN_ROWS, ROOT, load_rows, plan_text, target_of
+from tools.gpu.rows import CLEAN_ROWS, ROOT, as_recorded, load_rows, plan_text, target_of
 
 warnings.simplefilter("ignore")
 
@@ -63,7 +63,8 @@ def predicted(row: dict, cache: Path) -> tuple[int, float]:
     if path.exists():
         return pickle.loads(path.read_bytes())
     target = target_of(row)
-    report, st, _ = trace_step(target)
+    with as_recorded(row):
+        report, st, _ = trace_step(target)
     out = (Budget.resolve(None, target.device).used_bytes(report), st.seconds)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(pickle.dumps(out))

@@ -25,6 +25,12 @@ def _torch_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+def torch_release() -> str:
+    """The installed torch's release (``2.14.1``), whose kernel choices the CUDA model follows: a GPU run with another
+    torch may choose otherwise (``TORCH_EFFICIENT_GQA``, ``TORCH_CHECKS_CUDNN_DROPOUT``)."""
+    return torch.__version__.split("+")[0]
+
+
 TORCH_CHECKS_CUDNN_DROPOUT = _torch_version() >= (2, 12)
 """torch >= 2.12 refuses cuDNN attention for a dropout that is not a multiple of 1/16 (GPT-2's
 0.1 then goes to flash); 2.11 took cuDNN for it (snap-gpt2-bf16-small, torch 2.11)."""

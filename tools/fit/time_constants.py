@@ -36,7 +36,16 @@ from memfit.planner.ops import (
 )
 from memfit.planner.timing import H100, Constants, record_ops, time_from_ops
 from memfit.plans import Plan
-from tools.gpu.rows import CLEAN_ROWS, ROOT, load_rows, plan_fields, plan_text, replaced, target_of
+from tools.gpu.rows import (
+    CLEAN_ROWS,
+    ROOT,
+    as_recorded,
+    load_rows,
+    plan_fields,
+    plan_text,
+    replaced,
+    target_of,
+)
 
 warnings.simplefilter("ignore")
 COMPILE_DATA = ROOT / "tests" / "data" / "h100-handwritten-gpt2-compile.jsonl"
@@ -66,7 +75,8 @@ def trace(row: dict, cache: Path | None) -> tuple[list[Op], float]:
         ops, seconds = pickle.loads(path.read_bytes())
         return [Op(*o) for o in ops], seconds
     t0 = time.perf_counter()
-    ops = record_ops(target_of(row))
+    with as_recorded(row):  # (the kernels the recorded run reached: rows.recorded_environment)
+        ops = record_ops(target_of(row))
     seconds = time.perf_counter() - t0
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -166,6 +166,12 @@ def recorded_environment(case: dict) -> _Emulations | None:
     return _Emulations(emulations) if emulations else None
 
 
+def as_recorded(case: dict) -> contextlib.AbstractContextManager:
+    """``recorded_environment(case)`` where something differs, else a context that does nothing: wrap any trace of a
+    recorded row in it (the memory prediction, the time model's ops)."""
+    return recorded_environment(case) or contextlib.nullcontext()
+
+
 def preset_for(case: dict) -> str:
     """The preset of the card a row ran on (rows without a ``gpu`` field ran on an H100)."""
     from memfit.devices import preset_for_card

@@ -23,6 +23,7 @@ from memfit.memory.expandable import new_model
 from memfit.memory.leaks import find_leaks
 from memfit.memory.managed import managed_notes
 from memfit.memory.tracker import MANAGED, POINTS, MemoryTracker
+from memfit.sdpa_backends import torch_release
 
 
 @dataclass(frozen=True)
@@ -329,7 +330,8 @@ def report_for(tracker: MemoryTracker, target, method: str, *, measurement: Meas
                             if r.op.startswith(("cublas workspace", "cublaslt workspace")))
             approximations.append(
                 f"CUDA kernels modelled for {dev.name} (sm{dev.compute_capability[0]}{dev.compute_capability[1]}, "
-                f"CUDA {dev.cuda_version[0]}.{dev.cuda_version[1]}, cuDNN {dev.cudnn_version}): attention backend, "
+                f"CUDA {dev.cuda_version[0]}.{dev.cuda_version[1]}, cuDNN {dev.cudnn_version}) as this torch "
+                f"({torch_release()}) chooses them: attention backend, "
                 "autocast lists, foreach optimizers, cuBLAS/cuDNN workspaces, reduction buffers (memfit.memory.cuda); "
                 "cuDNN convolution and RNN workspaces are calibrated estimates")
         else:
