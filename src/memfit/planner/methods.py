@@ -102,9 +102,10 @@ def on_checkpoint(methods: list[Method], workload, flag: str, device=None) -> li
         return methods
     allowed = (CHECKPOINT_METHODS if device is not None else CHECKPOINT_METHODS_BY_CARD) if by_card(fmt) else QUANTIZED
     if not methods or any(m.name not in allowed for m in methods):
+        how = ("full fine-tuning where a card loads it in bf16, an adapter over its weights as each card loads them"
+               if "full" in allowed else "an adapter over its quantized weights")
         raise UserError(f"{flag}: {workload.name} is a pre-quantized checkpoint ({fmt}); only {' or '.join(allowed)} "
-                        f"trains it (an adapter over its quantized weights): use --methods {allowed[0]}, or plan the "
-                        "full-precision checkpoint")
+                        f"trains it ({how}): use --methods {','.join(allowed)}, or plan the full-precision checkpoint")
     return [dataclasses.replace(m, keys={**m.keys, "base_weights": "as-is" if by_card(fmt) else fmt}) for m in methods]
 
 
