@@ -15,7 +15,8 @@ version and the installed one, the prediction emulates the recorded behaviour
 (``recorded_environment``): transformers 5.23 made T5's SDPA position-bias mask contiguous; with
 5.17's non-contiguous mask CUDA's SDPA takes the math path (memfit.memory.cuda.sdpa), with 5.23's
 the memory-efficient one; torch 2.14 runs grouped-query attention in the memory-efficient kernel, where
-2.11 took the math path (fp32 GQA: qwen2-4l-fp32).
+2.11 took the math path (fp32 GQA: qwen2-4l-fp32), and 2.12 sends a dropout off cuDNN's 1/16 grid to flash, where
+2.11 ran cuDNN (GPT-2's 0.1).
 """
 
 from __future__ import annotations
@@ -111,29 +112,46 @@ def _t5_mask_as_in_transformers_5_17():
         sdpa.create_position_bias_mask = original
 
 
+SDPA_RULES_SINCE = {"TORCH_CHECKS_CUDNN_DROPOUT": (2, 12), "TORCH_EFFICIENT_GQA": (2, 14)}
+"""memfit.sdpa_backends' switches by the torch release that brought them."""
+
+
 @contextlib.contextmanager
-def _sdpa_as_in_torch_2_13():
-    """torch <= 2.13 has no grouped-query attention in the memory-efficient kernel (memfit.sdpa_backends,
-    ``TORCH_EFFICIENT_GQA``): such attention in fp32 took the math path on the recorded card. Yields whether
-    any attention call of the prediction took another kernel than the installed torch would give it."""
+def _sdpa_as_in_torch(recorded: tuple[int, ...]):
+    """SDPA's backend choice as the recorded torch made it (memfit.sdpa_backends: ``TORCH_CHECKS_CUDNN_DROPOUT``
+    from 2.12, ``TORCH_EFFICIENT_GQA`` from 2.14; 2.11's memory-efficient kernel has no grouped-query heads, so
+    such attention in fp32 took the math path on the recorded card). Yields whether any attention call of the
+    prediction took another kernel than the installed torch would give it."""
     from memfit import sdpa_backends
     from memfit.memory.cuda import sdpa as sdpa_rule
-    installed, select = sdpa_backends.TORCH_EFFICIENT_GQA, sdpa_rule.select_backend
-    changed = []
+    installed = {name: getattr(sdpa_backends, name) for name in SDPA_RULES_SINCE}
+    then = {name: installed[name] and recorded >= since for name, since in SDPA_RULES_SINCE.items()}
+    select, changed = sdpa_rule.select_backend, []
+
+    def under(rules: dict) -> None:
+        for name, value in rules.items():
+            setattr(sdpa_backends, name, value)
 
     def as_recorded(*args, **kwargs):
-        sdpa_backends.TORCH_EFFICIENT_GQA = installed
+        under(installed)
         theirs = select(*args, **kwargs)
-        sdpa_backends.TORCH_EFFICIENT_GQA = False
+        under(then)
         recorded = select(*args, **kwargs)
         changed.append(theirs != recorded)
         return recorded
 
-    sdpa_backends.TORCH_EFFICIENT_GQA, sdpa_rule.select_backend = False, as_recorded
+    import torch
+    # (Dynamo keeps a region's compiled code for its code object, with no guard on these rules: a region compiled
+    # under the installed torch's choices would be reused as it is, so it is dropped on the way in and out)
+    torch._dynamo.reset()
+    under(then)
+    sdpa_rule.select_backend = as_recorded
     try:
         yield lambda: any(changed)
     finally:
-        sdpa_backends.TORCH_EFFICIENT_GQA, sdpa_rule.select_backend = installed, select
+        under(installed)
+        sdpa_rule.select_backend = select
+        torch._dynamo.reset()
 
 
 class _Emulations(contextlib.ExitStack):
@@ -161,8 +179,9 @@ def recorded_environment(case: dict) -> _Emulations | None:
     recorded = case.get("transformers") or RECORDED_TRANSFORMERS
     if case["workload"].split(":")[0] == "t5" and _version(recorded) < (5, 23) <= _version(transformers.__version__):
         emulations.append(_t5_mask_as_in_transformers_5_17())
-    if _version(case.get("torch") or RECORDED_TORCH) < (2, 14) <= _version(torch.__version__):
-        emulations.append(_sdpa_as_in_torch_2_13())
+    recorded_torch = _version(case.get("torch") or RECORDED_TORCH)
+    if any(recorded_torch < since <= _version(torch.__version__) for since in SDPA_RULES_SINCE.values()):
+        emulations.append(_sdpa_as_in_torch(recorded_torch))
     return _Emulations(emulations) if emulations else None
 
 

@@ -35,6 +35,7 @@ class PredictionPass(CustomGraphPass):
         return None
 
     def uuid(self) -> str:
+        from memfit import sdpa_backends
         from memfit.techniques import (
             cuda_facts,
             cuda_lowering,  # lowered as on CUDA: other wrappers (its NOTE)
@@ -42,7 +43,9 @@ class PredictionPass(CustomGraphPass):
         files = (__file__, cuda_lowering.__file__, cuda_facts.__file__)
         device = cuda_lowering.target()  # (the card's facts decide the CUDA path's choices)
         card = f"{device.name}-sm{device.compute_capability}-{device.sm_count}-" if device is not None else ""
-        return "memfit-fake-wrapper-" + card + get_hash_for_files(files).hex()
+        # (and the torch release whose attention choices the trace follows: tools/gpu/rows.py emulates older ones)
+        sdpa = f"sdpa{int(sdpa_backends.TORCH_CHECKS_CUDNN_DROPOUT)}{int(sdpa_backends.TORCH_EFFICIENT_GQA)}-"
+        return "memfit-fake-wrapper-" + card + sdpa + get_hash_for_files(files).hex()
 
 
 PREDICTION_PASS = PredictionPass()

@@ -106,6 +106,16 @@ def test_predicted_wrappers_are_keyed_by_card():
     assert len(set(keys.values())) == 3
 
 
+def test_predicted_wrappers_are_keyed_by_the_torch_attention_rules(monkeypatch):
+    """The attention kernel a region takes follows the torch release's rules (memfit.sdpa_backends), which a
+    recorded GPU row's prediction sets to its own torch's (tools/gpu/rows.py): its wrappers are cached apart."""
+    from memfit import sdpa_backends
+    with cuda_lowering.lowering_for_cuda(get_device("h100-80gb")):
+        installed = fake_wrapper.PREDICTION_PASS.uuid()
+        monkeypatch.setattr(sdpa_backends, "TORCH_CHECKS_CUDNN_DROPOUT", not sdpa_backends.TORCH_CHECKS_CUDNN_DROPOUT)
+        assert fake_wrapper.PREDICTION_PASS.uuid() != installed
+
+
 def test_a_gpu_presets_compile_needs_triton_and_no_cpu_compiler(monkeypatch):
     import shutil
     monkeypatch.setattr(shutil, "which", lambda name: None)  # no C++ compiler here
