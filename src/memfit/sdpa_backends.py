@@ -31,17 +31,28 @@ def torch_release() -> str:
     return torch.__version__.split("+")[0]
 
 
-TORCH_CHECKS_CUDNN_DROPOUT = _torch_version() >= (2, 12)
+RULES_SINCE = {"TORCH_CHECKS_CUDNN_DROPOUT": (2, 12), "TORCH_EFFICIENT_GQA": (2, 14)}
+"""The switches below by the torch release that brought them: on for the installed torch from that release (a
+prediction of a GPU row recorded with an older torch sets them as that torch had them: tools/gpu/rows.py)."""
+
+TORCH_CHECKS_CUDNN_DROPOUT = _torch_version() >= RULES_SINCE["TORCH_CHECKS_CUDNN_DROPOUT"]
 """torch >= 2.12 refuses cuDNN attention for a dropout that is not a multiple of 1/16 (GPT-2's
 0.1 then goes to flash); 2.11 took cuDNN for it (snap-gpt2-bf16-small, torch 2.11)."""
 
-TORCH_EFFICIENT_GQA = _torch_version() >= (2, 14)
+TORCH_EFFICIENT_GQA = _torch_version() >= RULES_SINCE["TORCH_EFFICIENT_GQA"]
 """torch >= 2.14's memory-efficient kernel runs grouped-query attention itself (pytorch#191085: K/V read per
 group in forward, dK and dV per query head in backward, summed into the K/V heads after), and every fused
 kernel takes a single K/V head without ``enable_gqa``. 2.14.1's libtorch_cuda has it (its backward's
 ``grad_k_expanded``); 2.13.0's and 2.11's do not, and send such attention in fp32, or in half precision
 before sm80, to the math path and its [B, H, Tq, Tk] scores. GPU rows recorded with an earlier torch are
 predicted with this off (tools/gpu/rows.py, ``recorded_environment``)."""
+
+
+
+def rules() -> tuple[bool, ...]:
+    """The switches' values now, in ``RULES_SINCE``'s order (what a cache of predicted kernels is keyed by)."""
+    return tuple(globals()[name] for name in RULES_SINCE)
+
 
 # SDPBackend values (torch.nn.attention.SDPBackend)
 MATH, FLASH, EFFICIENT, CUDNN = 0, 1, 2, 3

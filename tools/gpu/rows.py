@@ -112,10 +112,6 @@ def _t5_mask_as_in_transformers_5_17():
         sdpa.create_position_bias_mask = original
 
 
-SDPA_RULES_SINCE = {"TORCH_CHECKS_CUDNN_DROPOUT": (2, 12), "TORCH_EFFICIENT_GQA": (2, 14)}
-"""memfit.sdpa_backends' switches by the torch release that brought them."""
-
-
 @contextlib.contextmanager
 def _sdpa_as_in_torch(recorded: tuple[int, ...]):
     """SDPA's backend choice as the recorded torch made it (memfit.sdpa_backends: ``TORCH_CHECKS_CUDNN_DROPOUT``
@@ -124,15 +120,15 @@ def _sdpa_as_in_torch(recorded: tuple[int, ...]):
     prediction took another kernel than the installed torch would give it."""
     from memfit import sdpa_backends
     from memfit.memory.cuda import sdpa as sdpa_rule
-    installed = {name: getattr(sdpa_backends, name) for name in SDPA_RULES_SINCE}
-    then = {name: installed[name] and recorded >= since for name, since in SDPA_RULES_SINCE.items()}
+    installed = {name: getattr(sdpa_backends, name) for name in sdpa_backends.RULES_SINCE}
+    then = {name: installed[name] and recorded >= since for name, since in sdpa_backends.RULES_SINCE.items()}
     select, changed = sdpa_rule.select_backend, []
 
     def under(rules: dict) -> None:
         for name, value in rules.items():
             setattr(sdpa_backends, name, value)
 
-    def as_recorded(*args, **kwargs):
+    def select_as_recorded(*args, **kwargs):
         under(installed)
         theirs = select(*args, **kwargs)
         under(then)
@@ -145,7 +141,7 @@ def _sdpa_as_in_torch(recorded: tuple[int, ...]):
     # under the installed torch's choices would be reused as it is, so it is dropped on the way in and out)
     torch._dynamo.reset()
     under(then)
-    sdpa_rule.select_backend = as_recorded
+    sdpa_rule.select_backend = select_as_recorded
     try:
         yield lambda: any(changed)
     finally:
@@ -179,8 +175,9 @@ def recorded_environment(case: dict) -> _Emulations | None:
     recorded = case.get("transformers") or RECORDED_TRANSFORMERS
     if case["workload"].split(":")[0] == "t5" and _version(recorded) < (5, 23) <= _version(transformers.__version__):
         emulations.append(_t5_mask_as_in_transformers_5_17())
+    from memfit.sdpa_backends import RULES_SINCE
     recorded_torch = _version(case.get("torch") or RECORDED_TORCH)
-    if any(recorded_torch < since <= _version(torch.__version__) for since in SDPA_RULES_SINCE.values()):
+    if any(recorded_torch < since <= _version(torch.__version__) for since in RULES_SINCE.values()):
         emulations.append(_sdpa_as_in_torch(recorded_torch))
     return _Emulations(emulations) if emulations else None
 

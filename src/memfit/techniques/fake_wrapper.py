@@ -44,7 +44,7 @@ class PredictionPass(CustomGraphPass):
         device = cuda_lowering.target()  # (the card's facts decide the CUDA path's choices)
         card = f"{device.name}-sm{device.compute_capability}-{device.sm_count}-" if device is not None else ""
         # (and the torch release whose attention choices the trace follows: tools/gpu/rows.py emulates older ones)
-        sdpa = f"sdpa{int(sdpa_backends.TORCH_CHECKS_CUDNN_DROPOUT)}{int(sdpa_backends.TORCH_EFFICIENT_GQA)}-"
+        sdpa = "sdpa" + "".join(str(int(on)) for on in sdpa_backends.rules()) + "-"
         return "memfit-fake-wrapper-" + card + sdpa + get_hash_for_files(files).hex()
 
 
