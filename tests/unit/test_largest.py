@@ -29,6 +29,8 @@ from memfit.step import batch_bytes
 from memfit.techniques.base_weights import least_weight_bytes
 
 GPT2 = "gpt2:n_layer=2,n_embd=64,n_head=2,vocab_size=256"
+FLUX = ("dit-flux:num_layers=1,num_single_layers=2,attention_head_dim=16,num_attention_heads=2,joint_attention_dim=32,"
+        "pooled_projection_dim=16,in_channels=16,axes_dims_rope=4/6/6")  # (a small FLUX.1: its blocks of both kinds)
 LLAMA = ("llama:num_hidden_layers=2,hidden_size=64,intermediate_size=128,num_attention_heads=4,"
          "num_key_value_heads=4,vocab_size=256")
 
@@ -109,16 +111,18 @@ def test_resolution_max_needs_an_image_model():
         Sized.of(GPT2, "resolution")
 
 
-@pytest.mark.parametrize("workload, plan", [(GPT2, Plan()), (LLAMA, Plan(adapter="lora:r=4"))],
-                         ids=["gpt2", "peft-lora-llama"])
-def test_batch_max_is_exact_against_the_profiler(workload, plan):
+@pytest.mark.parametrize("workload, plan, sizes", [
+    (GPT2, Plan(), {"seq_len": 32}),
+    (LLAMA, Plan(adapter="lora:r=4"), {"seq_len": 32}),
+    (FLUX, Plan(adapter="lora:r=4", checkpointing="blocks"), {"resolution": 64}),
+], ids=["gpt2", "peft-lora-llama", "flux-lora"])
+def test_batch_max_is_exact_against_the_profiler(workload, plan, sizes):
     """The budget lies between the profiler's peaks at batch 5 and 6 (measured here, not predicted):
     ``max`` must answer 5, and the profiler's own peaks at its N and N+1 straddle the budget."""
-    seq = 32
-    measured = {b: profile(workload, plan, batch_size=b, seq_len=seq, repeats=0).peak_bytes for b in (5, 6)}
+    measured = {b: profile(workload, plan, batch_size=b, repeats=0, **sizes).peak_bytes for b in (5, 6)}
     assert measured[5] < measured[6]
     budget_bytes = (measured[5] + measured[6]) // 2
-    sized = Sized.of(workload, "batch_size", seq_len=seq)
+    sized = Sized.of(workload, "batch_size", **sizes)
     budget = Budget(budget_bytes, sized.target(1, None, "cpu").device)
     found, report = largest_estimate(sized, plan, "cpu", budget)
     assert found.value == 5 and report.batch_size == 5
