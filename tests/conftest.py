@@ -47,11 +47,15 @@ def pytest_configure(config):
 def _frozen_before_each_test(request):
     """NOTE [ A frozen heap per test ]."""
     import gc
+
+    from memfit.memory import heap
     if getattr(request.module, "THAWED_HEAP", False):
         gc.unfreeze()
+        heap.CALLER_FROZE = None
     else:
         gc.collect()
         gc.freeze()
+        heap.CALLER_FROZE = True  # (memfit need not count the frozen objects at each trace to know)
 
 
 # Importing Lightning sets ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` for the whole process; on a machine without

@@ -71,26 +71,35 @@ class _Profile:
             self.done[start] = done
 
 
-def _walk(node, call: tuple | None, into: _Profile) -> None:
+def _walk_tree(root, into: _Profile) -> None:
+    """Read one event tree into ``into``, depth first in the profiler's order (a loop, not a recursion:
+    a measured step's trees hold millions of events, and a call per event was most of the reading)."""
     from torch._C._profiler import _EventType
 
-    if node.tag == _EventType.Allocation:
-        ex = node.extra_fields
-        if ex.device.type == "cpu":
-            into.allocs.append((node.start_time_ns, ex.ptr, ex.alloc_size, call))
-        return
-    name = node.name
-    if name.startswith(WORK):
-        into.work.append((node.start_time_ns, node.end_time_ns))
-    elif name.startswith(COPY_OUT):
-        into.copy_outs.append((node.start_time_ns, node.end_time_ns))
-    elif name.startswith(COLLECTIVE) and call is None and node.tag == _EventType.TorchOp:
-        ptrs = {getattr(x, "storage_data_ptr", None) for i, x in enumerate(node.extra_fields.inputs)
-                if i == _BUFFER_ARGUMENT.get(name.split(".")[0])} - {None}
-        call = (node.start_time_ns, name)
-        into.calls.append((*call, ptrs))
-    for child in node.children:
-        _walk(child, call, into)
+    allocation, torch_op = _EventType.Allocation, _EventType.TorchOp
+    allocs, work, copy_outs, calls = into.allocs, into.work, into.copy_outs, into.calls
+    stack = [(root, None)]
+    while stack:
+        node, call = stack.pop()
+        tag = node.tag
+        if tag == allocation:
+            ex = node.extra_fields
+            if ex.device.type == "cpu":
+                allocs.append((node.start_time_ns, ex.ptr, ex.alloc_size, call))
+            continue
+        name = node.name
+        if name.startswith(WORK):
+            work.append((node.start_time_ns, node.end_time_ns))
+        elif name.startswith(COPY_OUT):
+            copy_outs.append((node.start_time_ns, node.end_time_ns))
+        elif name.startswith(COLLECTIVE) and call is None and tag == torch_op:
+            ptrs = {getattr(x, "storage_data_ptr", None) for i, x in enumerate(node.extra_fields.inputs)
+                    if i == _BUFFER_ARGUMENT.get(name.split(".")[0])} - {None}
+            call = (node.start_time_ns, name)
+            calls.append((*call, ptrs))
+        children = node.children
+        if children:
+            stack.extend((child, call) for child in reversed(children))
 
 
 # NOTE [ Frees the profiler does not see ]
@@ -121,7 +130,7 @@ def allocator_events(prof) -> list[tuple[int, int]]:
     to collectives."""
     run = _Profile()
     for root in prof.profiler.kineto_results.experimental_event_tree():
-        _walk(root, None, run)
+        _walk_tree(root, run)
     run.pair()
     events: list[tuple[int, int]] = []
     live: dict[int, _Block] = {}
