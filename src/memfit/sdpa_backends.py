@@ -48,7 +48,6 @@ before sm80, to the math path and its [B, H, Tq, Tk] scores. GPU rows recorded w
 predicted with this off (tools/gpu/rows.py, ``recorded_environment``)."""
 
 
-
 def rules() -> tuple[bool, ...]:
     """The switches' values now, in ``RULES_SINCE``'s order (what a cache of predicted kernels is keyed by)."""
     return tuple(globals()[name] for name in RULES_SINCE)

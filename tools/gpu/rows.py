@@ -118,6 +118,8 @@ def _sdpa_as_in_torch(recorded: tuple[int, ...]):
     from 2.12, ``TORCH_EFFICIENT_GQA`` from 2.14; 2.11's memory-efficient kernel has no grouped-query heads, so
     such attention in fp32 took the math path on the recorded card). Yields whether any attention call of the
     prediction took another kernel than the installed torch would give it."""
+    import torch
+
     from memfit import sdpa_backends
     from memfit.memory.cuda import sdpa as sdpa_rule
     installed = {name: getattr(sdpa_backends, name) for name in sdpa_backends.RULES_SINCE}
@@ -136,7 +138,6 @@ def _sdpa_as_in_torch(recorded: tuple[int, ...]):
         changed.append(theirs != recorded)
         return recorded
 
-    import torch
     # (Dynamo keeps a region's compiled code for its code object, with no guard on these rules: a region compiled
     # under the installed torch's choices would be reused as it is, so it is dropped on the way in and out)
     torch._dynamo.reset()
@@ -171,11 +172,12 @@ def recorded_environment(case: dict) -> _Emulations | None:
     nothing differs)."""
     import torch
     import transformers
+
+    from memfit.sdpa_backends import RULES_SINCE
     emulations = []
     recorded = case.get("transformers") or RECORDED_TRANSFORMERS
     if case["workload"].split(":")[0] == "t5" and _version(recorded) < (5, 23) <= _version(transformers.__version__):
         emulations.append(_t5_mask_as_in_transformers_5_17())
-    from memfit.sdpa_backends import RULES_SINCE
     recorded_torch = _version(case.get("torch") or RECORDED_TORCH)
     if any(recorded_torch < since <= _version(torch.__version__) for since in RULES_SINCE.values()):
         emulations.append(_sdpa_as_in_torch(recorded_torch))

@@ -13,6 +13,17 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+CALLER_FROZE: bool | None = None
+"""Whether the caller froze the heap itself before calling memfit (None: count the frozen objects to know).
+``gc.get_freeze_count`` walks every frozen object (CPython keeps no count of them): 64 ms at 800,000, at
+every trace. A caller that freezes before each call (a test runner: NOTE [ A frozen heap per test ] in
+tests/conftest.py) says so here instead."""
+
+
+def _caller_froze() -> bool:
+    return gc.get_freeze_count() > 0 if CALLER_FROZE is None else CALLER_FROZE
+
+
 # NOTE [ Frozen heap ]
 # A step is traced with ``gc.collect()`` before each step, so that cycles left by the last step
 # free their storages at a known point. With torch and transformers imported the heap holds about
@@ -31,17 +42,6 @@ R = TypeVar("R")
 # doubled they were 16% of the suite's CPU time). A fake trace skips that
 # collection (another ~0.15 s): it tracks only storages made inside it, and the garbage it freezes
 # is collected after the trace.
-CALLER_FROZE: bool | None = None
-"""Whether the caller froze the heap itself before calling memfit (None: count the frozen objects to know).
-``gc.get_freeze_count`` walks every frozen object (CPython keeps no count of them): 64 ms at 800,000, at
-every trace. A caller that freezes before each call (a test runner: NOTE [ A frozen heap per test ] in
-tests/conftest.py) says so here instead."""
-
-
-def _caller_froze() -> bool:
-    return gc.get_freeze_count() > 0 if CALLER_FROZE is None else CALLER_FROZE
-
-
 @contextlib.contextmanager
 def frozen_heap(*, collect: bool = True):
     """Collect once (if ``collect``), then freeze the heap until the block ends (NOTE [ Frozen heap ])."""
