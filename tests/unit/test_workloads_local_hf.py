@@ -123,6 +123,12 @@ BAD = [
      r"has no class GPT9LMHeadModel .*; upgrade transformers or set \"architectures\": \[\"GPT2LMHeadModel\"\]"),
     ("unfed head", {**LLAMA3, "architectures": ["LlamaForQuestionAnswering"]},
      r"names LlamaForQuestionAnswering, a head memfit cannot feed .*set \"architectures\": \[\"LlamaForCausalLM\"\]"),
+    # MusicGen: a text encoder beside its decoder, and a causal LM class built from the decoder's config alone
+    ("text-to-audio", {"model_type": "musicgen_melody"},
+     r"MusicgenMelodyForCausalLM for model_type 'musicgen_melody' is built from a part of its config "
+     r"\(MusicgenMelodyDecoderConfig\).*write a file workload"),
+    ("text-to-audio head", {"model_type": "musicgen", "architectures": ["MusicgenForConditionalGeneration"]},
+     r"names MusicgenForConditionalGeneration, a head memfit cannot feed .*; write a file workload"),
     ("seq too long", GPT2, r"--seq-len 4096 exceeds config\.json's n_positions=128; use --seq-len <= 128"),
     ("bad sizes", {**GPT2, "n_embd": 30}, r"building the model failed with .*; fix its config\.json"),
 ]

@@ -304,7 +304,7 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
         sample = f"{audio} and " + (f"{seq} CTC labels" if task == "ctc" else "its class")
         vocab = config.vocab_size if task == "ctc" else None
     else:
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config  # multimodal: its LM
+        text = image_text.language_config(config)  # (multimodal: its LM)
         vocab = getattr(text, "vocab_size", None)
         if not isinstance(vocab, int) or vocab < 1:
             raise UserError(f"{where}: config.json has no vocab_size for the token batch; add \"vocab_size\": N")
@@ -380,13 +380,21 @@ def _folder_config(tf, path: Path, data: dict, where: str, overridden: bool = Fa
                         f"{fix}") from None
 
 
+def _takes(cls, config) -> bool:
+    """Whether model class ``cls`` is built from ``config`` (a model type's class for one task may take only
+    a part of its config: MusicGen's ``MusicgenForCausalLM`` its decoder's, not the whole ``MusicgenConfig``)."""
+    wanted = getattr(cls, "config_class", None)
+    return cls is not None and (not isinstance(wanted, type) or isinstance(config, wanted))
+
+
 def _folder_model_class(tf, config, data: dict, where: str):
     """(task, model class): the config's ``architectures`` if it names one memfit can feed, else the
     model type's class for the first task of :data:`_TASKS` that has one."""
     from transformers.models.auto import modeling_auto
     tasks = [(task, getattr(modeling_auto, names, {})) for task, names in _TASKS]
     model_type = data["model_type"]
-    fallback = next(((task, m[model_type]) for task, m in tasks if isinstance(m.get(model_type), str)), None)
+    fallback = next(((task, m[model_type]) for task, m in tasks if isinstance(m.get(model_type), str)
+                     and _takes(getattr(tf, m[model_type], None), config)), None)
     feeds = ("causal LM, vision-language, seq2seq LM, speech seq2seq, CTC, audio-classification, masked LM, image-classification, "
              "image-text contrastive, sequence-classification and token-classification heads")
     for name in data.get("architectures") or ():
@@ -400,6 +408,11 @@ def _folder_model_class(tf, config, data: dict, where: str):
                             f"architectures); upgrade transformers or {fix}")
         raise UserError(f"{where}: config.json's architectures names {name}, a head memfit cannot feed a synthetic "
                         f"batch to (it builds {feeds}); {fix}")
+    partial = next((getattr(tf, m[model_type], None) for _, m in tasks if isinstance(m.get(model_type), str)), None)
+    if fallback is None and partial is not None:
+        raise UserError(f"{where}: transformers' {partial.__name__} for model_type {model_type!r} is built from a "
+                        f"part of its config ({partial.config_class.__name__}), and memfit builds no head of the "
+                        f"whole; write a file workload (path/to/file.py:NAME) that builds the model")
     if fallback is None:
         raise UserError(f"{where}: transformers has no {feeds.replace(' and ', ' or ')} for model_type "
                         f"{model_type!r}; write a file workload (path/to/file.py:NAME) that builds the model")

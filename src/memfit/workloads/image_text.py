@@ -198,9 +198,15 @@ def image_token_id(config) -> int:
     raise TextOnly("its config names no image token (image_token_id)")
 
 
+def language_config(config):
+    """The config of ``config``'s language model: a multimodal model's ``text_config``, the decoder's where a
+    model has a text encoder too (MusicGen's ``text_encoder`` and ``decoder``), else ``config`` itself."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
 def config_and_text(config) -> list:
-    """``config`` and its language model's own config (a multimodal model's ``text_config``), once each."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    """``config`` and its language model's own config (:func:`language_config`), once each."""
+    text = language_config(config)
     return [config] if text is config else [config, text]
 
 
@@ -321,7 +327,7 @@ def _image_tokens(cls, config, inputs: dict[str, torch.Tensor]) -> int:
     if not hasattr(cls, "get_image_features"):
         raise TextOnly(f"{cls.__name__} has no get_image_features to count its image tokens")
     shallow = copy.deepcopy(config)
-    text = shallow.get_text_config()
+    text = language_config(shallow)
     if isinstance(getattr(text, "num_hidden_layers", None), int):  # (the count is the vision tower's)
         text.num_hidden_layers = 1
         if isinstance(getattr(text, "layer_types", None), list):
