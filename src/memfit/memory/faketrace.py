@@ -26,6 +26,7 @@ from memfit.memory.cuda import cuda_kernel_model
 from memfit.memory.heap import frozen_heap
 from memfit.memory.routing import BALANCED, routing_mode
 from memfit.memory.tracker import MemoryTracker
+from memfit.memory.triton_launches import fake_triton_launches
 from memfit.memory.workspaces import probe_for
 from memfit.step import TrainStep, build_step, make_batch
 from memfit.target import Target
@@ -80,6 +81,7 @@ def _run_tracked(target: Target, *, fake: bool, steps: int, outer: contextlib.Ab
             if fake:
                 _enter_trace_contexts(stack, target)
                 routed = stack.enter_context(routing_mode(routing, tracker)).answers
+                stack.enter_context(fake_triton_launches(tracker))  # NOTE [ Triton kernels on fake tensors ]
                 if device.is_gpu:
                     kernels = stack.enter_context(_cuda_kernel_model(device, tracker))
             with (around_build() if around_build else contextlib.nullcontext()):
