@@ -100,5 +100,6 @@ def test_bad_folders_are_one_line_naming_the_fix(tmp_path, capsys, case, content
         assert len(lines) == 1 and lines[0].startswith(f"memfit {command[0]}: error: "), err
         assert "Traceback" not in err
         assert re.search(message, lines[0]), lines[0]
-    with pytest.raises(UserError):
-        load_workload(spec, seq_len=int(seq)).model()
+    with pytest.raises(UserError):  # (from the library too: loading, building, or the step's loss)
+        wl = load_workload(spec, seq_len=int(seq))
+        wl.loss(wl.model(), wl.batch(2))

@@ -129,6 +129,23 @@ BAD = [
      r"\(MusicgenMelodyDecoderConfig\).*write a file workload"),
     ("text-to-audio head", {"model_type": "musicgen", "architectures": ["MusicgenForConditionalGeneration"]},
      r"names MusicgenForConditionalGeneration, a head memfit cannot feed .*; write a file workload"),
+    # vision-language models that train on images only, where memfit cannot make their image: fed text, they refuse
+    ("image-only VLM", {"model_type": "blip-2", "num_query_tokens": 4,
+                        "vision_config": {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
+                                          "num_attention_heads": 2, "image_size": 32, "patch_size": 8},
+                        "qformer_config": {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
+                                           "num_attention_heads": 2, "encoder_hidden_size": 32, "vocab_size": 100},
+                        "text_config": {"model_type": "opt", "num_hidden_layers": 1, "hidden_size": 32, "ffn_dim": 64,
+                                        "num_attention_heads": 2, "vocab_size": 100, "word_embed_proj_dim": 32}},
+     r"Blip2ForConditionalGeneration trains on images and was fed text only \(.*pixel_values.*\), as memfit could "
+     r"not make its image: its config names no image token .*; write a file workload"),
+    ("image-only VLM, pixels alone", {"model_type": "idefics", "vocab_size": 100, "hidden_size": 32,
+                                      "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                      "cross_layer_interval": 1, "perceiver_config": {"use_resampler": False},
+                                      "vision_config": {"embed_dim": 32, "image_size": 32, "patch_size": 8,
+                                                        "num_hidden_layers": 1, "num_attention_heads": 2,
+                                                        "intermediate_size": 64}},
+     r"IdeficsForVisionText2Text trains on images and was fed text only .* has no get_image_features"),
     ("seq too long", GPT2, r"--seq-len 4096 exceeds config\.json's n_positions=128; use --seq-len <= 128"),
     ("bad sizes", {**GPT2, "n_embd": 30}, r"building the model failed with .*; fix its config\.json"),
 ]

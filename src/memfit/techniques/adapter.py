@@ -164,7 +164,8 @@ class LoRA(Adapter):
         config.exclude_modules = left_out or None
         try:
             parts.model = peft.inject_adapter_in_model(config, parts.model)
-        except ValueError as e:
+        except (ValueError, NotImplementedError) as e:  # (a model PEFT asks what it does not answer: PP-FormulaNet's
+            # get_input_embeddings raises NotImplementedError)
             if "not found in the base model" in str(e) or "Target modules" in str(e):
                 targets = config.target_modules
                 names = [targets] if isinstance(targets, str) else [*targets]

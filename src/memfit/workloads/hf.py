@@ -278,7 +278,7 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
     for c in image_text.config_and_text(config):
         c.use_cache = False  # training: no KV cache (a multimodal model's language model reads its own config's)
     model_type = data["model_type"]
-    split = None  # (set where a vision-language model's samples hold an image: NOTE [ Image-text batches ])
+    split = text_only = None  # (set where a vision-language model's samples hold an image: NOTE [ Image-text batches ])
     if task == "image-classification":
         if seq_len is not None:
             raise UserError(f"{where}: --seq-len does not apply to an image model; set image_size in its config.json")
@@ -318,8 +318,8 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
         batch = _classified_batch(task, config, vocab, seq) if task.endswith("classification") else _lm_batch(vocab, seq)
         sample = f"{seq} tokens" + _TARGETS.get(task, "")
         if task == "image-text-to-text":  # NOTE [ Image-text batches ]
-            batch, sample, split = image_text.with_images(cls, config, path, seq, vocab, resolution, where,
-                                                          batch, sample)
+            batch, sample, split, text_only = image_text.with_images(cls, config, path, seq, vocab, resolution,
+                                                                     where, batch, sample)
         elif getattr(config, "vision_config", None) is not None:  # (a vision-language model fed its LM's input)
             sample += "; text only: no image is fed, so the vision encoder's weights count and its activations do not"
     sizes = {k: v for k in ("num_hidden_layers", "hidden_size") if isinstance(v := getattr(config, k, None), int)}
@@ -329,6 +329,8 @@ def folder(path_text: str, seq_len: int | None, *, name: str | None = None, wher
         config.quantization_config = None  # memfit's base_weights quantizes (transformers' own would at from_pretrained)
     images = split is not None
     loss = _contrastive_loss if task == "contrastive" else image_text.image_text_loss if images else _hf_loss
+    if text_only:
+        loss = image_text.fed_text_only(loss, text_only, where)
     return Workload(model=lambda: cls(config), batch=batch, loss=loss, split=split,
                     name=name or path_text,
                     default_batch_size=1 if task in ("causal-lm", "image-text-to-text") else 8,

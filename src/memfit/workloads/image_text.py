@@ -72,17 +72,35 @@ class OneImage:
 
 
 def with_images(cls, config, folder: Path | None, seq: int, vocab: int, resolution: int | None, where: str,
-                text_batch: Callable[[int], dict], text_sample: str) -> tuple[Callable[[int], dict], str, Callable | None]:
-    """(batch, one sample in words, how it splits into micro-batches): :func:`image_text_batch`'s, else the text
-    batch given, with why in the words, and None. A batch with an image is trained on by :func:`image_text_loss`."""
+                text_batch: Callable[[int], dict], text_sample: str
+                ) -> tuple[Callable[[int], dict], str, Callable | None, str | None]:
+    """(batch, one sample in words, how it splits into micro-batches, why no image where one could not be made):
+    :func:`image_text_batch`'s, else the text batch given, with why in the words, and None. A batch with an image
+    is trained on by :func:`image_text_loss`; a text batch by the model's loss, :func:`fed_text_only` around it."""
     try:
         made = image_text_batch(cls, config, folder, seq, vocab, resolution, where)
     except TextOnly as e:
         return text_batch, (f"{text_sample}; text only: no image, as {e}, so the vision encoder's weights count "
-                            "and its activations do not"), None
+                            "and its activations do not"), None, str(e)
     if made is None:
-        return text_batch, f"{text_sample}; text only (--resolution 0): the vision encoder's weights count", None
-    return *made, split_images
+        return text_batch, f"{text_sample}; text only (--resolution 0): the vision encoder's weights count", None, None
+    return *made, split_images, None
+
+
+def fed_text_only(loss: Callable, why: str, where: str) -> Callable:
+    """``loss`` of a vision-language model fed text only because no image could be made (``why``): where the model
+    refuses a batch without one (BLIP-2, IDEFICS, Kosmos-2: "missing pixel_values"), one line saying so, not a
+    fault of its config.json."""
+    def text_loss(model, batch):
+        try:
+            return loss(model, batch)
+        except (TypeError, ValueError) as e:
+            if not any(w in str(e).lower() for w in ("pixel", "image")):
+                raise
+            raise UserError(f"{where}: {type(model).__name__} trains on images and was fed text only ({brief(e, 100)}), "
+                            f"as memfit could not make its image: {why}; write a file workload (path/to/file.py:NAME) "
+                            "whose batch holds its images") from None
+    return text_loss
 
 
 def split_images(batch: dict, batch_size: int, n: int) -> list[dict]:
@@ -247,6 +265,8 @@ def one_image(cls, config, folder: Path | None, resolution: int | tuple[int, int
         raise TextOnly(f"making its image needs {e.name} (pip install pillow torchvision)") from None
     except Exception as e:  # noqa: BLE001 - whatever the processor refuses: said, then text only
         raise TextOnly(f"its image processor {type(processor).__name__} failed ({brief(e, 120)})") from None
+    if isinstance(made, torch.Tensor):  # (IDEFICS's processor returns the pixels alone)
+        made = {"pixel_values": made}
     inputs = {k: v for k, v in made.items() if isinstance(v, torch.Tensor)}
     if "pixel_values" not in inputs:
         raise TextOnly(f"its image processor {type(processor).__name__} makes no pixel_values")

@@ -404,3 +404,16 @@ wl = Workload(model=lambda: torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn
     with pytest.raises(UserError, match="no repeated blocks") as e:
         estimate(f"{tmp_workload_file(body)}:wl", Plan(adapter="lora:r=4,targets=in-blocks"), batch_size=2, device="cpu")
     assert "\n" not in str(e.value)
+
+
+def test_a_model_that_cannot_answer_peft_is_one_line(monkeypatch):
+    """PEFT asks a model with tied embeddings for its input embeddings; a model that raises NotImplementedError
+    there (transformers' PP-FormulaNet) is refused in one line, not an internal error."""
+    import transformers
+
+    def unanswered(self):
+        raise NotImplementedError(f"`get_input_embeddings` not auto-handled for {type(self).__name__}")
+    monkeypatch.setattr(transformers.GPT2LMHeadModel, "get_input_embeddings", unanswered)
+    workload = load_workload("gpt2:n_layer=1,n_embd=32,n_head=2,vocab_size=100", seq_len=16)
+    with pytest.raises(UserError, match=r"PEFT refuses it on this model \(`get_input_embeddings` not auto-handled"):
+        build_step(workload, Plan(adapter="lora:r=4"), batch_size=2)
