@@ -70,8 +70,10 @@ def test_the_head_follows_architectures_else_the_model_type(tmp_path):
     vit = {"architectures": ["ViTForImageClassification"], "model_type": "vit", "num_hidden_layers": 1,
            "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64, "image_size": 32, "patch_size": 8,
            "id2label": {str(i): str(i) for i in range(5)}}
+    deit = {**vit, "model_type": "deit", "architectures": None}  # (two heads for its type: the first, that trains)
     cases = [(bert, "BertForMaskedLM", "masked"), (t5, "T5ForConditionalGeneration", "t5"),
-             (vit, "ViTForImageClassification", "vit"), ({**GPT2, "architectures": None}, "GPT2LMHeadModel", "gpt")]
+             (vit, "ViTForImageClassification", "vit"), (deit, "DeiTForImageClassification", "deit"),
+             ({**GPT2, "architectures": None}, "GPT2LMHeadModel", "gpt")]
     for config, cls, name in cases:
         wl = load_workload(str(folder(tmp_path, config, name)))
         model = wl.model()
@@ -146,6 +148,9 @@ BAD = [
                                                         "num_hidden_layers": 1, "num_attention_heads": 2,
                                                         "intermediate_size": 64}},
      r"IdeficsForVisionText2Text trains on images and was fed text only .* has no get_image_features"),
+    ("distilled head", {"model_type": "deit", "architectures": ["DeiTForImageClassificationWithTeacher"]},
+     r"names DeiTForImageClassificationWithTeacher, a head memfit cannot feed .*set \"architectures\": "
+     r"\[\"DeiTForImageClassification\"\]"),
     ("seq too long", GPT2, r"--seq-len 4096 exceeds config\.json's n_positions=128; use --seq-len <= 128"),
     ("bad sizes", {**GPT2, "n_embd": 30}, r"building the model failed with .*; fix its config\.json"),
 ]

@@ -93,6 +93,12 @@ def test_a_ctc_head_gets_30_seconds_of_audio_and_labels_that_are_never_the_blank
     assert batch_shapes(str(tmp_path))[0]["labels"] == (2, 448)  # default: a 30-second transcript
 
 
+def test_a_ctc_head_without_a_vocabulary_is_one_line(tmp_path):
+    """A pretrained encoder's config (Wav2Vec2-BERT's, Wav2Vec2-Conformer's) sizes no CTC head: was an internal error."""
+    with pytest.raises(UserError, match=r"config.json has no vocab_size for the CTC head \(got None\); add "):
+        batch_shapes(_folder(tmp_path, WAV2VEC2_CTC, vocab_size=None))
+
+
 def test_an_audio_classifier_gets_one_label_a_clip_and_refuses_seq_len(tmp_path):
     folder = _folder(tmp_path, HUBERT_CLASSIFIER)
     shapes, _ = batch_shapes(folder)

@@ -389,13 +389,20 @@ def _takes(cls, config) -> bool:
     return cls is not None and (not isinstance(wanted, type) or isinstance(config, wanted))
 
 
+def _first(names) -> str | None:
+    """A task mapping's class for a model type: its one name, or the first of several (DeiT's classifier before
+    its distilled head ``...WithTeacher``, which trains on no labels)."""
+    return names if isinstance(names, str) else next((n for n in names or () if isinstance(n, str)), None)
+
+
 def _folder_model_class(tf, config, data: dict, where: str):
     """(task, model class): the config's ``architectures`` if it names one memfit can feed, else the
     model type's class for the first task of :data:`_TASKS` that has one."""
     from transformers.models.auto import modeling_auto
-    tasks = [(task, getattr(modeling_auto, names, {})) for task, names in _TASKS]
+    tasks = [(task, {k: _first(v) for k, v in getattr(modeling_auto, names, {}).items() if _first(v)})
+             for task, names in _TASKS]
     model_type = data["model_type"]
-    fallback = next(((task, m[model_type]) for task, m in tasks if isinstance(m.get(model_type), str)
+    fallback = next(((task, m[model_type]) for task, m in tasks if model_type in m
                      and _takes(getattr(tf, m[model_type], None), config)), None)
     feeds = ("causal LM, vision-language, seq2seq LM, speech seq2seq, CTC, audio-classification, masked LM, image-classification, "
              "image-text contrastive, sequence-classification and token-classification heads")
@@ -410,7 +417,7 @@ def _folder_model_class(tf, config, data: dict, where: str):
                             f"architectures); upgrade transformers or {fix}")
         raise UserError(f"{where}: config.json's architectures names {name}, a head memfit cannot feed a synthetic "
                         f"batch to (it builds {feeds}); {fix}")
-    partial = next((getattr(tf, m[model_type], None) for _, m in tasks if isinstance(m.get(model_type), str)), None)
+    partial = next((getattr(tf, m[model_type], None) for _, m in tasks if model_type in m), None)
     if fallback is None and partial is not None:
         raise UserError(f"{where}: transformers' {partial.__name__} for model_type {model_type!r} is built from a "
                         f"part of its config ({partial.config_class.__name__}), and memfit builds no head of the "

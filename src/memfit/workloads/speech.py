@@ -97,7 +97,10 @@ def encoder_batch(task: str, model_type: str, model_class, config, seq_len: int 
         def classified(batch_size: int) -> dict:
             return {key: torch.randn(batch_size, *shape), "labels": torch.randint(0, classes, (batch_size,))}
         return classified, None, what
-    vocab, blank = config.vocab_size, getattr(config, "pad_token_id", None)
+    vocab, blank = getattr(config, "vocab_size", None), getattr(config, "pad_token_id", None)
+    if not isinstance(vocab, int) or vocab < 2:  # (a pretrained encoder's config: its CTC head is sized on fine-tuning)
+        raise UserError(f"{where}: config.json has no vocab_size for the CTC head (got {vocab!r}); add \"vocab_size\": "
+                        "N, the characters of your tokenizer")
     seq = seq_len or CTC_LABELS
     blank = blank if isinstance(blank, int) and 0 <= blank < vocab else None
 
