@@ -13,11 +13,13 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from memfit.errors import UserError
 from memfit.memory.estimate import estimate
 from memfit.memory.measure import profile
 from memfit.memory.triton_launches import SKIPPED
 from memfit.plans import Plan
 from memfit.workload import Workload
+from memfit.workloads.checks import blamed
 
 
 @triton.jit
@@ -94,7 +96,13 @@ def test_a_triton_op_is_predicted_as_its_allocations(device):
 
 
 def test_a_launch_with_real_tensors_still_launches():
-    """Outside a fake trace nothing is skipped: Triton itself answers (no GPU here: no driver)."""
+    """Outside a fake trace nothing is skipped: Triton itself answers (no GPU here: no driver). A model folder's
+    step that launches one on this machine (``memfit profile --device cpu`` of a Qwen3.5 with fla installed) is
+    one line naming the kernel's package, not a fault of its config.json."""
     x = torch.randn(8)
     with pytest.raises(RuntimeError, match="active drivers"):
         _doubled[(1,)](x, torch.empty_like(x), 8, BLOCK=128)
+    step = blamed("model folder ./m", "fix its config.json", "loss(model, batch)", _workload(launch=True).loss)
+    with pytest.raises(UserError, match=r"^model folder ./m: loss\(model, batch\) launched a Triton kernel of "
+                                        r"test_triton_launches, which needs a GPU \(.*`memfit estimate` predicts it"):
+        step(_Net(launch=True), torch.randn(4, 256))

@@ -37,10 +37,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_NOT_THE_USERS = ("Triton is not supported on current platform",)
+"""Warnings about this machine that are not about what memfit answers: flash-linear-attention's import
+notice on a machine without a GPU (a GPU preset's prediction traces its kernels' allocations, and the
+report says so: NOTE [ Triton kernels on fake tensors ])."""
+
+
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """A warning as one line ('memfit: warning: ...'), without Python's source line (``--debug``
     keeps Python's format)."""
     text = str(message).strip().splitlines()[0] if str(message).strip() else category.__name__
+    if text.startswith(_NOT_THE_USERS):
+        return
     try:
         (file or sys.stderr).write(f"memfit: warning: {text}\n")
     except OSError:

@@ -120,6 +120,11 @@ def blamed(source: str, fix: str | None, what: str, fn: Callable) -> Callable:
                     raise untraced(source, what, e) from e
                 raise UserError(f"{source}: {what} failed {where_raised(e)}: the op refuses its operands' sizes, "
                                 f"as the device's kernel would: {type(e).__name__}: {brief(e, 200)}; {fix}") from e
+            if in_step and raised_in_package(e, "triton"):  # (a real run on a machine without a GPU: fla, Liger)
+                caller = _launching_package(e)
+                raise UserError(f"{source}: {what} launched a Triton kernel{f' of {caller}' if caller else ''}, "
+                                f"which needs a GPU ({brief(e, 80)}); `memfit estimate` predicts it here (its launches skipped, its "
+                                "allocations traced), `memfit profile` measures it on a GPU") from e
             if in_step and raised_in_package(e, "peft"):  # (PEFT adapted a layer it cannot run: Llama 4's router)
                 raise UserError(f"{source}: {what} failed in PEFT's adapter layers with {type(e).__name__}: {brief(e)}; "
                                 "name the layers to adapt (e.g. --adapter lora:r=16,targets=q_proj+v_proj)") from e
@@ -128,6 +133,18 @@ def blamed(source: str, fix: str | None, what: str, fn: Callable) -> Callable:
             msg = brief(e)
             raise UserError(f"{source}: {what} failed with {type(e).__name__}: {msg}; {fix}") from e
     return call
+
+
+def _launching_package(exc: BaseException) -> str | None:
+    """The package whose code launched the Triton kernel that raised ``exc`` (``fla``): its innermost frame's
+    outside Triton, PyTorch and the standard library's wrappers."""
+    tb, found = exc.__traceback__, None
+    while tb is not None:
+        package = str(tb.tb_frame.f_globals.get("__name__", "")).split(".")[0]
+        if package and package not in ("triton", "torch", "functools", "contextlib", "memfit"):
+            found = package
+        tb = tb.tb_next
+    return found
 
 
 def check_seq_len(seq_len: Any) -> None:
