@@ -74,7 +74,24 @@ def is_trace_error(exc: BaseException) -> bool:
     except ImportError:  # pragma: no cover - older torch
         pass
     msg = str(exc)
-    return "FakeTensor" in msg or "fake tensor" in msg.lower() or "meta tensor" in msg.lower()
+    if not ("FakeTensor" in msg or "fake tensor" in msg.lower() or "meta tensor" in msg.lower()):
+        return False
+    # (a model's own check that prints a fake tensor in its message is the model's, not the trace's: Qwen-VL's
+    # "Image features and image tokens do not match, tokens: FakeTensor(...)" through ``torch._check_with``, its
+    # values known to the trace, raised by a config whose vision tower's width is not its language model's)
+    return not (isinstance(exc, ValueError) and _a_library_check(exc))
+
+
+def _a_library_check(exc: BaseException) -> bool:
+    """Was ``exc`` raised by a library's own check: its innermost frame outside torch, or in the ``torch._check``
+    helpers it asserts with?"""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    code = tb.tb_frame.f_code
+    return f"{os.sep}torch{os.sep}" not in code.co_filename or code.co_name.startswith("_check")
 
 
 def fake_kernel_failure(exc: BaseException) -> bool:

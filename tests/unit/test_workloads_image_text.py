@@ -175,6 +175,20 @@ def test_bad_image_sizes_are_one_line(tmp_path, resolution, error):
         load_workload(folder(tmp_path, QWEN25), seq_len=200, resolution=resolution)
 
 
+def test_a_config_whose_vision_tower_is_not_as_wide_as_its_language_model_is_its_fault(tmp_path):
+    """The model's own check (features and image tokens, its values known to the trace) fails; that is the config's
+    fault, said as such, not a fake-tensor trace that needs a real run (it printed a fake tensor in its message)."""
+    from memfit.errors import TraceError
+    from memfit.memory.faketrace import run_tracked
+    from memfit.target import Target
+    narrow = {**QWEN25, "vision_config": {**QWEN25["vision_config"], "out_hidden_size": 48}}
+    target = Target.resolve(folder(tmp_path, narrow), Plan(), 1, "rtx4090", seq_len=320)
+    with pytest.raises(UserError, match=r"loss\(model, batch\) failed with ValueError: Image features and image "
+                                        r"tokens do not match.*; fix its config.json") as raised:
+        run_tracked(target, fake=True)  # (the trace itself: no real run falls back here, as none would for a 7B)
+    assert not isinstance(raised.value, TraceError)
+
+
 def test_a_hub_vision_language_model_reads_its_preprocessor_config(hub_cache, no_network):
     hub_cache("acme/qwen-vl-toy", QWEN25, files={"preprocessor_config.json": {"max_pixels": 112 * 112}})
     assert "(64 patches, 16 image tokens)" in load_workload("acme/qwen-vl-toy", seq_len=320).info.sample
