@@ -85,13 +85,8 @@ def is_trace_error(exc: BaseException) -> bool:
 def _a_library_check(exc: BaseException) -> bool:
     """Was ``exc`` raised by a library's own check: its innermost frame outside torch, or in the ``torch._check``
     helpers it asserts with?"""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    if tb is None:
-        return False
-    code = tb.tb_frame.f_code
-    return f"{os.sep}torch{os.sep}" not in code.co_filename or code.co_name.startswith("_check")
+    code = _innermost_code(exc)
+    return code is not None and (f"{os.sep}torch{os.sep}" not in code.co_filename or code.co_name.startswith("_check"))
 
 
 def fake_kernel_failure(exc: BaseException) -> bool:
@@ -298,10 +293,16 @@ def raised_in_package(exc: BaseException, package: str) -> bool:
 
 def _innermost_file(exc: BaseException) -> str | None:
     """The file of the innermost frame of ``exc``'s traceback (None: it has none)."""
+    code = _innermost_code(exc)
+    return None if code is None else os.path.abspath(code.co_filename)
+
+
+def _innermost_code(exc: BaseException):
+    """The code object of the innermost frame of ``exc``'s traceback (None: it has none)."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    return None if tb is None else os.path.abspath(tb.tb_frame.f_code.co_filename)
+    return None if tb is None else tb.tb_frame.f_code
 
 
 def user_location(exc: BaseException, fn=None) -> str | None:
