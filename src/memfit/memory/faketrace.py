@@ -60,7 +60,7 @@ def run_tracked(target: Target, *, fake: bool, steps: int = STEADY_STEP,
 
 def _run_tracked(target: Target, *, fake: bool, steps: int, outer: contextlib.AbstractContextManager | None,
                  around_step, around_build=None, routing: str = BALANCED) -> TrackedRun:
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from memfit.memory.fake_mode import fake_mode
 
     device = target.device
     for config in target.plan.techniques:  # NOTE [ Imports before the trace ]
@@ -73,7 +73,7 @@ def _run_tracked(target: Target, *, fake: bool, steps: int, outer: contextlib.Ab
         with contextlib.ExitStack() as stack:
             stack.enter_context(outer or contextlib.nullcontext())
             if fake:
-                stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+                stack.enter_context(fake_mode())
             stack.enter_context(tracker)
             stack.enter_context(fsdp_buffers(tracker, target.plan.config("shard").fsdp2))
             if not device.is_gpu:
@@ -153,10 +153,10 @@ def trainable_parameters(target: Target) -> int:
     """How many parameters the target's step trains, from its step built on fake tensors (no memory). The
     build's scalar reads are answered as in a trace (NOTE [ Assumed scalars ]: ``trunc_normal_``'s
     ``mask.any()`` in Gemma 3's SigLIP init raised on a bare fake tensor)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from memfit.memory.fake_mode import fake_mode
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        stack.enter_context(fake_mode())
         stack.enter_context(MemoryTracker(assume_scalars=True))
         _enter_trace_contexts(stack, target)
         step = build_step(target)

@@ -3,10 +3,9 @@ space narrowed to them, and each checked against the workload before any candida
 
 from __future__ import annotations
 
-from torch._subclasses.fake_tensor import FakeTensorMode
-
 from memfit.devices import Device
 from memfit.errors import UserError
+from memfit.memory.fake_mode import fake_mode
 from memfit.plans import Plan, technique_of, with_what_it_needs
 from memfit.quiet import silenced_warnings
 from memfit.step import build_step
@@ -54,7 +53,7 @@ def check_suits(target: Target, constrained: dict, given: dict) -> None:
         config = alone.config(technique_of(name).name)
         if config.technique.depends_on_model and not config.is_default:
             try:
-                with silenced_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
+                with silenced_warnings(), fake_mode():
                     build_step(target.with_plan(alone))
             except UserError as e:
                 if alone == Plan(**given):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import time
 from typing import NamedTuple
 
@@ -24,6 +23,7 @@ from memfit.planner.ops import repeat_micro_batch
 from memfit.planner.shallow import at_depth, offloaded_blocks, shallow_workload
 from memfit.planner.stacks import stacks_of
 from memfit.planner.timing import record_step
+from memfit.quiet import errors_only
 from memfit.step import has_repeats, repeats_skipped
 from memfit.target import Target
 from memfit.techniques.checkpointing import find_blocks
@@ -68,7 +68,7 @@ class Tracer:
         # Dynamo notes, once per process, that a checkpoint under torch.compile has a context_fn
         # (memfit's checkpointing passes one): the planner's traces are not the run, and every worker
         # that compiles a checkpointed block would print it (``memfit train`` still shows it).
-        logging.getLogger("torch._higher_order_ops.wrap").setLevel(logging.ERROR)
+        errors_only("torch._higher_order_ops.wrap")
         self._meta = meta_model
         self._workloads: dict[int, object] = {}
         found = find_blocks(meta_model)

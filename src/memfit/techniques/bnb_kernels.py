@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit import rng_ops
 from memfit.device_queries import PRIM_DEVICE, FakeTensor
+from memfit.quiet import errors_only
 
 _FAKE_CLASSES: dict[type, type] = {}
 
@@ -265,7 +265,7 @@ def cuda_fused_4bit(device, dtype, M: int, N: int, K: int, blocksize: int) -> bo
     shape on ``device``? bitsandbytes' own heuristic, asked with the preset's SM count and
     compute capability; False (dequantize + F.linear) when it cannot be asked."""
     try:
-        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+        errors_only("bitsandbytes")
         from bitsandbytes.backends.cuda import ops as cuda_ops
     except Exception:  # noqa: BLE001 - an install without the CUDA backend: the fallback path
         return False

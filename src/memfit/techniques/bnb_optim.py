@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import sys
 
 import torch
 
+from memfit.quiet import errors_only
 
+
+@functools.cache
 def bitsandbytes_available() -> bool:
     """Can ``adamw8bit`` run in this environment (bitsandbytes and its 8-bit AdamW import)?
 
     A missing or broken install counts as unavailable: the planner then leaves adamw8bit out and
-    an explicit adamw8bit plan runs, and is estimated, as its fallback (fp32 AdamW)."""
+    an explicit adamw8bit plan runs, and is estimated, as its fallback (fp32 AdamW). Asked once a
+    process (a search asks for each plan: each ``setLevel`` clears every logger's cache, 0.4 ms)."""
     # bitsandbytes warns at import about a 4-bit CPU matmul kernel memfit does not use
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    errors_only("bitsandbytes.backends.cpu.ops")
     try:
         with _compile_deferred():
             import bitsandbytes  # noqa: F401

@@ -23,6 +23,7 @@ stochastic`` the compiled update rounds the fp32 result into the bf16 weights st
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 from dataclasses import dataclass
@@ -38,9 +39,10 @@ CLASSES = {"adamw8bit-ao": "AdamW8bit", "adamw4bit-ao": "AdamW4bit", "adamwfp8-a
 """memfit's name -> the torchao.optim class."""
 
 
+@functools.cache
 def torchao_problem(name: str) -> str | None:
     """Why optimizer ``name`` cannot run here (None: it can): torchao missing, too old, or
-    broken against this torch."""
+    broken against this torch. Asked once a process (a search asks for each plan)."""
     import logging
     try:
         from importlib.metadata import version

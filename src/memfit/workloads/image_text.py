@@ -338,8 +338,7 @@ def _fitted(processor_cls, config):
 
 def _image_tokens(cls, config, inputs: dict[str, torch.Tensor]) -> int:
     """Feature rows the model's ``get_image_features`` returns for ``inputs``: run on fake tensors."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    from memfit.memory.fake_mode import fake_mode
     from memfit.quiet import silenced_warnings, stand_in_values
     from memfit.real_values import KnownValues
     if "cross_attention_mask" in inspect.signature(cls.forward).parameters and "aspect_ratio_mask" in inputs:
@@ -353,7 +352,7 @@ def _image_tokens(cls, config, inputs: dict[str, torch.Tensor]) -> int:
         if isinstance(getattr(text, "layer_types", None), list):
             text.layer_types = text.layer_types[:1]
     try:
-        with silenced_warnings(), FakeTensorMode(allow_non_fake_inputs=True), KnownValues() as known:
+        with silenced_warnings(), fake_mode(), KnownValues() as known:
             known.unknown_reads_zero = True
             with stand_in_values():
                 model = cls(shallow)

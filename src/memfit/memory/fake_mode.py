@@ -1,0 +1,36 @@
+"""The fake-tensor mode memfit's traces run under.
+
+NOTE [ CUDA availability asked once a trace ]
+PyTorch's ``FakeTensorMode`` asks ``torch.cuda.is_available()`` each time it dispatches an op outside its
+cache and each time it is entered (``avoid_device_init``): hundreds of thousands of times in a plan's
+traces. The question is cheap (1 us) until something in the process sets ``PYTORCH_NVML_BASED_CUDA_CHECK=1``,
+which Lightning does when it is imported (``lightning.fabric``, to keep forks usable): each answer then
+opens NVML (``dlopen`` of libnvidia-ml, 40 us here without a driver), and a trace inside a Lightning
+script, memfit's own callback's included, ran 7% slower for it (the suite, whose Lightning tests import it
+at collection: 64 s of its 1,260 s of test time). Whether this process has a usable CUDA device does not
+change while a trace runs, so memfit's mode asks once, when it is made, and answers every later question
+with that.
+"""
+
+from __future__ import annotations
+
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+
+class TraceFakeMode(FakeTensorMode):
+    """A ``FakeTensorMode`` that asks whether CUDA is usable once (NOTE [ CUDA availability asked once
+    a trace ])."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._avoid_device_init = FakeTensorMode.avoid_device_init.fget(self)
+
+    @property
+    def avoid_device_init(self) -> bool:
+        return self._avoid_device_init
+
+
+def fake_mode() -> TraceFakeMode:
+    """The mode a trace runs under: real tensors it meets are taken as constants (a model's buffers made
+    before the trace, a workload's own tensors)."""
+    return TraceFakeMode(allow_non_fake_inputs=True)
