@@ -60,7 +60,7 @@ def run_tracked(target: Target, *, fake: bool, steps: int = STEADY_STEP,
 
 def _run_tracked(target: Target, *, fake: bool, steps: int, outer: contextlib.AbstractContextManager | None,
                  around_step, around_build=None, routing: str = BALANCED) -> TrackedRun:
-    from memfit.memory.fake_mode import fake_mode
+    from memfit.fake_mode import fake_mode
 
     device = target.device
     for config in target.plan.techniques:  # NOTE [ Imports before the trace ]
@@ -153,7 +153,7 @@ def trainable_parameters(target: Target) -> int:
     """How many parameters the target's step trains, from its step built on fake tensors (no memory). The
     build's scalar reads are answered as in a trace (NOTE [ Assumed scalars ]: ``trunc_normal_``'s
     ``mask.any()`` in Gemma 3's SigLIP init raised on a bare fake tensor)."""
-    from memfit.memory.fake_mode import fake_mode
+    from memfit.fake_mode import fake_mode
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(fake_mode())

@@ -71,14 +71,15 @@ class _Profile:
             self.done[start] = done
 
 
-def _walk_tree(root, into: _Profile) -> None:
-    """Read one event tree into ``into``, depth first in the profiler's order (a loop, not a recursion:
-    a measured step's trees hold millions of events, and a call per event was most of the reading)."""
+def _walk_trees(roots, into: _Profile) -> None:
+    """Read the event trees into ``into``, each depth first, in the profiler's order (a loop, not a
+    recursion nor a call per tree: a measured step's trees hold millions of events, most of them roots
+    of their own on the CPU, and a call per event was most of the reading)."""
     from torch._C._profiler import _EventType
 
     allocation, torch_op = _EventType.Allocation, _EventType.TorchOp
     allocs, work, copy_outs, calls = into.allocs, into.work, into.copy_outs, into.calls
-    stack = [(root, None)]
+    stack = [(root, None) for root in reversed(roots)]
     while stack:
         node, call = stack.pop()
         tag = node.tag
@@ -129,8 +130,7 @@ def allocator_events(prof) -> list[tuple[int, int]]:
     with ``record_shapes=True`` (a collective's arguments) to put back the frees of buffers passed
     to collectives."""
     run = _Profile()
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        _walk_tree(root, run)
+    _walk_trees(prof.profiler.kineto_results.experimental_event_tree(), run)
     run.pair()
     events: list[tuple[int, int]] = []
     live: dict[int, _Block] = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from memfit.devices import Device
 from memfit.errors import UserError
-from memfit.memory.fake_mode import fake_mode
+from memfit.fake_mode import fake_mode
 from memfit.plans import Plan, technique_of, with_what_it_needs
 from memfit.quiet import silenced_warnings
 from memfit.step import build_step

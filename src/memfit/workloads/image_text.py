@@ -338,7 +338,7 @@ def _fitted(processor_cls, config):
 
 def _image_tokens(cls, config, inputs: dict[str, torch.Tensor]) -> int:
     """Feature rows the model's ``get_image_features`` returns for ``inputs``: run on fake tensors."""
-    from memfit.memory.fake_mode import fake_mode
+    from memfit.fake_mode import fake_mode
     from memfit.quiet import silenced_warnings, stand_in_values
     from memfit.real_values import KnownValues
     if "cross_attention_mask" in inspect.signature(cls.forward).parameters and "aspect_ratio_mask" in inputs:

@@ -72,9 +72,16 @@ def test_adamw8bit_falls_back_with_a_warning_without_bitsandbytes(monkeypatch):
         if name.startswith("bitsandbytes"):
             raise ImportError("no bitsandbytes")
         return real_import(name, *a, **k)
+    from memfit.techniques.bnb_optim import bitsandbytes_available
+
     monkeypatch.setattr(builtins, "__import__", no_bnb)
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        factory = adamw8bit_factory({"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0})
+    bitsandbytes_available.cache_clear()  # (asked once a process: this one's install has no bitsandbytes)
+    try:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            factory = adamw8bit_factory({"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0})
+    finally:
+        monkeypatch.undo()
+        bitsandbytes_available.cache_clear()
     assert any("bitsandbytes" in str(x.message) for x in w)
     assert isinstance(factory([torch.nn.Parameter(torch.ones(2))]), torch.optim.AdamW)
