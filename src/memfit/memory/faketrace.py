@@ -24,6 +24,7 @@ from memfit.memory.adapters import fsdp_buffers, real_code_paths, rng_states_see
 from memfit.memory.categories import STEADY_STEP
 from memfit.memory.cuda import cuda_kernel_model
 from memfit.memory.heap import frozen_heap
+from memfit.memory.reference_kernels import kernel_fallbacks_listed
 from memfit.memory.routing import BALANCED, routing_mode
 from memfit.memory.tracker import MemoryTracker
 from memfit.memory.triton_launches import fake_triton_launches
@@ -86,6 +87,8 @@ def _run_tracked(target: Target, *, fake: bool, steps: int, outer: contextlib.Ab
                     kernels = stack.enter_context(_cuda_kernel_model(device, tracker))
             with (around_build() if around_build else contextlib.nullcontext()):
                 step = build_step(target)
+            if fake:
+                stack.enter_context(kernel_fallbacks_listed(tracker, step.model))  # NOTE [ Kernel libraries missing here ]
             tracker.state.built = len(tracker.state.events)
             params = [p for p in step.model.parameters()]
             tracker.label(params, "parameters")
