@@ -69,3 +69,16 @@ def test_qwen3_next_names_its_gated_delta_rule_where_flash_linear_attention_is_m
     assert any("at chunk_gated_delta_rule (flash-linear-attention)" in a for a in listed) != fla_here, listed
     assert any("at causal_conv1d_fn (causal-conv1d)" in a for a in listed) != \
         (importlib.util.find_spec("causal_conv1d") is not None), listed
+
+
+def test_a_plan_says_which_kernel_libraries_its_figures_lack_and_a_plain_models_says_none():
+    """``memfit plan`` reads them from the model's modules (no trace needed): every plan it lists is of the
+    reference."""
+    from memfit.memory.reference_kernels import missing_libraries_note
+    from memfit.planner.search import plan
+
+    (note,) = missing_libraries_note(_Scanned())
+    assert note.startswith("the model's transformers code runs memfit_no_such_kernels where installed"), note
+    assert missing_libraries_note(nn.Sequential(nn.Linear(4, 4))) == []
+    result = plan(_workload(), device="cpu", batch_size=8, optimizers=("adamw",), max_traces=4)
+    assert result.approximations == [note] and result.to_json()["approximations"] == [note]

@@ -60,27 +60,41 @@ def _distribution(package: str) -> str:
     return _PACKAGE_TO_DISTRIBUTION.get(package, package)
 
 
-@contextlib.contextmanager
-def kernel_fallbacks_listed(tracker, model):
-    """While the block runs, each fallback function of ``model``'s modules notes its calls on ``tracker``
-    (NOTE [ Kernel libraries missing here ])."""
-    patched = []
+def _fallbacks(model):
+    """(module, attribute, function, "name (library)") of each fallback function of ``model``'s modules."""
     for name in sorted({type(m).__module__ for m in model.modules()}):
         module = sys.modules.get(name)
         if module is None or name.startswith("torch."):
             continue
         for attr, fn in list(vars(module).items()):
             found = _fallback_of(fn) if callable(fn) else None
-            if found is None:
-                continue
-            where = f"{found[0]} ({_distribution(found[1])})"
+            if found is not None:
+                yield module, attr, fn, f"{found[0]} ({_distribution(found[1])})"
 
-            @functools.wraps(fn)
-            def counted(*args, _fn=fn, _where=where, **kwargs):
-                tracker.approximate(FELL_BACK, _where)
-                return _fn(*args, **kwargs)
-            setattr(module, attr, counted)
-            patched.append((module, attr, fn))
+
+def missing_libraries_note(model) -> list[str]:
+    """A planner's note of the kernel libraries ``model``'s code would run where installed and which this
+    machine lacks (NOTE [ Kernel libraries missing here ]), read from its modules, not from a trace; none: []."""
+    missing = sorted({where.rpartition(" (")[2].rstrip(")") for *_, where in _fallbacks(model)})
+    if not missing:
+        return []
+    return [f"the model's transformers code runs {', '.join(missing)} where installed (a GPU machine's fast path); "
+            "not installed here, so these plans are of its PyTorch reference, with other memory and time: install "
+            "them here to plan the fast path"]
+
+
+@contextlib.contextmanager
+def kernel_fallbacks_listed(tracker, model):
+    """While the block runs, each fallback function of ``model``'s modules notes its calls on ``tracker``
+    (NOTE [ Kernel libraries missing here ])."""
+    patched = []
+    for module, attr, fn, where in list(_fallbacks(model)):
+        @functools.wraps(fn)
+        def counted(*args, _fn=fn, _where=where, **kwargs):
+            tracker.approximate(FELL_BACK, _where)
+            return _fn(*args, **kwargs)
+        setattr(module, attr, counted)
+        patched.append((module, attr, fn))
     try:
         yield
     finally:

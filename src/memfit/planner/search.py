@@ -33,6 +33,7 @@ from memfit.devices import Device
 from memfit.errors import CompileFailed, UserError
 from memfit.hosts import host_for
 from memfit.memory.budget import Budget
+from memfit.memory.reference_kernels import missing_libraries_note
 from memfit.planner import cost
 from memfit.planner.baseline import Baseline
 from memfit.planner.candidate import Candidate, Status
@@ -101,6 +102,8 @@ class PlanResult:
     """The step time a plan had to beat to be searched (None: any; nothing chosen: none faster fits)."""
     host_budget_bytes: int | None = None
     """The training machine's memory the plans' host copies were held to (None: not checked)."""
+    approximations: list[str] = field(default_factory=list)
+    """What every plan's figures assume of this machine (NOTE [ Kernel libraries missing here ])."""
 
     @property
     def throughput_unit(self) -> str:
@@ -125,7 +128,7 @@ class PlanResult:
                 "chosen": row(self.chosen) if self.chosen else None, "traces": self.traces,
                 "planning_seconds": self.seconds, "candidates_total": len(self.candidates), "trace_limited": self.limited,
                 "smallest": row(self.smallest) if self.smallest else None, "least_bytes": self.least_bytes,
-                "notes": self.notes,
+                "notes": self.notes, "approximations": self.approximations,
                 "trace_seconds": {k: [n, round(sec, 2)] for k, (n, sec) in self.trace_seconds.items()},
                 "ranked": [row(c) for c in evaluated[:50]],
                 "field_recipes": [row(c) for c in self.candidates if c.recipe is not None]}
@@ -279,6 +282,7 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
         again.seconds = time.perf_counter() - t0
         return again
     result.trainable = trainable
+    result.approximations = missing_libraries_note(facts.model)  # NOTE [ Kernel libraries missing here ]
     if swap:  # NOTE [ Swap searched when nothing fits ]
         try:
             again = again_with(swap_everywhere=True, _book=book)
