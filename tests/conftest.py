@@ -61,22 +61,19 @@ def _frozen_before_each_test(request):
 # Importing Lightning sets ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` for the whole process; on a machine without
 # NVML every ``torch.cuda.is_available()`` then tries to load it and fails (40 us each; torch's own fake
 # modes and Dynamo ask per op). test_lightning_trainer imports Lightning as it is collected, in every
-# worker, before any test runs: so each module runs with the variable as the process had it before
-# collection, and a module that imported Lightning leaves it so.
+# worker, before any test runs: so each module starts with the variable as the process had it before
+# collection (whatever a module before it imported).
 _NVML_BEFORE_COLLECTION = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _nvml_check_as_found():
     """The NVML check as the process had it before collection (the note above)."""
-    def restore():
-        if _NVML_BEFORE_COLLECTION is None:
-            os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
-        else:
-            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = _NVML_BEFORE_COLLECTION
-    restore()
+    if _NVML_BEFORE_COLLECTION is None:
+        os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
+    else:
+        os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = _NVML_BEFORE_COLLECTION
     yield
-    restore()
 
 
 @pytest.fixture

@@ -61,7 +61,7 @@ def _distribution(package: str) -> str:
 
 
 def _fallbacks(model):
-    """(module, attribute, function, "name (library)") of each fallback function of ``model``'s modules."""
+    """(module, attribute, function, its name, its library) of each fallback function of ``model``'s modules."""
     for name in sorted({type(m).__module__ for m in model.modules()}):
         module = sys.modules.get(name)
         if module is None or name.startswith("torch."):
@@ -69,13 +69,13 @@ def _fallbacks(model):
         for attr, fn in list(vars(module).items()):
             found = _fallback_of(fn) if callable(fn) else None
             if found is not None:
-                yield module, attr, fn, f"{found[0]} ({_distribution(found[1])})"
+                yield module, attr, fn, found[0], _distribution(found[1])
 
 
 def missing_libraries_note(model) -> list[str]:
     """A planner's note of the kernel libraries ``model``'s code would run where installed and which this
     machine lacks (NOTE [ Kernel libraries missing here ]), read from its modules, not from a trace; none: []."""
-    missing = sorted({where.rpartition(" (")[2].rstrip(")") for *_, where in _fallbacks(model)})
+    missing = sorted({library for *_, library in _fallbacks(model)})
     if not missing:
         return []
     return [f"the model's transformers code runs {', '.join(missing)} where installed (a GPU machine's fast path); "
@@ -88,9 +88,9 @@ def kernel_fallbacks_listed(tracker, model):
     """While the block runs, each fallback function of ``model``'s modules notes its calls on ``tracker``
     (NOTE [ Kernel libraries missing here ])."""
     patched = []
-    for module, attr, fn, where in list(_fallbacks(model)):
+    for module, attr, fn, name, library in list(_fallbacks(model)):
         @functools.wraps(fn)
-        def counted(*args, _fn=fn, _where=where, **kwargs):
+        def counted(*args, _fn=fn, _where=f"{name} ({library})", **kwargs):
             tracker.approximate(FELL_BACK, _where)
             return _fn(*args, **kwargs)
         setattr(module, attr, counted)

@@ -20,7 +20,7 @@ def print_plan_result(result, console: Console | None = None, top: int = 12) -> 
     c.print(f"[dim]time model: {result.time_model}[/]")
     for note in result.notes:
         c.print(f"[dim]not searched: {escape(note)}[/]")
-    for note in getattr(result, "approximations", ()):
+    for note in result.approximations:
         c.print(f"[yellow]approximation:[/] {escape(note)}")
     if result.run_steps:
         c.print(f"[dim]ms/step: over a run of {result.run_steps} steps, compile time included[/]")
