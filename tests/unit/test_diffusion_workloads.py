@@ -10,6 +10,7 @@ tensors the tracker assumes the mask full (NOTE [ Assumed scalars ]), as the syn
 import pytest
 import torch
 
+from memfit.errors import UserError
 from memfit.memory.estimate import estimate
 from memfit.memory.measure import profile
 from memfit.planner.stacks import stacks_of
@@ -56,7 +57,13 @@ TINY["dit-zimage"] = ("dit-zimage:dim=64,n_layers=2,n_refiner_layers=1,n_heads=4
 TINY["dit-hunyuan-video"] = ("dit-hunyuan-video:num_layers=1,num_single_layers=2,num_refiner_layers=1,attention_head_dim=16,"
                              "num_attention_heads=2,text_embed_dim=32,pooled_projection_dim=16,rope_axes_dim=4/6/6,"
                              "frames=5,width=64")
-RESOLUTION = {"dit-flux-kontext": 128, "dit-qwenimage-edit": 128, "dit-qwenimage-edit-2509": 64, "dit-hunyuan-video": 64, "dit-chroma": 128, "dit-zimage": 128, "dit-wan-i2v": 64, "dit-wan-flf2v": 64, "dit-wan-5b": 64, "dit-wan": 64, "dit-flux2": 128, "dit-lumina2": 128, "dit-sd3": 128, "unet-sdxl": 128, "unet-sd15": 64, "dit-flux": 128, "dit-qwenimage": 128}
+TINY["dit-sana"] = ("dit-sana:num_layers=2,num_attention_heads=4,attention_head_dim=16,num_cross_attention_heads=2,"
+                    "cross_attention_head_dim=32,cross_attention_dim=64,caption_channels=32,in_channels=8,out_channels=8")
+TINY["dit-pixart-sigma"] = ("dit-pixart-sigma:num_layers=2,num_attention_heads=2,attention_head_dim=16,cross_attention_dim=32,"
+                            "caption_channels=32,norm_num_groups=2")
+TINY["dit-auraflow"] = ("dit-auraflow:num_mmdit_layers=1,num_single_dit_layers=2,num_attention_heads=2,attention_head_dim=16,"
+                        "joint_attention_dim=32,caption_projection_dim=32")
+RESOLUTION = {"dit-sana": 256, "dit-pixart-sigma": 128, "dit-auraflow": 128, "dit-flux-kontext": 128, "dit-qwenimage-edit": 128, "dit-qwenimage-edit-2509": 64, "dit-hunyuan-video": 64, "dit-chroma": 128, "dit-zimage": 128, "dit-wan-i2v": 64, "dit-wan-flf2v": 64, "dit-wan-5b": 64, "dit-wan": 64, "dit-flux2": 128, "dit-lumina2": 128, "dit-sd3": 128, "unet-sdxl": 128, "unet-sd15": 64, "dit-flux": 128, "dit-qwenimage": 128}
 
 # unet-sdxl in fp32 is profiled by test_block_checkpointing_keeps_fewer_activations (same bound; slow tier)
 CASES = [(arch, precision, ckpt) for arch in ("dit-lumina2", "unet-sdxl") for precision in ("fp32", "bf16")
@@ -69,14 +76,17 @@ CASES = [(arch, precision, ckpt) for arch in ("dit-lumina2", "unet-sdxl") for pr
     ("dit-wan", "fp32", "none"), ("dit-wan", "bf16", "blocks"), ("dit-wan-i2v", "bf16", "blocks"),
     ("dit-wan-flf2v", "bf16", "blocks"), ("dit-wan-5b", "fp32", "none"), ("dit-chroma", "fp32", "none"),
     ("dit-chroma", "bf16", "blocks"), ("dit-zimage", "fp32", "none"), ("dit-zimage", "bf16", "blocks"),
-    ("dit-hunyuan-video", "fp32", "none"), ("dit-hunyuan-video", "bf16", "blocks")]
+    ("dit-hunyuan-video", "fp32", "none"), ("dit-hunyuan-video", "bf16", "blocks"), ("dit-sana", "fp32", "none"),
+    ("dit-sana", "bf16", "blocks"), ("dit-pixart-sigma", "fp32", "none"), ("dit-pixart-sigma", "bf16", "blocks"),
+    ("dit-auraflow", "fp32", "none"), ("dit-auraflow", "bf16", "blocks")]
 SLOW = {("unet-sdxl", "bf16", "none"), ("unet-sdxl", "bf16", "blocks"),  # (keeps the default suite under 10 minutes:
         ("dit-lumina2", "bf16", "none"), ("dit-lumina2", "fp32", "blocks"),  # lumina2 fp32-none stays, and its
         ("dit-lumina2", "bf16", "blocks"), ("dit-flux", "fp32", "none"),  # bf16-blocks LoRA in test_adapter; flux bf16-blocks;
         ("unet-sd15", "fp32", "none"), ("dit-qwenimage", "fp32", "none"),
         ("dit-flux2", "fp32", "none"), ("dit-wan", "fp32", "none"),  # diffusers' UNet2DConditionModel stays in test_adapter's unet-sdxl LoRA)
         ("dit-sd3", "fp32", "none"), ("dit-chroma", "fp32", "none"), ("dit-zimage", "fp32", "none"),  # (each model's
-        ("dit-hunyuan-video", "fp32", "none")}  # bf16-blocks, what its LoRA users run, stays)
+        ("dit-hunyuan-video", "fp32", "none"), ("dit-sana", "fp32", "none"), ("dit-pixart-sigma", "fp32", "none"),
+        ("dit-auraflow", "fp32", "none")}  # bf16-blocks, what its LoRA users run, stays)
 
 
 def _profile(arch: str, precision: str, ckpt: str):
@@ -151,6 +161,10 @@ def test_blocks_found_at_full_size():
     sd15 = blocks("unet-sd15")  # (one BasicTransformerBlock in each Transformer2DModel: those are the blocks)
     assert sd15["down_blocks.0.attentions"] == (2, "Transformer2DModel")
     assert unet["mid_block.attentions.0.transformer_blocks"] == (10, "BasicTransformerBlock")
+    assert blocks("dit-sana") == {"transformer_blocks": (20, "SanaTransformerBlock")}
+    assert blocks("dit-pixart-sigma") == {"transformer_blocks": (28, "BasicTransformerBlock")}
+    assert blocks("dit-auraflow") == {"joint_transformer_blocks": (4, "AuraFlowJointTransformerBlock"),
+                                      "single_transformer_blocks": (32, "AuraFlowSingleTransformerBlock")}
 
 
 def test_checkpointed_training_equals_plain():
@@ -166,7 +180,7 @@ def test_released_sizes_and_resolution_shape_the_batch():
     sizes = {"dit-lumina2": 2.61e9, "dit-sd3": 2.03e9, "unet-sdxl": 2.57e9, "unet-sd15": 0.86e9, "dit-flux": 11.90e9,
              "dit-qwenimage": 20.43e9, "dit-flux2": 32.22e9, "dit-wan": 14.29e9, "dit-wan-1.3b": 1.42e9, "dit-wan-i2v": 14.29e9, "dit-wan-5b": 5.00e9,
              "dit-wan-i2v:image_dim=1280,added_kv_proj_dim=5120": 16.39e9, "dit-chroma": 8.90e9, "dit-zimage": 6.15e9,
-             "dit-hunyuan-video": 12.82e9}
+             "dit-hunyuan-video": 12.82e9, "dit-sana": 1.60e9, "dit-pixart-sigma": 0.61e9, "dit-auraflow": 6.86e9}
     for spec, want in sizes.items():
         with torch.device("meta"):
             n = sum(p.numel() for p in load_workload(spec).model().parameters())
@@ -527,3 +541,32 @@ def _full_size_blocks(wl):
     with torch.device("meta"):
         model = wl.model()
     return model, {name: (len(children), type(children[0]).__name__) for name, children in find_blocks(model)}
+
+
+def test_sana_pixart_and_auraflow_are_fed_as_their_lora_scripts_feed_them():
+    """SANA: DC-AE's 32x latents of 32 channels in 1x1 patches (1,024 tokens at 1024 px) and 300 Gemma-2 states
+    with their mask; PixArt-Sigma: 4-channel latents, 300 T5 states with their mask, epsilon prediction whose
+    loss leaves the learned variance (the output's second half of channels) out; AuraFlow: 256 Pile-T5 states,
+    a fractional timestep, and no side past its position table."""
+    sana = load_workload("dit-sana").batch(2)
+    assert sana["hidden_states"].shape == (2, 32, 32, 32) and sana["encoder_hidden_states"].shape == (2, 300, 2304)
+    assert sana["encoder_attention_mask"].shape == (2, 300) and float(sana["timestep"].max()) > 1
+    with pytest.raises(UserError, match="not a multiple of 32"):
+        load_workload("dit-sana", resolution=1000)
+    pixart = load_workload("dit-pixart-sigma", resolution=512).batch(2)
+    assert pixart["hidden_states"].shape == (2, 4, 64, 64) and pixart["encoder_hidden_states"].shape == (2, 300, 4096)
+    assert pixart["timestep"].dtype == torch.int64 and "resolution" not in pixart
+
+    class Halves(torch.nn.Module):  # (a denoiser whose first half of channels is the noise, the second anything)
+        def forward(self, hidden_states, **_):
+            return (torch.cat([hidden_states * 0 + self.noise, hidden_states * 7], dim=1),)
+
+    wl = load_workload(TINY["dit-pixart-sigma"], resolution=128)
+    batch, model = wl.batch(2), Halves()
+    model.noise = batch["target"]
+    assert float(wl.loss(model, batch)) == 0.0
+    aura = load_workload("dit-auraflow").batch(1)
+    assert aura["encoder_hidden_states"].shape == (1, 256, 2048) and float(aura["timestep"].max()) <= 1
+    assert load_workload("dit-auraflow", resolution=1536).info.resolution == 1536
+    with pytest.raises(UserError, match=r"exceeds the position table \(pos_embed_max_size=9216: 96 x 96 patches, 1536px\)"):
+        load_workload("dit-auraflow", resolution=1600)

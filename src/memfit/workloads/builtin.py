@@ -15,7 +15,17 @@ from pathlib import Path
 from memfit.errors import UserError
 from memfit.units import parse_key_values
 from memfit.workload import Workload
-from memfit.workloads import adapter_folders, diffusion, hf, hub, packed_dits, video_dits, zimage, zoo
+from memfit.workloads import (
+    adapter_folders,
+    caption_dits,
+    diffusion,
+    hf,
+    hub,
+    packed_dits,
+    video_dits,
+    zimage,
+    zoo,
+)
 from memfit.workloads.checks import (
     blamed,
     check_resolution,
@@ -26,7 +36,8 @@ from memfit.workloads.checks import (
 )
 from memfit.workloads.config_overrides import parse_overrides
 
-IMAGE_BUILDERS = {**diffusion.BUILDERS, **packed_dits.BUILDERS, **video_dits.BUILDERS, **zimage.BUILDERS}
+IMAGE_BUILDERS = {**diffusion.BUILDERS, **packed_dits.BUILDERS, **video_dits.BUILDERS, **zimage.BUILDERS,
+                  **caption_dits.BUILDERS}
 """The built-ins that take ``--resolution`` (the image and video diffusion models)."""
 
 _REGISTRY: dict[str, tuple[Callable[..., Workload], str]] = {
@@ -119,6 +130,7 @@ FAMILIES = {
     "llama2": "llama", "llama-2": "llama", "flux": "dit-flux", "flux1": "dit-flux", "sdxl": "unet-sdxl",
     "sd15": "unet-sd15", "sd1.5": "unet-sd15", "sd3": "dit-sd3", "lumina2": "dit-lumina2", "wan": "dit-wan",
     "qwenimage": "dit-qwenimage", "qwen-image": "dit-qwenimage", "chroma": "dit-chroma", "hunyuan": "dit-hunyuan-video",
+    "sana": "dit-sana", "pixart": "dit-pixart-sigma", "pixart-sigma": "dit-pixart-sigma", "auraflow": "dit-auraflow",
     "llama3": "meta-llama/Meta-Llama-3-8B", "llama-3": "meta-llama/Meta-Llama-3-8B",
     "llama3.1": "meta-llama/Llama-3.1-8B", "mistral": "mistralai/Mistral-7B-v0.3",
     "mixtral": "mistralai/Mixtral-8x7B-v0.1", "qwen": "Qwen/Qwen2.5-7B-Instruct", "qwen2": "Qwen/Qwen2.5-7B-Instruct",

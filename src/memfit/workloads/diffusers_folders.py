@@ -29,7 +29,12 @@ the built-in's (the same objective, caption tokens and conditioning), at the con
 - ``WanTransformer3DModel`` (Wan 2.1 and 2.2): ``dit-wan``'s video batch (memfit.workloads.video_dits);
 - ``ChromaTransformer2DModel`` (Chroma1-HD, Chroma1-Base): ``dit-chroma``'s;
 - ``ZImageTransformer2DModel`` (Z-Image-Turbo, Z-Image): ``dit-zimage``'s;
-- ``HunyuanVideoTransformer3DModel`` (HunyuanVideo T2V): ``dit-hunyuan-video``'s video batch.
+- ``HunyuanVideoTransformer3DModel`` (HunyuanVideo T2V): ``dit-hunyuan-video``'s video batch;
+- ``SanaTransformer2DModel`` (Sana 600M and 1600M, 512 to 4096 px): ``dit-sana``'s;
+- ``PixArtTransformer2DModel`` (PixArt-Sigma, and PixArt-alpha with its micro-conditions where its config
+  uses them): ``dit-pixart-sigma``'s;
+- ``AuraFlowTransformer2DModel`` (AuraFlow v0.1-v0.3): ``dit-auraflow``'s, at 1024 px (its config's
+  ``sample_size`` is not its pipeline's size).
 
 Any other class is refused in one line. It loads as ``from_pretrained`` loads it (each weight made on
 the device in its final form: memfit.techniques.loading).
@@ -44,7 +49,7 @@ from pathlib import Path
 
 from memfit.errors import UserError, brief
 from memfit.workload import Workload
-from memfit.workloads import diffusion, packed_dits, video_dits, zimage
+from memfit.workloads import caption_dits, diffusion, packed_dits, video_dits, zimage
 
 DENOISERS = ("transformer", "unet")
 """The components of a diffusers pipeline that hold its denoiser, in the order they are looked for."""
@@ -57,7 +62,10 @@ _BY_CLASS = {"FluxTransformer2DModel": (packed_dits.FLUX, packed_dits.flux),
              "WanTransformer3DModel": (video_dits.WAN, video_dits.wan),
              "ChromaTransformer2DModel": (packed_dits.CHROMA, packed_dits.chroma),
              "ZImageTransformer2DModel": (zimage.ZIMAGE, zimage.zimage),
-             "HunyuanVideoTransformer3DModel": (video_dits.HUNYUAN_VIDEO, video_dits.hunyuan_video)}
+             "HunyuanVideoTransformer3DModel": (video_dits.HUNYUAN_VIDEO, video_dits.hunyuan_video),
+             "SanaTransformer2DModel": (caption_dits.SANA, caption_dits.sana),
+             "PixArtTransformer2DModel": (caption_dits.PIXART_SIGMA, caption_dits.pixart_sigma),
+             "AuraFlowTransformer2DModel": (caption_dits.AURAFLOW, caption_dits.auraflow)}
 CLASSES = ("UNet2DConditionModel", *_BY_CLASS)
 
 
@@ -150,7 +158,8 @@ def diffusers_workload(data: dict, name: str, where: str, seq_len: int | None, r
     fields = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()
               if not k.startswith("_") and k in params}
     sample = data.get("sample_size")
-    native = sample * template.vae_factor if isinstance(sample, int) and sample > 0 else template.resolution
+    native = (sample * template.vae_factor if template.native_from_config and isinstance(sample, int) and sample > 0
+              else template.resolution)
     # The file's fields replace the template's published size, as given (diffusers checks them, not the
     # user's overrides' checks); the batch's layout stays the template's.
     template = dataclasses.replace(template, arch=name, resolution=native, defaults=fields)

@@ -54,6 +54,9 @@ class ImageModel:
     text_configs: tuple = ()
     """A diffusers pipeline folder's own text-encoder configs (memfit.workloads.text_encoders.pipeline_configs),
     used where the step holds its text encoders; else they are built from the denoiser's widths."""
+    native_from_config: bool = True
+    """Whether a diffusers config's ``sample_size`` (in latents) is the native resolution of a hub id or folder
+    (AuraFlow's 64 is not: its pipeline makes 1024 px)."""
 
 
 LUMINA2 = ImageModel(
