@@ -63,7 +63,10 @@ TINY["dit-pixart-sigma"] = ("dit-pixart-sigma:num_layers=2,num_attention_heads=2
                             "caption_channels=32,norm_num_groups=2")
 TINY["dit-auraflow"] = ("dit-auraflow:num_mmdit_layers=1,num_single_dit_layers=2,num_attention_heads=2,attention_head_dim=16,"
                         "joint_attention_dim=32,caption_projection_dim=32")
-RESOLUTION = {"dit-sana": 256, "dit-pixart-sigma": 128, "dit-auraflow": 128, "dit-flux-kontext": 128, "dit-qwenimage-edit": 128, "dit-qwenimage-edit-2509": 64, "dit-hunyuan-video": 64, "dit-chroma": 128, "dit-zimage": 128, "dit-wan-i2v": 64, "dit-wan-flf2v": 64, "dit-wan-5b": 64, "dit-wan": 64, "dit-flux2": 128, "dit-lumina2": 128, "dit-sd3": 128, "unet-sdxl": 128, "unet-sd15": 64, "dit-flux": 128, "dit-qwenimage": 128}
+TINY["dit-cogvideox"] = ("dit-cogvideox:num_layers=2,num_attention_heads=2,attention_head_dim=16,text_embed_dim=32,"
+                         "time_embed_dim=16,frames=5,width=64")
+TINY["dit-cogvideox-2b"] = TINY["dit-cogvideox"].replace("dit-cogvideox", "dit-cogvideox-2b")
+RESOLUTION = {"dit-cogvideox": 64, "dit-cogvideox-2b": 64, "dit-sana": 256, "dit-pixart-sigma": 128, "dit-auraflow": 128, "dit-flux-kontext": 128, "dit-qwenimage-edit": 128, "dit-qwenimage-edit-2509": 64, "dit-hunyuan-video": 64, "dit-chroma": 128, "dit-zimage": 128, "dit-wan-i2v": 64, "dit-wan-flf2v": 64, "dit-wan-5b": 64, "dit-wan": 64, "dit-flux2": 128, "dit-lumina2": 128, "dit-sd3": 128, "unet-sdxl": 128, "unet-sd15": 64, "dit-flux": 128, "dit-qwenimage": 128}
 
 # unet-sdxl in fp32 is profiled by test_block_checkpointing_keeps_fewer_activations (same bound; slow tier)
 CASES = [(arch, precision, ckpt) for arch in ("dit-lumina2", "unet-sdxl") for precision in ("fp32", "bf16")
@@ -78,7 +81,8 @@ CASES = [(arch, precision, ckpt) for arch in ("dit-lumina2", "unet-sdxl") for pr
     ("dit-chroma", "bf16", "blocks"), ("dit-zimage", "fp32", "none"), ("dit-zimage", "bf16", "blocks"),
     ("dit-hunyuan-video", "fp32", "none"), ("dit-hunyuan-video", "bf16", "blocks"), ("dit-sana", "fp32", "none"),
     ("dit-sana", "bf16", "blocks"), ("dit-pixart-sigma", "fp32", "none"), ("dit-pixart-sigma", "bf16", "blocks"),
-    ("dit-auraflow", "fp32", "none"), ("dit-auraflow", "bf16", "blocks")]
+    ("dit-auraflow", "fp32", "none"), ("dit-auraflow", "bf16", "blocks"), ("dit-cogvideox", "fp32", "none"),
+    ("dit-cogvideox", "bf16", "blocks"), ("dit-cogvideox-2b", "fp32", "none"), ("dit-cogvideox-2b", "bf16", "blocks")]
 SLOW = {("unet-sdxl", "bf16", "none"), ("unet-sdxl", "bf16", "blocks"),  # (keeps the default suite under 10 minutes:
         ("dit-lumina2", "bf16", "none"), ("dit-lumina2", "fp32", "blocks"),  # lumina2 fp32-none stays, and its
         ("dit-lumina2", "bf16", "blocks"), ("dit-flux", "fp32", "none"),  # bf16-blocks LoRA in test_adapter; flux bf16-blocks;
@@ -86,7 +90,7 @@ SLOW = {("unet-sdxl", "bf16", "none"), ("unet-sdxl", "bf16", "blocks"),  # (keep
         ("dit-flux2", "fp32", "none"), ("dit-wan", "fp32", "none"),  # diffusers' UNet2DConditionModel stays in test_adapter's unet-sdxl LoRA)
         ("dit-sd3", "fp32", "none"), ("dit-chroma", "fp32", "none"), ("dit-zimage", "fp32", "none"),  # (each model's
         ("dit-hunyuan-video", "fp32", "none"), ("dit-sana", "fp32", "none"), ("dit-pixart-sigma", "fp32", "none"),
-        ("dit-auraflow", "fp32", "none")}  # bf16-blocks, what its LoRA users run, stays)
+        ("dit-auraflow", "fp32", "none"), ("dit-cogvideox-2b", "fp32", "none"), ("dit-cogvideox-2b", "bf16", "blocks")}  # bf16-blocks, what its LoRA users run, stays)
 
 
 def _profile(arch: str, precision: str, ckpt: str):
@@ -163,6 +167,7 @@ def test_blocks_found_at_full_size():
     assert unet["mid_block.attentions.0.transformer_blocks"] == (10, "BasicTransformerBlock")
     assert blocks("dit-sana") == {"transformer_blocks": (20, "SanaTransformerBlock")}
     assert blocks("dit-pixart-sigma") == {"transformer_blocks": (28, "BasicTransformerBlock")}
+    assert blocks("dit-cogvideox") == {"transformer_blocks": (42, "CogVideoXBlock")}
     assert blocks("dit-auraflow") == {"joint_transformer_blocks": (4, "AuraFlowJointTransformerBlock"),
                                       "single_transformer_blocks": (32, "AuraFlowSingleTransformerBlock")}
 
@@ -180,7 +185,8 @@ def test_released_sizes_and_resolution_shape_the_batch():
     sizes = {"dit-lumina2": 2.61e9, "dit-sd3": 2.03e9, "unet-sdxl": 2.57e9, "unet-sd15": 0.86e9, "dit-flux": 11.90e9,
              "dit-qwenimage": 20.43e9, "dit-flux2": 32.22e9, "dit-wan": 14.29e9, "dit-wan-1.3b": 1.42e9, "dit-wan-i2v": 14.29e9, "dit-wan-5b": 5.00e9,
              "dit-wan-i2v:image_dim=1280,added_kv_proj_dim=5120": 16.39e9, "dit-chroma": 8.90e9, "dit-zimage": 6.15e9,
-             "dit-hunyuan-video": 12.82e9, "dit-sana": 1.60e9, "dit-pixart-sigma": 0.61e9, "dit-auraflow": 6.86e9}
+             "dit-hunyuan-video": 12.82e9, "dit-sana": 1.60e9, "dit-pixart-sigma": 0.61e9, "dit-auraflow": 6.86e9,
+             "dit-cogvideox": 5.57e9, "dit-cogvideox-2b": 1.69e9}
     for spec, want in sizes.items():
         with torch.device("meta"):
             n = sum(p.numel() for p in load_workload(spec).model().parameters())
@@ -570,3 +576,30 @@ def test_sana_pixart_and_auraflow_are_fed_as_their_lora_scripts_feed_them():
     assert load_workload("dit-auraflow", resolution=1536).info.resolution == 1536
     with pytest.raises(UserError, match=r"exceeds the position table \(pos_embed_max_size=9216: 96 x 96 patches, 1536px\)"):
         load_workload("dit-auraflow", resolution=1600)
+
+
+def test_cogvideox_is_fed_frames_before_channels_and_the_5bs_rotary_table_made_each_step():
+    """49 frames at 720 x 480: 13 latent frames laid out [B, F', C, H', W'] as the pipeline permutes them (17,550
+    tokens), 226 T5 states; the 5B's rotary table is made in the loss (it is no sample's, so no micro-batch splits
+    it) and the 2B has none; CogVideoX 1.5's frame patches are refused in one line."""
+    wl = load_workload("dit-cogvideox")
+    batch = wl.batch(2)
+    assert batch["hidden_states"].shape == (2, 13, 16, 60, 90) and batch["encoder_hidden_states"].shape == (2, 226, 4096)
+    assert wl.info.config["tokens"] == 17550 and wl.name == "dit-cogvideox"
+    assert load_workload("dit-cogvideox:frames=17,width=480", resolution=320).name == "dit-cogvideox 480x320px 17 frames"
+    seen = {}
+
+    class Spy(torch.nn.Module):
+        def forward(self, hidden_states, image_rotary_emb=None, **_):
+            seen["rotary"] = image_rotary_emb
+            return (hidden_states * 0,)
+
+    small = load_workload(TINY["dit-cogvideox"], resolution=64)
+    small.loss(Spy(), small.batch(2))
+    cos, sin = seen["rotary"]
+    assert cos.shape == sin.shape == (2 * 4 * 4, 16)  # (2 latent frames of 4 x 4 patches, one row a token)
+    two = load_workload(TINY["dit-cogvideox-2b"], resolution=64)
+    two.loss(Spy(), two.batch(2))
+    assert seen["rotary"] is None
+    with pytest.raises(UserError, match="patch_size_t=2 is CogVideoX 1.5's"):
+        load_workload("dit-cogvideox:patch_size_t=2")

@@ -14,8 +14,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_workloads(args: argparse.Namespace) -> int:
     from memfit.workloads import builtin_names
-    for name, doc in builtin_names().items():
-        print(f"{name:12s} {doc}")
+    names = builtin_names()
+    wide = max(map(len, names))
+    for name, doc in names.items():
+        print(f"{name:{wide}s} {doc}")
     print("\nOverride config fields as NAME:key=value,key=value (e.g. gpt2:n_layer=4,n_embd=256); "
           "user workloads as path/to/file.py:NAME; a local Hugging Face model folder as ./dir or hf:./dir, "
           "or a hub id as org/name[@revision] (built from its config.json alone, read through the Hugging "
