@@ -306,6 +306,23 @@ def test_one_cublas_workspace_per_thread_that_runs_matmuls():
     assert {r.nbytes for r in tracker.state.records if r.op.startswith("cublas workspace")} == {8519680}
 
 
+def test_layer_norm_keeps_fp32_statistics_for_a_half_precision_input_as_cuda_does():
+    """layer_norm_cuda allocates mean and rstd in the input's accumulate type (fp32 for bf16 and fp16); the
+    reference kernel of a trace on CPU tensors gives them the input's dtype. A bf16 LayerNorm of 64 rows on a GPU
+    preset holds 2 x 64 fp32 statistics for backward; an fp32 one is as it was."""
+    kept = {}
+
+    def step(dtype):
+        norm = torch.nn.LayerNorm(32, dtype=dtype)
+        y, mean, rstd = aten.native_layer_norm(torch.randn(4, 16, 32, dtype=dtype), [32], norm.weight, norm.bias, 1e-5)
+        kept[dtype] = (mean.dtype, rstd.dtype, tuple(mean.shape))
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        tracker, km = _traced(lambda: step(dtype))
+        booked = [r for r in tracker.state.records if r.op == "layer_norm fp32 mean/rstd"]
+        assert kept[dtype] == (torch.float32, torch.float32, (4, 16, 1))
+        assert [r.nbytes for r in booked] == ([64 * 4, 64 * 4] if dtype != torch.float32 else [])
+
+
 def test_workspaces_stay_held_when_a_compiled_region_enters_the_model_again():
     """A compiled region's wrapper runs under the modes of its call, entering the kernel model again
     (memfit.techniques.fake_wrapper); the workspaces booked before stay held. They were dropped on

@@ -10,7 +10,9 @@ Three mechanisms, each scoped to the trace:
    cuBLASLt workspaces (persistent), and buffers held for the duration of one kernel (attention
    backward accumulators, reduction staging buffers, cuDNN workspaces, CUTLASS's grouped GEMM
    arguments and workspace), plus the outputs the
-   meta kernels of cuDNN's RNN get wrong.
+   meta kernels of cuDNN's RNN get wrong, and LayerNorm's statistics, which CUDA keeps in fp32 for
+   half-precision inputs (``layer_norm_cuda``: ``toAccumulateType``) where the reference kernel a
+   trace on CPU tensors runs gives them the input's dtype.
 
 Booked buffers are ordinary fake storages, so the tracker's timeline, categories (``other`` for
 workspaces that persist, ``temporaries`` for the rest), per-module attribution and the
@@ -36,6 +38,10 @@ from memfit.techniques.cuda_lowering import lowering_for_cuda
 
 aten = torch.ops.aten
 
+
+LAYER_NORM_STATS = "layer_norm fp32 mean/rstd"
+"""What a LayerNorm's statistics are booked as where they are half-precision in the trace and fp32 on CUDA."""
+HALF = (torch.float16, torch.bfloat16)
 
 WORKSPACE = " workspace"
 WORKSPACE_SIZES = {"cublas": "workspace_bytes", "cublaslt": "lt_workspace_bytes"}
@@ -131,8 +137,20 @@ class KernelMode(TorchDispatchMode):
                 self.transient(grouped_gemm.cutlass_buffers(self.device, args), args[0].device)
             elif out.numel():  # the fallback's one cuBLAS mm per group
                 self._workspace("cublas", blas.thread(), self.device.workspace_bytes, out.device)
+        elif func is aten.native_layer_norm.default and out[1].dtype in HALF:
+            return out[0], self._fp32(out[1]), self._fp32(out[2])
         elif func in _COPIES and self._is_prefetch(args[0], out):
             self.streams[self.tracker.state.records[-1].serial] = PREFETCH_STREAM
+        return out
+
+    def _fp32(self, stats: torch.Tensor) -> torch.Tensor:
+        """A LayerNorm statistic as CUDA's kernel allocates it: fp32, for a half-precision input (module docstring);
+        the half-precision one the trace made is dropped."""
+        out = torch.empty(stats.shape, dtype=torch.float32, device=stats.device)
+        rec = self.tracker.state.records[-1] if self.tracker is not None else None
+        if rec is not None and rec.nbytes == out.untyped_storage().nbytes():
+            rec.op = LAYER_NORM_STATS
+        self.booked[LAYER_NORM_STATS] = self.booked.get(LAYER_NORM_STATS, 0) + 1
         return out
 
     def _convolution_backward(self, func, args, kwargs):
