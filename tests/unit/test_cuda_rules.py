@@ -317,7 +317,7 @@ def test_layer_norm_keeps_fp32_statistics_for_a_half_precision_input_as_cuda_doe
         y, mean, rstd = aten.native_layer_norm(torch.randn(4, 16, 32, dtype=dtype), [32], norm.weight, norm.bias, 1e-5)
         kept[dtype] = (mean.dtype, rstd.dtype, tuple(mean.shape))
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        tracker, km = _traced(lambda: step(dtype))
+        tracker, _ = _traced(lambda dtype=dtype: step(dtype))
         booked = [r for r in tracker.state.records if r.op == "layer_norm fp32 mean/rstd"]
         assert kept[dtype] == (torch.float32, torch.float32, (4, 16, 1))
         assert [r.nbytes for r in booked] == ([64 * 4, 64 * 4] if dtype != torch.float32 else [])
