@@ -66,7 +66,9 @@ TINY["dit-auraflow"] = ("dit-auraflow:num_mmdit_layers=1,num_single_dit_layers=2
 TINY["dit-cogvideox"] = ("dit-cogvideox:num_layers=2,num_attention_heads=2,attention_head_dim=16,text_embed_dim=32,"
                          "time_embed_dim=16,frames=5,width=64")
 TINY["dit-cogvideox-2b"] = TINY["dit-cogvideox"].replace("dit-cogvideox", "dit-cogvideox-2b")
-RESOLUTION = {"dit-cogvideox": 64, "dit-cogvideox-2b": 64, "dit-sana": 256, "dit-pixart-sigma": 128, "dit-auraflow": 128, "dit-flux-kontext": 128, "dit-qwenimage-edit": 128, "dit-qwenimage-edit-2509": 64, "dit-hunyuan-video": 64, "dit-chroma": 128, "dit-zimage": 128, "dit-wan-i2v": 64, "dit-wan-flf2v": 64, "dit-wan-5b": 64, "dit-wan": 64, "dit-flux2": 128, "dit-lumina2": 128, "dit-sd3": 128, "unet-sdxl": 128, "unet-sd15": 64, "dit-flux": 128, "dit-qwenimage": 128}
+TINY["dit-ltx-video"] = ("dit-ltx-video:num_layers=2,num_attention_heads=2,attention_head_dim=16,cross_attention_dim=32,"
+                         "caption_channels=32,in_channels=16,out_channels=16,frames=9,width=128")
+RESOLUTION = {"dit-ltx-video": 64, "dit-cogvideox": 64, "dit-cogvideox-2b": 64, "dit-sana": 256, "dit-pixart-sigma": 128, "dit-auraflow": 128, "dit-flux-kontext": 128, "dit-qwenimage-edit": 128, "dit-qwenimage-edit-2509": 64, "dit-hunyuan-video": 64, "dit-chroma": 128, "dit-zimage": 128, "dit-wan-i2v": 64, "dit-wan-flf2v": 64, "dit-wan-5b": 64, "dit-wan": 64, "dit-flux2": 128, "dit-lumina2": 128, "dit-sd3": 128, "unet-sdxl": 128, "unet-sd15": 64, "dit-flux": 128, "dit-qwenimage": 128}
 
 # unet-sdxl in fp32 is profiled by test_block_checkpointing_keeps_fewer_activations (same bound; slow tier)
 CASES = [(arch, precision, ckpt) for arch in ("dit-lumina2", "unet-sdxl") for precision in ("fp32", "bf16")
@@ -82,7 +84,8 @@ CASES = [(arch, precision, ckpt) for arch in ("dit-lumina2", "unet-sdxl") for pr
     ("dit-hunyuan-video", "fp32", "none"), ("dit-hunyuan-video", "bf16", "blocks"), ("dit-sana", "fp32", "none"),
     ("dit-sana", "bf16", "blocks"), ("dit-pixart-sigma", "fp32", "none"), ("dit-pixart-sigma", "bf16", "blocks"),
     ("dit-auraflow", "fp32", "none"), ("dit-auraflow", "bf16", "blocks"), ("dit-cogvideox", "fp32", "none"),
-    ("dit-cogvideox", "bf16", "blocks"), ("dit-cogvideox-2b", "fp32", "none"), ("dit-cogvideox-2b", "bf16", "blocks")]
+    ("dit-cogvideox", "bf16", "blocks"), ("dit-cogvideox-2b", "fp32", "none"), ("dit-cogvideox-2b", "bf16", "blocks"),
+    ("dit-ltx-video", "fp32", "none"), ("dit-ltx-video", "bf16", "blocks")]
 SLOW = {("unet-sdxl", "bf16", "none"), ("unet-sdxl", "bf16", "blocks"),  # (keeps the default suite under 10 minutes:
         ("dit-lumina2", "bf16", "none"), ("dit-lumina2", "fp32", "blocks"),  # lumina2 fp32-none stays, and its
         ("dit-lumina2", "bf16", "blocks"), ("dit-flux", "fp32", "none"),  # bf16-blocks LoRA in test_adapter; flux bf16-blocks;
@@ -90,7 +93,8 @@ SLOW = {("unet-sdxl", "bf16", "none"), ("unet-sdxl", "bf16", "blocks"),  # (keep
         ("dit-flux2", "fp32", "none"), ("dit-wan", "fp32", "none"),  # diffusers' UNet2DConditionModel stays in test_adapter's unet-sdxl LoRA)
         ("dit-sd3", "fp32", "none"), ("dit-chroma", "fp32", "none"), ("dit-zimage", "fp32", "none"),  # (each model's
         ("dit-hunyuan-video", "fp32", "none"), ("dit-sana", "fp32", "none"), ("dit-pixart-sigma", "fp32", "none"),
-        ("dit-auraflow", "fp32", "none"), ("dit-cogvideox-2b", "fp32", "none"), ("dit-cogvideox-2b", "bf16", "blocks")}  # bf16-blocks, what its LoRA users run, stays)
+        ("dit-auraflow", "fp32", "none"), ("dit-cogvideox-2b", "fp32", "none"), ("dit-cogvideox-2b", "bf16", "blocks"),
+        ("dit-ltx-video", "fp32", "none")}  # bf16-blocks, what its LoRA users run, stays)
 
 
 def _profile(arch: str, precision: str, ckpt: str):
@@ -167,6 +171,7 @@ def test_blocks_found_at_full_size():
     assert unet["mid_block.attentions.0.transformer_blocks"] == (10, "BasicTransformerBlock")
     assert blocks("dit-sana") == {"transformer_blocks": (20, "SanaTransformerBlock")}
     assert blocks("dit-pixart-sigma") == {"transformer_blocks": (28, "BasicTransformerBlock")}
+    assert blocks("dit-ltx-video") == {"transformer_blocks": (28, "LTXVideoTransformerBlock")}
     assert blocks("dit-cogvideox") == {"transformer_blocks": (42, "CogVideoXBlock")}
     assert blocks("dit-auraflow") == {"joint_transformer_blocks": (4, "AuraFlowJointTransformerBlock"),
                                       "single_transformer_blocks": (32, "AuraFlowSingleTransformerBlock")}
@@ -186,7 +191,7 @@ def test_released_sizes_and_resolution_shape_the_batch():
              "dit-qwenimage": 20.43e9, "dit-flux2": 32.22e9, "dit-wan": 14.29e9, "dit-wan-1.3b": 1.42e9, "dit-wan-i2v": 14.29e9, "dit-wan-5b": 5.00e9,
              "dit-wan-i2v:image_dim=1280,added_kv_proj_dim=5120": 16.39e9, "dit-chroma": 8.90e9, "dit-zimage": 6.15e9,
              "dit-hunyuan-video": 12.82e9, "dit-sana": 1.60e9, "dit-pixart-sigma": 0.61e9, "dit-auraflow": 6.86e9,
-             "dit-cogvideox": 5.57e9, "dit-cogvideox-2b": 1.69e9}
+             "dit-cogvideox": 5.57e9, "dit-cogvideox-2b": 1.69e9, "dit-ltx-video": 1.92e9}
     for spec, want in sizes.items():
         with torch.device("meta"):
             n = sum(p.numel() for p in load_workload(spec).model().parameters())
@@ -603,3 +608,24 @@ def test_cogvideox_is_fed_frames_before_channels_and_the_5bs_rotary_table_made_e
     assert seen["rotary"] is None
     with pytest.raises(UserError, match="patch_size_t=2 is CogVideoX 1.5's"):
         load_workload("dit-cogvideox:patch_size_t=2")
+
+
+def test_ltx_video_is_fed_one_packed_token_a_latent_and_its_grid_with_the_pipelines_rotary_scale():
+    """49 frames at 768 x 512: 7 latent frames of 16 x 24 (the 32x VAE, 8 frames a latent after the first), one
+    token each, packed [B, 2688, 128]; 128 T5 states with their mask; the loss hands the model the grid and the
+    pipeline's rotary scale (8 / 25 fps, 32, 32). Frames not 8k + 1 are one line."""
+    wl = load_workload("dit-ltx-video")
+    batch = wl.batch(2)
+    assert batch["hidden_states"].shape == (2, 7 * 16 * 24, 128) and batch["encoder_attention_mask"].shape == (2, 128)
+    seen = {}
+
+    class Spy(torch.nn.Module):
+        def forward(self, hidden_states, num_frames, height, width, rope_interpolation_scale, **_):
+            seen.update(grid=(num_frames, height, width), scale=rope_interpolation_scale)
+            return (hidden_states * 0,)
+
+    small = load_workload(TINY["dit-ltx-video"], resolution=64)
+    small.loss(Spy(), small.batch(1))
+    assert seen == {"grid": (2, 2, 4), "scale": (8 / 25, 32, 32)}
+    with pytest.raises(UserError, match="frames=50 is not 8k \\+ 1.*use frames=49 or frames=57"):
+        load_workload("dit-ltx-video:frames=50")

@@ -109,6 +109,8 @@ PIXART_ALPHA = {"_class_name": "PixArtTransformer2DModel", "num_layers": 1, "num
 """(48 wide: its micro-conditions' embeddings take a third of the width each.)"""
 COGVIDEOX = {"_class_name": "CogVideoXTransformer3DModel", "num_layers": 1, "num_attention_heads": 2,
              "attention_head_dim": 16, "text_embed_dim": 32, "time_embed_dim": 16, "use_rotary_positional_embeddings": True}
+LTX = {"_class_name": "LTXVideoTransformer3DModel", "num_layers": 1, "num_attention_heads": 2, "attention_head_dim": 16,
+       "cross_attention_dim": 32, "caption_channels": 32, "in_channels": 16, "out_channels": 16}
 AURAFLOW = {"_class_name": "AuraFlowTransformer2DModel", "num_mmdit_layers": 1, "num_single_dit_layers": 1,
             "num_attention_heads": 2, "attention_head_dim": 16, "joint_attention_dim": 32, "caption_projection_dim": 32,
             "pos_embed_max_size": 9216, "sample_size": 64}
@@ -118,9 +120,10 @@ AURAFLOW = {"_class_name": "AuraFlowTransformer2DModel", "num_mmdit_layers": 1, 
     (SANA, "SanaPipeline", 128, {"hidden_states": (2, 8, 2, 2), "encoder_attention_mask": (2, 300)}),
     (PIXART_ALPHA, "PixArtAlphaPipeline", 1024, {"hidden_states": (2, 4, 8, 8), "resolution": (2, 2)}),
     (AURAFLOW, "AuraFlowPipeline", 1024, {"hidden_states": (2, 4, 8, 8), "encoder_hidden_states": (2, 256, 32)}),
-    (COGVIDEOX, "CogVideoXPipeline", 480, {"hidden_states": (2, 13, 16, 8, 90), "encoder_hidden_states": (2, 226, 32)})],
-    ids=["sana", "pixart-alpha", "auraflow", "cogvideox"])
-def test_sana_pixart_auraflow_and_cogvideox_pipelines_build_their_built_ins_batch_and_run_within_one_percent(
+    (COGVIDEOX, "CogVideoXPipeline", 480, {"hidden_states": (2, 13, 16, 8, 90), "encoder_hidden_states": (2, 226, 32)}),
+    (LTX, "LTXPipeline", 512, {"hidden_states": (2, 7 * 2 * 24, 16), "encoder_attention_mask": (2, 128)})],
+    ids=["sana", "pixart-alpha", "auraflow", "cogvideox", "ltx-video"])
+def test_sana_pixart_auraflow_cogvideox_and_ltx_pipelines_build_their_built_ins_batch_and_run_within_one_percent(
         hub_cache, no_network, config, kind, native, batch):
     """Each at its native size (SANA's 4 latents of DC-AE's 32 px; AuraFlow's pipeline makes 1024 px whatever its
     config's sample_size says); PixArt-alpha's config (128 latents, micro-conditions unset) gets diffusers' rule:
@@ -184,11 +187,12 @@ def test_a_wan_2_2_5b_pipeline_takes_its_16x_vae_and_a_timestep_per_token(hub_ca
 
 
 @pytest.mark.parametrize("files,error", [
-    (pipeline("transformer", {"_class_name": "LTXVideoTransformer3DModel", "num_layers": 1}, "LTXPipeline"),
+    (pipeline("transformer", {"_class_name": "MochiTransformer3DModel", "num_layers": 1}, "MochiPipeline"),
      "memfit builds the diffusers denoisers UNet2DConditionModel, FluxTransformer2DModel, SD3Transformer2DModel, "
      "Lumina2Transformer2DModel, QwenImageTransformer2DModel, Flux2Transformer2DModel, WanTransformer3DModel, "
      "ChromaTransformer2DModel, ZImageTransformer2DModel, HunyuanVideoTransformer3DModel, SanaTransformer2DModel, "
-     "PixArtTransformer2DModel, AuraFlowTransformer2DModel, CogVideoXTransformer3DModel, not LTXVideoTransformer3DModel"),
+     "PixArtTransformer2DModel, AuraFlowTransformer2DModel, CogVideoXTransformer3DModel, LTXVideoTransformer3DModel, not "
+     "MochiTransformer3DModel"),
     ({"model_index.json": {"_class_name": "AudioLDMPipeline", "vocoder": ["transformers", "SpeechT5HifiGan"]}},
      "AudioLDMPipeline's model_index.json names no unet or transformer"),
 ], ids=["unmodelled-class", "no-denoiser"])

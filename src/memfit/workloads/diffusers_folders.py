@@ -35,7 +35,8 @@ the built-in's (the same objective, caption tokens and conditioning), at the con
   uses them): ``dit-pixart-sigma``'s;
 - ``AuraFlowTransformer2DModel`` (AuraFlow v0.1-v0.3): ``dit-auraflow``'s, at 1024 px (its config's
   ``sample_size`` is not its pipeline's size);
-- ``CogVideoXTransformer3DModel`` (CogVideoX-2B and 5B; not 1.5's frame patches): ``dit-cogvideox``'s clip.
+- ``CogVideoXTransformer3DModel`` (CogVideoX-2B and 5B; not 1.5's frame patches): ``dit-cogvideox``'s clip;
+- ``LTXVideoTransformer3DModel`` (LTX-Video 0.9 to 0.9.7): ``dit-ltx-video``'s clip.
 
 Any other class is refused in one line. It loads as ``from_pretrained`` loads it (each weight made on
 the device in its final form: memfit.techniques.loading).
@@ -50,7 +51,7 @@ from pathlib import Path
 
 from memfit.errors import UserError, brief
 from memfit.workload import Workload
-from memfit.workloads import caption_dits, cogvideo, diffusion, packed_dits, video_dits, zimage
+from memfit.workloads import caption_dits, cogvideo, diffusion, ltx_video, packed_dits, video_dits, zimage
 
 DENOISERS = ("transformer", "unet")
 """The components of a diffusers pipeline that hold its denoiser, in the order they are looked for."""
@@ -67,7 +68,8 @@ _BY_CLASS = {"FluxTransformer2DModel": (packed_dits.FLUX, packed_dits.flux),
              "SanaTransformer2DModel": (caption_dits.SANA, caption_dits.sana),
              "PixArtTransformer2DModel": (caption_dits.PIXART_SIGMA, caption_dits.pixart_sigma),
              "AuraFlowTransformer2DModel": (caption_dits.AURAFLOW, caption_dits.auraflow),
-             "CogVideoXTransformer3DModel": (cogvideo.COGVIDEOX, cogvideo.cogvideox)}
+             "CogVideoXTransformer3DModel": (cogvideo.COGVIDEOX, cogvideo.cogvideox),
+             "LTXVideoTransformer3DModel": (ltx_video.LTX_VIDEO, ltx_video.ltx_video)}
 CLASSES = ("UNet2DConditionModel", *_BY_CLASS)
 
 
@@ -127,7 +129,7 @@ CLIP_KEYS = ("frames", "width")
 EXPERT_KEYS = ("experts", "switch", "low_vram")
 """Wan 2.2 A14B's two experts in one step, as ai-toolkit trains them (memfit.workloads.wan_experts)."""
 OWN_KEYS = {"WanTransformer3DModel": CLIP_KEYS + EXPERT_KEYS, "HunyuanVideoTransformer3DModel": CLIP_KEYS,
-            "CogVideoXTransformer3DModel": CLIP_KEYS,
+            "CogVideoXTransformer3DModel": CLIP_KEYS, "LTXVideoTransformer3DModel": CLIP_KEYS,
             "ZImageTransformer2DModel": ("caption_tokens", "width", "text_encoders", "text_layers")}
 """The size overrides of the classes that take others than SIZE_KEYS (Z-Image's longest caption and its Qwen3)."""
 
