@@ -16,7 +16,8 @@ Each attends to one encoder's states, cached as diffusers' LoRA scripts and Simp
   block's cross-attention. Epsilon prediction on DDPM timesteps; its output has twice the latent channels
   (the learned variance), and training compares the first half with the noise, as diffusers' PixArt LoRA
   script (``out_channels // 2 == latent_channels``) and SimpleTuner do. Small weights, so at 1024 px its
-  activations are most of a LoRA step.
+  activations are most of a LoRA step. A PixArt-alpha config (its micro-conditions unset, 128 latents) gets them
+  as diffusers decides: the image's size and aspect ratio as two more inputs.
 - **AuraFlow** (``dit-auraflow``, AuraFlow v0.3: 4 joint MMDiT blocks then 32 single-stream blocks of 3072,
   6.8B): the SDXL VAE, 2x2 patches, 256 Pile-T5 (UMT5) tokens joined to the image tokens in every block's
   attention. Rectified flow as SD3's, with the timestep a fraction (its pipeline passes ``t / 1000``). Its

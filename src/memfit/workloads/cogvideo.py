@@ -3,7 +3,8 @@ diffusers' ``train_cogvideox_lora`` and finetrainers train it.
 
 - ``dit-cogvideox``: CogVideoX-5B (42 blocks of 3072, 48 heads x 64; 3-D rotary positions);
   ``dit-cogvideox-2b``: CogVideoX-2B (30 blocks of 1920, sincos positions). Both take T5-XXL's 226 caption
-  tokens, joined to the video's in every block's attention (one expert-free stream, as CogView's).
+  tokens, joined to the video's in one stream through every block, each modality modulated by its own adaptive
+  LayerNorm (CogVideoX's "expert" norms, with per-head LayerNorms on queries and keys).
 
 Where memory goes. Its VAE compresses 4x in time and 8x on each side (the first frame alone, then groups of
 4, as Wan's), and the DiT cuts each latent frame into 2x2 patches: the default clip, 49 frames at 720 x 480,
