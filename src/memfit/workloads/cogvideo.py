@@ -35,7 +35,7 @@ from memfit.workloads.diffusion import (
     model_builder,
     no_seq_len,
 )
-from memfit.workloads.video_dits import latent_frames
+from memfit.workloads.video_dits import Clip, clip_name, latent_frames
 
 COGVIDEOX = ImageModel(
     "dit-cogvideox", "CogVideoXTransformer3DModel",
@@ -92,9 +92,7 @@ def cogvideox(overrides: dict, seq_len: int | None, resolution: int | None, m: I
     info = image_info(m, res, kw, ("num_layers", "num_attention_heads", "attention_head_dim", "text_embed_dim"), patch)
     info.config.update(frames=frames, latent_frames=depth, width=wide * m.vae_factor, tokens=tokens, fixed_width=True)
     wl = image_workload(m, model_builder(m, cls, kw, overrides), batch, loss, res, info)
-    wl.name = m.arch if res == m.resolution and wide * m.vae_factor == WIDTH else f"{m.arch} {wide * m.vae_factor}x{res}px"
-    if frames != FRAMES:
-        wl.name += f" {frames} frames"
+    wl.name = clip_name(m, res, wide * m.vae_factor, frames, Clip(frames=FRAMES, width=WIDTH))
     return wl
 
 

@@ -224,11 +224,15 @@ def hunyuan_video(overrides: dict, seq_len: int | None, resolution: int | None,
     info = image_info(m, res, kw, ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim"), p)
     info.config.update(frames=frames, latent_frames=depth, width=wide * m.vae_factor, tokens=tokens, fixed_width=True)
     wl = image_workload(m, model_builder(m, cls, kw, overrides), batch, transformer_loss, res, info)
-    wl.name = (m.arch if res == m.resolution and wide * m.vae_factor == clip.width
-               else f"{m.arch} {wide * m.vae_factor}x{res}px")
-    if frames != clip.frames:
-        wl.name += f" {frames} frames"
+    wl.name = clip_name(m, res, wide * m.vae_factor, frames, clip)
     return wl
+
+
+def clip_name(m: ImageModel, high_px: int, wide_px: int, frames: int, clip: Clip) -> str:
+    """A video model's workload name: the built-in's where the clip is its default, else with the clip's sides
+    (width by height) and frames where they differ (``dit-hunyuan-video 480x320px 17 frames``)."""
+    name = m.arch if high_px == m.resolution and wide_px == clip.width else f"{m.arch} {wide_px}x{high_px}px"
+    return name if frames == clip.frames else f"{name} {frames} frames"
 
 
 def template(config: dict) -> ImageModel:
