@@ -36,6 +36,7 @@ from memfit.errors import UserError
 from memfit.workload import Workload
 from memfit.workloads.diffusion import (
     ImageModel,
+    alphas_cumprod,
     config_of,
     flow_matching,
     given_width,
@@ -67,10 +68,6 @@ AURAFLOW = ImageModel(
     {"pos_embed_max_size": 9216}, 1024, 256,
     "AuraFlow v0.3 DiT, 6.8B (diffusers AuraFlowTransformer2DModel; flow matching, 1024px)",
     native_from_config=False)
-
-DDPM_ALPHAS = (0.9991, 0.0047)
-"""First and last ``alphas_cumprod`` of the scaled-linear DDPM schedule PixArt trains on (SD's)."""
-
 
 def _sides(m: ImageModel, overrides: dict, seq_len: int | None, resolution: int | None, patch_key: str):
     no_seq_len(m.arch, seq_len)
@@ -121,7 +118,7 @@ def pixart_sigma(overrides: dict, seq_len: int | None, resolution: int | None, m
     def batch(b: int) -> dict:
         latents, noise = torch.randn(b, channels, sides.high, sides.wide), torch.randn(b, channels, sides.high, sides.wide)
         t = torch.randint(0, steps, (b,))
-        alpha = torch.linspace(*DDPM_ALPHAS, steps)[t].view(-1, 1, 1, 1)
+        alpha = alphas_cumprod(t, steps).view(-1, 1, 1, 1)
         out = {"hidden_states": alpha.sqrt() * latents + (1 - alpha).sqrt() * noise, "timestep": t,
                "encoder_hidden_states": torch.randn(b, m.caption_tokens, text),
                "encoder_attention_mask": torch.ones(b, m.caption_tokens, dtype=torch.long), "target": noise}

@@ -28,6 +28,7 @@ from memfit.errors import UserError
 from memfit.workload import Workload
 from memfit.workloads.diffusion import (
     ImageModel,
+    alphas_cumprod,
     config_of,
     image_info,
     image_workload,
@@ -50,8 +51,6 @@ COGVIDEOX_2B = ImageModel(
     "CogVideoX-2B video DiT, 1.7B (diffusers CogVideoXTransformer3DModel; v-prediction, 49 frames at 720x480)")
 FRAMES, WIDTH = 49, 720
 """The clip CogVideoX was trained on and its LoRA script defaults to (``--max_num_frames``, ``--width``)."""
-ALPHAS = (0.9991, 0.0047)
-"""First and last ``alphas_cumprod`` of the DDPM schedule the loss weights by (values: no memory)."""
 
 
 def cogvideox(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = COGVIDEOX) -> Workload:
@@ -72,7 +71,7 @@ def cogvideox(overrides: dict, seq_len: int | None, resolution: int | None, m: I
     def batch(b: int) -> dict:
         shape = (b, depth, channels, high, wide)
         latents, noise, t = torch.randn(shape), torch.randn(shape), torch.randint(0, 1000, (b,))
-        alpha = torch.linspace(*ALPHAS, 1000)[t]
+        alpha = alphas_cumprod(t)
         a = alpha.view(-1, 1, 1, 1, 1)
         return {"hidden_states": a.sqrt() * latents + (1 - a).sqrt() * noise, "timestep": t,
                 "encoder_hidden_states": torch.randn(b, caption, kw["text_embed_dim"]), "alpha": alpha,

@@ -260,6 +260,12 @@ def flow_matching(latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, d
     return (1 - s) * latents + s * noise, noise - latents  # SD3: t = 1 is pure noise
 
 
+def alphas_cumprod(t: torch.Tensor, steps: int = 1000) -> torch.Tensor:
+    """``alphas_cumprod`` at timesteps ``t`` of the DDPM schedule epsilon and v-prediction models train on (SD's
+    scaled-linear one, spanned from its first to its last value; the values cost no memory, their shape does)."""
+    return torch.linspace(0.9991, 0.0047, steps)[t]
+
+
 def _mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(pred.float(), target.float())
 
@@ -366,7 +372,7 @@ def unet_builder(m: ImageModel):
         def batch(b: int) -> dict:
             latents, noise = torch.randn(b, channels, high, wide), torch.randn(b, channels, high, wide)
             t = torch.randint(0, 1000, (b,))
-            alpha = torch.linspace(0.9991, 0.0047, 1000)[t].view(-1, 1, 1, 1)  # SD's scaled-linear alphas_cumprod
+            alpha = alphas_cumprod(t).view(-1, 1, 1, 1)
             out = {"sample": alpha.sqrt() * latents + (1 - alpha).sqrt() * noise, "timestep": t, "target": noise}
             if encoders:  # (the captions' tokens: the encoders run in the step)
                 out["ids"] = te.token_ids(b, len(encoders))

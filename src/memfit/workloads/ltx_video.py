@@ -20,7 +20,6 @@ import torch
 
 from memfit.errors import UserError
 from memfit.workload import Workload
-from memfit.workloads.checks import check_value
 from memfit.workloads.diffusion import (
     ImageModel,
     config_of,
@@ -31,7 +30,7 @@ from memfit.workloads.diffusion import (
     model_builder,
     no_seq_len,
 )
-from memfit.workloads.video_dits import Clip, clip_name
+from memfit.workloads.video_dits import Clip, clip_name, latent_frames
 
 LTX_VIDEO = ImageModel(
     "dit-ltx-video", "LTXVideoTransformer3DModel",
@@ -47,12 +46,8 @@ def ltx_video(overrides: dict, seq_len: int | None, resolution: int | None, m: I
     """LTX-Video's LoRA step on cached latents and T5 caption states (module docstring); loaded as a checkpoint is."""
     no_seq_len(m.arch, seq_len)
     overrides = dict(overrides)
-    frames = check_value(m.arch, "frames", overrides.pop("frames", FRAMES), (int,), example=FRAMES)
-    if frames < 1 or (frames - 1) % TIME_FACTOR:
-        lower = max(1, (frames - 1) // TIME_FACTOR * TIME_FACTOR + 1)
-        raise UserError(f"{m.arch}: frames={frames} is not 8k + 1 (the VAE keeps the first frame, then groups of "
-                        f"{TIME_FACTOR}); use frames={lower} or frames={lower + TIME_FACTOR}")
-    depth = (frames - 1) // TIME_FACTOR + 1
+    frames = overrides.pop("frames", FRAMES)
+    depth = latent_frames(m.arch, frames, per=TIME_FACTOR, example=FRAMES)
     width = overrides.pop("width", WIDTH)
     cls, kw = config_of(m, overrides)
     if kw["patch_size"] != 1 or kw["patch_size_t"] != 1:

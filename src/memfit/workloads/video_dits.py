@@ -115,13 +115,15 @@ TIME_FACTOR = 4
 """Frames per latent frame after the first (Wan's VAE: the first frame alone, then groups of 4)."""
 
 
-def latent_frames(arch: str, frames) -> int:
-    frames = check_value(arch, "frames", frames, (int,), example=FRAMES)
-    if frames < 1 or (frames - 1) % TIME_FACTOR:
-        lower = max(1, (frames - 1) // TIME_FACTOR * TIME_FACTOR + 1)
-        raise UserError(f"{arch}: frames={frames} is not 4k + 1 (the VAE keeps the first frame, then groups of "
-                        f"{TIME_FACTOR}); use frames={lower} or frames={lower + TIME_FACTOR}")
-    return (frames - 1) // TIME_FACTOR + 1
+def latent_frames(arch: str, frames, per: int = TIME_FACTOR, example: int = FRAMES) -> int:
+    """Latent frames of a clip of ``frames`` through a VAE that keeps the first frame alone and then groups of
+    ``per`` (Wan's and CogVideoX's 4, LTX-Video's 8); one line where ``frames`` is not ``per * k + 1``."""
+    frames = check_value(arch, "frames", frames, (int,), example=example)
+    if frames < 1 or (frames - 1) % per:
+        lower = max(1, (frames - 1) // per * per + 1)
+        raise UserError(f"{arch}: frames={frames} is not {per}k + 1 (the VAE keeps the first frame, then groups of "
+                        f"{per}); use frames={lower} or frames={lower + per}")
+    return (frames - 1) // per + 1
 
 
 def wan(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = WAN) -> Workload:
