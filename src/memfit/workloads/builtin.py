@@ -22,6 +22,7 @@ from memfit.workloads import (
     diffusion,
     hf,
     hub,
+    ltx2,
     ltx_video,
     packed_dits,
     video_dits,
@@ -39,7 +40,8 @@ from memfit.workloads.checks import (
 from memfit.workloads.config_overrides import parse_overrides
 
 IMAGE_BUILDERS = {**diffusion.BUILDERS, **packed_dits.BUILDERS, **video_dits.BUILDERS, **zimage.BUILDERS,
-                  **caption_dits.BUILDERS, **cogvideo.BUILDERS, **ltx_video.BUILDERS}
+                  **caption_dits.BUILDERS, **cogvideo.BUILDERS, **ltx_video.BUILDERS,
+                  **ltx2.BUILDERS}
 """The built-ins that take ``--resolution`` (the image and video diffusion models)."""
 
 _REGISTRY: dict[str, tuple[Callable[..., Workload], str]] = {
@@ -134,6 +136,7 @@ FAMILIES = {
     "qwenimage": "dit-qwenimage", "qwen-image": "dit-qwenimage", "chroma": "dit-chroma", "hunyuan": "dit-hunyuan-video",
     "sana": "dit-sana", "pixart": "dit-pixart-sigma", "pixart-sigma": "dit-pixart-sigma", "auraflow": "dit-auraflow",
     "cogvideox": "dit-cogvideox", "cogvideo": "dit-cogvideox", "ltx": "dit-ltx-video", "ltx-video": "dit-ltx-video",
+    "ltx2": "dit-ltx2", "ltx-2": "dit-ltx2",
     "llama3": "meta-llama/Meta-Llama-3-8B", "llama-3": "meta-llama/Meta-Llama-3-8B",
     "llama3.1": "meta-llama/Llama-3.1-8B", "mistral": "mistralai/Mistral-7B-v0.3",
     "mixtral": "mistralai/Mixtral-8x7B-v0.1", "qwen": "Qwen/Qwen2.5-7B-Instruct", "qwen2": "Qwen/Qwen2.5-7B-Instruct",

@@ -36,7 +36,9 @@ the built-in's (the same objective, caption tokens and conditioning), at the con
 - ``AuraFlowTransformer2DModel`` (AuraFlow v0.1-v0.3): ``dit-auraflow``'s, at 1024 px (its config's
   ``sample_size`` is not its pipeline's size);
 - ``CogVideoXTransformer3DModel`` (CogVideoX-2B and 5B; not 1.5's frame patches): ``dit-cogvideox``'s clip;
-- ``LTXVideoTransformer3DModel`` (LTX-Video 0.9 to 0.9.7): ``dit-ltx-video``'s clip.
+- ``LTXVideoTransformer3DModel`` (LTX-Video 0.9 to 0.9.7): ``dit-ltx-video``'s clip;
+- ``LTX2VideoTransformer3DModel`` (LTX-2, LTX-2.3): ``dit-ltx2``'s clip and audio, with the pipeline's own
+  ``connectors/config.json`` where it has one.
 
 Any other class is refused in one line. It loads as ``from_pretrained`` loads it (each weight made on
 the device in its final form: memfit.techniques.loading).
@@ -51,7 +53,16 @@ from pathlib import Path
 
 from memfit.errors import UserError, brief
 from memfit.workload import Workload
-from memfit.workloads import caption_dits, cogvideo, diffusion, ltx_video, packed_dits, video_dits, zimage
+from memfit.workloads import (
+    caption_dits,
+    cogvideo,
+    diffusion,
+    ltx2,
+    ltx_video,
+    packed_dits,
+    video_dits,
+    zimage,
+)
 
 DENOISERS = ("transformer", "unet")
 """The components of a diffusers pipeline that hold its denoiser, in the order they are looked for."""
@@ -69,7 +80,8 @@ _BY_CLASS = {"FluxTransformer2DModel": (packed_dits.FLUX, packed_dits.flux),
              "PixArtTransformer2DModel": (caption_dits.PIXART_SIGMA, caption_dits.pixart_sigma),
              "AuraFlowTransformer2DModel": (caption_dits.AURAFLOW, caption_dits.auraflow),
              "CogVideoXTransformer3DModel": (cogvideo.COGVIDEOX, cogvideo.cogvideox),
-             "LTXVideoTransformer3DModel": (ltx_video.LTX_VIDEO, ltx_video.ltx_video)}
+             "LTXVideoTransformer3DModel": (ltx_video.LTX_VIDEO, ltx_video.ltx_video),
+             "LTX2VideoTransformer3DModel": (ltx2.LTX2, ltx2.ltx2)}
 CLASSES = ("UNet2DConditionModel", *_BY_CLASS)
 
 
@@ -130,6 +142,7 @@ EXPERT_KEYS = ("experts", "switch", "low_vram")
 """Wan 2.2 A14B's two experts in one step, as ai-toolkit trains them (memfit.workloads.wan_experts)."""
 OWN_KEYS = {"WanTransformer3DModel": CLIP_KEYS + EXPERT_KEYS, "HunyuanVideoTransformer3DModel": CLIP_KEYS,
             "CogVideoXTransformer3DModel": CLIP_KEYS, "LTXVideoTransformer3DModel": CLIP_KEYS,
+            "LTX2VideoTransformer3DModel": (*CLIP_KEYS, "connectors"),
             "ZImageTransformer2DModel": ("caption_tokens", "width", "text_encoders", "text_layers")}
 """The size overrides of the classes that take others than SIZE_KEYS (Z-Image's longest caption and its Qwen3)."""
 
@@ -172,6 +185,8 @@ def diffusers_workload(data: dict, name: str, where: str, seq_len: int | None, r
         from memfit.workloads.text_encoders import pipeline_configs
         index = read_model_index(pipeline / "model_index.json", where)
         template = dataclasses.replace(template, text_configs=pipeline_configs(pipeline, index, where))
+    if class_name == "LTX2VideoTransformer3DModel" and pipeline is not None:
+        template = dataclasses.replace(template, text_configs=ltx2.pipeline_connectors(pipeline, where))
     if class_name == "UNet2DConditionModel":
         return diffusion.unet_builder(template)(dict(clip or {}), seq_len, resolution)
     return _BY_CLASS[class_name][1](dict(clip or {}), seq_len, resolution, m=template)

@@ -35,7 +35,7 @@ def load_workload(spec: str | Workload, *, seq_len: int | None = None,
     sizes = {"seq_len": seq_len, "resolution": resolution, "load": load_workload}
     if spec[:3].lower() == "hf:":
         name, overrides = split_overrides(spec[3:].strip())
-        if not Path(name).expanduser().exists() and is_hub_id(name, bare_names=True):
+        if not _is(Path(name).expanduser(), "exists") and is_hub_id(name, bare_names=True):
             return hub_workload(name, **sizes, overrides=overrides)
         return folder_workload(name, **sizes, overrides=overrides)
     head = spec.split(":", 1)[0]
@@ -74,7 +74,7 @@ def _names_a_module(spec: str, head: str) -> bool:
     a dotted name of identifiers (one dot at least, so no built-in's name) that is no existing path."""
     _, _, name = spec.partition(":")
     return ("." in head and all(part.isidentifier() for part in head.split("."))
-            and (not name or name.isidentifier()) and not Path(head).exists())
+            and (not name or name.isidentifier()) and not _is(Path(head), "exists"))
 
 
 def _load_module_workload(spec: str) -> Workload:
@@ -97,16 +97,25 @@ def _load_module_workload(spec: str) -> Workload:
     return _workload_from(module, name, module_name, f"{module_name}:{name}")
 
 
+def _is(path: Path, test: str) -> bool:
+    """``path.exists()`` or ``path.is_dir()``, False where the name cannot be a path (a built-in's long overrides:
+    a name over 255 bytes makes ``stat`` fail with ENAMETOOLONG, which pathlib passes on)."""
+    try:
+        return getattr(path, test)()
+    except OSError:
+        return False
+
+
 def _names_a_folder(spec: str, head: str) -> bool:
     """A model folder: an existing folder or config.json; or a path (it has a slash) that does not
     exist and is neither a ``file:NAME`` spec nor a hub id by form (then "not found" says what a
     folder needs). A bare word that is also a built-in's name stays the built-in."""
     path = Path(spec).expanduser()
-    if path.is_dir():
+    if _is(path, "is_dir"):
         return "/" in spec or head.lower() not in builtin_names()
     if path.name == "config.json":
         return True
-    return (not path.exists() and ("/" in spec or spec.startswith("~")) and ":" not in spec
+    return (not _is(path, "exists") and ("/" in spec or spec.startswith("~")) and ":" not in spec
             and not is_hub_id(spec))
 
 
