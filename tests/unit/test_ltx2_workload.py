@@ -99,3 +99,17 @@ def test_a_long_built_in_spec_is_not_taken_for_a_path():
     raised ENAMETOOLONG as an internal error."""
     assert len(TINY) > 255
     assert load_workload(TINY, resolution=64).info.config["model_class"] == "LTX2VideoTransformer3DModel"
+
+
+def test_fp8_base_weights_quantize_the_dit_and_leave_the_connectors_in_bf16():
+    """As ltx-trainer's low-VRAM recipe quantizes the transformer it loads, and loads the connectors (its
+    embeddings processor) apart: the DiT's linears are stored in 8 bits, the connectors' stay ``nn.Linear``."""
+    from memfit.step import build_step
+    wl = load_workload(TINY, resolution=64)
+    step = build_step(wl, Plan.from_dict({"adapter": "lora:r=4", "base_weights": "fp8", "precision": "bf16-pure"}))
+    model = step.model
+    plain = {n for n, m in model.named_modules() if type(m) is torch.nn.Linear and "lora_" not in n}
+    connectors = {f"connectors.{n}" for n, m in model.connectors.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert connectors and plain == connectors
+    dit = [m for n, m in model.named_modules() if n.startswith("denoiser.") and n.endswith("attn1.to_q.base_layer")]
+    assert dit and all(m.weight.dtype == torch.float8_e4m3fn for m in dit), {m.weight.dtype for m in dit}

@@ -282,7 +282,9 @@ def _replace_linears(model: torch.nn.Module, config: BaseWeights, text: str) -> 
     config.require()
     head = _output_layer(model)
     adapted = _has_peft_adapter(model)
-    kept = _kept_in_their_dtype(model) if config.bitsandbytes else set()
+    # and the children a workload's model says its trainers leave unquantized (``unquantized``: LTX-2's connectors)
+    kept = (_kept_in_their_dtype(model) if config.bitsandbytes else set()) | {
+        id(sub) for name in getattr(model, "unquantized", ()) for sub in model.get_submodule(name).modules()}
     targets = [(name, m) for name, m in model.named_modules()
                if _is_linear(m) and m is not head and not (adapted and m.weight.requires_grad) and id(m) not in kept]
     if not targets:

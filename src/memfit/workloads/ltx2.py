@@ -104,6 +104,9 @@ class LTX2WithConnectors(torch.nn.Module):
 
     converted_whole = ("connectors",)
     """A 16-bit precision casts the connectors whole, as the trainers load them in the weights' dtype."""
+    unquantized = ("connectors",)
+    """``base_weights`` quantizes the DiT alone: ltx-trainer's ``quantize_model`` takes the transformer, and its
+    embeddings processor (the connectors) loads apart, in bf16."""
 
     def __init__(self, connectors: torch.nn.Module, denoiser: torch.nn.Module):
         super().__init__()
