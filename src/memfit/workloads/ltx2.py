@@ -124,8 +124,9 @@ class LTX2WithConnectors(torch.nn.Module):
         return [f"connectors.{n}" for n, m in self.connectors.named_modules() if isinstance(m, torch.nn.Linear)]
 
     def forward(self, text_states: torch.Tensor, text_mask: torch.Tensor, **inputs):
-        with torch.no_grad():
-            video, audio, mask = self.connectors(text_states, text_mask)
+        with torch.no_grad():  # (the cache's bf16 states, in the connectors' dtype as the trainers move them)
+            dtype = next(self.connectors.parameters()).dtype
+            video, audio, mask = self.connectors(text_states.to(dtype), text_mask)
         return self.denoiser(encoder_hidden_states=video, audio_encoder_hidden_states=audio,
                              encoder_attention_mask=mask, audio_encoder_attention_mask=mask, **inputs)
 
@@ -168,7 +169,7 @@ def ltx2(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageM
         audio = torch.zeros(b, audio_tokens, kw["audio_in_channels"])
         noisy, target = flow_matching(video, noise, t, data_at_one=False)
         audio_noisy, audio_target = flow_matching(audio, torch.randn_like(audio), t, data_at_one=False)
-        text = ({"text_states": torch.randn(b, m.caption_tokens, features),
+        text = ({"text_states": torch.randn(b, m.caption_tokens, features, dtype=torch.bfloat16),  # (as cached)
                  "text_mask": torch.ones(b, m.caption_tokens, dtype=torch.long)} if mode == "frozen" else
                 {"encoder_hidden_states": torch.randn(b, m.caption_tokens, widths[0]),
                  "audio_encoder_hidden_states": torch.randn(b, m.caption_tokens, widths[1]),
