@@ -37,7 +37,9 @@ def test_released_size_and_the_batch_of_ltx_trainers_bucket():
     text = sum(p.numel() for p in model.connectors.parameters())
     assert abs(dit - 18.88e9) / 18.88e9 < 0.01 and abs(text - 1.43e9) / 1.43e9 < 0.01, (dit, text)
     assert not any(p.requires_grad for p in model.connectors.parameters())
-    batch = wl.batch(2)
+    with torch.device("meta"):  # (its shapes: the states alone are 770 MB at batch 2)
+        batch = wl.batch(2)
+    assert batch["text_states"].dtype == torch.bfloat16  # (as the trainers cache them)
     assert batch["hidden_states"].shape == (2, 7 * 17 * 30, 128) and batch["audio_hidden_states"].shape == (2, 49, 128)
     assert batch["text_states"].shape == (2, 1024, 3840 * 49) and batch["text_mask"].shape == (2, 1024)
     assert wl.info.resolution == 544 and wl.info.config["width"] == 960
@@ -90,6 +92,7 @@ def test_a_pipelines_hub_id_builds_ltx2_with_its_own_connectors(hub_cache, no_ne
     with torch.device("meta"):
         model = wl.model()
     assert len(model.connectors.video_connector.transformer_blocks) == 3
+    assert wl.info.sample.endswith("connectors frozen, its pipeline's")
     r = profile("Lightricks/toy-ltx2:frames=9,width=128", Plan(), batch_size=1, resolution=64, repeats=0)
     assert r.predicted.method == "fake" and abs(r.error_percent) < 1.0, r.error_percent
 

@@ -29,6 +29,7 @@ per-modality projections) is built from its own ``transformer/`` and ``connector
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 from pathlib import Path
@@ -196,6 +197,11 @@ def ltx2(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageM
                                    "audio_num_attention_heads", "audio_attention_head_dim", "caption_channels"), 1)
     info.config.update(frames=frames, latent_frames=depth, width=wide * m.vae_factor, tokens=tokens,
                        audio_tokens=audio_tokens, connectors=mode, fixed_width=True)
+    origin = ("its pipeline's" if m.text_configs else "LTX-2's (the pipeline's connectors/config.json is not in the cache)"
+              if m.arch != LTX2.arch else "LTX-2's")
+    said = (f"{frames} frames at {wide * m.vae_factor}x{res} ({tokens:,} video tokens), {audio_tokens} zero audio latents, "
+            f"{m.caption_tokens:,} cached text tokens; connectors {mode}" + (f", {origin}" if mode == "frozen" else ""))
+    info = dataclasses.replace(info, sample=said)
     wl = image_workload(m, build, batch, loss, res, info)
     wl.name = clip_name(m, res, wide * m.vae_factor, frames, Clip(frames=FRAMES, width=WIDTH))
     if mode == "cached":
