@@ -14,7 +14,8 @@ TINY = ("dit-ltx2:num_layers=2,num_attention_heads=2,attention_head_dim=16,cross
         "audio_num_attention_heads=2,audio_attention_head_dim=8,audio_cross_attention_dim=16,in_channels=16,"
         "out_channels=16,audio_in_channels=16,audio_out_channels=16,frames=9,width=128")
 CASES = [("frozen", "bf16", "blocks"), ("frozen", "fp32", "none"), ("cached", "bf16", "blocks")]
-SLOW = {("frozen", "fp32", "none")}  # (bf16 + blocks, what its LoRA users run, stays in the default suite)
+SLOW = {("frozen", "fp32", "none"), ("cached", "bf16", "blocks")}  # (the suite under 10 minutes: bf16 + blocks with
+# the connectors in the step, what its LoRA users run, stays; the hub id's test traces a DiT with its own connectors)
 
 
 @pytest.mark.parametrize("connectors,precision,ckpt", [pytest.param(*c, marks=pytest.mark.slow) if c in SLOW else c
