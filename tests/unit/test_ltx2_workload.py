@@ -98,6 +98,22 @@ def test_a_pipelines_hub_id_builds_ltx2_with_its_own_connectors(hub_cache, no_ne
     assert r.predicted.method == "fake" and abs(r.error_percent) < 1.0, r.error_percent
 
 
+def test_an_ltx23_dit_without_its_connectors_config_gets_connectors_that_feed_it_and_says_so(hub_cache, no_network):
+    """A cache holding the DiT's config alone (LTX-2.3's: no caption projection) gets LTX-2's connectors with
+    per-modality projections to the DiT's two widths, so its step runs; the sample line says whose they are."""
+    dit = {"_class_name": "LTX2VideoTransformer3DModel", "num_layers": 1, "num_attention_heads": 2,
+           "attention_head_dim": 16, "cross_attention_dim": 32, "caption_channels": 32, "audio_num_attention_heads": 2,
+           "audio_attention_head_dim": 8, "audio_cross_attention_dim": 16, "in_channels": 16, "out_channels": 16,
+           "audio_in_channels": 16, "audio_out_channels": 16, "use_prompt_embeddings": False, "cross_attn_mod": True}
+    files = {"model_index.json": {"_class_name": "LTX2Pipeline", "transformer": ["diffusers", dit["_class_name"]]},
+             "transformer/config.json": dit}
+    hub_cache("Lightricks/toy-ltx23", None, files=files)
+    wl = load_workload("Lightricks/toy-ltx23:frames=9,width=64", resolution=64)
+    assert "connectors/config.json is not in the cache" in wl.info.sample
+    loss = wl.loss(wl.model(), wl.batch(1))
+    assert loss.isfinite()
+
+
 def test_a_long_built_in_spec_is_not_taken_for_a_path():
     """A built-in with overrides longer than a file name may be (255 bytes) loads; before, ``stat`` of it as a path
     raised ENAMETOOLONG as an internal error."""

@@ -86,15 +86,21 @@ def pipeline_connectors(pipeline: Path, where: str) -> tuple:
 
 def connector_config(kw: dict, given: tuple) -> dict:
     """The connectors' config: a pipeline folder's own ``connectors/config.json`` (``given``), else LTX-2's, sized to
-    the DiT's caption width where overrides shrank it (heads of 128, or two where the width is not a multiple)."""
+    the DiT's caption width where overrides shrank it (heads of 128, or two where the width is not a multiple), with
+    LTX-2.3's per-modality projections where the DiT has no caption projection of its own to feed."""
     if given:
         return dict(given[0])
     config = dict(CONNECTORS)
-    width = kw["caption_channels"]
-    if width != 3840:
-        heads = width // 128 if width % 128 == 0 else 2
-        for stream in ("video", "audio"):
-            config.update({"caption_channels": width, f"{stream}_connector_num_attention_heads": heads,
+    widths = {"video": kw["caption_channels"], "audio": kw["caption_channels"]}
+    if not kw.get("use_prompt_embeddings", True):  # (each stream's connector works at its stream's width)
+        widths = {"video": kw["num_attention_heads"] * kw["attention_head_dim"],
+                  "audio": kw["audio_num_attention_heads"] * kw["audio_attention_head_dim"]}
+        config.update(per_modality_projections=True, video_hidden_dim=widths["video"], audio_hidden_dim=widths["audio"])
+    config["caption_channels"] = kw["caption_channels"]
+    for stream, width in widths.items():
+        if width != 3840:
+            heads = width // 128 if width % 128 == 0 else 2
+            config.update({f"{stream}_connector_num_attention_heads": heads,
                            f"{stream}_connector_attention_head_dim": width // heads})
     return config
 
