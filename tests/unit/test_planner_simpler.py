@@ -172,3 +172,15 @@ def test_without_a_line_a_dropped_host_technique_is_tried_before_fewer_blocks_sw
                      (_swapped(28), 1.001))
     walk = _Walk(fits=lambda p: True)
     assert settle_simpler(walk, ranked, ranked[0]).plan == _swapped(28) and walk.settled == [_swapped(28)]
+
+
+def test_a_plan_left_untraced_faster_than_the_chosen_is_not_called_slower():
+    """LTX-2's 24 GB plan: the simpler-plan rule chose 48 blocks swapped (7,497.2 ms) and left 16 swapped, predicted
+    7,492.6 ms, untraced; it was listed as "slower: 1.00x the chosen plan's time". Now it is "untried", with the
+    share that says it is faster, and shown; a slower plan is still slower."""
+    from memfit.planner.search import label_the_rest
+    chosen, faster, slower = (Candidate(_swapped(n), s) for n, s in ((48, 7.4972), (16, 7.4926), (8, 7.6)))
+    label_the_rest([faster, chosen, slower], chosen, is_estimate=lambda p: p.swap_blocks == 16)
+    assert faster.status is Status.UNTRIED and faster.reason == "predicted 0.9994x the chosen plan's time (estimated), not traced"
+    assert slower.status is Status.SLOWER and slower.reason == "1.01x the chosen plan's time"
+    assert chosen.open

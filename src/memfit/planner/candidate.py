@@ -29,6 +29,9 @@ class Status(enum.StrEnum):
     PRUNED = "pruned"
     """Saves no more memory than a plan that did not fit (not traced)."""
     SLOWER = "slower"
+    UNTRIED = "untried"
+    """Predicted faster than the chosen plan and not traced: the search chose a plan asking less of the host within
+    1% of it (NOTE [ A technique pays for itself ] in memfit.planner.simpler), or stopped at its trace limit."""
     NOT_WORTH = "not worth it"
     """Fits and is predicted faster than the chosen plan by less than its extra techniques must pay
     (NOTE [ A technique pays for itself ] in memfit.planner.simpler)."""
@@ -158,6 +161,9 @@ class Candidate:
 
     def outrun(self, reason: str) -> None:
         self.status, self.reason = Status.SLOWER, reason
+
+    def leave_untried(self, reason: str) -> None:
+        self.status, self.reason = Status.UNTRIED, reason
 
     def choose(self, reason: str | None = None) -> None:
         self.status = Status.CHOSEN

@@ -382,10 +382,7 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
     ranked.sort(key=lambda c: c.seconds)
     expanded_note = with_expandable(chosen, book)
     if chosen is not None:
-        for c in ranked:
-            if c.open and c is not chosen:
-                c.outrun(f"{c.seconds / chosen.seconds:.2f}x the chosen plan's time"
-                         + (" (estimated)" if model.is_estimate(c.plan) else ""))
+        label_the_rest(ranked, chosen, model.is_estimate)
         chosen.choose(_why_chosen(chosen, ranked, bs))
     result = PlanResult(workload=wl.name, device=dev.name, batch_size=bs, budget_bytes=budget_bytes,
                         time_model=model.describe(), chosen=chosen, candidates=ranked, traces=walk.traces,
@@ -414,6 +411,18 @@ def _search(t0: float, target: Target, budget_obj: Budget, space, plans: list[Pl
                 c.note(c.reason or "nothing fits: a plan saving at least as much did not fit")
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def label_the_rest(ranked: list[Candidate], chosen: Candidate, is_estimate) -> None:
+    """The plans left open once ``chosen`` is: slower ones as such; one predicted faster was not traced (the
+    search chose a lighter plan within 1%, or its trace limit came first), so it is not called slower."""
+    for c in ranked:
+        if c.open and c is not chosen:
+            share, said = c.seconds / chosen.seconds, " (estimated)" if is_estimate(c.plan) else ""
+            if share < 1:
+                c.leave_untried(f"predicted {share:.4f}x the chosen plan's time{said}, not traced")
+            else:
+                c.outrun(f"{share:.2f}x the chosen plan's time{said}")
 
 
 def _why_chosen(chosen: Candidate, ranked: list[Candidate], bs: int) -> str:

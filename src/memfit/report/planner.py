@@ -62,7 +62,8 @@ def print_plan_result(result, console: Console | None = None, top: int = 12) -> 
     t = Table(title="alternatives, fastest first", show_edge=False, pad_edge=False, box=None)
     kept = [x for x in result.candidates if x.status in ("chosen", "not worth it")]  # (always shown)
     big = [x for x in result.candidates if x.status == "too big"][:max(0, top - len(kept))]
-    listed = {id(x) for x in kept + big}
+    untried = [x for x in result.candidates if x.status == "untried"][:3]  # (faster, not traced: NOTE in memfit.planner.simpler)
+    listed = {id(x) for x in kept + big + untried}
     shown = [x for x in result.candidates if id(x) in listed]
     shown += [x for x in result.candidates if x.status == "slower"][:max(3, top - len(shown))]
     compiles = any(x.compile_seconds for x in shown)
