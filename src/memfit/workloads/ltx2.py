@@ -48,6 +48,7 @@ from memfit.workloads.diffusion import (
     model_builder,
     no_seq_len,
 )
+from memfit.workloads.ltx_video import one_token_a_latent
 from memfit.workloads.video_dits import Clip, clip_name, latent_frames
 
 LTX2 = ImageModel(
@@ -80,6 +81,9 @@ def pipeline_connectors(pipeline: Path, where: str) -> tuple:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{where}: connectors/config.json cannot be read ({brief(e, 120)}); download it again") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{where}: connectors/config.json holds a {type(data).__name__}, not a JSON object; download it "
+                        "again")
     params = inspect.signature(connectors_class().__init__).parameters
     return ({k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in params and k != "self"},)
 
@@ -156,9 +160,7 @@ def ltx2(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageM
     width = overrides.pop("width", WIDTH)
     mode = _mode(m.arch, overrides)
     cls, kw = config_of(m, overrides)
-    if kw["patch_size"] != 1 or kw["patch_size_t"] != 1:
-        raise UserError(f"{m.arch}: patch_size {kw['patch_size']} and patch_size_t {kw['patch_size_t']}: the trainers "
-                        "pack one latent a token (1 and 1); change the overrides")
+    one_token_a_latent(m, kw)
     high, wide, _ = latent_sides(m, resolution, width, 1, "patch size")
     tokens = depth * high * wide
     seconds = frames / FRAME_RATE

@@ -42,6 +42,13 @@ FRAMES, WIDTH, TIME_FACTOR, FRAME_RATE = 49, 768, 8, 25
 """finetrainers' LTX bucket (49 x 512 x 768), the VAE's frames a latent frame after the first, the pipeline's fps."""
 
 
+def one_token_a_latent(m: ImageModel, kw: dict) -> None:
+    """LTX's pipelines (LTX-Video's and LTX-2's) pack one latent a token: 1x1x1 patches, else one line."""
+    if kw["patch_size"] != 1 or kw["patch_size_t"] != 1:
+        raise UserError(f"{m.arch}: patch_size {kw['patch_size']} and patch_size_t {kw['patch_size_t']}: the pipeline "
+                        "packs one latent a token (1 and 1); change the overrides")
+
+
 def ltx_video(overrides: dict, seq_len: int | None, resolution: int | None, m: ImageModel = LTX_VIDEO) -> Workload:
     """LTX-Video's LoRA step on cached latents and T5 caption states (module docstring); loaded as a checkpoint is."""
     no_seq_len(m.arch, seq_len)
@@ -50,9 +57,7 @@ def ltx_video(overrides: dict, seq_len: int | None, resolution: int | None, m: I
     depth = latent_frames(m.arch, frames, per=TIME_FACTOR, example=FRAMES)
     width = overrides.pop("width", WIDTH)
     cls, kw = config_of(m, overrides)
-    if kw["patch_size"] != 1 or kw["patch_size_t"] != 1:
-        raise UserError(f"{m.arch}: patch_size {kw['patch_size']} and patch_size_t {kw['patch_size_t']}: the pipeline "
-                        "packs one latent a token (1 and 1); change the overrides")
+    one_token_a_latent(m, kw)
     high, wide, _ = latent_sides(m, resolution, width, 1, "patch size")
     channels, tokens = kw["in_channels"], depth * high * wide
     scale = (TIME_FACTOR / FRAME_RATE, m.vae_factor, m.vae_factor)
