@@ -110,6 +110,11 @@ class RealValues:
             if _valued(o) and isinstance(r, torch.Tensor) and r.shape == o.shape:
                 self._keep(o, r)
 
+    def give(self, fake: torch.Tensor, real: torch.Tensor) -> None:
+        """``real`` as ``fake``'s twin: values assumed by the caller (memfit.memory.routing's router choices)."""
+        if _valued(fake) and real.shape == fake.shape:
+            self._keep(fake, real)
+
     def _any_twinned(self, args) -> bool:
         """Whether an argument (or a tensor of a list argument: ``cat``'s) has a twin."""
         twins = self._twins
@@ -218,7 +223,7 @@ class RealValues:
 
 # NOTE [ A list read from a twin ]
 # ``FakeTensor.tolist`` reads each element with its own ``.item()``: an ``unbind``, then a scalar read per
-# element, each through every mode of the trace. Qwen2.5-VL's rope index reads each sample's token types
+# element, each through every mode of the trace (``.numpy()`` of a fake tensor fails: it has no data). Qwen2.5-VL's rope index reads each sample's token types
 # as a list (2,048 of them) at every forward: 31,000 scalar reads, 5 of a shallow trace's 11 s. A
 # tensor with a twin is read from its twin at once, after one scalar read through the modes, as a CUDA
 # tensor's ``tolist`` is one copy to the host and one wait (the time model's sync: not one per element).
@@ -228,7 +233,8 @@ _LISTED: list[RealValues] = []
 
 @contextlib.contextmanager
 def lists_from_twins(values: RealValues):
-    """While entered, ``tolist`` of a fake tensor that has a twin in ``values`` reads the twin (the NOTE above)."""
+    """While entered, ``tolist`` and ``numpy`` of a fake tensor that has a twin in ``values`` read the twin (the NOTE
+    above)."""
     from torch._subclasses.fake_tensor import FakeTensor
     if not _LISTED:
         original = FakeTensor.tolist
@@ -240,15 +246,24 @@ def lists_from_twins(values: RealValues):
             self[(0,) * self.dim()].item()  # (the one wait a real read makes)
             with _disable_current_modes():
                 return twin.tolist()
-        tolist.original = original
-        FakeTensor.tolist = tolist
+        def numpy(self, *, force: bool = False):  # (HiDream's experts count their tokens on the host: ``.numpy()``)
+            twin = next((t for t in (v.of(self) for v in reversed(_LISTED)) if t is not None), None)
+            if self.numel() == 0:
+                return numpy.original(self, force=force)
+            if twin is None:  # (torch's own reads whatever is at the fake storage's address: never a value)
+                raise RuntimeError("numpy() of a FakeTensor whose values a fake trace does not know")
+            self[(0,) * self.dim()].item()
+            with _disable_current_modes():
+                return twin.numpy().copy()
+        tolist.original, numpy.original = original, FakeTensor.numpy
+        FakeTensor.tolist, FakeTensor.numpy = tolist, numpy
     _LISTED.append(values)
     try:
         yield
     finally:
         _LISTED.remove(values)
         if not _LISTED:
-            FakeTensor.tolist = FakeTensor.tolist.original
+            FakeTensor.tolist, FakeTensor.numpy = FakeTensor.tolist.original, FakeTensor.numpy.original
 
 
 def _valued(out, constant: bool = False) -> bool:

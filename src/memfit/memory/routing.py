@@ -43,6 +43,14 @@ with an integer ``num_experts`` called as ``experts(hidden_states [T, H], top_k_
   checkpointed, the model's own routing 0.007% over balanced's): routing moves little when the
   experts run as one split and concatenation.
 
+- a DeepSeek-style gate (a module with integer ``n_routed_experts`` and ``top_k``, as HiDream-I1's ``MoEGate``,
+  copied from DeepSeek-V3's reference code): its ``topk`` over the [T, E] scores gets a real twin of its
+  indices, routed as ``ForcedRouting`` routes (NOTE [ Real values of small integer tensors ] in
+  memfit.real_values). Whatever the experts then do with them is answered from the twin: HiDream's training
+  loop indexes by ``flat_topk_idx == i`` (a boolean mask, in forward and again in backward), its inference
+  path (``force_inference_output``, what diffusers' LoRA script loads) sorts, counts with ``bincount`` and
+  reads the counts on the host with ``.numpy()``. A real run routed so measures the prediction.
+
 The loop's scalar reads of a hit expert's index are answered 0 (every expert has the same
 shapes) and its check for the padding slot False (never hit under either routing). Each routed
 call is listed as an approximation, and ``estimate`` traces the step a second time under
@@ -59,7 +67,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from memfit import rng_ops
 from memfit.device_queries import PRIM_DEVICE, FakeTensor
@@ -82,6 +90,8 @@ class _Layer:
     seen: int = 0
     gate: bool = False
     """A router that reads its experts' token counts (JetMoE's ``expert_size.tolist()``), not an experts loop."""
+    twinned: bool = False
+    """A DeepSeek-style gate whose ``topk`` indices get a twin (the module's NOTE)."""
     answered: list[int] = field(default_factory=list)
     """A router's counts, as answered to its reads."""
 
@@ -155,7 +165,9 @@ class RoutingMode(TorchDispatchMode):
             if not self._layers:
                 super().__enter__()  # the mode is on the stack during experts calls only
             self._layers.append((module, layer))
-            if id(module) not in self.answers.layers and not layer.gate:  # (a router: once it reads its counts)
+            if id(module) not in self.answers.layers and layer.twinned:  # (a gate: its experts are other modules)
+                self._seen(module, layer, None)
+            elif id(module) not in self.answers.layers and not layer.gate:  # (a router: once it reads its counts)
                 shapes = stored_shapes(module)
                 self._seen(module, layer, sum(_numel(p, shapes) for p in module.parameters()
                                               if p.dim() and _shape(p, shapes)[0] == layer.experts))
@@ -191,6 +203,11 @@ class RoutingMode(TorchDispatchMode):
         if func is PRIM_DEVICE and type(args[0]) is FakeTensor:  # (NOTE [ Device queries ] in memfit.device_queries)
             return args[0].device
         kwargs = kwargs or {}
+        if self._layers and self._layers[-1][1].twinned:
+            out = func(*args, **kwargs)
+            if func is aten.topk.default and args[0].dim() == 2 and args[0].shape[-1] == self._layers[-1][1].experts:
+                self._twin(out[1])
+            return out
         if self._layers and args and _is_fake(args[0]):
             if func is aten.nonzero.default:
                 rows = self._rows(args[0])
@@ -229,6 +246,18 @@ class RoutingMode(TorchDispatchMode):
         i = element.storage_offset()
         return layer.answered[i] if 0 <= i < layer.experts else 0
 
+    def _twin(self, index: torch.Tensor) -> None:
+        """A gate's chosen experts ``[T, k]``, routed by assumption: a twin the trace reads (the module's NOTE)."""
+        module, layer = self._layers[-1]
+        if self.tracker is None or not _is_fake(index):
+            return
+        tokens, k = index.shape
+        with _disable_current_modes():  # (real values, made outside the trace's modes)
+            real = routed_indices(self.routing, tokens, k, layer.experts, index.dtype)
+        self.tracker.give_values(index, real)
+        layer.hit = layer.hit_count(self.routing)
+        self._note(module, f"{layer.hit} of {layer.experts} experts hit, the top-{k} of {tokens} tokens' scores")
+
     def _note(self, module, what: str) -> None:
         self.answers.calls += 1
         name = type(module).__name__
@@ -243,10 +272,14 @@ _SCALAR_READS = {aten._local_scalar_dense.default, aten.is_nonzero.default}
 def _routing_of(module, args) -> _Layer | None:
     if isinstance(getattr(module, "base_layer", None), torch.nn.Module):  # a PEFT wrapper: its base layer is seen
         return None
+    routed, top_k = getattr(module, "n_routed_experts", None), getattr(module, "top_k", None)
+    if _whole(routed) and _whole(top_k) and 0 < top_k <= routed and args and isinstance(args[0], torch.Tensor) \
+            and args[0].dim() >= 2:  # a DeepSeek-style gate (HiDream's MoEGate): its topk gets a twin
+        return _Layer(tokens=args[0].numel() // max(args[0].shape[-1], 1), top_k=top_k, experts=routed, capacity=None,
+                      twinned=True)
     experts = getattr(module, "num_experts", None)
     if not isinstance(experts, int) or isinstance(experts, bool) or not args:
         return None
-    top_k = getattr(module, "top_k", None)
     if len(args) == 1 and isinstance(top_k, int) and not isinstance(top_k, bool) and 0 < top_k <= experts \
             and isinstance(args[0], torch.Tensor) and args[0].dim() == 2:  # a router over T tokens (JetMoE's gating)
         return _Layer(tokens=int(args[0].shape[0]), top_k=top_k, experts=experts, capacity=None, gate=True)
@@ -260,6 +293,21 @@ def _routing_of(module, args) -> _Layer | None:
                                                                    "expert_capacity", None)
     return _Layer(tokens=int(index.shape[0]), top_k=int(index.shape[1]), experts=experts,
                   capacity=capacity if isinstance(capacity, int) and capacity > 0 else None)
+
+
+def _whole(n) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool)
+
+
+def routed_indices(routing: str, tokens: int, k: int, experts: int, dtype=torch.long, device=None) -> torch.Tensor:
+    """The experts ``[tokens, k]`` a router picks under ``routing``: ``balanced``, pair i of the T*k to expert
+    i mod E; ``worst``, every token's first pick expert 0, its other k-1 picks spread over experts 1..E-1."""
+    if routing == BALANCED:
+        out = torch.arange(tokens * k, device=device).view(tokens, k) % experts
+    else:
+        rest = 1 + torch.arange(tokens * (k - 1), device=device).view(tokens, k - 1) % max(experts - 1, 1)
+        out = torch.cat([torch.zeros(tokens, 1, dtype=torch.long, device=device), rest], 1)
+    return out.to(dtype)
 
 
 def _numel(p: torch.Tensor, shapes: dict | None = None) -> int:
@@ -388,14 +436,7 @@ class ForcedRouting(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func is aten.topk.default and args[0].dim() == 2:
             _, idx = out
-            tokens, k = idx.shape
-            experts = args[0].shape[-1]
-            if self.routing == BALANCED:
-                forced = torch.arange(tokens * k, device=idx.device).view(tokens, k) % experts
-            else:
-                rest = 1 + torch.arange(tokens * (k - 1), device=idx.device).view(tokens, k - 1) % (experts - 1)
-                forced = torch.cat([torch.zeros(tokens, 1, dtype=idx.dtype, device=idx.device), rest], 1)
-            idx.copy_(forced)
+            idx.copy_(routed_indices(self.routing, *idx.shape, args[0].shape[-1], idx.dtype, idx.device))
         return out
 
 

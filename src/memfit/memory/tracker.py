@@ -190,6 +190,11 @@ class MemoryTracker(TorchDispatchMode):
         return sum(recs[s].nbytes for s, _ in self.storages.live.values()
                    if device is None or recs[s].device == device)
 
+    def give_values(self, fake: torch.Tensor, real: torch.Tensor) -> None:
+        """Values for a fake tensor the trace cannot know, assumed by the caller (a router's choice:
+        memfit.memory.routing): the trace then reads them as a twin's (NOTE [ Real values of small integer tensors ])."""
+        self._real_values.give(fake, real)
+
     # -- dispatch --------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is PRIM_DEVICE:  # tensor.device: over half of all calls, never memory

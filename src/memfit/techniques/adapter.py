@@ -245,8 +245,10 @@ FLUX_TARGETS = (r".*transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|ad
 projections and feed-forward layers) and the single-stream blocks' MLP and output projections (kohya's
 Flux LoRA adapts these and the blocks' modulation layers too: ``targets=all-linear``); one regex PEFT
 matches against whole module names, so the model's own final ``proj_out`` is not adapted."""
-DIFFUSERS_MODEL_TARGETS = {"FluxTransformer2DModel": FLUX_TARGETS}
-"""Default targets of diffusers models whose LoRA scripts adapt more than the attention projections."""
+DIFFUSERS_MODEL_TARGETS = {"FluxTransformer2DModel": FLUX_TARGETS,
+                           "HiDreamImageTransformer2DModel": ["to_k", "to_q", "to_v", "to_out"]}
+"""Default targets of diffusers models whose LoRA scripts adapt other layers than the attention projections
+(HiDream's ``to_out`` is a Linear, not ``to_out.0``: its script's default names it so, the image stream's alone)."""
 
 
 def _default_targets(model, peft) -> list[str] | str:

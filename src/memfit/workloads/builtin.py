@@ -21,6 +21,7 @@ from memfit.workloads import (
     cogvideo,
     diffusion,
     hf,
+    hidream,
     hub,
     ltx2,
     ltx_video,
@@ -41,7 +42,7 @@ from memfit.workloads.config_overrides import parse_overrides
 
 IMAGE_BUILDERS = {**diffusion.BUILDERS, **packed_dits.BUILDERS, **video_dits.BUILDERS, **zimage.BUILDERS,
                   **caption_dits.BUILDERS, **cogvideo.BUILDERS, **ltx_video.BUILDERS,
-                  **ltx2.BUILDERS}
+                  **ltx2.BUILDERS, **hidream.BUILDERS}
 """The built-ins that take ``--resolution`` (the image and video diffusion models)."""
 
 _REGISTRY: dict[str, tuple[Callable[..., Workload], str]] = {
@@ -136,7 +137,7 @@ FAMILIES = {
     "qwenimage": "dit-qwenimage", "qwen-image": "dit-qwenimage", "chroma": "dit-chroma", "hunyuan": "dit-hunyuan-video",
     "sana": "dit-sana", "pixart": "dit-pixart-sigma", "pixart-sigma": "dit-pixart-sigma", "auraflow": "dit-auraflow",
     "cogvideox": "dit-cogvideox", "cogvideo": "dit-cogvideox", "ltx": "dit-ltx-video", "ltx-video": "dit-ltx-video",
-    "ltx2": "dit-ltx2", "ltx-2": "dit-ltx2",
+    "ltx2": "dit-ltx2", "ltx-2": "dit-ltx2", "hidream": "dit-hidream", "hidream-i1": "dit-hidream",
     "llama3": "meta-llama/Meta-Llama-3-8B", "llama-3": "meta-llama/Meta-Llama-3-8B",
     "llama3.1": "meta-llama/Llama-3.1-8B", "mistral": "mistralai/Mistral-7B-v0.3",
     "mixtral": "mistralai/Mixtral-8x7B-v0.1", "qwen": "Qwen/Qwen2.5-7B-Instruct", "qwen2": "Qwen/Qwen2.5-7B-Instruct",

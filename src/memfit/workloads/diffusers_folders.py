@@ -38,7 +38,9 @@ the built-in's (the same objective, caption tokens and conditioning), at the con
 - ``CogVideoXTransformer3DModel`` (CogVideoX-2B and 5B; not 1.5's frame patches): ``dit-cogvideox``'s clip;
 - ``LTXVideoTransformer3DModel`` (LTX-Video 0.9 to 0.9.7): ``dit-ltx-video``'s clip;
 - ``LTX2VideoTransformer3DModel`` (LTX-2, LTX-2.3): ``dit-ltx2``'s clip and audio, with the pipeline's own
-  ``connectors/config.json`` where it has one.
+  ``connectors/config.json`` where it has one;
+- ``HiDreamImageTransformer2DModel`` (HiDream-I1 Full, Dev, Fast): ``dit-hidream``'s, loaded with
+  ``force_inference_output=True`` as diffusers' LoRA script loads it.
 
 Any other class is refused in one line. It loads as ``from_pretrained`` loads it (each weight made on
 the device in its final form: memfit.techniques.loading).
@@ -57,6 +59,7 @@ from memfit.workloads import (
     caption_dits,
     cogvideo,
     diffusion,
+    hidream,
     ltx2,
     ltx_video,
     packed_dits,
@@ -81,7 +84,8 @@ _BY_CLASS = {"FluxTransformer2DModel": (packed_dits.FLUX, packed_dits.flux),
              "AuraFlowTransformer2DModel": (caption_dits.AURAFLOW, caption_dits.auraflow),
              "CogVideoXTransformer3DModel": (cogvideo.COGVIDEOX, cogvideo.cogvideox),
              "LTXVideoTransformer3DModel": (ltx_video.LTX_VIDEO, ltx_video.ltx_video),
-             "LTX2VideoTransformer3DModel": (ltx2.LTX2, ltx2.ltx2)}
+             "LTX2VideoTransformer3DModel": (ltx2.LTX2, ltx2.ltx2),
+             "HiDreamImageTransformer2DModel": (hidream.HIDREAM, hidream.hidream)}
 CLASSES = ("UNet2DConditionModel", *_BY_CLASS)
 
 
@@ -143,7 +147,8 @@ EXPERT_KEYS = ("experts", "switch", "low_vram")
 OWN_KEYS = {"WanTransformer3DModel": CLIP_KEYS + EXPERT_KEYS, "HunyuanVideoTransformer3DModel": CLIP_KEYS,
             "CogVideoXTransformer3DModel": CLIP_KEYS, "LTXVideoTransformer3DModel": CLIP_KEYS,
             "LTX2VideoTransformer3DModel": (*CLIP_KEYS, "connectors"),
-            "ZImageTransformer2DModel": ("caption_tokens", "width", "text_encoders", "text_layers")}
+            "ZImageTransformer2DModel": ("caption_tokens", "width", "text_encoders", "text_layers"),
+            "HiDreamImageTransformer2DModel": ("caption_tokens", "width", "text_encoders")}
 """The size overrides of the classes that take others than SIZE_KEYS (Z-Image's longest caption and its Qwen3)."""
 
 
