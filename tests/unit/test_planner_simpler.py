@@ -174,6 +174,24 @@ def test_without_a_line_a_dropped_host_technique_is_tried_before_fewer_blocks_sw
     assert settle_simpler(walk, ranked, ranked[0]).plan == _swapped(28) and walk.settled == [_swapped(28)]
 
 
+def test_a_swap_count_the_weights_predict_to_fit_is_tried_beside_the_one_try():
+    """LTX-2's 24 GB plan (fp8, 0.37 GiB a block) chose all 48 blocks swapped at 8.60 GiB of a 21.28 GiB budget: its one
+    try dropped the offloaded states. Now the weights each count keeps on the device predict the fewest that fit (16:
+    8.60 + 32 x 0.37 = 20.44 GiB; 12 would need 21.92), tried on a try of its own, then the states on the device.
+    With nothing predicted to fit, the one try is as before, and no count is traced."""
+    gib, block = 2**30, 0.37 * 2**30
+
+    def offloaded(n):
+        return Plan(checkpointing="blocks", swap_blocks=n, offload=("optimizer_states",))
+    for budget, tried in ((21.28, [offloaded(16), _swapped(16)]), (10.0, [_swapped(48)])):
+        ranked = _ranked(*((offloaded(n), 1.0) for n in (48, 32, 16, 12)), *((_swapped(n), 1.001) for n in (48, 16)))
+        ranked[0].used_bytes = 8.60 * gib
+        walk = _Walk(fits=lambda p: p.swap_blocks >= 16)
+        walk.budget = type("Budget", (), {"bytes": budget * gib})()
+        walk.resident_weights = lambda p: (48 - p.swap_blocks) * block
+        assert settle_simpler(walk, ranked, ranked[0]).plan == tried[-1] and walk.settled == tried
+
+
 def test_a_plan_left_untraced_faster_than_the_chosen_is_not_called_slower():
     """LTX-2's 24 GB plan: the simpler-plan rule chose 48 blocks swapped (7,497.2 ms) and left 16 swapped, predicted
     7,492.6 ms, untraced; it was listed as "slower: 1.00x the chosen plan's time". Now it is "untried", with the

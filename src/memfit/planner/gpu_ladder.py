@@ -97,8 +97,13 @@ class Estimate:
     # plans hold a share of them: no floor there.)
     def _resident_weights(self, plan: Plan) -> int:
         """What ``plan`` keeps of the weights on the device, at least (NOTE [ The weights under an estimate ])."""
+        return self.resident_weights(plan) or 0
+
+    def resident_weights(self, plan: Plan) -> int | None:
+        """What ``plan`` keeps of the weights on the device, at least; None where they are sharded (a rank holds a
+        share of them)."""
         if self.book.world > 1:
-            return 0
+            return None
         adapter = not plan.config("adapter").is_default
         key = (plan.swap_blocks, str(plan.base_weights), adapter)
         if key not in self.resident:

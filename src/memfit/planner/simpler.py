@@ -52,8 +52,13 @@ COUNTED = "swap_blocks"
 # "simpler". Which count to try: the device bytes fall by one block's weights per block swapped, so a
 # line through the counts already traced (the chosen plan's and another swapping some blocks of the same
 # plan: swapping none holds no staging buffers, and its figure is often only a lower bound) predicts the
-# fewest that fit. Without a second point, a plan that drops a host-side technique is tried first (FLUX.1's
-# 12 GB plan keeps its LoRA's states on the device), then the next count below the chosen one.
+# fewest that fit. Without such a count traced, the other point is the weights each count keeps on the device
+# (memfit.techniques.swap_blocks.resident_weight_bytes: the rest of the step is the same plan's). A count
+# predicted to fit gets a try of its own, beside TRIES: LTX-2's 24 GB plan (fp8, 48 blocks, 0.37 GiB each)
+# chose all 48 swapped with 13 GiB of the card free, 17 GiB of pinned host memory, because its one try went to
+# keeping the optimizer states on the device. A count predicted not to fit costs no trace: FLUX.1's 12 GB plan
+# (28 of 57 swapped) still tries its LoRA's states on the device first. Where nothing predicts a count, the
+# next below the chosen one comes after the plans that drop a host-side technique.
 
 
 def techniques(plan: Plan) -> frozenset:
@@ -78,24 +83,39 @@ def lighter(plan: Plan, than: Plan) -> bool:
     return rest <= {t for t in theirs if t[0] != COUNTED} and 0 < getattr(plan, COUNTED) < getattr(than, COUNTED)
 
 
-def _fewest_swapped_first(walk, ranked: list[Candidate], chosen: Candidate, lighter_ones: list[Candidate]) -> list:
-    """``lighter_ones`` in the order to try: those that differ from ``chosen`` by their swap count alone and that a
-    line through the traced counts predicts to fit (the fewest first); then the rest as before (dropping the
-    fewest techniques first); then the other counts, the next below the chosen's first (the likeliest to fit)."""
+def _fewest_swapped_first(walk, ranked: list[Candidate], chosen: Candidate, lighter_ones: list[Candidate]) -> tuple:
+    """``lighter_ones`` in the order to try, as two lists: those that differ from ``chosen`` by their swap count alone
+    and that a line through the device bytes predicts to fit (the fewest first); then the rest as before (dropping
+    the fewest techniques first), then the other counts, the next below the chosen's first (the likeliest to fit)."""
     def others(c: Candidate) -> frozenset:
         return frozenset(t for t in techniques(c.plan) if t[0] != COUNTED)
-    same, n1 = others(chosen), getattr(chosen.plan, COUNTED)
+    same = others(chosen)
     counts = sorted((c for c in lighter_ones if others(c) == same), key=lambda c: -getattr(c.plan, COUNTED))
+    at = _device_bytes(walk, ranked, chosen, same, others) if counts else None
+    predicted = sorted((c for c in counts if at is not None and at(c.plan) <= walk.budget.bytes),
+                       key=lambda c: getattr(c.plan, COUNTED))
+    rest = sorted((c for c in lighter_ones if c not in counts), key=lambda c: (-len(techniques(c.plan)), c.seconds))
+    return predicted, rest + [c for c in counts if c not in predicted]
+
+
+def _device_bytes(walk, ranked: list[Candidate], chosen: Candidate, same: frozenset, others):
+    """The device bytes of ``chosen``'s plan with another swap count, as a function of the plan; None without a
+    second point (NOTE [ The fewest blocks swapped that fit ]): a count of the same plan traced, else the weights
+    the count keeps on the device (``walk.resident_weights``, where the walk knows them)."""
+    n1 = getattr(chosen.plan, COUNTED)
+    if chosen.used_bytes is None:
+        return None
     traced = [(getattr(c.plan, COUNTED), c.used_bytes) for c in ranked if others(c) == same and c.used_bytes is not None
               and getattr(c.plan, COUNTED) not in (0, n1)]  # (none swapped: no staging buffers)
-    predicted: list[Candidate] = []
-    if counts and traced and chosen.used_bytes is not None:
+    if traced:
         n0, b0 = min(traced, key=lambda nb: abs(nb[0] - n1))  # (the nearest count traced: the line's other point)
         per_block = (b0 - chosen.used_bytes) / (n1 - n0)  # (device bytes a block swapped saves)
-        predicted = sorted((c for c in counts if per_block > 0 and chosen.used_bytes + per_block *
-                            (n1 - getattr(c.plan, COUNTED)) <= walk.budget.bytes), key=lambda c: getattr(c.plan, COUNTED))
-    rest = sorted((c for c in lighter_ones if c not in counts), key=lambda c: (-len(techniques(c.plan)), c.seconds))
-    return predicted + rest + [c for c in counts if c not in predicted]
+        return (lambda p: chosen.used_bytes + per_block * (n1 - getattr(p, COUNTED))) if per_block > 0 else None
+    resident = getattr(walk, "resident_weights", None)
+    mine = resident(chosen.plan) if resident is not None else None
+    if mine is None:
+        return None
+    return lambda p: chosen.used_bytes + resident(p) - mine
 
 
 def settle_simpler(walk, ranked: list[Candidate], chosen: Candidate | None) -> Candidate | None:
@@ -104,13 +124,15 @@ def settle_simpler(walk, ranked: list[Candidate], chosen: Candidate | None) -> C
     if chosen is None or chosen.recipe is not None:
         return chosen
     fastest, tries = chosen, TRIES
-    while tries:
+    while True:
         mine = techniques(chosen.plan)
         simpler = [c for c in ranked if c.open and c.recipe is None and lighter(c.plan, chosen.plan)
                    and c.seconds <= fastest.seconds * (1 + TIE)]
+        predicted, rest = _fewest_swapped_first(walk, ranked, chosen, simpler)
         better = None
-        for c in _fewest_swapped_first(walk, ranked, chosen, simpler)[:tries]:
-            tries -= 1
+        for c in predicted[:1] + rest[:tries]:  # (a count predicted to fit: a try of its own)
+            if c not in predicted:
+                tries -= 1
             if walk.settle(c, fastest, within=TIE) is not None:
                 better = c
                 break
