@@ -74,8 +74,10 @@ def test_techniques_are_the_values_a_default_plan_lacks_one_offloaded_item_each(
 class _Walk:
     """Settles what ``fits`` says fits, as memfit.planner.walk.Walk.settle does after its traces."""
 
-    def __init__(self, fits):
+    def __init__(self, fits, resident_weights=None):
         self.fits, self.settled = fits, []
+        self.ladder = type("Ladder", (), {"estimate": type("Estimate", (), {"resident_weights": staticmethod(
+            resident_weights)})() if resident_weights else None})()
 
     def settle(self, c, chosen, within=0.0):
         self.settled.append(c.plan)
@@ -186,9 +188,8 @@ def test_a_swap_count_the_weights_predict_to_fit_is_tried_beside_the_one_try():
     for budget, tried in ((21.28, [offloaded(16), _swapped(16)]), (10.0, [_swapped(48)])):
         ranked = _ranked(*((offloaded(n), 1.0) for n in (48, 32, 16, 12)), *((_swapped(n), 1.001) for n in (48, 16)))
         ranked[0].used_bytes = 8.60 * gib
-        walk = _Walk(fits=lambda p: p.swap_blocks >= 16)
+        walk = _Walk(fits=lambda p: p.swap_blocks >= 16, resident_weights=lambda p: (48 - p.swap_blocks) * block)
         walk.budget = type("Budget", (), {"bytes": budget * gib})()
-        walk.resident_weights = lambda p: (48 - p.swap_blocks) * block
         assert settle_simpler(walk, ranked, ranked[0]).plan == tried[-1] and walk.settled == tried
 
 

@@ -101,7 +101,7 @@ def _fewest_swapped_first(walk, ranked: list[Candidate], chosen: Candidate, ligh
 def _device_bytes(walk, ranked: list[Candidate], chosen: Candidate, same: frozenset, others):
     """The device bytes of ``chosen``'s plan with another swap count, as a function of the plan; None without a
     second point (NOTE [ The fewest blocks swapped that fit ]): a count of the same plan traced, else the weights
-    the count keeps on the device (``walk.resident_weights``, where the walk knows them)."""
+    the count keeps on the device (where the walk's ladder knows them: a GPU preset's)."""
     n1 = getattr(chosen.plan, COUNTED)
     if chosen.used_bytes is None:
         return None
@@ -111,7 +111,8 @@ def _device_bytes(walk, ranked: list[Candidate], chosen: Candidate, same: frozen
         n0, b0 = min(traced, key=lambda nb: abs(nb[0] - n1))  # (the nearest count traced: the line's other point)
         per_block = (b0 - chosen.used_bytes) / (n1 - n0)  # (device bytes a block swapped saves)
         return (lambda p: chosen.used_bytes + per_block * (n1 - getattr(p, COUNTED))) if per_block > 0 else None
-    resident = getattr(walk, "resident_weights", None)
+    # (the ladder's estimate on a GPU preset, memfit.planner.gpu_ladder.Estimate: none on a CPU's)
+    resident = getattr(getattr(walk.ladder, "estimate", None), "resident_weights", None)
     mine = resident(chosen.plan) if resident is not None else None
     if mine is None:
         return None

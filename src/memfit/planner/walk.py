@@ -27,7 +27,6 @@ from memfit.planner.feasibility import MaximalPlans
 from memfit.planner.ladder import Evaluator, Ladder
 from memfit.planner.progress import NoProgress
 from memfit.planner.time_model import StepTimeModel
-from memfit.plans import Plan
 from memfit.quiet import silenced_warnings
 from memfit.units import fmt_bytes
 
@@ -329,12 +328,6 @@ class Walk:
                                                  or not c.open):
             return None
         return c if chosen is None or c.seconds < chosen.seconds * (1 + within) else None
-
-    def resident_weights(self, plan: Plan) -> int | None:
-        """What ``plan`` keeps of the weights on the device at least (memfit.planner.gpu_ladder.Estimate); None
-        where the ladder has no estimate (a CPU's) or the weights are sharded."""
-        estimate = self.ladder.estimate
-        return estimate.resident_weights(plan) if hasattr(estimate, "resident_weights") else None
 
     def smallest(self, ranked: list[Candidate]) -> Candidate | None:
         """The traced plan with the smallest footprint, confirmed by the top rung. A plan's lower bound
