@@ -120,3 +120,24 @@ def test_numpy_of_a_fake_tensor_reads_its_twin_or_fails_the_trace():
         with pytest.raises(RuntimeError, match="numpy\\(\\) of a FakeTensor whose values a fake trace does not know") as e:
             torch.randn(8).numpy()
         assert is_trace_error(e.value)
+
+
+TWO = TINY.replace("num_layers=1,num_single_layers=1", "num_layers=2,num_single_layers=2").replace(
+    "llama_layers=0/1", "llama_layers=0/1/1/1")
+
+
+def test_selective_checkpointing_saves_nothing_from_under_no_grad():
+    """NOTE [ Nothing saved from under no_grad ] (memfit.techniques.checkpointing): HiDream's routed experts scale
+    their outputs in place under ``no_grad``; selective checkpointing saved them, and torch's SAC refused the
+    recomputation ("Tensor cached during selective activation checkpoint has been mutated", an internal error of
+    every plan with it). Now the step runs, as predicted."""
+    r = _measured(TWO, Plan.from_dict({"checkpointing": "selective"}), BALANCED)
+    assert r.predicted.method == "fake" and abs(r.error_percent) < 0.01, r.error_percent
+
+
+def test_a_compiled_step_the_trace_cannot_follow_is_one_line():
+    """Compiled, HiDream's experts read their token counts on the host (data-dependent for Dynamo): one line that
+    says so and how to plan, not "change the overrides" nor an internal error."""
+    with pytest.raises(UserError, match=r"failed in torch.compile .*plan it without compile \(--compile none\)"):
+        from memfit.memory.estimate import estimate
+        estimate(load_workload(TWO, resolution=128), Plan.from_dict({"compile": "blocks"}), batch_size=1)

@@ -139,8 +139,16 @@ HOOKS_KWARGS = {"respect_saved_tensors_hooks": True} \
     if "respect_saved_tensors_hooks" in inspect.signature(torch.utils.checkpoint.checkpoint).parameters else {}
 
 
+# NOTE [ Nothing saved from under no_grad ]
+# Selective checkpointing caches the outputs of SAVE_OPS in forward and hands them back, in the same order,
+# when backward recomputes the block. An op a block runs under ``no_grad`` gives backward nothing to use, and
+# the block may change its output in place: HiDream-I1's routed experts (``moe_infer``, what diffusers' LoRA
+# script runs) scale each expert's output with ``mul_``, and torch's SAC then refuses the recomputation on any
+# device ("Tensor cached during selective activation checkpoint has been mutated"). So only ops run with grad
+# are saved; the others are recomputed, as block checkpointing recomputes everything.
 def _policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    saved = op in SAVE_OPS and torch.is_grad_enabled()  # NOTE [ Nothing saved from under no_grad ]
+    return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _checkpointed_forward(original, selective: bool, recompute_contexts, *args, **kwargs):

@@ -128,11 +128,21 @@ def blamed(source: str, fix: str | None, what: str, fn: Callable) -> Callable:
             if in_step and raised_in_package(e, "peft"):  # (PEFT adapted a layer it cannot run: Llama 4's router)
                 raise UserError(f"{source}: {what} failed in PEFT's adapter layers with {type(e).__name__}: {brief(e)}; "
                                 "name the layers to adapt (e.g. --adapter lora:r=16,targets=q_proj+v_proj)") from e
+            if in_step and _in_compile(e):  # (HiDream's experts read their token counts on the host, compiled)
+                raise UserError(f"{source}: {what} failed in torch.compile {where_raised(e)} ({type(e).__name__}: "
+                                f"{brief(e, 160)}), which memfit's trace of the compiled step cannot follow; plan it "
+                                "without compile (--compile none)") from e
             if fix is None:
                 raise
             msg = brief(e)
             raise UserError(f"{source}: {what} failed with {type(e).__name__}: {msg}; {fix}") from e
     return call
+
+
+def _in_compile(exc: BaseException) -> bool:
+    """``exc`` is torch.compile's (Dynamo's, tracing data-dependent code), or a host read of a tensor inside a compiled
+    region (``.numpy()`` of the subclass AOTAutograd traces with)."""
+    return type(exc).__module__.startswith("torch._dynamo") or "numpy() is not supported for tensor subclasses" in str(exc)
 
 
 def _launching_package(exc: BaseException) -> str | None:
