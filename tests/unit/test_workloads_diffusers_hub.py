@@ -192,7 +192,7 @@ def test_a_wan_2_2_5b_pipeline_takes_its_16x_vae_and_a_timestep_per_token(hub_ca
      "Lumina2Transformer2DModel, QwenImageTransformer2DModel, Flux2Transformer2DModel, WanTransformer3DModel, "
      "ChromaTransformer2DModel, ZImageTransformer2DModel, HunyuanVideoTransformer3DModel, SanaTransformer2DModel, "
      "PixArtTransformer2DModel, AuraFlowTransformer2DModel, CogVideoXTransformer3DModel, LTXVideoTransformer3DModel, "
-     "LTX2VideoTransformer3DModel, not MochiTransformer3DModel"),
+     "LTX2VideoTransformer3DModel, HiDreamImageTransformer2DModel, not MochiTransformer3DModel"),
     ({"model_index.json": {"_class_name": "AudioLDMPipeline", "vocoder": ["transformers", "SpeechT5HifiGan"]}},
      "AudioLDMPipeline's model_index.json names no unet or transformer"),
 ], ids=["unmodelled-class", "no-denoiser"])
