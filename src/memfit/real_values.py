@@ -240,21 +240,21 @@ def lists_from_twins(values: RealValues):
         original = FakeTensor.tolist
 
         def tolist(self):
-            twin = next((t for t in (v.of(self) for v in reversed(_LISTED)) if t is not None), None)
-            if twin is None or self.numel() == 0:
+            twin = _read_twin(self)
+            if twin is None:
                 return original(self)
-            self[(0,) * self.dim()].item()  # (the one wait a real read makes)
             with _disable_current_modes():
                 return twin.tolist()
+
         def numpy(self, *, force: bool = False):  # (HiDream's experts count their tokens on the host: ``.numpy()``)
-            twin = next((t for t in (v.of(self) for v in reversed(_LISTED)) if t is not None), None)
             if self.numel() == 0:
                 return numpy.original(self, force=force)
+            twin = _read_twin(self)
             if twin is None:  # (torch's own reads whatever is at the fake storage's address: never a value)
                 raise RuntimeError("numpy() of a FakeTensor whose values a fake trace does not know")
-            self[(0,) * self.dim()].item()
             with _disable_current_modes():
                 return twin.numpy().copy()
+
         tolist.original, numpy.original = original, FakeTensor.numpy
         FakeTensor.tolist, FakeTensor.numpy = tolist, numpy
     _LISTED.append(values)
@@ -264,6 +264,16 @@ def lists_from_twins(values: RealValues):
         _LISTED.remove(values)
         if not _LISTED:
             FakeTensor.tolist, FakeTensor.numpy = FakeTensor.tolist.original, FakeTensor.numpy.original
+
+
+def _read_twin(fake) -> torch.Tensor | None:
+    """The twin of a non-empty fake tensor in the traces now running, after the one wait a real read makes
+    (a scalar read through the modes); None where it has none."""
+    twin = next((t for t in (v.of(fake) for v in reversed(_LISTED)) if t is not None), None)
+    if twin is None or fake.numel() == 0:
+        return None
+    fake[(0,) * fake.dim()].item()  # (the one wait a real read makes)
+    return twin
 
 
 def _valued(out, constant: bool = False) -> bool:
