@@ -23,6 +23,7 @@ class Block(torch.nn.Module):
         self.layer_idx, self.drop_rate = index, drop  # (an index, a rate growing with depth: neither a kind)
         self.sliding = not wide
         self.proj = torch.nn.Linear(8, 16 if wide else 8)
+        self.norm = torch.nn.LayerNorm(8)  # (a block of two layers: NOTE [ A list of single layers ])
 
 
 def test_a_kind_is_what_builds_a_block_and_not_its_index():

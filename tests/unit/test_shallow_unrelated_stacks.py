@@ -24,7 +24,8 @@ class _Stacks(torch.nn.Module):
     def __init__(self, *lengths):
         super().__init__()
         for i, n in enumerate(lengths):
-            setattr(self, f"stack{i}", torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(n)))
+            setattr(self, f"stack{i}", torch.nn.ModuleList(  # (blocks of two layers: NOTE [ A list of single layers ])
+                torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)) for _ in range(n)))
 
 
 @pytest.mark.parametrize("lengths,full,unit", [
@@ -109,7 +110,7 @@ class _Unequal(torch.nn.Module):
     def __init__(self, *lengths):
         super().__init__()
         for i, n in enumerate(lengths):
-            width = 1 if i < 2 else 6
+            width = 2 if i < 2 else 12  # (a frozen block of two layers: NOTE [ A list of single layers ])
             stack = torch.nn.ModuleList(torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(width)))
                                         for _ in range(n))
             stack.requires_grad_(i >= 2)

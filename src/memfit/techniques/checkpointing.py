@@ -119,12 +119,25 @@ def _models_of_blocks(children: list[nn.Module]) -> bool:
 
 def repeated(children: list[nn.Module], in_list: bool = True) -> bool:
     """Whether ``children`` of a container (``in_list``: a ModuleList, else a Sequential) are repeated blocks
-    (:func:`find_blocks`)."""
+    (:func:`find_blocks`); a list of single layers is not (NOTE [ A list of single layers ])."""
     classes = collections.Counter(type(c) for c in children)
     several = in_list and min(classes.values(), default=0) >= 2 and \
         all(next(c.parameters(), None) is not None for c in children)
     return len(children) >= 2 and (len(classes) == 1 or several) and \
-        sum(p.numel() for p in children[0].parameters()) > 0
+        sum(p.numel() for p in children[0].parameters()) > 0 and not (in_list and all(map(_one_layer, children)))
+
+
+# NOTE [ A list of single layers ]
+# A ModuleList whose every module holds its parameters in one layer (a Linear, a norm, a projection wrapping
+# one Linear) is not a stack of blocks. Such lists hold parallel projections, heads and norms, each run on an
+# input of its own: HiDream-I1's 49 caption projections (one Linear each, one per text encoder's layer),
+# Chroma's guidance norms, Gemma-3n's AltUp projections; none of its trainers checkpoints or swaps them, and
+# the planner's "blocks swapped" would count them beside the transformer blocks. Checkpointing one layer keeps
+# what the layer keeps for backward (its input), so it saves nothing where it would run in a chain. A
+# Sequential's children do run in a chain (each on the one before's output): a Sequential of one class stays a
+# stack however small its modules.
+def _one_layer(module: nn.Module) -> bool:
+    return sum(next(m.parameters(recurse=False), None) is not None for m in module.modules()) == 1
 
 
 # NOTE [ Checkpoints under saved-tensor hooks ]: hooks held around forward (offload: activations)

@@ -8,6 +8,7 @@ from helpers import GPT2_DROPOUT, assert_same_training, measured, run_steps
 from memfit.errors import UserError
 from memfit.plans import Plan
 from memfit.techniques.checkpointing import checkpoint_blocks, find_blocks
+from memfit.workloads import builtin_workload
 
 
 @pytest.mark.parametrize("mode", ["blocks", "blocks:every=2", "selective"])
@@ -26,11 +27,17 @@ def test_blocks_are_found_in_hf_and_plain_models():
         checkpoint_blocks(nn.Linear(2, 2))
 
 
-class _Attention(nn.Linear):
+class _Layer(nn.Module):  # (two layers: a list of single layers is no stack, NOTE [ A list of single layers ])
+    def __init__(self, width: int, out: int):
+        super().__init__()
+        self.proj, self.norm = nn.Linear(width, out), nn.LayerNorm(out)
+
+
+class _Attention(_Layer):
     pass
 
 
-class _Mamba(nn.Linear):
+class _Mamba(_Layer):
     pass
 
 
@@ -80,3 +87,25 @@ def test_memory_saved_and_predicted():
         assert r.peak_bytes < max_ratio * base.peak_bytes, (mode, r.peak_bytes, base.peak_bytes)
         assert abs(r.error_percent) <= 1.0, (mode, r.error_percent)
         assert r.predicted.breakdown["activations"] < act_ratio * base.predicted.breakdown["activations"]
+
+
+class _Projection(nn.Module):  # (HiDream-I1's TextProjection: one Linear)
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4, bias=False)
+
+
+def test_a_list_of_single_layers_is_no_stack_and_a_chain_of_them_is():
+    """NOTE [ A list of single layers ]: HiDream-I1's 49 caption projections (a Linear each, run one per text
+    encoder's layer), a list of norms or of bare Linears are no blocks to checkpoint or swap; a Sequential of
+    Linears runs in a chain and stays a stack. The released HiDream-I1 keeps its 16 + 32 transformer blocks."""
+    heads = nn.Module()
+    heads.projections = nn.ModuleList(_Projection() for _ in range(49))
+    heads.norms = nn.ModuleList(nn.LayerNorm(4) for _ in range(5))
+    heads.linears = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+    assert find_blocks(heads) == []
+    heads.chain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    assert [(n, len(b)) for n, b in find_blocks(heads)] == [("chain", 2)]
+    with torch.device("meta"):
+        hidream = builtin_workload("dit-hidream").model()
+    assert [(n, len(b)) for n, b in find_blocks(hidream)] == [("double_stream_blocks", 16), ("single_stream_blocks", 32)]
