@@ -165,6 +165,12 @@ class GpuStepModel(StepTimeModel):
             estimate = max(factor_estimate(seconds, keys - part, self.ratios) for part, seconds in largest)
         return max(estimate, self.cpu_floor(plan), self.update_floor(plan))
 
+    def factor_between(self, plan: Plan, measured: Plan) -> float | None:
+        if self.is_estimate(measured) or not self.is_estimate(plan):
+            return None
+        mine, theirs = self.technique_keys(plan), self.technique_keys(measured)
+        return factor_estimate(1.0, mine - theirs, self.ratios) / factor_estimate(1.0, theirs - mine, self.ratios)
+
     def update_floor(self, plan: Plan) -> float:
         """The host update's floor under ``plan``'s estimate (NOTE [ The host's update under an estimate ] in
         memfit.planner.cpu_floor): 0 where no measured plan updates on the host as it does."""

@@ -59,6 +59,12 @@ class StepTimeModel:
         run long enough for compile time not to count."""
         return self.predict(plan) + (self.warmup(plan) / steps if steps else 0.0)
 
+    def factor_between(self, plan: Plan, measured: Plan) -> float | None:
+        """What ``plan``'s time is to ``measured``'s, by the factors of the values each has that the other lacks, where
+        ``plan``'s time is an estimate and ``measured``'s is not (NOTE [ A simpler plan timed from the chosen one ] in
+        memfit.planner.simpler); None where the model has no such factors."""
+        return None
+
     def newly_measured(self) -> list[Plan]:
         """Plans measured since the last call, whose figures may change other plans' estimates
         (none where estimates are final)."""
