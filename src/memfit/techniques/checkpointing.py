@@ -130,7 +130,7 @@ def repeated(children: list[nn.Module], in_list: bool = True) -> bool:
 # NOTE [ A list of single layers ]
 # A ModuleList whose every module holds its parameters in one layer (a Linear, a norm, a projection wrapping
 # one Linear) is not a stack of blocks. Such lists hold parallel projections, heads and norms, each run on an
-# input of its own: HiDream-I1's 49 caption projections (one Linear each, one per text encoder's layer),
+# input of its own: HiDream-I1's 49 caption projections (one Linear each: a Llama layer's states per block, and T5's),
 # Chroma's guidance norms, Gemma-3n's AltUp projections; none of its trainers checkpoints or swaps them, and
 # the planner's "blocks swapped" would count them beside the transformer blocks. Checkpointing one layer keeps
 # what the layer keeps for backward (its input), so it saves nothing where it would run in a chain. A
@@ -212,8 +212,9 @@ def checkpoint_blocks(model: nn.Module, *, every: int = 1, selective: bool = Fal
         config.use_cache = False
     blocks = find_blocks(model)
     if not blocks:
-        raise UserError("checkpointing: found no repeated blocks (a ModuleList or Sequential of modules of one "
-                        "class) in the model; use checkpointing: none, or structure the model in blocks")
+        raise UserError("checkpointing: found no repeated blocks (a ModuleList of modules of one class, each more "
+                        "than one layer, or a Sequential of one class) in the model; use checkpointing: none, or "
+                        "structure the model in blocks")
     recompute_contexts = recompute_contexts if recompute_contexts is not None else ()  # (none to come)
     wrapped = []
     for _, children in blocks:

@@ -161,8 +161,9 @@ class CompileBlocks(Compile):
     def apply(self, parts) -> None:
         blocks = find_blocks(parts.model)
         if not blocks:
-            raise UserError("compile: blocks found no repeated blocks (a ModuleList or Sequential of modules of one "
-                            "class) in the model; use compile: full or compile: none")
+            raise UserError("compile: blocks found no repeated blocks (a ModuleList of modules of one class, each "
+                            "more than one layer, or a Sequential of one class) in the model; use compile: full or "
+                            "compile: none")
         budget = _budget(parts)
         for _, children in blocks:
             for block in children:

@@ -104,6 +104,8 @@ def test_a_list_of_single_layers_is_no_stack_and_a_chain_of_them_is():
     heads.norms = nn.ModuleList(nn.LayerNorm(4) for _ in range(5))
     heads.linears = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
     assert find_blocks(heads) == []
+    with pytest.raises(UserError, match=r"a ModuleList of modules of one class, each more than one layer"):
+        checkpoint_blocks(heads)
     heads.chain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     assert [(n, len(b)) for n, b in find_blocks(heads)] == [("chain", 2)]
     with torch.device("meta"):
