@@ -225,3 +225,16 @@ def test_a_simpler_plan_is_weighed_by_the_chosen_plans_time_and_the_factors_betw
         walk.model = type("Model", (), {"factor_between": staticmethod(lambda plan, measured, f=factor: f)})()
         chosen = settle_simpler(walk, ranked, ranked[0])
         assert walk.settled == tried and chosen.plan == (tried or [offloaded])[0]
+
+
+def test_the_gpu_models_factor_between_divides_out_the_values_dropped_and_multiplies_in_those_added():
+    """The GPU time model's side of the note: from a measured plan to an estimated one, by each value's factor alone;
+    none where the plan's own time is measured or the other's is only an estimate."""
+    from memfit.planner.gpu_time import GpuStepModel
+    chosen, simpler_plan = Plan(swap_blocks=48, offload=("optimizer_states",)), Plan(swap_blocks=32)
+    model = GpuStepModel.__new__(GpuStepModel)
+    model.book = type("Book", (), {"is_measured": staticmethod(lambda p: p == chosen)})()
+    model.baseline = type("Baseline", (), {"technique_keys": staticmethod(techniques)})()
+    model.ratios = {("offload", "optimizer_states"): 1.25, ("swap_blocks", 48): 1.10, ("swap_blocks", 32): 1.05}
+    assert model.factor_between(simpler_plan, chosen) == pytest.approx(1.05 / (1.25 * 1.10))
+    assert model.factor_between(chosen, simpler_plan) is None and model.factor_between(chosen, chosen) is None

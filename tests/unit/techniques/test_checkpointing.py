@@ -96,8 +96,8 @@ class _Projection(nn.Module):  # (HiDream-I1's TextProjection: one Linear)
 
 
 def test_a_list_of_single_layers_is_no_stack_and_a_chain_of_them_is():
-    """NOTE [ A list of single layers ]: HiDream-I1's 49 caption projections (a Linear each, run one per text
-    encoder's layer), a list of norms or of bare Linears are no blocks to checkpoint or swap; a Sequential of
+    """NOTE [ A list of single layers ]: HiDream-I1's 49 caption projections (a Linear each: a Llama layer's states per
+    block, and T5's), a list of norms or of bare Linears are no blocks to checkpoint or swap; a Sequential of
     Linears runs in a chain and stays a stack. The released HiDream-I1 keeps its 16 + 32 transformer blocks."""
     heads = nn.Module()
     heads.projections = nn.ModuleList(_Projection() for _ in range(49))
