@@ -76,6 +76,7 @@ class _Walk:
 
     def __init__(self, fits, resident_weights=None):
         self.fits, self.settled = fits, []
+        self.model = StepTimeModel()  # (no factors between plans: each simpler plan weighed by its own estimate)
         self.ladder = type("Ladder", (), {"estimate": type("Estimate", (), {"resident_weights": staticmethod(
             resident_weights)})() if resident_weights else None})()
 

@@ -130,8 +130,7 @@ def _device_bytes(walk, ranked: list[Candidate], chosen: Candidate, same: frozen
 # (memfit.planner.walk.Walk.settle); an estimate that errs low costs one try (TRIES).
 def _seconds_beside(walk, c: Candidate, fastest: Candidate) -> float:
     """NOTE [ A simpler plan timed from the chosen one ]."""
-    between = getattr(getattr(walk, "model", None), "factor_between", None)
-    ratio = between(c.plan, fastest.plan) if between is not None else None
+    ratio = walk.model.factor_between(c.plan, fastest.plan)
     return c.seconds if ratio is None else min(c.seconds, fastest.seconds * ratio)
 
 
