@@ -27,7 +27,9 @@ every linear layer but the output layer
 alone (ai-toolkit's Z-Image LoRA: its 30 ``layers``, not the refiners' four blocks); ``targets=linear-modules`` the
 names of every module whose class is a linear layer's, the output layer's left out (axolotl's ``lora_target_linear``,
 the QLoRA repository's ``find_all_linear_names``: PEFT's ``all-linear`` also adapts a transformers mixture of experts'
-router and fused experts). ``save`` lists modules trained in full beside the adapter (PEFT's
+router and fused experts). ``skip`` leaves out every linear layer whose name holds one of its strings
+(ai-toolkit's ``ignore_if_contains``; a denoiser's names are matched as diffusers writes them, under ``transformer.``,
+too). ``save`` lists modules trained in full beside the adapter (PEFT's
 ``modules_to_save``, e.g. a classifier head); ``params`` names parameters of no linear layer
 (PEFT's ``target_parameters``: a mixture of experts' 3-D expert weights, adapted per expert). The adapter is injected with PEFT's own
 ``inject_adapter_in_model``, so the model keeps its class and the workload's loss runs unchanged.
@@ -97,6 +99,8 @@ class LoRA(Adapter):
     given alone, only they are adapted."""
     dora: bool = False
     """Weight-decomposed LoRA (DoRA): also learn a magnitude per output feature."""
+    skip: tuple[str, ...] = ()
+    """Linear layers left out: those whose names hold any of these strings (ai-toolkit's ``ignore_if_contains``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r < 1:
@@ -132,6 +136,8 @@ class LoRA(Adapter):
             opts.append("save=" + "+".join(self.save))
         if self.params:
             opts.append("params=" + "+".join(self.params))
+        if self.skip:
+            opts.append("skip=" + "+".join(self.skip))
         return f"{self.kind}:" + ",".join(opts)
 
     @property
@@ -161,6 +167,7 @@ class LoRA(Adapter):
         left_out = list(getattr(parts.model, "adapter_leaves_out", None) or [])  # (a workload's frozen encoders)
         if config.target_modules == ALL_LINEAR and not self.targets:
             left_out += _left_out(config, parts.model)
+        left_out += self._skipped(parts.model)
         config.exclude_modules = left_out or None
         try:
             parts.model = peft.inject_adapter_in_model(config, parts.model)
@@ -179,21 +186,35 @@ class LoRA(Adapter):
         if self.save:
             _check_saved(parts.model, self.save, self.text_value())
 
+    def _skipped(self, model) -> list[str]:
+        """The linear layers ``skip`` leaves out; a ``skip`` that names none is a one-line error."""
+        if not self.skip:
+            return []
+        import torch
+        out = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+               and any(s in n or s in "transformer." + n.removeprefix("denoiser.") for s in self.skip)]
+        if not out:
+            raise UserError(f"plan: adapter {self.text_value()}: skip={'+'.join(self.skip)} is in no linear layer's "
+                            "name; give a part of a name (`memfit estimate ... --modules 20` lists the modules)")
+        return out
+
     def label(self, batch_size):
         return f"{self.kind}{self.r}"
 
     def export(self, into: Export) -> None:
         extras = self.dora or bool(self.save or self.params or self.dropout)
-        into.not_carried(self, kohya=extras or self.targets != (ALL_LINEAR,),
+        into.not_carried(self, kohya=extras or bool(self.skip) or self.targets != (ALL_LINEAR,),
                          ai_toolkit=extras or self.targets != (ALL_LINEAR,) and not self.in_blocks,
-                         axolotl=bool(self.params) or self.in_blocks or ALL_LINEAR in self.targets)
+                         axolotl=bool(self.params or self.skip) or self.in_blocks or ALL_LINEAR in self.targets)
         self._axolotl(into)
         if not self.dora:  # (sd-scripts' LoRA adapts every linear layer of the blocks; ai-toolkit's, the transformer's)
             into.kohya.update(network_module="networks.lora", network_dim=self.r, network_alpha=self.scale_alpha,
                               network_train_unet_only=True)
             into.ai_toolkit.update({"network.type": "lora", "network.linear": self.r,
                                     "network.linear_alpha": self.scale_alpha,
-                                    "network.transformer_only": self.in_blocks})
+                                    "network.transformer_only": self.in_blocks,
+                                    **({"network.network_kwargs": {"ignore_if_contains": list(self.skip)}}
+                                       if self.skip else {})})
         note = f"build the PEFT model in your code: get_peft_model(model, {self._peft_text()})"
         into.hf_notes.append(note)
         into.lightning_notes.append(note)
@@ -231,6 +252,8 @@ class LoRA(Adapter):
             args.append(f"target_parameters={list(self.params)}")
         if self.dora:
             args.append("use_dora=True")
+        if self.skip:
+            args.append(f"exclude_modules={'.*(' + '|'.join(re.escape(s) for s in self.skip) + ').*'!r}")
         return f"LoraConfig({', '.join(args)})"
 
 
@@ -386,16 +409,16 @@ def parse(values: dict) -> Adapter:
     options: dict = {}
     for part in filter(None, rest.split(",")):
         m = _OPTION.match(part.strip())
-        if not m or m.group(1) not in ("r", "alpha", "targets", "dropout", "save", "params"):
+        if not m or m.group(1) not in ("r", "alpha", "targets", "dropout", "save", "params", "skip"):
             raise UserError(f"plan: adapter option {part!r} is not valid; use r=, alpha=, targets=a+b, dropout=, "
-                            "save=a+b, params=a+b (e.g. lora:r=16,alpha=32,targets=q_proj+v_proj,dropout=0.05)")
+                            "save=a+b, params=a+b, skip=a+b (e.g. lora:r=16,alpha=32,targets=q_proj+v_proj,dropout=0.05)")
         name, value = m.groups()
         options[name] = _option(name, value, text)
     return LoRA(**options, dora=kind == "dora")
 
 
 def _option(name: str, value: str, text: str):
-    if name in ("targets", "save", "params"):
+    if name in ("targets", "save", "params", "skip"):
         return tuple(v for v in value.split("+") if v)
     try:
         return int(value) if name == "r" else float(value)
@@ -406,6 +429,8 @@ def _option(name: str, value: str, text: str):
 TECHNIQUE = register(
     Technique("adapter", (Key("adapter", "none", "Train an adapter instead of the model (a method: changes what is "
                               "trained): none | lora:r=16,alpha=32,targets=q_proj+v_proj,dropout=0.05,save=lm_head | "
+                              "lora:r=16,targets=in-blocks,skip=ff_i.experts (leave out the linear layers whose names "
+                              "hold it: ai-toolkit's ignore_if_contains) | "
                               "lora:r=16,params=experts.gate_up_proj+experts.down_proj (a mixture of experts' "
                               "expert weights) | dora:... | qlora:... and qdora:... (the same over base_weights "
                               "nf4).", metavar="ADAPTER"),),

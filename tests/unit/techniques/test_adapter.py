@@ -209,6 +209,7 @@ def test_a_16_bit_base_without_an_adapter_or_with_fp16_modules_to_train_is_one_l
     ("lora:r=8,targets=nope", "match no module"),
     ("lora:r=8,save=nope", "save=nope matches no module"),
     ("lora:rank=8", "option 'rank=8' is not valid"),
+    ("lora:r=8,skip=nope", "skip=nope is in no linear layer's name"),
     ("lorax", "is not valid"),
 ])
 def test_bad_adapters_get_one_line(text, problem):
@@ -218,8 +219,8 @@ def test_bad_adapters_get_one_line(text, problem):
 
 
 def test_adapter_text_round_trips():
-    plan = Plan(adapter="dora:r=16,alpha=32,targets=q_proj+v_proj,dropout=0.05,save=lm_head")
-    assert plan.adapter == "dora:r=16,alpha=32,targets=q_proj+v_proj,dropout=0.05,save=lm_head"
+    plan = Plan(adapter="dora:r=16,alpha=32,targets=q_proj+v_proj,dropout=0.05,save=lm_head,skip=layers.1.")
+    assert plan.adapter == "dora:r=16,alpha=32,targets=q_proj+v_proj,dropout=0.05,save=lm_head,skip=layers.1."
     assert Plan.from_dict(plan.to_dict()) == plan
     assert Plan().adapter == "none"
 
@@ -392,6 +393,28 @@ def test_in_blocks_adapts_the_linear_layers_of_the_repeated_blocks_alone_and_is_
     r = profile(FLUX, Plan(adapter="lora:r=4,targets=in-blocks", precision="bf16-base-noautocast",
                            checkpointing="blocks"), batch_size=1, resolution=64, repeats=0)
     assert abs(r.error_percent) <= 1.0, r.error_percent
+
+
+def test_skip_leaves_out_the_layers_whose_names_hold_it_as_ai_toolkits_ignore_if_contains():
+    """``skip=`` (ai-toolkit's ``ignore_if_contains``): every linear layer whose name holds one of its strings is left
+    out, matched as memfit names it or as diffusers does under ``transformer.`` (ai-toolkit's examples write
+    ``transformer.single_transformer_blocks.``); a string in no name but another's is allowed, as there; the
+    adapter's weights and the step's peak are what is left, measured as predicted."""
+    pytest.importorskip("diffusers")
+    from memfit.memory.measure import profile
+
+    def adapted(adapter):
+        model = build_step(load_workload(FLUX, resolution=64), Plan(adapter=adapter), 1, "cpu").model
+        return {n.rsplit(".lora_A", 1)[0] for n in _trainable(model) if ".lora_A." in n}
+    every = adapted("lora:r=4,targets=in-blocks")
+    kept = adapted("lora:r=4,targets=in-blocks,skip=transformer.single_transformer_blocks.+ff.net+nowhere")
+    assert kept == {n for n in every if not n.startswith("single_transformer_blocks.") and "ff.net" not in n}
+    assert kept and {"transformer_blocks.0.attn.to_q", "transformer_blocks.1.ff_context.net.2"} <= kept
+    plan = Plan(adapter="lora:r=4,targets=in-blocks,skip=single_transformer_blocks.", precision="bf16-base-noautocast")
+    r = profile(FLUX, plan, batch_size=1, resolution=64, repeats=0)
+    assert abs(r.error_percent) <= 1.0, r.error_percent
+    assert r.peak_bytes < profile(FLUX, plan.replace(adapter="lora:r=4,targets=in-blocks"), batch_size=1,
+                                  resolution=64, repeats=0).peak_bytes
 
 
 def test_in_blocks_on_a_model_without_repeated_blocks_is_one_line(tmp_workload_file):
