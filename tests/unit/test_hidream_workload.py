@@ -99,8 +99,8 @@ def test_a_pipelines_hub_id_builds_hidream_as_the_script_loads_it(hub_cache, no_
 
 
 def test_bad_values_are_one_line():
-    with pytest.raises(UserError, match="text_encoders: memfit holds HiDream's four text encoders' outputs cached"):
-        load_workload("dit-hidream:text_encoders=frozen")
+    with pytest.raises(UserError, match="text_encoders=sometimes is not one of cached, frozen, trained"):
+        load_workload("dit-hidream:text_encoders=sometimes")
     with pytest.raises(UserError, match="more tokens than a non-square image may"):
         load_workload("dit-hidream:width=1536", resolution=1024)
     with pytest.raises(UserError, match="caption_tokens=0 must be a positive whole number"):

@@ -4,9 +4,10 @@ config (no weights), trained as diffusers' ``train_dreambooth_lora_hidream.py`` 
 ``dit-hidream``: HiDream-I1 (Full, Dev and Fast share it): 16 double-stream blocks, then 32 single-stream ones, 20
 heads x 128 = 2560 wide; each block's feed-forward is a shared SwiGLU expert beside 4 routed ones, 2 of them per
 token (DeepSeek-V3's layout). 2x2 patches of 16 latent channels: 4,096 image tokens at 1024 px. Four text encoders
-feed it, all cached (the script encodes its prompt once, before training): T5-XXL's states (128 tokens x 4096),
+feed it, cached by default (the script encodes its prompt once, before training): T5-XXL's states (128 tokens x 4096),
 Llama-3.1-8B's states of all 32 layers (``[32, B, 128, 4096]``, each block reads one), and CLIP-L and CLIP-G's pooled
-embeddings (2048). The loss is rectified flow (t = 1 is noise) with the target ``noise - latents`` and the model's
+embeddings (2048). ``text_encoders=frozen`` holds the four in the step, as ai-toolkit's trainer does
+(memfit.workloads.hidream_text). The loss is rectified flow (t = 1 is noise) with the target ``noise - latents`` and the model's
 output negated, as the script computes it; the timestep is ``1000 t``.
 
 The routed experts, as the script loads the model (``force_inference_output=True``): they run the inference path in
@@ -29,17 +30,24 @@ import torch
 
 from memfit.errors import UserError
 from memfit.workload import Workload
+from memfit.workloads import text_encoders as te
 from memfit.workloads.diffusion import (
     VAE_FACTOR,
     ImageModel,
     config_of,
     flow_matching,
     given_width,
+    held_workload,
     image_info,
-    image_workload,
     latent_sides,
     model_builder,
     no_seq_len,
+)
+from memfit.workloads.hidream_text import (
+    CLIP_POSITIONS,
+    HiDreamWithTextEncoders,
+    hidream_configs,
+    hidream_token_ids,
 )
 
 HIDREAM = ImageModel(
@@ -61,13 +69,16 @@ def hidream(overrides: dict, seq_len: int | None, resolution: int | None, m: Ima
     ``caption_tokens=N``: T5's and Llama's tokens a caption (default 128, the script's ``max_sequence_length``)."""
     no_seq_len(m.arch, seq_len)
     overrides, width = given_width(overrides)
-    overrides = dict(overrides)
-    if overrides.pop("text_encoders", "cached") != "cached":
-        raise UserError(f"{m.arch}: text_encoders: memfit holds HiDream's four text encoders' outputs cached, as "
-                        "diffusers' HiDream LoRA script does; drop text_encoders=")
+    overrides, text_mode, text_layers = te.text_mode(m.arch, overrides)
+    if text_mode == "trained":
+        raise UserError(f"{m.arch}: text_encoders=trained: memfit trains none of HiDream's four text encoders (neither "
+                        "diffusers' script nor ai-toolkit trains them); use text_encoders=frozen or cached")
     caption = overrides.pop("caption_tokens", m.caption_tokens)
     if not isinstance(caption, int) or isinstance(caption, bool) or caption < 1:
         raise UserError(f"{m.arch}: caption_tokens={caption} must be a positive whole number of tokens")
+    if text_mode == "frozen" and caption > CLIP_POSITIONS:
+        raise UserError(f"{m.arch}: caption_tokens={caption} exceeds the {CLIP_POSITIONS} positions of HiDream's CLIP "
+                        f"encoders, which encode each caption padded to it; use caption_tokens <= {CLIP_POSITIONS}")
     cls, kw = config_of(m, overrides)
     if "force_inference_output" not in overrides and "force_inference_output" not in m.defaults:
         kw["force_inference_output"] = True  # (as diffusers' script loads it: from_pretrained(..., force_inference_output=True))
@@ -82,26 +93,35 @@ def hidream(overrides: dict, seq_len: int | None, resolution: int | None, m: Ima
                         f"non-square image may (max_resolution: {most[0] * VAE_FACTOR}x{most[1] * VAE_FACTOR} px); "
                         "use a smaller --resolution or width=")
 
+    encoders = hidream_configs(pooled, t5, llama, layers, text_layers) if text_mode == "frozen" else []
+
     def batch(b: int) -> dict:
         latents, noise, t = torch.randn(b, channels, high, wide), torch.randn(b, channels, high, wide), torch.rand(b)
         noisy, target = flow_matching(latents, noise, t, data_at_one=False)
-        return {"x": noisy, "t": t * 1000, "target": target, "t5": torch.randn(b, caption, t5),
-                "llama": torch.randn(b, layers, caption, llama), "pooled": torch.randn(b, pooled)}
+        out = {"x": noisy, "t": t * 1000, "target": target}
+        if encoders:
+            return {**out, "ids": hidream_token_ids(b, caption, encoders)}
+        return {**out, "t5": torch.randn(b, caption, t5), "llama": torch.randn(b, layers, caption, llama),
+                "pooled": torch.randn(b, pooled)}
 
     res = high * VAE_FACTOR
     info = image_info(m, res, kw, ("num_layers", "num_single_layers", "num_attention_heads", "num_routed_experts",
                                    "num_activated_experts", "force_inference_output"), patch, sides)
     if caption != m.caption_tokens:
         info.config["caption_tokens"] = caption
-    return image_workload(m, model_builder(m, cls, kw, overrides), batch, _loss, res, info)
+    return held_workload(m, model_builder(m, cls, kw, overrides), batch, _loss, res, info, encoders,
+                         HiDreamWithTextEncoders, text_mode)
 
 
 def _loss(model, batch: dict) -> torch.Tensor:
     """The model called as the script calls it (Llama's states stacked layer first), its output negated against
     ``noise - latents``, the mean square per sample, then over the batch."""
-    llama = batch["llama"].transpose(0, 1).contiguous()
-    pred = -model(hidden_states=batch["x"], timesteps=batch["t"], encoder_hidden_states_t5=batch["t5"],
-                  encoder_hidden_states_llama3=llama, pooled_embeds=batch["pooled"], return_dict=False)[0]
+    if "ids" in batch:  # (the text encoders in the step: memfit.workloads.hidream_text)
+        pred = -model(batch["ids"], hidden_states=batch["x"], timesteps=batch["t"], return_dict=False)[0]
+    else:
+        llama = batch["llama"].transpose(0, 1).contiguous()
+        pred = -model(hidden_states=batch["x"], timesteps=batch["t"], encoder_hidden_states_t5=batch["t5"],
+                      encoder_hidden_states_llama3=llama, pooled_embeds=batch["pooled"], return_dict=False)[0]
     target = batch["target"]
     if pred.shape != target.shape:  # (force_inference_output=false: the model's training layout, [B, C, tokens, p * p])
         b, c, high, wide = target.shape

@@ -399,6 +399,8 @@ def _encoder(config, projected: bool) -> torch.nn.Module:
     import transformers
     if _is_t5(config):
         return transformers.T5EncoderModel(config)
+    if type(config).__name__ == "LlamaConfig":  # (HiDream's Llama-3.1-8B, with its output layer as loaded)
+        return transformers.LlamaForCausalLM(config)
     if not _is_clip(config):
         return transformers.AutoModel.from_config(config)  # (Lumina's Gemma-2, Z-Image's Qwen3)
     return (transformers.CLIPTextModelWithProjection if projected else transformers.CLIPTextModel)(config)
