@@ -111,6 +111,10 @@ def test_batches_and_buckets_are_the_largest_and_accumulated():
      {"base_weights": "nf4", "ema": None},  # (its reference's tokens, and Qwen2.5-VL's states of it: said)
      ["qtype's accuracy-recovery adapter", "qtype uint3 stores 3 bits a weight", "control_path: ai-toolkit encodes",
       "Qwen2.5-VL's caption states hold", "latents are not cached"]),
+    ("train_lora_hidream_48", "dit-hidream:text_encoders=frozen,force_inference_output=false",
+     {"adapter": "lora:r=32,alpha=32,targets=in-blocks,skip=ff_i.experts+ff_i.gate", "ema": None},  # (qfloat8: fp8)
+     ["ai-toolkit's HiDream router appends", "quantize_te quantizes Llama-3.1 and T5-XXL; memfit's fp8 base weights",
+      "latents are not cached"]),  # (its own model's training path; all four text encoders in the step)
     ("train_lora_wan21_1b_24gb", "dit-wan-1.3b:frames=1", {"adapter": "lora:r=32,alpha=32,targets=in-blocks",
                                                            "base_weights": "as-is"},
      ["the text encoders run in the step"]),  # (umT5 in the step: said)
@@ -229,7 +233,11 @@ def test_what_memfit_runs_otherwise_is_said_in_one_line():
                     "layer_offloading: ai-toolkit offloads no", "latents are not cached (cache_latents_to"], said
     assert all("\n" not in w for w in c.warnings)
     only = map_config(_with(network__network_kwargs={"only_if_contains": ["transformer_blocks"]}), "c.yaml", CARD)
-    assert any("network_kwargs only_if_contains are not mapped" in w for w in only.warnings)
+    assert any("network_kwargs only_if_contains is not mapped" in w for w in only.warnings)
+    ignored = map_config(_with(network__network_kwargs={"ignore_if_contains": ["single_transformer_blocks.", "ff"]}),
+                         "c.yaml", CARD)  # (ai-toolkit's ignore_if_contains: skip=, every layer whose name holds one)
+    assert ignored.plan.adapter == "lora:r=16,alpha=16,targets=in-blocks,skip=single_transformer_blocks.+ff"
+    assert not any("ignore_if_contains" in w for w in ignored.warnings)
     sdxl = map_config(_with(model__is_flux=None, model__is_xl=True, model__name_or_path="/m/sdxl"), "c.yaml", CARD)
     assert sdxl.plan.base_weights == "as-is" and any("quantizes no sdxl UNet" in w for w in sdxl.warnings)
 
@@ -255,9 +263,11 @@ def test_older_flags_are_read_in_ai_toolkits_order_and_a_datasets_batch_size_win
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"model__is_flux": None, "model__arch": "hidream"}, r"memfit reads ai-toolkit's flux, flux_kontext, sd1, sdxl, sd3, "
-     r"lumina2, qwen_image, qwen_image_edit, qwen_image_edit_plus2509, flux2, wan21, zimage, wan22_14b, wan22_14b_i2v, wan22_5b configs, not arch 'hidream'; name the "
-     r"model as the workload"),
+    ({"model__is_flux": None, "model__arch": "omnigen2"}, r"memfit reads ai-toolkit's flux, flux_kontext, sd1, sdxl, sd3, "
+     r"lumina2, qwen_image, qwen_image_edit, qwen_image_edit_plus2509, flux2, wan21, zimage, wan22_14b, wan22_14b_i2v, "
+     r"wan22_5b, hidream configs, not arch 'omnigen2'; name the model as the workload"),
+    ({"network__network_kwargs": {"ignore_if_contains": "ff"}}, r"network_kwargs.ignore_if_contains must be a list of "
+     r"parts of layer names, got 'ff'"),
     ({"model__is_flux": None, "model__arch": "chroma", "model__name_or_path": "lodestones/Chroma"},
      r"does not read ai-toolkit's chroma configs: ai-toolkit trains its own Chroma .* memfit estimate dit-chroma"),
     ({"datasets__num_frames": 0, "model__arch": "wan21"}, "datasets num_frames must be a whole number >= 1"),
@@ -289,11 +299,11 @@ def test_on_the_command_line_a_tiny_flux_beside_it_runs_its_plan(tmp_path):
     assert rc == 0 and report["workload"] == "dit-flux 128px, text encoders frozen" and report["batch_size"] == 1
     assert report["plan"]["ema"] == {"decay": 0.99, "device": "device", "every": 1}
     other = tmp_path / "sd3.yaml"
-    other.write_text(yaml.safe_dump(_with(model__is_flux=None, model__arch="hidream")))
+    other.write_text(yaml.safe_dump(_with(model__is_flux=None, model__arch="omnigen2")))
     argv = ["estimate", "--from", str(other), "--device", "rtx4090"]
     rc, _, err = run(argv)
     check(argv, rc, err)
-    assert rc == 2 and "not arch 'hidream'" in err
+    assert rc == 2 and "not arch 'omnigen2'" in err
 
 
 def test_a_job_with_no_network_is_full_fine_tuning_in_its_dtype():

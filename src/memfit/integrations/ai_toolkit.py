@@ -7,14 +7,14 @@ memfit maps it:
 
 | ai-toolkit | what it runs | memfit |
 |---|---|---|
-| ``model.arch`` (or ``is_flux``, ``is_xl``, ``is_v3``, ``is_lumina2``; none: SD 1.x), ``name_or_path`` | the arch's denoiser from the hub id or folder | FLUX.1 (``flux``, ``flex1``), SD 1.x, SDXL, SD3/3.5, Lumina 2, Qwen-Image, FLUX.2, FLUX.1 Kontext and Qwen-Image-Edit (``flux_kontext``, ``qwen_image_edit``, ``qwen_image_edit_plus2509`` or ``qwen_image_edit_plus``; a dataset's ``control_path``: ``control_images=N``, memfit.integrations.ai_toolkit_models), Wan 2.1, Wan 2.2 (``wan22_14b``, ``wan22_14b_i2v``: both experts, ``dit-wan:experts=2``; ``wan22_5b``), Z-Image (``zimage``): a published id as memfit's built-in (:data:`ARCHS`), else the id or folder |
+| ``model.arch`` (or ``is_flux``, ``is_xl``, ``is_v3``, ``is_lumina2``; none: SD 1.x), ``name_or_path`` | the arch's denoiser from the hub id or folder | FLUX.1 (``flux``, ``flex1``), SD 1.x, SDXL, SD3/3.5, Lumina 2, Qwen-Image, FLUX.2, FLUX.1 Kontext and Qwen-Image-Edit (``flux_kontext``, ``qwen_image_edit``, ``qwen_image_edit_plus2509`` or ``qwen_image_edit_plus``; a dataset's ``control_path``: ``control_images=N``, memfit.integrations.ai_toolkit_models), Wan 2.1, Wan 2.2 (``wan22_14b``, ``wan22_14b_i2v``: both experts, ``dit-wan:experts=2``; ``wan22_5b``), Z-Image (``zimage``), HiDream-I1 (``hidream``: its own copy of the model, the routed experts on their training path, ``force_inference_output=false``; memfit.integrations.ai_toolkit_models): a published id as memfit's built-in (:data:`ARCHS`), else the id or folder |
 | ``model.low_vram``, ``model_kwargs.train_high_noise``/``train_low_noise``, ``train.switch_boundary_every`` (Wan 2.2 A14B) | the expert not running on the host; which experts train, and how often the trainer switches | ``low_vram=true``, ``switch=batch``/``step``/``none`` (memfit.workloads.wan_experts) |
 | ``model.quantize`` (``qtype`` qfloat8; torchao's ``uint3``-``uint4``; ``uint8``: none) | optimum-quanto or torchao: every ``nn.Linear`` of the transformer in one byte (or 3-4 bits), cast to bf16 per matmul; SD 1.x and SDXL: nothing | ``base_weights: fp8`` (``nf4``: 4 bits, a bound for 3) |
 | ``model.quantize_te`` (default: ``quantize``) | T5-XXL quantized too; CLIP-L stays bf16 | fp8 base weights store both encoders' linear layers (CLIP-L: 85 MB less than ai-toolkit holds) |
 | text encoders | on the device, each prompt encoded every step under no_grad, T5 at 512 tokens; ``cache_text_embeddings`` (train's or a dataset's) or ``unload_text_encoder``: cached | ``text_encoders=frozen`` (``cached``); Qwen-Image's, FLUX.2's and Wan's in the step: said, not held |
 | ``datasets[].num_frames`` (Wan; default 1: images) | clips of that many frames | ``dit-wan:frames=`` down to 4k + 1 (said where it differs) |
 | ``train.train_text_encoder`` | the encoders train | ``text_encoders=trained`` |
-| ``network`` lora, ``rank`` or ``linear`` (default 4), ``linear_alpha`` (default ``alpha``, 1), ``transformer_only`` (default true) | LoRA on every linear layer of a DiT's transformer blocks (its ``get_transformer_block_names``: Z-Image's 30 ``layers``, not its refiners; false: of the whole transformer; a UNet's: all of them), weights in fp32 | ``adapter: lora:r=linear,alpha=linear_alpha,targets=in-blocks`` (Z-Image: ``in-blocks:layers``; false, or SD 1.x and SDXL: ``targets=all-linear``) |
+| ``network`` lora, ``rank`` or ``linear`` (default 4), ``linear_alpha`` (default ``alpha``, 1), ``transformer_only`` (default true), ``network_kwargs.ignore_if_contains`` | LoRA on every linear layer of a DiT's transformer blocks (its ``get_transformer_block_names``: Z-Image's 30 ``layers``, not its refiners; false: of the whole transformer; a UNet's: all of them), weights in fp32 | ``adapter: lora:r=linear,alpha=linear_alpha,targets=in-blocks`` (Z-Image: ``in-blocks:layers``; false, or SD 1.x and SDXL: ``targets=all-linear``); ``skip=`` the ignored names |
 | ``train.dtype`` bf16 / fp16 (default fp32) | the model in that dtype, the LoRA in fp32, no autocast (each adapted layer's input cast to fp32 and kept for backward) | ``bf16-base-noautocast`` / ``fp16-base-noautocast`` / ``fp32`` |
 | no ``network`` | full fine-tuning: the whole transformer trains in ``train.dtype`` | no adapter; ``bf16-pure`` / ``fp16`` (fp32 weights under autocast: said) / ``fp32`` |
 | ``train.gradient_checkpointing`` (default true) | every transformer block checkpointed | ``checkpointing: blocks`` |
@@ -39,7 +39,14 @@ from __future__ import annotations
 
 from memfit.devices import Device
 from memfit.errors import UserError
-from memfit.integrations.ai_toolkit_models import EDITS, EXPERTS, clip_frames, experts, reference_image
+from memfit.integrations.ai_toolkit_models import (
+    EDITS,
+    EXPERTS,
+    clip_frames,
+    experts,
+    hidream,
+    reference_image,
+)
 from memfit.integrations.configs import TrainingConfig, whole
 from memfit.plans import Plan
 from memfit.workloads.config_overrides import with_override
@@ -67,6 +74,7 @@ ARCHS = {
     "wan22_14b_i2v": {"ai-toolkit/Wan2.2-I2V-A14B-Diffusers-bf16": "dit-wan-i2v",
                       "Wan-AI/Wan2.2-I2V-A14B-Diffusers": "dit-wan-i2v"},
     "wan22_5b": {"Wan-AI/Wan2.2-TI2V-5B-Diffusers": "dit-wan-5b"},
+    "hidream": {f"HiDream-ai/HiDream-I1-{v}": "dit-hidream" for v in ("Full", "Dev", "Fast")},
 }
 """ai-toolkit's model archs memfit reads (``arch``, or the older ``is_flux``, ``is_xl``, ``is_v3``, ``is_lumina2``;
 none: SD 1.x), and the built-in of each published id; another id or a folder is read as a diffusers model."""
@@ -84,7 +92,7 @@ model would build another model, so the refusal says what differs and what memfi
 UNETS = ("sd1", "sdxl")
 """The archs with a UNet: a LoRA there adapts every linear layer (ai-toolkit's ``transformer_only`` restricts a DiT's
 to its transformer blocks alone), and ``network.conv`` would adapt its convolutions."""
-HOLD_TEXT = ("flux", "flux_kontext", "sd1", "sdxl", "sd3", "lumina2", "zimage")
+HOLD_TEXT = ("flux", "flux_kontext", "sd1", "sdxl", "sd3", "lumina2", "zimage", "hidream")
 """The archs whose denoisers memfit builds with their text encoders (memfit.workloads.text_encoders)."""
 OLD_FLAGS = {"is_v2": "sd2", "is_v3": "sd3", "is_xl": "sdxl", "is_pixart": "pixart", "is_pixart_sigma": "pixart_sigma",
              "is_auraflow": "auraflow", "is_flux": "flux", "is_lumina2": "lumina2", "is_vega": "sdxl", "is_ssd": "sdxl"}
@@ -94,11 +102,11 @@ WANS = ("wan21", "wan22_14b", "wan22_14b_i2v", "wan22_5b")
 """The Wan archs: a clip of ``num_frames``; the A14B ones (:data:`EXPERTS`) with two experts."""
 QWENS = ("qwen_image", "qwen_image_edit", "qwen_image_edit_plus2509")
 """Qwen-Image and its edit models (their transformer's weights, quantized and offloaded alike)."""
-QUANTIZED = ("flux", "flux_kontext", "sd3", "lumina2", *QWENS, "flux2", "zimage", *WANS)
+QUANTIZED = ("flux", "flux_kontext", "sd3", "lumina2", *QWENS, "flux2", "zimage", *WANS, "hidream")
 """The archs whose transformer ai-toolkit quantizes with ``quantize`` (its SD 1.x and SDXL paths ignore it)."""
 LAYER_OFFLOADED = (*QWENS, "flux2", "wan21", "zimage")
 """The archs whose models ai-toolkit's ``layer_offloading`` attaches its memory manager to (the others ignore it)."""
-FLOW = ("flux", "flux_kontext", "sd3", "lumina2", *QWENS, "flux2", "zimage", *WANS)
+FLOW = ("flux", "flux_kontext", "sd3", "lumina2", *QWENS, "flux2", "zimage", *WANS, "hidream")
 """The archs trained by flow matching (ai-toolkit's ``noise_scheduler: flowmatch``)."""
 BLOCK_LISTS = {"zimage": "layers"}
 """The archs whose ``get_transformer_block_names`` (the blocks a ``transformer_only`` LoRA adapts) are not all of
@@ -156,7 +164,7 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
     if text != "cached" and "text_encoders=" not in workload:  # (a workload named beside it keeps its own)
         if arch not in HOLD_TEXT:
             warnings.append(f"ai-toolkit config {where}: the text encoders run in the step (no cache_text_embeddings); "
-                            f"memfit holds them for SD, SDXL, FLUX.1, SD3, Lumina 2 and Z-Image only, so {arch}'s are not in the "
+                            f"memfit holds them for SD, SDXL, FLUX.1, SD3, Lumina 2, Z-Image and HiDream-I1 only, so {arch}'s are not in the "
                             "estimate")
         else:
             workload = with_override(workload, "text_encoders", text)
@@ -165,6 +173,8 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
                                                                   warnings))
     if arch in EDITS and any(isinstance(d, dict) and d.get("control_path") for d in datasets):
         workload = reference_image(arch, workload, model, datasets, where, warnings)
+    if arch == "hidream":
+        workload = hidream(workload, text, bool(fields.get("base_weights")), where, warnings)
     if arch in EXPERTS and "experts=" not in workload:  # (a folder too: NOTE [ A Wan 2.2 pipeline's two experts ])
         workload = experts(workload, model, train, where, warnings)
     dtype = str(train.get("dtype", "fp32")).lower()
@@ -286,14 +296,19 @@ def _network(arch: str, network: dict, where: str, warnings: list[str]) -> dict:
             "(a LoRA of the UNet's convolutions); memfit adapts its linear layers" if arch in UNETS else
             f"({arch}'s transformer blocks hold no convolution)"))
     kwargs = network.get("network_kwargs") or {}
-    kept = [k for k in ("only_if_contains", "ignore_if_contains") if isinstance(kwargs, dict) and kwargs.get(k)]
-    if kept:
-        warnings.append(f"ai-toolkit config {where}: network_kwargs {' and '.join(kept)} are not mapped; memfit adapts "
-                        "every linear layer (more LoRA weights and saved inputs than ai-toolkit's: a bound)")
+    kwargs = kwargs if isinstance(kwargs, dict) else {}
+    if kwargs.get("only_if_contains"):
+        warnings.append(f"ai-toolkit config {where}: network_kwargs only_if_contains is not mapped; memfit adapts every "
+                        "linear layer the rest allows (more LoRA weights and saved inputs than ai-toolkit's: a bound)")
+    ignored = kwargs.get("ignore_if_contains") or []
+    if not isinstance(ignored, list) or not all(isinstance(x, str) and x and not set(x) & set("+,") for x in ignored):
+        raise UserError(f"--from {where}: network_kwargs.ignore_if_contains must be a list of parts of layer names, got "
+                        f"{ignored!r}")
     # (transformer_only, ai-toolkit's default: a DiT's LoRA on its transformer blocks alone; a UNet's on all)
     blocks_only = arch not in UNETS and network.get("transformer_only", True) is not False
     blocks = "in-blocks" + (f":{BLOCK_LISTS[arch]}" if arch in BLOCK_LISTS else "")
-    return {"adapter": f"lora:r={rank},alpha={alpha},targets={blocks if blocks_only else 'all-linear'}"}
+    skip = f",skip={'+'.join(ignored)}" if ignored else ""  # (ai-toolkit's names: diffusers', under transformer.)
+    return {"adapter": f"lora:r={rank},alpha={alpha},targets={blocks if blocks_only else 'all-linear'}{skip}"}
 
 
 def _quantized(model: dict, where: str, warnings: list[str]) -> dict:

@@ -1,4 +1,4 @@
-"""ai-toolkit's edit models and Wan 2.2 A14B, as memfit reads them (memfit.integrations.ai_toolkit reads the rest).
+"""ai-toolkit's edit models, Wan 2.2 A14B and HiDream-I1, as memfit reads them (memfit.integrations.ai_toolkit reads the rest).
 
 - Edit pairs (``flux_kontext``, ``qwen_image_edit``, ``qwen_image_edit_plus2509``): a dataset's ``control_path``
   (and ``control_path2``, ``control_path3``) join reference images' tokens to the noisy ones (``control_images=N``:
@@ -6,6 +6,8 @@
   the references' vision tokens too.
 - Wan 2.2 A14B (``wan22_14b``, ``wan22_14b_i2v``): both experts, switched as the trainer switches them, the idle one
   on the host under ``low_vram`` (memfit.workloads.wan_experts); I2V's still-image clips.
+- HiDream-I1 (``hidream``): ai-toolkit's own copy of the model, the routed experts on their training path, and the
+  four text encoders in the step (:func:`hidream`).
 """
 
 from __future__ import annotations
@@ -102,4 +104,21 @@ def experts(workload: str, model: dict, train: dict, where: str, warnings: list[
         if switch == "batch":
             warnings.append(f"ai-toolkit config {where}: low_vram with a switch at every batch copies an expert's weights "
                             "over the host link each time (ai-toolkit suggests switch_boundary_every: 10 or 20)")
+    return workload
+
+
+def hidream(workload: str, text: str, quantized: bool, where: str, warnings: list[str]) -> str:
+    """ai-toolkit's ``hidream``: its own copy of HiDream-I1's model (extensions_built_in/diffusion_models/hidream),
+    whose routed experts always run their training path, each token repeated for its two experts and gradients through
+    them (``force_inference_output=false``; diffusers' LoRA script loads the inference path), and whose router appends
+    each forward's balancing statistics to a module-level list. Its four text encoders stay on the device, each
+    caption encoded every step (memfit.workloads.hidream_text); ``quantize_te`` quantizes Llama-3.1 and T5-XXL, not
+    the CLIPs."""
+    if "force_inference_output=" not in workload:
+        workload = with_override(workload, "force_inference_output", "false")
+    warnings.append(f"ai-toolkit config {where}: ai-toolkit's HiDream router appends each forward's balancing "
+                    "statistics to a list (a few KB a block): not in the estimate")
+    if text == "frozen" and quantized:
+        warnings.append(f"ai-toolkit config {where}: quantize_te quantizes Llama-3.1 and T5-XXL; memfit's fp8 base "
+                        "weights store the CLIPs' linear layers in one byte too (0.7 GB less than ai-toolkit holds)")
     return workload
