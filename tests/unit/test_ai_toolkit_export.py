@@ -64,12 +64,15 @@ def test_what_ai_toolkit_has_no_field_for_is_listed_as_plan_keys():
     ("unet-sd15", "sd1", "runwayml/stable-diffusion-v1-5"),
     ("dit-wan:frames=33", "wan21", "Wan-AI/Wan2.1-T2V-14B-Diffusers"),
     (TINY, "flux", "black-forest-labs/FLUX.1-dev"),  # (another size of a built-in: said in a note)
+    ("dit-hidream:text_encoders=frozen,force_inference_output=false", "hidream", "HiDream-ai/HiDream-I1-Full"),
+    ("dit-hidream", "hidream", "HiDream-ai/HiDream-I1-Full"),  # (diffusers' inference path: ai-toolkit's differs, said)
 ])
 def test_built_ins_are_the_hub_ids_ai_toolkit_loads(workload, arch, name):
     job = _job(Plan(adapter="lora:r=4,targets=all-linear", precision="bf16-base-noautocast"), 1, workload, 512)
     assert (job.process["model"]["arch"], job.process["model"]["name_or_path"]) == (arch, name)
     assert ("num_frames" in job.process["datasets"][0]) == ("wan" in workload)
     assert any("are not its own" in n for n in job.notes) == (workload == TINY)
+    assert any("routed experts' training path" in n for n in job.notes) == (workload == "dit-hidream")
 
 
 @pytest.mark.parametrize("options,fields", [

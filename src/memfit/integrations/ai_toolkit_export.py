@@ -28,11 +28,13 @@ from memfit.workloads.config_overrides import parse_overrides, split_overrides
 
 CLASSES = {"FluxTransformer2DModel": "flux", "SD3Transformer2DModel": "sd3", "Lumina2Transformer2DModel": "lumina2",
            "QwenImageTransformer2DModel": "qwen_image", "Flux2Transformer2DModel": "flux2",
-           "WanTransformer3DModel": "wan21", "ZImageTransformer2DModel": "zimage"}
+           "WanTransformer3DModel": "wan21", "ZImageTransformer2DModel": "zimage",
+           "HiDreamImageTransformer2DModel": "hidream"}
 """ai-toolkit's arch of each denoiser class memfit reads (UNets: sd1 or sdxl by their added conditioning)."""
 OWN_KEYS = ("text_encoders", "t5", "t5_tokens", "text_layers", "frames", "experts", "switch", "low_vram",
-            "control_images", "control_px")
-"""Workload keys the job says in its own fields (the text encoders' mode, a Wan clip's frames, Wan 2.2's experts)."""
+            "control_images", "control_px", "force_inference_output")
+"""Workload keys the job says in its own fields (the text encoders' mode, a Wan clip's frames, Wan 2.2's experts), or
+that its arch implies (HiDream's routed experts on their training path)."""
 EXPERT_ARCHS = {"dit-wan": "wan22_14b", "dit-wan-i2v": "wan22_14b_i2v"}
 """The built-ins whose ``experts=2`` is ai-toolkit's Wan 2.2 A14B arch (memfit.workloads.wan_experts)."""
 BUILT_IN_IDS: dict[str, tuple[str, str]] = {}
@@ -176,6 +178,10 @@ def _model(model: str, model_class: str | None, text: dict, notes: list[str]) ->
         kept = [kv for kv in overrides.split(",") if kv and kv.split("=", 1)[0] not in (*OWN_KEYS, "caption_tokens")]
         if not kept:
             return edit, next(iter(ARCHS[edit]))
+    if base == "dit-hidream" and "force_inference_output=false" not in overrides.lower().split(","):
+        notes.append("model: ai-toolkit's HiDream runs the routed experts' training path (force_inference_output=false), "
+                     "which keeps their activations: more than this plan's step (plan dit-hidream:force_inference_output="
+                     "false for its own)")
     kept = ",".join(kv for kv in overrides.split(",") if kv and kv.split("=", 1)[0] not in OWN_KEYS)
     built_in = BUILT_IN_IDS.get(f"{base}:{kept}" if kept else base)
     if built_in is not None:
