@@ -178,7 +178,8 @@ def _model(model: str, model_class: str | None, text: dict, notes: list[str]) ->
         kept = [kv for kv in overrides.split(",") if kv and kv.split("=", 1)[0] not in (*OWN_KEYS, "caption_tokens")]
         if not kept:
             return edit, next(iter(ARCHS[edit]))
-    if base == "dit-hidream" and "force_inference_output=false" not in overrides.lower().split(","):
+    hidream = base == "dit-hidream" or model_class == "HiDreamImageTransformer2DModel"
+    if hidream and "force_inference_output=false" not in overrides.lower().split(","):
         notes.append("model: ai-toolkit's HiDream runs the routed experts' training path (force_inference_output=false), "
                      "which keeps their activations: more than this plan's step (plan dit-hidream:force_inference_output="
                      "false for its own)")
