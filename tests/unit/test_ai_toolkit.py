@@ -232,12 +232,10 @@ def test_what_memfit_runs_otherwise_is_said_in_one_line():
                     "diff_output_preservation runs a second f",
                     "layer_offloading: ai-toolkit offloads no", "latents are not cached (cache_latents_to"], said
     assert all("\n" not in w for w in c.warnings)
-    only = map_config(_with(network__network_kwargs={"only_if_contains": ["transformer_blocks"]}), "c.yaml", CARD)
-    assert any("network_kwargs only_if_contains is not mapped" in w for w in only.warnings)
-    ignored = map_config(_with(network__network_kwargs={"ignore_if_contains": ["single_transformer_blocks.", "ff"]}),
-                         "c.yaml", CARD)  # (ai-toolkit's ignore_if_contains: skip=, every layer whose name holds one)
-    assert ignored.plan.adapter == "lora:r=16,alpha=16,targets=in-blocks,skip=single_transformer_blocks.+ff"
-    assert not any("ignore_if_contains" in w for w in ignored.warnings)
+    names = map_config(_with(network__network_kwargs={"ignore_if_contains": ["single_transformer_blocks.", "ff"],
+                                                      "only_if_contains": ["transformer."]}), "c.yaml", CARD)
+    assert names.plan.adapter == "lora:r=16,alpha=16,targets=in-blocks,skip=single_transformer_blocks.+ff,only=transformer."
+    assert not any("_if_contains" in w for w in names.warnings)  # (mapped: skip= and only=, said nowhere)
     sdxl = map_config(_with(model__is_flux=None, model__is_xl=True, model__name_or_path="/m/sdxl"), "c.yaml", CARD)
     assert sdxl.plan.base_weights == "as-is" and any("quantizes no sdxl UNet" in w for w in sdxl.warnings)
 
@@ -268,6 +266,7 @@ def test_older_flags_are_read_in_ai_toolkits_order_and_a_datasets_batch_size_win
      r"wan22_5b, hidream configs, not arch 'omnigen2'; name the model as the workload"),
     ({"network__network_kwargs": {"ignore_if_contains": "ff"}}, r"network_kwargs.ignore_if_contains must be a list of "
      r"parts of layer names, got 'ff'"),
+    ({"network__network_kwargs": {"only_if_contains": ["a+b"]}}, r"network_kwargs.only_if_contains must be a list"),
     ({"model__is_flux": None, "model__arch": "chroma", "model__name_or_path": "lodestones/Chroma"},
      r"does not read ai-toolkit's chroma configs: ai-toolkit trains its own Chroma .* memfit estimate dit-chroma"),
     ({"datasets__num_frames": 0, "model__arch": "wan21"}, "datasets num_frames must be a whole number >= 1"),

@@ -14,7 +14,7 @@ memfit maps it:
 | text encoders | on the device, each prompt encoded every step under no_grad, T5 at 512 tokens; ``cache_text_embeddings`` (train's or a dataset's) or ``unload_text_encoder``: cached | ``text_encoders=frozen`` (``cached``); Qwen-Image's, FLUX.2's and Wan's in the step: said, not held |
 | ``datasets[].num_frames`` (Wan; default 1: images) | clips of that many frames | ``dit-wan:frames=`` down to 4k + 1 (said where it differs) |
 | ``train.train_text_encoder`` | the encoders train | ``text_encoders=trained`` |
-| ``network`` lora, ``rank`` or ``linear`` (default 4), ``linear_alpha`` (default ``alpha``, 1), ``transformer_only`` (default true), ``network_kwargs.ignore_if_contains`` | LoRA on every linear layer of a DiT's transformer blocks (its ``get_transformer_block_names``: Z-Image's 30 ``layers``, not its refiners; false: of the whole transformer; a UNet's: all of them), weights in fp32 | ``adapter: lora:r=linear,alpha=linear_alpha,targets=in-blocks`` (Z-Image: ``in-blocks:layers``; false, or SD 1.x and SDXL: ``targets=all-linear``); ``skip=`` the ignored names |
+| ``network`` lora, ``rank`` or ``linear`` (default 4), ``linear_alpha`` (default ``alpha``, 1), ``transformer_only`` (default true), ``network_kwargs`` ``ignore_if_contains`` and ``only_if_contains`` | LoRA on every linear layer of a DiT's transformer blocks (its ``get_transformer_block_names``: Z-Image's 30 ``layers``, not its refiners; false: of the whole transformer; a UNet's: all of them), weights in fp32 | ``adapter: lora:r=linear,alpha=linear_alpha,targets=in-blocks`` (Z-Image: ``in-blocks:layers``; false, or SD 1.x and SDXL: ``targets=all-linear``); ``skip=`` and ``only=`` the names |
 | ``train.dtype`` bf16 / fp16 (default fp32) | the model in that dtype, the LoRA in fp32, no autocast (each adapted layer's input cast to fp32 and kept for backward) | ``bf16-base-noautocast`` / ``fp16-base-noautocast`` / ``fp32`` |
 | no ``network`` | full fine-tuning: the whole transformer trains in ``train.dtype`` | no adapter; ``bf16-pure`` / ``fp16`` (fp32 weights under autocast: said) / ``fp32`` |
 | ``train.gradient_checkpointing`` (default true) | every transformer block checkpointed | ``checkpointing: blocks`` |
@@ -297,18 +297,18 @@ def _network(arch: str, network: dict, where: str, warnings: list[str]) -> dict:
             f"({arch}'s transformer blocks hold no convolution)"))
     kwargs = network.get("network_kwargs") or {}
     kwargs = kwargs if isinstance(kwargs, dict) else {}
-    if kwargs.get("only_if_contains"):
-        warnings.append(f"ai-toolkit config {where}: network_kwargs only_if_contains is not mapped; memfit adapts every "
-                        "linear layer the rest allows (more LoRA weights and saved inputs than ai-toolkit's: a bound)")
-    ignored = kwargs.get("ignore_if_contains") or []
-    if not isinstance(ignored, list) or not all(isinstance(x, str) and x and not set(x) & set("+,") for x in ignored):
-        raise UserError(f"--from {where}: network_kwargs.ignore_if_contains must be a list of parts of layer names, got "
-                        f"{ignored!r}")
+    names = {}  # (ai-toolkit's names: diffusers', under transformer.; ignore_if_contains wins: skip= and only=)
+    for key, option in (("ignore_if_contains", "skip"), ("only_if_contains", "only")):
+        parts = kwargs.get(key) or []
+        if not isinstance(parts, list) or not all(isinstance(x, str) and x and not set(x) & set("+,") for x in parts):
+            raise UserError(f"--from {where}: network_kwargs.{key} must be a list of parts of layer names, got "
+                            f"{parts!r}")
+        names[option] = f",{option}={'+'.join(parts)}" if parts else ""
     # (transformer_only, ai-toolkit's default: a DiT's LoRA on its transformer blocks alone; a UNet's on all)
     blocks_only = arch not in UNETS and network.get("transformer_only", True) is not False
     blocks = "in-blocks" + (f":{BLOCK_LISTS[arch]}" if arch in BLOCK_LISTS else "")
-    skip = f",skip={'+'.join(ignored)}" if ignored else ""  # (ai-toolkit's names: diffusers', under transformer.)
-    return {"adapter": f"lora:r={rank},alpha={alpha},targets={blocks if blocks_only else 'all-linear'}{skip}"}
+    return {"adapter": f"lora:r={rank},alpha={alpha},targets={blocks if blocks_only else 'all-linear'}"
+                       f"{names['skip']}{names['only']}"}
 
 
 def _quantized(model: dict, where: str, warnings: list[str]) -> dict:

@@ -28,8 +28,9 @@ alone (ai-toolkit's Z-Image LoRA: its 30 ``layers``, not the refiners' four bloc
 names of every module whose class is a linear layer's, the output layer's left out (axolotl's ``lora_target_linear``,
 the QLoRA repository's ``find_all_linear_names``: PEFT's ``all-linear`` also adapts a transformers mixture of experts'
 router and fused experts). ``skip`` leaves out every linear layer whose name holds one of its strings
-(ai-toolkit's ``ignore_if_contains``; a denoiser's names are matched as diffusers writes them, under ``transformer.``,
-too). ``save`` lists modules trained in full beside the adapter (PEFT's
+(ai-toolkit's ``ignore_if_contains``), ``only`` every one whose name holds none of its strings (``only_if_contains``;
+``skip`` wins where both hold); a denoiser's names are matched as diffusers writes them, under ``transformer.``, too.
+``save`` lists modules trained in full beside the adapter (PEFT's
 ``modules_to_save``, e.g. a classifier head); ``params`` names parameters of no linear layer
 (PEFT's ``target_parameters``: a mixture of experts' 3-D expert weights, adapted per expert). The adapter is injected with PEFT's own
 ``inject_adapter_in_model``, so the model keeps its class and the workload's loss runs unchanged.
@@ -101,6 +102,8 @@ class LoRA(Adapter):
     """Weight-decomposed LoRA (DoRA): also learn a magnitude per output feature."""
     skip: tuple[str, ...] = ()
     """Linear layers left out: those whose names hold any of these strings (ai-toolkit's ``ignore_if_contains``)."""
+    only: tuple[str, ...] = ()
+    """Linear layers left out: those whose names hold none of these strings (ai-toolkit's ``only_if_contains``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r < 1:
@@ -138,6 +141,8 @@ class LoRA(Adapter):
             opts.append("params=" + "+".join(self.params))
         if self.skip:
             opts.append("skip=" + "+".join(self.skip))
+        if self.only:
+            opts.append("only=" + "+".join(self.only))
         return f"{self.kind}:" + ",".join(opts)
 
     @property
@@ -167,8 +172,8 @@ class LoRA(Adapter):
         left_out = list(getattr(parts.model, "adapter_leaves_out", None) or [])  # (a workload's frozen encoders)
         if config.target_modules == ALL_LINEAR and not self.targets:
             left_out += _left_out(config, parts.model)
-        left_out += self._skipped(parts.model)
-        config.exclude_modules = left_out or None
+        skipped = self._skipped(parts.model)  # (exact names: PEFT's list also takes a name's suffix, FLUX's proj_out)
+        config.exclude_modules = "|".join(map(re.escape, left_out + skipped)) if skipped else left_out or None
         try:
             parts.model = peft.inject_adapter_in_model(config, parts.model)
         except (ValueError, NotImplementedError) as e:  # (a model PEFT asks what it does not answer: PP-FormulaNet's
@@ -187,25 +192,27 @@ class LoRA(Adapter):
             _check_saved(parts.model, self.save, self.text_value())
 
     def _skipped(self, model) -> list[str]:
-        """The linear layers ``skip`` leaves out; a ``skip`` that names none is a one-line error."""
-        if not self.skip:
-            return []
+        """The linear layers ``skip`` and ``only`` leave out; either naming no layer is a one-line error."""
         import torch
-        out = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
-               and any(s in n or s in "transformer." + n.removeprefix("denoiser.") for s in self.skip)]
-        if not out:
-            raise UserError(f"plan: adapter {self.text_value()}: skip={'+'.join(self.skip)} is in no linear layer's "
-                            "name; give a part of a name (`memfit estimate ... --modules 20` lists the modules)")
-        return out
+        names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)] if self.skip or self.only else []
+
+        def held(name: str, parts: tuple[str, ...]) -> bool:
+            return any(s in name or s in "transformer." + name.removeprefix("denoiser.") for s in parts)
+        for key, parts in (("skip", self.skip), ("only", self.only)):
+            if parts and not any(held(n, parts) for n in names):
+                raise UserError(f"plan: adapter {self.text_value()}: {key}={'+'.join(parts)} is in no linear layer's "
+                                "name; give a part of a name (`memfit estimate ... --modules 20` lists the modules)")
+        return [n for n in names if held(n, self.skip) or self.only and not held(n, self.only)]
 
     def label(self, batch_size):
         return f"{self.kind}{self.r}"
 
     def export(self, into: Export) -> None:
         extras = self.dora or bool(self.save or self.params or self.dropout)
-        into.not_carried(self, kohya=extras or bool(self.skip) or self.targets != (ALL_LINEAR,),
+        into.not_carried(self, kohya=extras or bool(self.skip or self.only) or self.targets != (ALL_LINEAR,),
                          ai_toolkit=extras or self.targets != (ALL_LINEAR,) and not self.in_blocks,
-                         axolotl=bool(self.params or self.skip) or self.in_blocks or ALL_LINEAR in self.targets)
+                         axolotl=bool(self.params or self.skip or self.only) or self.in_blocks
+                         or ALL_LINEAR in self.targets)
         self._axolotl(into)
         if not self.dora:  # (sd-scripts' LoRA adapts every linear layer of the blocks; ai-toolkit's, the transformer's)
             into.kohya.update(network_module="networks.lora", network_dim=self.r, network_alpha=self.scale_alpha,
@@ -213,8 +220,10 @@ class LoRA(Adapter):
             into.ai_toolkit.update({"network.type": "lora", "network.linear": self.r,
                                     "network.linear_alpha": self.scale_alpha,
                                     "network.transformer_only": self.in_blocks,
-                                    **({"network.network_kwargs": {"ignore_if_contains": list(self.skip)}}
-                                       if self.skip else {})})
+                                    **({"network.network_kwargs": {
+                                        **({"ignore_if_contains": list(self.skip)} if self.skip else {}),
+                                        **({"only_if_contains": list(self.only)} if self.only else {})}}
+                                       if self.skip or self.only else {})})
         note = f"build the PEFT model in your code: get_peft_model(model, {self._peft_text()})"
         into.hf_notes.append(note)
         into.lightning_notes.append(note)
@@ -252,8 +261,10 @@ class LoRA(Adapter):
             args.append(f"target_parameters={list(self.params)}")
         if self.dora:
             args.append("use_dora=True")
-        if self.skip:
-            args.append(f"exclude_modules={'.*(' + '|'.join(re.escape(s) for s in self.skip) + ').*'!r}")
+        if self.skip or self.only:  # (PEFT matches a string in full: those holding a skip, or none of the only)
+            alt = {k: "|".join(map(re.escape, v)) for k, v in (("skip", self.skip), ("only", self.only))}
+            cases = ([f"(?=.*(?:{alt['skip']}))"] if self.skip else []) + ([f"(?!.*(?:{alt['only']}))"] if self.only else [])
+            args.append(f"exclude_modules={'(?:' + '|'.join(cases) + ').*'!r}")
         return f"LoraConfig({', '.join(args)})"
 
 
@@ -409,16 +420,16 @@ def parse(values: dict) -> Adapter:
     options: dict = {}
     for part in filter(None, rest.split(",")):
         m = _OPTION.match(part.strip())
-        if not m or m.group(1) not in ("r", "alpha", "targets", "dropout", "save", "params", "skip"):
+        if not m or m.group(1) not in ("r", "alpha", "targets", "dropout", "save", "params", "skip", "only"):
             raise UserError(f"plan: adapter option {part!r} is not valid; use r=, alpha=, targets=a+b, dropout=, "
-                            "save=a+b, params=a+b, skip=a+b (e.g. lora:r=16,alpha=32,targets=q_proj+v_proj,dropout=0.05)")
+                            "save=a+b, params=a+b, skip=a+b, only=a+b (e.g. lora:r=16,alpha=32,targets=q_proj+v_proj)")
         name, value = m.groups()
         options[name] = _option(name, value, text)
     return LoRA(**options, dora=kind == "dora")
 
 
 def _option(name: str, value: str, text: str):
-    if name in ("targets", "save", "params", "skip"):
+    if name in ("targets", "save", "params", "skip", "only"):
         return tuple(v for v in value.split("+") if v)
     try:
         return int(value) if name == "r" else float(value)
@@ -429,8 +440,8 @@ def _option(name: str, value: str, text: str):
 TECHNIQUE = register(
     Technique("adapter", (Key("adapter", "none", "Train an adapter instead of the model (a method: changes what is "
                               "trained): none | lora:r=16,alpha=32,targets=q_proj+v_proj,dropout=0.05,save=lm_head | "
-                              "lora:r=16,targets=in-blocks,skip=ff_i.experts (leave out the linear layers whose names "
-                              "hold it: ai-toolkit's ignore_if_contains) | "
+                              "lora:r=16,targets=in-blocks,skip=ff_i.experts,only=blocks.1 (leave out the linear layers "
+                              "whose names hold a skip or no only: ai-toolkit's ignore_if_contains, only_if_contains) | "
                               "lora:r=16,params=experts.gate_up_proj+experts.down_proj (a mixture of experts' "
                               "expert weights) | dora:... | qlora:... and qdora:... (the same over base_weights "
                               "nf4).", metavar="ADAPTER"),),

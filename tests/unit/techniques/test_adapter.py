@@ -210,6 +210,7 @@ def test_a_16_bit_base_without_an_adapter_or_with_fp16_modules_to_train_is_one_l
     ("lora:r=8,save=nope", "save=nope matches no module"),
     ("lora:rank=8", "option 'rank=8' is not valid"),
     ("lora:r=8,skip=nope", "skip=nope is in no linear layer's name"),
+    ("lora:r=8,only=nope", "only=nope is in no linear layer's name"),
     ("lorax", "is not valid"),
 ])
 def test_bad_adapters_get_one_line(text, problem):
@@ -219,8 +220,8 @@ def test_bad_adapters_get_one_line(text, problem):
 
 
 def test_adapter_text_round_trips():
-    plan = Plan(adapter="dora:r=16,alpha=32,targets=q_proj+v_proj,dropout=0.05,save=lm_head,skip=layers.1.")
-    assert plan.adapter == "dora:r=16,alpha=32,targets=q_proj+v_proj,dropout=0.05,save=lm_head,skip=layers.1."
+    plan = Plan(adapter="dora:r=16,alpha=32,targets=q_proj+v_proj,dropout=0.05,save=lm_head,skip=layers.1.,only=mlp")
+    assert plan.adapter == "dora:r=16,alpha=32,targets=q_proj+v_proj,dropout=0.05,save=lm_head,skip=layers.1.,only=mlp"
     assert Plan.from_dict(plan.to_dict()) == plan
     assert Plan().adapter == "none"
 
@@ -410,6 +411,9 @@ def test_skip_leaves_out_the_layers_whose_names_hold_it_as_ai_toolkits_ignore_if
     kept = adapted("lora:r=4,targets=in-blocks,skip=transformer.single_transformer_blocks.+ff.net+nowhere")
     assert kept == {n for n in every if not n.startswith("single_transformer_blocks.") and "ff.net" not in n}
     assert kept and {"transformer_blocks.0.attn.to_q", "transformer_blocks.1.ff_context.net.2"} <= kept
+    only = adapted("lora:r=4,targets=in-blocks,skip=attn.to_q,only=transformer.single_transformer_blocks.+ff.net")
+    assert only == {n for n in every if (n.startswith("single_transformer_blocks.") or "ff.net" in n)
+                    and "attn.to_q" not in n}  # (only_if_contains, with ignore_if_contains winning: as ai-toolkit)
     plan = Plan(adapter="lora:r=4,targets=in-blocks,skip=single_transformer_blocks.", precision="bf16-base-noautocast")
     r = profile(FLUX, plan, batch_size=1, resolution=64, repeats=0)
     assert abs(r.error_percent) <= 1.0, r.error_percent
