@@ -54,7 +54,7 @@ def test_the_dit_takes_what_the_pipeline_encodes_with_the_cached_steps_loss_and_
     assert all(torch.equal(grads[n], p.grad) for n, p in model.denoiser.named_parameters() if p.grad is not None)
 
 
-@pytest.mark.parametrize("path", ["inference", "training"])
+@pytest.mark.parametrize("path", [pytest.param("inference", marks=pytest.mark.slow), "training"])  # (ai-toolkit's)
 def test_the_step_with_the_encoders_is_measured_as_predicted(path):
     """The four encoders' weights and their encoding's transients beside the DiT: a real run (routed as the trace
     assumes) measures the prediction, on diffusers' inference path and ai-toolkit's training path; the encoders add
