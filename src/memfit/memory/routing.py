@@ -347,7 +347,8 @@ def experts_facts(answers: RoutingAnswers | None, model, worst_peak: int | None,
         return []
     layers = list(answers.layers.values())
     shapes = stored_shapes(model)
-    total = sum(_numel(p, shapes) for name, p in model.named_parameters() if not _is_adapters(name))
+    routed = model.denoiser if hasattr(model, "text_encoders") else model  # (a denoiser's own, not its text encoders')
+    total = sum(_numel(p, shapes) for name, p in routed.named_parameters() if not _is_adapters(name))
     first = layers[0]
     shape = (f"top-{first.top_k} of {first.experts} experts" if all((x.experts, x.top_k) == (first.experts, first.top_k)
                                                                    for x in layers) else "top-k experts")
