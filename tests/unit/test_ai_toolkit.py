@@ -127,6 +127,16 @@ def test_ai_toolkits_other_examples_are_the_runs_it_makes_of_them(name, workload
     assert [w.split(": ", 1)[1][:len(s)] for w, s in zip(c.warnings, said)] == said and len(c.warnings) == len(said)
 
 
+def test_hidreams_clips_are_said_only_where_ai_toolkit_quantizes_its_other_encoders():
+    """ai-toolkit's ``quantize_te`` quantizes HiDream's Llama-3.1 and T5-XXL, not its CLIPs (said, as memfit's fp8 stores
+    them too); with ``quantize_te: false`` the general line says that every encoder differs."""
+    data = yaml.safe_load((DATA / "train_lora_hidream_48.yaml").read_text())
+    data["config"]["process"][0]["model"]["quantize_te"] = False
+    said = [w.split(": ", 1)[1][:40] for w in map_config(data, "h.yaml", CARD).warnings]
+    assert said == ["quantize_te differs from quantize; memfi", "ai-toolkit's HiDream router appends each",
+                    "latents are not cached (cache_latents_to"], said
+
+
 def test_the_z_image_turbo_example_is_its_run():
     """ai-toolkit's Z-Image Turbo example: Z-Image's built-in with Qwen3-4B in the step, Prodigy, a rank-128 LoRA on the 30 ``layers`` alone (its ``get_transformer_block_names``,
     not the refiners), fp8 base, 1024 px buckets of 32 px, and what memfit does not hold said (DOP, the assistant

@@ -174,7 +174,8 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
     if arch in EDITS and any(isinstance(d, dict) and d.get("control_path") for d in datasets):
         workload = reference_image(arch, workload, model, datasets, where, warnings)
     if arch == "hidream":
-        workload = hidream(workload, text, bool(fields.get("base_weights")), where, warnings)
+        both = bool(fields.get("base_weights")) and bool(model.get("quantize_te", model.get("quantize")))
+        workload = hidream(workload, text, both, where, warnings)
     if arch in EXPERTS and "experts=" not in workload:  # (a folder too: NOTE [ A Wan 2.2 pipeline's two experts ])
         workload = experts(workload, model, train, where, warnings)
     dtype = str(train.get("dtype", "fp32")).lower()
