@@ -56,7 +56,7 @@ def test_an_sdxl_lora_of_a_checkpoint_file_takes_the_model_named_beside_it():
                           optimizer="adamw8bit-paged", micro_batch_size=4, max_grad_norm=None)
     assert c.plan.micro_batches(c.batch_size) == (4, 2)
     assert [w.split(": ", 1)[1].split(";")[0] for w in c.warnings] == [
-        "network_args are not mapped (conv_dim, train_blocks, ...)", "memfit has no fp16 weights"]
+        "network_args are not mapped (loraplus_lr_ratio)", "memfit has no fp16 weights"]
     assert "1216x832 px" in c.summary()
 
 
@@ -272,8 +272,7 @@ def test_text_encoders_the_config_trains_or_runs_are_in_the_workload_and_said_el
     fp8_unet = map_config({**lora, "cache_text_encoder_outputs": False, "fp8_base_unet": True,
                            "network_args": ["train_t5xxl=True"]}, "c.toml", CARD)
     assert [w.split(": ", 1)[1][:40] for w in fp8_unet.warnings] == [
-        "train_t5xxl: memfit trains the CLIP enco", "fp8_base_unet keeps the text encoders in",
-        "network_args are not mapped (conv_dim, t"]
+        "train_t5xxl: memfit trains the CLIP enco", "fp8_base_unet keeps the text encoders in"]  # (said once)
     other = map_config({**lora, "cache_text_encoder_outputs": False}, "c.toml", CARD, "dit-flux2")
     assert other.workload == "dit-flux2" and "the text encoders are trained too" in other.warnings[0]
     full = map_config({**MINIMAL, "cache_text_encoder_outputs": False, "train_text_encoder": True}, "c.toml", CARD)
@@ -293,3 +292,46 @@ def test_text_encoders_the_config_trains_or_runs_are_in_the_workload_and_said_el
     assert map_config(lumina, "c.toml", CARD).workload == "dit-lumina2:text_encoders=trained"
     assert map_config({**lumina, "network_train_unet_only": True}, "c.toml", CARD).workload == \
         "dit-lumina2:text_encoders=frozen"
+
+
+@pytest.mark.parametrize("args,only", [
+    (["train_blocks=all"], None),
+    (["train_blocks=single"], [f"transformer.single_transformer_blocks.{i}." for i in range(38)]),
+    (["train_blocks=double", "train_double_block_indices=0-2,7"],
+     [f"transformer.transformer_blocks.{i}." for i in (0, 1, 2, 7)]),
+    (["train_double_block_indices=none", "train_single_block_indices=10"], ["transformer.single_transformer_blocks.10."]),
+])
+def test_fluxs_block_selection_is_the_adapters_only(args, only):
+    """sd-scripts' ``train_blocks`` and ``train_double_block_indices``/``train_single_block_indices`` (networks.lora_flux)
+    choose the blocks its LoRA adapts: memfit's ``only=`` those blocks, named as diffusers writes them, and the text
+    encoders (whose trained CLIP-L keeps its LoRA); every block is no ``only=``. Not said: it is mapped."""
+    c = map_config({**MINIMAL, "network_module": "networks.lora_flux", "network_args": args}, "c.toml", CARD)
+    want = "lora:r=4,alpha=1,targets=all-linear" + ("" if only is None else ",only=" + "+".join([*only, "text_encoders."]))
+    assert c.plan.adapter == want and not any("network_args" in w for w in c.warnings)
+
+
+def test_a_flux_block_selection_adapts_those_blocks_alone():
+    """On a tiny FLUX with its CLIP-L trained, ``train_blocks=single`` leaves the double-stream blocks and the layers
+    outside the blocks without LoRA, as sd-scripts does, and keeps CLIP-L's."""
+    from memfit.step import build_step
+    tiny = ("dit-flux:num_layers=1,num_single_layers=2,attention_head_dim=16,num_attention_heads=2,joint_attention_dim=32,"
+            "pooled_projection_dim=16,in_channels=16,axes_dims_rope=4/6/6,text_encoders=trained,text_layers=1,t5=cached")
+    c = map_config({**MINIMAL, "network_module": "networks.lora_flux", "network_args": ["train_blocks=single"]},
+                   "c.toml", CARD)
+    from memfit.target import Target
+    model = build_step(Target.resolve(tiny, Plan(adapter=c.plan.adapter), 1, "cpu", resolution=64)).model
+    adapted = {n.split(".lora_A")[0] for n, _ in model.named_parameters() if ".lora_A." in n}
+    assert adapted and all(n.startswith(("denoiser.single_transformer_blocks.", "text_encoders.0.")) for n in adapted)
+    assert any(n.startswith("text_encoders.0.") for n in adapted)
+    assert {f"denoiser.single_transformer_blocks.{i}.proj_out" for i in (0, 1)} <= adapted
+
+
+@pytest.mark.parametrize("args,error", [
+    (["train_blocks=some"], "network_args train_blocks=some is not all, single or double"),
+    (["train_single_block_indices=40"], "train_single_block_indices=40 is not all, none, or indices and ranges below 38"),
+    (["train_blocks=double", "train_double_block_indices=none"], "network_args select no FLUX.1 block"),
+    (["conv_dim"], "network_args must be a list of \"key=value\" strings, got 'conv_dim'"),
+])
+def test_bad_block_selections_are_one_line(args, error):
+    with pytest.raises(UserError, match=error):
+        map_config({**MINIMAL, "network_module": "networks.lora_flux", "network_args": args}, "c.toml", CARD)

@@ -34,7 +34,8 @@ What the estimate ignores, and how it says so:
   text-encoder outputs of a model that does not hold its encoders (memfit's batch is the cached tensors: the
   VAE or text encoders running in the step are not in the estimate); text encoders trained where the model
   does not hold them; FLUX's swapped blocks
-  as memfit counts them; ``network_args``; ``fused_backward_pass`` in a LoRA config (sd-scripts ignores it);
+  as memfit counts them; ``network_args`` but FLUX's block selection (``train_blocks``, ``train_double_block_indices``,
+  ``train_single_block_indices``: the adapter's ``only=``, :func:`flux_blocks`); ``fused_backward_pass`` in a LoRA config (sd-scripts ignores it);
   any other argument set.
 - **Ignored in silence**: the run around the step (data, captions, buckets, schedule, sampling, saving,
   logging, the other models' files: :data:`NO_MEMORY_EFFECT`), and ``network_dropout`` (sd-scripts drops
@@ -52,6 +53,7 @@ from pathlib import Path
 from memfit.devices import Device
 from memfit.errors import UserError
 from memfit.integrations.configs import TrainingConfig, whole
+from memfit.integrations.kohya_blocks import FLUX_DOUBLE, FLUX_SINGLE, flux_blocks, network_args
 from memfit.integrations.kohya_text import caption, holder, text_encoders, text_states_cached
 from memfit.plans import Plan
 
@@ -218,8 +220,6 @@ def _memory(data: dict, where: str, family: str, accum: int, warnings: list[str]
 
 LORA_MODULES = ("networks.lora", "networks.lora_flux", "networks.lora_sd3", "networks.lora_lumina")
 """sd-scripts' LoRA training modules (lora_fa freezes A; lora_interrogator and lora_diffusers train nothing)."""
-FLUX_DOUBLE, FLUX_SINGLE = 19, 38
-"""FLUX.1's double- and single-stream blocks (memfit's order: the doubles first, then the singles)."""
 FLUX_MOST_SWAPPED = max(n for n in range(FLUX_DOUBLE + FLUX_SINGLE)
                         if n // 2 <= FLUX_DOUBLE - 2 and (n - n // 2) * 2 <= FLUX_SINGLE - 2)
 """sd-scripts' most ``blocks_to_swap`` of FLUX (35: 17 double-stream and 36 single-stream blocks; it keeps two of each)."""
@@ -349,9 +349,13 @@ def _method(data: dict, where: str, warnings: list[str]) -> dict:
                         "(networks.lora, networks.lora_flux, ...)")
     options = [f"r={whole(data, 'network_dim', where, 4)}", f"alpha={data.get('network_alpha', 1)}",
                "targets=all-linear"]  # (network_dropout: on the rank-r output in sd-scripts, a mask of r values a row)
-    if data.get("network_args"):
-        warnings.append(f"kohya config {where}: network_args are not mapped (conv_dim, train_blocks, ...); memfit's "
-                        "LoRA adapts the denoiser's linear layers, where they may adapt more or fewer")
+    args = network_args(data, where)
+    if module == "networks.lora_flux":
+        options += flux_blocks(args, where)
+    args.pop("train_t5xxl", None)  # (said with the text encoders: memfit.integrations.kohya_text)
+    if args:
+        warnings.append(f"kohya config {where}: network_args are not mapped ({', '.join(args)}); memfit's LoRA adapts "
+                        "the denoiser's linear layers, where they may adapt more or fewer")
     return {"adapter": f"lora:{','.join(options)}", **({"base_weights": "fp8"} if fp8 else {})}
 
 
