@@ -28,8 +28,9 @@ from memfit.workloads import text_encoders as te
 LLAMA_VOCAB, LLAMA_LAYERS, LLAMA_HEADS, LLAMA_KV_HEADS, LLAMA_FF = 128256, 32, 32, 8, 14336
 """Llama-3.1-8B (``unsloth/Meta-Llama-3.1-8B-Instruct``, ai-toolkit's default ``llama_model_path``): 4096 wide."""
 CLIP_POSITIONS = 248
-"""HiDream's CLIP encoders' position table (Long-CLIP's 248; the pipeline pads their captions to 128 tokens, more
-than CLIP-L's usual 77). The table is 0.4 MB; only its size depends on this."""
+"""HiDream's CLIP encoders' position table: Long-CLIP's 248 (HiDream-I1's report, arXiv 2505.22705: "Long-Context CLIP
+(L/14 and G/14)"; the pipeline pads their captions to 128 tokens, more than CLIP's usual 77). The table is 0.4 MB;
+only its size depends on this."""
 
 
 def hidream_configs(pooled: int, t5: int, llama: int, layers: int, text_layers: int | None) -> list:
