@@ -93,3 +93,29 @@ def test_bad_values_are_one_line():
     with pytest.raises(UserError, match="caption_tokens=300 exceeds the 248 positions of HiDream's CLIP encoders"):
         load_workload("dit-hidream:text_encoders=frozen,caption_tokens=300")
     assert load_workload("dit-hidream:caption_tokens=300").info.config["caption_tokens"] == 300  # (cached: any)
+
+
+def test_a_pipelines_hub_id_takes_ai_toolkits_path_and_its_own_clip_and_t5_configs(hub_cache, no_network):
+    """A HiDream pipeline's hub id with ai-toolkit's overrides (the experts' training path, which no released
+    config.json names, and the encoders in the step): built with the pipeline's own CLIP and T5 configs where it holds
+    them (their positions read, not assumed), Llama-3.1 from its widths (it is not in the pipeline's repository)."""
+    dit = {"_class_name": "HiDreamImageTransformer2DModel", "patch_size": 2, "in_channels": 16, "out_channels": 16,
+           "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 32, "num_attention_heads": 2,
+           "caption_channels": [64, 64], "text_emb_dim": 32, "num_routed_experts": 4, "num_activated_experts": 2,
+           "axes_dims_rope": [8, 12, 12], "max_resolution": [128, 128], "llama_layers": [0, 1]}
+    built = hidream_configs(32, 64, 64, 2, 1)
+    clips = [{**c.to_dict(), "max_position_embeddings": 200, "model_type": "clip_text_model",
+              "architectures": ["CLIPTextModelWithProjection"]} for c in built[:2]]
+    t5 = {**built[2].to_dict(), "model_type": "t5", "architectures": ["T5EncoderModel"]}
+    index = {"_class_name": "HiDreamImagePipeline", "transformer": ["diffusers", dit["_class_name"]],
+             **{f"text_encoder{s}": ["transformers", "X"] for s in ("", "_2", "_3")}}
+    files = {"model_index.json": index, "transformer/config.json": dit, "text_encoder/config.json": clips[0],
+             "text_encoder_2/config.json": clips[1], "text_encoder_3/config.json": t5}
+    hub_cache("HiDream-ai/toy-hidream", None, files=files)
+    spec = "HiDream-ai/toy-hidream:caption_tokens=8,text_encoders=frozen,text_layers=1,force_inference_output=false"
+    wl = load_workload(spec, resolution=128)
+    assert wl.info.config["force_inference_output"] is False
+    with torch.device("meta"):
+        model = wl.model()
+    assert [e.config.max_position_embeddings for e in model.text_encoders[:2]] == [200, 200]
+    assert type(model.text_encoders[3]).__name__ == "LlamaForCausalLM"

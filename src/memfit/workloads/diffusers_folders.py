@@ -148,8 +148,10 @@ OWN_KEYS = {"WanTransformer3DModel": CLIP_KEYS + EXPERT_KEYS, "HunyuanVideoTrans
             "CogVideoXTransformer3DModel": CLIP_KEYS, "LTXVideoTransformer3DModel": CLIP_KEYS,
             "LTX2VideoTransformer3DModel": (*CLIP_KEYS, "connectors"),
             "ZImageTransformer2DModel": ("caption_tokens", "width", "text_encoders", "text_layers"),
-            "HiDreamImageTransformer2DModel": ("caption_tokens", "width", "text_encoders")}
-"""The size overrides of the classes that take others than SIZE_KEYS (Z-Image's longest caption and its Qwen3)."""
+            "HiDreamImageTransformer2DModel": ("caption_tokens", "width", "text_encoders", "text_layers",
+                                               "force_inference_output")}
+"""The size overrides of the classes that take others than SIZE_KEYS (Z-Image's longest caption and its Qwen3;
+HiDream's routed experts' path, which no released config.json holds)."""
 
 
 def size_overrides(data: dict, overrides: dict | None) -> dict:

@@ -94,6 +94,8 @@ def hidream(overrides: dict, seq_len: int | None, resolution: int | None, m: Ima
                         "use a smaller --resolution or width=")
 
     encoders = hidream_configs(pooled, t5, llama, layers, text_layers) if text_mode == "frozen" else []
+    if encoders:  # (a pipeline folder's own CLIP and T5 configs where it holds them; Llama-3.1 is not in it)
+        encoders = [*te.chosen(m.text_configs, encoders[:3], text_layers), encoders[3]]
 
     def batch(b: int) -> dict:
         latents, noise, t = torch.randn(b, channels, high, wide), torch.randn(b, channels, high, wide), torch.rand(b)
