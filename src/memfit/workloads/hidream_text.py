@@ -3,7 +3,7 @@
 Memory/compute trade-off. diffusers' HiDream LoRA script encodes its prompt once and trains on the cached states
 (``dit-hidream``'s default, ``text_encoders=cached``): no encoder weight is on the device. ai-toolkit's HiDream
 trainer keeps all four on the device and encodes each step's captions under ``no_grad``, unless a dataset caches
-them (``cache_text_embeddings``). That is 13.3B frozen parameters beside the DiT's 17.1B:
+them (``cache_text_embeddings``). That is 13.6B frozen parameters beside the DiT's 17.1B:
 
 - CLIP-L and CLIP-G with their projections (123M and 695M), whose projected pooled outputs, side by side, are the
   DiT's ``pooled_embeds`` (768 + 1280 = 2048);
@@ -14,7 +14,7 @@ them (``cache_text_embeddings``). That is 13.3B frozen parameters beside the DiT
   pipeline asks for ``output_attentions=True`` too, which transformers' SDPA attention, the default, does not return:
   it says so and returns none, so memfit does not ask.
 
-In bf16 they weigh 26.6 GB, in one-byte weights (ai-toolkit's ``quantize_te``, qfloat8) 13.9 GB: what makes its
+In bf16 they weigh 27.2 GB, with one-byte linear weights (ai-toolkit's ``quantize_te``, qfloat8) 14.4 GB: what makes its
 HiDream LoRA a 48 GB recipe, where the cached states take 32 MiB a sample. The encodings' activations are small
 (128 tokens a caption: ``max_sequence_length``, for all four, CLIP's padded to it too).
 """
