@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from memfit.integrations.configs import whole
+from memfit.integrations.kohya_blocks import network_args
 from memfit.workloads.config_overrides import split_overrides, with_override
 
 HOLDERS = {"UNet2DConditionModel": "unet", "FluxTransformer2DModel": "flux", "SD3Transformer2DModel": "sd3",
@@ -49,8 +50,7 @@ def text_encoders(model: str, data: dict, where: str, warnings: list[str], famil
     t5_only = family == "sd3" and not lora and bool(data.get("use_t5xxl_cache_only"))
     cached = _caches(data, "cache_text_encoder_outputs") or t5_only
     mode = "trained" if trained else "frozen" if not cached or t5_only else None
-    if data.get("train_t5xxl") or any(str(a).replace(" ", "") == "train_t5xxl=True"
-                                      for a in data.get("network_args") or []):
+    if data.get("train_t5xxl") or network_args(data, where).get("train_t5xxl") == "True":
         warnings.append(f"kohya config {where}: train_t5xxl: memfit trains the CLIP encoders only; T5-XXL's training "
                         "and its activations for backward are not in the estimate")
     if mode is None:

@@ -173,7 +173,8 @@ class LoRA(Adapter):
         if config.target_modules == ALL_LINEAR and not self.targets:
             left_out += _left_out(config, parts.model)
         skipped = self._skipped(parts.model)  # (exact names: PEFT's list also takes a name's suffix, FLUX's proj_out)
-        config.exclude_modules = "|".join(map(re.escape, left_out + skipped)) if skipped else left_out or None
+        config.exclude_modules = "|".join([*(rf"(?:.*\.)?{re.escape(n)}" for n in left_out), *map(re.escape, skipped)]) \
+            if skipped else left_out or None  # (the list's entries as PEFT's list matches them: a name or its suffix)
         try:
             parts.model = peft.inject_adapter_in_model(config, parts.model)
         except (ValueError, NotImplementedError) as e:  # (a model PEFT asks what it does not answer: PP-FormulaNet's
