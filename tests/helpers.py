@@ -121,3 +121,49 @@ def with_two_workers(script: str, *args: str, timeout: int = 120, flags: tuple =
     out = subprocess.run([sys.executable, *flags, "-c", script, *args], capture_output=True, text=True, env=env,
                          timeout=timeout)
     return out.stdout.strip() if out.stdout.strip() == "ok" else out.stdout.strip() + "\n" + out.stderr[-2000:]
+
+
+def peft_loop(spec, lora_kwargs, steps=3, batch_size=2, half=None, autocast=True, config=None):
+    """The PEFT user's own loop: the model loaded (as from_pretrained loads it: built on the meta device,
+    its weights materialised), the adapter injected, AdamW on what requires grad, plain steps. ``half``
+    (torch.bfloat16 or torch.float16): the model loaded with that dtype, the adapter upcast to fp32 as
+    get_peft_model upcasts it (autocast_adapter_dtype=True), the steps under its autocast, an fp16 loss
+    scaled by a GradScaler (Trainer(bf16=True) / Trainer(fp16=True)); not ``autocast``: the steps without it and
+    no loss scaled (ai-toolkit's loop, and a Trainer left without bf16=True). ``config``: PEFT's config class
+    (LoraConfig by default; LoKrConfig)."""
+    import contextlib
+
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.tuners.tuners_utils import cast_adapter_dtype
+
+    from memfit.techniques.loading import materialise
+    wl = load_workload(spec, seq_len=64)
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(half or default)
+    try:
+        with torch.device("meta"):
+            base = wl.model()
+    finally:
+        torch.set_default_dtype(default)
+    materialise(base, "cpu")
+    model = inject_adapter_in_model((config or LoraConfig)(**lora_kwargs), base)
+    if half:
+        cast_adapter_dtype(model, "default")
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu", enabled=half == torch.float16 and autocast)
+    torch.manual_seed(1)
+    batch = wl.batch(batch_size)
+    losses, params = [], []
+    for i in range(steps):
+        torch.manual_seed(100 + i)
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=half) if half and autocast else contextlib.nullcontext():
+            loss = wl.loss(model, batch)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        losses.append(float(loss))
+        params.append({n: p.detach().float().clone() for n, p in model.named_parameters()})
+    return losses, params

@@ -19,7 +19,9 @@ of a tuple (``unbind``'s) gets its own.
 One more value is known without a twin: a draw from a normal distribution (``randn``, and its casts
 and views) is never exactly 0, so its ``== 0`` is all False, a twin of one value expanded
 (no memory, whatever its size): SmolVLM keeps the tiles whose pixels are not all 0, every one of a
-synthetic batch's, as in a real run.
+synthetic batch's, as in a real run. And a uniform draw (``rand``) is above 0 but once in 2**24 (fp32): its
+``> 0`` is all True (PEFT's LoKr and LoHa layers apply their update where ``torch.rand(1) > module_dropout``,
+0 by default: every step but one in 16 million of a real run's).
 
 The tracker then answers from the twins what fake mode cannot know: a scalar read (``.item()``,
 ``bool(t)``) is the twin's value, not an assumption; ``nonzero``, ``masked_select`` and an index by a
@@ -50,6 +52,8 @@ _LIFTS = frozenset({aten.lift_fresh.default, aten.lift_fresh_copy.default})
 _SKIP = frozenset({aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default})
 _DRAWN = frozenset({aten.randn.default, aten.randn.generator, aten.randn_like.default})
 """Draws from a normal distribution: never exactly 0 (a uniform ``rand`` in fp32 is, once in 2**24)."""
+_UNIFORM = frozenset({aten.rand.default, aten.rand.generator, aten.rand_like.default})
+"""Draws from a uniform distribution on [0, 1)."""
 _KEEPS_DRAWN = frozenset({aten._to_copy.default, aten.view.default, aten._unsafe_view.default, aten.clone.default,
                           aten.reshape.default, aten.contiguous.default})
 
@@ -60,6 +64,7 @@ class RealValues:
     def __init__(self, seed: int = 0):
         self._twins: dict[int, torch.Tensor] = {}  # id(fake tensor) -> its real twin
         self._drawn: set[int] = set()  # id(fake tensor) drawn from a normal distribution (randn)
+        self._uniform: set[int] = set()  # id(fake tensor) drawn from a uniform distribution on [0, 1) (rand)
         self._gen = torch.Generator().manual_seed(seed)
 
     def of(self, t) -> torch.Tensor | None:
@@ -73,6 +78,14 @@ class RealValues:
         if func in _DRAWN or func in _KEEPS_DRAWN and args and id(args[0]) in self._drawn:
             if isinstance(out, torch.Tensor) and out.is_floating_point():
                 self._mark_drawn(out)
+            return
+        if func in _UNIFORM or func in _KEEPS_DRAWN and args and id(args[0]) in self._uniform:
+            if isinstance(out, torch.Tensor) and out.is_floating_point():
+                self._mark_drawn(out, self._uniform)
+            return
+        if func is aten.gt.Scalar and id(args[0]) in self._uniform and args[1] <= 0 and _valued(out, constant=True):
+            with _disable_current_modes():  # (a uniform draw is above 0: the module's NOTE)
+                self._keep(out, torch.ones((), dtype=torch.bool).expand(out.shape))
             return
         if func is aten.eq.Scalar and id(args[0]) in self._drawn and args[1] == 0 and _valued(out, constant=True):
             # (a normal draw is never exactly 0: SmolVLM finds padding images by their zeros)
@@ -122,11 +135,12 @@ class RealValues:
                    isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) and id(x) in twins for x in a)
                    for a in args)
 
-    def _mark_drawn(self, fake: torch.Tensor) -> None:
+    def _mark_drawn(self, fake: torch.Tensor, drawn: set[int] | None = None) -> None:
+        drawn = self._drawn if drawn is None else drawn
         key = id(fake)
-        if key not in self._drawn:
-            self._drawn.add(key)
-            weakref.finalize(fake, self._drawn.discard, key)
+        if key not in drawn:
+            drawn.add(key)
+            weakref.finalize(fake, drawn.discard, key)
 
     def _keep(self, fake: torch.Tensor, real: torch.Tensor | None) -> None:
         if real is None or real.numel() > LIMIT and any(real.stride()):  # (a constant, all strides 0, costs nothing)

@@ -96,3 +96,20 @@ def test_a_scalar_made_where_a_check_was_freed_is_not_read_as_that_check():
             reads.append(found_inf.item())
             del found_inf
     assert reads == [0.0] * 50
+
+
+def test_a_uniform_draw_is_known_to_be_above_zero_and_nothing_else_of_it_is():
+    """PEFT's LoKr layer applies its update where ``torch.rand(1) > module_dropout`` (0): a fake trace knows a uniform
+    draw is above 0 (as in a real run, but once in 2**24 draws), through its views and casts; a comparison with
+    another threshold is still unknown (assumed False), and so is a normal draw's ``> 0``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), MemoryTracker(assume_scalars=True) as tracker:
+        draw = torch.rand(1)
+        assert bool(draw > 0) is True
+        assert bool(draw.view(()).clone() > 0.0) is True
+        assert bool((torch.rand(3, 4).reshape(12) > 0).all()) is True
+        assert bool(draw > 0.5) is False
+        assert bool(torch.randn(1) > 0) is False
+    assumed = [a.what for a in tracker.approximations.values()]
+    assert len(assumed) == 2, assumed

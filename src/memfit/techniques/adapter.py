@@ -1,45 +1,42 @@
-"""Adapters (LoRA, DoRA): a *method*, not a technique: train small low-rank matrices beside frozen
-base weights instead of the weights themselves.
+"""Adapters (LoRA, DoRA): a *method*, not a technique: train small low-rank matrices beside frozen base weights instead
+of the weights themselves.
 
-A LoRA adapter of rank r on a linear layer W [out, in] adds ``B @ A`` (A: [r, in], B: [out, r],
-B starts at zero) scaled by alpha / r; only A and B train. Memory: the base weights stay, but
-their gradients and optimizer states go (AdamW: 12 of 16 bytes per fp32 parameter), replaced by
-those of r * (in + out) adapter parameters per layer. Activations barely shrink: backward still
-needs each targeted layer's input (for A's gradient) and the frozen layers' inputs only where a
-trainable parameter lies before them; the adapter adds its own [tokens, r] intermediate (and a
-dropout mask when ``dropout`` > 0). DoRA also learns a magnitude per output feature and
-normalises ``W + BA`` by its column norm every forward: an extra [out, in] temporary per layer
-and more compute.
+A LoRA adapter of rank r on a linear layer W [out, in] adds ``B @ A`` (A: [r, in], B: [out, r], B starts at zero)
+scaled by alpha / r; only A and B train. Memory: the base weights stay, but their gradients and optimizer states go
+(AdamW: 12 of 16 bytes per fp32 parameter), replaced by those of r * (in + out) adapter parameters per layer.
+Activations barely shrink: backward still needs each targeted layer's input (for A's gradient) and the frozen
+layers' inputs only where a trainable parameter lies before them; the adapter adds its own [tokens, r] intermediate
+(and a dropout mask when ``dropout`` > 0). DoRA also learns a magnitude per output feature and normalises ``W + BA``
+by its column norm every forward: an extra [out, in] temporary per layer and more compute.
 
-It changes *what is trained* (a different model comes out), so the planner never picks it by
-itself: ``memfit plan --methods full,lora`` compares methods only when asked (NOTE [ Methods are
-the user's ]).
+It changes *what is trained* (a different model comes out), so the planner never picks it by itself: ``memfit plan
+--methods full,lora`` compares methods only when asked (NOTE [ Methods are the user's ]).
 
-Plan key ``adapter``: ``none`` (:class:`NoAdapter`), or ``lora:OPTIONS`` / ``dora:OPTIONS``
-(:class:`LoRA`) with comma-separated options ``r=16,alpha=32,targets=q_proj+v_proj,
-dropout=0.05,save=lm_head,params=experts.gate_up_proj``. Targets are PEFT's names (module-name suffixes, ``+``-separated);
-without them PEFT's defaults for the model's type, diffusers' attention projections
-(``to_q+to_k+to_v+to_out.0``) for a diffusers model (Flux: its attention and feed-forward layers,
-as diffusers' Flux LoRA; kohya's also adapts the blocks' modulations: ``targets=all-linear``), else
-every linear layer but the output layer
-(``all-linear``); ``targets=in-blocks`` takes every linear layer inside the model's repeated blocks only
+Plan key ``adapter``: ``none`` (:class:`NoAdapter`), ``lokr:OPTIONS`` (memfit.techniques.lokr), or ``lora:OPTIONS``
+/ ``dora:OPTIONS`` (:class:`LoRA`) with comma-separated options ``r=16,alpha=32,targets=q_proj+v_proj,
+dropout=0.05,save=lm_head,params=experts.gate_up_proj``. Targets are PEFT's names (module-name suffixes,
+``+``-separated); without them PEFT's defaults for the model's type, diffusers' attention projections
+(``to_q+to_k+to_v+to_out.0``) for a diffusers model (Flux: its attention and feed-forward layers, as diffusers' Flux
+LoRA; kohya's also adapts the blocks' modulations: ``targets=all-linear``), else every linear layer but the output
+layer (``all-linear``); ``targets=in-blocks`` takes every linear layer inside the model's repeated blocks only
 (ai-toolkit's ``transformer_only``), and ``targets=in-blocks:layers`` those of the blocks listed under that name
 alone (ai-toolkit's Z-Image LoRA: its 30 ``layers``, not the refiners' four blocks); ``targets=linear-modules`` the
-names of every module whose class is a linear layer's, the output layer's left out (axolotl's ``lora_target_linear``,
-the QLoRA repository's ``find_all_linear_names``: PEFT's ``all-linear`` also adapts a transformers mixture of experts'
-router and fused experts). ``skip`` leaves out every linear layer whose name holds one of its strings
-(ai-toolkit's ``ignore_if_contains``), ``only`` every one whose name holds none of its strings (``only_if_contains``;
-``skip`` wins where both hold); a denoiser's names are matched as diffusers writes them, under ``transformer.``, too.
-``save`` lists modules trained in full beside the adapter (PEFT's
-``modules_to_save``, e.g. a classifier head); ``params`` names parameters of no linear layer
-(PEFT's ``target_parameters``: a mixture of experts' 3-D expert weights, adapted per expert). The adapter is injected with PEFT's own
-``inject_adapter_in_model``, so the model keeps its class and the workload's loss runs unchanged.
-A workload that builds a PEFT model itself (``get_peft_model``, ``inject_adapter_in_model``,
-diffusers' ``add_adapter``) needs no plan key: its frozen weights already get no gradients.
+names of every module whose class is a linear layer's, the output layer's left out (axolotl's
+``lora_target_linear``, the QLoRA repository's ``find_all_linear_names``: PEFT's ``all-linear`` also adapts a
+transformers mixture of experts' router and fused experts). ``skip`` leaves out every linear layer whose name holds
+one of its strings (ai-toolkit's ``ignore_if_contains``), ``only`` every one whose name holds none of its strings
+(``only_if_contains``; ``skip`` wins where both hold); a denoiser's names are matched as diffusers writes them,
+under ``transformer.``, too. ``save`` lists modules trained in full beside the adapter (PEFT's ``modules_to_save``,
+e.g. a classifier head); ``params`` names parameters of no linear layer (PEFT's ``target_parameters``: a mixture of
+experts' 3-D expert weights, adapted per expert). The adapter is injected with PEFT's own
+``inject_adapter_in_model``, so the model keeps its class and the workload's loss runs unchanged. A workload that
+builds a PEFT model itself (``get_peft_model``, ``inject_adapter_in_model``, diffusers' ``add_adapter``) needs no
+plan key: its frozen weights already get no gradients.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 
@@ -114,10 +111,8 @@ class LoRA(Adapter):
             raise UserError(f"plan: adapter dropout must be in [0, 1), got {self.dropout!r}; write e.g. dropout=0.05")
 
     def before_trace(self) -> None:
-        try:  # (peft's LoHa makes tensors as its module loads: NOTE [ Imports before the trace ])
-            _peft()
-        except UserError:  # (building the step says so)
-            pass
+        with contextlib.suppress(UserError):  # (building the step says so)
+            _peft()  # (peft's LoHa makes tensors as its module loads: NOTE [ Imports before the trace ])
 
     @property
     def kind(self) -> str:
@@ -346,7 +341,8 @@ def adapter_facts(model) -> list[str]:
 
     import torch
     names = Counter(".".join(n.split(".")[-2:]) for n, m in model.named_modules()
-                    if hasattr(m, "lora_A") and isinstance(m.lora_A, torch.nn.ModuleDict) and len(m.lora_A))
+                    if any(isinstance(getattr(m, a, None), (torch.nn.ModuleDict, torch.nn.ParameterDict)) and
+                           len(getattr(m, a)) for a in ("lora_A", "lokr_w1", "lokr_w1_a")))  # (LoRA's, LoKr's)
     if not names:
         return []
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -415,17 +411,22 @@ def parse(values: dict) -> Adapter:
     if not isinstance(text, str):
         raise UserError(f"plan: adapter {text!r} is not valid; write none, lora:r=16,... or dora:r=16,...")
     kind, _, rest = text.partition(":")
-    if kind not in ("lora", "dora"):
+    if kind not in ("lora", "dora", "lokr"):
         raise UserError(f"plan: adapter {text!r} is not valid; write none, lora:r=16,alpha=32,targets=q_proj+v_proj, "
-                        "dora:r=16, or qlora:r=16 (lora over nf4 base weights)")
+                        "dora:r=16, lokr:r=16,factor=16, or qlora:r=16 (lora over nf4 base weights)")
     options: dict = {}
+    own = ("factor", "decompose_both", "factored") if kind == "lokr" else ()  # (memfit.techniques.lokr reads LoKr's own)
     for part in filter(None, rest.split(",")):
         m = _OPTION.match(part.strip())
-        if not m or m.group(1) not in ("r", "alpha", "targets", "dropout", "save", "params", "skip", "only"):
+        if not m or m.group(1) not in ("r", "alpha", "targets", "dropout", "save", "params", "skip", "only", *own):
             raise UserError(f"plan: adapter option {part!r} is not valid; use r=, alpha=, targets=a+b, dropout=, "
-                            "save=a+b, params=a+b, skip=a+b, only=a+b (e.g. lora:r=16,alpha=32,targets=q_proj+v_proj)")
+                            "save=a+b, params=a+b, skip=a+b, only=a+b (e.g. lora:r=16,alpha=32,targets=q_proj+v_proj)"
+                            + ("; LoKr's factor=, decompose_both=, factored=" if own else ""))
         name, value = m.groups()
-        options[name] = _option(name, value, text)
+        options[name] = value if name in own or (own and (name, value) == ("r", "full")) else _option(name, value, text)
+    if kind == "lokr":
+        from memfit.techniques.lokr import parse_lokr
+        return parse_lokr(options, text)
     return LoRA(**options, dora=kind == "dora")
 
 
@@ -444,7 +445,6 @@ TECHNIQUE = register(
                               "lora:r=16,targets=in-blocks,skip=ff_i.experts,only=blocks.1 (leave out the linear layers "
                               "whose names hold a skip or no only: ai-toolkit's ignore_if_contains, only_if_contains) | "
                               "lora:r=16,params=experts.gate_up_proj+experts.down_proj (a mixture of experts' "
-                              "expert weights) | dora:... | qlora:... and qdora:... (the same over base_weights "
-                              "nf4).", metavar="ADAPTER"),),
-              parse),
+                              "expert weights) | dora:... | lokr:r=16,factor=16 (LoKr) | qlora:... and qdora:... (the same "
+                              "over base_weights nf4).", metavar="ADAPTER"),), parse),
     Adapter, NoAdapter, LoRA)

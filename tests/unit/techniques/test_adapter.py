@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import measured, run_steps
+from helpers import measured, peft_loop, run_steps
 from memfit.errors import UserError
 from memfit.memory.estimate import estimate
 from memfit.plans import Plan
@@ -88,57 +88,12 @@ def test_adapter_saves_the_full_models_gradients_and_states():
     assert lora.predicted.breakdown["optimizer_states"] < 0.05 * full.predicted.breakdown["optimizer_states"]
 
 
-def _plain_loop(spec, lora_kwargs, steps=3, batch_size=2, half=None, autocast=True):
-    """The PEFT user's own loop: the model loaded (as from_pretrained loads it: built on the meta device,
-    its weights materialised), the adapter injected, AdamW on what requires grad, plain steps. ``half``
-    (torch.bfloat16 or torch.float16): the model loaded with that dtype, the adapter upcast to fp32 as
-    get_peft_model upcasts it (autocast_adapter_dtype=True), the steps under its autocast, an fp16 loss
-    scaled by a GradScaler (Trainer(bf16=True) / Trainer(fp16=True)); not ``autocast``: the steps without it and
-    no loss scaled (ai-toolkit's loop, and a Trainer left without bf16=True)."""
-    import contextlib
-
-    from peft import LoraConfig, inject_adapter_in_model
-    from peft.tuners.tuners_utils import cast_adapter_dtype
-
-    from memfit.techniques.loading import materialise
-    wl = load_workload(spec, seq_len=64)
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(half or default)
-    try:
-        with torch.device("meta"):
-            base = wl.model()
-    finally:
-        torch.set_default_dtype(default)
-    materialise(base, "cpu")
-    model = inject_adapter_in_model(LoraConfig(**lora_kwargs), base)
-    if half:
-        cast_adapter_dtype(model, "default")
-    model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    scaler = torch.amp.GradScaler("cpu", enabled=half == torch.float16 and autocast)
-    torch.manual_seed(1)
-    batch = wl.batch(batch_size)
-    losses, params = [], []
-    for i in range(steps):
-        torch.manual_seed(100 + i)
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=half) if half and autocast else contextlib.nullcontext():
-            loss = wl.loss(model, batch)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        losses.append(float(loss))
-        params.append({n: p.detach().float().clone() for n, p in model.named_parameters()})
-    return losses, params
-
-
 @pytest.mark.parametrize("checkpointing", ["none", "blocks"])
 def test_adapter_trains_as_the_users_peft_loop(checkpointing):
     """Same adapter weights as a plain loop over PEFT's model: equal with no technique; block
     checkpointing replays the same ops (dropout from the restored RNG), so equal too."""
     kwargs = dict(r=8, lora_alpha=16, lora_dropout=0.1, target_modules=["q_proj", "v_proj"])
-    plain_losses, plain_params = _plain_loop(LLAMA, kwargs)
+    plain_losses, plain_params = peft_loop(LLAMA, kwargs)
     losses, params, _ = run_steps(LLAMA, Plan(adapter="lora:r=8,alpha=16,dropout=0.1,targets=q_proj+v_proj",
                                               checkpointing=checkpointing), batch_size=2)
     assert losses == plain_losses
@@ -155,7 +110,7 @@ def test_a_16_bit_base_trains_as_the_users_peft_loop(half):
     and weights, bit for bit; the adapter, its gradients and its AdamW states in fp32, the frozen weights
     in 16 bits."""
     kwargs = dict(r=8, lora_alpha=16, lora_dropout=0.1, target_modules=["q_proj", "v_proj"])
-    plain_losses, plain_params = _plain_loop(LLAMA, kwargs, half=half)
+    plain_losses, plain_params = peft_loop(LLAMA, kwargs, half=half)
     name = "bf16-base" if half == torch.bfloat16 else "fp16-base"
     plan = Plan(adapter="lora:r=8,alpha=16,dropout=0.1,targets=q_proj+v_proj", precision=name)
     losses, params, step = run_steps(LLAMA, plan, batch_size=2)
@@ -177,7 +132,7 @@ def test_a_16_bit_base_without_autocast_trains_as_ai_toolkits_loop(half):
     [ ai-toolkit's LoRA: no autocast ]): same losses and weights, bit for bit, and not those of bf16-base;
     each adapted layer's input reaches the adapter in fp32."""
     kwargs = dict(r=8, lora_alpha=16, lora_dropout=0.1, target_modules=["q_proj", "v_proj"])
-    plain_losses, plain_params = _plain_loop(LLAMA, kwargs, half=half, autocast=False)
+    plain_losses, plain_params = peft_loop(LLAMA, kwargs, half=half, autocast=False)
     name = ("bf16" if half == torch.bfloat16 else "fp16") + "-base-noautocast"
     adapter = "lora:r=8,alpha=16,dropout=0.1,targets=q_proj+v_proj"
     losses, params, step = run_steps(LLAMA, Plan(adapter=adapter, precision=name), batch_size=2)
