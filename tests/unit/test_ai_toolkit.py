@@ -71,6 +71,10 @@ def test_the_24gb_flux_example_is_the_run_ai_toolkit_makes_of_it():
      "dit-flux:guidance_embeds=false,text_encoders=frozen", {}),
     ({"model__name_or_path": "/models/my-flux", "train__dtype": "fp16"}, "/models/my-flux:text_encoders=frozen",
      {"precision": "fp16-base-noautocast"}),
+    ({"network__type": "lokr"}, "dit-flux:text_encoders=frozen",  # (ai-toolkit's LoKr: full rank by default)
+     {"adapter": "lokr:r=full,targets=in-blocks,factored=1"}),
+    ({"network__type": "LoKr", "network__lokr_full_rank": False, "network__lokr_factor": 8},
+     "dit-flux:text_encoders=frozen", {"adapter": "lokr:r=16,alpha=16,targets=in-blocks,factor=8,factored=1"}),
     ({"train__gradient_checkpointing": False, "train__optimizer": "adafactor", "train__ema_config": None},
      "dit-flux:text_encoders=frozen", {"checkpointing": "none", "optimizer": "adafactor", "ema": None,
                                        "max_grad_norm": None}),  # (ai-toolkit clips nothing with adafactor)
@@ -281,7 +285,8 @@ def test_older_flags_are_read_in_ai_toolkits_order_and_a_datasets_batch_size_win
      r"does not read ai-toolkit's chroma configs: ai-toolkit trains its own Chroma .* memfit estimate dit-chroma"),
     ({"datasets__num_frames": 0, "model__arch": "wan21"}, "datasets num_frames must be a whole number >= 1"),
     ({"train__optimizer": "prodigy8bit"}, "train.optimizer 'prodigy8bit' is not one memfit runs"),
-    ({"network__type": "lokr"}, "network type 'lokr' is not one memfit runs"),
+    ({"network__type": "locon"}, "network type 'locon' is not one memfit runs; memfit models LoRA and LoKr"),
+    ({"network__type": "lokr", "network__lokr_factor": 0}, "network.lokr_factor must be -1 or a whole number >= 1"),
     ({"train__dtype": "int8"}, "train.dtype 'int8' is not one memfit runs"),
     ({"datasets__resolution": "big"}, "datasets resolution must be a side in pixels or a list of them"),
     ({"model__name_or_path": None}, "model.name_or_path is not set"),

@@ -176,3 +176,20 @@ def test_a_unets_lora_on_its_blocks_alone_is_not_carried():
     job = _job(Plan(adapter="lora:r=4,targets=in-blocks", precision="bf16-base-noautocast"), 1, "unet-sd15", 512)
     assert any(u.startswith("adapter: lora:r=4,targets=in-blocks") for u in job.unmapped), job.unmapped
     assert "transformer_only" not in job.process["network"]
+
+
+@pytest.mark.parametrize("adapter", ["lokr:r=full,targets=in-blocks,factored=1",
+                                     "lokr:r=16,alpha=16,targets=all-linear,skip=single_transformer_blocks,factor=8,"
+                                     "factored=1"])
+def test_a_factored_lokr_is_ai_toolkits_lokr_and_read_back(adapter):
+    """ai-toolkit's ``type: lokr`` (``lokr_full_rank``, ``lokr_factor``) is the factored LoKr over its LoRA's layers;
+    PEFT's LoKr (not factored) and kohya, which runs LyCORIS's, are listed."""
+    plan = Plan(adapter=adapter, precision="bf16-base-noautocast", checkpointing="blocks")
+    job = _job(plan, 1, TINY, 256)
+    assert job.unmapped == () and job.process["network"]["type"] == "lokr"
+    assert job.process["network"]["lokr_full_rank"] is ("r=full" in adapter)
+    back = map_config(yaml.safe_load(job.yaml()), "job.yaml", CARD, TINY)
+    assert back.plan.adapter == plan.adapter
+    peft = _job(plan.replace(adapter=adapter.replace(",factored=1", "")), 1, TINY, 256)
+    assert any(u.startswith("adapter: lokr:") for u in peft.unmapped) and peft.process.get("network", {}).get(
+        "type") != "lokr"

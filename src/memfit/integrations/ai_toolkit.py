@@ -15,6 +15,7 @@ memfit maps it:
 | ``datasets[].num_frames`` (Wan; default 1: images) | clips of that many frames | ``dit-wan:frames=`` down to 4k + 1 (said where it differs) |
 | ``train.train_text_encoder`` | the encoders train | ``text_encoders=trained`` |
 | ``network`` lora, ``rank`` or ``linear`` (default 4), ``linear_alpha`` (default ``alpha``, 1), ``transformer_only`` (default true), ``network_kwargs`` ``ignore_if_contains`` and ``only_if_contains`` | LoRA on every linear layer of a DiT's transformer blocks (its ``get_transformer_block_names``: Z-Image's 30 ``layers``, not its refiners; false: of the whole transformer; a UNet's: all of them), weights in fp32 | ``adapter: lora:r=linear,alpha=linear_alpha,targets=in-blocks`` (Z-Image: ``in-blocks:layers``; false, or SD 1.x and SDXL: ``targets=all-linear``); ``skip=`` and ``only=`` the names |
+| ``network`` lokr, ``lokr_full_rank`` (default true), ``lokr_factor`` (default -1) | ai-toolkit's LoKr over the same layers, its linear layers' factored forward (the update never built as a matrix) | ``adapter: lokr:r=full,factor=lokr_factor,factored=1`` (``lokr_full_rank: false``: ``r=linear,alpha=linear_alpha``) |
 | ``train.dtype`` bf16 / fp16 (default fp32) | the model in that dtype, the LoRA in fp32, no autocast (each adapted layer's input cast to fp32 and kept for backward) | ``bf16-base-noautocast`` / ``fp16-base-noautocast`` / ``fp32`` |
 | no ``network`` | full fine-tuning: the whole transformer trains in ``train.dtype`` | no adapter; ``bf16-pure`` / ``fp16`` (fp32 weights under autocast: said) / ``fp32`` |
 | ``train.gradient_checkpointing`` (default true) | every transformer block checkpointed | ``checkpointing: blocks`` |
@@ -32,7 +33,7 @@ other bytes (``qtype`` other than qfloat8/qint8); the text encoders' quantizatio
 transformer's; latents not cached; ``layer_offloading`` (as that share of the blocks swapped); text encoders in the
 step that memfit does not hold. Refused in one
 line: another arch (name the model as the workload instead; Chroma, a model class of ai-toolkit's own: what
-differs, :data:`OWN_MODELS`), a network other than LoRA, an optimizer memfit does not run.
+differs, :data:`OWN_MODELS`), a network other than LoRA and LoKr, an optimizer memfit does not run.
 """
 
 from __future__ import annotations
@@ -284,9 +285,9 @@ def _text_encoders(arch: str, model: dict, train: dict, datasets: list, where: s
 
 def _network(arch: str, network: dict, where: str, warnings: list[str]) -> dict:
     kind = str(network.get("type", "lora")).lower()
-    if kind != "lora":
-        raise UserError(f"--from {where}: network type {kind!r} is not one memfit runs; memfit models LoRA "
-                        "(type: lora)")
+    if kind not in ("lora", "lokr"):
+        raise UserError(f"--from {where}: network type {kind!r} is not one memfit runs; memfit models LoRA and LoKr "
+                        "(type: lora, lokr)")
     key = "rank" if network.get("rank") is not None else "linear"  # (ai-toolkit: rank wins; both default to 4)
     rank = whole(network, key, f"{where}: network", 4)
     alpha = network.get("linear_alpha", network.get("alpha", 1.0))
@@ -308,8 +309,15 @@ def _network(arch: str, network: dict, where: str, warnings: list[str]) -> dict:
     # (transformer_only, ai-toolkit's default: a DiT's LoRA on its transformer blocks alone; a UNet's on all)
     blocks_only = arch not in UNETS and network.get("transformer_only", True) is not False
     blocks = "in-blocks" + (f":{BLOCK_LISTS[arch]}" if arch in BLOCK_LISTS else "")
-    return {"adapter": f"lora:r={rank},alpha={alpha},targets={blocks if blocks_only else 'all-linear'}"
-                       f"{names['skip']}{names['only']}"}
+    layers = f"targets={blocks if blocks_only else 'all-linear'}{names['skip']}{names['only']}"
+    if kind == "lokr":  # (ai-toolkit's own LoKr: full rank unless told, its linear layers' factored forward)
+        full = network.get("lokr_full_rank", True) is not False
+        factor = network.get("lokr_factor", -1)
+        if isinstance(factor, bool) or not isinstance(factor, int) or factor == 0 or factor < -1:
+            raise UserError(f"--from {where}: network.lokr_factor must be -1 or a whole number >= 1, got {factor!r}")
+        return {"adapter": f"lokr:r={'full' if full else rank}{'' if full else f',alpha={alpha}'},{layers},"
+                           f"factor={factor},factored=1"}
+    return {"adapter": f"lora:r={rank},alpha={alpha},{layers}"}
 
 
 def _quantized(model: dict, where: str, warnings: list[str]) -> dict:

@@ -41,7 +41,7 @@ import re
 from dataclasses import dataclass
 
 from memfit.errors import UserError, brief
-from memfit.techniques.base import Config, Export, Key, Technique, register
+from memfit.techniques.base import Config, Export
 
 ALL_LINEAR = "all-linear"
 LINEAR_MODULES = "linear-modules"
@@ -112,7 +112,7 @@ class LoRA(Adapter):
 
     def before_trace(self) -> None:
         with contextlib.suppress(UserError):  # (building the step says so)
-            _peft()  # (peft's LoHa makes tensors as its module loads: NOTE [ Imports before the trace ])
+            peft_or_error()  # (peft's LoHa makes tensors as its module loads: NOTE [ Imports before the trace ])
 
     @property
     def kind(self) -> str:
@@ -147,7 +147,7 @@ class LoRA(Adapter):
 
     def peft_config(self, model):
         """The PEFT ``LoraConfig`` for ``model`` (targets resolved: see the module docstring)."""
-        peft = _peft()
+        peft = peft_or_error()
         targets = list(self.targets) if self.targets else [] if self.params else _default_targets(model, peft)
         extra = {"target_parameters": list(self.params)} if self.params else {}
         if targets == [ALL_LINEAR]:  # (targets=all-linear: PEFT's shorthand, which it takes as a string only)
@@ -162,7 +162,7 @@ class LoRA(Adapter):
                                modules_to_save=list(self.save) or None, **extra)
 
     def apply(self, parts) -> None:
-        peft = _peft()
+        peft = peft_or_error()
         config = self.peft_config(parts.model)
         left_out = list(getattr(parts.model, "adapter_leaves_out", None) or [])  # (a workload's frozen encoders)
         if config.target_modules == ALL_LINEAR and not self.targets:
@@ -214,15 +214,15 @@ class LoRA(Adapter):
             into.kohya.update(network_module="networks.lora", network_dim=self.r, network_alpha=self.scale_alpha,
                               network_train_unet_only=True)
             into.ai_toolkit.update({"network.type": "lora", "network.linear": self.r,
-                                    "network.linear_alpha": self.scale_alpha,
-                                    "network.transformer_only": self.in_blocks,
-                                    **({"network.network_kwargs": {
-                                        **({"ignore_if_contains": list(self.skip)} if self.skip else {}),
-                                        **({"only_if_contains": list(self.only)} if self.only else {})}}
-                                       if self.skip or self.only else {})})
+                                    "network.linear_alpha": self.scale_alpha, **self._ai_toolkit_layers()})
         note = f"build the PEFT model in your code: get_peft_model(model, {self._peft_text()})"
         into.hf_notes.append(note)
         into.lightning_notes.append(note)
+
+    def _ai_toolkit_layers(self) -> dict:
+        kwargs = {**({"ignore_if_contains": list(self.skip)} if self.skip else {}),
+                  **({"only_if_contains": list(self.only)} if self.only else {})}
+        return {"network.transformer_only": self.in_blocks, **({"network.network_kwargs": kwargs} if kwargs else {})}
 
     def _axolotl(self, into: Export) -> None:
         """axolotl's LoRA fields (``qlora`` over the 4-bit base weights memfit.techniques.base_weights wrote)."""
@@ -391,60 +391,9 @@ def _check_saved(model, names: tuple[str, ...], text: str) -> None:
                         "module to train in full (e.g. save=lm_head)")
 
 
-def _peft():
+def peft_or_error():
     try:
         import peft
     except ImportError:
         raise UserError("plan: adapter needs peft (pip install 'memfit[peft]' or pip install peft)") from None
     return peft
-
-
-# -- parsing -------------------------------------------------------------------------------------
-
-_OPTION = re.compile(r"^([a-z_]+)=(.+)$")
-
-
-def parse(values: dict) -> Adapter:
-    text = values["adapter"]
-    if text in (None, "none", False):
-        return NoAdapter()
-    if not isinstance(text, str):
-        raise UserError(f"plan: adapter {text!r} is not valid; write none, lora:r=16,... or dora:r=16,...")
-    kind, _, rest = text.partition(":")
-    if kind not in ("lora", "dora", "lokr"):
-        raise UserError(f"plan: adapter {text!r} is not valid; write none, lora:r=16,alpha=32,targets=q_proj+v_proj, "
-                        "dora:r=16, lokr:r=16,factor=16, or qlora:r=16 (lora over nf4 base weights)")
-    options: dict = {}
-    own = ("factor", "decompose_both", "factored") if kind == "lokr" else ()  # (memfit.techniques.lokr reads LoKr's own)
-    for part in filter(None, rest.split(",")):
-        m = _OPTION.match(part.strip())
-        if not m or m.group(1) not in ("r", "alpha", "targets", "dropout", "save", "params", "skip", "only", *own):
-            raise UserError(f"plan: adapter option {part!r} is not valid; use r=, alpha=, targets=a+b, dropout=, "
-                            "save=a+b, params=a+b, skip=a+b, only=a+b (e.g. lora:r=16,alpha=32,targets=q_proj+v_proj)"
-                            + ("; LoKr's factor=, decompose_both=, factored=" if own else ""))
-        name, value = m.groups()
-        options[name] = value if name in own or (own and (name, value) == ("r", "full")) else _option(name, value, text)
-    if kind == "lokr":
-        from memfit.techniques.lokr import parse_lokr
-        return parse_lokr(options, text)
-    return LoRA(**options, dora=kind == "dora")
-
-
-def _option(name: str, value: str, text: str):
-    if name in ("targets", "save", "params", "skip", "only"):
-        return tuple(v for v in value.split("+") if v)
-    try:
-        return int(value) if name == "r" else float(value)
-    except ValueError:
-        raise UserError(f"plan: adapter {text!r}: {name}={value} is not a number") from None
-
-
-TECHNIQUE = register(
-    Technique("adapter", (Key("adapter", "none", "Train an adapter instead of the model (a method: changes what is "
-                              "trained): none | lora:r=16,alpha=32,targets=q_proj+v_proj,dropout=0.05,save=lm_head | "
-                              "lora:r=16,targets=in-blocks,skip=ff_i.experts,only=blocks.1 (leave out the linear layers "
-                              "whose names hold a skip or no only: ai-toolkit's ignore_if_contains, only_if_contains) | "
-                              "lora:r=16,params=experts.gate_up_proj+experts.down_proj (a mixture of experts' "
-                              "expert weights) | dora:... | lokr:r=16,factor=16 (LoKr) | qlora:... and qdora:... (the same "
-                              "over base_weights nf4).", metavar="ADAPTER"),), parse),
-    Adapter, NoAdapter, LoRA)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from memfit.errors import UserError
-from memfit.techniques.adapter import LoRA, _peft
+from memfit.techniques.adapter import ALL_LINEAR, LoRA, peft_or_error
 
 FULL_RANK = 1 << 20
 """The rank that keeps w2 a full matrix for any layer (PEFT and LyCORIS decompose it where r < half its
@@ -95,7 +95,7 @@ class LoKr(LoRA):
     def peft_config(self, model):
         """The PEFT ``LoKrConfig`` for ``model``: LoRA's targets, LoKr's factors."""
         lora = super().peft_config(model)
-        return _peft().LoKrConfig(r=self.r, alpha=self.scale_alpha, decompose_factor=self.factor,
+        return peft_or_error().LoKrConfig(r=self.r, alpha=self.scale_alpha, decompose_factor=self.factor,
                                   decompose_both=self.decompose_both, target_modules=lora.target_modules,
                                   modules_to_save=lora.modules_to_save)
 
@@ -111,7 +111,14 @@ class LoKr(LoRA):
         return "lokr-full" if self.full_rank else f"lokr{self.r}"
 
     def export(self, into) -> None:
-        into.not_carried(self, kohya=True, ai_toolkit=True, axolotl=True)
+        # (ai-toolkit's LoKr is the factored one, over the layers its LoRA takes; kohya's runs LyCORIS's forward)
+        ai_toolkit = self.factored and not self.save and (self.targets == (ALL_LINEAR,) or self.in_blocks)
+        into.not_carried(self, kohya=True, ai_toolkit=not ai_toolkit, axolotl=True)
+        if ai_toolkit:
+            into.ai_toolkit.update({"network.type": "lokr", "network.lokr_full_rank": self.full_rank,
+                                    **({} if self.full_rank else {"network.linear": self.r,
+                                                                  "network.linear_alpha": self.scale_alpha}),
+                                    "network.lokr_factor": self.factor, **self._ai_toolkit_layers()})
         note = f"build the PEFT model in your code: get_peft_model(model, {self._peft_text()})"
         into.hf_notes.append(note)
         into.lightning_notes.append(note)
@@ -144,7 +151,7 @@ def factored_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
 
 def parse_lokr(options: dict, text: str) -> LoKr:
-    """``lokr:OPTIONS`` once adapter.parse has read LoRA's options; ``factor``, ``decompose_both`` and ``r=full``
+    """``lokr:OPTIONS`` once memfit.techniques.adapter_key has read LoRA's options; ``factor``, ``decompose_both`` and ``r=full``
     are LoKr's own (and ``factored``)."""
     if options.get("r") == "full":
         options["r"] = FULL_RANK
