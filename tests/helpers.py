@@ -167,3 +167,11 @@ def peft_loop(spec, lora_kwargs, steps=3, batch_size=2, half=None, autocast=True
         losses.append(float(loss))
         params.append({n: p.detach().float().clone() for n, p in model.named_parameters()})
     return losses, params
+
+
+def assert_same_run(losses, params, plain_losses, plain_params) -> None:
+    """Two runs' losses equal and every parameter of the plain run's equal after each step, bit for bit."""
+    assert losses == plain_losses
+    for i, (a, b) in enumerate(zip(params, plain_params)):
+        for name in b:
+            assert torch.equal(a[name], b[name]), f"step {i + 1}: {name}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import measured, peft_loop, run_steps
+from helpers import assert_same_run, measured, peft_loop, run_steps
 from memfit.errors import UserError
 from memfit.memory.estimate import estimate
 from memfit.plans import Plan
@@ -96,10 +96,7 @@ def test_adapter_trains_as_the_users_peft_loop(checkpointing):
     plain_losses, plain_params = peft_loop(LLAMA, kwargs)
     losses, params, _ = run_steps(LLAMA, Plan(adapter="lora:r=8,alpha=16,dropout=0.1,targets=q_proj+v_proj",
                                               checkpointing=checkpointing), batch_size=2)
-    assert losses == plain_losses
-    for i, (a, b) in enumerate(zip(params, plain_params)):
-        for name in b:
-            assert torch.equal(a[name], b[name]), f"step {i + 1}: {name}"
+    assert_same_run(losses, params, plain_losses, plain_params)
     assert any(not torch.equal(params[-1][n], params[0][n]) for n in params[0] if "lora_B" in n)
 
 
@@ -114,10 +111,7 @@ def test_a_16_bit_base_trains_as_the_users_peft_loop(half):
     name = "bf16-base" if half == torch.bfloat16 else "fp16-base"
     plan = Plan(adapter="lora:r=8,alpha=16,dropout=0.1,targets=q_proj+v_proj", precision=name)
     losses, params, step = run_steps(LLAMA, plan, batch_size=2)
-    assert losses == plain_losses
-    for i, (a, b) in enumerate(zip(params, plain_params)):
-        for name in b:
-            assert torch.equal(a[name], b[name]), f"step {i + 1}: {name}"
+    assert_same_run(losses, params, plain_losses, plain_params)
     dtypes = {n: p.dtype for n, p in step.model.named_parameters()}
     assert {d for n, d in dtypes.items() if "lora_" in n} == {torch.float32}
     assert {d for n, d in dtypes.items() if "lora_" not in n} == {half}
@@ -136,10 +130,7 @@ def test_a_16_bit_base_without_autocast_trains_as_ai_toolkits_loop(half):
     name = ("bf16" if half == torch.bfloat16 else "fp16") + "-base-noautocast"
     adapter = "lora:r=8,alpha=16,dropout=0.1,targets=q_proj+v_proj"
     losses, params, step = run_steps(LLAMA, Plan(adapter=adapter, precision=name), batch_size=2)
-    assert losses == plain_losses
-    for i, (a, b) in enumerate(zip(params, plain_params)):
-        for n in b:
-            assert torch.equal(a[n], b[n]), f"step {i + 1}: {n}"
+    assert_same_run(losses, params, plain_losses, plain_params)
     assert losses != run_steps(LLAMA, Plan(adapter=adapter, precision=name[:-len("-noautocast")]), batch_size=2)[0]
     seen = []
     lora_a = next(m for n, m in step.model.named_modules() if n.endswith("q_proj.lora_A.default"))
@@ -167,6 +158,14 @@ def test_a_16_bit_base_without_an_adapter_or_with_fp16_modules_to_train_is_one_l
     ("lora:r=8,skip=nope", "skip=nope is in no linear layer's name"),
     ("lora:r=8,only=nope", "only=nope is in no linear layer's name"),
     ("lorax", "is not valid"),
+    ("lokr:r=8,dropout=0.1", "LoKr has no dropout"),
+    ("lokr:r=8,params=experts.gate_up_proj", "LoKr adapts linear layers only"),
+    ("lokr:r=8,factor=0", "factor must be -1 or a whole number"),
+    ("lokr:r=8,factor=two", "factor=two is not a whole number"),
+    ("lokr:r=8,factored=maybe", "factored=maybe is not 0/1"),
+    ("lokr:r=8,decompose=1", "option 'decompose=1' is not valid"),
+    ("lora:r=8,factor=4", "option 'factor=4' is not valid"),
+    ("lokr:r=8,targets=nope", "match no module"),  # (LoKr's: memfit.techniques.lokr)
 ])
 def test_bad_adapters_get_one_line(text, problem):
     with pytest.raises(UserError, match=problem) as e:
