@@ -115,3 +115,31 @@ def test_peft_layers_over_4_bit_base_weights_are_one_line():
     with pytest.raises(UserError, match="use lokr:...,factored=1") as e:
         estimate(LLAMA, Plan(adapter="lokr:r=4", base_weights="nf4"), batch_size=2, seq_len=32)
     assert "\n" not in str(e.value)
+
+
+def test_a_workload_that_adds_a_peft_loha_itself_is_traced_as_written(tmp_workload_file):
+    """diffusers' ``add_adapter`` of a PEFT LoHa (no plan key): its layers apply their update where ``torch.rand(1) >
+    module_dropout``, which a fake trace knows is true (before, the update was assumed skipped and the loss had no
+    gradient); predicted within 1% of the profiler."""
+    pytest.importorskip("diffusers")
+    from memfit.memory.measure import profile
+    dit = ("dit-lumina2:num_layers=2,num_refiner_layers=1,hidden_size=64,num_attention_heads=4,num_kv_heads=2,"
+           "cap_feat_dim=32,axes_dim_rope=8/4/4,multiple_of=16")
+    body = f'''
+from peft import LoHaConfig
+from memfit.workload import Workload
+from memfit.workloads import load_workload
+
+base = load_workload({dit!r}, resolution=128)
+
+def model():
+    m = base.model()
+    m.requires_grad_(False)
+    m.add_adapter(LoHaConfig(r=4, alpha=4, target_modules=["to_k", "to_q", "to_v", "to_out.0"]))
+    return m
+
+wl = Workload(model=model, batch=base.batch, loss=lambda m, b: base.loss(m, b))
+'''
+    r = profile(f"{tmp_workload_file(body)}:wl", Plan(), batch_size=2, repeats=0)
+    assert r.predicted.method == "fake" and r.predicted.breakdown["optimizer_states"] > 0
+    assert abs(r.error_percent) <= 1.0, r.error_percent
