@@ -1,5 +1,5 @@
-"""Adapters (LoRA, DoRA): a *method*, not a technique: train small low-rank matrices beside frozen base weights instead
-of the weights themselves.
+"""Adapters (LoRA, DoRA; LoKr in memfit.techniques.lokr): a *method*, not a technique: train small low-rank matrices
+beside frozen base weights instead of the weights themselves.
 
 A LoRA adapter of rank r on a linear layer W [out, in] adds ``B @ A`` (A: [r, in], B: [out, r], B starts at zero)
 scaled by alpha / r; only A and B train. Memory: the base weights stay, but their gradients and optimizer states go

@@ -96,8 +96,8 @@ class LoKr(LoRA):
         """The PEFT ``LoKrConfig`` for ``model``: LoRA's targets, LoKr's factors."""
         lora = super().peft_config(model)
         return peft_or_error().LoKrConfig(r=self.r, alpha=self.scale_alpha, decompose_factor=self.factor,
-                                  decompose_both=self.decompose_both, target_modules=lora.target_modules,
-                                  modules_to_save=lora.modules_to_save)
+                                          decompose_both=self.decompose_both, target_modules=lora.target_modules,
+                                          modules_to_save=lora.modules_to_save)
 
     def apply(self, parts) -> None:
         super().apply(parts)
