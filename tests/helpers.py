@@ -123,14 +123,15 @@ def with_two_workers(script: str, *args: str, timeout: int = 120, flags: tuple =
     return out.stdout.strip() if out.stdout.strip() == "ok" else out.stdout.strip() + "\n" + out.stderr[-2000:]
 
 
-def peft_loop(spec, lora_kwargs, steps=3, batch_size=2, half=None, autocast=True, config=None):
+def peft_loop(spec, lora_kwargs, steps=3, batch_size=2, half=None, autocast=True, config=None, inject=None):
     """The PEFT user's own loop: the model loaded (as from_pretrained loads it: built on the meta device,
     its weights materialised), the adapter injected, AdamW on what requires grad, plain steps. ``half``
     (torch.bfloat16 or torch.float16): the model loaded with that dtype, the adapter upcast to fp32 as
     get_peft_model upcasts it (autocast_adapter_dtype=True), the steps under its autocast, an fp16 loss
     scaled by a GradScaler (Trainer(bf16=True) / Trainer(fp16=True)); not ``autocast``: the steps without it and
     no loss scaled (ai-toolkit's loop, and a Trainer left without bf16=True). ``config``: PEFT's config class
-    (LoraConfig by default; LoKrConfig)."""
+    (LoraConfig by default; LoKrConfig); ``inject(model)``: the adapter made another way (a LyCORIS network), which
+    returns the model whose trainable parameters train."""
     import contextlib
 
     from peft import LoraConfig, inject_adapter_in_model
@@ -147,7 +148,7 @@ def peft_loop(spec, lora_kwargs, steps=3, batch_size=2, half=None, autocast=True
     finally:
         torch.set_default_dtype(default)
     materialise(base, "cpu")
-    model = inject_adapter_in_model((config or LoraConfig)(**lora_kwargs), base)
+    model = inject(base) if inject else inject_adapter_in_model((config or LoraConfig)(**lora_kwargs), base)
     if half:
         cast_adapter_dtype(model, "default")
     model.train()

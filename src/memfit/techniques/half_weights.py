@@ -15,14 +15,18 @@ from memfit.techniques.kept_in_fp32 import arrive_in_fp32
 
 
 def adapter_parameters(model: torch.nn.Module) -> tuple[set[str], list[torch.nn.Parameter]]:
-    """The names of the peft adapters in ``model`` and their layers' parameters (none without peft)."""
+    """The names of the peft adapters in ``model`` and their layers' parameters, and a LyCORIS network's modules'
+    (memfit.techniques.lycoris_networks: named ``lycoris``)."""
     try:
         from peft.tuners.tuners_utils import BaseTunerLayer
     except ImportError:
-        return set(), []
+        BaseTunerLayer = ()  # noqa: N806 - (no peft: no peft layer is one)
     names, params = set(), []
     for m in model.modules():
-        if isinstance(m, BaseTunerLayer):
+        if type(m).__module__.startswith("lycoris.modules."):
+            names.add("lycoris")
+            params += list(m.parameters(recurse=False))
+        elif isinstance(m, BaseTunerLayer):
             for attr in m.adapter_layer_names:
                 for name, part in getattr(m, attr, {}).items():
                     names.add(name)
