@@ -187,7 +187,7 @@ def test_every_refused_argument_names_itself(key):
 
 
 @pytest.mark.parametrize("change,error", [
-    ({"network_module": "lycoris.kohya"}, "network_module 'lycoris.kohya' is not one memfit runs; memfit models LoRA"),
+    ({"network_module": "lycoris.kohya"}, "--adapter lycoris:algo=lokr,dim=...: its modules over LyCORIS's own"),
     ({"optimizer_type": "Lion"}, "optimizer_type 'Lion' is not one memfit runs; use AdamW, AdamW8bit"),
     ({"fp8_base": True}, "fp8_base without a network_module trains nothing"),
     ({"mixed_precision": "fp8"}, "mixed_precision 'fp8': use no, fp16 or bf16"),

@@ -345,8 +345,11 @@ def _method(data: dict, where: str, warnings: list[str]) -> dict:
                             "\"networks.lora\" (or the model's, e.g. networks.lora_flux)")
         return {}
     if module not in LORA_MODULES:
+        lyco = ("; for LyCORIS, name the workload and its network instead (memfit estimate MODEL --adapter "
+                "lycoris:algo=lokr,dim=...: its modules over LyCORIS's own choice of layers, not kohya's)"
+                if str(module).startswith("lycoris") else "")
         raise UserError(f"--from {where}: network_module {module!r} is not one memfit runs; memfit models LoRA "
-                        "(networks.lora, networks.lora_flux, ...)")
+                        f"(networks.lora, networks.lora_flux, ...){lyco}")
     options = [f"r={whole(data, 'network_dim', where, 4)}", f"alpha={data.get('network_alpha', 1)}",
                "targets=all-linear"]  # (network_dropout: on the rank-r output in sd-scripts, a mask of r values a row)
     args = network_args(data, where)

@@ -342,7 +342,8 @@ def adapter_facts(model) -> list[str]:
     import torch
     names = Counter(".".join(n.split(".")[-2:]) for n, m in model.named_modules()
                     if any(isinstance(getattr(m, a, None), (torch.nn.ModuleDict, torch.nn.ParameterDict)) and
-                           len(getattr(m, a)) for a in ("lora_A", "lokr_w1", "lokr_w1_a")))  # (LoRA's, LoKr's)
+                           len(getattr(m, a)) for a in ("lora_A", "lokr_w1", "lokr_w1_a"))  # (LoRA's, LoKr's)
+                    or type(getattr(m, "lycoris", None)).__module__.startswith("lycoris.modules."))  # (LyCORIS's)
     if not names:
         return []
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)

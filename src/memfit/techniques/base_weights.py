@@ -151,13 +151,8 @@ class Quantized4bit(BaseWeights):
         return experts_to_quantize(model, self.text) if self.experts else []
 
     def check(self, plan) -> None:
-        adapter = plan.config("adapter")
         if self.experts:
-            check_adapter(self.text, adapter)
-        if getattr(adapter, "kind", None) == "lokr" and not getattr(adapter, "factored", False):
-            raise UserError(f"plan: base_weights {self.text} packs two weights a byte, and PEFT's LoKr layer shapes its "
-                            "update as the base weight (PEFT fails there too); use lokr:...,factored=1 (ai-toolkit's "
-                            "forward), base_weights int8 or fp8, or lora:...")
+            check_adapter(self.text, plan.config("adapter"))
 
     def quantize_expert(self, module: torch.nn.Module, name: str) -> None:
         quantize_expert(module, name, self.quant_type, self.double_quant, BLOCKSIZE)

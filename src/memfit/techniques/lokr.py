@@ -71,6 +71,13 @@ class LoKr(LoRA):
             raise UserError(f"plan: adapter {self.text_value()}: factor must be -1 or a whole number >= 1, got "
                             f"{self.factor!r}; write e.g. factor=16")
 
+    def check(self, plan) -> None:
+        base = plan.config("base_weights")
+        if not self.factored and getattr(base, "quant_type", None) in ("nf4", "fp4"):
+            raise UserError(f"plan: base_weights {plan.base_weights} packs two weights a byte, and PEFT's LoKr layer "
+                            "shapes its update as the base weight (PEFT fails there too); use lokr:...,factored=1 "
+                            "(ai-toolkit's forward), base_weights int8 or fp8, or lora:...")
+
     @property
     def kind(self) -> str:
         return "lokr"

@@ -15,8 +15,10 @@ the same name, and memfit runs LyCORIS's own modules, so the trace holds what th
   function keeps the four factors, not the product).
 - ``locon``/``lora``: a down and an up projection beside the layer, as LoRA: activations of [tokens, dim].
 
-A layer LyCORIS does not know as a plain linear layer (memfit's fp8 and bitsandbytes' 4-bit base weights) runs in
-its bypass mode: the base layer's output plus the update's product with the input, as PEFT's.
+Over quantized base weights LyCORIS runs a bypass form (the base layer's output plus the update's product with the
+input) for the quantized layers it knows: bitsandbytes' 8-bit layer (``base_weights: int8``), quanto's, its own fp8
+one. memfit's fp8 layer and bitsandbytes' plain 4-bit one are none of them, and its rebuilt forward would add the
+update to their stored weights (no kernel for that; a real run fails): refused in one line.
 
 Plan key ``adapter``: ``lycoris:algo=lokr,dim=10000,alpha=1,factor=16,modules=Attention+FeedForward``: ``create_lycoris``
 over the trained model (a workload's denoiser beside its text encoders) with ``linear_dim`` ``dim`` (default 4),
@@ -72,6 +74,14 @@ class LycorisNetwork(Adapter):
         opts += [f"factor={self.factor}"] if self.factor != -1 else []
         opts += ["modules=" + "+".join(self.modules)] if self.modules else []
         return "lycoris:" + ",".join(opts)
+
+    def check(self, plan) -> None:
+        base = plan.config("base_weights")
+        if not base.is_default and plan.base_weights != "int8":  # (bitsandbytes' Linear8bitLt: LyCORIS's bypass)
+            raise UserError(f"plan: adapter {self.text_value()} over base_weights {plan.base_weights}: LyCORIS knows "
+                            "memfit's fp8 and bitsandbytes' 4-bit layers as no quantized layer of its own and adds "
+                            "its update to their stored weight, which fails; use base_weights int8 or as-is, or "
+                            "lokr:...,factored=1")
 
     def before_trace(self) -> None:
         with contextlib.suppress(UserError):  # (building the step says so)
