@@ -39,6 +39,20 @@ def errors_only(logger: str) -> None:
 
 
 @contextlib.contextmanager
+def logger_errors_only(logger: str):
+    """Logger ``logger`` shows errors only inside the block (a library's retries, or its report of each object it
+    makes), then its level as it was."""
+    import logging
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+@contextlib.contextmanager
 def silenced_warnings():
     """No warning is shown inside the block (the filters are restored after it)."""
     with warnings.catch_warnings():

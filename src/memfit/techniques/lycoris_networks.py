@@ -34,7 +34,9 @@ import contextlib
 from dataclasses import dataclass
 
 from memfit.errors import UserError
+from memfit.quiet import logger_errors_only
 from memfit.techniques.adapter import Adapter
+from memfit.techniques.half_weights import built_in
 
 ALGOS = ("lokr", "loha", "locon", "lora", "full", "diag-oft", "boft", "glora", "ia3", "dylora")
 """LyCORIS's algorithms (``algo``) memfit passes through; which module each builds is LyCORIS's choice."""
@@ -93,7 +95,8 @@ class LycorisNetwork(Adapter):
         denoiser = getattr(parts.model, "denoiser", None)
         trained = denoiser if isinstance(denoiser, torch.nn.Module) else parts.model
         parts.model.requires_grad_(False)
-        with _preset(lycoris.LycorisNetwork, self.modules), _quiet(), _in_fp32():  # (SimpleTuner's: fp32)
+        # (made in fp32 as the trainers make it, where a 16-bit precision builds the model in 16 bits)
+        with _preset(lycoris.LycorisNetwork, self.modules), logger_errors_only("LyCORIS"), built_in(torch.float32):
             network = lycoris.create_lycoris(trained, 1.0, self.dim, self.alpha, algo=self.algo, factor=self.factor)
         if not network.loras:
             raise UserError(f"plan: adapter {self.text_value()}: LyCORIS wraps no module of the model; name module "
@@ -126,32 +129,6 @@ def _preset(network_class, modules: tuple[str, ...]):
     finally:
         for key, value in before.items():
             setattr(network_class, key, value)
-
-
-@contextlib.contextmanager
-def _in_fp32():
-    """The network's parameters in fp32 where the model was built in 16 bits (a 16-bit precision's build): the
-    trainers make it in the process's default dtype, and the precision keeps an adapter as it is."""
-    import torch
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
-
-
-@contextlib.contextmanager
-def _quiet():
-    """LyCORIS logs each network it makes (its modules, full-matrix LoKr warnings): not the user's step's output."""
-    import logging
-    logger = logging.getLogger("LyCORIS")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def lycoris_or_error():

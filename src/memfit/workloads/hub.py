@@ -10,14 +10,13 @@ built-in). A revision (a branch, tag or commit) follows an ``@``: ``org/name@mai
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import re
 from pathlib import Path
 from urllib.parse import urlparse
 
 from memfit.errors import UserError, brief
+from memfit.quiet import logger_errors_only
 
 _HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}(?:@[\w./-]+)?$")
 
@@ -59,7 +58,7 @@ def hub_config_folder(text: str) -> Path:
     login = "log in with `hf auth login` or set HF_TOKEN"
     download = _Lookups()  # NOTE [ A hub that cannot be reached ]
     try:
-        with _hub_quiet():  # its retries log a line each; the error below is the one line the user reads
+        with logger_errors_only("huggingface_hub"):  # its retries log a line each; the error below is the one line the user reads
             try:
                 folder = Path(download(repo_id, "config.json", revision=revision)).parent
                 _image_processor_config(download, repo_id, revision, folder)
@@ -193,15 +192,3 @@ def _connects(endpoint: str) -> bool:
     except Exception:  # (no such host, no name service, refused, timed out, a proxy that fails: no answer)
         return False
     return True
-
-
-@contextlib.contextmanager
-def _hub_quiet():
-    """huggingface_hub's warnings off (``Retrying in 1s`` for each retry without a network)."""
-    logger = logging.getLogger("huggingface_hub")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
