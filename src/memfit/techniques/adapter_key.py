@@ -2,7 +2,7 @@
 
 ``none`` (:class:`memfit.techniques.adapter.NoAdapter`), ``lora:OPTIONS`` and ``dora:OPTIONS``
 (:class:`memfit.techniques.adapter.LoRA`), ``lokr:OPTIONS`` (:class:`memfit.techniques.lokr.LoKr`), ``lycoris:OPTIONS``
-(:class:`memfit.techniques.lycoris_networks.LycorisNetwork`); ``qlora:`` and
+(:class:`memfit.techniques.lycoris_networks.LycorisAdapter`); ``qlora:`` and
 ``qdora:`` are read before, as an adapter and its base weights (memfit.plans). The options are comma-separated
 ``name=value`` pairs, lists ``+``-separated; each module's docstring says what its options mean. A text that names
 no adapter, an option its kind does not take, or a value of the wrong kind is one line.
@@ -16,7 +16,7 @@ from memfit.errors import UserError
 from memfit.techniques.adapter import Adapter, LoRA, NoAdapter
 from memfit.techniques.base import Key, Technique, register
 from memfit.techniques.lokr import LoKr, parse_lokr
-from memfit.techniques.lycoris_networks import LycorisNetwork, parse_lycoris
+from memfit.techniques.lycoris_networks import LycorisAdapter, parse_lycoris
 
 _OPTION = re.compile(r"^([a-z_]+)=(.+)$")
 _LISTS = ("targets", "save", "params", "skip", "only")
@@ -77,4 +77,4 @@ TECHNIQUE = register(
                               "expert weights) | dora:... | lokr:r=16,factor=16 (LoKr; factored=1: ai-toolkit's) | "
                               "lycoris:algo=lokr,dim=10000,factor=16,modules=Attention+FeedForward (LyCORIS's) | "
                               "qlora:... and qdora:... (the same over base_weights nf4).", metavar="ADAPTER"),), parse),
-    Adapter, NoAdapter, LoRA, LoKr, LycorisNetwork)
+    Adapter, NoAdapter, LoRA, LoKr, LycorisAdapter)

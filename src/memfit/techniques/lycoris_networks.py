@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-from memfit.errors import UserError
+from memfit.errors import UserError, brief
 from memfit.quiet import logger_errors_only
 from memfit.techniques.adapter import Adapter
 from memfit.techniques.half_weights import built_in
@@ -43,7 +43,7 @@ ALGOS = ("lokr", "loha", "locon", "lora", "full", "diag-oft", "boft", "glora", "
 
 
 @dataclass(frozen=True)
-class LycorisNetwork(Adapter):
+class LycorisAdapter(Adapter):
     """A LyCORIS network over the trained model (the module's docstring)."""
 
     algo: str = "lokr"
@@ -97,7 +97,12 @@ class LycorisNetwork(Adapter):
         parts.model.requires_grad_(False)
         # (made in fp32 as the trainers make it, where a 16-bit precision builds the model in 16 bits)
         with _preset(lycoris.LycorisNetwork, self.modules), logger_errors_only("LyCORIS"), built_in(torch.float32):
-            network = lycoris.create_lycoris(trained, 1.0, self.dim, self.alpha, algo=self.algo, factor=self.factor)
+            try:
+                network = lycoris.create_lycoris(trained, 1.0, self.dim, self.alpha, algo=self.algo, factor=self.factor)
+            except (ValueError, AssertionError, NotImplementedError) as e:  # (BOFT: a side it cannot decompose)
+                raise UserError(f"plan: adapter {self.text_value()}: LyCORIS refuses it on this model ({brief(e)}); "
+                                "name the module classes to wrap (modules=Attention+FeedForward) or another "
+                                "algo") from None
         if not network.loras:
             raise UserError(f"plan: adapter {self.text_value()}: LyCORIS wraps no module of the model; name module "
                             "classes it holds (modules=Attention+FeedForward)")
@@ -140,7 +145,7 @@ def lycoris_or_error():
     return lycoris
 
 
-def parse_lycoris(options: dict, text: str) -> LycorisNetwork:
+def parse_lycoris(options: dict, text: str) -> LycorisAdapter:
     """``lycoris:OPTIONS`` (memfit.techniques.adapter_key splits them)."""
     values: dict = {}
     for name, value in options.items():
@@ -153,4 +158,4 @@ def parse_lycoris(options: dict, text: str) -> LycorisNetwork:
                 values[name] = float(value) if name == "alpha" else int(value)
             except ValueError:
                 raise UserError(f"plan: adapter {text!r}: {name}={value} is not a number") from None
-    return LycorisNetwork(**values)
+    return LycorisAdapter(**values)

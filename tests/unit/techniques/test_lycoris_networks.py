@@ -92,6 +92,7 @@ def test_the_network_trains_in_fp32_over_a_16_bit_base_and_its_optimizer_states_
     ("lycoris:algo=lokr,rank=4", "option 'rank=4' is not valid; use algo="),
     ("lycoris:algo=lokr,dim=four", "dim=four is not a number"),
     ("lycoris:algo=lokr,modules=Nothing", "LyCORIS wraps no module of the model"),
+    ("lycoris:algo=boft,dim=4", "LyCORIS refuses it on this model .*impossible to decompose 1000"),  # (the head)
     ("lycoris:algo=lokr;fp8", "over base_weights fp8: LyCORIS knows memfit's fp8"),  # (a real CPU run fails there)
     ("lycoris:algo=lokr;nf4", "over base_weights nf4"),
 ])
