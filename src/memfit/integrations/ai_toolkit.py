@@ -50,6 +50,7 @@ from memfit.integrations.ai_toolkit_models import (
 )
 from memfit.integrations.configs import TrainingConfig, whole
 from memfit.plans import Plan
+from memfit.techniques.lokr import is_factor
 from memfit.workloads.config_overrides import with_override
 
 FLUX_DEV, FLUX_SCHNELL = "black-forest-labs/FLUX.1-dev", "black-forest-labs/FLUX.1-schnell"
@@ -313,7 +314,7 @@ def _network(arch: str, network: dict, where: str, warnings: list[str]) -> dict:
     if kind == "lokr":  # (ai-toolkit's own LoKr: full rank unless told, its linear layers' factored forward)
         full = network.get("lokr_full_rank", True) is not False
         factor = network.get("lokr_factor", -1)
-        if isinstance(factor, bool) or not isinstance(factor, int) or factor == 0 or factor < -1:
+        if not is_factor(factor):
             raise UserError(f"--from {where}: network.lokr_factor must be -1 or a whole number >= 1, got {factor!r}")
         return {"adapter": f"lokr:r={'full' if full else rank}{'' if full else f',alpha={alpha}'},{layers},"
                            f"factor={factor},factored=1"}

@@ -343,12 +343,17 @@ def adapter_facts(model) -> list[str]:
     names = Counter(".".join(n.split(".")[-2:]) for n, m in model.named_modules()
                     if any(isinstance(getattr(m, a, None), (torch.nn.ModuleDict, torch.nn.ParameterDict)) and
                            len(getattr(m, a)) for a in ("lora_A", "lokr_w1", "lokr_w1_a"))  # (LoRA's, LoKr's)
-                    or type(getattr(m, "lycoris", None)).__module__.startswith("lycoris.modules."))  # (LyCORIS's)
+                    or is_lycoris_module(getattr(m, "lycoris", None)))  # (LyCORIS's: memfit.techniques.lycoris_networks)
     if not names:
         return []
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     layers = ", ".join(f"{k} x{v}" for k, v in names.most_common(6)) + (", ..." if len(names) > 6 else "")
     return [f"adapter: {sum(names.values())} layers adapted ({layers}); {trained:,} parameters trained"]
+
+
+def is_lycoris_module(module) -> bool:
+    """Whether ``module`` is one of a LyCORIS network's (lycoris-lora's ``lycoris.modules``), by its class's module."""
+    return type(module).__module__.startswith("lycoris.modules.")
 
 
 def _left_out(config, model) -> list[str]:

@@ -11,6 +11,7 @@ import contextlib
 import torch
 from torch.utils._pytree import tree_map
 
+from memfit.techniques.adapter import is_lycoris_module
 from memfit.techniques.kept_in_fp32 import arrive_in_fp32
 
 
@@ -23,7 +24,7 @@ def adapter_parameters(model: torch.nn.Module) -> tuple[set[str], list[torch.nn.
         BaseTunerLayer = ()  # noqa: N806 - (no peft: no peft layer is one)
     names, params = set(), []
     for m in model.modules():
-        if type(m).__module__.startswith("lycoris.modules."):
+        if is_lycoris_module(m):
             names.add("lycoris")
             params += list(m.parameters(recurse=False))
         elif isinstance(m, BaseTunerLayer):

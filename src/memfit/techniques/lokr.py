@@ -67,7 +67,7 @@ class LoKr(LoRA):
                             "(lora:...,params= adapts a mixture of experts' expert weights)")
         if self.dora:
             raise UserError("plan: adapter: LoKr has no weight-decomposed form; write lokr:... or dora:...")
-        if not isinstance(self.factor, int) or isinstance(self.factor, bool) or self.factor == 0 or self.factor < -1:
+        if not is_factor(self.factor):
             raise UserError(f"plan: adapter {self.text_value()}: factor must be -1 or a whole number >= 1, got "
                             f"{self.factor!r}; write e.g. factor=16")
 
@@ -136,6 +136,11 @@ class LoKr(LoRA):
         extra = ([f"decompose_factor={self.factor}"] if self.factor != -1 else []) + \
             (["decompose_both=True"] if self.decompose_both else [])
         return f"LoKrConfig({', '.join([text, *extra])})"
+
+
+def is_factor(value) -> bool:
+    """Whether ``value`` is a LoKr factor: -1 (the factors nearest each side's square root) or a whole number >= 1."""
+    return isinstance(value, int) and not isinstance(value, bool) and (value == -1 or value >= 1)
 
 
 def factored_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:

@@ -37,6 +37,7 @@ from memfit.errors import UserError, brief
 from memfit.quiet import logger_errors_only
 from memfit.techniques.adapter import Adapter
 from memfit.techniques.half_weights import built_in
+from memfit.techniques.lokr import is_factor
 
 ALGOS = ("lokr", "loha", "locon", "lora", "full", "diag-oft", "boft", "glora", "ia3", "dylora")
 """LyCORIS's algorithms (``algo``) memfit passes through; which module each builds is LyCORIS's choice."""
@@ -64,7 +65,7 @@ class LycorisAdapter(Adapter):
             raise UserError(f"plan: adapter {self.text_value()}: dim must be a whole number >= 1; write e.g. dim=16")
         if not self.alpha > 0:
             raise UserError(f"plan: adapter {self.text_value()}: alpha must be > 0; write e.g. alpha=1")
-        if not isinstance(self.factor, int) or self.factor == 0 or self.factor < -1:
+        if not is_factor(self.factor):
             raise UserError(f"plan: adapter {self.text_value()}: factor must be -1 or a whole number >= 1")
 
     @property
