@@ -96,7 +96,7 @@ def test_estimate_from_an_axolotl_config(tmp_path, capsys):
     assert captured.err.strip() == (f"memfit: warning: axolotl config {config}: neftune_noise_alpha is not mapped; the "
                                     "estimate ignores it")
     assert (f"from {config}: {tmp_path / 'tiny-llama'} · batch 4 (2 a micro-batch x 2 accumulated) · seq 64 · "
-            "adapter=lora:r=4,targets=all-linear, precision=bf16-pure, micro_batch_size=2, checkpointing=blocks"
+            "adapter=lora:r=4,targets=linear-modules, precision=bf16-base, micro_batch_size=2, checkpointing=blocks"
             ) in captured.out
     assert main(["estimate", "--from", str(config), "--device", "rtx4060", "-b", "max", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -44,7 +44,7 @@ from pathlib import Path
 from memfit.devices import Device
 from memfit.errors import UserError, parse_problem
 from memfit.integrations.axolotl_fsdp import LAUNCHER_RANKS, fsdp_fields, is_sharded
-from memfit.integrations.configs import TrainingConfig, whole
+from memfit.integrations.configs import TrainingConfig, text_config, whole
 from memfit.plans import Plan
 from memfit.techniques.optimizer_variant import TRAINERS_OPTIM_NAMES
 from memfit.techniques.quantized_experts import quantizes_experts, with_experts
@@ -220,15 +220,9 @@ def liger_chunks(model: str, tokens: int) -> int | None:
     or hub id): slices of a power of two tokens whose logits are about the size of the hidden states (the
     vocabulary over the width: Liger-Kernel's ``fused_linear_cross_entropy_forward``). None where the model's
     config.json cannot be read here."""
-    import json
-
-    from memfit.workloads import hub
-    try:
-        folder = Path(model).expanduser() if Path(model).expanduser().is_dir() else hub.hub_config_folder(model)
-        config = json.loads((folder / "config.json").read_text())
-    except (UserError, OSError, ValueError):
+    text = text_config(model)
+    if text is None:
         return None
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     width, vocab = text.get("hidden_size"), text.get("vocab_size")
     if not (isinstance(width, int) and isinstance(vocab, int) and width > 0 and vocab > 0):
         return None

@@ -46,3 +46,20 @@ def whole(data: dict, key: str, where: str, default):
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise UserError(f"--from {where}: {key} must be a whole number >= 1, got {value!r}")
     return value
+
+
+def text_config(model: str) -> dict | None:
+    """The config.json of ``model`` (a folder or a hub id in the Hugging Face cache), its language model's part
+    (``text_config`` of a multimodal model); None where it cannot be read here."""
+    import json
+    from pathlib import Path
+
+    from memfit.workloads import hub
+    try:
+        folder = Path(model).expanduser() if Path(model).expanduser().is_dir() else hub.hub_config_folder(model)
+        config = json.loads((folder / "config.json").read_text())
+    except (UserError, OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    return config.get("text_config") if isinstance(config.get("text_config"), dict) else config

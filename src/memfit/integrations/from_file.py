@@ -1,7 +1,8 @@
 """``--from FILE``: a training config people already have, read by its suffix (a YAML: axolotl's,
-memfit.integrations.axolotl, or an ai-toolkit job's, memfit.integrations.ai_toolkit, told apart by its
-``config: process:``; a kohya-ss sd-scripts TOML: memfit.integrations.kohya) as memfit's workload, sizes and
-plan (memfit.integrations.configs.TrainingConfig)."""
+memfit.integrations.axolotl, an ai-toolkit job's, memfit.integrations.ai_toolkit, told apart by its
+``config: process:``, or LLaMA-Factory's, memfit.integrations.llamafactory, by its ``model_name_or_path``; a
+kohya-ss sd-scripts TOML: memfit.integrations.kohya) as memfit's workload, sizes and plan
+(memfit.integrations.configs.TrainingConfig)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ from pathlib import Path
 
 from memfit.devices import Device
 from memfit.errors import UserError
-from memfit.integrations import ai_toolkit, axolotl, kohya
+from memfit.integrations import ai_toolkit, axolotl, kohya, llamafactory
 from memfit.integrations.configs import TrainingConfig
 
 
 def read_training_config(path: str | Path, device: Device, workload: str | None = None) -> TrainingConfig:
-    """The config at ``path``: ``.yml``/``.yaml`` axolotl's or ai-toolkit's, ``.toml`` kohya's (``workload``: the
+    """The config at ``path``: ``.yml``/``.yaml`` axolotl's, ai-toolkit's or LLaMA-Factory's, ``.toml`` kohya's (``workload``: the
     model the user names beside it; a kohya config may train a checkpoint file that does not say which model it
     is)."""
     suffix = Path(path).suffix.lower()
@@ -23,12 +24,18 @@ def read_training_config(path: str | Path, device: Device, workload: str | None 
         if ai_toolkit.is_ai_toolkit(data):
             return ai_toolkit.map_config(data, str(path), device, workload)
         if workload is not None:
-            raise UserError(f"give a workload or --from {path}, not both (the config's base_model is the workload)")
+            key = "model_name_or_path" if llamafactory.is_llamafactory(data) else "base_model"
+            raise UserError(f"give a workload or --from {path}, not both (the config's {key} is the workload)")
+        if llamafactory.is_llamafactory(data):
+            return llamafactory.map_config(data, str(path), device)
+        if llamafactory.is_llamafactory_v1(data):
+            raise UserError(f"--from {path}: a config of LLaMA-Factory's v1 trainer (model:, model_class:) is not read; "
+                            "give its v0 config (model_name_or_path:, finetuning_type:, ...)")
         return axolotl.read_config(path, device)
     if suffix == ".toml":
         return kohya.read_config(path, device, workload)
-    raise UserError(f"--from {path}: give an axolotl or ai-toolkit config (.yml) or a kohya-ss sd-scripts config "
-                    "(.toml)")
+    raise UserError(f"--from {path}: give an axolotl, ai-toolkit or LLaMA-Factory config (.yml, .yaml) or a kohya-ss "
+                    "sd-scripts config (.toml)")
 
 
 def _peek_yaml(path: Path) -> object:
