@@ -41,3 +41,20 @@ def test_a_config_memfit_cannot_carry_is_one_line_exit_2(tmp_path, model, capsys
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"memfit estimate: error: --from {config}: stage: dpo: memfit traces supervised fine-tuning") and \
         "\n" not in err
+
+
+@pytest.mark.slow  # (a search on a GPU preset: 30 s on 2 cores)
+def test_plan_from_a_config_writes_llamafactorys_fields_back(tmp_path, model, capsys):
+    """``plan --from config.yaml --format llamafactory``: the search kept to what LLaMA-Factory's fields carry, the
+    chosen plan as those fields, which ``--from`` reads back as the chosen plan."""
+    from memfit.devices import get_device
+    from memfit.integrations.llamafactory import map_config
+    from memfit.plans import Plan
+    config = tmp_path / "lora.yaml"
+    config.write_text(f"model_name_or_path: {model}\nstage: sft\ndo_train: true\nfinetuning_type: lora\nlora_target: all\n"
+                      "cutoff_len: 256\nper_device_train_batch_size: 4\nbf16: true\n")
+    assert main(["plan", "--from", str(config), "--device", "rtx4060", "--format", "llamafactory", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    chosen = Plan(**{k: tuple(v) if isinstance(v, list) else v for k, v in out["chosen"]["plan"].items()})
+    assert out["llamafactory_unmapped"] == []
+    assert map_config(out["llamafactory_fields"], "exported.yaml", get_device("rtx4060")).plan == chosen

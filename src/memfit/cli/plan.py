@@ -30,12 +30,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_plan_args(p)
     p.add_argument("--budget", help="memory budget: 20GiB, 1.5GB, 80%% of the device; default: capacity minus 10%%")
     p.add_argument("--out", metavar="FILE", help="write the chosen plan (YAML, or JSON for .json)")
-    p.add_argument("--format", choices=("yaml", "hf", "lightning", "kohya", "ai-toolkit", "axolotl"), default="yaml",
+    p.add_argument("--format", choices=("yaml", "hf", "lightning", "kohya", "ai-toolkit", "axolotl", "llamafactory"),
+                   default="yaml",
                    help="also print the plan as Hugging Face TrainingArguments or Lightning Trainer keyword "
                         "arguments (accepted unchanged), what they cannot carry and memfit's callback that applies it; "
                         "kohya: the lines of a kohya-ss sd-scripts --config_file TOML; ai-toolkit: an ai-toolkit job "
-                        "YAML; axolotl: an axolotl config's fields (these three search only the plans that trainer "
-                        "runs)")
+                        "YAML; axolotl, llamafactory: an axolotl or LLaMA-Factory config's fields (these four search "
+                        "only the plans that trainer runs)")
     p.add_argument("--pareto", metavar="FILE.png", help="write a memory vs time plot of the evaluated plans")
     p.add_argument("--optimizers", default=None,
                    help="optimizer variants to consider, from adamw, adamw8bit, adamw8bit-ao, adamw4bit-ao, "
@@ -134,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
                           batch_size=per_rank * world if per_rank else bs, seq_len=seq,
                           optimizers=optimizers, max_traces=max_traces,
                           fixed=fields, compile_modes=compile_modes, steps=steps, progress=progress, host=host,
-                          host_memory=args.host_memory, runs_in=runs_in)
+                          host_memory=args.host_memory, runs_in=runs_in,
+                          search_values=trainer.search_values() if trainer else None)
             tried.append(world)
             if result.chosen:
                 break

@@ -1,6 +1,6 @@
-"""``memfit plan --format kohya|ai-toolkit|axolotl``: the chosen plan in a trainer's own config, and the search
-kept to the plans that trainer runs (memfit.integrations.kohya_export, memfit.integrations.ai_toolkit_export,
-memfit.integrations.axolotl_export)."""
+"""``memfit plan --format kohya|ai-toolkit|axolotl|llamafactory``: the chosen plan in a trainer's own config, and the
+search kept to the plans that trainer runs (memfit.integrations.kohya_export, memfit.integrations.ai_toolkit_export,
+memfit.integrations.axolotl_export, memfit.integrations.llamafactory_export)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,10 @@ class TrainerTarget:
     def own_fields(self, fixed: dict) -> dict:
         """The plan fields the user fixed, and those the trainer always runs its own way."""
         return fixed
+
+    def search_values(self) -> dict | None:
+        """Values the trainer runs in place of a technique's own (None: the search's own)."""
+        return None
 
 
 class KohyaTarget(TrainerTarget):
@@ -126,6 +130,13 @@ class AxolotlTarget(TrainerTarget):
             return fixed
         return {**fixed, **precision_fields({"bf16": "auto"}, get_device(self.device), method_of(fixed) != "full")}
 
+    def search_values(self) -> dict | None:
+        """A chunked loss in the slices Liger cuts for the model (axolotl's and LLaMA-Factory's only chunked loss),
+        at the batch's tokens; none where the model's config cannot be read here."""
+        from memfit.integrations.axolotl import liger_chunks
+        chunks = liger_chunks(self.spec, self.batch_size * self.seq_len) if self.seq_len else None
+        return {"loss_chunks": [0, chunks]} if chunks else None
+
     def runs_in(self, fixed: dict):
         """The plans axolotl's fields carry (the search is kept to them)."""
         from memfit.integrations.axolotl_export import to_axolotl
@@ -148,5 +159,29 @@ class AxolotlTarget(TrainerTarget):
                          "axolotl_notes": [*said, *out.notes]})
 
 
-TARGETS = {"kohya": KohyaTarget, "ai-toolkit": AiToolkitTarget, "axolotl": AxolotlTarget}
+class LlamaFactoryTarget(AxolotlTarget):
+    """``--format llamafactory``: the fields of a LLaMA-Factory config (memfit.integrations.llamafactory_export)."""
+
+    def own_fields(self, fixed: dict) -> dict:
+        return fixed  # (bf16, fp16, pure_bf16 or none: the search chooses among the precisions its fields carry)
+
+    def runs_in(self, fixed: dict):
+        """The plans LLaMA-Factory's fields carry (the search is kept to them)."""
+        from memfit.integrations.export import carried_by
+        from memfit.integrations.llamafactory_export import to_llamafactory
+        return carried_by(lambda plan: to_llamafactory(self._exported(plan)[0], self.batch_size, self.spec,
+                                                       self.seq_len, self.device), fixed)
+
+    def export(self, result) -> Exported:
+        from memfit.integrations.llamafactory_export import to_llamafactory
+        plan, said = self._exported(result.chosen.plan)
+        out = to_llamafactory(plan, result.batch_size, self.spec, self.seq_len, self.device)
+        return Exported("LLaMA-Factory config fields (llamafactory-cli train config.yaml, beside its dataset and the "
+                        "rest of the run):", out.yaml(), "LLaMA-Factory's fields", out.unmapped, [*said, *out.notes],
+                        {"llamafactory_fields": out.fields, "llamafactory_unmapped": list(out.unmapped),
+                         "llamafactory_notes": [*said, *out.notes]})
+
+
+TARGETS = {"kohya": KohyaTarget, "ai-toolkit": AiToolkitTarget, "axolotl": AxolotlTarget,
+           "llamafactory": LlamaFactoryTarget}
 """The trainers ``--format`` writes a config for."""

@@ -232,7 +232,7 @@ def _precision(data: dict, where: str, model: str, adapter: bool) -> dict:
     if pure:
         return {"precision": "bf16-pure"}
     half = "bf16" if bf16 else "fp16" if fp16 else None
-    checkpoint = _checkpoint_dtype(model)
+    checkpoint = checkpoint_dtype(model)
     if not adapter:  # (the whole model upcast to fp32, under the Trainer's autocast if any)
         return {"precision": half} if half else {}
     if checkpoint == "float32":  # (a checkpoint saved in fp32 loads so: autocast over fp32 weights, or none)
@@ -242,7 +242,7 @@ def _precision(data: dict, where: str, model: str, adapter: bool) -> dict:
     return {"precision": f"{'fp16' if checkpoint == 'float16' else 'bf16'}-base-noautocast"}
 
 
-def _checkpoint_dtype(model: str) -> str | None:
+def checkpoint_dtype(model: str) -> str | None:
     """The dtype ``from_pretrained(torch_dtype="auto")`` loads ``model`` in (its config's ``torch_dtype``, or
     transformers 5's ``dtype``); None where the config cannot be read here."""
     config = text_config(model)

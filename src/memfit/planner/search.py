@@ -155,7 +155,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
          narrow_optimizer: bool = True, alongside: bool = True, host=None, field_recipes: bool = True,
          too_big: dict[Plan, tuple[int, str]] | None = None, slower_than: float | None = None,
          host_memory: str | int | None = None, runs_in: Callable[[Plan], bool] | None = None,
-         swap_everywhere: bool = False, _book: TraceBook | None = None) -> PlanResult:
+         swap_everywhere: bool = False, search_values: dict | None = None,
+         _book: TraceBook | None = None) -> PlanResult:
     """The fastest plan for ``workload`` whose predicted memory fits ``budget`` on ``device``.
 
     ``fixed``: plan fields the user set (``--precision bf16``); the search covers the others.
@@ -176,7 +177,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     ``runs_in``: only plans this holds for are searched (the trainer that will run the plan:
     memfit.integrations.kohya_export.runs_in_sd_scripts). ``swap_everywhere``: search ``swap_blocks`` whatever
     the weights' share of the budget (where it was left out by that share and nothing fit, the search is run
-    again so: NOTE [ Swap searched when nothing fits ]).
+    again so: NOTE [ Swap searched when nothing fits ]). ``search_values``: values a trainer runs in place of a
+    technique's own (``{"loss_chunks": [0, 32]}``: Liger's slices for axolotl's and LLaMA-Factory's chunked loss).
     """
     progress = progress or NoProgress()
     t0 = time.perf_counter()
@@ -200,7 +202,8 @@ def plan(workload: Workload | str, *, budget: str | int | None = None, device: s
     space = space or default_space(facts, dev, rank_bs, optimizers, compile_modes, budget_bytes=budget_bytes,
                                    base_weights=(fixed or {}).get("base_weights"), run_steps=steps,
                                    coupled_samples=wl.info.coupled_samples, swap_everywhere=swap_everywhere,
-                                   block_inputs=lambda: block_input_bytes(wl, facts.model, rank_bs))
+                                   block_inputs=lambda: block_input_bytes(wl, facts.model, rank_bs),
+                                   search_values=search_values)
     offered = {k: list(v) for k, v in space.values.items()}
     given_fields = dict(fixed or {})
     fixed, constrained = constrain(space, dict(given_fields), dev, rank_bs)

@@ -96,7 +96,8 @@ def default_space(facts: ModelFacts, device: Device, batch_size: int,
                   optimizers: tuple[str, ...] | None = None,
                   compile_modes: tuple[str, ...] | None = None, *, budget_bytes: int | None = None,
                   base_weights: str | None = None, run_steps: int | None = None,
-                  coupled_samples: str | None = None, block_inputs=None, swap_everywhere: bool = False) -> SearchSpace:
+                  coupled_samples: str | None = None, block_inputs=None, swap_everywhere: bool = False,
+                  search_values: dict | None = None) -> SearchSpace:
     """``compile_modes``: the compile modes to try; None: the device's default (memfit.techniques.compile).
     ``budget_bytes`` and ``base_weights`` (the plan's, as the user gave it): what a technique whose
     values matter only when the weights fill the budget looks at (``swap_blocks``); None: unknown.
@@ -104,7 +105,8 @@ def default_space(facts: ModelFacts, device: Device, batch_size: int,
     long enough to pay for its compiles: memfit.techniques.compile). ``coupled_samples``: why the
     workload's samples depend on each other (memfit.workload.WorkloadInfo): no micro-batch is searched.
     ``block_inputs``: a call giving :func:`block_input_bytes` at the batch (asked only where it decides).
-    ``swap_everywhere``: ``swap_blocks`` searched whatever the weights' share of the budget."""
+    ``swap_everywhere``: ``swap_blocks`` searched whatever the weights' share of the budget. ``search_values``: a
+    trainer's values in place of a technique's own, by plan key (where the technique searches that key at all)."""
     ctx = SearchContext(model=facts.model, device=device, batch_size=batch_size,
                         options={"optimizers": optimizers, "compile_modes": compile_modes,
                                  "budget_bytes": budget_bytes, "base_weights": base_weights,
@@ -112,6 +114,7 @@ def default_space(facts: ModelFacts, device: Device, batch_size: int,
                                  "swap_everywhere": swap_everywhere,
                                  "swap_tail": stacks.tail if (stacks := stacks_of(facts.model)) else None})
     values = {t.keys[0].name: list(t.search(ctx)) for t in TECHNIQUES if t.search is not None}
+    values.update({k: list(v) for k, v in (search_values or {}).items() if len(values.get(k, ())) > 1})
     micro = [m for m in (batch_size, batch_size // 2, batch_size // 4, batch_size // 8)
              if m >= 1 and batch_size % m == 0 and (m == batch_size or not coupled_samples)]
     if coupled_samples:
