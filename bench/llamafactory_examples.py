@@ -8,7 +8,9 @@ each YAML with a ``model_name_or_path`` is mapped as ``--from`` maps it (memfit.
 ``python -m bench.llamafactory_examples --qwen7b``: LLaMA-Factory's LoRA and QLoRA examples
 (tests/data/llamafactory/) on Qwen2.5-7B-Instruct at 2 x 2,048 tokens, estimated with ``--from`` on the ``rtx4090``
 preset, as a user with the model's config.json alone in the Hugging Face cache runs them (offline, from
-bench/hub_configs/): each one's line, its allocated, reserved and on-device bytes, and the seconds it took.
+bench/hub_configs/): each one's line, its allocated, reserved and on-device bytes, and the seconds it took; then
+``memfit plan --from`` the LoRA one (2 a device x 8 accumulated) ``--format llamafactory``: the chosen plan, its
+LLaMA-Factory fields and the planning seconds.
 """
 
 from __future__ import annotations
@@ -62,8 +64,24 @@ def qwen7b_rows() -> None:
         plan = Plan(**{k: tuple(v) if isinstance(v, list) else v for k, v in r["plan"].items()}).describe()
         print(f"{row}: {plan}")
         print(f"  allocated {r['peak_bytes'] / gib:.2f} GiB, reserved {r['reserved_bytes'] / gib:.2f} GiB, at load "
-              f"{r['load_peak_bytes'] / gib:.2f} GiB, process {r['process_peak_bytes'] / gib:.2f} GiB, fits: {r['fits']}; "
+              f"{r['load_peak_bytes'] / gib:.2f} GiB, fits: {r['fits']}; "
               f"{seconds:.1f} s")
+    config = yaml.safe_load((data / "qwen3-lora-sft.yaml").read_text())
+    config.update(model_name_or_path="Qwen/Qwen2.5-7B-Instruct", per_device_train_batch_size=2,
+                  gradient_accumulation_steps=8, cutoff_len=2048)
+    path = home / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = subprocess.run([sys.executable, "-m", "memfit.cli.main", "plan", "--from", str(path), "--device", "rtx4090",
+                          "--format", "llamafactory", "--json"], capture_output=True, text=True, env=env)
+    r = json.loads(out.stdout)
+    chosen = r["chosen"]
+    print(f"plan --from qwen3-lora-sft.yaml (2 x 8 accumulated) --format llamafactory: "
+          f"{Plan(**{k: tuple(v) if isinstance(v, list) else v for k, v in chosen['plan'].items()}).describe()}")
+    print(f"  predicted {chosen['used_bytes'] / 2 ** 30:.2f} GiB on the device ({chosen['peak_bytes'] / 2 ** 30:.2f} GiB "
+          f"allocated), {chosen['tokens_per_second']:,.0f} tokens/s; {r['planning_seconds']:.1f} s of planning, "
+          f"{r['traces']} traces")
+    print("  fields: " + ", ".join(f"{k}: {v}" for k, v in r["llamafactory_fields"].items()
+                                   if k not in ("model_name_or_path", "stage", "do_train")))
 
 
 def main(argv: list[str]) -> None:
