@@ -9,14 +9,13 @@ on q and v, then on every linear layer), AdamW, bf16 autocast, 2 x 128 tokens, n
 - peft's guide's loop (``prepare_model_for_kbit_training``: the weights that are not 4-bit in fp32), against
   ``precision: bf16``.
 
-Measured: the built model's tensors (tests/unit/techniques/test_llamafactory_loop.py's ``_model_bytes``) and the
-third step's peak over them (the profiler, started after the build). Prints each pair and the error.
+Measured: the built model's tensors (:func:`model_bytes`, which tests/unit/techniques/test_llamafactory_loop.py
+counts too) and the third step's peak over them (the profiler, started after the build). Prints each pair and the error.
 """
 
 from __future__ import annotations
 
 import gc
-import sys
 import tempfile
 from pathlib import Path
 
@@ -33,13 +32,6 @@ def measured(folder: Path, targets: list[str], prepare: bool) -> int:
     import transformers
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-    from memfit.memory.profiler_events import memory_profiler
-    from memfit.quiet import QuietProfiler
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit" / "techniques"))
-    from test_llamafactory_loop import _model_bytes
-
-    from helpers import mark, peak_after_mark
     quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16,
                                             bnb_4bit_use_double_quant=True, bnb_4bit_quant_type="nf4")
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16,
@@ -47,22 +39,61 @@ def measured(folder: Path, targets: list[str], prepare: bool) -> int:
     if prepare:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets, task_type="CAUSAL_LM"))
+    return third_step_peak(model, CONFIG["vocab_size"], BATCH, SEQ)
+
+
+def third_step_peak(model, vocab: int, batch: int, seq: int, max_grad_norm: float | None = None) -> int:
+    """The bytes of ``model`` (built, in train mode) and the peak of the third of three steps over them: AdamW over
+    what trains, bf16 autocast, the loss of random tokens as their own labels, clipped at ``max_grad_norm``."""
+    from memfit.memory.profiler_events import memory_profiler
+    from memfit.quiet import QuietProfiler
     model.train()
-    built = _model_bytes(model)
+    built = model_bytes(model)
     gc.collect()
     with QuietProfiler(memory_profiler()) as prof:
         trained = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trained, lr=1e-4)
-        tokens = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ))
+        tokens = torch.randint(0, vocab, (batch, seq))
         for i in range(3):
             if i == 2:
-                mark()
+                torch.empty(MARK, dtype=torch.uint8)  # (where the third step starts in the profile)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = model(input_ids=tokens, labels=tokens).loss
             loss.backward()
+            if max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(trained, max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    return built + peak_after_mark(prof)
+    return built + _peak_after_mark(prof)
+
+
+MARK = 12_345_679
+"""An allocation of this many bytes, made and freed at once: the third step's start."""
+
+
+def _peak_after_mark(prof) -> int:
+    """The most bytes live after the mark, counted from the profile's first allocation."""
+    from memfit.memory.profiler_events import allocator_events
+    live, peak, marked = 0, 0, False
+    for _, nbytes in allocator_events(prof):
+        if abs(nbytes) == MARK:
+            marked = True
+            continue
+        live += nbytes
+        peak = max(peak, live) if marked else peak
+    return peak
+
+
+def model_bytes(model) -> int:
+    """The bytes of ``model``'s tensors: parameters', buffers' and the 4-bit weights' quantization states'."""
+    storages = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    for state in (getattr(getattr(m, "weight", None), "quant_state", None) for m in model.modules()):
+        for t in [] if state is None else [state.absmax, state.code, *((state.state2.absmax, state.state2.code)
+                                                                      if state.nested else ())]:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 def main() -> None:

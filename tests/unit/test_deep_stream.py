@@ -47,6 +47,8 @@ def _trace(target, depth=None):
     ({"precision": "bf16"}, True),  # autocast drops its cast weights in a hash map's order
     ({"precision": "bf16-pure", "optimizer": "adamw8bit"}, True),
     ({"precision": "bf16", "offload": ("optimizer_states",)}, True),  # a side stream
+    # clipped: the stacked norms, one per gradient (NOTE [ An allocation sized by the depth ]; no stream before)
+    ({"precision": "bf16-pure", "max_grad_norm": 1.0}, True),
     pytest.param({"precision": "bf16-pure", "checkpointing": "selective", "optimizer_in_backward": True}, True,
                  marks=pytest.mark.slow),
     # the optimizer's foreach steps order a few frees differently at full depth (the bytes do not move)

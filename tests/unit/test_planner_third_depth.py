@@ -35,6 +35,8 @@ def _truth(result):
     # (every second block checkpointed: the top block's backward makes the cuBLASLt workspace, NOTE [ A
     # workspace made on first use ] in memfit.memory.stretches)
     {"precision": "bf16-pure", "checkpointing": "blocks:every=2", "adapter": "lora:r=8"},
+    # (clipped: the stacked norms grow with the blocks, NOTE [ An allocation sized by the depth ])
+    {"precision": "bf16-pure", "checkpointing": "blocks", "adapter": "lora:r=8", "max_grad_norm": 1.0},
 ])
 def test_a_plan_confirmed_at_a_third_depth_has_its_full_traces_figures(fields):
     result = _search(fields)

@@ -44,7 +44,7 @@ from pathlib import Path
 from memfit.devices import Device
 from memfit.errors import UserError, parse_problem
 from memfit.integrations.axolotl_fsdp import LAUNCHER_RANKS, fsdp_fields, is_sharded
-from memfit.integrations.configs import TrainingConfig, text_config, whole
+from memfit.integrations.configs import TrainingConfig, module_names, text_config, whole
 from memfit.plans import Plan
 from memfit.techniques.optimizer_variant import TRAINERS_OPTIM_NAMES
 from memfit.techniques.quantized_experts import quantizes_experts, with_experts
@@ -277,26 +277,18 @@ def _method(data: dict, where: str) -> dict:
     if data.get("lora_alpha") is not None:
         options.append(f"alpha={data['lora_alpha']}")
     if data.get("lora_target_linear"):  # (axolotl's find_all_linear_names, with lora_target_modules beside)
-        options.append("targets=" + "+".join(["linear-modules", *(_names(data, "lora_target_modules", where)
+        options.append("targets=" + "+".join(["linear-modules", *(module_names(data, "lora_target_modules", where)
                                                                   if data.get("lora_target_modules") else [])]))
     elif data.get("lora_target_modules"):
-        options.append("targets=" + "+".join(_names(data, "lora_target_modules", where)))
+        options.append("targets=" + "+".join(module_names(data, "lora_target_modules", where)))
     if data.get("lora_dropout"):
         options.append(f"dropout={data['lora_dropout']}")
     if data.get("lora_modules_to_save"):
-        options.append("save=" + "+".join(_names(data, "lora_modules_to_save", where)))
+        options.append("save=" + "+".join(module_names(data, "lora_modules_to_save", where)))
     out = {"adapter": f"{'dora' if data.get('peft_use_dora') else 'lora'}:{','.join(options)}"}
     if weights:
         out["base_weights"] = weights
     return out
-
-
-def _names(data: dict, key: str, where: str) -> list[str]:
-    value = data[key]
-    names = [value] if isinstance(value, str) else value
-    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
-        raise UserError(f"--from {where}: {key} must be a list of module names, got {value!r}")
-    return names
 
 
 def precision_fields(data: dict, device: Device, adapter: bool) -> dict:

@@ -63,3 +63,14 @@ def text_config(model: str) -> dict | None:
     if not isinstance(config, dict):
         return None
     return config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+
+
+def module_names(data: dict, key: str, where: str, commas: bool = False) -> list[str]:
+    """``data[key]`` as module names: a YAML list, or one name (``commas``: one string of names separated by commas,
+    as LLaMA-Factory takes them)."""
+    value = data[key]
+    names = ([n.strip() for n in value.split(",")] if commas else [value]) if isinstance(value, str) else value
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        raise UserError(f"--from {where}: {key} must be " + ("module names (a list, or one string separated by "
+                        "commas)" if commas else "a list of module names") + f", got {value!r}")
+    return names

@@ -39,7 +39,7 @@ from __future__ import annotations
 from memfit.devices import Device
 from memfit.errors import UserError
 from memfit.integrations.axolotl import liger_chunks
-from memfit.integrations.configs import TrainingConfig, text_config, whole
+from memfit.integrations.configs import TrainingConfig, module_names, text_config, whole
 from memfit.plans import Plan
 from memfit.techniques.optimizer_variant import TRAINERS_OPTIM_NAMES
 
@@ -182,12 +182,12 @@ def _method(data: dict, where: str) -> dict:
         return {}
     rank = whole(data, "lora_rank", where, 8)
     options = [f"r={rank}", f"alpha={data.get('lora_alpha') or 2 * rank}"]  # (LLaMA-Factory's alpha: twice the rank)
-    targets = _names(data, "lora_target", where) if "lora_target" in data else ["all"]
+    targets = module_names(data, "lora_target", where, commas=True) if "lora_target" in data else ["all"]
     options.append("targets=" + ("linear-modules" if targets == ["all"] else "+".join(targets)))
     if data.get("lora_dropout"):
         options.append(f"dropout={data['lora_dropout']}")
     if data.get("additional_target"):
-        options.append("save=" + "+".join(_names(data, "additional_target", where)))
+        options.append("save=" + "+".join(module_names(data, "additional_target", where, commas=True)))
     out = {"adapter": f"{'dora' if data.get('use_dora') else 'lora'}:{','.join(options)}"}
     if weights:
         out["base_weights"] = weights
@@ -211,16 +211,6 @@ def _base_weights(data: dict, where: str) -> str | None:
     if kind not in ("nf4", "fp4"):
         raise UserError(f"--from {where}: quantization_type: {kind!r} is not bitsandbytes'; write nf4 or fp4")
     return f"{kind}:double_quant={'true' if data.get('double_quantization', True) else 'false'}"
-
-
-def _names(data: dict, key: str, where: str) -> list[str]:
-    """A list of module names, as LLaMA-Factory takes them: a YAML list or one comma-separated string."""
-    value = data[key]
-    names = [n.strip() for n in value.split(",")] if isinstance(value, str) else value
-    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
-        raise UserError(f"--from {where}: {key} must be module names (a list, or one string separated by commas), "
-                        f"got {value!r}")
-    return names
 
 
 def _precision(data: dict, where: str, model: str, adapter: bool) -> dict:

@@ -24,8 +24,11 @@ from memfit.memory.stretches import (
     inserted,
     joined,
     slides,
+    unsized,
     unstraddled,
     until_end,
+    with_sizes,
+    without_sizes,
 )
 from memfit.memory.tracker import POINTS
 
@@ -196,16 +199,16 @@ def sorted_free_runs(stream: Stream, by_size: bool = True) -> Stream:
 # ``DeepRung``: a miss sends the plans it ruled out to full traces).
 @without_collections
 def deepen(a: Stream, b: Stream, d: int, e: int, full: int) -> Stream | None:
-    """The stream at ``full`` blocks from those at ``d`` and ``e`` blocks (see NOTE [ Allocations
-    at full depth ]); None where they do not differ by inserted stretches."""
+    """The stream at ``full`` blocks from those at ``d`` and ``e`` blocks (NOTE [ Allocations at full depth ], NOTE
+    [ An allocation sized by the depth ]); None where they do not differ by inserted stretches."""
     if e <= d or (full - d) % (e - d) or full < e:
         return None
-    deep = _deepened(a, b, e - d, (full - d) // (e - d))
-    if deep is None:  # (NOTE [ What the trace frees after its end ])
-        a_cut, b_cut = until_end(a), until_end(b)
-        if a_cut is not a or b_cut is not b:
-            deep = _deepened(a_cut, b_cut, e - d, (full - d) // (e - d))
-    return deep
+    (a, sized_a), (b, sized_b), n = without_sizes(a), without_sizes(b), (full - d) // (e - d)
+    deep = _deepened(a, b, e - d, n)
+    if deep is None and (until_end(a) is not a or until_end(b) is not b):  # (NOTE [ What the trace frees after its end ])
+        a, b = until_end(a), until_end(b)
+        deep, sized_a, sized_b = _deepened(a, b, e - d, n), sized_a[:unsized(a)], sized_b[:unsized(b)]
+    return None if deep is None else with_sizes(deep, sized_a, sized_b, n)
 
 
 def _deepened(a: Stream, b: Stream, period: int, n: int) -> Stream | None:

@@ -15,7 +15,6 @@ The bound is 2%: LLaMA-Factory's checkpoint is torch's reentrant one, which make
 that requires grad; its gradient (one bf16 hidden state, 64 KiB here, 0.9% of this tiny step and about 0.1% of a 7B
 model's) stays until backward ends. memfit checkpoints without reentry (within 1% of this loop run so)."""
 
-import gc
 from functools import partial
 
 import pytest
@@ -23,11 +22,9 @@ import torch
 import yaml
 
 import memfit
-from helpers import mark, peak_after_mark
+from bench.qlora_loops_cpu import third_step_peak
 from memfit.devices import get_device
 from memfit.integrations.from_file import read_training_config
-from memfit.memory.profiler_events import memory_profiler
-from memfit.quiet import QuietProfiler
 
 CONFIG = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 2, "num_attention_heads": 4,
           "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 128, "tie_word_embeddings": False}
@@ -50,19 +47,6 @@ def _checkpointing_as_llamafactory(model) -> None:
     model.config.use_cache = False
 
 
-def _model_bytes(model) -> int:
-    """The bytes of ``model``'s tensors: its parameters' and buffers' storages, and its 4-bit weights' quantization
-    states (absmax, code: bitsandbytes keeps them beside the weight)."""
-    storages = {}
-    for t in [*model.parameters(), *model.buffers()]:
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    for state in (getattr(getattr(m, "weight", None), "quant_state", None) for m in model.modules()):
-        for t in [] if state is None else [state.absmax, state.code, *((state.state2.absmax, state.state2.code)
-                                                                      if state.nested else ())]:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(storages.values())
-
-
 def _llamafactory_loop(folder, quantized: bool) -> int:
     """The third step's peak of LLaMA-Factory's LoRA (QLoRA) loop over the checkpoint in ``folder``, the model's
     bytes included."""
@@ -81,23 +65,7 @@ def _llamafactory_loop(folder, quantized: bool) -> int:
     for p in model.parameters():  # (init_adapter's cast_trainable_params_to_fp32)
         if p.requires_grad:
             p.data = p.data.to(torch.float32)
-    model.train()
-    built = _model_bytes(model)
-    gc.collect()
-    with QuietProfiler(memory_profiler()) as prof:
-        trained = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(trained, lr=1e-4)
-        tokens = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ))
-        for i in range(3):
-            if i == 2:
-                mark()
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(input_ids=tokens, labels=tokens).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(trained, 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    return built + peak_after_mark(prof)
+    return third_step_peak(model, CONFIG["vocab_size"], BATCH, SEQ, max_grad_norm=1.0)
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["lora", "qlora"])
