@@ -75,13 +75,14 @@ low_cpu_mem_usage hf_hub_token ms_hub_token om_hub_token print_param_status push
 include_num_input_tokens_seen include_tokens_per_second include_effective_tokens_per_second compute_accuracy
 disable_shuffling early_stopping_steps use_swanlab swanlab_project swanlab_workspace swanlab_run_name swanlab_mode
 swanlab_api_key swanlab_logdir swanlab_lark_webhook_url swanlab_lark_secret gradient_checkpointing
-gradient_checkpointing_kwargs use_reentrant_gc moe_aux_loss_coef freeze_vision_tower freeze_multi_modal_projector
-image_max_pixels image_min_pixels video_max_pixels video_min_pixels video_fps video_maxlen predict_with_generate
-remove_unused_columns label_names tf32 logging_first_step eval_num_beams generation_max_length
+gradient_checkpointing_kwargs use_reentrant_gc moe_aux_loss_coef predict_with_generate remove_unused_columns
+label_names tf32 logging_first_step eval_num_beams generation_max_length
 """.split())
 """Fields of the run around the step, or without an effect on the training step's memory (ignored without a
 word). ``gradient_checkpointing`` (TrainingArguments'): LLaMA-Factory checkpoints by its own
-``disable_gradient_checkpointing``, whatever this says."""
+``disable_gradient_checkpointing``, whatever this says. A multimodal model's fields (``freeze_vision_tower``,
+``image_max_pixels``...) are not here: what trains and how many image tokens a sample holds are memory, and
+memfit does not map them (a warning names each)."""
 
 MAPPED = frozenset("""
 model_name_or_path stage finetuning_type lora_rank lora_alpha lora_dropout lora_target additional_target use_dora
