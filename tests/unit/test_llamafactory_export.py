@@ -52,8 +52,12 @@ def test_the_qlora_fields():
 
 
 def test_checkpointing_off_and_no_clipping_are_written_against_llamafactorys_defaults():
-    fields = to_llamafactory(Plan(adapter=ALL, precision="bf16-base"), 4, "org/model", 512, CARD).fields
-    assert fields["disable_gradient_checkpointing"] is True and fields["max_grad_norm"] == 0.0
+    """And axolotl's notes of what its own fields cannot say (clipping left at 1.0, double quantization always on) are
+    not LLaMA-Factory's, whose fields say it."""
+    out = to_llamafactory(Plan(adapter=ALL, precision="bf16-base", base_weights="nf4"), 4, "org/model", 512, CARD)
+    assert out.fields["disable_gradient_checkpointing"] is True and out.fields["max_grad_norm"] == 0.0
+    assert out.fields["double_quantization"] is False
+    assert not any("clips at" in n or "double quantization" in n for n in out.notes), out.notes
 
 
 @pytest.mark.parametrize("dtype, precision, carried", [

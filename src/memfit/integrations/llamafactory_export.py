@@ -24,6 +24,10 @@ RENAMED = {"micro_batch_size": "per_device_train_batch_size", "gradient_accumula
            "optimizer": "optim", "torch_compile": "torch_compile", "activation_offloading": "use_unsloth_gc",
            "liger_fused_linear_cross_entropy": "enable_liger_kernel"}
 """axolotl's fields -> LLaMA-Factory's, where the same Trainer argument or kernel is meant."""
+AXOLOTLS_OWN = ("plugins:", "max_grad_norm:", "axolotl's qlora")
+"""axolotl's notes of what its fields cannot say, which LLaMA-Factory's fields say: its Liger plugin
+(``enable_liger_kernel``), clipping left at its default (``max_grad_norm`` is written), double quantization always
+on (``double_quantization`` is written)."""
 WRITTEN_HERE = ("precision", "base_weights", "adapter", "max_grad_norm")
 """Plan keys this module writes itself (axolotl's list of what it cannot carry is not theirs)."""
 
@@ -73,7 +77,7 @@ def to_llamafactory(plan: Plan, batch_size: int, model: str, seq_len: int | None
     handled = (*WRITTEN_HERE, *(("optimizer", "optimizer_in_backward") if low_rank else ()))
     unmapped += [u.replace("axolotl", "LLaMA-Factory") for u in axolotl.unmapped if u.split(":", 1)[0] not in handled]
     notes = [n.replace("axolotl", "LLaMA-Factory") for n in axolotl.notes  # (the same Trainer, peft and Liger)
-             if not n.startswith("plugins:")]  # (axolotl's Liger plugin: LLaMA-Factory's is enable_liger_kernel)
+             if not n.startswith(AXOLOTLS_OWN)]
     if fields.get("enable_liger_kernel"):
         notes.append("enable_liger_kernel also swaps in Liger's RMSNorm, SwiGLU and RoPE kernels (memfit predicts the "
                      "model's own: a little over)")
