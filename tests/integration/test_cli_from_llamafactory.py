@@ -58,3 +58,11 @@ def test_plan_from_a_config_writes_llamafactorys_fields_back(tmp_path, model, ca
     chosen = Plan(**{k: tuple(v) if isinstance(v, list) else v for k, v in out["chosen"]["plan"].items()})
     assert out["llamafactory_unmapped"] == []
     assert map_config(out["llamafactory_fields"], "exported.yaml", get_device("rtx4060")).plan == chosen
+
+
+@pytest.mark.parametrize("trainer, name", [("llamafactory", "LLaMA-Factory"), ("axolotl", "axolotl")])
+def test_a_diffusion_model_in_a_language_models_trainer_is_one_line(capsys, trainer, name):
+    assert main(["plan", "dit", "--device", "rtx4090", "--format", trainer]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"memfit plan: error: --format {trainer}: {name} trains language models, and dit is not one; for a "
+                   "diffusion model use --format kohya or ai-toolkit, or leave --format out")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from memfit.errors import UserError
+
 
 @dataclass(frozen=True)
 class Exported:
@@ -137,12 +139,23 @@ class AxolotlTarget(TrainerTarget):
         chunks = liger_chunks(self.spec, self.batch_size * self.seq_len) if self.seq_len else None
         return {"loss_chunks": [0, chunks]} if chunks else None
 
+    who = "axolotl"
+    """The trainer, as ``--format`` and its users name it."""
+
     def runs_in(self, fixed: dict):
-        """The plans axolotl's fields carry (the search is kept to them)."""
+        """The plans axolotl's fields carry (the search is kept to them); refuses a model it does not train."""
         from memfit.integrations.axolotl_export import to_axolotl
+        self.check_trained()
         from memfit.integrations.export import carried_by
         return carried_by(lambda plan: to_axolotl(self._exported(plan)[0], self.batch_size, self.spec, self.seq_len,
                                                    self.device), fixed)
+
+    def check_trained(self) -> None:
+        """One line for a model that is not a language model (no sequence length): the trainer does not train it."""
+        if self.seq_len is None:
+            raise UserError(f"--format {self.who.lower().replace('-', '')}: {self.who} trains language models, and "
+                            f"{self.spec} is not one; "
+                            "for a diffusion model use --format kohya or ai-toolkit, or leave --format out")
 
     def _exported(self, plan):
         from memfit.devices import get_device
@@ -165,10 +178,13 @@ class LlamaFactoryTarget(AxolotlTarget):
     def own_fields(self, fixed: dict) -> dict:
         return fixed  # (bf16, fp16, pure_bf16 or none: the search chooses among the precisions its fields carry)
 
+    who = "LLaMA-Factory"
+
     def runs_in(self, fixed: dict):
-        """The plans LLaMA-Factory's fields carry (the search is kept to them)."""
+        """The plans LLaMA-Factory's fields carry (the search is kept to them); refuses a model it does not train."""
         from memfit.integrations.export import carried_by
         from memfit.integrations.llamafactory_export import to_llamafactory
+        self.check_trained()
         return carried_by(lambda plan: to_llamafactory(self._exported(plan)[0], self.batch_size, self.spec,
                                                        self.seq_len, self.device), fixed)
 
