@@ -122,6 +122,9 @@ class AiToolkitTarget(TrainerTarget):
 class AxolotlTarget(TrainerTarget):
     """``--format axolotl``: the fields of an axolotl config (memfit.integrations.axolotl_export)."""
 
+    who = "axolotl"
+    """The trainer, as its users name it (``--format``'s value: lower case, no hyphen)."""
+
     def own_fields(self, fixed: dict) -> dict:
         """axolotl's precision, unless the user fixed one: ``bf16: true`` (``fp16`` on a card without bf16), the
         model loaded in 16 bits, and an adapter kept in fp32 over it by peft (``bf16-base``), as its --from reads."""
@@ -139,14 +142,11 @@ class AxolotlTarget(TrainerTarget):
         chunks = liger_chunks(self.spec, self.batch_size * self.seq_len) if self.seq_len else None
         return {"loss_chunks": [0, chunks]} if chunks else None
 
-    who = "axolotl"
-    """The trainer, as ``--format`` and its users name it."""
-
     def runs_in(self, fixed: dict):
         """The plans axolotl's fields carry (the search is kept to them); refuses a model it does not train."""
         from memfit.integrations.axolotl_export import to_axolotl
-        self.check_trained()
         from memfit.integrations.export import carried_by
+        self.check_trained()
         return carried_by(lambda plan: to_axolotl(self._exported(plan)[0], self.batch_size, self.spec, self.seq_len,
                                                    self.device), fixed)
 
@@ -175,10 +175,10 @@ class AxolotlTarget(TrainerTarget):
 class LlamaFactoryTarget(AxolotlTarget):
     """``--format llamafactory``: the fields of a LLaMA-Factory config (memfit.integrations.llamafactory_export)."""
 
+    who = "LLaMA-Factory"
+
     def own_fields(self, fixed: dict) -> dict:
         return fixed  # (bf16, fp16, pure_bf16 or none: the search chooses among the precisions its fields carry)
-
-    who = "LLaMA-Factory"
 
     def runs_in(self, fixed: dict):
         """The plans LLaMA-Factory's fields carry (the search is kept to them); refuses a model it does not train."""
