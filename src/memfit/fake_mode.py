@@ -16,10 +16,13 @@ from __future__ import annotations
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from memfit.memory.untraced_imports import imports_outside_the_trace
+
 
 class TraceFakeMode(FakeTensorMode):
     """A ``FakeTensorMode`` that asks whether CUDA is usable once (NOTE [ CUDA availability asked once
-    a trace ])."""
+    a trace ]), under which modules imported for the first time load outside it (NOTE [ Modules loaded during a
+    trace ] in memfit.memory.untraced_imports)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -28,6 +31,21 @@ class TraceFakeMode(FakeTensorMode):
     @property
     def avoid_device_init(self) -> bool:
         return self._avoid_device_init
+
+    def __enter__(self):
+        self._imports = imports_outside_the_trace()  # NOTE [ Modules loaded during a trace ]
+        self._imports.__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._imports.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._imports.__exit__(None, None, None)
 
 
 def fake_mode() -> TraceFakeMode:

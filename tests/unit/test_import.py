@@ -22,14 +22,17 @@ def test_estimate_for_a_gpu_preset_does_not_initialise_cuda():
     assert out.endswith("False")
 
 
-@pytest.mark.parametrize("fields, module", [("adapter='lora:r=4'", "peft"), ("optimizer='adamw8bit'", "bitsandbytes"),
-                                           pytest.param("optimizer='galore'", "galore_torch", marks=pytest.mark.slow)])
-# (galore slow: an optional extra whose import is checked as peft's and bitsandbytes' are; keeps the default suite under 10 minutes)
+@pytest.mark.parametrize("fields, module", [
+    ("precision='bf16-pure'", "peft"),  # (its check for peft's layers imported peft in the trace: 2 KiB once)
+    pytest.param("adapter='lora:r=4'", "peft", marks=pytest.mark.slow),
+    ("optimizer='adamw8bit'", "bitsandbytes"),
+    pytest.param("optimizer='galore'", "galore_torch", marks=pytest.mark.slow)])
+# (slow: further libraries whose import is checked as the first two cases' are; keeps the default suite short)
 def test_a_process_first_trace_of_a_plan_is_its_second(fields, module):
     """peft and bitsandbytes make tensors as they load (LoHa's ``torch.tensor(1)`` defaults, the 4-bit
     quantization tables; galore-torch imports bitsandbytes): imported by the first trace of a process,
     they were that trace's allocations, so two workers traced one plan differently and memfit fit's
-    architectures shared fewer plans, run to run (NOTE [ Imports before the trace ])."""
+    architectures shared fewer plans, run to run (NOTE [ Modules loaded during a trace ])."""
     out = _run("import sys; from memfit.planner.trace_job import Tracer; from memfit.memory.budget import Budget;\n"
                "from memfit.devices import get_device; from memfit.plans import Plan; from memfit.target import Target\n"
                "from memfit.workloads import load_workload; from memfit.planner.space import model_facts\n"

@@ -28,6 +28,7 @@ from memfit.memory.reference_kernels import kernel_fallbacks_listed
 from memfit.memory.routing import BALANCED, routing_mode
 from memfit.memory.tracker import MemoryTracker
 from memfit.memory.triton_launches import fake_triton_launches
+from memfit.memory.untraced_imports import imports_outside_the_trace
 from memfit.memory.workspaces import probe_for
 from memfit.step import TrainStep, build_step, make_batch
 from memfit.target import Target
@@ -64,8 +65,6 @@ def _run_tracked(target: Target, *, fake: bool, steps: int, outer: contextlib.Ab
     from memfit.fake_mode import fake_mode
 
     device = target.device
-    for config in target.plan.techniques:  # NOTE [ Imports before the trace ]
-        config.before_trace()
     tracker = MemoryTracker(assume_scalars=fake, probe=probe_for(device) if fake else None)
     hooks: list[Any] = []
     t0 = time.perf_counter()
@@ -73,6 +72,7 @@ def _run_tracked(target: Target, *, fake: bool, steps: int, outer: contextlib.Ab
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(outer or contextlib.nullcontext())
+            stack.enter_context(imports_outside_the_trace())  # NOTE [ Modules loaded during a trace ]
             if fake:
                 stack.enter_context(fake_mode())
             stack.enter_context(tracker)
@@ -136,15 +136,6 @@ def optimizer_state_tensors(optimizer) -> list:
     return out
 
 
-# NOTE [ Imports before the trace ]
-# A module that makes tensors as it loads (peft's LoHa: ``scale=torch.tensor(1)`` defaults; bitsandbytes:
-# its 4-bit quantization tables, imported by its 8-bit AdamW and by galore-torch's and apollo-torch's), imported
-# for the first time while a step is built under the tracker, puts them in the trace as the step's
-# allocations: in the first trace of a process only. So two traces of one plan would differ by what
-# their process traced before, and the planner compares traces made in different worker processes
-# (memfit.planner.fit_books: whether two architectures trace a plan alike). Each config imports what
-# its step imports lazily before the trace enters its modes (``Config.before_trace``); the real run
-# imported it long before its first step.
 def _enter_trace_contexts(stack: contextlib.ExitStack, target: Target) -> None:
     """What a fake trace of the target's step needs to take a real run's code paths."""
     stack.enter_context(real_code_paths())

@@ -36,7 +36,6 @@ plan key: its frozen weights already get no gradients.
 
 from __future__ import annotations
 
-import contextlib
 import re
 from dataclasses import dataclass
 
@@ -110,9 +109,6 @@ class LoRA(Adapter):
         if not 0 <= self.dropout < 1:
             raise UserError(f"plan: adapter dropout must be in [0, 1), got {self.dropout!r}; write e.g. dropout=0.05")
 
-    def before_trace(self) -> None:
-        with contextlib.suppress(UserError):  # (building the step says so)
-            peft_or_error()  # (peft's LoHa makes tensors as its module loads: NOTE [ Imports before the trace ])
 
     @property
     def kind(self) -> str:

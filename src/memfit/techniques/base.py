@@ -173,9 +173,6 @@ class Config:
         """Entered around a fake-tensor trace of a step with this config."""
         return contextlib.nullcontext()
 
-    def before_trace(self) -> None:
-        """Called before a trace enters its modes (NOTE [ Imports before the trace ] in
-        memfit.memory.faketrace): import what this config's step imports lazily."""
 
     def notes(self) -> list[str]:
         """What an estimate of this config approximates (shown in its report)."""

@@ -86,9 +86,6 @@ class LycorisAdapter(Adapter):
                             "its update to their stored weight, which fails; use base_weights int8 or as-is, or "
                             "lokr:...,factored=1")
 
-    def before_trace(self) -> None:
-        with contextlib.suppress(UserError):  # (building the step says so)
-            lycoris_or_error()  # (NOTE [ Imports before the trace ]: its modules make tensors as they load)
 
     def apply(self, parts) -> None:
         import torch

@@ -118,8 +118,6 @@ class AdamW8bit(OptimizerVariant):
     def trace_context(self) -> contextlib.AbstractContextManager:
         return real_quantization_tables()
 
-    def before_trace(self) -> None:
-        bitsandbytes_available()  # (imports it: its quantization tables are tensors made at import)
 
 
 def _lr_and_decay(group: dict) -> dict:

@@ -68,8 +68,6 @@ class Lion8bit(OptimizerVariant):
     def trace_context(self) -> contextlib.AbstractContextManager:
         return real_quantization_tables()
 
-    def before_trace(self) -> None:
-        bitsandbytes_available()  # (imports it: its quantization tables are tensors made at import)
 
     def export(self, into) -> None:
         into.not_carried(self, kohya=False, ai_toolkit=False)

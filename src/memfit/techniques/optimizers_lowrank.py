@@ -75,9 +75,6 @@ class LowRankVariant(OptimizerVariant):
     def label(self, batch_size):
         return self.name
 
-    def before_trace(self) -> None:
-        if self.problem() is None:  # (its 8-bit optimizer imports bitsandbytes, whose tables are tensors)
-            importlib.import_module(self.package)
 
     def problem(self) -> str | None:
         """Why this optimizer cannot run here (None: it can): its library is missing."""
