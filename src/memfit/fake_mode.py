@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memfit.memory.untraced_imports import imports_outside_the_trace
+from memfit.untraced_imports import imports_outside_the_trace
 
 
 class TraceFakeMode(FakeTensorMode):
     """A ``FakeTensorMode`` that asks whether CUDA is usable once (NOTE [ CUDA availability asked once
     a trace ]), under which modules imported for the first time load outside it (NOTE [ Modules loaded during a
-    trace ] in memfit.memory.untraced_imports)."""
+    trace ] in memfit.untraced_imports)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)

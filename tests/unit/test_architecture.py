@@ -24,7 +24,8 @@ MAX_FILE_LINES, MAX_CLASS_LINES = 450, 300
 FLOORS = (
     ("memfit.errors", "memfit.units", "memfit.quiet", "memfit.rng_ops", "memfit.observer", "memfit.outputs", "memfit.devices",
      "memfit.hosts", "memfit.secrets", "memfit.sdpa_backends", "memfit.device_queries",
-     "memfit.real_values", "memfit.fake_mode"),  # what a device and its host are, which attention kernel it runs
+     "memfit.real_values", "memfit.fake_mode", "memfit.untraced_imports"),
+    # (what a device and its host are, which attention kernel it runs; the fake mode and what loads outside it)
     ("memfit.workload", "memfit.workloads", "memfit.techniques"),  # what to train; how (one module a technique)
     ("memfit.plans", "memfit.synonyms"),  # a composition of technique configs; other tools' names for its values
     ("memfit.target",),    # workload x plan x batch x device, resolved once

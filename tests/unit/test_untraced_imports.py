@@ -1,4 +1,4 @@
-"""NOTE [ Modules loaded during a trace ] (memfit.memory.untraced_imports): a module a step imports for the first
+"""NOTE [ Modules loaded during a trace ] (memfit.untraced_imports): a module a step imports for the first
 time while it is traced makes its tensors as a real process makes them, on the host, outside the trace."""
 
 import sys
@@ -7,8 +7,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from memfit.memory.estimate import estimate
-from memfit.memory.untraced_imports import imports_outside_the_trace
 from memfit.plans import Plan
+from memfit.untraced_imports import imports_outside_the_trace
 from memfit.workloads import load_workload
 
 TABLE = 1 << 20

@@ -28,10 +28,10 @@ from memfit.memory.reference_kernels import kernel_fallbacks_listed
 from memfit.memory.routing import BALANCED, routing_mode
 from memfit.memory.tracker import MemoryTracker
 from memfit.memory.triton_launches import fake_triton_launches
-from memfit.memory.untraced_imports import imports_outside_the_trace
 from memfit.memory.workspaces import probe_for
 from memfit.step import TrainStep, build_step, make_batch
 from memfit.target import Target
+from memfit.untraced_imports import imports_outside_the_trace
 
 
 @dataclass
