@@ -33,19 +33,18 @@ class TraceFakeMode(FakeTensorMode):
         return self._avoid_device_init
 
     def __enter__(self):
-        self._imports = imports_outside_the_trace()  # NOTE [ Modules loaded during a trace ]
-        self._imports.__enter__()
+        imports_outside_the_trace().__enter__()  # NOTE [ Modules loaded during a trace ]
         try:
             return super().__enter__()
         except BaseException:
-            self._imports.__exit__(None, None, None)
+            imports_outside_the_trace().__exit__(None, None, None)
             raise
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
-            self._imports.__exit__(None, None, None)
+            imports_outside_the_trace().__exit__(None, None, None)
 
 
 def fake_mode() -> TraceFakeMode:

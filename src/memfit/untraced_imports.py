@@ -92,18 +92,28 @@ class _OutsideTheTrace(importlib.abc.MetaPathFinder):
 _FINDER = _OutsideTheTrace()
 
 
-@contextlib.contextmanager
-def imports_outside_the_trace():
-    """While inside, a module imported for the first time loads outside the trace's modes (the module's NOTE)."""
-    global _depth
-    with _lock:
-        if _depth == 0:
-            sys.meta_path.insert(0, _FINDER)
-        _depth += 1
-    try:
-        yield
-    finally:
+class _WhileTracing:
+    """The finder first on ``sys.meta_path`` from the first entry to the last exit (entries nest, from any thread)."""
+
+    def __enter__(self) -> None:
+        global _depth
+        with _lock:
+            if _depth == 0:
+                sys.meta_path.insert(0, _FINDER)
+            _depth += 1
+
+    def __exit__(self, *exc) -> None:
+        global _depth
         with _lock:
             _depth -= 1
             if _depth == 0 and _FINDER in sys.meta_path:
                 sys.meta_path.remove(_FINDER)
+
+
+_WHILE_TRACING = _WhileTracing()
+
+
+def imports_outside_the_trace() -> _WhileTracing:
+    """While inside, a module imported for the first time loads outside the trace's modes (the module's NOTE).
+    The same reentrant context manager each time: a mode entered again within itself enters it again."""
+    return _WHILE_TRACING

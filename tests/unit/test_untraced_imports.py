@@ -56,6 +56,9 @@ def test_an_import_under_a_device_context_and_a_fake_mode_makes_host_tensors(tmp
     assert isinstance(inside, FakeTensor) and inside.device.type == "meta"  # (the modes still hold around it)
     table = sys.modules["made_at_import_b"].TABLE
     assert type(table) is torch.Tensor and table.device.type == "cpu"
+    mode = fake_mode()
+    with mode, mode:  # (entries nest)
+        assert sys.meta_path[0].__class__.__name__ == "_OutsideTheTrace"
     with imports_outside_the_trace():
         assert sys.meta_path[0].__class__.__name__ == "_OutsideTheTrace"
     assert all(f.__class__.__name__ != "_OutsideTheTrace" for f in sys.meta_path)
