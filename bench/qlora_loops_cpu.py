@@ -45,7 +45,7 @@ def measured(folder: Path, targets: list[str], prepare: bool) -> int:
 def third_step_peak(model, vocab: int, batch: int, seq: int, max_grad_norm: float | None = None) -> int:
     """The bytes of ``model`` (built, in train mode) and the peak of the third of three steps over them: AdamW over
     what trains, bf16 autocast, the loss of random tokens as their own labels, clipped at ``max_grad_norm``."""
-    from memfit.memory.profiler_events import memory_profiler
+    from memfit.memory.profiler_events import mark, memory_profiler, peak_after_mark
     from memfit.quiet import QuietProfiler
     model.train()
     built = model_bytes(model)
@@ -56,7 +56,7 @@ def third_step_peak(model, vocab: int, batch: int, seq: int, max_grad_norm: floa
         tokens = torch.randint(0, vocab, (batch, seq))
         for i in range(3):
             if i == 2:
-                torch.empty(MARK, dtype=torch.uint8)  # (where the third step starts in the profile)
+                mark()  # (where the third step starts in the profile)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = model(input_ids=tokens, labels=tokens).loss
             loss.backward()
@@ -64,24 +64,7 @@ def third_step_peak(model, vocab: int, batch: int, seq: int, max_grad_norm: floa
                 torch.nn.utils.clip_grad_norm_(trained, max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    return built + _peak_after_mark(prof)
-
-
-MARK = 12_345_679
-"""An allocation of this many bytes, made and freed at once: the third step's start."""
-
-
-def _peak_after_mark(prof) -> int:
-    """The most bytes live after the mark, counted from the profile's first allocation."""
-    from memfit.memory.profiler_events import allocator_events
-    live, peak, marked = 0, 0, False
-    for _, nbytes in allocator_events(prof):
-        if abs(nbytes) == MARK:
-            marked = True
-            continue
-        live += nbytes
-        peak = max(peak, live) if marked else peak
-    return peak
+    return built + peak_after_mark(prof)
 
 
 def model_bytes(model) -> int:

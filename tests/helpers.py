@@ -14,32 +14,6 @@ from memfit.plans import Plan
 from memfit.step import build_step
 from memfit.workloads import load_workload
 
-MARK_BYTES = 12_345_677
-"""An allocation of this many bytes, made and freed at once (:func:`mark`): where a step starts in the profiler's
-stream."""
-
-
-def mark() -> None:
-    """A mark in the profiler's stream (before the step whose peak :func:`peak_after_mark` reads)."""
-    torch.empty(MARK_BYTES, dtype=torch.uint8)
-
-
-def peak_after_mark(prof) -> int:
-    """The most bytes live on the CPU allocator after the :func:`mark`, counted from the profile's first allocation
-    (a user's loop measured as memfit predicts it: what it built and loaded, and the step's own)."""
-    from memfit.memory.profiler_events import allocator_events
-    live, peak, marked = 0, 0, False
-    for _, nbytes in allocator_events(prof):
-        if abs(nbytes) == MARK_BYTES:
-            marked = True
-            continue
-        live += nbytes
-        if marked:
-            peak = max(peak, live)
-    assert marked, "no mark in the profile"
-    return peak
-
-
 # GPT-2 with dropout on (resid/embd/attn 0.1), small enough for CPU tests.
 GPT2_DROPOUT = "gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=500,n_positions=128"
 

@@ -201,3 +201,30 @@ def profiler_peak(prof, range_name: str) -> int:
         if t >= start:
             peak = live if peak is None else max(peak, live)
     return peak if peak is not None else (at_start if at_start is not None else live)
+
+
+MARK_BYTES = 12_345_677
+"""An allocation of this many bytes, made and freed at once (:func:`mark`): where a step starts in the profiler's
+stream."""
+
+
+def mark() -> None:
+    """A mark in the profiler's stream (before the step whose peak :func:`peak_after_mark` reads)."""
+    import torch
+    torch.empty(MARK_BYTES, dtype=torch.uint8)
+
+
+def peak_after_mark(prof) -> int:
+    """The most bytes live on the CPU allocator after the :func:`mark`, counted from the profile's first allocation
+    (a user's loop measured as memfit predicts it: what it built and loaded, and the step's own)."""
+    live, peak, marked = 0, 0, False
+    for _, nbytes in allocator_events(prof):
+        if abs(nbytes) == MARK_BYTES:
+            marked = True
+            continue
+        live += nbytes
+        if marked:
+            peak = max(peak, live)
+    if not marked:
+        raise RuntimeError("profiler: no mark in the profile")
+    return peak

@@ -25,8 +25,7 @@ import pytest
 import torch
 
 import memfit
-from helpers import mark, peak_after_mark
-from memfit.memory.profiler_events import memory_profiler
+from memfit.memory.profiler_events import mark, memory_profiler, peak_after_mark
 from memfit.quiet import QuietProfiler
 from memfit.workloads import load_workload
 

@@ -22,8 +22,7 @@ import pytest
 import torch
 
 import memfit
-from helpers import mark, peak_after_mark
-from memfit.memory.profiler_events import memory_profiler
+from memfit.memory.profiler_events import mark, memory_profiler, peak_after_mark
 from memfit.quiet import QuietProfiler
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 688,
