@@ -2,7 +2,10 @@
 memfit.untraced_imports): each case estimated twice in one new Python process, as a user's first
 ``memfit estimate`` runs, and the two compared (allocated peak, reserved bytes, the breakdown by category).
 
-    .venv/bin/python -m bench.first_trace [--cases gpt2-bf16,llama-8bit]
+    .venv/bin/python -m bench.first_trace [--cases gpt2-bf16,llama-8bit] [--qwen7b]
+
+``--qwen7b``: Qwen2.5-7B-Instruct at full size, from its hub config (a cache of bench/hub_configs, offline), QLoRA
+(nf4, LoRA r=16, bf16-pure, blocks) at batch 2 x 2048 on ``rtx4090``, in place of the small cases.
 
 Prints one line a case: ``same`` or the two figures. A case differs where something the step imports lazily
 (a library, a model's file) makes tensors as it loads and the trace books them, once.
@@ -12,8 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 from bench.planning_time import _cpu_model
 
@@ -39,6 +45,8 @@ CASES = {
                        "layers_per_block=1", "rtx4090", {"precision": "bf16"}),
     "lstm": ("lstm", "h100-80gb", {}),
 }
+QWEN7B = {"qwen7b-qlora": ("Qwen/Qwen2.5-7B-Instruct", "rtx4090", {"adapter": "lora:r=16", "base_weights": "nf4",
+                                                                    "precision": "bf16-pure", "checkpointing": "blocks"})}
 
 TWICE = """
 import json, sys
@@ -46,34 +54,46 @@ from memfit.memory.estimate import estimate
 from memfit.plans import Plan
 from memfit.quiet import silenced_warnings
 spec, device, fields = json.loads(sys.argv[1])
-size = {"resolution": 64} if spec.startswith(("dit", "unet")) else {"seq_len": 64}
+size = {"resolution": 64} if spec.startswith(("dit", "unet")) else {"seq_len": 2048 if "/" in spec else 64}
 out = []
 for _ in range(2):
     with silenced_warnings():
         r = estimate(spec, Plan.from_dict(fields), device=device, batch_size=2, **size)
-    out.append([r.peak_bytes, r.reserved_bytes, sorted(r.breakdown.items())])
+    out.append([r.peak_bytes, r.reserved_bytes, r.load_peak_bytes, sorted(r.breakdown.items())])
 print(json.dumps(out))
 """
 
 
-def first_and_second(spec: str, device: str, fields: dict) -> list:
+def first_and_second(spec: str, device: str, fields: dict, env: dict | None = None) -> list:
     done = subprocess.run([sys.executable, "-c", TWICE, json.dumps([spec, device, fields])], capture_output=True,
-                          text=True, check=True)
+                          text=True, check=True, env=env)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", help=f"comma-separated, of: {', '.join(CASES)} (default: all)")
+    parser.add_argument("--qwen7b", action="store_true", help="Qwen2.5-7B QLoRA at full size instead")
     args = parser.parse_args()
-    names = args.cases.split(",") if args.cases else list(CASES)
+    cases, env = (QWEN7B, _hub_env()) if args.qwen7b else (CASES, None)
+    names = args.cases.split(",") if args.cases else list(cases)
     print(f"machine: {_cpu_model()}; each case estimated twice in one new process")
     same = 0
     for name in names:
-        first, second = first_and_second(*CASES[name])
+        first, second = first_and_second(*cases[name], env=env)
         same += first == second
-        print(f"{name:24s} " + ("same" if first == second else f"first {first[:2]} second {second[:2]}"))
+        figures = ", ".join(f"{what} {n:,} B" for what, n in zip(("peak", "reserved", "load peak"), first[:3])
+                            if n is not None)
+        print(f"{name:24s} " + (f"same: {figures}" if first == second else f"first {first[:3]} second {second[:3]}"))
     print(f"{same} of {len(names)} the same")
+
+
+def _hub_env() -> dict:
+    """The environment of a process that reads the hub configs from a new cache, offline."""
+    from bench.planning_time import hub_cache
+    home = Path(tempfile.mkdtemp(prefix="memfit-hf-"))
+    hub_cache(home)
+    return {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}
 
 
 if __name__ == "__main__":
