@@ -31,7 +31,7 @@ def test_estimate_from_a_llamafactory_qlora_config(tmp_path, model, capsys):
                                     "the estimate ignores it")
     assert (f"from {config}: {model} · batch 8 (2 a micro-batch x 4 accumulated) · seq 64 · "
             "base_weights=nf4:double_quant=true, adapter=lora:r=8,alpha=16,targets=linear-modules, precision=bf16-base, "
-            "micro_batch_size=2, checkpointing=blocks, max_grad_norm=1.0") in captured.out
+            "micro_batch_size=2, checkpointing=blocks:reentrant=true, max_grad_norm=1.0") in captured.out
 
 
 def test_a_config_memfit_cannot_carry_is_one_line_exit_2(tmp_path, model, capsys):

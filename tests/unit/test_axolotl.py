@@ -114,7 +114,30 @@ def test_activation_offloading_holds_each_checkpointed_layers_input_on_the_host(
     assert bool(c.warnings) == warned and all("disk is predicted as held in host memory" in w for w in c.warnings)
 
 
+@pytest.mark.parametrize("kwargs,extra,checkpointing,warned", [
+    (None, {}, "blocks", False),  # (axolotl's default: use_reentrant false)
+    ({"use_reentrant": True}, {}, "blocks:reentrant=true", False),
+    ({"use_reentrant": False}, {}, "blocks", False),
+    ({"preserve_rng_state": True}, {}, "blocks:reentrant=true", False),  # (no use_reentrant: torch's default)
+    ({"use_reentrant": True}, {"torch_compile": True}, "blocks", True),
+    ({"use_reentrant": True}, {"fsdp_version": 2, "fsdp_config": {"reshard_after_forward": True}}, "blocks", True),
+])
+def test_gradient_checkpointing_kwargs_choose_torchs_checkpoint(kwargs, extra, checkpointing, warned):
+    """``gradient_checkpointing_kwargs`` go to the Trainer as they are: ``use_reentrant: true`` (or no
+    ``use_reentrant``: torch's default) is the reentrant checkpoint, which memfit runs unless torch.compile or FSDP
+    is on (then the non-reentrant one, said in a line)."""
+    fields = {"base_model": "m", "adapter": "lora", "gradient_checkpointing": True, **extra,
+              **({"gradient_checkpointing_kwargs": kwargs} if kwargs else {})}
+    c = map_config(fields, "c", CARD)
+    assert c.plan.checkpointing == checkpointing
+    assert [w for w in c.warnings if "reentrant" in w] == (["axolotl config c: the reentrant checkpoint beside "
+        "torch.compile or FSDP is predicted as the non-reentrant one, which memfit runs with them (the reentrant one's "
+        "first input gradient, one hidden state, is left out)"] if warned else [])
+
+
 @pytest.mark.parametrize("fields,message", [
+    ({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": "yes"}},
+     "gradient_checkpointing_kwargs: .* is not a mapping with use_reentrant: true or false"),
     ({"activation_offloading": True}, "activation_offloading needs gradient_checkpointing"),
     ({"gradient_checkpointing": "unsloth"}, "gradient_checkpointing: 'unsloth' is not axolotl's"),
     ({"gradient_checkpointing": True, "activation_offloading": "cpu"}, "activation_offloading: 'cpu' is not axolotl's"),

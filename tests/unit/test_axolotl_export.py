@@ -24,6 +24,7 @@ CARD = get_device("rtx4090")
     {"adapter": "lora:r=16,targets=linear-modules+lm_head,save=embed_tokens", "base_weights": "nf4:double_quant=true",
      "precision": "bf16-base", "checkpointing": "blocks", "offload": ["activations"], "compile": "full"},
     {"adapter": "dora:r=4", "base_weights": "int8", "precision": "fp16-base", "optimizer": "adamw4bit-ao"},
+    {"adapter": "lora:r=8", "precision": "bf16-base", "checkpointing": "blocks:reentrant=true"},
 ])
 def test_the_fields_read_back_into_the_same_plan(fields):
     plan = Plan(**fields)

@@ -26,15 +26,15 @@ def test_the_lora_example():
     c = read_training_config(DATA / "qwen3-lora-sft.yaml", CARD)
     assert c.workload == "Qwen/Qwen3-4B-Instruct-2507"
     assert (c.batch_size, c.micro_batch_size, c.seq_len, c.batch_per_rank) == (8, 1, 2048, True)
-    assert c.plan == Plan(adapter=LORA_ALL, precision="bf16-base", checkpointing="blocks", micro_batch_size=1,
-                          max_grad_norm=1.0)
+    assert c.plan == Plan(adapter=LORA_ALL, precision="bf16-base", checkpointing="blocks:reentrant=true",
+                          micro_batch_size=1, max_grad_norm=1.0)
     assert c.warnings == ()
 
 
 def test_the_qlora_example_quantizes_while_loading():
     c = read_training_config(DATA / "qwen3-qlora-sft.yaml", CARD)
     assert c.plan == Plan(adapter=LORA_ALL, base_weights="nf4:double_quant=true", precision="bf16-base",
-                          checkpointing="blocks", micro_batch_size=1, max_grad_norm=1.0)
+                          checkpointing="blocks:reentrant=true", micro_batch_size=1, max_grad_norm=1.0)
     assert c.warnings == ()
 
 
@@ -43,7 +43,7 @@ def test_the_galore_and_apollo_examples_are_their_optimizers_stepped_per_layer()
     then finds no gradient (LLaMA-Factory: "the displayed gradient norm will be all zeros")."""
     galore = read_training_config(DATA / "llama3-galore-full-sft.yaml", CARD)
     assert galore.plan == Plan(optimizer="galore:rank=128,update_proj_gap=200,scale=2", optimizer_in_backward=True,
-                               precision="bf16-pure", checkpointing="blocks")
+                               precision="bf16-pure", checkpointing="blocks:reentrant=true")
     assert (galore.batch_size, galore.warnings) == (1, ())
     apollo = read_training_config(DATA / "llama3-apollo-full-sft.yaml", CARD)
     assert apollo.plan.optimizer == Plan(optimizer="apollo:rank=128,update_proj_gap=200,scale=32").optimizer
@@ -66,7 +66,8 @@ def test_defaults_are_llamafactorys():
     whose dtype is unknown: the adapter in fp32 over a 16-bit base, no autocast; do_train unset is said."""
     c = map_config({"model_name_or_path": "org/model"}, "c.yaml", CARD)
     assert (c.batch_size, c.micro_batch_size, c.seq_len) == (8, 8, 2048)
-    assert c.plan == Plan(adapter=LORA_ALL, precision="bf16-base-noautocast", checkpointing="blocks", max_grad_norm=1.0)
+    assert c.plan == Plan(adapter=LORA_ALL, precision="bf16-base-noautocast", checkpointing="blocks:reentrant=true",
+                          max_grad_norm=1.0)
     assert c.warnings == ("LLaMA-Factory config c.yaml: do_train is not true, so LLaMA-Factory would not train; the "
                           "estimate is of the step it trains with do_train: true",)
 
@@ -110,9 +111,10 @@ def test_an_adapter_without_a_precision_flag_follows_the_checkpoints_dtype(tmp_p
      {"base_weights": "fp4:double_quant=false"}),
     ({"disable_gradient_checkpointing": True}, {"checkpointing": "none"}),
     ({"use_unsloth_gc": True}, {"checkpointing": "blocks", "offload": ("activations",)}),
+    ({"use_reentrant_gc": False}, {"checkpointing": "blocks"}),
     ({"optim": "paged_adamw_8bit", "max_grad_norm": 0.3}, {"optimizer": "adamw8bit-paged", "max_grad_norm": 0.3}),
     ({"max_grad_norm": 0}, {"max_grad_norm": None}),
-    ({"torch_compile": True}, {"compile": "full"}),
+    ({"torch_compile": True}, {"compile": "full", "checkpointing": "blocks"}),
     ({"finetuning_type": "full", "use_galore": True, "optim": "adamw_bnb_8bit", "galore_rank": 64},
      {"optimizer": "galore8bit:rank=64,update_proj_gap=200,scale=2", "optimizer_in_backward": False}),
     ({"finetuning_type": "full", "use_apollo": True, "apollo_rank": 1, "apollo_scale": 128,

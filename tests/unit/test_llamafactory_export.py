@@ -28,8 +28,9 @@ ALL = "lora:r=8,alpha=16,targets=linear-modules"
     dict(precision="bf16-pure", optimizer="galore8bit:rank=64,scale=0.25", max_grad_norm=1.0, checkpointing="blocks"),
     dict(precision="fp32", checkpointing="blocks", optimizer="apollo-mini", optimizer_in_backward=True),
     dict(precision="fp16", checkpointing="blocks", optimizer="apollo:rank=32,update_proj_gap=100,scale=1"),
+    dict(adapter=ALL, precision="bf16-base", checkpointing="blocks:reentrant=true"),
 ], ids=["qlora", "int8-lora-paged", "dora-fp4-pure-compiled", "lora-no-autocast", "full-autocast", "galore-layerwise",
-        "galore8bit", "apollo-mini-layerwise", "apollo-fp16"])
+        "galore8bit", "apollo-mini-layerwise", "apollo-fp16", "lora-reentrant"])
 def test_each_plan_reads_back_as_itself(fields):
     plan = Plan(**fields)
     out = to_llamafactory(plan, 8, "org/model", 2048, CARD)
@@ -47,7 +48,7 @@ def test_the_qlora_fields():
         "model_name_or_path": "Qwen/Qwen2.5-7B", "stage": "sft", "do_train": True, "finetuning_type": "lora",
         "lora_rank": 8, "lora_alpha": 16, "lora_target": "all", "quantization_bit": 4, "quantization_type": "nf4",
         "double_quantization": True, "cutoff_len": 2048, "per_device_train_batch_size": 2,
-        "gradient_accumulation_steps": 8, "bf16": True, "max_grad_norm": 1.0}
+        "gradient_accumulation_steps": 8, "use_reentrant_gc": False, "bf16": True, "max_grad_norm": 1.0}
     assert out.yaml().splitlines()[:2] == ["model_name_or_path: Qwen/Qwen2.5-7B", "stage: sft"]
 
 

@@ -12,7 +12,7 @@ config.yml`` (and ``plan``).
 | ``quantize_moe_experts: true`` (with 4-bit weights) | ``base_weights: nf4:double_quant=true,experts=true``: the experts' 3-D weights too |
 | ``sequence_len`` | the sequence length |
 | ``micro_batch_size`` x ``gradient_accumulation_steps`` | the global batch, split into micro-batches of ``micro_batch_size`` |
-| ``gradient_checkpointing: true`` | ``checkpointing: blocks`` (Hugging Face's: each decoder layer) |
+| ``gradient_checkpointing: true`` | ``checkpointing: blocks`` (Hugging Face's: each decoder layer); with ``gradient_checkpointing_kwargs: {use_reentrant: true}`` (or without ``use_reentrant``: torch's default), ``blocks:reentrant=true`` |
 | ``activation_offloading`` (or ``gradient_checkpointing: offload``) | ``offload: activations`` beside it: each checkpointed layer's input on the host |
 | ``bf16: true`` / ``auto``; ``fp16: true`` | ``precision: bf16-pure`` (axolotl loads the model in bf16; ``auto``: fp16 on a card without bf16); with an adapter ``bf16-base`` / ``fp16-base`` (peft keeps the adapter in fp32, and axolotl casts the embeddings and norms back to 16 bits); ``fp16`` |
 | ``optimizer`` | ``adamw_torch``, ``adamw_torch_fused``, ``adamw_hf``: ``adamw``; ``adamw_bnb_8bit``: ``adamw8bit``; ``paged_adamw_32bit``, ``paged_adamw_8bit``: ``adamw-paged``, ``adamw8bit-paged`` (states in CUDA managed memory); torchao's ``adamw_torch_8bit``, ``adamw_torch_4bit``: ``adamw8bit-ao``, ``adamw4bit-ao``; ``adafactor``; ``sgd`` |
@@ -44,10 +44,11 @@ from pathlib import Path
 from memfit.devices import Device
 from memfit.errors import UserError, parse_problem
 from memfit.integrations.axolotl_fsdp import LAUNCHER_RANKS, fsdp_fields, is_sharded
-from memfit.integrations.configs import TrainingConfig, module_names, text_config, whole
+from memfit.integrations.configs import TrainingConfig, module_names, reentrant_set_aside, text_config, whole
 from memfit.plans import Plan
 from memfit.techniques.optimizer_variant import TRAINERS_OPTIM_NAMES
 from memfit.techniques.quantized_experts import quantizes_experts, with_experts
+from memfit.techniques.reentrant_checkpoint import reentrant_of
 
 REFUSED = {
     "deepspeed": "memfit does not model DeepSpeed's ZeRO stages; remove deepspeed from the config (memfit shards "
@@ -71,7 +72,7 @@ hf_use_auth_token strict model_type tokenizer_type tokenizer_config tokenizer_us
 trust_remote_code is_llama_derived_model is_mistral_derived_model is_falcon_derived_model is_qwen_derived_model
 special_tokens tokens train_on_inputs group_by_length pad_to_sequence_len sample_packing flash_attention
 flash_attn_cross_entropy flash_attn_rms_norm flash_attn_fuse_qkv flash_attn_fuse_mlp sdp_attention
-xformers_attention tf32 gradient_checkpointing_kwargs lora_fan_in_fan_out logging_dir shuffle_merged_datasets
+xformers_attention tf32 lora_fan_in_fan_out logging_dir shuffle_merged_datasets
 default_system_message dataloader_num_workers dataloader_pin_memory dataloader_prefetch_factor remove_unused_columns
 gptq lora_model_dir profiler_steps include_tokens_per_second eot_tokens skip_prepare_dataset loss_watchdog_threshold
 loss_watchdog_patience tokenizer_use_mistral_common ddp_find_unused_parameters save_only_model processor_type eta_min
@@ -81,7 +82,7 @@ loss_watchdog_patience tokenizer_use_mistral_common ddp_find_unused_parameters s
 MAPPED = frozenset("""
 base_model base_model_config adapter lora_r lora_alpha lora_dropout lora_target_modules lora_target_linear
 lora_modules_to_save peft_use_dora load_in_4bit load_in_8bit sequence_len micro_batch_size gradient_accumulation_steps
-batch_size gradient_checkpointing activation_offloading bf16 fp16 optimizer max_grad_norm torch_compile fsdp fsdp_config fsdp_version
+batch_size gradient_checkpointing gradient_checkpointing_kwargs activation_offloading bf16 fp16 optimizer max_grad_norm torch_compile fsdp fsdp_config fsdp_version
 liger_fused_linear_cross_entropy attn_implementation plugins cut_cross_entropy model_quantization_config
 model_quantization_config_kwargs quantize_moe_experts
 """.split())
@@ -168,6 +169,7 @@ def map_config(data: dict, where: str, device: Device) -> TrainingConfig:
         shard, said = fsdp_fields(data, where)
         fields.update(shard)
         warnings.extend(said)
+    warnings.extend(reentrant_set_aside(fields, where, "axolotl"))
     try:
         plan = Plan(**fields)
     except UserError as e:
@@ -246,8 +248,9 @@ def _checkpointing(data: dict, where: str, warnings: list[str]) -> dict:
         raise UserError(f"--from {where}: gradient_checkpointing: {checkpointing!r} is not axolotl's; write true, false, "
                         "or activation_offloading beside true")
     offloading = {"offload": offloading or True, "offload_disk": "disk"}.get(checkpointing, offloading)
-    if offloading in (None, False):
-        return {"checkpointing": "blocks"}
+    if offloading in (None, False):  # (its gradient_checkpointing_kwargs go to the Trainer as they are)
+        reentrant = reentrant_of(data.get("gradient_checkpointing_kwargs"), f"--from {where}: gradient_checkpointing_kwargs")
+        return {"checkpointing": "blocks:reentrant=true" if reentrant else "blocks"}
     if offloading not in (True, "legacy", "hidden_states", "disk"):
         raise UserError(f"--from {where}: activation_offloading: {offloading!r} is not axolotl's; write true, legacy, "
                         "hidden_states or disk")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from memfit.errors import UserError
 from memfit.plans import Plan
+from memfit.techniques.reentrant_checkpoint import non_reentrant_beside_compile_or_fsdp
 
 
 @dataclass(frozen=True)
@@ -74,3 +75,14 @@ def module_names(data: dict, key: str, where: str, commas: bool = False) -> list
         raise UserError(f"--from {where}: {key} must be " + ("module names (a list, or one string separated by "
                         "commas)" if commas else "a list of module names") + f", got {value!r}")
     return names
+
+
+def reentrant_set_aside(fields: dict, where: str, tool: str) -> list[str]:
+    """A config's reentrant checkpoint beside torch.compile or FSDP (plan fields ``compile``, ``shard``), which memfit
+    runs with the non-reentrant one only (memfit.techniques.reentrant_checkpoint): ``fields`` changed to that one,
+    and the line that says so (none where nothing changed)."""
+    if not non_reentrant_beside_compile_or_fsdp(fields):
+        return []
+    return [f"{tool} config {where}: the reentrant checkpoint beside torch.compile or FSDP is predicted as the "
+            "non-reentrant one, which memfit runs with them (the reentrant one's first input gradient, one hidden "
+            "state, is left out)"]

@@ -16,7 +16,7 @@ enables gradient checkpointing unless told not to, upcasts what trains to fp32 u
 | ``quantization_bit`` 4 / 8 (``quantization_method: bnb``) | ``base_weights: nf4:double_quant=true`` (``quantization_type``, ``double_quantization``) / ``int8`` |
 | ``cutoff_len`` (2048) | the sequence length (``packing`` or not: the longest sample) |
 | ``per_device_train_batch_size`` (8) x ``gradient_accumulation_steps`` (1) | the batch, in micro-batches of the first; a rank's |
-| ``disable_gradient_checkpointing`` (false); ``use_unsloth_gc`` | ``checkpointing: blocks``; ``offload: activations`` beside it (each checkpointed layer's input on the host) |
+| ``disable_gradient_checkpointing`` (false), ``use_reentrant_gc`` (true); ``use_unsloth_gc`` | ``checkpointing: blocks:reentrant=true`` (``blocks`` where ``use_reentrant_gc: false``); ``checkpointing: blocks`` and ``offload: activations`` (each checkpointed layer's input on the host) |
 | ``bf16`` / ``fp16`` / ``pure_bf16`` | full: ``bf16`` / ``fp16`` (fp32 weights under autocast) / ``bf16-pure``; an adapter: ``bf16-base`` / ``fp16-base`` / ``bf16-pure``; none of them: fp32, or an adapter over the 16-bit checkpoint without autocast (``bf16-base-noautocast``) |
 | ``optim`` (``adamw_torch``) | TrainingArguments' names memfit runs (``paged_adamw_8bit``: ``adamw8bit-paged``, ...) |
 | ``use_galore``, ``use_apollo`` (``*_rank``, ``*_update_interval``, ``*_scale``, ``*_layerwise``) | ``optimizer: galore:...`` (``galore8bit`` with ``adamw_bnb_8bit``), ``apollo:...`` (``apollo-mini`` for ``apollo_scale_type: tensor``); layerwise: ``optimizer_in_backward`` |
@@ -39,7 +39,7 @@ from __future__ import annotations
 from memfit.devices import Device
 from memfit.errors import UserError
 from memfit.integrations.axolotl import liger_chunks
-from memfit.integrations.configs import TrainingConfig, module_names, text_config, whole
+from memfit.integrations.configs import TrainingConfig, module_names, reentrant_set_aside, text_config, whole
 from memfit.plans import Plan
 from memfit.techniques.optimizer_variant import TRAINERS_OPTIM_NAMES
 
@@ -75,7 +75,7 @@ low_cpu_mem_usage hf_hub_token ms_hub_token om_hub_token print_param_status push
 include_num_input_tokens_seen include_tokens_per_second include_effective_tokens_per_second compute_accuracy
 disable_shuffling early_stopping_steps use_swanlab swanlab_project swanlab_workspace swanlab_run_name swanlab_mode
 swanlab_api_key swanlab_logdir swanlab_lark_webhook_url swanlab_lark_secret gradient_checkpointing
-gradient_checkpointing_kwargs use_reentrant_gc moe_aux_loss_coef predict_with_generate remove_unused_columns
+gradient_checkpointing_kwargs moe_aux_loss_coef predict_with_generate remove_unused_columns
 label_names tf32 logging_first_step eval_num_beams generation_max_length
 """.split())
 """Fields of the run around the step, or without an effect on the training step's memory (ignored without a
@@ -87,7 +87,7 @@ memfit does not map them (a warning names each)."""
 MAPPED = frozenset("""
 model_name_or_path stage finetuning_type lora_rank lora_alpha lora_dropout lora_target additional_target use_dora
 quantization_bit quantization_method quantization_type double_quantization cutoff_len per_device_train_batch_size
-gradient_accumulation_steps disable_gradient_checkpointing use_unsloth_gc bf16 fp16 pure_bf16 optim use_galore
+gradient_accumulation_steps disable_gradient_checkpointing use_unsloth_gc use_reentrant_gc bf16 fp16 pure_bf16 optim use_galore
 galore_target galore_rank galore_update_interval galore_scale galore_proj_type galore_layerwise use_apollo apollo_target
 apollo_rank apollo_update_interval apollo_scale apollo_proj apollo_proj_type apollo_scale_type apollo_layerwise
 apollo_scale_front max_grad_norm torch_compile enable_liger_kernel flash_attn
@@ -162,6 +162,7 @@ def map_config(data: dict, where: str, device: Device) -> TrainingConfig:
                         "tokens; its RMSNorm, SwiGLU and RoPE kernels are predicted as the model's own")
     if accum > 1:
         fields["micro_batch_size"] = micro
+    warnings.extend(reentrant_set_aside(fields, where, "LLaMA-Factory"))
     try:
         plan = Plan(**fields)
     except UserError as e:
@@ -244,13 +245,14 @@ def checkpoint_dtype(model: str) -> str | None:
 
 
 def _checkpointing(data: dict) -> dict:
-    """LLaMA-Factory checkpoints each decoder layer unless ``disable_gradient_checkpointing``; Unsloth's
+    """LLaMA-Factory checkpoints each decoder layer unless ``disable_gradient_checkpointing``, with torch's
+    reentrant checkpoint unless ``use_reentrant_gc: false`` (memfit.techniques.reentrant_checkpoint); Unsloth's
     checkpointing (``use_unsloth_gc``) holds each checkpointed layer's input on the host."""
     if data.get("disable_gradient_checkpointing"):
         return {}
     if data.get("use_unsloth_gc"):
         return {"checkpointing": "blocks", "offload": ["activations"]}
-    return {"checkpointing": "blocks"}
+    return {"checkpointing": "blocks:reentrant=true" if data.get("use_reentrant_gc", True) else "blocks"}
 
 
 def _optimizer(data: dict, where: str, warnings: list[str]) -> dict:

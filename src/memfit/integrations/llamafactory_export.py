@@ -64,6 +64,9 @@ def to_llamafactory(plan: Plan, batch_size: int, model: str, seq_len: int | None
         del fields["optim"]  # (LLaMA-Factory's default)
     if not axolotl.fields.get("gradient_checkpointing"):
         fields["disable_gradient_checkpointing"] = True
+    elif not axolotl.fields.get("activation_offloading") and \
+            not axolotl.fields.get("gradient_checkpointing_kwargs", {}).get("use_reentrant"):
+        fields["use_reentrant_gc"] = False  # (LLaMA-Factory's default is torch's reentrant checkpoint)
     resolved = _resolved_precision(plan, device)
     precision = _precision(resolved, checkpoint_dtype(model), adapter["finetuning_type"] == "lora")
     if precision is None:

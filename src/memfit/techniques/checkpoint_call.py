@@ -1,5 +1,5 @@
-"""torch's non-reentrant ``checkpoint``, as memfit's techniques call it: one that leaves nothing behind
-when the checkpointed forward raises.
+"""torch's ``checkpoint``, as memfit's techniques call it: one that leaves nothing behind when the
+checkpointed forward raises (the non-reentrant one's generator).
 
 A checkpoint costs nothing in memory or time beyond torch's own; this module only makes a failed call
 clean up. memfit calls checkpoint for blocks (memfit.techniques.checkpointing), attention chunks
@@ -8,10 +8,24 @@ clean up. memfit calls checkpoint for blocks (memfit.techniques.checkpointing), 
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 _GENERATOR = "_checkpoint_without_reentrant_generator"
+
+
+# NOTE [ Checkpoints under saved-tensor hooks ]: hooks held around forward (offload: activations)
+# see what a checkpoint keeps for backward and nothing else. Non-reentrant checkpoint saves the
+# block's positional inputs through them before it enters its own hooks; the tensors saved inside
+# the block go to those innermost hooks (and are dropped); where checkpoint takes
+# ``respect_saved_tensors_hooks`` (torch 2.14 does) what a selective policy keeps goes through the
+# outer hooks too (older torch keeps it on the device, out of them). The recomputation in backward
+# runs under checkpoint's hooks, outside forward's: nothing it saves passes through them
+# (tests/unit/techniques/test_offload_blocks.py counts it).
+HOOKS_KWARGS = {"respect_saved_tensors_hooks": True} \
+    if "respect_saved_tensors_hooks" in inspect.signature(torch.utils.checkpoint.checkpoint).parameters else {}
 
 
 # NOTE [ A checkpoint that raised ]

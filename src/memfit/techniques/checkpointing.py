@@ -15,7 +15,8 @@ for two units of backward). Variants, as torchtitan's AC classes:
   keeps a fraction F of the activations of the compiled regions, recomputing the cheapest rest;
 - :class:`NoAC` (``none``).
 
-All use non-reentrant ``torch.utils.checkpoint`` with the RNG state restored, so dropout gives
+All use non-reentrant ``torch.utils.checkpoint`` with the RNG state restored (``blocks:reentrant=true``:
+torch's reentrant one, as many users' trainers run it: memfit.techniques.reentrant_checkpoint), so dropout gives
 the same result, and the model's code and module types stay unchanged (only the blocks'
 ``forward`` is wrapped). The recomputation runs under the contexts the step holds around forward
 (``StepParts.recompute_contexts``, e.g. chunked attention), so it repeats the forward exactly.
@@ -26,7 +27,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import inspect
 import re
 from dataclasses import dataclass
 
@@ -45,8 +45,9 @@ from memfit.techniques.base import (
     Technique,
     register,
 )
-from memfit.techniques.checkpoint_call import checkpoint
+from memfit.techniques.checkpoint_call import HOOKS_KWARGS, checkpoint
 from memfit.techniques.forwards import forward_of
+from memfit.techniques.reentrant_checkpoint import reentrant_forward, reentrant_of, require_input_grads
 
 aten = torch.ops.aten
 
@@ -140,18 +141,6 @@ def _one_layer(module: nn.Module) -> bool:
     return sum(next(m.parameters(recurse=False), None) is not None for m in module.modules()) == 1
 
 
-# NOTE [ Checkpoints under saved-tensor hooks ]: hooks held around forward (offload: activations)
-# see what a checkpoint keeps for backward and nothing else. Non-reentrant checkpoint saves the
-# block's positional inputs through them before it enters its own hooks; the tensors saved inside
-# the block go to those innermost hooks (and are dropped); where checkpoint takes
-# ``respect_saved_tensors_hooks`` (torch 2.14 does) what a selective policy keeps goes through the
-# outer hooks too (older torch keeps it on the device, out of them). The recomputation in backward
-# runs under checkpoint's hooks, outside forward's: nothing it saves passes through them
-# (tests/unit/techniques/test_offload_blocks.py counts it).
-HOOKS_KWARGS = {"respect_saved_tensors_hooks": True} \
-    if "respect_saved_tensors_hooks" in inspect.signature(torch.utils.checkpoint.checkpoint).parameters else {}
-
-
 # NOTE [ Nothing saved from under no_grad ]
 # Selective checkpointing caches the outputs of SAVE_OPS in forward and hands them back, in the same order,
 # when backward recomputes the block. An op a block runs under ``no_grad`` gives backward nothing to use, and
@@ -201,10 +190,11 @@ def _context_fn(selective: bool, recompute_contexts: list):
     return make
 
 
-def checkpoint_blocks(model: nn.Module, *, every: int = 1, selective: bool = False,
+def checkpoint_blocks(model: nn.Module, *, every: int = 1, selective: bool = False, reentrant: bool = False,
                       recompute_contexts: list | None = None) -> list[nn.Module]:
     """Wrap the forward of every ``every``-th repeated block of ``model`` in a checkpoint (in
-    place); returns the wrapped blocks. ``del block.forward`` restores one."""
+    place; ``reentrant``: torch's reentrant one, memfit.techniques.reentrant_checkpoint); returns the
+    wrapped blocks. ``del block.forward`` restores one."""
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", False):
         # Hugging Face models update a KV cache in forward when use_cache is on, so a recomputed
@@ -221,8 +211,11 @@ def checkpoint_blocks(model: nn.Module, *, every: int = 1, selective: bool = Fal
         for i, block in enumerate(children):
             if i % every:
                 continue
-            block.forward = functools.partial(_checkpointed_forward, forward_of(block), selective, recompute_contexts)
+            block.forward = functools.partial(reentrant_forward, forward_of(block), block, recompute_contexts) \
+                if reentrant else functools.partial(_checkpointed_forward, forward_of(block), selective, recompute_contexts)
             wrapped.append(block)
+    if reentrant:
+        require_input_grads(model)
     return wrapped
 
 
@@ -236,8 +229,8 @@ def _checkpoint_step_blocks(parts, **options) -> None:
 
     def freeze(parts) -> None:
         for wrapper in wrappers:  # (the same partial, its list now a tuple)
-            forward, selective, contexts = wrapper.args
-            wrapper.__setstate__((wrapper.func, (forward, selective, tuple(contexts)), wrapper.keywords, None))
+            args = tuple(tuple(a) if isinstance(a, list) else a for a in wrapper.args)
+            wrapper.__setstate__((wrapper.func, args, wrapper.keywords, None))
     parts.finalizers.append(freeze)
 
 
@@ -255,8 +248,11 @@ class Checkpointing(Config):
 
     @classmethod
     def from_arguments(cls, given: Export) -> Checkpointing | None:
-        """``TrainingArguments(gradient_checkpointing=True)`` checkpoints every block."""
-        return BlocksAC() if given.hf.get("gradient_checkpointing") else None
+        """``TrainingArguments(gradient_checkpointing=True)`` checkpoints every block (torch's reentrant checkpoint
+        where its ``gradient_checkpointing_kwargs`` ask: memfit.techniques.reentrant_checkpoint.reentrant_of)."""
+        if not given.hf.get("gradient_checkpointing"):
+            return None
+        return BlocksAC(reentrant=reentrant_of(given.hf.get("gradient_checkpointing_kwargs")))
 
 
 @dataclass(frozen=True)
@@ -309,24 +305,35 @@ class BlocksAC(Checkpointing):
 
     every: int = 1
     """Checkpoint one block in ``every`` (1: all of them)."""
+    reentrant: bool = False
+    """torch's reentrant checkpoint (memfit.techniques.reentrant_checkpoint), as users' trainers run it."""
 
     @property
     def rank(self) -> int:
         return 2 if self.every == 1 else 1
 
     def values(self) -> dict:
-        return {"checkpointing": "blocks" if self.every == 1 else f"blocks:every={self.every}"}
+        options = ",".join([f"every={self.every}"] * (self.every != 1) + ["reentrant=true"] * self.reentrant)
+        return {"checkpointing": f"blocks:{options}" if options else "blocks"}
+
+    def check(self, plan) -> None:
+        for other, on in (("compile", plan.config("compile").compiles), ("shard: fsdp", plan.config("shard").fsdp2)):
+            if self.reentrant and on:
+                raise UserError(f"plan: checkpointing {self.text} with {other} is not supported (torch.compile and "
+                                "FSDP2 take the non-reentrant checkpoint); use checkpointing: blocks")
 
     def apply(self, parts) -> None:
-        _checkpoint_step_blocks(parts, every=self.every)
+        _checkpoint_step_blocks(parts, every=self.every, reentrant=self.reentrant)
 
     def export(self, into: Export) -> None:
         if self.every != 1:
             return super().export(into)
-        into.hf.update(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
+        into.hf.update(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": self.reentrant})
         into.kohya["gradient_checkpointing"] = into.ai_toolkit["train.gradient_checkpointing"] = True
         into.axolotl["gradient_checkpointing"] = True
-        into.not_carried(self, hf=False, kohya=False, axolotl=False)
+        if self.reentrant:
+            into.axolotl["gradient_checkpointing_kwargs"] = {"use_reentrant": True}
+        into.not_carried(self, hf=False, kohya=self.reentrant, axolotl=False)
 
 
 @dataclass(frozen=True)
@@ -409,21 +416,23 @@ def recorded_cost(fraction: float) -> tuple[float, float]:
     raise AssertionError(fraction)
 
 
-_GRAMMAR = re.compile(r"^(none|blocks|blocks:every=(\d+)|selective|budget:([0-9]*\.?[0-9]+))$")
+_GRAMMAR = re.compile(r"^(none|blocks|blocks:(every=(\d+)|(every=(\d+),)?reentrant=(true|false))|selective|"
+                      r"budget:([0-9]*\.?[0-9]+))$")
 
 
 def parse(values: dict) -> Checkpointing:
     text = values["checkpointing"]
     m = _GRAMMAR.match(str(text))
     if not m:
-        raise UserError(f"plan: checkpointing {text!r} is not valid; "
-                        "use none, blocks, blocks:every=N, selective or budget:FRACTION (e.g. budget:0.5)")
+        raise UserError(f"plan: checkpointing {text!r} is not valid; use none, blocks, blocks:every=N, "
+                        "blocks:reentrant=true, selective or budget:FRACTION (e.g. budget:0.5)")
     if m.group(2) is not None:
-        if int(m.group(2)) < 1:
+        every = int(m.group(3) or m.group(5) or 1)
+        if every < 1:
             raise UserError("plan: checkpointing blocks:every=N needs N >= 1")
-        return BlocksAC(int(m.group(2)))
-    if m.group(3) is not None:
-        return MemoryBudgetAC(float(m.group(3)))
+        return BlocksAC(every, reentrant=m.group(6) == "true")
+    if m.group(7) is not None:
+        return MemoryBudgetAC(float(m.group(7)))
     return {"none": NoAC(), "blocks": BlocksAC(), "selective": SelectiveAC()}[text]
 
 
@@ -435,6 +444,6 @@ def search(ctx: SearchContext) -> list[str]:
 
 TECHNIQUE = register(
     Technique("checkpointing", (Key("checkpointing", "none", "Activation checkpointing: none | blocks | "
-                                    "blocks:every=N | selective | budget:FRACTION.", metavar="CHECKPOINTING"),),
+                                    "blocks:every=N | blocks:reentrant=true | selective | budget:FRACTION.", metavar="CHECKPOINTING"),),
               parse, search=search, escalation=20, depends_on_model=True),
     Checkpointing, NoAC, BlocksAC, SelectiveAC, MemoryBudgetAC)

@@ -71,6 +71,6 @@ def test_selective_checkpointing_asks_torch_for_what_torchs_checkpoint_takes():
     ``*args, **kwargs``): read off the wrapper, selective checkpointing stopped passing it, silently."""
     import inspect
 
-    from memfit.techniques.checkpointing import HOOKS_KWARGS
+    from memfit.techniques.checkpoint_call import HOOKS_KWARGS
     takes = "respect_saved_tensors_hooks" in inspect.signature(torch.utils.checkpoint.checkpoint).parameters
     assert HOOKS_KWARGS == ({"respect_saved_tensors_hooks": True} if takes else {})

@@ -11,10 +11,21 @@ from memfit.techniques.checkpointing import checkpoint_blocks, find_blocks
 from memfit.workloads import builtin_workload
 
 
-@pytest.mark.parametrize("mode", ["blocks", "blocks:every=2", "selective"])
+@pytest.mark.parametrize("mode", ["blocks", "blocks:every=2", "selective", "blocks:reentrant=true",
+                                  "blocks:every=2,reentrant=true"])
 def test_same_parameters_every_step_with_dropout(mode):
     base = run_steps(GPT2_DROPOUT, Plan())
     assert_same_training(base, run_steps(GPT2_DROPOUT, Plan(checkpointing=mode)), exact=True)
+
+
+def test_reentrant_blocks_train_a_frozen_models_adapter_as_without_checkpointing():
+    """Under torch's reentrant checkpoint a block of a frozen model gets no input that requires grad, and its
+    adapter no gradient, unless the input embeddings' output requires grad (transformers' own checkpointing
+    enable does that, and so does memfit's): the adapter trains exactly as without checkpointing."""
+    base = run_steps(GPT2_DROPOUT, Plan(adapter="lora:r=4"))
+    reentrant = run_steps(GPT2_DROPOUT, Plan(adapter="lora:r=4", checkpointing="blocks:reentrant=true"))
+    assert any("lora_A" in name for name in base[1][0])
+    assert_same_training(base, reentrant, exact=True)
 
 
 def test_blocks_are_found_in_hf_and_plain_models():
@@ -82,7 +93,7 @@ def test_recomputed_forwards_are_counted():
 def test_memory_saved_and_predicted():
     spec = "gpt2:n_layer=4,n_embd=128,n_head=4,vocab_size=1000,n_positions=512"
     base = measured(spec, Plan(), seq_len=512)
-    for mode, max_ratio, act_ratio in (("blocks", 0.4, 0.25), ("selective", 0.65, 0.35)):
+    for mode, max_ratio, act_ratio in (("blocks", 0.4, 0.25), ("selective", 0.65, 0.35), ("blocks:reentrant=true", 0.4, 0.25)):
         r = measured(spec, Plan(checkpointing=mode), seq_len=512)
         assert r.peak_bytes < max_ratio * base.peak_bytes, (mode, r.peak_bytes, base.peak_bytes)
         assert abs(r.error_percent) <= 1.0, (mode, r.error_percent)
@@ -111,3 +122,73 @@ def test_a_list_of_single_layers_is_no_stack_and_a_chain_of_them_is():
     with torch.device("meta"):
         hidream = builtin_workload("dit-hidream").model()
     assert [(n, len(b)) for n, b in find_blocks(hidream)] == [("double_stream_blocks", 16), ("single_stream_blocks", 32)]
+
+
+class _KeywordBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x, *, scale=None):
+        return self.norm(torch.relu(self.lin(x))) * (1 if scale is None else scale)
+
+
+def test_reentrant_blocks_recompute_under_the_steps_contexts_and_refuse_a_keyword_gradient():
+    """torch's reentrant checkpoint recomputes each block once in backward, under the step's recompute contexts
+    (entered only then); a tensor that needs a gradient passed by keyword, which it would drop, is one line."""
+    entered = []
+    model = nn.Sequential(*[_KeywordBlock() for _ in range(4)])
+    checkpoint_blocks(model, reentrant=True, recompute_contexts=[lambda: _Counted(entered)])
+    model(torch.randn(2, 8)).sum().backward()  # (an input without grad: the first block's is made to require it)
+    assert len(entered) == 4 and all(block.lin.weight.grad is not None for block in model)
+    block = _KeywordBlock()
+    blocks = nn.ModuleList([block, _KeywordBlock()])
+    checkpoint_blocks(blocks, reentrant=True)
+    with pytest.raises(UserError, match=r"takes scale by keyword, a tensor that needs a gradient.*use checkpointing: blocks"):
+        block(torch.randn(2, 8), scale=torch.ones(8, requires_grad=True))
+
+
+class _Counted:
+    def __init__(self, into: list):
+        self.into = into
+
+    def __enter__(self):
+        self.into.append(1)
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"checkpointing": "blocks:reentrant=maybe"}, "is not valid; use none, blocks, blocks:every=N, blocks:reentrant=true"),
+    ({"checkpointing": "blocks:reentrant=true", "compile": "blocks"}, "with compile is not supported"),
+])
+def test_reentrant_blocks_bad_input_is_one_line(fields, message):
+    with pytest.raises(UserError, match=message):
+        from memfit.target import Target
+        Target.resolve("gpt2:n_layer=2,n_embd=32,n_head=2,vocab_size=64", Plan(**fields), 1, seq_len=8)
+
+
+def test_reentrant_blocks_text_round_trips():
+    from memfit.techniques.checkpointing import BlocksAC
+    for text, config in (("blocks:reentrant=true", BlocksAC(reentrant=True)), ("blocks:every=2,reentrant=true",
+                                                                             BlocksAC(2, reentrant=True)),
+                         ("blocks:reentrant=false", BlocksAC()), ("blocks:every=3", BlocksAC(3))):
+        assert Plan(checkpointing=text).config("checkpointing") == config
+        assert Plan(checkpointing=config.text).config("checkpointing") == config
+
+
+@pytest.mark.parametrize("kwargs,reentrant", [(None, False), ({"use_reentrant": True}, True),
+                                              ({"use_reentrant": False}, False), ({}, True)])
+def test_training_arguments_checkpointing_reads_as_the_checkpoint_it_runs(kwargs, reentrant):
+    """``TrainingArguments(gradient_checkpointing=True, gradient_checkpointing_kwargs=...)``: transformers' default
+    (None) is the non-reentrant checkpoint; kwargs without ``use_reentrant`` reach torch's checkpoint, whose default
+    is reentrant; and the plan exports back to the same kwargs."""
+    from memfit.techniques.base import Export
+    from memfit.techniques.checkpointing import BlocksAC, Checkpointing
+    config = Checkpointing.from_arguments(Export(1, hf={"gradient_checkpointing": True,
+                                                         "gradient_checkpointing_kwargs": kwargs}))
+    assert config == BlocksAC(reentrant=reentrant)
+    into = Export(1)
+    config.export(into)
+    assert into.hf["gradient_checkpointing_kwargs"] == {"use_reentrant": reentrant}

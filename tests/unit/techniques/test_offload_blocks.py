@@ -15,7 +15,8 @@ from memfit.observer import NullObserver
 from memfit.plans import Plan
 from memfit.step import build_step
 from memfit.techniques import offload
-from memfit.techniques.checkpointing import HOOKS_KWARGS, find_blocks
+from memfit.techniques.checkpoint_call import HOOKS_KWARGS
+from memfit.techniques.checkpointing import find_blocks
 from memfit.workloads import load_workload
 
 OFF = ["activations"]
