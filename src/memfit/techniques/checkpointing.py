@@ -238,7 +238,7 @@ class Checkpointing(Config):
     adds_work = True
 
     def label(self, batch_size):
-        return f"ckpt={self.text.replace('blocks:every=', 'every')}"
+        return f"ckpt={self.text.replace('blocks:every=', 'every').replace('blocks:', '').replace('=true', '')}"
 
     def ablations(self):
         return [(f"checkpointing {self.text}", NoAC())]
