@@ -37,13 +37,13 @@ MAX_HELP = ("; max: the largest that fits the budget (estimate: under the given 
 
 def add_workload_args(p: argparse.ArgumentParser, *, max_values: bool = False, from_config: bool = False) -> None:
     """The workload and its sizes; ``max_values``: a size may be ``max`` (estimate, plan);
-    ``from_config``: ``--from config.yml`` (an axolotl, ai-toolkit or LLaMA-Factory config) may name the workload
+    ``from_config``: ``--from config.yml`` (an axolotl, ai-toolkit, LLaMA-Factory or torchtune config) may name the workload
     instead."""
     more = MAX_HELP if max_values else ""
     if from_config:
         p.add_argument("workload", nargs="?", help=WORKLOAD_HELP + "; or --from")
         p.add_argument("--from", dest="from_config", metavar="CONFIG",
-                       help="an axolotl, ai-toolkit or LLaMA-Factory config (.yml, .yaml) or a kohya-ss sd-scripts "
+                       help="an axolotl, ai-toolkit, LLaMA-Factory or torchtune config (.yml, .yaml) or a kohya-ss sd-scripts "
                             "config (.toml): its model, adapter, "
                             "quantization, sizes, checkpointing, precision and optimizer become the workload and the "
                             "plan (flags given here override it; a kohya config training a checkpoint file of an SD "
@@ -193,7 +193,7 @@ def apply_config(args: argparse.Namespace, device=None) -> None:
     if path is None:
         if getattr(args, "workload", "") is None:
             raise UserError("name a workload (e.g. gpt2), or a training config with --from config.yml (axolotl, "
-                            "ai-toolkit, LLaMA-Factory) or config.toml (kohya-ss sd-scripts)")
+                            "ai-toolkit, LLaMA-Factory, torchtune) or config.toml (kohya-ss sd-scripts)")
         return
     import warnings
 

@@ -1,6 +1,7 @@
 """``--from FILE``: a training config people already have, read by its suffix (a YAML: axolotl's,
 memfit.integrations.axolotl, an ai-toolkit job's, memfit.integrations.ai_toolkit, told apart by its
-``config: process:``, or LLaMA-Factory's, memfit.integrations.llamafactory, by its ``model_name_or_path``; a
+``config: process:``, torchtune's, memfit.integrations.torchtune, by its ``model: _component_: torchtune.models...``,
+or LLaMA-Factory's, memfit.integrations.llamafactory, by its ``model_name_or_path``; a
 kohya-ss sd-scripts TOML: memfit.integrations.kohya) as memfit's workload, sizes and plan
 (memfit.integrations.configs.TrainingConfig)."""
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from memfit.devices import Device
 from memfit.errors import UserError
-from memfit.integrations import ai_toolkit, axolotl, kohya, llamafactory
+from memfit.integrations import ai_toolkit, axolotl, kohya, llamafactory, torchtune
 from memfit.integrations.configs import TrainingConfig
 
 
@@ -23,6 +24,8 @@ def read_training_config(path: str | Path, device: Device, workload: str | None 
         data = _peek_yaml(Path(path))
         if ai_toolkit.is_ai_toolkit(data):
             return ai_toolkit.map_config(data, str(path), device, workload)
+        if torchtune.is_torchtune(data):
+            return torchtune.map_config(data, str(path), device, Path(path).read_text(), workload)
         if workload is not None:
             key = "model_name_or_path" if llamafactory.is_llamafactory(data) else "base_model"
             raise UserError(f"give a workload or --from {path}, not both (the config's {key} is the workload)")
@@ -34,8 +37,8 @@ def read_training_config(path: str | Path, device: Device, workload: str | None 
         return axolotl.read_config(path, device)
     if suffix == ".toml":
         return kohya.read_config(path, device, workload)
-    raise UserError(f"--from {path}: give an axolotl, ai-toolkit or LLaMA-Factory config (.yml, .yaml) or a kohya-ss "
-                    "sd-scripts config (.toml)")
+    raise UserError(f"--from {path}: give an axolotl, ai-toolkit, LLaMA-Factory or torchtune config (.yml, .yaml) or a "
+                    "kohya-ss sd-scripts config (.toml)")
 
 
 def _peek_yaml(path: Path) -> object:
