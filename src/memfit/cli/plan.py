@@ -30,13 +30,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_plan_args(p)
     p.add_argument("--budget", help="memory budget: 20GiB, 1.5GB, 80%% of the device; default: capacity minus 10%%")
     p.add_argument("--out", metavar="FILE", help="write the chosen plan (YAML, or JSON for .json)")
-    p.add_argument("--format", choices=("yaml", "hf", "lightning", "kohya", "ai-toolkit", "axolotl", "llamafactory"),
+    p.add_argument("--format", choices=("yaml", "hf", "lightning", "kohya", "ai-toolkit", "axolotl", "llamafactory",
+                                        "torchtune"),
                    default="yaml",
                    help="also print the plan as Hugging Face TrainingArguments or Lightning Trainer keyword "
                         "arguments (accepted unchanged), what they cannot carry and memfit's callback that applies it; "
                         "kohya: the lines of a kohya-ss sd-scripts --config_file TOML; ai-toolkit: an ai-toolkit job "
-                        "YAML; axolotl, llamafactory: an axolotl or LLaMA-Factory config's fields (these four search "
-                        "only the plans that trainer runs)")
+                        "YAML; axolotl, llamafactory, torchtune: an axolotl, LLaMA-Factory or torchtune config's fields (these "
+                        "five search only the plans that trainer runs)")
     p.add_argument("--pareto", metavar="FILE.png", help="write a memory vs time plot of the evaluated plans")
     p.add_argument("--optimizers", default=None,
                    help="optimizer variants to consider, from adamw, adamw8bit, adamw8bit-ao, adamw4bit-ao, "

@@ -1,6 +1,7 @@
-"""``memfit plan --format kohya|ai-toolkit|axolotl|llamafactory``: the chosen plan in a trainer's own config, and the
-search kept to the plans that trainer runs (memfit.integrations.kohya_export, memfit.integrations.ai_toolkit_export,
-memfit.integrations.axolotl_export, memfit.integrations.llamafactory_export)."""
+"""``memfit plan --format kohya|ai-toolkit|axolotl|llamafactory|torchtune``: the chosen plan in a trainer's own config,
+and the search kept to the plans that trainer runs (memfit.integrations.kohya_export,
+memfit.integrations.ai_toolkit_export, memfit.integrations.axolotl_export, memfit.integrations.llamafactory_export,
+memfit.integrations.torchtune_export)."""
 
 from __future__ import annotations
 
@@ -198,6 +199,38 @@ class LlamaFactoryTarget(AxolotlTarget):
                          "llamafactory_notes": [*said, *out.notes]})
 
 
+class TorchtuneTarget(AxolotlTarget):
+    """``--format torchtune``: the fields of a torchtune single-device recipe config
+    (memfit.integrations.torchtune_export)."""
+
+    who = "torchtune"
+
+    def own_fields(self, fixed: dict) -> dict:
+        """torchtune's dtype, unless the user fixed a precision: bf16 (every weight in it: ``bf16-pure``) where the
+        card has it, else fp32."""
+        if "precision" in fixed:
+            return fixed
+        return {**fixed, "precision": "bf16-pure" if self.bf16 else "fp32"}
+
+    def search_values(self) -> dict | None:
+        return None  # (its chunked loss takes any number of chunks: num_output_chunks)
+
+    def runs_in(self, fixed: dict):
+        """The plans torchtune's fields carry (the search is kept to them); refuses a model it does not train."""
+        from memfit.integrations.export import carried_by
+        from memfit.integrations.torchtune_export import to_torchtune
+        self.check_trained()
+        return carried_by(lambda plan: to_torchtune(plan, self.batch_size, self.seq_len), fixed)
+
+    def export(self, result) -> Exported:
+        from memfit.integrations.torchtune_export import to_torchtune
+        out = to_torchtune(result.chosen.plan, result.batch_size, self.seq_len)
+        return Exported("torchtune config fields (set in your recipe's config, or as tune run overrides key=value):",
+                        out.yaml(), "torchtune's fields", out.unmapped, out.notes,
+                        {"torchtune_fields": out.fields, "torchtune_unmapped": list(out.unmapped),
+                         "torchtune_notes": list(out.notes)})
+
+
 TARGETS = {"kohya": KohyaTarget, "ai-toolkit": AiToolkitTarget, "axolotl": AxolotlTarget,
-           "llamafactory": LlamaFactoryTarget}
+           "llamafactory": LlamaFactoryTarget, "torchtune": TorchtuneTarget}
 """The trainers ``--format`` writes a config for."""
