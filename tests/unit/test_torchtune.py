@@ -128,3 +128,13 @@ def test_estimate_from_a_torchtune_config(tmp_path, capsys):
     out = capsys.readouterr().out
     assert (f"from {tmp_path / 'lora.yaml'}: {tmp_path} · batch 32 (4 a micro-batch x 8 accumulated) · seq 32 · "
             f"adapter=lora:r=64,alpha=128,{ALL}, precision=bf16-pure, micro_batch_size=4, loss_chunks=8") in out
+
+
+def test_phi3s_fused_projections_take_torchtunes_lora(tmp_path):
+    """transformers' Phi-3 fuses q/k/v (qkv_proj) and the MLP's gate and up projections (gate_up_proj), which
+    torchtune's modules keep apart: its LoRA on them is predicted on the fused layers, said; before, those targets
+    matched no layer and only o_proj and down_proj were adapted."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "phi3"}))
+    c = map_config(_config(checkpointer={"checkpoint_dir": str(tmp_path)}), "c.yaml", CARD, "")
+    assert c.plan.adapter == "lora:r=8,alpha=16,targets=qkv_proj+o_proj+gate_up_proj+down_proj"
+    assert any("phi3's projections are fused in transformers' model" in w for w in c.warnings)

@@ -12,7 +12,7 @@ adapter and optimizer state in it:
 |---|---|
 | ``checkpointer.checkpoint_dir`` (with its config.json); else the ``tune download`` id in the config's comments | the workload: that folder, or that hub id (a model named beside ``--from`` wins) |
 | ``model._component_`` ``..._<builder>``; ``lora_...``; ``qlora_...`` | the method: full; ``adapter: lora:...``; the same over ``base_weights: nf4:double_quant=true`` (torchao's NF4: 4 bits a weight, an 8-bit scale per 64, an fp32 scale per 256 of those, as bitsandbytes' double quantization) |
-| ``lora_rank``, ``lora_alpha``, ``lora_dropout``; ``lora_attn_modules``, ``apply_lora_to_mlp``, ``apply_lora_to_output`` | the adapter's ``r``, ``alpha``, ``dropout``; ``targets``: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (its ``output_proj``), ``gate_proj``, ``up_proj``, ``down_proj`` (its ``w1``, ``w3``, ``w2``), ``lm_head`` |
+| ``lora_rank``, ``lora_alpha``, ``lora_dropout``; ``lora_attn_modules``, ``apply_lora_to_mlp``, ``apply_lora_to_output`` | the adapter's ``r``, ``alpha``, ``dropout``; ``targets``: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (its ``output_proj``), ``gate_proj``, ``up_proj``, ``down_proj`` (its ``w1``, ``w3``, ``w2``), ``lm_head``; Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` for theirs (:data:`FUSED`) |
 | ``batch_size`` x ``gradient_accumulation_steps`` | the batch, in micro-batches of the first |
 | ``tokenizer.max_seq_len`` | the sequence length (null, its default: each batch as long as its longest sample; ``--seq-len`` says) |
 | ``dtype`` (bf16, fp32) | ``precision: bf16-pure`` (every weight, gradient and state in bf16), ``fp32`` |
@@ -35,7 +35,7 @@ from pathlib import Path
 
 from memfit.devices import Device
 from memfit.errors import UserError
-from memfit.integrations.configs import TrainingConfig, whole
+from memfit.integrations.configs import TrainingConfig, text_config, whole
 from memfit.plans import Plan
 
 NO_MEMORY_EFFECT = frozenset("""
@@ -61,6 +61,9 @@ OPTIMIZERS = {"torch.optim.AdamW": "adamw", "torch.optim.SGD": "sgd", "bitsandby
               "bitsandbytes.optim.PagedAdamW8bit": "adamw8bit-paged", "bitsandbytes.optim.PagedAdamW": "adamw-paged",
               "bitsandbytes.optim.PagedAdamW32bit": "adamw-paged", "torchao.optim.AdamW8bit": "adamw8bit-ao",
               "torchao.optim.AdamW4bit": "adamw4bit-ao"}
+FUSED = {"phi3": {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+                  "up_proj": "gate_up_proj"}}
+"""transformers' model types whose projections torchtune's modules keep apart: torchtune's name -> the fused layer."""
 CHUNKED_LOSSES = ("LinearCrossEntropyLoss", "CEWithChunkedOutputLoss")
 OUTPUT_CHUNKS = 8
 """torchtune's ``num_output_chunks`` default."""
@@ -88,8 +91,9 @@ def map_config(data: dict, where: str, device: Device, text: str = "", workload:
                         "estimate the model's own config")
     micro = whole(data, "batch_size", where, 1)
     accum = whole(data, "gradient_accumulation_steps", where, 1)
-    fields = {**_method(model, builder, where), **_precision(data, where), **_checkpointing(data, where),
-              **_optimizer(data, where), **_loss(data)}
+    name = workload or _model_of(data, builder, text, where)
+    fields = {**_method(model, builder, where, _fused(name, where, warnings)), **_precision(data, where),
+              **_checkpointing(data, where), **_optimizer(data, where), **_loss(data)}
     if data.get("enable_activation_offloading"):
         fields["offload"] = ["activations"]
     if data.get("compile"):
@@ -108,7 +112,6 @@ def map_config(data: dict, where: str, device: Device, text: str = "", workload:
     if fields.get("base_weights"):
         warnings.append(f"torchtune config {where}: torchao's NF4 weights predicted as bitsandbytes' NF4 with double "
                         "quantization (the same bits a weight; its dequantization temporaries as bitsandbytes')")
-    name = workload or _model_of(data, builder, text, where)
     try:
         plan = Plan(**fields)
     except UserError as e:
@@ -131,7 +134,20 @@ def _model_of(data: dict, builder: str, text: str, where: str) -> str:
                     f"--from {Path(where).name})")
 
 
-def _method(model: dict, builder: str, where: str) -> dict:
+def _fused(name: str, where: str, warnings: list[str]) -> dict:
+    """torchtune's projections -> the layers that hold them in transformers' model of the checkpoint: Phi-3's (and
+    Phi-4's) attention and MLP projections are fused there (``qkv_proj``, ``gate_up_proj``), where torchtune's own
+    modules keep them apart; said in a line."""
+    config = text_config(name)
+    if not config or config.get("model_type") not in FUSED:
+        return {}
+    warnings.append(f"torchtune config {where}: {config['model_type']}'s projections are fused in transformers' model "
+                    "(qkv_proj, gate_up_proj): LoRA on q/k/v or the MLP's w1/w3 is predicted on the fused layer (one "
+                    "adapter: its B matrix as wide as the fused output, a little more than torchtune's)")
+    return FUSED[config["model_type"]]
+
+
+def _method(model: dict, builder: str, where: str, fused: dict) -> dict:
     if not builder.startswith(("lora_", "qlora_")):
         if any(key.startswith("lora_") or key.startswith("apply_lora") for key in model):
             raise UserError(f"--from {where}: model {builder} is no LoRA builder but has LoRA fields; use its lora_ builder")
@@ -143,6 +159,7 @@ def _method(model: dict, builder: str, where: str) -> dict:
                         "v_proj and output_proj")
     targets = [ATTENTION[m] for m in modules] + (list(MLP) if model.get("apply_lora_to_mlp") else []) + \
         (["lm_head"] if model.get("apply_lora_to_output") else [])
+    targets = list(dict.fromkeys(fused.get(t, t) for t in targets))
     if not targets:
         raise UserError(f"--from {where}: model {builder} adapts no layer; set lora_attn_modules or apply_lora_to_mlp")
     rank = model.get("lora_rank", 8)
