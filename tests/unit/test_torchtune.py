@@ -138,3 +138,4 @@ def test_phi3s_fused_projections_take_torchtunes_lora(tmp_path):
     c = map_config(_config(checkpointer={"checkpoint_dir": str(tmp_path)}), "c.yaml", CARD, "")
     assert c.plan.adapter == "lora:r=8,alpha=16,targets=qkv_proj+o_proj+gate_up_proj+down_proj"
     assert any("phi3's projections are fused in transformers' model" in w for w in c.warnings)
+

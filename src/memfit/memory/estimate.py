@@ -81,7 +81,7 @@ def estimate_target(target: Target, *, fallback: bool = True, timeline: str | No
         with silenced_warnings():  # the bound of NOTE [ Routing on fake tensors ]
             worst = report_for(run_tracked(target, fake=True, routing=WORST).tracker, target, method).peak_bytes
     sample = target.workload.info.sample
-    facts = [*experts_facts(run.routing, run.step.model, worst, peak), *adapter_facts(run.step.model),
+    facts = [*experts_facts(run.routing, run.step.model, worst, peak), *adapter_facts(run.step.model, target.plan.config("adapter")),
              *([f"one sample: {sample}"] if sample else []),
              *([target.workload.info.loaded] if target.workload.info.loaded else [])]
     report = report_for(run.tracker, target, method, notes=notes, trace_seconds=time.perf_counter() - t0,

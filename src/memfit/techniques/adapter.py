@@ -328,23 +328,31 @@ def _linears_in_blocks(model, text: str, lists: set[str] | None = None) -> list[
     return names + list(getattr(model, "adapter_targets", ()) if prefix else ())
 
 
-def adapter_facts(model) -> list[str]:
+def adapter_facts(model, adapter=None) -> list[str]:
     """A line for a report of a model with adapter layers: which layers were adapted (by their last two
     names: ``self_attn.q_proj x32``) and the parameters trained. The default targets are PEFT's or
     every linear layer, so a user sees what they became (JetMoE's experts are no linear layers: its
-    routers alone are adapted)."""
+    routers alone are adapted). ``adapter``: the plan's, whose named targets that match no adapted layer get a
+    line of their own (PEFT adapts the others and says nothing: a config's ``q_proj`` on Phi-3's fused
+    ``qkv_proj``)."""
     from collections import Counter
 
     import torch
-    names = Counter(".".join(n.split(".")[-2:]) for n, m in model.named_modules()
-                    if any(isinstance(getattr(m, a, None), (torch.nn.ModuleDict, torch.nn.ParameterDict)) and
-                           len(getattr(m, a)) for a in ("lora_A", "lokr_w1", "lokr_w1_a"))  # (LoRA's, LoKr's)
-                    or is_lycoris_module(getattr(m, "lycoris", None)))  # (LyCORIS's: memfit.techniques.lycoris_networks)
+    adapted = [n for n, m in model.named_modules()
+               if any(isinstance(getattr(m, a, None), (torch.nn.ModuleDict, torch.nn.ParameterDict)) and
+                      len(getattr(m, a)) for a in ("lora_A", "lokr_w1", "lokr_w1_a"))  # (LoRA's, LoKr's)
+               or is_lycoris_module(getattr(m, "lycoris", None))]  # (LyCORIS's: memfit.techniques.lycoris_networks)
+    names = Counter(".".join(n.split(".")[-2:]) for n in adapted)
     if not names:
         return []
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     layers = ", ".join(f"{k} x{v}" for k, v in names.most_common(6)) + (", ..." if len(names) > 6 else "")
-    return [f"adapter: {sum(names.values())} layers adapted ({layers}); {trained:,} parameters trained"]
+    named = [t for t in getattr(adapter, "targets", ()) if t not in (ALL_LINEAR, LINEAR_MODULES)
+             and not t.startswith(IN_BLOCKS)]
+    missed = [t for t in named if not any(n == t or n.endswith("." + t) for n in adapted)]
+    return [f"adapter: {sum(names.values())} layers adapted ({layers}); {trained:,} parameters trained",
+            *([f"adapter: targets {', '.join(missed)} match no layer of this model, and PEFT adapts the others without "
+               "a word; name its own layers (`memfit estimate ... --modules 20` lists them)"] if missed else [])]
 
 
 def is_lycoris_module(module) -> bool:

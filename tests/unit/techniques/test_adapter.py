@@ -398,3 +398,19 @@ def test_a_model_that_cannot_answer_peft_is_one_line(monkeypatch):
     workload = load_workload("gpt2:n_layer=1,n_embd=32,n_head=2,vocab_size=100", seq_len=16)
     with pytest.raises(UserError, match=r"PEFT refuses it on this model \(`get_input_embeddings` not auto-handled"):
         build_step(workload, Plan(adapter="lora:r=4"), batch_size=2)
+
+
+def test_a_plans_lora_targets_that_match_no_layer_are_said():
+    """PEFT adapts the targets it finds and says nothing of the others (Phi-3's q_proj, fused into qkv_proj in
+    transformers' model): the estimate says which named targets matched no layer."""
+    import memfit
+    from memfit.plans import Plan
+    spec = ("llama:num_hidden_layers=2,hidden_size=64,intermediate_size=128,num_attention_heads=4,num_key_value_heads=2,"
+            "vocab_size=256")
+    facts = memfit.estimate(spec, Plan(adapter="lora:r=4,targets=q_proj+qkv_proj+gate_up_proj"), batch_size=1,
+                            seq_len=16).facts
+    assert [f for f in facts if "match no layer" in f] == [
+        "adapter: targets qkv_proj, gate_up_proj match no layer of this model, and PEFT adapts the others without a "
+        "word; name its own layers (`memfit estimate ... --modules 20` lists them)"]
+    assert not [f for f in memfit.estimate(spec, Plan(adapter="lora:r=4,targets=q_proj+self_attn.v_proj"), batch_size=1,
+                                           seq_len=16).facts if "match no layer" in f]
