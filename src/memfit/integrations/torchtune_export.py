@@ -14,18 +14,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memfit.integrations import torchtune
 from memfit.plans import Plan
 from memfit.techniques.checkpointing import BlocksAC
 
-ATTENTION = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "o_proj": "output_proj"}
-MLP = ("gate_proj", "up_proj", "down_proj")
+ATTENTION = {ours: theirs for theirs, ours in torchtune.ATTENTION.items()}
+"""memfit's (transformers') attention projections -> torchtune's names: the reader's table, turned round."""
+MLP = torchtune.MLP
 LINEAR_MODULES = ("linear-modules",)
 """memfit's every linear layer of the blocks: torchtune's four attention projections and the MLP."""
 PEFTS_DEFAULT = ("q_proj", "v_proj")
 """peft's default LoRA targets for a Llama (memfit's ``lora`` without targets)."""
-OPTIMIZERS = {"adamw": "torch.optim.AdamW", "sgd": "torch.optim.SGD", "adamw8bit": "bitsandbytes.optim.AdamW8bit",
-              "adamw8bit-paged": "bitsandbytes.optim.PagedAdamW8bit", "adamw-paged": "bitsandbytes.optim.PagedAdamW",
-              "adamw8bit-ao": "torchao.optim.AdamW8bit", "adamw4bit-ao": "torchao.optim.AdamW4bit"}
+OPTIMIZERS = {name: component for component, name in reversed(torchtune.OPTIMIZERS.items())}
+"""memfit's optimizer -> the first of torchtune's ``_component_`` names the reader takes for it."""
 DTYPES = {"bf16-pure": "bf16", "fp32": "fp32"}
 """memfit's precisions that are torchtune's ``dtype``: every weight, gradient and state in it."""
 QLORA = Plan(base_weights="nf4:double_quant=true").config("base_weights")
