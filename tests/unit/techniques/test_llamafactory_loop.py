@@ -14,8 +14,9 @@ memfit.integrations.llamafactory reads from the config.
 LLaMA-Factory's checkpoint is torch's reentrant one (``use_reentrant_gc``, on by default), which makes the first
 layer's input a leaf that requires grad; its gradient (one hidden state here) stays until backward ends. The config
 reads as ``checkpointing: blocks:reentrant=true`` (memfit.techniques.reentrant_checkpoint), which predicts the loop
-within 0.2% (+0.01% and +0.02% on this CPU); ``blocks``, the non-reentrant checkpoint, is under it by 1.9% (LoRA) and
-1.3% (QLoRA), about 0.1% of a 7B model's step."""
+within 0.2% (+0.01% and +0.02% on both kinds of this machine); ``blocks``, the non-reentrant checkpoint, misses it:
+under by 1.9% (LoRA) and 1.3% (QLoRA) on the AMD EPYC kind, -0.3% and +1.0% on the Xeon kind (about 0.1% of a 7B
+model's step)."""
 
 from functools import partial
 
@@ -89,4 +90,6 @@ def test_llamafactorys_lora_loop_is_predicted_from_its_config_within_02pct(tmp_p
     blocks = memfit.estimate(c.workload, c.plan.replace(checkpointing="blocks"), batch_size=c.batch_size,
                              seq_len=c.seq_len, device="cpu").peak_bytes
     assert abs(predicted - measured) <= 0.002 * measured, (predicted, measured)
-    assert measured - blocks > 0.01 * measured, (blocks, measured)  # (the non-reentrant checkpoint: under by 1.3-1.9%)
+    # the non-reentrant checkpoint misses it (under by 1.3-1.9% on the AMD EPYC kind; on the Xeon kind, whose CPU
+    # kernels save other tensors, -0.3% for LoRA and +1.0% for QLoRA, its peak elsewhere in backward)
+    assert abs(blocks - measured) > 0.002 * measured, (blocks, measured)
