@@ -180,6 +180,11 @@ class LoRA(Adapter):
                                 f"`memfit estimate ... --modules 20` lists the modules)") from None
             raise UserError(f"plan: adapter {self.text_value()}: PEFT refuses it on this model ({brief(e)}); name "
                             "the layers to adapt (e.g. targets=q_proj+v_proj)") from None
+        # peft casts a new adapter to its base layer's dtype, a 4-bit layer's compute dtype (bf16 as QLoRA sets it);
+        # get_peft_model then upcasts it to fp32 (its autocast_adapter_dtype=True), as this does (the precision may
+        # cast it again: bf16-pure)
+        from peft.tuners.tuners_utils import cast_adapter_dtype
+        cast_adapter_dtype(parts.model, adapter_name="default")
         if self.save:
             _check_saved(parts.model, self.save, self.text_value())
 

@@ -5,7 +5,8 @@ Memory/compute trade-off, per frozen linear weight of N elements:
 - ``nf4`` / ``fp4`` (:class:`Quantized4bit`): bitsandbytes' ``Linear4bit``: N/2 bytes of packed
   4-bit codes plus one fp32 absmax per 64-weight block (N/16 bytes); ``:double_quant=true``
   (QLoRA's double quantization) stores the absmax in 8 bits (N/64) with one fp32 scale per 256
-  blocks. Each matmul dequantizes the weight ([out, in] in the compute dtype) in forward (unless
+  blocks. Each matmul dequantizes the weight ([out, in] in the compute dtype: the training's 16-bit dtype,
+  as recipes set ``bnb_4bit_compute_dtype``, memfit.techniques.kbit_training) in forward (unless
   CUDA's fused kernel takes a small batch) and again in backward: one weight-sized temporary at a
   time, and the dequantization work every step. Lossy (NF4: about 9% relative error on a random
   layer's output, see the tests).
@@ -45,6 +46,12 @@ from memfit.errors import UserError
 from memfit.techniques.base import Config, Export, Key, Technique, register
 from memfit.techniques.bnb_kernels import fake_parameter_subclasses, gemm_4bit_kernels, has_4bit_layers
 from memfit.techniques.fp8_linear import Float8Linear, float8_available, quantize
+from memfit.techniques.kbit_training import (
+    compute_in,
+    has_peft_adapter,
+    output_layer,
+    prepare_for_kbit_training,
+)
 from memfit.techniques.quantized_experts import (
     EXPERTS_NOTE,
     check_adapter,
@@ -76,8 +83,10 @@ class BaseWeights(Config):
                 _quantize_linears(parts.model, self, self.text)
                 for module, name in self.expert_weights(parts.model):
                     self.quantize_expert(module, name)
-            _prepare_for_kbit_training(parts.model, freeze=not _has_peft_adapter(parts.model),
-                                       upcast=parts.plan.config("precision").resolve(parts.device).weights == "fp32")
+            precision = parts.plan.config("precision").resolve(parts.device)
+            prepare_for_kbit_training(parts.model, freeze=not has_peft_adapter(parts.model),
+                                      upcast=precision.weights == "fp32")
+            compute_in(parts.model, precision.quantized_compute_dtype)
         if has_4bit_layers(parts.model):
             parts.contexts.append(lambda: gemm_4bit_kernels(parts.device))
 
@@ -162,6 +171,7 @@ class Quantized4bit(BaseWeights):
         layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
                                   compute_dtype=linear.weight.dtype, compress_statistics=self.double_quant,
                                   quant_type=self.quant_type, device="meta")
+        layer.compute_follows_plan = True  # (memfit.techniques.kbit_training.compute_in)
         layer.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, blocksize=BLOCKSIZE,
                                          compress_statistics=self.double_quant, quant_type=self.quant_type,
                                          module=layer)
@@ -184,7 +194,8 @@ class Quantized4bit(BaseWeights):
                                           "predicted memory")
         into.hf_notes.append(f"load the model with from_pretrained(..., dtype=torch.bfloat16 (torch.float16 under fp16), "
                              f"quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="
-                             f"'{self.quant_type}', bnb_4bit_use_double_quant={self.double_quant})): the load memfit "
+                             f"'{self.quant_type}', bnb_4bit_use_double_quant={self.double_quant}, bnb_4bit_compute_dtype=torch.bfloat16 "
+                             "(torch.float16 under fp16))): the load memfit "
                              "predicts (NOTE [ QLoRA loads in 16 bits ])" + (EXPERTS_NOTE if self.experts else ""))
 
 
@@ -280,8 +291,8 @@ def _replace_linears(model: torch.nn.Module, config: BaseWeights, text: str) -> 
     adapter's): the adapter's own matrices and ``modules_to_save`` copies train, in full precision, as
     in QLoRA."""
     config.require()
-    head = _output_layer(model)
-    adapted = _has_peft_adapter(model)
+    head = output_layer(model)
+    adapted = has_peft_adapter(model)
     # and the children a workload's model says its trainers leave unquantized (``unquantized``: LTX-2's connectors)
     kept = (_kept_in_their_dtype(model) if config.bitsandbytes else set()) | {
         id(sub) for name in getattr(model, "unquantized", ()) for sub in model.get_submodule(name).modules()}
@@ -360,44 +371,11 @@ def least_weight_bytes(params, model: torch.nn.Module, base_weights: str | None,
     the format's bytes per element, scales left out; every other parameter at ``other`` bytes (16 bits).
     A mixture of experts' 3-D expert weights are not ``nn.Linear`` layers: only ``experts=true`` quantizes them."""
     per = STORED_BYTES.get(str(base_weights or "as-is").split(":", 1)[0])  # ("nf4:double_quant=true")
-    head = _output_layer(model)
+    head = output_layer(model)
     linear = {id(m.weight) for m in model.modules() if _is_linear(m) and m is not head} if per else set()
     if per and quantizes_experts(base_weights):
         linear |= {id(m.get_parameter(name)) for m, name in experts_3d_parameters(model)}
     return int(sum(p.numel() * (per if id(p) in linear else other) for p in params))
-
-
-def _output_layer(model: torch.nn.Module):
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    if head is None:
-        head = getattr(model, "lm_head", None)
-    return head
-
-
-def _has_peft_adapter(model: torch.nn.Module) -> bool:
-    """Does the workload's model already hold a peft adapter (a layer of one of peft's tuners)?"""
-    if "peft" not in sys.modules:
-        return False
-    from peft.tuners.tuners_utils import BaseTunerLayer
-    return any(isinstance(m, BaseTunerLayer) for m in model.modules())
-
-
-def _prepare_for_kbit_training(model: torch.nn.Module, freeze: bool = True, upcast: bool = True) -> None:
-    """peft's ``prepare_model_for_kbit_training`` without its gradient checkpointing: freeze the
-    base (the output layer keeps its ``requires_grad``; ``freeze=False``, a model that already
-    trains an adapter: what the workload trains keeps training), fp16/bf16 parameters that are not
-    4-bit to fp32 (``upcast``: where the plan keeps fp32 weights; under ``bf16-pure`` they stay in
-    bf16, as torchtune's and Unsloth's QLoRA keep them), the input embeddings' output requiring grad."""
-    head = _output_layer(model)
-    keep = {id(p): p.requires_grad for p in head.parameters()} if head is not None else {}
-    for p in model.parameters() if freeze else ():
-        p.requires_grad_(keep.get(id(p), False))
-    for p in model.parameters() if upcast else ():
-        if p.dtype in (torch.float16, torch.bfloat16) and p.__class__.__name__ != "Params4bit":
-            p.data = p.data.to(torch.float32)
-    if hasattr(model, "enable_input_require_grads"):
-        model.enable_input_require_grads()
 
 
 def _require_bitsandbytes(text: str) -> None:

@@ -101,6 +101,12 @@ class Precision(Config):
     def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
+    @property
+    def quantized_compute_dtype(self) -> torch.dtype | None:
+        """The dtype a 4-bit base layer computes in, as the recipes set bitsandbytes' ``bnb_4bit_compute_dtype``
+        (NOTE [ QLoRA computes in the training dtype ] in memfit.techniques.base_weights); None: its weights'."""
+        return None
+
     def grad_scaler(self, device_type: str):
         return NoScaler()
 
@@ -167,6 +173,10 @@ class Autocast(Precision):
     @property
     def scaled(self) -> bool:
         return self.dtype == "fp16"
+
+    @property
+    def quantized_compute_dtype(self) -> torch.dtype:
+        return self.torch_dtype
 
     def resolve(self, device) -> Precision:
         if not (device.bf16 if self.dtype == "bf16" else device.fp16):

@@ -85,17 +85,20 @@ def _users_loop(folder, checkpointing: bool | str, quantized: bool = True, half=
     return peak_after_mark(prof)
 
 
-@pytest.mark.parametrize("checkpointing", ["none", "blocks"])
-def test_the_users_qlora_loop_is_predicted_within_1pct(tmp_path, checkpointing):
+@pytest.mark.parametrize("checkpointing", ["none", "blocks", "blocks:reentrant=true"])
+def test_the_users_qlora_loop_is_predicted_within_half_a_percent(tmp_path, checkpointing):
+    """Its 4-bit layers compute in bf16, as its ``bnb_4bit_compute_dtype`` says, and its adapter is fp32 (NOTE [ QLoRA
+    computes in the training dtype ]): +0.02% with the Trainer's checkpointing, +0.22% with the reentrant one (peft's
+    ``prepare_model_for_kbit_training`` default) on the Xeon kind; +1.6% and +3.5% when memfit computed them in fp32."""
     pytest.importorskip("bitsandbytes")
     pytest.importorskip("peft")
     _save(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"]
-    measured = _users_loop(tmp_path, checkpointing == "blocks")
+    measured = _users_loop(tmp_path, {"none": False, "blocks": True}.get(checkpointing, "reentrant"))
     plan = memfit.Plan(base_weights="nf4:double_quant=true", adapter="lora:r=16,alpha=16,targets=q_proj+v_proj",
                        precision="bf16", checkpointing=checkpointing)
     predicted = memfit.estimate(str(tmp_path), plan, batch_size=BATCH, seq_len=SEQ, device="cpu").peak_bytes
-    assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+    assert abs(predicted - measured) <= 0.005 * measured, (predicted, measured)
 
 
 @pytest.mark.parametrize("checkpointing,half", [("none", torch.bfloat16), ("blocks", torch.bfloat16),
@@ -173,3 +176,21 @@ def test_a_qlora_load_on_the_h200_is_predicted_as_measured(tmp_path):
     for key, (predicted, bound) in pairs.items():
         assert abs(predicted / row[key] - 1) <= bound, (key, predicted, row[key])
     assert r.load_peak_bytes > r.weights_load_peak_bytes + 1.5e9  # (the upcast: the embedding in bf16 and fp32 at once)
+
+
+@pytest.mark.parametrize("precision,compute", [("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32),
+                                               ("bf16-base", torch.bfloat16)])
+def test_the_4bit_layers_compute_in_the_training_dtype_and_the_adapter_is_fp32(tmp_path, precision, compute):
+    """As a recipe's ``BitsAndBytesConfig(bnb_4bit_compute_dtype=...)`` and ``get_peft_model`` leave them: the 4-bit
+    layers in autocast's dtype (the weights' where no autocast runs), the adapter upcast to fp32 whatever the layer it
+    wraps computes in."""
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("peft")
+    import bitsandbytes as bnb
+
+    from memfit.step import build_step
+    _save(tmp_path)
+    plan = memfit.Plan(base_weights="nf4", adapter="lora:r=4,targets=q_proj+v_proj", precision=precision)
+    model = build_step(str(tmp_path), plan, batch_size=BATCH, device="cpu").model
+    assert {m.compute_dtype for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)} == {compute}
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}

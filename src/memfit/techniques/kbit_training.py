@@ -1,0 +1,64 @@
+"""peft's ``prepare_model_for_kbit_training`` as memfit's quantized base weights run it, and the compute dtype of
+their 4-bit layers (memfit.techniques.base_weights quantizes; this prepares what it quantized for training).
+
+Memory/compute: what was not quantized (norms, embeddings; the output layer keeps its own) goes to fp32 where the
+plan keeps fp32 weights (twice its 16-bit bytes, held in both while it casts); a 4-bit layer dequantizes its
+weight to its compute dtype per matmul (a weight-sized temporary in that dtype) and keeps its input in that dtype
+for backward: the 16-bit training dtype halves both against fp32.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+# NOTE [ QLoRA computes in the training dtype ]
+# bitsandbytes' Linear4bit dequantizes its weight to its ``compute_dtype`` and runs the matmul there; transformers
+# builds it with ``BitsAndBytesConfig.bnb_4bit_compute_dtype``, fp32 when not given. Every QLoRA recipe gives it:
+# the training's 16-bit dtype (peft's and transformers' guides, the QLoRA paper's script, axolotl's and
+# LLaMA-Factory's ``compute_dtype``, Unsloth). Where the weights are 16-bit the layer's own dtype is that; under
+# autocast over fp32 weights (precision ``bf16``/``fp16``, where peft's ``prepare_model_for_kbit_training`` upcast
+# what was not quantized) it is autocast's dtype, not the fp32 the layer was built in: an fp32 compute dtype
+# keeps the layer's input in fp32 for backward and dequantizes each weight to fp32 (peft's guide's loop on this
+# CPU, a 4-layer Llama: +1.25% predicted with fp32, bench/reentrant_loops_cpu.py).
+def compute_in(model: torch.nn.Module, dtype: torch.dtype | None) -> None:
+    """The plan's 4-bit layers in ``model`` (``compute_follows_plan``) compute in ``dtype`` (None: their weights'
+    dtype, as they were built)."""
+    for module in model.modules() if dtype is not None else ():
+        if getattr(module, "compute_follows_plan", False):
+            module.compute_dtype = dtype
+
+
+def output_layer(model: torch.nn.Module):
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if head is None:
+        head = getattr(model, "lm_head", None)
+    return head
+
+
+def has_peft_adapter(model: torch.nn.Module) -> bool:
+    """Does the workload's model already hold a peft adapter (a layer of one of peft's tuners)?"""
+    if "peft" not in sys.modules:
+        return False
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    return any(isinstance(m, BaseTunerLayer) for m in model.modules())
+
+
+def prepare_for_kbit_training(model: torch.nn.Module, freeze: bool = True, upcast: bool = True) -> None:
+    """peft's ``prepare_model_for_kbit_training`` without its gradient checkpointing: freeze the
+    base (the output layer keeps its ``requires_grad``; ``freeze=False``, a model that already
+    trains an adapter: what the workload trains keeps training), fp16/bf16 parameters that are not
+    4-bit to fp32 (``upcast``: where the plan keeps fp32 weights; under ``bf16-pure`` they stay in
+    bf16, as torchtune's and Unsloth's QLoRA keep them), the input embeddings' output requiring grad."""
+    head = output_layer(model)
+    keep = {id(p): p.requires_grad for p in head.parameters()} if head is not None else {}
+    for p in model.parameters() if freeze else ():
+        p.requires_grad_(keep.get(id(p), False))
+    for p in model.parameters() if upcast else ():
+        if p.dtype in (torch.float16, torch.bfloat16) and p.__class__.__name__ != "Params4bit":
+            p.data = p.data.to(torch.float32)
+    if hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()
