@@ -14,9 +14,13 @@ memfit.integrations.llamafactory reads from the config.
 LLaMA-Factory's checkpoint is torch's reentrant one (``use_reentrant_gc``, on by default), which makes the first
 layer's input a leaf that requires grad; its gradient (one hidden state here) stays until backward ends. The config
 reads as ``checkpointing: blocks:reentrant=true`` (memfit.techniques.reentrant_checkpoint), which predicts the loop
-within 0.2% (+0.01% and +0.02% on both kinds of this machine); ``blocks``, the non-reentrant checkpoint, misses it:
-under by 1.9% (LoRA) and 1.3% (QLoRA) on the AMD EPYC kind, -0.3% and +1.0% on the Xeon kind (about 0.1% of a 7B
-model's step)."""
+within 0.2% (+0.01% and +0.02% on both kinds of this machine, with one thread or two).
+
+NOTE [ The non-reentrant checkpoint's miss, by CPU ]
+``blocks``, the non-reentrant checkpoint, predicts the loop worse, by an amount the CPU's kernels decide (where
+backward's peak falls, and what the CPU's attention kernel holds per thread): LoRA -1.9% and QLoRA -1.3% on the AMD
+EPYC kind with one thread (a test worker's); on the Xeon kind -1.05% and -0.05% with one thread, -0.32% and +0.97%
+with two. At a 7B model's sizes the difference is about 0.1% of the step."""
 
 from functools import partial
 
@@ -90,6 +94,6 @@ def test_llamafactorys_lora_loop_is_predicted_from_its_config_within_02pct(tmp_p
     blocks = memfit.estimate(c.workload, c.plan.replace(checkpointing="blocks"), batch_size=c.batch_size,
                              seq_len=c.seq_len, device="cpu").peak_bytes
     assert abs(predicted - measured) <= 0.002 * measured, (predicted, measured)
-    # the non-reentrant checkpoint misses it (under by 1.3-1.9% on the AMD EPYC kind; on the Xeon kind, whose CPU
-    # kernels save other tensors, -0.3% for LoRA and +1.0% for QLoRA, its peak elsewhere in backward)
-    assert abs(blocks - measured) > 0.002 * measured, (blocks, measured)
+    # the non-reentrant checkpoint predicts it worse: by how much depends on the CPU kernels, the CPU's and its thread
+    # count's (NOTE [ The non-reentrant checkpoint's miss, by CPU ] above)
+    assert abs(predicted - measured) < abs(blocks - measured), (predicted, blocks, measured)
