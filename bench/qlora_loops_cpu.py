@@ -2,7 +2,9 @@
 
 Usage: ``python -m bench.qlora_loops_cpu``. A 4-layer Llama (512 wide, vocabulary 2,000) saved in bf16 and loaded
 with ``from_pretrained`` and a ``BitsAndBytesConfig`` (NF4, double quantization, bf16 compute), peft's LoRA (rank 8
-on q and v, then on every linear layer), AdamW, bf16 autocast, 2 x 128 tokens, no checkpointing:
+on q and v, then on every linear layer), AdamW, bf16 autocast, 2 x 128 tokens, no checkpointing, no key/value cache
+(``use_cache=False``, as the Trainer and LLaMA-Factory set it: a loop of one's own that leaves a checkpoint's
+``use_cache: true`` builds one in training, each layer's keys and values copied into it, which memfit does not predict):
 
 - LLaMA-Factory's loop (no ``prepare_model_for_kbit_training``: the embeddings' output needs no grad), against
   ``precision: bf16-base``;
@@ -39,6 +41,7 @@ def measured(folder: Path, targets: list[str], prepare: bool) -> int:
     if prepare:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets, task_type="CAUSAL_LM"))
+    model.config.use_cache = False  # (as the Trainer sets it: TrainingArguments.use_cache, False by default; LLaMA-Factory too)
     return third_step_peak(model, CONFIG["vocab_size"], BATCH, SEQ)
 
 

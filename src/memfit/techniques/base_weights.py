@@ -19,7 +19,8 @@ transformers' ``BitsAndBytesConfig`` leaves it, and so do the modules the model'
 ``_keep_in_fp32_modules``: T5's ``wo``, Wan's time embedder), as transformers' and diffusers' bitsandbytes loads
 leave them (NOTE [ What bitsandbytes leaves unquantized ]). Then, as peft's ``prepare_model_for_kbit_training``:
 every other parameter is frozen (a quantized weight takes no gradient), fp16/bf16 parameters that
-were not quantized (norms, embeddings) go to fp32, and the input embeddings' output requires grad.
+were not quantized (norms, embeddings) go to fp32 (memfit.techniques.kbit_training; the input embeddings'
+output requires grad only under the reentrant checkpoint, as peft makes it).
 The LM head keeps the workload's ``requires_grad`` (peft's ``get_peft_model`` freezes it when an
 adapter is added), so a plan without an adapter trains the head on a quantized body. Gradient
 checkpointing is the ``checkpointing`` key's business. Runs in plan order 2, before ``precision``

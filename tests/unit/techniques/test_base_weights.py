@@ -138,8 +138,13 @@ def test_4bit_output_and_input_gradient_stay_close_to_fp32(quant_type, bound):
 @pytest.mark.parametrize(("device", "batch"), [("h100-80gb", 64), ("cpu", 2)])
 def test_each_4bit_matmul_dequantizes_its_weight_in_forward_and_backward(device, batch):
     """NOTE [ 4-bit matmul kernels on fake tensors ]: on CUDA past 1536 rows (64 x 32 tokens) and on
-    the CPU at any size, every quantized layer's forward and backward hold its [out, in] fp32 weight."""
-    run = run_tracked(Target.resolve(workload(), Plan(base_weights="nf4"), batch, device), fake=True)
+    the CPU at any size, every quantized layer's forward and backward hold its [out, in] fp32 weight. (Its input
+    embeddings' output requires grad, as under peft's reentrant checkpointing: else backward stops at the head.)"""
+    def input_grads_llama():
+        model = tiny_llama()
+        model.enable_input_require_grads()
+        return model
+    run = run_tracked(Target.resolve(workload(input_grads_llama), Plan(base_weights="nf4"), batch, device), fake=True)
     seen = Counter((r.phase, r.nbytes) for r in run.tracker.state.records
                    if r.step == 2 and r.op == "dequantize_4bit")
     expected = Counter({(phase, 4 * o * i): 0 for phase in ("forward", "backward") for o, i in LINEAR_SHAPES})

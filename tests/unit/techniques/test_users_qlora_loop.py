@@ -69,6 +69,7 @@ def _users_loop(folder, checkpointing: bool | str, quantized: bool = True, half=
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules=["q_proj", "v_proj"],
                                                  task_type="CAUSAL_LM"))
+        model.config.use_cache = False  # (the Trainer's: its TrainingArguments.use_cache, False by default)
         model.train()
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         scaler = torch.amp.GradScaler("cpu", enabled=half == torch.float16)
