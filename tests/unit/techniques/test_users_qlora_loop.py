@@ -165,15 +165,17 @@ def test_a_qlora_load_on_the_h200_is_predicted_as_measured(tmp_path):
     double quantization, ``dtype=torch.bfloat16``; then peft's preparation, LoRA, the step: the row in
     tests/data/h200_qlora_load.jsonl), predicted for the ``h200-141gb`` preset from the folder's config:
     ``from_pretrained``'s own peak (``weights_load_*``: it was +37% when memfit loaded such a model in fp32,
-    NOTE [ QLoRA loads in 16 bits ]) within 3% allocated and 5% reserved, the step's too."""
+    NOTE [ QLoRA loads in 16 bits ]) and the step's within 0.5%, allocated and reserved (the step's reserved bytes were
+    -0.97% while memfit computed the 4-bit layers in fp32, where the loop's ``bnb_4bit_compute_dtype`` is bf16: NOTE [
+    QLoRA computes in the training dtype ]; 0.00% since)."""
     from bench.qlora_load_gpu import LLAMA_3B, PLAN
     row = json.loads(open(H200_LOAD).readline())
     (tmp_path / "config.json").write_text(json.dumps({**LLAMA_3B, "torch_dtype": "bfloat16"}))
     assert row["folder_config"] == LLAMA_3B["hidden_size"] and row["plan"] == PLAN
     r = memfit.estimate(str(tmp_path), memfit.Plan(**PLAN), batch_size=row["batch_size"], seq_len=row["seq_len"],
                         device="h200-141gb")
-    pairs = {"load_allocated": (r.weights_load_peak_bytes, 0.03), "load_reserved": (r.weights_load_reserved_bytes, 0.05),
-             "step_allocated": (r.peak_bytes, 0.03), "step_reserved": (r.reserved_bytes, 0.05)}
+    pairs = {"load_allocated": (r.weights_load_peak_bytes, 0.005), "load_reserved": (r.weights_load_reserved_bytes, 0.005),
+             "step_allocated": (r.peak_bytes, 0.005), "step_reserved": (r.reserved_bytes, 0.005)}
     for key, (predicted, bound) in pairs.items():
         assert abs(predicted / row[key] - 1) <= bound, (key, predicted, row[key])
     assert r.load_peak_bytes > r.weights_load_peak_bytes + 1.5e9  # (the upcast: the embedding in bf16 and fp32 at once)
