@@ -3,8 +3,8 @@ their 4-bit layers (memfit.techniques.base_weights quantizes; this prepares what
 
 Memory/compute: what was not quantized (norms, embeddings; the output layer keeps its own) goes to fp32 where the
 plan keeps fp32 weights (twice its 16-bit bytes, held in both while it casts); a 4-bit layer dequantizes its
-weight to its compute dtype per matmul (a weight-sized temporary in that dtype) and keeps its input in that dtype
-for backward: the 16-bit training dtype halves both against fp32.
+weight to its compute dtype per matmul (a weight-sized temporary in that dtype, in forward, backward and any
+recomputation): the 16-bit training dtype halves it against fp32.
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ import torch
 # the training's 16-bit dtype (peft's and transformers' guides, the QLoRA paper's script, axolotl's and
 # LLaMA-Factory's ``compute_dtype``, Unsloth). Where the weights are 16-bit the layer's own dtype is that; under
 # autocast over fp32 weights (precision ``bf16``/``fp16``, where peft's ``prepare_model_for_kbit_training`` upcast
-# what was not quantized) it is autocast's dtype, not the fp32 the layer was built in: an fp32 compute dtype
-# keeps the layer's input in fp32 for backward and dequantizes each weight to fp32 (peft's guide's loop on this
-# CPU, a 4-layer Llama: +1.25% predicted with fp32, bench/reentrant_loops_cpu.py).
+# what was not quantized) it is autocast's dtype, not the fp32 the layer was built in, which dequantized each
+# weight to fp32 and ran its matmul there: peft's guide's loop (tests/unit/techniques/test_users_qlora_loop.py, the
+# Xeon kind) was predicted +1.6% with the Trainer's checkpointing and +3.5% with the reentrant one, and the H200's
+# row of it (Llama-3.2-3B sizes) -0.97% reserved; +0.02%, +0.22% and 0.00% in bf16. peft then casts the adapter to
+# that dtype, and get_peft_model back to fp32 (memfit.techniques.adapter does too).
 def compute_in(model: torch.nn.Module, dtype: torch.dtype | None) -> None:
     """The plan's 4-bit layers in ``model`` (``compute_follows_plan``) compute in ``dtype`` (None: their weights'
     dtype, as they were built)."""

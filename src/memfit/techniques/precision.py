@@ -104,7 +104,7 @@ class Precision(Config):
     @property
     def quantized_compute_dtype(self) -> torch.dtype | None:
         """The dtype a 4-bit base layer computes in, as the recipes set bitsandbytes' ``bnb_4bit_compute_dtype``
-        (NOTE [ QLoRA computes in the training dtype ] in memfit.techniques.base_weights); None: its weights'."""
+        (NOTE [ QLoRA computes in the training dtype ] in memfit.techniques.kbit_training); None: its weights'."""
         return None
 
     def grad_scaler(self, device_type: str):
