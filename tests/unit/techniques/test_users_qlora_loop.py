@@ -1,7 +1,7 @@
 """The QLoRA and LoRA loops as users write them, predicted (issue 49: memfit predicts what *they* run).
 
 QLoRA: a saved checkpoint is loaded with transformers' ``from_pretrained`` and a ``BitsAndBytesConfig``
-(NF4, double quantization, bf16 compute), prepared with peft's ``prepare_model_for_kbit_training``
+(NF4, double quantization, computing in the training dtype: bf16, or fp16 as on a T4), prepared with peft's ``prepare_model_for_kbit_training``
 (non-quantized weights to fp32, input embeddings requiring grad, checkpointing of each decoder layer
 as the Trainer enables it: ``use_reentrant=False``), given peft's LoRA, and trained with torch's AdamW
 under bf16 autocast (``Trainer(bf16=True)``). The profiler measures the third step's peak of that
