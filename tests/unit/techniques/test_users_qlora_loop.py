@@ -15,75 +15,13 @@ LoRA: the same folder loaded with ``dtype=torch.bfloat16``, checkpointing as the
 ``get_peft_model`` (its adapter upcast to fp32), AdamW, bf16 autocast: ``precision: bf16-base``
 (NOTE [ The adapter users' precision ])."""
 
-import gc
 import json
 
 import pytest
 import torch
 
 import memfit
-from memfit.memory.profiler_events import mark, memory_profiler, peak_after_mark
-from memfit.quiet import QuietProfiler
-
-CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 688,
-          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
-          "max_position_embeddings": 128, "tie_word_embeddings": True}
-BATCH, SEQ = 2, 64
-
-
-def _save(folder, dtype=torch.bfloat16) -> None:
-    """A checkpoint in ``dtype``: the loop loads it in the same dtype (NOTE [ A cast while loading, off the
-    profiler's thread ])."""
-    import transformers
-    config = transformers.LlamaConfig(**{k: v for k, v in CONFIG.items() if k != "architectures"})
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).to(dtype).save_pretrained(folder)
-
-
-# NOTE [ A cast while loading, off the profiler's thread ]
-# transformers 5 casts a checkpoint's tensors to the load dtype on worker threads, whose CPU allocations
-# the profiler does not record while it records their frees on the main thread: a bf16 checkpoint loaded
-# in fp16 reads 3.4 MB *below* zero here after from_pretrained. A GPU's allocator sees every thread; on
-# this CPU each loop loads a checkpoint saved in its own dtype (QLoRA's 4-bit quantization runs on the main
-# thread).
-
-
-def _users_loop(folder, checkpointing: bool | str, quantized: bool = True, half=torch.bfloat16) -> int:
-    """The third step's peak of the user's loop (bytes live on the CPU allocator, the load's included):
-    QLoRA (``quantized``) or LoRA over a model loaded in ``half`` (fp16: its loss scaled, as
-    Trainer(fp16=True) scales it); ``checkpointing``: False, True (non-reentrant, as the Trainer enables
-    it) or ``"reentrant"`` (``gradient_checkpointing_kwargs={"use_reentrant": True}``)."""
-    kwargs = {"use_reentrant": checkpointing == "reentrant"}
-    import transformers
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                            bnb_4bit_compute_dtype=half) if quantized else None
-    gc.collect()
-    with QuietProfiler(memory_profiler()) as prof:
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), quantization_config=quant,
-                                                                  dtype=half, device_map={"": "cpu"})
-        if quantized:
-            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=bool(checkpointing),
-                                                    gradient_checkpointing_kwargs=kwargs)
-        elif checkpointing:  # (what Trainer(gradient_checkpointing=True) does)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                                 task_type="CAUSAL_LM"))
-        model.config.use_cache = False  # (the Trainer's: its TrainingArguments.use_cache, False by default)
-        model.train()
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-        scaler = torch.amp.GradScaler("cpu", enabled=half == torch.float16)
-        tokens = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ))
-        for i in range(3):
-            if i == 2:
-                mark()
-            with torch.autocast("cpu", dtype=half):
-                loss = model(input_ids=tokens, labels=tokens).loss
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-    return peak_after_mark(prof)
+from bench.users_qlora_loops_cpu import BATCH, CONFIG, SEQ, save_checkpoint, users_loop
 
 
 @pytest.mark.parametrize("checkpointing,half", [("none", torch.bfloat16), ("blocks", torch.bfloat16),
@@ -97,9 +35,9 @@ def test_the_users_qlora_loop_is_predicted_within_half_a_percent(tmp_path, check
     in fp32; a T4's fp16 loop (its loss scaled) -0.004% and +0.02%, +1.9% and +5.4% in fp32."""
     pytest.importorskip("bitsandbytes")
     pytest.importorskip("peft")
-    _save(tmp_path, half)
+    save_checkpoint(tmp_path, half)
     assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"]
-    measured = _users_loop(tmp_path, {"none": False, "blocks": True}.get(checkpointing, "reentrant"), half=half)
+    measured = users_loop(tmp_path, {"none": False, "blocks": True}.get(checkpointing, "reentrant"), half=half)
     plan = memfit.Plan(base_weights="nf4:double_quant=true", adapter="lora:r=16,alpha=16,targets=q_proj+v_proj",
                        precision="bf16" if half == torch.bfloat16 else "fp16", checkpointing=checkpointing)
     predicted = memfit.estimate(str(tmp_path), plan, batch_size=BATCH, seq_len=SEQ, device="cpu").peak_bytes
@@ -112,8 +50,8 @@ def test_the_users_lora_loop_in_16_bits_is_predicted_within_1pct_by_its_base_pre
     """peft's LoRA over a model loaded in bf16 (fp16) keeps its adapter in fp32: bf16-base (fp16-base)
     predicts the loop; bf16-pure (the adapter in bf16 too) is under it by the adapter's missing bytes."""
     pytest.importorskip("peft")
-    _save(tmp_path, half)
-    measured = _users_loop(tmp_path, checkpointing == "blocks", quantized=False, half=half)
+    save_checkpoint(tmp_path, half)
+    measured = users_loop(tmp_path, checkpointing == "blocks", quantized=False, half=half)
     base = "bf16-base" if half == torch.bfloat16 else "fp16-base"
     plans = {precision: memfit.Plan(adapter="lora:r=16,alpha=16,targets=q_proj+v_proj", precision=precision,
                                     checkpointing=checkpointing) for precision in (base, "bf16-pure")}
@@ -130,8 +68,8 @@ def test_the_users_lora_loop_with_reentrant_checkpointing_is_predicted_by_its_ow
     ``blocks:reentrant=true`` predicts the loop within 0.2% (it was -0.02% here); ``blocks`` is under it by that
     hidden state (-1.2% on this 2-layer model)."""
     pytest.importorskip("peft")
-    _save(tmp_path)
-    measured = _users_loop(tmp_path, "reentrant", quantized=False)
+    save_checkpoint(tmp_path)
+    measured = users_loop(tmp_path, "reentrant", quantized=False)
     reentrant, blocks = (memfit.estimate(str(tmp_path), memfit.Plan(adapter="lora:r=16,alpha=16,targets=q_proj+v_proj",
                                                                     precision="bf16-base", checkpointing=checkpointing),
                                          batch_size=BATCH, seq_len=SEQ, device="cpu").peak_bytes
@@ -196,7 +134,7 @@ def test_the_4bit_layers_compute_in_the_training_dtype_and_the_adapter_is_fp32(t
     import bitsandbytes as bnb
 
     from memfit.step import build_step
-    _save(tmp_path)
+    save_checkpoint(tmp_path)
     plan = memfit.Plan(base_weights="nf4", adapter="lora:r=4,targets=q_proj+v_proj", precision=precision)
     model = build_step(str(tmp_path), plan, batch_size=BATCH, device="cpu").model
     assert {m.compute_dtype for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)} == {compute}
