@@ -14,8 +14,10 @@ fitted on. Presets, by ``--host`` (left out: ``measure`` when planning for this 
 else ``h100-box``):
 
 - ``h100-box`` (the default): the machine the H100 rows ran on; the constants' reference (all 1.0).
-- ``h200-box``: the machine the H200 rows of 2026-11-23 to 11-27 ran on, fitted on its rows that ran
-  alone (``python -m tools.fit.held_out --fit-host h200``).
+- ``h200-box``: the machine the H200 rows of 2026-11-27 ran on, fitted on its rows that ran alone
+  (``python -m tools.fit.held_out --fit-host h200``).
+- ``h200-box-a``: the machine of the 2026-11-23 H200 loan (rows 1-59 of tests/data/h200.jsonl), never
+  probed: the reference's costs taken, as for any machine not measured.
 - ``h200-box-b``: the machine of the 2026-12-04 H200 loan (rows 85-98 of tests/data/h200.jsonl). The
   same kind of machine, another host: NOTE [ One kind of machine, several hosts ].
 - ``h200-box-c``: the machine of the second loan that day (rows 99-104), its host probed.
@@ -49,8 +51,10 @@ HOSTS: dict[str, Host] = {h.name: h for h in (
     Host("h100-box", doc="the machine the H100 rows ran on (an H100 80GB HBM3 cloud instance, 16 host cores): "
                          "the time model's constants were fitted there"),
     Host("h200-box", dispatch=1.971, memory=1.0,
-         doc="the machine the H200 rows of 2026-11-23 to 11-27 ran on: dispatch 1.97x the H100 box's, fitted on its 15 GPT-2 "
+         doc="the machine the H200 rows of 2026-11-27 ran on: dispatch 1.97x the H100 box's, fitted on its 15 GPT-2 "
              "and Llama rows that ran alone (tools/fit/held_out.py --fit-host h200)"),
+    Host("h200-box-a", doc="the machine of the 2026-11-23 H200 loan (rows 1-59): never probed, and all its rows but "
+                           "one ran beside 3 other jobs; the reference's costs taken, as for any machine not measured"),
     Host("h200-box-b", dispatch=1.0, memory=0.645,
          doc="the machine of the 2026-12-04 H200 loan: host memory 0.645x the H100 box's, fitted on its one Llama row with "
              "the optimizer on the host (8B, r-memfit-l3-8b-b2); dispatch not measured there, the reference's taken"),
@@ -110,7 +114,7 @@ def host_for_card(card: str) -> Host:
 
 
 # NOTE [ One kind of machine, several hosts ]
-# A device loan names the card, not the machine around it. The H200 rows of 2026-11-23 to 11-27 ran
+# A device loan names the card, not the machine around it. The H200 rows of 2026-11-27 ran
 # behind a host whose per-op costs were 1.97x the H100 machine's (fitted on their GPT-2 and Llama
 # rows); the ten held-out plans measured on 2026-12-04, on an H200 machine of the same description
 # (16 cores, 128 GiB), came out 20-74% faster than that host predicts wherever the step is
@@ -119,7 +123,12 @@ def host_for_card(card: str) -> Host:
 # a row names the host it ran behind (``"host"``, a preset here) when it is not its card's first
 # one, and each device call now records the host's own figures beside its rows
 # (tools/gpu/host_probe.py: CPU model, the launch time of :func:`launch_seconds`, a fused CPU AdamW's
-# bandwidth), from which the next loan's host is read rather than assumed.
+# bandwidth), from which the next loan's host is read rather than assumed. A loan whose host was
+# neither fitted nor probed gets the reference's costs, as the planner gives any machine it has not
+# measured: the 2026-11-23 loan (``h200-box-a``), whose rows had been given the 11-27 host until
+# 2026-12-07. That had priced its one row that ran alone (T5, 3,595 ops in 46.5 ms: host-bound at the
+# 1.97x host) at 93 ms, +101%; at the reference's costs it is +2.5%. The row had been seen before this
+# was changed, so it is no longer blind evidence for the time model.
 def host_for_row(row: dict, card: str) -> Host:
     """The host a recorded row ran behind: its own ``host`` field, else its card's."""
     return HOSTS[row["host"]] if row.get("host") else host_for_card(card)

@@ -62,6 +62,19 @@ def test_a_row_names_the_host_it_ran_behind():
     assert host_for_row({"case": "x"}, "h200") is HOSTS["h200-box"] is host_for_card("h200")
 
 
+def test_a_loan_whose_host_was_never_fitted_or_probed_gets_the_references_costs():
+    """The 2026-11-23 H200 loan (rows 1-59, memfit db2feed to dde7aa7) ran behind a machine nobody measured:
+    not the 2026-11-27 one whose host was fitted (``h200-box``, 1.97x)."""
+    import json
+    rows = [json.loads(line) for line in (ROOT / "tests" / "data" / "h200.jsonl").read_text().splitlines() if line.strip()]
+    loan_a = [r for r in rows if r.get("memfit_commit") in ("db2feed", "cd0fea3", "dde7aa7")]
+    assert len(loan_a) == 59 and all(r.get("host") == "h200-box-a" for r in loan_a)
+    assert not any(r.get("host") == "h200-box-a" for r in rows if r not in loan_a)
+    alone = [r for r in held_out.clean_rows() if r.get("host") == "h200-box-a"]
+    assert [r["case"] for r in alone] == ["t5-bf16-tf523"]
+    assert for_host(host_for_row(alone[0], "h200")) == H100  # (the reference's constants)
+
+
 @pytest.mark.slow
 def test_the_recipe_rows_are_priced_with_their_machines_host():
     """Issue 51's recipe rows (h200.jsonl 85-86): memfit's plan with the optimizer on the host within 3%

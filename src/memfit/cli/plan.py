@@ -46,7 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "adamw8bit's; adamw,adamw8bit on the CPU")
     p.add_argument("--host", metavar="HOST",
                    help="the machine that trains, for the host part of GPU step times: h100-box (the default on "
-                        "a preset), h200-box, h200-box-b, h200-box-c, a multiple of h100-box's dispatch costs (1.3), or measure "
+                        "a preset), h200-box, h200-box-a, h200-box-b, h200-box-c, a multiple of h100-box's dispatch costs (1.3), or measure "
                         "(this machine: its memory bandwidth by a CPU AdamW; the default with --device cuda)")
     p.add_argument("--host-memory", metavar="SIZE",
                    help="the training machine's memory for offloaded and swapped copies: 64GB, or 80%% of this "
