@@ -32,6 +32,8 @@ in for FP8Linear: unmeasured until this runs).
 
     PYTHONPATH=src python -m bench.qlora_load_gpu [--out rows.jsonl] [--batch 2 --seq-len 2048] [--format fp8]
     .venv/bin/python -m bench.qlora_load_gpu --cpu-smoke     # no GPU: a tiny config on this CPU, no figures
+    .venv/bin/python -m bench.qlora_load_gpu --size 7b --predict-blind tools/gpu/qlora7b_predicted.json
+        # no GPU: the predictions a later loan's rows are compared with (--blind), made before it runs
 """
 
 from __future__ import annotations
@@ -96,13 +98,51 @@ def _fp8_config_folder(folder: str) -> str:
     return str(out)
 
 
+def save_config(config: dict, folder: Path) -> None:
+    """The config.json :func:`save_checkpoint` writes for ``config``, without weights (a model on the meta device)."""
+    import torch
+    import transformers
+    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
+    cfg.architectures = config["architectures"]
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.config.save_pretrained(folder)
+
+
+def predictions(folder: str, batch: int, seq_len: int, where: str, fmt: str = "nf4") -> dict:
+    """memfit's figures for the run of ``folder`` on ``where`` (a preset, or ``cuda``): the load, the preparation, the step."""
+    import memfit
+    plan = FP8_PLAN if fmt == "fp8" else PLAN
+    r = memfit.estimate(_fp8_config_folder(folder) if fmt == "fp8" else folder, memfit.Plan(**plan),
+                        batch_size=batch, seq_len=seq_len, device=where)
+    return {"load_allocated": r.weights_load_peak_bytes, "load_reserved": r.weights_load_reserved_bytes,
+            "prepared_allocated": r.load_peak_bytes, "prepared_reserved": r.load_reserved_bytes,
+            "step_allocated": r.peak_bytes, "step_reserved": r.reserved_bytes}
+
+
+def predict_blind(size: str, batch: int, seq_len: int, fmt: str, out: str) -> None:
+    """Write the predictions for the H200 and H100 presets of a ``size`` run to ``out`` (what ``--blind`` reads)."""
+    import subprocess as sp
+    commit = sp.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = bool(sp.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_config(CONFIGS[size], Path(tmp))
+        predicted = {p: predictions(tmp, batch, seq_len, p, fmt) for p in ("h200-141gb", "h100-80gb")}
+    doc = {"size": size, **({"format": fmt} if fmt != "nf4" else {}), "batch_size": batch, "seq_len": seq_len,
+           "plan": FP8_PLAN if fmt == "fp8" else PLAN, "memfit_commit": commit + ("+changes" if dirty else ""),
+           "predicted": predicted,
+           "command": f"python -m bench.qlora_load_gpu --size {size} --format {fmt} --predict-blind {out}; compare a "
+                      f"loan's rows with python -m bench.qlora_load_gpu --blind ROWS {out} --preset P"}
+    Path(out).write_text(json.dumps(doc, indent=1) + "\n")
+    print(json.dumps(doc, indent=1))
+
+
 def child(folder: str, batch: int, seq_len: int, preset: str | None, fmt: str = "nf4") -> dict:
     """One measurement in this process (the module docstring's steps 1-3) and memfit's prediction."""
     import torch
     import transformers
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-    import memfit
     cuda = torch.cuda.is_available()
     plan = FP8_PLAN if fmt == "fp8" else PLAN
     row: dict = {"folder_config": json.loads((Path(folder) / "config.json").read_text()).get("hidden_size"),
@@ -162,12 +202,7 @@ def child(folder: str, batch: int, seq_len: int, preset: str | None, fmt: str = 
         if where is None:
             continue
         try:
-            r = memfit.estimate(_fp8_config_folder(folder) if fmt == "fp8" else folder, memfit.Plan(**plan),
-                                batch_size=batch, seq_len=seq_len, device=where)
-            row[f"predicted_{where}"] = {"load_allocated": r.weights_load_peak_bytes,
-                                         "load_reserved": r.weights_load_reserved_bytes,
-                                         "prepared_allocated": r.load_peak_bytes, "prepared_reserved": r.load_reserved_bytes,
-                                         "step_allocated": r.peak_bytes, "step_reserved": r.reserved_bytes}
+            row[f"predicted_{where}"] = predictions(folder, batch, seq_len, where, fmt)
         except Exception as e:  # noqa: BLE001 - recorded; the measurement stands
             row[f"predicted_{where}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     row["gpu"] = torch.cuda.get_device_name() if cuda else None
@@ -205,8 +240,13 @@ def main(argv: list[str] | None = None) -> int:
                          "'predicted' maps presets to figures) for PRESET (--preset), and exit")
     ap.add_argument("--format", choices=("nf4", "fp8"), default="nf4",
                     help="the load: bitsandbytes' nf4 (QLoRA, default) or transformers' fine-grained FP8")
+    ap.add_argument("--predict-blind", metavar="FILE", help="no GPU needed: write memfit's predictions for the H200 and "
+                                                            "H100 presets of this run to FILE, and exit")
     ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
+    if opts.predict_blind:
+        predict_blind(opts.size, opts.batch, opts.seq_len, opts.format, opts.predict_blind)
+        return 0
     if opts.blind:
         blind = json.loads(Path(opts.blind[1]).read_text())["predicted"][opts.preset or "h200-141gb"]
         for line in Path(opts.blind[0]).read_text().splitlines():
