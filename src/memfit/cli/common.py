@@ -37,14 +37,14 @@ MAX_HELP = ("; max: the largest that fits the budget (estimate: under the given 
 
 def add_workload_args(p: argparse.ArgumentParser, *, max_values: bool = False, from_config: bool = False) -> None:
     """The workload and its sizes; ``max_values``: a size may be ``max`` (estimate, plan);
-    ``from_config``: ``--from config.yml`` (an axolotl, ai-toolkit, LLaMA-Factory or torchtune config) may name the workload
+    ``from_config``: ``--from config.yml`` (an axolotl, ai-toolkit, LLaMA-Factory, torchtune, kohya or SimpleTuner config) may name the workload
     instead."""
     more = MAX_HELP if max_values else ""
     if from_config:
         p.add_argument("workload", nargs="?", help=WORKLOAD_HELP + "; or --from")
         p.add_argument("--from", dest="from_config", metavar="CONFIG",
-                       help="an axolotl, ai-toolkit, LLaMA-Factory or torchtune config (.yml, .yaml) or a kohya-ss sd-scripts "
-                            "config (.toml): its model, adapter, "
+                       help="an axolotl, ai-toolkit, LLaMA-Factory or torchtune config (.yml, .yaml), a kohya-ss sd-scripts "
+                            "config (.toml) or a SimpleTuner config (.json, .toml, .env): its model, adapter, "
                             "quantization, sizes, checkpointing, precision and optimizer become the workload and the "
                             "plan (flags given here override it; a kohya config training a checkpoint file of an SD "
                             "or SDXL UNet takes the workload's name beside it)")

@@ -17,7 +17,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("workload", nargs="?", help="built-in name (llama, gpt2, dit-lumina2, ...), a model folder or a hub "
                                                "id (with --from: the model named beside the config)")
     p.add_argument("--from", dest="from_config", metavar="CONFIG",
-                   help="an axolotl, ai-toolkit, LLaMA-Factory or torchtune YAML, or a kohya-ss TOML: its model, size and "
+                   help="an axolotl, ai-toolkit, LLaMA-Factory or torchtune YAML, a kohya-ss TOML or a SimpleTuner config "
+                        "(.json, .toml, .env): its model, size and "
                         "adapter (the LoRA "
                         "methods' rank and targets)")
     p.add_argument("--seq-len", metavar="T", help="sequence length (language models; default: the config's)")

@@ -114,8 +114,9 @@ def precision_notes(plan) -> list[str]:
         return []
     from memfit.techniques.base_weights import Int8Weights, Quantized4bit
     if not isinstance(plan.config("base_weights"), (Quantized4bit, Int8Weights)):
-        return ["bf16-pure keeps the adapter in bf16 too (torchtune's LoRA); peft's get_peft_model over a model loaded "
-                "in bf16 keeps it in fp32 (as axolotl and kohya's sd-scripts do): --precision bf16-base predicts that"]
+        return ["bf16-pure keeps the adapter in bf16 too (torchtune's and SimpleTuner's LoRA); peft's get_peft_model over a "
+                "model loaded in bf16 keeps it in fp32 (as axolotl and kohya's sd-scripts do): --precision bf16-base "
+                "predicts that"]
     return ["bf16-pure keeps the weights that are not quantized, and the adapter, in bf16 (torchtune's and Unsloth's "
             "QLoRA); a loop that calls peft's prepare_model_for_kbit_training keeps them in fp32: --precision bf16 "
             "predicts that loop"]

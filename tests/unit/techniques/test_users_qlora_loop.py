@@ -95,7 +95,7 @@ def test_a_bf16_pure_qlora_estimate_says_which_loop_it_is_not():
     assert hint(adapter="lora:r=4", precision="bf16-pure") == []  # (no quantized base: no prepare to speak of)
     lora = memfit.estimate(spec, memfit.Plan(adapter="lora:r=4", precision="bf16-pure"), batch_size=1, seq_len=16)
     assert [a for a in lora.approximations if "get_peft_model" in a] == [
-        "bf16-pure keeps the adapter in bf16 too (torchtune's LoRA); peft's get_peft_model over a model loaded in bf16 "
+        "bf16-pure keeps the adapter in bf16 too (torchtune's and SimpleTuner's LoRA); peft's get_peft_model over a model loaded in bf16 "
         "keeps it in fp32 (as axolotl and kohya's sd-scripts do): --precision bf16-base predicts that"]
 
 
