@@ -269,3 +269,26 @@ def test_optimis_lion_is_adamws_bound_said_in_a_line():
     assert c.plan == FLUX_PLAN
     assert _said(c) == ["optimi-lion keeps one state a weight, in its dtype, beside its Kahan buffer; memfit's AdamW "
                         "keeps two (a bound: one state a trained weight high)"]
+
+
+def test_ltx2s_example_is_dit_ltx2_with_its_clip_and_swapped_blocks():
+    """SimpleTuner's ltxvideo2-19b-t2v.peft-lora example (its dev flavour, Lightricks/LTX-2: memfit's dit-ltx2, which
+    runs the audio stream on zero latents and the text connectors frozen as SimpleTuner does): 2 s at 24 fps is 48
+    frames, trained as 41 (8k + 1); 45 of its 48 blocks swapped; int8-torchao as one byte a weight."""
+    video = {"id": "v", "dataset_type": "video", "type": "local", "resolution": 480, "resolution_type": "pixel_area",
+             "video": {"num_frames": 48}}
+    c = map_config({"model_family": "ltxvideo2", "model_type": "lora", "lora_rank": 16, "lora_type": "standard",
+                    "base_model_precision": "int8-torchao", "musubi_blocks_to_swap": 45, "gradient_checkpointing": True,
+                    "mixed_precision": "bf16", "optimizer": "adamw_bf16", "max_grad_norm": 0.1, "train_batch_size": 2,
+                    "resolution": 480, "resolution_type": "pixel_area", "data_backend_config": [video, EMBEDS]},
+                   "ltx2.json", CARD)
+    assert (c.workload, c.batch_size, c.resolution) == ("dit-ltx2:frames=41", 2, (512, 512))  # (480 to 64s: 512)
+    assert c.plan == Plan(adapter="lora:r=16,alpha=16,dropout=0.1,targets=to_k+to_q+to_v+to_out.0", base_weights="fp8",
+                          precision="bf16-pure", checkpointing="blocks", swap_blocks=45, optimizer="adamw",
+                          bf16_update="kahan")
+    assert _said(c) == ["num_frames 48: SimpleTuner trains 41 (8k + 1 frames)"]
+    fp8 = map_config({"model_family": "ltxvideo2", "model_flavour": "dev-fp8", "model_type": "lora"}, "f.json", CARD)
+    assert fp8.workload == "dit-ltx2:frames=145"  # (no data backend: a video dataset's default, 5 s at 30 fps)
+    assert "dev-fp8 loads LTX-2's fp8 checkpoint file" in _said(fp8)[0]
+    later = map_config({"model_family": "ltxvideo2", "model_flavour": "2.3-dev", "model_type": "lora"}, "l.json", CARD)
+    assert later.workload.startswith("dg845/LTX-2.3-Diffusers")

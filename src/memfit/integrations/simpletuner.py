@@ -245,6 +245,8 @@ def map_config(data: dict, where: str, device: Device, workload: str | None = No
     if accum > 1:
         fields["micro_batch_size"] = micro
     video = family in models.VIDEO
+    if video and not sets:  # (no data backend here: a video dataset's default clip, as SimpleTuner's factory sets it)
+        count = models.frames(family, {"dataset_type": "video"}, where, warnings)
     named = models.with_frames(named, family, count) if video else named
     try:
         plan = Plan(**fields)

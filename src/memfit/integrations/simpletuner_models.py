@@ -38,6 +38,9 @@ FLAVOURS: dict[str, tuple[str, dict[str, str]]] = {
         "flf2v-14b-2.1": "Wan-AI/Wan2.1-FLF2V-14B-720P-diffusers", "vace-1.3b-2.1": "Wan-AI/Wan2.1-VACE-1.3B-diffusers",
         "vace-14b-2.1": "Wan-AI/Wan2.1-VACE-14B-diffusers", "ti2v-5b-2.2": "Wan-AI/Wan2.2-TI2V-5B-Diffusers"}),
     "ltxvideo": ("0.9.5", {"0.9.5": "Lightricks/LTX-Video-0.9.5", "0.9.0": "Lightricks/LTX-Video"}),
+    "ltxvideo2": ("dev", {"dev": "Lightricks/LTX-2", "dev-fp4": "Lightricks/LTX-2", "dev-fp8": "Lightricks/LTX-2",
+                          "2.3-dev": "dg845/LTX-2.3-Diffusers", "2.3-distilled": "dg845/LTX-2.3-Distilled-Diffusers",
+                          "2.5-dev": "Lightricks/LTX-2.5", "2.5-distilled": "Lightricks/LTX-2.5"}),
     "sana": ("sana1.5-4.8b-1024", {
         "sana1.5-4.8b-1024": "Efficient-Large-Model/SANA1.5_4.8B_1024px_diffusers",
         "sana1.5-1.6b-1024": "Efficient-Large-Model/SANA1.5_1.6B_1024px_diffusers",
@@ -76,6 +79,7 @@ BUILT_INS = {
     "wan-ai/wan2.1-t2v-1.3b-diffusers": "dit-wan-1.3b", "wan-ai/wan2.1-t2v-14b-diffusers": "dit-wan",
     "wan-ai/wan2.2-i2v-a14b-diffusers": "dit-wan-i2v", "wan-ai/wan2.2-t2v-a14b-diffusers": "dit-wan",
     "wan-ai/wan2.2-ti2v-5b-diffusers": "dit-wan-5b", "lightricks/ltx-video": "dit-ltx-video",
+    "lightricks/ltx-2": "dit-ltx2",
     "efficient-large-model/sana_1600m_1024px_bf16_diffusers": "dit-sana",
     "pixart-alpha/pixart-sigma-xl-2-1024-ms": "dit-pixart-sigma", "terminusresearch/auraflow-v0.3": "dit-auraflow",
     "alpha-vllm/lumina-image-2.0": "dit-lumina2", "qwen/qwen-image": "dit-qwenimage",
@@ -88,9 +92,9 @@ SimpleTuner's copy trains it: its routed experts on their training path (``self.
 A Wan 2.2 A14B flavour trains one expert (its ``trained_stage``)."""
 OWN_TEXT = ("flux", "sdxl", "sd1x", "sd3", "lumina2", "z_image", "hidream")
 """The families whose denoisers memfit builds with their text encoders (memfit.workloads.text_encoders)."""
-VIDEO = {"wan": 8, "ltxvideo": 8}
+VIDEO = {"wan": 8, "ltxvideo": 8, "ltxvideo2": 8}
 """The video families, and their clips' frame step (``adjust_video_frames``: 8k + 1 frames, rounded down)."""
-SEGMENTED = ("flux", "flux2", "sd3", "wan", "ltxvideo", "pixart_sigma", "lumina2", "z_image")
+SEGMENTED = ("flux", "flux2", "sd3", "wan", "ltxvideo", "ltxvideo2", "pixart_sigma", "lumina2", "z_image")
 """The families whose transformers checkpoint ``gradient_checkpointing_interval`` blocks as one segment
 (``checkpoint_sequential_state``) where no block is swapped; the others checkpoint one block in N."""
 UNETS = ("sdxl", "sd1x")
@@ -149,6 +153,9 @@ def workload(family: str, args: dict, datasets: list, where: str, warnings: list
     if args.get("pretrained_transformer_model_name_or_path"):
         warnings.append(f"SimpleTuner config {where}: pretrained_transformer_model_name_or_path: its transformer is "
                         f"read as {name}'s architecture")
+    if family == "ltxvideo2" and flavour in ("dev-fp4", "dev-fp8"):
+        warnings.append(f"SimpleTuner config {where}: model_flavour {flavour} loads LTX-2's {flavour[4:]} checkpoint file "
+                        "into the model's dtype; read as the dev model (its storage on the disk is not in the estimate)")
     if name.lower().endswith((".safetensors", ".gguf", ".ckpt", ".sft")):
         warnings.append(f"SimpleTuner config {where}: {name} is a checkpoint file; read as the {family} {flavour} "
                         "model it holds" + (" (a GGUF file's quantized weights are not in the estimate)"
