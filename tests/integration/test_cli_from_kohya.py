@@ -38,7 +38,7 @@ def test_a_flux_config_is_estimated_with_its_plan_and_sizes():
     (["estimate", "--from", str(DATA / "sdxl-lora.toml"), "--device", "rtx4090"],
      "whose model the config does not say; name it beside --from: memfit estimate unet-sdxl --from"),
     (["estimate", "--from", str(DATA / "missing.toml")], "missing.toml: no such file; give a kohya-ss sd-scripts config"),
-    (["plan", "--from", "config.json", "--device", "rtx4090"], "give an axolotl, ai-toolkit, LLaMA-Factory or torchtune config (.yml, .yaml) or a"),
+    (["plan", "--from", "config.ini", "--device", "rtx4090"], "give an axolotl, ai-toolkit, LLaMA-Factory or torchtune config (.yml, .yaml), a"),
 ])
 def test_what_cannot_be_read_is_one_line(argv, message):
     rc, _, err = run(argv)

@@ -206,7 +206,10 @@ def test_a_file_that_is_not_toml_or_not_a_config(tmp_path):
     bad.write_text("network_dim = = 4\n")
     with pytest.raises(UserError, match=r"bad.toml: not valid TOML \("):
         read_training_config(bad, CARD)
-    with pytest.raises(UserError, match=r"give an axolotl, ai-toolkit, LLaMA-Factory or torchtune config \(.yml, .yaml\) or a kohya-ss sd-scripts config \(.toml\)"):
+    with pytest.raises(UserError, match=r"give an axolotl, ai-toolkit, LLaMA-Factory or torchtune config \(.yml, .yaml\), a "
+                                         r"kohya-ss sd-scripts config \(.toml\) or a SimpleTuner config \(.json, .toml, .env\)"):
+        read_training_config(tmp_path / "config.ini", CARD)
+    with pytest.raises(UserError, match=r"config.json: no such file; give a SimpleTuner config.json"):
         read_training_config(tmp_path / "config.json", CARD)
     with pytest.raises(UserError, match=r"give a workload or --from .*, not both"):
         read_training_config(Path(__file__).resolve().parents[1] / "data" / "axolotl" / "lora-llama.yml", CARD, "gpt2")
