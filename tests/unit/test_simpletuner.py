@@ -292,3 +292,9 @@ def test_ltx2s_example_is_dit_ltx2_with_its_clip_and_swapped_blocks():
     assert "dev-fp8 loads LTX-2's fp8 checkpoint file" in _said(fp8)[0]
     later = map_config({"model_family": "ltxvideo2", "model_flavour": "2.3-dev", "model_type": "lora"}, "l.json", CARD)
     assert later.workload.startswith("dg845/LTX-2.3-Diffusers")
+
+
+def test_the_shipped_ltx2_example_reads_as_its_inline_twin():
+    c = read_config(DATA / "ltxvideo2-19b-t2v.peft-lora" / "config.json", CARD)
+    assert (c.workload, c.batch_size, c.resolution) == ("dit-ltx2:frames=41", 2, (512, 512))
+    assert (c.plan.swap_blocks, c.plan.base_weights, c.plan.bf16_update) == (45, "fp8", "kahan")
