@@ -73,12 +73,7 @@ def save_checkpoint(config: dict, folder: Path) -> None:
     meta device, its tensors given small random values on the GPU where there is one: no full
     initialisation; on the 2026-12-04 H200 machine, made on the host and written to disk, a 3B one took 117 s)."""
     import torch
-    import transformers
-    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
-    cfg.architectures = config["architectures"]
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model = model.to_empty(device="cuda" if torch.cuda.is_available() else "cpu")
+    model = meta_model(config).to_empty(device="cuda" if torch.cuda.is_available() else "cpu")
     model.tie_weights()  # (to_empty made the tied weights two tensors: the checkpoint would hold both)
     with torch.no_grad():
         for p in model.parameters():
@@ -98,15 +93,19 @@ def _fp8_config_folder(folder: str) -> str:
     return str(out)
 
 
-def save_config(config: dict, folder: Path) -> None:
-    """The config.json :func:`save_checkpoint` writes for ``config``, without weights (a model on the meta device)."""
+def meta_model(config: dict):
+    """The bf16 model of ``config`` on the meta device (no memory), as the checkpoint's is made."""
     import torch
     import transformers
     cfg = transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
     cfg.architectures = config["architectures"]
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.config.save_pretrained(folder)
+        return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+
+
+def save_config(config: dict, folder: Path) -> None:
+    """The config.json :func:`save_checkpoint` writes for ``config``, without weights."""
+    meta_model(config).config.save_pretrained(folder)
 
 
 def predictions(folder: str, batch: int, seq_len: int, where: str, fmt: str = "nf4") -> dict:

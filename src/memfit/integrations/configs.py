@@ -86,3 +86,17 @@ def reentrant_set_aside(fields: dict, where: str, tool: str) -> list[str]:
     return [f"{tool} config {where}: the reentrant checkpoint beside torch.compile or FSDP is predicted as the "
             "non-reentrant one, which memfit runs with them (the reentrant one's first input gradient, one hidden "
             "state, is left out)"]
+
+
+def read_toml(path, where: str, what: str) -> dict:
+    """The TOML file at ``path`` (a pathlib.Path); one line where it is missing (``give {what}``) or not TOML."""
+    try:
+        import tomllib
+    except ImportError:  # (Python 3.10)
+        import tomli as tomllib
+    if not path.is_file():
+        raise UserError(f"{where}: no such file; give {what}")
+    try:
+        return tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{where}: not valid TOML ({str(e).splitlines()[0]}); fix the file") from None

@@ -13,7 +13,7 @@ from pathlib import Path
 from memfit.devices import Device
 from memfit.errors import UserError
 from memfit.integrations import ai_toolkit, axolotl, kohya, llamafactory, simpletuner, torchtune
-from memfit.integrations.configs import TrainingConfig
+from memfit.integrations.configs import TrainingConfig, read_toml
 
 
 def read_training_config(path: str | Path, device: Device, workload: str | None = None) -> TrainingConfig:
@@ -58,10 +58,6 @@ def _peek_yaml(path: Path) -> object:
 def _peek_toml(path: Path) -> object:
     """The TOML's data, or None where it cannot be read (kohya's reader then says why, in one line)."""
     try:
-        import tomllib
-    except ImportError:  # (Python 3.10)
-        import tomli as tomllib
-    try:
-        return tomllib.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return read_toml(path, str(path), "a TOML file")
+    except UserError:
         return None

@@ -52,7 +52,7 @@ from pathlib import Path
 
 from memfit.devices import Device
 from memfit.errors import UserError
-from memfit.integrations.configs import TrainingConfig, whole
+from memfit.integrations.configs import TrainingConfig, read_toml, whole
 from memfit.integrations.kohya_blocks import FLUX_DOUBLE, FLUX_SINGLE, flux_blocks, network_args
 from memfit.integrations.kohya_text import caption, holder, text_encoders, text_states_cached
 from memfit.plans import Plan
@@ -111,7 +111,7 @@ BY_FILES = (("gemma2", "dit-lumina2"), ("clip_g", "dit-sd3"), ("ae", "dit-flux")
 def read_config(path: str | Path, device: Device, workload: str | None = None) -> TrainingConfig:
     """The sd-scripts config at ``path`` (see the module docstring); ``workload``: the model named beside it."""
     p = Path(path)
-    data = _toml(p, f"--from {path}", "a kohya-ss sd-scripts config (.toml)")
+    data = read_toml(p, f"--from {path}", "a kohya-ss sd-scripts config (.toml)")
     return map_config(data, str(path), device, workload, base=p.parent)
 
 
@@ -249,19 +249,6 @@ def _swapped(n: int, where: str, warnings: list[str]) -> int:
     return last
 
 
-def _toml(path: Path, where: str, what: str) -> dict:
-    try:
-        import tomllib
-    except ImportError:  # (Python 3.10)
-        import tomli as tomllib
-    if not path.is_file():
-        raise UserError(f"{where}: no such file; give {what}")
-    try:
-        return tomllib.loads(path.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{where}: not valid TOML ({str(e).splitlines()[0]}); fix the file") from None
-
-
 def _model(data: dict, where: str) -> str:
     """The workload of ``pretrained_model_name_or_path``: a diffusers repository as it is named; a checkpoint
     file by the files beside it (:data:`BY_FILES`)."""
@@ -298,7 +285,7 @@ def _dataset(data: dict, where: str, base: Path | None) -> tuple[int, int | tupl
     if not path.is_file():
         return batch, resolution, [f"kohya config {where}: dataset_config {name} not found; the training config's "
                                    "train_batch_size and resolution are used"]
-    sets = _toml(path, f"--from {where}: dataset_config {name}", "a dataset config (.toml)")
+    sets = read_toml(path, f"--from {where}: dataset_config {name}", "a dataset config (.toml)")
     general = sets.get("general", {}) if isinstance(sets.get("general"), dict) else {}
     found = []
     entries = sets.get("datasets") or [{}]

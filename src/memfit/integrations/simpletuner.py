@@ -38,7 +38,7 @@ from memfit.devices import Device
 from memfit.errors import UserError, parse_problem
 from memfit.integrations import simpletuner_data as data_files
 from memfit.integrations import simpletuner_models as models
-from memfit.integrations.configs import TrainingConfig
+from memfit.integrations.configs import TrainingConfig, read_toml
 from memfit.plans import Plan
 from memfit.workloads.config_overrides import with_override
 
@@ -109,14 +109,7 @@ def read_config(path: str | Path, device: Device, workload: str | None = None) -
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"--from {path}: cannot read it ({e}); check the file") from None
     if p.suffix.lower() == ".toml":
-        try:
-            import tomllib
-        except ImportError:  # (Python 3.10)
-            import tomli as tomllib
-        try:
-            loaded = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
-            raise UserError(f"--from {path}: not valid TOML ({str(e).splitlines()[0]}); fix the file") from None
+        loaded = read_toml(p, f"--from {path}", "a SimpleTuner config.json, config.toml or config.env")
     elif p.suffix.lower() == ".env":
         loaded = env_arguments(text)
     else:
